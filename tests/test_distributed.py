@@ -1,0 +1,131 @@
+"""Two processes under torch.distributed (gloo): DDP-wrapped encoders end with the global-batch gradient."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+from transformers import BertTokenizerFast
+
+from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
+from dpr_gc.functional import cached, cat_input_tensor, gather_input_tensor
+from dpr_gc.grad_cache import split_input, take_rows
+from dpr_gc.model import Retriever, RetrieverConfig
+from tests.conftest import tiny_bert, write_vocab
+from tests.test_grad_cache import grads, make_batch, rel_err
+
+WORLD = 2
+N_HARD = 1
+LOCAL_QUERIES = 4
+
+
+def local_rows(batch: dict, rank: int, per_rank: int) -> dict:
+    return take_rows(batch, torch.arange(rank * per_rank, (rank + 1) * per_rank))
+
+
+def counting_hook(counter: list):
+    def hook(state, bucket):
+        counter.append(1)
+        fut = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+    return hook
+
+
+def worker(rank: int, tmp: str, shared: bool, learn_t: bool) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
+        tokenizer = BertTokenizerFast(vocab=str(Path(tmp) / "vocab.txt"))
+        config = RetrieverConfig(shared_encoder=shared, pooling="mean")
+        retriever = Retriever(tiny_bert(len(tokenizer)), None if shared else tiny_bert(len(tokenizer), 1),
+                              tokenizer, config)
+        towers = [retriever.query_encoder, retriever.passage_encoder]
+        q, p = make_batch(retriever, WORLD * LOCAL_QUERIES, N_HARD, seed=21)
+
+        # Reference: one process, the whole global batch, one graph.
+        ref_loss = SimpleContrastiveLoss(N_HARD, temperature=0.3, learn_temperature=learn_t, symmetric=learn_t)
+        ref_loss(towers[0](**q), towers[1](**p)).backward()
+        expected = grads(towers)
+        expected_t = ref_loss.log_temperature.grad.clone() if learn_t else None
+        retriever.zero_grad(set_to_none=True)
+
+        ddp = [DistributedDataParallel(t) for t in dict.fromkeys(towers)]
+        models = [ddp[0], ddp[0]] if shared else ddp
+        calls: list = []
+        for d in ddp:
+            d.register_comm_hook(None, counting_hook(calls))
+
+        # How many all-reduce calls one synced backward of each DDP module makes.
+        for d, batch in zip(ddp, (q, p)):
+            d(**local_rows(batch, rank, 2)).sum().backward()
+        per_sync = len(calls) / len(ddp)
+        calls.clear()
+        retriever.zero_grad(set_to_none=True)
+
+        loss_fn = DistributedContrastiveLoss(N_HARD, temperature=0.3, learn_temperature=learn_t, symmetric=learn_t)
+        q_local = local_rows(q, rank, LOCAL_QUERIES)
+        p_local = local_rows(p, rank, LOCAL_QUERIES * (1 + N_HARD))
+        GradCache(models, 3, loss_fn)(q_local, p_local, no_sync_except_last=True)
+
+        assert rel_err(grads(towers), expected) < 1e-5, rel_err(grads(towers), expected)
+        assert len(calls) == per_sync * len(models), (len(calls), per_sync)
+        if learn_t:
+            assert torch.allclose(loss_fn.log_temperature.grad, expected_t, rtol=1e-4, atol=1e-7)
+
+        # The functional decorators with gather_input_tensor give the same gradient (a global-mean loss).
+        retriever.zero_grad(set_to_none=True)
+        plain = SimpleContrastiveLoss(N_HARD, temperature=0.3)
+
+        @cached
+        def encode(model, batch):
+            return model(**batch)
+
+        @cat_input_tensor
+        @gather_input_tensor
+        def global_loss(x, y):
+            return plain(x, y)
+
+        def concat(xs):
+            return torch.cat(xs)
+
+        caches = [(models[0], [encode(models[0], c) for c in split_input(q_local, 3)]),
+                  (models[1], [encode(models[1], c) for c in split_input(p_local, 3)])]
+        loss = global_loss(concat([r for r, _ in caches[0][1]]), concat([r for r, _ in caches[1][1]]))
+        loss.backward()
+        for model, entries in caches:
+            for i, (rep, closure) in enumerate(entries):
+                context = model.no_sync() if i < len(entries) - 1 else torch.enable_grad()
+                with context:
+                    closure(rep)
+        if not learn_t:
+            assert rel_err(grads(towers), expected) < 1e-5
+        dist.barrier()
+    except Exception:
+        Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shared,learn_t", [(True, True), (False, False)])
+def test_ddp_cached_step_matches_global_batch(tmp_path, shared, learn_t):
+    write_vocab(tmp_path / "vocab.txt")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.spawn(worker, args=(str(tmp_path), shared, learn_t), nprocs=WORLD, join=True)
+    except Exception:
+        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
+        pytest.fail(f"a rank failed:\n{errors}")
+
+
+def test_distributed_loss_needs_a_process_group():
+    from dpr_gc.errors import DprGcError
+
+    with pytest.raises(DprGcError, match="init_process_group"):
+        DistributedContrastiveLoss()

@@ -1,0 +1,310 @@
+"""Tests for dpr_gc.evaluate: DPR answer matching, top-k accuracy, qrels metrics against pytrec_eval, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from dpr_gc import evaluate as ev
+from dpr_gc.errors import DprGcError
+
+SCIFACT = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "scifact"
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+def test_tokenizer_matches_unicode_property_reference():
+    """Our stdlib-only classes equal [\\p{L}\\p{N}\\p{M}]+ | [^\\p{Z}\\p{C}] from the `regex` package."""
+    regex = pytest.importorskip("regex")
+    reference = regex.compile(r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])")
+    rng = random.Random(0)
+    alphabet = "aZé9_-.,'\"%$ \t\n\u00a0\u200b\u0301\u2014日本Ω½²٣€🙂\u2028"
+    for _ in range(300):
+        text = ev.normalize("".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))))
+        assert ev.tokenize(text, uncased=False) == [m.group() for m in reference.finditer(text)], repr(text)
+
+
+def test_tokenize_examples():
+    assert ev.tokenize("The U.S. Army's 3.5% (e.g.)") == [
+        "the", "u", ".", "s", ".", "army", "'", "s", "3", ".", "5", "%", "(", "e", ".", "g", ".", ")"]
+    assert ev.tokenize(ev.normalize("Café")) == ["cafe\u0301"]
+
+
+# ------------------------------------------------------------------------------------------------ answer matching
+@pytest.mark.parametrize(
+    "answers, text, expected",
+    [
+        (["Paris"], "The capital is paris.", True),  # uncased
+        (["art"], "She is an artist.", False),  # partial token
+        (["artist"], "She is an art student.", False),
+        (["New York City"], "in new york city today", True),  # multi-token run
+        (["New York City"], "in new york, city today", False),  # a comma breaks the run
+        (["U.S."], "served in the U.S. army", True),
+        (["U.S."], "served in the US army", False),
+        (["US"], "served in the U.S. army", False),
+        (["U.S."], "the U.S", False),  # answer longer than what the passage holds
+        (["a much longer answer than the passage"], "short", False),
+        (["short text"], "short", False),
+        (["café"], "Le Café de Flore", True),  # accents: NFD on both sides
+        (["Cafe\u0301"], "le caf\u00e9", True),  # decomposed answer vs composed text
+        (["cafe"], "Le Café de Flore", False),  # NFD keeps the combining mark inside the token
+        (["café"], "cafe", False),
+        (["Zürich"], "ZÜRICH!", True),
+        (["1,000"], "about 1,000 people", True),
+        (["1000"], "about 1,000 people", False),
+        ([], "anything", False),
+        ([""], "anything", False),  # an answer without tokens never matches
+        (["  "], "anything", False),
+        (["x", "people"], "about 1,000 people", True),  # any answer suffices
+        (["people"], "", False),
+    ],
+)
+def test_has_answer_string(answers, text, expected):
+    assert ev.has_answer(answers, text, "string") is expected
+
+
+@pytest.mark.parametrize(
+    "patterns, text, expected",
+    [
+        ([r"\bgeorge\s+washington\b"], "President George  Washington", True),
+        ([r"^line two$"], "line one\nLine Two\nline three", True),  # MULTILINE + IGNORECASE
+        ([r"art\b"], "an artist", False),
+        ([r"[0-9]{4}"], "in 1999.", True),
+        ([r"cafe"], "Café", True),  # text is NFD, so the base letters are searchable
+        (["café"], "Café", False),  # the pattern is used as given (not normalized), as in DPR
+        ([""], "anything", False),
+        ([], "anything", False),
+    ],
+)
+def test_has_answer_regex(patterns, text, expected):
+    assert ev.has_answer(patterns, text, "regex") is expected
+
+
+def test_invalid_regex_and_mode_errors():
+    with pytest.raises(DprGcError, match=r"invalid answer regex '\(unclosed'"):
+        ev.has_answer(["(unclosed"], "text", "regex")
+    with pytest.raises(DprGcError, match="unknown match mode 'fuzzy'"):
+        ev.has_answer(["a"], "a", "fuzzy")
+
+
+# ------------------------------------------------------------------------------------------------ top-k accuracy
+def test_top_k_accuracy():
+    hits = [[False, True, False], [True], [False, False, False], []]
+    assert ev.top_k_accuracy(hits, [5, 1, 2, 2]) == {1: 0.25, 2: 0.5, 5: 0.5}
+    with pytest.raises(DprGcError, match="positive integers"):
+        ev.top_k_accuracy(hits, [0, 5])
+    with pytest.raises(DprGcError, match="positive integers"):
+        ev.top_k_accuracy(hits, [])
+    with pytest.raises(DprGcError, match="no questions"):
+        ev.top_k_accuracy([], [1])
+
+
+def _results():
+    return [
+        {"id": "q1", "question": "capital of france?", "answers": ["Paris"],
+         "ctxs": [{"id": "d1", "title": "Paris", "text": "Lyon is big.", "score": "9.5", "has_answer": True},
+                  {"id": "d2", "title": "x", "text": "Paris, France.", "score": "8", "has_answer": False}]},
+        {"id": "q2", "question": "who painted it?", "answers": ["Monet", "Claude Monet"],
+         "ctxs": [{"id": "d3", "title": "y", "text": "claude monet did.", "score": 3.0, "has_answer": True},
+                  {"id": "d1", "title": "z", "text": "a monetary policy", "score": 1.0, "has_answer": False}]},
+    ]
+
+
+def test_evaluate_answers_recompute_vs_stored():
+    results = _results()
+    # recomputed from text: q1 hits at rank 2 (the title "Paris" is not searched), q2 at rank 1
+    assert ev.evaluate_answers(results, [1, 2], "string") == {"Accuracy@1": 0.5, "Accuracy@2": 1.0}
+    # stored flags say q1 hits at rank 1
+    assert ev.evaluate_answers(results, [1, 2], None) == {"Accuracy@1": 1.0, "Accuracy@2": 1.0}
+    del results[0]["ctxs"][0]["has_answer"]
+    with pytest.raises(DprGcError, match="question 0, ctx 0: missing boolean 'has_answer'"):
+        ev.evaluate_answers(results, [1], None)
+    del results[1]["ctxs"][1]["text"]
+    with pytest.raises(DprGcError, match="question 1, ctx 1: missing passage 'text'"):
+        ev.evaluate_answers(results, [1], "string")
+    with pytest.raises(DprGcError, match="question 0: expected an object"):
+        ev.evaluate_answers([{"answers": []}], [1], "string")
+
+
+def test_run_from_results():
+    run = ev.run_from_results(_results())
+    assert run == {"q1": {"d1": 9.5, "d2": 8.0}, "q2": {"d3": 3.0, "d1": 1.0}}
+    bad = _results()
+    del bad[1]["id"]
+    with pytest.raises(DprGcError, match="question 1 has no 'id'"):
+        ev.run_from_results(bad)
+    bad = _results()
+    bad[0]["ctxs"][1]["score"] = "high"
+    with pytest.raises(DprGcError, match="question 0, ctx 1: score 'high'"):
+        ev.run_from_results(bad)
+
+
+# ------------------------------------------------------------------------------------------------ qrels metrics
+def _random_case(seed: int):
+    rng = random.Random(seed)
+    docs = [f"d{i}" for i in range(40)]
+    qrels, run = {}, {}
+    for q in range(25):
+        qid = f"q{q}"
+        judged = rng.sample(docs, rng.randint(1, 8))
+        qrels[qid] = {d: rng.choice([0, 0, 1, 2, 3]) for d in judged}
+        if q % 7 == 3:
+            continue  # judged but missing from the run
+        # scores from a small set so ties are frequent and trec_eval's docid tie-break matters
+        run[qid] = {d: float(rng.randint(0, 6)) / 2 for d in rng.sample(docs, rng.randint(0, 30))}
+    run["unjudged"] = {"d1": 1.0}
+    return run, qrels
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_qrels_metrics_equal_pytrec_eval(seed):
+    pytrec_eval = pytest.importorskip("pytrec_eval")
+    run, qrels = _random_case(seed)
+    ks = [1, 3, 5, 10, 20, 100]
+    measures = {f"recall.{','.join(map(str, ks))}", f"ndcg_cut.{','.join(map(str, ks))}",
+                f"map_cut.{','.join(map(str, ks))}"}
+    ref = pytrec_eval.RelevanceEvaluator(qrels, measures).evaluate(run)
+    # MRR@10 = recip_rank on each query's trec_eval-ordered top 10
+    top10 = {q: {d: s for d, s in scores.items() if d in ev.rank_documents(scores)[:10]} for q, scores in run.items()}
+    rr = pytrec_eval.RelevanceEvaluator(qrels, {"recip_rank"}).evaluate(top10)
+    totals = {}
+    for qid, judged in qrels.items():
+        mine = ev.query_metrics(run.get(qid, {}), judged, ks)
+        theirs = ref.get(qid)
+        for k in ks:
+            expected = {"Recall": theirs[f"recall_{k}"] if theirs else 0.0,
+                        "nDCG": theirs[f"ndcg_cut_{k}"] if theirs else 0.0,
+                        "MAP": theirs[f"map_cut_{k}"] if theirs else 0.0,
+                        "Accuracy": float(theirs[f"recall_{k}"] > 0) if theirs else 0.0}
+            for name, value in expected.items():
+                assert abs(mine[f"{name}@{k}"] - value) < 1e-9, (qid, name, k)
+                totals[f"{name}@{k}"] = totals.get(f"{name}@{k}", 0.0) + value
+        expected_rr = rr[qid]["recip_rank"] if qid in rr else 0.0
+        assert abs(mine["MRR@10"] - expected_rr) < 1e-9, qid
+        totals["MRR@10"] = totals.get("MRR@10", 0.0) + expected_rr
+    means = ev.qrels_metrics(run, qrels, ks)
+    assert set(means) == set(totals)
+    for name, total in totals.items():
+        assert abs(means[name] - total / len(qrels)) < 1e-9, name
+
+
+def test_qrels_metrics_hand_computed_and_missing_queries():
+    qrels = {"a": {"x": 2, "y": 1, "z": 0}, "b": {"w": 1}}
+    run = {"a": {"z": 3.0, "y": 2.0, "x": 2.0, "n": 1.0}}  # ties: y before x (docid descending)
+    m = ev.qrels_metrics(run, qrels, [2])
+    # query a: ranks z(0) y(1) x(2) -> top 2 holds y only; b is missing and counts as 0
+    assert m["Recall@2"] == pytest.approx(0.5 / 2)
+    assert m["MRR@10"] == pytest.approx(0.5 / 2)
+    assert m["Accuracy@2"] == pytest.approx(0.5)
+    assert m["MAP@2"] == pytest.approx((0.5 / 2) / 2)
+    assert list(m)[:2] == ["Recall@2", "nDCG@2"] and "nDCG@10" in m
+    with pytest.raises(DprGcError, match="qrels are empty"):
+        ev.qrels_metrics(run, {}, [1])
+
+
+# ------------------------------------------------------------------------------------------------ file readers
+def test_read_qrels_formats(tmp_path):
+    beir = tmp_path / "test.tsv"
+    beir.write_text("query-id\tcorpus-id\tscore\nq1\td 1\t1\nq1\td2\t2\nq2\td3\t0\n")
+    assert ev.read_qrels(beir) == {"q1": {"d 1": 1, "d2": 2}, "q2": {"d3": 0}}
+    trec = tmp_path / "qrels.txt"
+    trec.write_text("q1 0 d1 1\nq1 0 d2 0\n\nq2 Q0 d3 2.0\n")
+    assert ev.read_qrels(trec) == {"q1": {"d1": 1, "d2": 0}, "q2": {"d3": 2}}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("query-id\tcorpus-id\tscore\nq1\td1\n", r"bad\.tsv:2: expected 'query-id corpus-id score'"),
+        ("q1\td1\thigh\n", r"bad\.tsv:1: relevance 'high' is not an integer"),
+        ("q1\td1\t1.5\n", r"bad\.tsv:1: relevance '1.5'"),
+        ("q1\td1\t1\nq1\td1\t2\n", r"bad\.tsv:2: conflicting relevance"),
+        ("query-id\tcorpus-id\tscore\n", r"no relevance judgments"),
+    ],
+)
+def test_read_qrels_errors(tmp_path, content, message):
+    path = tmp_path / "bad.tsv"
+    path.write_text(content)
+    with pytest.raises(DprGcError, match=message):
+        ev.read_qrels(path)
+
+
+def test_read_run_and_errors(tmp_path):
+    path = tmp_path / "run.trec"
+    path.write_text("q1 Q0 d1 1 2.5 bm25\nq1 Q0 d2 2 -1e-3 bm25\nq2 Q0 d1 1 7 bm25\n")
+    assert ev.read_run(path) == {"q1": {"d1": 2.5, "d2": -0.001}, "q2": {"d1": 7.0}}
+    for content, message in [
+        ("q1 Q0 d1 1 2.5\n", r"run\.trec:1: expected 6 fields"),
+        ("q1 Q0 d1 1 2.5 t\nq1 Q0 d2 one 2.5 t\n", r"run\.trec:2: rank 'one'"),
+        ("q1 Q0 d1 1 nan t\n", r"run\.trec:1: score 'nan' is not finite"),
+        ("q1 Q0 d1 1 1 t\nq1 Q0 d1 2 0.5 t\n", r"run\.trec:2: document 'd1' listed twice"),
+        ("\n", "run is empty"),
+    ]:
+        path.write_text(content)
+        with pytest.raises(DprGcError, match=message):
+            ev.read_run(path)
+    with pytest.raises(DprGcError, match="not found"):
+        ev.read_run(tmp_path / "missing.trec")
+    with pytest.raises(DprGcError, match="not found"):
+        ev.read_qrels(tmp_path / "missing.tsv")
+    with pytest.raises(DprGcError, match="not found"):
+        ev.read_results(tmp_path / "missing.json")
+
+
+# ------------------------------------------------------------------------------------------------ reporting & CLI
+def test_format_table():
+    table = ev.format_table({"Recall@1": 0.5, "Recall@10": 0.75, "MRR@10": 1 / 3})
+    assert table.splitlines() == ["| metric | @1 | @10 |", "|---|---|---|",
+                                  "| Recall | 0.5000 | 0.7500 |", "| MRR |  | 0.3333 |"]
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    ev.add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(_results()))
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\nq1\td2\t1\nq2\td1\t1\n")
+    out, plot = tmp_path / "out" / "metrics.json", tmp_path / "curve.png"
+    _cli(["evaluate", "--results", str(results), "--qrels", str(qrels), "--k", "1", "2",
+          "--output", str(out), "--plot", str(plot)])
+    report = json.loads(out.read_text())
+    assert report["k"] == [1, 2]
+    assert report["answers"]["metrics"] == {"Accuracy@1": 0.5, "Accuracy@2": 1.0}
+    assert report["qrels"]["metrics"]["Recall@1"] == 0.0 and report["qrels"]["metrics"]["Recall@2"] == 1.0
+    assert report["qrels"]["metrics"]["MRR@10"] == 0.5
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "| Accuracy | 0.5000 | 1.0000 |" in printed and "| Recall | 0.0000 | 1.0000 |" in printed
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+    run = tmp_path / "run.trec"
+    run.write_text("q1 Q0 d2 1 1.0 t\n")
+    _cli(["evaluate", "--run", str(run), "--qrels", str(qrels), "--k", "1", "--output", str(out)])
+    assert json.loads(out.read_text())["qrels"]["metrics"]["Recall@1"] == 0.5  # q2 missing counts as 0
+    with pytest.raises(DprGcError, match="--run needs --qrels"):
+        _cli(["evaluate", "--run", str(run)])
+    with pytest.raises(DprGcError, match="give --results"):
+        _cli(["evaluate", "--qrels", str(qrels)])
+    with pytest.raises(SystemExit):
+        _cli(["evaluate", "--results", str(results), "--match", "fuzzy"])
+    results.write_text("{not json")
+    with pytest.raises(DprGcError, match=r"results\.json:1: invalid JSON"):
+        _cli(["evaluate", "--results", str(results)])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SCIFACT / "qrels" / "test.tsv").is_file(), reason="SciFact data not available")
+def test_scifact_qrels_perfect_run_scores_one():
+    qrels = ev.read_qrels(SCIFACT / "qrels" / "test.tsv")
+    assert len(qrels) == 300
+    run = {q: {d: float(rel) for d, rel in judged.items()} for q, judged in qrels.items()}
+    metrics = ev.qrels_metrics(run, qrels, [10, 100])
+    assert metrics["nDCG@10"] == pytest.approx(1.0) and metrics["Recall@100"] == pytest.approx(1.0)

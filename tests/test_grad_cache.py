@@ -1,0 +1,262 @@
+"""Gradient Cache engine: parameter gradients after a cached step equal those of one full-batch pass."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc.errors import DprGcError
+from dpr_gc.functional import cat_input_tensor, cached
+from dpr_gc.grad_cache import split_input, trim_padding
+from dpr_gc.model import enable_gradient_checkpointing
+from tests.conftest import WORDS
+
+
+def random_texts(n: int, seed: int, lo: int = 2, hi: int = 20) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+def make_batch(retriever, n_queries: int, n_hard: int, seed: int = 0):
+    q = retriever.tokenize_queries(random_texts(n_queries, seed, 2, 12))
+    n_p = n_queries * (1 + n_hard)
+    p = retriever.tokenize_passages(random_texts(n_p, seed + 1, 1, 3), random_texts(n_p, seed + 2, 3, 40))
+    return dict(q), dict(p)
+
+
+def models_of(retriever):
+    return [retriever.query_encoder, retriever.passage_encoder]
+
+
+def grads(modules) -> torch.Tensor:
+    params = {id(p): p for m in modules for p in m.parameters()}.values()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def zero(modules) -> None:
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def reference_grads(modules, loss_fn, q, p) -> torch.Tensor:
+    zero(modules)
+    loss_fn(modules[0](**q), modules[1](**p)).backward()
+    return grads(modules)
+
+
+CASES = [
+    # shared, n_hard, chunk, similarity, learn_temperature, loss_chunk_size
+    (True, 0, 4, "dot", False, None),
+    (True, 2, 3, "dot", False, None),
+    (False, 0, 3, "cos", False, None),
+    (False, 1, 4, "dot", True, None),
+    (True, 1, 5, "cos", True, 0),
+    (True, 3, 2, "dot", False, 3),
+    (False, 2, 8, "cos", False, 1),
+    (True, 1, 3, "dot", True, 2),
+]
+
+
+@pytest.mark.parametrize("shared,n_hard,chunk,similarity,learn_t,loss_chunk", CASES)
+@pytest.mark.parametrize("keep_last_graph", [True, False])
+def test_cached_step_equals_full_batch(make_retriever, shared, n_hard, chunk, similarity, learn_t, loss_chunk, keep_last_graph):
+    retriever = make_retriever(shared=shared)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(n_hard, temperature=0.2, learn_temperature=learn_t, similarity=similarity,
+                                    loss_chunk_size=loss_chunk)
+    q, p = make_batch(retriever, 8, n_hard)
+    ref_loss = loss_fn(modules[0](**q), modules[1](**p)).detach()
+    expected = reference_grads(modules, loss_fn, q, p)
+    expected_t = loss_fn.log_temperature.grad.clone() if learn_t else None
+    zero(modules + [loss_fn])
+
+    gc = GradCache(modules, chunk, loss_fn, keep_last_graph=keep_last_graph)
+    loss = gc(q, p)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert not loss.requires_grad
+    assert rel_err(grads(modules), expected) < 1e-5
+    if learn_t:
+        assert torch.allclose(loss_fn.log_temperature.grad, expected_t, rtol=1e-4, atol=1e-7)
+
+
+def test_separate_chunk_sizes_sorting_and_symmetric_loss(make_retriever):
+    retriever = make_retriever(shared=False)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, symmetric=True, temperature=0.5)
+    q, p = make_batch(retriever, 10, 1, seed=3)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    GradCache(modules, [3, 7], loss_fn, sort_by_length=True)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+
+
+def test_temperature_inside_the_model_is_trained_exactly(make_retriever):
+    """The trainer's path: one module for both towers, a learnable temperature applied in its forward."""
+    retriever = make_retriever(shared=True, learn_temperature=True, temperature=0.1)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 6, 1, seed=4)
+    q_in, p_in = dict(q, kind="query"), dict(p, kind="passage")
+    retriever.zero_grad()
+    loss_fn(retriever(**q_in), retriever(**p_in)).backward()
+    expected = grads([retriever])
+    assert retriever.log_temperature.grad is not None and retriever.log_temperature.grad.abs() > 0
+    retriever.zero_grad()
+    GradCache([retriever, retriever], 4, loss_fn)(q_in, p_in)
+    assert rel_err(grads([retriever]), expected) < 1e-5
+
+
+def test_dropout_is_replayed(make_retriever):
+    retriever = make_retriever(shared=False, dropout=0.2)
+    retriever.train()
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 8, 1, seed=5)
+    chunk = 3
+
+    torch.manual_seed(123)
+    reps = [torch.cat([m(**trim_padding(c)) for c in split_input(x, chunk)]) for m, x in zip(modules, (q, p))]
+    zero(modules)
+    loss_fn(*reps).backward()
+    expected = grads(modules)
+
+    for keep in (True, False):
+        zero(modules)
+        torch.manual_seed(123)
+        GradCache(modules, chunk, loss_fn, keep_last_graph=keep)(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
+
+    zero(modules)
+    torch.manual_seed(999)
+    GradCache(modules, chunk, loss_fn)(q, p)
+    assert rel_err(grads(modules), expected) > 1e-3, "a different dropout mask must give a different gradient"
+
+
+def test_gradient_checkpointing_composes(make_retriever):
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 6, 1, seed=6)
+    expected = reference_grads(modules, loss_fn, q, p)
+    enable_gradient_checkpointing(retriever)
+    assert retriever.query_encoder.transformer.is_gradient_checkpointing
+    retriever.train()
+    zero(modules)
+    GradCache(modules, 4, loss_fn)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+
+
+def test_bf16_close_to_fp32_and_finite(make_retriever):
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, learn_temperature=True, temperature=0.05)
+    q, p = make_batch(retriever, 8, 1, seed=7)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules + [loss_fn])
+    loss = GradCache(modules, 3, loss_fn, bf16=True)(q, p)
+    got = grads(modules)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, expected) < 0.1
+
+
+def test_fp16_with_grad_scaler(make_retriever):
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 8, 1, seed=8)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    GradCache(modules, 3, loss_fn, fp16=True, scaler=scaler)(q, p)
+    got = grads(modules) / scaler.get_scale()
+    assert torch.isfinite(got).all()
+    assert rel_err(got, expected) < 0.1
+
+
+def test_plain_tensor_inputs_and_get_rep_fn():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    x, y = torch.randn(6, 5), torch.randn(12, 5)
+    loss_fn = SimpleContrastiveLoss(1)
+    loss_fn(net(x), net(y)).backward()
+    expected = grads([net])
+    net.zero_grad()
+    GradCache([net, net], [4, 5], loss_fn, get_rep_fn=lambda out: out * 2 / 2)(x, y)
+    assert rel_err(grads([net]), expected) < 1e-5
+
+
+def test_functional_decorators_match_the_class(make_retriever):
+    retriever = make_retriever(shared=False, dropout=0.1)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 8, 1, seed=9)
+    torch.manual_seed(7)
+    GradCache(modules, 4, loss_fn, keep_last_graph=False, trim=False)(q, p)
+    expected = grads(modules)
+    zero(modules)
+
+    @cached
+    def encode(model, input_ids, attention_mask, token_type_ids):
+        return model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+
+    @cat_input_tensor
+    def contrastive(x, y=None):
+        return loss_fn(x, y)
+
+    torch.manual_seed(7)
+    q_cache = [encode(modules[0], **c) for c in split_input(q, 4)]
+    p_cache = [encode(modules[1], **c) for c in split_input(p, 4)]
+    contrastive([r for r, _ in q_cache], y=[r for r, _ in p_cache]).backward()
+    for rep, closure in q_cache + p_cache:
+        closure(rep)
+    assert rel_err(grads(modules), expected) < 1e-5
+
+
+def test_clear_errors(make_retriever):
+    retriever = make_retriever()
+    modules = models_of(retriever)
+    with pytest.raises(DprGcError, match="chunk size"):
+        GradCache(modules, 0, SimpleContrastiveLoss())
+    with pytest.raises(DprGcError, match="chunk size"):
+        GradCache(modules, [4, -1], SimpleContrastiveLoss())
+    q, p = make_batch(retriever, 4, 0)
+    with pytest.raises(DprGcError, match="need 8 passages"):
+        GradCache(modules, 2, SimpleContrastiveLoss(n_hard_negatives=1))(q, p)
+    with pytest.raises(DprGcError, match="not a tensor"):
+        GradCache(modules, 2, SimpleContrastiveLoss(), get_rep_fn=lambda out: {"rep": out})(q, p)
+    with pytest.raises(DprGcError, match="DistributedDataParallel"):
+        GradCache(modules, 2, SimpleContrastiveLoss())(q, p, no_sync_except_last=True)
+    with pytest.raises(DprGcError, match="GradScaler"):
+        GradCache(modules, 2, SimpleContrastiveLoss(), fp16=True)
+
+
+def test_trim_padding_only_cuts_right_padding():
+    batch = {"input_ids": torch.tensor([[5, 6, 0, 0], [5, 0, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])}
+    trimmed = trim_padding(batch)
+    assert trimmed["input_ids"].shape == (2, 2)
+    left = {"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]])}
+    assert trim_padding(left)["input_ids"].shape == (1, 3)
+
+
+def test_exact_in_float64_with_sdpa_attention(tiny_tokenizer):
+    """In float64 the cached gradient equals the full-batch one to rounding, whatever the attention kernel."""
+    from dpr_gc.model import Retriever, RetrieverConfig
+    from tests.conftest import tiny_bert
+
+    retriever = Retriever(tiny_bert(len(tiny_tokenizer), attn="sdpa"), tiny_bert(len(tiny_tokenizer), 1, attn="sdpa"),
+                          tiny_tokenizer, RetrieverConfig(shared_encoder=False)).double()
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(2, temperature=0.1, loss_chunk_size=0)
+    q, p = make_batch(retriever, 8, 2, seed=11)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    GradCache(modules, 3, loss_fn, sort_by_length=True)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-10

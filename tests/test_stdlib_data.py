@@ -1,0 +1,192 @@
+"""Tests for the stdlib dataset builder: leak-free passages, valid formats, module-disjoint splits, determinism."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from dpr_gc import stdlib_data
+from dpr_gc.errors import DprGcError
+from dpr_gc.stdlib_data import add_cli, build_stdlib_dataset, collect_definitions, is_informative, split_docstring
+
+N = 80
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _qrels(path: Path) -> list[tuple[str, str, str]]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert lines[0] == "query-id\tcorpus-id\tscore"
+    return [tuple(line.split("\t")) for line in lines[1:]]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("stdlib")
+    return out, build_stdlib_dataset(out, max_examples=N, seed=3)
+
+
+def test_manifest_counts_match_files(built: tuple[Path, dict]) -> None:
+    out, manifest = built
+    counts = manifest["counts"]
+    assert sum(counts[f"{s}_queries"] for s in ("train", "dev", "test")) == N
+    assert all(counts[f"{s}_queries"] > 0 for s in ("train", "dev", "test"))
+    assert len(_jsonl(out / "corpus.jsonl")) == counts["corpus_passages"] > N
+    assert len(_jsonl(out / "queries.jsonl")) == N
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert all((out / rel).is_file() for rel in manifest["files"].values())
+
+
+def test_summary_never_in_gold_passage_and_answer_is(built: tuple[Path, dict]) -> None:
+    out, _ = built
+    corpus = {d["_id"]: d for d in _jsonl(out / "corpus.jsonl")}
+    queries = {q["_id"]: q["text"] for q in _jsonl(out / "queries.jsonl")}
+    for split in ("train", "dev", "test"):
+        for qid, pid, score in _qrels(out / "qrels" / f"{split}.tsv"):
+            assert score == "1"
+            assert _norm(queries[qid]) not in _norm(corpus[pid]["text"])
+            assert pid.rsplit(".", 1)[1].lower() in corpus[pid]["text"].lower()
+            assert len(corpus[pid]["text"].split()) <= 200 and corpus[pid]["title"] == pid
+
+
+def test_qrels_resolve_and_splits_disjoint(built: tuple[Path, dict]) -> None:
+    out, _ = built
+    corpus_ids = {d["_id"] for d in _jsonl(out / "corpus.jsonl")}
+    queries = {q["_id"]: q["text"] for q in _jsonl(out / "queries.jsonl")}
+    packages, qids, texts = {}, {}, {}
+    for split in ("train", "dev", "test"):
+        rows = _qrels(out / "qrels" / f"{split}.tsv")
+        assert rows and all(pid in corpus_ids and qid in queries for qid, pid, _ in rows)
+        packages[split] = {pid.split(".")[0] for _, pid, _ in rows}
+        qids[split] = {qid for qid, _, _ in rows}
+        texts[split] = {_norm(queries[qid]) for qid in qids[split]}
+    for a, b in (("train", "dev"), ("train", "test"), ("dev", "test")):
+        assert not packages[a] & packages[b], "a package (hence a module) straddles splits"
+        assert not qids[a] & qids[b] and not texts[a] & texts[b]
+    all_texts = [_norm(t) for t in queries.values()]
+    assert len(set(all_texts)) == len(all_texts), "duplicate queries"
+
+
+def test_dpr_files_match_qrels(built: tuple[Path, dict]) -> None:
+    out, _ = built
+    by_text = {q["text"]: q["_id"] for q in _jsonl(out / "queries.jsonl")}
+    corpus = {d["_id"]: d for d in _jsonl(out / "corpus.jsonl")}
+    for split in ("train", "dev"):
+        gold = {qid: pid for qid, pid, _ in _qrels(out / "qrels" / f"{split}.tsv")}
+        records = json.loads((out / f"dpr_{split}.json").read_text(encoding="utf-8"))
+        assert len(records) == len(gold)
+        for r in records:
+            pos = r["positive_ctxs"]
+            assert len(pos) == 1 and gold[by_text[r["question"]]] == pos[0]["passage_id"]
+            assert pos[0]["text"] == corpus[pos[0]["passage_id"]]["text"]
+            assert r["answers"] == [pos[0]["passage_id"].rsplit(".", 1)[1]]
+            negs = r["hard_negative_ctxs"] + r["negative_ctxs"]
+            assert r["hard_negative_ctxs"] and r["negative_ctxs"]
+            assert all(n["passage_id"] in corpus and n["passage_id"] != pos[0]["passage_id"] for n in negs)
+            assert all(r["answers"][0].lower() not in n["text"].lower() for n in negs)
+
+
+def test_test_qa_tsv_and_passages_tsv_parse(built: tuple[Path, dict]) -> None:
+    out, _ = built
+    with open(out / "test_qa.tsv", encoding="utf-8", newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t"))
+    tq = _jsonl(out / "test_queries.jsonl")
+    assert len(rows) == len(tq) == len(_qrels(out / "qrels" / "test.tsv"))
+    for (question, answers), q in zip(rows, tq):
+        assert ast.literal_eval(answers) == json.loads(answers) == q["answers"]
+        assert question == q["question"]
+    with open(out / "passages.tsv", encoding="utf-8", newline="") as f:
+        prows = list(csv.reader(f, delimiter="\t"))
+    assert prows[0] == ["id", "text", "title"]
+    corpus = {d["_id"]: d for d in _jsonl(out / "corpus.jsonl")}
+    assert {r[0]: r[1] for r in prows[1:]} == {k: d["text"] for k, d in corpus.items()}
+
+
+def test_deterministic_bytes(built: tuple[Path, dict], tmp_path: Path) -> None:
+    out, manifest = built
+    again = build_stdlib_dataset(tmp_path, max_examples=N, seed=3)
+    assert again["counts"] == manifest["counts"]
+    for rel in manifest["files"].values():
+        assert (tmp_path / rel).read_bytes() == (out / rel).read_bytes(), rel
+
+
+def test_resume_skips_rebuild_unless_params_change(built: tuple[Path, dict], monkeypatch) -> None:
+    out, manifest = built
+
+    def boom(*args, **kwargs):
+        raise AssertionError("rebuilt")
+
+    monkeypatch.setattr(stdlib_data, "collect_definitions", boom)
+    assert build_stdlib_dataset(out, max_examples=N, seed=3) == manifest
+    with pytest.raises(AssertionError, match="rebuilt"):
+        build_stdlib_dataset(out, max_examples=N, seed=4)
+
+
+def test_cli_prints_summary(built: tuple[Path, dict], capsys) -> None:
+    out, manifest = built
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["make-stdlib-data", "--output", str(out), "--max-examples", str(N), "--seed", "3"])
+    args.func(args)
+    printed = capsys.readouterr().out
+    assert f"| train_queries | {manifest['counts']['train_queries']} |" in printed
+
+
+def test_bad_arguments_raise() -> None:
+    with pytest.raises(DprGcError, match="max-examples"):
+        build_stdlib_dataset("unused", max_examples=0)
+    with pytest.raises(DprGcError, match="fractions"):
+        build_stdlib_dataset("unused", dev_fraction=0.5, test_fraction=0.6)
+
+
+def test_split_docstring_and_filter() -> None:
+    assert split_docstring("Split the path. Return a pair.\n\nMore text here.") == (
+        "Split the path.", "Return a pair.\n\nMore text here.")
+    assert split_docstring("Wrapped summary\n  over two lines.") == ("Wrapped summary over two lines.", "")
+    assert is_informative("Split the pathname into a pair.", "splitext")
+    assert not is_informative("Return self.", "f")
+    assert not is_informative("Docstring for the thing here.", "f")
+    assert not is_informative("splitext(p) -> tuple of root and ext", "splitext")
+    assert not is_informative("Too short.", "f")
+
+
+def test_collect_definitions_strips_docstrings_and_skips(tmp_path: Path) -> None:
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "test_a.py").write_text('def skipped():\n    """Never seen in the output."""\n')
+    (tmp_path / "_private.py").write_text('def hidden():\n    """Never seen in the output either."""\n')
+    (tmp_path / "broken.py").write_text("def (:\n")
+    (tmp_path / "mod.py").write_text(
+        "# é before the code so byte and character columns differ\n"
+        "class Widget(object):\n"
+        '    """Make a widget for the toolkit.\n\n    Widgets hold state."""\n'
+        "    size = 3\n"
+        "    def grow(self, n):\n"
+        '        """Grow the widget by n units."""\n'
+        "        return n + 1\n"
+        "    def _private(self):\n"
+        '        """Hidden helper method docstring."""\n'
+        'def one_liner(x): """Return x doubled for the caller (é)."""; return 2 * x\n'
+        "def bare(y):\n    return y\n", encoding="utf-8")
+    defs, skipped = collect_definitions(tmp_path, max_passage_words=200)
+    assert skipped == 1
+    by_pid = {d.pid: d for d in defs}
+    assert set(by_pid) == {"mod.Widget", "mod.Widget.grow", "mod.one_liner", "mod.bare"}
+    widget, grow, one = by_pid["mod.Widget"], by_pid["mod.Widget.grow"], by_pid["mod.one_liner"]
+    assert widget.summary == "Make a widget for the toolkit."
+    assert "Widgets hold state." in widget.text and "def grow(self, n)" in widget.text and "size = 3" in widget.text
+    assert "Grow the widget" not in widget.text and "make a widget" not in widget.text.lower()
+    assert grow.summary == "Grow the widget by n units." and "Grow" not in grow.text and "return n + 1" in grow.text
+    assert one.summary == "Return x doubled for the caller (é)." and "doubled" not in one.text
+    assert "return 2 * x" in one.text
+    assert by_pid["mod.bare"].summary is None and "return y" in by_pid["mod.bare"].text
