@@ -7,10 +7,10 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from . import evaluate, stdlib_data
+from . import data, encode, evaluate, retrieve, stdlib_data, train
 from .errors import DprGcError
 
-STAGES = (stdlib_data, evaluate)
+STAGES = (stdlib_data, data, train, encode, retrieve, evaluate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,515 @@
+"""Training data: DPR JSON/JSONL files and BEIR folders -> Arrow, mixed sampling, per-step examples, tokenisation.
+
+Each source is validated record by record while it streams into an Arrow file in a cache folder (keyed by path,
+size and mtime), then memory-mapped, so a multi-GB NQ file never lives as Python objects and a restart does not
+re-parse it. :class:`MixedBatchSampler` draws each epoch from several sources at per-source rates, shards it across
+ranks and can resume mid-epoch; :class:`TrainingExamples` picks one positive and ``N + M`` negatives per draw with
+randomness derived from ``(seed, epoch, position)``; :class:`Collator` tokenises in DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .errors import DprGcError
+from .files import PathLike, atomic_path, iter_jsonl, open_text, read_json, require_file, write_json
+from .model import Retriever, RetrieverConfig
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ID_KEYS = ("passage_id", "id", "psg_id", "_id")
+CHUNK_CHARS = 1 << 20
+MAX_RECORD_CHARS = 64 << 20
+WRITE_BATCH = 256
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+Row = dict[str, Any]
+Produced = Iterator[tuple[str, Union[Row, str]]]  # (where, normalised row or error message)
+
+
+def default_cache_dir() -> Path:
+    """Where parsed training sets are cached: ``$DPR_GC_CACHE/train`` or ``~/.cache/dpr_gc/train``."""
+    return Path(os.environ.get("DPR_GC_CACHE") or Path.home() / ".cache" / "dpr_gc") / "train"
+
+
+def _schema() -> Any:
+    import pyarrow as pa
+
+    ctx = pa.list_(pa.struct([("id", pa.string()), ("title", pa.string()), ("text", pa.string())]))
+    return pa.schema([("question", pa.string()), ("answers", pa.list_(pa.string())),
+                      ("positives", ctx), ("hard_negatives", ctx), ("negatives", ctx)])
+
+
+@dataclasses.dataclass
+class TrainingData:
+    """Normalised questions of all sources in one memory-mapped dataset; ``sizes[i]`` rows came from source ``i``."""
+
+    dataset: Any
+    sizes: list[int]
+    stats: list[dict]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def combine(parts: Sequence[TrainingData]) -> TrainingData:
+    """Concatenate loaded sources (no copy), keeping one size and one stats entry per source."""
+    import datasets
+
+    dataset = datasets.concatenate_datasets([p.dataset for p in parts]) if len(parts) > 1 else parts[0].dataset
+    return TrainingData(dataset, [s for p in parts for s in p.sizes], [s for p in parts for s in p.stats])
+
+
+# ----------------------------------------------------------------- validation
+def _contexts(record: dict, key: str, required: bool) -> list[dict]:
+    value = record.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"missing field '{key}'")
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"field '{key}' must be a list, got {type(value).__name__}")
+    out = []
+    for j, ctx in enumerate(value):
+        if not isinstance(ctx, dict):
+            raise ValueError(f"{key}[{j}] must be an object, got {type(ctx).__name__}")
+        text, title = ctx.get("text"), ctx.get("title") or ""
+        pid = next((ctx[k] for k in ID_KEYS if ctx.get(k) is not None), "")
+        if not isinstance(text, str):
+            raise ValueError(f"{key}[{j}].text must be a string, got {type(text).__name__}")
+        if not isinstance(title, str) or not isinstance(pid, (str, int)):
+            raise ValueError(f"{key}[{j}] has a title that is not a string or an id that is not a string/int")
+        out.append({"id": str(pid), "title": title, "text": text})
+    return out
+
+
+def normalise_record(record: Any) -> Row:
+    """Turn one DPR record into the Arrow row layout; raises ``ValueError`` saying which field is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
+    question, answers = record.get("question"), record.get("answers", [])
+    if question is None:
+        raise ValueError("missing field 'question'")
+    if not isinstance(question, str):
+        raise ValueError(f"field 'question' must be a string, got {type(question).__name__}")
+    if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+        raise ValueError("field 'answers' must be a list of strings")
+    return {"question": question, "answers": answers, "positives": _contexts(record, "positive_ctxs", True),
+            "hard_negatives": _contexts(record, "hard_negative_ctxs", False),
+            "negatives": _contexts(record, "negative_ctxs", False)}
+
+
+# ----------------------------------------------------------------- readers
+def _iter_json_list(f: IO[str], path: Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line, object)`` for each item of a top-level JSON list, reading ``CHUNK_CHARS`` at a time."""
+    decode = json.JSONDecoder().raw_decode
+    buf, pos, line, eof, more, state = "", 0, 1, False, False, "start"  # state: start | first | item | sep
+    while True:
+        end = _WHITESPACE.match(buf, pos).end()
+        line, pos = line + buf.count("\n", pos, end), end
+        if pos == len(buf) or more:
+            if eof:
+                raise DprGcError(f"{path}:{line}: file ends inside the JSON list; is it truncated?")
+            chunk = f.read(CHUNK_CHARS)
+            buf, pos, eof, more = buf[pos:] + chunk, 0, not chunk, False
+            continue
+        ch = buf[pos]
+        if state == "start":
+            if ch != "[":
+                raise DprGcError(f"{path}:{line}: expected a JSON list of records or one JSON record per line")
+            pos, state = pos + 1, "first"
+        elif state == "sep" or (state == "first" and ch == "]"):
+            if ch == "]":
+                return
+            if ch != ",":
+                raise DprGcError(f"{path}:{line}: invalid JSON (expected ',' or ']'); fix the file")
+            pos, state = pos + 1, "item"
+        else:
+            try:
+                obj, end = decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if eof or len(buf) - pos > MAX_RECORD_CHARS:
+                    raise DprGcError(f"{path}:{line + buf.count(chr(10), pos, e.pos)}: invalid JSON ({e.msg}); fix "
+                                     "the file (broken syntax in a JSON list cannot be skipped)") from None
+                more = True  # the record may just continue in the next chunk
+                continue
+            if end == len(buf) and not eof:  # so may a number or literal
+                more = True
+                continue
+            yield line, obj
+            line, pos, state = line + buf.count("\n", pos, end), end, "sep"
+
+
+def _dpr_records(path: Path) -> Produced:
+    """Records of a DPR training file: a JSON list or JSONL, optionally gzipped."""
+    with open_text(path) as f:
+        is_list = f.read(CHUNK_CHARS).lstrip().startswith("[")
+    if is_list:
+        with open_text(path) as f:
+            for k, (line, obj) in enumerate(_iter_json_list(f, path)):
+                yield from _checked(f"{path}:{line} (record {k})", obj)
+        return
+    with open_text(path) as f:
+        for line_no, text in enumerate(f, start=1):
+            if text.strip():
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as e:
+                    yield f"{path}:{line_no}", f"invalid JSON ({e.msg})"
+                    continue
+                yield from _checked(f"{path}:{line_no}", obj)
+
+
+def _checked(where: str, obj: Any) -> Produced:
+    try:
+        yield where, normalise_record(obj)
+    except ValueError as e:
+        yield where, str(e)
+
+
+def _find(folder: Path, name: str) -> Path:
+    for candidate in (folder / name, folder / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    raise DprGcError(f"{folder} has no {name} (or {name}.gz); expected a BEIR folder")
+
+
+def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
+    """One record per query of ``qrels``, in first-appearance order; positives are pairs with score > 0."""
+    pairs: dict[str, list[tuple[str, int]]] = {}
+    first_line: dict[str, int] = {}
+    bad: list[tuple[str, str]] = []
+    with open_text(qrels) as f:
+        for line_no, line in enumerate(f, start=1):
+            parts = line.rstrip("\r\n").split("\t")
+            if not line.strip() or (line_no == 1 and parts[-1].strip().lower() == "score"):
+                continue
+            try:
+                qid, pid, score = parts
+                score_value = int(float(score))
+            except ValueError:
+                bad.append((f"{qrels}:{line_no}", "expected 'query-id<TAB>corpus-id<TAB>score'"))
+                continue
+            entry = pairs.setdefault(qid, [])
+            first_line.setdefault(qid, line_no)
+            if score_value > 0 and pid not in [p for p, _ in entry]:
+                entry.append((pid, line_no))
+    yield from bad
+    needed = {p for entry in pairs.values() for p, _ in entry}
+    questions = {str(q.get("_id")): q.get("text") for _, q in iter_jsonl(queries) if str(q.get("_id")) in pairs}
+    docs = {}
+    for _, d in tqdm(iter_jsonl(corpus), desc=f"read {corpus.name}", unit=" docs", disable=None):
+        if str(d.get("_id")) in needed:
+            docs[str(d["_id"])] = {"id": str(d["_id"]), "title": d.get("title") or "", "text": d.get("text")}
+    for qid, entry in pairs.items():
+        where = f"{qrels}:{first_line[qid]}"
+        if not entry:
+            yield where, {"question": "", "answers": [], "positives": [], "hard_negatives": [], "negatives": []}
+            continue
+        if not isinstance(questions.get(qid), str):
+            yield where, f"query id {qid!r} has no text in {queries.name}"
+            continue
+        missing = [(p, n) for p, n in entry if not isinstance(docs.get(p, {}).get("text"), str)]
+        if missing:
+            yield f"{qrels}:{missing[0][1]}", f"corpus id {missing[0][0]!r} has no text in {corpus.name}"
+            continue
+        yield where, {"question": questions[qid], "answers": [], "positives": [docs[p] for p, _ in entry],
+                      "hard_negatives": [], "negatives": []}
+
+
+# ----------------------------------------------------------------- Arrow cache
+def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], Produced],
+           cache_dir: Optional[PathLike], skip_bad: bool) -> TrainingData:
+    """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it."""
+    import datasets
+    import pyarrow as pa
+
+    key = [FORMAT_VERSION, tag, skip_bad] + [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
+    arrow, stats_file = folder / f"{stem}-{digest}.arrow", folder / f"{stem}-{digest}.stats.json"
+    if arrow.is_file() and stats_file.is_file():
+        stats = read_json(stats_file)
+    else:
+        stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0}
+        schema, rows = _schema(), []
+        with atomic_path(arrow) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for where, row in tqdm(produce(), desc=f"parse {stem}", unit=" rec", disable=None):
+                stats["records"] += 1
+                if isinstance(row, str):
+                    if not skip_bad:
+                        raise DprGcError(f"{where}: {row}; fix the record or pass --skip-bad-records")
+                    stats["bad"] += 1
+                    if stats["bad"] <= 5:
+                        logger.warning("skipping bad record at %s: %s", where, row)
+                elif not row["positives"]:
+                    stats["no_positive"] += 1
+                else:
+                    stats["kept"] += 1
+                    rows.append(row)
+                    if len(rows) == WRITE_BATCH:
+                        writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
+                        rows = []
+            if rows:
+                writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
+        write_json(stats_file, stats)
+    logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped)", stats["source"],
+                stats["records"], stats["kept"], stats["no_positive"], stats["bad"])
+    if stats["kept"] == 0:
+        raise DprGcError(f"{stats['source']}: no usable training question ({stats['records']} records, "
+                         f"{stats['no_positive']} without a positive, {stats['bad']} bad)")
+    return TrainingData(datasets.Dataset.from_file(str(arrow)), [stats["kept"]], [stats])
+
+
+def load_dpr_files(paths: Sequence[PathLike], cache_dir: Optional[PathLike] = None,
+                   skip_bad: bool = False) -> TrainingData:
+    """Load DPR training files (JSON list or JSONL, optionally .gz); one size/stats entry per file, in order."""
+    if not paths:
+        raise DprGcError("no training file given")
+    parts = []
+    for path in paths:
+        p = require_file(path, "training file")
+        parts.append(_build(p, [p], "dpr", functools.partial(_dpr_records, p), cache_dir, skip_bad))
+    return combine(parts)
+
+
+def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Optional[PathLike] = None,
+                       skip_bad: bool = False) -> TrainingData:
+    """Training questions from a BEIR folder: positives are ``qrels/<split>.tsv`` pairs with score > 0.
+
+    There are no hard or other negatives; :class:`TrainingExamples` fills those slots (see there).
+    """
+    folder = Path(beir_dir)
+    corpus, queries = _find(folder, "corpus.jsonl"), _find(folder, "queries.jsonl")
+    qrels = require_file(folder / "qrels" / f"{split}.tsv", f"qrels for split {split!r}")
+    produce = functools.partial(_beir_records, corpus, queries, qrels)
+    return _build(folder, [qrels, queries, corpus], "beir", produce, cache_dir, skip_bad)
+
+
+def load_training_data(sources: Sequence[PathLike], cache_dir: Optional[PathLike] = None, skip_bad: bool = False,
+                       beir_split: str = "train") -> TrainingData:
+    """Load several sources in order: a folder is read as BEIR, a file as DPR training data."""
+    if not sources:
+        raise DprGcError("no training data given (pass DPR files or BEIR folders)")
+    return combine([load_beir_training(s, beir_split, cache_dir, skip_bad) if Path(s).is_dir()
+                    else load_dpr_files([s], cache_dir, skip_bad) for s in sources])
+
+
+# ----------------------------------------------------------------- sampling
+class MixedBatchSampler(torch.utils.data.Sampler):
+    """Batch sampler over concatenated sources with per-source rates, rank sharding and mid-epoch resume.
+
+    Rate ``r`` draws ``int(r * size)`` rows of a source per epoch (whole shuffled passes, then a random part).
+    The epoch order depends only on ``(seed, epoch)``; step ``s`` uses positions ``[s*B*W, (s+1)*B*W)`` of it
+    and rank ``k`` takes the ``k``-th slice of ``B``, so ranks see disjoint equal parts and the tail is dropped.
+    With ``per_file_batches`` every step's global batch comes from one source (as DPR's multi-set iterator).
+    Each yielded item is ``(row, epoch, position)`` so examples can derive their own randomness.
+    """
+
+    def __init__(self, sizes: Sequence[int], batch_size: int, rates: Optional[Sequence[float]] = None, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, per_file_batches: bool = False) -> None:
+        rates = list(rates) if rates is not None else [1.0] * len(sizes)
+        if len(rates) != len(sizes) or any(r <= 0 for r in rates):
+            raise DprGcError(f"--sampling-rates needs one positive rate per training source ({len(sizes)}), "
+                             f"got {rates}")
+        if batch_size < 1 or not 0 <= rank < world_size:
+            raise DprGcError(f"bad batch size {batch_size} or rank {rank} of world size {world_size}")
+        self.sizes, self.rates, self.batch_size, self.seed = [int(s) for s in sizes], rates, batch_size, seed
+        self.rank, self.world_size, self.shuffle, self.per_file_batches = rank, world_size, shuffle, per_file_batches
+        self.epoch, self.skip, self._resume = 0, 0, None
+        if self.batches_per_epoch == 0:
+            raise DprGcError(f"too few training questions ({sum(self.sizes)}) for one batch of {batch_size} "
+                             f"x {world_size} rank(s); lower --batch-size")
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """All rows drawn in ``epoch``, in order (the same on every rank)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        parts, offset = [], 0
+        for size, rate in zip(self.sizes, self.rates):
+            count = int(rate * size)
+            passes = [rng.permutation(size) if self.shuffle else np.arange(size) for _ in range(-(-count // size))]
+            parts.append(offset + np.concatenate(passes or [np.zeros(0, dtype=np.int64)])[:count])
+            offset += size
+        if not self.per_file_batches:
+            order = np.concatenate(parts)
+            return rng.permutation(order) if self.shuffle else order
+        step = self.batch_size * self.world_size
+        chunks = [c for p in parts for c in p[:len(p) // step * step].reshape(-1, step)]
+        chunk_order = rng.permutation(len(chunks)) if self.shuffle else range(len(chunks))
+        return np.concatenate([chunks[i] for i in chunk_order]) if chunks else np.zeros(0, dtype=np.int64)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full steps per epoch (use this for LR schedules; ``len()`` is what the next iteration yields)."""
+        step, counts = self.batch_size * self.world_size, [int(r * s) for r, s in zip(self.rates, self.sizes)]
+        return sum(c // step for c in counts) if self.per_file_batches else sum(counts) // step
+
+    def set_epoch(self, epoch: int, skip: Optional[int] = None) -> None:
+        """Select the epoch and how many of its batches to skip (by default, what ``load_state_dict`` asked for)."""
+        if skip is None:
+            skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self.epoch, self.skip, self._resume = epoch, skip, None
+
+    def __len__(self) -> int:
+        return max(self.batches_per_epoch - self.skip, 0)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        order, b, step = self.epoch_order(self.epoch), self.batch_size, self.batch_size * self.world_size
+        for s in range(self.skip, len(order) // step):
+            start = s * step + self.rank * b
+            yield [(int(order[p]), self.epoch, p) for p in range(start, start + b)]
+
+    def state_dict(self, batches_done: int) -> dict:
+        """State after ``batches_done`` batches of the current epoch (count what the trainer consumed)."""
+        epoch, done = (self.epoch + 1, 0) if batches_done >= self.batches_per_epoch else (self.epoch, batches_done)
+        return {"epoch": epoch, "batches_done": done, "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size, "sizes": self.sizes, "rates": self.rates,
+                "shuffle": self.shuffle, "per_file_batches": self.per_file_batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``set_epoch(state['epoch'])`` skips the batches already done."""
+        mine = self.state_dict(0)
+        changed = [k for k in mine if k not in ("epoch", "batches_done") and state.get(k) != mine[k]]
+        if changed:
+            raise DprGcError(f"cannot resume: the data setup changed ({', '.join(changed)}); "
+                             "use the same training files, rates, batch size, world size and seed")
+        self.epoch, self.skip = state["epoch"], state["batches_done"]
+        self._resume = (self.epoch, self.skip)
+
+
+# ----------------------------------------------------------------- examples and tokenisation
+class TrainingExamples(torch.utils.data.Dataset):
+    """One query and ``1 + N + M`` passages per draw: the positive, N hard negatives, M other negatives.
+
+    The positive is the first (or a random one with ``shuffle_positives``). Hard slots take the hard pool, other
+    slots the negatives pool (shuffled with ``shuffle_negatives``, else in file order); a short pool is topped up
+    from the other pool's leftovers. If both pools together are short, the remaining slots take the first positive
+    of randomly drawn other questions (a random negative, as in-batch negatives are; draws may repeat), never a
+    passage whose id or text equals one of this question's positives, so batches stay rectangular. All choices
+    derive from ``(seed, epoch, position)``, so workers and resumed runs make the same ones.
+    """
+
+    def __init__(self, dataset: Any, hard_negatives: int = 1, other_negatives: int = 0, shuffle_positives: bool = False,
+                 shuffle_negatives: bool = True, seed: int = 0) -> None:
+        import pyarrow.compute as pc
+
+        if hard_negatives < 0 or other_negatives < 0:
+            raise DprGcError("--hard-negatives and --other-negatives must be >= 0")
+        self.dataset, self.n_hard, self.n_other, self.seed = dataset, hard_negatives, other_negatives, seed
+        self.shuffle_positives, self.shuffle_negatives = shuffle_positives, shuffle_negatives
+        self.positives = dataset.select_columns(["positives"])
+        counts = (pc.list_value_length(dataset.data.column("hard_negatives")).to_numpy(zero_copy_only=False)
+                  + pc.list_value_length(dataset.data.column("negatives")).to_numpy(zero_copy_only=False))
+        short = int((counts < hard_negatives + other_negatives).sum())
+        if short:
+            if len(dataset) < 2:
+                raise DprGcError("one training question with too few negatives; add negatives or questions")
+            logger.info("%d of %d questions have fewer than %d negatives; topped up with other questions' positives",
+                        short, len(dataset), hard_negatives + other_negatives)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Union[int, tuple[int, int, int]]) -> dict:
+        row, epoch, position = key if isinstance(key, tuple) else (key, 0, key)
+        record = self.dataset[int(row)]
+        rng = np.random.default_rng([self.seed, epoch, position])
+        positives = record["positives"]
+        positive = positives[int(rng.integers(len(positives)))] if self.shuffle_positives else positives[0]
+        hard, other = (self._order(record[k], rng) for k in ("hard_negatives", "negatives"))
+        hard_sel, other_sel = hard[:self.n_hard], other[:self.n_other]
+        hard_sel = hard_sel + other[self.n_other:][:self.n_hard - len(hard_sel)]
+        other_sel = other_sel + hard[self.n_hard:][:self.n_other - len(other_sel)]
+        missing = self.n_hard + self.n_other - len(hard_sel) - len(other_sel)
+        fill = self._fill(missing, int(row), positives, rng) if missing else []
+        cut = self.n_hard - len(hard_sel)
+        chosen = [positive] + hard_sel + fill[:cut] + other_sel + fill[cut:]
+        return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen]}
+
+    def _order(self, pool: list, rng: np.random.Generator) -> list:
+        return [pool[i] for i in rng.permutation(len(pool))] if self.shuffle_negatives else list(pool)
+
+    def _fill(self, count: int, row: int, positives: list, rng: np.random.Generator) -> list:
+        own_ids, own_texts = {p["id"] for p in positives if p["id"]}, {p["text"] for p in positives}
+        out: list = []
+        for _ in range(100 * count):
+            j = int(rng.integers(len(self.dataset)))
+            ctx = self.positives[j]["positives"][0] if j != row else None
+            if ctx is not None and ctx["id"] not in own_ids and ctx["text"] not in own_texts:
+                out.append(ctx)
+                if len(out) == count:
+                    return out
+        raise DprGcError(f"cannot find {count} negatives for training row {row}: "
+                         "the other questions share its positives; add negatives to the training data")
+
+
+class Collator:
+    """DataLoader ``collate_fn``: ``{"query": [B, Lq], "passage": [B*(1+N+M), Lp]}``, passages grouped per query.
+
+    Holds only the tokenizer and a :class:`RetrieverConfig` (so it is cheap to send to workers) and shares the
+    tokenisation code of :class:`Retriever` (prefixes, ``pair``/``concat`` passage format, max lengths).
+    """
+
+    tokenize_queries = Retriever.tokenize_queries
+    tokenize_passages = Retriever.tokenize_passages
+
+    def __init__(self, source: Any, config: Optional[RetrieverConfig] = None, query_max_length: Optional[int] = None,
+                 passage_max_length: Optional[int] = None, passage_format: Optional[str] = None) -> None:
+        if isinstance(source, Retriever):
+            source, config = source.tokenizer, config or source.config
+        overrides = {"query_max_length": query_max_length, "passage_max_length": passage_max_length,
+                     "passage_format": passage_format}
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        self.tokenizer = source
+        self.config = dataclasses.replace(config or RetrieverConfig(), **overrides)
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        titles, texts = zip(*[p for e in examples for p in e["passages"]])
+        return {"query": self.tokenize_queries([e["question"] for e in examples]),
+                "passage": self.tokenize_passages(titles, texts)}
+
+
+def make_dataloader(data: TrainingData, collator: Collator, batch_size: int, *, hard_negatives: int = 1,
+                    other_negatives: int = 0, shuffle_positives: bool = False, shuffle_negatives: bool = True,
+                    rates: Optional[Sequence[float]] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
+                    num_workers: int = 0, shuffle: bool = True, per_file_batches: bool = False,
+                    pin_memory: bool = False) -> torch.utils.data.DataLoader:
+    """A DataLoader of tokenised per-rank batches; reach the sampler (``set_epoch``, state) as ``.batch_sampler``."""
+    sampler = MixedBatchSampler(data.sizes, batch_size, rates, seed, rank, world_size, shuffle, per_file_batches)
+    examples = TrainingExamples(data.dataset, hard_negatives, other_negatives, shuffle_positives,
+                                shuffle_negatives, seed)
+    if num_workers > 0:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
+                                       pin_memory=pin_memory)
+
+
+# ----------------------------------------------------------------- CLI
+def add_cli(subparsers: Any) -> None:
+    """Register ``prepare-data``: parse and cache training sources ahead of training, printing their statistics."""
+    p = subparsers.add_parser("prepare-data", help="validate and cache training data (DPR files, BEIR folders)")
+    p.add_argument("sources", nargs="+", help="DPR training files (.json/.jsonl[.gz]) or BEIR folders")
+    p.add_argument("--cache-dir", default=None, help="where Arrow caches go (default $DPR_GC_CACHE/train)")
+    p.add_argument("--skip-bad-records", action="store_true", help="skip and count bad records instead of stopping")
+    p.add_argument("--beir-split", default="train", help="qrels split used for BEIR folders")
+    p.set_defaults(func=_cli_prepare)
+
+
+def _cli_prepare(args: Any) -> None:
+    data = load_training_data(args.sources, args.cache_dir, args.skip_bad_records, args.beir_split)
+    print("| source | records | kept | no positive | bad |\n|---|---|---|---|---|")
+    for s in data.stats:
+        print(f"| {s['source']} | {s['records']} | {s['kept']} | {s['no_positive']} | {s['bad']} |")

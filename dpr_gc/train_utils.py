@@ -1,0 +1,191 @@
+"""What the trainer needs around the step: checkpoints, RNG snapshots, dev evaluation, chunk-size probing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import DprGcError
+from .model import Retriever
+
+logger = logging.getLogger(__name__)
+
+CPU_CHUNK_SIZE = 32
+
+
+def capture_rng() -> dict:
+    """Python, NumPy, torch CPU and CUDA generator states."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Writes ``checkpoint-STEP/`` folders (model in Hugging Face format + ``state.pt``) atomically, keeps the last
+    few, keeps a copy of the best model in ``best/`` by the chosen dev metric, and reloads them for ``--resume``."""
+
+    def __init__(self, out: Path, keep: int, metric: str, is_main: bool) -> None:
+        self.out, self.keep, self.metric, self.is_main = out, max(1, keep), metric, is_main
+        self.best_value: Optional[float] = None
+        self.best_path: Optional[str] = None
+
+    def _better(self, value: float) -> bool:
+        if self.best_value is None:
+            return True
+        return value > self.best_value if self.metric == "accuracy" else value < self.best_value
+
+    def checkpoints(self) -> list[Path]:
+        found = [p for p in self.out.glob("checkpoint-*") if p.is_dir() and (p / "state.pt").is_file()]
+        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+    def log(self, path: Path, record: dict) -> None:
+        if self.is_main:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def update_best(self, step: int, retriever: Retriever, record: dict) -> None:
+        """Save the model to ``best/`` (atomically) when the record's dev metric beats the best so far."""
+        value = record.get(f"dev_{self.metric}")
+        if value is None or not self._better(value):
+            return
+        self.best_value, self.best_path = float(value), str(self.out / "best")
+        if self.is_main:
+            tmp = self.out / ".best.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            retriever.save(tmp)
+            shutil.rmtree(self.out / "best", ignore_errors=True)
+            tmp.rename(self.out / "best")
+            logger.info("new best dev %s %.4f at step %d -> %s", self.metric, value, step, self.best_path)
+
+    def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
+             rng: Any, record: dict) -> None:
+        if self.is_main:
+            tmp = self.out / f".checkpoint-{step}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            retriever.save(tmp / "model")
+            torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                        "scaler": scaler.state_dict(), "sampler": sampler_state, "rng": rng, "record": record,
+                        "best": [self.best_value, self.best_path]}, tmp / "state.pt")
+            final = self.out / f"checkpoint-{step}"
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            for old in self.checkpoints()[:-self.keep]:
+                shutil.rmtree(old)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def resolve(self, resume: str) -> Path:
+        if resume == "latest":
+            found = self.checkpoints()
+            if not found:
+                raise DprGcError(f"--resume latest: no finished checkpoint in {self.out}")
+            return found[-1]
+        path = Path(resume)
+        if not (path / "state.pt").is_file():
+            raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/state.pt)")
+        return path
+
+    def load(self, resume: str, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any,
+             device: torch.device) -> dict:
+        path = self.resolve(resume)
+        saved = Retriever.load(path / "model")
+        retriever.load_state_dict(saved.state_dict())
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        self.best_value, self.best_path = state["best"]
+        metrics = self.out / "metrics.jsonl"
+        if self.is_main and metrics.is_file():
+            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+            metrics.write_text("".join(line + "\n" for line in kept))
+        return state
+
+
+@torch.no_grad()
+def evaluate_dev(retriever: Retriever, dev_file: str, collator: Any, batch_size: int,
+                 cache_dir: Optional[str]) -> dict:
+    """In-batch loss and top-1 accuracy over the dev questions in batches of ``batch_size`` (their positives as
+    the passages), and DPR's average rank (1-based) of each gold passage among all the dev set's passages."""
+    from .data import load_training_data
+
+    dataset = load_training_data([dev_file], cache_dir).dataset
+    questions = dataset["question"]
+    pool: dict = {}
+    gold = []
+    for row in dataset.select_columns(["positives", "hard_negatives", "negatives"]):
+        for ctx in row["positives"] + row["hard_negatives"] + row["negatives"]:
+            pool.setdefault(ctx["id"] or ctx["text"], (len(pool), ctx["title"], ctx["text"]))
+        gold.append(pool[row["positives"][0]["id"] or row["positives"][0]["text"]][0])
+    _, titles, texts = zip(*pool.values())
+    q = torch.from_numpy(retriever.embed("query", questions, batch_size=batch_size))
+    p = torch.from_numpy(retriever.embed("passage", list(texts), list(titles), batch_size=batch_size))
+    gold_t = torch.tensor(gold)
+    scores = q @ p.T
+    ranks = (scores > scores[torch.arange(len(gold)), gold_t][:, None]).sum(1) + 1
+    temperature = float(retriever.temperature)
+    losses, correct = [], 0
+    for start in range(0, len(gold), batch_size):
+        qb, pb = q[start:start + batch_size], p[gold_t[start:start + batch_size]]
+        logits = qb @ pb.T / temperature
+        target = torch.arange(len(qb))
+        losses.append(nn.functional.cross_entropy(logits, target, reduction="sum"))
+        correct += int((logits.argmax(1) == target).sum())
+    return {"loss": float(sum(losses)) / len(gold), "accuracy": correct / len(gold),
+            "avg_rank": float(ranks.float().mean())}
+
+
+def auto_chunk_size(towers: nn.Module, collator: Any, device: torch.device, max_rows: int, precision: str) -> int:
+    """The largest power-of-two chunk whose forward+backward at full passage length fits in 80% of GPU memory after
+    room for AdamW's states; on CPU, where memory is rarely the limit, a chunk of 32 rows keeps the cores busy."""
+    if device.type != "cuda":
+        return min(CPU_CHUNK_SIZE, max_rows)
+    params = sum(p.numel() * p.element_size() for p in towers.parameters() if p.requires_grad)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = 0.8 * free - 2 * params
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    text = " ".join(["passage"] * collator.config.passage_max_length)
+    best, rows = 1, 8
+    while rows <= max_rows:
+        batch = collator.tokenize_passages([""] * rows, [text] * rows)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        try:
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                towers(kind="passage", **batch).float().sum().backward()
+            peak = torch.cuda.max_memory_allocated(device) - start
+        except torch.cuda.OutOfMemoryError:
+            peak = float("inf")
+        towers.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        if peak > budget:
+            break
+        best, rows = rows, rows * 2
+    return min(max(best, 1), max_rows)
+
+
+def summary_table(summary: dict) -> str:
+    rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
+            ("passages per query", summary["passages_per_query"]),
+            ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
+            ("precision", summary["precision"]), ("final loss", f"{summary['final_loss']:.4f}"),
+            ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
+            ("best dev", summary["best"]), ("model", summary["final_model"])]
+    return "\n".join(["| training | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])

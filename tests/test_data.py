@@ -1,0 +1,318 @@
+"""Training data: DPR/BEIR readers, validation errors, sampling, top-up, sharding, resume and the collator."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import SHARED_DATA
+from dpr_gc import data as D
+from dpr_gc.errors import DprGcError
+
+
+def ctx(pid: str, title: str, text: str, key: str = "passage_id") -> dict:
+    return {key: pid, "title": title, "text": text, "score": 12345}
+
+
+def records(n: int = 6) -> list[dict]:
+    out = []
+    for i in range(n):
+        out.append({"question": f"question {i} about the city?", "answers": [f"answer {i}"],
+                    "positive_ctxs": [ctx(f"p{i}", f"title {i}", f"the positive text {i}"),
+                                      ctx(f"p{i}b", f"title {i}b", f"second positive {i}", key="id")],
+                    "negative_ctxs": [ctx(f"n{i}{j}", "neg", f"random negative {i} {j}") for j in range(3)],
+                    "hard_negative_ctxs": [ctx(f"h{i}{j}", "hard", f"hard negative {i} {j}") for j in range(2)]})
+    return out
+
+
+def write(path: Path, recs: list, fmt: str) -> Path:
+    text = json.dumps(recs, indent=2) if fmt == "list" else "".join(json.dumps(r) + "\n" for r in recs)
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def load(tmp_path: Path, *paths: Path, skip_bad: bool = False) -> D.TrainingData:
+    return D.load_dpr_files(list(paths), cache_dir=tmp_path / "cache", skip_bad=skip_bad)
+
+
+@pytest.mark.parametrize("chunk", [D.CHUNK_CHARS, 7])
+def test_json_list_jsonl_and_gz_give_the_same_rows(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(D, "CHUNK_CHARS", chunk)  # 7 chars forces records and numbers across chunk borders
+    recs = records()
+    rows = [load(tmp_path, write(tmp_path / name, recs, fmt)).dataset.to_list()
+            for name, fmt in [("a.json", "list"), ("b.jsonl", "lines"), ("c.jsonl.gz", "lines"), ("d.json.gz", "list")]]
+    assert rows[0] == rows[1] == rows[2] == rows[3]
+    assert len(rows[0]) == 6
+    first = rows[0][0]
+    assert first["positives"][1] == {"id": "p0b", "title": "title 0b", "text": "second positive 0"}
+    assert [c["id"] for c in first["hard_negatives"]] == ["h00", "h01"] and len(first["negatives"]) == 3
+    assert first["answers"] == ["answer 0"]
+
+
+def test_questions_without_positive_are_skipped_and_counted(tmp_path):
+    recs = records(4)
+    recs[1]["positive_ctxs"] = []
+    data = load(tmp_path, write(tmp_path / "t.json", recs, "list"))
+    assert len(data) == 3 and data.sizes == [3]
+    assert data.stats[0] == {"source": str(tmp_path / "t.json"), "records": 4, "kept": 3, "no_positive": 1,
+                             "bad": 0}
+    assert "question 1 about the city?" not in data.dataset["question"]
+
+
+def test_invalid_json_names_file_and_line(tmp_path, monkeypatch):
+    lines = [json.dumps(r) for r in records(4)]
+    lines[2] = lines[2][:-5]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DprGcError, match=rf"{bad}:3: invalid JSON"):
+        load(tmp_path, bad)
+    data = load(tmp_path, bad, skip_bad=True)
+    assert len(data) == 3 and data.stats[0]["bad"] == 1 and data.stats[0]["records"] == 4
+
+    monkeypatch.setattr(D, "CHUNK_CHARS", 64)
+    text = json.dumps(records(3), indent=2).splitlines()
+    k = next(i for i, t in enumerate(text) if "second positive 2" in t)
+    text[k] = text[k].replace('",', '" oops,')
+    broken = tmp_path / "broken.json"
+    broken.write_text("\n".join(text))
+    for skip in (False, True):  # broken syntax inside a JSON list cannot be skipped
+        with pytest.raises(DprGcError, match=rf"{broken}:{k + 1}: invalid JSON"):
+            load(tmp_path, broken, skip_bad=skip)
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(json.dumps(records(2))[:-30])
+    with pytest.raises(DprGcError, match=rf"{truncated}:1: "):
+        load(tmp_path, truncated)
+
+
+@pytest.mark.parametrize("chunk", [5, 6, 7, 8, 9])
+def test_non_object_items_of_a_json_list_are_bad_records(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(D, "CHUNK_CHARS", chunk)  # the number must be read whole even across chunk borders
+    path = tmp_path / "items.json"
+    path.write_text(json.dumps(records(1) + [123456789, records(1)[0]]))
+    with pytest.raises(DprGcError, match=rf"{path}:1 \(record 1\): a record must be a JSON object, got int"):
+        load(tmp_path, path)
+    data = load(tmp_path, path, skip_bad=True)
+    assert len(data) == 2 and data.stats[0]["bad"] == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.pop("question"), "missing field 'question'"),
+    (lambda r: r.pop("positive_ctxs"), "missing field 'positive_ctxs'"),
+    (lambda r: r.update(question=["not", "a", "string"]), "field 'question' must be a string"),
+    (lambda r: r.update(hard_negative_ctxs="text"), "field 'hard_negative_ctxs' must be a list"),
+    (lambda r: r["positive_ctxs"][1].update(text=None), r"positive_ctxs\[1\].text must be a string"),
+    (lambda r: r.update(answers=[1, 2]), "field 'answers' must be a list of strings"),
+])
+def test_bad_records_error_or_are_skipped(tmp_path, change, message):
+    recs = records(4)
+    change(recs[2])
+    listed = write(tmp_path / "l.json", recs, "list")
+    lines = write(tmp_path / "l.jsonl", recs, "lines")
+    record_line = 2 + sum(json.dumps(r, indent=2).count("\n") + 1 for r in recs[:2])
+    with pytest.raises(DprGcError, match=rf"{listed}:{record_line} \(record 2\): {message}.*--skip-bad-records"):
+        load(tmp_path, listed)
+    with pytest.raises(DprGcError, match=rf"{lines}:3: {message}"):
+        load(tmp_path, lines)
+    for path in (listed, lines):
+        data = load(tmp_path, path, skip_bad=True)
+        assert len(data) == 3 and data.stats[0]["bad"] == 1
+
+
+def write_beir(folder: Path, recs: list) -> Path:
+    """The same content as ``recs`` (positives only) in the BEIR layout, plus one query judged only with score 0."""
+    (folder / "qrels").mkdir(parents=True)
+    docs = {c["passage_id"] if "passage_id" in c else c["id"]: c for r in recs for c in r["positive_ctxs"]}
+    docs["z"] = ctx("z", "", "judged but not relevant")
+    with gzip.open(folder / "corpus.jsonl.gz", "wt") as f:
+        for pid, c in reversed(list(docs.items())):
+            f.write(json.dumps({"_id": pid, "title": c["title"], "text": c["text"]}) + "\n")
+    queries = [{"_id": f"q{i}", "text": r["question"]} for i, r in enumerate(recs)] + [{"_id": "qz", "text": "zero"}]
+    (folder / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in reversed(queries)))
+    qrels = ["query-id\tcorpus-id\tscore"]
+    for i, r in enumerate(recs):
+        qrels += [f"q{i}\t{c.get('passage_id', c.get('id'))}\t1" for c in r["positive_ctxs"]]
+    qrels.append("qz\tz\t0")
+    (folder / "qrels" / "train.tsv").write_text("\n".join(qrels) + "\n")
+    return folder
+
+
+def test_beir_and_dpr_readers_give_the_same_examples(tmp_path):
+    recs = [{k: v for k, v in r.items() if k != "answers"} | {"negative_ctxs": [], "hard_negative_ctxs": []}
+            for r in records(5)]
+    dpr = load(tmp_path, write(tmp_path / "same.json", recs + [recs[0] | {"positive_ctxs": []}], "list"))
+    beir = D.load_beir_training(write_beir(tmp_path / "beir", recs), cache_dir=tmp_path / "cache")
+    assert beir.dataset.to_list() == dpr.dataset.to_list()
+    counts = [(x.stats[0]["kept"], x.stats[0]["no_positive"]) for x in (beir, dpr)]
+    assert counts == [(5, 1), (5, 1)]
+    a, b = (D.TrainingExamples(x.dataset, 2, 1, shuffle_positives=True, seed=3) for x in (dpr, beir))
+    for key in [(0, 0, 0), (3, 1, 17), (4, 2, 5)]:
+        assert a[key] == b[key]
+        assert len(a[key]["passages"]) == 4
+
+
+def test_bad_beir_qrels(tmp_path):
+    folder = write_beir(tmp_path / "beir", records(2))
+    qrels = folder / "qrels" / "train.tsv"
+    qrels.write_text(qrels.read_text() + "q0\tmissing-doc\t1\nnot a qrels line\n")
+    with pytest.raises(DprGcError, match=rf"{qrels}:8: expected 'query-id"):
+        D.load_beir_training(folder, cache_dir=tmp_path / "c1")
+    qrels.write_text(qrels.read_text().replace("not a qrels line\n", ""))
+    with pytest.raises(DprGcError, match=rf"{qrels}:7: corpus id 'missing-doc' has no text"):
+        D.load_beir_training(folder, cache_dir=tmp_path / "c2")
+    data = D.load_beir_training(folder, cache_dir=tmp_path / "c3", skip_bad=True)
+    assert len(data) == 1 and data.stats[0]["bad"] == 1
+
+
+def test_cache_is_reused_until_the_file_changes(tmp_path, monkeypatch):
+    path = write(tmp_path / "t.jsonl", records(3), "lines")
+    first = load(tmp_path, path).dataset.to_list()
+    monkeypatch.setattr(D, "_dpr_records", lambda p: (_ for _ in ()).throw(AssertionError("re-parsed")))
+    assert load(tmp_path, path).dataset.to_list() == first
+    write(path, records(2), "lines")
+    os.utime(path, ns=(1, 1))
+    with pytest.raises(AssertionError, match="re-parsed"):
+        load(tmp_path, path)
+
+
+def test_top_up_and_positive_choice(tmp_path):
+    recs = records(8)
+    recs[0]["hard_negative_ctxs"] = recs[0]["hard_negative_ctxs"][:1]  # 1 hard, 3 other
+    recs[1]["hard_negative_ctxs"], recs[1]["negative_ctxs"] = [], []  # nothing: other questions' positives
+    data = load(tmp_path, write(tmp_path / "t.jsonl", recs, "lines"))
+    ex = D.TrainingExamples(data.dataset, hard_negatives=3, other_negatives=1, seed=1)
+    got = ex[(0, 0, 0)]["passages"]
+    assert got[0] == ("title 0", "the positive text 0") and len(got) == 5
+    assert got[1] == ("hard", "hard negative 0 0") and len(set(got)) == 5
+    assert all(t == "neg" for t, _ in got[2:])
+    filled = ex[(1, 0, 1)]["passages"][1:]
+    assert len(filled) == 4
+    assert all(text.startswith("the positive text") and not text.endswith(" 1") for _, text in filled)
+    assert ex[(1, 0, 1)] == ex[(1, 0, 1)] and ex[(1, 0, 1)] != ex[(1, 1, 1)]
+    assert {D.TrainingExamples(data.dataset, shuffle_positives=True)[(2, 0, p)]["passages"][0][1] for p in range(30)} \
+        == {"the positive text 2", "second positive 2"}
+    kept = D.TrainingExamples(data.dataset, 2, 3, shuffle_negatives=False)[(2, 5, 5)]["passages"]
+    in_order = ["hard negative 2 0", "hard negative 2 1"] + [f"random negative 2 {j}" for j in range(3)]
+    assert [t for _, t in kept[1:]] == in_order
+
+
+def test_fill_never_uses_a_passage_of_the_question_itself(tmp_path):
+    recs = [r | {"negative_ctxs": [], "hard_negative_ctxs": []} for r in records(3)]
+    recs[0]["positive_ctxs"] = [ctx("p1", "title", "the same passage id as question 1, other text")]
+    data = load(tmp_path, write(tmp_path / "t.jsonl", recs, "lines"))
+    ex = D.TrainingExamples(data.dataset, hard_negatives=2, other_negatives=1)
+    filled = {p for pos in range(20) for p in ex[(1, 0, pos)]["passages"][1:]}
+    assert filled == {("title 2", "the positive text 2")}
+    with pytest.raises(DprGcError, match="cannot find 3 negatives"):
+        D.TrainingExamples(data.dataset.select(range(2)), 2, 1)[(1, 0, 0)]
+    with pytest.raises(DprGcError, match="one training question"):
+        D.TrainingExamples(data.dataset.select(range(1)), 1, 0)
+
+
+def test_rates_are_per_source_and_deterministic():
+    s = D.MixedBatchSampler([10, 4], batch_size=2, rates=[0.5, 2.0], seed=7)
+    order = s.epoch_order(0)
+    assert len(order) == 13 and s.batches_per_epoch == len(s) == 6
+    assert (order < 10).sum() == 5 and len(set(order[order < 10])) == 5
+    assert sorted(order[order >= 10].tolist()) == [10, 10, 11, 11, 12, 12, 13, 13]
+    assert np.array_equal(order, D.MixedBatchSampler([10, 4], 2, [0.5, 2.0], seed=7).epoch_order(0))
+    assert not np.array_equal(order, s.epoch_order(1))
+    assert [row for batch in s for row, _, _ in batch] == order[:12].tolist()  # last incomplete batch dropped
+    with pytest.raises(DprGcError, match="sampling-rates"):
+        D.MixedBatchSampler([10, 4], 2, rates=[1.0])
+
+
+def test_rank_sharding_disjoint_equal_parts_and_per_file_batches():
+    sizes, b, w = [17, 9], 2, 3
+    shards = [list(D.MixedBatchSampler(sizes, b, world_size=w, rank=r, seed=1)) for r in range(w)]
+    assert [len(x) for x in shards] == [4, 4, 4]
+    positions = [p for shard in shards for batch in shard for _, _, p in batch]
+    assert sorted(positions) == list(range(24))  # disjoint, 26 -> 24 (tail dropped)
+    grouped = D.MixedBatchSampler(sizes, b, world_size=w, rank=0, seed=1, per_file_batches=True)
+    order = grouped.epoch_order(0)
+    assert grouped.batches_per_epoch == 2 + 1
+    assert all(len({int(r >= 17) for r in order[i:i + b * w]}) == 1 for i in range(0, len(order), b * w))
+
+
+def test_resume_reproduces_the_remaining_batches():
+    def run(sampler, epochs):
+        out = []
+        for e in epochs:
+            sampler.set_epoch(e)
+            out.append(list(sampler))
+        return out
+
+    full = run(D.MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4), [0, 1, 2])
+    first = D.MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4)
+    first.set_epoch(1)
+    state = json.loads(json.dumps(first.state_dict(batches_done=2)))
+    resumed = D.MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4)
+    resumed.load_state_dict(state)
+    assert len(resumed) == len(full[1]) - 2
+    assert run(resumed, [1, 2]) == [full[1][2:], full[2]]
+    assert first.state_dict(first.batches_per_epoch)["epoch"] == 2
+    with pytest.raises(DprGcError, match="cannot resume.*batch_size"):
+        D.MixedBatchSampler([11, 6], 4, [1.0, 1.5], seed=4).load_state_dict(state)
+
+
+def test_collator_matches_retriever_tokenisation(make_retriever):
+    retriever = make_retriever(query_max_length=16, passage_max_length=24)
+    collate = D.Collator(retriever, passage_max_length=20)
+    batch = collate([{"question": "what is paris?", "passages": [("paris", "a city in france"), ("", "music")]},
+                     {"question": "who was king?", "passages": [("war", "the king of london"), ("t", "x")]}])
+    assert batch["query"]["input_ids"].shape[0] == 2 and batch["passage"]["input_ids"].shape[0] == 4
+    expected = retriever.tokenize_passages(["paris", "", "war", "t"],
+                                           ["a city in france", "music", "the king of london", "x"], max_length=20)
+    assert torch.equal(batch["passage"]["input_ids"], expected["input_ids"])
+    queries = retriever.tokenize_queries(["what is paris?", "who was king?"])
+    assert torch.equal(batch["query"]["input_ids"], queries["input_ids"])
+    sep = retriever.tokenizer.sep_token_id
+    assert (batch["passage"]["input_ids"][0] == sep).sum() == 2  # [CLS] title [SEP] text [SEP]
+    concat = D.Collator(retriever.tokenizer, retriever.config, passage_format="concat")
+    assert (concat([{"question": "q", "passages": [("paris", "city")]}])["passage"]["input_ids"][0] == sep).sum() == 1
+
+
+def test_dataloader_workers_match_and_batches_are_rectangular(tmp_path, make_retriever):
+    data = load(tmp_path, write(tmp_path / "t.jsonl", records(9), "lines"))
+    collate = D.Collator(make_retriever())
+    kwargs = dict(batch_size=2, hard_negatives=2, other_negatives=2, shuffle_positives=True, seed=5, rank=1,
+                  world_size=2)
+    serial = list(D.make_dataloader(data, collate, num_workers=0, **kwargs))
+    parallel = list(D.make_dataloader(data, collate, num_workers=2, **kwargs))
+    assert len(serial) == len(parallel) == 2
+    for a, b in zip(serial, parallel):
+        assert a["passage"]["input_ids"].shape[0] == 2 * 5 and a["query"]["input_ids"].shape[0] == 2
+        for kind in ("query", "passage"):
+            assert torch.equal(a[kind]["input_ids"], b[kind]["input_ids"])
+
+
+def test_mixed_sources_and_cli(tmp_path, capsys):
+    a = write(tmp_path / "a.json", records(3), "list")
+    beir = write_beir(tmp_path / "beir", records(2))
+    data = D.load_training_data([a, beir], cache_dir=tmp_path / "cache")
+    assert data.sizes == [3, 2] and len(data) == 5
+    parser = argparse.ArgumentParser()
+    D.add_cli(parser.add_subparsers())
+    args = parser.parse_args(["prepare-data", str(a), str(beir), "--cache-dir", str(tmp_path / "cache")])
+    args.func(args)
+    out = capsys.readouterr().out
+    assert f"| {a} | 3 | 3 | 0 | 0 |" in out and f"| {beir} | 3 | 2 | 1 | 0 |" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED_DATA / "scifact").is_dir(), reason="SciFact not available")
+def test_scifact_training_questions(tmp_path):
+    data = D.load_beir_training(SHARED_DATA / "scifact", cache_dir=tmp_path)
+    qids = {line.split("\t")[0] for line in (SHARED_DATA / "scifact/qrels/train.tsv").read_text().splitlines()[1:]}
+    assert len(data) == len(qids) and data.stats[0]["bad"] == 0
+    assert all(row["positives"] and row["question"] for row in data.dataset.select(range(20)))

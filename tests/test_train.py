@@ -1,0 +1,138 @@
+"""The trainer: learns, resumes exactly, saves loadable retrievers, matches DDP, and rejects bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertTokenizerFast
+
+from dpr_gc.cli import main
+from dpr_gc.errors import DprGcError
+from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.train import TrainConfig, train
+from tests.conftest import tiny_bert, write_vocab
+from tests.train_data import make_records, write_dpr
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def init_model(folder: Path, dropout: float = 0.0, shared: bool = True) -> Path:
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
+    config = RetrieverConfig(pooling="mean", query_max_length=16, passage_max_length=32, shared_encoder=shared)
+    retriever = Retriever(tiny_bert(len(tokenizer), dropout=dropout), None if shared else tiny_bert(len(tokenizer), 1),
+                          tokenizer, config)
+    retriever.save(folder / "init")
+    return folder / "init"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("train")
+    return {"dir": d, "model": init_model(d), "train": write_dpr(d / "train.json", make_records(96, 1)),
+            "dev": write_dpr(d / "dev.json", make_records(32, 2))}
+
+
+def config(task: dict, out: Path, **kw) -> TrainConfig:
+    base = dict(train_files=[str(task["train"])], output_dir=str(out), model=str(task["model"]), batch_size=8,
+                learning_rate=1e-3, query_chunk_size=3, passage_chunk_size=5, cache_dir=str(task["dir"] / "cache"))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def params(model_dir: Path) -> dict:
+    return {k: v.clone() for k, v in Retriever.load(model_dir).state_dict().items()}
+
+
+def test_dev_loss_falls_and_outputs(task, tmp_path):
+    summary = train(config(task, tmp_path / "out", dev_file=str(task["dev"]), epochs=2, eval_every=6))
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    dev = [r for r in records if "dev_loss" in r]
+    assert dev[0]["step"] == 0 and dev[-1]["step"] == summary["steps"] == 24
+    assert dev[-1]["dev_loss"] < dev[0]["dev_loss"] - 0.1
+    assert dev[-1]["dev_avg_rank"] < dev[0]["dev_avg_rank"]
+    assert (tmp_path / "out" / "best" / "retriever_config.json").is_file()
+    assert (tmp_path / "out" / "checkpoint-24" / "state.pt").is_file()
+    texts = ["paris city", "the river of london"]
+    saved = Retriever.load(tmp_path / "out" / "final")
+    again = Retriever.load(tmp_path / "out" / "final")
+    assert np.array_equal(saved.embed("passage", texts), again.embed("passage", texts))
+    assert not np.allclose(Retriever.load(task["model"]).embed("query", texts), saved.embed("query", texts))
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    model = init_model(tmp_path, dropout=0.1)
+    task = {"dir": tmp_path, "model": model, "train": write_dpr(tmp_path / "t.json", make_records(48, 3))}
+    common = dict(max_steps=9, save_every=2, learning_rate=5e-4, batch_size=8)
+    train(config(task, tmp_path / "a", **common))
+
+    def crash(step: int, retriever) -> None:
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(config(task, tmp_path / "b", **common), on_backward=crash)
+    assert (tmp_path / "b" / "checkpoint-4").is_dir() and not (tmp_path / "b" / "final").exists()
+    with pytest.raises(DprGcError, match="--resume latest"):
+        train(config(task, tmp_path / "b", **common))
+    train(config(task, tmp_path / "b", resume="latest", **common))
+    a, b = params(tmp_path / "a" / "final"), params(tmp_path / "b" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 10))
+
+
+def test_plain_and_cached_training_take_the_same_first_step(task, tmp_path):
+    grads = {}
+
+    def keep(step: int, retriever) -> None:
+        grads.setdefault(len(grads), torch.cat([p.grad.flatten() for p in retriever.parameters() if p.grad is not None]))
+
+    train(config(task, tmp_path / "gc", max_steps=1), on_backward=keep)
+    train(config(task, tmp_path / "plain", max_steps=1, grad_cache=False), on_backward=keep)
+    assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-5
+
+
+def test_bad_input_errors(task, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(make_records(1, 0)[0]) + "\n{not json\n")
+    assert main(["train", "--train", str(bad), "--output", str(tmp_path / "o"), "--model", str(task["model"])]) == 2
+    assert f"{bad}:2" in capsys.readouterr().err
+    assert main(["train", "--train", str(task["train"]), "--output", str(tmp_path / "o"), "--model",
+                 str(task["model"]), "--q_chunk_size", "0"]) == 2
+    assert "chunk" in capsys.readouterr().err
+    assert main(["train", "--train", str(tmp_path / "missing.json"), "--output", str(tmp_path / "o"),
+                 "--model", str(task["model"])]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert main(["train", "--train", str(task["train"]), "--output", str(tmp_path / "o"),
+                 "--model", str(tmp_path / "no-such-model")]) == 2
+    assert "no-such-model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--train", str(task["train"]), "--output", "o", "--precision", "fp8"])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared):
+    single = tmp_path / "single.pt"
+    script = REPO / "tests" / "ddp_train_script.py"
+    model = task["model"] if shared else init_model(tmp_path, shared=False)
+    common = [str(task["train"]), str(model), str(task["dir"] / "cache")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, str(script), *common, str(tmp_path / "o1"), str(single), "16"], check=True,
+                   env=env, capture_output=True)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), *common, str(tmp_path / "o2"), str(tmp_path / "ddp.pt"), "8"],
+                         env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = torch.load(single)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"ddp.pt.rank{rank}")
+        assert float((got - expected).norm() / expected.norm()) < 1e-5
+    assert (tmp_path / "o2" / "final" / "retriever_config.json").is_file()
