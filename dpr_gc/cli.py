@@ -7,10 +7,10 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from . import data, encode, evaluate, retrieve, stdlib_data, train
+from . import data, encode, evaluate, pipeline, retrieve, stdlib_data, train
 from .errors import DprGcError
 
-STAGES = (stdlib_data, data, train, encode, retrieve, evaluate)
+STAGES = (pipeline, stdlib_data, data, train, encode, retrieve, evaluate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,48 @@
+"""The main job end to end (tiny model): before/after metrics, outputs in one folder, resumable."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from transformers import BertTokenizerFast
+
+from dpr_gc.cli import main
+from dpr_gc.errors import DprGcError
+from dpr_gc.pipeline import DemoConfig
+from tests.conftest import tiny_bert, write_vocab
+
+import pytest
+
+
+def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    model_dir.mkdir()
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(tmp_path / "vocab.txt")))
+    tiny_bert(len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "demo"
+    args = ["demo", "--output", str(out), "--model", str(model_dir), "--max-examples", "600", "--train-queries", "96", "--batch-size", "32",
+            "--chunk-size", "8", "--passage-max-length", "32"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "before training" in printed and "nDCG@10" in printed
+    report = json.loads((out / "metrics.json").read_text())
+    for name in ("before", "after"):
+        assert report[name]["questions"] == report["dataset"]["test_queries"]
+        assert report[name]["passages"] == report["dataset"]["corpus_passages"]
+        assert 0.0 <= report[name]["qrels"]["nDCG@10"] <= 1.0
+    assert len(report["training_loss"]) == 3
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "training" / "final" / "retriever_config.json").is_file()
+    assert (out / "after" / "run.trec").stat().st_size > 0
+
+    started = time.perf_counter()
+    assert main(args) == 0
+    assert time.perf_counter() - started < 30
+    assert json.loads((out / "metrics.json").read_text())["after"] == report["after"]
+
+
+def test_demo_needs_a_batch_several_times_the_chunk():
+    with pytest.raises(DprGcError, match="4x"):
+        DemoConfig(batch_size=32, chunk_size=16)
