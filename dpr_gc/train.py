@@ -136,6 +136,9 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
     """
     from .data import Collator, load_training_data, make_dataloader
 
+    for source in config.train_files + ([config.dev_file] if config.dev_file else []):
+        if not Path(source).exists():
+            raise DprGcError(f"training data not found: {source} (give DPR files or BEIR folders)")
     rank, world, device = setup_distributed(config.device)
     random.seed(config.seed)
     np.random.seed(config.seed)
