@@ -7,10 +7,10 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from . import data, encode, evaluate, pipeline, retrieve, stdlib_data, train
+from . import data, encode, evaluate, mine, pipeline, retrieve, stdlib_data, train
 from .errors import DprGcError
 
-STAGES = (pipeline, stdlib_data, data, train, encode, retrieve, evaluate)
+STAGES = (pipeline, stdlib_data, data, train, encode, retrieve, evaluate, mine)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: finished work is kept; run the same command again to resume", file=sys.stderr)
         return 130
-    return int(result or 0)
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

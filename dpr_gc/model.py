@@ -219,7 +219,7 @@ class Retriever(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            for start in tqdm(range(0, len(texts), batch_size), disable=not show_progress, desc=f"embed {kind}s"):
+            for start in tqdm(range(0, len(texts), batch_size), disable=not show_progress, desc=f"embed {kind} texts"):
                 idx = order[start:start + batch_size]
                 if kind == "query":
                     batch = self.tokenize_queries([texts[i] for i in idx])

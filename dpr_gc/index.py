@@ -1,0 +1,428 @@
+"""FAISS indexes over passage embeddings: build from encode shards, save, load, search (inner product throughout).
+
+FAISS row ``r`` of an index is corpus row ``r``: shards are added in ``start_row`` order and must cover a gap-free
+range from row 0, so retrieval maps hits straight back to the corpus dataset with no id dictionary. An index folder
+holds ``index.faiss`` (``faiss.write_index``), ``ids.txt`` (passage ids, one per row, for convenience) and, written
+last, ``index_meta.json`` (model, dim, kind, parameters, row count, shards used). No pickles anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .errors import DprGcError
+from .files import PathLike, atomic_open, atomic_path, read_json, write_json
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
+INDEX_FILE = "index.faiss"
+META_FILE = "index_meta.json"
+IDS_FILE = "ids.txt"
+FORMAT_VERSION = 1
+ENCODING_KEYS = ("model_fingerprint", "dim", "pooling", "normalize", "passage_format")
+CENTROID_POINTS = 39  # FAISS wants about this many training vectors per k-means centroid
+
+
+def _faiss() -> Any:
+    import faiss
+
+    return faiss
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """Limit FAISS's OpenMP threads (``None`` keeps FAISS's default: all cores)."""
+    if threads is not None:
+        if threads < 1:
+            raise DprGcError(f"--threads must be a positive integer, got {threads}")
+        _faiss().omp_set_num_threads(threads)
+
+
+@dataclasses.dataclass
+class IndexParams:
+    """Which FAISS index to build. ``factory`` (any ``faiss.index_factory`` string) overrides ``kind``.
+
+    ``nlist=None`` picks about ``4 * sqrt(N)`` inverted lists, capped so each gets enough training vectors;
+    ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector).
+    """
+
+    kind: str = "flat"
+    factory: Optional[str] = None
+    hnsw_m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 128
+    nlist: Optional[int] = None
+    pq_m: Optional[int] = None
+    pq_nbits: int = 8
+    nprobe: int = 32
+
+    def __post_init__(self) -> None:
+        if self.factory:
+            self.kind = "factory"
+        elif self.kind not in KINDS:
+            raise DprGcError(f"unknown index kind {self.kind!r}; use one of {', '.join(KINDS)} "
+                             "or --factory STRING (any faiss.index_factory string)")
+        for name in ("hnsw_m", "ef_construction", "ef_search", "pq_nbits", "nprobe"):
+            if getattr(self, name) < 1:
+                raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        for name in ("nlist", "pq_m"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+
+    def resolve(self, dim: int, n_vectors: int, n_train: int) -> "IndexParams":
+        """Fill a missing ``nlist`` from the data size and training-sample size, a missing ``pq_m`` from ``dim``."""
+        nlist, pq_m = self.nlist, self.pq_m
+        if self.kind in ("ivf-flat", "ivf-pq") and nlist is None:
+            nlist = max(1, min(int(4 * math.sqrt(max(n_vectors, 1))), n_train // CENTROID_POINTS))
+        if self.kind == "ivf-pq" and pq_m is None:
+            pq_m = max(m for m in range(1, max(dim // 4, 1) + 1) if dim % m == 0)
+        return dataclasses.replace(self, nlist=nlist, pq_m=pq_m)
+
+    def factory_string(self, dim: int) -> str:
+        """The ``faiss.index_factory`` string for these parameters (after :meth:`resolve`)."""
+        if self.factory:
+            return self.factory
+        if self.kind == "flat":
+            return "Flat"
+        if self.kind == "hnsw":
+            return f"HNSW{self.hnsw_m},Flat"
+        if self.nlist is None or (self.kind == "ivf-pq" and self.pq_m is None):
+            raise DprGcError(f"a {self.kind} index needs --nlist (and --pq-m for ivf-pq); "
+                             "build_index picks them from the data")
+        if self.kind == "ivf-flat":
+            return f"IVF{self.nlist},Flat"
+        if dim % self.pq_m:
+            raise DprGcError(f"--pq-m {self.pq_m} must divide the embedding dimension {dim}")
+        return f"IVF{self.nlist},PQ{self.pq_m}x{self.pq_nbits}"
+
+
+class DenseIndex:
+    """A FAISS inner-product index plus its metadata (a JSON-ready dict) — small verbs, as in FAISS."""
+
+    def __init__(self, index: Any, meta: dict[str, Any]) -> None:
+        self.index = index
+        self.meta = meta
+
+    @classmethod
+    def build(cls, dim: int, params: IndexParams) -> "DenseIndex":
+        """An empty index of ``dim`` dimensions; IVF/PQ kinds must be :meth:`train`-ed before :meth:`add`."""
+        faiss = _faiss()
+        if dim < 1:
+            raise DprGcError(f"embedding dimension must be positive, got {dim}")
+        factory = params.factory_string(dim)
+        try:
+            index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+        except RuntimeError as e:
+            raise DprGcError(f"FAISS cannot build index {factory!r} for dimension {dim}: "
+                             f"{_faiss_message(e)}; check --factory / --pq-m") from None
+        hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
+        if hnsw is not None:
+            hnsw.efConstruction = params.ef_construction
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None and hasattr(faiss.downcast_index(ivf), "do_polysemous_training"):
+            # Polysemous training (on by default for IVF-PQ) only serves Hamming-filtered search, which is not
+            # used here, and makes training ~10x slower.
+            faiss.downcast_index(ivf).do_polysemous_training = False
+        meta = {"format_version": FORMAT_VERSION, "kind": params.kind, "factory": factory, "metric": "inner_product",
+                "dim": dim, "params": dataclasses.asdict(params)}
+        dense = cls(index, meta)
+        dense._apply_search_params(params.ef_search, params.nprobe, strict=False)
+        return dense
+
+    # ------------------------------------------------------------------------------------------- properties
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    @property
+    def is_trained(self) -> bool:
+        return bool(self.index.is_trained)
+
+    # ------------------------------------------------------------------------------------------- verbs
+    def _matrix(self, x: np.ndarray, what: str) -> np.ndarray:
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            model = self.meta.get("model")
+            built = f" (built from model {model})" if model else ""
+            raise DprGcError(f"{what} have shape {tuple(x.shape)} but the index holds {self.dim}-dimensional "
+                             f"vectors{built}; use the same model (and projection) for passages and queries")
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def train(self, sample: np.ndarray) -> None:
+        """Train quantizers on ``sample`` (a no-op for Flat/HNSW); must happen before anything is added."""
+        if self.is_trained:
+            return
+        sample = self._matrix(sample, "training vectors")
+        try:
+            self.index.train(sample)
+        except RuntimeError as e:
+            raise DprGcError(f"training the {self.meta['factory']} index on {len(sample)} vectors failed: "
+                             f"{_faiss_message(e)}; raise --train-sample or lower --nlist / --pq-nbits") from None
+
+    def add(self, embeddings: np.ndarray) -> None:
+        """Append vectors; their FAISS rows continue from :attr:`ntotal`."""
+        if not self.is_trained:
+            raise DprGcError(f"the {self.meta['factory']} index must be trained before vectors are added")
+        block = self._matrix(embeddings, "embeddings")
+        if not np.isfinite(block).all():
+            raise DprGcError("embeddings contain NaN or infinite values; re-encode (fp16 overflow?) before indexing")
+        self.index.add(block)
+
+    def set_search_params(self, ef_search: Optional[int] = None, nprobe: Optional[int] = None) -> None:
+        """Change HNSW ``efSearch`` / IVF ``nprobe``; an error if the index has no such parameter."""
+        self._apply_search_params(ef_search, nprobe, strict=True)
+
+    def _apply_search_params(self, ef_search: Optional[int], nprobe: Optional[int], strict: bool) -> None:
+        space = _faiss().ParameterSpace()
+        for name, flag, value in (("efSearch", "ef_search", ef_search), ("nprobe", "nprobe", nprobe)):
+            if value is None:
+                continue
+            if value < 1:
+                raise DprGcError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+            try:
+                space.set_index_parameter(self.index, name, int(value))
+            except RuntimeError:
+                if strict:
+                    raise DprGcError(f"--{flag.replace('_', '-')} does not apply to a {self.meta['factory']} "
+                                     "index; drop the flag") from None
+                continue
+            self.meta["params"][flag] = int(value)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` by inner product: ``(scores float32 [n, k], rows int64 [n, k])``; row -1 marks no hit."""
+        if k < 1:
+            raise DprGcError(f"--top-k must be a positive integer, got {k}")
+        if self.ntotal == 0:
+            raise DprGcError("the index is empty; build it from encoded passages first (dpr-gc index)")
+        queries = self._matrix(queries, "query vectors")
+        k = min(k, self.ntotal)
+        faiss = _faiss()
+        hnsw = getattr(faiss.downcast_index(self.index), "hnsw", None)
+        if hnsw is not None and hnsw.efSearch < k:
+            # An HNSW beam narrower than k returns fewer than k hits; widen it for this search only.
+            scores, rows = self.index.search(queries, k, params=faiss.SearchParametersHNSW(efSearch=k))
+        else:
+            scores, rows = self.index.search(queries, k)
+        return scores, rows.astype(np.int64, copy=False)
+
+    # ------------------------------------------------------------------------------------------- persistence
+    def write(self, folder: PathLike, ids: Optional[Iterable[str]] = None) -> Path:
+        """Write ``index.faiss``, ``ids.txt`` (when ``ids`` is given) and, last, ``index_meta.json``.
+
+        Each file is replaced atomically and the old metadata is removed first, so a folder whose metadata exists
+        is always consistent; an interrupted write leaves a folder that :meth:`read` refuses.
+        """
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / META_FILE).unlink(missing_ok=True)
+        with atomic_path(out / INDEX_FILE) as tmp:
+            _faiss().write_index(self.index, str(tmp))
+        if ids is not None:
+            n, first, last = 0, None, None
+            with atomic_open(out / IDS_FILE) as f:
+                for pid in ids:
+                    last = pid.rstrip("\r\n")
+                    first = last if first is None else first
+                    f.write(last + "\n")
+                    n += 1
+            if n != self.ntotal:
+                (out / IDS_FILE).unlink()
+                raise DprGcError(f"{out}: {n} passage ids for {self.ntotal} index rows; the shards' ids files "
+                                 "do not match their embeddings, re-encode them")
+            self.meta.update(first_id=first, last_id=last)
+        self.meta.update(ntotal=self.ntotal, dim=self.dim, faiss_version=_faiss().__version__)
+        write_json(out / META_FILE, self.meta)
+        return out
+
+    @classmethod
+    def read(cls, folder: PathLike) -> "DenseIndex":
+        """Load an index folder written by :meth:`write`, restoring its search parameters."""
+        folder = Path(folder)
+        meta_path, index_path = folder / META_FILE, folder / INDEX_FILE
+        if not meta_path.is_file() or not index_path.is_file():
+            raise DprGcError(f"no complete index in {folder} (need {INDEX_FILE} and {META_FILE}); "
+                             "build one with 'dpr-gc index --embeddings DIR --output DIR'")
+        meta = read_json(meta_path)
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+            raise DprGcError(f"{meta_path}: not a dpr-gc index (format_version {FORMAT_VERSION} expected); rebuild it")
+        try:
+            index = _faiss().read_index(str(index_path))
+        except RuntimeError as e:
+            raise DprGcError(f"{index_path}: cannot read FAISS index ({_faiss_message(e)}); rebuild it") from None
+        if index.ntotal != meta.get("ntotal") or index.d != meta.get("dim"):
+            raise DprGcError(f"{folder}: {INDEX_FILE} ({index.ntotal} x {index.d}) disagrees with {META_FILE} "
+                             f"({meta.get('ntotal')} x {meta.get('dim')}); rebuild the index")
+        dense = cls(index, meta)
+        params = meta.get("params", {})
+        dense._apply_search_params(params.get("ef_search"), params.get("nprobe"), strict=False)
+        return dense
+
+
+def _faiss_message(error: Exception) -> str:
+    """FAISS's C++ errors span several lines ending in the reason; keep the reason only."""
+    lines = str(error).strip().splitlines()
+    last = lines[-1] if lines else ""
+    reason = re.search(r":\d+: (.*)$", last) if "Error in" in last else None
+    return reason.group(1) if reason else last
+
+
+# ----------------------------------------------------------------------------------------------- from shards
+def read_ids(folder: PathLike) -> Iterator[str]:
+    """Stream the passage ids of an index folder, one per FAISS row."""
+    with open(Path(folder) / IDS_FILE, encoding="utf-8") as f:
+        for line in f:
+            yield line.rstrip("\n")
+
+
+def _check_shards(manifests: list[dict], first_row: int, emb_dir: PathLike) -> list[dict]:
+    """Shards to add: those from ``first_row`` on, which must continue it without gaps or overlaps."""
+    todo, expected = [], first_row
+    for m in manifests:
+        start, count = int(m["start_row"]), int(m["count"])
+        if start + count <= first_row:
+            continue
+        if start != expected:
+            what = "overlaps indexed rows" if start < expected else f"leaves rows {expected}..{start - 1} missing"
+            raise DprGcError(f"{m['embeddings']}: shard starting at corpus row {start} {what}; FAISS rows must equal "
+                             "corpus rows, so finish (or re-run) the missing shards first")
+        todo.append(m)
+        expected = start + count
+    return todo
+
+
+def _open_shard(m: dict, check_ids: bool = False) -> np.ndarray:
+    """Memory-map a shard's embeddings, checking them (and optionally its ids file) against its manifest."""
+    path = Path(m["embeddings"])
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DprGcError(f"{path}: cannot read embeddings ({e}); re-encode this shard") from None
+    if arr.shape != (int(m["count"]), int(m["dim"])) or arr.dtype not in (np.float16, np.float32):
+        raise DprGcError(f"{path}: holds {arr.dtype} {arr.shape} but its manifest says {m['count']} x {m['dim']}; "
+                         "re-encode this shard")
+    if check_ids:
+        with open(m["ids"], "rb") as f:
+            n_ids = sum(1 for _ in f)
+        if n_ids != len(arr):
+            raise DprGcError(f"{m['ids']}: {n_ids} ids for {len(arr)} embeddings; re-encode this shard")
+    return arr
+
+
+def sample_embeddings(manifests: list[dict], n: int, seed: int = 0) -> np.ndarray:
+    """A uniform random sample of ``n`` rows across shards, as float32; only the sample is held in memory."""
+    total = sum(int(m["count"]) for m in manifests)
+    n = min(n, total)
+    rng = np.random.default_rng(seed)
+    picks = np.arange(total) if n == total else np.sort(rng.choice(total, size=n, replace=False))
+    out = np.empty((n, int(manifests[0]["dim"])), dtype=np.float32)
+    offset = filled = 0
+    for m in manifests:
+        count = int(m["count"])
+        local = picks[(picks >= offset) & (picks < offset + count)] - offset
+        if len(local):
+            out[filled:filled + len(local)] = _open_shard(m)[local]
+            filled += len(local)
+        offset += count
+    return out
+
+
+def shard_ids(manifests: list[dict]) -> Iterator[str]:
+    """Stream the passage ids of shards in order (one per embedding row)."""
+    for m in manifests:
+        with open(m["ids"], encoding="utf-8") as f:
+            yield from (line.rstrip("\r\n") for line in f)
+
+
+def _encoding_of(meta: dict) -> dict:
+    return {k: meta.get(k) for k in ENCODING_KEYS}
+
+
+def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseIndex] = None,
+               train_sample: int = 100_000, block_size: int = 65_536, seed: int = 0,
+               allow_partial: bool = False) -> tuple[DenseIndex, list[dict], dict[str, Any]]:
+    """Add the shards of ``emb_dir`` not yet in ``dense`` (a new index when ``None``), in memory.
+
+    A new trained kind first trains on a random sample of ``train_sample`` vectors; vectors are then added shard
+    by shard in blocks of ``block_size`` rows read from memory-mapped ``.npy`` files, so memory holds the index
+    and not every embedding besides. Returns ``(index, shards added, timings)``.
+    """
+    from .encode import read_manifests
+
+    if train_sample < 1 or block_size < 1:
+        raise DprGcError("--train-sample and --block-size must be positive integers")
+    manifests = read_manifests(emb_dir, complete=not allow_partial)
+    encoding, first = _encoding_of(manifests[0]), manifests[0]
+    for m in manifests:
+        if _encoding_of(m) != encoding:
+            raise DprGcError(f"{m['embeddings']}: encoded with {_encoding_of(m)} but other shards in {emb_dir} with "
+                             f"{encoding}; keep one model's embeddings per folder")
+    if dense is not None and (_encoding_of(dense.meta) != encoding
+                              or dense.meta.get("corpus_rows") != first.get("corpus_rows")):
+        raise DprGcError(f"embeddings in {emb_dir} (model {first.get('model')}, dim {first['dim']}, "
+                         f"{first.get('corpus_rows')} corpus rows) do not match the index (model "
+                         f"{dense.meta.get('model')}, dim {dense.dim}, {dense.meta.get('corpus_rows')} corpus rows); "
+                         "encode the same corpus with the same model, or build a new index in another folder")
+    todo = _check_shards(manifests, dense.ntotal if dense else 0, emb_dir)
+    if not todo:
+        raise DprGcError(f"nothing to add: every shard in {emb_dir} is already in the index")
+    for m in todo:
+        _open_shard(m, check_ids=True)
+    stats = {"train_vectors": 0, "train_seconds": 0.0}
+    if dense is None:
+        dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
+        dense = DenseIndex.build(dim, params.resolve(dim, total, min(train_sample, total)))
+        dense.meta.update(encoding, model=first.get("model"), corpus=first.get("corpus"),
+                          corpus_rows=first.get("corpus_rows"), shards=[])
+        if not dense.is_trained:
+            started = time.perf_counter()
+            sample = sample_embeddings(todo, train_sample, seed)
+            logger.info("training %s on %d vectors", dense.meta["factory"], len(sample))
+            dense.train(sample)
+            stats = {"train_vectors": len(sample), "train_seconds": round(time.perf_counter() - started, 3)}
+        dense.meta["trained_on"] = stats["train_vectors"]
+    started = time.perf_counter()
+    with tqdm(total=sum(int(m["count"]) for m in todo), desc="adding to index", unit=" vectors", disable=None) as bar:
+        for m in todo:
+            arr = _open_shard(m)
+            for s in range(0, len(arr), block_size):
+                dense.add(arr[s:s + block_size])
+                bar.update(min(block_size, len(arr) - s))
+            dense.meta["shards"].append({"embeddings": Path(m["embeddings"]).name, "start_row": int(m["start_row"]),
+                                         "count": int(m["count"])})
+    stats["add_seconds"] = round(time.perf_counter() - started, 3)
+    return dense, todo, stats
+
+
+def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train_sample: int = 100_000,
+                block_size: int = 65_536, seed: int = 0, append: bool = False,
+                allow_partial: bool = False) -> dict[str, Any]:
+    """Build the index in ``out_dir`` from the encode shards in ``emb_dir`` (see :func:`add_shards`).
+
+    With ``append`` an existing index in ``out_dir`` is extended by the shards it lacks, which must continue its
+    rows and come from the same model and corpus. Returns a summary dict.
+    """
+    existing = DenseIndex.read(out_dir) if append and (Path(out_dir) / META_FILE).is_file() else None
+    dense, todo, stats = add_shards(emb_dir, params, existing, train_sample, block_size, seed, allow_partial)
+    old_ids = read_ids(out_dir) if existing is not None else ()
+    dense.write(out_dir, ids=itertools.chain(old_ids, shard_ids(todo)))
+    logger.info("wrote %s index with %d vectors to %s", dense.meta["factory"], dense.ntotal, out_dir)
+    corpus_rows = dense.meta.get("corpus_rows")
+    return {"index": str(out_dir), "factory": dense.meta["factory"], "model": dense.meta.get("model"),
+            "dim": dense.dim, "ntotal": dense.ntotal, "added": sum(int(m["count"]) for m in todo),
+            "shards_added": len(todo), **stats, "complete": corpus_rows is None or dense.ntotal == int(corpus_rows)}
+

@@ -1,0 +1,490 @@
+"""Mine hard negatives: retrieve top-K passages per training question, drop false negatives, keep N per question.
+
+Candidates come from BM25 (bm25s; how DPR made its first negatives) or from a trained encoder and a FAISS index.
+False negatives are dropped before anything is chosen: the question's gold passages (same id, or same text), passages
+that contain an answer (``evaluate.has_answer``, the matching evaluation uses) and qrels positives. Of the rest,
+ranks ``<= skip_top`` are skipped and, with ``margin``, so is any candidate scoring above ``best positive score -
+margin``; the first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``. Training files stream through in
+chunks of questions and are rewritten record by record, so memory holds one chunk, not the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .data import ID_KEYS
+from .errors import DprGcError
+from .files import PathLike, atomic_path, iter_jsonl, open_text, read_json, require_file, write_json
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 1024
+BM25_BLOCK = 50_000
+BM25_META = "bm25_meta.json"
+BM25_TOKENIZER = "bm25s Tokenizer: lowercase, regex (?u)\\b\\w\\w+\\b, English stopwords, no stemming"
+Gold = tuple[Optional[int], str, str]  # (corpus row if known, title, text)
+
+
+@dataclasses.dataclass
+class MiningSummary:
+    """Counts over all mined questions and statistics of the chosen negatives' scores."""
+
+    questions: int = 0
+    judged: int = 0
+    candidates: int = 0
+    gold_dropped: int = 0
+    answer_dropped: int = 0
+    qrels_dropped: int = 0
+    rank_skipped: int = 0
+    margin_dropped: int = 0
+    short: int = 0
+    written: int = 0
+    score_sum: float = 0.0
+    score_min: float = math.inf
+    score_max: float = -math.inf
+
+    def merge(self, other: "MiningSummary") -> None:
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, {"score_min": min, "score_max": max}.get(f.name, lambda x, y: x + y)(a, b))
+
+    def table(self) -> dict[str, Any]:
+        """The rows of the closing summary table."""
+        def stat(v: float) -> Any:
+            return round(v, 4) if self.written else "-"
+
+        return {"questions": self.questions, "questions in qrels": self.judged, "candidates seen": self.candidates,
+                "gold dropped": self.gold_dropped, "answer-bearing dropped": self.answer_dropped,
+                "qrels positives dropped": self.qrels_dropped, "skipped by rank": self.rank_skipped,
+                "dropped by margin": self.margin_dropped, "questions short of N": self.short,
+                "negatives written": self.written, "mean score": stat(self.score_sum / max(self.written, 1)),
+                "min score": stat(self.score_min), "max score": stat(self.score_max)}
+
+
+# ----------------------------------------------------------------------------------------------------- sources
+class DenseSource:
+    """Candidates from a FAISS index (row r = corpus row r) searched with ``retriever``'s question encoder.
+
+    A positive's score is the dot product of the question with the positive embedded by the same passage encoder.
+    """
+
+    def __init__(self, retriever: Any, index: Any, batch_size: int = 64) -> None:
+        self.retriever, self.index, self.batch_size = retriever, index, batch_size
+
+    def retrieve(self, questions: list[str], k: int,
+                 positives: Optional[list[list[Gold]]] = None) -> tuple[np.ndarray, np.ndarray, list[Optional[float]]]:
+        emb = self.retriever.embed("query", questions, batch_size=self.batch_size)
+        scores, rows = self.index.search(emb, k)
+        best: list[Optional[float]] = [None] * len(questions)
+        flat = [(i, g) for i, gs in enumerate(positives or []) for g in gs]
+        if flat:
+            pemb = self.retriever.embed("passage", [g[2] for _, g in flat], titles=[g[1] for _, g in flat],
+                                        batch_size=self.batch_size)
+            for (i, _), s in zip(flat, np.einsum("nd,nd->n", emb[[i for i, _ in flat]], pemb).tolist()):
+                best[i] = s if best[i] is None else max(best[i], s)
+        return scores, rows, best
+
+
+class BM25Source:
+    """Candidates from BM25 (bm25s, k1/b as Anserini's defaults) over ``title + " " + text`` of each corpus row.
+
+    Tokenisation is bm25s's tokenizer: lowercase, words of 2+ word characters, English stopwords removed, no
+    stemming. The corpus is tokenised block by block from the memory-mapped dataset; bm25s then holds the token ids
+    while it builds its sparse score matrix, which is all that stays in memory (or is memory-mapped after a reload).
+    With ``index_dir`` an index saved there for the same corpus and parameters is loaded, else built and saved there.
+    A positive's score is its row of bm25s's score vector for the question, so only positives in the corpus get one.
+    Passages sharing no term with the question (score 0) are not candidates.
+    """
+
+    def __init__(self, corpus: Any, k1: float = 0.9, b: float = 0.4, index_dir: Optional[PathLike] = None,
+                 block_size: int = BM25_BLOCK, n_threads: int = 0, show_progress: bool = True) -> None:
+        import bm25s
+
+        self.n_threads = n_threads
+        self.meta = {"corpus_rows": len(corpus), "first_id": str(corpus[0]["id"]) if len(corpus) else None,
+                     "last_id": str(corpus[len(corpus) - 1]["id"]) if len(corpus) else None, "k1": k1, "b": b,
+                     "tokenizer": BM25_TOKENIZER, "bm25s_version": bm25s.__version__}
+        self.tokenizer = bm25s.tokenization.Tokenizer(stopwords="english")
+        folder = Path(index_dir) if index_dir is not None else None
+        if folder is not None and (folder / BM25_META).is_file():
+            saved = read_json(folder / BM25_META)
+            diff = [k for k in ("corpus_rows", "first_id", "last_id", "k1", "b", "tokenizer")
+                    if saved.get(k) != self.meta[k]]
+            if diff:
+                raise DprGcError(f"the BM25 index in {folder} was built with other {', '.join(diff)} "
+                                 f"({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); give the same corpus and "
+                                 "parameters, or another --bm25-index folder")
+            self.bm25 = bm25s.BM25.load(str(folder), mmap=True, show_progress=False)
+            self.tokenizer.load_vocab(str(folder))
+            logger.info("loaded the BM25 index of %d passages from %s", len(corpus), folder)
+            return
+        if len(corpus) == 0:
+            raise DprGcError("the corpus is empty; BM25 needs passages")
+        ids: list[list[int]] = []
+        with tqdm(total=len(corpus), desc="BM25 tokenise", unit=" passages", disable=not show_progress) as bar:
+            for s in range(0, len(corpus), block_size):
+                rows = corpus[s:s + block_size]
+                texts = [f"{t} {x}" if t else x for t, x in zip(rows["title"], rows["text"])]
+                ids.extend(self.tokenizer.streaming_tokenize(texts))
+                bar.update(len(texts))
+        self.bm25 = bm25s.BM25(k1=k1, b=b)
+        self.bm25.index(bm25s.tokenization.Tokenized(ids=ids, vocab=self.tokenizer.get_vocab_dict()),
+                        show_progress=show_progress)
+        del ids
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / BM25_META).unlink(missing_ok=True)
+            self.bm25.save(str(folder), show_progress=False)
+            self.tokenizer.save_vocab(str(folder))
+            write_json(folder / BM25_META, self.meta)
+            logger.info("saved the BM25 index to %s", folder)
+
+    def retrieve(self, questions: list[str], k: int,
+                 positives: Optional[list[list[Gold]]] = None) -> tuple[np.ndarray, np.ndarray, list[Optional[float]]]:
+        qids = self.tokenizer.tokenize(questions, update_vocab=False, return_as="ids", show_progress=False)
+        k = min(k, int(self.bm25.scores["num_docs"]))
+        rows, scores = self.bm25.retrieve(qids, k=k, n_threads=self.n_threads, show_progress=False)
+        best: list[Optional[float]] = [None] * len(questions)
+        for i, golds in enumerate(positives or []):
+            known = [g[0] for g in golds if g[0] is not None]
+            if known:
+                best[i] = float(self.bm25.get_scores_from_ids(qids[i])[known].max())
+        scores, rows = np.asarray(scores, dtype=np.float32), np.asarray(rows, dtype=np.int64)
+        rows[scores <= 0] = -1  # no query term in common: not retrieved (as in Lucene), and no hard negative
+        return scores, rows, best
+
+
+# ----------------------------------------------------------------------------------------------------- mining
+def ctx_id(ctx: dict) -> str:
+    """A DPR context's passage id (DPR files use ``passage_id``; others ``id``/``psg_id``/``_id``), or ''."""
+    return str(next((ctx[k] for k in ID_KEYS if ctx.get(k) is not None), ""))
+
+
+def _qid(record: dict) -> str:
+    qid = record.get("id") if record.get("id") is not None else record.get("_id")
+    return "" if qid is None else str(qid)
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def rows_for_ids(corpus: Any, ids: Iterable[str], block_size: int = 1_000_000) -> dict[str, int]:
+    """Corpus rows of the given passage ids (ids not in the corpus are left out), by one scan of the id column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    wanted, found = pa.array(sorted(set(map(str, ids))), pa.string()), {}
+    table = corpus.with_format("arrow")
+    for s in range(0, len(corpus), block_size):
+        col = table[s:s + block_size]["id"]
+        mask = pc.is_in(col, value_set=wanted)
+        rows = np.flatnonzero(np.asarray(mask, dtype=bool)) + s
+        for pid, row in zip(pc.filter(col, mask).to_pylist(), rows.tolist()):
+            found.setdefault(pid, row)
+    return found
+
+
+def _check_settings(n_negatives: int, top_k: int, skip_top: int, match_mode: str) -> None:
+    from .evaluate import MATCH_MODES
+
+    if n_negatives < 1:
+        raise DprGcError(f"--n-negatives must be a positive integer, got {n_negatives}")
+    if top_k < 1 or not 0 <= skip_top < top_k:
+        raise DprGcError(f"need --top-k >= 1 and 0 <= --skip-top < --top-k, got top-k {top_k}, skip-top {skip_top}")
+    if match_mode not in MATCH_MODES:
+        raise DprGcError(f"--match must be one of {', '.join(MATCH_MODES)}, got {match_mode!r}")
+
+
+def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_negatives: int, top_k: int = 100,
+                        skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
+                        qrels: Optional[dict[str, dict[str, int]]] = None, *,
+                        id_to_row: Optional[dict[str, int]] = None,
+                        show_progress: bool = False) -> tuple[list[dict], MiningSummary]:
+    """Hard negatives for DPR-style question records (``question``, ``answers``, ``positive_ctxs``, optional ``id``).
+
+    Returns one ``{"id", "question", "hard_negative_ctxs"}`` per question -- each ctx ``{title, text, passage_id,
+    score, rank}`` with ``rank`` the 1-based position in the retrieved list -- and a :class:`MiningSummary`.
+    ``margin`` drops candidates scoring above the best positive's score minus ``margin``; questions whose positive
+    has no score (BM25: positive not in the corpus) keep their candidates. ``id_to_row`` maps positive ids to corpus
+    rows for BM25 margins (looked up here when missing).
+    """
+    _check_settings(n_negatives, top_k, skip_top, match_mode)
+    if margin is not None and id_to_row is None and isinstance(source, BM25Source):
+        id_to_row = rows_for_ids(corpus, (ctx_id(c) for q in questions for c in q.get("positive_ctxs") or []))
+    summary, records = MiningSummary(), []
+    for start in tqdm(range(0, len(questions), CHUNK), desc="mining", unit=" chunks", disable=not show_progress):
+        chunk = questions[start:start + CHUNK]
+        rows_of = id_to_row or {}
+        golds = [[(rows_of.get(ctx_id(c)), c.get("title") or "", c.get("text") or "")
+                  for c in q.get("positive_ctxs") or []] for q in chunk]
+        scores, rows, best = source.retrieve([q["question"] for q in chunk], top_k,
+                                             golds if margin is not None else None)
+        unique = np.unique(rows[rows >= 0]).tolist()
+        cols = corpus[unique] if unique else {"id": [], "title": [], "text": []}
+        where = {r: i for i, r in enumerate(unique)}
+        for q, gold, pos, q_scores, q_rows in zip(chunk, golds, best, scores.tolist(), rows.tolist()):
+            hits = [(rank, score, str(cols["id"][i]), cols["title"][i] or "", cols["text"][i])
+                    for rank, (score, i) in enumerate(zip(q_scores, (where.get(r) for r in q_rows)), start=1)
+                    if i is not None]
+            floor = pos - margin if margin is not None and pos is not None else None
+            chosen = _select(q, gold, hits, n_negatives, skip_top, floor, match_mode, qrels, summary)
+            records.append({"id": q.get("id"), "question": q["question"], "hard_negative_ctxs": chosen})
+    return records, summary
+
+
+def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, str]], n_negatives: int,
+            skip_top: int, floor: Optional[float], match_mode: str, qrels: Optional[dict[str, dict[str, int]]],
+            summary: MiningSummary) -> list[dict]:
+    """Drop false negatives among one question's ranked hits, then keep the first ``n_negatives`` in range."""
+    from .evaluate import has_answer
+
+    gold_ids = {ctx_id(c) for c in q.get("positive_ctxs") or []} - {""}
+    gold_texts = {_norm(text) for _, _, text in gold}
+    judged = (qrels or {}).get(_qid(q), {})
+    qrels_pos = {d for d, rel in judged.items() if rel > 0}
+    answers = q.get("answers") or []
+    chosen: list[dict] = []
+    for rank, score, pid, title, text in hits:
+        if pid in gold_ids or _norm(text) in gold_texts:
+            summary.gold_dropped += 1
+        elif answers and has_answer(answers, text, match_mode):
+            summary.answer_dropped += 1
+        elif pid in qrels_pos:
+            summary.qrels_dropped += 1
+        elif rank <= skip_top:
+            summary.rank_skipped += 1
+        elif floor is not None and score > floor:
+            summary.margin_dropped += 1
+        elif len(chosen) < n_negatives:
+            chosen.append({"title": title, "text": text, "passage_id": pid, "score": float(score), "rank": rank})
+    scores = [c["score"] for c in chosen]
+    summary.merge(MiningSummary(questions=1, judged=int(bool(judged)), candidates=len(hits),
+                                short=int(len(chosen) < n_negatives), written=len(chosen), score_sum=sum(scores),
+                                score_min=min(scores, default=math.inf), score_max=max(scores, default=-math.inf)))
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------------- files
+def iter_training_file(path: PathLike) -> Iterator[dict]:
+    """Stream the records of a DPR training file (JSON list or JSONL, optionally .gz) unchanged, each checked as the
+    training reader checks it; a bad record raises naming file and line."""
+    from .data import _iter_json_list, normalise_record
+
+    p = require_file(path, "training file")
+    with open_text(p) as f:
+        is_list = f.read(1 << 16).lstrip().startswith("[")
+        f.seek(0)
+        for line, record in (_iter_json_list(f, p) if is_list else iter_jsonl(p)):
+            try:
+                normalise_record(record)
+            except ValueError as e:
+                raise DprGcError(f"{p}:{line}: {e}; fix the record") from None
+            yield record
+
+
+def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
+                          corpus: Any) -> tuple[list[dict], dict[str, int]]:
+    """DPR records for the queries judged in BEIR qrels: positives are the qrels pairs with relevance > 0, their text
+    taken from ``corpus``. Returns ``(records, passage id -> corpus row)`` for the positives."""
+    from .corpus import read_queries
+    from .evaluate import read_qrels
+
+    qrels = read_qrels(qrels_path)
+    positives = {q: [d for d, rel in judged.items() if rel > 0] for q, judged in qrels.items()}
+    id_to_row = rows_for_ids(corpus, (d for ds in positives.values() for d in ds))
+    missing = sorted({d for ds in positives.values() for d in ds} - set(id_to_row))
+    if missing:
+        raise DprGcError(f"{qrels_path}: {len(missing)} positive passage id(s) are not in the corpus (e.g. "
+                         f"{missing[0]!r}); give the corpus these qrels judge")
+    records = []
+    for q in read_queries(queries_path):
+        ids = positives.get(str(q["id"]))
+        if ids:
+            rows = corpus[[id_to_row[d] for d in ids]]
+            ctxs = [{"title": t or "", "text": x, "passage_id": d} for d, t, x in zip(ids, rows["title"], rows["text"])]
+            records.append({"id": str(q["id"]), "question": q["question"], "answers": q["answers"],
+                            "positive_ctxs": ctxs, "hard_negative_ctxs": []})
+    if not records:
+        raise DprGcError(f"no query of {queries_path} has a positive in {qrels_path}; check that the ids match")
+    return records, id_to_row
+
+
+def _merge(old: list, new: list[dict]) -> list:
+    seen = {ctx_id(c) for c in old if isinstance(c, dict)}
+    return list(old) + [c for c in new if c["passage_id"] not in seen]
+
+
+def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus: Any, n_negatives: int,
+                 top_k: int = 100, skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
+                 qrels: Optional[dict[str, dict[str, int]]] = None, append: bool = False,
+                 id_to_row: Optional[dict[str, int]] = None, chunk_size: int = CHUNK,
+                 show_progress: bool = True) -> MiningSummary:
+    """Mine ``records`` chunk by chunk and write them with ``hard_negative_ctxs`` replaced (``append``: old ones
+    kept, new ones added unless their id is already there), every other field kept. A JSON list, or JSONL when the
+    name ends in ``.jsonl`` (``.gz`` compresses); the file appears only when complete."""
+    _check_settings(n_negatives, top_k, skip_top, match_mode)
+    final = Path(output)
+    jsonl = final.name.removesuffix(".gz").endswith(".jsonl")
+    summary, count, buffer = MiningSummary(), 0, []
+    with atomic_path(final) as tmp, (gzip.open(tmp, "wt", encoding="utf-8") if final.suffix == ".gz" else
+                                     open(tmp, "w", encoding="utf-8")) as out, \
+            tqdm(total=len(records) if isinstance(records, Sequence) else None, desc="mining", unit=" q",
+                 disable=not show_progress) as bar:
+        out.write("" if jsonl else "[\n")
+
+        def flush() -> None:
+            nonlocal count
+            mined, part = mine_hard_negatives(buffer, source, corpus, n_negatives, top_k, skip_top, margin,
+                                              match_mode, qrels, id_to_row=id_to_row)
+            summary.merge(part)
+            for record, m in zip(buffer, mined):
+                new = dict(record)
+                new["hard_negative_ctxs"] = (_merge(record.get("hard_negative_ctxs") or [], m["hard_negative_ctxs"])
+                                             if append else m["hard_negative_ctxs"])
+                text = json.dumps(new, ensure_ascii=False)
+                out.write(text + "\n" if jsonl else ("" if count == 0 else ",\n") + text)
+                count += 1
+            bar.update(len(buffer))
+            buffer.clear()
+
+        for record in records:
+            buffer.append(record)
+            if len(buffer) >= chunk_size:
+                flush()
+        if buffer:
+            flush()
+        if count == 0:
+            raise DprGcError(f"no training questions to mine (the input is empty); nothing written to {final}")
+        out.write("" if jsonl else "\n]\n")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------- command line
+SOURCES = ("dense", "bm25")
+
+
+def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: Optional[PathLike] = None,
+                embeddings: Optional[PathLike] = None, corpus_path: Optional[PathLike] = None,
+                bm25_index: Optional[PathLike] = None, k1: float = 0.9, b: float = 0.4, device: Optional[str] = None,
+                batch_size: int = 64, cache_dir: Optional[PathLike] = None, check_model: bool = True,
+                threads: int = 0, show_progress: bool = True) -> Any:
+    """A :class:`BM25Source`, or a :class:`DenseSource` over the index in ``index`` -- built first (flat) from the
+    shards in ``embeddings``, which are encoded first when that folder has none -- checked against model and corpus."""
+    if kind == "bm25":
+        return BM25Source(corpus, k1, b, index_dir=bm25_index, n_threads=threads, show_progress=show_progress)
+    if kind != "dense":
+        raise DprGcError(f"unknown --source {kind!r}; use one of {', '.join(SOURCES)}")
+    import torch
+
+    from .encode import MANIFEST_RE, encode_corpus
+    from .index import META_FILE, DenseIndex, IndexParams, build_index, set_threads
+    from .model import Retriever
+    from .retrieve import check_compatible, check_corpus
+
+    if not model:
+        raise DprGcError("--source dense needs --model (the trained retriever folder)")
+    set_threads(threads or None)
+    retriever = Retriever.load(model, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if index is None or not (Path(index) / META_FILE).is_file():
+        if embeddings is None:
+            where = f"no index in {index}; " if index is not None else ""
+            raise DprGcError(f"{where}--source dense needs --index DIR (from 'dpr-gc index') or --embeddings DIR "
+                             "(encode shards; encoded now if the folder has none)")
+        emb = Path(embeddings)
+        if not emb.is_dir() or not any(MANIFEST_RE.match(p.name) for p in emb.iterdir()):
+            if corpus_path is None:
+                raise DprGcError("encoding the corpus needs --corpus")
+            encode_corpus(retriever, corpus_path, emb, shard_id=0, num_shards=1, batch_size=batch_size,
+                          cache_dir=cache_dir, model_name=str(model), show_progress=show_progress)
+        index = index if index is not None else emb / "index"
+        build_index(emb, index, IndexParams("flat"))
+    dense = DenseIndex.read(index)
+    check_compatible(retriever, dense, check_fingerprint=check_model)
+    check_corpus(dense, corpus)
+    return DenseSource(retriever, dense, batch_size)
+
+
+def _cli(args: argparse.Namespace) -> None:
+    from .corpus import load_corpus
+    from .data import _find
+    from .evaluate import read_qrels
+    from .retrieve import format_summary
+
+    if args.source not in SOURCES:
+        raise DprGcError(f"unknown --source {args.source!r}; use one of {', '.join(SOURCES)}")
+    if bool(args.train_file) == bool(args.beir_dir):
+        raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
+    _check_settings(args.n_negatives, args.top_k, args.skip_top, args.match)
+    beir = Path(args.beir_dir) if args.beir_dir else None
+    if beir is not None:
+        queries = _find(beir, "queries.jsonl")
+        split_qrels = require_file(beir / "qrels" / f"{args.split}.tsv", f"qrels of split {args.split!r}")
+    else:
+        require_file(args.train_file, "training file")
+    corpus_path = args.corpus or (_find(beir, "corpus.jsonl") if beir is not None else None)
+    if corpus_path is None and args.index and (Path(args.index) / "index_meta.json").is_file():
+        corpus_path = read_json(Path(args.index) / "index_meta.json").get("corpus")
+    if not corpus_path:
+        raise DprGcError("give --corpus (the passages to mine from)")
+    corpus = load_corpus(corpus_path, args.cache_dir)
+    qrels = read_qrels(args.qrels) if args.qrels else None
+    source = open_source(args.source, corpus, model=args.model, index=args.index, embeddings=args.embeddings,
+                         corpus_path=corpus_path, bm25_index=args.bm25_index, k1=args.bm25_k1, b=args.bm25_b,
+                         device=args.device, batch_size=args.batch_size, cache_dir=args.cache_dir,
+                         check_model=not args.skip_model_check, threads=args.threads)
+    id_to_row = None
+    if beir is not None:
+        records, id_to_row = beir_training_records(queries, split_qrels, corpus)
+    else:
+        records = iter_training_file(args.train_file)
+        if args.margin is not None and args.source == "bm25":
+            golds = (ctx_id(c) for r in iter_training_file(args.train_file) for c in r.get("positive_ctxs") or [])
+            id_to_row = rows_for_ids(corpus, golds)
+    summary = mine_to_file(records, args.output, source, corpus, args.n_negatives, args.top_k, args.skip_top,
+                           args.margin, args.match, qrels, args.append, id_to_row)
+    if qrels is not None and summary.judged == 0:
+        logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
+    print(format_summary({"source": args.source, **summary.table(), "output": args.output}))
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``dpr-gc mine``."""
+    p = subparsers.add_parser("mine", help="mine hard negatives (BM25 or dense) into a DPR training file",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--source", default="bm25", help="where candidates come from: bm25 (bm25s) or dense (default bm25)")
+    p.add_argument("--train-file", help="DPR training file (.json/.jsonl, optionally .gz) whose questions to mine for")
+    p.add_argument("--beir-dir", help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, corpus.jsonl); positives: qrels")
+    p.add_argument("--split", default="train", help="qrels split of --beir-dir (default train)")
+    p.add_argument("--output", required=True, help="DPR training file to write (.jsonl -> JSONL, else a JSON list)")
+    p.add_argument("--corpus", help="passages to mine from (default: the BEIR corpus or the one recorded in --index)")
+    p.add_argument("--model", help="trained retriever folder (dense source)")
+    p.add_argument("--index", help="index folder from 'dpr-gc index'; built here from --embeddings if missing")
+    p.add_argument("--embeddings", help="encode shards folder (encoded here if it has none), for a new flat index")
+    p.add_argument("--bm25-index", help="folder to save the BM25 index to, or load it from if built already")
+    p.add_argument("--bm25-k1", type=float, default=0.9, help="BM25 k1 (default 0.9, as Anserini)")
+    p.add_argument("--bm25-b", type=float, default=0.4, help="BM25 b (default 0.4, as Anserini)")
+    p.add_argument("--n-negatives", type=int, default=30, help="hard negatives per question (default 30)")
+    p.add_argument("--top-k", type=int, default=100, help="candidates retrieved per question (default 100)")
+    p.add_argument("--skip-top", type=int, default=0, help="skip candidates ranked 1..N (likely false negatives)")
+    p.add_argument("--margin", type=float, help="drop candidates scoring above (best positive score - MARGIN)")
+    p.add_argument("--match", default="string", help="answer matching: string (NQ/TriviaQA) or regex (CuratedTREC)")
+    p.add_argument("--qrels", help="relevance judgments: their positives (by question id) are never negatives")
+    p.add_argument("--append", action="store_true", help="keep existing hard_negative_ctxs and add the new ones")
+    p.add_argument("--batch-size", type=int, default=64, help="questions/passages per encoder batch (default 64)")
+    p.add_argument("--device", help="torch device (default: cuda if available)")
+    p.add_argument("--cache-dir", help="where parsed corpora are cached")
+    p.add_argument("--threads", type=int, default=0, help="BM25 / FAISS search threads (default: bm25s 1, FAISS all)")
+    p.add_argument("--skip-model-check", action="store_true",
+                   help="do not refuse a model whose weights differ from the one that encoded the passages")
+    p.set_defaults(func=_cli)

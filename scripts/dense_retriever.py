@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""DPR-compatible front end of ``dpr-gc retrieve``: DPR's flag names, the same library calls.
+
+    python scripts/dense_retriever.py --model_file MODEL --qa_file nq-test.qa.csv --ctx_file psgs_w100.tsv \\
+        --encoded_ctx_files embeddings/ --out_file results.json --n_docs 100
+
+``--encoded_ctx_files`` is an encode output folder (or a glob of its ``shard-*`` files); the index is built in
+memory (exact, or HNSW with ``--hnsw_index``), or loaded from / saved to ``--index_path``. Hydra-style
+``key=value`` arguments (as newer DPR versions take) are accepted too. Flags DPR has and this script does not
+need are ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+try:
+    import dpr_gc  # noqa: F401
+except ImportError:  # running from a checkout without installing the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dpr_gc.errors import DprGcError
+from dpr_gc.index import META_FILE, DenseIndex, add_shards, set_threads, shard_ids
+from dpr_gc.retrieve import MATCH_CHOICES, add_index_arguments, params_from_args, run_retrieval
+
+logger = logging.getLogger("dense_retriever")
+
+
+def embeddings_folder(spec: str) -> Path:
+    """An encode output folder, given as the folder itself or as a glob of the shard files inside it."""
+    if Path(spec).is_dir():
+        return Path(spec)
+    folders = {Path(p).parent for p in glob.glob(spec)}
+    if len(folders) != 1:
+        found = "no files" if not folders else f"files in {len(folders)} folders"
+        raise DprGcError(f"--encoded_ctx_files {spec!r} matches {found}; give the encode output folder")
+    return folders.pop()
+
+
+def hydra_to_flags(argv: list[str]) -> list[str]:
+    """Turn DPR/hydra ``key=value`` arguments into ``--key=value``; list values ``[a]`` lose their brackets."""
+    out = []
+    for arg in argv:
+        if not arg.startswith("-") and "=" in arg:
+            key, value = arg.split("=", 1)
+            value = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+            arg = f"--{key}={value}"
+        out.append(arg)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model_file", "--model", dest="model", help="retriever folder or HF model")
+    p.add_argument("--qa_dataset", "--qa_file", dest="queries", required=True,
+                   help="questions: DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
+    p.add_argument("--ctx_datatsets", "--ctx_datasets", "--ctx_file", dest="corpus",
+                   help="passages TSV / corpus.jsonl (default: the corpus recorded with the embeddings)")
+    p.add_argument("--encoded_ctx_files", dest="embeddings", help="encode output folder, or a glob of its shard files")
+    p.add_argument("--index_path", help="load the index from this folder if it holds one, else save it there")
+    p.add_argument("--hnsw_index", action="store_true", help="build an HNSW index instead of an exact one")
+    p.add_argument("--out_file", dest="output", help="DPR retriever JSON output")
+    p.add_argument("--n_docs", dest="top_k", type=int, default=100, help="passages per question (default 100)")
+    p.add_argument("--batch_size", dest="batch_size", type=int, default=64, help="questions per encoder batch")
+    p.add_argument("--match", choices=MATCH_CHOICES, default="string", help="answer matching for has_answer")
+    p.add_argument("--trec_run", "--trec-run", dest="trec_run", help="also write a TREC run file")
+    p.add_argument("--run_tag", dest="run_tag", default="dpr-gc", help="TREC run tag")
+    p.add_argument("--qrels", help="relevance judgments (BEIR/TREC): retrieve judged queries, use in --evaluate")
+    p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics")
+    p.add_argument("--k", type=int, nargs="+", default=[1, 5, 20, 100], help="cut-offs for --evaluate")
+    p.add_argument("--device", help="torch device for the question encoder")
+    p.add_argument("--cache_dir", dest="cache_dir", help="where parsed corpora are cached")
+    p.add_argument("--skip_model_check", dest="skip_model_check", action="store_true",
+                   help="allow a model whose weights differ from the one that encoded the passages")
+    p.add_argument("--threads", type=int, help="FAISS threads")
+    add_index_arguments(p)
+    return p
+
+
+def load_or_build_index(args: argparse.Namespace) -> tuple[DenseIndex, str]:
+    """The index named by ``--index_path`` if complete, else one built from ``--encoded_ctx_files``."""
+    if args.index_path and (Path(args.index_path) / META_FILE).is_file():
+        logger.info("loading the index from %s", args.index_path)
+        return DenseIndex.read(args.index_path), args.index_path
+    if not args.embeddings:
+        raise DprGcError("give --encoded_ctx_files (the encode output folder) or an --index_path holding an index")
+    if args.hnsw_index:
+        args.kind = "hnsw"
+    folder = embeddings_folder(args.embeddings)
+    index, shards, _ = add_shards(folder, params_from_args(args), None, args.train_sample, args.block_size, args.seed)
+    if args.index_path:
+        index.write(args.index_path, ids=shard_ids(shards))
+        logger.info("saved the index to %s", args.index_path)
+    return index, f"{index.meta['factory']} over {folder}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, unknown = build_parser().parse_known_args(hydra_to_flags(list(sys.argv[1:] if argv is None else argv)))
+    if unknown:
+        logger.warning("ignoring arguments this script does not use: %s", " ".join(unknown))
+    try:
+        set_threads(args.threads)
+        index, name = load_or_build_index(args)
+        run_retrieval(args, index, name)
+    except DprGcError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

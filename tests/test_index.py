@@ -1,0 +1,283 @@
+"""FAISS index: every kind builds and searches, save/load is exact, bad inputs give one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional
+
+import faiss
+import numpy as np
+import pytest
+
+from dpr_gc.errors import DprGcError
+from dpr_gc.index import (IDS_FILE, INDEX_FILE, META_FILE, DenseIndex, IndexParams, add_shards, build_index,
+                          read_ids, sample_embeddings)
+
+DIM = 16
+KIND_PARAMS = {
+    "flat": IndexParams("flat"),
+    "hnsw": IndexParams("hnsw", hnsw_m=8, ef_construction=40, ef_search=64),
+    "ivf-flat": IndexParams("ivf-flat", nlist=8, nprobe=8),
+    "ivf-pq": IndexParams("ivf-pq", nlist=4, pq_m=4, pq_nbits=4, nprobe=4),
+    "factory": IndexParams(factory="IVF4,Flat", nprobe=4),
+}
+
+
+def write_shards(folder: Path, emb: np.ndarray, num_shards: int = 2, model: str = "tiny", fingerprint: str = "fp0",
+                 dtype: str = "float32", only: Optional[list[int]] = None, passage_format: str = "pair",
+                 ids: Optional[list[str]] = None) -> Path:
+    """Write encode-format shards of ``emb`` (npy, ids.txt, then the JSON manifest), as shards.md specifies."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n, dim = emb.shape
+    ids = ids or [f"doc{i}" for i in range(n)]
+    for k in range(num_shards):
+        if only is not None and k not in only:
+            continue
+        start, end = k * n // num_shards, (k + 1) * n // num_shards
+        name = f"shard-{k:05d}-of-{num_shards:05d}"
+        np.save(folder / f"{name}.npy", emb[start:end].astype(dtype))
+        (folder / f"{name}.ids.txt").write_text("".join(f"{i}\n" for i in ids[start:end]))
+        manifest = {"model": model, "model_fingerprint": fingerprint, "pooling": "cls", "normalize": True,
+                    "passage_format": passage_format, "dim": dim, "dtype": dtype, "count": end - start,
+                    "start_row": start, "shard_id": k, "num_shards": num_shards, "corpus": "/data/corpus.jsonl",
+                    "corpus_rows": n, "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt"}
+        (folder / f"{name}.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def unit_vectors(n: int, dim: int = DIM, seed: int = 0) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def data() -> np.ndarray:
+    return unit_vectors(800)
+
+
+@pytest.fixture(scope="module")
+def queries() -> np.ndarray:
+    return unit_vectors(20, seed=1)
+
+
+def exact_top_k(data: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    scores = queries @ data.T
+    rows = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, rows, axis=1), rows
+
+
+def test_flat_from_shards_equals_numpy_top_k(tmp_path, data, queries):
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=3)
+    summary = build_index(emb_dir, tmp_path / "idx", IndexParams("flat"), block_size=50)
+    assert summary["ntotal"] == len(data) and summary["complete"] and summary["shards_added"] == 3
+    scores, rows = DenseIndex.read(tmp_path / "idx").search(queries, 10)
+    want_scores, want_rows = exact_top_k(data, queries, 10)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_PARAMS))
+def test_each_kind_builds_searches_and_reloads_identically(tmp_path, data, queries, kind):
+    emb_dir = write_shards(tmp_path / "emb", data, dtype="float16")
+    build_index(emb_dir, tmp_path / "idx", KIND_PARAMS[kind], train_sample=700)
+    index = DenseIndex.read(tmp_path / "idx")
+    assert index.ntotal == len(data) and index.dim == DIM
+    scores, rows = index.search(queries, 10)
+    assert rows.shape == (len(queries), 10) and rows.dtype == np.int64
+    exact = exact_top_k(data.astype(np.float16).astype(np.float32), queries, 10)[1]
+    recall = np.mean([len(set(r) & set(e)) / 10 for r, e in zip(rows, exact)])
+    assert recall >= (0.3 if kind == "ivf-pq" else 0.9), recall
+    again = DenseIndex.read(tmp_path / "idx")
+    scores2, rows2 = again.search(queries, 10)
+    np.testing.assert_array_equal(rows, rows2)
+    np.testing.assert_array_equal(scores, scores2)
+    assert again.meta["params"] == index.meta["params"]
+
+
+def test_search_params_are_saved_and_restored(tmp_path, data):
+    emb_dir = write_shards(tmp_path / "emb", data)
+    build_index(emb_dir, tmp_path / "idx", IndexParams("ivf-flat", nlist=8, nprobe=3))
+    index = DenseIndex.read(tmp_path / "idx")
+    assert index.meta["params"]["nprobe"] == 3
+    index.set_search_params(nprobe=5)
+    index.write(tmp_path / "idx")
+    assert faiss.extract_index_ivf(DenseIndex.read(tmp_path / "idx").index).nprobe == 5
+    with pytest.raises(DprGcError, match="--ef-search does not apply"):
+        index.set_search_params(ef_search=10)
+
+
+def test_folder_layout_ids_and_metadata(tmp_path, data):
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=2)
+    build_index(emb_dir, tmp_path / "idx", IndexParams("hnsw", hnsw_m=8))
+    assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == sorted([INDEX_FILE, META_FILE, IDS_FILE])
+    assert list(read_ids(tmp_path / "idx")) == [f"doc{i}" for i in range(len(data))]
+    meta = json.loads((tmp_path / "idx" / META_FILE).read_text())
+    assert meta["model"] == "tiny" and meta["model_fingerprint"] == "fp0" and meta["dim"] == DIM
+    assert meta["ntotal"] == len(data) and meta["kind"] == "hnsw" and meta["factory"] == "HNSW8,Flat"
+    assert meta["metric"] == "inner_product" and meta["first_id"] == "doc0" and meta["last_id"] == "doc799"
+    assert [s["start_row"] for s in meta["shards"]] == [0, 400]
+
+
+def test_partial_then_append_equals_full_build(tmp_path, data, queries):
+    full = write_shards(tmp_path / "full", data, num_shards=3)
+    build_index(full, tmp_path / "full_idx", IndexParams("flat"))
+    part = write_shards(tmp_path / "part", data, num_shards=3, only=[0, 1])
+    with pytest.raises(DprGcError, match="lacks finished shard"):
+        build_index(part, tmp_path / "idx", IndexParams("flat"))
+    summary = build_index(part, tmp_path / "idx", IndexParams("flat"), allow_partial=True)
+    assert summary["ntotal"] == 2 * len(data) // 3 and not summary["complete"]
+    write_shards(tmp_path / "part", data, num_shards=3, only=[2])
+    summary = build_index(part, tmp_path / "idx", IndexParams("flat"), append=True)
+    assert summary["added"] == len(data) - 2 * len(data) // 3 and summary["complete"]
+    a = DenseIndex.read(tmp_path / "idx").search(queries, 5)
+    b = DenseIndex.read(tmp_path / "full_idx").search(queries, 5)
+    np.testing.assert_array_equal(a[1], b[1])
+    assert list(read_ids(tmp_path / "idx")) == list(read_ids(tmp_path / "full_idx"))
+    with pytest.raises(DprGcError, match="nothing to add"):
+        build_index(part, tmp_path / "idx", IndexParams("flat"), append=True)
+
+
+def test_gap_between_shards_is_refused(tmp_path, data):
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=3, only=[0, 2])
+    with pytest.raises(DprGcError, match="missing"):
+        build_index(emb_dir, tmp_path / "idx", IndexParams("flat"), allow_partial=True)
+
+
+def test_mixed_models_and_dimensions_are_refused(tmp_path, data):
+    mixed = write_shards(tmp_path / "mixed", data, num_shards=2, only=[0])
+    write_shards(mixed, data, num_shards=2, only=[1], fingerprint="other")
+    with pytest.raises(DprGcError, match="model_fingerprint"):
+        build_index(mixed, tmp_path / "idx", IndexParams("flat"))
+    formats = write_shards(tmp_path / "formats", data, num_shards=2, only=[0])
+    write_shards(formats, data, num_shards=2, only=[1], passage_format="concat")
+    with pytest.raises(DprGcError, match="one model's embeddings per folder"):
+        build_index(formats, tmp_path / "idx", IndexParams("flat"))
+    build_index(write_shards(tmp_path / "a", data, num_shards=2, only=[0]), tmp_path / "idx", IndexParams("flat"),
+                allow_partial=True)
+    other_model = write_shards(tmp_path / "b", data, num_shards=2, only=[1], model="big", fingerprint="fp9")
+    with pytest.raises(DprGcError, match="do not match the index"):
+        build_index(other_model, tmp_path / "idx", IndexParams("flat"), append=True, allow_partial=True)
+    wider = write_shards(tmp_path / "c", unit_vectors(800, dim=24), num_shards=2, only=[1])
+    with pytest.raises(DprGcError, match="dim 24"):
+        build_index(wider, tmp_path / "idx", IndexParams("flat"), append=True, allow_partial=True)
+
+
+def test_shard_file_disagreeing_with_manifest_is_refused(tmp_path, data):
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=2)
+    np.save(emb_dir / "shard-00001-of-00002.npy", data[:10])
+    with pytest.raises(DprGcError, match="manifest says 400 x 16"):
+        build_index(emb_dir, tmp_path / "idx", IndexParams("flat"))
+    emb_dir = write_shards(tmp_path / "emb2", data, num_shards=2)
+    (emb_dir / "shard-00001-of-00002.ids.txt").write_text("x\n")
+    with pytest.raises(DprGcError, match="1 ids for 400 embeddings"):
+        build_index(emb_dir, tmp_path / "idx2", IndexParams("flat"))
+    assert not (tmp_path / "idx2" / META_FILE).exists()
+
+
+def test_unknown_kind_and_bad_parameters(tmp_path, data):
+    with pytest.raises(DprGcError, match="unknown index kind 'annoy'.*flat, hnsw, ivf-flat, ivf-pq"):
+        IndexParams("annoy")
+    with pytest.raises(DprGcError, match="FAISS cannot build index 'Bogus7'"):
+        DenseIndex.build(DIM, IndexParams(factory="Bogus7"))
+    with pytest.raises(DprGcError, match="--pq-m 5 must divide"):
+        DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=5))
+    with pytest.raises(DprGcError, match="--hnsw-m must be a positive"):
+        IndexParams("hnsw", hnsw_m=0)
+    emb_dir = write_shards(tmp_path / "emb", data)
+    with pytest.raises(DprGcError, match="raise --train-sample or lower --nlist"):
+        build_index(emb_dir, tmp_path / "idx", IndexParams("ivf-flat", nlist=64), train_sample=20)
+
+
+def test_dimension_mismatch_untrained_and_nan_give_clear_errors(data):
+    index = DenseIndex.build(DIM, IndexParams("flat"))
+    index.add(data)
+    with pytest.raises(DprGcError, match="shape \\(2, 8\\).*16-dimensional"):
+        index.search(unit_vectors(2, dim=8), 5)
+    with pytest.raises(DprGcError, match="--top-k must be a positive"):
+        index.search(data[:2], 0)
+    with pytest.raises(DprGcError, match="NaN"):
+        index.add(np.full((1, DIM), np.nan, dtype=np.float32))
+    ivf = DenseIndex.build(DIM, IndexParams("ivf-flat", nlist=4))
+    with pytest.raises(DprGcError, match="must be trained"):
+        ivf.add(data)
+    with pytest.raises(DprGcError, match="index is empty"):
+        DenseIndex.build(DIM, IndexParams("flat")).search(data[:1], 3)
+    scores, rows = index.search(data[:1], 5000)
+    assert rows.shape == (1, len(data))
+
+
+def test_empty_or_missing_embeddings_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DprGcError, match="no finished embedding shards"):
+        build_index(tmp_path / "empty", tmp_path / "idx", IndexParams("flat"))
+    with pytest.raises(DprGcError, match="not found"):
+        build_index(tmp_path / "nope", tmp_path / "idx", IndexParams("flat"))
+
+
+def test_reading_incomplete_or_inconsistent_folders(tmp_path, data):
+    with pytest.raises(DprGcError, match="no complete index"):
+        DenseIndex.read(tmp_path)
+    emb_dir = write_shards(tmp_path / "emb", data)
+    build_index(emb_dir, tmp_path / "idx", IndexParams("flat"))
+    meta_path = tmp_path / "idx" / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "ntotal": 5}))
+    with pytest.raises(DprGcError, match="disagrees"):
+        DenseIndex.read(tmp_path / "idx")
+
+
+def test_training_sample_is_distinct_rows_of_the_shards(tmp_path, data):
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=3)
+    from dpr_gc.encode import read_manifests
+
+    manifests = read_manifests(emb_dir)
+    sample = sample_embeddings(manifests, 100, seed=3)
+    assert sample.shape == (100, DIM) and sample.dtype == np.float32
+    matches = [np.flatnonzero((data == row).all(axis=1)) for row in sample]
+    assert all(len(m) == 1 for m in matches) and len({int(m[0]) for m in matches}) == 100
+    np.testing.assert_array_equal(sample_embeddings(manifests, 10_000), data)
+
+
+def test_add_shards_in_memory_and_block_size_does_not_matter(tmp_path, data, queries):
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=2)
+    small, shards, _ = add_shards(emb_dir, IndexParams("flat"), block_size=7)
+    big, _, _ = add_shards(emb_dir, IndexParams("flat"), block_size=100_000)
+    assert len(shards) == 2
+    np.testing.assert_array_equal(small.search(queries, 8)[1], big.search(queries, 8)[1])
+
+
+def test_index_cli(tmp_path, data, capsys):
+    from dpr_gc.retrieve import add_cli
+
+    emb_dir = write_shards(tmp_path / "emb", data)
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["index", "--embeddings", str(emb_dir), "--output", str(tmp_path / "idx"), "--kind",
+                              "ivf-flat", "--nlist", "8", "--nprobe", "2", "--threads", "1"])
+    threads = faiss.omp_get_max_threads()
+    try:
+        args.func(args)
+        assert faiss.omp_get_max_threads() == 1
+    finally:
+        faiss.omp_set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| ntotal | 800 |" in out and "IVF8,Flat" in out
+    assert DenseIndex.read(tmp_path / "idx").meta["params"]["nprobe"] == 2
+    bad = parser.parse_args(["index", "--embeddings", str(emb_dir), "--output", str(tmp_path / "x"), "--kind", "lsh"])
+    with pytest.raises(DprGcError, match="unknown index kind 'lsh'"):
+        bad.func(bad)
+
+
+def test_hnsw_beam_narrower_than_k_still_returns_k_hits(data):
+    index = DenseIndex.build(DIM, IndexParams("hnsw", hnsw_m=4, ef_search=2))
+    index.add(data)
+    _, rows = index.search(data[:5], 200)
+    assert (rows >= 0).all() and all(len(set(r)) == 200 for r in rows)
+    assert index.index.hnsw.efSearch == 2
+
+
+def test_ivf_pq_skips_polysemous_training():
+    index = DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=4))
+    assert faiss.downcast_index(faiss.extract_index_ivf(index.index)).do_polysemous_training is False

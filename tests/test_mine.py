@@ -1,0 +1,255 @@
+"""Hard-negative mining: false negatives never mined, rank range and margin, file round trip, both sources, errors."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+
+import numpy as np
+import pytest
+
+from dpr_gc.corpus import load_corpus
+from dpr_gc.data import load_dpr_files
+from dpr_gc.encode import encode_corpus
+from dpr_gc.errors import DprGcError
+from dpr_gc.evaluate import has_answer
+from dpr_gc.index import DenseIndex, IndexParams, build_index
+from dpr_gc.mine import (BM25Source, DenseSource, add_cli, iter_training_file, mine_hard_negatives, mine_to_file,
+                         open_source)
+from dpr_gc.model import Retriever, RetrieverConfig
+from tests.conftest import tiny_bert
+
+TOPICS = ["paris", "london", "river", "king", "music", "film"]
+FILLER = "the a of and to in is was for on with as by at from that this it are be or an which".split()
+CONFIG = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=32, passage_max_length=48)
+N_EXTRA = 4  # distractors per question: the only passages of a topic that are fair negatives
+
+
+def gold_text(i: int, topic: str) -> str:
+    return f"{topic} {topic} science about zeta{i} book water"
+
+
+def build_passages() -> list[dict]:
+    """Per topic: a gold passage, a copy of it under another id, two answer-bearing passages, a qrels positive and
+    four distractors; plus filler. Answer ``zeta<i>`` appears only in passages of question i."""
+    rng = random.Random(0)
+    out = []
+    for i, t in enumerate(TOPICS):
+        gold = gold_text(i, t)
+        out += [{"id": f"g{i}", "title": t, "text": gold}, {"id": f"dup{i}", "title": "", "text": gold},
+                {"id": f"a{i}x", "title": t, "text": f"{t} city gene zeta{i}"},
+                {"id": f"a{i}y", "title": "", "text": f"zeta{i} is what {t} war was"},
+                {"id": f"r{i}", "title": t, "text": f"{t} protein cell science"}]
+        out += [{"id": f"d{i}_{j}", "title": t if j % 2 else "", "text": f"{t} " + " ".join(rng.sample(FILLER, 6))}
+                for j in range(N_EXTRA)]
+    out += [{"id": f"f{j}", "title": "", "text": " ".join(rng.sample(FILLER, 8))} for j in range(6)]
+    return out
+
+
+def questions() -> list[dict]:
+    return [{"id": f"q{i}", "question": f"{t} science zeta{i}", "answers": [f"zeta{i}"], "source": "made up",
+             "positive_ctxs": [{"passage_id": f"g{i}", "title": t, "text": gold_text(i, t)}]}
+            for i, t in enumerate(TOPICS)]
+
+
+QRELS = {f"q{i}": {f"r{i}": 1, f"d{i}_0": 0} for i in range(len(TOPICS))}
+
+
+def false_negatives(i: int) -> set[str]:
+    """Question i's gold passage, its copy, its answer-bearing passages and its qrels positive."""
+    return {f"g{i}", f"dup{i}", f"a{i}x", f"a{i}y", f"r{i}"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_tokenizer) -> dict:
+    root = tmp_path_factory.mktemp("mine")
+    (root / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in build_passages()))
+    (root / "train.json").write_text(json.dumps(questions()))
+    (root / "q.tsv").write_text("".join(f"{q}\t{d}\t{r}\n" for q, j in QRELS.items() for d, r in j.items()))
+    corpus = load_corpus(root / "corpus.jsonl", root / "cache")
+    retriever = Retriever(tiny_bert(len(tiny_tokenizer), seed=0), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    retriever.save(root / "model")
+    return {"root": root, "corpus": corpus, "retriever": retriever,
+            "bm25": BM25Source(corpus, index_dir=root / "bm25", show_progress=False)}
+
+
+def cli(*argv: object) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args([str(a) for a in argv])
+    args.func(args)
+
+
+def check_clean(records: list[dict], n_max: int) -> None:
+    for i, (q, r) in enumerate(zip(questions(), records)):
+        negs = r["hard_negative_ctxs"]
+        assert len(negs) <= n_max
+        assert not false_negatives(i) & {c["passage_id"] for c in negs}
+        assert not any(has_answer(q["answers"], c["text"]) for c in negs)
+        assert [c["rank"] for c in negs] == sorted({c["rank"] for c in negs})
+        assert all(a["score"] >= b["score"] - 1e-6 for a, b in zip(negs, negs[1:]))
+
+
+def test_bm25_never_mines_gold_answer_or_qrels_positives(world):
+    corpus, n_q = world["corpus"], len(TOPICS)
+    records, summary = mine_hard_negatives(questions(), world["bm25"], corpus, n_negatives=100, top_k=len(corpus),
+                                           qrels=QRELS)
+    check_clean(records, 100)
+    assert [r["id"] for r in records] == [q["id"] for q in questions()]
+    src = world["bm25"]
+    matching = [np.flatnonzero(src.bm25.get_scores(src.tokenizer.tokenize([q["question"]], update_vocab=False,
+                                                                          show_progress=False)[0]) > 0)
+                for q in questions()]  # passages sharing a term with the question: the only BM25 candidates
+    for r, rows in zip(records, matching):
+        assert {c["passage_id"] for c in r["hard_negative_ctxs"]} <= {corpus[int(i)]["id"] for i in rows}
+    n_matching = sum(len(m) for m in matching)
+    assert (summary.questions, summary.judged, summary.candidates) == (n_q, n_q, n_matching)
+    assert (summary.gold_dropped, summary.answer_dropped, summary.qrels_dropped) == (2 * n_q, 2 * n_q, n_q)
+    assert summary.written == n_matching - 5 * n_q and summary.short == n_q
+    # Each question's own distractors share its topic word, so BM25 ranks them first among the fair negatives.
+    for i, r in enumerate(records):
+        assert {c["passage_id"] for c in r["hard_negative_ctxs"][:N_EXTRA]} == {f"d{i}_{j}" for j in range(N_EXTRA)}
+    table = summary.table()
+    assert table["negatives written"] == summary.written and table["min score"] <= table["mean score"]
+
+
+def test_rank_range_and_margin_selection(world):
+    corpus, src = world["corpus"], world["bm25"]
+    full, _ = mine_hard_negatives(questions(), src, corpus, n_negatives=100, top_k=len(corpus))
+    skipped, summary = mine_hard_negatives(questions(), src, corpus, n_negatives=2, top_k=len(corpus), skip_top=6)
+    for a, b in zip(full, skipped):
+        assert b["hard_negative_ctxs"] == [c for c in a["hard_negative_ctxs"] if c["rank"] > 6][:2]
+    assert summary.rank_skipped > 0 and summary.written == 2 * len(TOPICS)
+
+    golds = [[(next(i for i in range(len(corpus)) if corpus[i]["id"] == f"g{k}"), "", "")] for k in range(len(TOPICS))]
+    _, _, best = src.retrieve([q["question"] for q in questions()], 5, golds)
+    margin = max(b - a["hard_negative_ctxs"][0]["score"] for a, b in zip(full, best)) + 1e-3
+    kept, summary = mine_hard_negatives(questions(), src, corpus, n_negatives=3, top_k=len(corpus), margin=margin)
+    assert summary.margin_dropped > 0
+    for a, b, pos in zip(full, kept, best):
+        assert b["hard_negative_ctxs"] == [c for c in a["hard_negative_ctxs"] if c["score"] <= pos - margin][:3]
+
+
+def test_dense_source_mines_clean_negatives_with_true_scores(world):
+    root, corpus, retriever = world["root"], world["corpus"], world["retriever"]
+    encode_corpus(retriever, root / "corpus.jsonl", root / "emb", 0, 1, dtype="float32", cache_dir=root / "cache",
+                  show_progress=False)
+    build_index(root / "emb", root / "idx", IndexParams("flat"))
+    src = DenseSource(retriever, DenseIndex.read(root / "idx"))
+    records, summary = mine_hard_negatives(questions(), src, corpus, n_negatives=5, top_k=len(corpus), qrels=QRELS)
+    check_clean(records, 5)
+    assert summary.gold_dropped == 2 * len(TOPICS) and summary.written == 5 * len(TOPICS)
+    q_emb = retriever.embed("query", [q["question"] for q in questions()])
+    for q_vec, r in zip(q_emb, records):
+        negs = r["hard_negative_ctxs"]
+        p_emb = retriever.embed("passage", [c["text"] for c in negs], titles=[c["title"] for c in negs])
+        np.testing.assert_allclose(p_emb @ q_vec, [c["score"] for c in negs], atol=1e-4)
+    pos = [float(q_vec @ retriever.embed("passage", [q["positive_ctxs"][0]["text"]],
+                                         titles=[q["positive_ctxs"][0]["title"]])[0])
+           for q_vec, q in zip(q_emb, questions())]
+    kept, summary = mine_hard_negatives(questions(), src, corpus, n_negatives=5, top_k=len(corpus), margin=0.0)
+    assert all(c["score"] <= p + 1e-5 for r, p in zip(kept, pos) for c in r["hard_negative_ctxs"])
+
+
+@pytest.mark.parametrize("name", ["out.json", "out.jsonl.gz"])
+def test_written_file_keeps_fields_and_reads_back_as_training_data(world, tmp_path, name):
+    records = questions()
+    ref, _ = mine_hard_negatives(records[:1], world["bm25"], world["corpus"], n_negatives=3, top_k=20)
+    ref_ids = [c["passage_id"] for c in ref[0]["hard_negative_ctxs"]]
+    records[0]["hard_negative_ctxs"] = [{"passage_id": "old", "title": "", "text": "kept from before"},
+                                        {"passage_id": ref_ids[1], "title": "", "text": "an old copy"}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / name
+    summary = mine_to_file(iter_training_file(src), out, world["bm25"], world["corpus"], n_negatives=3, top_k=20,
+                           append=True, chunk_size=4, show_progress=False)
+    assert summary.questions == len(TOPICS)
+    with (gzip.open(out, "rt") if name.endswith(".gz") else open(out)) as f:
+        written = [json.loads(line) for line in f] if name.endswith(".gz") else json.load(f)
+    assert [{k: v for k, v in w.items() if k != "hard_negative_ctxs"} for w in written] == \
+           [{k: v for k, v in r.items() if k != "hard_negative_ctxs"} for r in records]
+    first = [c["passage_id"] for c in written[0]["hard_negative_ctxs"]]
+    assert first == ["old", ref_ids[1], ref_ids[0], ref_ids[2]]  # appended, deduplicated by id
+    data = load_dpr_files([out], cache_dir=tmp_path / "cache")
+    assert len(data) == len(TOPICS)
+    for w, row in zip(written, data.dataset):
+        assert [c["id"] for c in row["hard_negatives"]] == [c["passage_id"] for c in w["hard_negative_ctxs"]]
+    mine_to_file(iter_training_file(out), tmp_path / "again.json", world["bm25"], world["corpus"], 3, 20,
+                 show_progress=False)
+    assert [len(r["hard_negative_ctxs"]) for r in json.loads((tmp_path / "again.json").read_text())] == [3] * 6
+
+
+def test_bm25_index_is_saved_and_reused_only_for_the_same_corpus(world, tmp_path, monkeypatch):
+    import bm25s
+
+    root = world["root"]
+    assert (root / "bm25" / "bm25_meta.json").is_file()
+    monkeypatch.setattr(bm25s.BM25, "index", lambda *a, **k: pytest.fail("rebuilt a saved BM25 index"))
+    again = BM25Source(world["corpus"], index_dir=root / "bm25", show_progress=False)
+    qs = [q["question"] for q in questions()]
+    for a, b in zip(world["bm25"].retrieve(qs, 10)[:2], again.retrieve(qs, 10)[:2]):
+        np.testing.assert_allclose(a, b)
+    with pytest.raises(DprGcError, match="k1"):
+        BM25Source(world["corpus"], k1=1.2, index_dir=root / "bm25")
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps(p) + "\n" for p in build_passages()[:10]))
+    with pytest.raises(DprGcError, match="corpus_rows"):
+        BM25Source(load_corpus(small, tmp_path / "cache"), index_dir=root / "bm25")
+
+
+def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
+    root = world["root"]
+    common = ("--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--n-negatives", 2, "--top-k", 20)
+    cli("mine", "--train-file", root / "train.json", "--output", tmp_path / "bm25.jsonl", *common,
+        "--bm25-index", root / "bm25", "--margin", 0, "--qrels", root / "q.tsv")
+    printed = capsys.readouterr().out
+    assert "| negatives written | 12 |" in printed and "| questions in qrels | 6 |" in printed
+    cli("mine", "--source", "dense", "--model", root / "model", "--embeddings", tmp_path / "emb", "--index",
+        tmp_path / "idx", "--train-file", root / "train.json", "--output", tmp_path / "dense.json", "--device", "cpu",
+        *common)
+    assert (tmp_path / "idx" / "index_meta.json").is_file() and "| source | dense |" in capsys.readouterr().out
+    check_clean(json.loads((tmp_path / "dense.json").read_text()), 2)
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": p["id"], "title": p["title"], "text": p["text"]})
+                                               + "\n" for p in build_passages()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": q["id"], "text": q["question"]}) + "\n"
+                                                for q in questions() + [{"id": "extra", "question": "unjudged"}]))
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"q{i}\tg{i}\t1\nq{i}\tr{i}\t1\n" for i in range(len(TOPICS))))
+    cli("mine", "--beir-dir", beir, "--output", tmp_path / "beir.json", "--cache-dir", tmp_path / "cache",
+        "--n-negatives", 2, "--top-k", 20, "--margin", 0.5)
+    written = json.loads((tmp_path / "beir.json").read_text())
+    assert [[c["passage_id"] for c in w["positive_ctxs"]] for w in written] == [[f"g{i}", f"r{i}"] for i in range(6)]
+    for i, w in enumerate(written):  # BEIR queries have no answers: gold (by id or text) and qrels positives go
+        assert not {c["passage_id"] for c in w["hard_negative_ctxs"]} & {f"g{i}", f"dup{i}", f"r{i}"}
+    assert len(load_dpr_files([tmp_path / "beir.json"], cache_dir=tmp_path / "cache")) == len(TOPICS)
+
+
+def test_bad_inputs_give_one_line_errors(world, tmp_path):
+    root, corpus, src = world["root"], world["corpus"], world["bm25"]
+    base = ("mine", "--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--output", tmp_path / "o.json")
+    with pytest.raises(DprGcError, match="training file not found"):
+        cli(*base, "--train-file", tmp_path / "missing.json")
+    (tmp_path / "empty.json").write_text("[]\n")
+    with pytest.raises(DprGcError, match="no training questions"):
+        cli(*base, "--train-file", tmp_path / "empty.json", "--bm25-index", root / "bm25")
+    assert not (tmp_path / "o.json").exists()
+    (tmp_path / "bad.jsonl").write_text(json.dumps(questions()[0]) + "\n" + json.dumps({"answers": []}) + "\n")
+    with pytest.raises(DprGcError, match=r"bad.jsonl:2: missing field 'question'"):
+        list(iter_training_file(tmp_path / "bad.jsonl"))
+    with pytest.raises(DprGcError, match="unknown --source 'tfidf'"):
+        cli(*base, "--train-file", root / "train.json", "--source", "tfidf")
+    with pytest.raises(DprGcError, match="unknown --source"):
+        open_source("splade", corpus)
+    with pytest.raises(DprGcError, match="needs --model"):
+        open_source("dense", corpus)
+    for kwargs, message in (({"n_negatives": 0}, "--n-negatives"), ({"n_negatives": 1, "skip_top": 5, "top_k": 5},
+                            "--skip-top"), ({"n_negatives": 1, "match_mode": "fuzzy"}, "--match")):
+        with pytest.raises(DprGcError, match=message):
+            mine_hard_negatives(questions(), src, corpus, **kwargs)
+    with pytest.raises(DprGcError, match="exactly one of --train-file"):
+        cli(*base)

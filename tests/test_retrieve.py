@@ -1,0 +1,209 @@
+"""Retrieve: encode -> index -> retrieve -> evaluate end to end, output formats, query formats, refusals."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpr_gc.encode import encode_corpus, read_manifests
+from dpr_gc.errors import DprGcError
+from dpr_gc.evaluate import qrels_metrics, read_qrels, read_run
+from dpr_gc.index import DenseIndex, IndexParams, build_index
+from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.retrieve import add_cli, check_compatible, check_corpus, retrieve, write_results_json, write_trec_run
+from tests.conftest import WORDS, tiny_bert
+
+ROOT = Path(__file__).resolve().parents[1]
+N_PASSAGES = 48
+CONFIG = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=64, passage_max_length=64)
+
+
+def passages() -> list[dict]:
+    rng = random.Random(0)
+    return [{"id": f"p{i}", "title": rng.choice(WORDS), "text": " ".join(rng.choice(WORDS) for _ in range(12))}
+            for i in range(N_PASSAGES)]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_tokenizer) -> dict:
+    """A saved tiny retriever, a JSONL corpus encoded in 2 float32 shards, and a flat index over them."""
+    root = tmp_path_factory.mktemp("world")
+    retriever = Retriever(tiny_bert(len(tiny_tokenizer), seed=0), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    retriever.save(root / "model")
+    corpus_path = root / "corpus.jsonl"
+    corpus_path.write_text("".join(json.dumps(p) + "\n" for p in passages()))
+    for k in range(2):
+        encode_corpus(retriever, corpus_path, root / "emb", shard_id=k, num_shards=2, dtype="float32",
+                      cache_dir=root / "cache", model_name=str(root / "model"), show_progress=False)
+    build_index(root / "emb", root / "idx", IndexParams("flat"))
+    return {"root": root, "model": root / "model", "corpus": corpus_path, "emb": root / "emb", "idx": root / "idx",
+            "cache": root / "cache"}
+
+
+def cli(*argv: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args([str(a) for a in argv])
+    args.func(args)
+
+
+def self_queries(tmp_path: Path, n: int = 10) -> tuple[Path, Path]:
+    """BEIR queries whose text is passage i (title + text), and qrels pointing each to that passage."""
+    ps = passages()[:n]
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps({"_id": f"q{i}", "text": f"{p['title']} {p['text']}"}) + "\n"
+                               for i, p in enumerate(ps)))
+    qrels = tmp_path / "test.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{p['id']}\t1\n" for i, p in enumerate(ps)))
+    return queries, qrels
+
+
+def test_end_to_end_encode_index_retrieve_evaluate(world, tmp_path, capsys):
+    queries, qrels = self_queries(tmp_path)
+    out, run = tmp_path / "results.json", tmp_path / "run.trec"
+    cli("retrieve", "--index", world["idx"], "--queries", queries, "--top-k", 5, "--output", out, "--trec-run", run,
+        "--qrels", qrels, "--evaluate", "--k", 1, 5, "--cache-dir", world["cache"], "--device", "cpu")
+    printed = capsys.readouterr().out
+    assert "| Recall | 1.0000 | 1.0000 |" in printed and "| queries | 10 |" in printed
+    results = json.loads(out.read_text())
+    assert [r["id"] for r in results] == [f"q{i}" for i in range(10)]
+    assert all(r["ctxs"][0]["id"] == f"p{i}" for i, r in enumerate(results))
+    metrics = qrels_metrics(read_run(run), read_qrels(qrels), [1, 5])
+    assert metrics["Recall@1"] == 1.0 and metrics["MRR@10"] == 1.0
+
+
+def test_results_equal_brute_force_over_the_shards(world):
+    from dpr_gc.corpus import load_corpus, read_queries
+
+    retriever = Retriever.load(world["model"])
+    index = DenseIndex.read(world["idx"])
+    corpus = load_corpus(world["corpus"], world["cache"])
+    queries = [{"id": str(i), "question": q, "answers": []} for i, q in enumerate(["king of paris", "river water"])]
+    results = retrieve(retriever, index, corpus, queries, top_k=7, batch_size=1, match=None, show_progress=False)
+    shards = np.concatenate([np.load(m["embeddings"]) for m in read_manifests(world["emb"])])
+    scores = retriever.embed("query", [q["question"] for q in queries]) @ shards.T
+    by_id = {p["id"]: p for p in passages()}
+    for record, row in zip(results, scores):
+        want = np.argsort(-row, kind="stable")[:7]
+        assert [c["id"] for c in record["ctxs"]] == [f"p{r}" for r in want]
+        np.testing.assert_allclose([c["score"] for c in record["ctxs"]], row[want], rtol=1e-5, atol=1e-5)
+        for ctx in record["ctxs"]:
+            assert set(ctx) == {"id", "title", "text", "score"}
+            assert (ctx["title"], ctx["text"]) == (by_id[ctx["id"]]["title"], by_id[ctx["id"]]["text"])
+    assert read_queries  # the module is importable next to retrieve
+
+
+@pytest.mark.parametrize("fmt", ["dpr_tsv", "dpr_csv_literal", "nq_jsonl"])
+def test_question_answer_formats(world, tmp_path, fmt):
+    word = passages()[3]["text"].split()[0]
+    if fmt == "dpr_tsv":
+        path = tmp_path / "qa.tsv"
+        path.write_text(f"who is {word}\t[\"{word}\", \"zzz\"]\nwhat city\t[\"qqq\"]\n")
+    elif fmt == "dpr_csv_literal":
+        path = tmp_path / "qa.csv"
+        path.write_text(f"who is {word}\t['{word}']\nwhat city\t['qqq']\n")
+    else:
+        path = tmp_path / "nq.jsonl"
+        path.write_text(json.dumps({"question": f"who is {word}", "answer": [word], "id": "a"}) + "\n"
+                        + json.dumps({"question": "what city", "answer": ["qqq"], "id": "b"}) + "\n")
+    out = tmp_path / "out.json"
+    cli("retrieve", "--index", world["idx"], "--queries", path, "--top-k", N_PASSAGES, "--output", out,
+        "--cache-dir", world["cache"], "--device", "cpu")
+    results = json.loads(out.read_text())
+    assert [r["question"] for r in results] == [f"who is {word}", "what city"]
+    assert word in results[0]["answers"] and results[1]["answers"] == ["qqq"]
+    first = results[0]["ctxs"]
+    assert len(first) == N_PASSAGES
+    assert [c["has_answer"] for c in first] == [word in c["text"].split() for c in first]
+    assert any(c["has_answer"] for c in first) and not any(c["has_answer"] for c in results[1]["ctxs"])
+
+
+def test_trec_run_and_results_json_are_written_atomically(tmp_path):
+    results = [{"id": "q1", "question": "a?", "answers": [], "ctxs": [{"id": "d2", "score": 2.5},
+                                                                        {"id": "d1", "score": 1.0}]},
+               {"id": "q2", "question": "b?", "answers": [], "ctxs": [{"id": "d1", "score": 0.5}]}]
+    run = write_trec_run(results, tmp_path / "run.trec", tag="mine")
+    assert run.read_text().splitlines() == ["q1 Q0 d2 1 2.5 mine", "q1 Q0 d1 2 1.0 mine", "q2 Q0 d1 1 0.5 mine"]
+    bad = results + [{"id": "q1", "ctxs": []}]
+    with pytest.raises(DprGcError, match="'q1' appears twice"):
+        write_trec_run(bad, run)
+    with pytest.raises(DprGcError, match="contains whitespace"):
+        write_trec_run([{"id": "q 3", "ctxs": []}], run)
+    with pytest.raises(DprGcError, match="--run-tag"):
+        write_trec_run(results, run, tag="two words")
+    assert run.read_text().count("\n") == 3
+    out = write_results_json(results, tmp_path / "r.json")
+    assert json.loads(out.read_text()) == results
+    with pytest.raises(TypeError):
+        write_results_json([{"bad": {1, 2}}], out)
+    assert json.loads(out.read_text()) == results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "run.trec"]
+
+
+def test_wrong_model_or_corpus_is_refused(world, tiny_tokenizer, tmp_path):
+    from dpr_gc.corpus import load_corpus
+
+    index = DenseIndex.read(world["idx"])
+    other = Retriever(tiny_bert(len(tiny_tokenizer), seed=5), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    with pytest.raises(DprGcError, match="weights differ"):
+        check_compatible(other, index)
+    check_compatible(other, index, check_fingerprint=False)
+    projected = Retriever(tiny_bert(len(tiny_tokenizer)), None, tiny_tokenizer,
+                          RetrieverConfig(**{**CONFIG, "projection_dim": 8}))
+    with pytest.raises(DprGcError, match="8-dimensional vectors but the index built from model .* holds 32"):
+        check_compatible(projected, index)
+    cls_pooled = Retriever(tiny_bert(len(tiny_tokenizer)), None, tiny_tokenizer,
+                           RetrieverConfig(**{**CONFIG, "pooling": "cls"}))
+    with pytest.raises(DprGcError, match="pooling='cls'"):
+        check_compatible(cls_pooled, index)
+    shorter = tmp_path / "short.jsonl"
+    shorter.write_text("".join(json.dumps(p) + "\n" for p in passages()[:-1]))
+    with pytest.raises(DprGcError, match="corpus of 48 passages .* has 47"):
+        check_corpus(index, load_corpus(shorter, tmp_path / "cache"))
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text("".join(json.dumps({**p, "id": "x" + p["id"]}) + "\n" for p in passages()))
+    with pytest.raises(DprGcError, match="corpus row 0 has id 'xp0' but the index expects 'p0'"):
+        check_corpus(index, load_corpus(renamed, tmp_path / "cache"))
+    queries, _ = self_queries(tmp_path)
+    with pytest.raises(DprGcError, match="--ef-search does not apply"):
+        cli("retrieve", "--index", world["idx"], "--queries", queries, "--output", tmp_path / "o.json",
+            "--ef-search", 50, "--cache-dir", world["cache"])
+    with pytest.raises(DprGcError, match="nothing to do"):
+        cli("retrieve", "--index", world["idx"], "--queries", queries, "--cache-dir", world["cache"])
+
+
+def test_hnsw_index_retrieves_like_flat(world, tmp_path):
+    build_index(world["emb"], tmp_path / "hnsw", IndexParams("hnsw", hnsw_m=8, ef_search=64))
+    queries, qrels = self_queries(tmp_path)
+    cli("retrieve", "--index", tmp_path / "hnsw", "--queries", queries, "--top-k", 3, "--trec-run",
+        tmp_path / "run.trec", "--ef-search", 100, "--cache-dir", world["cache"], "--match", "none")
+    assert qrels_metrics(read_run(tmp_path / "run.trec"), read_qrels(qrels), [1])["Recall@1"] == 1.0
+
+
+def test_dense_retriever_script_with_dpr_flags(world, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("dense_retriever", ROOT / "scripts" / "dense_retriever.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    main = module.main
+    queries, qrels = self_queries(tmp_path)
+    out = tmp_path / "dpr.json"
+    code = main(["--model_file", str(world["model"]), "--qa_file", str(queries), "--ctx_file", str(world["corpus"]),
+                 "--encoded_ctx_files", str(world["emb"] / "shard-*"), "--out_file", str(out), "--n_docs", "4",
+                 "--index_path", str(tmp_path / "saved"), "--cache_dir", str(world["cache"]),
+                 "--validation_workers", "16"])
+    assert code == 0
+    results = json.loads(out.read_text())
+    assert len(results[0]["ctxs"]) == 4 and results[0]["ctxs"][0]["id"] == "p0"
+    assert DenseIndex.read(tmp_path / "saved").ntotal == N_PASSAGES
+    code = main([f"model_file={world['model']}", f"qa_dataset={queries}", f"index_path={tmp_path / 'saved'}",
+                 f"out_file={tmp_path / 'again.json'}", "n_docs=4", f"cache_dir={world['cache']}"])
+    assert code == 0 and json.loads((tmp_path / "again.json").read_text()) == results
+    assert main(["--qa_file", str(queries), "--encoded_ctx_files", str(tmp_path / "none*"),
+                 "--out_file", str(out)]) == 2
+    assert "matches no files" in capsys.readouterr().err
