@@ -199,7 +199,7 @@ class Retriever(nn.Module):
                         enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
                         enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
             return retriever.to(device)
-        return cls.from_pretrained(str(path), RetrieverConfig()).to(device)
+        return cls.from_pretrained(str(path), sentence_transformers_config(p) or RetrieverConfig()).to(device)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: RetrieverConfig) -> "Retriever":
@@ -242,6 +242,29 @@ class Retriever(nn.Module):
     def dim(self) -> int:
         proj = self.query_encoder.projection
         return proj.out_features if proj is not None else self.query_encoder.transformer.config.hidden_size
+
+
+def sentence_transformers_config(folder: Path) -> Optional[RetrieverConfig]:
+    """The recipe a sentence-transformers folder declares (pooling, normalisation, max length), or None.
+
+    So that ``Retriever.load(<all-MiniLM-L6-v2 folder>)`` encodes as sentence-transformers does: mean pooling, L2
+    normalisation, ``title + " " + text``.
+    """
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = json.loads(modules_file.read_text())
+    pooling = "cls"
+    for module in modules:
+        config_file = folder / module.get("path", "") / "config.json"
+        if module.get("type", "").endswith("models.Pooling") and config_file.is_file():
+            pooling = "mean" if json.loads(config_file.read_text()).get("pooling_mode_mean_tokens") else "cls"
+    normalize = any(m.get("type", "").endswith("models.Normalize") for m in modules)
+    max_length = 256
+    if (folder / "sentence_bert_config.json").is_file():
+        max_length = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length", 256)
+    return RetrieverConfig(pooling=pooling, normalize=normalize, passage_format="concat",
+                           passage_max_length=max_length, query_max_length=min(64, max_length))
 
 
 def _load_transformer(name_or_path: str | Path) -> nn.Module:

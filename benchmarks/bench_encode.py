@@ -1,0 +1,149 @@
+"""Benchmark: passages/s of ``dpr_gc.encode`` against sentence-transformers' ``encode`` in the same run.
+
+Same model (the offline all-MiniLM-L6-v2 with its own recipe: mean pooling + L2 normalisation), same passages
+(SciFact title + " " + text, or generated text when SciFact is absent), same max length, batch size and threads.
+Each method is warmed up. The passages are split into chunks and every chunk is encoded by all methods back to
+back, in an order that rotates from chunk to chunk, so load from other processes hits all methods alike; passages/s
+is over all chunks (median over rounds), and the per-chunk time ratios are reported too. Our path is timed end to end
+through ``encode_corpus`` (part files, assembly and manifest included; the parsed-corpus cache is built beforehand).
+Embeddings are checked against sentence-transformers by cosine.
+
+    python benchmarks/bench_encode.py --docs 1000 --max-length 256 --batch-size 64 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dpr_gc.corpus import load_corpus  # noqa: E402
+from dpr_gc.encode import encode_block, encode_corpus  # noqa: E402
+from dpr_gc.files import iter_jsonl, write_json  # noqa: E402
+from dpr_gc.model import Retriever, RetrieverConfig, default_model_path  # noqa: E402
+
+SCIFACT = ROOT.parent / "shared" / "data" / "scifact" / "corpus.jsonl.gz"
+WORDS = ("cell protein gene expression tumour patients study results increased risk mice treatment clinical "
+         "analysis response levels disease model associated receptor activity signalling pathway").split()
+
+
+def load_passages(docs: int) -> tuple[list[dict], str]:
+    """First ``docs`` SciFact abstracts, or deterministic generated text if SciFact is absent."""
+    if SCIFACT.is_file():
+        rows = []
+        for _, obj in iter_jsonl(SCIFACT):
+            rows.append({"id": obj["_id"], "title": obj.get("title") or "", "text": obj["text"]})
+            if len(rows) == docs:
+                break
+        return rows, str(SCIFACT)
+    rng = random.Random(0)
+    rows = [{"id": str(i), "title": " ".join(rng.choices(WORDS, k=rng.randint(3, 12))),
+             "text": " ".join(rng.choices(WORDS, k=rng.randint(20, 300)))} for i in range(docs)]
+    return rows, "generated"
+
+
+def timed(fn: Callable[[], np.ndarray]) -> tuple[float, np.ndarray]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=1000)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=256, help="passages per timed call; methods rotate per chunk")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encode.json"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from sentence_transformers import SentenceTransformer
+
+    rows, source = load_passages(args.docs)
+    path = default_model_path()
+    config = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat",
+                             passage_max_length=args.max_length)
+    retriever = Retriever.from_pretrained(path, config).eval()
+    st = SentenceTransformer(path, device="cpu")
+    st.max_seq_length = args.max_length
+    work = Path(tempfile.mkdtemp(prefix="bench_encode_"))
+    chunks = [rows[i:i + args.chunk] for i in range(0, len(rows), args.chunk)]
+    files = []
+    for c, chunk in enumerate(chunks):
+        files.append(work / f"chunk{c}.jsonl")
+        files[-1].write_text("".join(json.dumps(r) + "\n" for r in chunk))
+
+    def ours(precision: str | None) -> Callable[[int], np.ndarray]:
+        def run(c: int) -> np.ndarray:
+            out = Path(tempfile.mkdtemp(dir=work))
+            m = encode_corpus(retriever, files[c], out, 0, 1, batch_size=args.batch_size, dtype="float32",
+                              autocast=precision, cache_dir=work / "cache", show_progress=False)
+            return np.load(out / m["embeddings"])
+        return run
+
+    def sbert(c: int) -> np.ndarray:
+        texts = [f"{r['title']} {r['text']}" if r["title"] else r["text"] for r in chunks[c]]
+        return st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True, show_progress_bar=False)
+
+    methods = {"dpr_gc fp32": ours(None), "sentence-transformers fp32": sbert, "dpr_gc bf16 autocast": ours("bf16")}
+    names = list(methods)
+    for c in range(len(chunks)):  # builds each chunk's parsed-corpus cache outside the timings
+        load_corpus(files[c], work / "cache")
+    warm = rows[:args.batch_size]
+    for precision in (None, "bf16"):
+        encode_block(retriever, [r["title"] for r in warm], [r["text"] for r in warm], args.batch_size,
+                     args.max_length, precision)
+    st.encode([f"{r['title']} {r['text']}" for r in warm], batch_size=args.batch_size, show_progress_bar=False)
+    seconds = {k: [[0.0] * len(chunks) for _ in range(args.rounds)] for k in names}
+    outputs: dict[str, list[np.ndarray]] = {k: [np.empty(0)] * len(chunks) for k in names}
+    for rnd in range(args.rounds):
+        for c in range(len(chunks)):
+            shift = (rnd + c) % len(names)
+            for name in names[shift:] + names[:shift]:
+                seconds[name][rnd][c], outputs[name][c] = timed(lambda: methods[name](c))
+        print(f"round {rnd + 1}: " + ", ".join(f"{k} {len(rows) / sum(seconds[k][rnd]):.1f}/s" for k in names),
+              flush=True)
+    ref = np.concatenate(outputs["sentence-transformers fp32"]).astype(np.float64)
+    st_chunks = np.array(seconds["sentence-transformers fp32"])
+    results = {}
+    for name in names:
+        emb = np.concatenate(outputs[name]).astype(np.float64)
+        cos = (emb * ref).sum(1) / (np.linalg.norm(emb, axis=1) * np.linalg.norm(ref, axis=1))
+        totals = [sum(r) for r in seconds[name]]
+        med = statistics.median(totals)
+        results[name] = {"seconds_per_round": totals, "median_seconds": med, "passages_per_s": len(rows) / med,
+                         "ratio_vs_st": statistics.median(sum(s) for s in st_chunks) / med,
+                         "median_chunk_ratio_vs_st": float(np.median(st_chunks / np.array(seconds[name]))),
+                         "min_cosine_vs_st": float(cos.min()), "mean_cosine_vs_st": float(cos.mean())}
+    report = {"passages": len(rows), "source": source, "model": path, "max_length": args.max_length,
+              "batch_size": args.batch_size, "chunk": args.chunk, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+              "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+              "device": "cpu", "results": results}
+    write_json(args.output, report)
+    print(f"\n{len(rows)} passages ({source}), max length {args.max_length}, batch {args.batch_size}, "
+          f"{torch.get_num_threads()} threads, median of {args.rounds} rounds\n")
+    print("| method | passages/s | speed vs sentence-transformers | median per-chunk ratio | min cosine vs ST |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in results.items():
+        print(f"| {name} | {r['passages_per_s']:.1f} | {r['ratio_vs_st']:.2f}x | {r['median_chunk_ratio_vs_st']:.2f}x "
+              f"| {r['min_cosine_vs_st']:.5f} |")
+    print(f"\nwritten {args.output}")
+
+
+if __name__ == "__main__":
+    main()

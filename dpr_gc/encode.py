@@ -1,0 +1,339 @@
+"""Encode a passage corpus into embedding shards that can be resumed, sharded and indexed.
+
+Shard ``k`` of ``n`` covers corpus rows ``[k*N//n, (k+1)*N//n)`` so every row is encoded exactly once. A shard is
+encoded in blocks: each block is sorted by length, tokenised in large chunks, run in tightly padded batches under
+``torch.inference_mode`` (optionally bf16/fp16 autocast) and saved atomically as a part file. A rerun skips finished
+parts. When all parts exist they are assembled into ``shard-K-of-N.npy`` and ``.ids.txt``, and the JSON manifest is
+written last -- a shard without a manifest is unfinished, whatever else lies in the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .corpus import load_corpus
+from .errors import DprGcError
+from .files import PathLike, atomic_open, atomic_path, read_json, write_json
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
+PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
+AUTOCAST = {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("float16", "float32")
+CHUNK_BATCHES = 16
+# Settings that must match for parts/shards in one folder to be combined (batch size and device may differ).
+MUST_MATCH = ("model_fingerprint", "pooling", "normalize", "passage_format", "max_length", "precision", "dim",
+              "dtype", "num_shards", "corpus_name", "corpus_bytes", "corpus_rows")
+
+
+def shard_name(shard_id: int, num_shards: int) -> str:
+    return f"shard-{shard_id:05d}-of-{num_shards:05d}"
+
+
+def shard_range(num_rows: int, shard_id: int, num_shards: int) -> tuple[int, int]:
+    """``(start_row, count)`` of shard ``shard_id``: contiguous, balanced, no remainder dropped."""
+    start = shard_id * num_rows // num_shards
+    return start, (shard_id + 1) * num_rows // num_shards - start
+
+
+def resolve_shard(shard_id: Optional[int], num_shards: Optional[int]) -> tuple[int, int]:
+    """Explicit values, else torchrun's ``RANK`` / ``WORLD_SIZE``, else shard 0 of 1; validated."""
+    if shard_id is None:
+        shard_id = int(os.environ.get("RANK", 0))
+    if num_shards is None:
+        num_shards = int(os.environ.get("WORLD_SIZE", 1))
+    if num_shards < 1 or not 0 <= shard_id < num_shards:
+        raise DprGcError(f"--shard-id must be in [0, --num-shards); got shard {shard_id} of {num_shards}")
+    return shard_id, num_shards
+
+
+def model_fingerprint(retriever: Any) -> str:
+    """A short hash of the passage encoder's weights (a strided sample of each tensor), to detect model changes."""
+    h = hashlib.sha1()
+    for name, tensor in sorted(retriever.passage_encoder.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 256)].float().cpu().numpy()
+        h.update(f"{name}{tuple(tensor.shape)}".encode())
+        h.update(sample.tobytes())
+    return h.hexdigest()[:16]
+
+
+@torch.inference_mode()
+def encode_block(retriever: Any, titles: Sequence[str], texts: Sequence[str], batch_size: int = 64,
+                 max_length: Optional[int] = None, autocast: Optional[str] = None,
+                 progress: Optional[Any] = None) -> np.ndarray:
+    """Embed passages (float32 ``[N, D]``, input order) in length-sorted, tightly padded batches.
+
+    Rows are sorted by character length and tokenised ``CHUNK_BATCHES`` batches at a time (one fast-tokenizer call),
+    then re-sorted by token count so each batch is cut to its own longest sequence. The next chunk is tokenised
+    before the previous chunk's results are copied back, so on GPU tokenisation overlaps the forward passes.
+    """
+    n = len(texts)
+    device = next(retriever.parameters()).device
+    amp = AUTOCAST[autocast]
+    left = getattr(retriever.tokenizer, "padding_side", "right") == "left"
+    out = np.empty((n, retriever.dim), dtype=np.float32)
+    lengths_chars = np.fromiter((len(a) + len(b) for a, b in zip(titles, texts)), dtype=np.int64, count=n)
+    order = np.argsort(-lengths_chars, kind="stable")
+    pending: list[tuple[np.ndarray, torch.Tensor]] = []
+    for cs in range(0, n, batch_size * CHUNK_BATCHES):
+        idx = order[cs:cs + batch_size * CHUNK_BATCHES]
+        enc = retriever.tokenize_passages([titles[i] for i in idx], [texts[i] for i in idx], max_length)
+        _drain(pending, out, progress)
+        lengths = enc["attention_mask"].sum(1)
+        by_tokens = torch.argsort(lengths, descending=True, stable=True)
+        for bs in range(0, len(idx), batch_size):
+            sel = by_tokens[bs:bs + batch_size]
+            width = int(lengths[sel[0]])
+            batch = {k: (v[sel, -width:] if left else v[sel, :width]).to(device, non_blocking=True)
+                     for k, v in enc.items()}
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                rep = retriever.forward("passage", scale=False, **batch)
+            pending.append((idx[sel.numpy()], rep.float()))
+    _drain(pending, out, progress)
+    return out
+
+
+def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, progress: Optional[Any]) -> None:
+    for rows, rep in pending:
+        out[rows] = rep.cpu().numpy()
+        if progress is not None:
+            progress.update(len(rows))
+    pending.clear()
+
+
+def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike,
+                  shard_id: Optional[int] = None, num_shards: Optional[int] = None, batch_size: int = 64,
+                  dtype: str = "float16", autocast: Optional[str] = None,
+                  block_size: int = 16384, max_length: Optional[int] = None, cache_dir: Optional[PathLike] = None,
+                  model_name: Optional[str] = None, show_progress: bool = True) -> dict:
+    """Encode shard ``shard_id`` of ``num_shards`` of a corpus into ``out_dir``; returns its manifest.
+
+    Unset shard arguments come from torchrun's ``RANK`` / ``WORLD_SIZE`` (else shard 0 of 1).
+    Finished blocks from an interrupted run with the same settings are reused; a folder holding parts or shards
+    made with another model or other settings is refused rather than mixed.
+    """
+    if dtype not in DTYPES:
+        raise DprGcError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if autocast not in AUTOCAST:
+        raise DprGcError(f"--precision must be one of fp32, bf16, fp16, got {autocast!r}")
+    if batch_size < 1 or block_size < 1:
+        raise DprGcError("--batch-size and the block size must be positive")
+    limit = getattr(retriever.passage_encoder.transformer.config, "max_position_embeddings", None) or 10**9
+    if max_length is not None and max_length > limit:
+        raise DprGcError(f"--max-length {max_length} exceeds the model's limit of {limit} positions")
+    max_length = max_length or min(retriever.config.passage_max_length, limit)
+    shard_id, num_shards = resolve_shard(shard_id, num_shards)
+    corpus = load_corpus(corpus_path, cache_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start, count = shard_range(len(corpus), shard_id, num_shards)
+    name = shard_name(shard_id, num_shards)
+    cfg = retriever.config
+    manifest = {
+        "model": model_name or retriever.query_encoder.transformer.config.name_or_path or "unnamed",
+        "model_fingerprint": model_fingerprint(retriever), "pooling": cfg.pooling, "normalize": cfg.normalize,
+        "passage_format": cfg.passage_format, "max_length": max_length,
+        "precision": autocast or "fp32", "dim": retriever.dim, "dtype": dtype, "count": count, "start_row": start,
+        "shard_id": shard_id, "num_shards": num_shards, "corpus": str(Path(corpus_path).resolve()),
+        "corpus_name": Path(corpus_path).name, "corpus_bytes": Path(corpus_path).stat().st_size,
+        "corpus_rows": len(corpus), "block_size": block_size,
+        "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt",
+    }
+    _check_folder(out, manifest)
+    done = out / f"{name}.json"
+    if done.is_file() and (out / manifest["embeddings"]).is_file() and (out / manifest["ids"]).is_file():
+        logger.info("%s is already finished in %s; nothing to do", name, out)
+        return read_json(done)
+    progress_file = out / f"{name}.parts.json"
+    write_json(progress_file, manifest)
+    blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
+    parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
+    todo = [b for b, p in enumerate(parts) if not _part_ok(p, blocks[b][1] - blocks[b][0], retriever.dim)]
+    if len(todo) < len(blocks):
+        logger.info("%s: resuming, %d of %d blocks already encoded", name, len(blocks) - len(todo), len(blocks))
+    was_training = retriever.training
+    retriever.eval()
+    bar = tqdm(total=sum(blocks[b][1] - blocks[b][0] for b in todo), desc=f"encode {name}", unit=" passages",
+               disable=not show_progress, smoothing=0.05)
+    try:
+        for b in todo:
+            rows = corpus[blocks[b][0]:blocks[b][1]]
+            emb = encode_block(retriever, rows["title"], rows["text"], batch_size, manifest["max_length"], autocast,
+                               bar).astype(dtype)
+            if not np.isfinite(emb).all():
+                raise DprGcError(f"embeddings overflow {dtype} in rows {blocks[b][0]}..{blocks[b][1] - 1}; "
+                                 "use --dtype float32")
+            with atomic_open(parts[b], "wb") as f:
+                np.save(f, emb)
+    finally:
+        bar.close()
+        retriever.train(was_training)
+    _assemble(out, manifest, corpus, parts)
+    write_json(done, manifest)
+    for p in parts:
+        p.unlink(missing_ok=True)
+    progress_file.unlink(missing_ok=True)
+    logger.info("%s: %d passages written to %s", name, count, out / manifest["embeddings"])
+    return manifest
+
+
+def _part_ok(path: Path, rows: int, dim: int) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        return np.load(path, mmap_mode="r").shape == (rows, dim)
+    except (ValueError, OSError):
+        return False
+
+
+def _check_folder(out: Path, manifest: dict) -> None:
+    """Refuse a folder whose shards or in-progress parts were made with different settings."""
+    for p in sorted(out.iterdir()):
+        if not (MANIFEST_RE.match(p.name) or PROGRESS_RE.match(p.name)):
+            continue
+        other = read_json(p)
+        for key in MUST_MATCH:
+            if other.get(key) != manifest[key]:
+                raise DprGcError(f"{p} was made with {key}={other.get(key)!r} but this run has {manifest[key]!r}; "
+                                 "use a new --output folder or delete the old shards")
+    name = shard_name(manifest["shard_id"], manifest["num_shards"])
+    progress = out / f"{name}.parts.json"
+    if progress.is_file() and read_json(progress).get("block_size") != manifest["block_size"]:
+        raise DprGcError(f"{progress} was started with --block-size {read_json(progress).get('block_size')}; "
+                         "resume with that block size")
+    if any(out.glob(f"{name}.part*.npy")) and not progress.is_file():
+        raise DprGcError(f"{out} holds {name}.part*.npy files of unknown origin (no {progress.name}); delete them")
+
+
+def _assemble(out: Path, manifest: dict, corpus: Any, parts: list[Path]) -> None:
+    """Concatenate part files into the shard ``.npy`` and write the ids, both atomically."""
+    count, dim = manifest["count"], manifest["dim"]
+    with atomic_path(out / manifest["embeddings"]) as tmp:
+        if count == 0:
+            with open(tmp, "wb") as f:
+                np.save(f, np.zeros((0, dim), dtype=manifest["dtype"]))
+        else:
+            mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=manifest["dtype"], shape=(count, dim))
+            row = 0
+            for p in parts:
+                block = np.load(p, mmap_mode="r")
+                mm[row:row + len(block)] = block
+                row += len(block)
+            mm.flush()
+            del mm
+    start = manifest["start_row"]
+    id_column = corpus.select_columns(["id"])
+    with atomic_open(out / manifest["ids"]) as f:
+        for s in range(start, start + count, 100_000):
+            ids = id_column[s:min(s + 100_000, start + count)]["id"]
+            f.write("".join(f"{i}\n" for i in ids))
+
+
+def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
+    """Finished shard manifests in ``folder`` sorted by start_row, with absolute ``embeddings``/``ids`` paths.
+
+    Raises if there are none, if they disagree on model or dimension, or (``complete=True``) if some corpus rows
+    are not covered yet -- FAISS row r must equal corpus row r, so a gap would misalign every later shard.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise DprGcError(f"embeddings folder not found: {root} (run `dpr-gc encode` first)")
+    manifests = [read_json(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
+    if not manifests:
+        raise DprGcError(f"no finished embedding shards in {root} (run `dpr-gc encode --output {root}` first)")
+    first = manifests[0]
+    for m in manifests[1:]:
+        for key in ("model_fingerprint", "dim", "num_shards", "corpus_rows", "pooling", "normalize"):
+            if m.get(key) != first.get(key):
+                raise DprGcError(f"shards in {root} disagree on {key} ({first.get(key)!r} vs {m.get(key)!r}); "
+                                 "re-encode them into one folder with one model")
+    manifests.sort(key=lambda m: m["start_row"])
+    for m in manifests:
+        for key in ("embeddings", "ids"):
+            path = root / m[key]
+            if not path.is_file():
+                raise DprGcError(f"{path} is missing although its manifest exists; re-run that encode shard")
+            m[key] = str(path.resolve())
+    if complete:
+        have = {m["shard_id"] for m in manifests}
+        missing = [k for k in range(first["num_shards"]) if k not in have]
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise DprGcError(f"{root} lacks finished shard(s) {shown} of {first['num_shards']}; "
+                             "run `dpr-gc encode --shard-id K` for them")
+    return manifests
+
+
+# --------------------------------------------------------------------------------------------- command line
+def add_arguments(parser: argparse.ArgumentParser, dpr_aliases: bool = False) -> None:
+    """The ``encode`` flags; with ``dpr_aliases`` also DPR's ``--model_file``, ``--ctx_file``, ``--out_file``..."""
+    def names(flag: str, *aliases: str) -> list[str]:
+        return [flag, *aliases] if dpr_aliases else [flag]
+
+    parser.add_argument(*names("--model", "--model_file"), dest="model", required=True,
+                        help="trained retriever folder, or any Hugging Face model folder/name")
+    parser.add_argument(*names("--corpus", "--ctx_src", "--ctx_file"), dest="corpus", required=True,
+                        help="passages TSV (id, text, title), BEIR corpus.jsonl(.gz) or JSONL with id/text/title")
+    parser.add_argument(*names("--output", "--out_file"), dest="output", required=True, help="output folder")
+    parser.add_argument(*names("--shard-id", "--shard_id"), dest="shard_id", type=int, default=None,
+                        help="this shard (default: torchrun's RANK, else 0)")
+    parser.add_argument(*names("--num-shards", "--num_shards"), dest="num_shards", type=int, default=None,
+                        help="number of shards (default: torchrun's WORLD_SIZE, else 1)")
+    parser.add_argument(*names("--batch-size", "--batch_size"), dest="batch_size", type=int, default=64)
+    parser.add_argument(*names("--max-length", "--max_length"), dest="max_length", type=int, default=None,
+                        help="passage max tokens (default: the retriever's passage_max_length)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float16", help="stored embedding dtype")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                        help="autocast precision (auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    parser.add_argument("--block-size", type=int, default=16384, help="rows per resumable part file")
+    parser.add_argument("--cache-dir", default=None, help="where parsed corpora are cached")
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``dpr-gc encode``."""
+    parser = subparsers.add_parser("encode", help="embed a passage corpus into resumable shards",
+                                   description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.set_defaults(func=run_cli)
+
+
+def pick_precision(precision: str, device: torch.device) -> Optional[str]:
+    if precision != "auto":
+        return None if precision == "fp32" else precision
+    if device.type != "cuda":
+        return None
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def run_cli(args: argparse.Namespace) -> dict:
+    """Handler for ``encode``: load the model, encode one shard, print a summary table."""
+    from .model import Retriever
+
+    device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    retriever = Retriever.load(args.model, device)
+    began = time.perf_counter()
+    manifest = encode_corpus(retriever, args.corpus, args.output, args.shard_id, args.num_shards,
+                             batch_size=args.batch_size, dtype=args.dtype,
+                             autocast=pick_precision(args.precision, torch.device(device)),
+                             block_size=args.block_size, max_length=args.max_length, cache_dir=args.cache_dir,
+                             model_name=str(args.model))
+    seconds = time.perf_counter() - began
+    rate = manifest["count"] / seconds if seconds > 0 else float("nan")
+    print("| passages | seconds | passages/s | shard file |")
+    print("|---:|---:|---:|---|")
+    print(f"| {manifest['count']} | {seconds:.1f} | {rate:.1f} | {Path(args.output) / manifest['embeddings']} |")
+    return manifest

@@ -1,0 +1,165 @@
+"""Corpus and query readers: three corpus formats, the Arrow cache, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dpr_gc import corpus as corpus_mod
+from dpr_gc.corpus import load_corpus, read_queries
+from dpr_gc.errors import DprGcError
+
+PASSAGES = [
+    ("p0", "Paris", 'The capital of "France" is Paris.'),
+    ("p1", "", "A passage without a title, with a\ttab."),
+    ("p2", "Music", "Music of the city."),
+    ("3", "Rivers", "The river runs\nover two lines."),
+]
+
+
+def write_tsv(path: Path, rows=PASSAGES, header=("id", "text", "title")) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f, delimiter="\t", lineterminator="\n")
+        w.writerow(header)
+        for pid, title, text in rows:
+            record = {"id": pid, "title": title, "text": text}
+            w.writerow([record[h] for h in header])
+    return path
+
+
+def write_jsonl(path: Path, rows=PASSAGES, id_key="id") -> Path:
+    lines = "".join(json.dumps({id_key: pid, "title": title, "text": text, "metadata": {}}) + "\n"
+                    for pid, title, text in rows)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        f.write(lines)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["tsv", "tsv.gz", "beir.jsonl.gz", "jsonl"])
+def test_load_corpus_formats(tmp_path: Path, kind: str) -> None:
+    if kind.startswith("tsv"):
+        path = write_tsv(tmp_path / "psgs.tsv")
+        if kind == "tsv.gz":
+            gz = tmp_path / "psgs.tsv.gz"
+            gz.write_bytes(gzip.compress(path.read_bytes()))
+            path = gz
+    else:
+        path = write_jsonl(tmp_path / f"corpus.{kind.split('.', 1)[-1]}", id_key="_id" if "beir" in kind else "id")
+    ds = load_corpus(path, tmp_path / "cache")
+    assert ds.column_names == ["id", "title", "text"]
+    assert [(r["id"], r["title"], r["text"]) for r in ds] == PASSAGES
+    assert ds.cache_files, "the dataset should be memory-mapped from an Arrow file"
+
+
+def test_tsv_header_order_and_no_title(tmp_path: Path) -> None:
+    ds = load_corpus(write_tsv(tmp_path / "a.tsv", header=("title", "id", "text")), tmp_path / "c")
+    assert ds[0] == {"id": "p0", "title": "Paris", "text": PASSAGES[0][2]}
+    no_title = tmp_path / "b.tsv"
+    no_title.write_text("id\ttext\nx1\thello world\n")
+    assert load_corpus(no_title, tmp_path / "c")[0] == {"id": "x1", "title": "", "text": "hello world"}
+
+
+def test_cache_is_reused_and_invalidated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_jsonl(tmp_path / "c.jsonl")
+    load_corpus(path, tmp_path / "cache")
+    real = corpus_mod.iter_passages
+
+    def fail(p):
+        raise AssertionError("the cached corpus should not be parsed again")
+
+    monkeypatch.setattr(corpus_mod, "iter_passages", fail)
+    assert len(load_corpus(path, tmp_path / "cache")) == len(PASSAGES)
+    monkeypatch.setattr(corpus_mod, "iter_passages", real)
+    write_jsonl(path, PASSAGES[:2])
+    os.utime(path, ns=(1, 1))
+    assert len(load_corpus(path, tmp_path / "cache")) == 2
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("missing_text.tsv", "id\ttitle\np1\tx\n", "missing_text.tsv:1: header lacks column(s) text"),
+    ("fields.tsv", "id\ttext\ttitle\np1\thello\tt\np2\tonly two\n", "fields.tsv:3: expected 3"),
+    ("multiline.tsv", 'id\ttext\ttitle\np1\t"two\nlines"\tt\np2\tx\tt\tEXTRA\n', "multiline.tsv:4: expected 3"),
+    ("bad.jsonl", '{"_id": "1", "text": "ok"}\n{"_id": "2", "text": \n', "bad.jsonl:2: invalid JSON"),
+    ("notext.jsonl", '{"_id": "1", "text": "ok"}\n\n{"_id": "2", "title": "t"}\n', "notext.jsonl:3: missing"),
+    ("noid.jsonl", '{"text": "ok"}\n', "noid.jsonl:1: missing passage id"),
+    ("empty.tsv", "id\ttext\ttitle\n", "corpus is empty"),
+    ("empty.jsonl", "\n\n", "corpus is empty"),
+    ("blank.tsv", "", "corpus is empty"),
+])
+def test_bad_corpora(tmp_path: Path, name: str, content: str, needle: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DprGcError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_corpus(path, tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.arrow")), "a failed parse must not leave a cache file"
+
+
+def test_missing_corpus_file(tmp_path: Path) -> None:
+    with pytest.raises(DprGcError, match="corpus file not found"):
+        load_corpus(tmp_path / "nope.tsv", tmp_path / "cache")
+
+
+def test_read_queries_dpr_tsv(tmp_path: Path) -> None:
+    path = tmp_path / "nq-test.qa.csv"
+    path.write_text('who is the king of france\t["Louis", "Henri"]\n'
+                    "where is paris\t['France']\n"
+                    'what is water\t["H2O"]\tq-77\n')
+    assert read_queries(path) == [
+        {"id": "1", "question": "who is the king of france", "answers": ["Louis", "Henri"]},
+        {"id": "2", "question": "where is paris", "answers": ["France"]},
+        {"id": "q-77", "question": "what is water", "answers": ["H2O"]},
+    ]
+
+
+def test_read_queries_jsonl_formats(tmp_path: Path) -> None:
+    nq = tmp_path / "nq-open.jsonl"
+    nq.write_text('{"question": "who wrote a book", "answer": ["Someone"]}\n'
+                  '{"id": "x", "question": "q2", "answer": "single"}\n')
+    assert read_queries(nq) == [{"id": "1", "question": "who wrote a book", "answers": ["Someone"]},
+                                {"id": "x", "question": "q2", "answers": ["single"]}]
+    beir = tmp_path / "queries.jsonl.gz"
+    with gzip.open(beir, "wt") as f:
+        f.write('{"_id": "0", "text": "a claim", "metadata": {}}\n{"_id": "12", "text": "another"}\n')
+    assert read_queries(beir) == [{"id": "0", "question": "a claim", "answers": []},
+                                  {"id": "12", "question": "another", "answers": []}]
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("q\t[\"a\", \n", "answers must be a list"),
+    ("q\t__import__('os').getcwd()\n", "answers must be a list"),
+    ("q\t[1, 2]\n", "answers must be a string or a list of strings"),
+    ("q\n", "expected 'question<TAB>answers'"),
+])
+def test_read_queries_bad_answers(tmp_path: Path, line: str, needle: str) -> None:
+    path = tmp_path / "qa.tsv"
+    path.write_text('fine\t["x"]\n' + line)
+    with pytest.raises(DprGcError, match=rf"qa.tsv:2: {needle}"):
+        read_queries(path)
+
+
+def test_read_queries_empty_or_bad(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DprGcError, match="no queries"):
+        read_queries(empty)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"_id": "1", "text": "ok"}\n{"_id": "2"}\n')
+    with pytest.raises(DprGcError, match="bad.jsonl:2: missing question"):
+        read_queries(bad)
+
+
+@pytest.mark.slow
+def test_scifact_corpus_and_queries(tmp_path: Path) -> None:
+    folder = Path(__file__).resolve().parents[2] / "shared" / "data" / "scifact"
+    if not (folder / "corpus.jsonl.gz").is_file():
+        pytest.skip(f"SciFact not found at {folder}")
+    ds = load_corpus(folder / "corpus.jsonl.gz", tmp_path / "cache")
+    assert len(ds) == 5183 and ds[0]["id"] == "4983" and ds[0]["title"].startswith("Microstructural")
+    queries = read_queries(folder / "queries.jsonl")
+    assert len(queries) == 1109 and all(q["answers"] == [] for q in queries)

@@ -1,0 +1,275 @@
+"""Sharded, resumable corpus encoding: coverage, equality with an unsharded run, resume, refusal, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpr_gc import encode
+from dpr_gc.encode import encode_corpus, read_manifests, resolve_shard, shard_range
+from dpr_gc.errors import DprGcError
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL_ENCODE_BLOCK = encode.encode_block
+WORDS = "the city river king war science protein cell gene paris london music film book water".split()
+
+
+def passages(n: int) -> list[tuple[str, str, str]]:
+    """``n`` passages of very different lengths (so length sorting really reorders them)."""
+    return [(f"d{i}", f"title {WORDS[i % len(WORDS)]}", " ".join(WORDS[(i * 7 + j) % len(WORDS)]
+                                                               for j in range((i * 5) % 23 + 1)))
+            for i in range(n)]
+
+
+def write_corpus(folder: Path, rows: list[tuple[str, str, str]], fmt: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if fmt == "tsv":
+        path = folder / "psgs.tsv"
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f, delimiter="\t", lineterminator="\n")
+            w.writerow(["id", "text", "title"])
+            w.writerows([pid, text, title] for pid, title, text in rows)
+        return path
+    key, name = ("_id", "corpus.jsonl.gz") if fmt == "beir" else ("id", "corpus.jsonl")
+    data = "".join(json.dumps({key: pid, "title": title, "text": text}) + "\n" for pid, title, text in rows)
+    path = folder / name
+    path.write_bytes(gzip.compress(data.encode()) if name.endswith(".gz") else data.encode())
+    return path
+
+
+def gather(folder: Path) -> tuple[list[str], np.ndarray]:
+    """Concatenate all finished shards of a folder (ids, float32 embeddings) in start_row order."""
+    ids: list[str] = []
+    embs = []
+    for m in read_manifests(folder):
+        ids += Path(m["ids"]).read_text().splitlines()
+        embs.append(np.load(m["embeddings"]).astype(np.float32))
+    return ids, np.concatenate(embs)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 10, 11, 100, 1001])
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 13])
+def test_shard_ranges_cover_every_row_once(rows: int, shards: int) -> None:
+    covered = []
+    for k in range(shards):
+        start, count = shard_range(rows, k, shards)
+        assert count >= 0
+        covered += range(start, start + count)
+    assert covered == list(range(rows))
+
+
+def test_resolve_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert resolve_shard(None, None) == (0, 1)
+    assert resolve_shard(2, 5) == (2, 5)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_shard(None, None) == (3, 4)
+    for bad in ((4, 4), (-1, 2), (0, 0)):
+        with pytest.raises(DprGcError, match="--shard-id"):
+            resolve_shard(*bad)
+
+
+@pytest.mark.parametrize("fmt,n,shards", [("tsv", 7, 3), ("beir", 7, 1), ("jsonl", 7, 10), ("tsv", 11, 4)])
+def test_sharded_encoding_matches_unsharded(tmp_path: Path, make_retriever, fmt: str, n: int, shards: int) -> None:
+    retriever = make_retriever(pooling="mean", passage_max_length=32)
+    rows = passages(n)
+    path = write_corpus(tmp_path / "data", rows, fmt)
+    cache = tmp_path / "cache"
+    for k in range(shards):
+        m = encode_corpus(retriever, path, tmp_path / "out", k, shards, batch_size=2, dtype="float32", block_size=2,
+                          cache_dir=cache, show_progress=False)
+        assert m["count"] == shard_range(n, k, shards)[1] and m["dim"] == retriever.dim
+    ids, emb = gather(tmp_path / "out")
+    assert ids == [r[0] for r in rows]
+    expected = retriever.embed("passage", [r[2] for r in rows], [r[1] for r in rows], batch_size=n)
+    np.testing.assert_allclose(emb, expected, atol=1e-5)
+    encode_corpus(retriever, path, tmp_path / "whole", batch_size=4, dtype="float32", cache_dir=cache,
+                  show_progress=False)
+    np.testing.assert_allclose(gather(tmp_path / "whole")[1], emb, atol=1e-5)
+    assert not list((tmp_path / "out").glob("*.part*")), "part files are removed once a shard is assembled"
+
+
+def test_float16_and_bf16_autocast(tmp_path: Path, make_retriever) -> None:
+    retriever = make_retriever(normalize=True, passage_max_length=32)
+    path = write_corpus(tmp_path / "data", passages(9), "jsonl")
+    m = encode_corpus(retriever, path, tmp_path / "a", dtype="float16", autocast="bf16", cache_dir=tmp_path / "c",
+                      show_progress=False)
+    assert m["dtype"] == "float16" and m["precision"] == "bf16"
+    half = np.load(tmp_path / "a" / m["embeddings"])
+    assert half.dtype == np.float16 and half.shape == (9, retriever.dim)
+    full = retriever.embed("passage", [r[2] for r in passages(9)], [r[1] for r in passages(9)])
+    cos = (half.astype(np.float32) * full).sum(1)
+    assert cos.min() > 0.99
+
+
+def test_torchrun_environment_picks_the_shard(tmp_path: Path, make_retriever, monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = write_corpus(tmp_path / "data", passages(5), "tsv")
+    m = encode_corpus(make_retriever(), path, tmp_path / "out", cache_dir=tmp_path / "c", show_progress=False)
+    assert (m["shard_id"], m["num_shards"], m["start_row"], m["count"]) == (1, 2, 2, 3)
+    assert (tmp_path / "out" / "shard-00001-of-00002.json").is_file()
+
+
+class Interrupted(Exception):
+    """Stands for a crash or Ctrl-C in the middle of encoding."""
+
+
+def counting_encoder(monkeypatch: pytest.MonkeyPatch, fail_on_call: int | None = None) -> list[int]:
+    """Wrap ``encode.encode_block`` to count calls (rows per call), optionally crashing on call ``fail_on_call``."""
+    calls: list[int] = []
+
+    def wrapped(retriever, titles, texts, *args, **kwargs):
+        if fail_on_call is not None and len(calls) + 1 == fail_on_call:
+            raise Interrupted("simulated interruption")
+        calls.append(len(texts))
+        return REAL_ENCODE_BLOCK(retriever, titles, texts, *args, **kwargs)
+
+    monkeypatch.setattr(encode, "encode_block", wrapped)
+    return calls
+
+
+def test_resume_after_interruption(tmp_path: Path, make_retriever, monkeypatch: pytest.MonkeyPatch) -> None:
+    retriever = make_retriever(passage_max_length=32)
+    path = write_corpus(tmp_path / "data", passages(10), "beir")
+    kw = dict(shard_id=0, num_shards=1, batch_size=2, dtype="float32", block_size=3, cache_dir=tmp_path / "c",
+              show_progress=False)
+    out = tmp_path / "out"
+    counting_encoder(monkeypatch, fail_on_call=3)
+    with pytest.raises(Interrupted):
+        encode_corpus(retriever, path, out, **kw)
+    assert sorted(p.name for p in out.glob("*.part*.npy")) == ["shard-00000-of-00001.part00000.npy",
+                                                               "shard-00000-of-00001.part00001.npy"]
+    assert not (out / "shard-00000-of-00001.json").exists()
+    with pytest.raises(DprGcError, match="no finished embedding shards"):
+        read_manifests(out)
+    calls = counting_encoder(monkeypatch)
+    encode_corpus(retriever, path, out, **kw)
+    assert calls == [3, 1], "only the two unfinished blocks (rows 6-8 and 9) are encoded again"
+    monkeypatch.undo()
+    encode_corpus(retriever, path, tmp_path / "fresh", **kw)
+    assert gather(out)[0] == gather(tmp_path / "fresh")[0]
+    np.testing.assert_array_equal(gather(out)[1], gather(tmp_path / "fresh")[1])
+    calls = counting_encoder(monkeypatch)
+    encode_corpus(retriever, path, out, **kw)
+    assert calls == [], "a finished shard is not encoded again"
+
+
+def test_crash_before_manifest_is_unfinished_and_cheap_to_redo(tmp_path: Path, make_retriever, monkeypatch) -> None:
+    retriever = make_retriever()
+    path = write_corpus(tmp_path / "data", passages(5), "jsonl")
+    kw = dict(block_size=2, cache_dir=tmp_path / "c", show_progress=False)
+    real_write_json = encode.write_json
+
+    def crash_on_manifest(target, obj):
+        if encode.MANIFEST_RE.match(Path(target).name):
+            raise Interrupted("crash just before the manifest")
+        real_write_json(target, obj)
+
+    monkeypatch.setattr(encode, "write_json", crash_on_manifest)
+    with pytest.raises(Interrupted):
+        encode_corpus(retriever, path, tmp_path / "out", **kw)
+    assert (tmp_path / "out" / "shard-00000-of-00001.npy").is_file()
+    with pytest.raises(DprGcError, match="no finished embedding shards"):
+        read_manifests(tmp_path / "out")
+    monkeypatch.undo()
+    calls = counting_encoder(monkeypatch)
+    encode_corpus(retriever, path, tmp_path / "out", **kw)
+    assert calls == [] and gather(tmp_path / "out")[0] == [r[0] for r in passages(5)]
+
+
+def test_refuses_to_mix_models_or_settings(tmp_path: Path, make_retriever, monkeypatch) -> None:
+    path = write_corpus(tmp_path / "data", passages(6), "tsv")
+    kw = dict(batch_size=2, block_size=2, cache_dir=tmp_path / "c", show_progress=False)
+    out = tmp_path / "out"
+    counting_encoder(monkeypatch, fail_on_call=2)
+    with pytest.raises(Interrupted):
+        encode_corpus(make_retriever(seed=0), path, out, 0, 2, **kw)
+    monkeypatch.undo()
+    with pytest.raises(DprGcError, match="model_fingerprint"):
+        encode_corpus(make_retriever(seed=1), path, out, 0, 2, **kw)
+    with pytest.raises(DprGcError, match="dtype"):
+        encode_corpus(make_retriever(seed=0), path, out, 0, 2, dtype="float32", **kw)
+    with pytest.raises(DprGcError, match="block-size 2"):
+        encode_corpus(make_retriever(seed=0), path, out, 0, 2, **{**kw, "block_size": 4})
+    encode_corpus(make_retriever(seed=0), path, out, 0, 2, **kw)
+    with pytest.raises(DprGcError, match="num_shards"):
+        encode_corpus(make_retriever(seed=0), path, out, 0, 3, **kw)
+    with pytest.raises(DprGcError, match="pooling"):
+        encode_corpus(make_retriever(seed=0, pooling="cls"), path, out, 1, 2, **kw)
+    write_corpus(tmp_path / "data", passages(9), "tsv")
+    with pytest.raises(DprGcError, match="corpus_bytes"):
+        encode_corpus(make_retriever(seed=0), path, out, 1, 2, **kw)
+
+
+def test_partial_folders_are_not_finished(tmp_path: Path, make_retriever) -> None:
+    path = write_corpus(tmp_path / "data", passages(5), "jsonl")
+    out = tmp_path / "out"
+    m = encode_corpus(make_retriever(), path, out, 0, 2, cache_dir=tmp_path / "c", show_progress=False)
+    with pytest.raises(DprGcError, match=r"lacks finished shard\(s\) 1 of 2"):
+        read_manifests(out)
+    assert [x["shard_id"] for x in read_manifests(out, complete=False)] == [0]
+    (out / "shard-00001-of-00002.part00000.npy").write_bytes(b"junk")
+    (out / "shard-00001-of-00002.npy").write_bytes(b"junk")
+    with pytest.raises(DprGcError, match="lacks finished shard"):
+        read_manifests(out)
+    (out / m["embeddings"]).unlink()
+    with pytest.raises(DprGcError, match="missing although its manifest exists"):
+        read_manifests(out, complete=False)
+
+
+def test_encode_bad_inputs(tmp_path: Path, make_retriever) -> None:
+    retriever = make_retriever()
+    with pytest.raises(DprGcError, match="corpus file not found"):
+        encode_corpus(retriever, tmp_path / "missing.tsv", tmp_path / "out", show_progress=False)
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("id\ttext\ttitle\n")
+    with pytest.raises(DprGcError, match="corpus is empty"):
+        encode_corpus(retriever, empty, tmp_path / "out", cache_dir=tmp_path / "c", show_progress=False)
+    path = write_corpus(tmp_path / "data", passages(3), "tsv")
+    with pytest.raises(DprGcError, match="--dtype"):
+        encode_corpus(retriever, path, tmp_path / "out", dtype="int8", show_progress=False)
+    with pytest.raises(DprGcError, match="--shard-id"):
+        encode_corpus(retriever, path, tmp_path / "out", 3, 3, cache_dir=tmp_path / "c", show_progress=False)
+    with pytest.raises(DprGcError, match="--max-length 129 exceeds the model's limit of 128"):
+        encode_corpus(retriever, path, tmp_path / "out", max_length=129, show_progress=False)
+    with pytest.raises(DprGcError, match="embeddings folder not found"):
+        read_manifests(tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DprGcError, match="no finished embedding shards"):
+        read_manifests(tmp_path / "out")
+
+
+def test_cli_and_dpr_script(tmp_path: Path, make_retriever, capsys: pytest.CaptureFixture) -> None:
+    model = tmp_path / "model"
+    make_retriever(passage_max_length=16).save(model)
+    path = write_corpus(tmp_path / "data", passages(8), "tsv")
+    parser = argparse.ArgumentParser()
+    encode.add_cli(parser.add_subparsers())
+    args = parser.parse_args(["encode", "--model", str(model), "--corpus", str(path), "--output",
+                              str(tmp_path / "cli"), "--num-shards", "2", "--shard-id", "1", "--batch-size", "3",
+                              "--dtype", "float32", "--cache-dir", str(tmp_path / "c")])
+    m = args.func(args)
+    assert m["count"] == 4 and m["model"] == str(model) and m["max_length"] == 16
+    assert "| passages | seconds | passages/s | shard file |" in capsys.readouterr().out
+    spec = importlib.util.spec_from_file_location("gde", ROOT / "scripts" / "generate_dense_embeddings.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rc = script.main([f"model_file={model}", f"ctx_file={path}", "shard_id=0", "num_shards=2",
+                      f"out_file={tmp_path / 'cli'}", "batch_size=5", "--dtype", "float32",
+                      "--cache-dir", str(tmp_path / "c")])
+    assert rc == 0
+    ids, emb = gather(tmp_path / "cli")
+    assert ids == [r[0] for r in passages(8)] and emb.shape == (8, 32)
+    assert script.main(["--model_file", str(model), "--ctx_file", str(path), "--out_file", str(tmp_path / "cli"),
+                        "--shard_id", "5", "--num_shards", "2"]) == 2
+    assert "--shard-id must be in" in capsys.readouterr().err

@@ -1,0 +1,51 @@
+"""Retriever loading: saved retrievers round-trip; sentence-transformers folders keep their own recipe."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dpr_gc.errors import DprGcError
+from dpr_gc.model import Retriever, RetrieverConfig
+
+
+def test_save_and_load_round_trip(make_retriever, tmp_path):
+    retriever = make_retriever(shared=False, projection_dim=8, learn_temperature=True, temperature=0.07)
+    retriever.save(tmp_path / "r")
+    loaded = Retriever.load(tmp_path / "r")
+    assert loaded.config.projection_dim == 8 and loaded.passage_encoder is not loaded.query_encoder
+    assert abs(float(loaded.temperature) - 0.07) < 1e-6
+    texts = ["the city of paris", "a river"]
+    for kind in ("query", "passage"):
+        # The reloaded model may run another attention kernel (SDPA vs the fixture's eager): equal to rounding.
+        np.testing.assert_allclose(retriever.embed(kind, texts), loaded.embed(kind, texts), rtol=0, atol=1e-6)
+    assert loaded.embed("query", texts).shape == (2, 8)
+
+
+def test_sentence_transformers_folder_keeps_its_recipe(make_retriever, tmp_path):
+    retriever = make_retriever()
+    folder = tmp_path / "st"
+    retriever.query_encoder.transformer.save_pretrained(folder)
+    retriever.tokenizer.save_pretrained(folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 100}))
+    loaded = Retriever.load(folder)
+    assert (loaded.config.pooling, loaded.config.normalize, loaded.config.passage_format) == ("mean", True, "concat")
+    assert loaded.config.passage_max_length == 100
+    assert np.allclose(np.linalg.norm(loaded.embed("passage", ["paris city"]), axis=1), 1.0)
+
+
+def test_bad_settings_and_models(tmp_path):
+    with pytest.raises(DprGcError, match="--pooling"):
+        RetrieverConfig(pooling="max")
+    with pytest.raises(DprGcError, match="--temperature"):
+        RetrieverConfig(temperature=0.0)
+    with pytest.raises(DprGcError, match="cannot load model"):
+        Retriever.load(tmp_path / "nothing-here")
