@@ -70,6 +70,26 @@ def blocked_cross_entropy(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
     return _BlockedCrossEntropy.apply(x.float(), y.float(), scale.float(), targets, int(block))
 
 
+class Temperature(nn.Module):
+    """A positive temperature: fixed (a buffer) or learnable (a parameter on the log scale), clamped to
+    ``TEMPERATURE_RANGE`` in every use so fp16/bf16 training cannot blow the scores up."""
+
+    def __init__(self, value: float, learnable: bool = False) -> None:
+        super().__init__()
+        lo, hi = TEMPERATURE_RANGE
+        if not lo <= value <= hi:
+            raise DprGcError(f"temperature must lie in [{lo}, {hi}], got {value}")
+        log_value = torch.tensor(math.log(value), dtype=torch.float32)
+        if learnable:
+            self.log_value = nn.Parameter(log_value)
+        else:
+            self.register_buffer("log_value", log_value, persistent=False)
+
+    def forward(self) -> torch.Tensor:
+        lo, hi = TEMPERATURE_RANGE
+        return self.log_value.clamp(math.log(lo), math.log(hi)).exp()
+
+
 class SimpleContrastiveLoss(nn.Module):
     """In-batch-negative InfoNCE loss, drop-in for GradCache's ``SimpleContrastiveLoss``.
 
@@ -89,25 +109,17 @@ class SimpleContrastiveLoss(nn.Module):
         super().__init__()
         if similarity not in ("dot", "cos"):
             raise DprGcError(f"similarity must be 'dot' or 'cos', got {similarity!r}")
-        lo, hi = TEMPERATURE_RANGE
-        if not lo <= temperature <= hi:
-            raise DprGcError(f"temperature must lie in [{lo}, {hi}], got {temperature}")
         if n_hard_negatives < 0:
             raise DprGcError(f"n_hard_negatives must be >= 0, got {n_hard_negatives}")
         self.n_hard_negatives = n_hard_negatives
         self.similarity = similarity
         self.symmetric = symmetric
         self.loss_chunk_size = loss_chunk_size
-        log_t = torch.tensor(math.log(temperature), dtype=torch.float32)
-        if learn_temperature:
-            self.log_temperature = nn.Parameter(log_t)
-        else:
-            self.register_buffer("log_temperature", log_t, persistent=False)
+        self.tau = Temperature(temperature, learn_temperature)
 
     @property
     def temperature(self) -> torch.Tensor:
-        lo, hi = TEMPERATURE_RANGE
-        return self.log_temperature.clamp(math.log(lo), math.log(hi)).exp()
+        return self.tau()
 
     def _check(self, x: torch.Tensor, y: torch.Tensor) -> None:
         group = 1 + self.n_hard_negatives

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -22,13 +21,13 @@ from tqdm.auto import tqdm
 
 from .errors import DprGcError
 from .files import atomic_open
+from .loss import TEMPERATURE_RANGE, Temperature
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "retriever_config.json"
 POOLINGS = ("cls", "mean", "pooler")
 PASSAGE_FORMATS = ("pair", "concat")
-TEMPERATURE_RANGE = (0.01, 10.0)
 
 
 @dataclasses.dataclass
@@ -120,16 +119,11 @@ class Retriever(nn.Module):
         self.tokenizer = tokenizer
         self.query_encoder = Encoder(query_model, config)
         self.passage_encoder = self.query_encoder if passage_model is None else Encoder(passage_model, config)
-        log_t = torch.tensor(math.log(config.temperature), dtype=torch.float32)
-        if config.learn_temperature:
-            self.log_temperature = nn.Parameter(log_t)
-        else:
-            self.register_buffer("log_temperature", log_t, persistent=False)
+        self.tau = Temperature(config.temperature, config.learn_temperature)
 
     @property
     def temperature(self) -> torch.Tensor:
-        lo, hi = TEMPERATURE_RANGE
-        return self.log_temperature.clamp(math.log(lo), math.log(hi)).exp()
+        return self.tau()
 
     def forward(self, kind: str, scale: bool = True, **batch: torch.Tensor) -> torch.Tensor:
         encoder = self.query_encoder if kind == "query" else self.passage_encoder

@@ -184,7 +184,7 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
     if config.grad_cache and max(q_chunk, p_chunk) > config.batch_size * (1 + n_neg):
         logger.info("chunk sizes above the batch size just mean one chunk")
 
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "log_temperature")
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "tau.log_value")
     params = [p for p in towers.parameters() if p.requires_grad]
     decay = [p for n, p in towers.named_parameters() if p.requires_grad and not any(k in n for k in no_decay)]
     decay_ids = {id(p) for p in decay}

@@ -51,7 +51,7 @@ def worker(rank: int, tmp: str, shared: bool, learn_t: bool) -> None:
         ref_loss = SimpleContrastiveLoss(N_HARD, temperature=0.3, learn_temperature=learn_t, symmetric=learn_t)
         ref_loss(towers[0](**q), towers[1](**p)).backward()
         expected = grads(towers)
-        expected_t = ref_loss.log_temperature.grad.clone() if learn_t else None
+        expected_t = ref_loss.tau.log_value.grad.clone() if learn_t else None
         retriever.zero_grad(set_to_none=True)
 
         ddp = [DistributedDataParallel(t) for t in dict.fromkeys(towers)]
@@ -75,7 +75,7 @@ def worker(rank: int, tmp: str, shared: bool, learn_t: bool) -> None:
         assert rel_err(grads(towers), expected) < 1e-5, rel_err(grads(towers), expected)
         assert len(calls) == per_sync * len(models), (len(calls), per_sync)
         if learn_t:
-            assert torch.allclose(loss_fn.log_temperature.grad, expected_t, rtol=1e-4, atol=1e-7)
+            assert torch.allclose(loss_fn.tau.log_value.grad, expected_t, rtol=1e-4, atol=1e-7)
 
         # The functional decorators with gather_input_tensor give the same gradient (a global-mean loss).
         retriever.zero_grad(set_to_none=True)

@@ -74,7 +74,7 @@ def test_cached_step_equals_full_batch(make_retriever, shared, n_hard, chunk, si
     q, p = make_batch(retriever, 8, n_hard)
     ref_loss = loss_fn(modules[0](**q), modules[1](**p)).detach()
     expected = reference_grads(modules, loss_fn, q, p)
-    expected_t = loss_fn.log_temperature.grad.clone() if learn_t else None
+    expected_t = loss_fn.tau.log_value.grad.clone() if learn_t else None
     zero(modules + [loss_fn])
 
     gc = GradCache(modules, chunk, loss_fn, keep_last_graph=keep_last_graph)
@@ -83,7 +83,7 @@ def test_cached_step_equals_full_batch(make_retriever, shared, n_hard, chunk, si
     assert not loss.requires_grad
     assert rel_err(grads(modules), expected) < 1e-5
     if learn_t:
-        assert torch.allclose(loss_fn.log_temperature.grad, expected_t, rtol=1e-4, atol=1e-7)
+        assert torch.allclose(loss_fn.tau.log_value.grad, expected_t, rtol=1e-4, atol=1e-7)
 
 
 def test_separate_chunk_sizes_sorting_and_symmetric_loss(make_retriever):
@@ -106,7 +106,7 @@ def test_temperature_inside_the_model_is_trained_exactly(make_retriever):
     retriever.zero_grad()
     loss_fn(retriever(**q_in), retriever(**p_in)).backward()
     expected = grads([retriever])
-    assert retriever.log_temperature.grad is not None and retriever.log_temperature.grad.abs() > 0
+    assert retriever.tau.log_value.grad is not None and retriever.tau.log_value.grad.abs() > 0
     retriever.zero_grad()
     GradCache([retriever, retriever], 4, loss_fn)(q_in, p_in)
     assert rel_err(grads([retriever]), expected) < 1e-5
