@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from .errors import DprGcError
 from .files import PathLike, atomic_path, iter_jsonl, open_text, read_json, require_file, write_json
 from .model import Retriever, RetrieverConfig
+from .sampling import MixedBatchSampler
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def normalise_record(record: Any) -> Row:
 
 
 # ----------------------------------------------------------------- readers
-def _iter_json_list(f: IO[str], path: Path) -> Iterator[tuple[int, Any]]:
+def iter_json_list(f: IO[str], path: Path) -> Iterator[tuple[int, Any]]:
     """Yield ``(line, object)`` for each item of a top-level JSON list, reading ``CHUNK_CHARS`` at a time."""
     decode = json.JSONDecoder().raw_decode
     buf, pos, line, eof, more, state = "", 0, 1, False, False, "start"  # state: start | first | item | sep
@@ -158,7 +159,7 @@ def _dpr_records(path: Path) -> Produced:
         is_list = f.read(CHUNK_CHARS).lstrip().startswith("[")
     if is_list:
         with open_text(path) as f:
-            for k, (line, obj) in enumerate(_iter_json_list(f, path)):
+            for k, (line, obj) in enumerate(iter_json_list(f, path)):
                 yield from _checked(f"{path}:{line} (record {k})", obj)
         return
     with open_text(path) as f:
@@ -179,7 +180,7 @@ def _checked(where: str, obj: Any) -> Produced:
         yield where, str(e)
 
 
-def _find(folder: Path, name: str) -> Path:
+def find_beir_file(folder: Path, name: str) -> Path:
     for candidate in (folder / name, folder / f"{name}.gz"):
         if candidate.is_file():
             return candidate
@@ -293,7 +294,7 @@ def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Opti
     There are no hard or other negatives; :class:`TrainingExamples` fills those slots (see there).
     """
     folder = Path(beir_dir)
-    corpus, queries = _find(folder, "corpus.jsonl"), _find(folder, "queries.jsonl")
+    corpus, queries = find_beir_file(folder, "corpus.jsonl"), find_beir_file(folder, "queries.jsonl")
     qrels = require_file(folder / "qrels" / f"{split}.tsv", f"qrels for split {split!r}")
     produce = functools.partial(_beir_records, corpus, queries, qrels)
     return _build(folder, [qrels, queries, corpus], "beir", produce, cache_dir, skip_bad)
@@ -306,88 +307,6 @@ def load_training_data(sources: Sequence[PathLike], cache_dir: Optional[PathLike
         raise DprGcError("no training data given (pass DPR files or BEIR folders)")
     return combine([load_beir_training(s, beir_split, cache_dir, skip_bad) if Path(s).is_dir()
                     else load_dpr_files([s], cache_dir, skip_bad) for s in sources])
-
-
-# ----------------------------------------------------------------- sampling
-class MixedBatchSampler(torch.utils.data.Sampler):
-    """Batch sampler over concatenated sources with per-source rates, rank sharding and mid-epoch resume.
-
-    Rate ``r`` draws ``int(r * size)`` rows of a source per epoch (whole shuffled passes, then a random part).
-    The epoch order depends only on ``(seed, epoch)``; step ``s`` uses positions ``[s*B*W, (s+1)*B*W)`` of it
-    and rank ``k`` takes the ``k``-th slice of ``B``, so ranks see disjoint equal parts and the tail is dropped.
-    With ``per_file_batches`` every step's global batch comes from one source (as DPR's multi-set iterator).
-    Each yielded item is ``(row, epoch, position)`` so examples can derive their own randomness.
-    """
-
-    def __init__(self, sizes: Sequence[int], batch_size: int, rates: Optional[Sequence[float]] = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, per_file_batches: bool = False) -> None:
-        rates = list(rates) if rates is not None else [1.0] * len(sizes)
-        if len(rates) != len(sizes) or any(r <= 0 for r in rates):
-            raise DprGcError(f"--sampling-rates needs one positive rate per training source ({len(sizes)}), "
-                             f"got {rates}")
-        if batch_size < 1 or not 0 <= rank < world_size:
-            raise DprGcError(f"bad batch size {batch_size} or rank {rank} of world size {world_size}")
-        self.sizes, self.rates, self.batch_size, self.seed = [int(s) for s in sizes], rates, batch_size, seed
-        self.rank, self.world_size, self.shuffle, self.per_file_batches = rank, world_size, shuffle, per_file_batches
-        self.epoch, self.skip, self._resume = 0, 0, None
-        if self.batches_per_epoch == 0:
-            raise DprGcError(f"too few training questions ({sum(self.sizes)}) for one batch of {batch_size} "
-                             f"x {world_size} rank(s); lower --batch-size")
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """All rows drawn in ``epoch``, in order (the same on every rank)."""
-        rng = np.random.default_rng([self.seed, epoch])
-        parts, offset = [], 0
-        for size, rate in zip(self.sizes, self.rates):
-            count = int(rate * size)
-            passes = [rng.permutation(size) if self.shuffle else np.arange(size) for _ in range(-(-count // size))]
-            parts.append(offset + np.concatenate(passes or [np.zeros(0, dtype=np.int64)])[:count])
-            offset += size
-        if not self.per_file_batches:
-            order = np.concatenate(parts)
-            return rng.permutation(order) if self.shuffle else order
-        step = self.batch_size * self.world_size
-        chunks = [c for p in parts for c in p[:len(p) // step * step].reshape(-1, step)]
-        chunk_order = rng.permutation(len(chunks)) if self.shuffle else range(len(chunks))
-        return np.concatenate([chunks[i] for i in chunk_order]) if chunks else np.zeros(0, dtype=np.int64)
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Full steps per epoch (use this for LR schedules; ``len()`` is what the next iteration yields)."""
-        step, counts = self.batch_size * self.world_size, [int(r * s) for r, s in zip(self.rates, self.sizes)]
-        return sum(c // step for c in counts) if self.per_file_batches else sum(counts) // step
-
-    def set_epoch(self, epoch: int, skip: Optional[int] = None) -> None:
-        """Select the epoch and how many of its batches to skip (by default, what ``load_state_dict`` asked for)."""
-        if skip is None:
-            skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
-        self.epoch, self.skip, self._resume = epoch, skip, None
-
-    def __len__(self) -> int:
-        return max(self.batches_per_epoch - self.skip, 0)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
-        order, b, step = self.epoch_order(self.epoch), self.batch_size, self.batch_size * self.world_size
-        for s in range(self.skip, len(order) // step):
-            start = s * step + self.rank * b
-            yield [(int(order[p]), self.epoch, p) for p in range(start, start + b)]
-
-    def state_dict(self, batches_done: int) -> dict:
-        """State after ``batches_done`` batches of the current epoch (count what the trainer consumed)."""
-        epoch, done = (self.epoch + 1, 0) if batches_done >= self.batches_per_epoch else (self.epoch, batches_done)
-        return {"epoch": epoch, "batches_done": done, "seed": self.seed, "batch_size": self.batch_size,
-                "world_size": self.world_size, "sizes": self.sizes, "rates": self.rates,
-                "shuffle": self.shuffle, "per_file_batches": self.per_file_batches}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume: the next ``set_epoch(state['epoch'])`` skips the batches already done."""
-        mine = self.state_dict(0)
-        changed = [k for k in mine if k not in ("epoch", "batches_done") and state.get(k) != mine[k]]
-        if changed:
-            raise DprGcError(f"cannot resume: the data setup changed ({', '.join(changed)}); "
-                             "use the same training files, rates, batch size, world size and seed")
-        self.epoch, self.skip = state["epoch"], state["batches_done"]
-        self._resume = (self.epoch, self.skip)
 
 
 # ----------------------------------------------------------------- examples and tokenisation

@@ -22,17 +22,14 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from .bm25 import BM25Source, Gold
 from .data import ID_KEYS
 from .errors import DprGcError
-from .files import PathLike, atomic_path, iter_jsonl, open_text, read_json, require_file, write_json
+from .files import PathLike, atomic_path, iter_jsonl, open_text, read_json, require_file
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 1024
-BM25_BLOCK = 50_000
-BM25_META = "bm25_meta.json"
-BM25_TOKENIZER = "bm25s Tokenizer: lowercase, regex (?u)\\b\\w\\w+\\b, English stopwords, no stemming"
-Gold = tuple[Optional[int], str, str]  # (corpus row if known, title, text)
 
 
 @dataclasses.dataclass
@@ -92,75 +89,6 @@ class DenseSource:
                                         batch_size=self.batch_size)
             for (i, _), s in zip(flat, np.einsum("nd,nd->n", emb[[i for i, _ in flat]], pemb).tolist()):
                 best[i] = s if best[i] is None else max(best[i], s)
-        return scores, rows, best
-
-
-class BM25Source:
-    """Candidates from BM25 (bm25s, k1/b as Anserini's defaults) over ``title + " " + text`` of each corpus row.
-
-    Tokenisation is bm25s's tokenizer: lowercase, words of 2+ word characters, English stopwords removed, no
-    stemming. The corpus is tokenised block by block from the memory-mapped dataset; bm25s then holds the token ids
-    while it builds its sparse score matrix, which is all that stays in memory (or is memory-mapped after a reload).
-    With ``index_dir`` an index saved there for the same corpus and parameters is loaded, else built and saved there.
-    A positive's score is its row of bm25s's score vector for the question, so only positives in the corpus get one.
-    Passages sharing no term with the question (score 0) are not candidates.
-    """
-
-    def __init__(self, corpus: Any, k1: float = 0.9, b: float = 0.4, index_dir: Optional[PathLike] = None,
-                 block_size: int = BM25_BLOCK, n_threads: int = 0, show_progress: bool = True) -> None:
-        import bm25s
-
-        self.n_threads = n_threads
-        self.meta = {"corpus_rows": len(corpus), "first_id": str(corpus[0]["id"]) if len(corpus) else None,
-                     "last_id": str(corpus[len(corpus) - 1]["id"]) if len(corpus) else None, "k1": k1, "b": b,
-                     "tokenizer": BM25_TOKENIZER, "bm25s_version": bm25s.__version__}
-        self.tokenizer = bm25s.tokenization.Tokenizer(stopwords="english")
-        folder = Path(index_dir) if index_dir is not None else None
-        if folder is not None and (folder / BM25_META).is_file():
-            saved = read_json(folder / BM25_META)
-            diff = [k for k in ("corpus_rows", "first_id", "last_id", "k1", "b", "tokenizer")
-                    if saved.get(k) != self.meta[k]]
-            if diff:
-                raise DprGcError(f"the BM25 index in {folder} was built with other {', '.join(diff)} "
-                                 f"({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); give the same corpus and "
-                                 "parameters, or another --bm25-index folder")
-            self.bm25 = bm25s.BM25.load(str(folder), mmap=True, show_progress=False)
-            self.tokenizer.load_vocab(str(folder))
-            logger.info("loaded the BM25 index of %d passages from %s", len(corpus), folder)
-            return
-        if len(corpus) == 0:
-            raise DprGcError("the corpus is empty; BM25 needs passages")
-        ids: list[list[int]] = []
-        with tqdm(total=len(corpus), desc="BM25 tokenise", unit=" passages", disable=not show_progress) as bar:
-            for s in range(0, len(corpus), block_size):
-                rows = corpus[s:s + block_size]
-                texts = [f"{t} {x}" if t else x for t, x in zip(rows["title"], rows["text"])]
-                ids.extend(self.tokenizer.streaming_tokenize(texts))
-                bar.update(len(texts))
-        self.bm25 = bm25s.BM25(k1=k1, b=b)
-        self.bm25.index(bm25s.tokenization.Tokenized(ids=ids, vocab=self.tokenizer.get_vocab_dict()),
-                        show_progress=show_progress)
-        del ids
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / BM25_META).unlink(missing_ok=True)
-            self.bm25.save(str(folder), show_progress=False)
-            self.tokenizer.save_vocab(str(folder))
-            write_json(folder / BM25_META, self.meta)
-            logger.info("saved the BM25 index to %s", folder)
-
-    def retrieve(self, questions: list[str], k: int,
-                 positives: Optional[list[list[Gold]]] = None) -> tuple[np.ndarray, np.ndarray, list[Optional[float]]]:
-        qids = self.tokenizer.tokenize(questions, update_vocab=False, return_as="ids", show_progress=False)
-        k = min(k, int(self.bm25.scores["num_docs"]))
-        rows, scores = self.bm25.retrieve(qids, k=k, n_threads=self.n_threads, show_progress=False)
-        best: list[Optional[float]] = [None] * len(questions)
-        for i, golds in enumerate(positives or []):
-            known = [g[0] for g in golds if g[0] is not None]
-            if known:
-                best[i] = float(self.bm25.get_scores_from_ids(qids[i])[known].max())
-        scores, rows = np.asarray(scores, dtype=np.float32), np.asarray(rows, dtype=np.int64)
-        rows[scores <= 0] = -1  # no query term in common: not retrieved (as in Lucene), and no hard negative
         return scores, rows, best
 
 
@@ -279,13 +207,13 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
 def iter_training_file(path: PathLike) -> Iterator[dict]:
     """Stream the records of a DPR training file (JSON list or JSONL, optionally .gz) unchanged, each checked as the
     training reader checks it; a bad record raises naming file and line."""
-    from .data import _iter_json_list, normalise_record
+    from .data import iter_json_list, normalise_record
 
     p = require_file(path, "training file")
     with open_text(p) as f:
         is_list = f.read(1 << 16).lstrip().startswith("[")
         f.seek(0)
-        for line, record in (_iter_json_list(f, p) if is_list else iter_jsonl(p)):
+        for line, record in (iter_json_list(f, p) if is_list else iter_jsonl(p)):
             try:
                 normalise_record(record)
             except ValueError as e:
@@ -417,7 +345,7 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
 
 def _cli(args: argparse.Namespace) -> None:
     from .corpus import load_corpus
-    from .data import _find
+    from .data import find_beir_file
     from .evaluate import read_qrels
     from .retrieve import format_summary
 
@@ -428,11 +356,11 @@ def _cli(args: argparse.Namespace) -> None:
     _check_settings(args.n_negatives, args.top_k, args.skip_top, args.match)
     beir = Path(args.beir_dir) if args.beir_dir else None
     if beir is not None:
-        queries = _find(beir, "queries.jsonl")
+        queries = find_beir_file(beir, "queries.jsonl")
         split_qrels = require_file(beir / "qrels" / f"{args.split}.tsv", f"qrels of split {args.split!r}")
     else:
         require_file(args.train_file, "training file")
-    corpus_path = args.corpus or (_find(beir, "corpus.jsonl") if beir is not None else None)
+    corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
     if corpus_path is None and args.index and (Path(args.index) / "index_meta.json").is_file():
         corpus_path = read_json(Path(args.index) / "index_meta.json").get("corpus")
     if not corpus_path:

@@ -15,6 +15,7 @@ import torch
 from tests.conftest import SHARED_DATA
 from dpr_gc import data as D
 from dpr_gc.errors import DprGcError
+from dpr_gc.sampling import MixedBatchSampler
 
 
 def ctx(pid: str, title: str, text: str, key: str = "passage_id") -> dict:
@@ -220,25 +221,25 @@ def test_fill_never_uses_a_passage_of_the_question_itself(tmp_path):
 
 
 def test_rates_are_per_source_and_deterministic():
-    s = D.MixedBatchSampler([10, 4], batch_size=2, rates=[0.5, 2.0], seed=7)
+    s = MixedBatchSampler([10, 4], batch_size=2, rates=[0.5, 2.0], seed=7)
     order = s.epoch_order(0)
     assert len(order) == 13 and s.batches_per_epoch == len(s) == 6
     assert (order < 10).sum() == 5 and len(set(order[order < 10])) == 5
     assert sorted(order[order >= 10].tolist()) == [10, 10, 11, 11, 12, 12, 13, 13]
-    assert np.array_equal(order, D.MixedBatchSampler([10, 4], 2, [0.5, 2.0], seed=7).epoch_order(0))
+    assert np.array_equal(order, MixedBatchSampler([10, 4], 2, [0.5, 2.0], seed=7).epoch_order(0))
     assert not np.array_equal(order, s.epoch_order(1))
     assert [row for batch in s for row, _, _ in batch] == order[:12].tolist()  # last incomplete batch dropped
     with pytest.raises(DprGcError, match="sampling-rates"):
-        D.MixedBatchSampler([10, 4], 2, rates=[1.0])
+        MixedBatchSampler([10, 4], 2, rates=[1.0])
 
 
 def test_rank_sharding_disjoint_equal_parts_and_per_file_batches():
     sizes, b, w = [17, 9], 2, 3
-    shards = [list(D.MixedBatchSampler(sizes, b, world_size=w, rank=r, seed=1)) for r in range(w)]
+    shards = [list(MixedBatchSampler(sizes, b, world_size=w, rank=r, seed=1)) for r in range(w)]
     assert [len(x) for x in shards] == [4, 4, 4]
     positions = [p for shard in shards for batch in shard for _, _, p in batch]
     assert sorted(positions) == list(range(24))  # disjoint, 26 -> 24 (tail dropped)
-    grouped = D.MixedBatchSampler(sizes, b, world_size=w, rank=0, seed=1, per_file_batches=True)
+    grouped = MixedBatchSampler(sizes, b, world_size=w, rank=0, seed=1, per_file_batches=True)
     order = grouped.epoch_order(0)
     assert grouped.batches_per_epoch == 2 + 1
     assert all(len({int(r >= 17) for r in order[i:i + b * w]}) == 1 for i in range(0, len(order), b * w))
@@ -252,17 +253,17 @@ def test_resume_reproduces_the_remaining_batches():
             out.append(list(sampler))
         return out
 
-    full = run(D.MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4), [0, 1, 2])
-    first = D.MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4)
+    full = run(MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4), [0, 1, 2])
+    first = MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4)
     first.set_epoch(1)
     state = json.loads(json.dumps(first.state_dict(batches_done=2)))
-    resumed = D.MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4)
+    resumed = MixedBatchSampler([11, 6], 3, [1.0, 1.5], seed=4)
     resumed.load_state_dict(state)
     assert len(resumed) == len(full[1]) - 2
     assert run(resumed, [1, 2]) == [full[1][2:], full[2]]
     assert first.state_dict(first.batches_per_epoch)["epoch"] == 2
     with pytest.raises(DprGcError, match="cannot resume.*batch_size"):
-        D.MixedBatchSampler([11, 6], 4, [1.0, 1.5], seed=4).load_state_dict(state)
+        MixedBatchSampler([11, 6], 4, [1.0, 1.5], seed=4).load_state_dict(state)
 
 
 def test_collator_matches_retriever_tokenisation(make_retriever):

@@ -1,0 +1,92 @@
+"""Which training questions each step and rank draws: several sources at per-source rates, rank shards, and a
+position in the epoch that a checkpoint can save and a resumed run can continue from."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .errors import DprGcError
+
+
+class MixedBatchSampler(torch.utils.data.Sampler):
+    """Batch sampler over concatenated sources with per-source rates, rank sharding and mid-epoch resume.
+
+    Rate ``r`` draws ``int(r * size)`` rows of a source per epoch (whole shuffled passes, then a random part).
+    The epoch order depends only on ``(seed, epoch)``; step ``s`` uses positions ``[s*B*W, (s+1)*B*W)`` of it
+    and rank ``k`` takes the ``k``-th slice of ``B``, so ranks see disjoint equal parts and the tail is dropped.
+    With ``per_file_batches`` every step's global batch comes from one source (as DPR's multi-set iterator).
+    Each yielded item is ``(row, epoch, position)`` so examples can derive their own randomness.
+    """
+
+    def __init__(self, sizes: Sequence[int], batch_size: int, rates: Optional[Sequence[float]] = None, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, per_file_batches: bool = False) -> None:
+        rates = list(rates) if rates is not None else [1.0] * len(sizes)
+        if len(rates) != len(sizes) or any(r <= 0 for r in rates):
+            raise DprGcError(f"--sampling-rates needs one positive rate per training source ({len(sizes)}), "
+                             f"got {rates}")
+        if batch_size < 1 or not 0 <= rank < world_size:
+            raise DprGcError(f"bad batch size {batch_size} or rank {rank} of world size {world_size}")
+        self.sizes, self.rates, self.batch_size, self.seed = [int(s) for s in sizes], rates, batch_size, seed
+        self.rank, self.world_size, self.shuffle, self.per_file_batches = rank, world_size, shuffle, per_file_batches
+        self.epoch, self.skip, self._resume = 0, 0, None
+        if self.batches_per_epoch == 0:
+            raise DprGcError(f"too few training questions ({sum(self.sizes)}) for one batch of {batch_size} "
+                             f"x {world_size} rank(s); lower --batch-size")
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """All rows drawn in ``epoch``, in order (the same on every rank)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        parts, offset = [], 0
+        for size, rate in zip(self.sizes, self.rates):
+            count = int(rate * size)
+            passes = [rng.permutation(size) if self.shuffle else np.arange(size) for _ in range(-(-count // size))]
+            parts.append(offset + np.concatenate(passes or [np.zeros(0, dtype=np.int64)])[:count])
+            offset += size
+        if not self.per_file_batches:
+            order = np.concatenate(parts)
+            return rng.permutation(order) if self.shuffle else order
+        step = self.batch_size * self.world_size
+        chunks = [c for p in parts for c in p[:len(p) // step * step].reshape(-1, step)]
+        chunk_order = rng.permutation(len(chunks)) if self.shuffle else range(len(chunks))
+        return np.concatenate([chunks[i] for i in chunk_order]) if chunks else np.zeros(0, dtype=np.int64)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full steps per epoch (use this for LR schedules; ``len()`` is what the next iteration yields)."""
+        step, counts = self.batch_size * self.world_size, [int(r * s) for r, s in zip(self.rates, self.sizes)]
+        return sum(c // step for c in counts) if self.per_file_batches else sum(counts) // step
+
+    def set_epoch(self, epoch: int, skip: Optional[int] = None) -> None:
+        """Select the epoch and how many of its batches to skip (by default, what ``load_state_dict`` asked for)."""
+        if skip is None:
+            skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self.epoch, self.skip, self._resume = epoch, skip, None
+
+    def __len__(self) -> int:
+        return max(self.batches_per_epoch - self.skip, 0)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        order, b, step = self.epoch_order(self.epoch), self.batch_size, self.batch_size * self.world_size
+        for s in range(self.skip, len(order) // step):
+            start = s * step + self.rank * b
+            yield [(int(order[p]), self.epoch, p) for p in range(start, start + b)]
+
+    def state_dict(self, batches_done: int) -> dict:
+        """State after ``batches_done`` batches of the current epoch (count what the trainer consumed)."""
+        epoch, done = (self.epoch + 1, 0) if batches_done >= self.batches_per_epoch else (self.epoch, batches_done)
+        return {"epoch": epoch, "batches_done": done, "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size, "sizes": self.sizes, "rates": self.rates,
+                "shuffle": self.shuffle, "per_file_batches": self.per_file_batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``set_epoch(state['epoch'])`` skips the batches already done."""
+        mine = self.state_dict(0)
+        changed = [k for k in mine if k not in ("epoch", "batches_done") and state.get(k) != mine[k]]
+        if changed:
+            raise DprGcError(f"cannot resume: the data setup changed ({', '.join(changed)}); "
+                             "use the same training files, rates, batch size, world size and seed")
+        self.epoch, self.skip = state["epoch"], state["batches_done"]
+        self._resume = (self.epoch, self.skip)
