@@ -178,11 +178,15 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
     q_chunk, p_chunk = config.query_chunk_size, config.passage_chunk_size
     if config.grad_cache and "auto" in (q_chunk, p_chunk):
         auto = auto_chunk_size(towers, collator, device, config.batch_size * (1 + n_neg), config.precision)
-        q_chunk = auto if q_chunk == "auto" else q_chunk
+        q_chunk = min(auto, config.batch_size) if q_chunk == "auto" else q_chunk
         p_chunk = auto if p_chunk == "auto" else p_chunk
         logger.info("auto chunk size: query %s, passage %s", q_chunk, p_chunk)
-    if config.grad_cache and max(q_chunk, p_chunk) > config.batch_size * (1 + n_neg):
-        logger.info("chunk sizes above the batch size just mean one chunk")
+    if config.grad_cache and q_chunk > config.batch_size:
+        raise DprGcError(f"--query-chunk-size {q_chunk} is larger than --batch-size {config.batch_size}: "
+                         "use a chunk of at most the batch (or --no-grad-cache)")
+    if config.grad_cache and p_chunk > config.batch_size * (1 + n_neg):
+        raise DprGcError(f"--passage-chunk-size {p_chunk} is larger than the {config.batch_size * (1 + n_neg)} "
+                         "passages of a batch: use a chunk of at most that (or --no-grad-cache)")
 
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "tau.log_value")
     params = [p for p in towers.parameters() if p.requires_grad]

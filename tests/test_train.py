@@ -107,6 +107,9 @@ def test_bad_input_errors(task, tmp_path, capsys):
     assert main(["train", "--train", str(task["train"]), "--output", str(tmp_path / "o"), "--model",
                  str(task["model"]), "--q_chunk_size", "0"]) == 2
     assert "chunk" in capsys.readouterr().err
+    assert main(["train", "--train", str(task["train"]), "--output", str(tmp_path / "o"), "--model",
+                 str(task["model"]), "--batch-size", "8", "--query-chunk-size", "16"]) == 2
+    assert "--query-chunk-size 16 is larger than --batch-size 8" in capsys.readouterr().err
     assert main(["train", "--train", str(tmp_path / "missing.json"), "--output", str(tmp_path / "o"),
                  "--model", str(task["model"])]) == 2
     assert "missing.json" in capsys.readouterr().err
