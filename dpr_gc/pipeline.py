@@ -65,7 +65,7 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
             encode_batch_size: int) -> dict:
     """Encode the corpus, index it (exact inner product), retrieve for the test questions and evaluate."""
     from .corpus import load_corpus, read_queries
-    from .encode import encode_corpus
+    from .encode import encode_corpus, pick_precision
     from .evaluate import evaluate_answers, qrels_metrics, read_qrels, run_from_results
     from .index import DenseIndex, IndexParams, build_index
     from .retrieve import retrieve, write_results_json, write_trec_run
@@ -77,7 +77,9 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
         return read_json(metrics_file)
     corpus_path = data / manifest["files"]["corpus"]
     started = time.perf_counter()
-    encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, model_name=name)
+    device = next(retriever.parameters()).device
+    encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, model_name=name,
+                  autocast=pick_precision("auto", device))
     encode_seconds = time.perf_counter() - started
     if not (stage / "index" / "index_meta.json").is_file():
         build_index(stage / "embeddings", stage / "index", IndexParams(kind="flat"))
