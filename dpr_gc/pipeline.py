@@ -130,7 +130,8 @@ def run_demo(config: DemoConfig) -> dict:
                           hard_negatives=config.hard_negatives, query_chunk_size=config.chunk_size,
                           passage_chunk_size=config.chunk_size, learning_rate=config.learning_rate,
                           warmup_steps=2, epochs=config.epochs, precision=config.precision, seed=config.seed,
-                          save_every=4, keep_checkpoints=1, resume=resume, cache_dir=str(out / "cache")))
+                          save_every=4, keep_checkpoints=1, resume=resume, num_workers=1,
+                          cache_dir=str(out / "cache")))
     trained = Retriever.load(final)
     after = measure(trained, "after", out, data, manifest, config.top_k, config.encode_batch_size)
 

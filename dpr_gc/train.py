@@ -68,7 +68,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     best_metric: str = "avg_rank"
     resume: Optional[str] = None
-    num_workers: int = 0
+    num_workers: int = 2
     skip_bad_records: bool = False
     cache_dir: Optional[str] = None
     device: Optional[str] = None
@@ -227,6 +227,7 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
         initial = {"step": 0, **dev_metrics(retriever, config, collator)}
         checkpointer.log(metrics_file, initial)
         logger.info("dev before training: %s", {k: round(v, 4) for k, v in initial.items()})
+    board = tensorboard_writer(out) if rank == 0 else None
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="train", dynamic_ncols=True)
     started, examples, last_loss = time.perf_counter(), 0, float("nan")
     while step < total_steps:
@@ -261,6 +262,9 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
                 checkpointer.update_best(step, retriever, record)
             if step % config.log_every == 0 or last:
                 checkpointer.log(metrics_file, record)
+                if board is not None:
+                    for key, value in record.items():
+                        board.add_scalar(f"train/{key}", value, step)
             if (config.save_every and step % config.save_every == 0) or last:
                 checkpointer.save(step, retriever, optimizer, scheduler, scaler, sampler.state_dict(done_in_epoch),
                                   gather_rng(rng, world), record)
@@ -269,6 +273,8 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
                 break
         epoch += 1
     bar.close()
+    if board is not None:
+        board.close()
     seconds = time.perf_counter() - started
     summary = {"steps": step, "effective_batch": effective, "passages_per_query": 1 + n_neg,
                "chunk_sizes": [q_chunk, p_chunk] if config.grad_cache else None, "precision": config.precision,
@@ -281,6 +287,15 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
     if dist.is_initialized():
         dist.barrier()
     return summary
+
+
+def tensorboard_writer(out: Path) -> Any:
+    """A TensorBoard writer into ``out/tensorboard`` when the tensorboard package is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
 
 
 def dev_metrics(retriever: Retriever, config: TrainConfig, collator: Any) -> dict:
@@ -356,7 +371,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--keep-checkpoints", type=int, default=2)
     p.add_argument("--best-metric", default="avg_rank", choices=["avg_rank", "loss", "accuracy"])
     p.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' in --output")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (tokenisation)")
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers that tokenise ahead of the step")
     p.add_argument("--skip-bad-records", action="store_true")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--device", default=None)

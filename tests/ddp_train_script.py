@@ -18,5 +18,5 @@ def dump(step: int, retriever) -> None:
 
 
 train(TrainConfig(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
-                  query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3),
+                  query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3, num_workers=0),
       on_backward=dump)

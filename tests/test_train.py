@@ -40,7 +40,7 @@ def task(tmp_path_factory) -> dict:
 
 
 def config(task: dict, out: Path, **kw) -> TrainConfig:
-    base = dict(train_files=[str(task["train"])], output_dir=str(out), model=str(task["model"]), batch_size=8,
+    base = dict(train_files=[str(task["train"])], output_dir=str(out), model=str(task["model"]), batch_size=8, num_workers=0,
                 learning_rate=1e-3, query_chunk_size=3, passage_chunk_size=5, cache_dir=str(task["dir"] / "cache"))
     base.update(kw)
     return TrainConfig(**base)
