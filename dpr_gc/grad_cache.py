@@ -9,8 +9,8 @@ One cached step runs in three parts:
    encoder (``sum(rep * cached_grad)`` has exactly that gradient).
 
 Beyond the original module: bf16 autocast beside fp16 + GradScaler; every chunk is trimmed to its own longest
-sequence; the batch can be grouped by length before chunking; the last chunk of each model keeps its graph from
-part 1 instead of being run again (not under DDP, where that graph's backward would reach the gradient hooks out of
+sequence; the batch can be grouped by length before chunking; the very last chunk keeps its graph from part 1
+instead of being run again (not under DDP, where that graph's backward would reach the gradient hooks out of
 order); the
 RNG state is replayed on the model's device as well as the inputs'; the gradients of a loss's own parameters (a
 learnable temperature) are averaged over ranks like DDP averages the encoders'.
@@ -151,8 +151,8 @@ class GradCache:
         sort_by_length: group rows of similar length into the same chunk (representations are returned and the
             loss is computed in the original order).
         trim: cut every chunk to its longest sequence (right padding assumed; left-padded chunks are left alone).
-        keep_last_graph: keep the graph of each model's last chunk from the first pass instead of running it again
-            (ignored for DDP-wrapped models).
+        keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
+            again (ignored for DDP-wrapped models); it is backpropagated first, so peak memory stays one chunk.
     """
 
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: Union[int, Sequence[int]], loss_fn: Callable[..., torch.Tensor],
@@ -225,14 +225,16 @@ class GradCache:
             raise DprGcError("no_sync_except_last=True needs every model wrapped in DistributedDataParallel")
         is_ddp = [isinstance(m, DistributedDataParallel) for m in self.models]
 
-        # Part 1: representations without graphs (the last chunk keeps its graph when allowed).
+        # Part 1: representations without graphs. The very last chunk (of the last model) keeps its graph when
+        # allowed: it is the one chunk whose graph can live until the loss without raising peak memory.
         plans, reps, kept = [], [], []
-        for model, model_input, chunk_size, ddp in zip(self.models, model_inputs, self.chunk_sizes, is_ddp):
+        for m, (model, model_input, chunk_size) in enumerate(zip(self.models, model_inputs, self.chunk_sizes)):
             chunks, order = self._chunks(model_input, chunk_size)
             states, chunk_reps, kept_rep = [], [], None
+            keep = self.keep_last_graph and m == len(self.models) - 1 and not is_ddp[m]
             for i, chunk in enumerate(chunks):
                 states.append(RandState({model_device(model)} | {t.device for t in tensors_in(chunk)}))
-                if i == len(chunks) - 1 and self.keep_last_graph and not ddp:
+                if i == len(chunks) - 1 and keep:
                     kept_rep = self._forward(model, chunk)
                     chunk_reps.append(kept_rep.detach())
                 else:
@@ -250,20 +252,25 @@ class GradCache:
         (self.scaler.scale(loss) if self.fp16 else loss).backward()
         self._average_loss_parameter_grads()
 
-        # Part 3: replay each chunk with a graph and push its cached gradient into the encoder.
-        for model, (chunks, order, states), rep, kept_rep in zip(self.models, plans, reps, kept):
+        # Part 3: replay each chunk with a graph and push its cached gradient into the encoder. Models go last to
+        # first and the kept chunk first of all, so its graph is freed before any other chunk is re-run.
+        for m in reversed(range(len(self.models))):
+            model, (chunks, order, states), rep, kept_rep = self.models[m], plans[m], reps[m], kept[m]
             grad = rep.grad if order is None else rep.grad[order.to(rep.device)]
             grads = grad.split([batch_size_of(c) for c in chunks])
-            for i, (chunk, state, chunk_grad) in enumerate(zip(chunks, states, grads)):
-                is_last_chunk = i == len(chunks) - 1
-                sync = not no_sync_except_last or is_last_chunk
+            last = len(chunks) - 1
+            for i in ([last] + list(range(last)) if kept_rep is not None else range(len(chunks))):
+                sync = not no_sync_except_last or i == last
                 with self._sync_context(model, sync):
-                    if is_last_chunk and kept_rep is not None:
+                    if i == last and kept_rep is not None:
                         chunk_rep = kept_rep
                     else:
-                        with state.replay():
-                            chunk_rep = self._forward(model, chunk)
-                    torch.sum(chunk_rep.float() * chunk_grad.to(chunk_rep.device)).backward()
+                        with states[i].replay():
+                            chunk_rep = self._forward(model, chunks[i])
+                    torch.sum(chunk_rep.float() * grads[i].to(chunk_rep.device)).backward()
+                    del chunk_rep
+            kept_rep = None
+            kept[m] = None
         return loss.detach()
 
     @staticmethod
