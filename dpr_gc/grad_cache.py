@@ -211,6 +211,13 @@ class GradCache:
             chunks = [trim_padding(c) for c in chunks]
         return chunks, order
 
+    @staticmethod
+    def _rows(chunks: list[Any], order: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        """For each chunk, the rows of the original (unsorted) batch it holds."""
+        sizes = [batch_size_of(c) for c in chunks]
+        index = torch.arange(sum(sizes)) if order is None else order
+        return list(index.split(sizes))
+
     # ----------------------------------------------------------------- the step
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
         """One cached step: returns the detached loss; parameter gradients are accumulated into ``.grad``.
@@ -230,20 +237,24 @@ class GradCache:
         plans, reps, kept = [], [], []
         for m, (model, model_input, chunk_size) in enumerate(zip(self.models, model_inputs, self.chunk_sizes)):
             chunks, order = self._chunks(model_input, chunk_size)
-            states, chunk_reps, kept_rep = [], [], None
+            rows = self._rows(chunks, order)
+            states, rep, kept_rep = [], None, None
             keep = self.keep_last_graph and m == len(self.models) - 1 and not is_ddp[m]
             for i, chunk in enumerate(chunks):
                 states.append(RandState({model_device(model)} | {t.device for t in tensors_in(chunk)}))
                 if i == len(chunks) - 1 and keep:
                     kept_rep = self._forward(model, chunk)
-                    chunk_reps.append(kept_rep.detach())
+                    chunk_rep = kept_rep.detach()
                 else:
                     with torch.no_grad():
-                        chunk_reps.append(self._forward(model, chunk))
-            rep = torch.cat(chunk_reps).float()
-            if order is not None:
-                rep = rep[torch.argsort(order.to(rep.device))]
-            plans.append((chunks, order, states))
+                        chunk_rep = self._forward(model, chunk)
+                if rep is None:
+                    rep = chunk_rep.new_empty((sum(len(r) for r in rows), *chunk_rep.shape[1:]), dtype=torch.float32)
+                # Copied into one fp32 buffer in the original row order: a chunk's representation may be a view
+                # (e.g. the [CLS] row) whose base tensor would otherwise stay alive with it.
+                rep[rows[i].to(rep.device)] = chunk_rep.float()
+                del chunk_rep
+            plans.append((chunks, rows, states))
             reps.append(rep.requires_grad_())
             kept.append(kept_rep)
 
@@ -255,9 +266,7 @@ class GradCache:
         # Part 3: replay each chunk with a graph and push its cached gradient into the encoder. Models go last to
         # first and the kept chunk first of all, so its graph is freed before any other chunk is re-run.
         for m in reversed(range(len(self.models))):
-            model, (chunks, order, states), rep, kept_rep = self.models[m], plans[m], reps[m], kept[m]
-            grad = rep.grad if order is None else rep.grad[order.to(rep.device)]
-            grads = grad.split([batch_size_of(c) for c in chunks])
+            model, (chunks, rows, states), rep, kept_rep = self.models[m], plans[m], reps[m], kept[m]
             last = len(chunks) - 1
             for i in ([last] + list(range(last)) if kept_rep is not None else range(len(chunks))):
                 sync = not no_sync_except_last or i == last
@@ -267,7 +276,7 @@ class GradCache:
                     else:
                         with states[i].replay():
                             chunk_rep = self._forward(model, chunks[i])
-                    torch.sum(chunk_rep.float() * grads[i].to(chunk_rep.device)).backward()
+                    torch.sum(chunk_rep.float() * rep.grad[rows[i].to(rep.device)].to(chunk_rep.device)).backward()
                     del chunk_rep
             kept_rep = None
             kept[m] = None

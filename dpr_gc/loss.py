@@ -21,7 +21,7 @@ from torch import nn
 from .errors import DprGcError
 
 TEMPERATURE_RANGE = (0.01, 10.0)
-_AUTO_BLOCK_ELEMENTS = 1 << 22
+_AUTO_BLOCK_ELEMENTS = 1 << 20
 
 
 class _BlockedCrossEntropy(torch.autograd.Function):
@@ -51,7 +51,7 @@ class _BlockedCrossEntropy(torch.autograd.Function):
             rows = torch.arange(xb.size(0), device=x.device)
             probs[rows, targets[start:start + ctx.block]] -= 1.0
             if grad_scale is not None:
-                grad_scale += (probs * raw).sum()
+                grad_scale += torch.vdot(probs.flatten(), raw.flatten())
             probs *= scale
             if grad_x is not None:
                 grad_x[start:start + ctx.block] = probs @ y
@@ -100,8 +100,8 @@ class SimpleContrastiveLoss(nn.Module):
         similarity: ``"dot"`` or ``"cos"`` (L2-normalised dot product).
         symmetric: add a passage→query term (each positive must pick its query among the batch's queries) and
             average the two directions.
-        loss_chunk_size: rows per block of the score matrix; ``None`` picks a block of about 4M scores; ``0``
-            computes the dense matrix with plain autograd (the reference path).
+        loss_chunk_size: rows per block of the score matrix; ``None`` picks a block of about 1M scores (4 MB);
+            ``0`` computes the dense matrix with plain autograd (the reference path).
     """
 
     def __init__(self, n_hard_negatives: int = 0, temperature: float = 1.0, learn_temperature: bool = False,

@@ -192,6 +192,32 @@ def test_plain_tensor_inputs_and_get_rep_fn():
     assert rel_err(grads([net]), expected) < 1e-5
 
 
+def test_representation_views_do_not_keep_chunk_outputs_alive():
+    """A get_rep_fn that returns a view (the [CLS] row) must not keep each chunk's whole output until the loss."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(5, 4)
+    outputs: list[StorageWeakRef] = []
+    seen_alive: list[int] = []
+
+    def first_row(out: torch.Tensor) -> torch.Tensor:
+        outputs.append(StorageWeakRef(out.untyped_storage()))
+        return out[:, 0]
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen_alive.append(sum(not ref.expired() for ref in outputs))
+        outputs.clear()
+        return SimpleContrastiveLoss(0)(x, y)
+
+    x, y = torch.randn(12, 3, 5), torch.randn(12, 3, 5)
+    GradCache([net, net], 4, loss_fn, get_rep_fn=first_row, keep_last_graph=False)(x, y)
+    assert seen_alive == [0]
+    net.zero_grad()
+    GradCache([net, net], 4, loss_fn, get_rep_fn=first_row, sort_by_length=True)(x, y)
+    assert seen_alive[1] <= 1  # only the kept last chunk's output, whose graph is reused
+
+
 def test_functional_decorators_match_the_class(make_retriever):
     retriever = make_retriever(shared=False, dropout=0.1)
     modules = models_of(retriever)
