@@ -82,10 +82,21 @@ def take_rows(obj: Any, index: torch.Tensor) -> Any:
     return obj
 
 
+def slice_rows(obj: Any, start: int, end: int) -> Any:
+    """Rows ``start:end`` of every tensor in ``obj`` as views (no copy; keeps the container types)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[start:end]
+    if isinstance(obj, Mapping):
+        return obj.__class__({k: slice_rows(v, start, end) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(slice_rows(v, start, end) for v in obj)
+    return obj
+
+
 def split_input(model_input: Any, chunk_size: int) -> list[Any]:
-    """Split tensors, lists/tuples of tensors, dicts and BatchEncodings into chunks of ``chunk_size`` rows."""
+    """Split tensors, lists/tuples of tensors, dicts and BatchEncodings into chunks of ``chunk_size`` rows (views)."""
     n = batch_size_of(model_input)
-    return [take_rows(model_input, torch.arange(s, min(s + chunk_size, n))) for s in range(0, n, chunk_size)]
+    return [slice_rows(model_input, s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
 
 
 def trim_padding(chunk: Any) -> Any:
