@@ -38,6 +38,7 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dpr_gc.cli import report_errors  # noqa: E402
 from dpr_gc.errors import DprGcError  # noqa: E402
 from dpr_gc.files import iter_jsonl, read_json, write_json  # noqa: E402
 
@@ -549,25 +550,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    try:
-        if args.phase:
-            saved = read_json(args.settings)
-            s = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-        else:
-            s = settings_from_args(args)
-        if s.threads:
-            import torch
+    return report_errors(lambda: run(args))
 
-            torch.set_num_threads(s.threads)
-        if args.phase:
-            child(s, args.phase, args.name, json.loads(args.extra))
-        else:
-            orchestrate(s, Path(args.results), [parse_variant(v) for v in args.variant])
-    except DprGcError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
 
+def run(args: argparse.Namespace) -> None:
+    """The orchestrator (no ``--phase``) or one phase in its own process."""
+    if args.phase:
+        saved = read_json(args.settings)
+        s = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+    else:
+        s = settings_from_args(args)
+    if s.threads:
+        import torch
+
+        torch.set_num_threads(s.threads)
+    if args.phase:
+        child(s, args.phase, args.name, json.loads(args.extra))
+    else:
+        orchestrate(s, Path(args.results), [parse_variant(v) for v in args.variant])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import data, encode, evaluate, mine, pipeline, retrieve, stdlib_data, train
 from .errors import DprGcError
@@ -22,13 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+def report_errors(action: Callable[[], Any]) -> int:
+    """Run ``action`` as a command: a :class:`DprGcError` becomes ``error: ...`` on stderr and exit status 2, an
+    interrupt exit status 130; an int result is the exit status, anything else 0."""
     try:
-        result = args.func(args)
+        result = action()
     except DprGcError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -36,6 +34,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("interrupted: finished work is kept; run the same command again to resume", file=sys.stderr)
         return 130
     return result if isinstance(result, int) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    return report_errors(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dpr_gc.cli import report_errors
 from dpr_gc.errors import DprGcError
 from dpr_gc.index import META_FILE, DenseIndex, add_shards, set_threads, shard_ids
 from dpr_gc.retrieve import MATCH_CHOICES, add_index_arguments, params_from_args, run_retrieval
@@ -104,14 +105,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args, unknown = build_parser().parse_known_args(hydra_to_flags(list(sys.argv[1:] if argv is None else argv)))
     if unknown:
         logger.warning("ignoring arguments this script does not use: %s", " ".join(unknown))
-    try:
+
+    def run() -> None:
         set_threads(args.threads)
         index, name = load_or_build_index(args)
         run_retrieval(args, index, name)
-    except DprGcError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return report_errors(run)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.encode import add_arguments, run_cli  # noqa: E402
-from dpr_gc.errors import DprGcError  # noqa: E402
+from dpr_gc.cli import report_errors  # noqa: E402
 
 HYDRA_ARG = re.compile(r"^([A-Za-z_][\w.-]*)=(.*)$")
 
@@ -41,12 +41,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_arguments(parser, dpr_aliases=True)
     args = parser.parse_args(hydra_to_flags(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        run_cli(args)
-    except DprGcError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return report_errors(lambda: run_cli(args))
 
 
 if __name__ == "__main__":
