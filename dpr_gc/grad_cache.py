@@ -245,11 +245,11 @@ class GradCache:
 
         # Part 1: representations without graphs. The very last chunk (of the last model) keeps its graph when
         # allowed: it is the one chunk whose graph can live until the loss without raising peak memory.
-        plans, reps, kept = [], [], []
+        plans, reps, kept_rep = [], [], None
         for m, (model, model_input, chunk_size) in enumerate(zip(self.models, model_inputs, self.chunk_sizes)):
             chunks, order = self._chunks(model_input, chunk_size)
             rows = self._rows(chunks, order)
-            states, rep, kept_rep = [], None, None
+            states, rep = [], None
             keep = self.keep_last_graph and m == len(self.models) - 1 and not is_ddp[m]
             for i, chunk in enumerate(chunks):
                 states.append(RandState({model_device(model)} | {t.device for t in tensors_in(chunk)}))
@@ -267,7 +267,6 @@ class GradCache:
                 del chunk_rep
             plans.append((chunks, rows, states))
             reps.append(rep.requires_grad_())
-            kept.append(kept_rep)
 
         # Part 2: the loss over the whole batch, and its gradient with respect to every representation (fp32).
         loss = self.loss_fn(*reps, **loss_kwargs)
@@ -277,20 +276,19 @@ class GradCache:
         # Part 3: replay each chunk with a graph and push its cached gradient into the encoder. Models go last to
         # first and the kept chunk first of all, so its graph is freed before any other chunk is re-run.
         for m in reversed(range(len(self.models))):
-            model, (chunks, rows, states), rep, kept_rep = self.models[m], plans[m], reps[m], kept[m]
+            model, (chunks, rows, states), rep = self.models[m], plans[m], reps[m]
+            kept_here = kept_rep is not None and m == len(self.models) - 1
             last = len(chunks) - 1
-            for i in ([last] + list(range(last)) if kept_rep is not None else range(len(chunks))):
+            for i in ([last] + list(range(last)) if kept_here else range(len(chunks))):
                 sync = not no_sync_except_last or i == last
                 with self._sync_context(model, sync):
-                    if i == last and kept_rep is not None:
-                        chunk_rep = kept_rep
+                    if i == last and kept_here:
+                        chunk_rep, kept_rep = kept_rep, None
                     else:
                         with states[i].replay():
                             chunk_rep = self._forward(model, chunks[i])
                     torch.sum(chunk_rep.float() * rep.grad[rows[i].to(rep.device)].to(chunk_rep.device)).backward()
                     del chunk_rep
-            kept_rep = None
-            kept[m] = None
         return loss.detach()
 
     @staticmethod
