@@ -131,9 +131,10 @@ def load_model(path: Optional[str], s: Settings, passage_length: int) -> Any:
 
 
 def flat_index(emb: Any) -> Any:
-    import faiss
+    """The toolkit's exact inner-product index over ``emb``."""
+    from dpr_gc.index import DenseIndex, IndexParams
 
-    index = faiss.IndexFlatIP(emb.shape[1])
+    index = DenseIndex.build(emb.shape[1], IndexParams(kind="flat"))
     index.add(emb)
     return index
 
