@@ -49,8 +49,12 @@ class BM25Source:
                 raise DprGcError(f"the BM25 index in {folder} was built with other {', '.join(diff)} "
                                  f"({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); give the same corpus and "
                                  "parameters, or another --bm25-index folder")
-            self.bm25 = bm25s.BM25.load(str(folder), mmap=True, show_progress=False)
-            self.tokenizer.load_vocab(str(folder))
+            try:
+                self.bm25 = bm25s.BM25.load(str(folder), mmap=True, show_progress=False)
+                self.tokenizer.load_vocab(str(folder))
+            except (ValueError, OSError, KeyError) as e:
+                raise DprGcError(f"cannot read the BM25 index in {folder} ({str(e).splitlines()[0][:200]}); "
+                                 "delete the folder to rebuild it (pickled arrays are never loaded)") from None
             logger.info("loaded the BM25 index of %d passages from %s", len(corpus), folder)
             return
         if len(corpus) == 0:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import gzip
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator, Union
+from typing import IO, Any, Iterable, Iterator, Union
 
 from .errors import DprGcError
 
@@ -88,3 +89,70 @@ def read_json(path: PathLike) -> Any:
             return json.load(f)
         except json.JSONDecodeError as e:
             raise DprGcError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+# ----------------------------------------------------------------------------------------- tensors, locks, temps
+def read_tensors(path: PathLike) -> dict:
+    """Load a ``.safetensors`` file, or a torch file restricted to plain tensors (``weights_only=True``).
+
+    Nothing is ever unpickled: a file that holds code or other objects is refused with a one-line error.
+    """
+    import pickle
+
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = require_file(path)
+    try:
+        tensors = load_file(p) if p.suffix == ".safetensors" else torch.load(p, map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0] if str(e) else "")
+        raise DprGcError(f"{p}: refused to load, not a plain tensor file ({reason.strip()[:200]}); "
+                         "re-create it with dpr-gc, and never load files of unknown origin with pickle") from None
+    if not isinstance(tensors, dict):
+        raise DprGcError(f"{p}: expected a dictionary of tensors, found {type(tensors).__name__}")
+    return tensors
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: PathLike, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_file`` for the block, or fail at once with a one-line error.
+
+    The kernel drops the lock when its holder exits in any way (``kill -9`` included), so a stale lock file never
+    blocks a re-run; the file keeps the holder's pid only to make the message useful.
+    """
+    import fcntl
+
+    p = Path(lock_file)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise DprGcError(f"{what} is in use by another run (pid {holder}, lock {p}); wait for it to finish, "
+                             "or write somewhere else") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(folder: PathLike, names: Iterable[str]) -> list[Path]:
+    """Delete the temporary files :func:`atomic_path` left beside ``folder/NAME`` (``.NAME.*.tmp``) for each name.
+
+    Call it only while holding the lock that guards those names: the files then belong to a run that died.
+    """
+    removed = []
+    root = Path(folder)
+    if not root.is_dir():
+        return removed
+    for name in names:
+        for tmp in root.glob(f".{glob.escape(name)}.*.tmp"):
+            if tmp.is_file():
+                tmp.unlink()
+                removed.append(tmp)
+    return removed

@@ -16,16 +16,18 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from .errors import DprGcError
-from .files import atomic_open
+from .files import atomic_open, atomic_path, read_tensors
 from .loss import TEMPERATURE_RANGE, Temperature
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "retriever_config.json"
+HEADS_NAME = "heads.safetensors"
 POOLINGS = ("cls", "mean", "pooler")
 PASSAGE_FORMATS = ("pair", "concat")
 
@@ -163,15 +165,16 @@ class Retriever(nn.Module):
         if self.passage_encoder is not self.query_encoder:
             self.passage_encoder.transformer.save_pretrained(out / "passage_encoder")
         self.tokenizer.save_pretrained(out / "tokenizer")
-        heads = {}
+        heads = {"temperature.log_value": self.tau.log_value.detach().cpu().clone()}
         for name, enc in (("query", self.query_encoder), ("passage", self.passage_encoder)):
             if enc.projection is not None:
-                heads[f"{name}_projection.weight"] = enc.projection.weight.detach().cpu()
-                heads[f"{name}_projection.bias"] = enc.projection.bias.detach().cpu()
-        if heads:
-            torch.save(heads, out / "projection.pt")
+                heads[f"{name}_projection.weight"] = enc.projection.weight.detach().cpu().clone()
+                heads[f"{name}_projection.bias"] = enc.projection.bias.detach().cpu().clone()
+        with atomic_path(out / HEADS_NAME) as tmp:
+            save_file(heads, str(tmp))
         config = dataclasses.asdict(self.config)
-        config["temperature"] = float(self.temperature.detach())
+        lo, hi = TEMPERATURE_RANGE
+        config["temperature"] = min(max(float(self.temperature.detach()), lo), hi)  # float32 rounding may cross a bound
         config["shared_encoder"] = self.passage_encoder is self.query_encoder
         with atomic_open(out / CONFIG_NAME) as f:
             json.dump(config, f, indent=2)
@@ -186,14 +189,26 @@ class Retriever(nn.Module):
             p_model = None if config.shared_encoder else _load_transformer(p / "passage_encoder")
             tokenizer = _load_tokenizer(p / "tokenizer")
             retriever = cls(q_model, p_model, tokenizer, config)
-            if (p / "projection.pt").is_file():
-                heads = torch.load(p / "projection.pt", map_location="cpu", weights_only=True)
-                for name, enc in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
-                    if enc.projection is not None:
-                        enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
-                        enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
+            retriever.load_heads(p)
             return retriever.to(device)
         return cls.from_pretrained(str(path), sentence_transformers_config(p) or RetrieverConfig()).to(device)
+
+    def load_heads(self, folder: Path) -> None:
+        """Projection weights and the raw temperature parameter from ``heads.safetensors``; a folder saved before
+        that file existed has ``projection.pt`` (plain tensors) and only the clamped temperature in its JSON."""
+        legacy = folder / "projection.pt"
+        if not (folder / HEADS_NAME).is_file() and not legacy.is_file():
+            return
+        heads = read_tensors(folder / HEADS_NAME if (folder / HEADS_NAME).is_file() else legacy)
+        try:
+            for name, enc in (("query", self.query_encoder), ("passage", self.passage_encoder)):
+                if enc.projection is not None:
+                    enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
+                    enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
+            if "temperature.log_value" in heads:
+                self.tau.log_value.data.copy_(heads["temperature.log_value"])
+        except (KeyError, RuntimeError) as e:
+            raise DprGcError(f"{folder}: its heads do not fit {CONFIG_NAME} ({e}); save the retriever again") from None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: RetrieverConfig) -> "Retriever":
@@ -262,10 +277,16 @@ def sentence_transformers_config(folder: Path) -> Optional[RetrieverConfig]:
 
 
 def _load_transformer(name_or_path: str | Path) -> nn.Module:
+    import pickle
+
     from transformers import AutoModel
 
     try:
         return AutoModel.from_pretrained(str(name_or_path))
+    except pickle.UnpicklingError as e:
+        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
+        raise DprGcError(f"cannot load model {name_or_path!r}: its weights file was refused ({reason}); it holds "
+                         "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
     except (OSError, ValueError) as e:
         raise DprGcError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]} "
                          "(give a local folder or a Hugging Face model name reachable from this machine)") from None

@@ -103,6 +103,7 @@ def run_demo(config: DemoConfig) -> dict:
     from .model import Retriever, RetrieverConfig, default_model_path
     from .stdlib_data import build_stdlib_dataset
     from .train import TrainConfig, train
+    from .train_utils import finished_checkpoints
 
     torch.manual_seed(config.seed)
     out = Path(config.output_dir)
@@ -125,7 +126,7 @@ def run_demo(config: DemoConfig) -> dict:
         base_dir = out / "base_model"
         if not (base_dir / "retriever_config.json").is_file():
             base.save(base_dir)
-        resume = "latest" if any(train_out.glob("checkpoint-*/state.pt")) else None
+        resume = "latest" if finished_checkpoints(train_out) else None
         train(TrainConfig(train_files=[str(train_file)], output_dir=str(train_out), model=str(base_dir), batch_size=config.batch_size,
                           hard_negatives=config.hard_negatives, query_chunk_size=config.chunk_size,
                           passage_chunk_size=config.chunk_size, learning_rate=config.learning_rate,

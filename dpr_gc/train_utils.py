@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import DprGcError
+from .files import atomic_open, read_json, read_tensors
 from .model import Retriever
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,99 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+STATE_JSON = "train_state.json"
+STATE_TENSORS = "train_state.safetensors"
+LEGACY_STATE = "state.pt"
+
+
+def to_plain(obj: Any, key: str, tensors: dict) -> Any:
+    """``obj`` as JSON-ready data, its tensors and arrays moved into ``tensors`` (for safetensors) under ``key``.
+
+    Dicts become key/value pair lists and tuples are marked, so int keys (optimizer state) and tuples (Python's RNG
+    state) come back as they were; floats survive JSON exactly (``repr`` round-trips).
+    """
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach().cpu().contiguous().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        tensors[key] = torch.from_numpy(obj.astype(np.int64) if obj.dtype.kind in "ui" else obj.copy())
+        return {"__ndarray__": key, "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        return {"__dict__": [[k, to_plain(v, f"{key}.{i}", tensors)] for i, (k, v) in enumerate(obj.items())]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [to_plain(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [to_plain(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot store a {type(obj).__name__} in the training state ({key})")
+
+
+def from_plain(obj: Any, tensors: dict, source: Path) -> Any:
+    """Invert :func:`to_plain`."""
+    if isinstance(obj, list):
+        return [from_plain(v, tensors, source) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__dict__" in obj:
+        return {k: from_plain(v, tensors, source) for k, v in obj["__dict__"]}
+    if "__tuple__" in obj:
+        return tuple(from_plain(v, tensors, source) for v in obj["__tuple__"])
+    key = obj.get("__tensor__", obj.get("__ndarray__"))
+    if key not in tensors:
+        raise DprGcError(f"{source}: tensor {key!r} is missing from {STATE_TENSORS}; the checkpoint is damaged")
+    if "__ndarray__" in obj:
+        return tensors[key].numpy().astype(obj["dtype"])
+    return tensors[key]
+
+
+def write_state(folder: Path, state: dict) -> None:
+    """Write the training state as ``train_state.json`` plus ``train_state.safetensors`` (no pickle)."""
+    from safetensors.torch import save_file
+
+    tensors: dict = {}
+    plain = to_plain(state, "state", tensors)
+    save_file(tensors, str(folder / STATE_TENSORS))
+    with open(folder / STATE_JSON, "w", encoding="utf-8") as f:
+        json.dump(plain, f)
+
+
+def read_state(folder: Path) -> dict:
+    """Read the training state of a checkpoint folder without unpickling anything.
+
+    A folder from before this format (``state.pt``) is read with ``torch.load(weights_only=True)``, which admits
+    tensors and NumPy arrays only.
+    """
+    if not (folder / STATE_JSON).is_file() and (folder / LEGACY_STATE).is_file():
+        with torch.serialization.safe_globals(numpy_globals()):
+            return read_tensors(folder / LEGACY_STATE)
+    tensors = read_tensors(folder / STATE_TENSORS)
+    state = from_plain(read_json(folder / STATE_JSON), tensors, folder / STATE_JSON)
+    if not isinstance(state, dict) or "step" not in state:
+        raise DprGcError(f"{folder / STATE_JSON}: not a dpr-gc training state; resume from another checkpoint")
+    return state
+
+
+def numpy_globals() -> list:
+    """The NumPy names an old ``state.pt`` needs (NumPy's RNG state is an array): data types, not code."""
+    from numpy.dtypes import UInt32DType
+
+    return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, UInt32DType]
+
+
+def finished_checkpoints(out: Path) -> list[Path]:
+    """The finished ``checkpoint-STEP`` folders in ``out``, oldest first."""
+    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[1].isdigit()
+             and ((p / STATE_JSON).is_file() or (p / LEGACY_STATE).is_file())]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
 class Checkpointer:
-    """Writes ``checkpoint-STEP/`` folders (model in Hugging Face format + ``state.pt``) atomically, keeps the last
-    few, keeps a copy of the best model in ``best/`` by the chosen dev metric, and reloads them for ``--resume``."""
+    """Writes ``checkpoint-STEP/`` folders (model in Hugging Face format, the training state as JSON + safetensors)
+    atomically, keeps the last few, keeps a copy of the best model in ``best/`` by the chosen dev metric, and
+    reloads them for ``--resume``."""
 
     def __init__(self, out: Path, keep: int, metric: str, is_main: bool) -> None:
         self.out, self.keep, self.metric, self.is_main = out, max(1, keep), metric, is_main
@@ -51,8 +142,7 @@ class Checkpointer:
         return value > self.best_value if self.metric == "accuracy" else value < self.best_value
 
     def checkpoints(self) -> list[Path]:
-        found = [p for p in self.out.glob("checkpoint-*") if p.is_dir() and (p / "state.pt").is_file()]
-        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+        return finished_checkpoints(self.out)
 
     def log(self, path: Path, record: dict) -> None:
         if self.is_main:
@@ -79,9 +169,9 @@ class Checkpointer:
             tmp = self.out / f".checkpoint-{step}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             retriever.save(tmp / "model")
-            torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                        "scaler": scaler.state_dict(), "sampler": sampler_state, "rng": rng, "record": record,
-                        "best": [self.best_value, self.best_path]}, tmp / "state.pt")
+            write_state(tmp, {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                              "scaler": scaler.state_dict(), "sampler": sampler_state, "rng": rng, "record": record,
+                              "best": [self.best_value, self.best_path]})
             final = self.out / f"checkpoint-{step}"
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -97,25 +187,43 @@ class Checkpointer:
                 raise DprGcError(f"--resume latest: no finished checkpoint in {self.out}")
             return found[-1]
         path = Path(resume)
-        if not (path / "state.pt").is_file():
-            raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/state.pt)")
+        if not (path / STATE_JSON).is_file() and not (path / LEGACY_STATE).is_file():
+            raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/{STATE_JSON})")
         return path
 
     def load(self, resume: str, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any,
              device: torch.device) -> dict:
         path = self.resolve(resume)
+        state = read_state(path)
         saved = Retriever.load(path / "model")
         retriever.load_state_dict(saved.state_dict())
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         self.best_value, self.best_path = state["best"]
-        metrics = self.out / "metrics.jsonl"
-        if self.is_main and metrics.is_file():
-            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
-            metrics.write_text("".join(line + "\n" for line in kept))
+        if self.is_main:
+            truncate_metrics(self.out / "metrics.jsonl", state["step"])
         return state
+
+
+def truncate_metrics(metrics: Path, step: int) -> None:
+    """Keep the records of ``metrics.jsonl`` up to ``step``; a partial last line (the writer was killed) is dropped."""
+    if not metrics.is_file():
+        return
+    lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                logger.warning("%s: dropped a partial last line (the run was interrupted while writing it)", metrics)
+                break
+            raise DprGcError(f"{metrics}:{number}: invalid JSON; fix or delete that line, then resume") from None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+    with atomic_open(metrics) as f:
+        f.write("".join(line + "\n" for line in kept))
 
 
 @torch.no_grad()

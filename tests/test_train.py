@@ -23,9 +23,10 @@ from tests.train_data import make_records, write_dpr
 REPO = Path(__file__).resolve().parents[1]
 
 
-def init_model(folder: Path, dropout: float = 0.0, shared: bool = True) -> Path:
+def init_model(folder: Path, dropout: float = 0.0, shared: bool = True, **fields) -> Path:
     tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
-    config = RetrieverConfig(pooling="mean", query_max_length=16, passage_max_length=32, shared_encoder=shared)
+    config = RetrieverConfig(pooling="mean", query_max_length=16, passage_max_length=32, shared_encoder=shared,
+                             **fields)
     retriever = Retriever(tiny_bert(len(tokenizer), dropout=dropout), None if shared else tiny_bert(len(tokenizer), 1),
                           tokenizer, config)
     retriever.save(folder / "init")
@@ -58,7 +59,7 @@ def test_dev_loss_falls_and_outputs(task, tmp_path):
     assert dev[-1]["dev_loss"] < dev[0]["dev_loss"] - 0.1
     assert dev[-1]["dev_avg_rank"] < dev[0]["dev_avg_rank"]
     assert (tmp_path / "out" / "best" / "retriever_config.json").is_file()
-    assert (tmp_path / "out" / "checkpoint-24" / "state.pt").is_file()
+    assert (tmp_path / "out" / "checkpoint-24" / "train_state.json").is_file()
     texts = ["paris city", "the river of london"]
     saved = Retriever.load(tmp_path / "out" / "final")
     again = Retriever.load(tmp_path / "out" / "final")

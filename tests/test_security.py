@@ -1,0 +1,191 @@
+"""No file the toolkit reads is ever unpickled: a crafted pickle in a checkpoint, model, embeddings or BM25 folder is
+refused with a one-line error (exit 2), and its payload never runs. Checkpoints stay exact without pickle."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dpr_gc.cli import main
+from dpr_gc.loss import TEMPERATURE_RANGE
+from dpr_gc.model import Retriever
+from dpr_gc.train import train
+from tests.test_encode import passages, write_corpus
+from tests.test_train import config, init_model, params
+from tests.train_data import make_records, write_dpr
+
+
+class Payload:
+    """Unpickling this creates the file ``marker`` (a stand-in for arbitrary code)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def refused(argv: list, marker: Path, capsys, *names: str) -> str:
+    """Run the CLI, expecting exit 2, one ``error:`` line naming the file, no traceback, and no payload run."""
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and all(n in lines[0] for n in names), err
+    assert not marker.exists(), "the pickle payload ran"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("sec")
+    task = {"dir": d, "model": init_model(d), "train": write_dpr(d / "t.json", make_records(16, 5))}
+    train(config(task, d / "run", max_steps=2, save_every=1, keep_checkpoints=2))
+    return task
+
+
+def copy_run(trained: dict, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(trained["dir"] / "run", run)
+    return run
+
+
+def train_argv(trained: dict, run: Path, resume: str) -> list:
+    return ["train", "--train", trained["train"], "--output", run, "--model", trained["model"], "--batch-size", 8,
+            "--num-workers", 0, "--max-steps", 3, "--q_chunk_size", 3, "--ctx_chunk_size", 5, "--pooling", "mean",
+            "--cache-dir", trained["dir"] / "cache", "--resume", resume]
+
+
+def test_training_state_has_no_pickle(trained):
+    ckpt = trained["dir"] / "run" / "checkpoint-2"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model", "train_state.json", "train_state.safetensors"]
+    assert not list(ckpt.rglob("*.pt")) and not list(ckpt.rglob("*.bin"))
+
+
+@pytest.mark.parametrize("target", ["train_state.safetensors", "model/heads.safetensors"])
+def test_pickled_training_state_is_refused(trained, tmp_path, capsys, target):
+    run, marker = copy_run(trained, tmp_path), tmp_path / "PWNED"
+    (run / "checkpoint-2" / target).write_bytes(pickle.dumps(Payload(marker)))
+    refused(train_argv(trained, run, "latest"), marker, capsys, target.split("/")[-1])
+
+
+def test_pickled_legacy_state_pt_is_refused(trained, tmp_path, capsys):
+    """Checkpoints of the previous version hold ``state.pt``: read with weights_only, a payload is refused."""
+    run, marker = copy_run(trained, tmp_path), tmp_path / "PWNED"
+    ckpt = run / "checkpoint-2"
+    for name in ("train_state.json", "train_state.safetensors"):
+        (ckpt / name).unlink()
+    torch.save({"step": 2, "optimizer": Payload(marker)}, ckpt / "state.pt")
+    refused(train_argv(trained, run, str(ckpt)), marker, capsys, "state.pt")
+
+
+def test_legacy_state_pt_still_resumes(trained, tmp_path):
+    """A ``state.pt`` written by the previous version (NumPy RNG state inside) resumes like the new format."""
+    from dpr_gc.train_utils import read_state
+
+    run = copy_run(trained, tmp_path)
+    ckpt = run / "checkpoint-2"
+    state = read_state(ckpt)
+    assert isinstance(state["rng"]["numpy"][1], np.ndarray) and state["rng"]["numpy"][1].dtype == np.uint32
+    torch.save(state, ckpt / "state.pt")
+    (ckpt / "train_state.json").unlink()
+    (ckpt / "train_state.safetensors").unlink()
+    legacy = read_state(ckpt)
+    assert legacy["step"] == 2 and np.array_equal(legacy["rng"]["numpy"][1], state["rng"]["numpy"][1])
+    assert all(torch.equal(legacy["optimizer"]["state"][k]["exp_avg"], v["exp_avg"])
+               for k, v in state["optimizer"]["state"].items())
+
+
+@pytest.mark.parametrize("where", ["projection.pt", "query_encoder/pytorch_model.bin"])
+def test_pickled_model_weights_are_refused(trained, tmp_path, capsys, where):
+    model, marker = tmp_path / "model", tmp_path / "PWNED"
+    shutil.copytree(trained["model"], model)
+    if where == "projection.pt":
+        (model / "heads.safetensors").unlink()
+    else:
+        (model / "query_encoder" / "model.safetensors").unlink()
+    torch.save({"query_projection.weight": Payload(marker)}, model / where)
+    corpus = write_corpus(tmp_path / "c", passages(5), "tsv")
+    refused(["encode", "--model", model, "--corpus", corpus, "--output", tmp_path / "emb", "--cache-dir",
+             tmp_path / "cache"], marker, capsys, where.split("/")[0])
+
+
+def test_pickled_embeddings_are_refused(trained, tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "c", passages(5), "tsv")
+    emb, marker = tmp_path / "emb", tmp_path / "PWNED"
+    assert main(["encode", "--model", str(trained["model"]), "--corpus", str(corpus), "--output", str(emb),
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    shard = emb / "shard-00000-of-00001.npy"
+    np.save(shard, np.array([Payload(marker)] * 5, dtype=object), allow_pickle=True)
+    refused(["index", "--embeddings", emb, "--output", tmp_path / "index"], marker, capsys, shard.name)
+
+
+def test_pickled_bm25_index_is_refused(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "c", passages(12), "jsonl")
+    records = [{"question": "paris city", "answers": ["zzz"], "positive_ctxs": [{"passage_id": "d1", "title": "",
+                                                                               "text": "x"}]}]
+    (tmp_path / "train.json").write_text(json.dumps(records))
+    common = ["mine", "--train-file", tmp_path / "train.json", "--corpus", corpus, "--cache-dir", tmp_path / "cache",
+              "--bm25-index", tmp_path / "bm25", "--n-negatives", 2, "--top-k", 5]
+    assert main([str(a) for a in common + ["--output", tmp_path / "a.json"]]) == 0
+    marker = tmp_path / "PWNED"
+    arrays = sorted((tmp_path / "bm25").glob("*.npy"))
+    assert arrays
+    np.save(arrays[0], np.array([Payload(marker)], dtype=object), allow_pickle=True)
+    refused(common + ["--output", tmp_path / "b.json"], marker, capsys, "bm25")
+
+
+def test_saved_retriever_keeps_the_raw_temperature(tmp_path, make_retriever):
+    """The learnable temperature is stored as its raw log-scale parameter: exact, even beyond the clamp."""
+    lo, hi = TEMPERATURE_RANGE
+    generator = torch.Generator().manual_seed(0)
+    raw = torch.empty(200).uniform_(float(np.log(lo)) - 1, float(np.log(hi)) + 1, generator=generator)
+    raw[:2] = torch.tensor([np.log(hi) + 0.5, np.log(lo) - 0.5])
+    retriever = make_retriever(learn_temperature=True, temperature=0.05)
+    changed = 0
+    for value in raw[:40]:
+        retriever.tau.log_value.data.fill_(float(value))
+        retriever.save(tmp_path / "r")
+        back = Retriever.load(tmp_path / "r")
+        changed += not torch.equal(back.tau.log_value, retriever.tau.log_value)
+        assert back.tau.log_value.requires_grad
+    assert changed == 0
+
+
+def test_folder_of_the_previous_version_still_loads(tmp_path, make_retriever):
+    """Before ``heads.safetensors``: projection weights in ``projection.pt``, the temperature only in the JSON."""
+    retriever = make_retriever(projection_dim=8, temperature=0.05)
+    retriever.save(tmp_path / "r")
+    heads = {k: v for k, v in load_file(tmp_path / "r" / "heads.safetensors").items() if "projection" in k}
+    torch.save(heads, tmp_path / "r" / "projection.pt")
+    (tmp_path / "r" / "heads.safetensors").unlink()
+    back = Retriever.load(tmp_path / "r")
+    assert torch.equal(back.query_encoder.projection.weight, retriever.query_encoder.projection.weight)
+    assert torch.equal(back.query_encoder.projection.bias, retriever.query_encoder.projection.bias)
+    assert abs(float(back.temperature) - 0.05) < 1e-6
+
+
+def test_learnable_temperature_resumes_bit_for_bit(tmp_path):
+    model = init_model(tmp_path, dropout=0.1, learn_temperature=True, temperature=0.05)
+    task = {"dir": tmp_path, "model": model, "train": write_dpr(tmp_path / "t.json", make_records(48, 3))}
+    common = dict(max_steps=7, save_every=2, learning_rate=5e-3, batch_size=8)
+    train(config(task, tmp_path / "a", **common))
+
+    def crash(step: int, retriever) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(config(task, tmp_path / "b", **common), on_backward=crash)
+    train(config(task, tmp_path / "b", resume="latest", **common))
+    a, b = params(tmp_path / "a" / "final"), params(tmp_path / "b" / "final")
+    assert "tau.log_value" in a and float(a["tau.log_value"]) != float(np.float32(np.log(0.05)))
+    assert all(torch.equal(a[k], b[k]) for k in a)
