@@ -24,7 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import DprGcError
-from .files import PathLike, atomic_path, iter_jsonl, open_text, read_json, require_file, write_json
+from .files import (PathLike, atomic_path, die_with_parent, iter_jsonl, open_text, read_json, require_file,
+                    write_json)
 from .model import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler
 
@@ -413,7 +414,7 @@ def make_dataloader(data: TrainingData, collator: Collator, batch_size: int, *, 
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
-                                       pin_memory=pin_memory)
+                                       pin_memory=pin_memory, worker_init_fn=die_with_parent if num_workers else None)
 
 
 # ----------------------------------------------------------------- CLI

@@ -7,7 +7,11 @@ import glob
 import gzip
 import json
 import os
+import signal
+import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Union
 
@@ -156,3 +160,23 @@ def remove_stale_temporaries(folder: PathLike, names: Iterable[str]) -> list[Pat
                 tmp.unlink()
                 removed.append(tmp)
     return removed
+
+
+# ----------------------------------------------------------------------------------------- process lifetime
+def die_with_parent(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: end this worker as soon as the process that started it dies, ``kill -9``
+    included. A worker whose parent is gone can otherwise hang for ever at exit, its queue feeder blocked on a full
+    pipe that a sibling worker keeps open. Linux: the kernel's parent-death signal; everywhere: a watchdog thread."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    threading.Thread(target=_watch_parent, args=(parent,), name="die-with-parent", daemon=True).start()
+
+
+def _watch_parent(parent: int, interval: float = 1.0) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os.kill(os.getpid(), signal.SIGKILL)

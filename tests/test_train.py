@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def init_model(folder: Path, dropout: float = 0.0, shared: bool = True, **fields) -> Path:
     tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
-    config = RetrieverConfig(pooling="mean", query_max_length=16, passage_max_length=32, shared_encoder=shared,
-                             **fields)
+    config = RetrieverConfig(**{"pooling": "mean", "query_max_length": 16, "passage_max_length": 32,
+                                "shared_encoder": shared, **fields})
     retriever = Retriever(tiny_bert(len(tokenizer), dropout=dropout), None if shared else tiny_bert(len(tokenizer), 1),
                           tokenizer, config)
     retriever.save(folder / "init")
