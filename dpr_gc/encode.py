@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from .corpus import load_corpus
 from .errors import DprGcError
-from .files import PathLike, atomic_open, atomic_path, read_json, write_json
+from .files import (PathLike, atomic_open, atomic_path, locked_folder, read_json, remove_stale_temporaries,
+                    write_json)
 
 logger = logging.getLogger(__name__)
 
@@ -132,18 +133,32 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike,
     if batch_size < 1 or block_size < 1:
         raise DprGcError("--batch-size and the block size must be positive")
     limit = getattr(retriever.passage_encoder.transformer.config, "max_position_embeddings", None) or 10**9
+    if max_length is not None and max_length < 1:
+        raise DprGcError(f"--max-length must be a positive number of tokens, got {max_length}")
     if max_length is not None and max_length > limit:
         raise DprGcError(f"--max-length {max_length} exceeds the model's limit of {limit} positions")
     max_length = max_length or min(retriever.config.passage_max_length, limit)
     shard_id, num_shards = resolve_shard(shard_id, num_shards)
     corpus = load_corpus(corpus_path, cache_dir)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    name = shard_name(shard_id, num_shards)
+    with locked_folder(out_dir, f".{name}.lock", f"{out_dir} (shard {shard_id} of {num_shards})") as out:
+        return _encode_shard(retriever, corpus, corpus_path, out, shard_id, num_shards, batch_size, dtype, autocast,
+                             block_size, max_length, model_name, show_progress)
+
+
+def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path, shard_id: int, num_shards: int,
+                  batch_size: int, dtype: str, autocast: Optional[str], block_size: int, max_length: int,
+                  model_name: Optional[str], show_progress: bool) -> dict:
+    """The body of :func:`encode_corpus`, run while holding the shard's lock: files of a dead run are ours to clean."""
     start, count = shard_range(len(corpus), shard_id, num_shards)
     name = shard_name(shard_id, num_shards)
+    removed = remove_stale_temporaries(out, [name])
+    if removed:
+        logger.info("removed %d temporary file(s) of an interrupted run from %s", len(removed), out)
     cfg = retriever.config
+    model = model_name or retriever.query_encoder.transformer.config.name_or_path or "unnamed"
     manifest = {
-        "model": model_name or retriever.query_encoder.transformer.config.name_or_path or "unnamed",
+        "model": str(Path(model).resolve()) if Path(model).exists() else model,
         "model_fingerprint": model_fingerprint(retriever), "pooling": cfg.pooling, "normalize": cfg.normalize,
         "passage_format": cfg.passage_format, "max_length": max_length,
         "precision": autocast or "fp32", "dim": retriever.dim, "dtype": dtype, "count": count, "start_row": start,
@@ -154,10 +169,11 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike,
     }
     _check_folder(out, manifest)
     done = out / f"{name}.json"
+    progress_file = out / f"{name}.parts.json"
     if done.is_file() and (out / manifest["embeddings"]).is_file() and (out / manifest["ids"]).is_file():
+        _remove_parts(out, name)
         logger.info("%s is already finished in %s; nothing to do", name, out)
         return read_json(done)
-    progress_file = out / f"{name}.parts.json"
     write_json(progress_file, manifest)
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
     parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
@@ -183,9 +199,7 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike,
         retriever.train(was_training)
     _assemble(out, manifest, corpus, parts)
     write_json(done, manifest)
-    for p in parts:
-        p.unlink(missing_ok=True)
-    progress_file.unlink(missing_ok=True)
+    _remove_parts(out, name)
     logger.info("%s: %d passages written to %s", name, count, out / manifest["embeddings"])
     return manifest
 
@@ -204,7 +218,12 @@ def _check_folder(out: Path, manifest: dict) -> None:
     for p in sorted(out.iterdir()):
         if not (MANIFEST_RE.match(p.name) or PROGRESS_RE.match(p.name)):
             continue
-        other = read_json(p)
+        try:
+            other = read_json(p)
+        except (DprGcError, FileNotFoundError):
+            if p.exists():
+                raise
+            continue  # another shard's run finished meanwhile and removed its progress file
         for key in MUST_MATCH:
             if other.get(key) != manifest[key]:
                 raise DprGcError(f"{p} was made with {key}={other.get(key)!r} but this run has {manifest[key]!r}; "
@@ -214,8 +233,17 @@ def _check_folder(out: Path, manifest: dict) -> None:
     if progress.is_file() and read_json(progress).get("block_size") != manifest["block_size"]:
         raise DprGcError(f"{progress} was started with --block-size {read_json(progress).get('block_size')}; "
                          "resume with that block size")
-    if any(out.glob(f"{name}.part*.npy")) and not progress.is_file():
-        raise DprGcError(f"{out} holds {name}.part*.npy files of unknown origin (no {progress.name}); delete them")
+    if not progress.is_file() and any(out.glob(f"{name}.part*.npy")):
+        logger.warning("%s: deleting part files that have no %s (left by a run that died); re-encoding them",
+                       out, progress.name)
+        _remove_parts(out, name)
+
+
+def _remove_parts(out: Path, name: str) -> None:
+    """Delete shard ``name``'s part files and progress file (after assembly, or when they cannot be trusted)."""
+    for p in out.glob(f"{name}.part*.npy"):
+        p.unlink(missing_ok=True)
+    (out / f"{name}.parts.json").unlink(missing_ok=True)
 
 
 def _assemble(out: Path, manifest: dict, corpus: Any, parts: list[Path]) -> None:

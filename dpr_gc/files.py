@@ -123,8 +123,8 @@ def read_tensors(path: PathLike) -> dict:
 def exclusive_lock(lock_file: PathLike, what: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_file`` for the block, or fail at once with a one-line error.
 
-    The kernel drops the lock when its holder exits in any way (``kill -9`` included), so a stale lock file never
-    blocks a re-run; the file keeps the holder's pid only to make the message useful.
+    The kernel drops the lock when its holder exits in any way (``kill -9`` included), so a lock file left behind
+    never blocks a re-run; the holder deletes it when done. The file keeps the holder's pid for the message.
     """
     import fcntl
 
@@ -134,15 +134,41 @@ def exclusive_lock(lock_file: PathLike, what: str) -> Iterator[None]:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            if os.fstat(fd).st_ino != os.stat(p).st_ino:
+                raise BlockingIOError  # the holder deleted this file as we opened it: another run is starting
+        except (BlockingIOError, FileNotFoundError):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise DprGcError(f"{what} is in use by another run (pid {holder}, lock {p}); wait for it to finish, "
                              "or write somewhere else") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+        try:
+            yield
+        finally:
+            p.unlink(missing_ok=True)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_folder(folder: PathLike, lock_name: str, what: str) -> Iterator[Path]:
+    """Create ``folder`` if needed and hold :func:`exclusive_lock` on ``folder/lock_name`` for the block.
+
+    If the block fails and the folder was created here and is still empty, the folder is removed again,
+    so a run refused for bad input leaves nothing behind.
+    """
+    out = Path(folder)
+    if out.exists() and not out.is_dir():
+        raise DprGcError(f"{out} is a file; give a folder")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive_lock(out / lock_name, what):
+            yield out
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 def remove_stale_temporaries(folder: PathLike, names: Iterable[str]) -> list[Path]:
@@ -180,3 +206,76 @@ def _watch_parent(parent: int, interval: float = 1.0) -> None:
     while os.getppid() == parent:
         time.sleep(interval)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ChunkedOutput:
+    """A text file written chunk by chunk that a re-run can continue after ``kill -9``.
+
+    Chunks are appended to a hidden partial file beside ``path`` (each a gzip member of its own for ``.gz``, so
+    the file stays valid whatever chunk it ends on); after each chunk a progress file records the partial file's
+    size and the caller's state. A run with the same ``key`` (the settings it depends on) truncates the partial
+    file to the last finished chunk and continues; any other run starts over. ``path`` appears only when finished.
+    Use it while holding a lock on ``path`` (see :func:`output_lock`).
+    """
+
+    def __init__(self, path: PathLike, key: Any) -> None:
+        self.path = Path(path)
+        self.partial = self.path.with_name(f".{self.path.name}.partial")
+        self.progress = self.path.with_name(f".{self.path.name}.progress.json")
+        self.key = json.loads(json.dumps(key))
+        self.gz = self.path.suffix == ".gz"
+
+    def resume(self) -> Any:
+        """The state recorded with the last finished chunk of an earlier run with the same key, else None (and
+        whatever an earlier run left is deleted). A key of None never resumes."""
+        if self.key is None:
+            self.discard()
+            return None
+        try:
+            saved = json.loads(self.progress.read_text(encoding="utf-8"))
+            size = self.partial.stat().st_size
+        except (OSError, ValueError):
+            saved, size = None, -1
+        if not isinstance(saved, dict) or saved.get("key") != self.key or not 0 <= saved.get("bytes", -1) <= size:
+            self.discard()
+            return None
+        os.truncate(self.partial, saved["bytes"])
+        return saved["state"]
+
+    def append(self, text: str, state: Any) -> None:
+        """Append one chunk durably, then record ``state`` as the point a re-run continues from."""
+        with (gzip.open(self.partial, "at", encoding="utf-8") if self.gz else
+              open(self.partial, "a", encoding="utf-8")) as f:
+            f.write(text)
+        with open(self.partial, "rb") as f:
+            os.fsync(f.fileno())
+        write_json(self.progress, {"key": self.key, "bytes": self.partial.stat().st_size, "state": state})
+
+    def finish(self) -> None:
+        """Move the completed file to its name and forget the progress."""
+        self.partial.touch()
+        os.replace(self.partial, self.path)
+        self.progress.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        self.partial.unlink(missing_ok=True)
+        self.progress.unlink(missing_ok=True)
+
+
+def file_identity(path: PathLike) -> list:
+    """``[absolute path, size, mtime in ns]`` of a file: enough to tell that an input changed between two runs."""
+    p = Path(path)
+    st = p.stat()
+    return [str(p.resolve()), st.st_size, st.st_mtime_ns]
+
+
+@contextlib.contextmanager
+def output_lock(path: PathLike) -> Iterator[Path]:
+    """Hold a lock on output file ``path`` (a hidden lock file beside it) and delete the temporaries that dead runs
+    of :func:`atomic_path` left for it."""
+    final = Path(path)
+    if final.is_dir():
+        raise DprGcError(f"{final} is a folder; give a file name for the output")
+    with exclusive_lock(final.with_name(f".{final.name}.lock"), str(final)):
+        remove_stale_temporaries(final.parent, [final.name])
+        yield final

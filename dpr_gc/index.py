@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -21,7 +22,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .errors import DprGcError
-from .files import PathLike, atomic_open, atomic_path, read_json, write_json
+from .files import (PathLike, atomic_open, atomic_path, locked_folder, read_json, remove_stale_temporaries,
+                    write_json)
 
 logger = logging.getLogger(__name__)
 
@@ -416,10 +418,17 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train
     With ``append`` an existing index in ``out_dir`` is extended by the shards it lacks, which must continue its
     rows and come from the same model and corpus. Returns a summary dict.
     """
-    existing = DenseIndex.read(out_dir) if append and (Path(out_dir) / META_FILE).is_file() else None
-    dense, todo, stats = add_shards(emb_dir, params, existing, train_sample, block_size, seed, allow_partial)
-    old_ids = read_ids(out_dir) if existing is not None else ()
-    dense.write(out_dir, ids=itertools.chain(old_ids, shard_ids(todo)))
+    with locked_folder(out_dir, ".index.lock", f"index folder {out_dir}") as out:
+        removed = remove_stale_temporaries(out, [INDEX_FILE, IDS_FILE, META_FILE])
+        if removed:
+            logger.info("removed %d temporary file(s) of an interrupted run from %s", len(removed), out)
+        existing = DenseIndex.read(out) if append and (out / META_FILE).is_file() else None
+        dense, todo, stats = add_shards(emb_dir, params, existing, train_sample, block_size, seed, allow_partial)
+        model = dense.meta.get("model")
+        if model and Path(model).is_absolute():
+            dense.meta["model_from_index"] = os.path.relpath(model, out.resolve())
+        old_ids = read_ids(out) if existing is not None else ()
+        dense.write(out, ids=itertools.chain(old_ids, shard_ids(todo)))
     logger.info("wrote %s index with %d vectors to %s", dense.meta["factory"], dense.ntotal, out_dir)
     corpus_rows = dense.meta.get("corpus_rows")
     return {"index": str(out_dir), "factory": dense.meta["factory"], "model": dense.meta.get("model"),

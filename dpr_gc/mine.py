@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
+import itertools
 import json
 import logging
 import math
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from .bm25 import BM25Source, Gold
 from .data import ID_KEYS
 from .errors import DprGcError
-from .files import PathLike, atomic_path, iter_jsonl, open_text, read_json, require_file
+from .files import ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, output_lock, read_json, require_file
 
 logger = logging.getLogger(__name__)
 
@@ -257,49 +257,61 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
                  top_k: int = 100, skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
                  qrels: Optional[dict[str, dict[str, int]]] = None, append: bool = False,
                  id_to_row: Optional[dict[str, int]] = None, chunk_size: int = CHUNK,
-                 show_progress: bool = True) -> MiningSummary:
+                 show_progress: bool = True, resume_key: Optional[dict] = None) -> MiningSummary:
     """Mine ``records`` chunk by chunk and write them with ``hard_negative_ctxs`` replaced (``append``: old ones
     kept, new ones added unless their id is already there), every other field kept. A JSON list, or JSONL when the
-    name ends in ``.jsonl`` (``.gz`` compresses); the file appears only when complete."""
+    name ends in ``.jsonl`` (``.gz`` compresses); the file appears only when complete.
+
+    Each finished chunk is kept (:class:`~dpr_gc.files.ChunkedOutput`): a run with the same ``resume_key`` (the
+    inputs and settings; ``None`` never resumes) continues after the last finished chunk of an interrupted one."""
     _check_settings(n_negatives, top_k, skip_top, match_mode)
-    final = Path(output)
-    jsonl = final.name.removesuffix(".gz").endswith(".jsonl")
-    summary, count, buffer = MiningSummary(), 0, []
-    with atomic_path(final) as tmp, (gzip.open(tmp, "wt", encoding="utf-8") if final.suffix == ".gz" else
-                                     open(tmp, "w", encoding="utf-8")) as out, \
-            tqdm(total=len(records) if isinstance(records, Sequence) else None, desc="mining", unit=" q",
-                 disable=not show_progress) as bar:
-        out.write("" if jsonl else "[\n")
+    jsonl = Path(output).name.removesuffix(".gz").endswith(".jsonl")
+    with output_lock(output) as final:
+        writer = ChunkedOutput(final, {"settings": resume_key, "chunk_size": chunk_size, "append": append}
+                               if resume_key is not None else None)
+        state = writer.resume()
+        summary, count = (MiningSummary(**state["summary"]), state["count"]) if state else (MiningSummary(), 0)
+        if count:
+            logger.info("resuming: %d questions of an interrupted run are already mined into %s", count, final)
+        total = len(records) - count if isinstance(records, Sequence) else None
+        buffer: list[dict] = []
+        with tqdm(total=total, desc="mining", unit=" q", disable=not show_progress) as bar:
 
-        def flush() -> None:
-            nonlocal count
-            mined, part = mine_hard_negatives(buffer, source, corpus, n_negatives, top_k, skip_top, margin,
-                                              match_mode, qrels, id_to_row=id_to_row)
-            summary.merge(part)
-            for record, m in zip(buffer, mined):
-                new = dict(record)
-                new["hard_negative_ctxs"] = (_merge(record.get("hard_negative_ctxs") or [], m["hard_negative_ctxs"])
-                                             if append else m["hard_negative_ctxs"])
-                text = json.dumps(new, ensure_ascii=False)
-                out.write(text + "\n" if jsonl else ("" if count == 0 else ",\n") + text)
-                count += 1
-            bar.update(len(buffer))
-            buffer.clear()
+            def flush() -> None:
+                nonlocal count
+                mined, part = mine_hard_negatives(buffer, source, corpus, n_negatives, top_k, skip_top, margin,
+                                                  match_mode, qrels, id_to_row=id_to_row)
+                summary.merge(part)
+                texts = []
+                for record, m in zip(buffer, mined):
+                    new = dict(record)
+                    new["hard_negative_ctxs"] = (_merge(record.get("hard_negative_ctxs") or [],
+                                                        m["hard_negative_ctxs"]) if append else m["hard_negative_ctxs"])
+                    text = json.dumps(new, ensure_ascii=False)
+                    texts.append(text + "\n" if jsonl else ("[\n" if count == 0 else ",\n") + text)
+                    count += 1
+                writer.append("".join(texts), {"count": count, "summary": dataclasses.asdict(summary)})
+                bar.update(len(buffer))
+                buffer.clear()
 
-        for record in records:
-            buffer.append(record)
-            if len(buffer) >= chunk_size:
+            for record in itertools.islice(records, count, None):
+                buffer.append(record)
+                if len(buffer) >= chunk_size:
+                    flush()
+            if buffer:
                 flush()
-        if buffer:
-            flush()
         if count == 0:
+            writer.discard()
             raise DprGcError(f"no training questions to mine (the input is empty); nothing written to {final}")
-        out.write("" if jsonl else "\n]\n")
+        writer.append("" if jsonl else "\n]\n", {"count": count, "summary": dataclasses.asdict(summary)})
+        writer.finish()
     return summary
 
 
 # ----------------------------------------------------------------------------------------------------- command line
 SOURCES = ("dense", "bm25")
+RESUME_FLAGS = ("source", "split", "model", "index", "bm25_k1", "bm25_b", "n_negatives", "top_k", "skip_top", "margin",
+                "match", "append")
 
 
 def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: Optional[PathLike] = None,
@@ -379,8 +391,13 @@ def _cli(args: argparse.Namespace) -> None:
         if args.margin is not None and args.source == "bm25":
             golds = (ctx_id(c) for r in iter_training_file(args.train_file) for c in r.get("positive_ctxs") or [])
             id_to_row = rows_for_ids(corpus, golds)
+    inputs = [args.train_file, corpus_path, args.qrels] + ([queries, split_qrels] if beir is not None else [])
+    if args.index and (Path(args.index) / "index_meta.json").is_file():
+        inputs.append(Path(args.index) / "index_meta.json")
+    key = {"inputs": [file_identity(p) for p in inputs if p],
+           **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
     summary = mine_to_file(records, args.output, source, corpus, args.n_negatives, args.top_k, args.skip_top,
-                           args.margin, args.match, qrels, args.append, id_to_row)
+                           args.margin, args.match, qrels, args.append, id_to_row, resume_key=key)
     if qrels is not None and summary.judged == 0:
         logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
     print(format_summary({"source": args.source, **summary.table(), "output": args.output}))
@@ -389,7 +406,8 @@ def _cli(args: argparse.Namespace) -> None:
 def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc mine``."""
     p = subparsers.add_parser("mine", help="mine hard negatives (BM25 or dense) into a DPR training file",
-                              description=__doc__.splitlines()[0])
+                              description=__doc__.splitlines()[0] + " Interrupted, the same command resumes after "
+                              "the last finished chunk of 1,024 questions.")
     p.add_argument("--source", default="bm25", help="where candidates come from: bm25 (bm25s) or dense (default bm25)")
     p.add_argument("--train-file", help="DPR training file (.json/.jsonl, optionally .gz) whose questions to mine for")
     p.add_argument("--beir-dir", help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, corpus.jsonl); positives: qrels")

@@ -187,6 +187,18 @@ def _index_cli(args: argparse.Namespace) -> None:
     print(format_summary(summary))
 
 
+def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
+    """The model an index records: its absolute path, else the path relative to the index folder (the two were
+    moved together), else the name as recorded (a Hugging Face name, or a relative path from an older version)."""
+    model = meta.get("model")
+    if model and Path(model).is_absolute() and Path(model).exists():
+        return model
+    relative = meta.get("model_from_index")
+    if relative and index_dir is not None and (Path(index_dir) / relative).exists():
+        return str(Path(index_dir) / relative)
+    return model
+
+
 def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) -> list[dict]:
     """Shared by ``dpr-gc retrieve`` and ``scripts/dense_retriever.py``: load, retrieve, write, evaluate, summarise."""
     import torch
@@ -197,7 +209,7 @@ def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) 
 
     if not (args.output or args.trec_run or args.evaluate):
         raise DprGcError("nothing to do: give --output FILE.json and/or --trec-run FILE, or --evaluate")
-    model = args.model or index.meta.get("model")
+    model = args.model or recorded_model(getattr(args, "index", None), index.meta)
     corpus_path = args.corpus or index.meta.get("corpus")
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
