@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from dpr_gc import encode
+from dpr_gc.cli import main
 from dpr_gc.errors import DprGcError
+from dpr_gc.files import exclusive_lock
 from dpr_gc.train import train
+from tests.test_encode import passages, write_corpus
 from tests.test_train import config, init_model
 from tests.train_data import make_records, write_dpr
 
@@ -114,3 +121,95 @@ def test_partial_last_line_of_metrics_is_dropped_on_resume(task, tmp_path):
     metrics.write_text('{"step": 1}\n{oops\n{"step": 2}\n')
     with pytest.raises(DprGcError, match="metrics.jsonl:2"):
         train(config(task, tmp_path / "b", resume="latest", **common))
+
+
+# ------------------------------------------------------------------------------------------------ encode / index
+def encode_argv(model: Path, corpus: Path, out: Path, *extra) -> list[str]:
+    return ["encode", "--model", str(model), "--corpus", str(corpus), "--output", str(out), "--block-size", "4",
+            "--cache-dir", str(out.parent / "cache"), *map(str, extra)]
+
+
+def test_second_encode_of_the_same_shard_is_refused_while_the_first_runs(task, tmp_path, monkeypatch, capsys):
+    corpus, out = write_corpus(tmp_path / "c", passages(10), "tsv"), tmp_path / "emb"
+    started, release, results = threading.Event(), threading.Event(), []
+    real = encode.encode_block
+
+    def slow_block(*args, **kwargs):
+        started.set()
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(encode, "encode_block", slow_block)
+    first = threading.Thread(target=lambda: results.append(main(encode_argv(task["model"], corpus, out))))
+    first.start()
+    try:
+        assert started.wait(120)
+        assert main(encode_argv(task["model"], corpus, out)) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "in use by another run" in err and str(out) in err
+    finally:
+        release.set()
+        first.join()
+    assert results == [0]
+    monkeypatch.setattr(encode, "encode_block", real)
+    assert main(encode_argv(task["model"], corpus, out)) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000-of-00001.ids.txt", "shard-00000-of-00001.json",
+                                                      "shard-00000-of-00001.npy"]
+
+
+def test_stray_part_files_of_a_dead_run_do_not_poison_the_folder(task, tmp_path):
+    """What two concurrent runs, or a kill -9 during assembly, used to leave: parts without their progress file."""
+    corpus, out = write_corpus(tmp_path / "c", passages(10), "tsv"), tmp_path / "emb"
+    expected = tmp_path / "clean"
+    assert main(encode_argv(task["model"], corpus, expected)) == 0
+    out.mkdir()
+    np.save(out / "shard-00000-of-00001.part00001.npy", np.zeros((3, 5), dtype=np.float16))
+    (out / ".shard-00000-of-00001.part00000.npy.k3j4.tmp").write_bytes(b"\x93NUMPY half written")
+    (out / ".shard-00000-of-00001.npy.x9.tmp").write_bytes(b"\x93NUMPY half assembled")
+    assert main(encode_argv(task["model"], corpus, out)) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in expected.iterdir())
+    assert np.array_equal(np.load(out / "shard-00000-of-00001.npy"), np.load(expected / "shard-00000-of-00001.npy"))
+
+
+def test_bad_encode_flag_writes_nothing_and_the_corrected_run_finishes(task, tmp_path, capsys):
+    corpus, out = write_corpus(tmp_path / "c", passages(6), "tsv"), tmp_path / "emb"
+    assert main(encode_argv(task["model"], corpus, out, "--max-length", "-5")) == 2
+    assert "--max-length" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(encode_argv(task["model"], corpus, out)) == 0
+
+
+def test_index_removes_temporaries_of_a_killed_run_and_refuses_a_concurrent_one(task, tmp_path, capsys):
+    corpus, emb, index = write_corpus(tmp_path / "c", passages(10), "tsv"), tmp_path / "emb", tmp_path / "index"
+    assert main(encode_argv(task["model"], corpus, emb)) == 0
+    index.mkdir()
+    stale = [index / ".index.faiss.a1b2c3.tmp", index / ".ids.txt.zz.tmp", index / ".index_meta.json.q.tmp"]
+    for p in stale:
+        p.write_bytes(b"\0" * 4096)
+    (index / "notes.tmp").write_text("not ours")
+    with exclusive_lock(index / ".index.lock", "test"):
+        assert main(["index", "--embeddings", str(emb), "--output", str(index)]) == 2
+        assert "in use by another run" in capsys.readouterr().err
+    assert main(["index", "--embeddings", str(emb), "--output", str(index)]) == 0
+    assert sorted(p.name for p in index.iterdir()) == ["ids.txt", "index.faiss", "index_meta.json", "notes.tmp"]
+
+
+def test_retrieve_finds_the_recorded_model_from_another_directory(task, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    shutil.copytree(task["model"], work / "model")
+    write_corpus(work / "c", passages(10), "tsv")
+    (work / "qa.tsv").write_text('paris city\t["zzz"]\nthe river\t["yyy"]\n')
+    monkeypatch.chdir(work)
+    assert main(encode_argv(Path("model"), Path("c/psgs.tsv"), Path("emb"))) == 0
+    assert main(["index", "--embeddings", "emb", "--output", "index"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["retrieve", "--index", str(work / "index"), "--queries", str(work / "qa.tsv"), "--top-k", "3",
+                 "--output", "r.json"]) == 0, capsys.readouterr().err
+    assert len(json.loads(Path("r.json").read_text())[0]["ctxs"]) == 3
+    moved = tmp_path / "moved"
+    work.rename(moved)
+    assert main(["retrieve", "--index", str(moved / "index"), "--queries", str(moved / "qa.tsv"), "--top-k", "3",
+                 "--corpus", str(moved / "c" / "psgs.tsv"), "--output", "r2.json"]) == 0, capsys.readouterr().err
+    assert json.loads(Path("r2.json").read_text()) == json.loads(Path("r.json").read_text())
