@@ -3,6 +3,7 @@ interrupted runs clean up their own temporaries and resume."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -213,3 +214,64 @@ def test_retrieve_finds_the_recorded_model_from_another_directory(task, tmp_path
     assert main(["retrieve", "--index", str(moved / "index"), "--queries", str(moved / "qa.tsv"), "--top-k", "3",
                  "--corpus", str(moved / "c" / "psgs.tsv"), "--output", "r2.json"]) == 0, capsys.readouterr().err
     assert json.loads(Path("r2.json").read_text()) == json.loads(Path("r.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------ mine
+class Recording:
+    """A candidate source that records the questions it is asked for, and can fail on its ``fail_at``-th call."""
+
+    def __init__(self, source, fail_at: int = 0) -> None:
+        self.source, self.fail_at, self.asked = source, fail_at, []
+
+    def retrieve(self, questions, k, positives=None):
+        if len(self.asked) + 1 == self.fail_at:
+            raise KeyboardInterrupt
+        self.asked.append(list(questions))
+        return self.source.retrieve(questions, k, positives)
+
+
+@pytest.mark.parametrize("name", ["out.json.gz", "out.jsonl"])
+def test_mine_resumes_after_an_interruption(tmp_path, name):
+    from dpr_gc.corpus import load_corpus
+    from dpr_gc.mine import BM25Source, mine_to_file
+    from tests.test_mine import build_passages, questions
+
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in build_passages()))
+    corpus = load_corpus(tmp_path / "corpus.jsonl", tmp_path / "cache")
+    bm25 = BM25Source(corpus, show_progress=False)
+    common = dict(n_negatives=2, top_k=20, chunk_size=2, show_progress=False)
+    reference = mine_to_file(questions(), tmp_path / f"ref-{name}", Recording(bm25), corpus, **common)
+    out, key = tmp_path / name, {"inputs": "the same"}
+    with pytest.raises(KeyboardInterrupt):
+        mine_to_file(questions(), out, Recording(bm25, fail_at=3), corpus, resume_key=key, **common)
+    assert not out.exists()
+    again = Recording(bm25)
+    summary = mine_to_file(questions(), out, again, corpus, resume_key=key, **common)
+    assert again.asked == [[q["question"] for q in questions()[4:]]]
+    read = (lambda p: gzip.decompress(p.read_bytes()).decode()) if name.endswith(".gz") else (lambda p: p.read_text())
+    assert read(out) == read(tmp_path / f"ref-{name}")
+    assert summary == reference
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    with pytest.raises(KeyboardInterrupt):
+        mine_to_file(questions(), out, Recording(bm25, fail_at=2), corpus, resume_key=key, **common)
+    changed = Recording(bm25)
+    mine_to_file(questions(), out, changed, corpus, resume_key={"inputs": "other"}, **common)
+    assert len(changed.asked) == 3 and read(out) == read(tmp_path / f"ref-{name}")
+
+
+def test_mine_cli_removes_temporaries_of_a_killed_run(tmp_path, capsys):
+    from tests.test_mine import build_passages, questions
+
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in build_passages()))
+    (tmp_path / "train.json").write_text(json.dumps(questions()))
+    stale = [tmp_path / ".mined.json.h7d2k1.tmp", tmp_path / ".mined.json.partial"]
+    for p in stale:
+        p.write_bytes(b"[\n{\"question\": \"half")
+    assert main(["mine", "--train-file", str(tmp_path / "train.json"), "--corpus", str(tmp_path / "corpus.jsonl"),
+                 "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "mined.json"),
+                 "--n-negatives", "2", "--top-k", "20"]) == 0
+    assert len(json.loads((tmp_path / "mined.json").read_text())) == len(questions())
+    assert not any(p.exists() for p in stale)
+    with pytest.raises(SystemExit):
+        main(["mine", "--help"])
+    assert "resumes" in " ".join(capsys.readouterr().out.split())
