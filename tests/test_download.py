@@ -1,0 +1,96 @@
+"""scripts/download_dpr_data.py against a local HTTP server: verified downloads, one-line errors offline and on
+damaged or mismatching files, nothing half-written."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import http.server
+import importlib.util
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("download_dpr_data", REPO / "scripts" / "download_dpr_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def server(tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = functools.partial(QuietHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_downloads_are_verified_and_recorded(server, tmp_path, monkeypatch, capsys):
+    root, url = server
+    qa = b'who wrote hamlet\t["Shakespeare"]\n'
+    (root / "qa.csv").write_bytes(qa)
+    (root / "train.json.gz").write_bytes(gzip.compress(b'[{"question": "q"}]'))
+    whole = gzip.compress(b"passage text " * 5000)
+    (root / "broken.tsv.gz").write_bytes(whole[:len(whole) // 2])
+    script = load_script()
+    monkeypatch.setattr(script, "RESOURCES", {
+        "qa": (f"{url}/qa.csv", "qa.csv", "", hashlib.sha256(qa).hexdigest()),
+        "train": (f"{url}/train.json.gz", "train.json.gz", "", None),
+        "wrong-sha": (f"{url}/qa.csv", "other.csv", "", "0" * 64),
+        "broken": (f"{url}/broken.tsv.gz", "broken.tsv.gz", "", None),
+        "missing": (f"{url}/nope.csv", "nope.csv", "", None),
+        "offline": (f"http://127.0.0.1:{closed_port()}/x.csv", "x.csv", "", None),
+    })
+    out = tmp_path / "dpr"
+    assert script.main(["--output", str(out), "qa", "train"]) == 0
+    sums = json.loads((out / "SHA256SUMS.json").read_text())
+    assert (out / "qa.csv").read_bytes() == qa
+    assert sums["train.json.gz"]["sha256"] == hashlib.sha256((root / "train.json.gz").read_bytes()).hexdigest()
+    capsys.readouterr()
+    for name, message in (("wrong-sha", "does not match the expected"), ("broken", "not an intact gzip"),
+                          ("missing", "HTTP 404"), ("offline", "cannot download")):
+        assert script.main(["--output", str(out), name]) == 2
+        assert message in one_error(capsys)
+    assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS.json", "qa.csv", "train.json.gz"]
+
+    assert script.main(["--output", str(out), "--verify", "qa", "train"]) == 0
+    (out / "train.json.gz").write_bytes(gzip.compress(b'[{"question": "changed"}]'))
+    assert script.main(["--output", str(out), "--verify", "train"]) == 2
+    assert "does not match" in one_error(capsys)
+    (out / "train.json.gz").unlink()
+    (root / "train.json.gz").write_bytes(gzip.compress(b'[{"question": "the source changed"}]'))
+    assert script.main(["--output", str(out), "train"]) == 2
+    assert "does not match the expected" in one_error(capsys)
+    assert not (out / "train.json.gz").exists()
