@@ -1,0 +1,262 @@
+"""Gradient Cache in JAX: the original package's functional API, working on current JAX, plus a complete step.
+
+The original's JAX functions keep their names, arguments and meanings, so its users switch by changing the import:
+
+* :func:`tree_chunk` / :func:`tree_unchunk` add / remove a leading chunk axis on every leaf of a batch pytree;
+* :func:`chunk_encode` encodes chunked keyword inputs one chunk at a time (``lax.scan``), with no gradient kept;
+* :func:`grad_with_cache` is the gradient of ``sum(f(params, ...) * cache)``, i.e. one chunk's VJP with the cached
+  d loss / d representation;
+* :func:`cache_grad` scans the chunks, adding every chunk's cached-gradient VJP into an accumulator;
+* :func:`unchunk_args` decorates a loss so chosen positional arguments arrive without the chunk axis;
+* :func:`grad_cached` is the single-decorator form: ``jax.checkpoint`` around each chunk of a ``lax.scan`` lets XLA
+  derive the backward pass, rematerialising one chunk at a time.
+
+:func:`cached_value_and_grad` puts the two passes together for any number of encoders with per-chunk dropout keys,
+batches that the chunk does not divide, a learnable loss parameter and data parallelism (see :mod:`.parallel`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ..errors import DprGcError
+
+Array = jax.Array
+Encoder = Callable[[Any, Any, Array], Array]
+
+
+def _leading_size(tree: Any, axis: int = 0) -> int:
+    sizes = {leaf.shape[axis] for leaf in jax.tree_util.tree_leaves(tree)}
+    if len(sizes) != 1:
+        raise DprGcError(f"every leaf of a batch must have the same size along axis {axis}; got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def tree_chunk(tree: Any, n_chunk: int, axis: int = 0) -> Any:
+    """Split axis ``axis`` of every leaf into ``(n_chunk, size // n_chunk)``; the size must divide evenly."""
+    size = _leading_size(tree, axis)
+    if n_chunk < 1 or size % n_chunk:
+        raise DprGcError(f"cannot split a batch of {size} into {n_chunk} equal chunks; pick a number of chunks that "
+                         "divides the batch, or pad it with pad_to_multiple (cached_value_and_grad pads for you)")
+    return jax.tree_util.tree_map(lambda v: v.reshape(v.shape[:axis] + (n_chunk, size // n_chunk) + v.shape[axis + 1:]),
+                                  tree)
+
+
+def tree_unchunk(tree: Any, axis: int = 0) -> Any:
+    """Merge the chunk axis ``axis`` and the one after it back into one batch axis."""
+    return jax.tree_util.tree_map(lambda v: v.reshape(v.shape[:axis] + (-1,) + v.shape[axis + 2:]), tree)
+
+
+def pad_to_multiple(tree: Any, multiple: int) -> tuple[Any, int]:
+    """Pad the leading axis of every leaf up to a multiple of ``multiple`` by repeating the last row.
+
+    Returns the padded tree and the real size. Repeated rows are valid inputs (no empty attention mask, no division
+    by zero in pooling); callers drop their representations before the loss, so they receive exactly zero gradient.
+    """
+    size = _leading_size(tree)
+    extra = -size % multiple
+    if extra == 0:
+        return tree, size
+    return jax.tree_util.tree_map(lambda v: jnp.concatenate([v, jnp.repeat(v[-1:], extra, axis=0)]), tree), size
+
+
+def grad_with_cache(f: Callable[..., Array], **grad_kwargs: Any) -> Callable[..., Any]:
+    """``jax.grad`` of ``sum(f(params, *args, **kwargs) * cache)`` taking ``(params, cache, *args, **kwargs)``.
+
+    With ``cache`` = d loss / d representations this is the chunk's share of d loss / d params. The product is
+    taken in fp32 whatever the representations' dtype.
+    """
+    def dot_with_cache(params: Any, cache: Array, *args: Any, **kwargs: Any) -> Array:
+        reps = f(params, *args, **kwargs)
+        return jnp.sum(reps.astype(jnp.float32) * cache.astype(jnp.float32))
+
+    return jax.grad(dot_with_cache, **grad_kwargs)
+
+
+def chunk_encode(encode_fn: Callable[..., Array]) -> Callable[..., Array]:
+    """Turn ``encode_fn(**inputs)`` into a function of chunked keyword inputs returning ``[n_chunk, chunk, ...]``
+    representations, computed one chunk at a time by ``lax.scan``."""
+    def encode_chunks(**chunked: Any) -> Array:
+        def one_chunk(carry: None, inputs: dict) -> tuple[None, Array]:
+            return carry, encode_fn(**inputs)
+
+        return jax.lax.scan(one_chunk, None, chunked)[1]
+
+    return encode_chunks
+
+
+def cache_grad(encode_fn: Callable[..., Array]) -> Callable[..., Any]:
+    """Turn ``encode_fn(params=..., **inputs)`` into ``f(params, grad_accumulator, cached_grad, **chunked)``, which
+    adds every chunk's gradient (its VJP with its slice of ``cached_grad``, ``[n_chunk, chunk, ...]``) to
+    ``grad_accumulator`` and returns the sum."""
+    def chunk_grad(params: Any, cache: Array, inputs: dict) -> Any:
+        return grad_with_cache(lambda p: encode_fn(params=p, **inputs))(params, cache)
+
+    def accumulate(params: Any, grad_accumulator: Any, cached_grad: Array, **chunked: Any) -> Any:
+        def step(acc: Any, xs: tuple[Array, dict]) -> tuple[Any, None]:
+            grads = chunk_grad(params, *xs)
+            return jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, grads), None
+
+        return jax.lax.scan(step, grad_accumulator, (cached_grad, chunked))[0]
+
+    return accumulate
+
+
+def unchunk_args(axis: int = 0, argnums: Iterable[int] = ()) -> Callable[[Callable], Callable]:
+    """Decorator: the positional arguments ``argnums`` are passed through :func:`tree_unchunk` first."""
+    argnums = tuple(argnums)
+
+    def decorate(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(tree_unchunk(a, axis) if i in argnums else a for i, a in enumerate(args))
+            return f(*args, **kwargs)
+
+        return wrapped
+
+    return decorate
+
+
+def grad_cached(f: Callable[[Any, Any], Array],
+                policy: Callable[..., bool] = jax.checkpoint_policies.nothing_saveable,
+                prevent_cse: bool = True) -> Callable[[Any, Any], Array]:
+    """Single-decorator Gradient Cache: ``f(params, batch) -> reps`` becomes a function of a chunked batch (leading
+    chunk axis, e.g. from :func:`tree_chunk`) returning the whole batch's representations.
+
+    The forward runs the chunks in a ``lax.scan`` under ``jax.checkpoint(policy)``, so no chunk's activations are
+    kept; ``jax.grad`` through it makes XLA replay one chunk at a time in the backward pass, and the result is the
+    full-batch gradient. Per-chunk dropout keys belong in the batch (e.g. ``jax.random.split(key, n_chunk)``), so the
+    replay sees the same key as the forward.
+    """
+    def cached_f(params: Any, batch: Any) -> Array:
+        def one_chunk(carry: None, chunk: Any) -> tuple[None, Array]:
+            return carry, f(params, chunk)
+
+        reps = jax.lax.scan(jax.checkpoint(one_chunk, policy=policy, prevent_cse=prevent_cse), None, batch)[1]
+        return reps.reshape((-1,) + reps.shape[2:])
+
+    return cached_f
+
+
+def _as_sizes(chunk_sizes: int | Sequence[int], n: int) -> list[int]:
+    sizes = [chunk_sizes] * n if isinstance(chunk_sizes, int) else list(chunk_sizes)
+    if len(sizes) != n or any(not isinstance(s, int) or s < 1 for s in sizes):
+        raise DprGcError(f"chunk sizes must be one positive int or one per encoder ({n}); got {chunk_sizes!r}")
+    return sizes
+
+
+def _chunked(batch: Any, chunk_size: int, key: Array) -> tuple[Any, Array, int]:
+    """Pad ``batch`` to a multiple of the chunk, add the chunk axis, and draw one dropout key per chunk."""
+    padded, size = pad_to_multiple(batch, chunk_size)
+    n_chunk = _leading_size(padded) // chunk_size
+    return tree_chunk(padded, n_chunk), jax.random.split(key, n_chunk), size
+
+
+def _encode_no_grad(encoder: Encoder, params: Any, chunks: Any, keys: Array, size: int) -> Array:
+    def one_chunk(carry: None, xs: tuple[Any, Array]) -> tuple[None, Array]:
+        return carry, jax.lax.stop_gradient(encoder(params, *xs))
+
+    reps = jax.lax.scan(one_chunk, None, (chunks, keys))[1]
+    return reps.reshape((-1,) + reps.shape[2:])[:size]
+
+
+def _accumulate(encoder: Encoder, params: Any, acc: Any, chunks: Any, keys: Array, rep_grad: Array) -> Any:
+    n_chunk = keys.shape[0]
+    padded = jnp.zeros((math.prod(jax.tree_util.tree_leaves(chunks)[0].shape[:2]),) + rep_grad.shape[1:],
+                       jnp.float32).at[:rep_grad.shape[0]].set(rep_grad)
+    cache = padded.reshape((n_chunk, -1) + rep_grad.shape[1:])
+    chunk_grad = grad_with_cache(lambda p, chunk, key: encoder(p, chunk, key))
+
+    def step(carry: Any, xs: tuple[Any, Array, Array]) -> tuple[Any, None]:
+        chunk, key, cached = xs
+        grads = chunk_grad(params, cached, chunk, key)
+        return jax.tree_util.tree_map(lambda a, g: a + g.astype(jnp.float32), carry, grads), None
+
+    return jax.lax.scan(step, acc, (chunks, keys, cache))[0]
+
+
+def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Array],
+                          chunk_sizes: int | Sequence[int], axis_name: Optional[str] = None) -> Callable[..., Any]:
+    """Gradient Cache step for several encoders: returns ``f(params, loss_params, batches, key) -> (loss, (grads,
+    loss_grads))`` with the gradients of ``loss_fn(loss_params, *[enc(params, batch) for ...])`` over whole batches.
+
+    ``encoders[i](params, chunk, key) -> reps`` sees the whole ``params`` tree (tied towers use the same subtree,
+    separate towers different ones) and a dropout key. Each batch is padded to a multiple of its chunk size (the
+    padding's representations are dropped before the loss), every chunk gets its own key, and the same key is used
+    in the no-gradient pass and in the replay, so the gradient is exact with dropout on. Pass 1 encodes every chunk
+    without a graph; the loss and its gradient with respect to all representations are computed once (fp32); pass 2
+    replays one chunk at a time and accumulates its VJP with the cached gradient (fp32 accumulator, returned in the
+    parameters' dtypes). Memory is that of one chunk plus the representations. With ``axis_name`` it runs per device
+    inside ``shard_map`` and averages loss and gradients over that axis (the rule is in :mod:`.parallel`).
+    """
+    sizes = _as_sizes(chunk_sizes, len(encoders))
+
+    def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array) -> tuple[Array, Any]:
+        if len(batches) != len(encoders):
+            raise DprGcError(f"{len(encoders)} encoders need {len(encoders)} batches, got {len(batches)}")
+        parts = [_chunked(b, s, k) for b, s, k in zip(batches, sizes, jax.random.split(key, len(encoders)))]
+        reps = [_encode_no_grad(enc, params, *part) for enc, part in zip(encoders, parts)]
+        loss, (loss_grads, rep_grads) = jax.value_and_grad(lambda lp, rs: loss_fn(lp, *rs), argnums=(0, 1))(
+            loss_params, reps)
+        acc = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        for enc, (chunks, keys, _), rep_grad in zip(encoders, parts, rep_grads):
+            acc = _accumulate(enc, params, acc, chunks, keys, rep_grad)
+        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), acc, params)
+        if axis_name is not None:
+            loss, grads, loss_grads = jax.lax.pmean((loss, grads, loss_grads), axis_name)
+        return loss, (grads, loss_grads)
+
+    return value_and_grad
+
+
+def remat_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Array],
+                         chunk_sizes: int | Sequence[int], axis_name: Optional[str] = None) -> Callable[..., Any]:
+    """The same step as :func:`cached_value_and_grad` (same arguments, padding and per-chunk keys, so the same
+    numbers) built on :func:`grad_cached`: XLA derives the backward pass and rematerialises each chunk."""
+    sizes = _as_sizes(chunk_sizes, len(encoders))
+
+    def total_loss(params: Any, loss_params: Any, batches: Sequence[Any], key: Array) -> Array:
+        reps = []
+        for enc, batch, size, k in zip(encoders, batches, sizes, jax.random.split(key, len(encoders))):
+            chunks, keys, real = _chunked(batch, size, k)
+            encode = grad_cached(lambda p, xs, enc=enc: enc(p, *xs))
+            reps.append(encode(params, (chunks, keys))[:real])
+        return loss_fn(loss_params, *reps)
+
+    def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array) -> tuple[Array, Any]:
+        if len(batches) != len(encoders):
+            raise DprGcError(f"{len(encoders)} encoders need {len(encoders)} batches, got {len(batches)}")
+        loss, (grads, loss_grads) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, loss_params, batches, key)
+        if axis_name is not None:
+            loss, grads, loss_grads = jax.lax.pmean((loss, grads, loss_grads), axis_name)
+        return loss, (grads, loss_grads)
+
+    return value_and_grad
+
+
+def cache_train_step(loss_fn: Callable[..., Array], state: Any, ss: dict, tt: dict, axis: str = "device") -> Any:
+    """The original's ``cache_train_step`` for a Flax ``TrainState`` under ``pmap``/``shard_map`` over ``axis``:
+    chunked keyword batches ``ss`` (queries) and ``tt`` (passages) share ``state.apply_fn``; ``loss_fn(xx, yy,
+    axis=axis)`` returns per-query losses. Returns ``(loss, new_state)`` with loss and gradients averaged over
+    ``axis``."""
+    def encode(params: Any, **inputs: Any) -> Array:
+        return state.apply_fn(params=params, **inputs)
+
+    s_reps = chunk_encode(functools.partial(encode, state.params))(**ss)
+    t_reps = chunk_encode(functools.partial(encode, state.params))(**tt)
+
+    @unchunk_args(axis=0, argnums=(0, 1))
+    def mean_loss(xx: Array, yy: Array) -> Array:
+        return jnp.mean(loss_fn(xx, yy, axis=axis))
+
+    loss, (s_grad, t_grad) = jax.value_and_grad(mean_loss, argnums=(0, 1))(s_reps, t_reps)
+    accumulate = cache_grad(encode)
+    grads = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    grads = accumulate(state.params, accumulate(state.params, grads, s_grad, **ss), t_grad, **tt)
+    loss, grads = jax.lax.pmean((loss, grads), axis)
+    return loss, state.apply_gradients(grads=grads)

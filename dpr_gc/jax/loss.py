@@ -1,0 +1,131 @@
+"""Contrastive losses in JAX: in-batch negatives plus hard negatives, computed in fp32 whatever the input dtype.
+
+Layout as in :mod:`dpr_gc.loss`: ``queries`` holds B representations, ``passages`` B·(1+n) grouped per query with
+the positive first, and every query is scored against every passage of the (global) batch. Scores are computed in
+row blocks under ``jax.checkpoint``, so neither the forward nor the backward pass holds the whole B × B·(1+n) score
+matrix; that keeps a Gradient Cache step's memory flat in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ..errors import DprGcError
+
+Array = jax.Array
+TEMPERATURE_RANGE = (0.01, 10.0)  # the same clamp as dpr_gc.loss, so bf16 training cannot blow the scores up
+_AUTO_BLOCK_ELEMENTS = 1 << 20
+
+
+def _block_nll(x: Array, y: Array, scale: Array, targets: Array) -> Array:
+    """Per-row ``-log softmax(scale * x y^T)[target]`` for one block of rows."""
+    scores = (x @ y.T) * scale
+    return jax.nn.logsumexp(scores, axis=1) - jnp.take_along_axis(scores, targets[:, None], axis=1)[:, 0]
+
+
+def blocked_nll(x: Array, y: Array, scale: Array, targets: Array, block: Optional[int] = None) -> Array:
+    """Per-row InfoNCE losses of ``x`` over ``y`` (fp32), ``block`` rows at a time; ``block=0`` is the dense path.
+
+    Rows are padded to a multiple of the block with zero queries whose losses are dropped, so any batch size works.
+    """
+    x, y, scale = x.astype(jnp.float32), y.astype(jnp.float32), jnp.asarray(scale, jnp.float32)
+    rows = x.shape[0]
+    if block is None:
+        block = max(1, min(rows, _AUTO_BLOCK_ELEMENTS // max(1, y.shape[0])))
+    if block == 0 or block >= rows:
+        return _block_nll(x, y, scale, targets)
+    n_block = math.ceil(rows / block)
+    pad = n_block * block - rows
+    xb = jnp.pad(x, ((0, pad), (0, 0))).reshape(n_block, block, -1)
+    tb = jnp.pad(targets, (0, pad)).reshape(n_block, block)
+    one_block = jax.checkpoint(lambda xs: _block_nll(xs[0], y, scale, xs[1]))
+    return jax.lax.map(one_block, (xb, tb)).reshape(-1)[:rows]
+
+
+def temperature_from_log(log_temperature: Array) -> Array:
+    """A learnable temperature stored on the log scale, clamped to ``TEMPERATURE_RANGE`` in every use."""
+    lo, hi = TEMPERATURE_RANGE
+    return jnp.exp(jnp.clip(log_temperature.astype(jnp.float32), math.log(lo), math.log(hi)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ContrastiveLoss:
+    """In-batch-negative InfoNCE loss, the JAX twin of :class:`dpr_gc.loss.SimpleContrastiveLoss`.
+
+    ``loss(loss_params, queries, passages)`` returns the mean loss (fp32). ``loss_params`` comes from :meth:`init`:
+    ``{"log_temperature": ...}`` when the temperature is learnable, else ``{}``. ``similarity`` is ``"dot"`` or
+    ``"cos"``; ``symmetric`` adds the passage→query direction and averages the two; ``block`` is the number of score
+    rows per block (``None``: about 1M scores; ``0``: dense). With ``axis_name`` (inside ``shard_map``/``pmap``) the
+    representations of all devices are all-gathered so every local query is scored against the global batch;
+    the loss is the mean over this device's queries (see :mod:`dpr_gc.jax.parallel` for the gradient rule).
+    """
+
+    n_hard_negatives: int = 0
+    temperature: float = 1.0
+    learn_temperature: bool = False
+    similarity: str = "dot"
+    symmetric: bool = False
+    block: Optional[int] = None
+    axis_name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        lo, hi = TEMPERATURE_RANGE
+        if self.similarity not in ("dot", "cos"):
+            raise DprGcError(f"similarity must be 'dot' or 'cos', got {self.similarity!r}")
+        if self.n_hard_negatives < 0:
+            raise DprGcError(f"n_hard_negatives must be >= 0, got {self.n_hard_negatives}")
+        if not lo <= self.temperature <= hi:
+            raise DprGcError(f"temperature must lie in [{lo}, {hi}], got {self.temperature}")
+
+    def init(self) -> dict[str, Array]:
+        """The loss's trainable parameters (fp32 even when the encoders are bf16)."""
+        if not self.learn_temperature:
+            return {}
+        return {"log_temperature": jnp.asarray(math.log(self.temperature), jnp.float32)}
+
+    def current_temperature(self, loss_params: dict[str, Array]) -> Array:
+        if self.learn_temperature:
+            return temperature_from_log(loss_params["log_temperature"])
+        return jnp.asarray(self.temperature, jnp.float32)
+
+    def _prepare(self, reps: Array) -> Array:
+        reps = reps.astype(jnp.float32)
+        if self.similarity == "cos":
+            reps = reps / jnp.maximum(jnp.linalg.norm(reps, axis=-1, keepdims=True), 1e-12)
+        return reps
+
+    def _check(self, queries: Array, passages: Array) -> None:
+        group = 1 + self.n_hard_negatives
+        if queries.ndim != 2 or passages.ndim != 2 or queries.shape[1] != passages.shape[1]:
+            raise DprGcError(f"representations must be [B, D] and [B*(1+n), D] with equal D; got {queries.shape} "
+                             f"and {passages.shape}")
+        if passages.shape[0] != queries.shape[0] * group:
+            raise DprGcError(f"{queries.shape[0]} queries need {queries.shape[0] * group} passages (1 positive + "
+                             f"{self.n_hard_negatives} hard negatives each), got {passages.shape[0]}")
+
+    def __call__(self, loss_params: dict[str, Array], queries: Array, passages: Array) -> Array:
+        self._check(queries, passages)
+        x, y = self._prepare(queries), self._prepare(passages)
+        b, group = x.shape[0], 1 + self.n_hard_negatives
+        offset = 0
+        x_all, y_all = x, y
+        if self.axis_name is not None:
+            offset = jax.lax.axis_index(self.axis_name) * b
+            x_all = jax.lax.all_gather(x, self.axis_name, tiled=True)
+            y_all = jax.lax.all_gather(y, self.axis_name, tiled=True)
+        scale = 1.0 / self.current_temperature(loss_params)
+        rows = offset + jnp.arange(b)
+        loss = jnp.mean(blocked_nll(x, y_all, scale, rows * group, self.block))
+        if self.symmetric:
+            loss = (loss + jnp.mean(blocked_nll(y[::group], x_all, scale, rows, self.block))) / 2
+        return loss
+
+    def scores(self, loss_params: dict[str, Array], queries: Array, passages: Array) -> Array:
+        """Dense fp32 score matrix ``[len(queries), len(passages)]`` (evaluation, small batches)."""
+        return (self._prepare(queries) @ self._prepare(passages).T) / self.current_temperature(loss_params)
+

@@ -1,0 +1,168 @@
+"""A small Flax Transformer encoder for retrieval, laid out like BERT so BERT-family checkpoints load into it.
+
+Post-LayerNorm Transformer (token + position + segment embeddings, multi-head self-attention, exact-GELU MLP),
+mean or CLS pooling. It starts from random weights (any size) or from a BERT safetensors checkpoint such as the
+offline all-MiniLM-L6-v2 (:func:`load_bert`, read with ``safetensors.numpy``: nothing is unpickled). Dropout takes
+the ``"dropout"`` PRNG stream, so Gradient Cache can hand each chunk its own key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import DprGcError
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """Sizes and behaviour of :class:`Encoder`; the defaults are a tiny random model for tests."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    max_positions: int = 512
+    type_vocab_size: int = 2
+    dropout: float = 0.1
+    layer_norm_eps: float = 1e-12
+    pooling: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise DprGcError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}")
+        if self.pooling not in ("mean", "cls"):
+            raise DprGcError(f"pooling must be 'mean' or 'cls', got {self.pooling!r}")
+
+
+class Layer(nn.Module):
+    """One post-LN Transformer layer (BERT's)."""
+
+    config: EncoderConfig
+
+    @nn.compact
+    def __call__(self, h: Array, mask_bias: Array, deterministic: bool) -> Array:
+        c = self.config
+        head_dim = c.hidden_size // c.num_heads
+
+        def heads(name: str) -> Array:
+            return nn.Dense(c.hidden_size, name=name)(h).reshape(h.shape[:2] + (c.num_heads, head_dim))
+
+        q, k, v = heads("query"), heads("key"), heads("value")
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim) + mask_bias
+        probs = nn.Dropout(c.dropout)(jax.nn.softmax(scores, axis=-1).astype(h.dtype), deterministic=deterministic)
+        context = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(h.shape)
+        attended = nn.Dropout(c.dropout)(nn.Dense(c.hidden_size, name="attention_out")(context),
+                                         deterministic=deterministic)
+        h = nn.LayerNorm(epsilon=c.layer_norm_eps, name="attention_norm")(h + attended)
+        ff = nn.gelu(nn.Dense(c.intermediate_size, name="ff_in")(h), approximate=False)
+        ff = nn.Dropout(c.dropout)(nn.Dense(c.hidden_size, name="ff_out")(ff), deterministic=deterministic)
+        return nn.LayerNorm(epsilon=c.layer_norm_eps, name="ff_norm")(h + ff)
+
+
+class Encoder(nn.Module):
+    """Token ids ``[B, L]`` and attention mask ``[B, L]`` to one representation per sequence ``[B, hidden]``."""
+
+    config: EncoderConfig
+
+    @nn.compact
+    def __call__(self, input_ids: Array, attention_mask: Array, deterministic: bool = True) -> Array:
+        c = self.config
+        if input_ids.shape[1] > c.max_positions:
+            raise DprGcError(f"sequences of {input_ids.shape[1]} tokens exceed the model's {c.max_positions} "
+                             "positions; truncate them (max_length)")
+        positions = jnp.arange(input_ids.shape[1])[None, :]
+        h = (nn.Embed(c.vocab_size, c.hidden_size, name="word_embeddings")(input_ids)
+             + nn.Embed(c.max_positions, c.hidden_size, name="position_embeddings")(positions)
+             + nn.Embed(c.type_vocab_size, c.hidden_size, name="token_type_embeddings")(jnp.zeros_like(input_ids)))
+        h = nn.LayerNorm(epsilon=c.layer_norm_eps, name="embedding_norm")(h)
+        h = nn.Dropout(c.dropout)(h, deterministic=deterministic)
+        mask = attention_mask.astype(jnp.float32)
+        mask_bias = ((1.0 - mask) * jnp.finfo(jnp.float32).min)[:, None, None, :]
+        for i in range(c.num_layers):
+            h = Layer(c, name=f"layer_{i}")(h, mask_bias, deterministic)
+        if c.pooling == "cls":
+            return h[:, 0]
+        summed = jnp.einsum("bld,bl->bd", h.astype(jnp.float32), mask)
+        return (summed / jnp.maximum(mask.sum(1, keepdims=True), 1.0)).astype(h.dtype)
+
+
+def encoder_fn(model: Encoder, subtree: str | None = None, train: bool = True) -> Callable[[Any, dict, Array], Array]:
+    """``f(params, batch, key) -> reps`` for the Gradient Cache steps: ``params[subtree]`` (or all of ``params``)
+    applied to ``batch["input_ids"]``/``batch["attention_mask"]``, with dropout from ``key`` when ``train``."""
+    def encode(params: Any, batch: dict, key: Array) -> Array:
+        weights = params[subtree] if subtree is not None else params
+        return model.apply({"params": weights}, batch["input_ids"], batch["attention_mask"],
+                           deterministic=not train, rngs={"dropout": key})
+
+    return encode
+
+
+def cast_params(params: Any, dtype: Any) -> Any:
+    """Every floating-point leaf cast to ``dtype`` (e.g. ``jnp.bfloat16`` for bf16 training)."""
+    return jax.tree_util.tree_map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+def _bert_names(num_layers: int) -> dict[str, tuple[str, ...]]:
+    """Checkpoint tensor name (without the ``.weight``/``.bias`` suffix) to the Flax module path."""
+    names = {"embeddings.word_embeddings": ("word_embeddings",),
+             "embeddings.position_embeddings": ("position_embeddings",),
+             "embeddings.token_type_embeddings": ("token_type_embeddings",),
+             "embeddings.LayerNorm": ("embedding_norm",)}
+    parts = {"attention.self.query": "query", "attention.self.key": "key", "attention.self.value": "value",
+             "attention.output.dense": "attention_out", "attention.output.LayerNorm": "attention_norm",
+             "intermediate.dense": "ff_in", "output.dense": "ff_out", "output.LayerNorm": "ff_norm"}
+    for i in range(num_layers):
+        for src, dst in parts.items():
+            names[f"encoder.layer.{i}.{src}"] = (f"layer_{i}", dst)
+    return names
+
+
+def _flax_leaf(module: str, suffix: str, value: np.ndarray) -> tuple[str, np.ndarray]:
+    if module.endswith("embeddings"):
+        return "embedding", value
+    if "norm" in module:
+        return {"weight": "scale", "bias": "bias"}[suffix], value
+    return {"weight": "kernel", "bias": "bias"}[suffix], value.T if suffix == "weight" else value
+
+
+def load_bert(path: str | Path, pooling: str = "mean", dropout: float | None = None) -> tuple[EncoderConfig, Any]:
+    """Read a BERT folder (``config.json`` + ``model.safetensors``) into an :class:`EncoderConfig` and Flax params."""
+    from safetensors.numpy import load_file
+
+    folder = Path(path)
+    config_file, weights_file = folder / "config.json", folder / "model.safetensors"
+    if not (config_file.is_file() and weights_file.is_file()):
+        raise DprGcError(f"{folder}: expected a BERT folder with config.json and model.safetensors")
+    hf = json.loads(config_file.read_text())
+    if hf.get("model_type") != "bert" or hf.get("hidden_act", "gelu") != "gelu":
+        raise DprGcError(f"{config_file}: only BERT models with exact GELU load into the Flax encoder")
+    config = EncoderConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                           num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                           intermediate_size=hf["intermediate_size"], max_positions=hf["max_position_embeddings"],
+                           type_vocab_size=hf["type_vocab_size"], layer_norm_eps=hf["layer_norm_eps"],
+                           dropout=hf["hidden_dropout_prob"] if dropout is None else dropout, pooling=pooling)
+    tensors = {k.removeprefix("bert."): v for k, v in load_file(str(weights_file)).items()}
+    params: dict[str, Any] = {}
+    for src, dst in _bert_names(config.num_layers).items():
+        for suffix in ("weight", "bias"):
+            if f"{src}.{suffix}" not in tensors:
+                if suffix == "bias" and src.endswith("embeddings"):
+                    continue
+                raise DprGcError(f"{weights_file}: tensor {src}.{suffix} is missing; is this a BERT checkpoint?")
+            leaf, value = _flax_leaf(dst[-1], suffix, tensors[f"{src}.{suffix}"])
+            node = params
+            for key in dst:
+                node = node.setdefault(key, {})
+            node[leaf] = jnp.asarray(value, jnp.float32)
+    return config, params

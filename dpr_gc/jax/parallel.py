@@ -1,0 +1,56 @@
+"""Data-parallel Gradient Cache with ``shard_map``: every device scores against the global batch.
+
+The gradient rule (the same as :class:`dpr_gc.loss.DistributedContrastiveLoss` under DDP). With W devices each
+holding B local queries and their passages:
+
+1. each device runs both Gradient Cache passes on its own batch; its loss ``L_d`` is the mean loss of ITS OWN B
+   queries scored against the all-gathered representations of all W·B queries' passages;
+2. the transpose of ``all_gather`` is a reduce-scatter, so the cached gradient each device gets for its own
+   representations is ``sum over d' of dL_d' / d(its representations)``, every device's loss included;
+3. each device pushes that cached gradient through its own chunks, and the parameter (and temperature) gradients are
+   then averaged over devices with ``pmean``: ``(1/W) · sum_d dL_d/dθ``, which is exactly the gradient of the
+   global-batch mean loss ``(1/(W·B)) · sum over all W·B queries``. No other world-size factor appears anywhere.
+
+This requires the same local batch on every device (the all-gather needs equal shapes), which ``shard_map`` with
+the batch split along the mesh axis guarantees. The map runs with ``check_vma=False``: every collective is explicit
+above, so no implicit reduction is inserted for the replicated parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from .grad_cache import Encoder, cached_value_and_grad, remat_value_and_grad
+
+DATA_AXIS = "data"
+
+
+def data_mesh(devices: Optional[Sequence[Any]] = None, axis_name: str = DATA_AXIS) -> Mesh:
+    """A one-axis mesh over ``devices`` (default: all local devices) for data parallelism."""
+    return Mesh(np.asarray(devices if devices is not None else jax.devices()), (axis_name,))
+
+
+def data_parallel_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Any],
+                                 chunk_sizes: int | Sequence[int], mesh: Mesh, axis_name: str = DATA_AXIS,
+                                 remat: bool = False) -> Callable[..., Any]:
+    """The Gradient Cache step of :func:`~dpr_gc.jax.cached_value_and_grad` over ``mesh``.
+
+    Returns ``f(params, loss_params, batches, key) -> (loss, (grads, loss_grads))`` taking the GLOBAL batches, split
+    along their leading axis across the devices (each device's share must be the same size), with replicated
+    parameters; the outputs are replicated and equal to the single-device global-batch step's. ``loss_fn`` must
+    gather over ``axis_name`` (e.g. ``ContrastiveLoss(axis_name=...)``). Each device draws its dropout keys from
+    ``fold_in(key, device index)``. ``remat=True`` uses the single-decorator form instead of the two passes.
+    """
+    build = remat_value_and_grad if remat else cached_value_and_grad
+    local_step = build(encoders, loss_fn, chunk_sizes, axis_name=axis_name)
+
+    def per_device(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array) -> Any:
+        return local_step(params, loss_params, batches, jax.random.fold_in(key, jax.lax.axis_index(axis_name)))
+
+    replicated, split = PartitionSpec(), PartitionSpec(axis_name)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(replicated, replicated, split, replicated),
+                         out_specs=replicated, check_vma=False)

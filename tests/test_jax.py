@@ -1,0 +1,313 @@
+"""Gradient Cache for JAX: cached gradients equal full-batch ``jax.grad``, data parallel equals one device, memory is
+flat in the batch, the original package's API works on current JAX, and the Flax encoder matches BERT.
+
+Two fake CPU devices come from ``XLA_FLAGS``, which JAX reads when its backend starts; if another test started the
+backend first with one device, the data-parallel test re-runs itself in a subprocess with the flag set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+DEVICE_FLAG = "--xla_force_host_platform_device_count=2"
+if DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICE_FLAG}".strip()
+
+jax = pytest.importorskip("jax")
+import jax.flatten_util  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dpr_gc.errors import DprGcError  # noqa: E402
+from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, blocked_nll, cache_grad, cache_train_step,  # noqa: E402
+                        cached_value_and_grad, cast_params, chunk_encode, data_mesh, data_parallel_value_and_grad,
+                        encoder_fn, grad_cached, load_bert, remat_value_and_grad, tree_chunk, tree_unchunk,
+                        unchunk_args)
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, LENGTH = 50, 8
+TINY = EncoderConfig(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                     max_positions=LENGTH, dropout=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quick_compiles():
+    """Compile with XLA's optimisations off: these tests check numbers and memory layout, not speed, and compiling
+    is most of their time (the memory figures are the same either way; benchmarks/bench_jax_memory.py measures
+    them with full optimisation)."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+def make_params(config: EncoderConfig, names: tuple[str, ...], length: int = LENGTH) -> dict:
+    init = jax.jit(Encoder(config).init)
+    ones = jnp.ones((2, length), jnp.int32)
+    return {name: init(jax.random.key(i), ones, ones)["params"] for i, name in enumerate(names)}
+
+
+def make_batch(rng: np.random.Generator, n: int, length: int = LENGTH) -> dict:
+    lengths = rng.integers(1, length + 1, n)
+    return {"input_ids": jnp.asarray(rng.integers(1, VOCAB, (n, length)), jnp.int32),
+            "attention_mask": jnp.asarray(np.arange(length)[None] < lengths[:, None], jnp.int32)}
+
+
+def rel_error(a, b) -> float:
+    fa, fb = jax.flatten_util.ravel_pytree(a)[0], jax.flatten_util.ravel_pytree(b)[0]
+    return float(jnp.linalg.norm(fa - fb) / jnp.linalg.norm(fb))
+
+
+def full_batch(encoders, loss, chunk: int | None):
+    """Reference: the plain full-batch loss, ``jax.grad``-ed. With ``chunk`` every encoder is applied per chunk
+    with the per-chunk dropout keys Gradient Cache uses (the batch must divide), otherwise to the whole batch."""
+    def total(params, loss_params, batches, key):
+        reps = []
+        for enc, batch, k in zip(encoders, batches, jax.random.split(key, len(encoders))):
+            if chunk is None:
+                reps.append(enc(params, batch, k))
+                continue
+            n = batch["input_ids"].shape[0] // chunk
+            keys = jax.random.split(k, n)
+            reps.append(jnp.concatenate([enc(params, jax.tree_util.tree_map(lambda v: v[i * chunk:(i + 1) * chunk],
+                                                                             batch), keys[i]) for i in range(n)]))
+        return loss(loss_params, *reps)
+
+    return jax.jit(jax.value_and_grad(total, argnums=(0, 1)))
+
+
+def check_step(encoders, loss, params, batches, chunk, reference, key=None):
+    key = jax.random.key(7) if key is None else key
+    want_loss, want = reference(params, loss.init(), batches, key)
+    for build in (cached_value_and_grad, remat_value_and_grad):
+        got_loss, got = jax.jit(build(encoders, loss, chunk))(params, loss.init(), batches, key)
+        assert abs(float(got_loss - want_loss)) < 1e-5 * abs(float(want_loss))
+        assert rel_error(got, want) < 1e-5, build.__name__
+    return want
+
+
+def test_separate_encoders_hard_negatives_learnable_temperature_with_dropout():
+    """Separate towers, two hard negatives, learnable temperature, dropout on with the same per-chunk keys."""
+    config = EncoderConfig(**{**TINY.__dict__, "dropout": 0.2})
+    model = Encoder(config)
+    params = make_params(config, ("query", "passage"))
+    rng = np.random.default_rng(0)
+    batches = [make_batch(rng, 6), make_batch(rng, 18)]
+    encoders = [encoder_fn(model, "query"), encoder_fn(model, "passage")]
+    loss = ContrastiveLoss(n_hard_negatives=2, temperature=0.5, learn_temperature=True, similarity="cos")
+    reference = full_batch(encoders, loss, 3)
+    grads = check_step(encoders, loss, params, batches, chunk=3, reference=reference)
+    assert abs(float(grads[1]["log_temperature"])) > 1e-4
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree_util.tree_leaves(grads[0]))
+    other_key = reference(params, loss.init(), batches, jax.random.key(8))[1]
+    assert rel_error(other_key, grads) > 1e-3, "dropout must matter, or this test proves nothing about its keys"
+
+
+def test_tied_encoder_with_a_chunk_that_does_not_divide_the_batch():
+    """Tied towers; 10 queries / 20 passages in chunks of 4 are padded, the padding dropped before the loss."""
+    model = Encoder(TINY)
+    params = make_params(TINY, ("shared",))
+    rng = np.random.default_rng(1)
+    batches = [make_batch(rng, 10), make_batch(rng, 20)]
+    encoders = [encoder_fn(model, "shared")] * 2
+    loss = ContrastiveLoss(n_hard_negatives=1, temperature=0.1, symmetric=True)
+    check_step(encoders, loss, params, batches, chunk=4, reference=full_batch(encoders, loss, None))
+
+
+def test_tree_chunk_refuses_an_uneven_split_clearly():
+    tree = {"input_ids": jnp.zeros((10, 3)), "attention_mask": jnp.zeros((10, 3))}
+    with pytest.raises(DprGcError, match="cannot split a batch of 10 into 4 equal chunks"):
+        tree_chunk(tree, 4)
+    chunked = tree_chunk(tree, 5)
+    assert chunked["input_ids"].shape == (5, 2, 3)
+    assert tree_unchunk(chunked)["input_ids"].shape == (10, 3)
+    with pytest.raises(DprGcError, match="same size"):
+        tree_chunk({"a": jnp.zeros((4,)), "b": jnp.zeros((6,))}, 2)
+
+
+def test_original_api_two_pass_and_single_decorator():
+    """The original package's functions, used as its README/training code uses them, give jax.grad's result."""
+    model = Encoder(TINY)
+    params = make_params(TINY, ("shared",))["shared"]
+    rng = np.random.default_rng(2)
+    queries, passages = make_batch(rng, 8), make_batch(rng, 8)
+    loss = ContrastiveLoss(temperature=0.2)
+
+    def apply(params, input_ids, attention_mask):
+        return model.apply({"params": params}, input_ids, attention_mask)
+
+    @jax.jit
+    @jax.grad
+    def plain(params):
+        return loss({}, apply(params, **queries), apply(params, **passages))
+
+    want = plain(params)
+    q_chunks, p_chunks = tree_chunk(queries, 4), tree_chunk(passages, 4)
+
+    @jax.jit
+    def two_pass(params):
+        encode = chunk_encode(lambda **x: apply(params, **x))
+        q_reps, p_reps = encode(**q_chunks), encode(**p_chunks)
+        assert q_reps.shape == (4, 2, TINY.hidden_size)
+        mean_loss = unchunk_args(axis=0, argnums=(0, 1))(lambda x, y: loss({}, x, y))
+        q_grad, p_grad = jax.grad(mean_loss, argnums=(0, 1))(q_reps, p_reps)
+        accumulate = cache_grad(apply)
+        grads = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return accumulate(params, accumulate(params, grads, q_grad, **q_chunks), p_grad, **p_chunks)
+
+    fwd = grad_cached(lambda params, batch: apply(params, **batch))
+    remat = jax.jit(jax.grad(lambda params: loss({}, fwd(params, q_chunks), fwd(params, p_chunks))))(params)
+    assert rel_error(two_pass(params), want) < 1e-5
+    assert rel_error(remat, want) < 1e-5
+
+
+def test_cache_train_step_updates_like_sgd_on_the_full_batch():
+    optax = pytest.importorskip("optax")
+    from flax.training.train_state import TrainState
+
+    model = Encoder(TINY)
+    params = make_params(TINY, ("shared",))["shared"]
+    rng = np.random.default_rng(3)
+    queries, passages = make_batch(rng, 6), make_batch(rng, 6)
+    loss = ContrastiveLoss(temperature=0.2)
+    state = TrainState.create(apply_fn=lambda params, **x: model.apply({"params": params}, **x), params=params,
+                              tx=optax.sgd(1.0))
+
+    def per_query(xx, yy, axis):
+        return loss({}, xx, yy)[None].repeat(xx.shape[0])
+
+    step = jax.vmap(lambda s, ss, tt: cache_train_step(per_query, s, ss, tt, axis="device"), in_axes=(None, 0, 0),
+                    axis_name="device")
+    loss_value, new_state = jax.jit(step)(state, tree_chunk(tree_chunk(queries, 3), 1), tree_chunk(
+        tree_chunk(passages, 3), 1))
+    grads = jax.jit(jax.grad(lambda p: loss({}, state.apply_fn(p, **queries), state.apply_fn(p, **passages))))(params)
+    expected = jax.tree_util.tree_map(lambda p, g: p - g, params, grads)
+    assert rel_error(jax.tree_util.tree_map(lambda v: v[0], new_state.params), expected) < 1e-6
+
+
+def test_loss_is_fp32_under_bf16_and_blocks_match_dense():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(10, 8)), jnp.bfloat16)
+    y = jnp.asarray(rng.normal(size=(20, 8)), jnp.bfloat16)
+    loss = ContrastiveLoss(n_hard_negatives=1, temperature=0.05, learn_temperature=True)
+    value = loss(loss.init(), x, y)
+    assert value.dtype == jnp.float32
+    x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    scores = x64 @ y64.T / 0.05
+    m = scores.max(1, keepdims=True)
+    lse = (m + np.log(np.exp(scores - m).sum(1, keepdims=True)))[:, 0]
+    want = float(np.mean(lse - scores[np.arange(10), np.arange(10) * 2]))
+    assert abs(float(value) - want) < 1e-6 * want
+    targets = jnp.arange(10) * 2
+    dense = blocked_nll(x, y, 20.0, targets, block=0)
+    for block in (3, 5, 64):
+        assert float(jnp.abs(blocked_nll(x, y, 20.0, targets, block=block) - dense).max()) < 1e-4
+    grad = jax.grad(lambda lp: loss(lp, x, y))(loss.init())
+    assert grad["log_temperature"].dtype == jnp.float32
+    with pytest.raises(DprGcError, match="need 30 passages"):
+        ContrastiveLoss(n_hard_negatives=2)({}, x, y)
+
+
+def test_bf16_parameters_train_with_fp32_loss():
+    model = Encoder(TINY)
+    params = cast_params(make_params(TINY, ("shared",)), jnp.bfloat16)
+    rng = np.random.default_rng(5)
+    encoders = [encoder_fn(model, "shared")] * 2
+    loss = ContrastiveLoss(temperature=0.1)
+    value, (grads, _) = jax.jit(cached_value_and_grad(encoders, loss, 4))(
+        params, {}, [make_batch(rng, 8), make_batch(rng, 8)], jax.random.key(0))
+    assert value.dtype == jnp.float32 and bool(jnp.isfinite(value))
+    assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def _data_parallel_matches_one_device() -> None:
+    model = Encoder(TINY)
+    params = make_params(TINY, ("query", "passage"))
+    rng = np.random.default_rng(6)
+    batches = [make_batch(rng, 8), make_batch(rng, 16)]
+    encoders = [encoder_fn(model, "query", train=False), encoder_fn(model, "passage", train=False)]
+    kwargs = dict(n_hard_negatives=1, temperature=0.3, learn_temperature=True, symmetric=True)
+    single = ContrastiveLoss(**kwargs)
+    want_loss, want = jax.jit(cached_value_and_grad(encoders, single, 2))(params, single.init(), batches,
+                                                                           jax.random.key(0))
+    mesh = data_mesh(jax.devices()[:2])
+    spread = ContrastiveLoss(**kwargs, axis_name="data")
+    for remat in (False, True):
+        step = jax.jit(data_parallel_value_and_grad(encoders, spread, 2, mesh, remat=remat))
+        got_loss, got = step(params, spread.init(), batches, jax.random.key(0))
+        assert abs(float(got_loss - want_loss)) < 1e-5 * abs(float(want_loss))
+        assert rel_error(got, want) < 1e-5
+
+
+def test_data_parallel_on_two_devices_equals_the_global_batch():
+    if len(jax.devices()) >= 2:
+        _data_parallel_matches_one_device()
+        return
+    env = {**os.environ, "XLA_FLAGS": DEVICE_FLAG, "PYTHONPATH": str(REPO)}
+    code = ("import tests.test_jax as t, jax; assert len(jax.devices()) == 2; "
+            "jax.config.update('jax_disable_most_optimizations', True); t._data_parallel_matches_one_device()")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_compiled_memory_is_flat_in_the_batch():
+    """Temporary memory of the compiled Gradient Cache step at batch 1,024 is within 1.3x of batch 64 (chunk 16),
+    while the plain full-batch step's grows with the batch."""
+    length = 64
+    config = EncoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=128,
+                           max_positions=length, dropout=0.0)
+    model = Encoder(config)
+    params = make_params(config, ("shared",), length)
+    encoders = [encoder_fn(model, "shared")] * 2
+    loss = ContrastiveLoss(n_hard_negatives=1, temperature=0.05, similarity="cos", block=32)
+
+    def plain(params, loss_params, batches, key):
+        return jax.value_and_grad(lambda p: loss(loss_params, *[e(p, b, key) for e, b in zip(encoders, batches)]))(
+            params)
+
+    def temp_bytes(step, batch: int) -> int:
+        ones = jnp.ones((batch, length), jnp.int32)
+        batches = [{"input_ids": ones, "attention_mask": ones}, {"input_ids": ones.repeat(2, 0),
+                                                                  "attention_mask": ones.repeat(2, 0)}]
+        compiled = jax.jit(step).lower(params, {}, batches, jax.random.key(0)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    cached = cached_value_and_grad(encoders, loss, 16)
+    small, large = temp_bytes(cached, 64), temp_bytes(cached, 1024)
+    assert large <= 1.3 * small, (small, large)
+    plain_small, plain_large = temp_bytes(plain, 64), temp_bytes(plain, 1024)
+    assert plain_large > 8 * plain_small and plain_large > 20 * large, (plain_small, plain_large, large)
+
+
+def test_flax_encoder_loads_a_bert_checkpoint_and_matches_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tests.conftest import tiny_bert
+
+    bert = tiny_bert(VOCAB, seed=3).eval()
+    bert.save_pretrained(tmp_path)
+    config, params = load_bert(tmp_path, dropout=0.0)
+    assert config.num_layers == 2 and config.hidden_size == 32
+    rng = np.random.default_rng(7)
+    batch = make_batch(rng, 4, 12)
+    with torch.no_grad():
+        out = bert(input_ids=torch.as_tensor(np.asarray(batch["input_ids"])).long(),
+                   attention_mask=torch.as_tensor(np.asarray(batch["attention_mask"])).long()).last_hidden_state
+    mask = np.asarray(batch["attention_mask"], np.float32)[:, :, None]
+    want = (out.numpy() * mask).sum(1) / mask.sum(1)
+    got = Encoder(config).apply({"params": params}, batch["input_ids"], batch["attention_mask"])
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(DprGcError, match="only BERT"):
+        load_bert(tmp_path)
+
+
+def test_importing_dpr_gc_does_not_import_jax():
+    code = "import sys, dpr_gc, dpr_gc.cli, dpr_gc.train; assert 'jax' not in sys.modules, 'jax imported'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
