@@ -311,3 +311,28 @@ def test_importing_dpr_gc_does_not_import_jax():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_example_training_lowers_the_loss(tiny_tokenizer):
+    """The example's training loop (Gradient Cache, AdamW, dropout keys) on one repeated batch of 8 questions."""
+    from dpr_gc.jax.example import ExampleConfig, train
+
+    words = ["city", "river", "king", "war", "protein", "cell", "gene", "music"]
+    questions = [f"what is the {w}" for w in words]
+    groups = [[f"the {w} is {w}", f"a film about {other}"] for w, other in zip(words, reversed(words))]
+    config = ExampleConfig(train_queries=8, batch_size=8, chunk_size=3, hard_negatives=1, epochs=4,
+                           learning_rate=3e-3, temperature=0.1, dropout=0.0, query_max_length=8,
+                           passage_max_length=8)
+    model = Encoder(EncoderConfig(**{**TINY.__dict__, "vocab_size": len(tiny_tokenizer)}))
+    params = make_params(model.config, ("x",))["x"]
+    trained, losses = train(model, params, tiny_tokenizer, questions, groups, config)
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.05, losses
+    assert rel_error(trained, params) > 1e-3
+
+
+def test_example_refuses_bad_flags_with_a_one_line_error(capsys):
+    from dpr_gc.jax.example import main
+
+    assert main(["--train-queries", "10", "--batch-size", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --train-queries 10 must be at least --batch-size 64") and "\n" not in err

@@ -1,0 +1,99 @@
+"""Benchmark: XLA's memory plan of one JAX contrastive step against the batch size (dpr_gc.jax).
+
+Compiles, without running, three steps for each batch size and reads ``compiled.memory_analysis()``:
+
+* ``plain``: ``jax.value_and_grad`` of the loss over the whole batch (the baseline, measured in the same run);
+* ``gradcache``: :func:`dpr_gc.jax.cached_value_and_grad` (no-gradient pass, cached representation gradients,
+  per-chunk VJP replay);
+* ``remat``: :func:`dpr_gc.jax.remat_value_and_grad` (the single-decorator form, ``jax.checkpoint`` per chunk).
+
+Model: the all-MiniLM-L6-v2 architecture (6 layers, hidden 384, random weights: the plan depends on shapes only),
+mean pooling, tied towers, dropout on, fp32; queries 32 tokens, one hard negative per query, passages 128 tokens;
+cosine scores at temperature 0.05. ``temp`` is XLA's temporary buffer size (activations, gradients, workspace);
+arguments (parameters, token ids) are the same for all methods. Full XLA optimisation, CPU backend.
+
+    python benchmarks/bench_jax_memory.py --batches 64,256,1024,4096 --chunk 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dpr_gc.files import write_json  # noqa: E402
+from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, cached_value_and_grad, encoder_fn,  # noqa: E402
+                        remat_value_and_grad)
+
+MINILM = EncoderConfig(vocab_size=30522, hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536,
+                       max_positions=512, dropout=0.1)
+
+
+def build_steps(model: Encoder, loss: ContrastiveLoss, chunk: int) -> dict:
+    encode = encoder_fn(model)
+
+    def plain(params, loss_params, batches, key):
+        keys = jax.random.split(key, 2)
+        return jax.value_and_grad(lambda p: loss(loss_params, encode(p, batches[0], keys[0]),
+                                                 encode(p, batches[1], keys[1])))(params)
+
+    return {"plain": plain, "gradcache": cached_value_and_grad([encode, encode], loss, chunk),
+            "remat": remat_value_and_grad([encode, encode], loss, chunk)}
+
+
+def plan(step, params, batch: int, query_length: int, passage_length: int, group: int) -> dict:
+    def tokens(n: int, length: int) -> dict:
+        ids = jax.ShapeDtypeStruct((n, length), jnp.int32)
+        return {"input_ids": ids, "attention_mask": ids}
+
+    started = time.perf_counter()
+    compiled = jax.jit(step).lower(params, {}, [tokens(batch, query_length), tokens(batch * group, passage_length)],
+                                   jax.random.key(0)).compile()
+    stats = compiled.memory_analysis()
+    return {"temp_bytes": int(stats.temp_size_in_bytes), "argument_bytes": int(stats.argument_size_in_bytes),
+            "output_bytes": int(stats.output_size_in_bytes), "compile_seconds": round(time.perf_counter() - started, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="64,256,1024,4096", help="comma-separated batch sizes (queries)")
+    parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument("--hard-negatives", type=int, default=1)
+    parser.add_argument("--query-length", type=int, default=32)
+    parser.add_argument("--passage-length", type=int, default=128)
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "jax_memory.json"))
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    model = Encoder(MINILM)
+    ones = jnp.ones((1, 8), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), ones, ones)["params"]
+    loss = ContrastiveLoss(n_hard_negatives=args.hard_negatives, temperature=0.05, similarity="cos")
+    rows = []
+    for name, step in build_steps(model, loss, args.chunk).items():
+        for batch in batches:
+            row = {"method": name, "batch": batch, "chunk": args.chunk,
+                   **plan(step, params, batch, args.query_length, args.passage_length, 1 + args.hard_negatives)}
+            rows.append(row)
+            print(f"{name:10s} batch {batch:5d}: temp {row['temp_bytes'] / 2**20:10.1f} MiB "
+                  f"(compiled in {row['compile_seconds']} s)", flush=True)
+    base = {r["method"]: r["temp_bytes"] for r in rows if r["batch"] == batches[0]}
+    for r in rows:
+        r["temp_vs_smallest_batch"] = round(r["temp_bytes"] / base[r["method"]], 3)
+    write_json(args.output, {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+                             "backend": jax.default_backend(), "machine": platform.machine(),
+                             "settings": vars(args), "model": MINILM.__dict__, "results": rows})
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Train a retriever with JAX Gradient Cache on the built-in stdlib dataset, and measure it before and after.
+
+``python -m dpr_gc.jax.example --output runs/jax-example`` builds (or reuses) the stdlib retrieval task
+(:mod:`dpr_gc.stdlib_data`), tokenises it with the offline all-MiniLM-L6-v2 tokenizer, starts the Flax encoder from
+the offline MiniLM weights (``--init minilm``) or from random weights (``--init random``), evaluates top-k answer
+accuracy on the held-out questions with the toolkit's :func:`dpr_gc.evaluate.evaluate_answers`, trains with
+:func:`dpr_gc.jax.cached_value_and_grad` (batch several times the chunk, hard negatives, dropout with per-chunk
+keys, AdamW from optax) logging the loss of every step, evaluates again, and writes ``report.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from ..cli import report_errors
+from ..errors import DprGcError
+from ..files import read_json, write_json
+from .grad_cache import cached_value_and_grad
+from .loss import ContrastiveLoss
+from .model import Encoder, EncoderConfig, cast_params, encoder_fn, load_bert
+
+logger = logging.getLogger(__name__)
+
+KS = (1, 5, 20, 100)
+RANDOM_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)
+
+
+@dataclasses.dataclass
+class ExampleConfig:
+    """Defaults: the demo's setting (1,024 training questions, batch 64 in chunks of 16) plus one hard negative."""
+
+    output_dir: str = "runs/jax-example"
+    init: str = "minilm"
+    max_examples: Optional[int] = None
+    train_queries: int = 1024
+    batch_size: int = 64
+    chunk_size: int = 16
+    hard_negatives: int = 1
+    epochs: int = 1
+    learning_rate: float = 5e-5
+    temperature: float = 0.05
+    dropout: float = 0.1
+    query_max_length: int = 48
+    passage_max_length: int = 128
+    precision: str = "fp32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.init not in ("minilm", "random"):
+            raise DprGcError(f"--init must be 'minilm' or 'random', got {self.init!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise DprGcError(f"--precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if self.batch_size < 1 or self.chunk_size < 1 or self.train_queries < self.batch_size:
+            raise DprGcError(f"--train-queries {self.train_queries} must be at least --batch-size {self.batch_size} "
+                             "and both, like --chunk-size, positive")
+
+
+def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None) -> dict:
+    """Token ids and attention mask as int32 arrays, padded to ``pad_to`` (fixed shapes compile once) or to the
+    longest text rounded up to a multiple of 16 (few distinct shapes when encoding)."""
+    enc = tokenizer(list(texts), max_length=max_length, truncation=True, padding=False)
+    longest = max(len(ids) for ids in enc["input_ids"])
+    width = pad_to or min(max_length, -(-longest // 16) * 16)
+    ids = np.full((len(texts), width), tokenizer.pad_token_id or 0, np.int32)
+    mask = np.zeros((len(texts), width), np.int32)
+    for i, row in enumerate(enc["input_ids"]):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def passage_text(ctx: dict) -> str:
+    """``title + " " + text``, the sentence-transformers format all-MiniLM-L6-v2 was trained with."""
+    title, text = ctx.get("title") or "", ctx.get("text") or ""
+    return f"{title} {text}" if title else text
+
+
+def training_examples(path: Path, limit: int, hard_negatives: int) -> tuple[list[str], list[list[str]]]:
+    """Questions and their passage groups (positive first, then ``hard_negatives`` hard negatives)."""
+    questions, groups = [], []
+    for record in read_json(path):
+        negatives = record.get("hard_negative_ctxs") or []
+        if not record.get("positive_ctxs") or len(negatives) < hard_negatives:
+            continue
+        questions.append(record["question"])
+        groups.append([passage_text(c) for c in [record["positive_ctxs"][0]] + negatives[:hard_negatives]])
+        if len(questions) == limit:
+            break
+    if len(questions) < limit:
+        raise DprGcError(f"{path}: only {len(questions)} questions have a positive and {hard_negatives} hard "
+                         f"negatives; lower --train-queries or --hard-negatives")
+    return questions, groups
+
+
+def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[str], max_length: int,
+                 batch_size: int = 64, desc: str = "encoding") -> np.ndarray:
+    """Normalised fp32 representations, encoded in length-sorted batches by a jitted forward pass."""
+    apply = jax.jit(lambda p, ids, mask: model.apply({"params": p}, ids, mask))
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    out = np.zeros((len(texts), model.config.hidden_size), np.float32)
+    for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=None):
+        rows = order[start:start + batch_size]
+        batch = tokenize(tokenizer, [texts[i] for i in rows], max_length)
+        out[rows] = np.asarray(apply(params, batch["input_ids"], batch["attention_mask"]), np.float32)
+    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+
+
+def evaluate_model(model: Encoder, params: Any, tokenizer: Any, corpus: list[tuple[str, str, str]],
+                   questions: list[dict], config: ExampleConfig) -> dict[str, float]:
+    """Exact top-100 retrieval over the corpus, scored by the toolkit's top-k answer accuracy."""
+    from ..evaluate import evaluate_answers
+
+    texts = [passage_text({"title": title, "text": text}) for _, title, text in corpus]
+    passages = encode_texts(model, params, tokenizer, texts, config.passage_max_length, desc="encoding passages")
+    queries = encode_texts(model, params, tokenizer, [q["question"] for q in questions], config.query_max_length,
+                           desc="encoding questions")
+    scores = queries @ passages.T
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :max(KS)]
+    results = [{"question": q["question"], "answers": q["answers"],
+                "ctxs": [{"id": corpus[j][0], "title": corpus[j][1], "text": corpus[j][2], "score": float(s[j])}
+                         for j in row]} for q, row, s in zip(questions, top, scores)]
+    return evaluate_answers(results, KS, "string", source="JAX example retrieval")
+
+
+def initial_params(config: ExampleConfig, model_path: str, vocab_size: int) -> tuple[Encoder, Any]:
+    if config.init == "minilm":
+        enc_config, params = load_bert(model_path, dropout=config.dropout)
+    else:
+        enc_config = EncoderConfig(vocab_size=vocab_size, max_positions=max(config.query_max_length,
+                                                                            config.passage_max_length),
+                                   dropout=config.dropout, **RANDOM_MODEL)
+        ones = jnp.ones((1, 8), jnp.int32)
+        params = jax.jit(Encoder(enc_config).init)(jax.random.key(config.seed), ones, ones)["params"]
+    if config.precision == "bf16":
+        params = cast_params(params, jnp.bfloat16)
+    return Encoder(enc_config), params
+
+
+def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], groups: list[list[str]],
+          config: ExampleConfig) -> tuple[Any, list[float]]:
+    """Gradient Cache training (tied encoder); returns the trained parameters and the loss of every step."""
+    loss = ContrastiveLoss(n_hard_negatives=config.hard_negatives, temperature=config.temperature, similarity="cos")
+    steps_per_epoch = len(questions) // config.batch_size
+    total = steps_per_epoch * config.epochs
+    schedule = optax.linear_schedule(config.learning_rate, 0.0, total)
+    optimizer = optax.adamw(schedule, weight_decay=0.01)
+    encode = encoder_fn(model, train=config.dropout > 0)
+    value_and_grad = cached_value_and_grad([encode, encode], loss, config.chunk_size)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, batches: list, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        value, (grads, _) = value_and_grad(params, {}, batches, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    q_tok = tokenize(tokenizer, questions, config.query_max_length, pad_to=config.query_max_length)
+    p_tok = tokenize(tokenizer, [p for g in groups for p in g], config.passage_max_length,
+                     pad_to=config.passage_max_length)
+    group = 1 + config.hard_negatives
+    opt_state, losses = optimizer.init(params), []
+    rng, key = np.random.default_rng(config.seed), jax.random.key(config.seed)
+    for epoch in range(config.epochs):
+        order = rng.permutation(len(questions))
+        for i in tqdm(range(steps_per_epoch), desc=f"training epoch {epoch + 1}", disable=None):
+            rows = order[i * config.batch_size:(i + 1) * config.batch_size]
+            p_rows = (rows[:, None] * group + np.arange(group)[None]).reshape(-1)
+            batches = [{k: v[rows] for k, v in q_tok.items()}, {k: v[p_rows] for k, v in p_tok.items()}]
+            params, opt_state, value = step(params, opt_state, batches, jax.random.fold_in(key, len(losses)))
+            losses.append(float(value))
+            logger.info("step %d/%d loss %.4f", len(losses), total, losses[-1])
+    return params, losses
+
+
+def run_example(config: ExampleConfig) -> dict:
+    """Build the data, measure, train, measure again; returns (and writes) the report."""
+    from transformers import AutoTokenizer
+
+    from ..corpus import iter_passages, read_queries
+    from ..model import default_model_path
+    from ..stdlib_data import build_stdlib_dataset
+
+    started = time.perf_counter()
+    out = Path(config.output_dir)
+    manifest = build_stdlib_dataset(out / "data", max_examples=config.max_examples, seed=config.seed)
+    files = {k: out / "data" / v for k, v in manifest["files"].items()}
+    model_path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model, params = initial_params(config, model_path, len(tokenizer))
+    corpus = list(iter_passages(files["corpus"]))
+    test_questions = read_queries(files["test_qa"])
+    before = evaluate_model(model, params, tokenizer, corpus, test_questions, config)
+    logger.info("before training: %s", before)
+    questions, groups = training_examples(files["dpr_train"], config.train_queries, config.hard_negatives)
+    train_started = time.perf_counter()
+    params, losses = train(model, params, tokenizer, questions, groups, config)
+    train_seconds = time.perf_counter() - train_started
+    after = evaluate_model(model, params, tokenizer, corpus, test_questions, config)
+    logger.info("after training: %s", after)
+    report = {"config": dataclasses.asdict(config), "dataset": manifest["counts"], "backend": jax.default_backend(),
+              "devices": len(jax.devices()), "jax_version": jax.__version__, "before": before, "after": after,
+              "training_loss": losses, "train_seconds": round(train_seconds, 1),
+              "seconds": round(time.perf_counter() - started, 1)}
+    write_json(out / "report.json", report)
+    return report
+
+
+def format_report(report: dict) -> str:
+    losses = report["training_loss"]
+    lines = [f"training loss: first step {losses[0]:.4f}, last step {losses[-1]:.4f} ({len(losses)} steps, "
+             f"{report['train_seconds']:.0f} s)", "| metric (held-out test) | before training | after training |",
+             "|---|---|---|"]
+    lines += [f"| {k} | {report['before'][k]:.4f} | {report['after'][k]:.4f} |" for k in report["before"]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> ExampleConfig:
+    defaults = ExampleConfig()
+    p = argparse.ArgumentParser(prog="python -m dpr_gc.jax.example", description=__doc__.split("\n")[0])
+    p.add_argument("--output", default=defaults.output_dir, help="output folder (the dataset is reused)")
+    p.add_argument("--init", default=defaults.init, choices=["minilm", "random"],
+                   help="start from the offline MiniLM weights or from a random 4-layer encoder")
+    p.add_argument("--max-examples", type=int, default=None, help="subsample the dataset (a quicker, rougher run)")
+    for name in ("train_queries", "batch_size", "chunk_size", "hard_negatives", "epochs", "query_max_length",
+                 "passage_max_length", "seed"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    for name in ("learning_rate", "temperature", "dropout"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    p.add_argument("--precision", default=defaults.precision, choices=["fp32", "bf16"])
+    args = p.parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(ExampleConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    return ExampleConfig(output_dir=args.output, **values)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+    def run() -> None:
+        print(format_report(run_example(parse_args(argv))))
+
+    return report_errors(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
