@@ -67,14 +67,17 @@ class ExampleConfig:
                              "and both, like --chunk-size, positive")
 
 
-def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None) -> dict:
+def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None,
+             rows: Optional[int] = None) -> dict:
     """Token ids and attention mask as int32 arrays, padded to ``pad_to`` (fixed shapes compile once) or to the
-    longest text rounded up to a multiple of 16 (few distinct shapes when encoding)."""
+    longest text rounded up to a multiple of 32 (few distinct shapes when encoding), and with empty rows up to
+    ``rows``."""
     enc = tokenizer(list(texts), max_length=max_length, truncation=True, padding=False)
     longest = max(len(ids) for ids in enc["input_ids"])
-    width = pad_to or min(max_length, -(-longest // 16) * 16)
-    ids = np.full((len(texts), width), tokenizer.pad_token_id or 0, np.int32)
-    mask = np.zeros((len(texts), width), np.int32)
+    width = pad_to or min(max_length, -(-longest // 32) * 32)
+    shape = (max(rows or 0, len(texts)), width)
+    ids = np.full(shape, tokenizer.pad_token_id or 0, np.int32)
+    mask = np.zeros(shape, np.int32)
     for i, row in enumerate(enc["input_ids"]):
         ids[i, :len(row)], mask[i, :len(row)] = row, 1
     return {"input_ids": ids, "attention_mask": mask}
@@ -111,8 +114,9 @@ def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[st
     out = np.zeros((len(texts), model.config.hidden_size), np.float32)
     for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=None):
         rows = order[start:start + batch_size]
-        batch = tokenize(tokenizer, [texts[i] for i in rows], max_length)
-        out[rows] = np.asarray(apply(params, batch["input_ids"], batch["attention_mask"]), np.float32)
+        batch = tokenize(tokenizer, [texts[i] for i in rows], max_length, rows=batch_size)
+        reps = apply(params, batch["input_ids"], batch["attention_mask"])
+        out[rows] = np.asarray(reps, np.float32)[:len(rows)]
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
 
