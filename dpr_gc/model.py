@@ -1,33 +1,28 @@
 """Query and passage encoders: any Hugging Face model, one shared tower or two, pooled into one vector each.
 
 A :class:`Retriever` bundles the two encoders, the tokenizer and a :class:`RetrieverConfig` (pooling,
-normalisation, projection, temperature, max lengths). It saves in Hugging Face format -- ``query_encoder/``,
-``passage_encoder/`` (only when the towers are separate), ``tokenizer/`` and ``retriever_config.json`` -- so a trained
-retriever loads back with :meth:`Retriever.load` here, and with ``AutoModel.from_pretrained`` elsewhere.
+normalisation, projection, temperature, max lengths, prefixes). A saved retriever is a sentence-transformers model
+folder (and, with one shared tower, a transformers model folder) -- see :mod:`dpr_gc.model_io` -- so it loads back
+with :meth:`Retriever.load` here and with ``SentenceTransformer(folder)`` or ``AutoModel.from_pretrained`` elsewhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from .errors import DprGcError
-from .files import atomic_open, atomic_path, read_tensors
 from .loss import TEMPERATURE_RANGE, Temperature
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "retriever_config.json"
-HEADS_NAME = "heads.safetensors"
 POOLINGS = ("cls", "mean", "pooler")
 PASSAGE_FORMATS = ("pair", "concat")
 
@@ -122,6 +117,8 @@ class Retriever(nn.Module):
         self.query_encoder = Encoder(query_model, config)
         self.passage_encoder = self.query_encoder if passage_model is None else Encoder(passage_model, config)
         self.tau = Temperature(config.temperature, config.learn_temperature)
+        # What the model card says about how this retriever was made (base model, data, batch, steps, dev metrics).
+        self.training_info: dict[str, Any] = {}
 
     @property
     def temperature(self) -> torch.Tensor:
@@ -158,64 +155,28 @@ class Retriever(nn.Module):
 
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> None:
-        """Write the retriever in Hugging Face format (see module docstring)."""
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        self.query_encoder.transformer.save_pretrained(out / "query_encoder")
-        if self.passage_encoder is not self.query_encoder:
-            self.passage_encoder.transformer.save_pretrained(out / "passage_encoder")
-        self.tokenizer.save_pretrained(out / "tokenizer")
-        heads = {"temperature.log_value": self.tau.log_value.detach().cpu().clone()}
-        for name, enc in (("query", self.query_encoder), ("passage", self.passage_encoder)):
-            if enc.projection is not None:
-                heads[f"{name}_projection.weight"] = enc.projection.weight.detach().cpu().clone()
-                heads[f"{name}_projection.bias"] = enc.projection.bias.detach().cpu().clone()
-        with atomic_path(out / HEADS_NAME) as tmp:
-            save_file(heads, str(tmp))
-        config = dataclasses.asdict(self.config)
-        lo, hi = TEMPERATURE_RANGE
-        config["temperature"] = min(max(float(self.temperature.detach()), lo), hi)  # float32 rounding may cross a bound
-        config["shared_encoder"] = self.passage_encoder is self.query_encoder
-        with atomic_open(out / CONFIG_NAME) as f:
-            json.dump(config, f, indent=2)
+        """Write a folder that dpr-gc, sentence-transformers and (shared tower) transformers load as it is, with a
+        model card from :attr:`training_info` (see :mod:`dpr_gc.model_io`)."""
+        from .model_io import save_retriever
+
+        save_retriever(self, path)
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "Retriever":
-        """Load a retriever saved by :meth:`save`, or build one from any plain Hugging Face model folder or name."""
-        p = Path(path)
-        if (p / CONFIG_NAME).is_file():
-            config = RetrieverConfig.from_dict(json.loads((p / CONFIG_NAME).read_text()))
-            q_model = _load_transformer(p / "query_encoder")
-            p_model = None if config.shared_encoder else _load_transformer(p / "passage_encoder")
-            tokenizer = _load_tokenizer(p / "tokenizer")
-            retriever = cls(q_model, p_model, tokenizer, config)
-            retriever.load_heads(p)
-            return retriever.to(device)
-        return cls.from_pretrained(str(path), sentence_transformers_config(p) or RetrieverConfig()).to(device)
+        """Load a saved retriever (this or an earlier format), a sentence-transformers folder (its own recipe and
+        prompts), a folder holding an official DPR question/context encoder pair, or any Hugging Face model."""
+        from .model_io import load_retriever
 
-    def load_heads(self, folder: Path) -> None:
-        """Projection weights and the raw temperature parameter from ``heads.safetensors``; a folder saved before
-        that file existed has ``projection.pt`` (plain tensors) and only the clamped temperature in its JSON."""
-        legacy = folder / "projection.pt"
-        if not (folder / HEADS_NAME).is_file() and not legacy.is_file():
-            return
-        heads = read_tensors(folder / HEADS_NAME if (folder / HEADS_NAME).is_file() else legacy)
-        try:
-            for name, enc in (("query", self.query_encoder), ("passage", self.passage_encoder)):
-                if enc.projection is not None:
-                    enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
-                    enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
-            if "temperature.log_value" in heads:
-                self.tau.log_value.data.copy_(heads["temperature.log_value"])
-        except (KeyError, RuntimeError) as e:
-            raise DprGcError(f"{folder}: its heads do not fit {CONFIG_NAME} ({e}); save the retriever again") from None
+        return load_retriever(cls, RetrieverConfig, Path(path)).to(device)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: RetrieverConfig) -> "Retriever":
         """Start a retriever from a Hugging Face model name or folder (copied twice when the towers are separate)."""
-        q_model = _load_transformer(name_or_path)
-        p_model = None if config.shared_encoder else _load_transformer(name_or_path)
-        return cls(q_model, p_model, _load_tokenizer(name_or_path), config)
+        q_model = load_transformer(name_or_path)
+        p_model = None if config.shared_encoder else load_transformer(name_or_path)
+        retriever = cls(q_model, p_model, load_tokenizer(name_or_path), config)
+        retriever.training_info["base_model"] = str(name_or_path)
+        return retriever
 
     # ----------------------------------------------------------------- inference
     @torch.inference_mode()
@@ -253,30 +214,7 @@ class Retriever(nn.Module):
         return proj.out_features if proj is not None else self.query_encoder.transformer.config.hidden_size
 
 
-def sentence_transformers_config(folder: Path) -> Optional[RetrieverConfig]:
-    """The recipe a sentence-transformers folder declares (pooling, normalisation, max length), or None.
-
-    So that ``Retriever.load(<all-MiniLM-L6-v2 folder>)`` encodes as sentence-transformers does: mean pooling, L2
-    normalisation, ``title + " " + text``.
-    """
-    modules_file = folder / "modules.json"
-    if not modules_file.is_file():
-        return None
-    modules = json.loads(modules_file.read_text())
-    pooling = "cls"
-    for module in modules:
-        config_file = folder / module.get("path", "") / "config.json"
-        if module.get("type", "").endswith("models.Pooling") and config_file.is_file():
-            pooling = "mean" if json.loads(config_file.read_text()).get("pooling_mode_mean_tokens") else "cls"
-    normalize = any(m.get("type", "").endswith("models.Normalize") for m in modules)
-    max_length = 256
-    if (folder / "sentence_bert_config.json").is_file():
-        max_length = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length", 256)
-    return RetrieverConfig(pooling=pooling, normalize=normalize, passage_format="concat",
-                           passage_max_length=max_length, query_max_length=min(64, max_length))
-
-
-def _load_transformer(name_or_path: str | Path) -> nn.Module:
+def load_transformer(name_or_path: str | Path) -> nn.Module:
     import pickle
 
     from transformers import AutoModel
@@ -292,7 +230,7 @@ def _load_transformer(name_or_path: str | Path) -> nn.Module:
                          "(give a local folder or a Hugging Face model name reachable from this machine)") from None
 
 
-def _load_tokenizer(name_or_path: str | Path) -> Any:
+def load_tokenizer(name_or_path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     try:

@@ -1,0 +1,411 @@
+"""Saved retrievers on disk: one folder that dpr-gc, sentence-transformers and transformers all load as it is.
+
+Format 2 (written by :func:`save_retriever`), one shared tower::
+
+    config.json, model.safetensors, tokenizer files   the transformer and its tokenizer (AutoModel / AutoTokenizer)
+    modules.json, sentence_bert_config.json           sentence-transformers' pipeline: Transformer -> Pooling
+    1_Pooling/, 2_Dense/, ...                         -> [Dense(tanh): BERT's pooler] -> [Dense: projection]
+    config_sentence_transformers.json                 -> [Normalize]; prompts "query"/"document" = the prefixes
+    retriever_config.json                             dpr-gc's RetrieverConfig, temperature and format_version
+    README.md                                         the model card
+
+Separate towers: the same pipeline per tower inside a sentence-transformers ``Router`` (``query_N_*`` and
+``document_N_*`` folders, ``router_config.json``), so ``encode_query`` / ``encode_document`` use the right tower.
+Query and passage max lengths are the Transformer's ``query_length`` / ``document_length``. Weights are
+safetensors only.
+
+Also read: format 1 (``query_encoder/``, ``passage_encoder/``, ``tokenizer/``, ``projection.pt``), any
+sentence-transformers folder, an official DPR ``DPRQuestionEncoder`` / ``DPRContextEncoder`` pair, and any Hugging
+Face model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .errors import DprGcError
+from .files import atomic_open
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "retriever_config.json"
+FORMAT_VERSION = 2
+ST_PACKAGE = "sentence_transformers"
+ST_TYPES = {"Transformer": "sentence_transformers.base.modules.transformer.Transformer",
+            "Pooling": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+            "Dense": "sentence_transformers.base.modules.dense.Dense",
+            "Normalize": "sentence_transformers.base.modules.normalize.Normalize",
+            "Router": "sentence_transformers.base.modules.router.Router"}
+IDENTITY, TANH = "torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh"
+ROUTES = {"query": "query", "passage": "document"}
+DPR_ARCHITECTURES = {"DPRQuestionEncoder": "question", "DPRContextEncoder": "context"}
+
+
+def write_json(path: Path, data: Any) -> None:
+    with atomic_open(path) as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DprGcError(f"cannot read {path}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------------- writing
+def save_retriever(retriever: Any, path: str | Path) -> None:
+    """Write ``retriever`` as a format-2 folder (see the module docstring) with its model card."""
+    from .model_card import write_model_card
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = retriever.config
+    shared = retriever.passage_encoder is retriever.query_encoder
+    if shared:
+        modules = _write_tower(out, "", retriever.query_encoder, retriever.tokenizer, config.passage_max_length)
+        write_json(out / "modules.json", [{"idx": i, "name": str(i), "path": folder, "type": ST_TYPES[kind]}
+                                          for i, (folder, kind) in enumerate(modules)])
+    else:
+        routes = {}
+        for kind, encoder in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
+            limit = config.query_max_length if kind == "query" else config.passage_max_length
+            routes[ROUTES[kind]] = _write_tower(out, ROUTES[kind], encoder, retriever.tokenizer, limit)
+        write_json(out / "router_config.json", {
+            "types": {folder: ST_TYPES[kind] for modules in routes.values() for folder, kind in modules},
+            "structure": {route: [folder for folder, _ in modules] for route, modules in routes.items()},
+            "parameters": {"default_route": "document", "allow_empty_key": True, "route_mappings": {}}})
+        write_json(out / "modules.json", [{"idx": 0, "name": "0", "path": "", "type": ST_TYPES["Router"]}])
+    write_json(out / "config_sentence_transformers.json", sentence_transformers_settings(config))
+    saved = dataclasses.asdict(config)
+    saved.update(format_version=FORMAT_VERSION, shared_encoder=shared,
+                 temperature=float(retriever.temperature.detach()))
+    write_json(out / CONFIG_NAME, saved)
+    write_model_card(out, retriever)
+
+
+def sentence_transformers_settings(config: Any) -> dict:
+    """``config_sentence_transformers.json``: prefixes as the "query"/"document" prompts, the similarity."""
+    import transformers
+
+    return {"__version__": {"sentence_transformers": _st_version(), "transformers": transformers.__version__,
+                            "pytorch": torch.__version__},
+            "model_type": "SentenceTransformer",
+            "prompts": {"query": config.query_prefix, "document": config.passage_prefix},
+            "default_prompt_name": None,
+            "similarity_fn_name": "cosine" if config.normalize else "dot"}
+
+
+def _st_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("sentence-transformers")
+    except Exception:  # noqa: BLE001 - the version is informative only
+        return None
+
+
+def _write_tower(out: Path, route: str, encoder: Any, tokenizer: Any, max_length: int) -> list[tuple[str, str]]:
+    """Write one tower's sentence-transformers modules; returns ``(folder, module kind)`` in pipeline order."""
+    config = encoder.config
+    names = ["Transformer", "Pooling"]
+    if config.pooling == "pooler":
+        names.append("Dense")
+    if encoder.projection is not None:
+        names.append("Dense")
+    if config.normalize:
+        names.append("Normalize")
+    folders = [f"{route}_{i}_{name}" if route else ("" if i == 0 else f"{i}_{name}") for i, name in enumerate(names)]
+    _write_transformer(out / folders[0], encoder.transformer, tokenizer, config, max_length)
+    hidden = encoder.transformer.config.hidden_size
+    mode = "mean" if config.pooling == "mean" else "cls"
+    (out / folders[1]).mkdir(parents=True, exist_ok=True)
+    write_json(out / folders[1] / "config.json",
+               {"embedding_dimension": hidden, "pooling_mode": mode, "include_prompt": True})
+    dense = [m for m in (encoder.transformer.pooler.dense if config.pooling == "pooler" else None,
+                         encoder.projection) if m is not None]
+    for folder, linear in zip(folders[2:2 + len(dense)], dense):
+        activation = TANH if linear is not encoder.projection else IDENTITY
+        _write_dense(out / folder, linear, activation)
+    if config.normalize:
+        (out / folders[-1]).mkdir(parents=True, exist_ok=True)
+        write_json(out / folders[-1] / "config.json", {})
+    return list(zip(folders, names))
+
+
+def _write_transformer(folder: Path, model: nn.Module, tokenizer: Any, config: Any, max_length: int) -> None:
+    """The Hugging Face model and tokenizer (``model_max_length`` = this tower's plain-``encode`` length)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    settings_file = folder / "tokenizer_config.json"
+    settings = read_json(settings_file) if settings_file.is_file() else {}
+    settings["model_max_length"] = max_length
+    write_json(settings_file, settings)
+    write_json(folder / "sentence_bert_config.json", {
+        "transformer_task": "feature-extraction",
+        "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+        "module_output_name": "token_embeddings",
+        "query_length": config.query_max_length, "document_length": config.passage_max_length})
+
+
+def _write_dense(folder: Path, linear: nn.Linear, activation: str) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "config.json", {"in_features": linear.in_features, "out_features": linear.out_features,
+                                        "bias": linear.bias is not None, "activation_function": activation,
+                                        "module_input_name": "sentence_embedding",
+                                        "module_output_name": "sentence_embedding"})
+    tensors = {"linear.weight": linear.weight.detach().cpu().contiguous()}
+    if linear.bias is not None:
+        tensors["linear.bias"] = linear.bias.detach().cpu().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------------- reading
+@dataclasses.dataclass
+class Tower:
+    """One sentence-transformers route: where its transformer is and what follows it."""
+
+    transformer: Path
+    pooling: str = "cls"
+    dense: list = dataclasses.field(default_factory=list)  # (folder, activation) in order
+    normalize: bool = False
+    query_length: Optional[int] = None
+    document_length: Optional[int] = None
+    max_seq_length: Optional[int] = None
+
+
+def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
+    """The towers a sentence-transformers folder declares: ``{"query": .., "document": ..}`` (the same object
+    for a shared tower), or None when ``folder`` has no ``modules.json``."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = [(folder / m.get("path", ""), str(m.get("type", ""))) for m in read_json(modules_file)]
+    router = [path for path, kind in modules if _kind(kind) in ("Router", "Asym")]
+    if not router:
+        tower = _read_tower(modules_file, modules)
+        return {"query": tower, "document": tower}
+    tail = [(path, kind) for path, kind in modules if _kind(kind) not in ("Router", "Asym")]
+    config_file = router[0] / "router_config.json"
+    if not config_file.is_file():
+        config_file = router[0] / "config.json"
+    config = read_json(config_file)
+    structure, types = config.get("structure", {}), config.get("types", {})
+    towers = {}
+    for route in ROUTES.values():
+        if route not in structure:
+            raise DprGcError(f"{config_file}: no {route!r} route; dpr-gc reads query/document routers")
+        route_modules = [(router[0] / name, types.get(name, "")) for name in structure[route]]
+        towers[route] = _read_tower(config_file, route_modules + tail)
+    return towers
+
+
+def _kind(type_name: str) -> str:
+    return type_name.rsplit(".", 1)[-1]
+
+
+def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
+    if not modules or _kind(modules[0][1]) != "Transformer":
+        raise DprGcError(f"{source}: the pipeline must start with a Transformer module to load in dpr-gc")
+    tower = Tower(modules[0][0])
+    settings_file = tower.transformer / "sentence_bert_config.json"
+    if settings_file.is_file():
+        settings = read_json(settings_file)
+        tower.query_length, tower.document_length = settings.get("query_length"), settings.get("document_length")
+        tower.max_seq_length = settings.get("max_seq_length")
+    for path, kind in modules[1:]:
+        if _kind(kind) == "Pooling":
+            tower.pooling = _pooling_mode(path / "config.json")
+        elif _kind(kind) == "Dense":
+            tower.dense.append((path, read_json(path / "config.json").get("activation_function", TANH)))
+        elif _kind(kind) == "Normalize":
+            tower.normalize = True
+        else:
+            raise DprGcError(f"{source}: module {kind} is not supported by dpr-gc "
+                             "(Transformer, Pooling, Dense, Normalize and query/document Routers are)")
+    return tower
+
+
+def _pooling_mode(config_file: Path) -> str:
+    config = read_json(config_file) if config_file.is_file() else {}
+    mode = config.get("pooling_mode")
+    if mode is None:
+        legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean"}
+        active = [name for key, name in legacy.items() if config.get(key)]
+        others = [key for key, on in config.items() if key.startswith("pooling_mode_") and on and key not in legacy]
+        mode = "unsupported" if others or len(active) > 1 else (active[0] if active else "mean")
+    if mode not in ("cls", "mean"):
+        raise DprGcError(f"{config_file}: pooling {mode!r} is not supported by dpr-gc (cls or mean)")
+    return mode
+
+
+def config_from_pipeline(folder: Path, towers: dict[str, Tower], config_cls: Any) -> Any:
+    """The recipe a foreign sentence-transformers folder declares: pooling, normalisation, projection, max lengths
+    and its "query"/"document" prompts as prefixes; passages as ``title + " " + text``."""
+    query, document = towers["query"], towers["document"]
+    for tower in (query, document):
+        if any(activation != IDENTITY for _, activation in tower.dense) or len(tower.dense) > 1:
+            raise DprGcError(f"{folder}: only one linear (identity) Dense layer per tower is supported by dpr-gc")
+    if (query.pooling, query.normalize) != (document.pooling, document.normalize):
+        raise DprGcError(f"{folder}: the query and document routes pool differently; dpr-gc needs one recipe")
+    dims = {read_json(path / "config.json")["out_features"] for t in (query, document) for path, _ in t.dense}
+    if len(dims) > 1 or (dims and len(query.dense) != len(document.dense)):
+        raise DprGcError(f"{folder}: the query and document routes have different output sizes")
+    settings_file = folder / "config_sentence_transformers.json"
+    prompts = (read_json(settings_file).get("prompts") or {}) if settings_file.is_file() else {}
+    default = document.document_length or document.max_seq_length or 256
+    return config_cls(pooling=query.pooling, normalize=query.normalize, projection_dim=dims.pop() if dims else None,
+                      shared_encoder=query is document, passage_format="concat",
+                      query_max_length=query.query_length or min(64, default), passage_max_length=default,
+                      query_prefix=prompts.get("query", ""),
+                      passage_prefix=prompts.get("document", prompts.get("passage", "")))
+
+
+def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, Tower], config: Any) -> Any:
+    """Build a retriever from the towers of a sentence-transformers folder (format 2 or foreign) under ``config``."""
+    from .model import load_tokenizer, load_transformer
+
+    query, document = towers["query"], towers["document"]
+    q_model = load_transformer(query.transformer)
+    p_model = None if query is document else load_transformer(document.transformer)
+    retriever = retriever_cls(q_model, p_model, load_tokenizer(query.transformer), config)
+    for tower, encoder in ((query, retriever.query_encoder), (document, retriever.passage_encoder)):
+        projection = [path for path, activation in tower.dense if activation == IDENTITY]
+        if encoder.projection is not None:
+            if len(projection) != 1:
+                raise DprGcError(f"{folder}: projection_dim is set but the tower has no projection Dense layer")
+            _load_linear(projection[0], encoder.projection)
+    return retriever
+
+
+def _load_linear(folder: Path, linear: nn.Linear) -> None:
+    from safetensors.torch import load_file
+
+    weights = folder / "model.safetensors"
+    if weights.is_file():
+        state = load_file(str(weights))
+    elif (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise DprGcError(f"{folder}: no model.safetensors for this Dense layer")
+    try:
+        linear.load_state_dict({"weight": state["linear.weight"], **({"bias": state["linear.bias"]}
+                                                                     if linear.bias is not None else {})})
+    except (KeyError, RuntimeError) as e:
+        raise DprGcError(f"{weights}: not the projection this retriever expects ({str(e).splitlines()[0]})") from None
+
+
+def load_format1(retriever_cls: Any, folder: Path, config: Any) -> Any:
+    """Folders written before format 2: ``query_encoder/``, ``passage_encoder/``, ``tokenizer/``, ``projection.pt``."""
+    from .model import load_tokenizer, load_transformer
+
+    q_model = load_transformer(folder / "query_encoder")
+    p_model = None if config.shared_encoder else load_transformer(folder / "passage_encoder")
+    retriever = retriever_cls(q_model, p_model, load_tokenizer(folder / "tokenizer"), config)
+    heads_file = folder / "projection.pt"
+    if heads_file.is_file():
+        try:
+            heads = torch.load(heads_file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a pickle payload or a broken file: refuse with one line
+            raise DprGcError(f"{heads_file}: not a plain tensor file ({str(e).splitlines()[0]})") from None
+        for name, enc in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
+            if enc.projection is not None:
+                enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
+                enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
+    return retriever
+
+
+def load_retriever(retriever_cls: Any, config_cls: Any, folder: Path) -> Any:
+    """Dispatch on what ``folder`` holds: a saved retriever (format 2 or 1), an official DPR pair, a
+    sentence-transformers folder, or else a Hugging Face model name or folder."""
+    if (folder / CONFIG_NAME).is_file():
+        data = read_json(folder / CONFIG_NAME)
+        version = data.get("format_version", 1)
+        if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+            raise DprGcError(f"{folder / CONFIG_NAME}: format_version {version!r} is not one this dpr-gc reads "
+                             f"(1 to {FORMAT_VERSION}); upgrade dpr-gc")
+        config = config_cls.from_dict(data)
+        if version == 1:
+            return load_format1(retriever_cls, folder, config)
+        towers = read_pipeline(folder)
+        if towers is None:
+            raise DprGcError(f"{folder}: {CONFIG_NAME} says format {version} but modules.json is missing")
+        return load_pipeline_retriever(retriever_cls, folder, towers, config)
+    pair = find_dpr_pair(folder)
+    if pair is not None:
+        return load_dpr(retriever_cls, config_cls, *pair)
+    towers = read_pipeline(folder) if folder.is_dir() else None
+    if towers is not None:
+        return load_pipeline_retriever(retriever_cls, folder, towers, config_from_pipeline(folder, towers, config_cls))
+    return retriever_cls.from_pretrained(str(folder), config_cls())
+
+
+# ----------------------------------------------------------------------------------------------------------- DPR
+def find_dpr_pair(folder: Path) -> Optional[tuple[Path, Path]]:
+    """``(question encoder folder, context encoder folder)`` when ``folder`` holds official DPR checkpoints (as
+    ``facebook/dpr-question_encoder-single-nq-base`` and ``facebook/dpr-ctx_encoder-single-nq-base``), else None."""
+    if not folder.is_dir():
+        return None
+    found: dict[str, list[Path]] = {"question": [], "context": []}
+    for config_file in sorted(folder.glob("*/config.json")):
+        config = read_json(config_file)
+        for architecture in config.get("architectures") or []:
+            if architecture in DPR_ARCHITECTURES:
+                found[DPR_ARCHITECTURES[architecture]].append(config_file.parent)
+    if not any(found.values()):
+        return None
+    if len(found["question"]) != 1 or len(found["context"]) != 1:
+        raise DprGcError(f"{folder}: expected one DPRQuestionEncoder and one DPRContextEncoder folder, found "
+                         f"{len(found['question'])} and {len(found['context'])}")
+    return found["question"][0], found["context"][0]
+
+
+def load_dpr(retriever_cls: Any, config_cls: Any, question_dir: Path, context_dir: Path) -> Any:
+    """A separate-tower retriever from official DPR checkpoints: DPR's pooling (the [CLS] vector, then DPR's
+    ``encode_proj`` when ``projection_dim > 0``), dot product, ``[CLS] title [SEP] text [SEP]``, 256 tokens."""
+    from transformers import DPRContextEncoder, DPRQuestionEncoder
+
+    from .model import load_tokenizer
+
+    try:
+        question = DPRQuestionEncoder.from_pretrained(str(question_dir)).question_encoder
+        context = DPRContextEncoder.from_pretrained(str(context_dir)).ctx_encoder
+    except (OSError, ValueError) as e:
+        raise DprGcError(f"cannot load the DPR checkpoints in {question_dir.parent}: {str(e).splitlines()[0]}") from None
+    tokenizer = load_tokenizer(question_dir)
+    if tokenizer.get_vocab() != load_tokenizer(context_dir).get_vocab():
+        raise DprGcError(f"{question_dir} and {context_dir} have different vocabularies; dpr-gc needs one tokenizer")
+    projection = question.config.projection_dim or None
+    config = config_cls(pooling="cls", normalize=False, projection_dim=projection, shared_encoder=False,
+                        query_max_length=256, passage_max_length=256, passage_format="pair")
+    retriever = retriever_cls(_dpr_bert(question), _dpr_bert(context), tokenizer, config)
+    if projection:
+        retriever.query_encoder.projection.load_state_dict(question.encode_proj.state_dict())
+        retriever.passage_encoder.projection.load_state_dict(context.encode_proj.state_dict())
+    return retriever
+
+
+def _dpr_bert(encoder: nn.Module) -> nn.Module:
+    """DPR's inner BERT as a plain ``BertModel`` (a DPRConfig would make AutoModel rebuild a DPR wrapper)."""
+    from transformers import BertConfig, BertModel
+
+    settings = {k: v for k, v in encoder.bert_model.config.to_dict().items()
+                if k not in ("model_type", "architectures", "projection_dim", "transformers_version")}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # DPR has no pooler; a fixed one keeps the folder loading without "new weights"
+        bert = BertModel(BertConfig(**settings))
+    missing, unexpected = bert.load_state_dict(encoder.bert_model.state_dict(), strict=False)
+    if unexpected or any(not key.startswith("pooler.") for key in missing):
+        raise DprGcError(f"unexpected DPR encoder weights: missing {missing}, unexpected {unexpected}")
+    return bert

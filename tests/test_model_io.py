@@ -1,0 +1,196 @@
+"""Saved retrievers load everywhere: sentence-transformers and transformers read the folder as it is (embeddings
+equal to dpr-gc's), folders of the previous layout still load, and official DPR checkpoints come in."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+from transformers import AutoModel, AutoTokenizer, DPRConfig, DPRContextEncoder, DPRQuestionEncoder
+
+from dpr_gc.errors import DprGcError
+from dpr_gc.model import Retriever, RetrieverConfig
+from tests.conftest import tiny_bert
+
+QUERIES = ["who was the king of france", "what is a protein in the cell of a gene",
+           "where is the river of paris and london and the war"]
+TITLES = ["paris", "music", "the king"]  # each under half the passage length (see st_passages)
+TEXTS = ["paris is the city of france on the river", "a film with music from london",
+         "the king of france was at war with the king of london for a book about water and science"]
+ATOL = 1e-4
+# Prefixes made of whole words of the tiny vocabulary (an unknown word would become many one-letter pieces).
+QUERY_PREFIX, PASSAGE_PREFIX = "what: ", "a book: "
+
+
+def st_passages(config: RetrieverConfig, titles: list, texts: list) -> list:
+    """What a sentence-transformers user passes for these passages: (title, text) pairs for DPR's pair format,
+    ``title + " " + text`` for concat; untitled passages as plain text. (sentence-transformers truncates a pair
+    "longest first", dpr-gc the text first: the same cut while the title is under half the passage length.)"""
+    if config.passage_format == "pair":
+        return [(t, x) if t else x for t, x in zip(titles, texts)]
+    return [f"{t} {x}" if t else x for t, x in zip(titles, texts)]
+
+
+def assert_same_embeddings(retriever: Retriever, model: SentenceTransformer, titles: list = TITLES) -> None:
+    config = retriever.config
+    np.testing.assert_allclose(model.encode_query(QUERIES), retriever.embed("query", QUERIES), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(model.encode_document(st_passages(config, titles, TEXTS)),
+                               retriever.embed("passage", TEXTS, titles), rtol=0, atol=ATOL)
+
+
+RECIPES = {
+    "mean-normalized-prefixes": dict(pooling="mean", normalize=True, passage_format="concat",
+                                     query_prefix=QUERY_PREFIX, passage_prefix=PASSAGE_PREFIX),
+    "cls-projection": dict(pooling="cls", projection_dim=8, query_prefix="who is the "),
+    "pooler-projection-normalized": dict(pooling="pooler", projection_dim=6, normalize=True, passage_prefix="on "),
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_shared_tower_is_a_sentence_transformers_folder(make_retriever, tmp_path, recipe):
+    # Short max lengths, so truncation at each tower's own length is part of what must agree.
+    retriever = make_retriever(query_max_length=7, passage_max_length=12, **RECIPES[recipe])
+    retriever.save(tmp_path / "r")
+    model = SentenceTransformer(str(tmp_path / "r"), device="cpu")
+    assert_same_embeddings(retriever, model)
+    assert model.similarity_fn_name == ("cosine" if retriever.config.normalize else "dot")
+    # Plain encode() is the passage side without a prefix, at the passage max length.
+    plain = dataclasses.replace(retriever.config, passage_prefix="")
+    unprefixed = Retriever(retriever.query_encoder.transformer, None, retriever.tokenizer, plain)
+    unprefixed.query_encoder.projection = retriever.query_encoder.projection
+    np.testing.assert_allclose(model.encode(st_passages(plain, TITLES, TEXTS)),
+                               unprefixed.embed("passage", TEXTS, TITLES), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("projection_dim", [None, 8])
+def test_separate_towers_route_queries_and_passages(make_retriever, tmp_path, projection_dim):
+    retriever = make_retriever(shared=False, pooling="cls", projection_dim=projection_dim, query_max_length=9,
+                               passage_max_length=14, query_prefix=QUERY_PREFIX, passage_prefix=PASSAGE_PREFIX)
+    retriever.save(tmp_path / "r")
+    model = SentenceTransformer(str(tmp_path / "r"), device="cpu")
+    assert type(model[0]).__name__ == "Router"
+    assert_same_embeddings(retriever, model)
+    # The towers differ, so routing to the wrong one would show.
+    assert not np.allclose(model.encode_query(QUERIES), model.encode_document(QUERIES), atol=1e-2)
+    loaded = Retriever.load(tmp_path / "r")
+    assert loaded.passage_encoder is not loaded.query_encoder
+    assert dataclasses.replace(loaded.config, temperature=1.0) == retriever.config
+    for kind, texts in (("query", QUERIES), ("passage", TEXTS)):
+        np.testing.assert_allclose(loaded.embed(kind, texts), retriever.embed(kind, texts), rtol=0, atol=1e-6)
+
+
+def test_transformers_load_the_shared_folder_alone(tiny_tokenizer, tmp_path):
+    base = tmp_path / "base"
+    tiny_bert(len(tiny_tokenizer), seed=3).save_pretrained(base)
+    tiny_tokenizer.save_pretrained(base)
+    config = RetrieverConfig(pooling="mean", normalize=True, query_max_length=8, query_prefix=QUERY_PREFIX)
+    retriever = Retriever.from_pretrained(str(base), config)
+    retriever.save(tmp_path / "saved")
+    shutil.rmtree(base)  # the original model path is gone: everything must come from the folder
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    model = AutoModel.from_pretrained(tmp_path / "saved")
+    batch = tokenizer([QUERY_PREFIX + q for q in QUERIES], truncation=True, max_length=8, padding=True,
+                      return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    expected = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+    np.testing.assert_allclose(retriever.embed("query", QUERIES), expected, rtol=0, atol=ATOL)
+    loaded = Retriever.load(tmp_path / "saved")
+    np.testing.assert_allclose(loaded.embed("query", QUERIES), expected, rtol=0, atol=ATOL)
+    assert not any(str(base) in p.read_text() for p in (tmp_path / "saved").glob("*.json"))
+
+
+def write_format1(retriever: Retriever, folder) -> None:
+    """The layout dpr-gc wrote before format 2, written out explicitly."""
+    retriever.query_encoder.transformer.save_pretrained(folder / "query_encoder")
+    if retriever.passage_encoder is not retriever.query_encoder:
+        retriever.passage_encoder.transformer.save_pretrained(folder / "passage_encoder")
+    retriever.tokenizer.save_pretrained(folder / "tokenizer")
+    heads = {}
+    for name, enc in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
+        if enc.projection is not None:
+            heads[f"{name}_projection.weight"] = enc.projection.weight.detach()
+            heads[f"{name}_projection.bias"] = enc.projection.bias.detach()
+    if heads:
+        torch.save(heads, folder / "projection.pt")
+    config = dataclasses.asdict(retriever.config)
+    config["temperature"] = float(retriever.temperature)
+    (folder / "retriever_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_folders_of_the_previous_layout_still_load(make_retriever, tmp_path, shared):
+    retriever = make_retriever(shared=shared, projection_dim=8, temperature=0.05, passage_prefix=PASSAGE_PREFIX)
+    write_format1(retriever, tmp_path / "old")
+    loaded = Retriever.load(tmp_path / "old")
+    assert dataclasses.replace(loaded.config, temperature=0.05) == retriever.config
+    assert abs(float(loaded.temperature) - 0.05) < 1e-6
+    for kind, texts in (("query", QUERIES), ("passage", TEXTS)):
+        np.testing.assert_allclose(loaded.embed(kind, texts), retriever.embed(kind, texts), rtol=0, atol=1e-6)
+    loaded.save(tmp_path / "new")  # and it converts to the new layout
+    assert_same_embeddings(retriever, SentenceTransformer(str(tmp_path / "new"), device="cpu"))
+
+
+def test_unreadable_folders_are_refused(make_retriever, tmp_path):
+    retriever = make_retriever(projection_dim=4)
+    write_format1(retriever, tmp_path / "old")
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("payload ran",))
+
+    torch.save({"query_projection.weight": Payload()}, tmp_path / "old" / "projection.pt")
+    with pytest.raises(DprGcError, match="projection.pt"):
+        Retriever.load(tmp_path / "old")
+    retriever.save(tmp_path / "new")
+    config = json.loads((tmp_path / "new" / "retriever_config.json").read_text())
+    (tmp_path / "new" / "retriever_config.json").write_text(json.dumps({**config, "format_version": 99}))
+    with pytest.raises(DprGcError, match="format_version 99"):
+        Retriever.load(tmp_path / "new")
+
+
+def save_dpr_pair(tokenizer, folder, projection_dim: int) -> tuple[DPRQuestionEncoder, DPRContextEncoder]:
+    """Tiny random DPR checkpoints in the layout of facebook/dpr-{question,ctx}_encoder-single-nq-base."""
+    config = DPRConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=37, max_position_embeddings=300, projection_dim=projection_dim)
+    models = []
+    for seed, (cls, name) in enumerate(((DPRQuestionEncoder, "dpr-question_encoder-single-nq-base"),
+                                        (DPRContextEncoder, "dpr-ctx_encoder-single-nq-base"))):
+        torch.manual_seed(seed)
+        model = cls(config).eval()
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+        models.append(model)
+    return models[0], models[1]
+
+
+@pytest.mark.parametrize("projection_dim", [0, 8])
+def test_official_dpr_pair_loads_as_separate_towers(tiny_tokenizer, tmp_path, projection_dim):
+    question, context = save_dpr_pair(tiny_tokenizer, tmp_path / "dpr", projection_dim)
+    retriever = Retriever.load(tmp_path / "dpr")
+    assert retriever.passage_encoder is not retriever.query_encoder
+    assert (retriever.config.pooling, retriever.config.normalize) == ("cls", False)
+    with torch.no_grad():
+        q = question(**tiny_tokenizer(QUERIES, padding=True, return_tensors="pt")).pooler_output.numpy()
+        p = context(**tiny_tokenizer(TITLES, TEXTS, padding=True, return_tensors="pt")).pooler_output.numpy()
+    np.testing.assert_allclose(retriever.embed("query", QUERIES), q, rtol=0, atol=ATOL)
+    np.testing.assert_allclose(retriever.embed("passage", TEXTS, TITLES), p, rtol=0, atol=ATOL)
+    retriever.save(tmp_path / "saved")  # round trip: dpr-gc's own folder, and sentence-transformers on it
+    again = Retriever.load(tmp_path / "saved")
+    np.testing.assert_allclose(again.embed("query", QUERIES), q, rtol=0, atol=ATOL)
+    np.testing.assert_allclose(again.embed("passage", TEXTS, TITLES), p, rtol=0, atol=ATOL)
+    assert_same_embeddings(again, SentenceTransformer(str(tmp_path / "saved"), device="cpu"))
+
+
+def test_half_a_dpr_pair_is_refused(tiny_tokenizer, tmp_path):
+    save_dpr_pair(tiny_tokenizer, tmp_path / "dpr", 0)
+    shutil.rmtree(tmp_path / "dpr" / "dpr-ctx_encoder-single-nq-base")
+    with pytest.raises(DprGcError, match="one DPRQuestionEncoder and one DPRContextEncoder"):
+        Retriever.load(tmp_path / "dpr")
