@@ -26,6 +26,7 @@ from .corpus import load_corpus
 from .errors import DprGcError
 from .files import (PathLike, atomic_open, atomic_path, locked_folder, read_json, remove_stale_temporaries,
                     write_json)
+from .model import add_prefix_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +330,7 @@ def add_arguments(parser: argparse.ArgumentParser, dpr_aliases: bool = False) ->
     parser.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     parser.add_argument("--block-size", type=int, default=16384, help="rows per resumable part file")
     parser.add_argument("--cache-dir", default=None, help="where parsed corpora are cached")
+    add_prefix_arguments(parser)
 
 
 def add_cli(subparsers: Any) -> None:
@@ -363,7 +365,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     from .model import Retriever
 
     device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
-    retriever = Retriever.load(args.model, device)
+    retriever = Retriever.load(args.model, device, args.query_prefix, args.passage_prefix)
     began = time.perf_counter()
     manifest = encode_corpus(retriever, args.corpus, args.output, args.shard_id, args.num_shards,
                              batch_size=args.batch_size, dtype=args.dtype,

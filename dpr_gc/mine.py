@@ -26,6 +26,7 @@ from .bm25 import BM25Source, Gold
 from .data import ID_KEYS
 from .errors import DprGcError
 from .files import ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, output_lock, read_json, require_file
+from .model import add_prefix_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -318,9 +319,11 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
                 embeddings: Optional[PathLike] = None, corpus_path: Optional[PathLike] = None,
                 bm25_index: Optional[PathLike] = None, k1: float = 0.9, b: float = 0.4, device: Optional[str] = None,
                 batch_size: int = 64, cache_dir: Optional[PathLike] = None, check_model: bool = True,
-                threads: int = 0, show_progress: bool = True) -> Any:
+                threads: int = 0, show_progress: bool = True, query_prefix: Optional[str] = None,
+                passage_prefix: Optional[str] = None) -> Any:
     """A :class:`BM25Source`, or a :class:`DenseSource` over the index in ``index`` -- built first (flat) from the
-    shards in ``embeddings``, which are encoded first when that folder has none -- checked against model and corpus."""
+    shards in ``embeddings``, which are encoded first when that folder has none -- checked against model and corpus.
+    ``query_prefix`` / ``passage_prefix`` replace the model's own (None keeps them)."""
     if kind == "bm25":
         return BM25Source(corpus, k1, b, index_dir=bm25_index, n_threads=threads, show_progress=show_progress)
     if kind != "dense":
@@ -335,7 +338,8 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
     if not model:
         raise DprGcError("--source dense needs --model (the trained retriever folder)")
     set_threads(threads or None)
-    retriever = Retriever.load(model, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    retriever = Retriever.load(model, device or ("cuda" if torch.cuda.is_available() else "cpu"), query_prefix,
+                               passage_prefix)
     if index is None or not (Path(index) / META_FILE).is_file():
         if embeddings is None:
             where = f"no index in {index}; " if index is not None else ""
@@ -382,7 +386,8 @@ def _cli(args: argparse.Namespace) -> None:
     source = open_source(args.source, corpus, model=args.model, index=args.index, embeddings=args.embeddings,
                          corpus_path=corpus_path, bm25_index=args.bm25_index, k1=args.bm25_k1, b=args.bm25_b,
                          device=args.device, batch_size=args.batch_size, cache_dir=args.cache_dir,
-                         check_model=not args.skip_model_check, threads=args.threads)
+                         check_model=not args.skip_model_check, threads=args.threads,
+                         query_prefix=args.query_prefix, passage_prefix=args.passage_prefix)
     id_to_row = None
     if beir is not None:
         records, id_to_row = beir_training_records(queries, split_qrels, corpus)
@@ -433,4 +438,5 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=0, help="BM25 / FAISS search threads (default: bm25s 1, FAISS all)")
     p.add_argument("--skip-model-check", action="store_true",
                    help="do not refuse a model whose weights differ from the one that encoded the passages")
+    add_prefix_arguments(p)
     p.set_defaults(func=_cli)

@@ -162,12 +162,21 @@ class Retriever(nn.Module):
         save_retriever(self, path)
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "Retriever":
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", query_prefix: Optional[str] = None,
+             passage_prefix: Optional[str] = None) -> "Retriever":
         """Load a saved retriever (this or an earlier format), a sentence-transformers folder (its own recipe and
-        prompts), a folder holding an official DPR question/context encoder pair, or any Hugging Face model."""
+        prompts), a folder holding an official DPR question/context encoder pair, or any Hugging Face model.
+
+        ``query_prefix`` / ``passage_prefix`` replace the prefixes the folder stores (None keeps them).
+        """
         from .model_io import load_retriever
 
-        return load_retriever(cls, RetrieverConfig, Path(path)).to(device)
+        retriever = load_retriever(cls, RetrieverConfig, Path(path))
+        for name, value in (("query_prefix", query_prefix), ("passage_prefix", passage_prefix)):
+            if value is not None and value != getattr(retriever.config, name):
+                logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
+                retriever.config = dataclasses.replace(retriever.config, **{name: value})
+        return retriever.to(device)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: RetrieverConfig) -> "Retriever":
@@ -237,6 +246,15 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
         return AutoTokenizer.from_pretrained(str(name_or_path))
     except (OSError, ValueError) as e:
         raise DprGcError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from None
+
+
+def add_prefix_arguments(parser: Any) -> None:
+    """``--query-prefix`` / ``--passage-prefix`` (E5's ``query: `` / ``passage: ``, a BGE instruction), shared by
+    train, encode, retrieve and mine; a saved retriever stores its own, which these replace when given."""
+    parser.add_argument("--query-prefix", default=None,
+                        help="text put before every query, e.g. 'query: ' (default: the model's own, else none)")
+    parser.add_argument("--passage-prefix", default=None,
+                        help="text put before every passage, e.g. 'passage: ' (default: the model's own, else none)")
 
 
 def default_model_path() -> str:

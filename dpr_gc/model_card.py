@@ -95,16 +95,16 @@ def _cell(value: Any) -> str:
 
 def _usage(retriever: Any, shared: bool) -> str:
     config = retriever.config
-    passages = ('[("Title", "Passage text.")]  # (title, text) pairs; untitled passages as plain strings'
-                if config.passage_format == "pair" else '["Title Passage text."]  # title + " " + text')
+    passages = ('[("Title", "Passage text.")])  # (title, text) pairs; untitled passages as plain strings'
+                if config.passage_format == "pair" else '["Title Passage text."])  # title + " " + text')
     st = ["## Usage", "", "### sentence-transformers", "", "```python",
           "from sentence_transformers import SentenceTransformer", "",
           'model = SentenceTransformer("path/to/this/folder")',
           'queries = model.encode_query(["Who wrote On the Origin of Species?"])  # adds the query prefix',
-          f"passages = model.encode_document({passages})",
+          f"passages = model.encode_document({passages}",
           "scores = model.similarity(queries, passages)", "```", "",
-          "`encode_query` / `encode_document` apply the stored prefixes, max lengths"
-          + ("" if shared else " and the right tower (a `Router`)") + "; embeddings equal dpr-gc's."]
+          "`encode_query` / `encode_document` apply the stored prefixes and max lengths"
+          + ("" if shared else " and pick the tower (a `Router`)") + ", so the embeddings equal dpr-gc's."]
     if config.passage_format == "pair":
         st[-1] += (" A passage whose title takes more than half the passage length is cut differently "
                    "(sentence-transformers truncates the longer of title and text; dpr-gc the text first).")

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from .errors import DprGcError
 from .files import PathLike, atomic_open
 from .index import KINDS, DenseIndex, IndexParams, build_index, set_threads
+from .model import add_prefix_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) 
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    retriever = Retriever.load(model, device)
+    retriever = Retriever.load(model, device, args.query_prefix, args.passage_prefix)
     check_compatible(retriever, index, check_fingerprint=not args.skip_model_check)
     corpus = load_corpus(corpus_path, args.cache_dir)
     check_corpus(index, corpus)
@@ -268,6 +269,7 @@ def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="where parsed corpora are cached")
     p.add_argument("--skip-model-check", action="store_true",
                    help="do not refuse a model whose weights differ from the one that encoded the passages")
+    add_prefix_arguments(p)
 
 
 def add_cli(subparsers: Any) -> None:

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 from .errors import DprGcError
 from .grad_cache import GradCache
 from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss
-from .model import Retriever, RetrieverConfig, enable_gradient_checkpointing, freeze_position_embeddings
+from .model import (Retriever, RetrieverConfig, add_prefix_arguments, enable_gradient_checkpointing,
+                    freeze_position_embeddings)
 from .train_utils import (Checkpointer, auto_chunk_size, capture_rng, evaluate_dev, restore_rng, summary_table)
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class TrainConfig:
     device: Optional[str] = None
     dev_batch_size: int = 64
     log_every: int = 1
+    query_prefix: Optional[str] = None
+    passage_prefix: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -119,13 +122,34 @@ def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
 
 
 def build_retriever(config: TrainConfig) -> Retriever:
-    """A saved retriever folder loads as it is; any other model name or folder starts a new one from the flags."""
+    """A saved retriever folder loads as it is (prefixes given as flags replace its own); any other model name or
+    folder starts a new one from the flags."""
     if (Path(config.model) / "retriever_config.json").is_file():
-        retriever = Retriever.load(config.model)
+        retriever = Retriever.load(config.model, query_prefix=config.query_prefix,
+                                   passage_prefix=config.passage_prefix)
         if config.retriever is not None:
             logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", config.model)
         return retriever
-    return Retriever.from_pretrained(config.model, config.retriever or RetrieverConfig())
+    rconf = config.retriever or RetrieverConfig()
+    prefixes = {k: v for k, v in (("query_prefix", config.query_prefix), ("passage_prefix", config.passage_prefix))
+                if v is not None}
+    return Retriever.from_pretrained(config.model, dataclasses.replace(rconf, **prefixes))
+
+
+def describe_training(config: TrainConfig, data: Any, world: int, chunks: tuple, total_steps: int) -> dict:
+    """What the model card records about this run (steps and dev metrics are added as they happen)."""
+    n_neg = config.hard_negatives + config.other_negatives
+    return {"base_model": config.model,
+            "train_data": [{"file": s["source"], "records": s["records"], "kept": s["kept"]} for s in data.stats],
+            "dev_file": config.dev_file,
+            "loss": f"InfoNCE (softmax cross-entropy of scores / temperature) over the batch's {1 + n_neg} passages "
+                    "per query and every other query's passages" + (", symmetric" if config.symmetric else ""),
+            "batch_size": config.batch_size * world, "batch_size_per_rank": config.batch_size, "world_size": world,
+            "hard_negatives": config.hard_negatives, "other_negatives": config.other_negatives,
+            "grad_cache": config.grad_cache, "query_chunk_size": chunks[0] if config.grad_cache else None,
+            "passage_chunk_size": chunks[1] if config.grad_cache else None, "learning_rate": config.learning_rate,
+            "warmup_steps": config.warmup_steps, "epochs": config.epochs, "total_steps": total_steps,
+            "precision": config.precision, "seed": config.seed, "steps": 0}
 
 
 def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> dict:
@@ -218,6 +242,8 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
         logger.info("resumed from step %d (epoch %d, %d batches into it)", step, epoch, state["sampler"]["batches_done"])
 
     effective = config.batch_size * world
+    retriever.training_info.update(describe_training(config, data, world, (q_chunk, p_chunk), total_steps))
+    retriever.training_info["steps"] = step
     if rank == 0:
         logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, %s",
                     total_steps, config.batch_size, world, effective, 1 + n_neg,
@@ -257,8 +283,11 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
                       "temperature": float(retriever.temperature.detach())}
             rng = capture_rng()
             last = step >= total_steps
+            retriever.training_info["steps"] = step
             if config.dev_file and ((config.eval_every and step % config.eval_every == 0) or last):
                 record.update(dev_metrics(retriever, config, collator))
+                retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
+                                               dev_metrics_step=step)
                 checkpointer.update_best(step, retriever, record)
             if step % config.log_every == 0 or last:
                 checkpointer.log(metrics_file, record)
@@ -342,6 +371,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--query-max-length", "--query_max_length", type=int, default=32)
     p.add_argument("--passage-max-length", "--sequence_length", type=int, default=256)
     p.add_argument("--passage-format", default="pair", choices=["pair", "concat"])
+    add_prefix_arguments(p)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--learn-temperature", action="store_true")
     p.add_argument("--batch-size", "--batch_size", type=int, default=32, help="queries per step and rank")

@@ -27,6 +27,7 @@ except ImportError:  # running from a checkout without installing the package
 from dpr_gc.cli import report_errors
 from dpr_gc.errors import DprGcError
 from dpr_gc.index import META_FILE, DenseIndex, add_shards, set_threads, shard_ids
+from dpr_gc.model import add_prefix_arguments
 from dpr_gc.retrieve import MATCH_CHOICES, add_index_arguments, params_from_args, run_retrieval
 
 logger = logging.getLogger("dense_retriever")
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow a model whose weights differ from the one that encoded the passages")
     p.add_argument("--threads", type=int, help="FAISS threads")
     add_index_arguments(p)
+    add_prefix_arguments(p)
     return p
 
 

@@ -194,3 +194,33 @@ def test_half_a_dpr_pair_is_refused(tiny_tokenizer, tmp_path):
     shutil.rmtree(tmp_path / "dpr" / "dpr-ctx_encoder-single-nq-base")
     with pytest.raises(DprGcError, match="one DPRQuestionEncoder and one DPRContextEncoder"):
         Retriever.load(tmp_path / "dpr")
+
+
+def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
+    from huggingface_hub import metadata_load
+
+    from dpr_gc.train import TrainConfig, train
+    from tests.test_train import init_model
+    from tests.train_data import make_records, write_dpr
+
+    train_file = write_dpr(tmp_path / "train.json", make_records(16, 1))
+    train(TrainConfig(train_files=[str(train_file)], dev_file=str(write_dpr(tmp_path / "dev.json", make_records(8, 2))),
+                      output_dir=str(tmp_path / "out"), model=str(init_model(tmp_path)), batch_size=4, num_workers=0,
+                      max_steps=2, eval_every=1, save_every=2, hard_negatives=1, query_chunk_size=2,
+                      passage_chunk_size=3, cache_dir=str(tmp_path / "c")))
+    for folder in ("final", "best", "checkpoint-2/model"):
+        path = tmp_path / "out" / folder
+        retriever = Retriever.load(path)
+        np.testing.assert_allclose(SentenceTransformer(str(path), device="cpu").encode_document(TEXTS),
+                                   retriever.embed("passage", TEXTS), rtol=0, atol=ATOL)
+        meta = metadata_load(path / "README.md")
+        assert meta["library_name"] == "sentence-transformers" and "dpr-gc" in meta["tags"]
+        model, run = meta["dpr_gc"]["model"], meta["dpr_gc"]["training"]
+        assert (model["pooling"], model["towers"], model["passage_max_length"]) == ("mean", "shared", 32)
+        assert run["train_data"] == [{"file": str(train_file), "records": 16, "kept": 16}]
+        assert (run["batch_size"], run["query_chunk_size"], run["passage_chunk_size"]) == (4, 2, 3)
+        assert run["hard_negatives"] == 1 and "InfoNCE" in run["loss"] and run["base_model"].endswith("init")
+        assert run["steps"] == run["dev_metrics_step"] == (2 if folder != "best" else run["steps"])
+        assert set(run["dev_metrics"]) == {"dev_loss", "dev_accuracy", "dev_avg_rank"}
+        card = (path / "README.md").read_text()
+        assert "SentenceTransformer(" in card and "Retriever.load(" in card and "AutoModel" in card

@@ -1,0 +1,110 @@
+"""Query and passage prefixes (E5's ``query: `` / ``passage: ``, a BGE instruction): stored with the model and applied
+identically in training batches, corpus encoding, queries (retrieve, mine) and sentence-transformers; the
+``--query-prefix`` / ``--passage-prefix`` flags of train, encode, retrieve and mine set or replace them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import torch
+from sentence_transformers import SentenceTransformer
+
+from dpr_gc.cli import main
+from dpr_gc.corpus import load_corpus
+from dpr_gc.data import Collator
+from dpr_gc.encode import encode_corpus
+from dpr_gc.index import IndexParams, build_index
+from dpr_gc.mine import open_source
+from dpr_gc.model import Retriever
+from dpr_gc.train import TrainConfig, build_retriever, train
+from tests.test_encode import gather
+from tests.test_train import init_model
+from tests.train_data import make_records, write_dpr
+
+QP, PP = "what: ", "a book: "  # whole words of the tiny vocabulary
+QUERIES = ["who was the king of france", "the river in paris"]
+PASSAGES = [{"id": "p0", "title": "paris", "text": "the city of france on the river"},
+            {"id": "p1", "title": "", "text": "a war of the king of london"},
+            {"id": "p2", "title": "music", "text": "a film with music from london"}]
+
+
+def unprefixed(retriever: Retriever) -> Retriever:
+    """The same weights with no prefixes: given the prefixed text by hand it must give the same vectors."""
+    config = dataclasses.replace(retriever.config, query_prefix="", passage_prefix="")
+    return Retriever(retriever.query_encoder.transformer, None, retriever.tokenizer, config)
+
+
+def test_training_batches_encoding_and_queries_use_the_same_prefixes(make_retriever, tiny_tokenizer):
+    retriever = make_retriever(query_prefix=QP, passage_prefix=PP, passage_format="concat")
+    batch = Collator(retriever)([{"question": QUERIES[0], "passages": [("paris", "the city")]}])
+    assert torch.equal(batch["query"]["input_ids"], tiny_tokenizer([QP + QUERIES[0]], return_tensors="pt")["input_ids"])
+    assert torch.equal(batch["passage"]["input_ids"],
+                       tiny_tokenizer([PP + "paris the city"], return_tensors="pt")["input_ids"])
+    plain = unprefixed(retriever)
+    np.testing.assert_array_equal(retriever.embed("query", QUERIES), plain.embed("query", [QP + q for q in QUERIES]))
+    texts = [p["text"] for p in PASSAGES]
+    np.testing.assert_array_equal(retriever.embed("passage", texts, ["paris"] * 3),
+                                  plain.embed("passage", [f"{PP}paris {t}" for t in texts]))
+    assert not np.allclose(retriever.embed("query", QUERIES), plain.embed("query", QUERIES), atol=1e-3)
+
+
+def test_train_flags_are_stored_with_the_model(tmp_path):
+    model = init_model(tmp_path)
+    data = write_dpr(tmp_path / "train.json", make_records(16, 1))
+    base = dict(train_files=[str(data)], output_dir=str(tmp_path / "out"), model=str(model), batch_size=4,
+                num_workers=0, max_steps=2, query_chunk_size=2, passage_chunk_size=3, cache_dir=str(tmp_path / "c"))
+    seen = []
+    train(TrainConfig(**base, query_prefix=QP, passage_prefix=PP),
+          on_backward=lambda step, r: seen.append((r.config.query_prefix, r.config.passage_prefix)))
+    assert seen == [(QP, PP)] * 2  # the collator tokenises with this same config
+    final = tmp_path / "out" / "final"
+    stored = json.loads((final / "retriever_config.json").read_text())
+    assert (stored["query_prefix"], stored["passage_prefix"]) == (QP, PP)
+    prompts = json.loads((final / "config_sentence_transformers.json").read_text())["prompts"]
+    assert prompts == {"query": QP, "document": PP}
+    retriever = Retriever.load(final)
+    np.testing.assert_allclose(SentenceTransformer(str(final), device="cpu").encode_query(QUERIES),
+                               retriever.embed("query", QUERIES), rtol=0, atol=1e-4)
+    # Continuing from the saved model keeps its prefixes unless a flag replaces one.
+    again = TrainConfig(**{**base, "model": str(final)}, passage_prefix="on ")
+    assert (build_retriever(again).config.query_prefix, build_retriever(again).config.passage_prefix) == (QP, "on ")
+    main(["train", "--train", str(data), "--model", str(model), "--output", str(tmp_path / "cli"), "--max-steps", "1",
+          "--batch-size", "4", "--num-workers", "0", "--query-chunk-size", "2", "--passage-chunk-size", "3",
+          "--cache-dir", str(tmp_path / "c"), "--query-prefix", QP])
+    stored = json.loads((tmp_path / "cli" / "final" / "retriever_config.json").read_text())
+    assert (stored["query_prefix"], stored["passage_prefix"]) == (QP, "")
+
+
+def test_encode_retrieve_and_mine_apply_stored_prefixes_and_flags(make_retriever, tmp_path):
+    retriever = make_retriever(query_prefix=QP, passage_prefix=PP, passage_format="concat", normalize=True)
+    retriever.save(tmp_path / "model")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in PASSAGES))
+    titles, texts = [p["title"] for p in PASSAGES], [p["text"] for p in PASSAGES]
+    common = ["--corpus", str(corpus), "--dtype", "float32", "--precision", "fp32", "--cache-dir", str(tmp_path / "c"), "--device", "cpu"]
+    assert main(["encode", "--model", str(tmp_path / "model"), "--output", str(tmp_path / "emb"), *common]) == 0
+    assert main(["encode", "--model", str(tmp_path / "model"), "--output", str(tmp_path / "plain"),
+                 "--passage-prefix", "", *common]) == 0
+    np.testing.assert_allclose(gather(tmp_path / "emb")[1], retriever.embed("passage", texts, titles), rtol=0, atol=1e-4)
+    plain = unprefixed(retriever)
+    np.testing.assert_allclose(gather(tmp_path / "plain")[1], plain.embed("passage", texts, titles), rtol=0, atol=1e-4)
+
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams("flat"))
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps({"_id": f"q{i}", "text": q}) + "\n" for i, q in enumerate(QUERIES)))
+    passages = retriever.embed("passage", texts, titles)
+    for flags, encoder, query_texts in (([], retriever, QUERIES), (["--query-prefix", "on "], plain,
+                                                                    ["on " + q for q in QUERIES])):
+        out = tmp_path / f"results{len(flags)}.json"
+        assert main(["retrieve", "--index", str(tmp_path / "idx"), "--queries", str(queries), "--top-k", "3",
+                     "--output", str(out), "--match", "none", "--device", "cpu", "--cache-dir", str(tmp_path / "c"),
+                     *flags]) == 0
+        expected = np.sort(encoder.embed("query", query_texts) @ passages.T, axis=1)[:, ::-1]
+        scores = [[c["score"] for c in r["ctxs"]] for r in json.loads(out.read_text())]
+        np.testing.assert_allclose(scores, expected, rtol=0, atol=1e-4)
+
+    source = open_source("dense", load_corpus(corpus, tmp_path / "c"), model=str(tmp_path / "model"),
+                         index=tmp_path / "idx", device="cpu", query_prefix="on ", show_progress=False)
+    assert (source.retriever.config.query_prefix, source.retriever.config.passage_prefix) == ("on ", PP)
