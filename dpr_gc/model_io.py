@@ -7,6 +7,7 @@ Format 2 (written by :func:`save_retriever`), one shared tower::
     1_Pooling/, 2_Dense/, ...                         -> [Dense(tanh): BERT's pooler] -> [Dense: projection]
     config_sentence_transformers.json                 -> [Normalize]; prompts "query"/"document" = the prefixes
     retriever_config.json                             dpr-gc's RetrieverConfig, temperature and format_version
+    heads.safetensors                                 the raw (log) temperature parameter, so training resumes exactly
     README.md                                         the model card
 
 Separate towers: the same pipeline per tower inside a sentence-transformers ``Router`` (``query_N_*`` and
@@ -14,7 +15,8 @@ Separate towers: the same pipeline per tower inside a sentence-transformers ``Ro
 Query and passage max lengths are the Transformer's ``query_length`` / ``document_length``. Weights are
 safetensors only.
 
-Also read: format 1 (``query_encoder/``, ``passage_encoder/``, ``tokenizer/``, ``projection.pt``), any
+Also read: format 1 (``query_encoder/``, ``passage_encoder/``, ``tokenizer/``, ``projection.pt`` or
+``heads.safetensors``), any
 sentence-transformers folder, an official DPR ``DPRQuestionEncoder`` / ``DPRContextEncoder`` pair, and any Hugging
 Face model.
 """
@@ -28,14 +30,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .dpr_checkpoints import find_dpr_pair, load_dpr
 from .errors import DprGcError
-from .files import atomic_open
+from .loss import TEMPERATURE_RANGE
+from .files import atomic_open, atomic_path
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "retriever_config.json"
+HEADS_NAME = "heads.safetensors"
+TEMPERATURE_KEY = "temperature.log_value"
 FORMAT_VERSION = 2
 ST_PACKAGE = "sentence_transformers"
 ST_TYPES = {"Transformer": "sentence_transformers.base.modules.transformer.Transformer",
@@ -45,7 +52,6 @@ ST_TYPES = {"Transformer": "sentence_transformers.base.modules.transformer.Trans
             "Router": "sentence_transformers.base.modules.router.Router"}
 IDENTITY, TANH = "torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh"
 ROUTES = {"query": "query", "passage": "document"}
-DPR_ARCHITECTURES = {"DPRQuestionEncoder": "question", "DPRContextEncoder": "context"}
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -85,9 +91,12 @@ def save_retriever(retriever: Any, path: str | Path) -> None:
             "parameters": {"default_route": "document", "allow_empty_key": True, "route_mappings": {}}})
         write_json(out / "modules.json", [{"idx": 0, "name": "0", "path": "", "type": ST_TYPES["Router"]}])
     write_json(out / "config_sentence_transformers.json", sentence_transformers_settings(config))
-    saved = dataclasses.asdict(config)
+    with atomic_path(out / HEADS_NAME) as tmp:
+        save_file({TEMPERATURE_KEY: retriever.tau.log_value.detach().cpu().clone()}, str(tmp))
+    lo, hi = TEMPERATURE_RANGE
+    saved = dataclasses.asdict(config)  # the JSON temperature is informative; float32 rounding may cross a bound
     saved.update(format_version=FORMAT_VERSION, shared_encoder=shared,
-                 temperature=float(retriever.temperature.detach()))
+                 temperature=min(max(float(retriever.temperature.detach()), lo), hi))
     write_json(out / CONFIG_NAME, saved)
     write_model_card(out, retriever)
 
@@ -158,8 +167,6 @@ def _write_transformer(folder: Path, model: nn.Module, tokenizer: Any, config: A
 
 
 def _write_dense(folder: Path, linear: nn.Linear, activation: str) -> None:
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / "config.json", {"in_features": linear.in_features, "out_features": linear.out_features,
                                         "bias": linear.bias is not None, "activation_function": activation,
@@ -286,12 +293,11 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
             if len(projection) != 1:
                 raise DprGcError(f"{folder}: projection_dim is set but the tower has no projection Dense layer")
             _load_linear(projection[0], encoder.projection)
+    load_heads(folder, retriever, projections=False)
     return retriever
 
 
 def _load_linear(folder: Path, linear: nn.Linear) -> None:
-    from safetensors.torch import load_file
-
     weights = folder / "model.safetensors"
     if weights.is_file():
         state = load_file(str(weights))
@@ -313,17 +319,39 @@ def load_format1(retriever_cls: Any, folder: Path, config: Any) -> Any:
     q_model = load_transformer(folder / "query_encoder")
     p_model = None if config.shared_encoder else load_transformer(folder / "passage_encoder")
     retriever = retriever_cls(q_model, p_model, load_tokenizer(folder / "tokenizer"), config)
-    heads_file = folder / "projection.pt"
-    if heads_file.is_file():
-        try:
-            heads = torch.load(heads_file, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - a pickle payload or a broken file: refuse with one line
-            raise DprGcError(f"{heads_file}: not a plain tensor file ({str(e).splitlines()[0]})") from None
-        for name, enc in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
-            if enc.projection is not None:
-                enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
-                enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
+    load_heads(folder, retriever, projections=True)
     return retriever
+
+
+def load_heads(folder: Path, retriever: Any, projections: bool) -> None:
+    """The raw temperature parameter (and, in format 1, the projections) from ``heads.safetensors``, or from a
+    format-1 ``projection.pt`` (plain tensors only; such folders keep only the clamped temperature, in JSON)."""
+    path = folder / HEADS_NAME
+    if not path.is_file():
+        path = folder / "projection.pt"
+        if not (projections and path.is_file()):
+            return
+    heads = _read_tensors(path)
+    try:
+        if projections:
+            for name, enc in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
+                if enc.projection is not None:
+                    enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
+                    enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
+        if TEMPERATURE_KEY in heads:
+            retriever.tau.log_value.data.copy_(heads[TEMPERATURE_KEY])
+    except (KeyError, RuntimeError) as e:
+        raise DprGcError(f"{path}: does not fit {CONFIG_NAME} ({str(e).splitlines()[0]}); save it again") from None
+
+
+def _read_tensors(path: Path) -> dict:
+    """Tensors from safetensors, or from a ``torch.save`` file with ``weights_only`` (never unpickling code)."""
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a pickle payload or a broken file: refuse with one line
+        raise DprGcError(f"{path}: not a plain tensor file ({str(e).splitlines()[0]})") from None
 
 
 def load_retriever(retriever_cls: Any, config_cls: Any, folder: Path) -> Any:
@@ -349,63 +377,3 @@ def load_retriever(retriever_cls: Any, config_cls: Any, folder: Path) -> Any:
     if towers is not None:
         return load_pipeline_retriever(retriever_cls, folder, towers, config_from_pipeline(folder, towers, config_cls))
     return retriever_cls.from_pretrained(str(folder), config_cls())
-
-
-# ----------------------------------------------------------------------------------------------------------- DPR
-def find_dpr_pair(folder: Path) -> Optional[tuple[Path, Path]]:
-    """``(question encoder folder, context encoder folder)`` when ``folder`` holds official DPR checkpoints (as
-    ``facebook/dpr-question_encoder-single-nq-base`` and ``facebook/dpr-ctx_encoder-single-nq-base``), else None."""
-    if not folder.is_dir():
-        return None
-    found: dict[str, list[Path]] = {"question": [], "context": []}
-    for config_file in sorted(folder.glob("*/config.json")):
-        config = read_json(config_file)
-        for architecture in config.get("architectures") or []:
-            if architecture in DPR_ARCHITECTURES:
-                found[DPR_ARCHITECTURES[architecture]].append(config_file.parent)
-    if not any(found.values()):
-        return None
-    if len(found["question"]) != 1 or len(found["context"]) != 1:
-        raise DprGcError(f"{folder}: expected one DPRQuestionEncoder and one DPRContextEncoder folder, found "
-                         f"{len(found['question'])} and {len(found['context'])}")
-    return found["question"][0], found["context"][0]
-
-
-def load_dpr(retriever_cls: Any, config_cls: Any, question_dir: Path, context_dir: Path) -> Any:
-    """A separate-tower retriever from official DPR checkpoints: DPR's pooling (the [CLS] vector, then DPR's
-    ``encode_proj`` when ``projection_dim > 0``), dot product, ``[CLS] title [SEP] text [SEP]``, 256 tokens."""
-    from transformers import DPRContextEncoder, DPRQuestionEncoder
-
-    from .model import load_tokenizer
-
-    try:
-        question = DPRQuestionEncoder.from_pretrained(str(question_dir)).question_encoder
-        context = DPRContextEncoder.from_pretrained(str(context_dir)).ctx_encoder
-    except (OSError, ValueError) as e:
-        raise DprGcError(f"cannot load the DPR checkpoints in {question_dir.parent}: {str(e).splitlines()[0]}") from None
-    tokenizer = load_tokenizer(question_dir)
-    if tokenizer.get_vocab() != load_tokenizer(context_dir).get_vocab():
-        raise DprGcError(f"{question_dir} and {context_dir} have different vocabularies; dpr-gc needs one tokenizer")
-    projection = question.config.projection_dim or None
-    config = config_cls(pooling="cls", normalize=False, projection_dim=projection, shared_encoder=False,
-                        query_max_length=256, passage_max_length=256, passage_format="pair")
-    retriever = retriever_cls(_dpr_bert(question), _dpr_bert(context), tokenizer, config)
-    if projection:
-        retriever.query_encoder.projection.load_state_dict(question.encode_proj.state_dict())
-        retriever.passage_encoder.projection.load_state_dict(context.encode_proj.state_dict())
-    return retriever
-
-
-def _dpr_bert(encoder: nn.Module) -> nn.Module:
-    """DPR's inner BERT as a plain ``BertModel`` (a DPRConfig would make AutoModel rebuild a DPR wrapper)."""
-    from transformers import BertConfig, BertModel
-
-    settings = {k: v for k, v in encoder.bert_model.config.to_dict().items()
-                if k not in ("model_type", "architectures", "projection_dim", "transformers_version")}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)  # DPR has no pooler; a fixed one keeps the folder loading without "new weights"
-        bert = BertModel(BertConfig(**settings))
-    missing, unexpected = bert.load_state_dict(encoder.bert_model.state_dict(), strict=False)
-    if unexpected or any(not key.startswith("pooler.") for key in missing):
-        raise DprGcError(f"unexpected DPR encoder weights: missing {missing}, unexpected {unexpected}")
-    return bert

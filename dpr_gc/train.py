@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from .dpr_checkpoints import find_dpr_pair
 from .errors import DprGcError
 from .grad_cache import GradCache
 from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss
@@ -122,9 +123,9 @@ def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
 
 
 def build_retriever(config: TrainConfig) -> Retriever:
-    """A saved retriever folder loads as it is (prefixes given as flags replace its own); any other model name or
-    folder starts a new one from the flags."""
-    if (Path(config.model) / "retriever_config.json").is_file():
+    """A saved retriever folder or an official DPR pair loads as it is (prefixes given as flags replace its own);
+    any other model name or folder starts a new one from the flags."""
+    if (Path(config.model) / "retriever_config.json").is_file() or find_dpr_pair(Path(config.model)):
         retriever = Retriever.load(config.model, query_prefix=config.query_prefix,
                                    passage_prefix=config.passage_prefix)
         if config.retriever is not None:

@@ -121,7 +121,7 @@ def write_format1(retriever: Retriever, folder) -> None:
     if heads:
         torch.save(heads, folder / "projection.pt")
     config = dataclasses.asdict(retriever.config)
-    config["temperature"] = float(retriever.temperature)
+    config["temperature"] = float(retriever.temperature.detach())
     (folder / "retriever_config.json").write_text(json.dumps(config))
 
 
@@ -224,3 +224,48 @@ def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
         assert set(run["dev_metrics"]) == {"dev_loss", "dev_accuracy", "dev_avg_rank"}
         card = (path / "README.md").read_text()
         assert "SentenceTransformer(" in card and "Retriever.load(" in card and "AutoModel" in card
+
+
+def test_learnable_temperature_keeps_its_raw_parameter(make_retriever, tmp_path):
+    import math
+
+    from dpr_gc.loss import TEMPERATURE_RANGE
+
+    retriever = make_retriever(learn_temperature=True, temperature=0.05)
+    with torch.no_grad():  # past the clamp: the JSON float holds the clamped value, the raw parameter must survive
+        retriever.tau.log_value.fill_(math.log(TEMPERATURE_RANGE[1]) + 0.123)
+    retriever.save(tmp_path / "r")
+    loaded = Retriever.load(tmp_path / "r")
+    assert torch.equal(loaded.tau.log_value.detach(), retriever.tau.log_value.detach())
+    assert loaded.tau.log_value.requires_grad
+
+
+def test_format1_folder_with_safetensors_heads_loads(make_retriever, tmp_path):
+    from safetensors.torch import save_file
+
+    retriever = make_retriever(shared=False, projection_dim=4, learn_temperature=True, temperature=0.07)
+    write_format1(retriever, tmp_path / "old")
+    heads = {k: v.clone() for k, v in torch.load(tmp_path / "old" / "projection.pt", weights_only=True).items()}
+    (tmp_path / "old" / "projection.pt").unlink()
+    save_file({**heads, "temperature.log_value": retriever.tau.log_value.detach().clone()},
+              str(tmp_path / "old" / "heads.safetensors"))
+    loaded = Retriever.load(tmp_path / "old")
+    assert torch.equal(loaded.tau.log_value.detach(), retriever.tau.log_value.detach())
+    for kind, texts in (("query", QUERIES), ("passage", TEXTS)):
+        np.testing.assert_allclose(loaded.embed(kind, texts), retriever.embed(kind, texts), rtol=0, atol=1e-6)
+
+
+def test_official_dpr_pair_fine_tunes(tiny_tokenizer, tmp_path):
+    from dpr_gc.train import TrainConfig, train
+    from tests.train_data import make_records, write_dpr
+
+    save_dpr_pair(tiny_tokenizer, tmp_path / "dpr", 0)
+    before = Retriever.load(tmp_path / "dpr")
+    train(TrainConfig(train_files=[str(write_dpr(tmp_path / "train.json", make_records(8, 1)))],
+                      output_dir=str(tmp_path / "out"), model=str(tmp_path / "dpr"), batch_size=4, num_workers=0,
+                      max_steps=1, learning_rate=1e-3, query_chunk_size=2, passage_chunk_size=3,
+                      cache_dir=str(tmp_path / "c")))
+    after = Retriever.load(tmp_path / "out" / "final")
+    assert after.passage_encoder is not after.query_encoder and after.config == before.config
+    assert not np.allclose(after.embed("query", QUERIES), before.embed("query", QUERIES), atol=1e-4)
+    assert "dpr-question_encoder" in (tmp_path / "out" / "final" / "README.md").read_text()
