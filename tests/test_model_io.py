@@ -269,3 +269,25 @@ def test_official_dpr_pair_fine_tunes(tiny_tokenizer, tmp_path):
     assert after.passage_encoder is not after.query_encoder and after.config == before.config
     assert not np.allclose(after.embed("query", QUERIES), before.embed("query", QUERIES), atol=1e-4)
     assert "dpr-question_encoder" in (tmp_path / "out" / "final" / "README.md").read_text()
+
+
+def test_folders_written_by_sentence_transformers_load_with_their_prompts(make_retriever, tmp_path):
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Router, Transformer
+
+    source = make_retriever(shared=False)
+    for name, encoder in (("q", source.query_encoder), ("d", source.passage_encoder)):
+        encoder.transformer.save_pretrained(tmp_path / name)
+        source.tokenizer.save_pretrained(tmp_path / name)
+    towers = [[Transformer(str(tmp_path / name), document_length=20), Pooling(32, "mean"),
+               Dense(32, 8, activation_function=None)] for name in ("q", "d")]
+    model = SentenceTransformer(modules=[Router.for_query_document(*towers), Normalize()], device="cpu",
+                                prompts={"query": QUERY_PREFIX, "document": PASSAGE_PREFIX})
+    model.save(str(tmp_path / "st"))
+    retriever = Retriever.load(tmp_path / "st")
+    config = retriever.config
+    assert (config.pooling, config.normalize, config.projection_dim, config.shared_encoder) == ("mean", True, 8, False)
+    assert (config.query_prefix, config.passage_prefix, config.passage_max_length) == (QUERY_PREFIX, PASSAGE_PREFIX, 20)
+    concat = [f"{t} {x}" for t, x in zip(TITLES, TEXTS)]
+    np.testing.assert_allclose(retriever.embed("query", QUERIES), model.encode_query(QUERIES), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(retriever.embed("passage", TEXTS, TITLES), model.encode_document(concat),
+                               rtol=0, atol=ATOL)
