@@ -232,10 +232,10 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
         return AutoModel.from_pretrained(str(name_or_path))
     except pickle.UnpicklingError as e:
         reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
-        raise DprGcError(f"cannot load model {name_or_path!r}: its weights file was refused ({reason}); it holds "
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
                          "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
     except (OSError, ValueError) as e:
-        raise DprGcError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]} "
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: {str(e).splitlines()[0]} "
                          "(give a local folder or a Hugging Face model name reachable from this machine)") from None
 
 
@@ -245,7 +245,7 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(name_or_path))
     except (OSError, ValueError) as e:
-        raise DprGcError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from None
+        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
 
 
 def add_prefix_arguments(parser: Any) -> None:

@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from .dpr_checkpoints import find_dpr_pair, load_dpr
 from .errors import DprGcError
 from .loss import TEMPERATURE_RANGE
-from .files import atomic_open, atomic_path
+from .files import atomic_open, atomic_path, read_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -299,12 +299,11 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
 
 def _load_linear(folder: Path, linear: nn.Linear) -> None:
     weights = folder / "model.safetensors"
-    if weights.is_file():
-        state = load_file(str(weights))
-    elif (folder / "pytorch_model.bin").is_file():
-        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
+    if not weights.is_file() and (folder / "pytorch_model.bin").is_file():
+        weights = folder / "pytorch_model.bin"  # written by sentence-transformers with safe_serialization=False
+    if not weights.is_file():
         raise DprGcError(f"{folder}: no model.safetensors for this Dense layer")
+    state = read_tensors(weights)
     try:
         linear.load_state_dict({"weight": state["linear.weight"], **({"bias": state["linear.bias"]}
                                                                      if linear.bias is not None else {})})
@@ -331,7 +330,7 @@ def load_heads(folder: Path, retriever: Any, projections: bool) -> None:
         path = folder / "projection.pt"
         if not (projections and path.is_file()):
             return
-    heads = _read_tensors(path)
+    heads = read_tensors(path)
     try:
         if projections:
             for name, enc in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
@@ -342,16 +341,6 @@ def load_heads(folder: Path, retriever: Any, projections: bool) -> None:
             retriever.tau.log_value.data.copy_(heads[TEMPERATURE_KEY])
     except (KeyError, RuntimeError) as e:
         raise DprGcError(f"{path}: does not fit {CONFIG_NAME} ({str(e).splitlines()[0]}); save it again") from None
-
-
-def _read_tensors(path: Path) -> dict:
-    """Tensors from safetensors, or from a ``torch.save`` file with ``weights_only`` (never unpickling code)."""
-    try:
-        if path.suffix == ".safetensors":
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a pickle payload or a broken file: refuse with one line
-        raise DprGcError(f"{path}: not a plain tensor file ({str(e).splitlines()[0]})") from None
 
 
 def load_retriever(retriever_cls: Any, config_cls: Any, folder: Path) -> Any:

@@ -150,6 +150,11 @@ def test_unreadable_folders_are_refused(make_retriever, tmp_path):
     with pytest.raises(DprGcError, match="projection.pt"):
         Retriever.load(tmp_path / "old")
     retriever.save(tmp_path / "new")
+    shutil.copytree(tmp_path / "new", tmp_path / "dense")
+    (tmp_path / "dense" / "2_Dense" / "model.safetensors").unlink()
+    torch.save({"linear.weight": Payload()}, tmp_path / "dense" / "2_Dense" / "pytorch_model.bin")
+    with pytest.raises(DprGcError, match="2_Dense/pytorch_model.bin"):
+        Retriever.load(tmp_path / "dense")
     config = json.loads((tmp_path / "new" / "retriever_config.json").read_text())
     (tmp_path / "new" / "retriever_config.json").write_text(json.dumps({**config, "format_version": 99}))
     with pytest.raises(DprGcError, match="format_version 99"):

@@ -104,18 +104,18 @@ def test_legacy_state_pt_still_resumes(trained, tmp_path):
                for k, v in state["optimizer"]["state"].items())
 
 
-@pytest.mark.parametrize("where", ["projection.pt", "query_encoder/pytorch_model.bin"])
+@pytest.mark.parametrize("where", ["heads.safetensors", "pytorch_model.bin"])
 def test_pickled_model_weights_are_refused(trained, tmp_path, capsys, where):
     model, marker = tmp_path / "model", tmp_path / "PWNED"
     shutil.copytree(trained["model"], model)
-    if where == "projection.pt":
-        (model / "heads.safetensors").unlink()
-    else:
-        (model / "query_encoder" / "model.safetensors").unlink()
+    (model / where).unlink(missing_ok=True)
+    (model / "model.safetensors").unlink()  # so the transformer's weights come from pytorch_model.bin
+    if where == "heads.safetensors":
+        shutil.copy(trained["model"] / "model.safetensors", model)
     torch.save({"query_projection.weight": Payload(marker)}, model / where)
     corpus = write_corpus(tmp_path / "c", passages(5), "tsv")
     refused(["encode", "--model", model, "--corpus", corpus, "--output", tmp_path / "emb", "--cache-dir",
-             tmp_path / "cache"], marker, capsys, where.split("/")[0])
+             tmp_path / "cache"], marker, capsys, where if where.endswith(".safetensors") else str(model))
 
 
 def test_pickled_embeddings_are_refused(trained, tmp_path, capsys):
