@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .dpr_checkpoints import find_dpr_pair, load_dpr
+from .dpr_hub import find_dpr_pair, load_dpr
 from .errors import DprGcError
 from .loss import TEMPERATURE_RANGE
 from .files import atomic_open, atomic_path, read_tensors

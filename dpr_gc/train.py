@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from .dpr_checkpoints import find_dpr_pair
+from .dpr_hub import find_dpr_pair
 from .errors import DprGcError
 from .grad_cache import GradCache
 from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss

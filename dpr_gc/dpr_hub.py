@@ -1,6 +1,7 @@
-"""Official DPR checkpoints in: a ``DPRQuestionEncoder`` / ``DPRContextEncoder`` pair (the layout of the Hub's
+"""The Hub's DPR models in: a transformers ``DPRQuestionEncoder`` / ``DPRContextEncoder`` pair (the layout of
 ``facebook/dpr-question_encoder-single-nq-base`` and ``facebook/dpr-ctx_encoder-single-nq-base``) becomes a
-separate-tower retriever with DPR's pooling, so dpr-gc can evaluate and fine-tune the published DPR models."""
+separate-tower retriever with DPR's pooling, so dpr-gc can evaluate and fine-tune the published DPR models.
+(DPR's own ``.cp`` training checkpoints are another format.)"""
 
 from __future__ import annotations
 
