@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -106,16 +107,21 @@ def training_examples(path: Path, limit: int, hard_negatives: int) -> tuple[list
     return questions, groups
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(model: Encoder, params: Any, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """The encoder's inference pass, compiled once per model and input shape (reused before and after training)."""
+    return model.apply({"params": params}, input_ids, attention_mask)
+
+
 def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[str], max_length: int,
                  batch_size: int = 64, desc: str = "encoding") -> np.ndarray:
     """Normalised fp32 representations, encoded in length-sorted batches by a jitted forward pass."""
-    apply = jax.jit(lambda p, ids, mask: model.apply({"params": p}, ids, mask))
     order = np.argsort([len(t) for t in texts], kind="stable")
     out = np.zeros((len(texts), model.config.hidden_size), np.float32)
     for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=None):
         rows = order[start:start + batch_size]
         batch = tokenize(tokenizer, [texts[i] for i in rows], max_length, rows=batch_size)
-        reps = apply(params, batch["input_ids"], batch["attention_mask"])
+        reps = _forward(model, params, batch["input_ids"], batch["attention_mask"])
         out[rows] = np.asarray(reps, np.float32)[:len(rows)]
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
