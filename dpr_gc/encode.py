@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
 PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
-AUTOCAST = {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST = {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": None}
 DTYPES = ("float16", "float32")
 CHUNK_BATCHES = 16
 # Settings that must match for parts/shards in one folder to be combined (batch size and device may differ).
@@ -108,6 +108,21 @@ def encode_block(retriever: Any, titles: Sequence[str], texts: Sequence[str], ba
     return out
 
 
+def quantize_int8(retriever: Any) -> Any:
+    """A copy of ``retriever`` whose Linear layers compute in int8 (dynamic quantization: weights per output
+    channel, activations per batch), for CPUs without native bf16. Quality cost on SciFact: see the README."""
+    import copy
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    if next(retriever.parameters()).device.type != "cpu":
+        raise DprGcError("--precision int8 is a CPU path; on a GPU use bf16 or fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+        return quantize_dynamic(copy.deepcopy(retriever).eval(), {torch.nn.Linear: per_channel_dynamic_qconfig})
+
+
 def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, progress: Optional[Any]) -> None:
     for rows, rep in pending:
         out[rows] = rep.cpu().numpy()
@@ -130,7 +145,7 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike,
     if dtype not in DTYPES:
         raise DprGcError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if autocast not in AUTOCAST:
-        raise DprGcError(f"--precision must be one of fp32, bf16, fp16, got {autocast!r}")
+        raise DprGcError(f"--precision must be one of fp32, bf16, fp16, int8, got {autocast!r}")
     if batch_size < 1 or block_size < 1:
         raise DprGcError("--batch-size and the block size must be positive")
     limit = getattr(retriever.passage_encoder.transformer.config, "max_position_embeddings", None) or 10**9
@@ -185,10 +200,11 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     retriever.eval()
     bar = tqdm(total=sum(blocks[b][1] - blocks[b][0] for b in todo), desc=f"encode {name}", unit=" passages",
                disable=not show_progress, smoothing=0.05)
+    encoder = quantize_int8(retriever) if autocast == "int8" and todo else retriever
     try:
         for b in todo:
             rows = corpus[blocks[b][0]:blocks[b][1]]
-            emb = encode_block(retriever, rows["title"], rows["text"], batch_size, manifest["max_length"], autocast,
+            emb = encode_block(encoder, rows["title"], rows["text"], batch_size, manifest["max_length"], autocast,
                                bar).astype(dtype)
             if not np.isfinite(emb).all():
                 raise DprGcError(f"embeddings overflow {dtype} in rows {blocks[b][0]}..{blocks[b][1] - 1}; "
@@ -325,8 +341,9 @@ def add_arguments(parser: argparse.ArgumentParser, dpr_aliases: bool = False) ->
     parser.add_argument(*names("--max-length", "--max_length"), dest="max_length", type=int, default=None,
                         help="passage max tokens (default: the retriever's passage_max_length)")
     parser.add_argument("--dtype", choices=DTYPES, default="float16", help="stored embedding dtype")
-    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                        help="autocast precision (auto: bf16 on GPUs and CPUs that support it, fp16 on older GPUs, else fp32)")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "int8"), default="auto",
+                        help="autocast precision (auto: bf16 on GPUs and CPUs that support it, fp16 on older GPUs, else "
+                             "fp32); int8: int8 Linear layers on CPU, for CPUs without native bf16")
     parser.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     parser.add_argument("--block-size", type=int, default=16384, help="rows per resumable part file")
     parser.add_argument("--cache-dir", default=None, help="where parsed corpora are cached")

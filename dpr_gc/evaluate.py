@@ -12,100 +12,21 @@ Two kinds of ground truth are supported:
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import math
 import re
-import sys
-import unicodedata
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from tqdm import tqdm
 
+from .answers import MATCH_MODES, AccuracyCounter, AnswerMatcher, check_mode, default_workers
+from .answers import has_answer, normalize, tokenize  # noqa: F401  (the public matching API, also from here)
 from .errors import DprGcError
-from .files import PathLike, atomic_path, iter_jsonl, open_text, read_json, write_json
+from .files import PathLike, atomic_path, open_text, write_json
+from .results import check_question, iter_results, passage_key
 
 logger = logging.getLogger(__name__)
-
-MATCH_MODES = ("string", "regex")
-REGEX_FLAGS = re.IGNORECASE | re.UNICODE | re.MULTILINE
-
-
-# ----------------------------------------------------------------------------------------------- answer matching
-def _class_ranges(codepoints: list[int]) -> str:
-    """Render sorted code points as the body of a regex character class, merging consecutive runs."""
-    parts = []
-    start = prev = codepoints[0]
-    for cp in codepoints[1:] + [-1]:
-        if cp != prev + 1:
-            parts.append(f"\\U{start:08x}" if start == prev else f"\\U{start:08x}-\\U{prev:08x}")
-            start = cp
-        prev = cp
-    return "".join(parts)
-
-
-@functools.lru_cache(maxsize=1)
-def _token_pattern() -> re.Pattern[str]:
-    """Tokens are runs of letters/numbers/marks, or any single char that is not a separator or control.
-
-    These are DPR's SimpleTokenizer classes (``[\\p{L}\\p{N}\\p{M}]+`` | ``[^\\p{Z}\\p{C}]``), built from
-    ``unicodedata`` so the stdlib ``re`` suffices. Combining marks count as word characters, so after NFD
-    "café" stays one token ("cafe" + U+0301) and does not match "cafe". Built once per process (~0.5 s).
-    """
-    word, blank = [], []
-    for cp in range(sys.maxunicode + 1):
-        major = unicodedata.category(chr(cp))[0]
-        if major in "LNM":
-            word.append(cp)
-        elif major in "ZC":
-            blank.append(cp)
-    return re.compile(f"[{_class_ranges(word)}]+|[^{_class_ranges(blank)}]")
-
-
-def normalize(text: str) -> str:
-    """Unicode NFD, as DPR applies to passages and answers before matching."""
-    return unicodedata.normalize("NFD", text)
-
-
-def tokenize(text: str, uncased: bool = True) -> list[str]:
-    """Split ``text`` into DPR simple-tokenizer tokens (lower-cased when ``uncased``)."""
-    tokens = _token_pattern().findall(text)
-    return [t.lower() for t in tokens] if uncased else tokens
-
-
-def has_answer(answers: list[str], text: str, mode: str = "string") -> bool:
-    """True if any answer occurs in the passage ``text``.
-
-    ``string``: the answer's NFD, uncased tokens appear as a contiguous run of the passage's tokens, so "art"
-    does not match "artist" and "U.S." needs the periods. ``regex``: the answer is a pattern searched in the NFD
-    text with IGNORECASE|UNICODE|MULTILINE (the pattern itself is not normalized, as in DPR). Unlike DPR, an
-    answer with no tokens (or an empty pattern) never matches instead of matching everything.
-    """
-    if mode not in MATCH_MODES:
-        raise DprGcError(f"unknown match mode {mode!r}; use one of {', '.join(MATCH_MODES)}")
-    text = normalize(text)
-    if mode == "regex":
-        for pattern in answers:
-            if not pattern:
-                continue
-            try:
-                compiled = re.compile(pattern, REGEX_FLAGS)
-            except re.error as e:
-                raise DprGcError(f"invalid answer regex {pattern!r}: {e}; fix the pattern or use --match string")
-            if compiled.search(text):
-                return True
-        return False
-    passage = tokenize(text)
-    for answer in answers:
-        target = tokenize(normalize(answer))
-        n = len(target)
-        if n == 0 or n > len(passage):
-            continue
-        if any(passage[i : i + n] == target for i in range(len(passage) - n + 1)):
-            return True
-    return False
-
 
 def _check_ks(ks: Iterable[int]) -> list[int]:
     """Validate cut-offs (positive ints) and return them sorted and de-duplicated."""
@@ -115,63 +36,82 @@ def _check_ks(ks: Iterable[int]) -> list[int]:
     return sorted(set(ks))
 
 
-def top_k_accuracy(hits: list[list[bool]], ks: Iterable[int]) -> dict[int, float]:
+BLOCK = 1024
+STORED = None  # match mode meaning "use the has_answer flags in the file"
+
+
+def top_k_accuracy(hits: Iterable[Iterable[bool]], ks: Iterable[int]) -> dict[int, float]:
     """Fraction of questions whose first ``k`` ranked passages contain a hit, for each ``k``."""
     ks = _check_ks(ks)
-    if not hits:
-        raise DprGcError("no questions to evaluate (the results are empty)")
-    first = [next((i for i, h in enumerate(row) if h), math.inf) for row in hits]
-    return {k: sum(f < k for f in first) / len(first) for k in ks}
+    counter = AccuracyCounter()
+    for row in hits:
+        counter.add(row)
+    return counter.accuracy(ks)
 
 
 def read_results(path: PathLike) -> list[dict[str, Any]]:
-    """Read DPR retriever output: a JSON list (or JSONL) of ``{question, answers, ctxs: [...]}``."""
-    name = str(path)
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        results = [obj for _, obj in iter_jsonl(path)]
-    else:
-        results = read_json(path)
-    if not isinstance(results, list):
-        raise DprGcError(f"{path}: expected a JSON list of questions with 'answers' and 'ctxs'")
-    return results
+    """All records of a results file in memory (small files; :func:`dpr_gc.results.iter_results` streams)."""
+    return list(iter_results(path))
 
 
-def _question(results: list[Any], i: int, source: str) -> dict[str, Any]:
-    """Return entry ``i`` after checking it has the shape of a DPR result."""
-    entry = results[i]
-    where = f"{source}: question {i}"
-    if not isinstance(entry, dict) or not isinstance(entry.get("ctxs"), list):
-        raise DprGcError(f"{where}: expected an object with a 'ctxs' list")
-    if not all(isinstance(c, dict) for c in entry["ctxs"]):
-        raise DprGcError(f"{where}: every entry of 'ctxs' must be an object")
-    return entry
+def iter_blocks(results: Iterable[Any], source: str) -> Iterator[list[tuple[int, dict[str, Any]]]]:
+    """``(index, record)`` pairs in blocks of ``BLOCK`` questions, each checked to be a DPR result."""
+    block = []
+    for i, entry in enumerate(results):
+        block.append((i, check_question(entry, i, source)))
+        if len(block) == BLOCK:
+            yield block
+            block = []
+    if block:
+        yield block
 
 
-def evaluate_answers(
-    results: list[dict[str, Any]], ks: Iterable[int], mode: Optional[str] = "string", source: str = "results"
-) -> dict[str, float]:
-    """Top-k answer accuracy over DPR results, as ``{"Accuracy@k": value}``.
+def resolve_mode(mode: Optional[str], block: list[tuple[int, dict[str, Any]]]) -> Optional[str]:
+    """``auto``: the stored flags when the first question with passages has them on every passage, else string."""
+    if mode != "auto":
+        return mode
+    ctxs = next((e["ctxs"] for _, e in block if e["ctxs"]), [])
+    return STORED if all(isinstance(c.get("has_answer"), bool) for c in ctxs) else "string"
 
-    With ``mode`` ("string"/"regex") ``has_answer`` is recomputed from each passage's text; with ``mode=None``
-    the stored ``has_answer`` fields are used. ``source`` names the input in error messages.
-    """
-    if mode is not None and mode not in MATCH_MODES:
-        raise DprGcError(f"unknown match mode {mode!r}; use one of {', '.join(MATCH_MODES)}")
-    hits = []
-    for i in tqdm(range(len(results)), desc="matching answers", disable=None):
-        entry = _question(results, i, source)
+
+def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], source: str,
+                 matcher: Optional[AnswerMatcher]) -> list[list[bool]]:
+    """Each passage's answer flag for a block of questions: stored (``mode`` None) or recomputed by ``matcher``."""
+    for i, entry in block:
         answers = entry.get("answers")
         if mode and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
             raise DprGcError(f"{source}: question {i}: 'answers' must be a list of strings")
-        row = []
+        field = "text" if mode else "has_answer"
         for j, ctx in enumerate(entry["ctxs"]):
-            field = "text" if mode else "has_answer"
             if not isinstance(ctx.get(field), str if mode else bool):
-                need = "passage 'text' to match answers" if mode else "boolean 'has_answer'; give a match mode"
+                need = ("passage 'text' to match answers (compact results have none: use --match stored)" if mode
+                        else "boolean 'has_answer'; give a match mode")
                 raise DprGcError(f"{source}: question {i}, ctx {j}: missing {need}")
-            row.append(has_answer(answers, ctx["text"], mode) if mode else ctx["has_answer"])
-        hits.append(row)
-    return {f"Accuracy@{k}": v for k, v in top_k_accuracy(hits, ks).items()}
+    if not mode:
+        return [[c["has_answer"] for c in entry["ctxs"]] for _, entry in block]
+    return matcher.flags([(entry["answers"], [(passage_key(c), c["text"]) for c in entry["ctxs"]])
+                          for _, entry in block])
+
+
+def evaluate_answers(results: Iterable[dict[str, Any]], ks: Iterable[int], mode: Optional[str] = "string",
+                     source: str = "results", workers: int = 1) -> dict[str, float]:
+    """Top-k answer accuracy over DPR results (any iterable, read once), as ``{"Accuracy@k": value}``.
+
+    With ``mode`` ("string"/"regex") ``has_answer`` is recomputed from each passage's text (``workers`` processes
+    tokenise new passages); with ``mode=None`` the stored ``has_answer`` fields are used; ``auto`` picks the stored
+    flags when the file has them. ``source`` names the input in error messages.
+    """
+    ks = _check_ks(ks)
+    if mode not in (STORED, "auto"):
+        check_mode(mode)
+    counter = AccuracyCounter()
+    with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
+        resolved = mode
+        for block in iter_blocks(tqdm(results, desc="matching answers", unit=" q", disable=None), source):
+            resolved = resolve_mode(resolved, block)
+            for row in answer_flags(block, resolved, source, regex if resolved == "regex" else string):
+                counter.add(row)
+    return {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}
 
 
 # ----------------------------------------------------------------------------------------------- qrels and runs
@@ -236,26 +176,32 @@ def read_run(path: PathLike) -> dict[str, dict[str, float]]:
     return run
 
 
-def run_from_results(results: list[dict[str, Any]], source: str = "results") -> dict[str, dict[str, float]]:
-    """Turn DPR results whose questions carry an ``id`` into a run; ctx ``score`` may be a string (as DPR writes)."""
+def result_scores(entry: dict[str, Any], i: int, source: str,
+                  docs: Optional[dict[str, float]] = None) -> dict[str, float]:
+    """Add one checked result's ``{passage id: score}`` to ``docs``; ctx ``score`` may be a string (as DPR writes)."""
+    if "id" not in entry:
+        raise DprGcError(f"{source}: question {i} has no 'id', so it cannot be joined with qrels; use --run instead")
+    docs = {} if docs is None else docs
+    for j, ctx in enumerate(entry["ctxs"]):
+        where = f"{source}: question {i}, ctx {j}"
+        if "id" not in ctx:
+            raise DprGcError(f"{where}: missing passage 'id'")
+        try:
+            score = float(ctx["score"]) if "score" in ctx else float(len(entry["ctxs"]) - j)
+        except (TypeError, ValueError):
+            raise DprGcError(f"{where}: score {ctx['score']!r} is not a number") from None
+        if str(ctx["id"]) in docs:
+            raise DprGcError(f"{where}: passage {ctx['id']!r} listed twice")
+        docs[str(ctx["id"])] = score
+    return docs
+
+
+def run_from_results(results: Iterable[Any], source: str = "results") -> dict[str, dict[str, float]]:
+    """Turn DPR results whose questions carry an ``id`` into a run (questions with the same id are merged)."""
     run: dict[str, dict[str, float]] = {}
-    for i in range(len(results)):
-        entry = _question(results, i, source)
-        if "id" not in entry:
-            raise DprGcError(f"{source}: question {i} has no 'id', so it cannot be joined with qrels; "
-                             "use --run instead")
-        docs = run.setdefault(str(entry["id"]), {})
-        for j, ctx in enumerate(entry["ctxs"]):
-            where = f"{source}: question {i}, ctx {j}"
-            if "id" not in ctx:
-                raise DprGcError(f"{where}: missing passage 'id'")
-            try:
-                score = float(ctx["score"]) if "score" in ctx else float(len(entry["ctxs"]) - j)
-            except (TypeError, ValueError):
-                raise DprGcError(f"{where}: score {ctx['score']!r} is not a number") from None
-            if str(ctx["id"]) in docs:
-                raise DprGcError(f"{where}: passage {ctx['id']!r} listed twice")
-            docs[str(ctx["id"])] = score
+    for i, entry in enumerate(results):
+        entry = check_question(entry, i, source)
+        result_scores(entry, i, source, run.setdefault(str(entry.get("id")), {}))
     return run
 
 
@@ -294,29 +240,48 @@ def query_metrics(scores: dict[str, float], judged: dict[str, int], ks: Iterable
     return out
 
 
-def qrels_metrics(
-    run: dict[str, dict[str, float]], qrels: dict[str, dict[str, int]], ks: Iterable[int]
-) -> dict[str, float]:
-    """Mean of :func:`query_metrics` over every query in ``qrels``.
+class QrelsAccumulator:
+    """Mean of :func:`query_metrics` over every query in ``qrels``, fed one ranked query at a time.
 
     Queries in the qrels but absent from the run score 0 on every metric (trec_eval ``-c``; the right choice
     when a retriever silently drops queries), and queries judged all-non-relevant also score 0 and still count,
     as in pytrec_eval. Run queries without judgments are ignored.
     """
-    ks = _check_ks(ks)
-    if not qrels:
-        raise DprGcError("the qrels are empty; nothing to evaluate")
-    missing = [q for q in qrels if q not in run]
-    if missing:
-        logger.warning("%d of %d judged queries are missing from the run and count as 0 (e.g. %r)",
-                       len(missing), len(qrels), missing[0])
-    totals: dict[str, float] = {}
-    for qid, judged in qrels.items():
-        for name, value in query_metrics(run.get(qid, {}), judged, ks).items():
-            totals[name] = totals.get(name, 0.0) + value
-    order = ["Recall", "nDCG", "MRR", "MAP", "Accuracy"]
-    names = sorted(totals, key=lambda n: (order.index(n.split("@")[0]), int(n.split("@")[1])))
-    return {name: totals[name] / len(qrels) for name in names}
+
+    def __init__(self, qrels: dict[str, dict[str, int]], ks: Iterable[int]) -> None:
+        self.qrels, self.ks = qrels, _check_ks(ks)
+        if not qrels:
+            raise DprGcError("the qrels are empty; nothing to evaluate")
+        self.totals: dict[str, float] = {}
+        self.seen: set[str] = set()
+
+    def add(self, qid: str, scores: dict[str, float], source: str = "the run") -> None:
+        if qid in self.seen:
+            raise DprGcError(f"{source}: query {qid!r} appears twice; give each question one record")
+        self.seen.add(qid)
+        if qid in self.qrels:
+            for name, value in query_metrics(scores, self.qrels[qid], self.ks).items():
+                self.totals[name] = self.totals.get(name, 0.0) + value
+
+    def result(self) -> dict[str, float]:
+        missing = [q for q in self.qrels if q not in self.seen]
+        if missing:
+            logger.warning("%d of %d judged queries are missing from the run and count as 0 (e.g. %r)",
+                           len(missing), len(self.qrels), missing[0])
+        totals = dict.fromkeys(query_metrics({}, {}, self.ks), 0.0) | self.totals
+        order = ["Recall", "nDCG", "MRR", "MAP", "Accuracy"]
+        names = sorted(totals, key=lambda n: (order.index(n.split("@")[0]), int(n.split("@")[1])))
+        return {name: totals[name] / len(self.qrels) for name in names}
+
+
+def qrels_metrics(
+    run: dict[str, dict[str, float]], qrels: dict[str, dict[str, int]], ks: Iterable[int]
+) -> dict[str, float]:
+    """Mean of :func:`query_metrics` over every query in ``qrels`` (see :class:`QrelsAccumulator`)."""
+    acc = QrelsAccumulator(qrels, ks)
+    for qid, scores in run.items():
+        acc.add(qid, scores)
+    return acc.result()
 
 
 # ----------------------------------------------------------------------------------------------- reporting
@@ -371,40 +336,72 @@ def curve(metrics: dict[str, float], name: str) -> dict[int, float]:
     return {int(key.split("@")[1]): v for key, v in metrics.items() if key.split("@")[0] == name}
 
 
+def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: int = 1,
+                 qrels: Optional[dict[str, dict[str, int]]] = None,
+                 answers_optional: bool = False) -> tuple[Optional[dict], Optional[dict]]:
+    """One streaming pass over a results file: answer accuracy (``None`` when ``answers_optional`` and the
+    questions carry no answers) and, with ``qrels``, qrels metrics of the run the results hold."""
+    source = str(path)
+    counter, acc = AccuracyCounter(), QrelsAccumulator(qrels, ks) if qrels is not None else None
+    with_answers: Optional[bool] = None
+    with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
+        for block in iter_blocks(tqdm(iter_results(path), desc="evaluating", unit=" q", disable=None), source):
+            if with_answers is None:
+                with_answers = not answers_optional or "answers" in block[0][1]
+            if with_answers:
+                mode = resolve_mode(mode, block)
+                for row in answer_flags(block, mode, source, regex if mode == "regex" else string):
+                    counter.add(row)
+            for i, entry in block if acc is not None else ():
+                acc.add(str(entry.get("id")), result_scores(entry, i, source), source)
+    answers = None
+    if with_answers is not False:
+        answers = {"match": mode or "stored", "questions": counter.questions,
+                   "metrics": {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}}
+    return answers, acc.result() if acc is not None else None
+
+
 def evaluate(
     ks: Iterable[int],
     results_path: Optional[PathLike] = None,
     run_path: Optional[PathLike] = None,
     qrels_path: Optional[PathLike] = None,
-    mode: Optional[str] = "string",
+    mode: Optional[str] = "auto",
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Run every evaluation the inputs allow and return a JSON-ready report.
 
-    ``results_path`` gives answer accuracy (when questions have answers); with ``qrels_path`` the run comes
-    from ``run_path``, or else from the results' question and passage ids.
+    ``results_path`` gives answer accuracy (when questions have answers), read as a stream; ``mode`` ``auto``
+    uses the file's ``has_answer`` flags when it has them, ``string``/``regex`` recompute them (``workers``
+    processes), ``None`` insists on the stored ones. With ``qrels_path`` the run comes from ``run_path``, or else
+    from the results' question and passage ids.
     """
     ks = _check_ks(ks)
     if results_path is None and run_path is None:
         raise DprGcError("give --results FILE and/or --run FILE with --qrels FILE")
     if run_path is not None and qrels_path is None:
         raise DprGcError("--run needs --qrels FILE to score it against")
+    if mode not in (STORED, "auto"):
+        check_mode(mode)
     report: dict[str, Any] = {"k": ks}
-    results = read_results(results_path) if results_path is not None else None
-    if results is not None and (qrels_path is None or any("answers" in r for r in results if isinstance(r, dict))):
-        report["answers"] = {"results": str(results_path), "match": mode or "stored", "questions": len(results),
-                             "metrics": evaluate_answers(results, ks, mode, source=str(results_path))}
-    if qrels_path is not None:
-        qrels = read_qrels(qrels_path)
-        run = read_run(run_path) if run_path is not None else run_from_results(results, str(results_path))
+    qrels = read_qrels(qrels_path) if qrels_path is not None else None
+    from_results = None
+    if results_path is not None:
+        answers, from_results = scan_results(results_path, ks, mode, workers, qrels if run_path is None else None,
+                                             answers_optional=qrels is not None)
+        if answers is not None:
+            report["answers"] = {"results": str(results_path), **answers}
+    if qrels is not None:
+        metrics = from_results if run_path is None else qrels_metrics(read_run(run_path), qrels, ks)
         report["qrels"] = {"qrels": str(qrels_path), "run": str(run_path or results_path), "queries": len(qrels),
-                           "metrics": qrels_metrics(run, qrels, ks)}
+                           "metrics": metrics}
     return report
 
 
 def _cli(args: argparse.Namespace) -> None:
     """Handler for ``dpr_gc evaluate``: evaluate, print tables, write JSON and the optional plot."""
     mode = None if args.match == "stored" else args.match
-    report = evaluate(args.k, args.results, args.run, args.qrels, mode)
+    report = evaluate(args.k, args.results, args.run, args.qrels, mode, args.workers or default_workers())
     curves = {}
     for key, title, names in (("answers", "answer accuracy ({questions} questions, match={match})", ["Accuracy"]),
                               ("qrels", "qrels metrics ({queries} judged queries)", ["Recall", "Accuracy"])):
@@ -427,8 +424,11 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
     p.add_argument("--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels (qid 0 docid rel)")
     p.add_argument("--k", type=int, nargs="+", default=[1, 5, 20, 100], help="cut-offs (default: 1 5 20 100)")
-    p.add_argument("--match", choices=MATCH_MODES + ("stored",), default="string",
-                   help="answer matching: string (NQ/TriviaQA), regex (CuratedTREC), or stored has_answer fields")
+    p.add_argument("--match", choices=("auto", "stored") + MATCH_MODES, default="auto",
+                   help="answer flags: auto (the file's has_answer fields when present, else string), stored, or "
+                        "recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")
+    p.add_argument("--workers", type=int, default=0,
+                   help="processes that tokenise passages when recomputing flags (default 0: all cores)")
     p.add_argument("--output", help="write the metrics report here as JSON")
     p.add_argument("--plot", help="write a PNG of accuracy/recall against k here")
     p.set_defaults(func=_cli)

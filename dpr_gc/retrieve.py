@@ -8,19 +8,23 @@ follow DPR's retriever JSON (``question``, ``answers``, ``ctxs`` with ``id``, ``
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from .answers import MATCH_MODES, AccuracyCounter, AnswerMatcher, default_workers
 from .errors import DprGcError
-from .files import PathLike, atomic_open
+from .evaluate import QrelsAccumulator
+from .files import PathLike
 from .index import KINDS, DenseIndex, IndexParams, build_index, set_threads
 from .model import add_prefix_arguments
+from .results import check_run_tag, open_results, open_trec_run
 
 logger = logging.getLogger(__name__)
 
@@ -64,70 +68,66 @@ def check_corpus(index: DenseIndex, corpus: Any) -> None:
                              "give the corpus that was encoded")
 
 
-def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: list[dict], top_k: int = 100,
-             batch_size: int = 64, match: Optional[str] = "string", show_progress: bool = True) -> list[dict]:
-    """Top-``top_k`` passages for each query as DPR retriever records (plus the query ``id``).
+def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
+                  batch_size: int = 64, matcher: Optional[AnswerMatcher] = None,
+                  show_progress: bool = True) -> Iterator[dict]:
+    """Top-``top_k`` passages for each query as DPR retriever records (plus the query ``id``), yielded in order.
 
-    Questions are embedded ``batch_size`` at a time and searched in chunks; ``match`` ("string"/"regex") fills
-    each passage's ``has_answer`` with DPR's answer matching, ``None`` leaves the field out.
+    Questions are embedded ``batch_size`` at a time and searched ``QUERY_CHUNK`` at a time, so memory holds one
+    chunk; ``matcher`` (an :class:`AnswerMatcher`) fills each passage's ``has_answer``, ``None`` leaves it out.
     """
-    from .evaluate import MATCH_MODES, has_answer
-
-    if match is not None and match not in MATCH_MODES:
-        raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
     if retriever.dim != index.dim:
         check_compatible(retriever, index, check_fingerprint=False)
-    results: list[dict] = []
-    for start in tqdm(range(0, len(queries), QUERY_CHUNK), desc="retrieving", unit=" chunks",
-                      disable=not show_progress or len(queries) <= QUERY_CHUNK):
-        chunk = queries[start:start + QUERY_CHUNK]
+    queries = iter(queries)
+    bar = tqdm(desc="retrieving", unit=" q", disable=not show_progress)
+    while chunk := list(itertools.islice(queries, QUERY_CHUNK)):
         emb = retriever.embed("query", [q["question"] for q in chunk], batch_size=batch_size,
-                              show_progress=show_progress)
+                              show_progress=show_progress and len(chunk) > batch_size)
         scores, rows = index.search(emb, top_k)
         unique = np.unique(rows[rows >= 0]).tolist()
         passages = corpus[unique] if unique else {"id": [], "title": [], "text": []}
         where = {row: i for i, row in enumerate(unique)}
-        for q, q_scores, q_rows in zip(chunk, scores, rows):
-            answers = q.get("answers") or []
-            ctxs = []
-            for score, row in zip(q_scores.tolist(), q_rows.tolist()):
-                if row < 0:
-                    continue
-                i = where[row]
-                ctx = {"id": str(passages["id"][i]), "title": passages["title"][i] or "",
-                       "text": passages["text"][i], "score": score}
-                if match is not None:
-                    ctx["has_answer"] = bool(answers) and has_answer(answers, ctx["text"], match)
-                ctxs.append(ctx)
-            results.append({"id": str(q["id"]), "question": q["question"], "answers": answers, "ctxs": ctxs})
-    return results
+        records = []
+        for q, q_scores, q_rows in zip(chunk, scores.tolist(), rows.tolist()):
+            ctxs = [{"id": str(passages["id"][i]), "title": passages["title"][i] or "", "text": passages["text"][i],
+                     "score": score} for score, i in ((s, where[r]) for s, r in zip(q_scores, q_rows) if r >= 0)]
+            records.append({"id": str(q["id"]), "question": q["question"], "answers": q.get("answers") or [],
+                            "ctxs": ctxs})
+        if matcher is not None:
+            flags = matcher.flags([(r["answers"], [(c["id"], c["text"]) for c in r["ctxs"]]) for r in records])
+            for record, row in zip(records, flags):
+                for ctx, flag in zip(record["ctxs"], row):
+                    ctx["has_answer"] = flag
+        bar.update(len(chunk))
+        yield from records
+    bar.close()
 
 
-def write_results_json(results: list[dict], path: PathLike) -> Path:
-    """Write DPR retriever JSON (a list of question records), atomically."""
-    with atomic_open(path) as f:
-        json.dump(results, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
+             batch_size: int = 64, match: Optional[str] = "string", show_progress: bool = True,
+             workers: int = 1) -> list[dict]:
+    """All records of :func:`iter_retrieve` in a list (small runs); ``match`` ("string"/"regex") fills
+    ``has_answer`` with DPR's answer matching, ``None`` leaves the field out."""
+    if match is not None and match not in MATCH_MODES:
+        raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
+    with AnswerMatcher(match or "string", workers) as matcher:
+        return list(iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
+                                  matcher if match is not None else None, show_progress))
+
+
+def write_results_json(results: Iterable[dict], path: PathLike, compact: bool = False) -> Path:
+    """Write DPR retriever JSON (a list of question records; JSONL when named .jsonl), atomically."""
+    with open_results(path, compact) as out:
+        for record in results:
+            out.write(record)
     return Path(path)
 
 
-def write_trec_run(results: list[dict], path: PathLike, tag: str = "dpr-gc") -> Path:
+def write_trec_run(results: Iterable[dict], path: PathLike, tag: str = "dpr-gc") -> Path:
     """Write a TREC run (``qid Q0 docid rank score tag``) from retriever records, atomically."""
-    if not tag or any(c.isspace() for c in tag):
-        raise DprGcError(f"--run-tag must be one word without spaces, got {tag!r}")
-    seen: set[str] = set()
-    with atomic_open(path) as f:
+    with open_trec_run(path, tag) as out:
         for record in results:
-            qid = str(record["id"])
-            if not qid or any(c.isspace() for c in qid) or qid in seen:
-                problem = "appears twice" if qid in seen else "is empty or contains whitespace"
-                raise DprGcError(f"query id {qid!r} {problem}; a TREC run needs unique one-word query ids")
-            seen.add(qid)
-            for rank, ctx in enumerate(record["ctxs"], start=1):
-                docid = str(ctx["id"])
-                if not docid or any(c.isspace() for c in docid):
-                    raise DprGcError(f"passage id {docid!r} is empty or has whitespace; a TREC run cannot hold it")
-                f.write(f"{qid} Q0 {docid} {rank} {float(ctx['score'])!r} {tag}\n")
+            out.write(record)
     return Path(path)
 
 
@@ -139,17 +139,67 @@ def filter_judged(queries: list[dict], qrels: dict[str, dict[str, int]], qrels_p
     return kept
 
 
-def evaluate_results(results: list[dict], ks: list[int], match: Optional[str],
-                     qrels: Optional[dict[str, dict[str, int]]]) -> dict[str, dict[str, float]]:
-    """Answer accuracy (when questions have answers) and qrels metrics (when qrels are given)."""
-    from .evaluate import evaluate_answers, qrels_metrics, run_from_results
+class RunEvaluation:
+    """``--evaluate`` fed one retrieved record at a time: answer accuracy from the ``has_answer`` flags already
+    computed (or matched here with ``matcher`` when retrieval did not match), qrels metrics when qrels are given."""
 
-    report = {}
-    if any(r["answers"] for r in results):
-        report["answers"] = evaluate_answers(results, ks, match or "string")
-    if qrels is not None:
-        report["qrels"] = qrels_metrics(run_from_results(results), qrels, ks)
-    return report
+    def __init__(self, ks: list[int], qrels: Optional[dict[str, dict[str, int]]], with_answers: bool,
+                 matcher: Optional[AnswerMatcher] = None) -> None:
+        self.ks, self.matcher = ks, matcher
+        self.answers = AccuracyCounter() if with_answers else None
+        self.qrels = QrelsAccumulator(qrels, ks) if qrels is not None else None
+
+    def write(self, record: dict) -> None:
+        if self.answers is not None:
+            ctxs = record["ctxs"]
+            if self.matcher is not None:
+                self.answers.add(self.matcher.flags([(record["answers"], [(c["id"], c["text"]) for c in ctxs])])[0])
+            else:
+                self.answers.add(c["has_answer"] for c in ctxs)
+        if self.qrels is not None:
+            self.qrels.add(record["id"], {c["id"]: float(c["score"]) for c in record["ctxs"]})
+
+    def report(self) -> dict[str, dict[str, float]]:
+        out = {}
+        if self.answers is not None:
+            out["answers"] = {f"Accuracy@{k}": v for k, v in self.answers.accuracy(self.ks).items()}
+        if self.qrels is not None:
+            out["qrels"] = self.qrels.result()
+        return out
+
+
+def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Sequence[dict], top_k: int = 100,
+                      batch_size: int = 64, match: Optional[str] = "string", output: Optional[PathLike] = None,
+                      compact: bool = False, trec_run: Optional[PathLike] = None, run_tag: str = "dpr-gc",
+                      ks: Optional[list[int]] = None, qrels: Optional[dict[str, dict[str, int]]] = None,
+                      workers: int = 1, show_progress: bool = True) -> dict[str, dict[str, float]]:
+    """Retrieve, writing the results file (``compact``: without passage text) and the TREC run as records come and
+    evaluating them on the way when ``ks`` is given; returns the metrics (empty without ``ks``).
+
+    Answers are matched once per run: evaluation reuses the ``has_answer`` flags written to the results (with
+    ``match`` None they are matched for the evaluation only, with DPR's string matching).
+    """
+    if match is not None and match not in MATCH_MODES:
+        raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
+    if trec_run:
+        check_run_tag(run_tag)
+    with contextlib.ExitStack() as stack:
+        matcher = stack.enter_context(AnswerMatcher(match or "string", workers))
+        writers = []
+        if output:
+            writers.append(stack.enter_context(open_results(output, compact)))
+        if trec_run:
+            writers.append(stack.enter_context(open_trec_run(trec_run, run_tag)))
+        evaluation = None
+        if ks is not None:
+            evaluation = RunEvaluation(ks, qrels, any(q.get("answers") for q in queries),
+                                       matcher if match is None else None)
+            writers.append(evaluation)
+        for record in iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
+                                    matcher if match is not None else None, show_progress):
+            for writer in writers:
+                writer.write(record)
+        return evaluation.report() if evaluation is not None else {}
 
 
 # ----------------------------------------------------------------------------------------------- command line
@@ -200,8 +250,9 @@ def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
     return model
 
 
-def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) -> list[dict]:
-    """Shared by ``dpr-gc retrieve`` and ``scripts/dense_retriever.py``: load, retrieve, write, evaluate, summarise."""
+def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) -> dict[str, dict[str, float]]:
+    """Shared by ``dpr-gc retrieve`` and ``scripts/dense_retriever.py``: load, retrieve while writing and evaluating,
+    summarise; returns the metrics."""
     import torch
 
     from .corpus import load_corpus, read_queries
@@ -225,21 +276,18 @@ def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) 
         queries = filter_judged(queries, qrels, args.qrels)
     match = None if args.match == "none" else args.match
     started = time.perf_counter()
-    results = retrieve(retriever, index, corpus, queries, args.top_k, args.batch_size, match)
+    metrics = retrieve_to_files(retriever, index, corpus, queries, args.top_k, args.batch_size, match, args.output,
+                                args.compact, args.trec_run, args.run_tag, args.k if args.evaluate else None, qrels,
+                                args.workers or default_workers())
     seconds = time.perf_counter() - started
-    if args.output:
-        write_results_json(results, args.output)
-    if args.trec_run:
-        write_trec_run(results, args.trec_run, args.run_tag)
-    if args.evaluate:
-        for name, metrics in evaluate_results(results, args.k, match, qrels).items():
-            print(f"\n{name} metrics ({len(results)} queries)")
-            print(format_table(metrics))
+    for name, values in metrics.items():
+        print(f"\n{name} metrics ({len(queries)} queries)")
+        print(format_table(values))
     print(format_summary({"queries": len(queries), "top-k": args.top_k, "index": index_name,
                           "vectors": index.ntotal, "seconds": round(seconds, 2),
                           "queries/s": round(len(queries) / seconds, 1) if seconds > 0 else "n/a",
                           "results": args.output or "-", "trec run": args.trec_run or "-"}))
-    return results
+    return metrics
 
 
 def _retrieve_cli(args: argparse.Namespace) -> None:
@@ -259,7 +307,11 @@ def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="questions per encoder batch (default 64)")
     p.add_argument("--match", choices=MATCH_CHOICES, default="string",
                    help="answer matching for has_answer: string (NQ/TriviaQA), regex (CuratedTREC) or none")
-    p.add_argument("--output", help="write DPR retriever JSON here")
+    p.add_argument("--output", help="write DPR retriever JSON here (JSONL when named .jsonl; .gz compresses)")
+    p.add_argument("--compact", action="store_true",
+                   help="results without passage title and text: ids, scores and has_answer (for evaluate and mine)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="processes that tokenise passages for answer matching (default 0: all cores)")
     p.add_argument("--trec-run", help="write a TREC run file here")
     p.add_argument("--run-tag", default="dpr-gc", help="tag column of the TREC run (default dpr-gc)")
     p.add_argument("--qrels", help="relevance judgments: only judged queries are retrieved; used by --evaluate")

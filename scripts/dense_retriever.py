@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index_path", help="load the index from this folder if it holds one, else save it there")
     p.add_argument("--hnsw_index", action="store_true", help="build an HNSW index instead of an exact one")
     p.add_argument("--out_file", dest="output", help="DPR retriever JSON output")
+    p.add_argument("--compact", action="store_true", help="results without passage text (ids, scores, has_answer)")
+    p.add_argument("--workers", type=int, default=0, help="answer-matching processes (default 0: all cores)")
     p.add_argument("--n_docs", dest="top_k", type=int, default=100, help="passages per question (default 100)")
     p.add_argument("--batch_size", dest="batch_size", type=int, default=64, help="questions per encoder batch")
     p.add_argument("--match", choices=MATCH_CHOICES, default="string", help="answer matching for has_answer")

@@ -111,6 +111,25 @@ def test_float16_and_bf16_autocast(tmp_path: Path, make_retriever) -> None:
     assert cos.min() > 0.99
 
 
+def test_int8_encoding_is_close_to_fp32_and_keeps_the_model(tmp_path: Path, make_retriever) -> None:
+    import torch
+
+    retriever = make_retriever(normalize=True, passage_max_length=32)
+    before = {k: v.clone() for k, v in retriever.state_dict().items()}
+    fingerprint = encode.model_fingerprint(retriever)
+    path = write_corpus(tmp_path / "data", passages(9), "jsonl")
+    m = encode_corpus(retriever, path, tmp_path / "q", dtype="float32", autocast="int8", cache_dir=tmp_path / "c",
+                      show_progress=False)
+    assert m["precision"] == "int8" and m["model_fingerprint"] == fingerprint  # an fp32 query encoder still fits
+    quantized = encode.quantize_int8(retriever)
+    assert any("quantized" in type(mod).__module__ for mod in quantized.modules())
+    assert all(torch.equal(v, before[k]) for k, v in retriever.state_dict().items())  # the original is untouched
+    emb = np.load(tmp_path / "q" / m["embeddings"])
+    full = retriever.embed("passage", [r[2] for r in passages(9)], [r[1] for r in passages(9)])
+    assert not np.allclose(emb, full, atol=1e-6)  # really computed in int8
+    assert (emb * full).sum(1).min() > 0.95
+
+
 def test_torchrun_environment_picks_the_shard(tmp_path: Path, make_retriever, monkeypatch) -> None:
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -275,16 +275,19 @@ def test_cli_end_to_end(tmp_path, capsys):
     qrels.write_text("query-id\tcorpus-id\tscore\nq1\td2\t1\nq2\td1\t1\n")
     out, plot = tmp_path / "out" / "metrics.json", tmp_path / "curve.png"
     _cli(["evaluate", "--results", str(results), "--qrels", str(qrels), "--k", "1", "2",
-          "--output", str(out), "--plot", str(plot)])
+          "--output", str(out), "--plot", str(plot), "--match", "string", "--workers", "1"])
     report = json.loads(out.read_text())
     assert report["k"] == [1, 2]
-    assert report["answers"]["metrics"] == {"Accuracy@1": 0.5, "Accuracy@2": 1.0}
+    assert report["answers"]["metrics"] == {"Accuracy@1": 0.5, "Accuracy@2": 1.0}  # recomputed from the text
     assert report["qrels"]["metrics"]["Recall@1"] == 0.0 and report["qrels"]["metrics"]["Recall@2"] == 1.0
     assert report["qrels"]["metrics"]["MRR@10"] == 0.5
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "| Accuracy | 0.5000 | 1.0000 |" in printed and "| Recall | 0.0000 | 1.0000 |" in printed
     assert not [p for p in tmp_path.rglob("*.tmp")]
+    _cli(["evaluate", "--results", str(results), "--k", "1", "--output", str(out)])
+    assert json.loads(out.read_text())["answers"] == {  # by default the flags in the file are used
+        "results": str(results), "match": "stored", "questions": 2, "metrics": {"Accuracy@1": 1.0}}
     run = tmp_path / "run.trec"
     run.write_text("q1 Q0 d2 1 1.0 t\n")
     _cli(["evaluate", "--run", str(run), "--qrels", str(qrels), "--k", "1", "--output", str(out)])

@@ -1,0 +1,159 @@
+"""Answer matching computed once per run (dpr_gc.answers) equals DPR's per-call has_answer, flag for flag."""
+
+from __future__ import annotations
+
+import random
+import sys
+import unicodedata
+
+import pytest
+
+from dpr_gc import answers as am
+from dpr_gc.errors import DprGcError
+
+regex = pytest.importorskip("regex")  # DPR's tokenizer and regex matching use the `regex` package
+
+DPR_TOKEN = regex.compile(r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])", flags=regex.IGNORECASE | regex.UNICODE
+                          | regex.MULTILINE)
+
+
+def dpr_has_answer(answers: list[str], text: str, match_type: str) -> bool:
+    """A straightforward reimplementation of DPR's ``has_answer`` (qa_validation.py): sliding-window comparison of
+    uncased token lists after NFD, or a regex search of the NFD text; a pattern that does not compile is False."""
+    text = unicodedata.normalize("NFD", text)
+    if match_type == "string":
+        words = [m.group().lower() for m in DPR_TOKEN.finditer(text)]
+        for answer in answers:
+            target = [m.group().lower() for m in DPR_TOKEN.finditer(unicodedata.normalize("NFD", answer))]
+            for i in range(0, len(words) - len(target) + 1):
+                if target == words[i:i + len(target)]:
+                    return True
+        return False
+    for pattern in answers:
+        try:
+            compiled = regex.compile(pattern, flags=regex.IGNORECASE | regex.UNICODE | regex.MULTILINE)
+        except BaseException:
+            continue
+        if compiled.search(text) is not None:
+            return True
+    return False
+
+
+ALPHABET = list("abcAB  xyzXé.,-'") + ["\u0301", "\u00e9", "E\u0301", "\u0130", "\u03a3", "\u03c3", "\u00df", "1",
+                                           "9", "\u00a0", "\t", "\n", "\u200b", "\u00bd", "\u2014", "\U0001f642", "\ufb01",
+                                           "\u212a", "日"]
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(ALPHABET) for _ in range(n))
+
+
+def random_case(rng: random.Random, n_questions: int = 60, n_passages: int = 40):
+    """Passages of random text; answers that are pieces of passages (often hits, partly cut mid-token, case and
+    accent changed) or random strings (mostly misses)."""
+    passages = [(f"p{i}", random_text(rng, rng.randint(0, 60))) for i in range(n_passages)]
+    questions = []
+    for _ in range(n_questions):
+        answers = []
+        for _ in range(rng.randint(0, 3)):
+            text = rng.choice(passages)[1]
+            if text and rng.random() < 0.7:
+                a = rng.randrange(len(text))
+                piece = text[a:a + rng.randint(1, 12)]
+                answers.append(piece.upper() if rng.random() < 0.3 else unicodedata.normalize("NFC", piece))
+            else:
+                answers.append(random_text(rng, rng.randint(1, 6)))
+        questions.append((answers, rng.sample(passages, rng.randint(0, 15))))
+    return questions
+
+
+def with_tokens(answers: list[str]) -> list[str]:
+    """The answers DPR and dpr-gc treat alike: DPR matches everything with a token-less answer, dpr-gc nothing."""
+    return [a for a in answers if am.tokenize(am.normalize(a))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_string_flags_equal_dpr_on_random_data(seed):
+    questions = random_case(random.Random(seed))
+    want = [[dpr_has_answer(with_tokens(a), text, "string") for _, text in ps] for a, ps in questions]
+    assert 10 < sum(map(sum, want)) < sum(map(len, want)) / 2  # the data has hits and misses
+    with am.AnswerMatcher("string") as matcher:
+        assert matcher.flags(questions) == want
+    assert [[am.has_answer(a, text) for _, text in ps] for a, ps in questions] == want
+    with am.AnswerMatcher("string", workers=2, parallel_min=1) as pooled:  # new passages tokenised by a pool
+        assert pooled.flags(questions[:30]) + pooled.flags(questions[30:]) == want
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_regex_flags_equal_dpr_on_random_data(seed):
+    rng = random.Random(seed)
+    pieces = ["a", "b", "x", "é", "e\u0301", ".", "\\.", "[ab]", "\\d", "\\s", "\\w+", "^", "$", "\\b", "a?", "(x|y)",
+              "Σ", "σ", ".*"]
+    questions = []
+    for answers, ps in random_case(rng):
+        questions.append(([p for a in answers if (p := "".join(rng.choice(pieces) for _ in range(rng.randint(1, 3))))],
+                          ps))
+    want = [[dpr_has_answer(a, text, "regex") for _, text in ps] for a, ps in questions]
+    assert 0 < sum(map(sum, want)) < sum(map(len, want))
+    with am.AnswerMatcher("regex", workers=2, parallel_min=1) as matcher:
+        assert matcher.flags(questions) == want
+
+
+def test_empty_answers_never_match_unlike_dpr():
+    assert dpr_has_answer([""], "anything", "string") and dpr_has_answer([" ."[0]], "", "string")
+    with am.AnswerMatcher() as matcher:
+        assert matcher.flags([([], [("p", "x")]), ([""], [("p", "x")]), (["  "], [("q", "")]),
+                              (["\u200b", "x"], [("p", "x")])]) == [[False], [False], [False], [True]]
+    with am.AnswerMatcher("regex") as matcher:
+        assert matcher.flags([([""], [("p", "x")]), ([], [("p", "x")])]) == [[False], [False]]
+
+
+def test_no_token_contains_the_separator():
+    """The substring test is exact only if no lower-cased token character is a space: check every code point."""
+    pattern = am._token_pattern()
+    for cp in range(sys.maxunicode + 1):
+        ch = chr(cp)
+        if pattern.fullmatch(ch):
+            assert " " not in ch.lower(), hex(cp)
+
+
+def test_each_passage_is_tokenised_once_and_the_cache_is_bounded(monkeypatch):
+    calls = []
+    real = am.prepare_passage
+    monkeypatch.setattr(am, "prepare_passage", lambda text, mode: calls.append(text) or real(text, mode))
+    passages = [(f"p{i}", f"passage number {i} about paris") for i in range(10)]
+    questions = [(["Paris"], passages[i:i + 5]) for i in range(6)]
+    with am.AnswerMatcher() as matcher:
+        assert matcher.flags(questions) == [[True] * 5] * 6
+        assert matcher.flags(questions) == [[True] * 5] * 6
+        assert matcher.prepared == len(calls) == 10
+    with am.AnswerMatcher(cache_size=3) as small:
+        small.flags(questions)
+        assert len(small.cache) == 3
+        small.flags([(["x"], passages[:2])])  # evicted long ago: tokenised again
+        assert small.prepared == 12 and len(small.cache) == 3
+
+
+def test_cache_checks_the_text_behind_an_id():
+    with am.AnswerMatcher() as matcher:
+        assert matcher.flags([(["rome"], [("p1", "Rome")])]) == [[True]]
+        assert matcher.flags([(["rome"], [("p1", "Paris")])]) == [[False]]  # same id, other text: re-tokenised
+        assert matcher.flags([(["rome"], [(None, "in Rome"), (None, "in Paris")])]) == [[True, False]]
+
+
+def test_errors():
+    with pytest.raises(DprGcError, match="unknown match mode 'fuzzy'"):
+        am.AnswerMatcher("fuzzy")
+    with pytest.raises(DprGcError, match="--workers must be a positive integer"):
+        am.AnswerMatcher(workers=0)
+    with am.AnswerMatcher("regex") as matcher, pytest.raises(DprGcError, match=r"invalid answer regex '\(x'"):
+        matcher.flags([(["(x"], [("p", "x")])])
+
+
+def test_accuracy_counter():
+    counter = am.AccuracyCounter()
+    for row in ([False, True, False], [True], [False, False, False], []):
+        counter.add(row)
+    assert counter.accuracy([1, 2, 5]) == {1: 0.25, 2: 0.5, 5: 0.5}
+    with pytest.raises(DprGcError, match="no questions"):
+        am.AccuracyCounter().accuracy([1])
