@@ -8,7 +8,12 @@ is over all chunks (median over rounds), and the per-chunk time ratios are repor
 through ``encode_corpus`` (part files, assembly and manifest included; the parsed-corpus cache is built beforehand).
 Embeddings are checked against sentence-transformers by cosine.
 
-    python benchmarks/bench_encode.py --docs 1000 --max-length 256 --batch-size 64 --rounds 1
+``--precision int8`` (dynamic int8 Linear layers) and bf16 autocast are timed in the same rotation. The quality phase
+(``--quality``, on by default when SciFact is present) encodes the whole SciFact corpus in fp32, bf16 and int8,
+embeds the test queries in fp32 (as ``dpr-gc retrieve`` does), searches exactly and reports nDCG@10 per precision;
+the embeddings are cached in ``--work-dir`` so an interrupted run resumes.
+
+    nice -n 5 python benchmarks/bench_encode.py --docs 1000 --max-length 256 --batch-size 64 --rounds 1
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dpr_gc.corpus import load_corpus  # noqa: E402
-from dpr_gc.encode import encode_block, encode_corpus  # noqa: E402
+from dpr_gc.encode import cpu_has_native_bf16, encode_block, encode_corpus, quantize_int8  # noqa: E402
 from dpr_gc.files import iter_jsonl, write_json  # noqa: E402
 from dpr_gc.model import Retriever, RetrieverConfig, default_model_path  # noqa: E402
 
@@ -56,6 +61,50 @@ def load_passages(docs: int) -> tuple[list[dict], str]:
     return rows, "generated"
 
 
+def cpu_name() -> str:
+    """The CPU model and whether it has native bf16, from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    return f"{model} ({'with' if cpu_has_native_bf16() else 'without'} native bf16)"
+
+
+def scifact_quality(retriever: Retriever, max_length: int, batch_size: int, work: Path,
+                    precisions: list[str]) -> dict:
+    """nDCG@10 (and Recall@100) on SciFact test for passage embeddings in fp32, bf16 and int8 (queries fp32)."""
+    from dpr_gc.corpus import read_queries
+    from dpr_gc.evaluate import qrels_metrics, read_qrels
+
+    folder = SCIFACT.parent
+    qrels = read_qrels(folder / "qrels" / "test.tsv")
+    queries = [q for q in read_queries(folder / "queries.jsonl") if str(q["id"]) in qrels]
+    corpus = [(o["_id"], o.get("title") or "", o["text"]) for _, o in iter_jsonl(SCIFACT)]
+    q_emb = retriever.embed("query", [q["question"] for q in queries], batch_size=batch_size)
+    work.mkdir(parents=True, exist_ok=True)
+    int8 = quantize_int8(retriever)
+    out = {"queries": len(queries), "passages": len(corpus), "query_precision": "fp32"}
+    for name, model, autocast in (("fp32", retriever, None), ("bf16", retriever, "bf16"), ("int8", int8, None)):
+        if name not in precisions:
+            continue
+        cached = work / f"scifact-{name}-{max_length}.npy"
+        if not cached.is_file():
+            started = time.perf_counter()
+            emb = encode_block(model, [c[1] for c in corpus], [c[2] for c in corpus], batch_size, max_length, autocast)
+            np.save(cached, emb)
+            print(f"SciFact corpus in {name}: {time.perf_counter() - started:.0f} s", flush=True)
+        scores = q_emb @ np.load(cached).T
+        top = np.argsort(-scores, axis=1)[:, :100]
+        run = {str(q["id"]): {corpus[j][0]: float(scores[i, j]) for j in top[i]} for i, q in enumerate(queries)}
+        metrics = qrels_metrics(run, qrels, [10, 100])
+        out[name] = {"nDCG@10": metrics["nDCG@10"], "Recall@100": metrics["Recall@100"]}
+        print(f"SciFact {name}: nDCG@10 {metrics['nDCG@10']:.4f}", flush=True)
+    for name in set(precisions) & {"bf16", "int8"}:
+        out[name]["nDCG@10_minus_fp32"] = out[name]["nDCG@10"] - out["fp32"]["nDCG@10"]
+    return out
+
+
 def timed(fn: Callable[[], np.ndarray]) -> tuple[float, np.ndarray]:
     start = time.perf_counter()
     out = fn()
@@ -70,6 +119,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=256, help="passages per timed call; methods rotate per chunk")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encode.json"))
+    parser.add_argument("--quality", action=argparse.BooleanOptionalAction, default=SCIFACT.is_file(),
+                        help="also measure SciFact nDCG@10 per precision (default: when SciFact is present)")
+    parser.add_argument("--quality-precisions", nargs="+", default=["fp32", "bf16", "int8"],
+                        choices=["fp32", "bf16", "int8"], help="precisions of the quality phase (fp32 is the reference)")
+    parser.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_encode"), help="cached SciFact embeddings")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from sentence_transformers import SentenceTransformer
@@ -100,13 +154,14 @@ def main() -> None:
         texts = [f"{r['title']} {r['text']}" if r["title"] else r["text"] for r in chunks[c]]
         return st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True, show_progress_bar=False)
 
-    methods = {"dpr_gc fp32": ours(None), "sentence-transformers fp32": sbert, "dpr_gc bf16 autocast": ours("bf16")}
+    methods = {"dpr_gc fp32": ours(None), "sentence-transformers fp32": sbert, "dpr_gc bf16 autocast": ours("bf16"),
+               "dpr_gc int8": ours("int8")}
     names = list(methods)
     for c in range(len(chunks)):  # builds each chunk's parsed-corpus cache outside the timings
         load_corpus(files[c], work / "cache")
     warm = rows[:args.batch_size]
-    for precision in (None, "bf16"):
-        encode_block(retriever, [r["title"] for r in warm], [r["text"] for r in warm], args.batch_size,
+    for model, precision in ((retriever, None), (retriever, "bf16"), (quantize_int8(retriever), None)):
+        encode_block(model, [r["title"] for r in warm], [r["text"] for r in warm], args.batch_size,
                      args.max_length, precision)
     st.encode([f"{r['title']} {r['text']}" for r in warm], batch_size=args.batch_size, show_progress_bar=False)
     seconds = {k: [[0.0] * len(chunks) for _ in range(args.rounds)] for k in names}
@@ -132,8 +187,10 @@ def main() -> None:
                          "min_cosine_vs_st": float(cos.min()), "mean_cosine_vs_st": float(cos.mean())}
     report = {"passages": len(rows), "source": source, "model": path, "max_length": args.max_length,
               "batch_size": args.batch_size, "chunk": args.chunk, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
-              "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-              "device": "cpu", "results": results}
+              "torch": torch.__version__, "cpu": cpu_name(), "device": "cpu", "results": results}
+    if args.quality:
+        report["scifact_quality"] = scifact_quality(retriever, args.max_length, args.batch_size, Path(args.work_dir),
+                                                    ["fp32", *args.quality_precisions])
     write_json(args.output, report)
     print(f"\n{len(rows)} passages ({source}), max length {args.max_length}, batch {args.batch_size}, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} rounds\n")

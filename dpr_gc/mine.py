@@ -2,7 +2,8 @@
 
 Candidates come from BM25 (bm25s; how DPR made its first negatives) or from a trained encoder and a FAISS index.
 False negatives are dropped before anything is chosen: the question's gold passages (same id, or same text), passages
-that contain an answer (``evaluate.has_answer``, the matching evaluation uses) and qrels positives. Of the rest,
+that contain an answer (``answers.AnswerMatcher``, the matching evaluation uses: each candidate passage tokenised once
+per run) and qrels positives. Of the rest,
 ranks ``<= skip_top`` are skipped and, with ``margin``, so is any candidate scoring above ``best positive score -
 margin``; the first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``. Training files stream through in
 chunks of questions and are rewritten record by record, so memory holds one chunk, not the file.
@@ -138,7 +139,7 @@ def _check_settings(n_negatives: int, top_k: int, skip_top: int, match_mode: str
 def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_negatives: int, top_k: int = 100,
                         skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
                         qrels: Optional[dict[str, dict[str, int]]] = None, *,
-                        id_to_row: Optional[dict[str, int]] = None,
+                        id_to_row: Optional[dict[str, int]] = None, matcher: Optional[Any] = None,
                         show_progress: bool = False) -> tuple[list[dict], MiningSummary]:
     """Hard negatives for DPR-style question records (``question``, ``answers``, ``positive_ctxs``, optional ``id``).
 
@@ -146,9 +147,16 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
     score, rank}`` with ``rank`` the 1-based position in the retrieved list -- and a :class:`MiningSummary`.
     ``margin`` drops candidates scoring above the best positive's score minus ``margin``; questions whose positive
     has no score (BM25: positive not in the corpus) keep their candidates. ``id_to_row`` maps positive ids to corpus
-    rows for BM25 margins (looked up here when missing).
+    rows for BM25 margins (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``match_mode`` kept
+    across calls, caches tokenised candidates between chunks.
     """
+    from .answers import AnswerMatcher
+
     _check_settings(n_negatives, top_k, skip_top, match_mode)
+    if matcher is None:
+        with AnswerMatcher(match_mode) as own:
+            return mine_hard_negatives(questions, source, corpus, n_negatives, top_k, skip_top, margin, match_mode,
+                                       qrels, id_to_row=id_to_row, matcher=own, show_progress=show_progress)
     if margin is not None and id_to_row is None and isinstance(source, BM25Source):
         id_to_row = rows_for_ids(corpus, (ctx_id(c) for q in questions for c in q.get("positive_ctxs") or []))
     summary, records = MiningSummary(), []
@@ -162,32 +170,32 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
         unique = np.unique(rows[rows >= 0]).tolist()
         cols = corpus[unique] if unique else {"id": [], "title": [], "text": []}
         where = {r: i for i, r in enumerate(unique)}
-        for q, gold, pos, q_scores, q_rows in zip(chunk, golds, best, scores.tolist(), rows.tolist()):
-            hits = [(rank, score, str(cols["id"][i]), cols["title"][i] or "", cols["text"][i])
-                    for rank, (score, i) in enumerate(zip(q_scores, (where.get(r) for r in q_rows)), start=1)
-                    if i is not None]
+        all_hits = [[(rank, score, str(cols["id"][i]), cols["title"][i] or "", cols["text"][i])
+                     for rank, (score, i) in enumerate(zip(q_scores, (where.get(r) for r in q_rows)), start=1)
+                     if i is not None] for q_scores, q_rows in zip(scores.tolist(), rows.tolist())]
+        flags = matcher.flags([(q.get("answers") or [], [(h[2], h[4]) for h in hits])
+                               for q, hits in zip(chunk, all_hits)])
+        for q, gold, pos, hits, has in zip(chunk, golds, best, all_hits, flags):
             floor = pos - margin if margin is not None and pos is not None else None
-            chosen = _select(q, gold, hits, n_negatives, skip_top, floor, match_mode, qrels, summary)
+            chosen = _select(q, gold, hits, has, n_negatives, skip_top, floor, qrels, summary)
             records.append({"id": q.get("id"), "question": q["question"], "hard_negative_ctxs": chosen})
     return records, summary
 
 
-def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, str]], n_negatives: int,
-            skip_top: int, floor: Optional[float], match_mode: str, qrels: Optional[dict[str, dict[str, int]]],
+def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, str]], has_answer: list[bool],
+            n_negatives: int, skip_top: int, floor: Optional[float], qrels: Optional[dict[str, dict[str, int]]],
             summary: MiningSummary) -> list[dict]:
-    """Drop false negatives among one question's ranked hits, then keep the first ``n_negatives`` in range."""
-    from .evaluate import has_answer
-
+    """Drop false negatives among one question's ranked hits (``has_answer``: their answer flags), then keep the
+    first ``n_negatives`` in range."""
     gold_ids = {ctx_id(c) for c in q.get("positive_ctxs") or []} - {""}
     gold_texts = {_norm(text) for _, _, text in gold}
     judged = (qrels or {}).get(_qid(q), {})
     qrels_pos = {d for d, rel in judged.items() if rel > 0}
-    answers = q.get("answers") or []
     chosen: list[dict] = []
-    for rank, score, pid, title, text in hits:
+    for (rank, score, pid, title, text), answer in zip(hits, has_answer):
         if pid in gold_ids or _norm(text) in gold_texts:
             summary.gold_dropped += 1
-        elif answers and has_answer(answers, text, match_mode):
+        elif answer:
             summary.answer_dropped += 1
         elif pid in qrels_pos:
             summary.qrels_dropped += 1
@@ -258,16 +266,19 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
                  top_k: int = 100, skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
                  qrels: Optional[dict[str, dict[str, int]]] = None, append: bool = False,
                  id_to_row: Optional[dict[str, int]] = None, chunk_size: int = CHUNK,
-                 show_progress: bool = True, resume_key: Optional[dict] = None) -> MiningSummary:
+                 show_progress: bool = True, resume_key: Optional[dict] = None, workers: int = 1) -> MiningSummary:
     """Mine ``records`` chunk by chunk and write them with ``hard_negative_ctxs`` replaced (``append``: old ones
     kept, new ones added unless their id is already there), every other field kept. A JSON list, or JSONL when the
     name ends in ``.jsonl`` (``.gz`` compresses); the file appears only when complete.
 
     Each finished chunk is kept (:class:`~dpr_gc.files.ChunkedOutput`): a run with the same ``resume_key`` (the
-    inputs and settings; ``None`` never resumes) continues after the last finished chunk of an interrupted one."""
+    inputs and settings; ``None`` never resumes) continues after the last finished chunk of an interrupted one.
+    ``workers`` processes tokenise new candidate passages for answer matching (one matcher for the whole run)."""
+    from .answers import AnswerMatcher
+
     _check_settings(n_negatives, top_k, skip_top, match_mode)
     jsonl = Path(output).name.removesuffix(".gz").endswith(".jsonl")
-    with output_lock(output) as final:
+    with output_lock(output) as final, AnswerMatcher(match_mode, workers) as matcher:
         writer = ChunkedOutput(final, {"settings": resume_key, "chunk_size": chunk_size, "append": append}
                                if resume_key is not None else None)
         state = writer.resume()
@@ -281,7 +292,7 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
             def flush() -> None:
                 nonlocal count
                 mined, part = mine_hard_negatives(buffer, source, corpus, n_negatives, top_k, skip_top, margin,
-                                                  match_mode, qrels, id_to_row=id_to_row)
+                                                  match_mode, qrels, id_to_row=id_to_row, matcher=matcher)
                 summary.merge(part)
                 texts = []
                 for record, m in zip(buffer, mined):
@@ -362,6 +373,7 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
 def _cli(args: argparse.Namespace) -> None:
     from .corpus import load_corpus
     from .data import find_beir_file
+    from .answers import default_workers
     from .evaluate import read_qrels
     from .retrieve import format_summary
 
@@ -402,7 +414,8 @@ def _cli(args: argparse.Namespace) -> None:
     key = {"inputs": [file_identity(p) for p in inputs if p],
            **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
     summary = mine_to_file(records, args.output, source, corpus, args.n_negatives, args.top_k, args.skip_top,
-                           args.margin, args.match, qrels, args.append, id_to_row, resume_key=key)
+                           args.margin, args.match, qrels, args.append, id_to_row, resume_key=key,
+                           workers=args.workers or default_workers())
     if qrels is not None and summary.judged == 0:
         logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
     print(format_summary({"source": args.source, **summary.table(), "output": args.output}))
@@ -431,6 +444,8 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--margin", type=float, help="drop candidates scoring above (best positive score - MARGIN)")
     p.add_argument("--match", default="string", help="answer matching: string (NQ/TriviaQA) or regex (CuratedTREC)")
     p.add_argument("--qrels", help="relevance judgments: their positives (by question id) are never negatives")
+    p.add_argument("--workers", type=int, default=0,
+                   help="processes that tokenise candidates for answer matching (default 0: all cores)")
     p.add_argument("--append", action="store_true", help="keep existing hard_negative_ctxs and add the new ones")
     p.add_argument("--batch-size", type=int, default=64, help="questions/passages per encoder batch (default 64)")
     p.add_argument("--device", help="torch device (default: cuda if available)")

@@ -66,9 +66,10 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
     """Encode the corpus, index it (exact inner product), retrieve for the test questions and evaluate."""
     from .corpus import load_corpus, read_queries
     from .encode import encode_corpus, pick_precision
-    from .evaluate import evaluate_answers, qrels_metrics, read_qrels, run_from_results
+    from .answers import default_workers
+    from .evaluate import read_qrels
     from .index import DenseIndex, IndexParams, build_index
-    from .retrieve import retrieve, write_results_json, write_trec_run
+    from .retrieve import retrieve_to_files
 
     stage = out / name
     metrics_file = stage / "metrics.json"
@@ -85,13 +86,11 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
         build_index(stage / "embeddings", stage / "index", IndexParams(kind="flat"))
     index = DenseIndex.read(stage / "index")
     queries = read_queries(data / manifest["files"]["test_queries"])
-    results = retrieve(retriever, index, load_corpus(corpus_path), queries, top_k=top_k)
-    write_results_json(results, stage / "results.json")
-    write_trec_run(results, stage / "run.trec", tag=name)
     qrels = read_qrels(data / manifest["files"]["qrels_test"])
-    metrics = {"answers": evaluate_answers(results, list(KS), "string"),
-               "qrels": qrels_metrics(run_from_results(results), qrels, list(KS)),
-               "encode_seconds": round(encode_seconds, 1), "passages": index.ntotal, "questions": len(results)}
+    metrics = retrieve_to_files(retriever, index, load_corpus(corpus_path), queries, top_k=top_k,
+                                output=stage / "results.json", trec_run=stage / "run.trec", run_tag=name, ks=list(KS),
+                                qrels=qrels, workers=default_workers())
+    metrics.update({"encode_seconds": round(encode_seconds, 1), "passages": index.ntotal, "questions": len(queries)})
     write_json(metrics_file, metrics)
     return metrics
 

