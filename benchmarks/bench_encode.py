@@ -111,28 +111,10 @@ def timed(fn: Callable[[], np.ndarray]) -> tuple[float, np.ndarray]:
     return time.perf_counter() - start, out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=1000)
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--chunk", type=int, default=256, help="passages per timed call; methods rotate per chunk")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encode.json"))
-    parser.add_argument("--quality", action=argparse.BooleanOptionalAction, default=SCIFACT.is_file(),
-                        help="also measure SciFact nDCG@10 per precision (default: when SciFact is present)")
-    parser.add_argument("--quality-precisions", nargs="+", default=["fp32", "bf16", "int8"],
-                        choices=["fp32", "bf16", "int8"], help="precisions of the quality phase (fp32 is the reference)")
-    parser.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_encode"), help="cached SciFact embeddings")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+def time_methods(args: argparse.Namespace, retriever: Retriever, rows: list[dict], path: str) -> dict:
+    """Passages/s of each method on ``rows`` (methods rotate per chunk) and cosine against sentence-transformers."""
     from sentence_transformers import SentenceTransformer
 
-    rows, source = load_passages(args.docs)
-    path = default_model_path()
-    config = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat",
-                             passage_max_length=args.max_length)
-    retriever = Retriever.from_pretrained(path, config).eval()
     st = SentenceTransformer(path, device="cpu")
     st.max_seq_length = args.max_length
     work = Path(tempfile.mkdtemp(prefix="bench_encode_"))
@@ -185,20 +167,51 @@ def main() -> None:
                          "ratio_vs_st": statistics.median(sum(s) for s in st_chunks) / med,
                          "median_chunk_ratio_vs_st": float(np.median(st_chunks / np.array(seconds[name]))),
                          "min_cosine_vs_st": float(cos.min()), "mean_cosine_vs_st": float(cos.mean())}
-    report = {"passages": len(rows), "source": source, "model": path, "max_length": args.max_length,
-              "batch_size": args.batch_size, "chunk": args.chunk, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
-              "torch": torch.__version__, "cpu": cpu_name(), "device": "cpu", "results": results}
-    if args.quality:
-        report["scifact_quality"] = scifact_quality(retriever, args.max_length, args.batch_size, Path(args.work_dir),
-                                                    ["fp32", *args.quality_precisions])
-    write_json(args.output, report)
-    print(f"\n{len(rows)} passages ({source}), max length {args.max_length}, batch {args.batch_size}, "
+    print(f"\n{len(rows)} passages, max length {args.max_length}, batch {args.batch_size}, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} rounds\n")
     print("| method | passages/s | speed vs sentence-transformers | median per-chunk ratio | min cosine vs ST |")
     print("|---|---:|---:|---:|---:|")
     for name, r in results.items():
         print(f"| {name} | {r['passages_per_s']:.1f} | {r['ratio_vs_st']:.2f}x | {r['median_chunk_ratio_vs_st']:.2f}x "
-              f"| {r['min_cosine_vs_st']:.5f} |")
+              f"| {r['min_cosine_vs_st']:.5f} |", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=1000)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=256, help="passages per timed call; methods rotate per chunk")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encode.json"))
+    parser.add_argument("--quality", action=argparse.BooleanOptionalAction, default=SCIFACT.is_file(),
+                        help="also measure SciFact nDCG@10 per precision (default: when SciFact is present)")
+    parser.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the methods on --docs passages (--no-timing: only the quality phase)")
+    parser.add_argument("--quality-max-length", type=int, help="passage max length of the quality phase "
+                        "(default --max-length)")
+    parser.add_argument("--quality-precisions", nargs="+", default=["fp32", "bf16", "int8"],
+                        choices=["fp32", "bf16", "int8"], help="precisions of the quality phase (fp32 is the reference)")
+    parser.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_encode"), help="cached SciFact embeddings")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    rows, source = load_passages(args.docs)
+    path = default_model_path()
+    config = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat",
+                             passage_max_length=args.max_length)
+    retriever = Retriever.from_pretrained(path, config).eval()
+    results = time_methods(args, retriever, rows, path) if args.timing else {}
+    report = {"passages": len(rows), "source": source, "model": path, "max_length": args.max_length,
+              "batch_size": args.batch_size, "chunk": args.chunk, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+              "torch": torch.__version__, "cpu": cpu_name(), "device": "cpu", "results": results}
+    write_json(args.output, report)
+    if args.quality:
+        report["scifact_quality"] = scifact_quality(retriever, args.quality_max_length or args.max_length,
+                                                    args.batch_size, Path(args.work_dir),
+                                                    ["fp32", *args.quality_precisions])
+    write_json(args.output, report)
     print(f"\nwritten {args.output}")
 
 

@@ -21,12 +21,17 @@ import os
 import re
 import sys
 import unicodedata
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+from tqdm import tqdm
 
 from .errors import DprGcError
+from .results import check_question, passage_key
 
 MATCH_MODES = ("string", "regex")
 CACHE_SIZE = 65_536
+BLOCK = 1024
+STORED = None  # match mode meaning "use the has_answer flags in the file"
 PARALLEL_MIN = 2_048
 
 Passage = tuple[Optional[str], str]  # (passage id or None, text)
@@ -237,3 +242,81 @@ class AccuracyCounter:
         if not self.questions:
             raise DprGcError("no questions to evaluate (the results are empty)")
         return {k: sum(c for r, c in self.first_hit.items() if r < k) / self.questions for k in ks}
+
+
+# ----------------------------------------------------------------------------------------------- results
+def check_ks(ks: Iterable[int]) -> list[int]:
+    """Validate cut-offs (positive ints) and return them sorted and de-duplicated."""
+    ks = list(ks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise DprGcError(f"--k needs one or more positive integers, got {ks}")
+    return sorted(set(ks))
+
+
+def top_k_accuracy(hits: Iterable[Iterable[bool]], ks: Iterable[int]) -> dict[int, float]:
+    """Fraction of questions whose first ``k`` ranked passages contain a hit, for each ``k``."""
+    ks = check_ks(ks)
+    counter = AccuracyCounter()
+    for row in hits:
+        counter.add(row)
+    return counter.accuracy(ks)
+
+
+def iter_blocks(results: Iterable[Any], source: str) -> Iterator[list[tuple[int, dict[str, Any]]]]:
+    """``(index, record)`` pairs in blocks of ``BLOCK`` questions, each checked to be a DPR result."""
+    block = []
+    for i, entry in enumerate(results):
+        block.append((i, check_question(entry, i, source)))
+        if len(block) == BLOCK:
+            yield block
+            block = []
+    if block:
+        yield block
+
+
+def resolve_mode(mode: Optional[str], block: list[tuple[int, dict[str, Any]]]) -> Optional[str]:
+    """``auto``: the stored flags when the first question with passages has them on every passage, else string."""
+    if mode != "auto":
+        return mode
+    ctxs = next((e["ctxs"] for _, e in block if e["ctxs"]), [])
+    return STORED if all(isinstance(c.get("has_answer"), bool) for c in ctxs) else "string"
+
+
+def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], source: str,
+                 matcher: Optional[AnswerMatcher]) -> list[list[bool]]:
+    """Each passage's answer flag for a block of questions: stored (``mode`` None) or recomputed by ``matcher``."""
+    for i, entry in block:
+        answers = entry.get("answers")
+        if mode and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
+            raise DprGcError(f"{source}: question {i}: 'answers' must be a list of strings")
+        field = "text" if mode else "has_answer"
+        for j, ctx in enumerate(entry["ctxs"]):
+            if not isinstance(ctx.get(field), str if mode else bool):
+                need = ("passage 'text' to match answers (compact results have none: use --match stored)" if mode
+                        else "boolean 'has_answer'; give a match mode")
+                raise DprGcError(f"{source}: question {i}, ctx {j}: missing {need}")
+    if not mode:
+        return [[c["has_answer"] for c in entry["ctxs"]] for _, entry in block]
+    return matcher.flags([(entry["answers"], [(passage_key(c), c["text"]) for c in entry["ctxs"]])
+                          for _, entry in block])
+
+
+def evaluate_answers(results: Iterable[dict[str, Any]], ks: Iterable[int], mode: Optional[str] = "string",
+                     source: str = "results", workers: int = 1) -> dict[str, float]:
+    """Top-k answer accuracy over DPR results (any iterable, read once), as ``{"Accuracy@k": value}``.
+
+    With ``mode`` ("string"/"regex") ``has_answer`` is recomputed from each passage's text (``workers`` processes
+    tokenise new passages); with ``mode=None`` the stored ``has_answer`` fields are used; ``auto`` picks the stored
+    flags when the file has them. ``source`` names the input in error messages.
+    """
+    ks = check_ks(ks)
+    if mode not in (STORED, "auto"):
+        check_mode(mode)
+    counter = AccuracyCounter()
+    with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
+        resolved = mode
+        for block in iter_blocks(tqdm(results, desc="matching answers", unit=" q", disable=None), source):
+            resolved = resolve_mode(resolved, block)
+            for row in answer_flags(block, resolved, source, regex if resolved == "regex" else string):
+                counter.add(row)
+    return {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}

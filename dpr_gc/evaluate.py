@@ -16,102 +16,22 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 from tqdm import tqdm
 
-from .answers import MATCH_MODES, AccuracyCounter, AnswerMatcher, check_mode, default_workers
-from .answers import has_answer, normalize, tokenize  # noqa: F401  (the public matching API, also from here)
+from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, check_ks, check_mode, default_workers,
+                      iter_blocks, resolve_mode)
+from .answers import MATCH_MODES, evaluate_answers, has_answer, normalize, tokenize, top_k_accuracy  # noqa: F401
 from .errors import DprGcError
 from .files import PathLike, atomic_path, open_text, write_json
-from .results import check_question, iter_results, passage_key
+from .results import check_question, iter_results
 
 logger = logging.getLogger(__name__)
-
-def _check_ks(ks: Iterable[int]) -> list[int]:
-    """Validate cut-offs (positive ints) and return them sorted and de-duplicated."""
-    ks = list(ks)
-    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
-        raise DprGcError(f"--k needs one or more positive integers, got {ks}")
-    return sorted(set(ks))
-
-
-BLOCK = 1024
-STORED = None  # match mode meaning "use the has_answer flags in the file"
-
-
-def top_k_accuracy(hits: Iterable[Iterable[bool]], ks: Iterable[int]) -> dict[int, float]:
-    """Fraction of questions whose first ``k`` ranked passages contain a hit, for each ``k``."""
-    ks = _check_ks(ks)
-    counter = AccuracyCounter()
-    for row in hits:
-        counter.add(row)
-    return counter.accuracy(ks)
-
 
 def read_results(path: PathLike) -> list[dict[str, Any]]:
     """All records of a results file in memory (small files; :func:`dpr_gc.results.iter_results` streams)."""
     return list(iter_results(path))
-
-
-def iter_blocks(results: Iterable[Any], source: str) -> Iterator[list[tuple[int, dict[str, Any]]]]:
-    """``(index, record)`` pairs in blocks of ``BLOCK`` questions, each checked to be a DPR result."""
-    block = []
-    for i, entry in enumerate(results):
-        block.append((i, check_question(entry, i, source)))
-        if len(block) == BLOCK:
-            yield block
-            block = []
-    if block:
-        yield block
-
-
-def resolve_mode(mode: Optional[str], block: list[tuple[int, dict[str, Any]]]) -> Optional[str]:
-    """``auto``: the stored flags when the first question with passages has them on every passage, else string."""
-    if mode != "auto":
-        return mode
-    ctxs = next((e["ctxs"] for _, e in block if e["ctxs"]), [])
-    return STORED if all(isinstance(c.get("has_answer"), bool) for c in ctxs) else "string"
-
-
-def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], source: str,
-                 matcher: Optional[AnswerMatcher]) -> list[list[bool]]:
-    """Each passage's answer flag for a block of questions: stored (``mode`` None) or recomputed by ``matcher``."""
-    for i, entry in block:
-        answers = entry.get("answers")
-        if mode and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
-            raise DprGcError(f"{source}: question {i}: 'answers' must be a list of strings")
-        field = "text" if mode else "has_answer"
-        for j, ctx in enumerate(entry["ctxs"]):
-            if not isinstance(ctx.get(field), str if mode else bool):
-                need = ("passage 'text' to match answers (compact results have none: use --match stored)" if mode
-                        else "boolean 'has_answer'; give a match mode")
-                raise DprGcError(f"{source}: question {i}, ctx {j}: missing {need}")
-    if not mode:
-        return [[c["has_answer"] for c in entry["ctxs"]] for _, entry in block]
-    return matcher.flags([(entry["answers"], [(passage_key(c), c["text"]) for c in entry["ctxs"]])
-                          for _, entry in block])
-
-
-def evaluate_answers(results: Iterable[dict[str, Any]], ks: Iterable[int], mode: Optional[str] = "string",
-                     source: str = "results", workers: int = 1) -> dict[str, float]:
-    """Top-k answer accuracy over DPR results (any iterable, read once), as ``{"Accuracy@k": value}``.
-
-    With ``mode`` ("string"/"regex") ``has_answer`` is recomputed from each passage's text (``workers`` processes
-    tokenise new passages); with ``mode=None`` the stored ``has_answer`` fields are used; ``auto`` picks the stored
-    flags when the file has them. ``source`` names the input in error messages.
-    """
-    ks = _check_ks(ks)
-    if mode not in (STORED, "auto"):
-        check_mode(mode)
-    counter = AccuracyCounter()
-    with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
-        resolved = mode
-        for block in iter_blocks(tqdm(results, desc="matching answers", unit=" q", disable=None), source):
-            resolved = resolve_mode(resolved, block)
-            for row in answer_flags(block, resolved, source, regex if resolved == "regex" else string):
-                counter.add(row)
-    return {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}
 
 
 # ----------------------------------------------------------------------------------------------- qrels and runs
@@ -216,7 +136,7 @@ def query_metrics(scores: dict[str, float], judged: dict[str, int], ks: Iterable
     A document is relevant when its judgment is >= 1 (trec_eval's default relevance level). nDCG uses the
     judgment as linear gain with log2(rank + 1) discount; MAP@k divides by all relevant documents, as map_cut.
     """
-    ks = _check_ks(ks)
+    ks = check_ks(ks)
     ranking = rank_documents(scores)
     rels = [judged.get(d, 0) for d in ranking]
     n_rel = sum(r > 0 for r in judged.values())
@@ -249,7 +169,7 @@ class QrelsAccumulator:
     """
 
     def __init__(self, qrels: dict[str, dict[str, int]], ks: Iterable[int]) -> None:
-        self.qrels, self.ks = qrels, _check_ks(ks)
+        self.qrels, self.ks = qrels, check_ks(ks)
         if not qrels:
             raise DprGcError("the qrels are empty; nothing to evaluate")
         self.totals: dict[str, float] = {}
@@ -376,7 +296,7 @@ def evaluate(
     processes), ``None`` insists on the stored ones. With ``qrels_path`` the run comes from ``run_path``, or else
     from the results' question and passage ids.
     """
-    ks = _check_ks(ks)
+    ks = check_ks(ks)
     if results_path is None and run_path is None:
         raise DprGcError("give --results FILE and/or --run FILE with --qrels FILE")
     if run_path is not None and qrels_path is None:

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from .answers import MATCH_MODES, AccuracyCounter, AnswerMatcher, default_workers
+from .answers import MATCH_MODES, AccuracyCounter, AnswerMatcher, check_ks, default_workers
 from .errors import DprGcError
 from .evaluate import QrelsAccumulator
 from .files import PathLike
@@ -145,7 +145,7 @@ class RunEvaluation:
 
     def __init__(self, ks: list[int], qrels: Optional[dict[str, dict[str, int]]], with_answers: bool,
                  matcher: Optional[AnswerMatcher] = None) -> None:
-        self.ks, self.matcher = ks, matcher
+        self.ks, self.matcher = check_ks(ks), matcher
         self.answers = AccuracyCounter() if with_answers else None
         self.qrels = QrelsAccumulator(qrels, ks) if qrels is not None else None
 

@@ -206,3 +206,35 @@ def test_dense_retriever_script_with_dpr_flags(world, tmp_path, capsys):
     assert main(["--qa_file", str(queries), "--encoded_ctx_files", str(tmp_path / "none*"),
                  "--out_file", str(out)]) == 2
     assert "matches no files" in capsys.readouterr().err
+
+
+def test_answers_are_matched_once_and_evaluate_reuses_the_flags(world, tmp_path, monkeypatch, capsys):
+    """retrieve --evaluate tokenises each retrieved passage once (not once per question, nor again to evaluate),
+    writes compact JSONL when asked, and evaluate's default reads those flags without matching."""
+    from dpr_gc import answers
+    from dpr_gc.evaluate import evaluate
+
+    words = [p["text"].split()[0] for p in passages()[:3]]
+    qa = tmp_path / "qa.tsv"
+    qa.write_text("".join(f"who is {w}\t[\"{w}\"]\tq{i}\n" for i, w in enumerate(words)) + "what city\t[\"qqq\"]\tq9\n")
+    calls: list[str] = []
+    real = answers.prepare_passage
+    monkeypatch.setattr(answers, "prepare_passage", lambda t, m: calls.append(t) or real(t, m))
+    out = tmp_path / "res.jsonl"
+    cli("retrieve", "--index", world["idx"], "--queries", qa, "--top-k", N_PASSAGES, "--output", out, "--compact",
+        "--evaluate", "--k", 1, N_PASSAGES, "--workers", 1, "--cache-dir", world["cache"], "--device", "cpu")
+    assert len(calls) == N_PASSAGES  # 4 questions x 48 passages, each passage tokenised once
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(set(c) == {"id", "score", "has_answer"} for r in records for c in r["ctxs"])
+    by_id = {p["id"]: p["text"] for p in passages()}
+    for r in records:
+        assert [c["has_answer"] for c in r["ctxs"]] == [r["answers"][0] in by_id[c["id"]].split() for c in r["ctxs"]]
+    first = [next((i for i, c in enumerate(r["ctxs"]) if c["has_answer"]), None) for r in records]
+    printed = capsys.readouterr().out
+    assert f"| Accuracy | {sum(f == 0 for f in first) / 4:.4f} | 0.7500 |" in printed
+    calls.clear()
+    report = evaluate([1, N_PASSAGES], out)
+    assert not calls and report["answers"]["match"] == "stored"
+    assert report["answers"]["metrics"][f"Accuracy@{N_PASSAGES}"] == 0.75
+    with pytest.raises(DprGcError, match="compact results have none"):
+        evaluate([1], out, mode="string")

@@ -1,0 +1,112 @@
+"""Results stream in and out: peak memory of retrieve (writing + evaluating) and evaluate does not grow with the
+number of questions (generated 5k vs 50k question runs, measured with tracemalloc); the compact form round-trips."""
+
+from __future__ import annotations
+
+import json
+import random
+import tracemalloc
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from dpr_gc.evaluate import evaluate
+from dpr_gc.results import iter_results
+from dpr_gc.retrieve import retrieve_to_files
+
+WORDS = "paris london river king music film science protein cell gene water book war city".split()
+POOL = 300
+
+
+def pool_passages() -> list[dict]:
+    rng = random.Random(0)
+    return [{"id": f"p{i}", "title": rng.choice(WORDS), "text": " ".join(rng.choices(WORDS, k=12))}
+            for i in range(POOL)]
+
+
+class StubCorpus:
+    """Rows of a fixed passage pool, looked up like the memory-mapped corpus dataset."""
+
+    def __init__(self) -> None:
+        self.rows = pool_passages()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, rows: list[int]) -> dict[str, list]:
+        return {key: [self.rows[r][key] for r in rows] for key in ("id", "title", "text")}
+
+
+class StubRetriever:
+    dim = 8
+
+    def embed(self, kind: str, texts: list[str], batch_size: int = 64, show_progress: bool = False) -> np.ndarray:
+        return np.ones((len(texts), self.dim), dtype=np.float32)
+
+
+class StubIndex:
+    """Deterministic pseudo-random top-k rows out of the pool."""
+    dim, ntotal = 8, POOL
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def search(self, emb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.stack([self.rng.choice(POOL, k, replace=False) for _ in range(len(emb))])
+        return -np.sort(-self.rng.random((len(emb), k)), axis=1).astype(np.float32), rows
+
+
+def questions(n: int) -> list[dict]:
+    rng = random.Random(1)
+    return [{"id": f"q{i}", "question": f"where {rng.choice(WORDS)}", "answers": [rng.choice(WORDS)]}
+            for i in range(n)]
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.slow
+def test_retrieve_and_evaluate_memory_is_flat_in_the_number_of_questions(tmp_path):
+    peaks: dict[str, list[int]] = {"retrieve": [], "evaluate": [], "evaluate --match string": []}
+    for n in (5_000, 50_000):
+        queries, out = questions(n), tmp_path / f"res-{n}.json"
+        metrics = {}
+        peaks["retrieve"].append(peak_bytes(lambda: metrics.update(retrieve_to_files(
+            StubRetriever(), StubIndex(), StubCorpus(), queries, top_k=5, output=out, ks=[1, 5], workers=1,
+            show_progress=False))))
+        reports = []
+        peaks["evaluate"].append(peak_bytes(lambda: reports.append(evaluate([1, 5], out, workers=1))))
+        peaks["evaluate --match string"].append(peak_bytes(lambda: reports.append(
+            evaluate([1, 5], out, mode="string", workers=1))))
+        assert reports[0]["answers"]["questions"] == n and reports[0]["answers"]["match"] == "stored"
+        assert reports[0]["answers"]["metrics"] == reports[1]["answers"]["metrics"] == metrics["answers"]
+        assert 0 < metrics["answers"]["Accuracy@1"] < metrics["answers"]["Accuracy@5"] < 1
+    for name, (small, large) in peaks.items():
+        assert large < 1.3 * small + (1 << 20), f"{name}: peak {small} B at 5k questions, {large} B at 50k"
+
+
+def test_compact_results_round_trip_and_evaluate(tmp_path):
+    queries = questions(30)
+    full, compact, run = tmp_path / "full.json", tmp_path / "compact.jsonl.gz", tmp_path / "run.trec"
+    a = retrieve_to_files(StubRetriever(), StubIndex(), StubCorpus(), queries, top_k=4, output=full, trec_run=run,
+                          ks=[1, 4], show_progress=False)
+    b = retrieve_to_files(StubRetriever(), StubIndex(), StubCorpus(), queries, top_k=4, output=compact, ks=[1, 4],
+                          compact=True, show_progress=False)
+    assert a == b
+    records, small = json.loads(full.read_text()), list(iter_results(compact))
+    by_id = {p["id"]: p for p in pool_passages()}
+    for r, s in zip(records, small):
+        assert [set(c) for c in s["ctxs"]] == [{"id", "score", "has_answer"}] * 4
+        assert [{k: c[k] for k in ("id", "score", "has_answer")} for c in r["ctxs"]] == s["ctxs"]
+        assert all(c["text"] == by_id[c["id"]]["text"] for c in r["ctxs"])
+        assert {k: r[k] for k in ("id", "question", "answers")} == {k: s[k] for k in ("id", "question", "answers")}
+    assert evaluate([1, 4], compact)["answers"]["metrics"] == a["answers"]
+    assert evaluate([1, 4], full, mode="string")["answers"]["metrics"] == a["answers"]
+    assert len(run.read_text().splitlines()) == 30 * 4
