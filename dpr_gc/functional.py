@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .grad_cache import RandState, tensors_in
+from .grad_cache import RandState, replayable, tensors_in
 from .loss import all_gather_with_grad
 
 
@@ -30,15 +30,15 @@ def cached(func: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tenso
     """Run ``func`` without a graph; return a leaf copy of its output and a closure that replays it with a graph.
 
     The closure, called with the leaf after the loss's backward, re-runs ``func`` under the RNG state of the first
-    run (CPU and the CUDA devices of every tensor argument, and of the model when one is passed) and backpropagates
-    ``leaf.grad`` into the parameters.
+    run (CPU and the CUDA devices of every tensor argument, and of every parameter of a model passed in; other
+    devices are refused) and backpropagates ``leaf.grad`` into the parameters.
     """
 
     @functools.wraps(func)
     def cache_func(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]]:
         devices = {t.device for t in tensors_in(list(args) + list(kwargs.values()))}
         devices |= {p.device for a in args if isinstance(a, torch.nn.Module) for p in a.parameters()}
-        state = RandState(devices)
+        state = RandState(replayable(devices))
         with torch.no_grad():
             rep = func(*args, **kwargs)
         leaf = rep.detach().float().requires_grad_()

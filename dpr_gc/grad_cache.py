@@ -9,17 +9,19 @@ One cached step runs in three parts:
    encoder (``sum(rep * cached_grad)`` has exactly that gradient).
 
 Beyond the original module: bf16 autocast beside fp16 + GradScaler; every chunk is trimmed to its own longest
-sequence; the batch can be grouped by length before chunking; the very last chunk keeps its graph from part 1
-instead of being run again (not under DDP, where that graph's backward would reach the gradient hooks out of
-order); the
-RNG state is replayed on the model's device as well as the inputs'; the gradients of a loss's own parameters (a
-learnable temperature) are averaged over ranks like DDP averages the encoders'.
+sequence (token-level representations are padded back, so the loss sees the untrimmed shape); the batch can be
+grouped by length before chunking; the very last chunk keeps its graph from part 1 instead of being run again (not
+under DDP, where that graph's backward would reach the gradient hooks out of order); the RNG state is replayed on
+every CUDA device the model's parameters and the inputs live on; a frozen model runs once, without a graph;
+running buffers (BatchNorm statistics) see each example once; the gradients of a loss's own parameters (a
+learnable temperature) are averaged over ranks like DDP averages the encoders'. The input helpers live in
+:mod:`dpr_gc.chunking`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import itertools
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -27,7 +29,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .chunking import (call_model, length_order, pad_sequence_dim, rows_in, split_input, take_rows, tensors_in,
+                       to_device, trim_padding, trimmed_width)
 from .errors import DprGcError
+
+__all__ = ["GradCache", "RandState", "is_ddp", "rng_devices", "split_input", "tensors_in", "trim_padding", "unwrap"]
+
+REPLAYABLE_DEVICES = ("cpu", "cuda")
 
 
 class RandState:
@@ -35,7 +43,8 @@ class RandState:
 
     def __init__(self, devices: Iterable[torch.device]) -> None:
         self.cpu = torch.get_rng_state()
-        self.cuda = {d.index: torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
+        indices = {d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"}
+        self.cuda = {index: torch.cuda.get_rng_state(index) for index in sorted(indices)}
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
@@ -52,83 +61,38 @@ class RandState:
                 torch.cuda.set_rng_state(state, index)
 
 
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside nested tensors, lists, tuples and mappings."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in tensors_in(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_in(v)]
-    return []
+def rng_devices(model: Any, model_input: Any) -> set[torch.device]:
+    """Every device whose RNG a chunk's forward may draw from: those of all parameters, buffers and input tensors.
+
+    Refuses devices whose RNG cannot be replayed here (MPS, XPU, ...): dropout would silently differ between the
+    two passes and the gradient would be wrong.
+    """
+    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
+    return replayable(devices | {t.device for t in tensors_in(model_input)} | {torch.device("cpu")})
 
 
-def batch_size_of(model_input: Any) -> int:
-    tensors = tensors_in(model_input)
-    if not tensors:
-        raise DprGcError(f"cannot find a tensor in a model input of type {type(model_input).__name__}; "
-                         "pass split_input_fn")
-    return tensors[0].size(0)
+def replayable(devices: set[torch.device]) -> set[torch.device]:
+    """``devices``, after refusing any whose RNG state cannot be captured and replayed here."""
+    unsupported = sorted({str(d) for d in devices if d.type not in REPLAYABLE_DEVICES})
+    if unsupported:
+        raise DprGcError(f"GradCache replays random state (dropout) on CPU and CUDA only, but the model or its input "
+                         f"lives on {', '.join(unsupported)}: move it to CPU or CUDA")
+    return devices
 
 
-def take_rows(obj: Any, index: torch.Tensor) -> Any:
-    """Select rows ``index`` of every tensor in ``obj`` (keeps the container types, BatchEncoding included)."""
-    if isinstance(obj, torch.Tensor):
-        return obj[index.to(obj.device)]
-    if isinstance(obj, Mapping):
-        return obj.__class__({k: take_rows(v, index) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(take_rows(v, index) for v in obj)
-    return obj
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile`` wrappers (``OptimizedModule._orig_mod``), the model itself otherwise."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
 
 
-def slice_rows(obj: Any, start: int, end: int) -> Any:
-    """Rows ``start:end`` of every tensor in ``obj`` as views (no copy; keeps the container types)."""
-    if isinstance(obj, torch.Tensor):
-        return obj[start:end]
-    if isinstance(obj, Mapping):
-        return obj.__class__({k: slice_rows(v, start, end) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(slice_rows(v, start, end) for v in obj)
-    return obj
+def is_ddp(model: nn.Module) -> bool:
+    return isinstance(unwrap(model), DistributedDataParallel)
 
 
-def split_input(model_input: Any, chunk_size: int) -> list[Any]:
-    """Split tensors, lists/tuples of tensors, dicts and BatchEncodings into chunks of ``chunk_size`` rows (views)."""
-    n = batch_size_of(model_input)
-    return [slice_rows(model_input, s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
-
-
-def trim_padding(chunk: Any) -> Any:
-    """Cut a right-padded chunk to its own longest sequence; exact because padded positions are masked out."""
-    if not isinstance(chunk, Mapping) or not isinstance(chunk.get("attention_mask"), torch.Tensor):
-        return chunk
-    mask = chunk["attention_mask"]
-    if mask.dim() != 2:
-        return chunk
-    lengths = mask.sum(1)
-    longest = int(lengths.max())
-    if longest == mask.size(1) or not bool((mask[:, longest:] == 0).all()):
-        return chunk
-    width = mask.size(1)
-    return chunk.__class__({k: v[:, :longest] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.size(1) == width
-                            else v for k, v in chunk.items()})
-
-
-def length_order(model_input: Any) -> Optional[torch.Tensor]:
-    """Row order by descending sequence length (stable), or None when the input has no attention mask."""
-    if isinstance(model_input, Mapping) and isinstance(model_input.get("attention_mask"), torch.Tensor):
-        lengths = model_input["attention_mask"].sum(1)
-        return torch.sort(lengths.cpu(), descending=True, stable=True).indices
-    return None
-
-
-def call_model(model: nn.Module, model_input: Any) -> Any:
-    if isinstance(model_input, Mapping):
-        return model(**model_input)
-    if isinstance(model_input, (list, tuple)):
-        return model(*model_input)
-    return model(model_input)
+def is_trainable(model: nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -136,31 +100,51 @@ def model_device(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, Mapping):
-        return obj.__class__({k: to_device(v, device) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
+@contextlib.contextmanager
+def buffers_kept(models: Iterable[nn.Module]) -> Iterator[None]:
+    """Put every buffer of ``models`` back to its current value after the block (the replay must not count a
+    chunk's examples twice in BatchNorm-style running statistics)."""
+    saved = {}
+    for model in models:
+        for name, buffer in model.named_buffers():
+            saved.setdefault((id(model), name), (model, name, buffer.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for model, name, value in saved.values():
+                model.get_buffer(name).copy_(value)
+
+
+class _Plan:
+    """One model's chunks, the original rows each holds, its RNG states and its trimmed widths (for padding back)."""
+
+    def __init__(self, chunks: list[Any], widths: list[Optional[tuple[int, int]]], order: Optional[torch.Tensor]):
+        self.chunks, self.widths, self.order = chunks, widths, order
+        self.rows: list[torch.Tensor] = []
+        self.states: list[RandState] = []
 
 
 class GradCache:
     """Run one contrastive training step over a large batch, ``chunk_sizes`` rows of each model input at a time.
 
     Drop-in for the original ``GradCache`` class: ``models`` may hold the same module twice (tied encoders) or
-    different ones; ``chunk_sizes`` is one int or one per model; ``loss_fn(*reps, **loss_kwargs)`` returns a scalar.
-    The optimizer step stays with the caller.
+    different ones; ``chunk_sizes`` is one int or one per model; ``loss_fn(*reps, **loss_kwargs)`` returns a scalar
+    (``gc(q, p, target=t)`` passes ``target`` on). The optimizer step stays with the caller. A model without
+    trainable parameters (a frozen tower) runs once per chunk without a graph and is not replayed; a
+    representation the loss does not use is not replayed either. Running buffers (BatchNorm statistics) are updated
+    once per example: by the first pass, and put back after the replay.
 
     Args:
         split_input_fn: ``f(model_input, chunk_size) -> list`` for inputs other than tensors, lists/tuples of
-            tensors, dicts and BatchEncodings.
-        get_rep_fn: ``f(model_output) -> Tensor`` when the model does not return the representation itself.
+            tensors, dicts and BatchEncodings; the rows of each chunk are then counted on its representation.
+        get_rep_fn: ``f(model_output) -> Tensor`` when the model does not return the representation itself. It may
+            return token-level states ``[rows, seq, ...]``: trimmed chunks are then padded back with zeros at the
+            cut (padding) positions, which receive no gradient; the loss must mask padding, as it would anyway.
         fp16: fp16 autocast with ``scaler`` (a ``torch.amp.GradScaler``) scaling the loss.
         bf16: bf16 autocast, no scaler.
         sort_by_length: group rows of similar length into the same chunk (representations are returned and the
-            loss is computed in the original order).
+            loss is computed in the original order; inputs without a 2-D attention mask are left in order).
         trim: cut every chunk to its longest sequence (right padding assumed; left-padded chunks are left alone).
         keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
             again (ignored for DDP-wrapped models); it is backpropagated first, so peak memory stays one chunk.
@@ -205,29 +189,72 @@ class GradCache:
                              "get_rep_fn that returns the representation tensor")
         return rep
 
-    def _forward(self, model: nn.Module, chunk: Any) -> torch.Tensor:
+    def _forward(self, model: nn.Module, chunk: Any, width: Optional[tuple[int, int]]) -> torch.Tensor:
         device = model_device(model)
         with self._autocast(device):
-            return self._rep(call_model(model, to_device(chunk, device)))
+            rep = self._rep(call_model(model, to_device(chunk, device)))
+        return pad_sequence_dim(rep, width)
 
-    def _chunks(self, model_input: Any, chunk_size: int) -> tuple[list[Any], Optional[torch.Tensor]]:
+    def _plan(self, m: int, model_input: Any) -> _Plan:
         order = length_order(model_input) if self.sort_by_length and self.split_input_fn is None else None
         if order is not None:
             model_input = take_rows(model_input, order)
         if self.split_input_fn is not None:
-            chunks = list(self.split_input_fn(model_input, chunk_size))
+            chunks = list(self.split_input_fn(model_input, self.chunk_sizes[m]))
         else:
-            chunks = split_input(model_input, chunk_size)
-        if self.trim:
-            chunks = [trim_padding(c) for c in chunks]
-        return chunks, order
+            chunks = split_input(model_input, self.chunk_sizes[m])
+        if not chunks or rows_in(model_input) == 0:
+            raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
+        widths = [trimmed_width(c) if self.trim else None for c in chunks]
+        chunks = [trim_padding(c) if w is not None else c for c, w in zip(chunks, widths)]
+        return _Plan(chunks, widths, order)
+
+    def _first_pass(self, m: int, plan: _Plan, trainable: bool, keep: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Every chunk's representation in one fp32 buffer in the original row order (and the kept graph's rep).
+
+        The rows each chunk holds come from its input when it has tensors, else from its representation.
+        """
+        model = self.models[m]
+        devices = rng_devices(model, None) if trainable else set()
+        counts = [rows_in(c) for c in plan.chunks]
+        known = all(n is not None for n in counts)
+        buffer, parts, kept = None, [], None
+        start = 0
+        for i, chunk in enumerate(plan.chunks):
+            if trainable:
+                plan.states.append(RandState(devices | {t.device for t in tensors_in(chunk)}))
+            if keep and i == len(plan.chunks) - 1:
+                kept = self._forward(model, chunk, plan.widths[i])
+                chunk_rep = kept.detach()
+            else:
+                with torch.no_grad():
+                    chunk_rep = self._forward(model, chunk, plan.widths[i])
+            n = chunk_rep.size(0) if chunk_rep.dim() else 0
+            if known and n != counts[i]:
+                raise DprGcError(f"model {m} gave {n} representation rows for a chunk of {counts[i]} input rows")
+            rows = torch.arange(start, start + n) if plan.order is None else plan.order[start:start + n]
+            plan.rows.append(rows)
+            start += n
+            if known:
+                if buffer is None:
+                    buffer = chunk_rep.new_empty((sum(counts), *chunk_rep.shape[1:]), dtype=torch.float32)
+                self._check_shape(m, buffer, chunk_rep)
+                # One fp32 buffer in the original row order: a chunk's representation may be a view (e.g. the
+                # [CLS] row) whose base tensor would otherwise stay alive with it.
+                buffer[rows.to(buffer.device)] = chunk_rep.float()
+            else:
+                if parts:
+                    self._check_shape(m, parts[0], chunk_rep)
+                parts.append(chunk_rep.to(torch.float32, copy=True))
+            del chunk_rep
+        return (buffer if known else torch.cat(parts)), kept
 
     @staticmethod
-    def _rows(chunks: list[Any], order: Optional[torch.Tensor]) -> list[torch.Tensor]:
-        """For each chunk, the rows of the original (unsorted) batch it holds."""
-        sizes = [batch_size_of(c) for c in chunks]
-        index = torch.arange(sum(sizes)) if order is None else order
-        return list(index.split(sizes))
+    def _check_shape(m: int, first: torch.Tensor, chunk_rep: torch.Tensor) -> None:
+        if first.shape[1:] != chunk_rep.shape[1:]:
+            raise DprGcError(f"the chunks of model {m} gave representations of shapes {tuple(first.shape[1:])} and "
+                             f"{tuple(chunk_rep.shape[1:])} per row (a per-token representation with fewer than 3 "
+                             "dimensions cannot be padded back after trimming): pass trim=False")
 
     # ----------------------------------------------------------------- the step
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
@@ -239,62 +266,60 @@ class GradCache:
         """
         if len(model_inputs) != len(self.models):
             raise DprGcError(f"got {len(model_inputs)} model inputs for {len(self.models)} models")
-        if no_sync_except_last and not all(isinstance(m, DistributedDataParallel) for m in self.models):
-            raise DprGcError("no_sync_except_last=True needs every model wrapped in DistributedDataParallel")
-        is_ddp = [isinstance(m, DistributedDataParallel) for m in self.models]
+        trainable = [is_trainable(m) for m in self.models]
+        if no_sync_except_last and not all(is_ddp(m) for m, t in zip(self.models, trainable) if t):
+            raise DprGcError("no_sync_except_last=True needs every trainable model wrapped in DistributedDataParallel")
+        last = len(self.models) - 1
 
         # Part 1: representations without graphs. The very last chunk (of the last model) keeps its graph when
         # allowed: it is the one chunk whose graph can live until the loss without raising peak memory.
         plans, reps, kept_rep = [], [], None
-        for m, (model, model_input, chunk_size) in enumerate(zip(self.models, model_inputs, self.chunk_sizes)):
-            chunks, order = self._chunks(model_input, chunk_size)
-            rows = self._rows(chunks, order)
-            states, rep = [], None
-            keep = self.keep_last_graph and m == len(self.models) - 1 and not is_ddp[m]
-            for i, chunk in enumerate(chunks):
-                states.append(RandState({model_device(model)} | {t.device for t in tensors_in(chunk)}))
-                if i == len(chunks) - 1 and keep:
-                    kept_rep = self._forward(model, chunk)
-                    chunk_rep = kept_rep.detach()
-                else:
-                    with torch.no_grad():
-                        chunk_rep = self._forward(model, chunk)
-                if rep is None:
-                    rep = chunk_rep.new_empty((sum(len(r) for r in rows), *chunk_rep.shape[1:]), dtype=torch.float32)
-                # Copied into one fp32 buffer in the original row order: a chunk's representation may be a view
-                # (e.g. the [CLS] row) whose base tensor would otherwise stay alive with it.
-                rep[rows[i].to(rep.device)] = chunk_rep.float()
-                del chunk_rep
-            plans.append((chunks, rows, states))
-            reps.append(rep.requires_grad_())
+        for m, model_input in enumerate(model_inputs):
+            plan = self._plan(m, model_input)
+            keep = self.keep_last_graph and m == last and trainable[m] and not is_ddp(self.models[m])
+            rep, kept = self._first_pass(m, plan, trainable[m], keep)
+            kept_rep = kept if kept is not None else kept_rep
+            plans.append(plan)
+            reps.append(rep.requires_grad_(trainable[m]))
 
         # Part 2: the loss over the whole batch, and its gradient with respect to every representation (fp32).
         loss = self.loss_fn(*reps, **loss_kwargs)
-        (self.scaler.scale(loss) if self.fp16 else loss).backward()
+        if loss.requires_grad:
+            (self.scaler.scale(loss) if self.fp16 else loss).backward()
         self._average_loss_parameter_grads()
+        if kept_rep is not None and reps[last].grad is None:
+            kept_rep = None
 
         # Part 3: replay each chunk with a graph and push its cached gradient into the encoder. Models go last to
-        # first and the kept chunk first of all, so its graph is freed before any other chunk is re-run.
-        for m in reversed(range(len(self.models))):
-            model, (chunks, rows, states), rep = self.models[m], plans[m], reps[m]
-            kept_here = kept_rep is not None and m == len(self.models) - 1
-            last = len(chunks) - 1
-            for i in ([last] + list(range(last)) if kept_here else range(len(chunks))):
-                sync = not no_sync_except_last or i == last
-                with self._sync_context(model, sync):
-                    if i == last and kept_here:
-                        chunk_rep, kept_rep = kept_rep, None
-                    else:
-                        with states[i].replay():
-                            chunk_rep = self._forward(model, chunks[i])
-                    torch.sum(chunk_rep.float() * rep.grad[rows[i].to(rep.device)].to(chunk_rep.device)).backward()
-                    del chunk_rep
+        # first and the kept chunk first of all, so its graph is freed before any other chunk is re-run. Buffers
+        # are put back afterwards: the first pass already counted every example in the running statistics.
+        replayed = [self.models[m] for m in range(len(self.models)) if reps[m].grad is not None]
+        with buffers_kept(replayed):
+            for m in reversed(range(len(self.models))):
+                if reps[m].grad is None:
+                    continue
+                kept_here = kept_rep is not None and m == last
+                self._replay(m, plans[m], reps[m].grad, kept_rep if kept_here else None, no_sync_except_last)
+                kept_rep = None if kept_here else kept_rep
         return loss.detach()
+
+    def _replay(self, m: int, plan: _Plan, grad: torch.Tensor, kept_rep: Optional[torch.Tensor], no_sync: bool) -> None:
+        model, end = self.models[m], len(plan.chunks) - 1
+        for i in ([end] + list(range(end)) if kept_rep is not None else range(len(plan.chunks))):
+            with self._sync_context(model, not no_sync or i == end):
+                if i == end and kept_rep is not None:
+                    chunk_rep, kept_rep = kept_rep, None
+                else:
+                    with plan.states[i].replay():
+                        chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
+                cached = grad[plan.rows[i].to(grad.device)].to(chunk_rep.device)
+                torch.sum(chunk_rep.float() * cached).backward()
+                del chunk_rep
 
     @staticmethod
     def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-        if not sync and isinstance(model, DistributedDataParallel):
-            return model.no_sync()
+        if not sync and is_ddp(model):
+            return unwrap(model).no_sync()
         return contextlib.nullcontext()
 
     def _average_loss_parameter_grads(self) -> None:

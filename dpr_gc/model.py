@@ -271,8 +271,13 @@ def enable_gradient_checkpointing(retriever: Retriever) -> None:
     """Turn on activation checkpointing in every tower (recompute activations in backward to save memory)."""
     for encoder in {id(e): e for e in (retriever.query_encoder, retriever.passage_encoder)}.values():
         model = encoder.transformer
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
+        # Explicitly non-reentrant: older transformers default to reentrant checkpointing, which breaks DDP with
+        # separate towers ("Expected to mark a variable ready only once").
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def freeze_position_embeddings(model: nn.Module) -> int:

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from .dpr_hub import find_dpr_pair
 from .errors import DprGcError
 from .grad_cache import GradCache
-from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss
+from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss, check_loss_chunk_size
 from .model import (Retriever, RetrieverConfig, add_prefix_arguments, enable_gradient_checkpointing,
                     freeze_position_embeddings)
 from .train_utils import (Checkpointer, auto_chunk_size, capture_rng, evaluate_dev, restore_rng, summary_table)
@@ -91,6 +91,7 @@ class TrainConfig:
             raise DprGcError(f"--best-metric must be avg_rank, loss or accuracy, got {self.best_metric!r}")
         if self.epochs < 1 and not self.max_steps:
             raise DprGcError("--epochs must be >= 1 (or give --max-steps)")
+        check_loss_chunk_size(self.loss_chunk_size)
 
 
 class Towers(nn.Module):

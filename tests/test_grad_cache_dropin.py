@@ -1,0 +1,349 @@
+"""GradCache as a drop-in for the original package: users' own models, inputs, losses and settings.
+
+Every gradient is compared with one full-batch graph (fp32, relative error < 1e-5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc.errors import DprGcError
+from tests.conftest import tiny_bert
+from tests.test_grad_cache import grads, make_batch, models_of, reference_grads, rel_err, zero
+
+
+def hidden_states(output) -> torch.Tensor:
+    return output.last_hidden_state
+
+
+def late_interaction(q: torch.Tensor, p: torch.Tensor, q_mask: torch.Tensor, p_mask: torch.Tensor) -> torch.Tensor:
+    """ColBERT-style loss on token representations: each query token's best passage token, padding masked out."""
+    sim = torch.einsum("qid,pjd->qpij", q, p).masked_fill(~p_mask.bool()[None, :, None, :], -1e4)
+    scores = (sim.max(-1).values * q_mask[:, None, :]).sum(-1)
+    targets = torch.arange(q.size(0)) * (p.size(0) // q.size(0))
+    return nn.functional.cross_entropy(scores, targets)
+
+
+@pytest.mark.parametrize("keep_last_graph,sort", [(True, False), (False, True)])
+def test_token_level_representations_with_trimming(tiny_tokenizer, make_retriever, keep_last_graph, sort):
+    retriever = make_retriever(shared=False)
+    towers = [tiny_bert(len(tiny_tokenizer), 0), tiny_bert(len(tiny_tokenizer), 1)]
+    q, p = make_batch(retriever, 6, 1, seed=31)
+    masks = {"q_mask": q["attention_mask"], "p_mask": p["attention_mask"]}
+    zero(towers)
+    late_interaction(towers[0](**q).last_hidden_state, towers[1](**p).last_hidden_state, **masks).backward()
+    expected = grads(towers)
+    zero(towers)
+    seen = []
+
+    def loss_fn(x, y, **kw):
+        seen.append((x.shape, y.shape))
+        return late_interaction(x, y, **kw)
+
+    GradCache(towers, 4, loss_fn, get_rep_fn=hidden_states, keep_last_graph=keep_last_graph,
+              sort_by_length=sort)(q, p, **masks)
+    assert seen == [((6, q["input_ids"].size(1), 32), (12, p["input_ids"].size(1), 32))]
+    assert rel_err(grads(towers), expected) < 1e-5
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+class BatchEncoder(nn.Module):
+    """A user's model that takes its own batch object."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.bert = tiny_bert(vocab, 2)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        states = self.bert(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        mask = batch.attention_mask[..., None].float()
+        return (states * mask).sum(1) / mask.sum(1)
+
+
+def split_batch(batch: Batch, size: int) -> list[Batch]:
+    n = batch.input_ids.size(0)
+    return [Batch(batch.input_ids[s:s + size], batch.attention_mask[s:s + size]) for s in range(0, n, size)]
+
+
+def test_custom_split_input_fn_on_an_object(tiny_tokenizer, make_retriever):
+    q, p = make_batch(make_retriever(), 5, 1, seed=32)
+    q, p = (Batch(x["input_ids"], x["attention_mask"]) for x in (q, p))
+    model = BatchEncoder(len(tiny_tokenizer))
+    loss_fn = SimpleContrastiveLoss(1)
+    zero([model])
+    loss_fn(model(q), model(p)).backward()
+    expected = grads([model])
+    zero([model])
+    GradCache([model, model], 3, loss_fn, split_input_fn=split_batch)(q, p)
+    assert rel_err(grads([model]), expected) < 1e-5
+
+
+class CountCalls:
+    def __init__(self, module: nn.Module) -> None:
+        self.calls = []
+        module.register_forward_hook(lambda mod, args, out: self.calls.append(torch.is_grad_enabled()))
+
+
+@pytest.mark.parametrize("frozen", [0, 1])
+@pytest.mark.parametrize("keep_last_graph", [True, False])
+def test_frozen_tower_runs_once_without_graph(make_retriever, frozen, keep_last_graph):
+    retriever = make_retriever(shared=False)
+    towers = models_of(retriever)
+    towers[frozen].requires_grad_(False)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 6, 1, seed=33)
+    expected = reference_grads(towers, loss_fn, q, p)
+    zero(towers)
+    counter = CountCalls(towers[frozen])
+    GradCache(towers, 4, loss_fn, keep_last_graph=keep_last_graph)(q, p)
+    assert rel_err(grads(towers), expected) < 1e-5
+    assert all(param.grad is None for param in towers[frozen].parameters())
+    assert counter.calls == [False] * len(counter.calls) and len(counter.calls) == (2 if frozen == 0 else 3)
+
+
+def test_loss_target_and_reduction_follow_the_original():
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 8), torch.randn(7, 8)
+    target = torch.tensor([0, 3, 3, 6, 1])
+    for block in (0, None, 2):
+        loss_fn = SimpleContrastiveLoss(temperature=0.5, loss_chunk_size=block)
+        for reduction in ("mean", "sum", "none"):
+            xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+            got = loss_fn(xr, yr, target=target, reduction=reduction)
+            xe, ye = x.clone().requires_grad_(), y.clone().requires_grad_()
+            want = nn.functional.cross_entropy(xe @ ye.T / 0.5, target, reduction=reduction)
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+            weights = torch.arange(1.0, 6.0) if reduction == "none" else torch.tensor(1.0)
+            (got * weights).sum().backward()
+            (want * weights).sum().backward()
+            assert rel_err(xr.grad, xe.grad) < 1e-5 and rel_err(yr.grad, ye.grad) < 1e-5
+        with pytest.raises(DprGcError, match="reduction"):
+            loss_fn(x, y, target=target, reduction="avg")
+    with pytest.raises(DprGcError, match="target"):
+        SimpleContrastiveLoss()(x, y, target=torch.tensor([0, 1]))
+    with pytest.raises(DprGcError, match="target"):
+        SimpleContrastiveLoss()(x, y, target=torch.tensor([0, 1, 2, 3, 7]))
+
+
+def test_target_through_grad_cache(make_retriever):
+    retriever = make_retriever(shared=True)
+    towers = models_of(retriever)
+    q, p = make_batch(retriever, 6, 0, seed=34)
+    p = {k: v[:4] for k, v in p.items()}  # six queries over four passages
+    target = torch.tensor([0, 1, 1, 2, 3, 3])
+    loss_fn = SimpleContrastiveLoss(temperature=0.2, symmetric=True)
+    zero(towers)
+    loss_fn(towers[0](**q), towers[1](**p), target=target).backward()
+    expected = grads(towers)
+    zero(towers)
+    GradCache(towers, 4, loss_fn)(q, p, target=target)
+    assert rel_err(grads(towers), expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block,similarity,learn", [(None, "dot", False), (2, "cos", True), (0, "dot", True)])
+def test_loss_is_fp32_inside_an_outer_autocast(dtype, block, similarity, learn):
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 16) * 3, torch.randn(12, 16) * 3
+    results = []
+    for autocast in (False, True):
+        loss_fn = SimpleContrastiveLoss(1, temperature=0.05, learn_temperature=learn, similarity=similarity,
+                                        symmetric=learn, loss_chunk_size=block)
+        xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            loss = loss_fn(xr, yr)
+        loss.backward()
+        extra = [loss_fn.tau.log_value.grad.reshape(1)] if learn else []
+        results.append((loss.detach(), torch.cat([xr.grad.flatten(), yr.grad.flatten()] + extra)))
+    (ref_loss, ref_grad), (loss, grad) = results
+    assert loss.dtype == torch.float32 and torch.allclose(loss, ref_loss, rtol=1e-5)
+    assert rel_err(grad, ref_grad) < 1e-5
+
+
+@pytest.mark.parametrize("size", [-1, -4, 1.5])
+def test_bad_loss_chunk_size_is_refused(size):
+    with pytest.raises(DprGcError, match="loss_chunk_size"):
+        SimpleContrastiveLoss(loss_chunk_size=size)
+
+
+def test_bad_loss_chunk_size_is_refused_on_the_cli(tmp_path, capsys):
+    from dpr_gc.cli import main
+
+    code = main(["train", "--train", str(tmp_path / "t.json"), "--output", str(tmp_path / "o"), "--model", "m",
+                 "--loss-chunk-size", "-1"])
+    assert code == 2 and "--loss-chunk-size" in capsys.readouterr().err
+
+
+class NormEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(5, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+@pytest.mark.parametrize("keep_last_graph", [True, False])
+def test_running_statistics_see_each_example_once(keep_last_graph):
+    torch.manual_seed(2)
+    model = NormEncoder()
+    x, y = torch.randn(8, 5), torch.randn(8, 5) + 1
+    reference = NormEncoder()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for chunk in list(x.split(3)) + list(y.split(3)):
+            reference(chunk)
+    GradCache([model, model], 3, SimpleContrastiveLoss(), keep_last_graph=keep_last_graph)(x, y)
+    for name, buffer in reference.named_buffers():
+        assert torch.allclose(dict(model.named_buffers())[name], buffer), name
+
+
+def test_learnable_temperature_recovers_from_its_bound():
+    from dpr_gc.loss import TEMPERATURE_RANGE, Temperature
+
+    tau = Temperature(0.05, learnable=True)
+    with torch.no_grad():
+        tau.log_value.fill_(torch.log(torch.tensor(TEMPERATURE_RANGE[0] / 4)))
+    optimizer = torch.optim.SGD(tau.parameters(), lr=0.5)
+    torch.log(tau()).backward()  # a loss that wants it lower still: no push further past the bound
+    assert float(tau.log_value.grad) == 0.0
+    for _ in range(20):  # a loss that wants it higher: it must come back into the range and rise
+        optimizer.zero_grad()
+        (-torch.log(tau())).backward()
+        optimizer.step()
+    assert float(tau().detach()) > TEMPERATURE_RANGE[0] * 1.5
+
+
+def test_gradient_checkpointing_is_not_reentrant(make_retriever, monkeypatch):
+    from dpr_gc.model import enable_gradient_checkpointing
+
+    retriever = make_retriever(shared=False)
+    seen = []
+    for encoder in models_of(retriever):
+        model = encoder.transformer
+        for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+            if hasattr(model, name):
+                original = getattr(model, name)
+                monkeypatch.setattr(model, name, lambda *a, _f=original, **kw: (seen.append(kw), _f(*a, **kw))[1])
+    enable_gradient_checkpointing(retriever)
+    assert len(seen) >= 2
+    for kwargs in seen:
+        assert {"use_reentrant": False} in kwargs.values(), kwargs
+
+
+def test_empty_batch_is_a_clear_error(make_retriever):
+    retriever = make_retriever()
+    q, p = make_batch(retriever, 4, 0)
+    empty = {k: v[:0] for k, v in p.items()}
+    with pytest.raises(DprGcError, match="empty"):
+        GradCache(models_of(retriever), 2, SimpleContrastiveLoss())(q, empty)
+
+
+@pytest.mark.parametrize("keep_last_graph", [True, False])
+def test_a_loss_that_ignores_a_representation(make_retriever, keep_last_graph):
+    retriever = make_retriever(shared=False)
+    towers = models_of(retriever)
+    q, p = make_batch(retriever, 4, 0, seed=35)
+
+    def loss_fn(x, y):
+        return (x ** 2).mean()
+
+    expected = reference_grads(towers, loss_fn, q, p)
+    zero(towers)
+    counter = CountCalls(towers[1])
+    GradCache(towers, 3, loss_fn, keep_last_graph=keep_last_graph)(q, p)
+    assert rel_err(grads(towers), expected) < 1e-5
+    assert all(param.grad is None for param in towers[1].parameters())
+    assert len(counter.calls) == 2, "no replay of a representation the loss ignored"
+
+
+class ClsModel(nn.Module):
+    """A user's model fed a 3-D (per query position) attention mask, mean-pooling its states."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.bert = tiny_bert(vocab, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask[:, 0]
+        states = self.bert(input_ids, attention_mask=mask, **batch).last_hidden_state
+        return (states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+
+
+def test_sort_by_length_with_a_3d_attention_mask(tiny_tokenizer, make_retriever):
+    q, p = make_batch(make_retriever(), 6, 0, seed=36)
+    q3, p3 = ({**x, "attention_mask": x["attention_mask"][:, None, :].expand(-1, x["input_ids"].size(1), -1)}
+              for x in (q, p))
+    model = ClsModel(len(tiny_tokenizer))
+    loss_fn = SimpleContrastiveLoss()
+    zero([model])
+    loss_fn(model(**q3), model(**p3)).backward()
+    expected = grads([model])
+    zero([model])
+    GradCache([model, model], 4, loss_fn, sort_by_length=True)(q3, p3)
+    assert rel_err(grads([model]), expected) < 1e-5
+
+
+def test_rng_is_captured_on_every_cuda_device_a_parameter_lives_on(monkeypatch):
+    from dpr_gc.grad_cache import RandState, rng_devices
+
+    fake = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("cuda", i))
+                                                          for i in (0, 1, 1)]),
+                                 buffers=lambda: iter([types.SimpleNamespace(device=torch.device("cuda", 2))]))
+    devices = rng_devices(fake, {"x": torch.zeros(1)})
+    assert devices == {torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2), torch.device("cpu")}
+    captured = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d: captured.append(d) or torch.zeros(1))
+    state = RandState(devices)
+    assert sorted(state.cuda) == [0, 1, 2]
+
+
+def test_replay_is_refused_where_it_cannot_be_guaranteed():
+    from dpr_gc.grad_cache import rng_devices
+
+    fake = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("mps"))]),
+                                 buffers=lambda: iter([]))
+    with pytest.raises(DprGcError, match="mps"):
+        rng_devices(fake, None)
+
+
+def test_compiled_modules_are_unwrapped_when_detecting_ddp():
+    from dpr_gc.grad_cache import is_ddp
+
+    inner = nn.Linear(2, 2)
+    assert not is_ddp(torch.compile(inner))
+    ddp_like = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    nn.Module.__init__(ddp_like)
+    assert is_ddp(ddp_like) and is_ddp(torch.compile(ddp_like))
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor, *, factor: float) -> torch.Tensor:
+        return self.linear(x) * factor
+
+
+def test_the_original_args_kwargs_input():
+    """The original package's ``([args], {kwargs})`` input is called as ``model(*args, **kwargs)``."""
+    torch.manual_seed(3)
+    model, x, y = Scaled(), torch.randn(6, 5), torch.randn(6, 5)
+    loss_fn = SimpleContrastiveLoss()
+    loss_fn(model(x, factor=2.0), model(y, factor=0.5)).backward()
+    expected = grads([model])
+    zero([model])
+    GradCache([model, model], 4, loss_fn)(([x], {"factor": 2.0}), ([y], {"factor": 0.5}))
+    assert rel_err(grads([model]), expected) < 1e-5
