@@ -3,9 +3,11 @@
 Methods (each configuration runs in a fresh Python process so peak memory is that configuration's alone):
 
 * ``plain``: the whole batch through the encoder with one graph, the loss, one backward;
-* ``gradcache``: ``dpr_gc.GradCache`` as shipped (trimmed chunks, chunks grouped by length, last graph kept);
-* ``gradcache-bare``: the same engine with ``trim=False, sort_by_length=False, keep_last_graph=False``, i.e. the
-  original algorithm, to show where the speed comes from;
+* ``dpr-gc``: ``dpr_gc.GradCache`` as shipped (trimmed chunks, chunks grouped by length, last graph kept);
+* ``dpr-gc-features-off``: dpr-gc's own engine with ``trim=False, sort_by_length=False, keep_last_graph=False``:
+  an ablation to show where the speed comes from, NOT a third-party peer;
+* ``grad_cache-original``: the original package (``grad_cache.GradCache`` from github.com/luyug/GradCache, when it
+  is importable) on the same encoder, with its own ``SimpleContrastiveLoss`` on the cosine scores / temperature;
 * ``st-cmnrl``: sentence-transformers' ``CachedMultipleNegativesRankingLoss`` with ``mini_batch_size=chunk`` on
   a ``SentenceTransformer`` built from the same model folder.
 
@@ -53,8 +55,10 @@ from dpr_gc.files import iter_jsonl, write_json  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("plain", "gradcache", "gradcache-bare", "st-cmnrl")
-PEERS = ("gradcache-bare", "st-cmnrl")
+OURS = "dpr-gc"
+ORIGINAL = "grad_cache-original"
+METHODS = ("plain", OURS, "dpr-gc-features-off", ORIGINAL, "st-cmnrl")
+PEERS = (ORIGINAL, "st-cmnrl")  # third-party packages only
 INPUTS = ("fixed", "uneven")
 SCIFACT = ROOT.parent / "shared" / "data" / "scifact"
 TEMPERATURE = 0.05
@@ -239,8 +243,15 @@ def make_step(cfg: dict, device: torch.device) -> tuple[Callable[[list], Callabl
     encoder = retriever.query_encoder  # tied towers: passage_encoder is the same module
     loss_fn = SimpleContrastiveLoss(n_hard_negatives=1, temperature=TEMPERATURE, similarity="cos").to(device)
     engine = None
-    if cfg["method"] != "plain":
-        ours = cfg["method"] == "gradcache"
+    if cfg["method"] == ORIGINAL:
+        from grad_cache import GradCache as OriginalGradCache
+        from grad_cache.loss import SimpleContrastiveLoss as OriginalLoss
+
+        original_loss = OriginalLoss(n_hard_negatives=1)  # dot product: the encoder normalises, we scale
+        engine = OriginalGradCache([encoder, retriever.passage_encoder], cfg["chunk"],
+                                   lambda x, y: original_loss(x / TEMPERATURE, y))
+    elif cfg["method"] != "plain":
+        ours = cfg["method"] == OURS
         engine = GradCache([encoder, retriever.passage_encoder], cfg["chunk"], loss_fn, sort_by_length=ours,
                            trim=ours, keep_last_graph=ours)
 
@@ -289,7 +300,7 @@ def run_one(cfg: dict) -> dict:
     peak_mb = meter.stop()
     median, cpu = statistics.median(times), statistics.median(cpu_times)
     chunk = None if cfg["method"] == "plain" else cfg["chunk"]
-    ours = cfg["method"] == "gradcache"
+    ours = cfg["method"] == OURS
     st = cfg["method"] == "st-cmnrl"
     # dpr_gc sees one interleaved passage input; sentence-transformers chunks positives and negatives separately.
     p_masks = [inputs[1]["attention_mask"], inputs[2]["attention_mask"]] if st else [p_mask]
@@ -384,7 +395,19 @@ def machine_info(device: str, threads: int) -> dict:
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     info["sentence_transformers"] = st_version()
+    info["grad_cache_original"] = original_version()
     return info
+
+
+def original_version() -> Optional[str]:
+    """The installed original GradCache package (distribution ``GradCache``, module ``grad_cache``), or None."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("grad_cache")
+        return None if spec is None else f"{importlib.metadata.version('GradCache')} ({spec.origin})"
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def st_version() -> Optional[str]:
@@ -407,25 +430,26 @@ def summarise(results: list[dict], memory: list[dict], clock: str, uneven_target
     by = {(r["method"], r["input"], r["batch"], r["chunk"], r["q_len"], r["p_len"]): r for r in results}
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     lines = [f"| method | input q/p | batch | chunk | wall s/step | CPU s/step (sys) | examples/{clock} s | peak MB "
-             "| token slots | speed vs plain | speed vs st-cmnrl | memory vs plain | memory vs st-cmnrl |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| token slots | speed vs plain | speed vs grad_cache (original) | speed vs st-cmnrl | memory vs plain "
+             "| memory vs grad_cache (original) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     targets: dict[str, Any] = {"clock": clock, "fixed_at_or_below_best_peer": [], "uneven_speedup_vs_best_peer": [],
-                               "gradcache_peak_mb_by_batch": {}}
+                               "dpr_gc_peak_mb_by_batch": {}}
     for r in results + memory:
         key = r["input"], r["batch"], r["chunk"], r["q_len"], r["p_len"]
-        plain, st = by.get(("plain",) + key), by.get(("st-cmnrl",) + key)
+        plain, original, st = (by.get((m,) + key) for m in ("plain", ORIGINAL, "st-cmnrl"))
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['input']} | {r['batch']} | {r['chunk']} | {r['error']} ||||||||")
+            lines.append(f"| {r['method']} | {r['input']} | {r['batch']} | {r['chunk']} | {r['error']} |||||||||")
             continue
         chunk = "-" if r["method"] == "plain" else r["chunk"]
         lines.append(f"| {r['method']} | {r['input']} {r['q_len']}/{r['p_len']} | {r['batch']} | {chunk} "
                      f"| {r['step_s']:.2f} | {r['cpu_s']:.2f} ({fmt(r.get('sys_s'), '.2f')}) | {r[speed]:.2f} "
-                     f"| {r['peak_mb']:.0f} | {r['token_slots']} "
-                     f"| {fmt(ratio(r, plain, speed), '.2f')} | {fmt(ratio(r, st, speed), '.2f')} "
-                     f"| {fmt(ratio(r, plain, 'peak_mb'), '.2f')} | {fmt(ratio(r, st, 'peak_mb'), '.2f')} |")
-        if r["method"] != "gradcache" or r in memory:
+                     f"| {r['peak_mb']:.0f} | {r['token_slots']} | {fmt(ratio(r, plain, speed), '.2f')} "
+                     f"| {fmt(ratio(r, original, speed), '.2f')} | {fmt(ratio(r, st, speed), '.2f')} "
+                     f"| {fmt(ratio(r, plain, 'peak_mb'), '.2f')} | {fmt(ratio(r, original, 'peak_mb'), '.2f')} |")
+        if r["method"] != OURS or r in memory:
             continue
-        targets["gradcache_peak_mb_by_batch"].setdefault(r["input"], {})[r["batch"]] = round(r["peak_mb"], 1)
+        targets["dpr_gc_peak_mb_by_batch"].setdefault(r["input"], {})[r["batch"]] = round(r["peak_mb"], 1)
         peers = [p for p in (by.get((m,) + key) for m in PEERS) if p is not None and "error" not in p]
         if peers:
             best = max(peers, key=lambda p: p[speed])
@@ -435,7 +459,7 @@ def summarise(results: list[dict], memory: list[dict], clock: str, uneven_target
                 targets["fixed_at_or_below_best_peer"].append({**entry, "met": speedup >= 1.0})
             else:
                 targets["uneven_speedup_vs_best_peer"].append({**entry, "met": speedup >= uneven_target})
-    for name, peaks in targets["gradcache_peak_mb_by_batch"].items():
+    for name, peaks in targets["dpr_gc_peak_mb_by_batch"].items():
         lo, hi = min(peaks), max(peaks)
         targets[f"peak_growth_{name}_batch_{lo}_to_{hi}"] = round(peaks[hi] / peaks[lo], 3)
     ok = [m for m in memory if "error" not in m]
@@ -452,14 +476,14 @@ def summarise(results: list[dict], memory: list[dict], clock: str, uneven_target
 def verdicts(targets: dict, uneven_target: float) -> list[str]:
     """One line per target, for the end of the printed summary."""
     out = []
-    for name, peaks in targets["gradcache_peak_mb_by_batch"].items():
+    for name, peaks in targets["dpr_gc_peak_mb_by_batch"].items():
         lo, hi = min(peaks), max(peaks)
-        out.append(f"- peak memory, gradcache {name}: {peaks[lo]:.0f} MB at batch {lo} -> {peaks[hi]:.0f} MB at batch "
+        out.append(f"- peak memory, dpr-gc {name}: {peaks[lo]:.0f} MB at batch {lo} -> {peaks[hi]:.0f} MB at batch "
                    f"{hi} ({peaks[hi] / peaks[lo]:.2f}x)")
     for key, label, bar in (("fixed_at_or_below_best_peer", "fixed", 1.0),
                             ("uneven_speedup_vs_best_peer", "uneven", uneven_target)):
         for e in targets[key]:
-            out.append(f"- {label}, batch {e['batch']} chunk {e['chunk']}: gradcache {e['speedup']:.2f}x the speed of "
+            out.append(f"- {label}, batch {e['batch']} chunk {e['chunk']}: dpr-gc {e['speedup']:.2f}x the speed of "
                        f"{e['best_peer']} (target >= {bar:.2f}x: {'met' if e['met'] else 'NOT met'})")
     check = targets.get("memory_check")
     if check:
@@ -486,7 +510,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: all; --quick: 1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--memory-check", action="store_true", help="also run gradcache at batch 64 and 4096 (chunk 16)")
+    p.add_argument("--memory-check", action="store_true", help="also run dpr-gc at batch 64 and 4096 (chunk 16)")
     p.add_argument("--memory-lengths", type=ints, default=[16, 32], help="query,passage max tokens for that check")
     p.add_argument("--memory-batches", type=ints, default=[64, 4096])
     p.add_argument("--skip-grid", action="store_true", help="run only the memory check")
@@ -499,6 +523,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: batch 8, chunk 4, short lengths, one step")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
     p.add_argument("--output", default=None, help="default benchmarks/results/gradcache.json (-quick.json)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="combine the results of runs made side by side (one per method) into --output; runs nothing")
     args = p.parse_args(argv)
     if args.inputs is None:
         args.inputs = ["uneven"] if args.quick else list(INPUTS)
@@ -515,16 +541,36 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
+def merge(args: argparse.Namespace) -> None:
+    """One report from several runs made at the same time (each measured in its own processes): their results
+    and memory checks side by side, each run's machine record and settings kept."""
+    reports = [json.loads(Path(f).read_text()) for f in args.merge]
+    results = [r for rep in reports for r in rep["results"]]
+    memory = [r for rep in reports for r in rep["memory_check"]]
+    lines, targets = summarise(results, memory, args.clock, args.uneven_target)
+    write_json(args.output, {"machine": reports[0]["machine"], "merged_from": [
+        {"file": Path(f).name, "machine": rep["machine"], "settings": rep["settings"]} for f, rep in zip(args.merge, reports)],
+        "results": results, "memory_check": memory, "targets": targets})
+    print("\n".join(lines + [""] + verdicts(targets, args.uneven_target)))
+    print(f"\nwritten {args.output}")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.one:
         print(RESULT_TAG + json.dumps(run_one(json.loads(args.one))), flush=True)
         return
+    if args.merge:
+        merge(args)
+        return
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     if "st-cmnrl" in args.methods and st_version() is None:
         logger.warning("sentence-transformers is not installed: st-cmnrl skipped")
         args.methods = [m for m in args.methods if m != "st-cmnrl"]
+    if ORIGINAL in args.methods and original_version() is None:
+        logger.warning("the original GradCache package (module grad_cache) is not installed: %s skipped", ORIGINAL)
+        args.methods = [m for m in args.methods if m != ORIGINAL]
     with tempfile.TemporaryDirectory(prefix="bench_gc_") as tmp:
         if args.tiny:
             model = tiny_model(Path(tmp))
@@ -539,7 +585,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             {**base, "method": m, "input": i, "batch": b, "chunk": args.chunk, "q_len": lengths[i][0], "p_len": lengths[i][1]}
             for i in args.inputs for b in args.batches for m in args.methods
             if not (m == "plain" and b > args.plain_max_batch)]
-        memory = [{**base, "method": "gradcache", "input": "uneven", "batch": b, "chunk": 4 if args.quick else 16,
+        memory = [{**base, "method": OURS, "input": "uneven", "batch": b, "chunk": 4 if args.quick else 16,
                    "q_len": args.memory_lengths[0], "p_len": args.memory_lengths[1], "steps": 1}
                   for b in args.memory_batches] if args.memory_check else []
         report = {"machine": machine_info(device, args.threads), "settings": vars(args), "results": [], "memory_check": []}
