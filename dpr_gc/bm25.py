@@ -10,7 +10,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .errors import DprGcError
-from .files import PathLike, read_json, write_json
+from .files import PathLike, read_json_object, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class BM25Source:
         self.tokenizer = bm25s.tokenization.Tokenizer(stopwords="english")
         folder = Path(index_dir) if index_dir is not None else None
         if folder is not None and (folder / BM25_META).is_file():
-            saved = read_json(folder / BM25_META)
+            saved = read_json_object(folder / BM25_META, "BM25 index metadata")
             diff = [k for k in ("corpus_rows", "first_id", "last_id", "k1", "b", "tokenizer")
                     if saved.get(k) != self.meta[k]]
             if diff:

@@ -8,13 +8,14 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from . import data, encode, evaluate, mine, pipeline, retrieve, stdlib_data, train
+from .args import ArgumentParser
 from .errors import DprGcError
 
 STAGES = (pipeline, stdlib_data, data, train, encode, retrieve, evaluate, mine)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dpr-gc", description="Dense passage retrieval with Gradient Cache.")
+    parser = ArgumentParser(prog="dpr-gc", description="Dense passage retrieval with Gradient Cache.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for stage in STAGES:
@@ -23,12 +24,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def report_errors(action: Callable[[], Any]) -> int:
-    """Run ``action`` as a command: a :class:`DprGcError` becomes ``error: ...`` on stderr and exit status 2, an
-    interrupt exit status 130; an int result is the exit status, anything else 0."""
+    """Run ``action`` as a command: a :class:`DprGcError` (or an ``OSError``, e.g. a full disk) becomes one
+    ``error: ...`` line on stderr and exit status 2, an interrupt exit status 130; an int result is the exit status,
+    anything else 0."""
     try:
         result = action()
     except DprGcError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        return 2
+    except OSError as e:  # refused by the OS: permissions, a full disk, a folder where a file belongs
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}; check the path and free space", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: finished work is kept; run the same command again to resume", file=sys.stderr)

@@ -1,32 +1,41 @@
 """Read passage corpora and query files in the formats DPR and BEIR use.
 
 A corpus becomes a memory-mapped Arrow :class:`datasets.Dataset` with string columns ``id``, ``title`` and ``text``.
-It is parsed once, streamed into an Arrow file in a cache folder (keyed by the source file's path, size and
-modification time) and memory-mapped from then on, so even DPR's 21M-passage Wikipedia never sits in Python lists.
-Row ``i`` of that dataset is "corpus row i" everywhere in the toolkit.
+It is parsed once, streamed into an Arrow file in a cache folder (keyed by the source file's path, size,
+modification time and content fingerprint) and memory-mapped from then on, so even DPR's 21M-passage Wikipedia never
+sits in Python lists. Row ``i`` of that dataset is "corpus row i" everywhere in the toolkit.
+
+TSV files are read one physical line per row, so a stray quote can never swallow the rows after it: a field written
+CSV-style (``"say ""hi"" now"``, as in DPR's ``psgs_w100.tsv``) is unquoted, and a field that begins with
+``"`` but does not close its quote within itself is read literally and logged with its line number. Passage ids must
+be unique and free of whitespace (TREC runs and id files are whitespace-separated).
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import csv
 import hashlib
 import json
 import logging
 import os
-import sys
+import re
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from .errors import DprGcError
-from .files import PathLike, atomic_path, iter_jsonl, open_text, require_file
+from .files import PathLike, atomic_path, iter_jsonl_objects, open_text, require_file
+from .streams import TsvCounts, iter_tsv_lines, log_tsv_counts
 
 logger = logging.getLogger(__name__)
 
 COLUMNS = ("id", "title", "text")
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 WRITE_BATCH_ROWS = 10_000
+FULL_HASH_BYTES = 256 << 20
+SAMPLE_BLOCKS = 1024
+SAMPLE_BLOCK_BYTES = 64 << 10
+_BAD_ID = re.compile(r"\s")
 
 
 def default_cache_dir() -> Path:
@@ -51,49 +60,80 @@ def corpus_format(path: PathLike) -> str:
     return "tsv"
 
 
+def corpus_fingerprint(path: PathLike) -> str:
+    """A content fingerprint of the corpus file: a hash of its bytes, or of 1,024 evenly spaced 64 KiB blocks and the
+    size when it is larger than 256 MiB (so checking a 13 GB ``psgs_w100.tsv`` costs well under a second).
+
+    Recorded in the corpus cache key, the encode manifests and the index metadata, so an edit that keeps the file's
+    size and modification time still cannot pair new passage text with old vectors.
+    """
+    p = require_file(path, "corpus file")
+    size = p.stat().st_size
+    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(p, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+            kind = "full"
+        else:
+            step = (size - SAMPLE_BLOCK_BYTES) / (SAMPLE_BLOCKS - 1)
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(int(i * step))
+                digest.update(f.read(SAMPLE_BLOCK_BYTES))
+            kind = "sampled"
+    return f"{kind}-{digest.hexdigest()}"
+
+
+# --------------------------------------------------------------------------------------------- passages
 def iter_passages(path: PathLike) -> Iterator[tuple[str, str, str]]:
     """Stream ``(id, title, text)`` from a DPR passages TSV, a BEIR ``corpus.jsonl`` or an ``id/text/title`` JSONL."""
-    p = require_file(path, "corpus file")
-    rows = _iter_tsv_passages(p) if corpus_format(p) == "tsv" else _iter_jsonl_passages(p)
-    for line_no, pid, title, text in rows:
-        if "\n" in pid or "\r" in pid:
-            raise DprGcError(f"{p}:{line_no}: passage id {pid!r} contains a line break; ids must be one line")
+    for _, pid, title, text in iter_passage_lines(require_file(path, "corpus file")):
         yield pid, title, text
 
 
+def iter_passage_lines(path: Path) -> Iterator[tuple[int, str, str, str]]:
+    """Like :func:`iter_passages`, with the line number of each passage first; ids are checked here."""
+    rows = _iter_tsv_passages(path) if corpus_format(path) == "tsv" else _iter_jsonl_passages(path)
+    for line_no, pid, title, text in rows:
+        if not pid or _BAD_ID.search(pid):
+            raise DprGcError(f"{path}:{line_no}: passage id {pid!r} is empty or contains whitespace; ids must be "
+                             "one word (TREC runs and id files separate fields by whitespace); rename it")
+        yield line_no, pid, title, text
+
+
 def _iter_tsv_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    with open_text(path) as f:
-        reader = csv.reader(f, delimiter="\t")
-        header = next(reader, None)
-        if header is None:
-            raise DprGcError(f"corpus is empty: {path} (expected a header line 'id<TAB>text<TAB>title')")
-        names = [h.strip().lower() for h in header]
-        missing = [c for c in ("id", "text") if c not in names]
-        if missing:
-            raise DprGcError(f"{path}:1: header lacks column(s) {', '.join(missing)} (got {header!r}); "
-                             "a passages TSV starts with 'id<TAB>text<TAB>title'")
-        i_id, i_text = names.index("id"), names.index("text")
-        i_title = names.index("title") if "title" in names else None
-        start = reader.line_num
-        for row in reader:
-            line_no, start = start + 1, reader.line_num
-            if not row or row == [""]:
-                continue
-            if len(row) != len(names):
-                raise DprGcError(f"{path}:{line_no}: expected {len(names)} tab-separated fields "
-                                 f"({', '.join(names)}), got {len(row)}; fix or remove that line")
-            title = row[i_title] if i_title is not None else ""
-            yield line_no, row[i_id], title, row[i_text]
+    counts = TsvCounts()
+    lines = iter_tsv_lines(path, counts)
+    first = next(lines, None)
+    if first is None:
+        raise DprGcError(f"corpus is empty: {path} (expected a header line 'id<TAB>text<TAB>title')")
+    counts.header = 1
+    header_line, header = first
+    names = [h.strip().lower() for h in header]
+    missing = [c for c in ("id", "text") if c not in names]
+    if missing:
+        raise DprGcError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)} (got {header!r}); "
+                         "a passages TSV starts with 'id<TAB>text<TAB>title'")
+    i_id, i_text = names.index("id"), names.index("text")
+    i_title = names.index("title") if "title" in names else None
+    for line_no, row in lines:
+        if len(row) != len(names):
+            hint = ("; a field there begins with '\"': CSV-quoted fields cannot hold tabs or line breaks"
+                    if counts.last_literal == line_no else "")
+            raise DprGcError(f"{path}:{line_no}: expected {len(names)} tab-separated fields ({', '.join(names)}), "
+                             f"got {len(row)}{hint}; fix or remove that line")
+        counts.rows += 1
+        yield line_no, row[i_id], row[i_title] if i_title is not None else "", row[i_text]
+    log_tsv_counts(path, counts, "passages")
 
 
 def _iter_jsonl_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
-    for line_no, obj in iter_jsonl(path):
-        if not isinstance(obj, dict):
-            raise DprGcError(f"{path}:{line_no}: expected a JSON object with id, title and text")
+    for line_no, obj in iter_jsonl_objects(path, "a passage with id, title and text"):
         pid = obj.get("_id", obj.get("id"))
         if pid is None:
             raise DprGcError(f"{path}:{line_no}: missing passage id (need '_id' or 'id')")
+        if not isinstance(pid, (str, int)) or isinstance(pid, bool):
+            raise DprGcError(f"{path}:{line_no}: passage id must be a string or an integer, got {pid!r}")
         text = obj.get("text")
         if not isinstance(text, str):
             raise DprGcError(f"{path}:{line_no}: missing or non-string 'text'")
@@ -103,27 +143,48 @@ def _iter_jsonl_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
         yield line_no, str(pid), title, text
 
 
-def corpus_cache_path(path: PathLike, cache_dir: Optional[PathLike] = None) -> Path:
-    """The Arrow cache file for ``path``; it changes whenever the file's path, size or mtime changes."""
+# --------------------------------------------------------------------------------------------- Arrow cache
+def corpus_cache_path(path: PathLike, cache_dir: Optional[PathLike] = None,
+                      fingerprint: Optional[str] = None) -> Path:
+    """The Arrow cache file for ``path``; it changes whenever the file's path, size, mtime or content changes."""
     p = Path(path).resolve()
     st = p.stat()
-    key = hashlib.sha1(f"{CACHE_VERSION}|{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    fingerprint = fingerprint or corpus_fingerprint(p)
+    key = f"{CACHE_VERSION}|{p}|{st.st_size}|{st.st_mtime_ns}|{fingerprint}"
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return folder / f"{p.name}-{key}.arrow"
+    return folder / f"{p.name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.arrow"
 
 
 def load_corpus(path: PathLike, cache_dir: Optional[PathLike] = None) -> Any:
-    """Return the corpus as a memory-mapped ``datasets.Dataset`` (columns id, title, text), parsing it once."""
+    """Return the corpus as a memory-mapped ``datasets.Dataset`` (columns id, title, text), parsing it once.
+
+    The source's content fingerprint is part of the cache key and stored in the Arrow schema metadata
+    (``dpr_gc_fingerprint``), so an edited file is parsed again even if its size and mtime were restored.
+    """
     import datasets
 
     p = require_file(path, "corpus file")
-    cache = corpus_cache_path(p, cache_dir)
+    fingerprint = corpus_fingerprint(p)
+    cache = corpus_cache_path(p, cache_dir, fingerprint)
     if not cache.is_file():
         with _build_lock(cache):
             if not cache.is_file():
-                rows = _build_arrow(p, cache)
+                rows = _build_arrow(p, cache, fingerprint)
                 logger.info("cached %d passages from %s in %s", rows, p, cache)
     return datasets.Dataset.from_file(str(cache))
+
+
+def dataset_fingerprint(corpus: Any) -> Optional[str]:
+    """The content fingerprint of the source file recorded in a corpus dataset's Arrow cache (None if absent)."""
+    import pyarrow as pa
+
+    files = getattr(corpus, "cache_files", None) or []
+    if len(files) != 1:
+        return None
+    with pa.OSFile(files[0]["filename"], "rb") as source:
+        metadata = pa.ipc.open_stream(source).schema.metadata or {}
+    value = metadata.get(b"dpr_gc_fingerprint")
+    return value.decode() if value else None
 
 
 @contextlib.contextmanager
@@ -147,12 +208,14 @@ def _build_lock(cache: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_arrow(path: Path, cache: Path) -> int:
-    """Stream the corpus into an Arrow IPC stream file (the layout ``Dataset.from_file`` maps), atomically."""
+def _build_arrow(path: Path, cache: Path, fingerprint: str) -> int:
+    """Stream the corpus into an Arrow IPC stream file (the layout ``Dataset.from_file`` maps), atomically; refuse
+    duplicate passage ids before the file gets its final name."""
     import pyarrow as pa
     from tqdm.auto import tqdm
 
-    schema = pa.schema([(c, pa.string()) for c in COLUMNS])
+    schema = pa.schema([(c, pa.string()) for c in COLUMNS],
+                       metadata={"dpr_gc_source": str(path.resolve()), "dpr_gc_fingerprint": fingerprint})
     total = 0
     with atomic_path(cache) as tmp:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
@@ -167,6 +230,7 @@ def _build_arrow(path: Path, cache: Path) -> int:
             total += _flush(writer, schema, cols)
         if total == 0:
             raise DprGcError(f"corpus is empty: {path} has no passages")
+        _check_unique_ids(tmp, path)
     return total
 
 
@@ -179,6 +243,43 @@ def _flush(writer: Any, schema: Any, cols: tuple[list[str], list[str], list[str]
         for c in cols:
             c.clear()
     return n
+
+
+def _check_unique_ids(arrow_file: Path, source: Path) -> None:
+    """Refuse a corpus in which a passage id repeats, naming the file and both lines (counted in Arrow, in C)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    with pa.memory_map(str(arrow_file)) as mapped:
+        ids = pa.ipc.open_stream(mapped).read_all().column("id")
+        if pc.count_distinct(ids).as_py() == len(ids):
+            return
+        counts = pc.value_counts(ids)
+        repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+        rows = np.flatnonzero(pc.is_in(ids, value_set=repeated).to_numpy(zero_copy_only=False))
+        seen: dict[str, int] = {}
+        for row in rows.tolist():
+            pid = ids[row].as_py()
+            if pid in seen:
+                first, second = seen[pid], row
+                break
+            seen[pid] = row
+    lines = _lines_of_rows(source, {first, second})
+    raise DprGcError(f"{source}:{lines[second]}: passage id {pid!r} repeats the one at line {lines[first]} "
+                     f"({len(repeated)} id(s) occur more than once); passage ids must be unique, so rename or "
+                     "remove the duplicates")
+
+
+def _lines_of_rows(path: Path, rows: set[int]) -> dict[int, int]:
+    """Line numbers of the given corpus rows (read again; used only to report an error)."""
+    found: dict[int, int] = {}
+    for row, (line_no, *_) in enumerate(iter_passage_lines(path)):
+        if row in rows:
+            found[row] = line_no
+            if len(found) == len(rows):
+                break
+    return found
 
 
 # --------------------------------------------------------------------------------------------- queries
@@ -197,23 +298,20 @@ def read_queries(path: PathLike) -> list[dict]:
 
 
 def _read_tsv_queries(path: Path) -> list[dict]:
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     out = []
-    with open_text(path) as f:
-        reader = csv.reader(f, delimiter="\t")
-        start = reader.line_num
-        for row in reader:
-            line_no, start = start + 1, reader.line_num
-            if not row or row == [""]:
-                continue
-            if line_no == 1 and [c.strip().lower() for c in row[:2]] == ["question", "answers"]:
-                continue
-            if len(row) not in (2, 3):
-                raise DprGcError(f"{path}:{line_no}: expected 'question<TAB>answers' (optionally <TAB>id), "
-                                 f"got {len(row)} field(s)")
-            answers = _parse_answers(row[1], f"{path}:{line_no}")
-            qid = row[2] if len(row) == 3 else str(line_no)
-            out.append({"id": qid, "question": row[0], "answers": answers})
+    counts = TsvCounts()
+    for line_no, row in iter_tsv_lines(path, counts):
+        if line_no == 1 and [c.strip().lower() for c in row[:2]] == ["question", "answers"]:
+            counts.header = 1
+            continue
+        if len(row) not in (2, 3):
+            raise DprGcError(f"{path}:{line_no}: expected 'question<TAB>answers' (optionally <TAB>id), "
+                             f"got {len(row)} field(s)")
+        answers = _parse_answers(row[1], f"{path}:{line_no}")
+        qid = row[2] if len(row) == 3 else str(line_no)
+        out.append({"id": qid, "question": row[0], "answers": answers})
+        counts.rows += 1
+    log_tsv_counts(path, counts, "questions")
     return out
 
 
@@ -222,10 +320,10 @@ def _parse_answers(field: str, where: str) -> list[str]:
     value: Any
     try:
         value = json.loads(field)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         try:
             value = ast.literal_eval(field)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
+        except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
             raise DprGcError(f"{where}: answers must be a list like [\"a\", \"b\"], got {field[:60]!r}") from None
     return _answer_list(value, where)
 
@@ -240,10 +338,8 @@ def _answer_list(value: Any, where: str) -> list[str]:
 
 def _read_jsonl_queries(path: Path) -> list[dict]:
     out = []
-    for line_no, obj in iter_jsonl(path):
+    for line_no, obj in iter_jsonl_objects(path, "a question"):
         where = f"{path}:{line_no}"
-        if not isinstance(obj, dict):
-            raise DprGcError(f"{where}: expected a JSON object")
         question = obj.get("question", obj.get("text", obj.get("query")))
         if not isinstance(question, str):
             raise DprGcError(f"{where}: missing question (need 'question', or BEIR's 'text')")

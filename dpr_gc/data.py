@@ -17,15 +17,16 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .errors import DprGcError
-from .files import (PathLike, atomic_path, die_with_parent, iter_jsonl, open_text, read_json, require_file,
+from .files import (PathLike, atomic_path, die_with_parent, iter_jsonl_objects, open_text, read_json_object, require_file,
                     write_json)
+from .streams import CHUNK_CHARS, iter_json_list
 from .model import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler
 
@@ -33,10 +34,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
-CHUNK_CHARS = 1 << 20
-MAX_RECORD_CHARS = 64 << 20
 WRITE_BATCH = 256
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
 Row = dict[str, Any]
 Produced = Iterator[tuple[str, Union[Row, str]]]  # (where, normalised row or error message)
 
@@ -114,46 +112,6 @@ def normalise_record(record: Any) -> Row:
 
 
 # ----------------------------------------------------------------- readers
-def iter_json_list(f: IO[str], path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line, object)`` for each item of a top-level JSON list, reading ``CHUNK_CHARS`` at a time."""
-    decode = json.JSONDecoder().raw_decode
-    buf, pos, line, eof, more, state = "", 0, 1, False, False, "start"  # state: start | first | item | sep
-    while True:
-        end = _WHITESPACE.match(buf, pos).end()
-        line, pos = line + buf.count("\n", pos, end), end
-        if pos == len(buf) or more:
-            if eof:
-                raise DprGcError(f"{path}:{line}: file ends inside the JSON list; is it truncated?")
-            chunk = f.read(CHUNK_CHARS)
-            buf, pos, eof, more = buf[pos:] + chunk, 0, not chunk, False
-            continue
-        ch = buf[pos]
-        if state == "start":
-            if ch != "[":
-                raise DprGcError(f"{path}:{line}: expected a JSON list of records or one JSON record per line")
-            pos, state = pos + 1, "first"
-        elif state == "sep" or (state == "first" and ch == "]"):
-            if ch == "]":
-                return
-            if ch != ",":
-                raise DprGcError(f"{path}:{line}: invalid JSON (expected ',' or ']'); fix the file")
-            pos, state = pos + 1, "item"
-        else:
-            try:
-                obj, end = decode(buf, pos)
-            except json.JSONDecodeError as e:
-                if eof or len(buf) - pos > MAX_RECORD_CHARS:
-                    raise DprGcError(f"{path}:{line + buf.count(chr(10), pos, e.pos)}: invalid JSON ({e.msg}); fix "
-                                     "the file (broken syntax in a JSON list cannot be skipped)") from None
-                more = True  # the record may just continue in the next chunk
-                continue
-            if end == len(buf) and not eof:  # so may a number or literal
-                more = True
-                continue
-            yield line, obj
-            line, pos, state = line + buf.count("\n", pos, end), end, "sep"
-
-
 def _dpr_records(path: Path) -> Produced:
     """Records of a DPR training file: a JSON list or JSONL, optionally gzipped."""
     with open_text(path) as f:
@@ -170,6 +128,9 @@ def _dpr_records(path: Path) -> Produced:
                     obj = json.loads(text)
                 except json.JSONDecodeError as e:
                     yield f"{path}:{line_no}", f"invalid JSON ({e.msg})"
+                    continue
+                except RecursionError:
+                    yield f"{path}:{line_no}", "JSON nested too deeply to read"
                     continue
                 yield from _checked(f"{path}:{line_no}", obj)
 
@@ -210,9 +171,11 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
                 entry.append((pid, line_no))
     yield from bad
     needed = {p for entry in pairs.values() for p, _ in entry}
-    questions = {str(q.get("_id")): q.get("text") for _, q in iter_jsonl(queries) if str(q.get("_id")) in pairs}
+    questions = {str(q.get("_id")): q.get("text") for _, q in iter_jsonl_objects(queries, "a BEIR query")
+                 if str(q.get("_id")) in pairs}
     docs = {}
-    for _, d in tqdm(iter_jsonl(corpus), desc=f"read {corpus.name}", unit=" docs", disable=None):
+    for _, d in tqdm(iter_jsonl_objects(corpus, "a BEIR passage"), desc=f"read {corpus.name}", unit=" docs",
+                     disable=None):
         if str(d.get("_id")) in needed:
             docs[str(d["_id"])] = {"id": str(d["_id"]), "title": d.get("title") or "", "text": d.get("text")}
     for qid, entry in pairs.items():
@@ -244,7 +207,7 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
     arrow, stats_file = folder / f"{stem}-{digest}.arrow", folder / f"{stem}-{digest}.stats.json"
     if arrow.is_file() and stats_file.is_file():
-        stats = read_json(stats_file)
+        stats = read_json_object(stats_file, "training cache statistics")
     else:
         stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0}
         schema, rows = _schema(), []

@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .corpus import load_corpus
+from .corpus import dataset_fingerprint, load_corpus
+from .args import device_arg, nonnegative_int, output_dir, positive_int
 from .errors import DprGcError
-from .files import (PathLike, atomic_open, atomic_path, locked_folder, read_json, remove_stale_temporaries,
+from .files import (PathLike, atomic_open, atomic_path, locked_folder, read_json_object, remove_stale_temporaries,
                     write_json)
 from .model import add_prefix_arguments
 
@@ -37,7 +38,7 @@ DTYPES = ("float16", "float32")
 CHUNK_BATCHES = 16
 # Settings that must match for parts/shards in one folder to be combined (batch size and device may differ).
 MUST_MATCH = ("model_fingerprint", "pooling", "normalize", "passage_format", "max_length", "precision", "dim",
-              "dtype", "num_shards", "corpus_name", "corpus_bytes", "corpus_rows")
+              "dtype", "num_shards", "corpus_name", "corpus_bytes", "corpus_rows", "corpus_fingerprint")
 
 
 def shard_name(shard_id: int, num_shards: int) -> str:
@@ -180,7 +181,7 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
         "precision": autocast or "fp32", "dim": retriever.dim, "dtype": dtype, "count": count, "start_row": start,
         "shard_id": shard_id, "num_shards": num_shards, "corpus": str(Path(corpus_path).resolve()),
         "corpus_name": Path(corpus_path).name, "corpus_bytes": Path(corpus_path).stat().st_size,
-        "corpus_rows": len(corpus), "block_size": block_size,
+        "corpus_rows": len(corpus), "corpus_fingerprint": dataset_fingerprint(corpus), "block_size": block_size,
         "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt",
     }
     _check_folder(out, manifest)
@@ -189,7 +190,7 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     if done.is_file() and (out / manifest["embeddings"]).is_file() and (out / manifest["ids"]).is_file():
         _remove_parts(out, name)
         logger.info("%s is already finished in %s; nothing to do", name, out)
-        return read_json(done)
+        return _read_manifest(done)
     write_json(progress_file, manifest)
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
     parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
@@ -236,7 +237,7 @@ def _check_folder(out: Path, manifest: dict) -> None:
         if not (MANIFEST_RE.match(p.name) or PROGRESS_RE.match(p.name)):
             continue
         try:
-            other = read_json(p)
+            other = read_json_object(p, "an encode manifest")
         except (DprGcError, FileNotFoundError):
             if p.exists():
                 raise
@@ -247,9 +248,9 @@ def _check_folder(out: Path, manifest: dict) -> None:
                                  "use a new --output folder or delete the old shards")
     name = shard_name(manifest["shard_id"], manifest["num_shards"])
     progress = out / f"{name}.parts.json"
-    if progress.is_file() and read_json(progress).get("block_size") != manifest["block_size"]:
-        raise DprGcError(f"{progress} was started with --block-size {read_json(progress).get('block_size')}; "
-                         "resume with that block size")
+    started = read_json_object(progress, "encode progress").get("block_size") if progress.is_file() else None
+    if progress.is_file() and started != manifest["block_size"]:
+        raise DprGcError(f"{progress} was started with --block-size {started}; resume with that block size")
     if not progress.is_file() and any(out.glob(f"{name}.part*.npy")):
         logger.warning("%s: deleting part files that have no %s (left by a run that died); re-encoding them",
                        out, progress.name)
@@ -287,6 +288,17 @@ def _assemble(out: Path, manifest: dict, corpus: Any, parts: list[Path]) -> None
             f.write("".join(f"{i}\n" for i in ids))
 
 
+def _read_manifest(path: Path) -> dict:
+    """A finished shard's manifest, checked for the fields indexing relies on."""
+    manifest = read_json_object(path, "an encode manifest")
+    for key, kind in (("start_row", int), ("count", int), ("shard_id", int), ("num_shards", int), ("dim", int),
+                      ("embeddings", str), ("ids", str)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise DprGcError(f"{path}: not an encode manifest ({key!r} missing or not {kind.__name__}); "
+                             "delete it and re-run that encode shard")
+    return manifest
+
+
 def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
     """Finished shard manifests in ``folder`` sorted by start_row, with absolute ``embeddings``/``ids`` paths.
 
@@ -296,12 +308,13 @@ def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
     root = Path(folder)
     if not root.is_dir():
         raise DprGcError(f"embeddings folder not found: {root} (run `dpr-gc encode` first)")
-    manifests = [read_json(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
+    manifests = [_read_manifest(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
     if not manifests:
         raise DprGcError(f"no finished embedding shards in {root} (run `dpr-gc encode --output {root}` first)")
     first = manifests[0]
     for m in manifests[1:]:
-        for key in ("model_fingerprint", "dim", "num_shards", "corpus_rows", "pooling", "normalize"):
+        for key in ("model_fingerprint", "dim", "num_shards", "corpus_rows", "corpus_fingerprint", "pooling",
+                    "normalize"):
             if m.get(key) != first.get(key):
                 raise DprGcError(f"shards in {root} disagree on {key} ({first.get(key)!r} vs {m.get(key)!r}); "
                                  "re-encode them into one folder with one model")
@@ -332,20 +345,22 @@ def add_arguments(parser: argparse.ArgumentParser, dpr_aliases: bool = False) ->
                         help="trained retriever folder, or any Hugging Face model folder/name")
     parser.add_argument(*names("--corpus", "--ctx_src", "--ctx_file"), dest="corpus", required=True,
                         help="passages TSV (id, text, title), BEIR corpus.jsonl(.gz) or JSONL with id/text/title")
-    parser.add_argument(*names("--output", "--out_file"), dest="output", required=True, help="output folder")
-    parser.add_argument(*names("--shard-id", "--shard_id"), dest="shard_id", type=int, default=None,
+    parser.add_argument(*names("--output", "--out_file"), type=output_dir, dest="output", required=True,
+                        help="output folder")
+    parser.add_argument(*names("--shard-id", "--shard_id"), dest="shard_id", type=nonnegative_int, default=None,
                         help="this shard (default: torchrun's RANK, else 0)")
-    parser.add_argument(*names("--num-shards", "--num_shards"), dest="num_shards", type=int, default=None,
+    parser.add_argument(*names("--num-shards", "--num_shards"), dest="num_shards", type=positive_int, default=None,
                         help="number of shards (default: torchrun's WORLD_SIZE, else 1)")
-    parser.add_argument(*names("--batch-size", "--batch_size"), dest="batch_size", type=int, default=64)
-    parser.add_argument(*names("--max-length", "--max_length"), dest="max_length", type=int, default=None,
+    parser.add_argument(*names("--batch-size", "--batch_size"), dest="batch_size", type=positive_int, default=64)
+    parser.add_argument(*names("--max-length", "--max_length"), dest="max_length", type=positive_int, default=None,
                         help="passage max tokens (default: the retriever's passage_max_length)")
     parser.add_argument("--dtype", choices=DTYPES, default="float16", help="stored embedding dtype")
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "int8"), default="auto",
                         help="autocast precision (auto: bf16 on GPUs and CPUs that support it, fp16 on older GPUs, else "
                              "fp32); int8: int8 Linear layers on CPU, for CPUs without native bf16")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    parser.add_argument("--block-size", type=int, default=16384, help="rows per resumable part file")
+    parser.add_argument("--device", type=device_arg, default=None,
+                        help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    parser.add_argument("--block-size", type=positive_int, default=16384, help="rows per resumable part file")
     parser.add_argument("--cache-dir", default=None, help="where parsed corpora are cached")
     add_prefix_arguments(parser)
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, check_ks, check_mode, default_workers,
                       iter_blocks, resolve_mode)
 from .answers import MATCH_MODES, evaluate_answers, has_answer, normalize, tokenize, top_k_accuracy  # noqa: F401
+from .args import nonnegative_int, output_file, positive_int
 from .errors import DprGcError
 from .files import PathLike, atomic_path, open_text, write_json
 from .results import check_question, iter_results
@@ -343,13 +344,13 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--results", help="DPR retriever output JSON: [{question, answers, ctxs: [...]}]")
     p.add_argument("--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
     p.add_argument("--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels (qid 0 docid rel)")
-    p.add_argument("--k", type=int, nargs="+", default=[1, 5, 20, 100], help="cut-offs (default: 1 5 20 100)")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 20, 100], help="cut-offs (default: 1 5 20 100)")
     p.add_argument("--match", choices=("auto", "stored") + MATCH_MODES, default="auto",
                    help="answer flags: auto (the file's has_answer fields when present, else string), stored, or "
                         "recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")
-    p.add_argument("--workers", type=int, default=0,
+    p.add_argument("--workers", type=nonnegative_int, default=0,
                    help="processes that tokenise passages when recomputing flags (default 0: all cores)")
-    p.add_argument("--output", help="write the metrics report here as JSON")
-    p.add_argument("--plot", help="write a PNG of accuracy/recall against k here")
+    p.add_argument("--output", type=output_file, help="write the metrics report here as JSON")
+    p.add_argument("--plot", type=output_file, help="write a PNG of accuracy/recall against k here")
     p.set_defaults(func=_cli)
     return p

@@ -1,4 +1,9 @@
-"""Small file helpers shared by every stage: gzip-aware reading, JSONL with line numbers, atomic writes."""
+"""Small file helpers shared by every stage: gzip-aware reading, JSONL with line numbers, atomic writes.
+
+Every reader goes through :func:`open_text`, so a UTF-8 byte-order mark is skipped everywhere, and invalid UTF-8,
+a truncated or fake ``.gz`` and other read failures become one-line :class:`DprGcError` messages that name the file
+(and, for bad bytes, the line) instead of tracebacks.
+"""
 
 from __future__ import annotations
 
@@ -6,55 +11,186 @@ import contextlib
 import glob
 import gzip
 import json
+import logging
 import os
 import signal
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Union
+from typing import IO, Any, Iterable, Iterator, Optional, Union
 
 from .errors import DprGcError
 
+logger = logging.getLogger(__name__)
+
 PathLike = Union[str, "os.PathLike[str]"]
+READ_ERRORS = (UnicodeDecodeError, EOFError, OSError, zlib.error)
+DECODE_CHUNK = 1 << 20
 
 
 def require_file(path: PathLike, what: str = "file") -> Path:
     """Return ``path`` as a Path, or raise a one-line error if it does not exist."""
     p = Path(path)
+    if p.is_dir():
+        raise DprGcError(f"{what} {p} is a folder, not a file (check the path)")
     if not p.is_file():
         raise DprGcError(f"{what} not found: {p} (check the path)")
     return p
 
 
-def open_text(path: PathLike, mode: str = "rt") -> IO[str]:
-    """Open a text file for reading, transparently decompressing ``.gz``."""
-    p = require_file(path)
-    if p.suffix == ".gz":
-        return gzip.open(p, mode, encoding="utf-8")
-    return open(p, mode, encoding="utf-8")
+def _open_binary(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def bad_utf8_line(path: Path) -> Optional[int]:
+    """The line number of the first invalid UTF-8 byte of ``path`` (decompressed), or None if it decodes."""
+    import codecs
+
+    decoder, line = codecs.getincrementaldecoder("utf-8")(), 1
+    try:
+        with _open_binary(path) as f:
+            while True:
+                chunk = f.read(DECODE_CHUNK)
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as e:
+                    return line + chunk.count(b"\n", 0, max(e.start, 0))
+                if not chunk:
+                    return None
+                line += chunk.count(b"\n")
+    except READ_ERRORS:
+        return None
+
+
+def read_failure(path: Path, error: BaseException) -> DprGcError:
+    """Turn an exception raised while reading ``path`` into a one-line error naming the file."""
+    if isinstance(error, UnicodeDecodeError):
+        line = bad_utf8_line(path)
+        where = f"{path}:{line}" if line is not None else str(path)
+        return DprGcError(f"{where}: not valid UTF-8 ({error.reason}); save the file as UTF-8")
+    if isinstance(error, (EOFError, zlib.error, gzip.BadGzipFile)) or (
+            isinstance(error, OSError) and path.suffix == ".gz" and "gzip" in str(error).lower()):
+        return DprGcError(f"{path}: not a complete gzip file ({str(error) or type(error).__name__}); "
+                          "download or compress it again")
+    if isinstance(error, OSError):
+        return DprGcError(f"{path}: cannot read ({error.strerror or error})")
+    return DprGcError(f"{path}: cannot read ({error})")
+
+
+class TextReader:
+    """A read-only text stream whose read failures are :class:`DprGcError` messages naming the file."""
+
+    def __init__(self, path: Path, newline: Optional[str] = None) -> None:
+        self.path = path
+        try:
+            if path.suffix == ".gz":
+                self._f: IO[str] = gzip.open(path, "rt", encoding="utf-8-sig", newline=newline)
+            else:
+                self._f = open(path, encoding="utf-8-sig", newline=newline)
+        except READ_ERRORS as e:
+            raise read_failure(path, e) from None
+
+    def __enter__(self) -> "TextReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(*READ_ERRORS):
+            self._f.close()
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self._f
+        except READ_ERRORS as e:
+            raise read_failure(self.path, e) from None
+
+    def read(self, size: int = -1) -> str:
+        try:
+            return self._f.read(size)
+        except READ_ERRORS as e:
+            raise read_failure(self.path, e) from None
+
+    def seek(self, offset: int) -> int:
+        try:
+            return self._f.seek(offset)
+        except READ_ERRORS as e:
+            raise read_failure(self.path, e) from None
+
+    def readline(self, size: int = -1) -> str:
+        try:
+            return self._f.readline(size)
+        except READ_ERRORS as e:
+            raise read_failure(self.path, e) from None
+
+
+def open_text(path: PathLike, newline: Optional[str] = None) -> TextReader:
+    """Open a UTF-8 text file for reading (``.gz`` decompressed, a byte-order mark skipped), failing in one line."""
+    return TextReader(require_file(path), newline)
+
+
+def parse_json(text: str, where: str) -> Any:
+    """``json.loads`` whose failures (bad syntax, nesting too deep for Python) name ``where``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DprGcError(f"{where}: invalid JSON ({e.msg}); fix or remove that line") from None
+    except RecursionError:
+        raise DprGcError(f"{where}: JSON nested too deeply to read; flatten that record") from None
 
 
 def iter_jsonl(path: PathLike) -> Iterator[tuple[int, Any]]:
     """Yield ``(line_number, object)`` for each non-empty line; a bad line raises naming file and line."""
     with open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DprGcError(f"{path}:{line_no}: invalid JSON ({e.msg}); fix or remove that line") from None
+            if line.strip():
+                yield line_no, parse_json(line, f"{path}:{line_no}")
+
+
+def iter_jsonl_objects(path: PathLike, what: str = "record") -> Iterator[tuple[int, dict]]:
+    """Like :func:`iter_jsonl`, but every line must hold a JSON object."""
+    for line_no, obj in iter_jsonl(path):
+        if not isinstance(obj, dict):
+            raise DprGcError(f"{path}:{line_no}: expected a JSON object ({what}), got {type(obj).__name__}")
+        yield line_no, obj
+
+
+def check_output_file(path: PathLike, flag: str = "--output") -> Path:
+    """Refuse an output file path that is an existing folder (an existing file is replaced atomically)."""
+    p = Path(path)
+    if p.is_dir():
+        raise DprGcError(f"{flag} {p} is a folder; give a file name (an existing file is replaced)")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DprGcError(f"{flag} {p}: {parent} is a file, not a folder")
+            break
+    return p
+
+
+def check_output_dir(path: PathLike, flag: str = "--output") -> Path:
+    """Refuse an output folder path that is an existing file (or lies under one)."""
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                raise DprGcError(f"{flag} {p}: {q} is a file, not a folder; give a folder")
+            break
+    return p
 
 
 @contextlib.contextmanager
 def atomic_path(path: PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; it is renamed onto ``path`` only if the block succeeds.
 
-    Readers therefore never see a half-written file under the final name.
+    Readers therefore never see a half-written file under the final name. An existing file is replaced; a folder
+    under that name is refused.
     """
-    final = Path(path)
+    final = check_output_file(path, "output")
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
@@ -87,12 +223,24 @@ def write_json(path: PathLike, obj: Any) -> None:
 
 
 def read_json(path: PathLike) -> Any:
-    """Read a JSON file, naming the file in the error if it is malformed."""
+    """Read a JSON file, naming the file (and line) in the error if it is malformed."""
     with open_text(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise DprGcError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DprGcError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise DprGcError(f"{path}: JSON nested too deeply to read") from None
+
+
+def read_json_object(path: PathLike, what: str = "JSON file") -> dict:
+    """Read a JSON file that must hold an object (manifests, metadata, configs)."""
+    obj = read_json(path)
+    if not isinstance(obj, dict):
+        raise DprGcError(f"{path}: expected a JSON object ({what}), got a {type(obj).__name__}; "
+                         "the file is damaged or not one dpr-gc wrote")
+    return obj
 
 
 # ----------------------------------------------------------------------------------------- tensors, locks, temps

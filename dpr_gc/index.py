@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .errors import DprGcError
-from .files import (PathLike, atomic_open, atomic_path, locked_folder, read_json, remove_stale_temporaries,
+from .files import (PathLike, atomic_open, atomic_path, locked_folder, open_text, read_json, remove_stale_temporaries,
                     write_json)
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ def _faiss_message(error: Exception) -> str:
 # ----------------------------------------------------------------------------------------------- from shards
 def read_ids(folder: PathLike) -> Iterator[str]:
     """Stream the passage ids of an index folder, one per FAISS row."""
-    with open(Path(folder) / IDS_FILE, encoding="utf-8") as f:
+    with open_text(Path(folder) / IDS_FILE) as f:
         for line in f:
             yield line.rstrip("\n")
 
@@ -346,7 +346,7 @@ def sample_embeddings(manifests: list[dict], n: int, seed: int = 0) -> np.ndarra
 def shard_ids(manifests: list[dict]) -> Iterator[str]:
     """Stream the passage ids of shards in order (one per embedding row)."""
     for m in manifests:
-        with open(m["ids"], encoding="utf-8") as f:
+        with open_text(m["ids"]) as f:
             yield from (line.rstrip("\r\n") for line in f)
 
 
@@ -374,7 +374,8 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
             raise DprGcError(f"{m['embeddings']}: encoded with {_encoding_of(m)} but other shards in {emb_dir} with "
                              f"{encoding}; keep one model's embeddings per folder")
     if dense is not None and (_encoding_of(dense.meta) != encoding
-                              or dense.meta.get("corpus_rows") != first.get("corpus_rows")):
+                              or dense.meta.get("corpus_rows") != first.get("corpus_rows")
+                              or dense.meta.get("corpus_fingerprint") != first.get("corpus_fingerprint")):
         raise DprGcError(f"embeddings in {emb_dir} (model {first.get('model')}, dim {first['dim']}, "
                          f"{first.get('corpus_rows')} corpus rows) do not match the index (model "
                          f"{dense.meta.get('model')}, dim {dense.dim}, {dense.meta.get('corpus_rows')} corpus rows); "
@@ -389,7 +390,8 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
         dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
         dense = DenseIndex.build(dim, params.resolve(dim, total, min(train_sample, total)))
         dense.meta.update(encoding, model=first.get("model"), corpus=first.get("corpus"),
-                          corpus_rows=first.get("corpus_rows"), shards=[])
+                          corpus_rows=first.get("corpus_rows"), corpus_fingerprint=first.get("corpus_fingerprint"),
+                          shards=[])
         if not dense.is_trained:
             started = time.perf_counter()
             sample = sample_embeddings(todo, train_sample, seed)

@@ -25,9 +25,12 @@ from tqdm.auto import tqdm
 
 from .bm25 import BM25Source, Gold
 from .data import ID_KEYS
+from .args import any_float, device_arg, nonnegative_float, nonnegative_int, output_dir, output_file, positive_int
 from .errors import DprGcError
-from .files import ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, output_lock, read_json, require_file
+from .files import (ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, output_lock, read_json_object,
+                    require_file)
 from .model import add_prefix_arguments
+from .streams import iter_json_list
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +219,7 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
 def iter_training_file(path: PathLike) -> Iterator[dict]:
     """Stream the records of a DPR training file (JSON list or JSONL, optionally .gz) unchanged, each checked as the
     training reader checks it; a bad record raises naming file and line."""
-    from .data import iter_json_list, normalise_record
+    from .data import normalise_record
 
     p = require_file(path, "training file")
     with open_text(p) as f:
@@ -390,7 +393,7 @@ def _cli(args: argparse.Namespace) -> None:
         require_file(args.train_file, "training file")
     corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
     if corpus_path is None and args.index and (Path(args.index) / "index_meta.json").is_file():
-        corpus_path = read_json(Path(args.index) / "index_meta.json").get("corpus")
+        corpus_path = read_json_object(Path(args.index) / "index_meta.json", "index metadata").get("corpus")
     if not corpus_path:
         raise DprGcError("give --corpus (the passages to mine from)")
     corpus = load_corpus(corpus_path, args.cache_dir)
@@ -430,27 +433,34 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--train-file", help="DPR training file (.json/.jsonl, optionally .gz) whose questions to mine for")
     p.add_argument("--beir-dir", help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, corpus.jsonl); positives: qrels")
     p.add_argument("--split", default="train", help="qrels split of --beir-dir (default train)")
-    p.add_argument("--output", required=True, help="DPR training file to write (.jsonl -> JSONL, else a JSON list)")
+    p.add_argument("--output", type=output_file, required=True,
+                   help="DPR training file to write (.jsonl -> JSONL, else a JSON list)")
     p.add_argument("--corpus", help="passages to mine from (default: the BEIR corpus or the one recorded in --index)")
     p.add_argument("--model", help="trained retriever folder (dense source)")
-    p.add_argument("--index", help="index folder from 'dpr-gc index'; built here from --embeddings if missing")
-    p.add_argument("--embeddings", help="encode shards folder (encoded here if it has none), for a new flat index")
-    p.add_argument("--bm25-index", help="folder to save the BM25 index to, or load it from if built already")
-    p.add_argument("--bm25-k1", type=float, default=0.9, help="BM25 k1 (default 0.9, as Anserini)")
-    p.add_argument("--bm25-b", type=float, default=0.4, help="BM25 b (default 0.4, as Anserini)")
-    p.add_argument("--n-negatives", type=int, default=30, help="hard negatives per question (default 30)")
-    p.add_argument("--top-k", type=int, default=100, help="candidates retrieved per question (default 100)")
-    p.add_argument("--skip-top", type=int, default=0, help="skip candidates ranked 1..N (likely false negatives)")
-    p.add_argument("--margin", type=float, help="drop candidates scoring above (best positive score - MARGIN)")
+    p.add_argument("--index", type=output_dir,
+                   help="index folder from 'dpr-gc index'; built here from --embeddings if missing")
+    p.add_argument("--embeddings", type=output_dir,
+                   help="encode shards folder (encoded here if it has none), for a new flat index")
+    p.add_argument("--bm25-index", type=output_dir,
+                   help="folder to save the BM25 index to, or load it from if built already")
+    p.add_argument("--bm25-k1", type=nonnegative_float, default=0.9, help="BM25 k1 (default 0.9, as Anserini)")
+    p.add_argument("--bm25-b", type=nonnegative_float, default=0.4, help="BM25 b (default 0.4, as Anserini)")
+    p.add_argument("--n-negatives", type=positive_int, default=30, help="hard negatives per question (default 30)")
+    p.add_argument("--top-k", type=positive_int, default=100, help="candidates retrieved per question (default 100)")
+    p.add_argument("--skip-top", type=nonnegative_int, default=0,
+                   help="skip candidates ranked 1..N (likely false negatives)")
+    p.add_argument("--margin", type=any_float, help="drop candidates scoring above (best positive score - MARGIN)")
     p.add_argument("--match", default="string", help="answer matching: string (NQ/TriviaQA) or regex (CuratedTREC)")
     p.add_argument("--qrels", help="relevance judgments: their positives (by question id) are never negatives")
-    p.add_argument("--workers", type=int, default=0,
+    p.add_argument("--workers", type=nonnegative_int, default=0,
                    help="processes that tokenise candidates for answer matching (default 0: all cores)")
     p.add_argument("--append", action="store_true", help="keep existing hard_negative_ctxs and add the new ones")
-    p.add_argument("--batch-size", type=int, default=64, help="questions/passages per encoder batch (default 64)")
-    p.add_argument("--device", help="torch device (default: cuda if available)")
+    p.add_argument("--batch-size", type=positive_int, default=64,
+                   help="questions/passages per encoder batch (default 64)")
+    p.add_argument("--device", type=device_arg, help="torch device (default: cuda if available)")
     p.add_argument("--cache-dir", help="where parsed corpora are cached")
-    p.add_argument("--threads", type=int, default=0, help="BM25 / FAISS search threads (default: bm25s 1, FAISS all)")
+    p.add_argument("--threads", type=nonnegative_int, default=0,
+                   help="BM25 / FAISS search threads (default: bm25s 1, FAISS all)")
     p.add_argument("--skip-model-check", action="store_true",
                    help="do not refuse a model whose weights differ from the one that encoded the passages")
     add_prefix_arguments(p)

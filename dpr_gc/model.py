@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 POOLINGS = ("cls", "mean", "pooler")
 PASSAGE_FORMATS = ("pair", "concat")
+# what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
+WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
 
 
 @dataclasses.dataclass
@@ -58,6 +60,8 @@ class RetrieverConfig:
             raise DprGcError(f"--temperature must lie in [{lo}, {hi}], got {self.temperature}")
         if self.query_max_length <= 0 or self.passage_max_length <= 0:
             raise DprGcError("--query-max-length and --passage-max-length must be positive")
+        if self.projection_dim is not None and self.projection_dim < 1:
+            raise DprGcError(f"--projection-dim must be a positive integer (or left out), got {self.projection_dim}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RetrieverConfig":
@@ -234,8 +238,8 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
         reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
                          "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
-    except (OSError, ValueError) as e:
-        raise DprGcError(f"cannot load model {str(name_or_path)!r}: {str(e).splitlines()[0]} "
+    except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: {(str(e).splitlines() or [type(e).__name__])[0]} "
                          "(give a local folder or a Hugging Face model name reachable from this machine)") from None
 
 

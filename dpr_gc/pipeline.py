@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .args import nonnegative_int, output_dir, positive_float, positive_int
 from .errors import DprGcError
-from .files import atomic_path, read_json, write_json
+from .files import atomic_path, read_json, read_json_object, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
     metrics_file = stage / "metrics.json"
     if metrics_file.is_file():
         logger.info("%s: already measured (%s)", name, metrics_file)
-        return read_json(metrics_file)
+        return read_json_object(metrics_file, "demo metrics")
     corpus_path = data / manifest["files"]["corpus"]
     started = time.perf_counter()
     device = next(retriever.parameters()).device
@@ -185,18 +186,19 @@ def add_cli(subparsers: Any) -> None:
     """Register ``demo``: the whole pipeline on the stdlib dataset, before and after Gradient Cache training."""
     p = subparsers.add_parser("demo", help="run the whole pipeline end to end on the built-in stdlib dataset")
     defaults = DemoConfig()
-    p.add_argument("--output", default=defaults.output_dir, help="output folder (resumable)")
+    p.add_argument("--output", type=output_dir, default=defaults.output_dir, help="output folder (resumable)")
     p.add_argument("--model", default=None, help="Hugging Face model name or folder (default: offline MiniLM)")
-    p.add_argument("--max-examples", type=int, default=None, help="subsample the dataset (a quicker, rougher run)")
-    p.add_argument("--train-queries", type=int, default=defaults.train_queries, help="training questions used")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
-    p.add_argument("--hard-negatives", type=int, default=defaults.hard_negatives)
-    p.add_argument("--epochs", type=int, default=defaults.epochs)
-    p.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-    p.add_argument("--passage-max-length", type=int, default=defaults.passage_max_length)
+    p.add_argument("--max-examples", type=positive_int, default=None,
+                   help="subsample the dataset (a quicker, rougher run)")
+    p.add_argument("--train-queries", type=positive_int, default=defaults.train_queries, help="training questions used")
+    p.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
+    p.add_argument("--chunk-size", type=positive_int, default=defaults.chunk_size)
+    p.add_argument("--hard-negatives", type=nonnegative_int, default=defaults.hard_negatives)
+    p.add_argument("--epochs", type=positive_int, default=defaults.epochs)
+    p.add_argument("--learning-rate", type=positive_float, default=defaults.learning_rate)
+    p.add_argument("--passage-max-length", type=positive_int, default=defaults.passage_max_length)
     p.add_argument("--precision", default=defaults.precision, choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--seed", type=nonnegative_int, default=defaults.seed)
     p.set_defaults(func=_cli_demo)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .answers import MATCH_MODES, AccuracyCounter, AnswerMatcher, check_ks, default_workers
+from .args import device_arg, nonnegative_int, output_dir, output_file, positive_int
 from .errors import DprGcError
 from .evaluate import QrelsAccumulator
 from .files import PathLike
@@ -53,7 +54,9 @@ def check_compatible(retriever: Any, index: DenseIndex, check_fingerprint: bool 
 
 
 def check_corpus(index: DenseIndex, corpus: Any) -> None:
-    """Refuse a corpus that is not the one the index rows point into (size and first/last passage ids)."""
+    """Refuse a corpus that is not the one the index rows point into (content fingerprint, size, first/last ids)."""
+    from .corpus import dataset_fingerprint
+
     meta, n = index.meta, len(corpus)
     if meta.get("corpus_rows") is not None and int(meta["corpus_rows"]) != n:
         raise DprGcError(f"the index was built for a corpus of {meta['corpus_rows']} passages ({meta.get('corpus')}) "
@@ -66,6 +69,14 @@ def check_corpus(index: DenseIndex, corpus: Any) -> None:
         if meta.get(key) is not None and str(corpus[row]["id"]) != meta[key]:
             raise DprGcError(f"corpus row {row} has id {corpus[row]['id']!r} but the index expects {meta[key]!r}; "
                              "give the corpus that was encoded")
+    recorded, current = meta.get("corpus_fingerprint"), dataset_fingerprint(corpus)
+    if recorded and current and recorded != current:
+        raise DprGcError(f"the corpus's content differs from the one encoded ({meta.get('corpus')}; fingerprint "
+                         f"{current} vs {recorded}): if it was edited, re-run encode and index on it; otherwise give "
+                         "the corpus that was encoded")
+    if not recorded:
+        logger.warning("the index records no corpus fingerprint (built before dpr-gc recorded one), so the corpus "
+                       "contents cannot be checked against it; rebuild the index to get that check")
 
 
 def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
@@ -129,6 +140,18 @@ def write_trec_run(results: Iterable[dict], path: PathLike, tag: str = "dpr-gc")
         for record in results:
             out.write(record)
     return Path(path)
+
+
+def check_run_ids(queries: list[dict], source: PathLike) -> None:
+    """Refuse, before any retrieval, query ids that a TREC run cannot hold (empty, with whitespace, repeated)."""
+    seen: set[str] = set()
+    for q in queries:
+        qid = str(q["id"])
+        if not qid or any(c.isspace() for c in qid) or qid in seen:
+            problem = "appears twice" if qid in seen else "is empty or contains whitespace"
+            raise DprGcError(f"{source}: query id {qid!r} {problem}; a TREC run (--trec-run) needs unique one-word "
+                             "query ids")
+        seen.add(qid)
 
 
 def filter_judged(queries: list[dict], qrels: dict[str, dict[str, int]], qrels_path: PathLike) -> list[dict]:
@@ -212,16 +235,18 @@ def add_index_arguments(p: argparse.ArgumentParser) -> None:
     """Flags choosing and tuning the index (shared by ``dpr-gc index`` and ``scripts/dense_retriever.py``)."""
     p.add_argument("--kind", default="flat", help=f"index kind: {', '.join(KINDS)} (default flat = exact search)")
     p.add_argument("--factory", help="any faiss.index_factory string, e.g. 'OPQ64,IVF4096,PQ64' (overrides --kind)")
-    p.add_argument("--hnsw-m", type=int, default=32, help="HNSW neighbours per node (default 32)")
-    p.add_argument("--ef-construction", type=int, default=200, help="HNSW build-time beam (default 200)")
-    p.add_argument("--ef-search", type=int, default=128, help="HNSW search beam, keep >= top-k (default 128)")
-    p.add_argument("--nlist", type=int, help="IVF inverted lists (default about 4*sqrt(N))")
-    p.add_argument("--pq-m", type=int, help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
-    p.add_argument("--pq-nbits", type=int, default=8, help="bits per PQ code (default 8)")
-    p.add_argument("--nprobe", type=int, default=32, help="IVF lists visited per query (default 32)")
-    p.add_argument("--train-sample", type=int, default=100_000, help="vectors sampled to train IVF/PQ (default 100k)")
-    p.add_argument("--block-size", type=int, default=65_536, help="rows added per block (default 65536)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the training sample")
+    p.add_argument("--hnsw-m", type=positive_int, default=32, help="HNSW neighbours per node (default 32)")
+    p.add_argument("--ef-construction", type=positive_int, default=200, help="HNSW build-time beam (default 200)")
+    p.add_argument("--ef-search", type=positive_int, default=128, help="HNSW search beam, keep >= top-k (default 128)")
+    p.add_argument("--nlist", type=positive_int, help="IVF inverted lists (default about 4*sqrt(N))")
+    p.add_argument("--pq-m", type=positive_int,
+                   help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
+    p.add_argument("--pq-nbits", type=positive_int, default=8, help="bits per PQ code (default 8)")
+    p.add_argument("--nprobe", type=positive_int, default=32, help="IVF lists visited per query (default 32)")
+    p.add_argument("--train-sample", type=positive_int, default=100_000,
+                   help="vectors sampled to train IVF/PQ (default 100k)")
+    p.add_argument("--block-size", type=positive_int, default=65_536, help="rows added per block (default 65536)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the training sample")
 
 
 def params_from_args(args: argparse.Namespace) -> IndexParams:
@@ -271,6 +296,8 @@ def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) 
     corpus = load_corpus(corpus_path, args.cache_dir)
     check_corpus(index, corpus)
     queries = read_queries(args.queries)
+    if args.trec_run:
+        check_run_ids(queries, args.queries)
     qrels = read_qrels(args.qrels) if args.qrels else None
     if qrels is not None:
         queries = filter_judged(queries, qrels, args.qrels)
@@ -303,21 +330,23 @@ def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="retriever folder or HF model (default: the model recorded in the index)")
     p.add_argument("--corpus", help="passages the index was built from (default: the corpus recorded in the index)")
     p.add_argument("--queries", required=True, help="DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
-    p.add_argument("--top-k", type=int, default=100, help="passages per question (default 100)")
-    p.add_argument("--batch-size", type=int, default=64, help="questions per encoder batch (default 64)")
+    p.add_argument("--top-k", type=positive_int, default=100, help="passages per question (default 100)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="questions per encoder batch (default 64)")
     p.add_argument("--match", choices=MATCH_CHOICES, default="string",
                    help="answer matching for has_answer: string (NQ/TriviaQA), regex (CuratedTREC) or none")
-    p.add_argument("--output", help="write DPR retriever JSON here (JSONL when named .jsonl; .gz compresses)")
+    p.add_argument("--output", type=output_file,
+                   help="write DPR retriever JSON here (JSONL when named .jsonl; .gz compresses)")
     p.add_argument("--compact", action="store_true",
                    help="results without passage title and text: ids, scores and has_answer (for evaluate and mine)")
-    p.add_argument("--workers", type=int, default=0,
+    p.add_argument("--workers", type=nonnegative_int, default=0,
                    help="processes that tokenise passages for answer matching (default 0: all cores)")
-    p.add_argument("--trec-run", help="write a TREC run file here")
+    p.add_argument("--trec-run", type=output_file, help="write a TREC run file here")
     p.add_argument("--run-tag", default="dpr-gc", help="tag column of the TREC run (default dpr-gc)")
     p.add_argument("--qrels", help="relevance judgments: only judged queries are retrieved; used by --evaluate")
     p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics")
-    p.add_argument("--k", type=int, nargs="+", default=[1, 5, 10, 20, 100], help="cut-offs for --evaluate")
-    p.add_argument("--device", help="torch device for the question encoder (default: cuda if available)")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 10, 20, 100], help="cut-offs for --evaluate")
+    p.add_argument("--device", type=device_arg,
+                   help="torch device for the question encoder (default: cuda if available)")
     p.add_argument("--cache-dir", help="where parsed corpora are cached")
     p.add_argument("--skip-model-check", action="store_true",
                    help="do not refuse a model whose weights differ from the one that encoded the passages")
@@ -329,18 +358,19 @@ def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("index", help="build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards",
                               description="Build a FAISS inner-product index from the shards written by encode.")
     p.add_argument("--embeddings", required=True, help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
-    p.add_argument("--output", required=True, help="index folder to write (index.faiss, ids.txt, index_meta.json)")
+    p.add_argument("--output", type=output_dir, required=True,
+                   help="index folder to write (index.faiss, ids.txt, index_meta.json)")
     add_index_arguments(p)
     p.add_argument("--append", action="store_true", help="add new shards to the existing index in --output")
     p.add_argument("--allow-partial", action="store_true", help="index although some shards are not encoded yet")
-    p.add_argument("--threads", type=int, help="FAISS threads (default: all cores)")
+    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
     p.set_defaults(func=_index_cli)
 
     p = subparsers.add_parser("retrieve", help="top-k passages for questions: DPR JSON and a TREC run",
                               description=__doc__.splitlines()[0])
     p.add_argument("--index", required=True, help="index folder written by 'dpr-gc index'")
     add_retrieve_arguments(p)
-    p.add_argument("--ef-search", type=int, help="override the index's HNSW efSearch")
-    p.add_argument("--nprobe", type=int, help="override the index's IVF nprobe")
-    p.add_argument("--threads", type=int, help="FAISS threads (default: all cores)")
+    p.add_argument("--ef-search", type=positive_int, help="override the index's HNSW efSearch")
+    p.add_argument("--nprobe", type=positive_int, help="override the index's IVF nprobe")
+    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
     p.set_defaults(func=_retrieve_cli)

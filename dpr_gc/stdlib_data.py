@@ -30,8 +30,9 @@ from typing import Any, Iterator, Optional
 
 from tqdm import tqdm
 
+from .args import nonnegative_int, output_dir, positive_int
 from .errors import DprGcError
-from .files import PathLike, atomic_open, read_json, write_json
+from .files import PathLike, atomic_open, read_json_object, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
               "test_fraction": test_fraction, "max_passage_words": max_passage_words}
     manifest_path = out / "manifest.json"
     if manifest_path.is_file():
-        old = read_json(manifest_path)
+        old = read_json_object(manifest_path, "a dataset manifest")
         if old.get("params") == params and all((out / p).is_file() for p in old.get("files", {}).values()):
             logger.info("stdlib dataset already built in %s; reusing it", out)
             return old
@@ -393,7 +394,8 @@ def add_cli(subparsers: Any) -> None:
     """Register ``make-stdlib-data``."""
     p = subparsers.add_parser("make-stdlib-data", help="build the default retrieval dataset from Python's stdlib",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--output", required=True, help="output folder (BEIR + DPR files and manifest.json)")
-    p.add_argument("--max-examples", type=int, default=None, help="keep at most N queries (seeded subsample)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the split, subsample and negatives")
+    p.add_argument("--output", type=output_dir, required=True,
+                   help="output folder (BEIR + DPR files and manifest.json)")
+    p.add_argument("--max-examples", type=positive_int, default=None, help="keep at most N queries (seeded subsample)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed for the split, subsample and negatives")
     p.set_defaults(func=_run_cli)

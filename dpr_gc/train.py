@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from .args import device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int
 from .dpr_hub import find_dpr_pair
 from .errors import DprGcError
 from .grad_cache import GradCache
@@ -92,6 +93,15 @@ class TrainConfig:
         if self.epochs < 1 and not self.max_steps:
             raise DprGcError("--epochs must be >= 1 (or give --max-steps)")
         check_loss_chunk_size(self.loss_chunk_size)
+        for flag, value, low in (("--max-steps", self.max_steps, 1), ("--eval-every", self.eval_every, 1),
+                                 ("--save-every", self.save_every, 1), ("--num-workers", self.num_workers, 0),
+                                 ("--warmup-steps", self.warmup_steps, 0),
+                                 ("--hard-negatives", self.hard_negatives, 0),
+                                 ("--other-negatives", self.other_negatives, 0)):
+            if value is not None and value < low:
+                raise DprGcError(f"{flag} must be >= {low}, got {value}")
+        if not (self.learning_rate > 0 and self.weight_decay >= 0 and self.max_grad_norm > 0):
+            raise DprGcError("--learning-rate and --max-grad-norm must be positive and --weight-decay >= 0")
 
 
 class Towers(nn.Module):
@@ -363,60 +373,58 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--train", "--train_file", dest="train_files", nargs="+", required=True,
                    help="DPR training files (.json/.jsonl[.gz]) or BEIR folders (qrels/train.tsv)")
     p.add_argument("--dev", "--dev_file", dest="dev_file", help="DPR dev file for validation")
-    p.add_argument("--output", "--output_dir", dest="output_dir", required=True, help="output folder")
+    p.add_argument("--output", "--output_dir", type=output_dir, dest="output_dir", required=True, help="output folder")
     p.add_argument("--model", "--pretrained_model_cfg", dest="model", default=None,
                    help="Hugging Face model name or folder, or a saved retriever (default: offline all-MiniLM-L6-v2)")
     p.add_argument("--pooling", default="cls", choices=["cls", "mean", "pooler"])
     p.add_argument("--normalize", action="store_true", help="L2-normalise representations (cosine similarity)")
-    p.add_argument("--projection-dim", type=int, default=None)
+    p.add_argument("--projection-dim", type=positive_int, default=None)
     p.add_argument("--separate-encoders", action="store_true", help="two towers instead of one shared")
-    p.add_argument("--query-max-length", "--query_max_length", type=int, default=32)
-    p.add_argument("--passage-max-length", "--sequence_length", type=int, default=256)
+    p.add_argument("--query-max-length", "--query_max_length", type=positive_int, default=32)
+    p.add_argument("--passage-max-length", "--sequence_length", type=positive_int, default=256)
     p.add_argument("--passage-format", default="pair", choices=["pair", "concat"])
     add_prefix_arguments(p)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=positive_float, default=1.0)
     p.add_argument("--learn-temperature", action="store_true")
-    p.add_argument("--batch-size", "--batch_size", type=int, default=32, help="queries per step and rank")
-    p.add_argument("--hard-negatives", "--hard_negatives", type=int, default=1)
-    p.add_argument("--other-negatives", "--other_negatives", type=int, default=0)
+    p.add_argument("--batch-size", "--batch_size", type=positive_int, default=32, help="queries per step and rank")
+    p.add_argument("--hard-negatives", "--hard_negatives", type=nonnegative_int, default=1)
+    p.add_argument("--other-negatives", "--other_negatives", type=nonnegative_int, default=0)
     p.add_argument("--shuffle-positives", "--shuffle_positive_ctx", action="store_true")
-    p.add_argument("--sampling-rates", type=float, nargs="+", default=None)
+    p.add_argument("--sampling-rates", type=positive_float, nargs="+", default=None)
     p.add_argument("--no-grad-cache", dest="grad_cache", action="store_false", help="plain training (baseline)")
     p.add_argument("--grad_cache", dest="grad_cache", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--query-chunk-size", "--q_chunk_size", type=chunk_arg, default="auto")
     p.add_argument("--passage-chunk-size", "--ctx_chunk_size", type=chunk_arg, default="auto")
-    p.add_argument("--loss-chunk-size", type=int, default=None, help="rows per block of the score matrix")
+    p.add_argument("--loss-chunk-size", type=nonnegative_int, default=None,
+                   help="rows per block of the score matrix (0: the dense matrix; default: automatic)")
     p.add_argument("--symmetric", action="store_true", help="add the passage-to-query loss term")
-    p.add_argument("--learning-rate", "--learning_rate", type=float, default=2e-5)
-    p.add_argument("--weight-decay", "--weight_decay", type=float, default=0.0)
-    p.add_argument("--warmup-steps", "--warmup_steps", type=int, default=0)
-    p.add_argument("--epochs", "--num_train_epochs", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--max-grad-norm", "--max_grad_norm", type=float, default=2.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learning-rate", "--learning_rate", type=positive_float, default=2e-5)
+    p.add_argument("--weight-decay", "--weight_decay", type=nonnegative_float, default=0.0)
+    p.add_argument("--warmup-steps", "--warmup_steps", type=nonnegative_int, default=0)
+    p.add_argument("--epochs", "--num_train_epochs", type=positive_int, default=1)
+    p.add_argument("--max-steps", type=positive_int, default=None)
+    p.add_argument("--max-grad-norm", "--max_grad_norm", type=positive_float, default=2.0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help=argparse.SUPPRESS)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--freeze-position-embeddings", action="store_true")
-    p.add_argument("--eval-every", type=int, default=None, help="steps between dev evaluations")
-    p.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
-    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--eval-every", type=positive_int, default=None, help="steps between dev evaluations")
+    p.add_argument("--save-every", type=positive_int, default=None, help="steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=positive_int, default=2)
     p.add_argument("--best-metric", default="avg_rank", choices=["avg_rank", "loss", "accuracy"])
     p.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' in --output")
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers that tokenise ahead of the step")
+    p.add_argument("--num-workers", type=nonnegative_int, default=2,
+                   help="DataLoader workers that tokenise ahead of the step")
     p.add_argument("--skip-bad-records", action="store_true")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", type=device_arg, default=None)
     p.set_defaults(func=_cli_train)
 
 
 def chunk_arg(value: str) -> Union[int, str]:
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise DprGcError(f"chunk sizes are positive integers or 'auto', got {value!r}") from None
+    """A chunk size flag: a positive integer or ``auto``."""
+    return value if value == "auto" else positive_int(value)
 
 
 def config_from_args(args: Any) -> TrainConfig:

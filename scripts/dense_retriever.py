@@ -24,6 +24,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dpr_gc.args import ArgumentParser, device_arg, nonnegative_int, output_dir, output_file, positive_int
 from dpr_gc.cli import report_errors
 from dpr_gc.errors import DprGcError
 from dpr_gc.index import META_FILE, DenseIndex, add_shards, set_threads, shard_ids
@@ -57,31 +58,32 @@ def hydra_to_flags(argv: list[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_file", "--model", dest="model", help="retriever folder or HF model")
     p.add_argument("--qa_dataset", "--qa_file", dest="queries", required=True,
                    help="questions: DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
     p.add_argument("--ctx_datatsets", "--ctx_datasets", "--ctx_file", dest="corpus",
                    help="passages TSV / corpus.jsonl (default: the corpus recorded with the embeddings)")
     p.add_argument("--encoded_ctx_files", dest="embeddings", help="encode output folder, or a glob of its shard files")
-    p.add_argument("--index_path", help="load the index from this folder if it holds one, else save it there")
+    p.add_argument("--index_path", type=output_dir,
+                   help="load the index from this folder if it holds one, else save it there")
     p.add_argument("--hnsw_index", action="store_true", help="build an HNSW index instead of an exact one")
-    p.add_argument("--out_file", dest="output", help="DPR retriever JSON output")
+    p.add_argument("--out_file", type=output_file, dest="output", help="DPR retriever JSON output")
     p.add_argument("--compact", action="store_true", help="results without passage text (ids, scores, has_answer)")
-    p.add_argument("--workers", type=int, default=0, help="answer-matching processes (default 0: all cores)")
-    p.add_argument("--n_docs", dest="top_k", type=int, default=100, help="passages per question (default 100)")
-    p.add_argument("--batch_size", dest="batch_size", type=int, default=64, help="questions per encoder batch")
+    p.add_argument("--workers", type=nonnegative_int, default=0, help="answer-matching processes (default 0: all cores)")
+    p.add_argument("--n_docs", dest="top_k", type=positive_int, default=100, help="passages per question (default 100)")
+    p.add_argument("--batch_size", dest="batch_size", type=positive_int, default=64, help="questions per encoder batch")
     p.add_argument("--match", choices=MATCH_CHOICES, default="string", help="answer matching for has_answer")
-    p.add_argument("--trec_run", "--trec-run", dest="trec_run", help="also write a TREC run file")
+    p.add_argument("--trec_run", "--trec-run", type=output_file, dest="trec_run", help="also write a TREC run file")
     p.add_argument("--run_tag", dest="run_tag", default="dpr-gc", help="TREC run tag")
     p.add_argument("--qrels", help="relevance judgments (BEIR/TREC): retrieve judged queries, use in --evaluate")
     p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics")
-    p.add_argument("--k", type=int, nargs="+", default=[1, 5, 20, 100], help="cut-offs for --evaluate")
-    p.add_argument("--device", help="torch device for the question encoder")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 20, 100], help="cut-offs for --evaluate")
+    p.add_argument("--device", type=device_arg, help="torch device for the question encoder")
     p.add_argument("--cache_dir", dest="cache_dir", help="where parsed corpora are cached")
     p.add_argument("--skip_model_check", dest="skip_model_check", action="store_true",
                    help="allow a model whose weights differ from the one that encoded the passages")
-    p.add_argument("--threads", type=int, help="FAISS threads")
+    p.add_argument("--threads", type=positive_int, help="FAISS threads")
     add_index_arguments(p)
     add_prefix_arguments(p)
     return p

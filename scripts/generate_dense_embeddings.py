@@ -12,7 +12,6 @@ folder that receives ``shard-K-of-N.npy``, ``.ids.txt`` and the ``.json`` manife
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import sys
@@ -22,6 +21,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.encode import add_arguments, run_cli  # noqa: E402
+from dpr_gc.args import ArgumentParser  # noqa: E402
 from dpr_gc.cli import report_errors  # noqa: E402
 
 HYDRA_ARG = re.compile(r"^([A-Za-z_][\w.-]*)=(.*)$")
@@ -37,7 +37,7 @@ def hydra_to_flags(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, dpr_aliases=True)
     args = parser.parse_args(hydra_to_flags(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -20,9 +20,11 @@ PASSAGES = [
     ("p2", "Music", "Music of the city."),
     ("3", "Rivers", "The river runs\nover two lines."),
 ]
+# a passages TSV holds one passage per line (as DPR's psgs_w100.tsv): no tab or line break inside a text
+TSV_PASSAGES = [(pid, title, " ".join(text.split())) for pid, title, text in PASSAGES]
 
 
-def write_tsv(path: Path, rows=PASSAGES, header=("id", "text", "title")) -> Path:
+def write_tsv(path: Path, rows=TSV_PASSAGES, header=("id", "text", "title")) -> Path:
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f, delimiter="\t", lineterminator="\n")
         w.writerow(header)
@@ -53,13 +55,13 @@ def test_load_corpus_formats(tmp_path: Path, kind: str) -> None:
         path = write_jsonl(tmp_path / f"corpus.{kind.split('.', 1)[-1]}", id_key="_id" if "beir" in kind else "id")
     ds = load_corpus(path, tmp_path / "cache")
     assert ds.column_names == ["id", "title", "text"]
-    assert [(r["id"], r["title"], r["text"]) for r in ds] == PASSAGES
+    assert [(r["id"], r["title"], r["text"]) for r in ds] == (TSV_PASSAGES if kind.startswith("tsv") else PASSAGES)
     assert ds.cache_files, "the dataset should be memory-mapped from an Arrow file"
 
 
 def test_tsv_header_order_and_no_title(tmp_path: Path) -> None:
     ds = load_corpus(write_tsv(tmp_path / "a.tsv", header=("title", "id", "text")), tmp_path / "c")
-    assert ds[0] == {"id": "p0", "title": "Paris", "text": PASSAGES[0][2]}
+    assert ds[0] == {"id": "p0", "title": "Paris", "text": TSV_PASSAGES[0][2]}
     no_title = tmp_path / "b.tsv"
     no_title.write_text("id\ttext\nx1\thello world\n")
     assert load_corpus(no_title, tmp_path / "c")[0] == {"id": "x1", "title": "", "text": "hello world"}
@@ -84,7 +86,9 @@ def test_cache_is_reused_and_invalidated(tmp_path: Path, monkeypatch: pytest.Mon
 @pytest.mark.parametrize("name,content,needle", [
     ("missing_text.tsv", "id\ttitle\np1\tx\n", "missing_text.tsv:1: header lacks column(s) text"),
     ("fields.tsv", "id\ttext\ttitle\np1\thello\tt\np2\tonly two\n", "fields.tsv:3: expected 3"),
-    ("multiline.tsv", 'id\ttext\ttitle\np1\t"two\nlines"\tt\np2\tx\tt\tEXTRA\n', "multiline.tsv:4: expected 3"),
+    ("multiline.tsv", 'id\ttext\ttitle\np1\t"two\nlines"\tt\np2\tx\tt\tEXTRA\n',
+     "multiline.tsv:2: expected 3 tab-separated fields (id, text, title), got 2; a field there begins with '\"'"),
+    ("quoted_tab.tsv", 'id\ttext\ttitle\np1\t"a\tb"\tt\n', "quoted_tab.tsv:2: expected 3 .* got 4; a field there"),
     ("bad.jsonl", '{"_id": "1", "text": "ok"}\n{"_id": "2", "text": \n', "bad.jsonl:2: invalid JSON"),
     ("notext.jsonl", '{"_id": "1", "text": "ok"}\n\n{"_id": "2", "title": "t"}\n', "notext.jsonl:3: missing"),
     ("noid.jsonl", '{"text": "ok"}\n', "noid.jsonl:1: missing passage id"),
@@ -163,3 +167,116 @@ def test_scifact_corpus_and_queries(tmp_path: Path) -> None:
     assert len(ds) == 5183 and ds[0]["id"] == "4983" and ds[0]["title"].startswith("Microstructural")
     queries = read_queries(folder / "queries.jsonl")
     assert len(queries) == 1109 and all(q["answers"] == [] for q in queries)
+
+
+# ------------------------------------------------------------------------------------ no silent data loss
+ISSUE_EXAMPLE = 'id\ttext\ttitle\np1\t"He said hi\tT1\np2\tworld" ok\tT2\np3\tthird\tT3\n'
+
+
+def test_unquoted_text_starting_with_a_quote_keeps_every_row(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "quotes.tsv"
+    path.write_text(ISSUE_EXAMPLE)
+    with caplog.at_level("INFO", logger="dpr_gc"):
+        ds = load_corpus(path, tmp_path / "cache")
+    assert ds[:] == {"id": ["p1", "p2", "p3"], "title": ["T1", "T2", "T3"],
+                     "text": ['"He said hi', 'world" ok', "third"]}
+    assert "quotes.tsv:2: field 2 begins with '\"'" in caplog.text and "read literally" in caplog.text
+    assert "3 passages from 4 lines (1 header, 0 blank)" in caplog.text
+
+
+def test_large_generated_tsv_reads_every_passage(tmp_path: Path, caplog) -> None:
+    """50,000 passages, mixing DPR's CSV quoting ("" inside quoted fields) with unquoted text that opens a quote."""
+    import random
+
+    rng = random.Random(0)
+    rows, lines = [], ["id\ttext\ttitle"]
+    for i in range(50_000):
+        kind = rng.random()
+        if kind < 0.05:
+            text, written = f'"unclosed quote {i}', f'"unclosed quote {i}'
+        elif kind < 0.10:
+            text, written = f'closes later {i}" here', f'closes later {i}" here'
+        elif kind < 0.20:
+            text = f'DPR quoted "inner" {i}'
+            written = '"' + text.replace('"', '""') + '"'
+        else:
+            text = written = f"plain passage {i} " + " ".join(rng.choice("abcdefg") for _ in range(5))
+        rows.append((f"id{i}", text, f"T{i}"))
+        lines.append(f"id{i}\t{written}\tT{i}")
+        if i % 10_000 == 0:
+            lines.append("")
+    path = tmp_path / "big.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    with caplog.at_level("INFO", logger="dpr_gc"):
+        ds = load_corpus(path, tmp_path / "cache")
+    assert len(ds) == 50_000
+    assert list(zip(ds["id"], ds["text"], ds["title"])) == rows
+    assert "50000 passages from 50006 lines (1 header, 5 blank)" in caplog.text
+
+
+def test_duplicate_passage_ids_are_refused_with_both_lines(tmp_path: Path) -> None:
+    path = tmp_path / "dups.tsv"
+    path.write_text("id\ttext\ttitle\na\tone\tt\nb\ttwo\tt\n\nc\tthree\tt\nb\tfour\tt\na\tfive\tt\n")
+    with pytest.raises(DprGcError, match=r"dups.tsv:6: passage id 'b' repeats the one at line 3 \(2 id\(s\) occur"):
+        load_corpus(path, tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.arrow"))
+    jsonl = write_jsonl(tmp_path / "dups.jsonl", [("x", "", "a"), ("y", "", "b"), ("x", "", "c")], id_key="_id")
+    with pytest.raises(DprGcError, match="dups.jsonl:3: passage id 'x' repeats the one at line 1"):
+        load_corpus(jsonl, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("pid", ["two words", "tab\\there", "", " lead"])
+def test_passage_ids_with_whitespace_are_refused(tmp_path: Path, pid: str) -> None:
+    path = tmp_path / "ws.jsonl"
+    path.write_text('{"_id": "ok", "text": "t"}\n' + json.dumps({"_id": pid.replace("\\t", "\t"), "text": "x"}) + "\n")
+    with pytest.raises(DprGcError, match="ws.jsonl:2: passage id .* is empty or contains whitespace"):
+        load_corpus(path, tmp_path / "cache")
+
+
+def test_same_size_edit_with_restored_mtime_is_not_served_from_cache(tmp_path: Path) -> None:
+    path = write_tsv(tmp_path / "c.tsv")
+    first = load_corpus(path, tmp_path / "cache")
+    assert first[2]["text"] == "Music of the city."
+    stat = path.stat()
+    path.write_text(path.read_text().replace("Music of the city.", "Films of the town."))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    again = load_corpus(path, tmp_path / "cache")
+    assert again[2]["text"] == "Films of the town."
+    assert corpus_mod.dataset_fingerprint(again) == corpus_mod.corpus_fingerprint(path)
+    assert corpus_mod.dataset_fingerprint(first) != corpus_mod.dataset_fingerprint(again)
+
+
+def test_fingerprint_samples_large_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "big.tsv"
+    path.write_bytes(b"x" * 5_000_000)
+    monkeypatch.setattr(corpus_mod, "FULL_HASH_BYTES", 1_000_000)
+    before = corpus_mod.corpus_fingerprint(path)
+    assert before.startswith("sampled-")
+    with open(path, "r+b") as f:  # inside the first sampled block
+        f.seek(10)
+        f.write(b"y")
+    assert corpus_mod.corpus_fingerprint(path) != before
+
+
+# ------------------------------------------------------------------------------------ byte-order marks
+BOM = "\ufeff"
+
+
+def test_bom_is_skipped_by_every_text_reader(tmp_path: Path) -> None:
+    qa = tmp_path / "qa.tsv"
+    qa.write_text(BOM + 'who is it\t["A"]\n', encoding="utf-8")
+    assert read_queries(qa)[0]["question"] == "who is it"
+    qa_csv = tmp_path / "qa.csv"
+    qa_csv.write_text(BOM + 'question\tanswers\nwhat\t["B"]\n', encoding="utf-8")
+    assert read_queries(qa_csv) == [{"id": "2", "question": "what", "answers": ["B"]}]
+    tsv = tmp_path / "psgs.tsv"
+    tsv.write_text(BOM + "id\ttext\ttitle\np1\thello\tt\n", encoding="utf-8")
+    assert load_corpus(tsv, tmp_path / "c")[0] == {"id": "p1", "title": "t", "text": "hello"}
+    jsonl = tmp_path / "corpus.jsonl.gz"
+    with gzip.open(jsonl, "wt", encoding="utf-8") as f:
+        f.write(BOM + '{"_id": "d1", "text": "x"}\n')
+    assert load_corpus(jsonl, tmp_path / "c")[0]["id"] == "d1"
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text(BOM + '{"_id": "q1", "text": "claim"}\n', encoding="utf-8")
+    assert read_queries(queries)[0]["id"] == "q1"

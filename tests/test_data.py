@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import SHARED_DATA
 from dpr_gc import data as D
+from dpr_gc import streams
 from dpr_gc.errors import DprGcError
 from dpr_gc.sampling import MixedBatchSampler
 
@@ -47,9 +48,9 @@ def load(tmp_path: Path, *paths: Path, skip_bad: bool = False) -> D.TrainingData
     return D.load_dpr_files(list(paths), cache_dir=tmp_path / "cache", skip_bad=skip_bad)
 
 
-@pytest.mark.parametrize("chunk", [D.CHUNK_CHARS, 7])
+@pytest.mark.parametrize("chunk", [streams.CHUNK_CHARS, 7])
 def test_json_list_jsonl_and_gz_give_the_same_rows(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(D, "CHUNK_CHARS", chunk)  # 7 chars forces records and numbers across chunk borders
+    monkeypatch.setattr(streams, "CHUNK_CHARS", chunk)  # 7 chars forces records and numbers across chunk borders
     recs = records()
     rows = [load(tmp_path, write(tmp_path / name, recs, fmt)).dataset.to_list()
             for name, fmt in [("a.json", "list"), ("b.jsonl", "lines"), ("c.jsonl.gz", "lines"), ("d.json.gz", "list")]]
@@ -81,7 +82,7 @@ def test_invalid_json_names_file_and_line(tmp_path, monkeypatch):
     data = load(tmp_path, bad, skip_bad=True)
     assert len(data) == 3 and data.stats[0]["bad"] == 1 and data.stats[0]["records"] == 4
 
-    monkeypatch.setattr(D, "CHUNK_CHARS", 64)
+    monkeypatch.setattr(streams, "CHUNK_CHARS", 64)
     text = json.dumps(records(3), indent=2).splitlines()
     k = next(i for i, t in enumerate(text) if "second positive 2" in t)
     text[k] = text[k].replace('",', '" oops,')
@@ -98,7 +99,7 @@ def test_invalid_json_names_file_and_line(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("chunk", [5, 6, 7, 8, 9])
 def test_non_object_items_of_a_json_list_are_bad_records(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(D, "CHUNK_CHARS", chunk)  # the number must be read whole even across chunk borders
+    monkeypatch.setattr(streams, "CHUNK_CHARS", chunk)  # the number must be read whole even across chunk borders
     path = tmp_path / "items.json"
     path.write_text(json.dumps(records(1) + [123456789, records(1)[0]]))
     with pytest.raises(DprGcError, match=rf"{path}:1 \(record 1\): a record must be a JSON object, got int"):

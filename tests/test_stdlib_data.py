@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dpr_gc import stdlib_data
+from dpr_gc.corpus import load_corpus
 from dpr_gc.errors import DprGcError
 from dpr_gc.stdlib_data import add_cli, build_stdlib_dataset, collect_definitions, is_informative, split_docstring
 
@@ -97,7 +98,7 @@ def test_dpr_files_match_qrels(built: tuple[Path, dict]) -> None:
             assert all(r["answers"][0].lower() not in n["text"].lower() for n in negs)
 
 
-def test_test_qa_tsv_and_passages_tsv_parse(built: tuple[Path, dict]) -> None:
+def test_test_qa_tsv_and_passages_tsv_parse(built: tuple[Path, dict], tmp_path: Path) -> None:
     out, _ = built
     with open(out / "test_qa.tsv", encoding="utf-8", newline="") as f:
         rows = list(csv.reader(f, delimiter="\t"))
@@ -111,6 +112,8 @@ def test_test_qa_tsv_and_passages_tsv_parse(built: tuple[Path, dict]) -> None:
     assert prows[0] == ["id", "text", "title"]
     corpus = {d["_id"]: d for d in _jsonl(out / "corpus.jsonl")}
     assert {r[0]: r[1] for r in prows[1:]} == {k: d["text"] for k, d in corpus.items()}
+    passages = load_corpus(out / "passages.tsv", tmp_path / "cache")
+    assert {r["id"]: r["text"] for r in passages} == {k: d["text"] for k, d in corpus.items()}
 
 
 def test_deterministic_bytes(built: tuple[Path, dict], tmp_path: Path) -> None:

@@ -1,0 +1,85 @@
+"""Command-line plumbing shared by every entry point: a parser whose mistakes are one ``error:`` line, and flag
+types that validate numbers and devices while the command line is parsed, before anything is read or written."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any, Callable, NoReturn
+
+ERROR_EXIT = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser that reports a bad command line as one ``error: ...`` line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(ERROR_EXIT)
+
+
+def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], need: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {need}") from None
+        if isinstance(value, float) and not math.isfinite(value) or not test(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {need}")
+        return value
+
+    parse.__name__ = need
+    return parse
+
+
+positive_int = _number(int, lambda v: v > 0, "a positive integer")
+nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _number(float, lambda v: v > 0, "a positive number")
+nonnegative_float = _number(float, lambda v: v >= 0, "a number >= 0")
+any_float = _number(float, lambda v: True, "a finite number")
+
+
+def output_file(text: str) -> str:
+    """A file to write: not an existing folder, not under a file (an existing file is replaced atomically)."""
+    from .errors import DprGcError
+    from .files import check_output_file
+
+    try:
+        check_output_file(text, "path")
+    except DprGcError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A folder to write into: not an existing file, nor under one."""
+    from .errors import DprGcError
+    from .files import check_output_dir
+
+    try:
+        check_output_dir(text, "path")
+    except DprGcError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def device_arg(text: str) -> str:
+    """A torch device that exists on this machine (``cpu``, ``cuda``, ``cuda:N`` below the GPU count, ``mps``)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is available here; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} GPU(s) (cuda:0..cuda:{count - 1})")
+    elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available here; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text!r}: unsupported device type; use cpu or cuda[:N]")
+    return text

@@ -1,0 +1,529 @@
+"""Hostile-but-realistic input: every reader and every sub-command (and the DPR-compatible scripts) answers bad
+files and bad flags with exactly one ``error: ...`` line on stderr and exit status 2 -- no traceback -- and leaves
+nothing half-written that looks complete. Commands run in-process through ``main(argv)``; a handful run as real
+subprocesses to check the exit status the shell sees. A seeded fuzz loop truncates and flips bytes of each input
+format and requires every reader to either read the result or refuse it with a one-line :class:`DprGcError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import importlib.util
+import io
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+
+from dpr_gc import args as flag_types
+from dpr_gc import cli
+from dpr_gc.corpus import load_corpus, read_queries
+from dpr_gc.data import load_dpr_files, load_training_data
+from dpr_gc.encode import encode_corpus
+from dpr_gc.errors import DprGcError
+from dpr_gc.evaluate import read_qrels, read_results, read_run
+from dpr_gc.index import IndexParams, build_index
+from dpr_gc.model import Retriever, RetrieverConfig
+from tests.conftest import WORDS, tiny_bert
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=32, passage_max_length=32)
+DEEP = "[" * 100_000 + "]" * 100_000
+PROGRESS = re.compile(r"\[\d+:\d\d[<,]")
+
+
+def passages(n: int = 16) -> list[tuple[str, str, str]]:
+    rng = random.Random(0)
+    return [(f"p{i}", rng.choice(WORDS), " ".join(rng.choice(WORDS) for _ in range(8))) for i in range(n)]
+
+
+def tsv_bytes(rows: Sequence[tuple[str, str, str]]) -> bytes:
+    return ("id\ttext\ttitle\n" + "".join(f"{pid}\t{text}\t{title}\n" for pid, title, text in rows)).encode()
+
+
+def training_records(n: int = 4) -> list[dict]:
+    ps = passages()
+    return [{"question": f"what is {ps[i][1]}", "answers": [ps[i][1]],
+             "positive_ctxs": [{"title": ps[i][1], "text": ps[i][2], "passage_id": ps[i][0]}],
+             "hard_negative_ctxs": [{"title": ps[i + 1][1], "text": ps[i + 1][2], "passage_id": ps[i + 1][0]}],
+             "negative_ctxs": []} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any) -> dict[str, Path]:
+    """A saved tiny retriever, a TSV corpus encoded into one shard, an index, and one valid file of each kind."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    retriever = Retriever(tiny_bert(len(tiny_tokenizer), seed=0), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    retriever.save(root / "model")
+    (root / "corpus.tsv").write_bytes(tsv_bytes(passages()))
+    encode_corpus(retriever, root / "corpus.tsv", root / "emb", shard_id=0, num_shards=1, dtype="float32",
+                  cache_dir=root / "cache", model_name=str(root / "model"), show_progress=False)
+    build_index(root / "emb", root / "idx", IndexParams("flat"))
+    (root / "qa.tsv").write_text('what is paris\t["paris"]\nwho sang\t["music"]\n')
+    (root / "queries.jsonl").write_text('{"_id": "q1", "text": "paris city"}\n{"_id": "q2", "text": "music"}\n')
+    (root / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\nq1\tp0\t1\nq2\tp1\t1\n")
+    (root / "run.trec").write_text("q1 Q0 p0 1 0.9 t\nq1 Q0 p1 2 0.5 t\nq2 Q0 p1 1 0.8 t\n")
+    results = [{"id": "q1", "question": "what is paris", "answers": ["paris"],
+                "ctxs": [{"id": "p0", "title": "t", "text": "paris is a city", "score": 1.0, "has_answer": True}]}]
+    (root / "results.json").write_text(json.dumps(results))
+    (root / "train.json").write_text(json.dumps(training_records()))
+    return {"root": root, "model": root / "model", "corpus": root / "corpus.tsv", "emb": root / "emb",
+            "idx": root / "idx", "qa": root / "qa.tsv", "queries": root / "queries.jsonl", "qrels": root / "qrels.tsv",
+            "run": root / "run.trec", "results": root / "results.json", "train": root / "train.json"}
+
+
+def call(main: Callable[[list[str]], int], argv: Sequence[Any]) -> tuple[int, str]:
+    """Run an entry point's ``main(argv)`` in-process; return its exit status and what it wrote to stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, err.getvalue()
+
+
+def messages(err: str) -> list[str]:
+    """The lines of ``err`` other than progress bars (tqdm redraws such as ``50%|##  | 8/16 [00:01<00:01, ...]``)."""
+    return [part for part in re.split(r"[\r\n]", err) if part.strip() and not PROGRESS.search(part)]
+
+
+def assert_one_error(code: int, err: str, *needles: str) -> str:
+    """Exit status 2 and exactly one message on stderr, an ``error:`` line that contains every needle."""
+    lines = messages(err)
+    assert code == 2, f"exit status {code}, stderr:\n{err}"
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"expected one 'error:' line, got:\n{err}"
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def refused(argv: Sequence[Any], *needles: str, main: Callable[[list[str]], int] = cli.main) -> str:
+    return assert_one_error(*call(main, argv), *needles)
+
+
+def load_script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pickle_payload(marker: Path) -> Any:
+    """An object whose unpickling would create ``marker`` (so a test can prove it never ran)."""
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (open, (str(marker), "w"))
+
+    return {"weight": Payload()}
+
+
+# --------------------------------------------------------------------------------------------- bad files
+BAD_CORPORA = [
+    ("bad_utf8.tsv", b"id\ttext\ttitle\np1\tfine\tt\np2\tbad \xff byte\tt\n", "bad_utf8.tsv:3: not valid UTF-8"),
+    ("truncated.tsv.gz", gzip.compress(tsv_bytes(passages()))[:-12], "not a complete gzip file"),
+    ("fake.tsv.gz", b"id\ttext\ttitle\np1\tnot gzip\tt\n", "not a complete gzip file"),
+    ("list_line.jsonl", b'{"_id": "a", "text": "x"}\n[1, 2]\n', "list_line.jsonl:2: expected a JSON object"),
+    ("deep.jsonl", b'{"_id": "a", "text": "x"}\n' + DEEP.encode() + b"\n", "deep.jsonl:2: JSON nested too deeply"),
+    ("dup.tsv", b"id\ttext\ttitle\na\tx\tt\nb\ty\tt\na\tz\tt\n", "dup.tsv:4: passage id 'a' repeats the one at line 2"),
+    ("space.tsv", b"id\ttext\ttitle\na b\tx\tt\n", "space.tsv:2: passage id 'a b' is empty or contains whitespace"),
+    ("utf8.jsonl", b'{"_id": "a", "text": "\xc3\x28"}\n', "utf8.jsonl:1: not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize("name,content,needle", BAD_CORPORA, ids=[c[0] for c in BAD_CORPORA])
+def test_encode_refuses_bad_corpus(world: dict, tmp_path: Path, name: str, content: bytes, needle: str) -> None:
+    corpus = tmp_path / name
+    corpus.write_bytes(content)
+    refused(["encode", "--model", world["model"], "--corpus", corpus, "--output", tmp_path / "emb",
+             "--cache-dir", tmp_path / "cache", "--device", "cpu"], needle)
+    assert not list(tmp_path.glob("emb/*.json")), "no shard may look finished"
+    assert not list(tmp_path.glob("cache/*.arrow")) and not list(tmp_path.glob("cache/.*.tmp"))
+
+
+BAD_QUERIES = [
+    ("qa.tsv", b'fine\t["a"]\nbad \xfe\t["b"]\n', "qa.tsv:2: not valid UTF-8"),
+    ("q.jsonl", b'{"_id": "1", "text": "a"}\n"just a string"\n', "q.jsonl:2: expected a JSON object"),
+    ("deep.jsonl", DEEP.encode() + b"\n", "deep.jsonl:1: JSON nested too deeply"),
+    ("qa.csv.gz", gzip.compress(b'q\t["a"]\n' * 50)[:-8], "not a complete gzip file"),
+    ("answers.tsv", b"q\t" + DEEP.encode() + b"\n", "answers.tsv:1: answers must be a list"),
+]
+
+
+@pytest.mark.parametrize("name,content,needle", BAD_QUERIES, ids=[c[0] for c in BAD_QUERIES])
+def test_retrieve_refuses_bad_queries(world: dict, tmp_path: Path, name: str, content: bytes, needle: str) -> None:
+    queries = tmp_path / name
+    queries.write_bytes(content)
+    out = tmp_path / "out.json"
+    refused(["retrieve", "--index", world["idx"], "--model", world["model"], "--corpus", world["corpus"],
+             "--queries", queries, "--output", out, "--trec-run", tmp_path / "run.trec",
+             "--cache-dir", tmp_path / "cache", "--device", "cpu"], needle)
+    assert not out.exists() and not (tmp_path / "run.trec").exists()
+
+
+def test_evaluate_refuses_bad_qrels_runs_and_results(world: dict, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.tsv"
+    bad.write_bytes(b"query-id\tcorpus-id\tscore\nq1\tp\xff\t1\n")
+    refused(["evaluate", "--run", world["run"], "--qrels", bad], "bad.tsv:2: not valid UTF-8")
+    fake = tmp_path / "qrels.tsv.gz"
+    fake.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    refused(["evaluate", "--run", world["run"], "--qrels", fake], "qrels.tsv.gz: not a complete gzip file")
+    run = tmp_path / "run.trec"
+    run.write_bytes(b"q1 Q0 p0 1 0.9 t\n\x80\n")
+    refused(["evaluate", "--run", run, "--qrels", world["qrels"]], "run.trec:2: not valid UTF-8")
+    for name, content, needle in [("deep.json", DEEP, "deep.json: JSON nested too deeply"),
+                                  ("trailing.json", world["results"].read_text() + " trailing", "invalid JSON"),
+                                  ("object.json", "{}", "expected a JSON list")]:
+        (tmp_path / name).write_text(content)
+        out = tmp_path / f"{name}.metrics.json"
+        refused(["evaluate", "--results", tmp_path / name, "--output", out], needle)
+        assert not out.exists()
+
+
+BAD_TRAINING = [
+    ("trailing.json", json.dumps(training_records()) + "\n]", "trailing.json:2: unexpected text after the end"),
+    ("deep_item.json", "[" + json.dumps(training_records()[0]) + "," + DEEP + "]", "JSON nested too deeply"),
+    ("deep_line.jsonl", json.dumps(training_records()[0]) + "\n" + DEEP + "\n", "deep_line.jsonl:2: JSON nested"),
+    ("utf8.json", b"[" + json.dumps(training_records()[0]).encode()[:-2] + b'\xff"}]', "utf8.json:1: not valid UTF-8"),
+    ("cut.json.gz", gzip.compress(json.dumps(training_records()).encode())[:-9], "not a complete gzip file"),
+    ("dict.json", json.dumps({"data": training_records()}), "dict.json:1: missing field 'question'"),
+    ("text.json", "question: what?\n", "text.json:1: invalid JSON"),
+]
+
+
+@pytest.mark.parametrize("name,content,needle", BAD_TRAINING, ids=[c[0] for c in BAD_TRAINING])
+def test_prepare_data_and_train_refuse_bad_training_files(world: dict, tmp_path: Path, name: str, content: Any,
+                                                          needle: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    refused(["prepare-data", path, "--cache-dir", tmp_path / "cache"], needle)
+    refused(["train", "--train", path, "--output", tmp_path / "out", "--model", world["model"],
+             "--cache-dir", tmp_path / "cache", "--device", "cpu", "--num-workers", "0"], needle)
+    assert not list(tmp_path.glob("cache/*.arrow")) and not list(tmp_path.glob("out/final"))
+
+
+def test_beir_folder_with_a_line_that_is_not_an_object(tmp_path: Path) -> None:
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text('{"_id": "d1", "text": "x"}\n')
+    (beir / "queries.jsonl").write_text('{"_id": "q1", "text": "a"}\n["q2", "b"]\n')
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    refused(["prepare-data", beir, "--cache-dir", tmp_path / "cache"], "queries.jsonl:2: expected a JSON object")
+
+
+def test_valid_70mb_record_is_read_and_the_limit_is_stated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpr_gc import streams
+
+    record = training_records(1)[0]
+    record["positive_ctxs"][0]["text"] = "word " * (14 << 20)  # 70 MiB of text in one record
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps([record, training_records(2)[1]]))
+    loaded = load_dpr_files([path], tmp_path / "cache")
+    assert len(loaded) == 2 and len(loaded.dataset[0]["positives"][0]["text"]) == 70 << 20
+    monkeypatch.setattr(streams, "MAX_RECORD_CHARS", 8 << 20)
+    with pytest.raises(DprGcError, match="huge.json:1: invalid JSON .* longer than the 8 MiB limit per record"):
+        load_dpr_files([path], tmp_path / "cache2")
+
+
+def test_damaged_manifests_metadata_and_configs(world: dict, tmp_path: Path) -> None:
+    emb = tmp_path / "emb"
+    shutil.copytree(world["emb"], emb)
+    (emb / "shard-00000-of-00001.json").write_text("[]")
+    refused(["index", "--embeddings", emb, "--output", tmp_path / "idx"],
+            "shard-00000-of-00001.json: expected a JSON object")
+    assert not (tmp_path / "idx" / "index_meta.json").exists()
+    refused(["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", emb, "--device", "cpu",
+             "--cache-dir", tmp_path / "cache"], "expected a JSON object")
+    idx = tmp_path / "idx2"
+    shutil.copytree(world["idx"], idx)
+    (idx / "index_meta.json").write_text("[1, 2]")
+    refused(["retrieve", "--index", idx, "--queries", world["qa"], "--output", tmp_path / "o.json"], "index_meta")
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    (model / "retriever_config.json").write_text('["cls"]')
+    refused(["retrieve", "--index", world["idx"], "--model", model, "--corpus", world["corpus"], "--queries",
+             world["qa"], "--output", tmp_path / "o.json", "--device", "cpu"], "retriever_config.json: expected")
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("target", ["projection.pt", "query_encoder/pytorch_model.bin"])
+def test_pickled_weights_are_refused_in_one_line(world: dict, tmp_path: Path, target: str) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    marker = tmp_path / "payload-ran"
+    for weights in (model / ("query_encoder" if target.endswith(".bin") else ".")).glob("*.safetensors"):
+        weights.unlink()  # the pickle must be the file that gets loaded
+    torch.save(pickle_payload(marker), model / target)
+    refused(["retrieve", "--index", world["idx"], "--model", model, "--corpus", world["corpus"], "--queries",
+             world["qa"], "--output", tmp_path / "o.json", "--device", "cpu", "--cache-dir", tmp_path / "c"],
+            "refused")
+    assert not marker.exists(), "the pickle payload must never run"
+    assert not (tmp_path / "o.json").exists()
+
+
+# --------------------------------------------------------------------------------------------- bad flags
+def test_issue_flag_cases(world: dict, tmp_path: Path) -> None:
+    common = ["--model", world["model"], "--device", "cpu"]
+    refused(["retrieve", "--index", world["idx"], "--queries", world["qa"], "--batch-size", "0"],
+            "--batch-size: '0' is not a positive integer")
+    train = ["train", "--train", world["train"], "--output", tmp_path / "t", *common]
+    refused([*train, "--learning-rate", "-1"], "--learning-rate/--learning_rate: '-1' is not a positive number")
+    refused([*train, "--num-workers", "-1"], "--num-workers: '-1' is not an integer >= 0")
+    refused([*train, "--max-steps", "-1"], "--max-steps: '-1' is not a positive integer")
+    refused([*train, "--projection-dim", "0"], "--projection-dim: '0' is not a positive integer")
+    refused([*train, "--query-chunk-size", "0"], "--query-chunk-size")
+    assert not (tmp_path / "t").exists(), "a refused command must not create its output folder"
+    encode = ["encode", "--corpus", world["corpus"], "--output", tmp_path / "e", *common]
+    refused([*encode, "--max-length", "-5"], "--max-length: '-5' is not a positive integer")
+    refused([*encode, "--max-length", "0"], "--max-length: '0' is not a positive integer")
+    assert not (tmp_path / "e").exists()
+    (tmp_path / "file").write_text("x")
+    refused(["encode", *common, "--corpus", world["corpus"], "--output", tmp_path / "file"], "is a file, not a folder")
+    refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", tmp_path],
+            "--output: path", "is a folder")
+    refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--plot", tmp_path], "--plot: path")
+    refused(["retrieve", "--index", world["idx"], "--queries", world["qa"], "--output", tmp_path], "--output")
+    refused(["mine", "--train-file", world["train"], "--corpus", world["corpus"], "--output", tmp_path], "--output")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 7, reason="this machine has cuda:7")
+def test_missing_gpu_is_refused(world: dict, tmp_path: Path) -> None:
+    for device in (["cuda:7"] if torch.cuda.is_available() else ["cuda", "cuda:7"]):
+        refused(["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", tmp_path / "e",
+                 "--device", device], f"--device: '{device}'")
+        refused(["train", "--train", world["train"], "--output", tmp_path / "t", "--device", device], "--device")
+    assert not (tmp_path / "e").exists() and not (tmp_path / "t").exists()
+
+
+def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path) -> None:
+    out = tmp_path / "metrics.json"
+    out.write_text("old")
+    code, err = call(cli.main, ["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", out,
+                                "--k", "1"])
+    assert code == 0, err
+    assert "qrels" in json.loads(out.read_text()) and not list(tmp_path.glob(".*.tmp"))
+
+
+BAD_VALUES = {flag_types.positive_int: "0", flag_types.nonnegative_int: "-1", flag_types.positive_float: "-1",
+              flag_types.nonnegative_float: "-1", flag_types.any_float: "nan", flag_types.device_arg: "cuda:99"}
+
+
+def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str, str, str]]:
+    """``(argv prefix + required flags, flag, bad value, needle)`` for every validated flag of a parser (recursing
+    into sub-commands); required flags get harmless dummy values."""
+    import argparse
+
+    cases = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                cases += validated_flags(sub, prefix + [name])
+    required = [a for a in parser._actions if a.required and a.option_strings]
+    base = prefix + [x for a in required for x in (a.option_strings[0], a.choices[0] if a.choices else "dummy")]
+    for action in parser._actions:
+        if not action.option_strings:
+            continue
+        flag = action.option_strings[0]
+        bad = BAD_VALUES.get(action.type)
+        if action.type is flag_types.output_file:
+            bad = "/"
+        elif action.type is flag_types.output_dir:
+            bad = str(ROOT / "README.md")
+        elif getattr(action.type, "__name__", "") == "chunk_arg":
+            bad = "0"
+        if bad is not None:
+            cases.append((base, flag, bad, "/".join(action.option_strings)))
+    return cases
+
+
+def entry_points() -> list[tuple[str, Callable[[list[str]], int], Any]]:
+    dense = load_script("dense_retriever")
+    embeddings = load_script("generate_dense_embeddings")
+    return [("dpr-gc", cli.main, cli.build_parser()), ("dense_retriever", dense.main, dense.build_parser()),
+            ("generate_dense_embeddings", embeddings.main, embeddings_parser(embeddings))]
+
+
+def embeddings_parser(module: Any) -> Any:
+    parser = flag_types.ArgumentParser()
+    module.add_arguments(parser, dpr_aliases=True)
+    return parser
+
+
+def test_every_numeric_and_path_flag_of_every_command_is_validated() -> None:
+    checked = 0
+    for name, main, parser in entry_points():
+        cases = validated_flags(parser, [])
+        assert cases, name
+        for base, flag, bad, needle in cases:
+            code, err = call(main, [*base, f"{flag}={bad}"])
+            assert_one_error(code, err, needle)
+            checked += 1
+    assert checked > 80
+    untyped = [a.option_strings for _, _, parser in entry_points() for a in all_actions(parser)
+               if a.type in (int, float)]
+    assert not untyped, f"flags parsed without validation: {untyped}"
+
+
+def all_actions(parser: Any) -> list[Any]:
+    import argparse
+
+    out = []
+    for action in parser._actions:
+        out.append(action)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += all_actions(sub)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- fuzz loop
+def _mutations(data: bytes, rng: random.Random, n: int) -> list[bytes]:
+    out = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            out.append(data[:rng.randrange(len(data))])
+        elif kind == 1:
+            b = bytearray(data)
+            for _ in range(rng.randint(1, 3)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            out.append(bytes(b))
+        else:
+            pos = rng.randrange(len(data))
+            out.append(data[:pos] + bytes([rng.choice(b'"\t\n{}[],\xff\x00\\')]) + data[pos:])
+    return out
+
+
+def _formats(world: dict) -> list[tuple[str, bytes, Callable[[Path, Path], Any]]]:
+    corpus_jsonl = "".join(json.dumps({"_id": p, "title": t, "text": x}) + "\n" for p, t, x in passages(6)).encode()
+    train_list = json.dumps(training_records(3)).encode()
+    train_lines = "".join(json.dumps(r) + "\n" for r in training_records(3)).encode()
+    return [
+        ("corpus.tsv", tsv_bytes(passages(6)), lambda p, c: load_corpus(p, c)),
+        ("corpus.jsonl", corpus_jsonl, lambda p, c: load_corpus(p, c)),
+        ("corpus.jsonl.gz", gzip.compress(corpus_jsonl, mtime=0), lambda p, c: load_corpus(p, c)),
+        ("qa.tsv", world["qa"].read_bytes(), lambda p, c: read_queries(p)),
+        ("queries.jsonl", world["queries"].read_bytes(), lambda p, c: read_queries(p)),
+        ("qrels.tsv", world["qrels"].read_bytes(), lambda p, c: read_qrels(p)),
+        ("run.trec", world["run"].read_bytes(), lambda p, c: read_run(p)),
+        ("results.json", world["results"].read_bytes(), lambda p, c: read_results(p)),
+        ("train.json", train_list, lambda p, c: load_dpr_files([p], c)),
+        ("train.jsonl", train_lines, lambda p, c: load_dpr_files([p], c)),
+        ("train.json.gz", gzip.compress(train_list, mtime=0), lambda p, c: load_training_data([p], c)),
+    ]
+
+
+def test_fuzzed_inputs_are_read_or_refused_in_one_line(world: dict, tmp_path: Path) -> None:
+    rng = random.Random(1234)
+    outcomes = {"read": 0, "refused": 0}
+    for name, data, read in _formats(world):
+        read(_write(tmp_path / "valid" / name, data), tmp_path / "valid-cache")  # the unmutated file is valid
+        for k, mutated in enumerate(_mutations(data, rng, 30)):
+            path = _write(tmp_path / f"{k}" / name, mutated)
+            cache = tmp_path / f"cache-{name}-{k}"
+            try:
+                read(path, cache)
+                outcomes["read"] += 1
+            except DprGcError as e:
+                message = str(e)
+                assert "\n" not in message and message, f"{name} mutation {k}: {message!r}"
+                assert not list(cache.glob("*.arrow")), f"{name} mutation {k} left a cache file"
+                outcomes["refused"] += 1
+            assert not list(cache.glob(".*.tmp")) and not list(cache.glob("*.tmp")), "temporary files left"
+    assert outcomes["refused"] > 100 and outcomes["read"] > 20, outcomes
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- real processes
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _assert_process_refused(proc: subprocess.CompletedProcess, needle: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert [line for line in lines if line.startswith("error:")] == lines[-1:], proc.stderr
+    assert needle in lines[-1]
+
+
+def test_real_exit_status_of_cli_and_scripts(world: dict, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.tsv"
+    bad.write_bytes(b"id\ttext\ttitle\np1\t\xff\tt\n")
+    proc = _run(["-m", "dpr_gc.cli", "encode", "--model", str(world["model"]), "--corpus", str(bad), "--output",
+                 str(tmp_path / "emb"), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"], tmp_path)
+    _assert_process_refused(proc, "bad.tsv:2: not valid UTF-8")
+    proc = _run([str(ROOT / "scripts" / "dense_retriever.py"), "--qa_file", str(world["qa"]), "--n_docs", "0"],
+                tmp_path)
+    _assert_process_refused(proc, "--n_docs: '0' is not a positive integer")
+    proc = _run([str(ROOT / "scripts" / "train_dense_encoder.py"), "--train_file", str(world["train"]),
+                 "--output_dir", str(tmp_path / "t"), "--learning_rate", "-1"], tmp_path)
+    _assert_process_refused(proc, "'-1' is not a positive number")
+    assert not (tmp_path / "emb").exists() and not (tmp_path / "t").exists()
+
+
+def test_optional_flags_can_still_be_left_unset(world: dict) -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "--train", str(world["train"]), "--output", "out"])
+    assert args.max_steps is None and args.projection_dim is None and args.device is None
+    assert args.query_chunk_size == "auto" and args.num_workers == 2
+
+
+
+def test_library_configs_refuse_what_the_flags_refuse(tmp_path: Path) -> None:
+    from dpr_gc.train import TrainConfig
+
+    for field, value in (("max_steps", -1), ("num_workers", -1), ("learning_rate", -1.0),
+                         ("learning_rate", float("nan")), ("eval_every", 0)):
+        with pytest.raises(DprGcError, match="must be"):
+            TrainConfig(train_files=["x"], output_dir=str(tmp_path), model="m", **{field: value})
+    with pytest.raises(DprGcError, match="--projection-dim must be a positive integer"):
+        RetrieverConfig(projection_dim=0)
+
+
+def test_retrieve_and_mine_refuse_a_corpus_edited_after_encoding(world: dict, tmp_path: Path) -> None:
+    """A same-size edit that restores the modification time must not pair new passage text with old vectors."""
+    from dpr_gc.corpus import corpus_fingerprint
+
+    corpus, cache = tmp_path / "corpus.tsv", tmp_path / "cache"
+    shutil.copy(world["corpus"], corpus)
+    encode_corpus(Retriever.load(world["model"]), corpus, tmp_path / "emb", 0, 1, dtype="float32", cache_dir=cache,
+                  model_name=str(world["model"]), show_progress=False)
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams("flat"))
+    meta = json.loads((tmp_path / "idx" / "index_meta.json").read_text())
+    assert meta["corpus_fingerprint"] == corpus_fingerprint(corpus)
+    stat, text = corpus.stat(), passages()[3][2]
+    corpus.write_text(corpus.read_text().replace(text, text[::-1]))
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert corpus.stat().st_size == stat.st_size and corpus.stat().st_mtime_ns == stat.st_mtime_ns
+    out = tmp_path / "out.json"
+    needle = "content differs from the one encoded"
+    refused(["retrieve", "--index", tmp_path / "idx", "--queries", world["qa"], "--output", out,
+             "--cache-dir", cache, "--device", "cpu"], needle, "re-run encode and index")
+    refused(["mine", "--source", "dense", "--model", world["model"], "--index", tmp_path / "idx", "--train-file",
+             world["train"], "--output", tmp_path / "mined.json", "--cache-dir", cache, "--device", "cpu"], needle)
+    assert not out.exists() and not (tmp_path / "mined.json").exists()
+
+
+def test_mine_refuses_a_bad_training_file(world: dict, tmp_path: Path) -> None:
+    bad = tmp_path / "train.json"
+    bad.write_text(json.dumps(training_records()) + " garbage")
+    refused(["mine", "--train-file", bad, "--corpus", world["corpus"], "--output", tmp_path / "mined.json",
+             "--cache-dir", tmp_path / "cache"], "train.json:1: unexpected text after the end of the JSON list")
+    assert not (tmp_path / "mined.json").exists()
