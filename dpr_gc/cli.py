@@ -44,7 +44,12 @@ def report_errors(action: Callable[[], Any]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a refused command line (its one error line is printed) returns 2; --help still exits
+        if e.code in (0, None):
+            raise
+        return int(e.code) if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     return report_errors(lambda: args.func(args))
