@@ -60,11 +60,16 @@ def write_json(path: Path, data: Any) -> None:
         f.write("\n")
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path, kind: type = dict) -> Any:
+    """A JSON file of a model folder that must hold a ``kind`` (an object unless said otherwise)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise DprGcError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, kind):
+        raise DprGcError(f"{path}: expected a JSON {'object' if kind is dict else kind.__name__}, got a "
+                         f"{type(data).__name__}; the model folder is damaged")
+    return data
 
 
 # ------------------------------------------------------------------------------------------------------- writing
@@ -198,7 +203,7 @@ def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return None
-    modules = [(folder / m.get("path", ""), str(m.get("type", ""))) for m in read_json(modules_file)]
+    modules = [(folder / m.get("path", ""), str(m.get("type", ""))) for m in read_json(modules_file, list)]
     router = [path for path, kind in modules if _kind(kind) in ("Router", "Asym")]
     if not router:
         tower = _read_tower(modules_file, modules)
