@@ -181,8 +181,8 @@ def test_evaluate_refuses_bad_qrels_runs_and_results(world: dict, tmp_path: Path
     run = tmp_path / "run.trec"
     run.write_bytes(b"q1 Q0 p0 1 0.9 t\n\x80\n")
     refused(["evaluate", "--run", run, "--qrels", world["qrels"]], "run.trec:2: not valid UTF-8")
-    for name, content, needle in [("deep.json", DEEP, "deep.json: JSON nested too deeply"),
-                                  ("trailing.json", world["results"].read_text() + " trailing", "invalid JSON"),
+    for name, content, needle in [("deep.json", DEEP, "deep.json:1: JSON nested too deeply"),
+                                  ("trailing.json", world["results"].read_text() + " trailing", "after the end of the JSON list"),
                                   ("object.json", "{}", "expected a JSON list")]:
         (tmp_path / name).write_text(content)
         out = tmp_path / f"{name}.metrics.json"
