@@ -29,6 +29,7 @@ from .files import (PathLike, atomic_path, die_with_parent, iter_jsonl_objects, 
 from .streams import CHUNK_CHARS, iter_json_list
 from .model import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler
+from .tokenize import tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -342,12 +343,9 @@ class TrainingExamples(torch.utils.data.Dataset):
 class Collator:
     """DataLoader ``collate_fn``: ``{"query": [B, Lq], "passage": [B*(1+N+M), Lp]}``, passages grouped per query.
 
-    Holds only the tokenizer and a :class:`RetrieverConfig` (so it is cheap to send to workers) and shares the
-    tokenisation code of :class:`Retriever` (prefixes, ``pair``/``concat`` passage format, max lengths).
+    Holds only the tokenizer and a :class:`RetrieverConfig` (so it is cheap to send to workers) and tokenises with
+    :func:`dpr_gc.tokenize.tokenize`, as encoding and retrieval do (prefixes, per-passage format, max lengths).
     """
-
-    tokenize_queries = Retriever.tokenize_queries
-    tokenize_passages = Retriever.tokenize_passages
 
     def __init__(self, source: Any, config: Optional[RetrieverConfig] = None, query_max_length: Optional[int] = None,
                  passage_max_length: Optional[int] = None, passage_format: Optional[str] = None) -> None:
@@ -358,6 +356,13 @@ class Collator:
         overrides = {k: v for k, v in overrides.items() if v is not None}
         self.tokenizer = source
         self.config = dataclasses.replace(config or RetrieverConfig(), **overrides)
+
+    def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
+        return tokenize(self.tokenizer, self.config, "query", questions, max_length=max_length)
+
+    def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str],
+                          max_length: Optional[int] = None) -> Any:
+        return tokenize(self.tokenizer, self.config, "passage", texts, titles, max_length)
 
     def __call__(self, examples: Sequence[dict]) -> dict:
         titles, texts = zip(*[p for e in examples for p in e["passages"]])

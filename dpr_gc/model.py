@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .errors import DprGcError
 from .loss import TEMPERATURE_RANGE, Temperature
+from .tokenize import tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
 class RetrieverConfig:
     """How text becomes a vector and how vectors are scored.
 
-    ``passage_format="pair"`` encodes ``[CLS] title [SEP] text [SEP]`` as DPR does; ``"concat"`` encodes
+    ``passage_format="pair"`` encodes ``[CLS] title [SEP] text [SEP]`` (``[CLS] text [SEP]`` for an untitled
+    passage, decided per passage) as DPR does; ``"concat"`` encodes
     ``title + " " + text`` as BEIR / sentence-transformers do. A learnable temperature lives in the model (so DDP
     averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``.
     """
@@ -143,19 +145,12 @@ class Retriever(nn.Module):
 
     # ----------------------------------------------------------------- tokenization
     def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
-        texts = [self.config.query_prefix + q for q in questions]
-        return self.tokenizer(texts, max_length=max_length or self.config.query_max_length, truncation=True,
-                              padding=True, return_tensors="pt")
+        """Padded token ids of questions (see :func:`dpr_gc.tokenize.tokenize`)."""
+        return tokenize(self.tokenizer, self.config, "query", questions, max_length=max_length)
 
     def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str], max_length: Optional[int] = None) -> Any:
-        max_length = max_length or self.config.passage_max_length
-        prefix = self.config.passage_prefix
-        titles = [t or "" for t in titles]
-        if self.config.passage_format == "pair" and any(titles):
-            return self.tokenizer([prefix + t for t in titles], list(texts), max_length=max_length,
-                                  truncation="only_second", padding=True, return_tensors="pt")
-        joined = [prefix + (f"{t} {x}" if t else x) for t, x in zip(titles, texts)]
-        return self.tokenizer(joined, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
+        """Padded token ids of passages, each tokenised on its own (see :func:`dpr_gc.tokenize.tokenize`)."""
+        return tokenize(self.tokenizer, self.config, "passage", texts, titles, max_length)
 
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> None:
