@@ -32,6 +32,7 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         self.sizes, self.rates, self.batch_size, self.seed = [int(s) for s in sizes], rates, batch_size, seed
         self.rank, self.world_size, self.shuffle, self.per_file_batches = rank, world_size, shuffle, per_file_batches
         self.epoch, self.skip, self._resume = 0, 0, None
+        self._order: Optional[tuple[int, np.ndarray]] = None
         if self.batches_per_epoch == 0:
             raise DprGcError(f"too few training questions ({sum(self.sizes)}) for one batch of {batch_size} "
                              f"x {world_size} rank(s); lower --batch-size")
@@ -52,6 +53,14 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         chunks = [c for p in parts for c in p[:len(p) // step * step].reshape(-1, step)]
         chunk_order = rng.permutation(len(chunks)) if self.shuffle else range(len(chunks))
         return np.concatenate([chunks[i] for i in chunk_order]) if chunks else np.zeros(0, dtype=np.int64)
+
+    def global_batch(self, epoch: int, position: int) -> tuple[int, np.ndarray]:
+        """``(start, rows)`` of the global batch (all ranks) that holds ``position`` of ``epoch``'s order."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, self.epoch_order(epoch))
+        step = self.batch_size * self.world_size
+        start = position // step * step
+        return start, self._order[1][start:start + step]
 
     @property
     def batches_per_epoch(self) -> int:
@@ -90,3 +99,39 @@ class MixedBatchSampler(torch.utils.data.Sampler):
                              "use the same training files, rates, batch size, world size and seed")
         self.epoch, self.skip = state["epoch"], state["batches_done"]
         self._resume = (self.epoch, self.skip)
+
+
+class BatchExclusion:
+    """What a filled-in negative of one global batch must not be.
+
+    A negative slot that the training data cannot fill takes the positive of some other question; that passage must
+    not be a positive of any question in the same global batch (all ranks), nor contain an answer of one when
+    answers are known, or the loss would push a question away from its own gold passage. ``rows`` are the batch's
+    training rows and ``records`` their ``question``, ``answers`` and ``positives`` columns.
+    """
+
+    def __init__(self, rows: Sequence[int], records: dict[str, list]) -> None:
+        from .evaluate import normalize, tokenize
+
+        self.rows = {int(r) for r in rows}
+        self.questions = set(records["question"])
+        contexts = [c for group in records["positives"] for c in group]
+        self.ids = {c["id"] for c in contexts if c["id"]}
+        self.texts = {c["text"] for c in contexts}
+        answers = (tuple(tokenize(normalize(a))) for group in records.get("answers", []) for a in group)
+        self.answers = {a for a in answers if a}
+        self.lengths = sorted({len(a) for a in self.answers})
+
+    def allows(self, row: int, question: str, ctx: dict) -> bool:
+        """May ``ctx`` (the positive of training row ``row``, asked as ``question``) fill a negative slot?"""
+        if row in self.rows or question in self.questions:
+            return False
+        if (ctx["id"] and ctx["id"] in self.ids) or ctx["text"] in self.texts:
+            return False
+        return not self.answers or not self._bears_answer(ctx["text"])
+
+    def _bears_answer(self, text: str) -> bool:
+        from .evaluate import normalize, tokenize
+
+        tokens = tokenize(normalize(text))
+        return any(tuple(tokens[i:i + n]) in self.answers for n in self.lengths for i in range(len(tokens) - n + 1))
