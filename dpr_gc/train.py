@@ -32,7 +32,8 @@ from .grad_cache import GradCache
 from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss, check_loss_chunk_size
 from .model import (Retriever, RetrieverConfig, add_prefix_arguments, enable_gradient_checkpointing,
                     freeze_position_embeddings)
-from .train_utils import (Checkpointer, auto_chunk_size, capture_rng, evaluate_dev, restore_rng, summary_table)
+from .train_utils import Checkpointer, auto_chunk_size, capture_rng, restore_rng, summary_table
+from .validation import DevLimits, evaluate_dev
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class TrainConfig:
     cache_dir: Optional[str] = None
     device: Optional[str] = None
     dev_batch_size: int = 64
+    dev_encode_batch_size: Optional[int] = None
+    dev_max_questions: int = 10000
+    dev_hard_negatives: int = 30
+    dev_other_negatives: int = 30
     log_every: int = 1
     query_prefix: Optional[str] = None
     passage_prefix: Optional[str] = None
@@ -102,6 +107,12 @@ class TrainConfig:
                 raise DprGcError(f"{flag} must be >= {low}, got {value}")
         if not (self.learning_rate > 0 and self.weight_decay >= 0 and self.max_grad_norm > 0):
             raise DprGcError("--learning-rate and --max-grad-norm must be positive and --weight-decay >= 0")
+        self.dev_limits()
+
+    def dev_limits(self) -> DevLimits:
+        """The bounds of dev validation (DPR's ``val_av_rank_*``)."""
+        return DevLimits(self.dev_max_questions, self.dev_hard_negatives, self.dev_other_negatives,
+                         self.dev_batch_size, self.dev_encode_batch_size)
 
 
 class Towers(nn.Module):
@@ -340,7 +351,7 @@ def tensorboard_writer(out: Path) -> Any:
 
 
 def dev_metrics(retriever: Retriever, config: TrainConfig, collator: Any) -> dict:
-    metrics = evaluate_dev(retriever, config.dev_file, collator, config.dev_batch_size, config.cache_dir)
+    metrics = evaluate_dev(retriever, config.dev_file, config.dev_limits(), config.cache_dir)
     retriever.train()
     return {f"dev_{k}": v for k, v in metrics.items()}
 
@@ -410,6 +421,16 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--freeze-position-embeddings", action="store_true")
     p.add_argument("--eval-every", type=positive_int, default=None, help="steps between dev evaluations")
+    p.add_argument("--dev-batch-size", "--dev_batch_size", type=positive_int, default=64,
+                   help="dev questions per in-batch loss/accuracy group (and per encoding batch)")
+    p.add_argument("--dev-encode-batch-size", "--val_av_rank_bsz", type=positive_int, default=None,
+                   help="encoding batch of dev validation (default: --dev-batch-size)")
+    p.add_argument("--dev-max-questions", "--val_av_rank_max_qs", type=positive_int, default=10000,
+                   help="dev questions used for validation (the first ones), as DPR's cap")
+    p.add_argument("--dev-hard-negatives", "--val_av_rank_hard_neg", type=nonnegative_int, default=30,
+                   help="hard negatives per dev question added to the average-rank passage pool")
+    p.add_argument("--dev-other-negatives", "--val_av_rank_other_neg", type=nonnegative_int, default=30,
+                   help="other negatives per dev question added to the average-rank passage pool")
     p.add_argument("--save-every", type=positive_int, default=None, help="steps between checkpoints")
     p.add_argument("--keep-checkpoints", type=positive_int, default=2)
     p.add_argument("--best-metric", default="avg_rank", choices=["avg_rank", "loss", "accuracy"])

@@ -1,4 +1,4 @@
-"""What the trainer needs around the step: checkpoints, RNG snapshots, dev evaluation, chunk-size probing."""
+"""What the trainer needs around the step: checkpoints, RNG snapshots, chunk-size probing."""
 
 from __future__ import annotations
 
@@ -224,39 +224,6 @@ def truncate_metrics(metrics: Path, step: int) -> None:
             kept.append(line)
     with atomic_open(metrics) as f:
         f.write("".join(line + "\n" for line in kept))
-
-
-@torch.no_grad()
-def evaluate_dev(retriever: Retriever, dev_file: str, collator: Any, batch_size: int,
-                 cache_dir: Optional[str]) -> dict:
-    """In-batch loss and top-1 accuracy over the dev questions in batches of ``batch_size`` (their positives as
-    the passages), and DPR's average rank (1-based) of each gold passage among all the dev set's passages."""
-    from .data import load_training_data
-
-    dataset = load_training_data([dev_file], cache_dir).dataset
-    questions = dataset["question"]
-    pool: dict = {}
-    gold = []
-    for row in dataset.select_columns(["positives", "hard_negatives", "negatives"]):
-        for ctx in row["positives"] + row["hard_negatives"] + row["negatives"]:
-            pool.setdefault(ctx["id"] or ctx["text"], (len(pool), ctx["title"], ctx["text"]))
-        gold.append(pool[row["positives"][0]["id"] or row["positives"][0]["text"]][0])
-    _, titles, texts = zip(*pool.values())
-    q = torch.from_numpy(retriever.embed("query", questions, batch_size=batch_size))
-    p = torch.from_numpy(retriever.embed("passage", list(texts), list(titles), batch_size=batch_size))
-    gold_t = torch.tensor(gold)
-    scores = q @ p.T
-    ranks = (scores > scores[torch.arange(len(gold)), gold_t][:, None]).sum(1) + 1
-    temperature = float(retriever.temperature)
-    losses, correct = [], 0
-    for start in range(0, len(gold), batch_size):
-        qb, pb = q[start:start + batch_size], p[gold_t[start:start + batch_size]]
-        logits = qb @ pb.T / temperature
-        target = torch.arange(len(qb))
-        losses.append(nn.functional.cross_entropy(logits, target, reduction="sum"))
-        correct += int((logits.argmax(1) == target).sum())
-    return {"loss": float(sum(losses)) / len(gold), "accuracy": correct / len(gold),
-            "avg_rank": float(ranks.float().mean())}
 
 
 def auto_chunk_size(towers: nn.Module, collator: Any, device: torch.device, max_rows: int, precision: str) -> int:

@@ -1,0 +1,112 @@
+"""Bounded dev validation: DPR's caps on questions and negatives, blocked scoring, one share of the work per rank."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dpr_gc import validation as V
+from dpr_gc.errors import DprGcError
+from dpr_gc.model import Retriever
+from dpr_gc.train import TrainConfig
+from tests.test_train import init_model
+
+
+def dev_records(n: int) -> list[dict]:
+    ctx = lambda pid, text: {"passage_id": pid, "title": "", "text": text}  # noqa: E731
+    return [{"question": f"city river {i}", "answers": [str(i)], "positive_ctxs": [ctx(f"p{i}", f"the city {i} river")],
+             "hard_negative_ctxs": [ctx(f"h{i}-{j}", f"war king {i} {j}") for j in range(5)],
+             "negative_ctxs": [ctx(f"n{i}-{j}", f"music film {i} {j}") for j in range(5)]} for i in range(n)]
+
+
+def write_dev(path: Path, n: int) -> str:
+    path.write_text(json.dumps(dev_records(n)))
+    return str(path)
+
+
+def brute_force(retriever: Retriever, records: list[dict], hard: int, other: int) -> float:
+    """DPR's average rank computed the direct way: the full score matrix of the capped pool."""
+    pool: dict = {}
+    gold = []
+    for r in records:
+        for c in r["positive_ctxs"][:1] + r["hard_negative_ctxs"][:hard] + r["negative_ctxs"][:other]:
+            pool.setdefault(c["passage_id"], (len(pool), c["text"]))
+        gold.append(pool[r["positive_ctxs"][0]["passage_id"]][0])
+    q = retriever.embed("query", [r["question"] for r in records])
+    p = retriever.embed("passage", [t for _, t in pool.values()])
+    scores = q @ p.T
+    gold_scores = scores[np.arange(len(gold)), gold]
+    return float(((scores > gold_scores[:, None]).sum(1) + 1).mean())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return init_model(tmp_path_factory.mktemp("validation"))
+
+
+def test_caps_bound_questions_and_pool_whatever_the_dev_size(model: Path, tmp_path: Path, monkeypatch) -> None:
+    retriever = Retriever.load(model)
+    embedded: list[int] = []
+    original = Retriever.embed
+    monkeypatch.setattr(Retriever, "embed", lambda self, kind, texts, *a, **k: (embedded.append(len(texts)),
+                                                                                  original(self, kind, texts, *a, **k))[1])
+    limits = V.DevLimits(max_questions=10, hard_negatives=2, other_negatives=1, batch_size=4)
+    small = V.evaluate_dev(retriever, write_dev(tmp_path / "small.json", 20), limits, str(tmp_path / "cache"))
+    seen_small, embedded[:] = list(embedded), []
+    large = V.evaluate_dev(retriever, write_dev(tmp_path / "large.json", 300), limits, str(tmp_path / "cache"))
+    assert embedded == seen_small == [10, 10 * (1 + 2 + 1)]
+    assert small == large and small["questions"] == 10 and small["passages"] == 40
+    monkeypatch.setattr(Retriever, "embed", original)
+    assert small["avg_rank"] == pytest.approx(brute_force(retriever, dev_records(10), 2, 1))
+
+
+def test_blocked_ranks_equal_the_full_matrix(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, p = torch.randn(37, 8, generator=gen), torch.randn(91, 8, generator=gen)
+    gold = torch.randint(0, 91, (37,), generator=gen)
+    scores = q @ p.T
+    expected = (scores > scores[torch.arange(37), gold][:, None]).sum(1) + 1
+    monkeypatch.setattr(V, "SCORE_BLOCK_ELEMENTS", 91 * 5)  # five questions per block
+    assert torch.equal(V.gold_ranks(q, p, gold), expected)
+
+
+def test_dev_flags_and_bad_values(tmp_path: Path) -> None:
+    config = TrainConfig(train_files=["t"], output_dir="o", model="m", dev_max_questions=5, dev_hard_negatives=0,
+                         dev_other_negatives=2, dev_batch_size=3)
+    assert config.dev_limits() == V.DevLimits(5, 0, 2, 3, None)
+    with pytest.raises(DprGcError, match="--dev-max-questions"):
+        TrainConfig(train_files=["t"], output_dir="o", model="m", dev_max_questions=0)
+    with pytest.raises(DprGcError, match="--dev-hard-negatives"):
+        TrainConfig(train_files=["t"], output_dir="o", model="m", dev_hard_negatives=-1)
+
+
+def worker(rank: int, tmp: str, model: str, dev: str, world: int) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+        limits = V.DevLimits(max_questions=7, hard_negatives=3, other_negatives=0, batch_size=4)
+        metrics = V.evaluate_dev(Retriever.load(model), dev, limits, f"{tmp}/cache-{rank}")
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps(metrics))
+        dist.destroy_process_group()
+    except Exception:
+        Path(tmp, f"error{rank}").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.parametrize("world", [3])
+def test_sharded_validation_equals_one_process(model: Path, tmp_path: Path, world: int) -> None:
+    dev = write_dev(tmp_path / "dev.json", 9)
+    limits = V.DevLimits(max_questions=7, hard_negatives=3, other_negatives=0, batch_size=4)
+    expected = V.evaluate_dev(Retriever.load(model), dev, limits, str(tmp_path / "cache"))
+    mp.spawn(worker, args=(str(tmp_path), str(model), dev, world), nprocs=world, join=True)
+    for rank in range(world):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), key
