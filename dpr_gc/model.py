@@ -164,13 +164,18 @@ class Retriever(nn.Module):
     def load(cls, path: str | Path, device: str | torch.device = "cpu", query_prefix: Optional[str] = None,
              passage_prefix: Optional[str] = None) -> "Retriever":
         """Load a saved retriever (this or an earlier format), a sentence-transformers folder (its own recipe and
-        prompts), a folder holding an official DPR question/context encoder pair, or any Hugging Face model.
+        prompts), a folder holding an official DPR question/context encoder pair, a DPR/GC-DPR ``.cp`` checkpoint file (read
+        weights-only, see :mod:`dpr_gc.dpr_checkpoints`), or any Hugging Face model.
 
         ``query_prefix`` / ``passage_prefix`` replace the prefixes the folder stores (None keeps them).
         """
+        from .dpr_checkpoints import load_dpr_checkpoint
         from .model_io import load_retriever
 
-        retriever = load_retriever(cls, RetrieverConfig, Path(path))
+        if Path(path).is_file():  # DPR's and GC-DPR's trainers save one .cp file
+            retriever = load_dpr_checkpoint(Path(path))
+        else:
+            retriever = load_retriever(cls, RetrieverConfig, Path(path))
         for name, value in (("query_prefix", query_prefix), ("passage_prefix", passage_prefix)):
             if value is not None and value != getattr(retriever.config, name):
                 logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))

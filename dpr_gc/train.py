@@ -59,6 +59,8 @@ class TrainConfig:
     symmetric: bool = False
     learning_rate: float = 2e-5
     weight_decay: float = 0.0
+    adam_eps: float = 1e-8
+    adam_betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
     epochs: int = 1
     max_steps: Optional[int] = None
@@ -68,6 +70,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     freeze_position_embeddings: bool = False
     eval_every: Optional[int] = None
+    eval_per_epoch: Optional[int] = None
     save_every: Optional[int] = None
     keep_checkpoints: int = 2
     best_metric: str = "avg_rank"
@@ -145,9 +148,10 @@ def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
 
 
 def build_retriever(config: TrainConfig) -> Retriever:
-    """A saved retriever folder or an official DPR pair loads as it is (prefixes given as flags replace its own);
-    any other model name or folder starts a new one from the flags."""
-    if (Path(config.model) / "retriever_config.json").is_file() or find_dpr_pair(Path(config.model)):
+    """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
+    replace its own); any other model name or folder starts a new one from the flags."""
+    model = Path(config.model)
+    if (model / "retriever_config.json").is_file() or model.is_file() or find_dpr_pair(model):
         retriever = Retriever.load(config.model, query_prefix=config.query_prefix,
                                    passage_prefix=config.passage_prefix)
         if config.retriever is not None:
@@ -212,6 +216,11 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
     sampler = loader.batch_sampler
     steps_per_epoch = sampler.batches_per_epoch
     total_steps = config.max_steps or steps_per_epoch * config.epochs
+    eval_every, save_every = config.eval_every, config.save_every
+    if config.eval_per_epoch:  # GC-DPR's --eval_per_epoch: evaluate and save a checkpoint N times an epoch
+        eval_every = max(1, -(-steps_per_epoch // config.eval_per_epoch))
+        save_every = save_every or eval_every
+        logger.info("%d dev evaluation(s) per epoch: every %d steps", config.eval_per_epoch, eval_every)
 
     n_neg = config.hard_negatives + config.other_negatives
     loss_cls = DistributedContrastiveLoss if world > 1 else SimpleContrastiveLoss
@@ -241,7 +250,7 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
     decay_ids = {id(p) for p in decay}
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0}],
-                                  lr=config.learning_rate)
+                                  lr=config.learning_rate, eps=config.adam_eps, betas=tuple(config.adam_betas))
     warmup = config.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total_steps - s) / max(1, total_steps - warmup))))
@@ -307,7 +316,7 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
             rng = capture_rng()
             last = step >= total_steps
             retriever.training_info["steps"] = step
-            if config.dev_file and ((config.eval_every and step % config.eval_every == 0) or last):
+            if config.dev_file and ((eval_every and step % eval_every == 0) or last):
                 record.update(dev_metrics(retriever, config, collator))
                 retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
                                                dev_metrics_step=step)
@@ -317,7 +326,7 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
                 if board is not None:
                     for key, value in record.items():
                         board.add_scalar(f"train/{key}", value, step)
-            if (config.save_every and step % config.save_every == 0) or last:
+            if (save_every and step % save_every == 0) or last:
                 checkpointer.save(step, retriever, optimizer, scheduler, scaler, sampler.state_dict(done_in_epoch),
                                   gather_rng(rng, world), record)
             restore_rng(rng)

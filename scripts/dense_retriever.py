@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """DPR-compatible front end of ``dpr-gc retrieve``: DPR's flag names, the same library calls.
 
-    python scripts/dense_retriever.py --model_file MODEL --qa_file nq-test.qa.csv --ctx_file psgs_w100.tsv \\
-        --encoded_ctx_files embeddings/ --out_file results.json --n_docs 100
+    python scripts/dense_retriever.py --model_file MODEL --ctx_file psgs_w100.tsv --qa_file nq-test.qa.csv \\
+        --encoded_ctx_file "emb/wiki_*" --out_file results.json --n-docs 100 --validation_workers 32 --batch_size 64
 
-``--encoded_ctx_files`` is an encode output folder (or a glob of its ``shard-*`` files); the index is built in
-memory (exact, or HNSW with ``--hnsw_index``), or loaded from / saved to ``--index_path``. Hydra-style
-``key=value`` arguments (as newer DPR versions take) are accepted too. Flags DPR has and this script does not
-need are ignored with a warning.
+``--encoded_ctx_file`` is an encode output folder or a glob: of its ``shard-*`` files, or of the ``{out_file}_N``
+folders that ``generate_dense_embeddings.py --out_file PREFIX`` writes (one per shard, as DPR's ``_N`` files). The
+index is built in memory (exact, or HNSW with ``--hnsw_index``, ``--index_buffer`` rows at a time), or loaded from /
+saved to ``--index_path`` (``--save_or_load_index``: the folder ``PREFIX.index`` beside the shards, as DPR does).
+``--model_file`` may be a DPR ``.cp`` checkpoint. Hydra-style ``key=value`` arguments (as newer DPR versions take)
+are accepted too. Flags DPR has and this script does not need are named in one warning line.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from __future__ import annotations
 import argparse
 import glob
 import logging
+import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -32,17 +37,40 @@ from dpr_gc.model import add_prefix_arguments
 from dpr_gc.retrieve import MATCH_CHOICES, add_index_arguments, params_from_args, run_retrieval
 
 logger = logging.getLogger("dense_retriever")
+# DPR/GC-DPR flags with no effect here: the model file defines the encoder; answers are matched in-process.
+IGNORED_VALUE = ("--pretrained_model_cfg", "--encoder_model_type", "--pretrained_file", "--projection_dim",
+                 "--sequence_length", "--local_rank", "--fp16_opt_level", "--validation_workers", "--q_encoding_path")
+IGNORED_SWITCH = ("--do_lower_case", "--fp16", "--encode_q_and_save", "--re_encode_q")
 
 
-def embeddings_folder(spec: str) -> Path:
-    """An encode output folder, given as the folder itself or as a glob of the shard files inside it."""
+def embeddings_folders(spec: str) -> list[Path]:
+    """Encode output folders given as one folder, a glob of shard files inside one, or a glob of ``PREFIX_N``
+    folders (one per shard, as ``generate_dense_embeddings.py --out_file PREFIX`` writes them)."""
     if Path(spec).is_dir():
-        return Path(spec)
-    folders = {Path(p).parent for p in glob.glob(spec)}
-    if len(folders) != 1:
-        found = "no files" if not folders else f"files in {len(folders)} folders"
-        raise DprGcError(f"--encoded_ctx_files {spec!r} matches {found}; give the encode output folder")
-    return folders.pop()
+        return [Path(spec)]
+    folders = sorted({Path(p) if Path(p).is_dir() else Path(p).parent for p in glob.glob(spec)})
+    if not folders:
+        raise DprGcError(f"--encoded_ctx_file {spec!r} matches no files; give the encode output folder(s)")
+    return folders
+
+
+def merged_view(folders: list[Path], view: Path) -> Path:
+    """One folder of links to every shard file of ``folders``, so all shards form one index."""
+    for folder in folders:
+        for item in folder.iterdir():
+            if item.is_file():
+                target = view / item.name
+                if target.exists():
+                    raise DprGcError(f"{item.name} is in more than one of the --encoded_ctx_file folders; "
+                                     "each shard must be encoded once")
+                os.symlink(item.resolve(), target)
+    return view
+
+
+def dpr_index_path(folders: list[Path]) -> str:
+    """Where ``--save_or_load_index`` keeps the index: ``PREFIX.index`` for ``PREFIX_N`` folders, as DPR does."""
+    m = re.match(r"^(.*)_\d+$", str(folders[0]))
+    return f"{m.group(1)}.index" if m else str(folders[0] / "index")
 
 
 def hydra_to_flags(argv: list[str]) -> list[str]:
@@ -64,14 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="questions: DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
     p.add_argument("--ctx_datatsets", "--ctx_datasets", "--ctx_file", dest="corpus",
                    help="passages TSV / corpus.jsonl (default: the corpus recorded with the embeddings)")
-    p.add_argument("--encoded_ctx_files", dest="embeddings", help="encode output folder, or a glob of its shard files")
+    p.add_argument("--encoded_ctx_file", "--encoded_ctx_files", dest="embeddings",
+                   help="encode output folder, or a glob of its shard files or of PREFIX_N shard folders")
     p.add_argument("--index_path", type=output_dir,
                    help="load the index from this folder if it holds one, else save it there")
     p.add_argument("--hnsw_index", action="store_true", help="build an HNSW index instead of an exact one")
+    p.add_argument("--save_or_load_index", action="store_true",
+                   help="load the index from PREFIX.index beside the shards if there, else build and save it there")
+    p.add_argument("--no_cuda", action="store_true", help="encode questions on the CPU")
     p.add_argument("--out_file", type=output_file, dest="output", help="DPR retriever JSON output")
     p.add_argument("--compact", action="store_true", help="results without passage text (ids, scores, has_answer)")
     p.add_argument("--workers", type=nonnegative_int, default=0, help="answer-matching processes (default 0: all cores)")
-    p.add_argument("--n_docs", dest="top_k", type=positive_int, default=100, help="passages per question (default 100)")
+    p.add_argument("--n-docs", "--n_docs", dest="top_k", type=positive_int, default=100,
+                   help="passages per question (default 100)")
     p.add_argument("--batch_size", dest="batch_size", type=positive_int, default=64, help="questions per encoder batch")
     p.add_argument("--match", choices=MATCH_CHOICES, default="string", help="answer matching for has_answer")
     p.add_argument("--trec_run", "--trec-run", type=output_file, dest="trec_run", help="also write a TREC run file")
@@ -86,31 +119,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, help="FAISS threads")
     add_index_arguments(p)
     add_prefix_arguments(p)
+    p.add_argument("--index_buffer", dest="block_size", type=positive_int, help="rows added to the index per block (DPR's name)")
+    for flag in IGNORED_VALUE:
+        p.add_argument(flag, dest="ignored_" + flag.strip("-").replace("-", "_"), default=None, help=argparse.SUPPRESS)
+    for flag in IGNORED_SWITCH:
+        p.add_argument(flag, dest="ignored_" + flag.strip("-"), action="store_true", help=argparse.SUPPRESS)
     return p
 
 
 def load_or_build_index(args: argparse.Namespace) -> tuple[DenseIndex, str]:
-    """The index named by ``--index_path`` if complete, else one built from ``--encoded_ctx_files``."""
+    """The index named by ``--index_path`` if complete, else one built from ``--encoded_ctx_file``."""
+    folders = embeddings_folders(args.embeddings) if args.embeddings else []
+    if args.save_or_load_index and not args.index_path and folders:
+        args.index_path = dpr_index_path(folders)
     if args.index_path and (Path(args.index_path) / META_FILE).is_file():
         logger.info("loading the index from %s", args.index_path)
         return DenseIndex.read(args.index_path), args.index_path
-    if not args.embeddings:
-        raise DprGcError("give --encoded_ctx_files (the encode output folder) or an --index_path holding an index")
+    if not folders:
+        raise DprGcError("give --encoded_ctx_file (the encode output folder) or an --index_path holding an index")
     if args.hnsw_index:
         args.kind = "hnsw"
-    folder = embeddings_folder(args.embeddings)
-    index, shards, _ = add_shards(folder, params_from_args(args), None, args.train_sample, args.block_size, args.seed)
-    if args.index_path:
-        index.write(args.index_path, ids=shard_ids(shards))
-        logger.info("saved the index to %s", args.index_path)
-    return index, f"{index.meta['factory']} over {folder}"
+    with tempfile.TemporaryDirectory(prefix="dense-retriever-") as tmp:
+        folder = folders[0] if len(folders) == 1 else merged_view(folders, Path(tmp))
+        index, shards, _ = add_shards(folder, params_from_args(args), None, args.train_sample, args.block_size,
+                                      args.seed)
+        if args.index_path:
+            index.write(args.index_path, ids=shard_ids(shards))
+            logger.info("saved the index to %s", args.index_path)
+    return index, f"{index.meta['factory']} over {args.embeddings}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args, unknown = build_parser().parse_known_args(hydra_to_flags(list(sys.argv[1:] if argv is None else argv)))
-    if unknown:
-        logger.warning("ignoring arguments this script does not use: %s", " ".join(unknown))
+    flags = hydra_to_flags(list(sys.argv[1:] if argv is None else argv))
+    args, unknown = build_parser().parse_known_args(flags)
+    typed = {f.split("=", 1)[0] for f in flags if f.startswith("--")}
+    ignored = [f for f in IGNORED_VALUE + IGNORED_SWITCH if f in typed] + unknown
+    if ignored:
+        logger.warning("accepted with no effect here: %s", " ".join(ignored))
+    if args.no_cuda:
+        args.device = args.device or "cpu"
 
     def run() -> None:
         set_threads(args.threads)

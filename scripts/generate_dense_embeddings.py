@@ -1,17 +1,22 @@
-"""Embed a passage corpus into shards: ``dpr-gc encode`` under DPR's script name, accepting DPR's flag names.
+"""Embed a passage corpus into shards: ``dpr-gc encode`` under DPR's script name, taking DPR's command lines.
 
-Both spellings work, and so does DPR's Hydra ``key=value`` style::
+DPR's and GC-DPR's flags work unchanged, and so does DPR's Hydra ``key=value`` style::
 
-    python scripts/generate_dense_embeddings.py --model out/retriever --corpus psgs_w100.tsv --output emb/
-    python scripts/generate_dense_embeddings.py model_file=out/retriever ctx_file=psgs_w100.tsv \
-        shard_id=0 num_shards=50 out_file=emb/ batch_size=512
+    python scripts/generate_dense_embeddings.py --model_file CHECKPOINT --ctx_file psgs_w100.tsv \\
+        --shard_id 0 --num_shards 50 --out_file emb/wiki --batch_size 512 --fp16
 
-Unlike DPR, ``--ctx_src``/``--ctx_file`` is a corpus file (not a named source) and ``--out_file`` is an output
-folder that receives ``shard-K-of-N.npy``, ``.ids.txt`` and the ``.json`` manifest.
+``--model_file`` is a dpr-gc retriever folder, a Hugging Face model, or a DPR ``.cp`` checkpoint. As DPR writes
+``{out_file}_{shard_id}``, shard K goes to the folder ``emb/wiki_K`` (``shard-K-of-N.npy``, ``.ids.txt`` and the
+``.json`` manifest), so ``dense_retriever.py --encoded_ctx_file "emb/wiki_*"`` finds every shard; an ``--out_file``
+that is an existing folder (or ends in ``/``) receives the shard files directly. ``--fp16`` encodes under fp16
+autocast, ``--sequence_length`` caps the passage length, ``--no_cuda`` stays on the CPU; DPR's flags that describe
+the model (``--pretrained_model_cfg``, ``--encoder_model_type``, ``--projection_dim``, ``--do_lower_case`` ...) are
+read from the checkpoint instead and named in one warning line.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 import sys
@@ -20,11 +25,14 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.encode import add_arguments, run_cli  # noqa: E402
-from dpr_gc.args import ArgumentParser  # noqa: E402
+from dpr_gc.args import ArgumentParser, positive_int  # noqa: E402
 from dpr_gc.cli import report_errors  # noqa: E402
+from dpr_gc.encode import add_arguments, resolve_shard, run_cli  # noqa: E402
 
 HYDRA_ARG = re.compile(r"^([A-Za-z_][\w.-]*)=(.*)$")
+logger = logging.getLogger("generate_dense_embeddings")
+FROM_CHECKPOINT = ("pretrained_model_cfg", "encoder_model_type", "pretrained_file", "projection_dim", "do_lower_case",
+                   "fp16_opt_level", "local_rank")
 
 
 def hydra_to_flags(argv: Sequence[str]) -> list[str]:
@@ -36,12 +44,44 @@ def hydra_to_flags(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, dpr_aliases=True)
-    args = parser.parse_args(hydra_to_flags(sys.argv[1:] if argv is None else argv))
+    parser.add_argument("--sequence_length", dest="max_length", type=positive_int, help="passage max tokens (DPR's name)")
+    parser.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
+                        help="encode under fp16 autocast (as GC-DPR)")
+    parser.add_argument("--no_cuda", action="store_true", help="encode on the CPU")
+    parser.add_argument("--pretrained_model_cfg", "--encoder_model_type", "--pretrained_file", "--fp16_opt_level",
+                        dest="unused", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--projection_dim", "--local_rank", dest="unused", type=int, default=None,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--do_lower_case", dest="unused", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def output_folder(out_file: str, shard_id: Optional[int], num_shards: Optional[int]) -> str:
+    """DPR's ``{out_file}_{shard_id}`` naming, unless ``out_file`` is a folder already."""
+    if Path(out_file).is_dir() or out_file.endswith(("/", "\\")):
+        return out_file
+    shard, _ = resolve_shard(shard_id, num_shards)
+    return f"{out_file}_{shard}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    flags = hydra_to_flags(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(flags)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return report_errors(lambda: run_cli(args))
+    typed = {f.split("=", 1)[0].lstrip("-") for f in flags if f.startswith("--")}
+    unused = [f"--{name}" for name in FROM_CHECKPOINT if name in typed]
+    if unused:
+        logger.warning("accepted with no effect here (the model file defines them): %s", " ".join(unused))
+    if args.no_cuda:
+        args.device = args.device or "cpu"
+
+    def run() -> None:
+        args.output = output_folder(args.output, args.shard_id, args.num_shards)
+        run_cli(args)
+    return report_errors(run)
 
 
 if __name__ == "__main__":

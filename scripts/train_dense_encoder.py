@@ -1,15 +1,190 @@
 #!/usr/bin/env python
-"""GC-DPR-compatible entry point: ``train_dense_encoder.py --grad_cache --q_chunk_size 16 --ctx_chunk_size 8 ...``.
+"""GC-DPR/DPR-compatible trainer: their argparse-era command lines run unchanged on ``dpr-gc train``.
 
-Every ``dpr-gc train`` flag works here, and so do GC-DPR's names: --train_file, --dev_file, --output_dir,
---pretrained_model_cfg, --batch_size, --hard_negatives, --other_negatives, --grad_cache, --q_chunk_size,
---ctx_chunk_size, --fp16, --learning_rate, --warmup_steps, --num_train_epochs, --max_grad_norm, --weight_decay,
---shuffle_positive_ctx, --sequence_length (the passage max length).
+Every ``dpr-gc train`` flag works here, and so does every flag of GC-DPR's and DPR's ``train_dense_encoder.py``.
+Those with a meaning here are honoured: ``--train_file``/``--dev_file`` (files or glob expressions),
+``--pretrained_model_cfg``, ``--model_file`` (initial weights: a dpr-gc folder or a DPR ``.cp`` checkpoint; with
+``--dev_file`` and no ``--train_file`` it only validates, as DPR does), ``--projection_dim``, ``--sequence_length``
+(question and passage max length), ``--batch_size``, ``--dev_batch_size``, ``--seed``, ``--adam_eps``,
+``--adam_betas``, ``--max_grad_norm``, ``--log_batch_step``, ``--weight_decay``, ``--learning_rate``,
+``--warmup_steps``, ``--num_train_epochs``, ``--grad_cache``/``--q_chunk_size``/``--ctx_chunk_size`` (without
+``--grad_cache`` training is plain, as in GC-DPR), ``--fp16``, ``--no_cuda``, ``--local_rank``,
+``--eval_per_epoch``, ``--val_av_rank_*``, ``--hard_negatives``, ``--other_negatives``, ``--shuffle_positive_ctx``,
+``--train_files_upsample_rates``, ``--output_dir``. As in DPR the two towers are separate (``--shared-encoder``
+shares them). The rest are accepted and named in one warning line.
 """
 
-import sys
+from __future__ import annotations
 
-from dpr_gc.cli import main
+import argparse
+import ast
+import glob
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+try:
+    import dpr_gc  # noqa: F401
+except ImportError:  # running from a checkout without installing the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dpr_gc import train as T  # noqa: E402
+from dpr_gc.cli import report_errors  # noqa: E402
+from dpr_gc.errors import DprGcError  # noqa: E402
+
+logger = logging.getLogger("train_dense_encoder")
+
+# GC-DPR/DPR flags that change nothing here, with the reason given in the warning.
+IGNORED = {
+    "do_lower_case": "casing follows the model's tokenizer",
+    "encoder_model_type": "the model type is read from the model's config",
+    "pretrained_file": "models load from Hugging Face folders",
+    "fp16_opt_level": "mixed precision is native autocast, not apex",
+    "dropout": "the model config's dropout is used",
+    "train_rolling_loss_step": "every step's loss goes to metrics.jsonl",
+    "global_loss_buf_sz": "representations are all-gathered as tensors, no buffer",
+    "fix_ctx_encoder": "both towers are trained",
+    "val_av_rank_start_epoch": "average rank is computed at every dev evaluation",
+    "checkpoint_file_name": "checkpoints are checkpoint-STEP/ folders",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``dpr-gc train``'s parser plus the GC-DPR/DPR flags it lacks (same names, types and meanings)."""
+    parser = argparse.ArgumentParser(prog="train_dense_encoder.py", description=__doc__.splitlines()[0])
+    T.add_cli(parser.add_subparsers(dest="command"))
+    train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    for action in train._actions:
+        if action.dest == "train_files":
+            action.required, action.nargs = False, "*"
+        if action.dest in ("grad_cache", "separate_encoders"):
+            action.default = None
+        if action.dest == "output_dir":
+            action.required = False
+        if action.dest == "epochs":
+            action.type = float  # DPR's --num_train_epochs is a float
+    train.set_defaults(grad_cache=None)
+    add = train.add_argument
+    add("--do_lower_case", action="store_true", help=argparse.SUPPRESS)
+    add("--encoder_model_type", default=None, help=argparse.SUPPRESS)
+    add("--pretrained_file", default=None, help=argparse.SUPPRESS)
+    add("--model_file", default=None, help="initial weights: a dpr-gc retriever folder or a DPR .cp checkpoint")
+    add("--projection_dim", type=int, default=0, help=argparse.SUPPRESS)
+    add("--no_cuda", action="store_true", help="train on the CPU")
+    add("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    add("--fp16_opt_level", default="O1", help=argparse.SUPPRESS)
+    add("--adam_eps", type=float, default=1e-8)
+    add("--adam_betas", default="(0.9, 0.999)")
+    add("--log_batch_step", type=int, default=1, help="steps between metrics.jsonl records")
+    add("--train_rolling_loss_step", type=int, default=100, help=argparse.SUPPRESS)
+    add("--dropout", type=float, default=0.1, help=argparse.SUPPRESS)
+    add("--gradient_accumulation_steps", type=int, default=1)
+    add("--eval_per_epoch", type=int, default=None, help="dev evaluations (and checkpoints) per epoch")
+    add("--global_loss_buf_sz", type=int, default=150000, help=argparse.SUPPRESS)
+    add("--fix_ctx_encoder", action="store_true", help=argparse.SUPPRESS)
+    add("--train_files_upsample_rates", default=None, help="per-file rates, e.g. [1,2,1]")
+    add("--val_av_rank_start_epoch", type=int, default=10000, help=argparse.SUPPRESS)
+    add("--checkpoint_file_name", default="dpr_biencoder", help=argparse.SUPPRESS)
+    add("--shared-encoder", dest="separate_encoders", action="store_false", help="one tower for both sides")
+    return parser
+
+
+def _expand(patterns: Sequence[str], flag: str) -> list[str]:
+    """DPR takes glob expressions for data files; an existing path is kept as it is."""
+    out: list[str] = []
+    for pattern in patterns:
+        matches = [pattern] if Path(pattern).exists() else sorted(glob.glob(pattern))
+        if not matches:
+            raise DprGcError(f"{flag} {pattern!r} matches no file")
+        out.extend(matches)
+    return out
+
+
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        betas = tuple(float(b) for b in ast.literal_eval(text))
+    except (ValueError, SyntaxError, TypeError):
+        betas = ()
+    if len(betas) != 2:
+        raise DprGcError(f"--adam_betas must look like '(0.9, 0.999)', got {text!r}")
+    return betas  # type: ignore[return-value]
+
+
+def _epochs(value: Any) -> int:
+    if float(value) != int(float(value)) or float(value) < 1:
+        raise DprGcError(f"--num_train_epochs must be a whole number >= 1 here, got {value}")
+    return int(float(value))
+
+
+def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig:
+    """The :class:`TrainConfig` a GC-DPR/DPR command line asks for; ``given`` holds the flags typed."""
+    if args.gradient_accumulation_steps != 1:
+        raise DprGcError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: accumulation would "
+                         "shrink the in-batch negatives; use --grad_cache with --batch_size "
+                         f"{args.batch_size * args.gradient_accumulation_steps} for the same queries per update")
+    if args.encoder_model_type not in (None, "hf_bert", "hf_roberta"):
+        raise DprGcError(f"--encoder_model_type {args.encoder_model_type}: only Hugging Face models are supported "
+                         "(hf_bert); convert the checkpoint to a Hugging Face folder and pass it as --model")
+    if args.no_cuda:
+        args.device = args.device or "cpu"
+    if args.local_rank >= 0:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    args.grad_cache = bool(args.grad_cache)  # GC-DPR trains plainly unless --grad_cache is given
+    args.separate_encoders = args.separate_encoders is not False
+    args.projection_dim = args.projection_dim or None
+    if "--sequence_length" in given and "--query-max-length" not in given and "--query_max_length" not in given:
+        args.query_max_length = args.passage_max_length  # DPR uses one sequence length for both
+    args.model = args.model_file or args.model
+    args.train_files = _expand(args.train_files or [], "--train_file")
+    args.dev_file = _expand([args.dev_file], "--dev_file")[0] if args.dev_file else None
+    args.epochs = _epochs(args.epochs)
+    args.log_every = args.log_batch_step
+    if args.eval_per_epoch is None and args.eval_every is None:
+        args.eval_per_epoch = 1  # GC-DPR's default: validate (and save) once an epoch
+    args.adam_betas = _betas(args.adam_betas)
+    if args.train_files and not args.output_dir:
+        raise DprGcError("--output_dir is required for training")
+    args.output_dir = args.output_dir or ""
+    if args.train_files_upsample_rates:
+        args.sampling_rates = [float(r) for r in ast.literal_eval(args.train_files_upsample_rates)]
+    return T.config_from_args(args)
+
+
+def ignored_flags(given: set[str]) -> list[str]:
+    return [f"--{name} ({why})" for name, why in IGNORED.items() if f"--{name}" in given]
+
+
+def typed_flags(argv: Sequence[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(["train", *argv])
+    given = typed_flags(argv)
+    skipped = ignored_flags(given)
+    if skipped:
+        logger.warning("accepted with no effect here: %s", "; ".join(skipped))
+
+    def run() -> None:
+        config = config_from_args(args, given)
+        if config.train_files:
+            T.train(config)
+        elif config.dev_file and args.model_file:
+            from dpr_gc.model import Retriever
+            from dpr_gc.validation import evaluate_dev
+
+            print(json.dumps(evaluate_dev(Retriever.load(config.model), config.dev_file, config.dev_limits(),
+                                          config.cache_dir), indent=2))
+        else:
+            raise DprGcError("nothing to do: give --train_file (and --output_dir), or --model_file with --dev_file "
+                             "to validate a model")
+    return report_errors(run)
+
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(main())

@@ -42,3 +42,189 @@ def test_train_script_accepts_gc_dpr_flags(tmp_path):
                  "--pretrained_model_cfg", str(tmp_path))
     assert result.returncode == 2
     assert "missing.json" in result.stderr and "unrecognized" not in result.stderr
+
+
+# ------------------------------------------------------------------ GC-DPR / DPR command lines on tiny data
+def load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), REPO / "scripts" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """A tiny Hugging Face BERT folder, DPR training/dev files, a passages TSV and a QA file."""
+    import json
+
+    from transformers import BertTokenizerFast
+
+    from tests.conftest import tiny_bert, write_vocab
+    from tests.train_data import make_records, write_dpr
+
+    d = tmp_path_factory.mktemp("dpr")
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(d / "vocab.txt")), do_lower_case=True)
+    tiny_bert(len(tokenizer)).save_pretrained(d / "bert")
+    tokenizer.save_pretrained(d / "bert")
+    records = make_records(40, 7)
+    (d / "data").mkdir()
+    write_dpr(d / "data" / "nq-train.json", records[:32])
+    write_dpr(d / "data" / "nq-dev.json", records[32:])
+    rows = [c for r in records for c in r["positive_ctxs"] + r["hard_negative_ctxs"]]
+    (d / "psgs.tsv").write_text("id\ttext\ttitle\n" + "".join(f"{c['passage_id']}\t{c['text']}\t{c['title']}\n"
+                                                               for c in rows))
+    (d / "qa.csv").write_text("".join(f"{r['question']}\t{json.dumps(r['answers'])}\n" for r in records[:6]))
+    return {"dir": d, "bert": d / "bert", "records": records}
+
+
+def gc_dpr_readme_command(tiny: dict, out: Path) -> list[str]:
+    """GC-DPR README's single-GPU NQ command, sizes shrunk to the tiny data (every flag as documented)."""
+    d = tiny["dir"]
+    return ["--max_grad_norm", "2.0", "--encoder_model_type", "hf_bert", "--pretrained_model_cfg", str(tiny["bert"]),
+            "--seed", "12345", "--sequence_length", "32", "--warmup_steps", "2", "--batch_size", "8",
+            "--do_lower_case", "--train_file", str(d / "data" / "nq-train*"), "--dev_file", str(d / "data" / "nq-dev*"),
+            "--output_dir", str(out), "--learning_rate", "2e-05", "--num_train_epochs", "2", "--dev_batch_size", "4",
+            "--val_av_rank_start_epoch", "30", "--grad_cache", "--global_loss_buf_sz", "2097152",
+            "--val_av_rank_max_qs", "5", "--q_chunk_size", "4", "--ctx_chunk_size", "8", "--eval_per_epoch", "2"]
+
+
+def test_gc_dpr_readme_training_command_runs(tiny, tmp_path):
+    import json
+
+    result = run("train_dense_encoder.py", *gc_dpr_readme_command(tiny, tmp_path / "out"), "--num-workers", "0",
+                 "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "--do_lower_case" in warnings[0] and "--global_loss_buf_sz" in warnings[0]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "dev_avg_rank" in r] == [0, 2, 4, 6, 8]  # 4 steps/epoch, 2 evals each
+    assert {r["dev_questions"] for r in records if "dev_questions" in r} == {5}
+    assert (tmp_path / "out" / "final" / "passage_encoder").is_dir()  # DPR's two towers
+
+
+def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path):
+    script = load_script("train_dense_encoder.py")
+    argv = gc_dpr_readme_command(tiny, tmp_path / "out") + [
+        "--adam_eps", "1e-6", "--adam_betas", "(0.8, 0.99)", "--projection_dim", "16", "--log_batch_step", "3",
+        "--hard_negatives", "2", "--other_negatives", "1", "--shuffle_positive_ctx", "--val_av_rank_hard_neg", "7",
+        "--val_av_rank_other_neg", "3", "--val_av_rank_bsz", "9", "--fp16", "--no_cuda", "--weight_decay", "0.01",
+        "--checkpoint_file_name", "dpr_biencoder", "--train_files_upsample_rates", "[2]"]
+    args = script.build_parser().parse_args(["train", *argv])
+    given = script.typed_flags(argv)
+    config = script.config_from_args(args, given)
+    r = config.retriever
+    assert (r.query_max_length, r.passage_max_length, r.projection_dim, r.shared_encoder) == (32, 32, 16, False)
+    assert config.train_files == [str(tiny["dir"] / "data" / "nq-train.json")]
+    assert config.dev_file == str(tiny["dir"] / "data" / "nq-dev.json")
+    assert (config.max_grad_norm, config.seed, config.warmup_steps, config.batch_size, config.epochs) == (2.0, 12345, 2, 8, 2)
+    assert (config.learning_rate, config.adam_eps, config.adam_betas, config.weight_decay) == (2e-5, 1e-6, (0.8, 0.99), 0.01)
+    assert (config.dev_batch_size, config.dev_encode_batch_size, config.dev_max_questions) == (4, 9, 5)
+    assert (config.dev_hard_negatives, config.dev_other_negatives, config.eval_per_epoch) == (7, 3, 2)
+    assert (config.hard_negatives, config.other_negatives, config.shuffle_positives) == (2, 1, True)
+    assert (config.grad_cache, config.query_chunk_size, config.passage_chunk_size) == (True, 4, 8)
+    assert (config.precision, config.device, config.log_every, config.sampling_rates) == ("fp16", "cpu", 3, [2.0])
+    assert "--checkpoint_file_name" in " ".join(script.ignored_flags(given))
+    plain = script.config_from_args(script.build_parser().parse_args(
+        ["train", "--train_file", str(tiny["dir"] / "data" / "nq-train.json"), "--output_dir", "o",
+         "--pretrained_model_cfg", "m"]), set())
+    assert plain.grad_cache is False and plain.eval_per_epoch == 1  # GC-DPR: plain without --grad_cache
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--gradient_accumulation_steps", "2"], "--gradient_accumulation_steps 2"),
+    (["--num_train_epochs", "2.5"], "--num_train_epochs must be a whole number"),
+    (["--adam_betas", "0.9"], "--adam_betas must look like"),
+    (["--encoder_model_type", "fairseq_roberta"], "only Hugging Face models")])
+def test_gc_dpr_flags_without_a_meaning_here_stop_in_one_line(tiny, tmp_path, extra, message):
+    result = run("train_dense_encoder.py", *gc_dpr_readme_command(tiny, tmp_path / "out"), *extra)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def dpr_checkpoint(tiny: dict, path: Path, projection: int = 0) -> Path:
+    """A checkpoint laid out as DPR's ``dpr_biencoder.N.cp`` (two BERT towers, optional encode_proj)."""
+    from collections import OrderedDict
+
+    import torch
+
+    from tests.conftest import tiny_bert
+
+    towers = {"question_model.": tiny_bert(_vocab(tiny), seed=3),
+              "ctx_model.": tiny_bert(_vocab(tiny), seed=4)}
+    model_dict = OrderedDict()
+    for prefix, model in towers.items():
+        model_dict.update({prefix + k: v for k, v in model.state_dict().items()})
+        if projection:
+            model_dict[prefix + "encode_proj.weight"] = torch.randn(projection, 32)
+            model_dict[prefix + "encode_proj.bias"] = torch.zeros(projection)
+    params = {"do_lower_case": True, "pretrained_model_cfg": str(tiny["bert"]), "encoder_model_type": "hf_bert",
+              "pretrained_file": None, "projection_dim": projection, "sequence_length": 24}
+    torch.save({"model_dict": model_dict, "optimizer_dict": None, "scheduler_dict": None, "offset": 0, "epoch": 3,
+                "encoder_params": params}, path)
+    return path
+
+
+def _vocab(tiny: dict) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(tiny["bert"])))
+
+
+def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path):
+    import argparse as ap
+
+    import torch
+
+    from dpr_gc.errors import DprGcError
+    from dpr_gc.model import Retriever
+
+    cp = dpr_checkpoint(tiny, tmp_path / "dpr_biencoder.3.cp", projection=8)
+    retriever = Retriever.load(cp)
+    assert retriever.config.pooling == "cls" and not retriever.config.shared_encoder and retriever.dim == 8
+    assert retriever.config.passage_max_length == 24
+    state = torch.load(cp, weights_only=True)["model_dict"]
+    assert torch.equal(retriever.passage_encoder.transformer.embeddings.word_embeddings.weight,
+                       state["ctx_model.embeddings.word_embeddings.weight"])
+    assert torch.equal(retriever.query_encoder.projection.weight, state["question_model.encode_proj.weight"])
+    pickled = tmp_path / "namespace.cp"
+    torch.save({"model_dict": state, "encoder_params": ap.Namespace(sequence_length=24)}, pickled)
+    with pytest.raises(DprGcError, match=r"cannot be read as weights only .*convert it"):
+        Retriever.load(pickled)
+    result = run("generate_dense_embeddings.py", "--model_file", str(pickled), "--ctx_file", str(tiny["dir"] / "psgs.tsv"),
+                 "--out_file", str(tmp_path / "emb" / "wiki"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")][0].count("convert it") == 1
+
+
+def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path):
+    import json
+
+    from dpr_gc.index import DenseIndex
+
+    cp = dpr_checkpoint(tiny, tmp_path / "dpr_biencoder.3.cp")
+    d, emb = tiny["dir"], tmp_path / "emb" / "wiki"
+    for shard in ("0", "1"):
+        result = run("generate_dense_embeddings.py", "--model_file", str(cp), "--ctx_file", str(d / "psgs.tsv"),
+                     "--shard_id", shard, "--num_shards", "2", "--out_file", str(emb), "--batch_size", "16",
+                     "--fp16", "--do_lower_case", "--cache-dir", str(tmp_path / "cache"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert len(list((tmp_path / "emb" / f"wiki_{shard}").glob("shard-*-of-*.npy"))) == 1
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "--do_lower_case" in warnings[0]
+    out = tmp_path / "results.json"
+    command = ["--model_file", str(cp), "--ctx_file", str(d / "psgs.tsv"), "--qa_file", str(d / "qa.csv"),
+               "--encoded_ctx_file", str(tmp_path / "emb" / "wiki_*"), "--out_file", str(out), "--n-docs", "5",
+               "--validation_workers", "32", "--batch_size", "64", "--save_or_load_index",
+               "--cache_dir", str(tmp_path / "cache")]
+    result = run("dense_retriever.py", *command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "--validation_workers" in warnings[0]
+    results = json.loads(out.read_text())
+    assert len(results) == 6 and all(len(r["ctxs"]) == 5 for r in results)
+    assert DenseIndex.read(tmp_path / "emb" / "wiki.index").ntotal == 3 * 40  # both shards in one index
+    again = run("dense_retriever.py", *command[:-2], "--hnsw_index", "--cache_dir", str(tmp_path / "cache"))
+    assert again.returncode == 0 and "loading the index from" in again.stderr
+    assert json.loads(out.read_text()) == results
