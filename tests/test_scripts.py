@@ -172,7 +172,7 @@ def _vocab(tiny: dict) -> int:
     return len(AutoTokenizer.from_pretrained(str(tiny["bert"])))
 
 
-def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path):
+def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
     import argparse as ap
 
     import torch
@@ -188,6 +188,10 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path):
     assert torch.equal(retriever.passage_encoder.transformer.embeddings.word_embeddings.weight,
                        state["ctx_model.embeddings.word_embeddings.weight"])
     assert torch.equal(retriever.query_encoder.projection.weight, state["question_model.encode_proj.weight"])
+    script = load_script("train_dense_encoder.py")  # DPR's validation-only run: --model_file and --dev_file
+    assert script.main(["--model_file", str(cp), "--dev_file", str(tiny["dir"] / "data" / "nq-dev.json"),
+                        "--val_av_rank_max_qs", "3", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert '"questions": 3' in capsys.readouterr().out
     pickled = tmp_path / "namespace.cp"
     torch.save({"model_dict": state, "encoder_params": ap.Namespace(sequence_length=24)}, pickled)
     with pytest.raises(DprGcError, match=r"cannot be read as weights only .*convert it"):

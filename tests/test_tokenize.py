@@ -62,6 +62,8 @@ def test_title_longer_than_max_length_is_cut_text_first(make_retriever, passage_
     kept = 29 if passage_format == "pair" else 30
     assert row[1:1 + kept] == title_ids[:kept]  # no text token survives; the title is cut at its end
     assert ids_of(batch, 1)[1] == tok("paris", add_special_tokens=False)["input_ids"][0]
+    encoded = encode_block(retriever, [LONG_TITLE, "paris"], ["the river of london", "a city"])
+    np.testing.assert_allclose(encoded[:1], encode_block(retriever, [LONG_TITLE], ["the river of london"]), atol=1e-5)
     # A title that fits keeps it whole and cuts the text.
     short = retriever.tokenize_passages(["paris city"], ["the river " * 40])
     assert len(ids_of(short, 0)) == 32 and ids_of(short, 0)[1:3] == tok("paris city", add_special_tokens=False)["input_ids"]
