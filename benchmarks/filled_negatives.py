@@ -1,0 +1,72 @@
+"""Measure: how many filled-in negatives are false negatives, without and with the global-batch exclusion.
+
+A training question with fewer negatives than the step needs (every question of a BEIR folder) gets the positive of a
+random other question in each missing slot. Drawing over the whole data set (the question's own positives excluded,
+as before the fix) lets a fill be the positive of another question *in the same batch*, which then meets a copy of
+its own gold passage as a negative. This script replays epochs of the real sampler and counts those fills for both
+rules; no model is involved, so it takes seconds.
+
+    python benchmarks/filled_negatives.py --data ../shared/data/scifact --batch-size 256 --hard-negatives 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dpr_gc.data import TrainingExamples, load_training_data  # noqa: E402
+from dpr_gc.files import write_json  # noqa: E402
+from dpr_gc.sampling import MixedBatchSampler  # noqa: E402
+
+
+def count(data, batch_size: int, hard: int, epochs: int, seed: int, global_batch: bool) -> dict:
+    """Fills, and fills that are a positive of a question of the same global batch, over ``epochs``."""
+    sampler = MixedBatchSampler(data.sizes, batch_size, seed=seed)
+    examples = TrainingExamples(data.dataset, hard, 0, seed=seed,
+                                global_batch=sampler.global_batch if global_batch else None)
+    fills = false = 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for batch in sampler:
+            items = [examples[key] for key in batch]
+            positives = {p for row, _, _ in batch for p in
+                         ((c["title"], c["text"]) for c in data.dataset[int(row)]["positives"])}
+            for item in items:
+                for passage in item["passages"][1:]:
+                    fills += 1
+                    false += passage in positives
+    return {"fills": fills, "false_negatives": false, "share": false / max(fills, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR folder")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--hard-negatives", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "filled-negatives.json"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    with tempfile.TemporaryDirectory() as cache:
+        data = load_training_data([args.data], cache)
+        report = {"data": args.data, "questions": len(data), "batch_size": args.batch_size,
+                  "hard_negatives": args.hard_negatives, "epochs": args.epochs, "seed": args.seed,
+                  "whole_data_set_draw": count(data, args.batch_size, args.hard_negatives, args.epochs, args.seed,
+                                               False),
+                  "global_batch_exclusion": count(data, args.batch_size, args.hard_negatives, args.epochs,
+                                                  args.seed, True)}
+    write_json(args.output, report)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
