@@ -1,14 +1,18 @@
-"""Which training questions each step and rank draws: several sources at per-source rates, rank shards, and a
-position in the epoch that a checkpoint can save and a resumed run can continue from."""
+"""What each training step draws: which questions (several sources at per-source rates, rank shards, and a position
+in the epoch that a checkpoint can save and a resumed run can continue from), and for each question its positive and
+negatives, filled-in negatives never being a positive or answer-bearing passage of the same global batch."""
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+import logging
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from .errors import DprGcError
+
+logger = logging.getLogger(__name__)
 
 
 class MixedBatchSampler(torch.utils.data.Sampler):
@@ -135,3 +139,85 @@ class BatchExclusion:
 
         tokens = tokenize(normalize(text))
         return any(tuple(tokens[i:i + n]) in self.answers for n in self.lengths for i in range(len(tokens) - n + 1))
+
+
+class TrainingExamples(torch.utils.data.Dataset):
+    """One query and ``1 + N + M`` passages per draw: the positive, N hard negatives, M other negatives.
+
+    The positive is the first (or a random one with ``shuffle_positives``). Hard slots take the hard pool, other
+    slots the negatives pool (shuffled with ``shuffle_negatives``, else in file order); a short pool is topped up
+    from the other pool's leftovers. If both pools together are short, the remaining slots take the first positive
+    of randomly drawn other questions (a random negative, as in-batch negatives are; draws may repeat), so batches
+    stay rectangular -- never a passage that is a positive of, or contains an answer of, any question in the same
+    global batch (``global_batch(epoch, position) -> (start, rows)``, all ranks; without it only this question's
+    own positives are excluded). All choices derive from ``(seed, epoch, position)``, so workers and resumed runs
+    make the same ones.
+    """
+
+    def __init__(self, dataset: Any, hard_negatives: int = 1, other_negatives: int = 0, shuffle_positives: bool = False,
+                 shuffle_negatives: bool = True, seed: int = 0,
+                 global_batch: Optional[Callable[[int, int], tuple[int, np.ndarray]]] = None) -> None:
+        import pyarrow.compute as pc
+
+        if hard_negatives < 0 or other_negatives < 0:
+            raise DprGcError("--hard-negatives and --other-negatives must be >= 0")
+        self.dataset, self.n_hard, self.n_other, self.seed = dataset, hard_negatives, other_negatives, seed
+        self.shuffle_positives, self.shuffle_negatives = shuffle_positives, shuffle_negatives
+        self.global_batch = global_batch
+        self.candidates = dataset.select_columns(["question", "positives"])
+        self._exclusion: Optional[tuple[tuple[int, int], BatchExclusion]] = None
+        counts = (pc.list_value_length(dataset.data.column("hard_negatives")).to_numpy(zero_copy_only=False)
+                  + pc.list_value_length(dataset.data.column("negatives")).to_numpy(zero_copy_only=False))
+        missing = np.maximum(hard_negatives + other_negatives - counts, 0)
+        if missing.any():
+            if len(dataset) < 2:
+                raise DprGcError("one training question with too few negatives; add negatives or questions")
+            logger.info("%d of %d questions have fewer than %d negatives: %d of the %d negative slots of a pass over "
+                        "the data (%.1f%%) are filled with the positive of a random other question, never a positive "
+                        "or an answer-bearing passage of a question in the same global batch",
+                        int((missing > 0).sum()), len(dataset), hard_negatives + other_negatives, int(missing.sum()),
+                        len(dataset) * (hard_negatives + other_negatives),
+                        100.0 * missing.sum() / (len(dataset) * (hard_negatives + other_negatives)))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Union[int, tuple[int, int, int]]) -> dict:
+        row, epoch, position = key if isinstance(key, tuple) else (key, 0, key)
+        record = self.dataset[int(row)]
+        rng = np.random.default_rng([self.seed, epoch, position])
+        positives = record["positives"]
+        positive = positives[int(rng.integers(len(positives)))] if self.shuffle_positives else positives[0]
+        hard, other = (self._order(record[k], rng) for k in ("hard_negatives", "negatives"))
+        hard_sel, other_sel = hard[:self.n_hard], other[:self.n_other]
+        hard_sel = hard_sel + other[self.n_other:][:self.n_hard - len(hard_sel)]
+        other_sel = other_sel + hard[self.n_hard:][:self.n_other - len(other_sel)]
+        missing = self.n_hard + self.n_other - len(hard_sel) - len(other_sel)
+        fill = self._fill(missing, int(row), self._excluded(int(row), epoch, position), rng) if missing else []
+        cut = self.n_hard - len(hard_sel)
+        chosen = [positive] + hard_sel + fill[:cut] + other_sel + fill[cut:]
+        return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen]}
+
+    def _order(self, pool: list, rng: np.random.Generator) -> list:
+        return [pool[i] for i in rng.permutation(len(pool))] if self.shuffle_negatives else list(pool)
+
+    def _excluded(self, row: int, epoch: int, position: int) -> BatchExclusion:
+        """The exclusion of the global batch holding this draw (built once per batch and worker)."""
+        start, rows = self.global_batch(epoch, position) if self.global_batch else (-1 - row, np.array([row]))
+        if self._exclusion is None or self._exclusion[0] != (epoch, start):
+            columns = self.dataset.select_columns(["question", "answers", "positives"])[[int(r) for r in rows]]
+            self._exclusion = ((epoch, start), BatchExclusion(rows, columns))
+        return self._exclusion[1]
+
+    def _fill(self, count: int, row: int, excluded: BatchExclusion, rng: np.random.Generator) -> list:
+        out: list = []
+        for _ in range(100 * count):
+            j = int(rng.integers(len(self.dataset)))
+            candidate = self.candidates[j]
+            ctx = candidate["positives"][0]
+            if excluded.allows(j, candidate["question"], ctx):
+                out.append(ctx)
+                if len(out) == count:
+                    return out
+        raise DprGcError(f"cannot find {count} negatives for training row {row}: the other questions are in the "
+                         "same batch or share its positives; add negatives to the training data or questions")

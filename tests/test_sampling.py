@@ -56,7 +56,7 @@ def test_filled_negatives_bear_no_answer_of_the_global_batch(tmp_path: Path, cap
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     data = D.load_dpr_files([path], cache_dir=tmp_path / "cache")
-    with caplog.at_level(logging.INFO, logger="dpr_gc.data"):
+    with caplog.at_level(logging.INFO, logger="dpr_gc.sampling"):
         batches = global_batches(data, 8, 2, hard=1)
     for batch in batches:
         answers = [a for e in batch for a in recs[int(e["question"][len("which topic"):-1])]["answers"]]
