@@ -361,6 +361,7 @@ def tensorboard_writer(out: Path) -> Any:
 
 def dev_metrics(retriever: Retriever, config: TrainConfig, collator: Any) -> dict:
     metrics = evaluate_dev(retriever, config.dev_file, config.dev_limits(), config.cache_dir)
+    logger.info("dev validation over %d questions and %d passages", metrics.pop("questions"), metrics.pop("passages"))
     retriever.train()
     return {f"dev_{k}": v for k, v in metrics.items()}
 

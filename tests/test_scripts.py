@@ -101,7 +101,7 @@ def test_gc_dpr_readme_training_command_runs(tiny, tmp_path):
     assert len(warnings) == 1 and "--do_lower_case" in warnings[0] and "--global_loss_buf_sz" in warnings[0]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "dev_avg_rank" in r] == [0, 2, 4, 6, 8]  # 4 steps/epoch, 2 evals each
-    assert {r["dev_questions"] for r in records if "dev_questions" in r} == {5}
+    assert "dev validation over 5 questions" in result.stderr
     assert (tmp_path / "out" / "final" / "passage_encoder").is_dir()  # DPR's two towers
 
 
