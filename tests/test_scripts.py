@@ -102,7 +102,9 @@ def test_gc_dpr_readme_training_command_runs(tiny, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "dev_avg_rank" in r] == [0, 2, 4, 6, 8]  # 4 steps/epoch, 2 evals each
     assert "dev validation over 5 questions" in result.stderr
-    assert (tmp_path / "out" / "final" / "passage_encoder").is_dir()  # DPR's two towers
+    from dpr_gc.model import Retriever
+
+    assert not Retriever.load(tmp_path / "out" / "final").config.shared_encoder  # DPR's two towers
 
 
 def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path):
