@@ -38,6 +38,7 @@ nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _number(float, lambda v: v > 0, "a positive number")
 nonnegative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 any_float = _number(float, lambda v: True, "a finite number")
+any_int = _number(int, lambda v: True, "an integer")
 
 
 def output_file(text: str) -> str:

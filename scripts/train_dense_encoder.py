@@ -32,6 +32,8 @@ except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc import train as T  # noqa: E402
+from dpr_gc.args import (ArgumentParser, any_int, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
+                         positive_int)
 from dpr_gc.cli import report_errors  # noqa: E402
 from dpr_gc.errors import DprGcError  # noqa: E402
 
@@ -54,7 +56,7 @@ IGNORED = {
 
 def build_parser() -> argparse.ArgumentParser:
     """``dpr-gc train``'s parser plus the GC-DPR/DPR flags it lacks (same names, types and meanings)."""
-    parser = argparse.ArgumentParser(prog="train_dense_encoder.py", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="train_dense_encoder.py", description=__doc__.splitlines()[0])
     T.add_cli(parser.add_subparsers(dest="command"))
     train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     for action in train._actions:
@@ -65,28 +67,28 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "output_dir":
             action.required = False
         if action.dest == "epochs":
-            action.type = float  # DPR's --num_train_epochs is a float
+            action.type = positive_float  # DPR's --num_train_epochs is a float
     train.set_defaults(grad_cache=None)
     add = train.add_argument
     add("--do_lower_case", action="store_true", help=argparse.SUPPRESS)
     add("--encoder_model_type", default=None, help=argparse.SUPPRESS)
     add("--pretrained_file", default=None, help=argparse.SUPPRESS)
     add("--model_file", default=None, help="initial weights: a dpr-gc retriever folder or a DPR .cp checkpoint")
-    add("--projection_dim", type=int, default=0, help=argparse.SUPPRESS)
+    add("--projection_dim", type=nonnegative_int, default=0, help=argparse.SUPPRESS)
     add("--no_cuda", action="store_true", help="train on the CPU")
-    add("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    add("--local_rank", type=any_int, default=-1, help=argparse.SUPPRESS)
     add("--fp16_opt_level", default="O1", help=argparse.SUPPRESS)
-    add("--adam_eps", type=float, default=1e-8)
+    add("--adam_eps", type=positive_float, default=1e-8)
     add("--adam_betas", default="(0.9, 0.999)")
-    add("--log_batch_step", type=int, default=1, help="steps between metrics.jsonl records")
-    add("--train_rolling_loss_step", type=int, default=100, help=argparse.SUPPRESS)
-    add("--dropout", type=float, default=0.1, help=argparse.SUPPRESS)
-    add("--gradient_accumulation_steps", type=int, default=1)
-    add("--eval_per_epoch", type=int, default=None, help="dev evaluations (and checkpoints) per epoch")
-    add("--global_loss_buf_sz", type=int, default=150000, help=argparse.SUPPRESS)
+    add("--log_batch_step", type=positive_int, default=1, help="steps between metrics.jsonl records")
+    add("--train_rolling_loss_step", type=positive_int, default=100, help=argparse.SUPPRESS)
+    add("--dropout", type=nonnegative_float, default=0.1, help=argparse.SUPPRESS)
+    add("--gradient_accumulation_steps", type=positive_int, default=1)
+    add("--eval_per_epoch", type=positive_int, default=None, help="dev evaluations (and checkpoints) per epoch")
+    add("--global_loss_buf_sz", type=positive_int, default=150000, help=argparse.SUPPRESS)
     add("--fix_ctx_encoder", action="store_true", help=argparse.SUPPRESS)
     add("--train_files_upsample_rates", default=None, help="per-file rates, e.g. [1,2,1]")
-    add("--val_av_rank_start_epoch", type=int, default=10000, help=argparse.SUPPRESS)
+    add("--val_av_rank_start_epoch", type=nonnegative_int, default=10000, help=argparse.SUPPRESS)
     add("--checkpoint_file_name", default="dpr_biencoder", help=argparse.SUPPRESS)
     add("--shared-encoder", dest="separate_encoders", action="store_false", help="one tower for both sides")
     return parser
