@@ -106,8 +106,11 @@ def read_state(folder: Path) -> dict:
         with torch.serialization.safe_globals(numpy_globals()):
             return read_tensors(folder / LEGACY_STATE)
     tensors = read_tensors(folder / STATE_TENSORS)
-    state = from_plain(read_json(folder / STATE_JSON), tensors, folder / STATE_JSON)
-    if not isinstance(state, dict) or "step" not in state:
+    try:
+        state = from_plain(read_json(folder / STATE_JSON), tensors, folder / STATE_JSON)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        state = None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise DprGcError(f"{folder / STATE_JSON}: not a dpr-gc training state; resume from another checkpoint")
     return state
 
@@ -116,7 +119,8 @@ def numpy_globals() -> list:
     """The NumPy names an old ``state.pt`` needs (NumPy's RNG state is an array): data types, not code."""
     from numpy.dtypes import UInt32DType
 
-    return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, UInt32DType]
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, UInt32DType]
 
 
 def finished_checkpoints(out: Path) -> list[Path]:
@@ -196,11 +200,15 @@ class Checkpointer:
         path = self.resolve(resume)
         state = read_state(path)
         saved = Retriever.load(path / "model")
-        retriever.load_state_dict(saved.state_dict())
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        self.best_value, self.best_path = state["best"]
+        try:
+            retriever.load_state_dict(saved.state_dict())
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            self.best_value, self.best_path = state["best"]
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise DprGcError(f"{path}: this checkpoint does not fit the run ({str(e).splitlines()[0][:200]}); "
+                             "resume with the settings it was made with, or from another checkpoint") from None
         if self.is_main:
             truncate_metrics(self.out / "metrics.jsonl", state["step"])
         return state
@@ -213,6 +221,8 @@ def truncate_metrics(metrics: Path, step: int) -> None:
     lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
     kept = []
     for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
