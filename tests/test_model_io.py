@@ -296,3 +296,13 @@ def test_folders_written_by_sentence_transformers_load_with_their_prompts(make_r
     np.testing.assert_allclose(retriever.embed("query", QUERIES), model.encode_query(QUERIES), rtol=0, atol=ATOL)
     np.testing.assert_allclose(retriever.embed("passage", TEXTS, TITLES), model.encode_document(concat),
                                rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_untitled_passages_embed_alike_in_pair_format(make_retriever, tmp_path, shared):
+    """Each passage is tokenised on its own: an untitled one is "[CLS] text [SEP]" whatever its batch holds, which
+    is what sentence-transformers gives a plain string."""
+    retriever = make_retriever(shared=shared, pooling="cls", passage_prefix=PASSAGE_PREFIX)
+    retriever.save(tmp_path / "r")
+    assert_same_embeddings(retriever, SentenceTransformer(str(tmp_path / "r"), device="cpu"),
+                           titles=["paris", "", "the king"])
