@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import os
 import traceback
 from pathlib import Path
@@ -39,7 +41,8 @@ def counting_hook(counter: list):
 
 def worker(rank: int, tmp: str, shared: bool, learn_t: bool) -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=300))
         tokenizer = BertTokenizerFast(vocab=str(Path(tmp) / "vocab.txt"))
         config = RetrieverConfig(shared_encoder=shared, pooling="mean")
         retriever = Retriever(tiny_bert(len(tokenizer)), None if shared else tiny_bert(len(tokenizer), 1),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import functools
 import os
 import traceback
@@ -90,7 +92,8 @@ def check_checkpointed_separate_towers(rank: int, tmp: str) -> None:
 
 def worker(rank: int, tmp: str) -> None:
     """Every check runs on both ranks (one spawn: starting the processes costs more than the checks)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=300))
     checks = {"gather": lambda: check_gather_leaves_other_consumers_alone(rank),
               "compiled DDP": lambda: check_compiled_ddp(rank),
               "checkpointing": lambda: check_checkpointed_separate_towers(rank, tmp)}

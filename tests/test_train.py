@@ -129,10 +129,10 @@ def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared
     common = [str(task["train"]), str(model), str(task["dir"] / "cache")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     subprocess.run([sys.executable, str(script), *common, str(tmp_path / "o1"), str(single), "16"], check=True,
-                   env=env, capture_output=True)
+                   env=env, capture_output=True, timeout=600)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(script), *common, str(tmp_path / "o2"), str(tmp_path / "ddp.pt"), "8"],
-                         env=env, capture_output=True, text=True)
+                         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     expected = torch.load(single)
     for rank in (0, 1):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import json
 import traceback
 from pathlib import Path
@@ -89,7 +91,8 @@ def test_dev_flags_and_bad_values(tmp_path: Path) -> None:
 
 def worker(rank: int, tmp: str, model: str, dev: str, world: int) -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
         limits = V.DevLimits(max_questions=7, hard_negatives=3, other_negatives=0, batch_size=4)
         metrics = V.evaluate_dev(Retriever.load(model), dev, limits, f"{tmp}/cache-{rank}")
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(metrics))
