@@ -64,35 +64,48 @@ def split_input(model_input: Any, chunk_size: int) -> list[Any]:
     return [slice_rows(model_input, s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
 
 
-def trimmed_width(chunk: Any) -> Optional[tuple[int, int]]:
-    """``(width, longest)`` when a chunk with a 2-D attention mask is right-padded past its longest row, else None."""
+def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
+    """``(width, longest, side)`` when a chunk with a 2-D attention mask has padding columns beyond its longest row
+    on one side (``"right"``, or ``"left"`` for a decoder tokenizer's left padding), else None."""
     if not isinstance(chunk, Mapping) or not isinstance(chunk.get("attention_mask"), torch.Tensor):
         return None
     mask = chunk["attention_mask"]
     if mask.dim() != 2 or mask.size(0) == 0:
         return None
-    longest = int(mask.sum(1).max())
-    if longest == mask.size(1) or not bool((mask[:, longest:] == 0).all()):
+    width, longest = mask.size(1), int(mask.sum(1).max())
+    if longest == width:
         return None
-    return mask.size(1), longest
+    if bool((mask[:, longest:] == 0).all()):
+        return width, longest, "right"
+    if bool((mask[:, :width - longest] == 0).all()):
+        return width, longest, "left"
+    return None
 
 
 def trim_padding(chunk: Any) -> Any:
-    """Cut a right-padded chunk to its own longest sequence; exact because padded positions are masked out."""
-    width = trimmed_width(chunk)
-    if width is None:
+    """Cut a padded chunk to its own longest sequence, dropping all-padding columns on its padding side.
+
+    Exact because padded positions are masked out -- for left padding, provided the model counts positions from
+    each row's first real token (:class:`dpr_gc.model.Encoder` passes such ``position_ids``); a raw model that
+    counts from the first column sees every position shifted, which rotary embeddings ignore up to rounding.
+    """
+    trim = trimmed_width(chunk)
+    if trim is None:
         return chunk
-    full, longest = width
-    return chunk.__class__({k: v[:, :longest] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.size(1) == full
+    full, longest, side = trim
+    cut = slice(0, longest) if side == "right" else slice(full - longest, full)
+    return chunk.__class__({k: v[:, cut] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.size(1) == full
                             else v for k, v in chunk.items()})
 
 
-def pad_sequence_dim(rep: torch.Tensor, width: Optional[tuple[int, int]]) -> torch.Tensor:
+def pad_sequence_dim(rep: torch.Tensor, trim: Optional[tuple[int, int, str]]) -> torch.Tensor:
     """Pad a token-level representation ``[rows, longest, ...]`` of a trimmed chunk back to ``[rows, width, ...]``
-    with zeros, so the loss sees the untrimmed shape; the padded positions get no gradient. Pooled ones pass."""
-    if width is None or rep.dim() < 3 or rep.size(1) != width[1]:
+    with zeros on the side that was cut, so the loss sees the untrimmed shape; the padded positions get no
+    gradient. Pooled ones pass."""
+    if trim is None or rep.dim() < 3 or rep.size(1) != trim[1]:
         return rep
-    return nn.functional.pad(rep, (0, 0) * (rep.dim() - 2) + (0, width[0] - width[1]))
+    cut = trim[0] - trim[1]
+    return nn.functional.pad(rep, (0, 0) * (rep.dim() - 2) + ((0, cut) if trim[2] == "right" else (cut, 0)))
 
 
 def length_order(model_input: Any) -> Optional[torch.Tensor]:

@@ -119,7 +119,7 @@ def buffers_kept(models: Iterable[nn.Module]) -> Iterator[None]:
 class _Plan:
     """One model's chunks, the original rows each holds, its RNG states and its trimmed widths (for padding back)."""
 
-    def __init__(self, chunks: list[Any], widths: list[Optional[tuple[int, int]]], order: Optional[torch.Tensor]):
+    def __init__(self, chunks: list[Any], widths: list[Optional[tuple[int, int, str]]], order: Optional[torch.Tensor]):
         self.chunks, self.widths, self.order = chunks, widths, order
         self.rows: list[torch.Tensor] = []
         self.states: list[RandState] = []
@@ -145,7 +145,7 @@ class GradCache:
         bf16: bf16 autocast, no scaler.
         sort_by_length: group rows of similar length into the same chunk (representations are returned and the
             loss is computed in the original order; inputs without a 2-D attention mask are left in order).
-        trim: cut every chunk to its longest sequence (right padding assumed; left-padded chunks are left alone).
+        trim: cut every chunk to its longest sequence, on its padding side (right or left).
         keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
             again (ignored for DDP-wrapped models); it is backpropagated first, so peak memory stays one chunk.
     """
@@ -189,7 +189,7 @@ class GradCache:
                              "get_rep_fn that returns the representation tensor")
         return rep
 
-    def _forward(self, model: nn.Module, chunk: Any, width: Optional[tuple[int, int]]) -> torch.Tensor:
+    def _forward(self, model: nn.Module, chunk: Any, width: Optional[tuple[int, int, str]]) -> torch.Tensor:
         device = model_device(model)
         with self._autocast(device):
             rep = self._rep(call_model(model, to_device(chunk, device)))

@@ -9,6 +9,7 @@ with :meth:`Retriever.load` here and with ``SentenceTransformer(folder)`` or ``A
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -24,7 +25,7 @@ from .tokenize import tokenize
 
 logger = logging.getLogger(__name__)
 
-POOLINGS = ("cls", "mean", "pooler")
+POOLINGS = ("cls", "mean", "pooler", "last")
 PASSAGE_FORMATS = ("pair", "concat")
 # what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
 WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
@@ -78,9 +79,28 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, poole
     if pooling == "mean":
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+    if pooling == "last":
+        return hidden[torch.arange(hidden.size(0), device=hidden.device), last_token_index(attention_mask)]
     if pooler_output is None:
-        raise DprGcError("--pooling pooler needs a model with a pooler layer; use cls or mean")
+        raise DprGcError("--pooling pooler needs a model with a pooler layer; use cls, mean or last")
     return pooler_output
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each row's last non-padding token, whichever side the padding is on."""
+    positions = torch.arange(1, attention_mask.size(1) + 1, device=attention_mask.device)
+    return (attention_mask.long() * positions).argmax(1)
+
+
+def is_left_padded(attention_mask: torch.Tensor) -> bool:
+    """True when some row starts with padding (a decoder tokenizer's ``padding_side="left"``)."""
+    return attention_mask.dim() == 2 and attention_mask.size(1) > 0 and not bool(attention_mask[:, 0].all())
+
+
+def takes_position_ids(model: nn.Module) -> bool:
+    """Whether the transformer (under a PEFT wrapper, its base model) accepts ``position_ids``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "position_ids" in inspect.signature(base.forward).parameters
 
 
 class Encoder(nn.Module):
@@ -98,6 +118,10 @@ class Encoder(nn.Module):
             pooler.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        if "position_ids" not in kwargs and is_left_padded(attention_mask) and takes_position_ids(self.transformer):
+            # Positions counted from each row's first real token: a left-padded sequence then gets the same
+            # positions whatever its batch companions (and Gradient Cache's trimming) make its padding.
+            kwargs["position_ids"] = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
         out = self.transformer(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         rep = pool(out.last_hidden_state, attention_mask, self.config.pooling, getattr(out, "pooler_output", None))
         if self.projection is not None:
@@ -247,9 +271,14 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(name_or_path))
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except (OSError, ValueError) as e:
         raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # Decoder-only (Llama/Mistral/Qwen2) tokenizers often have no padding token; padded positions are masked,
+        # so any id serves, and EOS is the usual choice.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def add_prefix_arguments(parser: Any) -> None:

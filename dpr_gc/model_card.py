@@ -117,7 +117,9 @@ def _transformers_usage(config: Any, shared: bool) -> list[str]:
                 "The towers are Hugging Face models in `query_0_Transformer/` and `document_0_Transformer/` (each "
                 "with its tokenizer): load each with `AutoModel` / `AutoTokenizer` and pool as below."]
     pool = {"mean": "(hidden * mask).sum(1) / mask.sum(1)", "cls": "hidden[:, 0]",
-            "pooler": "model(**batch).pooler_output"}[config.pooling]
+            "pooler": "model(**batch).pooler_output",
+            "last": "hidden[torch.arange(len(hidden)), (mask[..., 0] * torch.arange(1, hidden.size(1) + 1)).argmax(1)]"
+            "  # the last real token (EOS appended when the tokenizer does not add it)"}[config.pooling]
     lines = ["", "### transformers", "", "```python", "import torch", "from transformers import AutoModel, AutoTokenizer",
              "", 'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
              'model = AutoModel.from_pretrained("path/to/this/folder")',

@@ -140,7 +140,7 @@ def _write_tower(out: Path, route: str, encoder: Any, tokenizer: Any, max_length
     folders = [f"{route}_{i}_{name}" if route else ("" if i == 0 else f"{i}_{name}") for i, name in enumerate(names)]
     _write_transformer(out / folders[0], encoder.transformer, tokenizer, config, max_length)
     hidden = encoder.transformer.config.hidden_size
-    mode = "mean" if config.pooling == "mean" else "cls"
+    mode = {"mean": "mean", "last": "lasttoken"}.get(config.pooling, "cls")
     (out / folders[1]).mkdir(parents=True, exist_ok=True)
     write_json(out / folders[1] / "config.json",
                {"embedding_dimension": hidden, "pooling_mode": mode, "include_prompt": True})
@@ -253,12 +253,13 @@ def _pooling_mode(config_file: Path) -> str:
     config = read_json(config_file) if config_file.is_file() else {}
     mode = config.get("pooling_mode")
     if mode is None:
-        legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean"}
+        legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
         active = [name for key, name in legacy.items() if config.get(key)]
         others = [key for key, on in config.items() if key.startswith("pooling_mode_") and on and key not in legacy]
         mode = "unsupported" if others or len(active) > 1 else (active[0] if active else "mean")
-    if mode not in ("cls", "mean"):
-        raise DprGcError(f"{config_file}: pooling {mode!r} is not supported by dpr-gc (cls or mean)")
+    mode = "last" if mode == "lasttoken" else mode
+    if mode not in ("cls", "mean", "last"):
+        raise DprGcError(f"{config_file}: pooling {mode!r} is not supported by dpr-gc (cls, mean or lasttoken)")
     return mode
 
 

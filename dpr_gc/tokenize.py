@@ -4,7 +4,9 @@ Every passage is tokenised on its own, so its ids (and so its embedding) never d
 batch: with ``passage_format="pair"`` a passage with a title becomes ``[CLS] title [SEP] text [SEP]`` and one without
 a title ``[CLS] text [SEP]``, decided per passage as DPR does. A sequence longer than the max length loses tokens from
 the end of the text first and then from the end of the title, so a title longer than the limit is cut instead of
-failing. The encoded sequences are then padded together to the longest one.
+failing. Under last-token pooling every sequence ends with the tokenizer's EOS (appended, within the max length,
+when the tokenizer does not add it). The encoded sequences are then padded together to the longest one, on the
+tokenizer's padding side.
 """
 
 from __future__ import annotations
@@ -23,20 +25,47 @@ def tokenize(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
     ``config`` is a :class:`~dpr_gc.model.RetrieverConfig`; ``max_length`` overrides its query/passage max length.
     Titles are ignored for queries; a missing or empty title means an untitled passage.
     """
+    if kind not in (QUERY, PASSAGE):
+        raise DprGcError(f"unknown text kind {kind!r}; expected {QUERY!r} or {PASSAGE!r}")
+    eos = eos_to_append(tokenizer, config)
+    limit = max_length or (config.query_max_length if kind == QUERY else config.passage_max_length)
+    limit -= eos is not None
+    if limit < 1:
+        raise DprGcError(f"the {kind} max length leaves no room for the EOS token that last-token pooling needs; "
+                         "raise --query-max-length / --passage-max-length")
     if kind == QUERY:
-        limit = max_length or config.query_max_length
         encoded = _singles(tokenizer, [config.query_prefix + q for q in texts], limit)
-    elif kind == PASSAGE:
-        limit = max_length or config.passage_max_length
+    else:
         titles = [t or "" for t in titles] if titles is not None else [""] * len(texts)
         if len(titles) != len(texts):
             raise DprGcError(f"{len(titles)} titles for {len(texts)} passage texts")
         encoded = _passages(tokenizer, config, titles, list(texts), limit)
-    else:
-        raise DprGcError(f"unknown text kind {kind!r}; expected {QUERY!r} or {PASSAGE!r}")
     if not encoded:
         raise DprGcError(f"nothing to tokenize: the list of {kind}s is empty")
+    if eos is not None:
+        encoded = [_append_token(row, eos) for row in encoded]
     return tokenizer.pad(encoded, padding=True, return_tensors="pt")
+
+
+def eos_to_append(tokenizer: Any, config: Any) -> Optional[int]:
+    """The EOS id to end every sequence with under last-token pooling, when the tokenizer does not add it itself
+    (Llama, Mistral and Qwen2 tokenizers do not): the pooled state is then the one that has read the whole text."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if config.pooling != "last" or eos is None:
+        return None
+    ids = tokenizer("a")["input_ids"]
+    return None if ids and ids[-1] == eos else eos
+
+
+def _append_token(row: dict, token: int) -> dict:
+    """One unpadded encoding with ``token`` added at its end (a real, attended token)."""
+    out = {}
+    for key, values in row.items():
+        values = list(values)
+        extra = token if key == "input_ids" else 1 if key in ("attention_mask", "special_tokens_mask") else (
+            values[-1] if values else 0)
+        out[key] = values + [extra]
+    return out
 
 
 def _passages(tokenizer: Any, config: Any, titles: list[str], texts: list[str], limit: int) -> list[dict]:

@@ -397,7 +397,8 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--output", "--output_dir", type=output_dir, dest="output_dir", required=True, help="output folder")
     p.add_argument("--model", "--pretrained_model_cfg", dest="model", default=None,
                    help="Hugging Face model name or folder, or a saved retriever (default: offline all-MiniLM-L6-v2)")
-    p.add_argument("--pooling", default="cls", choices=["cls", "mean", "pooler"])
+    p.add_argument("--pooling", default="cls", choices=["cls", "mean", "pooler", "last"],
+                   help="last: the last non-padding token's state (decoder-only models; EOS appended when absent)")
     p.add_argument("--normalize", action="store_true", help="L2-normalise representations (cosine similarity)")
     p.add_argument("--projection-dim", type=positive_int, default=None)
     p.add_argument("--separate-encoders", action="store_true", help="two towers instead of one shared")

@@ -263,13 +263,13 @@ def test_clear_errors(make_retriever):
         GradCache(modules, 2, SimpleContrastiveLoss(), fp16=True)
 
 
-def test_trim_padding_only_cuts_right_padding():
+def test_trim_padding_cuts_padding_columns_only():
     batch = {"input_ids": torch.tensor([[5, 6, 0, 0], [5, 0, 0, 0]]),
              "attention_mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])}
     trimmed = trim_padding(batch)
     assert trimmed["input_ids"].shape == (2, 2)
-    left = {"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]])}
-    assert trim_padding(left)["input_ids"].shape == (1, 3)
+    full = {"input_ids": torch.tensor([[4, 5, 6]]), "attention_mask": torch.tensor([[1, 1, 1]])}
+    assert trim_padding(full) is full
 
 
 def test_exact_in_float64_with_sdpa_attention(tiny_tokenizer):

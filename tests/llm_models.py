@@ -1,0 +1,59 @@
+"""Tiny random decoder-only models (Llama, Qwen2) and a decoder-style fast tokenizer, built in code (no download).
+
+The tokenizer behaves like Llama's: it adds BOS but not EOS and has no padding token, so loading it exercises
+dpr-gc's pad-token default and the EOS that last-token pooling appends.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2Model
+
+from tests.conftest import WORDS
+
+BOS, EOS, UNK, QWEN_PAD = "<s>", "</s>", "<unk>", "<|endoftext|>"
+
+
+def decoder_tokenizer(padding_side: str = "right", add_eos: bool = False,
+                      pad_token: Optional[str] = None) -> PreTrainedTokenizerFast:
+    """A WordPiece tokenizer covering any ASCII text that adds ``<s>`` (and ``</s>`` with ``add_eos``); no padding
+    token unless ``pad_token`` names one (Qwen2's tokenizers have ``<|endoftext|>``, Llama's none)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
+    vocab = dict.fromkeys([UNK, BOS, EOS] + ([pad_token] if pad_token else []) + WORDS + chars + [f"##{c}" for c in chars])
+    ids = {token: i for i, token in enumerate(vocab)}
+    backend = Tokenizer(models.WordPiece(ids, unk_token=UNK))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    single = f"{BOS} $A" + (f" {EOS}" if add_eos else "")
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=f"{single} $B" + (f" {EOS}" if add_eos else ""),
+        special_tokens=[(BOS, ids[BOS]), (EOS, ids[EOS])])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+                                   padding_side=padding_side, **({"pad_token": pad_token} if pad_token else {}))
+
+
+def tiny_decoder(kind: str, vocab_size: int, seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """A random 2-layer Llama or Qwen2 (eager attention: the same kernel whatever the sequence length)."""
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  attn_implementation="eager")
+    if kind == "llama":
+        return LlamaModel(LlamaConfig(**fields))
+    if kind == "qwen2":
+        return Qwen2Model(Qwen2Config(**fields))
+    raise ValueError(f"unknown decoder kind {kind!r}")
+
+
+def save_decoder(folder: Path, kind: str = "llama", padding_side: str = "right", seed: int = 0) -> Path:
+    """A Hugging Face folder holding a tiny random decoder and its tokenizer, as a Llama/Qwen2 download would."""
+    tokenizer = decoder_tokenizer(padding_side, pad_token=QWEN_PAD if kind == "qwen2" else None)
+    tiny_decoder(kind, len(tokenizer), seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,131 @@
+"""Decoder-only encoders (Llama, Qwen2): last-token pooling under left and right padding, the EOS it needs, loading
+a decoder folder as a retriever, and Gradient Cache's exact trimming of left-padded chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc.chunking import pad_sequence_dim, trim_padding, trimmed_width
+from dpr_gc.model import Retriever, RetrieverConfig, pool
+from tests.llm_models import EOS, QWEN_PAD, decoder_tokenizer, save_decoder, tiny_decoder
+from tests.test_grad_cache import grads, make_batch, models_of, random_texts, reference_grads, rel_err, zero
+
+TEXTS = ["the king of france was in paris", "a", "music film book of the river", "what city"]
+
+
+def decoder_retriever(kind: str = "llama", padding_side: str = "right", shared: bool = True, **fields) -> Retriever:
+    fields.setdefault("pooling", "last")
+    fields.setdefault("passage_format", "concat")
+    tokenizer = decoder_tokenizer(padding_side)
+    tokenizer.pad_token = EOS
+    p_model = None if shared else tiny_decoder(kind, len(tokenizer), seed=1)
+    config = RetrieverConfig(shared_encoder=shared, **fields)
+    return Retriever(tiny_decoder(kind, len(tokenizer)), p_model, tokenizer, config)
+
+
+def test_last_pooling_picks_the_last_real_token_under_left_and_right_padding():
+    hidden = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert torch.equal(pool(hidden, right, "last", None), torch.stack([hidden[0, 2], hidden[1, 4]]))
+    assert torch.equal(pool(hidden, left, "last", None), torch.stack([hidden[0, 4], hidden[1, 4]]))
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_eos_is_appended_within_the_max_length(padding_side):
+    retriever = decoder_retriever(padding_side=padding_side, query_max_length=6)
+    eos = retriever.tokenizer.eos_token_id
+    batch = retriever.tokenize_queries(TEXTS)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    last = ids[torch.arange(len(TEXTS)), (mask * torch.arange(1, ids.size(1) + 1)).argmax(1)]
+    assert torch.equal(last, torch.full((len(TEXTS),), eos))
+    assert ids.size(1) <= 6 and int(mask.sum(1).max()) == 6  # the long query is cut to make room for EOS
+    assert bool((mask[:, 0] == 1).all()) == (padding_side == "right")
+    # a tokenizer that ends sequences with EOS itself gets no second one; other poolings get none added
+    adds = decoder_tokenizer(padding_side, add_eos=True)
+    adds.pad_token = EOS
+    own = Retriever(retriever.query_encoder.transformer, None, adds, retriever.config).tokenize_queries(TEXTS[1:2])
+    assert own["input_ids"].tolist() == [[adds.bos_token_id, adds.convert_tokens_to_ids("a"), eos]]
+    mean = Retriever(retriever.query_encoder.transformer, None, retriever.tokenizer,
+                     RetrieverConfig(pooling="mean")).tokenize_queries(TEXTS[1:2])
+    assert eos not in mean["input_ids"].tolist()[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_embedding_does_not_depend_on_batch_companions(kind, padding_side):
+    """Padded to longer companions, on either side, a text embeds as it does alone (positions follow the mask)."""
+    retriever = decoder_retriever(kind, padding_side)
+    together = retriever.embed("query", TEXTS)
+    alone = np.concatenate([retriever.embed("query", [t]) for t in TEXTS])
+    np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decoder_folder_loads_as_a_retriever_and_round_trips(tmp_path, kind):
+    folder = save_decoder(tmp_path / "base", kind, padding_side="left")
+    retriever = Retriever.from_pretrained(str(folder), RetrieverConfig(pooling="last", passage_format="concat",
+                                                                       normalize=True))
+    assert retriever.tokenizer.pad_token == (EOS if kind == "llama" else QWEN_PAD) and retriever.dim == 32
+    expected = retriever.embed("passage", TEXTS, ["paris", "", "london", ""])
+    retriever.save(tmp_path / "saved")
+    loaded = Retriever.load(tmp_path / "saved")
+    assert loaded.config.pooling == "last" and loaded.tokenizer.padding_side == "left"
+    np.testing.assert_allclose(loaded.embed("passage", TEXTS, ["paris", "", "london", ""]), expected, atol=1e-6)
+
+
+def test_trim_cuts_left_padding_and_pads_back_on_the_left():
+    left = {"input_ids": torch.tensor([[0, 0, 5, 6], [0, 0, 0, 7]]), "attention_mask": torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]])}
+    trim = trimmed_width(left)
+    assert trim == (4, 2, "left")
+    assert trim_padding(left)["input_ids"].tolist() == [[5, 6], [0, 7]]
+    rep = torch.ones(2, 2, 3)
+    assert pad_sequence_dim(rep, trim)[:, :2].abs().sum() == 0 and pad_sequence_dim(rep, trim).shape == (2, 4, 3)
+    holes = {"input_ids": torch.tensor([[0, 5, 0]]), "attention_mask": torch.tensor([[0, 1, 0]])}
+    assert trimmed_width(holes) is None
+
+
+@pytest.mark.parametrize("kind,shared", [("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("keep_last_graph", [True, False])
+def test_cached_step_on_left_padded_decoder_equals_full_batch(kind, shared, keep_last_graph):
+    retriever = decoder_retriever(kind, "left", shared=shared)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 8, 1, seed=7)
+    assert trimmed_width({k: v[:3] for k, v in q.items()})[2] == "left"
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    GradCache(modules, 3, loss_fn, sort_by_length=True, keep_last_graph=keep_last_graph)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+
+
+def test_training_texts_of_random_lengths_keep_their_eos(tmp_path):
+    """Passages longer than the limit still end with EOS after truncation (the state that read the whole text)."""
+    retriever = decoder_retriever(padding_side="left", passage_max_length=8)
+    batch = retriever.tokenize_passages([""] * 6, random_texts(6, 3, 1, 30))
+    assert bool((batch["input_ids"][:, -1] == retriever.tokenizer.eos_token_id).all())
+    assert batch["input_ids"].size(1) <= 8
+
+
+def test_left_padded_absolute_position_model_trims_exactly(tiny_tokenizer):
+    """A BERT (absolute position embeddings) fed left-padded batches: positions follow the mask, so trimming a
+    chunk's padding columns changes nothing, and a text embeds alike whatever its companions."""
+    import copy
+
+    from tests.conftest import tiny_bert
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.padding_side = "left"
+    retriever = Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(pooling="mean"))
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 8, 1, seed=9)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    GradCache(modules, 3, loss_fn, sort_by_length=True)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+    np.testing.assert_allclose(retriever.embed("query", TEXTS),
+                               np.concatenate([retriever.embed("query", [t]) for t in TEXTS]), atol=1e-5)
