@@ -309,14 +309,19 @@ def make_dataloader(data: TrainingData, collator: Collator, batch_size: int, *, 
                     rates: Optional[Sequence[float]] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
                     num_workers: int = 0, shuffle: bool = True, per_file_batches: bool = False,
                     pin_memory: bool = False) -> torch.utils.data.DataLoader:
-    """A DataLoader of tokenised per-rank batches; reach the sampler (``set_epoch``, state) as ``.batch_sampler``."""
+    """A DataLoader of tokenised per-rank batches; reach the sampler (``set_epoch``, state) as ``.batch_sampler``.
+
+    Its own seeded generator draws the workers' base seed at each ``iter()``: without it that draw comes from the
+    global torch RNG, and a run resumed mid-epoch would draw once more than an uninterrupted one (other dropout).
+    """
     sampler = MixedBatchSampler(data.sizes, batch_size, rates, seed, rank, world_size, shuffle, per_file_batches)
     examples = TrainingExamples(data.dataset, hard_negatives, other_negatives, shuffle_positives,
                                 shuffle_negatives, seed, sampler.global_batch)
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
-                                       pin_memory=pin_memory, worker_init_fn=die_with_parent if num_workers else None)
+                                       pin_memory=pin_memory, worker_init_fn=die_with_parent if num_workers else None,
+                                       generator=torch.Generator().manual_seed(seed))
 
 
 # ----------------------------------------------------------------- CLI

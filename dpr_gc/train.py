@@ -12,13 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,13 +23,15 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from .args import device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int
+from .data import Collator, load_training_data, make_dataloader
 from .dpr_hub import find_dpr_pair
 from .errors import DprGcError
 from .grad_cache import GradCache
 from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss, check_loss_chunk_size
 from .model import (Retriever, RetrieverConfig, add_prefix_arguments, enable_gradient_checkpointing,
                     freeze_position_embeddings)
-from .train_utils import Checkpointer, auto_chunk_size, capture_rng, restore_rng, summary_table
+from .train_utils import (Checkpointer, Towers, auto_chunk_size, capture_rng, gather_rng, restore_rng, seed_everything,
+                          setup_distributed, summary_table, tensorboard_writer)
 from .validation import DevLimits, evaluate_dev
 
 logger = logging.getLogger(__name__)
@@ -118,35 +117,6 @@ class TrainConfig:
                          self.dev_batch_size, self.dev_encode_batch_size)
 
 
-class Towers(nn.Module):
-    """What DDP wraps: ``forward(kind=..., **batch)`` encodes one side (Gradient Cache chunks);
-    ``forward(query=..., passage=...)`` encodes both in one call (plain training needs one forward per backward)."""
-
-    def __init__(self, retriever: Retriever) -> None:
-        super().__init__()
-        self.retriever = retriever
-
-    def forward(self, kind: Optional[str] = None, query: Any = None, passage: Any = None, **batch: torch.Tensor) -> Any:
-        if kind is not None:
-            return self.retriever(kind, **batch)
-        return self.retriever("query", **query), self.retriever("passage", **passage)
-
-
-def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
-    """Join the ``torchrun`` process group when its environment is set (nccl on GPU, gloo on CPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, (dist.get_world_size() if dist.is_initialized() else 1), dev
-
-
 def build_retriever(config: TrainConfig) -> Retriever:
     """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
     replace its own); any other model name or folder starts a new one from the flags."""
@@ -163,7 +133,7 @@ def build_retriever(config: TrainConfig) -> Retriever:
     return Retriever.from_pretrained(config.model, dataclasses.replace(rconf, **prefixes))
 
 
-def describe_training(config: TrainConfig, data: Any, world: int, chunks: tuple, total_steps: int) -> dict:
+def describe_training(config: TrainConfig, data: Any, world: int, chunks: Optional[tuple], total_steps: int) -> dict:
     """What the model card records about this run (steps and dev metrics are added as they happen)."""
     n_neg = config.hard_negatives + config.other_negatives
     return {"base_model": config.model,
@@ -173,219 +143,314 @@ def describe_training(config: TrainConfig, data: Any, world: int, chunks: tuple,
                     "per query and every other query's passages" + (", symmetric" if config.symmetric else ""),
             "batch_size": config.batch_size * world, "batch_size_per_rank": config.batch_size, "world_size": world,
             "hard_negatives": config.hard_negatives, "other_negatives": config.other_negatives,
-            "grad_cache": config.grad_cache, "query_chunk_size": chunks[0] if config.grad_cache else None,
-            "passage_chunk_size": chunks[1] if config.grad_cache else None, "learning_rate": config.learning_rate,
+            "grad_cache": config.grad_cache, "query_chunk_size": chunks[0] if chunks else None,
+            "passage_chunk_size": chunks[1] if chunks else None, "learning_rate": config.learning_rate,
             "warmup_steps": config.warmup_steps, "epochs": config.epochs, "total_steps": total_steps,
             "precision": config.precision, "seed": config.seed, "steps": 0}
 
 
-def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> dict:
-    """Run training; returns a summary (steps, examples/s, best metric, output folders).
-
-    ``on_backward(step, retriever)`` is called after each step's gradients are complete, before clipping and the
-    optimizer step (used to compare gradients in tests).
-    """
-    from .data import Collator, load_training_data, make_dataloader
-
+def check_sources(config: TrainConfig) -> None:
+    """Refuse a missing training or dev source before anything is built."""
     for source in config.train_files + ([config.dev_file] if config.dev_file else []):
         if not Path(source).exists():
             raise DprGcError(f"training data not found: {source} (give DPR files or BEIR folders)")
-    rank, world, device = setup_distributed(config.device)
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    out = Path(config.output_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
 
-    retriever = build_retriever(config).to(device)
-    retriever.train()
-    if config.gradient_checkpointing:
-        enable_gradient_checkpointing(retriever)
-    if config.freeze_position_embeddings:
-        logger.info("froze %d position-embedding weights", freeze_position_embeddings(retriever))
-    rconf = retriever.config
 
-    data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
-    collator = Collator(retriever.tokenizer, rconf)
-    loader = make_dataloader(data, collator, config.batch_size, hard_negatives=config.hard_negatives,
-                             other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
-                             rates=config.sampling_rates, seed=config.seed, rank=rank, world_size=world,
-                             num_workers=config.num_workers, pin_memory=device.type == "cuda")
-    loader.generator = torch.Generator().manual_seed(config.seed)
-    sampler = loader.batch_sampler
-    steps_per_epoch = sampler.batches_per_epoch
-    total_steps = config.max_steps or steps_per_epoch * config.epochs
-    eval_every, save_every = config.eval_every, config.save_every
-    if config.eval_per_epoch:  # GC-DPR's --eval_per_epoch: evaluate and save a checkpoint N times an epoch
-        eval_every = max(1, -(-steps_per_epoch // config.eval_per_epoch))
-        save_every = save_every or eval_every
-        logger.info("%d dev evaluation(s) per epoch: every %d steps", config.eval_per_epoch, eval_every)
+class Trainer:
+    """One training run, one method per concern (the shape of DPR's ``BiEncoderTrainer``).
 
-    n_neg = config.hard_negatives + config.other_negatives
-    loss_cls = DistributedContrastiveLoss if world > 1 else SimpleContrastiveLoss
-    loss_fn = loss_cls(n_neg, symmetric=config.symmetric, loss_chunk_size=config.loss_chunk_size)
-    towers = Towers(retriever)
-    model: nn.Module = towers
-    if world > 1:
-        model = DistributedDataParallel(towers, device_ids=[device.index] if device.type == "cuda" else None,
-                                        find_unused_parameters=not rconf.shared_encoder)
+    The constructor builds the parts in order -- :meth:`build_model`, :meth:`build_data`, :meth:`build_loss`,
+    :meth:`wrap_model`, :meth:`chunk_sizes`, :meth:`build_optimizer`, :meth:`build_scheduler`, :meth:`build_cache`
+    (no :class:`GradCache` in plain training) -- and :meth:`fit` runs the loop: :meth:`resume` (or a fresh start),
+    :meth:`train_step` per batch, :meth:`evaluate` on the dev set, :meth:`save` for checkpoints. ``on_backward(step,
+    retriever)`` is called after each step's gradients are complete, before clipping and the optimizer step (used to
+    compare gradients in tests).
+    """
 
-    q_chunk, p_chunk = config.query_chunk_size, config.passage_chunk_size
-    if config.grad_cache and "auto" in (q_chunk, p_chunk):
-        auto = auto_chunk_size(towers, collator, device, config.batch_size * (1 + n_neg), config.precision)
-        q_chunk = min(auto, config.batch_size) if q_chunk == "auto" else q_chunk
-        p_chunk = auto if p_chunk == "auto" else p_chunk
-        logger.info("auto chunk size: query %s, passage %s", q_chunk, p_chunk)
-    if config.grad_cache and q_chunk > config.batch_size:
-        raise DprGcError(f"--query-chunk-size {q_chunk} is larger than --batch-size {config.batch_size}: "
-                         "use a chunk of at most the batch (or --no-grad-cache)")
-    if config.grad_cache and p_chunk > config.batch_size * (1 + n_neg):
-        raise DprGcError(f"--passage-chunk-size {p_chunk} is larger than the {config.batch_size * (1 + n_neg)} "
-                         "passages of a batch: use a chunk of at most that (or --no-grad-cache)")
+    def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> None:
+        self.config, self.on_backward = config, on_backward
+        check_sources(config)
+        self.rank, self.world, self.device = setup_distributed(config.device)
+        seed_everything(config.seed)
+        self.out = Path(config.output_dir)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.retriever = self.build_model()
+        self.data, self.collator, self.loader = self.build_data()
+        self.sampler = self.loader.batch_sampler
+        self.steps_per_epoch = self.sampler.batches_per_epoch
+        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
+        self.eval_every, self.save_every = self.schedule()
+        self.passages_per_query = 1 + config.hard_negatives + config.other_negatives
+        self.effective_batch = config.batch_size * self.world
+        self.loss_fn = self.build_loss()
+        self.towers, self.model = self.wrap_model()
+        self.chunks = self.chunk_sizes() if config.grad_cache else None
+        self.params, self.optimizer = self.build_optimizer()
+        self.scheduler = self.build_scheduler()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
+        self.cache = self.build_cache()
+        self.checkpointer = Checkpointer(self.out, config.keep_checkpoints, config.best_metric, self.rank == 0)
+        self.metrics_file = self.out / "metrics.jsonl"
+        self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
+        self.started, self.board, self.bar = time.perf_counter(), None, None
 
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "tau.log_value")
-    params = [p for p in towers.parameters() if p.requires_grad]
-    decay = [p for n, p in towers.named_parameters() if p.requires_grad and not any(k in n for k in no_decay)]
-    decay_ids = {id(p) for p in decay}
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0}],
-                                  lr=config.learning_rate, eps=config.adam_eps, betas=tuple(config.adam_betas))
-    warmup = config.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total_steps - s) / max(1, total_steps - warmup))))
-    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
-    gc = GradCache([model, model], [int(q_chunk), int(p_chunk)] if config.grad_cache else [1, 1], loss_fn,
-                   fp16=config.precision == "fp16", scaler=scaler, bf16=config.precision == "bf16",
-                   sort_by_length=True)
+    # ----------------------------------------------------------------- building
+    def build_model(self) -> Retriever:
+        """The retriever in training mode on this rank's device, with gradient checkpointing or frozen position
+        embeddings when asked."""
+        retriever = build_retriever(self.config).to(self.device)
+        retriever.train()
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(retriever)
+        if self.config.freeze_position_embeddings:
+            logger.info("froze %d position-embedding weights", freeze_position_embeddings(retriever))
+        return retriever
 
-    checkpointer = Checkpointer(out, config.keep_checkpoints, config.best_metric, rank == 0)
-    metrics_file = out / "metrics.jsonl"
-    step, epoch = 0, 0
-    if not config.resume and checkpointer.checkpoints():
-        raise DprGcError(f"{out} already holds checkpoints: pass --resume latest to continue, or choose a new --output")
-    if not config.resume and rank == 0:
-        metrics_file.unlink(missing_ok=True)
-    if config.resume:
-        state = checkpointer.load(config.resume, retriever, optimizer, scheduler, scaler, device)
-        sampler.load_state_dict(state["sampler"])
-        step, epoch = state["step"], state["sampler"]["epoch"]
-        restore_rng(state["rng"][rank] if isinstance(state["rng"], list) else state["rng"])
-        logger.info("resumed from step %d (epoch %d, %d batches into it)", step, epoch, state["sampler"]["batches_done"])
+    def build_data(self) -> tuple[Any, Collator, torch.utils.data.DataLoader]:
+        """The parsed training sources, the collator that tokenises them, and this rank's DataLoader."""
+        config = self.config
+        data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
+        collator = Collator(self.retriever.tokenizer, self.retriever.config)
+        loader = make_dataloader(data, collator, config.batch_size, hard_negatives=config.hard_negatives,
+                                 other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
+                                 rates=config.sampling_rates, seed=config.seed, rank=self.rank, world_size=self.world,
+                                 num_workers=config.num_workers, pin_memory=self.device.type == "cuda")
+        return data, collator, loader
 
-    effective = config.batch_size * world
-    retriever.training_info.update(describe_training(config, data, world, (q_chunk, p_chunk), total_steps))
-    retriever.training_info["steps"] = step
-    if rank == 0:
-        logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, %s",
-                    total_steps, config.batch_size, world, effective, 1 + n_neg,
-                    f"Gradient Cache chunks {q_chunk}/{p_chunk}" if config.grad_cache else "plain training",
-                    config.precision)
-    if config.dev_file and step == 0:
-        initial = {"step": 0, **dev_metrics(retriever, config, collator)}
-        checkpointer.log(metrics_file, initial)
-        logger.info("dev before training: %s", {k: round(v, 4) for k, v in initial.items()})
-    board = tensorboard_writer(out) if rank == 0 else None
-    bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="train", dynamic_ncols=True)
-    started, examples, last_loss = time.perf_counter(), 0, float("nan")
-    while step < total_steps:
-        sampler.set_epoch(epoch)
-        done_in_epoch = steps_per_epoch - len(sampler)
-        for batch in loader:
-            query, passage = dict(batch["query"]), dict(batch["passage"])
-            optimizer.zero_grad(set_to_none=True)
-            if config.grad_cache:
-                loss = gc(dict(query, kind="query"), dict(passage, kind="passage"), no_sync_except_last=world > 1)
-            else:
-                loss = plain_step(model, loss_fn, query, passage, device, config.precision, scaler)
-            if on_backward is not None:
-                on_backward(step, retriever)
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            step, done_in_epoch, examples = step + 1, done_in_epoch + 1, examples + effective
-            last_loss = float(loss)
-            rate = examples / (time.perf_counter() - started)
-            bar.update(1)
-            bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", ex_s=f"{rate:.1f}")
-            record = {"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
-                      "grad_norm": float(grad_norm), "examples_per_s": rate,
-                      "temperature": float(retriever.temperature.detach())}
-            rng = capture_rng()
-            last = step >= total_steps
-            retriever.training_info["steps"] = step
-            if config.dev_file and ((eval_every and step % eval_every == 0) or last):
-                record.update(dev_metrics(retriever, config, collator))
-                retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
-                                               dev_metrics_step=step)
-                checkpointer.update_best(step, retriever, record)
-            if step % config.log_every == 0 or last:
-                checkpointer.log(metrics_file, record)
-                if board is not None:
-                    for key, value in record.items():
-                        board.add_scalar(f"train/{key}", value, step)
-            if (save_every and step % save_every == 0) or last:
-                checkpointer.save(step, retriever, optimizer, scheduler, scaler, sampler.state_dict(done_in_epoch),
-                                  gather_rng(rng, world), record)
-            restore_rng(rng)
-            if last:
+    def schedule(self) -> tuple[Optional[int], Optional[int]]:
+        """Steps between dev evaluations and between checkpoints (GC-DPR's ``--eval_per_epoch`` evaluates and saves
+        N times an epoch)."""
+        eval_every, save_every = self.config.eval_every, self.config.save_every
+        if self.config.eval_per_epoch:
+            eval_every = max(1, -(-self.steps_per_epoch // self.config.eval_per_epoch))
+            save_every = save_every or eval_every
+            logger.info("%d dev evaluation(s) per epoch: every %d steps", self.config.eval_per_epoch, eval_every)
+        return eval_every, save_every
+
+    def build_loss(self) -> SimpleContrastiveLoss:
+        """In-batch-negative InfoNCE, over the global batch of every rank under torchrun."""
+        loss_cls = DistributedContrastiveLoss if self.world > 1 else SimpleContrastiveLoss
+        return loss_cls(self.passages_per_query - 1, symmetric=self.config.symmetric,
+                        loss_chunk_size=self.config.loss_chunk_size)
+
+    def wrap_model(self) -> tuple[Towers, nn.Module]:
+        """The towers module, and what the step calls: the towers themselves or their DDP wrapper."""
+        towers = Towers(self.retriever)
+        if self.world == 1:
+            return towers, towers
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return towers, DistributedDataParallel(towers, device_ids=device_ids,
+                                               find_unused_parameters=not self.retriever.config.shared_encoder)
+
+    def chunk_sizes(self) -> tuple[int, int]:
+        """Gradient Cache's query and passage chunk sizes (``auto`` probes the device), checked against the batch."""
+        config, passages = self.config, self.config.batch_size * self.passages_per_query
+        q_chunk, p_chunk = config.query_chunk_size, config.passage_chunk_size
+        if "auto" in (q_chunk, p_chunk):
+            auto = auto_chunk_size(self.towers, self.collator, self.device, passages, config.precision)
+            q_chunk = min(auto, config.batch_size) if q_chunk == "auto" else q_chunk
+            p_chunk = auto if p_chunk == "auto" else p_chunk
+            logger.info("auto chunk size: query %s, passage %s", q_chunk, p_chunk)
+        if q_chunk > config.batch_size:
+            raise DprGcError(f"--query-chunk-size {q_chunk} is larger than --batch-size {config.batch_size}: "
+                             "use a chunk of at most the batch (or --no-grad-cache)")
+        if p_chunk > passages:
+            raise DprGcError(f"--passage-chunk-size {p_chunk} is larger than the {passages} passages of a batch: "
+                             "use a chunk of at most that (or --no-grad-cache)")
+        return int(q_chunk), int(p_chunk)
+
+    def build_optimizer(self) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+        """The trainable parameters and AdamW over them, without weight decay on biases, LayerNorm weights and the
+        temperature."""
+        no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "tau.log_value")
+        named = [(n, p) for n, p in self.towers.named_parameters() if p.requires_grad]
+        decay = [p for n, p in named if not any(k in n for k in no_decay)]
+        rest = [p for n, p in named if any(k in n for k in no_decay)]
+        config = self.config
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                       {"params": rest, "weight_decay": 0.0}],
+                                      lr=config.learning_rate, eps=config.adam_eps, betas=tuple(config.adam_betas))
+        return [p for _, p in named], optimizer
+
+    def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        """Linear warm-up to the learning rate, then linear decay to zero at the last step."""
+        warmup, total = self.config.warmup_steps, self.total_steps
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup))))
+
+    def build_cache(self) -> Optional[GradCache]:
+        """Gradient Cache over the (possibly DDP-wrapped) towers; None in plain training."""
+        if self.chunks is None:
+            return None
+        precision = self.config.precision
+        return GradCache([self.model, self.model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
+                         scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True)
+
+    # ----------------------------------------------------------------- state
+    def start_fresh(self) -> None:
+        """A new run: refuse a folder that holds checkpoints, and clear an old metrics file."""
+        if self.checkpointer.checkpoints():
+            raise DprGcError(f"{self.out} already holds checkpoints: pass --resume latest to continue, "
+                             "or choose a new --output")
+        if self.rank == 0:
+            self.metrics_file.unlink(missing_ok=True)
+
+    def resume(self, checkpoint: str) -> None:
+        """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
+        place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped."""
+        state = self.checkpointer.load(checkpoint, self.retriever, self.optimizer, self.scheduler, self.scaler,
+                                       self.device)
+        self.sampler.load_state_dict(state["sampler"])
+        self.step, self.epoch = state["step"], state["sampler"]["epoch"]
+        restore_rng(state["rng"][self.rank] if isinstance(state["rng"], list) else state["rng"])
+        logger.info("resumed from step %d (epoch %d, %d batches into it)", self.step, self.epoch,
+                    state["sampler"]["batches_done"])
+
+    def save(self, record: dict, done_in_epoch: int, rng: dict) -> None:
+        """Write ``checkpoint-STEP/`` with everything :meth:`resume` needs (``rng``: the state after this step)."""
+        self.checkpointer.save(self.step, self.retriever, self.optimizer, self.scheduler, self.scaler,
+                               self.sampler.state_dict(done_in_epoch), gather_rng(rng, self.world), record)
+
+    # ----------------------------------------------------------------- the step
+    def train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on one batch: the gradient (cached, or one plain graph), clipping, AdamW and the
+        schedule; returns the detached loss and the gradient norm before clipping."""
+        query, passage = dict(batch["query"]), dict(batch["passage"])
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.cache is not None:
+            loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"),
+                              no_sync_except_last=self.world > 1)
+        else:
+            loss = self.plain_backward(query, passage)
+        if self.on_backward is not None:
+            self.on_backward(self.step, self.retriever)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        return loss, grad_norm
+
+    def plain_backward(self, query: dict, passage: dict) -> torch.Tensor:
+        """The full-batch gradient in one graph (no Gradient Cache): the baseline that Gradient Cache must equal."""
+        query = {k: v.to(self.device) for k, v in query.items()}
+        passage = {k: v.to(self.device) for k, v in passage.items()}
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.precision)
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            q, p = self.model(query=query, passage=passage)
+        loss = self.loss_fn(q.float(), p.float())
+        self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def evaluate(self) -> dict:
+        """Dev validation (DPR's in-batch loss and accuracy, and average rank) as ``dev_*`` metrics."""
+        config = self.config
+        metrics = evaluate_dev(self.retriever, config.dev_file, config.dev_limits(), config.cache_dir)
+        logger.info("dev validation over %d questions and %d passages", metrics.pop("questions"),
+                    metrics.pop("passages"))
+        self.retriever.train()
+        return {f"dev_{k}": v for k, v in metrics.items()}
+
+    # ----------------------------------------------------------------- the loop
+    def fit(self) -> dict:
+        """Train to the last step (continuing ``config.resume`` when given); returns the run's summary."""
+        if self.config.resume:
+            self.resume(self.config.resume)
+        else:
+            self.start_fresh()
+        self.retriever.training_info.update(describe_training(self.config, self.data, self.world, self.chunks,
+                                                              self.total_steps))
+        self.retriever.training_info["steps"] = self.step
+        self.announce()
+        if self.config.dev_file and self.step == 0:
+            initial = {"step": 0, **self.evaluate()}
+            self.checkpointer.log(self.metrics_file, initial)
+            logger.info("dev before training: %s", {k: round(v, 4) for k, v in initial.items()})
+        self.board = tensorboard_writer(self.out) if self.rank == 0 else None
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
+                        dynamic_ncols=True)
+        self.started = time.perf_counter()
+        while self.step < self.total_steps:
+            self.train_epoch()
+            self.epoch += 1
+        self.bar.close()
+        if self.board is not None:
+            self.board.close()
+        return self.finish()
+
+    def announce(self) -> None:
+        if self.rank == 0:
+            config = self.config
+            logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, "
+                        "%s", self.total_steps, config.batch_size, self.world, self.effective_batch,
+                        self.passages_per_query, f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}"
+                        if self.chunks else "plain training", config.precision)
+
+    def train_epoch(self) -> None:
+        """The rest of the current epoch (all of it, unless resumed inside it), stopping at the last step."""
+        self.sampler.set_epoch(self.epoch)
+        done_in_epoch = self.steps_per_epoch - len(self.sampler)
+        for batch in self.loader:
+            loss, grad_norm = self.train_step(batch)
+            self.step, done_in_epoch = self.step + 1, done_in_epoch + 1
+            self.examples += self.effective_batch
+            self.after_step(self.record(loss, grad_norm), done_in_epoch)
+            if self.step >= self.total_steps:
                 break
-        epoch += 1
-    bar.close()
-    if board is not None:
-        board.close()
-    seconds = time.perf_counter() - started
-    summary = {"steps": step, "effective_batch": effective, "passages_per_query": 1 + n_neg,
-               "chunk_sizes": [q_chunk, p_chunk] if config.grad_cache else None, "precision": config.precision,
-               "final_loss": last_loss, "seconds": seconds, "examples_per_s": examples / max(seconds, 1e-9),
-               "final_model": str(out / "final"), "best_model": checkpointer.best_path,
-               "best": checkpointer.best_value, "metrics_file": str(metrics_file)}
-    if rank == 0:
-        retriever.save(out / "final")
-        print(summary_table(summary))
-    if dist.is_initialized():
-        dist.barrier()
-    return summary
+
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
+        """The step's metrics record (and the progress bar's line)."""
+        self.last_loss = float(loss)
+        rate = self.examples / (time.perf_counter() - self.started)
+        lr = self.scheduler.get_last_lr()[0]
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{self.last_loss:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.1f}")
+        return {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr,
+                "grad_norm": float(grad_norm), "examples_per_s": rate,
+                "temperature": float(self.retriever.temperature.detach())}
+
+    def after_step(self, record: dict, done_in_epoch: int) -> None:
+        """Evaluate, log and save when due. Dev validation must not move the training RNG, so the state after the
+        step is captured first, saved with the checkpoint and put back."""
+        rng = capture_rng()
+        last = self.step >= self.total_steps
+        self.retriever.training_info["steps"] = self.step
+        if self.config.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last):
+            record.update(self.evaluate())
+            self.retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
+                                                dev_metrics_step=self.step)
+            self.checkpointer.update_best(self.step, self.retriever, record)
+        if self.step % self.config.log_every == 0 or last:
+            self.checkpointer.log(self.metrics_file, record)
+            if self.board is not None:
+                for key, value in record.items():
+                    self.board.add_scalar(f"train/{key}", value, self.step)
+        if (self.save_every and self.step % self.save_every == 0) or last:
+            self.save(record, done_in_epoch, rng)
+        restore_rng(rng)
+
+    def finish(self) -> dict:
+        """Save ``final/``, print the summary table, and return the summary."""
+        seconds = time.perf_counter() - self.started
+        summary = {"steps": self.step, "effective_batch": self.effective_batch,
+                   "passages_per_query": self.passages_per_query,
+                   "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.precision,
+                   "final_loss": self.last_loss, "seconds": seconds,
+                   "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
+                   "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
+                   "metrics_file": str(self.metrics_file)}
+        if self.rank == 0:
+            self.retriever.save(self.out / "final")
+            print(summary_table(summary))
+        if dist.is_initialized():
+            dist.barrier()
+        return summary
 
 
-def tensorboard_writer(out: Path) -> Any:
-    """A TensorBoard writer into ``out/tensorboard`` when the tensorboard package is installed, else None."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
-
-
-def dev_metrics(retriever: Retriever, config: TrainConfig, collator: Any) -> dict:
-    metrics = evaluate_dev(retriever, config.dev_file, config.dev_limits(), config.cache_dir)
-    logger.info("dev validation over %d questions and %d passages", metrics.pop("questions"), metrics.pop("passages"))
-    retriever.train()
-    return {f"dev_{k}": v for k, v in metrics.items()}
-
-
-def plain_step(model: nn.Module, loss_fn: nn.Module, query: dict, passage: dict, device: torch.device,
-               precision: str, scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """One full-graph step (no Gradient Cache), the baseline that Gradient Cache must equal."""
-    query = {k: v.to(device) for k, v in query.items()}
-    passage = {k: v.to(device) for k, v in passage.items()}
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        q, p = model(query=query, passage=passage)
-    loss = loss_fn(q.float(), p.float())
-    scaler.scale(loss).backward()
-    return loss.detach()
-
-
-def gather_rng(rng: dict, world: int) -> Union[dict, list]:
-    """Every rank's RNG state (a checkpoint restores each rank's own)."""
-    if world == 1:
-        return rng
-    states: list = [None] * world
-    dist.all_gather_object(states, rng)
-    return states
+def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> dict:
+    """Run training (see :class:`Trainer`); returns a summary (steps, examples/s, best metric, output folders)."""
+    return Trainer(config, on_backward).fit()
 
 
 def add_cli(subparsers: Any) -> None:

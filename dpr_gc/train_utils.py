@@ -1,13 +1,15 @@
-"""What the trainer needs around the step: checkpoints, RNG snapshots, chunk-size probing."""
+"""What the trainer needs around the step: the process group, the module DDP wraps, checkpoints, RNG snapshots,
+chunk-size probing, TensorBoard and the summary table."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -21,6 +23,42 @@ from .model import Retriever
 logger = logging.getLogger(__name__)
 
 CPU_CHUNK_SIZE = 32
+
+
+def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
+    """Join the ``torchrun`` process group when its environment is set (nccl on GPU, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, (dist.get_world_size() if dist.is_initialized() else 1), dev
+
+
+class Towers(nn.Module):
+    """What DDP wraps: ``forward(kind=..., **batch)`` encodes one side (Gradient Cache chunks);
+    ``forward(query=..., passage=...)`` encodes both in one call (plain training needs one forward per backward)."""
+
+    def __init__(self, retriever: Retriever) -> None:
+        super().__init__()
+        self.retriever = retriever
+
+    def forward(self, kind: Optional[str] = None, query: Any = None, passage: Any = None, **batch: torch.Tensor) -> Any:
+        if kind is not None:
+            return self.retriever(kind, **batch)
+        return self.retriever("query", **query), self.retriever("passage", **passage)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the model's initial weights and dropout depend on them)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def capture_rng() -> dict:
@@ -264,6 +302,24 @@ def auto_chunk_size(towers: nn.Module, collator: Any, device: torch.device, max_
             break
         best, rows = rows, rows * 2
     return min(max(best, 1), max_rows)
+
+
+def gather_rng(rng: dict, world: int) -> Union[dict, list]:
+    """Every rank's RNG state (a checkpoint restores each rank's own)."""
+    if world == 1:
+        return rng
+    states: list = [None] * world
+    dist.all_gather_object(states, rng)
+    return states
+
+
+def tensorboard_writer(out: Path) -> Any:
+    """A TensorBoard writer into ``out/tensorboard`` when the tensorboard package is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
 
 
 def summary_table(summary: dict) -> str:
