@@ -199,7 +199,8 @@ def phase_train(s: Settings, name: str, batch_size: int, grad_cache: bool, max_s
     """One training run through ``dpr_gc.train``; returns its summary plus the lr schedule actually used."""
     from dpr_gc.data import load_training_data
     from dpr_gc.model import default_model_path
-    from dpr_gc.train import TrainConfig, train
+    from dpr_gc.train import train
+    from dpr_gc.train_config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
     folder = Path(s.out) / name
     shutil.rmtree(folder / "train", ignore_errors=True)
@@ -209,13 +210,14 @@ def phase_train(s: Settings, name: str, batch_size: int, grad_cache: bool, max_s
     if steps < 1:
         raise DprGcError(f"{questions} training queries give no full batch of {batch_size}; lower --batch-size")
     warmup = max(1, round(s.warmup_ratio * steps))
-    config = TrainConfig(train_files=[source], output_dir=str(folder / "train"), model=default_model_path(),
-                         retriever=retriever_config(s, s.train_passage_max_length), batch_size=batch_size,
-                         hard_negatives=s.hard_negatives if s.negatives != "none" else 0,
-                         query_chunk_size=s.chunk_size, passage_chunk_size=s.chunk_size, grad_cache=grad_cache,
-                         learning_rate=s.learning_rate, epochs=s.epochs, max_steps=max_steps, warmup_steps=warmup,
-                         precision=s.precision, device=device_of(s), cache_dir=cache, seed=s.seed,
-                         log_every=1)
+    config = TrainConfig(
+        model=ModelConfig(name=default_model_path(), retriever=retriever_config(s, s.train_passage_max_length)),
+        data=DataConfig(train_files=[source], batch_size=batch_size, cache_dir=cache,
+                        hard_negatives=s.hard_negatives if s.negatives != "none" else 0),
+        optim=OptimConfig(learning_rate=s.learning_rate, epochs=s.epochs, max_steps=max_steps, warmup_steps=warmup,
+                          precision=s.precision),
+        cache=CacheConfig(enabled=grad_cache, query_chunk_size=s.chunk_size, passage_chunk_size=s.chunk_size),
+        run=RunConfig(output_dir=str(folder / "train"), device=device_of(s), seed=s.seed, log_every=1))
     summary = train(config)
     for old in (folder / "train").glob("checkpoint-*"):
         shutil.rmtree(old)  # the optimizer state is not needed for evaluation

@@ -18,36 +18,45 @@ from typing import Any, Optional
 from .args import nonnegative_int, output_dir, positive_float, positive_int
 from .errors import DprGcError
 from .files import atomic_path, read_json, read_json_object, write_json
+from .model import RetrieverConfig
+from .train_config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
 KS = (1, 5, 10, 20, 100)
 
 
+def demo_training() -> TrainConfig:
+    """The demo's training recipe: mean-pooled, normalised MiniLM at temperature 0.05, a batch four times the
+    Gradient Cache chunk, a short warm-up, a checkpoint every four steps (the data and output paths, and the model
+    trained, are filled in by :func:`run_demo`)."""
+    retriever = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", temperature=0.05,
+                                query_max_length=48, passage_max_length=128)
+    return TrainConfig(model=ModelConfig(retriever=retriever), data=DataConfig(batch_size=64, hard_negatives=0,
+                                                                               num_workers=1),
+                       optim=OptimConfig(learning_rate=5e-5, warmup_steps=2, epochs=1),
+                       cache=CacheConfig(query_chunk_size=16, passage_chunk_size=16),
+                       run=RunConfig(save_every=4, keep_checkpoints=1))
+
+
 @dataclasses.dataclass
 class DemoConfig:
-    """Sizes chosen so the whole job takes about ten minutes on 2 CPU cores (see the README for a measured run)."""
+    """The demo's own sizes around a training config; the defaults take about ten minutes on 2 CPU cores (see the
+    README for a measured run). ``training.model.name`` is the model measured before training (None: the offline
+    MiniLM), ``training.model.retriever`` its settings, and ``training.run.seed`` seeds the dataset too."""
 
     output_dir: str = "runs/demo"
-    model: Optional[str] = None
     max_examples: Optional[int] = None
     train_queries: Optional[int] = 1024
-    batch_size: int = 64
-    chunk_size: int = 16
-    hard_negatives: int = 0
-    epochs: int = 1
-    learning_rate: float = 5e-5
-    temperature: float = 0.05
-    query_max_length: int = 48
-    passage_max_length: int = 128
-    precision: str = "fp32"
     top_k: int = 100
-    seed: int = 0
     encode_batch_size: int = 64
+    training: TrainConfig = dataclasses.field(default_factory=demo_training)
 
     def __post_init__(self) -> None:
-        if self.batch_size < 4 * self.chunk_size:
-            raise DprGcError(f"--batch-size {self.batch_size} should be at least 4x --chunk-size {self.chunk_size}: "
+        batch, cache = self.training.data.batch_size, self.training.cache
+        chunk = max((c for c in (cache.query_chunk_size, cache.passage_chunk_size) if isinstance(c, int)), default=0)
+        if batch < 4 * chunk:
+            raise DprGcError(f"--batch-size {batch} should be at least 4x --chunk-size {chunk}: "
                              "the demo exists to show Gradient Cache at a batch larger than what one chunk holds")
 
 
@@ -100,22 +109,19 @@ def run_demo(config: DemoConfig) -> dict:
     """Run the whole pipeline; returns the before/after metrics and where every output is."""
     import torch
 
-    from .model import Retriever, RetrieverConfig, default_model_path
+    from .model import Retriever
     from .stdlib_data import build_stdlib_dataset
-    from .train import TrainConfig, train
+    from .train import train
     from .train_utils import finished_checkpoints
 
-    torch.manual_seed(config.seed)
+    training = config.training
+    torch.manual_seed(training.run.seed)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     data = out / "data"
-    manifest = build_stdlib_dataset(data, max_examples=config.max_examples, seed=config.seed)
-    model_path = config.model or default_model_path()
-    rconf = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", temperature=config.temperature,
-                            query_max_length=config.query_max_length,
-                            passage_max_length=config.passage_max_length)
-    base = Retriever.from_pretrained(model_path, rconf)
+    manifest = build_stdlib_dataset(data, max_examples=config.max_examples, seed=training.run.seed)
+    base = Retriever.from_pretrained(training.model.path(), training.model.retriever)
     before = measure(base, "before", out, data, manifest, config.top_k, config.encode_batch_size)
 
     train_file = _subset_training_file(data / manifest["files"]["dpr_train"], out / "train_subset.json",
@@ -127,12 +133,10 @@ def run_demo(config: DemoConfig) -> dict:
         if not (base_dir / "retriever_config.json").is_file():
             base.save(base_dir)
         resume = "latest" if finished_checkpoints(train_out) else None
-        train(TrainConfig(train_files=[str(train_file)], output_dir=str(train_out), model=str(base_dir), batch_size=config.batch_size,
-                          hard_negatives=config.hard_negatives, query_chunk_size=config.chunk_size,
-                          passage_chunk_size=config.chunk_size, learning_rate=config.learning_rate,
-                          warmup_steps=2, epochs=config.epochs, precision=config.precision, seed=config.seed,
-                          save_every=4, keep_checkpoints=1, resume=resume, num_workers=1,
-                          cache_dir=str(out / "cache")))
+        train(dataclasses.replace(
+            training, model=dataclasses.replace(training.model, name=str(base_dir), retriever=None),
+            data=dataclasses.replace(training.data, train_files=[str(train_file)], cache_dir=str(out / "cache")),
+            run=dataclasses.replace(training.run, output_dir=str(train_out), resume=resume)))
     trained = Retriever.load(final)
     after = measure(trained, "after", out, data, manifest, config.top_k, config.encode_batch_size)
 
@@ -191,23 +195,30 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--max-examples", type=positive_int, default=None,
                    help="subsample the dataset (a quicker, rougher run)")
     p.add_argument("--train-queries", type=positive_int, default=defaults.train_queries, help="training questions used")
-    p.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
-    p.add_argument("--chunk-size", type=positive_int, default=defaults.chunk_size)
-    p.add_argument("--hard-negatives", type=nonnegative_int, default=defaults.hard_negatives)
-    p.add_argument("--epochs", type=positive_int, default=defaults.epochs)
-    p.add_argument("--learning-rate", type=positive_float, default=defaults.learning_rate)
-    p.add_argument("--passage-max-length", type=positive_int, default=defaults.passage_max_length)
-    p.add_argument("--precision", default=defaults.precision, choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--seed", type=nonnegative_int, default=defaults.seed)
+    training = defaults.training
+    p.add_argument("--batch-size", type=positive_int, default=training.data.batch_size)
+    p.add_argument("--chunk-size", type=positive_int, default=training.cache.passage_chunk_size,
+                   help="rows per Gradient Cache chunk, of queries and of passages")
+    p.add_argument("--hard-negatives", type=nonnegative_int, default=training.data.hard_negatives)
+    p.add_argument("--epochs", type=positive_int, default=training.optim.epochs)
+    p.add_argument("--learning-rate", type=positive_float, default=training.optim.learning_rate)
+    p.add_argument("--passage-max-length", type=positive_int, default=training.model.retriever.passage_max_length)
+    p.add_argument("--precision", default=training.optim.precision, choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--seed", type=nonnegative_int, default=training.run.seed)
     p.set_defaults(func=_cli_demo)
 
 
 def _cli_demo(args: Any) -> None:
-    config = DemoConfig(output_dir=args.output, model=args.model, max_examples=args.max_examples,
-                        train_queries=args.train_queries,
-                        batch_size=args.batch_size, chunk_size=args.chunk_size, hard_negatives=args.hard_negatives,
-                        epochs=args.epochs, learning_rate=args.learning_rate,
-                        passage_max_length=args.passage_max_length, precision=args.precision, seed=args.seed)
+    training = demo_training()
+    r = dataclasses.replace
+    training = r(training, model=r(training.model, name=args.model, retriever=r(
+                     training.model.retriever, passage_max_length=args.passage_max_length)),
+                 data=r(training.data, batch_size=args.batch_size, hard_negatives=args.hard_negatives),
+                 optim=r(training.optim, epochs=args.epochs, learning_rate=args.learning_rate, precision=args.precision),
+                 cache=r(training.cache, query_chunk_size=args.chunk_size, passage_chunk_size=args.chunk_size),
+                 run=r(training.run, seed=args.seed))
+    config = DemoConfig(output_dir=args.output, max_examples=args.max_examples, train_queries=args.train_queries,
+                        training=training)
     report = run_demo(config)
     print(format_report(report))
     outputs = report["outputs"]

@@ -4,17 +4,17 @@ The step: tokenised batches of B queries and B·(1+N+M) passages from :mod:`dpr_
 :class:`~dpr_gc.model.Retriever` (the temperature is applied inside its forward, so a learnable one is trained and
 all-reduced like every other weight), the in-batch-negative loss from :mod:`dpr_gc.loss` over the global batch, and
 :class:`~dpr_gc.GradCache` to compute its exact gradient in chunk-sized memory (or one plain graph, for
-comparison). Checkpoints hold everything needed to continue mid-epoch with the same result.
+comparison). Checkpoints hold everything needed to continue mid-epoch with the same result. The settings are
+grouped in :mod:`dpr_gc.train_config`; checkpoints, RNG states and the other pieces around the step live in
+:mod:`dpr_gc.train_utils`.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,138 +22,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from .args import device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int
 from .data import Collator, load_training_data, make_dataloader
-from .dpr_hub import find_dpr_pair
 from .errors import DprGcError
 from .grad_cache import GradCache
-from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss, check_loss_chunk_size
-from .model import (Retriever, RetrieverConfig, add_prefix_arguments, enable_gradient_checkpointing,
-                    freeze_position_embeddings)
-from .train_utils import (Checkpointer, Towers, auto_chunk_size, capture_rng, gather_rng, restore_rng, seed_everything,
-                          setup_distributed, summary_table, tensorboard_writer)
-from .validation import DevLimits, evaluate_dev
+from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss
+from .model import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
+from .train_config import TrainConfig, add_train_arguments, config_from_args
+from .train_utils import (Checkpointer, Towers, auto_chunk_size, build_retriever, capture_rng, check_sources,
+                          describe_training, gather_rng, restore_rng, seed_everything, setup_distributed,
+                          summary_table, tensorboard_writer)
+from .validation import evaluate_dev
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything a training run depends on (the CLI flags map one to one onto these fields)."""
-
-    train_files: list[str]
-    output_dir: str
-    model: str
-    dev_file: Optional[str] = None
-    retriever: Optional[RetrieverConfig] = None
-    batch_size: int = 32
-    hard_negatives: int = 1
-    other_negatives: int = 0
-    shuffle_positives: bool = False
-    sampling_rates: Optional[list[float]] = None
-    grad_cache: bool = True
-    query_chunk_size: Union[int, str] = "auto"
-    passage_chunk_size: Union[int, str] = "auto"
-    loss_chunk_size: Optional[int] = None
-    symmetric: bool = False
-    learning_rate: float = 2e-5
-    weight_decay: float = 0.0
-    adam_eps: float = 1e-8
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    epochs: int = 1
-    max_steps: Optional[int] = None
-    max_grad_norm: float = 2.0
-    seed: int = 0
-    precision: str = "fp32"
-    gradient_checkpointing: bool = False
-    freeze_position_embeddings: bool = False
-    eval_every: Optional[int] = None
-    eval_per_epoch: Optional[int] = None
-    save_every: Optional[int] = None
-    keep_checkpoints: int = 2
-    best_metric: str = "avg_rank"
-    resume: Optional[str] = None
-    num_workers: int = 2
-    skip_bad_records: bool = False
-    cache_dir: Optional[str] = None
-    device: Optional[str] = None
-    dev_batch_size: int = 64
-    dev_encode_batch_size: Optional[int] = None
-    dev_max_questions: int = 10000
-    dev_hard_negatives: int = 30
-    dev_other_negatives: int = 30
-    log_every: int = 1
-    query_prefix: Optional[str] = None
-    passage_prefix: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise DprGcError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
-        if self.batch_size < 1:
-            raise DprGcError(f"--batch-size must be >= 1, got {self.batch_size}")
-        for flag, value in (("--query-chunk-size", self.query_chunk_size), ("--passage-chunk-size", self.passage_chunk_size)):
-            if value != "auto" and (not isinstance(value, int) or value < 1):
-                raise DprGcError(f"{flag} must be a positive integer or 'auto', got {value!r}")
-        if self.best_metric not in ("avg_rank", "loss", "accuracy"):
-            raise DprGcError(f"--best-metric must be avg_rank, loss or accuracy, got {self.best_metric!r}")
-        if self.epochs < 1 and not self.max_steps:
-            raise DprGcError("--epochs must be >= 1 (or give --max-steps)")
-        check_loss_chunk_size(self.loss_chunk_size)
-        for flag, value, low in (("--max-steps", self.max_steps, 1), ("--eval-every", self.eval_every, 1),
-                                 ("--save-every", self.save_every, 1), ("--num-workers", self.num_workers, 0),
-                                 ("--warmup-steps", self.warmup_steps, 0),
-                                 ("--hard-negatives", self.hard_negatives, 0),
-                                 ("--other-negatives", self.other_negatives, 0)):
-            if value is not None and value < low:
-                raise DprGcError(f"{flag} must be >= {low}, got {value}")
-        if not (self.learning_rate > 0 and self.weight_decay >= 0 and self.max_grad_norm > 0):
-            raise DprGcError("--learning-rate and --max-grad-norm must be positive and --weight-decay >= 0")
-        self.dev_limits()
-
-    def dev_limits(self) -> DevLimits:
-        """The bounds of dev validation (DPR's ``val_av_rank_*``)."""
-        return DevLimits(self.dev_max_questions, self.dev_hard_negatives, self.dev_other_negatives,
-                         self.dev_batch_size, self.dev_encode_batch_size)
-
-
-def build_retriever(config: TrainConfig) -> Retriever:
-    """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
-    replace its own); any other model name or folder starts a new one from the flags."""
-    model = Path(config.model)
-    if (model / "retriever_config.json").is_file() or model.is_file() or find_dpr_pair(model):
-        retriever = Retriever.load(config.model, query_prefix=config.query_prefix,
-                                   passage_prefix=config.passage_prefix)
-        if config.retriever is not None:
-            logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", config.model)
-        return retriever
-    rconf = config.retriever or RetrieverConfig()
-    prefixes = {k: v for k, v in (("query_prefix", config.query_prefix), ("passage_prefix", config.passage_prefix))
-                if v is not None}
-    return Retriever.from_pretrained(config.model, dataclasses.replace(rconf, **prefixes))
-
-
-def describe_training(config: TrainConfig, data: Any, world: int, chunks: Optional[tuple], total_steps: int) -> dict:
-    """What the model card records about this run (steps and dev metrics are added as they happen)."""
-    n_neg = config.hard_negatives + config.other_negatives
-    return {"base_model": config.model,
-            "train_data": [{"file": s["source"], "records": s["records"], "kept": s["kept"]} for s in data.stats],
-            "dev_file": config.dev_file,
-            "loss": f"InfoNCE (softmax cross-entropy of scores / temperature) over the batch's {1 + n_neg} passages "
-                    "per query and every other query's passages" + (", symmetric" if config.symmetric else ""),
-            "batch_size": config.batch_size * world, "batch_size_per_rank": config.batch_size, "world_size": world,
-            "hard_negatives": config.hard_negatives, "other_negatives": config.other_negatives,
-            "grad_cache": config.grad_cache, "query_chunk_size": chunks[0] if chunks else None,
-            "passage_chunk_size": chunks[1] if chunks else None, "learning_rate": config.learning_rate,
-            "warmup_steps": config.warmup_steps, "epochs": config.epochs, "total_steps": total_steps,
-            "precision": config.precision, "seed": config.seed, "steps": 0}
-
-
-def check_sources(config: TrainConfig) -> None:
-    """Refuse a missing training or dev source before anything is built."""
-    for source in config.train_files + ([config.dev_file] if config.dev_file else []):
-        if not Path(source).exists():
-            raise DprGcError(f"training data not found: {source} (give DPR files or BEIR folders)")
 
 
 class Trainer:
@@ -169,28 +49,29 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> None:
         self.config, self.on_backward = config, on_backward
-        check_sources(config)
-        self.rank, self.world, self.device = setup_distributed(config.device)
-        seed_everything(config.seed)
-        self.out = Path(config.output_dir)
+        check_sources(config.data, config.run.output_dir)
+        self.rank, self.world, self.device = setup_distributed(config.run.device)
+        seed_everything(config.run.seed)
+        self.out = Path(config.run.output_dir)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         self.retriever = self.build_model()
         self.data, self.collator, self.loader = self.build_data()
         self.sampler = self.loader.batch_sampler
         self.steps_per_epoch = self.sampler.batches_per_epoch
-        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
+        self.total_steps = config.optim.max_steps or self.steps_per_epoch * config.optim.epochs
         self.eval_every, self.save_every = self.schedule()
-        self.passages_per_query = 1 + config.hard_negatives + config.other_negatives
-        self.effective_batch = config.batch_size * self.world
+        self.passages_per_query = config.data.passages_per_query
+        self.effective_batch = config.data.batch_size * self.world
         self.loss_fn = self.build_loss()
         self.towers, self.model = self.wrap_model()
-        self.chunks = self.chunk_sizes() if config.grad_cache else None
+        self.chunks = self.chunk_sizes() if config.cache.enabled else None
         self.params, self.optimizer = self.build_optimizer()
         self.scheduler = self.build_scheduler()
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.optim.precision == "fp16")
         self.cache = self.build_cache()
-        self.checkpointer = Checkpointer(self.out, config.keep_checkpoints, config.best_metric, self.rank == 0)
+        self.checkpointer = Checkpointer(self.out, config.run.keep_checkpoints, config.run.best_metric,
+                                         self.rank == 0)
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
         self.started, self.board, self.bar = time.perf_counter(), None, None
@@ -199,40 +80,42 @@ class Trainer:
     def build_model(self) -> Retriever:
         """The retriever in training mode on this rank's device, with gradient checkpointing or frozen position
         embeddings when asked."""
-        retriever = build_retriever(self.config).to(self.device)
+        retriever = build_retriever(self.config.model).to(self.device)
         retriever.train()
-        if self.config.gradient_checkpointing:
+        if self.config.model.gradient_checkpointing:
             enable_gradient_checkpointing(retriever)
-        if self.config.freeze_position_embeddings:
+        if self.config.model.freeze_position_embeddings:
             logger.info("froze %d position-embedding weights", freeze_position_embeddings(retriever))
         return retriever
 
     def build_data(self) -> tuple[Any, Collator, torch.utils.data.DataLoader]:
         """The parsed training sources, the collator that tokenises them, and this rank's DataLoader."""
-        config = self.config
+        config = self.config.data
         data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
         collator = Collator(self.retriever.tokenizer, self.retriever.config)
         loader = make_dataloader(data, collator, config.batch_size, hard_negatives=config.hard_negatives,
                                  other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
-                                 rates=config.sampling_rates, seed=config.seed, rank=self.rank, world_size=self.world,
-                                 num_workers=config.num_workers, pin_memory=self.device.type == "cuda")
+                                 rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
+                                 world_size=self.world, num_workers=config.num_workers,
+                                 pin_memory=self.device.type == "cuda")
         return data, collator, loader
 
     def schedule(self) -> tuple[Optional[int], Optional[int]]:
         """Steps between dev evaluations and between checkpoints (GC-DPR's ``--eval_per_epoch`` evaluates and saves
         N times an epoch)."""
-        eval_every, save_every = self.config.eval_every, self.config.save_every
-        if self.config.eval_per_epoch:
-            eval_every = max(1, -(-self.steps_per_epoch // self.config.eval_per_epoch))
+        run = self.config.run
+        eval_every, save_every = run.eval_every, run.save_every
+        if run.eval_per_epoch:
+            eval_every = max(1, -(-self.steps_per_epoch // run.eval_per_epoch))
             save_every = save_every or eval_every
-            logger.info("%d dev evaluation(s) per epoch: every %d steps", self.config.eval_per_epoch, eval_every)
+            logger.info("%d dev evaluation(s) per epoch: every %d steps", run.eval_per_epoch, eval_every)
         return eval_every, save_every
 
     def build_loss(self) -> SimpleContrastiveLoss:
         """In-batch-negative InfoNCE, over the global batch of every rank under torchrun."""
         loss_cls = DistributedContrastiveLoss if self.world > 1 else SimpleContrastiveLoss
-        return loss_cls(self.passages_per_query - 1, symmetric=self.config.symmetric,
-                        loss_chunk_size=self.config.loss_chunk_size)
+        return loss_cls(self.passages_per_query - 1, symmetric=self.config.optim.symmetric,
+                        loss_chunk_size=self.config.cache.loss_chunk_size)
 
     def wrap_model(self) -> tuple[Towers, nn.Module]:
         """The towers module, and what the step calls: the towers themselves or their DDP wrapper."""
@@ -245,15 +128,16 @@ class Trainer:
 
     def chunk_sizes(self) -> tuple[int, int]:
         """Gradient Cache's query and passage chunk sizes (``auto`` probes the device), checked against the batch."""
-        config, passages = self.config, self.config.batch_size * self.passages_per_query
-        q_chunk, p_chunk = config.query_chunk_size, config.passage_chunk_size
+        batch_size, cache = self.config.data.batch_size, self.config.cache
+        passages = batch_size * self.passages_per_query
+        q_chunk, p_chunk = cache.query_chunk_size, cache.passage_chunk_size
         if "auto" in (q_chunk, p_chunk):
-            auto = auto_chunk_size(self.towers, self.collator, self.device, passages, config.precision)
-            q_chunk = min(auto, config.batch_size) if q_chunk == "auto" else q_chunk
+            auto = auto_chunk_size(self.towers, self.collator, self.device, passages, self.config.optim.precision)
+            q_chunk = min(auto, batch_size) if q_chunk == "auto" else q_chunk
             p_chunk = auto if p_chunk == "auto" else p_chunk
             logger.info("auto chunk size: query %s, passage %s", q_chunk, p_chunk)
-        if q_chunk > config.batch_size:
-            raise DprGcError(f"--query-chunk-size {q_chunk} is larger than --batch-size {config.batch_size}: "
+        if q_chunk > batch_size:
+            raise DprGcError(f"--query-chunk-size {q_chunk} is larger than --batch-size {batch_size}: "
                              "use a chunk of at most the batch (or --no-grad-cache)")
         if p_chunk > passages:
             raise DprGcError(f"--passage-chunk-size {p_chunk} is larger than the {passages} passages of a batch: "
@@ -267,15 +151,15 @@ class Trainer:
         named = [(n, p) for n, p in self.towers.named_parameters() if p.requires_grad]
         decay = [p for n, p in named if not any(k in n for k in no_decay)]
         rest = [p for n, p in named if any(k in n for k in no_decay)]
-        config = self.config
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+        optim = self.config.optim
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
                                        {"params": rest, "weight_decay": 0.0}],
-                                      lr=config.learning_rate, eps=config.adam_eps, betas=tuple(config.adam_betas))
+                                      lr=optim.learning_rate, eps=optim.adam_eps, betas=tuple(optim.adam_betas))
         return [p for _, p in named], optimizer
 
     def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         """Linear warm-up to the learning rate, then linear decay to zero at the last step."""
-        warmup, total = self.config.warmup_steps, self.total_steps
+        warmup, total = self.config.optim.warmup_steps, self.total_steps
         return torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup))))
 
@@ -283,7 +167,7 @@ class Trainer:
         """Gradient Cache over the (possibly DDP-wrapped) towers; None in plain training."""
         if self.chunks is None:
             return None
-        precision = self.config.precision
+        precision = self.config.optim.precision
         return GradCache([self.model, self.model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
                          scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True)
 
@@ -326,7 +210,7 @@ class Trainer:
         if self.on_backward is not None:
             self.on_backward(self.step, self.retriever)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -336,7 +220,7 @@ class Trainer:
         """The full-batch gradient in one graph (no Gradient Cache): the baseline that Gradient Cache must equal."""
         query = {k: v.to(self.device) for k, v in query.items()}
         passage = {k: v.to(self.device) for k, v in passage.items()}
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.precision)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.optim.precision)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             q, p = self.model(query=query, passage=passage)
         loss = self.loss_fn(q.float(), p.float())
@@ -346,7 +230,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Dev validation (DPR's in-batch loss and accuracy, and average rank) as ``dev_*`` metrics."""
         config = self.config
-        metrics = evaluate_dev(self.retriever, config.dev_file, config.dev_limits(), config.cache_dir)
+        metrics = evaluate_dev(self.retriever, config.data.dev_file, config.data.dev, config.data.cache_dir)
         logger.info("dev validation over %d questions and %d passages", metrics.pop("questions"),
                     metrics.pop("passages"))
         self.retriever.train()
@@ -354,16 +238,16 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> dict:
-        """Train to the last step (continuing ``config.resume`` when given); returns the run's summary."""
-        if self.config.resume:
-            self.resume(self.config.resume)
+        """Train to the last step (continuing ``config.run.resume`` when given); returns the run's summary."""
+        if self.config.run.resume:
+            self.resume(self.config.run.resume)
         else:
             self.start_fresh()
-        self.retriever.training_info.update(describe_training(self.config, self.data, self.world, self.chunks,
-                                                              self.total_steps))
+        self.retriever.training_info.update(describe_training(self.config, self.data.stats, self.world,
+                                                              self.chunks, self.total_steps))
         self.retriever.training_info["steps"] = self.step
         self.announce()
-        if self.config.dev_file and self.step == 0:
+        if self.config.data.dev_file and self.step == 0:
             initial = {"step": 0, **self.evaluate()}
             self.checkpointer.log(self.metrics_file, initial)
             logger.info("dev before training: %s", {k: round(v, 4) for k, v in initial.items()})
@@ -383,9 +267,9 @@ class Trainer:
         if self.rank == 0:
             config = self.config
             logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, "
-                        "%s", self.total_steps, config.batch_size, self.world, self.effective_batch,
+                        "%s", self.total_steps, config.data.batch_size, self.world, self.effective_batch,
                         self.passages_per_query, f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}"
-                        if self.chunks else "plain training", config.precision)
+                        if self.chunks else "plain training", config.optim.precision)
 
     def train_epoch(self) -> None:
         """The rest of the current epoch (all of it, unless resumed inside it), stopping at the last step."""
@@ -416,12 +300,12 @@ class Trainer:
         rng = capture_rng()
         last = self.step >= self.total_steps
         self.retriever.training_info["steps"] = self.step
-        if self.config.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last):
+        if self.config.data.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last):
             record.update(self.evaluate())
             self.retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
                                                 dev_metrics_step=self.step)
             self.checkpointer.update_best(self.step, self.retriever, record)
-        if self.step % self.config.log_every == 0 or last:
+        if self.step % self.config.run.log_every == 0 or last:
             self.checkpointer.log(self.metrics_file, record)
             if self.board is not None:
                 for key, value in record.items():
@@ -435,7 +319,7 @@ class Trainer:
         seconds = time.perf_counter() - self.started
         summary = {"steps": self.step, "effective_batch": self.effective_batch,
                    "passages_per_query": self.passages_per_query,
-                   "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.precision,
+                   "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
                    "final_loss": self.last_loss, "seconds": seconds,
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
@@ -454,86 +338,10 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
 
 
 def add_cli(subparsers: Any) -> None:
-    """Register ``train``; GC-DPR's flag names are accepted as aliases (see scripts/train_dense_encoder.py)."""
+    """Register ``train`` (its flags: :func:`dpr_gc.train_config.add_train_arguments`)."""
     p = subparsers.add_parser("train", help="train a retriever with Gradient Cache (DPR files or BEIR folders)")
-    p.add_argument("--train", "--train_file", dest="train_files", nargs="+", required=True,
-                   help="DPR training files (.json/.jsonl[.gz]) or BEIR folders (qrels/train.tsv)")
-    p.add_argument("--dev", "--dev_file", dest="dev_file", help="DPR dev file for validation")
-    p.add_argument("--output", "--output_dir", type=output_dir, dest="output_dir", required=True, help="output folder")
-    p.add_argument("--model", "--pretrained_model_cfg", dest="model", default=None,
-                   help="Hugging Face model name or folder, or a saved retriever (default: offline all-MiniLM-L6-v2)")
-    p.add_argument("--pooling", default="cls", choices=["cls", "mean", "pooler", "last"],
-                   help="last: the last non-padding token's state (decoder-only models; EOS appended when absent)")
-    p.add_argument("--normalize", action="store_true", help="L2-normalise representations (cosine similarity)")
-    p.add_argument("--projection-dim", type=positive_int, default=None)
-    p.add_argument("--separate-encoders", action="store_true", help="two towers instead of one shared")
-    p.add_argument("--query-max-length", "--query_max_length", type=positive_int, default=32)
-    p.add_argument("--passage-max-length", "--sequence_length", type=positive_int, default=256)
-    p.add_argument("--passage-format", default="pair", choices=["pair", "concat"])
-    add_prefix_arguments(p)
-    p.add_argument("--temperature", type=positive_float, default=1.0)
-    p.add_argument("--learn-temperature", action="store_true")
-    p.add_argument("--batch-size", "--batch_size", type=positive_int, default=32, help="queries per step and rank")
-    p.add_argument("--hard-negatives", "--hard_negatives", type=nonnegative_int, default=1)
-    p.add_argument("--other-negatives", "--other_negatives", type=nonnegative_int, default=0)
-    p.add_argument("--shuffle-positives", "--shuffle_positive_ctx", action="store_true")
-    p.add_argument("--sampling-rates", type=positive_float, nargs="+", default=None)
-    p.add_argument("--no-grad-cache", dest="grad_cache", action="store_false", help="plain training (baseline)")
-    p.add_argument("--grad_cache", dest="grad_cache", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--query-chunk-size", "--q_chunk_size", type=chunk_arg, default="auto")
-    p.add_argument("--passage-chunk-size", "--ctx_chunk_size", type=chunk_arg, default="auto")
-    p.add_argument("--loss-chunk-size", type=nonnegative_int, default=None,
-                   help="rows per block of the score matrix (0: the dense matrix; default: automatic)")
-    p.add_argument("--symmetric", action="store_true", help="add the passage-to-query loss term")
-    p.add_argument("--learning-rate", "--learning_rate", type=positive_float, default=2e-5)
-    p.add_argument("--weight-decay", "--weight_decay", type=nonnegative_float, default=0.0)
-    p.add_argument("--warmup-steps", "--warmup_steps", type=nonnegative_int, default=0)
-    p.add_argument("--epochs", "--num_train_epochs", type=positive_int, default=1)
-    p.add_argument("--max-steps", type=positive_int, default=None)
-    p.add_argument("--max-grad-norm", "--max_grad_norm", type=positive_float, default=2.0)
-    p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help=argparse.SUPPRESS)
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--freeze-position-embeddings", action="store_true")
-    p.add_argument("--eval-every", type=positive_int, default=None, help="steps between dev evaluations")
-    p.add_argument("--dev-batch-size", "--dev_batch_size", type=positive_int, default=64,
-                   help="dev questions per in-batch loss/accuracy group (and per encoding batch)")
-    p.add_argument("--dev-encode-batch-size", "--val_av_rank_bsz", type=positive_int, default=None,
-                   help="encoding batch of dev validation (default: --dev-batch-size)")
-    p.add_argument("--dev-max-questions", "--val_av_rank_max_qs", type=positive_int, default=10000,
-                   help="dev questions used for validation (the first ones), as DPR's cap")
-    p.add_argument("--dev-hard-negatives", "--val_av_rank_hard_neg", type=nonnegative_int, default=30,
-                   help="hard negatives per dev question added to the average-rank passage pool")
-    p.add_argument("--dev-other-negatives", "--val_av_rank_other_neg", type=nonnegative_int, default=30,
-                   help="other negatives per dev question added to the average-rank passage pool")
-    p.add_argument("--save-every", type=positive_int, default=None, help="steps between checkpoints")
-    p.add_argument("--keep-checkpoints", type=positive_int, default=2)
-    p.add_argument("--best-metric", default="avg_rank", choices=["avg_rank", "loss", "accuracy"])
-    p.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' in --output")
-    p.add_argument("--num-workers", type=nonnegative_int, default=2,
-                   help="DataLoader workers that tokenise ahead of the step")
-    p.add_argument("--skip-bad-records", action="store_true")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--device", type=device_arg, default=None)
+    add_train_arguments(p)
     p.set_defaults(func=_cli_train)
-
-
-def chunk_arg(value: str) -> Union[int, str]:
-    """A chunk size flag: a positive integer or ``auto``."""
-    return value if value == "auto" else positive_int(value)
-
-
-def config_from_args(args: Any) -> TrainConfig:
-    from .model import default_model_path
-
-    retriever = RetrieverConfig(pooling=args.pooling, normalize=args.normalize, projection_dim=args.projection_dim,
-                                shared_encoder=not args.separate_encoders, query_max_length=args.query_max_length,
-                                passage_max_length=args.passage_max_length, temperature=args.temperature,
-                                learn_temperature=args.learn_temperature, passage_format=args.passage_format)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"retriever", "model"}
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    return TrainConfig(model=args.model or default_model_path(), retriever=retriever, **values)
 
 
 def _cli_train(args: Any) -> None:

@@ -3,6 +3,7 @@ chunk-size probing, TensorBoard and the summary table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,9 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .dpr_hub import find_dpr_pair
 from .errors import DprGcError
 from .files import atomic_open, read_json, read_tensors
-from .model import Retriever
+from .model import Retriever, RetrieverConfig
+from .train_config import DataConfig, ModelConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,47 @@ def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, (dist.get_world_size() if dist.is_initialized() else 1), dev
+
+
+def check_sources(data: DataConfig, output: str) -> None:
+    """Refuse a missing training or dev source, or no output folder, before anything is built."""
+    if not data.train_files or not output:
+        raise DprGcError("training needs training data (--train) and an output folder (--output)")
+    for source in data.train_files + ([data.dev_file] if data.dev_file else []):
+        if not Path(source).exists():
+            raise DprGcError(f"training data not found: {source} (give DPR files or BEIR folders)")
+
+
+def build_retriever(model: ModelConfig) -> Retriever:
+    """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
+    replace its own); any other model name or folder starts a new one from ``model.retriever``."""
+    name = model.path()
+    if (Path(name) / "retriever_config.json").is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
+        retriever = Retriever.load(name, query_prefix=model.query_prefix, passage_prefix=model.passage_prefix)
+        if model.retriever is not None:
+            logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", name)
+        return retriever
+    prefixes = {k: v for k, v in (("query_prefix", model.query_prefix), ("passage_prefix", model.passage_prefix))
+                if v is not None}
+    return Retriever.from_pretrained(name, dataclasses.replace(model.retriever or RetrieverConfig(), **prefixes))
+
+
+def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks: Optional[tuple[int, int]],
+                      total_steps: int) -> dict:
+    """What the model card records about this run (steps and dev metrics are added as they happen)."""
+    data, optim = config.data, config.optim
+    return {"base_model": config.model.path(),
+            "train_data": [{"file": s["source"], "records": s["records"], "kept": s["kept"]} for s in stats],
+            "dev_file": data.dev_file,
+            "loss": f"InfoNCE (softmax cross-entropy of scores / temperature) over the batch's "
+                    f"{data.passages_per_query} passages per query and every other query's passages"
+                    + (", symmetric" if optim.symmetric else ""),
+            "batch_size": data.batch_size * world, "batch_size_per_rank": data.batch_size, "world_size": world,
+            "hard_negatives": data.hard_negatives, "other_negatives": data.other_negatives,
+            "grad_cache": config.cache.enabled, "query_chunk_size": chunks[0] if chunks else None,
+            "passage_chunk_size": chunks[1] if chunks else None, "learning_rate": optim.learning_rate,
+            "warmup_steps": optim.warmup_steps, "epochs": optim.epochs, "total_steps": total_steps,
+            "precision": optim.precision, "seed": config.run.seed, "steps": 0}
 
 
 class Towers(nn.Module):

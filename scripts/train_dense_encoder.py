@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import glob
 import json
 import logging
@@ -122,7 +123,9 @@ def _epochs(value: Any) -> int:
 
 
 def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig:
-    """The :class:`TrainConfig` a GC-DPR/DPR command line asks for; ``given`` holds the flags typed."""
+    """The :class:`TrainConfig` a GC-DPR/DPR command line asks for (``given``: the flags typed). Flags with a
+    ``dpr-gc train`` equivalent are translated to it and go through that command's adapter; GC-DPR's own settings
+    then land in their groups. ``args`` is left as parsed."""
     if args.gradient_accumulation_steps != 1:
         raise DprGcError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: accumulation would "
                          "shrink the in-batch negatives; use --grad_cache with --batch_size "
@@ -130,29 +133,27 @@ def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig
     if args.encoder_model_type not in (None, "hf_bert", "hf_roberta"):
         raise DprGcError(f"--encoder_model_type {args.encoder_model_type}: only Hugging Face models are supported "
                          "(hf_bert); convert the checkpoint to a Hugging Face folder and pass it as --model")
-    if args.no_cuda:
-        args.device = args.device or "cpu"
     if args.local_rank >= 0:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    args.grad_cache = bool(args.grad_cache)  # GC-DPR trains plainly unless --grad_cache is given
-    args.separate_encoders = args.separate_encoders is not False
-    args.projection_dim = args.projection_dim or None
-    if "--sequence_length" in given and "--query-max-length" not in given and "--query_max_length" not in given:
-        args.query_max_length = args.passage_max_length  # DPR uses one sequence length for both
-    args.model = args.model_file or args.model
-    args.train_files = _expand(args.train_files or [], "--train_file")
-    args.dev_file = _expand([args.dev_file], "--dev_file")[0] if args.dev_file else None
-    args.epochs = _epochs(args.epochs)
-    args.log_every = args.log_batch_step
-    if args.eval_per_epoch is None and args.eval_every is None:
-        args.eval_per_epoch = 1  # GC-DPR's default: validate (and save) once an epoch
-    args.adam_betas = _betas(args.adam_betas)
     if args.train_files and not args.output_dir:
         raise DprGcError("--output_dir is required for training")
-    args.output_dir = args.output_dir or ""
-    if args.train_files_upsample_rates:
-        args.sampling_rates = [float(r) for r in ast.literal_eval(args.train_files_upsample_rates)]
-    return T.config_from_args(args)
+    one_length = "--sequence_length" in given and not given & {"--query-max-length", "--query_max_length"}
+    translated = argparse.Namespace(**{
+        **vars(args), "device": args.device or ("cpu" if args.no_cuda else None),
+        "grad_cache": bool(args.grad_cache),  # GC-DPR trains plainly unless --grad_cache is given
+        "separate_encoders": args.separate_encoders is not False, "projection_dim": args.projection_dim or None,
+        "query_max_length": args.passage_max_length if one_length else args.query_max_length,  # DPR: one length
+        "model": args.model_file or args.model, "train_files": _expand(args.train_files or [], "--train_file"),
+        "dev_file": _expand([args.dev_file], "--dev_file")[0] if args.dev_file else None,
+        "epochs": _epochs(args.epochs), "output_dir": args.output_dir or ""})
+    config = T.config_from_args(translated)
+    rates = args.train_files_upsample_rates
+    evals = args.eval_per_epoch or (1 if args.eval_every is None else None)  # GC-DPR: validate and save per epoch
+    return dataclasses.replace(
+        config, optim=dataclasses.replace(config.optim, adam_eps=args.adam_eps, adam_betas=_betas(args.adam_betas)),
+        data=dataclasses.replace(config.data, sampling_rates=[float(r) for r in ast.literal_eval(rates)] if rates
+                                 else config.data.sampling_rates),
+        run=dataclasses.replace(config.run, log_every=args.log_batch_step, eval_per_epoch=evals))
 
 
 def ignored_flags(given: set[str]) -> list[str]:
@@ -174,14 +175,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def run() -> None:
         config = config_from_args(args, given)
-        if config.train_files:
+        data = config.data
+        if data.train_files:
             T.train(config)
-        elif config.dev_file and args.model_file:
+        elif data.dev_file and args.model_file:
             from dpr_gc.model import Retriever
             from dpr_gc.validation import evaluate_dev
 
-            print(json.dumps(evaluate_dev(Retriever.load(config.model), config.dev_file, config.dev_limits(),
-                                          config.cache_dir), indent=2))
+            print(json.dumps(evaluate_dev(Retriever.load(config.model.path()), data.dev_file, data.dev,
+                                          data.cache_dir), indent=2))
         else:
             raise DprGcError("nothing to do: give --train_file (and --output_dir), or --model_file with --dev_file "
                              "to validate a model")

@@ -5,7 +5,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dpr_gc.train import TrainConfig, train
+from dpr_gc.train import train
+from tests.train_data import train_config
 
 train_file, model, cache, out, grads_path, batch = sys.argv[1:7]
 
@@ -17,6 +18,6 @@ def dump(step: int, retriever) -> None:
         torch.save(grad, grads_path if rank is None else f"{grads_path}.rank{rank}")
 
 
-train(TrainConfig(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
-                  query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3, num_workers=0),
+train(train_config(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
+                   query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3, num_workers=0),
       on_backward=dump)

@@ -488,12 +488,13 @@ def test_optional_flags_can_still_be_left_unset(world: dict) -> None:
 
 
 def test_library_configs_refuse_what_the_flags_refuse(tmp_path: Path) -> None:
-    from dpr_gc.train import TrainConfig
+    from dpr_gc.train_config import DataConfig, OptimConfig, RunConfig
 
-    for field, value in (("max_steps", -1), ("num_workers", -1), ("learning_rate", -1.0),
-                         ("learning_rate", float("nan")), ("eval_every", 0)):
+    for group, field, value in ((OptimConfig, "max_steps", -1), (DataConfig, "num_workers", -1),
+                                (OptimConfig, "learning_rate", -1.0), (OptimConfig, "learning_rate", float("nan")),
+                                (RunConfig, "eval_every", 0)):
         with pytest.raises(DprGcError, match="must be"):
-            TrainConfig(train_files=["x"], output_dir=str(tmp_path), model="m", **{field: value})
+            group(**{field: value})
     with pytest.raises(DprGcError, match="--projection-dim must be a positive integer"):
         RetrieverConfig(projection_dim=0)
 

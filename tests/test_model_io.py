@@ -204,15 +204,15 @@ def test_half_a_dpr_pair_is_refused(tiny_tokenizer, tmp_path):
 def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
     from huggingface_hub import metadata_load
 
-    from dpr_gc.train import TrainConfig, train
+    from dpr_gc.train import train
     from tests.test_train import init_model
-    from tests.train_data import make_records, write_dpr
+    from tests.train_data import make_records, train_config, write_dpr
 
     train_file = write_dpr(tmp_path / "train.json", make_records(16, 1))
-    train(TrainConfig(train_files=[str(train_file)], dev_file=str(write_dpr(tmp_path / "dev.json", make_records(8, 2))),
-                      output_dir=str(tmp_path / "out"), model=str(init_model(tmp_path)), batch_size=4, num_workers=0,
-                      max_steps=2, eval_every=1, save_every=2, hard_negatives=1, query_chunk_size=2,
-                      passage_chunk_size=3, cache_dir=str(tmp_path / "c")))
+    train(train_config(train_files=[str(train_file)], dev_file=str(write_dpr(tmp_path / "dev.json", make_records(8, 2))),
+                       output_dir=str(tmp_path / "out"), model=str(init_model(tmp_path)), batch_size=4, num_workers=0,
+                       max_steps=2, eval_every=1, save_every=2, hard_negatives=1, query_chunk_size=2,
+                       passage_chunk_size=3, cache_dir=str(tmp_path / "c")))
     for folder in ("final", "best", "checkpoint-2/model"):
         path = tmp_path / "out" / folder
         retriever = Retriever.load(path)
@@ -261,15 +261,15 @@ def test_format1_folder_with_safetensors_heads_loads(make_retriever, tmp_path):
 
 
 def test_official_dpr_pair_fine_tunes(tiny_tokenizer, tmp_path):
-    from dpr_gc.train import TrainConfig, train
-    from tests.train_data import make_records, write_dpr
+    from dpr_gc.train import train
+    from tests.train_data import make_records, train_config, write_dpr
 
     save_dpr_pair(tiny_tokenizer, tmp_path / "dpr", 0)
     before = Retriever.load(tmp_path / "dpr")
-    train(TrainConfig(train_files=[str(write_dpr(tmp_path / "train.json", make_records(8, 1)))],
-                      output_dir=str(tmp_path / "out"), model=str(tmp_path / "dpr"), batch_size=4, num_workers=0,
-                      max_steps=1, learning_rate=1e-3, query_chunk_size=2, passage_chunk_size=3,
-                      cache_dir=str(tmp_path / "c")))
+    train(train_config(train_files=[str(write_dpr(tmp_path / "train.json", make_records(8, 1)))],
+                       output_dir=str(tmp_path / "out"), model=str(tmp_path / "dpr"), batch_size=4, num_workers=0,
+                       max_steps=1, learning_rate=1e-3, query_chunk_size=2, passage_chunk_size=3,
+                       cache_dir=str(tmp_path / "c")))
     after = Retriever.load(tmp_path / "out" / "final")
     assert after.passage_encoder is not after.query_encoder and after.config == before.config
     assert not np.allclose(after.embed("query", QUERIES), before.embed("query", QUERIES), atol=1e-4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from transformers import BertTokenizerFast
@@ -9,7 +10,7 @@ from transformers import BertTokenizerFast
 from dpr_gc.cli import main
 from dpr_gc.errors import DprGcError
 from dpr_gc.evaluate import evaluate_answers, qrels_metrics, read_qrels, read_results, read_run
-from dpr_gc.pipeline import DemoConfig
+from dpr_gc.pipeline import DemoConfig, demo_training
 from tests.conftest import tiny_bert, write_vocab
 
 import pytest
@@ -50,5 +51,8 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
 
 
 def test_demo_needs_a_batch_several_times_the_chunk():
-    with pytest.raises(DprGcError, match="4x"):
-        DemoConfig(batch_size=32, chunk_size=16)
+    training = demo_training()
+    assert training.cache.query_chunk_size == training.cache.passage_chunk_size == 16
+    with pytest.raises(DprGcError, match="--batch-size 32 should be at least 4x --chunk-size 16"):
+        DemoConfig(training=dataclasses.replace(training, data=dataclasses.replace(training.data, batch_size=32)))
+    DemoConfig(training=dataclasses.replace(training, data=dataclasses.replace(training.data, batch_size=64)))

@@ -18,10 +18,12 @@ from dpr_gc.encode import encode_corpus
 from dpr_gc.index import IndexParams, build_index
 from dpr_gc.mine import open_source
 from dpr_gc.model import Retriever
-from dpr_gc.train import TrainConfig, build_retriever, train
+from dpr_gc.train import train
+from dpr_gc.train_config import ModelConfig
+from dpr_gc.train_utils import build_retriever
 from tests.test_encode import gather
 from tests.test_train import init_model
-from tests.train_data import make_records, write_dpr
+from tests.train_data import make_records, train_config, write_dpr
 
 QP, PP = "what: ", "a book: "  # whole words of the tiny vocabulary
 QUERIES = ["who was the king of france", "the river in paris"]
@@ -56,7 +58,7 @@ def test_train_flags_are_stored_with_the_model(tmp_path):
     base = dict(train_files=[str(data)], output_dir=str(tmp_path / "out"), model=str(model), batch_size=4,
                 num_workers=0, max_steps=2, query_chunk_size=2, passage_chunk_size=3, cache_dir=str(tmp_path / "c"))
     seen = []
-    train(TrainConfig(**base, query_prefix=QP, passage_prefix=PP),
+    train(train_config(**base, query_prefix=QP, passage_prefix=PP),
           on_backward=lambda step, r: seen.append((r.config.query_prefix, r.config.passage_prefix)))
     assert seen == [(QP, PP)] * 2  # the collator tokenises with this same config
     final = tmp_path / "out" / "final"
@@ -68,8 +70,8 @@ def test_train_flags_are_stored_with_the_model(tmp_path):
     np.testing.assert_allclose(SentenceTransformer(str(final), device="cpu").encode_query(QUERIES),
                                retriever.embed("query", QUERIES), rtol=0, atol=1e-4)
     # Continuing from the saved model keeps its prefixes unless a flag replaces one.
-    again = TrainConfig(**{**base, "model": str(final)}, passage_prefix="on ")
-    assert (build_retriever(again).config.query_prefix, build_retriever(again).config.passage_prefix) == (QP, "on ")
+    again = build_retriever(ModelConfig(name=str(final), passage_prefix="on ")).config
+    assert (again.query_prefix, again.passage_prefix) == (QP, "on ")
     main(["train", "--train", str(data), "--model", str(model), "--output", str(tmp_path / "cli"), "--max-steps", "1",
           "--batch-size", "4", "--num-workers", "0", "--query-chunk-size", "2", "--passage-chunk-size", "3",
           "--cache-dir", str(tmp_path / "c"), "--query-prefix", QP])

@@ -108,31 +108,45 @@ def test_gc_dpr_readme_training_command_runs(tiny, tmp_path):
 
 
 def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path):
+    """Every GC-DPR/DPR flag with a meaning here lands in the field of its group (and nothing else moves)."""
+    from dpr_gc.train_config import TrainConfig
+    from dpr_gc.validation import DevLimits
+
     script = load_script("train_dense_encoder.py")
     argv = gc_dpr_readme_command(tiny, tmp_path / "out") + [
         "--adam_eps", "1e-6", "--adam_betas", "(0.8, 0.99)", "--projection_dim", "16", "--log_batch_step", "3",
         "--hard_negatives", "2", "--other_negatives", "1", "--shuffle_positive_ctx", "--val_av_rank_hard_neg", "7",
         "--val_av_rank_other_neg", "3", "--val_av_rank_bsz", "9", "--fp16", "--no_cuda", "--weight_decay", "0.01",
-        "--checkpoint_file_name", "dpr_biencoder", "--train_files_upsample_rates", "[2]"]
+        "--checkpoint_file_name", "dpr_biencoder", "--train_files_upsample_rates", "[2]",
+        "--model_file", str(tiny["bert"] / "missing.cp")]
     args = script.build_parser().parse_args(["train", *argv])
     given = script.typed_flags(argv)
     config = script.config_from_args(args, given)
-    r = config.retriever
+    assert isinstance(config, TrainConfig)
+    model, data, optim, cache, run = config.model, config.data, config.optim, config.cache, config.run
+    assert model.name == str(tiny["bert"] / "missing.cp")  # --model_file wins over --pretrained_model_cfg
+    r = model.retriever
     assert (r.query_max_length, r.passage_max_length, r.projection_dim, r.shared_encoder) == (32, 32, 16, False)
-    assert config.train_files == [str(tiny["dir"] / "data" / "nq-train.json")]
-    assert config.dev_file == str(tiny["dir"] / "data" / "nq-dev.json")
-    assert (config.max_grad_norm, config.seed, config.warmup_steps, config.batch_size, config.epochs) == (2.0, 12345, 2, 8, 2)
-    assert (config.learning_rate, config.adam_eps, config.adam_betas, config.weight_decay) == (2e-5, 1e-6, (0.8, 0.99), 0.01)
-    assert (config.dev_batch_size, config.dev_encode_batch_size, config.dev_max_questions) == (4, 9, 5)
-    assert (config.dev_hard_negatives, config.dev_other_negatives, config.eval_per_epoch) == (7, 3, 2)
-    assert (config.hard_negatives, config.other_negatives, config.shuffle_positives) == (2, 1, True)
-    assert (config.grad_cache, config.query_chunk_size, config.passage_chunk_size) == (True, 4, 8)
-    assert (config.precision, config.device, config.log_every, config.sampling_rates) == ("fp16", "cpu", 3, [2.0])
+    assert data.train_files == [str(tiny["dir"] / "data" / "nq-train.json")]
+    assert data.dev_file == str(tiny["dir"] / "data" / "nq-dev.json")
+    assert (data.batch_size, data.hard_negatives, data.other_negatives, data.shuffle_positives) == (8, 2, 1, True)
+    assert data.sampling_rates == [2.0]
+    assert data.dev == DevLimits(max_questions=5, hard_negatives=7, other_negatives=3, batch_size=4,
+                                 encode_batch_size=9)
+    assert (optim.max_grad_norm, optim.warmup_steps, optim.epochs, optim.precision) == (2.0, 2, 2, "fp16")
+    assert (optim.learning_rate, optim.adam_eps, optim.adam_betas, optim.weight_decay) == (2e-5, 1e-6, (0.8, 0.99), 0.01)
+    assert (cache.enabled, cache.query_chunk_size, cache.passage_chunk_size) == (True, 4, 8)
+    assert (run.output_dir, run.seed, run.device, run.log_every, run.eval_per_epoch) == (
+        str(tmp_path / "out"), 12345, "cpu", 3, 2)
     assert "--checkpoint_file_name" in " ".join(script.ignored_flags(given))
+    assert args.model == str(tiny["bert"]) and args.projection_dim == 16 and args.epochs == 2.0  # args left as parsed
     plain = script.config_from_args(script.build_parser().parse_args(
         ["train", "--train_file", str(tiny["dir"] / "data" / "nq-train.json"), "--output_dir", "o",
          "--pretrained_model_cfg", "m"]), set())
-    assert plain.grad_cache is False and plain.eval_per_epoch == 1  # GC-DPR: plain without --grad_cache
+    assert plain.cache.enabled is False and plain.run.eval_per_epoch == 1  # GC-DPR: plain without --grad_cache
+    assert plain.model.name == "m" and plain.model.retriever.shared_encoder is False
+    assert (plain.model.retriever.query_max_length, plain.model.retriever.passage_max_length) == (32, 256)
+    assert plain.optim.adam_betas == (0.9, 0.999) and plain.run.device is None and plain.run.log_every == 1
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -12,9 +12,9 @@ from dpr_gc import data as D
 from dpr_gc.encode import encode_block
 from dpr_gc.errors import DprGcError
 from dpr_gc.tokenize import tokenize
-from dpr_gc.train import TrainConfig, train
+from dpr_gc.train import train
 from tests.test_train import init_model
-from tests.train_data import make_records, write_dpr
+from tests.train_data import make_records, train_config, write_dpr
 
 LONG_TITLE = " ".join(["science protein cell gene water music film book"] * 6)  # 48 words, > 32 tokens
 
@@ -87,8 +87,8 @@ def test_training_with_a_title_longer_than_passage_max_length(tmp_path: Path):
         r["positive_ctxs"][0]["title"] = LONG_TITLE
         r["hard_negative_ctxs"][0]["title"] = LONG_TITLE
     model = init_model(tmp_path)
-    config = TrainConfig(train_files=[str(write_dpr(tmp_path / "t.json", records))], output_dir=str(tmp_path / "out"),
-                         model=str(model), batch_size=8, num_workers=0, max_steps=2,
-                         query_chunk_size=4, passage_chunk_size=8, cache_dir=str(tmp_path / "cache"))
+    config = train_config(train_files=[str(write_dpr(tmp_path / "t.json", records))], output_dir=str(tmp_path / "out"),
+                          model=str(model), batch_size=8, num_workers=0, max_steps=2,
+                          query_chunk_size=4, passage_chunk_size=8, cache_dir=str(tmp_path / "cache"))
     summary = train(config)
     assert summary["steps"] == 2

@@ -16,9 +16,10 @@ from transformers import BertTokenizerFast
 from dpr_gc.cli import main
 from dpr_gc.errors import DprGcError
 from dpr_gc.model import Retriever, RetrieverConfig
-from dpr_gc.train import TrainConfig, train
+from dpr_gc.train import train
+from dpr_gc.train_config import TrainConfig
 from tests.conftest import tiny_bert, write_vocab
-from tests.train_data import make_records, write_dpr
+from tests.train_data import make_records, train_config, write_dpr
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,7 @@ def config(task: dict, out: Path, **kw) -> TrainConfig:
     base = dict(train_files=[str(task["train"])], output_dir=str(out), model=str(task["model"]), batch_size=8, num_workers=0,
                 learning_rate=1e-3, query_chunk_size=3, passage_chunk_size=5, cache_dir=str(task["dir"] / "cache"))
     base.update(kw)
-    return TrainConfig(**base)
+    return train_config(**base)
 
 
 def params(model_dir: Path) -> dict:

@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 from dpr_gc import validation as V
 from dpr_gc.errors import DprGcError
 from dpr_gc.model import Retriever
-from dpr_gc.train import TrainConfig
+from dpr_gc.cli import build_parser
+from dpr_gc.train_config import config_from_args
 from tests.test_train import init_model
 
 
@@ -80,13 +81,13 @@ def test_blocked_ranks_equal_the_full_matrix(monkeypatch) -> None:
 
 
 def test_dev_flags_and_bad_values(tmp_path: Path) -> None:
-    config = TrainConfig(train_files=["t"], output_dir="o", model="m", dev_max_questions=5, dev_hard_negatives=0,
-                         dev_other_negatives=2, dev_batch_size=3)
-    assert config.dev_limits() == V.DevLimits(5, 0, 2, 3, None)
+    args = build_parser().parse_args(["train", "--train", "t", "--output", "o", "--dev-max-questions", "5",
+                                      "--dev-hard-negatives", "0", "--dev-other-negatives", "2", "--dev-batch-size", "3"])
+    assert config_from_args(args).data.dev == V.DevLimits(5, 0, 2, 3, None)
     with pytest.raises(DprGcError, match="--dev-max-questions"):
-        TrainConfig(train_files=["t"], output_dir="o", model="m", dev_max_questions=0)
+        V.DevLimits(max_questions=0)
     with pytest.raises(DprGcError, match="--dev-hard-negatives"):
-        TrainConfig(train_files=["t"], output_dir="o", model="m", dev_hard_negatives=-1)
+        V.DevLimits(hard_negatives=-1)
 
 
 def worker(rank: int, tmp: str, model: str, dev: str, world: int) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
 
+from dpr_gc.train_config import TrainConfig
+from dpr_gc.validation import DevLimits
 from tests.conftest import WORDS
+
+RENAMED = {"model": ("model", "name"), "grad_cache": ("cache", "enabled"), "dev_file": ("data", "dev_file")}
 
 
 def make_records(n: int, seed: int, hard: int = 2) -> list[dict]:
@@ -27,3 +32,26 @@ def make_records(n: int, seed: int, hard: int = 2) -> list[dict]:
 def write_dpr(path: Path, records: list[dict]) -> Path:
     path.write_text(json.dumps(records))
     return path
+
+
+def train_config(**flat) -> TrainConfig:
+    """A :class:`TrainConfig` from the field names of its groups, each routed to the group that has it (``model``
+    names the model, ``grad_cache`` is ``cache.enabled``, ``dev_*`` go to ``data.dev``): short test set-ups."""
+    groups = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}
+    values: dict = {name: {} for name in groups}
+    dev = {}
+    for key, value in flat.items():
+        if key in RENAMED:
+            group, field = RENAMED[key]
+        elif key.startswith("dev_"):
+            dev[key.removeprefix("dev_")] = value
+            continue
+        else:
+            owners = [g for g, make in groups.items() if key in {f.name for f in dataclasses.fields(make())}]
+            assert len(owners) == 1, f"no single group has a field {key!r}"
+            group, field = owners[0], key
+        values[group][field] = value
+    if dev:
+        values["data"]["dev"] = DevLimits(**dev)
+    built = {name: type(make())(**values[name]) for name, make in groups.items()}
+    return TrainConfig(**built)
