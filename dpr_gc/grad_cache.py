@@ -1,12 +1,13 @@
 """Gradient Cache: the exact gradient of a large-batch contrastive loss in chunk-sized memory (Gao et al. 2021).
 
-One cached step runs in three parts:
+One cached step (:meth:`GradCache.cache_step`) runs in three parts, one method each, named as in the original:
 
-1. forward every chunk without a graph and keep only its representations (the RNG state is recorded first);
-2. compute the loss over the whole batch of representations and backpropagate to them, caching d loss / d rep in
-   fp32;
-3. re-run each chunk with a graph under its recorded RNG state and backpropagate the cached gradient into the
-   encoder (``sum(rep * cached_grad)`` has exactly that gradient).
+1. :meth:`~GradCache.forward_no_grad`: forward every chunk without a graph and keep only its representations (the
+   RNG state is recorded first);
+2. :meth:`~GradCache.build_cache`: compute the loss over the whole batch of representations and backpropagate to
+   them, caching d loss / d rep in fp32;
+3. :meth:`~GradCache.forward_backward`: re-run each chunk with a graph under its recorded RNG state and
+   backpropagate the cached gradient into the encoder (``sum(rep * cached_grad)`` has exactly that gradient).
 
 Beyond the original module: bf16 autocast beside fp16 + GradScaler; every chunk is trimmed to its own longest
 sequence (token-level representations are padded back, so the loss sees the untrimmed shape); the batch can be
@@ -117,12 +118,49 @@ def buffers_kept(models: Iterable[nn.Module]) -> Iterator[None]:
 
 
 class _Plan:
-    """One model's chunks, the original rows each holds, its RNG states and its trimmed widths (for padding back)."""
+    """One model's chunks, the original rows each holds, its RNG states and its trimmed widths (for padding back),
+    and the first pass's representations gathered into one fp32 buffer in the original row order."""
 
-    def __init__(self, chunks: list[Any], widths: list[Optional[tuple[int, int, str]]], order: Optional[torch.Tensor]):
-        self.chunks, self.widths, self.order = chunks, widths, order
+    def __init__(self, m: int, chunks: list[Any], widths: list[Optional[tuple[int, int, str]]],
+                 order: Optional[torch.Tensor]) -> None:
+        self.m, self.chunks, self.widths, self.order = m, chunks, widths, order
         self.rows: list[torch.Tensor] = []
         self.states: list[RandState] = []
+        self.counts = [rows_in(c) for c in chunks]
+        self.known = all(n is not None for n in self.counts)
+        self.buffer: Optional[torch.Tensor] = None
+        self.parts: list[torch.Tensor] = []
+        self.kept: Optional[torch.Tensor] = None  # the last chunk's representation, with its graph, when kept
+
+    def store(self, chunk_rep: torch.Tensor) -> None:
+        """Keep the next chunk's (detached) representation. The rows it holds come from its input when that has
+        tensors, else from the representation itself."""
+        i, start = len(self.rows), sum(len(r) for r in self.rows)
+        n = chunk_rep.size(0) if chunk_rep.dim() else 0
+        if self.known and n != self.counts[i]:
+            raise DprGcError(f"model {self.m} gave {n} representation rows for a chunk of {self.counts[i]} input rows")
+        rows = torch.arange(start, start + n) if self.order is None else self.order[start:start + n]
+        self.rows.append(rows)
+        if not self.known:
+            if self.parts:
+                self._check_shape(self.parts[0], chunk_rep)
+            self.parts.append(chunk_rep.to(torch.float32, copy=True))
+            return
+        if self.buffer is None:
+            self.buffer = chunk_rep.new_empty((sum(self.counts), *chunk_rep.shape[1:]), dtype=torch.float32)
+        self._check_shape(self.buffer, chunk_rep)
+        # One fp32 buffer in the original row order: a chunk's representation may be a view (e.g. the [CLS] row)
+        # whose base tensor would otherwise stay alive with it.
+        self.buffer[rows.to(self.buffer.device)] = chunk_rep.float()
+
+    def reps(self) -> torch.Tensor:
+        return self.buffer if self.known else torch.cat(self.parts)
+
+    def _check_shape(self, first: torch.Tensor, chunk_rep: torch.Tensor) -> None:
+        if first.shape[1:] != chunk_rep.shape[1:]:
+            raise DprGcError(f"the chunks of model {self.m} gave representations of shapes {tuple(first.shape[1:])} "
+                             f"and {tuple(chunk_rep.shape[1:])} per row (a per-token representation with fewer than "
+                             "3 dimensions cannot be padded back after trimming): pass trim=False")
 
 
 class GradCache:
@@ -207,54 +245,23 @@ class GradCache:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
         widths = [trimmed_width(c) if self.trim else None for c in chunks]
         chunks = [trim_padding(c) if w is not None else c for c, w in zip(chunks, widths)]
-        return _Plan(chunks, widths, order)
+        return _Plan(m, chunks, widths, order)
 
-    def _first_pass(self, m: int, plan: _Plan, trainable: bool, keep: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Every chunk's representation in one fp32 buffer in the original row order (and the kept graph's rep).
-
-        The rows each chunk holds come from its input when it has tensors, else from its representation.
-        """
-        model = self.models[m]
+    def _first_pass(self, plan: _Plan, trainable: bool, keep_graph: bool) -> None:
+        """Run the chunks of ``plan`` without a graph into its buffer, recording each one's RNG state first for the
+        replay; with ``keep_graph`` the last chunk runs with its graph instead, kept as ``plan.kept`` (it is not
+        replayed)."""
+        model = self.models[plan.m]
         devices = rng_devices(model, None) if trainable else set()
-        counts = [rows_in(c) for c in plan.chunks]
-        known = all(n is not None for n in counts)
-        buffer, parts, kept = None, [], None
-        start = 0
-        for i, chunk in enumerate(plan.chunks):
+        without_graph = len(plan.chunks) - 1 if keep_graph else len(plan.chunks)
+        for chunk, width in zip(plan.chunks[:without_graph], plan.widths):
             if trainable:
                 plan.states.append(RandState(devices | {t.device for t in tensors_in(chunk)}))
-            if keep and i == len(plan.chunks) - 1:
-                kept = self._forward(model, chunk, plan.widths[i])
-                chunk_rep = kept.detach()
-            else:
-                with torch.no_grad():
-                    chunk_rep = self._forward(model, chunk, plan.widths[i])
-            n = chunk_rep.size(0) if chunk_rep.dim() else 0
-            if known and n != counts[i]:
-                raise DprGcError(f"model {m} gave {n} representation rows for a chunk of {counts[i]} input rows")
-            rows = torch.arange(start, start + n) if plan.order is None else plan.order[start:start + n]
-            plan.rows.append(rows)
-            start += n
-            if known:
-                if buffer is None:
-                    buffer = chunk_rep.new_empty((sum(counts), *chunk_rep.shape[1:]), dtype=torch.float32)
-                self._check_shape(m, buffer, chunk_rep)
-                # One fp32 buffer in the original row order: a chunk's representation may be a view (e.g. the
-                # [CLS] row) whose base tensor would otherwise stay alive with it.
-                buffer[rows.to(buffer.device)] = chunk_rep.float()
-            else:
-                if parts:
-                    self._check_shape(m, parts[0], chunk_rep)
-                parts.append(chunk_rep.to(torch.float32, copy=True))
-            del chunk_rep
-        return (buffer if known else torch.cat(parts)), kept
-
-    @staticmethod
-    def _check_shape(m: int, first: torch.Tensor, chunk_rep: torch.Tensor) -> None:
-        if first.shape[1:] != chunk_rep.shape[1:]:
-            raise DprGcError(f"the chunks of model {m} gave representations of shapes {tuple(first.shape[1:])} and "
-                             f"{tuple(chunk_rep.shape[1:])} per row (a per-token representation with fewer than 3 "
-                             "dimensions cannot be padded back after trimming): pass trim=False")
+            with torch.no_grad():
+                plan.store(self._forward(model, chunk, width))
+        if keep_graph:
+            plan.kept = self._forward(model, plan.chunks[-1], plan.widths[-1])
+            plan.store(plan.kept.detach())
 
     # ----------------------------------------------------------------- the step
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
@@ -269,52 +276,69 @@ class GradCache:
         trainable = [is_trainable(m) for m in self.models]
         if no_sync_except_last and not all(is_ddp(m) for m, t in zip(self.models, trainable) if t):
             raise DprGcError("no_sync_except_last=True needs every trainable model wrapped in DistributedDataParallel")
-        last = len(self.models) - 1
+        plans, reps = self.forward_no_grad(model_inputs, trainable)
+        loss = self.build_cache(reps, **loss_kwargs)
+        self.forward_backward(plans, [rep.grad for rep in reps], no_sync_except_last)
+        return loss.detach()
 
-        # Part 1: representations without graphs. The very last chunk (of the last model) keeps its graph when
-        # allowed: it is the one chunk whose graph can live until the loss without raising peak memory.
-        plans, reps, kept_rep = [], [], None
+    def forward_no_grad(self, model_inputs: Sequence[Any], trainable: list[bool]) -> tuple[list[_Plan], list[torch.Tensor]]:
+        """Part 1: every model's chunks and representations, computed without graphs (fp32, original row order,
+        requiring grad where the model trains). The very last chunk (of the last model) keeps its graph when
+        allowed: it is the one chunk whose graph can live until the loss without raising peak memory (not under
+        DDP, where that graph's backward would reach the gradient hooks out of order)."""
+        plans, reps = [], []
         for m, model_input in enumerate(model_inputs):
             plan = self._plan(m, model_input)
-            keep = self.keep_last_graph and m == last and trainable[m] and not is_ddp(self.models[m])
-            rep, kept = self._first_pass(m, plan, trainable[m], keep)
-            kept_rep = kept if kept is not None else kept_rep
+            keep = (self.keep_last_graph and m == len(self.models) - 1 and trainable[m]
+                    and not is_ddp(self.models[m]))
+            self._first_pass(plan, trainable[m], keep)
             plans.append(plan)
-            reps.append(rep.requires_grad_(trainable[m]))
+            reps.append(plan.reps().requires_grad_(trainable[m]))
+        return plans, reps
 
-        # Part 2: the loss over the whole batch, and its gradient with respect to every representation (fp32).
+    def build_cache(self, reps: list[torch.Tensor], **loss_kwargs: Any) -> torch.Tensor:
+        """Part 2: the loss over the whole batch of representations, backpropagated to them: their ``.grad`` (fp32)
+        is the cache. The gradients of the loss's own parameters are averaged over ranks here."""
         loss = self.loss_fn(*reps, **loss_kwargs)
         if loss.requires_grad:
             (self.scaler.scale(loss) if self.fp16 else loss).backward()
         self._average_loss_parameter_grads()
-        if kept_rep is not None and reps[last].grad is None:
-            kept_rep = None
+        return loss
 
-        # Part 3: replay each chunk with a graph and push its cached gradient into the encoder. Models go last to
-        # first and the kept chunk first of all, so its graph is freed before any other chunk is re-run. Buffers
-        # are put back afterwards: the first pass already counted every example in the running statistics.
-        replayed = [self.models[m] for m in range(len(self.models)) if reps[m].grad is not None]
-        with buffers_kept(replayed):
+    def forward_backward(self, plans: list[_Plan], cache: list[Optional[torch.Tensor]], no_sync: bool) -> None:
+        """Part 3: replay each chunk with a graph under its recorded RNG state and push its cached gradient into the
+        encoder, models last to first. A representation the loss did not use is not replayed (and a kept graph of
+        it is dropped at once). Buffers are put back afterwards: the first pass already counted every example in
+        the running statistics."""
+        for plan, grad in zip(plans, cache):
+            if grad is None:
+                plan.kept = None
+        with buffers_kept([self.models[m] for m, grad in enumerate(cache) if grad is not None]):
             for m in reversed(range(len(self.models))):
-                if reps[m].grad is None:
-                    continue
-                kept_here = kept_rep is not None and m == last
-                self._replay(m, plans[m], reps[m].grad, kept_rep if kept_here else None, no_sync_except_last)
-                kept_rep = None if kept_here else kept_rep
-        return loss.detach()
+                if cache[m] is not None:
+                    self._replay(plans[m], cache[m], no_sync)
 
-    def _replay(self, m: int, plan: _Plan, grad: torch.Tensor, kept_rep: Optional[torch.Tensor], no_sync: bool) -> None:
-        model, end = self.models[m], len(plan.chunks) - 1
-        for i in ([end] + list(range(end)) if kept_rep is not None else range(len(plan.chunks))):
+    def _replay(self, plan: _Plan, cache: torch.Tensor, no_sync: bool) -> None:
+        """One model's part 3. A kept chunk goes first of all, so its graph is freed before any other chunk is
+        re-run; with ``no_sync`` only the last chunk runs DDP's all-reduce."""
+        model, end = self.models[plan.m], len(plan.chunks) - 1
+        replayed = range(len(plan.chunks))
+        if plan.kept is not None:
+            self._backward_chunk(plan.kept, plan.rows[end], cache)
+            plan.kept, replayed = None, range(end)
+        for i in replayed:
             with self._sync_context(model, not no_sync or i == end):
-                if i == end and kept_rep is not None:
-                    chunk_rep, kept_rep = kept_rep, None
-                else:
-                    with plan.states[i].replay():
-                        chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
-                cached = grad[plan.rows[i].to(grad.device)].to(chunk_rep.device)
-                torch.sum(chunk_rep.float() * cached).backward()
+                with plan.states[i].replay():
+                    chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
+                self._backward_chunk(chunk_rep, plan.rows[i], cache)
                 del chunk_rep
+
+    @staticmethod
+    def _backward_chunk(chunk_rep: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor) -> None:
+        """Backpropagate a chunk's cached gradient into its encoder: ``sum(rep * cached_grad)`` has exactly that
+        gradient."""
+        cached = cache[rows.to(cache.device)].to(chunk_rep.device)
+        torch.sum(chunk_rep.float() * cached).backward()
 
     @staticmethod
     def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
