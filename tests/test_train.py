@@ -16,7 +16,7 @@ from transformers import BertTokenizerFast
 from dpr_gc.cli import main
 from dpr_gc.errors import DprGcError
 from dpr_gc.model import Retriever, RetrieverConfig
-from dpr_gc.train import train
+from dpr_gc.train import Trainer, train
 from dpr_gc.train_config import TrainConfig
 from tests.conftest import tiny_bert, write_vocab
 from tests.train_data import make_records, train_config, write_dpr
@@ -53,7 +53,8 @@ def params(model_dir: Path) -> dict:
 
 
 def test_dev_loss_falls_and_outputs(task, tmp_path):
-    summary = train(config(task, tmp_path / "out", dev_file=str(task["dev"]), epochs=2, eval_every=6))
+    trainer = Trainer(config(task, tmp_path / "out", dev_file=str(task["dev"]), epochs=2, eval_every=6))
+    summary = trainer.fit()
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     dev = [r for r in records if "dev_loss" in r]
     assert dev[0]["step"] == 0 and dev[-1]["step"] == summary["steps"] == 24
@@ -61,11 +62,17 @@ def test_dev_loss_falls_and_outputs(task, tmp_path):
     assert dev[-1]["dev_avg_rank"] < dev[0]["dev_avg_rank"]
     assert (tmp_path / "out" / "best" / "retriever_config.json").is_file()
     assert (tmp_path / "out" / "checkpoint-24" / "train_state.json").is_file()
-    texts = ["paris city", "the river of london"]
-    saved = Retriever.load(tmp_path / "out" / "final")
-    again = Retriever.load(tmp_path / "out" / "final")
-    assert np.array_equal(saved.embed("passage", texts), again.embed("passage", texts))
-    assert not np.allclose(Retriever.load(task["model"]).embed("query", texts), saved.embed("query", texts))
+    # final/ and the last checkpoint hold the weights the run ended with, exactly, and embed as the trained model does.
+    trained, texts = trainer.retriever, ["paris city", "the river of london"]
+    for folder in ("final", "checkpoint-24/model"):
+        saved = Retriever.load(tmp_path / "out" / folder)
+        weights = saved.state_dict()
+        assert weights.keys() == trained.state_dict().keys()
+        assert all(torch.equal(weights[k], v) for k, v in trained.state_dict().items())
+        for kind in ("query", "passage"):
+            assert np.array_equal(saved.embed(kind, texts), trained.embed(kind, texts))
+    initial = Retriever.load(task["model"])
+    assert not np.allclose(initial.embed("query", texts), trained.embed("query", texts))
 
 
 def test_resume_equals_uninterrupted(tmp_path):
@@ -96,8 +103,12 @@ def test_plain_and_cached_training_take_the_same_first_step(task, tmp_path):
     def keep(step: int, retriever) -> None:
         grads.setdefault(len(grads), torch.cat([p.grad.flatten() for p in retriever.parameters() if p.grad is not None]))
 
-    train(config(task, tmp_path / "gc", max_steps=1), on_backward=keep)
-    train(config(task, tmp_path / "plain", max_steps=1, grad_cache=False), on_backward=keep)
+    cached = Trainer(config(task, tmp_path / "gc", max_steps=1), on_backward=keep)
+    assert cached.cache.chunk_sizes == [3, 5]
+    cached.fit()
+    plain = Trainer(config(task, tmp_path / "plain", max_steps=1, grad_cache=False), on_backward=keep)
+    assert plain.cache is None  # plain training builds no GradCache
+    plain.fit()
     assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-5
 
 
