@@ -31,7 +31,7 @@ class _BlockedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, targets: torch.Tensor, block: int) -> torch.Tensor:
-        lse = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
+        lse = torch.empty(x.size(0), dtype=x.dtype, device=x.device)
         for start in range(0, x.size(0), block):
             scores = (x[start:start + block] @ y.T) * scale
             lse[start:start + block] = torch.logsumexp(scores, dim=1)
@@ -43,7 +43,7 @@ class _BlockedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, y, scale, targets, lse = ctx.saved_tensors
-        g = grad_out.to(torch.float32)
+        g = grad_out.to(x.dtype)
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         grad_y = torch.zeros_like(y) if ctx.needs_input_grad[1] else None
         grad_scale = x.new_zeros(()) if ctx.needs_input_grad[2] else None
@@ -73,14 +73,15 @@ def check_loss_chunk_size(block: Optional[int]) -> None:
 
 def blocked_cross_entropy(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, targets: torch.Tensor,
                           block: Optional[int] = None) -> torch.Tensor:
-    """Per-query InfoNCE losses of queries ``x`` over passages ``y`` (fp32), never materialising more than
-    ``block`` rows of scores."""
+    """Per-query InfoNCE losses of queries ``x`` over passages ``y``, never materialising more than ``block`` rows
+    of scores. Computed in fp32, or in fp64 when the representations are fp64 (fp16/bf16 are raised to fp32)."""
     check_loss_chunk_size(block)
     if block is None:
         block = max(1, min(x.size(0), _AUTO_BLOCK_ELEMENTS // max(1, y.size(0))))
     if block == 0:
         raise DprGcError("blocked_cross_entropy needs a positive block (loss_chunk_size 0 is the dense path)")
-    return _BlockedCrossEntropy.apply(x.float(), y.float(), scale.float(), targets, int(block))
+    dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+    return _BlockedCrossEntropy.apply(x.to(dtype), y.to(dtype), scale.to(dtype), targets, int(block))
 
 
 def reduce(losses: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -185,12 +186,6 @@ class SimpleContrastiveLoss(nn.Module):
 
     def _world(self) -> int:
         return 1
-
-    def scores(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Dense fp32 score matrix ``[len(x), len(y)]`` (for evaluation and small batches)."""
-        with torch.autocast(x.device.type, enabled=False):
-            x, y = self._prepare(x, y)
-            return (x @ y.T) / self.temperature.to(x.device)
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = x.float(), y.float()

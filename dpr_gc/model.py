@@ -132,7 +132,7 @@ class Encoder(nn.Module):
 
 
 class Retriever(nn.Module):
-    """Bi-encoder: ``encode_query`` / ``encode_passage`` on tokenized batches, and batched text embedding.
+    """Bi-encoder: ``forward(kind, ...)`` on tokenized batches, and batched text embedding (:meth:`embed`).
 
     ``forward(kind, scale=True, **batch)`` is what training calls: it returns the representation multiplied by
     ``1/sqrt(temperature)`` in fp32, so a plain dot product of a query and a passage output equals their score
@@ -160,12 +160,6 @@ class Retriever(nn.Module):
         if scale:
             rep = rep.float() * self.temperature.rsqrt()
         return rep
-
-    def encode_query(self, **batch: torch.Tensor) -> torch.Tensor:
-        return self.forward("query", scale=False, **batch)
-
-    def encode_passage(self, **batch: torch.Tensor) -> torch.Tensor:
-        return self.forward("passage", scale=False, **batch)
 
     # ----------------------------------------------------------------- tokenization
     def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:

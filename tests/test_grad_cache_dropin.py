@@ -171,6 +171,31 @@ def test_loss_is_fp32_inside_an_outer_autocast(dtype, block, similarity, learn):
     assert rel_err(grad, ref_grad) < 1e-5
 
 
+@pytest.mark.parametrize("block", [1, 3, 7])
+def test_blocked_cross_entropy_matches_cross_entropy_in_float64(block):
+    """The blocked loss and its hand-written backward, in float64: gradcheck against finite differences, and values
+    and gradients equal to ``F.cross_entropy`` over the dense score matrix to rounding."""
+    from dpr_gc.loss import blocked_cross_entropy
+
+    gen = torch.Generator().manual_seed(block)
+    x = torch.randn(7, 5, dtype=torch.float64, generator=gen).requires_grad_()
+    y = torch.randn(16, 5, dtype=torch.float64, generator=gen).requires_grad_()
+    scale = torch.tensor(1.7, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 16, (7,), generator=gen)
+    assert torch.autograd.gradcheck(lambda a, b, s: blocked_cross_entropy(a, b, s, targets, block), (x, y, scale))
+    weights = torch.rand(7, dtype=torch.float64, generator=gen)  # a non-uniform upstream gradient
+    got = blocked_cross_entropy(x, y, scale, targets, block)
+    want = nn.functional.cross_entropy((x @ y.T) * scale, targets, reduction="none")
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    for g, w in zip(torch.autograd.grad((got * weights).sum(), (x, y, scale)),
+                    torch.autograd.grad((want * weights).sum(), (x, y, scale))):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for low in (torch.float16, torch.bfloat16):  # reduced precisions are still computed in fp32
+        assert blocked_cross_entropy(x.detach().to(low), y.detach().to(low), scale.detach(), targets,
+                                     block).dtype == torch.float32
+
+
 @pytest.mark.parametrize("size", [-1, -4, 1.5])
 def test_bad_loss_chunk_size_is_refused(size):
     with pytest.raises(DprGcError, match="loss_chunk_size"):
