@@ -210,11 +210,16 @@ class Trainer:
         if self.on_backward is not None:
             self.on_backward(self.step, self.retriever)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
+        grad_norm = self.clip_gradients()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         return loss, grad_norm
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip the global gradient norm of the trainable parameters to ``optim.max_grad_norm``; returns the norm
+        before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
 
     def plain_backward(self, query: dict, passage: dict) -> torch.Tensor:
         """The full-batch gradient in one graph (no Gradient Cache): the baseline that Gradient Cache must equal."""

@@ -131,6 +131,8 @@ def test_bad_input_errors(task, tmp_path, capsys):
     assert "no-such-model" in capsys.readouterr().err
     assert main(["train", "--train", str(task["train"]), "--output", "o", "--precision", "fp8"]) == 2
     assert capsys.readouterr().err.startswith("error: dpr-gc train: argument --precision: invalid choice")
+    with pytest.raises(DprGcError, match="needs training data"):  # a library config without data or output
+        train(TrainConfig())
 
 
 @pytest.mark.parametrize("shared", [True, False])
