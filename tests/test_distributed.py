@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BertTokenizerFast
 
@@ -20,6 +19,7 @@ from dpr_gc.functional import cached, cat_input_tensor, gather_input_tensor
 from dpr_gc.grad_cache import split_input, take_rows
 from dpr_gc.model import Retriever, RetrieverConfig
 from tests.conftest import tiny_bert, write_vocab
+from tests.ranks import run_ranks
 from tests.test_grad_cache import grads, make_batch, rel_err
 
 WORLD = 2
@@ -121,7 +121,7 @@ def test_ddp_cached_step_matches_global_batch(tmp_path, shared, learn_t):
     write_vocab(tmp_path / "vocab.txt")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        mp.spawn(worker, args=(str(tmp_path), shared, learn_t), nprocs=WORLD, join=True)
+        run_ranks(worker, (str(tmp_path), shared, learn_t), WORLD)
     except Exception:
         errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
         pytest.fail(f"a rank failed:\n{errors}")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BertTokenizerFast
@@ -20,6 +19,7 @@ from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
 from dpr_gc.grad_cache import take_rows
 from dpr_gc.loss import all_gather_with_grad
 from tests.conftest import tiny_bert, write_vocab
+from tests.ranks import run_ranks
 from tests.test_grad_cache import grads, make_batch, rel_err
 
 WORLD = 2
@@ -113,6 +113,6 @@ def worker(rank: int, tmp: str) -> None:
 def test_two_ranks(tmp_path):
     write_vocab(tmp_path / "vocab.txt")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    run_ranks(worker, (str(tmp_path),), WORLD)
     errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
     assert not errors, f"a check failed:\n{errors}"

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dpr_gc import validation as V
 from dpr_gc.errors import DprGcError
 from dpr_gc.model import Retriever
 from dpr_gc.cli import build_parser
 from dpr_gc.train_config import config_from_args
+from tests.ranks import run_ranks
 from tests.test_train import init_model
 
 
@@ -108,7 +108,7 @@ def test_sharded_validation_equals_one_process(model: Path, tmp_path: Path, worl
     dev = write_dev(tmp_path / "dev.json", 9)
     limits = V.DevLimits(max_questions=7, hard_negatives=3, other_negatives=0, batch_size=4)
     expected = V.evaluate_dev(Retriever.load(model), dev, limits, str(tmp_path / "cache"))
-    mp.spawn(worker, args=(str(tmp_path), str(model), dev, world), nprocs=world, join=True)
+    run_ranks(worker, (str(tmp_path), str(model), dev, world), world)
     for rank in range(world):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got.keys() == expected.keys()
