@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dpr_gc.corpus import load_corpus  # noqa: E402
-from dpr_gc.encode import cpu_has_native_bf16, encode_block, encode_corpus, quantize_int8  # noqa: E402
+from dpr_gc.devices import cpu_has_native_bf16  # noqa: E402
+from dpr_gc.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
 from dpr_gc.files import iter_jsonl, write_json  # noqa: E402
 from dpr_gc.model import Retriever, RetrieverConfig, default_model_path  # noqa: E402
 

@@ -8,6 +8,9 @@ import math
 import sys
 from typing import Any, Callable, NoReturn
 
+from .errors import DprGcError
+from .files import check_output_dir, check_output_file
+
 ERROR_EXIT = 2
 
 
@@ -41,28 +44,23 @@ any_float = _number(float, lambda v: True, "a finite number")
 any_int = _number(int, lambda v: True, "an integer")
 
 
-def output_file(text: str) -> str:
-    """A file to write: not an existing folder, not under a file (an existing file is replaced atomically)."""
-    from .errors import DprGcError
-    from .files import check_output_file
+def _output_path(check: Callable[[str, str], Any], name: str) -> Callable[[str], str]:
+    """A flag type running ``check`` (from ``files``) while the command line is parsed."""
+    def parse(text: str) -> str:
+        try:
+            check(text, "path")
+        except DprGcError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
 
-    try:
-        check_output_file(text, "path")
-    except DprGcError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    parse.__name__ = name
+    return parse
 
 
-def output_dir(text: str) -> str:
-    """A folder to write into: not an existing file, nor under one."""
-    from .errors import DprGcError
-    from .files import check_output_dir
-
-    try:
-        check_output_dir(text, "path")
-    except DprGcError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+# A file to write: not an existing folder, not under a file (an existing file is replaced atomically).
+output_file = _output_path(check_output_file, "output_file")
+# A folder to write into: not an existing file, nor under one.
+output_dir = _output_path(check_output_dir, "output_dir")
 
 
 def device_arg(text: str) -> str:

@@ -14,17 +14,16 @@ be unique and free of whitespace (TREC runs and id files are whitespace-separate
 from __future__ import annotations
 
 import ast
-import contextlib
 import hashlib
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from .errors import DprGcError
-from .files import PathLike, atomic_path, iter_jsonl_objects, open_text, require_file
+from .arrow_cache import build_once, cache_file, map_dataset, write_stream
+from .files import PathLike, iter_jsonl_objects, open_text, require_file
 from .streams import TsvCounts, iter_tsv_lines, log_tsv_counts
 
 logger = logging.getLogger(__name__)
@@ -36,12 +35,6 @@ FULL_HASH_BYTES = 256 << 20
 SAMPLE_BLOCKS = 1024
 SAMPLE_BLOCK_BYTES = 64 << 10
 _BAD_ID = re.compile(r"\s")
-
-
-def default_cache_dir() -> Path:
-    """Where parsed corpora are cached: ``$DPR_GC_CACHE/corpora`` or ``~/.cache/dpr_gc/corpora``."""
-    root = os.environ.get("DPR_GC_CACHE") or Path.home() / ".cache" / "dpr_gc"
-    return Path(root) / "corpora"
 
 
 def corpus_format(path: PathLike) -> str:
@@ -150,9 +143,7 @@ def corpus_cache_path(path: PathLike, cache_dir: Optional[PathLike] = None,
     p = Path(path).resolve()
     st = p.stat()
     fingerprint = fingerprint or corpus_fingerprint(p)
-    key = f"{CACHE_VERSION}|{p}|{st.st_size}|{st.st_mtime_ns}|{fingerprint}"
-    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return folder / f"{p.name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.arrow"
+    return cache_file(cache_dir, "corpora", p.name, f"{CACHE_VERSION}|{p}|{st.st_size}|{st.st_mtime_ns}|{fingerprint}")
 
 
 def load_corpus(path: PathLike, cache_dir: Optional[PathLike] = None) -> Any:
@@ -161,17 +152,11 @@ def load_corpus(path: PathLike, cache_dir: Optional[PathLike] = None) -> Any:
     The source's content fingerprint is part of the cache key and stored in the Arrow schema metadata
     (``dpr_gc_fingerprint``), so an edited file is parsed again even if its size and mtime were restored.
     """
-    import datasets
-
     p = require_file(path, "corpus file")
     fingerprint = corpus_fingerprint(p)
     cache = corpus_cache_path(p, cache_dir, fingerprint)
-    if not cache.is_file():
-        with _build_lock(cache):
-            if not cache.is_file():
-                rows = _build_arrow(p, cache, fingerprint)
-                logger.info("cached %d passages from %s in %s", rows, p, cache)
-    return datasets.Dataset.from_file(str(cache))
+    build_once(cache, cache.is_file, lambda: _build_arrow(p, cache, fingerprint))
+    return map_dataset(cache)
 
 
 def dataset_fingerprint(corpus: Any) -> Optional[str]:
@@ -187,62 +172,38 @@ def dataset_fingerprint(corpus: Any) -> Optional[str]:
     return value.decode() if value else None
 
 
-@contextlib.contextmanager
-def _build_lock(cache: Path) -> Iterator[None]:
-    """Let one process (e.g. one torchrun rank) parse the corpus while the others wait for its cache file.
-
-    ``flock`` is released by the OS if the holder dies, so a crash never leaves a stale lock. Without ``fcntl``
-    (not POSIX) builders simply race; each writes a complete file and renames it atomically.
-    """
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(cache.with_name(cache.name + ".lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _build_arrow(path: Path, cache: Path, fingerprint: str) -> int:
-    """Stream the corpus into an Arrow IPC stream file (the layout ``Dataset.from_file`` maps), atomically; refuse
-    duplicate passage ids before the file gets its final name."""
+def _build_arrow(path: Path, cache: Path, fingerprint: str) -> None:
+    """Stream the corpus into its Arrow cache file; refuse an empty corpus or duplicate passage ids before the file
+    gets its final name."""
     import pyarrow as pa
     from tqdm.auto import tqdm
 
     schema = pa.schema([(c, pa.string()) for c in COLUMNS],
                        metadata={"dpr_gc_source": str(path.resolve()), "dpr_gc_fingerprint": fingerprint})
     total = 0
-    with atomic_path(cache) as tmp:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            cols: tuple[list[str], list[str], list[str]] = ([], [], [])
-            for pid, title, text in tqdm(iter_passages(path), desc=f"reading {path.name}", unit=" passages",
-                                         mininterval=2.0, disable=None):
-                cols[0].append(pid)
-                cols[1].append(title)
-                cols[2].append(text)
-                if len(cols[0]) >= WRITE_BATCH_ROWS:
-                    total += _flush(writer, schema, cols)
-            total += _flush(writer, schema, cols)
+
+    def batches() -> Iterator[Any]:
+        nonlocal total
+        cols: tuple[list[str], list[str], list[str]] = ([], [], [])
+        for row in tqdm(iter_passages(path), desc=f"reading {path.name}", unit=" passages", mininterval=2.0,
+                        disable=None):
+            for col, value in zip(cols, row):
+                col.append(value)
+            if len(cols[0]) >= WRITE_BATCH_ROWS:
+                total += len(cols[0])
+                yield pa.record_batch([pa.array(c, pa.string()) for c in cols], schema=schema)
+                cols = ([], [], [])
+        if cols[0]:
+            total += len(cols[0])
+            yield pa.record_batch([pa.array(c, pa.string()) for c in cols], schema=schema)
+
+    def check(tmp: Path) -> None:
         if total == 0:
             raise DprGcError(f"corpus is empty: {path} has no passages")
         _check_unique_ids(tmp, path)
-    return total
 
-
-def _flush(writer: Any, schema: Any, cols: tuple[list[str], list[str], list[str]]) -> int:
-    import pyarrow as pa
-
-    n = len(cols[0])
-    if n:
-        writer.write_batch(pa.record_batch([pa.array(c, pa.string()) for c in cols], schema=schema))
-        for c in cols:
-            c.clear()
-    return n
+    write_stream(cache, schema, batches(), check)
+    logger.info("cached %d passages from %s in %s", total, path, cache)
 
 
 def _check_unique_ids(arrow_file: Path, source: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -22,12 +21,14 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
+from .arrow_cache import build_once, cache_file, map_dataset, write_stream
 from .errors import DprGcError
-from .files import (PathLike, atomic_path, die_with_parent, iter_jsonl_objects, open_text, read_json_object, require_file,
+from .files import (PathLike, die_with_parent, iter_jsonl_objects, open_text, read_json_object, require_file,
                     write_json)
-from .streams import CHUNK_CHARS, iter_json_list
+from .streams import iter_json_list, sniff_json
 from .model import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler, TrainingExamples  # noqa: F401 (TrainingExamples is re-exported)
+from .tables import markdown_table
 from .tokenize import tokenize
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,6 @@ ID_KEYS = ("passage_id", "id", "psg_id", "_id")
 WRITE_BATCH = 256
 Row = dict[str, Any]
 Produced = Iterator[tuple[str, Union[Row, str]]]  # (where, normalised row or error message)
-
-
-def default_cache_dir() -> Path:
-    """Where parsed training sets are cached: ``$DPR_GC_CACHE/train`` or ``~/.cache/dpr_gc/train``."""
-    return Path(os.environ.get("DPR_GC_CACHE") or Path.home() / ".cache" / "dpr_gc") / "train"
 
 
 def _schema() -> Any:
@@ -114,9 +110,7 @@ def normalise_record(record: Any) -> Row:
 # ----------------------------------------------------------------- readers
 def _dpr_records(path: Path) -> Produced:
     """Records of a DPR training file: a JSON list or JSONL, optionally gzipped."""
-    with open_text(path) as f:
-        is_list = f.read(CHUNK_CHARS).lstrip().startswith("[")
-    if is_list:
+    if sniff_json(path) == "list":
         with open_text(path) as f:
             for k, (line, obj) in enumerate(iter_json_list(f, path)):
                 yield from _checked(f"{path}:{line} (record {k})", obj)
@@ -198,45 +192,52 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
 def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], Produced],
            cache_dir: Optional[PathLike], skip_bad: bool) -> TrainingData:
     """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it."""
-    import datasets
-    import pyarrow as pa
-
     key = [FORMAT_VERSION, tag, skip_bad] + [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-    digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
-    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
-    arrow, stats_file = folder / f"{stem}-{digest}.arrow", folder / f"{stem}-{digest}.stats.json"
-    if arrow.is_file() and stats_file.is_file():
-        stats = read_json_object(stats_file, "training cache statistics")
-    else:
-        stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0}
-        schema, rows = _schema(), []
-        with atomic_path(arrow) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for where, row in tqdm(produce(), desc=f"parse {stem}", unit=" rec", disable=None):
-                stats["records"] += 1
-                if isinstance(row, str):
-                    if not skip_bad:
-                        raise DprGcError(f"{where}: {row}; fix the record or pass --skip-bad-records")
-                    stats["bad"] += 1
-                    if stats["bad"] <= 5:
-                        logger.warning("skipping bad record at %s: %s", where, row)
-                elif not row["positives"]:
-                    stats["no_positive"] += 1
-                else:
-                    stats["kept"] += 1
-                    rows.append(row)
-                    if len(rows) == WRITE_BATCH:
-                        writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
-                        rows = []
-            if rows:
-                writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
-        write_json(stats_file, stats)
+    arrow = cache_file(cache_dir, "train", stem, json.dumps(key))
+    stats_file = arrow.with_name(arrow.stem + ".stats.json")
+    build_once(arrow, lambda: arrow.is_file() and stats_file.is_file(),
+               lambda: _parse(source, stem, produce, skip_bad, arrow, stats_file))
+    stats = read_json_object(stats_file, "training cache statistics")
     logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped)", stats["source"],
                 stats["records"], stats["kept"], stats["no_positive"], stats["bad"])
     if stats["kept"] == 0:
         raise DprGcError(f"{stats['source']}: no usable training question ({stats['records']} records, "
                          f"{stats['no_positive']} without a positive, {stats['bad']} bad)")
-    return TrainingData(datasets.Dataset.from_file(str(arrow)), [stats["kept"]], [stats])
+    return TrainingData(map_dataset(arrow), [stats["kept"]], [stats])
+
+
+def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: bool, arrow: Path,
+           stats_file: Path) -> None:
+    """Write the rows of ``produce()`` with a positive to ``arrow`` and the counts to ``stats_file`` (last)."""
+    import pyarrow as pa
+
+    stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0}
+    schema = _schema()
+
+    def batches() -> Iterator[Any]:
+        rows = []
+        for where, row in tqdm(produce(), desc=f"parse {stem}", unit=" rec", disable=None):
+            stats["records"] += 1
+            if isinstance(row, str):
+                if not skip_bad:
+                    raise DprGcError(f"{where}: {row}; fix the record or pass --skip-bad-records")
+                stats["bad"] += 1
+                if stats["bad"] <= 5:
+                    logger.warning("skipping bad record at %s: %s", where, row)
+            elif not row["positives"]:
+                stats["no_positive"] += 1
+            else:
+                stats["kept"] += 1
+                rows.append(row)
+                if len(rows) == WRITE_BATCH:
+                    yield pa.RecordBatch.from_pylist(rows, schema=schema)
+                    rows = []
+        if rows:
+            yield pa.RecordBatch.from_pylist(rows, schema=schema)
+
+    write_stream(arrow, schema, batches())
+    write_json(stats_file, stats)
 
 
 def load_dpr_files(paths: Sequence[PathLike], cache_dir: Optional[PathLike] = None,
@@ -337,6 +338,5 @@ def add_cli(subparsers: Any) -> None:
 
 def _cli_prepare(args: Any) -> None:
     data = load_training_data(args.sources, args.cache_dir, args.skip_bad_records, args.beir_split)
-    print("| source | records | kept | no positive | bad |\n|---|---|---|---|---|")
-    for s in data.stats:
-        print(f"| {s['source']} | {s['records']} | {s['kept']} | {s['no_positive']} | {s['bad']} |")
+    print(markdown_table(("source", "records", "kept", "no positive", "bad"),
+                         [[s[k] for k in ("source", "records", "kept", "no_positive", "bad")] for s in data.stats]))

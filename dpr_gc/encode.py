@@ -24,18 +24,18 @@ from tqdm.auto import tqdm
 
 from .corpus import dataset_fingerprint, load_corpus
 from .args import device_arg, nonnegative_int, output_dir, positive_int
+from .devices import PRECISIONS, autocast_dtype, default_device, pick_precision
 from .errors import DprGcError
-from .files import (PathLike, atomic_open, atomic_path, locked_folder, read_json_object, remove_stale_temporaries,
-                    write_json)
+from .files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
+from .locks import locked_folder
 from .model import add_prefix_arguments
+from .tables import markdown_table
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
 PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
-AUTOCAST = {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": None}
 DTYPES = ("float16", "float32")
-CHUNK_BATCHES = 16
 # Settings that must match for parts/shards in one folder to be combined (batch size and device may differ).
 MUST_MATCH = ("model_fingerprint", "pooling", "normalize", "passage_format", "max_length", "precision", "dim",
               "dtype", "num_shards", "corpus_name", "corpus_bytes", "corpus_rows", "corpus_fingerprint")
@@ -73,40 +73,13 @@ def model_fingerprint(retriever: Any) -> str:
     return h.hexdigest()[:16]
 
 
-@torch.inference_mode()
 def encode_block(retriever: Any, titles: Sequence[str], texts: Sequence[str], batch_size: int = 64,
                  max_length: Optional[int] = None, autocast: Optional[str] = None,
                  progress: Optional[Any] = None) -> np.ndarray:
-    """Embed passages (float32 ``[N, D]``, input order) in length-sorted, tightly padded batches.
-
-    Rows are sorted by character length and tokenised ``CHUNK_BATCHES`` batches at a time (one fast-tokenizer call),
-    then re-sorted by token count so each batch is cut to its own longest sequence. The next chunk is tokenised
-    before the previous chunk's results are copied back, so on GPU tokenisation overlaps the forward passes.
-    """
-    n = len(texts)
-    device = next(retriever.parameters()).device
-    amp = AUTOCAST[autocast]
-    left = getattr(retriever.tokenizer, "padding_side", "right") == "left"
-    out = np.empty((n, retriever.dim), dtype=np.float32)
-    lengths_chars = np.fromiter((len(a) + len(b) for a, b in zip(titles, texts)), dtype=np.int64, count=n)
-    order = np.argsort(-lengths_chars, kind="stable")
-    pending: list[tuple[np.ndarray, torch.Tensor]] = []
-    for cs in range(0, n, batch_size * CHUNK_BATCHES):
-        idx = order[cs:cs + batch_size * CHUNK_BATCHES]
-        enc = retriever.tokenize_passages([titles[i] for i in idx], [texts[i] for i in idx], max_length)
-        _drain(pending, out, progress)
-        lengths = enc["attention_mask"].sum(1)
-        by_tokens = torch.argsort(lengths, descending=True, stable=True)
-        for bs in range(0, len(idx), batch_size):
-            sel = by_tokens[bs:bs + batch_size]
-            width = int(lengths[sel[0]])
-            batch = {k: (v[sel, -width:] if left else v[sel, :width]).to(device, non_blocking=True)
-                     for k, v in enc.items()}
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                rep = retriever.forward("passage", scale=False, **batch)
-            pending.append((idx[sel.numpy()], rep.float()))
-    _drain(pending, out, progress)
-    return out
+    """Embed passages (float32 ``[N, D]``, input order) with :meth:`~dpr_gc.model.Retriever.embed`, the one
+    embedding loop (length-sorted, tightly padded batches), under ``autocast`` precision (``bf16``/``fp16``)."""
+    return retriever.embed("passage", texts, titles, batch_size, autocast_dtype(autocast), max_length=max_length,
+                           progress=progress)
 
 
 def quantize_int8(retriever: Any) -> Any:
@@ -124,14 +97,6 @@ def quantize_int8(retriever: Any) -> Any:
         return quantize_dynamic(copy.deepcopy(retriever).eval(), {torch.nn.Linear: per_channel_dynamic_qconfig})
 
 
-def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, progress: Optional[Any]) -> None:
-    for rows, rep in pending:
-        out[rows] = rep.cpu().numpy()
-        if progress is not None:
-            progress.update(len(rows))
-    pending.clear()
-
-
 def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike,
                   shard_id: Optional[int] = None, num_shards: Optional[int] = None, batch_size: int = 64,
                   dtype: str = "float16", autocast: Optional[str] = None,
@@ -145,7 +110,7 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike,
     """
     if dtype not in DTYPES:
         raise DprGcError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if autocast not in AUTOCAST:
+    if autocast is not None and autocast not in PRECISIONS:
         raise DprGcError(f"--precision must be one of fp32, bf16, fp16, int8, got {autocast!r}")
     if batch_size < 1 or block_size < 1:
         raise DprGcError("--batch-size and the block size must be positive")
@@ -373,30 +338,11 @@ def add_cli(subparsers: Any) -> None:
     parser.set_defaults(func=run_cli)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX), where bf16 autocast speeds encoding up
-    (1.3-1.5x on MiniLM, benchmarks/results/encode.json); elsewhere it is emulated and slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def pick_precision(precision: str, device: torch.device) -> Optional[str]:
-    """Resolve ``auto``: bf16 on GPUs that support it, else fp16; bf16 on CPUs with native bf16, else fp32."""
-    if precision != "auto":
-        return None if precision == "fp32" else precision
-    if device.type != "cuda":
-        return "bf16" if cpu_has_native_bf16() else None
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-
-
 def run_cli(args: argparse.Namespace) -> dict:
     """Handler for ``encode``: load the model, encode one shard, print a summary table."""
     from .model import Retriever
 
-    device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    device = default_device(args.device)
     retriever = Retriever.load(args.model, device, args.query_prefix, args.passage_prefix)
     began = time.perf_counter()
     manifest = encode_corpus(retriever, args.corpus, args.output, args.shard_id, args.num_shards,
@@ -406,7 +352,7 @@ def run_cli(args: argparse.Namespace) -> dict:
                              model_name=str(args.model))
     seconds = time.perf_counter() - began
     rate = manifest["count"] / seconds if seconds > 0 else float("nan")
-    print("| passages | seconds | passages/s | shard file |")
-    print("|---:|---:|---:|---|")
-    print(f"| {manifest['count']} | {seconds:.1f} | {rate:.1f} | {Path(args.output) / manifest['embeddings']} |")
+    print(markdown_table(("passages", "seconds", "passages/s", "shard file"),
+                         [(manifest["count"], f"{seconds:.1f}", f"{rate:.1f}", Path(args.output) / manifest["embeddings"])],
+                         ("---:", "---:", "---:", "---")))
     return manifest

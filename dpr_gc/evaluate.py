@@ -27,6 +27,7 @@ from .args import nonnegative_int, output_file, positive_int
 from .errors import DprGcError
 from .files import PathLike, atomic_path, open_text, write_json
 from .results import check_question, iter_results
+from .tables import markdown_table
 
 logger = logging.getLogger(__name__)
 
@@ -213,11 +214,8 @@ def format_table(metrics: dict[str, float]) -> str:
         name, _, k = key.partition("@")
         rows.setdefault(name, {})[k] = value
     cols = sorted({k for cells in rows.values() for k in cells}, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
-    lines = ["| metric | " + " | ".join(f"@{k}" if k else "value" for k in cols) + " |",
-             "|---" * (len(cols) + 1) + "|"]
-    for name, cells in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{cells[k]:.4f}" if k in cells else "" for k in cols) + " |")
-    return "\n".join(lines)
+    return markdown_table(["metric"] + [f"@{k}" if k else "value" for k in cols],
+                          [[name] + [f"{cells[k]:.4f}" if k in cells else "" for k in cols] for name, cells in rows.items()])
 
 
 def plot_metrics(curves: dict[str, dict[int, float]], path: PathLike) -> Path:

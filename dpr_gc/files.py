@@ -267,58 +267,6 @@ def read_tensors(path: PathLike) -> dict:
     return tensors
 
 
-@contextlib.contextmanager
-def exclusive_lock(lock_file: PathLike, what: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_file`` for the block, or fail at once with a one-line error.
-
-    The kernel drops the lock when its holder exits in any way (``kill -9`` included), so a lock file left behind
-    never blocks a re-run; the holder deletes it when done. The file keeps the holder's pid for the message.
-    """
-    import fcntl
-
-    p = Path(lock_file)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(fd).st_ino != os.stat(p).st_ino:
-                raise BlockingIOError  # the holder deleted this file as we opened it: another run is starting
-        except (BlockingIOError, FileNotFoundError):
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise DprGcError(f"{what} is in use by another run (pid {holder}, lock {p}); wait for it to finish, "
-                             "or write somewhere else") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        try:
-            yield
-        finally:
-            p.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def locked_folder(folder: PathLike, lock_name: str, what: str) -> Iterator[Path]:
-    """Create ``folder`` if needed and hold :func:`exclusive_lock` on ``folder/lock_name`` for the block.
-
-    If the block fails and the folder was created here and is still empty, the folder is removed again,
-    so a run refused for bad input leaves nothing behind.
-    """
-    out = Path(folder)
-    if out.exists() and not out.is_dir():
-        raise DprGcError(f"{out} is a file; give a folder")
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        with exclusive_lock(out / lock_name, what):
-            yield out
-    except BaseException:
-        if created and not any(out.iterdir()):
-            out.rmdir()
-        raise
-
-
 def remove_stale_temporaries(folder: PathLike, names: Iterable[str]) -> list[Path]:
     """Delete the temporary files :func:`atomic_path` left beside ``folder/NAME`` (``.NAME.*.tmp``) for each name.
 
@@ -363,7 +311,7 @@ class ChunkedOutput:
     the file stays valid whatever chunk it ends on); after each chunk a progress file records the partial file's
     size and the caller's state. A run with the same ``key`` (the settings it depends on) truncates the partial
     file to the last finished chunk and continues; any other run starts over. ``path`` appears only when finished.
-    Use it while holding a lock on ``path`` (see :func:`output_lock`).
+    Use it while holding a lock on ``path`` (see :func:`dpr_gc.locks.output_lock`).
     """
 
     def __init__(self, path: PathLike, key: Any) -> None:
@@ -415,15 +363,3 @@ def file_identity(path: PathLike) -> list:
     p = Path(path)
     st = p.stat()
     return [str(p.resolve()), st.st_size, st.st_mtime_ns]
-
-
-@contextlib.contextmanager
-def output_lock(path: PathLike) -> Iterator[Path]:
-    """Hold a lock on output file ``path`` (a hidden lock file beside it) and delete the temporaries that dead runs
-    of :func:`atomic_path` left for it."""
-    final = Path(path)
-    if final.is_dir():
-        raise DprGcError(f"{final} is a folder; give a file name for the output")
-    with exclusive_lock(final.with_name(f".{final.name}.lock"), str(final)):
-        remove_stale_temporaries(final.parent, [final.name])
-        yield final

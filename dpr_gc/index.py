@@ -22,8 +22,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .errors import DprGcError
-from .files import (PathLike, atomic_open, atomic_path, locked_folder, open_text, read_json, remove_stale_temporaries,
-                    write_json)
+from .files import PathLike, atomic_open, atomic_path, open_text, read_json, remove_stale_temporaries, write_json
+from .locks import locked_folder
 
 logger = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from .bm25 import BM25Source, Gold
 from .data import ID_KEYS
 from .args import any_float, device_arg, nonnegative_float, nonnegative_int, output_dir, output_file, positive_int
 from .errors import DprGcError
-from .files import (ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, output_lock, read_json_object,
-                    require_file)
+from .files import ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, read_json_object, require_file
+from .locks import output_lock
 from .model import add_prefix_arguments
-from .streams import iter_json_list
+from .streams import iter_json_list, sniff_json
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +222,8 @@ def iter_training_file(path: PathLike) -> Iterator[dict]:
     from .data import normalise_record
 
     p = require_file(path, "training file")
+    is_list = sniff_json(p) == "list"
     with open_text(p) as f:
-        is_list = f.read(1 << 16).lstrip().startswith("[")
-        f.seek(0)
         for line, record in (iter_json_list(f, p) if is_list else iter_jsonl(p)):
             try:
                 normalise_record(record)
@@ -342,8 +341,7 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
         return BM25Source(corpus, k1, b, index_dir=bm25_index, n_threads=threads, show_progress=show_progress)
     if kind != "dense":
         raise DprGcError(f"unknown --source {kind!r}; use one of {', '.join(SOURCES)}")
-    import torch
-
+    from .devices import default_device
     from .encode import MANIFEST_RE, encode_corpus
     from .index import META_FILE, DenseIndex, IndexParams, build_index, set_threads
     from .model import Retriever
@@ -352,8 +350,7 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
     if not model:
         raise DprGcError("--source dense needs --model (the trained retriever folder)")
     set_threads(threads or None)
-    retriever = Retriever.load(model, device or ("cuda" if torch.cuda.is_available() else "cpu"), query_prefix,
-                               passage_prefix)
+    retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix)
     if index is None or not (Path(index) / META_FILE).is_file():
         if embeddings is None:
             where = f"no index in {index}; " if index is not None else ""
@@ -378,7 +375,7 @@ def _cli(args: argparse.Namespace) -> None:
     from .data import find_beir_file
     from .answers import default_workers
     from .evaluate import read_qrels
-    from .retrieve import format_summary
+    from .tables import format_summary
 
     if args.source not in SOURCES:
         raise DprGcError(f"unknown --source {args.source!r}; use one of {', '.join(SOURCES)}")

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 POOLINGS = ("cls", "mean", "pooler", "last")
 PASSAGE_FORMATS = ("pair", "concat")
+EMBED_CHUNK_BATCHES = 16  # batches tokenised per fast-tokenizer call by Retriever.embed
 # what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
 WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
 
@@ -212,31 +213,56 @@ class Retriever(nn.Module):
     # ----------------------------------------------------------------- inference
     @torch.inference_mode()
     def embed(self, kind: str, texts: Sequence[str], titles: Optional[Sequence[Optional[str]]] = None,
-              batch_size: int = 64, dtype: Optional[torch.dtype] = None, show_progress: bool = False) -> np.ndarray:
-        """Embed texts as queries or passages in length-sorted batches; returns float32 ``[N, D]`` in input order."""
-        device = next(self.parameters()).device
-        order = np.argsort([-len(t) for t in texts], kind="stable")
-        out: Optional[np.ndarray] = None
+              batch_size: int = 64, dtype: Optional[torch.dtype] = None, show_progress: bool = False,
+              max_length: Optional[int] = None, progress: Optional[Any] = None) -> np.ndarray:
+        """Embed texts as queries or passages in eval mode under ``dtype`` autocast; float32 ``[N, D]``, input order.
+
+        The one embedding loop (corpus encoding runs it too): rows sorted by character length are tokenised
+        ``EMBED_CHUNK_BATCHES`` batches at a time (one fast-tokenizer call), then re-sorted by token count so each
+        batch is cut to its own longest sequence. The next chunk is tokenised before the previous chunk's results
+        are copied back, so on GPU tokenisation overlaps the forward passes. ``progress`` (a tqdm bar) advances by
+        the rows done; ``show_progress`` opens one.
+        """
+        n = len(texts)
+        if n == 0:
+            raise DprGcError(f"nothing to embed: the list of {kind}s is empty")
+        titles = list(titles) if titles else [""] * n
         was_training = self.training
         self.eval()
+        bar = progress if progress is not None else tqdm(total=n, disable=not show_progress, desc=f"embed {kind} texts")
         try:
-            for start in tqdm(range(0, len(texts), batch_size), disable=not show_progress, desc=f"embed {kind} texts"):
-                idx = order[start:start + batch_size]
-                if kind == "query":
-                    batch = self.tokenize_queries([texts[i] for i in idx])
-                else:
-                    batch = self.tokenize_passages([titles[i] if titles else "" for i in idx], [texts[i] for i in idx])
-                batch = {k: v.to(device) for k, v in batch.items()}
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    rep = self.forward(kind, scale=False, **batch)
-                rep = rep.float().cpu().numpy()
-                if out is None:
-                    out = np.empty((len(texts), rep.shape[1]), dtype=np.float32)
-                out[idx] = rep
+            return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar)
         finally:
             self.train(was_training)
-        if out is None:
-            raise DprGcError(f"nothing to embed: the list of {kind}s is empty")
+            if progress is None:
+                bar.close()
+
+    def _embed_sorted(self, kind: str, texts: Sequence[str], titles: list[Optional[str]], batch_size: int,
+                      dtype: Optional[torch.dtype], max_length: Optional[int], bar: Any) -> np.ndarray:
+        device = next(self.parameters()).device
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        chars = [len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)]
+        order = np.argsort(-np.asarray(chars, dtype=np.int64), kind="stable")
+        pending: list[tuple[np.ndarray, torch.Tensor]] = []
+        for cs in range(0, len(texts), batch_size * EMBED_CHUNK_BATCHES):
+            idx = order[cs:cs + batch_size * EMBED_CHUNK_BATCHES]
+            if kind == "query":
+                enc = self.tokenize_queries([texts[i] for i in idx], max_length)
+            else:
+                enc = self.tokenize_passages([titles[i] for i in idx], [texts[i] for i in idx], max_length)
+            _drain(pending, out, bar)
+            lengths = enc["attention_mask"].sum(1)
+            by_tokens = torch.argsort(lengths, descending=True, stable=True)
+            for bs in range(0, len(idx), batch_size):
+                sel = by_tokens[bs:bs + batch_size]
+                width = int(lengths[sel[0]])
+                batch = {k: (v[sel, -width:] if left else v[sel, :width]).to(device, non_blocking=True)
+                         for k, v in enc.items()}
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    rep = self.forward(kind, scale=False, **batch)
+                pending.append((idx[sel.numpy()], rep.float()))
+        _drain(pending, out, bar)
         return out
 
     @property
@@ -315,3 +341,11 @@ def freeze_position_embeddings(model: nn.Module) -> int:
             param.requires_grad_(False)
             frozen += param.numel()
     return frozen
+
+
+def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, bar: Any) -> None:
+    """Copy finished batches' embeddings into their rows of ``out`` (this is where a GPU stream syncs)."""
+    for rows, rep in pending:
+        out[rows] = rep.cpu().numpy()
+        bar.update(len(rows))
+    pending.clear()

@@ -103,19 +103,17 @@ def open_trec_run(path: PathLike, tag: str = "dpr-gc") -> Iterator[TrecWriter]:
 
 def iter_results(path: PathLike) -> Iterator[dict]:
     """Stream the question records of a results file (JSON list or JSONL, DPR or compact form)."""
-    from .data import iter_json_list
+    from .streams import iter_json_list, sniff_json
 
     p = require_file(path, "results file")
     if is_jsonl(p):
         for _, record in iter_jsonl(p):
             yield record
         return
+    if sniff_json(p) == "lines":
+        raise DprGcError(f"{p}:1: invalid JSON results: expected a JSON list of questions with 'answers' and "
+                         "'ctxs' (or one per line in a file named .jsonl)")
     with open_text(p) as f:
-        head = f.read(1 << 16).lstrip()
-        f.seek(0)
-        if head and not head.startswith("["):
-            raise DprGcError(f"{p}:1: invalid JSON results: expected a JSON list of questions with 'answers' and "
-                             "'ctxs' (or one per line in a file named .jsonl)")
         for _, record in iter_json_list(f, p):
             yield record
 

@@ -26,6 +26,7 @@ from .files import PathLike
 from .index import KINDS, DenseIndex, IndexParams, build_index, set_threads
 from .model import add_prefix_arguments
 from .results import check_run_tag, open_results, open_trec_run
+from .tables import format_summary
 
 logger = logging.getLogger(__name__)
 
@@ -226,11 +227,6 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: S
 
 
 # ----------------------------------------------------------------------------------------------- command line
-def format_summary(summary: dict[str, Any]) -> str:
-    """A two-column markdown table of a summary dict (long jobs end with one)."""
-    return "\n".join(["| item | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in summary.items()])
-
-
 def add_index_arguments(p: argparse.ArgumentParser) -> None:
     """Flags choosing and tuning the index (shared by ``dpr-gc index`` and ``scripts/dense_retriever.py``)."""
     p.add_argument("--kind", default="flat", help=f"index kind: {', '.join(KINDS)} (default flat = exact search)")
@@ -278,9 +274,8 @@ def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
 def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) -> dict[str, dict[str, float]]:
     """Shared by ``dpr-gc retrieve`` and ``scripts/dense_retriever.py``: load, retrieve while writing and evaluating,
     summarise; returns the metrics."""
-    import torch
-
     from .corpus import load_corpus, read_queries
+    from .devices import default_device
     from .evaluate import format_table, read_qrels
     from .model import Retriever
 
@@ -290,8 +285,7 @@ def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) 
     corpus_path = args.corpus or index.meta.get("corpus")
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    retriever = Retriever.load(model, device, args.query_prefix, args.passage_prefix)
+    retriever = Retriever.load(model, default_device(args.device), args.query_prefix, args.passage_prefix)
     check_compatible(retriever, index, check_fingerprint=not args.skip_model_check)
     corpus = load_corpus(corpus_path, args.cache_dir)
     check_corpus(index, corpus)

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from .args import nonnegative_int, output_dir, positive_int
 from .errors import DprGcError
 from .files import PathLike, atomic_open, read_json_object, write_json
+from .tables import format_summary
 
 logger = logging.getLogger(__name__)
 
@@ -378,15 +379,9 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
     return manifest
 
 
-def format_summary(manifest: dict[str, Any]) -> str:
-    """A small markdown table of the dataset's counts."""
-    rows = [f"| {k} | {v} |" for k, v in manifest["counts"].items()]
-    return "\n".join(["| count | value |", "|---|---|", *rows])
-
-
 def _run_cli(args: argparse.Namespace) -> None:
     manifest = build_stdlib_dataset(args.output, max_examples=args.max_examples, seed=args.seed)
-    print(format_summary(manifest))
+    print(format_summary(manifest["counts"], ("count", "value")))
     print(f"written to {args.output}")
 
 

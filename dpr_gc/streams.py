@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator, Optional
 
 from .errors import DprGcError
-from .files import open_text
+from .files import PathLike, open_text
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,14 @@ def log_tsv_counts(path: Path, counts: TsvCounts, what: str) -> None:
     if counts.literal:
         logger.warning("%s: %d field(s) begin with '\"' without being closed CSV-quoted fields (first at line %d); "
                        "they were read literally, one row per line", path, counts.literal, counts.first_literal)
+
+
+def sniff_json(path: PathLike) -> str:
+    """``"list"`` when a JSON file (optionally .gz) holds a top-level list (its first non-blank character in the first
+    ``CHUNK_CHARS`` is ``[``), ``"empty"`` when that stretch is blank, else ``"lines"`` (JSONL)."""
+    with open_text(path) as f:
+        head = f.read(CHUNK_CHARS).lstrip()
+    return "list" if head.startswith("[") else "lines" if head else "empty"
 
 
 def iter_json_list(f: IO[str], path: Path) -> Iterator[tuple[int, Any]]:

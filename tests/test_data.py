@@ -187,6 +187,43 @@ def test_cache_is_reused_until_the_file_changes(tmp_path, monkeypatch):
         load(tmp_path, path)
 
 
+def test_concurrent_loads_parse_the_training_file_once(tmp_path, monkeypatch):
+    """Like torchrun's ranks, two loaders of one training file at once: one parses it, the other waits for its
+    cache (before the shared Arrow cache, each parsed the whole file and wrote a cache of its own)."""
+    import threading
+    import time
+
+    path = write(tmp_path / "t.jsonl", records(4), "lines")
+    parsed, real = [], D._dpr_records
+    start = threading.Barrier(2)
+
+    def slow(p):
+        for item in real(p):
+            parsed.append(item[0])
+            time.sleep(0.05)  # long enough for the other loader to arrive while this one parses
+            yield item
+
+    monkeypatch.setattr(D, "_dpr_records", slow)
+    results, errors = [None, None], []
+
+    def run(i):
+        try:
+            start.wait()
+            results[i] = load(tmp_path, path).dataset.to_list()
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(parsed) == 4
+    assert results[0] == results[1] and len(results[0]) == 4
+    assert len(list((tmp_path / "cache").glob("*.arrow"))) == 1
+
+
 def test_top_up_and_positive_choice(tmp_path):
     recs = records(8)
     recs[0]["hard_negative_ctxs"] = recs[0]["hard_negative_ctxs"][:1]  # 1 hard, 3 other

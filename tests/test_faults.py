@@ -20,7 +20,7 @@ import pytest
 from dpr_gc import encode
 from dpr_gc.cli import main
 from dpr_gc.errors import DprGcError
-from dpr_gc.files import exclusive_lock
+from dpr_gc.locks import exclusive_lock
 from dpr_gc.train import train
 from tests.test_encode import passages, write_corpus
 from tests.test_train import config, init_model
