@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -28,38 +26,16 @@ from .devices import PRECISIONS, autocast_dtype, default_device, pick_precision
 from .errors import DprGcError
 from .files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
 from .locks import locked_folder
+from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
 from .model import add_prefix_arguments
 from .tables import markdown_table
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
-PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
 DTYPES = ("float16", "float32")
 # Settings that must match for parts/shards in one folder to be combined (batch size and device may differ).
 MUST_MATCH = ("model_fingerprint", "pooling", "normalize", "passage_format", "max_length", "precision", "dim",
               "dtype", "num_shards", "corpus_name", "corpus_bytes", "corpus_rows", "corpus_fingerprint")
-
-
-def shard_name(shard_id: int, num_shards: int) -> str:
-    return f"shard-{shard_id:05d}-of-{num_shards:05d}"
-
-
-def shard_range(num_rows: int, shard_id: int, num_shards: int) -> tuple[int, int]:
-    """``(start_row, count)`` of shard ``shard_id``: contiguous, balanced, no remainder dropped."""
-    start = shard_id * num_rows // num_shards
-    return start, (shard_id + 1) * num_rows // num_shards - start
-
-
-def resolve_shard(shard_id: Optional[int], num_shards: Optional[int]) -> tuple[int, int]:
-    """Explicit values, else torchrun's ``RANK`` / ``WORLD_SIZE``, else shard 0 of 1; validated."""
-    if shard_id is None:
-        shard_id = int(os.environ.get("RANK", 0))
-    if num_shards is None:
-        num_shards = int(os.environ.get("WORLD_SIZE", 1))
-    if num_shards < 1 or not 0 <= shard_id < num_shards:
-        raise DprGcError(f"--shard-id must be in [0, --num-shards); got shard {shard_id} of {num_shards}")
-    return shard_id, num_shards
 
 
 def model_fingerprint(retriever: Any) -> str:
@@ -155,7 +131,7 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     if done.is_file() and (out / manifest["embeddings"]).is_file() and (out / manifest["ids"]).is_file():
         _remove_parts(out, name)
         logger.info("%s is already finished in %s; nothing to do", name, out)
-        return _read_manifest(done)
+        return read_manifest(done)
     write_json(progress_file, manifest)
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
     parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
@@ -253,53 +229,6 @@ def _assemble(out: Path, manifest: dict, corpus: Any, parts: list[Path]) -> None
             f.write("".join(f"{i}\n" for i in ids))
 
 
-def _read_manifest(path: Path) -> dict:
-    """A finished shard's manifest, checked for the fields indexing relies on."""
-    manifest = read_json_object(path, "an encode manifest")
-    for key, kind in (("start_row", int), ("count", int), ("shard_id", int), ("num_shards", int), ("dim", int),
-                      ("embeddings", str), ("ids", str)):
-        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
-            raise DprGcError(f"{path}: not an encode manifest ({key!r} missing or not {kind.__name__}); "
-                             "delete it and re-run that encode shard")
-    return manifest
-
-
-def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
-    """Finished shard manifests in ``folder`` sorted by start_row, with absolute ``embeddings``/``ids`` paths.
-
-    Raises if there are none, if they disagree on model or dimension, or (``complete=True``) if some corpus rows
-    are not covered yet -- FAISS row r must equal corpus row r, so a gap would misalign every later shard.
-    """
-    root = Path(folder)
-    if not root.is_dir():
-        raise DprGcError(f"embeddings folder not found: {root} (run `dpr-gc encode` first)")
-    manifests = [_read_manifest(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
-    if not manifests:
-        raise DprGcError(f"no finished embedding shards in {root} (run `dpr-gc encode --output {root}` first)")
-    first = manifests[0]
-    for m in manifests[1:]:
-        for key in ("model_fingerprint", "dim", "num_shards", "corpus_rows", "corpus_fingerprint", "pooling",
-                    "normalize"):
-            if m.get(key) != first.get(key):
-                raise DprGcError(f"shards in {root} disagree on {key} ({first.get(key)!r} vs {m.get(key)!r}); "
-                                 "re-encode them into one folder with one model")
-    manifests.sort(key=lambda m: m["start_row"])
-    for m in manifests:
-        for key in ("embeddings", "ids"):
-            path = root / m[key]
-            if not path.is_file():
-                raise DprGcError(f"{path} is missing although its manifest exists; re-run that encode shard")
-            m[key] = str(path.resolve())
-    if complete:
-        have = {m["shard_id"] for m in manifests}
-        missing = [k for k in range(first["num_shards"]) if k not in have]
-        if missing:
-            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
-            raise DprGcError(f"{root} lacks finished shard(s) {shown} of {first['num_shards']}; "
-                             "run `dpr-gc encode --shard-id K` for them")
-    return manifests
-
-
 # --------------------------------------------------------------------------------------------- command line
 def add_arguments(parser: argparse.ArgumentParser, dpr_aliases: bool = False) -> None:
     """The ``encode`` flags; with ``dpr_aliases`` also DPR's ``--model_file``, ``--ctx_file``, ``--out_file``..."""
@@ -338,21 +267,36 @@ def add_cli(subparsers: Any) -> None:
     parser.set_defaults(func=run_cli)
 
 
-def run_cli(args: argparse.Namespace) -> dict:
-    """Handler for ``encode``: load the model, encode one shard, print a summary table."""
+def encode_with_model(model: str, corpus: PathLike, output: PathLike, *, shard_id: Optional[int] = None,
+                      num_shards: Optional[int] = None, batch_size: int = 64, dtype: str = "float16",
+                      precision: str = "auto", device: Optional[str] = None, block_size: int = 16384,
+                      max_length: Optional[int] = None, cache_dir: Optional[PathLike] = None,
+                      query_prefix: Optional[str] = None, passage_prefix: Optional[str] = None) -> tuple[dict, float]:
+    """Load the retriever ``model`` (prefixes replaced when given) on ``device`` (default: see
+    :func:`~dpr_gc.devices.default_device`) and encode one shard (:func:`encode_corpus`) under ``precision``
+    (``auto``: see :func:`~dpr_gc.devices.pick_precision`). Returns ``(manifest, seconds)``."""
     from .model import Retriever
 
-    device = default_device(args.device)
-    retriever = Retriever.load(args.model, device, args.query_prefix, args.passage_prefix)
+    device = default_device(device)
+    retriever = Retriever.load(model, device, query_prefix, passage_prefix)
     began = time.perf_counter()
-    manifest = encode_corpus(retriever, args.corpus, args.output, args.shard_id, args.num_shards,
-                             batch_size=args.batch_size, dtype=args.dtype,
-                             autocast=pick_precision(args.precision, torch.device(device)),
-                             block_size=args.block_size, max_length=args.max_length, cache_dir=args.cache_dir,
-                             model_name=str(args.model))
-    seconds = time.perf_counter() - began
+    manifest = encode_corpus(retriever, corpus, output, shard_id, num_shards, batch_size=batch_size, dtype=dtype,
+                             autocast=pick_precision(precision, torch.device(device)), block_size=block_size,
+                             max_length=max_length, cache_dir=cache_dir, model_name=str(model))
+    return manifest, time.perf_counter() - began
+
+
+def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
+    """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
+    the flags'): flags to :func:`encode_with_model`, then a summary table."""
+    output = output or args.output
+    manifest, seconds = encode_with_model(
+        args.model, args.corpus, output, shard_id=args.shard_id, num_shards=args.num_shards,
+        batch_size=args.batch_size, dtype=args.dtype, precision=args.precision, device=device or args.device,
+        block_size=args.block_size, max_length=args.max_length, cache_dir=args.cache_dir,
+        query_prefix=args.query_prefix, passage_prefix=args.passage_prefix)
     rate = manifest["count"] / seconds if seconds > 0 else float("nan")
     print(markdown_table(("passages", "seconds", "passages/s", "shard file"),
-                         [(manifest["count"], f"{seconds:.1f}", f"{rate:.1f}", Path(args.output) / manifest["embeddings"])],
+                         [(manifest["count"], f"{seconds:.1f}", f"{rate:.1f}", Path(output) / manifest["embeddings"])],
                          ("---:", "---:", "---:", "---")))
     return manifest

@@ -8,10 +8,10 @@ last, ``index_meta.json`` (model, dim, kind, parameters, row count, shards used)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import logging
-import math
 import os
 import re
 import time
@@ -21,19 +21,22 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
+from .args import nonnegative_int, output_dir, positive_int
 from .errors import DprGcError
-from .files import PathLike, atomic_open, atomic_path, open_text, read_json, remove_stale_temporaries, write_json
+from .files import (PathLike, atomic_open, atomic_path, open_text, read_json, read_json_object, remove_stale_temporaries,
+                    write_json)
 from .locks import locked_folder
+from .tables import format_summary
+from .index_params import KINDS, IndexParams
+from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
 INDEX_FILE = "index.faiss"
 META_FILE = "index_meta.json"
 IDS_FILE = "ids.txt"
 FORMAT_VERSION = 1
 ENCODING_KEYS = ("model_fingerprint", "dim", "pooling", "normalize", "passage_format")
-CENTROID_POINTS = 39  # FAISS wants about this many training vectors per k-means centroid
 
 
 def _faiss() -> Any:
@@ -48,65 +51,6 @@ def set_threads(threads: Optional[int]) -> None:
         if threads < 1:
             raise DprGcError(f"--threads must be a positive integer, got {threads}")
         _faiss().omp_set_num_threads(threads)
-
-
-@dataclasses.dataclass
-class IndexParams:
-    """Which FAISS index to build. ``factory`` (any ``faiss.index_factory`` string) overrides ``kind``.
-
-    ``nlist=None`` picks about ``4 * sqrt(N)`` inverted lists, capped so each gets enough training vectors;
-    ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector).
-    """
-
-    kind: str = "flat"
-    factory: Optional[str] = None
-    hnsw_m: int = 32
-    ef_construction: int = 200
-    ef_search: int = 128
-    nlist: Optional[int] = None
-    pq_m: Optional[int] = None
-    pq_nbits: int = 8
-    nprobe: int = 32
-
-    def __post_init__(self) -> None:
-        if self.factory:
-            self.kind = "factory"
-        elif self.kind not in KINDS:
-            raise DprGcError(f"unknown index kind {self.kind!r}; use one of {', '.join(KINDS)} "
-                             "or --factory STRING (any faiss.index_factory string)")
-        for name in ("hnsw_m", "ef_construction", "ef_search", "pq_nbits", "nprobe"):
-            if getattr(self, name) < 1:
-                raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
-        for name in ("nlist", "pq_m"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-
-    def resolve(self, dim: int, n_vectors: int, n_train: int) -> "IndexParams":
-        """Fill a missing ``nlist`` from the data size and training-sample size, a missing ``pq_m`` from ``dim``."""
-        nlist, pq_m = self.nlist, self.pq_m
-        if self.kind in ("ivf-flat", "ivf-pq") and nlist is None:
-            nlist = max(1, min(int(4 * math.sqrt(max(n_vectors, 1))), n_train // CENTROID_POINTS))
-        if self.kind == "ivf-pq" and pq_m is None:
-            pq_m = max(m for m in range(1, max(dim // 4, 1) + 1) if dim % m == 0)
-        return dataclasses.replace(self, nlist=nlist, pq_m=pq_m)
-
-    def factory_string(self, dim: int) -> str:
-        """The ``faiss.index_factory`` string for these parameters (after :meth:`resolve`)."""
-        if self.factory:
-            return self.factory
-        if self.kind == "flat":
-            return "Flat"
-        if self.kind == "hnsw":
-            return f"HNSW{self.hnsw_m},Flat"
-        if self.nlist is None or (self.kind == "ivf-pq" and self.pq_m is None):
-            raise DprGcError(f"a {self.kind} index needs --nlist (and --pq-m for ivf-pq); "
-                             "build_index picks them from the data")
-        if self.kind == "ivf-flat":
-            return f"IVF{self.nlist},Flat"
-        if dim % self.pq_m:
-            raise DprGcError(f"--pq-m {self.pq_m} must divide the embedding dimension {dim}")
-        return f"IVF{self.nlist},PQ{self.pq_m}x{self.pq_nbits}"
 
 
 class DenseIndex:
@@ -291,65 +235,6 @@ def read_ids(folder: PathLike) -> Iterator[str]:
             yield line.rstrip("\n")
 
 
-def _check_shards(manifests: list[dict], first_row: int, emb_dir: PathLike) -> list[dict]:
-    """Shards to add: those from ``first_row`` on, which must continue it without gaps or overlaps."""
-    todo, expected = [], first_row
-    for m in manifests:
-        start, count = int(m["start_row"]), int(m["count"])
-        if start + count <= first_row:
-            continue
-        if start != expected:
-            what = "overlaps indexed rows" if start < expected else f"leaves rows {expected}..{start - 1} missing"
-            raise DprGcError(f"{m['embeddings']}: shard starting at corpus row {start} {what}; FAISS rows must equal "
-                             "corpus rows, so finish (or re-run) the missing shards first")
-        todo.append(m)
-        expected = start + count
-    return todo
-
-
-def _open_shard(m: dict, check_ids: bool = False) -> np.ndarray:
-    """Memory-map a shard's embeddings, checking them (and optionally its ids file) against its manifest."""
-    path = Path(m["embeddings"])
-    try:
-        arr = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as e:
-        raise DprGcError(f"{path}: cannot read embeddings ({e}); re-encode this shard") from None
-    if arr.shape != (int(m["count"]), int(m["dim"])) or arr.dtype not in (np.float16, np.float32):
-        raise DprGcError(f"{path}: holds {arr.dtype} {arr.shape} but its manifest says {m['count']} x {m['dim']}; "
-                         "re-encode this shard")
-    if check_ids:
-        with open(m["ids"], "rb") as f:
-            n_ids = sum(1 for _ in f)
-        if n_ids != len(arr):
-            raise DprGcError(f"{m['ids']}: {n_ids} ids for {len(arr)} embeddings; re-encode this shard")
-    return arr
-
-
-def sample_embeddings(manifests: list[dict], n: int, seed: int = 0) -> np.ndarray:
-    """A uniform random sample of ``n`` rows across shards, as float32; only the sample is held in memory."""
-    total = sum(int(m["count"]) for m in manifests)
-    n = min(n, total)
-    rng = np.random.default_rng(seed)
-    picks = np.arange(total) if n == total else np.sort(rng.choice(total, size=n, replace=False))
-    out = np.empty((n, int(manifests[0]["dim"])), dtype=np.float32)
-    offset = filled = 0
-    for m in manifests:
-        count = int(m["count"])
-        local = picks[(picks >= offset) & (picks < offset + count)] - offset
-        if len(local):
-            out[filled:filled + len(local)] = _open_shard(m)[local]
-            filled += len(local)
-        offset += count
-    return out
-
-
-def shard_ids(manifests: list[dict]) -> Iterator[str]:
-    """Stream the passage ids of shards in order (one per embedding row)."""
-    for m in manifests:
-        with open_text(m["ids"]) as f:
-            yield from (line.rstrip("\r\n") for line in f)
-
-
 def _encoding_of(meta: dict) -> dict:
     return {k: meta.get(k) for k in ENCODING_KEYS}
 
@@ -363,8 +248,6 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     by shard in blocks of ``block_size`` rows read from memory-mapped ``.npy`` files, so memory holds the index
     and not every embedding besides. Returns ``(index, shards added, timings)``.
     """
-    from .encode import read_manifests
-
     if train_sample < 1 or block_size < 1:
         raise DprGcError("--train-sample and --block-size must be positive integers")
     manifests = read_manifests(emb_dir, complete=not allow_partial)
@@ -380,11 +263,11 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
                          f"{first.get('corpus_rows')} corpus rows) do not match the index (model "
                          f"{dense.meta.get('model')}, dim {dense.dim}, {dense.meta.get('corpus_rows')} corpus rows); "
                          "encode the same corpus with the same model, or build a new index in another folder")
-    todo = _check_shards(manifests, dense.ntotal if dense else 0, emb_dir)
+    todo = shard_rows_from(manifests, dense.ntotal if dense else 0)
     if not todo:
         raise DprGcError(f"nothing to add: every shard in {emb_dir} is already in the index")
     for m in todo:
-        _open_shard(m, check_ids=True)
+        open_shard(m, check_ids=True)
     stats = {"train_vectors": 0, "train_seconds": 0.0}
     if dense is None:
         dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
@@ -402,7 +285,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     started = time.perf_counter()
     with tqdm(total=sum(int(m["count"]) for m in todo), desc="adding to index", unit=" vectors", disable=None) as bar:
         for m in todo:
-            arr = _open_shard(m)
+            arr = open_shard(m)
             for s in range(0, len(arr), block_size):
                 dense.add(arr[s:s + block_size])
                 bar.update(min(block_size, len(arr) - s))
@@ -437,3 +320,64 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train
             "dim": dense.dim, "ntotal": dense.ntotal, "added": sum(int(m["count"]) for m in todo),
             "shards_added": len(todo), **stats, "complete": corpus_rows is None or dense.ntotal == int(corpus_rows)}
 
+
+def index_exists(folder: Optional[PathLike]) -> bool:
+    """Whether ``folder`` holds a finished index (its metadata is written last)."""
+    return folder is not None and (Path(folder) / META_FILE).is_file()
+
+
+def meta_path(folder: PathLike) -> Path:
+    """The metadata file of the index in ``folder`` (written last, so it changes whenever the index does)."""
+    return Path(folder) / META_FILE
+
+
+def read_meta(folder: PathLike) -> dict[str, Any]:
+    """The metadata of the index in ``folder`` (model, corpus, encoding settings) without loading the index."""
+    return read_json_object(meta_path(folder), "index metadata")
+
+
+# ----------------------------------------------------------------------------------------------- command line
+def add_index_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags choosing and tuning the index (shared by ``dpr-gc index`` and ``scripts/dense_retriever.py``)."""
+    p.add_argument("--kind", default="flat", help=f"index kind: {', '.join(KINDS)} (default flat = exact search)")
+    p.add_argument("--factory", help="any faiss.index_factory string, e.g. 'OPQ64,IVF4096,PQ64' (overrides --kind)")
+    p.add_argument("--hnsw-m", type=positive_int, default=32, help="HNSW neighbours per node (default 32)")
+    p.add_argument("--ef-construction", type=positive_int, default=200, help="HNSW build-time beam (default 200)")
+    p.add_argument("--ef-search", type=positive_int, default=128, help="HNSW search beam, keep >= top-k (default 128)")
+    p.add_argument("--nlist", type=positive_int, help="IVF inverted lists (default about 4*sqrt(N))")
+    p.add_argument("--pq-m", type=positive_int,
+                   help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
+    p.add_argument("--pq-nbits", type=positive_int, default=8, help="bits per PQ code (default 8)")
+    p.add_argument("--nprobe", type=positive_int, default=32, help="IVF lists visited per query (default 32)")
+    p.add_argument("--train-sample", type=positive_int, default=100_000,
+                   help="vectors sampled to train IVF/PQ (default 100k)")
+    p.add_argument("--block-size", type=positive_int, default=65_536, help="rows added per block (default 65536)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the training sample")
+
+
+def params_from_args(args: argparse.Namespace) -> IndexParams:
+    return IndexParams(kind=args.kind, factory=args.factory, hnsw_m=args.hnsw_m, ef_construction=args.ef_construction,
+                       ef_search=args.ef_search, nlist=args.nlist, pq_m=args.pq_m, pq_nbits=args.pq_nbits,
+                       nprobe=args.nprobe)
+
+
+def _cli(args: argparse.Namespace) -> None:
+    set_threads(args.threads)
+    summary = build_index(args.embeddings, args.output, params_from_args(args), train_sample=args.train_sample,
+                          block_size=args.block_size, seed=args.seed, append=args.append,
+                          allow_partial=args.allow_partial)
+    print(format_summary(summary))
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``dpr-gc index``."""
+    p = subparsers.add_parser("index", help="build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards",
+                              description="Build a FAISS inner-product index from the shards written by encode.")
+    p.add_argument("--embeddings", required=True, help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
+    p.add_argument("--output", type=output_dir, required=True,
+                   help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")
+    add_index_arguments(p)
+    p.add_argument("--append", action="store_true", help="add new shards to the existing index in --output")
+    p.add_argument("--allow-partial", action="store_true", help="index although some shards are not encoded yet")
+    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
+    p.set_defaults(func=_cli)

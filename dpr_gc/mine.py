@@ -27,7 +27,7 @@ from .bm25 import BM25Source, Gold
 from .data import ID_KEYS
 from .args import any_float, device_arg, nonnegative_float, nonnegative_int, output_dir, output_file, positive_int
 from .errors import DprGcError
-from .files import ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, read_json_object, require_file
+from .files import ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, require_file
 from .locks import output_lock
 from .model import add_prefix_arguments
 from .streams import iter_json_list, sniff_json
@@ -342,8 +342,9 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
     if kind != "dense":
         raise DprGcError(f"unknown --source {kind!r}; use one of {', '.join(SOURCES)}")
     from .devices import default_device
-    from .encode import MANIFEST_RE, encode_corpus
-    from .index import META_FILE, DenseIndex, IndexParams, build_index, set_threads
+    from .encode import encode_corpus
+    from .index import DenseIndex, IndexParams, build_index, index_exists, set_threads
+    from .shards import has_shards
     from .model import Retriever
     from .retrieve import check_compatible, check_corpus
 
@@ -351,13 +352,13 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
         raise DprGcError("--source dense needs --model (the trained retriever folder)")
     set_threads(threads or None)
     retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix)
-    if index is None or not (Path(index) / META_FILE).is_file():
+    if not index_exists(index):
         if embeddings is None:
             where = f"no index in {index}; " if index is not None else ""
             raise DprGcError(f"{where}--source dense needs --index DIR (from 'dpr-gc index') or --embeddings DIR "
                              "(encode shards; encoded now if the folder has none)")
         emb = Path(embeddings)
-        if not emb.is_dir() or not any(MANIFEST_RE.match(p.name) for p in emb.iterdir()):
+        if not has_shards(emb):
             if corpus_path is None:
                 raise DprGcError("encoding the corpus needs --corpus")
             encode_corpus(retriever, corpus_path, emb, shard_id=0, num_shards=1, batch_size=batch_size,
@@ -375,6 +376,7 @@ def _cli(args: argparse.Namespace) -> None:
     from .data import find_beir_file
     from .answers import default_workers
     from .evaluate import read_qrels
+    from .index import index_exists, meta_path, read_meta
     from .tables import format_summary
 
     if args.source not in SOURCES:
@@ -389,8 +391,8 @@ def _cli(args: argparse.Namespace) -> None:
     else:
         require_file(args.train_file, "training file")
     corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
-    if corpus_path is None and args.index and (Path(args.index) / "index_meta.json").is_file():
-        corpus_path = read_json_object(Path(args.index) / "index_meta.json", "index metadata").get("corpus")
+    if corpus_path is None and index_exists(args.index):
+        corpus_path = read_meta(args.index).get("corpus")
     if not corpus_path:
         raise DprGcError("give --corpus (the passages to mine from)")
     corpus = load_corpus(corpus_path, args.cache_dir)
@@ -409,8 +411,8 @@ def _cli(args: argparse.Namespace) -> None:
             golds = (ctx_id(c) for r in iter_training_file(args.train_file) for c in r.get("positive_ctxs") or [])
             id_to_row = rows_for_ids(corpus, golds)
     inputs = [args.train_file, corpus_path, args.qrels] + ([queries, split_qrels] if beir is not None else [])
-    if args.index and (Path(args.index) / "index_meta.json").is_file():
-        inputs.append(Path(args.index) / "index_meta.json")
+    if index_exists(args.index):
+        inputs.append(meta_path(args.index))
     key = {"inputs": [file_identity(p) for p in inputs if p],
            **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
     summary = mine_to_file(records, args.output, source, corpus, args.n_negatives, args.top_k, args.skip_top,

@@ -78,7 +78,7 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
     from .encode import encode_corpus, pick_precision
     from .answers import default_workers
     from .evaluate import read_qrels
-    from .index import DenseIndex, IndexParams, build_index
+    from .index import DenseIndex, IndexParams, build_index, index_exists
     from .retrieve import retrieve_to_files
 
     stage = out / name
@@ -92,7 +92,7 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
     encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, model_name=name,
                   autocast=pick_precision("auto", device))
     encode_seconds = time.perf_counter() - started
-    if not (stage / "index" / "index_meta.json").is_file():
+    if not index_exists(stage / "index"):
         build_index(stage / "embeddings", stage / "index", IndexParams(kind="flat"))
     index = DenseIndex.read(stage / "index")
     queries = read_queries(data / manifest["files"]["test_queries"])

@@ -19,11 +19,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .answers import MATCH_MODES, AccuracyCounter, AnswerMatcher, check_ks, default_workers
-from .args import device_arg, nonnegative_int, output_dir, output_file, positive_int
+from .args import device_arg, nonnegative_int, output_file, positive_int
 from .errors import DprGcError
 from .evaluate import QrelsAccumulator
 from .files import PathLike
-from .index import KINDS, DenseIndex, IndexParams, build_index, set_threads
+from .index import DenseIndex, set_threads
 from .model import add_prefix_arguments
 from .results import check_run_tag, open_results, open_trec_run
 from .tables import format_summary
@@ -227,38 +227,6 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: S
 
 
 # ----------------------------------------------------------------------------------------------- command line
-def add_index_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags choosing and tuning the index (shared by ``dpr-gc index`` and ``scripts/dense_retriever.py``)."""
-    p.add_argument("--kind", default="flat", help=f"index kind: {', '.join(KINDS)} (default flat = exact search)")
-    p.add_argument("--factory", help="any faiss.index_factory string, e.g. 'OPQ64,IVF4096,PQ64' (overrides --kind)")
-    p.add_argument("--hnsw-m", type=positive_int, default=32, help="HNSW neighbours per node (default 32)")
-    p.add_argument("--ef-construction", type=positive_int, default=200, help="HNSW build-time beam (default 200)")
-    p.add_argument("--ef-search", type=positive_int, default=128, help="HNSW search beam, keep >= top-k (default 128)")
-    p.add_argument("--nlist", type=positive_int, help="IVF inverted lists (default about 4*sqrt(N))")
-    p.add_argument("--pq-m", type=positive_int,
-                   help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
-    p.add_argument("--pq-nbits", type=positive_int, default=8, help="bits per PQ code (default 8)")
-    p.add_argument("--nprobe", type=positive_int, default=32, help="IVF lists visited per query (default 32)")
-    p.add_argument("--train-sample", type=positive_int, default=100_000,
-                   help="vectors sampled to train IVF/PQ (default 100k)")
-    p.add_argument("--block-size", type=positive_int, default=65_536, help="rows added per block (default 65536)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the training sample")
-
-
-def params_from_args(args: argparse.Namespace) -> IndexParams:
-    return IndexParams(kind=args.kind, factory=args.factory, hnsw_m=args.hnsw_m, ef_construction=args.ef_construction,
-                       ef_search=args.ef_search, nlist=args.nlist, pq_m=args.pq_m, pq_nbits=args.pq_nbits,
-                       nprobe=args.nprobe)
-
-
-def _index_cli(args: argparse.Namespace) -> None:
-    set_threads(args.threads)
-    summary = build_index(args.embeddings, args.output, params_from_args(args), train_sample=args.train_sample,
-                          block_size=args.block_size, seed=args.seed, append=args.append,
-                          allow_partial=args.allow_partial)
-    print(format_summary(summary))
-
-
 def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
     """The model an index records: its absolute path, else the path relative to the index folder (the two were
     moved together), else the name as recorded (a Hugging Face name, or a relative path from an older version)."""
@@ -271,43 +239,67 @@ def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
     return model
 
 
-def run_retrieval(args: argparse.Namespace, index: DenseIndex, index_name: str) -> dict[str, dict[str, float]]:
-    """Shared by ``dpr-gc retrieve`` and ``scripts/dense_retriever.py``: load, retrieve while writing and evaluating,
-    summarise; returns the metrics."""
+def run_retrieval(index: DenseIndex, queries_path: PathLike, *, model: Optional[str] = None,
+                  corpus: Optional[PathLike] = None, index_dir: Optional[PathLike] = None, top_k: int = 100,
+                  batch_size: int = 64, match: Optional[str] = "string", output: Optional[PathLike] = None,
+                  compact: bool = False, trec_run: Optional[PathLike] = None, run_tag: str = "dpr-gc",
+                  ks: Optional[list[int]] = None, qrels_path: Optional[PathLike] = None, device: Optional[str] = None,
+                  cache_dir: Optional[PathLike] = None, check_model: bool = True, workers: int = 1,
+                  query_prefix: Optional[str] = None,
+                  passage_prefix: Optional[str] = None) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Load the query encoder (default: the model the index records, relative to ``index_dir`` if moved with it),
+    the corpus and the questions, retrieve while writing and evaluating (at cut-offs ``ks``; None: no evaluation).
+    Returns ``(metrics, summary)``."""
     from .corpus import load_corpus, read_queries
     from .devices import default_device
-    from .evaluate import format_table, read_qrels
+    from .evaluate import read_qrels
     from .model import Retriever
 
-    if not (args.output or args.trec_run or args.evaluate):
+    if not (output or trec_run or ks is not None):
         raise DprGcError("nothing to do: give --output FILE.json and/or --trec-run FILE, or --evaluate")
-    model = args.model or recorded_model(getattr(args, "index", None), index.meta)
-    corpus_path = args.corpus or index.meta.get("corpus")
+    model = model or recorded_model(index_dir, index.meta)
+    corpus_path = corpus or index.meta.get("corpus")
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
-    retriever = Retriever.load(model, default_device(args.device), args.query_prefix, args.passage_prefix)
-    check_compatible(retriever, index, check_fingerprint=not args.skip_model_check)
-    corpus = load_corpus(corpus_path, args.cache_dir)
-    check_corpus(index, corpus)
-    queries = read_queries(args.queries)
-    if args.trec_run:
-        check_run_ids(queries, args.queries)
-    qrels = read_qrels(args.qrels) if args.qrels else None
+    retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix)
+    check_compatible(retriever, index, check_fingerprint=check_model)
+    passages = load_corpus(corpus_path, cache_dir)
+    check_corpus(index, passages)
+    queries = read_queries(queries_path)
+    if trec_run:
+        check_run_ids(queries, queries_path)
+    qrels = read_qrels(qrels_path) if qrels_path else None
     if qrels is not None:
-        queries = filter_judged(queries, qrels, args.qrels)
-    match = None if args.match == "none" else args.match
+        queries = filter_judged(queries, qrels, qrels_path)
     started = time.perf_counter()
-    metrics = retrieve_to_files(retriever, index, corpus, queries, args.top_k, args.batch_size, match, args.output,
-                                args.compact, args.trec_run, args.run_tag, args.k if args.evaluate else None, qrels,
-                                args.workers or default_workers())
+    metrics = retrieve_to_files(retriever, index, passages, queries, top_k, batch_size, match, output, compact,
+                                trec_run, run_tag, ks, qrels, workers)
     seconds = time.perf_counter() - started
+    return metrics, {"queries": len(queries), "top-k": top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
+                     "queries/s": round(len(queries) / seconds, 1) if seconds > 0 else "n/a",
+                     "results": output or "-", "trec run": trec_run or "-"}
+
+
+def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name: str,
+                        index_dir: Optional[PathLike] = None,
+                        device: Optional[str] = None) -> dict[str, dict[str, float]]:
+    """The command-line side of :func:`run_retrieval`, shared by ``dpr-gc retrieve`` and
+    ``scripts/dense_retriever.py``: flags to arguments (``device`` when given replaces ``--device``), then the
+    metric tables and the summary table printed; returns the metrics."""
+    from .evaluate import format_table
+
+    metrics, summary = run_retrieval(
+        index, args.queries, model=args.model, corpus=args.corpus, index_dir=index_dir, top_k=args.top_k,
+        batch_size=args.batch_size, match=None if args.match == "none" else args.match, output=args.output,
+        compact=args.compact, trec_run=args.trec_run, run_tag=args.run_tag, ks=args.k if args.evaluate else None,
+        qrels_path=args.qrels, device=device or args.device, cache_dir=args.cache_dir,
+        check_model=not args.skip_model_check, workers=args.workers or default_workers(),
+        query_prefix=args.query_prefix, passage_prefix=args.passage_prefix)
     for name, values in metrics.items():
-        print(f"\n{name} metrics ({len(queries)} queries)")
+        print(f"\n{name} metrics ({summary['queries']} queries)")
         print(format_table(values))
-    print(format_summary({"queries": len(queries), "top-k": args.top_k, "index": index_name,
-                          "vectors": index.ntotal, "seconds": round(seconds, 2),
-                          "queries/s": round(len(queries) / seconds, 1) if seconds > 0 else "n/a",
-                          "results": args.output or "-", "trec run": args.trec_run or "-"}))
+    summary = {"queries": summary.pop("queries"), "top-k": summary.pop("top-k"), "index": index_name, **summary}
+    print(format_summary(summary))
     return metrics
 
 
@@ -316,7 +308,7 @@ def _retrieve_cli(args: argparse.Namespace) -> None:
     index = DenseIndex.read(args.index)
     if args.ef_search is not None or args.nprobe is not None:
         index.set_search_params(ef_search=args.ef_search, nprobe=args.nprobe)
-    run_retrieval(args, index, f"{index.meta['factory']} in {args.index}")
+    retrieve_with_flags(args, index, f"{index.meta['factory']} in {args.index}", index_dir=args.index)
 
 
 def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
@@ -348,18 +340,7 @@ def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_cli(subparsers: Any) -> None:
-    """Register ``dpr-gc index`` and ``dpr-gc retrieve``."""
-    p = subparsers.add_parser("index", help="build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards",
-                              description="Build a FAISS inner-product index from the shards written by encode.")
-    p.add_argument("--embeddings", required=True, help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
-    p.add_argument("--output", type=output_dir, required=True,
-                   help="index folder to write (index.faiss, ids.txt, index_meta.json)")
-    add_index_arguments(p)
-    p.add_argument("--append", action="store_true", help="add new shards to the existing index in --output")
-    p.add_argument("--allow-partial", action="store_true", help="index although some shards are not encoded yet")
-    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
-    p.set_defaults(func=_index_cli)
-
+    """Register ``dpr-gc retrieve``."""
     p = subparsers.add_parser("retrieve", help="top-k passages for questions: DPR JSON and a TREC run",
                               description=__doc__.splitlines()[0])
     p.add_argument("--index", required=True, help="index folder written by 'dpr-gc index'")

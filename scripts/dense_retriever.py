@@ -15,6 +15,7 @@ are accepted too. Flags DPR has and this script does not need are named in one w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import logging
 import os
@@ -32,9 +33,10 @@ except ImportError:  # running from a checkout without installing the package
 from dpr_gc.args import ArgumentParser, device_arg, nonnegative_int, output_dir, output_file, positive_int
 from dpr_gc.cli import report_errors
 from dpr_gc.errors import DprGcError
-from dpr_gc.index import META_FILE, DenseIndex, add_shards, set_threads, shard_ids
+from dpr_gc.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,
+                          set_threads, shard_ids)
 from dpr_gc.model import add_prefix_arguments
-from dpr_gc.retrieve import MATCH_CHOICES, add_index_arguments, params_from_args, run_retrieval
+from dpr_gc.retrieve import MATCH_CHOICES, retrieve_with_flags
 
 logger = logging.getLogger("dense_retriever")
 # DPR/GC-DPR flags with no effect here: the model file defines the encoder; answers are matched in-process.
@@ -127,26 +129,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_or_build_index(args: argparse.Namespace) -> tuple[DenseIndex, str]:
-    """The index named by ``--index_path`` if complete, else one built from ``--encoded_ctx_file``."""
-    folders = embeddings_folders(args.embeddings) if args.embeddings else []
-    if args.save_or_load_index and not args.index_path and folders:
-        args.index_path = dpr_index_path(folders)
-    if args.index_path and (Path(args.index_path) / META_FILE).is_file():
-        logger.info("loading the index from %s", args.index_path)
-        return DenseIndex.read(args.index_path), args.index_path
+def load_or_build_index(embeddings: Optional[str], index_path: Optional[str], save_or_load: bool,
+                        params: IndexParams, train_sample: int, block_size: int, seed: int) -> tuple[DenseIndex, str]:
+    """The index in ``index_path`` if complete (with ``save_or_load``, default ``PREFIX.index`` beside the shards),
+    else one built from the encode output(s) ``embeddings`` and saved to ``index_path`` when given."""
+    folders = embeddings_folders(embeddings) if embeddings else []
+    if save_or_load and not index_path and folders:
+        index_path = dpr_index_path(folders)
+    if index_exists(index_path):
+        logger.info("loading the index from %s", index_path)
+        return DenseIndex.read(index_path), index_path
     if not folders:
         raise DprGcError("give --encoded_ctx_file (the encode output folder) or an --index_path holding an index")
-    if args.hnsw_index:
-        args.kind = "hnsw"
     with tempfile.TemporaryDirectory(prefix="dense-retriever-") as tmp:
         folder = folders[0] if len(folders) == 1 else merged_view(folders, Path(tmp))
-        index, shards, _ = add_shards(folder, params_from_args(args), None, args.train_sample, args.block_size,
-                                      args.seed)
-        if args.index_path:
-            index.write(args.index_path, ids=shard_ids(shards))
-            logger.info("saved the index to %s", args.index_path)
-    return index, f"{index.meta['factory']} over {args.embeddings}"
+        index, shards, _ = add_shards(folder, params, None, train_sample, block_size, seed)
+        if index_path:
+            index.write(index_path, ids=shard_ids(shards))
+            logger.info("saved the index to %s", index_path)
+    return index, f"{index.meta['factory']} over {embeddings}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -157,13 +158,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ignored = [f for f in IGNORED_VALUE + IGNORED_SWITCH if f in typed] + unknown
     if ignored:
         logger.warning("accepted with no effect here: %s", " ".join(ignored))
-    if args.no_cuda:
-        args.device = args.device or "cpu"
 
     def run() -> None:
         set_threads(args.threads)
-        index, name = load_or_build_index(args)
-        run_retrieval(args, index, name)
+        params = params_from_args(args)
+        index, name = load_or_build_index(args.embeddings, args.index_path, args.save_or_load_index,
+                                          dataclasses.replace(params, kind="hnsw") if args.hnsw_index else params,
+                                          args.train_sample, args.block_size, args.seed)
+        retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None))
     return report_errors(run)
 
 

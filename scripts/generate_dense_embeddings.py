@@ -75,13 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unused = [f"--{name}" for name in FROM_CHECKPOINT if name in typed]
     if unused:
         logger.warning("accepted with no effect here (the model file defines them): %s", " ".join(unused))
-    if args.no_cuda:
-        args.device = args.device or "cpu"
-
-    def run() -> None:
-        args.output = output_folder(args.output, args.shard_id, args.num_shards)
-        run_cli(args)
-    return report_errors(run)
+    device = args.device or ("cpu" if args.no_cuda else None)
+    return report_errors(lambda: run_cli(args, output_folder(args.output, args.shard_id, args.num_shards), device))
 
 
 if __name__ == "__main__":

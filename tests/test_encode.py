@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from dpr_gc import encode
-from dpr_gc.encode import encode_corpus, read_manifests, resolve_shard, shard_range
+from dpr_gc.encode import encode_corpus
+from dpr_gc.shards import read_manifests, resolve_shard, shard_range
 from dpr_gc.errors import DprGcError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpr_gc.encode import encode_corpus, read_manifests
+from dpr_gc.encode import encode_corpus
+from dpr_gc.shards import read_manifests
 from dpr_gc.errors import DprGcError
 from dpr_gc.evaluate import qrels_metrics, read_qrels, read_run
 from dpr_gc.index import DenseIndex, IndexParams, build_index
