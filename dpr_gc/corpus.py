@@ -19,7 +19,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from .errors import DprGcError
 from .arrow_cache import build_once, cache_file, map_dataset, write_stream
@@ -240,6 +240,23 @@ def _lines_of_rows(path: Path, rows: set[int]) -> dict[int, int]:
             found[row] = line_no
             if len(found) == len(rows):
                 break
+    return found
+
+
+def rows_for_ids(corpus: Any, ids: Iterable[str], block_size: int = 1_000_000) -> dict[str, int]:
+    """Corpus rows of the given passage ids (ids not in the corpus are left out), by one scan of the id column."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    wanted, found = pa.array(sorted(set(map(str, ids))), pa.string()), {}
+    table = corpus.with_format("arrow")
+    for s in range(0, len(corpus), block_size):
+        col = table[s:s + block_size]["id"]
+        mask = pc.is_in(col, value_set=wanted)
+        rows = np.flatnonzero(np.asarray(mask, dtype=bool)) + s
+        for pid, row in zip(pc.filter(col, mask).to_pylist(), rows.tolist()):
+            found.setdefault(pid, row)
     return found
 
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .arrow_cache import build_once, cache_file, map_dataset, write_stream
 from .errors import DprGcError
-from .files import (PathLike, die_with_parent, iter_jsonl_objects, open_text, read_json_object, require_file,
+from .files import (PathLike, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text, read_json_object, require_file,
                     write_json)
 from .streams import iter_json_list, sniff_json
 from .model import Retriever, RetrieverConfig
@@ -175,7 +175,7 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
     for qid, entry in pairs.items():
         where = f"{qrels}:{first_line[qid]}"
         if not entry:
-            yield where, {"question": "", "answers": [], "positives": [], "hard_negatives": [], "negatives": []}
+            yield where, normalise_record(beir_dpr_record(qid, "", [], []))
             continue
         if not isinstance(questions.get(qid), str):
             yield where, f"query id {qid!r} has no text in {queries.name}"
@@ -184,8 +184,55 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
         if missing:
             yield f"{qrels}:{missing[0][1]}", f"corpus id {missing[0][0]!r} has no text in {corpus.name}"
             continue
-        yield where, {"question": questions[qid], "answers": [], "positives": [docs[p] for p, _ in entry],
-                      "hard_negatives": [], "negatives": []}
+        yield where, normalise_record(beir_dpr_record(qid, questions[qid], [], [docs[p] for p, _ in entry]))
+
+
+def beir_dpr_record(qid: str, question: str, answers: Sequence[str], positives: Sequence[dict]) -> dict:
+    """The DPR training record of a BEIR query, its qrels positives (``{id, title, text}``) as ``positive_ctxs`` and
+    no negatives: the one BEIR -> DPR builder, for training sets and for mining."""
+    return {"id": qid, "question": question, "answers": list(answers),
+            "positive_ctxs": [{"title": p["title"] or "", "text": p["text"], "passage_id": p["id"]} for p in positives],
+            "hard_negative_ctxs": []}
+
+
+def iter_training_file(path: PathLike) -> Iterator[dict]:
+    """Stream the records of a DPR training file (JSON list or JSONL, optionally .gz) unchanged, each checked as the
+    training reader checks it; a bad record raises naming file and line."""
+    p = require_file(path, "training file")
+    is_list = sniff_json(p) == "list"
+    with open_text(p) as f:
+        for line, record in (iter_json_list(f, p) if is_list else iter_jsonl(p)):
+            try:
+                normalise_record(record)
+            except ValueError as e:
+                raise DprGcError(f"{p}:{line}: {e}; fix the record") from None
+            yield record
+
+
+def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
+                          corpus: Any) -> tuple[list[dict], dict[str, int]]:
+    """DPR records for the queries judged in BEIR qrels: positives are the qrels pairs with relevance > 0, their text
+    taken from ``corpus``. Returns ``(records, passage id -> corpus row)`` for the positives."""
+    from .corpus import read_queries, rows_for_ids
+    from .evaluate import read_qrels
+
+    qrels = read_qrels(qrels_path)
+    positives = {q: [d for d, rel in judged.items() if rel > 0] for q, judged in qrels.items()}
+    id_to_row = rows_for_ids(corpus, (d for ds in positives.values() for d in ds))
+    missing = sorted({d for ds in positives.values() for d in ds} - set(id_to_row))
+    if missing:
+        raise DprGcError(f"{qrels_path}: {len(missing)} positive passage id(s) are not in the corpus (e.g. "
+                         f"{missing[0]!r}); give the corpus these qrels judge")
+    records = []
+    for q in read_queries(queries_path):
+        ids = positives.get(str(q["id"]))
+        if ids:
+            rows = corpus[[id_to_row[d] for d in ids]]
+            ctxs = [{"id": d, "title": t, "text": x} for d, t, x in zip(ids, rows["title"], rows["text"])]
+            records.append(beir_dpr_record(str(q["id"]), q["question"], q["answers"], ctxs))
+    if not records:
+        raise DprGcError(f"no query of {queries_path} has a positive in {qrels_path}; check that the ids match")
+    return records, id_to_row
 
 
 # ----------------------------------------------------------------- Arrow cache

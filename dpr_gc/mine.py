@@ -18,19 +18,20 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from .bm25 import BM25Source, Gold
-from .data import ID_KEYS
+from .corpus import rows_for_ids
+from .data import ID_KEYS, beir_training_records, iter_training_file
 from .args import any_float, device_arg, nonnegative_float, nonnegative_int, output_dir, output_file, positive_int
 from .errors import DprGcError
-from .files import ChunkedOutput, PathLike, file_identity, iter_jsonl, open_text, require_file
+from .files import ChunkedOutput, PathLike, file_identity, require_file
 from .locks import output_lock
 from .model import add_prefix_arguments
-from .streams import iter_json_list, sniff_json
+from .retrieve import DenseSource
 
 logger = logging.getLogger(__name__)
 
@@ -73,30 +74,6 @@ class MiningSummary:
                 "min score": stat(self.score_min), "max score": stat(self.score_max)}
 
 
-# ----------------------------------------------------------------------------------------------------- sources
-class DenseSource:
-    """Candidates from a FAISS index (row r = corpus row r) searched with ``retriever``'s question encoder.
-
-    A positive's score is the dot product of the question with the positive embedded by the same passage encoder.
-    """
-
-    def __init__(self, retriever: Any, index: Any, batch_size: int = 64) -> None:
-        self.retriever, self.index, self.batch_size = retriever, index, batch_size
-
-    def retrieve(self, questions: list[str], k: int,
-                 positives: Optional[list[list[Gold]]] = None) -> tuple[np.ndarray, np.ndarray, list[Optional[float]]]:
-        emb = self.retriever.embed("query", questions, batch_size=self.batch_size)
-        scores, rows = self.index.search(emb, k)
-        best: list[Optional[float]] = [None] * len(questions)
-        flat = [(i, g) for i, gs in enumerate(positives or []) for g in gs]
-        if flat:
-            pemb = self.retriever.embed("passage", [g[2] for _, g in flat], titles=[g[1] for _, g in flat],
-                                        batch_size=self.batch_size)
-            for (i, _), s in zip(flat, np.einsum("nd,nd->n", emb[[i for i, _ in flat]], pemb).tolist()):
-                best[i] = s if best[i] is None else max(best[i], s)
-        return scores, rows, best
-
-
 # ----------------------------------------------------------------------------------------------------- mining
 def ctx_id(ctx: dict) -> str:
     """A DPR context's passage id (DPR files use ``passage_id``; others ``id``/``psg_id``/``_id``), or ''."""
@@ -110,22 +87,6 @@ def _qid(record: dict) -> str:
 
 def _norm(text: str) -> str:
     return " ".join(text.split())
-
-
-def rows_for_ids(corpus: Any, ids: Iterable[str], block_size: int = 1_000_000) -> dict[str, int]:
-    """Corpus rows of the given passage ids (ids not in the corpus are left out), by one scan of the id column."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    wanted, found = pa.array(sorted(set(map(str, ids))), pa.string()), {}
-    table = corpus.with_format("arrow")
-    for s in range(0, len(corpus), block_size):
-        col = table[s:s + block_size]["id"]
-        mask = pc.is_in(col, value_set=wanted)
-        rows = np.flatnonzero(np.asarray(mask, dtype=bool)) + s
-        for pid, row in zip(pc.filter(col, mask).to_pylist(), rows.tolist()):
-            found.setdefault(pid, row)
-    return found
 
 
 def _check_settings(n_negatives: int, top_k: int, skip_top: int, match_mode: str) -> None:
@@ -213,50 +174,6 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
                                 short=int(len(chosen) < n_negatives), written=len(chosen), score_sum=sum(scores),
                                 score_min=min(scores, default=math.inf), score_max=max(scores, default=-math.inf)))
     return chosen
-
-
-# ----------------------------------------------------------------------------------------------------- files
-def iter_training_file(path: PathLike) -> Iterator[dict]:
-    """Stream the records of a DPR training file (JSON list or JSONL, optionally .gz) unchanged, each checked as the
-    training reader checks it; a bad record raises naming file and line."""
-    from .data import normalise_record
-
-    p = require_file(path, "training file")
-    is_list = sniff_json(p) == "list"
-    with open_text(p) as f:
-        for line, record in (iter_json_list(f, p) if is_list else iter_jsonl(p)):
-            try:
-                normalise_record(record)
-            except ValueError as e:
-                raise DprGcError(f"{p}:{line}: {e}; fix the record") from None
-            yield record
-
-
-def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
-                          corpus: Any) -> tuple[list[dict], dict[str, int]]:
-    """DPR records for the queries judged in BEIR qrels: positives are the qrels pairs with relevance > 0, their text
-    taken from ``corpus``. Returns ``(records, passage id -> corpus row)`` for the positives."""
-    from .corpus import read_queries
-    from .evaluate import read_qrels
-
-    qrels = read_qrels(qrels_path)
-    positives = {q: [d for d, rel in judged.items() if rel > 0] for q, judged in qrels.items()}
-    id_to_row = rows_for_ids(corpus, (d for ds in positives.values() for d in ds))
-    missing = sorted({d for ds in positives.values() for d in ds} - set(id_to_row))
-    if missing:
-        raise DprGcError(f"{qrels_path}: {len(missing)} positive passage id(s) are not in the corpus (e.g. "
-                         f"{missing[0]!r}); give the corpus these qrels judge")
-    records = []
-    for q in read_queries(queries_path):
-        ids = positives.get(str(q["id"]))
-        if ids:
-            rows = corpus[[id_to_row[d] for d in ids]]
-            ctxs = [{"title": t or "", "text": x, "passage_id": d} for d, t, x in zip(ids, rows["title"], rows["text"])]
-            records.append({"id": str(q["id"]), "question": q["question"], "answers": q["answers"],
-                            "positive_ctxs": ctxs, "hard_negative_ctxs": []})
-    if not records:
-        raise DprGcError(f"no query of {queries_path} has a positive in {qrels_path}; check that the ids match")
-    return records, id_to_row
 
 
 def _merge(old: list, new: list[dict]) -> list:

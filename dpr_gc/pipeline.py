@@ -19,6 +19,7 @@ from .args import nonnegative_int, output_dir, positive_float, positive_int
 from .errors import DprGcError
 from .files import atomic_path, read_json, read_json_object, write_json
 from .model import RetrieverConfig
+from .tables import markdown_table
 from .train_config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -178,12 +179,9 @@ def plot_report(report: dict, path: Path) -> None:
 def format_report(report: dict) -> str:
     rows = [("Accuracy@1", "answers"), ("Accuracy@5", "answers"), ("Accuracy@20", "answers"),
             ("Accuracy@100", "answers"), ("nDCG@10", "qrels"), ("MRR@10", "qrels"), ("Recall@100", "qrels")]
-    lines = ["| metric (held-out test) | before training | after training |", "|---|---|---|"]
-    for metric, group in rows:
-        b, a = report["before"][group].get(metric), report["after"][group].get(metric)
-        if b is not None and a is not None:
-            lines.append(f"| {metric} | {b:.4f} | {a:.4f} |")
-    return "\n".join(lines)
+    values = [(metric, report["before"][group].get(metric), report["after"][group].get(metric)) for metric, group in rows]
+    return markdown_table(("metric (held-out test)", "before training", "after training"),
+                          [(m, f"{b:.4f}", f"{a:.4f}") for m, b, a in values if b is not None and a is not None])
 
 
 def add_cli(subparsers: Any) -> None:

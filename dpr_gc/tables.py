@@ -9,7 +9,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]],
                    align: Optional[Sequence[str]] = None) -> str:
     """A markdown table; ``align`` holds one separator cell per column (``---`` left, ``---:`` right)."""
     separator = align or ["---"] * len(header)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(separator) + "|"]
+    lines = ["|" + "|".join(f" {h} " if h else " " for h in header) + "|", "|" + "|".join(separator) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from .data import Collator, load_training_data, make_dataloader
+from .devices import autocast_dtype
 from .errors import DprGcError
 from .grad_cache import GradCache
 from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss
@@ -225,7 +226,7 @@ class Trainer:
         """The full-batch gradient in one graph (no Gradient Cache): the baseline that Gradient Cache must equal."""
         query = {k: v.to(self.device) for k, v in query.items()}
         passage = {k: v.to(self.device) for k, v in passage.items()}
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.optim.precision)
+        dtype = autocast_dtype(self.config.optim.precision)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             q, p = self.model(query=query, passage=passage)
         loss = self.loss_fn(q.float(), p.float())

@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .devices import autocast_dtype, default_device
 from .dpr_hub import find_dpr_pair
 from .errors import DprGcError
 from .files import atomic_open, read_json, read_tensors
 from .model import Retriever, RetrieverConfig
+from .tables import format_summary
 from .train_config import DataConfig, ModelConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -31,10 +33,7 @@ CPU_CHUNK_SIZE = 32
 def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
     """Join the ``torchrun`` process group when its environment is set (nccl on GPU, gloo on CPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = torch.device(default_device(device))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
@@ -326,7 +325,7 @@ def auto_chunk_size(towers: nn.Module, collator: Any, device: torch.device, max_
     params = sum(p.numel() * p.element_size() for p in towers.parameters() if p.requires_grad)
     free, total = torch.cuda.mem_get_info(device)
     budget = 0.8 * free - 2 * params
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    dtype = autocast_dtype(precision)
     text = " ".join(["passage"] * collator.config.passage_max_length)
     best, rows = 1, 8
     while rows <= max_rows:
@@ -373,4 +372,4 @@ def summary_table(summary: dict) -> str:
             ("precision", summary["precision"]), ("final loss", f"{summary['final_loss']:.4f}"),
             ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
             ("best dev", summary["best"]), ("model", summary["final_model"])]
-    return "\n".join(["| training | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+    return format_summary(dict(rows), ("training", ""))
