@@ -28,6 +28,8 @@ from tqdm import tqdm
 from ..cli import report_errors
 from ..errors import DprGcError
 from ..files import read_json, write_json
+from ..model import RetrieverConfig
+from ..tokenize import tokenize as tokenize_texts
 from .grad_cache import cached_value_and_grad
 from .loss import ContrastiveLoss
 from .model import Encoder, EncoderConfig, cast_params, encoder_fn, load_bert
@@ -35,6 +37,8 @@ from .model import Encoder, EncoderConfig, cast_params, encoder_fn, load_bert
 logger = logging.getLogger(__name__)
 
 KS = (1, 5, 20, 100)
+# Queries and passages as all-MiniLM-L6-v2 was trained: no prefixes, a passage as "title text".
+TEXT_FORMAT = RetrieverConfig(passage_format="concat")
 RANDOM_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)
 
 
@@ -69,18 +73,21 @@ class ExampleConfig:
 
 
 def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None,
-             rows: Optional[int] = None) -> dict:
-    """Token ids and attention mask as int32 arrays, padded to ``pad_to`` (fixed shapes compile once) or to the
-    longest text rounded up to a multiple of 32 (few distinct shapes when encoding), and with empty rows up to
-    ``rows``."""
-    enc = tokenizer(list(texts), max_length=max_length, truncation=True, padding=False)
-    longest = max(len(ids) for ids in enc["input_ids"])
-    width = pad_to or min(max_length, -(-longest // 32) * 32)
+             rows: Optional[int] = None, kind: str = "query",
+             titles: Optional[Sequence[str]] = None) -> dict:
+    """Token ids and attention mask as int32 arrays from the toolkit's one tokenisation
+    (:func:`dpr_gc.tokenize.tokenize`; a passage as ``title text``, the sentence-transformers format all-MiniLM-L6-v2
+    was trained with), padded to ``pad_to`` (fixed shapes compile once) or to the longest text rounded up to a
+    multiple of 32 (few distinct shapes when encoding), and with empty rows up to ``rows``."""
+    enc = tokenize_texts(tokenizer, TEXT_FORMAT, kind, list(texts), titles, max_length)
+    kept = enc["attention_mask"].bool()
+    lengths = kept.sum(1).tolist()
+    width = pad_to or min(max_length, -(-max(lengths) // 32) * 32)
     shape = (max(rows or 0, len(texts)), width)
     ids = np.full(shape, tokenizer.pad_token_id or 0, np.int32)
     mask = np.zeros(shape, np.int32)
-    for i, row in enumerate(enc["input_ids"]):
-        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    for i, n in enumerate(lengths):
+        ids[i, :n], mask[i, :n] = enc["input_ids"][i][kept[i]].numpy(), 1
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -114,13 +121,15 @@ def _forward(model: Encoder, params: Any, input_ids: jax.Array, attention_mask: 
 
 
 def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[str], max_length: int,
-                 batch_size: int = 64, desc: str = "encoding") -> np.ndarray:
+                 batch_size: int = 64, desc: str = "encoding", kind: str = "query",
+                 titles: Optional[Sequence[str]] = None) -> np.ndarray:
     """Normalised fp32 representations, encoded in length-sorted batches by a jitted forward pass."""
     order = np.argsort([len(t) for t in texts], kind="stable")
     out = np.zeros((len(texts), model.config.hidden_size), np.float32)
     for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=None):
         rows = order[start:start + batch_size]
-        batch = tokenize(tokenizer, [texts[i] for i in rows], max_length, rows=batch_size)
+        batch = tokenize(tokenizer, [texts[i] for i in rows], max_length, rows=batch_size, kind=kind,
+                         titles=[titles[i] for i in rows] if titles is not None else None)
         reps = _forward(model, params, batch["input_ids"], batch["attention_mask"])
         out[rows] = np.asarray(reps, np.float32)[:len(rows)]
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
@@ -131,8 +140,8 @@ def evaluate_model(model: Encoder, params: Any, tokenizer: Any, corpus: list[tup
     """Exact top-100 retrieval over the corpus, scored by the toolkit's top-k answer accuracy."""
     from ..evaluate import evaluate_answers
 
-    texts = [passage_text({"title": title, "text": text}) for _, title, text in corpus]
-    passages = encode_texts(model, params, tokenizer, texts, config.passage_max_length, desc="encoding passages")
+    passages = encode_texts(model, params, tokenizer, [text for _, _, text in corpus], config.passage_max_length,
+                            desc="encoding passages", kind="passage", titles=[title for _, title, _ in corpus])
     queries = encode_texts(model, params, tokenizer, [q["question"] for q in questions], config.query_max_length,
                            desc="encoding questions")
     scores = queries @ passages.T
@@ -176,7 +185,7 @@ def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], gro
 
     q_tok = tokenize(tokenizer, questions, config.query_max_length, pad_to=config.query_max_length)
     p_tok = tokenize(tokenizer, [p for g in groups for p in g], config.passage_max_length,
-                     pad_to=config.passage_max_length)
+                     pad_to=config.passage_max_length, kind="passage")
     group = 1 + config.hard_negatives
     opt_state, losses = optimizer.init(params), []
     rng, key = np.random.default_rng(config.seed), jax.random.key(config.seed)
