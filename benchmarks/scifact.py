@@ -91,9 +91,9 @@ VARIANT_FIELDS = ("batch_size", "chunk_size", "epochs", "learning_rate", "warmup
 
 # ----------------------------------------------------------------------------------------------- helpers
 def device_of(s: Settings) -> str:
-    import torch
+    from dpr_gc.devices import default_device
 
-    return s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return default_device(s.device)
 
 
 def peak_memory_mb(device: str) -> dict:
