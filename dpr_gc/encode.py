@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("float16", "float32")
 # Settings that must match for parts/shards in one folder to be combined (batch size and device may differ).
-MUST_MATCH = ("model_fingerprint", "pooling", "normalize", "passage_format", "max_length", "precision", "dim",
+MUST_MATCH = ("model_fingerprint", "pooling", "normalize", "passage_format", "passage_prefix", "max_length", "precision", "dim",
               "dtype", "num_shards", "corpus_name", "corpus_bytes", "corpus_rows", "corpus_fingerprint")
 
 
@@ -118,7 +118,8 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     manifest = {
         "model": str(Path(model).resolve()) if Path(model).exists() else model,
         "model_fingerprint": model_fingerprint(retriever), "pooling": cfg.pooling, "normalize": cfg.normalize,
-        "passage_format": cfg.passage_format, "max_length": max_length,
+        "passage_format": cfg.passage_format, "query_prefix": cfg.query_prefix, "passage_prefix": cfg.passage_prefix,
+        "max_length": max_length,
         "precision": autocast or "fp32", "dim": retriever.dim, "dtype": dtype, "count": count, "start_row": start,
         "shard_id": shard_id, "num_shards": num_shards, "corpus": str(Path(corpus_path).resolve()),
         "corpus_name": Path(corpus_path).name, "corpus_bytes": Path(corpus_path).stat().st_size,

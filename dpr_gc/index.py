@@ -37,6 +37,9 @@ META_FILE = "index_meta.json"
 IDS_FILE = "ids.txt"
 FORMAT_VERSION = 1
 ENCODING_KEYS = ("model_fingerprint", "dim", "pooling", "normalize", "passage_format")
+# The prefixes the passages were encoded under (encode's flags included); retrieve and mine default to them.
+# Absent from indexes and shards of earlier versions, so they are compared only where both sides record them.
+PREFIX_KEYS = ("query_prefix", "passage_prefix")
 
 
 def _faiss() -> Any:
@@ -239,6 +242,14 @@ def _encoding_of(meta: dict) -> dict:
     return {k: meta.get(k) for k in ENCODING_KEYS}
 
 
+def _check_prefixes(records: list[dict], emb_dir: PathLike) -> None:
+    """Refuse shards (or shards and an index) encoded under different passage prefixes."""
+    seen = {r["passage_prefix"] for r in records if "passage_prefix" in r}
+    if len(seen) > 1:
+        raise DprGcError(f"embeddings in {emb_dir} and the index were encoded with different passage prefixes "
+                         f"({' vs '.join(map(repr, sorted(seen)))}); encode them with one prefix")
+
+
 def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseIndex] = None,
                train_sample: int = 100_000, block_size: int = 65_536, seed: int = 0,
                allow_partial: bool = False) -> tuple[DenseIndex, list[dict], dict[str, Any]]:
@@ -256,6 +267,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
         if _encoding_of(m) != encoding:
             raise DprGcError(f"{m['embeddings']}: encoded with {_encoding_of(m)} but other shards in {emb_dir} with "
                              f"{encoding}; keep one model's embeddings per folder")
+    _check_prefixes(manifests + ([dense.meta] if dense is not None else []), emb_dir)
     if dense is not None and (_encoding_of(dense.meta) != encoding
                               or dense.meta.get("corpus_rows") != first.get("corpus_rows")
                               or dense.meta.get("corpus_fingerprint") != first.get("corpus_fingerprint")):
@@ -272,7 +284,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     if dense is None:
         dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
         dense = DenseIndex.build(dim, params.resolve(dim, total, min(train_sample, total)))
-        dense.meta.update(encoding, model=first.get("model"), corpus=first.get("corpus"),
+        dense.meta.update(encoding, **{k: first[k] for k in PREFIX_KEYS if k in first}, model=first.get("model"), corpus=first.get("corpus"),
                           corpus_rows=first.get("corpus_rows"), corpus_fingerprint=first.get("corpus_fingerprint"),
                           shards=[])
         if not dense.is_trained:

@@ -260,14 +260,16 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
         raise DprGcError(f"unknown --source {kind!r}; use one of {', '.join(SOURCES)}")
     from .devices import default_device
     from .encode import encode_corpus
-    from .index import DenseIndex, IndexParams, build_index, index_exists, set_threads
+    from .index import DenseIndex, IndexParams, build_index, index_exists, read_meta, set_threads
     from .shards import has_shards
     from .model import Retriever
-    from .retrieve import check_compatible, check_corpus
+    from .retrieve import check_compatible, check_corpus, recorded_prefixes
 
     if not model:
         raise DprGcError("--source dense needs --model (the trained retriever folder)")
     set_threads(threads or None)
+    if index_exists(index):
+        query_prefix, passage_prefix = recorded_prefixes(read_meta(index), query_prefix, passage_prefix)
     retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix)
     if not index_exists(index):
         if embeddings is None:

@@ -41,7 +41,7 @@ def check_compatible(retriever: Any, index: DenseIndex, check_fingerprint: bool 
     if retriever.dim != index.dim:
         raise DprGcError(f"the model gives {retriever.dim}-dimensional vectors but the {built} holds {index.dim}-"
                          "dimensional ones; retrieve with the model that encoded the passages")
-    for key in ("pooling", "normalize", "passage_format"):
+    for key in ("pooling", "normalize", "passage_format", "passage_prefix"):
         ours = getattr(retriever.config, key)
         if meta.get(key) is not None and meta[key] != ours:
             raise DprGcError(f"the model uses {key}={ours!r} but the {built} was encoded with {meta[key]!r}; "
@@ -250,6 +250,14 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: S
 
 
 # ----------------------------------------------------------------------------------------------- command line
+def recorded_prefixes(meta: dict, query_prefix: Optional[str],
+                      passage_prefix: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """The prefixes to load the query encoder with: the flags when given, else those the passages were encoded
+    under (recorded by ``encode``, its own flags included), else None (the model's own)."""
+    return (query_prefix if query_prefix is not None else meta.get("query_prefix"),
+            passage_prefix if passage_prefix is not None else meta.get("passage_prefix"))
+
+
 def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
     """The model an index records: its absolute path, else the path relative to the index folder (the two were
     moved together), else the name as recorded (a Hugging Face name, or a relative path from an older version)."""
@@ -284,7 +292,8 @@ def run_retrieval(index: DenseIndex, queries_path: PathLike, *, model: Optional[
     corpus_path = corpus or index.meta.get("corpus")
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
-    retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix)
+    retriever = Retriever.load(model, default_device(device),
+                               *recorded_prefixes(index.meta, query_prefix, passage_prefix))
     check_compatible(retriever, index, check_fingerprint=check_model)
     passages = load_corpus(corpus_path, cache_dir)
     check_corpus(index, passages)

@@ -68,7 +68,7 @@ def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
     first = manifests[0]
     for m in manifests[1:]:
         for key in ("model_fingerprint", "dim", "num_shards", "corpus_rows", "corpus_fingerprint", "pooling",
-                    "normalize"):
+                    "normalize", "passage_prefix"):
             if m.get(key) != first.get(key):
                 raise DprGcError(f"shards in {root} disagree on {key} ({first.get(key)!r} vs {m.get(key)!r}); "
                                  "re-encode them into one folder with one model")

@@ -110,3 +110,35 @@ def test_encode_retrieve_and_mine_apply_stored_prefixes_and_flags(make_retriever
     source = open_source("dense", load_corpus(corpus, tmp_path / "c"), model=str(tmp_path / "model"),
                          index=tmp_path / "idx", device="cpu", query_prefix="on ", show_progress=False)
     assert (source.retriever.config.query_prefix, source.retriever.config.passage_prefix) == ("on ", PP)
+
+
+def test_prefixes_given_to_encode_are_recorded_and_used_by_retrieve_and_mine(make_retriever, tmp_path):
+    """`encode --query-prefix/--passage-prefix` override the model's; the index records them, so retrieve and mine
+    embed queries under the same ones without repeating the flags (an explicit flag still wins)."""
+    retriever = make_retriever(query_prefix=QP, passage_prefix=PP, passage_format="concat", normalize=True)
+    retriever.save(tmp_path / "model")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in PASSAGES))
+    common = ["--corpus", str(corpus), "--dtype", "float32", "--precision", "fp32", "--cache-dir", str(tmp_path / "c"),
+              "--device", "cpu"]
+    assert main(["encode", "--model", str(tmp_path / "model"), "--output", str(tmp_path / "emb"),
+                 "--query-prefix", "on ", "--passage-prefix", "", *common]) == 0
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams("flat"))
+    meta = json.loads((tmp_path / "idx" / "index_meta.json").read_text())
+    assert (meta["query_prefix"], meta["passage_prefix"]) == ("on ", "")
+    plain = unprefixed(retriever)
+    passages = plain.embed("passage", [p["text"] for p in PASSAGES], [p["title"] for p in PASSAGES])
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps({"_id": f"q{i}", "text": q}) + "\n" for i, q in enumerate(QUERIES)))
+    out = tmp_path / "results.json"
+    assert main(["retrieve", "--index", str(tmp_path / "idx"), "--queries", str(queries), "--top-k", "3",
+                 "--output", str(out), "--match", "none", "--device", "cpu", "--cache-dir", str(tmp_path / "c")]) == 0
+    expected = np.sort(plain.embed("query", ["on " + q for q in QUERIES]) @ passages.T, axis=1)[:, ::-1]
+    np.testing.assert_allclose([[c["score"] for c in r["ctxs"]] for r in json.loads(out.read_text())], expected,
+                               rtol=0, atol=1e-4)
+    assert main(["retrieve", "--index", str(tmp_path / "idx"), "--queries", str(queries), "--output", str(out),
+                 "--match", "none", "--device", "cpu", "--cache-dir", str(tmp_path / "c"),
+                 "--passage-prefix", PP]) == 2  # passages were encoded without it
+    source = open_source("dense", load_corpus(corpus, tmp_path / "c"), model=str(tmp_path / "model"),
+                         index=tmp_path / "idx", device="cpu", show_progress=False)
+    assert (source.retriever.config.query_prefix, source.retriever.config.passage_prefix) == ("on ", "")
