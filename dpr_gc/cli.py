@@ -7,11 +7,11 @@ import logging
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from . import data, encode, evaluate, index, mine, pipeline, retrieve, stdlib_data, train
+from . import data, encode, evaluate, index, lora, mine, pipeline, retrieve, stdlib_data, train
 from .args import ArgumentParser
 from .errors import DprGcError
 
-STAGES = (pipeline, stdlib_data, data, train, encode, index, retrieve, evaluate, mine)
+STAGES = (pipeline, stdlib_data, data, train, encode, index, retrieve, evaluate, mine, lora)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -272,10 +272,15 @@ class Retriever(nn.Module):
 
 
 def load_transformer(name_or_path: str | Path) -> nn.Module:
+    """A Hugging Face model by name or folder; a folder holding a PEFT adapter loads on top of its base model."""
     import pickle
 
     from transformers import AutoModel
 
+    from .lora import ADAPTER_CONFIG, load_adapter_model
+
+    if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
+        return load_adapter_model(Path(name_or_path))
     try:
         return AutoModel.from_pretrained(str(name_or_path))
     except pickle.UnpicklingError as e:

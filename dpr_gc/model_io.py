@@ -157,6 +157,9 @@ def _write_tower(out: Path, route: str, encoder: Any, tokenizer: Any, max_length
 
 def _write_transformer(folder: Path, model: nn.Module, tokenizer: Any, config: Any, max_length: int) -> None:
     """The Hugging Face model and tokenizer (``model_max_length`` = this tower's plain-``encode`` length)."""
+    from .lora import check_saveable
+
+    check_saveable(model)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

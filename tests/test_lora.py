@@ -1,0 +1,132 @@
+"""LoRA (peft) on the towers: only adapters train, Gradient Cache stays exact, a saved adapter loads for encode and
+gives the in-memory model's embeddings, and ``merge-lora`` writes full weights that embed alike."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc.cli import main
+from dpr_gc.errors import DprGcError
+from dpr_gc.lora import LoraSettings, apply_lora, is_adapted
+from dpr_gc.model import Retriever
+from tests.llm_models import save_decoder
+from tests.test_encode import gather
+from tests.test_grad_cache import grads, make_batch, models_of, reference_grads, rel_err, zero
+from tests.test_llm import TEXTS, decoder_retriever
+from tests.test_train import init_model
+
+PASSAGES = [{"id": f"p{i}", "title": t, "text": x} for i, (t, x) in enumerate(
+    [("paris", "the city of france on the river"), ("", "a war of the king of london"),
+     ("music", "a film with music from london"), ("", "what is a gene")])]
+
+
+def randomise_adapters(retriever: Retriever, seed: int = 0) -> None:
+    """PEFT starts lora_B at zero (the adapter a no-op, lora_A without gradient); random values test both."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in retriever.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+
+
+def adapter_only(retriever: Retriever) -> bool:
+    trainable = [n for e in models_of(retriever) for n, p in e.transformer.named_parameters() if p.requires_grad]
+    return bool(trainable) and all("lora_" in n for n in trainable)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_lora_gradient_cache_equals_full_batch_on_bert(make_retriever, shared):
+    retriever = make_retriever(shared=shared)
+    apply_lora(retriever, LoraSettings(r=4))
+    randomise_adapters(retriever)
+    assert adapter_only(retriever)
+    assert any(".pooler." in n for n, _ in retriever.named_parameters() if "lora_" in n)  # adapted but frozen
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 8, 1, seed=2)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    GradCache(modules, 3, loss_fn)(q, p)
+    adapter_grads = [p.grad for m in modules for n, p in m.named_parameters() if "lora_" in n and p.requires_grad]
+    assert all(g is not None and g.abs().sum() > 0 for g in adapter_grads)
+    assert rel_err(grads(modules), expected) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lora_gradient_cache_equals_full_batch_on_left_padded_decoders(kind):
+    retriever = decoder_retriever(kind, "left")
+    apply_lora(retriever, LoraSettings(r=4, target_modules=None))
+    randomise_adapters(retriever)
+    assert adapter_only(retriever)
+    targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in retriever.named_parameters() if "lora_A" in n}
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 8, 1, seed=4)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    GradCache(modules, 3, loss_fn, sort_by_length=True)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+
+
+def test_saved_adapter_loads_and_encodes_like_the_in_memory_model(tmp_path):
+    base = save_decoder(tmp_path / "base", "llama", padding_side="left")
+    retriever = Retriever.from_pretrained(str(base), decoder_retriever().config)
+    apply_lora(retriever, LoraSettings(r=4, alpha=16))
+    randomise_adapters(retriever, seed=3)
+    retriever.save(tmp_path / "lora")
+    tower = tmp_path / "lora"
+    assert (tower / "adapter_config.json").is_file() and (tower / "adapter_model.safetensors").is_file()
+    assert not (tower / "model.safetensors").exists()  # the base weights stay in the base folder
+    assert json.loads((tower / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+
+    titles, texts = [p["title"] for p in PASSAGES], [p["text"] for p in PASSAGES]
+    expected = retriever.embed("passage", texts, titles)
+    loaded = Retriever.load(tmp_path / "lora")
+    assert is_adapted(loaded.query_encoder.transformer)
+    np.testing.assert_allclose(loaded.embed("passage", texts, titles), expected, rtol=0, atol=1e-6)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in PASSAGES))
+    assert main(["encode", "--model", str(tmp_path / "lora"), "--corpus", str(corpus), "--output", str(tmp_path / "emb"),
+                 "--dtype", "float32", "--precision", "fp32", "--cache-dir", str(tmp_path / "c"), "--device", "cpu"]) == 0
+    np.testing.assert_allclose(gather(tmp_path / "emb")[1], expected, rtol=0, atol=1e-5)
+
+    # training again from the saved retriever trains its adapter, nothing else
+    assert not adapter_only(loaded)
+    apply_lora(loaded, LoraSettings(r=4))
+    assert adapter_only(loaded)
+
+    assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(tmp_path / "merged")]) == 0
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    merged = Retriever.load(tmp_path / "merged")
+    assert not is_adapted(merged.query_encoder.transformer)
+    np.testing.assert_allclose(merged.embed("passage", texts, titles), expected, rtol=0, atol=1e-5)
+    assert main(["merge-lora", "--model", str(tmp_path / "merged"), "--output", str(tmp_path / "again")]) == 2
+
+
+def test_separate_lora_towers_round_trip(make_retriever, tmp_path):
+    with pytest.raises(DprGcError, match="no folder"):  # an adapter needs a base that can be found again
+        unsaved = make_retriever()
+        apply_lora(unsaved, LoraSettings(r=2))
+        unsaved.save(tmp_path / "unsaved")
+    retriever = Retriever.load(init_model(tmp_path, shared=False))
+    apply_lora(retriever, LoraSettings(r=2, target_modules=["query", "value"]))
+    randomise_adapters(retriever, seed=5)
+    retriever.save(tmp_path / "two")
+    loaded = Retriever.load(tmp_path / "two")
+    for kind in ("query", "passage"):
+        np.testing.assert_allclose(loaded.embed(kind, TEXTS), retriever.embed(kind, TEXTS), rtol=0, atol=1e-6)
+
+
+def test_bad_lora_settings_are_refused(make_retriever):
+    with pytest.raises(DprGcError, match="--lora-r"):
+        LoraSettings(r=0)
+    with pytest.raises(DprGcError, match="--lora-dropout"):
+        LoraSettings(r=2, dropout=1.0)
+    with pytest.raises(DprGcError, match="--lora-target-modules"):
+        apply_lora(make_retriever(), LoraSettings(r=2, target_modules=["no_such_layer"]))
