@@ -1,0 +1,150 @@
+"""Benchmark: step time and peak memory against the batch size for a decoder-only (Qwen2-shaped) retriever with LoRA.
+
+Methods, each with LoRA adapters on every attention and MLP projection (rank ``--lora-r``), last-token pooling,
+one hard negative per query, in-batch negatives, fp32 scores:
+
+* ``plain``: the whole batch through the model with one graph, the loss, one backward;
+* ``gc``: ``dpr_gc.GradCache`` with chunks of ``--chunk`` sequences (as shipped: trimmed, length-sorted, last graph
+  kept);
+* ``gc+ckpt``: the same with gradient checkpointing in the transformer (activations recomputed in backward).
+
+Each (method, batch) runs in a fresh Python process, so its peak memory is its own (see
+``bench_gradcache.PeakMemory``: CUDA ``max_memory_allocated``; on CPU the resident-set high-water mark, both
+above the memory held before the step). The weights are random (the speed and memory of a step do not depend on
+their values); the default shape is Qwen2-0.5B's (494M parameters), ``--small`` a 4-layer one for CPUs. Token ids
+are random with random lengths (queries up to ``--query-length``, passages up to ``--passage-length``), right-padded.
+One warm-up step, then ``--steps`` timed steps (median wall time, and the CPU time of the process).
+
+    python benchmarks/bench_llm.py --device cuda --precision bf16 --batches 8,32,128 --chunk 8
+    python benchmarks/bench_llm.py --small --batches 8,16,32 --chunk 4          # a CPU-sized run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_gradcache import PeakMemory  # noqa: E402
+from dpr_gc import GradCache, SimpleContrastiveLoss  # noqa: E402
+from dpr_gc.files import write_json  # noqa: E402
+from dpr_gc.lora import LoraSettings, apply_lora  # noqa: E402
+from dpr_gc.model import Retriever, RetrieverConfig, enable_gradient_checkpointing  # noqa: E402
+
+METHODS = ("plain", "gc", "gc+ckpt")
+QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+SMALL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def build(args: argparse.Namespace, device: torch.device) -> Retriever:
+    from transformers import Qwen2Config, Qwen2Model
+
+    torch.manual_seed(0)
+    model = Qwen2Model(Qwen2Config(**(SMALL if args.small else QWEN2_05B), attn_implementation="sdpa"))
+    retriever = Retriever(model, None, None, RetrieverConfig(pooling="last", temperature=0.05, normalize=True))
+    apply_lora(retriever, LoraSettings(r=args.lora_r))
+    return retriever.to(device).train()
+
+
+def random_batch(n: int, max_len: int, vocab: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max_len // 4, max_len + 1, (n,), generator=gen)
+    mask = (torch.arange(max_len)[None] < lengths[:, None]).long()
+    return {"input_ids": torch.randint(3, vocab, (n, max_len), generator=gen) * mask, "attention_mask": mask}
+
+
+def one_run(args: argparse.Namespace) -> dict:
+    """One method at one batch size, in this process."""
+    device = torch.device(args.device)
+    retriever = build(args, device)
+    if args.method == "gc+ckpt":
+        enable_gradient_checkpointing(retriever)
+    vocab = retriever.query_encoder.transformer.config.vocab_size
+    q = {k: v.to(device) for k, v in random_batch(args.batch, args.query_length, vocab, 1).items()}
+    p = {k: v.to(device) for k, v in random_batch(2 * args.batch, args.passage_length, vocab, 2).items()}
+    loss_fn = SimpleContrastiveLoss(1)
+    bf16 = args.precision == "bf16"
+    cache = GradCache([retriever, retriever], args.chunk, loss_fn, bf16=bf16, sort_by_length=True)
+
+    def step() -> None:
+        retriever.zero_grad(set_to_none=True)
+        if args.method == "plain":
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                reps = retriever(kind="query", **q), retriever(kind="passage", **p)
+            loss_fn(reps[0].float(), reps[1].float()).backward()
+        else:
+            cache(dict(q, kind="query"), dict(p, kind="passage"))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()  # warm-up
+    retriever.zero_grad(set_to_none=True)
+    memory = PeakMemory(device)
+    memory.start()
+    walls, cpus = [], []
+    for _ in range(args.steps):
+        wall, cpu = time.perf_counter(), time.process_time()
+        step()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    peak = memory.stop()
+    params = sum(p.numel() for p in retriever.parameters())
+    trainable = sum(p.numel() for p in retriever.parameters() if p.requires_grad)
+    return {"method": args.method, "batch": args.batch, "passages": 2 * args.batch, "chunk": args.chunk,
+            "step_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "peak_mb": round(peak, 1),
+            "memory_method": memory.method, "parameters": params, "trainable_parameters": trainable}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
+    parser.add_argument("--batches", default="8,32,128", help="comma-separated query batch sizes")
+    parser.add_argument("--chunk", type=int, default=8)
+    parser.add_argument("--query-length", type=int, default=32)
+    parser.add_argument("--passage-length", type=int, default=128)
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="a 4-layer, 256-wide model instead of Qwen2-0.5B's shape")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "llm.json"))
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.method:  # a child process: one configuration, its result as JSON on the last line
+        print(json.dumps(one_run(args)))
+        return
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for method in args.methods.split(","):
+            cmd = [sys.executable, __file__, "--method", method, "--batch", str(batch)] + sys.argv[1:]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+                rows.append({"method": method, "batch": batch, "error": tail})
+            else:
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    write_json(args.output, {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                             "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                             "threads": torch.get_num_threads(), "settings": vars(args) | {"method": None},
+                             "results": rows})
+
+
+if __name__ == "__main__":
+    main()
