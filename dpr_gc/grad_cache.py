@@ -12,7 +12,7 @@ One cached step (:meth:`GradCache.cache_step`) runs in three parts, one method e
 Beyond the original module: bf16 autocast beside fp16 + GradScaler; every chunk is trimmed to its own longest
 sequence (token-level representations are padded back, so the loss sees the untrimmed shape); the batch can be
 grouped by length before chunking; the very last chunk keeps its graph from part 1 instead of being run again (not
-under DDP, where that graph's backward would reach the gradient hooks out of order); the RNG state is replayed on
+under DDP or FSDP, where that graph's backward would reach the gradient hooks out of order); the RNG state is replayed on
 every CUDA device the model's parameters and the inputs live on; a frozen model runs once, without a graph;
 running buffers (BatchNorm statistics) see each example once; the gradients of a loss's own parameters (a
 learnable temperature) are averaged over ranks like DDP averages the encoders'. The input helpers live in
@@ -34,7 +34,7 @@ from .chunking import (call_model, length_order, pad_sequence_dim, rows_in, spli
                        to_device, trim_padding, trimmed_width)
 from .errors import DprGcError
 
-__all__ = ["GradCache", "RandState", "is_ddp", "rng_devices", "split_input", "tensors_in", "trim_padding", "unwrap"]
+__all__ = ["GradCache", "RandState", "is_ddp", "is_fsdp", "rng_devices", "split_input", "tensors_in", "trim_padding", "unwrap"]
 
 REPLAYABLE_DEVICES = ("cpu", "cuda")
 
@@ -92,6 +92,19 @@ def is_ddp(model: nn.Module) -> bool:
     return isinstance(unwrap(model), DistributedDataParallel)
 
 
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded with FSDP2 (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(unwrap(model), FSDPModule)
+
+
+def is_data_parallel(model: nn.Module) -> bool:
+    """DDP or FSDP2: gradients are synchronised by backward hooks, which Gradient Cache holds off until the last
+    chunk."""
+    return is_ddp(model) or is_fsdp(model)
+
+
 def is_trainable(model: nn.Module) -> bool:
     return any(p.requires_grad for p in model.parameters())
 
@@ -115,6 +128,17 @@ def buffers_kept(models: Iterable[nn.Module]) -> Iterator[None]:
         with torch.no_grad():
             for model, name, value in saved.values():
                 model.get_buffer(name).copy_(value)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's counterpart of DDP's ``no_sync``: gradients accumulate unsharded, without reduce-scatter, until a
+    backward outside the block."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 class _Plan:
@@ -185,7 +209,7 @@ class GradCache:
             loss is computed in the original order; inputs without a 2-D attention mask are left in order).
         trim: cut every chunk to its longest sequence, on its padding side (right or left).
         keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
-            again (ignored for DDP-wrapped models); it is backpropagated first, so peak memory stays one chunk.
+            again (ignored for DDP-wrapped and FSDP-sharded models); it is backpropagated first, so peak memory stays one chunk.
     """
 
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: Union[int, Sequence[int]], loss_fn: Callable[..., torch.Tensor],
@@ -267,15 +291,17 @@ class GradCache:
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
         """One cached step: returns the detached loss; parameter gradients are accumulated into ``.grad``.
 
-        With ``no_sync_except_last`` only each model's last chunk runs DDP's all-reduce. A module listed twice (tied
-        encoders) is therefore reduced twice per step, which is exact: averaging is linear and leaves an
-        already-averaged part unchanged.
+        With ``no_sync_except_last`` only each model's last chunk runs DDP's all-reduce (FSDP2's reduce-scatter:
+        ``set_requires_gradient_sync(False)`` for the others). A module listed twice (tied encoders) is therefore
+        reduced twice per step, which is exact: averaging is linear and leaves an already-averaged part unchanged.
+        The kept-graph shortcut is off for DDP and FSDP models, whose hooks must see the chunks in replay order.
         """
         if len(model_inputs) != len(self.models):
             raise DprGcError(f"got {len(model_inputs)} model inputs for {len(self.models)} models")
         trainable = [is_trainable(m) for m in self.models]
-        if no_sync_except_last and not all(is_ddp(m) for m, t in zip(self.models, trainable) if t):
-            raise DprGcError("no_sync_except_last=True needs every trainable model wrapped in DistributedDataParallel")
+        if no_sync_except_last and not all(is_data_parallel(m) for m, t in zip(self.models, trainable) if t):
+            raise DprGcError("no_sync_except_last=True needs every trainable model wrapped in DistributedDataParallel "
+                             "or sharded with fully_shard")
         plans, reps = self.forward_no_grad(model_inputs, trainable)
         loss = self.build_cache(reps, **loss_kwargs)
         self.forward_backward(plans, [rep.grad for rep in reps], no_sync_except_last)
@@ -285,12 +311,12 @@ class GradCache:
         """Part 1: every model's chunks and representations, computed without graphs (fp32, original row order,
         requiring grad where the model trains). The very last chunk (of the last model) keeps its graph when
         allowed: it is the one chunk whose graph can live until the loss without raising peak memory (not under
-        DDP, where that graph's backward would reach the gradient hooks out of order)."""
+        DDP or FSDP, where that graph's backward would reach the gradient hooks out of order)."""
         plans, reps = [], []
         for m, model_input in enumerate(model_inputs):
             plan = self._plan(m, model_input)
             keep = (self.keep_last_graph and m == len(self.models) - 1 and trainable[m]
-                    and not is_ddp(self.models[m]))
+                    and not is_data_parallel(self.models[m]))
             self._first_pass(plan, trainable[m], keep)
             plans.append(plan)
             reps.append(plan.reps().requires_grad_(trainable[m]))
@@ -320,7 +346,7 @@ class GradCache:
 
     def _replay(self, plan: _Plan, cache: torch.Tensor, no_sync: bool) -> None:
         """One model's part 3. A kept chunk goes first of all, so its graph is freed before any other chunk is
-        re-run; with ``no_sync`` only the last chunk runs DDP's all-reduce."""
+        re-run; with ``no_sync`` only the last chunk runs DDP's all-reduce (FSDP's reduce-scatter)."""
         model, end = self.models[plan.m], len(plan.chunks) - 1
         replayed = range(len(plan.chunks))
         if plan.kept is not None:
@@ -344,6 +370,8 @@ class GradCache:
     def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         if not sync and is_ddp(model):
             return unwrap(model).no_sync()
+        if not sync and is_fsdp(model):
+            return _fsdp_no_sync(unwrap(model))
         return contextlib.nullcontext()
 
     def _average_loss_parameter_grads(self) -> None:

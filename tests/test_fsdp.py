@@ -1,0 +1,116 @@
+"""FSDP2 under two gloo processes: a Gradient Cache step on a LoRA decoder sharded over 2 ranks (batch 4 each) ends
+with the weights of one process at batch 8, and a sharded checkpoint resumes to the uninterrupted result."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
+from dpr_gc.chunking import take_rows
+from dpr_gc.errors import DprGcError
+from dpr_gc.fsdp import full_state_dict, load_sharded, mixed_precision, save_sharded, shard_retriever
+from dpr_gc.lora import LoraSettings, apply_lora
+from tests.test_grad_cache import make_batch
+from tests.test_llm import decoder_retriever
+from tests.test_lora import randomise_adapters
+
+WORLD, LOCAL = 2, 4
+
+
+def lora_decoder():
+    retriever = decoder_retriever("llama", "left", learn_temperature=True, temperature=0.2)
+    apply_lora(retriever, LoraSettings(r=4))
+    randomise_adapters(retriever)
+    return retriever.train()
+
+
+def batches(retriever, steps: int):
+    return [make_batch(retriever, WORLD * LOCAL, 1, seed=20 + s) for s in range(steps)]
+
+
+def optimizer_for(retriever):
+    return torch.optim.AdamW([p for p in retriever.parameters() if p.requires_grad], lr=1e-2)
+
+
+def reference_weights(steps: int) -> dict:
+    """One process, the global batch of 8 at once, ``steps`` AdamW steps."""
+    torch.manual_seed(0)
+    retriever = lora_decoder()
+    optimizer, loss_fn = optimizer_for(retriever), SimpleContrastiveLoss(1)
+    for q, p in batches(retriever, steps):
+        optimizer.zero_grad()
+        loss_fn(retriever("query", **q), retriever("passage", **p)).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in retriever.state_dict().items()}
+
+
+def sharded_steps(rank: int, retriever, optimizer, data) -> None:
+    loss_fn = DistributedContrastiveLoss(1)
+    cache = GradCache([retriever, retriever], 3, loss_fn, sort_by_length=True)
+    for q, p in data:
+        q_local = take_rows(dict(q, kind="query"), torch.arange(rank * LOCAL, (rank + 1) * LOCAL))
+        p_local = take_rows(dict(p, kind="passage"), torch.arange(rank * 2 * LOCAL, (rank + 1) * 2 * LOCAL))
+        optimizer.zero_grad()
+        cache(q_local, p_local, no_sync_except_last=True)
+        optimizer.step()
+
+
+def compare(rank: int, retriever, expected: dict, what: str) -> None:
+    full = full_state_dict(retriever)
+    if rank == 0:
+        trained = [k for k in expected if "lora_" in k or "tau" in k]
+        for key in trained:
+            got, want = full[key].float(), expected[key].float()
+            err = float((got - want).norm() / want.norm().clamp(min=1e-12))
+            assert err < 1e-4, f"{what}: {key} differs by {err:.2e}"
+        assert len(trained) > 4
+
+
+def worker(rank: int, tmp: str, expected_1: dict, expected_2: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=300))
+    try:
+        torch.manual_seed(0)
+        retriever = shard_retriever(lora_decoder())
+        optimizer = optimizer_for(retriever)
+        data = batches(lora_decoder(), 2)
+        sharded_steps(rank, retriever, optimizer, data[:1])
+        compare(rank, retriever, expected_1, "one step")
+        save_sharded(Path(tmp) / "ckpt", retriever, optimizer)
+        sharded_steps(rank, retriever, optimizer, data[1:])
+        compare(rank, retriever, expected_2, "uninterrupted")
+
+        torch.manual_seed(0)
+        resumed = shard_retriever(lora_decoder())
+        resumed_optimizer = optimizer_for(resumed)
+        load_sharded(Path(tmp) / "ckpt", resumed, resumed_optimizer)
+        sharded_steps(rank, resumed, resumed_optimizer, data[1:])
+        compare(rank, resumed, expected_2, "resumed")
+    except Exception:
+        Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_gradient_cache_step_equals_one_process_and_resumes(tmp_path):
+    expected_1, expected_2 = reference_weights(1), reference_weights(2)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(worker, args=(str(tmp_path), expected_1, expected_2), nprocs=WORLD, join=True)
+    errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
+    assert not errors, errors
+
+
+def test_fsdp_settings_are_checked():
+    assert mixed_precision("bf16").param_dtype == torch.bfloat16 and mixed_precision("bf16").reduce_dtype == torch.float32
+    with pytest.raises(DprGcError, match="fp16"):
+        mixed_precision("fp16")
+    with pytest.raises(DprGcError, match="torchrun"):
+        shard_retriever(lora_decoder())
