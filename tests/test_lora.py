@@ -13,7 +13,7 @@ from dpr_gc import GradCache, SimpleContrastiveLoss
 from dpr_gc.cli import main
 from dpr_gc.errors import DprGcError
 from dpr_gc.lora import LoraSettings, apply_lora, is_adapted
-from dpr_gc.model import Retriever
+from dpr_gc.model import Retriever, enable_gradient_checkpointing
 from tests.llm_models import save_decoder
 from tests.test_encode import gather
 from tests.test_grad_cache import grads, make_batch, models_of, reference_grads, rel_err, zero
@@ -57,11 +57,14 @@ def test_lora_gradient_cache_equals_full_batch_on_bert(make_retriever, shared):
     assert rel_err(grads(modules), expected) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_lora_gradient_cache_equals_full_batch_on_left_padded_decoders(kind):
+@pytest.mark.parametrize("kind,checkpointing", [("llama", False), ("qwen2", True)])
+def test_lora_gradient_cache_equals_full_batch_on_left_padded_decoders(kind, checkpointing):
     retriever = decoder_retriever(kind, "left")
     apply_lora(retriever, LoraSettings(r=4, target_modules=None))
     randomise_adapters(retriever)
+    if checkpointing:
+        enable_gradient_checkpointing(retriever)
+        retriever.train()
     assert adapter_only(retriever)
     targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in retriever.named_parameters() if "lora_A" in n}
     assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
