@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from .args import output_dir
+from .args import output_dir, positive_float, positive_int
 from .errors import DprGcError
 from .files import read_json
 
@@ -140,12 +140,24 @@ def merge_lora(retriever: Any) -> int:
 
 def add_lora_arguments(parser: Any) -> None:
     """The training flags that turn LoRA on and shape it."""
-    parser.add_argument("--lora-r", type=int, default=None, help="LoRA rank: train low-rank adapters only")
-    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default 2 * rank)")
-    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the LoRA input (default 0)")
+    parser.add_argument("--lora-r", type=positive_int, default=None, help="LoRA rank: train low-rank adapters only")
+    parser.add_argument("--lora-alpha", type=positive_float, default=None,
+                        help="LoRA scaling numerator (default 2 * rank)")
+    parser.add_argument("--lora-dropout", type=dropout_rate, default=0.0, help="dropout on the LoRA input, in [0, 1)")
     parser.add_argument("--lora-target-modules", default=None,
                         help="comma-separated Linear module names to adapt (default: per architecture, e.g. "
                              "query,key,value,dense for BERT, q_proj,...,down_proj for Llama/Qwen2)")
+
+
+def dropout_rate(text: str) -> float:
+    """A flag value in [0, 1) (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}")
+    return value
 
 
 def lora_settings(args: argparse.Namespace) -> Optional[LoraSettings]:

@@ -26,6 +26,7 @@ from .data import Collator, load_training_data, make_dataloader
 from .devices import autocast_dtype
 from .errors import DprGcError
 from .grad_cache import GradCache
+from .lora import apply_lora
 from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from .model import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .train_config import TrainConfig, add_train_arguments, config_from_args
@@ -79,9 +80,11 @@ class Trainer:
 
     # ----------------------------------------------------------------- building
     def build_model(self) -> Retriever:
-        """The retriever in training mode on this rank's device, with gradient checkpointing or frozen position
-        embeddings when asked."""
+        """The retriever in training mode on this rank's device, with LoRA adapters (only they train in the
+        transformers), gradient checkpointing or frozen position embeddings when asked."""
         retriever = build_retriever(self.config.model).to(self.device)
+        if self.config.model.lora is not None:
+            apply_lora(retriever, self.config.model.lora)
         retriever.train()
         if self.config.model.gradient_checkpointing:
             enable_gradient_checkpointing(retriever)

@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 from .args import device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int
 from .errors import DprGcError
+from .lora import LoraSettings, add_lora_arguments, lora_settings
 from .loss import check_loss_chunk_size
 from .model import RetrieverConfig, add_prefix_arguments
 from .validation import DevLimits
@@ -38,6 +39,7 @@ class ModelConfig:
     passage_prefix: Optional[str] = None
     gradient_checkpointing: bool = False
     freeze_position_embeddings: bool = False
+    lora: Optional[LoraSettings] = None  # LoRA adapters (only they train in the transformers), see dpr_gc.lora
 
     def path(self) -> str:
         """The model to start from (the offline default when none is named)."""
@@ -192,6 +194,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
     p.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help=argparse.SUPPRESS)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    add_lora_arguments(p)
     p.add_argument("--freeze-position-embeddings", action="store_true")
     add_run_arguments(p)
 
@@ -233,7 +236,7 @@ def config_from_args(args: Any) -> TrainConfig:
                                 learn_temperature=args.learn_temperature, passage_format=args.passage_format)
     model = ModelConfig(name=args.model, retriever=retriever, query_prefix=args.query_prefix,
                         passage_prefix=args.passage_prefix, gradient_checkpointing=args.gradient_checkpointing,
-                        freeze_position_embeddings=args.freeze_position_embeddings)
+                        freeze_position_embeddings=args.freeze_position_embeddings, lora=lora_settings(args))
     dev = DevLimits(max_questions=args.dev_max_questions, hard_negatives=args.dev_hard_negatives,
                     other_negatives=args.dev_other_negatives, batch_size=args.dev_batch_size,
                     encode_batch_size=args.dev_encode_batch_size)

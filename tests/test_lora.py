@@ -133,3 +133,39 @@ def test_bad_lora_settings_are_refused(make_retriever):
         LoraSettings(r=2, dropout=1.0)
     with pytest.raises(DprGcError, match="--lora-target-modules"):
         apply_lora(make_retriever(), LoraSettings(r=2, target_modules=["no_such_layer"]))
+
+
+def test_train_cli_with_lora_trains_only_adapters_and_resumes(tmp_path):
+    """`dpr-gc train --lora-r` on a decoder folder: final/ is a PEFT adapter over the untouched base, and a run
+    resumed from its first checkpoint ends with the same adapter as the uninterrupted one."""
+    from safetensors.torch import load_file
+
+    from tests.train_data import make_records, write_dpr
+
+    base = save_decoder(tmp_path / "base", "qwen2", padding_side="left")
+    data = write_dpr(tmp_path / "train.json", make_records(16, 1))
+    flags = ["--train", str(data), "--model", str(base), "--pooling", "last", "--passage-format", "concat",
+             "--batch-size", "4", "--query-chunk-size", "2", "--passage-chunk-size", "3", "--max-steps", "2",
+             "--save-every", "1", "--num-workers", "0", "--learning-rate", "1e-2", "--cache-dir", str(tmp_path / "c"),
+             "--lora-r", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--device", "cpu"]
+    assert main(["train", *flags, "--output", str(tmp_path / "run")]) == 0
+    final = tmp_path / "run" / "final"
+    adapter = load_file(str(final / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # trained away from PEFT's zeros
+    settings = json.loads((final / "adapter_config.json").read_text())
+    assert (settings["r"], settings["lora_alpha"], settings["lora_dropout"]) == (4, 8, 0.1)
+    base_weights = load_file(str(base / "model.safetensors"))
+    trained = Retriever.load(final).query_encoder.transformer.get_base_model().state_dict()
+    for key, value in base_weights.items():
+        name = key.rsplit(".", 1)
+        here = trained.get(key, trained.get(f"{name[0]}.base_layer.{name[1]}"))
+        assert here is not None and torch.equal(here, value), key
+
+    assert main(["train", *flags, "--output", str(tmp_path / "run"), "--resume",
+                 str(tmp_path / "run" / "checkpoint-1")]) == 0
+    resumed = load_file(str(final / "adapter_model.safetensors"))
+    assert adapter.keys() == resumed.keys()
+    for key in adapter:
+        torch.testing.assert_close(resumed[key], adapter[key], rtol=0, atol=1e-6)
+    assert main(["train", *flags[:-4], "--lora-dropout", "1.5", "--output", str(tmp_path / "x")]) == 2
