@@ -94,6 +94,7 @@ def worker(rank: int, tmp: str, expected_1: dict, expected_2: dict) -> None:
         load_sharded(Path(tmp) / "ckpt", resumed, resumed_optimizer)
         sharded_steps(rank, resumed, resumed_optimizer, data[1:])
         compare(rank, resumed, expected_2, "resumed")
+        dist.barrier()  # neither rank tears its process group down while the other still uses it
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
     finally:
