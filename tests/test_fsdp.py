@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
 from dpr_gc.chunking import take_rows
@@ -19,6 +18,7 @@ from dpr_gc.errors import DprGcError
 from dpr_gc.fsdp import full_state_dict, load_sharded, mixed_precision, save_sharded, shard_retriever
 from dpr_gc.lora import LoraSettings, apply_lora
 from tests.test_grad_cache import make_batch
+from tests.ranks import rank_errors, run_ranks
 from tests.test_llm import decoder_retriever
 from tests.test_lora import randomise_adapters
 
@@ -104,8 +104,8 @@ def worker(rank: int, tmp: str, expected_1: dict, expected_2: dict) -> None:
 def test_fsdp_gradient_cache_step_equals_one_process_and_resumes(tmp_path):
     expected_1, expected_2 = reference_weights(1), reference_weights(2)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(str(tmp_path), expected_1, expected_2), nprocs=WORLD, join=True)
-    errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
+    run_ranks(worker, (str(tmp_path), expected_1, expected_2), WORLD)
+    errors = rank_errors(tmp_path)
     assert not errors, errors
 
 
