@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .chunking import (call_model, length_order, pad_sequence_dim, rows_in, split_input, take_rows, tensors_in,
                        to_device, trim_padding, trimmed_width)
+from .devices import autocast_dtype
 from .errors import DprGcError
 
 __all__ = ["GradCache", "RandState", "is_ddp", "is_fsdp", "rng_devices", "split_input", "tensors_in", "trim_padding", "unwrap"]
@@ -242,7 +243,7 @@ class GradCache:
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         if not (self.fp16 or self.bf16):
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=torch.float16 if self.fp16 else torch.bfloat16)
+        return torch.autocast(device.type, dtype=autocast_dtype("fp16" if self.fp16 else "bf16"))
 
     def _rep(self, output: Any) -> torch.Tensor:
         rep = self.get_rep_fn(output) if self.get_rep_fn is not None else output
