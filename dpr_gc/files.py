@@ -20,7 +20,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Optional, Union
+from typing import IO, Any, Callable, Iterable, Iterator, Optional, Union
 
 from .errors import DprGcError
 
@@ -109,23 +109,21 @@ class TextReader:
         except READ_ERRORS as e:
             raise read_failure(self.path, e) from None
 
-    def read(self, size: int = -1) -> str:
+    def _guarded(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Call a method of the open file, a read failure turned into one error naming the file."""
         try:
-            return self._f.read(size)
+            return method(*args)
         except READ_ERRORS as e:
             raise read_failure(self.path, e) from None
+
+    def read(self, size: int = -1) -> str:
+        return self._guarded(self._f.read, size)
 
     def seek(self, offset: int) -> int:
-        try:
-            return self._f.seek(offset)
-        except READ_ERRORS as e:
-            raise read_failure(self.path, e) from None
+        return self._guarded(self._f.seek, offset)
 
     def readline(self, size: int = -1) -> str:
-        try:
-            return self._f.readline(size)
-        except READ_ERRORS as e:
-            raise read_failure(self.path, e) from None
+        return self._guarded(self._f.readline, size)
 
 
 def open_text(path: PathLike, newline: Optional[str] = None) -> TextReader:
