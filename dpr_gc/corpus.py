@@ -262,21 +262,27 @@ def rows_for_ids(corpus: Any, ids: Iterable[str], block_size: int = 1_000_000) -
 
 # --------------------------------------------------------------------------------------------- queries
 def read_queries(path: PathLike) -> list[dict]:
-    """Read questions as ``{"id", "question", "answers"}`` dicts.
+    """Read questions as ``{"id", "question", "answers"}`` dicts (all of them: see :func:`iter_queries`).
 
     Accepts DPR QA files (``question<TAB>["answer", ...]``, no header; an optional third column is the id,
     otherwise the id is the line number), NQ-open JSONL (``question``, ``answer``/``answers``, optional ``id``)
     and BEIR ``queries.jsonl`` (``_id``, ``text``; no answers).
     """
     p = require_file(path, "queries file")
-    queries = _read_jsonl_queries(p) if corpus_format(p) == "jsonl" else _read_tsv_queries(p)
+    queries = list(iter_queries(p))
     if not queries:
         raise DprGcError(f"no queries in {p} (the file is empty)")
     return queries
 
 
-def _read_tsv_queries(path: Path) -> list[dict]:
-    out = []
+def iter_queries(path: PathLike, log: bool = True) -> Iterator[dict]:
+    """The questions of :func:`read_queries` one at a time, in file order, so a run over millions of them holds one
+    (``log``: say how many lines a TSV file had, once the file is read)."""
+    p = require_file(path, "queries file")
+    yield from _iter_jsonl_queries(p) if corpus_format(p) == "jsonl" else _iter_tsv_queries(p, log)
+
+
+def _iter_tsv_queries(path: Path, log: bool) -> Iterator[dict]:
     counts = TsvCounts()
     for line_no, row in iter_tsv_lines(path, counts):
         if line_no == 1 and [c.strip().lower() for c in row[:2]] == ["question", "answers"]:
@@ -286,11 +292,10 @@ def _read_tsv_queries(path: Path) -> list[dict]:
             raise DprGcError(f"{path}:{line_no}: expected 'question<TAB>answers' (optionally <TAB>id), "
                              f"got {len(row)} field(s)")
         answers = _parse_answers(row[1], f"{path}:{line_no}")
-        qid = row[2] if len(row) == 3 else str(line_no)
-        out.append({"id": qid, "question": row[0], "answers": answers})
         counts.rows += 1
-    log_tsv_counts(path, counts, "questions")
-    return out
+        yield {"id": row[2] if len(row) == 3 else str(line_no), "question": row[0], "answers": answers}
+    if log:
+        log_tsv_counts(path, counts, "questions")
 
 
 def _parse_answers(field: str, where: str) -> list[str]:
@@ -314,8 +319,7 @@ def _answer_list(value: Any, where: str) -> list[str]:
     raise DprGcError(f"{where}: answers must be a string or a list of strings, got {str(value)[:60]!r}")
 
 
-def _read_jsonl_queries(path: Path) -> list[dict]:
-    out = []
+def _iter_jsonl_queries(path: Path) -> Iterator[dict]:
     for line_no, obj in iter_jsonl_objects(path, "a question"):
         where = f"{path}:{line_no}"
         question = obj.get("question", obj.get("text", obj.get("query")))
@@ -324,5 +328,4 @@ def _read_jsonl_queries(path: Path) -> list[dict]:
         raw = obj.get("answers", obj.get("answer", []))
         answers = _answer_list(raw, where) if raw is not None else []
         qid = obj.get("_id", obj.get("id"))
-        out.append({"id": str(qid) if qid is not None else str(line_no), "question": question, "answers": answers})
-    return out
+        yield {"id": str(qid) if qid is not None else str(line_no), "question": question, "answers": answers}

@@ -196,6 +196,38 @@ class QrelsAccumulator:
         return {name: totals[name] / len(self.qrels) for name in names}
 
 
+class RunEvaluation:
+    """``--evaluate`` fed one retrieved record at a time: answer accuracy from the ``has_answer`` flags already
+    computed (or matched here with ``matcher`` when retrieval did not match), reported when any question has
+    answers (the others count as misses); qrels metrics when qrels are given."""
+
+    def __init__(self, ks: list[int], qrels: Optional[dict[str, dict[str, int]]],
+                 matcher: Optional[AnswerMatcher] = None) -> None:
+        self.ks, self.matcher = check_ks(ks), matcher
+        self.answers, self.with_answers = AccuracyCounter(), False
+        self.qrels = QrelsAccumulator(qrels, ks) if qrels is not None else None
+
+    def write(self, record: dict) -> None:
+        ctxs = record["ctxs"]
+        if not record["answers"]:
+            self.answers.add(())
+        elif self.matcher is not None:
+            self.answers.add(self.matcher.flags([(record["answers"], [(c["id"], c["text"]) for c in ctxs])])[0])
+        else:
+            self.answers.add(c["has_answer"] for c in ctxs)
+        self.with_answers = self.with_answers or bool(record["answers"])
+        if self.qrels is not None:
+            self.qrels.add(record["id"], {c["id"]: float(c["score"]) for c in ctxs})
+
+    def report(self) -> dict[str, dict[str, float]]:
+        out = {}
+        if self.with_answers:
+            out["answers"] = {f"Accuracy@{k}": v for k, v in self.answers.accuracy(self.ks).items()}
+        if self.qrels is not None:
+            out["qrels"] = self.qrels.result()
+        return out
+
+
 def qrels_metrics(
     run: dict[str, dict[str, float]], qrels: dict[str, dict[str, int]], ks: Iterable[int]
 ) -> dict[str, float]:

@@ -13,15 +13,15 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from .answers import MATCH_MODES, AccuracyCounter, AnswerMatcher, check_ks, default_workers
+from .answers import MATCH_MODES, AnswerMatcher, default_workers
 from .args import device_arg, nonnegative_int, output_file, positive_int
 from .errors import DprGcError
-from .evaluate import QrelsAccumulator
+from .evaluate import RunEvaluation
 from .files import PathLike
 from .index import DenseIndex, set_threads
 from .model import add_prefix_arguments
@@ -82,7 +82,7 @@ def check_corpus(index: DenseIndex, corpus: Any) -> None:
 
 def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
                   batch_size: int = 64, matcher: Optional[AnswerMatcher] = None,
-                  show_progress: bool = True) -> Iterator[dict]:
+                  show_progress: bool = True, total: Optional[int] = None) -> Iterator[dict]:
     """Top-``top_k`` passages for each query as DPR retriever records (plus the query ``id``), yielded in order.
 
     Questions are embedded ``batch_size`` at a time and searched ``QUERY_CHUNK`` at a time, so memory holds one
@@ -91,7 +91,7 @@ def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Itera
     if retriever.dim != index.dim:
         check_compatible(retriever, index, check_fingerprint=False)
     queries = iter(queries)
-    bar = tqdm(desc="retrieving", unit=" q", disable=not show_progress)
+    bar = tqdm(desc="retrieving", unit=" q", total=total, disable=not show_progress)
     while chunk := list(itertools.islice(queries, QUERY_CHUNK)):
         emb = retriever.embed("query", [q["question"] for q in chunk], batch_size=batch_size,
                               show_progress=show_progress and len(chunk) > batch_size)
@@ -166,61 +166,46 @@ def write_trec_run(results: Iterable[dict], path: PathLike, tag: str = "dpr-gc")
     return Path(path)
 
 
-def check_run_ids(queries: list[dict], source: PathLike) -> None:
-    """Refuse, before any retrieval, query ids that a TREC run cannot hold (empty, with whitespace, repeated)."""
+def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = None,
+                 qrels_path: Optional[PathLike] = None, run_ids: bool = False) -> int:
+    """First pass over a questions file, before any retrieval: parse every line (a malformed one fails now, not an
+    hour in), check the ids a TREC run needs (``run_ids``: non-empty, one word, unique), and count the questions to
+    retrieve (with ``qrels``, the judged ones). Holds the ids only, not the questions."""
+    from .corpus import iter_queries
+
     seen: set[str] = set()
-    for q in queries:
-        qid = str(q["id"])
-        if not qid or any(c.isspace() for c in qid) or qid in seen:
-            problem = "appears twice" if qid in seen else "is empty or contains whitespace"
-            raise DprGcError(f"{source}: query id {qid!r} {problem}; a TREC run (--trec-run) needs unique one-word "
-                             "query ids")
-        seen.add(qid)
-
-
-def filter_judged(queries: list[dict], qrels: dict[str, dict[str, int]], qrels_path: PathLike) -> list[dict]:
-    """Keep the queries that have relevance judgments (BEIR queries.jsonl lists every split's queries)."""
-    kept = [q for q in queries if str(q["id"]) in qrels]
-    if not kept:
+    count = total = 0
+    for q in iter_queries(path, log=False):
+        qid, total = str(q["id"]), total + 1
+        if run_ids:
+            if not qid or any(c.isspace() for c in qid) or qid in seen:
+                problem = "appears twice" if qid in seen else "is empty or contains whitespace"
+                raise DprGcError(f"{path}: query id {qid!r} {problem}; a TREC run (--trec-run) needs unique one-word "
+                                 "query ids")
+            seen.add(qid)
+        count += qrels is None or qid in qrels
+    if not total:
+        raise DprGcError(f"no queries in {path} (the file is empty)")
+    if not count:
         raise DprGcError(f"no query id in the queries file appears in {qrels_path}; check that the ids match")
-    return kept
+    return count
 
 
-class RunEvaluation:
-    """``--evaluate`` fed one retrieved record at a time: answer accuracy from the ``has_answer`` flags already
-    computed (or matched here with ``matcher`` when retrieval did not match), qrels metrics when qrels are given."""
+def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = None) -> Iterator[dict]:
+    """The questions of ``path`` one at a time; with ``qrels``, only the judged ones (BEIR queries.jsonl lists every
+    split's queries)."""
+    from .corpus import iter_queries
 
-    def __init__(self, ks: list[int], qrels: Optional[dict[str, dict[str, int]]], with_answers: bool,
-                 matcher: Optional[AnswerMatcher] = None) -> None:
-        self.ks, self.matcher = check_ks(ks), matcher
-        self.answers = AccuracyCounter() if with_answers else None
-        self.qrels = QrelsAccumulator(qrels, ks) if qrels is not None else None
-
-    def write(self, record: dict) -> None:
-        if self.answers is not None:
-            ctxs = record["ctxs"]
-            if self.matcher is not None:
-                self.answers.add(self.matcher.flags([(record["answers"], [(c["id"], c["text"]) for c in ctxs])])[0])
-            else:
-                self.answers.add(c["has_answer"] for c in ctxs)
-        if self.qrels is not None:
-            self.qrels.add(record["id"], {c["id"]: float(c["score"]) for c in record["ctxs"]})
-
-    def report(self) -> dict[str, dict[str, float]]:
-        out = {}
-        if self.answers is not None:
-            out["answers"] = {f"Accuracy@{k}": v for k, v in self.answers.accuracy(self.ks).items()}
-        if self.qrels is not None:
-            out["qrels"] = self.qrels.result()
-        return out
+    return (q for q in iter_queries(path) if qrels is None or str(q["id"]) in qrels)
 
 
-def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Sequence[dict], top_k: int = 100,
+def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
                       batch_size: int = 64, match: Optional[str] = "string", output: Optional[PathLike] = None,
                       compact: bool = False, trec_run: Optional[PathLike] = None, run_tag: str = "dpr-gc",
                       ks: Optional[list[int]] = None, qrels: Optional[dict[str, dict[str, int]]] = None,
-                      workers: int = 1, show_progress: bool = True) -> dict[str, dict[str, float]]:
-    """Retrieve, writing the results file (``compact``: without passage text) and the TREC run as records come and
+                      workers: int = 1, show_progress: bool = True,
+                      total: Optional[int] = None) -> dict[str, dict[str, float]]:
+    """Retrieve ``queries`` (any iterable, read once; ``total``: their number, for the progress bar), writing the results file (``compact``: without passage text) and the TREC run as records come and
     evaluating them on the way when ``ks`` is given; returns the metrics (empty without ``ks``).
 
     Answers are matched once per run: evaluation reuses the ``has_answer`` flags written to the results (with
@@ -239,11 +224,10 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: S
             writers.append(stack.enter_context(open_trec_run(trec_run, run_tag)))
         evaluation = None
         if ks is not None:
-            evaluation = RunEvaluation(ks, qrels, any(q.get("answers") for q in queries),
-                                       matcher if match is None else None)
+            evaluation = RunEvaluation(ks, qrels, matcher if match is None else None)
             writers.append(evaluation)
         for record in iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
-                                    matcher if match is not None else None, show_progress):
+                                    matcher if match is not None else None, show_progress, total):
             for writer in writers:
                 writer.write(record)
         return evaluation.report() if evaluation is not None else {}
@@ -281,9 +265,8 @@ def run_retrieval(index: DenseIndex, queries_path: PathLike, *, model: Optional[
     """Load the query encoder (default: the model the index records, relative to ``index_dir`` if moved with it),
     the corpus and the questions, retrieve while writing and evaluating (at cut-offs ``ks``; None: no evaluation).
     Returns ``(metrics, summary)``."""
-    from .corpus import load_corpus, read_queries
+    from .corpus import load_corpus
     from .devices import default_device
-    from .evaluate import read_qrels
     from .model import Retriever
 
     if not (output or trec_run or ks is not None):
@@ -297,19 +280,29 @@ def run_retrieval(index: DenseIndex, queries_path: PathLike, *, model: Optional[
     check_compatible(retriever, index, check_fingerprint=check_model)
     passages = load_corpus(corpus_path, cache_dir)
     check_corpus(index, passages)
-    queries = read_queries(queries_path)
-    if trec_run:
-        check_run_ids(queries, queries_path)
-    qrels = read_qrels(qrels_path) if qrels_path else None
-    if qrels is not None:
-        queries = filter_judged(queries, qrels, qrels_path)
     started = time.perf_counter()
-    metrics = retrieve_to_files(retriever, index, passages, queries, top_k, batch_size, match, output, compact,
-                                trec_run, run_tag, ks, qrels, workers)
+    metrics, count = retrieve_file(retriever, index, passages, queries_path, top_k=top_k, batch_size=batch_size,
+                                   match=match, output=output, compact=compact, trec_run=trec_run, run_tag=run_tag,
+                                   ks=ks, qrels_path=qrels_path, workers=workers)
     seconds = time.perf_counter() - started
-    return metrics, {"queries": len(queries), "top-k": top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
-                     "queries/s": round(len(queries) / seconds, 1) if seconds > 0 else "n/a",
+    return metrics, {"queries": count, "top-k": top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
+                     "queries/s": round(count / seconds, 1) if seconds > 0 else "n/a",
                      "results": output or "-", "trec run": trec_run or "-"}
+
+
+def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: PathLike,
+                  qrels_path: Optional[PathLike] = None, trec_run: Optional[PathLike] = None,
+                  **options: Any) -> tuple[dict[str, dict[str, float]], int]:
+    """:func:`retrieve_to_files` over the questions of a file (only those judged in ``qrels_path`` when given), read
+    in two streaming passes -- checks, then retrieval -- so memory does not grow with their number. Returns the
+    metrics and the number of questions retrieved."""
+    from .evaluate import read_qrels
+
+    qrels = read_qrels(qrels_path) if qrels_path else None
+    count = scan_queries(queries_path, qrels, qrels_path, run_ids=bool(trec_run))
+    metrics = retrieve_to_files(retriever, index, corpus, judged_queries(queries_path, qrels), trec_run=trec_run,
+                                qrels=qrels, total=count, **options)
+    return metrics, count
 
 
 def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name: str,

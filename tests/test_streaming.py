@@ -1,5 +1,6 @@
-"""Results stream in and out: peak memory of retrieve (writing + evaluating) and evaluate does not grow with the
-number of questions (generated 5k vs 50k question runs, measured with tracemalloc); the compact form round-trips."""
+"""Questions and results stream in and out: peak memory of retrieve (reading the questions file, writing +
+evaluating) and evaluate does not grow with the number of questions (generated 5k vs 50k question runs, measured
+with tracemalloc); a bad question line fails before any retrieval; the compact form round-trips."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 from dpr_gc.evaluate import evaluate
 from dpr_gc.results import iter_results
-from dpr_gc.retrieve import retrieve_to_files
+from dpr_gc.errors import DprGcError
+from dpr_gc.retrieve import retrieve_file, retrieve_to_files
 
 WORDS = "paris london river king music film science protein cell gene water book war city".split()
 POOL = 300
@@ -41,7 +43,11 @@ class StubCorpus:
 class StubRetriever:
     dim = 8
 
+    def __init__(self) -> None:
+        self.embedded = 0
+
     def embed(self, kind: str, texts: list[str], batch_size: int = 64, show_progress: bool = False) -> np.ndarray:
+        self.embedded += len(texts)
         return np.ones((len(texts), self.dim), dtype=np.float32)
 
 
@@ -64,6 +70,7 @@ def questions(n: int) -> list[dict]:
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak traced allocation of ``fn()`` (call it once before measuring, so imports are not counted)."""
     tracemalloc.start()
     try:
         fn()
@@ -75,6 +82,10 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 @pytest.mark.slow
 def test_retrieve_and_evaluate_memory_is_flat_in_the_number_of_questions(tmp_path):
     peaks: dict[str, list[int]] = {"retrieve": [], "evaluate": [], "evaluate --match string": []}
+    warm = tmp_path / "warm.json"
+    retrieve_to_files(StubRetriever(), StubIndex(), StubCorpus(), questions(10), top_k=5, output=warm, ks=[1, 5],
+                      workers=1, show_progress=False)
+    evaluate([1, 5], warm, mode="string", workers=1)
     for n in (5_000, 50_000):
         queries, out = questions(n), tmp_path / f"res-{n}.json"
         metrics = {}
@@ -90,6 +101,39 @@ def test_retrieve_and_evaluate_memory_is_flat_in_the_number_of_questions(tmp_pat
         assert 0 < metrics["answers"]["Accuracy@1"] < metrics["answers"]["Accuracy@5"] < 1
     for name, (small, large) in peaks.items():
         assert large < 1.3 * small + (1 << 20), f"{name}: peak {small} B at 5k questions, {large} B at 50k"
+
+
+def write_questions(path, n: int) -> None:
+    with open(path, "w") as f:
+        for q in questions(n):
+            f.write(json.dumps(q) + "\n")
+
+
+@pytest.mark.slow
+def test_retrieve_from_a_questions_file_holds_one_chunk_of_questions(tmp_path):
+    peaks, counts = [], []
+    for n in (10, 5_000, 50_000):
+        path = tmp_path / f"q-{n}.jsonl"
+        write_questions(path, n)
+        retriever = StubRetriever()
+        peaks.append(peak_bytes(lambda: counts.append(retrieve_file(
+            retriever, StubIndex(), StubCorpus(), path, top_k=5, output=tmp_path / f"res-{n}.jsonl", compact=True,
+            ks=[1, 5], workers=1, show_progress=False)[1])))
+        assert retriever.embedded == n
+    assert counts == [10, 5_000, 50_000]
+    small, large = peaks[1:]
+    assert large < 1.3 * small + (1 << 20), f"peak {small} B at 5k questions, {large} B at 50k"
+
+
+def test_a_bad_question_line_fails_before_any_retrieval(tmp_path):
+    path = tmp_path / "q.jsonl"
+    write_questions(path, 3000)
+    with open(path, "a") as f:
+        f.write('{"question": 7}\n')
+    retriever, out = StubRetriever(), tmp_path / "res.json"
+    with pytest.raises(DprGcError, match=r"q.jsonl:3001: missing question"):
+        retrieve_file(retriever, StubIndex(), StubCorpus(), path, top_k=5, output=out, show_progress=False)
+    assert retriever.embedded == 0 and not out.exists()
 
 
 def test_compact_results_round_trip_and_evaluate(tmp_path):
