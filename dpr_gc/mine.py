@@ -294,6 +294,7 @@ def _cli(args: argparse.Namespace) -> None:
     from .corpus import load_corpus
     from .data import find_beir_file
     from .answers import default_workers
+    from .devices import steady_malloc
     from .evaluate import read_qrels
     from .index import index_exists, meta_path, read_meta
     from .tables import format_summary
@@ -303,6 +304,7 @@ def _cli(args: argparse.Namespace) -> None:
     if bool(args.train_file) == bool(args.beir_dir):
         raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
     _check_settings(args.n_negatives, args.top_k, args.skip_top, args.match)
+    steady_malloc()
     beir = Path(args.beir_dir) if args.beir_dir else None
     if beir is not None:
         queries = find_beir_file(beir, "queries.jsonl")

@@ -311,8 +311,10 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     """The command-line side of :func:`run_retrieval`, shared by ``dpr-gc retrieve`` and
     ``scripts/dense_retriever.py``: flags to arguments (``device`` when given replaces ``--device``), then the
     metric tables and the summary table printed; returns the metrics."""
+    from .devices import steady_malloc
     from .evaluate import format_table
 
+    steady_malloc()
     metrics, summary = run_retrieval(
         index, args.queries, model=args.model, corpus=args.corpus, index_dir=index_dir, top_k=args.top_k,
         batch_size=args.batch_size, match=None if args.match == "none" else args.match, output=args.output,
