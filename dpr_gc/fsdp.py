@@ -105,3 +105,34 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over a sharded model, whose gradients mix DTensor shards and the plain
+    gradient of a replicated temperature: the global 2-norm (all shards), and every gradient scaled by
+    ``max_norm / (norm + 1e-6)`` when that is below 1 (the same rule). Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = []
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, 2)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm.float().cpu() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    coef = float(max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for grad in grads:
+            grad.mul_(coef)
+    return total
+
+
+def unsharded_copy(model: nn.Module, build: Any, is_main: bool) -> Optional[nn.Module]:
+    """On the main rank, a fresh unsharded copy (from ``build()``) holding the sharded ``model``'s full weights, to
+    save as an ordinary retriever folder; None elsewhere. Every rank must call it (the weights are gathered)."""
+    state = full_state_dict(model)
+    if not is_main:
+        return None
+    copy = build()
+    copy.load_state_dict(state)
+    return copy

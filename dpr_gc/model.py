@@ -211,7 +211,6 @@ class Retriever(nn.Module):
         return retriever
 
     # ----------------------------------------------------------------- inference
-    @torch.inference_mode()
     def embed(self, kind: str, texts: Sequence[str], titles: Optional[Sequence[Optional[str]]] = None,
               batch_size: int = 64, dtype: Optional[torch.dtype] = None, show_progress: bool = False,
               max_length: Optional[int] = None, progress: Optional[Any] = None) -> np.ndarray:
@@ -231,7 +230,8 @@ class Retriever(nn.Module):
         self.eval()
         bar = progress if progress is not None else tqdm(total=n, disable=not show_progress, desc=f"embed {kind} texts")
         try:
-            return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar)
+            with grad_free(self):
+                return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar)
         finally:
             self.train(was_training)
             if progress is None:
@@ -260,7 +260,7 @@ class Retriever(nn.Module):
                 batch = {k: (v[sel, -width:] if left else v[sel, :width]).to(device, non_blocking=True)
                          for k, v in enc.items()}
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    rep = self.forward(kind, scale=False, **batch)
+                    rep = self(kind, scale=False, **batch)  # through __call__: a sharded model's hooks gather its weights
                 pending.append((idx[sel.numpy()], rep.float()))
         _drain(pending, out, bar)
         return out
@@ -269,6 +269,14 @@ class Retriever(nn.Module):
     def dim(self) -> int:
         proj = self.query_encoder.projection
         return proj.out_features if proj is not None else self.query_encoder.transformer.config.hidden_size
+
+
+def grad_free(module: nn.Module) -> Any:
+    """``inference_mode`` for speed, or ``no_grad`` for an FSDP-sharded module (weights all-gathered under
+    inference mode could not be updated in training afterwards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return torch.no_grad() if isinstance(module, FSDPModule) else torch.inference_mode()
 
 
 def load_transformer(name_or_path: str | Path) -> nn.Module:

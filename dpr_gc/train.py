@@ -73,7 +73,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.optim.precision == "fp16")
         self.cache = self.build_cache()
         self.checkpointer = Checkpointer(self.out, config.run.keep_checkpoints, config.run.best_metric,
-                                         self.rank == 0)
+                                         self.rank == 0, self.retriever if config.run.fsdp else None)
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
         self.started, self.board, self.bar = time.perf_counter(), None, None
@@ -122,8 +122,21 @@ class Trainer:
                         loss_chunk_size=self.config.cache.loss_chunk_size)
 
     def wrap_model(self) -> tuple[Towers, nn.Module]:
-        """The towers module, and what the step calls: the towers themselves or their DDP wrapper."""
+        """The towers module, and what the step calls: the towers themselves or their DDP wrapper. Under ``--fsdp``
+        the retriever is sharded in place (it is the FSDP root, so Gradient Cache and dev validation call it
+        directly) and the towers hold it for plain training."""
         towers = Towers(self.retriever)
+        if self.config.run.fsdp:
+            from .fsdp import shard_retriever
+
+            if self.world == 1:
+                raise DprGcError("--fsdp shards the model over the ranks of torchrun: launch with torchrun "
+                                 "--nproc_per_node N (N > 1), or train without --fsdp")
+            if self.config.run.fsdp_cpu_offload and self.device.type == "cpu":
+                raise DprGcError("--fsdp-cpu-offload moves GPU weights to the CPU between uses; this run is already "
+                                 "on the CPU: drop the flag")
+            shard_retriever(self.retriever, self.config.optim.precision, self.config.run.fsdp_cpu_offload)
+            return towers, towers
         if self.world == 1:
             return towers, towers
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -172,7 +185,8 @@ class Trainer:
         if self.chunks is None:
             return None
         precision = self.config.optim.precision
-        return GradCache([self.model, self.model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
+        model = self.retriever if self.config.run.fsdp else self.model
+        return GradCache([model, model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
                          scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True)
 
     # ----------------------------------------------------------------- state
@@ -200,6 +214,22 @@ class Trainer:
         self.checkpointer.save(self.step, self.retriever, self.optimizer, self.scheduler, self.scaler,
                                self.sampler.state_dict(done_in_epoch), gather_rng(rng, self.world), record)
 
+    def export(self) -> Optional[Retriever]:
+        """The retriever to save, on rank 0 (None elsewhere): the trained one, or under ``--fsdp`` an unsharded
+        copy gathered from every rank (so all ranks must call this)."""
+        if not self.config.run.fsdp:
+            return self.retriever if self.rank == 0 else None
+        from .fsdp import unsharded_copy
+
+        def build() -> Retriever:
+            copy = build_retriever(self.config.model)
+            if self.config.model.lora is not None:
+                apply_lora(copy, self.config.model.lora)
+            copy.training_info = self.retriever.training_info
+            return copy
+
+        return unsharded_copy(self.retriever, build, self.rank == 0)
+
     # ----------------------------------------------------------------- the step
     def train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on one batch: the gradient (cached, or one plain graph), clipping, AdamW and the
@@ -223,6 +253,10 @@ class Trainer:
     def clip_gradients(self) -> torch.Tensor:
         """Clip the global gradient norm of the trainable parameters to ``optim.max_grad_norm``; returns the norm
         before clipping."""
+        if self.config.run.fsdp:
+            from .fsdp import clip_grad_norm
+
+            return clip_grad_norm(self.params, self.config.optim.max_grad_norm)
         return torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
 
     def plain_backward(self, query: dict, passage: dict) -> torch.Tensor:
@@ -237,9 +271,11 @@ class Trainer:
         return loss.detach()
 
     def evaluate(self) -> dict:
-        """Dev validation (DPR's in-batch loss and accuracy, and average rank) as ``dev_*`` metrics."""
+        """Dev validation (DPR's in-batch loss and accuracy, and average rank) as ``dev_*`` metrics. A sharded model
+        runs the same forwards on every rank (each all-gathers its blocks), so each rank evaluates the whole set."""
         config = self.config
-        metrics = evaluate_dev(self.retriever, config.data.dev_file, config.data.dev, config.data.cache_dir)
+        metrics = evaluate_dev(self.retriever, config.data.dev_file, config.data.dev, config.data.cache_dir,
+                               split_over_ranks=not config.run.fsdp)
         logger.info("dev validation over %d questions and %d passages", metrics.pop("questions"),
                     metrics.pop("passages"))
         self.retriever.train()
@@ -313,7 +349,7 @@ class Trainer:
             record.update(self.evaluate())
             self.retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
                                                 dev_metrics_step=self.step)
-            self.checkpointer.update_best(self.step, self.retriever, record)
+            self.checkpointer.update_best(self.step, self.export, record)
         if self.step % self.config.run.log_every == 0 or last:
             self.checkpointer.log(self.metrics_file, record)
             if self.board is not None:
@@ -333,8 +369,9 @@ class Trainer:
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
                    "metrics_file": str(self.metrics_file)}
-        if self.rank == 0:
-            self.retriever.save(self.out / "final")
+        final = self.export()
+        if final is not None:
+            final.save(self.out / "final")
             print(summary_table(summary))
         if dist.is_initialized():
             dist.barrier()

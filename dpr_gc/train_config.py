@@ -135,11 +135,15 @@ class RunConfig:
     keep_checkpoints: int = 2
     best_metric: str = "avg_rank"
     log_every: int = 1
+    fsdp: bool = False
+    fsdp_cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.best_metric not in BEST_METRICS:
             raise DprGcError(f"--best-metric must be avg_rank, loss or accuracy, got {self.best_metric!r}")
         _at_least(("--eval-every", self.eval_every, 1), ("--save-every", self.save_every, 1))
+        if self.fsdp_cpu_offload and not self.fsdp:
+            raise DprGcError("--fsdp-cpu-offload needs --fsdp")
 
 
 @dataclasses.dataclass
@@ -151,6 +155,10 @@ class TrainConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        if self.run.fsdp and self.optim.precision not in ("fp32", "bf16"):
+            raise DprGcError(f"--fsdp trains in --precision fp32 or bf16, not {self.optim.precision}")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -221,6 +229,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-bad-records", action="store_true")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--device", type=device_arg, default=None)
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model over the ranks (FSDP2, one unit per transformer block)")
+    p.add_argument("--fsdp-cpu-offload", action="store_true",
+                   help="with --fsdp: keep parameters, gradients and optimizer state on the CPU between uses")
 
 
 def chunk_arg(value: str) -> Union[int, str]:
@@ -252,5 +264,6 @@ def config_from_args(args: Any) -> TrainConfig:
                         passage_chunk_size=args.passage_chunk_size, loss_chunk_size=args.loss_chunk_size)
     run = RunConfig(output_dir=args.output_dir, seed=args.seed, device=args.device, resume=args.resume,
                     eval_every=args.eval_every, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                    best_metric=args.best_metric)
+                    best_metric=args.best_metric, fsdp=args.fsdp,
+                    fsdp_cpu_offload=args.fsdp_cpu_offload)
     return TrainConfig(model=model, data=data, optim=optim, cache=cache, run=run)

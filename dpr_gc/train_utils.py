@@ -10,7 +10,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -119,6 +119,7 @@ def restore_rng(state: dict) -> None:
 
 
 STATE_JSON = "train_state.json"
+SHARDED = "sharded"  # a checkpoint's FSDP weights and optimizer state (torch.distributed.checkpoint)
 STATE_TENSORS = "train_state.safetensors"
 LEGACY_STATE = "state.pt"
 
@@ -216,8 +217,9 @@ class Checkpointer:
     atomically, keeps the last few, keeps a copy of the best model in ``best/`` by the chosen dev metric, and
     reloads them for ``--resume``."""
 
-    def __init__(self, out: Path, keep: int, metric: str, is_main: bool) -> None:
+    def __init__(self, out: Path, keep: int, metric: str, is_main: bool, sharded: Optional[nn.Module] = None) -> None:
         self.out, self.keep, self.metric, self.is_main = out, max(1, keep), metric, is_main
+        self.sharded = sharded  # an FSDP model: its weights and optimizer state go to sharded/ (every rank writes)
         self.best_value: Optional[float] = None
         self.best_path: Optional[str] = None
 
@@ -234,12 +236,14 @@ class Checkpointer:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def update_best(self, step: int, retriever: Retriever, record: dict) -> None:
-        """Save the model to ``best/`` (atomically) when the record's dev metric beats the best so far."""
+    def update_best(self, step: int, export: Callable[[], Optional[Retriever]], record: dict) -> None:
+        """Save the model to ``best/`` (atomically) when the record's dev metric beats the best so far (``export``:
+        the retriever to save on the main rank, called on every rank)."""
         value = record.get(f"dev_{self.metric}")
         if value is None or not self._better(value):
             return
         self.best_value, self.best_path = float(value), str(self.out / "best")
+        retriever = export()
         if self.is_main:
             tmp = self.out / ".best.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -250,11 +254,19 @@ class Checkpointer:
 
     def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
              rng: Any, record: dict) -> None:
+        tmp = self.out / f".checkpoint-{step}.tmp"
         if self.is_main:
-            tmp = self.out / f".checkpoint-{step}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            retriever.save(tmp / "model")
-            write_state(tmp, {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        if self.sharded is not None:
+            from .fsdp import save_sharded
+
+            dist.barrier()
+            save_sharded(tmp / SHARDED, self.sharded, optimizer)
+        if self.is_main:
+            if self.sharded is None:
+                retriever.save(tmp / "model")
+            optim_state = optimizer.state_dict() if self.sharded is None else None
+            write_state(tmp, {"step": step, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
                               "scaler": scaler.state_dict(), "sampler": sampler_state, "rng": rng, "record": record,
                               "best": [self.best_value, self.best_path]})
             final = self.out / f"checkpoint-{step}"
@@ -280,10 +292,17 @@ class Checkpointer:
              device: torch.device) -> dict:
         path = self.resolve(resume)
         state = read_state(path)
-        saved = Retriever.load(path / "model")
+        if (self.sharded is None) == (path / SHARDED).is_dir():
+            written = "with" if self.sharded is None else "without"
+            raise DprGcError(f"{path}: this checkpoint was written {written} --fsdp; resume it the same way")
         try:
-            retriever.load_state_dict(saved.state_dict())
-            optimizer.load_state_dict(state["optimizer"])
+            if self.sharded is not None:
+                from .fsdp import load_sharded
+
+                load_sharded(path / SHARDED, self.sharded, optimizer)
+            else:
+                retriever.load_state_dict(Retriever.load(path / "model").state_dict())
+                optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             scaler.load_state_dict(state["scaler"])
             self.best_value, self.best_path = state["best"]

@@ -64,19 +64,22 @@ def gold_ranks(q: torch.Tensor, p: torch.Tensor, gold: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def evaluate_dev(retriever: Any, dev_file: str, limits: DevLimits, cache_dir: Optional[str]) -> dict:
+def evaluate_dev(retriever: Any, dev_file: str, limits: DevLimits, cache_dir: Optional[str],
+                 split_over_ranks: bool = True) -> dict:
     """In-batch loss and top-1 accuracy over the dev questions in batches of ``limits.batch_size`` (their gold
     passages as the candidates), and DPR's average rank of each gold passage in the bounded pool.
 
     Under ``torch.distributed`` each rank embeds and ranks its own share and the results are gathered, so every
-    rank returns the same metrics for the work of one.
+    rank returns the same metrics for the work of one; ``split_over_ranks=False`` has every rank do all of it (an
+    FSDP model, whose forwards are collective).
     """
     from .data import load_training_data
 
     dataset = load_training_data([dev_file], cache_dir).dataset
     questions, passages, gold = dev_pool(dataset, limits)
     device = next(retriever.parameters()).device
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    split = dist.is_initialized() and split_over_ranks
+    rank, world = (dist.get_rank(), dist.get_world_size()) if split else (0, 1)
     encode_batch = limits.encode_batch_size or limits.batch_size
     q = _embed_shared(retriever, "query", questions, None, encode_batch, device, rank, world)
     titles, texts = (list(column) for column in zip(*passages))

@@ -1,0 +1,101 @@
+"""`dpr-gc train --fsdp` under torchrun (2 gloo ranks, a tiny left-padded Llama with LoRA, Gradient Cache, gradient
+checkpointing and a learnable temperature): two
+optimizer steps at batch 4 per rank end with the weights of one process at batch 8, a run resumed from its sharded
+first checkpoint ends where the uninterrupted one does, dev validation runs on the sharded model with the same
+metrics, and final/ and best/ are ordinary retriever folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dpr_gc.cli import main
+from dpr_gc.model import Retriever
+from tests.llm_models import save_decoder
+from tests.train_data import make_records, write_dpr
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def common_flags(tmp: Path) -> list[str]:
+    base = save_decoder(tmp / "base", "llama", padding_side="left")
+    data = write_dpr(tmp / "train.json", make_records(16, 1))
+    dev = write_dpr(tmp / "dev.json", make_records(8, 2))
+    return ["--train", str(data), "--dev", str(dev), "--eval-every", "1", "--model", str(base), "--pooling", "last", "--passage-format", "concat",
+            "--query-chunk-size", "2", "--passage-chunk-size", "3", "--max-steps", "2", "--save-every", "1",
+            "--num-workers", "0", "--learning-rate", "1e-2", "--cache-dir", str(tmp / "c"), "--lora-r", "4",
+            "--device", "cpu"]
+
+
+def torchrun(flags: list[str]) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "dpr_gc.cli", "train", *flags], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def assert_same_adapter(got_dir: Path, want_dir: Path, what: str) -> None:
+    """The trained weights of two final/ folders: LoRA adapters, and the heads (a learnable temperature)."""
+    got, want = ({**load_file(str(d / "adapter_model.safetensors")), **load_file(str(d / "heads.safetensors"))}
+                 for d in (got_dir, want_dir))
+    assert got.keys() == want.keys() and len(got) > 4
+    for key in want:
+        err = float((got[key] - want[key]).norm() / want[key].norm().clamp(min=1e-12))
+        assert err < 1e-4, f"{what}: {key} differs by {err:.2e}"
+
+
+def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path):
+    flags = [*common_flags(tmp_path), "--gradient-checkpointing", "--learn-temperature"]
+    assert main(["train", *flags, "--batch-size", "8", "--output", str(tmp_path / "single")]) == 0
+    torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp")])
+    single, sharded = tmp_path / "single" / "final", tmp_path / "fsdp" / "final"
+    assert_same_adapter(sharded, single, "2 ranks x 4 vs 1 x 8")
+    dev = [{k: v for k, v in json.loads(line).items() if k.startswith("dev_")}
+           for run in ("single", "fsdp") for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert len(dev) == 6 and all(dev[:3])  # steps 0, 1, 2 of each run
+    for want, got in zip(dev[:3], dev[3:]):
+        assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-4) for k in want), (got, want)
+    assert_same_adapter(tmp_path / "fsdp" / "best", tmp_path / "single" / "best", "best/")
+    checkpoint = tmp_path / "fsdp" / "checkpoint-1"
+    assert (checkpoint / "sharded" / ".metadata").is_file() and not (checkpoint / "model").exists()
+
+    torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp"), "--resume",
+              str(checkpoint)])
+    assert_same_adapter(sharded, single, "resumed from the sharded checkpoint")
+    texts = ["a question about rivers", "paris is a city"]
+    got, want = (Retriever.load(d).embed("passage", texts) for d in (sharded, single))
+    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=0, atol=1e-4)
+
+
+def test_fsdp_plain_training_equals_one_process(tmp_path):
+    flags = [*common_flags(tmp_path), "--no-grad-cache"]
+    assert main(["train", *flags, "--batch-size", "8", "--output", str(tmp_path / "single")]) == 0
+    torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp")])
+    assert_same_adapter(tmp_path / "fsdp" / "final", tmp_path / "single" / "final", "plain training")
+
+
+def test_fsdp_settings_are_refused_with_one_line(tmp_path, capsys):
+    flags = common_flags(tmp_path)
+    out = ["--batch-size", "4", "--output", str(tmp_path / "x")]
+    assert main(["train", *flags, *out, "--fsdp-cpu-offload"]) == 2
+    assert "--fsdp-cpu-offload needs --fsdp" in capsys.readouterr().err
+    assert main(["train", *flags, *out, "--fsdp", "--precision", "fp16"]) == 2
+    assert "--fsdp trains in --precision fp32 or bf16" in capsys.readouterr().err
+    assert main(["train", *flags, *out, "--fsdp"]) == 2
+    assert "launch with torchrun" in capsys.readouterr().err
+
+
+def test_cpu_offload_is_refused_on_the_cpu(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "dpr_gc.cli", "train", *common_flags(tmp_path), "--batch-size", "4", "--fsdp",
+                          "--fsdp-cpu-offload", "--output", str(tmp_path / "x")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "error: --fsdp-cpu-offload moves GPU weights to the CPU" in run.stderr
