@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 4-layer, 256-wide model instead of Qwen2-0.5B's shape")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "llm.json"))
+    parser.add_argument("--append", action="store_true",
+                        help="add the rows to those already in --output (each invocation's settings are kept)")
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -140,10 +142,14 @@ def main() -> None:
             else:
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    write_json(args.output, {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                             "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                             "threads": torch.get_num_threads(), "settings": vars(args) | {"method": None},
-                             "results": rows})
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "settings": vars(args) | {"method": None}, "results": rows}
+    if args.append and Path(args.output).is_file():
+        before = json.loads(Path(args.output).read_text())
+        report["results"] = before["results"] + rows
+        report["invocations"] = before.get("invocations", [before["settings"]]) + [report["settings"]]
+    write_json(args.output, report)
 
 
 if __name__ == "__main__":
