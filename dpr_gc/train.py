@@ -329,7 +329,12 @@ class Trainer:
                 break
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
-        """The step's metrics record (and the progress bar's line)."""
+        """The step's metrics record (and the progress bar's line). Under torchrun each rank's loss is the mean over
+        its own queries, so the record holds their mean: the loss of the global batch."""
+        if self.world > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss = loss / self.world
         self.last_loss = float(loss)
         rate = self.examples / (time.perf_counter() - self.started)
         lr = self.scheduler.get_last_lr()[0]

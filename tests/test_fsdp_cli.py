@@ -60,6 +60,9 @@ def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path):
     dev = [{k: v for k, v in json.loads(line).items() if k.startswith("dev_")}
            for run in ("single", "fsdp") for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     assert len(dev) == 6 and all(dev[:3])  # steps 0, 1, 2 of each run
+    losses = [[json.loads(line).get("loss") for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("single", "fsdp")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4), losses  # the logged loss is the global batch's
     for want, got in zip(dev[:3], dev[3:]):
         assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-4) for k in want), (got, want)
     assert_same_adapter(tmp_path / "fsdp" / "best", tmp_path / "single" / "best", "best/")
