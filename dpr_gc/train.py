@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from .data import Collator, load_training_data, make_dataloader
 from .devices import autocast_dtype
 from .errors import DprGcError
+from .fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from .grad_cache import GradCache
 from .lora import apply_lora
 from .loss import DistributedContrastiveLoss, SimpleContrastiveLoss
@@ -52,7 +53,9 @@ class Trainer:
     def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> None:
         self.config, self.on_backward = config, on_backward
         check_sources(config.data, config.run.output_dir)
+        self.owns_group = not dist.is_initialized()
         self.rank, self.world, self.device = setup_distributed(config.run.device)
+        self.owns_group = self.owns_group and dist.is_initialized()
         seed_everything(config.run.seed)
         self.out = Path(config.run.output_dir)
         if self.rank == 0:
@@ -127,8 +130,6 @@ class Trainer:
         directly) and the towers hold it for plain training."""
         towers = Towers(self.retriever)
         if self.config.run.fsdp:
-            from .fsdp import shard_retriever
-
             if self.world == 1:
                 raise DprGcError("--fsdp shards the model over the ranks of torchrun: launch with torchrun "
                                  "--nproc_per_node N (N > 1), or train without --fsdp")
@@ -219,8 +220,6 @@ class Trainer:
         copy gathered from every rank (so all ranks must call this)."""
         if not self.config.run.fsdp:
             return self.retriever if self.rank == 0 else None
-        from .fsdp import unsharded_copy
-
         def build() -> Retriever:
             copy = build_retriever(self.config.model)
             if self.config.model.lora is not None:
@@ -254,8 +253,6 @@ class Trainer:
         """Clip the global gradient norm of the trainable parameters to ``optim.max_grad_norm``; returns the norm
         before clipping."""
         if self.config.run.fsdp:
-            from .fsdp import clip_grad_norm
-
             return clip_grad_norm(self.params, self.config.optim.max_grad_norm)
         return torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
 
@@ -380,6 +377,8 @@ class Trainer:
             print(summary_table(summary))
         if dist.is_initialized():
             dist.barrier()
+        if self.owns_group:  # torn down here, not at interpreter exit (where gloo's threads could abort the rank)
+            dist.destroy_process_group()
         return summary
 
 
