@@ -36,11 +36,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dpr_gc.corpus import load_corpus  # noqa: E402
-from dpr_gc.devices import cpu_has_native_bf16  # noqa: E402
-from dpr_gc.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
-from dpr_gc.files import iter_jsonl, write_json  # noqa: E402
-from dpr_gc.model import Retriever, RetrieverConfig, default_model_path  # noqa: E402
+from dpr_gc.data.corpus import load_corpus  # noqa: E402
+from dpr_gc.base.devices import cpu_has_native_bf16  # noqa: E402
+from dpr_gc.retrieval.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
+from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
+from dpr_gc.model.retriever import Retriever, RetrieverConfig, default_model_path  # noqa: E402
 
 SCIFACT = ROOT.parent / "shared" / "data" / "scifact" / "corpus.jsonl.gz"
 WORDS = ("cell protein gene expression tumour patients study results increased risk mice treatment clinical "
@@ -75,8 +75,8 @@ def cpu_name() -> str:
 def scifact_quality(retriever: Retriever, max_length: int, batch_size: int, work: Path,
                     precisions: list[str]) -> dict:
     """nDCG@10 (and Recall@100) on SciFact test for passage embeddings in fp32, bf16 and int8 (queries fp32)."""
-    from dpr_gc.corpus import read_queries
-    from dpr_gc.evaluate import qrels_metrics, read_qrels
+    from dpr_gc.data.corpus import read_queries
+    from dpr_gc.evaluation.evaluate import qrels_metrics, read_qrels
 
     folder = SCIFACT.parent
     qrels = read_qrels(folder / "qrels" / "test.tsv")

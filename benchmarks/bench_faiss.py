@@ -30,8 +30,8 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.files import write_json
-from dpr_gc.index import DenseIndex, IndexParams, set_threads
+from dpr_gc.base.files import write_json
+from dpr_gc.retrieval.index import DenseIndex, IndexParams, set_threads
 
 BLOCK = 50_000
 

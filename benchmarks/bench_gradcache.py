@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dpr_gc import GradCache, SimpleContrastiveLoss  # noqa: E402
-from dpr_gc.files import iter_jsonl, write_json  # noqa: E402
+from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def make_step(cfg: dict, device: torch.device) -> tuple[Callable[[list], Callabl
             return step
         return prepare_st, st.tokenizer, st, st[0].auto_model.config._attn_implementation
 
-    from dpr_gc.model import Retriever, RetrieverConfig
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
 
     config = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", query_max_length=cfg["q_len"],
                              passage_max_length=cfg["p_len"], temperature=TEMPERATURE)
@@ -575,7 +575,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.tiny:
             model = tiny_model(Path(tmp))
         else:
-            from dpr_gc.model import default_model_path
+            from dpr_gc.model.retriever import default_model_path
 
             model = default_model_path()
         base = {"model": "tiny-random-bert" if args.tiny else model, "threads": args.threads, "device": device,

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dpr_gc.files import write_json  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, cached_value_and_grad, encoder_fn,  # noqa: E402
                         remat_value_and_grad)
 

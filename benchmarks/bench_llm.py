@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import PeakMemory  # noqa: E402
 from dpr_gc import GradCache, SimpleContrastiveLoss  # noqa: E402
-from dpr_gc.files import write_json  # noqa: E402
-from dpr_gc.lora import LoraSettings, apply_lora  # noqa: E402
-from dpr_gc.model import Retriever, RetrieverConfig, enable_gradient_checkpointing  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
+from dpr_gc.model.lora import LoraSettings, apply_lora  # noqa: E402
+from dpr_gc.model.retriever import Retriever, RetrieverConfig, enable_gradient_checkpointing  # noqa: E402
 
 METHODS = ("plain", "gc", "gc+ckpt")
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dpr_gc.data import TrainingExamples, load_training_data  # noqa: E402
-from dpr_gc.files import write_json  # noqa: E402
-from dpr_gc.sampling import MixedBatchSampler  # noqa: E402
+from dpr_gc.data.training import TrainingExamples, load_training_data  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
+from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
 
 
 def count(data, batch_size: int, hard: int, epochs: int, seed: int, global_batch: bool) -> dict:

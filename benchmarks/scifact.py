@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dpr_gc.cli import report_errors  # noqa: E402
-from dpr_gc.errors import DprGcError  # noqa: E402
-from dpr_gc.files import iter_jsonl, read_json, write_json  # noqa: E402
+from dpr_gc.base.errors import DprGcError  # noqa: E402
+from dpr_gc.base.files import iter_jsonl, read_json, write_json  # noqa: E402
 
 logger = logging.getLogger("scifact")
 BM25_BEIR = {"nDCG@10": 0.665}  # BEIR paper (Thakur et al., 2021), Table 2; MRR@10 / Recall@100 not given there
@@ -91,7 +91,7 @@ VARIANT_FIELDS = ("batch_size", "chunk_size", "epochs", "learning_rate", "warmup
 
 # ----------------------------------------------------------------------------------------------- helpers
 def device_of(s: Settings) -> str:
-    from dpr_gc.devices import default_device
+    from dpr_gc.base.devices import default_device
 
     return default_device(s.device)
 
@@ -112,7 +112,7 @@ def peak_of(result: dict) -> float:
 
 
 def retriever_config(s: Settings, passage_length: int) -> Any:
-    from dpr_gc.model import RetrieverConfig
+    from dpr_gc.model.retriever import RetrieverConfig
 
     return RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", temperature=0.05,
                            query_max_length=s.query_max_length, passage_max_length=passage_length)
@@ -120,7 +120,7 @@ def retriever_config(s: Settings, passage_length: int) -> Any:
 
 def load_model(path: Optional[str], s: Settings, passage_length: int) -> Any:
     """The offline MiniLM with its own recipe (``path`` None) or a trained retriever, set to the eval lengths."""
-    from dpr_gc.model import Retriever, default_model_path
+    from dpr_gc.model.retriever import Retriever, default_model_path
 
     device = device_of(s)
     if path is None:
@@ -132,7 +132,7 @@ def load_model(path: Optional[str], s: Settings, passage_length: int) -> Any:
 
 def flat_index(emb: Any) -> Any:
     """The toolkit's exact inner-product index over ``emb``."""
-    from dpr_gc.index import DenseIndex, IndexParams
+    from dpr_gc.retrieval.index import DenseIndex, IndexParams
 
     index = DenseIndex.build(emb.shape[1], IndexParams(kind="flat"))
     index.add(emb)
@@ -144,9 +144,9 @@ def phase_eval(s: Settings, name: str, model: Optional[str], passage_length: int
     """Encode the corpus and the test queries, search exactly, score against the test qrels."""
     import numpy as np
 
-    from dpr_gc.corpus import load_corpus, read_queries
-    from dpr_gc.encode import encode_block
-    from dpr_gc.evaluate import qrels_metrics, read_qrels
+    from dpr_gc.data.corpus import load_corpus, read_queries
+    from dpr_gc.retrieval.encode import encode_block
+    from dpr_gc.evaluation.evaluate import qrels_metrics, read_qrels
 
     data, folder = Path(s.data), Path(s.out) / name
     retriever = load_model(model, s, passage_length)
@@ -175,9 +175,9 @@ def phase_mine(s: Settings) -> dict:
     """Hard negatives for the training queries from the zero-shot corpus embeddings (a DPR training file)."""
     import numpy as np
 
-    from dpr_gc.corpus import load_corpus
-    from dpr_gc.evaluate import read_qrels
-    from dpr_gc.mine import DenseSource, beir_training_records, mine_to_file
+    from dpr_gc.data.corpus import load_corpus
+    from dpr_gc.evaluation.evaluate import read_qrels
+    from dpr_gc.retrieval.mine import DenseSource, beir_training_records, mine_to_file
 
     data, out = Path(s.data), Path(s.out)
     corpus = load_corpus(data / "corpus.jsonl.gz", cache_dir=out / "cache")
@@ -197,10 +197,10 @@ def train_source(s: Settings) -> str:
 
 def phase_train(s: Settings, name: str, batch_size: int, grad_cache: bool, max_steps: Optional[int] = None) -> dict:
     """One training run through ``dpr_gc.train``; returns its summary plus the lr schedule actually used."""
-    from dpr_gc.data import load_training_data
-    from dpr_gc.model import default_model_path
-    from dpr_gc.train import train
-    from dpr_gc.train_config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+    from dpr_gc.data.training import load_training_data
+    from dpr_gc.model.retriever import default_model_path
+    from dpr_gc.train.trainer import train
+    from dpr_gc.train.config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
     folder = Path(s.out) / name
     shutil.rmtree(folder / "train", ignore_errors=True)
@@ -304,7 +304,7 @@ def timing_runs(s: Settings, plain_batch: int) -> dict:
 
 def write_quick_data(s: Settings, source: Path, docs: int = 200) -> None:
     """A small BEIR folder: 20 test and 48 training queries, their positives, filler passages up to ``docs``."""
-    from dpr_gc.evaluate import read_qrels
+    from dpr_gc.evaluation.evaluate import read_qrels
 
     out = Path(s.data)
     if (out / "qrels" / "test.tsv").is_file():

@@ -7,9 +7,14 @@ import logging
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from . import data, encode, evaluate, index, lora, mine, pipeline, retrieve, stdlib_data, train
-from .args import ArgumentParser
-from .errors import DprGcError
+from . import pipeline
+from .data import stdlib_data, training as data
+from .evaluation import evaluate
+from .model import lora
+from .retrieval import encode, index, mine, retrieve
+from .train import trainer as train
+from .base.args import ArgumentParser
+from .base.errors import DprGcError
 
 STAGES = (pipeline, stdlib_data, data, train, encode, index, retrieve, evaluate, mine, lora)
 

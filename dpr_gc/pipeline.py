@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .args import nonnegative_int, output_dir, positive_float, positive_int
-from .errors import DprGcError
-from .files import atomic_path, read_json, read_json_object, write_json
-from .model import RetrieverConfig
-from .tables import markdown_table
-from .train_config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from .base.args import nonnegative_int, output_dir, positive_float, positive_int
+from .base.errors import DprGcError
+from .base.files import atomic_path, read_json, read_json_object, write_json
+from .model.retriever import RetrieverConfig
+from .base.tables import markdown_table
+from .train.config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,12 @@ def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> P
 def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, top_k: int,
             encode_batch_size: int) -> dict:
     """Encode the corpus, index it (exact inner product), retrieve for the test questions and evaluate."""
-    from .corpus import load_corpus, read_queries
-    from .encode import encode_corpus, pick_precision
-    from .answers import default_workers
-    from .evaluate import read_qrels
-    from .index import DenseIndex, IndexParams, build_index, index_exists
-    from .retrieve import retrieve_to_files
+    from .data.corpus import load_corpus, read_queries
+    from .retrieval.encode import encode_corpus, pick_precision
+    from .evaluation.answers import default_workers
+    from .evaluation.evaluate import read_qrels
+    from .retrieval.index import DenseIndex, IndexParams, build_index, index_exists
+    from .retrieval.retrieve import retrieve_to_files
 
     stage = out / name
     metrics_file = stage / "metrics.json"
@@ -110,10 +110,10 @@ def run_demo(config: DemoConfig) -> dict:
     """Run the whole pipeline; returns the before/after metrics and where every output is."""
     import torch
 
-    from .model import Retriever
-    from .stdlib_data import build_stdlib_dataset
-    from .train import train
-    from .train_utils import finished_checkpoints
+    from .model.retriever import Retriever
+    from .data.stdlib_data import build_stdlib_dataset
+    from .train.trainer import train
+    from .train.utils import finished_checkpoints
 
     training = config.training
     torch.manual_seed(training.run.seed)

@@ -30,13 +30,13 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.args import ArgumentParser, device_arg, nonnegative_int, output_dir, output_file, positive_int
+from dpr_gc.base.args import ArgumentParser, device_arg, nonnegative_int, output_dir, output_file, positive_int
 from dpr_gc.cli import report_errors
-from dpr_gc.errors import DprGcError
-from dpr_gc.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,
                           set_threads, shard_ids)
-from dpr_gc.model import add_prefix_arguments
-from dpr_gc.retrieve import MATCH_CHOICES, retrieve_with_flags
+from dpr_gc.model.retriever import add_prefix_arguments
+from dpr_gc.retrieval.retrieve import MATCH_CHOICES, retrieve_with_flags
 
 logger = logging.getLogger("dense_retriever")
 # DPR/GC-DPR flags with no effect here: the model file defines the encoder; answers are matched in-process.

@@ -32,11 +32,11 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc import train as T  # noqa: E402
-from dpr_gc.args import (ArgumentParser, any_int, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
+from dpr_gc.train import trainer as T  # noqa: E402
+from dpr_gc.base.args import (ArgumentParser, any_int, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
                          positive_int)
 from dpr_gc.cli import report_errors  # noqa: E402
-from dpr_gc.errors import DprGcError  # noqa: E402
+from dpr_gc.base.errors import DprGcError  # noqa: E402
 
 logger = logging.getLogger("train_dense_encoder")
 
@@ -179,8 +179,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if data.train_files:
             T.train(config)
         elif data.dev_file and args.model_file:
-            from dpr_gc.model import Retriever
-            from dpr_gc.validation import evaluate_dev
+            from dpr_gc.model.retriever import Retriever
+            from dpr_gc.train.validation import evaluate_dev
 
             print(json.dumps(evaluate_dev(Retriever.load(config.model.path()), data.dev_file, data.dev,
                                           data.cache_dir), indent=2))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel, BertTokenizerFast
 
-from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 WORDS = ("the a of and to in is was for on with as by at from that this it are be or an which what who when "

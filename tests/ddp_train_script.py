@@ -5,7 +5,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dpr_gc.train import train
+from dpr_gc.train.trainer import train
 from tests.train_data import train_config
 
 train_file, model, cache, out, grads_path, batch = sys.argv[1:7]

@@ -8,8 +8,8 @@ import unicodedata
 
 import pytest
 
-from dpr_gc import answers as am
-from dpr_gc.errors import DprGcError
+from dpr_gc.evaluation import answers as am
+from dpr_gc.base.errors import DprGcError
 
 regex = pytest.importorskip("regex")  # DPR's tokenizer and regex matching use the `regex` package
 

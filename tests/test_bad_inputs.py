@@ -24,15 +24,15 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from dpr_gc import args as flag_types
+from dpr_gc.base import args as flag_types
 from dpr_gc import cli
-from dpr_gc.corpus import load_corpus, read_queries
-from dpr_gc.data import load_dpr_files, load_training_data
-from dpr_gc.encode import encode_corpus
-from dpr_gc.errors import DprGcError
-from dpr_gc.evaluate import read_qrels, read_results, read_run
-from dpr_gc.index import IndexParams, build_index
-from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.data.corpus import load_corpus, read_queries
+from dpr_gc.data.training import load_dpr_files, load_training_data
+from dpr_gc.retrieval.encode import encode_corpus
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.evaluation.evaluate import read_qrels, read_results, read_run
+from dpr_gc.retrieval.index import IndexParams, build_index
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.conftest import WORDS, tiny_bert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +222,7 @@ def test_beir_folder_with_a_line_that_is_not_an_object(tmp_path: Path) -> None:
 
 
 def test_valid_70mb_record_is_read_and_the_limit_is_stated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpr_gc import streams
+    from dpr_gc.base import streams
 
     record = training_records(1)[0]
     record["positive_ctxs"][0]["text"] = "word " * (14 << 20)  # 70 MiB of text in one record
@@ -488,7 +488,7 @@ def test_optional_flags_can_still_be_left_unset(world: dict) -> None:
 
 
 def test_library_configs_refuse_what_the_flags_refuse(tmp_path: Path) -> None:
-    from dpr_gc.train_config import DataConfig, OptimConfig, RunConfig
+    from dpr_gc.train.config import DataConfig, OptimConfig, RunConfig
 
     for group, field, value in ((OptimConfig, "max_steps", -1), (DataConfig, "num_workers", -1),
                                 (OptimConfig, "learning_rate", -1.0), (OptimConfig, "learning_rate", float("nan")),
@@ -501,7 +501,7 @@ def test_library_configs_refuse_what_the_flags_refuse(tmp_path: Path) -> None:
 
 def test_retrieve_and_mine_refuse_a_corpus_edited_after_encoding(world: dict, tmp_path: Path) -> None:
     """A same-size edit that restores the modification time must not pair new passage text with old vectors."""
-    from dpr_gc.corpus import corpus_fingerprint
+    from dpr_gc.data.corpus import corpus_fingerprint
 
     corpus, cache = tmp_path / "corpus.tsv", tmp_path / "cache"
     shutil.copy(world["corpus"], corpus)

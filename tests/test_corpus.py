@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dpr_gc import corpus as corpus_mod
-from dpr_gc.corpus import load_corpus, read_queries
-from dpr_gc.errors import DprGcError
+from dpr_gc.data import corpus as corpus_mod
+from dpr_gc.data.corpus import load_corpus, read_queries
+from dpr_gc.base.errors import DprGcError
 
 PASSAGES = [
     ("p0", "Paris", 'The capital of "France" is Paris.'),

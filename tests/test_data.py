@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.conftest import SHARED_DATA
-from dpr_gc import data as D
-from dpr_gc import streams
-from dpr_gc.errors import DprGcError
-from dpr_gc.sampling import MixedBatchSampler
+from dpr_gc.data import training as D
+from dpr_gc.base import streams
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.data.sampling import MixedBatchSampler
 
 
 def ctx(pid: str, title: str, text: str, key: str = "passage_id") -> dict:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from dpr_gc.cli import main
-from dpr_gc.corpus import iter_passages, read_queries
-from dpr_gc.data import load_training_data
-from dpr_gc.evaluate import evaluate_answers, qrels_metrics, read_qrels, read_results, read_run
-from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.data.corpus import iter_passages, read_queries
+from dpr_gc.data.training import load_training_data
+from dpr_gc.evaluation.evaluate import evaluate_answers, qrels_metrics, read_qrels, read_results, read_run
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.conftest import tiny_bert
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "examples"

@@ -15,9 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import BertTokenizerFast
 
 from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
-from dpr_gc.functional import cached, cat_input_tensor, gather_input_tensor
-from dpr_gc.grad_cache import split_input, take_rows
-from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.engine.functional import cached, cat_input_tensor, gather_input_tensor
+from dpr_gc.engine.grad_cache import split_input, take_rows
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.conftest import tiny_bert, write_vocab
 from tests.ranks import run_ranks
 from tests.test_grad_cache import grads, make_batch, rel_err
@@ -128,7 +128,7 @@ def test_ddp_cached_step_matches_global_batch(tmp_path, shared, learn_t):
 
 
 def test_distributed_loss_needs_a_process_group():
-    from dpr_gc.errors import DprGcError
+    from dpr_gc.base.errors import DprGcError
 
     with pytest.raises(DprGcError, match="init_process_group"):
         DistributedContrastiveLoss()

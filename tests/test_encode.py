@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpr_gc import encode
-from dpr_gc.encode import encode_corpus
-from dpr_gc.shards import read_manifests, resolve_shard, shard_range
-from dpr_gc.errors import DprGcError
+from dpr_gc.retrieval import encode
+from dpr_gc.retrieval.encode import encode_corpus
+from dpr_gc.retrieval.shards import read_manifests, resolve_shard, shard_range
+from dpr_gc.base.errors import DprGcError
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_ENCODE_BLOCK = encode.encode_block

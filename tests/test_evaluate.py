@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dpr_gc import evaluate as ev
-from dpr_gc.errors import DprGcError
+from dpr_gc.evaluation import evaluate as ev
+from dpr_gc.base.errors import DprGcError
 
 SCIFACT = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "scifact"
 

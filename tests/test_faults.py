@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpr_gc import encode
+from dpr_gc.retrieval import encode
 from dpr_gc.cli import main
-from dpr_gc.errors import DprGcError
-from dpr_gc.locks import exclusive_lock
-from dpr_gc.train import train
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.base.locks import exclusive_lock
+from dpr_gc.train.trainer import train
 from tests.test_encode import passages, write_corpus
 from tests.test_train import config, init_model
 from tests.train_data import make_records, write_dpr
@@ -232,8 +232,8 @@ class Recording:
 
 @pytest.mark.parametrize("name", ["out.json.gz", "out.jsonl"])
 def test_mine_resumes_after_an_interruption(tmp_path, name):
-    from dpr_gc.corpus import load_corpus
-    from dpr_gc.mine import BM25Source, mine_to_file
+    from dpr_gc.data.corpus import load_corpus
+    from dpr_gc.retrieval.mine import BM25Source, mine_to_file
     from tests.test_mine import build_passages, questions
 
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in build_passages()))

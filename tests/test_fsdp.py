@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
-from dpr_gc.chunking import take_rows
-from dpr_gc.errors import DprGcError
-from dpr_gc.fsdp import full_state_dict, load_sharded, mixed_precision, save_sharded, shard_retriever
-from dpr_gc.lora import LoraSettings, apply_lora
+from dpr_gc.engine.chunking import take_rows
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.fsdp import full_state_dict, load_sharded, mixed_precision, save_sharded, shard_retriever
+from dpr_gc.model.lora import LoraSettings, apply_lora
 from tests.test_grad_cache import make_batch
 from tests.ranks import rank_errors, run_ranks
 from tests.test_llm import decoder_retriever

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from dpr_gc.cli import main
-from dpr_gc.model import Retriever
+from dpr_gc.model.retriever import Retriever
 from tests.llm_models import save_decoder
 from tests.train_data import make_records, write_dpr
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dpr_gc import GradCache, SimpleContrastiveLoss
-from dpr_gc.errors import DprGcError
-from dpr_gc.functional import cat_input_tensor, cached
-from dpr_gc.grad_cache import split_input, trim_padding
-from dpr_gc.model import enable_gradient_checkpointing
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.engine.functional import cat_input_tensor, cached
+from dpr_gc.engine.grad_cache import split_input, trim_padding
+from dpr_gc.model.retriever import enable_gradient_checkpointing
 from tests.conftest import WORDS
 
 
@@ -274,7 +274,7 @@ def test_trim_padding_cuts_padding_columns_only():
 
 def test_exact_in_float64_with_sdpa_attention(tiny_tokenizer):
     """In float64 the cached gradient equals the full-batch one to rounding, whatever the attention kernel."""
-    from dpr_gc.model import Retriever, RetrieverConfig
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
     from tests.conftest import tiny_bert
 
     retriever = Retriever(tiny_bert(len(tiny_tokenizer), attn="sdpa"), tiny_bert(len(tiny_tokenizer), 1, attn="sdpa"),

@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import BertTokenizerFast
 
 from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
-from dpr_gc.grad_cache import take_rows
-from dpr_gc.loss import all_gather_with_grad
+from dpr_gc.engine.grad_cache import take_rows
+from dpr_gc.engine.loss import all_gather_with_grad
 from tests.conftest import tiny_bert, write_vocab
 from tests.ranks import run_ranks
 from tests.test_grad_cache import grads, make_batch, rel_err
@@ -67,8 +67,8 @@ def check_checkpointed_separate_towers(rank: int, tmp: str) -> None:
     default checkpointing is."""
     from transformers.modeling_utils import PreTrainedModel
 
-    from dpr_gc.model import Retriever, RetrieverConfig, enable_gradient_checkpointing
-    from dpr_gc.train import Towers
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig, enable_gradient_checkpointing
+    from dpr_gc.train.trainer import Towers
 
     PreTrainedModel._activation_checkpointing_enable = reentrant_by_default(
         PreTrainedModel._activation_checkpointing_enable)

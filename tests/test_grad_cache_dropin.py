@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dpr_gc import GradCache, SimpleContrastiveLoss
-from dpr_gc.errors import DprGcError
+from dpr_gc.base.errors import DprGcError
 from tests.conftest import tiny_bert
 from tests.test_grad_cache import grads, make_batch, models_of, reference_grads, rel_err, zero
 
@@ -175,7 +175,7 @@ def test_loss_is_fp32_inside_an_outer_autocast(dtype, block, similarity, learn):
 def test_blocked_cross_entropy_matches_cross_entropy_in_float64(block):
     """The blocked loss and its hand-written backward, in float64: gradcheck against finite differences, and values
     and gradients equal to ``F.cross_entropy`` over the dense score matrix to rounding."""
-    from dpr_gc.loss import blocked_cross_entropy
+    from dpr_gc.engine.loss import blocked_cross_entropy
 
     gen = torch.Generator().manual_seed(block)
     x = torch.randn(7, 5, dtype=torch.float64, generator=gen).requires_grad_()
@@ -235,7 +235,7 @@ def test_running_statistics_see_each_example_once(keep_last_graph):
 
 
 def test_learnable_temperature_recovers_from_its_bound():
-    from dpr_gc.loss import TEMPERATURE_RANGE, Temperature
+    from dpr_gc.engine.loss import TEMPERATURE_RANGE, Temperature
 
     tau = Temperature(0.05, learnable=True)
     with torch.no_grad():
@@ -251,7 +251,7 @@ def test_learnable_temperature_recovers_from_its_bound():
 
 
 def test_gradient_checkpointing_is_not_reentrant(make_retriever, monkeypatch):
-    from dpr_gc.model import enable_gradient_checkpointing
+    from dpr_gc.model.retriever import enable_gradient_checkpointing
 
     retriever = make_retriever(shared=False)
     seen = []
@@ -321,7 +321,7 @@ def test_sort_by_length_with_a_3d_attention_mask(tiny_tokenizer, make_retriever)
 
 
 def test_rng_is_captured_on_every_cuda_device_a_parameter_lives_on(monkeypatch):
-    from dpr_gc.grad_cache import RandState, rng_devices
+    from dpr_gc.engine.grad_cache import RandState, rng_devices
 
     fake = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("cuda", i))
                                                           for i in (0, 1, 1)]),
@@ -335,7 +335,7 @@ def test_rng_is_captured_on_every_cuda_device_a_parameter_lives_on(monkeypatch):
 
 
 def test_replay_is_refused_where_it_cannot_be_guaranteed():
-    from dpr_gc.grad_cache import rng_devices
+    from dpr_gc.engine.grad_cache import rng_devices
 
     fake = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("mps"))]),
                                  buffers=lambda: iter([]))
@@ -344,7 +344,7 @@ def test_replay_is_refused_where_it_cannot_be_guaranteed():
 
 
 def test_compiled_modules_are_unwrapped_when_detecting_ddp():
-    from dpr_gc.grad_cache import is_ddp
+    from dpr_gc.engine.grad_cache import is_ddp
 
     inner = nn.Linear(2, 2)
     assert not is_ddp(torch.compile(inner))

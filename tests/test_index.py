@@ -11,8 +11,8 @@ import faiss
 import numpy as np
 import pytest
 
-from dpr_gc.errors import DprGcError
-from dpr_gc.index import (IDS_FILE, INDEX_FILE, META_FILE, DenseIndex, IndexParams, add_shards, build_index,
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.retrieval.index import (IDS_FILE, INDEX_FILE, META_FILE, DenseIndex, IndexParams, add_shards, build_index,
                           read_ids, sample_embeddings)
 
 DIM = 16
@@ -230,7 +230,7 @@ def test_reading_incomplete_or_inconsistent_folders(tmp_path, data):
 
 def test_training_sample_is_distinct_rows_of_the_shards(tmp_path, data):
     emb_dir = write_shards(tmp_path / "emb", data, num_shards=3)
-    from dpr_gc.shards import read_manifests
+    from dpr_gc.retrieval.shards import read_manifests
 
     manifests = read_manifests(emb_dir)
     sample = sample_embeddings(manifests, 100, seed=3)
@@ -249,7 +249,7 @@ def test_add_shards_in_memory_and_block_size_does_not_matter(tmp_path, data, que
 
 
 def test_index_cli(tmp_path, data, capsys):
-    from dpr_gc.index import add_cli
+    from dpr_gc.retrieval.index import add_cli
 
     emb_dir = write_shards(tmp_path / "emb", data)
     parser = argparse.ArgumentParser()

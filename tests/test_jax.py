@@ -23,7 +23,7 @@ jax = pytest.importorskip("jax")
 import jax.flatten_util  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dpr_gc.errors import DprGcError  # noqa: E402
+from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, blocked_nll, cache_grad, cache_train_step,  # noqa: E402
                         cached_value_and_grad, cast_params, chunk_encode, data_mesh, data_parallel_value_and_grad,
                         encoder_fn, grad_cached, load_bert, remat_value_and_grad, tree_chunk, tree_unchunk,

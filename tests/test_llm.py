@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dpr_gc import GradCache, SimpleContrastiveLoss
-from dpr_gc.chunking import pad_sequence_dim, trim_padding, trimmed_width
-from dpr_gc.model import Retriever, RetrieverConfig, pool
+from dpr_gc.engine.chunking import pad_sequence_dim, trim_padding, trimmed_width
+from dpr_gc.model.retriever import Retriever, RetrieverConfig, pool
 from tests.llm_models import EOS, QWEN_PAD, decoder_tokenizer, save_decoder, tiny_decoder
 from tests.test_grad_cache import grads, make_batch, models_of, random_texts, reference_grads, rel_err, zero
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dpr_gc.cli import main
-from dpr_gc.errors import DprGcError
-from dpr_gc.lora import LoraSettings, apply_lora, is_adapted
-from dpr_gc.model import Retriever, enable_gradient_checkpointing
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.lora import LoraSettings, apply_lora, is_adapted
+from dpr_gc.model.retriever import Retriever, enable_gradient_checkpointing
 from tests.llm_models import save_decoder
 from tests.test_encode import gather
 from tests.test_grad_cache import models_of

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from dpr_gc.devices import steady_malloc
+from dpr_gc.base.devices import steady_malloc
 
 PROBE = """
 import ctypes, sys
-from dpr_gc.devices import steady_malloc
+from dpr_gc.base.devices import steady_malloc
 pinned = steady_malloc() if sys.argv[1] == "pin" else False
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

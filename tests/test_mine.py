@@ -10,15 +10,15 @@ import random
 import numpy as np
 import pytest
 
-from dpr_gc.corpus import load_corpus
-from dpr_gc.data import load_dpr_files
-from dpr_gc.encode import encode_corpus
-from dpr_gc.errors import DprGcError
-from dpr_gc.evaluate import has_answer
-from dpr_gc.index import DenseIndex, IndexParams, build_index
-from dpr_gc.mine import (BM25Source, DenseSource, add_cli, iter_training_file, mine_hard_negatives, mine_to_file,
+from dpr_gc.data.corpus import load_corpus
+from dpr_gc.data.training import load_dpr_files
+from dpr_gc.retrieval.encode import encode_corpus
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.evaluation.evaluate import has_answer
+from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
+from dpr_gc.retrieval.mine import (BM25Source, DenseSource, add_cli, iter_training_file, mine_hard_negatives, mine_to_file,
                          open_source)
-from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.conftest import tiny_bert
 
 TOPICS = ["paris", "london", "river", "king", "music", "film"]
@@ -258,7 +258,7 @@ def test_bad_inputs_give_one_line_errors(world, tmp_path):
 def test_candidates_are_tokenised_once_across_chunks(world, tmp_path, monkeypatch):
     """One matcher serves the whole file: a candidate seen by several questions or chunks is tokenised once, and the
     output does not depend on the chunking or the number of answer-matching workers."""
-    from dpr_gc import answers
+    from dpr_gc.evaluation import answers
 
     corpus = world["corpus"]
     with answers.AnswerMatcher() as matcher:

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dpr_gc.errors import DprGcError
-from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 
 
 def test_save_and_load_round_trip(make_retriever, tmp_path):

@@ -13,8 +13,8 @@ import torch
 from sentence_transformers import SentenceTransformer
 from transformers import AutoModel, AutoTokenizer, DPRConfig, DPRContextEncoder, DPRQuestionEncoder
 
-from dpr_gc.errors import DprGcError
-from dpr_gc.model import Retriever, RetrieverConfig
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.conftest import tiny_bert
 
 QUERIES = ["who was the king of france", "what is a protein in the cell of a gene",
@@ -204,7 +204,7 @@ def test_half_a_dpr_pair_is_refused(tiny_tokenizer, tmp_path):
 def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
     from huggingface_hub import metadata_load
 
-    from dpr_gc.train import train
+    from dpr_gc.train.trainer import train
     from tests.test_train import init_model
     from tests.train_data import make_records, train_config, write_dpr
 
@@ -234,7 +234,7 @@ def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
 def test_learnable_temperature_keeps_its_raw_parameter(make_retriever, tmp_path):
     import math
 
-    from dpr_gc.loss import TEMPERATURE_RANGE
+    from dpr_gc.engine.loss import TEMPERATURE_RANGE
 
     retriever = make_retriever(learn_temperature=True, temperature=0.05)
     with torch.no_grad():  # past the clamp: the JSON float holds the clamped value, the raw parameter must survive
@@ -261,7 +261,7 @@ def test_format1_folder_with_safetensors_heads_loads(make_retriever, tmp_path):
 
 
 def test_official_dpr_pair_fine_tunes(tiny_tokenizer, tmp_path):
-    from dpr_gc.train import train
+    from dpr_gc.train.trainer import train
     from tests.train_data import make_records, train_config, write_dpr
 
     save_dpr_pair(tiny_tokenizer, tmp_path / "dpr", 0)

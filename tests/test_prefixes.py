@@ -12,15 +12,15 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from dpr_gc.cli import main
-from dpr_gc.corpus import load_corpus
-from dpr_gc.data import Collator
-from dpr_gc.encode import encode_corpus
-from dpr_gc.index import IndexParams, build_index
-from dpr_gc.mine import open_source
-from dpr_gc.model import Retriever
-from dpr_gc.train import train
-from dpr_gc.train_config import ModelConfig
-from dpr_gc.train_utils import build_retriever
+from dpr_gc.data.corpus import load_corpus
+from dpr_gc.data.training import Collator
+from dpr_gc.retrieval.encode import encode_corpus
+from dpr_gc.retrieval.index import IndexParams, build_index
+from dpr_gc.retrieval.mine import open_source
+from dpr_gc.model.retriever import Retriever
+from dpr_gc.train.trainer import train
+from dpr_gc.train.config import ModelConfig
+from dpr_gc.train.utils import build_retriever
 from tests.test_encode import gather
 from tests.test_train import init_model
 from tests.train_data import make_records, train_config, write_dpr

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpr_gc.encode import encode_corpus
-from dpr_gc.shards import read_manifests
-from dpr_gc.errors import DprGcError
-from dpr_gc.evaluate import qrels_metrics, read_qrels, read_run
-from dpr_gc.index import DenseIndex, IndexParams, build_index
-from dpr_gc.model import Retriever, RetrieverConfig
-from dpr_gc.retrieve import add_cli, check_compatible, check_corpus, retrieve, write_results_json, write_trec_run
+from dpr_gc.retrieval.encode import encode_corpus
+from dpr_gc.retrieval.shards import read_manifests
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.evaluation.evaluate import qrels_metrics, read_qrels, read_run
+from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.retrieval.retrieve import add_cli, check_compatible, check_corpus, retrieve, write_results_json, write_trec_run
 from tests.conftest import WORDS, tiny_bert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_end_to_end_encode_index_retrieve_evaluate(world, tmp_path, capsys):
 
 
 def test_results_equal_brute_force_over_the_shards(world):
-    from dpr_gc.corpus import load_corpus
+    from dpr_gc.data.corpus import load_corpus
 
     retriever = Retriever.load(world["model"])
     index = DenseIndex.read(world["idx"])
@@ -147,7 +147,7 @@ def test_trec_run_and_results_json_are_written_atomically(tmp_path):
 
 
 def test_wrong_model_or_corpus_is_refused(world, tiny_tokenizer, tmp_path):
-    from dpr_gc.corpus import load_corpus
+    from dpr_gc.data.corpus import load_corpus
 
     index = DenseIndex.read(world["idx"])
     other = Retriever(tiny_bert(len(tiny_tokenizer), seed=5), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
@@ -212,8 +212,8 @@ def test_dense_retriever_script_with_dpr_flags(world, tmp_path, capsys):
 def test_answers_are_matched_once_and_evaluate_reuses_the_flags(world, tmp_path, monkeypatch, capsys):
     """retrieve --evaluate tokenises each retrieved passage once (not once per question, nor again to evaluate),
     writes compact JSONL when asked, and evaluate's default reads those flags without matching."""
-    from dpr_gc import answers
-    from dpr_gc.evaluate import evaluate
+    from dpr_gc.evaluation import answers
+    from dpr_gc.evaluation.evaluate import evaluate
 
     words = [p["text"].split()[0] for p in passages()[:3]]
     qa = tmp_path / "qa.tsv"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dpr_gc import data as D
-from dpr_gc.evaluate import has_answer
-from dpr_gc.sampling import MixedBatchSampler
+from dpr_gc.data import training as D
+from dpr_gc.evaluation.evaluate import has_answer
+from dpr_gc.data.sampling import MixedBatchSampler
 
 
 def positives_only(n: int, cross_answers: bool) -> list[dict]:
@@ -56,7 +56,7 @@ def test_filled_negatives_bear_no_answer_of_the_global_batch(tmp_path: Path, cap
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     data = D.load_dpr_files([path], cache_dir=tmp_path / "cache")
-    with caplog.at_level(logging.INFO, logger="dpr_gc.sampling"):
+    with caplog.at_level(logging.INFO, logger="dpr_gc.data.sampling"):
         batches = global_batches(data, 8, 2, hard=1)
     for batch in batches:
         answers = [a for e in batch for a in recs[int(e["question"][len("which topic"):-1])]["answers"]]

@@ -102,15 +102,15 @@ def test_gc_dpr_readme_training_command_runs(tiny, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "dev_avg_rank" in r] == [0, 2, 4, 6, 8]  # 4 steps/epoch, 2 evals each
     assert "dev validation over 5 questions" in result.stderr
-    from dpr_gc.model import Retriever
+    from dpr_gc.model.retriever import Retriever
 
     assert not Retriever.load(tmp_path / "out" / "final").config.shared_encoder  # DPR's two towers
 
 
 def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path):
     """Every GC-DPR/DPR flag with a meaning here lands in the field of its group (and nothing else moves)."""
-    from dpr_gc.train_config import TrainConfig
-    from dpr_gc.validation import DevLimits
+    from dpr_gc.train.config import TrainConfig
+    from dpr_gc.train.validation import DevLimits
 
     script = load_script("train_dense_encoder.py")
     argv = gc_dpr_readme_command(tiny, tmp_path / "out") + [
@@ -193,8 +193,8 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
 
     import torch
 
-    from dpr_gc.errors import DprGcError
-    from dpr_gc.model import Retriever
+    from dpr_gc.base.errors import DprGcError
+    from dpr_gc.model.retriever import Retriever
 
     cp = dpr_checkpoint(tiny, tmp_path / "dpr_biencoder.3.cp", projection=8)
     retriever = Retriever.load(cp)
@@ -221,7 +221,7 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
 def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path):
     import json
 
-    from dpr_gc.index import DenseIndex
+    from dpr_gc.retrieval.index import DenseIndex
 
     cp = dpr_checkpoint(tiny, tmp_path / "dpr_biencoder.3.cp")
     d, emb = tiny["dir"], tmp_path / "emb" / "wiki"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dpr_gc import stdlib_data
-from dpr_gc.corpus import load_corpus
-from dpr_gc.errors import DprGcError
-from dpr_gc.stdlib_data import add_cli, build_stdlib_dataset, collect_definitions, is_informative, split_docstring
+from dpr_gc.data import stdlib_data
+from dpr_gc.data.corpus import load_corpus
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.data.stdlib_data import add_cli, build_stdlib_dataset, collect_definitions, is_informative, split_docstring
 
 N = 80
 

@@ -12,10 +12,10 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from dpr_gc.evaluate import evaluate
-from dpr_gc.results import iter_results
-from dpr_gc.errors import DprGcError
-from dpr_gc.retrieve import retrieve_file, retrieve_to_files
+from dpr_gc.evaluation.evaluate import evaluate
+from dpr_gc.evaluation.results import iter_results
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.retrieval.retrieve import retrieve_file, retrieve_to_files
 
 WORDS = "paris london river king music film science protein cell gene water book war city".split()
 POOL = 300

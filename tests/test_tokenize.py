@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from dpr_gc import data as D
-from dpr_gc.encode import encode_block
-from dpr_gc.errors import DprGcError
-from dpr_gc.tokenize import tokenize
-from dpr_gc.train import train
+from dpr_gc.data import training as D
+from dpr_gc.retrieval.encode import encode_block
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.tokenize import tokenize
+from dpr_gc.train.trainer import train
 from tests.test_train import init_model
 from tests.train_data import make_records, train_config, write_dpr
 

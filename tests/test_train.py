@@ -14,10 +14,10 @@ import torch
 from transformers import BertTokenizerFast
 
 from dpr_gc.cli import main
-from dpr_gc.errors import DprGcError
-from dpr_gc.model import Retriever, RetrieverConfig
-from dpr_gc.train import Trainer, train
-from dpr_gc.train_config import TrainConfig
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.train.trainer import Trainer, train
+from dpr_gc.train.config import TrainConfig
 from tests.conftest import tiny_bert, write_vocab
 from tests.train_data import make_records, train_config, write_dpr
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpr_gc import validation as V
-from dpr_gc.errors import DprGcError
-from dpr_gc.model import Retriever
+from dpr_gc.train import validation as V
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.retriever import Retriever
 from dpr_gc.cli import build_parser
-from dpr_gc.train_config import config_from_args
+from dpr_gc.train.config import config_from_args
 from tests.ranks import run_ranks
 from tests.test_train import init_model
 

@@ -7,8 +7,8 @@ import json
 import random
 from pathlib import Path
 
-from dpr_gc.train_config import TrainConfig
-from dpr_gc.validation import DevLimits
+from dpr_gc.train.config import TrainConfig
+from dpr_gc.train.validation import DevLimits
 from tests.conftest import WORDS
 
 RENAMED = {"model": ("model", "name"), "grad_cache": ("cache", "enabled"), "dev_file": ("data", "dev_file")}

@@ -26,10 +26,10 @@ import optax
 from tqdm import tqdm
 
 from ..cli import report_errors
-from ..errors import DprGcError
-from ..files import read_json, write_json
-from ..model import RetrieverConfig
-from ..tokenize import tokenize as tokenize_texts
+from ..base.errors import DprGcError
+from ..base.files import read_json, write_json
+from ..model.retriever import RetrieverConfig
+from ..model.tokenize import tokenize as tokenize_texts
 from .grad_cache import cached_value_and_grad
 from .loss import ContrastiveLoss
 from .model import Encoder, EncoderConfig, cast_params, encoder_fn, load_bert
@@ -138,7 +138,7 @@ def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[st
 def evaluate_model(model: Encoder, params: Any, tokenizer: Any, corpus: list[tuple[str, str, str]],
                    questions: list[dict], config: ExampleConfig) -> dict[str, float]:
     """Exact top-100 retrieval over the corpus, scored by the toolkit's top-k answer accuracy."""
-    from ..evaluate import evaluate_answers
+    from ..evaluation.evaluate import evaluate_answers
 
     passages = encode_texts(model, params, tokenizer, [text for _, _, text in corpus], config.passage_max_length,
                             desc="encoding passages", kind="passage", titles=[title for _, title, _ in corpus])
@@ -205,9 +205,9 @@ def run_example(config: ExampleConfig) -> dict:
     """Build the data, measure, train, measure again; returns (and writes) the report."""
     from transformers import AutoTokenizer
 
-    from ..corpus import iter_passages, read_queries
-    from ..model import default_model_path
-    from ..stdlib_data import build_stdlib_dataset
+    from ..data.corpus import iter_passages, read_queries
+    from ..model.retriever import default_model_path
+    from ..data.stdlib_data import build_stdlib_dataset
 
     started = time.perf_counter()
     out = Path(config.output_dir)

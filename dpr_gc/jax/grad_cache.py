@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..errors import DprGcError
+from ..base.errors import DprGcError
 
 Array = jax.Array
 Encoder = Callable[[Any, Any, Array], Array]

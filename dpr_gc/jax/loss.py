@@ -15,7 +15,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from ..errors import DprGcError
+from ..base.errors import DprGcError
 
 Array = jax.Array
 TEMPERATURE_RANGE = (0.01, 10.0)  # the same clamp as dpr_gc.loss, so bf16 training cannot blow the scores up

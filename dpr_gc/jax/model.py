@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import DprGcError
+from ..base.errors import DprGcError
 
 Array = jax.Array
 

@@ -1,0 +1,331 @@
+"""Read passage corpora and query files in the formats DPR and BEIR use.
+
+A corpus becomes a memory-mapped Arrow :class:`datasets.Dataset` with string columns ``id``, ``title`` and ``text``.
+It is parsed once, streamed into an Arrow file in a cache folder (keyed by the source file's path, size,
+modification time and content fingerprint) and memory-mapped from then on, so even DPR's 21M-passage Wikipedia never
+sits in Python lists. Row ``i`` of that dataset is "corpus row i" everywhere in the toolkit.
+
+TSV files are read one physical line per row, so a stray quote can never swallow the rows after it: a field written
+CSV-style (``"say ""hi"" now"``, as in DPR's ``psgs_w100.tsv``) is unquoted, and a field that begins with
+``"`` but does not close its quote within itself is read literally and logged with its line number. Passage ids must
+be unique and free of whitespace (TREC runs and id files are whitespace-separated).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+from ..base.errors import DprGcError
+from .arrow_cache import build_once, cache_file, map_dataset, write_stream
+from ..base.files import PathLike, iter_jsonl_objects, open_text, require_file
+from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ("id", "title", "text")
+CACHE_VERSION = "2"
+WRITE_BATCH_ROWS = 10_000
+FULL_HASH_BYTES = 256 << 20
+SAMPLE_BLOCKS = 1024
+SAMPLE_BLOCK_BYTES = 64 << 10
+_BAD_ID = re.compile(r"\s")
+
+
+def corpus_format(path: PathLike) -> str:
+    """``"tsv"`` or ``"jsonl"``, from the extension (``.gz`` ignored) or else from the first non-empty line."""
+    p = Path(path)
+    name = p.name[:-3] if p.name.endswith(".gz") else p.name
+    suffix = Path(name).suffix.lower()
+    if suffix in (".tsv", ".csv"):
+        return "tsv"
+    if suffix in (".jsonl", ".json"):
+        return "jsonl"
+    with open_text(p) as f:
+        for line in f:
+            if line.strip():
+                return "jsonl" if line.lstrip().startswith("{") else "tsv"
+    return "tsv"
+
+
+def corpus_fingerprint(path: PathLike) -> str:
+    """A content fingerprint of the corpus file: a hash of its bytes, or of 1,024 evenly spaced 64 KiB blocks and the
+    size when it is larger than 256 MiB (so checking a 13 GB ``psgs_w100.tsv`` costs well under a second).
+
+    Recorded in the corpus cache key, the encode manifests and the index metadata, so an edit that keeps the file's
+    size and modification time still cannot pair new passage text with old vectors.
+    """
+    p = require_file(path, "corpus file")
+    size = p.stat().st_size
+    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(p, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+            kind = "full"
+        else:
+            step = (size - SAMPLE_BLOCK_BYTES) / (SAMPLE_BLOCKS - 1)
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(int(i * step))
+                digest.update(f.read(SAMPLE_BLOCK_BYTES))
+            kind = "sampled"
+    return f"{kind}-{digest.hexdigest()}"
+
+
+# --------------------------------------------------------------------------------------------- passages
+def iter_passages(path: PathLike) -> Iterator[tuple[str, str, str]]:
+    """Stream ``(id, title, text)`` from a DPR passages TSV, a BEIR ``corpus.jsonl`` or an ``id/text/title`` JSONL."""
+    for _, pid, title, text in iter_passage_lines(require_file(path, "corpus file")):
+        yield pid, title, text
+
+
+def iter_passage_lines(path: Path) -> Iterator[tuple[int, str, str, str]]:
+    """Like :func:`iter_passages`, with the line number of each passage first; ids are checked here."""
+    rows = _iter_tsv_passages(path) if corpus_format(path) == "tsv" else _iter_jsonl_passages(path)
+    for line_no, pid, title, text in rows:
+        if not pid or _BAD_ID.search(pid):
+            raise DprGcError(f"{path}:{line_no}: passage id {pid!r} is empty or contains whitespace; ids must be "
+                             "one word (TREC runs and id files separate fields by whitespace); rename it")
+        yield line_no, pid, title, text
+
+
+def _iter_tsv_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
+    counts = TsvCounts()
+    lines = iter_tsv_lines(path, counts)
+    first = next(lines, None)
+    if first is None:
+        raise DprGcError(f"corpus is empty: {path} (expected a header line 'id<TAB>text<TAB>title')")
+    counts.header = 1
+    header_line, header = first
+    names = [h.strip().lower() for h in header]
+    missing = [c for c in ("id", "text") if c not in names]
+    if missing:
+        raise DprGcError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)} (got {header!r}); "
+                         "a passages TSV starts with 'id<TAB>text<TAB>title'")
+    i_id, i_text = names.index("id"), names.index("text")
+    i_title = names.index("title") if "title" in names else None
+    for line_no, row in lines:
+        if len(row) != len(names):
+            hint = ("; a field there begins with '\"': CSV-quoted fields cannot hold tabs or line breaks"
+                    if counts.last_literal == line_no else "")
+            raise DprGcError(f"{path}:{line_no}: expected {len(names)} tab-separated fields ({', '.join(names)}), "
+                             f"got {len(row)}{hint}; fix or remove that line")
+        counts.rows += 1
+        yield line_no, row[i_id], row[i_title] if i_title is not None else "", row[i_text]
+    log_tsv_counts(path, counts, "passages")
+
+
+def _iter_jsonl_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
+    for line_no, obj in iter_jsonl_objects(path, "a passage with id, title and text"):
+        pid = obj.get("_id", obj.get("id"))
+        if pid is None:
+            raise DprGcError(f"{path}:{line_no}: missing passage id (need '_id' or 'id')")
+        if not isinstance(pid, (str, int)) or isinstance(pid, bool):
+            raise DprGcError(f"{path}:{line_no}: passage id must be a string or an integer, got {pid!r}")
+        text = obj.get("text")
+        if not isinstance(text, str):
+            raise DprGcError(f"{path}:{line_no}: missing or non-string 'text'")
+        title = obj.get("title") or ""
+        if not isinstance(title, str):
+            raise DprGcError(f"{path}:{line_no}: 'title' must be a string")
+        yield line_no, str(pid), title, text
+
+
+# --------------------------------------------------------------------------------------------- Arrow cache
+def corpus_cache_path(path: PathLike, cache_dir: Optional[PathLike] = None,
+                      fingerprint: Optional[str] = None) -> Path:
+    """The Arrow cache file for ``path``; it changes whenever the file's path, size, mtime or content changes."""
+    p = Path(path).resolve()
+    st = p.stat()
+    fingerprint = fingerprint or corpus_fingerprint(p)
+    return cache_file(cache_dir, "corpora", p.name, f"{CACHE_VERSION}|{p}|{st.st_size}|{st.st_mtime_ns}|{fingerprint}")
+
+
+def load_corpus(path: PathLike, cache_dir: Optional[PathLike] = None) -> Any:
+    """Return the corpus as a memory-mapped ``datasets.Dataset`` (columns id, title, text), parsing it once.
+
+    The source's content fingerprint is part of the cache key and stored in the Arrow schema metadata
+    (``dpr_gc_fingerprint``), so an edited file is parsed again even if its size and mtime were restored.
+    """
+    p = require_file(path, "corpus file")
+    fingerprint = corpus_fingerprint(p)
+    cache = corpus_cache_path(p, cache_dir, fingerprint)
+    build_once(cache, cache.is_file, lambda: _build_arrow(p, cache, fingerprint))
+    return map_dataset(cache)
+
+
+def dataset_fingerprint(corpus: Any) -> Optional[str]:
+    """The content fingerprint of the source file recorded in a corpus dataset's Arrow cache (None if absent)."""
+    import pyarrow as pa
+
+    files = getattr(corpus, "cache_files", None) or []
+    if len(files) != 1:
+        return None
+    with pa.OSFile(files[0]["filename"], "rb") as source:
+        metadata = pa.ipc.open_stream(source).schema.metadata or {}
+    value = metadata.get(b"dpr_gc_fingerprint")
+    return value.decode() if value else None
+
+
+def _build_arrow(path: Path, cache: Path, fingerprint: str) -> None:
+    """Stream the corpus into its Arrow cache file; refuse an empty corpus or duplicate passage ids before the file
+    gets its final name."""
+    import pyarrow as pa
+    from tqdm.auto import tqdm
+
+    schema = pa.schema([(c, pa.string()) for c in COLUMNS],
+                       metadata={"dpr_gc_source": str(path.resolve()), "dpr_gc_fingerprint": fingerprint})
+    total = 0
+
+    def batches() -> Iterator[Any]:
+        nonlocal total
+        cols: tuple[list[str], list[str], list[str]] = ([], [], [])
+        for row in tqdm(iter_passages(path), desc=f"reading {path.name}", unit=" passages", mininterval=2.0,
+                        disable=None):
+            for col, value in zip(cols, row):
+                col.append(value)
+            if len(cols[0]) >= WRITE_BATCH_ROWS:
+                total += len(cols[0])
+                yield pa.record_batch([pa.array(c, pa.string()) for c in cols], schema=schema)
+                cols = ([], [], [])
+        if cols[0]:
+            total += len(cols[0])
+            yield pa.record_batch([pa.array(c, pa.string()) for c in cols], schema=schema)
+
+    def check(tmp: Path) -> None:
+        if total == 0:
+            raise DprGcError(f"corpus is empty: {path} has no passages")
+        _check_unique_ids(tmp, path)
+
+    write_stream(cache, schema, batches(), check)
+    logger.info("cached %d passages from %s in %s", total, path, cache)
+
+
+def _check_unique_ids(arrow_file: Path, source: Path) -> None:
+    """Refuse a corpus in which a passage id repeats, naming the file and both lines (counted in Arrow, in C)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    with pa.memory_map(str(arrow_file)) as mapped:
+        ids = pa.ipc.open_stream(mapped).read_all().column("id")
+        if pc.count_distinct(ids).as_py() == len(ids):
+            return
+        counts = pc.value_counts(ids)
+        repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+        rows = np.flatnonzero(pc.is_in(ids, value_set=repeated).to_numpy(zero_copy_only=False))
+        seen: dict[str, int] = {}
+        for row in rows.tolist():
+            pid = ids[row].as_py()
+            if pid in seen:
+                first, second = seen[pid], row
+                break
+            seen[pid] = row
+    lines = _lines_of_rows(source, {first, second})
+    raise DprGcError(f"{source}:{lines[second]}: passage id {pid!r} repeats the one at line {lines[first]} "
+                     f"({len(repeated)} id(s) occur more than once); passage ids must be unique, so rename or "
+                     "remove the duplicates")
+
+
+def _lines_of_rows(path: Path, rows: set[int]) -> dict[int, int]:
+    """Line numbers of the given corpus rows (read again; used only to report an error)."""
+    found: dict[int, int] = {}
+    for row, (line_no, *_) in enumerate(iter_passage_lines(path)):
+        if row in rows:
+            found[row] = line_no
+            if len(found) == len(rows):
+                break
+    return found
+
+
+def rows_for_ids(corpus: Any, ids: Iterable[str], block_size: int = 1_000_000) -> dict[str, int]:
+    """Corpus rows of the given passage ids (ids not in the corpus are left out), by one scan of the id column."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    wanted, found = pa.array(sorted(set(map(str, ids))), pa.string()), {}
+    table = corpus.with_format("arrow")
+    for s in range(0, len(corpus), block_size):
+        col = table[s:s + block_size]["id"]
+        mask = pc.is_in(col, value_set=wanted)
+        rows = np.flatnonzero(np.asarray(mask, dtype=bool)) + s
+        for pid, row in zip(pc.filter(col, mask).to_pylist(), rows.tolist()):
+            found.setdefault(pid, row)
+    return found
+
+
+# --------------------------------------------------------------------------------------------- queries
+def read_queries(path: PathLike) -> list[dict]:
+    """Read questions as ``{"id", "question", "answers"}`` dicts (all of them: see :func:`iter_queries`).
+
+    Accepts DPR QA files (``question<TAB>["answer", ...]``, no header; an optional third column is the id,
+    otherwise the id is the line number), NQ-open JSONL (``question``, ``answer``/``answers``, optional ``id``)
+    and BEIR ``queries.jsonl`` (``_id``, ``text``; no answers).
+    """
+    p = require_file(path, "queries file")
+    queries = list(iter_queries(p))
+    if not queries:
+        raise DprGcError(f"no queries in {p} (the file is empty)")
+    return queries
+
+
+def iter_queries(path: PathLike, log: bool = True) -> Iterator[dict]:
+    """The questions of :func:`read_queries` one at a time, in file order, so a run over millions of them holds one
+    (``log``: say how many lines a TSV file had, once the file is read)."""
+    p = require_file(path, "queries file")
+    yield from _iter_jsonl_queries(p) if corpus_format(p) == "jsonl" else _iter_tsv_queries(p, log)
+
+
+def _iter_tsv_queries(path: Path, log: bool) -> Iterator[dict]:
+    counts = TsvCounts()
+    for line_no, row in iter_tsv_lines(path, counts):
+        if line_no == 1 and [c.strip().lower() for c in row[:2]] == ["question", "answers"]:
+            counts.header = 1
+            continue
+        if len(row) not in (2, 3):
+            raise DprGcError(f"{path}:{line_no}: expected 'question<TAB>answers' (optionally <TAB>id), "
+                             f"got {len(row)} field(s)")
+        answers = _parse_answers(row[1], f"{path}:{line_no}")
+        counts.rows += 1
+        yield {"id": row[2] if len(row) == 3 else str(line_no), "question": row[0], "answers": answers}
+    if log:
+        log_tsv_counts(path, counts, "questions")
+
+
+def _parse_answers(field: str, where: str) -> list[str]:
+    """Parse a JSON or Python-literal list of answer strings (never ``eval``)."""
+    value: Any
+    try:
+        value = json.loads(field)
+    except (json.JSONDecodeError, RecursionError):
+        try:
+            value = ast.literal_eval(field)
+        except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+            raise DprGcError(f"{where}: answers must be a list like [\"a\", \"b\"], got {field[:60]!r}") from None
+    return _answer_list(value, where)
+
+
+def _answer_list(value: Any, where: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(a, str) for a in value):
+        return list(value)
+    raise DprGcError(f"{where}: answers must be a string or a list of strings, got {str(value)[:60]!r}")
+
+
+def _iter_jsonl_queries(path: Path) -> Iterator[dict]:
+    for line_no, obj in iter_jsonl_objects(path, "a question"):
+        where = f"{path}:{line_no}"
+        question = obj.get("question", obj.get("text", obj.get("query")))
+        if not isinstance(question, str):
+            raise DprGcError(f"{where}: missing question (need 'question', or BEIR's 'text')")
+        raw = obj.get("answers", obj.get("answer", []))
+        answers = _answer_list(raw, where) if raw is not None else []
+        qid = obj.get("_id", obj.get("id"))
+        yield {"id": str(qid) if qid is not None else str(line_no), "question": question, "answers": answers}

@@ -1,0 +1,223 @@
+"""What each training step draws: which questions (several sources at per-source rates, rank shards, and a position
+in the epoch that a checkpoint can save and a resumed run can continue from), and for each question its positive and
+negatives, filled-in negatives never being a positive or answer-bearing passage of the same global batch."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..base.errors import DprGcError
+
+logger = logging.getLogger(__name__)
+
+
+class MixedBatchSampler(torch.utils.data.Sampler):
+    """Batch sampler over concatenated sources with per-source rates, rank sharding and mid-epoch resume.
+
+    Rate ``r`` draws ``int(r * size)`` rows of a source per epoch (whole shuffled passes, then a random part).
+    The epoch order depends only on ``(seed, epoch)``; step ``s`` uses positions ``[s*B*W, (s+1)*B*W)`` of it
+    and rank ``k`` takes the ``k``-th slice of ``B``, so ranks see disjoint equal parts and the tail is dropped.
+    With ``per_file_batches`` every step's global batch comes from one source (as DPR's multi-set iterator).
+    Each yielded item is ``(row, epoch, position)`` so examples can derive their own randomness.
+    """
+
+    def __init__(self, sizes: Sequence[int], batch_size: int, rates: Optional[Sequence[float]] = None, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, per_file_batches: bool = False) -> None:
+        rates = list(rates) if rates is not None else [1.0] * len(sizes)
+        if len(rates) != len(sizes) or any(r <= 0 for r in rates):
+            raise DprGcError(f"--sampling-rates needs one positive rate per training source ({len(sizes)}), "
+                             f"got {rates}")
+        if batch_size < 1 or not 0 <= rank < world_size:
+            raise DprGcError(f"bad batch size {batch_size} or rank {rank} of world size {world_size}")
+        self.sizes, self.rates, self.batch_size, self.seed = [int(s) for s in sizes], rates, batch_size, seed
+        self.rank, self.world_size, self.shuffle, self.per_file_batches = rank, world_size, shuffle, per_file_batches
+        self.epoch, self.skip, self._resume = 0, 0, None
+        self._order: Optional[tuple[int, np.ndarray]] = None
+        if self.batches_per_epoch == 0:
+            raise DprGcError(f"too few training questions ({sum(self.sizes)}) for one batch of {batch_size} "
+                             f"x {world_size} rank(s); lower --batch-size")
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """All rows drawn in ``epoch``, in order (the same on every rank)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        parts, offset = [], 0
+        for size, rate in zip(self.sizes, self.rates):
+            count = int(rate * size)
+            passes = [rng.permutation(size) if self.shuffle else np.arange(size) for _ in range(-(-count // size))]
+            parts.append(offset + np.concatenate(passes or [np.zeros(0, dtype=np.int64)])[:count])
+            offset += size
+        if not self.per_file_batches:
+            order = np.concatenate(parts)
+            return rng.permutation(order) if self.shuffle else order
+        step = self.batch_size * self.world_size
+        chunks = [c for p in parts for c in p[:len(p) // step * step].reshape(-1, step)]
+        chunk_order = rng.permutation(len(chunks)) if self.shuffle else range(len(chunks))
+        return np.concatenate([chunks[i] for i in chunk_order]) if chunks else np.zeros(0, dtype=np.int64)
+
+    def global_batch(self, epoch: int, position: int) -> tuple[int, np.ndarray]:
+        """``(start, rows)`` of the global batch (all ranks) that holds ``position`` of ``epoch``'s order."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, self.epoch_order(epoch))
+        step = self.batch_size * self.world_size
+        start = position // step * step
+        return start, self._order[1][start:start + step]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full steps per epoch (use this for LR schedules; ``len()`` is what the next iteration yields)."""
+        step, counts = self.batch_size * self.world_size, [int(r * s) for r, s in zip(self.rates, self.sizes)]
+        return sum(c // step for c in counts) if self.per_file_batches else sum(counts) // step
+
+    def set_epoch(self, epoch: int, skip: Optional[int] = None) -> None:
+        """Select the epoch and how many of its batches to skip (by default, what ``load_state_dict`` asked for)."""
+        if skip is None:
+            skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self.epoch, self.skip, self._resume = epoch, skip, None
+
+    def __len__(self) -> int:
+        return max(self.batches_per_epoch - self.skip, 0)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        order, b, step = self.epoch_order(self.epoch), self.batch_size, self.batch_size * self.world_size
+        for s in range(self.skip, len(order) // step):
+            start = s * step + self.rank * b
+            yield [(int(order[p]), self.epoch, p) for p in range(start, start + b)]
+
+    def state_dict(self, batches_done: int) -> dict:
+        """State after ``batches_done`` batches of the current epoch (count what the trainer consumed)."""
+        epoch, done = (self.epoch + 1, 0) if batches_done >= self.batches_per_epoch else (self.epoch, batches_done)
+        return {"epoch": epoch, "batches_done": done, "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size, "sizes": self.sizes, "rates": self.rates,
+                "shuffle": self.shuffle, "per_file_batches": self.per_file_batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``set_epoch(state['epoch'])`` skips the batches already done."""
+        mine = self.state_dict(0)
+        changed = [k for k in mine if k not in ("epoch", "batches_done") and state.get(k) != mine[k]]
+        if changed:
+            raise DprGcError(f"cannot resume: the data setup changed ({', '.join(changed)}); "
+                             "use the same training files, rates, batch size, world size and seed")
+        self.epoch, self.skip = state["epoch"], state["batches_done"]
+        self._resume = (self.epoch, self.skip)
+
+
+class BatchExclusion:
+    """What a filled-in negative of one global batch must not be.
+
+    A negative slot that the training data cannot fill takes the positive of some other question; that passage must
+    not be a positive of any question in the same global batch (all ranks), nor contain an answer of one when
+    answers are known, or the loss would push a question away from its own gold passage. ``rows`` are the batch's
+    training rows and ``records`` their ``question``, ``answers`` and ``positives`` columns.
+    """
+
+    def __init__(self, rows: Sequence[int], records: dict[str, list]) -> None:
+        from ..evaluation.evaluate import normalize, tokenize
+
+        self.rows = {int(r) for r in rows}
+        self.questions = set(records["question"])
+        contexts = [c for group in records["positives"] for c in group]
+        self.ids = {c["id"] for c in contexts if c["id"]}
+        self.texts = {c["text"] for c in contexts}
+        answers = (tuple(tokenize(normalize(a))) for group in records.get("answers", []) for a in group)
+        self.answers = {a for a in answers if a}
+        self.lengths = sorted({len(a) for a in self.answers})
+
+    def allows(self, row: int, question: str, ctx: dict) -> bool:
+        """May ``ctx`` (the positive of training row ``row``, asked as ``question``) fill a negative slot?"""
+        if row in self.rows or question in self.questions:
+            return False
+        if (ctx["id"] and ctx["id"] in self.ids) or ctx["text"] in self.texts:
+            return False
+        return not self.answers or not self._bears_answer(ctx["text"])
+
+    def _bears_answer(self, text: str) -> bool:
+        from ..evaluation.evaluate import normalize, tokenize
+
+        tokens = tokenize(normalize(text))
+        return any(tuple(tokens[i:i + n]) in self.answers for n in self.lengths for i in range(len(tokens) - n + 1))
+
+
+class TrainingExamples(torch.utils.data.Dataset):
+    """One query and ``1 + N + M`` passages per draw: the positive, N hard negatives, M other negatives.
+
+    The positive is the first (or a random one with ``shuffle_positives``). Hard slots take the hard pool, other
+    slots the negatives pool (shuffled with ``shuffle_negatives``, else in file order); a short pool is topped up
+    from the other pool's leftovers. If both pools together are short, the remaining slots take the first positive
+    of randomly drawn other questions (a random negative, as in-batch negatives are; draws may repeat), so batches
+    stay rectangular -- never a passage that is a positive of, or contains an answer of, any question in the same
+    global batch (``global_batch(epoch, position) -> (start, rows)``, all ranks; without it only this question's
+    own positives are excluded). All choices derive from ``(seed, epoch, position)``, so workers and resumed runs
+    make the same ones.
+    """
+
+    def __init__(self, dataset: Any, hard_negatives: int = 1, other_negatives: int = 0, shuffle_positives: bool = False,
+                 shuffle_negatives: bool = True, seed: int = 0,
+                 global_batch: Optional[Callable[[int, int], tuple[int, np.ndarray]]] = None) -> None:
+        import pyarrow.compute as pc
+
+        if hard_negatives < 0 or other_negatives < 0:
+            raise DprGcError("--hard-negatives and --other-negatives must be >= 0")
+        self.dataset, self.n_hard, self.n_other, self.seed = dataset, hard_negatives, other_negatives, seed
+        self.shuffle_positives, self.shuffle_negatives = shuffle_positives, shuffle_negatives
+        self.global_batch = global_batch
+        self.candidates = dataset.select_columns(["question", "positives"])
+        self._exclusion: Optional[tuple[tuple[int, int], BatchExclusion]] = None
+        counts = (pc.list_value_length(dataset.data.column("hard_negatives")).to_numpy(zero_copy_only=False)
+                  + pc.list_value_length(dataset.data.column("negatives")).to_numpy(zero_copy_only=False))
+        missing = np.maximum(hard_negatives + other_negatives - counts, 0)
+        if missing.any():
+            if len(dataset) < 2:
+                raise DprGcError("one training question with too few negatives; add negatives or questions")
+            logger.info("%d of %d questions have fewer than %d negatives: %d of the %d negative slots of a pass over "
+                        "the data (%.1f%%) are filled with the positive of a random other question, never a positive "
+                        "or an answer-bearing passage of a question in the same global batch",
+                        int((missing > 0).sum()), len(dataset), hard_negatives + other_negatives, int(missing.sum()),
+                        len(dataset) * (hard_negatives + other_negatives),
+                        100.0 * missing.sum() / (len(dataset) * (hard_negatives + other_negatives)))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Union[int, tuple[int, int, int]]) -> dict:
+        row, epoch, position = key if isinstance(key, tuple) else (key, 0, key)
+        record = self.dataset[int(row)]
+        rng = np.random.default_rng([self.seed, epoch, position])
+        positives = record["positives"]
+        positive = positives[int(rng.integers(len(positives)))] if self.shuffle_positives else positives[0]
+        hard, other = (self._order(record[k], rng) for k in ("hard_negatives", "negatives"))
+        hard_sel, other_sel = hard[:self.n_hard], other[:self.n_other]
+        hard_sel = hard_sel + other[self.n_other:][:self.n_hard - len(hard_sel)]
+        other_sel = other_sel + hard[self.n_hard:][:self.n_other - len(other_sel)]
+        missing = self.n_hard + self.n_other - len(hard_sel) - len(other_sel)
+        fill = self._fill(missing, int(row), self._excluded(int(row), epoch, position), rng) if missing else []
+        cut = self.n_hard - len(hard_sel)
+        chosen = [positive] + hard_sel + fill[:cut] + other_sel + fill[cut:]
+        return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen]}
+
+    def _order(self, pool: list, rng: np.random.Generator) -> list:
+        return [pool[i] for i in rng.permutation(len(pool))] if self.shuffle_negatives else list(pool)
+
+    def _excluded(self, row: int, epoch: int, position: int) -> BatchExclusion:
+        """The exclusion of the global batch holding this draw (built once per batch and worker)."""
+        start, rows = self.global_batch(epoch, position) if self.global_batch else (-1 - row, np.array([row]))
+        if self._exclusion is None or self._exclusion[0] != (epoch, start):
+            columns = self.dataset.select_columns(["question", "answers", "positives"])[[int(r) for r in rows]]
+            self._exclusion = ((epoch, start), BatchExclusion(rows, columns))
+        return self._exclusion[1]
+
+    def _fill(self, count: int, row: int, excluded: BatchExclusion, rng: np.random.Generator) -> list:
+        out: list = []
+        for _ in range(100 * count):
+            j = int(rng.integers(len(self.dataset)))
+            candidate = self.candidates[j]
+            ctx = candidate["positives"][0]
+            if excluded.allows(j, candidate["question"], ctx):
+                out.append(ctx)
+                if len(out) == count:
+                    return out
+        raise DprGcError(f"cannot find {count} negatives for training row {row}: the other questions are in the "
+                         "same batch or share its positives; add negatives to the training data or questions")

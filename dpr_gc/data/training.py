@@ -1,0 +1,389 @@
+"""Training data: DPR JSON/JSONL files and BEIR folders -> Arrow, mixed sampling, per-step examples, tokenisation.
+
+Each source is validated record by record while it streams into an Arrow file in a cache folder (keyed by path,
+size and mtime), then memory-mapped, so a multi-GB NQ file never lives as Python objects and a restart does not
+re-parse it. :class:`MixedBatchSampler` draws each epoch from several sources at per-source rates, shards it across
+ranks and can resume mid-epoch; :class:`TrainingExamples` (both in ``sampling.py``) picks one positive and ``N + M`` negatives per draw with
+randomness derived from ``(seed, epoch, position)``; :class:`Collator` tokenises in DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from .arrow_cache import build_once, cache_file, map_dataset, write_stream
+from ..base.errors import DprGcError
+from ..base.files import (PathLike, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text, read_json_object, require_file,
+                    write_json)
+from ..base.streams import iter_json_list, sniff_json
+from ..model.retriever import Retriever, RetrieverConfig
+from .sampling import MixedBatchSampler, TrainingExamples  # noqa: F401 (TrainingExamples is re-exported)
+from ..base.tables import markdown_table
+from ..model.tokenize import tokenize
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ID_KEYS = ("passage_id", "id", "psg_id", "_id")
+WRITE_BATCH = 256
+Row = dict[str, Any]
+Produced = Iterator[tuple[str, Union[Row, str]]]  # (where, normalised row or error message)
+
+
+def _schema() -> Any:
+    import pyarrow as pa
+
+    ctx = pa.list_(pa.struct([("id", pa.string()), ("title", pa.string()), ("text", pa.string())]))
+    return pa.schema([("question", pa.string()), ("answers", pa.list_(pa.string())),
+                      ("positives", ctx), ("hard_negatives", ctx), ("negatives", ctx)])
+
+
+@dataclasses.dataclass
+class TrainingData:
+    """Normalised questions of all sources in one memory-mapped dataset; ``sizes[i]`` rows came from source ``i``."""
+
+    dataset: Any
+    sizes: list[int]
+    stats: list[dict]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def combine(parts: Sequence[TrainingData]) -> TrainingData:
+    """Concatenate loaded sources (no copy), keeping one size and one stats entry per source."""
+    import datasets
+
+    dataset = datasets.concatenate_datasets([p.dataset for p in parts]) if len(parts) > 1 else parts[0].dataset
+    return TrainingData(dataset, [s for p in parts for s in p.sizes], [s for p in parts for s in p.stats])
+
+
+# ----------------------------------------------------------------- validation
+def _contexts(record: dict, key: str, required: bool) -> list[dict]:
+    value = record.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"missing field '{key}'")
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"field '{key}' must be a list, got {type(value).__name__}")
+    out = []
+    for j, ctx in enumerate(value):
+        if not isinstance(ctx, dict):
+            raise ValueError(f"{key}[{j}] must be an object, got {type(ctx).__name__}")
+        text, title = ctx.get("text"), ctx.get("title") or ""
+        pid = next((ctx[k] for k in ID_KEYS if ctx.get(k) is not None), "")
+        if not isinstance(text, str):
+            raise ValueError(f"{key}[{j}].text must be a string, got {type(text).__name__}")
+        if not isinstance(title, str) or not isinstance(pid, (str, int)):
+            raise ValueError(f"{key}[{j}] has a title that is not a string or an id that is not a string/int")
+        out.append({"id": str(pid), "title": title, "text": text})
+    return out
+
+
+def normalise_record(record: Any) -> Row:
+    """Turn one DPR record into the Arrow row layout; raises ``ValueError`` saying which field is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
+    question, answers = record.get("question"), record.get("answers", [])
+    if question is None:
+        raise ValueError("missing field 'question'")
+    if not isinstance(question, str):
+        raise ValueError(f"field 'question' must be a string, got {type(question).__name__}")
+    if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+        raise ValueError("field 'answers' must be a list of strings")
+    return {"question": question, "answers": answers, "positives": _contexts(record, "positive_ctxs", True),
+            "hard_negatives": _contexts(record, "hard_negative_ctxs", False),
+            "negatives": _contexts(record, "negative_ctxs", False)}
+
+
+# ----------------------------------------------------------------- readers
+def _dpr_records(path: Path) -> Produced:
+    """Records of a DPR training file: a JSON list or JSONL, optionally gzipped."""
+    if sniff_json(path) == "list":
+        with open_text(path) as f:
+            for k, (line, obj) in enumerate(iter_json_list(f, path)):
+                yield from _checked(f"{path}:{line} (record {k})", obj)
+        return
+    with open_text(path) as f:
+        for line_no, text in enumerate(f, start=1):
+            if text.strip():
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as e:
+                    yield f"{path}:{line_no}", f"invalid JSON ({e.msg})"
+                    continue
+                except RecursionError:
+                    yield f"{path}:{line_no}", "JSON nested too deeply to read"
+                    continue
+                yield from _checked(f"{path}:{line_no}", obj)
+
+
+def _checked(where: str, obj: Any) -> Produced:
+    try:
+        yield where, normalise_record(obj)
+    except ValueError as e:
+        yield where, str(e)
+
+
+def find_beir_file(folder: Path, name: str) -> Path:
+    for candidate in (folder / name, folder / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    raise DprGcError(f"{folder} has no {name} (or {name}.gz); expected a BEIR folder")
+
+
+def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
+    """One record per query of ``qrels``, in first-appearance order; positives are pairs with score > 0."""
+    pairs: dict[str, list[tuple[str, int]]] = {}
+    first_line: dict[str, int] = {}
+    bad: list[tuple[str, str]] = []
+    with open_text(qrels) as f:
+        for line_no, line in enumerate(f, start=1):
+            parts = line.rstrip("\r\n").split("\t")
+            if not line.strip() or (line_no == 1 and parts[-1].strip().lower() == "score"):
+                continue
+            try:
+                qid, pid, score = parts
+                score_value = int(float(score))
+            except ValueError:
+                bad.append((f"{qrels}:{line_no}", "expected 'query-id<TAB>corpus-id<TAB>score'"))
+                continue
+            entry = pairs.setdefault(qid, [])
+            first_line.setdefault(qid, line_no)
+            if score_value > 0 and pid not in [p for p, _ in entry]:
+                entry.append((pid, line_no))
+    yield from bad
+    needed = {p for entry in pairs.values() for p, _ in entry}
+    questions = {str(q.get("_id")): q.get("text") for _, q in iter_jsonl_objects(queries, "a BEIR query")
+                 if str(q.get("_id")) in pairs}
+    docs = {}
+    for _, d in tqdm(iter_jsonl_objects(corpus, "a BEIR passage"), desc=f"read {corpus.name}", unit=" docs",
+                     disable=None):
+        if str(d.get("_id")) in needed:
+            docs[str(d["_id"])] = {"id": str(d["_id"]), "title": d.get("title") or "", "text": d.get("text")}
+    for qid, entry in pairs.items():
+        where = f"{qrels}:{first_line[qid]}"
+        if not entry:
+            yield where, normalise_record(beir_dpr_record(qid, "", [], []))
+            continue
+        if not isinstance(questions.get(qid), str):
+            yield where, f"query id {qid!r} has no text in {queries.name}"
+            continue
+        missing = [(p, n) for p, n in entry if not isinstance(docs.get(p, {}).get("text"), str)]
+        if missing:
+            yield f"{qrels}:{missing[0][1]}", f"corpus id {missing[0][0]!r} has no text in {corpus.name}"
+            continue
+        yield where, normalise_record(beir_dpr_record(qid, questions[qid], [], [docs[p] for p, _ in entry]))
+
+
+def beir_dpr_record(qid: str, question: str, answers: Sequence[str], positives: Sequence[dict]) -> dict:
+    """The DPR training record of a BEIR query, its qrels positives (``{id, title, text}``) as ``positive_ctxs`` and
+    no negatives: the one BEIR -> DPR builder, for training sets and for mining."""
+    return {"id": qid, "question": question, "answers": list(answers),
+            "positive_ctxs": [{"title": p["title"] or "", "text": p["text"], "passage_id": p["id"]} for p in positives],
+            "hard_negative_ctxs": []}
+
+
+def iter_training_file(path: PathLike) -> Iterator[dict]:
+    """Stream the records of a DPR training file (JSON list or JSONL, optionally .gz) unchanged, each checked as the
+    training reader checks it; a bad record raises naming file and line."""
+    p = require_file(path, "training file")
+    is_list = sniff_json(p) == "list"
+    with open_text(p) as f:
+        for line, record in (iter_json_list(f, p) if is_list else iter_jsonl(p)):
+            try:
+                normalise_record(record)
+            except ValueError as e:
+                raise DprGcError(f"{p}:{line}: {e}; fix the record") from None
+            yield record
+
+
+def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
+                          corpus: Any) -> tuple[list[dict], dict[str, int]]:
+    """DPR records for the queries judged in BEIR qrels: positives are the qrels pairs with relevance > 0, their text
+    taken from ``corpus``. Returns ``(records, passage id -> corpus row)`` for the positives."""
+    from .corpus import read_queries, rows_for_ids
+    from ..evaluation.evaluate import read_qrels
+
+    qrels = read_qrels(qrels_path)
+    positives = {q: [d for d, rel in judged.items() if rel > 0] for q, judged in qrels.items()}
+    id_to_row = rows_for_ids(corpus, (d for ds in positives.values() for d in ds))
+    missing = sorted({d for ds in positives.values() for d in ds} - set(id_to_row))
+    if missing:
+        raise DprGcError(f"{qrels_path}: {len(missing)} positive passage id(s) are not in the corpus (e.g. "
+                         f"{missing[0]!r}); give the corpus these qrels judge")
+    records = []
+    for q in read_queries(queries_path):
+        ids = positives.get(str(q["id"]))
+        if ids:
+            rows = corpus[[id_to_row[d] for d in ids]]
+            ctxs = [{"id": d, "title": t, "text": x} for d, t, x in zip(ids, rows["title"], rows["text"])]
+            records.append(beir_dpr_record(str(q["id"]), q["question"], q["answers"], ctxs))
+    if not records:
+        raise DprGcError(f"no query of {queries_path} has a positive in {qrels_path}; check that the ids match")
+    return records, id_to_row
+
+
+# ----------------------------------------------------------------- Arrow cache
+def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], Produced],
+           cache_dir: Optional[PathLike], skip_bad: bool) -> TrainingData:
+    """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it."""
+    key = [FORMAT_VERSION, tag, skip_bad] + [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
+    arrow = cache_file(cache_dir, "train", stem, json.dumps(key))
+    stats_file = arrow.with_name(arrow.stem + ".stats.json")
+    build_once(arrow, lambda: arrow.is_file() and stats_file.is_file(),
+               lambda: _parse(source, stem, produce, skip_bad, arrow, stats_file))
+    stats = read_json_object(stats_file, "training cache statistics")
+    logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped)", stats["source"],
+                stats["records"], stats["kept"], stats["no_positive"], stats["bad"])
+    if stats["kept"] == 0:
+        raise DprGcError(f"{stats['source']}: no usable training question ({stats['records']} records, "
+                         f"{stats['no_positive']} without a positive, {stats['bad']} bad)")
+    return TrainingData(map_dataset(arrow), [stats["kept"]], [stats])
+
+
+def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: bool, arrow: Path,
+           stats_file: Path) -> None:
+    """Write the rows of ``produce()`` with a positive to ``arrow`` and the counts to ``stats_file`` (last)."""
+    import pyarrow as pa
+
+    stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0}
+    schema = _schema()
+
+    def batches() -> Iterator[Any]:
+        rows = []
+        for where, row in tqdm(produce(), desc=f"parse {stem}", unit=" rec", disable=None):
+            stats["records"] += 1
+            if isinstance(row, str):
+                if not skip_bad:
+                    raise DprGcError(f"{where}: {row}; fix the record or pass --skip-bad-records")
+                stats["bad"] += 1
+                if stats["bad"] <= 5:
+                    logger.warning("skipping bad record at %s: %s", where, row)
+            elif not row["positives"]:
+                stats["no_positive"] += 1
+            else:
+                stats["kept"] += 1
+                rows.append(row)
+                if len(rows) == WRITE_BATCH:
+                    yield pa.RecordBatch.from_pylist(rows, schema=schema)
+                    rows = []
+        if rows:
+            yield pa.RecordBatch.from_pylist(rows, schema=schema)
+
+    write_stream(arrow, schema, batches())
+    write_json(stats_file, stats)
+
+
+def load_dpr_files(paths: Sequence[PathLike], cache_dir: Optional[PathLike] = None,
+                   skip_bad: bool = False) -> TrainingData:
+    """Load DPR training files (JSON list or JSONL, optionally .gz); one size/stats entry per file, in order."""
+    if not paths:
+        raise DprGcError("no training file given")
+    parts = []
+    for path in paths:
+        p = require_file(path, "training file")
+        parts.append(_build(p, [p], "dpr", functools.partial(_dpr_records, p), cache_dir, skip_bad))
+    return combine(parts)
+
+
+def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Optional[PathLike] = None,
+                       skip_bad: bool = False) -> TrainingData:
+    """Training questions from a BEIR folder: positives are ``qrels/<split>.tsv`` pairs with score > 0.
+
+    There are no hard or other negatives; :class:`TrainingExamples` fills those slots (see there).
+    """
+    folder = Path(beir_dir)
+    corpus, queries = find_beir_file(folder, "corpus.jsonl"), find_beir_file(folder, "queries.jsonl")
+    qrels = require_file(folder / "qrels" / f"{split}.tsv", f"qrels for split {split!r}")
+    produce = functools.partial(_beir_records, corpus, queries, qrels)
+    return _build(folder, [qrels, queries, corpus], "beir", produce, cache_dir, skip_bad)
+
+
+def load_training_data(sources: Sequence[PathLike], cache_dir: Optional[PathLike] = None, skip_bad: bool = False,
+                       beir_split: str = "train") -> TrainingData:
+    """Load several sources in order: a folder is read as BEIR, a file as DPR training data."""
+    if not sources:
+        raise DprGcError("no training data given (pass DPR files or BEIR folders)")
+    return combine([load_beir_training(s, beir_split, cache_dir, skip_bad) if Path(s).is_dir()
+                    else load_dpr_files([s], cache_dir, skip_bad) for s in sources])
+
+
+# ----------------------------------------------------------------- examples and tokenisation
+class Collator:
+    """DataLoader ``collate_fn``: ``{"query": [B, Lq], "passage": [B*(1+N+M), Lp]}``, passages grouped per query.
+
+    Holds only the tokenizer and a :class:`RetrieverConfig` (so it is cheap to send to workers) and tokenises with
+    :func:`dpr_gc.tokenize.tokenize`, as encoding and retrieval do (prefixes, per-passage format, max lengths).
+    """
+
+    def __init__(self, source: Any, config: Optional[RetrieverConfig] = None, query_max_length: Optional[int] = None,
+                 passage_max_length: Optional[int] = None, passage_format: Optional[str] = None) -> None:
+        if isinstance(source, Retriever):
+            source, config = source.tokenizer, config or source.config
+        overrides = {"query_max_length": query_max_length, "passage_max_length": passage_max_length,
+                     "passage_format": passage_format}
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        self.tokenizer = source
+        self.config = dataclasses.replace(config or RetrieverConfig(), **overrides)
+
+    def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
+        return tokenize(self.tokenizer, self.config, "query", questions, max_length=max_length)
+
+    def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str],
+                          max_length: Optional[int] = None) -> Any:
+        return tokenize(self.tokenizer, self.config, "passage", texts, titles, max_length)
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        titles, texts = zip(*[p for e in examples for p in e["passages"]])
+        return {"query": self.tokenize_queries([e["question"] for e in examples]),
+                "passage": self.tokenize_passages(titles, texts)}
+
+
+def make_dataloader(data: TrainingData, collator: Collator, batch_size: int, *, hard_negatives: int = 1,
+                    other_negatives: int = 0, shuffle_positives: bool = False, shuffle_negatives: bool = True,
+                    rates: Optional[Sequence[float]] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
+                    num_workers: int = 0, shuffle: bool = True, per_file_batches: bool = False,
+                    pin_memory: bool = False) -> torch.utils.data.DataLoader:
+    """A DataLoader of tokenised per-rank batches; reach the sampler (``set_epoch``, state) as ``.batch_sampler``.
+
+    Its own seeded generator draws the workers' base seed at each ``iter()``: without it that draw comes from the
+    global torch RNG, and a run resumed mid-epoch would draw once more than an uninterrupted one (other dropout).
+    """
+    sampler = MixedBatchSampler(data.sizes, batch_size, rates, seed, rank, world_size, shuffle, per_file_batches)
+    examples = TrainingExamples(data.dataset, hard_negatives, other_negatives, shuffle_positives,
+                                shuffle_negatives, seed, sampler.global_batch)
+    if num_workers > 0:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
+                                       pin_memory=pin_memory, worker_init_fn=die_with_parent if num_workers else None,
+                                       generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------- CLI
+def add_cli(subparsers: Any) -> None:
+    """Register ``prepare-data``: parse and cache training sources ahead of training, printing their statistics."""
+    p = subparsers.add_parser("prepare-data", help="validate and cache training data (DPR files, BEIR folders)")
+    p.add_argument("sources", nargs="+", help="DPR training files (.json/.jsonl[.gz]) or BEIR folders")
+    p.add_argument("--cache-dir", default=None, help="where Arrow caches go (default $DPR_GC_CACHE/train)")
+    p.add_argument("--skip-bad-records", action="store_true", help="skip and count bad records instead of stopping")
+    p.add_argument("--beir-split", default="train", help="qrels split used for BEIR folders")
+    p.set_defaults(func=_cli_prepare)
+
+
+def _cli_prepare(args: Any) -> None:
+    data = load_training_data(args.sources, args.cache_dir, args.skip_bad_records, args.beir_split)
+    print(markdown_table(("source", "records", "kept", "no positive", "bad"),
+                         [[s[k] for k in ("source", "records", "kept", "no_positive", "bad")] for s in data.stats]))

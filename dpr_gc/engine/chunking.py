@@ -1,0 +1,143 @@
+"""Model inputs for Gradient Cache: find their tensors, split them into chunks, trim padding, call the model.
+
+Tensors, lists/tuples, dicts and ``BatchEncoding``s (any ``Mapping``) are handled; the original package's
+``(args_list, kwargs_dict)`` tuple is called as ``model(*args, **kwargs)``. Other objects pass through untouched
+(a user's ``split_input_fn`` splits them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..base.errors import DprGcError
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tensors, lists, tuples and mappings."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_in(v)]
+    return []
+
+
+def rows_in(model_input: Any) -> Optional[int]:
+    """Rows of an input (the first dimension of its first tensor), or None when it holds no tensor we can see."""
+    tensors = [t for t in tensors_in(model_input) if t.dim() > 0]
+    return tensors[0].size(0) if tensors else None
+
+
+def take_rows(obj: Any, index: torch.Tensor) -> Any:
+    """Select rows ``index`` of every tensor in ``obj`` (keeps the container types, BatchEncoding included)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[index.to(obj.device)]
+    if isinstance(obj, Mapping):
+        return obj.__class__({k: take_rows(v, index) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(take_rows(v, index) for v in obj)
+    return obj
+
+
+def slice_rows(obj: Any, start: int, end: int) -> Any:
+    """Rows ``start:end`` of every tensor in ``obj`` as views (no copy; keeps the container types)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[start:end]
+    if isinstance(obj, Mapping):
+        return obj.__class__({k: slice_rows(v, start, end) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(slice_rows(v, start, end) for v in obj)
+    return obj
+
+
+def split_input(model_input: Any, chunk_size: int) -> list[Any]:
+    """Split tensors, lists/tuples of tensors, dicts and BatchEncodings into chunks of ``chunk_size`` rows (views)."""
+    n = rows_in(model_input)
+    if n is None:
+        raise DprGcError(f"cannot find a tensor in a model input of type {type(model_input).__name__}; "
+                         "pass split_input_fn")
+    return [slice_rows(model_input, s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+
+
+def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
+    """``(width, longest, side)`` when a chunk with a 2-D attention mask has padding columns beyond its longest row
+    on one side (``"right"``, or ``"left"`` for a decoder tokenizer's left padding), else None."""
+    if not isinstance(chunk, Mapping) or not isinstance(chunk.get("attention_mask"), torch.Tensor):
+        return None
+    mask = chunk["attention_mask"]
+    if mask.dim() != 2 or mask.size(0) == 0:
+        return None
+    width, longest = mask.size(1), int(mask.sum(1).max())
+    if longest == width:
+        return None
+    if bool((mask[:, longest:] == 0).all()):
+        return width, longest, "right"
+    if bool((mask[:, :width - longest] == 0).all()):
+        return width, longest, "left"
+    return None
+
+
+def trim_padding(chunk: Any) -> Any:
+    """Cut a padded chunk to its own longest sequence, dropping all-padding columns on its padding side.
+
+    Exact because padded positions are masked out -- for left padding, provided the model counts positions from
+    each row's first real token (:class:`dpr_gc.model.Encoder` passes such ``position_ids``); a raw model that
+    counts from the first column sees every position shifted, which rotary embeddings ignore up to rounding.
+    """
+    trim = trimmed_width(chunk)
+    if trim is None:
+        return chunk
+    full, longest, side = trim
+    cut = slice(0, longest) if side == "right" else slice(full - longest, full)
+    return chunk.__class__({k: v[:, cut] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.size(1) == full
+                            else v for k, v in chunk.items()})
+
+
+def pad_sequence_dim(rep: torch.Tensor, trim: Optional[tuple[int, int, str]]) -> torch.Tensor:
+    """Pad a token-level representation ``[rows, longest, ...]`` of a trimmed chunk back to ``[rows, width, ...]``
+    with zeros on the side that was cut, so the loss sees the untrimmed shape; the padded positions get no
+    gradient. Pooled ones pass."""
+    if trim is None or rep.dim() < 3 or rep.size(1) != trim[1]:
+        return rep
+    cut = trim[0] - trim[1]
+    return nn.functional.pad(rep, (0, 0) * (rep.dim() - 2) + ((0, cut) if trim[2] == "right" else (cut, 0)))
+
+
+def length_order(model_input: Any) -> Optional[torch.Tensor]:
+    """Row order by descending sequence length (stable), or None without a 2-D attention mask."""
+    if isinstance(model_input, Mapping) and isinstance(model_input.get("attention_mask"), torch.Tensor):
+        mask = model_input["attention_mask"]
+        if mask.dim() == 2:
+            return torch.sort(mask.sum(1).cpu(), descending=True, stable=True).indices
+    return None
+
+
+def is_args_kwargs(model_input: Any) -> bool:
+    """The original package's ``(list_of_args, dict_of_kwargs)`` input."""
+    return (isinstance(model_input, tuple) and len(model_input) == 2 and isinstance(model_input[0], list)
+            and isinstance(model_input[1], Mapping))
+
+
+def call_model(model: nn.Module, model_input: Any) -> Any:
+    if is_args_kwargs(model_input):
+        return model(*model_input[0], **model_input[1])
+    if isinstance(model_input, Mapping):
+        return model(**model_input)
+    if isinstance(model_input, (list, tuple)):
+        return model(*model_input)
+    return model(model_input)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, Mapping):
+        return obj.__class__({k: to_device(v, device) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj

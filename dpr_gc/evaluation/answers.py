@@ -1,0 +1,322 @@
+"""DPR answer matching (does a passage contain an answer?), computed once per passage and question per run.
+
+A passage "has the answer" (DPR's protocol) when an answer occurs in its text as a whole-token, uncased sequence
+after Unicode NFD (``string`` mode), or when an answer regex matches the NFD text (``regex`` mode, CuratedTREC).
+
+:class:`AnswerMatcher` gives the same flags as :func:`has_answer` called per (question, passage), but each passage is
+tokenised once per run (an LRU cache keyed by passage id and checked against the text's hash) into one string of
+space-separated lower-cased tokens, each question's answers once into ``" tok tok "`` needles, and a match is a
+substring test. Tokens never contain a space (tested), so a needle occurs in the passage string exactly when its
+tokens are a contiguous run of the passage's tokens. Passages new to the cache are tokenised by a worker pool
+when there are many; the flags do not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import multiprocessing
+import os
+import re
+import sys
+import unicodedata
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+from tqdm import tqdm
+
+from ..base.errors import DprGcError
+from .results import check_question, passage_key
+
+MATCH_MODES = ("string", "regex")
+CACHE_SIZE = 65_536
+BLOCK = 1024
+STORED = None  # match mode meaning "use the has_answer flags in the file"
+PARALLEL_MIN = 2_048
+
+Passage = tuple[Optional[str], str]  # (passage id or None, text)
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+def _class_ranges(codepoints: list[int]) -> str:
+    """Render sorted code points as the body of a regex character class, merging consecutive runs."""
+    parts = []
+    start = prev = codepoints[0]
+    for cp in codepoints[1:] + [-1]:
+        if cp != prev + 1:
+            parts.append(f"\\U{start:08x}" if start == prev else f"\\U{start:08x}-\\U{prev:08x}")
+            start = cp
+        prev = cp
+    return "".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _token_pattern() -> re.Pattern[str]:
+    """Tokens are runs of letters/numbers/marks, or any single char that is not a separator or control.
+
+    These are DPR's SimpleTokenizer classes (``[\\p{L}\\p{N}\\p{M}]+`` | ``[^\\p{Z}\\p{C}]``), built from
+    ``unicodedata`` so the stdlib ``re`` suffices. Combining marks count as word characters, so after NFD
+    "café" stays one token ("cafe" + U+0301) and does not match "cafe". Built once per process (~0.5 s).
+    """
+    word, blank = [], []
+    for cp in range(sys.maxunicode + 1):
+        major = unicodedata.category(chr(cp))[0]
+        if major in "LNM":
+            word.append(cp)
+        elif major in "ZC":
+            blank.append(cp)
+    return re.compile(f"[{_class_ranges(word)}]+|[^{_class_ranges(blank)}]")
+
+
+def normalize(text: str) -> str:
+    """Unicode NFD, as DPR applies to passages and answers before matching."""
+    return unicodedata.normalize("NFD", text)
+
+
+def tokenize(text: str, uncased: bool = True) -> list[str]:
+    """Split ``text`` into DPR simple-tokenizer tokens (lower-cased when ``uncased``)."""
+    tokens = _token_pattern().findall(text)
+    return [t.lower() for t in tokens] if uncased else tokens
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MATCH_MODES:
+        raise DprGcError(f"unknown match mode {mode!r}; use one of {', '.join(MATCH_MODES)}")
+
+
+def prepare_passage(text: str, mode: str) -> str:
+    """What answers are matched against: the NFD text (regex) or ``" tok tok ... "`` of its uncased tokens."""
+    text = normalize(text)
+    return text if mode == "regex" else " " + " ".join(tokenize(text)) + " "
+
+
+def _prepare_many(args: tuple[list[str], str]) -> list[str]:
+    texts, mode = args
+    return [prepare_passage(t, mode) for t in texts]
+
+
+def prepare_answers(answers: Sequence[str], mode: str) -> list[Any]:
+    """Needles of one question: ``" tok tok "`` strings (string) or compiled patterns (regex).
+
+    Answers without tokens and empty patterns are dropped, so they never match (DPR would match everything).
+    Patterns are compiled by the ``regex`` package, as DPR does (it differs from ``re`` on some Unicode classes).
+    """
+    if mode == "regex":
+        import regex
+
+        out = []
+        for pattern in answers:
+            if not pattern:
+                continue
+            try:
+                out.append(regex.compile(pattern, regex.IGNORECASE | regex.UNICODE | regex.MULTILINE))
+            except regex.error as e:
+                raise DprGcError(f"invalid answer regex {pattern!r}: {e}; fix the pattern or use --match string")
+        return out
+    needles = []
+    for answer in answers:
+        tokens = tokenize(normalize(answer))
+        if tokens and (needle := " " + " ".join(tokens) + " ") not in needles:
+            needles.append(needle)
+    return needles
+
+
+def matches(needles: list[Any], passage: str, mode: str) -> bool:
+    """Whether any prepared answer occurs in a prepared passage."""
+    if mode == "regex":
+        return any(p.search(passage) for p in needles)
+    return any(n in passage for n in needles)
+
+
+def has_answer(answers: list[str], text: str, mode: str = "string") -> bool:
+    """True if any answer occurs in the passage ``text``.
+
+    ``string``: the answer's NFD, uncased tokens appear as a contiguous run of the passage's tokens, so "art"
+    does not match "artist" and "U.S." needs the periods. ``regex``: the answer is a pattern searched in the NFD
+    text with IGNORECASE|UNICODE|MULTILINE (the pattern itself is not normalized, as in DPR). Unlike DPR, an
+    answer with no tokens (or an empty pattern) never matches instead of matching everything.
+    """
+    check_mode(mode)
+    needles = prepare_answers(answers, mode)
+    return bool(needles) and matches(needles, prepare_passage(text, mode), mode)
+
+
+# ----------------------------------------------------------------------------------------------- per run
+def default_workers() -> int:
+    """All cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class AnswerMatcher:
+    """``has_answer`` flags for many questions, each passage tokenised once per run (see the module docstring).
+
+    ``cache_size`` bounds the prepared passages kept between calls (LRU); ``workers`` > 1 tokenises batches of at
+    least ``parallel_min`` new passages in a process pool. Use as a context manager (or call :meth:`close`) so the
+    pool is shut down. ``prepared`` counts passages tokenised so far.
+    """
+
+    def __init__(self, mode: str = "string", workers: int = 1, cache_size: int = CACHE_SIZE,
+                 parallel_min: int = PARALLEL_MIN) -> None:
+        check_mode(mode)
+        if workers < 1 or cache_size < 0:
+            raise DprGcError(f"--workers must be a positive integer, got {workers}")
+        self.mode, self.workers, self.cache_size, self.parallel_min = mode, workers, cache_size, parallel_min
+        self.cache: collections.OrderedDict[Any, tuple[int, str]] = collections.OrderedDict()
+        self.prepared = 0
+        self._pool: Optional[Any] = None
+
+    def __enter__(self) -> "AnswerMatcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def _prepare(self, texts: list[str]) -> list[str]:
+        """Prepare passages, in the pool when there are enough of them."""
+        self.prepared += len(texts)
+        if self.workers == 1 or len(texts) < self.parallel_min:
+            return _prepare_many((texts, self.mode))
+        if self._pool is None:
+            methods = multiprocessing.get_all_start_methods()
+            self._pool = multiprocessing.get_context("fork" if "fork" in methods else None).Pool(self.workers)
+        size = math.ceil(len(texts) / (self.workers * 4))
+        parts = [(texts[i:i + size], self.mode) for i in range(0, len(texts), size)]
+        return [p for part in self._pool.map(_prepare_many, parts) for p in part]
+
+    def passages(self, passages: Iterable[Passage]) -> dict[Any, str]:
+        """Prepared text of each distinct passage (key: id, or the text when the id is None), via the cache."""
+        local: dict[Any, str] = {}
+        todo: dict[Any, str] = {}
+        for pid, text in passages:
+            key = text if pid is None else pid
+            if key in local or key in todo:
+                continue
+            hit = self.cache.get(key)
+            if hit is not None and hit[0] == hash(text):
+                self.cache.move_to_end(key)
+                local[key] = hit[1]
+            else:
+                todo[key] = text
+        if todo:
+            for key, text, prepared in zip(todo, todo.values(), self._prepare(list(todo.values()))):
+                local[key] = prepared
+                if self.cache_size:
+                    self.cache[key] = (hash(text), prepared)
+                    self.cache.move_to_end(key)
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return local
+
+    def flags(self, questions: Sequence[tuple[Sequence[str], Sequence[Passage]]]) -> list[list[bool]]:
+        """For each ``(answers, [(passage id, text), ...])``, whether each passage contains an answer."""
+        prepared = self.passages(p for _, ps in questions for p in ps)
+        out = []
+        for answers, ps in questions:
+            needles = prepare_answers(answers, self.mode) if answers else []
+            out.append([bool(needles) and matches(needles, prepared[text if pid is None else pid], self.mode)
+                        for pid, text in ps])
+        return out
+
+
+class AccuracyCounter:
+    """Top-k accuracy accumulated one question at a time in constant memory (counts of first-hit ranks)."""
+
+    def __init__(self) -> None:
+        self.questions = 0
+        self.first_hit: collections.Counter[int] = collections.Counter()
+
+    def add(self, flags: Iterable[bool]) -> None:
+        self.questions += 1
+        rank = next((i for i, hit in enumerate(flags) if hit), None)
+        if rank is not None:
+            self.first_hit[rank] += 1
+
+    def accuracy(self, ks: Iterable[int]) -> dict[int, float]:
+        """Fraction of questions with a hit in the first ``k`` passages, for each ``k``."""
+        if not self.questions:
+            raise DprGcError("no questions to evaluate (the results are empty)")
+        return {k: sum(c for r, c in self.first_hit.items() if r < k) / self.questions for k in ks}
+
+
+# ----------------------------------------------------------------------------------------------- results
+def check_ks(ks: Iterable[int]) -> list[int]:
+    """Validate cut-offs (positive ints) and return them sorted and de-duplicated."""
+    ks = list(ks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise DprGcError(f"--k needs one or more positive integers, got {ks}")
+    return sorted(set(ks))
+
+
+def top_k_accuracy(hits: Iterable[Iterable[bool]], ks: Iterable[int]) -> dict[int, float]:
+    """Fraction of questions whose first ``k`` ranked passages contain a hit, for each ``k``."""
+    ks = check_ks(ks)
+    counter = AccuracyCounter()
+    for row in hits:
+        counter.add(row)
+    return counter.accuracy(ks)
+
+
+def iter_blocks(results: Iterable[Any], source: str) -> Iterator[list[tuple[int, dict[str, Any]]]]:
+    """``(index, record)`` pairs in blocks of ``BLOCK`` questions, each checked to be a DPR result."""
+    block = []
+    for i, entry in enumerate(results):
+        block.append((i, check_question(entry, i, source)))
+        if len(block) == BLOCK:
+            yield block
+            block = []
+    if block:
+        yield block
+
+
+def resolve_mode(mode: Optional[str], block: list[tuple[int, dict[str, Any]]]) -> Optional[str]:
+    """``auto``: the stored flags when the first question with passages has them on every passage, else string."""
+    if mode != "auto":
+        return mode
+    ctxs = next((e["ctxs"] for _, e in block if e["ctxs"]), [])
+    return STORED if all(isinstance(c.get("has_answer"), bool) for c in ctxs) else "string"
+
+
+def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], source: str,
+                 matcher: Optional[AnswerMatcher]) -> list[list[bool]]:
+    """Each passage's answer flag for a block of questions: stored (``mode`` None) or recomputed by ``matcher``."""
+    for i, entry in block:
+        answers = entry.get("answers")
+        if mode and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
+            raise DprGcError(f"{source}: question {i}: 'answers' must be a list of strings")
+        field = "text" if mode else "has_answer"
+        for j, ctx in enumerate(entry["ctxs"]):
+            if not isinstance(ctx.get(field), str if mode else bool):
+                need = ("passage 'text' to match answers (compact results have none: use --match stored)" if mode
+                        else "boolean 'has_answer'; give a match mode")
+                raise DprGcError(f"{source}: question {i}, ctx {j}: missing {need}")
+    if not mode:
+        return [[c["has_answer"] for c in entry["ctxs"]] for _, entry in block]
+    return matcher.flags([(entry["answers"], [(passage_key(c), c["text"]) for c in entry["ctxs"]])
+                          for _, entry in block])
+
+
+def evaluate_answers(results: Iterable[dict[str, Any]], ks: Iterable[int], mode: Optional[str] = "string",
+                     source: str = "results", workers: int = 1) -> dict[str, float]:
+    """Top-k answer accuracy over DPR results (any iterable, read once), as ``{"Accuracy@k": value}``.
+
+    With ``mode`` ("string"/"regex") ``has_answer`` is recomputed from each passage's text (``workers`` processes
+    tokenise new passages); with ``mode=None`` the stored ``has_answer`` fields are used; ``auto`` picks the stored
+    flags when the file has them. ``source`` names the input in error messages.
+    """
+    ks = check_ks(ks)
+    if mode not in (STORED, "auto"):
+        check_mode(mode)
+    counter = AccuracyCounter()
+    with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
+        resolved = mode
+        for block in iter_blocks(tqdm(results, desc="matching answers", unit=" q", disable=None), source):
+            resolved = resolve_mode(resolved, block)
+            for row in answer_flags(block, resolved, source, regex if resolved == "regex" else string):
+                counter.add(row)
+    return {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}

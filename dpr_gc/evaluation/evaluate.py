@@ -1,0 +1,386 @@
+"""Evaluate retrieval: DPR-style top-k answer accuracy, and qrels metrics that match trec_eval.
+
+Two kinds of ground truth are supported:
+
+* answers (open-domain QA, DPR's protocol): a passage "has the answer" when an answer string occurs in its text
+  as a whole-token, uncased sequence after Unicode NFD (``string`` mode), or when an answer regex matches it
+  (``regex`` mode, CuratedTREC). Top-k accuracy is the fraction of questions with such a passage in the top k.
+* relevance judgments (qrels, BEIR / TREC): Recall@k, nDCG@k, MRR@10, MAP@k and Accuracy@k, computed with
+  trec_eval's definitions and tie-breaking so they equal pytrec_eval to floating-point precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from tqdm import tqdm
+
+from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, check_ks, check_mode, default_workers,
+                      iter_blocks, resolve_mode)
+from .answers import MATCH_MODES, evaluate_answers, has_answer, normalize, tokenize, top_k_accuracy  # noqa: F401
+from ..base.args import nonnegative_int, output_file, positive_int
+from ..base.errors import DprGcError
+from ..base.files import PathLike, atomic_path, open_text, write_json
+from .results import check_question, iter_results
+from ..base.tables import markdown_table
+
+logger = logging.getLogger(__name__)
+
+def read_results(path: PathLike) -> list[dict[str, Any]]:
+    """All records of a results file in memory (small files; :func:`dpr_gc.results.iter_results` streams)."""
+    return list(iter_results(path))
+
+
+# ----------------------------------------------------------------------------------------------- qrels and runs
+def _fields(line: str) -> list[str]:
+    """Split on tabs when the line has any (BEIR TSV), otherwise on whitespace (TREC)."""
+    line = line.rstrip("\r\n")
+    return [f.strip() for f in line.split("\t")] if "\t" in line else line.split()
+
+
+def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
+    """Read BEIR TSV qrels (``query-id corpus-id score`` with header) or TREC qrels (``qid 0 docid rel``)."""
+    qrels: dict[str, dict[str, int]] = {}
+    with open_text(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            parts = _fields(line)
+            if not parts:
+                continue
+            if line_no == 1 and parts[0].lower() in ("query-id", "query_id"):
+                continue
+            if len(parts) not in (3, 4) or not all(parts):
+                raise DprGcError(f"{path}:{line_no}: expected 'query-id corpus-id score' or 'qid 0 docid rel', "
+                                 f"got {line.strip()!r}")
+            qid, docid, rel_text = parts[0], parts[-2], parts[-1]
+            if not re.fullmatch(r"[-+]?\d+(\.0*)?", rel_text):
+                raise DprGcError(f"{path}:{line_no}: relevance {rel_text!r} is not an integer")
+            rel = int(rel_text.split(".")[0])
+            judged = qrels.setdefault(qid, {})
+            if judged.get(docid, rel) != rel:
+                raise DprGcError(f"{path}:{line_no}: conflicting relevance for query {qid!r} doc {docid!r}")
+            judged[docid] = rel
+    if not qrels:
+        raise DprGcError(f"{path}: no relevance judgments found")
+    return qrels
+
+
+def read_run(path: PathLike) -> dict[str, dict[str, float]]:
+    """Read a TREC run file (``qid Q0 docid rank score tag``) into ``{qid: {docid: score}}``."""
+    run: dict[str, dict[str, float]] = {}
+    with open_text(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) != 6:
+                raise DprGcError(f"{path}:{line_no}: expected 6 fields 'qid Q0 docid rank score tag', "
+                                 f"got {len(parts)}")
+            qid, _, docid, rank, score_text, _ = parts
+            try:
+                int(rank)
+                score = float(score_text)
+            except ValueError:
+                raise DprGcError(f"{path}:{line_no}: rank {rank!r} must be an integer and score "
+                                 f"{score_text!r} a number") from None
+            if not math.isfinite(score):
+                raise DprGcError(f"{path}:{line_no}: score {score_text!r} is not finite")
+            docs = run.setdefault(qid, {})
+            if docid in docs:
+                raise DprGcError(f"{path}:{line_no}: document {docid!r} listed twice for query {qid!r}")
+            docs[docid] = score
+    if not run:
+        raise DprGcError(f"{path}: the run is empty")
+    return run
+
+
+def result_scores(entry: dict[str, Any], i: int, source: str,
+                  docs: Optional[dict[str, float]] = None) -> dict[str, float]:
+    """Add one checked result's ``{passage id: score}`` to ``docs``; ctx ``score`` may be a string (as DPR writes)."""
+    if "id" not in entry:
+        raise DprGcError(f"{source}: question {i} has no 'id', so it cannot be joined with qrels; use --run instead")
+    docs = {} if docs is None else docs
+    for j, ctx in enumerate(entry["ctxs"]):
+        where = f"{source}: question {i}, ctx {j}"
+        if "id" not in ctx:
+            raise DprGcError(f"{where}: missing passage 'id'")
+        try:
+            score = float(ctx["score"]) if "score" in ctx else float(len(entry["ctxs"]) - j)
+        except (TypeError, ValueError):
+            raise DprGcError(f"{where}: score {ctx['score']!r} is not a number") from None
+        if str(ctx["id"]) in docs:
+            raise DprGcError(f"{where}: passage {ctx['id']!r} listed twice")
+        docs[str(ctx["id"])] = score
+    return docs
+
+
+def run_from_results(results: Iterable[Any], source: str = "results") -> dict[str, dict[str, float]]:
+    """Turn DPR results whose questions carry an ``id`` into a run (questions with the same id are merged)."""
+    run: dict[str, dict[str, float]] = {}
+    for i, entry in enumerate(results):
+        entry = check_question(entry, i, source)
+        result_scores(entry, i, source, run.setdefault(str(entry.get("id")), {}))
+    return run
+
+
+def rank_documents(scores: dict[str, float]) -> list[str]:
+    """Order documents as trec_eval does: score descending, ties broken by docid descending."""
+    return [d for d, _ in sorted(scores.items(), key=lambda item: (item[1], item[0]), reverse=True)]
+
+
+def query_metrics(scores: dict[str, float], judged: dict[str, int], ks: Iterable[int]) -> dict[str, float]:
+    """Metrics of one query: Recall@k, nDCG@k, MAP@k, Accuracy@k for each k, plus nDCG@10 and MRR@10.
+
+    A document is relevant when its judgment is >= 1 (trec_eval's default relevance level). nDCG uses the
+    judgment as linear gain with log2(rank + 1) discount; MAP@k divides by all relevant documents, as map_cut.
+    """
+    ks = check_ks(ks)
+    ranking = rank_documents(scores)
+    rels = [judged.get(d, 0) for d in ranking]
+    n_rel = sum(r > 0 for r in judged.values())
+    ideal = sorted((r for r in judged.values() if r > 0), reverse=True)
+
+    def dcg(gains: list[int], k: int) -> float:
+        return sum(g / math.log2(i + 2) for i, g in enumerate(gains[:k]) if g > 0)
+
+    out: dict[str, float] = {}
+    for k in ks:
+        found = [i for i, r in enumerate(rels[:k]) if r > 0]
+        out[f"Recall@{k}"] = len(found) / n_rel if n_rel else 0.0
+        ideal_dcg = dcg(ideal, k)
+        out[f"nDCG@{k}"] = dcg(rels, k) / ideal_dcg if ideal_dcg > 0 else 0.0
+        out[f"MAP@{k}"] = sum((n + 1) / (i + 1) for n, i in enumerate(found)) / n_rel if n_rel else 0.0
+        out[f"Accuracy@{k}"] = 1.0 if found else 0.0
+    ideal_dcg = dcg(ideal, 10)
+    out["nDCG@10"] = dcg(rels, 10) / ideal_dcg if ideal_dcg > 0 else 0.0
+    first = next((i for i, r in enumerate(rels[:10]) if r > 0), None)
+    out["MRR@10"] = 1.0 / (first + 1) if first is not None else 0.0
+    return out
+
+
+class QrelsAccumulator:
+    """Mean of :func:`query_metrics` over every query in ``qrels``, fed one ranked query at a time.
+
+    Queries in the qrels but absent from the run score 0 on every metric (trec_eval ``-c``; the right choice
+    when a retriever silently drops queries), and queries judged all-non-relevant also score 0 and still count,
+    as in pytrec_eval. Run queries without judgments are ignored.
+    """
+
+    def __init__(self, qrels: dict[str, dict[str, int]], ks: Iterable[int]) -> None:
+        self.qrels, self.ks = qrels, check_ks(ks)
+        if not qrels:
+            raise DprGcError("the qrels are empty; nothing to evaluate")
+        self.totals: dict[str, float] = {}
+        self.seen: set[str] = set()
+
+    def add(self, qid: str, scores: dict[str, float], source: str = "the run") -> None:
+        if qid in self.seen:
+            raise DprGcError(f"{source}: query {qid!r} appears twice; give each question one record")
+        self.seen.add(qid)
+        if qid in self.qrels:
+            for name, value in query_metrics(scores, self.qrels[qid], self.ks).items():
+                self.totals[name] = self.totals.get(name, 0.0) + value
+
+    def result(self) -> dict[str, float]:
+        missing = [q for q in self.qrels if q not in self.seen]
+        if missing:
+            logger.warning("%d of %d judged queries are missing from the run and count as 0 (e.g. %r)",
+                           len(missing), len(self.qrels), missing[0])
+        totals = dict.fromkeys(query_metrics({}, {}, self.ks), 0.0) | self.totals
+        order = ["Recall", "nDCG", "MRR", "MAP", "Accuracy"]
+        names = sorted(totals, key=lambda n: (order.index(n.split("@")[0]), int(n.split("@")[1])))
+        return {name: totals[name] / len(self.qrels) for name in names}
+
+
+class RunEvaluation:
+    """``--evaluate`` fed one retrieved record at a time: answer accuracy from the ``has_answer`` flags already
+    computed (or matched here with ``matcher`` when retrieval did not match), reported when any question has
+    answers (the others count as misses); qrels metrics when qrels are given."""
+
+    def __init__(self, ks: list[int], qrels: Optional[dict[str, dict[str, int]]],
+                 matcher: Optional[AnswerMatcher] = None) -> None:
+        self.ks, self.matcher = check_ks(ks), matcher
+        self.answers, self.with_answers = AccuracyCounter(), False
+        self.qrels = QrelsAccumulator(qrels, ks) if qrels is not None else None
+
+    def write(self, record: dict) -> None:
+        ctxs = record["ctxs"]
+        if not record["answers"]:
+            self.answers.add(())
+        elif self.matcher is not None:
+            self.answers.add(self.matcher.flags([(record["answers"], [(c["id"], c["text"]) for c in ctxs])])[0])
+        else:
+            self.answers.add(c["has_answer"] for c in ctxs)
+        self.with_answers = self.with_answers or bool(record["answers"])
+        if self.qrels is not None:
+            self.qrels.add(record["id"], {c["id"]: float(c["score"]) for c in ctxs})
+
+    def report(self) -> dict[str, dict[str, float]]:
+        out = {}
+        if self.with_answers:
+            out["answers"] = {f"Accuracy@{k}": v for k, v in self.answers.accuracy(self.ks).items()}
+        if self.qrels is not None:
+            out["qrels"] = self.qrels.result()
+        return out
+
+
+def qrels_metrics(
+    run: dict[str, dict[str, float]], qrels: dict[str, dict[str, int]], ks: Iterable[int]
+) -> dict[str, float]:
+    """Mean of :func:`query_metrics` over every query in ``qrels`` (see :class:`QrelsAccumulator`)."""
+    acc = QrelsAccumulator(qrels, ks)
+    for qid, scores in run.items():
+        acc.add(qid, scores)
+    return acc.result()
+
+
+# ----------------------------------------------------------------------------------------------- reporting
+def format_table(metrics: dict[str, float]) -> str:
+    """Markdown table with one row per metric name and one column per cut-off k (from ``"Name@k"`` keys)."""
+    rows: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        name, _, k = key.partition("@")
+        rows.setdefault(name, {})[k] = value
+    cols = sorted({k for cells in rows.values() for k in cells}, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
+    return markdown_table(["metric"] + [f"@{k}" if k else "value" for k in cols],
+                          [[name] + [f"{cells[k]:.4f}" if k in cells else "" for k in cols] for name, cells in rows.items()])
+
+
+def plot_metrics(curves: dict[str, dict[int, float]], path: PathLike) -> Path:
+    """Write a PNG of each curve (e.g. accuracy or recall) against k; log x-axis when k spans a wide range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {label: points for label, points in curves.items() if points}
+    if not curves:
+        raise DprGcError("nothing to plot: no accuracy or recall values were computed")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    all_ks = []
+    for label, points in curves.items():
+        ks = sorted(points)
+        all_ks.extend(ks)
+        ax.plot(ks, [points[k] for k in ks], marker="o", label=label)
+    if max(all_ks) / min(all_ks) >= 20:
+        ax.set_xscale("log")
+        ax.minorticks_off()
+    ax.set_xticks(sorted(set(all_ks)), [str(k) for k in sorted(set(all_ks))])
+    ax.set_xlabel("k (passages retrieved)")
+    ax.set_ylabel("value")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def curve(metrics: dict[str, float], name: str) -> dict[int, float]:
+    """Extract ``{k: value}`` for one metric name (e.g. "Recall") from a flat ``"Name@k"`` dict."""
+    return {int(key.split("@")[1]): v for key, v in metrics.items() if key.split("@")[0] == name}
+
+
+def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: int = 1,
+                 qrels: Optional[dict[str, dict[str, int]]] = None,
+                 answers_optional: bool = False) -> tuple[Optional[dict], Optional[dict]]:
+    """One streaming pass over a results file: answer accuracy (``None`` when ``answers_optional`` and the
+    questions carry no answers) and, with ``qrels``, qrels metrics of the run the results hold."""
+    source = str(path)
+    counter, acc = AccuracyCounter(), QrelsAccumulator(qrels, ks) if qrels is not None else None
+    with_answers: Optional[bool] = None
+    with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
+        for block in iter_blocks(tqdm(iter_results(path), desc="evaluating", unit=" q", disable=None), source):
+            if with_answers is None:
+                with_answers = not answers_optional or "answers" in block[0][1]
+            if with_answers:
+                mode = resolve_mode(mode, block)
+                for row in answer_flags(block, mode, source, regex if mode == "regex" else string):
+                    counter.add(row)
+            for i, entry in block if acc is not None else ():
+                acc.add(str(entry.get("id")), result_scores(entry, i, source), source)
+    answers = None
+    if with_answers is not False:
+        answers = {"match": mode or "stored", "questions": counter.questions,
+                   "metrics": {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}}
+    return answers, acc.result() if acc is not None else None
+
+
+def evaluate(
+    ks: Iterable[int],
+    results_path: Optional[PathLike] = None,
+    run_path: Optional[PathLike] = None,
+    qrels_path: Optional[PathLike] = None,
+    mode: Optional[str] = "auto",
+    workers: int = 1,
+) -> dict[str, Any]:
+    """Run every evaluation the inputs allow and return a JSON-ready report.
+
+    ``results_path`` gives answer accuracy (when questions have answers), read as a stream; ``mode`` ``auto``
+    uses the file's ``has_answer`` flags when it has them, ``string``/``regex`` recompute them (``workers``
+    processes), ``None`` insists on the stored ones. With ``qrels_path`` the run comes from ``run_path``, or else
+    from the results' question and passage ids.
+    """
+    ks = check_ks(ks)
+    if results_path is None and run_path is None:
+        raise DprGcError("give --results FILE and/or --run FILE with --qrels FILE")
+    if run_path is not None and qrels_path is None:
+        raise DprGcError("--run needs --qrels FILE to score it against")
+    if mode not in (STORED, "auto"):
+        check_mode(mode)
+    report: dict[str, Any] = {"k": ks}
+    qrels = read_qrels(qrels_path) if qrels_path is not None else None
+    from_results = None
+    if results_path is not None:
+        answers, from_results = scan_results(results_path, ks, mode, workers, qrels if run_path is None else None,
+                                             answers_optional=qrels is not None)
+        if answers is not None:
+            report["answers"] = {"results": str(results_path), **answers}
+    if qrels is not None:
+        metrics = from_results if run_path is None else qrels_metrics(read_run(run_path), qrels, ks)
+        report["qrels"] = {"qrels": str(qrels_path), "run": str(run_path or results_path), "queries": len(qrels),
+                           "metrics": metrics}
+    return report
+
+
+def _cli(args: argparse.Namespace) -> None:
+    """Handler for ``dpr_gc evaluate``: evaluate, print tables, write JSON and the optional plot."""
+    mode = None if args.match == "stored" else args.match
+    report = evaluate(args.k, args.results, args.run, args.qrels, mode, args.workers or default_workers())
+    curves = {}
+    for key, title, names in (("answers", "answer accuracy ({questions} questions, match={match})", ["Accuracy"]),
+                              ("qrels", "qrels metrics ({queries} judged queries)", ["Recall", "Accuracy"])):
+        if key in report:
+            print(f"\n{title.format(**report[key])}\n{format_table(report[key]['metrics'])}")
+            curves.update({f"{key}: {name}@k": curve(report[key]["metrics"], name) for name in names})
+    if args.output:
+        write_json(args.output, report)
+        logger.info("wrote metrics to %s", args.output)
+    if args.plot:
+        plot_metrics(curves, args.plot)
+        logger.info("wrote plot to %s", args.plot)
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``evaluate`` sub-command."""
+    p = subparsers.add_parser("evaluate", help="top-k answer accuracy and qrels metrics (Recall, nDCG, MRR, MAP)",
+                              description="Evaluate retrieval output against answers and/or relevance judgments.")
+    p.add_argument("--results", help="DPR retriever output JSON: [{question, answers, ctxs: [...]}]")
+    p.add_argument("--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
+    p.add_argument("--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels (qid 0 docid rel)")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 20, 100], help="cut-offs (default: 1 5 20 100)")
+    p.add_argument("--match", choices=("auto", "stored") + MATCH_MODES, default="auto",
+                   help="answer flags: auto (the file's has_answer fields when present, else string), stored, or "
+                        "recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")
+    p.add_argument("--workers", type=nonnegative_int, default=0,
+                   help="processes that tokenise passages when recomputing flags (default 0: all cores)")
+    p.add_argument("--output", type=output_file, help="write the metrics report here as JSON")
+    p.add_argument("--plot", type=output_file, help="write a PNG of accuracy/recall against k here")
+    p.set_defaults(func=_cli)
+    return p

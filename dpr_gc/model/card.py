@@ -1,0 +1,143 @@
+"""The model card (``README.md``) of a saved retriever, in the Hugging Face Hub's format.
+
+YAML metadata first (``library_name``, ``pipeline_tag``, ``tags``, ``base_model`` when it is a Hub id, and a
+``dpr_gc`` block with the recipe and the training run: data files and counts, batch and chunk sizes, loss,
+temperature, hard negatives, steps, dev metrics), then the same in prose and how to load the folder with
+sentence-transformers, transformers and dpr-gc. The training part comes from ``Retriever.training_info``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ..base.files import atomic_open
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+TRAINING_ROWS = (("base_model", "base model"), ("train_data", "training data"), ("dev_file", "dev data"),
+                 ("loss", "loss"), ("batch_size", "batch (queries per step, all ranks)"),
+                 ("hard_negatives", "hard negatives per query"), ("other_negatives", "other negatives per query"),
+                 ("grad_cache", "Gradient Cache"), ("query_chunk_size", "query chunk"),
+                 ("passage_chunk_size", "passage chunk"), ("learning_rate", "learning rate"),
+                 ("warmup_steps", "warmup steps"), ("epochs", "epochs"), ("steps", "steps done"),
+                 ("total_steps", "steps planned"), ("precision", "precision"), ("seed", "seed"))
+
+
+def model_settings(retriever: Any) -> dict:
+    """The recipe as the card states it (and as ``retriever_config.json`` stores it)."""
+    config = retriever.config
+    return {"towers": "shared" if retriever.passage_encoder is retriever.query_encoder else "separate",
+            "pooling": config.pooling, "normalize": config.normalize, "projection_dim": config.projection_dim,
+            "dimension": retriever.dim, "similarity": "cosine" if config.normalize else "dot",
+            "temperature": round(float(retriever.temperature.detach()), 6),
+            "learn_temperature": config.learn_temperature, "query_max_length": config.query_max_length,
+            "passage_max_length": config.passage_max_length, "passage_format": config.passage_format,
+            "query_prefix": config.query_prefix, "passage_prefix": config.passage_prefix}
+
+
+def hub_metadata(retriever: Any) -> dict:
+    info = retriever.training_info
+    meta: dict[str, Any] = {"library_name": "sentence-transformers", "pipeline_tag": "sentence-similarity",
+                            "tags": ["sentence-transformers", "sentence-similarity", "feature-extraction",
+                                     "dense-retrieval", "dpr-gc", "gradient-cache"]}
+    base = info.get("base_model")
+    if isinstance(base, str) and HUB_ID.match(base) and not Path(base).exists():
+        meta["base_model"] = base
+    meta["dpr_gc"] = {"format_version": 2, "model": model_settings(retriever)}
+    if info:
+        meta["dpr_gc"]["training"] = dict(info)
+    return meta
+
+
+def write_model_card(folder: Path, retriever: Any) -> None:
+    """Write ``folder/README.md`` (atomically)."""
+    import yaml
+
+    meta = hub_metadata(retriever)
+    text = "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n\n" + _body(retriever)
+    with atomic_open(folder / "README.md") as f:
+        f.write(text)
+
+
+def _body(retriever: Any) -> str:
+    settings = model_settings(retriever)
+    info = retriever.training_info
+    shared = settings["towers"] == "shared"
+    towers = "one shared tower" if shared else "separate query and passage towers"
+    lines = ["# Dense retriever (dpr-gc)", "",
+             f"A bi-encoder for dense passage retrieval ({towers}), saved by dpr-gc as a sentence-transformers "
+             "model folder.", "",
+             "## Model", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {key.replace('_', ' ')} | {_cell(value)} |" for key, value in settings.items()]
+    rows = [(label, info[key]) for key, label in TRAINING_ROWS if key in info]
+    if rows:
+        lines += ["", "## Training", "", "| setting | value |", "|---|---|"]
+        lines += [f"| {label} | {_cell(value)} |" for label, value in rows]
+    if info.get("dev_metrics"):
+        lines += ["", f"## Dev metrics (step {info.get('dev_metrics_step', '?')})", "", "| metric | value |",
+                  "|---|---|"]
+        lines += [f"| {name} | {value:.4f} |" for name, value in info["dev_metrics"].items()]
+    if info.get("imported_from"):
+        lines += ["", "Imported from " + ", ".join(f"`{v}` ({k})" for k, v in info["imported_from"].items()) + "."]
+    return "\n".join(lines + ["", _usage(retriever, shared)]) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, list):
+        return "; ".join(_cell(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {v}" for k, v in value.items())
+    if isinstance(value, str):
+        return f"`{value}`" if value else '`""`'
+    return str(value)
+
+
+def _usage(retriever: Any, shared: bool) -> str:
+    config = retriever.config
+    passages = ('[("Title", "Passage text.")])  # (title, text) pairs; untitled passages as plain strings'
+                if config.passage_format == "pair" else '["Title Passage text."])  # title + " " + text')
+    st = ["## Usage", "", "### sentence-transformers", "", "```python",
+          "from sentence_transformers import SentenceTransformer", "",
+          'model = SentenceTransformer("path/to/this/folder")',
+          'queries = model.encode_query(["Who wrote On the Origin of Species?"])  # adds the query prefix',
+          f"passages = model.encode_document({passages}",
+          "scores = model.similarity(queries, passages)", "```", "",
+          "`encode_query` / `encode_document` apply the stored prefixes and max lengths"
+          + ("" if shared else " and pick the tower (a `Router`)") + ", so the embeddings equal dpr-gc's."]
+    if config.passage_format == "pair":
+        st[-1] += (" A passage whose title takes more than half the passage length is cut differently "
+                   "(sentence-transformers truncates the longer of title and text; dpr-gc the text first).")
+    return "\n".join(st + _transformers_usage(config, shared) + _dpr_gc_usage()) + "\n"
+
+
+def _transformers_usage(config: Any, shared: bool) -> list[str]:
+    if not shared:
+        return ["", "### transformers", "",
+                "The towers are Hugging Face models in `query_0_Transformer/` and `document_0_Transformer/` (each "
+                "with its tokenizer): load each with `AutoModel` / `AutoTokenizer` and pool as below."]
+    pool = {"mean": "(hidden * mask).sum(1) / mask.sum(1)", "cls": "hidden[:, 0]",
+            "pooler": "model(**batch).pooler_output",
+            "last": "hidden[torch.arange(len(hidden)), (mask[..., 0] * torch.arange(1, hidden.size(1) + 1)).argmax(1)]"
+            "  # the last real token (EOS appended when the tokenizer does not add it)"}[config.pooling]
+    lines = ["", "### transformers", "", "```python", "import torch", "from transformers import AutoModel, AutoTokenizer",
+             "", 'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
+             'model = AutoModel.from_pretrained("path/to/this/folder")',
+             f"batch = tokenizer([{config.query_prefix!r} + q for q in questions], truncation=True, "
+             f"max_length={config.query_max_length}, padding=True, return_tensors=\"pt\")",
+             "hidden = model(**batch).last_hidden_state", "mask = batch[\"attention_mask\"].unsqueeze(-1).float()",
+             f"embeddings = {pool}"]
+    if config.projection_dim:
+        lines.append("# then the linear projection stored in the Dense folder (model.safetensors: linear.weight/bias)")
+    if config.normalize:
+        lines.append("embeddings = torch.nn.functional.normalize(embeddings, dim=-1)")
+    return lines + ["```"]
+
+
+def _dpr_gc_usage() -> list[str]:
+    return ["", "### dpr-gc", "", "```bash",
+            "dpr-gc encode --model path/to/this/folder --corpus passages.tsv --output emb",
+            "dpr-gc index --embeddings emb --output index && dpr-gc retrieve --index index --queries qa.csv "
+            "--output results.json --evaluate", "```", "", "```python", "from dpr_gc.model import Retriever", "",
+            'retriever = Retriever.load("path/to/this/folder")',
+            'vectors = retriever.embed("query", ["Who wrote On the Origin of Species?"])', "```"]

@@ -1,0 +1,84 @@
+"""Read a DPR / GC-DPR bi-encoder training checkpoint (``dpr_biencoder.N.cp``) as a :class:`Retriever`, without
+unpickling code (the Hub's transformers DPR pairs are :mod:`dpr_gc.dpr_hub`).
+
+DPR saves ``{model_dict, optimizer_dict, scheduler_dict, offset, epoch, encoder_params}`` with ``torch.save``; all of
+it is tensors, numbers, strings and containers, so ``torch.load(weights_only=True)`` reads it. ``model_dict`` holds
+``question_model.*`` and ``ctx_model.*`` (Hugging Face BERT weights, plus ``encode_proj`` with a projection);
+``encoder_params`` names the Hugging Face config (``pretrained_model_cfg``) and the sequence length. DPR pools the
+[CLS] state and scores by dot product, which is what the returned retriever does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..base.errors import DprGcError
+
+CONVERT_HINT = ("convert it where you trust the file: python -c \"import torch; s = torch.load('{path}', "
+                "weights_only=False); torch.save({{'model_dict': dict(s['model_dict']), 'encoder_params': "
+                "dict(s['encoder_params'])}}, '{path}.safe')\" and pass {path}.safe")
+
+
+def read_dpr_state(path: Path) -> dict:
+    """The checkpoint's dict, read with ``weights_only=True``; a one-line error says how to convert other files."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - pickle and zip errors of any kind mean the same to the user
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DprGcError(f"{path}: cannot be read as weights only ({reason[:200]}); "
+                         + CONVERT_HINT.format(path=path)) from None
+    if not isinstance(state, dict) or not isinstance(state.get("model_dict"), dict):
+        raise DprGcError(f"{path}: not a DPR bi-encoder checkpoint (no 'model_dict'); give a dpr-gc retriever folder, "
+                         "a Hugging Face model, or a DPR .cp file")
+    return state
+
+
+def _tower(model_dict: dict, prefix: str) -> tuple[dict, dict]:
+    weights = {k[len(prefix):]: v for k, v in model_dict.items() if k.startswith(prefix)}
+    projection = {k[len("encode_proj."):]: weights.pop(k) for k in list(weights) if k.startswith("encode_proj.")}
+    if not weights:
+        raise DprGcError(f"DPR checkpoint has no '{prefix}*' weights")
+    return weights, projection
+
+
+def load_dpr_checkpoint(path: str | Path) -> Any:
+    """A :class:`Retriever` with DPR's two towers, CLS pooling, dot product and optional projection."""
+    from transformers import AutoConfig, AutoModel
+
+    from .retriever import Retriever, RetrieverConfig, load_tokenizer
+
+    p = Path(path)
+    state = read_dpr_state(p)
+    params = state.get("encoder_params") or {}
+    name = params.get("pretrained_model_cfg")
+    if not name:
+        raise DprGcError(f"{p}: encoder_params has no pretrained_model_cfg, so the model config is unknown")
+    if params.get("encoder_model_type") not in (None, "hf_bert"):
+        raise DprGcError(f"{p}: encoder_model_type {params['encoder_model_type']!r} is not supported (only hf_bert)")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(name))
+    except (OSError, ValueError) as e:
+        raise DprGcError(f"{p}: cannot load the config {name!r} it was trained from: {str(e).splitlines()[0]}") from None
+    length = int(params.get("sequence_length") or 256)
+    projection_dim = int(params.get("projection_dim") or 0) or None
+    config = RetrieverConfig(pooling="cls", shared_encoder=False, projection_dim=projection_dim,
+                             query_max_length=length, passage_max_length=length)
+    towers = {}
+    for side, prefix in (("query", "question_model."), ("passage", "ctx_model.")):
+        weights, projection = _tower(state["model_dict"], prefix)
+        model = AutoModel.from_config(hf_config, add_pooling_layer="pooler.dense.weight" in weights)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.endswith("position_ids")]
+        if missing or unexpected:
+            raise DprGcError(f"{p}: {prefix} weights do not fit {name!r} (missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]})")
+        towers[side] = (model, projection)
+    retriever = Retriever(towers["query"][0], towers["passage"][0], load_tokenizer(str(name)), config)
+    for encoder, (_, projection) in ((retriever.query_encoder, towers["query"]),
+                                     (retriever.passage_encoder, towers["passage"])):
+        if encoder.projection is not None:
+            encoder.projection.load_state_dict(projection)
+    return retriever

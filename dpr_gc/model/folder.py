@@ -1,0 +1,377 @@
+"""Saved retrievers on disk: one folder that dpr-gc, sentence-transformers and transformers all load as it is.
+
+Format 2 (written by :func:`save_retriever`), one shared tower::
+
+    config.json, model.safetensors, tokenizer files   the transformer and its tokenizer (AutoModel / AutoTokenizer)
+    modules.json, sentence_bert_config.json           sentence-transformers' pipeline: Transformer -> Pooling
+    1_Pooling/, 2_Dense/, ...                         -> [Dense(tanh): BERT's pooler] -> [Dense: projection]
+    config_sentence_transformers.json                 -> [Normalize]; prompts "query"/"document" = the prefixes
+    retriever_config.json                             dpr-gc's RetrieverConfig, temperature and format_version
+    heads.safetensors                                 the raw (log) temperature parameter, so training resumes exactly
+    README.md                                         the model card
+
+Separate towers: the same pipeline per tower inside a sentence-transformers ``Router`` (``query_N_*`` and
+``document_N_*`` folders, ``router_config.json``), so ``encode_query`` / ``encode_document`` use the right tower.
+Query and passage max lengths are the Transformer's ``query_length`` / ``document_length``. Weights are
+safetensors only.
+
+Also read: format 1 (``query_encoder/``, ``passage_encoder/``, ``tokenizer/``, ``projection.pt`` or
+``heads.safetensors``), any
+sentence-transformers folder, an official DPR ``DPRQuestionEncoder`` / ``DPRContextEncoder`` pair, and any Hugging
+Face model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from .dpr_hub import find_dpr_pair, load_dpr
+from ..base.errors import DprGcError
+from ..engine.loss import TEMPERATURE_RANGE
+from ..base.files import atomic_open, atomic_path, read_tensors
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "retriever_config.json"
+HEADS_NAME = "heads.safetensors"
+TEMPERATURE_KEY = "temperature.log_value"
+FORMAT_VERSION = 2
+ST_PACKAGE = "sentence_transformers"
+ST_TYPES = {"Transformer": "sentence_transformers.base.modules.transformer.Transformer",
+            "Pooling": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+            "Dense": "sentence_transformers.base.modules.dense.Dense",
+            "Normalize": "sentence_transformers.base.modules.normalize.Normalize",
+            "Router": "sentence_transformers.base.modules.router.Router"}
+IDENTITY, TANH = "torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh"
+ROUTES = {"query": "query", "passage": "document"}
+
+
+def write_json(path: Path, data: Any) -> None:
+    with atomic_open(path) as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def read_json(path: Path, kind: type = dict) -> Any:
+    """A JSON file of a model folder that must hold a ``kind`` (an object unless said otherwise)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise DprGcError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, kind):
+        raise DprGcError(f"{path}: expected a JSON {'object' if kind is dict else kind.__name__}, got a "
+                         f"{type(data).__name__}; the model folder is damaged")
+    return data
+
+
+# ------------------------------------------------------------------------------------------------------- writing
+def save_retriever(retriever: Any, path: str | Path) -> None:
+    """Write ``retriever`` as a format-2 folder (see the module docstring) with its model card."""
+    from .card import write_model_card
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = retriever.config
+    shared = retriever.passage_encoder is retriever.query_encoder
+    if shared:
+        modules = _write_tower(out, "", retriever.query_encoder, retriever.tokenizer, config.passage_max_length)
+        write_json(out / "modules.json", [{"idx": i, "name": str(i), "path": folder, "type": ST_TYPES[kind]}
+                                          for i, (folder, kind) in enumerate(modules)])
+    else:
+        routes = {}
+        for kind, encoder in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
+            limit = config.query_max_length if kind == "query" else config.passage_max_length
+            routes[ROUTES[kind]] = _write_tower(out, ROUTES[kind], encoder, retriever.tokenizer, limit)
+        write_json(out / "router_config.json", {
+            "types": {folder: ST_TYPES[kind] for modules in routes.values() for folder, kind in modules},
+            "structure": {route: [folder for folder, _ in modules] for route, modules in routes.items()},
+            "parameters": {"default_route": "document", "allow_empty_key": True, "route_mappings": {}}})
+        write_json(out / "modules.json", [{"idx": 0, "name": "0", "path": "", "type": ST_TYPES["Router"]}])
+    write_json(out / "config_sentence_transformers.json", sentence_transformers_settings(config))
+    with atomic_path(out / HEADS_NAME) as tmp:
+        save_file({TEMPERATURE_KEY: retriever.tau.log_value.detach().cpu().clone()}, str(tmp))
+    lo, hi = TEMPERATURE_RANGE
+    saved = dataclasses.asdict(config)  # the JSON temperature is informative; float32 rounding may cross a bound
+    saved.update(format_version=FORMAT_VERSION, shared_encoder=shared,
+                 temperature=min(max(float(retriever.temperature.detach()), lo), hi))
+    write_json(out / CONFIG_NAME, saved)
+    write_model_card(out, retriever)
+
+
+def sentence_transformers_settings(config: Any) -> dict:
+    """``config_sentence_transformers.json``: prefixes as the "query"/"document" prompts, the similarity."""
+    import transformers
+
+    return {"__version__": {"sentence_transformers": _st_version(), "transformers": transformers.__version__,
+                            "pytorch": torch.__version__},
+            "model_type": "SentenceTransformer",
+            "prompts": {"query": config.query_prefix, "document": config.passage_prefix},
+            "default_prompt_name": None,
+            "similarity_fn_name": "cosine" if config.normalize else "dot"}
+
+
+def _st_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("sentence-transformers")
+    except Exception:  # noqa: BLE001 - the version is informative only
+        return None
+
+
+def _write_tower(out: Path, route: str, encoder: Any, tokenizer: Any, max_length: int) -> list[tuple[str, str]]:
+    """Write one tower's sentence-transformers modules; returns ``(folder, module kind)`` in pipeline order."""
+    config = encoder.config
+    names = ["Transformer", "Pooling"]
+    if config.pooling == "pooler":
+        names.append("Dense")
+    if encoder.projection is not None:
+        names.append("Dense")
+    if config.normalize:
+        names.append("Normalize")
+    folders = [f"{route}_{i}_{name}" if route else ("" if i == 0 else f"{i}_{name}") for i, name in enumerate(names)]
+    _write_transformer(out / folders[0], encoder.transformer, tokenizer, config, max_length)
+    hidden = encoder.transformer.config.hidden_size
+    mode = {"mean": "mean", "last": "lasttoken"}.get(config.pooling, "cls")
+    (out / folders[1]).mkdir(parents=True, exist_ok=True)
+    write_json(out / folders[1] / "config.json",
+               {"embedding_dimension": hidden, "pooling_mode": mode, "include_prompt": True})
+    dense = [m for m in (encoder.transformer.pooler.dense if config.pooling == "pooler" else None,
+                         encoder.projection) if m is not None]
+    for folder, linear in zip(folders[2:2 + len(dense)], dense):
+        activation = TANH if linear is not encoder.projection else IDENTITY
+        _write_dense(out / folder, linear, activation)
+    if config.normalize:
+        (out / folders[-1]).mkdir(parents=True, exist_ok=True)
+        write_json(out / folders[-1] / "config.json", {})
+    return list(zip(folders, names))
+
+
+def _write_transformer(folder: Path, model: nn.Module, tokenizer: Any, config: Any, max_length: int) -> None:
+    """The Hugging Face model and tokenizer (``model_max_length`` = this tower's plain-``encode`` length)."""
+    from .lora import check_saveable
+
+    check_saveable(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    settings_file = folder / "tokenizer_config.json"
+    settings = read_json(settings_file) if settings_file.is_file() else {}
+    settings["model_max_length"] = max_length
+    write_json(settings_file, settings)
+    write_json(folder / "sentence_bert_config.json", {
+        "transformer_task": "feature-extraction",
+        "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+        "module_output_name": "token_embeddings",
+        "query_length": config.query_max_length, "document_length": config.passage_max_length})
+
+
+def _write_dense(folder: Path, linear: nn.Linear, activation: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "config.json", {"in_features": linear.in_features, "out_features": linear.out_features,
+                                        "bias": linear.bias is not None, "activation_function": activation,
+                                        "module_input_name": "sentence_embedding",
+                                        "module_output_name": "sentence_embedding"})
+    tensors = {"linear.weight": linear.weight.detach().cpu().contiguous()}
+    if linear.bias is not None:
+        tensors["linear.bias"] = linear.bias.detach().cpu().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------------- reading
+@dataclasses.dataclass
+class Tower:
+    """One sentence-transformers route: where its transformer is and what follows it."""
+
+    transformer: Path
+    pooling: str = "cls"
+    dense: list = dataclasses.field(default_factory=list)  # (folder, activation) in order
+    normalize: bool = False
+    query_length: Optional[int] = None
+    document_length: Optional[int] = None
+    max_seq_length: Optional[int] = None
+
+
+def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
+    """The towers a sentence-transformers folder declares: ``{"query": .., "document": ..}`` (the same object
+    for a shared tower), or None when ``folder`` has no ``modules.json``."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = [(folder / m.get("path", ""), str(m.get("type", ""))) for m in read_json(modules_file, list)]
+    router = [path for path, kind in modules if _kind(kind) in ("Router", "Asym")]
+    if not router:
+        tower = _read_tower(modules_file, modules)
+        return {"query": tower, "document": tower}
+    tail = [(path, kind) for path, kind in modules if _kind(kind) not in ("Router", "Asym")]
+    config_file = router[0] / "router_config.json"
+    if not config_file.is_file():
+        config_file = router[0] / "config.json"
+    config = read_json(config_file)
+    structure, types = config.get("structure", {}), config.get("types", {})
+    towers = {}
+    for route in ROUTES.values():
+        if route not in structure:
+            raise DprGcError(f"{config_file}: no {route!r} route; dpr-gc reads query/document routers")
+        route_modules = [(router[0] / name, types.get(name, "")) for name in structure[route]]
+        towers[route] = _read_tower(config_file, route_modules + tail)
+    return towers
+
+
+def _kind(type_name: str) -> str:
+    return type_name.rsplit(".", 1)[-1]
+
+
+def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
+    if not modules or _kind(modules[0][1]) != "Transformer":
+        raise DprGcError(f"{source}: the pipeline must start with a Transformer module to load in dpr-gc")
+    tower = Tower(modules[0][0])
+    settings_file = tower.transformer / "sentence_bert_config.json"
+    if settings_file.is_file():
+        settings = read_json(settings_file)
+        tower.query_length, tower.document_length = settings.get("query_length"), settings.get("document_length")
+        tower.max_seq_length = settings.get("max_seq_length")
+    for path, kind in modules[1:]:
+        if _kind(kind) == "Pooling":
+            tower.pooling = _pooling_mode(path / "config.json")
+        elif _kind(kind) == "Dense":
+            tower.dense.append((path, read_json(path / "config.json").get("activation_function", TANH)))
+        elif _kind(kind) == "Normalize":
+            tower.normalize = True
+        else:
+            raise DprGcError(f"{source}: module {kind} is not supported by dpr-gc "
+                             "(Transformer, Pooling, Dense, Normalize and query/document Routers are)")
+    return tower
+
+
+def _pooling_mode(config_file: Path) -> str:
+    config = read_json(config_file) if config_file.is_file() else {}
+    mode = config.get("pooling_mode")
+    if mode is None:
+        legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
+        active = [name for key, name in legacy.items() if config.get(key)]
+        others = [key for key, on in config.items() if key.startswith("pooling_mode_") and on and key not in legacy]
+        mode = "unsupported" if others or len(active) > 1 else (active[0] if active else "mean")
+    mode = "last" if mode == "lasttoken" else mode
+    if mode not in ("cls", "mean", "last"):
+        raise DprGcError(f"{config_file}: pooling {mode!r} is not supported by dpr-gc (cls, mean or lasttoken)")
+    return mode
+
+
+def config_from_pipeline(folder: Path, towers: dict[str, Tower], config_cls: Any) -> Any:
+    """The recipe a foreign sentence-transformers folder declares: pooling, normalisation, projection, max lengths
+    and its "query"/"document" prompts as prefixes; passages as ``title + " " + text``."""
+    query, document = towers["query"], towers["document"]
+    for tower in (query, document):
+        if any(activation != IDENTITY for _, activation in tower.dense) or len(tower.dense) > 1:
+            raise DprGcError(f"{folder}: only one linear (identity) Dense layer per tower is supported by dpr-gc")
+    if (query.pooling, query.normalize) != (document.pooling, document.normalize):
+        raise DprGcError(f"{folder}: the query and document routes pool differently; dpr-gc needs one recipe")
+    dims = {read_json(path / "config.json")["out_features"] for t in (query, document) for path, _ in t.dense}
+    if len(dims) > 1 or (dims and len(query.dense) != len(document.dense)):
+        raise DprGcError(f"{folder}: the query and document routes have different output sizes")
+    settings_file = folder / "config_sentence_transformers.json"
+    prompts = (read_json(settings_file).get("prompts") or {}) if settings_file.is_file() else {}
+    default = document.document_length or document.max_seq_length or 256
+    return config_cls(pooling=query.pooling, normalize=query.normalize, projection_dim=dims.pop() if dims else None,
+                      shared_encoder=query is document, passage_format="concat",
+                      query_max_length=query.query_length or min(64, default), passage_max_length=default,
+                      query_prefix=prompts.get("query", ""),
+                      passage_prefix=prompts.get("document", prompts.get("passage", "")))
+
+
+def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, Tower], config: Any) -> Any:
+    """Build a retriever from the towers of a sentence-transformers folder (format 2 or foreign) under ``config``."""
+    from .retriever import load_tokenizer, load_transformer
+
+    query, document = towers["query"], towers["document"]
+    q_model = load_transformer(query.transformer)
+    p_model = None if query is document else load_transformer(document.transformer)
+    retriever = retriever_cls(q_model, p_model, load_tokenizer(query.transformer), config)
+    for tower, encoder in ((query, retriever.query_encoder), (document, retriever.passage_encoder)):
+        projection = [path for path, activation in tower.dense if activation == IDENTITY]
+        if encoder.projection is not None:
+            if len(projection) != 1:
+                raise DprGcError(f"{folder}: projection_dim is set but the tower has no projection Dense layer")
+            _load_linear(projection[0], encoder.projection)
+    load_heads(folder, retriever, projections=False)
+    return retriever
+
+
+def _load_linear(folder: Path, linear: nn.Linear) -> None:
+    weights = folder / "model.safetensors"
+    if not weights.is_file() and (folder / "pytorch_model.bin").is_file():
+        weights = folder / "pytorch_model.bin"  # written by sentence-transformers with safe_serialization=False
+    if not weights.is_file():
+        raise DprGcError(f"{folder}: no model.safetensors for this Dense layer")
+    state = read_tensors(weights)
+    try:
+        linear.load_state_dict({"weight": state["linear.weight"], **({"bias": state["linear.bias"]}
+                                                                     if linear.bias is not None else {})})
+    except (KeyError, RuntimeError) as e:
+        raise DprGcError(f"{weights}: not the projection this retriever expects ({str(e).splitlines()[0]})") from None
+
+
+def load_format1(retriever_cls: Any, folder: Path, config: Any) -> Any:
+    """Folders written before format 2: ``query_encoder/``, ``passage_encoder/``, ``tokenizer/``, ``projection.pt``."""
+    from .retriever import load_tokenizer, load_transformer
+
+    q_model = load_transformer(folder / "query_encoder")
+    p_model = None if config.shared_encoder else load_transformer(folder / "passage_encoder")
+    retriever = retriever_cls(q_model, p_model, load_tokenizer(folder / "tokenizer"), config)
+    load_heads(folder, retriever, projections=True)
+    return retriever
+
+
+def load_heads(folder: Path, retriever: Any, projections: bool) -> None:
+    """The raw temperature parameter (and, in format 1, the projections) from ``heads.safetensors``, or from a
+    format-1 ``projection.pt`` (plain tensors only; such folders keep only the clamped temperature, in JSON)."""
+    path = folder / HEADS_NAME
+    if not path.is_file():
+        path = folder / "projection.pt"
+        if not (projections and path.is_file()):
+            return
+    heads = read_tensors(path)
+    try:
+        if projections:
+            for name, enc in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
+                if enc.projection is not None:
+                    enc.projection.weight.data.copy_(heads[f"{name}_projection.weight"])
+                    enc.projection.bias.data.copy_(heads[f"{name}_projection.bias"])
+        if TEMPERATURE_KEY in heads:
+            retriever.tau.log_value.data.copy_(heads[TEMPERATURE_KEY])
+    except (KeyError, RuntimeError) as e:
+        raise DprGcError(f"{path}: does not fit {CONFIG_NAME} ({str(e).splitlines()[0]}); save it again") from None
+
+
+def load_retriever(retriever_cls: Any, config_cls: Any, folder: Path) -> Any:
+    """Dispatch on what ``folder`` holds: a saved retriever (format 2 or 1), an official DPR pair, a
+    sentence-transformers folder, or else a Hugging Face model name or folder."""
+    if (folder / CONFIG_NAME).is_file():
+        data = read_json(folder / CONFIG_NAME)
+        version = data.get("format_version", 1)
+        if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+            raise DprGcError(f"{folder / CONFIG_NAME}: format_version {version!r} is not one this dpr-gc reads "
+                             f"(1 to {FORMAT_VERSION}); upgrade dpr-gc")
+        config = config_cls.from_dict(data)
+        if version == 1:
+            return load_format1(retriever_cls, folder, config)
+        towers = read_pipeline(folder)
+        if towers is None:
+            raise DprGcError(f"{folder}: {CONFIG_NAME} says format {version} but modules.json is missing")
+        return load_pipeline_retriever(retriever_cls, folder, towers, config)
+    pair = find_dpr_pair(folder)
+    if pair is not None:
+        return load_dpr(retriever_cls, config_cls, *pair)
+    towers = read_pipeline(folder) if folder.is_dir() else None
+    if towers is not None:
+        return load_pipeline_retriever(retriever_cls, folder, towers, config_from_pipeline(folder, towers, config_cls))
+    return retriever_cls.from_pretrained(str(folder), config_cls())

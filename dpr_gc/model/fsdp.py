@@ -1,0 +1,138 @@
+"""FSDP2 sharding of a retriever (``torch.distributed.fsdp.fully_shard``) and its sharded checkpoints.
+
+Every transformer block of every tower is its own FSDP unit, and the retriever as a whole is the root unit (its
+projection heads and temperature live there), so one block's full weights exist at a time. Parameters may be kept
+in bf16 for compute while gradients are reduced in fp32 (:class:`MixedPrecisionPolicy`), and optionally live on the
+CPU between uses (:class:`CPUOffloadPolicy`). Gradient Cache drives gradient synchronisation itself: see
+:meth:`dpr_gc.GradCache.cache_step` (``set_requires_gradient_sync(False)`` for every chunk but the last).
+Checkpoints are written with ``torch.distributed.checkpoint``: each rank writes its own shards, and any world size
+can read them back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..base.errors import DprGcError
+
+BLOCK_LISTS = ("layers", "layer", "h", "blocks")  # Llama/Qwen2/Mistral, BERT-family, GPT-2, others
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a transformer (under a PEFT wrapper too): the members of its layer ``ModuleList``."""
+    blocks = [block for name, module in model.named_modules()
+              if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in BLOCK_LISTS for block in module]
+    if not blocks:
+        raise DprGcError(f"--fsdp: cannot find the transformer blocks of {type(model).__name__} (a ModuleList "
+                         f"named one of {', '.join(BLOCK_LISTS)})")
+    return blocks
+
+
+def mixed_precision(precision: str) -> Any:
+    """bf16 parameters with fp32 gradient reduction for ``bf16``; full fp32 otherwise (fp16 is refused: FSDP2
+    has no GradScaler support here)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "fp16":
+        raise DprGcError("--fsdp supports --precision fp32 or bf16, not fp16")
+    return MixedPrecisionPolicy()
+
+
+def shard_retriever(retriever: nn.Module, precision: str = "fp32", cpu_offload: bool = False,
+                    mesh: Optional[Any] = None) -> nn.Module:
+    """Shard ``retriever`` in place over all ranks (one FSDP unit per transformer block, the retriever the root);
+    returns it. The process group must be initialised."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DprGcError("--fsdp needs torch.distributed: run under torchrun")
+    kwargs = {"mp_policy": mixed_precision(precision),
+              "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(), "mesh": mesh}
+    towers = {id(e): e for e in (retriever.query_encoder, retriever.passage_encoder)}.values()
+    for encoder in towers:
+        for block in transformer_blocks(encoder.transformer):
+            fully_shard(block, **kwargs)
+    # FSDP2 cannot shard a scalar: a learnable temperature stays replicated, its gradient averaged like DDP's.
+    scalars = {p for p in retriever.parameters() if p.dim() == 0}
+    for param in scalars:
+        if param.requires_grad:
+            param.register_hook(_average_over_ranks)
+    fully_shard(retriever, **kwargs, ignored_params=scalars or None)
+    return retriever
+
+
+def _average_over_ranks(grad: torch.Tensor) -> torch.Tensor:
+    """A replicated parameter's gradient averaged over the ranks (exact per backward: averaging is linear)."""
+    import torch.distributed as dist
+
+    grad = grad.clone()
+    dist.all_reduce(grad)
+    return grad / dist.get_world_size()
+
+
+def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write the sharded model and optimizer states of every rank into ``folder`` (call on all ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+
+def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read a checkpoint of :func:`save_sharded` into the sharded ``model`` and ``optimizer`` (all ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (Path(folder) / ".metadata").is_file():
+        raise DprGcError(f"{folder}: not a sharded checkpoint (no .metadata); resume from a checkpoint written "
+                         "with --fsdp")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model weights on the CPU of rank 0 (empty elsewhere), e.g. to save a retriever folder."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over a sharded model, whose gradients mix DTensor shards and the plain
+    gradient of a replicated temperature: the global 2-norm (all shards), and every gradient scaled by
+    ``max_norm / (norm + 1e-6)`` when that is below 1 (the same rule). Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = []
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, 2)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm.float().cpu() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    coef = float(max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for grad in grads:
+            grad.mul_(coef)
+    return total
+
+
+def unsharded_copy(model: nn.Module, build: Any, is_main: bool) -> Optional[nn.Module]:
+    """On the main rank, a fresh unsharded copy (from ``build()``) holding the sharded ``model``'s full weights, to
+    save as an ordinary retriever folder; None elsewhere. Every rank must call it (the weights are gathered)."""
+    state = full_state_dict(model)
+    if not is_main:
+        return None
+    copy = build()
+    copy.load_state_dict(state)
+    return copy

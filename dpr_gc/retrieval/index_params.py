@@ -1,0 +1,72 @@
+"""Which FAISS index to build: a kind (flat, hnsw, ivf-flat, ivf-pq) or any ``faiss.index_factory`` string, and its
+parameters, with defaults picked from the data size."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from ..base.errors import DprGcError
+
+KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
+CENTROID_POINTS = 39  # FAISS wants about this many training vectors per k-means centroid
+
+
+@dataclasses.dataclass
+class IndexParams:
+    """Which FAISS index to build. ``factory`` (any ``faiss.index_factory`` string) overrides ``kind``.
+
+    ``nlist=None`` picks about ``4 * sqrt(N)`` inverted lists, capped so each gets enough training vectors;
+    ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector).
+    """
+
+    kind: str = "flat"
+    factory: Optional[str] = None
+    hnsw_m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 128
+    nlist: Optional[int] = None
+    pq_m: Optional[int] = None
+    pq_nbits: int = 8
+    nprobe: int = 32
+
+    def __post_init__(self) -> None:
+        if self.factory:
+            self.kind = "factory"
+        elif self.kind not in KINDS:
+            raise DprGcError(f"unknown index kind {self.kind!r}; use one of {', '.join(KINDS)} "
+                             "or --factory STRING (any faiss.index_factory string)")
+        for name in ("hnsw_m", "ef_construction", "ef_search", "pq_nbits", "nprobe"):
+            if getattr(self, name) < 1:
+                raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        for name in ("nlist", "pq_m"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+
+    def resolve(self, dim: int, n_vectors: int, n_train: int) -> "IndexParams":
+        """Fill a missing ``nlist`` from the data size and training-sample size, a missing ``pq_m`` from ``dim``."""
+        nlist, pq_m = self.nlist, self.pq_m
+        if self.kind in ("ivf-flat", "ivf-pq") and nlist is None:
+            nlist = max(1, min(int(4 * math.sqrt(max(n_vectors, 1))), n_train // CENTROID_POINTS))
+        if self.kind == "ivf-pq" and pq_m is None:
+            pq_m = max(m for m in range(1, max(dim // 4, 1) + 1) if dim % m == 0)
+        return dataclasses.replace(self, nlist=nlist, pq_m=pq_m)
+
+    def factory_string(self, dim: int) -> str:
+        """The ``faiss.index_factory`` string for these parameters (after :meth:`resolve`)."""
+        if self.factory:
+            return self.factory
+        if self.kind == "flat":
+            return "Flat"
+        if self.kind == "hnsw":
+            return f"HNSW{self.hnsw_m},Flat"
+        if self.nlist is None or (self.kind == "ivf-pq" and self.pq_m is None):
+            raise DprGcError(f"a {self.kind} index needs --nlist (and --pq-m for ivf-pq); "
+                             "build_index picks them from the data")
+        if self.kind == "ivf-flat":
+            return f"IVF{self.nlist},Flat"
+        if dim % self.pq_m:
+            raise DprGcError(f"--pq-m {self.pq_m} must divide the embedding dimension {dim}")
+        return f"IVF{self.nlist},PQ{self.pq_m}x{self.pq_nbits}"

@@ -1,0 +1,378 @@
+"""Retrieve passages for questions: encode them in batches, search the index, write DPR JSON and a TREC run.
+
+FAISS row r is corpus row r, so hits are looked up in the memory-mapped corpus dataset directly. Output records
+follow DPR's retriever JSON (``question``, ``answers``, ``ctxs`` with ``id``, ``title``, ``text``, ``score``,
+``has_answer``) plus the query ``id``, which joins them with qrels; the TREC run carries the same ranking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..evaluation.answers import MATCH_MODES, AnswerMatcher, default_workers
+from ..base.args import device_arg, nonnegative_int, output_file, positive_int
+from ..base.errors import DprGcError
+from ..evaluation.evaluate import RunEvaluation
+from ..base.files import PathLike
+from .index import DenseIndex, set_threads
+from ..model.retriever import add_prefix_arguments
+from ..evaluation.results import check_run_tag, open_results, open_trec_run
+from ..base.tables import format_summary
+
+logger = logging.getLogger(__name__)
+
+MATCH_CHOICES = ("string", "regex", "none")
+QUERY_CHUNK = 1024
+
+
+def check_compatible(retriever: Any, index: DenseIndex, check_fingerprint: bool = True) -> None:
+    """Refuse a query encoder that does not fit the index: other dimension, pooling or (optionally) weights."""
+    meta = index.meta
+    built = f"index built from model {meta.get('model')}" if meta.get("model") else "index"
+    if retriever.dim != index.dim:
+        raise DprGcError(f"the model gives {retriever.dim}-dimensional vectors but the {built} holds {index.dim}-"
+                         "dimensional ones; retrieve with the model that encoded the passages")
+    for key in ("pooling", "normalize", "passage_format", "passage_prefix"):
+        ours = getattr(retriever.config, key)
+        if meta.get(key) is not None and meta[key] != ours:
+            raise DprGcError(f"the model uses {key}={ours!r} but the {built} was encoded with {meta[key]!r}; "
+                             "retrieve with the model that encoded the passages")
+    if check_fingerprint and meta.get("model_fingerprint"):
+        from .encode import model_fingerprint
+
+        if model_fingerprint(retriever) != meta["model_fingerprint"]:
+            raise DprGcError(f"the model's weights differ from those that encoded the passages ({built}); use that "
+                             "model, or pass --skip-model-check if the passage encoder changed on purpose")
+
+
+def check_corpus(index: DenseIndex, corpus: Any) -> None:
+    """Refuse a corpus that is not the one the index rows point into (content fingerprint, size, first/last ids)."""
+    from ..data.corpus import dataset_fingerprint
+
+    meta, n = index.meta, len(corpus)
+    if meta.get("corpus_rows") is not None and int(meta["corpus_rows"]) != n:
+        raise DprGcError(f"the index was built for a corpus of {meta['corpus_rows']} passages ({meta.get('corpus')}) "
+                         f"but --corpus has {n}; give the corpus that was encoded")
+    if index.ntotal > n:
+        raise DprGcError(f"the index holds {index.ntotal} vectors but the corpus only {n} passages; wrong --corpus")
+    if index.ntotal < n:
+        logger.warning("the index covers %d of %d corpus passages (built with --allow-partial)", index.ntotal, n)
+    for key, row in (("first_id", 0), ("last_id", index.ntotal - 1)):
+        if meta.get(key) is not None and str(corpus[row]["id"]) != meta[key]:
+            raise DprGcError(f"corpus row {row} has id {corpus[row]['id']!r} but the index expects {meta[key]!r}; "
+                             "give the corpus that was encoded")
+    recorded, current = meta.get("corpus_fingerprint"), dataset_fingerprint(corpus)
+    if recorded and current and recorded != current:
+        raise DprGcError(f"the corpus's content differs from the one encoded ({meta.get('corpus')}; fingerprint "
+                         f"{current} vs {recorded}): if it was edited, re-run encode and index on it; otherwise give "
+                         "the corpus that was encoded")
+    if not recorded:
+        logger.warning("the index records no corpus fingerprint (built before dpr-gc recorded one), so the corpus "
+                       "contents cannot be checked against it; rebuild the index to get that check")
+
+
+def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
+                  batch_size: int = 64, matcher: Optional[AnswerMatcher] = None,
+                  show_progress: bool = True, total: Optional[int] = None) -> Iterator[dict]:
+    """Top-``top_k`` passages for each query as DPR retriever records (plus the query ``id``), yielded in order.
+
+    Questions are embedded ``batch_size`` at a time and searched ``QUERY_CHUNK`` at a time, so memory holds one
+    chunk; ``matcher`` (an :class:`AnswerMatcher`) fills each passage's ``has_answer``, ``None`` leaves it out.
+    """
+    if retriever.dim != index.dim:
+        check_compatible(retriever, index, check_fingerprint=False)
+    queries = iter(queries)
+    bar = tqdm(desc="retrieving", unit=" q", total=total, disable=not show_progress)
+    while chunk := list(itertools.islice(queries, QUERY_CHUNK)):
+        emb = retriever.embed("query", [q["question"] for q in chunk], batch_size=batch_size,
+                              show_progress=show_progress and len(chunk) > batch_size)
+        scores, rows = index.search(emb, top_k)
+        unique = np.unique(rows[rows >= 0]).tolist()
+        passages = corpus[unique] if unique else {"id": [], "title": [], "text": []}
+        where = {row: i for i, row in enumerate(unique)}
+        records = []
+        for q, q_scores, q_rows in zip(chunk, scores.tolist(), rows.tolist()):
+            ctxs = [{"id": str(passages["id"][i]), "title": passages["title"][i] or "", "text": passages["text"][i],
+                     "score": score} for score, i in ((s, where[r]) for s, r in zip(q_scores, q_rows) if r >= 0)]
+            records.append({"id": str(q["id"]), "question": q["question"], "answers": q.get("answers") or [],
+                            "ctxs": ctxs})
+        if matcher is not None:
+            flags = matcher.flags([(r["answers"], [(c["id"], c["text"]) for c in r["ctxs"]]) for r in records])
+            for record, row in zip(records, flags):
+                for ctx, flag in zip(record["ctxs"], row):
+                    ctx["has_answer"] = flag
+        bar.update(len(chunk))
+        yield from records
+    bar.close()
+
+
+class DenseSource:
+    """Candidates from a FAISS index (row r = corpus row r) searched with ``retriever``'s question encoder.
+
+    A positive's score is the dot product of the question with the positive embedded by the same passage encoder.
+    """
+
+    def __init__(self, retriever: Any, index: Any, batch_size: int = 64) -> None:
+        self.retriever, self.index, self.batch_size = retriever, index, batch_size
+
+    def retrieve(self, questions: list[str], k: int,
+                 positives: Optional[list[list[tuple]]] = None) -> tuple[np.ndarray, np.ndarray, list[Optional[float]]]:
+        emb = self.retriever.embed("query", questions, batch_size=self.batch_size)
+        scores, rows = self.index.search(emb, k)
+        best: list[Optional[float]] = [None] * len(questions)
+        flat = [(i, g) for i, gs in enumerate(positives or []) for g in gs]
+        if flat:
+            pemb = self.retriever.embed("passage", [g[2] for _, g in flat], titles=[g[1] for _, g in flat],
+                                        batch_size=self.batch_size)
+            for (i, _), s in zip(flat, np.einsum("nd,nd->n", emb[[i for i, _ in flat]], pemb).tolist()):
+                best[i] = s if best[i] is None else max(best[i], s)
+        return scores, rows, best
+
+
+def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
+             batch_size: int = 64, match: Optional[str] = "string", show_progress: bool = True,
+             workers: int = 1) -> list[dict]:
+    """All records of :func:`iter_retrieve` in a list (small runs); ``match`` ("string"/"regex") fills
+    ``has_answer`` with DPR's answer matching, ``None`` leaves the field out."""
+    if match is not None and match not in MATCH_MODES:
+        raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
+    with AnswerMatcher(match or "string", workers) as matcher:
+        return list(iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
+                                  matcher if match is not None else None, show_progress))
+
+
+def write_results_json(results: Iterable[dict], path: PathLike, compact: bool = False) -> Path:
+    """Write DPR retriever JSON (a list of question records; JSONL when named .jsonl), atomically."""
+    with open_results(path, compact) as out:
+        for record in results:
+            out.write(record)
+    return Path(path)
+
+
+def write_trec_run(results: Iterable[dict], path: PathLike, tag: str = "dpr-gc") -> Path:
+    """Write a TREC run (``qid Q0 docid rank score tag``) from retriever records, atomically."""
+    with open_trec_run(path, tag) as out:
+        for record in results:
+            out.write(record)
+    return Path(path)
+
+
+def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = None,
+                 qrels_path: Optional[PathLike] = None, run_ids: bool = False) -> int:
+    """First pass over a questions file, before any retrieval: parse every line (a malformed one fails now, not an
+    hour in), check the ids a TREC run needs (``run_ids``: non-empty, one word, unique), and count the questions to
+    retrieve (with ``qrels``, the judged ones). Holds the ids only, not the questions."""
+    from ..data.corpus import iter_queries
+
+    seen: set[str] = set()
+    count = total = 0
+    for q in iter_queries(path, log=False):
+        qid, total = str(q["id"]), total + 1
+        if run_ids:
+            if not qid or any(c.isspace() for c in qid) or qid in seen:
+                problem = "appears twice" if qid in seen else "is empty or contains whitespace"
+                raise DprGcError(f"{path}: query id {qid!r} {problem}; a TREC run (--trec-run) needs unique one-word "
+                                 "query ids")
+            seen.add(qid)
+        count += qrels is None or qid in qrels
+    if not total:
+        raise DprGcError(f"no queries in {path} (the file is empty)")
+    if not count:
+        raise DprGcError(f"no query id in the queries file appears in {qrels_path}; check that the ids match")
+    return count
+
+
+def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = None) -> Iterator[dict]:
+    """The questions of ``path`` one at a time; with ``qrels``, only the judged ones (BEIR queries.jsonl lists every
+    split's queries)."""
+    from ..data.corpus import iter_queries
+
+    return (q for q in iter_queries(path) if qrels is None or str(q["id"]) in qrels)
+
+
+def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
+                      batch_size: int = 64, match: Optional[str] = "string", output: Optional[PathLike] = None,
+                      compact: bool = False, trec_run: Optional[PathLike] = None, run_tag: str = "dpr-gc",
+                      ks: Optional[list[int]] = None, qrels: Optional[dict[str, dict[str, int]]] = None,
+                      workers: int = 1, show_progress: bool = True,
+                      total: Optional[int] = None) -> dict[str, dict[str, float]]:
+    """Retrieve ``queries`` (any iterable, read once; ``total``: their number, for the progress bar), writing the results file (``compact``: without passage text) and the TREC run as records come and
+    evaluating them on the way when ``ks`` is given; returns the metrics (empty without ``ks``).
+
+    Answers are matched once per run: evaluation reuses the ``has_answer`` flags written to the results (with
+    ``match`` None they are matched for the evaluation only, with DPR's string matching).
+    """
+    if match is not None and match not in MATCH_MODES:
+        raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
+    if trec_run:
+        check_run_tag(run_tag)
+    with contextlib.ExitStack() as stack:
+        matcher = stack.enter_context(AnswerMatcher(match or "string", workers))
+        writers = []
+        if output:
+            writers.append(stack.enter_context(open_results(output, compact)))
+        if trec_run:
+            writers.append(stack.enter_context(open_trec_run(trec_run, run_tag)))
+        evaluation = None
+        if ks is not None:
+            evaluation = RunEvaluation(ks, qrels, matcher if match is None else None)
+            writers.append(evaluation)
+        for record in iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
+                                    matcher if match is not None else None, show_progress, total):
+            for writer in writers:
+                writer.write(record)
+        return evaluation.report() if evaluation is not None else {}
+
+
+# ----------------------------------------------------------------------------------------------- command line
+def recorded_prefixes(meta: dict, query_prefix: Optional[str],
+                      passage_prefix: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """The prefixes to load the query encoder with: the flags when given, else those the passages were encoded
+    under (recorded by ``encode``, its own flags included), else None (the model's own)."""
+    return (query_prefix if query_prefix is not None else meta.get("query_prefix"),
+            passage_prefix if passage_prefix is not None else meta.get("passage_prefix"))
+
+
+def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
+    """The model an index records: its absolute path, else the path relative to the index folder (the two were
+    moved together), else the name as recorded (a Hugging Face name, or a relative path from an older version)."""
+    model = meta.get("model")
+    if model and Path(model).is_absolute() and Path(model).exists():
+        return model
+    relative = meta.get("model_from_index")
+    if relative and index_dir is not None and (Path(index_dir) / relative).exists():
+        return str(Path(index_dir) / relative)
+    return model
+
+
+def run_retrieval(index: DenseIndex, queries_path: PathLike, *, model: Optional[str] = None,
+                  corpus: Optional[PathLike] = None, index_dir: Optional[PathLike] = None, top_k: int = 100,
+                  batch_size: int = 64, match: Optional[str] = "string", output: Optional[PathLike] = None,
+                  compact: bool = False, trec_run: Optional[PathLike] = None, run_tag: str = "dpr-gc",
+                  ks: Optional[list[int]] = None, qrels_path: Optional[PathLike] = None, device: Optional[str] = None,
+                  cache_dir: Optional[PathLike] = None, check_model: bool = True, workers: int = 1,
+                  query_prefix: Optional[str] = None,
+                  passage_prefix: Optional[str] = None) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Load the query encoder (default: the model the index records, relative to ``index_dir`` if moved with it),
+    the corpus and the questions, retrieve while writing and evaluating (at cut-offs ``ks``; None: no evaluation).
+    Returns ``(metrics, summary)``."""
+    from ..data.corpus import load_corpus
+    from ..base.devices import default_device
+    from ..model.retriever import Retriever
+
+    if not (output or trec_run or ks is not None):
+        raise DprGcError("nothing to do: give --output FILE.json and/or --trec-run FILE, or --evaluate")
+    model = model or recorded_model(index_dir, index.meta)
+    corpus_path = corpus or index.meta.get("corpus")
+    if not model or not corpus_path:
+        raise DprGcError("give --model and --corpus (the index does not record them)")
+    retriever = Retriever.load(model, default_device(device),
+                               *recorded_prefixes(index.meta, query_prefix, passage_prefix))
+    check_compatible(retriever, index, check_fingerprint=check_model)
+    passages = load_corpus(corpus_path, cache_dir)
+    check_corpus(index, passages)
+    started = time.perf_counter()
+    metrics, count = retrieve_file(retriever, index, passages, queries_path, top_k=top_k, batch_size=batch_size,
+                                   match=match, output=output, compact=compact, trec_run=trec_run, run_tag=run_tag,
+                                   ks=ks, qrels_path=qrels_path, workers=workers)
+    seconds = time.perf_counter() - started
+    return metrics, {"queries": count, "top-k": top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
+                     "queries/s": round(count / seconds, 1) if seconds > 0 else "n/a",
+                     "results": output or "-", "trec run": trec_run or "-"}
+
+
+def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: PathLike,
+                  qrels_path: Optional[PathLike] = None, trec_run: Optional[PathLike] = None,
+                  **options: Any) -> tuple[dict[str, dict[str, float]], int]:
+    """:func:`retrieve_to_files` over the questions of a file (only those judged in ``qrels_path`` when given), read
+    in two streaming passes -- checks, then retrieval -- so memory does not grow with their number. Returns the
+    metrics and the number of questions retrieved."""
+    from ..evaluation.evaluate import read_qrels
+
+    qrels = read_qrels(qrels_path) if qrels_path else None
+    count = scan_queries(queries_path, qrels, qrels_path, run_ids=bool(trec_run))
+    metrics = retrieve_to_files(retriever, index, corpus, judged_queries(queries_path, qrels), trec_run=trec_run,
+                                qrels=qrels, total=count, **options)
+    return metrics, count
+
+
+def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name: str,
+                        index_dir: Optional[PathLike] = None,
+                        device: Optional[str] = None) -> dict[str, dict[str, float]]:
+    """The command-line side of :func:`run_retrieval`, shared by ``dpr-gc retrieve`` and
+    ``scripts/dense_retriever.py``: flags to arguments (``device`` when given replaces ``--device``), then the
+    metric tables and the summary table printed; returns the metrics."""
+    from ..base.devices import steady_malloc
+    from ..evaluation.evaluate import format_table
+
+    steady_malloc()
+    metrics, summary = run_retrieval(
+        index, args.queries, model=args.model, corpus=args.corpus, index_dir=index_dir, top_k=args.top_k,
+        batch_size=args.batch_size, match=None if args.match == "none" else args.match, output=args.output,
+        compact=args.compact, trec_run=args.trec_run, run_tag=args.run_tag, ks=args.k if args.evaluate else None,
+        qrels_path=args.qrels, device=device or args.device, cache_dir=args.cache_dir,
+        check_model=not args.skip_model_check, workers=args.workers or default_workers(),
+        query_prefix=args.query_prefix, passage_prefix=args.passage_prefix)
+    for name, values in metrics.items():
+        print(f"\n{name} metrics ({summary['queries']} queries)")
+        print(format_table(values))
+    summary = {"queries": summary.pop("queries"), "top-k": summary.pop("top-k"), "index": index_name, **summary}
+    print(format_summary(summary))
+    return metrics
+
+
+def _retrieve_cli(args: argparse.Namespace) -> None:
+    set_threads(args.threads)
+    index = DenseIndex.read(args.index)
+    if args.ef_search is not None or args.nprobe is not None:
+        index.set_search_params(ef_search=args.ef_search, nprobe=args.nprobe)
+    retrieve_with_flags(args, index, f"{index.meta['factory']} in {args.index}", index_dir=args.index)
+
+
+def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``dpr-gc retrieve`` other than the index location."""
+    p.add_argument("--model", help="retriever folder or HF model (default: the model recorded in the index)")
+    p.add_argument("--corpus", help="passages the index was built from (default: the corpus recorded in the index)")
+    p.add_argument("--queries", required=True, help="DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
+    p.add_argument("--top-k", type=positive_int, default=100, help="passages per question (default 100)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="questions per encoder batch (default 64)")
+    p.add_argument("--match", choices=MATCH_CHOICES, default="string",
+                   help="answer matching for has_answer: string (NQ/TriviaQA), regex (CuratedTREC) or none")
+    p.add_argument("--output", type=output_file,
+                   help="write DPR retriever JSON here (JSONL when named .jsonl; .gz compresses)")
+    p.add_argument("--compact", action="store_true",
+                   help="results without passage title and text: ids, scores and has_answer (for evaluate and mine)")
+    p.add_argument("--workers", type=nonnegative_int, default=0,
+                   help="processes that tokenise passages for answer matching (default 0: all cores)")
+    p.add_argument("--trec-run", type=output_file, help="write a TREC run file here")
+    p.add_argument("--run-tag", default="dpr-gc", help="tag column of the TREC run (default dpr-gc)")
+    p.add_argument("--qrels", help="relevance judgments: only judged queries are retrieved; used by --evaluate")
+    p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 10, 20, 100], help="cut-offs for --evaluate")
+    p.add_argument("--device", type=device_arg,
+                   help="torch device for the question encoder (default: cuda if available)")
+    p.add_argument("--cache-dir", help="where parsed corpora are cached")
+    p.add_argument("--skip-model-check", action="store_true",
+                   help="do not refuse a model whose weights differ from the one that encoded the passages")
+    add_prefix_arguments(p)
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``dpr-gc retrieve``."""
+    p = subparsers.add_parser("retrieve", help="top-k passages for questions: DPR JSON and a TREC run",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--index", required=True, help="index folder written by 'dpr-gc index'")
+    add_retrieve_arguments(p)
+    p.add_argument("--ef-search", type=positive_int, help="override the index's HNSW efSearch")
+    p.add_argument("--nprobe", type=positive_int, help="override the index's IVF nprobe")
+    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
+    p.set_defaults(func=_retrieve_cli)

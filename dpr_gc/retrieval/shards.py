@@ -1,0 +1,153 @@
+"""Encode shards on disk: names, row ranges, manifests, and reading their embeddings and ids.
+
+Shard ``k`` of ``n`` (``shard-0000k-of-0000n``) covers corpus rows ``[k*N//n, (k+1)*N//n)``; its ``.npy`` embeddings
+and ``.ids.txt`` passage ids are valid once its JSON manifest exists (written last by ``encode``). ``index`` reads
+shards only through these functions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from ..base.errors import DprGcError
+from ..base.files import PathLike, open_text, read_json_object
+
+MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
+PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
+
+
+def shard_name(shard_id: int, num_shards: int) -> str:
+    return f"shard-{shard_id:05d}-of-{num_shards:05d}"
+
+
+def shard_range(num_rows: int, shard_id: int, num_shards: int) -> tuple[int, int]:
+    """``(start_row, count)`` of shard ``shard_id``: contiguous, balanced, no remainder dropped."""
+    start = shard_id * num_rows // num_shards
+    return start, (shard_id + 1) * num_rows // num_shards - start
+
+
+def resolve_shard(shard_id: Optional[int], num_shards: Optional[int]) -> tuple[int, int]:
+    """Explicit values, else torchrun's ``RANK`` / ``WORLD_SIZE``, else shard 0 of 1; validated."""
+    if shard_id is None:
+        shard_id = int(os.environ.get("RANK", 0))
+    if num_shards is None:
+        num_shards = int(os.environ.get("WORLD_SIZE", 1))
+    if num_shards < 1 or not 0 <= shard_id < num_shards:
+        raise DprGcError(f"--shard-id must be in [0, --num-shards); got shard {shard_id} of {num_shards}")
+    return shard_id, num_shards
+
+
+def read_manifest(path: Path) -> dict:
+    """A finished shard's manifest, checked for the fields indexing relies on."""
+    manifest = read_json_object(path, "an encode manifest")
+    for key, kind in (("start_row", int), ("count", int), ("shard_id", int), ("num_shards", int), ("dim", int),
+                      ("embeddings", str), ("ids", str)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise DprGcError(f"{path}: not an encode manifest ({key!r} missing or not {kind.__name__}); "
+                             "delete it and re-run that encode shard")
+    return manifest
+
+
+def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
+    """Finished shard manifests in ``folder`` sorted by start_row, with absolute ``embeddings``/``ids`` paths.
+
+    Raises if there are none, if they disagree on model or dimension, or (``complete=True``) if some corpus rows
+    are not covered yet -- FAISS row r must equal corpus row r, so a gap would misalign every later shard.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise DprGcError(f"embeddings folder not found: {root} (run `dpr-gc encode` first)")
+    manifests = [read_manifest(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
+    if not manifests:
+        raise DprGcError(f"no finished embedding shards in {root} (run `dpr-gc encode --output {root}` first)")
+    first = manifests[0]
+    for m in manifests[1:]:
+        for key in ("model_fingerprint", "dim", "num_shards", "corpus_rows", "corpus_fingerprint", "pooling",
+                    "normalize", "passage_prefix"):
+            if m.get(key) != first.get(key):
+                raise DprGcError(f"shards in {root} disagree on {key} ({first.get(key)!r} vs {m.get(key)!r}); "
+                                 "re-encode them into one folder with one model")
+    manifests.sort(key=lambda m: m["start_row"])
+    for m in manifests:
+        for key in ("embeddings", "ids"):
+            path = root / m[key]
+            if not path.is_file():
+                raise DprGcError(f"{path} is missing although its manifest exists; re-run that encode shard")
+            m[key] = str(path.resolve())
+    if complete:
+        have = {m["shard_id"] for m in manifests}
+        missing = [k for k in range(first["num_shards"]) if k not in have]
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise DprGcError(f"{root} lacks finished shard(s) {shown} of {first['num_shards']}; "
+                             "run `dpr-gc encode --shard-id K` for them")
+    return manifests
+
+def has_shards(folder: PathLike) -> bool:
+    """Whether ``folder`` holds at least one finished shard (a manifest)."""
+    root = Path(folder)
+    return root.is_dir() and any(MANIFEST_RE.match(p.name) for p in root.iterdir())
+
+
+def shard_rows_from(manifests: list[dict], first_row: int) -> list[dict]:
+    """Shards to add: those from ``first_row`` on, which must continue it without gaps or overlaps."""
+    todo, expected = [], first_row
+    for m in manifests:
+        start, count = int(m["start_row"]), int(m["count"])
+        if start + count <= first_row:
+            continue
+        if start != expected:
+            what = "overlaps indexed rows" if start < expected else f"leaves rows {expected}..{start - 1} missing"
+            raise DprGcError(f"{m['embeddings']}: shard starting at corpus row {start} {what}; FAISS rows must equal "
+                             "corpus rows, so finish (or re-run) the missing shards first")
+        todo.append(m)
+        expected = start + count
+    return todo
+
+
+def open_shard(m: dict, check_ids: bool = False) -> np.ndarray:
+    """Memory-map a shard's embeddings, checking them (and optionally its ids file) against its manifest."""
+    path = Path(m["embeddings"])
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DprGcError(f"{path}: cannot read embeddings ({e}); re-encode this shard") from None
+    if arr.shape != (int(m["count"]), int(m["dim"])) or arr.dtype not in (np.float16, np.float32):
+        raise DprGcError(f"{path}: holds {arr.dtype} {arr.shape} but its manifest says {m['count']} x {m['dim']}; "
+                         "re-encode this shard")
+    if check_ids:
+        with open(m["ids"], "rb") as f:
+            n_ids = sum(1 for _ in f)
+        if n_ids != len(arr):
+            raise DprGcError(f"{m['ids']}: {n_ids} ids for {len(arr)} embeddings; re-encode this shard")
+    return arr
+
+
+def sample_embeddings(manifests: list[dict], n: int, seed: int = 0) -> np.ndarray:
+    """A uniform random sample of ``n`` rows across shards, as float32; only the sample is held in memory."""
+    total = sum(int(m["count"]) for m in manifests)
+    n = min(n, total)
+    rng = np.random.default_rng(seed)
+    picks = np.arange(total) if n == total else np.sort(rng.choice(total, size=n, replace=False))
+    out = np.empty((n, int(manifests[0]["dim"])), dtype=np.float32)
+    offset = filled = 0
+    for m in manifests:
+        count = int(m["count"])
+        local = picks[(picks >= offset) & (picks < offset + count)] - offset
+        if len(local):
+            out[filled:filled + len(local)] = open_shard(m)[local]
+            filled += len(local)
+        offset += count
+    return out
+
+
+def shard_ids(manifests: list[dict]) -> Iterator[str]:
+    """Stream the passage ids of shards in order (one per embedding row)."""
+    for m in manifests:
+        with open_text(m["ids"]) as f:
+            yield from (line.rstrip("\r\n") for line in f)

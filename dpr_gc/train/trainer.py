@@ -1,0 +1,398 @@
+"""Train a DPR retriever with Gradient Cache: one process or several under ``torchrun`` (DDP).
+
+The step: tokenised batches of B queries and B·(1+N+M) passages from :mod:`dpr_gc.data`, representations from
+:class:`~dpr_gc.model.Retriever` (the temperature is applied inside its forward, so a learnable one is trained and
+all-reduced like every other weight), the in-batch-negative loss from :mod:`dpr_gc.loss` over the global batch, and
+:class:`~dpr_gc.GradCache` to compute its exact gradient in chunk-sized memory (or one plain graph, for
+comparison). Checkpoints hold everything needed to continue mid-epoch with the same result. The settings are
+grouped in :mod:`dpr_gc.train_config`; checkpoints, RNG states and the other pieces around the step live in
+:mod:`dpr_gc.train_utils`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+from ..data.training import Collator, load_training_data, make_dataloader
+from ..base.devices import autocast_dtype
+from ..base.errors import DprGcError
+from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
+from ..engine.grad_cache import GradCache
+from ..model.lora import apply_lora
+from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
+from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
+from .config import TrainConfig, add_train_arguments, config_from_args
+from .utils import (Checkpointer, Towers, auto_chunk_size, build_retriever, capture_rng, check_sources,
+                          describe_training, gather_rng, restore_rng, seed_everything, setup_distributed,
+                          summary_table, tensorboard_writer)
+from .validation import evaluate_dev
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """One training run, one method per concern (the shape of DPR's ``BiEncoderTrainer``).
+
+    The constructor builds the parts in order -- :meth:`build_model`, :meth:`build_data`, :meth:`build_loss`,
+    :meth:`wrap_model`, :meth:`chunk_sizes`, :meth:`build_optimizer`, :meth:`build_scheduler`, :meth:`build_cache`
+    (no :class:`GradCache` in plain training) -- and :meth:`fit` runs the loop: :meth:`resume` (or a fresh start),
+    :meth:`train_step` per batch, :meth:`evaluate` on the dev set, :meth:`save` for checkpoints. ``on_backward(step,
+    retriever)`` is called after each step's gradients are complete, before clipping and the optimizer step (used to
+    compare gradients in tests).
+    """
+
+    def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> None:
+        self.config, self.on_backward = config, on_backward
+        check_sources(config.data, config.run.output_dir)
+        self.owns_group = not dist.is_initialized()
+        self.rank, self.world, self.device = setup_distributed(config.run.device)
+        self.owns_group = self.owns_group and dist.is_initialized()
+        seed_everything(config.run.seed)
+        self.out = Path(config.run.output_dir)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.retriever = self.build_model()
+        self.data, self.collator, self.loader = self.build_data()
+        self.sampler = self.loader.batch_sampler
+        self.steps_per_epoch = self.sampler.batches_per_epoch
+        self.total_steps = config.optim.max_steps or self.steps_per_epoch * config.optim.epochs
+        self.eval_every, self.save_every = self.schedule()
+        self.passages_per_query = config.data.passages_per_query
+        self.effective_batch = config.data.batch_size * self.world
+        self.loss_fn = self.build_loss()
+        self.towers, self.model = self.wrap_model()
+        self.chunks = self.chunk_sizes() if config.cache.enabled else None
+        self.params, self.optimizer = self.build_optimizer()
+        self.scheduler = self.build_scheduler()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.optim.precision == "fp16")
+        self.cache = self.build_cache()
+        self.checkpointer = Checkpointer(self.out, config.run.keep_checkpoints, config.run.best_metric,
+                                         self.rank == 0, self.retriever if config.run.fsdp else None)
+        self.metrics_file = self.out / "metrics.jsonl"
+        self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
+        self.started, self.board, self.bar = time.perf_counter(), None, None
+
+    # ----------------------------------------------------------------- building
+    def build_model(self) -> Retriever:
+        """The retriever in training mode on this rank's device, with LoRA adapters (only they train in the
+        transformers), gradient checkpointing or frozen position embeddings when asked."""
+        retriever = build_retriever(self.config.model).to(self.device)
+        if self.config.model.lora is not None:
+            apply_lora(retriever, self.config.model.lora)
+        retriever.train()
+        if self.config.model.gradient_checkpointing:
+            enable_gradient_checkpointing(retriever)
+        if self.config.model.freeze_position_embeddings:
+            logger.info("froze %d position-embedding weights", freeze_position_embeddings(retriever))
+        return retriever
+
+    def build_data(self) -> tuple[Any, Collator, torch.utils.data.DataLoader]:
+        """The parsed training sources, the collator that tokenises them, and this rank's DataLoader."""
+        config = self.config.data
+        data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
+        collator = Collator(self.retriever.tokenizer, self.retriever.config)
+        loader = make_dataloader(data, collator, config.batch_size, hard_negatives=config.hard_negatives,
+                                 other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
+                                 rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
+                                 world_size=self.world, num_workers=config.num_workers,
+                                 pin_memory=self.device.type == "cuda")
+        return data, collator, loader
+
+    def schedule(self) -> tuple[Optional[int], Optional[int]]:
+        """Steps between dev evaluations and between checkpoints (GC-DPR's ``--eval_per_epoch`` evaluates and saves
+        N times an epoch)."""
+        run = self.config.run
+        eval_every, save_every = run.eval_every, run.save_every
+        if run.eval_per_epoch:
+            eval_every = max(1, -(-self.steps_per_epoch // run.eval_per_epoch))
+            save_every = save_every or eval_every
+            logger.info("%d dev evaluation(s) per epoch: every %d steps", run.eval_per_epoch, eval_every)
+        return eval_every, save_every
+
+    def build_loss(self) -> SimpleContrastiveLoss:
+        """In-batch-negative InfoNCE, over the global batch of every rank under torchrun."""
+        loss_cls = DistributedContrastiveLoss if self.world > 1 else SimpleContrastiveLoss
+        return loss_cls(self.passages_per_query - 1, symmetric=self.config.optim.symmetric,
+                        loss_chunk_size=self.config.cache.loss_chunk_size)
+
+    def wrap_model(self) -> tuple[Towers, nn.Module]:
+        """The towers module, and what the step calls: the towers themselves or their DDP wrapper. Under ``--fsdp``
+        the retriever is sharded in place (it is the FSDP root, so Gradient Cache and dev validation call it
+        directly) and the towers hold it for plain training."""
+        towers = Towers(self.retriever)
+        if self.config.run.fsdp:
+            if self.world == 1:
+                raise DprGcError("--fsdp shards the model over the ranks of torchrun: launch with torchrun "
+                                 "--nproc_per_node N (N > 1), or train without --fsdp")
+            if self.config.run.fsdp_cpu_offload and self.device.type == "cpu":
+                raise DprGcError("--fsdp-cpu-offload moves GPU weights to the CPU between uses; this run is already "
+                                 "on the CPU: drop the flag")
+            shard_retriever(self.retriever, self.config.optim.precision, self.config.run.fsdp_cpu_offload)
+            return towers, towers
+        if self.world == 1:
+            return towers, towers
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return towers, DistributedDataParallel(towers, device_ids=device_ids,
+                                               find_unused_parameters=not self.retriever.config.shared_encoder)
+
+    def chunk_sizes(self) -> tuple[int, int]:
+        """Gradient Cache's query and passage chunk sizes (``auto`` probes the device), checked against the batch."""
+        batch_size, cache = self.config.data.batch_size, self.config.cache
+        passages = batch_size * self.passages_per_query
+        q_chunk, p_chunk = cache.query_chunk_size, cache.passage_chunk_size
+        if "auto" in (q_chunk, p_chunk):
+            auto = auto_chunk_size(self.towers, self.collator, self.device, passages, self.config.optim.precision)
+            q_chunk = min(auto, batch_size) if q_chunk == "auto" else q_chunk
+            p_chunk = auto if p_chunk == "auto" else p_chunk
+            logger.info("auto chunk size: query %s, passage %s", q_chunk, p_chunk)
+        if q_chunk > batch_size:
+            raise DprGcError(f"--query-chunk-size {q_chunk} is larger than --batch-size {batch_size}: "
+                             "use a chunk of at most the batch (or --no-grad-cache)")
+        if p_chunk > passages:
+            raise DprGcError(f"--passage-chunk-size {p_chunk} is larger than the {passages} passages of a batch: "
+                             "use a chunk of at most that (or --no-grad-cache)")
+        return int(q_chunk), int(p_chunk)
+
+    def build_optimizer(self) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+        """The trainable parameters and AdamW over them, without weight decay on biases, LayerNorm weights and the
+        temperature."""
+        no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "tau.log_value")
+        named = [(n, p) for n, p in self.towers.named_parameters() if p.requires_grad]
+        decay = [p for n, p in named if not any(k in n for k in no_decay)]
+        rest = [p for n, p in named if any(k in n for k in no_decay)]
+        optim = self.config.optim
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
+                                       {"params": rest, "weight_decay": 0.0}],
+                                      lr=optim.learning_rate, eps=optim.adam_eps, betas=tuple(optim.adam_betas))
+        return [p for _, p in named], optimizer
+
+    def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        """Linear warm-up to the learning rate, then linear decay to zero at the last step."""
+        warmup, total = self.config.optim.warmup_steps, self.total_steps
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup))))
+
+    def build_cache(self) -> Optional[GradCache]:
+        """Gradient Cache over the (possibly DDP-wrapped) towers; None in plain training."""
+        if self.chunks is None:
+            return None
+        precision = self.config.optim.precision
+        model = self.retriever if self.config.run.fsdp else self.model
+        return GradCache([model, model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
+                         scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True)
+
+    # ----------------------------------------------------------------- state
+    def start_fresh(self) -> None:
+        """A new run: refuse a folder that holds checkpoints, and clear an old metrics file."""
+        if self.checkpointer.checkpoints():
+            raise DprGcError(f"{self.out} already holds checkpoints: pass --resume latest to continue, "
+                             "or choose a new --output")
+        if self.rank == 0:
+            self.metrics_file.unlink(missing_ok=True)
+
+    def resume(self, checkpoint: str) -> None:
+        """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
+        place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped."""
+        state = self.checkpointer.load(checkpoint, self.retriever, self.optimizer, self.scheduler, self.scaler,
+                                       self.device)
+        self.sampler.load_state_dict(state["sampler"])
+        self.step, self.epoch = state["step"], state["sampler"]["epoch"]
+        restore_rng(state["rng"][self.rank] if isinstance(state["rng"], list) else state["rng"])
+        logger.info("resumed from step %d (epoch %d, %d batches into it)", self.step, self.epoch,
+                    state["sampler"]["batches_done"])
+
+    def save(self, record: dict, done_in_epoch: int, rng: dict) -> None:
+        """Write ``checkpoint-STEP/`` with everything :meth:`resume` needs (``rng``: the state after this step)."""
+        self.checkpointer.save(self.step, self.retriever, self.optimizer, self.scheduler, self.scaler,
+                               self.sampler.state_dict(done_in_epoch), gather_rng(rng, self.world), record)
+
+    def export(self) -> Optional[Retriever]:
+        """The retriever to save, on rank 0 (None elsewhere): the trained one, or under ``--fsdp`` an unsharded
+        copy gathered from every rank (so all ranks must call this)."""
+        if not self.config.run.fsdp:
+            return self.retriever if self.rank == 0 else None
+        def build() -> Retriever:
+            copy = build_retriever(self.config.model)
+            if self.config.model.lora is not None:
+                apply_lora(copy, self.config.model.lora)
+            copy.training_info = self.retriever.training_info
+            return copy
+
+        return unsharded_copy(self.retriever, build, self.rank == 0)
+
+    # ----------------------------------------------------------------- the step
+    def train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on one batch: the gradient (cached, or one plain graph), clipping, AdamW and the
+        schedule; returns the detached loss and the gradient norm before clipping."""
+        query, passage = dict(batch["query"]), dict(batch["passage"])
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.cache is not None:
+            loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"),
+                              no_sync_except_last=self.world > 1)
+        else:
+            loss = self.plain_backward(query, passage)
+        if self.on_backward is not None:
+            self.on_backward(self.step, self.retriever)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = self.clip_gradients()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        return loss, grad_norm
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip the global gradient norm of the trainable parameters to ``optim.max_grad_norm``; returns the norm
+        before clipping."""
+        if self.config.run.fsdp:
+            return clip_grad_norm(self.params, self.config.optim.max_grad_norm)
+        return torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
+
+    def plain_backward(self, query: dict, passage: dict) -> torch.Tensor:
+        """The full-batch gradient in one graph (no Gradient Cache): the baseline that Gradient Cache must equal."""
+        query = {k: v.to(self.device) for k, v in query.items()}
+        passage = {k: v.to(self.device) for k, v in passage.items()}
+        dtype = autocast_dtype(self.config.optim.precision)
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            q, p = self.model(query=query, passage=passage)
+        loss = self.loss_fn(q.float(), p.float())
+        self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def evaluate(self) -> dict:
+        """Dev validation (DPR's in-batch loss and accuracy, and average rank) as ``dev_*`` metrics. A sharded model
+        runs the same forwards on every rank (each all-gathers its blocks), so each rank evaluates the whole set."""
+        config = self.config
+        metrics = evaluate_dev(self.retriever, config.data.dev_file, config.data.dev, config.data.cache_dir,
+                               split_over_ranks=not config.run.fsdp)
+        logger.info("dev validation over %d questions and %d passages", metrics.pop("questions"),
+                    metrics.pop("passages"))
+        self.retriever.train()
+        return {f"dev_{k}": v for k, v in metrics.items()}
+
+    # ----------------------------------------------------------------- the loop
+    def fit(self) -> dict:
+        """Train to the last step (continuing ``config.run.resume`` when given); returns the run's summary."""
+        if self.config.run.resume:
+            self.resume(self.config.run.resume)
+        else:
+            self.start_fresh()
+        self.retriever.training_info.update(describe_training(self.config, self.data.stats, self.world,
+                                                              self.chunks, self.total_steps))
+        self.retriever.training_info["steps"] = self.step
+        self.announce()
+        if self.config.data.dev_file and self.step == 0:
+            initial = {"step": 0, **self.evaluate()}
+            self.checkpointer.log(self.metrics_file, initial)
+            logger.info("dev before training: %s", {k: round(v, 4) for k, v in initial.items()})
+        self.board = tensorboard_writer(self.out) if self.rank == 0 else None
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
+                        dynamic_ncols=True)
+        self.started = time.perf_counter()
+        while self.step < self.total_steps:
+            self.train_epoch()
+            self.epoch += 1
+        self.bar.close()
+        if self.board is not None:
+            self.board.close()
+        return self.finish()
+
+    def announce(self) -> None:
+        if self.rank == 0:
+            config = self.config
+            logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, "
+                        "%s", self.total_steps, config.data.batch_size, self.world, self.effective_batch,
+                        self.passages_per_query, f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}"
+                        if self.chunks else "plain training", config.optim.precision)
+
+    def train_epoch(self) -> None:
+        """The rest of the current epoch (all of it, unless resumed inside it), stopping at the last step."""
+        self.sampler.set_epoch(self.epoch)
+        done_in_epoch = self.steps_per_epoch - len(self.sampler)
+        for batch in self.loader:
+            loss, grad_norm = self.train_step(batch)
+            self.step, done_in_epoch = self.step + 1, done_in_epoch + 1
+            self.examples += self.effective_batch
+            self.after_step(self.record(loss, grad_norm), done_in_epoch)
+            if self.step >= self.total_steps:
+                break
+
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
+        """The step's metrics record (and the progress bar's line). Under torchrun each rank's loss is the mean over
+        its own queries, so the record holds their mean: the loss of the global batch."""
+        if self.world > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss = loss / self.world
+        self.last_loss = float(loss)
+        rate = self.examples / (time.perf_counter() - self.started)
+        lr = self.scheduler.get_last_lr()[0]
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{self.last_loss:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.1f}")
+        return {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr,
+                "grad_norm": float(grad_norm), "examples_per_s": rate,
+                "temperature": float(self.retriever.temperature.detach())}
+
+    def after_step(self, record: dict, done_in_epoch: int) -> None:
+        """Evaluate, log and save when due. Dev validation must not move the training RNG, so the state after the
+        step is captured first, saved with the checkpoint and put back."""
+        rng = capture_rng()
+        last = self.step >= self.total_steps
+        self.retriever.training_info["steps"] = self.step
+        if self.config.data.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last):
+            record.update(self.evaluate())
+            self.retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
+                                                dev_metrics_step=self.step)
+            self.checkpointer.update_best(self.step, self.export, record)
+        if self.step % self.config.run.log_every == 0 or last:
+            self.checkpointer.log(self.metrics_file, record)
+            if self.board is not None:
+                for key, value in record.items():
+                    self.board.add_scalar(f"train/{key}", value, self.step)
+        if (self.save_every and self.step % self.save_every == 0) or last:
+            self.save(record, done_in_epoch, rng)
+        restore_rng(rng)
+
+    def finish(self) -> dict:
+        """Save ``final/``, print the summary table, and return the summary."""
+        seconds = time.perf_counter() - self.started
+        summary = {"steps": self.step, "effective_batch": self.effective_batch,
+                   "passages_per_query": self.passages_per_query,
+                   "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
+                   "final_loss": self.last_loss, "seconds": seconds,
+                   "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
+                   "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
+                   "metrics_file": str(self.metrics_file)}
+        final = self.export()
+        if final is not None:
+            final.save(self.out / "final")
+            print(summary_table(summary))
+        if dist.is_initialized():
+            dist.barrier()
+        if self.owns_group:  # torn down here, not at interpreter exit (where gloo's threads could abort the rank)
+            dist.destroy_process_group()
+        return summary
+
+
+def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> dict:
+    """Run training (see :class:`Trainer`); returns a summary (steps, examples/s, best metric, output folders)."""
+    return Trainer(config, on_backward).fit()
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``train`` (its flags: :func:`dpr_gc.train_config.add_train_arguments`)."""
+    p = subparsers.add_parser("train", help="train a retriever with Gradient Cache (DPR files or BEIR folders)")
+    add_train_arguments(p)
+    p.set_defaults(func=_cli_train)
+
+
+def _cli_train(args: Any) -> None:
+    train(config_from_args(args))

@@ -1,0 +1,394 @@
+"""What the trainer needs around the step: the process group, the module DDP wraps, checkpoints, RNG snapshots,
+chunk-size probing, TensorBoard and the summary table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..base.devices import autocast_dtype, default_device
+from ..model.dpr_hub import find_dpr_pair
+from ..base.errors import DprGcError
+from ..base.files import atomic_open, read_json, read_tensors
+from ..model.retriever import Retriever, RetrieverConfig
+from ..base.tables import format_summary
+from .config import DataConfig, ModelConfig, TrainConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_CHUNK_SIZE = 32
+
+
+def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
+    """Join the ``torchrun`` process group when its environment is set (nccl on GPU, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = torch.device(default_device(device))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, (dist.get_world_size() if dist.is_initialized() else 1), dev
+
+
+def check_sources(data: DataConfig, output: str) -> None:
+    """Refuse a missing training or dev source, or no output folder, before anything is built."""
+    if not data.train_files or not output:
+        raise DprGcError("training needs training data (--train) and an output folder (--output)")
+    for source in data.train_files + ([data.dev_file] if data.dev_file else []):
+        if not Path(source).exists():
+            raise DprGcError(f"training data not found: {source} (give DPR files or BEIR folders)")
+
+
+def build_retriever(model: ModelConfig) -> Retriever:
+    """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
+    replace its own); any other model name or folder starts a new one from ``model.retriever``."""
+    name = model.path()
+    if (Path(name) / "retriever_config.json").is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
+        retriever = Retriever.load(name, query_prefix=model.query_prefix, passage_prefix=model.passage_prefix)
+        if model.retriever is not None:
+            logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", name)
+        return retriever
+    prefixes = {k: v for k, v in (("query_prefix", model.query_prefix), ("passage_prefix", model.passage_prefix))
+                if v is not None}
+    return Retriever.from_pretrained(name, dataclasses.replace(model.retriever or RetrieverConfig(), **prefixes))
+
+
+def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks: Optional[tuple[int, int]],
+                      total_steps: int) -> dict:
+    """What the model card records about this run (steps and dev metrics are added as they happen)."""
+    data, optim = config.data, config.optim
+    return {"base_model": config.model.path(),
+            "train_data": [{"file": s["source"], "records": s["records"], "kept": s["kept"]} for s in stats],
+            "dev_file": data.dev_file,
+            "loss": f"InfoNCE (softmax cross-entropy of scores / temperature) over the batch's "
+                    f"{data.passages_per_query} passages per query and every other query's passages"
+                    + (", symmetric" if optim.symmetric else ""),
+            "batch_size": data.batch_size * world, "batch_size_per_rank": data.batch_size, "world_size": world,
+            "hard_negatives": data.hard_negatives, "other_negatives": data.other_negatives,
+            "grad_cache": config.cache.enabled, "query_chunk_size": chunks[0] if chunks else None,
+            "passage_chunk_size": chunks[1] if chunks else None, "learning_rate": optim.learning_rate,
+            "warmup_steps": optim.warmup_steps, "epochs": optim.epochs, "total_steps": total_steps,
+            "precision": optim.precision, "seed": config.run.seed, "steps": 0}
+
+
+class Towers(nn.Module):
+    """What DDP wraps: ``forward(kind=..., **batch)`` encodes one side (Gradient Cache chunks);
+    ``forward(query=..., passage=...)`` encodes both in one call (plain training needs one forward per backward)."""
+
+    def __init__(self, retriever: Retriever) -> None:
+        super().__init__()
+        self.retriever = retriever
+
+    def forward(self, kind: Optional[str] = None, query: Any = None, passage: Any = None, **batch: torch.Tensor) -> Any:
+        if kind is not None:
+            return self.retriever(kind, **batch)
+        return self.retriever("query", **query), self.retriever("passage", **passage)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the model's initial weights and dropout depend on them)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def capture_rng() -> dict:
+    """Python, NumPy, torch CPU and CUDA generator states."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+STATE_JSON = "train_state.json"
+SHARDED = "sharded"  # a checkpoint's FSDP weights and optimizer state (torch.distributed.checkpoint)
+STATE_TENSORS = "train_state.safetensors"
+LEGACY_STATE = "state.pt"
+
+
+def to_plain(obj: Any, key: str, tensors: dict) -> Any:
+    """``obj`` as JSON-ready data, its tensors and arrays moved into ``tensors`` (for safetensors) under ``key``.
+
+    Dicts become key/value pair lists and tuples are marked, so int keys (optimizer state) and tuples (Python's RNG
+    state) come back as they were; floats survive JSON exactly (``repr`` round-trips).
+    """
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach().cpu().contiguous().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        tensors[key] = torch.from_numpy(obj.astype(np.int64) if obj.dtype.kind in "ui" else obj.copy())
+        return {"__ndarray__": key, "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        return {"__dict__": [[k, to_plain(v, f"{key}.{i}", tensors)] for i, (k, v) in enumerate(obj.items())]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [to_plain(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [to_plain(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot store a {type(obj).__name__} in the training state ({key})")
+
+
+def from_plain(obj: Any, tensors: dict, source: Path) -> Any:
+    """Invert :func:`to_plain`."""
+    if isinstance(obj, list):
+        return [from_plain(v, tensors, source) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__dict__" in obj:
+        return {k: from_plain(v, tensors, source) for k, v in obj["__dict__"]}
+    if "__tuple__" in obj:
+        return tuple(from_plain(v, tensors, source) for v in obj["__tuple__"])
+    key = obj.get("__tensor__", obj.get("__ndarray__"))
+    if key not in tensors:
+        raise DprGcError(f"{source}: tensor {key!r} is missing from {STATE_TENSORS}; the checkpoint is damaged")
+    if "__ndarray__" in obj:
+        return tensors[key].numpy().astype(obj["dtype"])
+    return tensors[key]
+
+
+def write_state(folder: Path, state: dict) -> None:
+    """Write the training state as ``train_state.json`` plus ``train_state.safetensors`` (no pickle)."""
+    from safetensors.torch import save_file
+
+    tensors: dict = {}
+    plain = to_plain(state, "state", tensors)
+    save_file(tensors, str(folder / STATE_TENSORS))
+    with open(folder / STATE_JSON, "w", encoding="utf-8") as f:
+        json.dump(plain, f)
+
+
+def read_state(folder: Path) -> dict:
+    """Read the training state of a checkpoint folder without unpickling anything.
+
+    A folder from before this format (``state.pt``) is read with ``torch.load(weights_only=True)``, which admits
+    tensors and NumPy arrays only.
+    """
+    if not (folder / STATE_JSON).is_file() and (folder / LEGACY_STATE).is_file():
+        with torch.serialization.safe_globals(numpy_globals()):
+            return read_tensors(folder / LEGACY_STATE)
+    tensors = read_tensors(folder / STATE_TENSORS)
+    try:
+        state = from_plain(read_json(folder / STATE_JSON), tensors, folder / STATE_JSON)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        state = None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise DprGcError(f"{folder / STATE_JSON}: not a dpr-gc training state; resume from another checkpoint")
+    return state
+
+
+def numpy_globals() -> list:
+    """The NumPy names an old ``state.pt`` needs (NumPy's RNG state is an array): data types, not code."""
+    from numpy.dtypes import UInt32DType
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, UInt32DType]
+
+
+def finished_checkpoints(out: Path) -> list[Path]:
+    """The finished ``checkpoint-STEP`` folders in ``out``, oldest first."""
+    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[1].isdigit()
+             and ((p / STATE_JSON).is_file() or (p / LEGACY_STATE).is_file())]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+class Checkpointer:
+    """Writes ``checkpoint-STEP/`` folders (model in Hugging Face format, the training state as JSON + safetensors)
+    atomically, keeps the last few, keeps a copy of the best model in ``best/`` by the chosen dev metric, and
+    reloads them for ``--resume``."""
+
+    def __init__(self, out: Path, keep: int, metric: str, is_main: bool, sharded: Optional[nn.Module] = None) -> None:
+        self.out, self.keep, self.metric, self.is_main = out, max(1, keep), metric, is_main
+        self.sharded = sharded  # an FSDP model: its weights and optimizer state go to sharded/ (every rank writes)
+        self.best_value: Optional[float] = None
+        self.best_path: Optional[str] = None
+
+    def _better(self, value: float) -> bool:
+        if self.best_value is None:
+            return True
+        return value > self.best_value if self.metric == "accuracy" else value < self.best_value
+
+    def checkpoints(self) -> list[Path]:
+        return finished_checkpoints(self.out)
+
+    def log(self, path: Path, record: dict) -> None:
+        if self.is_main:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def update_best(self, step: int, export: Callable[[], Optional[Retriever]], record: dict) -> None:
+        """Save the model to ``best/`` (atomically) when the record's dev metric beats the best so far (``export``:
+        the retriever to save on the main rank, called on every rank)."""
+        value = record.get(f"dev_{self.metric}")
+        if value is None or not self._better(value):
+            return
+        self.best_value, self.best_path = float(value), str(self.out / "best")
+        retriever = export()
+        if self.is_main:
+            tmp = self.out / ".best.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            retriever.save(tmp)
+            shutil.rmtree(self.out / "best", ignore_errors=True)
+            tmp.rename(self.out / "best")
+            logger.info("new best dev %s %.4f at step %d -> %s", self.metric, value, step, self.best_path)
+
+    def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
+             rng: Any, record: dict) -> None:
+        tmp = self.out / f".checkpoint-{step}.tmp"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if self.sharded is not None:
+            from ..model.fsdp import save_sharded
+
+            dist.barrier()
+            save_sharded(tmp / SHARDED, self.sharded, optimizer)
+        if self.is_main:
+            if self.sharded is None:
+                retriever.save(tmp / "model")
+            optim_state = optimizer.state_dict() if self.sharded is None else None
+            write_state(tmp, {"step": step, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
+                              "scaler": scaler.state_dict(), "sampler": sampler_state, "rng": rng, "record": record,
+                              "best": [self.best_value, self.best_path]})
+            final = self.out / f"checkpoint-{step}"
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            for old in self.checkpoints()[:-self.keep]:
+                shutil.rmtree(old)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def resolve(self, resume: str) -> Path:
+        if resume == "latest":
+            found = self.checkpoints()
+            if not found:
+                raise DprGcError(f"--resume latest: no finished checkpoint in {self.out}")
+            return found[-1]
+        path = Path(resume)
+        if not (path / STATE_JSON).is_file() and not (path / LEGACY_STATE).is_file():
+            raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/{STATE_JSON})")
+        return path
+
+    def load(self, resume: str, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any,
+             device: torch.device) -> dict:
+        path = self.resolve(resume)
+        state = read_state(path)
+        if (self.sharded is None) == (path / SHARDED).is_dir():
+            written = "with" if self.sharded is None else "without"
+            raise DprGcError(f"{path}: this checkpoint was written {written} --fsdp; resume it the same way")
+        try:
+            if self.sharded is not None:
+                from ..model.fsdp import load_sharded
+
+                load_sharded(path / SHARDED, self.sharded, optimizer)
+            else:
+                retriever.load_state_dict(Retriever.load(path / "model").state_dict())
+                optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            self.best_value, self.best_path = state["best"]
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise DprGcError(f"{path}: this checkpoint does not fit the run ({str(e).splitlines()[0][:200]}); "
+                             "resume with the settings it was made with, or from another checkpoint") from None
+        if self.is_main:
+            truncate_metrics(self.out / "metrics.jsonl", state["step"])
+        return state
+
+
+def truncate_metrics(metrics: Path, step: int) -> None:
+    """Keep the records of ``metrics.jsonl`` up to ``step``; a partial last line (the writer was killed) is dropped."""
+    if not metrics.is_file():
+        return
+    lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                logger.warning("%s: dropped a partial last line (the run was interrupted while writing it)", metrics)
+                break
+            raise DprGcError(f"{metrics}:{number}: invalid JSON; fix or delete that line, then resume") from None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+    with atomic_open(metrics) as f:
+        f.write("".join(line + "\n" for line in kept))
+
+
+def auto_chunk_size(towers: nn.Module, collator: Any, device: torch.device, max_rows: int, precision: str) -> int:
+    """The largest power-of-two chunk whose forward+backward at full passage length fits in 80% of GPU memory after
+    room for AdamW's states; on CPU, where memory is rarely the limit, a chunk of 32 rows keeps the cores busy."""
+    if device.type != "cuda":
+        return min(CPU_CHUNK_SIZE, max_rows)
+    params = sum(p.numel() * p.element_size() for p in towers.parameters() if p.requires_grad)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = 0.8 * free - 2 * params
+    dtype = autocast_dtype(precision)
+    text = " ".join(["passage"] * collator.config.passage_max_length)
+    best, rows = 1, 8
+    while rows <= max_rows:
+        batch = collator.tokenize_passages([""] * rows, [text] * rows)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        try:
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                towers(kind="passage", **batch).float().sum().backward()
+            peak = torch.cuda.max_memory_allocated(device) - start
+        except torch.cuda.OutOfMemoryError:
+            peak = float("inf")
+        towers.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        if peak > budget:
+            break
+        best, rows = rows, rows * 2
+    return min(max(best, 1), max_rows)
+
+
+def gather_rng(rng: dict, world: int) -> Union[dict, list]:
+    """Every rank's RNG state (a checkpoint restores each rank's own)."""
+    if world == 1:
+        return rng
+    states: list = [None] * world
+    dist.all_gather_object(states, rng)
+    return states
+
+
+def tensorboard_writer(out: Path) -> Any:
+    """A TensorBoard writer into ``out/tensorboard`` when the tensorboard package is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def summary_table(summary: dict) -> str:
+    rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
+            ("passages per query", summary["passages_per_query"]),
+            ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
+            ("precision", summary["precision"]), ("final loss", f"{summary['final_loss']:.4f}"),
+            ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
+            ("best dev", summary["best"]), ("model", summary["final_model"])]
+    return format_summary(dict(rows), ("training", ""))

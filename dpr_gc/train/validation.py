@@ -1,0 +1,129 @@
+"""Dev-set validation during training, bounded the way DPR bounds it.
+
+At most ``max_questions`` dev questions are read (the first ones, in file order), each bringing its first positive,
+its first ``hard_negatives`` hard negatives and first ``other_negatives`` other negatives into one passage pool
+(deduplicated by id, else text); DPR's average rank is the 1-based rank of each gold passage among the whole pool.
+The score matrix is computed in row blocks, so memory depends on these caps and never on the dev set's size. Under
+``torch.distributed`` each rank embeds and ranks its own share (the work is done once, not once per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..base.errors import DprGcError
+
+SCORE_BLOCK_ELEMENTS = 1 << 24  # questions x passages scored at once (64 MB of fp32)
+
+
+@dataclasses.dataclass
+class DevLimits:
+    """DPR's ``val_av_rank_*`` caps: questions read, and negatives of each kind each question adds to the pool."""
+
+    max_questions: int = 10000
+    hard_negatives: int = 30
+    other_negatives: int = 30
+    batch_size: int = 64
+    encode_batch_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_questions < 1 or self.batch_size < 1 or (self.encode_batch_size or 1) < 1:
+            raise DprGcError("--dev-max-questions, --dev-batch-size and --dev-encode-batch-size must be >= 1")
+        if self.hard_negatives < 0 or self.other_negatives < 0:
+            raise DprGcError("--dev-hard-negatives and --dev-other-negatives must be >= 0")
+
+
+def dev_pool(dataset: Any, limits: DevLimits) -> tuple[list[str], list[tuple[str, str]], list[int]]:
+    """``(questions, passages as (title, text), gold passage index per question)`` within ``limits``."""
+    head = dataset.select(range(min(limits.max_questions, len(dataset))))
+    questions, gold, pool = [], [], {}
+    for row in head.select_columns(["question", "positives", "hard_negatives", "negatives"]):
+        contexts = (row["positives"][:1] + row["hard_negatives"][:limits.hard_negatives]
+                    + row["negatives"][:limits.other_negatives])
+        for ctx in contexts:
+            pool.setdefault(ctx["id"] or ctx["text"], (len(pool), ctx["title"], ctx["text"]))
+        questions.append(row["question"])
+        gold.append(pool[contexts[0]["id"] or contexts[0]["text"]][0])
+    return questions, [(title, text) for _, title, text in pool.values()], gold
+
+
+def gold_ranks(q: torch.Tensor, p: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
+    """1-based rank of each question's gold passage among all passages, scoring a block of questions at a time."""
+    block = max(1, SCORE_BLOCK_ELEMENTS // max(1, len(p)))
+    ranks = []
+    for start in range(0, len(q), block):
+        scores = q[start:start + block] @ p.T
+        gold_scores = scores[torch.arange(len(scores)), gold[start:start + block]]
+        ranks.append((scores > gold_scores[:, None]).sum(1) + 1)
+    return torch.cat(ranks)
+
+
+@torch.no_grad()
+def evaluate_dev(retriever: Any, dev_file: str, limits: DevLimits, cache_dir: Optional[str],
+                 split_over_ranks: bool = True) -> dict:
+    """In-batch loss and top-1 accuracy over the dev questions in batches of ``limits.batch_size`` (their gold
+    passages as the candidates), and DPR's average rank of each gold passage in the bounded pool.
+
+    Under ``torch.distributed`` each rank embeds and ranks its own share and the results are gathered, so every
+    rank returns the same metrics for the work of one; ``split_over_ranks=False`` has every rank do all of it (an
+    FSDP model, whose forwards are collective).
+    """
+    from ..data.training import load_training_data
+
+    dataset = load_training_data([dev_file], cache_dir).dataset
+    questions, passages, gold = dev_pool(dataset, limits)
+    device = next(retriever.parameters()).device
+    split = dist.is_initialized() and split_over_ranks
+    rank, world = (dist.get_rank(), dist.get_world_size()) if split else (0, 1)
+    encode_batch = limits.encode_batch_size or limits.batch_size
+    q = _embed_shared(retriever, "query", questions, None, encode_batch, device, rank, world)
+    titles, texts = (list(column) for column in zip(*passages))
+    p = _embed_shared(retriever, "passage", texts, titles, encode_batch, device, rank, world)
+    gold_t = torch.tensor(gold, device=device)
+    temperature = float(retriever.temperature)
+    lo, hi = _share(len(gold), rank, world)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, rank sum
+    for start in range(0, len(gold), limits.batch_size):
+        qb, pb = q[start:start + limits.batch_size], p[gold_t[start:start + limits.batch_size]]
+        logits = qb @ pb.T / temperature
+        target = torch.arange(len(qb), device=device)
+        totals[0] += nn.functional.cross_entropy(logits, target, reduction="sum").double()
+        totals[1] += (logits.argmax(1) == target).sum()
+    totals[2] = gold_ranks(q[lo:hi], p, gold_t[lo:hi]).double().sum() if hi > lo else 0.0
+    if world > 1:
+        ranks_sum = totals[2:].clone()
+        dist.all_reduce(ranks_sum)
+        totals[2] = ranks_sum[0]
+    n = len(gold)
+    return {"loss": float(totals[0]) / n, "accuracy": float(totals[1]) / n, "avg_rank": float(totals[2]) / n,
+            "questions": n, "passages": len(passages)}
+
+
+def _share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous part of ``n`` rows (the last parts may be short or empty)."""
+    size = -(-n // world)
+    return min(n, rank * size), min(n, (rank + 1) * size)
+
+
+def _embed_shared(retriever: Any, kind: str, texts: list[str], titles: Optional[list[str]], batch_size: int,
+                  device: torch.device, rank: int, world: int) -> torch.Tensor:
+    """All rows' embeddings on ``device``; with several ranks each embeds its share and the shares are gathered."""
+    lo, hi = _share(len(texts), rank, world)
+    if hi > lo:
+        mine = retriever.embed(kind, texts[lo:hi], titles[lo:hi] if titles else None, batch_size=batch_size)
+        mine_t = torch.from_numpy(mine).to(device)
+    else:
+        mine_t = torch.zeros(0, retriever.dim, device=device)
+    if world == 1:
+        return mine_t
+    size = -(-len(texts) // world)
+    padded = torch.zeros(size, mine_t.shape[1], device=device)
+    padded[:len(mine_t)] = mine_t
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat(parts)[:len(texts)]
