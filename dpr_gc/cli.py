@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from . import pipeline
 from .data import stdlib_data, training as data
@@ -14,7 +14,7 @@ from .model import lora
 from .retrieval import encode, index, mine, retrieve
 from .train import trainer as train
 from .base.args import ArgumentParser
-from .base.errors import DprGcError
+from .base.errors import report_errors
 
 STAGES = (pipeline, stdlib_data, data, train, encode, index, retrieve, evaluate, mine, lora)
 
@@ -26,25 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
     for stage in STAGES:
         stage.add_cli(subparsers)
     return parser
-
-
-def report_errors(action: Callable[[], Any]) -> int:
-    """Run ``action`` as a command: a :class:`DprGcError` (or an ``OSError``, e.g. a full disk) becomes one
-    ``error: ...`` line on stderr and exit status 2, an interrupt exit status 130; an int result is the exit status,
-    anything else 0."""
-    try:
-        result = action()
-    except DprGcError as e:
-        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
-        return 2
-    except OSError as e:  # refused by the OS: permissions, a full disk, a folder where a file belongs
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}; check the path and free space", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: finished work is kept; run the same command again to resume", file=sys.stderr)
-        return 130
-    return result if isinstance(result, int) else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
