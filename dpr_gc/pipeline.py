@@ -113,7 +113,7 @@ def run_demo(config: DemoConfig) -> dict:
     from .model.retriever import Retriever
     from .data.stdlib_data import build_stdlib_dataset
     from .train.trainer import train
-    from .train.utils import finished_checkpoints
+    from .train.checkpoints import finished_checkpoints
 
     training = config.training
     torch.manual_seed(training.run.seed)

@@ -96,7 +96,7 @@ def test_pickled_legacy_state_pt_is_refused(trained, tmp_path, capsys):
 
 def test_legacy_state_pt_still_resumes(trained, tmp_path):
     """A ``state.pt`` written by the previous version (NumPy RNG state inside) resumes like the new format."""
-    from dpr_gc.train.utils import read_state
+    from dpr_gc.train.checkpoints import read_state
 
     run = copy_run(trained, tmp_path)
     ckpt = run / "checkpoint-2"
