@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SHARED_DATA
+from tests.helpers import SHARED_DATA
 from dpr_gc.data import training as D
 from dpr_gc.base import streams
 from dpr_gc.base.errors import DprGcError

@@ -286,7 +286,7 @@ def test_compiled_memory_is_flat_in_the_batch():
 
 def test_flax_encoder_loads_a_bert_checkpoint_and_matches_torch(tmp_path):
     torch = pytest.importorskip("torch")
-    from tests.conftest import tiny_bert
+    from tests.helpers import tiny_bert
 
     bert = tiny_bert(VOCAB, seed=3).eval()
     bert.save_pretrained(tmp_path)

@@ -143,6 +143,23 @@ def test_the_checks_see_imports_inside_functions(tmp_path: Path) -> None:
     assert cycle is not None and set(cycle) >= {"dpr_gc.model.a", "dpr_gc.model.b"}
 
 
+def test_test_files_share_helpers_not_each_other() -> None:
+    """Test files take shared builders from the helper modules (helpers, train_data, llm_models, ranks), never from
+    another test file or from conftest (fixtures reach tests through pytest)."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                leaf = name.split(".")[-1]
+                if name.startswith("tests.") and (leaf.startswith("test_") or leaf == "conftest") and \
+                        leaf != path.stem:
+                    bad.append(f"{path.name}:{node.lineno} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
 def test_engine_imports_alone() -> None:
     """The drop-in stays usable without the rest: importing dpr_gc.engine loads no retriever, data or training."""
     code = ("import sys, dpr_gc.engine.grad_cache, dpr_gc.engine.loss, dpr_gc.engine.functional; "

@@ -11,7 +11,7 @@ from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.evaluation.evaluate import evaluate_answers, qrels_metrics, read_qrels, read_results, read_run
 from dpr_gc.pipeline import DemoConfig, demo_training
-from tests.conftest import tiny_bert, write_vocab
+from tests.helpers import tiny_bert, write_vocab
 
 import pytest
 

@@ -17,8 +17,8 @@ from dpr_gc.cli import main
 from dpr_gc.engine.loss import TEMPERATURE_RANGE
 from dpr_gc.model.retriever import Retriever
 from dpr_gc.train.trainer import train
-from tests.test_encode import passages, write_corpus
-from tests.test_train import config, init_model, params
+from tests.helpers import passages, write_corpus
+from tests.train_data import init_model, model_params as params, task_config as config
 from tests.train_data import make_records, write_dpr
 
 

@@ -13,7 +13,7 @@ from dpr_gc.retrieval.encode import encode_block
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.model.tokenize import token_ids
 from dpr_gc.train.trainer import train
-from tests.test_train import init_model
+from tests.train_data import init_model
 from tests.train_data import make_records, train_config, write_dpr
 
 LONG_TITLE = " ".join(["science protein cell gene water music film book"] * 6)  # 48 words, > 32 tokens

@@ -19,7 +19,7 @@ from dpr_gc.model.retriever import Retriever
 from dpr_gc.cli import build_parser
 from dpr_gc.train.config import config_from_args
 from tests.ranks import run_ranks
-from tests.test_train import init_model
+from tests.train_data import init_model
 
 
 def dev_records(n: int) -> list[dict]:
