@@ -91,6 +91,7 @@ def check_step(encoders, loss, params, batches, chunk, reference, key=None):
     return want
 
 
+@pytest.mark.slow  # ~20 CPU-seconds or more (measured)
 def test_separate_encoders_hard_negatives_learnable_temperature_with_dropout():
     """Separate towers, two hard negatives, learnable temperature, dropout on with the same per-chunk keys."""
     config = EncoderConfig(**{**TINY.__dict__, "dropout": 0.2})

@@ -16,6 +16,7 @@ from tests.helpers import tiny_bert, write_vocab
 import pytest
 
 
+@pytest.mark.slow  # ~20 CPU-seconds or more (measured)
 def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
     model_dir.mkdir()

@@ -103,6 +103,7 @@ def worker(rank: int, tmp: str, model: str, dev: str, world: int) -> None:
         raise
 
 
+@pytest.mark.slow  # ~20 CPU-seconds or more (measured)
 @pytest.mark.parametrize("world", [3])
 def test_sharded_validation_equals_one_process(model: Path, tmp_path: Path, world: int) -> None:
     dev = write_dev(tmp_path / "dev.json", 9)
