@@ -78,7 +78,7 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
     from .data.corpus import load_corpus, read_queries
     from .retrieval.encode import encode_corpus, pick_precision
     from .evaluation.answers import default_workers
-    from .evaluation.evaluate import read_qrels
+    from .data.qrels import read_qrels
     from .retrieval.index import DenseIndex, IndexParams, build_index, index_exists
     from .retrieval.retrieve import retrieve_to_files
 
@@ -113,7 +113,7 @@ def run_demo(config: DemoConfig) -> dict:
     from .model.retriever import Retriever
     from .data.stdlib_data import build_stdlib_dataset
     from .train.trainer import train
-    from .train.utils import finished_checkpoints
+    from .train.checkpoints import finished_checkpoints
 
     training = config.training
     torch.manual_seed(training.run.seed)

@@ -33,7 +33,7 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.evaluation.evaluate import read_qrels, read_results, read_run
 from dpr_gc.retrieval.index import IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from tests.conftest import WORDS, tiny_bert
+from tests.helpers import tiny_bert, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=32, passage_max_length=32)

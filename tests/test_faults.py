@@ -22,8 +22,8 @@ from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.locks import exclusive_lock
 from dpr_gc.train.trainer import train
-from tests.test_encode import passages, write_corpus
-from tests.test_train import config, init_model
+from tests.helpers import passages, write_corpus
+from tests.train_data import init_model, task_config as config
 from tests.train_data import make_records, write_dpr
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,7 +234,7 @@ class Recording:
 def test_mine_resumes_after_an_interruption(tmp_path, name):
     from dpr_gc.data.corpus import load_corpus
     from dpr_gc.retrieval.mine import BM25Source, mine_to_file
-    from tests.test_mine import build_passages, questions
+    from tests.helpers import build_passages, questions
 
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in build_passages()))
     corpus = load_corpus(tmp_path / "corpus.jsonl", tmp_path / "cache")
@@ -260,7 +260,7 @@ def test_mine_resumes_after_an_interruption(tmp_path, name):
 
 
 def test_mine_cli_removes_temporaries_of_a_killed_run(tmp_path, capsys):
-    from tests.test_mine import build_passages, questions
+    from tests.helpers import build_passages, questions
 
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in build_passages()))
     (tmp_path / "train.json").write_text(json.dumps(questions()))

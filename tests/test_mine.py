@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import random
 
 import numpy as np
 import pytest
@@ -19,41 +18,9 @@ from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.retrieval.mine import (BM25Source, DenseSource, add_cli, iter_training_file, mine_hard_negatives, mine_to_file,
                          open_source)
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from tests.conftest import tiny_bert
+from tests.helpers import build_passages, N_EXTRA, questions, tiny_bert, TOPICS
 
-TOPICS = ["paris", "london", "river", "king", "music", "film"]
-FILLER = "the a of and to in is was for on with as by at from that this it are be or an which".split()
 CONFIG = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=32, passage_max_length=48)
-N_EXTRA = 4  # distractors per question: the only passages of a topic that are fair negatives
-
-
-def gold_text(i: int, topic: str) -> str:
-    return f"{topic} {topic} science about zeta{i} book water"
-
-
-def build_passages() -> list[dict]:
-    """Per topic: a gold passage, a copy of it under another id, two answer-bearing passages, a qrels positive and
-    four distractors; plus filler. Answer ``zeta<i>`` appears only in passages of question i."""
-    rng = random.Random(0)
-    out = []
-    for i, t in enumerate(TOPICS):
-        gold = gold_text(i, t)
-        out += [{"id": f"g{i}", "title": t, "text": gold}, {"id": f"dup{i}", "title": "", "text": gold},
-                {"id": f"a{i}x", "title": t, "text": f"{t} city gene zeta{i}"},
-                {"id": f"a{i}y", "title": "", "text": f"zeta{i} is what {t} war was"},
-                {"id": f"r{i}", "title": t, "text": f"{t} protein cell science"}]
-        out += [{"id": f"d{i}_{j}", "title": t if j % 2 else "", "text": f"{t} " + " ".join(rng.sample(FILLER, 6))}
-                for j in range(N_EXTRA)]
-    out += [{"id": f"f{j}", "title": "", "text": " ".join(rng.sample(FILLER, 8))} for j in range(6)]
-    return out
-
-
-def questions() -> list[dict]:
-    return [{"id": f"q{i}", "question": f"{t} science zeta{i}", "answers": [f"zeta{i}"], "source": "made up",
-             "positive_ctxs": [{"passage_id": f"g{i}", "title": t, "text": gold_text(i, t)}]}
-            for i, t in enumerate(TOPICS)]
-
-
 QRELS = {f"q{i}": {f"r{i}": 1, f"d{i}_0": 0} for i in range(len(TOPICS))}
 
 

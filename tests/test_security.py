@@ -17,8 +17,8 @@ from dpr_gc.cli import main
 from dpr_gc.engine.loss import TEMPERATURE_RANGE
 from dpr_gc.model.retriever import Retriever
 from dpr_gc.train.trainer import train
-from tests.test_encode import passages, write_corpus
-from tests.test_train import config, init_model, params
+from tests.helpers import passages, write_corpus
+from tests.train_data import init_model, model_params as params, task_config as config
 from tests.train_data import make_records, write_dpr
 
 
@@ -96,7 +96,7 @@ def test_pickled_legacy_state_pt_is_refused(trained, tmp_path, capsys):
 
 def test_legacy_state_pt_still_resumes(trained, tmp_path):
     """A ``state.pt`` written by the previous version (NumPy RNG state inside) resumes like the new format."""
-    from dpr_gc.train.utils import read_state
+    from dpr_gc.train.checkpoints import read_state
 
     run = copy_run(trained, tmp_path)
     ckpt = run / "checkpoint-2"

@@ -11,27 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import BertTokenizerFast
 
 from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
-from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.model.retriever import Retriever
 from dpr_gc.train.trainer import Trainer, train
 from dpr_gc.train.config import TrainConfig
-from tests.conftest import tiny_bert, write_vocab
-from tests.train_data import make_records, train_config, write_dpr
+from tests.train_data import init_model, make_records, write_dpr
+from tests.train_data import model_params as params, task_config as config
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def init_model(folder: Path, dropout: float = 0.0, shared: bool = True, **fields) -> Path:
-    tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
-    config = RetrieverConfig(**{"pooling": "mean", "query_max_length": 16, "passage_max_length": 32,
-                                "shared_encoder": shared, **fields})
-    retriever = Retriever(tiny_bert(len(tokenizer), dropout=dropout), None if shared else tiny_bert(len(tokenizer), 1),
-                          tokenizer, config)
-    retriever.save(folder / "init")
-    return folder / "init"
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +28,6 @@ def task(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("train")
     return {"dir": d, "model": init_model(d), "train": write_dpr(d / "train.json", make_records(96, 1)),
             "dev": write_dpr(d / "dev.json", make_records(32, 2))}
-
-
-def config(task: dict, out: Path, **kw) -> TrainConfig:
-    base = dict(train_files=[str(task["train"])], output_dir=str(out), model=str(task["model"]), batch_size=8, num_workers=0,
-                learning_rate=1e-3, query_chunk_size=3, passage_chunk_size=5, cache_dir=str(task["dir"] / "cache"))
-    base.update(kw)
-    return train_config(**base)
-
-
-def params(model_dir: Path) -> dict:
-    return {k: v.clone() for k, v in Retriever.load(model_dir).state_dict().items()}
 
 
 def test_dev_loss_falls_and_outputs(task, tmp_path):

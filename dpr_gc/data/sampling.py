@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..base.errors import DprGcError
+from .answer_text import nfd, simple_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +116,12 @@ class BatchExclusion:
     """
 
     def __init__(self, rows: Sequence[int], records: dict[str, list]) -> None:
-        from ..evaluation.evaluate import normalize, tokenize
-
         self.rows = {int(r) for r in rows}
         self.questions = set(records["question"])
         contexts = [c for group in records["positives"] for c in group]
         self.ids = {c["id"] for c in contexts if c["id"]}
         self.texts = {c["text"] for c in contexts}
-        answers = (tuple(tokenize(normalize(a))) for group in records.get("answers", []) for a in group)
+        answers = (tuple(simple_tokens(nfd(a))) for group in records.get("answers", []) for a in group)
         self.answers = {a for a in answers if a}
         self.lengths = sorted({len(a) for a in self.answers})
 
@@ -135,9 +134,7 @@ class BatchExclusion:
         return not self.answers or not self._bears_answer(ctx["text"])
 
     def _bears_answer(self, text: str) -> bool:
-        from ..evaluation.evaluate import normalize, tokenize
-
-        tokens = tokenize(normalize(text))
+        tokens = simple_tokens(nfd(text))
         return any(tuple(tokens[i:i + n]) in self.answers for n in self.lengths for i in range(len(tokens) - n + 1))
 
 

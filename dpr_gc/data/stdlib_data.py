@@ -80,7 +80,8 @@ class Definition:
         return self.module.split(".")[0]
 
 
-def _norm(text: str) -> str:
+def _folded(text: str) -> str:
+    """``text`` lower-cased, every run of whitespace made one space (summaries compare by this)."""
     return " ".join(text.lower().split())
 
 
@@ -183,7 +184,7 @@ def _definitions(module: str, source: bytes, tree: ast.Module, max_words: int) -
             code = _code_without_docstrings(lines, node)
         doc = ast.get_docstring(node, clean=True) or ""
         summary, rest = split_docstring(doc) if doc.strip() else ("", "")
-        if summary and is_informative(summary, node.name) and _norm(summary) not in _norm(f"{rest} {code}"):
+        if summary and is_informative(summary, node.name) and _folded(summary) not in _folded(f"{rest} {code}"):
             yield Definition(pid, module, node.name, _passage_text(rest, code, max_words), summary)
         else:
             yield Definition(pid, module, node.name, _passage_text(doc, code, max_words), None)
@@ -206,8 +207,8 @@ def collect_definitions(root: PathLike, max_passage_words: int = 200) -> tuple[l
     counts: dict[str, int] = {}
     for d in defs:
         if d.summary:
-            counts[_norm(d.summary)] = counts.get(_norm(d.summary), 0) + 1
-    defs = [d if not d.summary or counts[_norm(d.summary)] == 1 else Definition(d.pid, d.module, d.name, d.text, None)
+            counts[_folded(d.summary)] = counts.get(_folded(d.summary), 0) + 1
+    defs = [d if not d.summary or counts[_folded(d.summary)] == 1 else Definition(d.pid, d.module, d.name, d.text, None)
             for d in defs]
     return defs, skipped
 

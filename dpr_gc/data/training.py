@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .arrow_cache import build_once, cache_file, map_dataset, write_stream
+from .qrels import iter_qrels, read_qrels
 from ..base.errors import DprGcError
 from ..base.files import (PathLike, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text, read_json_object, require_file,
                     write_json)
@@ -29,7 +30,7 @@ from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler, TrainingExamples  # noqa: F401 (TrainingExamples is re-exported)
 from ..base.tables import markdown_table
-from ..model.tokenize import tokenize
+from ..model.tokenize import token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -148,21 +149,15 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
     pairs: dict[str, list[tuple[str, int]]] = {}
     first_line: dict[str, int] = {}
     bad: list[tuple[str, str]] = []
-    with open_text(qrels) as f:
-        for line_no, line in enumerate(f, start=1):
-            parts = line.rstrip("\r\n").split("\t")
-            if not line.strip() or (line_no == 1 and parts[-1].strip().lower() == "score"):
-                continue
-            try:
-                qid, pid, score = parts
-                score_value = int(float(score))
-            except ValueError:
-                bad.append((f"{qrels}:{line_no}", "expected 'query-id<TAB>corpus-id<TAB>score'"))
-                continue
-            entry = pairs.setdefault(qid, [])
-            first_line.setdefault(qid, line_no)
-            if score_value > 0 and pid not in [p for p, _ in entry]:
-                entry.append((pid, line_no))
+    for line_no, judgment in iter_qrels(qrels):
+        if isinstance(judgment, str):
+            bad.append((f"{qrels}:{line_no}", judgment))
+            continue
+        qid, pid, score = judgment
+        entry = pairs.setdefault(qid, [])
+        first_line.setdefault(qid, line_no)
+        if score > 0 and pid not in [p for p, _ in entry]:
+            entry.append((pid, line_no))
     yield from bad
     needed = {p for entry in pairs.values() for p, _ in entry}
     questions = {str(q.get("_id")): q.get("text") for _, q in iter_jsonl_objects(queries, "a BEIR query")
@@ -214,7 +209,6 @@ def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
     """DPR records for the queries judged in BEIR qrels: positives are the qrels pairs with relevance > 0, their text
     taken from ``corpus``. Returns ``(records, passage id -> corpus row)`` for the positives."""
     from .corpus import read_queries, rows_for_ids
-    from ..evaluation.evaluate import read_qrels
 
     qrels = read_qrels(qrels_path)
     positives = {q: [d for d, rel in judged.items() if rel > 0] for q, judged in qrels.items()}
@@ -340,11 +334,11 @@ class Collator:
         self.config = dataclasses.replace(config or RetrieverConfig(), **overrides)
 
     def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
-        return tokenize(self.tokenizer, self.config, "query", questions, max_length=max_length)
+        return token_ids(self.tokenizer, self.config, "query", questions, max_length=max_length)
 
     def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str],
                           max_length: Optional[int] = None) -> Any:
-        return tokenize(self.tokenizer, self.config, "passage", texts, titles, max_length)
+        return token_ids(self.tokenizer, self.config, "passage", texts, titles, max_length)
 
     def __call__(self, examples: Sequence[dict]) -> dict:
         titles, texts = zip(*[p for e in examples for p in e["passages"]])

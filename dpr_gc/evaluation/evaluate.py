@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -22,12 +21,13 @@ from tqdm import tqdm
 
 from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, check_ks, check_mode, default_workers,
                       iter_blocks, resolve_mode)
-from .answers import MATCH_MODES, evaluate_answers, has_answer, normalize, tokenize, top_k_accuracy  # noqa: F401
+from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  # noqa: F401 (the API of evaluation)
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
 from ..base.files import PathLike, atomic_path, open_text, write_json
 from .results import check_question, iter_results
 from ..base.tables import markdown_table
+from ..data.qrels import read_qrels
 
 logger = logging.getLogger(__name__)
 
@@ -37,38 +37,6 @@ def read_results(path: PathLike) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------- qrels and runs
-def _fields(line: str) -> list[str]:
-    """Split on tabs when the line has any (BEIR TSV), otherwise on whitespace (TREC)."""
-    line = line.rstrip("\r\n")
-    return [f.strip() for f in line.split("\t")] if "\t" in line else line.split()
-
-
-def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
-    """Read BEIR TSV qrels (``query-id corpus-id score`` with header) or TREC qrels (``qid 0 docid rel``)."""
-    qrels: dict[str, dict[str, int]] = {}
-    with open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            parts = _fields(line)
-            if not parts:
-                continue
-            if line_no == 1 and parts[0].lower() in ("query-id", "query_id"):
-                continue
-            if len(parts) not in (3, 4) or not all(parts):
-                raise DprGcError(f"{path}:{line_no}: expected 'query-id corpus-id score' or 'qid 0 docid rel', "
-                                 f"got {line.strip()!r}")
-            qid, docid, rel_text = parts[0], parts[-2], parts[-1]
-            if not re.fullmatch(r"[-+]?\d+(\.0*)?", rel_text):
-                raise DprGcError(f"{path}:{line_no}: relevance {rel_text!r} is not an integer")
-            rel = int(rel_text.split(".")[0])
-            judged = qrels.setdefault(qid, {})
-            if judged.get(docid, rel) != rel:
-                raise DprGcError(f"{path}:{line_no}: conflicting relevance for query {qid!r} doc {docid!r}")
-            judged[docid] = rel
-    if not qrels:
-        raise DprGcError(f"{path}: no relevance judgments found")
-    return qrels
-
-
 def read_run(path: PathLike) -> dict[str, dict[str, float]]:
     """Read a TREC run file (``qid Q0 docid rank score tag``) into ``{qid: {docid: score}}``."""
     run: dict[str, dict[str, float]] = {}

@@ -3,7 +3,7 @@
 Only the adapter matrices of a tower's transformer train (a projection head and a learnable temperature, which are
 not part of the pretrained model, train as before). A saved retriever keeps each adapted tower in PEFT's own format
 (``adapter_config.json`` + ``adapter_model.safetensors``, the base model named by its absolute path), which
-:func:`load_adapter_model` reads back; ``dpr-gc merge-lora`` writes a retriever with the adapters merged into full
+:func:`~dpr_gc.model.pretrained.load_adapter_model` reads back; ``dpr-gc merge-lora`` writes a retriever with the adapters merged into full
 weights, for export to tools without ``peft``.
 """
 
@@ -19,11 +19,11 @@ from torch import nn
 
 from ..base.args import output_dir, positive_float, positive_int
 from ..base.errors import DprGcError
-from ..base.files import read_json
+from .pretrained import is_adapted, peft_module
+from .retriever import Retriever
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_CONFIG = "adapter_config.json"
 ENCODER_TARGETS = ("query", "key", "value", "dense")
 DECODER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Linear layers adapted by default, by transformers ``model_type``: attention and feed-forward of every block.
@@ -53,19 +53,6 @@ class LoraSettings:
             raise DprGcError("--lora-target-modules needs at least one module name")
 
 
-def _peft() -> Any:
-    try:
-        import peft
-    except ImportError:
-        raise DprGcError("LoRA needs the package peft (pip install -r requirements.txt)") from None
-    return peft
-
-
-def is_adapted(model: nn.Module) -> bool:
-    """Whether ``model`` is a PEFT-wrapped transformer."""
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
 def default_targets(model: nn.Module) -> list[str]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in DEFAULT_TARGETS:
@@ -82,7 +69,7 @@ def _towers(retriever: Any) -> list[Any]:
 def apply_lora(retriever: Any, settings: LoraSettings) -> int:
     """Put LoRA adapters on every tower's transformer and freeze its other weights; a tower already carrying an
     adapter (a saved LoRA retriever) has that adapter made trainable instead. Returns the trainable adapter size."""
-    peft = _peft()
+    peft = peft_module()
     for encoder in _towers(retriever):
         model = encoder.transformer
         if not is_adapted(model):
@@ -103,29 +90,6 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
     size = sum(p.numel() for e in _towers(retriever) for p in e.transformer.parameters() if p.requires_grad)
     logger.info("LoRA: %d trainable adapter parameters", size)
     return size
-
-
-def check_saveable(model: nn.Module) -> None:
-    """Refuse to save an adapter whose base model has no folder or name to be loaded from again."""
-    if is_adapted(model) and not model.peft_config["default"].base_model_name_or_path:
-        raise DprGcError("cannot save a LoRA adapter whose base model has no folder or name: save the base model "
-                         "first and start from that folder")
-
-
-def load_adapter_model(folder: Path, trainable: bool = False) -> nn.Module:
-    """A PEFT adapter folder on top of the base model its ``adapter_config.json`` names."""
-    from .retriever import load_transformer
-
-    config = read_json(folder / ADAPTER_CONFIG)
-    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
-    if not base:
-        raise DprGcError(f"{folder / ADAPTER_CONFIG}: no base_model_name_or_path; cannot tell which model the "
-                         "adapter belongs to")
-    peft = _peft()
-    try:
-        return peft.PeftModel.from_pretrained(load_transformer(base), str(folder), is_trainable=trainable)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise DprGcError(f"cannot load the LoRA adapter in {folder}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
 
 def merge_lora(retriever: Any) -> int:
@@ -176,8 +140,6 @@ def add_cli(subparsers: Any) -> None:
 
 
 def _cli(args: argparse.Namespace) -> None:
-    from .retriever import Retriever
-
     retriever = Retriever.load(args.model)
     if not merge_lora(retriever):
         raise DprGcError(f"{args.model}: no LoRA adapter to merge (a retriever trained with --lora-r has one)")

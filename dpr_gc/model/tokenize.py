@@ -18,7 +18,7 @@ from ..base.errors import DprGcError
 QUERY, PASSAGE = "query", "passage"
 
 
-def tokenize(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
+def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
              titles: Optional[Sequence[Optional[str]]] = None, max_length: Optional[int] = None) -> Any:
     """Padded ``BatchEncoding`` (PyTorch tensors) of queries or passages under ``config``'s format and prefixes.
 

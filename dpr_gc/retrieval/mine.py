@@ -85,12 +85,13 @@ def _qid(record: dict) -> str:
     return "" if qid is None else str(qid)
 
 
-def _norm(text: str) -> str:
+def _collapsed(text: str) -> str:
+    """``text`` with every run of whitespace made one space (gold passages compare by this)."""
     return " ".join(text.split())
 
 
 def _check_settings(n_negatives: int, top_k: int, skip_top: int, match_mode: str) -> None:
-    from ..evaluation.evaluate import MATCH_MODES
+    from ..evaluation.answers import MATCH_MODES
 
     if n_negatives < 1:
         raise DprGcError(f"--n-negatives must be a positive integer, got {n_negatives}")
@@ -152,12 +153,12 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
     """Drop false negatives among one question's ranked hits (``has_answer``: their answer flags), then keep the
     first ``n_negatives`` in range."""
     gold_ids = {ctx_id(c) for c in q.get("positive_ctxs") or []} - {""}
-    gold_texts = {_norm(text) for _, _, text in gold}
+    gold_texts = {_collapsed(text) for _, _, text in gold}
     judged = (qrels or {}).get(_qid(q), {})
     qrels_pos = {d for d, rel in judged.items() if rel > 0}
     chosen: list[dict] = []
     for (rank, score, pid, title, text), answer in zip(hits, has_answer):
-        if pid in gold_ids or _norm(text) in gold_texts:
+        if pid in gold_ids or _collapsed(text) in gold_texts:
             summary.gold_dropped += 1
         elif answer:
             summary.answer_dropped += 1
@@ -295,7 +296,7 @@ def _cli(args: argparse.Namespace) -> None:
     from ..data.training import find_beir_file
     from ..evaluation.answers import default_workers
     from ..base.devices import steady_malloc
-    from ..evaluation.evaluate import read_qrels
+    from ..data.qrels import read_qrels
     from .index import index_exists, meta_path, read_meta
     from ..base.tables import format_summary
 

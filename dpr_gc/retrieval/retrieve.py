@@ -296,7 +296,7 @@ def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: 
     """:func:`retrieve_to_files` over the questions of a file (only those judged in ``qrels_path`` when given), read
     in two streaming passes -- checks, then retrieval -- so memory does not grow with their number. Returns the
     metrics and the number of questions retrieved."""
-    from ..evaluation.evaluate import read_qrels
+    from ..data.qrels import read_qrels
 
     qrels = read_qrels(qrels_path) if qrels_path else None
     count = scan_queries(queries_path, qrels, qrels_path, run_ids=bool(trec_run))

@@ -43,7 +43,7 @@ class ModelConfig:
 
     def path(self) -> str:
         """The model to start from (the offline default when none is named)."""
-        from ..model.retriever import default_model_path
+        from ..model.pretrained import default_model_path
 
         return self.name or default_model_path()
 

@@ -31,9 +31,12 @@ from ..model.lora import apply_lora
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, config_from_args
-from .utils import (Checkpointer, Towers, auto_chunk_size, build_retriever, capture_rng, check_sources,
-                          describe_training, gather_rng, restore_rng, seed_everything, setup_distributed,
-                          summary_table, tensorboard_writer)
+from .checkpoints import Checkpointer
+from .chunks import auto_chunk_size
+from .distributed import Towers, setup_distributed
+from .report import describe_training, summary_table, tensorboard_writer
+from .rng import capture_rng, gather_rng, restore_rng, seed_everything
+from .setup import build_retriever, check_sources
 from .validation import evaluate_dev
 
 logger = logging.getLogger(__name__)
