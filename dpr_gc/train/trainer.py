@@ -30,7 +30,7 @@ from ..engine.grad_cache import GradCache
 from ..model.lora import apply_lora
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
-from .config import TrainConfig, add_train_arguments, config_from_args
+from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .utils import (Checkpointer, Towers, auto_chunk_size, build_retriever, capture_rng, check_sources,
                           describe_training, gather_rng, restore_rng, seed_everything, setup_distributed,
                           summary_table, tensorboard_writer)
@@ -77,6 +77,7 @@ class Trainer:
         self.cache = self.build_cache()
         self.checkpointer = Checkpointer(self.out, config.run.keep_checkpoints, config.run.best_metric,
                                          self.rank == 0, self.retriever if config.run.fsdp else None)
+        self.checkpointer.settings = lambda folder: record_settings(config, folder)
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
         self.started, self.board, self.bar = time.perf_counter(), None, None
@@ -201,7 +202,9 @@ class Trainer:
 
     def resume(self, checkpoint: str) -> None:
         """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
-        place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped."""
+        place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped. Settings that
+        change the model or the training signal must match those the run recorded."""
+        check_resume_settings(self.config, self.checkpointer.resolve(checkpoint), self.out)
         state = self.checkpointer.load(checkpoint, self.retriever, self.optimizer, self.scheduler, self.scaler,
                                        self.device)
         self.sampler.load_state_dict(state["sampler"])
@@ -285,6 +288,8 @@ class Trainer:
             self.resume(self.config.run.resume)
         else:
             self.start_fresh()
+        if self.rank == 0:
+            record_settings(self.config, self.out)
         self.retriever.training_info.update(describe_training(self.config, self.data.stats, self.world,
                                                               self.chunks, self.total_steps))
         self.retriever.training_info["steps"] = self.step
