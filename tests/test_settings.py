@@ -238,3 +238,36 @@ def test_resume_compares_with_the_checkpoint_record(first_run, tmp_path) -> None
     argv = [*first_run["argv"], "--output", str(out), "--resume", "latest", "--max-steps", "3"]
     code, err = call(cli.main, argv)
     assert code == 0, err
+
+
+# --------------------------------------------------------------------------------------------- encode / index record
+def test_encode_and_index_record_their_settings(tmp_path, make_retriever) -> None:
+    from dpr_gc.retrieval.encode import EncodeSettings, encode_corpus
+    from dpr_gc.retrieval.index import build_index, read_meta
+    from dpr_gc.retrieval.index_params import IndexParams
+
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("id\ttext\ttitle\n" + "".join(f"p{i}\tpassage number {i}\tt{i}\n" for i in range(5)))
+    settings = EncodeSettings(batch_size=2, dtype="float32", block_size=3, cache_dir=tmp_path / "c")
+    manifest = encode_corpus(make_retriever(), corpus, tmp_path / "emb", settings=settings, show_progress=False)
+    recorded = json.loads((tmp_path / "emb" / "shard-00000-of-00001.json").read_text())["settings"]
+    assert recorded == manifest["settings"] == {
+        "shard_id": 0, "num_shards": 1, "batch_size": 2, "max_length": manifest["max_length"],
+        "dtype": "float32", "precision": "fp32", "block_size": 3, "cache_dir": str(tmp_path / "c")}
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams(kind="hnsw", hnsw_m=8), block_size=2)
+    meta = read_meta(tmp_path / "idx")["settings"]
+    assert meta["index"]["kind"] == "hnsw" and meta["index"]["hnsw_m"] == 8 and meta["build"]["block_size"] == 2
+
+
+def test_encode_flags_and_library_share_one_declaration(tmp_path) -> None:
+    from dpr_gc.retrieval.encode import EncodeJob, EncodeSettings
+
+    args = cli.build_parser().parse_args(["encode", "--model", "m", "--corpus", "c", "--output", str(tmp_path / "o"),
+                                          "--batch-size", "8"])
+    job = __import__("dpr_gc.base.settings", fromlist=["from_args"]).from_args(EncodeJob, args)
+    assert job.settings == EncodeSettings(batch_size=8, precision="auto")  # the command line's precision is auto
+    with pytest.raises(DprGcError, match="--batch-size must be a positive integer, got 0"):
+        EncodeSettings(batch_size=0)
+    line = error_line(*call(cli.main, ["encode", "--model", "m", "--corpus", "c", "--output", tmp_path / "o",
+                                       "--batch-size", "0"]))
+    assert "--batch-size" in line and "a positive integer" in line

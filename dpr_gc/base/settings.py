@@ -43,6 +43,7 @@ class Setting:
     negate: bool = False
     hidden: tuple[tuple[str, Mapping[str, Any]], ...] = ()
     cli_default: Any = UNSET
+    aliases: tuple[str, ...] = ()
 
     @property
     def flag(self) -> str:
@@ -64,23 +65,29 @@ class Group:
     when: Optional[str] = None
 
 
+CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "aliases")
+
+
 def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Optional[Callable[[str], Any]] = None,
-            choices: Optional[Sequence[Any]] = None, nargs: Optional[str] = None, required: bool = False,
-            dest: Optional[str] = None, resume: str = FIXED, negate: bool = False,
-            hidden: Sequence[tuple[str, Mapping[str, Any]]] = (), cli_default: Any = UNSET,
-            default_factory: Any = dataclasses.MISSING) -> Any:
+            choices: Optional[Sequence[Any]] = None, resume: str = FIXED,
+            default_factory: Any = dataclasses.MISSING, **cli: Any) -> Any:
     """A dataclass field declaring one setting.
 
     ``flags``: its command-line names, the first one shown in errors (none: a library-only setting, still checked
     and recorded); ``type``: the flag parser (its ``accepts`` checks values given in code); ``resume``:
-    :data:`FIXED` or :data:`FREE`; a bool field is a switch (``negate``: the flag sets the field to False, e.g.
-    ``--separate-encoders`` for ``shared_encoder``); ``hidden``: further flag names with their own argparse
-    options, kept for old command lines and left out of ``--help``; ``cli_default``: the flag's default when the
-    library's differs (``--lora-r`` has none, ``LoraSettings.r`` is required)."""
+    :data:`FIXED` or :data:`FREE`. ``cli`` shapes the flag: ``nargs``, ``required``, ``dest``; a bool field is a
+    switch (``negate``: the flag sets the field to False, e.g. ``--separate-encoders`` for ``shared_encoder``);
+    ``hidden``: further ``(flag, argparse options)`` kept for old command lines and left out of ``--help``;
+    ``cli_default``: the flag's default when the library's differs (``--lora-r`` has none, ``LoraSettings.r`` is
+    required); ``aliases``: DPR's names, added by parsers that ask for them (``scripts/``)."""
+    unknown = set(cli) - set(CLI_OPTIONS)
+    if unknown:
+        raise TypeError(f"setting() got unknown options {sorted(unknown)}")
     if resume not in RESUME_NOTE:
         raise ValueError(f"resume must be {FIXED!r} or {FREE!r}")
-    meta = Setting(tuple(flags), help, type, tuple(choices) if choices is not None else None, nargs, required, dest,
-                   resume, negate, tuple(hidden), cli_default)
+    meta = Setting(tuple(flags), help, type, tuple(choices) if choices is not None else None, cli.get("nargs"),
+                   cli.get("required", False), cli.get("dest"), resume, cli.get("negate", False),
+                   tuple(cli.get("hidden", ())), cli.get("cli_default", UNSET), tuple(cli.get("aliases", ())))
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": meta})
     return dataclasses.field(default=default, metadata={"setting": meta})
@@ -92,6 +99,29 @@ def group(cls: type, title: str = "", *, when: Optional[str] = None) -> Any:
     if when is not None:
         return dataclasses.field(default=None, metadata=meta)
     return dataclasses.field(default_factory=cls, metadata=meta)
+
+
+def device_setting(help: str = "torch device (default: cuda:LOCAL_RANK if available, else cpu)") -> Any:
+    """``--device``, declared once for every stage (a device that exists here: cpu, cuda, cuda:N, mps)."""
+    from .args import device_arg
+
+    return setting(None, "--device", type=device_arg, resume=FREE, help=help)
+
+
+def cache_dir_setting(help: str = "where parsed corpora are cached (default: $DPR_GC_CACHE/corpora, else "
+                                  "~/.cache/dpr_gc/corpora)") -> Any:
+    """``--cache-dir``, declared once for every stage that parses a corpus or training data."""
+    return setting(None, "--cache-dir", resume=FREE, aliases=("--cache_dir",), help=help)
+
+
+def query_prefix_setting() -> Any:
+    return setting(None, "--query-prefix", help="text put before every query, e.g. 'query: ' (default: the model's "
+                                                "own, else none)")
+
+
+def passage_prefix_setting() -> Any:
+    return setting(None, "--passage-prefix", help="text put before every passage, e.g. 'passage: ' (default: the "
+                                                  "model's own, else none)")
 
 
 def _setting(field: dataclasses.Field) -> Optional[Setting]:
@@ -131,14 +161,15 @@ def _help(decl: Setting) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: bool = False,
-                  title: Optional[str] = None) -> None:
+                  title: Optional[str] = None, dpr_aliases: bool = False) -> None:
     """Add the flags of the settings dataclass ``cls`` (and of its groups, each an argument group) to ``parser``;
-    ``resume_kinds`` says in every help whether ``--resume`` keeps the setting fixed."""
+    ``resume_kinds`` says in every help whether ``--resume`` keeps the setting fixed; ``dpr_aliases`` adds DPR's
+    flag names."""
     target = parser.add_argument_group(title) if title else parser
     for field in dataclasses.fields(cls):
         grp = _group(field)
         if grp is not None:
-            add_arguments(parser, grp.cls, resume_kinds=resume_kinds, title=grp.title)
+            add_arguments(parser, grp.cls, resume_kinds=resume_kinds, title=grp.title, dpr_aliases=dpr_aliases)
             continue
         decl = _setting(field)
         if decl is None or not decl.flags:
@@ -156,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
             kwargs.update(default=default, type=decl.type, nargs=decl.nargs, required=decl.required)
             if decl.choices is not None:
                 kwargs["choices"] = list(decl.choices)
-        action = target.add_argument(*decl.flags, **kwargs)
+        action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
         if resume_kinds:
             action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter
         for flag, options in decl.hidden:

@@ -101,7 +101,7 @@ class Trainer:
         config = self.config.data
         data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
         collator = Collator(self.retriever.tokenizer, self.retriever.config)
-        loader = make_dataloader(data, collator, config.batch_size, hard_negatives=config.hard_negatives,
+        loader = make_dataloader(data, collator, batch_size=config.batch_size, hard_negatives=config.hard_negatives,
                                  other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
                                  rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
                                  world_size=self.world, num_workers=config.num_workers,
