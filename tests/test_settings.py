@@ -140,6 +140,21 @@ def test_flags_and_library_defaults_are_one_declaration(tmp_path) -> None:
     assert parsed.model.retriever == RetrieverConfig()
 
 
+def test_switches_that_negate_a_setting_turn_it_off(tmp_path) -> None:
+    from dpr_gc.base.settings import from_args
+    from dpr_gc.retrieval.retrieve import RetrieveJob
+
+    parser = cli.build_parser()
+    base = ["train", "--train", "t.json", "--output", str(tmp_path / "o")]
+    assert config_from_args(parser.parse_args(base)).model.retriever.shared_encoder
+    assert not config_from_args(parser.parse_args([*base, "--separate-encoders"])).model.retriever.shared_encoder
+    assert not config_from_args(parser.parse_args([*base, "--no-grad-cache"])).cache.enabled
+    assert config_from_args(parser.parse_args([*base, "--grad_cache"])).cache.enabled
+    retrieve = ["retrieve", "--index", "i", "--queries", "q"]
+    assert from_args(RetrieveJob, parser.parse_args(retrieve)).check_model
+    assert not from_args(RetrieveJob, parser.parse_args([*retrieve, "--skip-model-check"])).check_model
+
+
 def test_changed_settings_name_each_flag_with_its_kind() -> None:
     old = TrainConfig(optim=OptimConfig(learning_rate=1e-3, max_steps=4))
     new = TrainConfig(optim=OptimConfig(learning_rate=2e-3, max_steps=8), data=DataConfig(num_workers=0))

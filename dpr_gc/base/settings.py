@@ -177,12 +177,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
         dest = decl.dest_name(field.name)
         default = decl.cli_default
         if default is UNSET:
-            default = field.default if field.default is not dataclasses.MISSING else None
+            default = _field_default(field)
         kwargs: dict[str, Any] = {"dest": dest, "help": _help(decl)}
-        if isinstance(default, bool) or decl.negate:
-            on = not field.default if decl.negate else not default
-            kwargs.update(action="store_true" if on else "store_false",
-                          default=(not field.default) if decl.negate else default)
+        if isinstance(default, bool) or decl.negate:  # a switch: the flag turns its destination's default over
+            default = (not field.default) if decl.negate else default
+            kwargs.update(action="store_false" if default else "store_true", default=default)
         else:
             kwargs.update(default=default, type=decl.type, nargs=decl.nargs, required=decl.required)
             if decl.choices is not None:
@@ -192,6 +191,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
             action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter
         for flag, options in decl.hidden:
             target.add_argument(flag, dest=dest, help=argparse.SUPPRESS, **options)
+
+
+def _field_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return None
 
 
 def from_args(cls: type, args: Any) -> Any:

@@ -26,7 +26,7 @@ from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.files import (PathLike, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text, read_json_object, require_file,
                     write_json)
-from ..base.settings import check, setting
+from ..base.settings import add_arguments, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler, TrainingExamples  # noqa: F401 (TrainingExamples is re-exported)
@@ -395,13 +395,22 @@ def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[B
 
 
 # ----------------------------------------------------------------- CLI
+@dataclasses.dataclass
+class PrepareSettings:
+    """``dpr-gc prepare-data`` besides the sources: the cache, bad records, the BEIR split."""
+
+    cache_dir: Optional[str] = setting(None, "--cache-dir", help="where Arrow caches go (default: "
+                                                                  "$DPR_GC_CACHE/train, else ~/.cache/dpr_gc/train)")
+    skip_bad_records: bool = setting(False, "--skip-bad-records",
+                                     help="skip and count bad records instead of stopping")
+    beir_split: str = setting("train", "--beir-split", help="qrels split used for BEIR folders")
+
+
 def add_cli(subparsers: Any) -> None:
     """Register ``prepare-data``: parse and cache training sources ahead of training, printing their statistics."""
     p = subparsers.add_parser("prepare-data", help="validate and cache training data (DPR files, BEIR folders)")
     p.add_argument("sources", nargs="+", help="DPR training files (.json/.jsonl[.gz]) or BEIR folders")
-    p.add_argument("--cache-dir", default=None, help="where Arrow caches go (default $DPR_GC_CACHE/train)")
-    p.add_argument("--skip-bad-records", action="store_true", help="skip and count bad records instead of stopping")
-    p.add_argument("--beir-split", default="train", help="qrels split used for BEIR folders")
+    add_arguments(p, PrepareSettings)
     p.set_defaults(func=_cli_prepare)
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from ..base.args import output_dir, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.files import read_json
-from ..base.settings import check, setting
+from ..base.settings import add_arguments, check, setting
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +161,17 @@ def merge_lora(retriever: Any) -> int:
     return merged
 
 
+@dataclasses.dataclass
+class MergeSettings:
+    """``dpr-gc merge-lora``: the adapted retriever and the folder for the merged one."""
+
+    model: str = setting("", "--model", required=True, help="a saved retriever whose towers carry LoRA adapters")
+    output: str = setting("", "--output", type=output_dir, required=True, help="folder for the merged retriever")
+
+
 def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("merge-lora", help="write a retriever with its LoRA adapters merged into full weights")
-    p.add_argument("--model", required=True, help="a saved retriever whose towers carry LoRA adapters")
-    p.add_argument("--output", type=output_dir, required=True, help="folder for the merged retriever")
+    add_arguments(p, MergeSettings)
     p.set_defaults(func=_cli)
 
 
