@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 from transformers import BertTokenizerFast
@@ -153,6 +154,32 @@ def test_switches_that_negate_a_setting_turn_it_off(tmp_path) -> None:
     retrieve = ["retrieve", "--index", "i", "--queries", "q"]
     assert from_args(RetrieveJob, parser.parse_args(retrieve)).check_model
     assert not from_args(RetrieveJob, parser.parse_args([*retrieve, "--skip-model-check"])).check_model
+
+
+def test_a_group_can_record_which_of_its_settings_were_given() -> None:
+    """``group(..., given=NAME)``: flags default to unset, the group is built from those given (the others may come
+    from elsewhere, e.g. a model folder's recipe) and NAME receives their names; --help still shows the default."""
+    from dpr_gc.base.args import ArgumentParser
+    from dpr_gc.base.settings import add_arguments, from_args, group, setting
+
+    @dataclasses.dataclass
+    class Inner:
+        pooling: str = setting("cls", "--pooling", choices=("cls", "mean"), help="pooling")
+        normalize: bool = setting(False, "--normalize", help="unit vectors")
+        shared: bool = setting(True, "--separate", negate=True, help="two towers")
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Optional[Inner] = group(Inner, "inner", given="inner_given")
+        inner_given: Optional[tuple] = None
+
+    parser = ArgumentParser(prog="toy")
+    add_arguments(parser, Outer)
+    assert from_args(Outer, parser.parse_args([])) == Outer(Inner(), ())
+    assert from_args(Outer, parser.parse_args(["--pooling", "mean", "--no-normalize", "--separate"])) == \
+        Outer(Inner("mean", False, False), ("pooling", "normalize", "shared"))
+    text = " ".join(parser.format_help().split())
+    assert "pooling (default: cls)" in text and "unit vectors (default: False)" in text
 
 
 def test_changed_settings_name_each_flag_with_its_kind() -> None:

@@ -24,10 +24,11 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _with_default(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (not action.option_strings or action.required or action.nargs == 0 or "default" in text.lower()
+        switch = action.nargs == 0 and not hasattr(action, "shown_default")
+        if (not action.option_strings or action.required or switch or "default" in text.lower()
                 or action.default is argparse.SUPPRESS):
             return text
-        default = action.default
+        default = getattr(action, "shown_default", action.default)
         shown = "not set" if default is None else (" ".join(map(str, default)) if isinstance(default, (list, tuple))
                                                    else str(default))
         return f"{text} (default: {shown.replace('%', '%%')})"

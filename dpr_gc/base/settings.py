@@ -58,11 +58,15 @@ class Setting:
 @dataclasses.dataclass(frozen=True)
 class Group:
     """A field holding another settings dataclass (a group by concern); ``when`` names the flag destination whose
-    value (not None) brings an optional group into being from the command line (``--lora-r`` for LoRA)."""
+    value (not None) brings an optional group into being from the command line (``--lora-r`` for LoRA); ``given``
+    names a sibling field that receives the names of the group's fields set on the command line (the group's flags
+    then default to unset, and the group is built from the given ones: the others may come from elsewhere, e.g. a
+    model folder's own recipe)."""
 
     cls: type
     title: str = ""
     when: Optional[str] = None
+    given: Optional[str] = None
 
 
 CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "aliases")
@@ -93,10 +97,12 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
     return dataclasses.field(default=default, metadata={"setting": meta})
 
 
-def group(cls: type, title: str = "", *, when: Optional[str] = None) -> Any:
-    """A field holding the settings dataclass ``cls`` (None by default when ``when`` is given, else ``cls()``)."""
-    meta = {"group": Group(cls, title or (cls.__doc__ or cls.__name__).split(":")[0].split(".")[0].strip(), when)}
-    if when is not None:
+def group(cls: type, title: str = "", *, when: Optional[str] = None, given: Optional[str] = None) -> Any:
+    """A field holding the settings dataclass ``cls`` (None by default when ``when`` or ``given`` is set, else
+    ``cls()``); see :class:`Group`."""
+    meta = {"group": Group(cls, title or (cls.__doc__ or cls.__name__).split(":")[0].split(".")[0].strip(), when,
+                           given)}
+    if when is not None or given is not None:
         return dataclasses.field(default=None, metadata=meta)
     return dataclasses.field(default_factory=cls, metadata=meta)
 
@@ -161,15 +167,16 @@ def _help(decl: Setting) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: bool = False,
-                  title: Optional[str] = None, dpr_aliases: bool = False) -> None:
+                  title: Optional[str] = None, dpr_aliases: bool = False, unset: bool = False) -> None:
     """Add the flags of the settings dataclass ``cls`` (and of its groups, each an argument group) to ``parser``;
     ``resume_kinds`` says in every help whether ``--resume`` keeps the setting fixed; ``dpr_aliases`` adds DPR's
-    flag names."""
+    flag names; ``unset``: every flag defaults to None (not given), its help showing the setting's own default."""
     target = parser.add_argument_group(title) if title else parser
     for field in dataclasses.fields(cls):
         grp = _group(field)
         if grp is not None:
-            add_arguments(parser, grp.cls, resume_kinds=resume_kinds, title=grp.title, dpr_aliases=dpr_aliases)
+            add_arguments(parser, grp.cls, resume_kinds=resume_kinds, title=grp.title, dpr_aliases=dpr_aliases,
+                          unset=grp.given is not None)
             continue
         decl = _setting(field)
         if decl is None or not decl.flags:
@@ -179,18 +186,35 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
         if default is UNSET:
             default = _field_default(field)
         kwargs: dict[str, Any] = {"dest": dest, "help": _help(decl)}
-        if isinstance(default, bool) or decl.negate:  # a switch: the flag turns its destination's default over
+        if (isinstance(default, bool) or decl.negate) and unset:  # --flag / --no-flag, unset unless given
+            kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+        elif isinstance(default, bool) or decl.negate:  # a switch: the flag turns its destination's default over
             default = (not field.default) if decl.negate else default
             kwargs.update(action="store_false" if default else "store_true", default=default)
         else:
             kwargs.update(default=default, type=decl.type, nargs=decl.nargs, required=decl.required)
             if decl.choices is not None:
                 kwargs["choices"] = list(decl.choices)
+        if unset and kwargs.get("default") is not None:
+            kwargs["default"] = None
         action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
+        if unset:
+            action.shown_default = _field_default(field)  # what applies when not given (see HelpFormatter)
         if resume_kinds:
             action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter
         for flag, options in decl.hidden:
             target.add_argument(flag, dest=dest, help=argparse.SUPPRESS, **options)
+
+
+def _given(cls: type, values: Mapping[str, Any]) -> tuple[Any, tuple[str, ...]]:
+    """``cls`` built from the flags given (not None) and the names of its fields they set."""
+    given = {}
+    for field in dataclasses.fields(cls):
+        decl = _setting(field)
+        if decl is not None and decl.flags and values.get(decl.dest_name(field.name)) is not None:
+            value = values[decl.dest_name(field.name)]
+            given[field.name] = (not value) if decl.negate else value
+    return cls(**given), tuple(given)
 
 
 def _field_default(field: dataclasses.Field) -> Any:
@@ -208,7 +232,9 @@ def from_args(cls: type, args: Any) -> Any:
     kwargs = {}
     for field in dataclasses.fields(cls):
         grp = _group(field)
-        if grp is not None:
+        if grp is not None and grp.given is not None:
+            kwargs[field.name], kwargs[grp.given] = _given(grp.cls, values)
+        elif grp is not None:
             if grp.when is None or values.get(grp.when) is not None:
                 kwargs[field.name] = from_args(grp.cls, values)
             continue
