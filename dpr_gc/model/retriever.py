@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..base.args import positive_float, positive_int
 from ..base.errors import DprGcError
-from ..base.settings import check, setting
+from ..base.settings import add_arguments, check, passage_prefix_setting, query_prefix_setting, setting
 from ..engine.loss import TEMPERATURE_RANGE, Temperature
 from .tokenize import tokenize
 
@@ -328,13 +328,18 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     return tokenizer
 
 
-def add_prefix_arguments(parser: Any) -> None:
+@dataclasses.dataclass
+class Prefixes:
     """``--query-prefix`` / ``--passage-prefix`` (E5's ``query: `` / ``passage: ``, a BGE instruction), shared by
     train, encode, retrieve and mine; a saved retriever stores its own, which these replace when given."""
-    parser.add_argument("--query-prefix", default=None,
-                        help="text put before every query, e.g. 'query: ' (default: the model's own, else none)")
-    parser.add_argument("--passage-prefix", default=None,
-                        help="text put before every passage, e.g. 'passage: ' (default: the model's own, else none)")
+
+    query_prefix: Optional[str] = query_prefix_setting()
+    passage_prefix: Optional[str] = passage_prefix_setting()
+
+
+def add_prefix_arguments(parser: Any) -> None:
+    """The :class:`Prefixes` flags (for parsers not generated from a settings dataclass, e.g. scripts/)."""
+    add_arguments(parser, Prefixes)
 
 
 def default_model_path() -> str:

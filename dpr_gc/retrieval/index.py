@@ -28,7 +28,7 @@ from ..base.files import (PathLike, atomic_open, atomic_path, open_text, read_js
 from ..base.locks import locked_folder
 from ..base.tables import format_summary
 from .index_params import IndexBuild, IndexParams
-from ..base.settings import add_arguments, from_args, to_record
+from ..base.settings import add_arguments, from_args, setting, to_record
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
 
 logger = logging.getLogger(__name__)
@@ -360,6 +360,19 @@ def add_index_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p, IndexBuild)
 
 
+@dataclasses.dataclass
+class IndexJob:
+    """``dpr-gc index`` besides the index's parameters: the shards, the index folder, appending, FAISS threads."""
+
+    embeddings: str = setting("", "--embeddings", required=True,
+                              help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
+    output: str = setting("", "--output", type=output_dir, required=True,
+                          help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")
+    append: bool = setting(False, "--append", help="add new shards to the existing index in --output")
+    allow_partial: bool = setting(False, "--allow-partial", help="index although some shards are not encoded yet")
+    threads: Optional[int] = setting(None, "--threads", type=positive_int, help="FAISS threads (default: all cores)")
+
+
 def params_from_args(args: argparse.Namespace) -> IndexParams:
     return from_args(IndexParams, args)
 
@@ -376,11 +389,6 @@ def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc index``."""
     p = subparsers.add_parser("index", help="build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards",
                               description="Build a FAISS inner-product index from the shards written by encode.")
-    p.add_argument("--embeddings", required=True, help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
-    p.add_argument("--output", type=output_dir, required=True,
-                   help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")
+    add_arguments(p, IndexJob)
     add_index_arguments(p)
-    p.add_argument("--append", action="store_true", help="add new shards to the existing index in --output")
-    p.add_argument("--allow-partial", action="store_true", help="index although some shards are not encoded yet")
-    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
     p.set_defaults(func=_cli)

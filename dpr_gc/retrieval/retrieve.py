@@ -390,6 +390,18 @@ def _retrieve_cli(args: argparse.Namespace) -> None:
     retrieve_with_flags(args, index, f"{index.meta['factory']} in {args.index}", index_dir=args.index)
 
 
+@dataclasses.dataclass
+class IndexToSearch:
+    """``dpr-gc retrieve``'s index: its folder, search-time overrides, FAISS threads."""
+
+    index: str = setting("", "--index", required=True, help="index folder written by 'dpr-gc index'")
+    ef_search: Optional[int] = setting(None, "--ef-search", type=positive_int,
+                                       help="override the index's HNSW efSearch (default: the index's own)")
+    nprobe: Optional[int] = setting(None, "--nprobe", type=positive_int,
+                                    help="override the index's IVF nprobe (default: the index's own)")
+    threads: Optional[int] = setting(None, "--threads", type=positive_int, help="FAISS threads (default: all cores)")
+
+
 def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``dpr-gc retrieve`` other than the index location (generated from :class:`RetrieveJob`)."""
     add_arguments(p, RetrieveJob)
@@ -399,9 +411,6 @@ def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc retrieve``."""
     p = subparsers.add_parser("retrieve", help="top-k passages for questions: DPR JSON and a TREC run",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--index", required=True, help="index folder written by 'dpr-gc index'")
+    add_arguments(p, IndexToSearch)
     add_retrieve_arguments(p)
-    p.add_argument("--ef-search", type=positive_int, help="override the index's HNSW efSearch")
-    p.add_argument("--nprobe", type=positive_int, help="override the index's IVF nprobe")
-    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
     p.set_defaults(func=_retrieve_cli)
