@@ -130,7 +130,7 @@ def time_methods(args: argparse.Namespace, retriever: Retriever, rows: list[dict
         def run(c: int) -> np.ndarray:
             out = Path(tempfile.mkdtemp(dir=work))
             m = encode_corpus(retriever, files[c], out, 0, 1, batch_size=args.batch_size, dtype="float32",
-                              autocast=precision, cache_dir=work / "cache", show_progress=False)
+                              precision=precision or "fp32", cache_dir=work / "cache", show_progress=False)
             return np.load(out / m["embeddings"])
         return run
 

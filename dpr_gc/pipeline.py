@@ -19,6 +19,7 @@ from .base.args import nonnegative_int, output_dir, positive_float, positive_int
 from .base.errors import DprGcError
 from .base.files import atomic_path, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
+from .base.settings import add_arguments, from_args, setting
 from .base.tables import markdown_table
 from .train.config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
@@ -76,7 +77,7 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
             encode_batch_size: int) -> dict:
     """Encode the corpus, index it (exact inner product), retrieve for the test questions and evaluate."""
     from .data.corpus import load_corpus, read_queries
-    from .retrieval.encode import encode_corpus, pick_precision
+    from .retrieval.encode import encode_corpus
     from .evaluation.answers import default_workers
     from .data.qrels import read_qrels
     from .retrieval.index import DenseIndex, IndexParams, build_index, index_exists
@@ -89,9 +90,8 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
         return read_json_object(metrics_file, "demo metrics")
     corpus_path = data / manifest["files"]["corpus"]
     started = time.perf_counter()
-    device = next(retriever.parameters()).device
     encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, model_name=name,
-                  autocast=pick_precision("auto", device))
+                  precision="auto")
     encode_seconds = time.perf_counter() - started
     if not index_exists(stage / "index"):
         build_index(stage / "embeddings", stage / "index", IndexParams(kind="flat"))
@@ -184,40 +184,58 @@ def format_report(report: dict) -> str:
                           [(m, f"{b:.4f}", f"{a:.4f}") for m, b, a in values if b is not None and a is not None])
 
 
+_RECIPE = demo_training()
+
+
+@dataclasses.dataclass
+class DemoFlags:
+    """The ``dpr-gc demo`` flags: the demo's sizes and the parts of its training recipe (:func:`demo_training`)
+    worth changing from the command line; the defaults are the recipe's."""
+
+    output: str = setting(DemoConfig.output_dir, "--output", type=output_dir, help="output folder (resumable)")
+    model: Optional[str] = setting(None, "--model", help="Hugging Face model name or folder (default: offline MiniLM)")
+    max_examples: Optional[int] = setting(None, "--max-examples", type=positive_int,
+                                          help="subsample the dataset (a quicker, rougher run)")
+    train_queries: Optional[int] = setting(DemoConfig.train_queries, "--train-queries", type=positive_int,
+                                           help="training questions used")
+    batch_size: int = setting(_RECIPE.data.batch_size, "--batch-size", type=positive_int,
+                              help="training queries per step (the Gradient Cache batch)")
+    chunk_size: int = setting(_RECIPE.cache.passage_chunk_size, "--chunk-size", type=positive_int,
+                              help="rows per Gradient Cache chunk, of queries and of passages")
+    hard_negatives: int = setting(_RECIPE.data.hard_negatives, "--hard-negatives", type=nonnegative_int,
+                                  help="hard negatives per training query")
+    epochs: int = setting(_RECIPE.optim.epochs, "--epochs", type=positive_int, help="passes over the training data")
+    learning_rate: float = setting(_RECIPE.optim.learning_rate, "--learning-rate", type=positive_float,
+                                   help="AdamW peak learning rate")
+    passage_max_length: int = setting(_RECIPE.model.retriever.passage_max_length, "--passage-max-length",
+                                      type=positive_int, help="passage max tokens")
+    precision: str = setting(_RECIPE.optim.precision, "--precision", choices=("fp32", "bf16", "fp16"),
+                             help="autocast precision of training")
+    seed: int = setting(_RECIPE.run.seed, "--seed", type=nonnegative_int, help="seed of the dataset and of training")
+
+    def config(self) -> DemoConfig:
+        """The :class:`DemoConfig` these flags ask for: the recipe with the flags' values put in."""
+        training, r = demo_training(), dataclasses.replace
+        training = r(training, model=r(training.model, name=self.model, retriever=r(
+                         training.model.retriever, passage_max_length=self.passage_max_length)),
+                     data=r(training.data, batch_size=self.batch_size, hard_negatives=self.hard_negatives),
+                     optim=r(training.optim, epochs=self.epochs, learning_rate=self.learning_rate,
+                             precision=self.precision),
+                     cache=r(training.cache, query_chunk_size=self.chunk_size, passage_chunk_size=self.chunk_size),
+                     run=r(training.run, seed=self.seed))
+        return DemoConfig(output_dir=self.output, max_examples=self.max_examples, train_queries=self.train_queries,
+                          training=training)
+
+
 def add_cli(subparsers: Any) -> None:
     """Register ``demo``: the whole pipeline on the stdlib dataset, before and after Gradient Cache training."""
     p = subparsers.add_parser("demo", help="run the whole pipeline end to end on the built-in stdlib dataset")
-    defaults = DemoConfig()
-    p.add_argument("--output", type=output_dir, default=defaults.output_dir, help="output folder (resumable)")
-    p.add_argument("--model", default=None, help="Hugging Face model name or folder (default: offline MiniLM)")
-    p.add_argument("--max-examples", type=positive_int, default=None,
-                   help="subsample the dataset (a quicker, rougher run)")
-    p.add_argument("--train-queries", type=positive_int, default=defaults.train_queries, help="training questions used")
-    training = defaults.training
-    p.add_argument("--batch-size", type=positive_int, default=training.data.batch_size)
-    p.add_argument("--chunk-size", type=positive_int, default=training.cache.passage_chunk_size,
-                   help="rows per Gradient Cache chunk, of queries and of passages")
-    p.add_argument("--hard-negatives", type=nonnegative_int, default=training.data.hard_negatives)
-    p.add_argument("--epochs", type=positive_int, default=training.optim.epochs)
-    p.add_argument("--learning-rate", type=positive_float, default=training.optim.learning_rate)
-    p.add_argument("--passage-max-length", type=positive_int, default=training.model.retriever.passage_max_length)
-    p.add_argument("--precision", default=training.optim.precision, choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--seed", type=nonnegative_int, default=training.run.seed)
+    add_arguments(p, DemoFlags)
     p.set_defaults(func=_cli_demo)
 
 
 def _cli_demo(args: Any) -> None:
-    training = demo_training()
-    r = dataclasses.replace
-    training = r(training, model=r(training.model, name=args.model, retriever=r(
-                     training.model.retriever, passage_max_length=args.passage_max_length)),
-                 data=r(training.data, batch_size=args.batch_size, hard_negatives=args.hard_negatives),
-                 optim=r(training.optim, epochs=args.epochs, learning_rate=args.learning_rate, precision=args.precision),
-                 cache=r(training.cache, query_chunk_size=args.chunk_size, passage_chunk_size=args.chunk_size),
-                 run=r(training.run, seed=args.seed))
-    config = DemoConfig(output_dir=args.output, max_examples=args.max_examples, train_queries=args.train_queries,
-                        training=training)
-    report = run_demo(config)
+    report = run_demo(from_args(DemoFlags, args).config())
     print(format_report(report))
     outputs = report["outputs"]
     print(f"\nfinished in {report['seconds']:.0f} s; trained retriever: {outputs['model']}\n"

@@ -64,7 +64,7 @@ def test_sharded_encoding_matches_unsharded(tmp_path: Path, make_retriever, fmt:
 def test_float16_and_bf16_autocast(tmp_path: Path, make_retriever) -> None:
     retriever = make_retriever(normalize=True, passage_max_length=32)
     path = write_corpus(tmp_path / "data", passages(9), "jsonl")
-    m = encode_corpus(retriever, path, tmp_path / "a", dtype="float16", autocast="bf16", cache_dir=tmp_path / "c",
+    m = encode_corpus(retriever, path, tmp_path / "a", dtype="float16", precision="bf16", cache_dir=tmp_path / "c",
                       show_progress=False)
     assert m["dtype"] == "float16" and m["precision"] == "bf16"
     half = np.load(tmp_path / "a" / m["embeddings"])
@@ -81,7 +81,7 @@ def test_int8_encoding_is_close_to_fp32_and_keeps_the_model(tmp_path: Path, make
     before = {k: v.clone() for k, v in retriever.state_dict().items()}
     fingerprint = encode.model_fingerprint(retriever)
     path = write_corpus(tmp_path / "data", passages(9), "jsonl")
-    m = encode_corpus(retriever, path, tmp_path / "q", dtype="float32", autocast="int8", cache_dir=tmp_path / "c",
+    m = encode_corpus(retriever, path, tmp_path / "q", dtype="float32", precision="int8", cache_dir=tmp_path / "c",
                       show_progress=False)
     assert m["precision"] == "int8" and m["model_fingerprint"] == fingerprint  # an fp32 query encoder still fits
     quantized = encode.quantize_int8(retriever)

@@ -143,8 +143,8 @@ def test_written_file_keeps_fields_and_reads_back_as_training_data(world, tmp_pa
     assert len(data) == len(TOPICS)
     for w, row in zip(written, data.dataset):
         assert [c["id"] for c in row["hard_negatives"]] == [c["passage_id"] for c in w["hard_negative_ctxs"]]
-    mine_to_file(iter_training_file(out), tmp_path / "again.json", world["bm25"], world["corpus"], 3, 20,
-                 show_progress=False)
+    mine_to_file(iter_training_file(out), tmp_path / "again.json", world["bm25"], world["corpus"], n_negatives=3,
+                 top_k=20, show_progress=False)
     assert [len(r["hard_negative_ctxs"]) for r in json.loads((tmp_path / "again.json").read_text())] == [3] * 6
 
 

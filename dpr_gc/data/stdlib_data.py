@@ -24,6 +24,7 @@ import re
 import sys
 import sysconfig
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from ..base.args import nonnegative_int, output_dir, positive_int
 from ..base.errors import DprGcError
 from ..base.files import PathLike, atomic_open, read_json_object, write_json
+from ..base.settings import add_arguments, check, setting
 from ..base.tables import format_summary
 
 logger = logging.getLogger(__name__)
@@ -386,12 +388,23 @@ def _run_cli(args: argparse.Namespace) -> None:
     print(f"written to {args.output}")
 
 
+@dataclasses.dataclass
+class StdlibDataSettings:
+    """``dpr-gc make-stdlib-data``: where the dataset goes, how many queries, and the seed."""
+
+    output: str = setting("", "--output", type=output_dir, required=True,
+                          help="output folder (BEIR + DPR files and manifest.json)")
+    max_examples: Optional[int] = setting(None, "--max-examples", type=positive_int,
+                                          help="keep at most N queries (seeded subsample; default: all)")
+    seed: int = setting(0, "--seed", type=nonnegative_int, help="seed for the split, subsample and negatives")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
 def add_cli(subparsers: Any) -> None:
-    """Register ``make-stdlib-data``."""
+    """Register ``make-stdlib-data`` (flags generated from :class:`StdlibDataSettings`)."""
     p = subparsers.add_parser("make-stdlib-data", help="build the default retrieval dataset from Python's stdlib",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--output", type=output_dir, required=True,
-                   help="output folder (BEIR + DPR files and manifest.json)")
-    p.add_argument("--max-examples", type=positive_int, default=None, help="keep at most N queries (seeded subsample)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed for the split, subsample and negatives")
+    add_arguments(p, StdlibDataSettings)
     p.set_defaults(func=_run_cli)

@@ -23,9 +23,11 @@ from tqdm.auto import tqdm
 
 from .arrow_cache import build_once, cache_file, map_dataset, write_stream
 from .qrels import iter_qrels, read_qrels
+from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.files import (PathLike, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text, read_json_object, require_file,
                     write_json)
+from ..base.settings import add_arguments, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler, TrainingExamples  # noqa: F401 (TrainingExamples is re-exported)
@@ -346,19 +348,39 @@ class Collator:
                 "passage": self.tokenize_passages(titles, texts)}
 
 
-def make_dataloader(data: TrainingData, collator: Collator, batch_size: int, *, hard_negatives: int = 1,
-                    other_negatives: int = 0, shuffle_positives: bool = False, shuffle_negatives: bool = True,
-                    rates: Optional[Sequence[float]] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
-                    num_workers: int = 0, shuffle: bool = True, per_file_batches: bool = False,
-                    pin_memory: bool = False) -> torch.utils.data.DataLoader:
-    """A DataLoader of tokenised per-rank batches; reach the sampler (``set_epoch``, state) as ``.batch_sampler``.
+@dataclasses.dataclass
+class Batching:
+    """How training batches are drawn: queries per rank, negatives per query, positive and negative shuffling,
+    per-source sampling ``rates``, the seed, and whether each batch comes from one source (``per_file_batches``)."""
+
+    batch_size: int = setting(32, type=positive_int, help="queries per batch and rank")
+    hard_negatives: int = setting(1, type=nonnegative_int, help="hard negatives per query")
+    other_negatives: int = setting(0, type=nonnegative_int, help="other negatives per query")
+    shuffle_positives: bool = setting(False, help="draw a random positive per query (else the first)")
+    shuffle_negatives: bool = setting(True, help="draw negatives at random (else the first ones)")
+    rates: Optional[Sequence[float]] = setting(None, type=positive_float, nargs="+", help="per-source sampling rates")
+    seed: int = setting(0, type=nonnegative_int, help="seed of the sampling")
+    shuffle: bool = setting(True, help="shuffle the order of examples each epoch")
+    per_file_batches: bool = setting(False, help="each batch from one source")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[Batching] = None, *, rank: int = 0,
+                    world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
+                    **options: Any) -> torch.utils.data.DataLoader:
+    """A DataLoader of tokenised per-rank batches drawn as ``settings`` says (fields of :class:`Batching` may also
+    be given as keywords); reach the sampler (``set_epoch``, state) as ``.batch_sampler``.
 
     Its own seeded generator draws the workers' base seed at each ``iter()``: without it that draw comes from the
     global torch RNG, and a run resumed mid-epoch would draw once more than an uninterrupted one (other dropout).
     """
-    sampler = MixedBatchSampler(data.sizes, batch_size, rates, seed, rank, world_size, shuffle, per_file_batches)
-    examples = TrainingExamples(data.dataset, hard_negatives, other_negatives, shuffle_positives,
-                                shuffle_negatives, seed, sampler.global_batch)
+    s = dataclasses.replace(settings or Batching(), **options)
+    batch_size, rates, seed, shuffle = s.batch_size, s.rates, s.seed, s.shuffle
+    sampler = MixedBatchSampler(data.sizes, batch_size, rates, seed, rank, world_size, shuffle, s.per_file_batches)
+    examples = TrainingExamples(data.dataset, s.hard_negatives, s.other_negatives, s.shuffle_positives,
+                                s.shuffle_negatives, seed, sampler.global_batch)
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
@@ -367,13 +389,22 @@ def make_dataloader(data: TrainingData, collator: Collator, batch_size: int, *, 
 
 
 # ----------------------------------------------------------------- CLI
+@dataclasses.dataclass
+class PrepareSettings:
+    """``dpr-gc prepare-data`` besides the sources: the cache, bad records, the BEIR split."""
+
+    cache_dir: Optional[str] = setting(None, "--cache-dir", help="where Arrow caches go (default: "
+                                                                  "$DPR_GC_CACHE/train, else ~/.cache/dpr_gc/train)")
+    skip_bad_records: bool = setting(False, "--skip-bad-records",
+                                     help="skip and count bad records instead of stopping")
+    beir_split: str = setting("train", "--beir-split", help="qrels split used for BEIR folders")
+
+
 def add_cli(subparsers: Any) -> None:
     """Register ``prepare-data``: parse and cache training sources ahead of training, printing their statistics."""
     p = subparsers.add_parser("prepare-data", help="validate and cache training data (DPR files, BEIR folders)")
     p.add_argument("sources", nargs="+", help="DPR training files (.json/.jsonl[.gz]) or BEIR folders")
-    p.add_argument("--cache-dir", default=None, help="where Arrow caches go (default $DPR_GC_CACHE/train)")
-    p.add_argument("--skip-bad-records", action="store_true", help="skip and count bad records instead of stopping")
-    p.add_argument("--beir-split", default="train", help="qrels split used for BEIR folders")
+    add_arguments(p, PrepareSettings)
     p.set_defaults(func=_cli_prepare)
 
 

@@ -12,6 +12,7 @@ Two kinds of ground truth are supported:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -25,6 +26,7 @@ from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
 from ..base.files import PathLike, atomic_path, open_text, write_json
+from ..base.settings import add_arguments, check, setting
 from .results import check_question, iter_results
 from ..base.tables import markdown_table
 from ..data.qrels import read_qrels
@@ -335,20 +337,35 @@ def _cli(args: argparse.Namespace) -> None:
         logger.info("wrote plot to %s", args.plot)
 
 
+@dataclasses.dataclass
+class EvaluateSettings:
+    """``dpr-gc evaluate``: what is evaluated (a results file and/or a TREC run with qrels), at which cut-offs, how
+    answers are matched, and where the report goes."""
+
+    results: Optional[str] = setting(None, "--results",
+                                     help="DPR retriever output JSON: [{question, answers, ctxs: [...]}]")
+    run: Optional[str] = setting(None, "--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
+    qrels: Optional[str] = setting(None, "--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels "
+                                                         "(qid 0 docid rel)")
+    k: list[int] = setting(None, "--k", type=positive_int, nargs="+", default_factory=lambda: [1, 5, 20, 100],
+                           help="cut-offs")
+    match: str = setting("auto", "--match", choices=("auto", "stored") + MATCH_MODES,
+                         help="answer flags: auto (the file's has_answer fields when present, else string), stored, "
+                              "or recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")
+    workers: int = setting(0, "--workers", type=nonnegative_int,
+                           help="processes that tokenise passages when recomputing flags (0: all cores)")
+    output: Optional[str] = setting(None, "--output", type=output_file, help="write the metrics report here as JSON")
+    plot: Optional[str] = setting(None, "--plot", type=output_file,
+                                  help="write a PNG of accuracy/recall against k here")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Register the ``evaluate`` sub-command."""
+    """Register the ``evaluate`` sub-command (flags generated from :class:`EvaluateSettings`)."""
     p = subparsers.add_parser("evaluate", help="top-k answer accuracy and qrels metrics (Recall, nDCG, MRR, MAP)",
                               description="Evaluate retrieval output against answers and/or relevance judgments.")
-    p.add_argument("--results", help="DPR retriever output JSON: [{question, answers, ctxs: [...]}]")
-    p.add_argument("--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
-    p.add_argument("--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels (qid 0 docid rel)")
-    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 20, 100], help="cut-offs (default: 1 5 20 100)")
-    p.add_argument("--match", choices=("auto", "stored") + MATCH_MODES, default="auto",
-                   help="answer flags: auto (the file's has_answer fields when present, else string), stored, or "
-                        "recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")
-    p.add_argument("--workers", type=nonnegative_int, default=0,
-                   help="processes that tokenise passages when recomputing flags (default 0: all cores)")
-    p.add_argument("--output", type=output_file, help="write the metrics report here as JSON")
-    p.add_argument("--plot", type=output_file, help="write a PNG of accuracy/recall against k here")
+    add_arguments(p, EvaluateSettings)
     p.set_defaults(func=_cli)
     return p

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
+from ..base.args import positive_float, positive_int
 from ..base.errors import DprGcError
+from ..base.settings import check, setting
 from ..engine.loss import TEMPERATURE_RANGE
 
 POOLINGS = ("cls", "mean", "pooler", "last")
@@ -25,19 +27,31 @@ class RetrieverConfig:
     averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``.
     """
 
-    pooling: str = "cls"
-    normalize: bool = False
-    projection_dim: Optional[int] = None
-    shared_encoder: bool = True
-    query_max_length: int = 32
-    passage_max_length: int = 256
-    temperature: float = 1.0
-    learn_temperature: bool = False
-    passage_format: str = "pair"
-    query_prefix: str = ""
-    passage_prefix: str = ""
+    pooling: str = setting("cls", "--pooling", choices=POOLINGS,
+                           help="token states to one vector: cls, mean, pooler, or last (the last non-padding "
+                                "token's state, for decoder-only models; EOS appended when absent)")
+    normalize: bool = setting(False, "--normalize", help="L2-normalise representations (cosine similarity)")
+    projection_dim: Optional[int] = setting(None, "--projection-dim", type=positive_int,
+                                            help="add a linear projection to this many dimensions (default: none, "
+                                                 "the model's hidden size)")
+    shared_encoder: bool = setting(True, "--separate-encoders", dest="separate_encoders", negate=True,
+                                   help="two towers (query and passage) instead of one shared")
+    query_max_length: int = setting(32, "--query-max-length", "--query_max_length", type=positive_int,
+                                    help="query max tokens (longer queries are cut)")
+    passage_max_length: int = setting(256, "--passage-max-length", "--sequence_length", type=positive_int,
+                                      help="passage max tokens, title included (longer passages are cut)")
+    temperature: float = setting(1.0, "--temperature", type=positive_float,
+                                 help="scores are divided by it before the softmax")
+    learn_temperature: bool = setting(False, "--learn-temperature",
+                                      help="learn the temperature (starting from --temperature) with the weights")
+    passage_format: str = setting("pair", "--passage-format", choices=PASSAGE_FORMATS,
+                                  help="pair: [CLS] title [SEP] text [SEP] as DPR; concat: 'title text' as BEIR and "
+                                       "sentence-transformers")
+    query_prefix: str = setting("", help="text put before every query (the model's own)")
+    passage_prefix: str = setting("", help="text put before every passage (the model's own)")
 
     def __post_init__(self) -> None:
+        check(self)
         if self.pooling not in POOLINGS:
             raise DprGcError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if self.passage_format not in PASSAGE_FORMATS:

@@ -21,6 +21,8 @@ from ..base.args import output_dir, positive_float, positive_int
 from ..base.errors import DprGcError
 from .pretrained import is_adapted, peft_module
 from .retriever import Retriever
+from ..base.files import read_json
+from ..base.settings import add_arguments, check, setting
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +34,39 @@ DEFAULT_TARGETS = {**dict.fromkeys(("bert", "roberta", "xlm-roberta", "camembert
                                    DECODER_TARGETS)}
 
 
+def dropout_rate(text: str) -> float:
+    """A flag value in [0, 1) (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}")
+    return value
+
+
+def module_names(text: str) -> list[str]:
+    """A comma-separated list of module names (argparse type); empty names are dropped."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 @dataclasses.dataclass
 class LoraSettings:
     """``--lora-r`` (the rank; LoRA is on when given), ``--lora-alpha`` (default ``2 r``), ``--lora-dropout`` and
     ``--lora-target-modules`` (default: :data:`DEFAULT_TARGETS` for the model's type)."""
 
-    r: int
-    alpha: Optional[float] = None
-    dropout: float = 0.0
-    target_modules: Optional[Sequence[str]] = None
+    r: int = setting(dataclasses.MISSING, "--lora-r", type=positive_int, cli_default=None,
+                     help="LoRA rank: train low-rank adapters only (default: not set, full fine-tuning)")
+    alpha: Optional[float] = setting(None, "--lora-alpha", type=positive_float,
+                                     help="LoRA scaling numerator (default 2 * rank)")
+    dropout: float = setting(0.0, "--lora-dropout", type=dropout_rate, help="dropout on the LoRA input, in [0, 1)")
+    target_modules: Optional[Sequence[str]] = setting(
+        None, "--lora-target-modules", type=module_names,
+        help="comma-separated Linear module names to adapt (default: per architecture, e.g. query,key,value,dense "
+             "for BERT, q_proj,...,down_proj for Llama/Qwen2)")
 
     def __post_init__(self) -> None:
+        check(self)
         if not isinstance(self.r, int) or self.r < 1:
             raise DprGcError(f"--lora-r must be a positive integer, got {self.r!r}")
         if self.alpha is not None and not self.alpha > 0:
@@ -102,40 +126,17 @@ def merge_lora(retriever: Any) -> int:
     return merged
 
 
-def add_lora_arguments(parser: Any) -> None:
-    """The training flags that turn LoRA on and shape it."""
-    parser.add_argument("--lora-r", type=positive_int, default=None, help="LoRA rank: train low-rank adapters only")
-    parser.add_argument("--lora-alpha", type=positive_float, default=None,
-                        help="LoRA scaling numerator (default 2 * rank)")
-    parser.add_argument("--lora-dropout", type=dropout_rate, default=0.0, help="dropout on the LoRA input, in [0, 1)")
-    parser.add_argument("--lora-target-modules", default=None,
-                        help="comma-separated Linear module names to adapt (default: per architecture, e.g. "
-                             "query,key,value,dense for BERT, q_proj,...,down_proj for Llama/Qwen2)")
+@dataclasses.dataclass
+class MergeSettings:
+    """``dpr-gc merge-lora``: the adapted retriever and the folder for the merged one."""
 
-
-def dropout_rate(text: str) -> float:
-    """A flag value in [0, 1) (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}")
-    return value
-
-
-def lora_settings(args: argparse.Namespace) -> Optional[LoraSettings]:
-    """The :class:`LoraSettings` the flags ask for, or None without ``--lora-r``."""
-    if args.lora_r is None:
-        return None
-    targets = [t.strip() for t in args.lora_target_modules.split(",") if t.strip()] if args.lora_target_modules else None
-    return LoraSettings(args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+    model: str = setting("", "--model", required=True, help="a saved retriever whose towers carry LoRA adapters")
+    output: str = setting("", "--output", type=output_dir, required=True, help="folder for the merged retriever")
 
 
 def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("merge-lora", help="write a retriever with its LoRA adapters merged into full weights")
-    p.add_argument("--model", required=True, help="a saved retriever whose towers carry LoRA adapters")
-    p.add_argument("--output", type=output_dir, required=True, help="folder for the merged retriever")
+    add_arguments(p, MergeSettings)
     p.set_defaults(func=_cli)
 
 

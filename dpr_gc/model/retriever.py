@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..base.errors import DprGcError
+from ..base.settings import add_arguments, passage_prefix_setting, query_prefix_setting
 from ..engine.loss import Temperature
 from .config import RetrieverConfig
 from .dpr_checkpoints import load_dpr_checkpoint
@@ -233,13 +234,18 @@ def grad_free(module: nn.Module) -> Any:
     return torch.no_grad() if isinstance(module, FSDPModule) else torch.inference_mode()
 
 
-def add_prefix_arguments(parser: Any) -> None:
+@dataclasses.dataclass
+class Prefixes:
     """``--query-prefix`` / ``--passage-prefix`` (E5's ``query: `` / ``passage: ``, a BGE instruction), shared by
     train, encode, retrieve and mine; a saved retriever stores its own, which these replace when given."""
-    parser.add_argument("--query-prefix", default=None,
-                        help="text put before every query, e.g. 'query: ' (default: the model's own, else none)")
-    parser.add_argument("--passage-prefix", default=None,
-                        help="text put before every passage, e.g. 'passage: ' (default: the model's own, else none)")
+
+    query_prefix: Optional[str] = query_prefix_setting()
+    passage_prefix: Optional[str] = passage_prefix_setting()
+
+
+def add_prefix_arguments(parser: Any) -> None:
+    """The :class:`Prefixes` flags (for parsers not generated from a settings dataclass, e.g. scripts/)."""
+    add_arguments(parser, Prefixes)
 
 
 def enable_gradient_checkpointing(retriever: Retriever) -> None:

@@ -125,6 +125,7 @@ class Checkpointer:
         self.sharded = sharded  # an FSDP model: its weights and optimizer state go to sharded/ (every rank writes)
         self.best_value: Optional[float] = None
         self.best_path: Optional[str] = None
+        self.settings: Optional[Callable[[Path], Any]] = None  # writes the run's settings into a checkpoint folder
 
     def _better(self, value: float) -> bool:
         if self.best_value is None:
@@ -172,6 +173,8 @@ class Checkpointer:
             write_state(tmp, {"step": step, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
                               "scaler": scaler.state_dict(), "sampler": sampler_state, "rng": rng, "record": record,
                               "best": [self.best_value, self.best_path]})
+            if self.settings is not None:
+                self.settings(tmp)
             final = self.out / f"checkpoint-{step}"
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)

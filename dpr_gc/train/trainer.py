@@ -30,7 +30,7 @@ from ..engine.grad_cache import GradCache
 from ..model.lora import apply_lora
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
-from .config import TrainConfig, add_train_arguments, config_from_args
+from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .checkpoints import Checkpointer
 from .chunks import auto_chunk_size
 from .distributed import Towers, setup_distributed
@@ -80,6 +80,7 @@ class Trainer:
         self.cache = self.build_cache()
         self.checkpointer = Checkpointer(self.out, config.run.keep_checkpoints, config.run.best_metric,
                                          self.rank == 0, self.retriever if config.run.fsdp else None)
+        self.checkpointer.settings = lambda folder: record_settings(config, folder)
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
         self.started, self.board, self.bar = time.perf_counter(), None, None
@@ -103,7 +104,7 @@ class Trainer:
         config = self.config.data
         data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
         collator = Collator(self.retriever.tokenizer, self.retriever.config)
-        loader = make_dataloader(data, collator, config.batch_size, hard_negatives=config.hard_negatives,
+        loader = make_dataloader(data, collator, batch_size=config.batch_size, hard_negatives=config.hard_negatives,
                                  other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
                                  rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
                                  world_size=self.world, num_workers=config.num_workers,
@@ -204,7 +205,9 @@ class Trainer:
 
     def resume(self, checkpoint: str) -> None:
         """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
-        place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped."""
+        place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped. Settings that
+        change the model or the training signal must match those the run recorded."""
+        check_resume_settings(self.config, self.checkpointer.resolve(checkpoint), self.out)
         state = self.checkpointer.load(checkpoint, self.retriever, self.optimizer, self.scheduler, self.scaler,
                                        self.device)
         self.sampler.load_state_dict(state["sampler"])
@@ -288,6 +291,8 @@ class Trainer:
             self.resume(self.config.run.resume)
         else:
             self.start_fresh()
+        if self.rank == 0:
+            record_settings(self.config, self.out)
         self.retriever.training_info.update(describe_training(self.config, self.data.stats, self.world,
                                                               self.chunks, self.total_steps))
         self.retriever.training_info["steps"] = self.step
