@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
-RANK_LIMIT_S = 300.0
+RANK_LIMIT_S = 420.0
 
 
 def _run_rank(rank: int, worker: Callable[..., None], args: tuple) -> None:
