@@ -286,8 +286,7 @@ class Trainer:
     def diverged(self, what: str) -> TrainingDiverged:
         """The error naming the step and the last checkpoint written (whose weights were finite)."""
         found = self.checkpointer.checkpoints()
-        last = (f"the last good checkpoint is {found[-1]} (--resume it with a lower --learning-rate)" if found
-                else "no checkpoint was written")
+        last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was written"
         return TrainingDiverged(f"training diverged at step {self.step + 1}: {what}; stopped without saving "
                                 f"final/ or best/; {last}")
 
