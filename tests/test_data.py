@@ -68,7 +68,7 @@ def test_questions_without_positive_are_skipped_and_counted(tmp_path):
     data = load(tmp_path, write(tmp_path / "t.json", recs, "list"))
     assert len(data) == 3 and data.sizes == [3]
     assert data.stats[0] == {"source": str(tmp_path / "t.json"), "records": 4, "kept": 3, "no_positive": 1,
-                             "bad": 0}
+                             "bad": 0, "dropped_negatives": 0}
     assert "question 1 about the city?" not in data.dataset["question"]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from dpr_gc.train.trainer import Trainer, train
 from dpr_gc.train.config import TrainConfig
 from tests.train_data import init_model, make_records, write_dpr
 from tests.train_data import model_params as params, task_config as config
+from tests.ranks import run_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,11 +120,10 @@ def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared
     model = task["model"] if shared else init_model(tmp_path, shared=False)
     common = [str(task["train"]), str(model), str(task["dir"] / "cache")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, str(script), *common, str(tmp_path / "o1"), str(single), "16"], check=True,
-                   env=env, capture_output=True, timeout=600)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), *common, str(tmp_path / "o2"), str(tmp_path / "ddp.pt"), "8"],
-                         env=env, capture_output=True, text=True, timeout=600)
+    alone = run_command([sys.executable, str(script), *common, str(tmp_path / "o1"), str(single), "16"], env=env)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       str(script), *common, str(tmp_path / "o2"), str(tmp_path / "ddp.pt"), "8"], env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     expected = torch.load(single)
     for rank in (0, 1):

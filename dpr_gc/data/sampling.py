@@ -16,6 +16,11 @@ from .answer_text import nfd, simple_tokens
 logger = logging.getLogger(__name__)
 
 
+def passage_key(ctx: dict) -> str:
+    """What makes two passages the same one: their passage id, or title and text when the id is missing."""
+    return f"id:{ctx['id']}" if ctx.get("id") else f"text:{ctx.get('title') or ''}\n{ctx['text']}"
+
+
 class MixedBatchSampler(torch.utils.data.Sampler):
     """Batch sampler over concatenated sources with per-source rates, rank sharding and mid-epoch resume.
 
@@ -147,7 +152,8 @@ class TrainingExamples(torch.utils.data.Dataset):
     of randomly drawn other questions (a random negative, as in-batch negatives are; draws may repeat), so batches
     stay rectangular -- never a passage that is a positive of, or contains an answer of, any question in the same
     global batch (``global_batch(epoch, position) -> (start, rows)``, all ranks; without it only this question's
-    own positives are excluded). All choices derive from ``(seed, epoch, position)``, so workers and resumed runs
+    own positives are excluded). Each draw also carries the :func:`passage_key` of every passage and of every
+    positive of its question, so the loss can drop duplicate positives from the negatives. All choices derive from ``(seed, epoch, position)``, so workers and resumed runs
     make the same ones.
     """
 
@@ -193,7 +199,9 @@ class TrainingExamples(torch.utils.data.Dataset):
         fill = self._fill(missing, int(row), self._excluded(int(row), epoch, position), rng) if missing else []
         cut = self.n_hard - len(hard_sel)
         chosen = [positive] + hard_sel + fill[:cut] + other_sel + fill[cut:]
-        return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen]}
+        return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen],
+                "passage_keys": [passage_key(c) for c in chosen],
+                "positive_keys": [passage_key(c) for c in positives]}
 
     def _order(self, pool: list, rng: np.random.Generator) -> list:
         return [pool[i] for i in rng.permutation(len(pool))] if self.shuffle_negatives else list(pool)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from ..model.tokenize import token_ids
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: negatives that are the question's own positive are dropped
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
 WRITE_BATCH = 256
 Row = dict[str, Any]
@@ -108,6 +109,21 @@ def normalise_record(record: Any) -> Row:
     return {"question": question, "answers": answers, "positives": _contexts(record, "positive_ctxs", True),
             "hard_negatives": _contexts(record, "hard_negative_ctxs", False),
             "negatives": _contexts(record, "negative_ctxs", False)}
+
+
+def drop_own_positives(row: Row) -> int:
+    """Remove from ``row``'s hard and other negatives every passage that is one of its positives (the same passage
+    id, or the same title and text); returns how many were removed."""
+    def keys(ctx: dict) -> set:
+        return ({("id", ctx["id"])} if ctx["id"] else set()) | {("text", ctx["title"], ctx["text"])}
+
+    positive = set().union(*(keys(c) for c in row["positives"]))
+    dropped = 0
+    for pool in ("hard_negatives", "negatives"):
+        kept = [c for c in row[pool] if not keys(c) & positive]
+        dropped += len(row[pool]) - len(kept)
+        row[pool] = kept
+    return dropped
 
 
 # ----------------------------------------------------------------- readers
@@ -244,6 +260,9 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     stats = read_json_object(stats_file, "training cache statistics")
     logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped)", stats["source"],
                 stats["records"], stats["kept"], stats["no_positive"], stats["bad"])
+    if stats.get("dropped_negatives"):
+        logger.warning("%s: dropped %d (hard) negatives that are their question's own positive (same passage id, "
+                       "or same title and text)", stats["source"], stats["dropped_negatives"])
     if stats["kept"] == 0:
         raise DprGcError(f"{stats['source']}: no usable training question ({stats['records']} records, "
                          f"{stats['no_positive']} without a positive, {stats['bad']} bad)")
@@ -255,7 +274,7 @@ def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: b
     """Write the rows of ``produce()`` with a positive to ``arrow`` and the counts to ``stats_file`` (last)."""
     import pyarrow as pa
 
-    stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0}
+    stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0, "dropped_negatives": 0}
     schema = _schema()
 
     def batches() -> Iterator[Any]:
@@ -272,6 +291,7 @@ def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: b
                 stats["no_positive"] += 1
             else:
                 stats["kept"] += 1
+                stats["dropped_negatives"] += drop_own_positives(row)
                 rows.append(row)
                 if len(rows) == WRITE_BATCH:
                     yield pa.RecordBatch.from_pylist(rows, schema=schema)
@@ -343,9 +363,26 @@ class Collator:
         return token_ids(self.tokenizer, self.config, "passage", texts, titles, max_length)
 
     def __call__(self, examples: Sequence[dict]) -> dict:
+        """Tokenised queries and passages; with the examples' passage keys also ``passage_ids`` (one int64 per
+        passage) and ``positive_ids`` (``[B, K]``, -1 padding), the loss's arguments for dropping duplicate
+        positives (ids are hashes of the keys, so they agree across ranks)."""
         titles, texts = zip(*[p for e in examples for p in e["passages"]])
-        return {"query": self.tokenize_queries([e["question"] for e in examples]),
-                "passage": self.tokenize_passages(titles, texts)}
+        batch = {"query": self.tokenize_queries([e["question"] for e in examples]),
+                 "passage": self.tokenize_passages(titles, texts)}
+        if all("passage_keys" in e for e in examples):
+            batch["passage_ids"] = torch.tensor([key_id(k) for e in examples for k in e["passage_keys"]])
+            width = max(len(e.get("positive_keys", ())) for e in examples)
+            positive_ids = torch.full((len(examples), width), -1, dtype=torch.long)
+            for i, e in enumerate(examples):
+                positive_ids[i, :len(e.get("positive_keys", ()))] = torch.tensor(
+                    [key_id(k) for k in e.get("positive_keys", ())], dtype=torch.long)
+            batch["positive_ids"] = positive_ids
+        return batch
+
+
+def key_id(key: str) -> int:
+    """A non-negative 63-bit id of a passage key, the same in every process (Python's ``hash`` is salted)."""
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ grouped in :mod:`dpr_gc.train_config`; checkpoints, RNG states and the other pie
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
@@ -40,6 +41,14 @@ from .setup import build_retriever, check_sources
 from .validation import evaluate_dev
 
 logger = logging.getLogger(__name__)
+
+# Under fp16 the GradScaler skips a step whose gradient overflowed and halves its scale; a run of more skips than
+# this (the scale fell by 2**25) is divergence, not scale-finding.
+MAX_SKIPPED_STEPS = 25
+
+
+class TrainingDiverged(DprGcError):
+    """The loss or the gradient norm stopped being finite; training stops without saving the broken weights."""
 
 
 class Trainer:
@@ -83,6 +92,7 @@ class Trainer:
         self.checkpointer.settings = lambda folder: record_settings(config, folder)
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
+        self.skipped_steps = 0  # consecutive fp16 steps the GradScaler skipped
         self.started, self.board, self.bar = time.perf_counter(), None, None
 
     # ----------------------------------------------------------------- building
@@ -240,20 +250,57 @@ class Trainer:
         """One optimizer step on one batch: the gradient (cached, or one plain graph), clipping, AdamW and the
         schedule; returns the detached loss and the gradient norm before clipping."""
         query, passage = dict(batch["query"]), dict(batch["passage"])
+        ids = {k: batch[k] for k in ("passage_ids", "positive_ids") if k in batch}  # duplicate positives dropped
         self.optimizer.zero_grad(set_to_none=True)
         if self.cache is not None:
             loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"),
-                              no_sync_except_last=self.world > 1)
+                              no_sync_except_last=self.world > 1, **ids)
         else:
-            loss = self.plain_backward(query, passage)
+            loss = self.plain_backward(query, passage, ids)
         if self.on_backward is not None:
             self.on_backward(self.step, self.retriever)
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_gradients()
+        self.check_finite(loss, grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         return loss, grad_norm
+
+    def all_ranks(self, flag: bool) -> bool:
+        """``flag`` on every rank (so all ranks take the same decision)."""
+        if self.world == 1:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value)
+
+    def check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Stop before the optimizer step on a non-finite loss or gradient norm (fp32, bf16), or after more than
+        ``MAX_SKIPPED_STEPS`` consecutive steps the fp16 GradScaler skipped (it skips the odd overflow by design)."""
+        finite = self.all_ranks(bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)))
+        if finite:
+            self.skipped_steps = 0
+            return
+        what = f"loss {float(loss):.4g}, gradient norm {float(grad_norm):.4g}"
+        if not self.scaler.is_enabled():
+            raise self.diverged(f"{what} ({self.config.optim.precision})")
+        self.skipped_steps += 1
+        if self.skipped_steps > MAX_SKIPPED_STEPS:
+            raise self.diverged(f"{what}; the fp16 GradScaler skipped {self.skipped_steps} steps in a row")
+
+    def diverged(self, what: str) -> TrainingDiverged:
+        """The error naming the step and the last checkpoint written (whose weights were finite)."""
+        found = self.checkpointer.checkpoints()
+        last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was written"
+        return TrainingDiverged(f"training diverged at step {self.step + 1}: {what}; stopped without saving "
+                                f"final/ or best/; {last}")
+
+    def check_finite_weights(self) -> None:
+        """Refuse to save non-finite weights (checked on every rank's part)."""
+        local = all(bool(torch.isfinite(getattr(p, "_local_tensor", p).detach()).all()) for p in self.params)
+        if not self.all_ranks(local):
+            raise self.diverged("the weights are not finite")
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip the global gradient norm of the trainable parameters to ``optim.max_grad_norm``; returns the norm
@@ -262,14 +309,14 @@ class Trainer:
             return clip_grad_norm(self.params, self.config.optim.max_grad_norm)
         return torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
 
-    def plain_backward(self, query: dict, passage: dict) -> torch.Tensor:
+    def plain_backward(self, query: dict, passage: dict, ids: dict) -> torch.Tensor:
         """The full-batch gradient in one graph (no Gradient Cache): the baseline that Gradient Cache must equal."""
         query = {k: v.to(self.device) for k, v in query.items()}
         passage = {k: v.to(self.device) for k, v in passage.items()}
         dtype = autocast_dtype(self.config.optim.precision)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             q, p = self.model(query=query, passage=passage)
-        loss = self.loss_fn(q.float(), p.float())
+        loss = self.loss_fn(q.float(), p.float(), **ids)
         self.scaler.scale(loss).backward()
         return loss.detach()
 
@@ -305,13 +352,20 @@ class Trainer:
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
                         dynamic_ncols=True)
         self.started = time.perf_counter()
-        while self.step < self.total_steps:
-            self.train_epoch()
-            self.epoch += 1
-        self.bar.close()
-        if self.board is not None:
-            self.board.close()
-        return self.finish()
+        try:
+            while self.step < self.total_steps:
+                self.train_epoch()
+                self.epoch += 1
+        except TrainingDiverged:
+            self.close()  # every rank took the same decision, so the group can be torn down in order
+            raise
+        finally:
+            self.bar.close()
+            if self.board is not None:
+                self.board.close()
+        summary = self.finish()
+        self.close()
+        return summary
 
     def announce(self) -> None:
         if self.rank == 0:
@@ -335,18 +389,20 @@ class Trainer:
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The step's metrics record (and the progress bar's line). Under torchrun each rank's loss is the mean over
-        its own queries, so the record holds their mean: the loss of the global batch."""
+        its own queries, so the record holds their mean: the loss of the global batch. ``masked_scores``: how many
+        scores of the global batch were dropped because the passage is one of the query's own positives."""
+        masked = torch.tensor(float(self.loss_fn.masked_scores), device=loss.device)
         if self.world > 1:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss = loss / self.world
+            both = torch.stack([loss.detach().float(), masked])
+            dist.all_reduce(both)
+            loss, masked = both[0] / self.world, both[1]
         self.last_loss = float(loss)
         rate = self.examples / (time.perf_counter() - self.started)
         lr = self.scheduler.get_last_lr()[0]
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.last_loss:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.1f}")
         return {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr,
-                "grad_norm": float(grad_norm), "examples_per_s": rate,
+                "grad_norm": float(grad_norm), "examples_per_s": rate, "masked_scores": int(masked),
                 "temperature": float(self.retriever.temperature.detach())}
 
     def after_step(self, record: dict, done_in_epoch: int) -> None:
@@ -355,7 +411,11 @@ class Trainer:
         rng = capture_rng()
         last = self.step >= self.total_steps
         self.retriever.training_info["steps"] = self.step
-        if self.config.data.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last):
+        due = (self.save_every and self.step % self.save_every == 0) or last
+        evaluate = self.config.data.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last)
+        if due or evaluate:
+            self.check_finite_weights()
+        if evaluate:
             record.update(self.evaluate())
             self.retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
                                                 dev_metrics_step=self.step)
@@ -365,7 +425,7 @@ class Trainer:
             if self.board is not None:
                 for key, value in record.items():
                     self.board.add_scalar(f"train/{key}", value, self.step)
-        if (self.save_every and self.step % self.save_every == 0) or last:
+        if due:
             self.save(record, done_in_epoch, rng)
         restore_rng(rng)
 
@@ -379,19 +439,29 @@ class Trainer:
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
                    "metrics_file": str(self.metrics_file)}
+        self.check_finite_weights()
         final = self.export()
         if final is not None:
             final.save(self.out / "final")
             print(summary_table(summary))
+        return summary
+
+    def close(self) -> None:
+        """Free the DDP wrapper, then tear down the process group this trainer started. In that order: DDP's
+        reducer holds the group, and freeing it after ``destroy_process_group`` made it the group's last owner, so
+        gloo's destructor ran (and could deadlock joining its threads) wherever the reducer happened to be freed."""
+        self.model, self.cache = self.towers, None
+        gc.collect()
         if dist.is_initialized():
             dist.barrier()
         if self.owns_group:  # torn down here, not at interpreter exit (where gloo's threads could abort the rank)
             dist.destroy_process_group()
-        return summary
 
 
 def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> dict:
-    """Run training (see :class:`Trainer`); returns a summary (steps, examples/s, best metric, output folders)."""
+    """Run training (see :class:`Trainer`); returns a summary (steps, examples/s, best metric, output folders).
+    Raises :class:`TrainingDiverged` (an ``error:`` line on the command line) when the loss or gradient stops being
+    finite."""
     return Trainer(config, on_backward).fit()
 
 
