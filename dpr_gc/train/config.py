@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 from ..base.args import device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..model.lora import LoraSettings, add_lora_arguments, lora_settings
+from ..engine.budget import parse_memory
 from ..engine.loss import check_loss_chunk_size
 from ..model.retriever import RetrieverConfig, add_prefix_arguments
 from .validation import DevLimits
@@ -105,14 +106,24 @@ class OptimConfig:
 @dataclasses.dataclass
 class CacheConfig:
     """Gradient Cache: rows per chunk of queries and of passages (``auto`` probes the device), or plain full-batch
-    training when ``enabled`` is False; ``loss_chunk_size`` is rows per block of the loss's score matrix."""
+    training when ``enabled`` is False; ``loss_chunk_size`` is rows per block of the loss's score matrix;
+    ``memory_budget`` is bytes of first-pass graphs kept instead of replayed (``"12GB"``, ``"auto"``; 0: only the
+    last chunk's); ``*_chunk_tokens`` cap each chunk's tokens (rows times its longest sequence) instead of rows."""
 
     enabled: bool = True
     query_chunk_size: Union[int, str] = "auto"
     passage_chunk_size: Union[int, str] = "auto"
     loss_chunk_size: Optional[int] = None
+    memory_budget: Union[int, str] = 0
+    query_chunk_tokens: Optional[int] = None
+    passage_chunk_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
+        self.memory_budget = parse_memory(self.memory_budget)
+        for flag, value in (("--query-chunk-tokens", self.query_chunk_tokens),
+                            ("--passage-chunk-tokens", self.passage_chunk_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise DprGcError(f"{flag} must be a positive number of tokens, got {value!r}")
         for flag, value in (("--query-chunk-size", self.query_chunk_size),
                             ("--passage-chunk-size", self.passage_chunk_size)):
             if value != "auto" and (not isinstance(value, int) or value < 1):
@@ -191,6 +202,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passage-chunk-size", "--ctx_chunk_size", type=chunk_arg, default="auto")
     p.add_argument("--loss-chunk-size", type=nonnegative_int, default=None,
                    help="rows per block of the score matrix (0: the dense matrix; default: automatic)")
+    p.add_argument("--memory-budget", type=memory_arg, default=0,
+                   help="memory for first-pass graphs kept instead of replayed, e.g. 12GB, 512MiB, or auto (free GPU "
+                        "memory minus a margin; half the available RAM on CPU); 0: replay all but the last chunk")
+    p.add_argument("--query-chunk-tokens", type=positive_int, default=None,
+                   help="tokens per query chunk (rows x longest sequence; rows at most --query-chunk-size)")
+    p.add_argument("--passage-chunk-tokens", type=positive_int, default=None,
+                   help="tokens per passage chunk (rows x longest sequence; rows at most --passage-chunk-size)")
     p.add_argument("--symmetric", action="store_true", help="add the passage-to-query loss term")
     p.add_argument("--learning-rate", "--learning_rate", type=positive_float, default=2e-5)
     p.add_argument("--weight-decay", "--weight_decay", type=nonnegative_float, default=0.0)
@@ -240,6 +258,14 @@ def chunk_arg(value: str) -> Union[int, str]:
     return value if value == "auto" else positive_int(value)
 
 
+def memory_arg(value: str) -> Union[int, str]:
+    """A memory size flag: bytes with a unit (``12GB``, ``512MiB``) or ``auto``."""
+    try:
+        return parse_memory(value)
+    except DprGcError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def config_from_args(args: Any) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``dpr-gc train`` flags, each flag into its group."""
     retriever = RetrieverConfig(pooling=args.pooling, normalize=args.normalize, projection_dim=args.projection_dim,
@@ -261,7 +287,9 @@ def config_from_args(args: Any) -> TrainConfig:
                         warmup_steps=args.warmup_steps, epochs=args.epochs, max_steps=args.max_steps,
                         max_grad_norm=args.max_grad_norm, precision=args.precision, symmetric=args.symmetric)
     cache = CacheConfig(enabled=args.grad_cache, query_chunk_size=args.query_chunk_size,
-                        passage_chunk_size=args.passage_chunk_size, loss_chunk_size=args.loss_chunk_size)
+                        passage_chunk_size=args.passage_chunk_size, loss_chunk_size=args.loss_chunk_size,
+                        memory_budget=args.memory_budget, query_chunk_tokens=args.query_chunk_tokens,
+                        passage_chunk_tokens=args.passage_chunk_tokens)
     run = RunConfig(output_dir=args.output_dir, seed=args.seed, device=args.device, resume=args.resume,
                     eval_every=args.eval_every, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
                     best_metric=args.best_metric, fsdp=args.fsdp,
