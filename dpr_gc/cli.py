@@ -12,11 +12,11 @@ from .data import stdlib_data, training as data
 from .evaluation import evaluate
 from .model import lora
 from .retrieval import encode, index, mine, retrieve
-from .train import trainer as train
+from .train import trainer as train, verify
 from .base.args import ArgumentParser
 from .base.errors import DprGcError
 
-STAGES = (pipeline, stdlib_data, data, train, encode, index, retrieve, evaluate, mine, lora)
+STAGES = (pipeline, stdlib_data, data, train, verify, encode, index, retrieve, evaluate, mine, lora)
 
 
 def build_parser() -> argparse.ArgumentParser:

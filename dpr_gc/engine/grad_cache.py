@@ -418,12 +418,21 @@ class GradCache:
         """One model's part 3 for the chunks without a kept graph; with ``no_sync`` only the last chunk runs DDP's
         all-reduce (FSDP's reduce-scatter)."""
         model, end = self.models[plan.m], len(plan.chunks) - 1
+        exclude = fixed_storages([model]) if plan.states else set()
         for i in sorted(plan.states):
             with self._sync_context(model, not no_sync or i == end):
-                with plan.states[i].replay():
+                with plan.states[i].replay(), GraphMeter(exclude) as meter:
                     chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
+                self._note_replayed_graph(meter.nbytes(chunk_rep))
+                del meter
                 self._backward_chunk(chunk_rep, plan.rows[i], cache)
                 del chunk_rep
+
+    def _note_replayed_graph(self, nbytes: int) -> None:
+        """Count a replayed chunk's graph in :attr:`last_step` (kept graphs are all freed before the replay)."""
+        if self.last_step is not None:
+            self.last_step.largest_graph = max(self.last_step.largest_graph, nbytes)
+            self.last_step.peak_graph_bytes = max(self.last_step.peak_graph_bytes, nbytes)
 
     @staticmethod
     def _backward_chunk(chunk_rep: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor) -> None:
