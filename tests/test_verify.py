@@ -39,6 +39,9 @@ def test_passes_shared_towers_hard_negatives_learned_temperature(tmp_path, capsy
     assert code == 0 and "PASS" in out, out
     assert "tolerance 1e-05" in out and "temperature grad" in out and "one forward per side" in out
     assert not (tmp_path / "out").exists(), "verify must not write to --output"
+    assert main(flags(tmp_path, model, "--batches", "0")) == 2
+    assert main(flags(tmp_path, model, "--no-grad-cache")) == 2
+    assert "drop --no-grad-cache" in capsys.readouterr().err
 
 
 def cls_model(tmp) -> str:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..base.args import positive_int
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
 from ..engine.budget import GraphMeter, fixed_storages, format_bytes
@@ -376,7 +377,7 @@ def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("verify", help="check that the cached step equals the full-batch step on your set-up "
                                              "(train's flags; writes nothing)")
     add_train_arguments(p)
-    p.add_argument("--batches", type=int, default=1, help="batches to check (default 1)")
+    p.add_argument("--batches", type=positive_int, default=1, help="batches to check (default 1)")
     p.set_defaults(func=_cli_verify)
 
 
