@@ -173,3 +173,20 @@ def test_chunk_tokens_are_checked(make_retriever):
         GradCache([nn.Linear(2, 2)], 2, loss_fn, chunk_tokens=8, split_input_fn=lambda x, n: [x])
     with pytest.raises(DprGcError, match="attention_mask"):
         GradCache([nn.Linear(2, 2), nn.Linear(2, 2)], 2, loss_fn, chunk_tokens=8)(torch.ones(4, 2), torch.ones(4, 2))
+
+
+def test_measured_graph_is_freed_without_the_garbage_collector():
+    """The meter must not make a saved output hold its own graph (a cycle only gc would free: memory grows)."""
+    import gc
+    import weakref
+
+    lin = nn.Linear(8, 8)
+    gc.disable()
+    try:
+        with GraphMeter(fixed_storages([lin])):
+            out = torch.tanh(lin(torch.randn(4, 8)))  # tanh saves its own output
+        alive = weakref.ref(out)
+        del out
+        assert alive() is None
+    finally:
+        gc.enable()

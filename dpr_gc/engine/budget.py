@@ -114,7 +114,9 @@ class GraphMeter:
             self.loose += t.numel() * t.element_size()
         elif storage.data_ptr() not in self.exclude:
             self.storages.setdefault(storage.data_ptr() or id(storage), storage)
-        return t
+        # Detached: a saved output kept as itself would hold its own grad_fn (a reference cycle that only the
+        # garbage collector frees, so every measured graph would outlive its backward).
+        return t.detach()
 
     def __enter__(self) -> "GraphMeter":
         self._hooks.__enter__()
