@@ -13,7 +13,7 @@ from .base.errors import report_errors
 
 # sub-command -> the stage module (under dpr_gc) that registers it, in the order ``--help`` lists them
 STAGES = {"demo": "pipeline", "make-stdlib-data": "data.stdlib_data", "prepare-data": "data.training",
-          "train": "train.trainer", "encode": "retrieval.encode", "index": "retrieval.index",
+          "train": "train.trainer", "verify": "train.verify", "encode": "retrieval.encode", "index": "retrieval.index",
           "retrieve": "retrieval.retrieve", "evaluate": "evaluation.evaluate", "mine": "retrieval.mine",
           "merge-lora": "model.lora"}
 

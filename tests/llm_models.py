@@ -81,3 +81,15 @@ def cached_step_error(retriever: Retriever, seed: int, **cache_options) -> float
     zero(modules)
     GradCache(modules, 3, loss_fn, **cache_options)(q, p)
     return rel_err(grads(modules), expected)
+
+
+def lora_decoder():
+    """A left-padded tiny Llama with random LoRA adapters and a learnable temperature, in train mode."""
+    from dpr_gc.model.lora import LoraSettings, apply_lora
+
+    from tests.helpers import randomise_adapters
+
+    retriever = decoder_retriever("llama", "left", learn_temperature=True, temperature=0.2)
+    apply_lora(retriever, LoraSettings(r=4))
+    randomise_adapters(retriever)
+    return retriever.train()

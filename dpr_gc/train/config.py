@@ -19,6 +19,7 @@ from ..base.errors import DprGcError
 from ..base.files import read_json_object, write_json
 from ..base.settings import FIXED, FREE, Change, add_arguments, changed_settings, check, from_args, group, setting
 from ..base.settings import to_record
+from ..engine.budget import parse_memory
 from ..engine.loss import check_loss_chunk_size
 from ..model.lora import LoraSettings
 from ..model.retriever import RetrieverConfig
@@ -34,6 +35,14 @@ BEST_METRICS = ("avg_rank", "loss", "accuracy")
 def chunk_arg(value: str) -> Union[int, str]:
     """A chunk size flag: a positive integer or ``auto``."""
     return value if value == "auto" else positive_int(value)
+
+
+def memory_arg(value: str) -> Union[int, str]:
+    """A memory size flag: bytes with a unit (``12GB``, ``512MiB``) or ``auto``."""
+    try:
+        return parse_memory(value)
+    except DprGcError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclasses.dataclass
@@ -137,8 +146,9 @@ class OptimConfig:
 @dataclasses.dataclass
 class CacheConfig:
     """Gradient Cache: rows per chunk of queries and of passages (``auto`` probes the device), or plain full-batch
-    training when ``enabled`` is False; ``loss_chunk_size`` is rows per block of the loss's score matrix. None of
-    them changes the gradient, so a resumed run may change them."""
+    training when ``enabled`` is False; ``loss_chunk_size`` is rows per block of the loss's score matrix;
+    ``memory_budget`` is bytes of first-pass graphs kept instead of replayed (``"12GB"``, ``"auto"``; 0: only the
+    last chunk's); ``*_chunk_tokens`` cap each chunk's tokens (rows times its longest sequence) instead of rows."""
 
     enabled: bool = setting(True, "--no-grad-cache", dest="grad_cache", resume=FREE,
                             hidden=[("--grad_cache", {"action": "store_true"})],
@@ -152,8 +162,23 @@ class CacheConfig:
     loss_chunk_size: Optional[int] = setting(None, "--loss-chunk-size", type=nonnegative_int, resume=FREE,
                                              help="rows per block of the score matrix (0: the dense matrix; "
                                                   "default: automatic)")
+    memory_budget: Union[int, str] = setting(0, "--memory-budget", type=memory_arg, resume=FREE,
+                                             help="memory for first-pass graphs kept instead of replayed, e.g. "
+                                                  "12GB, 512MiB, or auto (free GPU memory minus a margin; half the "
+                                                  "available RAM on CPU); 0: replay all but the last chunk")
+    query_chunk_tokens: Optional[int] = setting(None, "--query-chunk-tokens", type=positive_int, resume=FREE,
+                                                help="tokens per query chunk (rows x longest sequence; rows at "
+                                                     "most --query-chunk-size)")
+    passage_chunk_tokens: Optional[int] = setting(None, "--passage-chunk-tokens", type=positive_int,
+                                                  resume=FREE, help="tokens per passage chunk (rows x longest "
+                                                  "sequence; rows at most --passage-chunk-size)")
 
     def __post_init__(self) -> None:
+        self.memory_budget = parse_memory(self.memory_budget)
+        for flag, value in (("--query-chunk-tokens", self.query_chunk_tokens),
+                            ("--passage-chunk-tokens", self.passage_chunk_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise DprGcError(f"{flag} must be a positive number of tokens, got {value!r}")
         for flag, value in (("--query-chunk-size", self.query_chunk_size),
                             ("--passage-chunk-size", self.passage_chunk_size)):
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -27,6 +27,7 @@ from ..data.training import Collator, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
+from ..engine.budget import format_bytes
 from ..engine.grad_cache import GradCache
 from ..model.lora import apply_lora
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
@@ -163,6 +164,10 @@ class Trainer:
         batch_size, cache = self.config.data.batch_size, self.config.cache
         passages = batch_size * self.passages_per_query
         q_chunk, p_chunk = cache.query_chunk_size, cache.passage_chunk_size
+        if cache.query_chunk_tokens is not None and q_chunk == "auto":
+            q_chunk = batch_size  # the token budget sizes the chunks; rows are not capped
+        if cache.passage_chunk_tokens is not None and p_chunk == "auto":
+            p_chunk = passages
         if "auto" in (q_chunk, p_chunk):
             auto = auto_chunk_size(self.towers, self.collator, self.device, passages, self.config.optim.precision)
             q_chunk = min(auto, batch_size) if q_chunk == "auto" else q_chunk
@@ -201,8 +206,11 @@ class Trainer:
             return None
         precision = self.config.optim.precision
         model = self.retriever if self.config.run.fsdp else self.model
+        cache = self.config.cache
         return GradCache([model, model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
-                         scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True)
+                         scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True,
+                         memory_budget=cache.memory_budget,
+                         chunk_tokens=[cache.query_chunk_tokens, cache.passage_chunk_tokens])
 
     # ----------------------------------------------------------------- state
     def start_fresh(self) -> None:
@@ -257,6 +265,8 @@ class Trainer:
                               no_sync_except_last=self.world > 1, **ids)
         else:
             loss = self.plain_backward(query, passage, ids)
+        if self.cache is not None and self.step == 0 and self.rank == 0:
+            self.log_chunking()
         if self.on_backward is not None:
             self.on_backward(self.step, self.retriever)
         self.scaler.unscale_(self.optimizer)
@@ -301,6 +311,23 @@ class Trainer:
         local = all(bool(torch.isfinite(getattr(p, "_local_tensor", p).detach()).all()) for p in self.params)
         if not self.all_ranks(local):
             raise self.diverged("the weights are not finite")
+
+    def log_chunking(self) -> None:
+        """Say what the first cached step chose and measured: chunking, the share of graphs kept under the memory
+        budget, and the peak graph memory (plus the device's peak allocation on CUDA)."""
+        report, cache = self.cache.last_step, self.config.cache
+        sides = [f"{name} chunks of {rows} rows" + (f" / {tokens} tokens" if tokens else "") + f" ({n} this step)"
+                 for name, rows, tokens, n in zip(("query", "passage"), self.chunks,
+                                                  (cache.query_chunk_tokens, cache.passage_chunk_tokens),
+                                                  report.chunks)]
+        peak = (f", device peak {format_bytes(torch.cuda.max_memory_allocated(self.device))}"
+                if self.device.type == "cuda" else "")
+        budget = "auto" if cache.memory_budget == "auto" else format_bytes(cache.memory_budget)
+        logger.info("Gradient Cache: %s; memory budget %s: %s%s", ", ".join(sides), budget, report.describe(), peak)
+        self.retriever.training_info["grad_cache_first_step"] = {
+            "chunks": report.chunks, "kept": report.kept, "kept_token_share": report.kept_share,
+            "budget_bytes": report.budget, "kept_bytes": report.kept_bytes, "largest_graph_bytes": report.largest_graph,
+            "peak_graph_bytes": report.peak_graph_bytes}
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip the global gradient norm of the trainable parameters to ``optim.max_grad_norm``; returns the norm
