@@ -57,7 +57,7 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError:
-        raise DprGcError("LoRA needs the package peft (pip install -r requirements.txt)") from None
+        raise DprGcError("LoRA needs the package peft: pip install 'dpr-gc[lora]' (or -r requirements.txt)") from None
     return peft
 
 
