@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -15,13 +14,15 @@ from .retrieval import encode, index, mine, retrieve
 from .train import trainer as train
 from .base.args import ArgumentParser
 from .base.errors import DprGcError
+from .base.logs import setup_logging
 
 STAGES = (pipeline, stdlib_data, data, train, encode, index, retrieve, evaluate, mine, lora)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="dpr-gc", description="Dense passage retrieval with Gradient Cache.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging, plus the dependencies' own log lines and progress bars")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for stage in STAGES:
         stage.add_cli(subparsers)
@@ -55,8 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if e.code in (0, None):
             raise
         return int(e.code) if isinstance(e.code, int) else 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging(args.verbose)
     return report_errors(lambda: args.func(args))
 
 
