@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..base.errors import DprGcError
 from ..base.logs import nested_bar_disabled
 from ..engine.loss import TEMPERATURE_RANGE, Temperature
+from .hub import check_model_source
 from .tokenize import tokenize
 
 logger = logging.getLogger(__name__)
@@ -298,6 +299,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
 
     if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
         return load_adapter_model(Path(name_or_path))
+    check_model_source(str(name_or_path))
     try:
         return AutoModel.from_pretrained(str(name_or_path))
     except pickle.UnpicklingError as e:
@@ -312,6 +314,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
 def load_tokenizer(name_or_path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
+    check_model_source(str(name_or_path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except (OSError, ValueError) as e:
