@@ -40,6 +40,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     freeze_position_embeddings: bool = False
     lora: Optional[LoraSettings] = None  # LoRA adapters (only they train in the transformers), see dpr_gc.lora
+    # The ``retriever`` fields the user set (the flags given); a sentence-transformers folder supplies the others.
+    # None: every field of ``retriever`` when it is given, the folder's recipe when it is None.
+    retriever_flags: Optional[tuple[str, ...]] = None
 
     def path(self) -> str:
         """The model to start from (the offline default when none is named)."""
@@ -169,16 +172,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "--output_dir", type=output_dir, dest="output_dir", required=True, help="output folder")
     p.add_argument("--model", "--pretrained_model_cfg", dest="model", default=None,
                    help="Hugging Face model name or folder, or a saved retriever (default: offline all-MiniLM-L6-v2)")
-    p.add_argument("--pooling", default="cls", choices=["cls", "mean", "pooler", "last"],
-                   help="last: the last non-padding token's state (decoder-only models; EOS appended when absent)")
-    p.add_argument("--normalize", action="store_true", help="L2-normalise representations (cosine similarity)")
+    recipe = " (default: a sentence-transformers --model folder's own, else %s)"
+    p.add_argument("--pooling", default=None, choices=["cls", "mean", "pooler", "last"],
+                   help="last: the last non-padding token's state (decoder-only models; EOS appended when absent)"
+                        + recipe % "cls")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="L2-normalise representations (cosine similarity)" + recipe % "off")
     p.add_argument("--projection-dim", type=positive_int, default=None)
     p.add_argument("--separate-encoders", action="store_true", help="two towers instead of one shared")
-    p.add_argument("--query-max-length", "--query_max_length", type=positive_int, default=32)
-    p.add_argument("--passage-max-length", "--sequence_length", type=positive_int, default=256)
-    p.add_argument("--passage-format", default="pair", choices=["pair", "concat"])
+    p.add_argument("--query-max-length", "--query_max_length", type=positive_int, default=None, help=recipe % 32)
+    p.add_argument("--passage-max-length", "--sequence_length", type=positive_int, default=None, help=recipe % 256)
+    p.add_argument("--passage-format", default=None, choices=["pair", "concat"], help=recipe % "pair")
     add_prefix_arguments(p)
-    p.add_argument("--temperature", type=positive_float, default=1.0)
+    p.add_argument("--temperature", type=positive_float, default=None,
+                   help="scores are divided by it (default: 0.05 for a normalised sentence-transformers --model "
+                        "folder, as its MultipleNegativesRankingLoss; else 1.0)")
     p.add_argument("--learn-temperature", action="store_true")
     p.add_argument("--batch-size", "--batch_size", type=positive_int, default=32, help="queries per step and rank")
     p.add_argument("--hard-negatives", "--hard_negatives", type=nonnegative_int, default=1)
@@ -242,13 +250,16 @@ def chunk_arg(value: str) -> Union[int, str]:
 
 def config_from_args(args: Any) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``dpr-gc train`` flags, each flag into its group."""
-    retriever = RetrieverConfig(pooling=args.pooling, normalize=args.normalize, projection_dim=args.projection_dim,
-                                shared_encoder=not args.separate_encoders, query_max_length=args.query_max_length,
-                                passage_max_length=args.passage_max_length, temperature=args.temperature,
-                                learn_temperature=args.learn_temperature, passage_format=args.passage_format)
-    model = ModelConfig(name=args.model, retriever=retriever, query_prefix=args.query_prefix,
+    given = {k: getattr(args, k) for k in ("pooling", "normalize", "projection_dim", "query_max_length",
+                                           "passage_max_length", "temperature", "passage_format")
+             if getattr(args, k) is not None}
+    given.update({"shared_encoder": False} if args.separate_encoders else {},
+                 **{"learn_temperature": True} if args.learn_temperature else {})
+    given.update({k: getattr(args, k) for k in ("query_prefix", "passage_prefix") if getattr(args, k) is not None})
+    model = ModelConfig(name=args.model, retriever=RetrieverConfig(**given), query_prefix=args.query_prefix,
                         passage_prefix=args.passage_prefix, gradient_checkpointing=args.gradient_checkpointing,
-                        freeze_position_embeddings=args.freeze_position_embeddings, lora=lora_settings(args))
+                        freeze_position_embeddings=args.freeze_position_embeddings, lora=lora_settings(args),
+                        retriever_flags=tuple(given))
     dev = DevLimits(max_questions=args.dev_max_questions, hard_negatives=args.dev_hard_negatives,
                     other_negatives=args.dev_other_negatives, batch_size=args.dev_batch_size,
                     encode_batch_size=args.dev_encode_batch_size)
