@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any, Optional, Union
 
 from ..base.args import device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int
@@ -62,6 +63,9 @@ class DataConfig:
     hard_negatives: int = 1
     other_negatives: int = 0
     shuffle_positives: bool = False
+    # a BEIR folder's examples: one per (query, positive) pair ("pairs"), or one per query with a positive drawn
+    # at each draw ("sample"); see dpr_gc.data.training.example_index
+    beir_positives: str = "pairs"
     sampling_rates: Optional[list[float]] = None
     num_workers: int = 2
     skip_bad_records: bool = False
@@ -71,6 +75,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise DprGcError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.beir_positives not in ("pairs", "sample"):
+            raise DprGcError(f"--beir-positives must be pairs or sample, got {self.beir_positives!r}")
         _at_least(("--num-workers", self.num_workers, 0), ("--hard-negatives", self.hard_negatives, 0),
                   ("--other-negatives", self.other_negatives, 0))
 
@@ -89,11 +95,19 @@ class OptimConfig:
     adam_eps: float = 1e-8
     adam_betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
+    warmup_ratio: Optional[float] = None  # warm-up as a fraction of all steps (HF's), instead of warmup_steps
     epochs: int = 1
     max_steps: Optional[int] = None
     max_grad_norm: float = 2.0
     precision: str = "fp32"
     symmetric: bool = False
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps``: ``warmup_steps``, or ``ceil(warmup_ratio * total_steps)``
+        (as Hugging Face's and sentence-transformers' trainers count it)."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps
+        return math.ceil(self.warmup_ratio * total_steps)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -101,6 +115,11 @@ class OptimConfig:
         if self.epochs < 1 and not self.max_steps:
             raise DprGcError("--epochs must be >= 1 (or give --max-steps)")
         _at_least(("--max-steps", self.max_steps, 1), ("--warmup-steps", self.warmup_steps, 0))
+        if self.warmup_ratio is not None:
+            if self.warmup_steps:
+                raise DprGcError("give --warmup-steps or --warmup-ratio, not both")
+            if not 0 <= self.warmup_ratio < 1:
+                raise DprGcError(f"--warmup-ratio must lie in [0, 1), got {self.warmup_ratio}")
         if not (self.learning_rate > 0 and self.weight_decay >= 0 and self.max_grad_norm > 0):
             raise DprGcError("--learning-rate and --max-grad-norm must be positive and --weight-decay >= 0")
 
@@ -191,7 +210,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", "--batch_size", type=positive_int, default=32, help="queries per step and rank")
     p.add_argument("--hard-negatives", "--hard_negatives", type=nonnegative_int, default=1)
     p.add_argument("--other-negatives", "--other_negatives", type=nonnegative_int, default=0)
-    p.add_argument("--shuffle-positives", "--shuffle_positive_ctx", action="store_true")
+    p.add_argument("--shuffle-positives", "--shuffle_positive_ctx", action="store_true",
+                   help="DPR files: draw a random positive per question (else the first)")
+    p.add_argument("--beir-positives", choices=["pairs", "sample"], default="pairs",
+                   help="BEIR folders: one example per (query, positive) qrels pair each epoch (pairs, the default, "
+                        "as sentence-transformers), or one per query with a positive drawn each time (sample)")
     p.add_argument("--sampling-rates", type=positive_float, nargs="+", default=None)
     p.add_argument("--no-grad-cache", dest="grad_cache", action="store_false", help="plain training (baseline)")
     p.add_argument("--grad_cache", dest="grad_cache", action="store_true", help=argparse.SUPPRESS)
@@ -202,7 +225,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--symmetric", action="store_true", help="add the passage-to-query loss term")
     p.add_argument("--learning-rate", "--learning_rate", type=positive_float, default=2e-5)
     p.add_argument("--weight-decay", "--weight_decay", type=nonnegative_float, default=0.0)
-    p.add_argument("--warmup-steps", "--warmup_steps", type=nonnegative_int, default=0)
+    warmup = p.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup-steps", "--warmup_steps", type=nonnegative_int, default=None,
+                        help="steps of linear learning-rate warm-up (default 0)")
+    warmup.add_argument("--warmup-ratio", type=nonnegative_float, default=None,
+                        help="warm-up as a fraction of all steps, rounded up (0.1: the first 10%%), instead of "
+                             "--warmup-steps")
     p.add_argument("--epochs", "--num_train_epochs", type=positive_int, default=1)
     p.add_argument("--max-steps", type=positive_int, default=None)
     p.add_argument("--max-grad-norm", "--max_grad_norm", type=positive_float, default=2.0)
@@ -265,11 +293,13 @@ def config_from_args(args: Any) -> TrainConfig:
                     encode_batch_size=args.dev_encode_batch_size)
     data = DataConfig(train_files=args.train_files, dev_file=args.dev_file, batch_size=args.batch_size,
                       hard_negatives=args.hard_negatives, other_negatives=args.other_negatives,
-                      shuffle_positives=args.shuffle_positives, sampling_rates=args.sampling_rates,
+                      shuffle_positives=args.shuffle_positives, beir_positives=args.beir_positives,
+                      sampling_rates=args.sampling_rates,
                       num_workers=args.num_workers, skip_bad_records=args.skip_bad_records, cache_dir=args.cache_dir,
                       dev=dev)
     optim = OptimConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                        warmup_steps=args.warmup_steps, epochs=args.epochs, max_steps=args.max_steps,
+                        warmup_steps=args.warmup_steps or 0, warmup_ratio=args.warmup_ratio, epochs=args.epochs,
+                        max_steps=args.max_steps,
                         max_grad_norm=args.max_grad_norm, precision=args.precision, symmetric=args.symmetric)
     cache = CacheConfig(enabled=args.grad_cache, query_chunk_size=args.query_chunk_size,
                         passage_chunk_size=args.passage_chunk_size, loss_chunk_size=args.loss_chunk_size)

@@ -32,7 +32,7 @@ from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, config_from_args
 from .utils import (Checkpointer, Towers, auto_chunk_size, build_retriever, capture_rng, check_sources,
-                          describe_training, gather_rng, restore_rng, seed_everything, setup_distributed,
+                          describe_epoch, describe_training, gather_rng, restore_rng, seed_everything, setup_distributed,
                           summary_table, tensorboard_writer)
 from .validation import evaluate_dev
 
@@ -104,7 +104,9 @@ class Trainer:
                                  other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
                                  rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
                                  world_size=self.world, num_workers=config.num_workers,
-                                 pin_memory=self.device.type == "cuda")
+                                 pin_memory=self.device.type == "cuda", beir_positives=config.beir_positives)
+        if self.rank == 0:
+            logger.info(describe_epoch(data, loader.batch_sampler, config.beir_positives))
         return data, collator, loader
 
     def schedule(self) -> tuple[Optional[int], Optional[int]]:
@@ -177,7 +179,10 @@ class Trainer:
 
     def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         """Linear warm-up to the learning rate, then linear decay to zero at the last step."""
-        warmup, total = self.config.optim.warmup_steps, self.total_steps
+        warmup, total = self.config.optim.warmup_for(self.total_steps), self.total_steps
+        if self.config.optim.warmup_ratio is not None:
+            logger.info("--warmup-ratio %g of %d steps: %d warm-up steps", self.config.optim.warmup_ratio, total,
+                        warmup)
         return torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup))))
 
