@@ -374,7 +374,8 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--results", help="DPR retriever output JSON: [{question, answers, ctxs: [...]}]")
     p.add_argument("--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
     p.add_argument("--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels (qid 0 docid rel)")
-    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 20, 100], help="cut-offs (default: 1 5 20 100)")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 10, 20, 100],
+                   help="cut-offs (default: 1 5 10 20 100; nDCG@10 and MRR@10 are always reported)")
     p.add_argument("--match", choices=("auto", "stored") + MATCH_MODES, default="auto",
                    help="answer flags: auto (the file's has_answer fields when present, else string), stored, or "
                         "recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")

@@ -67,7 +67,9 @@ class DataConfig:
     # at each draw ("sample"); see dpr_gc.data.training.example_index
     beir_positives: str = "pairs"
     sampling_rates: Optional[list[float]] = None
-    num_workers: int = 2
+    # DataLoader workers; "auto": 0 on the CPU (workers would compete with the step for the same cores and copy the
+    # training process's memory), 2 on a GPU (tokenising ahead of the step); see resolve_workers
+    num_workers: Union[int, str] = "auto"
     skip_bad_records: bool = False
     cache_dir: Optional[str] = None
     dev: DevLimits = dataclasses.field(default_factory=DevLimits)
@@ -77,12 +79,21 @@ class DataConfig:
             raise DprGcError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.beir_positives not in ("pairs", "sample"):
             raise DprGcError(f"--beir-positives must be pairs or sample, got {self.beir_positives!r}")
-        _at_least(("--num-workers", self.num_workers, 0), ("--hard-negatives", self.hard_negatives, 0),
+        if self.num_workers != "auto" and (not isinstance(self.num_workers, int) or self.num_workers < 0):
+            raise DprGcError(f"--num-workers must be an integer >= 0 or 'auto', got {self.num_workers!r}")
+        _at_least(("--hard-negatives", self.hard_negatives, 0),
                   ("--other-negatives", self.other_negatives, 0))
 
     @property
     def passages_per_query(self) -> int:
         return 1 + self.hard_negatives + self.other_negatives
+
+    def resolve_workers(self, device_type: str) -> int:
+        """``num_workers``, with ``auto`` resolved for the device: 0 on the CPU, where workers measured no faster
+        and cost memory (benchmarks/README.md, "DataLoader workers"), 2 on a GPU."""
+        if self.num_workers != "auto":
+            return int(self.num_workers)
+        return 2 if device_type == "cuda" else 0
 
 
 @dataclasses.dataclass
@@ -260,8 +271,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-checkpoints", type=positive_int, default=2)
     p.add_argument("--best-metric", default="avg_rank", choices=list(BEST_METRICS))
     p.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' in --output")
-    p.add_argument("--num-workers", type=nonnegative_int, default=2,
-                   help="DataLoader workers that tokenise ahead of the step")
+    p.add_argument("--num-workers", type=workers_arg, default="auto",
+                   help="DataLoader workers that tokenise ahead of the step (auto: 0 on the CPU, where they cost "
+                        "memory and measured no faster; 2 on a GPU)")
     p.add_argument("--skip-bad-records", action="store_true")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--device", type=device_arg, default=None)
@@ -269,6 +281,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="under torchrun: shard the model over the ranks (FSDP2, one unit per transformer block)")
     p.add_argument("--fsdp-cpu-offload", action="store_true",
                    help="with --fsdp: keep parameters, gradients and optimizer state on the CPU between uses")
+
+
+def workers_arg(value: str) -> Union[int, str]:
+    """A --num-workers flag: an integer >= 0 or ``auto``."""
+    return value if value == "auto" else nonnegative_int(value)
 
 
 def chunk_arg(value: str) -> Union[int, str]:

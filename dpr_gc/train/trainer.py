@@ -61,6 +61,7 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         self.retriever = self.build_model()
+        self.workers = config.data.resolve_workers(self.device.type)
         self.data, self.collator, self.loader = self.build_data()
         self.sampler = self.loader.batch_sampler
         self.steps_per_epoch = self.sampler.batches_per_epoch
@@ -103,7 +104,7 @@ class Trainer:
         loader = make_dataloader(data, collator, config.batch_size, hard_negatives=config.hard_negatives,
                                  other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
                                  rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
-                                 world_size=self.world, num_workers=config.num_workers,
+                                 world_size=self.world, num_workers=self.workers,
                                  pin_memory=self.device.type == "cuda", beir_positives=config.beir_positives)
         if self.rank == 0:
             logger.info(describe_epoch(data, loader.batch_sampler, config.beir_positives))
@@ -314,9 +315,11 @@ class Trainer:
         if self.rank == 0:
             config = self.config
             logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, "
-                        "%s", self.total_steps, config.data.batch_size, self.world, self.effective_batch,
-                        self.passages_per_query, f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}"
-                        if self.chunks else "plain training", config.optim.precision)
+                        "%s on %s, %d DataLoader worker(s)%s", self.total_steps, config.data.batch_size, self.world,
+                        self.effective_batch, self.passages_per_query,
+                        f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
+                        config.optim.precision, self.device, self.workers,
+                        " (auto)" if config.data.num_workers == "auto" else "")
 
     def train_epoch(self) -> None:
         """The rest of the current epoch (all of it, unless resumed inside it), stopping at the last step."""
