@@ -7,7 +7,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from . import pipeline
-from .data import stdlib_data, training as data
+from .data import arrow_cache, stdlib_data, training as data
 from .evaluation import evaluate
 from .model import lora
 from .retrieval import encode, index, mine, retrieve
@@ -16,7 +16,7 @@ from .base.args import ArgumentParser
 from .base.errors import DprGcError
 from .base.logs import setup_logging
 
-STAGES = (pipeline, stdlib_data, data, train, encode, index, retrieve, evaluate, mine, lora)
+STAGES = (pipeline, stdlib_data, data, train, encode, index, retrieve, evaluate, mine, lora, arrow_cache)
 
 
 def build_parser() -> argparse.ArgumentParser:
