@@ -121,7 +121,8 @@ def describe_epoch(data: Any, sampler: Any, beir_positives: str) -> str:
     drawn = sum(int(r * n) for r, n in zip(sampler.rates, sampler.sizes))
     step = sampler.batch_size * sampler.world_size
     used = sampler.batches_per_epoch * step
-    return (f"an epoch: {'; '.join(parts)} (--beir-positives {beir_positives}); {sampler.batches_per_epoch} steps "
+    flag = f" (--beir-positives {beir_positives})" if "beir" in map(data.source_format, range(len(data.sizes))) else ""
+    return (f"an epoch: {'; '.join(parts)}{flag}; {sampler.batches_per_epoch} steps "
             f"of {step} use {used} of the {drawn} examples, {drawn - used} left out (the last partial batch; "
             "the shuffle leaves out others each epoch)")
 
