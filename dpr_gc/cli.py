@@ -10,19 +10,21 @@ from typing import Optional, Sequence
 
 from .base.args import ArgumentParser
 from .base.errors import report_errors
+from .base.logs import setup_logging
 
 # sub-command -> the stage module (under dpr_gc) that registers it, in the order ``--help`` lists them
 STAGES = {"demo": "pipeline", "make-stdlib-data": "data.stdlib_data", "prepare-data": "data.training",
           "train": "train.trainer", "verify": "train.verify", "encode": "retrieval.encode", "index": "retrieval.index",
           "retrieve": "retrieval.retrieve", "evaluate": "evaluation.evaluate", "mine": "retrieval.mine",
-          "merge-lora": "model.lora"}
+          "merge-lora": "model.lora", "cache": "data.arrow_cache"}
 
 
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """The ``dpr-gc`` parser; given a known ``command``, only that stage is imported and registered, so a command
     loads what it uses and no more (``dpr-gc evaluate`` loads no torch)."""
     parser = ArgumentParser(prog="dpr-gc", description="Dense passage retrieval with Gradient Cache.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging, plus the dependencies' own log lines and progress bars")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in STAGES.items():
         if command not in STAGES or command == name:
@@ -44,8 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if e.code in (0, None):
             raise
         return int(e.code) if isinstance(e.code, int) else 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging(args.verbose)
     return report_errors(lambda: args.func(args))
 
 

@@ -342,6 +342,8 @@ def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str
             bad = str(ROOT / "README.md")
         elif getattr(action.type, "__name__", "") == "chunk_arg":
             bad = "0"
+        elif getattr(action.type, "__name__", "") == "workers_arg":
+            bad = "-1"
         if bad is not None:
             cases.append((base, flag, bad, "/".join(action.option_strings)))
     return cases
@@ -483,7 +485,7 @@ def test_optional_flags_can_still_be_left_unset(world: dict) -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["train", "--train", str(world["train"]), "--output", "out"])
     assert args.max_steps is None and args.projection_dim is None and args.device is None
-    assert args.query_chunk_size == "auto" and args.num_workers == 2
+    assert args.query_chunk_size == "auto" and args.num_workers == "auto"
 
 
 

@@ -41,6 +41,7 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert len(report["training_loss"]) == 3
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "training" / "final" / "retriever_config.json").is_file()
+    assert not list((out / "training").glob("checkpoint-*"))  # only a resume needs it; final/ is saved
     assert (out / "after" / "run.trec").stat().st_size > 0
 
     outputs = [out / "training" / "final" / "retriever_config.json", out / "before" / "results.json",

@@ -127,7 +127,7 @@ def test_library_and_command_line_apply_one_rule(flag: str, bad: str, build: Cal
 
 
 def test_a_wrongly_typed_value_in_code_is_refused_with_the_flag() -> None:
-    with pytest.raises(DprGcError, match="--num-workers must be an integer >= 0, got '2'"):
+    with pytest.raises(DprGcError, match="--num-workers must be an integer >= 0 or 'auto', got '2'"):
         DataConfig(num_workers="2")  # type: ignore[arg-type]
     with pytest.raises(DprGcError, match="--precision must be one of fp32, bf16, fp16, got 'fp8'"):
         OptimConfig(precision="fp8")

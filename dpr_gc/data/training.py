@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -59,6 +60,10 @@ class TrainingData:
     dataset: Any
     sizes: list[int]
     stats: list[dict]
+    formats: list[str] = dataclasses.field(default_factory=list)  # "beir" or "dpr", per source
+
+    def source_format(self, i: int) -> str:
+        return self.formats[i] if i < len(self.formats) else "dpr"
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -69,7 +74,8 @@ def combine(parts: Sequence[TrainingData]) -> TrainingData:
     import datasets
 
     dataset = datasets.concatenate_datasets([p.dataset for p in parts]) if len(parts) > 1 else parts[0].dataset
-    return TrainingData(dataset, [s for p in parts for s in p.sizes], [s for p in parts for s in p.stats])
+    return TrainingData(dataset, [s for p in parts for s in p.sizes], [s for p in parts for s in p.stats],
+                        [p.source_format(i) for p in parts for i in range(len(p.sizes))])
 
 
 # ----------------------------------------------------------------- validation
@@ -266,7 +272,7 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     if stats["kept"] == 0:
         raise DprGcError(f"{stats['source']}: no usable training question ({stats['records']} records, "
                          f"{stats['no_positive']} without a positive, {stats['bad']} bad)")
-    return TrainingData(map_dataset(arrow), [stats["kept"]], [stats])
+    return TrainingData(map_dataset(arrow), [stats["kept"]], [stats], [tag])
 
 
 def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: bool, arrow: Path,
@@ -385,6 +391,43 @@ def key_id(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
 
+BEIR_POSITIVES = ("pairs", "sample")
+
+
+def example_index(data: TrainingData, beir_positives: Optional[str]) -> Optional[tuple[np.ndarray, list[int]]]:
+    """What one epoch's examples are, as ``(examples, examples per source)``; ``examples[i] = (row, positive)``.
+
+    A BEIR folder's question with k judged positives gives, with ``"pairs"``, k examples, one per (query, positive)
+    pair (sentence-transformers' way: every qrels pair is trained on each epoch), or with ``"sample"`` one example
+    whose positive is drawn afresh at each draw. DPR files keep one example per question (their first positive, or
+    a drawn one with ``--shuffle-positives``). None when that is every source's case (nothing to expand).
+    """
+    import pyarrow.compute as pc
+
+    from .sampling import FIRST_POSITIVE, SAMPLED_POSITIVE
+
+    formats = [data.source_format(i) for i in range(len(data.sizes))]
+    if beir_positives is None or "beir" not in formats:
+        return None
+    if beir_positives not in BEIR_POSITIVES:
+        raise DprGcError(f"--beir-positives must be one of {', '.join(BEIR_POSITIVES)}, got {beir_positives!r}")
+    counts = pc.list_value_length(data.dataset.data.column("positives")).to_numpy(zero_copy_only=False)
+    parts, sizes, offset = [], [], 0
+    for size, kind in zip(data.sizes, formats):
+        rows = np.arange(offset, offset + size)
+        if kind == "beir" and beir_positives == "pairs":
+            k = counts[offset:offset + size].astype(np.int64)
+            which = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+            part = np.stack([np.repeat(rows, k), which], axis=1)
+        else:
+            code = SAMPLED_POSITIVE if kind == "beir" else FIRST_POSITIVE
+            part = np.stack([rows, np.full(size, code)], axis=1)
+        parts.append(part)
+        sizes.append(len(part))
+        offset += size
+    return np.concatenate(parts).astype(np.int64), sizes
+
+
 @dataclasses.dataclass
 class Batching:
     """How training batches are drawn: queries per rank, negatives per query, positive and negative shuffling,
@@ -399,6 +442,9 @@ class Batching:
     seed: int = setting(0, type=nonnegative_int, help="seed of the sampling")
     shuffle: bool = setting(True, help="shuffle the order of examples each epoch")
     per_file_batches: bool = setting(False, help="each batch from one source")
+    beir_positives: Optional[str] = setting(None, choices=BEIR_POSITIVES,
+                                            help="BEIR folders: one example per (query, positive) pair, or one per "
+                                                 "query with a positive drawn each time (None: one per query)")
 
     def __post_init__(self) -> None:
         check(self)
@@ -410,14 +456,19 @@ def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[B
     """A DataLoader of tokenised per-rank batches drawn as ``settings`` says (fields of :class:`Batching` may also
     be given as keywords); reach the sampler (``set_epoch``, state) as ``.batch_sampler``.
 
-    Its own seeded generator draws the workers' base seed at each ``iter()``: without it that draw comes from the
-    global torch RNG, and a run resumed mid-epoch would draw once more than an uninterrupted one (other dropout).
+    ``beir_positives`` (``pairs`` or ``sample``, see :func:`example_index`; None: one example per question) says
+    what a BEIR source's examples are. Its own seeded generator draws the workers' base seed at each ``iter()``:
+    without it that draw comes from the global torch RNG, and a run resumed mid-epoch would draw once more than an
+    uninterrupted one (other dropout).
     """
     s = dataclasses.replace(settings or Batching(), **options)
     batch_size, rates, seed, shuffle = s.batch_size, s.rates, s.seed, s.shuffle
-    sampler = MixedBatchSampler(data.sizes, batch_size, rates, seed, rank, world_size, shuffle, s.per_file_batches)
+    index = example_index(data, s.beir_positives)
+    items, sizes = index if index is not None else (None, data.sizes)
+    groups = items[:, 0] if items is not None and len(items) > len(data) else None
+    sampler = MixedBatchSampler(sizes, batch_size, rates, seed, rank, world_size, shuffle, s.per_file_batches, groups)
     examples = TrainingExamples(data.dataset, s.hard_negatives, s.other_negatives, s.shuffle_positives,
-                                s.shuffle_negatives, seed, sampler.global_batch)
+                                s.shuffle_negatives, seed, sampler.global_batch, items)
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,

@@ -347,8 +347,8 @@ class EvaluateSettings:
     run: Optional[str] = setting(None, "--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
     qrels: Optional[str] = setting(None, "--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels "
                                                          "(qid 0 docid rel)")
-    k: list[int] = setting(None, "--k", type=positive_int, nargs="+", default_factory=lambda: [1, 5, 20, 100],
-                           help="cut-offs")
+    k: list[int] = setting(None, "--k", type=positive_int, nargs="+", default_factory=lambda: [1, 5, 10, 20, 100],
+                           help="cut-offs (nDCG@10 and MRR@10 are always reported)")
     match: str = setting("auto", "--match", choices=("auto", "stored") + MATCH_MODES,
                          help="answer flags: auto (the file's has_answer fields when present, else string), stored, "
                               "or recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")

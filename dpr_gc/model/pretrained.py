@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..base.errors import DprGcError
+from .hub import check_model_source
 from ..base.files import read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -28,6 +29,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
 
     if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
         return load_adapter_model(Path(name_or_path))
+    check_model_source(str(name_or_path))
     try:
         return AutoModel.from_pretrained(str(name_or_path))
     except pickle.UnpicklingError as e:
@@ -42,6 +44,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
 def load_tokenizer(name_or_path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
+    check_model_source(str(name_or_path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except (OSError, ValueError) as e:

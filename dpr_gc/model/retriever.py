@@ -27,6 +27,7 @@ from .dpr_checkpoints import load_dpr_checkpoint
 from .folder import load_retriever, save_retriever
 from .pretrained import load_tokenizer, load_transformer
 from .tokenize import token_ids
+from ..base.logs import nested_bar_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -168,14 +169,16 @@ class Retriever(nn.Module):
     # ----------------------------------------------------------------- inference
     def embed(self, kind: str, texts: Sequence[str], titles: Optional[Sequence[Optional[str]]] = None,
               batch_size: int = 64, dtype: Optional[torch.dtype] = None, show_progress: bool = False,
-              max_length: Optional[int] = None, progress: Optional[Any] = None) -> np.ndarray:
+              max_length: Optional[int] = None, progress: Optional[Any] = None,
+              progress_in_tokens: bool = False) -> np.ndarray:
         """Embed texts as queries or passages in eval mode under ``dtype`` autocast; float32 ``[N, D]``, input order.
 
         The one embedding loop (corpus encoding runs it too): rows sorted by character length are tokenised
         ``EMBED_CHUNK_BATCHES`` batches at a time (one fast-tokenizer call), then re-sorted by token count so each
         batch is cut to its own longest sequence. The next chunk is tokenised before the previous chunk's results
         are copied back, so on GPU tokenisation overlaps the forward passes. ``progress`` (a tqdm bar) advances by
-        the rows done; ``show_progress`` opens one.
+        the rows done, or with ``progress_in_tokens`` by their :func:`estimated_tokens` (the longest texts go first,
+        so a count of rows would promise a finish far too late); ``show_progress`` opens one.
         """
         n = len(texts)
         if n == 0:
@@ -183,22 +186,28 @@ class Retriever(nn.Module):
         titles = list(titles) if titles else [""] * n
         was_training = self.training
         self.eval()
-        bar = progress if progress is not None else tqdm(total=n, disable=not show_progress, desc=f"embed {kind} texts")
+        bar = progress if progress is not None else tqdm(total=n, disable=nested_bar_disabled(show_progress),
+                                                         desc=f"embed {kind} texts")
         try:
             with grad_free(self):
-                return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar)
+                return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar,
+                                          progress_in_tokens)
         finally:
             self.train(was_training)
             if progress is None:
                 bar.close()
 
     def _embed_sorted(self, kind: str, texts: Sequence[str], titles: list[Optional[str]], batch_size: int,
-                      dtype: Optional[torch.dtype], max_length: Optional[int], bar: Any) -> np.ndarray:
+                      dtype: Optional[torch.dtype], max_length: Optional[int], bar: Any,
+                      progress_in_tokens: bool = False) -> np.ndarray:
         device = next(self.parameters()).device
         left = getattr(self.tokenizer, "padding_side", "right") == "left"
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        chars = [len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)]
-        order = np.argsort(-np.asarray(chars, dtype=np.int64), kind="stable")
+        chars = np.asarray([len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)],
+                           dtype=np.int64)
+        limit = max_length or (self.config.query_max_length if kind == "query" else self.config.passage_max_length)
+        weights = estimated_tokens(chars, limit) if progress_in_tokens else np.ones(len(texts), dtype=np.int64)
+        order = np.argsort(-chars, kind="stable")
         pending: list[tuple[np.ndarray, torch.Tensor]] = []
         for cs in range(0, len(texts), batch_size * EMBED_CHUNK_BATCHES):
             idx = order[cs:cs + batch_size * EMBED_CHUNK_BATCHES]
@@ -206,7 +215,7 @@ class Retriever(nn.Module):
                 enc = self.tokenize_queries([texts[i] for i in idx], max_length)
             else:
                 enc = self.tokenize_passages([titles[i] for i in idx], [texts[i] for i in idx], max_length)
-            _drain(pending, out, bar)
+            _drain(pending, out, bar, weights)
             lengths = enc["attention_mask"].sum(1)
             by_tokens = torch.argsort(lengths, descending=True, stable=True)
             for bs in range(0, len(idx), batch_size):
@@ -217,7 +226,7 @@ class Retriever(nn.Module):
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     rep = self(kind, scale=False, **batch)  # through __call__: a sharded model's hooks gather its weights
                 pending.append((idx[sel.numpy()], rep.float()))
-        _drain(pending, out, bar)
+        _drain(pending, out, bar, weights)
         return out
 
     @property
@@ -271,9 +280,21 @@ def freeze_position_embeddings(model: nn.Module) -> int:
     return frozen
 
 
-def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, bar: Any) -> None:
-    """Copy finished batches' embeddings into their rows of ``out`` (this is where a GPU stream syncs)."""
+def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, bar: Any,
+           weights: np.ndarray) -> None:
+    """Copy finished batches' embeddings into their rows of ``out`` (this is where a GPU stream syncs) and advance
+    ``bar`` by the rows' progress ``weights``."""
     for rows, rep in pending:
         out[rows] = rep.cpu().numpy()
-        bar.update(len(rows))
+        bar.update(int(weights[rows].sum()))
     pending.clear()
+
+
+CHARS_PER_TOKEN = 4  # a typical rate of English subword tokenizers; it only weighs progress, never cuts text
+
+
+def estimated_tokens(chars: np.ndarray, max_length: int) -> np.ndarray:
+    """Tokens a text of ``chars`` characters is expected to take (two special tokens added, capped at
+    ``max_length``): the cost weight of each text in an encoding progress bar, so that its rate and ETA hold while
+    the longest texts go first."""
+    return np.minimum(np.asarray(chars, dtype=np.int64) // CHARS_PER_TOKEN + 2, max_length)

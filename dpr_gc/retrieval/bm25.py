@@ -33,7 +33,10 @@ class BM25Source:
 
     def __init__(self, corpus: Any, k1: float = 0.9, b: float = 0.4, index_dir: Optional[PathLike] = None,
                  block_size: int = BM25_BLOCK, n_threads: int = 0, show_progress: bool = True) -> None:
-        import bm25s
+        try:
+            import bm25s
+        except ImportError:
+            raise DprGcError("BM25 needs the package bm25s: pip install 'dpr-gc[bm25]' (or bm25s)") from None
 
         self.n_threads = n_threads
         self.meta = {"corpus_rows": len(corpus), "first_id": str(corpus[0]["id"]) if len(corpus) else None,

@@ -22,8 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data.corpus import dataset_fingerprint, load_corpus
-from ..base.args import nonnegative_int, output_dir, positive_int
-from ..base.devices import PRECISIONS, autocast_dtype, default_device, pick_precision
+from ..base.args import device_arg, nonnegative_int, output_dir, positive_int
+from ..base.devices import PRECISIONS, autocast_dtype, cpu_has_native_bf16, default_device, pick_precision
 from ..base.errors import DprGcError
 from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
 from ..base.locks import locked_folder
@@ -103,7 +103,25 @@ def encode_block(retriever: Any, titles: Sequence[str], texts: Sequence[str], ba
     """Embed passages (float32 ``[N, D]``, input order) with :meth:`~dpr_gc.model.Retriever.embed`, the one
     embedding loop (length-sorted, tightly padded batches), under ``autocast`` precision (``bf16``/``fp16``)."""
     return retriever.embed("passage", texts, titles, batch_size, autocast_dtype(autocast), max_length=max_length,
-                           progress=progress)
+                           progress=progress, progress_in_tokens=True)
+
+
+def shard_tokens(corpus: Any, start: int, stop: int, max_length: int) -> np.ndarray:
+    """The :func:`~dpr_gc.model.retriever.estimated_tokens` of corpus rows ``start:stop`` (title + text
+    characters, counted by Arrow without reading the texts into Python): the units of encode's progress bar."""
+    import pyarrow.compute as pc
+
+    from ..model.retriever import estimated_tokens
+
+    mapped = hasattr(corpus, "data") and getattr(corpus, "_indices", None) is None
+    table = corpus.data.slice(start, stop - start) if mapped else None
+    if table is None:
+        rows = corpus[start:stop]
+        chars = [len(t or "") + len(x) for t, x in zip(rows["title"], rows["text"])]
+    else:
+        chars = sum(pc.fill_null(pc.utf8_length(table.column(c)), 0).to_numpy(zero_copy_only=False)
+                    for c in ("title", "text"))
+    return estimated_tokens(np.asarray(chars), max_length)
 
 
 def quantize_int8(retriever: Any) -> Any:
@@ -166,6 +184,10 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
         logger.info("%s is already finished in %s; nothing to do", name, out)
         return read_manifest(done)
     write_json(progress_file, manifest)
+    logger.info("%s: %d passages on %s in %s compute, stored as %s%s; batch %d, max length %d tokens", name, count,
+                next(retriever.parameters()).device, autocast or "fp32", settings.dtype,
+                " (--dtype float32 keeps full precision)" if settings.dtype == "float16" else "", settings.batch_size,
+                manifest["max_length"])
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
     parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
     todo = [b for b, p in enumerate(parts) if not _part_ok(p, blocks[b][1] - blocks[b][0], retriever.dim)]
@@ -173,8 +195,8 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
         logger.info("%s: resuming, %d of %d blocks already encoded", name, len(blocks) - len(todo), len(blocks))
     was_training = retriever.training
     retriever.eval()
-    bar = tqdm(total=sum(blocks[b][1] - blocks[b][0] for b in todo), desc=f"encode {name}", unit=" passages",
-               disable=not show_progress, smoothing=0.05)
+    bar = tqdm(total=int(sum(shard_tokens(corpus, *blocks[b], manifest["max_length"]).sum() for b in todo)), unit=" tokens",
+               desc=f"encode {name} (~tokens)", unit_scale=True, disable=not show_progress, smoothing=0.05)
     encoder = quantize_int8(retriever) if autocast == "int8" and todo else retriever
     try:
         for b in todo:
@@ -299,6 +321,15 @@ def add_cli(subparsers: Any) -> None:
     parser.set_defaults(func=run_cli)
 
 
+def describe_auto_precision(device: str) -> str:
+    """Why ``--precision auto`` chose what it did on ``device`` (see :func:`~dpr_gc.base.devices.pick_precision`)."""
+    if torch.device(device).type == "cuda":
+        return "the GPU's fastest half precision"
+    if cpu_has_native_bf16():
+        return "this CPU computes bf16 natively; --precision fp32 for full precision"
+    return "this CPU has no native bf16"
+
+
 def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
     """Load the retriever ``job.model`` (prefixes replaced when given) on ``job.device`` (default: see
     :func:`~dpr_gc.base.devices.default_device`) and encode one shard (:func:`encode_corpus`) with
@@ -307,6 +338,9 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
 
     device = default_device(job.device)
     retriever = Retriever.load(job.model, device, job.query_prefix, job.passage_prefix)
+    if job.settings.precision == "auto":
+        chosen = pick_precision("auto", torch.device(device))
+        logger.info("--precision auto on %s: %s (%s)", device, chosen or "fp32", describe_auto_precision(device))
     began = time.perf_counter()
     manifest = encode_corpus(retriever, job.corpus, job.output, settings=job.settings, model_name=str(job.model))
     return manifest, time.perf_counter() - began

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..evaluation.answers import MATCH_MODES, AnswerMatcher, default_workers
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
+from ..base.logs import nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
 from ..base.files import PathLike
 from .index import DenseIndex, set_threads
@@ -150,7 +151,7 @@ def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Itera
     if retriever.dim != index.dim:
         check_compatible(retriever, index, check_fingerprint=False)
     queries = iter(queries)
-    bar = tqdm(desc="retrieving", unit=" q", total=total, disable=not show_progress)
+    bar = tqdm(desc="retrieving", unit=" q", total=total, disable=nested_bar_disabled(show_progress))
     while chunk := list(itertools.islice(queries, QUERY_CHUNK)):
         emb = retriever.embed("query", [q["question"] for q in chunk], batch_size=batch_size,
                               show_progress=show_progress and len(chunk) > batch_size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -37,6 +38,11 @@ def chunk_arg(value: str) -> Union[int, str]:
     return value if value == "auto" else positive_int(value)
 
 
+def workers_arg(value: str) -> Union[int, str]:
+    """A --num-workers flag: an integer >= 0 or ``auto``."""
+    return value if value == "auto" else nonnegative_int(value)
+
+
 def memory_arg(value: str) -> Union[int, str]:
     """A memory size flag: bytes with a unit (``12GB``, ``512MiB``) or ``auto``."""
     try:
@@ -54,8 +60,9 @@ class ModelConfig:
     name: Optional[str] = setting(None, "--model", "--pretrained_model_cfg", dest="model",
                                   help="Hugging Face model name or folder, a saved retriever, an official DPR pair "
                                        "or a DPR .cp file (default: offline all-MiniLM-L6-v2)")
-    retriever: Optional[RetrieverConfig] = group(RetrieverConfig, "retriever (a new one; a saved one keeps its own)",
-                                                 when="pooling")
+    retriever: Optional[RetrieverConfig] = group(RetrieverConfig, "retriever (a new one; a saved one keeps its own; "
+                                                 "a sentence-transformers folder supplies what is not given)",
+                                                 given="retriever_flags")
     query_prefix: Optional[str] = setting(None, "--query-prefix",
                                           help="text put before every query, e.g. 'query: ' (default: the model's "
                                                "own, else none)")
@@ -68,6 +75,10 @@ class ModelConfig:
                                                help="keep the position embeddings as loaded")
     lora: Optional[LoraSettings] = group(LoraSettings, "LoRA (only the adapters train in the transformers)",
                                          when="lora_r")
+
+    # The ``retriever`` fields the user set (the flags given); a sentence-transformers folder supplies the others.
+    # None: every field of ``retriever`` when it is given, the folder's recipe when it is None.
+    retriever_flags: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -96,11 +107,16 @@ class DataConfig:
                                    help="other (random) negatives per query")
     shuffle_positives: bool = setting(False, "--shuffle-positives", "--shuffle_positive_ctx",
                                       help="draw a random positive per query (else the first)")
+    beir_positives: str = setting("pairs", "--beir-positives", choices=("pairs", "sample"),
+                                  help="BEIR folders: one example per (query, positive) qrels pair each epoch "
+                                       "(pairs, as sentence-transformers), or one per query with a positive drawn "
+                                       "each time (sample)")
     sampling_rates: Optional[list[float]] = setting(None, "--sampling-rates", type=positive_float, nargs="+",
                                                     help="per-source sampling rates (one per --train source; "
                                                          "default: every example once per epoch)")
-    num_workers: int = setting(2, "--num-workers", type=nonnegative_int, resume=FREE,
-                               help="DataLoader workers that tokenise ahead of the step")
+    num_workers: Union[int, str] = setting("auto", "--num-workers", type=workers_arg, resume=FREE,
+                                           help="DataLoader workers that tokenise ahead of the step (auto: 0 on the "
+                                                "CPU, where they cost memory and measured no faster; 2 on a GPU)")
     skip_bad_records: bool = setting(False, "--skip-bad-records", resume=FREE,
                                      help="skip (and count) malformed training records instead of stopping")
     cache_dir: Optional[str] = setting(None, "--cache-dir", resume=FREE,
@@ -109,10 +125,19 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check(self)
+        if self.num_workers != "auto" and (not isinstance(self.num_workers, int) or self.num_workers < 0):
+            raise DprGcError(f"--num-workers must be an integer >= 0 or 'auto', got {self.num_workers!r}")
 
     @property
     def passages_per_query(self) -> int:
         return 1 + self.hard_negatives + self.other_negatives
+
+    def resolve_workers(self, device_type: str) -> int:
+        """``num_workers``, with ``auto`` resolved for the device: 0 on the CPU, where workers measured no faster
+        and cost memory (benchmarks/README.md, "DataLoader workers"), 2 on a GPU."""
+        if self.num_workers != "auto":
+            return int(self.num_workers)
+        return 2 if device_type == "cuda" else 0
 
 
 @dataclasses.dataclass
@@ -126,8 +151,12 @@ class OptimConfig:
                                   help="AdamW weight decay")
     adam_eps: float = setting(1e-8, type=positive_float, help="AdamW epsilon")
     adam_betas: tuple[float, float] = setting((0.9, 0.999), help="AdamW betas")
-    warmup_steps: int = setting(0, "--warmup-steps", "--warmup_steps", type=nonnegative_int,
-                                help="steps of linear learning-rate warm-up")
+    warmup_steps: Optional[int] = setting(None, "--warmup-steps", "--warmup_steps", type=nonnegative_int,
+                                          help="steps of linear learning-rate warm-up (default: 0, or "
+                                               "--warmup-ratio)")
+    warmup_ratio: Optional[float] = setting(None, "--warmup-ratio", type=nonnegative_float,
+                                            help="warm-up as a fraction of all steps, rounded up (0.1: the first "
+                                                 "10%%), instead of --warmup-steps")
     epochs: int = setting(1, "--epochs", "--num_train_epochs", type=positive_int, resume=FREE,
                           help="passes over the training data")
     max_steps: Optional[int] = setting(None, "--max-steps", type=positive_int, resume=FREE,
@@ -139,8 +168,20 @@ class OptimConfig:
                              help="autocast precision of the forward and backward passes")
     symmetric: bool = setting(False, "--symmetric", help="add the passage-to-query loss term")
 
+    def warmup_for(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps``: ``warmup_steps``, or ``ceil(warmup_ratio * total_steps)``
+        (as Hugging Face's and sentence-transformers' trainers count it)."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps or 0
+        return math.ceil(self.warmup_ratio * total_steps)
+
     def __post_init__(self) -> None:
         check(self)
+        if self.warmup_ratio is not None:
+            if self.warmup_steps is not None:
+                raise DprGcError("give --warmup-steps or --warmup-ratio, not both")
+            if not 0 <= self.warmup_ratio < 1:
+                raise DprGcError(f"--warmup-ratio must lie in [0, 1), got {self.warmup_ratio}")
 
 
 @dataclasses.dataclass

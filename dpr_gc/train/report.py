@@ -9,6 +9,28 @@ from ..base.tables import format_summary
 from .config import TrainConfig
 
 
+def describe_epoch(data: Any, sampler: Any, beir_positives: str) -> str:
+    """What one epoch trains on, for the log: examples per source (BEIR pairs or queries, DPR questions), and how
+    many the whole steps use and how many are left out (the last partial global batch, other ones each epoch)."""
+    parts = []
+    for i, (stats, queries, examples, rate) in enumerate(zip(data.stats, data.sizes, sampler.sizes, sampler.rates)):
+        drawn, kind = int(rate * examples), data.source_format(i)
+        if kind == "beir" and beir_positives == "pairs":
+            what = f"{examples} (query, positive) pairs of {queries} queries"
+        elif kind == "beir":
+            what = f"{queries} queries, a positive drawn each time"
+        else:
+            what = f"{queries} questions"
+        parts.append(f"{stats['source']}: {what}" + (f" x rate {rate:g} = {drawn}" if rate != 1 else ""))
+    drawn = sum(int(r * n) for r, n in zip(sampler.rates, sampler.sizes))
+    step = sampler.batch_size * sampler.world_size
+    used = sampler.batches_per_epoch * step
+    flag = f" (--beir-positives {beir_positives})" if "beir" in map(data.source_format, range(len(data.sizes))) else ""
+    return (f"an epoch: {'; '.join(parts)}{flag}; {sampler.batches_per_epoch} steps "
+            f"of {step} use {used} of the {drawn} examples, {drawn - used} left out (the last partial batch; "
+            "the shuffle leaves out others each epoch)")
+
+
 def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks: Optional[tuple[int, int]],
                       total_steps: int) -> dict:
     """What the model card records about this run (steps and dev metrics are added as they happen)."""
@@ -23,7 +45,7 @@ def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks
             "hard_negatives": data.hard_negatives, "other_negatives": data.other_negatives,
             "grad_cache": config.cache.enabled, "query_chunk_size": chunks[0] if chunks else None,
             "passage_chunk_size": chunks[1] if chunks else None, "learning_rate": optim.learning_rate,
-            "warmup_steps": optim.warmup_steps, "epochs": optim.epochs, "total_steps": total_steps,
+            "warmup_steps": optim.warmup_for(total_steps), "epochs": optim.epochs, "total_steps": total_steps,
             "precision": optim.precision, "seed": config.run.seed, "steps": 0}
 
 

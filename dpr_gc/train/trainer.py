@@ -36,7 +36,7 @@ from .config import TrainConfig, add_train_arguments, check_resume_settings, con
 from .checkpoints import Checkpointer
 from .chunks import auto_chunk_size
 from .distributed import Towers, setup_distributed
-from .report import describe_training, summary_table, tensorboard_writer
+from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources
 from .validation import evaluate_dev
@@ -74,6 +74,7 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         self.retriever = self.build_model()
+        self.workers = config.data.resolve_workers(self.device.type)
         self.data, self.collator, self.loader = self.build_data()
         self.sampler = self.loader.batch_sampler
         self.steps_per_epoch = self.sampler.batches_per_epoch
@@ -118,8 +119,10 @@ class Trainer:
         loader = make_dataloader(data, collator, batch_size=config.batch_size, hard_negatives=config.hard_negatives,
                                  other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
                                  rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
-                                 world_size=self.world, num_workers=config.num_workers,
-                                 pin_memory=self.device.type == "cuda")
+                                 world_size=self.world, num_workers=self.workers,
+                                 pin_memory=self.device.type == "cuda", beir_positives=config.beir_positives)
+        if self.rank == 0:
+            logger.info(describe_epoch(data, loader.batch_sampler, config.beir_positives))
         return data, collator, loader
 
     def schedule(self) -> tuple[Optional[int], Optional[int]]:
@@ -196,7 +199,10 @@ class Trainer:
 
     def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         """Linear warm-up to the learning rate, then linear decay to zero at the last step."""
-        warmup, total = self.config.optim.warmup_steps, self.total_steps
+        warmup, total = self.config.optim.warmup_for(self.total_steps), self.total_steps
+        if self.config.optim.warmup_ratio is not None:
+            logger.info("--warmup-ratio %g of %d steps: %d warm-up steps", self.config.optim.warmup_ratio, total,
+                        warmup)
         return torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup))))
 
@@ -398,9 +404,11 @@ class Trainer:
         if self.rank == 0:
             config = self.config
             logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, "
-                        "%s", self.total_steps, config.data.batch_size, self.world, self.effective_batch,
-                        self.passages_per_query, f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}"
-                        if self.chunks else "plain training", config.optim.precision)
+                        "%s on %s, %d DataLoader worker(s)%s", self.total_steps, config.data.batch_size, self.world,
+                        self.effective_batch, self.passages_per_query,
+                        f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
+                        config.optim.precision, self.device, self.workers,
+                        " (auto)" if config.data.num_workers == "auto" else "")
 
     def train_epoch(self) -> None:
         """The rest of the current epoch (all of it, unless resumed inside it), stopping at the last step."""
