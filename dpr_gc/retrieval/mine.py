@@ -5,7 +5,10 @@ False negatives are dropped before anything is chosen: the question's gold passa
 that contain an answer (``answers.AnswerMatcher``, the matching evaluation uses: each candidate passage tokenised once
 per run) and qrels positives. Of the rest,
 ranks ``<= skip_top`` are skipped and, with ``margin``, so is any candidate scoring above ``best positive score -
-margin``; the first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``. Training files stream through in
+margin``. Positive-aware mining (NV-Retriever, 2024) then removes likely unlabelled positives: ``max_negative_ratio``
+drops candidates scoring above R x the question's lowest-scoring positive ("TopK-PercPos", e.g. 0.95), ``min_margin``
+those scoring above that positive's score - M. Positive scores come from the same source as the candidates (BM25
+score, or the dense model's dot product). The first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``. Training files stream through in
 chunks of questions and are rewritten record by record, so memory holds one chunk, not the file.
 """
 
@@ -26,7 +29,8 @@ from tqdm.auto import tqdm
 from .bm25 import BM25Source, Gold
 from ..data.corpus import rows_for_ids
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
-from ..base.args import any_float, device_arg, nonnegative_float, nonnegative_int, output_dir, output_file, positive_int
+from ..base.args import (any_float, device_arg, nonnegative_float, nonnegative_int, output_dir, output_file,
+                         positive_float, positive_int)
 from ..base.errors import DprGcError
 from ..base.files import ChunkedOutput, PathLike, file_identity, require_file
 from ..base.locks import output_lock
@@ -50,6 +54,9 @@ class MiningSummary:
     qrels_dropped: int = 0
     rank_skipped: int = 0
     margin_dropped: int = 0
+    ratio_dropped: int = 0
+    min_margin_dropped: int = 0
+    unscored: int = 0
     short: int = 0
     written: int = 0
     score_sum: float = 0.0
@@ -69,7 +76,9 @@ class MiningSummary:
         return {"questions": self.questions, "questions in qrels": self.judged, "candidates seen": self.candidates,
                 "gold dropped": self.gold_dropped, "answer-bearing dropped": self.answer_dropped,
                 "qrels positives dropped": self.qrels_dropped, "skipped by rank": self.rank_skipped,
-                "dropped by margin": self.margin_dropped, "questions short of N": self.short,
+                "dropped by margin": self.margin_dropped, "dropped by max negative ratio": self.ratio_dropped,
+                "dropped by min margin": self.min_margin_dropped,
+                "questions without a positive score": self.unscored, "questions short of N": self.short,
                 "negatives written": self.written, "mean score": stat(self.score_sum / max(self.written, 1)),
                 "min score": stat(self.score_min), "max score": stat(self.score_max)}
 
@@ -89,6 +98,34 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """One question's score ceilings for candidates (None: no ceiling): ``margin`` (best positive - margin),
+    ``ratio`` (R x lowest positive), ``min_margin`` (lowest positive - M)."""
+
+    margin: Optional[float] = None
+    ratio: Optional[float] = None
+    min_margin: Optional[float] = None
+
+
+def _limits(positive_scores: Sequence[float], margin: Optional[float], max_negative_ratio: Optional[float],
+            min_margin: Optional[float]) -> Limits:
+    """The ceilings from one question's positive scores; a ratio needs a positive score above 0 to mean anything."""
+    if not positive_scores:
+        return Limits()
+    low = min(positive_scores)
+    return Limits(max(positive_scores) - margin if margin is not None else None,
+                  max_negative_ratio * low if max_negative_ratio is not None and low > 0 else None,
+                  low - min_margin if min_margin is not None else None)
+
+
+def _check_filters(max_negative_ratio: Optional[float], min_margin: Optional[float]) -> None:
+    if max_negative_ratio is not None and not (math.isfinite(max_negative_ratio) and max_negative_ratio > 0):
+        raise DprGcError(f"--max-negative-ratio must be a number > 0 (e.g. 0.95), got {max_negative_ratio}")
+    if min_margin is not None and not math.isfinite(min_margin):
+        raise DprGcError(f"--min-margin must be a finite number (e.g. 0.05), got {min_margin}")
+
+
 def _check_settings(n_negatives: int, top_k: int, skip_top: int, match_mode: str) -> None:
     from ..evaluation.evaluate import MATCH_MODES
 
@@ -104,24 +141,31 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
                         skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
                         qrels: Optional[dict[str, dict[str, int]]] = None, *,
                         id_to_row: Optional[dict[str, int]] = None, matcher: Optional[Any] = None,
-                        show_progress: bool = False) -> tuple[list[dict], MiningSummary]:
+                        show_progress: bool = False, max_negative_ratio: Optional[float] = None,
+                        min_margin: Optional[float] = None) -> tuple[list[dict], MiningSummary]:
     """Hard negatives for DPR-style question records (``question``, ``answers``, ``positive_ctxs``, optional ``id``).
 
     Returns one ``{"id", "question", "hard_negative_ctxs"}`` per question -- each ctx ``{title, text, passage_id,
     score, rank}`` with ``rank`` the 1-based position in the retrieved list -- and a :class:`MiningSummary`.
     ``margin`` drops candidates scoring above the best positive's score minus ``margin``; questions whose positive
-    has no score (BM25: positive not in the corpus) keep their candidates. ``id_to_row`` maps positive ids to corpus
-    rows for BM25 margins (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``match_mode`` kept
+    has no score (BM25: positive not in the corpus) keep their candidates. ``max_negative_ratio`` (R) and
+    ``min_margin`` (M) drop candidates scoring above R x, or M below, the lowest-scoring positive's score (the ratio
+    only where that score is > 0); each removal is counted under the first rule that applies, in the order gold,
+    answer, qrels, rank, margin, ratio, min margin. ``id_to_row`` maps positive ids to corpus rows for BM25 positive
+    scores (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``match_mode`` kept
     across calls, caches tokenised candidates between chunks.
     """
     from ..evaluation.answers import AnswerMatcher
 
     _check_settings(n_negatives, top_k, skip_top, match_mode)
+    _check_filters(max_negative_ratio, min_margin)
     if matcher is None:
         with AnswerMatcher(match_mode) as own:
             return mine_hard_negatives(questions, source, corpus, n_negatives, top_k, skip_top, margin, match_mode,
-                                       qrels, id_to_row=id_to_row, matcher=own, show_progress=show_progress)
-    if margin is not None and id_to_row is None and isinstance(source, BM25Source):
+                                       qrels, id_to_row=id_to_row, matcher=own, show_progress=show_progress,
+                                       max_negative_ratio=max_negative_ratio, min_margin=min_margin)
+    scored = needs_positive_scores(margin, max_negative_ratio, min_margin)
+    if scored and id_to_row is None and isinstance(source, BM25Source):
         id_to_row = rows_for_ids(corpus, (ctx_id(c) for q in questions for c in q.get("positive_ctxs") or []))
     summary, records = MiningSummary(), []
     for start in tqdm(range(0, len(questions), CHUNK), desc="mining", unit=" chunks", disable=not show_progress):
@@ -129,8 +173,8 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
         rows_of = id_to_row or {}
         golds = [[(rows_of.get(ctx_id(c)), c.get("title") or "", c.get("text") or "")
                   for c in q.get("positive_ctxs") or []] for q in chunk]
-        scores, rows, best = source.retrieve([q["question"] for q in chunk], top_k,
-                                             golds if margin is not None else None)
+        scores, rows, positive_scores = source.retrieve([q["question"] for q in chunk], top_k,
+                                                        golds if scored else None)
         unique = np.unique(rows[rows >= 0]).tolist()
         cols = corpus[unique] if unique else {"id": [], "title": [], "text": []}
         where = {r: i for i, r in enumerate(unique)}
@@ -139,15 +183,22 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
                      if i is not None] for q_scores, q_rows in zip(scores.tolist(), rows.tolist())]
         flags = matcher.flags([(q.get("answers") or [], [(h[2], h[4]) for h in hits])
                                for q, hits in zip(chunk, all_hits)])
-        for q, gold, pos, hits, has in zip(chunk, golds, best, all_hits, flags):
-            floor = pos - margin if margin is not None and pos is not None else None
-            chosen = _select(q, gold, hits, has, n_negatives, skip_top, floor, qrels, summary)
+        for q, gold, pos, hits, has in zip(chunk, golds, positive_scores, all_hits, flags):
+            summary.unscored += int(scored and not pos)
+            limits = _limits(pos, margin, max_negative_ratio, min_margin)
+            chosen = _select(q, gold, hits, has, n_negatives, skip_top, limits, qrels, summary)
             records.append({"id": q.get("id"), "question": q["question"], "hard_negative_ctxs": chosen})
     return records, summary
 
 
+def needs_positive_scores(margin: Optional[float], max_negative_ratio: Optional[float],
+                          min_margin: Optional[float]) -> bool:
+    """Whether any rule compares candidates with the positives' scores (BM25 then needs the positives' rows)."""
+    return any(v is not None for v in (margin, max_negative_ratio, min_margin))
+
+
 def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, str]], has_answer: list[bool],
-            n_negatives: int, skip_top: int, floor: Optional[float], qrels: Optional[dict[str, dict[str, int]]],
+            n_negatives: int, skip_top: int, limits: Limits, qrels: Optional[dict[str, dict[str, int]]],
             summary: MiningSummary) -> list[dict]:
     """Drop false negatives among one question's ranked hits (``has_answer``: their answer flags), then keep the
     first ``n_negatives`` in range."""
@@ -165,8 +216,12 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
             summary.qrels_dropped += 1
         elif rank <= skip_top:
             summary.rank_skipped += 1
-        elif floor is not None and score > floor:
+        elif limits.margin is not None and score > limits.margin:
             summary.margin_dropped += 1
+        elif limits.ratio is not None and score > limits.ratio:
+            summary.ratio_dropped += 1
+        elif limits.min_margin is not None and score > limits.min_margin:
+            summary.min_margin_dropped += 1
         elif len(chosen) < n_negatives:
             chosen.append({"title": title, "text": text, "passage_id": pid, "score": float(score), "rank": rank})
     scores = [c["score"] for c in chosen]
@@ -185,17 +240,21 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
                  top_k: int = 100, skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
                  qrels: Optional[dict[str, dict[str, int]]] = None, append: bool = False,
                  id_to_row: Optional[dict[str, int]] = None, chunk_size: int = CHUNK,
-                 show_progress: bool = True, resume_key: Optional[dict] = None, workers: int = 1) -> MiningSummary:
+                 show_progress: bool = True, resume_key: Optional[dict] = None, workers: int = 1, *,
+                 max_negative_ratio: Optional[float] = None, min_margin: Optional[float] = None) -> MiningSummary:
     """Mine ``records`` chunk by chunk and write them with ``hard_negative_ctxs`` replaced (``append``: old ones
     kept, new ones added unless their id is already there), every other field kept. A JSON list, or JSONL when the
     name ends in ``.jsonl`` (``.gz`` compresses); the file appears only when complete.
 
     Each finished chunk is kept (:class:`~dpr_gc.files.ChunkedOutput`): a run with the same ``resume_key`` (the
     inputs and settings; ``None`` never resumes) continues after the last finished chunk of an interrupted one.
-    ``workers`` processes tokenise new candidate passages for answer matching (one matcher for the whole run)."""
+    ``workers`` processes tokenise new candidate passages for answer matching (one matcher for the whole run).
+    ``max_negative_ratio`` / ``min_margin``: positive-aware filtering as in :func:`mine_hard_negatives`; the log
+    says how many candidates each rule removed."""
     from ..evaluation.answers import AnswerMatcher
 
     _check_settings(n_negatives, top_k, skip_top, match_mode)
+    _check_filters(max_negative_ratio, min_margin)
     jsonl = Path(output).name.removesuffix(".gz").endswith(".jsonl")
     with output_lock(output) as final, AnswerMatcher(match_mode, workers) as matcher:
         writer = ChunkedOutput(final, {"settings": resume_key, "chunk_size": chunk_size, "append": append}
@@ -211,7 +270,8 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
             def flush() -> None:
                 nonlocal count
                 mined, part = mine_hard_negatives(buffer, source, corpus, n_negatives, top_k, skip_top, margin,
-                                                  match_mode, qrels, id_to_row=id_to_row, matcher=matcher)
+                                                  match_mode, qrels, id_to_row=id_to_row, matcher=matcher,
+                                                  max_negative_ratio=max_negative_ratio, min_margin=min_margin)
                 summary.merge(part)
                 texts = []
                 for record, m in zip(buffer, mined):
@@ -236,13 +296,30 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
             raise DprGcError(f"no training questions to mine (the input is empty); nothing written to {final}")
         writer.append("" if jsonl else "\n]\n", {"count": count, "summary": dataclasses.asdict(summary)})
         writer.finish()
+    _log_removals(summary, margin, max_negative_ratio, min_margin)
     return summary
+
+
+def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_ratio: Optional[float],
+                  min_margin: Optional[float]) -> None:
+    """One log line: the candidates each rule removed out of those seen."""
+    rules = [("gold", summary.gold_dropped), ("answer-bearing", summary.answer_dropped),
+             ("qrels positives", summary.qrels_dropped), ("--skip-top", summary.rank_skipped)]
+    rules += [(f"--margin {margin:g}", summary.margin_dropped)] if margin is not None else []
+    rules += [(f"--max-negative-ratio {max_negative_ratio:g}", summary.ratio_dropped)] \
+        if max_negative_ratio is not None else []
+    rules += [(f"--min-margin {min_margin:g}", summary.min_margin_dropped)] if min_margin is not None else []
+    logger.info("mined %d questions: of %d candidates, removed %s; %d negatives written", summary.questions,
+                summary.candidates, ", ".join(f"{n} by {name}" for name, n in rules), summary.written)
+    if summary.unscored and needs_positive_scores(margin, max_negative_ratio, min_margin):
+        logger.warning("%d questions have no positive score (positive not in the corpus), so the margin and "
+                       "positive-aware rules did not apply to them", summary.unscored)
 
 
 # ----------------------------------------------------------------------------------------------------- command line
 SOURCES = ("dense", "bm25")
 RESUME_FLAGS = ("source", "split", "model", "index", "bm25_k1", "bm25_b", "n_negatives", "top_k", "skip_top", "margin",
-                "match", "append")
+                "match", "append", "max_negative_ratio", "min_margin")
 
 
 def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: Optional[PathLike] = None,
@@ -328,7 +405,7 @@ def _cli(args: argparse.Namespace) -> None:
         records, id_to_row = beir_training_records(queries, split_qrels, corpus)
     else:
         records = iter_training_file(args.train_file)
-        if args.margin is not None and args.source == "bm25":
+        if needs_positive_scores(args.margin, args.max_negative_ratio, args.min_margin) and args.source == "bm25":
             golds = (ctx_id(c) for r in iter_training_file(args.train_file) for c in r.get("positive_ctxs") or [])
             id_to_row = rows_for_ids(corpus, golds)
     inputs = [args.train_file, corpus_path, args.qrels] + ([queries, split_qrels] if beir is not None else [])
@@ -338,7 +415,8 @@ def _cli(args: argparse.Namespace) -> None:
            **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
     summary = mine_to_file(records, args.output, source, corpus, args.n_negatives, args.top_k, args.skip_top,
                            args.margin, args.match, qrels, args.append, id_to_row, resume_key=key,
-                           workers=args.workers or default_workers())
+                           workers=args.workers or default_workers(), max_negative_ratio=args.max_negative_ratio,
+                           min_margin=args.min_margin)
     if qrels is not None and summary.judged == 0:
         logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
     print(format_summary({"source": args.source, **summary.table(), "output": args.output}))
@@ -370,6 +448,11 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--skip-top", type=nonnegative_int, default=0,
                    help="skip candidates ranked 1..N (likely false negatives)")
     p.add_argument("--margin", type=any_float, help="drop candidates scoring above (best positive score - MARGIN)")
+    p.add_argument("--max-negative-ratio", type=positive_float, metavar="R",
+                   help="positive-aware: drop candidates scoring above R x the question's lowest positive score "
+                        "(e.g. 0.95; same model as the candidates: BM25 score or dense dot product)")
+    p.add_argument("--min-margin", type=any_float, metavar="M",
+                   help="positive-aware: drop candidates scoring above (lowest positive score - M)")
     p.add_argument("--match", default="string", help="answer matching: string (NQ/TriviaQA) or regex (CuratedTREC)")
     p.add_argument("--qrels", help="relevance judgments: their positives (by question id) are never negatives")
     p.add_argument("--workers", type=nonnegative_int, default=0,
