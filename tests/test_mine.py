@@ -336,6 +336,13 @@ def test_positive_aware_filters_remove_exactly_the_candidates_above_the_lowest_p
     first3, _ = mine_hard_negatives(qs, src, corpus, n_negatives=3, top_k=len(corpus), max_negative_ratio=ratio)
     assert ids_of(first3) == [k[:3] for k in kept]  # the first N that pass, by rank
 
+    qs[0]["positive_ctxs"].append({"passage_id": "f0", "title": "", "text": corpus[len(corpus) - 6]["text"]})
+    assert bm25_positive_scores(world, qs)[0][-1] == 0  # a positive sharing no word with the question
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus),
+                                           max_negative_ratio=ratio)
+    assert ids_of(records)[0] == [c for c in ids_of(full)[0] if c != "f0"]  # a ratio of 0 would drop all: skipped
+    assert ids_of(records)[1:] == kept[1:] and summary.ratio_unapplied == 1
+
 
 def test_positive_aware_filters_use_the_dense_models_positive_scores(world, tmp_path):
     root, corpus, retriever = world["root"], world["corpus"], world["retriever"]

@@ -57,6 +57,7 @@ class MiningSummary:
     ratio_dropped: int = 0
     min_margin_dropped: int = 0
     unscored: int = 0
+    ratio_unapplied: int = 0
     short: int = 0
     written: int = 0
     score_sum: float = 0.0
@@ -78,7 +79,9 @@ class MiningSummary:
                 "qrels positives dropped": self.qrels_dropped, "skipped by rank": self.rank_skipped,
                 "dropped by margin": self.margin_dropped, "dropped by max negative ratio": self.ratio_dropped,
                 "dropped by min margin": self.min_margin_dropped,
-                "questions without a positive score": self.unscored, "questions short of N": self.short,
+                "questions without a positive score": self.unscored,
+                "questions the ratio skipped (positive score <= 0)": self.ratio_unapplied,
+                "questions short of N": self.short,
                 "negatives written": self.written, "mean score": stat(self.score_sum / max(self.written, 1)),
                 "min score": stat(self.score_min), "max score": stat(self.score_max)}
 
@@ -186,6 +189,7 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
         for q, gold, pos, hits, has in zip(chunk, golds, positive_scores, all_hits, flags):
             summary.unscored += int(scored and not pos)
             limits = _limits(pos, margin, max_negative_ratio, min_margin)
+            summary.ratio_unapplied += int(bool(pos) and max_negative_ratio is not None and limits.ratio is None)
             chosen = _select(q, gold, hits, has, n_negatives, skip_top, limits, qrels, summary)
             records.append({"id": q.get("id"), "question": q["question"], "hard_negative_ctxs": chosen})
     return records, summary
@@ -314,6 +318,9 @@ def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_
     if summary.unscored and needs_positive_scores(margin, max_negative_ratio, min_margin):
         logger.warning("%d questions have no positive score (positive not in the corpus), so the margin and "
                        "positive-aware rules did not apply to them", summary.unscored)
+    if summary.ratio_unapplied:
+        logger.warning("%d questions have a lowest positive score <= 0 (BM25: no word in common with the question), "
+                       "so --max-negative-ratio did not apply to them", summary.ratio_unapplied)
 
 
 # ----------------------------------------------------------------------------------------------------- command line
