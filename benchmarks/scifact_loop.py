@@ -248,6 +248,7 @@ class Loop:
         if steps < 1:
             raise DprGcError(f"{queries} training queries give no full batch of {batch}; lower --batch-size")
         out = self.run.work / tag / "model"
+        resume = ["--resume", "latest"] if any(out.glob("checkpoint-*")) else []  # an interrupted run continues
         record = self.run.cli(f"{tag}-train", [
             "train", "--train", train_file, "--output", out, "--model", init, "--pooling", "mean", "--normalize",
             "--passage-format", "concat", "--temperature", 0.05, "--query-max-length", s.query_max_length,
@@ -255,7 +256,7 @@ class Loop:
             "--passage-chunk-size", s.chunk_size, "--hard-negatives",
             s.hard_negatives if hard_negatives is None else hard_negatives, "--learning-rate", s.learning_rate,
             "--epochs", s.epochs, "--warmup-steps", max(1, round(s.warmup_ratio * steps)), "--precision",
-            s.precision, "--seed", s.seed, "--cache-dir", self.cache, *self.run.device_args()])
+            s.precision, "--seed", s.seed, "--cache-dir", self.cache, *self.run.device_args(), *resume])
         record.update(steps=steps, training_queries=queries, batch_size=batch)
         return str(out / "final"), record
 
@@ -301,7 +302,7 @@ def round_entry(name: str, metrics: dict, train: Optional[dict], phases: list[di
 
 def run_loop(loop: Loop, base_model: str) -> dict:
     """Round 0, the filter choice on dev, rounds 1 and 2; the results' ``rounds``, ``selection`` and ``mining``."""
-    s, work = loop.s, loop.run.work
+    s = loop.s
     bm25 = s.mine_source in ("bm25", "both")
     dense_on = s.mine_source in ("dense", "both")
     mark = len(loop.run.phases)
@@ -319,6 +320,7 @@ def run_loop(loop: Loop, base_model: str) -> dict:
         metrics = loop.evaluate(f"{tag}-round1", model, index)
         selection.append({"filter": choice, "dev": metrics["dev"], "test": metrics["test"],
                           "train_s": trained["wall_s"], "peak_rss_mb": trained["peak_rss_mb"],
+                          "phases": [p["name"] for p in loop.run.phases[mark:]],
                           "mining": counts, "model": model, "index": str(index)})
         mining[tag] = counts
     best = max(selection, key=lambda r: r["dev"]["ndcg@10"])
@@ -335,9 +337,9 @@ def run_loop(loop: Loop, base_model: str) -> dict:
                                   dev_held_out=False))
     else:
         model1, index1 = best["model"], Path(best["index"])
-        rounds.append({**round_entry("round1", {"test": best["test"], "dev": best["dev"]}, None, [{"peak_rss_mb": 0}]),
-                       "train_s": best["train_s"], "peak_rss_mb": best["peak_rss_mb"], "filter": best["filter"],
-                       "trained_on": split, "dev_held_out": True})
+        rounds.append({"name": "round1", **best["test"], "dev": best["dev"], "train_s": best["train_s"],
+                       "peak_rss_mb": best["peak_rss_mb"], "filter": best["filter"], "trained_on": split,
+                       "dev_held_out": True, "phases": best["phases"]})
     mark = len(loop.run.phases)
     file, mining["round2"] = loop.mine("round2-mine", split, ratio, (model1, index1), False)
     model2, trained2 = loop.train("round2", file, base_model if s.round2_init == "base" else model1)
@@ -362,7 +364,8 @@ def add_settings_flags(p: argparse.ArgumentParser, settings_class: type, skip: t
     for f in (f for f in dataclasses.fields(settings_class) if f.name not in skip):
         flag, value, text = "--" + f.name.replace("_", "-"), f.default, f.metadata["help"]
         if isinstance(value, bool):
-            p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", help="do not: " + text)
+            p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                           help="do not: " + text)
         elif isinstance(value, tuple):
             p.add_argument(flag, nargs="+", type=type(value[0]), default=None, help=f"{text} (default {value})")
         else:

@@ -75,3 +75,51 @@ def test_bad_loop_settings_give_one_error_line(tmp_path):
                              ({"round2_init": "last"}, "--round2-init"), ({"filters": ("none", "x")}, "--filters")):
         with pytest.raises(DprGcError, match=message):
             loop.check(loop.LoopSettings(**changes))
+
+
+class FakeLoop:
+    """Stands in for the commands: dev nDCG@10 of round 1 is 0.70 without the filter and 0.72 with ratio 0.95."""
+
+    def __init__(self, refit: bool) -> None:
+        self.s = loop.LoopSettings(refit=refit, filters=("none", "0.95"))
+        self.run = type("R", (), {"phases": []})()
+        self.calls: list[tuple] = []
+
+    def _phase(self, name: str) -> None:
+        self.run.phases.append({"name": name, "wall_s": 1.0, "peak_rss_mb": 100.0 + len(self.run.phases)})
+
+    def index(self, tag, model):
+        self._phase(f"{tag}-encode")
+        return Path(tag) / "index"
+
+    def evaluate(self, tag, model, index, splits=("test", "dev")):
+        self._phase(f"{tag}-retrieve")
+        dev = 0.72 if "0.95" in tag else 0.70
+        return {s: {"ndcg@10": dev if s == "dev" else 0.5, "mrr@10": 0.4, "recall@100": 0.9} for s in splits}
+
+    def mine(self, tag, split, ratio, dense, bm25):
+        self.calls.append(("mine", tag, split, ratio, dense[0] if dense else None, bm25))
+        self._phase(f"{tag}-mine")
+        return Path(tag) / "train.jsonl", {"dense": {"dropped by max negative ratio": 3}}
+
+    def train(self, tag, file, init, hard_negatives=None, batch_size=None):
+        self.calls.append(("train", tag, str(file), init))
+        self._phase(f"{tag}-train")
+        return f"{tag}/final", {"wall_s": 10.0, "peak_rss_mb": 500.0, "steps": 18}
+
+
+@pytest.mark.parametrize("refit", [True, False])
+def test_loop_chooses_the_filter_on_dev_and_mines_round_2_with_the_round_1_model(refit):
+    fake = FakeLoop(refit)
+    out = loop.run_loop(fake, "base")
+    assert out["chosen_filter"] == "0.95" and [s["filter"] for s in out["selection"]] == ["none", "0.95"]
+    assert [r["name"] for r in out["rounds"]] == ["round0 zero-shot", "round1", "round2"]
+    assert all({"ndcg@10", "mrr@10", "recall@100", "train_s", "peak_rss_mb"} <= set(r) for r in out["rounds"])
+    mines = [c for c in fake.calls if c[0] == "mine"]
+    assert mines[:2] == [("mine", "select-none-mine", "fit", None, "base", False),
+                         ("mine", "select-0.95-mine", "fit", 0.95, "base", False)]
+    round1_model = "round1/final" if refit else "select-0.95-round1/final"
+    assert mines[-1] == ("mine", "round2-mine", "train" if refit else "fit", 0.95, round1_model, False)
+    assert fake.calls[-1] == ("train", "round2", "round2-mine/train.jsonl", "base")  # round 2 starts from the base
+    assert out["rounds"][1]["dev_held_out"] is not refit and out["rounds"][2]["dev_held_out"] is not refit
+    assert out["rounds"][2]["train_s"] == 10.0 and out["rounds"][2]["phases"][0] == "round2-mine-mine"
