@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -44,8 +44,9 @@ QUICK = dict(query_max_length=32, max_length=64, train_max_length=48, chunk_size
 GRID_ONLY = ("filters", "round2_init", "refit", "dev_fraction", "batch_size", "hard_negatives", "mine_source")
 
 
-def run_grid(loop: Loop, s: GridSettings, base_model: str) -> dict:
-    """Zero-shot index and metrics, one mining run, then every cell trained and evaluated on test."""
+def run_grid(loop: Loop, s: GridSettings, base_model: str, save: Callable[[dict], None]) -> dict:
+    """Zero-shot index and metrics, one mining run, then every cell trained and evaluated on test (``save`` gets
+    the results so far after each cell, so a run cut short still leaves its finished cells)."""
     zero_index = loop.index("zeroshot", base_model)
     zero = loop.evaluate("zeroshot", base_model, zero_index, ("test",))["test"]
     file, counts = loop.mine("mine", "train", s.ratio or None, (base_model, zero_index), False)
@@ -59,16 +60,20 @@ def run_grid(loop: Loop, s: GridSettings, base_model: str) -> dict:
                           "steps": trained["steps"], "peak_rss_mb": trained["peak_rss_mb"],
                           "chunk_size": s.chunk_size})
             logger.info("%s: nDCG@10 %.4f, train %.0f s", tag, metrics["ndcg@10"], trained["wall_s"])
+            save({"zeroshot": zero, "mining": counts, "cells": cells})
     return {"zeroshot": zero, "mining": counts, "cells": cells}
 
 
 def table(cells: list[dict], batches: tuple, negatives: tuple) -> str:
     """nDCG@10 (train seconds) with one row per batch and one column per hard-negative count."""
     at = {(c["batch_size"], c["hard_negatives"]): c for c in cells}
+
+    def cell(b: int, h: int) -> str:
+        return f"{at[b, h]['ndcg@10']:.4f} ({at[b, h]['train_s']:.0f} s)" if (b, h) in at else "not run"
+
     lines = ["| batch | " + " | ".join(f"{h} hard negatives" for h in negatives) + " |",
              "|---:|" + "---:|" * len(negatives)]
-    lines += [f"| {b} | " + " | ".join(f"{at[b, h]['ndcg@10']:.4f} ({at[b, h]['train_s']:.0f} s)" for h in negatives)
-              + " |" for b in batches]
+    lines += [f"| {b} | " + " | ".join(cell(b, h) for h in negatives) + " |" for b in batches]
     return "\n".join(lines)
 
 
@@ -86,24 +91,30 @@ def run(args: argparse.Namespace) -> Any:
     if s.ratio < 0 or any(b < 1 for b in s.batches) or any(h < 0 for h in s.negatives):
         raise DprGcError("need --ratio >= 0, --batches >= 1 and --negatives >= 0")
     began = time.perf_counter()
-    work, results, model = open_work(args, "scifact-grid", s)
+    work, results, model = open_work(args, "scifact-grid", s, free=("batches", "negatives"))
     data = prepare_data(Path(args.data), work, args.quick, s.dev_fraction, s.seed)
     loop = Loop(Runner(work, args.device), s, data)
-    out = run_grid(loop, s, model)
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k not in GRID_ONLY}
-    report = {"benchmark": "SciFact (BEIR) batch x hard negatives" + (
-                  " -- SMOKE RUN (--quick: 48 training / 20 test queries, 200 passages; numbers mean nothing)"
-                  if args.quick else ""),
-              "smoke_run": args.quick, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": machine(args.device), "settings": settings, "base_model": model,
-              "training_queries": count_queries(data / "qrels" / "train.tsv"),
-              "test_queries": count_queries(data / "qrels" / "test.tsv"), **out,
-              "table_ndcg@10": table(out["cells"], s.batches, s.negatives),
-              "phases": loop.run.phases, "commands": [p["command"] for p in loop.run.phases],
-              "wall_s_all_phases": round(sum(p["wall_s"] for p in loop.run.phases), 1),
-              "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
-    results.parent.mkdir(parents=True, exist_ok=True)
-    write_json(results, report)
+
+    def save(out: dict, complete: bool = False) -> dict:
+        report = {"benchmark": "SciFact (BEIR) batch x hard negatives" + (
+                      " -- SMOKE RUN (--quick: 48 training / 20 test queries, 200 passages; numbers mean nothing)"
+                      if args.quick else ""),
+                  "smoke_run": args.quick, "complete": complete,
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(args.device),
+                  "settings": settings, "base_model": model,
+                  "training_queries": count_queries(data / "qrels" / "train.tsv"),
+                  "test_queries": count_queries(data / "qrels" / "test.tsv"), **out,
+                  "table_ndcg@10": table(out["cells"], s.batches, s.negatives),
+                  "phases": loop.run.phases, "commands": [p["command"] for p in loop.run.phases],
+                  "wall_s_all_phases": round(sum(p["wall_s"] for p in loop.run.phases), 1),
+                  "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
+        results.parent.mkdir(parents=True, exist_ok=True)
+        write_json(results, report)
+        return report
+
+    out = run_grid(loop, s, model, save)
+    report = save(out, complete=True)
     print(f"zero-shot nDCG@10 {out['zeroshot']['ndcg@10']:.4f}\n" + report["table_ndcg@10"])
     print(f"results: {results}")
 

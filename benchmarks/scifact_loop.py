@@ -398,15 +398,17 @@ def settings_from(args: argparse.Namespace, settings_class: type, quick: dict) -
     return settings_class(**values)
 
 
-def open_work(args: argparse.Namespace, name: str, settings: Any) -> tuple[Path, Path, str]:
-    """The work folder (refusing one made with other settings), the results path and the base model."""
+def open_work(args: argparse.Namespace, name: str, settings: Any, free: tuple = ()) -> tuple[Path, Path, str]:
+    """The work folder (refusing one made with other settings but the ``free`` ones, which only add or drop
+    commands), the results path and the base model."""
     from dpr_gc.model.retriever import default_model_path
 
     suffix = "-quick" if args.quick else ""
     work = Path(args.output or ROOT / "runs" / f"{name}{suffix}").resolve()
     results = Path(args.results or ROOT / "benchmarks" / "results" / f"{name}{suffix}.json")
     model = args.model or default_model_path()
-    key = {"settings": dataclasses.asdict(settings), "model": str(model), "data": str(Path(args.data).resolve()),
+    fixed = {k: v for k, v in dataclasses.asdict(settings).items() if k not in free}
+    key = {"settings": fixed, "model": str(model), "data": str(Path(args.data).resolve()),
            "quick": args.quick}
     saved = work / "settings.json"
     if saved.is_file() and read_json(saved) != json.loads(json.dumps(key)):
