@@ -155,3 +155,16 @@ def questions() -> list[dict]:
     return [{"id": f"q{i}", "question": f"{t} science zeta{i}", "answers": [f"zeta{i}"], "source": "made up",
              "positive_ctxs": [{"passage_id": f"g{i}", "title": t, "text": gold_text(i, t)}]}
             for i, t in enumerate(TOPICS)]
+
+
+class Recording:
+    """A candidate source that records the questions it is asked for, and can fail on its ``fail_at``-th call."""
+
+    def __init__(self, source, fail_at: int = 0) -> None:
+        self.source, self.fail_at, self.asked = source, fail_at, []
+
+    def retrieve(self, questions, k, positives=None):
+        if len(self.asked) + 1 == self.fail_at:
+            raise KeyboardInterrupt
+        self.asked.append(list(questions))
+        return self.source.retrieve(questions, k, positives)

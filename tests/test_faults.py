@@ -217,17 +217,7 @@ def test_retrieve_finds_the_recorded_model_from_another_directory(task, tmp_path
 
 
 # ------------------------------------------------------------------------------------------------ mine
-class Recording:
-    """A candidate source that records the questions it is asked for, and can fail on its ``fail_at``-th call."""
-
-    def __init__(self, source, fail_at: int = 0) -> None:
-        self.source, self.fail_at, self.asked = source, fail_at, []
-
-    def retrieve(self, questions, k, positives=None):
-        if len(self.asked) + 1 == self.fail_at:
-            raise KeyboardInterrupt
-        self.asked.append(list(questions))
-        return self.source.retrieve(questions, k, positives)
+from tests.helpers import Recording  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["out.json.gz", "out.jsonl"])

@@ -5,8 +5,12 @@ False negatives are dropped before anything is chosen: the question's gold passa
 that contain an answer (``answers.AnswerMatcher``, the matching evaluation uses: each candidate passage tokenised once
 per run) and qrels positives. Of the rest,
 ranks ``<= skip_top`` are skipped and, with ``margin``, so is any candidate scoring above ``best positive score -
-margin``; the first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``. Training files stream through in
-chunks of questions and are rewritten record by record, so memory holds one chunk, not the file.
+margin``. Positive-aware mining (NV-Retriever, 2024) then removes likely unlabelled positives: ``max_negative_ratio``
+drops candidates scoring above R x the question's lowest-scoring positive ("TopK-PercPos", e.g. 0.95), ``min_margin``
+those scoring above that positive's score - M. Positive scores come from the same source as the candidates (BM25
+score, or the dense model's dot product). The first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``.
+Training files stream through in chunks of questions and are rewritten record by record, so memory holds one chunk,
+not the file.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from tqdm.auto import tqdm
 from .bm25 import BM25Source, Gold
 from ..data.corpus import rows_for_ids
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
-from ..base.args import any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_int
+from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
+                         positive_int)
 from ..base.errors import DprGcError
 from ..base.files import ChunkedOutput, PathLike, file_identity, require_file
 from ..base.locks import output_lock
@@ -60,9 +65,17 @@ class MineSettings:
                            help="processes that tokenise candidates for answer matching (0: all cores; default 0 on "
                                 "the command line, 1 in code)")
     chunk_size: int = setting(CHUNK, type=positive_int, help="questions per resumable chunk")
+    max_negative_ratio: Optional[float] = setting(None, "--max-negative-ratio", type=positive_float,
+                                                  help="positive-aware: drop candidates scoring above R x the "
+                                                       "question's lowest positive score (e.g. 0.95; scored by the "
+                                                       "candidates' own source: BM25 score or dense dot product)")
+    min_margin: Optional[float] = setting(None, "--min-margin", type=any_float,
+                                          help="positive-aware: drop candidates scoring above (lowest positive "
+                                               "score - M)")
 
     def __post_init__(self) -> None:
         check(self)
+        _check_filters(self.max_negative_ratio, self.min_margin)
         if not self.skip_top < self.top_k:
             raise DprGcError(f"need 0 <= --skip-top < --top-k, got top-k {self.top_k}, skip-top {self.skip_top}")
 
@@ -130,6 +143,10 @@ class MiningSummary:
     qrels_dropped: int = 0
     rank_skipped: int = 0
     margin_dropped: int = 0
+    ratio_dropped: int = 0
+    min_margin_dropped: int = 0
+    unscored: int = 0
+    ratio_unapplied: int = 0
     short: int = 0
     written: int = 0
     score_sum: float = 0.0
@@ -149,7 +166,11 @@ class MiningSummary:
         return {"questions": self.questions, "questions in qrels": self.judged, "candidates seen": self.candidates,
                 "gold dropped": self.gold_dropped, "answer-bearing dropped": self.answer_dropped,
                 "qrels positives dropped": self.qrels_dropped, "skipped by rank": self.rank_skipped,
-                "dropped by margin": self.margin_dropped, "questions short of N": self.short,
+                "dropped by margin": self.margin_dropped, "dropped by max negative ratio": self.ratio_dropped,
+                "dropped by min margin": self.min_margin_dropped,
+                "questions without a positive score": self.unscored,
+                "questions the ratio skipped (positive score <= 0)": self.ratio_unapplied,
+                "questions short of N": self.short,
                 "negatives written": self.written, "mean score": stat(self.score_sum / max(self.written, 1)),
                 "min score": stat(self.score_min), "max score": stat(self.score_max)}
 
@@ -170,6 +191,34 @@ def _collapsed(text: str) -> str:
     return " ".join(text.split())
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """One question's score ceilings for candidates (None: no ceiling): ``margin`` (best positive - margin),
+    ``ratio`` (R x lowest positive), ``min_margin`` (lowest positive - M)."""
+
+    margin: Optional[float] = None
+    ratio: Optional[float] = None
+    min_margin: Optional[float] = None
+
+
+def _limits(positive_scores: Sequence[float], margin: Optional[float], max_negative_ratio: Optional[float],
+            min_margin: Optional[float]) -> Limits:
+    """The ceilings from one question's positive scores; a ratio needs a positive score above 0 to mean anything."""
+    if not positive_scores:
+        return Limits()
+    low = min(positive_scores)
+    return Limits(max(positive_scores) - margin if margin is not None else None,
+                  max_negative_ratio * low if max_negative_ratio is not None and low > 0 else None,
+                  low - min_margin if min_margin is not None else None)
+
+
+def _check_filters(max_negative_ratio: Optional[float], min_margin: Optional[float]) -> None:
+    if max_negative_ratio is not None and not (math.isfinite(max_negative_ratio) and max_negative_ratio > 0):
+        raise DprGcError(f"--max-negative-ratio must be a number > 0 (e.g. 0.95), got {max_negative_ratio}")
+    if min_margin is not None and not math.isfinite(min_margin):
+        raise DprGcError(f"--min-margin must be a finite number (e.g. 0.05), got {min_margin}")
+
+
 def _check_settings(n_negatives: int, top_k: int, skip_top: int, match_mode: str) -> None:
     from ..evaluation.answers import MATCH_MODES
 
@@ -185,24 +234,31 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
                         skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
                         qrels: Optional[dict[str, dict[str, int]]] = None, *,
                         id_to_row: Optional[dict[str, int]] = None, matcher: Optional[Any] = None,
-                        show_progress: bool = False) -> tuple[list[dict], MiningSummary]:
+                        show_progress: bool = False, max_negative_ratio: Optional[float] = None,
+                        min_margin: Optional[float] = None) -> tuple[list[dict], MiningSummary]:
     """Hard negatives for DPR-style question records (``question``, ``answers``, ``positive_ctxs``, optional ``id``).
 
     Returns one ``{"id", "question", "hard_negative_ctxs"}`` per question -- each ctx ``{title, text, passage_id,
     score, rank}`` with ``rank`` the 1-based position in the retrieved list -- and a :class:`MiningSummary`.
     ``margin`` drops candidates scoring above the best positive's score minus ``margin``; questions whose positive
-    has no score (BM25: positive not in the corpus) keep their candidates. ``id_to_row`` maps positive ids to corpus
-    rows for BM25 margins (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``match_mode`` kept
+    has no score (BM25: positive not in the corpus) keep their candidates. ``max_negative_ratio`` (R) and
+    ``min_margin`` (M) drop candidates scoring above R x, or M below, the lowest-scoring positive's score (the ratio
+    only where that score is > 0); each removal is counted under the first rule that applies, in the order gold,
+    answer, qrels, rank, margin, ratio, min margin. ``id_to_row`` maps positive ids to corpus rows for BM25 positive
+    scores (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``match_mode`` kept
     across calls, caches tokenised candidates between chunks.
     """
     from ..evaluation.answers import AnswerMatcher
 
     _check_settings(n_negatives, top_k, skip_top, match_mode)
+    _check_filters(max_negative_ratio, min_margin)
     if matcher is None:
         with AnswerMatcher(match_mode) as own:
             return mine_hard_negatives(questions, source, corpus, n_negatives, top_k, skip_top, margin, match_mode,
-                                       qrels, id_to_row=id_to_row, matcher=own, show_progress=show_progress)
-    if margin is not None and id_to_row is None and isinstance(source, BM25Source):
+                                       qrels, id_to_row=id_to_row, matcher=own, show_progress=show_progress,
+                                       max_negative_ratio=max_negative_ratio, min_margin=min_margin)
+    scored = needs_positive_scores(margin, max_negative_ratio, min_margin)
+    if scored and id_to_row is None and isinstance(source, BM25Source):
         id_to_row = rows_for_ids(corpus, (ctx_id(c) for q in questions for c in q.get("positive_ctxs") or []))
     summary, records = MiningSummary(), []
     for start in tqdm(range(0, len(questions), CHUNK), desc="mining", unit=" chunks", disable=not show_progress):
@@ -210,8 +266,8 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
         rows_of = id_to_row or {}
         golds = [[(rows_of.get(ctx_id(c)), c.get("title") or "", c.get("text") or "")
                   for c in q.get("positive_ctxs") or []] for q in chunk]
-        scores, rows, best = source.retrieve([q["question"] for q in chunk], top_k,
-                                             golds if margin is not None else None)
+        scores, rows, positive_scores = source.retrieve([q["question"] for q in chunk], top_k,
+                                                        golds if scored else None)
         unique = np.unique(rows[rows >= 0]).tolist()
         cols = corpus[unique] if unique else {"id": [], "title": [], "text": []}
         where = {r: i for i, r in enumerate(unique)}
@@ -220,15 +276,23 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
                      if i is not None] for q_scores, q_rows in zip(scores.tolist(), rows.tolist())]
         flags = matcher.flags([(q.get("answers") or [], [(h[2], h[4]) for h in hits])
                                for q, hits in zip(chunk, all_hits)])
-        for q, gold, pos, hits, has in zip(chunk, golds, best, all_hits, flags):
-            floor = pos - margin if margin is not None and pos is not None else None
-            chosen = _select(q, gold, hits, has, n_negatives, skip_top, floor, qrels, summary)
+        for q, gold, pos, hits, has in zip(chunk, golds, positive_scores, all_hits, flags):
+            summary.unscored += int(scored and not pos)
+            limits = _limits(pos, margin, max_negative_ratio, min_margin)
+            summary.ratio_unapplied += int(bool(pos) and max_negative_ratio is not None and limits.ratio is None)
+            chosen = _select(q, gold, hits, has, n_negatives, skip_top, limits, qrels, summary)
             records.append({"id": q.get("id"), "question": q["question"], "hard_negative_ctxs": chosen})
     return records, summary
 
 
+def needs_positive_scores(margin: Optional[float], max_negative_ratio: Optional[float],
+                          min_margin: Optional[float]) -> bool:
+    """Whether any rule compares candidates with the positives' scores (BM25 then needs the positives' rows)."""
+    return any(v is not None for v in (margin, max_negative_ratio, min_margin))
+
+
 def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, str]], has_answer: list[bool],
-            n_negatives: int, skip_top: int, floor: Optional[float], qrels: Optional[dict[str, dict[str, int]]],
+            n_negatives: int, skip_top: int, limits: Limits, qrels: Optional[dict[str, dict[str, int]]],
             summary: MiningSummary) -> list[dict]:
     """Drop false negatives among one question's ranked hits (``has_answer``: their answer flags), then keep the
     first ``n_negatives`` in range."""
@@ -246,8 +310,12 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
             summary.qrels_dropped += 1
         elif rank <= skip_top:
             summary.rank_skipped += 1
-        elif floor is not None and score > floor:
+        elif limits.margin is not None and score > limits.margin:
             summary.margin_dropped += 1
+        elif limits.ratio is not None and score > limits.ratio:
+            summary.ratio_dropped += 1
+        elif limits.min_margin is not None and score > limits.min_margin:
+            summary.min_margin_dropped += 1
         elif len(chosen) < n_negatives:
             chosen.append({"title": title, "text": text, "passage_id": pid, "score": float(score), "rank": rank})
     scores = [c["score"] for c in chosen]
@@ -293,7 +361,8 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
             def flush() -> None:
                 nonlocal count
                 mined, part = mine_hard_negatives(buffer, source, corpus, s.n_negatives, s.top_k, s.skip_top,
-                                                  s.margin, s.match, qrels, id_to_row=id_to_row, matcher=matcher)
+                                                  s.margin, s.match, qrels, id_to_row=id_to_row, matcher=matcher,
+                                                  max_negative_ratio=s.max_negative_ratio, min_margin=s.min_margin)
                 summary.merge(part)
                 texts = []
                 for record, m in zip(buffer, mined):
@@ -318,12 +387,32 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
             raise DprGcError(f"no training questions to mine (the input is empty); nothing written to {final}")
         writer.append("" if jsonl else "\n]\n", {"count": count, "summary": dataclasses.asdict(summary)})
         writer.finish()
+    _log_removals(summary, s.margin, s.max_negative_ratio, s.min_margin)
     return summary
+
+
+def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_ratio: Optional[float],
+                  min_margin: Optional[float]) -> None:
+    """One log line: the candidates each rule removed out of those seen."""
+    rules = [("gold", summary.gold_dropped), ("answer-bearing", summary.answer_dropped),
+             ("qrels positives", summary.qrels_dropped), ("--skip-top", summary.rank_skipped)]
+    rules += [(f"--margin {margin:g}", summary.margin_dropped)] if margin is not None else []
+    rules += [(f"--max-negative-ratio {max_negative_ratio:g}", summary.ratio_dropped)] \
+        if max_negative_ratio is not None else []
+    rules += [(f"--min-margin {min_margin:g}", summary.min_margin_dropped)] if min_margin is not None else []
+    logger.info("mined %d questions: of %d candidates, removed %s; %d negatives written", summary.questions,
+                summary.candidates, ", ".join(f"{n} by {name}" for name, n in rules), summary.written)
+    if summary.unscored and needs_positive_scores(margin, max_negative_ratio, min_margin):
+        logger.warning("%d questions have no positive score (positive not in the corpus), so the margin and "
+                       "positive-aware rules did not apply to them", summary.unscored)
+    if summary.ratio_unapplied:
+        logger.warning("%d questions have a lowest positive score <= 0 (BM25: no word in common with the question), "
+                       "so --max-negative-ratio did not apply to them", summary.ratio_unapplied)
 
 
 # ----------------------------------------------------------------------------------------------------- command line
 RESUME_FLAGS = ("source", "split", "model", "index", "bm25_k1", "bm25_b", "n_negatives", "top_k", "skip_top", "margin",
-                "match", "append")
+                "match", "append", "max_negative_ratio", "min_margin")
 
 
 def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = None, *,
@@ -404,7 +493,7 @@ def _cli(args: argparse.Namespace) -> None:
         records, id_to_row = beir_training_records(queries, split_qrels, corpus)
     else:
         records = iter_training_file(args.train_file)
-        if args.margin is not None and args.source == "bm25":
+        if needs_positive_scores(args.margin, args.max_negative_ratio, args.min_margin) and args.source == "bm25":
             golds = (ctx_id(c) for r in iter_training_file(args.train_file) for c in r.get("positive_ctxs") or [])
             id_to_row = rows_for_ids(corpus, golds)
     inputs = [args.train_file, corpus_path, args.qrels] + ([queries, split_qrels] if beir is not None else [])

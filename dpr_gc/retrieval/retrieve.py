@@ -178,24 +178,25 @@ def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Itera
 class DenseSource:
     """Candidates from a FAISS index (row r = corpus row r) searched with ``retriever``'s question encoder.
 
-    A positive's score is the dot product of the question with the positive embedded by the same passage encoder.
+    A positive's score is the dot product of the question with the positive embedded by the same passage encoder;
+    :meth:`retrieve` returns, per question, the scores of all its positives.
     """
 
     def __init__(self, retriever: Any, index: Any, batch_size: int = 64) -> None:
         self.retriever, self.index, self.batch_size = retriever, index, batch_size
 
     def retrieve(self, questions: list[str], k: int,
-                 positives: Optional[list[list[tuple]]] = None) -> tuple[np.ndarray, np.ndarray, list[Optional[float]]]:
+                 positives: Optional[list[list[tuple]]] = None) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
         emb = self.retriever.embed("query", questions, batch_size=self.batch_size)
         scores, rows = self.index.search(emb, k)
-        best: list[Optional[float]] = [None] * len(questions)
+        positive_scores: list[list[float]] = [[] for _ in questions]
         flat = [(i, g) for i, gs in enumerate(positives or []) for g in gs]
         if flat:
             pemb = self.retriever.embed("passage", [g[2] for _, g in flat], titles=[g[1] for _, g in flat],
                                         batch_size=self.batch_size)
             for (i, _), s in zip(flat, np.einsum("nd,nd->n", emb[[i for i, _ in flat]], pemb).tolist()):
-                best[i] = s if best[i] is None else max(best[i], s)
-        return scores, rows, best
+                positive_scores[i].append(s)
+        return scores, rows, positive_scores
 
 
 def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
