@@ -48,7 +48,8 @@ def refused(argv: list, marker: Path, capsys, *names: str) -> str:
 def trained(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("sec")
     task = {"dir": d, "model": init_model(d), "train": write_dpr(d / "t.json", make_records(16, 5))}
-    train(config(task, d / "run", max_steps=2, save_every=1, keep_checkpoints=2))
+    assert main([str(a) for a in train_argv(task, d / "run", None)[:-2]] + ["--max-steps", "2", "--save-every", "1",
+                                                                          "--keep-checkpoints", "2"]) == 0
     return task
 
 
@@ -66,7 +67,8 @@ def train_argv(trained: dict, run: Path, resume: str) -> list:
 
 def test_training_state_has_no_pickle(trained):
     ckpt = trained["dir"] / "run" / "checkpoint-2"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["model", "train_state.json", "train_state.safetensors"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model", "train_config.json", "train_state.json",
+                                                      "train_state.safetensors"]
     assert not list(ckpt.rglob("*.pt")) and not list(ckpt.rglob("*.bin"))
 
 
