@@ -5,6 +5,7 @@ The public API, importable from here::
     from dpr_gc import GradCache, SimpleContrastiveLoss, DistributedContrastiveLoss   # the drop-in (engine)
     from dpr_gc import Retriever, RetrieverConfig                                      # the model
     from dpr_gc import Trainer, TrainConfig            # training: Trainer(TrainConfig(...)).fit()
+    from dpr_gc import verify                          # verify(config) -> report: the cached step vs the full batch
     from dpr_gc import encode_corpus, build_index, retrieve, evaluate, mine_hard_negatives   # the stages
 
 Each name is imported on first use (module ``__getattr__``), so ``import dpr_gc`` loads neither torch nor any
@@ -28,6 +29,7 @@ _EXPORTS = {
     "RetrieverConfig": "model.config",
     "TrainConfig": "train.config",
     "Trainer": "train.trainer",
+    "verify": "train.verify",
     "load_training_data": "data.training",
     "load_corpus": "data.corpus",
     "read_queries": "data.corpus",
