@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import pickle
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -20,6 +21,7 @@ from torch import nn
 from ..base.args import output_dir, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.files import read_json
+from ..base.validate import check_weights_folder
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +123,16 @@ def load_adapter_model(folder: Path, trainable: bool = False) -> nn.Module:
     if not base:
         raise DprGcError(f"{folder / ADAPTER_CONFIG}: no base_model_name_or_path; cannot tell which model the "
                          "adapter belongs to")
+    if not isinstance(base, str) or (Path(base) / ADAPTER_CONFIG).is_file():
+        raise DprGcError(f"{folder / ADAPTER_CONFIG}: base_model_name_or_path {str(base)[:200]!r} must name a plain "
+                         "model (not an adapter folder, not this folder); point it at the base model")
+    check_weights_folder(folder)
     peft = _peft()
     try:
         return peft.PeftModel.from_pretrained(load_transformer(base), str(folder), is_trainable=trainable)
+    except pickle.UnpicklingError:
+        raise DprGcError(f"{folder}: the adapter weights are a pickle, which dpr-gc never loads; save the adapter as "
+                         "adapter_model.safetensors") from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise DprGcError(f"cannot load the LoRA adapter in {folder}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 

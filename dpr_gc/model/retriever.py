@@ -20,6 +20,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..base.errors import DprGcError
+from ..base.files import read_json as read_json_file
+from ..base.validate import Field, check_fields, check_weights_folder, count, refuse_custom_code, text
 from ..engine.loss import TEMPERATURE_RANGE, Temperature
 from .tokenize import tokenize
 
@@ -287,10 +289,12 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
 
     from .lora import ADAPTER_CONFIG, load_adapter_model
 
+    check_model_folder(name_or_path)
     if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
         return load_adapter_model(Path(name_or_path))
+    check_weights_folder(name_or_path)
     try:
-        return AutoModel.from_pretrained(str(name_or_path))
+        return AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False)
     except pickle.UnpicklingError as e:
         reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
@@ -300,13 +304,40 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
                          "(give a local folder or a Hugging Face model name reachable from this machine)") from None
 
 
+def check_model_folder(name_or_path: str | Path) -> None:
+    """Refuse, in one line, a model path that is a link loop or a folder that asks to run its own code."""
+    path = Path(name_or_path)
+    try:
+        path.stat()
+    except OSError as e:
+        if e.errno == 40 or path.is_symlink():  # ELOOP, or a link to nothing
+            raise DprGcError(f"model {str(name_or_path)!r}: a symbolic link that loops or leads nowhere; "
+                             "point --model at the real folder") from None
+        return  # not a local path: a Hugging Face model name
+    refuse_custom_code(path)
+
+
+def check_tokenizer_file(path: Path) -> None:
+    """The fields of ``tokenizer.json`` the tokenizers library needs, typed (it aborts on a wrong type)."""
+    if not path.is_file():
+        return
+    data = check_fields(read_json_file(path), path, {"added_tokens": Field(list), "model": Field(dict)},
+                        "tokenizer.json", required=("model",))
+    for i, token in enumerate(data.get("added_tokens") or []):
+        check_fields(token, f"{path} (added_tokens {i})", {"id": count(), "content": text()}, "an added token",
+                     required=("id", "content"))
+
+
 def load_tokenizer(name_or_path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
+    check_model_folder(name_or_path)
+    check_tokenizer_file(Path(name_or_path) / "tokenizer.json")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-    except (OSError, ValueError) as e:
-        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - the Rust tokenizers library raises plain Exceptions on damaged files
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {reason}") from None
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         # Decoder-only (Llama/Mistral/Qwen2) tokenizers often have no padding token; padded positions are masked,
         # so any id serves, and EOS is the usual choice.

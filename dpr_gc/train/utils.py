@@ -245,11 +245,7 @@ class Checkpointer:
         self.best_value, self.best_path = float(value), str(self.out / "best")
         retriever = export()
         if self.is_main:
-            tmp = self.out / ".best.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            retriever.save(tmp)
-            shutil.rmtree(self.out / "best", ignore_errors=True)
-            tmp.rename(self.out / "best")
+            retriever.save(self.out / "best")  # whole or not at all (a temporary sibling renamed into place)
             logger.info("new best dev %s %.4f at step %d -> %s", self.metric, value, step, self.best_path)
 
     def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
