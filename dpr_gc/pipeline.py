@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from .base.args import nonnegative_int, output_dir, positive_float, positive_int
 from .base.errors import DprGcError
+from .base.guard import guarded
 from .base.files import atomic_path, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
 from .base.tables import markdown_table
@@ -206,6 +207,7 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_demo)
 
 
+@guarded(inputs=("model",), outputs={"output": "folder"})
 def _cli_demo(args: Any) -> None:
     training = demo_training()
     r = dataclasses.replace

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 from .errors import DprGcError
 from .files import PathLike
-from .locks import exclusive_lock, locked_folder
+from .locks import exclusive_lock, locked_folder, output_lock
 
 # How an output is locked: a lock file beside it ("file": files, and folders replaced whole), a lock file inside it
 # ("folder": folders written into), or by the stage itself ("self": e.g. one lock per shard).
@@ -91,28 +91,48 @@ def output_locks(outputs: Mapping[str, tuple[Any, str]]) -> Iterator[None]:
         for flag, (value, mode) in outputs.items():
             for path in _paths(value):
                 if mode == "folder":
+                    if not path.exists():  # a run that writes nothing there leaves no empty folder behind
+                        stack.callback(_remove_if_empty, path)
                     stack.enter_context(locked_folder(path, FOLDER_LOCK, f"{flag} {path}"))
-                elif mode in ("file", "whole"):
+                elif mode == "file":
+                    stack.enter_context(output_lock(path))
+                elif mode == "whole":
                     stack.enter_context(exclusive_lock(path.with_name(f".{path.name}.lock"), f"{flag} {path}"))
+                    remove_stale_folders(path.parent, path.name)
         yield
 
 
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _split(entry: str) -> tuple[str, str]:
+    """``"dest"`` or ``"dest=--flag"`` (when the flag's name is not the destination's)."""
+    dest, _, flag = entry.partition("=")
+    return dest, flag or _flag(dest)
+
+
 def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = None) -> Callable:
-    """Decorate a stage's command function ``f(args)``: ``inputs`` are the ``args`` destinations read, ``outputs``
-    maps each destination written to its lock mode (see :data:`LOCK_MODES`). Checks, then locks, then runs."""
+    """Decorate a stage's command function ``f(args, ...)``: ``inputs`` are the ``args`` destinations it reads,
+    ``outputs`` maps each destination it writes to its lock mode (see :data:`LOCK_MODES`); an entry may be written
+    ``"dest=--flag"`` to name the flag in messages. Checks, then locks, then runs."""
     outputs = dict(outputs or {})
     bad = set(outputs.values()) - set(LOCK_MODES)
     if bad:
         raise ValueError(f"unknown lock modes {sorted(bad)}")
+    ins = [_split(e) for e in inputs]
+    outs = [(*_split(e), mode) for e, mode in outputs.items()]
 
-    def wrap(run: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(run)
-        def guarded_run(args: Any) -> Any:
-            ins = {_flag(d): getattr(args, d, None) for d in inputs}
-            outs = {_flag(d): getattr(args, d, None) for d in outputs}
-            check_outputs(ins, outs, whole=[_flag(d) for d, mode in outputs.items() if mode == "whole"])
-            with output_locks({_flag(d): (getattr(args, d, None), mode) for d, mode in outputs.items()}):
-                return run(args)
+        def guarded_run(args: Any, *more: Any, **named: Any) -> Any:
+            check_outputs({flag: getattr(args, dest, None) for dest, flag in ins},
+                          {flag: getattr(args, dest, None) for dest, flag, _ in outs},
+                          whole=[flag for _, flag, mode in outs if mode == "whole"])
+            with output_locks({flag: (getattr(args, dest, None), mode) for dest, flag, mode in outs}):
+                return run(args, *more, **named)
 
         return guarded_run
 

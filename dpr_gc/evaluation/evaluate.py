@@ -25,6 +25,7 @@ from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, chec
 from .answers import MATCH_MODES, evaluate_answers, has_answer, normalize, tokenize, top_k_accuracy  # noqa: F401
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import PathLike, atomic_path, open_text, write_json
 from .results import check_question, iter_results
 from ..base.tables import markdown_table
@@ -349,6 +350,7 @@ def evaluate(
     return report
 
 
+@guarded(inputs=("results", "run", "qrels"), outputs={"output": "file", "plot": "file"})
 def _cli(args: argparse.Namespace) -> None:
     """Handler for ``dpr_gc evaluate``: evaluate, print tables, write JSON and the optional plot."""
     mode = None if args.match == "stored" else args.match

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..base.args import output_dir, positive_float, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import read_json
 from ..base.validate import check_weights_folder
 
@@ -184,6 +185,7 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli)
 
 
+@guarded(inputs=("model",), outputs={"output": "whole"})
 def _cli(args: argparse.Namespace) -> None:
     from .retriever import Retriever
 

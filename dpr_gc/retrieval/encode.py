@@ -24,6 +24,7 @@ from ..data.corpus import dataset_fingerprint, load_corpus
 from ..base.args import device_arg, nonnegative_int, output_dir, positive_int
 from ..base.devices import PRECISIONS, autocast_dtype, default_device, pick_precision
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
 from ..base.locks import locked_folder
 from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
@@ -287,6 +288,7 @@ def encode_with_model(model: str, corpus: PathLike, output: PathLike, *, shard_i
     return manifest, time.perf_counter() - began
 
 
+@guarded(inputs=("model", "corpus"), outputs={"output": "self"})
 def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
     """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
     the flags'): flags to :func:`encode_with_model`, then a summary table."""

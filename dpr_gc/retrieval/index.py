@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..base.args import nonnegative_int, output_dir, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import (PathLike, atomic_open, atomic_path, open_text, read_json, read_json_object, remove_stale_temporaries,
                     write_json)
 from ..base.locks import locked_folder
@@ -373,6 +374,7 @@ def params_from_args(args: argparse.Namespace) -> IndexParams:
                        nprobe=args.nprobe)
 
 
+@guarded(inputs=("embeddings",), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     summary = build_index(args.embeddings, args.output, params_from_args(args), train_sample=args.train_sample,

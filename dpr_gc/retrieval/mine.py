@@ -28,6 +28,7 @@ from ..data.corpus import rows_for_ids
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import any_float, device_arg, nonnegative_float, nonnegative_int, output_dir, output_file, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import ChunkedOutput, PathLike, file_identity, require_file
 from ..base.locks import output_lock
 from ..model.retriever import add_prefix_arguments
@@ -290,6 +291,8 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
     return DenseSource(retriever, dense, batch_size)
 
 
+@guarded(inputs=("train_file", "beir_dir", "corpus", "model", "index", "embeddings", "bm25_index", "qrels"),
+         outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     from ..data.corpus import load_corpus
     from ..data.training import find_beir_file
