@@ -286,8 +286,20 @@ class Checkpointer:
 
     def load(self, resume: str, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any,
              device: torch.device) -> dict:
+        """Restore a checkpoint; ``latest`` whose files are damaged (an interrupted copy, a full disk) falls back to
+        the previous finished checkpoint, saying so."""
         path = self.resolve(resume)
-        state = read_state(path)
+        older = self.checkpoints()[:-1] if resume == "latest" else []
+        while True:
+            try:
+                state = read_state(path)
+                saved = Retriever.load(path / "model") if self.sharded is None else None
+                break
+            except DprGcError as e:
+                if not older:
+                    raise
+                logger.warning("%s is damaged (%s); resuming from the previous checkpoint %s", path, e, older[-1])
+                path = older.pop()
         if (self.sharded is None) == (path / SHARDED).is_dir():
             written = "with" if self.sharded is None else "without"
             raise DprGcError(f"{path}: this checkpoint was written {written} --fsdp; resume it the same way")
@@ -297,7 +309,7 @@ class Checkpointer:
 
                 load_sharded(path / SHARDED, self.sharded, optimizer)
             else:
-                retriever.load_state_dict(Retriever.load(path / "model").state_dict())
+                retriever.load_state_dict(saved.state_dict())
                 optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             scaler.load_state_dict(state["scaler"])
