@@ -243,3 +243,116 @@ def test_damaged_model_weights_are_one_line(world: dict, tmp_path: Path, kind: s
              "--queries", world["qa"], "--output", tmp_path / "o.json", "--skip-model-check"],
             "model.safetensors", "damaged")
     assert not (tmp_path / "o.json").exists()
+
+
+# --------------------------------------------------------------------------------------------- typed-value fuzz
+WRONG = ["256", 16.5, -1, [1, 2, 3], None, True, "\ud800"]
+# Hugging Face's own config.json: the fields a BERT's shape comes from (transformers checks the rest itself)
+HF_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+           "model_type", "dtype", "pad_token_id", "layer_norm_eps", "intermediate_size")
+
+
+def _mutations(data: object, keys: object = None, wrong: list = WRONG) -> list[tuple[str, object]]:
+    """The file with each top-level value (the values of a list's second item, for a list) replaced by each wrong
+    value, and the whole file replaced by each."""
+    out = [(f"file={json.dumps(w)}", w) for w in WRONG]
+    items = [(None, data)] if isinstance(data, dict) else list(enumerate(data))[1:2] if isinstance(data, list) else []
+    for index, obj in items:
+        if not isinstance(obj, dict):
+            continue
+        for key in [k for k in obj if keys is None or k in keys]:
+            for w in wrong:
+                copy = json.loads(json.dumps(data))
+                (copy if index is None else copy[index])[key] = w
+                out.append((f"{index}.{key}={json.dumps(w)}", copy))
+    return out
+
+
+def _use_retriever(folder: Path) -> None:
+    retriever = Retriever.load(folder)
+    retriever.embed("query", ["what is paris"])
+    retriever.embed("passage", ["paris is a city"], ["paris"])
+
+
+def _use_index(folder: Path) -> None:
+    from dpr_gc.retrieval.index import DenseIndex, read_meta
+
+    read_meta(folder)
+    dense = DenseIndex.read(folder)
+    dense.search(np.ones((1, dense.dim), dtype=np.float32), 2)
+
+
+def _use_embeddings(folder: Path) -> None:
+    from dpr_gc.retrieval.shards import open_shard, read_manifests
+
+    for m in read_manifests(folder):
+        open_shard(m, check_ids=True)
+
+
+def _use_checkpoint(folder: Path) -> None:
+    from dpr_gc.train.utils import read_state
+
+    read_state(folder)
+
+
+@pytest.fixture(scope="module")
+def json_kinds(world: dict, tmp_path_factory, tiny_tokenizer) -> list[tuple[Path, str, object]]:
+    """(folder, file inside it, how to use the folder) for every JSON file kind dpr-gc reads."""
+    from dpr_gc.model.retriever import RetrieverConfig
+    from dpr_gc.train.utils import write_state
+    from tests.conftest import tiny_bert
+
+    root = tmp_path_factory.mktemp("json_kinds")
+    dense = root / "dense"
+    Retriever(tiny_bert(len(tiny_tokenizer)), None, tiny_tokenizer,
+              RetrieverConfig(pooling="cls", projection_dim=8)).save(dense)
+    towers = root / "towers"
+    Retriever(tiny_bert(len(tiny_tokenizer)), tiny_bert(len(tiny_tokenizer), 1), tiny_tokenizer,
+              RetrieverConfig(pooling="mean", shared_encoder=False)).save(towers)
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    write_state(ckpt, {"step": 3, "optimizer": {"state": {}}, "scheduler": {"last_epoch": 3}, "scaler": {},
+                       "sampler": {"epoch": 0, "batches_done": 3}, "rng": {"python": (1, 2)}, "record": {"step": 3},
+                       "best": [None, None]})
+    model = world["model"]
+    foreign = root / "foreign"  # a sentence-transformers folder dpr-gc did not write: its own settings are read
+    shutil.copytree(model, foreign)
+    (foreign / "retriever_config.json").unlink()
+    kinds = [(model, name, _use_retriever) for name in
+             ("retriever_config.json", "modules.json", "sentence_bert_config.json", "1_Pooling/config.json",
+              "tokenizer.json", "tokenizer_config.json", "config.json")]
+    kinds.append((foreign, "config_sentence_transformers.json", _use_retriever))
+    dense_config = next(p for p in dense.glob("*_Dense/config.json"))
+    kinds += [(dense, str(dense_config.relative_to(dense)), _use_retriever),
+              (towers, "router_config.json", _use_retriever),
+              (world["idx"], "index_meta.json", _use_index),
+              (world["emb"], "shard-00000-of-00001.json", _use_embeddings),
+              (ckpt, "train_state.json", _use_checkpoint)]
+    return kinds
+
+
+@pytest.mark.slow
+def test_fuzz_every_json_kind_with_wrongly_typed_values_ends_in_one_line_errors(json_kinds, tmp_path: Path) -> None:
+    failures, refused_count, tried = [], 0, 0
+    for source, name, use in json_kinds:
+        folder = tmp_path / f"{source.name}-{name.replace('/', '_')}"
+        shutil.copytree(source, folder)
+        original = json.loads((source / name).read_text())
+        hf_file = name in ("config.json", "tokenizer.json", "tokenizer_config.json")
+        for label, data in _mutations(original, HF_KEYS if name == "config.json" else None,
+                                      ["256", -1, None] if hf_file else WRONG):
+            (folder / name).write_text(json.dumps(data))
+            tried += 1
+            try:
+                use(folder)
+            except DprGcError as e:
+                refused_count += 1
+                if "\n" in str(e) or len(str(e)) > 2000:
+                    failures.append(f"{name} {label}: not one short line: {str(e)[:300]!r}")
+            except Exception as e:  # noqa: BLE001 - anything else is a traceback for the user
+                failures.append(f"{name} {label}: {type(e).__name__}: {str(e)[:200]}")
+        (folder / name).write_text(json.dumps(original))
+        use(folder)  # the untouched file still works
+    Path("/tmp/guarantees-fuzz.txt").write_text(ascii("\n".join(failures)).replace("\\n", "\n"))
+    assert not failures, f"{len(failures)} of {tried} cases crashed:\n" + "\n".join(failures[:40])
+    assert refused_count > tried // 3

@@ -330,12 +330,14 @@ def config_from_pipeline(folder: Path, towers: dict[str, Tower], config_cls: Any
 
 def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, Tower], config: Any) -> Any:
     """Build a retriever from the towers of a sentence-transformers folder (format 2 or foreign) under ``config``."""
-    from .retriever import load_tokenizer, load_transformer
+    from .retriever import check_tokenizer_fits, load_tokenizer, load_transformer
 
     query, document = towers["query"], towers["document"]
     q_model = load_transformer(query.transformer)
     p_model = None if query is document else load_transformer(document.transformer)
-    retriever = retriever_cls(q_model, p_model, load_tokenizer(query.transformer), config)
+    tokenizer = load_tokenizer(query.transformer)
+    check_tokenizer_fits(tokenizer, q_model, query.transformer)
+    retriever = retriever_cls(q_model, p_model, tokenizer, config)
     for tower, encoder in ((query, retriever.query_encoder), (document, retriever.passage_encoder)):
         projection = [path for path, activation in tower.dense if activation == IDENTITY]
         if encoder.projection is not None:

@@ -208,7 +208,9 @@ class Retriever(nn.Module):
         """Start a retriever from a Hugging Face model name or folder (copied twice when the towers are separate)."""
         q_model = load_transformer(name_or_path)
         p_model = None if config.shared_encoder else load_transformer(name_or_path)
-        retriever = cls(q_model, p_model, load_tokenizer(name_or_path), config)
+        tokenizer = load_tokenizer(name_or_path)
+        check_tokenizer_fits(tokenizer, q_model, name_or_path)
+        retriever = cls(q_model, p_model, tokenizer, config)
         retriever.training_info["base_model"] = str(name_or_path)
         return retriever
 
@@ -294,7 +296,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
         return load_adapter_model(Path(name_or_path))
     check_weights_folder(name_or_path)
     try:
-        return AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False)
+        return check_model_config(AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False), name_or_path)
     except pickle.UnpicklingError as e:
         reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
@@ -302,6 +304,32 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: {(str(e).splitlines() or [type(e).__name__])[0]} "
                          "(give a local folder or a Hugging Face model name reachable from this machine)") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own checks of config.json raise many types
+        reason = " ".join(line.strip() for line in (str(e).splitlines() or [type(e).__name__])[:2])[:300]
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its config.json is not valid ({reason})") from None
+
+
+def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:
+    """The sizes of a loaded model's ``config.json`` that transformers leaves unchecked must be positive."""
+    config = getattr(model, "config", None)
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+                "intermediate_size"):
+        value = getattr(config, key, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DprGcError(f"{Path(name_or_path) / 'config.json'}: {key} must be a positive integer, got {value!r}")
+    return model
+
+
+def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | Path) -> None:
+    """Refuse a tokenizer whose special tokens have ids the model has no embedding for, or that cannot pad."""
+    rows = model.get_input_embeddings().num_embeddings
+    ids = [i for i in tokenizer.all_special_ids if i is not None]
+    if ids and max(ids) >= rows:
+        raise DprGcError(f"{name_or_path}: the tokenizer's special tokens ({', '.join(tokenizer.all_special_tokens)}) "
+                         f"reach id {max(ids)} but the model has {rows} embeddings; fix tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        raise DprGcError(f"{name_or_path}: the tokenizer has no padding (or end-of-sequence) token; set pad_token in "
+                         "tokenizer_config.json")
 
 
 def check_model_folder(name_or_path: str | Path) -> None:

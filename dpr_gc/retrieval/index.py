@@ -48,6 +48,7 @@ INDEX_META_FIELDS = {"format_version": Field(int), "kind": text(), "factory": te
 PARAM_FIELDS = {"kind": text(), "factory": text(True), "pq_nbits": positive_field(True),
                 **{key: positive_field(True) for key in ("ef_search", "nprobe", "hnsw_m", "ef_construction", "nlist",
                                                          "pq_m")}}
+STAMP_BYTES = 1 << 20
 ENCODING_KEYS = ("model_fingerprint", "dim", "pooling", "normalize", "passage_format")
 # The prefixes the passages were encoded under (encode's flags included); retrieve and mine default to them.
 # Absent from indexes and shards of earlier versions, so they are compared only where both sides record them.
@@ -229,10 +230,19 @@ class DenseIndex:
         return dense
 
 
-def file_stamp(path: Path) -> list[int]:
-    """``[inode, size, mtime_ns]`` of a file: a file replaced by another build has another stamp."""
-    st = os.stat(path)
-    return [st.st_ino, st.st_size, st.st_mtime_ns]
+def file_stamp(path: Path) -> list:
+    """``[size, digest of the first and last MiB]`` of an index file: another build has another stamp, a copy of
+    the folder keeps it, and reading it costs 2 MiB however large the index."""
+    import hashlib
+
+    size = os.path.getsize(path)
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        digest.update(f.read(STAMP_BYTES))
+        if size > STAMP_BYTES:
+            f.seek(max(STAMP_BYTES, size - STAMP_BYTES))
+            digest.update(f.read(STAMP_BYTES))
+    return [size, digest.hexdigest()]
 
 
 def check_meta(meta: Any, path: PathLike) -> dict:
@@ -244,7 +254,7 @@ def check_meta(meta: Any, path: PathLike) -> dict:
     return meta
 
 
-def _read_one_build(meta_path: Path, index_path: Path, attempts: int = 50) -> tuple[Any, dict]:
+def _read_one_build(meta_path: Path, index_path: Path, attempts: int = 20) -> tuple[Any, dict]:
     """The FAISS index and the metadata of one and the same build, even while ``index`` rebuilds the folder: the
     metadata names the index file it was written with (inode, size, mtime), and both are re-checked after reading;
     a mismatch (a rebuild under way) is retried, then refused."""
@@ -264,7 +274,7 @@ def _read_one_build(meta_path: Path, index_path: Path, attempts: int = 50) -> tu
             same = False
         if same and index is not None:
             return index, meta
-        time.sleep(0.1)
+        time.sleep(0.05)
     raise DprGcError(f"{index_path.parent}: {META_FILE} does not belong to this {INDEX_FILE} (another run is "
                      "rebuilding the index, or the folder was assembled from two builds); wait for it, or rebuild")
 

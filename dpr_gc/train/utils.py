@@ -21,6 +21,7 @@ from ..base.devices import autocast_dtype, default_device
 from ..model.dpr_hub import find_dpr_pair
 from ..base.errors import DprGcError
 from ..base.files import atomic_open, read_json, read_tensors
+from ..base.validate import Field, check_fields, count
 from ..model.retriever import Retriever, RetrieverConfig
 from ..base.tables import format_summary
 from .config import DataConfig, ModelConfig, TrainConfig
@@ -119,6 +120,8 @@ def restore_rng(state: dict) -> None:
 
 
 STATE_JSON = "train_state.json"
+STATE_FIELDS = {"step": count(), "optimizer": Field(dict, True), "scheduler": Field(dict), "scaler": Field(dict),
+                "sampler": Field(dict), "record": Field(dict, True), "best": Field(list)}
 SHARDED = "sharded"  # a checkpoint's FSDP weights and optimizer state (torch.distributed.checkpoint)
 STATE_TENSORS = "train_state.safetensors"
 LEGACY_STATE = "state.pt"
@@ -194,6 +197,10 @@ def read_state(folder: Path) -> dict:
         state = None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise DprGcError(f"{folder / STATE_JSON}: not a dpr-gc training state; resume from another checkpoint")
+    check_fields(state, folder / STATE_JSON, STATE_FIELDS, "a training state",
+                 required=("scheduler", "scaler", "sampler", "best"))
+    if len(state["best"]) != 2:
+        raise DprGcError(f"{folder / STATE_JSON}: 'best' must be [value, path]; resume from another checkpoint")
     return state
 
 
