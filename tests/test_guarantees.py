@@ -356,3 +356,27 @@ def test_fuzz_every_json_kind_with_wrongly_typed_values_ends_in_one_line_errors(
     Path("/tmp/guarantees-fuzz.txt").write_text(ascii("\n".join(failures)).replace("\\n", "\n"))
     assert not failures, f"{len(failures)} of {tried} cases crashed:\n" + "\n".join(failures[:40])
     assert refused_count > tried // 3
+
+
+# --------------------------------------------------------------------------------------------- damaged checkpoints
+from tests.test_security import copy_run, trained, train_argv  # noqa: E402,F401 - trained is a fixture
+
+
+@pytest.mark.parametrize("kind", ["header_2_62", "overlapping", "truncated"])
+def test_damaged_weights_inside_a_checkpoint_are_one_line_on_resume(trained, tmp_path: Path, kind: str) -> None:
+    run = copy_run(trained, tmp_path)
+    weights = run / "checkpoint-2" / "model" / "model.safetensors"
+    weights.write_bytes(damaged_safetensors(weights.read_bytes())[kind])
+    line = refused(train_argv(trained, run, str(run / "checkpoint-2")), "model.safetensors", "damaged")
+    assert "pickle" not in line
+
+
+def test_truncated_training_state_names_the_damage_and_latest_falls_back(trained, tmp_path: Path, caplog) -> None:
+    run = copy_run(trained, tmp_path)
+    state = run / "checkpoint-2" / "train_state.safetensors"
+    state.write_bytes(state.read_bytes()[:-100])
+    line = refused(train_argv(trained, run, str(run / "checkpoint-2")), "train_state.safetensors", "damaged")
+    assert "pickle" not in line
+    code, err = call(cli.main, train_argv(trained, run, "latest"))
+    assert code == 0, err
+    assert "resuming from the previous checkpoint" in caplog.text and "checkpoint-1" in caplog.text

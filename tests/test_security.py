@@ -74,14 +74,14 @@ def test_training_state_has_no_pickle(trained):
 def test_pickled_training_state_is_refused(trained, tmp_path, capsys, target):
     run, marker = copy_run(trained, tmp_path), tmp_path / "PWNED"
     (run / "checkpoint-2" / target).write_bytes(pickle.dumps(Payload(marker)))
-    refused(train_argv(trained, run, "latest"), marker, capsys, target.split("/")[-1])
+    refused(train_argv(trained, run, str(run / "checkpoint-2")), marker, capsys, target.split("/")[-1])
 
 
 @pytest.mark.parametrize("text", ['{"__dict__": 5}', '[1, 2]', '{"__dict__": [["step", {"__tensor__": "nope"}]]}'])
 def test_damaged_training_state_json_is_refused(trained, tmp_path, capsys, text):
     run, marker = copy_run(trained, tmp_path), tmp_path / "PWNED"
     (run / "checkpoint-2" / "train_state.json").write_text(text)
-    refused(train_argv(trained, run, "latest"), marker, capsys, "train_state.json")
+    refused(train_argv(trained, run, str(run / "checkpoint-2")), marker, capsys, "train_state.json")
 
 
 def test_pickled_legacy_state_pt_is_refused(trained, tmp_path, capsys):
