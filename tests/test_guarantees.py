@@ -380,3 +380,59 @@ def test_truncated_training_state_names_the_damage_and_latest_falls_back(trained
     code, err = call(cli.main, train_argv(trained, run, "latest"))
     assert code == 0, err
     assert "resuming from the previous checkpoint" in caplog.text and "checkpoint-1" in caplog.text
+
+
+# --------------------------------------------------------------------------------------------- values that lie
+def _results(tmp_path: Path, **changes: object) -> Path:
+    ctx = {"id": "p0", "title": "t", "text": "paris is a city", "score": 1.0, "has_answer": True}
+    record = {"id": "q1", "question": "what is paris", "answers": ["paris"], "ctxs": [ctx]}
+    for key, value in changes.items():
+        (ctx if key.startswith("ctx_") else record)[key.removeprefix("ctx_")] = value
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps([record]))
+    return path
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"ctx_score": "NaN"}, "is not a finite number"), ({"ctx_score": "inf"}, "is not a finite number"),
+    ({"ctx_has_answer": "false"}, "has_answer must be true or false"), ({"question": "  "}, "non-empty string"),
+    ({"ctx_id": None}, "passage id must be a string or an integer"),
+    ({"ctx_id": "p\u200b0"}, "invisible or control characters"), ({"ctx_id": "p\u200f0"}, "U+200F"),
+    ({"ctx_id": "p\x000"}, "U+0000"), ({"ctx_id": "cafe\u0301"}, "not in Unicode NFC"),
+    ({"id": "q\ud800"}, "lone surrogate"), ({"question": "what \ud800"}, "non-empty string")])
+def test_evaluate_refuses_results_whose_values_lie(world: dict, tmp_path: Path, changes: dict, needle: str) -> None:
+    results = _results(tmp_path, **changes)
+    refused(["evaluate", "--results", results, "--k", "1"], "question 0", needle)
+
+
+def test_run_ids_that_only_look_the_same_are_refused(world: dict, tmp_path: Path) -> None:
+    run = tmp_path / "run.trec"
+    run.write_text("q1 Q0 p0 1 0.9 t\nq1 Q0 p\u200b0 2 0.5 t\n", encoding="utf-8")
+    refused(["evaluate", "--run", run, "--qrels", world["qrels"]], "run.trec:2", "U+200B")
+
+
+def test_query_prefix_longer_than_the_query_max_length_is_refused(world: dict, tmp_path: Path) -> None:
+    refused(retrieve_argv(world, "--queries", world["qa"], "--output", tmp_path / "o.json",
+                          "--query-prefix", "represent this question for searching relevant passages " * 4),
+            "--query-prefix", "leaves none for the query")
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_huge_passage_is_cut_before_tokenising(make_retriever, monkeypatch) -> None:
+    from dpr_gc.model import tokenize as tok
+
+    retriever = make_retriever(passage_max_length=16)
+    text = " ".join(["paris city river"] * 400_000)  # 6.8 MB
+    seen = []
+    tokenizer = retriever.tokenizer
+    original = type(tokenizer).__call__
+
+    def measure(self, first, *args, **kwargs):
+        seen.extend(len(t) for t in (first if isinstance(first, list) else [first]))
+        return original(self, first, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", measure)
+    short = tok.tokenize(tokenizer, retriever.config, "passage", [text[:2000]], ["t"])
+    huge = tok.tokenize(tokenizer, retriever.config, "passage", [text], ["t"])
+    assert max(seen) <= 16 * tok.CHARS_PER_TOKEN + 2
+    assert torch.equal(short["input_ids"], huge["input_ids"])

@@ -182,3 +182,24 @@ def check_weights_folder(folder: PathLike) -> None:
     if root.is_dir():
         for p in sorted(root.glob("*.safetensors")):
             check_safetensors(p)
+
+
+def check_id(value: Any, where: str, what: str = "id") -> str:
+    """An id as text, refused (never silently normalised) when two ids could look the same but differ: control or
+    invisible format characters (NUL, zero-width, right-to-left marks) or a form other than Unicode NFC; a lone
+    surrogate, null, a boolean or a non-scalar are refused too."""
+    import unicodedata
+
+    if value is None or isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise DprGcError(f"{where}: {what} must be a string or an integer, got {json.dumps(value, ensure_ascii=True)[:60]}")
+    text_id = str(value)
+    if not no_lone_surrogates(text_id):
+        raise DprGcError(f"{where}: {what} {ascii(text_id)[:60]} holds a lone surrogate (broken UTF-16); fix the file")
+    bad = [c for c in text_id if unicodedata.category(c) in ("Cc", "Cf")]
+    if bad:
+        raise DprGcError(f"{where}: {what} {ascii(text_id)[:60]} holds invisible or control characters "
+                         f"({', '.join(f'U+{ord(c):04X}' for c in bad[:3])}); remove them")
+    if unicodedata.normalize("NFC", text_id) != text_id:
+        raise DprGcError(f"{where}: {what} {ascii(text_id)[:60]} is not in Unicode NFC form, so it could differ from a "
+                         "visually identical id; normalise the file to NFC")
+    return text_id

@@ -28,6 +28,7 @@ from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_path, open_text, write_json
 from .results import check_question, iter_results
+from ..base.validate import check_id
 from ..base.tables import markdown_table
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
                 raise DprGcError(f"{path}:{line_no}: expected 'query-id corpus-id score' or 'qid 0 docid rel', "
                                  f"got {line.strip()!r}")
             qid, docid, rel_text = parts[0], parts[-2], parts[-1]
+            check_id(qid, f"{path}:{line_no}", "query id"), check_id(docid, f"{path}:{line_no}", "document id")
             if not re.fullmatch(r"[-+]?\d+(\.0*)?", rel_text):
                 raise DprGcError(f"{path}:{line_no}: relevance {rel_text!r} is not an integer")
             rel = int(rel_text.split(".")[0])
@@ -82,6 +84,7 @@ def read_run(path: PathLike) -> dict[str, dict[str, float]]:
                 raise DprGcError(f"{path}:{line_no}: expected 6 fields 'qid Q0 docid rank score tag', "
                                  f"got {len(parts)}")
             qid, _, docid, rank, score_text, _ = parts
+            check_id(qid, f"{path}:{line_no}", "query id"), check_id(docid, f"{path}:{line_no}", "document id")
             try:
                 int(rank)
                 score = float(score_text)

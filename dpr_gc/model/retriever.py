@@ -23,7 +23,7 @@ from ..base.errors import DprGcError
 from ..base.files import read_json as read_json_file
 from ..base.validate import Field, check_fields, check_weights_folder, count, refuse_custom_code, text
 from ..engine.loss import TEMPERATURE_RANGE, Temperature
-from .tokenize import tokenize
+from .tokenize import check_prefix, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,9 @@ class Retriever(nn.Module):
             if value is not None and value != getattr(retriever.config, name):
                 logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
                 retriever.config = dataclasses.replace(retriever.config, **{name: value})
+        config = retriever.config
+        check_prefix(retriever.tokenizer, config.query_prefix, "query", config.query_max_length)
+        check_prefix(retriever.tokenizer, config.passage_prefix, "passage", config.passage_max_length)
         return retriever.to(device)
 
     @classmethod
