@@ -436,3 +436,21 @@ def test_huge_passage_is_cut_before_tokenising(make_retriever, monkeypatch) -> N
     huge = tok.tokenize(tokenizer, retriever.config, "passage", [text], ["t"])
     assert max(seen) <= 16 * tok.CHARS_PER_TOKEN + 2
     assert torch.equal(short["input_ids"], huge["input_ids"])
+
+
+def test_encode_assembles_shards_without_a_memory_map(world: dict, tmp_path: Path, monkeypatch) -> None:
+    """A memory-mapped sparse file dies of SIGBUS when the disk fills; plain writes fail with one error line."""
+    original = np.lib.format.open_memmap
+
+    def no_memmap(filename, mode="r+", *args, **kwargs):
+        if mode != "r":
+            raise AssertionError("the shard must not be assembled through a writable memory map")
+        return original(filename, mode, *args, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "open_memmap", no_memmap)
+    out = tmp_path / "emb"
+    code, err = call(cli.main, ["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", out,
+                                "--device", "cpu", "--cache-dir", tmp_path / "cache", "--block-size", "5"])
+    assert code == 0, err
+    ours, reference = (np.load(d / "shard-00000-of-00001.npy") for d in (out, world["emb"]))
+    assert ours.shape == reference.shape and np.allclose(ours.astype(np.float32), reference, atol=2e-3)
