@@ -454,3 +454,12 @@ def test_encode_assembles_shards_without_a_memory_map(world: dict, tmp_path: Pat
     assert code == 0, err
     ours, reference = (np.load(d / "shard-00000-of-00001.npy") for d in (out, world["emb"]))
     assert ours.shape == reference.shape and np.allclose(ours.astype(np.float32), reference, atol=2e-3)
+
+
+def test_lone_surrogates_in_a_corpus_end_in_one_line(world: dict, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"_id": "a\\ud800", "title": "t", "text": "paris"}\n{"_id": "b", "title": "t", "text": "x"}\n')
+    code, err = call(cli.main, ["encode", "--model", world["model"], "--corpus", corpus, "--output", tmp_path / "e",
+                                "--device", "cpu", "--cache-dir", tmp_path / "cache"])
+    assert code == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")], err
