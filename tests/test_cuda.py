@@ -1,0 +1,125 @@
+"""Gradient Cache on a CUDA device: the same exactness as on the CPU, dropout replayed from the CUDA generator,
+fp16 with a CUDA GradScaler, bf16, and peak memory that follows the chunk. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel
+
+from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc.engine.grad_cache import split_input, trim_padding
+from dpr_gc.model.retriever import Retriever, RetrieverConfig, enable_gradient_checkpointing
+from tests.test_grad_cache import grads, make_batch, models_of, rel_err, zero
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    """TF32 would make the full-batch reference and the chunked step round differently."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def on_cuda(retriever, n_queries: int, n_hard: int, seed: int):
+    retriever = retriever.cuda()
+    q, p = make_batch(retriever, n_queries, n_hard, seed=seed)
+    return retriever, {k: v.cuda() for k, v in q.items()}, {k: v.cuda() for k, v in p.items()}
+
+
+@pytest.mark.parametrize("shared,n_hard,keep_last_graph", [(True, 0, True), (False, 2, True), (True, 1, False)])
+def test_cached_step_equals_full_batch_on_cuda(make_retriever, shared, n_hard, keep_last_graph):
+    retriever, q, p = on_cuda(make_retriever(shared=shared), 12, n_hard, seed=1)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(n_hard, temperature=0.1, learn_temperature=True).cuda()
+    zero(modules + [loss_fn])
+    loss_fn(modules[0](**q), modules[1](**p)).backward()
+    expected, expected_t = grads(modules), loss_fn.tau.log_value.grad.clone()
+    zero(modules + [loss_fn])
+    GradCache(modules, 5, loss_fn, keep_last_graph=keep_last_graph)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+    assert rel_err(loss_fn.tau.log_value.grad, expected_t) < 1e-5
+
+
+def test_dropout_is_replayed_from_the_cuda_generator(make_retriever):
+    retriever, q, p = on_cuda(make_retriever(shared=False, dropout=0.2), 8, 1, seed=2)
+    retriever.train()
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    chunk = 3
+    torch.cuda.manual_seed(7)
+    reps = [torch.cat([m(**trim_padding(c)) for c in split_input(x, chunk)]) for m, x in zip(modules, (q, p))]
+    zero(modules)
+    loss_fn(*reps).backward()
+    expected = grads(modules)
+    zero(modules)
+    torch.cuda.manual_seed(7)
+    GradCache(modules, chunk, loss_fn)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+    zero(modules)
+    torch.cuda.manual_seed(8)
+    GradCache(modules, chunk, loss_fn)(q, p)
+    assert rel_err(grads(modules), expected) > 1e-3, "another dropout draw must give another gradient"
+
+
+def test_gradient_checkpointing_on_cuda(make_retriever):
+    retriever, q, p = on_cuda(make_retriever(shared=True), 8, 1, seed=3)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    zero(modules)
+    loss_fn(modules[0](**q), modules[1](**p)).backward()
+    expected = grads(modules)
+    enable_gradient_checkpointing(retriever)
+    retriever.train()
+    zero(modules)
+    GradCache(modules, 3, loss_fn)(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_steps_on_cuda(make_retriever, precision):
+    retriever, q, p = on_cuda(make_retriever(shared=True), 8, 1, seed=4)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.05)
+    zero(modules)
+    loss_fn(modules[0](**q), modules[1](**p)).backward()
+    expected = grads(modules)
+    zero(modules)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10) if precision == "fp16" else None
+    loss = GradCache(modules, 3, loss_fn, fp16=precision == "fp16", bf16=precision == "bf16", scaler=scaler)(q, p)
+    got = grads(modules) / (scaler.get_scale() if scaler else 1.0)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, expected) < 0.1
+
+
+def peak_step_bytes(retriever, n_queries: int, chunk: int) -> int:
+    retriever, q, p = on_cuda(retriever, n_queries, 1, seed=5)
+    modules = models_of(retriever)
+    gc = GradCache(modules, chunk, SimpleContrastiveLoss(1))
+    zero(modules)
+    gc(q, p)
+    zero(modules)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    gc(q, p)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def wide_retriever(tokenizer) -> Retriever:
+    """Wide enough that a chunk's graph, not the batch's representations, sets the peak (as in real models)."""
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=1024, max_position_embeddings=128)
+    return Retriever(BertModel(config), None, tokenizer, RetrieverConfig(shared_encoder=True, pooling="mean"))
+
+
+def test_peak_memory_follows_the_chunk_not_the_batch(tiny_tokenizer):
+    small = peak_step_bytes(wide_retriever(tiny_tokenizer), 16, 4)
+    large = peak_step_bytes(wide_retriever(tiny_tokenizer), 256, 4)
+    assert large < 1.3 * small, (small, large)
