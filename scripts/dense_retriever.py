@@ -34,7 +34,7 @@ from dpr_gc.base.args import ArgumentParser, device_arg, nonnegative_int, output
 from dpr_gc.cli import report_errors
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.guard import guarded
-from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,
+from dpr_gc.retrieval.index import (DenseIndex, check_built_from, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,
                           set_threads, shard_ids)
 from dpr_gc.model.retriever import add_prefix_arguments
 from dpr_gc.retrieval.retrieve import MATCH_CHOICES, retrieve_with_flags
@@ -139,7 +139,10 @@ def load_or_build_index(embeddings: Optional[str], index_path: Optional[str], sa
         index_path = dpr_index_path(folders)
     if index_exists(index_path):
         logger.info("loading the index from %s", index_path)
-        return DenseIndex.read(index_path), index_path
+        dense = DenseIndex.read(index_path)
+        for folder in folders:
+            check_built_from(dense, folder, index_path)
+        return dense, index_path
     if not folders:
         raise DprGcError("give --encoded_ctx_file (the encode output folder) or an --index_path holding an index")
     with tempfile.TemporaryDirectory(prefix="dense-retriever-") as tmp:

@@ -463,3 +463,17 @@ def test_lone_surrogates_in_a_corpus_end_in_one_line(world: dict, tmp_path: Path
                                 "--device", "cpu", "--cache-dir", tmp_path / "cache"])
     assert code == 2 and "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("error:")], err
+
+
+def test_dense_retriever_refuses_a_saved_index_of_other_embeddings(world: dict, tmp_path: Path) -> None:
+    emb = tmp_path / "emb"
+    shutil.copytree(world["emb"], emb)
+    shutil.copytree(world["idx"], tmp_path / "old.index")
+    manifest = emb / "shard-00000-of-00001.json"
+    data = json.loads(manifest.read_text())
+    data["corpus_fingerprint"] = "full-another-corpus"
+    manifest.write_text(json.dumps(data))
+    script = load_script("dense_retriever")
+    refused(["--model_file", world["model"], "--qa_dataset", world["qa"], "--encoded_ctx_file", emb,
+             "--index_path", tmp_path / "old.index", "--out_file", tmp_path / "o.json", "--no_cuda"],
+            "corpus_fingerprint", "another --index_path", main=script.main)

@@ -390,6 +390,15 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train
             "shards_added": len(todo), **stats, "complete": corpus_rows is None or dense.ntotal == int(corpus_rows)}
 
 
+def check_built_from(dense: "DenseIndex", emb_dir: PathLike, where: PathLike) -> None:
+    """Refuse a saved index that was not built from the embeddings in ``emb_dir`` (another model or corpus)."""
+    first = read_manifests(emb_dir, complete=False)[0]
+    for key in (*ENCODING_KEYS, "corpus_rows", "corpus_fingerprint"):
+        if key in dense.meta and key in first and dense.meta[key] != first[key]:
+            raise DprGcError(f"the index in {where} was built with {key}={dense.meta[key]!r} but the embeddings in "
+                             f"{emb_dir} have {first[key]!r}; delete the old index or give another --index_path")
+
+
 def index_exists(folder: Optional[PathLike]) -> bool:
     """Whether ``folder`` holds a finished index (its metadata is written last)."""
     return folder is not None and (Path(folder) / META_FILE).is_file()
