@@ -98,12 +98,12 @@ def check_list(data: Any, source: PathLike, item: Callable[[Any, str], None], wh
 
 
 def inside(folder: PathLike, relative: Any, source: PathLike, key: str) -> Path:
-    """``folder / relative``, refused unless it is a relative path that stays inside ``folder`` (links resolved):
-    a folder may only point at its own files."""
+    """``folder / relative``, refused unless it is a relative path that stays inside ``folder`` (no absolute path, no
+    ``..`` out of it): a folder may only point at its own files."""
     if not isinstance(relative, str) or not no_lone_surrogates(relative):
         raise DprGcError(f"{source}: {key!r} must be a path string, got {json.dumps(relative, ensure_ascii=True)[:60]}")
-    root = os.path.realpath(folder)
-    target = os.path.realpath(os.path.join(root, relative))
+    root = os.path.normpath(os.path.abspath(folder))  # by name: a link the folder holds is its own file
+    target = os.path.normpath(os.path.join(root, relative))
     if os.path.isabs(relative) or os.path.commonpath([root, target]) != root:
         raise DprGcError(f"{source}: {key} {relative!r} points outside {folder}; a folder may only name its own "
                          "files (copy what it needs into it)")
