@@ -34,7 +34,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dpr_gc.evaluation.answers import AnswerMatcher, _token_pattern, default_workers, normalize  # noqa: E402
+from dpr_gc.data.answer_text import _token_pattern, nfd as normalize  # noqa: E402
+from dpr_gc.evaluation.answers import AnswerMatcher, default_workers  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
 
 SCIFACT = ROOT.parent / "shared" / "data" / "scifact"

@@ -40,7 +40,8 @@ from dpr_gc.data.corpus import load_corpus  # noqa: E402
 from dpr_gc.base.devices import cpu_has_native_bf16  # noqa: E402
 from dpr_gc.retrieval.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
-from dpr_gc.model.retriever import Retriever, RetrieverConfig, default_model_path  # noqa: E402
+from dpr_gc.model.pretrained import default_model_path  # noqa: E402
+from dpr_gc.model.retriever import Retriever, RetrieverConfig  # noqa: E402
 
 SCIFACT = ROOT.parent / "shared" / "data" / "scifact" / "corpus.jsonl.gz"
 WORDS = ("cell protein gene expression tumour patients study results increased risk mice treatment clinical "
@@ -129,7 +130,7 @@ def time_methods(args: argparse.Namespace, retriever: Retriever, rows: list[dict
         def run(c: int) -> np.ndarray:
             out = Path(tempfile.mkdtemp(dir=work))
             m = encode_corpus(retriever, files[c], out, 0, 1, batch_size=args.batch_size, dtype="float32",
-                              autocast=precision, cache_dir=work / "cache", show_progress=False)
+                              precision=precision or "fp32", cache_dir=work / "cache", show_progress=False)
             return np.load(out / m["embeddings"])
         return run
 

@@ -38,7 +38,7 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dpr_gc.cli import report_errors  # noqa: E402
+from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json, write_json  # noqa: E402
 
@@ -120,7 +120,8 @@ def retriever_config(s: Settings, passage_length: int) -> Any:
 
 def load_model(path: Optional[str], s: Settings, passage_length: int) -> Any:
     """The offline MiniLM with its own recipe (``path`` None) or a trained retriever, set to the eval lengths."""
-    from dpr_gc.model.retriever import Retriever, default_model_path
+    from dpr_gc.model.pretrained import default_model_path
+    from dpr_gc.model.retriever import Retriever
 
     device = device_of(s)
     if path is None:
@@ -198,7 +199,7 @@ def train_source(s: Settings) -> str:
 def phase_train(s: Settings, name: str, batch_size: int, grad_cache: bool, max_steps: Optional[int] = None) -> dict:
     """One training run through ``dpr_gc.train``; returns its summary plus the lr schedule actually used."""
     from dpr_gc.data.training import load_training_data
-    from dpr_gc.model.retriever import default_model_path
+    from dpr_gc.model.pretrained import default_model_path
     from dpr_gc.train.trainer import train
     from dpr_gc.train.config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 

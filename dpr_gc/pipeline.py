@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -20,12 +21,14 @@ from .base.errors import DprGcError
 from .base.guard import guarded
 from .base.files import atomic_path, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
+from .base.settings import add_arguments, from_args, setting
 from .base.tables import markdown_table
 from .train.config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
 KS = (1, 5, 10, 20, 100)
+TABLE_KS = (1, 5, 20, 100)  # the Accuracy@k rows of the printed table (and the ticks of report.png)
 
 
 def demo_training() -> TrainConfig:
@@ -77,9 +80,9 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
             encode_batch_size: int) -> dict:
     """Encode the corpus, index it (exact inner product), retrieve for the test questions and evaluate."""
     from .data.corpus import load_corpus, read_queries
-    from .retrieval.encode import encode_corpus, pick_precision
+    from .retrieval.encode import encode_corpus
     from .evaluation.answers import default_workers
-    from .evaluation.evaluate import read_qrels
+    from .data.qrels import read_qrels
     from .retrieval.index import DenseIndex, IndexParams, build_index, index_exists
     from .retrieval.retrieve import retrieve_to_files
 
@@ -90,9 +93,8 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
         return read_json_object(metrics_file, "demo metrics")
     corpus_path = data / manifest["files"]["corpus"]
     started = time.perf_counter()
-    device = next(retriever.parameters()).device
     encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, model_name=name,
-                  autocast=pick_precision("auto", device))
+                  precision="auto")
     encode_seconds = time.perf_counter() - started
     if not index_exists(stage / "index"):
         build_index(stage / "embeddings", stage / "index", IndexParams(kind="flat"))
@@ -114,7 +116,7 @@ def run_demo(config: DemoConfig) -> dict:
     from .model.retriever import Retriever
     from .data.stdlib_data import build_stdlib_dataset
     from .train.trainer import train
-    from .train.utils import finished_checkpoints
+    from .train.checkpoints import finished_checkpoints
 
     training = config.training
     torch.manual_seed(training.run.seed)
@@ -139,6 +141,9 @@ def run_demo(config: DemoConfig) -> dict:
             training, model=dataclasses.replace(training.model, name=str(base_dir), retriever=None),
             data=dataclasses.replace(training.data, train_files=[str(train_file)], cache_dir=str(out / "cache")),
             run=dataclasses.replace(training.run, output_dir=str(train_out), resume=resume)))
+    for checkpoint in finished_checkpoints(train_out):  # only a resume needs them, and final/ is there
+        shutil.rmtree(checkpoint)
+        logger.info("removed %s (the trained model is in %s)", checkpoint, final)
     trained = Retriever.load(final)
     after = measure(trained, "after", out, data, manifest, config.top_k, config.encode_batch_size)
 
@@ -155,7 +160,18 @@ def run_demo(config: DemoConfig) -> dict:
 
 
 def plot_report(report: dict, path: Path) -> None:
-    """Training loss against step, and top-k answer accuracy before and after training."""
+    """Write :func:`report_figure` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(report)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def report_figure(report: dict) -> Any:
+    """Training loss against step, and top-k answer accuracy before and after training, ticked at the k the table
+    reports, under a title saying what was trained."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,61 +181,91 @@ def plot_report(report: dict, path: Path) -> None:
     steps, losses = zip(*report["training_loss"]) if report["training_loss"] else ((), ())
     left.plot(steps, losses, marker=".")
     left.set(title="training loss (Gradient Cache)", xlabel="step", ylabel="loss")
+    ks: list[int] = []
     for name in ("before", "after"):
         acc = report[name]["answers"]
         ks = sorted(int(k.split("@")[1]) for k in acc)
         right.plot(ks, [acc[f"Accuracy@{k}"] for k in ks], marker="o", label=name)
     right.set(title="top-k accuracy on held-out questions", xlabel="k", ylabel="accuracy", xscale="log")
+    right.minorticks_off()
+    right.set_xticks(TABLE_KS, [str(k) for k in TABLE_KS])
     right.legend()
+    training = report.get("config", {}).get("training", {})
+    data, cache = training.get("data", {}), training.get("cache", {})
+    fig.suptitle(f"dpr-gc demo: {report.get('dataset', {}).get('test_queries', '?')} held-out questions; "
+                 f"fine-tuned with Gradient Cache, batch {data.get('batch_size', '?')}, "
+                 f"chunk {cache.get('passage_chunk_size', '?')}")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def format_report(report: dict) -> str:
-    rows = [("Accuracy@1", "answers"), ("Accuracy@5", "answers"), ("Accuracy@20", "answers"),
-            ("Accuracy@100", "answers"), ("nDCG@10", "qrels"), ("MRR@10", "qrels"), ("Recall@100", "qrels")]
+    rows = [(f"Accuracy@{k}", "answers") for k in TABLE_KS] + [("nDCG@10", "qrels"), ("MRR@10", "qrels"),
+                                                                ("Recall@100", "qrels")]
     values = [(metric, report["before"][group].get(metric), report["after"][group].get(metric)) for metric, group in rows]
     return markdown_table(("metric (held-out test)", "before training", "after training"),
                           [(m, f"{b:.4f}", f"{a:.4f}") for m, b, a in values if b is not None and a is not None])
 
 
+_RECIPE = demo_training()
+
+
+@dataclasses.dataclass
+class DemoFlags:
+    """The ``dpr-gc demo`` flags: the demo's sizes and the parts of its training recipe (:func:`demo_training`)
+    worth changing from the command line; the defaults are the recipe's."""
+
+    output: str = setting(DemoConfig.output_dir, "--output", type=output_dir, help="output folder (resumable)")
+    model: Optional[str] = setting(None, "--model", help="Hugging Face model name or folder (default: offline MiniLM)")
+    max_examples: Optional[int] = setting(None, "--max-examples", type=positive_int,
+                                          help="subsample the dataset (a quicker, rougher run)")
+    train_queries: Optional[int] = setting(DemoConfig.train_queries, "--train-queries", type=positive_int,
+                                           help="training questions used")
+    batch_size: int = setting(_RECIPE.data.batch_size, "--batch-size", type=positive_int,
+                              help="training queries per step (the Gradient Cache batch)")
+    chunk_size: int = setting(_RECIPE.cache.passage_chunk_size, "--chunk-size", type=positive_int,
+                              help="rows per Gradient Cache chunk, of queries and of passages")
+    hard_negatives: int = setting(_RECIPE.data.hard_negatives, "--hard-negatives", type=nonnegative_int,
+                                  help="hard negatives per training query")
+    epochs: int = setting(_RECIPE.optim.epochs, "--epochs", type=positive_int, help="passes over the training data")
+    learning_rate: float = setting(_RECIPE.optim.learning_rate, "--learning-rate", type=positive_float,
+                                   help="AdamW peak learning rate")
+    passage_max_length: int = setting(_RECIPE.model.retriever.passage_max_length, "--passage-max-length",
+                                      type=positive_int, help="passage max tokens")
+    precision: str = setting(_RECIPE.optim.precision, "--precision", choices=("fp32", "bf16", "fp16"),
+                             help="autocast precision of training")
+    seed: int = setting(_RECIPE.run.seed, "--seed", type=nonnegative_int, help="seed of the dataset and of training")
+
+    def config(self) -> DemoConfig:
+        """The :class:`DemoConfig` these flags ask for: the recipe with the flags' values put in."""
+        training, r = demo_training(), dataclasses.replace
+        training = r(training, model=r(training.model, name=self.model, retriever=r(
+                         training.model.retriever, passage_max_length=self.passage_max_length)),
+                     data=r(training.data, batch_size=self.batch_size, hard_negatives=self.hard_negatives),
+                     optim=r(training.optim, epochs=self.epochs, learning_rate=self.learning_rate,
+                             precision=self.precision),
+                     cache=r(training.cache, query_chunk_size=self.chunk_size, passage_chunk_size=self.chunk_size),
+                     run=r(training.run, seed=self.seed))
+        return DemoConfig(output_dir=self.output, max_examples=self.max_examples, train_queries=self.train_queries,
+                          training=training)
+
+
 def add_cli(subparsers: Any) -> None:
     """Register ``demo``: the whole pipeline on the stdlib dataset, before and after Gradient Cache training."""
-    p = subparsers.add_parser("demo", help="run the whole pipeline end to end on the built-in stdlib dataset")
-    defaults = DemoConfig()
-    p.add_argument("--output", type=output_dir, default=defaults.output_dir, help="output folder (resumable)")
-    p.add_argument("--model", default=None, help="Hugging Face model name or folder (default: offline MiniLM)")
-    p.add_argument("--max-examples", type=positive_int, default=None,
-                   help="subsample the dataset (a quicker, rougher run)")
-    p.add_argument("--train-queries", type=positive_int, default=defaults.train_queries, help="training questions used")
-    training = defaults.training
-    p.add_argument("--batch-size", type=positive_int, default=training.data.batch_size)
-    p.add_argument("--chunk-size", type=positive_int, default=training.cache.passage_chunk_size,
-                   help="rows per Gradient Cache chunk, of queries and of passages")
-    p.add_argument("--hard-negatives", type=nonnegative_int, default=training.data.hard_negatives)
-    p.add_argument("--epochs", type=positive_int, default=training.optim.epochs)
-    p.add_argument("--learning-rate", type=positive_float, default=training.optim.learning_rate)
-    p.add_argument("--passage-max-length", type=positive_int, default=training.model.retriever.passage_max_length)
-    p.add_argument("--precision", default=training.optim.precision, choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--seed", type=nonnegative_int, default=training.run.seed)
+    p = subparsers.add_parser(
+        "demo", help="run the whole pipeline end to end on the built-in stdlib dataset",
+        description="Build a retrieval task from Python's standard library, measure the offline all-MiniLM-L6-v2, "
+                    "fine-tune it with Gradient Cache and measure again. Disk: about 270 MB under --output (the "
+                    "dataset, the base and trained models, two corpus encodings and indexes; the training "
+                    "checkpoint is deleted once the trained model is saved), plus the parsed-data cache under "
+                    "$DPR_GC_CACHE or ~/.cache/dpr_gc (see dpr-gc cache; --clear empties it).")
+    add_arguments(p, DemoFlags)
     p.set_defaults(func=_cli_demo)
 
 
 @guarded(inputs=("model",), outputs={"output": "folder"})
 def _cli_demo(args: Any) -> None:
-    training = demo_training()
-    r = dataclasses.replace
-    training = r(training, model=r(training.model, name=args.model, retriever=r(
-                     training.model.retriever, passage_max_length=args.passage_max_length)),
-                 data=r(training.data, batch_size=args.batch_size, hard_negatives=args.hard_negatives),
-                 optim=r(training.optim, epochs=args.epochs, learning_rate=args.learning_rate, precision=args.precision),
-                 cache=r(training.cache, query_chunk_size=args.chunk_size, passage_chunk_size=args.chunk_size),
-                 run=r(training.run, seed=args.seed))
-    config = DemoConfig(output_dir=args.output, max_examples=args.max_examples, train_queries=args.train_queries,
-                        training=training)
-    report = run_demo(config)
+    report = run_demo(from_args(DemoFlags, args).config())
     print(format_report(report))
     outputs = report["outputs"]
     print(f"\nfinished in {report['seconds']:.0f} s; trained retriever: {outputs['model']}\n"

@@ -31,7 +31,7 @@ except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.base.args import ArgumentParser, device_arg, nonnegative_int, output_dir, output_file, positive_int
-from dpr_gc.cli import report_errors
+from dpr_gc.base.errors import report_errors
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.guard import guarded
 from dpr_gc.retrieval.index import (DenseIndex, check_built_from, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,

@@ -35,7 +35,7 @@ except ImportError:  # running from a checkout without installing the package
 from dpr_gc.train import trainer as T  # noqa: E402
 from dpr_gc.base.args import (ArgumentParser, any_int, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
                          positive_int)
-from dpr_gc.cli import report_errors  # noqa: E402
+from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
 

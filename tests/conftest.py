@@ -2,36 +2,11 @@
 
 from __future__ import annotations
 
-import string
-from pathlib import Path
-
 import pytest
-import torch
-from transformers import BertConfig, BertModel, BertTokenizerFast
+from transformers import BertTokenizerFast
 
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-WORDS = ("the a of and to in is was for on with as by at from that this it are be or an which what who when "
-         "where how city river king war science protein cell gene paris london france music film book water").split()
-
-
-def write_vocab(path: Path) -> Path:
-    """A WordPiece vocabulary covering any ASCII text (whole words, single characters and ## pieces)."""
-    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + chars + [f"##{c}" for c in chars]
-    path.write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    return path
-
-
-def tiny_bert(vocab_size: int, seed: int = 0, dropout: float = 0.0, layers: int = 2, attn: str = "eager") -> BertModel:
-    """A random 2-layer BERT. Eager attention by default: the CPU SDPA kernel rounds differently for different
-    sequence lengths, which would blur fp32 gradient comparisons between padded and trimmed batches."""
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-                        intermediate_size=37, max_position_embeddings=128, hidden_dropout_prob=dropout,
-                        attention_probs_dropout_prob=dropout, attn_implementation=attn)
-    return BertModel(config)
+from tests.helpers import tiny_bert, write_vocab
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +32,15 @@ def make_retriever(tiny_tokenizer: BertTokenizerFast):
         return Retriever(q, p, tiny_tokenizer, config)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """A tiny run trained two steps with a checkpoint after each (for resume and damaged-state tests)."""
+    from dpr_gc.train.trainer import train
+    from tests.train_data import init_model, make_records, task_config as config, write_dpr
+
+    d = tmp_path_factory.mktemp("sec")
+    task = {"dir": d, "model": init_model(d), "train": write_dpr(d / "t.json", make_records(16, 5))}
+    train(config(task, d / "run", max_steps=2, save_every=1, keep_checkpoints=2))
+    return task

@@ -13,9 +13,12 @@ from typing import Optional
 import torch
 from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2Model
 
-from tests.conftest import WORDS
+from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from tests.helpers import WORDS, grads, make_batch, models_of, reference_grads, rel_err, zero
 
 BOS, EOS, UNK, QWEN_PAD = "<s>", "</s>", "<unk>", "<|endoftext|>"
+TEXTS = ["the king of france was in paris", "a", "music film book of the river", "what city"]
 
 
 def decoder_tokenizer(padding_side: str = "right", add_eos: bool = False,
@@ -57,3 +60,36 @@ def save_decoder(folder: Path, kind: str = "llama", padding_side: str = "right",
     tiny_decoder(kind, len(tokenizer), seed).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def decoder_retriever(kind: str = "llama", padding_side: str = "right", shared: bool = True, **fields) -> Retriever:
+    fields.setdefault("pooling", "last")
+    fields.setdefault("passage_format", "concat")
+    tokenizer = decoder_tokenizer(padding_side)
+    tokenizer.pad_token = EOS
+    p_model = None if shared else tiny_decoder(kind, len(tokenizer), seed=1)
+    config = RetrieverConfig(shared_encoder=shared, **fields)
+    return Retriever(tiny_decoder(kind, len(tokenizer)), p_model, tokenizer, config)
+
+
+def cached_step_error(retriever: Retriever, seed: int, **cache_options) -> float:
+    """Relative gradient error of a Gradient Cache step (chunk 3) against the full-batch graph, same 8-query batch."""
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 8, 1, seed=seed)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    GradCache(modules, 3, loss_fn, **cache_options)(q, p)
+    return rel_err(grads(modules), expected)
+
+
+def lora_decoder():
+    """A left-padded tiny Llama with random LoRA adapters and a learnable temperature, in train mode."""
+    from dpr_gc.model.lora import LoraSettings, apply_lora
+
+    from tests.helpers import randomise_adapters
+
+    retriever = decoder_retriever("llama", "left", learn_temperature=True, temperature=0.2)
+    apply_lora(retriever, LoraSettings(r=4))
+    randomise_adapters(retriever)
+    return retriever.train()

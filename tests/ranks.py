@@ -1,18 +1,23 @@
-"""Start test ranks with torch.multiprocessing without ever hanging the suite.
+"""Start test ranks (torch.multiprocessing, or a command such as torchrun) without ever hanging the suite.
 
 A rank that has done its work leaves through ``os._exit`` (a loaded machine once left one stuck in interpreter
-shutdown after the checks had passed), and the whole group fails after a time limit instead of waiting forever.
+shutdown after the checks had passed), and the whole group fails after a time limit instead of waiting forever:
+every process it started is killed, so no rank outlives its test.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
+
+RANK_LIMIT_S = 420.0
 
 
 def _run_rank(rank: int, worker: Callable[..., None], args: tuple) -> None:
@@ -22,7 +27,7 @@ def _run_rank(rank: int, worker: Callable[..., None], args: tuple) -> None:
     os._exit(0)
 
 
-def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, limit_s: float = 600.0) -> None:
+def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, limit_s: float = RANK_LIMIT_S) -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes; raise if one fails or the group outlives
     ``limit_s`` seconds (the stuck processes are killed)."""
     context = mp.start_processes(_run_rank, args=(worker, args), nprocs=nprocs, join=False, start_method="spawn")
@@ -33,7 +38,39 @@ def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, l
             for p in context.processes:
                 if p.is_alive():
                     p.kill()
+                    p.join(5)
             raise TimeoutError(f"ranks {alive} still running after {limit_s:.0f} s")
+
+
+def run_command(cmd: Sequence[str], limit_s: float = RANK_LIMIT_S, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own; past ``limit_s`` seconds the
+    whole process group is killed (torchrun AND its ranks: ``subprocess.run``'s own timeout kills only torchrun,
+    leaving the ranks orphaned) and ``TimeoutError`` carries the end of its output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise TimeoutError(f"{' '.join(map(str, cmd[:6]))} ... still running after {limit_s:.0f} s; its process "
+                           f"group was killed. stderr:\n{err[-3000:]}") from None
+    except BaseException:
+        kill_group(proc)
+        raise
+    finally:
+        kill_group(proc)  # a rank that outlived a finished torchrun is a stuck one
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (it was started with ``start_new_session=True``)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait()
 
 
 def rank_errors(folder: Path) -> str:

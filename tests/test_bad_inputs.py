@@ -24,6 +24,12 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
+import struct
+import numpy as np
+from dpr_gc.base.guard import atomic_folder, check_outputs
+from dpr_gc.base.locks import exclusive_lock
+from dpr_gc.model import card
+from dpr_gc.model.retriever import Retriever
 from dpr_gc.base import args as flag_types
 from dpr_gc import cli
 from dpr_gc.data.corpus import load_corpus, read_queries
@@ -33,7 +39,7 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.evaluation.evaluate import read_qrels, read_results, read_run
 from dpr_gc.retrieval.index import IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from tests.conftest import WORDS, tiny_bert
+from tests.helpers import tiny_bert, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=32, passage_max_length=32)
@@ -342,6 +348,8 @@ def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str
             bad = str(ROOT / "README.md")
         elif getattr(action.type, "__name__", "") == "chunk_arg":
             bad = "0"
+        elif getattr(action.type, "__name__", "") == "workers_arg":
+            bad = "-1"
         if bad is not None:
             cases.append((base, flag, bad, "/".join(action.option_strings)))
     return cases
@@ -483,7 +491,7 @@ def test_optional_flags_can_still_be_left_unset(world: dict) -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["train", "--train", str(world["train"]), "--output", "out"])
     assert args.max_steps is None and args.projection_dim is None and args.device is None
-    assert args.query_chunk_size == "auto" and args.num_workers == 2
+    assert args.query_chunk_size == "auto" and args.num_workers == "auto"
 
 
 
@@ -529,3 +537,123 @@ def test_mine_refuses_a_bad_training_file(world: dict, tmp_path: Path) -> None:
     refused(["mine", "--train-file", bad, "--corpus", world["corpus"], "--output", tmp_path / "mined.json",
              "--cache-dir", tmp_path / "cache"], "train.json:1: unexpected text after the end of the JSON list")
     assert not (tmp_path / "mined.json").exists()
+
+
+# ------------------------------------------------------------------ guarantees every stage keeps (issue 25)
+
+
+@pytest.mark.parametrize("kind", ["header_2_62", "overlapping", "truncated"])
+def test_damaged_weights_inside_a_checkpoint_are_one_line_on_resume(trained, tmp_path: Path, kind: str) -> None:
+    run = copy_run(trained, tmp_path)
+    weights = run / "checkpoint-2" / "model" / "model.safetensors"
+    weights.write_bytes(damaged_safetensors(weights.read_bytes())[kind])
+    line = refused(train_argv(trained, run, str(run / "checkpoint-2")), "model.safetensors", "damaged")
+    assert "pickle" not in line
+
+
+def test_truncated_training_state_names_the_damage_and_latest_falls_back(trained, tmp_path: Path, caplog) -> None:
+    run = copy_run(trained, tmp_path)
+    state = run / "checkpoint-2" / "train_state.safetensors"
+    state.write_bytes(state.read_bytes()[:-100])
+    line = refused(train_argv(trained, run, str(run / "checkpoint-2")), "train_state.safetensors", "damaged")
+    assert "pickle" not in line
+    code, err = call(cli.main, train_argv(trained, run, "latest"))
+    assert code == 0, err
+    assert "resuming from the previous checkpoint" in caplog.text and "checkpoint-1" in caplog.text
+
+
+# --------------------------------------------------------------------------------------------- values that lie
+def _results(tmp_path: Path, **changes: object) -> Path:
+    ctx = {"id": "p0", "title": "t", "text": "paris is a city", "score": 1.0, "has_answer": True}
+    record = {"id": "q1", "question": "what is paris", "answers": ["paris"], "ctxs": [ctx]}
+    for key, value in changes.items():
+        (ctx if key.startswith("ctx_") else record)[key.removeprefix("ctx_")] = value
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps([record]))
+    return path
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"ctx_score": "NaN"}, "is not a finite number"), ({"ctx_score": "inf"}, "is not a finite number"),
+    ({"ctx_has_answer": "false"}, "has_answer must be true or false"), ({"question": "  "}, "non-empty string"),
+    ({"ctx_id": None}, "passage id must be a string or an integer"),
+    ({"ctx_id": "p\u200b0"}, "invisible or control characters"), ({"ctx_id": "p\u200f0"}, "U+200F"),
+    ({"ctx_id": "p\x000"}, "U+0000"), ({"ctx_id": "cafe\u0301"}, "not in Unicode NFC"),
+    ({"id": "q\ud800"}, "lone surrogate"), ({"question": "what \ud800"}, "non-empty string")])
+def test_evaluate_refuses_results_whose_values_lie(world: dict, tmp_path: Path, changes: dict, needle: str) -> None:
+    results = _results(tmp_path, **changes)
+    refused(["evaluate", "--results", results, "--k", "1"], "question 0", needle)
+
+
+def test_run_ids_that_only_look_the_same_are_refused(world: dict, tmp_path: Path) -> None:
+    run = tmp_path / "run.trec"
+    run.write_text("q1 Q0 p0 1 0.9 t\nq1 Q0 p\u200b0 2 0.5 t\n", encoding="utf-8")
+    refused(["evaluate", "--run", run, "--qrels", world["qrels"]], "run.trec:2", "U+200B")
+
+
+def test_query_prefix_longer_than_the_query_max_length_is_refused(world: dict, tmp_path: Path) -> None:
+    refused(retrieve_argv(world, "--queries", world["qa"], "--output", tmp_path / "o.json",
+                          "--query-prefix", "represent this question for searching relevant passages " * 4),
+            "--query-prefix", "leaves none for the query")
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_huge_passage_is_cut_before_tokenising(make_retriever, monkeypatch) -> None:
+    from dpr_gc.model import tokenize as tok
+
+    retriever = make_retriever(passage_max_length=16)
+    text = " ".join(["paris city river"] * 400_000)  # 6.8 MB
+    seen = []
+    tokenizer = retriever.tokenizer
+    original = type(tokenizer).__call__
+
+    def measure(self, first, *args, **kwargs):
+        seen.extend(len(t) for t in (first if isinstance(first, list) else [first]))
+        return original(self, first, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", measure)
+    short = tok.tokenize(tokenizer, retriever.config, "passage", [text[:2000]], ["t"])
+    huge = tok.tokenize(tokenizer, retriever.config, "passage", [text], ["t"])
+    assert max(seen) <= 16 * tok.CHARS_PER_TOKEN + 2
+    assert torch.equal(short["input_ids"], huge["input_ids"])
+
+
+def test_encode_assembles_shards_without_a_memory_map(world: dict, tmp_path: Path, monkeypatch) -> None:
+    """A memory-mapped sparse file dies of SIGBUS when the disk fills; plain writes fail with one error line."""
+    original = np.lib.format.open_memmap
+
+    def no_memmap(filename, mode="r+", *args, **kwargs):
+        if mode != "r":
+            raise AssertionError("the shard must not be assembled through a writable memory map")
+        return original(filename, mode, *args, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "open_memmap", no_memmap)
+    out = tmp_path / "emb"
+    code, err = call(cli.main, ["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", out,
+                                "--device", "cpu", "--cache-dir", tmp_path / "cache", "--block-size", "5"])
+    assert code == 0, err
+    ours, reference = (np.load(d / "shard-00000-of-00001.npy") for d in (out, world["emb"]))
+    assert ours.shape == reference.shape and np.allclose(ours.astype(np.float32), reference, atol=2e-3)
+
+
+def test_lone_surrogates_in_a_corpus_end_in_one_line(world: dict, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"_id": "a\\ud800", "title": "t", "text": "paris"}\n{"_id": "b", "title": "t", "text": "x"}\n')
+    code, err = call(cli.main, ["encode", "--model", world["model"], "--corpus", corpus, "--output", tmp_path / "e",
+                                "--device", "cpu", "--cache-dir", tmp_path / "cache"])
+    assert code == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")], err
+
+
+def test_dense_retriever_refuses_a_saved_index_of_other_embeddings(world: dict, tmp_path: Path) -> None:
+    emb = tmp_path / "emb"
+    shutil.copytree(world["emb"], emb)
+    shutil.copytree(world["idx"], tmp_path / "old.index")
+    manifest = emb / "shard-00000-of-00001.json"
+    data = json.loads(manifest.read_text())
+    data["corpus_fingerprint"] = "full-another-corpus"
+    manifest.write_text(json.dumps(data))
+    script = load_script("dense_retriever")
+    refused(["--model_file", world["model"], "--qa_dataset", world["qa"], "--encoded_ctx_file", emb,
+             "--index_path", tmp_path / "old.index", "--out_file", tmp_path / "o.json", "--no_cuda"],
+            "corpus_fingerprint", "another --index_path", main=script.main)

@@ -10,7 +10,7 @@ from transformers import BertConfig, BertModel
 from dpr_gc import GradCache, SimpleContrastiveLoss
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.retriever import Retriever, RetrieverConfig, enable_gradient_checkpointing
-from tests.test_grad_cache import grads, make_batch, models_of, rel_err, zero
+from tests.helpers import grads, make_batch, models_of, rel_err, zero
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SHARED_DATA
+from tests.helpers import SHARED_DATA
 from dpr_gc.data import training as D
 from dpr_gc.base import streams
 from dpr_gc.base.errors import DprGcError
@@ -68,7 +68,7 @@ def test_questions_without_positive_are_skipped_and_counted(tmp_path):
     data = load(tmp_path, write(tmp_path / "t.json", recs, "list"))
     assert len(data) == 3 and data.sizes == [3]
     assert data.stats[0] == {"source": str(tmp_path / "t.json"), "records": 4, "kept": 3, "no_positive": 1,
-                             "bad": 0}
+                             "bad": 0, "dropped_negatives": 0}
     assert "question 1 about the city?" not in data.dataset["question"]
 
 
@@ -167,13 +167,29 @@ def test_bad_beir_qrels(tmp_path):
     folder = write_beir(tmp_path / "beir", records(2))
     qrels = folder / "qrels" / "train.tsv"
     qrels.write_text(qrels.read_text() + "q0\tmissing-doc\t1\nnot a qrels line\n")
-    with pytest.raises(DprGcError, match=rf"{qrels}:8: expected 'query-id"):
+    with pytest.raises(DprGcError, match=rf"{qrels}:8: relevance 'line' is not an integer"):
         D.load_beir_training(folder, cache_dir=tmp_path / "c1")
     qrels.write_text(qrels.read_text().replace("not a qrels line\n", ""))
     with pytest.raises(DprGcError, match=rf"{qrels}:7: corpus id 'missing-doc' has no text"):
         D.load_beir_training(folder, cache_dir=tmp_path / "c2")
     data = D.load_beir_training(folder, cache_dir=tmp_path / "c3", skip_bad=True)
     assert len(data) == 1 and data.stats[0]["bad"] == 1
+
+
+def test_training_and_evaluation_read_qrels_alike(tmp_path):
+    """One qrels reader: TREC qrels (``qid 0 docid rel``) train exactly as the BEIR TSV they restate, and the
+    evaluation reader sees the same judgments."""
+    from dpr_gc.evaluation.evaluate import read_qrels
+
+    folder = write_beir(tmp_path / "beir", records(3))
+    tsv = folder / "qrels" / "train.tsv"
+    beir = D.load_beir_training(folder, cache_dir=tmp_path / "c1")
+    judged = read_qrels(tsv)
+    lines = [line.split("\t") for line in tsv.read_text().splitlines()[1:]]
+    tsv.write_text("".join(f"{q} 0 {d} {r}\n" for q, d, r in lines))
+    assert read_qrels(tsv) == judged
+    trec = D.load_beir_training(folder, cache_dir=tmp_path / "c2")
+    assert [trec.dataset[i] for i in range(len(trec))] == [beir.dataset[i] for i in range(len(beir))]
 
 
 def test_cache_is_reused_until_the_file_changes(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from dpr_gc.data.corpus import iter_passages, read_queries
 from dpr_gc.data.training import load_training_data
 from dpr_gc.evaluation.evaluate import evaluate_answers, qrels_metrics, read_qrels, read_results, read_run
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from tests.conftest import tiny_bert
+from tests.helpers import tiny_bert
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "examples"
 PASSAGE_IDS = ["1", "2", "3", "4", "5", "6"]

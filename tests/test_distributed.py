@@ -18,9 +18,9 @@ from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
 from dpr_gc.engine.functional import cached, cat_input_tensor, gather_input_tensor
 from dpr_gc.engine.grad_cache import split_input, take_rows
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from tests.conftest import tiny_bert, write_vocab
+from tests.helpers import tiny_bert, write_vocab
 from tests.ranks import run_ranks
-from tests.test_grad_cache import grads, make_batch, rel_err
+from tests.helpers import grads, make_batch, rel_err
 
 WORLD = 2
 N_HARD = 1

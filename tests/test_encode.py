@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import csv
-import gzip
 import importlib.util
-import json
 from pathlib import Path
 
 import numpy as np
@@ -16,45 +13,10 @@ from dpr_gc.retrieval import encode
 from dpr_gc.retrieval.encode import encode_corpus
 from dpr_gc.retrieval.shards import read_manifests, resolve_shard, shard_range
 from dpr_gc.base.errors import DprGcError
+from tests.helpers import gather, passages, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_ENCODE_BLOCK = encode.encode_block
-WORDS = "the city river king war science protein cell gene paris london music film book water".split()
-
-
-def passages(n: int) -> list[tuple[str, str, str]]:
-    """``n`` passages of very different lengths (so length sorting really reorders them)."""
-    return [(f"d{i}", f"title {WORDS[i % len(WORDS)]}", " ".join(WORDS[(i * 7 + j) % len(WORDS)]
-                                                               for j in range((i * 5) % 23 + 1)))
-            for i in range(n)]
-
-
-def write_corpus(folder: Path, rows: list[tuple[str, str, str]], fmt: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    if fmt == "tsv":
-        path = folder / "psgs.tsv"
-        with open(path, "w", newline="") as f:
-            w = csv.writer(f, delimiter="\t", lineterminator="\n")
-            w.writerow(["id", "text", "title"])
-            w.writerows([pid, text, title] for pid, title, text in rows)
-        return path
-    key, name = ("_id", "corpus.jsonl.gz") if fmt == "beir" else ("id", "corpus.jsonl")
-    data = "".join(json.dumps({key: pid, "title": title, "text": text}) + "\n" for pid, title, text in rows)
-    path = folder / name
-    path.write_bytes(gzip.compress(data.encode()) if name.endswith(".gz") else data.encode())
-    return path
-
-
-def gather(folder: Path) -> tuple[list[str], np.ndarray]:
-    """Concatenate all finished shards of a folder (ids, float32 embeddings) in start_row order."""
-    ids: list[str] = []
-    embs = []
-    for m in read_manifests(folder):
-        ids += Path(m["ids"]).read_text().splitlines()
-        embs.append(np.load(m["embeddings"]).astype(np.float32))
-    return ids, np.concatenate(embs)
-
-
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 10, 11, 100, 1001])
 @pytest.mark.parametrize("shards", [1, 2, 3, 7, 13])
 def test_shard_ranges_cover_every_row_once(rows: int, shards: int) -> None:
@@ -102,7 +64,7 @@ def test_sharded_encoding_matches_unsharded(tmp_path: Path, make_retriever, fmt:
 def test_float16_and_bf16_autocast(tmp_path: Path, make_retriever) -> None:
     retriever = make_retriever(normalize=True, passage_max_length=32)
     path = write_corpus(tmp_path / "data", passages(9), "jsonl")
-    m = encode_corpus(retriever, path, tmp_path / "a", dtype="float16", autocast="bf16", cache_dir=tmp_path / "c",
+    m = encode_corpus(retriever, path, tmp_path / "a", dtype="float16", precision="bf16", cache_dir=tmp_path / "c",
                       show_progress=False)
     assert m["dtype"] == "float16" and m["precision"] == "bf16"
     half = np.load(tmp_path / "a" / m["embeddings"])
@@ -119,7 +81,7 @@ def test_int8_encoding_is_close_to_fp32_and_keeps_the_model(tmp_path: Path, make
     before = {k: v.clone() for k, v in retriever.state_dict().items()}
     fingerprint = encode.model_fingerprint(retriever)
     path = write_corpus(tmp_path / "data", passages(9), "jsonl")
-    m = encode_corpus(retriever, path, tmp_path / "q", dtype="float32", autocast="int8", cache_dir=tmp_path / "c",
+    m = encode_corpus(retriever, path, tmp_path / "q", dtype="float32", precision="int8", cache_dir=tmp_path / "c",
                       show_progress=False)
     assert m["precision"] == "int8" and m["model_fingerprint"] == fingerprint  # an fp32 query encoder still fits
     quantized = encode.quantize_int8(retriever)

@@ -22,8 +22,8 @@ from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.locks import exclusive_lock
 from dpr_gc.train.trainer import train
-from tests.test_encode import passages, write_corpus
-from tests.test_train import config, init_model
+from tests.helpers import passages, write_corpus
+from tests.train_data import init_model, task_config as config
 from tests.train_data import make_records, write_dpr
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,24 +217,14 @@ def test_retrieve_finds_the_recorded_model_from_another_directory(task, tmp_path
 
 
 # ------------------------------------------------------------------------------------------------ mine
-class Recording:
-    """A candidate source that records the questions it is asked for, and can fail on its ``fail_at``-th call."""
-
-    def __init__(self, source, fail_at: int = 0) -> None:
-        self.source, self.fail_at, self.asked = source, fail_at, []
-
-    def retrieve(self, questions, k, positives=None):
-        if len(self.asked) + 1 == self.fail_at:
-            raise KeyboardInterrupt
-        self.asked.append(list(questions))
-        return self.source.retrieve(questions, k, positives)
+from tests.helpers import Recording  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["out.json.gz", "out.jsonl"])
 def test_mine_resumes_after_an_interruption(tmp_path, name):
     from dpr_gc.data.corpus import load_corpus
     from dpr_gc.retrieval.mine import BM25Source, mine_to_file
-    from tests.test_mine import build_passages, questions
+    from tests.helpers import build_passages, questions
 
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in build_passages()))
     corpus = load_corpus(tmp_path / "corpus.jsonl", tmp_path / "cache")
@@ -260,7 +250,7 @@ def test_mine_resumes_after_an_interruption(tmp_path, name):
 
 
 def test_mine_cli_removes_temporaries_of_a_killed_run(tmp_path, capsys):
-    from tests.test_mine import build_passages, questions
+    from tests.helpers import build_passages, questions
 
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in build_passages()))
     (tmp_path / "train.json").write_text(json.dumps(questions()))

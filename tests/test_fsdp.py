@@ -17,19 +17,12 @@ from dpr_gc.engine.chunking import take_rows
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.model.fsdp import full_state_dict, load_sharded, mixed_precision, save_sharded, shard_retriever
 from dpr_gc.model.lora import LoraSettings, apply_lora
-from tests.test_grad_cache import make_batch
+from tests.helpers import make_batch
 from tests.ranks import rank_errors, run_ranks
-from tests.test_llm import decoder_retriever
-from tests.test_lora import randomise_adapters
+from tests.llm_models import decoder_retriever, lora_decoder
+from tests.helpers import randomise_adapters
 
 WORLD, LOCAL = 2, 4
-
-
-def lora_decoder():
-    retriever = decoder_retriever("llama", "left", learn_temperature=True, temperature=0.2)
-    apply_lora(retriever, LoraSettings(r=4))
-    randomise_adapters(retriever)
-    return retriever.train()
 
 
 def batches(retriever, steps: int):

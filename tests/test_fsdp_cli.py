@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 from dpr_gc.cli import main
 from dpr_gc.model.retriever import Retriever
 from tests.llm_models import save_decoder
+from tests.ranks import run_command
 from tests.train_data import make_records, write_dpr
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,8 +36,8 @@ def common_flags(tmp: Path) -> list[str]:
 
 def torchrun(flags: list[str]) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "dpr_gc.cli", "train", *flags], env=env, capture_output=True, text=True, timeout=600)
+    run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       "-m", "dpr_gc.cli", "train", *flags], env=env)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -97,8 +97,7 @@ def test_fsdp_settings_are_refused_with_one_line(tmp_path, capsys):
 
 def test_cpu_offload_is_refused_on_the_cpu(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "dpr_gc.cli", "train", *common_flags(tmp_path), "--batch-size", "4", "--fsdp",
-                          "--fsdp-cpu-offload", "--output", str(tmp_path / "x")],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       "-m", "dpr_gc.cli", "train", *common_flags(tmp_path), "--batch-size", "4", "--fsdp",
+                       "--fsdp-cpu-offload", "--output", str(tmp_path / "x")], env=env)
     assert run.returncode != 0 and "error: --fsdp-cpu-offload moves GPU weights to the CPU" in run.stderr

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -12,43 +10,7 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.engine.functional import cat_input_tensor, cached
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.retriever import enable_gradient_checkpointing
-from tests.conftest import WORDS
-
-
-def random_texts(n: int, seed: int, lo: int = 2, hi: int = 20) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
-
-
-def make_batch(retriever, n_queries: int, n_hard: int, seed: int = 0):
-    q = retriever.tokenize_queries(random_texts(n_queries, seed, 2, 12))
-    n_p = n_queries * (1 + n_hard)
-    p = retriever.tokenize_passages(random_texts(n_p, seed + 1, 1, 3), random_texts(n_p, seed + 2, 3, 40))
-    return dict(q), dict(p)
-
-
-def models_of(retriever):
-    return [retriever.query_encoder, retriever.passage_encoder]
-
-
-def grads(modules) -> torch.Tensor:
-    params = {id(p): p for m in modules for p in m.parameters()}.values()
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
-
-
-def zero(modules) -> None:
-    for m in modules:
-        m.zero_grad(set_to_none=True)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def reference_grads(modules, loss_fn, q, p) -> torch.Tensor:
-    zero(modules)
-    loss_fn(modules[0](**q), modules[1](**p)).backward()
-    return grads(modules)
+from tests.helpers import grads, make_batch, models_of, reference_grads, rel_err, zero
 
 
 CASES = [
@@ -275,7 +237,7 @@ def test_trim_padding_cuts_padding_columns_only():
 def test_exact_in_float64_with_sdpa_attention(tiny_tokenizer):
     """In float64 the cached gradient equals the full-batch one to rounding, whatever the attention kernel."""
     from dpr_gc.model.retriever import Retriever, RetrieverConfig
-    from tests.conftest import tiny_bert
+    from tests.helpers import tiny_bert
 
     retriever = Retriever(tiny_bert(len(tiny_tokenizer), attn="sdpa"), tiny_bert(len(tiny_tokenizer), 1, attn="sdpa"),
                           tiny_tokenizer, RetrieverConfig(shared_encoder=False)).double()

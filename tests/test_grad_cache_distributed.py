@@ -18,9 +18,9 @@ from transformers import BertTokenizerFast
 from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
 from dpr_gc.engine.grad_cache import take_rows
 from dpr_gc.engine.loss import all_gather_with_grad
-from tests.conftest import tiny_bert, write_vocab
+from tests.helpers import tiny_bert, write_vocab
 from tests.ranks import run_ranks
-from tests.test_grad_cache import grads, make_batch, rel_err
+from tests.helpers import grads, make_batch, rel_err
 
 WORLD = 2
 

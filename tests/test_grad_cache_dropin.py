@@ -14,8 +14,8 @@ from torch import nn
 
 from dpr_gc import GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
-from tests.conftest import tiny_bert
-from tests.test_grad_cache import grads, make_batch, models_of, reference_grads, rel_err, zero
+from tests.helpers import tiny_bert
+from tests.helpers import grads, make_batch, models_of, reference_grads, rel_err, zero
 
 
 def hidden_states(output) -> torch.Tensor:

@@ -91,6 +91,7 @@ def check_step(encoders, loss, params, batches, chunk, reference, key=None):
     return want
 
 
+@pytest.mark.slow  # ~20 CPU-seconds or more (measured)
 def test_separate_encoders_hard_negatives_learnable_temperature_with_dropout():
     """Separate towers, two hard negatives, learnable temperature, dropout on with the same per-chunk keys."""
     config = EncoderConfig(**{**TINY.__dict__, "dropout": 0.2})
@@ -286,7 +287,7 @@ def test_compiled_memory_is_flat_in_the_batch():
 
 def test_flax_encoder_loads_a_bert_checkpoint_and_matches_torch(tmp_path):
     torch = pytest.importorskip("torch")
-    from tests.conftest import tiny_bert
+    from tests.helpers import tiny_bert
 
     bert = tiny_bert(VOCAB, seed=3).eval()
     bert.save_pretrained(tmp_path)
@@ -315,7 +316,7 @@ def test_importing_dpr_gc_does_not_import_jax():
 
 def test_example_training_lowers_the_loss(tiny_tokenizer):
     """The example's training loop (Gradient Cache, AdamW, dropout keys) on one repeated batch of 8 questions."""
-    from dpr_gc.jax.example import ExampleConfig, encode_texts, tokenize, train
+    from dpr_gc.jax.example import ExampleConfig, encode_texts, padded_token_ids, train
 
     words = ["city", "river", "king", "war", "protein", "cell", "gene", "music"]
     questions = [f"what is the {w}" for w in words]
@@ -329,7 +330,7 @@ def test_example_training_lowers_the_loss(tiny_tokenizer):
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.05, losses
     assert rel_error(trained, params) > 1e-3
     reps = encode_texts(model, trained, tiny_tokenizer, questions[:5], 8, batch_size=4)
-    batch = tokenize(tiny_tokenizer, questions[:5], 8)
+    batch = padded_token_ids(tiny_tokenizer, questions[:5], 8)
     direct = np.asarray(model.apply({"params": trained}, batch["input_ids"], batch["attention_mask"]))
     np.testing.assert_allclose(reps, direct / np.linalg.norm(direct, axis=1, keepdims=True), atol=1e-5)
 

@@ -7,24 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from dpr_gc import GradCache, SimpleContrastiveLoss
 from dpr_gc.engine.chunking import pad_sequence_dim, trim_padding, trimmed_width
 from dpr_gc.model.retriever import Retriever, RetrieverConfig, pool
-from tests.llm_models import EOS, QWEN_PAD, decoder_tokenizer, save_decoder, tiny_decoder
-from tests.test_grad_cache import grads, make_batch, models_of, random_texts, reference_grads, rel_err, zero
-
-TEXTS = ["the king of france was in paris", "a", "music film book of the river", "what city"]
-
-
-def decoder_retriever(kind: str = "llama", padding_side: str = "right", shared: bool = True, **fields) -> Retriever:
-    fields.setdefault("pooling", "last")
-    fields.setdefault("passage_format", "concat")
-    tokenizer = decoder_tokenizer(padding_side)
-    tokenizer.pad_token = EOS
-    p_model = None if shared else tiny_decoder(kind, len(tokenizer), seed=1)
-    config = RetrieverConfig(shared_encoder=shared, **fields)
-    return Retriever(tiny_decoder(kind, len(tokenizer)), p_model, tokenizer, config)
-
+from tests.helpers import make_batch, random_texts
+from tests.llm_models import EOS, QWEN_PAD, TEXTS, cached_step_error, decoder_retriever, decoder_tokenizer, save_decoder
 
 def test_last_pooling_picks_the_last_real_token_under_left_and_right_padding():
     hidden = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
@@ -88,17 +74,6 @@ def test_trim_cuts_left_padding_and_pads_back_on_the_left():
     assert trimmed_width(holes) is None
 
 
-def cached_step_error(retriever: Retriever, seed: int, **cache_options) -> float:
-    """Relative gradient error of a Gradient Cache step (chunk 3) against the full-batch graph, same 8-query batch."""
-    modules = models_of(retriever)
-    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
-    q, p = make_batch(retriever, 8, 1, seed=seed)
-    expected = reference_grads(modules, loss_fn, q, p)
-    zero(modules)
-    GradCache(modules, 3, loss_fn, **cache_options)(q, p)
-    return rel_err(grads(modules), expected)
-
-
 @pytest.mark.parametrize("kind,shared", [("llama", True), ("qwen2", False)])
 @pytest.mark.parametrize("keep_last_graph", [True, False])
 def test_cached_step_on_left_padded_decoder_equals_full_batch(kind, shared, keep_last_graph):
@@ -121,7 +96,7 @@ def test_left_padded_absolute_position_model_trims_exactly(tiny_tokenizer):
     chunk's padding columns changes nothing, and a text embeds alike whatever its companions."""
     import copy
 
-    from tests.conftest import tiny_bert
+    from tests.helpers import tiny_bert
 
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.padding_side = "left"

@@ -14,23 +14,14 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.model.lora import LoraSettings, apply_lora, is_adapted
 from dpr_gc.model.retriever import Retriever, enable_gradient_checkpointing
 from tests.llm_models import save_decoder
-from tests.test_encode import gather
-from tests.test_grad_cache import models_of
-from tests.test_llm import TEXTS, cached_step_error, decoder_retriever
-from tests.test_train import init_model
+from tests.helpers import gather, randomise_adapters
+from tests.helpers import models_of
+from tests.llm_models import cached_step_error, decoder_retriever, TEXTS
+from tests.train_data import init_model
 
 PASSAGES = [{"id": f"p{i}", "title": t, "text": x} for i, (t, x) in enumerate(
     [("paris", "the city of france on the river"), ("", "a war of the king of london"),
      ("music", "a film with music from london"), ("", "what is a gene")])]
-
-
-def randomise_adapters(retriever: Retriever, seed: int = 0) -> None:
-    """PEFT starts lora_B at zero (the adapter a no-op, lora_A without gradient); random values test both."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in retriever.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
 
 
 def adapter_only(retriever: Retriever) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import random
 
 import numpy as np
 import pytest
@@ -19,41 +18,9 @@ from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.retrieval.mine import (BM25Source, DenseSource, add_cli, iter_training_file, mine_hard_negatives, mine_to_file,
                          open_source)
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from tests.conftest import tiny_bert
+from tests.helpers import build_passages, N_EXTRA, questions, tiny_bert, TOPICS
 
-TOPICS = ["paris", "london", "river", "king", "music", "film"]
-FILLER = "the a of and to in is was for on with as by at from that this it are be or an which".split()
 CONFIG = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=32, passage_max_length=48)
-N_EXTRA = 4  # distractors per question: the only passages of a topic that are fair negatives
-
-
-def gold_text(i: int, topic: str) -> str:
-    return f"{topic} {topic} science about zeta{i} book water"
-
-
-def build_passages() -> list[dict]:
-    """Per topic: a gold passage, a copy of it under another id, two answer-bearing passages, a qrels positive and
-    four distractors; plus filler. Answer ``zeta<i>`` appears only in passages of question i."""
-    rng = random.Random(0)
-    out = []
-    for i, t in enumerate(TOPICS):
-        gold = gold_text(i, t)
-        out += [{"id": f"g{i}", "title": t, "text": gold}, {"id": f"dup{i}", "title": "", "text": gold},
-                {"id": f"a{i}x", "title": t, "text": f"{t} city gene zeta{i}"},
-                {"id": f"a{i}y", "title": "", "text": f"zeta{i} is what {t} war was"},
-                {"id": f"r{i}", "title": t, "text": f"{t} protein cell science"}]
-        out += [{"id": f"d{i}_{j}", "title": t if j % 2 else "", "text": f"{t} " + " ".join(rng.sample(FILLER, 6))}
-                for j in range(N_EXTRA)]
-    out += [{"id": f"f{j}", "title": "", "text": " ".join(rng.sample(FILLER, 8))} for j in range(6)]
-    return out
-
-
-def questions() -> list[dict]:
-    return [{"id": f"q{i}", "question": f"{t} science zeta{i}", "answers": [f"zeta{i}"], "source": "made up",
-             "positive_ctxs": [{"passage_id": f"g{i}", "title": t, "text": gold_text(i, t)}]}
-            for i, t in enumerate(TOPICS)]
-
-
 QRELS = {f"q{i}": {f"r{i}": 1, f"d{i}_0": 0} for i in range(len(TOPICS))}
 
 
@@ -124,7 +91,7 @@ def test_rank_range_and_margin_selection(world):
     assert summary.rank_skipped > 0 and summary.written == 2 * len(TOPICS)
 
     golds = [[(next(i for i in range(len(corpus)) if corpus[i]["id"] == f"g{k}"), "", "")] for k in range(len(TOPICS))]
-    _, _, best = src.retrieve([q["question"] for q in questions()], 5, golds)
+    best = [max(p) for p in src.retrieve([q["question"] for q in questions()], 5, golds)[2]]
     margin = max(b - a["hard_negative_ctxs"][0]["score"] for a, b in zip(full, best)) + 1e-3
     kept, summary = mine_hard_negatives(questions(), src, corpus, n_negatives=3, top_k=len(corpus), margin=margin)
     assert summary.margin_dropped > 0
@@ -176,8 +143,8 @@ def test_written_file_keeps_fields_and_reads_back_as_training_data(world, tmp_pa
     assert len(data) == len(TOPICS)
     for w, row in zip(written, data.dataset):
         assert [c["id"] for c in row["hard_negatives"]] == [c["passage_id"] for c in w["hard_negative_ctxs"]]
-    mine_to_file(iter_training_file(out), tmp_path / "again.json", world["bm25"], world["corpus"], 3, 20,
-                 show_progress=False)
+    mine_to_file(iter_training_file(out), tmp_path / "again.json", world["bm25"], world["corpus"], n_negatives=3,
+                 top_k=20, show_progress=False)
     assert [len(r["hard_negative_ctxs"]) for r in json.loads((tmp_path / "again.json").read_text())] == [3] * 6
 
 
@@ -275,3 +242,151 @@ def test_candidates_are_tokenised_once_across_chunks(world, tmp_path, monkeypatc
         assert len(seen) == distinct
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+# ------------------------------------------------------------------------------------------ positive-aware mining
+def two_positive_questions() -> list[dict]:
+    """Each question with two positives, its gold passage and its qrels positive ``r<i>``, which score differently."""
+    out = questions()
+    for i, (q, t) in enumerate(zip(out, TOPICS)):
+        q["positive_ctxs"].append({"passage_id": f"r{i}", "title": t, "text": f"{t} protein cell science"})
+    return out
+
+
+def bm25_positive_scores(world, qs: list[dict]) -> list[list[float]]:
+    """Each question's positives' BM25 scores, computed here from bm25s's score vector."""
+    src, ids = world["bm25"], list(world["corpus"]["id"])
+    out = []
+    for q in qs:
+        tokens = src.tokenizer.tokenize([q["question"]], update_vocab=False, show_progress=False)[0]
+        vector = src.bm25.get_scores(tokens)
+        out.append([float(vector[ids.index(c["passage_id"])]) for c in q["positive_ctxs"]])
+    return out
+
+
+def kept_and_removed(full: list[dict], ceilings: list[float]) -> tuple[list[list[str]], int]:
+    """The negatives of ``full`` at or below each question's ceiling (ids), and how many are above."""
+    kept = [[c["passage_id"] for c in r["hard_negative_ctxs"] if c["score"] <= cap] for r, cap in zip(full, ceilings)]
+    return kept, sum(len(r["hard_negative_ctxs"]) for r in full) - sum(map(len, kept))
+
+
+def ids_of(records: list[dict]) -> list[list[str]]:
+    return [[c["passage_id"] for c in r["hard_negative_ctxs"]] for r in records]
+
+
+def test_positive_aware_filters_remove_exactly_the_candidates_above_the_lowest_positive(world):
+    corpus, src, qs = world["corpus"], world["bm25"], two_positive_questions()
+    pos = bm25_positive_scores(world, qs)
+    assert all(min(p) < max(p) for p in pos)  # so the lowest positive, not the best, is what the rules must use
+    full, _ = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus))
+    ratios = sorted(c["score"] / min(p) for r, p in zip(full, pos) for c in r["hard_negative_ctxs"])
+    ratio = ratios[len(ratios) // 2]
+    kept, removed = kept_and_removed(full, [ratio * min(p) for p in pos])
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus),
+                                           max_negative_ratio=ratio)
+    assert ids_of(records) == kept and 0 < removed < len(ratios)
+    assert (summary.ratio_dropped, summary.min_margin_dropped, summary.unscored) == (removed, 0, 0)
+    assert summary.written == len(ratios) - removed and summary.table()["dropped by max negative ratio"] == removed
+
+    gaps = sorted(min(p) - c["score"] for r, p in zip(full, pos) for c in r["hard_negative_ctxs"])
+    margin = gaps[len(gaps) // 3]
+    kept_m, removed_m = kept_and_removed(full, [min(p) - margin for p in pos])
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus), min_margin=margin)
+    assert ids_of(records) == kept_m and summary.min_margin_dropped == removed_m > 0
+
+    both, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus),
+                                        max_negative_ratio=ratio, min_margin=margin)
+    ceilings = [min(ratio * min(p), min(p) - margin) for p in pos]
+    kept_b, removed_b = kept_and_removed(full, ceilings)
+    assert ids_of(both) == kept_b
+    assert summary.ratio_dropped == removed and summary.ratio_dropped + summary.min_margin_dropped == removed_b
+    first3, _ = mine_hard_negatives(qs, src, corpus, n_negatives=3, top_k=len(corpus), max_negative_ratio=ratio)
+    assert ids_of(first3) == [k[:3] for k in kept]  # the first N that pass, by rank
+
+    qs[0]["positive_ctxs"].append({"passage_id": "f0", "title": "", "text": corpus[len(corpus) - 6]["text"]})
+    assert bm25_positive_scores(world, qs)[0][-1] == 0  # a positive sharing no word with the question
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus),
+                                           max_negative_ratio=ratio)
+    assert ids_of(records)[0] == [c for c in ids_of(full)[0] if c != "f0"]  # a ratio of 0 would drop all: skipped
+    assert ids_of(records)[1:] == kept[1:] and summary.ratio_unapplied == 1
+
+
+def test_positive_aware_filters_use_the_dense_models_positive_scores(world, tmp_path):
+    root, corpus, retriever = world["root"], world["corpus"], world["retriever"]
+    encode_corpus(retriever, root / "corpus.jsonl", tmp_path / "emb", 0, 1, dtype="float32",
+                  cache_dir=root / "cache", show_progress=False)
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams("flat"))
+    src, qs = DenseSource(retriever, DenseIndex.read(tmp_path / "idx")), two_positive_questions()
+    q_emb = retriever.embed("query", [q["question"] for q in qs])
+    pos = [(retriever.embed("passage", [c["text"] for c in q["positive_ctxs"]],
+                            titles=[c["title"] for c in q["positive_ctxs"]]) @ v).tolist() for q, v in zip(qs, q_emb)]
+    full, _ = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus))
+    gaps = sorted(min(p) - c["score"] for r, p in zip(full, pos) for c in r["hard_negative_ctxs"])
+    margin, ratio = gaps[len(gaps) // 2], 0.9
+    ceilings = [min(min(p) - margin, ratio * min(p) if min(p) > 0 else np.inf) for p in pos]
+    kept, removed = kept_and_removed(full, ceilings)
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus), min_margin=margin,
+                                           max_negative_ratio=ratio)
+    assert ids_of(records) == kept and summary.ratio_dropped + summary.min_margin_dropped == removed > 0
+
+
+def test_mine_cli_reports_each_rules_removals_and_resumes_with_them(world, tmp_path, capsys, caplog):
+    import logging
+
+    from dpr_gc.retrieval.mine import RESUME_FLAGS
+    from tests.helpers import Recording
+
+    root, corpus, qs = world["root"], world["corpus"], two_positive_questions()
+    (tmp_path / "train.json").write_text(json.dumps(qs))
+    _, ref = mine_hard_negatives(qs, world["bm25"], corpus, n_negatives=2, top_k=20, max_negative_ratio=0.7,
+                                 min_margin=0.7)
+    assert ref.ratio_dropped > 0 and ref.min_margin_dropped > 0
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.mine"):
+        cli("mine", "--train-file", tmp_path / "train.json", "--output", tmp_path / "out.jsonl", "--corpus",
+            root / "corpus.jsonl", "--cache-dir", root / "cache", "--bm25-index", root / "bm25", "--n-negatives", 2,
+            "--top-k", 20, "--max-negative-ratio", 0.7, "--min-margin", 0.7)
+    printed = capsys.readouterr().out
+    assert f"| dropped by max negative ratio | {ref.ratio_dropped} |" in printed
+    assert f"| dropped by min margin | {ref.min_margin_dropped} |" in printed
+    assert f"{ref.ratio_dropped} by --max-negative-ratio 0.7, {ref.min_margin_dropped} by --min-margin 0.7" in \
+        caplog.text
+    assert {"max_negative_ratio", "min_margin"} <= set(RESUME_FLAGS)  # a changed rule never resumes an old run
+
+    rows = {p: corpus["id"].index(p) for q in qs for p in (c["passage_id"] for c in q["positive_ctxs"])}
+    common = dict(n_negatives=2, top_k=20, chunk_size=2, show_progress=False, max_negative_ratio=0.7, min_margin=0.7,
+                  id_to_row=rows)  # a wrapped BM25 source is not recognised as one: the positives' rows are given
+    out, key = tmp_path / "resumed.jsonl", {"inputs": "the same"}
+    with pytest.raises(KeyboardInterrupt):
+        mine_to_file(qs, out, Recording(world["bm25"], fail_at=2), corpus, resume_key=key, **common)
+    again = Recording(world["bm25"])
+    summary = mine_to_file(qs, out, again, corpus, resume_key=key, **common)
+    assert len(again.asked) == 2 and summary == ref  # counts of the interrupted part survive the resume
+    assert out.read_text() == (tmp_path / "out.jsonl").read_text()
+
+
+@pytest.mark.parametrize("flag,value,message", [("--max-negative-ratio", "0", "is not a positive number"),
+                                                ("--max-negative-ratio", "nan", "is not a positive number"),
+                                                ("--min-margin", "inf", "is not a finite number"),
+                                                ("--min-margin", "x", "is not a finite number")])
+def test_bad_positive_aware_values_give_one_error_line(world, tmp_path, capsys, flag, value, message):
+    from dpr_gc.cli import main
+
+    root = world["root"]
+    assert main(["mine", "--train-file", str(root / "train.json"), "--output", str(tmp_path / "o.json"),
+                 "--corpus", str(root / "corpus.jsonl"), flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and flag in err[0] and message in err[0]
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_bad_positive_aware_values_in_the_library(world):
+    corpus, src = world["corpus"], world["bm25"]
+    for kwargs, message in (({"max_negative_ratio": 0.0}, "--max-negative-ratio"),
+                            ({"max_negative_ratio": float("inf")}, "--max-negative-ratio"),
+                            ({"min_margin": float("nan")}, "--min-margin")):
+        with pytest.raises(DprGcError, match=message):
+            mine_hard_negatives(questions(), src, corpus, 2, **kwargs)
+        with pytest.raises(DprGcError, match=message):
+            mine_to_file(questions(), world["root"] / "never.json", src, corpus, n_negatives=2, show_progress=False,
+                         **kwargs)
+    assert not (world["root"] / "never.json").exists()

@@ -15,7 +15,7 @@ from transformers import AutoModel, AutoTokenizer, DPRConfig, DPRContextEncoder,
 
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from tests.conftest import tiny_bert
+from tests.helpers import tiny_bert
 
 QUERIES = ["who was the king of france", "what is a protein in the cell of a gene",
            "where is the river of paris and london and the war"]
@@ -205,7 +205,7 @@ def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
     from huggingface_hub import metadata_load
 
     from dpr_gc.train.trainer import train
-    from tests.test_train import init_model
+    from tests.train_data import init_model
     from tests.train_data import make_records, train_config, write_dpr
 
     train_file = write_dpr(tmp_path / "train.json", make_records(16, 1))

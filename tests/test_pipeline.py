@@ -11,11 +11,12 @@ from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.evaluation.evaluate import evaluate_answers, qrels_metrics, read_qrels, read_results, read_run
 from dpr_gc.pipeline import DemoConfig, demo_training
-from tests.conftest import tiny_bert, write_vocab
+from tests.helpers import tiny_bert, write_vocab
 
 import pytest
 
 
+@pytest.mark.slow  # ~20 CPU-seconds or more (measured)
 def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
     model_dir.mkdir()
@@ -40,6 +41,7 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert len(report["training_loss"]) == 3
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "training" / "final" / "retriever_config.json").is_file()
+    assert not list((out / "training").glob("checkpoint-*"))  # only a resume needs it; final/ is saved
     assert (out / "after" / "run.trec").stat().st_size > 0
 
     outputs = [out / "training" / "final" / "retriever_config.json", out / "before" / "results.json",

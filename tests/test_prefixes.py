@@ -20,9 +20,9 @@ from dpr_gc.retrieval.mine import open_source
 from dpr_gc.model.retriever import Retriever
 from dpr_gc.train.trainer import train
 from dpr_gc.train.config import ModelConfig
-from dpr_gc.train.utils import build_retriever
-from tests.test_encode import gather
-from tests.test_train import init_model
+from dpr_gc.train.setup import build_retriever
+from tests.helpers import gather
+from tests.train_data import init_model
 from tests.train_data import make_records, train_config, write_dpr
 
 QP, PP = "what: ", "a book: "  # whole words of the tiny vocabulary

@@ -18,7 +18,7 @@ from dpr_gc.evaluation.evaluate import qrels_metrics, read_qrels, read_run
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.retrieval.retrieve import add_cli, check_compatible, check_corpus, retrieve, write_results_json, write_trec_run
-from tests.conftest import WORDS, tiny_bert
+from tests.helpers import tiny_bert, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 N_PASSAGES = 48

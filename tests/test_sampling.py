@@ -26,8 +26,8 @@ def positives_only(n: int, cross_answers: bool) -> list[dict]:
 
 def global_batches(data: D.TrainingData, batch_size: int, world_size: int, hard: int, epochs: int = 3) -> list:
     """Every global batch as a list of raw examples (all ranks), from the real DataLoader of each rank."""
-    loaders = [D.make_dataloader(data, lambda examples: examples, batch_size, hard_negatives=hard, seed=3, rank=r,
-                                 world_size=world_size) for r in range(world_size)]
+    loaders = [D.make_dataloader(data, lambda examples: examples, batch_size=batch_size, hard_negatives=hard, seed=3,
+                                 rank=r, world_size=world_size) for r in range(world_size)]
     out = []
     for epoch in range(epochs):
         for loader in loaders:

@@ -61,7 +61,7 @@ def tiny(tmp_path_factory) -> dict:
 
     from transformers import BertTokenizerFast
 
-    from tests.conftest import tiny_bert, write_vocab
+    from tests.helpers import tiny_bert, write_vocab
     from tests.train_data import make_records, write_dpr
 
     d = tmp_path_factory.mktemp("dpr")
@@ -165,7 +165,7 @@ def dpr_checkpoint(tiny: dict, path: Path, projection: int = 0) -> Path:
 
     import torch
 
-    from tests.conftest import tiny_bert
+    from tests.helpers import tiny_bert
 
     towers = {"question_model.": tiny_bert(_vocab(tiny), seed=3),
               "ctx_model.": tiny_bert(_vocab(tiny), seed=4)}

@@ -17,8 +17,9 @@ from dpr_gc.cli import main
 from dpr_gc.engine.loss import TEMPERATURE_RANGE
 from dpr_gc.model.retriever import Retriever
 from dpr_gc.train.trainer import train
-from tests.test_encode import passages, write_corpus
-from tests.test_train import config, init_model, params
+from tests.helpers import copy_run, train_argv
+from tests.helpers import passages, write_corpus
+from tests.train_data import init_model, model_params as params, task_config as config
 from tests.train_data import make_records, write_dpr
 
 
@@ -42,26 +43,6 @@ def refused(argv: list, marker: Path, capsys, *names: str) -> str:
     assert len(lines) == 1 and all(n in lines[0] for n in names), err
     assert not marker.exists(), "the pickle payload ran"
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("sec")
-    task = {"dir": d, "model": init_model(d), "train": write_dpr(d / "t.json", make_records(16, 5))}
-    train(config(task, d / "run", max_steps=2, save_every=1, keep_checkpoints=2))
-    return task
-
-
-def copy_run(trained: dict, tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    shutil.copytree(trained["dir"] / "run", run)
-    return run
-
-
-def train_argv(trained: dict, run: Path, resume: str) -> list:
-    return ["train", "--train", trained["train"], "--output", run, "--model", trained["model"], "--batch-size", 8,
-            "--num-workers", 0, "--max-steps", 3, "--q_chunk_size", 3, "--ctx_chunk_size", 5, "--pooling", "mean",
-            "--cache-dir", trained["dir"] / "cache", "--resume", resume]
 
 
 def test_training_state_has_no_pickle(trained):
@@ -96,7 +77,7 @@ def test_pickled_legacy_state_pt_is_refused(trained, tmp_path, capsys):
 
 def test_legacy_state_pt_still_resumes(trained, tmp_path):
     """A ``state.pt`` written by the previous version (NumPy RNG state inside) resumes like the new format."""
-    from dpr_gc.train.utils import read_state
+    from dpr_gc.train.checkpoints import read_state
 
     run = copy_run(trained, tmp_path)
     ckpt = run / "checkpoint-2"

@@ -18,7 +18,7 @@ from dpr_gc.data.stdlib_data import add_cli, build_stdlib_dataset, collect_defin
 N = 80
 
 
-def _norm(text: str) -> str:
+def _folded(text: str) -> str:
     return " ".join(text.lower().split())
 
 
@@ -56,7 +56,7 @@ def test_summary_never_in_gold_passage_and_answer_is(built: tuple[Path, dict]) -
     for split in ("train", "dev", "test"):
         for qid, pid, score in _qrels(out / "qrels" / f"{split}.tsv"):
             assert score == "1"
-            assert _norm(queries[qid]) not in _norm(corpus[pid]["text"])
+            assert _folded(queries[qid]) not in _folded(corpus[pid]["text"])
             assert pid.rsplit(".", 1)[1].lower() in corpus[pid]["text"].lower()
             assert len(corpus[pid]["text"].split()) <= 200 and corpus[pid]["title"] == pid
 
@@ -71,11 +71,11 @@ def test_qrels_resolve_and_splits_disjoint(built: tuple[Path, dict]) -> None:
         assert rows and all(pid in corpus_ids and qid in queries for qid, pid, _ in rows)
         packages[split] = {pid.split(".")[0] for _, pid, _ in rows}
         qids[split] = {qid for qid, _, _ in rows}
-        texts[split] = {_norm(queries[qid]) for qid in qids[split]}
+        texts[split] = {_folded(queries[qid]) for qid in qids[split]}
     for a, b in (("train", "dev"), ("train", "test"), ("dev", "test")):
         assert not packages[a] & packages[b], "a package (hence a module) straddles splits"
         assert not qids[a] & qids[b] and not texts[a] & texts[b]
-    all_texts = [_norm(t) for t in queries.values()]
+    all_texts = [_folded(t) for t in queries.values()]
     assert len(set(all_texts)) == len(all_texts), "duplicate queries"
 
 

@@ -11,9 +11,9 @@ import torch
 from dpr_gc.data import training as D
 from dpr_gc.retrieval.encode import encode_block
 from dpr_gc.base.errors import DprGcError
-from dpr_gc.model.tokenize import tokenize
+from dpr_gc.model.tokenize import token_ids
 from dpr_gc.train.trainer import train
-from tests.test_train import init_model
+from tests.train_data import init_model
 from tests.train_data import make_records, train_config, write_dpr
 
 LONG_TITLE = " ".join(["science protein cell gene water music film book"] * 6)  # 48 words, > 32 tokens
@@ -73,7 +73,7 @@ def test_same_tokenisation_in_training_encoding_and_queries(make_retriever):
     retriever = make_retriever(passage_max_length=32, query_max_length=8)
     collate = D.Collator(retriever)
     batch = collate([{"question": LONG_TITLE, "passages": [(LONG_TITLE, "the river"), ("", "a city")]}])
-    direct = tokenize(retriever.tokenizer, retriever.config, "passage", ["the river", "a city"], [LONG_TITLE, ""])
+    direct = token_ids(retriever.tokenizer, retriever.config, "passage", ["the river", "a city"], [LONG_TITLE, ""])
     assert torch.equal(batch["passage"]["input_ids"], direct["input_ids"])
     assert batch["query"]["input_ids"].shape == (1, 8)
     assert torch.equal(batch["query"]["input_ids"], retriever.tokenize_queries([LONG_TITLE])["input_ids"])

@@ -4,34 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import BertTokenizerFast
 
 from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
-from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.model.retriever import Retriever
 from dpr_gc.train.trainer import Trainer, train
 from dpr_gc.train.config import TrainConfig
-from tests.conftest import tiny_bert, write_vocab
-from tests.train_data import make_records, train_config, write_dpr
+from tests.train_data import init_model, make_records, write_dpr
+from tests.train_data import model_params as params, task_config as config
+from tests.ranks import run_command
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def init_model(folder: Path, dropout: float = 0.0, shared: bool = True, **fields) -> Path:
-    tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
-    config = RetrieverConfig(**{"pooling": "mean", "query_max_length": 16, "passage_max_length": 32,
-                                "shared_encoder": shared, **fields})
-    retriever = Retriever(tiny_bert(len(tokenizer), dropout=dropout), None if shared else tiny_bert(len(tokenizer), 1),
-                          tokenizer, config)
-    retriever.save(folder / "init")
-    return folder / "init"
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +28,6 @@ def task(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("train")
     return {"dir": d, "model": init_model(d), "train": write_dpr(d / "train.json", make_records(96, 1)),
             "dev": write_dpr(d / "dev.json", make_records(32, 2))}
-
-
-def config(task: dict, out: Path, **kw) -> TrainConfig:
-    base = dict(train_files=[str(task["train"])], output_dir=str(out), model=str(task["model"]), batch_size=8, num_workers=0,
-                learning_rate=1e-3, query_chunk_size=3, passage_chunk_size=5, cache_dir=str(task["dir"] / "cache"))
-    base.update(kw)
-    return train_config(**base)
-
-
-def params(model_dir: Path) -> dict:
-    return {k: v.clone() for k, v in Retriever.load(model_dir).state_dict().items()}
 
 
 def test_dev_loss_falls_and_outputs(task, tmp_path):
@@ -142,11 +120,10 @@ def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared
     model = task["model"] if shared else init_model(tmp_path, shared=False)
     common = [str(task["train"]), str(model), str(task["dir"] / "cache")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, str(script), *common, str(tmp_path / "o1"), str(single), "16"], check=True,
-                   env=env, capture_output=True, timeout=600)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), *common, str(tmp_path / "o2"), str(tmp_path / "ddp.pt"), "8"],
-                         env=env, capture_output=True, text=True, timeout=600)
+    alone = run_command([sys.executable, str(script), *common, str(tmp_path / "o1"), str(single), "16"], env=env)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       str(script), *common, str(tmp_path / "o2"), str(tmp_path / "ddp.pt"), "8"], env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     expected = torch.load(single)
     for rank in (0, 1):

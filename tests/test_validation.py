@@ -19,7 +19,7 @@ from dpr_gc.model.retriever import Retriever
 from dpr_gc.cli import build_parser
 from dpr_gc.train.config import config_from_args
 from tests.ranks import run_ranks
-from tests.test_train import init_model
+from tests.train_data import init_model
 
 
 def dev_records(n: int) -> list[dict]:
@@ -103,6 +103,7 @@ def worker(rank: int, tmp: str, model: str, dev: str, world: int) -> None:
         raise
 
 
+@pytest.mark.slow  # ~20 CPU-seconds or more (measured)
 @pytest.mark.parametrize("world", [3])
 def test_sharded_validation_equals_one_process(model: Path, tmp_path: Path, world: int) -> None:
     dev = write_dev(tmp_path / "dev.json", 9)

@@ -7,9 +7,12 @@ import json
 import random
 from pathlib import Path
 
+from transformers import BertTokenizerFast
+
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.train.config import TrainConfig
 from dpr_gc.train.validation import DevLimits
-from tests.conftest import WORDS
+from tests.helpers import WORDS, tiny_bert, write_vocab
 
 RENAMED = {"model": ("model", "name"), "grad_cache": ("cache", "enabled"), "dev_file": ("data", "dev_file")}
 
@@ -55,3 +58,27 @@ def train_config(**flat) -> TrainConfig:
         values["data"]["dev"] = DevLimits(**dev)
     built = {name: type(make())(**values[name]) for name, make in groups.items()}
     return TrainConfig(**built)
+
+
+def init_model(folder: Path, dropout: float = 0.0, shared: bool = True, **fields) -> Path:
+    """A tiny random retriever saved as ``folder/init`` (the starting model of the trainer tests)."""
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
+    config = RetrieverConfig(**{"pooling": "mean", "query_max_length": 16, "passage_max_length": 32,
+                                "shared_encoder": shared, **fields})
+    retriever = Retriever(tiny_bert(len(tokenizer), dropout=dropout), None if shared else tiny_bert(len(tokenizer), 1),
+                          tokenizer, config)
+    retriever.save(folder / "init")
+    return folder / "init"
+
+
+def task_config(task: dict, out: Path, **kw) -> TrainConfig:
+    """The training settings of a test task (``init_model`` folder, ``train``/``dev`` files) writing to ``out``."""
+    base = dict(train_files=[str(task["train"])], output_dir=str(out), model=str(task["model"]), batch_size=8,
+                num_workers=0, learning_rate=1e-3, query_chunk_size=3, passage_chunk_size=5, cache_dir=str(task["dir"] / "cache"))
+    base.update(kw)
+    return train_config(**base)
+
+
+def model_params(model_dir: Path) -> dict:
+    """A saved retriever's weights by name."""
+    return {k: v.clone() for k, v in Retriever.load(model_dir).state_dict().items()}

@@ -14,8 +14,33 @@ from .files import check_output_dir, check_output_file
 ERROR_EXIT = 2
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default after its help (unless the help already says it; switches are off unless
+    given, required options have none), then the option's ``note`` if it has one (e.g. "[fixed on --resume]")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        note = getattr(action, "note", "")
+        return f"{self._with_default(action)} {note}" if note else self._with_default(action)
+
+    def _with_default(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        switch = action.nargs == 0 and not hasattr(action, "shown_default")
+        if (not action.option_strings or action.required or switch or "default" in text.lower()
+                or action.default is argparse.SUPPRESS):
+            return text
+        default = getattr(action, "shown_default", action.default)
+        shown = "not set" if default is None else (" ".join(map(str, default)) if isinstance(default, (list, tuple))
+                                                   else str(default))
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """An ``argparse`` parser that reports a bad command line as one ``error: ...`` line and exit status 2."""
+    """An ``argparse`` parser that reports a bad command line as one ``error: ...`` line and exit status 2, and
+    shows every option's default in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
@@ -32,7 +57,14 @@ def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], need: str) 
             raise argparse.ArgumentTypeError(f"{text!r} is not {need}")
         return value
 
+    def accepts(value: Any) -> bool:
+        """The same rule for a value given in code (see :func:`dpr_gc.base.settings.check`)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            return False
+        return (not isinstance(value, float) or math.isfinite(value)) and bool(test(value))
+
     parse.__name__ = need
+    parse.accepts = accepts  # type: ignore[attr-defined]
     return parse
 
 

@@ -15,7 +15,12 @@ PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 
 
 def default_device(device: Optional[str] = None) -> str:
-    """``device`` when given, else ``cuda:LOCAL_RANK`` (torchrun's, else 0) when a GPU is available, else ``cpu``."""
+    """``device`` when given, else ``cuda:LOCAL_RANK`` (torchrun's, else 0) when a GPU is available, else ``cpu``.
+
+    A bare ``cuda`` also means this process's GPU, ``cuda:LOCAL_RANK``: ``torch.cuda.set_device`` needs an index, and
+    under ``torchrun --device cuda`` each rank must take its own GPU."""
+    if device == "cuda":
+        return f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     if device:
         return device
     return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"

@@ -241,6 +241,15 @@ def read_json_object(path: PathLike, what: str = "JSON file") -> dict:
     return obj
 
 
+def read_json_list(path: PathLike, what: str = "JSON file") -> list:
+    """Read a JSON file that must hold a list (a sentence-transformers ``modules.json``)."""
+    obj = read_json(path)
+    if not isinstance(obj, list):
+        raise DprGcError(f"{path}: expected a JSON list ({what}), got a {type(obj).__name__}; "
+                         "the file is damaged or not one dpr-gc wrote")
+    return obj
+
+
 # ----------------------------------------------------------------------------------------- tensors, locks, temps
 def read_tensors(path: PathLike) -> dict:
     """Load a ``.safetensors`` file, or a torch file restricted to plain tensors (``weights_only=True``).

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from .errors import DprGcError
-from .files import PathLike
+PathLike = Union[str, os.PathLike]
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,

@@ -60,3 +60,72 @@ def map_dataset(path: Path) -> Any:
     import datasets
 
     return datasets.Dataset.from_file(str(path))
+
+
+# ----------------------------------------------------------------- the ``cache`` command
+CACHE_KINDS = ("corpora", "train")
+
+
+def cache_root() -> Path:
+    """The folder holding every kind of cache (``$DPR_GC_CACHE`` or ``~/.cache/dpr_gc``)."""
+    return default_cache_dir(CACHE_KINDS[0]).parent
+
+
+def cache_usage(root: Path) -> list[tuple[str, int, int]]:
+    """``(kind, cached sources, bytes)`` of each cache kind under ``root``."""
+    rows = []
+    for kind in CACHE_KINDS:
+        files = [p for p in (root / kind).glob("*") if p.is_file()] if (root / kind).is_dir() else []
+        rows.append((kind, sum(p.suffix == ".arrow" for p in files), sum(p.stat().st_size for p in files)))
+    return rows
+
+
+def clear_cache(root: Path) -> tuple[int, int, list[Path]]:
+    """Delete the cached files under ``root`` (each kind folder's files); a cache another process is building
+    right now (its lock is held) is kept. Returns ``(files removed, bytes freed, caches kept)``."""
+    import fcntl
+
+    removed, freed, busy = 0, 0, []
+    for kind in CACHE_KINDS:
+        folder = root / kind
+        if not folder.is_dir():
+            continue
+        for lock in sorted(folder.glob("*.lock")):
+            with open(lock, "a+") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    busy.append(lock.with_suffix(""))
+        keep = {p for b in busy if b.parent == folder for p in folder.glob(b.stem + "*")}
+        for path in folder.iterdir():
+            if path.is_file() and path not in keep:
+                freed += path.stat().st_size
+                path.unlink()
+                removed += 1
+    return removed, freed, busy
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``cache``: list the parsed-data cache, or clear it."""
+    p = subparsers.add_parser(
+        "cache", help="list (or --clear) the cache of parsed corpora and training sets",
+        description="Corpora and training sets are parsed once into memory-mapped Arrow files under $DPR_GC_CACHE "
+                    "(default ~/.cache/dpr_gc): corpora/ and train/, each file named by its source and a hash of "
+                    "its content. They are safe to delete at any time: the next run parses its source again.")
+    p.add_argument("--clear", action="store_true", help="delete the cached files (a cache being built now is kept)")
+    p.set_defaults(func=_cli_cache)
+
+
+def _cli_cache(args: Any) -> None:
+    from ..base.tables import markdown_table
+
+    root = cache_root()
+    if args.clear:
+        removed, freed, busy = clear_cache(root)
+        print(f"removed {removed} file(s), {freed / 2**20:.1f} MiB, from {root}"
+              + (f"; kept {len(busy)} cache(s) another run is building" if busy else ""))
+        return
+    rows = cache_usage(root)
+    print(markdown_table(("cache", "sources", "MiB", "folder"),
+                         [(k, n, f"{b / 2**20:.1f}", root / k) for k, n, b in rows] +
+                         [("total", sum(n for _, n, _ in rows), f"{sum(b for *_, b in rows) / 2**20:.1f}", root)]))

@@ -11,8 +11,16 @@ import numpy as np
 import torch
 
 from ..base.errors import DprGcError
+from .answer_text import nfd, simple_tokens
 
 logger = logging.getLogger(__name__)
+
+FIRST_POSITIVE, SAMPLED_POSITIVE = -1, -2  # an example's positive: its question's first, or one drawn per draw
+
+
+def passage_key(ctx: dict) -> str:
+    """What makes two passages the same one: their passage id, or title and text when the id is missing."""
+    return f"id:{ctx['id']}" if ctx.get("id") else f"text:{ctx.get('title') or ''}\n{ctx['text']}"
 
 
 class MixedBatchSampler(torch.utils.data.Sampler):
@@ -26,7 +34,8 @@ class MixedBatchSampler(torch.utils.data.Sampler):
     """
 
     def __init__(self, sizes: Sequence[int], batch_size: int, rates: Optional[Sequence[float]] = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, per_file_batches: bool = False) -> None:
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, per_file_batches: bool = False,
+                 groups: Optional[np.ndarray] = None) -> None:
         rates = list(rates) if rates is not None else [1.0] * len(sizes)
         if len(rates) != len(sizes) or any(r <= 0 for r in rates):
             raise DprGcError(f"--sampling-rates needs one positive rate per training source ({len(sizes)}), "
@@ -35,6 +44,7 @@ class MixedBatchSampler(torch.utils.data.Sampler):
             raise DprGcError(f"bad batch size {batch_size} or rank {rank} of world size {world_size}")
         self.sizes, self.rates, self.batch_size, self.seed = [int(s) for s in sizes], rates, batch_size, seed
         self.rank, self.world_size, self.shuffle, self.per_file_batches = rank, world_size, shuffle, per_file_batches
+        self.groups = groups  # the query of each item: no global batch holds one query twice (see spread_groups)
         self.epoch, self.skip, self._resume = 0, 0, None
         self._order: Optional[tuple[int, np.ndarray]] = None
         if self.batches_per_epoch == 0:
@@ -50,13 +60,17 @@ class MixedBatchSampler(torch.utils.data.Sampler):
             passes = [rng.permutation(size) if self.shuffle else np.arange(size) for _ in range(-(-count // size))]
             parts.append(offset + np.concatenate(passes or [np.zeros(0, dtype=np.int64)])[:count])
             offset += size
+        step = self.batch_size * self.world_size
         if not self.per_file_batches:
             order = np.concatenate(parts)
-            return rng.permutation(order) if self.shuffle else order
-        step = self.batch_size * self.world_size
+            return self._spread(rng.permutation(order) if self.shuffle else order, step)
+        parts = [self._spread(p, step) for p in parts]
         chunks = [c for p in parts for c in p[:len(p) // step * step].reshape(-1, step)]
         chunk_order = rng.permutation(len(chunks)) if self.shuffle else range(len(chunks))
         return np.concatenate([chunks[i] for i in chunk_order]) if chunks else np.zeros(0, dtype=np.int64)
+
+    def _spread(self, order: np.ndarray, step: int) -> np.ndarray:
+        return order if self.groups is None else spread_groups(order, self.groups, step)
 
     def global_batch(self, epoch: int, position: int) -> tuple[int, np.ndarray]:
         """``(start, rows)`` of the global batch (all ranks) that holds ``position`` of ``epoch``'s order."""
@@ -105,6 +119,39 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         self._resume = (self.epoch, self.skip)
 
 
+def spread_groups(order: np.ndarray, groups: np.ndarray, step: int) -> np.ndarray:
+    """``order`` with items swapped so that no whole batch of ``step`` items holds two of the same group (two
+    examples of one query, with different positives, would each score the other's positive as a negative). An item
+    whose group is already in its batch swaps with the nearest later item whose group is not, else with an earlier
+    one whose batch lacks the item's group; deterministic, and a no-op when no batch repeats a group."""
+    order, whole = order.copy(), len(order) // step * step
+    for start in range(0, whole, step):
+        seen: set = set()
+        for p in range(start, start + step):
+            group = int(groups[order[p]])
+            if group in seen:
+                q = _swap_partner(order, groups, step, start, seen, group)
+                if q is not None:
+                    order[p], order[q] = order[q], order[p]
+            seen.add(int(groups[order[p]]))
+    return order
+
+
+def _swap_partner(order: np.ndarray, groups: np.ndarray, step: int, start: int, seen: set,
+                  group: int) -> Optional[int]:
+    """A position outside the batch at ``start`` whose item may take the place of a repeated ``group``'s item."""
+    for q in range(start + step, len(order)):
+        if int(groups[order[q]]) not in seen:
+            return q
+    for other in range(0, start, step):
+        members = {int(groups[order[q]]) for q in range(other, other + step)}
+        if group not in members:
+            for q in range(other, other + step):
+                if int(groups[order[q]]) not in seen:
+                    return q
+    return None
+
+
 class BatchExclusion:
     """What a filled-in negative of one global batch must not be.
 
@@ -115,14 +162,12 @@ class BatchExclusion:
     """
 
     def __init__(self, rows: Sequence[int], records: dict[str, list]) -> None:
-        from ..evaluation.evaluate import normalize, tokenize
-
         self.rows = {int(r) for r in rows}
         self.questions = set(records["question"])
         contexts = [c for group in records["positives"] for c in group]
         self.ids = {c["id"] for c in contexts if c["id"]}
         self.texts = {c["text"] for c in contexts}
-        answers = (tuple(tokenize(normalize(a))) for group in records.get("answers", []) for a in group)
+        answers = (tuple(simple_tokens(nfd(a))) for group in records.get("answers", []) for a in group)
         self.answers = {a for a in answers if a}
         self.lengths = sorted({len(a) for a in self.answers})
 
@@ -135,29 +180,35 @@ class BatchExclusion:
         return not self.answers or not self._bears_answer(ctx["text"])
 
     def _bears_answer(self, text: str) -> bool:
-        from ..evaluation.evaluate import normalize, tokenize
-
-        tokens = tokenize(normalize(text))
+        tokens = simple_tokens(nfd(text))
         return any(tuple(tokens[i:i + n]) in self.answers for n in self.lengths for i in range(len(tokens) - n + 1))
 
 
 class TrainingExamples(torch.utils.data.Dataset):
     """One query and ``1 + N + M`` passages per draw: the positive, N hard negatives, M other negatives.
 
-    The positive is the first (or a random one with ``shuffle_positives``). Hard slots take the hard pool, other
+    A draw is a training row (or, with ``examples``, an item ``(row, positive)`` of
+    :func:`~dpr_gc.data.training.example_index`: a fixed positive, the first, or one drawn at each draw). The
+    positive is the first (or a random one with ``shuffle_positives``). Hard slots take the hard pool, other
     slots the negatives pool (shuffled with ``shuffle_negatives``, else in file order); a short pool is topped up
     from the other pool's leftovers. If both pools together are short, the remaining slots take the first positive
     of randomly drawn other questions (a random negative, as in-batch negatives are; draws may repeat), so batches
     stay rectangular -- never a passage that is a positive of, or contains an answer of, any question in the same
     global batch (``global_batch(epoch, position) -> (start, rows)``, all ranks; without it only this question's
-    own positives are excluded). All choices derive from ``(seed, epoch, position)``, so workers and resumed runs
+    own positives are excluded). Each draw also carries the :func:`passage_key` of every passage and of every
+    positive of its question, so the loss can drop duplicate positives from the negatives. All choices derive from ``(seed, epoch, position)``, so workers and resumed runs
     make the same ones.
     """
 
     def __init__(self, dataset: Any, hard_negatives: int = 1, other_negatives: int = 0, shuffle_positives: bool = False,
                  shuffle_negatives: bool = True, seed: int = 0,
-                 global_batch: Optional[Callable[[int, int], tuple[int, np.ndarray]]] = None) -> None:
+                 global_batch: Optional[Callable[[int, int], tuple[int, np.ndarray]]] = None,
+                 examples: Optional[np.ndarray] = None) -> None:
         import pyarrow.compute as pc
+
+        # ``examples[i] = (row, positive)``: the positive's index, FIRST_POSITIVE or SAMPLED_POSITIVE (None: one
+        # example per row, its first positive or, with shuffle_positives, a sampled one)
+        self.examples = examples
 
         if hard_negatives < 0 or other_negatives < 0:
             raise DprGcError("--hard-negatives and --other-negatives must be >= 0")
@@ -180,23 +231,29 @@ class TrainingExamples(torch.utils.data.Dataset):
                         100.0 * missing.sum() / (len(dataset) * (hard_negatives + other_negatives)))
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.dataset) if self.examples is None else len(self.examples)
 
     def __getitem__(self, key: Union[int, tuple[int, int, int]]) -> dict:
-        row, epoch, position = key if isinstance(key, tuple) else (key, 0, key)
-        record = self.dataset[int(row)]
+        item, epoch, position = key if isinstance(key, tuple) else (key, 0, key)
+        row, which = (int(item), FIRST_POSITIVE) if self.examples is None else map(int, self.examples[int(item)])
+        record = self.dataset[row]
         rng = np.random.default_rng([self.seed, epoch, position])
         positives = record["positives"]
-        positive = positives[int(rng.integers(len(positives)))] if self.shuffle_positives else positives[0]
+        if which == SAMPLED_POSITIVE or (which == FIRST_POSITIVE and self.shuffle_positives):
+            positive = positives[int(rng.integers(len(positives)))]
+        else:
+            positive = positives[max(which, 0)]
         hard, other = (self._order(record[k], rng) for k in ("hard_negatives", "negatives"))
         hard_sel, other_sel = hard[:self.n_hard], other[:self.n_other]
         hard_sel = hard_sel + other[self.n_other:][:self.n_hard - len(hard_sel)]
         other_sel = other_sel + hard[self.n_hard:][:self.n_other - len(other_sel)]
         missing = self.n_hard + self.n_other - len(hard_sel) - len(other_sel)
-        fill = self._fill(missing, int(row), self._excluded(int(row), epoch, position), rng) if missing else []
+        fill = self._fill(missing, row, self._excluded(row, epoch, position), rng) if missing else []
         cut = self.n_hard - len(hard_sel)
         chosen = [positive] + hard_sel + fill[:cut] + other_sel + fill[cut:]
-        return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen]}
+        return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen],
+                "passage_keys": [passage_key(c) for c in chosen],
+                "positive_keys": [passage_key(c) for c in positives]}
 
     def _order(self, pool: list, rng: np.random.Generator) -> list:
         return [pool[i] for i in rng.permutation(len(pool))] if self.shuffle_negatives else list(pool)
@@ -204,6 +261,8 @@ class TrainingExamples(torch.utils.data.Dataset):
     def _excluded(self, row: int, epoch: int, position: int) -> BatchExclusion:
         """The exclusion of the global batch holding this draw (built once per batch and worker)."""
         start, rows = self.global_batch(epoch, position) if self.global_batch else (-1 - row, np.array([row]))
+        if self.global_batch and self.examples is not None:
+            rows = self.examples[np.asarray(rows, dtype=np.int64), 0]  # items -> their questions' rows
         if self._exclusion is None or self._exclusion[0] != (epoch, start):
             columns = self.dataset.select_columns(["question", "answers", "positives"])[[int(r) for r in rows]]
             self._exclusion = ((epoch, start), BatchExclusion(rows, columns))

@@ -24,6 +24,7 @@ import re
 import sys
 import sysconfig
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -34,6 +35,7 @@ from ..base.args import nonnegative_int, output_dir, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, read_json_object, write_json
+from ..base.settings import add_arguments, check, setting
 from ..base.tables import format_summary
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,8 @@ class Definition:
         return self.module.split(".")[0]
 
 
-def _norm(text: str) -> str:
+def _folded(text: str) -> str:
+    """``text`` lower-cased, every run of whitespace made one space (summaries compare by this)."""
     return " ".join(text.lower().split())
 
 
@@ -184,7 +187,7 @@ def _definitions(module: str, source: bytes, tree: ast.Module, max_words: int) -
             code = _code_without_docstrings(lines, node)
         doc = ast.get_docstring(node, clean=True) or ""
         summary, rest = split_docstring(doc) if doc.strip() else ("", "")
-        if summary and is_informative(summary, node.name) and _norm(summary) not in _norm(f"{rest} {code}"):
+        if summary and is_informative(summary, node.name) and _folded(summary) not in _folded(f"{rest} {code}"):
             yield Definition(pid, module, node.name, _passage_text(rest, code, max_words), summary)
         else:
             yield Definition(pid, module, node.name, _passage_text(doc, code, max_words), None)
@@ -207,8 +210,8 @@ def collect_definitions(root: PathLike, max_passage_words: int = 200) -> tuple[l
     counts: dict[str, int] = {}
     for d in defs:
         if d.summary:
-            counts[_norm(d.summary)] = counts.get(_norm(d.summary), 0) + 1
-    defs = [d if not d.summary or counts[_norm(d.summary)] == 1 else Definition(d.pid, d.module, d.name, d.text, None)
+            counts[_folded(d.summary)] = counts.get(_folded(d.summary), 0) + 1
+    defs = [d if not d.summary or counts[_folded(d.summary)] == 1 else Definition(d.pid, d.module, d.name, d.text, None)
             for d in defs]
     return defs, skipped
 
@@ -387,12 +390,23 @@ def _run_cli(args: argparse.Namespace) -> None:
     print(f"written to {args.output}")
 
 
+@dataclasses.dataclass
+class StdlibDataSettings:
+    """``dpr-gc make-stdlib-data``: where the dataset goes, how many queries, and the seed."""
+
+    output: str = setting("", "--output", type=output_dir, required=True,
+                          help="output folder (BEIR + DPR files and manifest.json)")
+    max_examples: Optional[int] = setting(None, "--max-examples", type=positive_int,
+                                          help="keep at most N queries (seeded subsample; default: all)")
+    seed: int = setting(0, "--seed", type=nonnegative_int, help="seed for the split, subsample and negatives")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
 def add_cli(subparsers: Any) -> None:
-    """Register ``make-stdlib-data``."""
+    """Register ``make-stdlib-data`` (flags generated from :class:`StdlibDataSettings`)."""
     p = subparsers.add_parser("make-stdlib-data", help="build the default retrieval dataset from Python's stdlib",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--output", type=output_dir, required=True,
-                   help="output folder (BEIR + DPR files and manifest.json)")
-    p.add_argument("--max-examples", type=positive_int, default=None, help="keep at most N queries (seeded subsample)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed for the split, subsample and negatives")
+    add_arguments(p, StdlibDataSettings)
     p.set_defaults(func=_run_cli)

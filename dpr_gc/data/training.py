@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -18,22 +19,26 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .arrow_cache import build_once, cache_file, map_dataset, write_stream
+from .qrels import iter_qrels, read_qrels
+from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.files import (PathLike, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text, read_json_object, require_file,
                     write_json)
+from ..base.settings import add_arguments, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler, TrainingExamples  # noqa: F401 (TrainingExamples is re-exported)
 from ..base.tables import markdown_table
-from ..model.tokenize import tokenize
+from ..model.tokenize import token_ids
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: negatives that are the question's own positive are dropped
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
 WRITE_BATCH = 256
 Row = dict[str, Any]
@@ -55,6 +60,10 @@ class TrainingData:
     dataset: Any
     sizes: list[int]
     stats: list[dict]
+    formats: list[str] = dataclasses.field(default_factory=list)  # "beir" or "dpr", per source
+
+    def source_format(self, i: int) -> str:
+        return self.formats[i] if i < len(self.formats) else "dpr"
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -65,7 +74,8 @@ def combine(parts: Sequence[TrainingData]) -> TrainingData:
     import datasets
 
     dataset = datasets.concatenate_datasets([p.dataset for p in parts]) if len(parts) > 1 else parts[0].dataset
-    return TrainingData(dataset, [s for p in parts for s in p.sizes], [s for p in parts for s in p.stats])
+    return TrainingData(dataset, [s for p in parts for s in p.sizes], [s for p in parts for s in p.stats],
+                        [p.source_format(i) for p in parts for i in range(len(p.sizes))])
 
 
 # ----------------------------------------------------------------- validation
@@ -105,6 +115,21 @@ def normalise_record(record: Any) -> Row:
     return {"question": question, "answers": answers, "positives": _contexts(record, "positive_ctxs", True),
             "hard_negatives": _contexts(record, "hard_negative_ctxs", False),
             "negatives": _contexts(record, "negative_ctxs", False)}
+
+
+def drop_own_positives(row: Row) -> int:
+    """Remove from ``row``'s hard and other negatives every passage that is one of its positives (the same passage
+    id, or the same title and text); returns how many were removed."""
+    def keys(ctx: dict) -> set:
+        return ({("id", ctx["id"])} if ctx["id"] else set()) | {("text", ctx["title"], ctx["text"])}
+
+    positive = set().union(*(keys(c) for c in row["positives"]))
+    dropped = 0
+    for pool in ("hard_negatives", "negatives"):
+        kept = [c for c in row[pool] if not keys(c) & positive]
+        dropped += len(row[pool]) - len(kept)
+        row[pool] = kept
+    return dropped
 
 
 # ----------------------------------------------------------------- readers
@@ -148,21 +173,15 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
     pairs: dict[str, list[tuple[str, int]]] = {}
     first_line: dict[str, int] = {}
     bad: list[tuple[str, str]] = []
-    with open_text(qrels) as f:
-        for line_no, line in enumerate(f, start=1):
-            parts = line.rstrip("\r\n").split("\t")
-            if not line.strip() or (line_no == 1 and parts[-1].strip().lower() == "score"):
-                continue
-            try:
-                qid, pid, score = parts
-                score_value = int(float(score))
-            except ValueError:
-                bad.append((f"{qrels}:{line_no}", "expected 'query-id<TAB>corpus-id<TAB>score'"))
-                continue
-            entry = pairs.setdefault(qid, [])
-            first_line.setdefault(qid, line_no)
-            if score_value > 0 and pid not in [p for p, _ in entry]:
-                entry.append((pid, line_no))
+    for line_no, judgment in iter_qrels(qrels):
+        if isinstance(judgment, str):
+            bad.append((f"{qrels}:{line_no}", judgment))
+            continue
+        qid, pid, score = judgment
+        entry = pairs.setdefault(qid, [])
+        first_line.setdefault(qid, line_no)
+        if score > 0 and pid not in [p for p, _ in entry]:
+            entry.append((pid, line_no))
     yield from bad
     needed = {p for entry in pairs.values() for p, _ in entry}
     questions = {str(q.get("_id")): q.get("text") for _, q in iter_jsonl_objects(queries, "a BEIR query")
@@ -214,7 +233,6 @@ def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
     """DPR records for the queries judged in BEIR qrels: positives are the qrels pairs with relevance > 0, their text
     taken from ``corpus``. Returns ``(records, passage id -> corpus row)`` for the positives."""
     from .corpus import read_queries, rows_for_ids
-    from ..evaluation.evaluate import read_qrels
 
     qrels = read_qrels(qrels_path)
     positives = {q: [d for d, rel in judged.items() if rel > 0] for q, judged in qrels.items()}
@@ -248,10 +266,13 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     stats = read_json_object(stats_file, "training cache statistics")
     logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped)", stats["source"],
                 stats["records"], stats["kept"], stats["no_positive"], stats["bad"])
+    if stats.get("dropped_negatives"):
+        logger.warning("%s: dropped %d (hard) negatives that are their question's own positive (same passage id, "
+                       "or same title and text)", stats["source"], stats["dropped_negatives"])
     if stats["kept"] == 0:
         raise DprGcError(f"{stats['source']}: no usable training question ({stats['records']} records, "
                          f"{stats['no_positive']} without a positive, {stats['bad']} bad)")
-    return TrainingData(map_dataset(arrow), [stats["kept"]], [stats])
+    return TrainingData(map_dataset(arrow), [stats["kept"]], [stats], [tag])
 
 
 def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: bool, arrow: Path,
@@ -259,7 +280,7 @@ def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: b
     """Write the rows of ``produce()`` with a positive to ``arrow`` and the counts to ``stats_file`` (last)."""
     import pyarrow as pa
 
-    stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0}
+    stats = {"source": str(source), "records": 0, "kept": 0, "no_positive": 0, "bad": 0, "dropped_negatives": 0}
     schema = _schema()
 
     def batches() -> Iterator[Any]:
@@ -276,6 +297,7 @@ def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: b
                 stats["no_positive"] += 1
             else:
                 stats["kept"] += 1
+                stats["dropped_negatives"] += drop_own_positives(row)
                 rows.append(row)
                 if len(rows) == WRITE_BATCH:
                     yield pa.RecordBatch.from_pylist(rows, schema=schema)
@@ -340,31 +362,113 @@ class Collator:
         self.config = dataclasses.replace(config or RetrieverConfig(), **overrides)
 
     def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
-        return tokenize(self.tokenizer, self.config, "query", questions, max_length=max_length)
+        return token_ids(self.tokenizer, self.config, "query", questions, max_length=max_length)
 
     def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str],
                           max_length: Optional[int] = None) -> Any:
-        return tokenize(self.tokenizer, self.config, "passage", texts, titles, max_length)
+        return token_ids(self.tokenizer, self.config, "passage", texts, titles, max_length)
 
     def __call__(self, examples: Sequence[dict]) -> dict:
+        """Tokenised queries and passages; with the examples' passage keys also ``passage_ids`` (one int64 per
+        passage) and ``positive_ids`` (``[B, K]``, -1 padding), the loss's arguments for dropping duplicate
+        positives (ids are hashes of the keys, so they agree across ranks)."""
         titles, texts = zip(*[p for e in examples for p in e["passages"]])
-        return {"query": self.tokenize_queries([e["question"] for e in examples]),
-                "passage": self.tokenize_passages(titles, texts)}
+        batch = {"query": self.tokenize_queries([e["question"] for e in examples]),
+                 "passage": self.tokenize_passages(titles, texts)}
+        if all("passage_keys" in e for e in examples):
+            batch["passage_ids"] = torch.tensor([key_id(k) for e in examples for k in e["passage_keys"]])
+            width = max(len(e.get("positive_keys", ())) for e in examples)
+            positive_ids = torch.full((len(examples), width), -1, dtype=torch.long)
+            for i, e in enumerate(examples):
+                positive_ids[i, :len(e.get("positive_keys", ()))] = torch.tensor(
+                    [key_id(k) for k in e.get("positive_keys", ())], dtype=torch.long)
+            batch["positive_ids"] = positive_ids
+        return batch
 
 
-def make_dataloader(data: TrainingData, collator: Collator, batch_size: int, *, hard_negatives: int = 1,
-                    other_negatives: int = 0, shuffle_positives: bool = False, shuffle_negatives: bool = True,
-                    rates: Optional[Sequence[float]] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
-                    num_workers: int = 0, shuffle: bool = True, per_file_batches: bool = False,
-                    pin_memory: bool = False) -> torch.utils.data.DataLoader:
-    """A DataLoader of tokenised per-rank batches; reach the sampler (``set_epoch``, state) as ``.batch_sampler``.
+def key_id(key: str) -> int:
+    """A non-negative 63-bit id of a passage key, the same in every process (Python's ``hash`` is salted)."""
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
-    Its own seeded generator draws the workers' base seed at each ``iter()``: without it that draw comes from the
-    global torch RNG, and a run resumed mid-epoch would draw once more than an uninterrupted one (other dropout).
+
+BEIR_POSITIVES = ("pairs", "sample")
+
+
+def example_index(data: TrainingData, beir_positives: Optional[str]) -> Optional[tuple[np.ndarray, list[int]]]:
+    """What one epoch's examples are, as ``(examples, examples per source)``; ``examples[i] = (row, positive)``.
+
+    A BEIR folder's question with k judged positives gives, with ``"pairs"``, k examples, one per (query, positive)
+    pair (sentence-transformers' way: every qrels pair is trained on each epoch), or with ``"sample"`` one example
+    whose positive is drawn afresh at each draw. DPR files keep one example per question (their first positive, or
+    a drawn one with ``--shuffle-positives``). None when that is every source's case (nothing to expand).
     """
-    sampler = MixedBatchSampler(data.sizes, batch_size, rates, seed, rank, world_size, shuffle, per_file_batches)
-    examples = TrainingExamples(data.dataset, hard_negatives, other_negatives, shuffle_positives,
-                                shuffle_negatives, seed, sampler.global_batch)
+    import pyarrow.compute as pc
+
+    from .sampling import FIRST_POSITIVE, SAMPLED_POSITIVE
+
+    formats = [data.source_format(i) for i in range(len(data.sizes))]
+    if beir_positives is None or "beir" not in formats:
+        return None
+    if beir_positives not in BEIR_POSITIVES:
+        raise DprGcError(f"--beir-positives must be one of {', '.join(BEIR_POSITIVES)}, got {beir_positives!r}")
+    counts = pc.list_value_length(data.dataset.data.column("positives")).to_numpy(zero_copy_only=False)
+    parts, sizes, offset = [], [], 0
+    for size, kind in zip(data.sizes, formats):
+        rows = np.arange(offset, offset + size)
+        if kind == "beir" and beir_positives == "pairs":
+            k = counts[offset:offset + size].astype(np.int64)
+            which = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+            part = np.stack([np.repeat(rows, k), which], axis=1)
+        else:
+            code = SAMPLED_POSITIVE if kind == "beir" else FIRST_POSITIVE
+            part = np.stack([rows, np.full(size, code)], axis=1)
+        parts.append(part)
+        sizes.append(len(part))
+        offset += size
+    return np.concatenate(parts).astype(np.int64), sizes
+
+
+@dataclasses.dataclass
+class Batching:
+    """How training batches are drawn: queries per rank, negatives per query, positive and negative shuffling,
+    per-source sampling ``rates``, the seed, and whether each batch comes from one source (``per_file_batches``)."""
+
+    batch_size: int = setting(32, type=positive_int, help="queries per batch and rank")
+    hard_negatives: int = setting(1, type=nonnegative_int, help="hard negatives per query")
+    other_negatives: int = setting(0, type=nonnegative_int, help="other negatives per query")
+    shuffle_positives: bool = setting(False, help="draw a random positive per query (else the first)")
+    shuffle_negatives: bool = setting(True, help="draw negatives at random (else the first ones)")
+    rates: Optional[Sequence[float]] = setting(None, type=positive_float, nargs="+", help="per-source sampling rates")
+    seed: int = setting(0, type=nonnegative_int, help="seed of the sampling")
+    shuffle: bool = setting(True, help="shuffle the order of examples each epoch")
+    per_file_batches: bool = setting(False, help="each batch from one source")
+    beir_positives: Optional[str] = setting(None, choices=BEIR_POSITIVES,
+                                            help="BEIR folders: one example per (query, positive) pair, or one per "
+                                                 "query with a positive drawn each time (None: one per query)")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[Batching] = None, *, rank: int = 0,
+                    world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
+                    **options: Any) -> torch.utils.data.DataLoader:
+    """A DataLoader of tokenised per-rank batches drawn as ``settings`` says (fields of :class:`Batching` may also
+    be given as keywords); reach the sampler (``set_epoch``, state) as ``.batch_sampler``.
+
+    ``beir_positives`` (``pairs`` or ``sample``, see :func:`example_index`; None: one example per question) says
+    what a BEIR source's examples are. Its own seeded generator draws the workers' base seed at each ``iter()``:
+    without it that draw comes from the global torch RNG, and a run resumed mid-epoch would draw once more than an
+    uninterrupted one (other dropout).
+    """
+    s = dataclasses.replace(settings or Batching(), **options)
+    batch_size, rates, seed, shuffle = s.batch_size, s.rates, s.seed, s.shuffle
+    index = example_index(data, s.beir_positives)
+    items, sizes = index if index is not None else (None, data.sizes)
+    groups = items[:, 0] if items is not None and len(items) > len(data) else None
+    sampler = MixedBatchSampler(sizes, batch_size, rates, seed, rank, world_size, shuffle, s.per_file_batches, groups)
+    examples = TrainingExamples(data.dataset, s.hard_negatives, s.other_negatives, s.shuffle_positives,
+                                s.shuffle_negatives, seed, sampler.global_batch, items)
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
@@ -373,13 +477,22 @@ def make_dataloader(data: TrainingData, collator: Collator, batch_size: int, *, 
 
 
 # ----------------------------------------------------------------- CLI
+@dataclasses.dataclass
+class PrepareSettings:
+    """``dpr-gc prepare-data`` besides the sources: the cache, bad records, the BEIR split."""
+
+    cache_dir: Optional[str] = setting(None, "--cache-dir", help="where Arrow caches go (default: "
+                                                                  "$DPR_GC_CACHE/train, else ~/.cache/dpr_gc/train)")
+    skip_bad_records: bool = setting(False, "--skip-bad-records",
+                                     help="skip and count bad records instead of stopping")
+    beir_split: str = setting("train", "--beir-split", help="qrels split used for BEIR folders")
+
+
 def add_cli(subparsers: Any) -> None:
     """Register ``prepare-data``: parse and cache training sources ahead of training, printing their statistics."""
     p = subparsers.add_parser("prepare-data", help="validate and cache training data (DPR files, BEIR folders)")
     p.add_argument("sources", nargs="+", help="DPR training files (.json/.jsonl[.gz]) or BEIR folders")
-    p.add_argument("--cache-dir", default=None, help="where Arrow caches go (default $DPR_GC_CACHE/train)")
-    p.add_argument("--skip-bad-records", action="store_true", help="skip and count bad records instead of stopping")
-    p.add_argument("--beir-split", default="train", help="qrels split used for BEIR folders")
+    add_arguments(p, PrepareSettings)
     p.set_defaults(func=_cli_prepare)
 
 

@@ -64,6 +64,51 @@ def split_input(model_input: Any, chunk_size: int) -> list[Any]:
     return [slice_rows(model_input, s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
 
 
+def sequence_lengths(model_input: Any) -> Optional[torch.Tensor]:
+    """Real tokens per row (the 2-D attention mask's row sums), or None without such a mask."""
+    if isinstance(model_input, Mapping) and isinstance(model_input.get("attention_mask"), torch.Tensor):
+        mask = model_input["attention_mask"]
+        if mask.dim() == 2:
+            return mask.sum(1).cpu()
+    return None
+
+
+def token_spans(lengths: list[int], width: int, max_rows: int, max_tokens: int, trim: bool) -> list[tuple[int, int]]:
+    """Consecutive row spans, each as many rows as fit ``max_tokens`` computed tokens (rows times the chunk's
+    longest sequence when trimmed, else times the full ``width``) and at most ``max_rows``; at least one row each."""
+    spans, start = [], 0
+    while start < len(lengths):
+        end, longest = start + 1, lengths[start] if trim else width
+        while end < len(lengths) and end - start < max_rows:
+            wider = max(longest, lengths[end]) if trim else width
+            if (end - start + 1) * wider > max_tokens:
+                break
+            end, longest = end + 1, wider
+        spans.append((start, end))
+        start = end
+    return spans
+
+
+def split_by_tokens(model_input: Any, max_rows: int, max_tokens: int, trim: bool = True) -> list[Any]:
+    """Split an input with a 2-D attention mask into chunks of at most ``max_tokens`` tokens (see
+    :func:`token_spans`): short sequences make chunks of more rows. Group rows by length first for even chunks."""
+    lengths = sequence_lengths(model_input)
+    if lengths is None:
+        raise DprGcError("chunks by tokens need a dict-like model input with a 2-D attention_mask; give chunk sizes "
+                         "in rows instead")
+    width = model_input["attention_mask"].size(1)
+    spans = token_spans([int(n) for n in lengths], width, max_rows, max_tokens, trim)
+    return [slice_rows(model_input, s, e) for s, e in spans]
+
+
+def chunk_tokens(chunk: Any) -> int:
+    """Tokens a chunk computes: rows times its sequence width (after trimming), or its rows without a 2-D input."""
+    tensors = [t for t in tensors_in(chunk) if t.dim() >= 2]
+    if tensors:
+        return int(tensors[0].size(0) * tensors[0].size(1))
+    return rows_in(chunk) or 0
+
+
 def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
     """``(width, longest, side)`` when a chunk with a 2-D attention mask has padding columns beyond its longest row
     on one side (``"right"``, or ``"left"`` for a decoder tokenizer's left padding), else None."""

@@ -11,8 +11,9 @@ One cached step (:meth:`GradCache.cache_step`) runs in three parts, one method e
 
 Beyond the original module: bf16 autocast beside fp16 + GradScaler; every chunk is trimmed to its own longest
 sequence (token-level representations are padded back, so the loss sees the untrimmed shape); the batch can be
-grouped by length before chunking; the very last chunk keeps its graph from part 1 instead of being run again (not
-under DDP or FSDP, where that graph's backward would reach the gradient hooks out of order); the RNG state is replayed on
+grouped by length before chunking, and chunked by tokens; the very last chunk keeps its graph from part 1 instead of
+being run again, and under a memory budget so does every chunk whose measured graph fits (under DDP or FSDP those run
+without gradient sync and each model's last chunk is replayed to carry it); the RNG state is replayed on
 every CUDA device the model's parameters and the inputs live on; a frozen model runs once, without a graph;
 running buffers (BatchNorm statistics) see each example once; the gradients of a loss's own parameters (a
 learnable temperature) are averaged over ranks like DDP averages the encoders'. The input helpers live in
@@ -30,8 +31,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .chunking import (call_model, length_order, pad_sequence_dim, rows_in, split_input, take_rows, tensors_in,
-                       to_device, trim_padding, trimmed_width)
+from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, fixed_storages, parse_memory,
+                     resolve_budget)
+from .chunking import (call_model, chunk_tokens, length_order, pad_sequence_dim, rows_in, split_by_tokens, split_input,
+                       take_rows, tensors_in, to_device, trim_padding, trimmed_width)
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
 
@@ -150,12 +153,13 @@ class _Plan:
                  order: Optional[torch.Tensor]) -> None:
         self.m, self.chunks, self.widths, self.order = m, chunks, widths, order
         self.rows: list[torch.Tensor] = []
-        self.states: list[RandState] = []
+        self.states: dict[int, RandState] = {}  # the RNG state before each chunk that is replayed
         self.counts = [rows_in(c) for c in chunks]
+        self.tokens = [chunk_tokens(c) for c in chunks]
         self.known = all(n is not None for n in self.counts)
         self.buffer: Optional[torch.Tensor] = None
         self.parts: list[torch.Tensor] = []
-        self.kept: Optional[torch.Tensor] = None  # the last chunk's representation, with its graph, when kept
+        self.kept: dict[int, torch.Tensor] = {}  # chunk index -> its representation with the graph, not replayed
 
     def store(self, chunk_rep: torch.Tensor) -> None:
         """Keep the next chunk's (detached) representation. The rows it holds come from its input when that has
@@ -211,13 +215,23 @@ class GradCache:
         trim: cut every chunk to its longest sequence, on its padding side (right or left).
         keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
             again (ignored for DDP-wrapped and FSDP-sharded models); it is backpropagated first, so peak memory stays one chunk.
+        memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
+            first-pass graphs to keep: a chunk whose measured graph fits what is left keeps it and is not run again
+            (its backward takes the cached gradient directly); the others are replayed. 0 (default): only the
+            last chunk, as ``keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks); peak graph
+            memory stays within the budget plus one chunk's graph. Under DDP/FSDP every model's last chunk is
+            still replayed: its backward carries the gradient sync, after every kept graph's.
+        chunk_tokens: one int per model (or one for all; None: rows only): a chunk holds as many rows (at most its
+            chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (after
+            ``sort_by_length``, short sequences make chunks of more rows). Needs a 2-D attention mask.
     """
 
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: Union[int, Sequence[int]], loss_fn: Callable[..., torch.Tensor],
                  split_input_fn: Optional[Callable[[Any, int], list]] = None,
                  get_rep_fn: Optional[Callable[[Any], torch.Tensor]] = None, fp16: bool = False,
                  scaler: Optional[torch.amp.GradScaler] = None, *, bf16: bool = False, sort_by_length: bool = False,
-                 trim: bool = True, keep_last_graph: bool = True) -> None:
+                 trim: bool = True, keep_last_graph: bool = True, memory_budget: MemoryBudget = 0,
+                 chunk_tokens: Union[None, int, Sequence[Optional[int]]] = None) -> None:
         self.models = list(models)
         sizes = [chunk_sizes] * len(self.models) if isinstance(chunk_sizes, int) else list(chunk_sizes)
         if len(sizes) != len(self.models):
@@ -235,6 +249,22 @@ class GradCache:
         self.get_rep_fn = get_rep_fn
         self.fp16, self.bf16, self.scaler = fp16, bf16, scaler
         self.sort_by_length, self.trim, self.keep_last_graph = sort_by_length, trim, keep_last_graph
+        self.memory_budget = parse_memory(memory_budget if memory_budget is not None else 0)
+        self.chunk_tokens = self._token_limits(chunk_tokens)
+        self._per_token: dict[int, float] = {}  # largest graph bytes per token measured, per model, across steps
+        self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
+
+    def _token_limits(self, chunk_tokens: Union[None, int, Sequence[Optional[int]]]) -> list[Optional[int]]:
+        limits = [chunk_tokens] * len(self.models) if chunk_tokens is None or isinstance(chunk_tokens, int) \
+            else list(chunk_tokens)
+        if len(limits) != len(self.models):
+            raise DprGcError(f"got {len(limits)} chunk token limits for {len(self.models)} models")
+        for limit in limits:
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+                raise DprGcError(f"chunk tokens must be a positive integer (or None), got {limit!r}")
+        if self.split_input_fn is not None and any(limit is not None for limit in limits):
+            raise DprGcError("chunk_tokens splits by the attention mask; it cannot be combined with split_input_fn")
+        return limits
 
     def __call__(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
         return self.cache_step(*model_inputs, no_sync_except_last=no_sync_except_last, **loss_kwargs)
@@ -264,6 +294,8 @@ class GradCache:
             model_input = take_rows(model_input, order)
         if self.split_input_fn is not None:
             chunks = list(self.split_input_fn(model_input, self.chunk_sizes[m]))
+        elif self.chunk_tokens[m] is not None:
+            chunks = split_by_tokens(model_input, self.chunk_sizes[m], self.chunk_tokens[m], self.trim)
         else:
             chunks = split_input(model_input, self.chunk_sizes[m])
         if not chunks or rows_in(model_input) == 0:
@@ -272,21 +304,38 @@ class GradCache:
         chunks = [trim_padding(c) if w is not None else c for c, w in zip(chunks, widths)]
         return _Plan(m, chunks, widths, order)
 
-    def _first_pass(self, plan: _Plan, trainable: bool, keep_graph: bool) -> None:
-        """Run the chunks of ``plan`` without a graph into its buffer, recording each one's RNG state first for the
-        replay; with ``keep_graph`` the last chunk runs with its graph instead, kept as ``plan.kept`` (it is not
-        replayed)."""
+    def _first_pass(self, plan: _Plan, trainable: bool, keep_last: bool, ledger: BudgetLedger) -> None:
+        """Run the chunks of ``plan`` into its buffer. A chunk whose graph may fit the budget runs with it, measured;
+        a graph that fits (or, with ``keep_last``, the last chunk's) is kept in ``plan.kept`` and not replayed. The
+        others run (or are dropped) without a graph, their RNG state recorded first for the replay. Under DDP/FSDP
+        kept graphs run without gradient sync and the last chunk is always replayed: its backward syncs."""
         model = self.models[plan.m]
         devices = rng_devices(model, None) if trainable else set()
-        without_graph = len(plan.chunks) - 1 if keep_graph else len(plan.chunks)
-        for chunk, width in zip(plan.chunks[:without_graph], plan.widths):
+        data_parallel, last = is_data_parallel(model), len(plan.chunks) - 1
+        exclude = fixed_storages([model]) if trainable else set()
+        for i, (chunk, width) in enumerate(zip(plan.chunks, plan.widths)):
+            force = keep_last and i == last
             if trainable:
-                plan.states.append(RandState(devices | {t.device for t in tensors_in(chunk)}))
-            with torch.no_grad():
-                plan.store(self._forward(model, chunk, width))
-        if keep_graph:
-            plan.kept = self._forward(model, plan.chunks[-1], plan.widths[-1])
-            plan.store(plan.kept.detach())
+                plan.states[i] = RandState(devices | {t.device for t in tensors_in(chunk)})
+            if trainable and not (data_parallel and i == last) and (force or ledger.worth_trying(plan.m, plan.tokens[i])):
+                self._run_with_graph(plan, i, exclude, ledger, force)
+            else:
+                with torch.no_grad():
+                    plan.store(self._forward(model, chunk, width))
+            ledger.count(plan.m, plan.tokens[i], i in plan.kept)
+            if i in plan.kept:
+                del plan.states[i]
+
+    def _run_with_graph(self, plan: _Plan, i: int, exclude: set[int], ledger: BudgetLedger, force: bool) -> None:
+        """Run chunk ``i`` with its graph, measured; keep the graph when the ledger admits it, else drop it."""
+        model = self.models[plan.m]
+        with self._sync_context(model, False), GraphMeter(exclude) as meter:
+            chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
+        nbytes = meter.nbytes(chunk_rep)
+        del meter
+        if ledger.measured(plan.m, plan.tokens[i], nbytes, force):
+            plan.kept[i] = chunk_rep
+        plan.store(chunk_rep.detach())
 
     # ----------------------------------------------------------------- the step
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
@@ -295,7 +344,9 @@ class GradCache:
         With ``no_sync_except_last`` only each model's last chunk runs DDP's all-reduce (FSDP2's reduce-scatter:
         ``set_requires_gradient_sync(False)`` for the others). A module listed twice (tied encoders) is therefore
         reduced twice per step, which is exact: averaging is linear and leaves an already-averaged part unchanged.
-        The kept-graph shortcut is off for DDP and FSDP models, whose hooks must see the chunks in replay order.
+        Under DDP and FSDP, kept graphs (see ``memory_budget``) are backpropagated first without sync and every
+        model's last chunk is replayed with it, so the sync always runs on the last backward. What the step kept
+        and measured is left in :attr:`last_step`.
         """
         if len(model_inputs) != len(self.models):
             raise DprGcError(f"got {len(model_inputs)} model inputs for {len(self.models)} models")
@@ -309,19 +360,26 @@ class GradCache:
         return loss.detach()
 
     def forward_no_grad(self, model_inputs: Sequence[Any], trainable: list[bool]) -> tuple[list[_Plan], list[torch.Tensor]]:
-        """Part 1: every model's chunks and representations, computed without graphs (fp32, original row order,
-        requiring grad where the model trains). The very last chunk (of the last model) keeps its graph when
-        allowed: it is the one chunk whose graph can live until the loss without raising peak memory (not under
-        DDP or FSDP, where that graph's backward would reach the gradient hooks out of order)."""
+        """Part 1: every model's chunks and representations (fp32, original row order, requiring grad where the
+        model trains). Chunks whose graphs fit the memory budget keep them; so does the very last chunk (of the
+        last model) when ``keep_last_graph`` allows: it is the one chunk whose graph can live until the loss
+        without raising peak memory beyond one chunk (not under DDP or FSDP, whose last chunks carry the sync)."""
+        ledger = BudgetLedger(self._budget_bytes(), self._per_token)
         plans, reps = [], []
         for m, model_input in enumerate(model_inputs):
             plan = self._plan(m, model_input)
             keep = (self.keep_last_graph and m == len(self.models) - 1 and trainable[m]
                     and not is_data_parallel(self.models[m]))
-            self._first_pass(plan, trainable[m], keep)
+            self._first_pass(plan, trainable[m], keep, ledger)
             plans.append(plan)
             reps.append(plan.reps().requires_grad_(trainable[m]))
+        self.last_step = ledger.report
         return plans, reps
+
+    def _budget_bytes(self) -> int:
+        """This step's budget in bytes (``auto`` is resolved on the first model's device, now)."""
+        largest = self.last_step.largest_graph if self.last_step is not None else 0
+        return resolve_budget(self.memory_budget, model_device(self.models[0]), largest)
 
     def build_cache(self, reps: list[torch.Tensor], **loss_kwargs: Any) -> torch.Tensor:
         """Part 2: the loss over the whole batch of representations, backpropagated to them: their ``.grad`` (fp32)
@@ -333,32 +391,48 @@ class GradCache:
         return loss
 
     def forward_backward(self, plans: list[_Plan], cache: list[Optional[torch.Tensor]], no_sync: bool) -> None:
-        """Part 3: replay each chunk with a graph under its recorded RNG state and push its cached gradient into the
-        encoder, models last to first. A representation the loss did not use is not replayed (and a kept graph of
-        it is dropped at once). Buffers are put back afterwards: the first pass already counted every example in
-        the running statistics."""
+        """Part 3: push the cached gradient into the encoders: first through every kept graph (no gradient sync),
+        then by replaying each other chunk with a graph under its recorded RNG state, models last to first. A
+        representation the loss did not use is not replayed (and its kept graphs are dropped at once). Buffers are
+        put back afterwards: the first pass already counted every example in the running statistics."""
         for plan, grad in zip(plans, cache):
             if grad is None:
-                plan.kept = None
+                plan.kept.clear()
         with buffers_kept([self.models[m] for m, grad in enumerate(cache) if grad is not None]):
+            for m in reversed(range(len(self.models))):
+                if cache[m] is not None:
+                    self._backward_kept(plans[m], cache[m])
             for m in reversed(range(len(self.models))):
                 if cache[m] is not None:
                     self._replay(plans[m], cache[m], no_sync)
 
+    def _backward_kept(self, plan: _Plan, cache: torch.Tensor) -> None:
+        """Backpropagate the cached gradient through one model's kept graphs, freeing each; without gradient sync
+        (their forwards ran without it too), which the model's replayed last chunk carries under DDP/FSDP."""
+        model = self.models[plan.m]
+        with self._sync_context(model, False):
+            for i in sorted(plan.kept):
+                self._backward_chunk(plan.kept.pop(i), plan.rows[i], cache)
+
     def _replay(self, plan: _Plan, cache: torch.Tensor, no_sync: bool) -> None:
-        """One model's part 3. A kept chunk goes first of all, so its graph is freed before any other chunk is
-        re-run; with ``no_sync`` only the last chunk runs DDP's all-reduce (FSDP's reduce-scatter)."""
+        """One model's part 3 for the chunks without a kept graph; with ``no_sync`` only the last chunk runs DDP's
+        all-reduce (FSDP's reduce-scatter)."""
         model, end = self.models[plan.m], len(plan.chunks) - 1
-        replayed = range(len(plan.chunks))
-        if plan.kept is not None:
-            self._backward_chunk(plan.kept, plan.rows[end], cache)
-            plan.kept, replayed = None, range(end)
-        for i in replayed:
+        exclude = fixed_storages([model]) if plan.states else set()
+        for i in sorted(plan.states):
             with self._sync_context(model, not no_sync or i == end):
-                with plan.states[i].replay():
+                with plan.states[i].replay(), GraphMeter(exclude) as meter:
                     chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
+                self._note_replayed_graph(meter.nbytes(chunk_rep))
+                del meter
                 self._backward_chunk(chunk_rep, plan.rows[i], cache)
                 del chunk_rep
+
+    def _note_replayed_graph(self, nbytes: int) -> None:
+        """Count a replayed chunk's graph in :attr:`last_step` (kept graphs are all freed before the replay)."""
+        if self.last_step is not None:
+            self.last_step.largest_graph = max(self.last_step.largest_graph, nbytes)
+            self.last_step.peak_graph_bytes = max(self.last_step.peak_graph_bytes, nbytes)
 
     @staticmethod
     def _backward_chunk(chunk_rep: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor) -> None:

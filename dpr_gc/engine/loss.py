@@ -26,22 +26,84 @@ REDUCTIONS = ("mean", "sum", "none")
 _AUTO_BLOCK_ELEMENTS = 1 << 20
 
 
-class _BlockedCrossEntropy(torch.autograd.Function):
-    """Per row i, ``-log softmax(scale * x_i · y^T)[t_i]``, computed ``block`` rows at a time."""
+class Exclusion:
+    """Which scores of a score matrix are dropped: those whose row and column share a key (the same passage),
+    except each row's target column (its own positive).
+
+    ``row_keys`` is ``[R, Kr]`` and ``col_keys`` ``[C, Kc]`` (int64, ``-1`` for no key): row ``r`` drops column
+    ``c`` when any of its keys equals any of the column's. Masks are built one block of rows at a time, so the full
+    ``R x C`` mask never exists either.
+    """
+
+    def __init__(self, row_keys: torch.Tensor, col_keys: torch.Tensor, targets: torch.Tensor) -> None:
+        self.row_keys, self.col_keys, self.targets = row_keys, col_keys, targets
+
+    def block(self, start: int, stop: int) -> torch.Tensor:
+        """The ``[stop - start, C]`` boolean mask of rows ``start:stop`` (True: dropped)."""
+        rows = self.row_keys[start:stop]
+        mask = torch.zeros(rows.size(0), self.col_keys.size(0), dtype=torch.bool, device=rows.device)
+        for a in range(rows.size(1)):
+            key = rows[:, a, None]
+            for c in range(self.col_keys.size(1)):
+                mask |= (key == self.col_keys[None, :, c]) & (key >= 0)
+        mask[torch.arange(rows.size(0), device=rows.device), self.targets[start:stop]] = False
+        return mask
+
+    def dense(self) -> torch.Tensor:
+        return self.block(0, self.row_keys.size(0))
+
+    def count(self, block: int) -> int:
+        """How many scores are dropped in all."""
+        return sum(int(self.block(s, s + block).sum()) for s in range(0, self.row_keys.size(0), block))
+
+
+def _no_autocast(tensor: torch.Tensor) -> torch.autocast:
+    """Autocast off on ``tensor``'s device: a backward runs under whatever autocast is active where ``.backward()``
+    is called (GradCache calls it inside the user's step), so it is switched off to keep the forward's precision."""
+    return torch.autocast(tensor.device.type, enabled=False)
+
+
+class _Scores(torch.autograd.Function):
+    """``x @ y.T`` whose backward stays in the inputs' precision under an outer autocast (the dense path)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, targets: torch.Tensor, block: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, y)
+        return x @ y.T
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, y = ctx.saved_tensors
+        with _no_autocast(x):
+            grad = grad.to(x.dtype)
+            return (grad @ y if ctx.needs_input_grad[0] else None), (grad.T @ x if ctx.needs_input_grad[1] else None)
+
+
+class _BlockedCrossEntropy(torch.autograd.Function):
+    """Per row i, ``-log softmax(scale * x_i · y^T)[t_i]`` over the scores ``exclusion`` keeps, computed ``block``
+    rows at a time."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, targets: torch.Tensor, block: int,
+                exclusion: Optional[Exclusion] = None) -> torch.Tensor:
         lse = torch.empty(x.size(0), dtype=x.dtype, device=x.device)
         for start in range(0, x.size(0), block):
             scores = (x[start:start + block] @ y.T) * scale
+            if exclusion is not None:
+                scores.masked_fill_(exclusion.block(start, start + block), float("-inf"))
             lse[start:start + block] = torch.logsumexp(scores, dim=1)
         target_scores = (x * y[targets]).sum(1) * scale
         ctx.save_for_backward(x, y, scale, targets, lse)
-        ctx.block = block
+        ctx.block, ctx.exclusion = block, exclusion
         return lse - target_scores
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        with _no_autocast(grad_out):
+            return _BlockedCrossEntropy._backward(ctx, grad_out) + (None,)
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor):
         x, y, scale, targets, lse = ctx.saved_tensors
         g = grad_out.to(x.dtype)
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
@@ -51,6 +113,8 @@ class _BlockedCrossEntropy(torch.autograd.Function):
             xb = x[start:start + ctx.block]
             raw = xb @ y.T
             probs = torch.exp(raw * scale - lse[start:start + ctx.block, None])
+            if ctx.exclusion is not None:
+                probs.masked_fill_(ctx.exclusion.block(start, start + ctx.block), 0.0)
             rows = torch.arange(xb.size(0), device=x.device)
             probs[rows, targets[start:start + ctx.block]] -= 1.0
             probs *= g[start:start + ctx.block, None]
@@ -72,16 +136,17 @@ def check_loss_chunk_size(block: Optional[int]) -> None:
 
 
 def blocked_cross_entropy(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, targets: torch.Tensor,
-                          block: Optional[int] = None) -> torch.Tensor:
-    """Per-query InfoNCE losses of queries ``x`` over passages ``y``, never materialising more than ``block`` rows
-    of scores. Computed in fp32, or in fp64 when the representations are fp64 (fp16/bf16 are raised to fp32)."""
+                          block: Optional[int] = None, exclusion: Optional[Exclusion] = None) -> torch.Tensor:
+    """Per-query InfoNCE losses of queries ``x`` over passages ``y`` (without the scores ``exclusion`` drops), never
+    materialising more than ``block`` rows of scores. Computed in fp32, or in fp64 when the representations are fp64
+    (fp16/bf16 are raised to fp32), forward and backward, whatever autocast is active."""
     check_loss_chunk_size(block)
     if block is None:
         block = max(1, min(x.size(0), _AUTO_BLOCK_ELEMENTS // max(1, y.size(0))))
     if block == 0:
         raise DprGcError("blocked_cross_entropy needs a positive block (loss_chunk_size 0 is the dense path)")
     dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-    return _BlockedCrossEntropy.apply(x.to(dtype), y.to(dtype), scale.to(dtype), targets, int(block))
+    return _BlockedCrossEntropy.apply(x.to(dtype), y.to(dtype), scale.to(dtype), targets, int(block), exclusion)
 
 
 def reduce(losses: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -139,9 +204,20 @@ class SimpleContrastiveLoss(nn.Module):
         loss_chunk_size: rows per block of the score matrix; ``None`` picks a block of about 1M scores (4 MB);
             ``0`` computes the dense matrix with plain autograd (the reference path); negative values are refused.
 
-    ``forward(x, y, target=None, reduction="mean")`` as in the original: ``target`` holds, per query, the index of
-    its positive among the rows of ``y`` (then ``y`` may have any number of rows); ``reduction`` is ``"mean"``,
-    ``"sum"`` or ``"none"`` (one loss per query) on every path.
+    ``forward(x, y, target=None, reduction="mean", passage_ids=None, positive_ids=None)`` as in the original:
+    ``target`` holds, per query, the index of its positive among the rows of ``y`` (then ``y`` may have any number of
+    rows); ``reduction`` is ``"mean"``, ``"sum"`` or ``"none"`` (one loss per query) on every path.
+
+    Duplicate positives: when two queries of a batch share a positive passage, or one passage appears twice, a
+    query would see a copy of its own positive as a negative. ``passage_ids`` (int64, one per row of ``y``, equal
+    for the same passage, ``-1`` when unknown) drops, for every query, each other row holding the passage of its
+    positive; ``positive_ids`` (int64 ``[B, K]``, ``-1`` padding) adds all the passages a query counts as positive.
+    :attr:`masked_scores` then says how many scores the last call dropped (this rank's queries)::
+
+        loss_fn = SimpleContrastiveLoss(n_hard_negatives=0)
+        x, y = torch.randn(2, 8), torch.randn(2, 8)
+        loss_fn(x, y, passage_ids=torch.tensor([7, 7]))  # both positives are passage 7: loss 0, 2 scores dropped
+        GradCache([enc, enc], 8, loss_fn)(q, p, passage_ids=ids)  # the same through Gradient Cache
     """
 
     def __init__(self, n_hard_negatives: int = 0, temperature: float = 1.0, learn_temperature: bool = False,
@@ -157,6 +233,7 @@ class SimpleContrastiveLoss(nn.Module):
         check_loss_chunk_size(loss_chunk_size)
         self.loss_chunk_size = loss_chunk_size
         self.tau = Temperature(temperature, learn_temperature)
+        self.masked_scores = 0
 
     @property
     def temperature(self) -> torch.Tensor:
@@ -178,14 +255,39 @@ class SimpleContrastiveLoss(nn.Module):
             if queries and not (0 <= int(target.min()) and int(target.max()) < y.size(0) * self._world()):
                 raise DprGcError(f"target indexes passage rows, which run from 0 to {y.size(0) * self._world() - 1}")
             return
+        self._check_layout(x, y)
+
+    def _check_layout(self, x: torch.Tensor, y: torch.Tensor) -> None:
         group = 1 + self.n_hard_negatives
         if y.size(0) != x.size(0) * group:
             raise DprGcError(f"{x.size(0)} queries need {x.size(0) * group} passages (1 positive + "
                              f"{self.n_hard_negatives} hard negatives each), got {y.size(0)}: check the batch layout "
                              "or n_hard_negatives, or pass target")
 
+    @staticmethod
+    def _check_ids(x: torch.Tensor, y: torch.Tensor, passage_ids: Optional[torch.Tensor],
+                   positive_ids: Optional[torch.Tensor]) -> None:
+        if passage_ids is None:
+            if positive_ids is not None:
+                raise DprGcError("positive_ids needs passage_ids (one id per passage row)")
+            return
+        if passage_ids.shape != (y.size(0),) or passage_ids.dtype.is_floating_point:
+            raise DprGcError(f"passage_ids must hold one integer id per passage row ({y.size(0)}), got shape "
+                             f"{tuple(passage_ids.shape)} of {passage_ids.dtype}")
+        if positive_ids is not None and (positive_ids.dim() != 2 or positive_ids.size(0) != x.size(0)
+                                         or positive_ids.dtype.is_floating_point):
+            raise DprGcError(f"positive_ids must be integer ids [queries ({x.size(0)}), K], got shape "
+                             f"{tuple(positive_ids.shape)} of {positive_ids.dtype}")
+
     def _world(self) -> int:
         return 1
+
+    @staticmethod
+    def _positive_keys(passage_ids: torch.Tensor, targets: torch.Tensor,
+                       positive_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[B, K]`` ids of every passage each query counts as positive: its target's, then ``positive_ids``."""
+        own = passage_ids[targets].long()[:, None]
+        return own if positive_ids is None else torch.cat([own, positive_ids.to(own.device).long()], dim=1)
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = x.float(), y.float()
@@ -193,31 +295,52 @@ class SimpleContrastiveLoss(nn.Module):
             x, y = nn.functional.normalize(x, dim=-1), nn.functional.normalize(y, dim=-1)
         return x, y
 
-    def _direction(self, x: torch.Tensor, y: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    def _direction(self, x: torch.Tensor, y: torch.Tensor, targets: torch.Tensor, reduction: str,
+                   exclusion: Optional[Exclusion]) -> torch.Tensor:
         scale = self.temperature.to(x.device).reciprocal()
         if self.loss_chunk_size == 0:
-            return nn.functional.cross_entropy((x @ y.T) * scale, targets, reduction=reduction)
-        return reduce(blocked_cross_entropy(x, y, scale, targets, self.loss_chunk_size), reduction)
+            scores = _Scores.apply(x, y) * scale
+            if exclusion is not None:
+                scores = scores.masked_fill(exclusion.dense(), float("-inf"))
+            return nn.functional.cross_entropy(scores, targets, reduction=reduction)
+        return reduce(blocked_cross_entropy(x, y, scale, targets, self.loss_chunk_size, exclusion), reduction)
 
     def _loss(self, x: torch.Tensor, y_all: torch.Tensor, targets: torch.Tensor, x_all: torch.Tensor,
-              query_index: torch.Tensor, reduction: str) -> torch.Tensor:
+              query_index: torch.Tensor, reduction: str, keys: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+              ) -> torch.Tensor:
         """Loss of the queries ``x``, whose positives sit at rows ``targets`` of ``y_all``, against all passages;
         the symmetric term scores those positives against all queries ``x_all`` (``x`` is ``x_all[query_index]``).
-        Autocast is off: an outer fp16/bf16 autocast would otherwise lower the scores' precision."""
+        ``keys``: the passage id of every row of ``y_all`` and the positive ids ``[B_all, K]`` of every query of
+        ``x_all`` (duplicate positives are dropped). Autocast is off: an outer fp16/bf16 autocast would otherwise
+        lower the scores' precision (the backward passes switch it off too)."""
+        forward_mask = backward_mask = None
+        if keys is not None:
+            passage_ids, positive_keys = keys
+            forward_mask = Exclusion(positive_keys[query_index], passage_ids[:, None], targets)
+            backward_mask = Exclusion(passage_ids[targets][:, None], positive_keys, query_index)
+            self.masked_scores = forward_mask.count(max(1, _AUTO_BLOCK_ELEMENTS // max(1, y_all.size(0))))
+        else:
+            self.masked_scores = 0
         with torch.autocast(x.device.type, enabled=False):
             x, y_all = self._prepare(x, y_all)
-            loss = self._direction(x, y_all, targets, reduction)
+            loss = self._direction(x, y_all, targets, reduction, forward_mask)
             if self.symmetric:
                 x_all, positives = self._prepare(x_all, y_all[targets])
-                loss = (loss + self._direction(positives, x_all, query_index, reduction)) / 2
+                loss = (loss + self._direction(positives, x_all, query_index, reduction, backward_mask)) / 2
             return loss
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, target: Optional[torch.Tensor] = None,
-                reduction: str = "mean") -> torch.Tensor:
+                reduction: str = "mean", passage_ids: Optional[torch.Tensor] = None,
+                positive_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._check(x, y, target, reduction)
+        self._check_ids(x, y, passage_ids, positive_ids)
         query_index = torch.arange(x.size(0), device=x.device)
         targets = query_index * (1 + self.n_hard_negatives) if target is None else target.to(x.device)
-        return self._loss(x, y, targets, x, query_index, reduction)
+        keys = None
+        if passage_ids is not None:
+            passage_ids = passage_ids.to(x.device).long()
+            keys = (passage_ids, self._positive_keys(passage_ids, targets, positive_ids))
+        return self._loss(x, y, targets, x, query_index, reduction, keys)
 
 
 class _AllGather(torch.autograd.Function):
@@ -246,6 +369,16 @@ def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     return _AllGather.apply(tensor)
 
 
+def gather_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Concatenate the ``[n, K]`` integer ids of every rank (``n`` equal; ``K`` may differ: padded with -1)."""
+    width = torch.tensor([ids.size(1)], device=ids.device)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    ids = nn.functional.pad(ids, (0, int(width) - ids.size(1)), value=-1)
+    parts = [torch.empty_like(ids) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, ids.contiguous())
+    return torch.cat(parts, dim=0)
+
+
 class DistributedContrastiveLoss(SimpleContrastiveLoss):
     """The same loss over the global batch of all ranks (create it after the process group is initialised).
 
@@ -269,13 +402,20 @@ class DistributedContrastiveLoss(SimpleContrastiveLoss):
         return self.world_size
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, target: Optional[torch.Tensor] = None,
-                reduction: str = "mean") -> torch.Tensor:
+                reduction: str = "mean", passage_ids: Optional[torch.Tensor] = None,
+                positive_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``passage_ids`` and ``positive_ids`` are this rank's (its passages, its queries); they are gathered, so
+        a query's positive is dropped from the negatives of every rank's queries."""
         self._check(x, y, target, reduction, queries=x.size(0) * self.world_size)
+        self._check_ids(x, y, passage_ids, positive_ids)
         x_all = all_gather_with_grad(x)
         y_all = all_gather_with_grad(y)
         query_index = torch.arange(x.size(0), device=x.device) + self.rank * x.size(0)
-        if target is None:
-            targets = query_index * (1 + self.n_hard_negatives)
-        else:
-            targets = target.to(x.device)[query_index]
-        return self._loss(x, y_all, targets, x_all, query_index, reduction)
+        every_query = torch.arange(x_all.size(0), device=x.device)
+        all_targets = every_query * (1 + self.n_hard_negatives) if target is None else target.to(x.device)
+        keys = None
+        if passage_ids is not None:
+            ids = gather_ids(passage_ids.to(x.device).long()[:, None])[:, 0]
+            positive = None if positive_ids is None else gather_ids(positive_ids.to(x.device).long())
+            keys = (ids, self._positive_keys(ids, all_targets, positive))
+        return self._loss(x, y_all, all_targets[query_index], x_all, query_index, reduction, keys)

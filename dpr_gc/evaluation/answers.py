@@ -14,18 +14,15 @@ when there are many; the flags do not depend on the number of workers.
 from __future__ import annotations
 
 import collections
-import functools
 import math
 import multiprocessing
 import os
-import re
-import sys
-import unicodedata
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
 from ..base.errors import DprGcError
+from ..data.answer_text import nfd, simple_tokens
 from .results import check_question, passage_key
 
 MATCH_MODES = ("string", "regex")
@@ -37,48 +34,6 @@ PARALLEL_MIN = 2_048
 Passage = tuple[Optional[str], str]  # (passage id or None, text)
 
 
-# ----------------------------------------------------------------------------------------------- tokenizer
-def _class_ranges(codepoints: list[int]) -> str:
-    """Render sorted code points as the body of a regex character class, merging consecutive runs."""
-    parts = []
-    start = prev = codepoints[0]
-    for cp in codepoints[1:] + [-1]:
-        if cp != prev + 1:
-            parts.append(f"\\U{start:08x}" if start == prev else f"\\U{start:08x}-\\U{prev:08x}")
-            start = cp
-        prev = cp
-    return "".join(parts)
-
-
-@functools.lru_cache(maxsize=1)
-def _token_pattern() -> re.Pattern[str]:
-    """Tokens are runs of letters/numbers/marks, or any single char that is not a separator or control.
-
-    These are DPR's SimpleTokenizer classes (``[\\p{L}\\p{N}\\p{M}]+`` | ``[^\\p{Z}\\p{C}]``), built from
-    ``unicodedata`` so the stdlib ``re`` suffices. Combining marks count as word characters, so after NFD
-    "café" stays one token ("cafe" + U+0301) and does not match "cafe". Built once per process (~0.5 s).
-    """
-    word, blank = [], []
-    for cp in range(sys.maxunicode + 1):
-        major = unicodedata.category(chr(cp))[0]
-        if major in "LNM":
-            word.append(cp)
-        elif major in "ZC":
-            blank.append(cp)
-    return re.compile(f"[{_class_ranges(word)}]+|[^{_class_ranges(blank)}]")
-
-
-def normalize(text: str) -> str:
-    """Unicode NFD, as DPR applies to passages and answers before matching."""
-    return unicodedata.normalize("NFD", text)
-
-
-def tokenize(text: str, uncased: bool = True) -> list[str]:
-    """Split ``text`` into DPR simple-tokenizer tokens (lower-cased when ``uncased``)."""
-    tokens = _token_pattern().findall(text)
-    return [t.lower() for t in tokens] if uncased else tokens
-
-
 def check_mode(mode: str) -> None:
     if mode not in MATCH_MODES:
         raise DprGcError(f"unknown match mode {mode!r}; use one of {', '.join(MATCH_MODES)}")
@@ -86,8 +41,8 @@ def check_mode(mode: str) -> None:
 
 def prepare_passage(text: str, mode: str) -> str:
     """What answers are matched against: the NFD text (regex) or ``" tok tok ... "`` of its uncased tokens."""
-    text = normalize(text)
-    return text if mode == "regex" else " " + " ".join(tokenize(text)) + " "
+    text = nfd(text)
+    return text if mode == "regex" else " " + " ".join(simple_tokens(text)) + " "
 
 
 def _prepare_many(args: tuple[list[str], str]) -> list[str]:
@@ -115,7 +70,7 @@ def prepare_answers(answers: Sequence[str], mode: str) -> list[Any]:
         return out
     needles = []
     for answer in answers:
-        tokens = tokenize(normalize(answer))
+        tokens = simple_tokens(nfd(answer))
         if tokens and (needle := " " + " ".join(tokens) + " ") not in needles:
             needles.append(needle)
     return needles

@@ -12,9 +12,9 @@ Two kinds of ground truth are supported:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -22,14 +22,16 @@ from tqdm import tqdm
 
 from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, check_ks, check_mode, default_workers,
                       iter_blocks, resolve_mode)
-from .answers import MATCH_MODES, evaluate_answers, has_answer, normalize, tokenize, top_k_accuracy  # noqa: F401
+from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  # noqa: F401 (the API of evaluation)
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_path, open_text, write_json
+from ..base.settings import add_arguments, check, setting
 from .results import check_question, iter_results
 from ..base.validate import check_id
 from ..base.tables import markdown_table
+from ..data.qrels import read_qrels
 
 logger = logging.getLogger(__name__)
 
@@ -39,39 +41,6 @@ def read_results(path: PathLike) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------- qrels and runs
-def _fields(line: str) -> list[str]:
-    """Split on tabs when the line has any (BEIR TSV), otherwise on whitespace (TREC)."""
-    line = line.rstrip("\r\n")
-    return [f.strip() for f in line.split("\t")] if "\t" in line else line.split()
-
-
-def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
-    """Read BEIR TSV qrels (``query-id corpus-id score`` with header) or TREC qrels (``qid 0 docid rel``)."""
-    qrels: dict[str, dict[str, int]] = {}
-    with open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            parts = _fields(line)
-            if not parts:
-                continue
-            if line_no == 1 and parts[0].lower() in ("query-id", "query_id"):
-                continue
-            if len(parts) not in (3, 4) or not all(parts):
-                raise DprGcError(f"{path}:{line_no}: expected 'query-id corpus-id score' or 'qid 0 docid rel', "
-                                 f"got {line.strip()!r}")
-            qid, docid, rel_text = parts[0], parts[-2], parts[-1]
-            check_id(qid, f"{path}:{line_no}", "query id"), check_id(docid, f"{path}:{line_no}", "document id")
-            if not re.fullmatch(r"[-+]?\d+(\.0*)?", rel_text):
-                raise DprGcError(f"{path}:{line_no}: relevance {rel_text!r} is not an integer")
-            rel = int(rel_text.split(".")[0])
-            judged = qrels.setdefault(qid, {})
-            if judged.get(docid, rel) != rel:
-                raise DprGcError(f"{path}:{line_no}: conflicting relevance for query {qid!r} doc {docid!r}")
-            judged[docid] = rel
-    if not qrels:
-        raise DprGcError(f"{path}: no relevance judgments found")
-    return qrels
-
-
 def read_run(path: PathLike) -> dict[str, dict[str, float]]:
     """Read a TREC run file (``qid Q0 docid rank score tag``) into ``{qid: {docid: score}}``."""
     run: dict[str, dict[str, float]] = {}
@@ -372,20 +341,35 @@ def _cli(args: argparse.Namespace) -> None:
         logger.info("wrote plot to %s", args.plot)
 
 
+@dataclasses.dataclass
+class EvaluateSettings:
+    """``dpr-gc evaluate``: what is evaluated (a results file and/or a TREC run with qrels), at which cut-offs, how
+    answers are matched, and where the report goes."""
+
+    results: Optional[str] = setting(None, "--results",
+                                     help="DPR retriever output JSON: [{question, answers, ctxs: [...]}]")
+    run: Optional[str] = setting(None, "--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
+    qrels: Optional[str] = setting(None, "--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels "
+                                                         "(qid 0 docid rel)")
+    k: list[int] = setting(None, "--k", type=positive_int, nargs="+", default_factory=lambda: [1, 5, 10, 20, 100],
+                           help="cut-offs (nDCG@10 and MRR@10 are always reported)")
+    match: str = setting("auto", "--match", choices=("auto", "stored") + MATCH_MODES,
+                         help="answer flags: auto (the file's has_answer fields when present, else string), stored, "
+                              "or recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")
+    workers: int = setting(0, "--workers", type=nonnegative_int,
+                           help="processes that tokenise passages when recomputing flags (0: all cores)")
+    output: Optional[str] = setting(None, "--output", type=output_file, help="write the metrics report here as JSON")
+    plot: Optional[str] = setting(None, "--plot", type=output_file,
+                                  help="write a PNG of accuracy/recall against k here")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Register the ``evaluate`` sub-command."""
+    """Register the ``evaluate`` sub-command (flags generated from :class:`EvaluateSettings`)."""
     p = subparsers.add_parser("evaluate", help="top-k answer accuracy and qrels metrics (Recall, nDCG, MRR, MAP)",
                               description="Evaluate retrieval output against answers and/or relevance judgments.")
-    p.add_argument("--results", help="DPR retriever output JSON: [{question, answers, ctxs: [...]}]")
-    p.add_argument("--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
-    p.add_argument("--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels (qid 0 docid rel)")
-    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 20, 100], help="cut-offs (default: 1 5 20 100)")
-    p.add_argument("--match", choices=("auto", "stored") + MATCH_MODES, default="auto",
-                   help="answer flags: auto (the file's has_answer fields when present, else string), stored, or "
-                        "recompute them with string (NQ/TriviaQA) or regex (CuratedTREC) matching")
-    p.add_argument("--workers", type=nonnegative_int, default=0,
-                   help="processes that tokenise passages when recomputing flags (default 0: all cores)")
-    p.add_argument("--output", type=output_file, help="write the metrics report here as JSON")
-    p.add_argument("--plot", type=output_file, help="write a PNG of accuracy/recall against k here")
+    add_arguments(p, EvaluateSettings)
     p.set_defaults(func=_cli)
     return p

@@ -25,11 +25,10 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from ..cli import report_errors
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, report_errors
 from ..base.files import read_json, write_json
 from ..model.retriever import RetrieverConfig
-from ..model.tokenize import tokenize as tokenize_texts
+from ..model.tokenize import token_ids
 from .grad_cache import cached_value_and_grad
 from .loss import ContrastiveLoss
 from .model import Encoder, EncoderConfig, cast_params, encoder_fn, load_bert
@@ -72,14 +71,14 @@ class ExampleConfig:
                              "and both, like --chunk-size, positive")
 
 
-def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None,
-             rows: Optional[int] = None, kind: str = "query",
-             titles: Optional[Sequence[str]] = None) -> dict:
+def padded_token_ids(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None,
+                     rows: Optional[int] = None, kind: str = "query",
+                     titles: Optional[Sequence[str]] = None) -> dict:
     """Token ids and attention mask as int32 arrays from the toolkit's one tokenisation
-    (:func:`dpr_gc.tokenize.tokenize`; a passage as ``title text``, the sentence-transformers format all-MiniLM-L6-v2
+    (:func:`dpr_gc.model.tokenize.token_ids`; a passage as ``title text``, the sentence-transformers format all-MiniLM-L6-v2
     was trained with), padded to ``pad_to`` (fixed shapes compile once) or to the longest text rounded up to a
     multiple of 32 (few distinct shapes when encoding), and with empty rows up to ``rows``."""
-    enc = tokenize_texts(tokenizer, TEXT_FORMAT, kind, list(texts), titles, max_length)
+    enc = token_ids(tokenizer, TEXT_FORMAT, kind, list(texts), titles, max_length)
     kept = enc["attention_mask"].bool()
     lengths = kept.sum(1).tolist()
     width = pad_to or min(max_length, -(-max(lengths) // 32) * 32)
@@ -128,8 +127,8 @@ def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[st
     out = np.zeros((len(texts), model.config.hidden_size), np.float32)
     for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=None):
         rows = order[start:start + batch_size]
-        batch = tokenize(tokenizer, [texts[i] for i in rows], max_length, rows=batch_size, kind=kind,
-                         titles=[titles[i] for i in rows] if titles is not None else None)
+        batch = padded_token_ids(tokenizer, [texts[i] for i in rows], max_length, rows=batch_size, kind=kind,
+                                 titles=[titles[i] for i in rows] if titles is not None else None)
         reps = _forward(model, params, batch["input_ids"], batch["attention_mask"])
         out[rows] = np.asarray(reps, np.float32)[:len(rows)]
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
@@ -138,7 +137,7 @@ def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[st
 def evaluate_model(model: Encoder, params: Any, tokenizer: Any, corpus: list[tuple[str, str, str]],
                    questions: list[dict], config: ExampleConfig) -> dict[str, float]:
     """Exact top-100 retrieval over the corpus, scored by the toolkit's top-k answer accuracy."""
-    from ..evaluation.evaluate import evaluate_answers
+    from ..evaluation.answers import evaluate_answers
 
     passages = encode_texts(model, params, tokenizer, [text for _, _, text in corpus], config.passage_max_length,
                             desc="encoding passages", kind="passage", titles=[title for _, title, _ in corpus])
@@ -183,9 +182,9 @@ def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], gro
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    q_tok = tokenize(tokenizer, questions, config.query_max_length, pad_to=config.query_max_length)
-    p_tok = tokenize(tokenizer, [p for g in groups for p in g], config.passage_max_length,
-                     pad_to=config.passage_max_length, kind="passage")
+    q_tok = padded_token_ids(tokenizer, questions, config.query_max_length, pad_to=config.query_max_length)
+    p_tok = padded_token_ids(tokenizer, [p for g in groups for p in g], config.passage_max_length,
+                             pad_to=config.passage_max_length, kind="passage")
     group = 1 + config.hard_negatives
     opt_state, losses = optimizer.init(params), []
     rng, key = np.random.default_rng(config.seed), jax.random.key(config.seed)
@@ -206,7 +205,7 @@ def run_example(config: ExampleConfig) -> dict:
     from transformers import AutoTokenizer
 
     from ..data.corpus import iter_passages, read_queries
-    from ..model.retriever import default_model_path
+    from ..model.pretrained import default_model_path
     from ..data.stdlib_data import build_stdlib_dataset
 
     started = time.perf_counter()

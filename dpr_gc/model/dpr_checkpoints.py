@@ -1,5 +1,5 @@
 """Read a DPR / GC-DPR bi-encoder training checkpoint (``dpr_biencoder.N.cp``) as a :class:`Retriever`, without
-unpickling code (the Hub's transformers DPR pairs are :mod:`dpr_gc.dpr_hub`).
+unpickling code (the Hub's transformers DPR pairs are :mod:`dpr_gc.model.dpr_hub`).
 
 DPR saves ``{model_dict, optimizer_dict, scheduler_dict, offset, epoch, encoder_params}`` with ``torch.save``; all of
 it is tensors, numbers, strings and containers, so ``torch.load(weights_only=True)`` reads it. ``model_dict`` holds
@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from ..base.errors import DprGcError
+from .config import RetrieverConfig
+from .pretrained import load_tokenizer
 
 CONVERT_HINT = ("convert it where you trust the file: python -c \"import torch; s = torch.load('{path}', "
                 "weights_only=False); torch.save({{'model_dict': dict(s['model_dict']), 'encoder_params': "
@@ -44,11 +46,10 @@ def _tower(model_dict: dict, prefix: str) -> tuple[dict, dict]:
     return weights, projection
 
 
-def load_dpr_checkpoint(path: str | Path) -> Any:
-    """A :class:`Retriever` with DPR's two towers, CLS pooling, dot product and optional projection."""
+def load_dpr_checkpoint(retriever_cls: Any, path: str | Path) -> Any:
+    """A ``retriever_cls`` (the :class:`~dpr_gc.model.retriever.Retriever` whose ``load`` calls this) with DPR's two
+    towers, CLS pooling, dot product and optional projection."""
     from transformers import AutoConfig, AutoModel
-
-    from .retriever import Retriever, RetrieverConfig, load_tokenizer
 
     p = Path(path)
     state = read_dpr_state(p)
@@ -76,7 +77,7 @@ def load_dpr_checkpoint(path: str | Path) -> Any:
             raise DprGcError(f"{p}: {prefix} weights do not fit {name!r} (missing {missing[:3]}, unexpected "
                              f"{unexpected[:3]})")
         towers[side] = (model, projection)
-    retriever = Retriever(towers["query"][0], towers["passage"][0], load_tokenizer(str(name)), config)
+    retriever = retriever_cls(towers["query"][0], towers["passage"][0], load_tokenizer(str(name)), config)
     for encoder, (_, projection) in ((retriever.query_encoder, towers["query"]),
                                      (retriever.passage_encoder, towers["passage"])):
         if encoder.projection is not None:

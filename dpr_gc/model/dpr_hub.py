@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from ..base.errors import DprGcError
+from .config import RetrieverConfig
+from .pretrained import load_tokenizer
 
 DPR_ARCHITECTURES = {"DPRQuestionEncoder": "question", "DPRContextEncoder": "context"}
 
@@ -40,13 +42,13 @@ def find_dpr_pair(folder: Path) -> Optional[tuple[Path, Path]]:
     return found["question"][0], found["context"][0]
 
 
-def load_dpr(retriever_cls: Any, config_cls: Any, question_dir: Path, context_dir: Path) -> Any:
+def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
     """A separate-tower retriever from official DPR checkpoints: DPR's pooling (the [CLS] vector, then DPR's
     ``encode_proj`` when ``projection_dim > 0``), dot product, ``[CLS] title [SEP] text [SEP]``, 256 tokens."""
     from transformers import DPRContextEncoder, DPRQuestionEncoder
 
     from ..base.validate import check_weights_folder, refuse_custom_code
-    from .retriever import load_tokenizer
+    from .pretrained import load_tokenizer
 
     for folder in (question_dir, context_dir):
         refuse_custom_code(folder)
@@ -60,8 +62,8 @@ def load_dpr(retriever_cls: Any, config_cls: Any, question_dir: Path, context_di
     if tokenizer.get_vocab() != load_tokenizer(context_dir).get_vocab():
         raise DprGcError(f"{question_dir} and {context_dir} have different vocabularies; dpr-gc needs one tokenizer")
     projection = question.config.projection_dim or None
-    config = config_cls(pooling="cls", normalize=False, projection_dim=projection, shared_encoder=False,
-                        query_max_length=256, passage_max_length=256, passage_format="pair")
+    config = RetrieverConfig(pooling="cls", normalize=False, projection_dim=projection, shared_encoder=False,
+                             query_max_length=256, passage_max_length=256, passage_format="pair")
     retriever = retriever_cls(_dpr_bert(question), _dpr_bert(context), tokenizer, config)
     if projection:
         retriever.query_encoder.projection.load_state_dict(question.encode_proj.state_dict())

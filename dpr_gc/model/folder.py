@@ -24,7 +24,6 @@ Face model.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -33,10 +32,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .dpr_hub import find_dpr_pair, load_dpr
 from ..base.errors import DprGcError
+from ..base.files import atomic_path, read_json_list, read_json_object, read_tensors, write_json
 from ..engine.loss import TEMPERATURE_RANGE
-from ..base.files import atomic_open, atomic_path, read_tensors
+from .card import write_model_card
+from .config import RetrieverConfig
+from .dpr_hub import find_dpr_pair, load_dpr
+from .pretrained import check_saveable, check_tokenizer_fits, load_tokenizer, load_transformer
 from ..base.guard import atomic_folder
 from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number,
                              positive_int, text)
@@ -73,24 +75,6 @@ IDENTITY, TANH = "torch.nn.modules.linear.Identity", "torch.nn.modules.activatio
 ROUTES = {"query": "query", "passage": "document"}
 
 
-def write_json(path: Path, data: Any) -> None:
-    with atomic_open(path) as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-
-
-def read_json(path: Path, kind: type = dict) -> Any:
-    """A JSON file of a model folder that must hold a ``kind`` (an object unless said otherwise)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise DprGcError(f"cannot read {path}: {e}") from None
-    if not isinstance(data, kind):
-        raise DprGcError(f"{path}: expected a JSON {'object' if kind is dict else kind.__name__}, got a "
-                         f"{type(data).__name__}; the model folder is damaged")
-    return data
-
-
 # ------------------------------------------------------------------------------------------------------- writing
 def save_retriever(retriever: Any, path: str | Path) -> None:
     """Write ``retriever`` as a format-2 folder (see the module docstring) with its model card, whole or not at all:
@@ -106,8 +90,6 @@ def save_retriever(retriever: Any, path: str | Path) -> None:
 
 
 def _write_retriever(retriever: Any, out: Path) -> None:
-    from .card import write_model_card
-
     config = retriever.config
     shared = retriever.passage_encoder is retriever.query_encoder
     if shared:
@@ -186,14 +168,12 @@ def _write_tower(out: Path, route: str, encoder: Any, tokenizer: Any, max_length
 
 def _write_transformer(folder: Path, model: nn.Module, tokenizer: Any, config: Any, max_length: int) -> None:
     """The Hugging Face model and tokenizer (``model_max_length`` = this tower's plain-``encode`` length)."""
-    from .lora import check_saveable
-
     check_saveable(model)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     settings_file = folder / "tokenizer_config.json"
-    settings = read_json(settings_file) if settings_file.is_file() else {}
+    settings = read_json_object(settings_file) if settings_file.is_file() else {}
     settings["model_max_length"] = max_length
     write_json(settings_file, settings)
     write_json(folder / "sentence_bert_config.json", {
@@ -235,7 +215,7 @@ def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return None
-    entries = check_list(read_json(modules_file, list), modules_file,
+    entries = check_list(read_json_list(modules_file, "sentence-transformers modules"), modules_file,
                          lambda m, where: check_fields(m, where, MODULE_FIELDS, "a module"), "modules.json")
     modules = [(inside(folder, m.get("path", ""), modules_file, "path"), m.get("type", "")) for m in entries]
     router = [path for path, kind in modules if _kind(kind) in ("Router", "Asym")]
@@ -246,7 +226,7 @@ def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
     config_file = router[0] / "router_config.json"
     if not config_file.is_file():
         config_file = router[0] / "config.json"
-    config = check_fields(read_json(config_file), config_file, ROUTER_FIELDS, "a router config")
+    config = check_fields(read_json_object(config_file), config_file, ROUTER_FIELDS, "a router config")
     structure, types = config.get("structure") or {}, config.get("types") or {}
     towers = {}
     for route in ROUTES.values():
@@ -269,14 +249,14 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
     tower = Tower(modules[0][0])
     settings_file = tower.transformer / "sentence_bert_config.json"
     if settings_file.is_file():
-        settings = check_fields(read_json(settings_file), settings_file, TRANSFORMER_FIELDS, "sentence_bert_config.json")
+        settings = check_fields(read_json_object(settings_file), settings_file, TRANSFORMER_FIELDS, "sentence_bert_config.json")
         tower.query_length, tower.document_length = settings.get("query_length"), settings.get("document_length")
         tower.max_seq_length = settings.get("max_seq_length")
     for path, kind in modules[1:]:
         if _kind(kind) == "Pooling":
             tower.pooling = _pooling_mode(path / "config.json")
         elif _kind(kind) == "Dense":
-            dense = check_fields(read_json(path / "config.json"), path / "config.json", DENSE_FIELDS, "a Dense layer",
+            dense = check_fields(read_json_object(path / "config.json"), path / "config.json", DENSE_FIELDS, "a Dense layer",
                                  required=("out_features",))
             tower.dense.append((path, dense.get("activation_function", TANH)))
         elif _kind(kind) == "Normalize":
@@ -288,7 +268,7 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
 
 
 def _pooling_mode(config_file: Path) -> str:
-    config = check_fields(read_json(config_file), config_file, POOLING_FIELDS, "a Pooling layer") \
+    config = check_fields(read_json_object(config_file), config_file, POOLING_FIELDS, "a Pooling layer") \
         if config_file.is_file() else {}
     mode = config.get("pooling_mode")
     if mode is None:
@@ -302,7 +282,7 @@ def _pooling_mode(config_file: Path) -> str:
     return mode
 
 
-def config_from_pipeline(folder: Path, towers: dict[str, Tower], config_cls: Any) -> Any:
+def config_from_pipeline(folder: Path, towers: dict[str, Tower]) -> RetrieverConfig:
     """The recipe a foreign sentence-transformers folder declares: pooling, normalisation, projection, max lengths
     and its "query"/"document" prompts as prefixes; passages as ``title + " " + text``."""
     query, document = towers["query"], towers["document"]
@@ -311,27 +291,25 @@ def config_from_pipeline(folder: Path, towers: dict[str, Tower], config_cls: Any
             raise DprGcError(f"{folder}: only one linear (identity) Dense layer per tower is supported by dpr-gc")
     if (query.pooling, query.normalize) != (document.pooling, document.normalize):
         raise DprGcError(f"{folder}: the query and document routes pool differently; dpr-gc needs one recipe")
-    dims = {read_json(path / "config.json")["out_features"] for t in (query, document) for path, _ in t.dense}
+    dims = {read_json_object(path / "config.json")["out_features"] for t in (query, document) for path, _ in t.dense}
     if len(dims) > 1 or (dims and len(query.dense) != len(document.dense)):
         raise DprGcError(f"{folder}: the query and document routes have different output sizes")
     settings_file = folder / "config_sentence_transformers.json"
-    prompts = (check_fields(read_json(settings_file), settings_file, ST_FIELDS, "sentence-transformers settings")
+    prompts = (check_fields(read_json_object(settings_file), settings_file, ST_FIELDS, "sentence-transformers settings")
                .get("prompts") or {}) if settings_file.is_file() else {}
     for key, value in prompts.items():
         if not isinstance(value, str) or not no_lone_surrogates(value):
             raise DprGcError(f"{settings_file}: prompt {key!r} must be a string, got {type(value).__name__}")
     default = document.document_length or document.max_seq_length or 256
-    return config_cls(pooling=query.pooling, normalize=query.normalize, projection_dim=dims.pop() if dims else None,
-                      shared_encoder=query is document, passage_format="concat",
-                      query_max_length=query.query_length or min(64, default), passage_max_length=default,
-                      query_prefix=prompts.get("query", ""),
-                      passage_prefix=prompts.get("document", prompts.get("passage", "")))
+    return RetrieverConfig(pooling=query.pooling, normalize=query.normalize,
+                           projection_dim=dims.pop() if dims else None, shared_encoder=query is document,
+                           passage_format="concat", query_max_length=query.query_length or min(64, default),
+                           passage_max_length=default, query_prefix=prompts.get("query", ""),
+                           passage_prefix=prompts.get("document", prompts.get("passage", "")))
 
 
 def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, Tower], config: Any) -> Any:
     """Build a retriever from the towers of a sentence-transformers folder (format 2 or foreign) under ``config``."""
-    from .retriever import check_tokenizer_fits, load_tokenizer, load_transformer
-
     query, document = towers["query"], towers["document"]
     q_model = load_transformer(query.transformer)
     p_model = None if query is document else load_transformer(document.transformer)
@@ -364,8 +342,6 @@ def _load_linear(folder: Path, linear: nn.Linear) -> None:
 
 def load_format1(retriever_cls: Any, folder: Path, config: Any) -> Any:
     """Folders written before format 2: ``query_encoder/``, ``passage_encoder/``, ``tokenizer/``, ``projection.pt``."""
-    from .retriever import load_tokenizer, load_transformer
-
     q_model = load_transformer(folder / "query_encoder")
     p_model = None if config.shared_encoder else load_transformer(folder / "passage_encoder")
     retriever = retriever_cls(q_model, p_model, load_tokenizer(folder / "tokenizer"), config)
@@ -394,16 +370,17 @@ def load_heads(folder: Path, retriever: Any, projections: bool) -> None:
         raise DprGcError(f"{path}: does not fit {CONFIG_NAME} ({str(e).splitlines()[0]}); save it again") from None
 
 
-def load_retriever(retriever_cls: Any, config_cls: Any, folder: Path) -> Any:
-    """Dispatch on what ``folder`` holds: a saved retriever (format 2 or 1), an official DPR pair, a
-    sentence-transformers folder, or else a Hugging Face model name or folder."""
+def load_retriever(retriever_cls: Any, folder: Path) -> Any:
+    """A ``retriever_cls`` (the class whose ``load`` calls this) from what ``folder`` holds: a saved retriever
+    (format 2 or 1), an official DPR pair, a sentence-transformers folder, or else a Hugging Face model name or
+    folder."""
     if (folder / CONFIG_NAME).is_file():
-        data = check_fields(read_json(folder / CONFIG_NAME), folder / CONFIG_NAME, RETRIEVER_FIELDS, CONFIG_NAME)
+        data = check_fields(read_json_object(folder / CONFIG_NAME), folder / CONFIG_NAME, RETRIEVER_FIELDS, CONFIG_NAME)
         version = data.get("format_version", 1)
         if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
             raise DprGcError(f"{folder / CONFIG_NAME}: format_version {version!r} is not one this dpr-gc reads "
                              f"(1 to {FORMAT_VERSION}); upgrade dpr-gc")
-        config = config_cls.from_dict(data)
+        config = RetrieverConfig.from_dict(data)
         if version == 1:
             return load_format1(retriever_cls, folder, config)
         towers = read_pipeline(folder)
@@ -412,8 +389,8 @@ def load_retriever(retriever_cls: Any, config_cls: Any, folder: Path) -> Any:
         return load_pipeline_retriever(retriever_cls, folder, towers, config)
     pair = find_dpr_pair(folder)
     if pair is not None:
-        return load_dpr(retriever_cls, config_cls, *pair)
+        return load_dpr(retriever_cls, *pair)
     towers = read_pipeline(folder) if folder.is_dir() else None
     if towers is not None:
-        return load_pipeline_retriever(retriever_cls, folder, towers, config_from_pipeline(folder, towers, config_cls))
-    return retriever_cls.from_pretrained(str(folder), config_cls())
+        return load_pipeline_retriever(retriever_cls, folder, towers, config_from_pipeline(folder, towers))
+    return retriever_cls.from_pretrained(str(folder), RetrieverConfig())

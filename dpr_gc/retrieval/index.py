@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..base.args import nonnegative_int, output_dir, positive_int
+from ..base.args import output_dir, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
@@ -29,7 +29,8 @@ from ..base.files import (PathLike, atomic_open, atomic_path, open_text, read_js
                     write_json)
 from ..base.locks import locked_folder
 from ..base.tables import format_summary
-from .index_params import KINDS, IndexParams
+from .index_params import IndexBuild, IndexParams
+from ..base.settings import add_arguments, from_args, setting, to_record
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
 
 logger = logging.getLogger(__name__)
@@ -378,6 +379,9 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train
             logger.info("removed %d temporary file(s) of an interrupted run from %s", len(removed), out)
         existing = DenseIndex.read(out) if append and (out / META_FILE).is_file() else None
         dense, todo, stats = add_shards(emb_dir, params, existing, train_sample, block_size, seed, allow_partial)
+        build = IndexBuild(train_sample=train_sample, block_size=block_size, seed=seed)
+        dense.meta["settings"] = {"index": to_record(params), "build": to_record(build), "append": append,
+                                  "allow_partial": allow_partial}
         model = dense.meta.get("model")
         if model and Path(model).is_absolute():
             dense.meta["model_from_index"] = os.path.relpath(model, out.resolve())
@@ -416,27 +420,27 @@ def read_meta(folder: PathLike) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------- command line
 def add_index_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags choosing and tuning the index (shared by ``dpr-gc index`` and ``scripts/dense_retriever.py``)."""
-    p.add_argument("--kind", default="flat", help=f"index kind: {', '.join(KINDS)} (default flat = exact search)")
-    p.add_argument("--factory", help="any faiss.index_factory string, e.g. 'OPQ64,IVF4096,PQ64' (overrides --kind)")
-    p.add_argument("--hnsw-m", type=positive_int, default=32, help="HNSW neighbours per node (default 32)")
-    p.add_argument("--ef-construction", type=positive_int, default=200, help="HNSW build-time beam (default 200)")
-    p.add_argument("--ef-search", type=positive_int, default=128, help="HNSW search beam, keep >= top-k (default 128)")
-    p.add_argument("--nlist", type=positive_int, help="IVF inverted lists (default about 4*sqrt(N))")
-    p.add_argument("--pq-m", type=positive_int,
-                   help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
-    p.add_argument("--pq-nbits", type=positive_int, default=8, help="bits per PQ code (default 8)")
-    p.add_argument("--nprobe", type=positive_int, default=32, help="IVF lists visited per query (default 32)")
-    p.add_argument("--train-sample", type=positive_int, default=100_000,
-                   help="vectors sampled to train IVF/PQ (default 100k)")
-    p.add_argument("--block-size", type=positive_int, default=65_536, help="rows added per block (default 65536)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the training sample")
+    """Flags choosing and tuning the index (shared by ``dpr-gc index`` and ``scripts/dense_retriever.py``),
+    generated from :class:`IndexParams` and :class:`IndexBuild`."""
+    add_arguments(p, IndexParams)
+    add_arguments(p, IndexBuild)
+
+
+@dataclasses.dataclass
+class IndexJob:
+    """``dpr-gc index`` besides the index's parameters: the shards, the index folder, appending, FAISS threads."""
+
+    embeddings: str = setting("", "--embeddings", required=True,
+                              help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
+    output: str = setting("", "--output", type=output_dir, required=True,
+                          help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")
+    append: bool = setting(False, "--append", help="add new shards to the existing index in --output")
+    allow_partial: bool = setting(False, "--allow-partial", help="index although some shards are not encoded yet")
+    threads: Optional[int] = setting(None, "--threads", type=positive_int, help="FAISS threads (default: all cores)")
 
 
 def params_from_args(args: argparse.Namespace) -> IndexParams:
-    return IndexParams(kind=args.kind, factory=args.factory, hnsw_m=args.hnsw_m, ef_construction=args.ef_construction,
-                       ef_search=args.ef_search, nlist=args.nlist, pq_m=args.pq_m, pq_nbits=args.pq_nbits,
-                       nprobe=args.nprobe)
+    return from_args(IndexParams, args)
 
 
 @guarded(inputs=("embeddings",), outputs={"output": "self"})
@@ -452,11 +456,6 @@ def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc index``."""
     p = subparsers.add_parser("index", help="build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards",
                               description="Build a FAISS inner-product index from the shards written by encode.")
-    p.add_argument("--embeddings", required=True, help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
-    p.add_argument("--output", type=output_dir, required=True,
-                   help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")
+    add_arguments(p, IndexJob)
     add_index_arguments(p)
-    p.add_argument("--append", action="store_true", help="add new shards to the existing index in --output")
-    p.add_argument("--allow-partial", action="store_true", help="index although some shards are not encoded yet")
-    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
     p.set_defaults(func=_cli)

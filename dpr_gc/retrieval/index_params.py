@@ -7,7 +7,9 @@ import dataclasses
 import math
 from typing import Optional
 
+from ..base.args import nonnegative_int, positive_int
 from ..base.errors import DprGcError
+from ..base.settings import check, setting
 
 KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
 CENTROID_POINTS = 39  # FAISS wants about this many training vectors per k-means centroid
@@ -21,17 +23,21 @@ class IndexParams:
     ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector).
     """
 
-    kind: str = "flat"
-    factory: Optional[str] = None
-    hnsw_m: int = 32
-    ef_construction: int = 200
-    ef_search: int = 128
-    nlist: Optional[int] = None
-    pq_m: Optional[int] = None
-    pq_nbits: int = 8
-    nprobe: int = 32
+    kind: str = setting("flat", "--kind", help=f"index kind: {', '.join(KINDS)} (flat = exact search)")
+    factory: Optional[str] = setting(None, "--factory", help="any faiss.index_factory string, e.g. "
+                                                             "'OPQ64,IVF4096,PQ64' (overrides --kind)")
+    hnsw_m: int = setting(32, "--hnsw-m", type=positive_int, help="HNSW neighbours per node")
+    ef_construction: int = setting(200, "--ef-construction", type=positive_int, help="HNSW build-time beam")
+    ef_search: int = setting(128, "--ef-search", type=positive_int, help="HNSW search beam, keep >= top-k")
+    nlist: Optional[int] = setting(None, "--nlist", type=positive_int,
+                                   help="IVF inverted lists (default about 4*sqrt(N))")
+    pq_m: Optional[int] = setting(None, "--pq-m", type=positive_int,
+                                  help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
+    pq_nbits: int = setting(8, "--pq-nbits", type=positive_int, help="bits per PQ code")
+    nprobe: int = setting(32, "--nprobe", type=positive_int, help="IVF lists visited per query")
 
     def __post_init__(self) -> None:
+        check(self)
         if self.factory:
             self.kind = "factory"
         elif self.kind not in KINDS:
@@ -70,3 +76,16 @@ class IndexParams:
         if dim % self.pq_m:
             raise DprGcError(f"--pq-m {self.pq_m} must divide the embedding dimension {dim}")
         return f"IVF{self.nlist},PQ{self.pq_m}x{self.pq_nbits}"
+
+
+@dataclasses.dataclass
+class IndexBuild:
+    """How vectors go into the index: the training sample of IVF/PQ, rows added per block, the sample's seed."""
+
+    train_sample: int = setting(100_000, "--train-sample", type=positive_int,
+                                help="vectors sampled to train IVF/PQ")
+    block_size: int = setting(65_536, "--block-size", type=positive_int, help="rows added per block")
+    seed: int = setting(0, "--seed", type=nonnegative_int, help="seed of the training sample")
+
+    def __post_init__(self) -> None:
+        check(self)

@@ -5,8 +5,12 @@ False negatives are dropped before anything is chosen: the question's gold passa
 that contain an answer (``answers.AnswerMatcher``, the matching evaluation uses: each candidate passage tokenised once
 per run) and qrels positives. Of the rest,
 ranks ``<= skip_top`` are skipped and, with ``margin``, so is any candidate scoring above ``best positive score -
-margin``; the first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``. Training files stream through in
-chunks of questions and are rewritten record by record, so memory holds one chunk, not the file.
+margin``. Positive-aware mining (NV-Retriever, 2024) then removes likely unlabelled positives: ``max_negative_ratio``
+drops candidates scoring above R x the question's lowest-scoring positive ("TopK-PercPos", e.g. 0.95), ``min_margin``
+those scoring above that positive's score - M. Positive scores come from the same source as the candidates (BM25
+score, or the dense model's dot product). The first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``.
+Training files stream through in chunks of questions and are rewritten record by record, so memory holds one chunk,
+not the file.
 """
 
 from __future__ import annotations
@@ -26,17 +30,106 @@ from tqdm.auto import tqdm
 from .bm25 import BM25Source, Gold
 from ..data.corpus import rows_for_ids
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
-from ..base.args import any_float, device_arg, nonnegative_float, nonnegative_int, output_dir, output_file, positive_int
+from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
+                         positive_int)
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import ChunkedOutput, PathLike, file_identity, require_file
 from ..base.locks import output_lock
-from ..model.retriever import add_prefix_arguments
+from ..base.settings import (add_arguments, cache_dir_setting, check, device_setting, from_args, group,
+                             passage_prefix_setting, query_prefix_setting, setting)
+from ..evaluation.answers import MATCH_MODES
 from .retrieve import DenseSource
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 1024
+SOURCES = ("dense", "bm25")
+
+
+@dataclasses.dataclass
+class MineSettings:
+    """Which candidates become hard negatives: ``top_k`` retrieved, ranks ``<= skip_top`` and (with ``margin``)
+    those scoring above ``best positive - margin`` skipped, the first ``n_negatives`` kept; answer matching and
+    its ``workers`` (0: all cores); ``chunk_size`` questions per resumable chunk."""
+
+    n_negatives: int = setting(30, "--n-negatives", type=positive_int, help="hard negatives per question")
+    top_k: int = setting(100, "--top-k", type=positive_int, help="candidates retrieved per question")
+    skip_top: int = setting(0, "--skip-top", type=nonnegative_int,
+                            help="skip candidates ranked 1..N (likely false negatives)")
+    margin: Optional[float] = setting(None, "--margin", type=any_float,
+                                      help="drop candidates scoring above (best positive score - MARGIN)")
+    match: str = setting("string", "--match", choices=MATCH_MODES,
+                         help="answer matching: string (NQ/TriviaQA) or regex (CuratedTREC)")
+    append: bool = setting(False, "--append", help="keep existing hard_negative_ctxs and add the new ones")
+    workers: int = setting(1, "--workers", type=nonnegative_int, cli_default=0,
+                           help="processes that tokenise candidates for answer matching (0: all cores; default 0 on "
+                                "the command line, 1 in code)")
+    chunk_size: int = setting(CHUNK, type=positive_int, help="questions per resumable chunk")
+    max_negative_ratio: Optional[float] = setting(None, "--max-negative-ratio", type=positive_float,
+                                                  help="positive-aware: drop candidates scoring above R x the "
+                                                       "question's lowest positive score (e.g. 0.95; scored by the "
+                                                       "candidates' own source: BM25 score or dense dot product)")
+    min_margin: Optional[float] = setting(None, "--min-margin", type=any_float,
+                                          help="positive-aware: drop candidates scoring above (lowest positive "
+                                               "score - M)")
+
+    def __post_init__(self) -> None:
+        check(self)
+        _check_filters(self.max_negative_ratio, self.min_margin)
+        if not self.skip_top < self.top_k:
+            raise DprGcError(f"need 0 <= --skip-top < --top-k, got top-k {self.top_k}, skip-top {self.skip_top}")
+
+
+@dataclasses.dataclass
+class SourceSettings:
+    """Where candidates come from: BM25 (``k1``, ``b``, a saved index), or a trained retriever over a FAISS index
+    (built from encode shards, which are encoded first when missing)."""
+
+    model: Optional[str] = setting(None, "--model", help="trained retriever folder (dense source)")
+    index: Optional[PathLike] = setting(None, "--index", type=output_dir,
+                                        help="index folder from 'dpr-gc index'; built here from --embeddings if "
+                                             "missing")
+    embeddings: Optional[PathLike] = setting(None, "--embeddings", type=output_dir,
+                                             help="encode shards folder (encoded here if it has none), for a new "
+                                                  "flat index")
+    bm25_index: Optional[PathLike] = setting(None, "--bm25-index", type=output_dir,
+                                             help="folder to save the BM25 index to, or load it from if built already")
+    k1: float = setting(0.9, "--bm25-k1", type=nonnegative_float, help="BM25 k1 (as Anserini)")
+    b: float = setting(0.4, "--bm25-b", type=nonnegative_float, help="BM25 b (as Anserini)")
+    batch_size: int = setting(64, "--batch-size", type=positive_int, help="questions/passages per encoder batch")
+    device: Optional[str] = device_setting()
+    cache_dir: Optional[PathLike] = cache_dir_setting()
+    threads: int = setting(0, "--threads", type=nonnegative_int,
+                           help="BM25 / FAISS search threads (0: bm25s 1, FAISS all)")
+    check_model: bool = setting(True, "--skip-model-check", dest="skip_model_check", negate=True,
+                                help="do not refuse a model whose weights differ from the one that encoded the "
+                                     "passages")
+    query_prefix: Optional[str] = query_prefix_setting()
+    passage_prefix: Optional[str] = passage_prefix_setting()
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclasses.dataclass
+class MineJob:
+    """``dpr-gc mine``: the questions (a DPR training file or a BEIR folder), the corpus, the output, and how."""
+
+    output: str = setting("", "--output", type=output_file, required=True,
+                          help="DPR training file to write (.jsonl -> JSONL, else a JSON list)")
+    source: str = setting("bm25", "--source", help="where candidates come from: bm25 (bm25s) or dense")
+    train_file: Optional[str] = setting(None, "--train-file", help="DPR training file (.json/.jsonl, optionally .gz) "
+                                                                   "whose questions to mine for")
+    beir_dir: Optional[str] = setting(None, "--beir-dir", help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, "
+                                                               "corpus.jsonl); positives: qrels")
+    split: str = setting("train", "--split", help="qrels split of --beir-dir")
+    corpus: Optional[str] = setting(None, "--corpus", help="passages to mine from (default: the BEIR corpus or the "
+                                                           "one recorded in --index)")
+    qrels: Optional[str] = setting(None, "--qrels", help="relevance judgments: their positives (by question id) are "
+                                                         "never negatives")
+    candidates: SourceSettings = group(SourceSettings, "candidates")
+    mining: MineSettings = group(MineSettings, "mining")
 
 
 @dataclasses.dataclass
@@ -51,6 +144,10 @@ class MiningSummary:
     qrels_dropped: int = 0
     rank_skipped: int = 0
     margin_dropped: int = 0
+    ratio_dropped: int = 0
+    min_margin_dropped: int = 0
+    unscored: int = 0
+    ratio_unapplied: int = 0
     short: int = 0
     written: int = 0
     score_sum: float = 0.0
@@ -70,7 +167,11 @@ class MiningSummary:
         return {"questions": self.questions, "questions in qrels": self.judged, "candidates seen": self.candidates,
                 "gold dropped": self.gold_dropped, "answer-bearing dropped": self.answer_dropped,
                 "qrels positives dropped": self.qrels_dropped, "skipped by rank": self.rank_skipped,
-                "dropped by margin": self.margin_dropped, "questions short of N": self.short,
+                "dropped by margin": self.margin_dropped, "dropped by max negative ratio": self.ratio_dropped,
+                "dropped by min margin": self.min_margin_dropped,
+                "questions without a positive score": self.unscored,
+                "questions the ratio skipped (positive score <= 0)": self.ratio_unapplied,
+                "questions short of N": self.short,
                 "negatives written": self.written, "mean score": stat(self.score_sum / max(self.written, 1)),
                 "min score": stat(self.score_min), "max score": stat(self.score_max)}
 
@@ -86,12 +187,41 @@ def _qid(record: dict) -> str:
     return "" if qid is None else str(qid)
 
 
-def _norm(text: str) -> str:
+def _collapsed(text: str) -> str:
+    """``text`` with every run of whitespace made one space (gold passages compare by this)."""
     return " ".join(text.split())
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """One question's score ceilings for candidates (None: no ceiling): ``margin`` (best positive - margin),
+    ``ratio`` (R x lowest positive), ``min_margin`` (lowest positive - M)."""
+
+    margin: Optional[float] = None
+    ratio: Optional[float] = None
+    min_margin: Optional[float] = None
+
+
+def _limits(positive_scores: Sequence[float], margin: Optional[float], max_negative_ratio: Optional[float],
+            min_margin: Optional[float]) -> Limits:
+    """The ceilings from one question's positive scores; a ratio needs a positive score above 0 to mean anything."""
+    if not positive_scores:
+        return Limits()
+    low = min(positive_scores)
+    return Limits(max(positive_scores) - margin if margin is not None else None,
+                  max_negative_ratio * low if max_negative_ratio is not None and low > 0 else None,
+                  low - min_margin if min_margin is not None else None)
+
+
+def _check_filters(max_negative_ratio: Optional[float], min_margin: Optional[float]) -> None:
+    if max_negative_ratio is not None and not (math.isfinite(max_negative_ratio) and max_negative_ratio > 0):
+        raise DprGcError(f"--max-negative-ratio must be a number > 0 (e.g. 0.95), got {max_negative_ratio}")
+    if min_margin is not None and not math.isfinite(min_margin):
+        raise DprGcError(f"--min-margin must be a finite number (e.g. 0.05), got {min_margin}")
+
+
 def _check_settings(n_negatives: int, top_k: int, skip_top: int, match_mode: str) -> None:
-    from ..evaluation.evaluate import MATCH_MODES
+    from ..evaluation.answers import MATCH_MODES
 
     if n_negatives < 1:
         raise DprGcError(f"--n-negatives must be a positive integer, got {n_negatives}")
@@ -105,24 +235,31 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
                         skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
                         qrels: Optional[dict[str, dict[str, int]]] = None, *,
                         id_to_row: Optional[dict[str, int]] = None, matcher: Optional[Any] = None,
-                        show_progress: bool = False) -> tuple[list[dict], MiningSummary]:
+                        show_progress: bool = False, max_negative_ratio: Optional[float] = None,
+                        min_margin: Optional[float] = None) -> tuple[list[dict], MiningSummary]:
     """Hard negatives for DPR-style question records (``question``, ``answers``, ``positive_ctxs``, optional ``id``).
 
     Returns one ``{"id", "question", "hard_negative_ctxs"}`` per question -- each ctx ``{title, text, passage_id,
     score, rank}`` with ``rank`` the 1-based position in the retrieved list -- and a :class:`MiningSummary`.
     ``margin`` drops candidates scoring above the best positive's score minus ``margin``; questions whose positive
-    has no score (BM25: positive not in the corpus) keep their candidates. ``id_to_row`` maps positive ids to corpus
-    rows for BM25 margins (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``match_mode`` kept
+    has no score (BM25: positive not in the corpus) keep their candidates. ``max_negative_ratio`` (R) and
+    ``min_margin`` (M) drop candidates scoring above R x, or M below, the lowest-scoring positive's score (the ratio
+    only where that score is > 0); each removal is counted under the first rule that applies, in the order gold,
+    answer, qrels, rank, margin, ratio, min margin. ``id_to_row`` maps positive ids to corpus rows for BM25 positive
+    scores (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``match_mode`` kept
     across calls, caches tokenised candidates between chunks.
     """
     from ..evaluation.answers import AnswerMatcher
 
     _check_settings(n_negatives, top_k, skip_top, match_mode)
+    _check_filters(max_negative_ratio, min_margin)
     if matcher is None:
         with AnswerMatcher(match_mode) as own:
             return mine_hard_negatives(questions, source, corpus, n_negatives, top_k, skip_top, margin, match_mode,
-                                       qrels, id_to_row=id_to_row, matcher=own, show_progress=show_progress)
-    if margin is not None and id_to_row is None and isinstance(source, BM25Source):
+                                       qrels, id_to_row=id_to_row, matcher=own, show_progress=show_progress,
+                                       max_negative_ratio=max_negative_ratio, min_margin=min_margin)
+    scored = needs_positive_scores(margin, max_negative_ratio, min_margin)
+    if scored and id_to_row is None and isinstance(source, BM25Source):
         id_to_row = rows_for_ids(corpus, (ctx_id(c) for q in questions for c in q.get("positive_ctxs") or []))
     summary, records = MiningSummary(), []
     for start in tqdm(range(0, len(questions), CHUNK), desc="mining", unit=" chunks", disable=not show_progress):
@@ -130,8 +267,8 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
         rows_of = id_to_row or {}
         golds = [[(rows_of.get(ctx_id(c)), c.get("title") or "", c.get("text") or "")
                   for c in q.get("positive_ctxs") or []] for q in chunk]
-        scores, rows, best = source.retrieve([q["question"] for q in chunk], top_k,
-                                             golds if margin is not None else None)
+        scores, rows, positive_scores = source.retrieve([q["question"] for q in chunk], top_k,
+                                                        golds if scored else None)
         unique = np.unique(rows[rows >= 0]).tolist()
         cols = corpus[unique] if unique else {"id": [], "title": [], "text": []}
         where = {r: i for i, r in enumerate(unique)}
@@ -140,25 +277,33 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
                      if i is not None] for q_scores, q_rows in zip(scores.tolist(), rows.tolist())]
         flags = matcher.flags([(q.get("answers") or [], [(h[2], h[4]) for h in hits])
                                for q, hits in zip(chunk, all_hits)])
-        for q, gold, pos, hits, has in zip(chunk, golds, best, all_hits, flags):
-            floor = pos - margin if margin is not None and pos is not None else None
-            chosen = _select(q, gold, hits, has, n_negatives, skip_top, floor, qrels, summary)
+        for q, gold, pos, hits, has in zip(chunk, golds, positive_scores, all_hits, flags):
+            summary.unscored += int(scored and not pos)
+            limits = _limits(pos, margin, max_negative_ratio, min_margin)
+            summary.ratio_unapplied += int(bool(pos) and max_negative_ratio is not None and limits.ratio is None)
+            chosen = _select(q, gold, hits, has, n_negatives, skip_top, limits, qrels, summary)
             records.append({"id": q.get("id"), "question": q["question"], "hard_negative_ctxs": chosen})
     return records, summary
 
 
+def needs_positive_scores(margin: Optional[float], max_negative_ratio: Optional[float],
+                          min_margin: Optional[float]) -> bool:
+    """Whether any rule compares candidates with the positives' scores (BM25 then needs the positives' rows)."""
+    return any(v is not None for v in (margin, max_negative_ratio, min_margin))
+
+
 def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, str]], has_answer: list[bool],
-            n_negatives: int, skip_top: int, floor: Optional[float], qrels: Optional[dict[str, dict[str, int]]],
+            n_negatives: int, skip_top: int, limits: Limits, qrels: Optional[dict[str, dict[str, int]]],
             summary: MiningSummary) -> list[dict]:
     """Drop false negatives among one question's ranked hits (``has_answer``: their answer flags), then keep the
     first ``n_negatives`` in range."""
     gold_ids = {ctx_id(c) for c in q.get("positive_ctxs") or []} - {""}
-    gold_texts = {_norm(text) for _, _, text in gold}
+    gold_texts = {_collapsed(text) for _, _, text in gold}
     judged = (qrels or {}).get(_qid(q), {})
     qrels_pos = {d for d, rel in judged.items() if rel > 0}
     chosen: list[dict] = []
     for (rank, score, pid, title, text), answer in zip(hits, has_answer):
-        if pid in gold_ids or _norm(text) in gold_texts:
+        if pid in gold_ids or _collapsed(text) in gold_texts:
             summary.gold_dropped += 1
         elif answer:
             summary.answer_dropped += 1
@@ -166,8 +311,12 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
             summary.qrels_dropped += 1
         elif rank <= skip_top:
             summary.rank_skipped += 1
-        elif floor is not None and score > floor:
+        elif limits.margin is not None and score > limits.margin:
             summary.margin_dropped += 1
+        elif limits.ratio is not None and score > limits.ratio:
+            summary.ratio_dropped += 1
+        elif limits.min_margin is not None and score > limits.min_margin:
+            summary.min_margin_dropped += 1
         elif len(chosen) < n_negatives:
             chosen.append({"title": title, "text": text, "passage_id": pid, "score": float(score), "rank": rank})
     scores = [c["score"] for c in chosen]
@@ -182,23 +331,24 @@ def _merge(old: list, new: list[dict]) -> list:
     return list(old) + [c for c in new if c["passage_id"] not in seen]
 
 
-def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus: Any, n_negatives: int,
-                 top_k: int = 100, skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
-                 qrels: Optional[dict[str, dict[str, int]]] = None, append: bool = False,
-                 id_to_row: Optional[dict[str, int]] = None, chunk_size: int = CHUNK,
-                 show_progress: bool = True, resume_key: Optional[dict] = None, workers: int = 1) -> MiningSummary:
-    """Mine ``records`` chunk by chunk and write them with ``hard_negative_ctxs`` replaced (``append``: old ones
-    kept, new ones added unless their id is already there), every other field kept. A JSON list, or JSONL when the
-    name ends in ``.jsonl`` (``.gz`` compresses); the file appears only when complete.
+def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus: Any,
+                 settings: Optional[MineSettings] = None, *, qrels: Optional[dict[str, dict[str, int]]] = None,
+                 id_to_row: Optional[dict[str, int]] = None, show_progress: bool = True,
+                 resume_key: Optional[dict] = None, **options: Any) -> MiningSummary:
+    """Mine ``records`` chunk by chunk with ``settings`` (fields of :class:`MineSettings` may also be given as
+    keywords) and write them with ``hard_negative_ctxs`` replaced (``append``: old ones kept, new ones added unless
+    their id is already there), every other field kept. A JSON list, or JSONL when the name ends in ``.jsonl``
+    (``.gz`` compresses); the file appears only when complete.
 
     Each finished chunk is kept (:class:`~dpr_gc.files.ChunkedOutput`): a run with the same ``resume_key`` (the
     inputs and settings; ``None`` never resumes) continues after the last finished chunk of an interrupted one.
     ``workers`` processes tokenise new candidate passages for answer matching (one matcher for the whole run)."""
-    from ..evaluation.answers import AnswerMatcher
+    from ..evaluation.answers import AnswerMatcher, default_workers
 
-    _check_settings(n_negatives, top_k, skip_top, match_mode)
+    s = dataclasses.replace(settings or MineSettings(), **options)
+    chunk_size, append = s.chunk_size, s.append
     jsonl = Path(output).name.removesuffix(".gz").endswith(".jsonl")
-    with output_lock(output) as final, AnswerMatcher(match_mode, workers) as matcher:
+    with output_lock(output) as final, AnswerMatcher(s.match, s.workers or default_workers()) as matcher:
         writer = ChunkedOutput(final, {"settings": resume_key, "chunk_size": chunk_size, "append": append}
                                if resume_key is not None else None)
         state = writer.resume()
@@ -211,8 +361,9 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
 
             def flush() -> None:
                 nonlocal count
-                mined, part = mine_hard_negatives(buffer, source, corpus, n_negatives, top_k, skip_top, margin,
-                                                  match_mode, qrels, id_to_row=id_to_row, matcher=matcher)
+                mined, part = mine_hard_negatives(buffer, source, corpus, s.n_negatives, s.top_k, s.skip_top,
+                                                  s.margin, s.match, qrels, id_to_row=id_to_row, matcher=matcher,
+                                                  max_negative_ratio=s.max_negative_ratio, min_margin=s.min_margin)
                 summary.merge(part)
                 texts = []
                 for record, m in zip(buffer, mined):
@@ -237,26 +388,45 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
             raise DprGcError(f"no training questions to mine (the input is empty); nothing written to {final}")
         writer.append("" if jsonl else "\n]\n", {"count": count, "summary": dataclasses.asdict(summary)})
         writer.finish()
+    _log_removals(summary, s.margin, s.max_negative_ratio, s.min_margin)
     return summary
 
 
+def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_ratio: Optional[float],
+                  min_margin: Optional[float]) -> None:
+    """One log line: the candidates each rule removed out of those seen."""
+    rules = [("gold", summary.gold_dropped), ("answer-bearing", summary.answer_dropped),
+             ("qrels positives", summary.qrels_dropped), ("--skip-top", summary.rank_skipped)]
+    rules += [(f"--margin {margin:g}", summary.margin_dropped)] if margin is not None else []
+    rules += [(f"--max-negative-ratio {max_negative_ratio:g}", summary.ratio_dropped)] \
+        if max_negative_ratio is not None else []
+    rules += [(f"--min-margin {min_margin:g}", summary.min_margin_dropped)] if min_margin is not None else []
+    logger.info("mined %d questions: of %d candidates, removed %s; %d negatives written", summary.questions,
+                summary.candidates, ", ".join(f"{n} by {name}" for name, n in rules), summary.written)
+    if summary.unscored and needs_positive_scores(margin, max_negative_ratio, min_margin):
+        logger.warning("%d questions have no positive score (positive not in the corpus), so the margin and "
+                       "positive-aware rules did not apply to them", summary.unscored)
+    if summary.ratio_unapplied:
+        logger.warning("%d questions have a lowest positive score <= 0 (BM25: no word in common with the question), "
+                       "so --max-negative-ratio did not apply to them", summary.ratio_unapplied)
+
+
 # ----------------------------------------------------------------------------------------------------- command line
-SOURCES = ("dense", "bm25")
 RESUME_FLAGS = ("source", "split", "model", "index", "bm25_k1", "bm25_b", "n_negatives", "top_k", "skip_top", "margin",
-                "match", "append")
+                "match", "append", "max_negative_ratio", "min_margin")
 
 
-def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: Optional[PathLike] = None,
-                embeddings: Optional[PathLike] = None, corpus_path: Optional[PathLike] = None,
-                bm25_index: Optional[PathLike] = None, k1: float = 0.9, b: float = 0.4, device: Optional[str] = None,
-                batch_size: int = 64, cache_dir: Optional[PathLike] = None, check_model: bool = True,
-                threads: int = 0, show_progress: bool = True, query_prefix: Optional[str] = None,
-                passage_prefix: Optional[str] = None) -> Any:
-    """A :class:`BM25Source`, or a :class:`DenseSource` over the index in ``index`` -- built first (flat) from the
-    shards in ``embeddings``, which are encoded first when that folder has none -- checked against model and corpus.
-    ``query_prefix`` / ``passage_prefix`` replace the model's own (None keeps them)."""
+def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = None, *,
+                corpus_path: Optional[PathLike] = None, show_progress: bool = True, **options: Any) -> Any:
+    """A :class:`BM25Source`, or a :class:`DenseSource` over the index in ``settings.index`` -- built first (flat)
+    from the shards in ``embeddings``, which are encoded first when that folder has none -- checked against model
+    and corpus (fields of :class:`SourceSettings` may also be given as keywords). ``query_prefix`` /
+    ``passage_prefix`` replace the model's own (None keeps them)."""
+    s = dataclasses.replace(settings or SourceSettings(), **options)
+    model, index, embeddings, device, batch_size = s.model, s.index, s.embeddings, s.device, s.batch_size
+    query_prefix, passage_prefix = s.query_prefix, s.passage_prefix
     if kind == "bm25":
-        return BM25Source(corpus, k1, b, index_dir=bm25_index, n_threads=threads, show_progress=show_progress)
+        return BM25Source(corpus, s.k1, s.b, index_dir=s.bm25_index, n_threads=s.threads, show_progress=show_progress)
     if kind != "dense":
         raise DprGcError(f"unknown --source {kind!r}; use one of {', '.join(SOURCES)}")
     from ..base.devices import default_device
@@ -268,7 +438,7 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
 
     if not model:
         raise DprGcError("--source dense needs --model (the trained retriever folder)")
-    set_threads(threads or None)
+    set_threads(s.threads or None)
     if index_exists(index):
         query_prefix, passage_prefix = recorded_prefixes(read_meta(index), query_prefix, passage_prefix)
     retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix)
@@ -282,11 +452,11 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
             if corpus_path is None:
                 raise DprGcError("encoding the corpus needs --corpus")
             encode_corpus(retriever, corpus_path, emb, shard_id=0, num_shards=1, batch_size=batch_size,
-                          cache_dir=cache_dir, model_name=str(model), show_progress=show_progress)
+                          cache_dir=s.cache_dir, model_name=str(model), show_progress=show_progress)
         index = index if index is not None else emb / "index"
         build_index(emb, index, IndexParams("flat"))
     dense = DenseIndex.read(index)
-    check_compatible(retriever, dense, check_fingerprint=check_model)
+    check_compatible(retriever, dense, check_fingerprint=s.check_model)
     check_corpus(dense, corpus)
     return DenseSource(retriever, dense, batch_size)
 
@@ -296,9 +466,8 @@ def open_source(kind: str, corpus: Any, *, model: Optional[str] = None, index: O
 def _cli(args: argparse.Namespace) -> None:
     from ..data.corpus import load_corpus
     from ..data.training import find_beir_file
-    from ..evaluation.answers import default_workers
     from ..base.devices import steady_malloc
-    from ..evaluation.evaluate import read_qrels
+    from ..data.qrels import read_qrels
     from .index import index_exists, meta_path, read_meta
     from ..base.tables import format_summary
 
@@ -306,7 +475,7 @@ def _cli(args: argparse.Namespace) -> None:
         raise DprGcError(f"unknown --source {args.source!r}; use one of {', '.join(SOURCES)}")
     if bool(args.train_file) == bool(args.beir_dir):
         raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
-    _check_settings(args.n_negatives, args.top_k, args.skip_top, args.match)
+    mining = from_args(MineSettings, args)
     steady_malloc()
     beir = Path(args.beir_dir) if args.beir_dir else None
     if beir is not None:
@@ -321,17 +490,13 @@ def _cli(args: argparse.Namespace) -> None:
         raise DprGcError("give --corpus (the passages to mine from)")
     corpus = load_corpus(corpus_path, args.cache_dir)
     qrels = read_qrels(args.qrels) if args.qrels else None
-    source = open_source(args.source, corpus, model=args.model, index=args.index, embeddings=args.embeddings,
-                         corpus_path=corpus_path, bm25_index=args.bm25_index, k1=args.bm25_k1, b=args.bm25_b,
-                         device=args.device, batch_size=args.batch_size, cache_dir=args.cache_dir,
-                         check_model=not args.skip_model_check, threads=args.threads,
-                         query_prefix=args.query_prefix, passage_prefix=args.passage_prefix)
+    source = open_source(args.source, corpus, from_args(SourceSettings, args), corpus_path=corpus_path)
     id_to_row = None
     if beir is not None:
         records, id_to_row = beir_training_records(queries, split_qrels, corpus)
     else:
         records = iter_training_file(args.train_file)
-        if args.margin is not None and args.source == "bm25":
+        if needs_positive_scores(args.margin, args.max_negative_ratio, args.min_margin) and args.source == "bm25":
             golds = (ctx_id(c) for r in iter_training_file(args.train_file) for c in r.get("positive_ctxs") or [])
             id_to_row = rows_for_ids(corpus, golds)
     inputs = [args.train_file, corpus_path, args.qrels] + ([queries, split_qrels] if beir is not None else [])
@@ -339,9 +504,8 @@ def _cli(args: argparse.Namespace) -> None:
         inputs.append(meta_path(args.index))
     key = {"inputs": [file_identity(p) for p in inputs if p],
            **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
-    summary = mine_to_file(records, args.output, source, corpus, args.n_negatives, args.top_k, args.skip_top,
-                           args.margin, args.match, qrels, args.append, id_to_row, resume_key=key,
-                           workers=args.workers or default_workers())
+    summary = mine_to_file(records, args.output, source, corpus, mining, qrels=qrels, id_to_row=id_to_row,
+                           resume_key=key)
     if qrels is not None and summary.judged == 0:
         logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
     print(format_summary({"source": args.source, **summary.table(), "output": args.output}))
@@ -352,39 +516,5 @@ def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("mine", help="mine hard negatives (BM25 or dense) into a DPR training file",
                               description=__doc__.splitlines()[0] + " Interrupted, the same command resumes after "
                               "the last finished chunk of 1,024 questions.")
-    p.add_argument("--source", default="bm25", help="where candidates come from: bm25 (bm25s) or dense (default bm25)")
-    p.add_argument("--train-file", help="DPR training file (.json/.jsonl, optionally .gz) whose questions to mine for")
-    p.add_argument("--beir-dir", help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, corpus.jsonl); positives: qrels")
-    p.add_argument("--split", default="train", help="qrels split of --beir-dir (default train)")
-    p.add_argument("--output", type=output_file, required=True,
-                   help="DPR training file to write (.jsonl -> JSONL, else a JSON list)")
-    p.add_argument("--corpus", help="passages to mine from (default: the BEIR corpus or the one recorded in --index)")
-    p.add_argument("--model", help="trained retriever folder (dense source)")
-    p.add_argument("--index", type=output_dir,
-                   help="index folder from 'dpr-gc index'; built here from --embeddings if missing")
-    p.add_argument("--embeddings", type=output_dir,
-                   help="encode shards folder (encoded here if it has none), for a new flat index")
-    p.add_argument("--bm25-index", type=output_dir,
-                   help="folder to save the BM25 index to, or load it from if built already")
-    p.add_argument("--bm25-k1", type=nonnegative_float, default=0.9, help="BM25 k1 (default 0.9, as Anserini)")
-    p.add_argument("--bm25-b", type=nonnegative_float, default=0.4, help="BM25 b (default 0.4, as Anserini)")
-    p.add_argument("--n-negatives", type=positive_int, default=30, help="hard negatives per question (default 30)")
-    p.add_argument("--top-k", type=positive_int, default=100, help="candidates retrieved per question (default 100)")
-    p.add_argument("--skip-top", type=nonnegative_int, default=0,
-                   help="skip candidates ranked 1..N (likely false negatives)")
-    p.add_argument("--margin", type=any_float, help="drop candidates scoring above (best positive score - MARGIN)")
-    p.add_argument("--match", default="string", help="answer matching: string (NQ/TriviaQA) or regex (CuratedTREC)")
-    p.add_argument("--qrels", help="relevance judgments: their positives (by question id) are never negatives")
-    p.add_argument("--workers", type=nonnegative_int, default=0,
-                   help="processes that tokenise candidates for answer matching (default 0: all cores)")
-    p.add_argument("--append", action="store_true", help="keep existing hard_negative_ctxs and add the new ones")
-    p.add_argument("--batch-size", type=positive_int, default=64,
-                   help="questions/passages per encoder batch (default 64)")
-    p.add_argument("--device", type=device_arg, help="torch device (default: cuda if available)")
-    p.add_argument("--cache-dir", help="where parsed corpora are cached")
-    p.add_argument("--threads", type=nonnegative_int, default=0,
-                   help="BM25 / FAISS search threads (default: bm25s 1, FAISS all)")
-    p.add_argument("--skip-model-check", action="store_true",
-                   help="do not refuse a model whose weights differ from the one that encoded the passages")
-    add_prefix_arguments(p)
+    add_arguments(p, MineJob)
     p.set_defaults(func=_cli)

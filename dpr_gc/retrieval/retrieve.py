@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,13 +20,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..evaluation.answers import MATCH_MODES, AnswerMatcher, default_workers
-from ..base.args import device_arg, nonnegative_int, output_file, positive_int
+from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
+from ..base.logs import nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
 from ..base.files import PathLike
 from .index import DenseIndex, set_threads
-from ..model.retriever import add_prefix_arguments
+from ..base.settings import (FREE, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
+                             passage_prefix_setting, query_prefix_setting, setting)
 from ..evaluation.results import check_run_tag, open_results, open_trec_run
 from ..base.tables import format_summary
 
@@ -33,6 +36,63 @@ logger = logging.getLogger(__name__)
 
 MATCH_CHOICES = ("string", "regex", "none")
 QUERY_CHUNK = 1024
+KS = (1, 5, 10, 20, 100)
+
+
+@dataclasses.dataclass
+class RetrieveSettings:
+    """What a retrieval writes and measures: passages per question, encoder batch, answer matching, the results
+    file and TREC run, and the cut-offs evaluated (``ks`` None: no evaluation; on the command line ``--evaluate``
+    turns on ``--k``)."""
+
+    top_k: int = setting(100, "--top-k", type=positive_int, help="passages per question")
+    batch_size: int = setting(64, "--batch-size", type=positive_int, help="questions per encoder batch")
+    match: Optional[str] = setting("string", "--match", choices=MATCH_CHOICES,
+                                   help="answer matching for has_answer: string (NQ/TriviaQA), regex (CuratedTREC) "
+                                        "or none (None in code)")
+    output: Optional[PathLike] = setting(None, "--output", type=output_file,
+                                         help="write DPR retriever JSON here (JSONL when named .jsonl; .gz compresses)")
+    compact: bool = setting(False, "--compact", help="results without passage title and text: ids, scores and "
+                                                     "has_answer (for evaluate and mine)")
+    workers: int = setting(1, "--workers", type=nonnegative_int, cli_default=0,
+                           help="processes that tokenise passages for answer matching (0: all cores; default 0 on "
+                                "the command line, 1 in code)")
+    trec_run: Optional[PathLike] = setting(None, "--trec-run", type=output_file, help="write a TREC run file here")
+    run_tag: str = setting("dpr-gc", "--run-tag", help="tag column of the TREC run")
+    evaluate: bool = setting(False, "--evaluate", help="print answer accuracy and/or qrels metrics at --k")
+    ks: Optional[list[int]] = setting(None, "--k", dest="k", type=positive_int, nargs="+",
+                                      help="cut-offs for --evaluate (default: 1 5 10 20 100)")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    def cutoffs(self) -> Optional[list[int]]:
+        """The cut-offs to evaluate at (None: no evaluation): ``ks``, or the defaults when ``evaluate`` asks."""
+        return list(self.ks or KS) if self.evaluate else (list(self.ks) if self.ks else None)
+
+
+@dataclasses.dataclass
+class RetrieveJob:
+    """``dpr-gc retrieve`` besides the index: which questions, with which model against which corpus, and how."""
+
+    queries: str = setting("", "--queries", required=True, help="DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
+    model: Optional[str] = setting(None, "--model",
+                                   help="retriever folder or HF model (default: the model recorded in the index)")
+    corpus: Optional[str] = setting(None, "--corpus", help="passages the index was built from (default: the corpus "
+                                                           "recorded in the index)")
+    qrels: Optional[str] = setting(None, "--qrels", help="relevance judgments: only judged queries are retrieved; "
+                                                         "used by --evaluate")
+    device: Optional[str] = device_setting("torch device for the question encoder (default: cuda if available)")
+    cache_dir: Optional[str] = cache_dir_setting()
+    check_model: bool = setting(True, "--skip-model-check", dest="skip_model_check", negate=True, resume=FREE,
+                                help="do not refuse a model whose weights differ from the one that encoded the "
+                                     "passages")
+    query_prefix: Optional[str] = query_prefix_setting()
+    passage_prefix: Optional[str] = passage_prefix_setting()
+    settings: RetrieveSettings = group(RetrieveSettings, "retrieval")
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def check_compatible(retriever: Any, index: DenseIndex, check_fingerprint: bool = True) -> None:
@@ -92,7 +152,7 @@ def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Itera
     if retriever.dim != index.dim:
         check_compatible(retriever, index, check_fingerprint=False)
     queries = iter(queries)
-    bar = tqdm(desc="retrieving", unit=" q", total=total, disable=not show_progress)
+    bar = tqdm(desc="retrieving", unit=" q", total=total, disable=nested_bar_disabled(show_progress))
     while chunk := list(itertools.islice(queries, QUERY_CHUNK)):
         emb = retriever.embed("query", [q["question"] for q in chunk], batch_size=batch_size,
                               show_progress=show_progress and len(chunk) > batch_size)
@@ -119,24 +179,25 @@ def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Itera
 class DenseSource:
     """Candidates from a FAISS index (row r = corpus row r) searched with ``retriever``'s question encoder.
 
-    A positive's score is the dot product of the question with the positive embedded by the same passage encoder.
+    A positive's score is the dot product of the question with the positive embedded by the same passage encoder;
+    :meth:`retrieve` returns, per question, the scores of all its positives.
     """
 
     def __init__(self, retriever: Any, index: Any, batch_size: int = 64) -> None:
         self.retriever, self.index, self.batch_size = retriever, index, batch_size
 
     def retrieve(self, questions: list[str], k: int,
-                 positives: Optional[list[list[tuple]]] = None) -> tuple[np.ndarray, np.ndarray, list[Optional[float]]]:
+                 positives: Optional[list[list[tuple]]] = None) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
         emb = self.retriever.embed("query", questions, batch_size=self.batch_size)
         scores, rows = self.index.search(emb, k)
-        best: list[Optional[float]] = [None] * len(questions)
+        positive_scores: list[list[float]] = [[] for _ in questions]
         flat = [(i, g) for i, gs in enumerate(positives or []) for g in gs]
         if flat:
             pemb = self.retriever.embed("passage", [g[2] for _, g in flat], titles=[g[1] for _, g in flat],
                                         batch_size=self.batch_size)
             for (i, _), s in zip(flat, np.einsum("nd,nd->n", emb[[i for i, _ in flat]], pemb).tolist()):
-                best[i] = s if best[i] is None else max(best[i], s)
-        return scores, rows, best
+                positive_scores[i].append(s)
+        return scores, rows, positive_scores
 
 
 def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
@@ -200,34 +261,34 @@ def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = 
     return (q for q in iter_queries(path) if qrels is None or str(q["id"]) in qrels)
 
 
-def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
-                      batch_size: int = 64, match: Optional[str] = "string", output: Optional[PathLike] = None,
-                      compact: bool = False, trec_run: Optional[PathLike] = None, run_tag: str = "dpr-gc",
-                      ks: Optional[list[int]] = None, qrels: Optional[dict[str, dict[str, int]]] = None,
-                      workers: int = 1, show_progress: bool = True,
-                      total: Optional[int] = None) -> dict[str, dict[str, float]]:
-    """Retrieve ``queries`` (any iterable, read once; ``total``: their number, for the progress bar), writing the results file (``compact``: without passage text) and the TREC run as records come and
-    evaluating them on the way when ``ks`` is given; returns the metrics (empty without ``ks``).
+def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict],
+                      settings: Optional[RetrieveSettings] = None, *, qrels: Optional[dict[str, dict[str, int]]] = None,
+                      show_progress: bool = True, total: Optional[int] = None,
+                      **options: Any) -> dict[str, dict[str, float]]:
+    """Retrieve ``queries`` (any iterable, read once; ``total``: their number, for the progress bar) with
+    ``settings`` (fields of :class:`RetrieveSettings` may also be given as keywords), writing the results file
+    (``compact``: without passage text) and the TREC run as records come and evaluating them on the way at the
+    cut-offs (:meth:`RetrieveSettings.cutoffs`); returns the metrics (empty without evaluation).
 
     Answers are matched once per run: evaluation reuses the ``has_answer`` flags written to the results (with
-    ``match`` None they are matched for the evaluation only, with DPR's string matching).
+    ``match`` None or ``none`` they are matched for the evaluation only, with DPR's string matching).
     """
-    if match is not None and match not in MATCH_MODES:
-        raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
-    if trec_run:
-        check_run_tag(run_tag)
+    s = dataclasses.replace(settings or RetrieveSettings(), **options)
+    match, ks = (None if s.match == "none" else s.match), s.cutoffs()
+    if s.trec_run:
+        check_run_tag(s.run_tag)
     with contextlib.ExitStack() as stack:
-        matcher = stack.enter_context(AnswerMatcher(match or "string", workers))
+        matcher = stack.enter_context(AnswerMatcher(match or "string", s.workers or default_workers()))
         writers = []
-        if output:
-            writers.append(stack.enter_context(open_results(output, compact)))
-        if trec_run:
-            writers.append(stack.enter_context(open_trec_run(trec_run, run_tag)))
+        if s.output:
+            writers.append(stack.enter_context(open_results(s.output, s.compact)))
+        if s.trec_run:
+            writers.append(stack.enter_context(open_trec_run(s.trec_run, s.run_tag)))
         evaluation = None
         if ks is not None:
             evaluation = RunEvaluation(ks, qrels, matcher if match is None else None)
             writers.append(evaluation)
-        for record in iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
+        for record in iter_retrieve(retriever, index, corpus, queries, s.top_k, s.batch_size,
                                     matcher if match is not None else None, show_progress, total):
             for writer in writers:
                 writer.write(record)
@@ -255,40 +316,33 @@ def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
     return model
 
 
-def run_retrieval(index: DenseIndex, queries_path: PathLike, *, model: Optional[str] = None,
-                  corpus: Optional[PathLike] = None, index_dir: Optional[PathLike] = None, top_k: int = 100,
-                  batch_size: int = 64, match: Optional[str] = "string", output: Optional[PathLike] = None,
-                  compact: bool = False, trec_run: Optional[PathLike] = None, run_tag: str = "dpr-gc",
-                  ks: Optional[list[int]] = None, qrels_path: Optional[PathLike] = None, device: Optional[str] = None,
-                  cache_dir: Optional[PathLike] = None, check_model: bool = True, workers: int = 1,
-                  query_prefix: Optional[str] = None,
-                  passage_prefix: Optional[str] = None) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+def run_retrieval(index: DenseIndex, job: RetrieveJob,
+                  index_dir: Optional[PathLike] = None) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """Load the query encoder (default: the model the index records, relative to ``index_dir`` if moved with it),
-    the corpus and the questions, retrieve while writing and evaluating (at cut-offs ``ks``; None: no evaluation).
+    the corpus and the questions of ``job``, retrieve while writing and evaluating (see :class:`RetrieveSettings`).
     Returns ``(metrics, summary)``."""
     from ..data.corpus import load_corpus
     from ..base.devices import default_device
     from ..model.retriever import Retriever
 
-    if not (output or trec_run or ks is not None):
+    s = job.settings
+    if not (s.output or s.trec_run or s.cutoffs() is not None):
         raise DprGcError("nothing to do: give --output FILE.json and/or --trec-run FILE, or --evaluate")
-    model = model or recorded_model(index_dir, index.meta)
-    corpus_path = corpus or index.meta.get("corpus")
+    model = job.model or recorded_model(index_dir, index.meta)
+    corpus_path = job.corpus or index.meta.get("corpus")
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
-    retriever = Retriever.load(model, default_device(device),
-                               *recorded_prefixes(index.meta, query_prefix, passage_prefix))
-    check_compatible(retriever, index, check_fingerprint=check_model)
-    passages = load_corpus(corpus_path, cache_dir)
+    retriever = Retriever.load(model, default_device(job.device),
+                               *recorded_prefixes(index.meta, job.query_prefix, job.passage_prefix))
+    check_compatible(retriever, index, check_fingerprint=job.check_model)
+    passages = load_corpus(corpus_path, job.cache_dir)
     check_corpus(index, passages)
     started = time.perf_counter()
-    metrics, count = retrieve_file(retriever, index, passages, queries_path, top_k=top_k, batch_size=batch_size,
-                                   match=match, output=output, compact=compact, trec_run=trec_run, run_tag=run_tag,
-                                   ks=ks, qrels_path=qrels_path, workers=workers)
+    metrics, count = retrieve_file(retriever, index, passages, job.queries, qrels_path=job.qrels, settings=s)
     seconds = time.perf_counter() - started
-    return metrics, {"queries": count, "top-k": top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
+    return metrics, {"queries": count, "top-k": s.top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
                      "queries/s": round(count / seconds, 1) if seconds > 0 else "n/a",
-                     "results": output or "-", "trec run": trec_run or "-"}
+                     "results": s.output or "-", "trec run": s.trec_run or "-"}
 
 
 def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: PathLike,
@@ -297,12 +351,15 @@ def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: 
     """:func:`retrieve_to_files` over the questions of a file (only those judged in ``qrels_path`` when given), read
     in two streaming passes -- checks, then retrieval -- so memory does not grow with their number. Returns the
     metrics and the number of questions retrieved."""
-    from ..evaluation.evaluate import read_qrels
+    from ..data.qrels import read_qrels
 
     qrels = read_qrels(qrels_path) if qrels_path else None
+    trec_run = trec_run or (options.get("settings") or RetrieveSettings()).trec_run
     count = scan_queries(queries_path, qrels, qrels_path, run_ids=bool(trec_run))
-    metrics = retrieve_to_files(retriever, index, corpus, judged_queries(queries_path, qrels), trec_run=trec_run,
-                                qrels=qrels, total=count, **options)
+    if trec_run:
+        options["trec_run"] = trec_run
+    metrics = retrieve_to_files(retriever, index, corpus, judged_queries(queries_path, qrels), qrels=qrels,
+                                total=count, **options)
     return metrics, count
 
 
@@ -316,13 +373,10 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     from ..evaluation.evaluate import format_table
 
     steady_malloc()
-    metrics, summary = run_retrieval(
-        index, args.queries, model=args.model, corpus=args.corpus, index_dir=index_dir, top_k=args.top_k,
-        batch_size=args.batch_size, match=None if args.match == "none" else args.match, output=args.output,
-        compact=args.compact, trec_run=args.trec_run, run_tag=args.run_tag, ks=args.k if args.evaluate else None,
-        qrels_path=args.qrels, device=device or args.device, cache_dir=args.cache_dir,
-        check_model=not args.skip_model_check, workers=args.workers or default_workers(),
-        query_prefix=args.query_prefix, passage_prefix=args.passage_prefix)
+    job = from_args(RetrieveJob, args)
+    settings = dataclasses.replace(job.settings, ks=job.settings.ks if job.settings.evaluate else None)
+    job = dataclasses.replace(job, device=device or job.device, settings=settings)
+    metrics, summary = run_retrieval(index, job, index_dir)
     for name, values in metrics.items():
         print(f"\n{name} metrics ({summary['queries']} queries)")
         print(format_table(values))
@@ -340,41 +394,27 @@ def _retrieve_cli(args: argparse.Namespace) -> None:
     retrieve_with_flags(args, index, f"{index.meta['factory']} in {args.index}", index_dir=args.index)
 
 
+@dataclasses.dataclass
+class IndexToSearch:
+    """``dpr-gc retrieve``'s index: its folder, search-time overrides, FAISS threads."""
+
+    index: str = setting("", "--index", required=True, help="index folder written by 'dpr-gc index'")
+    ef_search: Optional[int] = setting(None, "--ef-search", type=positive_int,
+                                       help="override the index's HNSW efSearch (default: the index's own)")
+    nprobe: Optional[int] = setting(None, "--nprobe", type=positive_int,
+                                    help="override the index's IVF nprobe (default: the index's own)")
+    threads: Optional[int] = setting(None, "--threads", type=positive_int, help="FAISS threads (default: all cores)")
+
+
 def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``dpr-gc retrieve`` other than the index location."""
-    p.add_argument("--model", help="retriever folder or HF model (default: the model recorded in the index)")
-    p.add_argument("--corpus", help="passages the index was built from (default: the corpus recorded in the index)")
-    p.add_argument("--queries", required=True, help="DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
-    p.add_argument("--top-k", type=positive_int, default=100, help="passages per question (default 100)")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="questions per encoder batch (default 64)")
-    p.add_argument("--match", choices=MATCH_CHOICES, default="string",
-                   help="answer matching for has_answer: string (NQ/TriviaQA), regex (CuratedTREC) or none")
-    p.add_argument("--output", type=output_file,
-                   help="write DPR retriever JSON here (JSONL when named .jsonl; .gz compresses)")
-    p.add_argument("--compact", action="store_true",
-                   help="results without passage title and text: ids, scores and has_answer (for evaluate and mine)")
-    p.add_argument("--workers", type=nonnegative_int, default=0,
-                   help="processes that tokenise passages for answer matching (default 0: all cores)")
-    p.add_argument("--trec-run", type=output_file, help="write a TREC run file here")
-    p.add_argument("--run-tag", default="dpr-gc", help="tag column of the TREC run (default dpr-gc)")
-    p.add_argument("--qrels", help="relevance judgments: only judged queries are retrieved; used by --evaluate")
-    p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics")
-    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 10, 20, 100], help="cut-offs for --evaluate")
-    p.add_argument("--device", type=device_arg,
-                   help="torch device for the question encoder (default: cuda if available)")
-    p.add_argument("--cache-dir", help="where parsed corpora are cached")
-    p.add_argument("--skip-model-check", action="store_true",
-                   help="do not refuse a model whose weights differ from the one that encoded the passages")
-    add_prefix_arguments(p)
+    """Flags of ``dpr-gc retrieve`` other than the index location (generated from :class:`RetrieveJob`)."""
+    add_arguments(p, RetrieveJob)
 
 
 def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc retrieve``."""
     p = subparsers.add_parser("retrieve", help="top-k passages for questions: DPR JSON and a TREC run",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--index", required=True, help="index folder written by 'dpr-gc index'")
+    add_arguments(p, IndexToSearch)
     add_retrieve_arguments(p)
-    p.add_argument("--ef-search", type=positive_int, help="override the index's HNSW efSearch")
-    p.add_argument("--nprobe", type=positive_int, help="override the index's IVF nprobe")
-    p.add_argument("--threads", type=positive_int, help="FAISS threads (default: all cores)")
     p.set_defaults(func=_retrieve_cli)

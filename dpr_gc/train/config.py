@@ -1,147 +1,265 @@
 """What a training run depends on, grouped by concern: the model, the data, the optimisation, Gradient Cache and the
-run (output, seed, schedule of evaluations and checkpoints). Each group checks its own fields when built, so a
-library caller gets the same one-line errors as the command line; :func:`config_from_args` adapts the ``dpr-gc
-train`` flags (:func:`add_train_arguments`) into the groups.
+run (output, seed, schedule of evaluations and checkpoints). Every setting is declared once, as a field made with
+:func:`~dpr_gc.base.settings.setting` (type, default, help, flags with their GC-DPR aliases, and whether ``--resume``
+may change it); each group checks its own fields when built, so a library caller gets the same one-line errors as
+the command line, whose ``dpr-gc train`` flags are generated from the groups (:func:`add_train_arguments`,
+:func:`config_from_args`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Optional, Union
+import logging
+import math
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
 
-from ..base.args import device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int
+from ..base.args import device_arg, nonnegative_int, output_dir, positive_int, positive_float, nonnegative_float
 from ..base.errors import DprGcError
-from ..model.lora import LoraSettings, add_lora_arguments, lora_settings
+from ..base.files import read_json_object, write_json
+from ..base.settings import FIXED, FREE, Change, add_arguments, changed_settings, check, from_args, group, setting
+from ..base.settings import to_record
+from ..engine.budget import parse_memory
 from ..engine.loss import check_loss_chunk_size
-from ..model.retriever import RetrieverConfig, add_prefix_arguments
+from ..model.lora import LoraSettings
+from ..model.retriever import RetrieverConfig
 from .validation import DevLimits
 
+logger = logging.getLogger(__name__)
+
 PRECISIONS = ("fp32", "bf16", "fp16")
+SETTINGS_FILE = "train_config.json"  # the resolved settings of the run, in the output folder and each checkpoint
 BEST_METRICS = ("avg_rank", "loss", "accuracy")
 
 
-def _at_least(*checks: tuple[str, Optional[int], int]) -> None:
-    for flag, value, low in checks:
-        if value is not None and value < low:
-            raise DprGcError(f"{flag} must be >= {low}, got {value}")
+def chunk_arg(value: str) -> Union[int, str]:
+    """A chunk size flag: a positive integer or ``auto``."""
+    return value if value == "auto" else positive_int(value)
+
+
+def workers_arg(value: str) -> Union[int, str]:
+    """A --num-workers flag: an integer >= 0 or ``auto``."""
+    return value if value == "auto" else nonnegative_int(value)
+
+
+def memory_arg(value: str) -> Union[int, str]:
+    """A memory size flag: bytes with a unit (``12GB``, ``512MiB``) or ``auto``."""
+    try:
+        return parse_memory(value)
+    except DprGcError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclasses.dataclass
 class ModelConfig:
-    """The retriever trained: ``name`` is a Hugging Face model name or folder, a saved retriever, an official DPR
-    pair or a DPR ``.cp`` file (None: the offline all-MiniLM-L6-v2); ``retriever`` sets up a new one (a saved one
-    keeps its own settings, except prefixes given here)."""
+    """The model: ``name`` is a Hugging Face model name or folder, a saved retriever, an official DPR pair or a DPR
+    ``.cp`` file (None: the offline all-MiniLM-L6-v2); ``retriever`` sets up a new one (a saved one keeps its own
+    settings, except prefixes given here)."""
 
-    name: Optional[str] = None
-    retriever: Optional[RetrieverConfig] = None
-    query_prefix: Optional[str] = None
-    passage_prefix: Optional[str] = None
-    gradient_checkpointing: bool = False
-    freeze_position_embeddings: bool = False
-    lora: Optional[LoraSettings] = None  # LoRA adapters (only they train in the transformers), see dpr_gc.lora
+    name: Optional[str] = setting(None, "--model", "--pretrained_model_cfg", dest="model",
+                                  help="Hugging Face model name or folder, a saved retriever, an official DPR pair "
+                                       "or a DPR .cp file (default: offline all-MiniLM-L6-v2)")
+    retriever: Optional[RetrieverConfig] = group(RetrieverConfig, "retriever (a new one; a saved one keeps its own; "
+                                                 "a sentence-transformers folder supplies what is not given)",
+                                                 given="retriever_flags")
+    query_prefix: Optional[str] = setting(None, "--query-prefix",
+                                          help="text put before every query, e.g. 'query: ' (default: the model's "
+                                               "own, else none)")
+    passage_prefix: Optional[str] = setting(None, "--passage-prefix",
+                                            help="text put before every passage, e.g. 'passage: ' (default: the "
+                                                 "model's own, else none)")
+    gradient_checkpointing: bool = setting(False, "--gradient-checkpointing", resume=FREE,
+                                           help="recompute activations in backward to save memory (same gradients)")
+    freeze_position_embeddings: bool = setting(False, "--freeze-position-embeddings",
+                                               help="keep the position embeddings as loaded")
+    lora: Optional[LoraSettings] = group(LoraSettings, "LoRA (only the adapters train in the transformers)",
+                                         when="lora_r")
+
+    # The ``retriever`` fields the user set (the flags given); a sentence-transformers folder supplies the others.
+    # None: every field of ``retriever`` when it is given, the folder's recipe when it is None.
+    retriever_flags: Optional[tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        check(self)
 
     def path(self) -> str:
         """The model to start from (the offline default when none is named)."""
-        from ..model.retriever import default_model_path
+        from ..model.pretrained import default_model_path
 
         return self.name or default_model_path()
 
 
 @dataclasses.dataclass
 class DataConfig:
-    """Training and dev data: sources, per-rank batch of queries, negatives per query, loading; ``dev`` bounds dev
-    validation (DPR's ``val_av_rank_*``)."""
+    """The data: sources, per-rank batch of queries, negatives per query, loading; ``dev`` bounds dev validation
+    (DPR's ``val_av_rank_*``)."""
 
-    train_files: list[str] = dataclasses.field(default_factory=list)
-    dev_file: Optional[str] = None
-    batch_size: int = 32
-    hard_negatives: int = 1
-    other_negatives: int = 0
-    shuffle_positives: bool = False
-    sampling_rates: Optional[list[float]] = None
-    num_workers: int = 2
-    skip_bad_records: bool = False
-    cache_dir: Optional[str] = None
-    dev: DevLimits = dataclasses.field(default_factory=DevLimits)
+    train_files: list[str] = setting(None, "--train", "--train_file", dest="train_files", nargs="+", required=True,
+                                     default_factory=list,
+                                     help="DPR training files (.json/.jsonl[.gz]) or BEIR folders (qrels/train.tsv)")
+    dev_file: Optional[str] = setting(None, "--dev", "--dev_file", dest="dev_file",
+                                      help="DPR dev file for validation (default: none, no validation)")
+    batch_size: int = setting(32, "--batch-size", "--batch_size", type=positive_int, help="queries per step and rank")
+    hard_negatives: int = setting(1, "--hard-negatives", "--hard_negatives", type=nonnegative_int,
+                                  help="hard negatives per query")
+    other_negatives: int = setting(0, "--other-negatives", "--other_negatives", type=nonnegative_int,
+                                   help="other (random) negatives per query")
+    shuffle_positives: bool = setting(False, "--shuffle-positives", "--shuffle_positive_ctx",
+                                      help="draw a random positive per query (else the first)")
+    beir_positives: str = setting("pairs", "--beir-positives", choices=("pairs", "sample"),
+                                  help="BEIR folders: one example per (query, positive) qrels pair each epoch "
+                                       "(pairs, as sentence-transformers), or one per query with a positive drawn "
+                                       "each time (sample)")
+    sampling_rates: Optional[list[float]] = setting(None, "--sampling-rates", type=positive_float, nargs="+",
+                                                    help="per-source sampling rates (one per --train source; "
+                                                         "default: every example once per epoch)")
+    num_workers: Union[int, str] = setting("auto", "--num-workers", type=workers_arg, resume=FREE,
+                                           help="DataLoader workers that tokenise ahead of the step (auto: 0 on the "
+                                                "CPU, where they cost memory and measured no faster; 2 on a GPU)")
+    skip_bad_records: bool = setting(False, "--skip-bad-records", resume=FREE,
+                                     help="skip (and count) malformed training records instead of stopping")
+    cache_dir: Optional[str] = setting(None, "--cache-dir", resume=FREE,
+                                       help="where parsed data are cached (default: next to the data)")
+    dev: DevLimits = group(DevLimits, "dev validation (DPR's val_av_rank_*)")
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise DprGcError(f"--batch-size must be >= 1, got {self.batch_size}")
-        _at_least(("--num-workers", self.num_workers, 0), ("--hard-negatives", self.hard_negatives, 0),
-                  ("--other-negatives", self.other_negatives, 0))
+        check(self)
+        if self.num_workers != "auto" and (not isinstance(self.num_workers, int) or self.num_workers < 0):
+            raise DprGcError(f"--num-workers must be an integer >= 0 or 'auto', got {self.num_workers!r}")
 
     @property
     def passages_per_query(self) -> int:
         return 1 + self.hard_negatives + self.other_negatives
 
+    def resolve_workers(self, device_type: str) -> int:
+        """``num_workers``, with ``auto`` resolved for the device: 0 on the CPU, where workers measured no faster
+        and cost memory (benchmarks/README.md, "DataLoader workers"), 2 on a GPU."""
+        if self.num_workers != "auto":
+            return int(self.num_workers)
+        return 2 if device_type == "cuda" else 0
+
 
 @dataclasses.dataclass
 class OptimConfig:
-    """The objective and its minimisation: AdamW, linear warm-up and decay, clipping, length, mixed precision, and
-    the symmetric (passage-to-query) loss term."""
+    """The optimisation: AdamW, linear warm-up and decay, clipping, length, mixed precision, and the symmetric
+    (passage-to-query) loss term."""
 
-    learning_rate: float = 2e-5
-    weight_decay: float = 0.0
-    adam_eps: float = 1e-8
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    epochs: int = 1
-    max_steps: Optional[int] = None
-    max_grad_norm: float = 2.0
-    precision: str = "fp32"
-    symmetric: bool = False
+    learning_rate: float = setting(2e-5, "--learning-rate", "--learning_rate", type=positive_float,
+                                   help="AdamW peak learning rate")
+    weight_decay: float = setting(0.0, "--weight-decay", "--weight_decay", type=nonnegative_float,
+                                  help="AdamW weight decay")
+    adam_eps: float = setting(1e-8, type=positive_float, help="AdamW epsilon")
+    adam_betas: tuple[float, float] = setting((0.9, 0.999), help="AdamW betas")
+    warmup_steps: Optional[int] = setting(None, "--warmup-steps", "--warmup_steps", type=nonnegative_int,
+                                          help="steps of linear learning-rate warm-up (default: 0, or "
+                                               "--warmup-ratio)")
+    warmup_ratio: Optional[float] = setting(None, "--warmup-ratio", type=nonnegative_float,
+                                            help="warm-up as a fraction of all steps, rounded up (0.1: the first "
+                                                 "10%%), instead of --warmup-steps")
+    epochs: int = setting(1, "--epochs", "--num_train_epochs", type=positive_int, resume=FREE,
+                          help="passes over the training data")
+    max_steps: Optional[int] = setting(None, "--max-steps", type=positive_int, resume=FREE,
+                                       help="stop after this many steps (default: --epochs decides)")
+    max_grad_norm: float = setting(2.0, "--max-grad-norm", "--max_grad_norm", type=positive_float,
+                                   help="clip the gradient norm to this")
+    precision: str = setting("fp32", "--precision", choices=PRECISIONS,
+                             hidden=[("--fp16", {"action": "store_const", "const": "fp16"})],
+                             help="autocast precision of the forward and backward passes")
+    symmetric: bool = setting(False, "--symmetric", help="add the passage-to-query loss term")
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps``: ``warmup_steps``, or ``ceil(warmup_ratio * total_steps)``
+        (as Hugging Face's and sentence-transformers' trainers count it)."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps or 0
+        return math.ceil(self.warmup_ratio * total_steps)
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise DprGcError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
-        if self.epochs < 1 and not self.max_steps:
-            raise DprGcError("--epochs must be >= 1 (or give --max-steps)")
-        _at_least(("--max-steps", self.max_steps, 1), ("--warmup-steps", self.warmup_steps, 0))
-        if not (self.learning_rate > 0 and self.weight_decay >= 0 and self.max_grad_norm > 0):
-            raise DprGcError("--learning-rate and --max-grad-norm must be positive and --weight-decay >= 0")
+        check(self)
+        if self.warmup_ratio is not None:
+            if self.warmup_steps is not None:
+                raise DprGcError("give --warmup-steps or --warmup-ratio, not both")
+            if not 0 <= self.warmup_ratio < 1:
+                raise DprGcError(f"--warmup-ratio must lie in [0, 1), got {self.warmup_ratio}")
 
 
 @dataclasses.dataclass
 class CacheConfig:
     """Gradient Cache: rows per chunk of queries and of passages (``auto`` probes the device), or plain full-batch
-    training when ``enabled`` is False; ``loss_chunk_size`` is rows per block of the loss's score matrix."""
+    training when ``enabled`` is False; ``loss_chunk_size`` is rows per block of the loss's score matrix;
+    ``memory_budget`` is bytes of first-pass graphs kept instead of replayed (``"12GB"``, ``"auto"``; 0: only the
+    last chunk's); ``*_chunk_tokens`` cap each chunk's tokens (rows times its longest sequence) instead of rows."""
 
-    enabled: bool = True
-    query_chunk_size: Union[int, str] = "auto"
-    passage_chunk_size: Union[int, str] = "auto"
-    loss_chunk_size: Optional[int] = None
+    enabled: bool = setting(True, "--no-grad-cache", dest="grad_cache", resume=FREE,
+                            hidden=[("--grad_cache", {"action": "store_true"})],
+                            help="plain training without Gradient Cache (the baseline; same gradients)")
+    query_chunk_size: Union[int, str] = setting("auto", "--query-chunk-size", "--q_chunk_size", type=chunk_arg,
+                                                resume=FREE,
+                                                help="queries per Gradient Cache chunk (auto: probe the device)")
+    passage_chunk_size: Union[int, str] = setting("auto", "--passage-chunk-size", "--ctx_chunk_size",
+                                                  type=chunk_arg, resume=FREE,
+                                                  help="passages per Gradient Cache chunk (auto: probe the device)")
+    loss_chunk_size: Optional[int] = setting(None, "--loss-chunk-size", type=nonnegative_int, resume=FREE,
+                                             help="rows per block of the score matrix (0: the dense matrix; "
+                                                  "default: automatic)")
+    memory_budget: Union[int, str] = setting(0, "--memory-budget", type=memory_arg, resume=FREE,
+                                             help="memory for first-pass graphs kept instead of replayed, e.g. "
+                                                  "12GB, 512MiB, or auto (free GPU memory minus a margin; half the "
+                                                  "available RAM on CPU); 0: replay all but the last chunk")
+    query_chunk_tokens: Optional[int] = setting(None, "--query-chunk-tokens", type=positive_int, resume=FREE,
+                                                help="tokens per query chunk (rows x longest sequence; rows at "
+                                                     "most --query-chunk-size)")
+    passage_chunk_tokens: Optional[int] = setting(None, "--passage-chunk-tokens", type=positive_int,
+                                                  resume=FREE, help="tokens per passage chunk (rows x longest "
+                                                  "sequence; rows at most --passage-chunk-size)")
 
     def __post_init__(self) -> None:
+        self.memory_budget = parse_memory(self.memory_budget)
+        for flag, value in (("--query-chunk-tokens", self.query_chunk_tokens),
+                            ("--passage-chunk-tokens", self.passage_chunk_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise DprGcError(f"{flag} must be a positive number of tokens, got {value!r}")
         for flag, value in (("--query-chunk-size", self.query_chunk_size),
                             ("--passage-chunk-size", self.passage_chunk_size)):
-            if value != "auto" and (not isinstance(value, int) or value < 1):
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise DprGcError(f"{flag} must be a positive integer or 'auto', got {value!r}")
+        check(self)
         check_loss_chunk_size(self.loss_chunk_size)
 
 
 @dataclasses.dataclass
 class RunConfig:
-    """Where and how the run goes: output folder, seed, device, resuming, and when it evaluates, logs and saves
-    (``eval_per_epoch`` is GC-DPR's: evaluate and save N times an epoch)."""
+    """The run: output folder, seed, device, resuming, and when it evaluates, logs and saves (``eval_per_epoch``
+    is GC-DPR's: evaluate and save N times an epoch)."""
 
-    output_dir: str = ""
-    seed: int = 0
-    device: Optional[str] = None
-    resume: Optional[str] = None
-    eval_every: Optional[int] = None
-    eval_per_epoch: Optional[int] = None
-    save_every: Optional[int] = None
-    keep_checkpoints: int = 2
-    best_metric: str = "avg_rank"
-    log_every: int = 1
-    fsdp: bool = False
-    fsdp_cpu_offload: bool = False
+    output_dir: str = setting("", "--output", "--output_dir", type=output_dir, dest="output_dir", required=True,
+                              resume=FREE, help="output folder")
+    seed: int = setting(0, "--seed", type=nonnegative_int, help="seed of initialisation, sampling and dropout")
+    device: Optional[str] = setting(None, "--device", type=device_arg, resume=FREE,
+                                    help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    resume: Optional[str] = setting(None, "--resume", resume=FREE,
+                                    help="checkpoint folder, or 'latest' in --output; settings that change the "
+                                         "model or the training signal must match the recorded run")
+    eval_every: Optional[int] = setting(None, "--eval-every", type=positive_int, resume=FREE,
+                                        help="steps between dev evaluations (default: with --dev, before training and at the end)")
+    eval_per_epoch: Optional[int] = setting(None, type=positive_int, resume=FREE,
+                                            help="dev evaluations and checkpoints per epoch (GC-DPR)")
+    save_every: Optional[int] = setting(None, "--save-every", type=positive_int, resume=FREE,
+                                        help="steps between checkpoints (default: at the end only)")
+    keep_checkpoints: int = setting(2, "--keep-checkpoints", type=positive_int, resume=FREE,
+                                    help="checkpoints kept (older ones are deleted)")
+    best_metric: str = setting("avg_rank", "--best-metric", choices=BEST_METRICS,
+                               help="dev metric that chooses best/")
+    log_every: int = setting(1, type=positive_int, resume=FREE, help="steps between metrics.jsonl records")
+    fsdp: bool = setting(False, "--fsdp",
+                         help="under torchrun: shard the model over the ranks (FSDP2, one unit per transformer block)")
+    fsdp_cpu_offload: bool = setting(False, "--fsdp-cpu-offload", resume=FREE,
+                                     help="with --fsdp: keep parameters, gradients and optimizer state on the CPU "
+                                          "between uses")
 
     def __post_init__(self) -> None:
-        if self.best_metric not in BEST_METRICS:
-            raise DprGcError(f"--best-metric must be avg_rank, loss or accuracy, got {self.best_metric!r}")
-        _at_least(("--eval-every", self.eval_every, 1), ("--save-every", self.save_every, 1))
+        check(self)
         if self.fsdp_cpu_offload and not self.fsdp:
             raise DprGcError("--fsdp-cpu-offload needs --fsdp")
 
@@ -150,11 +268,11 @@ class RunConfig:
 class TrainConfig:
     """Everything a training run depends on, one group per concern."""
 
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
-    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = group(ModelConfig, "model")
+    data: DataConfig = group(DataConfig, "data")
+    optim: OptimConfig = group(OptimConfig, "optimisation")
+    cache: CacheConfig = group(CacheConfig, "Gradient Cache")
+    run: RunConfig = group(RunConfig, "run")
 
     def __post_init__(self) -> None:
         if self.run.fsdp and self.optim.precision not in ("fp32", "bf16"):
@@ -162,108 +280,58 @@ class TrainConfig:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``dpr-gc train`` flags; GC-DPR's flag names are accepted as aliases (see scripts/train_dense_encoder.py)."""
-    p.add_argument("--train", "--train_file", dest="train_files", nargs="+", required=True,
-                   help="DPR training files (.json/.jsonl[.gz]) or BEIR folders (qrels/train.tsv)")
-    p.add_argument("--dev", "--dev_file", dest="dev_file", help="DPR dev file for validation")
-    p.add_argument("--output", "--output_dir", type=output_dir, dest="output_dir", required=True, help="output folder")
-    p.add_argument("--model", "--pretrained_model_cfg", dest="model", default=None,
-                   help="Hugging Face model name or folder, or a saved retriever (default: offline all-MiniLM-L6-v2)")
-    p.add_argument("--pooling", default="cls", choices=["cls", "mean", "pooler", "last"],
-                   help="last: the last non-padding token's state (decoder-only models; EOS appended when absent)")
-    p.add_argument("--normalize", action="store_true", help="L2-normalise representations (cosine similarity)")
-    p.add_argument("--projection-dim", type=positive_int, default=None)
-    p.add_argument("--separate-encoders", action="store_true", help="two towers instead of one shared")
-    p.add_argument("--query-max-length", "--query_max_length", type=positive_int, default=32)
-    p.add_argument("--passage-max-length", "--sequence_length", type=positive_int, default=256)
-    p.add_argument("--passage-format", default="pair", choices=["pair", "concat"])
-    add_prefix_arguments(p)
-    p.add_argument("--temperature", type=positive_float, default=1.0)
-    p.add_argument("--learn-temperature", action="store_true")
-    p.add_argument("--batch-size", "--batch_size", type=positive_int, default=32, help="queries per step and rank")
-    p.add_argument("--hard-negatives", "--hard_negatives", type=nonnegative_int, default=1)
-    p.add_argument("--other-negatives", "--other_negatives", type=nonnegative_int, default=0)
-    p.add_argument("--shuffle-positives", "--shuffle_positive_ctx", action="store_true")
-    p.add_argument("--sampling-rates", type=positive_float, nargs="+", default=None)
-    p.add_argument("--no-grad-cache", dest="grad_cache", action="store_false", help="plain training (baseline)")
-    p.add_argument("--grad_cache", dest="grad_cache", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--query-chunk-size", "--q_chunk_size", type=chunk_arg, default="auto")
-    p.add_argument("--passage-chunk-size", "--ctx_chunk_size", type=chunk_arg, default="auto")
-    p.add_argument("--loss-chunk-size", type=nonnegative_int, default=None,
-                   help="rows per block of the score matrix (0: the dense matrix; default: automatic)")
-    p.add_argument("--symmetric", action="store_true", help="add the passage-to-query loss term")
-    p.add_argument("--learning-rate", "--learning_rate", type=positive_float, default=2e-5)
-    p.add_argument("--weight-decay", "--weight_decay", type=nonnegative_float, default=0.0)
-    p.add_argument("--warmup-steps", "--warmup_steps", type=nonnegative_int, default=0)
-    p.add_argument("--epochs", "--num_train_epochs", type=positive_int, default=1)
-    p.add_argument("--max-steps", type=positive_int, default=None)
-    p.add_argument("--max-grad-norm", "--max_grad_norm", type=positive_float, default=2.0)
-    p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
-    p.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help=argparse.SUPPRESS)
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    add_lora_arguments(p)
-    p.add_argument("--freeze-position-embeddings", action="store_true")
-    add_run_arguments(p)
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of dev validation, checkpoints, resuming, loading and the device."""
-    p.add_argument("--eval-every", type=positive_int, default=None, help="steps between dev evaluations")
-    p.add_argument("--dev-batch-size", "--dev_batch_size", type=positive_int, default=64,
-                   help="dev questions per in-batch loss/accuracy group (and per encoding batch)")
-    p.add_argument("--dev-encode-batch-size", "--val_av_rank_bsz", type=positive_int, default=None,
-                   help="encoding batch of dev validation (default: --dev-batch-size)")
-    p.add_argument("--dev-max-questions", "--val_av_rank_max_qs", type=positive_int, default=10000,
-                   help="dev questions used for validation (the first ones), as DPR's cap")
-    p.add_argument("--dev-hard-negatives", "--val_av_rank_hard_neg", type=nonnegative_int, default=30,
-                   help="hard negatives per dev question added to the average-rank passage pool")
-    p.add_argument("--dev-other-negatives", "--val_av_rank_other_neg", type=nonnegative_int, default=30,
-                   help="other negatives per dev question added to the average-rank passage pool")
-    p.add_argument("--save-every", type=positive_int, default=None, help="steps between checkpoints")
-    p.add_argument("--keep-checkpoints", type=positive_int, default=2)
-    p.add_argument("--best-metric", default="avg_rank", choices=list(BEST_METRICS))
-    p.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' in --output")
-    p.add_argument("--num-workers", type=nonnegative_int, default=2,
-                   help="DataLoader workers that tokenise ahead of the step")
-    p.add_argument("--skip-bad-records", action="store_true")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--device", type=device_arg, default=None)
-    p.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard the model over the ranks (FSDP2, one unit per transformer block)")
-    p.add_argument("--fsdp-cpu-offload", action="store_true",
-                   help="with --fsdp: keep parameters, gradients and optimizer state on the CPU between uses")
-
-
-def chunk_arg(value: str) -> Union[int, str]:
-    """A chunk size flag: a positive integer or ``auto``."""
-    return value if value == "auto" else positive_int(value)
+    """The ``dpr-gc train`` flags, generated from :class:`TrainConfig` (GC-DPR's flag names are accepted as
+    aliases, see scripts/train_dense_encoder.py); each help says whether ``--resume`` may change the setting."""
+    add_arguments(p, TrainConfig, resume_kinds=True)
 
 
 def config_from_args(args: Any) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``dpr-gc train`` flags, each flag into its group."""
-    retriever = RetrieverConfig(pooling=args.pooling, normalize=args.normalize, projection_dim=args.projection_dim,
-                                shared_encoder=not args.separate_encoders, query_max_length=args.query_max_length,
-                                passage_max_length=args.passage_max_length, temperature=args.temperature,
-                                learn_temperature=args.learn_temperature, passage_format=args.passage_format)
-    model = ModelConfig(name=args.model, retriever=retriever, query_prefix=args.query_prefix,
-                        passage_prefix=args.passage_prefix, gradient_checkpointing=args.gradient_checkpointing,
-                        freeze_position_embeddings=args.freeze_position_embeddings, lora=lora_settings(args))
-    dev = DevLimits(max_questions=args.dev_max_questions, hard_negatives=args.dev_hard_negatives,
-                    other_negatives=args.dev_other_negatives, batch_size=args.dev_batch_size,
-                    encode_batch_size=args.dev_encode_batch_size)
-    data = DataConfig(train_files=args.train_files, dev_file=args.dev_file, batch_size=args.batch_size,
-                      hard_negatives=args.hard_negatives, other_negatives=args.other_negatives,
-                      shuffle_positives=args.shuffle_positives, sampling_rates=args.sampling_rates,
-                      num_workers=args.num_workers, skip_bad_records=args.skip_bad_records, cache_dir=args.cache_dir,
-                      dev=dev)
-    optim = OptimConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                        warmup_steps=args.warmup_steps, epochs=args.epochs, max_steps=args.max_steps,
-                        max_grad_norm=args.max_grad_norm, precision=args.precision, symmetric=args.symmetric)
-    cache = CacheConfig(enabled=args.grad_cache, query_chunk_size=args.query_chunk_size,
-                        passage_chunk_size=args.passage_chunk_size, loss_chunk_size=args.loss_chunk_size)
-    run = RunConfig(output_dir=args.output_dir, seed=args.seed, device=args.device, resume=args.resume,
-                    eval_every=args.eval_every, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                    best_metric=args.best_metric, fsdp=args.fsdp,
-                    fsdp_cpu_offload=args.fsdp_cpu_offload)
-    return TrainConfig(model=model, data=data, optim=optim, cache=cache, run=run)
+    return from_args(TrainConfig, args)
+
+
+def record_settings(config: TrainConfig, folder: Union[str, Path]) -> Path:
+    """Write the run's resolved settings (:func:`~dpr_gc.base.settings.to_record`) as ``folder/train_config.json``,
+    atomically; ``--resume`` compares them with its own."""
+    path = Path(folder) / SETTINGS_FILE
+    write_json(path, to_record(config))
+    return path
+
+
+def check_resume_settings(config: TrainConfig, checkpoint: Union[str, Path],
+                          output: Union[str, Path]) -> list[Change]:
+    """Compare ``config`` with the settings recorded by the run being resumed (in the checkpoint, else in the
+    output folder). A changed setting that changes the model or the training signal (:data:`FIXED`) is refused in
+    one line naming each (old -> new); the others (steps, cadence, workers, logging, memory layout) are returned
+    and logged. A run recorded by no file (an older version) is resumed as it is, with a warning."""
+    for folder in (Path(checkpoint), Path(output)):
+        if (folder / SETTINGS_FILE).is_file():
+            path = folder / SETTINGS_FILE
+            break
+    else:
+        logger.warning("%s holds no %s (written by an older version): the settings of the resumed run are not "
+                       "compared with these", checkpoint, SETTINGS_FILE)
+        return []
+    return compare_recorded(config, read_json_object(path, "recorded training settings"), path)
+
+
+def compare_recorded(config: TrainConfig, recorded: Mapping[str, Any], where: Union[str, Path]) -> list[Change]:
+    """:func:`check_resume_settings` against a record already read (``where``: its file, named in the error)."""
+    changes = changed_settings(TrainConfig, recorded, to_record(config))
+    fixed = _unique([c for c in changes if c.resume == FIXED])
+    if fixed:
+        raise DprGcError(f"--resume: {where} records a run with other settings that change the model or the "
+                         f"training signal: {'; '.join(map(str, fixed))}; resume with the recorded values, or train "
+                         "into a new --output")
+    free = _unique([c for c in changes if c.resume == FREE and c.name not in ("--resume", "--output")])
+    if free:
+        logger.info("resuming with changed settings: %s", "; ".join(map(str, free)))
+    return free
+
+
+def _unique(changes: list[Change]) -> list[Change]:
+    """One change per flag (an optional group appearing names its flag once)."""
+    seen: dict[str, Change] = {}
+    for change in changes:
+        seen.setdefault(change.name, change)
+    return list(seen.values())

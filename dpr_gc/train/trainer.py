@@ -11,6 +11,7 @@ grouped in :mod:`dpr_gc.train_config`; checkpoints, RNG states and the other pie
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
@@ -27,17 +28,29 @@ from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
+from ..engine.budget import format_bytes
 from ..engine.grad_cache import GradCache
 from ..model.lora import apply_lora
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
-from .config import TrainConfig, add_train_arguments, config_from_args
-from .utils import (Checkpointer, Towers, auto_chunk_size, build_retriever, capture_rng, check_sources,
-                          describe_training, gather_rng, restore_rng, seed_everything, setup_distributed,
-                          summary_table, tensorboard_writer)
+from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
+from .checkpoints import Checkpointer
+from .chunks import auto_chunk_size
+from .distributed import Towers, setup_distributed
+from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
+from .rng import capture_rng, gather_rng, restore_rng, seed_everything
+from .setup import build_retriever, check_sources
 from .validation import evaluate_dev
 
 logger = logging.getLogger(__name__)
+
+# Under fp16 the GradScaler skips a step whose gradient overflowed and halves its scale; a run of more skips than
+# this (the scale fell by 2**25) is divergence, not scale-finding.
+MAX_SKIPPED_STEPS = 25
+
+
+class TrainingDiverged(DprGcError):
+    """The loss or the gradient norm stopped being finite; training stops without saving the broken weights."""
 
 
 class Trainer:
@@ -62,6 +75,7 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         self.retriever = self.build_model()
+        self.workers = config.data.resolve_workers(self.device.type)
         self.data, self.collator, self.loader = self.build_data()
         self.sampler = self.loader.batch_sampler
         self.steps_per_epoch = self.sampler.batches_per_epoch
@@ -78,8 +92,10 @@ class Trainer:
         self.cache = self.build_cache()
         self.checkpointer = Checkpointer(self.out, config.run.keep_checkpoints, config.run.best_metric,
                                          self.rank == 0, self.retriever if config.run.fsdp else None)
+        self.checkpointer.settings = lambda folder: record_settings(config, folder)
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
+        self.skipped_steps = 0  # consecutive fp16 steps the GradScaler skipped
         self.started, self.board, self.bar = time.perf_counter(), None, None
 
     # ----------------------------------------------------------------- building
@@ -101,11 +117,13 @@ class Trainer:
         config = self.config.data
         data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
         collator = Collator(self.retriever.tokenizer, self.retriever.config)
-        loader = make_dataloader(data, collator, config.batch_size, hard_negatives=config.hard_negatives,
+        loader = make_dataloader(data, collator, batch_size=config.batch_size, hard_negatives=config.hard_negatives,
                                  other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
                                  rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
-                                 world_size=self.world, num_workers=config.num_workers,
-                                 pin_memory=self.device.type == "cuda")
+                                 world_size=self.world, num_workers=self.workers,
+                                 pin_memory=self.device.type == "cuda", beir_positives=config.beir_positives)
+        if self.rank == 0:
+            logger.info(describe_epoch(data, loader.batch_sampler, config.beir_positives))
         return data, collator, loader
 
     def schedule(self) -> tuple[Optional[int], Optional[int]]:
@@ -150,6 +168,10 @@ class Trainer:
         batch_size, cache = self.config.data.batch_size, self.config.cache
         passages = batch_size * self.passages_per_query
         q_chunk, p_chunk = cache.query_chunk_size, cache.passage_chunk_size
+        if cache.query_chunk_tokens is not None and q_chunk == "auto":
+            q_chunk = batch_size  # the token budget sizes the chunks; rows are not capped
+        if cache.passage_chunk_tokens is not None and p_chunk == "auto":
+            p_chunk = passages
         if "auto" in (q_chunk, p_chunk):
             auto = auto_chunk_size(self.towers, self.collator, self.device, passages, self.config.optim.precision)
             q_chunk = min(auto, batch_size) if q_chunk == "auto" else q_chunk
@@ -178,7 +200,10 @@ class Trainer:
 
     def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         """Linear warm-up to the learning rate, then linear decay to zero at the last step."""
-        warmup, total = self.config.optim.warmup_steps, self.total_steps
+        warmup, total = self.config.optim.warmup_for(self.total_steps), self.total_steps
+        if self.config.optim.warmup_ratio is not None:
+            logger.info("--warmup-ratio %g of %d steps: %d warm-up steps", self.config.optim.warmup_ratio, total,
+                        warmup)
         return torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup))))
 
@@ -188,8 +213,11 @@ class Trainer:
             return None
         precision = self.config.optim.precision
         model = self.retriever if self.config.run.fsdp else self.model
+        cache = self.config.cache
         return GradCache([model, model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
-                         scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True)
+                         scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True,
+                         memory_budget=cache.memory_budget,
+                         chunk_tokens=[cache.query_chunk_tokens, cache.passage_chunk_tokens])
 
     # ----------------------------------------------------------------- state
     def start_fresh(self) -> None:
@@ -202,7 +230,9 @@ class Trainer:
 
     def resume(self, checkpoint: str) -> None:
         """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
-        place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped."""
+        place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped. Settings that
+        change the model or the training signal must match those the run recorded."""
+        check_resume_settings(self.config, self.checkpointer.resolve(checkpoint), self.out)
         state = self.checkpointer.load(checkpoint, self.retriever, self.optimizer, self.scheduler, self.scaler,
                                        self.device)
         self.sampler.load_state_dict(state["sampler"])
@@ -235,20 +265,76 @@ class Trainer:
         """One optimizer step on one batch: the gradient (cached, or one plain graph), clipping, AdamW and the
         schedule; returns the detached loss and the gradient norm before clipping."""
         query, passage = dict(batch["query"]), dict(batch["passage"])
+        ids = {k: batch[k] for k in ("passage_ids", "positive_ids") if k in batch}  # duplicate positives dropped
         self.optimizer.zero_grad(set_to_none=True)
         if self.cache is not None:
             loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"),
-                              no_sync_except_last=self.world > 1)
+                              no_sync_except_last=self.world > 1, **ids)
         else:
-            loss = self.plain_backward(query, passage)
+            loss = self.plain_backward(query, passage, ids)
+        if self.cache is not None and self.step == 0 and self.rank == 0:
+            self.log_chunking()
         if self.on_backward is not None:
             self.on_backward(self.step, self.retriever)
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_gradients()
+        self.check_finite(loss, grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         return loss, grad_norm
+
+    def all_ranks(self, flag: bool) -> bool:
+        """``flag`` on every rank (so all ranks take the same decision)."""
+        if self.world == 1:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value)
+
+    def check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Stop before the optimizer step on a non-finite loss or gradient norm (fp32, bf16), or after more than
+        ``MAX_SKIPPED_STEPS`` consecutive steps the fp16 GradScaler skipped (it skips the odd overflow by design)."""
+        finite = self.all_ranks(bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)))
+        if finite:
+            self.skipped_steps = 0
+            return
+        what = f"loss {float(loss):.4g}, gradient norm {float(grad_norm):.4g}"
+        if not self.scaler.is_enabled():
+            raise self.diverged(f"{what} ({self.config.optim.precision})")
+        self.skipped_steps += 1
+        if self.skipped_steps > MAX_SKIPPED_STEPS:
+            raise self.diverged(f"{what}; the fp16 GradScaler skipped {self.skipped_steps} steps in a row")
+
+    def diverged(self, what: str) -> TrainingDiverged:
+        """The error naming the step and the last checkpoint written (whose weights were finite)."""
+        found = self.checkpointer.checkpoints()
+        last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was written"
+        return TrainingDiverged(f"training diverged at step {self.step + 1}: {what}; stopped without saving "
+                                f"final/ or best/; {last}")
+
+    def check_finite_weights(self) -> None:
+        """Refuse to save non-finite weights (checked on every rank's part)."""
+        local = all(bool(torch.isfinite(getattr(p, "_local_tensor", p).detach()).all()) for p in self.params)
+        if not self.all_ranks(local):
+            raise self.diverged("the weights are not finite")
+
+    def log_chunking(self) -> None:
+        """Say what the first cached step chose and measured: chunking, the share of graphs kept under the memory
+        budget, and the peak graph memory (plus the device's peak allocation on CUDA)."""
+        report, cache = self.cache.last_step, self.config.cache
+        sides = [f"{name} chunks of {rows} rows" + (f" / {tokens} tokens" if tokens else "") + f" ({n} this step)"
+                 for name, rows, tokens, n in zip(("query", "passage"), self.chunks,
+                                                  (cache.query_chunk_tokens, cache.passage_chunk_tokens),
+                                                  report.chunks)]
+        peak = (f", device peak {format_bytes(torch.cuda.max_memory_allocated(self.device))}"
+                if self.device.type == "cuda" else "")
+        budget = "auto" if cache.memory_budget == "auto" else format_bytes(cache.memory_budget)
+        logger.info("Gradient Cache: %s; memory budget %s: %s%s", ", ".join(sides), budget, report.describe(), peak)
+        self.retriever.training_info["grad_cache_first_step"] = {
+            "chunks": report.chunks, "kept": report.kept, "kept_token_share": report.kept_share,
+            "budget_bytes": report.budget, "kept_bytes": report.kept_bytes, "largest_graph_bytes": report.largest_graph,
+            "peak_graph_bytes": report.peak_graph_bytes}
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip the global gradient norm of the trainable parameters to ``optim.max_grad_norm``; returns the norm
@@ -257,14 +343,14 @@ class Trainer:
             return clip_grad_norm(self.params, self.config.optim.max_grad_norm)
         return torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
 
-    def plain_backward(self, query: dict, passage: dict) -> torch.Tensor:
+    def plain_backward(self, query: dict, passage: dict, ids: dict) -> torch.Tensor:
         """The full-batch gradient in one graph (no Gradient Cache): the baseline that Gradient Cache must equal."""
         query = {k: v.to(self.device) for k, v in query.items()}
         passage = {k: v.to(self.device) for k, v in passage.items()}
         dtype = autocast_dtype(self.config.optim.precision)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             q, p = self.model(query=query, passage=passage)
-        loss = self.loss_fn(q.float(), p.float())
+        loss = self.loss_fn(q.float(), p.float(), **ids)
         self.scaler.scale(loss).backward()
         return loss.detach()
 
@@ -286,6 +372,8 @@ class Trainer:
             self.resume(self.config.run.resume)
         else:
             self.start_fresh()
+        if self.rank == 0:
+            record_settings(self.config, self.out)
         self.retriever.training_info.update(describe_training(self.config, self.data.stats, self.world,
                                                               self.chunks, self.total_steps))
         self.retriever.training_info["steps"] = self.step
@@ -298,21 +386,30 @@ class Trainer:
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
                         dynamic_ncols=True)
         self.started = time.perf_counter()
-        while self.step < self.total_steps:
-            self.train_epoch()
-            self.epoch += 1
-        self.bar.close()
-        if self.board is not None:
-            self.board.close()
-        return self.finish()
+        try:
+            while self.step < self.total_steps:
+                self.train_epoch()
+                self.epoch += 1
+        except TrainingDiverged:
+            self.close()  # every rank took the same decision, so the group can be torn down in order
+            raise
+        finally:
+            self.bar.close()
+            if self.board is not None:
+                self.board.close()
+        summary = self.finish()
+        self.close()
+        return summary
 
     def announce(self) -> None:
         if self.rank == 0:
             config = self.config
             logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, "
-                        "%s", self.total_steps, config.data.batch_size, self.world, self.effective_batch,
-                        self.passages_per_query, f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}"
-                        if self.chunks else "plain training", config.optim.precision)
+                        "%s on %s, %d DataLoader worker(s)%s", self.total_steps, config.data.batch_size, self.world,
+                        self.effective_batch, self.passages_per_query,
+                        f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
+                        config.optim.precision, self.device, self.workers,
+                        " (auto)" if config.data.num_workers == "auto" else "")
 
     def train_epoch(self) -> None:
         """The rest of the current epoch (all of it, unless resumed inside it), stopping at the last step."""
@@ -328,18 +425,20 @@ class Trainer:
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The step's metrics record (and the progress bar's line). Under torchrun each rank's loss is the mean over
-        its own queries, so the record holds their mean: the loss of the global batch."""
+        its own queries, so the record holds their mean: the loss of the global batch. ``masked_scores``: how many
+        scores of the global batch were dropped because the passage is one of the query's own positives."""
+        masked = torch.tensor(float(self.loss_fn.masked_scores), device=loss.device)
         if self.world > 1:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss = loss / self.world
+            both = torch.stack([loss.detach().float(), masked])
+            dist.all_reduce(both)
+            loss, masked = both[0] / self.world, both[1]
         self.last_loss = float(loss)
         rate = self.examples / (time.perf_counter() - self.started)
         lr = self.scheduler.get_last_lr()[0]
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.last_loss:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.1f}")
         return {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr,
-                "grad_norm": float(grad_norm), "examples_per_s": rate,
+                "grad_norm": float(grad_norm), "examples_per_s": rate, "masked_scores": int(masked),
                 "temperature": float(self.retriever.temperature.detach())}
 
     def after_step(self, record: dict, done_in_epoch: int) -> None:
@@ -348,7 +447,11 @@ class Trainer:
         rng = capture_rng()
         last = self.step >= self.total_steps
         self.retriever.training_info["steps"] = self.step
-        if self.config.data.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last):
+        due = (self.save_every and self.step % self.save_every == 0) or last
+        evaluate = self.config.data.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last)
+        if due or evaluate:
+            self.check_finite_weights()
+        if evaluate:
             record.update(self.evaluate())
             self.retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
                                                 dev_metrics_step=self.step)
@@ -358,7 +461,7 @@ class Trainer:
             if self.board is not None:
                 for key, value in record.items():
                     self.board.add_scalar(f"train/{key}", value, self.step)
-        if (self.save_every and self.step % self.save_every == 0) or last:
+        if due:
             self.save(record, done_in_epoch, rng)
         restore_rng(rng)
 
@@ -372,19 +475,29 @@ class Trainer:
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
                    "metrics_file": str(self.metrics_file)}
+        self.check_finite_weights()
         final = self.export()
         if final is not None:
             final.save(self.out / "final")
             print(summary_table(summary))
+        return summary
+
+    def close(self) -> None:
+        """Free the DDP wrapper, then tear down the process group this trainer started. In that order: DDP's
+        reducer holds the group, and freeing it after ``destroy_process_group`` made it the group's last owner, so
+        gloo's destructor ran (and could deadlock joining its threads) wherever the reducer happened to be freed."""
+        self.model, self.cache = self.towers, None
+        gc.collect()
         if dist.is_initialized():
             dist.barrier()
         if self.owns_group:  # torn down here, not at interpreter exit (where gloo's threads could abort the rank)
             dist.destroy_process_group()
-        return summary
 
 
 def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> dict:
-    """Run training (see :class:`Trainer`); returns a summary (steps, examples/s, best metric, output folders)."""
+    """Run training (see :class:`Trainer`); returns a summary (steps, examples/s, best metric, output folders).
+    Raises :class:`TrainingDiverged` (an ``error:`` line on the command line) when the loss or gradient stops being
+    finite."""
     return Trainer(config, on_backward).fit()
 
 

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..base.args import nonnegative_int, positive_int
 from ..base.errors import DprGcError
+from ..base.settings import FREE, check, setting
 
 SCORE_BLOCK_ELEMENTS = 1 << 24  # questions x passages scored at once (64 MB of fp32)
 
@@ -25,13 +27,20 @@ SCORE_BLOCK_ELEMENTS = 1 << 24  # questions x passages scored at once (64 MB of 
 class DevLimits:
     """DPR's ``val_av_rank_*`` caps: questions read, and negatives of each kind each question adds to the pool."""
 
-    max_questions: int = 10000
-    hard_negatives: int = 30
-    other_negatives: int = 30
-    batch_size: int = 64
-    encode_batch_size: Optional[int] = None
+    max_questions: int = setting(10000, "--dev-max-questions", "--val_av_rank_max_qs", type=positive_int,
+                                 help="dev questions used for validation (the first ones), as DPR's cap")
+    hard_negatives: int = setting(30, "--dev-hard-negatives", "--val_av_rank_hard_neg", type=nonnegative_int,
+                                  help="hard negatives per dev question added to the average-rank passage pool")
+    other_negatives: int = setting(30, "--dev-other-negatives", "--val_av_rank_other_neg", type=nonnegative_int,
+                                   help="other negatives per dev question added to the average-rank passage pool")
+    batch_size: int = setting(64, "--dev-batch-size", "--dev_batch_size", type=positive_int,
+                              help="dev questions per in-batch loss/accuracy group (and per encoding batch)")
+    encode_batch_size: Optional[int] = setting(None, "--dev-encode-batch-size", "--val_av_rank_bsz",
+                                               type=positive_int, resume=FREE,
+                                               help="encoding batch of dev validation (default: --dev-batch-size)")
 
     def __post_init__(self) -> None:
+        check(self)
         if self.max_questions < 1 or self.batch_size < 1 or (self.encode_batch_size or 1) < 1:
             raise DprGcError("--dev-max-questions, --dev-batch-size and --dev-encode-batch-size must be >= 1")
         if self.hard_negatives < 0 or self.other_negatives < 0:

@@ -1,122 +1,25 @@
-"""What the trainer needs around the step: the process group, the module DDP wraps, checkpoints, RNG snapshots,
-chunk-size probing, TensorBoard and the summary table."""
+"""Training checkpoints: ``checkpoint-STEP/`` folders (the model, the training state as JSON plus
+safetensors, never a pickle), the best model by a dev metric, and what ``--resume`` reads back."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import os
-import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base.devices import autocast_dtype, default_device
-from ..model.dpr_hub import find_dpr_pair
 from ..base.errors import DprGcError
 from ..base.files import atomic_open, read_json, read_tensors
 from ..base.validate import Field, check_fields, count
-from ..model.retriever import Retriever, RetrieverConfig
-from ..base.tables import format_summary
-from .config import DataConfig, ModelConfig, TrainConfig
+from ..model.retriever import Retriever
 
 logger = logging.getLogger(__name__)
-
-CPU_CHUNK_SIZE = 32
-
-
-def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
-    """Join the ``torchrun`` process group when its environment is set (nccl on GPU, gloo on CPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dev = torch.device(default_device(device))
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, (dist.get_world_size() if dist.is_initialized() else 1), dev
-
-
-def check_sources(data: DataConfig, output: str) -> None:
-    """Refuse a missing training or dev source, or no output folder, before anything is built."""
-    if not data.train_files or not output:
-        raise DprGcError("training needs training data (--train) and an output folder (--output)")
-    for source in data.train_files + ([data.dev_file] if data.dev_file else []):
-        if not Path(source).exists():
-            raise DprGcError(f"training data not found: {source} (give DPR files or BEIR folders)")
-
-
-def build_retriever(model: ModelConfig) -> Retriever:
-    """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
-    replace its own); any other model name or folder starts a new one from ``model.retriever``."""
-    name = model.path()
-    if (Path(name) / "retriever_config.json").is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
-        retriever = Retriever.load(name, query_prefix=model.query_prefix, passage_prefix=model.passage_prefix)
-        if model.retriever is not None:
-            logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", name)
-        return retriever
-    prefixes = {k: v for k, v in (("query_prefix", model.query_prefix), ("passage_prefix", model.passage_prefix))
-                if v is not None}
-    return Retriever.from_pretrained(name, dataclasses.replace(model.retriever or RetrieverConfig(), **prefixes))
-
-
-def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks: Optional[tuple[int, int]],
-                      total_steps: int) -> dict:
-    """What the model card records about this run (steps and dev metrics are added as they happen)."""
-    data, optim = config.data, config.optim
-    return {"base_model": config.model.path(),
-            "train_data": [{"file": s["source"], "records": s["records"], "kept": s["kept"]} for s in stats],
-            "dev_file": data.dev_file,
-            "loss": f"InfoNCE (softmax cross-entropy of scores / temperature) over the batch's "
-                    f"{data.passages_per_query} passages per query and every other query's passages"
-                    + (", symmetric" if optim.symmetric else ""),
-            "batch_size": data.batch_size * world, "batch_size_per_rank": data.batch_size, "world_size": world,
-            "hard_negatives": data.hard_negatives, "other_negatives": data.other_negatives,
-            "grad_cache": config.cache.enabled, "query_chunk_size": chunks[0] if chunks else None,
-            "passage_chunk_size": chunks[1] if chunks else None, "learning_rate": optim.learning_rate,
-            "warmup_steps": optim.warmup_steps, "epochs": optim.epochs, "total_steps": total_steps,
-            "precision": optim.precision, "seed": config.run.seed, "steps": 0}
-
-
-class Towers(nn.Module):
-    """What DDP wraps: ``forward(kind=..., **batch)`` encodes one side (Gradient Cache chunks);
-    ``forward(query=..., passage=...)`` encodes both in one call (plain training needs one forward per backward)."""
-
-    def __init__(self, retriever: Retriever) -> None:
-        super().__init__()
-        self.retriever = retriever
-
-    def forward(self, kind: Optional[str] = None, query: Any = None, passage: Any = None, **batch: torch.Tensor) -> Any:
-        if kind is not None:
-            return self.retriever(kind, **batch)
-        return self.retriever("query", **query), self.retriever("passage", **passage)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators (the model's initial weights and dropout depend on them)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def capture_rng() -> dict:
-    """Python, NumPy, torch CPU and CUDA generator states."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def restore_rng(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 STATE_JSON = "train_state.json"
@@ -229,6 +132,7 @@ class Checkpointer:
         self.sharded = sharded  # an FSDP model: its weights and optimizer state go to sharded/ (every rank writes)
         self.best_value: Optional[float] = None
         self.best_path: Optional[str] = None
+        self.settings: Optional[Callable[[Path], Any]] = None  # writes the run's settings into a checkpoint folder
 
     def _better(self, value: float) -> bool:
         if self.best_value is None:
@@ -272,6 +176,8 @@ class Checkpointer:
             write_state(tmp, {"step": step, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
                               "scaler": scaler.state_dict(), "sampler": sampler_state, "rng": rng, "record": record,
                               "best": [self.best_value, self.best_path]})
+            if self.settings is not None:
+                self.settings(tmp)
             final = self.out / f"checkpoint-{step}"
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -349,61 +255,3 @@ def truncate_metrics(metrics: Path, step: int) -> None:
             kept.append(line)
     with atomic_open(metrics) as f:
         f.write("".join(line + "\n" for line in kept))
-
-
-def auto_chunk_size(towers: nn.Module, collator: Any, device: torch.device, max_rows: int, precision: str) -> int:
-    """The largest power-of-two chunk whose forward+backward at full passage length fits in 80% of GPU memory after
-    room for AdamW's states; on CPU, where memory is rarely the limit, a chunk of 32 rows keeps the cores busy."""
-    if device.type != "cuda":
-        return min(CPU_CHUNK_SIZE, max_rows)
-    params = sum(p.numel() * p.element_size() for p in towers.parameters() if p.requires_grad)
-    free, total = torch.cuda.mem_get_info(device)
-    budget = 0.8 * free - 2 * params
-    dtype = autocast_dtype(precision)
-    text = " ".join(["passage"] * collator.config.passage_max_length)
-    best, rows = 1, 8
-    while rows <= max_rows:
-        batch = collator.tokenize_passages([""] * rows, [text] * rows)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        try:
-            with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-                towers(kind="passage", **batch).float().sum().backward()
-            peak = torch.cuda.max_memory_allocated(device) - start
-        except torch.cuda.OutOfMemoryError:
-            peak = float("inf")
-        towers.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        if peak > budget:
-            break
-        best, rows = rows, rows * 2
-    return min(max(best, 1), max_rows)
-
-
-def gather_rng(rng: dict, world: int) -> Union[dict, list]:
-    """Every rank's RNG state (a checkpoint restores each rank's own)."""
-    if world == 1:
-        return rng
-    states: list = [None] * world
-    dist.all_gather_object(states, rng)
-    return states
-
-
-def tensorboard_writer(out: Path) -> Any:
-    """A TensorBoard writer into ``out/tensorboard`` when the tensorboard package is installed, else None."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
-
-
-def summary_table(summary: dict) -> str:
-    rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
-            ("passages per query", summary["passages_per_query"]),
-            ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
-            ("precision", summary["precision"]), ("final loss", f"{summary['final_loss']:.4f}"),
-            ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
-            ("best dev", summary["best"]), ("model", summary["final_model"])]
-    return format_summary(dict(rows), ("training", ""))

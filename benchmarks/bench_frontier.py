@@ -1,0 +1,276 @@
+"""Benchmark: the speed-memory frontier of a cached step under a memory budget, against plain training and peers.
+
+For each shape and precision, in fresh processes (so each peak is its own):
+
+1. ``plain``: the whole batch in one graph (the memory ceiling and the speed to beat);
+2. ``dpr-gc`` with ``memory_budget`` from 0 (only the last chunk's graph kept) through one chunk's graph up to
+   the whole batch's graphs (measured by a probe run that keeps everything), reporting step time, peak memory,
+   the share of tokens whose graph was kept and the measured peak graph memory;
+3. peers, each at a ladder of chunk sizes: sentence-transformers' ``CachedMultipleNegativesRankingLoss`` and the
+   original luyug/GradCache (``grad_cache``; only when installed by hand, otherwise skipped with a note). For every
+   dpr-gc budget the best peer is the fastest peer configuration whose peak memory fits dpr-gc's at that budget
+   (+5%: the largest chunk that fits the same memory).
+
+Shapes: ``scifact``: all-MiniLM-L6-v2 on SciFact claims -> cited abstracts with one random other abstract as hard
+negative (uneven real text; generated text when /work/shared/data/scifact is absent); ``llm``: the Qwen2-shaped
+LoRA retriever of bench_llm.py (``--small``: its 4-layer CPU shape) on random token ids of random lengths
+(dpr-gc and plain only: the peers need a tokenizer and a sentence-transformers model). Precisions: fp32 and bf16
+autocast (the same outer autocast for every method). Peak memory: bench_gradcache.PeakMemory (CUDA
+``max_memory_allocated``; CPU resident-set high-water mark). Results: JSON in benchmarks/results/.
+
+    python benchmarks/bench_frontier.py --device cuda --quick          # a few minutes on one GPU
+    python benchmarks/bench_frontier.py --batch 32 --chunk 8 --passage-length 128 --small --steps 1   # a CPU run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_gradcache import (ORIGINAL, TEMPERATURE, PeakMemory, build_inputs, interleave, machine_info,  # noqa: E402
+                             make_step, original_version, st_version, tiny_model)
+from dpr_gc import GradCache, SimpleContrastiveLoss  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
+
+logger = logging.getLogger("bench_frontier")
+RESULT_TAG = "RESULT "
+OURS, PLAIN, ST = "dpr-gc", "plain", "st-cmnrl"
+FIT_SLACK = 1.05
+
+
+# ----------------------------------------------------------------------------------------------- one configuration
+def scifact_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any, Optional[GradCache]]:
+    """(step, module, engine) on SciFact text; peers and plain come from bench_gradcache's builders."""
+    if cfg["method"] != OURS:
+        prepare, tokenizer, module, _ = make_step(cfg, device)
+        inputs, _ = build_inputs(cfg, tokenizer, cfg["batch"])
+        return prepare(inputs), module, None
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
+
+    config = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", query_max_length=cfg["q_len"],
+                             passage_max_length=cfg["p_len"], temperature=TEMPERATURE)
+    retriever = Retriever.from_pretrained(cfg["model"], config).to(device).train()
+    loss_fn = SimpleContrastiveLoss(n_hard_negatives=1, temperature=TEMPERATURE, similarity="cos").to(device)
+    engine = GradCache([retriever.query_encoder, retriever.passage_encoder], cfg["chunk"], loss_fn,
+                       sort_by_length=True, memory_budget=cfg["budget"])
+    inputs, _ = build_inputs(cfg, retriever.tokenizer, cfg["batch"])
+    q = {k: v.to(device) for k, v in inputs[0].items()}
+    p = {k: v.to(device) for k, v in interleave(inputs[1], inputs[2], retriever.tokenizer.pad_token_id).items()}
+    return lambda: float(engine.cache_step(q, p)), retriever, engine
+
+
+def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any, Optional[GradCache]]:
+    """(step, module, engine) on bench_llm.py's LoRA decoder shape and random token batches."""
+    from bench_llm import build, random_batch
+
+    retriever = build(argparse.Namespace(small=cfg["small"], lora_r=16), device)
+    vocab = retriever.query_encoder.transformer.config.vocab_size
+    q = {k: v.to(device) for k, v in random_batch(cfg["batch"], cfg["q_len"], vocab, 1).items()}
+    p = {k: v.to(device) for k, v in random_batch(2 * cfg["batch"], cfg["p_len"], vocab, 2).items()}
+    loss_fn = SimpleContrastiveLoss(1)
+    if cfg["method"] == PLAIN:
+        def plain() -> float:
+            loss = loss_fn(retriever(kind="query", **q).float(), retriever(kind="passage", **p).float())
+            loss.backward()
+            return float(loss)
+        return plain, retriever, None
+    engine = GradCache([retriever, retriever], cfg["chunk"], loss_fn, sort_by_length=True, memory_budget=cfg["budget"])
+    return lambda: float(engine(dict(q, kind="query"), dict(p, kind="passage"))), retriever, engine
+
+
+def run_one(cfg: dict) -> dict:
+    """One warm-up step, then ``steps`` timed steps (median) under the precision's autocast; the peak of them all."""
+    torch.set_num_threads(cfg["threads"])
+    device = torch.device(cfg["device"])
+    torch.manual_seed(cfg["seed"])
+    build = scifact_step if cfg["shape"] == "scifact" else llm_step
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16")
+    with autocast:
+        step, module, engine = build(cfg, device)
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        meter = PeakMemory(device)
+        meter.start()
+        module.zero_grad(set_to_none=True)
+        step()
+        times = []
+        for _ in range(cfg["steps"]):
+            module.zero_grad(set_to_none=True)
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - start)
+        peak_mb = meter.stop()
+    out = {**cfg, "step_s": statistics.median(times), "step_times_s": times, "peak_mb": round(peak_mb, 1),
+           "memory_method": meter.method}
+    if engine is not None and engine.last_step is not None:
+        report = engine.last_step
+        out.update(kept_token_share=report.kept_share, kept_graph_mb=report.kept_bytes / 2**20,
+                   largest_chunk_graph_mb=report.largest_graph / 2**20, peak_graph_mb=report.peak_graph_bytes / 2**20,
+                   chunks=sum(report.chunks), kept_chunks=sum(report.kept), budget_bytes=report.budget)
+    return out
+
+
+def launch(cfg: dict, timeout: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "TQDM_DISABLE": "1",
+           "MALLOC_MMAP_THRESHOLD_": "131072"}
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {**cfg, "error": f"timed out after {timeout} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {**cfg, "error": f"exit {proc.returncode}: {tail}"}
+
+
+# ----------------------------------------------------------------------------------------------- the frontier
+def budgets(probe: dict, steps: int) -> list[int]:
+    """0, one chunk's graph, then evenly up to the whole batch's graphs (``steps`` points above one chunk)."""
+    one, whole = int(probe["largest_chunk_graph_mb"] * 2**20), int(probe["kept_graph_mb"] * 2**20)
+    points = [0, one] + [one + (whole - one) * k // steps for k in range(1, steps + 1)]
+    return sorted(set(points))
+
+
+def ladder(chunk: int, batch: int) -> list[int]:
+    sizes, size = [], chunk
+    while size < batch:
+        sizes.append(size)
+        size *= 2
+    return sizes + [batch]
+
+
+def best_fitting_peer(ours: dict, peers: list[dict]) -> Optional[dict]:
+    """The fastest peer configuration whose peak memory fits dpr-gc's at this budget (with ``FIT_SLACK``)."""
+    fits = [p for p in peers if "error" not in p and p["peak_mb"] <= ours["peak_mb"] * FIT_SLACK]
+    return min(fits, key=lambda p: p["step_s"]) if fits else None
+
+
+def frontier(base: dict, args: argparse.Namespace, peers: list[str]) -> dict:
+    """Every configuration of one shape and precision, and the comparisons at each budget."""
+    def run(**kw: Any) -> dict:
+        cfg = {**base, **kw}
+        logger.info("%s %s %s budget %s chunk %s ...", cfg["shape"], cfg["precision"], cfg["method"],
+                    cfg.get("budget"), cfg["chunk"])
+        out = launch(cfg, args.timeout)
+        logger.info("    %s", out.get("error") or f"{out['step_s']:.2f} s/step, peak {out['peak_mb']:.0f} MB")
+        return out
+
+    plain = run(method=PLAIN, budget=None)
+    probe = run(method=OURS, budget=10**15)
+    if "error" in probe:
+        return {"plain": plain, "ours": [probe], "peers": [], "comparison": []}
+    ours = [run(method=OURS, budget=b) for b in budgets(probe, 2 if args.quick else 4)[:-1]] + [probe]
+    peer_rows = [run(method=m, budget=None, chunk=c) for m in peers for c in ladder(base["chunk"], base["batch"])]
+    comparison = []
+    for row in ours:
+        if "error" in row:
+            continue
+        best = best_fitting_peer(row, peer_rows)
+        comparison.append({
+            "budget_mb": row["budget"] / 2**20 if row["budget"] < 10**15 else "whole batch",
+            "kept_token_share": row["kept_token_share"], "step_s": row["step_s"], "peak_mb": row["peak_mb"],
+            "speedup_vs_plain": plain["step_s"] / row["step_s"] if "error" not in plain else None,
+            "memory_vs_plain": row["peak_mb"] / plain["peak_mb"] if "error" not in plain and plain["peak_mb"] else None,
+            "best_peer": None if best is None else f"{best['method']} chunk {best['chunk']}",
+            "speedup_vs_best_peer": None if best is None else best["step_s"] / row["step_s"]})
+    return {"plain": plain, "ours": ours, "peers": peer_rows, "comparison": comparison}
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--shapes", default="scifact,llm", help="scifact,llm")
+    p.add_argument("--precisions", default="fp32,bf16", help="fp32,bf16 (bf16: autocast)")
+    p.add_argument("--batch", type=int, default=128, help="queries per step (passages: twice as many)")
+    p.add_argument("--chunk", type=int, default=32, help="rows per chunk (dpr-gc; the smallest peer chunk)")
+    p.add_argument("--query-length", type=int, default=32)
+    p.add_argument("--passage-length", type=int, default=256)
+    p.add_argument("--llm-batch", type=int, default=None, help="queries per step of the llm shape (default --batch)")
+    p.add_argument("--llm-chunk", type=int, default=None, help="rows per chunk of the llm shape (default --chunk)")
+    p.add_argument("--small", action="store_true", help="the 4-layer llm shape instead of Qwen2-0.5B's")
+    p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
+    p.add_argument("--peers", default=f"{ST},{ORIGINAL}", help="peers to run where installed")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: all)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer budgets (0, one chunk, half, whole); on a GPU: batch 256 / chunk 32, llm batch 32 / "
+                        "chunk 8, 2 steps -- a few minutes")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="default benchmarks/results/frontier-DEVICE.json")
+    return p.parse_args(argv)
+
+
+def available_peers(names: list[str]) -> tuple[list[str], list[str]]:
+    found, notes = [], []
+    for name in names:
+        if name == ST and st_version() is None:
+            notes.append("sentence-transformers is not installed: st-cmnrl skipped")
+        elif name == ORIGINAL and original_version() is None:
+            notes.append("the original GradCache (luyug/GradCache, module grad_cache) is not installed: skipped "
+                         "(pip install it by hand to compare)")
+        else:
+            found.append(name)
+    return found, notes
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.one:
+        print(RESULT_TAG + json.dumps(run_one(json.loads(args.one))), flush=True)
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if args.quick and device == "cuda":
+        args.batch, args.chunk, args.steps = 256, 32, 2
+        args.llm_batch, args.llm_chunk = args.llm_batch or 32, args.llm_chunk or 8
+    threads = args.threads or torch.get_num_threads()
+    peers, notes = available_peers([n for n in args.peers.split(",") if n])
+    for note in notes:
+        logger.warning(note)
+    report = {"machine": machine_info(device, threads), "settings": vars(args), "notes": notes, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
+        if args.tiny:
+            model = tiny_model(Path(tmp))
+        else:
+            from dpr_gc.model.retriever import default_model_path
+
+            model = default_model_path()
+        for shape in args.shapes.split(","):
+            llm = shape == "llm"
+            base = {"shape": shape, "model": model if not llm else ("qwen2-small" if args.small else "qwen2-0.5b"),
+                    "input": "uneven", "batch": (args.llm_batch or args.batch) if llm else args.batch,
+                    "chunk": (args.llm_chunk or args.chunk) if llm else args.chunk, "q_len": args.query_length,
+                    "p_len": args.passage_length, "small": args.small, "device": device, "threads": threads,
+                    "steps": args.steps, "seed": args.seed, "mmap_threshold": 131072}
+            for precision in args.precisions.split(","):
+                result = frontier({**base, "precision": precision}, args, [] if llm else peers)
+                report["runs"].append({"shape": shape, "precision": precision, **result})
+                for row in result["comparison"]:
+                    logger.info("%s %s: %s", shape, precision, json.dumps(row))
+    output = args.output or str(ROOT / "benchmarks" / "results" / f"frontier-{device}.json")
+    write_json(output, report)
+    logger.info("wrote %s", output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Benchmark: what DataLoader workers cost and buy in ``dpr-gc train`` on the CPU.
+
+Runs the same short training (the offline all-MiniLM-L6-v2, a DPR training file) once per ``--num-workers`` value,
+alternating, and samples the proportional set size (PSS: shared pages split between the processes sharing them)
+and the RSS of the whole process tree (the trainer and its forked workers) every 0.3 s; reports the peak of each
+and the examples/s of the last logged step, as ratios against the first value given (the baseline), in
+``--output`` (JSON).
+
+    nice -n 5 python benchmarks/bench_workers.py runs/demo/data/dpr_train.json --workers 0 2 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def process_tree(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def memory_mib(pids: list[int]) -> tuple[float, float]:
+    """(PSS, RSS) of the processes, MiB."""
+    pss = rss = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    pss += int(line.split()[1])
+                elif line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+        except OSError:
+            pass
+    return pss / 1024, rss / 1024
+
+
+def run(train: str, workers: int, args: argparse.Namespace) -> dict:
+    out = Path(args.work_dir) / f"workers-{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "dpr_gc", "train", "--train", train, "--output", str(out), "--batch-size",
+           str(args.batch_size), "--query-chunk-size", str(args.chunk), "--passage-chunk-size", str(args.chunk),
+           "--passage-max-length", str(args.passage_max_length), "--max-steps", str(args.steps),
+           "--num-workers", str(workers), "--cache-dir", str(Path(args.work_dir) / "cache"), "--save-every", "100000"]
+    began = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    peak_pss = peak_rss = 0.0
+    while proc.poll() is None:
+        pss, rss = memory_mib(process_tree(proc.pid))
+        peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+        time.sleep(0.3)
+    if proc.returncode != 0:
+        raise SystemExit(f"training with {workers} workers failed: {' '.join(cmd)}")
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    return {"workers": workers, "peak_pss_mib": round(peak_pss), "peak_rss_mib": round(peak_rss),
+            "examples_per_s": round(last["examples_per_s"], 3), "wall_s": round(time.perf_counter() - began, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("train", help="a DPR training file (e.g. the demo's data/dpr_train.json)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="values to compare (first: baseline)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument("--passage-max-length", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--work-dir", default="runs/bench_workers")
+    parser.add_argument("--output", default="benchmarks/results/workers.json")
+    args = parser.parse_args()
+    runs = [run(args.train, w, args) for _ in range(args.rounds) for w in args.workers]
+    base = [r for r in runs if r["workers"] == args.workers[0]]
+    for r in runs:
+        r["pss_vs_baseline"] = round(r["peak_pss_mib"] / min(b["peak_pss_mib"] for b in base), 3)
+        r["speed_vs_baseline"] = round(r["examples_per_s"] / max(b["examples_per_s"] for b in base), 3)
+        print(r, flush=True)
+    Path(args.output).write_text(json.dumps({"settings": vars(args), "cpu_count": os.cpu_count(),
+                                             "load_average": os.getloadavg(), "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Measure: how many in-batch scores pit a question against a copy of one of its own positives (duplicate positives).
+
+Several SciFact claims cite one abstract, so a batch can hold the same passage as the positive of two questions, or
+a question's other positive as another question's positive. Each such score is a false negative unless the loss
+drops it. This script replays epochs of the real sampler and training examples (no model), builds the passage ids the
+collator gives the loss, and counts the scores the loss's mask drops, per epoch.
+
+    python benchmarks/duplicate_positives.py --data ../shared/data/scifact --batch-size 256 --hard-negatives 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dpr_gc.base.files import write_json  # noqa: E402
+from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
+from dpr_gc.data.training import TrainingExamples, key_id, load_training_data  # noqa: E402
+from dpr_gc.engine.loss import Exclusion  # noqa: E402
+
+
+def batch_ids(items: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Passage ids, positive ids [B, K] and targets of one batch, as the collator and the loss build them."""
+    passage_ids = torch.tensor([key_id(k) for item in items for k in item["passage_keys"]])
+    width = max(len(item["positive_keys"]) for item in items)
+    positive_ids = torch.full((len(items), width), -1, dtype=torch.long)
+    for i, item in enumerate(items):
+        positive_ids[i, :len(item["positive_keys"])] = torch.tensor([key_id(k) for k in item["positive_keys"]])
+    targets = torch.arange(len(items)) * len(items[0]["passage_keys"])
+    return passage_ids, positive_ids, targets
+
+
+def count(data, batch_size: int, hard: int, epochs: int, seed: int) -> list[dict]:
+    """Per epoch: batches, scores, dropped scores (all; those that are a copy of the question's sampled positive)
+    and questions with at least one dropped score."""
+    sampler = MixedBatchSampler(data.sizes, batch_size, seed=seed)
+    examples = TrainingExamples(data.dataset, hard, 0, seed=seed, global_batch=sampler.global_batch)
+    per_epoch = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        row = {"epoch": epoch, "batches": 0, "scores": 0, "masked": 0, "masked_same_sampled_positive": 0,
+               "questions_affected": 0}
+        for batch in sampler:
+            items = [examples[key] for key in batch]
+            passage_ids, positive_ids, targets = batch_ids(items)
+            own = passage_ids[targets][:, None]
+            everything = Exclusion(torch.cat([own, positive_ids], 1), passage_ids[:, None], targets).dense()
+            sampled = Exclusion(own, passage_ids[:, None], targets).dense()
+            row["batches"] += 1
+            row["scores"] += everything.numel()
+            row["masked"] += int(everything.sum())
+            row["masked_same_sampled_positive"] += int(sampled.sum())
+            row["questions_affected"] += int(everything.any(1).sum())
+        per_epoch.append(row)
+    return per_epoch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR folder")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--hard-negatives", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "duplicate-positives.json"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    with tempfile.TemporaryDirectory() as cache:
+        data = load_training_data([args.data], cache)
+        epochs = count(data, args.batch_size, args.hard_negatives, args.epochs, args.seed)
+    total = {k: sum(e[k] for e in epochs) for k in epochs[0] if k != "epoch"}
+    report = {"data": args.data, "questions": len(data), "batch_size": args.batch_size,
+              "hard_negatives": args.hard_negatives, "epochs": args.epochs, "seed": args.seed,
+              "per_epoch": epochs, "mean_per_epoch": {k: v / args.epochs for k, v in total.items()}}
+    write_json(args.output, report)
+    print(json.dumps(report["mean_per_epoch"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,471 @@
+"""Benchmark: the toolkit's quality loop on SciFact (BEIR), through its command line only.
+
+Round 0 is all-MiniLM-L6-v2 zero-shot. Round 1 trains on hard negatives mined with the zero-shot model (dense and/or
+BM25, positive-aware: ``dpr-gc mine --max-negative-ratio``), round 2 on negatives mined with the round-1 model.
+Every step is one ``python -m dpr_gc.cli ...`` subprocess (encode, index, retrieve, evaluate, mine, train); its
+command, wall time and peak RSS (``os.wait4``'s resource usage of that process) are recorded. After each round:
+nDCG@10, MRR@10 and Recall@100 on the 300 SciFact test queries and on the dev queries.
+
+Nothing is tuned on the test qrels. The 809 training queries are split by a hash of their id (``sha256(seed:qid)``,
+``--dev-fraction`` of them to ``dev``, the rest to ``fit``). Each ``--filters`` choice (``none`` or a ratio R for
+``--max-negative-ratio``) trains round 1 on ``fit`` with negatives mined under it; the one with the best dev nDCG@10
+is chosen (its test figures are reported too, as the filter's measured effect, but never used to choose). With
+``--refit`` (default) rounds 1 and 2 are then trained on all training queries with the chosen filter.
+
+    python benchmarks/scifact_loop.py --quick                       # smoke test, a few minutes on a CPU
+    python benchmarks/scifact_loop.py --device cuda --model PATH --output DIR
+
+Each command's record is kept under ``<output>/phases``: a rerun with the same settings skips finished commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from dpr_gc.base.errors import DprGcError  # noqa: E402
+from dpr_gc.base.files import read_json, write_json  # noqa: E402
+from dpr_gc.cli import report_errors  # noqa: E402
+from scifact import write_quick_data  # noqa: E402
+
+logger = logging.getLogger("scifact_loop")
+METRICS = {"ndcg@10": "nDCG@10", "mrr@10": "MRR@10", "recall@100": "Recall@100"}
+
+
+def opt(default: Any, help_text: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass
+class LoopSettings:
+    """What every command of the loop depends on (a work folder holds one set: changed settings need another)."""
+
+    query_max_length: int = opt(48, "query max length (tokens), training and retrieval")
+    max_length: int = opt(256, "passage max length (tokens) when encoding the corpus (evaluation and mining)")
+    train_max_length: int = opt(128, "passage max length (tokens) in training")
+    batch_size: int = opt(256, "queries per training step (Gradient Cache)")
+    chunk_size: int = opt(32, "Gradient Cache chunk: query and passage rows per forward/backward")
+    epochs: int = opt(6, "training epochs per round")
+    learning_rate: float = opt(3e-4, "peak learning rate")
+    warmup_ratio: float = opt(0.1, "linear warm-up as a fraction of the steps, then linear decay")
+    hard_negatives: int = opt(1, "hard negatives per query and step (drawn from the mined ones)")
+    precision: str = opt("bf16", "training precision: fp32, bf16 or fp16")
+    mine_source: str = opt("dense", "round-1 candidates: dense (zero-shot model), bm25, or both")
+    mine_top_k: int = opt(30, "candidates retrieved per query when mining")
+    mine_skip: int = opt(0, "skip candidates ranked 1..N when mining")
+    mine_keep: int = opt(8, "negatives kept per query")
+    min_margin: Optional[float] = opt(None, "also --min-margin M when mining (absolute, below the lowest positive)")
+    filters: tuple = opt(("none", "0.95"), "positive-aware choices tried on the dev split: none or a ratio R")
+    round2_init: str = opt("base", "round 2 starts from: base (the zero-shot model) or round1")
+    refit: bool = opt(True, "after choosing on dev, train rounds 1 and 2 on all training queries")
+    dev_fraction: float = opt(0.2, "share of the training queries held out as dev")
+    encode_batch_size: int = opt(64, "encoding batch size")
+    seed: int = opt(0, "random seed (training and the dev split)")
+
+
+QUICK = dict(query_max_length=32, max_length=64, train_max_length=48, batch_size=16, chunk_size=4, epochs=1,
+             mine_top_k=20, mine_keep=4, encode_batch_size=16)
+
+
+# ----------------------------------------------------------------------------------------------- running commands
+class Runner:
+    """Runs toolkit commands as subprocesses, one record each (command, wall time, peak RSS) kept for reruns."""
+
+    def __init__(self, work: Path, device: Optional[str]) -> None:
+        self.work, self.device, self.phases = work, device, []
+        (work / "phases").mkdir(parents=True, exist_ok=True)
+
+    def cli(self, name: str, args: list[Any], capture: bool = False) -> dict:
+        """``python -m dpr_gc.cli ARGS`` unless an earlier run finished it; returns its record."""
+        record_path = self.work / "phases" / f"{name}.json"
+        if record_path.is_file():
+            record = read_json(record_path)
+            logger.info("%s: done before (%s)", name, record_path)
+        else:
+            record = self._run(name, [str(a) for a in args], capture)
+            write_json(record_path, record)
+        self.phases.append(record)
+        return record
+
+    def _run(self, name: str, args: list[str], capture: bool) -> dict:
+        cmd = [sys.executable, "-m", "dpr_gc.cli", *args]
+        logger.info("%s: %s", name, " ".join(cmd[1:]))
+        env = dict(os.environ, TQDM_MININTERVAL=os.environ.get("TQDM_MININTERVAL", "30"),
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        began = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE if capture else None, text=True)
+        out = proc.stdout.read() if capture else ""
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - began
+        if capture:
+            print(out, end="")
+        if code != 0:
+            raise DprGcError(f"{name} failed (exit {code}): {' '.join(cmd)}; fix and rerun to continue")
+        logger.info("%s: %.0f s, peak RSS %.0f MB", name, wall, usage.ru_maxrss / 1024)
+        return {"name": name, "command": "python -m dpr_gc.cli " + " ".join(args), "wall_s": round(wall, 2),
+                "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "stdout": out if capture else None}
+
+    def device_args(self) -> list[str]:
+        return ["--device", self.device] if self.device else []
+
+
+def table_rows(text: Optional[str]) -> dict:
+    """The ``| key | value |`` rows of a summary table the toolkit printed (numbers as numbers, header left out)."""
+    rows: dict[str, Any] = {}
+    for line in (text or "").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or not cells[0] or set(cells[1]) <= set("-: ") or cells == ["item", "value"]:
+            continue
+        try:
+            rows[cells[0]] = float(cells[1]) if any(c in cells[1] for c in ".e") else int(cells[1])
+        except ValueError:
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- data
+def dev_split(qrels_path: Path, fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Training qrels lines into (fit, dev): a query is dev when sha256("seed:qid") mod 10,000 < fraction x 10,000."""
+    fit, dev = [], []
+    for i, line in enumerate(qrels_path.read_text(encoding="utf-8").splitlines()):
+        if not line.strip() or (i == 0 and line.split("\t")[-1].strip().lower() == "score"):
+            continue
+        qid = line.split("\t")[0]
+        bucket = int(hashlib.sha256(f"{seed}:{qid}".encode()).hexdigest(), 16) % 10_000
+        (dev if bucket < fraction * 10_000 else fit).append(line)
+    return fit, dev
+
+
+def prepare_data(source: Path, work: Path, quick: bool, fraction: float, seed: int) -> Path:
+    """A BEIR folder for the loop: links to the corpus and queries, qrels train/test and the fit/dev split."""
+    if quick:
+        source_quick = work / "quick-source"
+        write_quick_data(SimpleNamespace(data=str(source_quick)), source)
+        source = source_quick
+    if not (source / "corpus.jsonl.gz").is_file():
+        raise DprGcError(f"SciFact not found in {source} (no corpus.jsonl.gz); pass --data")
+    data = work / "data"
+    (data / "qrels").mkdir(parents=True, exist_ok=True)
+    for name in ("corpus.jsonl.gz", "queries.jsonl"):
+        if not (data / name).exists():
+            (data / name).symlink_to((source / name).resolve())
+    for split in ("train", "test"):
+        (data / "qrels" / f"{split}.tsv").write_text((source / "qrels" / f"{split}.tsv").read_text("utf-8"), "utf-8")
+    fit, dev = dev_split(source / "qrels" / "train.tsv", fraction, seed)
+    header = "query-id\tcorpus-id\tscore\n"
+    for split, lines in (("fit", fit), ("dev", dev)):
+        (data / "qrels" / f"{split}.tsv").write_text(header + "".join(line + "\n" for line in lines), "utf-8")
+    return data
+
+
+def count_queries(qrels: Path) -> int:
+    return len({line.split("\t")[0] for line in qrels.read_text("utf-8").splitlines()[1:] if line.strip()})
+
+
+# ----------------------------------------------------------------------------------------------- the steps
+@dataclasses.dataclass
+class Loop:
+    """The runner, the settings and the data folder every step needs."""
+
+    run: Runner
+    s: LoopSettings
+    data: Path
+
+    @property
+    def cache(self) -> Path:
+        return self.run.work / "cache"
+
+    def index(self, tag: str, model: str) -> Path:
+        """Encode the corpus with ``model`` and build a flat (exact) index: ``<work>/<tag>/index``."""
+        folder = self.run.work / tag
+        self.run.cli(f"{tag}-encode", ["encode", "--model", model, "--corpus", self.data / "corpus.jsonl.gz",
+                                       "--output", folder / "emb", "--max-length", self.s.max_length,
+                                       "--batch-size", self.s.encode_batch_size, "--cache-dir", self.cache,
+                                       *self.run.device_args()])
+        self.run.cli(f"{tag}-index", ["index", "--embeddings", folder / "emb", "--output", folder / "index"])
+        return folder / "index"
+
+    def evaluate(self, tag: str, model: str, index: Path, splits: tuple[str, ...] = ("test", "dev")) -> dict:
+        """Retrieve the top 100 for each split's judged queries and score them: ``{split: {metric: value}}``."""
+        out = {}
+        for split in splits:
+            folder = self.run.work / tag
+            self.run.cli(f"{tag}-retrieve-{split}", [
+                "retrieve", "--index", index, "--model", model, "--queries", self.data / "queries.jsonl",
+                "--qrels", self.data / "qrels" / f"{split}.tsv", "--trec-run", folder / f"run-{split}.trec",
+                "--top-k", 100, "--match", "none", "--batch-size", self.s.encode_batch_size,
+                "--cache-dir", self.cache, *self.run.device_args()])
+            self.run.cli(f"{tag}-evaluate-{split}", [
+                "evaluate", "--run", folder / f"run-{split}.trec", "--qrels", self.data / "qrels" / f"{split}.tsv",
+                "--k", 10, 100, "--output", folder / f"metrics-{split}.json"])
+            out[split] = qrels_metrics(read_json(folder / f"metrics-{split}.json"))
+        return out
+
+    def mine(self, tag: str, split: str, ratio: Optional[float], dense: Optional[tuple[str, Path]],
+             bm25: bool) -> tuple[Path, dict]:
+        """Hard negatives for the queries of qrels ``split``: BM25 and/or dense (``(model, index)``) candidates,
+        positive-aware with ``ratio``; BM25 first, then dense appended when both. Returns the file and the counts."""
+        folder, counts, previous = self.run.work / tag, {}, None
+        common = ["--n-negatives", self.s.mine_keep, "--top-k", self.s.mine_top_k, "--skip-top", self.s.mine_skip,
+                  "--cache-dir", self.cache, "--corpus", self.data / "corpus.jsonl.gz"]
+        common += ["--max-negative-ratio", ratio] if ratio is not None else []
+        common += ["--min-margin", self.s.min_margin] if self.s.min_margin is not None else []
+        sources = ([("bm25", ["--source", "bm25", "--bm25-index", self.run.work / "bm25"])] if bm25 else []) + \
+            ([("dense", ["--source", "dense", "--model", dense[0], "--index", dense[1], "--batch-size",
+                         self.s.encode_batch_size, *self.run.device_args()])] if dense else [])
+        for kind, args in sources:
+            output = folder / f"train-{kind}.jsonl"
+            given = (["--train-file", previous, "--append", "--qrels", self.data / "qrels" / f"{split}.tsv"]
+                     if previous else ["--beir-dir", self.data, "--split", split])
+            record = self.run.cli(f"{tag}-mine-{kind}", ["mine", *given, "--output", output, *common, *args],
+                                  capture=True)
+            counts[kind] = table_rows(record["stdout"])
+            previous = output
+        return previous, counts
+
+    def train(self, tag: str, train_file: Path, init: str, hard_negatives: Optional[int] = None,
+              batch_size: Optional[int] = None) -> tuple[str, dict]:
+        """Train from ``init`` on ``train_file``; returns the final model folder and the train command's record."""
+        s = self.s
+        batch = batch_size or s.batch_size
+        queries = sum(1 for line in open(train_file, encoding="utf-8") if line.strip())
+        steps = (queries // batch) * s.epochs
+        if steps < 1:
+            raise DprGcError(f"{queries} training queries give no full batch of {batch}; lower --batch-size")
+        out = self.run.work / tag / "model"
+        resume = ["--resume", "latest"] if any(out.glob("checkpoint-*")) else []  # an interrupted run continues
+        record = self.run.cli(f"{tag}-train", [
+            "train", "--train", train_file, "--output", out, "--model", init, "--pooling", "mean", "--normalize",
+            "--passage-format", "concat", "--temperature", 0.05, "--query-max-length", s.query_max_length,
+            "--passage-max-length", s.train_max_length, "--batch-size", batch, "--query-chunk-size", s.chunk_size,
+            "--passage-chunk-size", s.chunk_size, "--hard-negatives",
+            s.hard_negatives if hard_negatives is None else hard_negatives, "--learning-rate", s.learning_rate,
+            "--epochs", s.epochs, "--warmup-steps", max(1, round(s.warmup_ratio * steps)), "--precision",
+            s.precision, "--seed", s.seed, "--cache-dir", self.cache, *self.run.device_args(), *resume])
+        record.update(steps=steps, training_queries=queries, batch_size=batch)
+        return str(out / "final"), record
+
+
+def qrels_metrics(report: dict) -> dict:
+    """nDCG@10, MRR@10, Recall@100 from an ``evaluate --output`` report."""
+    found = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in METRICS.values() and isinstance(v, (int, float)):
+                    found[k] = v
+                else:
+                    walk(v)
+
+    walk(report)
+    missing = [m for m in METRICS.values() if m not in found]
+    if missing:
+        raise DprGcError(f"the evaluate report has no {', '.join(missing)}")
+    return {key: round(float(found[name]), 4) for key, name in METRICS.items()}
+
+
+def parse_filter(choice: str) -> Optional[float]:
+    if choice == "none":
+        return None
+    try:
+        value = float(choice)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise DprGcError(f"--filters: {choice!r} is neither 'none' nor a ratio > 0 (e.g. 0.95)")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+def round_entry(name: str, metrics: dict, train: Optional[dict], phases: list[dict], **extra: Any) -> dict:
+    return {"name": name, **metrics["test"], "dev": metrics.get("dev"),
+            "train_s": train["wall_s"] if train else None, "peak_rss_mb": max(p["peak_rss_mb"] for p in phases),
+            "train_peak_rss_mb": train["peak_rss_mb"] if train else None,
+            "steps": train.get("steps") if train else None, "phases": [p["name"] for p in phases], **extra}
+
+
+def run_loop(loop: Loop, base_model: str) -> dict:
+    """Round 0, the filter choice on dev, rounds 1 and 2; the results' ``rounds``, ``selection`` and ``mining``."""
+    s = loop.s
+    bm25 = s.mine_source in ("bm25", "both")
+    dense_on = s.mine_source in ("dense", "both")
+    mark = len(loop.run.phases)
+    zero_index = loop.index("round0", base_model)
+    zero = loop.evaluate("round0", base_model, zero_index)
+    rounds = [round_entry("round0 zero-shot", zero, None, loop.run.phases[mark:], dev_held_out=True)]
+    selection, mining = [], {}
+    for choice in s.filters:
+        ratio = parse_filter(choice)
+        tag = f"select-{choice}"
+        mark = len(loop.run.phases)
+        file, counts = loop.mine(f"{tag}-mine", "fit", ratio, (base_model, zero_index) if dense_on else None, bm25)
+        model, trained = loop.train(f"{tag}-round1", file, base_model)
+        index = loop.index(f"{tag}-round1", model)
+        metrics = loop.evaluate(f"{tag}-round1", model, index)
+        selection.append({"filter": choice, "dev": metrics["dev"], "test": metrics["test"],
+                          "train_s": trained["wall_s"], "peak_rss_mb": trained["peak_rss_mb"],
+                          "phases": [p["name"] for p in loop.run.phases[mark:]],
+                          "mining": counts, "model": model, "index": str(index)})
+        mining[tag] = counts
+    best = max(selection, key=lambda r: r["dev"]["ndcg@10"])
+    ratio, split = parse_filter(best["filter"]), "train" if s.refit else "fit"
+    logger.info("chosen on dev (nDCG@10): filter %s", best["filter"])
+    if s.refit:
+        mark = len(loop.run.phases)
+        file, mining["round1"] = loop.mine("round1-mine", "train", ratio,
+                                           (base_model, zero_index) if dense_on else None, bm25)
+        model1, trained1 = loop.train("round1", file, base_model)
+        index1 = loop.index("round1", model1)
+        rounds.append(round_entry("round1", loop.evaluate("round1", model1, index1), trained1,
+                                  loop.run.phases[mark:], filter=best["filter"], trained_on=split,
+                                  dev_held_out=False))
+    else:
+        model1, index1 = best["model"], Path(best["index"])
+        rounds.append({"name": "round1", **best["test"], "dev": best["dev"], "train_s": best["train_s"],
+                       "peak_rss_mb": best["peak_rss_mb"], "filter": best["filter"], "trained_on": split,
+                       "dev_held_out": True, "phases": best["phases"]})
+    mark = len(loop.run.phases)
+    file, mining["round2"] = loop.mine("round2-mine", split, ratio, (model1, index1), False)
+    model2, trained2 = loop.train("round2", file, base_model if s.round2_init == "base" else model1)
+    index2 = loop.index("round2", model2)
+    rounds.append(round_entry("round2", loop.evaluate("round2", model2, index2), trained2, loop.run.phases[mark:],
+                              filter=best["filter"], trained_on=split, init=s.round2_init, dev_held_out=not s.refit))
+    return {"rounds": rounds, "selection": selection, "chosen_filter": best["filter"], "mining": mining}
+
+
+def machine(device: Optional[str]) -> dict:
+    import torch
+
+    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    return {"cpu": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
+            "torch": torch.__version__, "device": device or ("cuda" if cuda else "cpu"),
+            "gpu": torch.cuda.get_device_name() if cuda else None, "load_average": os.getloadavg()}
+
+
+# ----------------------------------------------------------------------------------------------- command line
+def add_settings_flags(p: argparse.ArgumentParser, settings_class: type, skip: tuple = ()) -> None:
+    """One flag per settings field but ``skip`` (``--no-FIELD`` for booleans, several values for tuples)."""
+    for f in (f for f in dataclasses.fields(settings_class) if f.name not in skip):
+        flag, value, text = "--" + f.name.replace("_", "-"), f.default, f.metadata["help"]
+        if isinstance(value, bool):
+            p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                           help="do not: " + text)
+        elif isinstance(value, tuple):
+            p.add_argument(flag, nargs="+", type=type(value[0]), default=None, help=f"{text} (default {value})")
+        else:
+            kind = float if f.name == "min_margin" else type(value)
+            p.add_argument(flag, type=kind, default=None, help=f"{text} (default {value})")
+
+
+def common_parser(description: str, results_name: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    default = next((d for d in (ROOT.parent / "shared" / "data" / "scifact",
+                                ROOT.parents[1] / "shared" / "data" / "scifact") if d.is_dir()),
+                   ROOT.parent / "shared" / "data" / "scifact")
+    p.add_argument("--data", default=str(default), help="BEIR SciFact folder (default: ../shared/data/scifact)")
+    p.add_argument("--model", help="the base model folder (default: the offline all-MiniLM-L6-v2)")
+    p.add_argument("--output", help="work folder for every command's outputs (default runs/<benchmark>[-quick])")
+    p.add_argument("--results", help=f"results JSON (default benchmarks/results/{results_name}[-quick].json)")
+    p.add_argument("--device", help="torch device for every command (default: the toolkit's choice)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 48 training / 20 test queries, 200 passages, tiny lengths and batches")
+    return p
+
+
+def settings_from(args: argparse.Namespace, settings_class: type, quick: dict) -> Any:
+    """Settings from the flags; ``--quick`` swaps in small values for the flags not given."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(settings_class)
+              if getattr(args, f.name, None) is not None}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    if args.quick:
+        values = {**quick, **values}
+    return settings_class(**values)
+
+
+def open_work(args: argparse.Namespace, name: str, settings: Any, free: tuple = ()) -> tuple[Path, Path, str]:
+    """The work folder (refusing one made with other settings but the ``free`` ones, which only add or drop
+    commands), the results path and the base model."""
+    from dpr_gc.model.retriever import default_model_path
+
+    suffix = "-quick" if args.quick else ""
+    work = Path(args.output or ROOT / "runs" / f"{name}{suffix}").resolve()
+    results = Path(args.results or ROOT / "benchmarks" / "results" / f"{name}{suffix}.json")
+    model = args.model or default_model_path()
+    fixed = {k: v for k, v in dataclasses.asdict(settings).items() if k not in free}
+    key = {"settings": fixed, "model": str(model), "data": str(Path(args.data).resolve()),
+           "quick": args.quick}
+    saved = work / "settings.json"
+    if saved.is_file() and read_json(saved) != json.loads(json.dumps(key)):
+        raise DprGcError(f"{work} holds a run with other settings ({saved}); give another --output or delete it")
+    work.mkdir(parents=True, exist_ok=True)
+    write_json(saved, key)
+    return work, results, str(model)
+
+
+def check(s: LoopSettings) -> None:
+    if s.mine_source not in ("dense", "bm25", "both"):
+        raise DprGcError(f"--mine-source must be dense, bm25 or both, got {s.mine_source!r}")
+    if s.round2_init not in ("base", "round1"):
+        raise DprGcError(f"--round2-init must be base or round1, got {s.round2_init!r}")
+    if not 0 < s.dev_fraction < 1:
+        raise DprGcError(f"--dev-fraction must be between 0 and 1, got {s.dev_fraction}")
+    for choice in s.filters:
+        parse_filter(choice)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = common_parser(__doc__.splitlines()[0], "scifact-loop")
+    add_settings_flags(p, LoopSettings)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    return report_errors(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> None:
+    s = settings_from(args, LoopSettings, QUICK)
+    check(s)
+    began = time.perf_counter()
+    work, results, model = open_work(args, "scifact-loop", s)
+    data = prepare_data(Path(args.data), work, args.quick, s.dev_fraction, s.seed)
+    loop = Loop(Runner(work, args.device), s, data)
+    out = run_loop(loop, model)
+    report = {"benchmark": "SciFact (BEIR) quality loop" + (" -- SMOKE RUN (--quick: 48 training / 20 test "
+                                                              "queries, 200 passages; numbers mean nothing)"
+                                                              if args.quick else ""),
+              "smoke_run": args.quick, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": machine(args.device), "settings": dataclasses.asdict(s), "base_model": model,
+              "dev_split": {"rule": "a training query is dev when int(sha256(f'{seed}:{qid}')) % 10000 < "
+                                    "dev_fraction * 10000; fit = the other training queries",
+                            "fit_queries": count_queries(data / "qrels" / "fit.tsv"),
+                            "dev_queries": count_queries(data / "qrels" / "dev.tsv"),
+                            "test_queries": count_queries(data / "qrels" / "test.tsv")},
+              **out, "phases": loop.run.phases, "commands": [p["command"] for p in loop.run.phases],
+              "wall_s_all_phases": round(sum(p["wall_s"] for p in loop.run.phases), 1),
+              "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
+    results.parent.mkdir(parents=True, exist_ok=True)
+    write_json(results, report)
+    for r in report["rounds"]:
+        print(f"{r['name']:<18} nDCG@10 {r['ndcg@10']:.4f}  MRR@10 {r['mrr@10']:.4f}  Recall@100 "
+              f"{r['recall@100']:.4f}  train {r['train_s'] or 0:.0f} s  peak RSS {r['peak_rss_mb']:.0f} MB")
+    print(f"results: {results}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""One declaration per setting: a dataclass field made with :func:`setting` carries its type, default, help,
+choices, flag names (DPR/GC-DPR aliases beside the setting they alias) and whether a resumed run may change it.
+From those declarations come
+
+* the checks (:func:`check`, called by the dataclass's ``__post_init__``), so a library caller and the command line
+  get the same one-line :class:`~dpr_gc.base.errors.DprGcError`;
+* the command-line flags (:func:`add_arguments`) and the dataclass back from parsed flags (:func:`from_args`),
+  so a default is written once and every flag has its help;
+* the run's record (:func:`to_record`: plain JSON of the resolved settings) and the comparison of two records
+  (:func:`changed_settings`), which refuses a resume that would change the model or the training signal.
+
+A flag's value type (``positive_int`` and friends from :mod:`dpr_gc.base.args`) parses the command line; its
+``accepts`` checks a value given in code, so both paths apply one rule with one wording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+from .errors import DprGcError
+
+FIXED = "fixed"  # changes the model or the training signal: a resumed run must keep the recorded value
+FREE = "free"  # may change when a run resumes: steps, cadence of saving/evaluating, workers, logging, memory layout
+UNSET = object()  # no command-line default of its own: the field's default is the flag's
+RESUME_NOTE = {FIXED: "[fixed on --resume]", FREE: "[may change on --resume]"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What a field declares (see :func:`setting`)."""
+
+    flags: tuple[str, ...]
+    help: str
+    type: Optional[Callable[[str], Any]] = None
+    choices: Optional[tuple[Any, ...]] = None
+    nargs: Optional[str] = None
+    required: bool = False
+    dest: Optional[str] = None
+    resume: str = FIXED
+    negate: bool = False
+    hidden: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    cli_default: Any = UNSET
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0] if self.flags else ""
+
+    def dest_name(self, field_name: str) -> str:
+        if self.dest:
+            return self.dest
+        return self.flags[0].lstrip("-").replace("-", "_") if self.flags else field_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A field holding another settings dataclass (a group by concern); ``when`` names the flag destination whose
+    value (not None) brings an optional group into being from the command line (``--lora-r`` for LoRA); ``given``
+    names a sibling field that receives the names of the group's fields set on the command line (the group's flags
+    then default to unset, and the group is built from the given ones: the others may come from elsewhere, e.g. a
+    model folder's own recipe)."""
+
+    cls: type
+    title: str = ""
+    when: Optional[str] = None
+    given: Optional[str] = None
+
+
+CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "aliases")
+
+
+def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Optional[Callable[[str], Any]] = None,
+            choices: Optional[Sequence[Any]] = None, resume: str = FIXED,
+            default_factory: Any = dataclasses.MISSING, **cli: Any) -> Any:
+    """A dataclass field declaring one setting.
+
+    ``flags``: its command-line names, the first one shown in errors (none: a library-only setting, still checked
+    and recorded); ``type``: the flag parser (its ``accepts`` checks values given in code); ``resume``:
+    :data:`FIXED` or :data:`FREE`. ``cli`` shapes the flag: ``nargs``, ``required``, ``dest``; a bool field is a
+    switch (``negate``: the flag sets the field to False, e.g. ``--separate-encoders`` for ``shared_encoder``);
+    ``hidden``: further ``(flag, argparse options)`` kept for old command lines and left out of ``--help``;
+    ``cli_default``: the flag's default when the library's differs (``--lora-r`` has none, ``LoraSettings.r`` is
+    required); ``aliases``: DPR's names, added by parsers that ask for them (``scripts/``)."""
+    unknown = set(cli) - set(CLI_OPTIONS)
+    if unknown:
+        raise TypeError(f"setting() got unknown options {sorted(unknown)}")
+    if resume not in RESUME_NOTE:
+        raise ValueError(f"resume must be {FIXED!r} or {FREE!r}")
+    meta = Setting(tuple(flags), help, type, tuple(choices) if choices is not None else None, cli.get("nargs"),
+                   cli.get("required", False), cli.get("dest"), resume, cli.get("negate", False),
+                   tuple(cli.get("hidden", ())), cli.get("cli_default", UNSET), tuple(cli.get("aliases", ())))
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata={"setting": meta})
+    return dataclasses.field(default=default, metadata={"setting": meta})
+
+
+def group(cls: type, title: str = "", *, when: Optional[str] = None, given: Optional[str] = None) -> Any:
+    """A field holding the settings dataclass ``cls`` (None by default when ``when`` or ``given`` is set, else
+    ``cls()``); see :class:`Group`."""
+    meta = {"group": Group(cls, title or (cls.__doc__ or cls.__name__).split(":")[0].split(".")[0].strip(), when,
+                           given)}
+    if when is not None or given is not None:
+        return dataclasses.field(default=None, metadata=meta)
+    return dataclasses.field(default_factory=cls, metadata=meta)
+
+
+def device_setting(help: str = "torch device (default: cuda:LOCAL_RANK if available, else cpu)") -> Any:
+    """``--device``, declared once for every stage (a device that exists here: cpu, cuda, cuda:N, mps)."""
+    from .args import device_arg
+
+    return setting(None, "--device", type=device_arg, resume=FREE, help=help)
+
+
+def cache_dir_setting(help: str = "where parsed corpora are cached (default: $DPR_GC_CACHE/corpora, else "
+                                  "~/.cache/dpr_gc/corpora)") -> Any:
+    """``--cache-dir``, declared once for every stage that parses a corpus or training data."""
+    return setting(None, "--cache-dir", resume=FREE, aliases=("--cache_dir",), help=help)
+
+
+def query_prefix_setting() -> Any:
+    return setting(None, "--query-prefix", help="text put before every query, e.g. 'query: ' (default: the model's "
+                                                "own, else none)")
+
+
+def passage_prefix_setting() -> Any:
+    return setting(None, "--passage-prefix", help="text put before every passage, e.g. 'passage: ' (default: the "
+                                                  "model's own, else none)")
+
+
+def _setting(field: dataclasses.Field) -> Optional[Setting]:
+    return field.metadata.get("setting")
+
+
+def _group(field: dataclasses.Field) -> Optional[Group]:
+    return field.metadata.get("group")
+
+
+# --------------------------------------------------------------------------------------------- checks
+def _describe(decl: Setting, name: str) -> str:
+    return decl.flag or name
+
+
+def check(obj: Any) -> None:
+    """Check every declared setting of the dataclass instance ``obj``: choices and the value type's rule (each
+    element of a list). Raises one :class:`DprGcError` naming the flag."""
+    for field in dataclasses.fields(obj):
+        decl = _setting(field)
+        value = getattr(obj, field.name)
+        if decl is None or value is None:
+            continue
+        values = value if decl.nargs in ("+", "*") and isinstance(value, (list, tuple)) else [value]
+        name = _describe(decl, field.name)
+        for item in values:
+            if decl.choices is not None and item not in decl.choices:
+                raise DprGcError(f"{name} must be one of {', '.join(map(str, decl.choices))}, got {item!r}")
+            accepts = getattr(decl.type, "accepts", None)
+            if accepts is not None and not accepts(item):
+                raise DprGcError(f"{name} must be {decl.type.__name__}, got {item!r}")
+
+
+# --------------------------------------------------------------------------------------------- command line
+def _help(decl: Setting) -> str:
+    return decl.help.replace("%", "%%")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: bool = False,
+                  title: Optional[str] = None, dpr_aliases: bool = False, unset: bool = False) -> None:
+    """Add the flags of the settings dataclass ``cls`` (and of its groups, each an argument group) to ``parser``;
+    ``resume_kinds`` says in every help whether ``--resume`` keeps the setting fixed; ``dpr_aliases`` adds DPR's
+    flag names; ``unset``: every flag defaults to None (not given), its help showing the setting's own default."""
+    target = parser.add_argument_group(title) if title else parser
+    for field in dataclasses.fields(cls):
+        grp = _group(field)
+        if grp is not None:
+            add_arguments(parser, grp.cls, resume_kinds=resume_kinds, title=grp.title, dpr_aliases=dpr_aliases,
+                          unset=grp.given is not None)
+            continue
+        decl = _setting(field)
+        if decl is None or not decl.flags:
+            continue
+        dest = decl.dest_name(field.name)
+        default = decl.cli_default
+        if default is UNSET:
+            default = _field_default(field)
+        kwargs: dict[str, Any] = {"dest": dest, "help": _help(decl)}
+        if (isinstance(default, bool) or decl.negate) and unset:  # --flag / --no-flag, unset unless given
+            kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+        elif isinstance(default, bool) or decl.negate:  # a switch: the flag turns its destination's default over
+            default = (not field.default) if decl.negate else default
+            kwargs.update(action="store_false" if default else "store_true", default=default)
+        else:
+            kwargs.update(default=default, type=decl.type, nargs=decl.nargs, required=decl.required)
+            if decl.choices is not None:
+                kwargs["choices"] = list(decl.choices)
+        if unset and kwargs.get("default") is not None:
+            kwargs["default"] = None
+        action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
+        if unset:
+            action.shown_default = _field_default(field)  # what applies when not given (see HelpFormatter)
+        if resume_kinds:
+            action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter
+        for flag, options in decl.hidden:
+            target.add_argument(flag, dest=dest, help=argparse.SUPPRESS, **options)
+
+
+def _given(cls: type, values: Mapping[str, Any]) -> tuple[Any, tuple[str, ...]]:
+    """``cls`` built from the flags given (not None) and the names of its fields they set."""
+    given = {}
+    for field in dataclasses.fields(cls):
+        decl = _setting(field)
+        if decl is not None and decl.flags and values.get(decl.dest_name(field.name)) is not None:
+            value = values[decl.dest_name(field.name)]
+            given[field.name] = (not value) if decl.negate else value
+    return cls(**given), tuple(given)
+
+
+def _field_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return None
+
+
+def from_args(cls: type, args: Any) -> Any:
+    """The ``cls`` instance of parsed flags (:func:`add_arguments`); settings without flags keep their defaults,
+    so the dataclass's checks run on the result as they do for a library caller."""
+    values = vars(args) if not isinstance(args, Mapping) else args
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        grp = _group(field)
+        if grp is not None and grp.given is not None:
+            kwargs[field.name], kwargs[grp.given] = _given(grp.cls, values)
+        elif grp is not None:
+            if grp.when is None or values.get(grp.when) is not None:
+                kwargs[field.name] = from_args(grp.cls, values)
+            continue
+        decl = _setting(field)
+        if decl is None or not decl.flags:
+            continue
+        dest = decl.dest_name(field.name)
+        if dest not in values:
+            continue
+        value = values[dest]
+        kwargs[field.name] = (not value) if decl.negate else value
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------- records
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def to_record(obj: Any) -> dict:
+    """The settings dataclass ``obj`` as plain JSON (groups nested; tuples become lists), the format a run records
+    in its output and that :func:`changed_settings` compares."""
+    out = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        out[field.name] = to_record(value) if dataclasses.is_dataclass(value) else _plain(value)
+    return out
+
+
+def _declarations(cls: type, prefix: str = "") -> Iterator[tuple[str, Optional[Setting], Optional[Group]]]:
+    """``(dotted name, setting, group)`` for every field of ``cls`` and of its groups."""
+    for field in dataclasses.fields(cls):
+        name = prefix + field.name
+        grp = _group(field)
+        yield name, _setting(field), grp
+        if grp is not None:
+            yield from _declarations(grp.cls, name + ".")
+
+
+def _flat(record: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in (record or {}).items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, prefix + key + "."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One setting that differs between a recorded run and a new one."""
+
+    name: str
+    old: Any
+    new: Any
+    resume: str
+
+    def __str__(self) -> str:
+        return f"{self.name} {_show(self.old)} -> {_show(self.new)}"
+
+
+def _show(value: Any) -> str:
+    return "(not set)" if value is None else ("(absent)" if value is dataclasses.MISSING else repr(value))
+
+
+def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+    """The settings of ``cls`` whose recorded values differ between ``old`` and ``new`` (:func:`to_record`), named
+    by their first flag (else their dotted name), each with its resume kind; an optional group present in one
+    record and absent in the other is one change of the flag that brings it into being."""
+    kinds: dict[str, tuple[str, str]] = {}
+    for name, decl, grp in _declarations(cls):
+        if decl is not None:
+            kinds[name] = (decl.flag or name, decl.resume)
+        elif grp is not None:
+            kinds[name] = ("--" + grp.when.replace("_", "-") if grp.when else name, FIXED)
+    flat_old, flat_new = _flat(old), _flat(new)
+    changes = []
+    for key in sorted(set(flat_old) | set(flat_new), key=lambda k: list(kinds).index(k) if k in kinds else 1 << 30):
+        a, b = flat_old.get(key, dataclasses.MISSING), flat_new.get(key, dataclasses.MISSING)
+        if a == b:
+            continue
+        owner = next((k for k in (key, *_parents(key)) if k in kinds), None)
+        flag, kind = kinds[owner] if owner else (key, FIXED)
+        changes.append(Change(flag if owner == key else key, a, b, kind))
+    return changes
+
+
+def _parents(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]

@@ -1,0 +1,63 @@
+"""Relevance judgments (qrels): the one reader of BEIR TSV and TREC qrels files, for training sets, mining and
+evaluation alike.
+
+BEIR writes ``query-id<TAB>corpus-id<TAB>score`` under a header line, TREC ``qid 0 docid rel`` separated by
+whitespace; a line with a tab is split on tabs, any other on whitespace. Relevance is an integer (``1`` or ``1.0``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Union
+
+from ..base.errors import DprGcError
+from ..base.validate import check_id
+from ..base.files import PathLike, open_text
+
+Judgment = tuple[str, str, int]  # (query id, passage id, relevance)
+QRELS_FORMATS = "expected 'query-id corpus-id score' or 'qid 0 docid rel'"
+
+
+def _fields(line: str) -> list[str]:
+    """Split on tabs when the line has any (BEIR TSV), otherwise on whitespace (TREC)."""
+    line = line.rstrip("\r\n")
+    return [f.strip() for f in line.split("\t")] if "\t" in line else line.split()
+
+
+def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
+    """``(line number, (query id, passage id, relevance))`` for each judgment in file order, or ``(line number,
+    what is wrong)`` for a line that is not one, so a caller decides whether a bad line stops it. Blank lines and
+    a header line are skipped."""
+    with open_text(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            parts = _fields(line)
+            if not parts:
+                continue
+            if line_no == 1 and (parts[0].lower() in ("query-id", "query_id") or parts[-1].lower() == "score"):
+                continue
+            if len(parts) not in (3, 4) or not all(parts):
+                yield line_no, f"{QRELS_FORMATS}, got {line.strip()!r}"
+                continue
+            qid, docid, rel_text = parts[0], parts[-2], parts[-1]
+            if not re.fullmatch(r"[-+]?\d+(\.0*)?", rel_text):
+                yield line_no, f"relevance {rel_text!r} is not an integer"
+                continue
+            yield line_no, (qid, docid, int(rel_text.split(".")[0]))
+
+
+def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
+    """All judgments of a qrels file as ``{query id: {passage id: relevance}}``; a bad line, a judgment given twice
+    with different relevance, or an empty file is an error naming the file (and line)."""
+    qrels: dict[str, dict[str, int]] = {}
+    for line_no, judgment in iter_qrels(path):
+        if isinstance(judgment, str):
+            raise DprGcError(f"{path}:{line_no}: {judgment}")
+        qid, docid, rel = judgment
+        check_id(qid, f"{path}:{line_no}", "query id"), check_id(docid, f"{path}:{line_no}", "document id")
+        judged = qrels.setdefault(qid, {})
+        if judged.get(docid, rel) != rel:
+            raise DprGcError(f"{path}:{line_no}: conflicting relevance for query {qid!r} doc {docid!r}")
+        judged[docid] = rel
+    if not qrels:
+        raise DprGcError(f"{path}: no relevance judgments found")
+    return qrels

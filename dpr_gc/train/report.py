@@ -1,0 +1,68 @@
+"""What a training run tells: the model card's account of the run, TensorBoard, the summary table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from ..base.tables import format_summary
+from .config import TrainConfig
+
+
+def describe_epoch(data: Any, sampler: Any, beir_positives: str) -> str:
+    """What one epoch trains on, for the log: examples per source (BEIR pairs or queries, DPR questions), and how
+    many the whole steps use and how many are left out (the last partial global batch, other ones each epoch)."""
+    parts = []
+    for i, (stats, queries, examples, rate) in enumerate(zip(data.stats, data.sizes, sampler.sizes, sampler.rates)):
+        drawn, kind = int(rate * examples), data.source_format(i)
+        if kind == "beir" and beir_positives == "pairs":
+            what = f"{examples} (query, positive) pairs of {queries} queries"
+        elif kind == "beir":
+            what = f"{queries} queries, a positive drawn each time"
+        else:
+            what = f"{queries} questions"
+        parts.append(f"{stats['source']}: {what}" + (f" x rate {rate:g} = {drawn}" if rate != 1 else ""))
+    drawn = sum(int(r * n) for r, n in zip(sampler.rates, sampler.sizes))
+    step = sampler.batch_size * sampler.world_size
+    used = sampler.batches_per_epoch * step
+    flag = f" (--beir-positives {beir_positives})" if "beir" in map(data.source_format, range(len(data.sizes))) else ""
+    return (f"an epoch: {'; '.join(parts)}{flag}; {sampler.batches_per_epoch} steps "
+            f"of {step} use {used} of the {drawn} examples, {drawn - used} left out (the last partial batch; "
+            "the shuffle leaves out others each epoch)")
+
+
+def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks: Optional[tuple[int, int]],
+                      total_steps: int) -> dict:
+    """What the model card records about this run (steps and dev metrics are added as they happen)."""
+    data, optim = config.data, config.optim
+    return {"base_model": config.model.path(),
+            "train_data": [{"file": s["source"], "records": s["records"], "kept": s["kept"]} for s in stats],
+            "dev_file": data.dev_file,
+            "loss": f"InfoNCE (softmax cross-entropy of scores / temperature) over the batch's "
+                    f"{data.passages_per_query} passages per query and every other query's passages"
+                    + (", symmetric" if optim.symmetric else ""),
+            "batch_size": data.batch_size * world, "batch_size_per_rank": data.batch_size, "world_size": world,
+            "hard_negatives": data.hard_negatives, "other_negatives": data.other_negatives,
+            "grad_cache": config.cache.enabled, "query_chunk_size": chunks[0] if chunks else None,
+            "passage_chunk_size": chunks[1] if chunks else None, "learning_rate": optim.learning_rate,
+            "warmup_steps": optim.warmup_for(total_steps), "epochs": optim.epochs, "total_steps": total_steps,
+            "precision": optim.precision, "seed": config.run.seed, "steps": 0}
+
+
+def tensorboard_writer(out: Path) -> Any:
+    """A TensorBoard writer into ``out/tensorboard`` when the tensorboard package is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def summary_table(summary: dict) -> str:
+    rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
+            ("passages per query", summary["passages_per_query"]),
+            ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
+            ("precision", summary["precision"]), ("final loss", f"{summary['final_loss']:.4f}"),
+            ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
+            ("best dev", summary["best"]), ("model", summary["final_model"])]
+    return format_summary(dict(rows), ("training", ""))

@@ -1,0 +1,81 @@
+"""What a training run starts from: its sources checked before anything is built, and the retriever it trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from ..base.errors import DprGcError
+from ..model.dpr_hub import find_dpr_pair
+from ..model.folder import config_from_pipeline, load_pipeline_retriever, read_pipeline
+from ..model.retriever import Retriever, RetrieverConfig
+from .config import DataConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def check_sources(data: DataConfig, output: str) -> None:
+    """Refuse a missing training or dev source, or no output folder, before anything is built."""
+    if not data.train_files or not output:
+        raise DprGcError("training needs training data (--train) and an output folder (--output)")
+    for source in data.train_files + ([data.dev_file] if data.dev_file else []):
+        if not Path(source).exists():
+            raise DprGcError(f"training data not found: {source} (give DPR files or BEIR folders)")
+
+
+def build_retriever(model: ModelConfig) -> Retriever:
+    """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
+    replace its own); a sentence-transformers folder starts from its own recipe (:func:`folder_recipe`); any other
+    model name or folder starts a new one from ``model.retriever``."""
+    name = model.path()
+    if (Path(name) / "retriever_config.json").is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
+        retriever = Retriever.load(name, query_prefix=model.query_prefix, passage_prefix=model.passage_prefix)
+        flags = model.retriever_flags if model.retriever_flags is not None else (
+            ("retriever",) if model.retriever is not None else ())
+        if set(flags) - {"query_prefix", "passage_prefix"}:
+            logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", name)
+        return retriever
+    prefixes = {k: v for k, v in (("query_prefix", model.query_prefix), ("passage_prefix", model.passage_prefix))
+                if v is not None}
+    towers = read_pipeline(Path(name)) if Path(name).is_dir() else None
+    if towers is None:
+        return Retriever.from_pretrained(name, dataclasses.replace(model.retriever or RetrieverConfig(), **prefixes))
+    config = dataclasses.replace(folder_recipe(name, towers, model), **prefixes)
+    folder = config_from_pipeline(Path(name), towers)
+    if (config.projection_dim, config.shared_encoder) == (folder.projection_dim, folder.shared_encoder):
+        retriever = load_pipeline_retriever(Retriever, Path(name), towers, config)
+        retriever.training_info["base_model"] = name
+        return retriever
+    return Retriever.from_pretrained(str(towers["query"].transformer), config)
+
+
+RECIPE = ("pooling", "normalize", "projection_dim", "shared_encoder", "passage_format", "query_max_length",
+          "passage_max_length", "query_prefix", "passage_prefix", "temperature")
+ST_TEMPERATURE = 0.05  # sentence-transformers' MultipleNegativesRankingLoss: cosine similarity at scale 20
+
+
+def folder_recipe(name: str, towers: dict, model: ModelConfig) -> RetrieverConfig:
+    """The settings a sentence-transformers folder declares (pooling, normalisation, projection, passage format,
+    max lengths, its "query"/"document" prompts as prefixes) as the defaults of training it, each field the user
+    set (``model.retriever_flags``; all of ``model.retriever`` when that is None) replacing the folder's; the
+    temperature, which no folder records, defaults to sentence-transformers' 0.05 for a normalised model (cosine
+    similarity at MultipleNegativesRankingLoss's scale 20) and 1.0 otherwise. Logs what it took."""
+    folder = config_from_pipeline(Path(name), towers)
+    given = model.retriever or RetrieverConfig()
+    flags = set(model.retriever_flags) if model.retriever_flags is not None else (
+        {f.name for f in dataclasses.fields(RetrieverConfig)} if model.retriever is not None else set())
+    chosen = {f.name: getattr(given if f.name in flags else folder, f.name) for f in dataclasses.fields(RetrieverConfig)}
+    for prefix in ("query_prefix", "passage_prefix"):  # prefix flags live in ModelConfig
+        if getattr(model, prefix) is not None:
+            flags.add(prefix)
+            chosen[prefix] = getattr(model, prefix)
+    if "temperature" not in flags:
+        chosen["temperature"] = ST_TEMPERATURE if chosen["normalize"] else 1.0
+    config = RetrieverConfig(**chosen)
+    taken = [k for k in RECIPE if k not in flags]
+    if taken:
+        logger.info("%s is a sentence-transformers folder; its recipe: %s%s", name,
+                    ", ".join(f"{k}={chosen[k]!r}" for k in taken),
+                    f" (given: {', '.join(f'{k}={chosen[k]!r}' for k in RECIPE if k in flags)})" if flags else "")
+    return config

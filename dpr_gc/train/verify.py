@@ -1,0 +1,388 @@
+"""``dpr-gc verify``: check on the user's own set-up that the cached step is the full batch's step.
+
+With ``dpr-gc train``'s settings unchanged, :func:`verify` builds the model, data and Gradient Cache exactly as
+training would, draws the first ``batches`` batches, and for each runs from the same weights and random state (a)
+one cached step and (b) one full-batch step in one autograd graph, dropout on. It compares the loss, the parameter
+gradients (relative error overall and of the worst tensor, named) and the learnable temperature's gradient against
+the precision's tolerance, and reports the time and peak memory of both steps. A model without active dropout
+runs the full batch in one forward per side (batch-dependent layers and padding are then checked too); with
+dropout the one graph is built chunk by chunk in the cached step's order, so both steps draw the same masks.
+
+Under torchrun, W ranks of B rows are compared with the global batch of W*B: each rank's rows in one graph, the
+loss over every rank's representations gathered with their gradient, parameter gradients summed over ranks (FSDP:
+reduced by its own backward). Nothing is written to ``--output``: the trainer is built in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..base.args import positive_int
+from ..base.devices import autocast_dtype
+from ..base.errors import DprGcError
+from ..engine.budget import GraphMeter, fixed_storages, format_bytes
+from ..engine.chunking import pad_sequence_dim, take_rows
+from ..engine.grad_cache import is_data_parallel
+from ..engine.loss import SimpleContrastiveLoss, all_gather_with_grad
+from .config import TrainConfig, add_train_arguments, config_from_args
+from .rng import capture_rng, restore_rng
+
+logger = logging.getLogger(__name__)
+
+# Relative gradient error allowed per precision. fp32: rounding only (the sums run in another order in chunks).
+# bf16 / fp16 autocast: the encoders' matmuls round to 8 / 11 significant bits, and a kernel may split a sum
+# differently for a chunk than for the whole batch, so the two steps can differ by a few units of that rounding.
+TOLERANCES = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+
+
+@dataclasses.dataclass
+class StepCost:
+    """Seconds and peak memory of one step (CUDA: the device's peak allocation; CPU: the measured graph peak)."""
+
+    seconds: float
+    peak_bytes: int
+    peak_kind: str
+
+
+@dataclasses.dataclass
+class BatchCheck:
+    """One batch's comparison of the cached step (``cached_*``) with the full-batch step (``full_*``)."""
+
+    queries: int
+    cached_loss: float
+    full_loss: float
+    grad_error: float
+    worst_tensor: str
+    worst_error: float
+    temperature_grad: Optional[tuple[float, float]]
+    cached: StepCost
+    full: StepCost
+    note: str = ""
+
+    @property
+    def loss_error(self) -> float:
+        return abs(self.cached_loss - self.full_loss) / max(abs(self.full_loss), 1e-12)
+
+    @property
+    def temperature_error(self) -> float:
+        if self.temperature_grad is None:
+            return 0.0
+        cached, full = self.temperature_grad
+        return abs(cached - full) / max(abs(full), 1e-12)
+
+    def worst(self) -> float:
+        return max(self.grad_error, self.loss_error, self.temperature_error)
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What :func:`verify` found: one :class:`BatchCheck` per batch, the precision and its tolerance, the
+    world size, the chunking, and whether every check passed."""
+
+    precision: str
+    tolerance: float
+    world: int
+    chunking: str
+    reference: str
+    batches: list[BatchCheck] = dataclasses.field(default_factory=list)
+    rank: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.batches) and all(b.worst() < self.tolerance for b in self.batches)
+
+    def table(self) -> str:
+        """The short table and the verdict ``dpr-gc verify`` prints."""
+        lines = [f"verify: {self.chunking}; {self.precision} (tolerance {self.tolerance:g}); {self.world} rank(s); "
+                 f"reference: {self.reference}",
+                 "| batch | queries | loss cached / full | grad rel. error | worst tensor (rel. error) | "
+                 "temperature grad cached / full | cached step | full step |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for i, b in enumerate(self.batches, start=1):
+            temp = "-" if b.temperature_grad is None else f"{b.temperature_grad[0]:.6g} / {b.temperature_grad[1]:.6g}"
+            lines.append(f"| {i} | {b.queries} | {b.cached_loss:.6f} / {b.full_loss:.6f} | {b.grad_error:.2e} | "
+                         f"{b.worst_tensor} ({b.worst_error:.2e}) | {temp} | {cost(b.cached)} | {cost(b.full)} |")
+            if b.note:
+                lines.append(f"note (batch {i}): {b.note}")
+        if self.passed:
+            lines.append(f"PASS: the cached step equals the full-batch step within {self.tolerance:g}")
+        else:
+            worst = max(self.batches, key=BatchCheck.worst) if self.batches else None
+            where = (f": worst tensor {worst.worst_tensor} ({worst.worst_error:.2e}), gradient {worst.grad_error:.2e},"
+                     f" loss {worst.loss_error:.2e}, temperature {worst.temperature_error:.2e}") if worst else ""
+            lines.append(f"FAIL: the cached step differs from the full-batch step beyond {self.tolerance:g}{where}")
+        return "\n".join(lines)
+
+
+def cost(c: StepCost) -> str:
+    return f"{c.seconds:.2f} s, {c.peak_kind} {format_bytes(c.peak_bytes)}"
+
+
+def is_oom(error: BaseException) -> bool:
+    """An allocation failure we can recover from (CUDA's, or a CPU allocator's refusal)."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower() \
+        or "can't allocate memory" in str(error).lower()
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether a forward in train mode draws dropout masks (then the full step must draw them in the same order)."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in model.modules())
+
+
+class Verifier:
+    """Both steps on a trainer's model and batches (see the module docstring)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.fsdp = trainer.config.run.fsdp
+        self.model = trainer.retriever if self.fsdp else trainer.towers  # the reference never syncs through DDP
+        self.named = [(n, p) for n, p in trainer.retriever.named_parameters() if p.requires_grad]
+        is_data_parallel(self.model)  # its first call imports FSDP (seconds): not part of the cached step's time
+        self.chunked = has_dropout(trainer.retriever)
+        self.loss_fn = SimpleContrastiveLoss(trainer.passages_per_query - 1, symmetric=trainer.config.optim.symmetric,
+                                             loss_chunk_size=trainer.config.cache.loss_chunk_size)
+
+    # ----------------------------------------------------------------- the two steps
+    def cached_step(self, query: dict, passage: dict) -> tuple[float, dict, StepCost]:
+        trainer = self.trainer
+        with measured(trainer.device) as peak:
+            started = time.perf_counter()
+            loss = trainer.cache(dict(query, kind="query"), dict(passage, kind="passage"),
+                                 no_sync_except_last=trainer.world > 1)
+            seconds = time.perf_counter() - started
+        report = trainer.cache.last_step
+        graph_peak = report.peak_graph_bytes if report is not None else 0
+        return self.global_loss(loss), self.gradients(), self.step_cost(seconds, peak, graph_peak)
+
+    def full_step(self, query: dict, passage: dict) -> tuple[float, dict, StepCost]:
+        """One graph over the batch (this rank's rows, the loss over every rank's), one backward."""
+        trainer = self.trainer
+        exclude = fixed_storages([trainer.retriever])
+        with measured(trainer.device) as peak, GraphMeter(exclude) as meter:
+            started = time.perf_counter()
+            reps = [self.encode(kind, batch) for kind, batch in (("query", query), ("passage", passage))]
+            if trainer.world > 1:
+                reps = [all_gather_with_grad(r) for r in reps]
+            loss = self.loss_fn(*reps)
+            graph = meter.nbytes()
+            trainer.scaler.scale(loss).backward()
+            seconds = time.perf_counter() - started
+        if trainer.world > 1 and not self.fsdp:
+            self.sum_over_ranks()
+        return float(loss.detach()), self.gradients(), self.step_cost(seconds, peak, graph)
+
+    def encode(self, kind: str, batch: dict) -> torch.Tensor:
+        """Representations with their graph: in one forward, or (dropout) chunk by chunk in the cached step's
+        order and padding, put back in row order."""
+        batch = {k: v.to(self.trainer.device) for k, v in batch.items()}
+        dtype = autocast_dtype(self.trainer.config.optim.precision)
+        m = 0 if kind == "query" else 1
+        with torch.autocast(self.trainer.device.type, dtype=dtype, enabled=dtype is not None):
+            if not self.chunked:
+                return self.call(kind, batch).float()
+            plan = self.trainer.cache._plan(m, dict(batch, kind=kind))
+            parts = [pad_sequence_dim(self.call(kind, {k: v for k, v in c.items() if k != "kind"}), w).float()
+                     for c, w in zip(plan.chunks, plan.widths)]
+        reps = torch.cat(parts)
+        if plan.order is None:
+            return reps
+        return reps[torch.argsort(plan.order).to(reps.device)]
+
+    def call(self, kind: str, batch: dict) -> torch.Tensor:
+        return self.model(kind, **batch) if self.fsdp else self.model(kind=kind, **batch)
+
+    # ----------------------------------------------------------------- pieces
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter's gradient (full tensors under FSDP), then cleared."""
+        grads = {}
+        for name, param in self.named:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            grads[name] = grad.detach().float().clone()
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    def sum_over_ranks(self) -> None:
+        """The global gradient: each rank's loss is the global one, so its gather's backward sums W equal parts;
+        summing over ranks and dividing by W gives every rank the global batch's gradient."""
+        for _, param in self.named:
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= self.trainer.world
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        if self.trainer.world > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= self.trainer.world
+        return float(loss)
+
+    def step_cost(self, seconds: float, peak: dict, graph_bytes: int) -> StepCost:
+        if self.trainer.device.type == "cuda":
+            return StepCost(seconds, peak["bytes"], "device peak")
+        return StepCost(seconds, graph_bytes, "graph peak")
+
+    def temperature_name(self) -> Optional[str]:
+        return next((n for n, _ in self.named if n.endswith("tau.log_value")), None)
+
+
+@contextlib.contextmanager
+def measured(device: torch.device):
+    """Reset CUDA's peak counter; afterwards ``peak["bytes"]`` holds the peak allocation above the start."""
+    peak = {"bytes": 0}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    yield peak
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak["bytes"] = torch.cuda.max_memory_allocated(device) - start
+
+
+WORST_FLOOR = 1e-3  # a tensor's error is taken relative to at least this share of the whole gradient's norm
+
+
+def compare(cached: dict, full: dict) -> tuple[float, str, float]:
+    """Overall relative error and the worst tensor: its error relative to its own gradient's norm, or to
+    ``WORST_FLOOR`` times the whole gradient's when its own is smaller (a gradient that is zero in exact arithmetic,
+    like an attention key bias's, is pure rounding and would otherwise always look worst)."""
+    num = sum(float((cached[n] - full[n]).double().norm() ** 2) for n in full) ** 0.5
+    den = sum(float(full[n].double().norm() ** 2) for n in full) ** 0.5
+    worst, worst_error = "-", -1.0
+    for name, want in full.items():
+        scale = max(float(want.double().norm()), WORST_FLOOR * den, 1e-30)
+        err = float((cached[name] - want).double().norm()) / scale
+        if err > worst_error:
+            worst, worst_error = name, err
+    return num / max(den, 1e-30), worst, worst_error
+
+
+def smaller(query: dict, passage: dict, per_query: int) -> tuple[dict, dict]:
+    """The first half of the batch's queries and their passages."""
+    keep = max(1, query["input_ids"].size(0) // 2)
+    return (take_rows(query, torch.arange(keep)), take_rows(passage, torch.arange(keep * per_query)))
+
+
+def check_batch(verifier: Verifier, query: dict, passage: dict) -> BatchCheck:
+    """Both steps from the same RNG state; where the full batch runs out of memory, retry both on halves (every
+    rank at once) and say so."""
+    trainer, note, queries = verifier.trainer, "", query["input_ids"].size(0)
+    while True:
+        rng = capture_rng()
+        cached_loss, cached_grads, cached_cost = verifier.cached_step(query, passage)
+        restore_rng(rng)
+        try:
+            full_loss, full_grads, full_cost = verifier.full_step(query, passage)
+            failed = None
+        except RuntimeError as e:
+            if not is_oom(e):
+                raise
+            failed, full_loss = e, None
+            trainer.optimizer.zero_grad(set_to_none=True)
+        restore_rng(rng)
+        if not any_rank(failed is not None, trainer.world):
+            break
+        size = query["input_ids"].size(0)
+        if size == 1:
+            raise DprGcError(f"the full batch does not fit even at one query per rank: {failed}")
+        note += (f"the full batch of {size * trainer.world} queries needs more than the "
+                 f"{format_bytes(device_memory(trainer.device))} available; ")
+        query, passage = smaller(query, passage, trainer.passages_per_query)
+        note += f"verified on {query['input_ids'].size(0) * trainer.world} queries with the same chunking. "
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    error, worst, worst_error = compare(cached_grads, full_grads)
+    temp = verifier.temperature_name()
+    temperature = (float(cached_grads[temp]), float(full_grads[temp])) if temp else None
+    return BatchCheck(query["input_ids"].size(0) * trainer.world, cached_loss, full_loss, error, worst, worst_error,
+                      temperature, cached_cost, full_cost, note.strip())
+
+
+def any_rank(flag: bool, world: int) -> bool:
+    if world == 1:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value)
+    return bool(value.item())
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    from ..engine.budget import available_ram
+
+    return available_ram()
+
+
+def describe_chunking(trainer: Any) -> str:
+    cache = trainer.config.cache
+    tokens = [cache.query_chunk_tokens, cache.passage_chunk_tokens]
+    sides = [f"{name} chunk {rows}" + (f"/{t} tokens" if t else "")
+             for name, rows, t in zip(("query", "passage"), trainer.chunks, tokens)]
+    budget = cache.memory_budget if cache.memory_budget == "auto" else format_bytes(cache.memory_budget)
+    return f"batch {trainer.config.data.batch_size} per rank, {', '.join(sides)}, memory budget {budget}"
+
+
+def verify(config: TrainConfig, batches: int = 1, hook: Optional[Callable[[Any], None]] = None) -> VerifyReport:
+    """Verify the cached step of ``config`` (``dpr-gc train``'s settings) on its first ``batches`` batches; nothing
+    is written to ``config.run.output_dir``. ``hook(trainer)`` may adjust the built trainer (tests)."""
+    from .trainer import Trainer
+
+    if not config.cache.enabled:
+        raise DprGcError("verify checks the Gradient Cache step against the full batch: drop --no-grad-cache")
+    if batches < 1:
+        raise DprGcError(f"--batches must be >= 1, got {batches}")
+    with tempfile.TemporaryDirectory(prefix="dpr-gc-verify-") as scratch:
+        run = dataclasses.replace(config.run, output_dir=scratch, resume=None)
+        data = dataclasses.replace(config.data, num_workers=0)
+        trainer = Trainer(dataclasses.replace(config, run=run, data=data, optim=dataclasses.replace(
+            config.optim, max_steps=batches)))
+        try:
+            if hook is not None:
+                hook(trainer)
+            return run_checks(trainer, batches)
+        finally:
+            if trainer.owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def run_checks(trainer: Any, batches: int) -> VerifyReport:
+    verifier = Verifier(trainer)
+    precision = trainer.config.optim.precision
+    reference = ("one graph, built chunk by chunk in the cached step's order (dropout draws the same masks)"
+                 if verifier.chunked else "one graph, one forward per side over the whole batch")
+    report = VerifyReport(precision, TOLERANCES[precision], trainer.world, describe_chunking(trainer), reference,
+                          rank=trainer.rank)
+    trainer.retriever.train()
+    trainer.sampler.set_epoch(0)
+    for batch in trainer.loader:
+        report.batches.append(check_batch(verifier, dict(batch["query"]), dict(batch["passage"])))
+        if len(report.batches) >= batches:
+            break
+    return report
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``verify``: ``dpr-gc train``'s flags plus ``--batches``."""
+    p = subparsers.add_parser("verify", help="check that the cached step equals the full-batch step on your set-up "
+                                             "(train's flags; writes nothing)")
+    add_train_arguments(p)
+    p.add_argument("--batches", type=positive_int, default=1, help="batches to check (default 1)")
+    p.set_defaults(func=_cli_verify)
+
+
+def _cli_verify(args: Any) -> int:
+    report = verify(config_from_args(args), args.batches)
+    if report.rank == 0:
+        print(report.table())
+    return 0 if report.passed else 1

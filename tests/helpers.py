@@ -1,0 +1,183 @@
+"""Helpers the test files share (tiny models, batches, gradients, corpora, the mining world), so that no test file
+imports another: fixtures live in conftest.py, builders here, the training task in train_data.py and the decoder
+models in llm_models.py."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import random
+import string
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import BertConfig, BertModel
+
+from dpr_gc.retrieval.shards import read_manifests
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+WORDS = ("the a of and to in is was for on with as by at from that this it are be or an which what who when "
+         "where how city river king war science protein cell gene paris london france music film book water").split()
+
+
+def write_vocab(path: Path) -> Path:
+    """A WordPiece vocabulary covering any ASCII text (whole words, single characters and ## pieces)."""
+    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + chars + [f"##{c}" for c in chars]
+    path.write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+    return path
+
+
+def tiny_bert(vocab_size: int, seed: int = 0, dropout: float = 0.0, layers: int = 2, attn: str = "eager") -> BertModel:
+    """A random 2-layer BERT. Eager attention by default: the CPU SDPA kernel rounds differently for different
+    sequence lengths, which would blur fp32 gradient comparisons between padded and trimmed batches."""
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                        intermediate_size=37, max_position_embeddings=128, hidden_dropout_prob=dropout,
+                        attention_probs_dropout_prob=dropout, attn_implementation=attn)
+    return BertModel(config)
+
+
+# ------------------------------------------------------------------ batches and gradients (Gradient Cache tests)
+def random_texts(n: int, seed: int, lo: int = 2, hi: int = 20) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+def make_batch(retriever, n_queries: int, n_hard: int, seed: int = 0):
+    q = retriever.tokenize_queries(random_texts(n_queries, seed, 2, 12))
+    n_p = n_queries * (1 + n_hard)
+    p = retriever.tokenize_passages(random_texts(n_p, seed + 1, 1, 3), random_texts(n_p, seed + 2, 3, 40))
+    return dict(q), dict(p)
+
+
+def models_of(retriever):
+    return [retriever.query_encoder, retriever.passage_encoder]
+
+
+def grads(modules) -> torch.Tensor:
+    params = {id(p): p for m in modules for p in m.parameters()}.values()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def zero(modules) -> None:
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def reference_grads(modules, loss_fn, q, p) -> torch.Tensor:
+    zero(modules)
+    loss_fn(modules[0](**q), modules[1](**p)).backward()
+    return grads(modules)
+
+
+def randomise_adapters(retriever: torch.nn.Module, seed: int = 0) -> None:
+    """PEFT starts lora_B at zero (the adapter a no-op, lora_A without gradient); random values test both."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in retriever.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+
+
+# ------------------------------------------------------------------ corpora and embedding shards
+CORPUS_WORDS = "the city river king war science protein cell gene paris london music film book water".split()
+
+
+def passages(n: int) -> list[tuple[str, str, str]]:
+    """``n`` passages of very different lengths (so length sorting really reorders them)."""
+    words = CORPUS_WORDS
+    return [(f"d{i}", f"title {words[i % len(words)]}", " ".join(words[(i * 7 + j) % len(words)]
+                                                                for j in range((i * 5) % 23 + 1)))
+            for i in range(n)]
+
+
+def write_corpus(folder: Path, rows: list[tuple[str, str, str]], fmt: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if fmt == "tsv":
+        path = folder / "psgs.tsv"
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f, delimiter="\t", lineterminator="\n")
+            w.writerow(["id", "text", "title"])
+            w.writerows([pid, text, title] for pid, title, text in rows)
+        return path
+    key, name = ("_id", "corpus.jsonl.gz") if fmt == "beir" else ("id", "corpus.jsonl")
+    data = "".join(json.dumps({key: pid, "title": title, "text": text}) + "\n" for pid, title, text in rows)
+    path = folder / name
+    path.write_bytes(gzip.compress(data.encode()) if name.endswith(".gz") else data.encode())
+    return path
+
+
+def gather(folder: Path) -> tuple[list[str], np.ndarray]:
+    """Concatenate all finished shards of a folder (ids, float32 embeddings) in start_row order."""
+    ids: list[str] = []
+    embs = []
+    for m in read_manifests(folder):
+        ids += Path(m["ids"]).read_text().splitlines()
+        embs.append(np.load(m["embeddings"]).astype(np.float32))
+    return ids, np.concatenate(embs)
+
+
+# ------------------------------------------------------------------ the mining world (gold, copies, answer-bearing)
+TOPICS = ["paris", "london", "river", "king", "music", "film"]
+FILLER = "the a of and to in is was for on with as by at from that this it are be or an which".split()
+N_EXTRA = 4  # distractors per question: the only passages of a topic that are fair negatives
+
+
+def gold_text(i: int, topic: str) -> str:
+    return f"{topic} {topic} science about zeta{i} book water"
+
+
+def build_passages() -> list[dict]:
+    """Per topic: a gold passage, a copy of it under another id, two answer-bearing passages, a qrels positive and
+    four distractors; plus filler. Answer ``zeta<i>`` appears only in passages of question i."""
+    rng = random.Random(0)
+    out = []
+    for i, t in enumerate(TOPICS):
+        gold = gold_text(i, t)
+        out += [{"id": f"g{i}", "title": t, "text": gold}, {"id": f"dup{i}", "title": "", "text": gold},
+                {"id": f"a{i}x", "title": t, "text": f"{t} city gene zeta{i}"},
+                {"id": f"a{i}y", "title": "", "text": f"zeta{i} is what {t} war was"},
+                {"id": f"r{i}", "title": t, "text": f"{t} protein cell science"}]
+        out += [{"id": f"d{i}_{j}", "title": t if j % 2 else "", "text": f"{t} " + " ".join(rng.sample(FILLER, 6))}
+                for j in range(N_EXTRA)]
+    out += [{"id": f"f{j}", "title": "", "text": " ".join(rng.sample(FILLER, 8))} for j in range(6)]
+    return out
+
+
+def questions() -> list[dict]:
+    return [{"id": f"q{i}", "question": f"{t} science zeta{i}", "answers": [f"zeta{i}"], "source": "made up",
+             "positive_ctxs": [{"passage_id": f"g{i}", "title": t, "text": gold_text(i, t)}]}
+            for i, t in enumerate(TOPICS)]
+
+
+class Recording:
+    """A candidate source that records the questions it is asked for, and can fail on its ``fail_at``-th call."""
+
+    def __init__(self, source, fail_at: int = 0) -> None:
+        self.source, self.fail_at, self.asked = source, fail_at, []
+
+    def retrieve(self, questions, k, positives=None):
+        if len(self.asked) + 1 == self.fail_at:
+            raise KeyboardInterrupt
+        self.asked.append(list(questions))
+        return self.source.retrieve(questions, k, positives)
+
+
+def copy_run(trained: dict, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(trained["dir"] / "run", run)
+    return run
+
+
+def train_argv(trained: dict, run: Path, resume: str) -> list:
+    return ["train", "--train", trained["train"], "--output", run, "--model", trained["model"], "--batch-size", 8,
+            "--num-workers", 0, "--max-steps", 3, "--q_chunk_size", 3, "--ctx_chunk_size", 5, "--pooling", "mean",
+            "--cache-dir", trained["dir"] / "cache", "--resume", resume]

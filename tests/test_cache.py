@@ -1,0 +1,40 @@
+"""``dpr-gc cache`` lists the parsed-data cache ($DPR_GC_CACHE or ~/.cache/dpr_gc) and ``--clear`` empties it,
+keeping a cache another run is building; the next run parses its source again."""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+
+from dpr_gc.cli import main
+from dpr_gc.data.corpus import load_corpus
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples"
+
+
+def test_cache_lists_and_clears(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("DPR_GC_CACHE", str(tmp_path / "cache"))
+    load_corpus(EXAMPLES / "passages.tsv")
+    assert main(["cache"]) == 0
+    listing = capsys.readouterr().out
+    assert f"| corpora | 1 |" in listing and str(tmp_path / "cache" / "corpora") in listing
+    busy = tmp_path / "cache" / "train" / "t-0123.arrow"
+    busy.parent.mkdir(parents=True)
+    busy.write_bytes(b"x")
+    with open(str(busy) + ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a run building this cache right now
+        assert main(["cache", "--clear"]) == 0
+    assert "kept 1 cache(s) another run is building" in capsys.readouterr().out
+    assert list((tmp_path / "cache" / "corpora").iterdir()) == [] and busy.is_file()
+    assert len(load_corpus(EXAMPLES / "passages.tsv")) == 6  # parsed again
+
+
+def test_help_says_where_the_disk_goes(capsys) -> None:
+    for command in (["cache", "--help"], ["demo", "--help"]):
+        try:
+            main(command)
+        except SystemExit:
+            pass
+        text = " ".join(capsys.readouterr().out.split())
+        assert "~/.cache/dpr_gc" in text and "DPR_GC_CACHE" in text
+    assert "about 270 MB under --output" in text

@@ -1,0 +1,78 @@
+"""A model name that is neither a local folder nor reachable fails in seconds with one line (not after a minute of
+Hub retries): an unreachable Hub is found by one short probe, HF_HUB_OFFLINE is respected, a missing folder is named.
+The bound (20 s) is the issue's target; the probe itself gives up after 4 s."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.retriever import Retriever
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "no-such-org/no-such-model"
+
+
+@pytest.fixture
+def silent_endpoint():
+    """An endpoint that accepts connections and never answers (a black-holed network): only a timeout ends a
+    request to it."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+@pytest.fixture
+def refusing_endpoint():
+    """An endpoint whose port is closed (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def timed_failure(match: str) -> float:
+    began = time.perf_counter()
+    with pytest.raises(DprGcError, match=match):
+        Retriever.load(NAME)
+    return time.perf_counter() - began
+
+
+@pytest.mark.parametrize("kind", ["silent", "refusing"])
+def test_unreachable_hub_fails_fast(monkeypatch, kind, silent_endpoint, refusing_endpoint) -> None:
+    endpoint = silent_endpoint if kind == "silent" else refusing_endpoint
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    assert timed_failure(f"cannot load model '{NAME}': it is not a local folder and the Hugging Face Hub "
+                         f"\\({endpoint}\\) is unreachable") < 20
+
+
+def test_offline_setting_is_respected(monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert timed_failure("HF_HUB_OFFLINE is set") < 20
+
+
+def test_missing_folder_is_named(tmp_path: Path) -> None:
+    with pytest.raises(DprGcError, match="no such folder"):
+        Retriever.load(str(tmp_path / "runs" / "final"))
+
+
+def test_cli_gives_one_error_line(tmp_path: Path, refusing_endpoint) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_ENDPOINT=refusing_endpoint, DPR_GC_CACHE=str(tmp_path / "cache"))
+    env.pop("HF_HUB_OFFLINE", None)
+    result = subprocess.run([sys.executable, "-m", "dpr_gc", "encode", "--model", NAME, "--corpus",
+                             str(ROOT / "data" / "examples" / "passages.tsv"), "--output", str(tmp_path / "out")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+    assert len(result.stderr.splitlines()) == 1 and "is unreachable" in result.stderr

@@ -1,0 +1,192 @@
+"""Memory budget and chunks by tokens: kept first-pass graphs and token-sized chunks give exactly the full batch's
+gradient, the graph accounting is exact, and peak graph memory stays within the budget plus one chunk's graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.engine.budget import GraphMeter, fixed_storages, parse_memory, resolve_budget
+from dpr_gc.engine.chunking import length_order, split_by_tokens, take_rows, token_spans
+from dpr_gc.engine.grad_cache import split_input, trim_padding
+from dpr_gc.model.lora import LoraSettings, apply_lora
+from dpr_gc.model.retriever import enable_gradient_checkpointing
+from tests.helpers import grads, make_batch, models_of, reference_grads, rel_err, zero
+from tests.helpers import randomise_adapters
+
+CHUNK = 3
+
+
+def graph_sizes(modules, loss_fn, q, p, **options) -> tuple[int, int]:
+    """(largest chunk graph, all graphs) of a step that keeps everything."""
+    gc = GradCache(modules, CHUNK, loss_fn, memory_budget=10**12, **options)
+    gc(q, p)
+    zero(modules + [loss_fn])
+    return gc.last_step.largest_graph, gc.last_step.kept_bytes
+
+
+def budgets(largest: int, total: int) -> dict[str, int]:
+    return {"0": 0, "one chunk": largest, "half": total // 2, "whole batch": total}
+
+
+def check_budgets(modules, loss_fn, q, p, expected, **options) -> None:
+    largest, total = graph_sizes(modules, loss_fn, q, p, **options)
+    kept_counts = []
+    for name, budget in budgets(largest, total).items():
+        zero(modules + [loss_fn])
+        gc = GradCache(modules, CHUNK, loss_fn, memory_budget=budget, **options)
+        gc(q, p)
+        err = rel_err(grads(modules), expected)
+        assert err < 1e-5, f"budget {name}: {err:.2e}"
+        report = gc.last_step
+        assert report.peak_graph_bytes <= budget + report.largest_graph, name
+        kept_counts.append(sum(report.kept))
+    chunks = sum(report.chunks)
+    assert kept_counts[0] == 1 and kept_counts[-1] == chunks, kept_counts  # today's keep-last; everything
+    assert kept_counts == sorted(kept_counts) and kept_counts[1] < chunks, kept_counts
+
+
+@pytest.mark.parametrize("shared,n_hard", [(True, 0), (False, 2)])
+def test_every_budget_gives_the_full_batch_gradient(make_retriever, shared, n_hard):
+    retriever = make_retriever(shared=shared)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(n_hard, temperature=0.2, learn_temperature=True)
+    q, p = make_batch(retriever, 8, n_hard, seed=3)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero([loss_fn])
+    check_budgets(modules, loss_fn, q, p, expected, sort_by_length=True)
+
+
+def test_budget_with_dropout_replays_only_what_it_drops(make_retriever):
+    retriever = make_retriever(shared=False, dropout=0.2).train()
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 8, 1, seed=5)
+    torch.manual_seed(123)
+    reps = [torch.cat([m(**trim_padding(c)) for c in split_input(x, CHUNK)]) for m, x in zip(modules, (q, p))]
+    zero(modules)
+    loss_fn(*reps).backward()
+    expected = grads(modules)
+    largest, total = graph_sizes(modules, loss_fn, q, p)
+    for budget in budgets(largest, total).values():
+        zero(modules)
+        torch.manual_seed(123)
+        GradCache(modules, CHUNK, loss_fn, memory_budget=budget)(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5, budget
+
+
+def test_budget_with_gradient_checkpointing(make_retriever):
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 6, 1, seed=6)
+    expected = reference_grads(modules, loss_fn, q, p)
+    enable_gradient_checkpointing(retriever)
+    retriever.train()
+    check_budgets(modules, loss_fn, q, p, expected)
+
+
+def test_budget_with_lora(make_retriever):
+    retriever = make_retriever(shared=False)
+    apply_lora(retriever, LoraSettings(r=4))
+    randomise_adapters(retriever)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 8, 1, seed=2)
+    expected = reference_grads(modules, loss_fn, q, p)
+    check_budgets(modules, loss_fn, q, p, expected, sort_by_length=True)
+
+
+def test_graph_meter_counts_saved_storages_exactly():
+    """Linear -> tanh -> Linear on an input without grad: the first linear saves its input, tanh its output
+    (which the second linear saves again: one storage), weights are left out; the output adds its own."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    with GraphMeter(fixed_storages([mlp])) as meter:
+        out = mlp(x)
+    assert meter.nbytes() == 5 * 8 * 4 + 5 * 16 * 4
+    assert meter.nbytes(out) == 5 * 8 * 4 + 5 * 16 * 4 + 5 * 4 * 4
+
+
+def test_kept_graphs_stay_within_the_budget(make_retriever):
+    """Kept graphs never exceed the budget except by the keep-last chunk, and are backpropagated (freed)."""
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 8, 1, seed=9)
+    largest, total = graph_sizes(modules, loss_fn, q, p, keep_last_graph=False)
+    for budget in (largest, total // 3, total // 2):
+        gc = GradCache(modules, CHUNK, loss_fn, memory_budget=budget, keep_last_graph=False)
+        plans, reps = gc.forward_no_grad([q, p], [True, True])
+        assert 0 < gc.last_step.kept_bytes <= budget
+        assert gc.last_step.peak_graph_bytes <= budget + gc.last_step.largest_graph
+        loss_fn(*reps).backward()
+        gc.forward_backward(plans, [r.grad for r in reps], False)
+        assert all(not plan.kept for plan in plans)
+        zero(modules)
+
+
+def test_memory_sizes_parse():
+    assert parse_memory("12GB") == 12 * 10**9 and parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("1.5g") == 1_500_000_000 and parse_memory("0") == 0 and parse_memory("auto") == "auto"
+    assert parse_memory(1024) == 1024
+    for bad in ("12 parsecs", "-1GB", "", "GB"):
+        with pytest.raises(DprGcError, match="not a size"):
+            parse_memory(bad)
+    assert resolve_budget("auto", torch.device("cpu")) > 0
+    assert resolve_budget(0, torch.device("cpu")) == 0
+
+
+def test_token_spans_fill_the_token_budget():
+    lengths = [10, 9, 5, 4, 4, 2, 2, 1]
+    assert token_spans(lengths, 12, 100, 20, True) == [(0, 2), (2, 6), (6, 8)]
+    assert token_spans(lengths, 12, 3, 20, True) == [(0, 2), (2, 5), (5, 8)]
+    assert token_spans(lengths, 12, 100, 5, True) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 7), (7, 8)]
+    assert token_spans(lengths, 12, 100, 24, False) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+@pytest.mark.parametrize("shared,budget", [(True, 0), (False, 10**12)])
+def test_chunks_by_tokens_are_exact(make_retriever, shared, budget):
+    retriever = make_retriever(shared=shared)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 8, 1, seed=11)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    gc = GradCache(modules, 16, loss_fn, sort_by_length=True, chunk_tokens=[24, 60], memory_budget=budget)
+    gc(q, p)
+    assert rel_err(grads(modules), expected) < 1e-5
+    chunks = split_by_tokens(take_rows(dict(p), length_order(dict(p))), 16, 60)
+    rows = [len(c["input_ids"]) for c in chunks]
+    assert len(set(rows)) > 1 and len(rows) == gc.last_step.chunks[1]
+
+
+def test_chunk_tokens_are_checked(make_retriever):
+    loss_fn = SimpleContrastiveLoss()
+    with pytest.raises(DprGcError, match="chunk tokens"):
+        GradCache([nn.Linear(2, 2)], 2, loss_fn, chunk_tokens=0)
+    with pytest.raises(DprGcError, match="split_input_fn"):
+        GradCache([nn.Linear(2, 2)], 2, loss_fn, chunk_tokens=8, split_input_fn=lambda x, n: [x])
+    with pytest.raises(DprGcError, match="attention_mask"):
+        GradCache([nn.Linear(2, 2), nn.Linear(2, 2)], 2, loss_fn, chunk_tokens=8)(torch.ones(4, 2), torch.ones(4, 2))
+
+
+def test_measured_graph_is_freed_without_the_garbage_collector():
+    """The meter must not make a saved output hold its own graph (a cycle only gc would free: memory grows)."""
+    import gc
+    import weakref
+
+    lin = nn.Linear(8, 8)
+    gc.disable()
+    try:
+        with GraphMeter(fixed_storages([lin])):
+            out = torch.tanh(lin(torch.randn(4, 8)))  # tanh saves its own output
+        alive = weakref.ref(out)
+        del out
+        assert alive() is None
+    finally:
+        gc.enable()

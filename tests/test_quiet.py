@@ -1,0 +1,105 @@
+"""The command line's output: ``encode``, ``index`` and ``retrieve`` on the example files print only the toolkit's
+own log lines, its progress bars and the final table (no FAISS loader lines, no datasets/JAX notice, no
+transformers bars, no cursor movements of nested bars); ``--verbose`` lets the dependencies speak; each automatic
+choice is logged once at the start."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "data" / "examples"
+LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) dpr_gc(\.[\w.]+)?: ")
+# one of the toolkit's own tqdm bars, drawn with carriage returns: "desc: 50%|###  | 3/6 [...]" or "desc: 3 q [...]"
+OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding to index|reading [^:]+): .*?\]")
+TABLE_LINE = re.compile(r"^(\|.*\||answers metrics \(\d+ queries\)|qrels metrics \(\d+ queries\))?$")
+
+
+def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpr_gc", *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+
+
+def foreign_lines(stderr: str) -> list[str]:
+    """Pieces of stderr that are neither a dpr_gc log line nor one of its own progress bars."""
+    bad = []
+    for line in stderr.split("\n"):
+        for piece in line.split("\r"):
+            rest = OUR_BAR.sub("", piece, count=1)
+            if rest and not LOG_LINE.match(rest):
+                bad.append(piece)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    cache = tmp_path_factory.mktemp("cache")
+    return dict(os.environ, PYTHONPATH=str(ROOT), DPR_GC_CACHE=str(cache))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import BertTokenizerFast
+
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
+    from tests.helpers import tiny_bert, write_vocab
+
+    folder = tmp_path_factory.mktemp("model")
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")), do_lower_case=True)
+    Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(pooling="mean")).save(folder / "retriever")
+    return folder / "retriever"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, env: dict, model_dir: Path) -> dict:
+    """``encode``, ``index`` and ``retrieve`` on the example files, as a user types them."""
+    out = tmp_path_factory.mktemp("runs")
+    done = {"encode": run(["encode", "--model", str(model_dir), "--corpus", str(EXAMPLES / "passages.tsv"),
+                           "--output", str(out / "emb")], env)}
+    done["index"] = run(["index", "--embeddings", str(out / "emb"), "--output", str(out / "index")], env)
+    done["retrieve"] = run(["retrieve", "--index", str(out / "index"), "--queries", str(EXAMPLES / "qa.tsv"),
+                            "--top-k", "3", "--output", str(out / "results.json"), "--evaluate"], env)
+    done["out"] = out
+    return done
+
+
+@pytest.mark.slow
+def test_encode_index_retrieve_print_only_their_own_lines(runs: dict) -> None:
+    for name in ("encode", "index", "retrieve"):
+        result = runs[name]
+        assert result.returncode == 0, result.stderr
+        assert "\x1b" not in result.stderr, f"{name}: a cursor movement in the log"
+        assert foreign_lines(result.stderr) == [], f"{name} printed lines that are not dpr-gc's own"
+        assert all(TABLE_LINE.match(line) for line in result.stdout.splitlines()), result.stdout
+    encoded = runs["encode"].stderr
+    assert "encode shard-00000-of-00001 (~tokens)" in encoded  # the bar counts estimated tokens
+    # the automatic choices, once, at the start: device, compute precision, stored dtype, batch, max length
+    choice = re.findall(r"shard-00000-of-00001: 6 passages on cpu in (\w+) compute, stored as float16", encoded)
+    assert len(choice) == 1 and choice[0] in ("bf16", "fp32")
+    assert len(re.findall(r"--precision auto on cpu: (bf16|fp32) \(", encoded)) == 1
+
+
+@pytest.mark.slow
+def test_verbose_lets_the_dependencies_speak(runs: dict, env: dict) -> None:
+    out = runs["out"]
+    verbose = run(["--verbose", "index", "--embeddings", str(out / "emb"), "--output", str(out / "index2")], env)
+    assert verbose.returncode == 0, verbose.stderr
+    assert "faiss.loader" in verbose.stderr  # the lines the quiet run hides exist, and --verbose shows them
+
+
+def test_no_cursor_movement_from_a_nested_bar_in_a_log_file(make_retriever, capsys) -> None:
+    """A bar opened while another is open stays off when stderr is a file (retrieve's query embedding inside its
+    'retrieving' bar), so the log holds no ESC [A."""
+    from tqdm import tqdm
+
+    retriever = make_retriever()
+    with tqdm(total=1, desc="outer", disable=False):
+        retriever.embed("query", ["the city"] * 130, batch_size=64, show_progress=True)
+    err = capsys.readouterr().err
+    assert "outer" in err and "embed query texts" not in err and "\x1b[A" not in err

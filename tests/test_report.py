@@ -1,0 +1,52 @@
+"""report.png marks the k the demo's table reports and has a title; evaluate's default cut-offs fill the @10 column
+(Recall/MAP/Accuracy beside nDCG@10 and MRR@10)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dpr_gc.cli import main
+from dpr_gc.pipeline import TABLE_KS, format_report, report_figure
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "data" / "examples"
+
+
+def fake_report() -> dict:
+    answers = {f"Accuracy@{k}": min(1.0, 0.4 + 0.1 * i) for i, k in enumerate((1, 5, 10, 20, 100))}
+    qrels = {"nDCG@10": 0.5, "MRR@10": 0.45, "Recall@100": 0.9}
+    return {"before": {"answers": answers, "qrels": qrels}, "after": {"answers": answers, "qrels": qrels},
+            "training_loss": [[1, 2.0], [2, 1.5]], "dataset": {"test_queries": 398},
+            "config": {"training": {"data": {"batch_size": 64}, "cache": {"passage_chunk_size": 16}}}}
+
+
+def test_report_ticks_are_the_tables_k_and_it_has_a_title() -> None:
+    import matplotlib.pyplot as plt
+
+    report = fake_report()
+    fig = report_figure(report)
+    try:
+        right = fig.axes[1]
+        assert [int(t) for t in right.get_xticks()] == list(TABLE_KS)
+        assert [t.get_text() for t in right.get_xticklabels()] == [str(k) for k in TABLE_KS]
+        assert "398 held-out questions" in fig._suptitle.get_text()
+        assert "batch 64, chunk 16" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+    table = format_report(report)
+    assert [f"Accuracy@{k}" for k in TABLE_KS] == [line.split("|")[1].strip() for line in table.splitlines()
+                                                   if "Accuracy@" in line]
+
+
+def test_evaluate_default_k_fills_the_at_10_column(capsys) -> None:
+    code = main(["evaluate", "--results", str(EXAMPLES / "results.json"), "--run", str(EXAMPLES / "run.trec"),
+                 "--qrels", str(EXAMPLES / "beir" / "qrels" / "test.tsv")])
+    out = capsys.readouterr().out
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.startswith("| metric"))
+    column = [c.strip() for c in header.split("|")].index("@10")
+    rows = [line for line in out.splitlines() if line.split("|")[1:2] and line.split("|")[1].strip() in
+            ("Accuracy", "Recall", "MAP", "nDCG")]
+    assert len(rows) == 5  # answers' Accuracy; qrels' Recall, nDCG, MAP, Accuracy
+    assert all([c.strip() for c in line.split("|")][column] for line in rows), out

@@ -1,0 +1,315 @@
+"""Settings declared once: every option of every command has help and shows its default, the library and the
+command line apply one rule, a run records its resolved settings, and ``--resume`` refuses a changed setting that
+changes the model or the training signal while allowing steps, cadence and workers to change."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import pytest
+from transformers import BertTokenizerFast
+
+from dpr_gc import cli
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.base.settings import FIXED, FREE, changed_settings, to_record
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.train.config import (SETTINGS_FILE, DataConfig, OptimConfig, RunConfig, TrainConfig, compare_recorded,
+                                 config_from_args)
+from dpr_gc.train.trainer import train
+from tests.helpers import tiny_bert, write_vocab
+from tests.train_data import make_records, write_dpr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def call(main: Callable[[list[str]], int], argv: Sequence[Any]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, err.getvalue()
+
+
+def error_line(code: int, err: str) -> str:
+    """The one ``error:`` line of a refused command (exit status 2)."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------- help
+def sub_parsers(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, argparse.ArgumentParser]]:
+    out = [(name, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                out += sub_parsers(sub, f"{name} {sub_name}")
+    return out
+
+
+def script_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    import importlib.util
+
+    from dpr_gc.base.args import ArgumentParser
+
+    out = []
+    for name in ("dense_retriever", "generate_dense_embeddings", "train_dense_encoder"):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if hasattr(module, "build_parser"):
+            out += sub_parsers(module.build_parser(), name)
+        else:
+            parser = ArgumentParser(prog=name)
+            module.add_arguments(parser, dpr_aliases=True)
+            out.append((name, parser))
+    return out
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
+    missing, no_default, checked = [], [], 0
+    for name, parser in sub_parsers(cli.build_parser(), "dpr-gc"):
+        visible = {a.dest for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS}
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            checked += 1
+            if action.help == argparse.SUPPRESS:
+                if action.dest not in visible:  # a hidden spelling must alias a documented option
+                    missing.append(f"{name} {action.option_strings[0]}")
+                continue
+            if not (action.help or "").strip():
+                missing.append(f"{name} {action.option_strings[0]}")
+            elif not action.required and action.nargs != 0 and "default" not in formatter._expand_help(action):
+                no_default.append(f"{name} {action.option_strings[0]}")
+    assert checked > 150
+    assert not missing, f"options without help: {missing}"
+    assert not no_default, f"options whose --help shows no default: {no_default}"
+
+
+def test_train_help_says_which_settings_resume_may_change(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    raw = capsys.readouterr().out
+    for flag, kind in (("--learning-rate", "fixed"), ("--pooling", "fixed"), ("--temperature", "fixed"),
+                       ("--normalize", "fixed"), ("--max-steps", "may change"), ("--save-every", "may change"),
+                       ("--num-workers", "may change")):
+        after = " ".join(raw[raw.index("\n  " + flag):].split())
+        note = after[after.index("[") + 1:after.index("]")]
+        assert note == f"{kind} on --resume", (flag, note)
+
+
+# --------------------------------------------------------------------------------------------- one rule
+@pytest.mark.parametrize("flag, bad, build", [
+    ("--batch-size", "0", lambda: DataConfig(batch_size=0)),
+    ("--learning-rate", "-1", lambda: OptimConfig(learning_rate=-1.0)),
+    ("--save-every", "0", lambda: RunConfig(save_every=0)),
+    ("--temperature", "0", lambda: RetrieverConfig(temperature=0.0)),
+    ("--dev-max-questions", "0", lambda: DataConfig(dev=__import__("dpr_gc.train.validation",
+                                                                   fromlist=["DevLimits"]).DevLimits(0))),
+])
+def test_library_and_command_line_apply_one_rule(flag: str, bad: str, build: Callable[[], Any], tmp_path) -> None:
+    line = error_line(*call(cli.main, ["train", "--train", "t.json", "--output", tmp_path / "o", flag, bad]))
+    with pytest.raises(DprGcError) as refused:
+        build()
+    need = str(refused.value).split(" must be ")[1].split(",")[0]
+    assert str(refused.value).startswith(f"{flag} must be ")
+    assert flag in line and need in line, (line, str(refused.value))
+
+
+def test_a_wrongly_typed_value_in_code_is_refused_with_the_flag() -> None:
+    with pytest.raises(DprGcError, match="--num-workers must be an integer >= 0 or 'auto', got '2'"):
+        DataConfig(num_workers="2")  # type: ignore[arg-type]
+    with pytest.raises(DprGcError, match="--precision must be one of fp32, bf16, fp16, got 'fp8'"):
+        OptimConfig(precision="fp8")
+
+
+def test_flags_and_library_defaults_are_one_declaration(tmp_path) -> None:
+    args = cli.build_parser().parse_args(["train", "--train", "t.json", "--output", str(tmp_path / "o")])
+    parsed = config_from_args(args)
+    library = TrainConfig()
+    assert parsed.optim == library.optim and parsed.cache == library.cache and parsed.data.dev == library.data.dev
+    assert parsed.model.retriever == RetrieverConfig()
+
+
+def test_switches_that_negate_a_setting_turn_it_off(tmp_path) -> None:
+    from dpr_gc.base.settings import from_args
+    from dpr_gc.retrieval.retrieve import RetrieveJob
+
+    parser = cli.build_parser()
+    base = ["train", "--train", "t.json", "--output", str(tmp_path / "o")]
+    assert config_from_args(parser.parse_args(base)).model.retriever.shared_encoder
+    assert not config_from_args(parser.parse_args([*base, "--separate-encoders"])).model.retriever.shared_encoder
+    assert not config_from_args(parser.parse_args([*base, "--no-grad-cache"])).cache.enabled
+    assert config_from_args(parser.parse_args([*base, "--grad_cache"])).cache.enabled
+    retrieve = ["retrieve", "--index", "i", "--queries", "q"]
+    assert from_args(RetrieveJob, parser.parse_args(retrieve)).check_model
+    assert not from_args(RetrieveJob, parser.parse_args([*retrieve, "--skip-model-check"])).check_model
+
+
+def test_a_group_can_record_which_of_its_settings_were_given() -> None:
+    """``group(..., given=NAME)``: flags default to unset, the group is built from those given (the others may come
+    from elsewhere, e.g. a model folder's recipe) and NAME receives their names; --help still shows the default."""
+    from dpr_gc.base.args import ArgumentParser
+    from dpr_gc.base.settings import add_arguments, from_args, group, setting
+
+    @dataclasses.dataclass
+    class Inner:
+        pooling: str = setting("cls", "--pooling", choices=("cls", "mean"), help="pooling")
+        normalize: bool = setting(False, "--normalize", help="unit vectors")
+        shared: bool = setting(True, "--separate", negate=True, help="two towers")
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Optional[Inner] = group(Inner, "inner", given="inner_given")
+        inner_given: Optional[tuple] = None
+
+    parser = ArgumentParser(prog="toy")
+    add_arguments(parser, Outer)
+    assert from_args(Outer, parser.parse_args([])) == Outer(Inner(), ())
+    assert from_args(Outer, parser.parse_args(["--pooling", "mean", "--no-normalize", "--separate"])) == \
+        Outer(Inner("mean", False, False), ("pooling", "normalize", "shared"))
+    text = " ".join(parser.format_help().split())
+    assert "pooling (default: cls)" in text and "unit vectors (default: False)" in text
+
+
+def test_changed_settings_name_each_flag_with_its_kind() -> None:
+    old = TrainConfig(optim=OptimConfig(learning_rate=1e-3, max_steps=4))
+    new = TrainConfig(optim=OptimConfig(learning_rate=2e-3, max_steps=8), data=DataConfig(num_workers=0))
+    changes = {c.name: c for c in changed_settings(TrainConfig, to_record(old), to_record(new))}
+    assert set(changes) == {"--learning-rate", "--max-steps", "--num-workers"}
+    assert changes["--learning-rate"].resume == FIXED and str(changes["--learning-rate"]) == "--learning-rate 0.001 -> 0.002"
+    assert changes["--max-steps"].resume == FREE and changes["--num-workers"].resume == FREE
+    json.dumps(to_record(new))  # the record is plain JSON
+    with pytest.raises(DprGcError, match=r"--learning-rate 0\.001 -> 0\.002") as refused:
+        compare_recorded(new, to_record(old), "train_config.json")
+    assert "--max-steps" not in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------- resume
+def init_model(folder: Path) -> Path:
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
+    config = RetrieverConfig(pooling="cls", query_max_length=16, passage_max_length=32)
+    Retriever(tiny_bert(len(tokenizer)), None, tokenizer, config).save(folder / "init")
+    return folder / "init"
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> dict:
+    """A 2-step run with a checkpoint after each step, made from the command line."""
+    d = tmp_path_factory.mktemp("resume")
+    argv = ["train", "--train", write_dpr(d / "train.json", make_records(32, 1)), "--model", init_model(d),
+            "--batch-size", "8", "--num-workers", "0", "--learning-rate", "1e-3", "--query-chunk-size", "4",
+            "--passage-chunk-size", "8", "--cache-dir", d / "cache", "--save-every", "1", "--keep-checkpoints", "3"]
+    out = d / "out"
+    code, err = call(cli.main, [*argv, "--output", out, "--max-steps", "2"])
+    assert code == 0, err
+    return {"argv": [str(a) for a in argv], "out": out}
+
+
+def test_a_run_records_its_resolved_settings(first_run) -> None:
+    out = first_run["out"]
+    recorded = json.loads((out / SETTINGS_FILE).read_text())
+    args = cli.build_parser().parse_args([*first_run["argv"], "--output", str(out), "--max-steps", "2"])
+    assert recorded == to_record(config_from_args(args))
+    assert recorded["optim"]["learning_rate"] == 1e-3 and recorded["model"]["retriever"]["pooling"] == "cls"
+    for step in (1, 2):  # each checkpoint carries the settings it was made with
+        assert json.loads((out / f"checkpoint-{step}" / SETTINGS_FILE).read_text()) == recorded
+
+
+@pytest.mark.parametrize("change, needle", [
+    (["--learning-rate", "5e-3"], "--learning-rate 0.001 -> 0.005"),
+    (["--pooling", "mean"], "--pooling 'cls' -> 'mean'"),
+    (["--temperature", "0.5"], "--temperature 1.0 -> 0.5"),
+    (["--normalize"], "--normalize False -> True"),
+])
+def test_resume_refuses_a_changed_model_or_training_signal(first_run, change, needle) -> None:
+    out = first_run["out"]
+    before = (out / SETTINGS_FILE).read_text()
+    argv = [*first_run["argv"], "--output", str(out), "--max-steps", "3", "--resume", "latest", *change]
+    line = error_line(*call(cli.main, argv))
+    assert needle in line and "--max-steps" not in line and "--resume" in line
+    with pytest.raises(DprGcError) as refused:  # the library says the same
+        train(config_from_args(cli.build_parser().parse_args(argv)))
+    assert line == "error: " + str(refused.value)
+    assert (out / SETTINGS_FILE).read_text() == before and not (out / "checkpoint-3").exists()
+
+
+def test_resume_names_every_refused_change_in_one_line(first_run) -> None:
+    argv = [*first_run["argv"], "--output", str(first_run["out"]), "--resume", "latest", "--learning-rate", "5e-3",
+            "--pooling", "mean", "--temperature", "0.5", "--normalize", "--batch-size", "4"]
+    line = error_line(*call(cli.main, argv))
+    for flag in ("--learning-rate", "--pooling", "--temperature", "--normalize", "--batch-size"):
+        assert f"{flag} " in line
+
+
+def test_resume_accepts_changed_steps_cadence_and_workers(first_run, tmp_path) -> None:
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(first_run["out"], out)
+    argv = [*first_run["argv"], "--output", str(out), "--resume", str(out / "checkpoint-2"), "--max-steps", "3",
+            "--save-every", "3", "--num-workers", "1"]
+    code, err = call(cli.main, argv)
+    assert code == 0, err
+    recorded = json.loads((out / SETTINGS_FILE).read_text())
+    assert recorded["optim"]["max_steps"] == 3 and recorded["run"]["save_every"] == 3
+    assert recorded["data"]["num_workers"] == 1
+    assert (out / "checkpoint-3").is_dir() and (out / "final").is_dir()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_resume_compares_with_the_checkpoint_record(first_run, tmp_path) -> None:
+    """The checkpoint's record wins over the output folder's (a later resume may have rewritten the latter)."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(first_run["out"], out)
+    record = json.loads((out / SETTINGS_FILE).read_text())
+    (out / SETTINGS_FILE).write_text(json.dumps({**record, "optim": {**record["optim"], "learning_rate": 0.005}}))
+    argv = [*first_run["argv"], "--output", str(out), "--resume", "latest", "--max-steps", "3"]
+    code, err = call(cli.main, argv)
+    assert code == 0, err
+
+
+# --------------------------------------------------------------------------------------------- encode / index record
+def test_encode_and_index_record_their_settings(tmp_path, make_retriever) -> None:
+    from dpr_gc.retrieval.encode import EncodeSettings, encode_corpus
+    from dpr_gc.retrieval.index import build_index, read_meta
+    from dpr_gc.retrieval.index_params import IndexParams
+
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("id\ttext\ttitle\n" + "".join(f"p{i}\tpassage number {i}\tt{i}\n" for i in range(5)))
+    settings = EncodeSettings(batch_size=2, dtype="float32", block_size=3, cache_dir=tmp_path / "c")
+    manifest = encode_corpus(make_retriever(), corpus, tmp_path / "emb", settings=settings, show_progress=False)
+    recorded = json.loads((tmp_path / "emb" / "shard-00000-of-00001.json").read_text())["settings"]
+    assert recorded == manifest["settings"] == {
+        "shard_id": 0, "num_shards": 1, "batch_size": 2, "max_length": manifest["max_length"],
+        "dtype": "float32", "precision": "fp32", "block_size": 3, "cache_dir": str(tmp_path / "c")}
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams(kind="hnsw", hnsw_m=8), block_size=2)
+    meta = read_meta(tmp_path / "idx")["settings"]
+    assert meta["index"]["kind"] == "hnsw" and meta["index"]["hnsw_m"] == 8 and meta["build"]["block_size"] == 2
+
+
+def test_encode_flags_and_library_share_one_declaration(tmp_path) -> None:
+    from dpr_gc.retrieval.encode import EncodeJob, EncodeSettings
+
+    args = cli.build_parser().parse_args(["encode", "--model", "m", "--corpus", "c", "--output", str(tmp_path / "o"),
+                                          "--batch-size", "8"])
+    job = __import__("dpr_gc.base.settings", fromlist=["from_args"]).from_args(EncodeJob, args)
+    assert job.settings == EncodeSettings(batch_size=8, precision="auto")  # the command line's precision is auto
+    with pytest.raises(DprGcError, match="--batch-size must be a positive integer, got 0"):
+        EncodeSettings(batch_size=0)
+    line = error_line(*call(cli.main, ["encode", "--model", "m", "--corpus", "c", "--output", tmp_path / "o",
+                                       "--batch-size", "0"]))
+    assert "--batch-size" in line and "a positive integer" in line

@@ -1,0 +1,52 @@
+"""The trainer with a memory budget and chunks by tokens: the first step's gradient is plain training's, and the
+log states the chunking, the kept share of graphs and the measured peak."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from dpr_gc.cli import main
+from dpr_gc.train.trainer import Trainer
+from tests.train_data import init_model, make_records, task_config as config, write_dpr
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("train")
+    return {"dir": d, "model": init_model(d), "train": write_dpr(d / "train.json", make_records(96, 1)),
+            "dev": write_dpr(d / "dev.json", make_records(32, 2))}
+
+
+def first_grad(trainer: Trainer) -> torch.Tensor:
+    grads = []
+    trainer.on_backward = lambda step, retriever: grads.append(
+        torch.cat([p.grad.flatten() for p in retriever.parameters() if p.grad is not None]))
+    trainer.fit()
+    return grads[0]
+
+
+def test_budget_and_token_chunks_take_the_plain_first_step(task, tmp_path, caplog):  # noqa: F811
+    plain = first_grad(Trainer(config(task, tmp_path / "plain", max_steps=1, grad_cache=False)))
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        cached = Trainer(config(task, tmp_path / "gc", max_steps=1, memory_budget="1GB", query_chunk_size="auto",
+                                passage_chunk_size="auto", query_chunk_tokens=40, passage_chunk_tokens=90))
+        assert cached.chunks == (8, 16) and cached.cache.chunk_tokens == [40, 90]
+        got = first_grad(cached)
+    assert float((got - plain).norm() / plain.norm()) < 1e-5
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Gradient Cache:"))
+    assert "/ 40 tokens" in line and "memory budget 1.00 GB" in line and "100% of tokens" in line, line
+    assert "peak graph memory" in line
+    info = cached.retriever.training_info["grad_cache_first_step"]
+    assert info["kept"] == info["chunks"] and info["peak_graph_bytes"] > 0
+
+
+def test_memory_budget_flag_is_checked(task, tmp_path, capsys):  # noqa: F811
+    base = ["train", "--train", str(task["train"]), "--output", str(tmp_path / "o"), "--model", str(task["model"])]
+    assert main(base + ["--memory-budget", "12 parsecs"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--memory-budget" in err and "not a size" in err
+    assert main(base + ["--passage-chunk-tokens", "0"]) == 2
+    assert "--passage-chunk-tokens" in capsys.readouterr().err

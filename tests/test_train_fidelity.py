@@ -1,0 +1,107 @@
+"""Training-signal fidelity end to end: duplicate positives are masked in the trainer's loss (and counted in
+metrics.jsonl), a question's own positive never serves as its hard negative, and a diverging run stops with one
+``error:`` line instead of saving NaN weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dpr_gc.cli import main
+from dpr_gc.data.training import Collator, load_dpr_files, make_dataloader
+from tests.train_data import init_model
+from tests.train_data import make_records, write_dpr
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return init_model(tmp_path_factory.mktemp("fidelity"))
+
+
+def shared_positive_records(n: int) -> list[dict]:
+    """``n`` questions whose positive is the same passage (same id, title and text), as several SciFact claims cite
+    one abstract."""
+    positive = {"title": "paris", "text": "paris is the city of the river", "passage_id": "doc-1"}
+    return [{"question": f"what city {i}", "answers": [], "positive_ctxs": [dict(positive)],
+             "hard_negative_ctxs": []} for i in range(n)]
+
+
+def train_args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--train", str(data), "--output", str(out), "--model", str(model), "--num-workers", "0",
+            "--cache-dir", str(out.parent / "cache"), *extra]
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_questions_sharing_a_positive_do_not_see_it_as_a_negative(tmp_path, model, cache):
+    data = write_dpr(tmp_path / "shared.json", shared_positive_records(8))
+    flags = ["--batch-size", "8", "--hard-negatives", "0", "--max-steps", "1", "--temperature", "0.05"]
+    if cache:
+        flags += ["--query-chunk-size", "3", "--passage-chunk-size", "3"]
+    else:
+        flags += ["--no-grad-cache"]
+    assert main(train_args(data, model, tmp_path / "out", *flags)) == 0
+    record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["masked_scores"] == 8 * 7  # every question drops the 7 copies of its positive
+    assert record["loss"] < 1e-5  # unmasked it is log 8 = 2.08 or more
+
+
+def test_hard_negative_that_is_the_own_positive_is_dropped_at_load(tmp_path, model, caplog):
+    records = make_records(6, 4, hard=2)
+    records[0]["hard_negative_ctxs"][1] = dict(records[0]["positive_ctxs"][0])  # same id, title and text
+    records[1]["hard_negative_ctxs"][0]["passage_id"] = records[1]["positive_ctxs"][0]["passage_id"]  # same id
+    records[2]["negative_ctxs"] = [{k: v for k, v in records[2]["positive_ctxs"][0].items() if k != "passage_id"}]
+    path = write_dpr(tmp_path / "t.json", records)
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.data.training"):
+        data = load_dpr_files([path], tmp_path / "cache")
+    assert data.stats[0]["dropped_negatives"] == 3
+    assert "dropped 3 (hard) negatives that are their question's own positive" in caplog.text
+    rows = data.dataset[:3]
+    assert [len(r) for r in rows["hard_negatives"]] == [1, 1, 2] and rows["negatives"][2] == []
+    from dpr_gc.model.retriever import Retriever
+
+    collator = Collator(Retriever.load(model))
+    batch = next(iter(make_dataloader(data, collator, 6, hard_negatives=1, shuffle=False)))
+    ids = batch["passage_ids"].view(6, 2)
+    assert not (ids[:, 1] == ids[:, 0]).any()  # no question's hard negative is its positive
+    assert batch["positive_ids"].shape == (6, 1) and torch.equal(batch["positive_ids"][:, 0], ids[:, 0])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_diverging_run_stops_without_saving(tmp_path, model, capsys, precision):
+    data = write_dpr(tmp_path / "t.json", make_records(64, 5))
+    out = tmp_path / "out"
+    code = main(train_args(data, model, out, "--batch-size", "8", "--learning-rate", "1e9", "--max-steps", "8",
+                           "--save-every", "1", "--precision", precision, "--query-chunk-size", "4",
+                           "--passage-chunk-size", "8", "--weight-decay", "0.1"))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: training diverged at step "), err
+    print(err[0])
+    step = int(err[0].split("at step ")[1].split(":")[0])
+    assert f"last good checkpoint is {out / f'checkpoint-{step - 1}'}" in err[0] or step == 1
+    assert not (out / "final").exists() and not (out / "best").exists()
+    for checkpoint in out.glob("checkpoint-*"):
+        weights = load_file(next(checkpoint.glob("model/**/*.safetensors")))
+        assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_fp16_stops_after_a_run_of_skipped_steps(tmp_path, model, capsys):
+    from dpr_gc.train.trainer import MAX_SKIPPED_STEPS
+
+    data = write_dpr(tmp_path / "t.json", make_records(64, 5))
+    out = tmp_path / "out"
+    code = main(train_args(data, model, out, "--batch-size", "8", "--learning-rate", "1e9", "--max-steps", "60",
+                           "--precision", "fp16", "--query-chunk-size", "8", "--passage-chunk-size", "16"))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(err) == 1, err
+    assert f"the fp16 GradScaler skipped {MAX_SKIPPED_STEPS + 1} steps in a row" in err[0]
+    assert "no checkpoint was written" in err[0]
+    assert not (out / "final").exists()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r["grad_norm"] != r["grad_norm"] or abs(r["grad_norm"]) == float("inf")]
+    assert len(skipped) == MAX_SKIPPED_STEPS  # logged; the next one stopped the run

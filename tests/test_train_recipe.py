@@ -1,0 +1,81 @@
+"""Issue 30: fine-tuning a sentence-transformers folder keeps its recipe (pooling, normalisation, passage format,
+max lengths, prompts as prefixes; temperature 0.05 as its MultipleNegativesRankingLoss) unless a flag says
+otherwise, and says what it took."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from transformers import BertTokenizerFast
+
+from dpr_gc.cli import build_parser
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.train.config import config_from_args
+from dpr_gc.train.trainer import train
+from dpr_gc.train.setup import build_retriever
+from tests.helpers import tiny_bert, write_vocab
+from tests.train_data import make_records, train_config, write_dpr
+
+RECIPE = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=20, passage_max_length=40,
+              query_prefix="q: ", passage_prefix="p: ")
+
+
+@pytest.fixture(scope="module")
+def st_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sentence-transformers folder (Transformer -> Pooling(mean) -> Normalize, prompts) that is not a dpr-gc
+    retriever: what a user downloads."""
+    folder = tmp_path_factory.mktemp("st")
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")), do_lower_case=True)
+    Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(**RECIPE)).save(folder / "model")
+    for name in ("retriever_config.json", "heads.safetensors"):
+        (folder / "model" / name).unlink()
+    return folder / "model"
+
+
+def parsed(*flags: str):
+    args = build_parser().parse_args(["train", "--train", "x.json", "--output", "out", *flags])
+    return config_from_args(args)
+
+
+def test_a_sentence_transformers_folder_gives_the_defaults(st_folder: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        config = build_retriever(parsed("--model", str(st_folder)).model).config
+    for key, value in RECIPE.items():
+        assert getattr(config, key) == value, key
+    assert config.temperature == 0.05
+    assert "is a sentence-transformers folder; its recipe: pooling='mean', normalize=True" in caplog.text
+    assert "temperature=0.05" in caplog.text
+
+
+def test_flags_override_the_folder(st_folder: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        config = build_retriever(parsed("--model", str(st_folder), "--pooling", "cls", "--no-normalize",
+                                        "--passage-max-length", "24", "--query-prefix", "").model).config
+    assert (config.pooling, config.normalize, config.passage_max_length, config.query_prefix) == ("cls", False, 24, "")
+    assert (config.passage_format, config.query_max_length, config.passage_prefix) == ("concat", 20, "p: ")
+    assert config.temperature == 1.0  # not normalised: dot products, no sentence-transformers scale
+    assert "(given: pooling='cls', normalize=False, passage_max_length=24, query_prefix='')" in caplog.text
+    assert parsed("--model", str(st_folder), "--temperature", "0.2").model.retriever.temperature == 0.2
+
+
+def test_a_plain_transformers_folder_keeps_the_dpr_defaults(tmp_path: Path) -> None:
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(tmp_path / "vocab.txt")))
+    tiny_bert(len(tokenizer)).save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    config = build_retriever(parsed("--model", str(tmp_path / "bert")).model).config
+    assert (config.pooling, config.normalize, config.passage_format, config.temperature) == ("cls", False, "pair", 1.0)
+    assert (config.query_max_length, config.passage_max_length) == (32, 256)
+
+
+def test_training_a_sentence_transformers_folder_saves_its_recipe(st_folder: Path, tmp_path: Path) -> None:
+    data = write_dpr(tmp_path / "train.json", make_records(16, 0))
+    train(train_config(model=str(st_folder), train_files=[str(data)], output_dir=str(tmp_path / "out"),
+                       batch_size=8, num_workers=0, max_steps=1, query_chunk_size=4, passage_chunk_size=4,
+                       cache_dir=str(tmp_path / "cache")))
+    saved = json.loads((tmp_path / "out" / "final" / "retriever_config.json").read_text())
+    for key, value in RECIPE.items():
+        assert saved[key] == value, key
+    assert abs(saved["temperature"] - 0.05) < 1e-6

@@ -1,0 +1,127 @@
+"""`dpr-gc verify`: the cached step against the full-batch step on the user's own settings. Passes on every
+supported set-up (tiny models), fails with the worst tensor named for a model whose noise GradCache cannot replay,
+falls back to a smaller batch when the full one runs out of memory, and writes nothing to --output."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from transformers import BertTokenizerFast
+
+from dpr_gc.cli import main
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.train.trainer import Trainer
+from dpr_gc.train.verify import Verifier, verify
+from tests.helpers import tiny_bert, write_vocab
+from tests.llm_models import save_decoder
+from tests.train_data import init_model
+from tests.train_data import make_records, train_config, write_dpr
+
+
+def flags(tmp, model, *extra: str) -> list[str]:
+    data = tmp / "train.json"
+    if not data.exists():
+        write_dpr(data, make_records(24, 1))
+    return ["verify", "--train", str(data), "--output", str(tmp / "out"), "--model", str(model), "--batch-size", "6",
+            "--query-chunk-size", "2", "--passage-chunk-size", "4", "--num-workers", "0", "--cache-dir",
+            str(tmp / "cache"), "--device", "cpu", *extra]
+
+
+def run(capsys, argv: list[str]) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().out
+
+
+def test_passes_shared_towers_hard_negatives_learned_temperature(tmp_path, capsys):
+    model = init_model(tmp_path, learn_temperature=True, temperature=0.3)
+    code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "2"))
+    assert code == 0 and "PASS" in out, out
+    assert "tolerance 1e-05" in out and "temperature grad" in out and "one forward per side" in out
+    assert not (tmp_path / "out").exists(), "verify must not write to --output"
+    assert main(flags(tmp_path, model, "--batches", "0")) == 2
+    assert main(flags(tmp_path, model, "--no-grad-cache")) == 2
+    assert "drop --no-grad-cache" in capsys.readouterr().err
+
+
+def cls_model(tmp) -> str:
+    """Separate towers with CLS pooling and dropout, weights drawn wide: a random BERT's CLS vector barely depends
+    on its input otherwise, and the gradient would be rounding."""
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(tmp / "vocab.txt")))
+    towers = [tiny_bert(len(tokenizer), seed, dropout=0.1) for seed in (0, 1)]
+    with torch.no_grad():
+        for param in (p for t in towers for p in t.parameters() if p.dim() == 2):
+            param.normal_(0, 0.2)
+    config = RetrieverConfig(pooling="cls", shared_encoder=False, query_max_length=16, passage_max_length=32)
+    Retriever(*towers, tokenizer, config).save(tmp / "cls")
+    return tmp / "cls"
+
+
+def test_passes_separate_towers_cls_dropout_budget_two_batches(tmp_path, capsys):
+    model = cls_model(tmp_path)
+    code, out = run(capsys, flags(tmp_path, model, "--memory-budget", "1GB", "--batches", "2"))
+    assert code == 0 and "PASS" in out and "chunk by chunk" in out, out
+    assert "key.bias" not in out  # a zero-in-exact-arithmetic gradient is not reported as the worst
+    assert out.count("| 6 |") == 2, out
+
+
+def test_passes_lora_checkpointing_bf16(tmp_path, capsys):
+    model = init_model(tmp_path)
+    code, out = run(capsys, flags(tmp_path, model, "--lora-r", "4", "--gradient-checkpointing", "--precision", "bf16"))
+    assert code == 0 and "PASS" in out and "bf16 (tolerance 0.02)" in out, out
+
+
+def test_passes_decoder_last_pooling_token_chunks(tmp_path, capsys):
+    base = save_decoder(tmp_path / "base", "llama", padding_side="left")
+    code, out = run(capsys, flags(tmp_path, base, "--pooling", "last", "--passage-format", "concat",
+                                  "--passage-chunk-tokens", "40"))
+    assert code == 0 and "PASS" in out and "passage chunk 4/40 tokens" in out, out
+
+
+class Noise(nn.Module):
+    """Test-only: adds noise from a generator the model owns, which GradCache cannot record or replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, module, args, output):
+        hidden = output.last_hidden_state
+        noise = torch.rand(hidden.shape, generator=self.generator) * 0.5 + 0.75
+        output.last_hidden_state = hidden * noise
+        return output
+
+
+def test_fails_on_noise_it_cannot_replay(tmp_path, capsys, monkeypatch):
+    model = init_model(tmp_path)
+    build = Trainer.build_model
+
+    def noisy(self):
+        retriever = build(self)
+        retriever.query_encoder.transformer.register_forward_hook(Noise())
+        return retriever
+
+    monkeypatch.setattr(Trainer, "build_model", noisy)
+    code, out = run(capsys, flags(tmp_path, model))
+    assert code == 1 and "FAIL" in out and "worst tensor query_encoder.transformer." in out, out
+
+
+def test_library_call_and_out_of_memory_fallback(tmp_path, monkeypatch):
+    model = init_model(tmp_path)
+    data = write_dpr(tmp_path / "train.json", make_records(24, 1))
+    config = train_config(train_files=[str(data)], output_dir=str(tmp_path / "out"), model=str(model), batch_size=8,
+                          query_chunk_size=3, passage_chunk_size=5, num_workers=0, cache_dir=str(tmp_path / "c"))
+    full_step = Verifier.full_step
+
+    def small_memory(self, query, passage):
+        if query["input_ids"].size(0) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return full_step(self, query, passage)
+
+    monkeypatch.setattr(Verifier, "full_step", small_memory)
+    report = verify(config)
+    assert report.passed and report.batches[0].queries == 4
+    assert "the full batch of 8 queries needs more than" in report.batches[0].note
+    assert "verified on 4 queries with the same chunking" in report.table()
+    assert report.batches[0].cached.peak_bytes > 0 and report.batches[0].full.peak_bytes > 0
+    assert not (tmp_path / "out").exists()

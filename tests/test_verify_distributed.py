@@ -1,0 +1,61 @@
+"""`dpr-gc verify` under two gloo ranks: DDP (separate towers, a memory budget) and FSDP (a LoRA decoder, last
+pooling) each check 2 ranks x 4 queries against the global batch of 8 and pass."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dpr_gc.train.verify import verify
+from tests.llm_models import save_decoder
+from tests.ranks import rank_errors, run_ranks
+from tests.train_data import init_model
+from tests.train_data import make_records, train_config, write_dpr
+
+WORLD = 2
+
+
+def settings(tmp: str, fsdp: bool):
+    common = dict(train_files=[str(Path(tmp) / "train.json")], output_dir=str(Path(tmp) / "out"), batch_size=4,
+                  query_chunk_size=3, passage_chunk_size=3, num_workers=0, cache_dir=str(Path(tmp) / "cache"),
+                  device="cpu")
+    if fsdp:
+        from dpr_gc.model.lora import LoraSettings
+        from dpr_gc.model.retriever import RetrieverConfig
+
+        retriever = RetrieverConfig(pooling="last", passage_format="concat", learn_temperature=True)
+        return train_config(model=str(Path(tmp) / "decoder"), retriever=retriever, lora=LoraSettings(r=4),
+                            fsdp=True, **common)
+    return train_config(model=str(Path(tmp) / "init"), memory_budget="1GB", **common)
+
+
+def worker(rank: int, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=300))
+    try:
+        for name, fsdp in (("ddp", False), ("fsdp", True)):
+            try:
+                report = verify(settings(tmp, fsdp))
+                assert report.world == WORLD and report.batches[0].queries == 8, report.table()
+                assert report.passed, report.table()
+                Path(tmp, f"table-{name}-{rank}.txt").write_text(report.table())
+            except Exception:
+                Path(tmp, f"error-{name}-{rank}.txt").write_text(f"{name}:\n{traceback.format_exc()}")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_verify_two_ranks_ddp_and_fsdp(tmp_path):
+    init_model(tmp_path, shared=False, learn_temperature=True)
+    save_decoder(tmp_path / "decoder", "llama", padding_side="left")
+    write_dpr(tmp_path / "train.json", make_records(16, 1))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_ranks(worker, (str(tmp_path),), WORLD, limit_s=300)
+    errors = rank_errors(tmp_path)
+    assert not errors, errors
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,40 @@
+"""DataLoader workers default to ``auto``: none on the CPU, where forked workers copy the training process's memory
+and measured no faster (benchmarks/README.md, "DataLoader workers"), two on a GPU; the start-up log says so."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.cli import build_parser
+from dpr_gc.train.config import DataConfig, config_from_args
+from dpr_gc.train.trainer import Trainer
+from tests.train_data import make_records, train_config, write_dpr
+
+
+def test_auto_resolves_by_device() -> None:
+    assert DataConfig().num_workers == "auto"
+    assert (DataConfig().resolve_workers("cpu"), DataConfig().resolve_workers("cuda")) == (0, 2)
+    assert DataConfig(num_workers=3).resolve_workers("cpu") == 3
+    with pytest.raises(DprGcError, match="--num-workers"):
+        DataConfig(num_workers=-1)
+    args = build_parser().parse_args(["train", "--train", "x", "--output", "o"])
+    assert config_from_args(args).data.num_workers == "auto"
+    args = build_parser().parse_args(["train", "--train", "x", "--output", "o", "--num-workers", "1"])
+    assert config_from_args(args).data.num_workers == 1
+
+
+def test_cpu_training_starts_no_workers_and_says_so(tmp_path: Path, make_retriever, caplog) -> None:
+    make_retriever().save(tmp_path / "model")
+    data = write_dpr(tmp_path / "train.json", make_records(16, 0))
+    config = train_config(model=str(tmp_path / "model"), train_files=[str(data)], batch_size=4, device="cpu",
+                          output_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"),
+                          query_chunk_size=4, passage_chunk_size=4)
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        trainer = Trainer(config)
+        trainer.announce()
+    assert trainer.loader.num_workers == 0
+    assert "fp32 on cpu, 0 DataLoader worker(s) (auto)" in caplog.text
