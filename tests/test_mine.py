@@ -215,7 +215,7 @@ def test_bad_inputs_give_one_line_errors(world, tmp_path):
     with pytest.raises(DprGcError, match="needs --model"):
         open_source("dense", corpus)
     for kwargs, message in (({"n_negatives": 0}, "--n-negatives"), ({"n_negatives": 1, "skip_top": 5, "top_k": 5},
-                            "--skip-top"), ({"n_negatives": 1, "match_mode": "fuzzy"}, "--match")):
+                            "--skip-top"), ({"n_negatives": 1, "match": "fuzzy"}, "--match")):
         with pytest.raises(DprGcError, match=message):
             mine_hard_negatives(questions(), src, corpus, **kwargs)
     with pytest.raises(DprGcError, match="exactly one of --train-file"):
@@ -229,7 +229,8 @@ def test_candidates_are_tokenised_once_across_chunks(world, tmp_path, monkeypatc
 
     corpus = world["corpus"]
     with answers.AnswerMatcher() as matcher:
-        _, summary = mine_hard_negatives(questions(), world["bm25"], corpus, 3, top_k=len(corpus), matcher=matcher)
+        _, summary = mine_hard_negatives(questions(), world["bm25"], corpus, n_negatives=3, top_k=len(corpus),
+                                         matcher=matcher)
         distinct = matcher.prepared
     assert distinct < summary.candidates  # questions share candidates
     outputs, real = [], answers.prepare_passage
@@ -385,7 +386,7 @@ def test_bad_positive_aware_values_in_the_library(world):
                             ({"max_negative_ratio": float("inf")}, "--max-negative-ratio"),
                             ({"min_margin": float("nan")}, "--min-margin")):
         with pytest.raises(DprGcError, match=message):
-            mine_hard_negatives(questions(), src, corpus, 2, **kwargs)
+            mine_hard_negatives(questions(), src, corpus, n_negatives=2, **kwargs)
         with pytest.raises(DprGcError, match=message):
             mine_to_file(questions(), world["root"] / "never.json", src, corpus, n_negatives=2, show_progress=False,
                          **kwargs)

@@ -231,16 +231,15 @@ def _check_settings(n_negatives: int, top_k: int, skip_top: int, match_mode: str
         raise DprGcError(f"--match must be one of {', '.join(MATCH_MODES)}, got {match_mode!r}")
 
 
-def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_negatives: int, top_k: int = 100,
-                        skip_top: int = 0, margin: Optional[float] = None, match_mode: str = "string",
-                        qrels: Optional[dict[str, dict[str, int]]] = None, *,
-                        id_to_row: Optional[dict[str, int]] = None, matcher: Optional[Any] = None,
-                        show_progress: bool = False, max_negative_ratio: Optional[float] = None,
-                        min_margin: Optional[float] = None) -> tuple[list[dict], MiningSummary]:
+def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, settings: Optional[MineSettings] = None,
+                        *, qrels: Optional[dict[str, dict[str, int]]] = None, id_to_row: Optional[dict[str, int]] = None,
+                        matcher: Optional[Any] = None, show_progress: bool = False,
+                        **options: Any) -> tuple[list[dict], MiningSummary]:
     """Hard negatives for DPR-style question records (``question``, ``answers``, ``positive_ctxs``, optional ``id``).
 
     Returns one ``{"id", "question", "hard_negative_ctxs"}`` per question -- each ctx ``{title, text, passage_id,
     score, rank}`` with ``rank`` the 1-based position in the retrieved list -- and a :class:`MiningSummary`.
+    ``settings`` (fields of :class:`MineSettings` may also be given as keywords) say which candidates are kept:
     ``margin`` drops candidates scoring above the best positive's score minus ``margin``; questions whose positive
     has no score (BM25: positive not in the corpus) keep their candidates. ``max_negative_ratio`` (R) and
     ``min_margin`` (M) drop candidates scoring above R x, or M below, the lowest-scoring positive's score (the ratio
@@ -251,13 +250,14 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, n_n
     """
     from ..evaluation.answers import AnswerMatcher
 
-    _check_settings(n_negatives, top_k, skip_top, match_mode)
-    _check_filters(max_negative_ratio, min_margin)
+    s = dataclasses.replace(settings or MineSettings(), **options)
+    n_negatives, top_k, skip_top, margin = s.n_negatives, s.top_k, s.skip_top, s.margin
+    max_negative_ratio, min_margin = s.max_negative_ratio, s.min_margin
+    _check_settings(n_negatives, top_k, skip_top, s.match)
     if matcher is None:
-        with AnswerMatcher(match_mode) as own:
-            return mine_hard_negatives(questions, source, corpus, n_negatives, top_k, skip_top, margin, match_mode,
-                                       qrels, id_to_row=id_to_row, matcher=own, show_progress=show_progress,
-                                       max_negative_ratio=max_negative_ratio, min_margin=min_margin)
+        with AnswerMatcher(s.match) as own:
+            return mine_hard_negatives(questions, source, corpus, s, qrels=qrels, id_to_row=id_to_row, matcher=own,
+                                       show_progress=show_progress)
     scored = needs_positive_scores(margin, max_negative_ratio, min_margin)
     if scored and id_to_row is None and isinstance(source, BM25Source):
         id_to_row = rows_for_ids(corpus, (ctx_id(c) for q in questions for c in q.get("positive_ctxs") or []))
@@ -361,9 +361,8 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
 
             def flush() -> None:
                 nonlocal count
-                mined, part = mine_hard_negatives(buffer, source, corpus, s.n_negatives, s.top_k, s.skip_top,
-                                                  s.margin, s.match, qrels, id_to_row=id_to_row, matcher=matcher,
-                                                  max_negative_ratio=s.max_negative_ratio, min_margin=s.min_margin)
+                mined, part = mine_hard_negatives(buffer, source, corpus, s, qrels=qrels, id_to_row=id_to_row,
+                                                  matcher=matcher)
                 summary.merge(part)
                 texts = []
                 for record, m in zip(buffer, mined):
