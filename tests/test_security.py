@@ -47,7 +47,8 @@ def refused(argv: list, marker: Path, capsys, *names: str) -> str:
 
 def test_training_state_has_no_pickle(trained):
     ckpt = trained["dir"] / "run" / "checkpoint-2"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["model", "train_state.json", "train_state.safetensors"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model", "train_config.json", "train_state.json",
+                                                      "train_state.safetensors"]
     assert not list(ckpt.rglob("*.pt")) and not list(ckpt.rglob("*.bin"))
 
 

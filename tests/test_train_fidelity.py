@@ -65,7 +65,7 @@ def test_hard_negative_that_is_the_own_positive_is_dropped_at_load(tmp_path, mod
     from dpr_gc.model.retriever import Retriever
 
     collator = Collator(Retriever.load(model))
-    batch = next(iter(make_dataloader(data, collator, 6, hard_negatives=1, shuffle=False)))
+    batch = next(iter(make_dataloader(data, collator, batch_size=6, hard_negatives=1, shuffle=False)))
     ids = batch["passage_ids"].view(6, 2)
     assert not (ids[:, 1] == ids[:, 0]).any()  # no question's hard negative is its positive
     assert batch["positive_ids"].shape == (6, 1) and torch.equal(batch["positive_ids"][:, 0], ids[:, 0])
