@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from .base.args import nonnegative_int, output_dir, positive_float, positive_int
 from .base.errors import DprGcError
+from .base.guard import guarded
 from .base.files import atomic_path, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
 from .base.settings import add_arguments, from_args, setting
@@ -262,6 +263,7 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_demo)
 
 
+@guarded(inputs=("model",), outputs={"output": "folder"})
 def _cli_demo(args: Any) -> None:
     report = run_demo(from_args(DemoFlags, args).config())
     print(format_report(report))

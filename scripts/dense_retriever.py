@@ -33,7 +33,8 @@ except ImportError:  # running from a checkout without installing the package
 from dpr_gc.base.args import ArgumentParser, device_arg, nonnegative_int, output_dir, output_file, positive_int
 from dpr_gc.base.errors import report_errors
 from dpr_gc.base.errors import DprGcError
-from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,
+from dpr_gc.base.guard import guarded
+from dpr_gc.retrieval.index import (DenseIndex, check_built_from, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,
                           set_threads, shard_ids)
 from dpr_gc.model.retriever import add_prefix_arguments
 from dpr_gc.retrieval.retrieve import MATCH_CHOICES, retrieve_with_flags
@@ -138,7 +139,10 @@ def load_or_build_index(embeddings: Optional[str], index_path: Optional[str], sa
         index_path = dpr_index_path(folders)
     if index_exists(index_path):
         logger.info("loading the index from %s", index_path)
-        return DenseIndex.read(index_path), index_path
+        dense = DenseIndex.read(index_path)
+        for folder in folders:
+            check_built_from(dense, folder, index_path)
+        return dense, index_path
     if not folders:
         raise DprGcError("give --encoded_ctx_file (the encode output folder) or an --index_path holding an index")
     with tempfile.TemporaryDirectory(prefix="dense-retriever-") as tmp:
@@ -159,14 +163,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ignored:
         logger.warning("accepted with no effect here: %s", " ".join(ignored))
 
-    def run() -> None:
+    @guarded(inputs=("model=--model_file", "queries=--qa_dataset", "corpus=--ctx_datatsets",
+                     "embeddings=--encoded_ctx_file", "qrels"),
+             outputs={"output=--out_file": "file", "trec_run": "file", "index_path": "folder"})
+    def run(args: argparse.Namespace) -> None:
         set_threads(args.threads)
         params = params_from_args(args)
         index, name = load_or_build_index(args.embeddings, args.index_path, args.save_or_load_index,
                                           dataclasses.replace(params, kind="hnsw") if args.hnsw_index else params,
                                           args.train_sample, args.block_size, args.seed)
         retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None))
-    return report_errors(run)
+    return report_errors(lambda: run(args))
 
 
 if __name__ == "__main__":

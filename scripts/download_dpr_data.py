@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
+from dpr_gc.base.guard import guarded  # noqa: E402
 
 BASE = "https://dl.fbaipublicfiles.com/dpr"
 SUMS_FILE = "SHA256SUMS.json"
@@ -169,6 +170,7 @@ def verify(name: str, out: Path, sums: dict) -> None:
     print(f"{name}: {target} verified ({'sha256 ' + sha if want else 'gzip intact; sha256 recorded now'})")
 
 
+@guarded(outputs={"output": "folder"})
 def run(args: argparse.Namespace) -> int:
     if args.list:
         for name, (_, filename, what, _) in RESOURCES.items():

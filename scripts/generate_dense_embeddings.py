@@ -76,7 +76,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unused:
         logger.warning("accepted with no effect here (the model file defines them): %s", " ".join(unused))
     device = args.device or ("cpu" if args.no_cuda else None)
-    return report_errors(lambda: run_cli(args, output_folder(args.output, args.shard_id, args.num_shards), device))
+    args.output = output_folder(args.output, args.shard_id, args.num_shards)
+    return report_errors(lambda: run_cli(args, args.output, device))
 
 
 if __name__ == "__main__":

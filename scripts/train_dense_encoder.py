@@ -37,6 +37,7 @@ from dpr_gc.base.args import (ArgumentParser, any_int, nonnegative_float, nonneg
                          positive_int)
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
+from dpr_gc.base.guard import guarded  # noqa: E402
 
 logger = logging.getLogger("train_dense_encoder")
 
@@ -173,7 +174,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if skipped:
         logger.warning("accepted with no effect here: %s", "; ".join(skipped))
 
-    def run() -> None:
+    @guarded(inputs=("train_files=--train_file", "dev_file=--dev_file", "model_file=--model_file", "model"),
+             outputs={"output_dir": "folder"})
+    def run(args: argparse.Namespace) -> None:
         config = config_from_args(args, given)
         data = config.data
         if data.train_files:
@@ -187,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             raise DprGcError("nothing to do: give --train_file (and --output_dir), or --model_file with --dev_file "
                              "to validate a model")
-    return report_errors(run)
+    return report_errors(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -32,3 +32,17 @@ def make_retriever(tiny_tokenizer: BertTokenizerFast):
         return Retriever(q, p, tiny_tokenizer, config)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """A tiny run trained two steps with a checkpoint after each (for resume and damaged-state tests)."""
+    from dpr_gc.cli import main
+    from tests.helpers import train_argv
+    from tests.train_data import init_model, make_records, write_dpr
+
+    d = tmp_path_factory.mktemp("sec")
+    task = {"dir": d, "model": init_model(d), "train": write_dpr(d / "t.json", make_records(16, 5))}
+    argv = [str(a) for a in train_argv(task, d / "run", None)[:-2]]
+    assert main(argv + ["--max-steps", "2", "--save-every", "1", "--keep-checkpoints", "2"]) == 0
+    return task

@@ -9,6 +9,7 @@ import gzip
 import json
 import random
 import string
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -168,3 +169,15 @@ class Recording:
             raise KeyboardInterrupt
         self.asked.append(list(questions))
         return self.source.retrieve(questions, k, positives)
+
+
+def copy_run(trained: dict, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(trained["dir"] / "run", run)
+    return run
+
+
+def train_argv(trained: dict, run: Path, resume: str) -> list:
+    return ["train", "--train", trained["train"], "--output", run, "--model", trained["model"], "--batch-size", 8,
+            "--num-workers", 0, "--max-steps", 3, "--q_chunk_size", 3, "--ctx_chunk_size", 5, "--pooling", "mean",
+            "--cache-dir", trained["dir"] / "cache", "--resume", resume]

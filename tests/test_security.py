@@ -17,6 +17,7 @@ from dpr_gc.cli import main
 from dpr_gc.engine.loss import TEMPERATURE_RANGE
 from dpr_gc.model.retriever import Retriever
 from dpr_gc.train.trainer import train
+from tests.helpers import copy_run, train_argv
 from tests.helpers import passages, write_corpus
 from tests.train_data import init_model, model_params as params, task_config as config
 from tests.train_data import make_records, write_dpr
@@ -44,27 +45,6 @@ def refused(argv: list, marker: Path, capsys, *names: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("sec")
-    task = {"dir": d, "model": init_model(d), "train": write_dpr(d / "t.json", make_records(16, 5))}
-    assert main([str(a) for a in train_argv(task, d / "run", None)[:-2]] + ["--max-steps", "2", "--save-every", "1",
-                                                                          "--keep-checkpoints", "2"]) == 0
-    return task
-
-
-def copy_run(trained: dict, tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    shutil.copytree(trained["dir"] / "run", run)
-    return run
-
-
-def train_argv(trained: dict, run: Path, resume: str) -> list:
-    return ["train", "--train", trained["train"], "--output", run, "--model", trained["model"], "--batch-size", 8,
-            "--num-workers", 0, "--max-steps", 3, "--q_chunk_size", 3, "--ctx_chunk_size", 5, "--pooling", "mean",
-            "--cache-dir", trained["dir"] / "cache", "--resume", resume]
-
-
 def test_training_state_has_no_pickle(trained):
     ckpt = trained["dir"] / "run" / "checkpoint-2"
     assert sorted(p.name for p in ckpt.iterdir()) == ["model", "train_config.json", "train_state.json",
@@ -76,14 +56,14 @@ def test_training_state_has_no_pickle(trained):
 def test_pickled_training_state_is_refused(trained, tmp_path, capsys, target):
     run, marker = copy_run(trained, tmp_path), tmp_path / "PWNED"
     (run / "checkpoint-2" / target).write_bytes(pickle.dumps(Payload(marker)))
-    refused(train_argv(trained, run, "latest"), marker, capsys, target.split("/")[-1])
+    refused(train_argv(trained, run, str(run / "checkpoint-2")), marker, capsys, target.split("/")[-1])
 
 
 @pytest.mark.parametrize("text", ['{"__dict__": 5}', '[1, 2]', '{"__dict__": [["step", {"__tensor__": "nope"}]]}'])
 def test_damaged_training_state_json_is_refused(trained, tmp_path, capsys, text):
     run, marker = copy_run(trained, tmp_path), tmp_path / "PWNED"
     (run / "checkpoint-2" / "train_state.json").write_text(text)
-    refused(train_argv(trained, run, "latest"), marker, capsys, "train_state.json")
+    refused(train_argv(trained, run, str(run / "checkpoint-2")), marker, capsys, "train_state.json")
 
 
 def test_pickled_legacy_state_pt_is_refused(trained, tmp_path, capsys):

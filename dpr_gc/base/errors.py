@@ -23,6 +23,10 @@ def report_errors(action: Callable[[], Any]) -> int:
     except DprGcError as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON) reached a UTF-8 output
+        print(f"error: the input holds text that is not valid Unicode ({ascii(e.object[e.start:e.end])}, a lone "
+              "surrogate from a JSON escape); fix or remove it in the input file", file=sys.stderr)
+        return 2
     except OSError as e:  # refused by the OS: permissions, a full disk, a folder where a file belongs
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{e.strerror or e}; check the path and free space", file=sys.stderr)

@@ -262,7 +262,11 @@ def read_tensors(path: PathLike) -> dict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from .validate import check_safetensors
+
     p = require_file(path)
+    if p.suffix == ".safetensors":
+        check_safetensors(p)
     try:
         tensors = load_file(p) if p.suffix == ".safetensors" else torch.load(p, map_location="cpu", weights_only=True)
     except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:

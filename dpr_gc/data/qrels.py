@@ -11,6 +11,7 @@ import re
 from typing import Iterator, Union
 
 from ..base.errors import DprGcError
+from ..base.validate import check_id
 from ..base.files import PathLike, open_text
 
 Judgment = tuple[str, str, int]  # (query id, passage id, relevance)
@@ -52,6 +53,7 @@ def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
         if isinstance(judgment, str):
             raise DprGcError(f"{path}:{line_no}: {judgment}")
         qid, docid, rel = judgment
+        check_id(qid, f"{path}:{line_no}", "query id"), check_id(docid, f"{path}:{line_no}", "document id")
         judged = qrels.setdefault(qid, {})
         if judged.get(docid, rel) != rel:
             raise DprGcError(f"{path}:{line_no}: conflicting relevance for query {qid!r} doc {docid!r}")

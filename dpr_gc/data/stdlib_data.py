@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from ..base.args import nonnegative_int, output_dir, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, read_json_object, write_json
 from ..base.settings import add_arguments, check, setting
 from ..base.tables import format_summary
@@ -382,6 +383,7 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
     return manifest
 
 
+@guarded(outputs={"output": "folder"})
 def _run_cli(args: argparse.Namespace) -> None:
     manifest = build_stdlib_dataset(args.output, max_examples=args.max_examples, seed=args.seed)
     print(format_summary(manifest["counts"], ("count", "value")))

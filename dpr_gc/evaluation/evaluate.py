@@ -25,9 +25,11 @@ from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, chec
 from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  # noqa: F401 (the API of evaluation)
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import PathLike, atomic_path, open_text, write_json
 from ..base.settings import add_arguments, check, setting
 from .results import check_question, iter_results
+from ..base.validate import check_id
 from ..base.tables import markdown_table
 from ..data.qrels import read_qrels
 
@@ -51,6 +53,7 @@ def read_run(path: PathLike) -> dict[str, dict[str, float]]:
                 raise DprGcError(f"{path}:{line_no}: expected 6 fields 'qid Q0 docid rank score tag', "
                                  f"got {len(parts)}")
             qid, _, docid, rank, score_text, _ = parts
+            check_id(qid, f"{path}:{line_no}", "query id"), check_id(docid, f"{path}:{line_no}", "document id")
             try:
                 int(rank)
                 score = float(score_text)
@@ -319,6 +322,7 @@ def evaluate(
     return report
 
 
+@guarded(inputs=("results", "run", "qrels"), outputs={"output": "file", "plot": "file"})
 def _cli(args: argparse.Namespace) -> None:
     """Handler for ``dpr_gc evaluate``: evaluate, print tables, write JSON and the optional plot."""
     mode = None if args.match == "stored" else args.match

@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 from pathlib import Path
 from typing import IO, Any, Iterator, Optional
 
 from ..base.errors import DprGcError
 from ..base.files import PathLike, atomic_path, iter_jsonl, open_text, require_file
+from ..base.validate import check_id, no_lone_surrogates
 
 COMPACT_KEYS = ("id", "score", "has_answer")
 
@@ -125,7 +127,29 @@ def check_question(entry: Any, i: int, source: str) -> dict[str, Any]:
         raise DprGcError(f"{where}: expected an object with a 'ctxs' list")
     if not all(isinstance(c, dict) for c in entry["ctxs"]):
         raise DprGcError(f"{where}: every entry of 'ctxs' must be an object")
+    if "id" in entry:
+        check_id(entry["id"], where, "question id")
+    question = entry.get("question", "x")
+    if not isinstance(question, str) or not question.strip() or not no_lone_surrogates(question):
+        raise DprGcError(f"{where}: 'question' must be a non-empty string, got {ascii(question)[:60]}")
+    for j, ctx in enumerate(entry["ctxs"]):
+        _check_ctx(ctx, f"{where}, ctx {j}")
     return entry
+
+
+def _check_ctx(ctx: dict, where: str) -> None:
+    """A ranked passage: an id that is a real id, a finite score, a boolean has_answer."""
+    if "id" in ctx:
+        check_id(ctx["id"], where, "passage id")
+    if "has_answer" in ctx and not isinstance(ctx["has_answer"], bool):
+        raise DprGcError(f"{where}: has_answer must be true or false, got {ascii(ctx['has_answer'])[:40]}")
+    if "score" in ctx:
+        try:
+            score = float(ctx["score"]) if not isinstance(ctx["score"], bool) else math.nan
+        except (TypeError, ValueError):
+            score = math.nan
+        if not math.isfinite(score):
+            raise DprGcError(f"{where}: score {ascii(ctx['score'])[:40]} is not a finite number")
 
 
 def passage_key(ctx: dict) -> Optional[str]:

@@ -213,7 +213,7 @@ def run_example(config: ExampleConfig) -> dict:
     manifest = build_stdlib_dataset(out / "data", max_examples=config.max_examples, seed=config.seed)
     files = {k: out / "data" / v for k, v in manifest["files"].items()}
     model_path = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     model, params = initial_params(config, model_path, len(tokenizer))
     corpus = list(iter_passages(files["corpus"]))
     test_questions = read_queries(files["test_qa"])

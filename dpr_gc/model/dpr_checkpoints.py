@@ -60,7 +60,7 @@ def load_dpr_checkpoint(retriever_cls: Any, path: str | Path) -> Any:
     if params.get("encoder_model_type") not in (None, "hf_bert"):
         raise DprGcError(f"{p}: encoder_model_type {params['encoder_model_type']!r} is not supported (only hf_bert)")
     try:
-        hf_config = AutoConfig.from_pretrained(str(name))
+        hf_config = AutoConfig.from_pretrained(str(name), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise DprGcError(f"{p}: cannot load the config {name!r} it was trained from: {str(e).splitlines()[0]}") from None
     length = int(params.get("sequence_length") or 256)

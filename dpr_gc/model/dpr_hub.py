@@ -47,6 +47,12 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
     ``encode_proj`` when ``projection_dim > 0``), dot product, ``[CLS] title [SEP] text [SEP]``, 256 tokens."""
     from transformers import DPRContextEncoder, DPRQuestionEncoder
 
+    from ..base.validate import check_weights_folder, refuse_custom_code
+    from .pretrained import load_tokenizer
+
+    for folder in (question_dir, context_dir):
+        refuse_custom_code(folder)
+        check_weights_folder(folder)
     try:
         question = DPRQuestionEncoder.from_pretrained(str(question_dir)).question_encoder
         context = DPRContextEncoder.from_pretrained(str(context_dir)).ctx_encoder

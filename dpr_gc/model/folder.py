@@ -38,7 +38,10 @@ from ..engine.loss import TEMPERATURE_RANGE
 from .card import write_model_card
 from .config import RetrieverConfig
 from .dpr_hub import find_dpr_pair, load_dpr
-from .pretrained import check_saveable, load_tokenizer, load_transformer
+from .pretrained import check_saveable, check_tokenizer_fits, load_tokenizer, load_transformer
+from ..base.guard import atomic_folder
+from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number,
+                             positive_int, text)
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +55,41 @@ ST_TYPES = {"Transformer": "sentence_transformers.base.modules.transformer.Trans
             "Dense": "sentence_transformers.base.modules.dense.Dense",
             "Normalize": "sentence_transformers.base.modules.normalize.Normalize",
             "Router": "sentence_transformers.base.modules.router.Router"}
+# the typed fields of each JSON file of a model folder that dpr-gc reads (see dpr_gc.base.validate)
+MODULE_FIELDS = {"path": text(), "type": text(), "name": Field((str, int)), "idx": count()}
+ROUTER_FIELDS = {"structure": Field(dict), "types": Field(dict)}
+TRANSFORMER_FIELDS = {"max_seq_length": positive_int(True), "query_length": positive_int(True),
+                      "document_length": positive_int(True), "do_lower_case": Field(bool)}
+DENSE_FIELDS = {"in_features": positive_int(), "out_features": positive_int(), "bias": Field(bool),
+                "activation_function": text(True)}
+POOLING_FIELDS = {"pooling_mode": text(True), "embedding_dimension": positive_int(True),
+                  **{f"pooling_mode_{m}": Field(bool) for m in ("cls_token", "mean_tokens", "lasttoken", "max_tokens",
+                                                                "mean_sqrt_len_tokens", "weightedmean_tokens")}}
+ST_FIELDS = {"prompts": Field(dict, True), "similarity_fn_name": text(True)}
+RETRIEVER_FIELDS = {"format_version": Field(int), "pooling": text(), "normalize": Field(bool),
+                    "projection_dim": positive_int(True), "shared_encoder": Field(bool),
+                    "query_max_length": positive_int(), "passage_max_length": positive_int(),
+                    "temperature": number(lambda v: v > 0, "a positive number"), "learn_temperature": Field(bool),
+                    "passage_format": text(), "query_prefix": text(), "passage_prefix": text()}
 IDENTITY, TANH = "torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh"
 ROUTES = {"query": "query", "passage": "document"}
 
 
 # ------------------------------------------------------------------------------------------------------- writing
 def save_retriever(retriever: Any, path: str | Path) -> None:
-    """Write ``retriever`` as a format-2 folder (see the module docstring) with its model card."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    """Write ``retriever`` as a format-2 folder (see the module docstring) with its model card, whole or not at all:
+    it is written into a temporary sibling folder that then replaces ``path`` (see :func:`atomic_folder`). An
+    existing non-empty folder that holds no model is refused rather than replaced."""
+    target = Path(path)
+    if target.is_dir() and any(target.iterdir()) and not any(
+            (target / name).is_file() for name in (CONFIG_NAME, "modules.json", "config.json")):
+        raise DprGcError(f"{target} is a folder that holds no saved model; it would be replaced whole, so give a new "
+                         "or empty folder")
+    with atomic_folder(target) as out:
+        _write_retriever(retriever, out)
+
+
+def _write_retriever(retriever: Any, out: Path) -> None:
     config = retriever.config
     shared = retriever.passage_encoder is retriever.query_encoder
     if shared:
@@ -186,8 +215,9 @@ def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return None
-    modules = [(folder / m.get("path", ""), str(m.get("type", "")))
-               for m in read_json_list(modules_file, "sentence-transformers modules")]
+    entries = check_list(read_json_list(modules_file, "sentence-transformers modules"), modules_file,
+                         lambda m, where: check_fields(m, where, MODULE_FIELDS, "a module"), "modules.json")
+    modules = [(inside(folder, m.get("path", ""), modules_file, "path"), m.get("type", "")) for m in entries]
     router = [path for path, kind in modules if _kind(kind) in ("Router", "Asym")]
     if not router:
         tower = _read_tower(modules_file, modules)
@@ -196,13 +226,15 @@ def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
     config_file = router[0] / "router_config.json"
     if not config_file.is_file():
         config_file = router[0] / "config.json"
-    config = read_json_object(config_file)
-    structure, types = config.get("structure", {}), config.get("types", {})
+    config = check_fields(read_json_object(config_file), config_file, ROUTER_FIELDS, "a router config")
+    structure, types = config.get("structure") or {}, config.get("types") or {}
     towers = {}
     for route in ROUTES.values():
         if route not in structure:
             raise DprGcError(f"{config_file}: no {route!r} route; dpr-gc reads query/document routers")
-        route_modules = [(router[0] / name, types.get(name, "")) for name in structure[route]]
+        names = structure[route] if isinstance(structure[route], list) else [None]
+        route_modules = [(inside(router[0], name, config_file, f"structure.{route}"), str(types.get(name, "")))
+                         for name in names]
         towers[route] = _read_tower(config_file, route_modules + tail)
     return towers
 
@@ -217,14 +249,16 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
     tower = Tower(modules[0][0])
     settings_file = tower.transformer / "sentence_bert_config.json"
     if settings_file.is_file():
-        settings = read_json_object(settings_file)
+        settings = check_fields(read_json_object(settings_file), settings_file, TRANSFORMER_FIELDS, "sentence_bert_config.json")
         tower.query_length, tower.document_length = settings.get("query_length"), settings.get("document_length")
         tower.max_seq_length = settings.get("max_seq_length")
     for path, kind in modules[1:]:
         if _kind(kind) == "Pooling":
             tower.pooling = _pooling_mode(path / "config.json")
         elif _kind(kind) == "Dense":
-            tower.dense.append((path, read_json_object(path / "config.json").get("activation_function", TANH)))
+            dense = check_fields(read_json_object(path / "config.json"), path / "config.json", DENSE_FIELDS, "a Dense layer",
+                                 required=("out_features",))
+            tower.dense.append((path, dense.get("activation_function", TANH)))
         elif _kind(kind) == "Normalize":
             tower.normalize = True
         else:
@@ -234,7 +268,8 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
 
 
 def _pooling_mode(config_file: Path) -> str:
-    config = read_json_object(config_file) if config_file.is_file() else {}
+    config = check_fields(read_json_object(config_file), config_file, POOLING_FIELDS, "a Pooling layer") \
+        if config_file.is_file() else {}
     mode = config.get("pooling_mode")
     if mode is None:
         legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
@@ -260,7 +295,11 @@ def config_from_pipeline(folder: Path, towers: dict[str, Tower]) -> RetrieverCon
     if len(dims) > 1 or (dims and len(query.dense) != len(document.dense)):
         raise DprGcError(f"{folder}: the query and document routes have different output sizes")
     settings_file = folder / "config_sentence_transformers.json"
-    prompts = (read_json_object(settings_file).get("prompts") or {}) if settings_file.is_file() else {}
+    prompts = (check_fields(read_json_object(settings_file), settings_file, ST_FIELDS, "sentence-transformers settings")
+               .get("prompts") or {}) if settings_file.is_file() else {}
+    for key, value in prompts.items():
+        if not isinstance(value, str) or not no_lone_surrogates(value):
+            raise DprGcError(f"{settings_file}: prompt {key!r} must be a string, got {type(value).__name__}")
     default = document.document_length or document.max_seq_length or 256
     return RetrieverConfig(pooling=query.pooling, normalize=query.normalize,
                            projection_dim=dims.pop() if dims else None, shared_encoder=query is document,
@@ -274,7 +313,9 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
     query, document = towers["query"], towers["document"]
     q_model = load_transformer(query.transformer)
     p_model = None if query is document else load_transformer(document.transformer)
-    retriever = retriever_cls(q_model, p_model, load_tokenizer(query.transformer), config)
+    tokenizer = load_tokenizer(query.transformer)
+    check_tokenizer_fits(tokenizer, q_model, query.transformer)
+    retriever = retriever_cls(q_model, p_model, tokenizer, config)
     for tower, encoder in ((query, retriever.query_encoder), (document, retriever.passage_encoder)):
         projection = [path for path, activation in tower.dense if activation == IDENTITY]
         if encoder.projection is not None:
@@ -334,7 +375,7 @@ def load_retriever(retriever_cls: Any, folder: Path) -> Any:
     (format 2 or 1), an official DPR pair, a sentence-transformers folder, or else a Hugging Face model name or
     folder."""
     if (folder / CONFIG_NAME).is_file():
-        data = read_json_object(folder / CONFIG_NAME)
+        data = check_fields(read_json_object(folder / CONFIG_NAME), folder / CONFIG_NAME, RETRIEVER_FIELDS, CONFIG_NAME)
         version = data.get("format_version", 1)
         if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
             raise DprGcError(f"{folder / CONFIG_NAME}: format_version {version!r} is not one this dpr-gc reads "

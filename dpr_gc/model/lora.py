@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import pickle
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -23,6 +24,7 @@ from .pretrained import is_adapted, peft_module
 from .retriever import Retriever
 from ..base.files import read_json
 from ..base.settings import add_arguments, check, setting
+from ..base.guard import guarded
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,7 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli)
 
 
+@guarded(inputs=("model",), outputs={"output": "whole"})
 def _cli(args: argparse.Namespace) -> None:
     retriever = Retriever.load(args.model)
     if not merge_lora(retriever):

@@ -7,12 +7,14 @@ loaded as any other), so both live here; training adapters is :mod:`dpr_gc.model
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from ..base.errors import DprGcError
+from ..base.validate import Field, check_fields, check_weights_folder, count, refuse_custom_code, text
 from .hub import check_model_source
 from ..base.files import read_json
 
@@ -23,15 +25,15 @@ WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
 
 def load_transformer(name_or_path: str | Path) -> nn.Module:
     """A Hugging Face model by name or folder; a folder holding a PEFT adapter loads on top of its base model."""
-    import pickle
-
     from transformers import AutoModel
 
+    check_model_folder(name_or_path)
     if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
         return load_adapter_model(Path(name_or_path))
     check_model_source(str(name_or_path))
+    check_weights_folder(name_or_path)
     try:
-        return AutoModel.from_pretrained(str(name_or_path))
+        return check_model_config(AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False), name_or_path)
     except pickle.UnpicklingError as e:
         reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
@@ -39,16 +41,69 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: {(str(e).splitlines() or [type(e).__name__])[0]} "
                          "(give a local folder or a Hugging Face model name reachable from this machine)") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own checks of config.json raise many types
+        reason = " ".join(line.strip() for line in (str(e).splitlines() or [type(e).__name__])[:2])[:300]
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its config.json is not valid ({reason})") from None
+
+
+def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:
+    """The sizes of a loaded model's ``config.json`` that transformers leaves unchecked must be positive."""
+    config = getattr(model, "config", None)
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+                "intermediate_size"):
+        value = getattr(config, key, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DprGcError(f"{Path(name_or_path) / 'config.json'}: {key} must be a positive integer, got {value!r}")
+    return model
+
+
+def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | Path) -> None:
+    """Refuse a tokenizer whose special tokens have ids the model has no embedding for, or that cannot pad."""
+    rows = model.get_input_embeddings().num_embeddings
+    ids = [i for i in tokenizer.all_special_ids if i is not None]
+    if ids and max(ids) >= rows:
+        raise DprGcError(f"{name_or_path}: the tokenizer's special tokens ({', '.join(tokenizer.all_special_tokens)}) "
+                         f"reach id {max(ids)} but the model has {rows} embeddings; fix tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        raise DprGcError(f"{name_or_path}: the tokenizer has no padding (or end-of-sequence) token; set pad_token in "
+                         "tokenizer_config.json")
+
+
+def check_model_folder(name_or_path: str | Path) -> None:
+    """Refuse, in one line, a model path that is a link loop or a folder that asks to run its own code."""
+    path = Path(name_or_path)
+    try:
+        path.stat()
+    except OSError as e:
+        if e.errno == 40 or path.is_symlink():  # ELOOP, or a link to nothing
+            raise DprGcError(f"model {str(name_or_path)!r}: a symbolic link that loops or leads nowhere; "
+                             "point --model at the real folder") from None
+        return  # not a local path: a Hugging Face model name
+    refuse_custom_code(path)
+
+
+def check_tokenizer_file(path: Path) -> None:
+    """The fields of ``tokenizer.json`` the tokenizers library needs, typed (it aborts on a wrong type)."""
+    if not path.is_file():
+        return
+    data = check_fields(read_json(path), path, {"added_tokens": Field(list), "model": Field(dict)},
+                        "tokenizer.json", required=("model",))
+    for i, token in enumerate(data.get("added_tokens") or []):
+        check_fields(token, f"{path} (added_tokens {i})", {"id": count(), "content": text()}, "an added token",
+                     required=("id", "content"))
 
 
 def load_tokenizer(name_or_path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
+    check_model_folder(name_or_path)
+    check_tokenizer_file(Path(name_or_path) / "tokenizer.json")
     check_model_source(str(name_or_path))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-    except (OSError, ValueError) as e:
-        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - the Rust tokenizers library raises plain Exceptions on damaged files
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        raise DprGcError(f"cannot load tokenizer {str(name_or_path)!r}: {reason}") from None
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         # Decoder-only (Llama/Mistral/Qwen2) tokenizers often have no padding token; padded positions are masked,
         # so any id serves, and EOS is the usual choice.
@@ -93,8 +148,15 @@ def load_adapter_model(folder: Path, trainable: bool = False) -> nn.Module:
     if not base:
         raise DprGcError(f"{folder / ADAPTER_CONFIG}: no base_model_name_or_path; cannot tell which model the "
                          "adapter belongs to")
+    if not isinstance(base, str) or (Path(base) / ADAPTER_CONFIG).is_file():
+        raise DprGcError(f"{folder / ADAPTER_CONFIG}: base_model_name_or_path {str(base)[:200]!r} must name a plain "
+                         "model (not an adapter folder, not this folder); point it at the base model")
+    check_weights_folder(folder)
     peft = peft_module()
     try:
         return peft.PeftModel.from_pretrained(load_transformer(base), str(folder), is_trainable=trainable)
+    except pickle.UnpicklingError:
+        raise DprGcError(f"{folder}: the adapter weights are a pickle, which dpr-gc never loads; save the adapter as "
+                         "adapter_model.safetensors") from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise DprGcError(f"cannot load the LoRA adapter in {folder}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None

@@ -25,8 +25,8 @@ from ..engine.loss import Temperature
 from .config import RetrieverConfig
 from .dpr_checkpoints import load_dpr_checkpoint
 from .folder import load_retriever, save_retriever
-from .pretrained import load_tokenizer, load_transformer
-from .tokenize import token_ids
+from .pretrained import check_tokenizer_fits, load_tokenizer, load_transformer
+from .tokenize import check_prefix, token_ids
 from ..base.logs import nested_bar_disabled
 
 logger = logging.getLogger(__name__)
@@ -155,6 +155,9 @@ class Retriever(nn.Module):
             if value is not None and value != getattr(retriever.config, name):
                 logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
                 retriever.config = dataclasses.replace(retriever.config, **{name: value})
+        config = retriever.config
+        check_prefix(retriever.tokenizer, config.query_prefix, "query", config.query_max_length)
+        check_prefix(retriever.tokenizer, config.passage_prefix, "passage", config.passage_max_length)
         return retriever.to(device)
 
     @classmethod
@@ -162,7 +165,9 @@ class Retriever(nn.Module):
         """Start a retriever from a Hugging Face model name or folder (copied twice when the towers are separate)."""
         q_model = load_transformer(name_or_path)
         p_model = None if config.shared_encoder else load_transformer(name_or_path)
-        retriever = cls(q_model, p_model, load_tokenizer(name_or_path), config)
+        tokenizer = load_tokenizer(name_or_path)
+        check_tokenizer_fits(tokenizer, q_model, name_or_path)
+        retriever = cls(q_model, p_model, tokenizer, config)
         retriever.training_info["base_model"] = str(name_or_path)
         return retriever
 

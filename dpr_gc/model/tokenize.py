@@ -16,6 +16,26 @@ from typing import Any, Optional, Sequence
 from ..base.errors import DprGcError
 
 QUERY, PASSAGE = "query", "passage"
+# No tokenizer makes a token of more characters than this (WordPiece turns a longer word into [UNK] at 100), so text
+# beyond max_length * CHARS_PER_TOKEN characters can never reach the model; it is cut before tokenising, so a 100 MB
+# passage costs what a short one does.
+CHARS_PER_TOKEN = 128
+
+
+def cut(text: str, bound: int) -> str:
+    """``text`` cut to ``bound`` characters (see :data:`CHARS_PER_TOKEN`)."""
+    return text if len(text) <= bound else text[:bound]
+
+
+def check_prefix(tokenizer: Any, prefix: str, kind: str, limit: int) -> None:
+    """Refuse a prefix that fills the whole max length: every text would be cut away and all look the same."""
+    if not prefix:
+        return
+    ids = tokenizer(prefix, add_special_tokens=False, truncation=True, max_length=limit)["input_ids"]
+    used = len(ids) + tokenizer.num_special_tokens_to_add()
+    if used >= limit:
+        raise DprGcError(f"--{kind}-prefix {prefix[:60]!r} takes {used} of the {limit} {kind} tokens and leaves none "
+                         f"for the {kind} itself; shorten the prefix or raise --{kind}-max-length")
 
 
 def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
@@ -33,10 +53,13 @@ def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
     if limit < 1:
         raise DprGcError(f"the {kind} max length leaves no room for the EOS token that last-token pooling needs; "
                          "raise --query-max-length / --passage-max-length")
+    check_prefix(tokenizer, config.query_prefix if kind == QUERY else config.passage_prefix, kind, limit)
+    bound = limit * CHARS_PER_TOKEN
+    texts = [cut(t, bound) for t in texts]
     if kind == QUERY:
         encoded = _singles(tokenizer, [config.query_prefix + q for q in texts], limit)
     else:
-        titles = [t or "" for t in titles] if titles is not None else [""] * len(texts)
+        titles = [cut(t or "", bound) for t in titles] if titles is not None else [""] * len(texts)
         if len(titles) != len(texts):
             raise DprGcError(f"{len(titles)} titles for {len(texts)} passage texts")
         encoded = _passages(tokenizer, config, titles, list(texts), limit)

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -25,6 +26,7 @@ from ..data.corpus import dataset_fingerprint, load_corpus
 from ..base.args import device_arg, nonnegative_int, output_dir, positive_int
 from ..base.devices import PRECISIONS, autocast_dtype, cpu_has_native_bf16, default_device, pick_precision
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
 from ..base.locks import locked_folder
 from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_setting, check, device_setting,
@@ -282,6 +284,24 @@ def _remove_parts(out: Path, name: str) -> None:
     (out / f"{name}.parts.json").unlink(missing_ok=True)
 
 
+def _write_npy(path: Path, parts: list[Path], dtype: np.dtype, count: int, dim: int) -> None:
+    """Write the parts one after the other into a ``.npy`` with plain writes: a full disk is then an ``OSError``
+    (one error line), where writing through a memory map of a sparse file dies of SIGBUS."""
+    with open(path, "wb") as f:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count, dim)}
+        np.lib.format.write_array_header_1_0(f, header)
+        rows = 0
+        for p in parts:
+            block = np.load(p, mmap_mode="r")
+            for s in range(0, len(block), 65_536):
+                f.write(np.ascontiguousarray(block[s:s + 65_536], dtype=dtype).tobytes())
+            rows += len(block)
+        if rows != count:
+            raise DprGcError(f"{path.parent}: the part files hold {rows} rows, the shard needs {count}; re-run encode")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _assemble(out: Path, manifest: dict, corpus: Any, parts: list[Path]) -> None:
     """Concatenate part files into the shard ``.npy`` and write the ids, both atomically."""
     count, dim = manifest["count"], manifest["dim"]
@@ -290,14 +310,7 @@ def _assemble(out: Path, manifest: dict, corpus: Any, parts: list[Path]) -> None
             with open(tmp, "wb") as f:
                 np.save(f, np.zeros((0, dim), dtype=manifest["dtype"]))
         else:
-            mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=manifest["dtype"], shape=(count, dim))
-            row = 0
-            for p in parts:
-                block = np.load(p, mmap_mode="r")
-                mm[row:row + len(block)] = block
-                row += len(block)
-            mm.flush()
-            del mm
+            _write_npy(tmp, parts, np.dtype(manifest["dtype"]), count, dim)
     start = manifest["start_row"]
     id_column = corpus.select_columns(["id"])
     with atomic_open(out / manifest["ids"]) as f:
@@ -346,6 +359,7 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
     return manifest, time.perf_counter() - began
 
 
+@guarded(inputs=("model", "corpus"), outputs={"output": "self"})
 def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
     """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
     the flags'): flags to :func:`encode_with_model`, then a summary table."""

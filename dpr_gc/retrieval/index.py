@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 
 from ..base.args import output_dir, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
+from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
 from ..base.files import (PathLike, atomic_open, atomic_path, open_text, read_json, read_json_object, remove_stale_temporaries,
                     write_json)
 from ..base.locks import locked_folder
@@ -37,6 +39,17 @@ INDEX_FILE = "index.faiss"
 META_FILE = "index_meta.json"
 IDS_FILE = "ids.txt"
 FORMAT_VERSION = 1
+INDEX_META_FIELDS = {"format_version": Field(int), "kind": text(), "factory": text(), "metric": text(),
+                     "dim": positive_field(), "ntotal": count(), "params": Field(dict), "model": text(True),
+                     "model_from_index": text(True), "corpus": text(True), "corpus_rows": count(True),
+                     "corpus_fingerprint": text(True), "model_fingerprint": text(True), "pooling": text(True),
+                     "normalize": Field(bool, True), "passage_format": text(True), "query_prefix": text(True),
+                     "passage_prefix": text(True), "shards": Field(list), "trained_on": count(True),
+                     "first_id": text(True), "last_id": text(True), "index_file": Field(list)}
+PARAM_FIELDS = {"kind": text(), "factory": text(True), "pq_nbits": positive_field(True),
+                **{key: positive_field(True) for key in ("ef_search", "nprobe", "hnsw_m", "ef_construction", "nlist",
+                                                         "pq_m")}}
+STAMP_BYTES = 1 << 20
 ENCODING_KEYS = ("model_fingerprint", "dim", "pooling", "normalize", "passage_format")
 # The prefixes the passages were encoded under (encode's flags included); retrieve and mine default to them.
 # Absent from indexes and shards of earlier versions, so they are compared only where both sides record them.
@@ -182,6 +195,7 @@ class DenseIndex:
         (out / META_FILE).unlink(missing_ok=True)
         with atomic_path(out / INDEX_FILE) as tmp:
             _faiss().write_index(self.index, str(tmp))
+        self.meta["index_file"] = file_stamp(out / INDEX_FILE)  # readers pair this metadata with this very file
         if ids is not None:
             n, first, last = 0, None, None
             with atomic_open(out / IDS_FILE) as f:
@@ -207,20 +221,63 @@ class DenseIndex:
         if not meta_path.is_file() or not index_path.is_file():
             raise DprGcError(f"no complete index in {folder} (need {INDEX_FILE} and {META_FILE}); "
                              "build one with 'dpr-gc index --embeddings DIR --output DIR'")
-        meta = read_json(meta_path)
-        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-            raise DprGcError(f"{meta_path}: not a dpr-gc index (format_version {FORMAT_VERSION} expected); rebuild it")
-        try:
-            index = _faiss().read_index(str(index_path))
-        except RuntimeError as e:
-            raise DprGcError(f"{index_path}: cannot read FAISS index ({_faiss_message(e)}); rebuild it") from None
+        index, meta = _read_one_build(meta_path, index_path)
         if index.ntotal != meta.get("ntotal") or index.d != meta.get("dim"):
             raise DprGcError(f"{folder}: {INDEX_FILE} ({index.ntotal} x {index.d}) disagrees with {META_FILE} "
                              f"({meta.get('ntotal')} x {meta.get('dim')}); rebuild the index")
         dense = cls(index, meta)
-        params = meta.get("params", {})
+        params = meta.get("params") or {}
         dense._apply_search_params(params.get("ef_search"), params.get("nprobe"), strict=False)
         return dense
+
+
+def file_stamp(path: Path) -> list:
+    """``[size, digest of the first and last MiB]`` of an index file: another build has another stamp, a copy of
+    the folder keeps it, and reading it costs 2 MiB however large the index."""
+    import hashlib
+
+    size = os.path.getsize(path)
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        digest.update(f.read(STAMP_BYTES))
+        if size > STAMP_BYTES:
+            f.seek(max(STAMP_BYTES, size - STAMP_BYTES))
+            digest.update(f.read(STAMP_BYTES))
+    return [size, digest.hexdigest()]
+
+
+def check_meta(meta: Any, path: PathLike) -> dict:
+    """Typed fields and ranges of ``index_meta.json``."""
+    check_fields(meta, path, INDEX_META_FIELDS, "index metadata", required=("format_version", "ntotal", "dim"))
+    if meta["format_version"] != FORMAT_VERSION:
+        raise DprGcError(f"{path}: not a dpr-gc index (format_version {FORMAT_VERSION} expected); rebuild it")
+    check_fields(meta.get("params") or {}, f"{path} (params)", PARAM_FIELDS, "index parameters")
+    return meta
+
+
+def _read_one_build(meta_path: Path, index_path: Path, attempts: int = 20) -> tuple[Any, dict]:
+    """The FAISS index and the metadata of one and the same build, even while ``index`` rebuilds the folder: the
+    metadata names the index file it was written with (inode, size, mtime), and both are re-checked after reading;
+    a mismatch (a rebuild under way) is retried, then refused."""
+    for _ in range(attempts):
+        meta = check_meta(read_json(meta_path), meta_path)
+        try:
+            before = file_stamp(index_path)
+            index = _faiss().read_index(str(index_path))
+        except RuntimeError as e:
+            raise DprGcError(f"{index_path}: cannot read FAISS index ({_faiss_message(e)}); rebuild it") from None
+        except OSError:
+            before, index = None, None
+        try:
+            same = (before == file_stamp(index_path) and meta == read_json(meta_path)
+                    and meta.get("index_file", before) == before)
+        except (OSError, DprGcError):
+            same = False
+        if same and index is not None:
+            return index, meta
+        time.sleep(0.05)
+    raise DprGcError(f"{index_path.parent}: {META_FILE} does not belong to this {INDEX_FILE} (another run is "
+                     "rebuilding the index, or the folder was assembled from two builds); wait for it, or rebuild")
 
 
 def _faiss_message(error: Exception) -> str:
@@ -337,6 +394,15 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train
             "shards_added": len(todo), **stats, "complete": corpus_rows is None or dense.ntotal == int(corpus_rows)}
 
 
+def check_built_from(dense: "DenseIndex", emb_dir: PathLike, where: PathLike) -> None:
+    """Refuse a saved index that was not built from the embeddings in ``emb_dir`` (another model or corpus)."""
+    first = read_manifests(emb_dir, complete=False)[0]
+    for key in (*ENCODING_KEYS, "corpus_rows", "corpus_fingerprint"):
+        if key in dense.meta and key in first and dense.meta[key] != first[key]:
+            raise DprGcError(f"the index in {where} was built with {key}={dense.meta[key]!r} but the embeddings in "
+                             f"{emb_dir} have {first[key]!r}; delete the old index or give another --index_path")
+
+
 def index_exists(folder: Optional[PathLike]) -> bool:
     """Whether ``folder`` holds a finished index (its metadata is written last)."""
     return folder is not None and (Path(folder) / META_FILE).is_file()
@@ -349,7 +415,7 @@ def meta_path(folder: PathLike) -> Path:
 
 def read_meta(folder: PathLike) -> dict[str, Any]:
     """The metadata of the index in ``folder`` (model, corpus, encoding settings) without loading the index."""
-    return read_json_object(meta_path(folder), "index metadata")
+    return check_meta(read_json_object(meta_path(folder), "index metadata"), meta_path(folder))
 
 
 # ----------------------------------------------------------------------------------------------- command line
@@ -377,6 +443,7 @@ def params_from_args(args: argparse.Namespace) -> IndexParams:
     return from_args(IndexParams, args)
 
 
+@guarded(inputs=("embeddings",), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     summary = build_index(args.embeddings, args.output, params_from_args(args), train_sample=args.train_sample,

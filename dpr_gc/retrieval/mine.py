@@ -33,6 +33,7 @@ from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int)
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import ChunkedOutput, PathLike, file_identity, require_file
 from ..base.locks import output_lock
 from ..base.settings import (add_arguments, cache_dir_setting, check, device_setting, from_args, group,
@@ -459,6 +460,8 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     return DenseSource(retriever, dense, batch_size)
 
 
+@guarded(inputs=("train_file", "beir_dir", "corpus", "model", "index", "embeddings", "bm25_index", "qrels"),
+         outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     from ..data.corpus import load_corpus
     from ..data.training import find_beir_file

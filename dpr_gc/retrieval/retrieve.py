@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..evaluation.answers import MATCH_MODES, AnswerMatcher, default_workers
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.logs import nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
 from ..base.files import PathLike
@@ -384,6 +385,7 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     return metrics
 
 
+@guarded(inputs=("index", "model", "corpus", "queries", "qrels"), outputs={"output": "file", "trec_run": "file"})
 def _retrieve_cli(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     index = DenseIndex.read(args.index)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..base.errors import DprGcError
 from ..base.files import PathLike, open_text, read_json_object
+from ..base.validate import Field, check_fields, count, inside, positive_int, text
 
 MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
 PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
@@ -42,6 +43,14 @@ def resolve_shard(shard_id: Optional[int], num_shards: Optional[int]) -> tuple[i
     return shard_id, num_shards
 
 
+MANIFEST_FIELDS = {"start_row": count(), "count": count(), "shard_id": count(), "num_shards": positive_int(),
+                   "dim": positive_int(), "embeddings": text(), "ids": text(), "corpus_rows": count(True),
+                   "model": text(True), "corpus": text(True), "dtype": text(True), "max_length": positive_int(True),
+                   "passage_prefix": text(True), "query_prefix": text(True), "pooling": text(True),
+                   "normalize": Field(bool, True), "passage_format": text(True), "corpus_fingerprint": text(True),
+                   "model_fingerprint": text(True)}
+
+
 def read_manifest(path: Path) -> dict:
     """A finished shard's manifest, checked for the fields indexing relies on."""
     manifest = read_json_object(path, "an encode manifest")
@@ -50,6 +59,12 @@ def read_manifest(path: Path) -> dict:
         if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
             raise DprGcError(f"{path}: not an encode manifest ({key!r} missing or not {kind.__name__}); "
                              "delete it and re-run that encode shard")
+    check_fields(manifest, path, MANIFEST_FIELDS, "an encode manifest")
+    if manifest["shard_id"] >= manifest["num_shards"]:
+        raise DprGcError(f"{path}: shard_id {manifest['shard_id']} is not below num_shards {manifest['num_shards']}; "
+                         "delete it and re-run that encode shard")
+    for key in ("embeddings", "ids"):
+        inside(path.parent, manifest[key], path, key)
     return manifest
 
 

@@ -16,12 +16,15 @@ from torch import nn
 
 from ..base.errors import DprGcError
 from ..base.files import atomic_open, read_json, read_tensors
+from ..base.validate import Field, check_fields, count
 from ..model.retriever import Retriever
 
 logger = logging.getLogger(__name__)
 
 
 STATE_JSON = "train_state.json"
+STATE_FIELDS = {"step": count(), "optimizer": Field(dict, True), "scheduler": Field(dict), "scaler": Field(dict),
+                "sampler": Field(dict), "record": Field(dict, True), "best": Field(list)}
 SHARDED = "sharded"  # a checkpoint's FSDP weights and optimizer state (torch.distributed.checkpoint)
 STATE_TENSORS = "train_state.safetensors"
 LEGACY_STATE = "state.pt"
@@ -97,6 +100,10 @@ def read_state(folder: Path) -> dict:
         state = None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise DprGcError(f"{folder / STATE_JSON}: not a dpr-gc training state; resume from another checkpoint")
+    check_fields(state, folder / STATE_JSON, STATE_FIELDS, "a training state",
+                 required=("scheduler", "scaler", "sampler", "best"))
+    if len(state["best"]) != 2:
+        raise DprGcError(f"{folder / STATE_JSON}: 'best' must be [value, path]; resume from another checkpoint")
     return state
 
 
@@ -149,11 +156,7 @@ class Checkpointer:
         self.best_value, self.best_path = float(value), str(self.out / "best")
         retriever = export()
         if self.is_main:
-            tmp = self.out / ".best.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            retriever.save(tmp)
-            shutil.rmtree(self.out / "best", ignore_errors=True)
-            tmp.rename(self.out / "best")
+            retriever.save(self.out / "best")  # whole or not at all (a temporary sibling renamed into place)
             logger.info("new best dev %s %.4f at step %d -> %s", self.metric, value, step, self.best_path)
 
     def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
@@ -196,8 +199,20 @@ class Checkpointer:
 
     def load(self, resume: str, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any,
              device: torch.device) -> dict:
+        """Restore a checkpoint; ``latest`` whose files are damaged (an interrupted copy, a full disk) falls back to
+        the previous finished checkpoint, saying so."""
         path = self.resolve(resume)
-        state = read_state(path)
+        older = self.checkpoints()[:-1] if resume == "latest" else []
+        while True:
+            try:
+                state = read_state(path)
+                saved = Retriever.load(path / "model") if self.sharded is None else None
+                break
+            except DprGcError as e:
+                if not older:
+                    raise
+                logger.warning("%s is damaged (%s); resuming from the previous checkpoint %s", path, e, older[-1])
+                path = older.pop()
         if (self.sharded is None) == (path / SHARDED).is_dir():
             written = "with" if self.sharded is None else "without"
             raise DprGcError(f"{path}: this checkpoint was written {written} --fsdp; resume it the same way")
@@ -207,7 +222,7 @@ class Checkpointer:
 
                 load_sharded(path / SHARDED, self.sharded, optimizer)
             else:
-                retriever.load_state_dict(Retriever.load(path / "model").state_dict())
+                retriever.load_state_dict(saved.state_dict())
                 optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             scaler.load_state_dict(state["scaler"])

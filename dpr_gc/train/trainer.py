@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..data.training import Collator, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
 from ..engine.grad_cache import GradCache
@@ -507,5 +508,6 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_train)
 
 
+@guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
 def _cli_train(args: Any) -> None:
     train(config_from_args(args))

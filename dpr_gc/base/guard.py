@@ -1,0 +1,189 @@
+"""The output guard every stage and script runs under: one lock per output, no output that is an input or another
+output of the same run, and whole-folder replacement.
+
+A stage declares which of its command-line destinations are inputs and which are outputs (:func:`guarded`); before
+the stage runs, every output is compared with every input and with the other outputs by what it resolves to
+(``realpath``) and, for paths that exist, by ``(st_dev, st_ino)`` -- so a symlink or a hard link to an input is
+refused too -- and a folder replaced whole may not hold an input. Then each output is locked (``flock``; a second run
+on the same output is refused at once) unless the stage takes its own finer lock (``"self"``). Files are written
+atomically by :mod:`dpr_gc.base.files`; folders by :func:`atomic_folder`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+
+from .errors import DprGcError
+from .files import PathLike
+from .locks import exclusive_lock, locked_folder, output_lock
+
+# How an output is locked: a lock file beside it ("file": files, and folders replaced whole), a lock file inside it
+# ("folder": folders written into), or by the stage itself ("self": e.g. one lock per shard).
+LOCK_MODES = ("file", "folder", "whole", "self")
+FOLDER_LOCK = ".dpr-gc.lock"
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _paths(value: Any) -> list[Path]:
+    if value is None or value == "":
+        return []
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _paths(v)]
+    return [Path(os.fspath(value))] if isinstance(value, (str, os.PathLike)) else []
+
+
+def _identity(path: Path) -> tuple[str, Optional[tuple[int, int]]]:
+    """What ``path`` resolves to: its real path, and ``(st_dev, st_ino)`` when it exists (hard links share it)."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(path)
+        return real, (st.st_dev, st.st_ino)
+    except OSError:
+        return real, None
+
+
+def _same(a: tuple[str, Any], b: tuple[str, Any]) -> bool:
+    return a[0] == b[0] or (a[1] is not None and a[1] == b[1])
+
+
+def _inside(inner: tuple[str, Any], folder: Path) -> bool:
+    """Whether the path identified by ``inner`` lies inside ``folder`` (also through links to it)."""
+    real = os.path.realpath(folder)
+    return os.path.commonpath([inner[0], real]) == real and inner[0] != real
+
+
+def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: Iterable[str] = ()) -> None:
+    """Refuse any output that resolves to an input or to another output (``{flag: path or paths}``), and any
+    input inside an output folder named in ``whole`` (such folders are replaced as a whole)."""
+    ins = [(flag, p, _identity(p)) for flag, value in inputs.items() for p in _paths(value)]
+    outs = [(flag, p, _identity(p)) for flag, value in outputs.items() for p in _paths(value)]
+    for i, (flag, path, ident) in enumerate(outs):
+        for in_flag, in_path, in_ident in ins:
+            if _same(ident, in_ident):
+                raise DprGcError(f"{flag} {path} is the input {in_flag} {in_path} (same file or a link to it); "
+                                 "write the output somewhere else, inputs are never overwritten")
+            if flag in whole and _inside(in_ident, path):
+                raise DprGcError(f"{flag} {path} holds the input {in_flag} {in_path} and would be replaced whole; "
+                                 "write the output somewhere else")
+        for other_flag, other_path, other_ident in outs[:i]:
+            if _same(ident, other_ident):
+                raise DprGcError(f"{flag} {path} and {other_flag} {other_path} are the same file; give each output "
+                                 "its own path")
+
+
+@contextlib.contextmanager
+def output_locks(outputs: Mapping[str, tuple[Any, str]]) -> Iterator[None]:
+    """Hold one lock per output (``{flag: (path, mode)}``, modes in :data:`LOCK_MODES`) for the block. Under
+    ``torchrun`` only rank 0 locks (every rank runs the same command on the same output)."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for flag, (value, mode) in outputs.items():
+            for path in _paths(value):
+                if mode == "folder":
+                    if not path.exists():  # a run that writes nothing there leaves no empty folder behind
+                        stack.callback(_remove_if_empty, path)
+                    stack.enter_context(locked_folder(path, FOLDER_LOCK, f"{flag} {path}"))
+                elif mode == "file":
+                    stack.enter_context(output_lock(path))
+                elif mode == "whole":
+                    stack.enter_context(exclusive_lock(path.with_name(f".{path.name}.lock"), f"{flag} {path}"))
+                    remove_stale_folders(path.parent, path.name)
+        yield
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _split(entry: str) -> tuple[str, str]:
+    """``"dest"`` or ``"dest=--flag"`` (when the flag's name is not the destination's)."""
+    dest, _, flag = entry.partition("=")
+    return dest, flag or _flag(dest)
+
+
+def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = None) -> Callable:
+    """Decorate a stage's command function ``f(args, ...)``: ``inputs`` are the ``args`` destinations it reads,
+    ``outputs`` maps each destination it writes to its lock mode (see :data:`LOCK_MODES`); an entry may be written
+    ``"dest=--flag"`` to name the flag in messages. Checks, then locks, then runs."""
+    outputs = dict(outputs or {})
+    bad = set(outputs.values()) - set(LOCK_MODES)
+    if bad:
+        raise ValueError(f"unknown lock modes {sorted(bad)}")
+    ins = [_split(e) for e in inputs]
+    outs = [(*_split(e), mode) for e, mode in outputs.items()]
+
+    def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(run)
+        def guarded_run(args: Any, *more: Any, **named: Any) -> Any:
+            check_outputs({flag: getattr(args, dest, None) for dest, flag in ins},
+                          {flag: getattr(args, dest, None) for dest, flag, _ in outs},
+                          whole=[flag for _, flag, mode in outs if mode == "whole"])
+            with output_locks({flag: (getattr(args, dest, None), mode) for dest, flag, mode in outs}):
+                return run(args, *more, **named)
+
+        return guarded_run
+
+    return wrap
+
+
+# --------------------------------------------------------------------------------------------- whole folders
+@contextlib.contextmanager
+def atomic_folder(path: PathLike) -> Iterator[Path]:
+    """Yield a new temporary folder beside ``path``; when the block succeeds it replaces ``path`` (rename into place,
+    the old folder moved aside first and then deleted), otherwise it is deleted. A kill at any moment leaves the old
+    folder or none under ``path`` (plus a hidden ``.NAME.*`` sibling), never a half-written one.
+
+    An existing ``path`` that is a file is refused before anything is written.
+    """
+    final = Path(path)
+    if final.exists() and not final.is_dir():
+        raise DprGcError(f"{final} is a file; give a folder")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".new", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    try:
+        yield tmp
+        old = None
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+            os.rmdir(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_folders(parent: PathLike, name: str) -> list[Path]:
+    """Delete the ``.NAME.*.new`` / ``.NAME.*.old`` folders a killed :func:`atomic_folder` left (call it holding the
+    lock that guards ``NAME``)."""
+    removed = []
+    root = Path(parent)
+    if root.is_dir():
+        for suffix in (".new", ".old"):
+            for stale in root.glob(f".{name}.*{suffix}"):
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                    removed.append(stale)
+    return removed
