@@ -7,6 +7,7 @@ every process it started is killed, so no rank outlives its test.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RANK_LIMIT_S = 420.0
@@ -22,9 +24,20 @@ RANK_LIMIT_S = 420.0
 
 def _run_rank(rank: int, worker: Callable[..., None], args: tuple) -> None:
     worker(rank, *args)
+    leave_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def leave_group() -> None:
+    """Tear the process group down after the worker's frame is gone: its DDP wrappers are freed first (a wrapper
+    freed after the group is destroyed is gloo's last owner, and its destructor can deadlock joining a thread), then
+    the ranks meet and the group is destroyed."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, limit_s: float = RANK_LIMIT_S) -> None:

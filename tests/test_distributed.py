@@ -111,9 +111,6 @@ def worker(rank: int, tmp: str, shared: bool, learn_t: bool) -> None:
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("shared,learn_t", [(True, True), (False, False)])

@@ -174,9 +174,6 @@ def distributed_worker(rank: int, tmp: str) -> None:
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_distributed_loss_masks_duplicates_across_ranks(tmp_path, monkeypatch):

@@ -97,7 +97,6 @@ def worker(rank: int, tmp: str, model: str, dev: str, world: int) -> None:
         limits = V.DevLimits(max_questions=7, hard_negatives=3, other_negatives=0, batch_size=4)
         metrics = V.evaluate_dev(Retriever.load(model), dev, limits, f"{tmp}/cache-{rank}")
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(metrics))
-        dist.destroy_process_group()
     except Exception:
         Path(tmp, f"error{rank}").write_text(traceback.format_exc())
         raise
