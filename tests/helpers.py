@@ -10,7 +10,10 @@ import json
 import random
 import string
 import shutil
+import contextlib
+import io
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -181,3 +184,14 @@ def train_argv(trained: dict, run: Path, resume: str) -> list:
     return ["train", "--train", trained["train"], "--output", run, "--model", trained["model"], "--batch-size", 8,
             "--num-workers", 0, "--max-steps", 3, "--q_chunk_size", 3, "--ctx_chunk_size", 5, "--pooling", "mean",
             "--cache-dir", trained["dir"] / "cache", "--resume", resume]
+
+
+def call(main: Callable[[list[str]], int], argv: Sequence[Any]) -> tuple[int, str]:
+    """Run an entry point's ``main(argv)`` in-process; return its exit status and what it wrote to stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, err.getvalue()

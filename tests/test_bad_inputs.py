@@ -26,7 +26,7 @@ import torch
 
 import struct
 import numpy as np
-from tests.helpers import copy_run, train_argv
+from tests.helpers import call, copy_run, train_argv
 from dpr_gc.base.guard import atomic_folder, check_outputs
 from dpr_gc.base.locks import exclusive_lock
 from dpr_gc.model import card, folder as model_folder
@@ -86,17 +86,6 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any) -> dict
     return {"root": root, "model": root / "model", "corpus": root / "corpus.tsv", "emb": root / "emb",
             "idx": root / "idx", "qa": root / "qa.tsv", "queries": root / "queries.jsonl", "qrels": root / "qrels.tsv",
             "run": root / "run.trec", "results": root / "results.json", "train": root / "train.json"}
-
-
-def call(main: Callable[[list[str]], int], argv: Sequence[Any]) -> tuple[int, str]:
-    """Run an entry point's ``main(argv)`` in-process; return its exit status and what it wrote to stderr."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, err.getvalue()
 
 
 def messages(err: str) -> list[str]:

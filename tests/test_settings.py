@@ -22,20 +22,10 @@ from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.train.config import (SETTINGS_FILE, DataConfig, OptimConfig, RunConfig, TrainConfig, compare_recorded,
                                  config_from_args)
 from dpr_gc.train.trainer import train
-from tests.helpers import tiny_bert, write_vocab
+from tests.helpers import call, tiny_bert, write_vocab
 from tests.train_data import make_records, write_dpr
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def call(main: Callable[[list[str]], int], argv: Sequence[Any]) -> tuple[int, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, err.getvalue()
 
 
 def error_line(code: int, err: str) -> str:

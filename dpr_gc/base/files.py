@@ -234,18 +234,19 @@ def read_json(path: PathLike) -> Any:
 
 def read_json_object(path: PathLike, what: str = "JSON file") -> dict:
     """Read a JSON file that must hold an object (manifests, metadata, configs)."""
-    obj = read_json(path)
-    if not isinstance(obj, dict):
-        raise DprGcError(f"{path}: expected a JSON object ({what}), got a {type(obj).__name__}; "
-                         "the file is damaged or not one dpr-gc wrote")
-    return obj
+    return _read_json_of(path, dict, what)
 
 
 def read_json_list(path: PathLike, what: str = "JSON file") -> list:
     """Read a JSON file that must hold a list (a sentence-transformers ``modules.json``)."""
+    return _read_json_of(path, list, what)
+
+
+def _read_json_of(path: PathLike, kind: type, what: str) -> Any:
     obj = read_json(path)
-    if not isinstance(obj, list):
-        raise DprGcError(f"{path}: expected a JSON list ({what}), got a {type(obj).__name__}; "
+    if not isinstance(obj, kind):
+        noun = "object" if kind is dict else "list"
+        raise DprGcError(f"{path}: expected a JSON {noun} ({what}), got a {type(obj).__name__}; "
                          "the file is damaged or not one dpr-gc wrote")
     return obj
 
