@@ -94,7 +94,9 @@ def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any,
 
 
 def run_one(cfg: dict) -> dict:
-    """One warm-up step, then ``steps`` timed steps (median) under the precision's autocast; the peak of them all."""
+    """One warm-up step, then ``steps`` timed steps (median) under the precision's autocast; the peak of the timed
+    steps above the memory held after the warm-up (gradients freed), so one-time costs of the first step and what each
+    library's imports hold are not counted."""
     torch.set_num_threads(cfg["threads"])
     device = torch.device(cfg["device"])
     torch.manual_seed(cfg["seed"])
@@ -103,10 +105,11 @@ def run_one(cfg: dict) -> dict:
     with autocast:
         step, module, engine = build(cfg, device)
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        meter = PeakMemory(device)
-        meter.start()
         module.zero_grad(set_to_none=True)
         step()
+        module.zero_grad(set_to_none=True)
+        meter = PeakMemory(device)
+        meter.start()
         times = []
         for _ in range(cfg["steps"]):
             module.zero_grad(set_to_none=True)
@@ -248,11 +251,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     for note in notes:
         logger.warning(note)
     report = {"machine": machine_info(device, threads), "settings": vars(args), "notes": notes, "runs": []}
+    output = args.output or str(ROOT / "benchmarks" / "results" / f"frontier-{device}.json")
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         if args.tiny:
             model = tiny_model(Path(tmp))
         else:
-            from dpr_gc.model.retriever import default_model_path
+            from dpr_gc.model.pretrained import default_model_path
 
             model = default_model_path()
         for shape in args.shapes.split(","):
@@ -267,8 +271,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 report["runs"].append({"shape": shape, "precision": precision, **result})
                 for row in result["comparison"]:
                     logger.info("%s %s: %s", shape, precision, json.dumps(row))
-    output = args.output or str(ROOT / "benchmarks" / "results" / f"frontier-{device}.json")
-    write_json(output, report)
+                write_json(output, report)  # after each shape and precision: a run cut short keeps what it finished
     logger.info("wrote %s", output)
 
 

@@ -401,7 +401,7 @@ def settings_from(args: argparse.Namespace, settings_class: type, quick: dict) -
 def open_work(args: argparse.Namespace, name: str, settings: Any, free: tuple = ()) -> tuple[Path, Path, str]:
     """The work folder (refusing one made with other settings but the ``free`` ones, which only add or drop
     commands), the results path and the base model."""
-    from dpr_gc.model.retriever import default_model_path
+    from dpr_gc.model.pretrained import default_model_path
 
     suffix = "-quick" if args.quick else ""
     work = Path(args.output or ROOT / "runs" / f"{name}{suffix}").resolve()

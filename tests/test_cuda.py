@@ -123,3 +123,38 @@ def test_peak_memory_follows_the_chunk_not_the_batch(tiny_tokenizer):
     small = peak_step_bytes(wide_retriever(tiny_tokenizer), 16, 4)
     large = peak_step_bytes(wide_retriever(tiny_tokenizer), 256, 4)
     assert large < 1.3 * small, (small, large)
+
+
+def peak_bytes(step) -> int:
+    """Peak CUDA memory of ``step()`` above what was allocated before it (after one warm-up call)."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_budget_for_the_whole_batch_costs_no_more_than_plain_training(tiny_tokenizer, precision):
+    """Keeping every chunk's graph is plain training in chunks: one backward over all kept graphs frees each as it
+    goes, and under bf16 the chunks share autocast's weight copies, so the peak is plain training's (+10%)."""
+    retriever, q, p = on_cuda(wide_retriever(tiny_tokenizer), 64, 1, seed=6)
+    modules, loss_fn, bf16 = models_of(retriever), SimpleContrastiveLoss(1), precision == "bf16"
+
+    def plain() -> None:
+        zero(modules)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            reps = modules[0](**q), modules[1](**p)
+        loss_fn(*reps).backward()
+
+    engine = GradCache(modules, 4, loss_fn, bf16=bf16, memory_budget=10**12)
+
+    def kept() -> None:
+        zero(modules)
+        engine(q, p)
+
+    plain_peak, kept_peak = peak_bytes(plain), peak_bytes(kept)
+    assert sum(engine.last_step.kept) == sum(engine.last_step.chunks)
+    assert kept_peak <= 1.1 * plain_peak, (plain_peak, kept_peak)

@@ -3,13 +3,16 @@ gradient, the graph accounting is exact, and peak graph memory stays within the 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpr_gc import GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
-from dpr_gc.engine.budget import GraphMeter, fixed_storages, parse_memory, resolve_budget
+from dpr_gc.engine.budget import BudgetLedger, GraphMeter, fixed_storages, parse_memory, resolve_budget
 from dpr_gc.engine.chunking import length_order, split_by_tokens, take_rows, token_spans
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.lora import LoraSettings, apply_lora
@@ -190,3 +193,84 @@ def test_measured_graph_is_freed_without_the_garbage_collector():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_meters_free_the_graphs_they_measured_without_the_garbage_collector(make_retriever):
+    """Each replayed chunk's meter (holding the storages its graph saved) goes as soon as the chunk is done: were
+    it held by its own hooks until a collection, every replayed graph would stay in memory until then."""
+    import gc as collector
+
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    q, p = make_batch(retriever, 8, 1, seed=4)
+    collector.collect()
+    collector.disable()
+    try:
+        GradCache(modules, CHUNK, SimpleContrastiveLoss(1), memory_budget=0)(q, p)
+        assert not [o for o in collector.get_objects() if isinstance(o, GraphMeter)]
+    finally:
+        collector.enable()
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts the casts of each of ``params`` (autocast's low-precision weight copies)."""
+
+    def __init__(self, params) -> None:
+        super().__init__()
+        self.ptrs = {param.data_ptr() for param in params}
+        self.casts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
+            self.casts[args[0].data_ptr()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("budget", [0, 10**12])
+def test_one_weight_copy_per_pass_under_autocast(make_retriever, budget):
+    """Under bf16 each weight is cast once per pass (first pass, replay), not once per chunk: the chunks, and every
+    graph kept from the first pass, share autocast's copy, and the budget counts it once."""
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    q, p = make_batch(retriever, 8, 1, seed=5)
+    engine = GradCache(modules, CHUNK, SimpleContrastiveLoss(1), bf16=True, memory_budget=budget)
+    trained = [param for param in retriever.parameters() if param.requires_grad]  # autocast caches these only
+    with WeightCasts(trained) as counter:
+        engine(q, p)
+    passes = 1 if budget else 2
+    assert counter.casts and max(counter.casts.values()) == passes, counter.casts
+    copies = sum(2 * param.numel() for param in trained if param.data_ptr() in counter.casts)
+    report = engine.last_step
+    assert sum(report.chunks) > 4 and report.kept_bytes < copies + report.largest_graph * sum(report.chunks)
+
+
+def test_ledger_counts_shared_weight_copies_once():
+    copy = torch.zeros(1000).untyped_storage()
+    ledger = BudgetLedger(10**9, {})
+    assert ledger.measured(0, 10, 400, {copy.data_ptr(): copy})
+    assert ledger.measured(0, 10, 400, {copy.data_ptr(): copy})
+    assert ledger.report.kept_bytes == 800 + 4000 and ledger.per_token[0] == 40
+
+
+@pytest.mark.parametrize("budget", ["half", "whole batch"])
+def test_later_steps_join_the_chunks_a_budget_holds(make_retriever, budget):
+    """From the second step on, leading chunks whose graphs the budget is predicted to hold run as one chunk (the
+    bytes per token measured before): fewer chunks, the same full-batch gradient; the last chunk stays its own."""
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 12, 1, seed=8)
+    expected = reference_grads(modules, loss_fn, q, p)
+    largest, total = graph_sizes(modules, loss_fn, q, p, sort_by_length=True)
+    engine = GradCache(modules, CHUNK, loss_fn, sort_by_length=True,
+                       memory_budget=total // 2 if budget == "half" else 2 * total)
+    counts = []
+    for _ in range(2):
+        zero(modules)
+        engine(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
+        counts.append(list(engine.last_step.chunks))
+        assert engine.last_step.peak_graph_bytes <= engine.last_step.budget + largest
+    assert counts[0] == [4, 8] and sum(counts[1]) < sum(counts[0]), counts
+    if budget == "whole batch":
+        assert counts[1] == [2, 2] and engine.last_step.kept == [2, 2], counts

@@ -97,23 +97,46 @@ def fixed_storages(modules: Iterable[nn.Module]) -> set[int]:
     return found
 
 
+# Autograd nodes between a parameter and its autocast copy (a cast, then views such as the transpose a linear saves).
+_CAST_OR_VIEW = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                           "ReshapeAliasBackward0", "ExpandBackward0", "UnsqueezeBackward0", "AliasBackward0"})
+
+
+def casts_a_parameter(t: torch.Tensor) -> bool:
+    """True when ``t`` is a low-precision copy of a parameter (or a view of one) made by autocast: its autograd
+    history is a cast, possibly behind views, of a leaf. Autocast keeps one such copy per weight for as long as its
+    outermost context is open, shared by every graph made inside it."""
+    node, cast = t.grad_fn, False
+    while node is not None and type(node).__name__ in _CAST_OR_VIEW:
+        cast = cast or type(node).__name__ == "ToCopyBackward0"
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return cast and node is not None and type(node).__name__ == "AccumulateGrad"
+
+
 class GraphMeter:
     """Measure the memory a forward's autograd graph holds: inside the block every tensor saved for backward is
     recorded by its storage; :meth:`nbytes` sums the distinct storages (those of ``exclude`` left out), at their
-    size when it is called (FSDP frees its gathered parameters after the forward: they count 0)."""
+    size when it is called (FSDP frees its gathered parameters after the forward: they count 0). Autocast's weight
+    copies are recorded apart, in :attr:`weight_copies`: every graph of one autocast context shares them, so the
+    ledger counts each once, not once per chunk."""
 
     def __init__(self, exclude: set[int]) -> None:
         self.exclude = exclude
         self.storages: dict[int, Any] = {}
+        self.weight_copies: dict[int, Any] = {}
         self.loose = 0  # tensors without a storage of their own, counted by their elements
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks: Optional[Any] = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = _storage(t)
         if storage is None:
             self.loose += t.numel() * t.element_size()
         elif storage.data_ptr() not in self.exclude:
-            self.storages.setdefault(storage.data_ptr() or id(storage), storage)
+            found = self.weight_copies if casts_a_parameter(t) else self.storages
+            found.setdefault(storage.data_ptr() or id(storage), storage)
         # Detached: a saved output kept as itself would hold its own grad_fn (a reference cycle that only the
         # garbage collector frees, so every measured graph would outlive its backward).
         return t.detach()
@@ -124,16 +147,23 @@ class GraphMeter:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        # The hooks hold this meter (through ``_pack``): dropped here, so that ``del meter`` frees the recorded
+        # storages at once instead of when the garbage collector finds the cycle (a replayed graph's worth each).
+        self._hooks = None
 
     def nbytes(self, output: Optional[torch.Tensor] = None) -> int:
-        """Bytes of the saved storages, plus ``output``'s own storage when it is not one of them (the kept
-        representation lives as long as the graph)."""
+        """Bytes of the saved storages other than weight copies, plus ``output``'s own storage when it is not one of
+        them (the kept representation lives as long as the graph)."""
         storages = dict(self.storages)
         if output is not None:
             storage = _storage(output)
             if storage is not None and storage.data_ptr() not in self.exclude:
                 storages.setdefault(storage.data_ptr() or id(storage), storage)
         return sum(s.nbytes() for s in storages.values()) + self.loose
+
+    def copies_nbytes(self) -> int:
+        """Bytes of the autocast weight copies the graph saved (shared with every other graph of the context)."""
+        return sum(s.nbytes() for s in self.weight_copies.values())
 
 
 @dataclasses.dataclass
@@ -172,20 +202,27 @@ class BudgetLedger:
         self.report = StepMemory(budget=budget)
         self.per_token = per_token
         self.held = 0
+        self.copies: set[int] = set()  # the autocast weight copies that kept graphs hold (counted in ``held``)
 
     def worth_trying(self, m: int, tokens: int) -> bool:
         if self.report.budget <= self.held:
             return False
         return m not in self.per_token or self.per_token[m] * tokens <= self.report.budget - self.held
 
-    def measured(self, m: int, tokens: int, nbytes: int, force: bool = False) -> bool:
-        """Record a measured chunk graph; True when it is kept (it fits, or ``force``: the kept last chunk)."""
+    def measured(self, m: int, tokens: int, nbytes: int, copies: Optional[dict[int, Any]] = None,
+                 force: bool = False) -> bool:
+        """Record a measured chunk graph (``nbytes`` of its own, and the autocast weight copies it shares); True when
+        it is kept (it fits, or ``force``: the kept last chunk). Weight copies count once, with the first kept graph
+        that holds them; the bytes per token that predict later chunks leave them out."""
+        new_copies = {ptr: s for ptr, s in (copies or {}).items() if ptr not in self.copies}
+        cost = nbytes + sum(s.nbytes() for s in new_copies.values())
         self.per_token[m] = max(self.per_token.get(m, 0.0), nbytes / max(1, tokens))
-        self.report.largest_graph = max(self.report.largest_graph, nbytes)
-        self.report.peak_graph_bytes = max(self.report.peak_graph_bytes, self.held + nbytes)
-        keep = force or self.held + nbytes <= self.report.budget
+        self.report.largest_graph = max(self.report.largest_graph, cost)
+        self.report.peak_graph_bytes = max(self.report.peak_graph_bytes, self.held + cost)
+        keep = force or self.held + cost <= self.report.budget
         if keep:
-            self.held += nbytes
+            self.held += cost
+            self.copies.update(new_copies)
             self.report.kept_bytes = self.held
         return keep
 

@@ -101,6 +101,26 @@ def split_by_tokens(model_input: Any, max_rows: int, max_tokens: int, trim: bool
     return [slice_rows(model_input, s, e) for s, e in spans]
 
 
+def merge_leading(model_input: Any, chunks: list[Any], max_tokens: int, trim: bool = True) -> list[Any]:
+    """Join the leading chunks of ``model_input`` (row slices in order; never the last one) into one chunk while
+    its rows times its longest sequence (the full width untrimmed) stay within ``max_tokens``: fewer, larger chunks
+    where memory allows. Inputs without a 2-D attention mask, and a join of fewer than two chunks, stay as they are."""
+    lengths = sequence_lengths(model_input)
+    if lengths is None:
+        return chunks
+    width = model_input["attention_mask"].size(1)
+    rows, longest, joined = 0, 0, 0
+    for chunk in chunks[:-1]:
+        n = rows_in(chunk) or 0
+        wider = max(longest, int(lengths[rows:rows + n].max())) if trim else width
+        if (rows + n) * wider > max_tokens:
+            break
+        rows, longest, joined = rows + n, wider, joined + 1
+    if joined < 2:
+        return chunks
+    return [slice_rows(model_input, 0, rows)] + chunks[joined:]
+
+
 def chunk_tokens(chunk: Any) -> int:
     """Tokens a chunk computes: rows times its sequence width (after trimming), or its rows without a 2-D input."""
     tensors = [t for t in tensors_in(chunk) if t.dim() >= 2]

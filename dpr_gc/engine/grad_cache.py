@@ -33,14 +33,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, fixed_storages, parse_memory,
                      resolve_budget)
-from .chunking import (call_model, chunk_tokens, length_order, pad_sequence_dim, rows_in, split_by_tokens, split_input,
-                       take_rows, tensors_in, to_device, trim_padding, trimmed_width)
+from .chunking import (call_model, chunk_tokens, length_order, merge_leading, pad_sequence_dim, rows_in, split_by_tokens,
+                       split_input, take_rows, tensors_in, to_device, trim_padding, trimmed_width)
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
 
 __all__ = ["GradCache", "RandState", "is_ddp", "is_fsdp", "rng_devices", "split_input", "tensors_in", "trim_padding", "unwrap"]
 
 REPLAYABLE_DEVICES = ("cpu", "cuda")
+JOIN_MARGIN = 0.9  # share of the budget left that joined chunks may be predicted to take
 
 
 class RandState:
@@ -145,6 +146,12 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def cached_gradient(cache: torch.Tensor, rows: torch.Tensor, chunk_rep: torch.Tensor) -> torch.Tensor:
+    """The cached fp32 gradient of a chunk's rows, on its device and in its dtype: the gradient that
+    ``sum(chunk_rep.float() * cached)`` sends back to ``chunk_rep``."""
+    return cache[rows.to(cache.device)].to(device=chunk_rep.device, dtype=chunk_rep.dtype)
+
+
 class _Plan:
     """One model's chunks, the original rows each holds, its RNG states and its trimmed widths (for padding back),
     and the first pass's representations gathered into one fp32 buffer in the original row order."""
@@ -218,9 +225,13 @@ class GradCache:
         memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
             first-pass graphs to keep: a chunk whose measured graph fits what is left keeps it and is not run again
             (its backward takes the cached gradient directly); the others are replayed. 0 (default): only the
-            last chunk, as ``keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks); peak graph
-            memory stays within the budget plus one chunk's graph. Under DDP/FSDP every model's last chunk is
-            still replayed: its backward carries the gradient sync, after every kept graph's.
+            last chunk, as ``keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks; autocast's
+            weight copies, shared by every chunk of a pass, once); peak graph memory stays within the budget plus
+            one chunk's graph. From the second step on, the leading chunks the budget is predicted to hold (bytes
+            per token measured before) run as one larger chunk: a budget for the whole batch makes the step plain
+            training in two chunks per model. Kept graphs are backpropagated in one backward call, as plain
+            training's. Under DDP/FSDP every model's last chunk is still replayed: its backward carries the
+            gradient sync, after every kept graph's.
         chunk_tokens: one int per model (or one for all; None: rows only): a chunk holds as many rows (at most its
             chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (after
             ``sort_by_length``, short sequences make chunks of more rows). Needs a 2-D attention mask.
@@ -253,6 +264,7 @@ class GradCache:
         self.chunk_tokens = self._token_limits(chunk_tokens)
         self._per_token: dict[int, float] = {}  # largest graph bytes per token measured, per model, across steps
         self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
+        self.joined_tokens: list[Optional[int]] = []  # the last step's kept_tokens per model (see _plan)
 
     def _token_limits(self, chunk_tokens: Union[None, int, Sequence[Optional[int]]]) -> list[Optional[int]]:
         limits = [chunk_tokens] * len(self.models) if chunk_tokens is None or isinstance(chunk_tokens, int) \
@@ -275,6 +287,15 @@ class GradCache:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=autocast_dtype("fp16" if self.fp16 else "bf16"))
 
+    def _pass_autocast(self) -> contextlib.ExitStack:
+        """One autocast context around a whole pass (the per-chunk contexts nest inside it): autocast caches the
+        low-precision copy of each weight until its outermost context exits, so every chunk of the pass, and every
+        graph kept from it, shares one copy instead of casting (and, when kept, holding) its own."""
+        stack = contextlib.ExitStack()
+        for device in {model_device(model) for model in self.models}:
+            stack.enter_context(self._autocast(device))
+        return stack
+
     def _rep(self, output: Any) -> torch.Tensor:
         rep = self.get_rep_fn(output) if self.get_rep_fn is not None else output
         if not isinstance(rep, torch.Tensor):
@@ -288,7 +309,9 @@ class GradCache:
             rep = self._rep(call_model(model, to_device(chunk, device)))
         return pad_sequence_dim(rep, width)
 
-    def _plan(self, m: int, model_input: Any) -> _Plan:
+    def _plan(self, m: int, model_input: Any, kept_tokens: Optional[int] = None) -> _Plan:
+        """Model ``m``'s chunks (grouped by length, split by rows or tokens, trimmed); with ``kept_tokens`` the
+        leading chunks that fit that many tokens are joined into one, to keep its graph (see :meth:`_kept_tokens`)."""
         order = length_order(model_input) if self.sort_by_length and self.split_input_fn is None else None
         if order is not None:
             model_input = take_rows(model_input, order)
@@ -298,11 +321,23 @@ class GradCache:
             chunks = split_by_tokens(model_input, self.chunk_sizes[m], self.chunk_tokens[m], self.trim)
         else:
             chunks = split_input(model_input, self.chunk_sizes[m])
+        if kept_tokens is not None and self.split_input_fn is None:
+            chunks = merge_leading(model_input, chunks, kept_tokens, self.trim)
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
         widths = [trimmed_width(c) if self.trim else None for c in chunks]
         chunks = [trim_padding(c) if w is not None else c for c, w in zip(chunks, widths)]
         return _Plan(m, chunks, widths, order)
+
+    def _kept_tokens(self, m: int, trainable: bool, ledger: BudgetLedger) -> Optional[int]:
+        """Tokens of model ``m`` whose graphs the rest of the budget should hold: what is left over the largest
+        bytes per token measured for the model in earlier steps, with ``JOIN_MARGIN`` to spare. Chunks that fit it
+        run as one chunk (far fewer kernel launches on a GPU; a budget for the whole batch makes the step plain
+        training in two chunks per model). None before the first measurement, for frozen models and at budget 0."""
+        left, per_token = ledger.report.budget - ledger.held, self._per_token.get(m)
+        if not trainable or not per_token or left <= 0:
+            return None
+        return int(JOIN_MARGIN * left / per_token)
 
     def _first_pass(self, plan: _Plan, trainable: bool, keep_last: bool, ledger: BudgetLedger) -> None:
         """Run the chunks of ``plan`` into its buffer. A chunk whose graph may fit the budget runs with it, measured;
@@ -331,9 +366,9 @@ class GradCache:
         model = self.models[plan.m]
         with self._sync_context(model, False), GraphMeter(exclude) as meter:
             chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
-        nbytes = meter.nbytes(chunk_rep)
+        nbytes, copies = meter.nbytes(chunk_rep), meter.weight_copies
         del meter
-        if ledger.measured(plan.m, plan.tokens[i], nbytes, force):
+        if ledger.measured(plan.m, plan.tokens[i], nbytes, copies, force):
             plan.kept[i] = chunk_rep
         plan.store(chunk_rep.detach())
 
@@ -366,13 +401,16 @@ class GradCache:
         without raising peak memory beyond one chunk (not under DDP or FSDP, whose last chunks carry the sync)."""
         ledger = BudgetLedger(self._budget_bytes(), self._per_token)
         plans, reps = [], []
-        for m, model_input in enumerate(model_inputs):
-            plan = self._plan(m, model_input)
-            keep = (self.keep_last_graph and m == len(self.models) - 1 and trainable[m]
-                    and not is_data_parallel(self.models[m]))
-            self._first_pass(plan, trainable[m], keep, ledger)
-            plans.append(plan)
-            reps.append(plan.reps().requires_grad_(trainable[m]))
+        self.joined_tokens = []
+        with self._pass_autocast():
+            for m, model_input in enumerate(model_inputs):
+                self.joined_tokens.append(self._kept_tokens(m, trainable[m], ledger))
+                plan = self._plan(m, model_input, self.joined_tokens[m])
+                keep = (self.keep_last_graph and m == len(self.models) - 1 and trainable[m]
+                        and not is_data_parallel(self.models[m]))
+                self._first_pass(plan, trainable[m], keep, ledger)
+                plans.append(plan)
+                reps.append(plan.reps().requires_grad_(trainable[m]))
         self.last_step = ledger.report
         return plans, reps
 
@@ -399,20 +437,33 @@ class GradCache:
             if grad is None:
                 plan.kept.clear()
         with buffers_kept([self.models[m] for m, grad in enumerate(cache) if grad is not None]):
-            for m in reversed(range(len(self.models))):
-                if cache[m] is not None:
-                    self._backward_kept(plans[m], cache[m])
-            for m in reversed(range(len(self.models))):
-                if cache[m] is not None:
-                    self._replay(plans[m], cache[m], no_sync)
+            self._backward_kept(plans, cache)
+            with self._pass_autocast():
+                for m in reversed(range(len(self.models))):
+                    if cache[m] is not None:
+                        self._replay(plans[m], cache[m], no_sync)
 
-    def _backward_kept(self, plan: _Plan, cache: torch.Tensor) -> None:
-        """Backpropagate the cached gradient through one model's kept graphs, freeing each; without gradient sync
-        (their forwards ran without it too), which the model's replayed last chunk carries under DDP/FSDP."""
-        model = self.models[plan.m]
-        with self._sync_context(model, False):
+    def _backward_kept(self, plans: list[_Plan], cache: list[Optional[torch.Tensor]]) -> None:
+        """Backpropagate the cached gradient through every kept graph of every model in one backward call, without
+        gradient sync (their forwards ran without it too; each model's replayed last chunk carries it under
+        DDP/FSDP). One call lets autograd free each graph as it goes and sum a parameter's gradient over the chunks
+        before accumulating it, as plain training does, instead of holding every other kept graph while the first
+        one's gradients are made."""
+        roots, grads, models = [], [], {}
+        for plan, grad in zip(plans, cache):
             for i in sorted(plan.kept):
-                self._backward_chunk(plan.kept.pop(i), plan.rows[i], cache)
+                rep = plan.kept.pop(i)
+                roots.append(rep)
+                grads.append(cached_gradient(grad, plan.rows[i], rep))
+                models[id(self.models[plan.m])] = self.models[plan.m]
+        if not roots:
+            return
+        with contextlib.ExitStack() as stack:
+            for model in models.values():
+                stack.enter_context(self._sync_context(model, False))
+            for device_type in {rep.device.type for rep in roots}:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            torch.autograd.backward(roots, grads)
 
     def _replay(self, plan: _Plan, cache: torch.Tensor, no_sync: bool) -> None:
         """One model's part 3 for the chunks without a kept graph; with ``no_sync`` only the last chunk runs DDP's
@@ -436,10 +487,10 @@ class GradCache:
 
     @staticmethod
     def _backward_chunk(chunk_rep: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor) -> None:
-        """Backpropagate a chunk's cached gradient into its encoder: ``sum(rep * cached_grad)`` has exactly that
-        gradient."""
-        cached = cache[rows.to(cache.device)].to(chunk_rep.device)
-        torch.sum(chunk_rep.float() * cached).backward()
+        """Backpropagate a chunk's cached gradient into its encoder, outside autocast as a plain step's backward
+        (the replay pass's autocast context stays open around it, keeping its weight copies)."""
+        with torch.autocast(chunk_rep.device.type, enabled=False):
+            chunk_rep.backward(cached_gradient(cache, rows, chunk_rep))
 
     @staticmethod
     def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:

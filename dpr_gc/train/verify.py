@@ -173,7 +173,7 @@ class Verifier:
             if trainer.world > 1:
                 reps = [all_gather_with_grad(r) for r in reps]
             loss = self.loss_fn(*reps)
-            graph = meter.nbytes()
+            graph = meter.nbytes() + meter.copies_nbytes()
             trainer.scaler.scale(loss).backward()
             seconds = time.perf_counter() - started
         if trainer.world > 1 and not self.fsdp:
@@ -189,7 +189,8 @@ class Verifier:
         with torch.autocast(self.trainer.device.type, dtype=dtype, enabled=dtype is not None):
             if not self.chunked:
                 return self.call(kind, batch).float()
-            plan = self.trainer.cache._plan(m, dict(batch, kind=kind))
+            cache = self.trainer.cache  # the cached step ran first: its chunks, joined as it joined them
+            plan = cache._plan(m, dict(batch, kind=kind), cache.joined_tokens[m] if cache.joined_tokens else None)
             parts = [pad_sequence_dim(self.call(kind, {k: v for k, v in c.items() if k != "kind"}), w).float()
                      for c, w in zip(plan.chunks, plan.widths)]
         reps = torch.cat(parts)
