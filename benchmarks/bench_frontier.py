@@ -25,6 +25,7 @@ autocast (the same outer autocast for every method). Peak memory: bench_gradcach
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -107,6 +108,7 @@ def run_one(cfg: dict) -> dict:
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         module.zero_grad(set_to_none=True)
         step()
+        first = dataclasses.replace(engine.last_step) if engine is not None and engine.last_step else None
         module.zero_grad(set_to_none=True)
         meter = PeakMemory(device)
         meter.start()
@@ -126,6 +128,8 @@ def run_one(cfg: dict) -> dict:
         out.update(kept_token_share=report.kept_share, kept_graph_mb=report.kept_bytes / 2**20,
                    largest_chunk_graph_mb=report.largest_graph / 2**20, peak_graph_mb=report.peak_graph_bytes / 2**20,
                    chunks=sum(report.chunks), kept_chunks=sum(report.kept), budget_bytes=report.budget)
+    if first is not None:  # the first step runs the configured chunks (later ones may join what the budget holds)
+        out.update(first_largest_chunk_graph_mb=first.largest_graph / 2**20, first_kept_graph_mb=first.kept_bytes / 2**20)
     return out
 
 
@@ -146,8 +150,9 @@ def launch(cfg: dict, timeout: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- the frontier
 def budgets(probe: dict, steps: int) -> list[int]:
-    """0, one chunk's graph, then evenly up to the whole batch's graphs (``steps`` points above one chunk)."""
-    one, whole = int(probe["largest_chunk_graph_mb"] * 2**20), int(probe["kept_graph_mb"] * 2**20)
+    """0, one chunk's graph, then evenly up to the whole batch's graphs (``steps`` points above one chunk), as the
+    probe's first step measured them with the configured chunks."""
+    one, whole = int(probe["first_largest_chunk_graph_mb"] * 2**20), int(probe["first_kept_graph_mb"] * 2**20)
     points = [0, one] + [one + (whole - one) * k // steps for k in range(1, steps + 1)]
     return sorted(set(points))
 

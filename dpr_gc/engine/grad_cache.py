@@ -263,6 +263,7 @@ class GradCache:
         self.memory_budget = parse_memory(memory_budget if memory_budget is not None else 0)
         self.chunk_tokens = self._token_limits(chunk_tokens)
         self._per_token: dict[int, float] = {}  # largest graph bytes per token measured, per model, across steps
+        self._replayed_graph: dict[int, int] = {}  # largest replayed chunk graph per model, measured in its first step
         self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
         self.joined_tokens: list[Optional[int]] = []  # the last step's kept_tokens per model (see _plan)
 
@@ -469,18 +470,24 @@ class GradCache:
         """One model's part 3 for the chunks without a kept graph; with ``no_sync`` only the last chunk runs DDP's
         all-reduce (FSDP's reduce-scatter)."""
         model, end = self.models[plan.m], len(plan.chunks) - 1
-        exclude = fixed_storages([model]) if plan.states else set()
+        measure = plan.m not in self._replayed_graph
+        exclude = fixed_storages([model]) if plan.states and measure else set()
         for i in sorted(plan.states):
             with self._sync_context(model, not no_sync or i == end):
-                with plan.states[i].replay(), GraphMeter(exclude) as meter:
+                with plan.states[i].replay(), (GraphMeter(exclude) if measure else contextlib.nullcontext()) as meter:
                     chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
-                self._note_replayed_graph(meter.nbytes(chunk_rep))
-                del meter
+                if meter is not None:
+                    nbytes = meter.nbytes(chunk_rep)
+                    self._replayed_graph[plan.m] = max(self._replayed_graph.get(plan.m, 0), nbytes)
+                    del meter
+                self._note_replayed_graph(self._replayed_graph[plan.m])
                 self._backward_chunk(chunk_rep, plan.rows[i], cache)
                 del chunk_rep
 
     def _note_replayed_graph(self, nbytes: int) -> None:
-        """Count a replayed chunk's graph in :attr:`last_step` (kept graphs are all freed before the replay)."""
+        """Count a replayed chunk's graph in :attr:`last_step` (kept graphs are all freed before the replay). Replayed
+        graphs are measured in a model's first replay only (the largest then stands for later steps): the
+        saved-tensor hook costs a Python call per saved tensor, which a GPU waits for."""
         if self.last_step is not None:
             self.last_step.largest_graph = max(self.last_step.largest_graph, nbytes)
             self.last_step.peak_graph_bytes = max(self.last_step.peak_graph_bytes, nbytes)
