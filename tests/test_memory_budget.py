@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dpr_gc import GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.engine.budget import BudgetLedger, GraphMeter, fixed_storages, parse_memory, resolve_budget
-from dpr_gc.engine.chunking import length_order, split_by_tokens, take_rows, token_spans
+from dpr_gc.engine.chunking import join_chunks, length_order, split_by_tokens, take_rows, token_spans
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.lora import LoraSettings, apply_lora
 from dpr_gc.model.retriever import enable_gradient_checkpointing
@@ -255,7 +255,8 @@ def test_ledger_counts_shared_weight_copies_once():
 @pytest.mark.parametrize("budget", ["half", "whole batch"])
 def test_later_steps_join_the_chunks_a_budget_holds(make_retriever, budget):
     """From the second step on, leading chunks whose graphs the budget is predicted to hold run as one chunk (the
-    bytes per token measured before): fewer chunks, the same full-batch gradient; the last chunk stays its own."""
+    bytes per token measured before) and replayed chunks are joined to the budget's size: fewer chunks, the same
+    full-batch gradient; the last chunk stays its own."""
     retriever = make_retriever(shared=True)
     modules = models_of(retriever)
     loss_fn = SimpleContrastiveLoss(1)
@@ -274,3 +275,16 @@ def test_later_steps_join_the_chunks_a_budget_holds(make_retriever, budget):
     assert counts[0] == [4, 8] and sum(counts[1]) < sum(counts[0]), counts
     if budget == "whole batch":
         assert counts[1] == [2, 2] and engine.last_step.kept == [2, 2], counts
+    else:
+        assert sum(engine.last_step.kept) < sum(counts[1]), "replays too (joined to the budget's size)"
+
+
+def test_join_chunks_fills_each_limit_and_keeps_the_last_chunk():
+    mask = torch.zeros(10, 8, dtype=torch.long)
+    for row, n in enumerate([2, 2, 3, 3, 4, 4, 5, 5, 6, 6]):
+        mask[row, :n] = 1
+    batch = {"input_ids": mask.clone(), "attention_mask": mask}
+    chunks = split_input(batch, 2)
+    joined = join_chunks(batch, chunks, 12, 20)
+    assert [len(c["input_ids"]) for c in joined] == [4, 4, 2] and joined[-1] is chunks[-1]
+    assert [len(c["input_ids"]) for c in join_chunks(batch, chunks, 0, 20)] == [2, 4, 2, 2]

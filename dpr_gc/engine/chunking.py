@@ -101,24 +101,27 @@ def split_by_tokens(model_input: Any, max_rows: int, max_tokens: int, trim: bool
     return [slice_rows(model_input, s, e) for s, e in spans]
 
 
-def merge_leading(model_input: Any, chunks: list[Any], max_tokens: int, trim: bool = True) -> list[Any]:
-    """Join the leading chunks of ``model_input`` (row slices in order; never the last one) into one chunk while
-    its rows times its longest sequence (the full width untrimmed) stay within ``max_tokens``: fewer, larger chunks
-    where memory allows. Inputs without a 2-D attention mask, and a join of fewer than two chunks, stay as they are."""
+def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tokens: int, trim: bool = True) -> list[Any]:
+    """Join consecutive chunks of ``model_input`` (row slices in order; never the last one, which stays as it is)
+    into larger ones: the first of at most ``first_tokens`` computed tokens (rows times the longest sequence; the
+    full width untrimmed), the following ones of at most ``rest_tokens``. A chunk that alone exceeds its limit stays
+    as it is. Inputs without a 2-D attention mask are returned unchanged."""
     lengths = sequence_lengths(model_input)
-    if lengths is None:
+    if lengths is None or len(chunks) < 3:
         return chunks
     width = model_input["attention_mask"].size(1)
-    rows, longest, joined = 0, 0, 0
-    for chunk in chunks[:-1]:
-        n = rows_in(chunk) or 0
-        wider = max(longest, int(lengths[rows:rows + n].max())) if trim else width
-        if (rows + n) * wider > max_tokens:
-            break
-        rows, longest, joined = rows + n, wider, joined + 1
-    if joined < 2:
-        return chunks
-    return [slice_rows(model_input, 0, rows)] + chunks[joined:]
+    joined, start, i, limit = [], 0, 0, first_tokens
+    while i < len(chunks) - 1:
+        rows, longest, j = 0, 0, i
+        while j < len(chunks) - 1:
+            n = rows_in(chunks[j]) or 0
+            wider = max(longest, int(lengths[start + rows:start + rows + n].max())) if trim else width
+            if j > i and (rows + n) * wider > limit:
+                break
+            rows, longest, j = rows + n, wider, j + 1
+        joined.append(chunks[i] if j == i + 1 else slice_rows(model_input, start, start + rows))
+        start, i, limit = start + rows, j, rest_tokens
+    return joined + [chunks[-1]]
 
 
 def chunk_tokens(chunk: Any) -> int:

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, fixed_storages, parse_memory,
                      resolve_budget)
-from .chunking import (call_model, chunk_tokens, length_order, merge_leading, pad_sequence_dim, rows_in, split_by_tokens,
+from .chunking import (call_model, chunk_tokens, length_order, join_chunks, pad_sequence_dim, rows_in, split_by_tokens,
                        split_input, take_rows, tensors_in, to_device, trim_padding, trimmed_width)
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
@@ -228,8 +228,8 @@ class GradCache:
             last chunk, as ``keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks; autocast's
             weight copies, shared by every chunk of a pass, once); peak graph memory stays within the budget plus
             one chunk's graph. From the second step on, the leading chunks the budget is predicted to hold (bytes
-            per token measured before) run as one larger chunk: a budget for the whole batch makes the step plain
-            training in two chunks per model. Kept graphs are backpropagated in one backward call, as plain
+            per token measured before) run as one larger chunk, and the replayed chunks after it are joined up to
+            the budget's size: a budget for the whole batch makes the step plain training in two chunks per model. Kept graphs are backpropagated in one backward call, as plain
             training's. Under DDP/FSDP every model's last chunk is still replayed: its backward carries the
             gradient sync, after every kept graph's.
         chunk_tokens: one int per model (or one for all; None: rows only): a chunk holds as many rows (at most its
@@ -265,7 +265,7 @@ class GradCache:
         self._per_token: dict[int, float] = {}  # largest graph bytes per token measured, per model, across steps
         self._replayed_graph: dict[int, int] = {}  # largest replayed chunk graph per model, measured in its first step
         self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
-        self.joined_tokens: list[Optional[int]] = []  # the last step's kept_tokens per model (see _plan)
+        self.joined_tokens: list[Optional[tuple[int, int]]] = []  # the last step's join limits per model (_plan)
 
     def _token_limits(self, chunk_tokens: Union[None, int, Sequence[Optional[int]]]) -> list[Optional[int]]:
         limits = [chunk_tokens] * len(self.models) if chunk_tokens is None or isinstance(chunk_tokens, int) \
@@ -310,9 +310,10 @@ class GradCache:
             rep = self._rep(call_model(model, to_device(chunk, device)))
         return pad_sequence_dim(rep, width)
 
-    def _plan(self, m: int, model_input: Any, kept_tokens: Optional[int] = None) -> _Plan:
-        """Model ``m``'s chunks (grouped by length, split by rows or tokens, trimmed); with ``kept_tokens`` the
-        leading chunks that fit that many tokens are joined into one, to keep its graph (see :meth:`_kept_tokens`)."""
+    def _plan(self, m: int, model_input: Any, joined: Optional[tuple[int, int]] = None) -> _Plan:
+        """Model ``m``'s chunks (grouped by length, split by rows or tokens, trimmed); with ``joined`` =
+        (tokens to keep, tokens per replayed chunk) consecutive chunks are joined to those sizes (see
+        :meth:`_join_limits`)."""
         order = length_order(model_input) if self.sort_by_length and self.split_input_fn is None else None
         if order is not None:
             model_input = take_rows(model_input, order)
@@ -322,23 +323,25 @@ class GradCache:
             chunks = split_by_tokens(model_input, self.chunk_sizes[m], self.chunk_tokens[m], self.trim)
         else:
             chunks = split_input(model_input, self.chunk_sizes[m])
-        if kept_tokens is not None and self.split_input_fn is None:
-            chunks = merge_leading(model_input, chunks, kept_tokens, self.trim)
+        if joined is not None and self.split_input_fn is None:
+            chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.trim)
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
         widths = [trimmed_width(c) if self.trim else None for c in chunks]
         chunks = [trim_padding(c) if w is not None else c for c, w in zip(chunks, widths)]
         return _Plan(m, chunks, widths, order)
 
-    def _kept_tokens(self, m: int, trainable: bool, ledger: BudgetLedger) -> Optional[int]:
-        """Tokens of model ``m`` whose graphs the rest of the budget should hold: what is left over the largest
-        bytes per token measured for the model in earlier steps, with ``JOIN_MARGIN`` to spare. Chunks that fit it
-        run as one chunk (far fewer kernel launches on a GPU; a budget for the whole batch makes the step plain
-        training in two chunks per model). None before the first measurement, for frozen models and at budget 0."""
+    def _join_limits(self, m: int, trainable: bool, ledger: BudgetLedger) -> Optional[tuple[int, int]]:
+        """(tokens, tokens) of model ``m``: the leading chunks that the rest of the budget should hold run as one
+        kept chunk, and the chunks after it are joined to the size of the whole budget (kept graphs are freed
+        before the replay), both over the largest bytes per token measured for the model in earlier steps, with
+        ``JOIN_MARGIN`` to spare. Fewer, larger chunks mean far fewer kernel launches on a GPU; a budget for the
+        whole batch makes the step plain training in two chunks per model. None before the first measurement, for
+        frozen models and at budget 0."""
         left, per_token = ledger.report.budget - ledger.held, self._per_token.get(m)
-        if not trainable or not per_token or left <= 0:
+        if not trainable or not per_token or ledger.report.budget <= 0:
             return None
-        return int(JOIN_MARGIN * left / per_token)
+        return int(JOIN_MARGIN * max(0, left) / per_token), int(JOIN_MARGIN * ledger.report.budget / per_token)
 
     def _first_pass(self, plan: _Plan, trainable: bool, keep_last: bool, ledger: BudgetLedger) -> None:
         """Run the chunks of ``plan`` into its buffer. A chunk whose graph may fit the budget runs with it, measured;
@@ -405,7 +408,7 @@ class GradCache:
         self.joined_tokens = []
         with self._pass_autocast():
             for m, model_input in enumerate(model_inputs):
-                self.joined_tokens.append(self._kept_tokens(m, trainable[m], ledger))
+                self.joined_tokens.append(self._join_limits(m, trainable[m], ledger))
                 plan = self._plan(m, model_input, self.joined_tokens[m])
                 keep = (self.keep_last_graph and m == len(self.models) - 1 and trainable[m]
                         and not is_data_parallel(self.models[m]))
@@ -477,17 +480,18 @@ class GradCache:
                 with plan.states[i].replay(), (GraphMeter(exclude) if measure else contextlib.nullcontext()) as meter:
                     chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
                 if meter is not None:
-                    nbytes = meter.nbytes(chunk_rep)
-                    self._replayed_graph[plan.m] = max(self._replayed_graph.get(plan.m, 0), nbytes)
+                    self._replayed_graph[plan.m] = max(self._replayed_graph.get(plan.m, 0), meter.nbytes(chunk_rep))
                     del meter
-                self._note_replayed_graph(self._replayed_graph[plan.m])
+                self._note_replayed_graph(self._replayed_graph[plan.m] if measure else
+                                          int(self._per_token.get(plan.m, 0.0) * plan.tokens[i]))
                 self._backward_chunk(chunk_rep, plan.rows[i], cache)
                 del chunk_rep
 
     def _note_replayed_graph(self, nbytes: int) -> None:
         """Count a replayed chunk's graph in :attr:`last_step` (kept graphs are all freed before the replay). Replayed
-        graphs are measured in a model's first replay only (the largest then stands for later steps): the
-        saved-tensor hook costs a Python call per saved tensor, which a GPU waits for."""
+        graphs are measured in a model's first replay only; later ones are estimated as their tokens times the
+        largest bytes per token measured: the saved-tensor hook costs a Python call per saved tensor, which a GPU
+        waits for."""
         if self.last_step is not None:
             self.last_step.largest_graph = max(self.last_step.largest_graph, nbytes)
             self.last_step.peak_graph_bytes = max(self.last_step.peak_graph_bytes, nbytes)
