@@ -252,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.tiny:
             model = tiny_model(Path(tmp))
         else:
-            from dpr_gc.model.retriever import default_model_path
+            from dpr_gc.model.pretrained import default_model_path
 
             model = default_model_path()
         for shape in args.shapes.split(","):
