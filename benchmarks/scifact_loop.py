@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -90,8 +91,10 @@ class LoopSettings:
     seed: int = opt(0, "random seed (training and the dev split)")
 
 
+# --quick: tiny lengths and batches in fp32, one filter and two round-2 recipes (both inits, both kinds of negatives)
 QUICK = dict(query_max_length=24, max_length=32, train_max_length=32, batch_size=8, chunk_size=4, epochs=1,
-             mine_top_k=10, mine_keep=3, encode_batch_size=32, precision="fp32")
+             mine_top_k=10, mine_keep=3, encode_batch_size=32, precision="fp32", filters=("none",),
+             round2=("round1:round1", "base:union"))
 
 
 # ----------------------------------------------------------------------------------------------- running commands
@@ -153,18 +156,22 @@ class Runner:
         cmd = [*self.program, *args]
         with self._slots:
             proc, running, began = self._start(name, cmd, capture)
-            try:
-                out = proc.stdout.read() if capture else ""
+            out = proc.stdout.read() if capture else ""
+            if capture:
+                proc.stdout.close()
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited; reaped below, where stop() looks
+            with self._lock:
                 _, status, usage = os.wait4(proc.pid, 0)
-                proc.returncode = code = os.waitstatus_to_exitcode(status)
-            finally:
-                with self._lock:
-                    self._live.discard(proc)
+                self._live.discard(proc)
+            proc.returncode = code = os.waitstatus_to_exitcode(status)
+            stopped = self._stopped
+            if code != 0:
+                self.stop()  # before the slot is free: nothing else starts after a failure
         wall = time.perf_counter() - began
         if capture:
             print(out, end="")
         if code != 0:
-            raise (Stopped if self._stopped else DprGcError)(
+            raise (Stopped if stopped else DprGcError)(
                 f"{name} failed (exit {code}): {' '.join(cmd)}; fix and rerun to continue")
         logger.info("%s: %.0f s, peak RSS %.0f MB", name, wall, usage.ru_maxrss / 1024)
         return {"name": name, "command": "python -m dpr_gc.cli " + " ".join(args), "wall_s": round(wall, 2),
@@ -173,10 +180,10 @@ class Runner:
 
     def stop(self) -> None:
         """Start no more commands and terminate the running ones (another one failed)."""
-        with self._lock:
+        with self._lock:  # a child in _live is not reaped yet, so its pid is still its own
             self._stopped = True
             for proc in self._live:
-                proc.terminate()
+                os.kill(proc.pid, signal.SIGTERM)
 
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list:
         """``fn`` over ``items``: one after the other (``parallel`` 1), else each on its own thread with at most
@@ -511,30 +518,37 @@ def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, ratio: 
                        trained_on="train", dev_held_out=False, mining=counts)
 
 
-def run_loop(loop: Loop, base_model: str) -> dict:
+def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda out: None) -> dict:
     """Round 0, the filter choice on dev, the round-2 choice on dev, then (``refit``) rounds 1 and 2 on every
-    training query; the results' ``rounds``, ``selection`` (filters) and ``round2_selection``."""
+    training query; the results' ``rounds``, ``selection`` (filters) and ``round2_selection`` (``save`` gets those
+    known so far after each stage, so a run cut short leaves them)."""
     s = loop.s
+    out: dict[str, Any] = {"rounds": [], "selection": [], "chosen_filter": None, "round2_selection": [],
+                           "chosen_round2": None}
     zero_index = loop.index("round0", base_model)
-    rounds = [round_entry("round0 zero-shot", loop.evaluate("round0", base_model, zero_index), None,
-                          loop.run.phases_of("round0-"), dev_held_out=True)]
-    on_fit = len(s.filters) > 1 or len(s.round2) > 1 or not s.refit
-    selection = loop.run.map(lambda c: select_filter(loop, base_model, zero_index, c), s.filters) if on_fit else []
-    best = choose(selection, "filter") if selection else {"filter": s.filters[0]}
+    out["rounds"].append(round_entry("round0 zero-shot", loop.evaluate("round0", base_model, zero_index), None,
+                                     loop.run.phases_of("round0-"), dev_held_out=True))
+    save(out)
+    if len(s.filters) > 1 or len(s.round2) > 1 or not s.refit:
+        out["selection"] = loop.run.map(lambda c: select_filter(loop, base_model, zero_index, c), s.filters)
+    best = choose(out["selection"], "filter") if out["selection"] else {"filter": s.filters[0]}
+    out["chosen_filter"] = best["filter"]
+    save(out)
     jobs = [lambda: select_round2(loop, base_model, best) if len(s.round2) > 1 or not s.refit else []]
     if s.refit:
         jobs.append(lambda: refit_round1(loop, base_model, zero_index, best["filter"]))
-    candidates, *refit = loop.run.all(*jobs)
-    chosen = choose(candidates, "candidate") if candidates else {"candidate": s.round2[0]}
-    if s.refit:
-        rounds += [refit[0]["entry"], refit_round2(loop, base_model, refit[0], chosen["candidate"],
-                                                   parse_filter(best["filter"]))]
-    else:
-        rounds += [held_out_entry("round1", best, filter=best["filter"]),
-                   held_out_entry("round2", chosen, recipe=chosen["candidate"], init=chosen["init"],
-                                  negatives=chosen["negatives"])]
-    return {"rounds": rounds, "selection": selection, "chosen_filter": best["filter"],
-            "round2_selection": candidates, "chosen_round2": chosen["candidate"]}
+    out["round2_selection"], *refit = loop.run.all(*jobs)
+    chosen = choose(out["round2_selection"], "candidate") if out["round2_selection"] else {"candidate": s.round2[0]}
+    out["chosen_round2"] = chosen["candidate"]
+    if not s.refit:
+        out["rounds"] += [held_out_entry("round1", best, filter=best["filter"]),
+                          held_out_entry("round2", chosen, recipe=chosen["candidate"], init=chosen["init"],
+                                         negatives=chosen["negatives"])]
+        return out
+    out["rounds"].append(refit[0]["entry"])
+    save(out)
+    out["rounds"].append(refit_round2(loop, base_model, refit[0], chosen["candidate"], parse_filter(best["filter"])))
+    return out
 
 
 def machine(device: Optional[str]) -> dict:
@@ -572,7 +586,8 @@ def common_parser(description: str, results_name: str) -> argparse.ArgumentParse
     p.add_argument("--results", help=f"results JSON (default benchmarks/results/{results_name}[-quick].json)")
     p.add_argument("--device", help="torch device for every command (default: the toolkit's choice)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: 48 training / 20 test queries, 200 passages, tiny lengths and batches, fp32")
+                   help="smoke test: 48 training / 20 test queries, 200 passages, tiny lengths and batches, fp32, "
+                        "fewer options (flags given still apply)")
     p.add_argument("--parallel", type=positive_int, default=1,
                    help="independent commands run at once (default 1); with N > 1 each gets cores/N CPU threads "
                         "and the recorded timings are those of N concurrent jobs")
@@ -654,22 +669,29 @@ def run(args: argparse.Namespace) -> None:
     work, results, model = open_work(args, "scifact-loop", s)
     data = prepare_data(Path(args.data), work, args.quick, s.dev_fraction, s.seed)
     loop = Loop(Runner(work, args.device, args.parallel), s, data)
-    out = run_loop(loop, model)
-    report = {"benchmark": "SciFact (BEIR) quality loop" + (" -- SMOKE RUN (--quick: 48 training / 20 test "
-                                                              "queries, 200 passages; numbers mean nothing)"
-                                                              if args.quick else ""),
-              "smoke_run": args.quick, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": machine(args.device), "settings": dataclasses.asdict(s), "base_model": model,
-              "concurrency": concurrency(loop.run), "dev_split": {"rule": "a training query is dev when int(sha256(f'{seed}:{qid}')) % 10000 < "
-                                    "dev_fraction * 10000; fit = the other training queries",
-                            "fit_queries": count_queries(data / "qrels" / "fit.tsv"),
-                            "dev_queries": count_queries(data / "qrels" / "dev.tsv"),
-                            "test_queries": count_queries(data / "qrels" / "test.tsv")},
-              **out, "phases": loop.run.phases, "commands": [p["command"] for p in loop.run.phases],
-              "wall_s_all_phases": round(sum(p["wall_s"] for p in loop.run.phases), 1),
-              "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
-    results.parent.mkdir(parents=True, exist_ok=True)
-    write_json(results, report)
+
+    def save(out: dict, complete: bool = False) -> dict:
+        phases = [dict(p) for p in list(loop.run.phases)]  # copies: commands still running may add to them
+        report = {"benchmark": "SciFact (BEIR) quality loop" + (
+                      " -- SMOKE RUN (--quick: 48 training / 20 test queries, 200 passages; numbers mean nothing)"
+                      if args.quick else ""),
+                  "smoke_run": args.quick, "complete": complete,
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(args.device),
+                  "settings": dataclasses.asdict(s), "base_model": model, "concurrency": concurrency(loop.run),
+                  "dev_split": {"rule": "a training query is dev when int(sha256(f'{seed}:{qid}')) % 10000 < "
+                                        "dev_fraction * 10000; fit = the other training queries",
+                                "fit_queries": count_queries(data / "qrels" / "fit.tsv"),
+                                "dev_queries": count_queries(data / "qrels" / "dev.tsv"),
+                                "test_queries": count_queries(data / "qrels" / "test.tsv")},
+                  **out, "phases": phases, "commands": [p["command"] for p in phases],
+                  "wall_s_all_phases": round(sum(p["wall_s"] for p in phases), 1),
+                  "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
+        results.parent.mkdir(parents=True, exist_ok=True)
+        write_json(results, report)
+        return report
+
+    out = run_loop(loop, model, save)
+    report = save(out, complete=True)
     for r in report["rounds"]:
         print(f"{r['name']:<18} nDCG@10 {r['ndcg@10']:.4f}  MRR@10 {r['mrr@10']:.4f}  Recall@100 "
               f"{r['recall@100']:.4f}  train {r['train_s'] or 0:.0f} s  peak RSS {r['peak_rss_mb']:.0f} MB")

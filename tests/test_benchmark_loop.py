@@ -188,12 +188,18 @@ def test_runner_runs_n_commands_at_once_in_order(tmp_path):
 
 def test_a_failed_command_stops_the_others(tmp_path):
     runner = sleeper(loop.Runner(tmp_path, None, parallel=2))
+
+    def late() -> None:  # asks for its command only after the failure
+        deadline = time.perf_counter() + 60
+        while not runner._stopped and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        runner.cli("late", [0])
+
     began = time.perf_counter()
     with pytest.raises(DprGcError, match=r"quick failed \(exit 3\)"):
-        runner.all(lambda: runner.cli("slow", [30]), lambda: runner.cli("quick", [0, 3]),
-                   lambda: runner.cli("later", [0]))
+        runner.all(lambda: runner.cli("slow", [30]), lambda: runner.cli("quick", [0, 3]), late)
     assert time.perf_counter() - began < 20  # the slow one was terminated, not waited for
-    assert not (tmp_path / "phases" / "slow.json").exists() and not (tmp_path / "phases" / "later.json").exists()
+    assert not (tmp_path / "phases" / "slow.json").exists() and not (tmp_path / "phases" / "late.json").exists()
 
 
 # ------------------------------------------------------------------ the scripts end to end, on a stand-in toolkit
