@@ -283,14 +283,16 @@ def test_the_loop_script_runs_end_to_end_on_a_stand_in_toolkit(tmp_path, monkeyp
     monkeypatch.setattr(loop.Runner, "_run", lambda runner, *a: stand_in(runner, *a))
     results = tmp_path / "loop.json"
     assert loop.main(["--quick", "--data", str(tiny_beir(tmp_path / "beir")), "--output", str(tmp_path / "w"),
-                      "--results", str(results), "--parallel", "3", "--model", "MODEL"]) == 0
+                      "--results", str(results), "--parallel", "3", "--model", "MODEL", "--filters", "none", "0.95",
+                      "--round2", "base:round1", "round1:round1", "base:union"]) == 0
     report = json.loads(results.read_text())
     assert [r["name"] for r in report["rounds"]] == ["round0 zero-shot", "round1", "round2"]
     assert [c["candidate"] for c in report["round2_selection"]] == ["base:round1", "round1:round1", "base:union"]
     assert report["chosen_round2"] in report["settings"]["round2"] and report["rounds"][2]["recipe"] == \
         report["chosen_round2"]
     assert report["round2_selection"][2]["negatives_per_query"] == 6.0  # round 0's 3 and round 1's 3
-    assert report["concurrency"]["parallel"] == 3 and report["dev_split"]["test_queries"] == 20
+    assert report["concurrency"]["parallel"] == 3 and report["dev_split"]["test_queries"] == 20 and report["complete"]
+    assert [s["filter"] for s in report["selection"]] == ["none", "0.95"]
     retrieves = [c for c in stand_in.commands if c[0] == "retrieve"]
     assert retrieves and all(c[c.index("--qrels") + 1].endswith("test+dev.tsv") for c in retrieves)
     assert "round2" in capsys.readouterr().out
