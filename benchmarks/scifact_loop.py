@@ -441,12 +441,13 @@ def choose(options: list[dict], key: str) -> dict:
     return best
 
 
-def trained_option(loop: Loop, tag: str, file: Path, init: str) -> dict:
-    """Train ``tag`` from ``init`` on ``file``, index its corpus embeddings, score it on test and dev."""
+def trained_option(loop: Loop, tag: str, file: Path, init: str, score: bool = True) -> dict:
+    """Train ``tag`` from ``init`` on ``file``, index its corpus embeddings, score it on test and dev (unless
+    ``score`` is False: an only option, needed for its model and index)."""
     model, trained = loop.train(tag, file, init)
     index = loop.index(tag, model)
-    metrics = loop.evaluate(tag, model, index)
-    return {"dev": metrics["dev"], "test": metrics["test"], "train_s": trained["wall_s"], "steps": trained["steps"],
+    metrics = loop.evaluate(tag, model, index) if score else {}
+    return {"dev": metrics.get("dev"), "test": metrics.get("test"), "train_s": trained["wall_s"], "steps": trained["steps"],
             "peak_rss_mb": trained["peak_rss_mb"], "masked_scores": trained.get("masked_scores"), "model": model,
             "index": str(index), "file": str(file), "negatives_per_query": negatives_per_query(file)}
 
@@ -472,11 +473,12 @@ def round2_negatives(loop: Loop, tag: str, split: str, ratio: Optional[float], r
     return dict(zip(kinds, loop.run.map(mine, kinds)))
 
 
-def select_filter(loop: Loop, base_model: str, zero_index: Path, choice: str) -> dict:
-    """Round 1 on the fit queries with negatives mined under one ``--filters`` choice, scored on dev and test."""
+def select_filter(loop: Loop, base_model: str, zero_index: Path, choice: str, score: bool = True) -> dict:
+    """Round 1 on the fit queries with negatives mined under one ``--filters`` choice, scored on dev and test
+    (``score``)."""
     tag = f"select-{choice}"
     file, counts = round1_negatives(loop, f"{tag}-mine", "fit", choice, base_model, zero_index)
-    option = trained_option(loop, f"{tag}-round1", file, base_model)
+    option = trained_option(loop, f"{tag}-round1", file, base_model, score)
     return {"filter": choice, **option, "mining": counts, "phases": [p["name"] for p in loop.run.phases_of(tag + "-")]}
 
 
@@ -529,9 +531,12 @@ def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda o
     out["rounds"].append(round_entry("round0 zero-shot", loop.evaluate("round0", base_model, zero_index), None,
                                      loop.run.phases_of("round0-"), dev_held_out=True))
     save(out)
-    if len(s.filters) > 1 or len(s.round2) > 1 or not s.refit:
-        out["selection"] = loop.run.map(lambda c: select_filter(loop, base_model, zero_index, c), s.filters)
-    best = choose(out["selection"], "filter") if out["selection"] else {"filter": s.filters[0]}
+    fit_round1 = [{"filter": s.filters[0]}]  # round 1 on fit: the filter options, or the only one for round 2
+    score = len(s.filters) > 1 or not s.refit  # an only filter is not scored when refit replaces its model
+    if score or len(s.round2) > 1:
+        fit_round1 = loop.run.map(lambda c: select_filter(loop, base_model, zero_index, c, score), s.filters)
+    out["selection"] = fit_round1 if score else []
+    best = choose(fit_round1, "filter") if score else fit_round1[0]
     out["chosen_filter"] = best["filter"]
     save(out)
     jobs = [lambda: select_round2(loop, base_model, best) if len(s.round2) > 1 or not s.refit else []]

@@ -167,6 +167,11 @@ def test_single_choices_train_nothing_on_fit(tmp_path):
     assert out["selection"] == [] and out["round2_selection"] == [] and out["chosen_round2"] == "round1:union"
     assert [c[1] for c in fake.calls] == ["round1-mine", "round1", "round2-mine-union", "round2"]
     assert fake.calls[-1] == ("train", "round2", "round2-mine-union/train.jsonl", "round1/final")
+    fake = FakeLoop(tmp_path / "two-recipes", True, filters=("0.9",), round2=("round1:round1", "base:union"))
+    out = loop.run_loop(fake, "base")  # one filter: its fit round 1 is trained for the recipes, not scored
+    assert out["selection"] == [] and out["chosen_filter"] == "0.9" and len(out["round2_selection"]) == 2
+    assert "select-0.9-round1-train" in [p["name"] for p in fake.run.phases]
+    assert not [p for p in fake.run.phases if p["name"].startswith("select-0.9-round1-retrieve")]
 
 
 def sleeper(runner: "loop.Runner") -> "loop.Runner":
