@@ -447,7 +447,8 @@ def trained_option(loop: Loop, tag: str, file: Path, init: str, score: bool = Tr
     model, trained = loop.train(tag, file, init)
     index = loop.index(tag, model)
     metrics = loop.evaluate(tag, model, index) if score else {}
-    return {"dev": metrics.get("dev"), "test": metrics.get("test"), "train_s": trained["wall_s"], "steps": trained["steps"],
+    return {"dev": metrics.get("dev"), "test": metrics.get("test"), "train_s": trained["wall_s"],
+            "steps": trained["steps"],
             "peak_rss_mb": trained["peak_rss_mb"], "masked_scores": trained.get("masked_scores"), "model": model,
             "index": str(index), "file": str(file), "negatives_per_query": negatives_per_query(file)}
 

@@ -144,7 +144,8 @@ def test_loop_chooses_the_filter_and_the_round2_recipe_on_dev(tmp_path, refit):
                              ("round2-mine-union", "train", 0.95, "round1/final", False, "round1-mine/train.jsonl")]
         assert trains[5:] == [("round1", "round1-mine/train.jsonl", "base"),
                               ("round2", "round2-mine-union/train.jsonl", "base")]
-        assert out["rounds"][2]["recipe"] == "base:union" and out["rounds"][2]["phases"][0] == "round2-mine-union-mine-dense"
+        assert out["rounds"][2]["recipe"] == "base:union"
+        assert out["rounds"][2]["phases"][0] == "round2-mine-union-mine-dense"
     else:  # rounds 1 and 2 are the chosen options as trained on fit
         assert len(mines) == 4 and len(trains) == 5
         assert out["rounds"][2]["dev"]["ndcg@10"] == 0.80 and out["rounds"][2]["trained_on"] == "fit"
