@@ -47,7 +47,7 @@ class GridSettings(LoopSettings):
 
 
 QUICK = dict(query_max_length=24, max_length=32, train_max_length=32, chunk_size=4, epochs=1, mine_top_k=10,
-             mine_keep=3, encode_batch_size=32, precision="fp32", batches=(8,), negatives=(0, 1), masking=("on", "off"))
+             mine_keep=3, encode_batch_size=32, precision="fp32", batches=(8,), negatives=(1,), masking=("on", "off"))
 GRID_ONLY = ("filters", "round2", "refit", "dev_fraction", "batch_size", "hard_negatives", "mine_source")
 
 
