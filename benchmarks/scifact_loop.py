@@ -4,16 +4,24 @@ Round 0 is all-MiniLM-L6-v2 zero-shot. Round 1 trains on hard negatives mined wi
 BM25, positive-aware: ``dpr-gc mine --max-negative-ratio``), round 2 on negatives mined with the round-1 model.
 Every step is one ``python -m dpr_gc.cli ...`` subprocess (encode, index, retrieve, evaluate, mine, train); its
 command, wall time and peak RSS (``os.wait4``'s resource usage of that process) are recorded. After each round:
-nDCG@10, MRR@10 and Recall@100 on the 300 SciFact test queries and on the dev queries.
+nDCG@10, MRR@10 and Recall@100 on the 300 SciFact test queries and on the dev queries (one retrieval for both).
 
 Nothing is tuned on the test qrels. The 809 training queries are split by a hash of their id (``sha256(seed:qid)``,
-``--dev-fraction`` of them to ``dev``, the rest to ``fit``). Each ``--filters`` choice (``none`` or a ratio R for
-``--max-negative-ratio``) trains round 1 on ``fit`` with negatives mined under it; the one with the best dev nDCG@10
-is chosen (its test figures are reported too, as the filter's measured effect, but never used to choose). With
-``--refit`` (default) rounds 1 and 2 are then trained on all training queries with the chosen filter.
+``--dev-fraction`` of them to ``dev``, the rest to ``fit``). Each choice is made on the dev nDCG@10 of models
+trained on ``fit`` (their test figures are recorded as the choice's measured effect, never used to choose):
+
+1. the mining filter: each ``--filters`` choice (``none`` or a ratio R for ``--max-negative-ratio``) mines the fit
+   queries with the zero-shot model and trains round 1 on them;
+2. the round-2 recipe: each ``--round2`` candidate ``INIT:NEGATIVES`` trains round 2 on the fit queries from INIT
+   (``base``: the zero-shot model; ``round1``: the chosen filter's fit round-1 model) on NEGATIVES (``round1``: mined
+   for the fit queries by that round-1 model; ``union``: those and the round-0 ones, deduplicated per query).
+
+With ``--refit`` (default) round 1 and then the chosen round-2 recipe are trained on all training queries; a choice
+with one option is not trained on fit. ``--parallel N`` runs independent commands N at a time (the options of a
+choice side by side, the refit round 1 beside the round-2 choice); results keep the sequential order.
 
     python benchmarks/scifact_loop.py --quick                       # smoke test, a few minutes on a CPU
-    python benchmarks/scifact_loop.py --device cuda --model PATH --output DIR
+    python benchmarks/scifact_loop.py --device cuda --model PATH --output DIR --parallel 4
 
 Each command's record is kept under ``<output>/phases``: a rerun with the same settings skips finished commands.
 """
@@ -27,12 +35,15 @@ import json
 import logging
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -70,23 +81,38 @@ class LoopSettings:
     mine_keep: int = opt(8, "negatives kept per query")
     min_margin: Optional[float] = opt(None, "also --min-margin M when mining (absolute, below the lowest positive)")
     filters: tuple = opt(("none", "0.95"), "positive-aware choices tried on the dev split: none or a ratio R")
-    round2_init: str = opt("base", "round 2 starts from: base (the zero-shot model) or round1")
+    round2: tuple = opt(("base:round1", "round1:round1", "base:union"),
+                        "round-2 recipes tried on the dev split, INIT:NEGATIVES: INIT base (zero-shot model) or round1 "
+                        "(round-1 model), NEGATIVES round1 (mined by the round-1 model) or union (those and the "
+                        "round-0 ones, deduplicated per query)")
     refit: bool = opt(True, "after choosing on dev, train rounds 1 and 2 on all training queries")
     dev_fraction: float = opt(0.2, "share of the training queries held out as dev")
     encode_batch_size: int = opt(64, "encoding batch size")
     seed: int = opt(0, "random seed (training and the dev split)")
 
 
-QUICK = dict(query_max_length=32, max_length=64, train_max_length=48, batch_size=16, chunk_size=4, epochs=1,
-             mine_top_k=20, mine_keep=4, encode_batch_size=16)
+# --quick: tiny lengths and batches in fp32, one filter and two round-2 recipes (both inits, both kinds of negatives)
+QUICK = dict(query_max_length=24, max_length=32, train_max_length=32, batch_size=8, chunk_size=4, epochs=1,
+             mine_top_k=10, mine_keep=3, encode_batch_size=32, precision="fp32", filters=("none",),
+             round2=("round1:round1", "base:union"))
 
 
 # ----------------------------------------------------------------------------------------------- running commands
-class Runner:
-    """Runs toolkit commands as subprocesses, one record each (command, wall time, peak RSS) kept for reruns."""
+class Stopped(DprGcError):
+    """A command cut short, or never started, because another command of the benchmark failed."""
 
-    def __init__(self, work: Path, device: Optional[str]) -> None:
-        self.work, self.device, self.phases = work, device, []
+
+class Runner:
+    """Runs toolkit commands as subprocesses, one record each (command, wall time, peak RSS) kept for reruns; at
+    most ``parallel`` of them at once (:meth:`map` runs independent jobs side by side)."""
+
+    def __init__(self, work: Path, device: Optional[str], parallel: int = 1) -> None:
+        self.work, self.device, self.parallel, self.phases = work, device, parallel, []
+        self.program = [sys.executable, "-m", "dpr_gc.cli"]  # what every command runs (tests put a stand-in)
+        self._slots = threading.BoundedSemaphore(parallel)
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen] = set()
+        self._stopped = False
         (work / "phases").mkdir(parents=True, exist_ok=True)
 
     def cli(self, name: str, args: list[Any], capture: bool = False) -> dict:
@@ -101,24 +127,88 @@ class Runner:
         self.phases.append(record)
         return record
 
-    def _run(self, name: str, args: list[str], capture: bool) -> dict:
-        cmd = [sys.executable, "-m", "dpr_gc.cli", *args]
-        logger.info("%s: %s", name, " ".join(cmd[1:]))
+    def threads_per_job(self) -> Optional[int]:
+        """CPU threads each command gets when several run at once (None: the toolkit's own choice)."""
+        return max(1, (os.cpu_count() or 1) // self.parallel) if self.parallel > 1 else None
+
+    def env(self) -> dict[str, str]:
+        """The commands' environment: this checkout first on PYTHONPATH, sparse progress bars, and with
+        ``parallel`` > 1 the cores shared out (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, unless set already)."""
         env = dict(os.environ, TQDM_MININTERVAL=os.environ.get("TQDM_MININTERVAL", "30"),
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        began = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE if capture else None, text=True)
-        out = proc.stdout.read() if capture else ""
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        if self.threads_per_job():
+            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                env.setdefault(name, str(self.threads_per_job()))
+        return env
+
+    def _start(self, name: str, cmd: list[str], capture: bool) -> tuple[subprocess.Popen, int, float]:
+        with self._lock:
+            if self._stopped:
+                raise Stopped(f"{name}: not started, another command failed")
+            logger.info("%s: %s", name, " ".join(cmd[1:]))
+            began = time.perf_counter()
+            proc = subprocess.Popen(cmd, env=self.env(), cwd=ROOT, stdout=subprocess.PIPE if capture else None,
+                                    text=True)
+            self._live.add(proc)
+            return proc, len(self._live), began
+
+    def _run(self, name: str, args: list[str], capture: bool) -> dict:
+        cmd = [*self.program, *args]
+        with self._slots:
+            proc, running, began = self._start(name, cmd, capture)
+            out = proc.stdout.read() if capture else ""
+            if capture:
+                proc.stdout.close()
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited; reaped below, where stop() looks
+            with self._lock:
+                _, status, usage = os.wait4(proc.pid, 0)
+                self._live.discard(proc)
+            proc.returncode = code = os.waitstatus_to_exitcode(status)
+            stopped = self._stopped
+            if code != 0:
+                self.stop()  # before the slot is free: nothing else starts after a failure
         wall = time.perf_counter() - began
         if capture:
             print(out, end="")
         if code != 0:
-            raise DprGcError(f"{name} failed (exit {code}): {' '.join(cmd)}; fix and rerun to continue")
+            raise (Stopped if stopped else DprGcError)(
+                f"{name} failed (exit {code}): {' '.join(cmd)}; fix and rerun to continue")
         logger.info("%s: %.0f s, peak RSS %.0f MB", name, wall, usage.ru_maxrss / 1024)
         return {"name": name, "command": "python -m dpr_gc.cli " + " ".join(args), "wall_s": round(wall, 2),
-                "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "stdout": out if capture else None}
+                "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "concurrent": running,
+                "stdout": out if capture else None}
+
+    def stop(self) -> None:
+        """Start no more commands and terminate the running ones (another one failed)."""
+        with self._lock:  # a child in _live is not reaped yet, so its pid is still its own
+            self._stopped = True
+            for proc in self._live:
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list:
+        """``fn`` over ``items``: one after the other (``parallel`` 1), else each on its own thread with at most
+        ``parallel`` commands running at once. Results in the order of ``items``; the first failure stops every
+        other command and is raised."""
+        items = list(items)
+        if self.parallel == 1 or len(items) < 2:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(max_workers=len(items), thread_name_prefix="job") as pool:
+            futures = [pool.submit(fn, item) for item in items]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            if any(f.done() and f.exception() is not None for f in futures):
+                self.stop()
+                wait(futures)
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
+            return [f.result() for f in futures]
+
+    def all(self, *jobs: Callable[[], Any]) -> list:
+        """Run independent jobs (see :meth:`map`); their results in order."""
+        return self.map(lambda job: job(), jobs)
+
+    def phases_of(self, *prefixes: str) -> list[dict]:
+        """The records of the commands whose names start with one of ``prefixes``, in the order they ran."""
+        return [p for p in self.phases if p["name"].startswith(prefixes)]
 
     def device_args(self) -> list[str]:
         return ["--device", self.device] if self.device else []
@@ -167,8 +257,13 @@ def prepare_data(source: Path, work: Path, quick: bool, fraction: float, seed: i
     for split in ("train", "test"):
         (data / "qrels" / f"{split}.tsv").write_text((source / "qrels" / f"{split}.tsv").read_text("utf-8"), "utf-8")
     fit, dev = dev_split(source / "qrels" / "train.tsv", fraction, seed)
+    test = [line for line in (data / "qrels" / "test.tsv").read_text("utf-8").splitlines()[1:] if line.strip()]
+    shared = {line.split("\t")[0] for line in test} & {line.split("\t")[0] for line in dev}
+    if shared:
+        raise DprGcError(f"{len(shared)} query ids are in both the test and the training qrels (e.g. "
+                         f"{sorted(shared)[0]!r}); the loop needs them apart")
     header = "query-id\tcorpus-id\tscore\n"
-    for split, lines in (("fit", fit), ("dev", dev)):
+    for split, lines in (("fit", fit), ("dev", dev), ("test+dev", test + dev)):
         (data / "qrels" / f"{split}.tsv").write_text(header + "".join(line + "\n" for line in lines), "utf-8")
     return data
 
@@ -201,26 +296,30 @@ class Loop:
         return folder / "index"
 
     def evaluate(self, tag: str, model: str, index: Path, splits: tuple[str, ...] = ("test", "dev")) -> dict:
-        """Retrieve the top 100 for each split's judged queries and score them: ``{split: {metric: value}}``."""
-        out = {}
-        for split in splits:
-            folder = self.run.work / tag
-            self.run.cli(f"{tag}-retrieve-{split}", [
-                "retrieve", "--index", index, "--model", model, "--queries", self.data / "queries.jsonl",
-                "--qrels", self.data / "qrels" / f"{split}.tsv", "--trec-run", folder / f"run-{split}.trec",
-                "--top-k", 100, "--match", "none", "--batch-size", self.s.encode_batch_size,
-                "--cache-dir", self.cache, *self.run.device_args()])
+        """Retrieve the top 100 for the judged queries of every split at once (``qrels/test+dev.tsv``), then score
+        each split on its own qrels: ``{split: {metric: value}}``."""
+        folder, qrels = self.run.work / tag, self.data / "qrels"
+        self.run.cli(f"{tag}-retrieve", [
+            "retrieve", "--index", index, "--model", model, "--queries", self.data / "queries.jsonl",
+            "--qrels", qrels / f"{'+'.join(splits)}.tsv", "--trec-run", folder / "run.trec", "--top-k", 100,
+            "--match", "none", "--batch-size", self.s.encode_batch_size, "--cache-dir", self.cache,
+            *self.run.device_args()])
+
+        def score(split: str) -> dict:
             self.run.cli(f"{tag}-evaluate-{split}", [
-                "evaluate", "--run", folder / f"run-{split}.trec", "--qrels", self.data / "qrels" / f"{split}.tsv",
-                "--k", 10, 100, "--output", folder / f"metrics-{split}.json"])
-            out[split] = qrels_metrics(read_json(folder / f"metrics-{split}.json"))
-        return out
+                "evaluate", "--run", folder / "run.trec", "--qrels", qrels / f"{split}.tsv", "--k", 10, 100,
+                "--output", folder / f"metrics-{split}.json"])
+            return qrels_metrics(read_json(folder / f"metrics-{split}.json"))
+
+        return dict(zip(splits, self.run.map(score, splits)))
 
     def mine(self, tag: str, split: str, ratio: Optional[float], dense: Optional[tuple[str, Path]],
-             bm25: bool) -> tuple[Path, dict]:
+             bm25: bool, append_to: Optional[Path] = None) -> tuple[Path, dict]:
         """Hard negatives for the queries of qrels ``split``: BM25 and/or dense (``(model, index)``) candidates,
-        positive-aware with ``ratio``; BM25 first, then dense appended when both. Returns the file and the counts."""
-        folder, counts, previous = self.run.work / tag, {}, None
+        positive-aware with ``ratio``; BM25 first, then dense appended when both. ``append_to``: a training file of
+        those queries whose negatives are kept, the new ones added after them (``mine --append``: one copy of each
+        passage per query). Returns the file and the counts."""
+        folder, counts, previous = self.run.work / tag, {}, append_to
         common = ["--n-negatives", self.s.mine_keep, "--top-k", self.s.mine_top_k, "--skip-top", self.s.mine_skip,
                   "--cache-dir", self.cache, "--corpus", self.data / "corpus.jsonl.gz"]
         common += ["--max-negative-ratio", ratio] if ratio is not None else []
@@ -239,8 +338,9 @@ class Loop:
         return previous, counts
 
     def train(self, tag: str, train_file: Path, init: str, hard_negatives: Optional[int] = None,
-              batch_size: Optional[int] = None) -> tuple[str, dict]:
-        """Train from ``init`` on ``train_file``; returns the final model folder and the train command's record."""
+              batch_size: Optional[int] = None, mask: bool = True) -> tuple[str, dict]:
+        """Train from ``init`` on ``train_file`` (``mask``: duplicate positives masked, else the loss of DPR and
+        GC-DPR); returns the final model folder and the train command's record."""
         s = self.s
         batch = batch_size or s.batch_size
         queries = sum(1 for line in open(train_file, encoding="utf-8") if line.strip())
@@ -256,9 +356,26 @@ class Loop:
             "--passage-chunk-size", s.chunk_size, "--hard-negatives",
             s.hard_negatives if hard_negatives is None else hard_negatives, "--learning-rate", s.learning_rate,
             "--epochs", s.epochs, "--warmup-steps", max(1, round(s.warmup_ratio * steps)), "--precision",
-            s.precision, "--seed", s.seed, "--cache-dir", self.cache, *self.run.device_args(), *resume])
-        record.update(steps=steps, training_queries=queries, batch_size=batch)
+            s.precision, "--seed", s.seed, "--cache-dir", self.cache, *self.run.device_args(), *resume,
+            *([] if mask else ["--no-mask-duplicate-positives"])])
+        record.update(steps=steps, training_queries=queries, batch_size=batch, mask_duplicate_positives=mask,
+                      masked_scores=masked_scores(out / "metrics.jsonl"))
         return str(out / "final"), record
+
+
+def masked_scores(metrics: Path) -> Optional[int]:
+    """The scores the duplicate-positive mask dropped over a run (``masked_scores`` of metrics.jsonl's steps)."""
+    if not metrics.is_file():
+        return None
+    records = [json.loads(line) for line in metrics.read_text("utf-8").splitlines() if line.strip()]
+    return sum(int(r.get("masked_scores", 0)) for r in records)
+
+
+def negatives_per_query(train_file: Path) -> float:
+    """Mean number of hard negatives per query of a mined training file."""
+    counts = [len(json.loads(line).get("hard_negative_ctxs") or []) for line in open(train_file, encoding="utf-8")
+              if line.strip()]
+    return round(sum(counts) / max(1, len(counts)), 2)
 
 
 def qrels_metrics(report: dict) -> dict:
@@ -300,53 +417,144 @@ def round_entry(name: str, metrics: dict, train: Optional[dict], phases: list[di
             "steps": train.get("steps") if train else None, "phases": [p["name"] for p in phases], **extra}
 
 
-def run_loop(loop: Loop, base_model: str) -> dict:
-    """Round 0, the filter choice on dev, rounds 1 and 2; the results' ``rounds``, ``selection`` and ``mining``."""
+def held_out_entry(name: str, trained: dict, **extra: Any) -> dict:
+    """A round whose model is an option trained on ``fit`` (``--no-refit``): its figures as measured then."""
+    return {"name": name, **trained["test"], "dev": trained["dev"], "train_s": trained["train_s"],
+            "peak_rss_mb": trained["peak_rss_mb"], "steps": trained["steps"], "trained_on": "fit",
+            "dev_held_out": True, "phases": trained["phases"], **extra}
+
+
+def parse_candidate(text: str) -> tuple[str, str]:
+    """A ``--round2`` recipe ``INIT:NEGATIVES`` as ``(init, negatives)``."""
+    init, _, negatives = text.partition(":")
+    if init not in ("base", "round1") or negatives not in ("round1", "union"):
+        raise DprGcError(f"--round2: {text!r} is not INIT:NEGATIVES with INIT base or round1 and NEGATIVES round1 "
+                         "or union (e.g. base:union)")
+    return init, negatives
+
+
+def choose(options: list[dict], key: str) -> dict:
+    """The option with the best dev nDCG@10 (the first of equals)."""
+    best = max(options, key=lambda o: o["dev"]["ndcg@10"])
+    logger.info("chosen on dev nDCG@10: %s %s (%s)", key, best[key],
+                ", ".join(f"{o[key]}: {o['dev']['ndcg@10']:.4f}" for o in options))
+    return best
+
+
+def trained_option(loop: Loop, tag: str, file: Path, init: str, score: bool = True) -> dict:
+    """Train ``tag`` from ``init`` on ``file``, index its corpus embeddings, score it on test and dev (unless
+    ``score`` is False: an only option, needed for its model and index)."""
+    model, trained = loop.train(tag, file, init)
+    index = loop.index(tag, model)
+    metrics = loop.evaluate(tag, model, index) if score else {}
+    return {"dev": metrics.get("dev"), "test": metrics.get("test"), "train_s": trained["wall_s"],
+            "steps": trained["steps"],
+            "peak_rss_mb": trained["peak_rss_mb"], "masked_scores": trained.get("masked_scores"), "model": model,
+            "index": str(index), "file": str(file), "negatives_per_query": negatives_per_query(file)}
+
+
+def round1_negatives(loop: Loop, tag: str, split: str, choice: str, base_model: str, zero_index: Path
+                     ) -> tuple[Path, dict]:
+    """Negatives for round 1, mined by the zero-shot model (``--mine-source``) under the filter ``choice``."""
     s = loop.s
-    bm25 = s.mine_source in ("bm25", "both")
-    dense_on = s.mine_source in ("dense", "both")
-    mark = len(loop.run.phases)
+    dense = (base_model, zero_index) if s.mine_source in ("dense", "both") else None
+    return loop.mine(tag, split, parse_filter(choice), dense, s.mine_source in ("bm25", "both"))
+
+
+def round2_negatives(loop: Loop, tag: str, split: str, ratio: Optional[float], round1: dict,
+                     kinds: Sequence[str]) -> dict[str, tuple[Path, dict]]:
+    """Negatives mined by the round-1 model ``round1`` for the queries of ``split``, per kind: ``round1`` (its
+    own) and ``union`` (added to its round-0 file ``round1["file"]``, one copy of each passage per query)."""
+    kinds = list(dict.fromkeys(kinds))
+
+    def mine(kind: str) -> tuple[Path, dict]:
+        return loop.mine(f"{tag}-{kind}", split, ratio, (round1["model"], Path(round1["index"])), False,
+                         append_to=Path(round1["file"]) if kind == "union" else None)
+
+    return dict(zip(kinds, loop.run.map(mine, kinds)))
+
+
+def select_filter(loop: Loop, base_model: str, zero_index: Path, choice: str, score: bool = True) -> dict:
+    """Round 1 on the fit queries with negatives mined under one ``--filters`` choice, scored on dev and test
+    (``score``)."""
+    tag = f"select-{choice}"
+    file, counts = round1_negatives(loop, f"{tag}-mine", "fit", choice, base_model, zero_index)
+    option = trained_option(loop, f"{tag}-round1", file, base_model, score)
+    return {"filter": choice, **option, "mining": counts, "phases": [p["name"] for p in loop.run.phases_of(tag + "-")]}
+
+
+def select_round2(loop: Loop, base_model: str, fit_round1: dict) -> list[dict]:
+    """Each ``--round2`` recipe trained on the fit queries (negatives mined by the chosen filter's fit round-1
+    model), scored on dev and test."""
+    recipes = {text: parse_candidate(text) for text in loop.s.round2}
+    files = round2_negatives(loop, "cand-mine", "fit", parse_filter(fit_round1["filter"]), fit_round1,
+                             [kind for _, kind in recipes.values()])
+
+    def candidate(text: str) -> dict:
+        init, kind = recipes[text]
+        tag = f"cand-{init}-{kind}"
+        option = trained_option(loop, tag, files[kind][0], base_model if init == "base" else fit_round1["model"])
+        return {"candidate": text, "init": init, "negatives": kind, **option, "mining": files[kind][1],
+                "phases": [p["name"] for p in loop.run.phases_of(f"cand-mine-{kind}", tag + "-")]}
+
+    return loop.run.map(candidate, loop.s.round2)
+
+
+def refit_round1(loop: Loop, base_model: str, zero_index: Path, choice: str) -> dict:
+    """Round 1 on all training queries with the chosen filter: its round entry, model, index and file."""
+    file, counts = round1_negatives(loop, "round1-mine", "train", choice, base_model, zero_index)
+    model, trained = loop.train("round1", file, base_model)
+    index = loop.index("round1", model)
+    entry = round_entry("round1", loop.evaluate("round1", model, index), trained, loop.run.phases_of("round1-"),
+                        filter=choice, trained_on="train", dev_held_out=False, mining=counts)
+    return {"entry": entry, "model": model, "index": str(index), "file": str(file)}
+
+
+def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, ratio: Optional[float]) -> dict:
+    """Round 2 on all training queries with the chosen recipe, its negatives mined by the refit round-1 model."""
+    init, kind = parse_candidate(recipe)
+    file, counts = round2_negatives(loop, "round2-mine", "train", ratio, round1, [kind])[kind]
+    model, trained = loop.train("round2", file, base_model if init == "base" else round1["model"])
+    index = loop.index("round2", model)
+    return round_entry("round2", loop.evaluate("round2", model, index), trained, loop.run.phases_of("round2-"),
+                       recipe=recipe, init=init, negatives=kind, negatives_per_query=negatives_per_query(file),
+                       trained_on="train", dev_held_out=False, mining=counts)
+
+
+def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda out: None) -> dict:
+    """Round 0, the filter choice on dev, the round-2 choice on dev, then (``refit``) rounds 1 and 2 on every
+    training query; the results' ``rounds``, ``selection`` (filters) and ``round2_selection`` (``save`` gets those
+    known so far after each stage, so a run cut short leaves them)."""
+    s = loop.s
+    out: dict[str, Any] = {"rounds": [], "selection": [], "chosen_filter": None, "round2_selection": [],
+                           "chosen_round2": None}
     zero_index = loop.index("round0", base_model)
-    zero = loop.evaluate("round0", base_model, zero_index)
-    rounds = [round_entry("round0 zero-shot", zero, None, loop.run.phases[mark:], dev_held_out=True)]
-    selection, mining = [], {}
-    for choice in s.filters:
-        ratio = parse_filter(choice)
-        tag = f"select-{choice}"
-        mark = len(loop.run.phases)
-        file, counts = loop.mine(f"{tag}-mine", "fit", ratio, (base_model, zero_index) if dense_on else None, bm25)
-        model, trained = loop.train(f"{tag}-round1", file, base_model)
-        index = loop.index(f"{tag}-round1", model)
-        metrics = loop.evaluate(f"{tag}-round1", model, index)
-        selection.append({"filter": choice, "dev": metrics["dev"], "test": metrics["test"],
-                          "train_s": trained["wall_s"], "peak_rss_mb": trained["peak_rss_mb"],
-                          "phases": [p["name"] for p in loop.run.phases[mark:]],
-                          "mining": counts, "model": model, "index": str(index)})
-        mining[tag] = counts
-    best = max(selection, key=lambda r: r["dev"]["ndcg@10"])
-    ratio, split = parse_filter(best["filter"]), "train" if s.refit else "fit"
-    logger.info("chosen on dev (nDCG@10): filter %s", best["filter"])
+    out["rounds"].append(round_entry("round0 zero-shot", loop.evaluate("round0", base_model, zero_index), None,
+                                     loop.run.phases_of("round0-"), dev_held_out=True))
+    save(out)
+    fit_round1 = [{"filter": s.filters[0]}]  # round 1 on fit: the filter options, or the only one for round 2
+    score = len(s.filters) > 1 or not s.refit  # an only filter is not scored when refit replaces its model
+    if score or len(s.round2) > 1:
+        fit_round1 = loop.run.map(lambda c: select_filter(loop, base_model, zero_index, c, score), s.filters)
+    out["selection"] = fit_round1 if score else []
+    best = choose(fit_round1, "filter") if score else fit_round1[0]
+    out["chosen_filter"] = best["filter"]
+    save(out)
+    jobs = [lambda: select_round2(loop, base_model, best) if len(s.round2) > 1 or not s.refit else []]
     if s.refit:
-        mark = len(loop.run.phases)
-        file, mining["round1"] = loop.mine("round1-mine", "train", ratio,
-                                           (base_model, zero_index) if dense_on else None, bm25)
-        model1, trained1 = loop.train("round1", file, base_model)
-        index1 = loop.index("round1", model1)
-        rounds.append(round_entry("round1", loop.evaluate("round1", model1, index1), trained1,
-                                  loop.run.phases[mark:], filter=best["filter"], trained_on=split,
-                                  dev_held_out=False))
-    else:
-        model1, index1 = best["model"], Path(best["index"])
-        rounds.append({"name": "round1", **best["test"], "dev": best["dev"], "train_s": best["train_s"],
-                       "peak_rss_mb": best["peak_rss_mb"], "filter": best["filter"], "trained_on": split,
-                       "dev_held_out": True, "phases": best["phases"]})
-    mark = len(loop.run.phases)
-    file, mining["round2"] = loop.mine("round2-mine", split, ratio, (model1, index1), False)
-    model2, trained2 = loop.train("round2", file, base_model if s.round2_init == "base" else model1)
-    index2 = loop.index("round2", model2)
-    rounds.append(round_entry("round2", loop.evaluate("round2", model2, index2), trained2, loop.run.phases[mark:],
-                              filter=best["filter"], trained_on=split, init=s.round2_init, dev_held_out=not s.refit))
-    return {"rounds": rounds, "selection": selection, "chosen_filter": best["filter"], "mining": mining}
+        jobs.append(lambda: refit_round1(loop, base_model, zero_index, best["filter"]))
+    out["round2_selection"], *refit = loop.run.all(*jobs)
+    chosen = choose(out["round2_selection"], "candidate") if out["round2_selection"] else {"candidate": s.round2[0]}
+    out["chosen_round2"] = chosen["candidate"]
+    if not s.refit:
+        out["rounds"] += [held_out_entry("round1", best, filter=best["filter"]),
+                          held_out_entry("round2", chosen, recipe=chosen["candidate"], init=chosen["init"],
+                                         negatives=chosen["negatives"])]
+        return out
+    out["rounds"].append(refit[0]["entry"])
+    save(out)
+    out["rounds"].append(refit_round2(loop, base_model, refit[0], chosen["candidate"], parse_filter(best["filter"])))
+    return out
 
 
 def machine(device: Optional[str]) -> dict:
@@ -384,8 +592,27 @@ def common_parser(description: str, results_name: str) -> argparse.ArgumentParse
     p.add_argument("--results", help=f"results JSON (default benchmarks/results/{results_name}[-quick].json)")
     p.add_argument("--device", help="torch device for every command (default: the toolkit's choice)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: 48 training / 20 test queries, 200 passages, tiny lengths and batches")
+                   help="smoke test: 48 training / 20 test queries, 200 passages, tiny lengths and batches, fp32, "
+                        "fewer options (flags given still apply)")
+    p.add_argument("--parallel", type=positive_int, default=1,
+                   help="independent commands run at once (default 1); with N > 1 each gets cores/N CPU threads "
+                        "and the recorded timings are those of N concurrent jobs")
     return p
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def concurrency(runner: Runner) -> dict:
+    """How the timings were taken: ``--parallel`` N commands at once, the CPU threads each got."""
+    return {"parallel": runner.parallel, "threads_per_job": runner.threads_per_job(),
+            "note": (f"wall times were measured with up to {runner.parallel} toolkit commands running at once "
+                     "(each phase's 'concurrent': how many were running when it started, itself included)"
+                     if runner.parallel > 1 else "one toolkit command at a time")}
 
 
 def settings_from(args: argparse.Namespace, settings_class: type, quick: dict) -> Any:
@@ -421,8 +648,11 @@ def open_work(args: argparse.Namespace, name: str, settings: Any, free: tuple = 
 def check(s: LoopSettings) -> None:
     if s.mine_source not in ("dense", "bm25", "both"):
         raise DprGcError(f"--mine-source must be dense, bm25 or both, got {s.mine_source!r}")
-    if s.round2_init not in ("base", "round1"):
-        raise DprGcError(f"--round2-init must be base or round1, got {s.round2_init!r}")
+    for recipe in s.round2:
+        parse_candidate(recipe)
+    for name, values in (("--filters", s.filters), ("--round2", s.round2)):
+        if not values or len(set(values)) != len(values):
+            raise DprGcError(f"{name} needs one or more different choices, got {' '.join(values) or 'none'}")
     if not 0 < s.dev_fraction < 1:
         raise DprGcError(f"--dev-fraction must be between 0 and 1, got {s.dev_fraction}")
     for choice in s.filters:
@@ -444,27 +674,36 @@ def run(args: argparse.Namespace) -> None:
     began = time.perf_counter()
     work, results, model = open_work(args, "scifact-loop", s)
     data = prepare_data(Path(args.data), work, args.quick, s.dev_fraction, s.seed)
-    loop = Loop(Runner(work, args.device), s, data)
-    out = run_loop(loop, model)
-    report = {"benchmark": "SciFact (BEIR) quality loop" + (" -- SMOKE RUN (--quick: 48 training / 20 test "
-                                                              "queries, 200 passages; numbers mean nothing)"
-                                                              if args.quick else ""),
-              "smoke_run": args.quick, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": machine(args.device), "settings": dataclasses.asdict(s), "base_model": model,
-              "dev_split": {"rule": "a training query is dev when int(sha256(f'{seed}:{qid}')) % 10000 < "
-                                    "dev_fraction * 10000; fit = the other training queries",
-                            "fit_queries": count_queries(data / "qrels" / "fit.tsv"),
-                            "dev_queries": count_queries(data / "qrels" / "dev.tsv"),
-                            "test_queries": count_queries(data / "qrels" / "test.tsv")},
-              **out, "phases": loop.run.phases, "commands": [p["command"] for p in loop.run.phases],
-              "wall_s_all_phases": round(sum(p["wall_s"] for p in loop.run.phases), 1),
-              "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
-    results.parent.mkdir(parents=True, exist_ok=True)
-    write_json(results, report)
+    loop = Loop(Runner(work, args.device, args.parallel), s, data)
+
+    def save(out: dict, complete: bool = False) -> dict:
+        phases = [dict(p) for p in list(loop.run.phases)]  # copies: commands still running may add to them
+        report = {"benchmark": "SciFact (BEIR) quality loop" + (
+                      " -- SMOKE RUN (--quick: 48 training / 20 test queries, 200 passages; numbers mean nothing)"
+                      if args.quick else ""),
+                  "smoke_run": args.quick, "complete": complete,
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(args.device),
+                  "settings": dataclasses.asdict(s), "base_model": model, "concurrency": concurrency(loop.run),
+                  "dev_split": {"rule": "a training query is dev when int(sha256(f'{seed}:{qid}')) % 10000 < "
+                                        "dev_fraction * 10000; fit = the other training queries",
+                                "fit_queries": count_queries(data / "qrels" / "fit.tsv"),
+                                "dev_queries": count_queries(data / "qrels" / "dev.tsv"),
+                                "test_queries": count_queries(data / "qrels" / "test.tsv")},
+                  **out, "phases": phases, "commands": [p["command"] for p in phases],
+                  "wall_s_all_phases": round(sum(p["wall_s"] for p in phases), 1),
+                  "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
+        results.parent.mkdir(parents=True, exist_ok=True)
+        write_json(results, report)
+        return report
+
+    out = run_loop(loop, model, save)
+    report = save(out, complete=True)
     for r in report["rounds"]:
         print(f"{r['name']:<18} nDCG@10 {r['ndcg@10']:.4f}  MRR@10 {r['mrr@10']:.4f}  Recall@100 "
               f"{r['recall@100']:.4f}  train {r['train_s'] or 0:.0f} s  peak RSS {r['peak_rss_mb']:.0f} MB")
-    print(f"results: {results}")
+    for key, options in (("filter", out["selection"]), ("candidate", out["round2_selection"])):
+        print(f"{key} on dev: " + ", ".join(f"{o[key]} {o['dev']['ndcg@10']:.4f}" for o in options))
+    print(f"wall {report['wall_s_this_invocation']:.0f} s with --parallel {args.parallel}\nresults: {results}")
 
 
 if __name__ == "__main__":

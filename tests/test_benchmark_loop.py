@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,21 +75,24 @@ def test_bad_loop_settings_give_one_error_line(tmp_path):
     assert done.returncode == 2 and len(err) == 1 and err[0].startswith("error: --filters: '0'")
     assert not (tmp_path / "w").exists()
     for changes, message in (({"mine_source": "splade"}, "--mine-source"), ({"dev_fraction": 1.5}, "--dev-fraction"),
-                             ({"round2_init": "last"}, "--round2-init"), ({"filters": ("none", "x")}, "--filters")):
+                             ({"round2": ("base:round0",)}, "--round2: 'base:round0'"),
+                             ({"round2": ("base:union", "base:union")}, "--round2 needs one or more different"),
+                             ({"filters": ("none", "x")}, "--filters")):
         with pytest.raises(DprGcError, match=message):
             loop.check(loop.LoopSettings(**changes))
 
 
 class FakeLoop:
-    """Stands in for the commands: dev nDCG@10 of round 1 is 0.70 without the filter and 0.72 with ratio 0.95."""
+    """Stands in for the commands: dev nDCG@10 is 0.70 for a model, 0.72 for round 1 mined with ratio 0.95 and
+    0.80 for the round-2 recipe base:union; a mined file holds 2 queries with 3 negatives (6 when appended)."""
 
-    def __init__(self, refit: bool) -> None:
-        self.s = loop.LoopSettings(refit=refit, filters=("none", "0.95"))
-        self.run = type("R", (), {"phases": []})()
+    def __init__(self, work: Path, refit: bool, parallel: int = 1, **settings) -> None:
+        self.s = loop.LoopSettings(refit=refit, **{"filters": ("none", "0.95"), **settings})
+        self.run, self.work = loop.Runner(work, None, parallel), work
         self.calls: list[tuple] = []
 
     def _phase(self, name: str) -> None:
-        self.run.phases.append({"name": name, "wall_s": 1.0, "peak_rss_mb": 100.0 + len(self.run.phases)})
+        self.run.phases.append({"name": name, "wall_s": 1.0, "peak_rss_mb": 100.0 + len(name)})
 
     def index(self, tag, model):
         self._phase(f"{tag}-encode")
@@ -94,32 +100,223 @@ class FakeLoop:
 
     def evaluate(self, tag, model, index, splits=("test", "dev")):
         self._phase(f"{tag}-retrieve")
-        dev = 0.72 if "0.95" in tag else 0.70
+        dev = 0.80 if tag.startswith("cand-base-union") else 0.72 if "0.95" in tag else 0.70
         return {s: {"ndcg@10": dev if s == "dev" else 0.5, "mrr@10": 0.4, "recall@100": 0.9} for s in splits}
 
-    def mine(self, tag, split, ratio, dense, bm25):
-        self.calls.append(("mine", tag, split, ratio, dense[0] if dense else None, bm25))
-        self._phase(f"{tag}-mine")
-        return Path(tag) / "train.jsonl", {"dense": {"dropped by max negative ratio": 3}}
+    def mine(self, tag, split, ratio, dense, bm25, append_to=None):
+        self.calls.append(("mine", tag, split, ratio, dense[0] if dense else None, bm25,
+                           append_to and str(append_to.relative_to(self.work))))
+        self._phase(f"{tag}-mine-dense")
+        path = self.work / tag / "train.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"hard_negative_ctxs": [{}] * (6 if append_to else 3)}) + "\n"
+        path.write_text(line * 2)
+        return path, {"dense": {"dropped by max negative ratio": 3}}
 
-    def train(self, tag, file, init, hard_negatives=None, batch_size=None):
-        self.calls.append(("train", tag, str(file), init))
+    def train(self, tag, file, init, hard_negatives=None, batch_size=None, mask=True):
+        self.calls.append(("train", tag, str(Path(file).relative_to(self.work)), init))
         self._phase(f"{tag}-train")
         return f"{tag}/final", {"wall_s": 10.0, "peak_rss_mb": 500.0, "steps": 18}
 
 
 @pytest.mark.parametrize("refit", [True, False])
-def test_loop_chooses_the_filter_on_dev_and_mines_round_2_with_the_round_1_model(refit):
-    fake = FakeLoop(refit)
+def test_loop_chooses_the_filter_and_the_round2_recipe_on_dev(tmp_path, refit):
+    fake = FakeLoop(tmp_path, refit)
     out = loop.run_loop(fake, "base")
     assert out["chosen_filter"] == "0.95" and [s["filter"] for s in out["selection"]] == ["none", "0.95"]
+    assert out["chosen_round2"] == "base:union"
+    assert [(c["candidate"], c["dev"]["ndcg@10"], c["negatives_per_query"]) for c in out["round2_selection"]] == [
+        ("base:round1", 0.70, 3.0), ("round1:round1", 0.70, 3.0), ("base:union", 0.80, 6.0)]
     assert [r["name"] for r in out["rounds"]] == ["round0 zero-shot", "round1", "round2"]
     assert all({"ndcg@10", "mrr@10", "recall@100", "train_s", "peak_rss_mb"} <= set(r) for r in out["rounds"])
-    mines = [c for c in fake.calls if c[0] == "mine"]
-    assert mines[:2] == [("mine", "select-none-mine", "fit", None, "base", False),
-                         ("mine", "select-0.95-mine", "fit", 0.95, "base", False)]
-    round1_model = "round1/final" if refit else "select-0.95-round1/final"
-    assert mines[-1] == ("mine", "round2-mine", "train" if refit else "fit", 0.95, round1_model, False)
-    assert fake.calls[-1] == ("train", "round2", "round2-mine/train.jsonl", "base")  # round 2 starts from the base
+    mines = [c[1:] for c in fake.calls if c[0] == "mine"]
+    fit_round1 = "select-0.95-round1/final"
+    assert mines[:4] == [("select-none-mine", "fit", None, "base", False, None),
+                         ("select-0.95-mine", "fit", 0.95, "base", False, None),
+                         ("cand-mine-round1", "fit", 0.95, fit_round1, False, None),
+                         ("cand-mine-union", "fit", 0.95, fit_round1, False, "select-0.95-mine/train.jsonl")]
+    trains = [c[1:] for c in fake.calls if c[0] == "train"]
+    assert trains[2:5] == [("cand-base-round1", "cand-mine-round1/train.jsonl", "base"),
+                           ("cand-round1-round1", "cand-mine-round1/train.jsonl", fit_round1),
+                           ("cand-base-union", "cand-mine-union/train.jsonl", "base")]
+    if refit:  # round 1 again on all queries; round 2's union adds to round 1's own round-0 file
+        assert mines[4:] == [("round1-mine", "train", 0.95, "base", False, None),
+                             ("round2-mine-union", "train", 0.95, "round1/final", False, "round1-mine/train.jsonl")]
+        assert trains[5:] == [("round1", "round1-mine/train.jsonl", "base"),
+                              ("round2", "round2-mine-union/train.jsonl", "base")]
+        assert out["rounds"][2]["recipe"] == "base:union"
+        assert out["rounds"][2]["phases"][0] == "round2-mine-union-mine-dense"
+    else:  # rounds 1 and 2 are the chosen options as trained on fit
+        assert len(mines) == 4 and len(trains) == 5
+        assert out["rounds"][2]["dev"]["ndcg@10"] == 0.80 and out["rounds"][2]["trained_on"] == "fit"
     assert out["rounds"][1]["dev_held_out"] is not refit and out["rounds"][2]["dev_held_out"] is not refit
-    assert out["rounds"][2]["train_s"] == 10.0 and out["rounds"][2]["phases"][0] == "round2-mine-mine"
+    assert out["rounds"][2]["train_s"] == 10.0
+
+
+def test_the_loop_in_parallel_gives_the_sequential_results(tmp_path):
+    sequential = loop.run_loop(FakeLoop(tmp_path / "a", True), "base")
+    parallel = loop.run_loop(FakeLoop(tmp_path / "b", True, parallel=3), "base")
+    for out in (sequential, parallel):  # the files' places differ by work folder
+        for option in out["selection"] + out["round2_selection"]:
+            option.pop("file")
+    assert parallel == sequential
+
+
+def test_single_choices_train_nothing_on_fit(tmp_path):
+    fake = FakeLoop(tmp_path, True, filters=("none",), round2=("round1:union",))
+    out = loop.run_loop(fake, "base")
+    assert out["selection"] == [] and out["round2_selection"] == [] and out["chosen_round2"] == "round1:union"
+    assert [c[1] for c in fake.calls] == ["round1-mine", "round1", "round2-mine-union", "round2"]
+    assert fake.calls[-1] == ("train", "round2", "round2-mine-union/train.jsonl", "round1/final")
+    fake = FakeLoop(tmp_path / "two-recipes", True, filters=("0.9",), round2=("round1:round1", "base:union"))
+    out = loop.run_loop(fake, "base")  # one filter: its fit round 1 is trained for the recipes, not scored
+    assert out["selection"] == [] and out["chosen_filter"] == "0.9" and len(out["round2_selection"]) == 2
+    assert "select-0.9-round1-train" in [p["name"] for p in fake.run.phases]
+    assert not [p for p in fake.run.phases if p["name"].startswith("select-0.9-round1-retrieve")]
+
+
+def sleeper(runner: "loop.Runner") -> "loop.Runner":
+    """The runner with a stand-in command: ``python -c`` sleeping ARG seconds, then exiting with ARG2 (or 0)."""
+    runner.program = [sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1])); "
+                                            "sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)"]
+    return runner
+
+
+def test_runner_runs_n_commands_at_once_in_order(tmp_path):
+    runner = sleeper(loop.Runner(tmp_path, None, parallel=2))
+    began = time.perf_counter()
+    records = runner.map(lambda i: runner.cli(f"job{i}", [0.3 * (4 - i)]), range(4))
+    assert [r["name"] for r in records] == ["job0", "job1", "job2", "job3"]  # the order of the items
+    assert max(r["concurrent"] for r in records) == 2 and time.perf_counter() - began < 0.3 * 10
+    assert runner.env()["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2)) or "OMP_NUM_THREADS" in os.environ
+    assert loop.concurrency(runner)["parallel"] == 2
+
+
+def test_a_failed_command_stops_the_others(tmp_path):
+    runner = sleeper(loop.Runner(tmp_path, None, parallel=2))
+
+    def late() -> None:  # asks for its command only after the failure
+        deadline = time.perf_counter() + 60
+        while not runner._stopped and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        runner.cli("late", [0])
+
+    began = time.perf_counter()
+    with pytest.raises(DprGcError, match=r"quick failed \(exit 3\)"):
+        runner.all(lambda: runner.cli("slow", [30]), lambda: runner.cli("quick", [0, 3]), late)
+    assert time.perf_counter() - began < 20  # the slow one was terminated, not waited for
+    assert not (tmp_path / "phases" / "slow.json").exists() and not (tmp_path / "phases" / "late.json").exists()
+
+
+# ------------------------------------------------------------------ the scripts end to end, on a stand-in toolkit
+def tiny_beir(folder: Path) -> Path:
+    """A BEIR folder --quick can cut from: 60 training and 25 test queries with one positive each, 120 passages."""
+    import gzip
+
+    (folder / "qrels").mkdir(parents=True)
+    with gzip.open(folder / "corpus.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"_id": f"d{i}", "title": f"t{i}", "text": f"passage {i}"}) + "\n" for i in range(120))
+    ids = [f"q{i}" for i in range(60)] + [f"t{i}" for i in range(25)]
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": f"claim {q}"}) + "\n" for q in ids))
+    for split, names in (("train", ids[:60]), ("test", ids[60:])):
+        (folder / "qrels" / f"{split}.tsv").write_text(
+            "query-id\tcorpus-id\tscore\n" + "".join(f"{q}\td{i}\t1\n" for i, q in enumerate(names)))
+    return folder
+
+
+class StandInToolkit:
+    """``Runner._run`` without the toolkit: each command line is parsed by the real ``dpr-gc`` parser (a wrong flag
+    fails the test) and the outputs the scripts read are written: metrics, mined files, metrics.jsonl."""
+
+    def __init__(self, parser) -> None:
+        self.parser, self.commands = parser, []
+
+    def __call__(self, runner, name: str, args: list[str], capture: bool) -> dict:
+        try:
+            self.parser.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{name}: the toolkit refuses {args}")
+        self.commands.append(args)
+        value = {flag: args[i + 1] for i, flag in enumerate(args[:-1]) if flag.startswith("--")}
+        out = getattr(self, args[0], lambda v, a: "")(value, args)
+        return {"name": name, "command": "python -m dpr_gc.cli " + " ".join(args), "wall_s": 0.1,
+                "peak_rss_mb": 50.0, "concurrent": 1, "stdout": out if capture else None}
+
+    @staticmethod
+    def evaluate(value: dict, args: list) -> str:
+        score = 0.6 + 0.01 * (len(value["--output"]) % 7)  # differs between models, so choices are made
+        Path(value["--output"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(value["--output"]).write_text(json.dumps({"qrels": {"nDCG@10": score, "MRR@10": 0.5,
+                                                                 "Recall@100": 0.9}}))
+        return ""
+
+    @staticmethod
+    def mine(value: dict, args: list) -> str:
+        if "--train-file" in value:
+            records = [json.loads(line) for line in Path(value["--train-file"]).read_text().splitlines()]
+        else:
+            qrels = Path(value["--beir-dir"]) / "qrels" / f"{value['--split']}.tsv"
+            records = [{"question": line.split("\t")[0], "hard_negative_ctxs": []}
+                       for line in qrels.read_text().splitlines()[1:]]
+        for r in records:
+            r["hard_negative_ctxs"] += [{"passage_id": f"n{len(r['hard_negative_ctxs']) + k}"} for k in range(3)]
+        Path(value["--output"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(value["--output"]).write_text("".join(json.dumps(r) + "\n" for r in records))
+        return format_summary({"source": "dense", "dropped by max negative ratio": 1})
+
+    @staticmethod
+    def train(value: dict, args: list) -> str:
+        out = Path(value["--output"])
+        out.mkdir(parents=True, exist_ok=True)
+        masked = 0 if "--no-mask-duplicate-positives" in args else 2
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "masked_scores": masked}) + "\n")
+        return ""
+
+
+@pytest.fixture(scope="module")
+def toolkit_parser():
+    from dpr_gc.cli import build_parser
+
+    return build_parser()
+
+
+@pytest.fixture
+def stand_in(toolkit_parser) -> StandInToolkit:
+    return StandInToolkit(toolkit_parser)
+
+
+def test_the_loop_script_runs_end_to_end_on_a_stand_in_toolkit(tmp_path, monkeypatch, stand_in, capsys):
+    monkeypatch.setattr(loop.Runner, "_run", lambda runner, *a: stand_in(runner, *a))
+    results = tmp_path / "loop.json"
+    assert loop.main(["--quick", "--data", str(tiny_beir(tmp_path / "beir")), "--output", str(tmp_path / "w"),
+                      "--results", str(results), "--parallel", "3", "--model", "MODEL", "--filters", "none", "0.95",
+                      "--round2", "base:round1", "round1:round1", "base:union"]) == 0
+    report = json.loads(results.read_text())
+    assert [r["name"] for r in report["rounds"]] == ["round0 zero-shot", "round1", "round2"]
+    assert [c["candidate"] for c in report["round2_selection"]] == ["base:round1", "round1:round1", "base:union"]
+    assert report["chosen_round2"] in report["settings"]["round2"] and report["rounds"][2]["recipe"] == \
+        report["chosen_round2"]
+    assert report["round2_selection"][2]["negatives_per_query"] == 6.0  # round 0's 3 and round 1's 3
+    assert report["concurrency"]["parallel"] == 3 and report["dev_split"]["test_queries"] == 20 and report["complete"]
+    assert [s["filter"] for s in report["selection"]] == ["none", "0.95"]
+    retrieves = [c for c in stand_in.commands if c[0] == "retrieve"]
+    assert retrieves and all(c[c.index("--qrels") + 1].endswith("test+dev.tsv") for c in retrieves)
+    assert "round2" in capsys.readouterr().out
+
+
+def test_the_grid_script_runs_the_masking_pair_on_a_stand_in_toolkit(tmp_path, monkeypatch, stand_in):
+    import scifact_grid as grid
+
+    monkeypatch.setattr(loop.Runner, "_run", lambda runner, *a: stand_in(runner, *a))
+    results = tmp_path / "grid.json"
+    assert grid.main(["--quick", "--data", str(tiny_beir(tmp_path / "beir")), "--output", str(tmp_path / "w"),
+                      "--results", str(results), "--parallel", "2", "--batches", "16", "--negatives", "1",
+                      "--masking", "on", "off", "--model", "MODEL"]) == 0
+    report = json.loads(results.read_text())
+    assert report["complete"] and [(c["masking"], c["masked_scores"]) for c in report["cells"]] == [("on", 2),
+                                                                                                 ("off", 0)]
+    assert report["masking_effect"][0]["batch_size"] == 16 and "masking off" in report["table_ndcg@10"]
+    trains = {c[c.index("--output") + 1]: "--no-mask-duplicate-positives" in c for c in stand_in.commands
+              if c[0] == "train"}
+    assert trains == {str(tmp_path / "w" / "b16-h1" / "model"): False,
+                      str(tmp_path / "w" / "b16-h1-nomask" / "model"): True}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from safetensors.torch import load_file
 
 from dpr_gc.cli import main
 from dpr_gc.data.training import Collator, load_dpr_files, make_dataloader
-from tests.train_data import init_model
+from dpr_gc.train.trainer import train
+from tests.train_data import init_model, train_config
 from tests.train_data import make_records, write_dpr
 
 
@@ -48,6 +50,27 @@ def test_questions_sharing_a_positive_do_not_see_it_as_a_negative(tmp_path, mode
     record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["masked_scores"] == 8 * 7  # every question drops the 7 copies of its positive
     assert record["loss"] < 1e-5  # unmasked it is log 8 = 2.08 or more
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_duplicate_positive_mask_switches_the_same_way_from_the_cli_and_the_library(tmp_path, model, mask):
+    """``--no-mask-duplicate-positives`` (``OptimConfig(mask_duplicate_positives=False)``) gives DPR's loss: 8
+    questions sharing one positive see 8 equal scores, log 8; masked, the 7 copies are dropped."""
+    data = write_dpr(tmp_path / "shared.json", shared_positive_records(8))
+    flags = ["--batch-size", "8", "--hard-negatives", "0", "--max-steps", "1", "--query-chunk-size", "3",
+             "--passage-chunk-size", "3"]
+    switch = "--mask-duplicate-positives" if mask else "--no-mask-duplicate-positives"
+    assert main(train_args(data, model, tmp_path / "cli", *flags, switch)) == 0
+    config = train_config(train_files=[str(data)], output_dir=str(tmp_path / "lib"), model=str(model),
+                          num_workers=0, cache_dir=str(tmp_path / "cache"), batch_size=8, hard_negatives=0,
+                          max_steps=1, query_chunk_size=3, passage_chunk_size=3, mask_duplicate_positives=mask)
+    train(config)
+    first = [json.loads((tmp_path / side / "metrics.jsonl").read_text().splitlines()[0]) for side in ("cli", "lib")]
+    assert first[0]["loss"] == pytest.approx(first[1]["loss"], abs=1e-6)
+    assert first[0]["masked_scores"] == first[1]["masked_scores"] == (8 * 7 if mask else 0)
+    assert first[0]["loss"] < 1e-5 if mask else first[0]["loss"] == pytest.approx(math.log(8), abs=1e-4)
+    recorded = json.loads((tmp_path / "cli" / "train_config.json").read_text())
+    assert recorded["optim"]["mask_duplicate_positives"] is mask  # recorded, and fixed on --resume
 
 
 def test_hard_negative_that_is_the_own_positive_is_dropped_at_load(tmp_path, model, caplog):

@@ -44,6 +44,7 @@ class Setting:
     hidden: tuple[tuple[str, Mapping[str, Any]], ...] = ()
     cli_default: Any = UNSET
     aliases: tuple[str, ...] = ()
+    negatable: bool = False
 
     @property
     def flag(self) -> str:
@@ -69,7 +70,7 @@ class Group:
     given: Optional[str] = None
 
 
-CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "aliases")
+CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "aliases", "negatable")
 
 
 def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Optional[Callable[[str], Any]] = None,
@@ -81,7 +82,9 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
     and recorded); ``type``: the flag parser (its ``accepts`` checks values given in code); ``resume``:
     :data:`FIXED` or :data:`FREE`. ``cli`` shapes the flag: ``nargs``, ``required``, ``dest``; a bool field is a
     switch (``negate``: the flag sets the field to False, e.g. ``--separate-encoders`` for ``shared_encoder``);
-    ``hidden``: further ``(flag, argparse options)`` kept for old command lines and left out of ``--help``;
+    ``negatable``: a bool field gets the flag and its ``--no-`` form (``--mask-duplicate-positives`` /
+    ``--no-mask-duplicate-positives``); ``hidden``: further ``(flag, argparse options)`` kept for old command lines
+    and left out of ``--help``;
     ``cli_default``: the flag's default when the library's differs (``--lora-r`` has none, ``LoraSettings.r`` is
     required); ``aliases``: DPR's names, added by parsers that ask for them (``scripts/``)."""
     unknown = set(cli) - set(CLI_OPTIONS)
@@ -91,7 +94,8 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
         raise ValueError(f"resume must be {FIXED!r} or {FREE!r}")
     meta = Setting(tuple(flags), help, type, tuple(choices) if choices is not None else None, cli.get("nargs"),
                    cli.get("required", False), cli.get("dest"), resume, cli.get("negate", False),
-                   tuple(cli.get("hidden", ())), cli.get("cli_default", UNSET), tuple(cli.get("aliases", ())))
+                   tuple(cli.get("hidden", ())), cli.get("cli_default", UNSET), tuple(cli.get("aliases", ())),
+                   cli.get("negatable", False))
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": meta})
     return dataclasses.field(default=default, metadata={"setting": meta})
@@ -188,6 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
         kwargs: dict[str, Any] = {"dest": dest, "help": _help(decl)}
         if (isinstance(default, bool) or decl.negate) and unset:  # --flag / --no-flag, unset unless given
             kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+        elif decl.negatable:  # --flag / --no-flag around the setting's default
+            kwargs.update(action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, bool) or decl.negate:  # a switch: the flag turns its destination's default over
             default = (not field.default) if decl.negate else default
             kwargs.update(action="store_false" if default else "store_true", default=default)
@@ -198,7 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
         if unset and kwargs.get("default") is not None:
             kwargs["default"] = None
         action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
-        if unset:
+        if unset or decl.negatable:
             action.shown_default = _field_default(field)  # what applies when not given (see HelpFormatter)
         if resume_kinds:
             action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter

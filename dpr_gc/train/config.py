@@ -142,8 +142,8 @@ class DataConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    """The optimisation: AdamW, linear warm-up and decay, clipping, length, mixed precision, and the symmetric
-    (passage-to-query) loss term."""
+    """The optimisation: AdamW, linear warm-up and decay, clipping, length, mixed precision, and the loss: the
+    symmetric (passage-to-query) term and the duplicate-positive mask."""
 
     learning_rate: float = setting(2e-5, "--learning-rate", "--learning_rate", type=positive_float,
                                    help="AdamW peak learning rate")
@@ -167,6 +167,11 @@ class OptimConfig:
                              hidden=[("--fp16", {"action": "store_const", "const": "fp16"})],
                              help="autocast precision of the forward and backward passes")
     symmetric: bool = setting(False, "--symmetric", help="add the passage-to-query loss term")
+    mask_duplicate_positives: bool = setting(True, "--mask-duplicate-positives", negatable=True,
+                                             help="drop each in-batch score of a query against a copy of one of its "
+                                                  "own positives (same passage id; title and text without one); "
+                                                  "--no-mask-duplicate-positives scores them as negatives, as DPR "
+                                                  "and GC-DPR do")
 
     def warmup_for(self, total_steps: int) -> int:
         """Warm-up steps of a run of ``total_steps``: ``warmup_steps``, or ``ceil(warmup_ratio * total_steps)``

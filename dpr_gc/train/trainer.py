@@ -265,7 +265,8 @@ class Trainer:
         """One optimizer step on one batch: the gradient (cached, or one plain graph), clipping, AdamW and the
         schedule; returns the detached loss and the gradient norm before clipping."""
         query, passage = dict(batch["query"]), dict(batch["passage"])
-        ids = {k: batch[k] for k in ("passage_ids", "positive_ids") if k in batch}  # duplicate positives dropped
+        ids = ({k: batch[k] for k in ("passage_ids", "positive_ids") if k in batch}  # duplicate positives dropped
+               if self.config.optim.mask_duplicate_positives else {})
         self.optimizer.zero_grad(set_to_none=True)
         if self.cache is not None:
             loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"),
@@ -410,6 +411,9 @@ class Trainer:
                         f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
                         config.optim.precision, self.device, self.workers,
                         " (auto)" if config.data.num_workers == "auto" else "")
+            if not config.optim.mask_duplicate_positives:
+                logger.info("--no-mask-duplicate-positives: a copy of a query's own positive elsewhere in the batch "
+                            "scores as one of its negatives (DPR's and GC-DPR's loss)")
 
     def train_epoch(self) -> None:
         """The rest of the current epoch (all of it, unless resumed inside it), stopping at the last step."""
