@@ -964,13 +964,37 @@ def test_encode_assembles_shards_without_a_memory_map(world: dict, tmp_path: Pat
     assert ours.shape == reference.shape and np.allclose(ours.astype(np.float32), reference, atol=2e-3)
 
 
-def test_lone_surrogates_in_a_corpus_end_in_one_line(world: dict, tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text('{"_id": "a\\ud800", "title": "t", "text": "paris"}\n{"_id": "b", "title": "t", "text": "x"}\n')
-    code, err = call(cli.main, ["encode", "--model", world["model"], "--corpus", corpus, "--output", tmp_path / "e",
-                                "--device", "cpu", "--cache-dir", tmp_path / "cache"])
-    assert code == 2 and "Traceback" not in err, err
-    assert [line for line in err.splitlines() if line.startswith("error:")], err
+SURROGATE_CASES = {
+    "corpus text": ("c.jsonl", '{"_id": "a", "title": "t", "text": "x"}\n{"_id": "b", "title": "t", "text": "p \\ud800"}\n'),
+    "passage id": ("c.jsonl", '{"_id": "a", "title": "t", "text": "x"}\n{"_id": "b\\ud800", "title": "t", "text": "x"}\n'),
+    "question": ("q.jsonl", '{"id": "q1", "question": "a"}\n{"id": "q2", "question": "what \\udfff"}\n'),
+    "answer (JSONL)": ("q.jsonl", '{"id": "q1", "question": "a"}\n{"id": "q2", "question": "b", "answers": ["\\ud800"]}\n'),
+    "answer (TSV)": ("q.tsv", 'what is paris\t["paris"]\nwho sang\t["a\\udbff"]\n'),
+    "training list": ("t.json", json.dumps(training_records(2)).replace('"what is', '"what\\ud800 is', 2)
+                      .replace('"what\\ud800 is', '"what is', 1).replace("}, {", "},\n{")),
+    "training lines": ("t.jsonl", "".join(json.dumps(r) + "\n" for r in training_records(2)).replace(
+        '"what is', '"what\\ud800 is', 2).replace('"what\\ud800 is', '"what is', 1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SURROGATE_CASES))
+def test_lone_surrogates_in_every_text_input_are_one_line_naming_file_and_line(world: dict, tmp_path: Path,
+                                                                               case: str) -> None:
+    """Half a UTF-16 pair ("\\ud800" in JSON) is no character: refused where it is read, not late while writing."""
+    name, content = SURROGATE_CASES[case]
+    bad = tmp_path / name
+    bad.write_text(content, encoding="utf-8")
+    assert "\\ud" in bad.read_text().splitlines()[1] and "\\ud" not in bad.read_text().splitlines()[0]
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    if name.startswith("c."):
+        argv = ["encode", "--model", world["model"], "--corpus", bad, "--output", out, "--device", "cpu",
+                "--cache-dir", cache]
+    elif name.startswith("q."):
+        argv = retrieve_argv(world, "--queries", bad, "--output", out, "--cache-dir", cache)
+    else:
+        argv = ["prepare-data", bad, "--cache-dir", cache]
+    refused(argv, f"{bad}:2", "lone surrogate")
+    assert not out.exists()
 
 
 def test_dense_retriever_refuses_a_saved_index_of_other_embeddings(world: dict, tmp_path: Path) -> None:
@@ -985,3 +1009,61 @@ def test_dense_retriever_refuses_a_saved_index_of_other_embeddings(world: dict, 
     refused(["--model_file", world["model"], "--qa_dataset", world["qa"], "--encoded_ctx_file", emb,
              "--index_path", tmp_path / "old.index", "--out_file", tmp_path / "o.json", "--no_cuda"],
             "corpus_fingerprint", "another --index_path", main=script.main)
+
+
+# ------------------------------------------------------------------ guarantees, second round (issue 25)
+def test_hnsw_m_outside_what_faiss_takes_is_refused(world: dict, tmp_path: Path) -> None:
+    """FAISS dies of bad_alloc for a huge M and segfaults at M=1: the setting's declaration states the range."""
+    for m in ("1000000", "1"):
+        refused(["index", "--embeddings", world["emb"], "--output", tmp_path / "idx", "--kind", "hnsw",
+                 "--hnsw-m", m], "--hnsw-m", f"'{m}' is not an integer from 2 to 512")
+    with pytest.raises(DprGcError, match="--hnsw-m must be an integer from 2 to 512"):
+        IndexParams("hnsw", hnsw_m=1)
+    assert not (tmp_path / "idx").exists()
+
+
+def test_cr_only_line_endings_are_named(world: dict, tmp_path: Path) -> None:
+    corpus = tmp_path / "mac.tsv"
+    corpus.write_bytes(tsv_bytes(passages(4)).replace(b"\n", b"\r"))
+    refused(["encode", "--model", world["model"], "--corpus", corpus, "--output", tmp_path / "e", "--device", "cpu",
+             "--cache-dir", tmp_path / "cache"], str(corpus), "carriage return only", "convert it")
+    queries = tmp_path / "mac-qa.tsv"
+    queries.write_bytes(world["qa"].read_bytes().replace(b"\n", b"\r"))
+    refused(retrieve_argv(world, "--queries", queries, "--output", tmp_path / "o.json"), str(queries),
+            "carriage return only")
+    crlf = tmp_path / "crlf.tsv"
+    crlf.write_bytes(world["qa"].read_bytes().replace(b"\n", b"\r\n"))
+    assert len(read_queries(crlf)) == 2
+
+
+def test_duplicate_query_ids_are_refused_when_the_file_is_read(world: dict, tmp_path: Path, monkeypatch) -> None:
+    from dpr_gc.retrieval import retrieve as retrieve_module
+
+    queries = tmp_path / "dup.tsv"
+    queries.write_text('what is paris\t["paris"]\tq1\nwho sang\t["music"]\tq2\nwhat city\t["x"]\tq1\n')
+    monkeypatch.setattr(retrieve_module, "iter_retrieve", lambda *a, **k: pytest.fail("retrieval ran"))
+    for extra in ((), ("--evaluate",), ("--trec-run", tmp_path / "run.trec")):
+        refused(retrieve_argv(world, "--queries", queries, "--output", tmp_path / "o.json", *extra),
+                f"{queries}:3", "query id 'q1' repeats the one at line 1")
+    with pytest.raises(DprGcError, match=r"dup.tsv:3: query id 'q1'"):
+        read_queries(queries)
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_queries_from_a_pipe_or_dev_null(world: dict, tmp_path: Path) -> None:
+    """A pipe (``<(...)``) or device is read once into a copy; messages still name what was given."""
+    import threading
+
+    reference = tmp_path / "ref.json"
+    assert call(cli.main, retrieve_argv(world, "--queries", world["qa"], "--output", reference))[0] == 0
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    feeder = threading.Thread(target=lambda: fifo.write_bytes(world["qa"].read_bytes()), daemon=True)
+    feeder.start()
+    code, err = call(cli.main, retrieve_argv(world, "--queries", fifo, "--output", tmp_path / "o.json"))
+    feeder.join(10)
+    assert code == 0, err
+    assert json.loads((tmp_path / "o.json").read_text()) == json.loads(reference.read_text())
+    refused(retrieve_argv(world, "--queries", "/dev/null", "--output", tmp_path / "n.json"), "no queries in /dev/null")
+    with pytest.raises(DprGcError, match="is a pipe or device"):
+        read_queries("/dev/null")

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from ..base.errors import DprGcError
 from .arrow_cache import build_once, cache_file, map_dataset, write_stream
-from ..base.files import PathLike, iter_jsonl_objects, open_text, require_file
+from ..base.files import PathLike, check_unicode, iter_jsonl_objects, open_text, require_file
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
 
 logger = logging.getLogger(__name__)
@@ -279,10 +279,18 @@ def iter_queries(path: PathLike, log: bool = True) -> Iterator[dict]:
     """The questions of :func:`read_queries` one at a time, in file order, so a run over millions of them holds one
     (``log``: say how many lines a TSV file had, once the file is read)."""
     p = require_file(path, "queries file")
-    yield from _iter_jsonl_queries(p) if corpus_format(p) == "jsonl" else _iter_tsv_queries(p, log)
+    seen: dict[str, int] = {}
+    rows = _iter_jsonl_queries(p) if corpus_format(p) == "jsonl" else _iter_tsv_queries(p, log)
+    for line_no, query in rows:
+        first = seen.setdefault(query["id"], line_no)
+        if first != line_no:
+            raise DprGcError(f"{p}:{line_no}: query id {query['id']!r} repeats the one at line {first}; every "
+                             "question needs its own id (results, runs and qrels are joined by it), so rename or "
+                             "remove the duplicate")
+        yield query
 
 
-def _iter_tsv_queries(path: Path, log: bool) -> Iterator[dict]:
+def _iter_tsv_queries(path: Path, log: bool) -> Iterator[tuple[int, dict]]:
     counts = TsvCounts()
     for line_no, row in iter_tsv_lines(path, counts):
         if line_no == 1 and [c.strip().lower() for c in row[:2]] == ["question", "answers"]:
@@ -293,7 +301,7 @@ def _iter_tsv_queries(path: Path, log: bool) -> Iterator[dict]:
                              f"got {len(row)} field(s)")
         answers = _parse_answers(row[1], f"{path}:{line_no}")
         counts.rows += 1
-        yield {"id": row[2] if len(row) == 3 else str(line_no), "question": row[0], "answers": answers}
+        yield line_no, {"id": row[2] if len(row) == 3 else str(line_no), "question": row[0], "answers": answers}
     if log:
         log_tsv_counts(path, counts, "questions")
 
@@ -308,7 +316,7 @@ def _parse_answers(field: str, where: str) -> list[str]:
             value = ast.literal_eval(field)
         except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
             raise DprGcError(f"{where}: answers must be a list like [\"a\", \"b\"], got {field[:60]!r}") from None
-    return _answer_list(value, where)
+    return _answer_list(check_unicode(value, where), where)
 
 
 def _answer_list(value: Any, where: str) -> list[str]:
@@ -319,7 +327,7 @@ def _answer_list(value: Any, where: str) -> list[str]:
     raise DprGcError(f"{where}: answers must be a string or a list of strings, got {str(value)[:60]!r}")
 
 
-def _iter_jsonl_queries(path: Path) -> Iterator[dict]:
+def _iter_jsonl_queries(path: Path) -> Iterator[tuple[int, dict]]:
     for line_no, obj in iter_jsonl_objects(path, "a question"):
         where = f"{path}:{line_no}"
         question = obj.get("question", obj.get("text", obj.get("query")))
@@ -328,4 +336,5 @@ def _iter_jsonl_queries(path: Path) -> Iterator[dict]:
         raw = obj.get("answers", obj.get("answer", []))
         answers = _answer_list(raw, where) if raw is not None else []
         qid = obj.get("_id", obj.get("id"))
-        yield {"id": str(qid) if qid is not None else str(line_no), "question": question, "answers": answers}
+        qid = str(qid) if qid is not None else str(line_no)
+        yield line_no, {"id": qid, "question": question, "answers": answers}

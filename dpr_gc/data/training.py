@@ -27,8 +27,8 @@ from .arrow_cache import build_once, cache_file, map_dataset, write_stream
 from .qrels import iter_qrels, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
-from ..base.files import (PathLike, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text, read_json_object, require_file,
-                    write_json)
+from ..base.files import (PathLike, check_unicode, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text,
+                          read_json_object, require_file, write_json)
 from ..base.settings import add_arguments, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
@@ -137,7 +137,7 @@ def _dpr_records(path: Path) -> Produced:
     """Records of a DPR training file: a JSON list or JSONL, optionally gzipped."""
     if sniff_json(path) == "list":
         with open_text(path) as f:
-            for k, (line, obj) in enumerate(iter_json_list(f, path)):
+            for k, (line, obj) in enumerate(iter_json_list(f, path, text_only=True)):
                 yield from _checked(f"{path}:{line} (record {k})", obj)
         return
     with open_text(path) as f:
@@ -151,7 +151,7 @@ def _dpr_records(path: Path) -> Produced:
                 except RecursionError:
                     yield f"{path}:{line_no}", "JSON nested too deeply to read"
                     continue
-                yield from _checked(f"{path}:{line_no}", obj)
+                yield from _checked(f"{path}:{line_no}", check_unicode(obj, f"{path}:{line_no}", text))
 
 
 def _checked(where: str, obj: Any) -> Produced:
@@ -220,7 +220,7 @@ def iter_training_file(path: PathLike) -> Iterator[dict]:
     p = require_file(path, "training file")
     is_list = sniff_json(p) == "list"
     with open_text(p) as f:
-        for line, record in (iter_json_list(f, p) if is_list else iter_jsonl(p)):
+        for line, record in (iter_json_list(f, p, text_only=True) if is_list else iter_jsonl(p, text_only=True)):
             try:
                 normalise_record(record)
             except ValueError as e:
