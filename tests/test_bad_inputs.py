@@ -1067,3 +1067,150 @@ def test_queries_from_a_pipe_or_dev_null(world: dict, tmp_path: Path) -> None:
     refused(retrieve_argv(world, "--queries", "/dev/null", "--output", tmp_path / "n.json"), "no queries in /dev/null")
     with pytest.raises(DprGcError, match="is a pipe or device"):
         read_queries("/dev/null")
+
+
+def test_index_readers_always_see_one_whole_build(world: dict, tmp_path: Path) -> None:
+    """``index`` rebuilding a folder (two builds in turn) while another process loads it in a loop: every load is
+    one whole build -- never "no index", never one build's metadata with the other's vectors."""
+    from tests.ranks import kill_group
+
+    other = tmp_path / "other.tsv"
+    other.write_bytes(tsv_bytes([(f"x{i}", t, f"{text} {i}") for i, (_, t, text) in enumerate(passages(24))]))
+    encode_corpus(Retriever.load(world["model"]), other, tmp_path / "emb2", 0, 1, dtype="float32",
+                  cache_dir=tmp_path / "cache", model_name=str(world["model"]), show_progress=False)
+    expected = {str(len(np.load(f))): np.load(f)[0].tolist() for f in
+                (world["emb"] / "shard-00000-of-00001.npy", tmp_path / "emb2" / "shard-00000-of-00001.npy")}
+    (tmp_path / "expected.json").write_text(json.dumps(expected))
+    index = tmp_path / "idx"
+    build_index(world["emb"], index, IndexParams("flat"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    script = [sys.executable, "-m", "tests.index_race"]
+    procs = [subprocess.Popen([*script, "write", str(index), "5", str(world["emb"]), str(tmp_path / "emb2")],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True),
+             subprocess.Popen([*script, "read", str(index), "5", str(tmp_path / "expected.json")], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)]
+    try:
+        outputs = [proc.communicate(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    wrote, read = (json.loads(out.strip().splitlines()[-1]) for out, _ in outputs)
+    assert read["failed"] == 0, read
+    assert wrote["builds"] >= 4 and len(read["seen"]) == 2 and read["reads"] >= 20, (wrote, read)
+
+
+FILE_LIMIT = """import resource, runpy, sys
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.argv[0] = "dpr-gc"
+runpy.run_module("dpr_gc.cli", run_name="__main__")
+"""
+
+
+def _run_with_file_limit(argv: Sequence[Any], limit_bytes: int, cwd: Path) -> subprocess.CompletedProcess:
+    """``dpr-gc ARGV`` in a subprocess that may write no file larger than ``limit_bytes`` (RLIMIT_FSIZE, set by the
+    child itself; Python ignores SIGXFSZ, so a write past it fails with EFBIG as one on a full disk with ENOSPC)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-c", FILE_LIMIT, str(limit_bytes), *map(str, argv)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_disk_full_while_indexing_keeps_the_old_index(world: dict, tmp_path: Path) -> None:
+    index = tmp_path / "idx"
+    shutil.copytree(world["idx"], index)
+    before = {p.name: p.read_bytes() for p in index.iterdir()}
+    proc = _run_with_file_limit(["index", "--embeddings", world["emb"], "--output", index], 1500, tmp_path)
+    _assert_process_refused(proc, f"{index}: the disk is full")
+    assert "free space" in proc.stderr
+    assert {p.name: p.read_bytes() for p in index.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"], "an unfinished build was left"
+
+
+def test_disk_full_while_writing_a_checkpoint(world: dict, tmp_path: Path) -> None:
+    """The model (100 KB) fits under the limit, the optimizer state (200 KB) does not."""
+    out = tmp_path / "run"
+    proc = _run_with_file_limit(["train", "--train", world["train"], "--output", out, "--model", world["model"],
+                                 "--device", "cpu", "--max-steps", "2", "--save-every", "1", "--batch-size", "2",
+                                 "--num-workers", "0", "--cache-dir", tmp_path / "cache"], 150_000, tmp_path)
+    _assert_process_refused(proc, f"{out / 'checkpoint-1'}: the disk is full")
+    assert "--resume latest" in proc.stderr
+    assert not [p.name for p in out.iterdir() if p.name.startswith((".checkpoint", "checkpoint", "final"))]
+
+
+def _without_row_count(cache: Path) -> bytes:
+    """The cache file cut after its last batch of rows (as a copy interrupted at a batch boundary would be)."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(cache)) as source:
+        reader = pa.ipc.open_stream(source)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, reader.schema) as writer:
+            for batch in reader:
+                if batch.num_rows:
+                    writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def test_damaged_corpus_cache_is_rebuilt_with_one_warning(world: dict, tmp_path: Path, caplog) -> None:
+    from dpr_gc.data.corpus import corpus_cache_path
+
+    cache = tmp_path / "cache"
+    other = tmp_path / "other.tsv"
+    other.write_bytes(tsv_bytes(passages(5)))
+    reference = load_corpus(world["corpus"], cache)[:]
+    arrow = corpus_cache_path(world["corpus"], cache)
+    good = arrow.read_bytes()
+    load_corpus(other, cache)
+    damages = {"truncated": good[:len(good) // 2], "garbage": b"\x00" * 512, "no row count": _without_row_count(arrow),
+               "another corpus": corpus_cache_path(other, cache).read_bytes()}
+    for what, data in damages.items():
+        arrow.write_bytes(data)
+        caplog.clear()
+        assert load_corpus(world["corpus"], cache)[:] == reference, what
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and str(arrow) in warnings[0] and "rebuilding" in warnings[0], (what, warnings)
+        assert arrow.read_bytes() == good, what
+
+
+def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplog) -> None:
+    """SIGINT after the first chunk of questions: the finished records are kept beside the output (and nothing under
+    its name), the same command continues after them, and the outputs equal an uninterrupted run's."""
+    import signal
+    import time
+
+    from dpr_gc.retrieval.retrieve import QUERY_CHUNK
+    from tests.ranks import kill_group
+
+    rng = random.Random(0)
+    queries = tmp_path / "many.tsv"
+    queries.write_text("".join(f"{' '.join(rng.choices(WORDS, k=5))}\t[\"{rng.choice(WORDS)}\"]\n"
+                               for _ in range(2 * QUERY_CHUNK + 50)))
+    reference = [tmp_path / "ref.json", tmp_path / "ref.trec"]
+    common = ("--queries", queries, "--top-k", "3", "--workers", "1", "--cache-dir", tmp_path / "cache")
+    assert call(cli.main, retrieve_argv(world, *common, "--output", reference[0], "--trec-run", reference[1]))[0] == 0
+    out, run = tmp_path / "o.json", tmp_path / "o.trec"
+    argv = [str(a) for a in retrieve_argv(world, *common, "--output", out, "--trec-run", run)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "dpr_gc.cli", *argv], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        progress = tmp_path / ".o.json.retrieved.progress.json"
+        deadline = time.monotonic() + 120
+        while not progress.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 130 and "interrupted: finished work is kept" in err and "Traceback" not in err, err
+    assert not out.exists() and not run.exists()
+    caplog.set_level("INFO")
+    code, err = call(cli.main, argv)
+    assert code == 0, err
+    assert f"resuming: {QUERY_CHUNK} questions" in caplog.text
+    assert out.read_bytes() == reference[0].read_bytes() and run.read_bytes() == reference[1].read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

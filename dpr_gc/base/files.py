@@ -23,7 +23,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Optional, Union
 
-from .errors import DprGcError
+from .errors import DiskFullError, DprGcError, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +262,10 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
     try:
         yield tmp_path
         os.replace(tmp_path, final)
+    except Exception as e:
+        if is_disk_full(e):
+            raise DiskFullError(final) from None
+        raise
     finally:
         if tmp_path.exists():
             tmp_path.unlink()

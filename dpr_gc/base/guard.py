@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .errors import DprGcError
+from .errors import DiskFullError, DprGcError, is_disk_full
 from .files import PathLike, spooled
 from .locks import exclusive_lock, locked_folder, output_lock
 
@@ -183,7 +183,12 @@ def atomic_folder(path: PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".new", dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as e:
+            if is_disk_full(e):
+                raise DiskFullError(final) from None
+            raise
         old = None
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))

@@ -13,6 +13,7 @@ be unique and free of whitespace (TREC runs and id files are whitespace-separate
 
 from __future__ import annotations
 
+import array
 import ast
 import hashlib
 import json
@@ -22,14 +23,14 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from ..base.errors import DprGcError
-from .arrow_cache import build_once, cache_file, map_dataset, write_stream
+from .arrow_cache import cache_file, cached_dataset, write_stream
 from ..base.files import PathLike, check_unicode, iter_jsonl_objects, open_text, require_file
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
 
 logger = logging.getLogger(__name__)
 
 COLUMNS = ("id", "title", "text")
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"
 WRITE_BATCH_ROWS = 10_000
 FULL_HASH_BYTES = 256 << 20
 SAMPLE_BLOCKS = 1024
@@ -155,8 +156,7 @@ def load_corpus(path: PathLike, cache_dir: Optional[PathLike] = None) -> Any:
     p = require_file(path, "corpus file")
     fingerprint = corpus_fingerprint(p)
     cache = corpus_cache_path(p, cache_dir, fingerprint)
-    build_once(cache, cache.is_file, lambda: _build_arrow(p, cache, fingerprint))
-    return map_dataset(cache)
+    return cached_dataset(cache, lambda: _build_arrow(p, cache, fingerprint), {"dpr_gc_fingerprint": fingerprint})
 
 
 def dataset_fingerprint(corpus: Any) -> Optional[str]:
@@ -277,17 +277,42 @@ def read_queries(path: PathLike) -> list[dict]:
 
 def iter_queries(path: PathLike, log: bool = True) -> Iterator[dict]:
     """The questions of :func:`read_queries` one at a time, in file order, so a run over millions of them holds one
-    (``log``: say how many lines a TSV file had, once the file is read)."""
+    (``log``: say how many lines a TSV file had, once the file is read). A repeated query id is refused once the
+    file is read, naming both lines (``retrieve`` reads the file once to check it before retrieving anything)."""
     p = require_file(path, "queries file")
-    seen: dict[str, int] = {}
-    rows = _iter_jsonl_queries(p) if corpus_format(p) == "jsonl" else _iter_tsv_queries(p, log)
-    for line_no, query in rows:
-        first = seen.setdefault(query["id"], line_no)
-        if first != line_no:
-            raise DprGcError(f"{p}:{line_no}: query id {query['id']!r} repeats the one at line {first}; every "
-                             "question needs its own id (results, runs and qrels are joined by it), so rename or "
-                             "remove the duplicate")
+    hashes = array.array("q")  # 8 bytes a question: the check for repeated ids keeps memory flat
+    for _, query in _query_rows(p, log):
+        hashes.append(_id_hash(query["id"]))
         yield query
+    _refuse_repeated_ids(p, hashes)
+
+
+def _query_rows(path: Path, log: bool) -> Iterator[tuple[int, dict]]:
+    return _iter_jsonl_queries(path) if corpus_format(path) == "jsonl" else _iter_tsv_queries(path, log)
+
+
+def _id_hash(qid: str) -> int:
+    return int.from_bytes(hashlib.blake2b(qid.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+def _refuse_repeated_ids(path: Path, hashes: "array.array[int]") -> None:
+    """Refuse a questions file in which a query id repeats, naming the file, both lines and the id (found by reading
+    the file again, only when the ids' hashes repeat)."""
+    import numpy as np
+
+    values, counts = np.unique(np.frombuffer(hashes, dtype=np.int64), return_counts=True)
+    repeated = set(values[counts > 1].tolist())
+    if not repeated:
+        return
+    first: dict[str, int] = {}
+    for line_no, query in _query_rows(path, False):
+        if _id_hash(query["id"]) in repeated:
+            if query["id"] in first:
+                raise DprGcError(f"{path}:{line_no}: query id {query['id']!r} repeats the one at line "
+                                 f"{first[query['id']]}; every question needs its own id (results, runs and qrels "
+                                 "are joined by it), so rename or remove the duplicate")
+            first[query["id"]] = line_no
 
 
 def _iter_tsv_queries(path: Path, log: bool) -> Iterator[tuple[int, dict]]:
