@@ -1176,6 +1176,7 @@ def test_damaged_corpus_cache_is_rebuilt_with_one_warning(world: dict, tmp_path:
         assert arrow.read_bytes() == good, what
 
 
+@pytest.mark.slow
 def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplog) -> None:
     """SIGINT after the first chunk of questions: the finished records are kept beside the output (and nothing under
     its name), the same command continues after them, and the outputs equal an uninterrupted run's."""
@@ -1214,3 +1215,71 @@ def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplo
     assert f"resuming: {QUERY_CHUNK} questions" in caplog.text
     assert out.read_bytes() == reference[0].read_bytes() and run.read_bytes() == reference[1].read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_disk_full_while_encoding_is_one_line(world: dict, tmp_path: Path) -> None:
+    """The shard (1 KB in float16) does not fit under the limit; the corpus cache is built beforehand."""
+    load_corpus(world["corpus"], tmp_path / "cache")
+    out = tmp_path / "emb"
+    proc = _run_with_file_limit(["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", out,
+                                 "--device", "cpu", "--cache-dir", tmp_path / "cache"], 600, tmp_path)
+    _assert_process_refused(proc, "the disk is full")
+    assert str(out) in proc.stderr.strip().splitlines()[-1]
+    assert not list(out.glob("*.npy")) and not list(out.glob("*.json"))
+
+
+def _damaged_model_folder(world: dict, root: Path, kind: str) -> Path:
+    """A model folder of the issue's poor-message cases, built in ``root``."""
+    from safetensors.torch import load_file
+
+    from dpr_gc.model.lora import LoraSettings, apply_lora
+    from tests.llm_models import decoder_retriever, save_decoder
+
+    if kind == "symlink loop":
+        (root / "b").symlink_to(root / "a")
+        (root / "a").symlink_to(root / "b")
+        return root / "a"
+    if kind.startswith("adapter"):
+        retriever = Retriever.from_pretrained(str(save_decoder(root / "base")), decoder_retriever().config)
+        apply_lora(retriever, LoraSettings(r=2))
+        retriever.save(root / "lora")
+        if kind == "adapter pickle":
+            weights = root / "lora" / "adapter_model.safetensors"
+            torch.save({**load_file(weights), "x": pickle_payload(root / "PWNED")["weight"]},
+                       weights.with_name("adapter_model.bin"))
+            weights.unlink()
+        else:
+            config = json.loads((root / "lora" / "adapter_config.json").read_text())
+            config["base_model_name_or_path"] = str(root / "lora")
+            (root / "lora" / "adapter_config.json").write_text(json.dumps(config))
+        return root / "lora"
+    if kind == "dense without out_features":
+        tokenizer = Retriever.load(world["model"]).tokenizer
+        Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(pooling="cls", projection_dim=8)).save(
+            root / "dense")
+        config_path = next((root / "dense").glob("*_Dense/config.json"))
+        config = json.loads(config_path.read_text())
+        del config["out_features"]
+        config_path.write_text(json.dumps(config))
+        return root / "dense"
+    model = root / "model"
+    shutil.copytree(world["model"], model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    del tokenizer["added_tokens"]
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return model
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("adapter pickle", "adapter weights are a pickle"), ("adapter is its own base", "not this folder"),
+    ("symlink loop", "a symbolic link that loops"), ("tokenizer without added_tokens", "added_tokens"),
+    ("dense without out_features", "'out_features' is missing")])
+def test_model_folders_that_cannot_load_are_one_line(world: dict, tmp_path: Path, kind: str, needle: str) -> None:
+    """The issue's poor messages: a pickled LoRA adapter (never unpickled), an adapter naming its own folder as base
+    (once a 32 KB recursion message), a symlink loop (once "Repo id must be in the form"), a tokenizer.json without
+    added_tokens, a Dense layer without out_features (the typed-value fuzz changes values, these drop keys)."""
+    model = _damaged_model_folder(world, tmp_path, kind)
+    line = refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device",
+                    "cpu", "--cache-dir", tmp_path / "c"], needle)
+    assert len(line) < 400 and str(model) in line
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "e").exists()
