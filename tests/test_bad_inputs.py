@@ -964,13 +964,37 @@ def test_encode_assembles_shards_without_a_memory_map(world: dict, tmp_path: Pat
     assert ours.shape == reference.shape and np.allclose(ours.astype(np.float32), reference, atol=2e-3)
 
 
-def test_lone_surrogates_in_a_corpus_end_in_one_line(world: dict, tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text('{"_id": "a\\ud800", "title": "t", "text": "paris"}\n{"_id": "b", "title": "t", "text": "x"}\n')
-    code, err = call(cli.main, ["encode", "--model", world["model"], "--corpus", corpus, "--output", tmp_path / "e",
-                                "--device", "cpu", "--cache-dir", tmp_path / "cache"])
-    assert code == 2 and "Traceback" not in err, err
-    assert [line for line in err.splitlines() if line.startswith("error:")], err
+SURROGATE_CASES = {
+    "corpus text": ("c.jsonl", '{"_id": "a", "title": "t", "text": "x"}\n{"_id": "b", "title": "t", "text": "p \\ud800"}\n'),
+    "passage id": ("c.jsonl", '{"_id": "a", "title": "t", "text": "x"}\n{"_id": "b\\ud800", "title": "t", "text": "x"}\n'),
+    "question": ("q.jsonl", '{"id": "q1", "question": "a"}\n{"id": "q2", "question": "what \\udfff"}\n'),
+    "answer (JSONL)": ("q.jsonl", '{"id": "q1", "question": "a"}\n{"id": "q2", "question": "b", "answers": ["\\ud800"]}\n'),
+    "answer (TSV)": ("q.tsv", 'what is paris\t["paris"]\nwho sang\t["a\\udbff"]\n'),
+    "training list": ("t.json", json.dumps(training_records(2)).replace('"what is', '"what\\ud800 is', 2)
+                      .replace('"what\\ud800 is', '"what is', 1).replace("}, {", "},\n{")),
+    "training lines": ("t.jsonl", "".join(json.dumps(r) + "\n" for r in training_records(2)).replace(
+        '"what is', '"what\\ud800 is', 2).replace('"what\\ud800 is', '"what is', 1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SURROGATE_CASES))
+def test_lone_surrogates_in_every_text_input_are_one_line_naming_file_and_line(world: dict, tmp_path: Path,
+                                                                               case: str) -> None:
+    """Half a UTF-16 pair ("\\ud800" in JSON) is no character: refused where it is read, not late while writing."""
+    name, content = SURROGATE_CASES[case]
+    bad = tmp_path / name
+    bad.write_text(content, encoding="utf-8")
+    assert "\\ud" in bad.read_text().splitlines()[1] and "\\ud" not in bad.read_text().splitlines()[0]
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    if name.startswith("c."):
+        argv = ["encode", "--model", world["model"], "--corpus", bad, "--output", out, "--device", "cpu",
+                "--cache-dir", cache]
+    elif name.startswith("q."):
+        argv = retrieve_argv(world, "--queries", bad, "--output", out, "--cache-dir", cache)
+    else:
+        argv = ["prepare-data", bad, "--cache-dir", cache]
+    refused(argv, f"{bad}:2", "lone surrogate")
+    assert not out.exists()
 
 
 def test_dense_retriever_refuses_a_saved_index_of_other_embeddings(world: dict, tmp_path: Path) -> None:
@@ -985,3 +1009,277 @@ def test_dense_retriever_refuses_a_saved_index_of_other_embeddings(world: dict, 
     refused(["--model_file", world["model"], "--qa_dataset", world["qa"], "--encoded_ctx_file", emb,
              "--index_path", tmp_path / "old.index", "--out_file", tmp_path / "o.json", "--no_cuda"],
             "corpus_fingerprint", "another --index_path", main=script.main)
+
+
+# ------------------------------------------------------------------ guarantees, second round (issue 25)
+def test_hnsw_m_outside_what_faiss_takes_is_refused(world: dict, tmp_path: Path) -> None:
+    """FAISS dies of bad_alloc for a huge M and segfaults at M=1: the setting's declaration states the range."""
+    for m in ("1000000", "1"):
+        refused(["index", "--embeddings", world["emb"], "--output", tmp_path / "idx", "--kind", "hnsw",
+                 "--hnsw-m", m], "--hnsw-m", f"'{m}' is not an integer from 2 to 512")
+    with pytest.raises(DprGcError, match="--hnsw-m must be an integer from 2 to 512"):
+        IndexParams("hnsw", hnsw_m=1)
+    assert not (tmp_path / "idx").exists()
+
+
+def test_cr_only_line_endings_are_named(world: dict, tmp_path: Path) -> None:
+    corpus = tmp_path / "mac.tsv"
+    corpus.write_bytes(tsv_bytes(passages(4)).replace(b"\n", b"\r"))
+    refused(["encode", "--model", world["model"], "--corpus", corpus, "--output", tmp_path / "e", "--device", "cpu",
+             "--cache-dir", tmp_path / "cache"], str(corpus), "carriage return only", "convert it")
+    queries = tmp_path / "mac-qa.tsv"
+    queries.write_bytes(world["qa"].read_bytes().replace(b"\n", b"\r"))
+    refused(retrieve_argv(world, "--queries", queries, "--output", tmp_path / "o.json"), str(queries),
+            "carriage return only")
+    crlf = tmp_path / "crlf.tsv"
+    crlf.write_bytes(world["qa"].read_bytes().replace(b"\n", b"\r\n"))
+    assert len(read_queries(crlf)) == 2
+
+
+def test_duplicate_query_ids_are_refused_when_the_file_is_read(world: dict, tmp_path: Path, monkeypatch) -> None:
+    from dpr_gc.retrieval import retrieve as retrieve_module
+
+    queries = tmp_path / "dup.tsv"
+    queries.write_text('what is paris\t["paris"]\tq1\nwho sang\t["music"]\tq2\nwhat city\t["x"]\tq1\n')
+    monkeypatch.setattr(retrieve_module, "iter_retrieve", lambda *a, **k: pytest.fail("retrieval ran"))
+    for extra in ((), ("--evaluate",), ("--trec-run", tmp_path / "run.trec")):
+        refused(retrieve_argv(world, "--queries", queries, "--output", tmp_path / "o.json", *extra),
+                f"{queries}:3", "query id 'q1' repeats the one at line 1")
+    with pytest.raises(DprGcError, match=r"dup.tsv:3: query id 'q1'"):
+        read_queries(queries)
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_queries_from_a_pipe_or_dev_null(world: dict, tmp_path: Path) -> None:
+    """A pipe (``<(...)``) or device is read once into a copy; messages still name what was given."""
+    import threading
+
+    reference = tmp_path / "ref.json"
+    assert call(cli.main, retrieve_argv(world, "--queries", world["qa"], "--output", reference))[0] == 0
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    feeder = threading.Thread(target=lambda: fifo.write_bytes(world["qa"].read_bytes()), daemon=True)
+    feeder.start()
+    code, err = call(cli.main, retrieve_argv(world, "--queries", fifo, "--output", tmp_path / "o.json"))
+    feeder.join(10)
+    assert code == 0, err
+    assert json.loads((tmp_path / "o.json").read_text()) == json.loads(reference.read_text())
+    refused(retrieve_argv(world, "--queries", "/dev/null", "--output", tmp_path / "n.json"), "no queries in /dev/null")
+    with pytest.raises(DprGcError, match="is a pipe or device"):
+        read_queries("/dev/null")
+
+
+def test_index_readers_always_see_one_whole_build(world: dict, tmp_path: Path) -> None:
+    """``index`` rebuilding a folder (two builds in turn) while another process loads it in a loop: every load is
+    one whole build -- never "no index", never one build's metadata with the other's vectors."""
+    from tests.ranks import kill_group
+
+    other = tmp_path / "other.tsv"
+    other.write_bytes(tsv_bytes([(f"x{i}", t, f"{text} {i}") for i, (_, t, text) in enumerate(passages(24))]))
+    encode_corpus(Retriever.load(world["model"]), other, tmp_path / "emb2", 0, 1, dtype="float32",
+                  cache_dir=tmp_path / "cache", model_name=str(world["model"]), show_progress=False)
+    expected = {str(len(np.load(f))): np.load(f)[0].tolist() for f in
+                (world["emb"] / "shard-00000-of-00001.npy", tmp_path / "emb2" / "shard-00000-of-00001.npy")}
+    (tmp_path / "expected.json").write_text(json.dumps(expected))
+    index = tmp_path / "idx"
+    build_index(world["emb"], index, IndexParams("flat"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    script = [sys.executable, "-m", "tests.index_race"]
+    procs = [subprocess.Popen([*script, "write", str(index), "5", str(world["emb"]), str(tmp_path / "emb2")],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True),
+             subprocess.Popen([*script, "read", str(index), "5", str(tmp_path / "expected.json")], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)]
+    try:
+        outputs = [proc.communicate(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    wrote, read = (json.loads(out.strip().splitlines()[-1]) for out, _ in outputs)
+    assert read["failed"] == 0, read
+    assert wrote["builds"] >= 4 and len(read["seen"]) == 2 and read["reads"] >= 20, (wrote, read)
+
+
+FILE_LIMIT = """import resource, runpy, sys
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.argv[0] = "dpr-gc"
+runpy.run_module("dpr_gc.cli", run_name="__main__")
+"""
+
+
+def _run_with_file_limit(argv: Sequence[Any], limit_bytes: int, cwd: Path) -> subprocess.CompletedProcess:
+    """``dpr-gc ARGV`` in a subprocess that may write no file larger than ``limit_bytes`` (RLIMIT_FSIZE, set by the
+    child itself; Python ignores SIGXFSZ, so a write past it fails with EFBIG as one on a full disk with ENOSPC)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-c", FILE_LIMIT, str(limit_bytes), *map(str, argv)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_disk_full_while_indexing_keeps_the_old_index(world: dict, tmp_path: Path) -> None:
+    index = tmp_path / "idx"
+    shutil.copytree(world["idx"], index)
+    before = {p.name: p.read_bytes() for p in index.iterdir()}
+    proc = _run_with_file_limit(["index", "--embeddings", world["emb"], "--output", index], 1500, tmp_path)
+    _assert_process_refused(proc, f"{index}: the disk is full")
+    assert "free space" in proc.stderr
+    assert {p.name: p.read_bytes() for p in index.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"], "an unfinished build was left"
+
+
+def test_disk_full_while_writing_a_checkpoint(world: dict, tmp_path: Path) -> None:
+    """The model (100 KB) fits under the limit, the optimizer state (200 KB) does not."""
+    out = tmp_path / "run"
+    proc = _run_with_file_limit(["train", "--train", world["train"], "--output", out, "--model", world["model"],
+                                 "--device", "cpu", "--max-steps", "2", "--save-every", "1", "--batch-size", "2",
+                                 "--num-workers", "0", "--cache-dir", tmp_path / "cache"], 150_000, tmp_path)
+    _assert_process_refused(proc, f"{out / 'checkpoint-1'}: the disk is full")
+    assert "--resume latest" in proc.stderr
+    assert not [p.name for p in out.iterdir() if p.name.startswith((".checkpoint", "checkpoint", "final"))]
+
+
+def _without_row_count(cache: Path) -> bytes:
+    """The cache file cut after its last batch of rows (as a copy interrupted at a batch boundary would be)."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(cache)) as source:
+        reader = pa.ipc.open_stream(source)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, reader.schema) as writer:
+            for batch in reader:
+                if batch.num_rows:
+                    writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def test_damaged_corpus_cache_is_rebuilt_with_one_warning(world: dict, tmp_path: Path, caplog) -> None:
+    from dpr_gc.data.corpus import corpus_cache_path
+
+    cache = tmp_path / "cache"
+    other = tmp_path / "other.tsv"
+    other.write_bytes(tsv_bytes(passages(5)))
+    reference = load_corpus(world["corpus"], cache)[:]
+    arrow = corpus_cache_path(world["corpus"], cache)
+    good = arrow.read_bytes()
+    load_corpus(other, cache)
+    damages = {"truncated": good[:len(good) // 2], "garbage": b"\x00" * 512, "no row count": _without_row_count(arrow),
+               "another corpus": corpus_cache_path(other, cache).read_bytes()}
+    for what, data in damages.items():
+        arrow.write_bytes(data)
+        caplog.clear()
+        assert load_corpus(world["corpus"], cache)[:] == reference, what
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and str(arrow) in warnings[0] and "rebuilding" in warnings[0], (what, warnings)
+        assert arrow.read_bytes() == good, what
+
+
+@pytest.mark.slow
+def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplog) -> None:
+    """SIGINT after the first chunk of questions: the finished records are kept beside the output (and nothing under
+    its name), the same command continues after them, and the outputs equal an uninterrupted run's."""
+    import signal
+    import time
+
+    from dpr_gc.retrieval.retrieve import QUERY_CHUNK
+    from tests.ranks import kill_group
+
+    rng = random.Random(0)
+    queries = tmp_path / "many.tsv"
+    queries.write_text("".join(f"{' '.join(rng.choices(WORDS, k=5))}\t[\"{rng.choice(WORDS)}\"]\n"
+                               for _ in range(2 * QUERY_CHUNK + 50)))
+    reference = [tmp_path / "ref.json", tmp_path / "ref.trec"]
+    common = ("--queries", queries, "--top-k", "3", "--workers", "1", "--cache-dir", tmp_path / "cache")
+    assert call(cli.main, retrieve_argv(world, *common, "--output", reference[0], "--trec-run", reference[1]))[0] == 0
+    out, run = tmp_path / "o.json", tmp_path / "o.trec"
+    argv = [str(a) for a in retrieve_argv(world, *common, "--output", out, "--trec-run", run)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "dpr_gc.cli", *argv], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        progress = tmp_path / ".o.json.retrieved.progress.json"
+        deadline = time.monotonic() + 120
+        while not progress.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 130 and "interrupted: finished work is kept" in err and "Traceback" not in err, err
+    assert not out.exists() and not run.exists()
+    caplog.set_level("INFO")
+    code, err = call(cli.main, argv)
+    assert code == 0, err
+    assert f"resuming: {QUERY_CHUNK} questions" in caplog.text
+    assert out.read_bytes() == reference[0].read_bytes() and run.read_bytes() == reference[1].read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_disk_full_while_encoding_is_one_line(world: dict, tmp_path: Path) -> None:
+    """The shard (1 KB in float16) does not fit under the limit; the corpus cache is built beforehand."""
+    load_corpus(world["corpus"], tmp_path / "cache")
+    out = tmp_path / "emb"
+    proc = _run_with_file_limit(["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", out,
+                                 "--device", "cpu", "--cache-dir", tmp_path / "cache"], 600, tmp_path)
+    _assert_process_refused(proc, "the disk is full")
+    assert str(out) in proc.stderr.strip().splitlines()[-1]
+    assert not list(out.glob("*.npy")) and not list(out.glob("*.json"))
+
+
+def _damaged_model_folder(world: dict, root: Path, kind: str) -> Path:
+    """A model folder of the issue's poor-message cases, built in ``root``."""
+    from safetensors.torch import load_file
+
+    from dpr_gc.model.lora import LoraSettings, apply_lora
+    from tests.llm_models import decoder_retriever, save_decoder
+
+    if kind == "symlink loop":
+        (root / "b").symlink_to(root / "a")
+        (root / "a").symlink_to(root / "b")
+        return root / "a"
+    if kind.startswith("adapter"):
+        retriever = Retriever.from_pretrained(str(save_decoder(root / "base")), decoder_retriever().config)
+        apply_lora(retriever, LoraSettings(r=2))
+        retriever.save(root / "lora")
+        if kind == "adapter pickle":
+            weights = root / "lora" / "adapter_model.safetensors"
+            torch.save({**load_file(weights), "x": pickle_payload(root / "PWNED")["weight"]},
+                       weights.with_name("adapter_model.bin"))
+            weights.unlink()
+        else:
+            config = json.loads((root / "lora" / "adapter_config.json").read_text())
+            config["base_model_name_or_path"] = str(root / "lora")
+            (root / "lora" / "adapter_config.json").write_text(json.dumps(config))
+        return root / "lora"
+    if kind == "dense without out_features":
+        tokenizer = Retriever.load(world["model"]).tokenizer
+        Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(pooling="cls", projection_dim=8)).save(
+            root / "dense")
+        config_path = next((root / "dense").glob("*_Dense/config.json"))
+        config = json.loads(config_path.read_text())
+        del config["out_features"]
+        config_path.write_text(json.dumps(config))
+        return root / "dense"
+    model = root / "model"
+    shutil.copytree(world["model"], model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    del tokenizer["added_tokens"]
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return model
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("adapter pickle", "adapter weights are a pickle"), ("adapter is its own base", "not this folder"),
+    ("symlink loop", "a symbolic link that loops"), ("tokenizer without added_tokens", "added_tokens"),
+    ("dense without out_features", "'out_features' is missing")])
+def test_model_folders_that_cannot_load_are_one_line(world: dict, tmp_path: Path, kind: str, needle: str) -> None:
+    """The issue's poor messages: a pickled LoRA adapter (never unpickled), an adapter naming its own folder as base
+    (once a 32 KB recursion message), a symlink loop (once "Repo id must be in the form"), a tokenizer.json without
+    added_tokens, a Dense layer without out_features (the typed-value fuzz changes values, these drop keys)."""
+    model = _damaged_model_folder(world, tmp_path, kind)
+    line = refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device",
+                    "cpu", "--cache-dir", tmp_path / "c"], needle)
+    assert len(line) < 400 and str(model) in line
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "e").exists()

@@ -183,16 +183,21 @@ def test_bad_encode_flag_writes_nothing_and_the_corrected_run_finishes(task, tmp
 def test_index_removes_temporaries_of_a_killed_run_and_refuses_a_concurrent_one(task, tmp_path, capsys):
     corpus, emb, index = write_corpus(tmp_path / "c", passages(10), "tsv"), tmp_path / "emb", tmp_path / "index"
     assert main(encode_argv(task["model"], corpus, emb)) == 0
-    index.mkdir()
-    stale = [index / ".index.faiss.a1b2c3.tmp", index / ".ids.txt.zz.tmp", index / ".index_meta.json.q.tmp"]
+    stale = [tmp_path / ".index.a1b2c3.new", tmp_path / ".index.zz9.old"]  # what a killed run leaves
     for p in stale:
-        p.write_bytes(b"\0" * 4096)
-    (index / "notes.tmp").write_text("not ours")
-    with exclusive_lock(index / ".index.lock", "test"):
+        p.mkdir()
+        (p / "index.faiss").write_bytes(b"\0" * 4096)
+    with exclusive_lock(tmp_path / ".index.lock", "test"):
         assert main(["index", "--embeddings", str(emb), "--output", str(index)]) == 2
         assert "in use by another run" in capsys.readouterr().err
     assert main(["index", "--embeddings", str(emb), "--output", str(index)]) == 0
-    assert sorted(p.name for p in index.iterdir()) == ["ids.txt", "index.faiss", "index_meta.json", "notes.tmp"]
+    assert sorted(p.name for p in index.iterdir()) == ["ids.txt", "index.faiss", "index_meta.json"]
+    assert not any(p.exists() for p in stale)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("not an index")
+    assert main(["index", "--embeddings", str(emb), "--output", str(tmp_path / "notes")]) == 2
+    assert "holds no index" in capsys.readouterr().err
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "not an index"
 
 
 def test_retrieve_finds_the_recorded_model_from_another_directory(task, tmp_path, monkeypatch, capsys):

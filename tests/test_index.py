@@ -183,7 +183,7 @@ def test_unknown_kind_and_bad_parameters(tmp_path, data):
         DenseIndex.build(DIM, IndexParams(factory="Bogus7"))
     with pytest.raises(DprGcError, match="--pq-m 5 must divide"):
         DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=5))
-    with pytest.raises(DprGcError, match="--hnsw-m must be a positive"):
+    with pytest.raises(DprGcError, match="--hnsw-m must be an integer from 2 to 512"):
         IndexParams("hnsw", hnsw_m=0)
     emb_dir = write_shards(tmp_path / "emb", data)
     with pytest.raises(DprGcError, match="raise --train-sample or lower --nlist"):

@@ -76,6 +76,11 @@ any_float = _number(float, lambda v: True, "a finite number")
 any_int = _number(int, lambda v: True, "an integer")
 
 
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """A flag type for an integer in ``[low, high]``: the range a library (FAISS) can take without crashing."""
+    return _number(int, lambda v: low <= v <= high, f"an integer from {low} to {high}")
+
+
 def _output_path(check: Callable[[str, str], Any], name: str) -> Callable[[str], str]:
     """A flag type running ``check`` (from ``files``) while the command line is parsed."""
     def parse(text: str) -> str:

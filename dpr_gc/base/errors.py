@@ -3,6 +3,7 @@ into one ``error:`` line and exit status 2 for every command (``dpr-gc``, the DP
 
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Any, Callable
 
@@ -12,6 +13,28 @@ class DprGcError(ValueError):
 
     The CLI prints it as ``error: <message>`` and exits with status 2; library callers can catch it.
     """
+
+
+class DiskFullError(DprGcError):
+    """No space was left (or the quota or file size limit was reached) while writing ``path``; whatever was being
+    written there is removed, and the previous version, if any, is kept."""
+
+    def __init__(self, path: Any, advice: str = "free space or write somewhere else, then run the command again") -> None:
+        self.path = path
+        super().__init__(f"{path}: the disk is full (or a quota or file-size limit was reached) while writing it; "
+                         f"nothing half-written is left and an earlier version is kept; {advice}")
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "File too large", "os error 28")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` says the disk (or quota) is full: an ``OSError`` with ENOSPC/EDQUOT/EFBIG, a
+    :class:`DiskFullError`, or a library's error that carries the system's words (FAISS, safetensors)."""
+    if isinstance(error, DiskFullError) or (isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS):
+        return True
+    return not isinstance(error, DprGcError) and any(word in str(error) for word in DISK_FULL_WORDS)
 
 
 def report_errors(action: Callable[[], Any]) -> int:

@@ -13,6 +13,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Optional, Union
 
-from .errors import DprGcError
+from .errors import DiskFullError, DprGcError, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,43 @@ def require_file(path: PathLike, what: str = "file") -> Path:
     p = Path(path)
     if p.is_dir():
         raise DprGcError(f"{what} {p} is a folder, not a file (check the path)")
+    if p.exists() and not p.is_file():
+        raise DprGcError(f"{what} {p} is a pipe or device, which is read more than once here; save it to a file "
+                         "(on the command line dpr-gc copies such an input first)")
     if not p.is_file():
         raise DprGcError(f"{what} not found: {p} (check the path)")
     return p
+
+
+def is_stream(path: PathLike) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a folder: a pipe (``<(...)``), ``/dev/stdin``,
+    ``/dev/null`` or another device, which can be read only once."""
+    p = Path(path)
+    return p.exists() and not p.is_file() and not p.is_dir()
+
+
+@contextlib.contextmanager
+def spooled(paths: Iterable[Path]) -> Iterator[dict[Path, Path]]:
+    """Copy each stream of ``paths`` (:func:`is_stream`) into a temporary folder under its own name, so readers that
+    read a file twice (format sniffing, a checking pass, fingerprints) can take it; yields ``{stream: copy}`` and
+    deletes the copies after the block."""
+    import shutil
+
+    streams = list(dict.fromkeys(p for p in paths if is_stream(p)))
+    if not streams:
+        yield {}
+        return
+    with tempfile.TemporaryDirectory(prefix="dpr-gc-input-") as folder:
+        copies = {}
+        for i, stream in enumerate(streams):
+            copies[stream] = Path(folder) / str(i) / stream.name
+            copies[stream].parent.mkdir()
+            try:
+                with open(stream, "rb") as src, open(copies[stream], "wb") as dst:
+                    shutil.copyfileobj(src, dst, DECODE_CHUNK)
+            except OSError as e:
+                raise read_failure(stream, e) from None
+        yield copies
 
 
 def _open_binary(path: Path) -> IO[bytes]:
@@ -141,17 +176,45 @@ def parse_json(text: str, where: str) -> Any:
         raise DprGcError(f"{where}: JSON nested too deeply to read; flatten that record") from None
 
 
-def iter_jsonl(path: PathLike) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line_number, object)`` for each non-empty line; a bad line raises naming file and line."""
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate(obj: Any, raw: Optional[str] = None) -> Optional[str]:
+    """What is wrong if the parsed JSON ``obj`` holds a lone surrogate (``"\\ud800"``: half of a UTF-16 pair, no
+    character, and no UTF-8 output can hold it), else None. With ``raw`` (the JSON text ``obj`` came from) text
+    without a surrogate escape is passed without a look at ``obj``."""
+    if raw is not None and not _SURROGATE_ESCAPE.search(raw):
+        return None
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        around = e.object[max(e.start - 30, 0):e.end + 30]
+        return (f"holds a lone surrogate {ascii(e.object[e.start:e.end])} (half of a UTF-16 pair, not a character) "
+                f"near {ascii(around)}; fix or remove that escape")
+    return None
+
+
+def check_unicode(obj: Any, where: str, raw: Optional[str] = None) -> Any:
+    """``obj``, refused in one line naming ``where`` if it holds a lone surrogate (see :func:`lone_surrogate`)."""
+    problem = lone_surrogate(obj, raw)
+    if problem:
+        raise DprGcError(f"{where}: {problem}")
+    return obj
+
+
+def iter_jsonl(path: PathLike, text_only: bool = False) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_number, object)`` for each non-empty line; a bad line raises naming file and line
+    (``text_only``: also a line holding a lone surrogate, for inputs whose text is tokenised or written out)."""
     with open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
-                yield line_no, parse_json(line, f"{path}:{line_no}")
+                obj = parse_json(line, f"{path}:{line_no}")
+                yield line_no, check_unicode(obj, f"{path}:{line_no}", line) if text_only else obj
 
 
 def iter_jsonl_objects(path: PathLike, what: str = "record") -> Iterator[tuple[int, dict]]:
-    """Like :func:`iter_jsonl`, but every line must hold a JSON object."""
-    for line_no, obj in iter_jsonl(path):
+    """Like :func:`iter_jsonl`, but every line must hold a JSON object without lone surrogates."""
+    for line_no, obj in iter_jsonl(path, text_only=True):
         if not isinstance(obj, dict):
             raise DprGcError(f"{path}:{line_no}: expected a JSON object ({what}), got {type(obj).__name__}")
         yield line_no, obj
@@ -199,6 +262,10 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
     try:
         yield tmp_path
         os.replace(tmp_path, final)
+    except Exception as e:
+        if is_disk_full(e):
+            raise DiskFullError(final) from None
+        raise
     finally:
         if tmp_path.exists():
             tmp_path.unlink()

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .errors import DprGcError
-from .files import PathLike
+from .errors import DiskFullError, DprGcError, is_disk_full
+from .files import PathLike, spooled
 from .locks import exclusive_lock, locked_folder, output_lock
 
 # How an output is locked: a lock file beside it ("file": files, and folders replaced whole), a lock file inside it
@@ -132,11 +132,39 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
                           {flag: getattr(args, dest, None) for dest, flag, _ in outs},
                           whole=[flag for _, flag, mode in outs if mode == "whole"])
             with output_locks({flag: (getattr(args, dest, None), mode) for dest, flag, mode in outs}):
-                return run(args, *more, **named)
+                with streams_copied(args, [dest for dest, _ in ins]):
+                    return run(args, *more, **named)
 
         return guarded_run
 
     return wrap
+
+
+@contextlib.contextmanager
+def streams_copied(args: Any, dests: Sequence[str]) -> Iterator[None]:
+    """For the block, replace each input of ``args`` (destinations ``dests``) that is a pipe or device (``<(...)``,
+    ``/dev/stdin``, ``/dev/null``) by a temporary copy (:func:`~dpr_gc.base.files.spooled`); an error message that
+    names a copy names the input given instead."""
+    given = {dest: getattr(args, dest, None) for dest in dests}
+    with spooled(p for value in given.values() for p in _paths(value)) as copies:
+        if not copies:
+            yield
+            return
+        for dest, value in given.items():
+            if isinstance(value, (list, tuple)):
+                setattr(args, dest, type(value)(str(copies.get(Path(v), v)) for v in value))
+            elif value is not None and Path(os.fspath(value)) in copies:
+                setattr(args, dest, str(copies[Path(os.fspath(value))]))
+        try:
+            yield
+        except DprGcError as e:
+            message = str(e)
+            for stream, copy in copies.items():
+                message = message.replace(str(copy), str(stream))
+            raise DprGcError(message) from None
+        finally:
+            for dest, value in given.items():
+                setattr(args, dest, value)
 
 
 # --------------------------------------------------------------------------------------------- whole folders
@@ -155,7 +183,12 @@ def atomic_folder(path: PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".new", dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as e:
+            if is_disk_full(e):
+                raise DiskFullError(final) from None
+            raise
         old = None
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))

@@ -37,8 +37,9 @@ def exclusive_lock(lock_file: PathLike, what: str) -> Iterator[None]:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise DprGcError(f"{what} is in use by another run (pid {holder}, lock {p}); wait for it to finish, "
                              "or write somewhere else") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with contextlib.suppress(OSError):  # the pid is for messages only; a full disk fails the real writes
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         try:
             yield
         finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator, Optional
 
 from .errors import DprGcError
-from .files import PathLike, open_text
+from .files import PathLike, check_unicode, open_text
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ def iter_tsv_lines(path: Path, counts: TsvCounts) -> Iterator[tuple[int, list[st
     would run across a tab or line break) is kept literally and logged, so no line can swallow the next ones.
     """
     with open_text(path, newline="\n") as f:
+        _refuse_cr_only(f, path)
         for line in f:
             counts.lines += 1
             line = line[:-1] if line.endswith("\n") else line
@@ -62,6 +63,16 @@ def iter_tsv_lines(path: Path, counts: TsvCounts) -> Iterator[tuple[int, list[st
             if '"' in line:
                 fields = [_field(path, counts, value, i) for i, value in enumerate(fields)]
             yield counts.lines, fields
+
+
+def _refuse_cr_only(f: Any, path: Path) -> None:
+    """Refuse a file whose lines end in a lone carriage return (classic Mac OS): read by line feeds it would be one
+    line, so every row but the first would vanish. Only the first ``CHUNK_CHARS`` are looked at."""
+    head = f.read(CHUNK_CHARS)
+    f.seek(0)
+    if "\n" not in head and "\r" in head.rstrip("\r"):
+        raise DprGcError(f"{path}: lines end in a carriage return only (CR, classic Mac OS line endings), so the "
+                         "file reads as one line; convert it to LF or CRLF line endings, e.g. tr '\\r' '\\n'")
 
 
 def _field(path: Path, counts: TsvCounts, value: str, column: int) -> str:
@@ -99,8 +110,9 @@ def sniff_json(path: PathLike) -> str:
     return "list" if head.startswith("[") else "lines" if head else "empty"
 
 
-def iter_json_list(f: IO[str], path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line, object)`` for each item of a top-level JSON list, reading ``CHUNK_CHARS`` at a time.
+def iter_json_list(f: IO[str], path: Path, text_only: bool = False) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line, object)`` for each item of a top-level JSON list, reading ``CHUNK_CHARS`` at a time
+    (``text_only``: an item holding a lone surrogate is refused naming its line).
 
     A record may be up to ``MAX_RECORD_CHARS`` (1,024 MiB) long: when one does not parse yet, the buffer grows by
     doubling reads, so a huge record costs linear time. Anything but whitespace after the closing ``]`` is refused.
@@ -146,7 +158,7 @@ def iter_json_list(f: IO[str], path: Path) -> Iterator[tuple[int, Any]]:
             if end == len(buf) and not eof:  # so may a number or literal
                 want = 2 * (len(buf) - pos)
                 continue
-            yield line, obj
+            yield line, check_unicode(obj, f"{path}:{line}", buf[pos:end]) if text_only else obj
             line, pos, state = line + buf.count("\n", pos, end), end, "sep"
 
 

@@ -9,12 +9,16 @@ and the others wait, then map its file. The kernel drops the lock of a holder th
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from ..base.files import PathLike, atomic_path
 from ..base.locks import wait_lock
+
+logger = logging.getLogger(__name__)
+ROWS_KEY = "dpr_gc_rows"  # custom metadata of the empty batch that ends every cache file: the rows written
 
 
 def default_cache_dir(kind: str) -> Path:
@@ -43,16 +47,64 @@ def build_once(cache: Path, ready: Callable[[], bool], build: Callable[[], Any])
 
 def write_stream(path: Path, schema: Any, batches: Iterable[Any],
                  check: Optional[Callable[[Path], None]] = None) -> None:
-    """Write record ``batches`` as an Arrow IPC stream (the layout ``datasets.Dataset.from_file`` maps) atomically;
+    """Write record ``batches`` as an Arrow IPC stream (the layout ``datasets.Dataset.from_file`` maps) atomically,
+    ending in an empty batch that records the row count (so a damaged copy can be told, see :func:`cache_damage`);
     ``check(temporary file)`` may refuse the result before it gets its final name."""
     import pyarrow as pa
 
     with atomic_path(path) as tmp:
+        rows = 0
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
             for batch in batches:
                 writer.write_batch(batch)
+                rows += batch.num_rows
+            writer.write_batch(pa.RecordBatch.from_pylist([], schema=schema), custom_metadata={ROWS_KEY: str(rows)})
         if check is not None:
             check(tmp)
+
+
+def cache_damage(path: Path, expected: Mapping[str, str]) -> Optional[str]:
+    """What is wrong with the cache file ``path``, or None: unreadable, cut short (no row count at its end), a row
+    count other than the one written, or schema metadata other than ``expected`` (e.g. the source's fingerprint).
+    Reads the batches' headers and checks their structure (memory-mapped: cheap however large the cache)."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            reader = pa.ipc.open_stream(source)
+            metadata = reader.schema.metadata or {}
+            for key, value in expected.items():
+                if metadata.get(key.encode()) != value.encode():
+                    return f"its {key} is not the source's"
+            rows, recorded = 0, None
+            for batch, custom in iter(reader.read_next_batch_with_custom_metadata, None):  # ends on StopIteration
+                batch.validate()
+                rows += batch.num_rows
+                recorded = int(custom[ROWS_KEY.encode()]) if custom and ROWS_KEY.encode() in custom else None
+    except (pa.ArrowException, OSError, ValueError) as e:
+        return f"unreadable: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+    if recorded is None:
+        return "cut short (no row count at its end)"
+    return None if recorded == rows else f"{rows} rows where {recorded} were written"
+
+
+def cached_dataset(cache: Path, build: Callable[[], Any], expected: Optional[Mapping[str, str]] = None,
+                   ready: Callable[[], bool] = lambda: True) -> Any:
+    """The cache file memory-mapped, built first by ``build`` if it is missing or damaged (:func:`cache_damage`
+    against the ``expected`` schema metadata; one warning line, then rebuilt), or ``ready()`` is false."""
+    warned: list[str] = []
+
+    def usable() -> bool:
+        if not cache.is_file():
+            return False
+        problem = cache_damage(cache, expected or {})
+        if problem and not warned:
+            logger.warning("%s: the cached copy is damaged (%s); rebuilding it from its source", cache, problem)
+            warned.append(problem)
+        return problem is None and ready()
+
+    build_once(cache, usable, build)
+    return map_dataset(cache)
 
 
 def map_dataset(path: Path) -> Any:

@@ -13,6 +13,7 @@ be unique and free of whitespace (TREC runs and id files are whitespace-separate
 
 from __future__ import annotations
 
+import array
 import ast
 import hashlib
 import json
@@ -22,14 +23,14 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from ..base.errors import DprGcError
-from .arrow_cache import build_once, cache_file, map_dataset, write_stream
-from ..base.files import PathLike, iter_jsonl_objects, open_text, require_file
+from .arrow_cache import cache_file, cached_dataset, write_stream
+from ..base.files import PathLike, check_unicode, iter_jsonl_objects, open_text, require_file
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
 
 logger = logging.getLogger(__name__)
 
 COLUMNS = ("id", "title", "text")
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"
 WRITE_BATCH_ROWS = 10_000
 FULL_HASH_BYTES = 256 << 20
 SAMPLE_BLOCKS = 1024
@@ -155,8 +156,7 @@ def load_corpus(path: PathLike, cache_dir: Optional[PathLike] = None) -> Any:
     p = require_file(path, "corpus file")
     fingerprint = corpus_fingerprint(p)
     cache = corpus_cache_path(p, cache_dir, fingerprint)
-    build_once(cache, cache.is_file, lambda: _build_arrow(p, cache, fingerprint))
-    return map_dataset(cache)
+    return cached_dataset(cache, lambda: _build_arrow(p, cache, fingerprint), {"dpr_gc_fingerprint": fingerprint})
 
 
 def dataset_fingerprint(corpus: Any) -> Optional[str]:
@@ -277,12 +277,45 @@ def read_queries(path: PathLike) -> list[dict]:
 
 def iter_queries(path: PathLike, log: bool = True) -> Iterator[dict]:
     """The questions of :func:`read_queries` one at a time, in file order, so a run over millions of them holds one
-    (``log``: say how many lines a TSV file had, once the file is read)."""
+    (``log``: say how many lines a TSV file had, once the file is read). A repeated query id is refused once the
+    file is read, naming both lines (``retrieve`` reads the file once to check it before retrieving anything)."""
     p = require_file(path, "queries file")
-    yield from _iter_jsonl_queries(p) if corpus_format(p) == "jsonl" else _iter_tsv_queries(p, log)
+    hashes = array.array("q")  # 8 bytes a question: the check for repeated ids keeps memory flat
+    for _, query in _query_rows(p, log):
+        hashes.append(_id_hash(query["id"]))
+        yield query
+    _refuse_repeated_ids(p, hashes)
 
 
-def _iter_tsv_queries(path: Path, log: bool) -> Iterator[dict]:
+def _query_rows(path: Path, log: bool) -> Iterator[tuple[int, dict]]:
+    return _iter_jsonl_queries(path) if corpus_format(path) == "jsonl" else _iter_tsv_queries(path, log)
+
+
+def _id_hash(qid: str) -> int:
+    return int.from_bytes(hashlib.blake2b(qid.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+def _refuse_repeated_ids(path: Path, hashes: "array.array[int]") -> None:
+    """Refuse a questions file in which a query id repeats, naming the file, both lines and the id (found by reading
+    the file again, only when the ids' hashes repeat)."""
+    import numpy as np
+
+    values, counts = np.unique(np.frombuffer(hashes, dtype=np.int64), return_counts=True)
+    repeated = set(values[counts > 1].tolist())
+    if not repeated:
+        return
+    first: dict[str, int] = {}
+    for line_no, query in _query_rows(path, False):
+        if _id_hash(query["id"]) in repeated:
+            if query["id"] in first:
+                raise DprGcError(f"{path}:{line_no}: query id {query['id']!r} repeats the one at line "
+                                 f"{first[query['id']]}; every question needs its own id (results, runs and qrels "
+                                 "are joined by it), so rename or remove the duplicate")
+            first[query["id"]] = line_no
+
+
+def _iter_tsv_queries(path: Path, log: bool) -> Iterator[tuple[int, dict]]:
     counts = TsvCounts()
     for line_no, row in iter_tsv_lines(path, counts):
         if line_no == 1 and [c.strip().lower() for c in row[:2]] == ["question", "answers"]:
@@ -293,7 +326,7 @@ def _iter_tsv_queries(path: Path, log: bool) -> Iterator[dict]:
                              f"got {len(row)} field(s)")
         answers = _parse_answers(row[1], f"{path}:{line_no}")
         counts.rows += 1
-        yield {"id": row[2] if len(row) == 3 else str(line_no), "question": row[0], "answers": answers}
+        yield line_no, {"id": row[2] if len(row) == 3 else str(line_no), "question": row[0], "answers": answers}
     if log:
         log_tsv_counts(path, counts, "questions")
 
@@ -308,7 +341,7 @@ def _parse_answers(field: str, where: str) -> list[str]:
             value = ast.literal_eval(field)
         except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
             raise DprGcError(f"{where}: answers must be a list like [\"a\", \"b\"], got {field[:60]!r}") from None
-    return _answer_list(value, where)
+    return _answer_list(check_unicode(value, where), where)
 
 
 def _answer_list(value: Any, where: str) -> list[str]:
@@ -319,7 +352,7 @@ def _answer_list(value: Any, where: str) -> list[str]:
     raise DprGcError(f"{where}: answers must be a string or a list of strings, got {str(value)[:60]!r}")
 
 
-def _iter_jsonl_queries(path: Path) -> Iterator[dict]:
+def _iter_jsonl_queries(path: Path) -> Iterator[tuple[int, dict]]:
     for line_no, obj in iter_jsonl_objects(path, "a question"):
         where = f"{path}:{line_no}"
         question = obj.get("question", obj.get("text", obj.get("query")))
@@ -328,4 +361,5 @@ def _iter_jsonl_queries(path: Path) -> Iterator[dict]:
         raw = obj.get("answers", obj.get("answer", []))
         answers = _answer_list(raw, where) if raw is not None else []
         qid = obj.get("_id", obj.get("id"))
-        yield {"id": str(qid) if qid is not None else str(line_no), "question": question, "answers": answers}
+        qid = str(qid) if qid is not None else str(line_no)
+        yield line_no, {"id": qid, "question": question, "answers": answers}

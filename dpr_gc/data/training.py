@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .arrow_cache import build_once, cache_file, map_dataset, write_stream
+from .arrow_cache import cache_file, cached_dataset, write_stream
 from .qrels import iter_qrels, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
-from ..base.files import (PathLike, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text, read_json_object, require_file,
-                    write_json)
+from ..base.files import (PathLike, check_unicode, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text,
+                          read_json_object, require_file, write_json)
 from ..base.settings import add_arguments, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
@@ -38,7 +38,7 @@ from ..model.tokenize import token_ids
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: negatives that are the question's own positive are dropped
+FORMAT_VERSION = 3  # 2: negatives that are the question's own positive are dropped; 3: a row count ends the file
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
 WRITE_BATCH = 256
 Row = dict[str, Any]
@@ -137,7 +137,7 @@ def _dpr_records(path: Path) -> Produced:
     """Records of a DPR training file: a JSON list or JSONL, optionally gzipped."""
     if sniff_json(path) == "list":
         with open_text(path) as f:
-            for k, (line, obj) in enumerate(iter_json_list(f, path)):
+            for k, (line, obj) in enumerate(iter_json_list(f, path, text_only=True)):
                 yield from _checked(f"{path}:{line} (record {k})", obj)
         return
     with open_text(path) as f:
@@ -151,7 +151,7 @@ def _dpr_records(path: Path) -> Produced:
                 except RecursionError:
                     yield f"{path}:{line_no}", "JSON nested too deeply to read"
                     continue
-                yield from _checked(f"{path}:{line_no}", obj)
+                yield from _checked(f"{path}:{line_no}", check_unicode(obj, f"{path}:{line_no}", text))
 
 
 def _checked(where: str, obj: Any) -> Produced:
@@ -220,7 +220,7 @@ def iter_training_file(path: PathLike) -> Iterator[dict]:
     p = require_file(path, "training file")
     is_list = sniff_json(p) == "list"
     with open_text(p) as f:
-        for line, record in (iter_json_list(f, p) if is_list else iter_jsonl(p)):
+        for line, record in (iter_json_list(f, p, text_only=True) if is_list else iter_jsonl(p, text_only=True)):
             try:
                 normalise_record(record)
             except ValueError as e:
@@ -261,8 +261,8 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
     arrow = cache_file(cache_dir, "train", stem, json.dumps(key))
     stats_file = arrow.with_name(arrow.stem + ".stats.json")
-    build_once(arrow, lambda: arrow.is_file() and stats_file.is_file(),
-               lambda: _parse(source, stem, produce, skip_bad, arrow, stats_file))
+    dataset = cached_dataset(arrow, lambda: _parse(source, stem, produce, skip_bad, arrow, stats_file),
+                             ready=stats_file.is_file)
     stats = read_json_object(stats_file, "training cache statistics")
     logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped)", stats["source"],
                 stats["records"], stats["kept"], stats["no_positive"], stats["bad"])
@@ -272,7 +272,7 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     if stats["kept"] == 0:
         raise DprGcError(f"{stats['source']}: no usable training question ({stats['records']} records, "
                          f"{stats['no_positive']} without a positive, {stats['bad']} bad)")
-    return TrainingData(map_dataset(arrow), [stats["kept"]], [stats], [tag])
+    return TrainingData(dataset, [stats["kept"]], [stats], [tag])
 
 
 def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: bool, arrow: Path,

@@ -90,8 +90,13 @@ class EncodeJob:
 
 def model_fingerprint(retriever: Any) -> str:
     """A short hash of the passage encoder's weights (a strided sample of each tensor), to detect model changes."""
+    return weights_fingerprint(retriever.passage_encoder)
+
+
+def weights_fingerprint(module: Any) -> str:
+    """A short hash of a module's weights: a strided sample of each tensor, with its name and shape."""
     h = hashlib.sha1()
-    for name, tensor in sorted(retriever.passage_encoder.state_dict().items()):
+    for name, tensor in sorted(module.state_dict().items()):
         flat = tensor.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 256)].float().cpu().numpy()
         h.update(f"{name}{tuple(tensor.shape)}".encode())

@@ -9,25 +9,27 @@ last, ``index_meta.json`` (model, dim, kind, parameters, row count, shards used)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import glob
 import itertools
+import json
 import logging
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import IO, Any, Iterable, Iterator, Optional, Union
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from ..base.args import output_dir, positive_int
-from ..base.errors import DprGcError
-from ..base.guard import guarded
+from ..base.errors import DprGcError, is_disk_full
 from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
-from ..base.files import (PathLike, atomic_open, atomic_path, open_text, read_json, read_json_object, remove_stale_temporaries,
-                    write_json)
-from ..base.locks import locked_folder
+from ..base.files import PathLike, check_output_dir, open_text, parse_json, read_json_object
+from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_folders
+from ..base.locks import exclusive_lock
 from ..base.tables import format_summary
 from .index_params import IndexBuild, IndexParams
 from ..base.settings import add_arguments, from_args, setting, to_record
@@ -185,64 +187,73 @@ class DenseIndex:
 
     # ------------------------------------------------------------------------------------------- persistence
     def write(self, folder: PathLike, ids: Optional[Iterable[str]] = None) -> Path:
-        """Write ``index.faiss``, ``ids.txt`` (when ``ids`` is given) and, last, ``index_meta.json``.
+        """Write ``index.faiss``, ``ids.txt`` (when ``ids`` is given) and ``index_meta.json`` into a new folder that
+        then replaces ``folder`` whole (:func:`~dpr_gc.base.guard.atomic_folder`): a reader, a kill or a full disk
+        sees the old build or the new one, never parts of both. A non-empty folder holding no index is refused."""
+        out = check_index_folder(folder)
+        with atomic_folder(out) as tmp:
+            self._write_files(tmp, ids)
+        return out
 
-        Each file is replaced atomically and the old metadata is removed first, so a folder whose metadata exists
-        is always consistent; an interrupted write leaves a folder that :meth:`read` refuses.
-        """
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / META_FILE).unlink(missing_ok=True)
-        with atomic_path(out / INDEX_FILE) as tmp:
-            _faiss().write_index(self.index, str(tmp))
+    def _write_files(self, out: Path, ids: Optional[Iterable[str]]) -> None:
+        """The three files of an index folder, into the new (still hidden) folder ``out``."""
+        try:  # through Python's file: FAISS's own writer only prints a failed close (a full disk) and goes on
+            with open(out / INDEX_FILE, "wb") as f:
+                _faiss().write_index(self.index, _faiss().PyCallbackIOWriter(f.write))
+        except RuntimeError as e:
+            if is_disk_full(e):
+                raise  # atomic_folder names the index folder and removes the unfinished one
+            raise DprGcError(f"{out / INDEX_FILE}: cannot write the index ({_faiss_message(e)})") from None
         self.meta["index_file"] = file_stamp(out / INDEX_FILE)  # readers pair this metadata with this very file
         if ids is not None:
             n, first, last = 0, None, None
-            with atomic_open(out / IDS_FILE) as f:
+            with open(out / IDS_FILE, "w", encoding="utf-8") as f:
                 for pid in ids:
                     last = pid.rstrip("\r\n")
                     first = last if first is None else first
                     f.write(last + "\n")
                     n += 1
             if n != self.ntotal:
-                (out / IDS_FILE).unlink()
                 raise DprGcError(f"{out}: {n} passage ids for {self.ntotal} index rows; the shards' ids files "
                                  "do not match their embeddings, re-encode them")
             self.meta.update(first_id=first, last_id=last)
         self.meta.update(ntotal=self.ntotal, dim=self.dim, faiss_version=_faiss().__version__)
-        write_json(out / META_FILE, self.meta)
-        return out
+        with open(out / META_FILE, "w", encoding="utf-8") as f:
+            json.dump(self.meta, f, indent=2, ensure_ascii=False)
+            f.write("\n")
 
     @classmethod
     def read(cls, folder: PathLike) -> "DenseIndex":
-        """Load an index folder written by :meth:`write`, restoring its search parameters."""
+        """Load an index folder written by :meth:`write`, restoring its search parameters; the metadata and the
+        vectors come from one build even while ``index`` replaces the folder (see :func:`_read_one_build`)."""
         folder = Path(folder)
-        meta_path, index_path = folder / META_FILE, folder / INDEX_FILE
-        if not meta_path.is_file() or not index_path.is_file():
-            raise DprGcError(f"no complete index in {folder} (need {INDEX_FILE} and {META_FILE}); "
-                             "build one with 'dpr-gc index --embeddings DIR --output DIR'")
-        index, meta = _read_one_build(meta_path, index_path)
-        if index.ntotal != meta.get("ntotal") or index.d != meta.get("dim"):
-            raise DprGcError(f"{folder}: {INDEX_FILE} ({index.ntotal} x {index.d}) disagrees with {META_FILE} "
-                             f"({meta.get('ntotal')} x {meta.get('dim')}); rebuild the index")
+        index, meta = _read_one_build(folder)
         dense = cls(index, meta)
         params = meta.get("params") or {}
         dense._apply_search_params(params.get("ef_search"), params.get("nprobe"), strict=False)
         return dense
 
 
-def file_stamp(path: Path) -> list:
-    """``[size, digest of the first and last MiB]`` of an index file: another build has another stamp, a copy of
-    the folder keeps it, and reading it costs 2 MiB however large the index."""
+def check_index_folder(folder: PathLike) -> Path:
+    """``folder`` as a Path, refused if it is a non-empty folder holding no index (it would be replaced whole)."""
+    out = Path(folder)
+    if out.is_dir() and not index_exists(out) and any(not p.name.startswith(".") for p in out.iterdir()):
+        raise DprGcError(f"{out} is a folder that holds no index; it would be replaced whole, so give a new or "
+                         "empty folder")
+    return out
+
+
+def file_stamp(path: Union[Path, IO[bytes]]) -> list:
+    """``[size, digest of the first and last MiB]`` of an index file (a path, or a file open for reading): another
+    build has another stamp, a copy of the folder keeps it, and reading it costs 2 MiB however large the index."""
     import hashlib
 
-    size = os.path.getsize(path)
-    digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        digest.update(f.read(STAMP_BYTES))
+    with (open(path, "rb") if isinstance(path, Path) else contextlib.nullcontext(path)) as f:
+        size = os.fstat(f.fileno()).st_size
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(os.pread(f.fileno(), STAMP_BYTES, 0))
         if size > STAMP_BYTES:
-            f.seek(max(STAMP_BYTES, size - STAMP_BYTES))
-            digest.update(f.read(STAMP_BYTES))
+            digest.update(os.pread(f.fileno(), STAMP_BYTES, max(STAMP_BYTES, size - STAMP_BYTES)))
     return [size, digest.hexdigest()]
 
 
@@ -255,29 +266,72 @@ def check_meta(meta: Any, path: PathLike) -> dict:
     return meta
 
 
-def _read_one_build(meta_path: Path, index_path: Path, attempts: int = 20) -> tuple[Any, dict]:
-    """The FAISS index and the metadata of one and the same build, even while ``index`` rebuilds the folder: the
-    metadata names the index file it was written with (inode, size, mtime), and both are re-checked after reading;
-    a mismatch (a rebuild under way) is retried, then refused."""
+class _Replaced(Exception):
+    """The index folder was replaced (by rename) while it was being read: read the new one."""
+
+
+def _read_one_build(folder: Path, attempts: int = 100) -> tuple[Any, dict]:
+    """The FAISS index and the metadata of one and the same build. The folder is opened once and both files are
+    read through that handle, so a rebuild swapping the folder by rename cannot hand us one build's metadata and
+    the other's vectors; a folder replaced while read, or caught between the two renames of a swap, is read again."""
     for _ in range(attempts):
-        meta = check_meta(read_json(meta_path), meta_path)
         try:
-            before = file_stamp(index_path)
-            index = _faiss().read_index(str(index_path))
-        except RuntimeError as e:
-            raise DprGcError(f"{index_path}: cannot read FAISS index ({_faiss_message(e)}); rebuild it") from None
-        except OSError:
-            before, index = None, None
-        try:
-            same = (before == file_stamp(index_path) and meta == read_json(meta_path)
-                    and meta.get("index_file", before) == before)
-        except (OSError, DprGcError):
-            same = False
-        if same and index is not None:
-            return index, meta
-        time.sleep(0.05)
-    raise DprGcError(f"{index_path.parent}: {META_FILE} does not belong to this {INDEX_FILE} (another run is "
-                     "rebuilding the index, or the folder was assembled from two builds); wait for it, or rebuild")
+            return _read_pinned(folder)
+        except _Replaced:
+            continue
+        except FileNotFoundError:
+            if not _being_replaced(folder):
+                break  # no rebuild under way: the folder or a file is simply missing
+        time.sleep(0.01)
+    raise DprGcError(f"no complete index in {folder} (need {INDEX_FILE} and {META_FILE}); build one with "
+                     "'dpr-gc index --embeddings DIR --output DIR'")
+
+
+def _being_replaced(folder: Path) -> bool:
+    """Whether a missing ``folder`` is in the middle of a swap: the old build moved aside (``.NAME.*.old``), or the
+    swap finished since we looked (the folder is back)."""
+    moved = folder.parent.is_dir() and any(folder.parent.glob(f".{glob.escape(folder.name)}.*.old"))
+    return moved or folder.is_dir() and (folder / META_FILE).is_file()
+
+
+def _replaced(folder: Path, dir_fd: int) -> bool:
+    """Whether ``folder`` no longer names the folder open as ``dir_fd``."""
+    try:
+        return os.stat(folder).st_ino != os.fstat(dir_fd).st_ino
+    except FileNotFoundError:
+        return True
+
+
+def _read_pinned(folder: Path) -> tuple[Any, dict]:
+    """Read ``folder``'s metadata and index through one open handle of the folder (``FileNotFoundError``: missing,
+    :class:`_Replaced`: swapped while read)."""
+    meta_path, index_path = folder / META_FILE, folder / INDEX_FILE
+    dir_fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        with open(os.open(META_FILE, os.O_RDONLY, dir_fd=dir_fd), "rb") as f:
+            text = f.read().decode("utf-8", errors="strict")
+        meta = check_meta(parse_json(text, str(meta_path)), meta_path)
+        with open(os.open(INDEX_FILE, os.O_RDONLY, dir_fd=dir_fd), "rb") as f:
+            stamp = file_stamp(f)
+            try:
+                index = _faiss().read_index(_faiss().PyCallbackIOReader(f.read, 1 << 20))
+            except RuntimeError as e:
+                raise DprGcError(f"{index_path}: cannot read FAISS index ({_faiss_message(e)}); rebuild it") from None
+    except UnicodeDecodeError:
+        raise DprGcError(f"{meta_path}: not valid UTF-8; rebuild the index") from None
+    except FileNotFoundError:
+        if _replaced(folder, dir_fd):
+            raise _Replaced from None
+        raise
+    finally:
+        os.close(dir_fd)
+    if meta.get("index_file", stamp) != stamp:
+        raise DprGcError(f"{folder}: {META_FILE} does not belong to this {INDEX_FILE} (the folder was assembled "
+                         "from two builds); rebuild the index")
+    if index.ntotal != meta.get("ntotal") or index.d != meta.get("dim"):
+        raise DprGcError(f"{folder}: {INDEX_FILE} ({index.ntotal} x {index.d}) disagrees with {META_FILE} "
+                         f"({meta.get('ntotal')} x {meta.get('dim')}); rebuild the index")
+    return index, meta
 
 
 def _faiss_message(error: Exception) -> str:
@@ -373,10 +427,12 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train
     With ``append`` an existing index in ``out_dir`` is extended by the shards it lacks, which must continue its
     rows and come from the same model and corpus. Returns a summary dict.
     """
-    with locked_folder(out_dir, ".index.lock", f"index folder {out_dir}") as out:
-        removed = remove_stale_temporaries(out, [INDEX_FILE, IDS_FILE, META_FILE])
+    out = check_index_folder(check_output_dir(out_dir).absolute())
+    check_outputs({"--embeddings": emb_dir}, {"--output": out}, whole=["--output"])
+    with exclusive_lock(out.with_name(f".{out.name}.lock"), f"index folder {out_dir}"):
+        removed = remove_stale_folders(out.parent, out.name)
         if removed:
-            logger.info("removed %d temporary file(s) of an interrupted run from %s", len(removed), out)
+            logger.info("removed %d unfinished folder(s) of an interrupted run beside %s", len(removed), out)
         existing = DenseIndex.read(out) if append and (out / META_FILE).is_file() else None
         dense, todo, stats = add_shards(emb_dir, params, existing, train_sample, block_size, seed, allow_partial)
         build = IndexBuild(train_sample=train_sample, block_size=block_size, seed=seed)

@@ -7,12 +7,13 @@ import dataclasses
 import math
 from typing import Optional
 
-from ..base.args import nonnegative_int, positive_int
+from ..base.args import int_between, nonnegative_int, positive_int
 from ..base.errors import DprGcError
 from ..base.settings import check, setting
 
 KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
 CENTROID_POINTS = 39  # FAISS wants about this many training vectors per k-means centroid
+HNSW_M_RANGE = (2, 512)  # FAISS segfaults at M=1 and dies of bad_alloc for a huge M
 
 
 @dataclasses.dataclass
@@ -26,7 +27,8 @@ class IndexParams:
     kind: str = setting("flat", "--kind", help=f"index kind: {', '.join(KINDS)} (flat = exact search)")
     factory: Optional[str] = setting(None, "--factory", help="any faiss.index_factory string, e.g. "
                                                              "'OPQ64,IVF4096,PQ64' (overrides --kind)")
-    hnsw_m: int = setting(32, "--hnsw-m", type=positive_int, help="HNSW neighbours per node")
+    hnsw_m: int = setting(32, "--hnsw-m", type=int_between(*HNSW_M_RANGE),
+                          help="HNSW neighbours per node, 2 to 512")
     ef_construction: int = setting(200, "--ef-construction", type=positive_int, help="HNSW build-time beam")
     ef_search: int = setting(128, "--ef-search", type=positive_int, help="HNSW search beam, keep >= top-k")
     nlist: Optional[int] = setting(None, "--nlist", type=positive_int,

@@ -11,10 +11,11 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -25,7 +26,7 @@ from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.logs import nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
-from ..base.files import PathLike
+from ..base.files import ChunkedOutput, PathLike, iter_jsonl
 from .index import DenseIndex, set_threads
 from ..base.settings import (FREE, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
                              passage_prefix_setting, query_prefix_setting, setting)
@@ -231,20 +232,16 @@ def write_trec_run(results: Iterable[dict], path: PathLike, tag: str = "dpr-gc")
 def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = None,
                  qrels_path: Optional[PathLike] = None, run_ids: bool = False) -> int:
     """First pass over a questions file, before any retrieval: parse every line (a malformed one fails now, not an
-    hour in), check the ids a TREC run needs (``run_ids``: non-empty, one word, unique), and count the questions to
-    retrieve (with ``qrels``, the judged ones). Holds the ids only, not the questions."""
+    hour in), check the ids a TREC run needs (``run_ids``: non-empty, one word), and count the questions to
+    retrieve (with ``qrels``, the judged ones). Repeated ids are refused by the reader, naming their lines."""
     from ..data.corpus import iter_queries
 
-    seen: set[str] = set()
     count = total = 0
     for q in iter_queries(path, log=False):
         qid, total = str(q["id"]), total + 1
-        if run_ids:
-            if not qid or any(c.isspace() for c in qid) or qid in seen:
-                problem = "appears twice" if qid in seen else "is empty or contains whitespace"
-                raise DprGcError(f"{path}: query id {qid!r} {problem}; a TREC run (--trec-run) needs unique one-word "
-                                 "query ids")
-            seen.add(qid)
+        if run_ids and (not qid or any(c.isspace() for c in qid)):
+            raise DprGcError(f"{path}: query id {qid!r} is empty or contains whitespace; a TREC run (--trec-run) "
+                             "needs one-word query ids")
         count += qrels is None or qid in qrels
     if not total:
         raise DprGcError(f"no queries in {path} (the file is empty)")
@@ -263,22 +260,66 @@ def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = 
 
 def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict],
                       settings: Optional[RetrieveSettings] = None, *, qrels: Optional[dict[str, dict[str, int]]] = None,
-                      show_progress: bool = True, total: Optional[int] = None,
+                      show_progress: bool = True, total: Optional[int] = None, resume_key: Optional[dict] = None,
                       **options: Any) -> dict[str, dict[str, float]]:
     """Retrieve ``queries`` (any iterable, read once; ``total``: their number, for the progress bar) with
     ``settings`` (fields of :class:`RetrieveSettings` may also be given as keywords), writing the results file
     (``compact``: without passage text) and the TREC run as records come and evaluating them on the way at the
     cut-offs (:meth:`RetrieveSettings.cutoffs`); returns the metrics (empty without evaluation).
 
-    Answers are matched once per run: evaluation reuses the ``has_answer`` flags written to the results (with
-    ``match`` None or ``none`` they are matched for the evaluation only, with DPR's string matching).
+    With a ``resume_key`` (what the records depend on: inputs and settings) finished records are kept chunk by chunk
+    beside the first output (:func:`retrieve_kept`), and a run with the same key continues after the last finished
+    chunk of an interrupted one. Answers are matched once per run: evaluation reuses the ``has_answer`` flags
+    written to the results (with ``match`` None or ``none`` they are matched for the evaluation only, with DPR's
+    string matching).
     """
     s = dataclasses.replace(settings or RetrieveSettings(), **options)
-    match, ks = (None if s.match == "none" else s.match), s.cutoffs()
+    match = None if s.match == "none" else s.match
     if s.trec_run:
         check_run_tag(s.run_tag)
+    with AnswerMatcher(match or "string", s.workers or default_workers()) as matcher:
+        def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
+            return iter_retrieve(retriever, index, corpus, todo, s.top_k, s.batch_size,
+                                 matcher if match is not None else None, show_progress, left)
+
+        first = s.output or s.trec_run
+        if resume_key is None or not first:
+            return write_outputs(records(queries, total), s, qrels, matcher if match is None else None)
+        return retrieve_kept(Path(first), resume_key, queries, total, records,
+                             lambda kept: write_outputs(kept, s, qrels, matcher if match is None else None))
+
+
+def retrieve_kept(first: Path, key: dict, queries: Iterable[dict], total: Optional[int],
+                  records: Callable[[Iterable[dict], Optional[int]], Iterator[dict]],
+                  write: Callable[[Iterator[dict]], Any]) -> Any:
+    """Retrieve into a hidden file of finished records beside the output ``first`` (one JSON record per line,
+    :class:`~dpr_gc.base.files.ChunkedOutput`, a chunk of ``QUERY_CHUNK`` questions at a time), skipping the
+    questions an interrupted run with the same ``key`` finished; then ``write`` the outputs from it, whole, and
+    delete it. Returns what ``write`` returns."""
+    kept = ChunkedOutput(first.with_name(first.name + ".retrieved"), key)
+    done = int((kept.resume() or {}).get("count", 0))
+    if done:
+        logger.info("resuming: %d questions of an interrupted run are already retrieved (kept beside %s)", done, first)
+    chunk: list[str] = []
+    count = done
+    for record in records(itertools.islice(queries, done, None), None if total is None else total - done):
+        chunk.append(json.dumps(record, ensure_ascii=False) + "\n")
+        if len(chunk) == QUERY_CHUNK:
+            count += len(chunk)
+            kept.append("".join(chunk), {"count": count})
+            chunk = []
+    kept.append("".join(chunk), {"count": count + len(chunk)})
+    result = write(record for _, record in iter_jsonl(kept.partial))
+    kept.discard()
+    return result
+
+
+def write_outputs(records: Iterable[dict], s: RetrieveSettings, qrels: Optional[dict[str, dict[str, int]]],
+                  matcher: Optional[AnswerMatcher]) -> dict[str, dict[str, float]]:
+    """Write ``records`` to the results file and the TREC run of ``s`` (each atomically) and evaluate them at its
+    cut-offs (``matcher``: match answers for the evaluation, else use the records' ``has_answer``)."""
+    ks = s.cutoffs()
     with contextlib.ExitStack() as stack:
-        matcher = stack.enter_context(AnswerMatcher(match or "string", s.workers or default_workers()))
         writers = []
         if s.output:
             writers.append(stack.enter_context(open_results(s.output, s.compact)))
@@ -286,10 +327,9 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
             writers.append(stack.enter_context(open_trec_run(s.trec_run, s.run_tag)))
         evaluation = None
         if ks is not None:
-            evaluation = RunEvaluation(ks, qrels, matcher if match is None else None)
+            evaluation = RunEvaluation(ks, qrels, matcher)
             writers.append(evaluation)
-        for record in iter_retrieve(retriever, index, corpus, queries, s.top_k, s.batch_size,
-                                    matcher if match is not None else None, show_progress, total):
+        for record in records:
             for writer in writers:
                 writer.write(record)
         return evaluation.report() if evaluation is not None else {}
@@ -338,11 +378,25 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     passages = load_corpus(corpus_path, job.cache_dir)
     check_corpus(index, passages)
     started = time.perf_counter()
-    metrics, count = retrieve_file(retriever, index, passages, job.queries, qrels_path=job.qrels, settings=s)
+    metrics, count = retrieve_file(retriever, index, passages, job.queries, qrels_path=job.qrels, settings=s,
+                                   resume_key=retrieval_key(retriever, index, passages, job))
     seconds = time.perf_counter() - started
     return metrics, {"queries": count, "top-k": s.top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
                      "queries/s": round(count / seconds, 1) if seconds > 0 else "n/a",
                      "results": s.output or "-", "trec run": s.trec_run or "-"}
+
+
+def retrieval_key(retriever: Any, index: DenseIndex, corpus: Any, job: RetrieveJob) -> dict:
+    """What the records of ``job`` depend on -- the questions and qrels by content, the index build and its search
+    parameters, the corpus, the query encoder's weights and settings, top-k and answer matching -- so an
+    interrupted run resumes only into the same retrieval (see :func:`retrieve_kept`)."""
+    from ..data.corpus import corpus_fingerprint, dataset_fingerprint
+    from .encode import weights_fingerprint
+
+    return {"queries": corpus_fingerprint(job.queries), "qrels": corpus_fingerprint(job.qrels) if job.qrels else None,
+            "index": [index.meta.get("index_file"), index.meta.get("params"), index.ntotal],
+            "corpus": dataset_fingerprint(corpus), "model": [weights_fingerprint(retriever), repr(retriever.config)],
+            "top_k": job.settings.top_k, "match": job.settings.match}
 
 
 def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: PathLike,

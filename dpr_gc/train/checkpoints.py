@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base.errors import DprGcError
+from ..base.errors import DiskFullError, DprGcError, is_disk_full
 from ..base.files import atomic_open, read_json, read_tensors
 from ..base.validate import Field, check_fields, count
 from ..model.retriever import Retriever
@@ -161,9 +161,30 @@ class Checkpointer:
 
     def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
              rng: Any, record: dict) -> None:
+        """Write ``checkpoint-STEP/`` whole: into a hidden sibling renamed into place, which a failure (a full disk:
+        one error line naming the checkpoint) removes again, so the finished checkpoints stay as they were."""
         tmp = self.out / f".checkpoint-{step}.tmp"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self._write(tmp, step, retriever, optimizer, {"step": step, "optimizer": None,
+                                                           "scheduler": scheduler.state_dict(),
+                                                           "scaler": scaler.state_dict(), "sampler": sampler_state,
+                                                           "rng": rng, "record": record,
+                                                           "best": [self.best_value, self.best_path]})
+        except Exception as e:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(e):
+                raise DiskFullError(self.out / f"checkpoint-{step}", "free space, then run the same command with "
+                                    "--resume latest") from None
+            raise
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _write(self, tmp: Path, step: int, retriever: Retriever, optimizer: Any, state: dict) -> None:
+        """The checkpoint's files into ``tmp``, then ``tmp`` renamed to ``checkpoint-STEP`` (old ones beyond
+        ``keep`` deleted)."""
         if self.sharded is not None:
             from ..model.fsdp import save_sharded
 
@@ -172,10 +193,7 @@ class Checkpointer:
         if self.is_main:
             if self.sharded is None:
                 retriever.save(tmp / "model")
-            optim_state = optimizer.state_dict() if self.sharded is None else None
-            write_state(tmp, {"step": step, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
-                              "scaler": scaler.state_dict(), "sampler": sampler_state, "rng": rng, "record": record,
-                              "best": [self.best_value, self.best_path]})
+            write_state(tmp, {**state, "optimizer": optimizer.state_dict() if self.sharded is None else None})
             if self.settings is not None:
                 self.settings(tmp)
             final = self.out / f"checkpoint-{step}"
@@ -183,8 +201,6 @@ class Checkpointer:
             tmp.rename(final)
             for old in self.checkpoints()[:-self.keep]:
                 shutil.rmtree(old)
-        if dist.is_initialized():
-            dist.barrier()
 
     def resolve(self, resume: str) -> Path:
         if resume == "latest":
