@@ -229,9 +229,9 @@ class GradCache:
             weight copies, shared by every chunk of a pass, once); peak graph memory stays within the budget plus
             one chunk's graph. From the second step on, the leading chunks the budget is predicted to hold (bytes
             per token measured before) run as one larger chunk, and the replayed chunks after it are joined up to
-            the budget's size: a budget for the whole batch makes the step plain training in two chunks per model. Kept graphs are backpropagated in one backward call, as plain
-            training's. Under DDP/FSDP every model's last chunk is still replayed: its backward carries the
-            gradient sync, after every kept graph's.
+            the budget's size: a budget for the whole batch makes the step plain training in two chunks per
+            model. Kept graphs are backpropagated in one backward call, as plain training's. Under DDP/FSDP every
+            model's last chunk is still replayed: its backward carries the gradient sync, after every kept graph's.
         chunk_tokens: one int per model (or one for all; None: rows only): a chunk holds as many rows (at most its
             chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (after
             ``sort_by_length``, short sequences make chunks of more rows). Needs a 2-D attention mask.
