@@ -131,7 +131,8 @@ def run_one(cfg: dict) -> dict:
                    largest_chunk_graph_mb=report.largest_graph / 2**20, peak_graph_mb=report.peak_graph_bytes / 2**20,
                    chunks=sum(report.chunks), kept_chunks=sum(report.kept), budget_bytes=report.budget)
     if first is not None:  # the first step runs the configured chunks (later ones may join what the budget holds)
-        out.update(first_largest_chunk_graph_mb=first.largest_graph / 2**20, first_kept_graph_mb=first.kept_bytes / 2**20)
+        out.update(first_largest_chunk_graph_mb=first.largest_graph / 2**20,
+                   first_kept_graph_mb=first.kept_bytes / 2**20)
     return out
 
 

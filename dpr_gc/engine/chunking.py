@@ -101,7 +101,8 @@ def split_by_tokens(model_input: Any, max_rows: int, max_tokens: int, trim: bool
     return [slice_rows(model_input, s, e) for s, e in spans]
 
 
-def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tokens: int, trim: bool = True) -> list[Any]:
+def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tokens: int,
+                trim: bool = True) -> list[Any]:
     """Join consecutive chunks of ``model_input`` (row slices in order; never the last one, which stays as it is)
     into larger ones: the first of at most ``first_tokens`` computed tokens (rows times the longest sequence; the
     full width untrimmed), the following ones of at most ``rest_tokens``. A chunk that alone exceeds its limit stays
