@@ -10,7 +10,8 @@ Embeddings are checked against sentence-transformers by cosine.
 
 ``--precision int8`` (dynamic int8 Linear layers) and bf16 autocast are timed in the same rotation. The quality phase
 (``--quality``, on by default when SciFact is present) encodes the whole SciFact corpus in fp32, bf16 and int8,
-embeds the test queries in fp32 (as ``dpr-gc retrieve`` does), searches exactly and reports nDCG@10 per precision;
+embeds the test queries in fp32 (as ``dpr-gc retrieve`` does), searches exactly and reports nDCG@10 per precision
+and per stored dtype (``--quality-dtypes float16``: the passages cast to float16 as ``encode``'s default shards);
 the embeddings are cached in ``--work-dir`` so an interrupted run resumes.
 
     nice -n 5 python benchmarks/bench_encode.py --docs 1000 --max-length 256 --batch-size 64 --rounds 1
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import random
 import statistics
@@ -43,7 +45,9 @@ from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
 from dpr_gc.model.pretrained import default_model_path  # noqa: E402
 from dpr_gc.model.retriever import Retriever, RetrieverConfig  # noqa: E402
 
-SCIFACT = ROOT.parent / "shared" / "data" / "scifact" / "corpus.jsonl.gz"
+# /work/shared beside a checkout in /work/main, or two levels up from a worktree in /work/wt/NAME
+SCIFACT = next((f for f in (r / "shared" / "data" / "scifact" / "corpus.jsonl.gz" for r in ROOT.parents[:2])
+                if f.is_file()), ROOT.parent / "shared" / "data" / "scifact" / "corpus.jsonl.gz")
 WORDS = ("cell protein gene expression tumour patients study results increased risk mice treatment clinical "
          "analysis response levels disease model associated receptor activity signalling pathway").split()
 
@@ -73,11 +77,25 @@ def cpu_name() -> str:
     return f"{model} ({'with' if cpu_has_native_bf16() else 'without'} native bf16)"
 
 
+def search_metrics(q_emb: np.ndarray, p_emb: np.ndarray, corpus: list[tuple], queries: list[dict],
+                   qrels: dict) -> dict:
+    """nDCG@10 and Recall@100 of exact inner-product search (scores in float32, as the index computes them)."""
+    from dpr_gc.evaluation.evaluate import qrels_metrics
+
+    scores = q_emb.astype(np.float32) @ p_emb.astype(np.float32).T
+    top = np.argsort(-scores, axis=1)[:, :100]
+    run = {str(q["id"]): {corpus[j][0]: float(scores[i, j]) for j in top[i]} for i, q in enumerate(queries)}
+    metrics = qrels_metrics(run, qrels, [10, 100])
+    return {"nDCG@10": metrics["nDCG@10"], "Recall@100": metrics["Recall@100"]}
+
+
 def scifact_quality(retriever: Retriever, max_length: int, batch_size: int, work: Path,
-                    precisions: list[str]) -> dict:
-    """nDCG@10 (and Recall@100) on SciFact test for passage embeddings in fp32, bf16 and int8 (queries fp32)."""
+                    precisions: list[str], dtypes: list[str]) -> dict:
+    """nDCG@10 (and Recall@100) on SciFact test for passage embeddings computed in fp32, bf16 and int8 and stored
+    as each of ``dtypes`` (queries fp32). Keys: the precision for float32 storage, ``<precision>+float16`` for
+    float16 shards (``encode`` stores float16 by ``astype``; the index scores in float32)."""
     from dpr_gc.data.corpus import read_queries
-    from dpr_gc.evaluation.evaluate import qrels_metrics, read_qrels
+    from dpr_gc.evaluation.evaluate import read_qrels
 
     folder = SCIFACT.parent
     qrels = read_qrels(folder / "qrels" / "test.tsv")
@@ -86,7 +104,7 @@ def scifact_quality(retriever: Retriever, max_length: int, batch_size: int, work
     q_emb = retriever.embed("query", [q["question"] for q in queries], batch_size=batch_size)
     work.mkdir(parents=True, exist_ok=True)
     int8 = quantize_int8(retriever)
-    out = {"queries": len(queries), "passages": len(corpus), "query_precision": "fp32"}
+    out = {"queries": len(queries), "passages": len(corpus), "query_precision": "fp32", "max_length": max_length}
     for name, model, autocast in (("fp32", retriever, None), ("bf16", retriever, "bf16"), ("int8", int8, None)):
         if name not in precisions:
             continue
@@ -96,14 +114,14 @@ def scifact_quality(retriever: Retriever, max_length: int, batch_size: int, work
             emb = encode_block(model, [c[1] for c in corpus], [c[2] for c in corpus], batch_size, max_length, autocast)
             np.save(cached, emb)
             print(f"SciFact corpus in {name}: {time.perf_counter() - started:.0f} s", flush=True)
-        scores = q_emb @ np.load(cached).T
-        top = np.argsort(-scores, axis=1)[:, :100]
-        run = {str(q["id"]): {corpus[j][0]: float(scores[i, j]) for j in top[i]} for i, q in enumerate(queries)}
-        metrics = qrels_metrics(run, qrels, [10, 100])
-        out[name] = {"nDCG@10": metrics["nDCG@10"], "Recall@100": metrics["Recall@100"]}
-        print(f"SciFact {name}: nDCG@10 {metrics['nDCG@10']:.4f}", flush=True)
-    for name in set(precisions) & {"bf16", "int8"}:
-        out[name]["nDCG@10_minus_fp32"] = out[name]["nDCG@10"] - out["fp32"]["nDCG@10"]
+        emb = np.load(cached)
+        for dtype in dtypes:
+            key = name if dtype == "float32" else f"{name}+{dtype}"
+            out[key] = search_metrics(q_emb, emb.astype(dtype), corpus, queries, qrels)
+            print(f"SciFact {key}: nDCG@10 {out[key]['nDCG@10']:.4f}", flush=True)
+    for key in out:
+        if isinstance(out[key], dict) and key != "fp32":
+            out[key]["nDCG@10_minus_fp32"] = out[key]["nDCG@10"] - out["fp32"]["nDCG@10"]
     return out
 
 
@@ -195,10 +213,14 @@ def main() -> None:
                         "(default --max-length)")
     parser.add_argument("--quality-precisions", nargs="+", default=["fp32", "bf16", "int8"],
                         choices=["fp32", "bf16", "int8"], help="precisions of the quality phase (fp32 is the reference)")
+    parser.add_argument("--quality-dtypes", nargs="+", default=["float32"], choices=["float32", "float16"],
+                        help="stored embedding dtypes of the quality phase (float32 is the reference; encode's "
+                             "default is float16)")
     parser.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_encode"), help="cached SciFact embeddings")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
+    load_before = list(os.getloadavg())
     rows, source = load_passages(args.docs)
     path = default_model_path()
     config = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat",
@@ -207,12 +229,16 @@ def main() -> None:
     results = time_methods(args, retriever, rows, path) if args.timing else {}
     report = {"passages": len(rows), "source": source, "model": path, "max_length": args.max_length,
               "batch_size": args.batch_size, "chunk": args.chunk, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
-              "torch": torch.__version__, "cpu": cpu_name(), "device": "cpu", "results": results}
+              "torch": torch.__version__, "cpu": cpu_name(), "device": "cpu", "results": results,
+              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+              "load_average_before": load_before}
     write_json(args.output, report)
     if args.quality:
         report["scifact_quality"] = scifact_quality(retriever, args.quality_max_length or args.max_length,
                                                     args.batch_size, Path(args.work_dir),
-                                                    ["fp32", *args.quality_precisions])
+                                                    ["fp32", *args.quality_precisions],
+                                                    list(dict.fromkeys(["float32", *args.quality_dtypes])))
+        report["load_average_after"] = list(os.getloadavg())
     write_json(args.output, report)
     print(f"\nwritten {args.output}")
 

@@ -21,7 +21,9 @@ from transformers import BertConfig, BertModel
 
 from dpr_gc.retrieval.shards import read_manifests
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# /work/shared/data beside a checkout in /work/main, or two levels up from a worktree in /work/wt/NAME
+SHARED_DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[2:4]
+                    if (p / "shared" / "data").is_dir()), Path(__file__).resolve().parents[2] / "shared" / "data")
 WORDS = ("the a of and to in is was for on with as by at from that this it are be or an which what who when "
          "where how city river king war science protein cell gene paris london france music film book water").split()
 

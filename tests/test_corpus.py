@@ -13,6 +13,7 @@ import pytest
 from dpr_gc.data import corpus as corpus_mod
 from dpr_gc.data.corpus import load_corpus, read_queries
 from dpr_gc.base.errors import DprGcError
+from tests.helpers import SHARED_DATA
 
 PASSAGES = [
     ("p0", "Paris", 'The capital of "France" is Paris.'),
@@ -160,7 +161,7 @@ def test_read_queries_empty_or_bad(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_scifact_corpus_and_queries(tmp_path: Path) -> None:
-    folder = Path(__file__).resolve().parents[2] / "shared" / "data" / "scifact"
+    folder = SHARED_DATA / "scifact"
     if not (folder / "corpus.jsonl.gz").is_file():
         pytest.skip(f"SciFact not found at {folder}")
     ds = load_corpus(folder / "corpus.jsonl.gz", tmp_path / "cache")

@@ -12,8 +12,9 @@ import pytest
 from dpr_gc.data.answer_text import nfd, simple_tokens
 from dpr_gc.evaluation import evaluate as ev
 from dpr_gc.base.errors import DprGcError
+from tests.helpers import SHARED_DATA
 
-SCIFACT = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "scifact"
+SCIFACT = SHARED_DATA / "scifact"
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

@@ -51,6 +51,7 @@ def assert_same_adapter(got_dir: Path, want_dir: Path, what: str) -> None:
         assert err < 1e-4, f"{what}: {key} differs by {err:.2e}"
 
 
+@pytest.mark.slow  # 48 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path):
     flags = [*common_flags(tmp_path), "--gradient-checkpointing", "--learn-temperature"]
     assert main(["train", *flags, "--batch-size", "8", "--output", str(tmp_path / "single")]) == 0
@@ -77,6 +78,7 @@ def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path):
     torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow  # 26 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_fsdp_plain_training_equals_one_process(tmp_path):
     flags = [*common_flags(tmp_path), "--no-grad-cache"]
     assert main(["train", *flags, "--batch-size", "8", "--output", str(tmp_path / "single")]) == 0

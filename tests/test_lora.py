@@ -114,6 +114,7 @@ def test_bad_lora_settings_are_refused(make_retriever):
         apply_lora(make_retriever(), LoraSettings(r=2, target_modules=["no_such_layer"]))
 
 
+@pytest.mark.slow  # 35 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_train_cli_with_lora_trains_only_adapters_and_resumes(tmp_path):
     """`dpr-gc train --lora-r` on a decoder folder: final/ is a PEFT adapter over the untouched base, and a run
     resumed from its first checkpoint ends with the same adapter as the uninterrupted one."""

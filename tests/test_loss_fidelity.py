@@ -176,6 +176,7 @@ def distributed_worker(rank: int, tmp: str) -> None:
         raise
 
 
+@pytest.mark.slow  # 23 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_distributed_loss_masks_duplicates_across_ranks(tmp_path, monkeypatch):
     from tests.ranks import rank_errors, run_ranks
 

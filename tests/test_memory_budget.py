@@ -63,6 +63,7 @@ def test_every_budget_gives_the_full_batch_gradient(make_retriever, shared, n_ha
     check_budgets(modules, loss_fn, q, p, expected, sort_by_length=True)
 
 
+@pytest.mark.slow  # 34 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_budget_with_dropout_replays_only_what_it_drops(make_retriever):
     retriever = make_retriever(shared=False, dropout=0.2).train()
     modules = models_of(retriever)

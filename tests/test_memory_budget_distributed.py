@@ -8,6 +8,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -97,6 +98,7 @@ def worker(rank: int, tmp: str) -> None:
         dist.barrier()
 
 
+@pytest.mark.slow  # 26 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_budget_under_ddp_and_fsdp(tmp_path):
     write_vocab(tmp_path / "vocab.txt")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

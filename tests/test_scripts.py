@@ -218,6 +218,7 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")][0].count("convert it") == 1
 
 
+@pytest.mark.slow  # 79 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path):
     import json
 

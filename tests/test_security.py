@@ -162,6 +162,7 @@ def test_folder_of_the_previous_version_still_loads(tmp_path, make_retriever):
     assert abs(float(back.temperature) - 0.05) < 1e-6
 
 
+@pytest.mark.slow  # 40 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_learnable_temperature_resumes_bit_for_bit(tmp_path):
     """From the default temperature 1.0: a checkpoint that kept exp(raw) as a JSON float reloaded it through log and
     resumed from a parameter some float32 steps off (as it happens here at step 2). The raw parameter is compared

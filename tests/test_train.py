@@ -30,6 +30,7 @@ def task(tmp_path_factory) -> dict:
             "dev": write_dpr(d / "dev.json", make_records(32, 2))}
 
 
+@pytest.mark.slow  # 28 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_dev_loss_falls_and_outputs(task, tmp_path):
     trainer = Trainer(config(task, tmp_path / "out", dev_file=str(task["dev"]), epochs=2, eval_every=6))
     summary = trainer.fit()
@@ -53,6 +54,7 @@ def test_dev_loss_falls_and_outputs(task, tmp_path):
     assert not np.allclose(initial.embed("query", texts), trained.embed("query", texts))
 
 
+@pytest.mark.slow  # 33 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_resume_equals_uninterrupted(tmp_path):
     model = init_model(tmp_path, dropout=0.1)
     task = {"dir": tmp_path, "model": model, "train": write_dpr(tmp_path / "t.json", make_records(48, 3))}
@@ -113,6 +115,7 @@ def test_bad_input_errors(task, tmp_path, capsys):
         train(TrainConfig())
 
 
+@pytest.mark.slow  # 37 s in a full run under load 7-10 on 2 cores (2026-11-24)
 @pytest.mark.parametrize("shared", [True, False])
 def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared):
     single = tmp_path / "single.pt"

@@ -4,6 +4,7 @@ falls back to a smaller batch when the full one runs out of memory, and writes n
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,6 +58,7 @@ def cls_model(tmp) -> str:
     return tmp / "cls"
 
 
+@pytest.mark.slow  # 22 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_passes_separate_towers_cls_dropout_budget_two_batches(tmp_path, capsys):
     model = cls_model(tmp_path)
     code, out = run(capsys, flags(tmp_path, model, "--memory-budget", "1GB", "--batches", "2"))
