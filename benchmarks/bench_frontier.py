@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import (ORIGINAL, TEMPERATURE, PeakMemory, build_inputs, interleave, machine_info,  # noqa: E402
                              make_step, original_version, st_version, tiny_model)
-from dpr_gc import GradCache, SimpleContrastiveLoss  # noqa: E402
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
 logger = logging.getLogger("bench_frontier")
@@ -68,7 +68,7 @@ def scifact_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], 
     retriever = Retriever.from_pretrained(cfg["model"], config).to(device).train()
     loss_fn = SimpleContrastiveLoss(n_hard_negatives=1, temperature=TEMPERATURE, similarity="cos").to(device)
     engine = GradCache([retriever.query_encoder, retriever.passage_encoder], cfg["chunk"], loss_fn,
-                       sort_by_length=True, memory_budget=cfg["budget"])
+                       memory_budget=cfg["budget"], chunking=Chunking(sort_by_length=True))
     inputs, _ = build_inputs(cfg, retriever.tokenizer, cfg["batch"])
     q = {k: v.to(device) for k, v in inputs[0].items()}
     p = {k: v.to(device) for k, v in interleave(inputs[1], inputs[2], retriever.tokenizer.pad_token_id).items()}
@@ -90,7 +90,8 @@ def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any,
             loss.backward()
             return float(loss)
         return plain, retriever, None
-    engine = GradCache([retriever, retriever], cfg["chunk"], loss_fn, sort_by_length=True, memory_budget=cfg["budget"])
+    engine = GradCache([retriever, retriever], cfg["chunk"], loss_fn, memory_budget=cfg["budget"],
+                       chunking=Chunking(sort_by_length=True))
     return lambda: float(engine(dict(q, kind="query"), dict(p, kind="passage"))), retriever, engine
 
 

@@ -50,7 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dpr_gc import GradCache, SimpleContrastiveLoss  # noqa: E402
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -252,8 +252,8 @@ def make_step(cfg: dict, device: torch.device) -> tuple[Callable[[list], Callabl
                                    lambda x, y: original_loss(x / TEMPERATURE, y))
     elif cfg["method"] != "plain":
         ours = cfg["method"] == OURS
-        engine = GradCache([encoder, retriever.passage_encoder], cfg["chunk"], loss_fn, sort_by_length=ours,
-                           trim=ours, keep_last_graph=ours)
+        engine = GradCache([encoder, retriever.passage_encoder], cfg["chunk"], loss_fn,
+                           chunking=Chunking(sort_by_length=ours, trim=ours, keep_last_graph=ours))
 
     def prepare(inputs: list) -> Callable[[], float]:
         q = {k: v.to(device) for k, v in inputs[0].items()}

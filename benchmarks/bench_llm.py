@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import PeakMemory  # noqa: E402
-from dpr_gc import GradCache, SimpleContrastiveLoss  # noqa: E402
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.model.lora import LoraSettings, apply_lora  # noqa: E402
 from dpr_gc.model.retriever import Retriever, RetrieverConfig, enable_gradient_checkpointing  # noqa: E402
@@ -79,7 +79,7 @@ def one_run(args: argparse.Namespace) -> dict:
     p = {k: v.to(device) for k, v in random_batch(2 * args.batch, args.passage_length, vocab, 2).items()}
     loss_fn = SimpleContrastiveLoss(1)
     bf16 = args.precision == "bf16"
-    cache = GradCache([retriever, retriever], args.chunk, loss_fn, bf16=bf16, sort_by_length=True)
+    cache = GradCache([retriever, retriever], args.chunk, loss_fn, bf16=bf16, chunking=Chunking(sort_by_length=True))
 
     def step() -> None:
         retriever.zero_grad(set_to_none=True)

@@ -2,7 +2,7 @@
 
 The public API, importable from here::
 
-    from dpr_gc import GradCache, SimpleContrastiveLoss, DistributedContrastiveLoss   # the drop-in (engine)
+    from dpr_gc import GradCache, Chunking, SimpleContrastiveLoss, DistributedContrastiveLoss   # the drop-in
     from dpr_gc import Retriever, RetrieverConfig                                      # the model
     from dpr_gc import Trainer, TrainConfig            # training: Trainer(TrainConfig(...)).fit()
     from dpr_gc import verify                          # verify(config) -> report: the cached step vs the full batch
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 # public name -> the module (under dpr_gc) that defines it
 _EXPORTS = {
     "GradCache": "engine.grad_cache",
+    "Chunking": "engine.chunking",
     "SimpleContrastiveLoss": "engine.loss",
     "DistributedContrastiveLoss": "engine.loss",
     "Retriever": "model.retriever",

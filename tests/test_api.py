@@ -25,7 +25,7 @@ def test_import_dpr_gc_loads_no_torch_and_no_sub_package() -> None:
 
 
 def test_every_public_name_is_the_object_its_module_defines() -> None:
-    expected = {"GradCache", "SimpleContrastiveLoss", "DistributedContrastiveLoss", "Retriever", "RetrieverConfig",
+    expected = {"GradCache", "Chunking", "SimpleContrastiveLoss", "DistributedContrastiveLoss", "Retriever", "RetrieverConfig",
                 "Trainer", "TrainConfig", "encode_corpus", "build_index", "retrieve", "evaluate",
                 "mine_hard_negatives"}
     assert expected <= set(dpr_gc.__all__)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel
 
-from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.retriever import Retriever, RetrieverConfig, enable_gradient_checkpointing
 from tests.helpers import grads, make_batch, models_of, rel_err, zero
@@ -39,7 +39,7 @@ def test_cached_step_equals_full_batch_on_cuda(make_retriever, shared, n_hard, k
     loss_fn(modules[0](**q), modules[1](**p)).backward()
     expected, expected_t = grads(modules), loss_fn.tau.log_value.grad.clone()
     zero(modules + [loss_fn])
-    GradCache(modules, 5, loss_fn, keep_last_graph=keep_last_graph)(q, p)
+    GradCache(modules, 5, loss_fn, chunking=Chunking(keep_last_graph=keep_last_graph))(q, p)
     assert rel_err(grads(modules), expected) < 1e-5
     assert rel_err(loss_fn.tau.log_value.grad, expected_t) < 1e-5
 

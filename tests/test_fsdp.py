@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
+from dpr_gc import DistributedContrastiveLoss, Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.engine.chunking import take_rows
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.model.fsdp import full_state_dict, load_sharded, mixed_precision, save_sharded, shard_retriever
@@ -47,7 +47,7 @@ def reference_weights(steps: int) -> dict:
 
 def sharded_steps(rank: int, retriever, optimizer, data) -> None:
     loss_fn = DistributedContrastiveLoss(1)
-    cache = GradCache([retriever, retriever], 3, loss_fn, sort_by_length=True)
+    cache = GradCache([retriever, retriever], 3, loss_fn, chunking=Chunking(sort_by_length=True))
     for q, p in data:
         q_local = take_rows(dict(q, kind="query"), torch.arange(rank * LOCAL, (rank + 1) * LOCAL))
         p_local = take_rows(dict(p, kind="passage"), torch.arange(rank * 2 * LOCAL, (rank + 1) * 2 * LOCAL))

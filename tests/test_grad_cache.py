@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.engine.functional import cat_input_tensor, cached
 from dpr_gc.engine.grad_cache import split_input, trim_padding
@@ -39,7 +39,7 @@ def test_cached_step_equals_full_batch(make_retriever, shared, n_hard, chunk, si
     expected_t = loss_fn.tau.log_value.grad.clone() if learn_t else None
     zero(modules + [loss_fn])
 
-    gc = GradCache(modules, chunk, loss_fn, keep_last_graph=keep_last_graph)
+    gc = GradCache(modules, chunk, loss_fn, chunking=Chunking(keep_last_graph=keep_last_graph))
     loss = gc(q, p)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert not loss.requires_grad
@@ -55,7 +55,7 @@ def test_separate_chunk_sizes_sorting_and_symmetric_loss(make_retriever):
     q, p = make_batch(retriever, 10, 1, seed=3)
     expected = reference_grads(modules, loss_fn, q, p)
     zero(modules)
-    GradCache(modules, [3, 7], loss_fn, sort_by_length=True)(q, p)
+    GradCache(modules, [3, 7], loss_fn, chunking=Chunking(sort_by_length=True))(q, p)
     assert rel_err(grads(modules), expected) < 1e-5
 
 
@@ -91,7 +91,7 @@ def test_dropout_is_replayed(make_retriever):
     for keep in (True, False):
         zero(modules)
         torch.manual_seed(123)
-        GradCache(modules, chunk, loss_fn, keep_last_graph=keep)(q, p)
+        GradCache(modules, chunk, loss_fn, chunking=Chunking(keep_last_graph=keep))(q, p)
         assert rel_err(grads(modules), expected) < 1e-5
 
     zero(modules)
@@ -173,10 +173,10 @@ def test_representation_views_do_not_keep_chunk_outputs_alive():
         return SimpleContrastiveLoss(0)(x, y)
 
     x, y = torch.randn(12, 3, 5), torch.randn(12, 3, 5)
-    GradCache([net, net], 4, loss_fn, get_rep_fn=first_row, keep_last_graph=False)(x, y)
+    GradCache([net, net], 4, loss_fn, get_rep_fn=first_row, chunking=Chunking(keep_last_graph=False))(x, y)
     assert seen_alive == [0]
     net.zero_grad()
-    GradCache([net, net], 4, loss_fn, get_rep_fn=first_row, sort_by_length=True)(x, y)
+    GradCache([net, net], 4, loss_fn, get_rep_fn=first_row, chunking=Chunking(sort_by_length=True))(x, y)
     assert seen_alive[1] <= 1  # only the kept last chunk's output, whose graph is reused
 
 
@@ -186,7 +186,7 @@ def test_functional_decorators_match_the_class(make_retriever):
     loss_fn = SimpleContrastiveLoss(1)
     q, p = make_batch(retriever, 8, 1, seed=9)
     torch.manual_seed(7)
-    GradCache(modules, 4, loss_fn, keep_last_graph=False, trim=False)(q, p)
+    GradCache(modules, 4, loss_fn, chunking=Chunking(keep_last_graph=False, trim=False))(q, p)
     expected = grads(modules)
     zero(modules)
 
@@ -246,5 +246,25 @@ def test_exact_in_float64_with_sdpa_attention(tiny_tokenizer):
     q, p = make_batch(retriever, 8, 2, seed=11)
     expected = reference_grads(modules, loss_fn, q, p)
     zero(modules)
-    GradCache(modules, 3, loss_fn, sort_by_length=True)(q, p)
+    GradCache(modules, 3, loss_fn, chunking=Chunking(sort_by_length=True))(q, p)
     assert rel_err(grads(modules), expected) < 1e-10
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(trim="yes"), "Chunking.trim must be True or False"),
+    (dict(sort_by_length=1), "Chunking.sort_by_length must be True or False"),
+    (dict(tokens=[8, -1]), "chunk tokens must be a positive integer"),
+    (dict(tokens=True), "chunk tokens must be a positive integer"),
+])
+def test_chunking_settings_are_checked_where_they_are_declared(settings, message) -> None:
+    with pytest.raises(DprGcError, match=message):
+        Chunking(**settings)
+
+
+def test_chunking_is_one_settings_object() -> None:
+    loss_fn = SimpleContrastiveLoss()
+    with pytest.raises(DprGcError, match="chunking must be a dpr_gc.engine.chunking.Chunking"):
+        GradCache([torch.nn.Linear(2, 2)], 2, loss_fn, chunking={"trim": False})
+    with pytest.raises(TypeError):
+        GradCache([torch.nn.Linear(2, 2)], 2, loss_fn, trim=False)  # the options live in Chunking, not beside it
+    assert GradCache([torch.nn.Linear(2, 2)] * 2, 2, loss_fn, chunking=Chunking(tokens=[4, 8])).chunk_tokens == [4, 8]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
 from tests.helpers import tiny_bert
 from tests.helpers import grads, make_batch, models_of, reference_grads, rel_err, zero
@@ -46,8 +46,8 @@ def test_token_level_representations_with_trimming(tiny_tokenizer, make_retrieve
         seen.append((x.shape, y.shape))
         return late_interaction(x, y, **kw)
 
-    GradCache(towers, 4, loss_fn, get_rep_fn=hidden_states, keep_last_graph=keep_last_graph,
-              sort_by_length=sort)(q, p, **masks)
+    GradCache(towers, 4, loss_fn, get_rep_fn=hidden_states,
+              chunking=Chunking(keep_last_graph=keep_last_graph, sort_by_length=sort))(q, p, **masks)
     assert seen == [((6, q["input_ids"].size(1), 32), (12, p["input_ids"].size(1), 32))]
     assert rel_err(grads(towers), expected) < 1e-5
 
@@ -106,7 +106,7 @@ def test_frozen_tower_runs_once_without_graph(make_retriever, frozen, keep_last_
     expected = reference_grads(towers, loss_fn, q, p)
     zero(towers)
     counter = CountCalls(towers[frozen])
-    GradCache(towers, 4, loss_fn, keep_last_graph=keep_last_graph)(q, p)
+    GradCache(towers, 4, loss_fn, chunking=Chunking(keep_last_graph=keep_last_graph))(q, p)
     assert rel_err(grads(towers), expected) < 1e-5
     assert all(param.grad is None for param in towers[frozen].parameters())
     assert counter.calls == [False] * len(counter.calls) and len(counter.calls) == (2 if frozen == 0 else 3)
@@ -229,7 +229,7 @@ def test_running_statistics_see_each_example_once(keep_last_graph):
     with torch.no_grad():
         for chunk in list(x.split(3)) + list(y.split(3)):
             reference(chunk)
-    GradCache([model, model], 3, SimpleContrastiveLoss(), keep_last_graph=keep_last_graph)(x, y)
+    GradCache([model, model], 3, SimpleContrastiveLoss(), chunking=Chunking(keep_last_graph=keep_last_graph))(x, y)
     for name, buffer in reference.named_buffers():
         assert torch.allclose(dict(model.named_buffers())[name], buffer), name
 
@@ -287,7 +287,7 @@ def test_a_loss_that_ignores_a_representation(make_retriever, keep_last_graph):
     expected = reference_grads(towers, loss_fn, q, p)
     zero(towers)
     counter = CountCalls(towers[1])
-    GradCache(towers, 3, loss_fn, keep_last_graph=keep_last_graph)(q, p)
+    GradCache(towers, 3, loss_fn, chunking=Chunking(keep_last_graph=keep_last_graph))(q, p)
     assert rel_err(grads(towers), expected) < 1e-5
     assert all(param.grad is None for param in towers[1].parameters())
     assert len(counter.calls) == 2, "no replay of a representation the loss ignored"
@@ -316,7 +316,7 @@ def test_sort_by_length_with_a_3d_attention_mask(tiny_tokenizer, make_retriever)
     loss_fn(model(**q3), model(**p3)).backward()
     expected = grads([model])
     zero([model])
-    GradCache([model, model], 4, loss_fn, sort_by_length=True)(q3, p3)
+    GradCache([model, model], 4, loss_fn, chunking=Chunking(sort_by_length=True))(q3, p3)
     assert rel_err(grads([model]), expected) < 1e-5
 
 

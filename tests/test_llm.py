@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpr_gc.engine.chunking import pad_sequence_dim, trim_padding, trimmed_width
+from dpr_gc.engine.chunking import Chunking, pad_sequence_dim, trim_padding, trimmed_width
 from dpr_gc.model.retriever import Retriever, RetrieverConfig, pool
 from tests.helpers import make_batch, random_texts
 from tests.llm_models import EOS, QWEN_PAD, TEXTS, cached_step_error, decoder_retriever, decoder_tokenizer, save_decoder
@@ -80,7 +80,8 @@ def test_cached_step_on_left_padded_decoder_equals_full_batch(kind, shared, keep
     retriever = decoder_retriever(kind, "left", shared=shared)
     q, _ = make_batch(retriever, 8, 1, seed=7)
     assert trimmed_width({k: v[:3] for k, v in q.items()})[2] == "left"
-    assert cached_step_error(retriever, 7, sort_by_length=True, keep_last_graph=keep_last_graph) < 1e-5
+    chunking = Chunking(sort_by_length=True, keep_last_graph=keep_last_graph)
+    assert cached_step_error(retriever, 7, chunking=chunking) < 1e-5
 
 
 def test_training_texts_of_random_lengths_keep_their_eos(tmp_path):
@@ -101,6 +102,6 @@ def test_left_padded_absolute_position_model_trims_exactly(tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.padding_side = "left"
     retriever = Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(pooling="mean"))
-    assert cached_step_error(retriever, 9, sort_by_length=True) < 1e-5
+    assert cached_step_error(retriever, 9, chunking=Chunking(sort_by_length=True)) < 1e-5
     np.testing.assert_allclose(retriever.embed("query", TEXTS),
                                np.concatenate([retriever.embed("query", [t]) for t in TEXTS]), atol=1e-5)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dpr_gc.cli import main
+from dpr_gc import Chunking
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.model.lora import LoraSettings, apply_lora, is_adapted
 from dpr_gc.model.retriever import Retriever, enable_gradient_checkpointing
@@ -53,7 +54,7 @@ def test_lora_gradient_cache_equals_full_batch_on_left_padded_decoders(kind, che
     assert adapter_only(retriever)
     targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in retriever.named_parameters() if "lora_A" in n}
     assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert cached_step_error(retriever, 4, sort_by_length=True) < 1e-5
+    assert cached_step_error(retriever, 4, chunking=Chunking(sort_by_length=True)) < 1e-5
 
 
 def test_saved_adapter_loads_and_encodes_like_the_in_memory_model(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
 from tests.helpers import grads, make_batch, models_of, rel_err, zero
 
@@ -122,7 +122,8 @@ def test_masked_cached_step_equals_the_full_batch(make_retriever, keep_last_grap
     masked_reference(x, y, torch.arange(6) * 2, IDS, POSITIVE_IDS, 0.2, True).backward()
     expected = grads(modules)
     zero(modules)
-    GradCache(modules, 4, loss_fn, keep_last_graph=keep_last_graph)(q, p, passage_ids=IDS, positive_ids=POSITIVE_IDS)
+    GradCache(modules, 4, loss_fn, chunking=Chunking(keep_last_graph=keep_last_graph))(q, p, passage_ids=IDS,
+                                                                                       positive_ids=POSITIVE_IDS)
     assert rel_err(grads(modules), expected) < 1e-5
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.engine.budget import BudgetLedger, GraphMeter, fixed_storages, parse_memory, resolve_budget
 from dpr_gc.engine.chunking import join_chunks, length_order, split_by_tokens, take_rows, token_spans
@@ -60,7 +60,7 @@ def test_every_budget_gives_the_full_batch_gradient(make_retriever, shared, n_ha
     q, p = make_batch(retriever, 8, n_hard, seed=3)
     expected = reference_grads(modules, loss_fn, q, p)
     zero([loss_fn])
-    check_budgets(modules, loss_fn, q, p, expected, sort_by_length=True)
+    check_budgets(modules, loss_fn, q, p, expected, chunking=Chunking(sort_by_length=True))
 
 
 @pytest.mark.slow  # 34 s in a full run under load 7-10 on 2 cores (2026-11-24)
@@ -101,7 +101,7 @@ def test_budget_with_lora(make_retriever):
     loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
     q, p = make_batch(retriever, 8, 1, seed=2)
     expected = reference_grads(modules, loss_fn, q, p)
-    check_budgets(modules, loss_fn, q, p, expected, sort_by_length=True)
+    check_budgets(modules, loss_fn, q, p, expected, chunking=Chunking(sort_by_length=True))
 
 
 def test_graph_meter_counts_saved_storages_exactly():
@@ -122,9 +122,9 @@ def test_kept_graphs_stay_within_the_budget(make_retriever):
     modules = models_of(retriever)
     loss_fn = SimpleContrastiveLoss(1)
     q, p = make_batch(retriever, 8, 1, seed=9)
-    largest, total = graph_sizes(modules, loss_fn, q, p, keep_last_graph=False)
+    largest, total = graph_sizes(modules, loss_fn, q, p, chunking=Chunking(keep_last_graph=False))
     for budget in (largest, total // 3, total // 2):
-        gc = GradCache(modules, CHUNK, loss_fn, memory_budget=budget, keep_last_graph=False)
+        gc = GradCache(modules, CHUNK, loss_fn, memory_budget=budget, chunking=Chunking(keep_last_graph=False))
         plans, reps = gc.forward_no_grad([q, p], [True, True])
         assert 0 < gc.last_step.kept_bytes <= budget
         assert gc.last_step.peak_graph_bytes <= budget + gc.last_step.largest_graph
@@ -161,7 +161,7 @@ def test_chunks_by_tokens_are_exact(make_retriever, shared, budget):
     q, p = make_batch(retriever, 8, 1, seed=11)
     expected = reference_grads(modules, loss_fn, q, p)
     zero(modules)
-    gc = GradCache(modules, 16, loss_fn, sort_by_length=True, chunk_tokens=[24, 60], memory_budget=budget)
+    gc = GradCache(modules, 16, loss_fn, memory_budget=budget, chunking=Chunking(sort_by_length=True, tokens=[24, 60]))
     gc(q, p)
     assert rel_err(grads(modules), expected) < 1e-5
     chunks = split_by_tokens(take_rows(dict(p), length_order(dict(p))), 16, 60)
@@ -172,11 +172,12 @@ def test_chunks_by_tokens_are_exact(make_retriever, shared, budget):
 def test_chunk_tokens_are_checked(make_retriever):
     loss_fn = SimpleContrastiveLoss()
     with pytest.raises(DprGcError, match="chunk tokens"):
-        GradCache([nn.Linear(2, 2)], 2, loss_fn, chunk_tokens=0)
+        GradCache([nn.Linear(2, 2)], 2, loss_fn, chunking=Chunking(tokens=0))
     with pytest.raises(DprGcError, match="split_input_fn"):
-        GradCache([nn.Linear(2, 2)], 2, loss_fn, chunk_tokens=8, split_input_fn=lambda x, n: [x])
+        GradCache([nn.Linear(2, 2)], 2, loss_fn, split_input_fn=lambda x, n: [x], chunking=Chunking(tokens=8))
     with pytest.raises(DprGcError, match="attention_mask"):
-        GradCache([nn.Linear(2, 2), nn.Linear(2, 2)], 2, loss_fn, chunk_tokens=8)(torch.ones(4, 2), torch.ones(4, 2))
+        GradCache([nn.Linear(2, 2), nn.Linear(2, 2)], 2, loss_fn, chunking=Chunking(tokens=8))(torch.ones(4, 2),
+                                                                                             torch.ones(4, 2))
 
 
 def test_measured_graph_is_freed_without_the_garbage_collector():
@@ -263,9 +264,9 @@ def test_later_steps_join_the_chunks_a_budget_holds(make_retriever, budget):
     loss_fn = SimpleContrastiveLoss(1)
     q, p = make_batch(retriever, 12, 1, seed=8)
     expected = reference_grads(modules, loss_fn, q, p)
-    largest, total = graph_sizes(modules, loss_fn, q, p, sort_by_length=True)
-    engine = GradCache(modules, CHUNK, loss_fn, sort_by_length=True,
-                       memory_budget=total // 2 if budget == "half" else 2 * total)
+    largest, total = graph_sizes(modules, loss_fn, q, p, chunking=Chunking(sort_by_length=True))
+    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=total // 2 if budget == "half" else 2 * total,
+                       chunking=Chunking(sort_by_length=True))
     counts = []
     for _ in range(2):
         zero(modules)

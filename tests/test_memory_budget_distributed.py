@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BertTokenizerFast
 
-from dpr_gc import DistributedContrastiveLoss, GradCache, SimpleContrastiveLoss
+from dpr_gc import DistributedContrastiveLoss, Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.engine.chunking import take_rows
 from tests.helpers import tiny_bert, write_vocab
 from tests.ranks import rank_errors, run_ranks
@@ -43,14 +43,15 @@ def check_ddp(rank: int, tmp: str, shared: bool) -> None:
     syncs = []
     ddp.register_comm_hook(None, lambda state, bucket: syncs.append(1) or allreduce_hook(None, bucket))
     q_local, p_local = local_rows(rank, q, p)
-    GradCache([ddp, ddp], 3, DistributedContrastiveLoss(1), sort_by_length=True)(q_local, p_local,
+    GradCache([ddp, ddp], 3, DistributedContrastiveLoss(1), chunking=Chunking(sort_by_length=True))(q_local, p_local,
                                                                                  no_sync_except_last=True)
     syncs_without_budget, largest = len(syncs), 0
     for budget in (10**12, None):  # every graph, then room for two chunks' graphs
         budget = 2 * largest if budget is None else budget
         retriever.zero_grad(set_to_none=True)
         syncs.clear()
-        gc = GradCache([ddp, ddp], 3, DistributedContrastiveLoss(1), sort_by_length=True, memory_budget=budget)
+        gc = GradCache([ddp, ddp], 3, DistributedContrastiveLoss(1), memory_budget=budget,
+                       chunking=Chunking(sort_by_length=True))
         gc(q_local, p_local, no_sync_except_last=True)
         assert sum(gc.last_step.kept) > 0, "no graph was kept"
         assert sum(gc.last_step.kept) < sum(gc.last_step.chunks), "the last chunks must be replayed"
@@ -72,8 +73,8 @@ def check_fsdp(rank: int) -> None:
     torch.manual_seed(0)
     retriever = shard_retriever(lora_decoder())
     q_local, p_local = local_rows(rank, q, p)
-    gc = GradCache([retriever, retriever], 3, DistributedContrastiveLoss(1), sort_by_length=True,
-                   memory_budget=10**12)
+    gc = GradCache([retriever, retriever], 3, DistributedContrastiveLoss(1),
+                   memory_budget=10**12, chunking=Chunking(sort_by_length=True))
     gc(q_local, p_local, no_sync_except_last=True)
     assert sum(gc.last_step.kept) > 0
     got = {n: getattr(t.grad, "full_tensor", lambda: t.grad)() for n, t in retriever.named_parameters()

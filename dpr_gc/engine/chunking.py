@@ -8,12 +8,58 @@ Tensors, lists/tuples, dicts and ``BatchEncoding``s (any ``Mapping``) are handle
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..base.errors import DprGcError
+
+
+TokenLimits = Union[None, int, Sequence[Optional[int]]]
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How :class:`~dpr_gc.engine.grad_cache.GradCache` forms and runs its chunks (every option keeps the gradient
+    exact; they change time and memory only).
+
+    Args:
+        sort_by_length: group rows of similar length into the same chunk (representations are returned and the
+            loss is computed in the original order; inputs without a 2-D attention mask are left in order).
+        trim: cut every chunk to its longest sequence, on its padding side (right or left).
+        keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
+            again (under DDP/FSDP it is replayed, since its backward carries the gradient sync); it is
+            backpropagated first, so peak memory stays one chunk.
+        tokens: one int per model (or one for all; None: rows only): a chunk holds as many rows (at most its
+            chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (after
+            ``sort_by_length``, short sequences make chunks of more rows). Needs a 2-D attention mask.
+    """
+
+    sort_by_length: bool = False
+    trim: bool = True
+    keep_last_graph: bool = True
+    tokens: TokenLimits = None
+
+    def __post_init__(self) -> None:
+        for name in ("sort_by_length", "trim", "keep_last_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise DprGcError(f"Chunking.{name} must be True or False, got {getattr(self, name)!r}")
+        limits = [self.tokens] if self.tokens is None or isinstance(self.tokens, int) else list(self.tokens)
+        for limit in limits:
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+                raise DprGcError(f"chunk tokens must be a positive integer (or None), got {limit!r}")
+        if not isinstance(self.tokens, (type(None), int)):
+            object.__setattr__(self, "tokens", tuple(limits))
+
+    def token_limits(self, models: int) -> list[Optional[int]]:
+        """One token limit (or None) per model."""
+        if self.tokens is None or isinstance(self.tokens, int):
+            return [self.tokens] * models
+        if len(self.tokens) != models:
+            raise DprGcError(f"got {len(self.tokens)} chunk token limits for {models} models")
+        return list(self.tokens)
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:

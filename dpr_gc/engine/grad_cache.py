@@ -33,12 +33,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, fixed_storages, parse_memory,
                      resolve_budget)
-from .chunking import (call_model, chunk_tokens, length_order, join_chunks, pad_sequence_dim, rows_in, split_by_tokens,
-                       split_input, take_rows, tensors_in, to_device, trim_padding, trimmed_width)
+from .chunking import (Chunking, call_model, chunk_tokens, length_order, join_chunks, pad_sequence_dim, rows_in,
+                       split_by_tokens, split_input, take_rows, tensors_in, to_device, trim_padding, trimmed_width)
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
 
-__all__ = ["GradCache", "RandState", "is_ddp", "is_fsdp", "rng_devices", "split_input", "tensors_in", "trim_padding", "unwrap"]
+__all__ = ["Chunking", "GradCache", "RandState", "is_ddp", "is_fsdp", "rng_devices", "split_input", "tensors_in",
+           "trim_padding", "unwrap"]
 
 REPLAYABLE_DEVICES = ("cpu", "cuda")
 JOIN_MARGIN = 0.9  # share of the budget left that joined chunks may be predicted to take
@@ -217,32 +218,27 @@ class GradCache:
             cut (padding) positions, which receive no gradient; the loss must mask padding, as it would anyway.
         fp16: fp16 autocast with ``scaler`` (a ``torch.amp.GradScaler``) scaling the loss.
         bf16: bf16 autocast, no scaler.
-        sort_by_length: group rows of similar length into the same chunk (representations are returned and the
-            loss is computed in the original order; inputs without a 2-D attention mask are left in order).
-        trim: cut every chunk to its longest sequence, on its padding side (right or left).
-        keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
-            again (ignored for DDP-wrapped and FSDP-sharded models); it is backpropagated first, so peak memory stays one chunk.
         memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
             first-pass graphs to keep: a chunk whose measured graph fits what is left keeps it and is not run again
             (its backward takes the cached gradient directly); the others are replayed. 0 (default): only the
-            last chunk, as ``keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks; autocast's
-            weight copies, shared by every chunk of a pass, once); peak graph memory stays within the budget plus
-            one chunk's graph. From the second step on, the leading chunks the budget is predicted to hold (bytes
-            per token measured before) run as one larger chunk, and the replayed chunks after it are joined up to
-            the budget's size: a budget for the whole batch makes the step plain training in two chunks per
-            model. Kept graphs are backpropagated in one backward call, as plain training's. Under DDP/FSDP every
-            model's last chunk is still replayed: its backward carries the gradient sync, after every kept graph's.
-        chunk_tokens: one int per model (or one for all; None: rows only): a chunk holds as many rows (at most its
-            chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (after
-            ``sort_by_length``, short sequences make chunks of more rows). Needs a 2-D attention mask.
+            last chunk, as ``chunking.keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks;
+            autocast's weight copies, shared by every chunk of a pass, once); peak graph memory stays within the
+            budget plus one chunk's graph. From the second step on, the leading chunks the budget is predicted to
+            hold (bytes per token measured before) run as one larger chunk, and the replayed chunks after it are
+            joined up to the budget's size: a budget for the whole batch makes the step plain training in two
+            chunks per model. Kept graphs are backpropagated in one backward call, as plain training's. Under
+            DDP/FSDP every model's last chunk is still replayed: its backward carries the gradient sync, after every
+            kept graph's.
+        chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
+            trim padding, keep the last graph, size chunks by tokens).
     """
 
-    def __init__(self, models: Sequence[nn.Module], chunk_sizes: Union[int, Sequence[int]], loss_fn: Callable[..., torch.Tensor],
+    def __init__(self, models: Sequence[nn.Module], chunk_sizes: Union[int, Sequence[int]],
+                 loss_fn: Callable[..., torch.Tensor],
                  split_input_fn: Optional[Callable[[Any, int], list]] = None,
                  get_rep_fn: Optional[Callable[[Any], torch.Tensor]] = None, fp16: bool = False,
-                 scaler: Optional[torch.amp.GradScaler] = None, *, bf16: bool = False, sort_by_length: bool = False,
-                 trim: bool = True, keep_last_graph: bool = True, memory_budget: MemoryBudget = 0,
-                 chunk_tokens: Union[None, int, Sequence[Optional[int]]] = None) -> None:
+                 scaler: Optional[torch.amp.GradScaler] = None, *, bf16: bool = False,
+                 memory_budget: MemoryBudget = 0, chunking: Chunking = Chunking()) -> None:
         self.models = list(models)
         sizes = [chunk_sizes] * len(self.models) if isinstance(chunk_sizes, int) else list(chunk_sizes)
         if len(sizes) != len(self.models):
@@ -259,25 +255,17 @@ class GradCache:
         self.split_input_fn = split_input_fn
         self.get_rep_fn = get_rep_fn
         self.fp16, self.bf16, self.scaler = fp16, bf16, scaler
-        self.sort_by_length, self.trim, self.keep_last_graph = sort_by_length, trim, keep_last_graph
+        if not isinstance(chunking, Chunking):
+            raise DprGcError(f"chunking must be a dpr_gc.engine.chunking.Chunking, got {type(chunking).__name__}")
+        self.chunking = chunking
         self.memory_budget = parse_memory(memory_budget if memory_budget is not None else 0)
-        self.chunk_tokens = self._token_limits(chunk_tokens)
+        self.chunk_tokens = chunking.token_limits(len(self.models))
+        if self.split_input_fn is not None and any(limit is not None for limit in self.chunk_tokens):
+            raise DprGcError("chunk tokens split by the attention mask; they cannot be combined with split_input_fn")
         self._per_token: dict[int, float] = {}  # largest graph bytes per token measured, per model, across steps
         self._replayed_graph: dict[int, int] = {}  # largest replayed chunk graph per model, measured in its first step
         self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
         self.joined_tokens: list[Optional[tuple[int, int]]] = []  # the last step's join limits per model (_plan)
-
-    def _token_limits(self, chunk_tokens: Union[None, int, Sequence[Optional[int]]]) -> list[Optional[int]]:
-        limits = [chunk_tokens] * len(self.models) if chunk_tokens is None or isinstance(chunk_tokens, int) \
-            else list(chunk_tokens)
-        if len(limits) != len(self.models):
-            raise DprGcError(f"got {len(limits)} chunk token limits for {len(self.models)} models")
-        for limit in limits:
-            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
-                raise DprGcError(f"chunk tokens must be a positive integer (or None), got {limit!r}")
-        if self.split_input_fn is not None and any(limit is not None for limit in limits):
-            raise DprGcError("chunk_tokens splits by the attention mask; it cannot be combined with split_input_fn")
-        return limits
 
     def __call__(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
         return self.cache_step(*model_inputs, no_sync_except_last=no_sync_except_last, **loss_kwargs)
@@ -314,20 +302,20 @@ class GradCache:
         """Model ``m``'s chunks (grouped by length, split by rows or tokens, trimmed); with ``joined`` =
         (tokens to keep, tokens per replayed chunk) consecutive chunks are joined to those sizes (see
         :meth:`_join_limits`)."""
-        order = length_order(model_input) if self.sort_by_length and self.split_input_fn is None else None
+        order = length_order(model_input) if self.chunking.sort_by_length and self.split_input_fn is None else None
         if order is not None:
             model_input = take_rows(model_input, order)
         if self.split_input_fn is not None:
             chunks = list(self.split_input_fn(model_input, self.chunk_sizes[m]))
         elif self.chunk_tokens[m] is not None:
-            chunks = split_by_tokens(model_input, self.chunk_sizes[m], self.chunk_tokens[m], self.trim)
+            chunks = split_by_tokens(model_input, self.chunk_sizes[m], self.chunk_tokens[m], self.chunking.trim)
         else:
             chunks = split_input(model_input, self.chunk_sizes[m])
         if joined is not None and self.split_input_fn is None:
-            chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.trim)
+            chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.chunking.trim)
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
-        widths = [trimmed_width(c) if self.trim else None for c in chunks]
+        widths = [trimmed_width(c) if self.chunking.trim else None for c in chunks]
         chunks = [trim_padding(c) if w is not None else c for c, w in zip(chunks, widths)]
         return _Plan(m, chunks, widths, order)
 
@@ -401,7 +389,7 @@ class GradCache:
     def forward_no_grad(self, model_inputs: Sequence[Any], trainable: list[bool]) -> tuple[list[_Plan], list[torch.Tensor]]:
         """Part 1: every model's chunks and representations (fp32, original row order, requiring grad where the
         model trains). Chunks whose graphs fit the memory budget keep them; so does the very last chunk (of the
-        last model) when ``keep_last_graph`` allows: it is the one chunk whose graph can live until the loss
+        last model) when ``chunking.keep_last_graph`` allows: it is the one chunk whose graph can live until the loss
         without raising peak memory beyond one chunk (not under DDP or FSDP, whose last chunks carry the sync)."""
         ledger = BudgetLedger(self._budget_bytes(), self._per_token)
         plans, reps = [], []
@@ -410,7 +398,7 @@ class GradCache:
             for m, model_input in enumerate(model_inputs):
                 self.joined_tokens.append(self._join_limits(m, trainable[m], ledger))
                 plan = self._plan(m, model_input, self.joined_tokens[m])
-                keep = (self.keep_last_graph and m == len(self.models) - 1 and trainable[m]
+                keep = (self.chunking.keep_last_graph and m == len(self.models) - 1 and trainable[m]
                         and not is_data_parallel(self.models[m]))
                 self._first_pass(plan, trainable[m], keep, ledger)
                 plans.append(plan)

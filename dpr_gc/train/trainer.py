@@ -29,6 +29,7 @@ from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
+from ..engine.chunking import Chunking
 from ..engine.grad_cache import GradCache
 from ..model.lora import apply_lora
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
@@ -215,9 +216,9 @@ class Trainer:
         model = self.retriever if self.config.run.fsdp else self.model
         cache = self.config.cache
         return GradCache([model, model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
-                         scaler=self.scaler, bf16=precision == "bf16", sort_by_length=True,
-                         memory_budget=cache.memory_budget,
-                         chunk_tokens=[cache.query_chunk_tokens, cache.passage_chunk_tokens])
+                         scaler=self.scaler, bf16=precision == "bf16", memory_budget=cache.memory_budget,
+                         chunking=Chunking(sort_by_length=True,
+                                           tokens=[cache.query_chunk_tokens, cache.passage_chunk_tokens]))
 
     # ----------------------------------------------------------------- state
     def start_fresh(self) -> None:
