@@ -145,6 +145,20 @@ def test_memory_sizes_parse():
     assert resolve_budget(0, torch.device("cpu")) == 0
 
 
+def test_auto_budget_on_cuda_is_free_memory_less_the_margin_and_two_chunk_graphs(monkeypatch):
+    """What ``--memory-budget auto`` takes on a GPU (the documented default path there), with the CUDA memory calls
+    answered as an 80 GB device with 30 GB free and 2 GB cached by PyTorch but unused would answer them."""
+    gb = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gb, 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 * gb)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gb)
+    cuda = torch.device("cuda", 0)
+    assert resolve_budget("auto", cuda) == 30 * gb + 2 * gb - 8 * gb
+    assert resolve_budget("auto", cuda, largest_graph=gb) == 22 * gb
+    assert resolve_budget("auto", cuda, largest_graph=20 * gb) == 0  # never negative
+    assert resolve_budget(3 * gb, cuda) == 3 * gb
+
+
 def test_token_spans_fill_the_token_budget():
     lengths = [10, 9, 5, 4, 4, 2, 2, 1]
     assert token_spans(lengths, 12, 100, 20, True) == [(0, 2), (2, 6), (6, 8)]
