@@ -3,6 +3,8 @@ fp16 with a CUDA GradScaler, bf16, and peak memory that follows the chunk. Skipp
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import BertConfig, BertModel
@@ -158,3 +160,46 @@ def test_a_budget_for_the_whole_batch_costs_no_more_than_plain_training(tiny_tok
     plain_peak, kept_peak = peak_bytes(plain), peak_bytes(kept)
     assert sum(engine.last_step.kept) == sum(engine.last_step.chunks)
     assert kept_peak <= 1.1 * plain_peak, (plain_peak, kept_peak)
+
+
+class MeanOfEmbeddings(torch.nn.Module):
+    """A model whose forward never reads a value back to the host, so every sync a step makes is the engine's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 16)
+
+    def forward(self, input_ids, attention_mask):
+        mask = attention_mask.unsqueeze(-1).float()
+        return (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def host_syncs(chunk: int, sort_by_length: bool) -> int:
+    """Synchronizing CUDA calls (``torch.cuda.set_sync_debug_mode``) in one cached step of 32 queries and 64
+    passages of uneven lengths."""
+    torch.manual_seed(0)
+    model = MeanOfEmbeddings().cuda()
+    lengths = torch.randint(2, 24, (96,))
+    mask = (torch.arange(24) < lengths[:, None]).long().cuda()
+    ids = torch.randint(1, 100, (96, 24), device="cuda") * mask
+    q = {"input_ids": ids[:32], "attention_mask": mask[:32]}
+    p = {"input_ids": ids[32:], "attention_mask": mask[32:]}
+    engine = GradCache([model, model], chunk, SimpleContrastiveLoss(1),
+                       chunking=Chunking(sort_by_length=sort_by_length))
+    engine(q, p)  # the first step measures graphs; count a later one
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine(q, p)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("sort_by_length", [False, True])
+def test_host_syncs_do_not_grow_with_the_number_of_chunks(sort_by_length):
+    """Each sync makes the host wait for every queued kernel, so one per chunk would serialise a launch-bound
+    step: a step in chunks of one row (96 chunks) syncs as often as one in chunks of 16 rows (6 chunks)."""
+    assert host_syncs(1, sort_by_length) == host_syncs(16, sort_by_length)

@@ -8,6 +8,7 @@ import torch
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.engine.functional import cat_input_tensor, cached
+from dpr_gc.engine.chunking import chunk_widths, trimmed_width
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.retriever import enable_gradient_checkpointing
 from tests.helpers import grads, make_batch, models_of, reference_grads, rel_err, zero
@@ -268,3 +269,20 @@ def test_chunking_is_one_settings_object() -> None:
     with pytest.raises(TypeError):
         GradCache([torch.nn.Linear(2, 2)], 2, loss_fn, trim=False)  # the options live in Chunking, not beside it
     assert GradCache([torch.nn.Linear(2, 2)] * 2, 2, loss_fn, chunking=Chunking(tokens=[4, 8])).chunk_tokens == [4, 8]
+
+
+def test_chunk_widths_read_once_equal_each_chunks_own():
+    """The widths the engine reads from the whole input's mask in one go are those each chunk's own mask gives:
+    right and left padding, rows with holes, empty rows, full rows."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 13, (40,), generator=gen)
+    right = (torch.arange(12) < lengths[:, None]).long()
+    left = right.flip(1)
+    holes = right.clone()
+    holes[::7, 0] = 0
+    full = torch.ones(6, 12, dtype=torch.long)
+    for mask in (right, left, holes, full, torch.cat([right[:20], left[20:]])):
+        model_input = {"input_ids": mask * 5, "attention_mask": mask}
+        for chunk in (1, 3, 8, 40):
+            chunks = split_input(model_input, chunk)
+            assert chunk_widths(model_input, chunks) == [trimmed_width(c) for c in chunks]

@@ -197,6 +197,41 @@ def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
     return None
 
 
+def chunk_widths(model_input: Any, chunks: list[Any]) -> list[Optional[tuple[int, int, str]]]:
+    """:func:`trimmed_width` of each chunk, for chunks that are consecutive row slices of ``model_input``, from one
+    read of the mask's per-row extents: on a GPU each chunk's own read would wait for every queued kernel."""
+    if not isinstance(model_input, Mapping) or not isinstance(model_input.get("attention_mask"), torch.Tensor) \
+            or model_input["attention_mask"].dim() != 2:
+        return [trimmed_width(c) for c in chunks]
+    mask = model_input["attention_mask"]
+    width = mask.size(1)
+    real = mask != 0
+    columns = torch.arange(width, device=mask.device)
+    first = torch.where(real, columns, width).amin(1) if width else torch.zeros_like(mask[:, 0])
+    end = torch.where(real, columns + 1, 0).amax(1) if width else torch.zeros_like(mask[:, 0])
+    lengths, first, end = torch.stack([mask.sum(1), first, end]).cpu().tolist()
+    widths, start = [], 0
+    for chunk in chunks:
+        rows = rows_in(chunk) or 0
+        widths.append(_width(lengths[start:start + rows], first[start:start + rows], end[start:start + rows], width))
+        start += rows
+    return widths
+
+
+def _width(lengths: list[int], first: list[int], end: list[int], width: int) -> Optional[tuple[int, int, str]]:
+    """:func:`trimmed_width` from a chunk's row lengths, first real columns and ends past the last real ones."""
+    if not lengths:
+        return None
+    longest = max(lengths)
+    if longest == width:
+        return None
+    if max(end) <= longest:
+        return width, longest, "right"
+    if min(first) >= width - longest:
+        return width, longest, "left"
+    return None
+
+
 def trim_padding(chunk: Any) -> Any:
     """Cut a padded chunk to its own longest sequence, dropping all-padding columns on its padding side.
 
@@ -205,8 +240,11 @@ def trim_padding(chunk: Any) -> Any:
     counts from the first column sees every position shifted, which rotary embeddings ignore up to rounding.
     """
     trim = trimmed_width(chunk)
-    if trim is None:
-        return chunk
+    return chunk if trim is None else cut_padding(chunk, trim)
+
+
+def cut_padding(chunk: Any, trim: tuple[int, int, str]) -> Any:
+    """Cut a chunk to ``trim`` = ``(width, longest, side)`` from :func:`trimmed_width` (or :func:`chunk_widths`)."""
     full, longest, side = trim
     cut = slice(0, longest) if side == "right" else slice(full - longest, full)
     return chunk.__class__({k: v[:, cut] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.size(1) == full

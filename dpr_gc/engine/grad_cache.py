@@ -33,8 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, fixed_storages, parse_memory,
                      resolve_budget)
-from .chunking import (Chunking, call_model, chunk_tokens, length_order, join_chunks, pad_sequence_dim, rows_in,
-                       split_by_tokens, split_input, take_rows, tensors_in, to_device, trim_padding, trimmed_width)
+from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
+                       pad_sequence_dim, rows_in, split_by_tokens, split_input, take_rows, tensors_in, to_device,
+                       trim_padding, trimmed_width)
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
 
@@ -147,10 +148,10 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def cached_gradient(cache: torch.Tensor, rows: torch.Tensor, chunk_rep: torch.Tensor) -> torch.Tensor:
-    """The cached fp32 gradient of a chunk's rows, on its device and in its dtype: the gradient that
-    ``sum(chunk_rep.float() * cached)`` sends back to ``chunk_rep``."""
-    return cache[rows.to(cache.device)].to(device=chunk_rep.device, dtype=chunk_rep.dtype)
+def cached_gradient(cache: torch.Tensor, rows: Union[slice, torch.Tensor], chunk_rep: torch.Tensor) -> torch.Tensor:
+    """The cached fp32 gradient of a chunk's rows (a slice, or an index on the cache's device), on the chunk's device
+    and in its dtype: the gradient that ``sum(chunk_rep.float() * cached)`` sends back to ``chunk_rep``."""
+    return cache[rows].to(device=chunk_rep.device, dtype=chunk_rep.dtype)
 
 
 class _Plan:
@@ -165,6 +166,8 @@ class _Plan:
         self.counts = [rows_in(c) for c in chunks]
         self.tokens = [chunk_tokens(c) for c in chunks]
         self.known = all(n is not None for n in self.counts)
+        self.starts = list(itertools.accumulate([0] + self.counts[:-1])) if self.known else []
+        self.orders: dict[torch.device, torch.Tensor] = {}  # ``order`` on each device that indexes with it
         self.buffer: Optional[torch.Tensor] = None
         self.parts: list[torch.Tensor] = []
         self.kept: dict[int, torch.Tensor] = {}  # chunk index -> its representation with the graph, not replayed
@@ -188,7 +191,19 @@ class _Plan:
         self._check_shape(self.buffer, chunk_rep)
         # One fp32 buffer in the original row order: a chunk's representation may be a view (e.g. the [CLS] row)
         # whose base tensor would otherwise stay alive with it.
-        self.buffer[rows.to(self.buffer.device)] = chunk_rep.float()
+        self.buffer[self.index(i, self.buffer.device)] = chunk_rep.float()
+
+    def index(self, i: int, device: torch.device) -> Union[slice, torch.Tensor]:
+        """Where chunk ``i``'s rows sit in the original order, to index a tensor on ``device``: a slice when the
+        rows were not reordered, else a view of the order moved to the device once per step (a blocking copy per
+        chunk would make the host wait for every kernel queued before it)."""
+        if not self.known:
+            return self.rows[i].to(device)
+        if self.order is None:
+            return slice(self.starts[i], self.starts[i] + self.counts[i])
+        if device not in self.orders:
+            self.orders[device] = self.order.to(device)
+        return self.orders[device][self.starts[i]:self.starts[i] + self.counts[i]]
 
     def reps(self) -> torch.Tensor:
         return self.buffer if self.known else torch.cat(self.parts)
@@ -315,9 +330,17 @@ class GradCache:
             chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.chunking.trim)
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
-        widths = [trimmed_width(c) if self.chunking.trim else None for c in chunks]
-        chunks = [trim_padding(c) if w is not None else c for c, w in zip(chunks, widths)]
-        return _Plan(m, chunks, widths, order)
+        if not self.chunking.trim:
+            widths = [None] * len(chunks)
+        elif self.split_input_fn is None:
+            widths = chunk_widths(model_input, chunks)
+        else:
+            widths = [trimmed_width(c) for c in chunks]
+        chunks = [cut_padding(c, w) if w is not None else c for c, w in zip(chunks, widths)]
+        plan = _Plan(m, chunks, widths, order)
+        if order is not None and plan.known:
+            plan.index(0, model_device(self.models[m]))  # the order's one copy to the device, before any forward
+        return plan
 
     def _join_limits(self, m: int, trainable: bool, ledger: BudgetLedger) -> Optional[tuple[int, int]]:
         """(tokens, tokens) of model ``m``: the leading chunks that the rest of the budget should hold run as one
@@ -446,7 +469,7 @@ class GradCache:
             for i in sorted(plan.kept):
                 rep = plan.kept.pop(i)
                 roots.append(rep)
-                grads.append(cached_gradient(grad, plan.rows[i], rep))
+                grads.append(cached_gradient(grad, plan.index(i, grad.device), rep))
                 models[id(self.models[plan.m])] = self.models[plan.m]
         if not roots:
             return
@@ -472,7 +495,7 @@ class GradCache:
                     del meter
                 self._note_replayed_graph(self._replayed_graph[plan.m] if measure else
                                           int(self._per_token.get(plan.m, 0.0) * plan.tokens[i]))
-                self._backward_chunk(chunk_rep, plan.rows[i], cache)
+                self._backward_chunk(chunk_rep, plan.index(i, cache.device), cache)
                 del chunk_rep
 
     def _note_replayed_graph(self, nbytes: int) -> None:
@@ -485,7 +508,7 @@ class GradCache:
             self.last_step.peak_graph_bytes = max(self.last_step.peak_graph_bytes, nbytes)
 
     @staticmethod
-    def _backward_chunk(chunk_rep: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor) -> None:
+    def _backward_chunk(chunk_rep: torch.Tensor, rows: Union[slice, torch.Tensor], cache: torch.Tensor) -> None:
         """Backpropagate a chunk's cached gradient into its encoder, outside autocast as a plain step's backward
         (the replay pass's autocast context stays open around it, keeping its weight copies)."""
         with torch.autocast(chunk_rep.device.type, enabled=False):
