@@ -1196,8 +1196,14 @@ def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplo
     out, run = tmp_path / "o.json", tmp_path / "o.trec"
     argv = [str(a) for a in retrieve_argv(world, *common, "--output", out, "--trec-run", run)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "dpr_gc.cli", *argv], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    # The run pauses after keeping its first chunk, so the Ctrl-C lands mid-run however loaded the machine is.
+    pause_after_first_chunk = (
+        "import sys, time; from dpr_gc.base.files import ChunkedOutput; from dpr_gc.cli import main; "
+        "append = ChunkedOutput.append; "
+        "ChunkedOutput.append = lambda self, *a: (append(self, *a), time.sleep(120)); "
+        "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", pause_after_first_chunk, *argv], cwd=tmp_path, env=env,
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         progress = tmp_path / ".o.json.retrieved.progress.json"
         deadline = time.monotonic() + 120
