@@ -83,6 +83,28 @@ def reference_grads(modules, loss_fn, q, p) -> torch.Tensor:
     return grads(modules)
 
 
+class MeanOfEmbeddings(torch.nn.Module):
+    """A model whose forward reads no value back to the host, so whatever a step reads back is the engine's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 16)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).float()
+        return (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def uneven_batch(device: str = "cpu") -> tuple[dict, dict]:
+    """32 queries and 64 passages of token ids with right padding, 2 to 23 real tokens each."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 24, (96,), generator=gen)
+    mask = (torch.arange(24) < lengths[:, None]).long()
+    ids = torch.randint(1, 100, (96, 24), generator=gen) * mask
+    ids, mask = ids.to(device), mask.to(device)
+    return {"input_ids": ids[:32], "attention_mask": mask[:32]}, {"input_ids": ids[32:], "attention_mask": mask[32:]}
+
+
 def randomise_adapters(retriever: torch.nn.Module, seed: int = 0) -> None:
     """PEFT starts lora_B at zero (the adapter a no-op, lora_A without gradient); random values test both."""
     torch.manual_seed(seed)

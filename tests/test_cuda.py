@@ -12,7 +12,7 @@ from transformers import BertConfig, BertModel
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.retriever import Retriever, RetrieverConfig, enable_gradient_checkpointing
-from tests.helpers import grads, make_batch, models_of, rel_err, zero
+from tests.helpers import MeanOfEmbeddings, grads, make_batch, models_of, rel_err, uneven_batch, zero
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -162,28 +162,12 @@ def test_a_budget_for_the_whole_batch_costs_no_more_than_plain_training(tiny_tok
     assert kept_peak <= 1.1 * plain_peak, (plain_peak, kept_peak)
 
 
-class MeanOfEmbeddings(torch.nn.Module):
-    """A model whose forward never reads a value back to the host, so every sync a step makes is the engine's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(100, 16)
-
-    def forward(self, input_ids, attention_mask):
-        mask = attention_mask.unsqueeze(-1).float()
-        return (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
-
-
 def host_syncs(chunk: int, sort_by_length: bool) -> int:
     """Synchronizing CUDA calls (``torch.cuda.set_sync_debug_mode``) in one cached step of 32 queries and 64
     passages of uneven lengths."""
     torch.manual_seed(0)
     model = MeanOfEmbeddings().cuda()
-    lengths = torch.randint(2, 24, (96,))
-    mask = (torch.arange(24) < lengths[:, None]).long().cuda()
-    ids = torch.randint(1, 100, (96, 24), device="cuda") * mask
-    q = {"input_ids": ids[:32], "attention_mask": mask[:32]}
-    p = {"input_ids": ids[32:], "attention_mask": mask[32:]}
+    q, p = uneven_batch("cuda")
     engine = GradCache([model, model], chunk, SimpleContrastiveLoss(1),
                        chunking=Chunking(sort_by_length=sort_by_length))
     engine(q, p)  # the first step measures graphs; count a later one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
@@ -11,7 +12,8 @@ from dpr_gc.engine.functional import cat_input_tensor, cached
 from dpr_gc.engine.chunking import chunk_widths, trimmed_width
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.retriever import enable_gradient_checkpointing
-from tests.helpers import grads, make_batch, models_of, reference_grads, rel_err, zero
+from tests.helpers import (MeanOfEmbeddings, grads, make_batch, models_of, reference_grads, rel_err,
+                           uneven_batch, zero)
 
 
 CASES = [
@@ -286,3 +288,33 @@ def test_chunk_widths_read_once_equal_each_chunks_own():
         for chunk in (1, 3, 8, 40):
             chunks = split_input(model_input, chunk)
             assert chunk_widths(model_input, chunks) == [trimmed_width(c) for c in chunks]
+
+
+class ReadsBack(TorchDispatchMode):
+    """Counts the operators that read a tensor's value back to the host (``.item()``, ``int()``, ``bool()``): on a
+    GPU each waits for every queued kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sort_by_length", [False, True])
+def test_a_step_reads_no_value_back_per_chunk(sort_by_length):
+    """Chunks of one row (96 chunks) and of 16 rows (6 chunks) read back as often: never per chunk."""
+    counts = []
+    for chunk in (1, 16):
+        torch.manual_seed(0)
+        model = MeanOfEmbeddings()
+        engine = GradCache([model, model], chunk, SimpleContrastiveLoss(1),
+                           chunking=Chunking(sort_by_length=sort_by_length))
+        q, p = uneven_batch()
+        engine(q, p)  # the first step measures graphs
+        with ReadsBack() as reads:
+            engine(q, p)
+        counts.append(reads.count)
+    assert counts[0] == counts[1], counts
