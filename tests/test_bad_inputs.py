@@ -1196,9 +1196,11 @@ def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplo
     out, run = tmp_path / "o.json", tmp_path / "o.trec"
     argv = [str(a) for a in retrieve_argv(world, *common, "--output", out, "--trec-run", run)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    # The run pauses after keeping its first chunk, so the Ctrl-C lands mid-run however loaded the machine is.
+    # The run pauses after keeping its first chunk, so the Ctrl-C lands mid-run however loaded the machine is; it
+    # takes SIGINT as a foreground process does even when started from a background job (which ignores SIGINT).
     pause_after_first_chunk = (
-        "import sys, time; from dpr_gc.base.files import ChunkedOutput; from dpr_gc.cli import main; "
+        "import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from dpr_gc.base.files import ChunkedOutput; from dpr_gc.cli import main; "
         "append = ChunkedOutput.append; "
         "ChunkedOutput.append = lambda self, *a: (append(self, *a), time.sleep(120)); "
         "sys.exit(main(sys.argv[1:]))")
