@@ -206,6 +206,40 @@ def frontier(base: dict, args: argparse.Namespace, peers: list[str]) -> dict:
     return {"plain": plain, "ours": ours, "peers": peer_rows, "comparison": comparison}
 
 
+def plot(report: dict, path: Path) -> Path:
+    """A PNG beside the results: step time against peak memory for every shape and precision, one series per
+    method (dpr-gc over its budgets, each peer over its chunk sizes, plain training as one point)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4.2), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        series = {"dpr-gc (memory budget)": run["ours"]}
+        for row in run["peers"]:
+            series.setdefault(f"{row['method']} (chunk size)", []).append(row)
+        for label, rows in series.items():
+            rows = sorted((r for r in rows if "error" not in r), key=lambda r: r["peak_mb"])
+            ax.plot([r["peak_mb"] for r in rows], [r["step_s"] for r in rows], marker="o", label=label)
+        if "error" not in run["plain"]:
+            ax.plot([run["plain"]["peak_mb"]], [run["plain"]["step_s"]], marker="*", markersize=12, linestyle="",
+                    label="plain (whole batch)")
+        ax.set_title(f"{run['shape']}, {run['precision']}")
+        ax.set_xlabel("peak memory (MiB)")
+        ax.set_ylabel("seconds per step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    machine = report["machine"]
+    fig.suptitle(f"speed-memory frontier: {machine.get('gpu') or machine.get('cpu')}, {machine.get('date', '')[:10]}")
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -228,7 +262,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "chunk 8, 2 steps -- a few minutes")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="default benchmarks/results/frontier-DEVICE.json")
+    p.add_argument("--output", default=None, help="default benchmarks/results/frontier-DEVICE.json (and its .png)")
+    p.add_argument("--plot", metavar="RESULTS", help="only draw the PNG of an existing results file")
     return p.parse_args(argv)
 
 
@@ -251,6 +286,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(RESULT_TAG + json.dumps(run_one(json.loads(args.one))), flush=True)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.plot:
+        logger.info("wrote %s", plot(json.loads(Path(args.plot).read_text()), Path(args.plot)))
+        return
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     if args.quick and device == "cuda":
         args.batch, args.chunk, args.steps = 256, 32, 2
@@ -281,7 +319,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 for row in result["comparison"]:
                     logger.info("%s %s: %s", shape, precision, json.dumps(row))
                 write_json(output, report)  # after each shape and precision: a run cut short keeps what it finished
-    logger.info("wrote %s", output)
+    logger.info("wrote %s and %s", output, plot(report, Path(output)))
 
 
 if __name__ == "__main__":
