@@ -1,0 +1,38 @@
+"""The frontier benchmark's own pieces: the budgets it tries, the peers' chunk ladder, the peer each budget is
+compared with, and the plot written beside the results."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_frontier as frontier  # noqa: E402
+
+
+def test_budgets_run_from_zero_through_one_chunk_to_the_whole_batch() -> None:
+    probe = {"first_largest_chunk_graph_mb": 1.0, "first_kept_graph_mb": 5.0}
+    assert frontier.budgets(probe, 4) == [0, 2**20, 2 * 2**20, 3 * 2**20, 4 * 2**20, 5 * 2**20]
+    assert frontier.ladder(8, 32) == [8, 16, 32] and frontier.ladder(32, 32) == [32]
+
+
+def test_each_budget_is_compared_with_the_fastest_peer_that_fits_its_memory() -> None:
+    peers = [{"method": "a", "chunk": 8, "peak_mb": 100.0, "step_s": 9.0},
+             {"method": "b", "chunk": 8, "peak_mb": 100.0, "step_s": 8.0},
+             {"method": "b", "chunk": 16, "peak_mb": 200.0, "step_s": 5.0},
+             {"method": "a", "chunk": 16, "error": "exit 1"}]
+    assert frontier.best_fitting_peer({"peak_mb": 150.0}, peers)["step_s"] == 8.0
+    assert frontier.best_fitting_peer({"peak_mb": 195.0}, peers)["chunk"] == 16  # within the 5 % slack
+    assert frontier.best_fitting_peer({"peak_mb": 50.0}, peers) is None
+
+
+def test_the_plot_is_written_beside_the_results(tmp_path: Path) -> None:
+    row = {"peak_mb": 100.0, "step_s": 2.0}
+    run = {"shape": "scifact", "precision": "fp32", "plain": {"peak_mb": 300.0, "step_s": 1.0},
+           "ours": [row, {"peak_mb": 300.0, "step_s": 1.1}],
+           "peers": [{"method": "st-cmnrl", "chunk": 8, **row}, {"method": "st-cmnrl", "chunk": 16, "error": "x"}]}
+    report = {"machine": {"cpu": "test CPU", "date": "2026-11-24T00:00:00"}, "runs": [run, {**run, "precision": "bf16"}]}
+    png = frontier.plot(report, tmp_path / "frontier-cpu.json")
+    assert png == tmp_path / "frontier-cpu.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
