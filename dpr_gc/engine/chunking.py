@@ -80,14 +80,22 @@ def rows_in(model_input: Any) -> Optional[int]:
 
 
 def take_rows(obj: Any, index: torch.Tensor) -> Any:
-    """Select rows ``index`` of every tensor in ``obj`` (keeps the container types, BatchEncoding included)."""
-    if isinstance(obj, torch.Tensor):
-        return obj[index.to(obj.device)]
-    if isinstance(obj, Mapping):
-        return obj.__class__({k: take_rows(v, index) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(take_rows(v, index) for v in obj)
-    return obj
+    """Select rows ``index`` of every tensor in ``obj`` (keeps the container types, BatchEncoding included). The
+    index is copied to each device once, not once per tensor: a blocking copy waits for every queued kernel."""
+    moved: dict[torch.device, torch.Tensor] = {}
+
+    def take(part: Any) -> Any:
+        if isinstance(part, torch.Tensor):
+            if part.device not in moved:
+                moved[part.device] = index.to(part.device)
+            return part[moved[part.device]]
+        if isinstance(part, Mapping):
+            return part.__class__({k: take(v) for k, v in part.items()})
+        if isinstance(part, (list, tuple)):
+            return type(part)(take(v) for v in part)
+        return part
+
+    return take(obj)
 
 
 def slice_rows(obj: Any, start: int, end: int) -> Any:
