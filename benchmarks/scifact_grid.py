@@ -28,9 +28,8 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scifact_loop import (LoopSettings, Loop, Runner, add_settings_flags, common_parser, concurrency,  # noqa: E402
-                          count_queries, machine, open_work, opt, prepare_data, report_errors, settings_from,
-                          write_json)
+from scifact_loop import (LoopSettings, Loop, ReportHead, Runner, add_settings_flags, common_parser,  # noqa: E402
+                          count_queries, open_work, opt, prepare_data, report_errors, settings_from, write_report)
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 
 logger = logging.getLogger("scifact_grid")
@@ -129,23 +128,12 @@ def run(args: argparse.Namespace) -> Any:
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k not in GRID_ONLY}
 
     def save(out: dict, complete: bool = False) -> dict:
-        phases = [dict(p) for p in list(loop.run.phases)]  # copies: cells still running may add to them
-        report = {"benchmark": "SciFact (BEIR) batch x hard negatives" + (
-                      " -- SMOKE RUN (--quick: 48 training / 20 test queries, 200 passages; numbers mean nothing)"
-                      if args.quick else ""),
-                  "smoke_run": args.quick, "complete": complete,
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(args.device),
-                  "settings": settings, "base_model": model, "concurrency": concurrency(loop.run),
-                  "training_queries": count_queries(data / "qrels" / "train.tsv"),
-                  "test_queries": count_queries(data / "qrels" / "test.tsv"), **out,
-                  "table_ndcg@10": table(out["cells"], s.batches, s.negatives, s.masking),
-                  "masking_effect": masking_effect(out["cells"]),
-                  "phases": phases, "commands": [p["command"] for p in phases],
-                  "wall_s_all_phases": round(sum(p["wall_s"] for p in phases), 1),
-                  "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
-        results.parent.mkdir(parents=True, exist_ok=True)
-        write_json(results, report)
-        return report
+        body = {"training_queries": count_queries(data / "qrels" / "train.tsv"),
+                "test_queries": count_queries(data / "qrels" / "test.tsv"), **out,
+                "table_ndcg@10": table(out["cells"], s.batches, s.negatives, s.masking),
+                "masking_effect": masking_effect(out["cells"])}
+        return write_report(results, ReportHead("SciFact (BEIR) batch x hard negatives", args, loop, settings, model,
+                                                began), body, complete)
 
     out = run_grid(loop, s, model, save)
     report = save(out, complete=True)

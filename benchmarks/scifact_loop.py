@@ -668,6 +668,37 @@ def main(argv: Optional[list[str]] = None) -> int:
     return report_errors(lambda: run(args))
 
 
+@dataclasses.dataclass
+class ReportHead:
+    """What every report of a SciFact benchmark run starts with: its title, flags, loop, settings, base model and
+    start time."""
+
+    title: str
+    args: argparse.Namespace
+    loop: Loop
+    settings: dict
+    model: str
+    began: float
+
+
+def write_report(results: Path, head: ReportHead, body: dict, complete: bool) -> dict:
+    """Write the results file: ``head``'s fields, ``body``, then every phase with its command and the wall times."""
+    args = head.args
+    phases = [dict(p) for p in list(head.loop.run.phases)]  # copies: commands still running may add to them
+    report = {"benchmark": head.title + (
+                  " -- SMOKE RUN (--quick: 48 training / 20 test queries, 200 passages; numbers mean nothing)"
+                  if args.quick else ""),
+              "smoke_run": args.quick, "complete": complete,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(args.device),
+              "settings": head.settings, "base_model": head.model, "concurrency": concurrency(head.loop.run),
+              **body, "phases": phases, "commands": [p["command"] for p in phases],
+              "wall_s_all_phases": round(sum(p["wall_s"] for p in phases), 1),
+              "wall_s_this_invocation": round(time.perf_counter() - head.began, 1)}
+    results.parent.mkdir(parents=True, exist_ok=True)
+    write_json(results, report)
+    return report
+
+
 def run(args: argparse.Namespace) -> None:
     s = settings_from(args, LoopSettings, QUICK)
     check(s)
@@ -677,24 +708,14 @@ def run(args: argparse.Namespace) -> None:
     loop = Loop(Runner(work, args.device, args.parallel), s, data)
 
     def save(out: dict, complete: bool = False) -> dict:
-        phases = [dict(p) for p in list(loop.run.phases)]  # copies: commands still running may add to them
-        report = {"benchmark": "SciFact (BEIR) quality loop" + (
-                      " -- SMOKE RUN (--quick: 48 training / 20 test queries, 200 passages; numbers mean nothing)"
-                      if args.quick else ""),
-                  "smoke_run": args.quick, "complete": complete,
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(args.device),
-                  "settings": dataclasses.asdict(s), "base_model": model, "concurrency": concurrency(loop.run),
-                  "dev_split": {"rule": "a training query is dev when int(sha256(f'{seed}:{qid}')) % 10000 < "
-                                        "dev_fraction * 10000; fit = the other training queries",
-                                "fit_queries": count_queries(data / "qrels" / "fit.tsv"),
-                                "dev_queries": count_queries(data / "qrels" / "dev.tsv"),
-                                "test_queries": count_queries(data / "qrels" / "test.tsv")},
-                  **out, "phases": phases, "commands": [p["command"] for p in phases],
-                  "wall_s_all_phases": round(sum(p["wall_s"] for p in phases), 1),
-                  "wall_s_this_invocation": round(time.perf_counter() - began, 1)}
-        results.parent.mkdir(parents=True, exist_ok=True)
-        write_json(results, report)
-        return report
+        dev_split = {"rule": "a training query is dev when int(sha256(f'{seed}:{qid}')) % 10000 < "
+                             "dev_fraction * 10000; fit = the other training queries",
+                     "fit_queries": count_queries(data / "qrels" / "fit.tsv"),
+                     "dev_queries": count_queries(data / "qrels" / "dev.tsv"),
+                     "test_queries": count_queries(data / "qrels" / "test.tsv")}
+        return write_report(results, ReportHead("SciFact (BEIR) quality loop", args, loop, dataclasses.asdict(s),
+                                                model, began),
+                            {"dev_split": dev_split, **out}, complete)
 
     out = run_loop(loop, model, save)
     report = save(out, complete=True)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -320,3 +322,19 @@ def test_the_grid_script_runs_the_masking_pair_on_a_stand_in_toolkit(tmp_path, m
               if c[0] == "train"}
     assert trains == {str(tmp_path / "w" / "b16-h1" / "model"): False,
                       str(tmp_path / "w" / "b16-h1-nomask" / "model"): True}
+
+
+def test_a_report_holds_its_head_its_body_and_every_phase(tmp_path: Path) -> None:
+    """Both SciFact benchmarks write their results through one writer: title, settings and machine first, then the
+    benchmark's own fields, then each phase's command and the wall times."""
+    runner = loop.Runner(tmp_path / "work", None)
+    runner.cli("help", ["--help"])
+    args = argparse.Namespace(quick=True, device=None)
+    head = loop.ReportHead("SciFact test", args, types.SimpleNamespace(run=runner), {"epochs": 1}, "model", 0.0)
+    report = loop.write_report(tmp_path / "results.json", head, {"rounds": []}, complete=True)
+    assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps(report))
+    assert report["benchmark"].startswith("SciFact test -- SMOKE RUN") and report["complete"] is True
+    assert report["settings"] == {"epochs": 1} and report["rounds"] == []
+    assert report["commands"] == [runner.phases[0]["command"]] and report["wall_s_all_phases"] >= 0
+    keys = list(report)
+    assert keys.index("concurrency") < keys.index("rounds") < keys.index("phases")
