@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_gradcache import (ORIGINAL, TEMPERATURE, PeakMemory, build_inputs, interleave, machine_info,  # noqa: E402
                              make_step, original_version, st_version, tiny_model)
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
-from dpr_gc.base.files import write_json  # noqa: E402
+from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
+from dpr_gc.base.files import atomic_path, read_json_object, write_json  # noqa: E402
 
 logger = logging.getLogger("bench_frontier")
 RESULT_TAG = "RESULT "
@@ -235,7 +236,8 @@ def plot(report: dict, path: Path) -> Path:
     fig.suptitle(f"speed-memory frontier: {machine.get('gpu') or machine.get('cpu')}, {machine.get('date', '')[:10]}")
     fig.tight_layout()
     png = path.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     return png
 
@@ -287,7 +289,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.plot:
-        logger.info("wrote %s", plot(json.loads(Path(args.plot).read_text()), Path(args.plot)))
+        report = read_json_object(args.plot, "frontier results file")
+        if not isinstance(report.get("runs"), list) or not isinstance(report.get("machine"), dict):
+            raise DprGcError(f"{args.plot}: not a bench_frontier.py results file (no 'runs' list and 'machine')")
+        logger.info("wrote %s", plot(report, Path(args.plot)))
         return
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     if args.quick and device == "cuda":
@@ -323,4 +328,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(report_errors(main))

@@ -36,3 +36,13 @@ def test_the_plot_is_written_beside_the_results(tmp_path: Path) -> None:
     report = {"machine": {"cpu": "test CPU", "date": "2026-11-24T00:00:00"}, "runs": [run, {**run, "precision": "bf16"}]}
     png = frontier.plot(report, tmp_path / "frontier-cpu.json")
     assert png == tmp_path / "frontier-cpu.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_file_that_is_not_frontier_results_is_one_error_line(tmp_path: Path, capsys) -> None:
+    other = tmp_path / "other.json"
+    other.write_text('{"rounds": []}')
+    for bad in (tmp_path / "missing.json", other):
+        assert frontier.report_errors(lambda: frontier.main(["--plot", str(bad)])) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and str(bad) in err and err.count("\n") == 1
+    assert not list(tmp_path.glob("*.png"))
