@@ -17,7 +17,8 @@ from dpr_gc.engine.chunking import join_chunks, length_order, split_by_tokens, t
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.lora import LoraSettings, apply_lora
 from dpr_gc.model.retriever import enable_gradient_checkpointing
-from tests.helpers import grads, make_batch, models_of, reference_grads, rel_err, zero
+from dpr_gc.engine import grad_cache
+from tests.helpers import grads, make_batch, models_of, random_texts, reference_grads, rel_err, zero
 from tests.helpers import randomise_adapters
 
 CHUNK = 3
@@ -304,3 +305,49 @@ def test_join_chunks_fills_each_limit_and_keeps_the_last_chunk():
     joined = join_chunks(batch, chunks, 12, 20)
     assert [len(c["input_ids"]) for c in joined] == [4, 4, 2] and joined[-1] is chunks[-1]
     assert [len(c["input_ids"]) for c in join_chunks(batch, chunks, 0, 20)] == [2, 4, 2, 2]
+
+
+def test_join_chunks_leaves_apart_chunks_whose_padding_costs_more_than_a_chunk():
+    mask = torch.zeros(10, 8, dtype=torch.long)
+    for row, n in enumerate([8, 8, 8, 8, 2, 2, 2, 2, 1, 1]):
+        mask[row, :n] = 1
+    batch = {"input_ids": mask.clone(), "attention_mask": mask}
+    chunks = split_input(batch, 2)
+    rows = lambda joined: [len(c["input_ids"]) for c in joined]  # noqa: E731
+    assert rows(join_chunks(batch, chunks, 100, 100)) == [8, 2], "without an overhead only the limits count"
+    assert rows(join_chunks(batch, chunks, 100, 100, chunk_overhead=0)) == [4, 4, 2], "8-wide and 2-wide apart"
+    assert rows(join_chunks(batch, chunks, 100, 100, chunk_overhead=12)) == [8, 2], "a chunk costs more than padding"
+    assert rows(join_chunks(batch, chunks, 100, 100, trim=False, chunk_overhead=0)) == [8, 2], "untrimmed: all 8 wide"
+
+
+def uneven_batch_for_joining(retriever) -> tuple[dict, dict]:
+    """12 queries of 4-6 words; 24 passages: 6 of 60 words and 18 of 3, so a long chunk padded to join a short one
+    would compute far more than either."""
+    q = retriever.tokenize_queries(random_texts(12, 3, 4, 6))
+    titles = random_texts(24, 4, 1, 1)
+    p = retriever.tokenize_passages(titles, random_texts(6, 5, 60, 60) + random_texts(18, 6, 3, 3))
+    return dict(q), dict(p)
+
+
+@pytest.mark.parametrize("device_like", ["cpu", "cuda"])
+def test_a_whole_batch_budget_keeps_uneven_chunks_apart_on_cpu(make_retriever, monkeypatch, device_like):
+    """On CPU (a chunk's fixed cost is small) a budget for the whole batch keeps chunks of very different lengths
+    apart, each trimmed to its own longest sequence, so the step computes fewer tokens than the padded batch; with a
+    CUDA-sized chunk cost the same batch is joined into two chunks per model. The gradient is the full batch's."""
+    if device_like == "cuda":
+        monkeypatch.setitem(grad_cache.CHUNK_OVERHEAD_TOKENS, "cpu", grad_cache.CHUNK_OVERHEAD_TOKENS["cuda"])
+    retriever = make_retriever(shared=True)
+    modules, loss_fn = models_of(retriever), SimpleContrastiveLoss(1)
+    q, p = uneven_batch_for_joining(retriever)
+    expected = reference_grads(modules, loss_fn, q, p)
+    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=10**12, chunking=Chunking(sort_by_length=True))
+    for _ in range(2):
+        zero(modules)
+        engine(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
+    padded = sum(x["attention_mask"].numel() for x in (q, p))
+    if device_like == "cuda":
+        assert engine.last_step.chunks == [2, 2]
+    else:
+        assert engine.last_step.chunks[1] == 3 and engine.last_step.tokens < padded / 2, engine.last_step
+    assert engine.last_step.kept == engine.last_step.chunks

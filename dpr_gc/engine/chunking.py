@@ -7,6 +7,7 @@ Tensors, lists/tuples, dicts and ``BatchEncoding``s (any ``Mapping``) are handle
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -155,27 +156,32 @@ def split_by_tokens(model_input: Any, max_rows: int, max_tokens: int, trim: bool
     return [slice_rows(model_input, s, e) for s, e in spans]
 
 
-def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tokens: int,
-                trim: bool = True) -> list[Any]:
+def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tokens: int, trim: bool = True,
+                chunk_overhead: Optional[int] = None) -> list[Any]:
     """Join consecutive chunks of ``model_input`` (row slices in order; never the last one, which stays as it is)
     into larger ones: the first of at most ``first_tokens`` computed tokens (rows times the longest sequence; the
-    full width untrimmed), the following ones of at most ``rest_tokens``. A chunk that alone exceeds its limit stays
-    as it is. Inputs without a 2-D attention mask are returned unchanged."""
+    full width untrimmed), the following ones of at most ``rest_tokens``. With ``chunk_overhead`` (a chunk's fixed
+    cost, in tokens) a chunk joins only while the joined chunk computes no more tokens than its parts plus that cost
+    for every part it saves: padding a short chunk to a long one's width costs more than running it apart. A chunk
+    that alone exceeds its limit stays as it is. Inputs without a 2-D attention mask are returned unchanged."""
     lengths = sequence_lengths(model_input)
     if lengths is None or len(chunks) < 3:
         return chunks
-    width = model_input["attention_mask"].size(1)
-    joined, start, i, limit = [], 0, 0, first_tokens
+    width, rows_of = model_input["attention_mask"].size(1), [rows_in(c) or 0 for c in chunks]
+    starts = list(itertools.accumulate(rows_of, initial=0))
+    widths = [int(lengths[s:s + n].max()) if trim and n else width for s, n in zip(starts, rows_of)]
+    joined, i, limit = [], 0, first_tokens
     while i < len(chunks) - 1:
-        rows, longest, j = 0, 0, i
+        rows, longest, parts, j = 0, 0, 0, i
         while j < len(chunks) - 1:
-            n = rows_in(chunks[j]) or 0
-            wider = max(longest, int(lengths[start + rows:start + rows + n].max())) if trim else width
-            if j > i and (rows + n) * wider > limit:
+            wider, cost = max(longest, widths[j]), parts + rows_of[j] * widths[j]
+            too_big = (rows + rows_of[j]) * wider > limit
+            padded = chunk_overhead is not None and (rows + rows_of[j]) * wider > cost + chunk_overhead * (j - i)
+            if j > i and (too_big or padded):
                 break
-            rows, longest, j = rows + n, wider, j + 1
-        joined.append(chunks[i] if j == i + 1 else slice_rows(model_input, start, start + rows))
-        start, i, limit = start + rows, j, rest_tokens
+            rows, longest, parts, j = rows + rows_of[j], wider, cost, j + 1
+        joined.append(chunks[i] if j == i + 1 else slice_rows(model_input, starts[i], starts[i] + rows))
+        i, limit = j, rest_tokens
     return joined + [chunks[-1]]
 
 

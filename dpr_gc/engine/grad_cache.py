@@ -44,6 +44,11 @@ __all__ = ["Chunking", "GradCache", "RandState", "is_ddp", "is_fsdp", "rng_devic
 
 REPLAYABLE_DEVICES = ("cpu", "cuda")
 JOIN_MARGIN = 0.9  # share of the budget left that joined chunks may be predicted to take
+# A chunk's fixed cost in tokens, by device type, when deciding whether joining chunks pays for the padding it adds:
+# a CUDA chunk costs its kernel launches (a MiniLM step on an H100 spends about as long launching one chunk as
+# computing 30k tokens), a CPU chunk little beyond its tokens.
+CHUNK_OVERHEAD_TOKENS = {"cuda": 16384}
+DEFAULT_CHUNK_OVERHEAD_TOKENS = 64
 
 
 class RandState:
@@ -240,8 +245,11 @@ class GradCache:
             autocast's weight copies, shared by every chunk of a pass, once); peak graph memory stays within the
             budget plus one chunk's graph. From the second step on, the leading chunks the budget is predicted to
             hold (bytes per token measured before) run as one larger chunk, and the replayed chunks after it are
-            joined up to the budget's size: a budget for the whole batch makes the step plain training in two
-            chunks per model. Kept graphs are backpropagated in one backward call, as plain training's. Under
+            joined up to the budget's size, as long as joining saves more than the padding it adds costs (a
+            chunk's fixed cost counts as ``CHUNK_OVERHEAD_TOKENS``: 16,384 tokens on CUDA, whose chunks are bound
+            by kernel launches, 64 elsewhere). On CUDA a budget for the whole batch makes the step plain training
+            in two chunks per model; on CPU, chunks of different lengths stay apart, each trimmed to its own
+            longest sequence, so the step computes fewer tokens than plain training's padded batch. Kept graphs are backpropagated in one backward call, as plain training's. Under
             DDP/FSDP every model's last chunk is still replayed: its backward carries the gradient sync, after every
             kept graph's.
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
@@ -327,7 +335,8 @@ class GradCache:
         else:
             chunks = split_input(model_input, self.chunk_sizes[m])
         if joined is not None and self.split_input_fn is None:
-            chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.chunking.trim)
+            overhead = CHUNK_OVERHEAD_TOKENS.get(model_device(self.models[m]).type, DEFAULT_CHUNK_OVERHEAD_TOKENS)
+            chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.chunking.trim, overhead)
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
         if not self.chunking.trim:
@@ -343,11 +352,11 @@ class GradCache:
         return plan
 
     def _join_limits(self, m: int, trainable: bool, ledger: BudgetLedger) -> Optional[tuple[int, int]]:
-        """(tokens, tokens) of model ``m``: the leading chunks that the rest of the budget should hold run as one
-        kept chunk, and the chunks after it are joined to the size of the whole budget (kept graphs are freed
-        before the replay), both over the largest bytes per token measured for the model in earlier steps, with
-        ``JOIN_MARGIN`` to spare. Fewer, larger chunks mean far fewer kernel launches on a GPU; a budget for the
-        whole batch makes the step plain training in two chunks per model. None before the first measurement, for
+        """(tokens, tokens) of model ``m``: the leading chunks that the rest of the budget should hold are joined
+        up to that size and kept, and the chunks after it are joined up to the size of the whole budget (kept graphs
+        are freed before the replay), both over the largest bytes per token measured for the model in earlier
+        steps, with ``JOIN_MARGIN`` to spare. Fewer, larger chunks mean far fewer kernel launches on a GPU (where
+        padding is cheaper than a launch, see ``CHUNK_OVERHEAD_TOKENS``). None before the first measurement, for
         frozen models and at budget 0."""
         left, per_token = ledger.report.budget - ledger.held, self._per_token.get(m)
         if not trainable or not per_token or ledger.report.budget <= 0:
