@@ -296,24 +296,27 @@ def test_later_steps_join_the_chunks_a_budget_holds(make_retriever, budget):
         assert sum(engine.last_step.kept) < sum(counts[1]), "replays too (joined to the budget's size)"
 
 
+def rows_of_lengths(lengths: list[int], width: int = 8) -> dict:
+    """A batch whose rows have these many real tokens, padded to ``width``."""
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": mask.clone(), "attention_mask": mask}
+
+
+def rows(chunks: list[dict]) -> list[int]:
+    return [len(c["input_ids"]) for c in chunks]
+
+
 def test_join_chunks_fills_each_limit_and_keeps_the_last_chunk():
-    mask = torch.zeros(10, 8, dtype=torch.long)
-    for row, n in enumerate([2, 2, 3, 3, 4, 4, 5, 5, 6, 6]):
-        mask[row, :n] = 1
-    batch = {"input_ids": mask.clone(), "attention_mask": mask}
+    batch = rows_of_lengths([2, 2, 3, 3, 4, 4, 5, 5, 6, 6])
     chunks = split_input(batch, 2)
     joined = join_chunks(batch, chunks, 12, 20)
-    assert [len(c["input_ids"]) for c in joined] == [4, 4, 2] and joined[-1] is chunks[-1]
-    assert [len(c["input_ids"]) for c in join_chunks(batch, chunks, 0, 20)] == [2, 4, 2, 2]
+    assert rows(joined) == [4, 4, 2] and joined[-1] is chunks[-1]
+    assert rows(join_chunks(batch, chunks, 0, 20)) == [2, 4, 2, 2]
 
 
 def test_join_chunks_leaves_apart_chunks_whose_padding_costs_more_than_a_chunk():
-    mask = torch.zeros(10, 8, dtype=torch.long)
-    for row, n in enumerate([8, 8, 8, 8, 2, 2, 2, 2, 1, 1]):
-        mask[row, :n] = 1
-    batch = {"input_ids": mask.clone(), "attention_mask": mask}
+    batch = rows_of_lengths([8, 8, 8, 8, 2, 2, 2, 2, 1, 1])
     chunks = split_input(batch, 2)
-    rows = lambda joined: [len(c["input_ids"]) for c in joined]  # noqa: E731
     assert rows(join_chunks(batch, chunks, 100, 100)) == [8, 2], "without an overhead only the limits count"
     assert rows(join_chunks(batch, chunks, 100, 100, chunk_overhead=0)) == [4, 4, 2], "8-wide and 2-wide apart"
     assert rows(join_chunks(batch, chunks, 100, 100, chunk_overhead=12)) == [8, 2], "a chunk costs more than padding"
