@@ -240,18 +240,18 @@ class GradCache:
         bf16: bf16 autocast, no scaler.
         memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
             first-pass graphs to keep: a chunk whose measured graph fits what is left keeps it and is not run again
-            (its backward takes the cached gradient directly); the others are replayed. 0 (default): only the
-            last chunk, as ``chunking.keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks;
-            autocast's weight copies, shared by every chunk of a pass, once); peak graph memory stays within the
-            budget plus one chunk's graph. From the second step on, the leading chunks the budget is predicted to
-            hold (bytes per token measured before) run as one larger chunk, and the replayed chunks after it are
-            joined up to the budget's size, as long as joining saves more than the padding it adds costs (a
-            chunk's fixed cost counts as ``CHUNK_OVERHEAD_TOKENS``: 16,384 tokens on CUDA, whose chunks are bound
-            by kernel launches, 64 elsewhere). On CUDA a budget for the whole batch makes the step plain training
-            in two chunks per model; on CPU, chunks of different lengths stay apart, each trimmed to its own
-            longest sequence, so the step computes fewer tokens than plain training's padded batch. Kept graphs are backpropagated in one backward call, as plain training's. Under
-            DDP/FSDP every model's last chunk is still replayed: its backward carries the gradient sync, after every
-            kept graph's.
+            (its backward takes the cached gradient directly); the others are replayed. 0 (default): only the last
+            chunk, as ``chunking.keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks; autocast's
+            weight copies, shared by every chunk of a pass, once); peak graph memory stays within the budget plus
+            one chunk's graph. From the second step on, the leading chunks the budget is predicted to hold (bytes
+            per token measured before) are joined into larger kept chunks, and the replayed chunks after them up to
+            the budget's size, as long as joining saves more than the padding it adds costs (a chunk's fixed cost
+            counts as ``CHUNK_OVERHEAD_TOKENS``: 16,384 tokens on CUDA, whose chunks are bound by kernel launches,
+            64 elsewhere). On CUDA a budget for the whole batch makes the step plain training in two chunks per
+            model; on CPU, chunks of different lengths stay apart, each trimmed to its own longest sequence, so the
+            step computes fewer tokens than plain training's padded batch. Kept graphs are backpropagated in one
+            backward call, as plain training's. Under DDP/FSDP every model's last chunk is still replayed: its
+            backward carries the gradient sync, after every kept graph's.
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
             trim padding, keep the last graph, size chunks by tokens).
     """
