@@ -46,3 +46,23 @@ def test_a_file_that_is_not_frontier_results_is_one_error_line(tmp_path: Path, c
         err = capsys.readouterr().err
         assert err.startswith("error: ") and str(bad) in err and err.count("\n") == 1
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_padding_ratios_count_a_padded_batch_against_real_and_grouped_tokens() -> None:
+    import scifact_padding
+
+    ratios = scifact_padding.padding_ratios([4, 4, 2, 2], batch=4, chunk=2, samples=3)
+    assert ratios == {"batch": 4, "chunk": 2, "padded_vs_real": 1.333, "padded_vs_grouped_chunks": 1.333}
+    assert scifact_padding.padding_ratios([5, 5, 5, 5], 4, 2, 1)["padded_vs_real"] == 1.0
+    assert scifact_padding.length_stats([4, 2, 4, 1], 4) == {"max_length": 4, "count": 4, "mean_tokens": 2.8,
+                                                              "share_at_max_length": 0.5}
+
+
+def test_padding_statistics_without_the_data_are_one_error_line(tmp_path: Path, capsys) -> None:
+    import scifact_padding
+
+    out = tmp_path / "padding.json"
+    code = scifact_padding.report_errors(lambda: scifact_padding.main(["--data", str(tmp_path), "--output", str(out)]))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "corpus.jsonl.gz" in err and err.count("\n") == 1
+    assert not out.exists()

@@ -1,0 +1,81 @@
+"""How much of a padded SciFact batch is padding: the figures behind the frontier's length-grouping gains.
+
+For each max length, every text is tokenized once (all-MiniLM-L6-v2's tokenizer, truncated); then ``--samples``
+random batches of ``--batch`` rows report the tokens a batch padded to its longest row computes, against its real
+tokens and against the same rows grouped by length in chunks of ``--chunk`` rows, each trimmed to its own longest
+(what dpr-gc computes when it keeps chunks apart). Passages are SciFact's title + " " + text, queries its claims.
+
+    python benchmarks/scifact_padding.py --data ../shared/data/scifact
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
+
+
+def padding_ratios(lengths: list[int], batch: int, chunk: int, samples: int, seed: int = 0) -> dict:
+    """Mean over ``samples`` random batches: padded tokens / real tokens, and padded / length-grouped chunk tokens."""
+    rng, padded, real, grouped = random.Random(seed), 0, 0, 0
+    for _ in range(samples):
+        rows = sorted(rng.sample(lengths, batch), reverse=True)
+        padded += batch * rows[0]
+        real += sum(rows)
+        grouped += sum(len(rows[i:i + chunk]) * rows[i] for i in range(0, batch, chunk))
+    return {"batch": batch, "chunk": chunk, "padded_vs_real": round(padded / real, 3),
+            "padded_vs_grouped_chunks": round(padded / grouped, 3)}
+
+
+def length_stats(lengths: list[int], max_length: int) -> dict:
+    return {"max_length": max_length, "count": len(lengths), "mean_tokens": round(sum(lengths) / len(lengths), 1),
+            "share_at_max_length": round(sum(n == max_length for n in lengths) / len(lengths), 3)}
+
+
+def read_texts(data: Path) -> dict[str, list[str]]:
+    corpus, queries = data / "corpus.jsonl.gz", data / "queries.jsonl"
+    for path in (corpus, queries):
+        if not path.is_file():
+            raise DprGcError(f"{path}: not found; give --data the SciFact folder (see ../shared/data/README.md)")
+    with gzip.open(corpus, "rt", encoding="utf-8") as f:
+        passages = [f"{d['title']} {d['text']}" for d in map(json.loads, f)]
+    with open(queries, encoding="utf-8") as f:
+        return {"passages": passages, "queries": [json.loads(line)["text"] for line in f]}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "scifact")
+    p.add_argument("--batch", type=int, nargs="+", default=[32, 64, 256, 512], help="rows per batch")
+    p.add_argument("--chunk", type=int, nargs="+", default=[8, 32], help="rows per length-grouped chunk")
+    p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "scifact-padding.json")
+    args = p.parse_args(argv)
+    texts = read_texts(args.data)
+    from transformers import AutoTokenizer
+
+    from dpr_gc.model.pretrained import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    report = {"tokenizer": "all-MiniLM-L6-v2", "samples": args.samples, "shapes": []}
+    for kind, rows in texts.items():
+        for max_length in ((32,) if kind == "queries" else (128, 256, 512)):
+            lengths = [len(ids) for ids in tokenizer(rows, truncation=True, max_length=max_length)["input_ids"]]
+            ratios = [padding_ratios(lengths, b, c, args.samples) for b in args.batch for c in args.chunk if c < b]
+            report["shapes"].append({"texts": kind, **length_stats(lengths, max_length), "batches": ratios})
+            print(json.dumps(report["shapes"][-1]))
+    write_json(args.output, report)
+
+
+if __name__ == "__main__":
+    sys.exit(report_errors(main))
