@@ -52,8 +52,8 @@ GRID_ONLY = ("filters", "round2", "refit", "dev_fraction", "batch_size", "hard_n
 
 def run_grid(loop: Loop, s: GridSettings, base_model: str, save: Callable[[dict], None]) -> dict:
     """Zero-shot index, its test metrics beside one mining run, then every cell trained and evaluated on test,
-    ``--parallel`` cells at once (``save`` gets the results so far, in grid order, after each cell, so a run cut
-    short still leaves its finished cells)."""
+    ``--parallel`` cells at once, each to its end before the next cell starts (``save`` gets the results so far, in
+    grid order, after each cell, so a run cut short still leaves its finished cells)."""
     zero_index = loop.index("zeroshot", base_model)
     zero, (file, counts) = loop.run.all(
         lambda: loop.evaluate("zeroshot", base_model, zero_index, ("test",))["test"],
@@ -77,7 +77,8 @@ def run_grid(loop: Loop, s: GridSettings, base_model: str, save: Callable[[dict]
             save({"zeroshot": zero, "mining": counts, "cells": [done[k] for k in grid if k in done]})
         return out
 
-    return {"zeroshot": zero, "mining": counts, "cells": loop.run.map(cell, grid)}
+    cells = loop.run.map(cell, grid, workers=loop.run.parallel)  # a cell ends before the next one starts
+    return {"zeroshot": zero, "mining": counts, "cells": cells}
 
 
 def table(cells: list[dict], batches: tuple, negatives: tuple, masking: tuple) -> str:

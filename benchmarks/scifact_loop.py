@@ -185,14 +185,14 @@ class Runner:
             for proc in self._live:
                 os.kill(proc.pid, signal.SIGTERM)
 
-    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list:
-        """``fn`` over ``items``: one after the other (``parallel`` 1), else each on its own thread with at most
-        ``parallel`` commands running at once. Results in the order of ``items``; the first failure stops every
-        other command and is raised."""
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any], workers: Optional[int] = None) -> list:
+        """``fn`` over ``items``: one after the other (``parallel`` 1), else each on its own thread (at most
+        ``workers`` items at a time; default all) with at most ``parallel`` commands running at once. Results in the
+        order of ``items``; the first failure stops every other command and is raised."""
         items = list(items)
         if self.parallel == 1 or len(items) < 2:
             return [fn(item) for item in items]
-        with ThreadPoolExecutor(max_workers=len(items), thread_name_prefix="job") as pool:
+        with ThreadPoolExecutor(max_workers=min(workers or len(items), len(items)), thread_name_prefix="job") as pool:
             futures = [pool.submit(fn, item) for item in items]
             wait(futures, return_when=FIRST_EXCEPTION)
             if any(f.done() and f.exception() is not None for f in futures):

@@ -324,6 +324,27 @@ def test_the_grid_script_runs_the_masking_pair_on_a_stand_in_toolkit(tmp_path, m
                       str(tmp_path / "w" / "b16-h1-nomask" / "model"): True}
 
 
+def test_a_grid_cut_short_leaves_its_finished_cells(tmp_path, monkeypatch, stand_in):
+    """With --parallel 2, a cell runs to its end before the third one starts: when each cell's training begins,
+    the results file already holds every cell but the two that run at once."""
+    import scifact_grid as grid
+
+    results, saved_at_train = tmp_path / "grid.json", []
+
+    def run(runner, name: str, args: list[str], capture: bool) -> dict:
+        if args[0] == "train":
+            saved_at_train.append(len(json.loads(results.read_text())["cells"]) if results.is_file() else 0)
+            time.sleep(0.2)  # every cell asks for its training at once unless the grid holds the later ones back
+        return stand_in(runner, name, args, capture)
+
+    monkeypatch.setattr(loop.Runner, "_run", run)
+    assert grid.main(["--quick", "--data", str(tiny_beir(tmp_path / "beir")), "--output", str(tmp_path / "w"),
+                      "--results", str(results), "--parallel", "2", "--batches", "8", "16", "--negatives", "0", "1",
+                      "--masking", "on", "--model", "MODEL"]) == 0
+    assert len(json.loads(results.read_text())["cells"]) == 4
+    assert sorted(saved_at_train) == [0, 0, 1, 2]
+
+
 def test_a_report_holds_its_head_its_body_and_every_phase(tmp_path: Path) -> None:
     """Both SciFact benchmarks write their results through one writer: title, settings and machine first, then the
     benchmark's own fields, then each phase's command and the wall times."""
