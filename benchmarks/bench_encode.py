@@ -175,19 +175,25 @@ def time_methods(args: argparse.Namespace, retriever: Retriever, rows: list[dict
                 seconds[name][rnd][c], outputs[name][c] = timed(lambda: methods[name](c))
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {len(rows) / sum(seconds[k][rnd]):.1f}/s" for k in names),
               flush=True)
+    return summarize(args, len(rows), seconds, outputs)
+
+
+def summarize(args: argparse.Namespace, n_rows: int, seconds: dict, outputs: dict) -> dict:
+    """Per method: median passages/s, speed against sentence-transformers (whole rounds and per chunk) and the
+    cosine of its embeddings against sentence-transformers'; printed as a table."""
     ref = np.concatenate(outputs["sentence-transformers fp32"]).astype(np.float64)
     st_chunks = np.array(seconds["sentence-transformers fp32"])
     results = {}
-    for name in names:
+    for name in seconds:
         emb = np.concatenate(outputs[name]).astype(np.float64)
         cos = (emb * ref).sum(1) / (np.linalg.norm(emb, axis=1) * np.linalg.norm(ref, axis=1))
         totals = [sum(r) for r in seconds[name]]
         med = statistics.median(totals)
-        results[name] = {"seconds_per_round": totals, "median_seconds": med, "passages_per_s": len(rows) / med,
+        results[name] = {"seconds_per_round": totals, "median_seconds": med, "passages_per_s": n_rows / med,
                          "ratio_vs_st": statistics.median(sum(s) for s in st_chunks) / med,
                          "median_chunk_ratio_vs_st": float(np.median(st_chunks / np.array(seconds[name]))),
                          "min_cosine_vs_st": float(cos.min()), "mean_cosine_vs_st": float(cos.mean())}
-    print(f"\n{len(rows)} passages, max length {args.max_length}, batch {args.batch_size}, "
+    print(f"\n{n_rows} passages, max length {args.max_length}, batch {args.batch_size}, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} rounds\n")
     print("| method | passages/s | speed vs sentence-transformers | median per-chunk ratio | min cosine vs ST |")
     print("|---|---:|---:|---:|---:|")

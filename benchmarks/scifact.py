@@ -346,8 +346,6 @@ def train_and_eval(s: Settings, grad_cache: bool, batch_size: int) -> tuple[dict
 
 def orchestrate(s: Settings, results_dir: Path, variants: list[dict]) -> dict:
     """All phases in order (cached ones skipped), then the results JSON and markdown table."""
-    import torch
-
     began, load_start = time.perf_counter(), os.getloadavg()
     zero = run_phase(s, "eval", "zeroshot", passage_length=s.passage_max_length, precision=s.eval_precision)
     mined = run_phase(s, "mine", "mine") if s.negatives == "mined" else None
@@ -361,38 +359,15 @@ def orchestrate(s: Settings, results_dir: Path, variants: list[dict]) -> dict:
                                                       gc_eval, gc),
             row(f"plain fine-tuned (batch {plain_batch}, control)", plain_eval, plain)]
     phases = [zero, gc, gc_eval, plain, plain_eval] + ([mined] if mined else [])
-    for overrides in variants:
-        sv = dataclasses.replace(s, **overrides)
-        if sv.negatives == "mined" and mined is None:
-            mined = run_phase(sv, "mine", "mine")
-            phases.append(mined)
-        v_train, v_eval = train_and_eval(sv, True, sv.batch_size)
-        label = ", ".join(f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
-                          for k, v in overrides.items())
-        rows.append(row(f"GC variant ({label})", v_eval, v_train))
-        phases += [v_train, v_eval]
-    sweep = {(s.passage_max_length, s.eval_precision): zero}
-    for length in s.sweep_lengths:
-        sweep[(length, s.eval_precision)] = run_phase(s, "eval", f"zeroshot-p{length}-{s.eval_precision}",
-                                                      passage_length=length, precision=s.eval_precision)
-    if s.precision_check and s.eval_precision != "fp32":
-        length = min(s.sweep_lengths or (s.passage_max_length,))
-        sweep[(length, "fp32")] = run_phase(s, "eval", f"zeroshot-p{length}-fp32", passage_length=length,
-                                            precision="fp32")
-    phases += [v for k, v in sweep.items() if v is not zero]
+    mined = run_variants(s, variants, mined, rows, phases)
+    sweep = run_sweep(s, zero)
+    phases += [v for v in sweep.values() if v is not zero]
     timing = timing_runs(s, plain_batch) if s.timing_queries else {}
     phases += list(timing.values())
     rows.append({"model": "BM25 (BEIR paper)", **{m: BM25_BEIR.get(m) for m in METRICS}})
-    zero_ndcg, plain_ndcg = zero["metrics"]["nDCG@10"], plain_eval["metrics"]["nDCG@10"]
-    device = device_of(s)
     report = {
         "benchmark": "SciFact (BEIR) test split: 300 queries, 5,183 passages" if not s.quick else "quick subset",
-        "machine": {"cpu": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
-                    "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-                    "python": platform.python_version(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg()},
-        "settings": dataclasses.asdict(s), "variants": variants, "rows": rows,
+        "machine": machine(s, load_start), "settings": dataclasses.asdict(s), "variants": variants, "rows": rows,
         "length_sweep": [{"passage_max_length": k[0], "precision": k[1], **{m: v["metrics"][m] for m in METRICS},
                           "encode_s": v["encode_s"], "passages_per_s": v["passages_per_s"]}
                          for k, v in sorted(sweep.items())],
@@ -403,10 +378,7 @@ def orchestrate(s: Settings, results_dir: Path, variants: list[dict]) -> dict:
                        "seconds_per_1000_queries": 1000 * v["seconds"] / (v["steps"] * v["batch_size"]),
                        "load_average": v.get("load_average")} for k, v in timing.items()},
         "mining": mined, "phases": {p["name"]: p for p in phases},
-        "targets": {r["model"]: {"beats_zeroshot": r["nDCG@10"] > zero_ndcg,
-                                 "beats_bm25": r["nDCG@10"] > BM25_BEIR["nDCG@10"],
-                                 "at_least_0.70": r["nDCG@10"] >= 0.70, "beats_plain": r["nDCG@10"] > plain_ndcg}
-                    for r in rows if r["model"].startswith("GC")},
+        "targets": targets(rows, zero, plain_eval),
         "wall_s_this_invocation": time.perf_counter() - began,
         "wall_s_all_phases": sum(p["wall_s"] for p in phases) + sum(p["wall_s"] for p in probes),
     }
@@ -416,6 +388,54 @@ def orchestrate(s: Settings, results_dir: Path, variants: list[dict]) -> dict:
     (results_dir / f"{stem}.md").write_text(markdown(report), encoding="utf-8")
     print(markdown(report))
     return report
+
+
+def run_variants(s: Settings, variants: list[dict], mined: Optional[dict], rows: list, phases: list) -> Optional[dict]:
+    """Train and score each ``--variant`` (mining first when a variant needs it and nothing was mined); their rows
+    and phases are appended. Returns the mining phase, if any."""
+    for overrides in variants:
+        sv = dataclasses.replace(s, **overrides)
+        if sv.negatives == "mined" and mined is None:
+            mined = run_phase(sv, "mine", "mine")
+            phases.append(mined)
+        v_train, v_eval = train_and_eval(sv, True, sv.batch_size)
+        label = ", ".join(f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
+                          for k, v in overrides.items())
+        rows.append(row(f"GC variant ({label})", v_eval, v_train))
+        phases += [v_train, v_eval]
+    return mined
+
+
+def run_sweep(s: Settings, zero: dict) -> dict:
+    """Zero-shot scores per (passage length, precision): the main one, ``--sweep-lengths``, and the fp32 check."""
+    sweep = {(s.passage_max_length, s.eval_precision): zero}
+    for length in s.sweep_lengths:
+        sweep[(length, s.eval_precision)] = run_phase(s, "eval", f"zeroshot-p{length}-{s.eval_precision}",
+                                                      passage_length=length, precision=s.eval_precision)
+    if s.precision_check and s.eval_precision != "fp32":
+        length = min(s.sweep_lengths or (s.passage_max_length,))
+        sweep[(length, "fp32")] = run_phase(s, "eval", f"zeroshot-p{length}-fp32", passage_length=length,
+                                            precision="fp32")
+    return sweep
+
+
+def machine(s: Settings, load_start: tuple) -> dict:
+    """Where the figures came from, with the load average at the start and the end."""
+    import torch
+
+    device = device_of(s)
+    return {"cpu": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+            "python": platform.python_version(), "load_average_start": load_start, "load_average_end": os.getloadavg()}
+
+
+def targets(rows: list[dict], zero: dict, plain_eval: dict) -> dict:
+    """Per Gradient Cache row: above zero-shot, above BM25, at least 0.70 and above the plain control (nDCG@10)."""
+    zero_ndcg, plain_ndcg = zero["metrics"]["nDCG@10"], plain_eval["metrics"]["nDCG@10"]
+    return {r["model"]: {"beats_zeroshot": r["nDCG@10"] > zero_ndcg, "beats_bm25": r["nDCG@10"] > BM25_BEIR["nDCG@10"],
+                         "at_least_0.70": r["nDCG@10"] >= 0.70, "beats_plain": r["nDCG@10"] > plain_ndcg}
+            for r in rows if r["model"].startswith("GC")}
 
 
 def row(label: str, ev: dict, trained: Optional[dict] = None) -> dict:

@@ -42,75 +42,78 @@ def counting_hook(counter: list):
 def worker(rank: int, tmp: str, shared: bool, learn_t: bool) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=300))
+                                timeout=timedelta(seconds=300))
         tokenizer = BertTokenizerFast(vocab=str(Path(tmp) / "vocab.txt"))
         config = RetrieverConfig(shared_encoder=shared, pooling="mean")
         retriever = Retriever(tiny_bert(len(tokenizer)), None if shared else tiny_bert(len(tokenizer), 1),
                               tokenizer, config)
         towers = [retriever.query_encoder, retriever.passage_encoder]
         q, p = make_batch(retriever, WORLD * LOCAL_QUERIES, N_HARD, seed=21)
-
-        # Reference: one process, the whole global batch, one graph.
-        ref_loss = SimpleContrastiveLoss(N_HARD, temperature=0.3, learn_temperature=learn_t, symmetric=learn_t)
-        ref_loss(towers[0](**q), towers[1](**p)).backward()
-        expected = grads(towers)
-        expected_t = ref_loss.tau.log_value.grad.clone() if learn_t else None
+        expected, expected_t = reference_gradients(towers, q, p, learn_t)
         retriever.zero_grad(set_to_none=True)
 
         ddp = [DistributedDataParallel(t) for t in dict.fromkeys(towers)]
         models = [ddp[0], ddp[0]] if shared else ddp
-        calls: list = []
-        for d in ddp:
-            d.register_comm_hook(None, counting_hook(calls))
-
-        # How many all-reduce calls one synced backward of each DDP module makes.
-        for d, batch in zip(ddp, (q, p)):
-            d(**local_rows(batch, rank, 2)).sum().backward()
-        per_sync = len(calls) / len(ddp)
-        calls.clear()
-        retriever.zero_grad(set_to_none=True)
-
-        loss_fn = DistributedContrastiveLoss(N_HARD, temperature=0.3, learn_temperature=learn_t, symmetric=learn_t)
         q_local = local_rows(q, rank, LOCAL_QUERIES)
         p_local = local_rows(p, rank, LOCAL_QUERIES * (1 + N_HARD))
-        GradCache(models, 3, loss_fn)(q_local, p_local, no_sync_except_last=True)
-
-        assert rel_err(grads(towers), expected) < 1e-5, rel_err(grads(towers), expected)
-        assert len(calls) == per_sync * len(models), (len(calls), per_sync)
-        if learn_t:
-            assert torch.allclose(loss_fn.tau.log_value.grad, expected_t, rtol=1e-4, atol=1e-7)
-
-        # The functional decorators with gather_input_tensor give the same gradient (a global-mean loss).
+        check_grad_cache(ddp, models, (q, p), (q_local, p_local), rank, learn_t, (expected, expected_t), towers)
         retriever.zero_grad(set_to_none=True)
-        plain = SimpleContrastiveLoss(N_HARD, temperature=0.3)
-
-        @cached
-        def encode(model, batch):
-            return model(**batch)
-
-        @cat_input_tensor
-        @gather_input_tensor
-        def global_loss(x, y):
-            return plain(x, y)
-
-        def concat(xs):
-            return torch.cat(xs)
-
-        caches = [(models[0], [encode(models[0], c) for c in split_input(q_local, 3)]),
-                  (models[1], [encode(models[1], c) for c in split_input(p_local, 3)])]
-        loss = global_loss(concat([r for r, _ in caches[0][1]]), concat([r for r, _ in caches[1][1]]))
-        loss.backward()
-        for model, entries in caches:
-            for i, (rep, closure) in enumerate(entries):
-                context = model.no_sync() if i < len(entries) - 1 else torch.enable_grad()
-                with context:
-                    closure(rep)
+        check_functional_decorators(models, q_local, p_local)
         if not learn_t:
             assert rel_err(grads(towers), expected) < 1e-5
         dist.barrier()
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def reference_gradients(towers: list, q: dict, p: dict, learn_t: bool) -> tuple:
+    """One process, the whole global batch, one graph: the towers' gradients and the temperature's."""
+    ref_loss = SimpleContrastiveLoss(N_HARD, temperature=0.3, learn_temperature=learn_t, symmetric=learn_t)
+    ref_loss(towers[0](**q), towers[1](**p)).backward()
+    return grads(towers), ref_loss.tau.log_value.grad.clone() if learn_t else None
+
+
+def check_grad_cache(ddp: list, models: list, full: tuple, local: tuple, rank: int, learn_t: bool,
+                     expected: tuple, towers: list) -> None:
+    """GradCache under DDP with sync on the last backward only: the global-batch gradient, one sync per model."""
+    calls: list = []
+    for d in ddp:
+        d.register_comm_hook(None, counting_hook(calls))
+    for d, batch in zip(ddp, full):  # how many all-reduce calls one synced backward of each DDP module makes
+        d(**local_rows(batch, rank, 2)).sum().backward()
+    per_sync = len(calls) / len(ddp)
+    calls.clear()
+    for d in ddp:
+        d.zero_grad(set_to_none=True)
+    loss_fn = DistributedContrastiveLoss(N_HARD, temperature=0.3, learn_temperature=learn_t, symmetric=learn_t)
+    GradCache(models, 3, loss_fn)(*local, no_sync_except_last=True)
+    assert rel_err(grads(towers), expected[0]) < 1e-5, rel_err(grads(towers), expected[0])
+    assert len(calls) == per_sync * len(models), (len(calls), per_sync)
+    if learn_t:
+        assert torch.allclose(loss_fn.tau.log_value.grad, expected[1], rtol=1e-4, atol=1e-7)
+
+
+def check_functional_decorators(models: list, q_local: dict, p_local: dict) -> None:
+    """``cached`` + ``gather_input_tensor`` (a global-mean loss), each closure synced on the last chunk only."""
+    plain = SimpleContrastiveLoss(N_HARD, temperature=0.3)
+
+    @cached
+    def encode(model, batch):
+        return model(**batch)
+
+    @cat_input_tensor
+    @gather_input_tensor
+    def global_loss(x, y):
+        return plain(x, y)
+
+    caches = [(models[0], [encode(models[0], c) for c in split_input(q_local, 3)]),
+              (models[1], [encode(models[1], c) for c in split_input(p_local, 3)])]
+    global_loss(torch.cat([r for r, _ in caches[0][1]]), torch.cat([r for r, _ in caches[1][1]])).backward()
+    for model, entries in caches:
+        for i, (rep, closure) in enumerate(entries):
+            with model.no_sync() if i < len(entries) - 1 else torch.enable_grad():
+                closure(rep)
 
 
 @pytest.mark.parametrize("shared,learn_t", [(True, True), (False, False)])
