@@ -5,9 +5,10 @@ A budget joins two chunks only while the padding the join adds costs less than t
 This script measures that price. The same rows (``--rows`` x ``--length`` token ids, no padding, so every split
 computes the same tokens) go through the encoder in train mode as k chunks of rows/k, for each k in ``--chunks``:
 forward with a graph, then backward of a fixed random gradient of the representations (the work of a kept or
-replayed chunk). Per k, the median of ``--repeats`` timings (k rotates, so drift spreads over all of them), then a
-least-squares line ``seconds = a * tokens + b * k``: ``a`` is the cost of a token, ``b`` of a chunk, and
-``b / a`` the chunk's cost in tokens, printed beside the engine's constant for this device.
+replayed chunk). Per k, the median of ``--repeats`` timings (k rotates, so drift spreads over all of them). From
+the fastest k on (fewer, larger chunks can cost more per token, which is no price per chunk), a least-squares line
+``seconds = a * tokens + b * k``: ``a`` is the cost of a token, ``b`` of a chunk, and ``b / a`` the chunk's cost in
+tokens, printed beside the engine's constant for this device; each step between two k is priced too.
 
     python benchmarks/chunk_cost.py                                     # the CPU, fp32 and bf16 autocast
     python benchmarks/chunk_cost.py --device cuda --rows 512 --chunks 1 2 4 8 16 32 64 --precisions bf16
@@ -90,11 +91,26 @@ def measure(args: argparse.Namespace, precision: str) -> dict:
             for k in order:
                 times[k].append(time_split(encoder, batch, k, grad, device))
     medians = [statistics.median(times[k]) for k in args.chunks]
-    fit = fit_chunk_cost(args.chunks, medians, args.rows * args.length)
-    logger.info("%s: a chunk costs %s tokens of compute", precision,
-                f"{fit['chunk_cost_tokens']:.0f}" if fit["chunk_cost_tokens"] is not None else "an unmeasurable number of")
+    fit = fit_small_chunks(args.chunks, medians, args.rows * args.length)
+    logger.info("%s: the fastest split is %d chunks; from there on a chunk costs %s tokens of compute", precision,
+                fit["fastest_chunks"], "n/a" if fit["chunk_cost_tokens"] is None else f"{fit['chunk_cost_tokens']:.0f}")
     return {"precision": precision, "splits": [{"chunks": k, "rows_per_chunk": args.rows // k, "seconds": times[k],
                                                 "median_s": m} for k, m in zip(args.chunks, medians)], **fit}
+
+
+def fit_small_chunks(chunks: list[int], seconds: list[float], tokens: int) -> dict:
+    """The line of :func:`fit_chunk_cost` over the splits from the fastest one on (more, smaller chunks): below that
+    count the chunks are so large that a token costs more (on a CPU, activations that no longer fit the caches), which
+    is not a price per chunk. Also each step's price: seconds added per chunk added, in tokens of compute."""
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i])
+    ks, ts = [chunks[i] for i in order], [seconds[i] for i in order]
+    best = min(range(len(ks)), key=lambda i: ts[i])
+    per_token = ts[best] / tokens
+    steps = [{"from": ks[i], "to": ks[i + 1],
+              "chunk_cost_tokens": (ts[i + 1] - ts[i]) / (ks[i + 1] - ks[i]) / per_token} for i in range(len(ks) - 1)]
+    fit = (fit_chunk_cost(ks[best:], ts[best:], tokens) if len(ks) - best >= 2
+           else {"seconds_per_token": per_token, "seconds_per_chunk": None, "chunk_cost_tokens": None})
+    return {"fastest_chunks": ks[best], **fit, "steps": steps}
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -132,10 +148,14 @@ def run(argv: Optional[list[str]]) -> None:
               "engine_chunk_cost_tokens": engine_cost, "results": results}
     write_json(Path(args.output), report)
     print(f"{args.rows} rows x {args.length} tokens on {args.device}; the engine prices a chunk at {engine_cost} tokens")
-    print("| precision | s per 1k tokens | ms per chunk | a chunk in tokens |\n|---|---:|---:|---:|")
+    print("| precision | chunks | rows per chunk | seconds (median) | ms per token |\n|---|---:|---:|---:|---:|")
     for r in results:
-        cost = f"{r['chunk_cost_tokens']:.0f}" if r["chunk_cost_tokens"] is not None else "-"
-        print(f"| {r['precision']} | {1000 * r['seconds_per_token']:.3f} | {1000 * r['seconds_per_chunk']:.2f} | {cost} |")
+        for split in r["splits"]:
+            print(f"| {r['precision']} | {split['chunks']} | {split['rows_per_chunk']} | {split['median_s']:.3f} | "
+                  f"{1000 * split['median_s'] / (args.rows * args.length):.4f} |")
+    for r in results:
+        cost = "n/a" if r["chunk_cost_tokens"] is None else f"{r['chunk_cost_tokens']:.0f} tokens"
+        print(f"{r['precision']}: fastest at {r['fastest_chunks']} chunks; from there on a chunk costs {cost}")
     print(f"results: {args.output}")
 
 

@@ -82,3 +82,13 @@ def test_chunk_counts_that_do_not_split_the_rows_are_one_error_line(capsys) -> N
 
     assert chunk_cost.main(["--rows", "8", "--chunks", "1", "3"]) == 2
     assert capsys.readouterr().err.strip() == "error: --chunks 3: each chunk count must divide --rows 8"
+
+
+def test_the_chunk_price_is_fitted_from_the_fastest_split_on() -> None:
+    import chunk_cost
+
+    tokens = 1000
+    seconds = {1: 2.0, 2: 1.0 + 0.01 * 2, 4: 1.0 + 0.01 * 4, 8: 1.0 + 0.01 * 8}  # one chunk slow per token
+    fit = chunk_cost.fit_small_chunks(list(seconds), list(seconds.values()), tokens)
+    assert fit["fastest_chunks"] == 2 and abs(fit["seconds_per_chunk"] - 0.01) < 1e-12
+    assert round(fit["chunk_cost_tokens"]) == 10 and [round(s["chunk_cost_tokens"]) for s in fit["steps"]][1:] == [10, 10]
