@@ -325,8 +325,8 @@ def test_the_grid_script_runs_the_masking_pair_on_a_stand_in_toolkit(tmp_path, m
 
 
 def test_a_grid_cut_short_leaves_its_finished_cells(tmp_path, monkeypatch, stand_in):
-    """With --parallel 2, a cell runs to its end before the third one starts: when each cell's training begins,
-    the results file already holds every cell but the two that run at once."""
+    """With --parallel 2, a cell runs to its end before the third one starts: when a cell's training begins, the
+    results file holds every cell started before it but the one still running beside it."""
     import scifact_grid as grid
 
     results, saved_at_train = tmp_path / "grid.json", []
