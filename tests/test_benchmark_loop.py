@@ -325,8 +325,8 @@ def test_the_grid_script_runs_the_masking_pair_on_a_stand_in_toolkit(tmp_path, m
 
 
 def test_a_grid_cut_short_leaves_its_finished_cells(tmp_path, monkeypatch, stand_in):
-    """With --parallel 2, a cell runs to its end before the third one starts: when a cell's training begins, the
-    results file holds every cell started before it but the one still running beside it."""
+    """With --parallel 2, a cell runs to its end before the third one starts: when the k-th training begins, the
+    results file holds at least k - 2 cells (every cell started before it but the one that may run beside it)."""
     import scifact_grid as grid
 
     results, saved_at_train = tmp_path / "grid.json", []
@@ -342,7 +342,7 @@ def test_a_grid_cut_short_leaves_its_finished_cells(tmp_path, monkeypatch, stand
                       "--results", str(results), "--parallel", "2", "--batches", "8", "16", "--negatives", "0", "1",
                       "--masking", "on", "--model", "MODEL"]) == 0
     assert len(json.loads(results.read_text())["cells"]) == 4
-    assert sorted(saved_at_train) == [0, 0, 1, 2]
+    assert all(saved >= k - 2 for k, saved in enumerate(sorted(saved_at_train), start=1)), saved_at_train
 
 
 def test_a_report_holds_its_head_its_body_and_every_phase(tmp_path: Path) -> None:
