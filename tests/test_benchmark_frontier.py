@@ -68,6 +68,24 @@ def test_padding_statistics_without_the_data_are_one_error_line(tmp_path: Path, 
     assert not out.exists()
 
 
+def test_bad_padding_flags_are_one_error_line(tmp_path: Path, capsys) -> None:
+    import gzip
+
+    import scifact_padding
+
+    (tmp_path / "queries.jsonl").write_text("".join(f'{{"_id": "q{i}", "text": "claim {i}"}}\n' for i in range(4)))
+    with gzip.open(tmp_path / "corpus.jsonl.gz", "wt") as f:
+        f.writelines(f'{{"_id": "d{i}", "title": "t", "text": "passage {i}"}}\n' for i in range(4))
+    out = tmp_path / "padding.json"
+    for flags, message in ((["--samples", "0"], "error: --samples 0: must be at least 1"),
+                           (["--batch", "8"], "error: --batch 8: more rows than the 4 texts to sample from; "
+                                              "give a smaller batch")):
+        code = scifact_padding.report_errors(
+            lambda: scifact_padding.main(["--data", str(tmp_path), "--output", str(out), *flags]))
+        assert code == 2 and capsys.readouterr().err.strip() == message
+    assert not out.exists()
+
+
 def test_the_chunk_cost_fit_recovers_a_known_token_and_chunk_price() -> None:
     import chunk_cost
 
@@ -82,6 +100,8 @@ def test_chunk_counts_that_do_not_split_the_rows_are_one_error_line(capsys) -> N
 
     assert chunk_cost.main(["--rows", "8", "--chunks", "1", "3"]) == 2
     assert capsys.readouterr().err.strip() == "error: --chunks 3: each chunk count must divide --rows 8"
+    assert chunk_cost.main(["--device", "nowhere"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --device nowhere: not a torch device; give cpu or cuda"
 
 
 def test_the_chunk_price_is_fitted_from_the_fastest_split_on() -> None:
