@@ -82,9 +82,10 @@ class LoopSettings:
     min_margin: Optional[float] = opt(None, "also --min-margin M when mining (absolute, below the lowest positive)")
     filters: tuple = opt(("none", "0.95"), "positive-aware choices tried on the dev split: none or a ratio R")
     round2: tuple = opt(("base:round1", "round1:round1", "base:union"),
-                        "round-2 recipes tried on the dev split, INIT:NEGATIVES: INIT base (zero-shot model) or round1 "
-                        "(round-1 model), NEGATIVES round1 (mined by the round-1 model) or union (those and the "
-                        "round-0 ones, deduplicated per query)")
+                        "round-2 recipes tried on the dev split, INIT:NEGATIVES[:FILTER]: INIT base (zero-shot model) "
+                        "or round1 (round-1 model), NEGATIVES round1 (mined by the round-1 model) or union (those and "
+                        "the round-0 ones, deduplicated per query), FILTER none or a ratio R for the round-1 model's "
+                        "mining (default: the filter chosen for round 1)")
     refit: bool = opt(True, "after choosing on dev, train rounds 1 and 2 on all training queries")
     dev_fraction: float = opt(0.2, "share of the training queries held out as dev")
     encode_batch_size: int = opt(64, "encoding batch size")
@@ -424,13 +425,26 @@ def held_out_entry(name: str, trained: dict, **extra: Any) -> dict:
             "dev_held_out": True, "phases": trained["phases"], **extra}
 
 
-def parse_candidate(text: str) -> tuple[str, str]:
-    """A ``--round2`` recipe ``INIT:NEGATIVES`` as ``(init, negatives)``."""
-    init, _, negatives = text.partition(":")
-    if init not in ("base", "round1") or negatives not in ("round1", "union"):
-        raise DprGcError(f"--round2: {text!r} is not INIT:NEGATIVES with INIT base or round1 and NEGATIVES round1 "
-                         "or union (e.g. base:union)")
-    return init, negatives
+def parse_candidate(text: str) -> tuple[str, str, Optional[str]]:
+    """A ``--round2`` recipe ``INIT:NEGATIVES[:FILTER]`` as ``(init, negatives, filter or None)``."""
+    init, negatives, *rest = text.split(":")
+    if init not in ("base", "round1") or negatives not in ("round1", "union") or len(rest) > 1:
+        raise DprGcError(f"--round2: {text!r} is not INIT:NEGATIVES[:FILTER] with INIT base or round1, NEGATIVES "
+                         "round1 or union and FILTER none or a ratio (e.g. base:union or round1:round1:0.95)")
+    if rest:
+        try:
+            parse_filter(rest[0])
+        except DprGcError:
+            raise DprGcError(f"--round2: {text!r}: FILTER must be none or a ratio > 0 (e.g. 0.95)") from None
+    return init, negatives, rest[0] if rest else None
+
+
+def round2_filter(recipe: str, chosen: str) -> tuple[str, str, str, str]:
+    """``(init, negatives, filter, suffix)`` of a round-2 recipe: its filter (that chosen for round 1 unless the
+    recipe names one) and the suffix its mining and candidate tags carry (empty for the chosen filter)."""
+    init, kind, choice = parse_candidate(recipe)
+    choice = choice or chosen
+    return init, kind, choice, "" if choice == chosen else f"-{choice}"
 
 
 def choose(options: list[dict], key: str) -> dict:
@@ -461,17 +475,20 @@ def round1_negatives(loop: Loop, tag: str, split: str, choice: str, base_model: 
     return loop.mine(tag, split, parse_filter(choice), dense, s.mine_source in ("bm25", "both"))
 
 
-def round2_negatives(loop: Loop, tag: str, split: str, ratio: Optional[float], round1: dict,
-                     kinds: Sequence[str]) -> dict[str, tuple[Path, dict]]:
-    """Negatives mined by the round-1 model ``round1`` for the queries of ``split``, per kind: ``round1`` (its
-    own) and ``union`` (added to its round-0 file ``round1["file"]``, one copy of each passage per query)."""
+def round2_negatives(loop: Loop, tag: str, split: str, round1: dict, kinds: Sequence[tuple[str, str, str]]
+                     ) -> dict[tuple[str, str], tuple[Path, dict]]:
+    """Negatives mined by the round-1 model ``round1`` for the queries of ``split``, per ``(kind, filter,
+    suffix)``: kind ``round1`` (its own) or ``union`` (added to its round-0 file ``round1["file"]``, one copy of
+    each passage per query), under the positive-aware ``filter``; keyed by ``(kind, filter)``."""
     kinds = list(dict.fromkeys(kinds))
 
-    def mine(kind: str) -> tuple[Path, dict]:
-        return loop.mine(f"{tag}-{kind}", split, ratio, (round1["model"], Path(round1["index"])), False,
+    def mine(key: tuple[str, str, str]) -> tuple[Path, dict]:
+        kind, choice, suffix = key
+        return loop.mine(f"{tag}-{kind}{suffix}", split, parse_filter(choice),
+                         (round1["model"], Path(round1["index"])), False,
                          append_to=Path(round1["file"]) if kind == "union" else None)
 
-    return dict(zip(kinds, loop.run.map(mine, kinds)))
+    return {(kind, choice): mined for (kind, choice, _), mined in zip(kinds, loop.run.map(mine, kinds))}
 
 
 def select_filter(loop: Loop, base_model: str, zero_index: Path, choice: str, score: bool = True) -> dict:
@@ -486,16 +503,16 @@ def select_filter(loop: Loop, base_model: str, zero_index: Path, choice: str, sc
 def select_round2(loop: Loop, base_model: str, fit_round1: dict) -> list[dict]:
     """Each ``--round2`` recipe trained on the fit queries (negatives mined by the chosen filter's fit round-1
     model), scored on dev and test."""
-    recipes = {text: parse_candidate(text) for text in loop.s.round2}
-    files = round2_negatives(loop, "cand-mine", "fit", parse_filter(fit_round1["filter"]), fit_round1,
-                             [kind for _, kind in recipes.values()])
+    recipes = {text: round2_filter(text, fit_round1["filter"]) for text in loop.s.round2}
+    files = round2_negatives(loop, "cand-mine", "fit", fit_round1, [r[1:] for r in recipes.values()])
 
     def candidate(text: str) -> dict:
-        init, kind = recipes[text]
-        tag = f"cand-{init}-{kind}"
-        option = trained_option(loop, tag, files[kind][0], base_model if init == "base" else fit_round1["model"])
-        return {"candidate": text, "init": init, "negatives": kind, **option, "mining": files[kind][1],
-                "phases": [p["name"] for p in loop.run.phases_of(f"cand-mine-{kind}", tag + "-")]}
+        init, kind, choice, suffix = recipes[text]
+        tag = f"cand-{init}-{kind}{suffix}"
+        file, counts = files[(kind, choice)]
+        option = trained_option(loop, tag, file, base_model if init == "base" else fit_round1["model"])
+        return {"candidate": text, "init": init, "negatives": kind, "filter": choice, **option, "mining": counts,
+                "phases": [p["name"] for p in loop.run.phases_of(f"cand-mine-{kind}{suffix}-mine", tag + "-")]}
 
     return loop.run.map(candidate, loop.s.round2)
 
@@ -510,14 +527,14 @@ def refit_round1(loop: Loop, base_model: str, zero_index: Path, choice: str) -> 
     return {"entry": entry, "model": model, "index": str(index), "file": str(file)}
 
 
-def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, ratio: Optional[float]) -> dict:
+def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, chosen_filter: str) -> dict:
     """Round 2 on all training queries with the chosen recipe, its negatives mined by the refit round-1 model."""
-    init, kind = parse_candidate(recipe)
-    file, counts = round2_negatives(loop, "round2-mine", "train", ratio, round1, [kind])[kind]
+    init, kind, choice, _ = round2_filter(recipe, chosen_filter)
+    file, counts = round2_negatives(loop, "round2-mine", "train", round1, [(kind, choice, "")])[(kind, choice)]
     model, trained = loop.train("round2", file, base_model if init == "base" else round1["model"])
     index = loop.index("round2", model)
     return round_entry("round2", loop.evaluate("round2", model, index), trained, loop.run.phases_of("round2-"),
-                       recipe=recipe, init=init, negatives=kind, negatives_per_query=negatives_per_query(file),
+                       recipe=recipe, init=init, negatives=kind, filter=choice, negatives_per_query=negatives_per_query(file),
                        trained_on="train", dev_held_out=False, mining=counts)
 
 
@@ -533,8 +550,9 @@ def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda o
                                      loop.run.phases_of("round0-"), dev_held_out=True))
     save(out)
     fit_round1 = [{"filter": s.filters[0]}]  # round 1 on fit: the filter options, or the only one for round 2
-    score = len(s.filters) > 1 or not s.refit  # an only filter is not scored when refit replaces its model
-    if score or len(s.round2) > 1:
+    # a fit round 1 is scored when it is compared: with other filters, or on dev with the round-2 candidates
+    score = len(s.filters) > 1 or len(s.round2) > 1 or not s.refit
+    if score:
         fit_round1 = loop.run.map(lambda c: select_filter(loop, base_model, zero_index, c, score), s.filters)
     out["selection"] = fit_round1 if score else []
     best = choose(fit_round1, "filter") if score else fit_round1[0]
@@ -549,11 +567,11 @@ def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda o
     if not s.refit:
         out["rounds"] += [held_out_entry("round1", best, filter=best["filter"]),
                           held_out_entry("round2", chosen, recipe=chosen["candidate"], init=chosen["init"],
-                                         negatives=chosen["negatives"])]
+                                         negatives=chosen["negatives"], filter=chosen["filter"])]
         return out
     out["rounds"].append(refit[0]["entry"])
     save(out)
-    out["rounds"].append(refit_round2(loop, base_model, refit[0], chosen["candidate"], parse_filter(best["filter"])))
+    out["rounds"].append(refit_round2(loop, base_model, refit[0], chosen["candidate"], best["filter"]))
     return out
 
 

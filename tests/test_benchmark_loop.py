@@ -78,6 +78,8 @@ def test_bad_loop_settings_give_one_error_line(tmp_path):
     assert not (tmp_path / "w").exists()
     for changes, message in (({"mine_source": "splade"}, "--mine-source"), ({"dev_fraction": 1.5}, "--dev-fraction"),
                              ({"round2": ("base:round0",)}, "--round2: 'base:round0'"),
+                             ({"round2": ("base:union:0.9:1",)}, "--round2: 'base:union:0.9:1'"),
+                             ({"round2": ("base:union:-1",)}, "FILTER must be none or a ratio"),
                              ({"round2": ("base:union", "base:union")}, "--round2 needs one or more different"),
                              ({"filters": ("none", "x")}, "--filters")):
         with pytest.raises(DprGcError, match=message):
@@ -171,10 +173,30 @@ def test_single_choices_train_nothing_on_fit(tmp_path):
     assert [c[1] for c in fake.calls] == ["round1-mine", "round1", "round2-mine-union", "round2"]
     assert fake.calls[-1] == ("train", "round2", "round2-mine-union/train.jsonl", "round1/final")
     fake = FakeLoop(tmp_path / "two-recipes", True, filters=("0.9",), round2=("round1:round1", "base:union"))
-    out = loop.run_loop(fake, "base")  # one filter: its fit round 1 is trained for the recipes, not scored
-    assert out["selection"] == [] and out["chosen_filter"] == "0.9" and len(out["round2_selection"]) == 2
-    assert "select-0.9-round1-train" in [p["name"] for p in fake.run.phases]
-    assert not [p for p in fake.run.phases if p["name"].startswith("select-0.9-round1-retrieve")]
+    out = loop.run_loop(fake, "base")  # one filter: its fit round 1 is trained for the recipes and scored beside them
+    assert [o["filter"] for o in out["selection"]] == ["0.9"] and out["selection"][0]["dev"]["ndcg@10"] == 0.70
+    assert out["chosen_filter"] == "0.9" and len(out["round2_selection"]) == 2
+    assert "select-0.9-round1-retrieve" in [p["name"] for p in fake.run.phases]
+
+
+def test_a_round2_recipe_may_name_its_own_mining_filter(tmp_path):
+    fake = FakeLoop(tmp_path, True, filters=("none",),
+                    round2=("round1:round1", "round1:round1:0.95", "round1:union:none"))
+    out = loop.run_loop(fake, "base")
+    assert [(c["candidate"], c["filter"], c["dev"]["ndcg@10"]) for c in out["round2_selection"]] == [
+        ("round1:round1", "none", 0.70), ("round1:round1:0.95", "0.95", 0.72), ("round1:union:none", "none", 0.70)]
+    assert out["chosen_round2"] == "round1:round1:0.95"
+    mines = [c[1:4] for c in fake.calls if c[0] == "mine"]
+    assert mines == [("select-none-mine", "fit", None), ("cand-mine-round1", "fit", None),
+                     ("cand-mine-round1-0.95", "fit", 0.95), ("cand-mine-union", "fit", None),
+                     ("round1-mine", "train", None), ("round2-mine-round1", "train", 0.95)]
+    trains = [c[1:] for c in fake.calls if c[0] == "train"]
+    assert ("cand-round1-round1-0.95", "cand-mine-round1-0.95/train.jsonl", "select-none-round1/final") in trains
+    assert trains[-1] == ("round2", "round2-mine-round1/train.jsonl", "round1/final")
+    assert out["rounds"][2]["filter"] == "0.95" and out["rounds"][1]["filter"] == "none"
+    assert out["round2_selection"][1]["phases"] == ["cand-mine-round1-0.95-mine-dense",
+                                                    "cand-round1-round1-0.95-train", "cand-round1-round1-0.95-encode",
+                                                    "cand-round1-round1-0.95-retrieve"]
 
 
 def sleeper(runner: "loop.Runner") -> "loop.Runner":
