@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,14 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_gradcache import (ORIGINAL, TEMPERATURE, PeakMemory, build_inputs, interleave, machine_info,  # noqa: E402
-                             make_step, original_version, st_version, tiny_model)
+from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, interleave,  # noqa: E402
+                             machine_info, make_step, original_version, run_child, st_version, tiny_model)
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import atomic_path, read_json_object, write_json  # noqa: E402
 
 logger = logging.getLogger("bench_frontier")
-RESULT_TAG = "RESULT "
 OURS, PLAIN, ST = "dpr-gc", "plain", "st-cmnrl"
 FIT_SLACK = 1.05
 
@@ -141,16 +139,7 @@ def run_one(cfg: dict) -> dict:
 def launch(cfg: dict, timeout: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "TQDM_DISABLE": "1",
            "MALLOC_MMAP_THRESHOLD_": "131072"}
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {**cfg, "error": f"timed out after {timeout} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {**cfg, "error": f"exit {proc.returncode}: {tail}"}
+    return run_child(__file__, cfg, env, timeout)
 
 
 # ----------------------------------------------------------------------------------------------- the frontier

@@ -340,8 +340,14 @@ def launch(cfg: dict, timeout: int) -> dict:
     if cfg["mmap_threshold"]:
         # A fixed threshold stops glibc from keeping freed large blocks, so the resident set follows live memory.
         env["MALLOC_MMAP_THRESHOLD_"] = str(cfg["mmap_threshold"])
+    return run_child(__file__, cfg, env, timeout)
+
+
+def run_child(script: str, cfg: dict, env: dict, timeout: int) -> dict:
+    """``python SCRIPT --one CFG`` with ``env``: its stdout line tagged ``RESULT``, else ``cfg`` with an ``error``
+    (the time limit, or the exit status and the last line of stderr)."""
     try:
-        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, script, "--one", json.dumps(cfg)], capture_output=True, text=True,
                               timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {**cfg, "error": f"timed out after {timeout} s"}
