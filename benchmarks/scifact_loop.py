@@ -12,9 +12,10 @@ trained on ``fit`` (their test figures are recorded as the choice's measured eff
 
 1. the mining filter: each ``--filters`` choice (``none`` or a ratio R for ``--max-negative-ratio``) mines the fit
    queries with the zero-shot model and trains round 1 on them;
-2. the round-2 recipe: each ``--round2`` candidate ``INIT:NEGATIVES`` trains round 2 on the fit queries from INIT
-   (``base``: the zero-shot model; ``round1``: the chosen filter's fit round-1 model) on NEGATIVES (``round1``: mined
-   for the fit queries by that round-1 model; ``union``: those and the round-0 ones, deduplicated per query).
+2. the round-2 recipe: each ``--round2`` candidate ``INIT:NEGATIVES[:FILTER]`` trains round 2 on the fit queries
+   from INIT (``base``: the zero-shot model; ``round1``: the chosen filter's fit round-1 model) on NEGATIVES
+   (``round1``: mined for the fit queries by that round-1 model; ``union``: those and the round-0 ones, deduplicated
+   per query), mined under FILTER (default: the filter chosen in 1); the fit round 1 is scored beside them.
 
 With ``--refit`` (default) round 1 and then the chosen round-2 recipe are trained on all training queries; a choice
 with one option is not trained on fit. ``--parallel N`` runs independent commands N at a time (the options of a
@@ -534,8 +535,9 @@ def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, chosen_
     model, trained = loop.train("round2", file, base_model if init == "base" else round1["model"])
     index = loop.index("round2", model)
     return round_entry("round2", loop.evaluate("round2", model, index), trained, loop.run.phases_of("round2-"),
-                       recipe=recipe, init=init, negatives=kind, filter=choice, negatives_per_query=negatives_per_query(file),
-                       trained_on="train", dev_held_out=False, mining=counts)
+                       recipe=recipe, init=init, negatives=kind, filter=choice,
+                       negatives_per_query=negatives_per_query(file), trained_on="train", dev_held_out=False,
+                       mining=counts)
 
 
 def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda out: None) -> dict:
