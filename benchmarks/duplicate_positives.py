@@ -64,15 +64,20 @@ def count(data, batch_size: int, hard: int, epochs: int, seed: int) -> list[dict
     return per_epoch
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def replay_parser(doc: str, results_name: str) -> argparse.ArgumentParser:
+    """The flags of a sampler replay (this script and filled_negatives.py): data, batch, epochs, seed, output."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR folder")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--hard-negatives", type=int, default=1)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "duplicate-positives.json"))
-    args = p.parse_args(argv)
+    p.add_argument("--batch-size", type=int, default=256, help="questions per global batch")
+    p.add_argument("--hard-negatives", type=int, default=1, help="hard negatives per question")
+    p.add_argument("--epochs", type=int, default=6, help="epochs to replay")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed")
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / results_name), help="results JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = replay_parser(__doc__, "duplicate-positives.json").parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
         data = load_training_data([args.data], cache)

@@ -11,7 +11,6 @@ rules; no model is involved, so it takes seconds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -24,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from dpr_gc.data.training import TrainingExamples, load_training_data  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
+from duplicate_positives import replay_parser  # noqa: E402
 
 
 def count(data, batch_size: int, hard: int, epochs: int, seed: int, global_batch: bool) -> dict:
@@ -46,14 +46,7 @@ def count(data, batch_size: int, hard: int, epochs: int, seed: int, global_batch
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR folder")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--hard-negatives", type=int, default=1)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "filled-negatives.json"))
-    args = p.parse_args(argv)
+    args = replay_parser(__doc__, "filled-negatives.json").parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
         data = load_training_data([args.data], cache)
