@@ -64,6 +64,25 @@ def test_every_budget_gives_the_full_batch_gradient(make_retriever, shared, n_ha
     check_budgets(modules, loss_fn, q, p, expected, chunking=Chunking(sort_by_length=True))
 
 
+@pytest.mark.parametrize("keep_last", [True, False])
+def test_the_report_says_which_kept_graph_the_budget_did_not_admit(make_retriever, keep_last):
+    """At budget 0 the one kept graph is the step's last chunk (never replayed); the log line names it as such
+    instead of claiming it fitted a budget of 0 B."""
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    q, p = make_batch(retriever, 8, 0, seed=3)
+    gc = GradCache(modules, CHUNK, SimpleContrastiveLoss(0), memory_budget=0,
+                   chunking=Chunking(keep_last_graph=keep_last))
+    gc(q, p)
+    report, chunks = gc.last_step, sum(gc.last_step.chunks)
+    assert report.kept_last == sum(report.kept) == int(keep_last)
+    if keep_last:
+        assert f"kept the graphs of 1/{chunks} chunks" in report.describe()
+        assert "the step's last chunk, never replayed, and 0 within a budget of 0 B" in report.describe()
+    else:
+        assert f"kept the graphs of 0/{chunks} chunks (0% of tokens, 0 B: 0 within a budget of 0 B)" in report.describe()
+
+
 @pytest.mark.slow  # 34 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_budget_with_dropout_replays_only_what_it_drops(make_retriever):
     retriever = make_retriever(shared=False, dropout=0.2).train()

@@ -171,11 +171,13 @@ class StepMemory:
     """What one cached step kept and measured (``GradCache.last_step``): chunks per model, chunks kept (graph from
     the first pass, not replayed), the share of the batch's tokens (rows where no sequence length is known) in
     kept chunks, the kept graphs' bytes, the largest chunk graph measured and the peak of graph memory held during
-    the first pass (kept graphs plus the chunk being run), and the budget in bytes."""
+    the first pass (kept graphs plus the chunk being run), and the budget in bytes. ``kept_last`` is 1 when the step's
+    last chunk kept its graph whatever the budget (the backward follows it at once; see ``keep_last_graph``)."""
 
     budget: int = 0
     chunks: list[int] = dataclasses.field(default_factory=list)
     kept: list[int] = dataclasses.field(default_factory=list)
+    kept_last: int = 0
     kept_tokens: int = 0
     tokens: int = 0
     kept_bytes: int = 0
@@ -187,8 +189,10 @@ class StepMemory:
         return self.kept_tokens / self.tokens if self.tokens else 0.0
 
     def describe(self) -> str:
+        last = "the step's last chunk, never replayed, and " if self.kept_last else ""
         return (f"kept the graphs of {sum(self.kept)}/{sum(self.chunks)} chunks ({100 * self.kept_share:.0f}% of "
-                f"tokens, {format_bytes(self.kept_bytes)}) within a budget of {format_bytes(self.budget)}; "
+                f"tokens, {format_bytes(self.kept_bytes)}: {last}{sum(self.kept) - self.kept_last} within a budget "
+                f"of {format_bytes(self.budget)}); "
                 f"largest chunk graph {format_bytes(self.largest_graph)}, peak graph memory "
                 f"{format_bytes(self.peak_graph_bytes)}")
 
@@ -220,6 +224,7 @@ class BudgetLedger:
         self.report.largest_graph = max(self.report.largest_graph, cost)
         self.report.peak_graph_bytes = max(self.report.peak_graph_bytes, self.held + cost)
         keep = force or self.held + cost <= self.report.budget
+        self.report.kept_last += force
         if keep:
             self.held += cost
             self.copies.update(new_copies)
