@@ -20,6 +20,9 @@ trained on ``fit`` (their test figures are recorded as the choice's measured eff
 With ``--refit`` (default) round 1 and then the chosen round-2 recipe are trained on all training queries; a choice
 with one option is not trained on fit. ``--parallel N`` runs independent commands N at a time (the options of a
 choice side by side, the refit round 1 beside the round-2 choice); results keep the sequential order.
+``--train-seeds N ...`` then trains the refit rounds 1 and 2 again with each training seed (tags ``seed<N>-round1``,
+``seed<N>-round2``; round 1 on the same negatives, round 2 on those its own round-1 model mines) and records each
+round's nDCG@10 over the seeds (``seed_spread``); they may be added to a finished run's folder.
 
     python benchmarks/scifact_loop.py --quick                       # smoke test, a few minutes on a CPU
     python benchmarks/scifact_loop.py --device cuda --model PATH --output DIR --parallel 4
@@ -37,6 +40,7 @@ import logging
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -91,6 +95,9 @@ class LoopSettings:
     dev_fraction: float = opt(0.2, "share of the training queries held out as dev")
     encode_batch_size: int = opt(64, "encoding batch size")
     seed: int = opt(0, "random seed (training and the dev split)")
+    train_seeds: tuple = opt((), "after the refit, rounds 1 and 2 on all training queries again with each of these "
+                                 "training seeds (the dev split, the choices and round 1's negatives stay --seed's): "
+                                 "how far the seed alone moves each round")
 
 
 # --quick: tiny lengths and batches in fp32, one filter and two round-2 recipes (both inits, both kinds of negatives)
@@ -340,9 +347,10 @@ class Loop:
         return previous, counts
 
     def train(self, tag: str, train_file: Path, init: str, hard_negatives: Optional[int] = None,
-              batch_size: Optional[int] = None, mask: bool = True) -> tuple[str, dict]:
+              batch_size: Optional[int] = None, mask: bool = True, seed: Optional[int] = None) -> tuple[str, dict]:
         """Train from ``init`` on ``train_file`` (``mask``: duplicate positives masked, else the loss of DPR and
-        GC-DPR); returns the final model folder and the train command's record."""
+        GC-DPR; ``seed``: the training seed, default ``--seed``); returns the final model folder and the train
+        command's record."""
         s = self.s
         batch = batch_size or s.batch_size
         queries = sum(1 for line in open(train_file, encoding="utf-8") if line.strip())
@@ -358,8 +366,8 @@ class Loop:
             "--passage-chunk-size", s.chunk_size, "--hard-negatives",
             s.hard_negatives if hard_negatives is None else hard_negatives, "--learning-rate", s.learning_rate,
             "--epochs", s.epochs, "--warmup-steps", max(1, round(s.warmup_ratio * steps)), "--precision",
-            s.precision, "--seed", s.seed, "--cache-dir", self.cache, *self.run.device_args(), *resume,
-            *([] if mask else ["--no-mask-duplicate-positives"])])
+            s.precision, "--seed", s.seed if seed is None else seed, "--cache-dir", self.cache,
+            *self.run.device_args(), *resume, *([] if mask else ["--no-mask-duplicate-positives"])])
         record.update(steps=steps, training_queries=queries, batch_size=batch, mask_duplicate_positives=mask,
                       masked_scores=masked_scores(out / "metrics.jsonl"))
         return str(out / "final"), record
@@ -518,26 +526,60 @@ def select_round2(loop: Loop, base_model: str, fit_round1: dict) -> list[dict]:
     return loop.run.map(candidate, loop.s.round2)
 
 
-def refit_round1(loop: Loop, base_model: str, zero_index: Path, choice: str) -> dict:
-    """Round 1 on all training queries with the chosen filter: its round entry, model, index and file."""
-    file, counts = round1_negatives(loop, "round1-mine", "train", choice, base_model, zero_index)
-    model, trained = loop.train("round1", file, base_model)
-    index = loop.index("round1", model)
-    entry = round_entry("round1", loop.evaluate("round1", model, index), trained, loop.run.phases_of("round1-"),
-                        filter=choice, trained_on="train", dev_held_out=False, mining=counts)
+def refit_round1(loop: Loop, base_model: str, zero_index: Optional[Path], choice: str, seed: Optional[int] = None,
+                 mined: Optional[tuple[Path, dict]] = None) -> dict:
+    """Round 1 on all training queries with the chosen filter: its round entry, model, index and file. With a
+    training ``seed`` (a replicate) its tags start ``seed<N>-`` and ``mined`` (round 1's file and counts) is reused."""
+    prefix = f"seed{seed}-" if seed is not None else ""
+    file, counts = mined or round1_negatives(loop, "round1-mine", "train", choice, base_model, zero_index)
+    model, trained = loop.train(f"{prefix}round1", file, base_model, seed=seed)
+    index = loop.index(f"{prefix}round1", model)
+    entry = round_entry("round1", loop.evaluate(f"{prefix}round1", model, index), trained,
+                        loop.run.phases_of(f"{prefix}round1-"), filter=choice, trained_on="train",
+                        dev_held_out=False, mining=counts, **({"seed": seed} if prefix else {}))
     return {"entry": entry, "model": model, "index": str(index), "file": str(file)}
 
 
-def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, chosen_filter: str) -> dict:
-    """Round 2 on all training queries with the chosen recipe, its negatives mined by the refit round-1 model."""
+def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, chosen_filter: str,
+                 seed: Optional[int] = None) -> dict:
+    """Round 2 on all training queries with the chosen recipe, its negatives mined by the refit round-1 model
+    ``round1`` (a replicate's with a training ``seed``: tags ``seed<N>-round2...``)."""
+    prefix = f"seed{seed}-" if seed is not None else ""
     init, kind, choice, _ = round2_filter(recipe, chosen_filter)
-    file, counts = round2_negatives(loop, "round2-mine", "train", round1, [(kind, choice, "")])[(kind, choice)]
-    model, trained = loop.train("round2", file, base_model if init == "base" else round1["model"])
-    index = loop.index("round2", model)
-    return round_entry("round2", loop.evaluate("round2", model, index), trained, loop.run.phases_of("round2-"),
-                       recipe=recipe, init=init, negatives=kind, filter=choice,
-                       negatives_per_query=negatives_per_query(file), trained_on="train", dev_held_out=False,
-                       mining=counts)
+    file, counts = round2_negatives(loop, f"{prefix}round2-mine", "train", round1,
+                                    [(kind, choice, "")])[(kind, choice)]
+    model, trained = loop.train(f"{prefix}round2", file, base_model if init == "base" else round1["model"],
+                                seed=seed)
+    index = loop.index(f"{prefix}round2", model)
+    return round_entry("round2", loop.evaluate(f"{prefix}round2", model, index), trained,
+                       loop.run.phases_of(f"{prefix}round2-"), recipe=recipe, init=init, negatives=kind,
+                       filter=choice, negatives_per_query=negatives_per_query(file), trained_on="train",
+                       dev_held_out=False, mining=counts, **({"seed": seed} if prefix else {}))
+
+
+def replicate(loop: Loop, base_model: str, round1: dict, recipe: str, chosen_filter: str, seed: int) -> dict:
+    """Rounds 1 and 2 refit again with training seed ``seed``: round 1 on the main run's round-1 negatives, round 2
+    on negatives mined by this seed's round-1 model."""
+    again = refit_round1(loop, base_model, None, chosen_filter, seed,
+                         (Path(round1["file"]), round1["entry"]["mining"]))
+    return {"seed": seed, "rounds": [again["entry"], refit_round2(loop, base_model, again, recipe, chosen_filter,
+                                                                  seed)]}
+
+
+def seed_spread(seed: int, rounds: list[dict], replicates: list[dict]) -> dict:
+    """Test nDCG@10 of the refit rounds 1 and 2 per training seed (``seed``'s, then the replicates'): the values,
+    their mean, sample standard deviation, range, how many reach 0.80, and round 2 minus round 1 per seed."""
+    runs = [(seed, rounds[-2:])] + [(r["seed"], r["rounds"]) for r in replicates]
+    spread: dict[str, Any] = {"seeds": [n for n, _ in runs]}
+    for i, name in enumerate(("round1", "round2")):
+        values = [r[i]["ndcg@10"] for _, r in runs]
+        spread[name] = {"ndcg@10": values, "mean": round(statistics.mean(values), 4),
+                        "sd": round(statistics.stdev(values), 4), "min": min(values), "max": max(values),
+                        "at_least_0.80": sum(v >= 0.80 for v in values)}
+    gains = [round(r[1]["ndcg@10"] - r[0]["ndcg@10"], 4) for _, r in runs]
+    spread["round2_minus_round1"] = {"per_seed": gains, "mean": round(statistics.mean(gains), 4),
+                                     "sd": round(statistics.stdev(gains), 4), "positive": sum(g > 0 for g in gains)}
+    return spread
 
 
 def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda out: None) -> dict:
@@ -574,6 +616,11 @@ def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda o
     out["rounds"].append(refit[0]["entry"])
     save(out)
     out["rounds"].append(refit_round2(loop, base_model, refit[0], chosen["candidate"], best["filter"]))
+    if s.train_seeds:
+        save(out)
+        out["replicates"] = loop.run.map(lambda n: replicate(loop, base_model, refit[0], chosen["candidate"],
+                                                             best["filter"], n), s.train_seeds)
+        out["seed_spread"] = seed_spread(s.seed, out["rounds"], out["replicates"])
     return out
 
 
@@ -594,8 +641,9 @@ def add_settings_flags(p: argparse.ArgumentParser, settings_class: type, skip: t
         if isinstance(value, bool):
             p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                            help="do not: " + text)
-        elif isinstance(value, tuple):
-            p.add_argument(flag, nargs="+", type=type(value[0]), default=None, help=f"{text} (default {value})")
+        elif isinstance(value, tuple):  # an empty default holds integers (--train-seeds)
+            p.add_argument(flag, nargs="+", type=type(value[0]) if value else int, default=None,
+                           help=f"{text} (default {' '.join(map(str, value)) or 'none'})")
         else:
             kind = float if f.name == "min_margin" else type(value)
             p.add_argument(flag, type=kind, default=None, help=f"{text} (default {value})")
@@ -677,6 +725,11 @@ def check(s: LoopSettings) -> None:
         raise DprGcError(f"--dev-fraction must be between 0 and 1, got {s.dev_fraction}")
     for choice in s.filters:
         parse_filter(choice)
+    if s.train_seeds and (len(set(s.train_seeds)) != len(s.train_seeds) or s.seed in s.train_seeds):
+        raise DprGcError(f"--train-seeds needs different seeds other than --seed {s.seed}, got "
+                         f"{' '.join(map(str, s.train_seeds))}")
+    if s.train_seeds and not s.refit:
+        raise DprGcError("--train-seeds repeats the refit rounds: it cannot go with --no-refit")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -723,7 +776,7 @@ def run(args: argparse.Namespace) -> None:
     s = settings_from(args, LoopSettings, QUICK)
     check(s)
     began = time.perf_counter()
-    work, results, model = open_work(args, "scifact-loop", s)
+    work, results, model = open_work(args, "scifact-loop", s, free=("train_seeds",))
     data = prepare_data(Path(args.data), work, args.quick, s.dev_fraction, s.seed)
     loop = Loop(Runner(work, args.device, args.parallel), s, data)
 
@@ -744,6 +797,10 @@ def run(args: argparse.Namespace) -> None:
               f"{r['recall@100']:.4f}  train {r['train_s'] or 0:.0f} s  peak RSS {r['peak_rss_mb']:.0f} MB")
     for key, options in (("filter", out["selection"]), ("candidate", out["round2_selection"])):
         print(f"{key} on dev: " + ", ".join(f"{o[key]} {o['dev']['ndcg@10']:.4f}" for o in options))
+    for name in ("round1", "round2") if "seed_spread" in out else ():
+        spread = out["seed_spread"][name]
+        print(f"{name} nDCG@10 over seeds {out['seed_spread']['seeds']}: mean {spread['mean']:.4f} sd "
+              f"{spread['sd']:.4f} ({' '.join(f'{v:.4f}' for v in spread['ndcg@10'])})")
     print(f"wall {report['wall_s_this_invocation']:.0f} s with --parallel {args.parallel}\nresults: {results}")
 
 

@@ -81,7 +81,10 @@ def test_bad_loop_settings_give_one_error_line(tmp_path):
                              ({"round2": ("base:union:0.9:1",)}, "--round2: 'base:union:0.9:1'"),
                              ({"round2": ("base:union:-1",)}, "FILTER must be none or a ratio"),
                              ({"round2": ("base:union", "base:union")}, "--round2 needs one or more different"),
-                             ({"filters": ("none", "x")}, "--filters")):
+                             ({"filters": ("none", "x")}, "--filters"),
+                             ({"train_seeds": (1, 0)}, "--train-seeds needs different seeds other than --seed 0"),
+                             ({"train_seeds": (2, 2)}, "--train-seeds needs different seeds"),
+                             ({"train_seeds": (1,), "refit": False}, "cannot go with --no-refit")):
         with pytest.raises(DprGcError, match=message):
             loop.check(loop.LoopSettings(**changes))
 
@@ -117,8 +120,8 @@ class FakeLoop:
         path.write_text(line * 2)
         return path, {"dense": {"dropped by max negative ratio": 3}}
 
-    def train(self, tag, file, init, hard_negatives=None, batch_size=None, mask=True):
-        self.calls.append(("train", tag, str(Path(file).relative_to(self.work)), init))
+    def train(self, tag, file, init, hard_negatives=None, batch_size=None, mask=True, seed=None):
+        self.calls.append(("train", tag, str(Path(file).relative_to(self.work)), init) + ((seed,) if seed else ()))
         self._phase(f"{tag}-train")
         return f"{tag}/final", {"wall_s": 10.0, "peak_rss_mb": 500.0, "steps": 18}
 
@@ -197,6 +200,40 @@ def test_a_round2_recipe_may_name_its_own_mining_filter(tmp_path):
     assert out["round2_selection"][1]["phases"] == ["cand-mine-round1-0.95-mine-dense",
                                                     "cand-round1-round1-0.95-train", "cand-round1-round1-0.95-encode",
                                                     "cand-round1-round1-0.95-retrieve"]
+
+
+class SeededFakeLoop(FakeLoop):
+    """FakeLoop whose test nDCG@10 is 0.79 for round 1 and 0.80 for round 2, plus 0.01 per training seed."""
+
+    def evaluate(self, tag, model, index, splits=("test", "dev")):
+        scores = super().evaluate(tag, model, index, splits)
+        seed = int(tag[4:tag.index("-")]) if tag.startswith("seed") else 0
+        if tag.endswith(("round1", "round2")) and "test" in scores:
+            scores["test"]["ndcg@10"] = round((0.79 if tag.endswith("round1") else 0.80) + 0.01 * seed, 4)
+        return scores
+
+
+def test_train_seeds_repeat_the_refit_rounds_and_give_their_spread(tmp_path):
+    fake = SeededFakeLoop(tmp_path, True, filters=("none",), round2=("round1:round1:0.95",), train_seeds=(1, 3))
+    out = loop.run_loop(fake, "base")
+    trains = [c[1:] for c in fake.calls if c[0] == "train"]
+    assert trains == [("round1", "round1-mine/train.jsonl", "base"),
+                      ("round2", "round2-mine-round1/train.jsonl", "round1/final"),
+                      ("seed1-round1", "round1-mine/train.jsonl", "base", 1),  # round 1's negatives, not mined again
+                      ("seed1-round2", "seed1-round2-mine-round1/train.jsonl", "seed1-round1/final", 1),
+                      ("seed3-round1", "round1-mine/train.jsonl", "base", 3),
+                      ("seed3-round2", "seed3-round2-mine-round1/train.jsonl", "seed3-round1/final", 3)]
+    mines = [c[1:5] for c in fake.calls if c[0] == "mine"]
+    assert mines[2:] == [("seed1-round2-mine-round1", "train", 0.95, "seed1-round1/final"),
+                         ("seed3-round2-mine-round1", "train", 0.95, "seed3-round1/final")]
+    assert [(r["seed"], [(e["name"], e["seed"], e["ndcg@10"]) for e in r["rounds"]]) for r in out["replicates"]] == [
+        (1, [("round1", 1, 0.80), ("round2", 1, 0.81)]), (3, [("round1", 3, 0.82), ("round2", 3, 0.83)])]
+    assert out["replicates"][0]["rounds"][1]["phases"][0] == "seed1-round2-mine-round1-mine-dense"
+    spread = out["seed_spread"]
+    assert spread["seeds"] == [0, 1, 3] and spread["round1"]["ndcg@10"] == [0.79, 0.80, 0.82]
+    assert spread["round2"]["mean"] == pytest.approx(0.8133, abs=1e-4) and spread["round2"]["at_least_0.80"] == 3
+    assert spread["round1"]["sd"] == pytest.approx(0.0153, abs=1e-4) and spread["round1"]["at_least_0.80"] == 2
+    assert spread["round2_minus_round1"] == {"per_seed": [0.01, 0.01, 0.01], "mean": 0.01, "sd": 0.0, "positive": 3}
 
 
 def sleeper(runner: "loop.Runner") -> "loop.Runner":
@@ -326,6 +363,17 @@ def test_the_loop_script_runs_end_to_end_on_a_stand_in_toolkit(tmp_path, monkeyp
     retrieves = [c for c in stand_in.commands if c[0] == "retrieve"]
     assert retrieves and all(c[c.index("--qrels") + 1].endswith("test+dev.tsv") for c in retrieves)
     assert "round2" in capsys.readouterr().out
+    ran = len(stand_in.commands)  # seeds added to the finished run: only the replicates' commands run
+    assert loop.main(["--quick", "--data", str(tmp_path / "beir"), "--output", str(tmp_path / "w"), "--results",
+                      str(results), "--parallel", "3", "--model", "MODEL", "--filters", "none", "0.95",
+                      "--round2", "base:round1", "round1:round1", "base:union", "--train-seeds", "4"]) == 0
+    added = stand_in.commands[ran:]
+    assert [c[0] for c in added] == ["train", "encode", "index", "retrieve", "evaluate", "evaluate", "mine", "train",
+                                     "encode", "index", "retrieve", "evaluate", "evaluate"]
+    assert all(c[c.index("--seed") + 1] == "4" for c in added if c[0] == "train")
+    report = json.loads(results.read_text())
+    assert report["seed_spread"]["seeds"] == [0, 4] and report["replicates"][0]["rounds"][1]["seed"] == 4
+    assert "round2 nDCG@10 over seeds [0, 4]" in capsys.readouterr().out
 
 
 def test_the_grid_script_runs_the_masking_pair_on_a_stand_in_toolkit(tmp_path, monkeypatch, stand_in):
