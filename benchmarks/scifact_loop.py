@@ -62,8 +62,9 @@ logger = logging.getLogger("scifact_loop")
 METRICS = {"ndcg@10": "nDCG@10", "mrr@10": "MRR@10", "recall@100": "Recall@100"}
 
 
-def opt(default: Any, help_text: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help_text})
+def opt(default: Any, help_text: str, kind: Optional[type] = None) -> Any:
+    """A setting: its default, help and (where the default cannot tell: None, an empty tuple) its flag's value type."""
+    return dataclasses.field(default=default, metadata={"help": help_text, "kind": kind})
 
 
 @dataclasses.dataclass
@@ -84,7 +85,8 @@ class LoopSettings:
     mine_top_k: int = opt(30, "candidates retrieved per query when mining")
     mine_skip: int = opt(0, "skip candidates ranked 1..N when mining")
     mine_keep: int = opt(8, "negatives kept per query")
-    min_margin: Optional[float] = opt(None, "also --min-margin M when mining (absolute, below the lowest positive)")
+    min_margin: Optional[float] = opt(None, "also --min-margin M when mining (absolute, below the lowest positive)",
+                                      float)
     filters: tuple = opt(("none", "0.95"), "positive-aware choices tried on the dev split: none or a ratio R")
     round2: tuple = opt(("base:round1", "round1:round1", "base:union"),
                         "round-2 recipes tried on the dev split, INIT:NEGATIVES[:FILTER]: INIT base (zero-shot model) "
@@ -97,7 +99,7 @@ class LoopSettings:
     seed: int = opt(0, "random seed (training and the dev split)")
     train_seeds: tuple = opt((), "after the refit, rounds 1 and 2 on all training queries again with each of these "
                                  "training seeds (the dev split, the choices and round 1's negatives stay --seed's): "
-                                 "how far the seed alone moves each round")
+                                 "how far the seed alone moves each round", int)
 
 
 # --quick: tiny lengths and batches in fp32, one filter and two round-2 recipes (both inits, both kinds of negatives)
@@ -526,17 +528,22 @@ def select_round2(loop: Loop, base_model: str, fit_round1: dict) -> list[dict]:
     return loop.run.map(candidate, loop.s.round2)
 
 
+def replicate_tag(seed: Optional[int]) -> tuple[str, dict]:
+    """The tag prefix (``seed<N>-``) and round-entry fields (``seed``) of a replicate; none for the main run."""
+    return (f"seed{seed}-", {"seed": seed}) if seed is not None else ("", {})
+
+
 def refit_round1(loop: Loop, base_model: str, zero_index: Optional[Path], choice: str, seed: Optional[int] = None,
                  mined: Optional[tuple[Path, dict]] = None) -> dict:
     """Round 1 on all training queries with the chosen filter: its round entry, model, index and file. With a
     training ``seed`` (a replicate) its tags start ``seed<N>-`` and ``mined`` (round 1's file and counts) is reused."""
-    prefix = f"seed{seed}-" if seed is not None else ""
+    prefix, extra = replicate_tag(seed)
     file, counts = mined or round1_negatives(loop, "round1-mine", "train", choice, base_model, zero_index)
     model, trained = loop.train(f"{prefix}round1", file, base_model, seed=seed)
     index = loop.index(f"{prefix}round1", model)
     entry = round_entry("round1", loop.evaluate(f"{prefix}round1", model, index), trained,
                         loop.run.phases_of(f"{prefix}round1-"), filter=choice, trained_on="train",
-                        dev_held_out=False, mining=counts, **({"seed": seed} if prefix else {}))
+                        dev_held_out=False, mining=counts, **extra)
     return {"entry": entry, "model": model, "index": str(index), "file": str(file)}
 
 
@@ -544,7 +551,7 @@ def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, chosen_
                  seed: Optional[int] = None) -> dict:
     """Round 2 on all training queries with the chosen recipe, its negatives mined by the refit round-1 model
     ``round1`` (a replicate's with a training ``seed``: tags ``seed<N>-round2...``)."""
-    prefix = f"seed{seed}-" if seed is not None else ""
+    prefix, extra = replicate_tag(seed)
     init, kind, choice, _ = round2_filter(recipe, chosen_filter)
     file, counts = round2_negatives(loop, f"{prefix}round2-mine", "train", round1,
                                     [(kind, choice, "")])[(kind, choice)]
@@ -554,7 +561,7 @@ def refit_round2(loop: Loop, base_model: str, round1: dict, recipe: str, chosen_
     return round_entry("round2", loop.evaluate(f"{prefix}round2", model, index), trained,
                        loop.run.phases_of(f"{prefix}round2-"), recipe=recipe, init=init, negatives=kind,
                        filter=choice, negatives_per_query=negatives_per_query(file), trained_on="train",
-                       dev_held_out=False, mining=counts, **({"seed": seed} if prefix else {}))
+                       dev_held_out=False, mining=counts, **extra)
 
 
 def replicate(loop: Loop, base_model: str, round1: dict, recipe: str, chosen_filter: str, seed: int) -> dict:
@@ -641,12 +648,12 @@ def add_settings_flags(p: argparse.ArgumentParser, settings_class: type, skip: t
         if isinstance(value, bool):
             p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                            help="do not: " + text)
-        elif isinstance(value, tuple):  # an empty default holds integers (--train-seeds)
-            p.add_argument(flag, nargs="+", type=type(value[0]) if value else int, default=None,
+        elif isinstance(value, tuple):
+            p.add_argument(flag, nargs="+", type=f.metadata["kind"] or type(value[0]), default=None,
                            help=f"{text} (default {' '.join(map(str, value)) or 'none'})")
         else:
-            kind = float if f.name == "min_margin" else type(value)
-            p.add_argument(flag, type=kind, default=None, help=f"{text} (default {value})")
+            p.add_argument(flag, type=f.metadata["kind"] or type(value), default=None,
+                           help=f"{text} (default {value})")
 
 
 def common_parser(description: str, results_name: str) -> argparse.ArgumentParser:

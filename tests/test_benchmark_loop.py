@@ -121,7 +121,8 @@ class FakeLoop:
         return path, {"dense": {"dropped by max negative ratio": 3}}
 
     def train(self, tag, file, init, hard_negatives=None, batch_size=None, mask=True, seed=None):
-        self.calls.append(("train", tag, str(Path(file).relative_to(self.work)), init) + ((seed,) if seed else ()))
+        seeded = (seed,) if seed is not None else ()
+        self.calls.append(("train", tag, str(Path(file).relative_to(self.work)), init) + seeded)
         self._phase(f"{tag}-train")
         return f"{tag}/final", {"wall_s": 10.0, "peak_rss_mb": 500.0, "steps": 18}
 
