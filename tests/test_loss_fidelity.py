@@ -101,14 +101,30 @@ def test_masked_loss_and_gradients_equal_the_dense_reference(block, symmetric, w
     assert float(unmasked) > float(loss.detach())
 
 
-def test_eight_questions_with_one_positive_have_zero_loss():
+@pytest.mark.parametrize("block", [None, 0, 3])
+def test_eight_questions_with_one_positive_have_zero_loss(block):
+    """With every copy of its positive masked, a query scores one passage: its loss is exactly 0 on every path (the
+    target's score is read from the same product as the log-sum-exp, not recomputed in another summation order)."""
     torch.manual_seed(0)
     x, passage = torch.randn(8, 16), torch.randn(1, 16)
     y = passage.expand(8, 16)  # the same passage eight times
-    loss_fn = SimpleContrastiveLoss(0, temperature=0.05)
+    loss_fn = SimpleContrastiveLoss(0, temperature=0.05, loss_chunk_size=block)
     assert abs(float(loss_fn(x, y)) - torch.log(torch.tensor(8.0)).item()) < 1e-4  # unmasked: log 8
-    assert abs(float(loss_fn(x, y, passage_ids=torch.full((8,), 3)))) < 1e-6
+    assert torch.equal(loss_fn(x, y, passage_ids=torch.full((8,), 3), reduction="none"), torch.zeros(8))
     assert loss_fn.masked_scores == 8 * 7
+
+
+@pytest.mark.parametrize("block", [None, 5])
+def test_blocked_per_query_losses_are_never_negative_and_match_the_dense_path(block):
+    """A query far closer to its positive than to any other passage has a loss of about 0, never below: the
+    blocked loss agrees with cross-entropy over the dense score matrix row by row."""
+    torch.manual_seed(0)
+    x = 3 * torch.randn(64, 48)
+    y = x + 0.01 * torch.randn(64, 48)
+    blocked = SimpleContrastiveLoss(0, temperature=0.05, loss_chunk_size=block)(x, y, reduction="none")
+    dense = SimpleContrastiveLoss(0, temperature=0.05, loss_chunk_size=0)(x, y, reduction="none")
+    assert bool((blocked >= 0).all()), blocked.min()
+    assert torch.allclose(blocked, dense, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("keep_last_graph", [True, False])

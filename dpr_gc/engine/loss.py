@@ -87,12 +87,15 @@ class _BlockedCrossEntropy(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, targets: torch.Tensor, block: int,
                 exclusion: Optional[Exclusion] = None) -> torch.Tensor:
         lse = torch.empty(x.size(0), dtype=x.dtype, device=x.device)
+        target_scores = torch.empty_like(lse)
         for start in range(0, x.size(0), block):
             scores = (x[start:start + block] @ y.T) * scale
+            # The target's score from the same product as the log-sum-exp (a separate dot product sums in another
+            # order): a row's loss is then never negative, and exactly 0 when its target is the only score kept.
+            target_scores[start:start + block] = scores.gather(1, targets[start:start + block, None]).squeeze(1)
             if exclusion is not None:
                 scores.masked_fill_(exclusion.block(start, start + block), float("-inf"))
             lse[start:start + block] = torch.logsumexp(scores, dim=1)
-        target_scores = (x * y[targets]).sum(1) * scale
         ctx.save_for_backward(x, y, scale, targets, lse)
         ctx.block, ctx.exclusion = block, exclusion
         return lse - target_scores
