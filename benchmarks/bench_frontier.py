@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -42,11 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, interleave,  # noqa: E402
-                             machine_info, make_step, original_version, run_child, st_version, tiny_model)
+from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
+                             interleave, machine_info, make_step, original_version, run_child, st_version, tiny_model)
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import atomic_path, read_json_object, write_json  # noqa: E402
+from dpr_gc.engine import grad_cache  # noqa: E402
 
 logger = logging.getLogger("bench_frontier")
 OURS, PLAIN, ST = "dpr-gc", "plain", "st-cmnrl"
@@ -101,6 +101,10 @@ def run_one(cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     device = torch.device(cfg["device"])
     torch.manual_seed(cfg["seed"])
+    if "joined_max_tokens" in cfg:  # join_limit.py's comparison: this device's join limit replaced (None: no limit)
+        limits = {k: v for k, v in grad_cache.JOINED_CHUNK_MAX_TOKENS.items() if k != device.type}
+        grad_cache.JOINED_CHUNK_MAX_TOKENS = limits | ({} if cfg["joined_max_tokens"] is None
+                                                        else {device.type: cfg["joined_max_tokens"]})
     build = scifact_step if cfg["shape"] == "scifact" else llm_step
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16")
     with autocast:
@@ -137,9 +141,7 @@ def run_one(cfg: dict) -> dict:
 
 
 def launch(cfg: dict, timeout: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "TQDM_DISABLE": "1",
-           "MALLOC_MMAP_THRESHOLD_": "131072"}
-    return run_child(__file__, cfg, env, timeout)
+    return run_child(__file__, cfg, child_env(cfg), timeout)
 
 
 # ----------------------------------------------------------------------------------------------- the frontier
@@ -253,6 +255,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "chunk 8, 2 steps -- a few minutes")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mmap-threshold", type=int, default=131072,
+                   help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's default, dynamic threshold)")
     p.add_argument("--output", default=None, help="default benchmarks/results/frontier-DEVICE.json (and its .png)")
     p.add_argument("--plot", metavar="RESULTS", help="only draw the PNG of an existing results file")
     return p.parse_args(argv)
@@ -306,7 +310,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "input": "uneven", "batch": (args.llm_batch or args.batch) if llm else args.batch,
                     "chunk": (args.llm_chunk or args.chunk) if llm else args.chunk, "q_len": args.query_length,
                     "p_len": args.passage_length, "small": args.small, "device": device, "threads": threads,
-                    "steps": args.steps, "seed": args.seed, "mmap_threshold": 131072}
+                    "steps": args.steps, "seed": args.seed, "mmap_threshold": args.mmap_threshold}
             for precision in args.precisions.split(","):
                 result = frontier({**base, "precision": precision}, args, [] if llm else peers)
                 report["runs"].append({"shape": shape, "precision": precision, **result})

@@ -8,9 +8,12 @@ forward with a graph, then backward of a fixed random gradient of the representa
 replayed chunk). Per k, the median of ``--repeats`` timings (k rotates, so drift spreads over all of them). From
 the fastest k on (fewer, larger chunks can cost more per token, which is no price per chunk), a least-squares line
 ``seconds = a * tokens + b * k``: ``a`` is the cost of a token, ``b`` of a chunk, and ``b / a`` the chunk's cost in
-tokens, printed beside the engine's constant for this device; each step between two k is priced too.
+tokens, printed beside the engine's constant for this device; each step between two k is priced too. Each split's
+time per token against the fastest split's shows where a chunk grows too large (the figure behind
+``JOINED_CHUNK_MAX_TOKENS``).
 
     python benchmarks/chunk_cost.py                                     # the CPU, fp32 and bf16 autocast
+    python benchmarks/chunk_cost.py --random-bert-base --rows 32 --length 256 --chunks 1 2 4 8   # DPR's shape
     python benchmarks/chunk_cost.py --device cuda --rows 512 --chunks 1 2 4 8 16 32 64 --precisions bf16
 """
 
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -34,9 +39,11 @@ from bench_gradcache import machine_info  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
-from dpr_gc.engine.grad_cache import CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERHEAD_TOKENS  # noqa: E402
+from dpr_gc.engine.grad_cache import (CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERHEAD_TOKENS,  # noqa: E402
+                                      JOINED_CHUNK_MAX_TOKENS)
 
 logger = logging.getLogger("chunk_cost")
+BERT_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
 
 
 def fit_chunk_cost(chunks: list[int], seconds: list[float], tokens: int) -> dict:
@@ -115,6 +122,9 @@ def fit_small_chunks(chunks: list[int], seconds: list[float], tokens: int) -> di
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="encoder folder (default: the offline all-MiniLM-L6-v2)")
+    p.add_argument("--random-bert-base", action="store_true",
+                   help="time a randomly initialised BERT-base (hidden 768, 12 layers: DPR's encoder shape) with "
+                        "--model's tokenizer instead of --model")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--rows", type=int, default=64, help="rows split into chunks (default 64)")
     p.add_argument("--length", type=int, default=128, help="tokens per row, no padding (default 128)")
@@ -145,21 +155,48 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
+def random_bert_base(folder: Path, tokenizer_from: str) -> str:
+    """A randomly initialised BERT-base with ``tokenizer_from``'s tokenizer, saved in ``folder`` (timing only: the
+    weights do not change the time)."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **BERT_BASE)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def measure_all(args: argparse.Namespace) -> list[dict]:
+    """:func:`measure` for every precision, on ``--model`` or a random BERT-base."""
+    if not args.random_bert_base:
+        return [measure(args, precision) for precision in args.precisions]
+    with tempfile.TemporaryDirectory(prefix="chunk_cost_") as tmp:
+        model = random_bert_base(Path(tmp), args.model)
+        return [measure(argparse.Namespace(**{**vars(args), "model": model}), p) for p in args.precisions]
+
+
 def run(argv: Optional[list[str]]) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine_cost = CHUNK_OVERHEAD_TOKENS.get(torch.device(args.device).type, DEFAULT_CHUNK_OVERHEAD_TOKENS)
-    results = [measure(args, precision) for precision in args.precisions]
+    device_type = torch.device(args.device).type
+    engine_cost = CHUNK_OVERHEAD_TOKENS.get(device_type, DEFAULT_CHUNK_OVERHEAD_TOKENS)
+    most = JOINED_CHUNK_MAX_TOKENS.get(device_type)
+    results = measure_all(args)
     report = {"benchmark": "the cost of one more chunk, in tokens of compute", "machine":
               machine_info(args.device, args.threads), "settings": dict(vars(args)),
-              "engine_chunk_cost_tokens": engine_cost, "results": results}
+              "malloc_environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+              "engine_chunk_cost_tokens": engine_cost, "engine_joined_chunk_max_tokens": most, "results": results}
     write_json(Path(args.output), report)
-    print(f"{args.rows} rows x {args.length} tokens on {args.device}; the engine prices a chunk at {engine_cost} tokens")
-    print("| precision | chunks | rows per chunk | seconds (median) | ms per token |\n|---|---:|---:|---:|---:|")
+    print(f"{args.rows} rows x {args.length} tokens on {args.device}; the engine prices a chunk at {engine_cost} tokens "
+          f"and joins chunks up to {most or 'any number of'} tokens")
+    print("| precision | chunks | rows per chunk | seconds (median) | ms per token | vs fastest |\n"
+          "|---|---:|---:|---:|---:|---:|")
     for r in results:
+        fastest = min(split["median_s"] for split in r["splits"])
         for split in r["splits"]:
             print(f"| {r['precision']} | {split['chunks']} | {split['rows_per_chunk']} | {split['median_s']:.3f} | "
-                  f"{1000 * split['median_s'] / (args.rows * args.length):.4f} |")
+                  f"{1000 * split['median_s'] / (args.rows * args.length):.4f} | {split['median_s'] / fastest:.2f} |")
     for r in results:
         cost = "n/a" if r["chunk_cost_tokens"] is None else f"{r['chunk_cost_tokens']:.0f} tokens"
         print(f"{r['precision']}: fastest at {r['fastest_chunks']} chunks; from there on a chunk costs {cost}")

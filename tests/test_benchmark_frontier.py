@@ -112,3 +112,79 @@ def test_the_chunk_price_is_fitted_from_the_fastest_split_on() -> None:
     fit = chunk_cost.fit_small_chunks(list(seconds), list(seconds.values()), tokens)
     assert fit["fastest_chunks"] == 2 and abs(fit["seconds_per_chunk"] - 0.01) < 1e-12
     assert round(fit["chunk_cost_tokens"]) == 10 and [round(s["chunk_cost_tokens"]) for s in fit["steps"]][1:] == [10, 10]
+
+
+def test_a_child_runs_with_the_mmap_threshold_asked_for_or_glibcs_own(monkeypatch) -> None:
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    pinned = frontier.child_env({"threads": 2, "mmap_threshold": 131072})
+    assert pinned["MALLOC_MMAP_THRESHOLD_"] == "131072" and pinned["OMP_NUM_THREADS"] == "2"
+    assert "MALLOC_MMAP_THRESHOLD_" not in frontier.child_env({"threads": 2, "mmap_threshold": 0})
+    assert frontier.parse_args(["--mmap-threshold", "0"]).mmap_threshold == 0
+
+
+def test_chunk_cost_times_a_random_bert_base_when_asked(monkeypatch, tmp_path) -> None:
+    """--random-bert-base times a BERT of ``BERT_BASE``'s shape (made tiny here) with --model's tokenizer; the
+    results record the engine's join limit and the glibc malloc variables the timing ran under."""
+    import json
+
+    import chunk_cost
+
+    monkeypatch.setattr(chunk_cost, "BERT_BASE", {"hidden_size": 16, "num_hidden_layers": 1,
+                                                  "num_attention_heads": 2, "intermediate_size": 24})
+    seen, measure = [], chunk_cost.measure
+
+    def spy(args, precision):
+        seen.append(json.loads((Path(args.model) / "config.json").read_text()))
+        return measure(args, precision)
+
+    monkeypatch.setattr(chunk_cost, "measure", spy)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4294967296")
+    out = tmp_path / "cost.json"
+    argv = ["--random-bert-base", "--rows", "4", "--length", "8", "--chunks", "1", "2", "--precisions", "fp32",
+            "--repeats", "1", "--threads", "1", "--output", str(out)]
+    assert chunk_cost.main(argv) == 0
+    assert [(c["hidden_size"], c["num_hidden_layers"]) for c in seen] == [(16, 1)]
+    report = json.loads(out.read_text())
+    assert report["settings"]["random_bert_base"] and [s["chunks"] for s in report["results"][0]["splits"]] == [1, 2]
+    assert report["engine_joined_chunk_max_tokens"] == 2048
+    assert report["malloc_environment"]["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
+
+
+def test_the_join_limit_comparison_gives_each_variants_median_and_the_ratios() -> None:
+    import join_limit
+
+    def rounds(*steps):
+        return [{"step_s": s, "step_times_s": [s], "peak_mb": 10.0 * s, "chunks": 4} for s in steps]
+
+    out = join_limit.summarize({"plain": rounds(9.0, 11.0, 10.0), "limited": rounds(5.0, 4.0, 6.0),
+                                "unlimited": rounds(7.5, 7.5)})
+    assert (out["plain"]["step_s"], out["limited"]["step_s"], out["unlimited"]["peak_mb"]) == (10.0, 5.0, 75.0)
+    assert (out["speedup_of_the_limit"], out["limited_vs_plain"], out["unlimited_vs_plain"]) == (1.5, 2.0, 10 / 7.5)
+    failed = join_limit.summarize({"plain": rounds(9.0), "limited": [{"error": "exit 1: boom"}], "unlimited": []})
+    assert failed["limited"] == {"error": "exit 1: boom"} and "speedup_of_the_limit" not in failed
+    assert failed["unlimited"] == {"error": "no round ran"}
+
+
+def test_the_join_limit_comparison_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys) -> None:
+    import join_limit
+
+    out = tmp_path / "limit.json"
+    assert join_limit.main(["--rounds", "0", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--rounds" in err and err.count("\n") == 1 and not out.exists()
+
+
+def test_a_frontier_child_runs_with_the_join_limit_it_is_given(monkeypatch, tmp_path: Path) -> None:
+    """``joined_max_tokens`` in a configuration replaces the engine's limit on that device (None: joins are
+    unlimited): a whole-batch budget then joins the passages into fewer chunks."""
+    from dpr_gc.engine import grad_cache
+
+    monkeypatch.setattr(grad_cache, "JOINED_CHUNK_MAX_TOKENS", dict(grad_cache.JOINED_CHUNK_MAX_TOKENS))
+    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 8, "chunk": 2,
+           "q_len": 8, "p_len": 32, "small": False, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
+           "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 10**15}
+    limited = frontier.run_one({**cfg, "joined_max_tokens": 64})
+    assert grad_cache.JOINED_CHUNK_MAX_TOKENS["cpu"] == 64
+    unlimited = frontier.run_one({**cfg, "joined_max_tokens": None})
+    assert "cpu" not in grad_cache.JOINED_CHUNK_MAX_TOKENS
+    assert unlimited["chunks"] < limited["chunks"], (unlimited["chunks"], limited["chunks"])

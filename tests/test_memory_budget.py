@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.engine.budget import BudgetLedger, GraphMeter, fixed_storages, parse_memory, resolve_budget
-from dpr_gc.engine.chunking import join_chunks, length_order, split_by_tokens, take_rows, token_spans
+from dpr_gc.engine.chunking import chunk_tokens, join_chunks, length_order, split_by_tokens, take_rows, token_spans
 from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.lora import LoraSettings, apply_lora
 from dpr_gc.model.retriever import enable_gradient_checkpointing
@@ -373,4 +373,26 @@ def test_a_whole_batch_budget_keeps_uneven_chunks_apart_on_cpu(make_retriever, m
         assert engine.last_step.chunks == [2, 2]
     else:
         assert engine.last_step.chunks[1] == 3 and engine.last_step.tokens < padded / 2, engine.last_step
+    assert engine.last_step.kept == engine.last_step.chunks
+
+
+def test_a_whole_batch_budget_joins_no_cpu_chunk_beyond_its_token_limit(make_retriever):
+    """On the CPU a joined chunk stops at ``JOINED_CHUNK_MAX_TOKENS`` (larger chunks page-fault their big tensors and
+    run slower per token): 48 passages of about 100 tokens (about 5,000 in all) become at least two joined chunks,
+    where an unlimited join would make one of about 4,600 tokens. The gradient is the full batch's."""
+    retriever = make_retriever(shared=True)
+    modules, loss_fn = models_of(retriever), SimpleContrastiveLoss(5)
+    q = dict(retriever.tokenize_queries(random_texts(8, 3, 4, 6)))
+    p = dict(retriever.tokenize_passages(random_texts(48, 4, 1, 1), random_texts(48, 5, 100, 100)))
+    most = grad_cache.JOINED_CHUNK_MAX_TOKENS["cpu"]
+    assert p["attention_mask"].numel() > most + 3 * p["attention_mask"].size(1)
+    expected = reference_grads(modules, loss_fn, q, p)
+    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=10**12, chunking=Chunking(sort_by_length=True))
+    for _ in range(2):
+        zero(modules)
+        engine(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
+    plan = engine._plan(1, p, engine.joined_tokens[1])
+    tokens = [chunk_tokens(chunk) for chunk in plan.chunks]
+    assert max(tokens) <= most and len(tokens) >= 3 and max(tokens) > 2 * CHUNK * p["attention_mask"].size(1), tokens
     assert engine.last_step.kept == engine.last_step.chunks

@@ -49,6 +49,13 @@ JOIN_MARGIN = 0.9  # share of the budget left that joined chunks may be predicte
 # computing 30k tokens), a CPU chunk little beyond its tokens.
 CHUNK_OVERHEAD_TOKENS = {"cuda": 16384}
 DEFAULT_CHUNK_OVERHEAD_TOKENS = 64
+# The most tokens a joined chunk may compute, by device type (none listed: no limit). Larger CPU chunks run slower
+# per token: one chunk of 64 rows x 256 tokens took 1.89x (fp32) and 1.87x (bf16) the time per token of the fastest
+# split through MiniLM, one of 32 x 256 through a BERT-base shape 1.52x and 1.22x, while chunks of 2,048 tokens were
+# within 4 % of the fastest split in all four (benchmarks/README.md, "When a chunk is too large"). Much of it is glibc
+# mapping and page-faulting afresh every tensor above its largest mmap threshold (32 MiB): with mmap off, MiniLM's
+# 64-row chunk took 1.18x and 1.54x. CUDA's caching allocator reuses its blocks.
+JOINED_CHUNK_MAX_TOKENS = {"cpu": 2048}
 
 
 class RandState:
@@ -249,9 +256,10 @@ class GradCache:
             counts as ``CHUNK_OVERHEAD_TOKENS``: 16,384 tokens on CUDA, whose chunks are bound by kernel launches,
             64 elsewhere). On CUDA a budget for the whole batch makes the step plain training in two chunks per
             model; on CPU, chunks of different lengths stay apart, each trimmed to its own longest sequence, so the
-            step computes fewer tokens than plain training's padded batch. Kept graphs are backpropagated in one
-            backward call, as plain training's. Under DDP/FSDP every model's last chunk is still replayed: its
-            backward carries the gradient sync, after every kept graph's.
+            step computes fewer tokens than plain training's padded batch, and no joined chunk computes more than
+            ``JOINED_CHUNK_MAX_TOKENS`` (2,048 tokens: larger CPU chunks are slower per token). Kept graphs are
+            backpropagated in one backward call, as plain training's. Under DDP/FSDP every model's last chunk is
+            still replayed: its backward carries the gradient sync, after every kept graph's.
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
             trim padding, keep the last graph, size chunks by tokens).
     """
@@ -356,12 +364,14 @@ class GradCache:
         up to that size and kept, and the chunks after it are joined up to the size of the whole budget (kept graphs
         are freed before the replay), both over the largest bytes per token measured for the model in earlier
         steps, with ``JOIN_MARGIN`` to spare. Fewer, larger chunks mean far fewer kernel launches on a GPU (where
-        padding is cheaper than a launch, see ``CHUNK_OVERHEAD_TOKENS``). None before the first measurement, for
-        frozen models and at budget 0."""
+        padding is cheaper than a launch, see ``CHUNK_OVERHEAD_TOKENS``); on the CPU both sizes stop at
+        ``JOINED_CHUNK_MAX_TOKENS``. None before the first measurement, for frozen models and at budget 0."""
         left, per_token = ledger.report.budget - ledger.held, self._per_token.get(m)
         if not trainable or not per_token or ledger.report.budget <= 0:
             return None
-        return int(JOIN_MARGIN * max(0, left) / per_token), int(JOIN_MARGIN * ledger.report.budget / per_token)
+        first, rest = int(JOIN_MARGIN * max(0, left) / per_token), int(JOIN_MARGIN * ledger.report.budget / per_token)
+        most = JOINED_CHUNK_MAX_TOKENS.get(model_device(self.models[m]).type)
+        return (first, rest) if most is None else (min(first, most), min(rest, most))
 
     def _first_pass(self, plan: _Plan, trainable: bool, keep_last: bool, ledger: BudgetLedger) -> None:
         """Run the chunks of ``plan`` into its buffer. A chunk whose graph may fit the budget runs with it, measured;

@@ -1,0 +1,140 @@
+"""Benchmark: a whole-batch budget's step with the engine's limit on joined chunks and without it, beside plain training.
+
+Under a memory budget the engine joins consecutive chunks into larger ones; on the CPU a joined chunk stops at
+``JOINED_CHUNK_MAX_TOKENS`` tokens (benchmarks/chunk_cost.py measures why: larger chunks run slower per token).
+This script measures what the limit buys in a whole step: bench_frontier.py's SciFact step (all-MiniLM-L6-v2,
+claims and cited abstracts, one hard negative, chunks grouped by length) at a budget that holds the whole batch's
+graphs, once with the engine's limit and once with none, and plain training (one graph) beside them. Every
+configuration runs in a fresh process; the order of the three rotates from round to round; a configuration's
+figure is the median over its rounds of its per-round median step. Children run with glibc's own mmap threshold
+(``--mmap-threshold 0``, as ``dpr-gc train`` does) unless told otherwise.
+
+    python benchmarks/join_limit.py --passage-lengths 128 256 --precisions fp32 bf16 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_frontier import OURS, PLAIN, launch  # noqa: E402
+from bench_gradcache import machine_info, tiny_model  # noqa: E402
+from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
+from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
+from dpr_gc.engine.grad_cache import JOINED_CHUNK_MAX_TOKENS  # noqa: E402
+
+logger = logging.getLogger("join_limit")
+WHOLE_BATCH = 10**15
+VARIANTS = {"plain": {"method": PLAIN, "budget": None},
+            "limited": {"method": OURS, "budget": WHOLE_BATCH},
+            "unlimited": {"method": OURS, "budget": WHOLE_BATCH, "joined_max_tokens": None}}
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--passage-lengths", type=int, nargs="+", default=[128, 256], help="passage max lengths")
+    p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                   help="fp32 and/or bf16 autocast (default both)")
+    p.add_argument("--batch", type=int, default=32, help="queries per step (passages: twice as many; default 32)")
+    p.add_argument("--chunk", type=int, default=8, help="rows per chunk before joining (default 8)")
+    p.add_argument("--query-length", type=int, default=32)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per process, after two warm-ups (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="processes per configuration (default 2)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
+    p.add_argument("--mmap-threshold", type=int, default=0,
+                   help="MALLOC_MMAP_THRESHOLD_ for the children (default 0: glibc's dynamic threshold)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "join-limit-cpu.json"))
+    args = p.parse_args(argv)
+    if min(args.passage_lengths + [args.batch, args.chunk, args.query_length, args.steps, args.rounds]) < 1:
+        raise DprGcError("--passage-lengths, --batch, --chunk, --query-length, --steps and --rounds must be positive")
+    return args
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per variant: the median step and peak over its rounds (errors kept as they are); the ratios between them."""
+    out: dict = {}
+    for name, rounds in runs.items():
+        ok = [r for r in rounds if "error" not in r]
+        if not ok:
+            out[name] = {"error": rounds[-1]["error"] if rounds else "no round ran"}
+            continue
+        out[name] = {"step_s": statistics.median(r["step_s"] for r in ok),
+                     "peak_mb": statistics.median(r["peak_mb"] for r in ok),
+                     "chunks": ok[-1].get("chunks"), "rounds": [{k: r.get(k) for k in ("step_s", "step_times_s",
+                                                                                       "peak_mb")} for r in ok]}
+    if all("step_s" in out.get(name, {}) for name in VARIANTS):
+        limited = out["limited"]["step_s"]
+        out["speedup_of_the_limit"] = out["unlimited"]["step_s"] / limited
+        out["limited_vs_plain"] = out["plain"]["step_s"] / limited
+        out["unlimited_vs_plain"] = out["plain"]["step_s"] / out["unlimited"]["step_s"]
+    return out
+
+
+def measure(base: dict, args: argparse.Namespace) -> dict:
+    """Every variant of one passage length and precision, ``--rounds`` times in rotating order."""
+    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
+    for rnd in range(args.rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            out = launch({**base, **VARIANTS[name]}, args.timeout)
+            logger.info("%s %s %s round %d: %s", base["p_len"], base["precision"], name, rnd + 1,
+                        out.get("error") or f"{out['step_s']:.2f} s/step, peak {out['peak_mb']:.0f} MB, "
+                                            f"{out.get('chunks', '-')} chunks")
+            runs[name].append(out)
+    return summarize(runs)
+
+
+def run(argv: Optional[list[str]]) -> None:
+    args = parse_args(argv)
+    report = {"benchmark": "a whole-batch budget with and without the CPU join limit, and plain training",
+              "machine": machine_info("cpu", args.threads), "settings": dict(vars(args)),
+              "engine_joined_chunk_max_tokens": JOINED_CHUNK_MAX_TOKENS.get("cpu"), "runs": []}
+    with tempfile.TemporaryDirectory(prefix="join_limit_") as tmp:
+        if args.tiny:
+            model = tiny_model(Path(tmp))
+        else:
+            from dpr_gc.model.pretrained import default_model_path
+
+            model = default_model_path()
+        for length in args.passage_lengths:
+            for precision in args.precisions:
+                base = {"shape": "scifact", "model": model, "input": "uneven", "batch": args.batch,
+                        "chunk": args.chunk, "q_len": args.query_length, "p_len": length, "small": False,
+                        "device": "cpu", "threads": args.threads, "steps": args.steps, "seed": args.seed,
+                        "mmap_threshold": args.mmap_threshold, "precision": precision}
+                report["runs"].append({"passage_length": length, "precision": precision, **measure(base, args)})
+                write_json(Path(args.output), report)  # after each: a run cut short keeps what it finished
+    print("| passage tokens | precision | plain s | limited s (chunks) | unlimited s (chunks) | limit's speed-up |\n"
+          "|---:|---|---:|---:|---:|---:|")
+    for r in report["runs"]:
+        if "speedup_of_the_limit" in r:
+            print(f"| {r['passage_length']} | {r['precision']} | {r['plain']['step_s']:.2f} | "
+                  f"{r['limited']['step_s']:.2f} ({r['limited']['chunks']}) | {r['unlimited']['step_s']:.2f} "
+                  f"({r['unlimited']['chunks']}) | {r['speedup_of_the_limit']:.2f} |")
+    logger.info("wrote %s", args.output)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    quiet_dependencies()
+    return report_errors(lambda: run(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
