@@ -352,6 +352,18 @@ def uneven_batch_for_joining(retriever) -> tuple[dict, dict]:
     return dict(q), dict(p)
 
 
+def whole_batch_budget_steps(modules, loss_fn, q, p) -> GradCache:
+    """Two steps of a budget for the whole batch (the second joins chunks), each checked against the full batch's
+    gradient; the engine after them."""
+    expected = reference_grads(modules, loss_fn, q, p)
+    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=10**12, chunking=Chunking(sort_by_length=True))
+    for _ in range(2):
+        zero(modules)
+        engine(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
+    return engine
+
+
 @pytest.mark.parametrize("device_like", ["cpu", "cuda"])
 def test_a_whole_batch_budget_keeps_uneven_chunks_apart_on_cpu(make_retriever, monkeypatch, device_like):
     """On CPU (a chunk's fixed cost is small) a budget for the whole batch keeps chunks of very different lengths
@@ -362,12 +374,7 @@ def test_a_whole_batch_budget_keeps_uneven_chunks_apart_on_cpu(make_retriever, m
     retriever = make_retriever(shared=True)
     modules, loss_fn = models_of(retriever), SimpleContrastiveLoss(1)
     q, p = uneven_batch_for_joining(retriever)
-    expected = reference_grads(modules, loss_fn, q, p)
-    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=10**12, chunking=Chunking(sort_by_length=True))
-    for _ in range(2):
-        zero(modules)
-        engine(q, p)
-        assert rel_err(grads(modules), expected) < 1e-5
+    engine = whole_batch_budget_steps(modules, loss_fn, q, p)
     padded = sum(x["attention_mask"].numel() for x in (q, p))
     if device_like == "cuda":
         assert engine.last_step.chunks == [2, 2]
@@ -377,21 +384,16 @@ def test_a_whole_batch_budget_keeps_uneven_chunks_apart_on_cpu(make_retriever, m
 
 
 def test_a_whole_batch_budget_joins_no_cpu_chunk_beyond_its_token_limit(make_retriever):
-    """On the CPU a joined chunk stops at ``JOINED_CHUNK_MAX_TOKENS`` (larger chunks page-fault their big tensors and
-    run slower per token): 48 passages of about 100 tokens (about 5,000 in all) become at least two joined chunks,
-    where an unlimited join would make one of about 4,600 tokens. The gradient is the full batch's."""
+    """On the CPU a joined chunk stops at ``JOINED_CHUNK_MAX_TOKENS`` (larger chunks run slower per token): 48
+    passages of about 100 tokens (about 5,000 in all) become at least two joined chunks, where an unlimited join
+    would make one of about 4,600 tokens. The gradient is the full batch's."""
     retriever = make_retriever(shared=True)
     modules, loss_fn = models_of(retriever), SimpleContrastiveLoss(5)
     q = dict(retriever.tokenize_queries(random_texts(8, 3, 4, 6)))
     p = dict(retriever.tokenize_passages(random_texts(48, 4, 1, 1), random_texts(48, 5, 100, 100)))
     most = grad_cache.JOINED_CHUNK_MAX_TOKENS["cpu"]
     assert p["attention_mask"].numel() > most + 3 * p["attention_mask"].size(1)
-    expected = reference_grads(modules, loss_fn, q, p)
-    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=10**12, chunking=Chunking(sort_by_length=True))
-    for _ in range(2):
-        zero(modules)
-        engine(q, p)
-        assert rel_err(grads(modules), expected) < 1e-5
+    engine = whole_batch_budget_steps(modules, loss_fn, q, p)
     plan = engine._plan(1, p, engine.joined_tokens[1])
     tokens = [chunk_tokens(chunk) for chunk in plan.chunks]
     assert max(tokens) <= most and len(tokens) >= 3 and max(tokens) > 2 * CHUNK * p["attention_mask"].size(1), tokens
