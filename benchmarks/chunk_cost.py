@@ -188,8 +188,8 @@ def run(argv: Optional[list[str]]) -> None:
               "malloc_environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
               "engine_chunk_cost_tokens": engine_cost, "engine_joined_chunk_max_tokens": most, "results": results}
     write_json(Path(args.output), report)
-    print(f"{args.rows} rows x {args.length} tokens on {args.device}; the engine prices a chunk at {engine_cost} tokens "
-          f"and joins chunks up to {most or 'any number of'} tokens")
+    print(f"{args.rows} rows x {args.length} tokens on {args.device}; the engine prices a chunk at {engine_cost} "
+          f"tokens and joins chunks up to {most or 'any number of'} tokens")
     print("| precision | chunks | rows per chunk | seconds (median) | ms per token | vs fastest |\n"
           "|---|---:|---:|---:|---:|---:|")
     for r in results:

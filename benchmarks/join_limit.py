@@ -1,4 +1,4 @@
-"""Benchmark: a whole-batch budget's step with the engine's limit on joined chunks and without it, beside plain training.
+"""Benchmark: a whole-batch budget's step with the engine's limit on joined chunks and without, beside plain training.
 
 Under a memory budget the engine joins consecutive chunks into larger ones; on the CPU a joined chunk stops at
 ``JOINED_CHUNK_MAX_TOKENS`` tokens (benchmarks/chunk_cost.py measures why: larger chunks run slower per token).
@@ -15,7 +15,6 @@ figure is the median over its rounds of its per-round median step. Children run 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
