@@ -259,7 +259,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's default, dynamic threshold)")
     p.add_argument("--output", default=None, help="default benchmarks/results/frontier-DEVICE.json (and its .png)")
     p.add_argument("--plot", metavar="RESULTS", help="only draw the PNG of an existing results file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.mmap_threshold < 0:
+        raise DprGcError(f"--mmap-threshold {args.mmap_threshold}: give a size in bytes, or 0 for glibc's own "
+                         "threshold")
+    return args
 
 
 def available_peers(names: list[str]) -> tuple[list[str], list[str]]:

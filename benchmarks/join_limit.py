@@ -62,6 +62,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.passage_lengths + [args.batch, args.chunk, args.query_length, args.steps, args.rounds]) < 1:
         raise DprGcError("--passage-lengths, --batch, --chunk, --query-length, --steps and --rounds must be positive")
+    if args.mmap_threshold < 0:
+        raise DprGcError(f"--mmap-threshold {args.mmap_threshold}: give a size in bytes, or 0 for glibc's own "
+                         "threshold")
     return args
 
 

@@ -122,6 +122,18 @@ def test_a_child_runs_with_the_mmap_threshold_asked_for_or_glibcs_own(monkeypatc
     assert frontier.parse_args(["--mmap-threshold", "0"]).mmap_threshold == 0
 
 
+def test_a_negative_mmap_threshold_is_one_error_line(tmp_path: Path, capsys) -> None:
+    import join_limit
+
+    out = tmp_path / "out.json"
+    for run in (lambda: frontier.main(["--mmap-threshold", "-1", "--output", str(out)]),
+                lambda: join_limit.run(["--mmap-threshold", "-1", "--output", str(out)])):
+        assert frontier.report_errors(run) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --mmap-threshold -1") and err.count("\n") == 1
+    assert not out.exists()
+
+
 def test_chunk_cost_times_a_random_bert_base_when_asked(monkeypatch, tmp_path) -> None:
     """--random-bert-base times a BERT of ``BERT_BASE``'s shape (made tiny here) with --model's tokenizer; the
     results record the engine's join limit and the glibc malloc variables the timing ran under."""
