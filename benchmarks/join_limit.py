@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -42,8 +42,10 @@ VARIANTS = {"plain": {"method": PLAIN, "budget": None},
             "unlimited": {"method": OURS, "budget": WHOLE_BATCH, "joined_max_tokens": None}}
 
 
-def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def grid_parser(description: str, output: str) -> argparse.ArgumentParser:
+    """The flags of a grid of passage lengths x precisions, each variant in fresh processes (shared with
+    embedding_grads.py)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--passage-lengths", type=int, nargs="+", default=[128, 256], help="passage max lengths")
     p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
                    help="fp32 and/or bf16 autocast (default both)")
@@ -58,8 +60,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "join-limit-cpu.json"))
-    args = p.parse_args(argv)
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / output))
+    return p
+
+
+def check_grid_args(args: argparse.Namespace) -> argparse.Namespace:
     if min(args.passage_lengths + [args.batch, args.chunk, args.query_length, args.steps, args.rounds]) < 1:
         raise DprGcError("--passage-lengths, --batch, --chunk, --query-length, --steps and --rounds must be positive")
     if args.mmap_threshold < 0:
@@ -68,8 +73,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict:
-    """Per variant: the median step and peak over its rounds (errors kept as they are); the ratios between them."""
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    return check_grid_args(grid_parser(__doc__.splitlines()[0], "join-limit-cpu.json").parse_args(argv))
+
+
+def medians(runs: dict[str, list[dict]]) -> dict:
+    """Per variant: the median step and peak over its rounds (errors kept as they are)."""
     out: dict = {}
     for name, rounds in runs.items():
         ok = [r for r in rounds if "error" not in r]
@@ -80,6 +89,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      "peak_mb": statistics.median(r["peak_mb"] for r in ok),
                      "chunks": ok[-1].get("chunks"), "rounds": [{k: r.get(k) for k in ("step_s", "step_times_s",
                                                                                        "peak_mb")} for r in ok]}
+    return out
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Each variant's medians; the ratios between them."""
+    out = medians(runs)
     if all("step_s" in out.get(name, {}) for name in VARIANTS):
         limited = out["limited"]["step_s"]
         out["speedup_of_the_limit"] = out["unlimited"]["step_s"] / limited
@@ -88,26 +103,26 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
-def measure(base: dict, args: argparse.Namespace) -> dict:
+def measure(base: dict, args: argparse.Namespace, variants: dict[str, dict]) -> dict[str, list[dict]]:
     """Every variant of one passage length and precision, ``--rounds`` times in rotating order."""
-    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    names = list(VARIANTS)
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    names = list(variants)
     for rnd in range(args.rounds):
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            out = launch({**base, **VARIANTS[name]}, args.timeout)
+            out = launch({**base, **variants[name]}, args.timeout)
             logger.info("%s %s %s round %d: %s", base["p_len"], base["precision"], name, rnd + 1,
                         out.get("error") or f"{out['step_s']:.2f} s/step, peak {out['peak_mb']:.0f} MB, "
                                             f"{out.get('chunks', '-')} chunks")
             runs[name].append(out)
-    return summarize(runs)
+    return runs
 
 
-def run(argv: Optional[list[str]]) -> None:
-    args = parse_args(argv)
-    report = {"benchmark": "a whole-batch budget with and without the CPU join limit, and plain training",
-              "machine": machine_info("cpu", args.threads), "settings": dict(vars(args)),
-              "engine_joined_chunk_max_tokens": JOINED_CHUNK_MAX_TOKENS.get("cpu"), "runs": []}
-    with tempfile.TemporaryDirectory(prefix="join_limit_") as tmp:
+def run_grid(args: argparse.Namespace, report: dict, variants: dict[str, dict],
+             summary: Callable[[dict[str, list[dict]]], dict]) -> dict:
+    """Every passage length x precision of ``args`` into ``report["runs"]``, written after each (a run cut short keeps
+    what it finished)."""
+    report["runs"] = []
+    with tempfile.TemporaryDirectory(prefix="grid_") as tmp:
         if args.tiny:
             model = tiny_model(Path(tmp))
         else:
@@ -120,8 +135,19 @@ def run(argv: Optional[list[str]]) -> None:
                         "chunk": args.chunk, "q_len": args.query_length, "p_len": length, "small": False,
                         "device": "cpu", "threads": args.threads, "steps": args.steps, "seed": args.seed,
                         "mmap_threshold": args.mmap_threshold, "precision": precision}
-                report["runs"].append({"passage_length": length, "precision": precision, **measure(base, args)})
-                write_json(Path(args.output), report)  # after each: a run cut short keeps what it finished
+                runs = measure(base, args, variants)
+                report["runs"].append({"passage_length": length, "precision": precision, **summary(runs)})
+                write_json(Path(args.output), report)
+    logger.info("wrote %s", args.output)
+    return report
+
+
+def run(argv: Optional[list[str]]) -> None:
+    args = parse_args(argv)
+    report = {"benchmark": "a whole-batch budget with and without the CPU join limit, and plain training",
+              "machine": machine_info("cpu", args.threads), "settings": dict(vars(args)),
+              "engine_joined_chunk_max_tokens": JOINED_CHUNK_MAX_TOKENS.get("cpu")}
+    run_grid(args, report, VARIANTS, summarize)
     print("| passage tokens | precision | plain s | limited s (chunks) | unlimited s (chunks) | limit's speed-up |\n"
           "|---:|---|---:|---:|---:|---:|")
     for r in report["runs"]:
@@ -129,13 +155,17 @@ def run(argv: Optional[list[str]]) -> None:
             print(f"| {r['passage_length']} | {r['precision']} | {r['plain']['step_s']:.2f} | "
                   f"{r['limited']['step_s']:.2f} ({r['limited']['chunks']}) | {r['unlimited']['step_s']:.2f} "
                   f"({r['unlimited']['chunks']}) | {r['speedup_of_the_limit']:.2f} |")
-    logger.info("wrote %s", args.output)
+
+
+def grid_main(run_script: Callable[[Optional[list[str]]], None], argv: Optional[list[str]]) -> int:
+    """A grid script's entry: timestamped log lines, dependencies quiet, a bad flag as one error line (exit 2)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    quiet_dependencies()
+    return report_errors(lambda: run_script(argv))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    quiet_dependencies()
-    return report_errors(lambda: run(argv))
+    return grid_main(run, argv)
 
 
 if __name__ == "__main__":

@@ -200,3 +200,36 @@ def test_a_frontier_child_runs_with_the_join_limit_it_is_given(monkeypatch, tmp_
     unlimited = frontier.run_one({**cfg, "joined_max_tokens": None})
     assert "cpu" not in grad_cache.JOINED_CHUNK_MAX_TOKENS
     assert unlimited["chunks"] < limited["chunks"], (unlimited["chunks"], limited["chunks"])
+
+
+def test_a_frontier_child_runs_with_dense_embedding_gradients_when_told(monkeypatch, tmp_path: Path) -> None:
+    """``sparse_embedding_grads: False`` in a configuration takes the device off the engine's sparse list, so
+    embedding_grads.py's dense variant runs the dense backward; without the key the list is left as it is."""
+    from dpr_gc.engine import sparse_grads
+
+    monkeypatch.setattr(sparse_grads, "SPARSE_EMBEDDING_GRAD_DEVICES", ("cpu",))
+    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
+           "q_len": 8, "p_len": 16, "small": False, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
+           "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 0}
+    frontier.run_one(cfg)
+    assert sparse_grads.SPARSE_EMBEDDING_GRAD_DEVICES == ("cpu",)
+    frontier.run_one({**cfg, "sparse_embedding_grads": False})
+    assert sparse_grads.SPARSE_EMBEDDING_GRAD_DEVICES == ()
+
+
+def test_the_embedding_gradient_comparison_gives_each_budgets_ratios(tmp_path: Path, capsys) -> None:
+    import embedding_grads
+
+    def rounds(*steps):
+        return [{"step_s": s, "step_times_s": [s], "peak_mb": 1.0, "chunks": 4} for s in steps]
+
+    out = embedding_grads.summarize({"plain": rounds(6.0), "budget 0 sparse": rounds(4.0, 5.0, 3.0),
+                                     "budget 0 dense": rounds(5.0), "whole batch sparse": rounds(3.0),
+                                     "whole batch dense": [{"error": "exit 1: boom"}]})
+    assert (out["budget 0: speed-up of sparse gradients"], out["budget 0: sparse vs plain"]) == (1.25, 1.5)
+    assert out["whole batch: sparse vs plain"] == 2.0 and "whole batch: speed-up of sparse gradients" not in out
+    assert out["whole batch dense"] == {"error": "exit 1: boom"}
+    bad = tmp_path / "grads.json"
+    assert embedding_grads.main(["--steps", "0", "--output", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--steps" in err and err.count("\n") == 1 and not bad.exists()

@@ -16,8 +16,9 @@ being run again, and under a memory budget so does every chunk whose measured gr
 without gradient sync and each model's last chunk is replayed to carry it); the RNG state is replayed on
 every CUDA device the model's parameters and the inputs live on; a frozen model runs once, without a graph;
 running buffers (BatchNorm statistics) see each example once; the gradients of a loss's own parameters (a
-learnable temperature) are averaged over ranks like DDP averages the encoders'. The input helpers live in
-:mod:`dpr_gc.chunking`.
+learnable temperature) are averaged over ranks like DDP averages the encoders'; on the CPU each chunk adds a
+trainable embedding's gradient sparsely into one dense ``.grad`` (:mod:`dpr_gc.engine.sparse_grads`). The input
+helpers live in :mod:`dpr_gc.chunking`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, fixed_s
 from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
                        pad_sequence_dim, rows_in, split_by_tokens, split_input, take_rows, tensors_in, to_device,
                        trim_padding, trimmed_width)
+from .sparse_grads import SparseEmbeddingGrads
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
 
@@ -415,7 +417,9 @@ class GradCache:
         reduced twice per step, which is exact: averaging is linear and leaves an already-averaged part unchanged.
         Under DDP and FSDP, kept graphs (see ``memory_budget``) are backpropagated first without sync and every
         model's last chunk is replayed with it, so the sync always runs on the last backward. What the step kept
-        and measured is left in :attr:`last_step`.
+        and measured is left in :attr:`last_step`. On the CPU each chunk adds a trainable embedding's gradient
+        sparsely, only the rows its tokens touch, into one dense ``.grad`` (single process; see
+        :mod:`dpr_gc.engine.sparse_grads`).
         """
         if len(model_inputs) != len(self.models):
             raise DprGcError(f"got {len(model_inputs)} model inputs for {len(self.models)} models")
@@ -423,9 +427,13 @@ class GradCache:
         if no_sync_except_last and not all(is_data_parallel(m) for m, t in zip(self.models, trainable) if t):
             raise DprGcError("no_sync_except_last=True needs every trainable model wrapped in DistributedDataParallel "
                              "or sharded with fully_shard")
-        plans, reps = self.forward_no_grad(model_inputs, trainable)
-        loss = self.build_cache(reps, **loss_kwargs)
-        self.forward_backward(plans, [rep.grad for rep in reps], no_sync_except_last)
+        with SparseEmbeddingGrads([m if t and not is_data_parallel(m) else None
+                                   for m, t in zip(self.models, trainable)]) as embeddings:
+            plans, reps = self.forward_no_grad(model_inputs, trainable)
+            loss = self.build_cache(reps, **loss_kwargs)
+            cache = [rep.grad for rep in reps]
+            embeddings.dense_grads([grad is not None for grad in cache])
+            self.forward_backward(plans, cache, no_sync_except_last)
         return loss.detach()
 
     def forward_no_grad(self, model_inputs: Sequence[Any], trainable: list[bool]) -> tuple[list[_Plan], list[torch.Tensor]]:
