@@ -95,9 +95,11 @@ def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any,
 
 
 def run_one(cfg: dict) -> dict:
-    """Two warm-up steps, then ``steps`` timed steps (median) under the precision's autocast; the peak of the timed
-    steps above the memory held after the warm-up (gradients freed), so one-time costs of the first step and what each
-    library's imports hold are not counted."""
+    """Two warm-up steps, then ``steps`` timed steps (median) under the precision's autocast, then one more step for
+    the peak memory above what is held before it (gradients freed), so one-time costs of the first step and what each
+    library's imports hold are not counted. The peak has a step of its own because on the CPU the meter first hands
+    the free heap back to the kernel (``malloc_trim``): the step after it faults every page in afresh, which a
+    training loop does not pay (up to 1.5x the next step's time)."""
     torch.set_num_threads(cfg["threads"])
     device = torch.device(cfg["device"])
     torch.manual_seed(cfg["seed"])
@@ -118,9 +120,6 @@ def run_one(cfg: dict) -> dict:
         first = dataclasses.replace(engine.last_step) if engine is not None and engine.last_step else None
         module.zero_grad(set_to_none=True)
         step()  # a second warm-up: from the second step a budget joins chunks (new shapes, new kernels to pick)
-        module.zero_grad(set_to_none=True)
-        meter = PeakMemory(device)
-        meter.start()
         times = []
         for _ in range(cfg["steps"]):
             module.zero_grad(set_to_none=True)
@@ -129,6 +128,11 @@ def run_one(cfg: dict) -> dict:
             step()
             sync()
             times.append(time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+        meter = PeakMemory(device)
+        meter.start()
+        step()
+        sync()
         peak_mb = meter.stop()
     out = {**cfg, "step_s": statistics.median(times), "step_times_s": times, "peak_mb": round(peak_mb, 1),
            "memory_method": meter.method}

@@ -233,3 +233,36 @@ def test_the_embedding_gradient_comparison_gives_each_budgets_ratios(tmp_path: P
     assert embedding_grads.main(["--steps", "0", "--output", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--steps" in err and err.count("\n") == 1 and not bad.exists()
+
+
+def test_a_frontier_child_times_its_steps_before_the_memory_meter_trims_the_heap(monkeypatch, tmp_path: Path) -> None:
+    """The meter hands the free heap back to the kernel, so the step after it faults its pages in afresh: the timed
+    steps run before it (after two warm-ups), and the peak comes from one step of its own."""
+    events: list[str] = []
+    build = frontier.scifact_step
+
+    def recording_step(cfg, device):
+        step, module, engine = build(cfg, device)
+        return (lambda: events.append("step") or step()), module, engine
+
+    class Meter:
+        method = "recorded"
+
+        def __init__(self, device) -> None:
+            pass
+
+        def start(self) -> None:
+            events.append("meter")
+
+        def stop(self) -> float:
+            events.append("peak")
+            return 1.0
+
+    monkeypatch.setattr(frontier, "scifact_step", recording_step)
+    monkeypatch.setattr(frontier, "PeakMemory", Meter)
+    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
+           "q_len": 8, "p_len": 16, "small": False, "device": "cpu", "threads": 1, "steps": 3, "seed": 0,
+           "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 0}
+    out = frontier.run_one(cfg)
+    assert events == ["step"] * 5 + ["meter", "step", "peak"]
+    assert len(out["step_times_s"]) == 3 and out["peak_mb"] == 1.0
