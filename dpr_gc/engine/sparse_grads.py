@@ -3,7 +3,7 @@
 A dense ``nn.Embedding`` backward makes a fresh vocabulary-sized gradient for every backward that reaches it and adds
 it into ``.grad``: plain training once per encoder call, a cached step once per chunk. On the CPU that costs: glibc
 maps a tensor above its largest mmap threshold (32 MiB; BERT's 30,522 x 384 table takes 45 MiB) afresh each time and
-faults in every page, about 10 ms a table on a 2-core Xeon. So on the devices in ``SPARSE_EMBEDDING_GRAD_DEVICES``
+faults in every page. So on the devices in ``SPARSE_EMBEDDING_GRAD_DEVICES``
 a cached step switches each trainable embedding to sparse gradients for its forwards and gives its weight one dense
 zero ``.grad`` before the first backward: every chunk then adds only the rows its tokens touch into that tensor.
 ``.grad`` stays dense, as optimizers and clipping expect, and its memory stays the table's whatever the batch (an
