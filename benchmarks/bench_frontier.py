@@ -46,7 +46,7 @@ from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, buil
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import atomic_path, read_json_object, write_json  # noqa: E402
-from dpr_gc.engine import grad_cache, sparse_grads  # noqa: E402
+from dpr_gc.engine import frozen_casts, grad_cache, sparse_grads  # noqa: E402
 
 logger = logging.getLogger("bench_frontier")
 OURS, PLAIN, ST = "dpr-gc", "plain", "st-cmnrl"
@@ -110,6 +110,8 @@ def run_one(cfg: dict) -> dict:
     if cfg.get("sparse_embedding_grads") is False:  # embedding_grads.py's comparison: dense gradients on this device
         sparse_grads.SPARSE_EMBEDDING_GRAD_DEVICES = tuple(t for t in sparse_grads.SPARSE_EMBEDDING_GRAD_DEVICES
                                                            if t != device.type)
+    if cfg.get("frozen_linear_casts") is False:  # frozen_casts.py's comparison: autocast casts frozen weights per call
+        grad_cache.FrozenLinearCasts = lambda models, dtypes: frozen_casts.FrozenLinearCasts(models, {})
     build = scifact_step if cfg["shape"] == "scifact" else llm_step
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16")
     with autocast:

@@ -58,6 +58,9 @@ def grid_parser(description: str, output: str) -> argparse.ArgumentParser:
     p.add_argument("--mmap-threshold", type=int, default=0,
                    help="MALLOC_MMAP_THRESHOLD_ for the children (default 0: glibc's dynamic threshold)")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
+    p.add_argument("--shape", choices=("scifact", "llm"), default="scifact",
+                   help="bench_frontier.py's shape: scifact (MiniLM on SciFact text) or llm (LoRA decoder, random ids)")
+    p.add_argument("--small", action="store_true", help="the llm shape's 4-layer CPU size")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / output))
@@ -87,8 +90,8 @@ def medians(runs: dict[str, list[dict]]) -> dict:
             continue
         out[name] = {"step_s": statistics.median(r["step_s"] for r in ok),
                      "peak_mb": statistics.median(r["peak_mb"] for r in ok),
-                     "chunks": ok[-1].get("chunks"), "rounds": [{k: r.get(k) for k in ("step_s", "step_times_s",
-                                                                                       "peak_mb")} for r in ok]}
+                     "chunks": ok[-1].get("chunks"), "kept_chunks": ok[-1].get("kept_chunks"),
+                     "rounds": [{k: r.get(k) for k in ("step_s", "step_times_s", "peak_mb")} for r in ok]}
     return out
 
 
@@ -123,7 +126,9 @@ def run_grid(args: argparse.Namespace, report: dict, variants: dict[str, dict],
     what it finished)."""
     report["runs"] = []
     with tempfile.TemporaryDirectory(prefix="grid_") as tmp:
-        if args.tiny:
+        if args.shape == "llm":
+            model = "qwen2-small" if args.small else "qwen2-0.5b"
+        elif args.tiny:
             model = tiny_model(Path(tmp))
         else:
             from dpr_gc.model.pretrained import default_model_path
@@ -131,8 +136,8 @@ def run_grid(args: argparse.Namespace, report: dict, variants: dict[str, dict],
             model = default_model_path()
         for length in args.passage_lengths:
             for precision in args.precisions:
-                base = {"shape": "scifact", "model": model, "input": "uneven", "batch": args.batch,
-                        "chunk": args.chunk, "q_len": args.query_length, "p_len": length, "small": False,
+                base = {"shape": args.shape, "model": model, "input": "uneven", "batch": args.batch,
+                        "chunk": args.chunk, "q_len": args.query_length, "p_len": length, "small": args.small,
                         "device": "cpu", "threads": args.threads, "steps": args.steps, "seed": args.seed,
                         "mmap_threshold": args.mmap_threshold, "precision": precision}
                 runs = measure(base, args, variants)

@@ -12,11 +12,13 @@ import string
 import shutil
 import contextlib
 import io
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BertConfig, BertModel
 
 from dpr_gc.retrieval.shards import read_manifests
@@ -103,6 +105,20 @@ def uneven_batch(device: str = "cpu") -> tuple[dict, dict]:
     ids = torch.randint(1, 100, (96, 24), generator=gen) * mask
     ids, mask = ids.to(device), mask.to(device)
     return {"input_ids": ids[:32], "attention_mask": mask[:32]}, {"input_ids": ids[32:], "attention_mask": mask[32:]}
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts the casts of each of ``params`` (autocast's low-precision weight copies)."""
+
+    def __init__(self, params) -> None:
+        super().__init__()
+        self.ptrs = {param.data_ptr() for param in params}
+        self.casts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
+            self.casts[args[0].data_ptr()] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def randomise_adapters(retriever: torch.nn.Module, seed: int = 0) -> None:

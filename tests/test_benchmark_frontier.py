@@ -3,8 +3,11 @@ compared with, and the plot written beside the results."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -137,8 +140,6 @@ def test_a_negative_mmap_threshold_is_one_error_line(tmp_path: Path, capsys) -> 
 def test_chunk_cost_times_a_random_bert_base_when_asked(monkeypatch, tmp_path) -> None:
     """--random-bert-base times a BERT of ``BERT_BASE``'s shape (made tiny here) with --model's tokenizer; the
     results record the engine's join limit and the glibc malloc variables the timing ran under."""
-    import json
-
     import chunk_cost
 
     monkeypatch.setattr(chunk_cost, "BERT_BASE", {"hidden_size": 16, "num_hidden_layers": 1,
@@ -266,3 +267,48 @@ def test_a_frontier_child_times_its_steps_before_the_memory_meter_trims_the_heap
     out = frontier.run_one(cfg)
     assert events == ["step"] * 5 + ["meter", "step", "peak"]
     assert len(out["step_times_s"]) == 3 and out["peak_mb"] == 1.0
+
+
+def test_a_frontier_child_casts_frozen_weights_per_call_when_told(monkeypatch, tmp_path: Path) -> None:
+    """``frozen_linear_casts: False`` in a configuration makes the engine's frozen-weight context switch nothing, so
+    frozen_casts.py's "per call" variant leaves the casts to autocast; without the key the engine's is left."""
+    from torch import nn
+
+    from dpr_gc.engine import frozen_casts, grad_cache
+
+    monkeypatch.setattr(grad_cache, "FrozenLinearCasts", frozen_casts.FrozenLinearCasts)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
+           "q_len": 8, "p_len": 16, "small": False, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
+           "mmap_threshold": 0, "precision": "bf16", "method": frontier.OURS, "budget": 0}
+    frontier.run_one(cfg)
+    assert grad_cache.FrozenLinearCasts([frozen], {"cpu": torch.bfloat16}).params == [frozen.weight, frozen.bias]
+    frontier.run_one({**cfg, "frozen_linear_casts": False})
+    assert grad_cache.FrozenLinearCasts([frozen], {"cpu": torch.bfloat16}).params == []
+
+
+def test_the_frozen_cast_comparison_runs_the_llm_shape_and_gives_each_budgets_ratios(monkeypatch, tmp_path: Path,
+                                                                                     capsys) -> None:
+    import frozen_casts
+    import join_limit
+
+    seen = []
+
+    def fake_measure(base, args, variants):
+        seen.append(base)
+        return {name: [{"step_s": 2.0 if cfg.get("frozen_linear_casts") is False else 1.6, "step_times_s": [1.0],
+                        "peak_mb": 100.0 if cfg.get("frozen_linear_casts") is False else 80.0, "chunks": 9,
+                        "kept_chunks": 3}] for name, cfg in variants.items()}
+
+    monkeypatch.setattr(join_limit, "measure", fake_measure)
+    out = tmp_path / "casts.json"
+    assert frozen_casts.main(["--rounds", "1", "--output", str(out)]) == 0
+    assert [(b["shape"], b["small"], b["model"], b["precision"], b["p_len"]) for b in seen] == \
+        [("llm", True, "qwen2-small", "bf16", 128)]
+    run = json.loads(out.read_text())["runs"][0]
+    for name in ("budget 0", "budget 128 MiB", "whole batch"):
+        assert (run[f"{name}: speed-up of casting once"], run[f"{name}: peak once / per call"]) == (1.25, 0.8)
+    assert "| whole batch | 2.00 (100) | 1.60 (80) | 1.25 | 3/3 of 9 |" in capsys.readouterr().out
+    assert frozen_casts.main(["--budget-mb", "0", "--output", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --budget-mb 0") and err.count("\n") == 1 and not (tmp_path / "bad.json").exists()

@@ -3,12 +3,10 @@ gradient, the graph accounting is exact, and peak graph memory stays within the 
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
@@ -19,7 +17,7 @@ from dpr_gc.model.lora import LoraSettings, apply_lora
 from dpr_gc.model.retriever import enable_gradient_checkpointing
 from dpr_gc.engine import grad_cache
 from tests.helpers import grads, make_batch, models_of, random_texts, reference_grads, rel_err, zero
-from tests.helpers import randomise_adapters
+from tests.helpers import WeightCasts, randomise_adapters
 
 CHUNK = 3
 
@@ -247,20 +245,6 @@ def test_meters_free_the_graphs_they_measured_without_the_garbage_collector(make
         assert not [o for o in collector.get_objects() if isinstance(o, GraphMeter)]
     finally:
         collector.enable()
-
-
-class WeightCasts(TorchDispatchMode):
-    """Counts the casts of each of ``params`` (autocast's low-precision weight copies)."""
-
-    def __init__(self, params) -> None:
-        super().__init__()
-        self.ptrs = {param.data_ptr() for param in params}
-        self.casts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
-            self.casts[args[0].data_ptr()] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("budget", [0, 10**12])

@@ -37,6 +37,7 @@ from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, fixed_s
 from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
                        pad_sequence_dim, rows_in, split_by_tokens, split_input, take_rows, tensors_in, to_device,
                        trim_padding, trimmed_width)
+from .frozen_casts import FrozenLinearCasts
 from .sparse_grads import SparseEmbeddingGrads
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
@@ -318,6 +319,17 @@ class GradCache:
             stack.enter_context(self._autocast(device))
         return stack
 
+    def _autocast_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype each model device's chunks run in under autocast: the engine's own (``fp16``/``bf16``), else
+        that of the caller's autocast context open around the step; a device without autocast is left out."""
+        dtypes = {}
+        for device in {model_device(model) for model in self.models}:
+            if self.fp16 or self.bf16:
+                dtypes[device.type] = autocast_dtype("fp16" if self.fp16 else "bf16")
+            elif torch.is_autocast_enabled(device.type):
+                dtypes[device.type] = torch.get_autocast_dtype(device.type)
+        return dtypes
+
     def _rep(self, output: Any) -> torch.Tensor:
         rep = self.get_rep_fn(output) if self.get_rep_fn is not None else output
         if not isinstance(rep, torch.Tensor):
@@ -419,7 +431,8 @@ class GradCache:
         model's last chunk is replayed with it, so the sync always runs on the last backward. What the step kept
         and measured is left in :attr:`last_step`. On the CPU each chunk adds a trainable embedding's gradient
         sparsely, only the rows its tokens touch, into one dense ``.grad`` (single process; see
-        :mod:`dpr_gc.engine.sparse_grads`).
+        :mod:`dpr_gc.engine.sparse_grads`). Under autocast, frozen ``nn.Linear`` weights (a LoRA base's) are held in
+        the autocast dtype for the step, cast once instead of once per chunk (see :mod:`dpr_gc.engine.frozen_casts`).
         """
         if len(model_inputs) != len(self.models):
             raise DprGcError(f"got {len(model_inputs)} model inputs for {len(self.models)} models")
@@ -428,7 +441,8 @@ class GradCache:
             raise DprGcError("no_sync_except_last=True needs every trainable model wrapped in DistributedDataParallel "
                              "or sharded with fully_shard")
         with SparseEmbeddingGrads([m if t and not is_data_parallel(m) else None
-                                   for m, t in zip(self.models, trainable)]) as embeddings:
+                                   for m, t in zip(self.models, trainable)]) as embeddings, \
+                FrozenLinearCasts(self.models, self._autocast_dtypes()):
             plans, reps = self.forward_no_grad(model_inputs, trainable)
             loss = self.build_cache(reps, **loss_kwargs)
             cache = [rep.grad for rep in reps]

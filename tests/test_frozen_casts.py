@@ -1,0 +1,165 @@
+"""Frozen Linear weights (a LoRA base's) in autocast's dtype through a cached step: cast once per step instead of once
+per chunk and pass, held by no kept graph, the gradient unchanged to the bit, the fp32 tensors back afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
+from dpr_gc.engine import grad_cache
+from dpr_gc.engine.frozen_casts import FrozenLinearCasts, castable_linear_params
+from dpr_gc.model.lora import LoraSettings, apply_lora
+from tests.helpers import WeightCasts, grads, make_batch, models_of, randomise_adapters, rel_err, zero
+from tests.llm_models import lora_decoder
+
+CHUNK = 3
+WHOLE_BATCH = 10**12
+BF16 = {"cpu": torch.bfloat16}
+
+
+def lora_retriever(make_retriever) -> nn.Module:
+    retriever = make_retriever(shared=False)
+    apply_lora(retriever, LoraSettings(r=4))
+    randomise_adapters(retriever)
+    return retriever
+
+
+def frozen_linear_weights(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The LoRA base layers' weights (their biases are frozen too)."""
+    return list({id(m.weight): m.weight for module in modules for m in module.modules()
+                 if type(m) is nn.Linear and not m.weight.requires_grad}.values())
+
+
+def cached_step(modules: list[nn.Module], batch: tuple[dict, dict], budget: int, engine_bf16: bool) -> GradCache:
+    """One step under bf16: the engine's own autocast, or the caller's around the step."""
+    engine = GradCache(modules, CHUNK, SimpleContrastiveLoss(1, temperature=0.2), bf16=engine_bf16,
+                       memory_budget=budget, chunking=Chunking(sort_by_length=True))
+    zero(modules)
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not engine_bf16):
+        engine(*batch)
+    return engine
+
+
+def without_frozen_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grad_cache, "FrozenLinearCasts", lambda models, dtypes: contextlib.nullcontext())
+
+
+def check_casts_and_gradient(retriever: nn.Module, monkeypatch: pytest.MonkeyPatch, budget: int,
+                             engine_bf16: bool) -> None:
+    """Each frozen weight cast once in a step (before: once per chunk and pass), the gradient equal to the bit."""
+    modules = models_of(retriever)
+    batch = make_batch(retriever, 8, 1, seed=3)
+    frozen = frozen_linear_weights(modules)
+    with WeightCasts(frozen) as counter:
+        engine = cached_step(modules, batch, budget, engine_bf16)
+    assert sum(engine.last_step.chunks) > 4
+    assert dict(counter.casts) == {w.data_ptr(): 1 for w in frozen}
+    got = grads(modules)
+    without_frozen_casts(monkeypatch)
+    with WeightCasts(frozen) as counter:
+        cached_step(modules, batch, budget, engine_bf16)
+    assert min(counter.casts.values()) >= min(engine.last_step.chunks) > 1  # before: every chunk cast them again
+    assert torch.equal(got, grads(modules))
+
+
+@pytest.mark.parametrize("engine_bf16", [True, False])
+@pytest.mark.parametrize("budget", [0, WHOLE_BATCH])
+def test_frozen_weights_are_cast_once_per_step_and_the_gradient_is_unchanged(make_retriever, monkeypatch, budget,
+                                                                             engine_bf16):
+    check_casts_and_gradient(lora_retriever(make_retriever), monkeypatch, budget, engine_bf16)
+
+
+def test_a_lora_decoder_too(monkeypatch):
+    check_casts_and_gradient(lora_decoder(), monkeypatch, WHOLE_BATCH, engine_bf16=False)
+
+
+def test_the_step_stays_close_to_the_full_batch_graph_under_bf16(make_retriever):
+    retriever = lora_retriever(make_retriever)
+    modules = models_of(retriever)
+    q, p = make_batch(retriever, 8, 1, seed=5)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.2)
+    zero(modules)
+    loss_fn(modules[0](**q), modules[1](**p)).backward()
+    expected = grads(modules)
+    cached_step(modules, (q, p), WHOLE_BATCH, engine_bf16=True)
+    assert rel_err(grads(modules), expected) < 0.02
+
+
+def test_kept_graphs_hold_no_copy_of_a_frozen_weight(make_retriever, monkeypatch):
+    """At a budget for the whole batch every chunk keeps its graph: each used to save a bf16 copy of every frozen
+    weight (a linear keeps its weight for the input's gradient); now each saves the parameter itself. The word
+    embeddings train too here, so that every base linear, the first layer's included, is on the gradient's path."""
+    retriever = lora_retriever(make_retriever)
+    modules = models_of(retriever)
+    for module in modules:
+        module.transformer.embeddings.word_embeddings.requires_grad_(True)
+    batch = make_batch(retriever, 8, 1, seed=4)
+    kept = cached_step(modules, batch, WHOLE_BATCH, engine_bf16=True).last_step
+    without_frozen_casts(monkeypatch)
+    before = cached_step(modules, batch, WHOLE_BATCH, engine_bf16=True).last_step
+    copies = sum(2 * w.numel() for w in frozen_linear_weights(modules))  # one model's per chunk: towers are apart
+    assert sum(kept.kept) == sum(before.kept) == sum(kept.chunks)
+    assert before.kept_bytes - kept.kept_bytes == sum(kept.kept) * copies // 2
+
+
+def test_fp32_tensors_are_back_after_a_step_and_after_a_failed_one(make_retriever):
+    retriever = lora_retriever(make_retriever)
+    modules = models_of(retriever)
+    frozen = frozen_linear_weights(modules)
+    before = [(w.data_ptr(), w.dtype) for w in frozen]
+    batch = make_batch(retriever, 8, 1, seed=6)
+    cached_step(modules, batch, 0, engine_bf16=True)
+    assert [(w.data_ptr(), w.dtype) for w in frozen] == before
+
+    def failing_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        assert all(w.dtype == torch.bfloat16 for w in frozen)  # switched while the step runs
+        raise RuntimeError("loss failed")
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        GradCache(modules, CHUNK, failing_loss, bf16=True)(*batch)
+    assert [(w.data_ptr(), w.dtype) for w in frozen] == before
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass may read its weight outside autocast's cast list."""
+
+
+class Sharded(torch.Tensor):
+    """A tensor subclass, as FSDP2's DTensor shards are: cast by FSDP's own mixed-precision policy."""
+
+
+def test_only_frozen_fp32_linear_tensors_no_other_module_reads_are_switched():
+    torch.manual_seed(0)
+    frozen, trained, sub, tied = nn.Linear(4, 4), nn.Linear(4, 4), ScaledLinear(4, 4), nn.Linear(4, 10, bias=False)
+    embedding = nn.Embedding(10, 4)
+    embedding.weight = tied.weight  # a tied table: looked up outside autocast
+    wide, sharded = nn.Linear(4, 4).double(), nn.Linear(4, 4, bias=False)
+    sharded.weight = nn.Parameter(torch.randn(4, 4).as_subclass(Sharded))
+    model = nn.ModuleList([frozen, trained, sub, tied, embedding, wide, sharded])
+    for module in (frozen, sub, tied, embedding, wide, sharded):
+        module.requires_grad_(False)
+    assert {id(p) for p in castable_linear_params([model, model], BF16)} == {id(frozen.weight), id(frozen.bias)}
+    assert castable_linear_params([model], {"cuda": torch.bfloat16}) == []
+    with FrozenLinearCasts([model], {}):
+        assert frozen.weight.dtype == torch.float32
+    with FrozenLinearCasts([model], BF16):
+        assert (frozen.weight.dtype, frozen.bias.dtype) == (torch.bfloat16, torch.bfloat16)
+        assert trained.weight.dtype == torch.float32
+    assert frozen.weight.dtype == torch.float32
+
+
+def test_a_qwen2_05b_base_casts_072_gb_of_linear_weights_per_call():
+    """The figure the docs give for what each kept graph saved before: Qwen2-0.5B's Linear weights in bf16."""
+    from transformers import Qwen2Config, Qwen2Model
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = Qwen2Model(config)
+    weights = sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear)
+    assert round(2 * weights / 1e9, 2) == 0.72
