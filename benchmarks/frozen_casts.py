@@ -54,7 +54,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = grid_parser(__doc__.splitlines()[0], "frozen-casts-cpu.json")
-    p.set_defaults(shape="llm", small=True, precisions=["bf16"], passage_lengths=[128])
+    p.set_defaults(shape="llm", precisions=["bf16"], passage_lengths=[128])
     p.add_argument("--budget-mb", type=float, default=128.0, help="the fixed budget between 0 and the whole batch")
     args = check_grid_args(p.parse_args(argv))
     if args.budget_mb <= 0:

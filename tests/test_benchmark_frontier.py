@@ -302,9 +302,10 @@ def test_the_frozen_cast_comparison_runs_the_llm_shape_and_gives_each_budgets_ra
 
     monkeypatch.setattr(join_limit, "measure", fake_measure)
     out = tmp_path / "casts.json"
-    assert frozen_casts.main(["--rounds", "1", "--output", str(out)]) == 0
+    assert frozen_casts.main(["--rounds", "1", "--small", "--output", str(out)]) == 0
+    assert frozen_casts.main(["--rounds", "1", "--output", str(tmp_path / "full.json")]) == 0
     assert [(b["shape"], b["small"], b["model"], b["precision"], b["p_len"]) for b in seen] == \
-        [("llm", True, "qwen2-small", "bf16", 128)]
+        [("llm", True, "qwen2-small", "bf16", 128), ("llm", False, "qwen2-0.5b", "bf16", 128)]
     run = json.loads(out.read_text())["runs"][0]
     for name in ("budget 0", "budget 128 MiB", "whole batch"):
         assert (run[f"{name}: speed-up of casting once"], run[f"{name}: peak once / per call"]) == (1.25, 0.8)
