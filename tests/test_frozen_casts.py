@@ -163,3 +163,19 @@ def test_a_qwen2_05b_base_casts_072_gb_of_linear_weights_per_call():
         model = Qwen2Model(config)
     weights = sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear)
     assert round(2 * weights / 1e9, 2) == 0.72
+
+
+def test_a_frozen_tower_keeps_its_fp32_weights(make_retriever):
+    """A tower that does not train runs without a graph, so autocast's casts last only a call: it is left alone."""
+    retriever = lora_retriever(make_retriever)
+    modules = models_of(retriever)
+    modules[1].requires_grad_(False)
+    query_side, passage_side = frozen_linear_weights(modules[:1]), frozen_linear_weights(modules[1:])
+    dtypes = []
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        dtypes.append(({w.dtype for w in query_side}, {w.dtype for w in passage_side}))
+        return SimpleContrastiveLoss(1)(x, y)
+
+    GradCache(modules, CHUNK, loss, bf16=True)(*make_batch(retriever, 8, 1, seed=7))
+    assert dtypes == [({torch.bfloat16}, {torch.float32})]

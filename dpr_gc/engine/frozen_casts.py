@@ -9,9 +9,11 @@ chunk, which plain training pays once per encoder call. Inside :class:`FrozenLin
 the parameter itself; the fp32 tensors are put back on exit. Exact: autocast runs ``linear`` in that dtype and
 would have rounded the fp32 tensor to the same values.
 
-Only tensors that no other module reads are switched (a tied embedding table is looked up outside autocast's cast
-list), only modules whose type is exactly ``nn.Linear`` (a subclass may read its weight outside autocast), and only
-plain tensors (FSDP2 shards are DTensors and cast by FSDP's own mixed-precision policy).
+The engine switches only models that train: their graphs save a copy of each frozen weight on the gradient's path
+anyway, while a frozen tower runs without a graph and holds each cast only for as long as its call lasts. Only
+tensors that no other module reads are switched (a tied embedding table is looked up outside autocast's cast list),
+only modules whose type is exactly ``nn.Linear`` (a subclass may read its weight outside autocast), and only plain
+tensors (FSDP2 shards are DTensors and cast by FSDP's own mixed-precision policy).
 """
 
 from __future__ import annotations

@@ -431,8 +431,9 @@ class GradCache:
         model's last chunk is replayed with it, so the sync always runs on the last backward. What the step kept
         and measured is left in :attr:`last_step`. On the CPU each chunk adds a trainable embedding's gradient
         sparsely, only the rows its tokens touch, into one dense ``.grad`` (single process; see
-        :mod:`dpr_gc.engine.sparse_grads`). Under autocast, frozen ``nn.Linear`` weights (a LoRA base's) are held in
-        the autocast dtype for the step, cast once instead of once per chunk (see :mod:`dpr_gc.engine.frozen_casts`).
+        :mod:`dpr_gc.engine.sparse_grads`). Under autocast, the frozen ``nn.Linear`` weights of a model that trains (a
+        LoRA base) are held in the autocast dtype for the step, cast once instead of once per chunk (see
+        :mod:`dpr_gc.engine.frozen_casts`).
         """
         if len(model_inputs) != len(self.models):
             raise DprGcError(f"got {len(model_inputs)} model inputs for {len(self.models)} models")
@@ -442,7 +443,7 @@ class GradCache:
                              "or sharded with fully_shard")
         with SparseEmbeddingGrads([m if t and not is_data_parallel(m) else None
                                    for m, t in zip(self.models, trainable)]) as embeddings, \
-                FrozenLinearCasts(self.models, self._autocast_dtypes()):
+                FrozenLinearCasts([m for m, t in zip(self.models, trainable) if t], self._autocast_dtypes()):
             plans, reps = self.forward_no_grad(model_inputs, trainable)
             loss = self.build_cache(reps, **loss_kwargs)
             cache = [rep.grad for rep in reps]

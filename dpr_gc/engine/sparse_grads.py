@@ -8,7 +8,7 @@ a cached step switches each trainable embedding to sparse gradients for its forw
 zero ``.grad`` before the first backward: every chunk then adds only the rows its tokens touch into that tensor.
 ``.grad`` stays dense, as optimizers and clipping expect, and its memory stays the table's whatever the batch (an
 accumulated sparse gradient would grow with the batch's tokens). Measured (benchmarks/embedding_grads.py): MiniLM at
-budget 0, chunks of 8 x 128 tokens, 1.07x faster in bf16 and 1.01x in fp32, at 8-9 % less peak memory.
+budget 0, chunks of 8 x 128 tokens, 1.05x faster in bf16 and 1.04x in fp32, at 8-10 % less peak memory.
 """
 
 from __future__ import annotations
