@@ -3,7 +3,6 @@ gradient, the graph accounting is exact, and peak graph memory stays within the 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
