@@ -24,9 +24,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_frontier import OURS, PLAIN  # noqa: E402
 from bench_gradcache import machine_info  # noqa: E402
 from dpr_gc.engine.sparse_grads import SPARSE_EMBEDDING_GRAD_DEVICES  # noqa: E402
-from join_limit import check_grid_args, grid_main, grid_parser, medians, run_grid  # noqa: E402
+from join_limit import WHOLE_BATCH, check_grid_args, grid_main, grid_parser, medians, run_grid  # noqa: E402
 
-WHOLE_BATCH = 10**15
 BUDGETS = {"budget 0": 0, "whole batch": WHOLE_BATCH}
 VARIANTS = {"plain": {"method": PLAIN, "budget": None},
             "budget 0 sparse": {"method": OURS, "budget": 0},

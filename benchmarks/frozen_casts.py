@@ -26,9 +26,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_frontier import OURS, PLAIN  # noqa: E402
 from bench_gradcache import machine_info  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
-from join_limit import check_grid_args, grid_main, grid_parser, medians, run_grid  # noqa: E402
+from join_limit import WHOLE_BATCH, check_grid_args, grid_main, grid_parser, medians, run_grid  # noqa: E402
 
-WHOLE_BATCH = 10**15
 
 
 def variants(budget_mb: float) -> dict[str, dict]:

@@ -70,6 +70,10 @@ def grid_parser(description: str, output: str) -> argparse.ArgumentParser:
 def check_grid_args(args: argparse.Namespace) -> argparse.Namespace:
     if min(args.passage_lengths + [args.batch, args.chunk, args.query_length, args.steps, args.rounds]) < 1:
         raise DprGcError("--passage-lengths, --batch, --chunk, --query-length, --steps and --rounds must be positive")
+    if args.small and args.shape != "llm":
+        raise DprGcError("--small: the 4-layer size belongs to the llm shape; add --shape llm or drop --small")
+    if args.tiny and args.shape == "llm":
+        raise DprGcError("--tiny: the tiny random BERT is the scifact shape's; for a small llm shape give --small")
     if args.mmap_threshold < 0:
         raise DprGcError(f"--mmap-threshold {args.mmap_threshold}: give a size in bytes, or 0 for glibc's own "
                          "threshold")

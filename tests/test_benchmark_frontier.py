@@ -313,3 +313,15 @@ def test_the_frozen_cast_comparison_runs_the_llm_shape_and_gives_each_budgets_ra
     assert frozen_casts.main(["--budget-mb", "0", "--output", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --budget-mb 0") and err.count("\n") == 1 and not (tmp_path / "bad.json").exists()
+
+
+def test_a_grid_refuses_a_size_flag_of_the_other_shape_in_one_line(tmp_path: Path, capsys) -> None:
+    import frozen_casts
+    import join_limit
+
+    out = tmp_path / "grid.json"
+    for main, argv, flag in ((join_limit.main, ["--small"], "--small"),
+                             (frozen_casts.main, ["--shape", "llm", "--tiny"], "--tiny")):
+        assert main(argv + ["--output", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag}: ") and err.count("\n") == 1 and not out.exists()
