@@ -246,6 +246,55 @@ def test_meters_free_the_graphs_they_measured_without_the_garbage_collector(make
         collector.enable()
 
 
+def test_a_measured_graph_frees_each_saved_tensor_as_its_backward_passes_it():
+    """Saved tensors keep the meter's pack hook as long as their graph lives: were the meter (and the storages it
+    recorded) reachable from it, a kept graph would hold all its saved tensors until its backward ends (a
+    whole-batch budget peaked 7-11 % above plain training on an H200)."""
+    import weakref
+
+    torch.manual_seed(0)
+    first, second = nn.Linear(16, 16), nn.Linear(16, 16)
+    with GraphMeter(fixed_storages([first, second])) as meter:
+        hidden = first(torch.randn(4, 16))
+        active = torch.relu(hidden)  # relu saves its output for its backward
+        out = second(active).sum()
+    assert meter.nbytes(out) > 0
+    del meter
+    freed = weakref.ref(active.untyped_storage())
+    del active
+    seen = []
+    hidden.register_hook(lambda grad: seen.append(freed() is None))  # runs after relu's backward, before first's
+    del hidden
+    out.backward()
+    assert seen == [True]
+
+
+def test_no_meter_outlives_its_chunk_while_kept_graphs_wait_for_their_backward(make_retriever, monkeypatch):
+    import gc as collector
+
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    q, p = make_batch(retriever, 8, 1, seed=4)
+    meters = []
+    backward_kept = GradCache._backward_kept
+
+    def counted(self, plans, cache):
+        meters.append(len([o for o in collector.get_objects() if isinstance(o, GraphMeter)]))
+        backward_kept(self, plans, cache)
+
+    monkeypatch.setattr(GradCache, "_backward_kept", counted)
+    engine = GradCache(modules, CHUNK, SimpleContrastiveLoss(1), memory_budget=10**12)
+    collector.collect()
+    collector.disable()
+    try:
+        engine(q, p)
+        engine(q, p)
+    finally:
+        collector.enable()
+    assert sum(engine.last_step.kept) == sum(engine.last_step.chunks) > 2
+    assert meters == [0, 0]
+
+
 @pytest.mark.parametrize("budget", [0, 10**12])
 def test_one_weight_copy_per_pass_under_autocast(make_retriever, budget):
     """Under bf16 each weight is cast once per pass (first pass, replay), not once per chunk: the chunks, and every

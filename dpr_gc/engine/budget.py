@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -116,6 +116,23 @@ def casts_a_parameter(t: torch.Tensor) -> bool:
     return cast and node is not None and type(node).__name__ == "AccumulateGrad"
 
 
+def _pack_hook(recording: list["GraphMeter"]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The pack hook of a :class:`GraphMeter`: records a saved tensor in the meter while it measures."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        for meter in recording:
+            meter._record(t)
+        # Detached: a saved output kept as itself would hold its own grad_fn (a reference cycle that only the
+        # garbage collector frees, so every measured graph would outlive its backward).
+        return t.detach()
+
+    return pack
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class GraphMeter:
     """Measure the memory a forward's autograd graph holds: inside the block every tensor saved for backward is
     recorded by its storage; :meth:`nbytes` sums the distinct storages (those of ``exclude`` left out), at their
@@ -128,18 +145,20 @@ class GraphMeter:
         self.storages: dict[int, Any] = {}
         self.weight_copies: dict[int, Any] = {}
         self.loose = 0  # tensors without a storage of their own, counted by their elements
-        self._hooks: Optional[Any] = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        # Every tensor saved inside the block keeps the pack hook for as long as its graph lives, so the hook reaches
+        # this meter only through ``_recording``, emptied on exit: a hook that held the meter would hold every
+        # recorded storage until the whole graph is gone, and a kept graph could not free its saved tensors one node
+        # at a time as its backward runs (a whole-batch budget then peaked 7-11 % above plain training on a GPU).
+        self._recording: list["GraphMeter"] = [self]
+        self._hooks: Optional[Any] = torch.autograd.graph.saved_tensors_hooks(_pack_hook(self._recording), _unpack)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _record(self, t: torch.Tensor) -> None:
         storage = _storage(t)
         if storage is None:
             self.loose += t.numel() * t.element_size()
         elif storage.data_ptr() not in self.exclude:
             found = self.weight_copies if casts_a_parameter(t) else self.storages
             found.setdefault(storage.data_ptr() or id(storage), storage)
-        # Detached: a saved output kept as itself would hold its own grad_fn (a reference cycle that only the
-        # garbage collector frees, so every measured graph would outlive its backward).
-        return t.detach()
 
     def __enter__(self) -> "GraphMeter":
         self._hooks.__enter__()
@@ -147,9 +166,8 @@ class GraphMeter:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
-        # The hooks hold this meter (through ``_pack``): dropped here, so that ``del meter`` frees the recorded
-        # storages at once instead of when the garbage collector finds the cycle (a replayed graph's worth each).
         self._hooks = None
+        self._recording.clear()
 
     def nbytes(self, output: Optional[torch.Tensor] = None) -> int:
         """Bytes of the saved storages other than weight copies, plus ``output``'s own storage when it is not one of
