@@ -47,9 +47,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 
 def run(argv: Optional[list[str]]) -> None:
-    args = check_grid_args(grid_parser(__doc__.splitlines()[0], "embedding-grads-cpu.json").parse_args(argv))
+    args = check_grid_args(grid_parser(__doc__.splitlines()[0], "embedding-grads").parse_args(argv))
     report = {"benchmark": "a cached step with sparse and with dense embedding gradients, and plain training",
-              "machine": machine_info("cpu", args.threads), "settings": dict(vars(args)),
+              "machine": machine_info(args.device, args.threads), "settings": dict(vars(args)),
               "engine_sparse_embedding_grad_devices": list(SPARSE_EMBEDDING_GRAD_DEVICES)}
     run_grid(args, report, VARIANTS, summarize)
     print("| passage tokens | precision | plain s | budget | dense s | sparse s | speed-up | sparse vs plain |\n"

@@ -52,7 +52,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = grid_parser(__doc__.splitlines()[0], "frozen-casts-cpu.json")
+    p = grid_parser(__doc__.splitlines()[0], "frozen-casts")
     p.set_defaults(shape="llm", precisions=["bf16"], passage_lengths=[128])
     p.add_argument("--budget-mb", type=float, default=128.0, help="the fixed budget between 0 and the whole batch")
     args = check_grid_args(p.parse_args(argv))
@@ -64,7 +64,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def run(argv: Optional[list[str]]) -> None:
     args = parse_args(argv)
     report = {"benchmark": "a LoRA cached step with frozen weights cast once per step and per call, and plain",
-              "machine": machine_info("cpu", args.threads), "settings": dict(vars(args))}
+              "machine": machine_info(args.device, args.threads), "settings": dict(vars(args))}
     run_grid(args, report, variants(args.budget_mb), summarize)
     print("| passage tokens | precision | budget | per call s (MB) | once s (MB) | speed-up | "
           "kept chunks, once / per call |\n|---:|---|---|---:|---:|---:|---:|")

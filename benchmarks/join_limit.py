@@ -42,10 +42,12 @@ VARIANTS = {"plain": {"method": PLAIN, "budget": None},
             "unlimited": {"method": OURS, "budget": WHOLE_BATCH, "joined_max_tokens": None}}
 
 
-def grid_parser(description: str, output: str) -> argparse.ArgumentParser:
+def grid_parser(description: str, name: str) -> argparse.ArgumentParser:
     """The flags of a grid of passage lengths x precisions, each variant in fresh processes (shared with
-    embedding_grads.py)."""
+    embedding_grads.py and frozen_casts.py); results go to ``benchmarks/results/NAME-DEVICE.json`` by default."""
     p = argparse.ArgumentParser(description=description)
+    p.set_defaults(results_name=name)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every variant runs (default cpu)")
     p.add_argument("--passage-lengths", type=int, nargs="+", default=[128, 256], help="passage max lengths")
     p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
                    help="fp32 and/or bf16 autocast (default both)")
@@ -63,7 +65,7 @@ def grid_parser(description: str, output: str) -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="the llm shape's 4-layer CPU size")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / output))
+    p.add_argument("--output", default=None, help="results JSON (default benchmarks/results/NAME-DEVICE.json)")
     return p
 
 
@@ -74,14 +76,18 @@ def check_grid_args(args: argparse.Namespace) -> argparse.Namespace:
         raise DprGcError("--small: the 4-layer size belongs to the llm shape; add --shape llm or drop --small")
     if args.tiny and args.shape == "llm":
         raise DprGcError("--tiny: the tiny random BERT is the scifact shape's; for a small llm shape give --small")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise DprGcError("--device cuda: torch sees no CUDA device on this machine; run it where one is, or drop "
+                         "the flag for the CPU")
     if args.mmap_threshold < 0:
         raise DprGcError(f"--mmap-threshold {args.mmap_threshold}: give a size in bytes, or 0 for glibc's own "
                          "threshold")
+    args.output = args.output or str(ROOT / "benchmarks" / "results" / f"{args.results_name}-{args.device}.json")
     return args
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    return check_grid_args(grid_parser(__doc__.splitlines()[0], "join-limit-cpu.json").parse_args(argv))
+    return check_grid_args(grid_parser(__doc__.splitlines()[0], "join-limit").parse_args(argv))
 
 
 def medians(runs: dict[str, list[dict]]) -> dict:
@@ -110,8 +116,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
-def measure(base: dict, args: argparse.Namespace, variants: dict[str, dict]) -> dict[str, list[dict]]:
-    """Every variant of one passage length and precision, ``--rounds`` times in rotating order."""
+def measure(base: dict, args: argparse.Namespace, variants: dict[str, dict],
+            progress: Callable[[dict[str, list[dict]]], None] = lambda runs: None) -> dict[str, list[dict]]:
+    """Every variant of one passage length and precision, ``--rounds`` times in rotating order; ``progress`` sees
+    the runs so far after each."""
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     names = list(variants)
     for rnd in range(args.rounds):
@@ -121,13 +129,14 @@ def measure(base: dict, args: argparse.Namespace, variants: dict[str, dict]) -> 
                         out.get("error") or f"{out['step_s']:.2f} s/step, peak {out['peak_mb']:.0f} MB, "
                                             f"{out.get('chunks', '-')} chunks")
             runs[name].append(out)
+            progress(runs)
     return runs
 
 
 def run_grid(args: argparse.Namespace, report: dict, variants: dict[str, dict],
              summary: Callable[[dict[str, list[dict]]], dict]) -> dict:
-    """Every passage length x precision of ``args`` into ``report["runs"]``, written after each (a run cut short keeps
-    what it finished)."""
+    """Every passage length x precision of ``args`` into ``report["runs"]``, written after each process (a run cut
+    short keeps what it finished)."""
     report["runs"] = []
     with tempfile.TemporaryDirectory(prefix="grid_") as tmp:
         if args.shape == "llm":
@@ -142,11 +151,15 @@ def run_grid(args: argparse.Namespace, report: dict, variants: dict[str, dict],
             for precision in args.precisions:
                 base = {"shape": args.shape, "model": model, "input": "uneven", "batch": args.batch,
                         "chunk": args.chunk, "q_len": args.query_length, "p_len": length, "small": args.small,
-                        "device": "cpu", "threads": args.threads, "steps": args.steps, "seed": args.seed,
+                        "device": args.device, "threads": args.threads, "steps": args.steps, "seed": args.seed,
                         "mmap_threshold": args.mmap_threshold, "precision": precision}
-                runs = measure(base, args, variants)
-                report["runs"].append({"passage_length": length, "precision": precision, **summary(runs)})
-                write_json(Path(args.output), report)
+                report["runs"].append({})
+
+                def progress(runs: dict[str, list[dict]]) -> None:
+                    report["runs"][-1] = {"passage_length": length, "precision": precision, **summary(runs)}
+                    write_json(Path(args.output), report)
+
+                progress(measure(base, args, variants, progress))
     logger.info("wrote %s", args.output)
     return report
 
@@ -154,8 +167,8 @@ def run_grid(args: argparse.Namespace, report: dict, variants: dict[str, dict],
 def run(argv: Optional[list[str]]) -> None:
     args = parse_args(argv)
     report = {"benchmark": "a whole-batch budget with and without the CPU join limit, and plain training",
-              "machine": machine_info("cpu", args.threads), "settings": dict(vars(args)),
-              "engine_joined_chunk_max_tokens": JOINED_CHUNK_MAX_TOKENS.get("cpu")}
+              "machine": machine_info(args.device, args.threads), "settings": dict(vars(args)),
+              "engine_joined_chunk_max_tokens": JOINED_CHUNK_MAX_TOKENS.get(args.device)}
     run_grid(args, report, VARIANTS, summarize)
     print("| passage tokens | precision | plain s | limited s (chunks) | unlimited s (chunks) | limit's speed-up |\n"
           "|---:|---|---:|---:|---:|---:|")

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -294,7 +295,7 @@ def test_the_frozen_cast_comparison_runs_the_llm_shape_and_gives_each_budgets_ra
 
     seen = []
 
-    def fake_measure(base, args, variants):
+    def fake_measure(base, args, variants, progress=None):
         seen.append(base)
         return {name: [{"step_s": 2.0 if cfg.get("frozen_linear_casts") is False else 1.6, "step_times_s": [1.0],
                         "peak_mb": 100.0 if cfg.get("frozen_linear_casts") is False else 80.0, "chunks": 9,
@@ -325,3 +326,45 @@ def test_a_grid_refuses_a_size_flag_of_the_other_shape_in_one_line(tmp_path: Pat
         assert main(argv + ["--output", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {flag}: ") and err.count("\n") == 1 and not out.exists()
+
+
+def test_a_grid_cut_short_keeps_every_process_it_finished(monkeypatch, tmp_path: Path) -> None:
+    import join_limit
+
+    out, launched = tmp_path / "grid.json", []
+
+    def fake_launch(cfg, timeout):
+        if len(launched) == 2:
+            raise KeyboardInterrupt  # the run is stopped during its third process
+        launched.append(cfg)
+        return {"step_s": 1.0, "step_times_s": [1.0], "peak_mb": 10.0, "chunks": 4, "kept_chunks": 4}
+
+    monkeypatch.setattr(join_limit, "launch", fake_launch)
+    with pytest.raises(KeyboardInterrupt):
+        join_limit.run(["--tiny", "--passage-lengths", "64", "--precisions", "fp32", "--rounds", "1",
+                        "--output", str(out)])
+    run = json.loads(out.read_text())["runs"]
+    assert [name for name, v in run[0].items() if isinstance(v, dict) and "step_s" in v] == ["plain", "limited"]
+    assert run[0]["unlimited"] == {"error": "no round ran"} and run[0]["passage_length"] == 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_a_grid_on_cuda_without_a_gpu_is_one_error_line(tmp_path: Path, capsys) -> None:
+    import embedding_grads
+    import frozen_casts
+    import join_limit
+
+    for main in (join_limit.main, embedding_grads.main, frozen_casts.main):
+        assert main(["--device", "cuda", "--output", str(tmp_path / "grid.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --device cuda: ") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_grid_names_its_results_after_the_device(monkeypatch) -> None:
+    import frozen_casts
+    import join_limit
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert Path(join_limit.parse_args(["--device", "cuda"]).output).name == "join-limit-cuda.json"
+    assert Path(frozen_casts.parse_args([]).output).name == "frozen-casts-cpu.json"

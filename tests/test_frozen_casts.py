@@ -50,10 +50,10 @@ def without_frozen_casts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def check_casts_and_gradient(retriever: nn.Module, monkeypatch: pytest.MonkeyPatch, budget: int,
-                             engine_bf16: bool) -> None:
+                             engine_bf16: bool, device: str = "cpu") -> None:
     """Each frozen weight cast once in a step (before: once per chunk and pass), the gradient equal to the bit."""
-    modules = models_of(retriever)
-    batch = make_batch(retriever, 8, 1, seed=3)
+    modules = models_of(retriever.to(device))
+    batch = tuple({k: v.to(device) for k, v in x.items()} for x in make_batch(retriever, 8, 1, seed=3))
     frozen = frozen_linear_weights(modules)
     with WeightCasts(frozen) as counter:
         engine = cached_step(modules, batch, budget, engine_bf16)
@@ -76,6 +76,12 @@ def test_frozen_weights_are_cast_once_per_step_and_the_gradient_is_unchanged(mak
 
 def test_a_lora_decoder_too(monkeypatch):
     check_casts_and_gradient(lora_decoder(), monkeypatch, WHOLE_BATCH, engine_bf16=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("budget", [0, WHOLE_BATCH])
+def test_on_cuda_too(make_retriever, monkeypatch, budget):
+    check_casts_and_gradient(lora_retriever(make_retriever), monkeypatch, budget, engine_bf16=True, device="cuda")
 
 
 def test_the_step_stays_close_to_the_full_batch_graph_under_bf16(make_retriever):
