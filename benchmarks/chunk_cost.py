@@ -119,6 +119,14 @@ def fit_small_chunks(chunks: list[int], seconds: list[float], tokens: int) -> di
     return {"fastest_chunks": ks[best], **fit, "steps": steps}
 
 
+def neighbour_prices(result: dict) -> str:
+    """The range of the prices between neighbouring splits from the fastest on, for the summary line. With the tokens
+    fixed the line's cost of a token comes from its intercept alone: where every chunk waits on launches (a GPU) the
+    line can price a chunk far above what any one more chunk adds."""
+    prices = [s["chunk_cost_tokens"] for s in result["steps"] if s["from"] >= result["fastest_chunks"]]
+    return f"; between neighbouring splits {min(prices):.0f}-{max(prices):.0f} tokens" if prices else ""
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="encoder folder (default: the offline all-MiniLM-L6-v2)")
@@ -199,7 +207,8 @@ def run(argv: Optional[list[str]]) -> None:
                   f"{1000 * split['median_s'] / (args.rows * args.length):.4f} | {split['median_s'] / fastest:.2f} |")
     for r in results:
         cost = "n/a" if r["chunk_cost_tokens"] is None else f"{r['chunk_cost_tokens']:.0f} tokens"
-        print(f"{r['precision']}: fastest at {r['fastest_chunks']} chunks; from there on a chunk costs {cost}")
+        print(f"{r['precision']}: fastest at {r['fastest_chunks']} chunks; from there on a chunk costs {cost} "
+              f"(the line over those splits){neighbour_prices(r)}")
     print(f"results: {args.output}")
 
 

@@ -118,6 +118,19 @@ def test_the_chunk_price_is_fitted_from_the_fastest_split_on() -> None:
     assert round(fit["chunk_cost_tokens"]) == 10 and [round(s["chunk_cost_tokens"]) for s in fit["steps"]][1:] == [10, 10]
 
 
+def test_the_summary_line_gives_the_neighbouring_prices_beside_the_line(monkeypatch, tmp_path: Path, capsys) -> None:
+    import chunk_cost
+
+    seconds = {1: 1.0, 2: 1.1, 4: 1.4}  # a token costs 1 ms by the fastest split: 100 then 150 tokens a chunk
+    fit = chunk_cost.fit_small_chunks(list(seconds), list(seconds.values()), 1000)
+    splits = [{"chunks": k, "rows_per_chunk": 4 // k, "seconds": [t], "median_s": t} for k, t in seconds.items()]
+    monkeypatch.setattr(chunk_cost, "measure_all", lambda args: [{"precision": "fp32", "splits": splits, **fit}])
+    assert chunk_cost.main(["--rows", "4", "--length", "250", "--chunks", "1", "2", "4",
+                            "--output", str(tmp_path / "cost.json")]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("fp32: fastest")][0]
+    assert line.endswith("(the line over those splits); between neighbouring splits 100-150 tokens")
+
+
 def test_a_child_runs_with_the_mmap_threshold_asked_for_or_glibcs_own(monkeypatch) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
     pinned = frontier.child_env({"threads": 2, "mmap_threshold": 131072})
