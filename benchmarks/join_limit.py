@@ -159,7 +159,7 @@ def run_grid(args: argparse.Namespace, report: dict, variants: dict[str, dict],
                     report["runs"][-1] = {"passage_length": length, "precision": precision, **summary(runs)}
                     write_json(Path(args.output), report)
 
-                progress(measure(base, args, variants, progress))
+                measure(base, args, variants, progress)
     logger.info("wrote %s", args.output)
     return report
 

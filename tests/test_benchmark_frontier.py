@@ -308,11 +308,13 @@ def test_the_frozen_cast_comparison_runs_the_llm_shape_and_gives_each_budgets_ra
 
     seen = []
 
-    def fake_measure(base, args, variants, progress=None):
+    def fake_measure(base, args, variants, progress):
         seen.append(base)
-        return {name: [{"step_s": 2.0 if cfg.get("frozen_linear_casts") is False else 1.6, "step_times_s": [1.0],
+        runs = {name: [{"step_s": 2.0 if cfg.get("frozen_linear_casts") is False else 1.6, "step_times_s": [1.0],
                         "peak_mb": 100.0 if cfg.get("frozen_linear_casts") is False else 80.0, "chunks": 9,
                         "kept_chunks": 3}] for name, cfg in variants.items()}
+        progress(runs)
+        return runs
 
     monkeypatch.setattr(join_limit, "measure", fake_measure)
     out = tmp_path / "casts.json"
