@@ -257,11 +257,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="the 4-layer llm shape instead of Qwen2-0.5B's")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
     p.add_argument("--peers", default=f"{ST},{ORIGINAL}", help="peers to run where installed")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median; default 3, 2 with "
+                   "--quick on a GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="fewer budgets (0, one chunk, half, whole); on a GPU: batch 256 / chunk 32, llm batch 32 / "
-                        "chunk 8, 2 steps -- a few minutes")
+                        "chunk 8, 2 steps unless --steps says otherwise -- a few minutes")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mmap-threshold", type=int, default=131072,
@@ -302,8 +303,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     if args.quick and device == "cuda":
-        args.batch, args.chunk, args.steps = 256, 32, 2
+        args.batch, args.chunk, args.steps = 256, 32, args.steps or 2
         args.llm_batch, args.llm_chunk = args.llm_batch or 32, args.llm_chunk or 8
+    args.steps = args.steps or 3
     threads = args.threads or torch.get_num_threads()
     peers, notes = available_peers([n for n in args.peers.split(",") if n])
     for note in notes:

@@ -383,3 +383,14 @@ def test_a_grid_names_its_results_after_the_device(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert Path(join_limit.parse_args(["--device", "cuda"]).output).name == "join-limit-cuda.json"
     assert Path(frozen_casts.parse_args([]).output).name == "frozen-casts-cpu.json"
+
+
+@pytest.mark.parametrize("flags, steps", [([], 3), (["--quick", "--device", "cuda"], 2),
+                                          (["--quick", "--device", "cuda", "--steps", "6"], 6)])
+def test_a_quick_gpu_frontier_times_two_steps_unless_told_otherwise(monkeypatch, tmp_path: Path, flags, steps) -> None:
+    seen = []
+    monkeypatch.setattr(frontier, "frontier", lambda base, args, peers: seen.append(base["steps"]) or {"comparison": []})
+    monkeypatch.setattr(frontier, "machine_info", lambda device, threads: {"device": device})
+    monkeypatch.setattr(frontier, "plot", lambda report, path: path)
+    frontier.main(flags + ["--tiny", "--shapes", "scifact", "--precisions", "fp32", "--output", str(tmp_path / "f.json")])
+    assert seen == [steps]
