@@ -10,6 +10,7 @@ figure is the median over its rounds of its per-round median step. Children run 
 (``--mmap-threshold 0``, as ``dpr-gc train`` does) unless told otherwise.
 
     python benchmarks/join_limit.py --passage-lengths 128 256 --precisions fp32 bf16 --rounds 2
+    python benchmarks/join_limit.py --also-limits 2048     # and a whole-batch step at another limit beside them
 """
 
 from __future__ import annotations
@@ -87,7 +88,19 @@ def check_grid_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    return check_grid_args(grid_parser(__doc__.splitlines()[0], "join-limit").parse_args(argv))
+    p = grid_parser(__doc__.splitlines()[0], "join-limit")
+    p.add_argument("--also-limits", type=int, nargs="+", default=[], metavar="TOKENS",
+                   help="more join limits to run beside the engine's and none (each a variant limit-TOKENS)")
+    args = check_grid_args(p.parse_args(argv))
+    if any(n < 1 for n in args.also_limits):
+        raise DprGcError(f"--also-limits {' '.join(map(str, args.also_limits))}: give positive token counts")
+    return args
+
+
+def variants_of(args: argparse.Namespace) -> dict[str, dict]:
+    """Plain, the engine's limit, none, and a ``limit-N`` variant for each of ``--also-limits``."""
+    return VARIANTS | {f"limit-{n}": {"method": OURS, "budget": WHOLE_BATCH, "joined_max_tokens": n}
+                       for n in args.also_limits}
 
 
 def medians(runs: dict[str, list[dict]]) -> dict:
@@ -113,6 +126,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         out["speedup_of_the_limit"] = out["unlimited"]["step_s"] / limited
         out["limited_vs_plain"] = out["plain"]["step_s"] / limited
         out["unlimited_vs_plain"] = out["plain"]["step_s"] / out["unlimited"]["step_s"]
+        for name in runs:
+            if name.startswith("limit-") and "step_s" in out[name]:
+                out[f"{name}_vs_limited"] = out[name]["step_s"] / limited
     return out
 
 
@@ -169,14 +185,17 @@ def run(argv: Optional[list[str]]) -> None:
     report = {"benchmark": "a whole-batch budget with and without the CPU join limit, and plain training",
               "machine": machine_info(args.device, args.threads), "settings": dict(vars(args)),
               "engine_joined_chunk_max_tokens": JOINED_CHUNK_MAX_TOKENS.get(args.device)}
-    run_grid(args, report, VARIANTS, summarize)
-    print("| passage tokens | precision | plain s | limited s (chunks) | unlimited s (chunks) | limit's speed-up |\n"
-          "|---:|---|---:|---:|---:|---:|")
+    run_grid(args, report, variants_of(args), summarize)
+    others = [f"limit-{n}" for n in args.also_limits]
+    print("| passage tokens | precision | plain s | limited s (chunks) | unlimited s (chunks) | limit's speed-up |"
+          + "".join(f" {name} s (chunks) |" for name in others) + "\n|---:|---|---:|---:|---:|---:|" + "---:|" * len(others))
     for r in report["runs"]:
         if "speedup_of_the_limit" in r:
             print(f"| {r['passage_length']} | {r['precision']} | {r['plain']['step_s']:.2f} | "
                   f"{r['limited']['step_s']:.2f} ({r['limited']['chunks']}) | {r['unlimited']['step_s']:.2f} "
-                  f"({r['unlimited']['chunks']}) | {r['speedup_of_the_limit']:.2f} |")
+                  f"({r['unlimited']['chunks']}) | {r['speedup_of_the_limit']:.2f} |"
+                  + "".join(f" {r[name]['step_s']:.2f} ({r[name]['chunks']}) |" if "step_s" in r.get(name, {})
+                            else " - |" for name in others))
 
 
 def grid_main(run_script: Callable[[Optional[list[str]]], None], argv: Optional[list[str]]) -> int:

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_frontier as frontier  # noqa: E402
+from dpr_gc.engine import grad_cache  # noqa: E402
 
 
 def test_budgets_run_from_zero_through_one_chunk_to_the_whole_batch() -> None:
@@ -173,7 +174,7 @@ def test_chunk_cost_times_a_random_bert_base_when_asked(monkeypatch, tmp_path) -
     assert [(c["hidden_size"], c["num_hidden_layers"]) for c in seen] == [(16, 1)]
     report = json.loads(out.read_text())
     assert report["settings"]["random_bert_base"] and [s["chunks"] for s in report["results"][0]["splits"]] == [1, 2]
-    assert report["engine_joined_chunk_max_tokens"] == 2048
+    assert report["engine_joined_chunk_max_tokens"] == grad_cache.JOINED_CHUNK_MAX_TOKENS["cpu"]
     assert report["malloc_environment"]["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
 
 
@@ -192,13 +193,36 @@ def test_the_join_limit_comparison_gives_each_variants_median_and_the_ratios() -
     assert failed["unlimited"] == {"error": "no round ran"}
 
 
-def test_the_join_limit_comparison_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys) -> None:
+def test_the_join_limit_comparison_runs_each_other_limit_asked_for_and_compares_it_with_the_engines(
+        monkeypatch, tmp_path: Path, capsys) -> None:
+    import join_limit
+
+    out, launched = tmp_path / "limits.json", []
+
+    def fake_launch(cfg, timeout):
+        launched.append(cfg)
+        step = {None: 3.0, 2048: 2.2}.get(cfg.get("joined_max_tokens", "engine"), 2.0) if cfg["method"] != "plain" else 4.0
+        return {"step_s": step, "step_times_s": [step], "peak_mb": 10.0, "chunks": 4, "kept_chunks": 4}
+
+    monkeypatch.setattr(join_limit, "launch", fake_launch)
+    join_limit.run(["--tiny", "--passage-lengths", "64", "--precisions", "fp32", "--rounds", "1", "--also-limits",
+                    "2048", "8192", "--output", str(out)])
+    assert sorted(str(c.get("joined_max_tokens", "engine")) for c in launched) == ["2048", "8192", "None", "engine",
+                                                                                    "engine"]
+    run = json.loads(out.read_text())["runs"][0]
+    assert (run["limit-2048_vs_limited"], run["limit-8192_vs_limited"], run["speedup_of_the_limit"]) == \
+        pytest.approx((1.1, 1.0, 1.5))
+    assert "| limit-2048 s (chunks) | limit-8192 s (chunks) |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag", [(["--rounds", "0"], "--rounds"), (["--also-limits", "0"], "--also-limits")])
+def test_the_join_limit_comparison_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
     import join_limit
 
     out = tmp_path / "limit.json"
-    assert join_limit.main(["--rounds", "0", "--output", str(out)]) == 2
+    assert join_limit.main(argv + ["--output", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "--rounds" in err and err.count("\n") == 1 and not out.exists()
+    assert err.startswith("error: ") and flag in err and err.count("\n") == 1 and not out.exists()
 
 
 def test_a_frontier_child_runs_with_the_join_limit_it_is_given(monkeypatch, tmp_path: Path) -> None:

@@ -416,13 +416,13 @@ def test_a_whole_batch_budget_keeps_uneven_chunks_apart_on_cpu(make_retriever, m
 
 
 def test_a_whole_batch_budget_joins_no_cpu_chunk_beyond_its_token_limit(make_retriever):
-    """On the CPU a joined chunk stops at ``JOINED_CHUNK_MAX_TOKENS`` (larger chunks run slower per token): 48
-    passages of about 100 tokens (about 5,000 in all) become at least two joined chunks, where an unlimited join
-    would make one of about 4,600 tokens. The gradient is the full batch's."""
+    """On the CPU a joined chunk stops at ``JOINED_CHUNK_MAX_TOKENS`` (larger chunks run slower per token): 96
+    passages of about 100 tokens (about 10,000 in all) become at least three chunks, where an unlimited join would
+    make one of about 9,000 tokens and the last chunk. The gradient is the full batch's."""
     retriever = make_retriever(shared=True)
     modules, loss_fn = models_of(retriever), SimpleContrastiveLoss(5)
-    q = dict(retriever.tokenize_queries(random_texts(8, 3, 4, 6)))
-    p = dict(retriever.tokenize_passages(random_texts(48, 4, 1, 1), random_texts(48, 5, 100, 100)))
+    q = dict(retriever.tokenize_queries(random_texts(16, 3, 4, 6)))
+    p = dict(retriever.tokenize_passages(random_texts(96, 4, 1, 1), random_texts(96, 5, 100, 100)))
     most = grad_cache.JOINED_CHUNK_MAX_TOKENS["cpu"]
     assert p["attention_mask"].numel() > most + 3 * p["attention_mask"].size(1)
     engine = whole_batch_budget_steps(modules, loss_fn, q, p)

@@ -54,11 +54,11 @@ CHUNK_OVERHEAD_TOKENS = {"cuda": 16384}
 DEFAULT_CHUNK_OVERHEAD_TOKENS = 64
 # The most tokens a joined chunk may compute, by device type (none listed: no limit). Larger CPU chunks run slower
 # per token: one chunk of 64 rows x 256 tokens took 1.89x (fp32) and 1.87x (bf16) the time per token of the fastest
-# split through MiniLM, one of 32 x 256 through a BERT-base shape 1.52x and 1.22x, while chunks of 2,048 tokens were
-# within 4 % of the fastest split in all four (benchmarks/README.md, "When a chunk is too large"). Much of it is glibc
-# mapping and page-faulting afresh every tensor above its largest mmap threshold (32 MiB): with mmap off, MiniLM's
-# 64-row chunk took 1.18x and 1.54x. CUDA's caching allocator reuses its blocks.
-JOINED_CHUNK_MAX_TOKENS = {"cpu": 2048}
+# split through MiniLM, one of 32 x 256 through a BERT-base shape 1.52x and 1.22x, while chunks of 4,096 tokens were
+# the fastest split or within 3 % of it in all four (benchmarks/README.md, "When a chunk is too large"). Much of it is
+# glibc mapping and page-faulting afresh every tensor above its largest mmap threshold (32 MiB): with mmap off,
+# MiniLM's 64-row chunk took 1.18x and 1.54x. CUDA's caching allocator reuses its blocks.
+JOINED_CHUNK_MAX_TOKENS = {"cpu": 4096}
 
 
 class RandState:
@@ -260,7 +260,7 @@ class GradCache:
             64 elsewhere). On CUDA a budget for the whole batch makes the step plain training in two chunks per
             model; on CPU, chunks of different lengths stay apart, each trimmed to its own longest sequence, so the
             step computes fewer tokens than plain training's padded batch, and no joined chunk computes more than
-            ``JOINED_CHUNK_MAX_TOKENS`` (2,048 tokens: larger CPU chunks are slower per token). Kept graphs are
+            ``JOINED_CHUNK_MAX_TOKENS`` (4,096 tokens: larger CPU chunks are slower per token). Kept graphs are
             backpropagated in one backward call, as plain training's. Under DDP/FSDP every model's last chunk is
             still replayed: its backward carries the gradient sync, after every kept graph's.
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
