@@ -157,15 +157,16 @@ def split_by_tokens(model_input: Any, max_rows: int, max_tokens: int, trim: bool
 
 
 def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tokens: int, trim: bool = True,
-                chunk_overhead: Optional[int] = None) -> list[Any]:
-    """Join consecutive chunks of ``model_input`` (row slices in order; never the last one, which stays as it is)
-    into larger ones: the first of at most ``first_tokens`` computed tokens (rows times the longest sequence; the
-    full width untrimmed), the following ones of at most ``rest_tokens``. With ``chunk_overhead`` (a chunk's fixed
-    cost, in tokens) a chunk joins only while the joined chunk computes no more tokens than its parts plus that cost
-    for every part it saves: padding a short chunk to a long one's width costs more than running it apart. A chunk
-    that alone exceeds its limit stays as it is. Inputs without a 2-D attention mask are returned unchanged."""
+                chunk_overhead: Optional[int] = None, join_last: bool = False) -> list[Any]:
+    """Join consecutive chunks of ``model_input`` (row slices in order) into larger ones: the first of at most
+    ``first_tokens`` computed tokens (rows times the longest sequence; the full width untrimmed), the following ones
+    of at most ``rest_tokens``. The last chunk stays as it is unless ``join_last`` and the first joined chunk reaches
+    it (the whole input fits ``first_tokens``). With ``chunk_overhead`` (a chunk's fixed cost, in tokens) a chunk
+    joins only while the joined chunk computes no more tokens than its parts plus that cost for every part it saves:
+    padding a short chunk to a long one's width costs more than running it apart. A chunk that alone exceeds its
+    limit stays as it is. Inputs without a 2-D attention mask are returned unchanged."""
     lengths = sequence_lengths(model_input)
-    if lengths is None or len(chunks) < 3:
+    if lengths is None or len(chunks) < (2 if join_last else 3):
         return chunks
     width, rows_of = model_input["attention_mask"].size(1), [rows_in(c) or 0 for c in chunks]
     starts = list(itertools.accumulate(rows_of, initial=0))
@@ -173,7 +174,8 @@ def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tok
     joined, i, limit = [], 0, first_tokens
     while i < len(chunks) - 1:
         rows, longest, parts, j = 0, 0, 0, i
-        while j < len(chunks) - 1:
+        stop = len(chunks) if join_last and i == 0 else len(chunks) - 1
+        while j < stop:
             wider, cost = max(longest, widths[j]), parts + rows_of[j] * widths[j]
             too_big = (rows + rows_of[j]) * wider > limit
             padded = chunk_overhead is not None and (rows + rows_of[j]) * wider > cost + chunk_overhead * (j - i)
@@ -182,7 +184,7 @@ def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tok
             rows, longest, parts, j = rows + rows_of[j], wider, cost, j + 1
         joined.append(chunks[i] if j == i + 1 else slice_rows(model_input, starts[i], starts[i] + rows))
         i, limit = j, rest_tokens
-    return joined + [chunks[-1]]
+    return joined + chunks[i:]
 
 
 def chunk_tokens(chunk: Any) -> int:

@@ -257,9 +257,10 @@ class GradCache:
             per token measured before) are joined into larger kept chunks, and the replayed chunks after them up to
             the budget's size, as long as joining saves more than the padding it adds costs (a chunk's fixed cost
             counts as ``CHUNK_OVERHEAD_TOKENS``: 16,384 tokens on CUDA, whose chunks are bound by kernel launches,
-            64 elsewhere). On CUDA a budget for the whole batch makes the step plain training in two chunks per
-            model; on CPU, chunks of different lengths stay apart, each trimmed to its own longest sequence, so the
-            step computes fewer tokens than plain training's padded batch, and no joined chunk computes more than
+            64 elsewhere). On CUDA a budget for the whole batch makes the step plain training, one chunk per model
+            (the last chunk joins only a first joined chunk that reaches it, and never under DDP/FSDP); on CPU,
+            chunks of different lengths stay apart, each trimmed to its own longest sequence, so the step computes
+            fewer tokens than plain training's padded batch, and no joined chunk computes more than
             ``JOINED_CHUNK_MAX_TOKENS`` (4,096 tokens: larger CPU chunks are slower per token). Kept graphs are
             backpropagated in one backward call, as plain training's. Under DDP/FSDP every model's last chunk is
             still replayed: its backward carries the gradient sync, after every kept graph's.
@@ -358,7 +359,9 @@ class GradCache:
             chunks = split_input(model_input, self.chunk_sizes[m])
         if joined is not None and self.split_input_fn is None:
             overhead = CHUNK_OVERHEAD_TOKENS.get(model_device(self.models[m]).type, DEFAULT_CHUNK_OVERHEAD_TOKENS)
-            chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.chunking.trim, overhead)
+            # A model under DDP/FSDP replays its last chunk (its backward syncs), so that chunk stays small.
+            chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.chunking.trim, overhead,
+                                 join_last=not is_data_parallel(self.models[m]))
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
         if not self.chunking.trim:
