@@ -188,7 +188,8 @@ def run(argv: Optional[list[str]]) -> None:
     run_grid(args, report, variants_of(args), summarize)
     others = [f"limit-{n}" for n in args.also_limits]
     print("| passage tokens | precision | plain s | limited s (chunks) | unlimited s (chunks) | limit's speed-up |"
-          + "".join(f" {name} s (chunks) |" for name in others) + "\n|---:|---|---:|---:|---:|---:|" + "---:|" * len(others))
+          + "".join(f" {name} s (chunks) |" for name in others)
+          + "\n|---:|---|---:|---:|---:|---:|" + "---:|" * len(others))
     for r in report["runs"]:
         if "speedup_of_the_limit" in r:
             print(f"| {r['passage_length']} | {r['precision']} | {r['plain']['step_s']:.2f} | "

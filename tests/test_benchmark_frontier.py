@@ -201,7 +201,8 @@ def test_the_join_limit_comparison_runs_each_other_limit_asked_for_and_compares_
 
     def fake_launch(cfg, timeout):
         launched.append(cfg)
-        step = {None: 3.0, 2048: 2.2}.get(cfg.get("joined_max_tokens", "engine"), 2.0) if cfg["method"] != "plain" else 4.0
+        limit = cfg.get("joined_max_tokens", "engine")
+        step = 4.0 if cfg["method"] == "plain" else {None: 3.0, 2048: 2.2}.get(limit, 2.0)
         return {"step_s": step, "step_times_s": [step], "peak_mb": 10.0, "chunks": 4, "kept_chunks": 4}
 
     monkeypatch.setattr(join_limit, "launch", fake_launch)
@@ -411,10 +412,33 @@ def test_a_grid_names_its_results_after_the_device(monkeypatch) -> None:
 
 @pytest.mark.parametrize("flags, steps", [([], 3), (["--quick", "--device", "cuda"], 2),
                                           (["--quick", "--device", "cuda", "--steps", "6"], 6)])
-def test_a_quick_gpu_frontier_times_two_steps_unless_told_otherwise(monkeypatch, tmp_path: Path, flags, steps) -> None:
+def test_a_quick_gpu_frontier_times_two_steps_unless_told_otherwise(monkeypatch, tmp_path: Path, flags, steps):
     seen = []
-    monkeypatch.setattr(frontier, "frontier", lambda base, args, peers: seen.append(base["steps"]) or {"comparison": []})
+    monkeypatch.setattr(frontier, "frontier",
+                        lambda base, args, peers: seen.append(base["steps"]) or {"comparison": []})
     monkeypatch.setattr(frontier, "machine_info", lambda device, threads: {"device": device})
     monkeypatch.setattr(frontier, "plot", lambda report, path: path)
-    frontier.main(flags + ["--tiny", "--shapes", "scifact", "--precisions", "fp32", "--output", str(tmp_path / "f.json")])
+    frontier.main(flags + ["--tiny", "--shapes", "scifact", "--precisions", "fp32",
+                           "--output", str(tmp_path / "f.json")])
     assert seen == [steps]
+
+
+def test_the_step_profile_reports_each_variants_time_launches_and_host_syncs(tmp_path: Path) -> None:
+    import profile_step
+
+    out = tmp_path / "profile.json"
+    assert profile_step.main(["--tiny", "--variants", "budget0", "--precision", "fp32", "--batch", "4", "--chunk", "2",
+                              "--passage-length", "16", "--steps", "1", "--threads", "1", "--output", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["budget0"] and "error" not in runs[0], runs
+    assert runs[0]["step_s"] > 0 and runs[0]["top_ops"] and runs[0]["device_busy_ms"] is None
+    assert sum(runs[0]["chunks"]) > 2 and runs[0]["local_scalar_reads"] >= 1
+
+
+def test_the_step_profile_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys) -> None:
+    import profile_step
+
+    out = tmp_path / "profile.json"
+    assert profile_step.main(["--steps", "0", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--steps" in err and err.count("\n") == 1 and not out.exists()

@@ -152,7 +152,7 @@ def split_by_tokens(model_input: Any, max_rows: int, max_tokens: int, trim: bool
         raise DprGcError("chunks by tokens need a dict-like model input with a 2-D attention_mask; give chunk sizes "
                          "in rows instead")
     width = model_input["attention_mask"].size(1)
-    spans = token_spans([int(n) for n in lengths], width, max_rows, max_tokens, trim)
+    spans = token_spans(lengths.tolist(), width, max_rows, max_tokens, trim)
     return [slice_rows(model_input, s, e) for s, e in spans]
 
 
@@ -168,9 +168,9 @@ def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tok
     lengths = sequence_lengths(model_input)
     if lengths is None or len(chunks) < (2 if join_last else 3):
         return chunks
-    width, rows_of = model_input["attention_mask"].size(1), [rows_in(c) or 0 for c in chunks]
+    width, rows_of, lengths = model_input["attention_mask"].size(1), [rows_in(c) or 0 for c in chunks], lengths.tolist()
     starts = list(itertools.accumulate(rows_of, initial=0))
-    widths = [int(lengths[s:s + n].max()) if trim and n else width for s, n in zip(starts, rows_of)]
+    widths = [max(lengths[s:s + n]) if trim and n else width for s, n in zip(starts, rows_of)]
     joined, i, limit = [], 0, first_tokens
     while i < len(chunks) - 1:
         rows, longest, parts, j = 0, 0, 0, i

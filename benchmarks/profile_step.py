@@ -1,0 +1,159 @@
+"""Benchmark: where one cached step's time goes, per method -- kernels, launches and host syncs beside the step time.
+
+bench_frontier.py's SciFact step (all-MiniLM-L6-v2, claims -> cited abstracts, one hard negative, bf16 autocast by
+default) for each variant, each in a fresh process: two warm-up steps, ``--steps`` timed steps (median), then one
+step under ``torch.profiler``. Reported per variant: the median step; the device's busy time (the kernels' own time;
+CUDA only) against the host's own operator time; the kernel launches; the host syncs (``cudaStreamSynchronize`` on
+CUDA; on any device the ``aten::_local_scalar_dense`` reads a sync would come from, e.g. ``.item()`` or ``bool()``
+of a tensor); and the operators that took the most time. A step whose device is busy for much less than the step
+is bound by the host (launches, Python, syncs), not by arithmetic. Variants: ``plain`` (the whole batch in one
+graph), ``budget0`` (dpr-gc, only the last chunk's graph kept), ``whole`` (dpr-gc, a budget for the whole batch),
+and the peers ``luyug`` (luyug/GradCache) and ``cmnrl`` (sentence-transformers' CachedMNRL) where installed.
+Results: JSON in benchmarks/results/profile-step-DEVICE.json.
+
+    python benchmarks/profile_step.py --device cuda --batch 256 --chunk 32       # the H200 frontier's shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_frontier import OURS, PLAIN, ST, available_peers, scifact_step  # noqa: E402
+from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child, tiny_model  # noqa: E402
+from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
+from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
+
+logger = logging.getLogger("profile_step")
+VARIANTS = {"plain": {"method": PLAIN, "budget": None}, "budget0": {"method": OURS, "budget": 0},
+            "whole": {"method": OURS, "budget": 10**15}, "luyug": {"method": ORIGINAL, "budget": None},
+            "cmnrl": {"method": ST, "budget": None}}
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def profile_one(cfg: dict) -> dict:
+    """One variant in this process: step times, then one profiled step's totals and top operators."""
+    torch.set_num_threads(cfg["threads"])
+    device = torch.device(cfg["device"])
+    torch.manual_seed(cfg["seed"])
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16"):
+        step, module, engine = scifact_step(cfg, device)
+        times = []
+        for i in range(2 + cfg["steps"]):
+            module.zero_grad(set_to_none=True)
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+            sync()
+    events = prof.key_averages()
+    count = {e.key: e.count for e in events}
+    by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    top = sorted(events, key=lambda e: getattr(e, by), reverse=True)[:cfg["top"]]
+    out = {**cfg, "step_s": statistics.median(times[2:]), "step_times_s": times[2:],
+           "device_busy_ms": sum(e.self_device_time_total for e in events) / 1e3 if device.type == "cuda" else None,
+           "host_ops_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+           "kernel_launches": sum(count.get(k, 0) for k in LAUNCHES), "host_syncs": sum(count.get(k, 0) for k in SYNCS),
+           "local_scalar_reads": count.get("aten::_local_scalar_dense", 0),
+           "top_ops": [{"op": e.key, "ms": getattr(e, by) / 1e3, "calls": e.count} for e in top]}
+    if engine is not None and engine.last_step is not None:
+        out.update(chunks=engine.last_step.chunks, kept=engine.last_step.kept)
+    return out
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16", help="bf16: autocast (default)")
+    p.add_argument("--batch", type=int, default=32, help="queries per step (passages: twice as many; default 32)")
+    p.add_argument("--chunk", type=int, default=8, help="rows per chunk (default 8)")
+    p.add_argument("--query-length", type=int, default=32)
+    p.add_argument("--passage-length", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="timed steps before the profiled one (default 5)")
+    p.add_argument("--top", type=int, default=12, help="operators listed per variant (default 12)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
+    p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="default benchmarks/results/profile-step-DEVICE.json")
+    args = p.parse_args(argv)
+    if args.one is None and min(args.batch, args.chunk, args.query_length, args.passage_length, args.steps,
+                                args.top) < 1:
+        raise DprGcError("--batch, --chunk, --query-length, --passage-length, --steps and --top must be positive")
+    if args.one is None and args.device == "cuda" and not torch.cuda.is_available():
+        raise DprGcError("--device cuda: torch sees no CUDA device on this machine; run it where one is, or drop "
+                         "the flag for the CPU")
+    args.output = args.output or str(ROOT / "benchmarks" / "results" / f"profile-step-{args.device}.json")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every variant whose package is installed, each in a fresh process, written after each."""
+    peers, notes = available_peers([VARIANTS[v]["method"] for v in args.variants if v in ("luyug", "cmnrl")])
+    report = {"machine": machine_info(args.device, args.threads), "settings": vars(args), "notes": notes, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
+        if args.tiny:
+            model = tiny_model(Path(tmp))
+        else:
+            from dpr_gc.model.pretrained import default_model_path
+
+            model = default_model_path()
+        for name in args.variants:
+            if name in ("luyug", "cmnrl") and VARIANTS[name]["method"] not in peers:
+                continue
+            cfg = {"variant": name, **VARIANTS[name], "shape": "scifact", "model": model, "input": "uneven",
+                   "batch": args.batch, "chunk": args.chunk, "q_len": args.query_length, "p_len": args.passage_length,
+                   "device": args.device, "threads": args.threads, "steps": args.steps, "seed": args.seed,
+                   "precision": args.precision, "top": args.top, "mmap_threshold": 0}
+            out = run_child(__file__, cfg, child_env(cfg), args.timeout)
+            logger.info("%s: %s", name, out.get("error") or summary_line(out))
+            report["runs"].append(out)
+            write_json(Path(args.output), report)
+    return report
+
+
+def summary_line(out: dict) -> str:
+    busy = "" if out["device_busy_ms"] is None else f", device busy {out['device_busy_ms']:.0f} ms"
+    return (f"{out['step_s']:.3f} s/step{busy}, host ops {out['host_ops_ms']:.0f} ms, {out['kernel_launches']} "
+            f"launches, {out['host_syncs']} syncs, {out['local_scalar_reads']} scalar reads")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    def go() -> None:
+        args = parse_args(argv)
+        if args.one:
+            print(RESULT_TAG + json.dumps(profile_one(json.loads(args.one))), flush=True)
+            return
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+        quiet_dependencies()
+        run(args)
+        logger.info("wrote %s", args.output)
+    return report_errors(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
