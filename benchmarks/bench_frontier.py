@@ -94,6 +94,19 @@ def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any,
     return lambda: float(engine(dict(q, kind="query"), dict(p, kind="passage"))), retriever, engine
 
 
+def timed_steps(step: Callable[[], float], module: Any, sync: Callable[[], None], count: int) -> list[float]:
+    """Seconds of each of ``count`` steps, gradients freed before each clock starts."""
+    times = []
+    for _ in range(count):
+        module.zero_grad(set_to_none=True)
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def run_one(cfg: dict) -> dict:
     """Two warm-up steps, then ``steps`` timed steps (median) under the precision's autocast, then one more step for
     the peak memory above what is held before it (gradients freed), so one-time costs of the first step and what each
@@ -122,14 +135,7 @@ def run_one(cfg: dict) -> dict:
         first = dataclasses.replace(engine.last_step) if engine is not None and engine.last_step else None
         module.zero_grad(set_to_none=True)
         step()  # a second warm-up: from the second step a budget joins chunks (new shapes, new kernels to pick)
-        times = []
-        for _ in range(cfg["steps"]):
-            module.zero_grad(set_to_none=True)
-            sync()
-            start = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - start)
+        times = timed_steps(step, module, sync, cfg["steps"])
         module.zero_grad(set_to_none=True)
         meter = PeakMemory(device)
         meter.start()

@@ -22,7 +22,6 @@ import logging
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_frontier import OURS, PLAIN, ST, available_peers, scifact_step  # noqa: E402
+from bench_frontier import OURS, PLAIN, ST, available_peers, scifact_step, timed_steps  # noqa: E402
 from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child, tiny_model  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -56,14 +55,7 @@ def profile_one(cfg: dict) -> dict:
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16"):
         step, module, engine = scifact_step(cfg, device)
-        times = []
-        for i in range(2 + cfg["steps"]):
-            module.zero_grad(set_to_none=True)
-            sync()
-            start = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - start)
+        times = timed_steps(step, module, sync, 2 + cfg["steps"])  # two warm-ups first
         module.zero_grad(set_to_none=True)
         with torch.profiler.profile(activities=activities) as prof:
             step()

@@ -303,18 +303,22 @@ class ReadsBack(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("sort_by_length", [False, True])
-def test_a_step_reads_no_value_back_per_chunk(sort_by_length):
-    """Chunks of one row (96 chunks) and of 16 rows (6 chunks) read back as often: never per chunk."""
-    counts = []
-    for chunk in (1, 16):
+@pytest.mark.parametrize("sort_by_length, budget", [(False, 0), (True, 0), (True, 10**12)])
+def test_a_step_reads_no_value_back_per_chunk_or_row(sort_by_length, budget):
+    """Forming, joining and trimming chunks reads the batch's lengths once per input, never per chunk or row: chunks
+    of one row (96 chunks), of 16 rows (6 chunks) and of at most 64 tokens read back as often, whether or not a budget
+    joins them (counted in the third step: from the second on a budget joins chunks)."""
+    def reads_back(chunk: int, tokens=None) -> int:
         torch.manual_seed(0)
         model = MeanOfEmbeddings()
-        engine = GradCache([model, model], chunk, SimpleContrastiveLoss(1),
-                           chunking=Chunking(sort_by_length=sort_by_length))
+        engine = GradCache([model, model], chunk, SimpleContrastiveLoss(1), memory_budget=budget,
+                           chunking=Chunking(sort_by_length=sort_by_length, tokens=tokens))
         q, p = uneven_batch()
         engine(q, p)  # the first step measures graphs
+        engine(q, p)
         with ReadsBack() as reads:
             engine(q, p)
-        counts.append(reads.count)
-    assert counts[0] == counts[1], counts
+        return reads.count
+
+    counts = [reads_back(1), reads_back(16), reads_back(16, tokens=64)]
+    assert counts[0] == counts[1] == counts[2], counts

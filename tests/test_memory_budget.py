@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
@@ -17,8 +16,7 @@ from dpr_gc.engine.grad_cache import split_input, trim_padding
 from dpr_gc.model.lora import LoraSettings, apply_lora
 from dpr_gc.model.retriever import enable_gradient_checkpointing
 from dpr_gc.engine import grad_cache
-from tests.helpers import MeanOfEmbeddings, grads, make_batch, models_of, random_texts, reference_grads, rel_err
-from tests.helpers import uneven_batch, zero
+from tests.helpers import grads, make_batch, models_of, random_texts, reference_grads, rel_err, zero
 from tests.helpers import WeightCasts, randomise_adapters
 
 CHUNK = 3
@@ -457,36 +455,3 @@ def test_a_whole_batch_budget_joins_no_cpu_chunk_beyond_its_token_limit(make_ret
     assert max(tokens) <= most and len(tokens) >= 3 and max(tokens) > 2 * CHUNK * p["attention_mask"].size(1), tokens
     assert engine.last_step.kept == engine.last_step.chunks
 
-
-class ScalarReads(TorchDispatchMode):
-    """Counts the reads of a tensor's value back to the host (``aten::_local_scalar_dense``: ``.item()``, ``int()``,
-    ``bool()``): on a GPU each read of a device tensor waits for every queued kernel."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
-def scalar_reads(chunk: int, budget: int, tokens=None) -> int:
-    """Value reads in the third cached step of 32 queries and 64 passages (from the second on a budget joins chunks)
-    through a model that reads nothing itself."""
-    model = MeanOfEmbeddings()
-    q, p = uneven_batch()
-    engine = GradCache([model, model], chunk, SimpleContrastiveLoss(1), memory_budget=budget,
-                       chunking=Chunking(sort_by_length=True, tokens=tokens))
-    engine(q, p)
-    engine(q, p)
-    with ScalarReads() as reads:
-        engine(q, p)
-    return reads.count
-
-
-@pytest.mark.parametrize("budget", [0, 10**12])
-def test_a_step_reads_no_more_values_back_for_more_chunks_or_rows(budget):
-    """Forming, joining and trimming chunks reads the batch's lengths once, not once per chunk or row: a step in
-    chunks of one row reads back as often as one in chunks of 16, and chunks by tokens as chunks by rows."""
-    assert scalar_reads(1, budget) == scalar_reads(16, budget) == scalar_reads(16, budget, tokens=64)
