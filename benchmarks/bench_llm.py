@@ -30,7 +30,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 

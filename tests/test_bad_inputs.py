@@ -7,10 +7,8 @@ format and requires every reader to either read the result or refuse it with a o
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import importlib.util
-import io
 import json
 import os
 import random
@@ -29,8 +27,7 @@ import numpy as np
 from tests.helpers import call, copy_run, train_argv
 from dpr_gc.base.guard import atomic_folder, check_outputs
 from dpr_gc.base.locks import exclusive_lock
-from dpr_gc.model import card, folder as model_folder
-from dpr_gc.model.retriever import Retriever
+from dpr_gc.model import folder as model_folder
 from dpr_gc.base import args as flag_types
 from dpr_gc import cli
 from dpr_gc.data.corpus import load_corpus, read_queries

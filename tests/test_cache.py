@@ -17,7 +17,7 @@ def test_cache_lists_and_clears(tmp_path: Path, monkeypatch, capsys) -> None:
     load_corpus(EXAMPLES / "passages.tsv")
     assert main(["cache"]) == 0
     listing = capsys.readouterr().out
-    assert f"| corpora | 1 |" in listing and str(tmp_path / "cache" / "corpora") in listing
+    assert "| corpora | 1 |" in listing and str(tmp_path / "cache" / "corpora") in listing
     busy = tmp_path / "cache" / "train" / "t-0123.arrow"
     busy.parent.mkdir(parents=True)
     busy.write_bytes(b"x")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
 
 import pytest
 

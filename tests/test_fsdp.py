@@ -16,11 +16,9 @@ from dpr_gc import DistributedContrastiveLoss, Chunking, GradCache, SimpleContra
 from dpr_gc.engine.chunking import take_rows
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.model.fsdp import full_state_dict, load_sharded, mixed_precision, save_sharded, shard_retriever
-from dpr_gc.model.lora import LoraSettings, apply_lora
 from tests.helpers import make_batch
 from tests.ranks import rank_errors, run_ranks
-from tests.llm_models import decoder_retriever, lora_decoder
-from tests.helpers import randomise_adapters
+from tests.llm_models import lora_decoder
 
 WORLD, LOCAL = 2, 4
 

@@ -14,7 +14,6 @@ from sentence_transformers import SentenceTransformer
 from dpr_gc.cli import main
 from dpr_gc.data.corpus import load_corpus
 from dpr_gc.data.training import Collator
-from dpr_gc.retrieval.encode import encode_corpus
 from dpr_gc.retrieval.index import IndexParams, build_index
 from dpr_gc.retrieval.mine import open_source
 from dpr_gc.model.retriever import Retriever

@@ -5,12 +5,10 @@ changes the model or the training signal while allowing steps, cadence and worke
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import pytest
 from transformers import BertTokenizerFast

@@ -48,7 +48,6 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
     from transformers import DPRContextEncoder, DPRQuestionEncoder
 
     from ..base.validate import check_weights_folder, refuse_custom_code
-    from .pretrained import load_tokenizer
 
     for folder in (question_dir, context_dir):
         refuse_custom_code(folder)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import pickle
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -22,7 +21,6 @@ from ..base.args import output_dir, positive_float, positive_int
 from ..base.errors import DprGcError
 from .pretrained import is_adapted, peft_module
 from .retriever import Retriever
-from ..base.files import read_json
 from ..base.settings import add_arguments, check, setting
 from ..base.guard import guarded
 

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data.corpus import dataset_fingerprint, load_corpus
-from ..base.args import device_arg, nonnegative_int, output_dir, positive_int
+from ..base.args import nonnegative_int, output_dir, positive_int
 from ..base.devices import PRECISIONS, autocast_dtype, cpu_has_native_bf16, default_device, pick_precision
 from ..base.errors import DprGcError
 from ..base.guard import guarded

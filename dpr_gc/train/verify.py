@@ -277,7 +277,7 @@ def smaller(query: dict, passage: dict, per_query: int) -> tuple[dict, dict]:
 def check_batch(verifier: Verifier, query: dict, passage: dict) -> BatchCheck:
     """Both steps from the same RNG state; where the full batch runs out of memory, retry both on halves (every
     rank at once) and say so."""
-    trainer, note, queries = verifier.trainer, "", query["input_ids"].size(0)
+    trainer, note = verifier.trainer, ""
     while True:
         rng = capture_rng()
         cached_loss, cached_grads, cached_cost = verifier.cached_step(query, passage)
