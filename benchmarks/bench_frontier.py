@@ -120,6 +120,9 @@ def run_one(cfg: dict) -> dict:
         limits = {k: v for k, v in grad_cache.JOINED_CHUNK_MAX_TOKENS.items() if k != device.type}
         grad_cache.JOINED_CHUNK_MAX_TOKENS = limits | ({} if cfg["joined_max_tokens"] is None
                                                         else {device.type: cfg["joined_max_tokens"]})
+    if "chunk_overhead_tokens" in cfg:  # join_limit.py's comparison: this device's chunk overhead replaced
+        overheads = {device.type: cfg["chunk_overhead_tokens"]}
+        grad_cache.CHUNK_OVERHEAD_TOKENS = grad_cache.CHUNK_OVERHEAD_TOKENS | overheads
     if cfg.get("sparse_embedding_grads") is False:  # embedding_grads.py's comparison: dense gradients on this device
         sparse_grads.SPARSE_EMBEDDING_GRAD_DEVICES = tuple(t for t in sparse_grads.SPARSE_EMBEDDING_GRAD_DEVICES
                                                            if t != device.type)

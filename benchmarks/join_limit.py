@@ -11,6 +11,7 @@ figure is the median over its rounds of its per-round median step. Children run 
 
     python benchmarks/join_limit.py --passage-lengths 128 256 --precisions fp32 bf16 --rounds 2
     python benchmarks/join_limit.py --also-limits 2048     # and a whole-batch step at another limit beside them
+    python benchmarks/join_limit.py --also-overheads 1024  # ... at another chunk overhead (how readily chunks join)
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from bench_gradcache import machine_info, tiny_model  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
-from dpr_gc.engine.grad_cache import JOINED_CHUNK_MAX_TOKENS  # noqa: E402
+from dpr_gc.engine.grad_cache import (CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERHEAD_TOKENS,  # noqa: E402
+                                      JOINED_CHUNK_MAX_TOKENS)
 
 logger = logging.getLogger("join_limit")
 WHOLE_BATCH = 10**15
@@ -91,16 +93,23 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = grid_parser(__doc__.splitlines()[0], "join-limit")
     p.add_argument("--also-limits", type=int, nargs="+", default=[], metavar="TOKENS",
                    help="more join limits to run beside the engine's and none (each a variant limit-TOKENS)")
+    p.add_argument("--also-overheads", type=int, nargs="+", default=[], metavar="TOKENS",
+                   help="chunk overheads to run beside the engine's (each a variant overhead-TOKENS): a chunk joins "
+                        "the next while the padding it adds stays under this many tokens per chunk saved")
     args = check_grid_args(p.parse_args(argv))
-    if any(n < 1 for n in args.also_limits):
-        raise DprGcError(f"--also-limits {' '.join(map(str, args.also_limits))}: give positive token counts")
+    for flag, values in (("--also-limits", args.also_limits), ("--also-overheads", args.also_overheads)):
+        if any(n < 1 for n in values):
+            raise DprGcError(f"{flag} {' '.join(map(str, values))}: give positive token counts")
     return args
 
 
 def variants_of(args: argparse.Namespace) -> dict[str, dict]:
-    """Plain, the engine's limit, none, and a ``limit-N`` variant for each of ``--also-limits``."""
+    """Plain, the engine's limit, none, a ``limit-N`` variant for each of ``--also-limits`` and an ``overhead-N``
+    variant (the engine's limit, another chunk overhead) for each of ``--also-overheads``."""
     return VARIANTS | {f"limit-{n}": {"method": OURS, "budget": WHOLE_BATCH, "joined_max_tokens": n}
-                       for n in args.also_limits}
+                       for n in args.also_limits} | {
+        f"overhead-{n}": {"method": OURS, "budget": WHOLE_BATCH, "chunk_overhead_tokens": n}
+        for n in args.also_overheads}
 
 
 def medians(runs: dict[str, list[dict]]) -> dict:
@@ -127,7 +136,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         out["limited_vs_plain"] = out["plain"]["step_s"] / limited
         out["unlimited_vs_plain"] = out["plain"]["step_s"] / out["unlimited"]["step_s"]
         for name in runs:
-            if name.startswith("limit-") and "step_s" in out[name]:
+            if name.startswith(("limit-", "overhead-")) and "step_s" in out[name]:
                 out[f"{name}_vs_limited"] = out[name]["step_s"] / limited
     return out
 
@@ -184,9 +193,10 @@ def run(argv: Optional[list[str]]) -> None:
     args = parse_args(argv)
     report = {"benchmark": "a whole-batch budget with and without the CPU join limit, and plain training",
               "machine": machine_info(args.device, args.threads), "settings": dict(vars(args)),
-              "engine_joined_chunk_max_tokens": JOINED_CHUNK_MAX_TOKENS.get(args.device)}
+              "engine_joined_chunk_max_tokens": JOINED_CHUNK_MAX_TOKENS.get(args.device),
+              "engine_chunk_overhead_tokens": CHUNK_OVERHEAD_TOKENS.get(args.device, DEFAULT_CHUNK_OVERHEAD_TOKENS)}
     run_grid(args, report, variants_of(args), summarize)
-    others = [f"limit-{n}" for n in args.also_limits]
+    others = [f"limit-{n}" for n in args.also_limits] + [f"overhead-{n}" for n in args.also_overheads]
     print("| passage tokens | precision | plain s | limited s (chunks) | unlimited s (chunks) | limit's speed-up |"
           + "".join(f" {name} s (chunks) |" for name in others)
           + "\n|---:|---|---:|---:|---:|---:|" + "---:|" * len(others))

@@ -9,9 +9,11 @@ of a tensor); and the operators that took the most time. A step whose device is 
 is bound by the host (launches, Python, syncs), not by arithmetic. Variants: ``plain`` (the whole batch in one
 graph), ``budget0`` (dpr-gc, only the last chunk's graph kept), ``whole`` (dpr-gc, a budget for the whole batch),
 and the peers ``luyug`` (luyug/GradCache) and ``cmnrl`` (sentence-transformers' CachedMNRL) where installed.
+``--shape llm`` profiles bench_llm.py's LoRA decoder on random token ids instead (plain and dpr-gc only).
 Results: JSON in benchmarks/results/profile-step-DEVICE.json.
 
     python benchmarks/profile_step.py --device cuda --batch 256 --chunk 32       # the H200 frontier's shape
+    python benchmarks/profile_step.py --shape llm --small --passage-length 128   # the CPU LoRA decoder's
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_frontier import OURS, PLAIN, ST, available_peers, scifact_step, timed_steps  # noqa: E402
+from bench_frontier import OURS, PLAIN, ST, available_peers, llm_step, scifact_step, timed_steps  # noqa: E402
 from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child, tiny_model  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -53,8 +55,9 @@ def profile_one(cfg: dict) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    build = scifact_step if cfg["shape"] == "scifact" else llm_step
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16"):
-        step, module, engine = scifact_step(cfg, device)
+        step, module, engine = build(cfg, device)
         times = timed_steps(step, module, sync, 2 + cfg["steps"])  # two warm-ups first
         module.zero_grad(set_to_none=True)
         with torch.profiler.profile(activities=activities) as prof:
@@ -80,6 +83,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--shape", choices=("scifact", "llm"), default="scifact",
+                   help="scifact (default) or llm: bench_llm.py's LoRA decoder on random tokens (no peers)")
+    p.add_argument("--small", action="store_true", help="the llm shape's 4-layer CPU model instead of Qwen2-0.5B's")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16", help="bf16: autocast (default)")
     p.add_argument("--batch", type=int, default=32, help="queries per step (passages: twice as many; default 32)")
     p.add_argument("--chunk", type=int, default=8, help="rows per chunk (default 8)")
@@ -96,6 +102,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.one is None and min(args.batch, args.chunk, args.query_length, args.passage_length, args.steps,
                                 args.top) < 1:
         raise DprGcError("--batch, --chunk, --query-length, --passage-length, --steps and --top must be positive")
+    if args.one is None and (args.small or args.tiny) and args.shape != ("llm" if args.small else "scifact"):
+        raise DprGcError("--small belongs to --shape llm, --tiny to --shape scifact: give the shape that matches")
     if args.one is None and args.device == "cuda" and not torch.cuda.is_available():
         raise DprGcError("--device cuda: torch sees no CUDA device on this machine; run it where one is, or drop "
                          "the flag for the CPU")
@@ -108,16 +116,19 @@ def run(args: argparse.Namespace) -> dict:
     peers, notes = available_peers([VARIANTS[v]["method"] for v in args.variants if v in ("luyug", "cmnrl")])
     report = {"machine": machine_info(args.device, args.threads), "settings": vars(args), "notes": notes, "runs": []}
     with tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
-        if args.tiny:
+        if args.shape == "llm":
+            model = "qwen2-small" if args.small else "qwen2-0.5b"
+        elif args.tiny:
             model = tiny_model(Path(tmp))
         else:
             from dpr_gc.model.pretrained import default_model_path
 
             model = default_model_path()
         for name in args.variants:
-            if name in ("luyug", "cmnrl") and VARIANTS[name]["method"] not in peers:
+            if name in ("luyug", "cmnrl") and (args.shape == "llm" or VARIANTS[name]["method"] not in peers):
                 continue
-            cfg = {"variant": name, **VARIANTS[name], "shape": "scifact", "model": model, "input": "uneven",
+            cfg = {"variant": name, **VARIANTS[name], "shape": args.shape, "small": args.small, "model": model,
+                   "input": "uneven",
                    "batch": args.batch, "chunk": args.chunk, "q_len": args.query_length, "p_len": args.passage_length,
                    "device": args.device, "threads": args.threads, "steps": args.steps, "seed": args.seed,
                    "precision": args.precision, "top": args.top, "mmap_threshold": 0}

@@ -216,7 +216,32 @@ def test_the_join_limit_comparison_runs_each_other_limit_asked_for_and_compares_
     assert "| limit-2048 s (chunks) | limit-8192 s (chunks) |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, flag", [(["--rounds", "0"], "--rounds"), (["--also-limits", "0"], "--also-limits")])
+def test_the_join_limit_comparison_runs_each_chunk_overhead_asked_for_at_the_engines_limit(
+        monkeypatch, tmp_path: Path, capsys) -> None:
+    import join_limit
+
+    out, launched = tmp_path / "overheads.json", []
+
+    def fake_launch(cfg, timeout):
+        launched.append(cfg)
+        step = 4.0 if cfg["method"] == "plain" else {None: 2.0, 512: 1.6}[cfg.get("chunk_overhead_tokens")]
+        return {"step_s": step, "step_times_s": [step], "peak_mb": 10.0, "chunks": 4, "kept_chunks": 4}
+
+    monkeypatch.setattr(join_limit, "launch", fake_launch)
+    join_limit.run(["--tiny", "--passage-lengths", "64", "--precisions", "fp32", "--rounds", "1", "--also-overheads",
+                    "512", "--output", str(out)])
+    overheads = [c for c in launched if "chunk_overhead_tokens" in c]
+    assert len(overheads) == 1 and overheads[0]["chunk_overhead_tokens"] == 512
+    assert "joined_max_tokens" not in overheads[0] and overheads[0]["budget"] == join_limit.WHOLE_BATCH
+    report = json.loads(out.read_text())
+    assert report["runs"][0]["overhead-512_vs_limited"] == pytest.approx(0.8), "its time over the engine's price's"
+    assert report["engine_chunk_overhead_tokens"] == grad_cache.CHUNK_OVERHEAD_TOKENS.get(
+        "cpu", grad_cache.DEFAULT_CHUNK_OVERHEAD_TOKENS)
+    assert "| overhead-512 s (chunks) |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag", [(["--rounds", "0"], "--rounds"), (["--also-limits", "0"], "--also-limits"),
+                                        (["--also-overheads", "-1"], "--also-overheads")])
 def test_the_join_limit_comparison_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
     import join_limit
 
@@ -240,6 +265,21 @@ def test_a_frontier_child_runs_with_the_join_limit_it_is_given(monkeypatch, tmp_
     unlimited = frontier.run_one({**cfg, "joined_max_tokens": None})
     assert "cpu" not in grad_cache.JOINED_CHUNK_MAX_TOKENS
     assert unlimited["chunks"] < limited["chunks"], (unlimited["chunks"], limited["chunks"])
+
+
+def test_a_frontier_child_runs_with_the_chunk_overhead_it_is_given(monkeypatch, tmp_path: Path) -> None:
+    """``chunk_overhead_tokens`` in a configuration replaces the engine's chunk overhead on that device: the larger
+    it is, the more padding a join may add, so a whole-batch budget runs uneven passages (the llm shape's random
+    lengths) in fewer chunks."""
+    monkeypatch.setattr(grad_cache, "CHUNK_OVERHEAD_TOKENS", dict(grad_cache.CHUNK_OVERHEAD_TOKENS))
+    cfg = {"shape": "llm", "model": "qwen2-small", "input": "uneven", "batch": 8, "chunk": 2,
+           "q_len": 8, "p_len": 32, "small": True, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
+           "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 10**15}
+    apart = frontier.run_one({**cfg, "chunk_overhead_tokens": 1})
+    assert grad_cache.CHUNK_OVERHEAD_TOKENS["cpu"] == 1
+    joined = frontier.run_one({**cfg, "chunk_overhead_tokens": 10**6})
+    assert grad_cache.CHUNK_OVERHEAD_TOKENS["cpu"] == 10**6
+    assert joined["chunks"] < apart["chunks"], (joined["chunks"], apart["chunks"])
 
 
 def test_a_frontier_child_runs_with_dense_embedding_gradients_when_told(monkeypatch, tmp_path: Path) -> None:
@@ -435,10 +475,24 @@ def test_the_step_profile_reports_each_variants_time_launches_and_host_syncs(tmp
     assert sum(runs[0]["chunks"]) > 2 and runs[0]["local_scalar_reads"] >= 1
 
 
-def test_the_step_profile_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys) -> None:
+def test_the_step_profile_profiles_the_llm_shape_without_peers(tmp_path: Path) -> None:
     import profile_step
 
     out = tmp_path / "profile.json"
-    assert profile_step.main(["--steps", "0", "--output", str(out)]) == 2
+    assert profile_step.main(["--shape", "llm", "--small", "--variants", "whole", "luyug", "--precision", "fp32",
+                              "--batch", "4", "--chunk", "2", "--query-length", "8", "--passage-length", "16",
+                              "--steps", "1", "--threads", "1", "--output", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["variant"], r["shape"], r["model"]) for r in runs] == [("whole", "llm", "qwen2-small")], runs
+    assert "error" not in runs[0] and runs[0]["step_s"] > 0 and runs[0]["top_ops"], runs
+
+
+@pytest.mark.parametrize("argv, flag", [(["--steps", "0"], "--steps"), (["--small"], "--small"),
+                                        (["--shape", "llm", "--tiny"], "--tiny")])
+def test_the_step_profile_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
+    import profile_step
+
+    out = tmp_path / "profile.json"
+    assert profile_step.main(argv + ["--output", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "--steps" in err and err.count("\n") == 1 and not out.exists()
+    assert err.startswith("error: ") and flag in err and err.count("\n") == 1 and not out.exists()

@@ -399,19 +399,19 @@ def test_join_chunks_leaves_apart_chunks_whose_padding_costs_more_than_a_chunk()
 
 
 def uneven_batch_for_joining(retriever) -> tuple[dict, dict]:
-    """12 queries of 4-6 words; 24 passages: 6 of 60 words and 18 of 3, so a long chunk padded to join a short one
-    would compute far more than either."""
-    q = retriever.tokenize_queries(random_texts(12, 3, 4, 6))
-    titles = random_texts(24, 4, 1, 1)
-    p = retriever.tokenize_passages(titles, random_texts(6, 5, 60, 60) + random_texts(18, 6, 3, 3))
+    """16 queries of 4-6 words; 32 passages: 8 of 100 words and 24 of 3, so in chunks of 8 a long chunk padded to
+    join a short one would compute far more than either (and than the CPU's price of a chunk)."""
+    q = retriever.tokenize_queries(random_texts(16, 3, 4, 6))
+    titles = random_texts(32, 4, 1, 1)
+    p = retriever.tokenize_passages(titles, random_texts(8, 5, 100, 100) + random_texts(24, 6, 3, 3))
     return dict(q), dict(p)
 
 
-def whole_batch_budget_steps(modules, loss_fn, q, p) -> GradCache:
+def whole_batch_budget_steps(modules, loss_fn, q, p, chunk: int = CHUNK) -> GradCache:
     """Two steps of a budget for the whole batch (the second joins chunks), each checked against the full batch's
     gradient; the engine after them."""
     expected = reference_grads(modules, loss_fn, q, p)
-    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=10**12, chunking=Chunking(sort_by_length=True))
+    engine = GradCache(modules, chunk, loss_fn, memory_budget=10**12, chunking=Chunking(sort_by_length=True))
     for _ in range(2):
         zero(modules)
         engine(q, p)
@@ -421,16 +421,16 @@ def whole_batch_budget_steps(modules, loss_fn, q, p) -> GradCache:
 
 @pytest.mark.parametrize("device_like", ["cpu", "cuda"])
 def test_a_whole_batch_budget_keeps_uneven_chunks_apart_on_cpu(make_retriever, monkeypatch, device_like):
-    """On CPU (a chunk's fixed cost is small) a budget for the whole batch keeps chunks of very different lengths
-    apart, each trimmed to its own longest sequence, so the step computes fewer tokens than the padded batch; with a
-    CUDA-sized chunk cost the same batch is joined into one chunk per model, as plain training runs it. The gradient
-    is the full batch's."""
+    """On CPU (a chunk's fixed cost is a few hundred tokens) a budget for the whole batch keeps chunks of very
+    different lengths apart, each trimmed to its own longest sequence, so the step computes fewer tokens than the
+    padded batch; with a CUDA-sized chunk cost the same batch is joined into one chunk per model, as plain training
+    runs it. The gradient is the full batch's."""
     if device_like == "cuda":
         monkeypatch.setitem(grad_cache.CHUNK_OVERHEAD_TOKENS, "cpu", grad_cache.CHUNK_OVERHEAD_TOKENS["cuda"])
     retriever = make_retriever(shared=True)
     modules, loss_fn = models_of(retriever), SimpleContrastiveLoss(1)
     q, p = uneven_batch_for_joining(retriever)
-    engine = whole_batch_budget_steps(modules, loss_fn, q, p)
+    engine = whole_batch_budget_steps(modules, loss_fn, q, p, chunk=8)
     padded = sum(x["attention_mask"].numel() for x in (q, p))
     if device_like == "cuda":
         assert engine.last_step.chunks == [1, 1]

@@ -49,8 +49,11 @@ REPLAYABLE_DEVICES = ("cpu", "cuda")
 JOIN_MARGIN = 0.9  # share of the budget left that joined chunks may be predicted to take
 # A chunk's fixed cost in tokens, by device type, when deciding whether joining chunks pays for the padding it adds:
 # a CUDA chunk costs its kernel launches (a MiniLM step on an H100 spends about as long launching one chunk as
-# computing 30k tokens), a CPU chunk little beyond its tokens.
-CHUNK_OVERHEAD_TOKENS = {"cuda": 16384}
+# computing 30k tokens). A CPU chunk costs its operator calls and small matrix products: measured 82-122 tokens
+# through MiniLM, 178-241 through BERT-base under bf16 autocast; a 4-layer LoRA decoder's whole-batch step ran 1.15x
+# faster in bf16 (1.01x in fp32) with its chunks joined at 256 than apart at 64 (benchmarks/README.md, "The CPU's
+# price of a chunk"). Pricing a chunk above its cost adds at most that many padded tokens per join.
+CHUNK_OVERHEAD_TOKENS = {"cuda": 16384, "cpu": 256}
 DEFAULT_CHUNK_OVERHEAD_TOKENS = 64
 # The most tokens a joined chunk may compute, by device type (none listed: no limit). Larger CPU chunks run slower
 # per token: one chunk of 64 rows x 256 tokens took 1.89x (fp32) and 1.87x (bf16) the time per token of the fastest
@@ -257,9 +260,9 @@ class GradCache:
             per token measured before) are joined into larger kept chunks, and the replayed chunks after them up to
             the budget's size, as long as joining saves more than the padding it adds costs (a chunk's fixed cost
             counts as ``CHUNK_OVERHEAD_TOKENS``: 16,384 tokens on CUDA, whose chunks are bound by kernel launches,
-            64 elsewhere). On CUDA a budget for the whole batch makes the step plain training, one chunk per model
-            (the last chunk joins only a first joined chunk that reaches it, and never under DDP/FSDP); on CPU,
-            chunks of different lengths stay apart, each trimmed to its own longest sequence, so the step computes
+            256 on the CPU, 64 elsewhere). On CUDA a budget for the whole batch makes the step plain training, one
+            chunk per model (the last chunk joins only a first joined chunk that reaches it, and never under
+            DDP/FSDP); on CPU, chunks of very different lengths stay apart, each trimmed to its own longest sequence, so the step computes
             fewer tokens than plain training's padded batch, and no joined chunk computes more than
             ``JOINED_CHUNK_MAX_TOKENS`` (4,096 tokens: larger CPU chunks are slower per token). Kept graphs are
             backpropagated in one backward call, as plain training's. Under DDP/FSDP every model's last chunk is
