@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import BertTokenizerFast
 
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.helpers import tiny_bert, write_vocab
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """Each test starts with the process's torch thread count: benchmark children run in-process by some tests set
+    their own (``--threads 1``), which would otherwise hold for every later test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

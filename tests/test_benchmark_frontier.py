@@ -16,6 +16,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_frontier as frontier  # noqa: E402
 from dpr_gc.engine import grad_cache  # noqa: E402
 
+THREADS_AT_IMPORT = torch.get_num_threads()
+
 
 def test_budgets_run_from_zero_through_one_chunk_to_the_whole_batch() -> None:
     probe = {"first_largest_chunk_graph_mb": 1.0, "first_kept_graph_mb": 5.0}
@@ -475,16 +477,25 @@ def test_the_step_profile_reports_each_variants_time_launches_and_host_syncs(tmp
     assert sum(runs[0]["chunks"]) > 2 and runs[0]["local_scalar_reads"] >= 1
 
 
-def test_the_step_profile_profiles_the_llm_shape_without_peers(tmp_path: Path) -> None:
+def test_the_step_profile_profiles_the_llm_shape_without_peers(monkeypatch, tmp_path: Path) -> None:
+    """``--shape llm`` runs only plain training and dpr-gc (the peers need a sentence-transformers model), each on
+    the 4-layer decoder with ``--small``."""
     import profile_step
 
-    out = tmp_path / "profile.json"
-    assert profile_step.main(["--shape", "llm", "--small", "--variants", "whole", "luyug", "--precision", "fp32",
-                              "--batch", "4", "--chunk", "2", "--query-length", "8", "--passage-length", "16",
+    out, children = tmp_path / "profile.json", []
+
+    def in_process(script, cfg, env, timeout):
+        children.append(cfg)
+        return profile_step.profile_one(cfg)
+
+    monkeypatch.setattr(profile_step, "run_child", in_process)
+    assert profile_step.main(["--shape", "llm", "--small", "--variants", "whole", "luyug", "cmnrl", "--precision",
+                              "fp32", "--batch", "4", "--chunk", "2", "--query-length", "8", "--passage-length", "16",
                               "--steps", "1", "--threads", "1", "--output", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["variant"], r["shape"], r["model"]) for r in runs] == [("whole", "llm", "qwen2-small")], runs
-    assert "error" not in runs[0] and runs[0]["step_s"] > 0 and runs[0]["top_ops"], runs
+    assert [(c["variant"], c["shape"], c["small"], c["model"]) for c in children] == [
+        ("whole", "llm", True, "qwen2-small")]
+    assert len(runs) == 1 and runs[0]["step_s"] > 0 and runs[0]["top_ops"] and sum(runs[0]["chunks"]) >= 2, runs
 
 
 @pytest.mark.parametrize("argv, flag", [(["--steps", "0"], "--steps"), (["--small"], "--small"),
@@ -496,3 +507,17 @@ def test_the_step_profile_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys,
     assert profile_step.main(argv + ["--output", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and flag in err and err.count("\n") == 1 and not out.exists()
+
+
+def test_a_benchmark_child_run_in_process_leaves_the_next_test_its_threads(tmp_path: Path) -> None:
+    """The first half: a child run in this process sets its own thread count (``threads: 1``); the test after it
+    checks that conftest's fixture gave the count back."""
+    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 2, "chunk": 1,
+           "q_len": 8, "p_len": 16, "small": False, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
+           "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 0}
+    frontier.run_one(cfg)
+    assert torch.get_num_threads() == 1
+
+
+def test_the_thread_count_is_the_processs_again_after_a_child_ran_in_process() -> None:
+    assert torch.get_num_threads() == THREADS_AT_IMPORT, "a test's thread count leaked into the next"
