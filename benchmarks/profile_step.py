@@ -128,10 +128,9 @@ def run(args: argparse.Namespace) -> dict:
             if name in ("luyug", "cmnrl") and (args.shape == "llm" or VARIANTS[name]["method"] not in peers):
                 continue
             cfg = {"variant": name, **VARIANTS[name], "shape": args.shape, "small": args.small, "model": model,
-                   "input": "uneven",
-                   "batch": args.batch, "chunk": args.chunk, "q_len": args.query_length, "p_len": args.passage_length,
-                   "device": args.device, "threads": args.threads, "steps": args.steps, "seed": args.seed,
-                   "precision": args.precision, "top": args.top, "mmap_threshold": 0}
+                   "input": "uneven", "batch": args.batch, "chunk": args.chunk, "q_len": args.query_length,
+                   "p_len": args.passage_length, "device": args.device, "threads": args.threads, "steps": args.steps,
+                   "seed": args.seed, "precision": args.precision, "top": args.top, "mmap_threshold": 0}
             out = run_child(__file__, cfg, child_env(cfg), args.timeout)
             logger.info("%s: %s", name, out.get("error") or summary_line(out))
             report["runs"].append(out)

@@ -262,11 +262,11 @@ class GradCache:
             counts as ``CHUNK_OVERHEAD_TOKENS``: 16,384 tokens on CUDA, whose chunks are bound by kernel launches,
             256 on the CPU, 64 elsewhere). On CUDA a budget for the whole batch makes the step plain training, one
             chunk per model (the last chunk joins only a first joined chunk that reaches it, and never under
-            DDP/FSDP); on CPU, chunks of very different lengths stay apart, each trimmed to its own longest sequence, so the step computes
-            fewer tokens than plain training's padded batch, and no joined chunk computes more than
-            ``JOINED_CHUNK_MAX_TOKENS`` (4,096 tokens: larger CPU chunks are slower per token). Kept graphs are
-            backpropagated in one backward call, as plain training's. Under DDP/FSDP every model's last chunk is
-            still replayed: its backward carries the gradient sync, after every kept graph's.
+            DDP/FSDP); on CPU, chunks of very different lengths stay apart, each trimmed to its own longest
+            sequence, so the step computes fewer tokens than plain training's padded batch, and no joined chunk
+            computes more than ``JOINED_CHUNK_MAX_TOKENS`` (4,096 tokens: larger CPU chunks are slower per token).
+            Kept graphs are backpropagated in one backward call, as plain training's. Under DDP/FSDP every model's
+            last chunk is still replayed: its backward carries the gradient sync, after every kept graph's.
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
             trim padding, keep the last graph, size chunks by tokens).
     """
