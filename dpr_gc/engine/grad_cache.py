@@ -51,8 +51,9 @@ JOIN_MARGIN = 0.9  # share of the budget left that joined chunks may be predicte
 # a CUDA chunk costs its kernel launches (a MiniLM step on an H100 spends about as long launching one chunk as
 # computing 30k tokens). A CPU chunk costs its operator calls and small matrix products: measured 82-122 tokens
 # through MiniLM, 178-241 through BERT-base under bf16 autocast; a 4-layer LoRA decoder's whole-batch step ran 1.15x
-# faster in bf16 (1.01x in fp32) with its chunks joined at 256 than apart at 64 (benchmarks/README.md, "The CPU's
-# price of a chunk"). Pricing a chunk above its cost adds at most that many padded tokens per join.
+# faster in bf16 (1.01x in fp32) with its chunks joined at 256 than apart at 64, MiniLM's on SciFact level
+# (benchmarks/README.md, "The CPU's price of a chunk"). Pricing a chunk above its cost adds at most that many padded
+# tokens per join.
 CHUNK_OVERHEAD_TOKENS = {"cuda": 16384, "cpu": 256}
 DEFAULT_CHUNK_OVERHEAD_TOKENS = 64
 # The most tokens a joined chunk may compute, by device type (none listed: no limit). Larger CPU chunks run slower
