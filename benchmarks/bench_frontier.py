@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
-                             interleave, machine_info, make_step, original_version, run_child, st_version, tiny_model)
+                             encoder_model, interleave, machine_info, make_step, original_version, run_child,
+                             st_version)
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import atomic_path, read_json_object, write_json  # noqa: E402
@@ -92,6 +93,13 @@ def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any,
     engine = GradCache([retriever, retriever], cfg["chunk"], loss_fn, memory_budget=cfg["budget"],
                        chunking=Chunking(sort_by_length=True))
     return lambda: float(engine(dict(q, kind="query"), dict(p, kind="passage"))), retriever, engine
+
+
+def shape_model(shape: str, small: bool, tiny: bool, folder: Path) -> str:
+    """The model a shape's configurations name: the llm shape's decoder size, else :func:`encoder_model`."""
+    if shape == "llm":
+        return "qwen2-small" if small else "qwen2-0.5b"
+    return encoder_model(tiny, folder)
 
 
 def timed_steps(step: Callable[[], float], module: Any, sync: Callable[[], None], count: int) -> list[float]:
@@ -322,15 +330,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     report = {"machine": machine_info(device, threads), "settings": vars(args), "notes": notes, "runs": []}
     output = args.output or str(ROOT / "benchmarks" / "results" / f"frontier-{device}.json")
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
-        if args.tiny:
-            model = tiny_model(Path(tmp))
-        else:
-            from dpr_gc.model.pretrained import default_model_path
-
-            model = default_model_path()
         for shape in args.shapes.split(","):
             llm = shape == "llm"
-            base = {"shape": shape, "model": model if not llm else ("qwen2-small" if args.small else "qwen2-0.5b"),
+            base = {"shape": shape, "model": shape_model(shape, args.small, args.tiny, Path(tmp)),
                     "input": "uneven", "batch": (args.llm_batch or args.batch) if llm else args.batch,
                     "chunk": (args.llm_chunk or args.chunk) if llm else args.chunk, "q_len": args.query_length,
                     "p_len": args.passage_length, "small": args.small, "device": device, "threads": threads,

@@ -329,6 +329,15 @@ def tiny_model(folder: Path) -> str:
     return str(folder)
 
 
+def encoder_model(tiny: bool, folder: Path) -> str:
+    """The benchmarks' encoder: the tiny random BERT saved into ``folder`` (smoke runs), else all-MiniLM-L6-v2."""
+    if tiny:
+        return tiny_model(folder)
+    from dpr_gc.model.pretrained import default_model_path
+
+    return default_model_path()
+
+
 def launch(cfg: dict, timeout: int) -> dict:
     """Run one configuration in a fresh process; its result is the line of stdout tagged ``RESULT``."""
     return run_child(__file__, cfg, child_env(cfg), timeout)
@@ -586,12 +595,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         logger.warning("the original GradCache package (module grad_cache) is not installed: %s skipped", ORIGINAL)
         args.methods = [m for m in args.methods if m != ORIGINAL]
     with tempfile.TemporaryDirectory(prefix="bench_gc_") as tmp:
-        if args.tiny:
-            model = tiny_model(Path(tmp))
-        else:
-            from dpr_gc.model.pretrained import default_model_path
-
-            model = default_model_path()
+        model = encoder_model(args.tiny, Path(tmp))
         base = {"model": "tiny-random-bert" if args.tiny else model, "threads": args.threads, "device": device,
                 "seed": args.seed, "steps": args.steps, "mmap_threshold": args.mmap_threshold}
         lengths = {"fixed": args.fixed_lengths, "uneven": args.uneven_lengths}

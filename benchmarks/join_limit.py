@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_frontier import OURS, PLAIN, launch  # noqa: E402
-from bench_gradcache import machine_info, tiny_model  # noqa: E402
+from bench_frontier import OURS, PLAIN, launch, shape_model  # noqa: E402
+from bench_gradcache import machine_info  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
@@ -164,14 +164,7 @@ def run_grid(args: argparse.Namespace, report: dict, variants: dict[str, dict],
     short keeps what it finished)."""
     report["runs"] = []
     with tempfile.TemporaryDirectory(prefix="grid_") as tmp:
-        if args.shape == "llm":
-            model = "qwen2-small" if args.small else "qwen2-0.5b"
-        elif args.tiny:
-            model = tiny_model(Path(tmp))
-        else:
-            from dpr_gc.model.pretrained import default_model_path
-
-            model = default_model_path()
+        model = shape_model(args.shape, args.small, args.tiny, Path(tmp))
         for length in args.passage_lengths:
             for precision in args.precisions:
                 base = {"shape": args.shape, "model": model, "input": "uneven", "batch": args.batch,

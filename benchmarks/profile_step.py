@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_frontier import OURS, PLAIN, ST, available_peers, llm_step, scifact_step, timed_steps  # noqa: E402
-from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child, tiny_model  # noqa: E402
+from bench_frontier import (OURS, PLAIN, ST, available_peers, llm_step, scifact_step, shape_model,  # noqa: E402
+                            timed_steps)
+from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
@@ -116,14 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     peers, notes = available_peers([VARIANTS[v]["method"] for v in args.variants if v in ("luyug", "cmnrl")])
     report = {"machine": machine_info(args.device, args.threads), "settings": vars(args), "notes": notes, "runs": []}
     with tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
-        if args.shape == "llm":
-            model = "qwen2-small" if args.small else "qwen2-0.5b"
-        elif args.tiny:
-            model = tiny_model(Path(tmp))
-        else:
-            from dpr_gc.model.pretrained import default_model_path
-
-            model = default_model_path()
+        model = shape_model(args.shape, args.small, args.tiny, Path(tmp))
         for name in args.variants:
             if name in ("luyug", "cmnrl") and (args.shape == "llm" or VARIANTS[name]["method"] not in peers):
                 continue

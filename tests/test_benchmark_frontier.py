@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_frontier as frontier  # noqa: E402
+from bench_gradcache import tiny_model  # noqa: E402
 from dpr_gc.engine import grad_cache  # noqa: E402
 
 THREADS_AT_IMPORT = torch.get_num_threads()
@@ -259,7 +260,7 @@ def test_a_frontier_child_runs_with_the_join_limit_it_is_given(monkeypatch, tmp_
     from dpr_gc.engine import grad_cache
 
     monkeypatch.setattr(grad_cache, "JOINED_CHUNK_MAX_TOKENS", dict(grad_cache.JOINED_CHUNK_MAX_TOKENS))
-    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 8, "chunk": 2,
+    cfg = {"shape": "scifact", "model": tiny_model(tmp_path), "input": "uneven", "batch": 8, "chunk": 2,
            "q_len": 8, "p_len": 32, "small": False, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
            "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 10**15}
     limited = frontier.run_one({**cfg, "joined_max_tokens": 64})
@@ -290,7 +291,7 @@ def test_a_frontier_child_runs_with_dense_embedding_gradients_when_told(monkeypa
     from dpr_gc.engine import sparse_grads
 
     monkeypatch.setattr(sparse_grads, "SPARSE_EMBEDDING_GRAD_DEVICES", ("cpu",))
-    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
+    cfg = {"shape": "scifact", "model": tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
            "q_len": 8, "p_len": 16, "small": False, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
            "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 0}
     frontier.run_one(cfg)
@@ -342,7 +343,7 @@ def test_a_frontier_child_times_its_steps_before_the_memory_meter_trims_the_heap
 
     monkeypatch.setattr(frontier, "scifact_step", recording_step)
     monkeypatch.setattr(frontier, "PeakMemory", Meter)
-    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
+    cfg = {"shape": "scifact", "model": tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
            "q_len": 8, "p_len": 16, "small": False, "device": "cpu", "threads": 1, "steps": 3, "seed": 0,
            "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 0}
     out = frontier.run_one(cfg)
@@ -359,7 +360,7 @@ def test_a_frontier_child_casts_frozen_weights_per_call_when_told(monkeypatch, t
 
     monkeypatch.setattr(grad_cache, "FrozenLinearCasts", frozen_casts.FrozenLinearCasts)
     frozen = nn.Linear(4, 4).requires_grad_(False)
-    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
+    cfg = {"shape": "scifact", "model": tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
            "q_len": 8, "p_len": 16, "small": False, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
            "mmap_threshold": 0, "precision": "bf16", "method": frontier.OURS, "budget": 0}
     frontier.run_one(cfg)
@@ -512,7 +513,7 @@ def test_the_step_profile_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys,
 def test_a_benchmark_child_run_in_process_leaves_the_next_test_its_threads(tmp_path: Path) -> None:
     """The first half: a child run in this process sets its own thread count (``threads: 1``); the test after it
     checks that conftest's fixture gave the count back."""
-    cfg = {"shape": "scifact", "model": frontier.tiny_model(tmp_path), "input": "uneven", "batch": 2, "chunk": 1,
+    cfg = {"shape": "scifact", "model": tiny_model(tmp_path), "input": "uneven", "batch": 2, "chunk": 1,
            "q_len": 8, "p_len": 16, "small": False, "device": "cpu", "threads": 1, "steps": 1, "seed": 0,
            "mmap_threshold": 0, "precision": "fp32", "method": frontier.OURS, "budget": 0}
     frontier.run_one(cfg)
