@@ -522,3 +522,27 @@ def test_a_benchmark_child_run_in_process_leaves_the_next_test_its_threads(tmp_p
 
 def test_the_thread_count_is_the_processs_again_after_a_child_ran_in_process() -> None:
     assert torch.get_num_threads() == THREADS_AT_IMPORT, "a test's thread count leaked into the next"
+
+
+def test_the_attention_benchmark_times_each_shape_dtype_and_backend(tmp_path: Path, capsys) -> None:
+    import attention_backward
+
+    out = tmp_path / "attention.json"
+    assert attention_backward.main(["--shapes", "2,2,8,4", "--dtypes", "fp32", "bf16", "--backends", "flash", "math",
+                                    "--repeats", "1", "--threads", "1", "--output", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["dtype"], r["backend"]) for r in runs] == [("fp32", "flash"), ("fp32", "math"), ("bf16", "flash"),
+                                                         ("bf16", "math")]
+    assert all(r["rows_heads_tokens_dim"] == [2, 2, 8, 4] and r["backward_ms"] > 0 for r in runs), runs
+    assert "| 2 × 2 × 8 × 4 | bf16 | math |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag", [(["--shapes", "2,2,8"], "--shapes"), (["--shapes", "2,0,8,4"], "--shapes"),
+                                        (["--repeats", "0"], "--repeats")])
+def test_the_attention_benchmark_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
+    import attention_backward
+
+    out = tmp_path / "attention.json"
+    assert attention_backward.main(argv + ["--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err and err.count("\n") == 1 and not out.exists()
