@@ -10,6 +10,13 @@ from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.helpers import tiny_bert, write_vocab
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The JAX tests run last: JAX's thread pools stay up for the rest of the process once started, and a later test
+    that forks (DataLoader workers, answer-matching pools) would fork a multithreaded process, which JAX warns may
+    deadlock."""
+    items.sort(key=lambda item: item.path.name == "test_jax.py")  # a stable sort: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def torch_threads_restored():
     """Each test starts with the process's torch thread count: benchmark children run in-process by some tests set

@@ -296,8 +296,8 @@ def test_flax_encoder_loads_a_bert_checkpoint_and_matches_torch(tmp_path):
     rng = np.random.default_rng(7)
     batch = make_batch(rng, 4, 12)
     with torch.no_grad():
-        out = bert(input_ids=torch.as_tensor(np.asarray(batch["input_ids"])).long(),
-                   attention_mask=torch.as_tensor(np.asarray(batch["attention_mask"])).long()).last_hidden_state
+        out = bert(input_ids=torch.as_tensor(np.array(batch["input_ids"])).long(),
+                   attention_mask=torch.as_tensor(np.array(batch["attention_mask"])).long()).last_hidden_state
     mask = np.asarray(batch["attention_mask"], np.float32)[:, :, None]
     want = (out.numpy() * mask).sum(1) / mask.sum(1)
     got = Encoder(config).apply({"params": params}, batch["input_ids"], batch["attention_mask"])

@@ -391,3 +391,24 @@ def test_bad_positive_aware_values_in_the_library(world):
             mine_to_file(questions(), world["root"] / "never.json", src, corpus, n_negatives=2, show_progress=False,
                          **kwargs)
     assert not (world["root"] / "never.json").exists()
+
+
+@pytest.mark.parametrize("jax_first", [False, True])
+def test_bm25_mining_does_not_start_jax_in_a_process_that_forks(tmp_path, jax_first):
+    """bm25s imports JAX where it is installed and starts XLA's threads; mining forks answer-matching workers
+    afterwards. Loaded through import_bm25s, bm25s takes its numpy top-k and JAX's backend stays down, also in a
+    process that imported JAX before; JAX still imports and runs for whoever wants it after."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("JAX is not installed, so bm25s cannot start it")
+    probe = ("import sys\n" + ("import jax\n" if jax_first else "") +
+             "from dpr_gc.retrieval.bm25 import import_bm25s\nbm25s = import_bm25s()\nimport bm25s.selection\n"
+             "from jax._src import xla_bridge\n"
+             "print(bm25s.selection.JAX_IS_AVAILABLE, bool(xla_bridge._backends))\n"
+             "import jax.numpy\nprint(jax.numpy.zeros(2).shape)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["False False", "(2,)"]

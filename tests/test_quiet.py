@@ -1,14 +1,16 @@
-"""The command line's output: ``encode``, ``index`` and ``retrieve`` on the example files print only the toolkit's
-own log lines, its progress bars and the final table (no FAISS loader lines, no datasets/JAX notice, no
-transformers bars, no cursor movements of nested bars); ``--verbose`` lets the dependencies speak; each automatic
-choice is logged once at the start."""
+"""The command line's output: ``encode``, ``index``, ``retrieve`` and BM25 ``mine`` on the example files print only
+the toolkit's own log lines, its progress bars and the final table (no FAISS loader lines, no datasets/JAX notice, no
+transformers or bm25s bars, no bm25s debug lines, no dependency's deprecation warnings, no cursor movements of nested
+bars); ``--verbose`` lets the dependencies speak; each automatic choice is logged once at the start."""
 
 from __future__ import annotations
 
 import os
+import logging
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "data" / "examples"
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) dpr_gc(\.[\w.]+)?: ")
 # one of the toolkit's own tqdm bars, drawn with carriage returns: "desc: 50%|###  | 3/6 [...]" or "desc: 3 q [...]"
-OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding to index|reading [^:]+): .*?\]")
+OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding to index|reading [^:]+|BM25 tokenise|"
+                     r"mining): .*?\]")
 TABLE_LINE = re.compile(r"^(\|.*\||answers metrics \(\d+ queries\)|qrels metrics \(\d+ queries\))?$")
 
 
@@ -65,13 +68,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory, env: dict, model_dir: Path) -
     done["index"] = run(["index", "--embeddings", str(out / "emb"), "--output", str(out / "index")], env)
     done["retrieve"] = run(["retrieve", "--index", str(out / "index"), "--queries", str(EXAMPLES / "qa.tsv"),
                             "--top-k", "3", "--output", str(out / "results.json"), "--evaluate"], env)
+    done["mine"] = run(["mine", "--train-file", str(EXAMPLES / "train.json"), "--corpus", str(EXAMPLES / "passages.tsv"),
+                        "--output", str(out / "mined.json"), "--workers", "2"], env)
     done["out"] = out
     return done
 
 
 @pytest.mark.slow
-def test_encode_index_retrieve_print_only_their_own_lines(runs: dict) -> None:
-    for name in ("encode", "index", "retrieve"):
+def test_encode_index_retrieve_and_mine_print_only_their_own_lines(runs: dict) -> None:
+    for name in ("encode", "index", "retrieve", "mine"):
         result = runs[name]
         assert result.returncode == 0, result.stderr
         assert "\x1b" not in result.stderr, f"{name}: a cursor movement in the log"
@@ -103,3 +108,23 @@ def test_no_cursor_movement_from_a_nested_bar_in_a_log_file(make_retriever, caps
         retriever.embed("query", ["the city"] * 130, batch_size=64, show_progress=True)
     err = capsys.readouterr().err
     assert "outer" in err and "embed query texts" not in err and "\x1b[A" not in err
+
+
+def test_quiet_hides_dependencies_deprecations_and_debug_lines_only() -> None:
+    """A deprecation warning a dependency raises is for its callers' developers (peft's call of a deprecated
+    transformers property warns on every LoRA run); ours and other warnings still show. bm25s sets its own logger
+    to DEBUG when imported, after the quiet levels were set: the filter still holds its debug lines back."""
+    from dpr_gc.base.logs import quiet_dependencies
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_dependencies()
+        for module, category in (("transformers.modeling_utils", FutureWarning), ("peft.peft_model", FutureWarning),
+                                 ("torch.distributed", DeprecationWarning), ("dpr_gc.engine", FutureWarning),
+                                 ("transformers.modeling_utils", UserWarning)):
+            warnings.warn_explicit(f"{module} {category.__name__}", category, "x.py", 1, module=module)
+    assert [str(w.message) for w in seen] == ["dpr_gc.engine FutureWarning", "transformers.modeling_utils UserWarning"]
+    bm25s = logging.getLogger("bm25s")
+    bm25s.setLevel(logging.DEBUG)
+    assert not bm25s.filter(bm25s.makeRecord("bm25s", logging.DEBUG, "x.py", 1, "debug", (), None))
+    assert bm25s.filter(bm25s.makeRecord("bm25s", logging.WARNING, "x.py", 1, "warning", (), None))

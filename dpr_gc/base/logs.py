@@ -1,11 +1,14 @@
 """The command line's log: the toolkit's own lines, and its dependencies kept quiet unless ``--verbose``.
 
 FAISS logs its loader's attempts (``ModuleNotFoundError`` for the AVX-512 build it did not find) at INFO, datasets
-announces "JAX version ... available" at import, and transformers draws a "Loading weights" bar on every model load
-and "Writing model shards" bars on every save (which break into the training bar). None of it is about what the
-toolkit does, so without ``--verbose`` those loggers stay at WARNING and those bars are off; the settings go through
-the libraries' own environment variables (``setdefault``: a user's own setting wins), so DataLoader workers and
-torchrun ranks inherit them.
+announces "JAX version ... available" at import, bm25s sets its own logger to DEBUG when imported, transformers draws
+a "Loading weights" bar on every model load and "Writing model shards" bars on every save (which break into the
+training bar), and peft calls a transformers property that warns of its own deprecation. None of it is about what the
+toolkit does, so without ``--verbose`` those loggers pass only warnings and errors (a filter on each, which a level the
+library sets at import does not undo), those bars are off, and deprecation warnings raised inside them are not shown
+(they are addressed to the library's callers' developers, not to our user). The settings go through the libraries' own
+environment variables (``setdefault``: a user's own setting wins), so DataLoader workers and torchrun ranks inherit
+them.
 """
 
 from __future__ import annotations
@@ -13,9 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 QUIET_LOGGERS = ("faiss", "datasets", "transformers", "sentence_transformers", "huggingface_hub", "urllib3",
-                 "httpx", "filelock", "jax", "absl")
+                 "httpx", "filelock", "jax", "absl", "bm25s", "peft", "accelerate")
+# where a deprecation warning is attributed to one of these modules, a dependency is talking to its own callers
+QUIET_WARNING_MODULES = r"(torch|transformers|peft|accelerate|datasets|sentence_transformers|huggingface_hub|faiss|" \
+                        r"bm25s|jax|flax|optax)(\..*)?$"
+DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
 QUIET_ENVIRONMENT = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                      "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "DATASETS_VERBOSITY": "error",
                      "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
@@ -35,6 +43,9 @@ def quiet_dependencies() -> None:
         os.environ.setdefault(name, value)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).addFilter(warnings_and_errors)
+    for category in DEPRECATIONS:
+        warnings.filterwarnings("ignore", category=category, module=QUIET_WARNING_MODULES)
     if "transformers" in sys.modules:  # already imported: its bars read the environment at import time
         from transformers.utils import logging as hf_logging
 
@@ -45,6 +56,11 @@ def quiet_dependencies() -> None:
 
         datasets.disable_progress_bars()
         datasets.logging.set_verbosity_error()
+
+
+def warnings_and_errors(record: logging.LogRecord) -> bool:
+    """A quiet dependency's record passes only at WARNING or above, whatever level the library set itself."""
+    return record.levelno >= logging.WARNING
 
 
 def nested_bar_disabled(show: bool) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +22,30 @@ BM25_TOKENIZER = "bm25s Tokenizer: lowercase, regex (?u)\\b\\w\\w+\\b, English s
 Gold = tuple[Optional[int], str, str]  # (corpus row if known, title, text)
 
 
+def import_bm25s() -> Any:
+    """bm25s, imported so that it does not start JAX.
+
+    Where JAX is installed, bm25s imports it at import time and runs a top-k on it, which starts XLA's thread pools
+    in this process; mining then forks its answer-matching workers from a multithreaded process (JAX warns that this
+    "will likely lead to a deadlock"). With ``jax`` marked absent while bm25s loads (and put back after, if this
+    process had imported it), bm25s takes its numpy top-k: the same candidates whether JAX is installed or not.
+    """
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    jax = sys.modules.get("jax")
+    sys.modules["jax"] = None  # type: ignore[assignment]  # the import system's "not installed"
+    try:
+        import bm25s
+    except ImportError:
+        raise DprGcError("BM25 needs the package bm25s: pip install 'dpr-gc[bm25]' (or bm25s)") from None
+    finally:
+        if jax is None:
+            del sys.modules["jax"]
+        else:
+            sys.modules["jax"] = jax
+    return bm25s
+
+
 class BM25Source:
     """Candidates from BM25 (bm25s, k1/b as Anserini's defaults) over ``title + " " + text`` of each corpus row.
 
@@ -34,11 +60,7 @@ class BM25Source:
 
     def __init__(self, corpus: Any, k1: float = 0.9, b: float = 0.4, index_dir: Optional[PathLike] = None,
                  block_size: int = BM25_BLOCK, n_threads: int = 0, show_progress: bool = True) -> None:
-        try:
-            import bm25s
-        except ImportError:
-            raise DprGcError("BM25 needs the package bm25s: pip install 'dpr-gc[bm25]' (or bm25s)") from None
-
+        bm25s = import_bm25s()
         self.n_threads = n_threads
         self.meta = {"corpus_rows": len(corpus), "first_id": str(corpus[0]["id"]) if len(corpus) else None,
                      "last_id": str(corpus[len(corpus) - 1]["id"]) if len(corpus) else None, "k1": k1, "b": b,
@@ -70,10 +92,13 @@ class BM25Source:
                 texts = [f"{t} {x}" if t else x for t, x in zip(rows["title"], rows["text"])]
                 ids.extend(self.tokenizer.streaming_tokenize(texts))
                 bar.update(len(texts))
+        logger.info("BM25: building the score matrix of %d passages (bm25s, k1=%s, b=%s)", len(corpus), k1, b)
+        start = time.perf_counter()
         self.bm25 = bm25s.BM25(k1=k1, b=b)
         self.bm25.index(bm25s.tokenization.Tokenized(ids=ids, vocab=self.tokenizer.get_vocab_dict()),
-                        show_progress=show_progress)
+                        show_progress=False)
         del ids
+        logger.info("BM25: score matrix built in %.1f s", time.perf_counter() - start)
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / BM25_META).unlink(missing_ok=True)
