@@ -34,7 +34,10 @@ def adapter_only(retriever: Retriever) -> bool:
 @pytest.mark.parametrize("shared", [True, False])
 def test_lora_gradient_cache_equals_full_batch_on_bert(make_retriever, shared):
     retriever = make_retriever(shared=shared)
-    apply_lora(retriever, LoraSettings(r=4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply_lora(retriever, LoraSettings(r=4))
+    assert not [w for w in seen if issubclass(w.category, FutureWarning)], [str(w.message) for w in seen]
     randomise_adapters(retriever)
     assert adapter_only(retriever)
     assert any(".pooler." in n for n, _ in retriever.named_parameters() if "lora_" in n)  # adapted but frozen
@@ -71,7 +74,10 @@ def test_saved_adapter_loads_and_encodes_like_the_in_memory_model(tmp_path):
 
     titles, texts = [p["title"] for p in PASSAGES], [p["text"] for p in PASSAGES]
     expected = retriever.embed("passage", texts, titles)
-    loaded = Retriever.load(tmp_path / "lora")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loaded = Retriever.load(tmp_path / "lora")
+    assert not [w for w in seen if issubclass(w.category, FutureWarning)], [str(w.message) for w in seen]
     assert is_adapted(loaded.query_encoder.transformer)
     np.testing.assert_allclose(loaded.embed("passage", texts, titles), expected, rtol=0, atol=1e-6)
     corpus = tmp_path / "corpus.jsonl"

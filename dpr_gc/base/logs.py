@@ -13,10 +13,12 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import warnings
+from typing import Iterator
 
 QUIET_LOGGERS = ("faiss", "datasets", "transformers", "sentence_transformers", "huggingface_hub", "urllib3",
                  "httpx", "filelock", "jax", "absl", "bm25s", "peft", "accelerate")
@@ -44,8 +46,7 @@ def quiet_dependencies() -> None:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
         logging.getLogger(name).addFilter(warnings_and_errors)
-    for category in DEPRECATIONS:
-        warnings.filterwarnings("ignore", category=category, module=QUIET_WARNING_MODULES)
+    hide_dependency_deprecations()
     if "transformers" in sys.modules:  # already imported: its bars read the environment at import time
         from transformers.utils import logging as hf_logging
 
@@ -56,6 +57,22 @@ def quiet_dependencies() -> None:
 
         datasets.disable_progress_bars()
         datasets.logging.set_verbosity_error()
+
+
+def hide_dependency_deprecations() -> None:
+    """Deprecation warnings attributed to a dependency's own modules are not shown (see the module doc)."""
+    for category in DEPRECATIONS:
+        warnings.filterwarnings("ignore", category=category, module=QUIET_WARNING_MODULES)
+
+
+@contextlib.contextmanager
+def dependency_deprecations_hidden() -> Iterator[None]:
+    """:func:`hide_dependency_deprecations` for one call into a dependency from the library (peft, which asks
+    transformers a property deprecated since 5.x on every adapter it makes or loads): the caller's filters return
+    after it."""
+    with warnings.catch_warnings():
+        hide_dependency_deprecations()
+        yield
 
 
 def warnings_and_errors(record: logging.LogRecord) -> bool:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..base.args import output_dir, positive_float, positive_int
 from ..base.errors import DprGcError
+from ..base.logs import dependency_deprecations_hidden
 from .pretrained import is_adapted, peft_module
 from .retriever import Retriever
 from ..base.settings import add_arguments, check, setting
@@ -102,7 +103,8 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
                                      lora_dropout=settings.dropout, target_modules=targets, bias="none")
             base = str(getattr(model.config, "name_or_path", "") or "")
             try:
-                model = peft.get_peft_model(model, config)
+                with dependency_deprecations_hidden():
+                    model = peft.get_peft_model(model, config)
             except ValueError as e:
                 raise DprGcError(f"--lora-target-modules {','.join(targets)}: {str(e).splitlines()[0]}") from None
             if base and Path(base).exists():  # the adapter names its base; absolute, so the folder can move

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from ..base.errors import DprGcError
+from ..base.logs import dependency_deprecations_hidden
 from ..base.validate import Field, check_fields, check_weights_folder, count, refuse_custom_code, text
 from .hub import check_model_source
 from ..base.files import read_json
@@ -154,7 +155,8 @@ def load_adapter_model(folder: Path, trainable: bool = False) -> nn.Module:
     check_weights_folder(folder)
     peft = peft_module()
     try:
-        return peft.PeftModel.from_pretrained(load_transformer(base), str(folder), is_trainable=trainable)
+        with dependency_deprecations_hidden():
+            return peft.PeftModel.from_pretrained(load_transformer(base), str(folder), is_trainable=trainable)
     except pickle.UnpicklingError:
         raise DprGcError(f"{folder}: the adapter weights are a pickle, which dpr-gc never loads; save the adapter as "
                          "adapter_model.safetensors") from None
