@@ -110,7 +110,8 @@ def test_gradient_checkpointing_composes(make_retriever):
     q, p = make_batch(retriever, 6, 1, seed=6)
     expected = reference_grads(modules, loss_fn, q, p)
     enable_gradient_checkpointing(retriever)
-    assert retriever.query_encoder.transformer.is_gradient_checkpointing
+    model = retriever.query_encoder.transformer
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing  # transformers 5 / 4
     retriever.train()
     zero(modules)
     GradCache(modules, 4, loss_fn)(q, p)

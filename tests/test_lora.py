@@ -38,6 +38,8 @@ def test_lora_gradient_cache_equals_full_batch_on_bert(make_retriever, shared):
         warnings.simplefilter("always")
         apply_lora(retriever, LoraSettings(r=4))
     assert not [w for w in seen if issubclass(w.category, FutureWarning)], [str(w.message) for w in seen]
+    lora = retriever.query_encoder.transformer.peft_config["default"]  # the documented defaults: alpha 2 x r, no dropout
+    assert (lora.lora_alpha, lora.lora_dropout) == (8, 0.0)
     randomise_adapters(retriever)
     assert adapter_only(retriever)
     assert any(".pooler." in n for n, _ in retriever.named_parameters() if "lora_" in n)  # adapted but frozen
@@ -161,3 +163,13 @@ def test_train_cli_with_lora_trains_only_adapters_and_resumes(tmp_path):
     for key in adapter:
         torch.testing.assert_close(resumed[key], adapter[key], rtol=0, atol=1e-6)
     assert main(["train", *flags[:-4], "--lora-dropout", "1.5", "--output", str(tmp_path / "x")]) == 2
+
+    # continuing from the saved LoRA retriever without --lora-r trains its adapter further (it loads frozen)
+    again = [*flags[:flags.index("--lora-r")], "--device", "cpu"]
+    again[again.index("--model") + 1] = str(final)
+    assert main(["train", *again, "--output", str(tmp_path / "more")]) == 0
+    further = load_file(str(tmp_path / "more" / "final" / "adapter_model.safetensors"))
+    assert further.keys() == adapter.keys()
+    assert any(not torch.equal(further[k], adapter[k]) for k in adapter if "lora_B" in k)
+    settings = json.loads((tmp_path / "more" / "final" / "adapter_config.json").read_text())
+    assert (settings["r"], settings["lora_alpha"]) == (4, 8)  # the saved adapter's shape, not new defaults

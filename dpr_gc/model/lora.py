@@ -110,12 +110,24 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
             if base and Path(base).exists():  # the adapter names its base; absolute, so the folder can move
                 model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
             encoder.transformer = model
-        for name, param in model.named_parameters():
+    return train_adapters(retriever)
+
+
+def train_adapters(retriever: Any) -> int:
+    """Make every tower's LoRA adapter trainable and freeze the rest of its transformer (a saved adapter loads
+    frozen); returns the trainable adapter size."""
+    for encoder in _towers(retriever):
+        for name, param in encoder.transformer.named_parameters():
             # an unused pooler (any pooling but "pooler") gets no gradient, so its adapter stays frozen too
             param.requires_grad_("lora_" in name and (encoder.config.pooling == "pooler" or ".pooler." not in name))
     size = sum(p.numel() for e in _towers(retriever) for p in e.transformer.parameters() if p.requires_grad)
     logger.info("LoRA: %d trainable adapter parameters", size)
     return size
+
+
+def has_adapters(retriever: Any) -> bool:
+    """Whether any tower carries a LoRA adapter (a saved LoRA retriever)."""
+    return any(is_adapted(e.transformer) for e in _towers(retriever))
 
 
 def merge_lora(retriever: Any) -> int:

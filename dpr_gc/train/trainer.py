@@ -31,7 +31,7 @@ from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
 from ..engine.chunking import Chunking
 from ..engine.grad_cache import GradCache
-from ..model.lora import apply_lora
+from ..model.lora import apply_lora, has_adapters, train_adapters
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
@@ -106,6 +106,8 @@ class Trainer:
         retriever = build_retriever(self.config.model).to(self.device)
         if self.config.model.lora is not None:
             apply_lora(retriever, self.config.model.lora)
+        elif has_adapters(retriever):  # a saved LoRA retriever trains its adapter further, as with --lora-r
+            train_adapters(retriever)
         retriever.train()
         if self.config.model.gradient_checkpointing:
             enable_gradient_checkpointing(retriever)
