@@ -412,3 +412,34 @@ def test_bm25_mining_does_not_start_jax_in_a_process_that_forks(tmp_path, jax_fi
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["False False", "(2,)"]
+
+
+def test_a_dense_run_resumes_only_with_the_same_encoder_and_prefixes(world, tmp_path, monkeypatch):
+    """The resume key of ``dpr-gc mine`` holds the query encoder's weights and settings: the same command gives the
+    same key; another --query-prefix, or retrained weights in the same folder, give another (else a re-run would
+    resume and mix the candidates of two encoders)."""
+    import shutil
+
+    import torch
+
+    import dpr_gc.retrieval.mine as mine
+
+    keys = []
+    monkeypatch.setattr(mine, "mine_to_file",
+                        lambda *a, resume_key, **k: keys.append(resume_key) or mine.MiningSummary())
+    root, model = world["root"], tmp_path / "model"
+    shutil.copytree(root / "model", model)
+    argv = ("mine", "--source", "dense", "--model", model, "--embeddings", tmp_path / "emb", "--index",
+            tmp_path / "idx", "--train-file", root / "train.json", "--output", tmp_path / "dense.json", "--device",
+            "cpu", "--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache")
+    cli(*argv)
+    cli(*argv)
+    cli(*argv, "--query-prefix", "query: ")
+    assert keys[0] == keys[1] and keys[0] != keys[2]
+    retriever = Retriever.load(model)
+    with torch.no_grad():
+        next(retriever.query_encoder.parameters()).add_(1.0)
+    shutil.rmtree(model)
+    retriever.save(model)
+    cli(*argv, "--skip-model-check")  # the passages were encoded by the old weights
+    assert keys[3]["encoder"] != keys[0]["encoder"]

@@ -415,6 +415,15 @@ RESUME_FLAGS = ("source", "split", "model", "index", "bm25_k1", "bm25_b", "n_neg
                 "match", "append", "max_negative_ratio", "min_margin")
 
 
+def encoder_identity(source: Any) -> Optional[list]:
+    """A dense source's query encoder by its weights and settings (prefixes included): a retrained model in the same
+    folder, or another --query-prefix, mines other candidates, so a run does not resume into it. None for BM25."""
+    from .encode import weights_fingerprint
+
+    retriever = getattr(source, "retriever", None)
+    return None if retriever is None else [weights_fingerprint(retriever), repr(retriever.config)]
+
+
 def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = None, *,
                 corpus_path: Optional[PathLike] = None, show_progress: bool = True, **options: Any) -> Any:
     """A :class:`BM25Source`, or a :class:`DenseSource` over the index in ``settings.index`` -- built first (flat)
@@ -501,7 +510,7 @@ def _cli(args: argparse.Namespace) -> None:
     inputs = [args.train_file, corpus_path, args.qrels] + ([queries, split_qrels] if beir is not None else [])
     if index_exists(args.index):
         inputs.append(meta_path(args.index))
-    key = {"inputs": [file_identity(p) for p in inputs if p],
+    key = {"inputs": [file_identity(p) for p in inputs if p], "encoder": encoder_identity(source),
            **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
     summary = mine_to_file(records, args.output, source, corpus, mining, qrels=qrels, id_to_row=id_to_row,
                            resume_key=key)
