@@ -323,3 +323,33 @@ def test_a_step_reads_no_value_back_per_chunk_or_row(sort_by_length, budget):
 
     counts = [reads_back(1), reads_back(16), reads_back(16, tokens=64)]
     assert counts[0] == counts[1] == counts[2], counts
+
+
+class TokenScores(torch.nn.Module):
+    """One score per token, ``[rows, tokens]``: a per-token representation of two dimensions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids).sum(-1) * attention_mask
+
+
+def test_a_two_dimensional_per_token_representation_is_refused_when_trimmed_chunks_differ():
+    """A ``[rows, tokens]`` output cannot be told from a pooled one, so trimming does not pad it back; where chunks
+    trim to different widths the step is refused with the fix, and ``trim=False`` gives the full-batch gradient."""
+    model = TokenScores()
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+    batch = {"input_ids": torch.randint(1, 20, (4, 6)) * mask, "attention_mask": mask}
+
+    def loss_fn(scores: torch.Tensor) -> torch.Tensor:
+        return (scores ** 2).sum()
+
+    with pytest.raises(DprGcError, match="pass trim=False"):
+        GradCache([model], 2, loss_fn)(batch)
+    loss_fn(model(**batch)).backward()
+    expected = model.embed.weight.grad.clone()
+    model.zero_grad()
+    GradCache([model], 2, loss_fn, chunking=Chunking(trim=False))(batch)
+    torch.testing.assert_close(model.embed.weight.grad, expected)

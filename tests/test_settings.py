@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -79,6 +80,8 @@ def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
                 missing.append(f"{name} {action.option_strings[0]}")
             elif not action.required and action.nargs != 0 and "default" not in formatter._expand_help(action):
                 no_default.append(f"{name} {action.option_strings[0]}")
+            if "%%" in formatter._expand_help(action):  # a percent sign escaped twice shows doubled
+                missing.append(f"{name} {action.option_strings[0]} (prints %%)")
     assert checked > 150
     assert not missing, f"options without help: {missing}"
     assert not no_default, f"options whose --help shows no default: {no_default}"
@@ -301,3 +304,49 @@ def test_encode_flags_and_library_share_one_declaration(tmp_path) -> None:
     line = error_line(*call(cli.main, ["encode", "--model", "m", "--corpus", "c", "--output", tmp_path / "o",
                                        "--batch-size", "0"]))
     assert "--batch-size" in line and "a positive integer" in line
+
+
+def test_library_and_command_line_defaults_differ_only_where_the_docs_say() -> None:
+    """docs/library.md names every setting whose command-line default is not the library's (``cli_default``)."""
+    from dpr_gc.base.settings import UNSET, _group, _setting
+    from dpr_gc.train.config import ModelConfig
+    from dpr_gc.data.training import Batching
+    from dpr_gc.model.lora import LoraSettings
+    from dpr_gc.retrieval.encode import EncodeSettings
+    from dpr_gc.retrieval.index_params import IndexBuild, IndexParams
+    from dpr_gc.retrieval.mine import MineSettings, SourceSettings
+    from dpr_gc.retrieval.retrieve import RetrieveJob, RetrieveSettings
+
+    classes, seen = [TrainConfig, EncodeSettings, IndexParams, IndexBuild, RetrieveSettings, RetrieveJob,
+                     MineSettings, SourceSettings, Batching, LoraSettings, ModelConfig], set()
+    differing = set()
+    while classes:  # every settings class and the groups inside it, each field where it is declared
+        cls = classes.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        for field in dataclasses.fields(cls):
+            decl, grp = _setting(field), _group(field)
+            classes += [grp.cls] if grp is not None else []
+            if decl is not None and decl.cli_default is not UNSET:
+                differing.add(f"{cls.__name__}.{field.name}")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "library.md").read_text()
+    documented = set(re.findall(r"`(\w+Settings\.\w+)`", page[page.index("## Settings objects"):]))
+    assert differing == documented == {"EncodeSettings.precision", "RetrieveSettings.workers",
+                                       "MineSettings.workers", "LoraSettings.r"}
+
+
+def test_the_docs_list_every_setting_a_resume_may_change() -> None:
+    """docs/training.md's ``[may change on --resume]`` list is every training flag declared ``resume=FREE``."""
+    from dpr_gc.base.settings import FREE, _group, _setting
+
+    free, classes = set(), [TrainConfig]
+    while classes:
+        for field in dataclasses.fields(classes.pop()):
+            decl, grp = _setting(field), _group(field)
+            classes += [grp.cls] if grp is not None else []
+            if decl is not None and decl.resume == FREE and decl.flag:
+                free.add(decl.flag)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    bullet = page[page.index("- `[may change on --resume]`:"):page.index("Changes are logged")]
+    assert set(re.findall(r"`(--[a-z-]+)`", bullet)) == free

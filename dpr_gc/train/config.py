@@ -120,7 +120,8 @@ class DataConfig:
     skip_bad_records: bool = setting(False, "--skip-bad-records", resume=FREE,
                                      help="skip (and count) malformed training records instead of stopping")
     cache_dir: Optional[str] = setting(None, "--cache-dir", resume=FREE,
-                                       help="where parsed data are cached (default: next to the data)")
+                                       help="where parsed training data are cached (default: $DPR_GC_CACHE/train, else "
+                                            "~/.cache/dpr_gc/train)")
     dev: DevLimits = group(DevLimits, "dev validation (DPR's val_av_rank_*)")
 
     def __post_init__(self) -> None:
@@ -156,7 +157,7 @@ class OptimConfig:
                                                "--warmup-ratio)")
     warmup_ratio: Optional[float] = setting(None, "--warmup-ratio", type=nonnegative_float,
                                             help="warm-up as a fraction of all steps, rounded up (0.1: the first "
-                                                 "10%%), instead of --warmup-steps")
+                                                 "10%), instead of --warmup-steps")
     epochs: int = setting(1, "--epochs", "--num_train_epochs", type=positive_int, resume=FREE,
                           help="passes over the training data")
     max_steps: Optional[int] = setting(None, "--max-steps", type=positive_int, resume=FREE,
