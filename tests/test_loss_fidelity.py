@@ -202,3 +202,27 @@ def test_distributed_loss_masks_duplicates_across_ranks(tmp_path, monkeypatch):
         run_ranks(distributed_worker, (str(tmp_path),), 2, limit_s=180)
     except Exception:
         pytest.fail(f"a rank failed:\n{rank_errors(tmp_path)}")
+
+
+def test_the_automatic_loss_blocks_hold_at_most_a_million_scores():
+    """With ``loss_chunk_size=None`` no product of the loss, forward or backward, holds more than 2**20 values
+    (the README's "row blocks of at most about a million scores"), while the dense path builds the whole matrix."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                self.most = max(self.most, out.numel())
+            return out
+
+    x = torch.randn(1100, 8, requires_grad=True)
+    y = torch.randn(2200, 8, requires_grad=True)
+    for block, bound in ((None, 2 ** 20), (0, 1100 * 2200)):
+        with Largest() as seen:
+            SimpleContrastiveLoss(1, temperature=0.05, loss_chunk_size=block)(x, y).backward()
+        assert seen.most <= bound and (block is None or seen.most == bound), (block, seen.most)
