@@ -226,3 +226,19 @@ def test_the_automatic_loss_blocks_hold_at_most_a_million_scores():
         with Largest() as seen:
             SimpleContrastiveLoss(1, temperature=0.05, loss_chunk_size=block)(x, y).backward()
         assert seen.most <= bound and (block is None or seen.most == bound), (block, seen.most)
+
+
+@pytest.mark.parametrize("block", [None, 0, 3])
+def test_passage_id_minus_one_is_unknown_and_never_masked(block):
+    """``passage_ids`` of -1 mean "unknown": passages all marked -1 share no id, so nothing is masked and the loss
+    is the unmasked one; the same rows with one real id in common are masked."""
+    torch.manual_seed(3)
+    x, y = torch.randn(6, 16, dtype=torch.float64), torch.randn(12, 16, dtype=torch.float64)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.5, loss_chunk_size=block)
+    unknown = loss_fn(x, y, passage_ids=torch.full((12,), -1))
+    assert loss_fn.masked_scores == 0
+    torch.testing.assert_close(unknown, SimpleContrastiveLoss(1, temperature=0.5, loss_chunk_size=block)(x, y))
+    shared = torch.full((12,), -1)
+    shared[[0, 2]] = 7  # queries 0 and 1 share their positive
+    loss_fn(x, y, passage_ids=shared)
+    assert loss_fn.masked_scores == 2

@@ -160,8 +160,16 @@ def test_memory_sizes_parse():
     for bad in ("12 parsecs", "-1GB", "", "GB"):
         with pytest.raises(DprGcError, match="not a size"):
             parse_memory(bad)
-    assert resolve_budget("auto", torch.device("cpu")) > 0
     assert resolve_budget(0, torch.device("cpu")) == 0
+
+
+def test_auto_budget_on_the_cpu_is_half_the_available_ram(monkeypatch):
+    """docs/training.md: ``auto`` on the CPU takes half of the RAM available when the step starts."""
+    import dpr_gc.engine.budget as budget
+
+    assert budget.available_ram() > 0
+    monkeypatch.setattr(budget, "available_ram", lambda: 10 * 2**30)
+    assert resolve_budget("auto", torch.device("cpu")) == 5 * 2**30
 
 
 def test_auto_budget_on_cuda_is_free_memory_less_the_margin_and_two_chunk_graphs(monkeypatch):

@@ -44,6 +44,7 @@ def test_evaluate_default_k_fills_the_at_10_column(capsys) -> None:
     out = capsys.readouterr().out
     assert code == 0
     header = next(line for line in out.splitlines() if line.startswith("| metric"))
+    assert [c.strip() for c in header.split("|")][2:-1] == ["@1", "@5", "@10", "@20", "@100"]  # the default k
     column = [c.strip() for c in header.split("|")].index("@10")
     rows = [line for line in out.splitlines() if line.split("|")[1:2] and line.split("|")[1].strip() in
             ("Accuracy", "Recall", "MAP", "nDCG")]

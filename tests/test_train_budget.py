@@ -50,3 +50,16 @@ def test_memory_budget_flag_is_checked(task, tmp_path, capsys):  # noqa: F811
     assert err.startswith("error:") and "--memory-budget" in err and "not a size" in err
     assert main(base + ["--passage-chunk-tokens", "0"]) == 2
     assert "--passage-chunk-tokens" in capsys.readouterr().err
+
+
+def test_auto_chunk_size_on_the_cpu_is_32_rows_capped_by_the_batch_and_logged(task, tmp_path, caplog):
+    """``--query-chunk-size auto`` on the CPU: chunks of 32 rows (memory is rarely the limit there), no more than
+    the batch's queries or passages, stated in the log."""
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        small = Trainer(config(task, tmp_path / "small", max_steps=1, batch_size=8, query_chunk_size="auto",
+                               passage_chunk_size="auto"))
+        large = Trainer(config(task, tmp_path / "large", max_steps=1, batch_size=48, query_chunk_size="auto",
+                               passage_chunk_size="auto"))
+    assert small.chunks == (8, 16) and large.chunks == (32, 32)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto chunk size:")]
+    assert lines == ["auto chunk size: query 8, passage 16", "auto chunk size: query 32, passage 32"]
