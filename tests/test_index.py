@@ -216,6 +216,25 @@ def test_empty_or_missing_embeddings_folder(tmp_path):
         build_index(tmp_path / "nope", tmp_path / "idx", IndexParams("flat"))
 
 
+@pytest.mark.parametrize("field, value, flag", [("seed", -1, "--seed"), ("block_size", 0, "--block-size"),
+                                               ("train_sample", 0, "--train-sample")])
+def test_build_settings_in_code_are_checked_as_the_flags_first(tmp_path, data, field, value, flag):
+    """A bad IndexBuild field given to build_index is refused with the flag's error before anything is built, for
+    every kind (IVF used to fail in numpy on a negative seed, a flat index was written and only then refused)."""
+    from dpr_gc.cli import main
+    from dpr_gc.retrieval.index_params import IndexBuild
+
+    emb_dir = write_shards(tmp_path / "emb", data)
+    for params in (IndexParams("flat"), IndexParams("ivf-flat", nlist=8)):
+        with pytest.raises(DprGcError, match=f"^{flag} must be"):
+            build_index(emb_dir, tmp_path / "idx", params, **{field: value})
+        with pytest.raises(DprGcError, match=f"^{flag} must be"):
+            build_index(emb_dir, tmp_path / "idx", params, IndexBuild(**{field: value}))
+        assert not (tmp_path / "idx").exists()
+    assert main(["index", "--embeddings", str(emb_dir), "--output", str(tmp_path / "cli"), flag, str(value)]) == 2
+    assert not (tmp_path / "cli").exists()
+
+
 def test_reading_incomplete_or_inconsistent_folders(tmp_path, data):
     with pytest.raises(DprGcError, match="no complete index"):
         DenseIndex.read(tmp_path)

@@ -371,8 +371,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     by shard in blocks of ``block_size`` rows read from memory-mapped ``.npy`` files, so memory holds the index
     and not every embedding besides. Returns ``(index, shards added, timings)``.
     """
-    if train_sample < 1 or block_size < 1:
-        raise DprGcError("--train-sample and --block-size must be positive integers")
+    IndexBuild(train_sample=train_sample, block_size=block_size, seed=seed)  # the flags' checks and errors
     manifests = read_manifests(emb_dir, complete=not allow_partial)
     encoding, first = _encoding_of(manifests[0]), manifests[0]
     for m in manifests:
@@ -419,14 +418,16 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     return dense, todo, stats
 
 
-def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train_sample: int = 100_000,
-                block_size: int = 65_536, seed: int = 0, append: bool = False,
-                allow_partial: bool = False) -> dict[str, Any]:
-    """Build the index in ``out_dir`` from the encode shards in ``emb_dir`` (see :func:`add_shards`).
+def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build: Optional[IndexBuild] = None, *,
+                append: bool = False, allow_partial: bool = False, **options: Any) -> dict[str, Any]:
+    """Build the index in ``out_dir`` from the encode shards in ``emb_dir`` (see :func:`add_shards`) as ``build``
+    says (fields of :class:`IndexBuild` may also be given as keywords, checked as the flags are, before anything
+    is read or written).
 
     With ``append`` an existing index in ``out_dir`` is extended by the shards it lacks, which must continue its
     rows and come from the same model and corpus. Returns a summary dict.
     """
+    build = dataclasses.replace(build or IndexBuild(), **options)
     out = check_index_folder(check_output_dir(out_dir).absolute())
     check_outputs({"--embeddings": emb_dir}, {"--output": out}, whole=["--output"])
     with exclusive_lock(out.with_name(f".{out.name}.lock"), f"index folder {out_dir}"):
@@ -434,8 +435,8 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, train
         if removed:
             logger.info("removed %d unfinished folder(s) of an interrupted run beside %s", len(removed), out)
         existing = DenseIndex.read(out) if append and (out / META_FILE).is_file() else None
-        dense, todo, stats = add_shards(emb_dir, params, existing, train_sample, block_size, seed, allow_partial)
-        build = IndexBuild(train_sample=train_sample, block_size=block_size, seed=seed)
+        dense, todo, stats = add_shards(emb_dir, params, existing, build.train_sample, build.block_size, build.seed,
+                                        allow_partial)
         dense.meta["settings"] = {"index": to_record(params), "build": to_record(build), "append": append,
                                   "allow_partial": allow_partial}
         model = dense.meta.get("model")
@@ -502,9 +503,8 @@ def params_from_args(args: argparse.Namespace) -> IndexParams:
 @guarded(inputs=("embeddings",), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     set_threads(args.threads)
-    summary = build_index(args.embeddings, args.output, params_from_args(args), train_sample=args.train_sample,
-                          block_size=args.block_size, seed=args.seed, append=args.append,
-                          allow_partial=args.allow_partial)
+    summary = build_index(args.embeddings, args.output, params_from_args(args), from_args(IndexBuild, args),
+                          append=args.append, allow_partial=args.allow_partial)
     print(format_summary(summary))
 
 
