@@ -29,6 +29,15 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    def do_GET(self) -> None:
+        if self.path != "/short.csv":
+            return super().do_GET()
+        self.send_response(200)  # declares 1,000 bytes, sends 100 and closes: a connection cut mid-file
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b"x" * 100)
+        self.close_connection = True
+
 
 @pytest.fixture
 def server(tmp_path):
@@ -64,12 +73,17 @@ def test_downloads_are_verified_and_recorded(server, tmp_path, monkeypatch, caps
     (root / "train.json.gz").write_bytes(gzip.compress(b'[{"question": "q"}]'))
     whole = gzip.compress(b"passage text " * 5000)
     (root / "broken.tsv.gz").write_bytes(whole[:len(whole) // 2])
+    bad_crc = bytearray(whole)
+    bad_crc[-8] ^= 0xFF  # a whole member whose CRC-32 does not match its data
+    (root / "crc.tsv.gz").write_bytes(bytes(bad_crc))
     script = load_script()
     monkeypatch.setattr(script, "RESOURCES", {
         "qa": (f"{url}/qa.csv", "qa.csv", "", hashlib.sha256(qa).hexdigest()),
         "train": (f"{url}/train.json.gz", "train.json.gz", "", None),
         "wrong-sha": (f"{url}/qa.csv", "other.csv", "", "0" * 64),
         "broken": (f"{url}/broken.tsv.gz", "broken.tsv.gz", "", None),
+        "crc": (f"{url}/crc.tsv.gz", "crc.tsv.gz", "", None),
+        "short": (f"{url}/short.csv", "short.csv", "", None),
         "missing": (f"{url}/nope.csv", "nope.csv", "", None),
         "offline": (f"http://127.0.0.1:{closed_port()}/x.csv", "x.csv", "", None),
     })
@@ -80,6 +94,7 @@ def test_downloads_are_verified_and_recorded(server, tmp_path, monkeypatch, caps
     assert sums["train.json.gz"]["sha256"] == hashlib.sha256((root / "train.json.gz").read_bytes()).hexdigest()
     capsys.readouterr()
     for name, message in (("wrong-sha", "does not match the expected"), ("broken", "not an intact gzip"),
+                          ("crc", "not an intact gzip"), ("short", "is incomplete (100 of 1000 bytes)"),
                           ("missing", "HTTP 404"), ("offline", "cannot download")):
         assert script.main(["--output", str(out), name]) == 2
         assert message in one_error(capsys)

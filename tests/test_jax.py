@@ -341,3 +341,21 @@ def test_example_refuses_bad_flags_with_a_one_line_error(capsys):
     assert main(["--train-queries", "10", "--batch-size", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --train-queries 10 must be at least --batch-size 64") and "\n" not in err
+
+
+def test_a_learnable_temperature_is_fp32_and_clamped():
+    """docs/jax.md: the learnable temperature is kept in fp32 and clamped to the torch loss's range in every use."""
+    import math
+
+    from dpr_gc.jax.loss import TEMPERATURE_RANGE, temperature_from_log
+
+    loss = ContrastiveLoss(temperature=0.05, learn_temperature=True)
+    params = loss.init()
+    assert params["log_temperature"].dtype == jnp.float32
+    lo, hi = TEMPERATURE_RANGE
+    for log_t, want in ((math.log(1e4), hi), (math.log(1e-6), lo), (math.log(0.05), 0.05)):
+        got = loss.current_temperature({"log_temperature": jnp.asarray(log_t, jnp.bfloat16)})
+        assert got.dtype == jnp.float32 and abs(float(got) - want) < 1e-2 * want  # a bf16 log value, rounded
+    assert float(temperature_from_log(jnp.asarray(100.0))) == pytest.approx(hi)
+    with pytest.raises(DprGcError, match="temperature must lie in"):
+        ContrastiveLoss(temperature=100.0)
