@@ -372,3 +372,37 @@ def test_the_original_args_kwargs_input():
     zero([model])
     GradCache([model, model], 4, loss_fn)(([x], {"factor": 2.0}), ([y], {"factor": 0.5}))
     assert rel_err(grads([model]), expected) < 1e-5
+
+
+class TwoInputs(torch.nn.Module):
+    """A model called as ``model(ids, mask)`` (a list/tuple input) or ``model(input_ids=..., attention_mask=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(30, 8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).float()
+        return (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "BatchEncoding"])
+def test_list_tuple_and_batch_encoding_inputs_give_the_full_batch_gradient(form):
+    """docs/library.md: lists/tuples of tensors and BatchEncodings are split automatically, row by row."""
+    from transformers import BatchEncoding
+
+    torch.manual_seed(0)
+    q_model, p_model = TwoInputs(), TwoInputs()
+    ids = torch.randint(1, 30, (12, 7))
+    mask = (torch.arange(7)[None] < torch.randint(2, 8, (12, 1))).long()
+    q_ids, q_mask, p_ids, p_mask = ids[:6], mask[:6], ids[6:], mask[6:]
+    loss_fn = SimpleContrastiveLoss(0)
+    loss_fn(q_model(q_ids, q_mask), p_model(p_ids, p_mask)).backward()
+    expected = [p.grad.clone() for p in (*q_model.parameters(), *p_model.parameters())]
+    q_model.zero_grad()
+    p_model.zero_grad()
+    wrap = {"list": lambda i, m: [i, m], "tuple": lambda i, m: (i, m),
+            "BatchEncoding": lambda i, m: BatchEncoding({"input_ids": i, "attention_mask": m})}[form]
+    GradCache([q_model, p_model], 4, loss_fn)(wrap(q_ids, q_mask), wrap(p_ids, p_mask))
+    for got, want in zip((p.grad for p in (*q_model.parameters(), *p_model.parameters())), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

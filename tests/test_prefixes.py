@@ -111,7 +111,7 @@ def test_encode_retrieve_and_mine_apply_stored_prefixes_and_flags(make_retriever
     assert (source.retriever.config.query_prefix, source.retriever.config.passage_prefix) == ("on ", PP)
 
 
-def test_prefixes_given_to_encode_are_recorded_and_used_by_retrieve_and_mine(make_retriever, tmp_path):
+def test_prefixes_given_to_encode_are_recorded_and_used_by_retrieve_and_mine(make_retriever, tmp_path, capsys):
     """`encode --query-prefix/--passage-prefix` override the model's; the index records them, so retrieve and mine
     embed queries under the same ones without repeating the flags (an explicit flag still wins)."""
     retriever = make_retriever(query_prefix=QP, passage_prefix=PP, passage_format="concat", normalize=True)
@@ -135,9 +135,18 @@ def test_prefixes_given_to_encode_are_recorded_and_used_by_retrieve_and_mine(mak
     expected = np.sort(plain.embed("query", ["on " + q for q in QUERIES]) @ passages.T, axis=1)[:, ::-1]
     np.testing.assert_allclose([[c["score"] for c in r["ctxs"]] for r in json.loads(out.read_text())], expected,
                                rtol=0, atol=1e-4)
+    capsys.readouterr()
     assert main(["retrieve", "--index", str(tmp_path / "idx"), "--queries", str(queries), "--output", str(out),
                  "--match", "none", "--device", "cpu", "--cache-dir", str(tmp_path / "c"),
                  "--passage-prefix", PP]) == 2  # passages were encoded without it
+    refusal = f"the model uses passage_prefix={PP!r} but the index built from model"
+    assert refusal in capsys.readouterr().err
+    train = tmp_path / "train.json"
+    train.write_text(json.dumps([{"question": q, "answers": ["zzz"], "positive_ctxs": [PASSAGES[0]]} for q in QUERIES]))
+    assert main(["mine", "--source", "dense", "--index", str(tmp_path / "idx"), "--train-file", str(train),
+                 "--output", str(tmp_path / "mined.json"), "--corpus", str(corpus), "--device", "cpu",
+                 "--cache-dir", str(tmp_path / "c"), "--model", str(tmp_path / "model"), "--passage-prefix", PP]) == 2
+    assert refusal in capsys.readouterr().err and not (tmp_path / "mined.json").exists()
     source = open_source("dense", load_corpus(corpus, tmp_path / "c"), model=str(tmp_path / "model"),
                          index=tmp_path / "idx", device="cpu", show_progress=False)
     assert (source.retriever.config.query_prefix, source.retriever.config.passage_prefix) == ("on ", "")

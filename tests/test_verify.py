@@ -73,6 +73,12 @@ def test_passes_lora_checkpointing_bf16(tmp_path, capsys):
     assert code == 0 and "PASS" in out and "bf16 (tolerance 0.02)" in out, out
 
 
+def test_fp16_is_checked_at_its_own_tolerance(tmp_path, capsys):
+    """docs/training.md: fp16 autocast is compared within 5e-3 (fp32 1e-5, bf16 2e-2)."""
+    code, out = run(capsys, flags(tmp_path, init_model(tmp_path), "--precision", "fp16"))
+    assert code == 0 and "PASS" in out and "fp16 (tolerance 0.005)" in out, out
+
+
 def test_passes_decoder_last_pooling_token_chunks(tmp_path, capsys):
     base = save_decoder(tmp_path / "base", "llama", padding_side="left")
     code, out = run(capsys, flags(tmp_path, base, "--pooling", "last", "--passage-format", "concat",
