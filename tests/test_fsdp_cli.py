@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from dpr_gc.cli import main
 from dpr_gc.model.retriever import Retriever
+from dpr_gc.train.config import SETTINGS_FILE
 from tests.llm_models import save_decoder
 from tests.ranks import run_command
 from tests.train_data import make_records, write_dpr
@@ -34,11 +35,13 @@ def common_flags(tmp: Path) -> list[str]:
             "--device", "cpu"]
 
 
-def torchrun(flags: list[str]) -> None:
+def torchrun(flags: list[str], ok: bool = True) -> str:
+    """``dpr-gc train`` on 2 ranks; its stderr. ``ok``: it must succeed, else fail."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                        "-m", "dpr_gc.cli", "train", *flags], env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert (run.returncode == 0) == ok, run.stderr[-3000:]
+    return run.stderr
 
 
 def assert_same_adapter(got_dir: Path, want_dir: Path, what: str) -> None:
@@ -52,7 +55,7 @@ def assert_same_adapter(got_dir: Path, want_dir: Path, what: str) -> None:
 
 
 @pytest.mark.slow  # 48 s in a full run under load 7-10 on 2 cores (2026-11-24)
-def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path):
+def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path, capsys):
     flags = [*common_flags(tmp_path), "--gradient-checkpointing", "--learn-temperature"]
     assert main(["train", *flags, "--batch-size", "8", "--output", str(tmp_path / "single")]) == 0
     torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp")])
@@ -73,6 +76,23 @@ def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path):
     torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp"), "--resume",
               str(checkpoint)])
     assert_same_adapter(sharded, single, "resumed from the sharded checkpoint")
+    # a sharded checkpoint resumes only with --fsdp, a plain one only without, each refused in a line naming it
+    # (the run's settings record names the change; without a record the checkpoint's own layout does)
+    assert main(["train", *flags, "--batch-size", "4", "--output", str(tmp_path / "fsdp"), "--resume",
+                 str(checkpoint)]) == 2
+    assert "--fsdp True -> False" in capsys.readouterr().err.strip().splitlines()[-1]
+    refused = torchrun([*flags, "--batch-size", "8", "--fsdp", "--output", str(tmp_path / "single"), "--resume",
+                        str(tmp_path / "single" / "checkpoint-1")], ok=False)
+    assert "--fsdp False -> True" in refused
+    for run in ("fsdp", "single"):
+        (tmp_path / run / SETTINGS_FILE).unlink()
+        (tmp_path / run / "checkpoint-1" / SETTINGS_FILE).unlink()
+    assert main(["train", *flags, "--batch-size", "4", "--output", str(tmp_path / "fsdp"), "--resume",
+                 str(checkpoint)]) == 2
+    assert "this checkpoint was written with --fsdp; resume it the same way" in capsys.readouterr().err
+    refused = torchrun([*flags, "--batch-size", "8", "--fsdp", "--output", str(tmp_path / "single"), "--resume",
+                        str(tmp_path / "single" / "checkpoint-1")], ok=False)
+    assert "this checkpoint was written without --fsdp; resume it the same way" in refused
     texts = ["a question about rivers", "paris is a city"]
     got, want = (Retriever.load(d).embed("passage", texts) for d in (sharded, single))
     torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=0, atol=1e-4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -243,15 +244,19 @@ def test_resume_names_every_refused_change_in_one_line(first_run) -> None:
         assert f"{flag} " in line
 
 
-def test_resume_accepts_changed_steps_cadence_and_workers(first_run, tmp_path) -> None:
+def test_resume_accepts_changed_steps_cadence_and_workers(first_run, tmp_path, caplog) -> None:
     import shutil
 
     out = tmp_path / "out"
     shutil.copytree(first_run["out"], out)
     argv = [*first_run["argv"], "--output", str(out), "--resume", str(out / "checkpoint-2"), "--max-steps", "3",
             "--save-every", "3", "--num-workers", "1"]
-    code, err = call(cli.main, argv)
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.config"):
+        code, err = call(cli.main, argv)
     assert code == 0, err
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming with changed settings")]
+    assert len(logged) == 1 and all(f in logged[0] for f in ("--max-steps 2 -> 3", "--save-every 1 -> 3",
+                                                              "--num-workers 0 -> 1")), logged
     recorded = json.loads((out / SETTINGS_FILE).read_text())
     assert recorded["optim"]["max_steps"] == 3 and recorded["run"]["save_every"] == 3
     assert recorded["data"]["num_workers"] == 1
@@ -350,3 +355,37 @@ def test_the_docs_list_every_setting_a_resume_may_change() -> None:
     page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
     bullet = page[page.index("- `[may change on --resume]`:"):page.index("Changes are logged")]
     assert set(re.findall(r"`(--[a-z-]+)`", bullet)) == free
+
+
+def test_a_checkpoint_without_a_settings_record_resumes_with_a_warning(first_run, tmp_path, caplog) -> None:
+    """docs/training.md: a checkpoint written before runs recorded their settings resumes as it is, with a warning
+    that its settings are not compared."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(first_run["out"], out)
+    for record in (out / "checkpoint-2" / SETTINGS_FILE, out / SETTINGS_FILE):
+        record.unlink()
+    argv = [*first_run["argv"], "--output", str(out), "--resume", str(out / "checkpoint-2"), "--max-steps", "3",
+            "--learning-rate", "5e-3"]  # a change a record would refuse
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.train.config"):
+        code, err = call(cli.main, argv)
+    assert code == 0, err
+    assert any(f"holds no {SETTINGS_FILE} (written by an older version)" in r.getMessage() for r in caplog.records)
+    assert (out / "final").is_dir()
+
+
+def test_a_sharded_checkpoint_resumes_only_with_fsdp(first_run, tmp_path) -> None:
+    """docs/distributed.md: a checkpoint holding FSDP shards is refused without --fsdp, in one line that says so
+    (with a real sharded checkpoint, and a plain one under --fsdp, in tests/test_fsdp_cli.py)."""
+    import shutil
+
+    from dpr_gc.train.checkpoints import SHARDED
+
+    out = tmp_path / "out"
+    shutil.copytree(first_run["out"], out)
+    (out / "checkpoint-2" / SHARDED).mkdir()
+    argv = [*first_run["argv"], "--output", str(out), "--resume", str(out / "checkpoint-2"), "--max-steps", "3"]
+    line = error_line(*call(cli.main, argv))
+    assert "this checkpoint was written with --fsdp; resume it the same way" in line
+    assert not (out / "checkpoint-3").exists()

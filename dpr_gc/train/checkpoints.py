@@ -220,6 +220,9 @@ class Checkpointer:
         path = self.resolve(resume)
         older = self.checkpoints()[:-1] if resume == "latest" else []
         while True:
+            if (self.sharded is None) == (path / SHARDED).is_dir():  # before reading: a sharded one has no model/
+                written = "with" if self.sharded is None else "without"
+                raise DprGcError(f"{path}: this checkpoint was written {written} --fsdp; resume it the same way")
             try:
                 state = read_state(path)
                 saved = Retriever.load(path / "model") if self.sharded is None else None
@@ -229,9 +232,6 @@ class Checkpointer:
                     raise
                 logger.warning("%s is damaged (%s); resuming from the previous checkpoint %s", path, e, older[-1])
                 path = older.pop()
-        if (self.sharded is None) == (path / SHARDED).is_dir():
-            written = "with" if self.sharded is None else "without"
-            raise DprGcError(f"{path}: this checkpoint was written {written} --fsdp; resume it the same way")
         try:
             if self.sharded is not None:
                 from ..model.fsdp import load_sharded
