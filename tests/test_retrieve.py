@@ -239,3 +239,43 @@ def test_answers_are_matched_once_and_evaluate_reuses_the_flags(world, tmp_path,
     assert report["answers"]["metrics"][f"Accuracy@{N_PASSAGES}"] == 0.75
     with pytest.raises(DprGcError, match="compact results have none"):
         evaluate([1], out, mode="string")
+
+
+def test_the_resume_key_changes_with_everything_the_records_depend_on(world, tmp_path):
+    """stages.md: an interrupted retrieve continues only with the same questions, qrels, index build and search
+    parameters, corpus, query encoder, --top-k and --match; each of them changes the key."""
+    import dataclasses
+
+    import torch
+
+    from dpr_gc.data.corpus import load_corpus
+    from dpr_gc.retrieval.retrieve import RetrieveJob, RetrieveSettings, retrieval_key
+
+    queries, qrels = self_queries(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_queries, other_qrels = self_queries(tmp_path / "other", n=5)
+    retriever, index = Retriever.load(world["model"]), DenseIndex.read(world["idx"])
+    corpus = load_corpus(world["corpus"], world["cache"])
+    job = RetrieveJob(queries=str(queries), qrels=str(qrels), settings=RetrieveSettings(top_k=5, match="string"))
+    base = retrieval_key(retriever, index, corpus, job)
+    assert retrieval_key(retriever, index, corpus, job) == base
+    changed = {
+        "queries": (retriever, index, corpus, dataclasses.replace(job, queries=str(other_queries))),
+        "qrels": (retriever, index, corpus, dataclasses.replace(job, qrels=str(other_qrels))),
+        "top_k": (retriever, index, corpus, dataclasses.replace(job, settings=RetrieveSettings(top_k=6,
+                                                                                              match="string"))),
+        "match": (retriever, index, corpus, dataclasses.replace(job, settings=RetrieveSettings(top_k=5,
+                                                                                              match="regex"))),
+    }
+    index.meta = dict(index.meta, params={"nprobe": 99})
+    changed["index"] = (retriever, index, corpus, job)
+    index = DenseIndex.read(world["idx"])
+    tuned = Retriever.load(world["model"])
+    with torch.no_grad():
+        next(tuned.parameters()).add_(1.0)
+    changed["model"] = (tuned, index, corpus, job)
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps(p) + "\n" for p in passages()[:-1]))
+    changed["corpus"] = (retriever, index, load_corpus(small, tmp_path / "cache"), job)
+    for field, args in changed.items():
+        assert retrieval_key(*args)[field] != base[field], field
