@@ -1,10 +1,16 @@
-"""Every ``dpr-gc`` command shown in the README and docs/ parses: its sub-command and every flag exist and take the
-values shown (a renamed or removed flag fails here before it fails a reader)."""
+"""Every command shown in the README and docs/ parses: ``dpr-gc`` (also under ``torchrun -m dpr_gc.cli``), the DPR
+scripts and the JAX example, in code blocks and inline -- its sub-command and every flag exist and take the values
+shown (a renamed or removed flag fails here before it fails a reader). A command that elides flags with ``...`` is
+checked for the flags it shows; only the required ones it leaves out are excused."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import re
 import shlex
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 
@@ -13,50 +19,119 @@ from dpr_gc.cli import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"", "bash", "sh", "shell", "console"}
+PLACEHOLDERS = re.compile(r"<|\[|\bCOMMAND\b")  # `dpr-gc COMMAND --help`, `verify <the same flags> [--batches N]`
+MISSING = "the following arguments are required"
 
 
-def shell_blocks(text: str) -> list[str]:
-    """The bodies of the fenced code blocks in a shell language (or none named)."""
-    blocks, body, language = [], None, ""
+def shell_lines(text: str) -> list[str]:
+    """The lines of the fenced code blocks in a shell language (or none named), continuation lines joined."""
+    lines, body, language = [], None, ""
     for line in text.splitlines():
         if line.startswith("```"):
             if body is None:
                 body, language = [], line[3:].strip()
             else:
                 if language in SHELL:
-                    blocks.append("\n".join(body))
+                    lines += "\n".join(body).replace("\\\n", " ").splitlines()
                 body = None
         elif body is not None:
             body.append(line)
-    return blocks
+    return lines
 
 
-def shown_commands(page: Path) -> list[tuple[str, list[str]]]:
-    """``(where, argv)`` for every ``dpr-gc ...`` line of the page's code blocks, continuation lines joined and
-    comments cut, ``&&`` chains split; lines that elide flags with ``...`` are left out (they are not whole commands)."""
+def inline_commands(text: str) -> list[str]:
+    """Inline code spans outside code blocks that are commands (``dpr-gc ...``, ``scripts/X.py ...``)."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S).replace("\n", " ")
+    return re.findall(r"`((?:dpr-gc|scripts/\w+\.py|python |torchrun ) ?[^`]*)`", prose)
+
+
+def program_and_argv(words: list[str]) -> Optional[tuple[str, list[str]]]:
+    """``(program, argv)`` of a shown command: ``dpr-gc``, a ``scripts/*.py`` file or ``dpr_gc.jax.example``."""
+    if words[:1] == ["torchrun"] and "dpr_gc.cli" in words:
+        return "dpr-gc", words[words.index("dpr_gc.cli") + 1:]
+    if words[:3] == ["python", "-m", "dpr_gc.jax.example"]:
+        return "dpr_gc.jax.example", words[3:]
+    if words[:1] == ["python"] and len(words) > 1 and words[1].startswith("scripts/"):
+        words = words[1:]
+    if words[:1] == ["dpr-gc"] or (words and words[0].startswith("scripts/") and words[0].endswith(".py")):
+        return words[0], words[1:]
+    return None
+
+
+def without_elisions(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` with each ``...`` gone (a flag it stood for the value of gets a placeholder value)."""
+    out = []
+    for word in argv:
+        if word == "...":
+            if out and out[-1].startswith("--"):
+                out.append("x")
+            continue
+        out.append(word)
+    return out, len(out) != len(argv) or "..." in argv
+
+
+def shown_commands(page: Path) -> list[tuple[str, str, list[str], bool]]:
+    """``(where, program, argv, elided)`` for every command of the page; ``&&`` chains split, comments cut. An
+    inline one counts as elided: prose names a command with the flags it is about, not all it needs."""
     found = []
-    for block in shell_blocks(page.read_text()):
-        for line in block.replace("\\\n", " ").splitlines():
-            for part in line.split("&&"):
-                words = shlex.split(part, comments=True)
-                if words[:1] != ["dpr-gc"] or "..." in words or "<" in part:
-                    continue
-                found.append((f"{page.name}: {part.strip()[:80]}", words[1:]))
+    text = page.read_text()
+    lines = [(line, False) for line in shell_lines(text)] + [(span, True) for span in inline_commands(text)]
+    for part, inline in ((p, inline) for line, inline in lines for p in line.split("&&")):
+        if PLACEHOLDERS.search(part):
+            continue
+        parsed = program_and_argv(shlex.split(part, comments=True))
+        if parsed is not None and parsed[1]:
+            argv, elided = without_elisions(parsed[1])
+            found.append((f"{page.name}: {part.strip()[:80]}", parsed[0], argv, elided or inline))
     return found
 
 
 COMMANDS = [c for page in PAGES for c in shown_commands(page)]
 
 
+def parser_of(program: str, argv: list[str]) -> Callable[[list[str]], object]:
+    """What parses ``argv`` for ``program`` (exits or raises on a bad flag)."""
+    if program == "dpr-gc":
+        command = next((word for word in argv if not word.startswith("-")), None)
+        return build_parser(command).parse_args
+    if program == "dpr_gc.jax.example":
+        pytest.importorskip("jax")
+        from dpr_gc.jax.example import parse_args
+
+        return parse_args
+    path = ROOT / program
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if path.name == "train_dense_encoder.py":  # dpr-gc train's parser under DPR's flags: main() prepends "train"
+        return lambda words: module.build_parser().parse_args(["train", *words])
+    return module.build_parser().parse_args if hasattr(module, "build_parser") else module.parse_args
+
+
 def test_the_pages_show_commands() -> None:
-    shown = {argv[0] for _, argv in COMMANDS if argv}
-    assert {"train", "encode", "index", "retrieve", "evaluate", "mine", "demo"} <= shown
+    shown = {argv[0] for _, program, argv, _ in COMMANDS if program == "dpr-gc"}
+    assert {"train", "encode", "index", "retrieve", "evaluate", "mine", "demo", "merge-lora", "prepare-data"} <= shown
+    programs = {program for _, program, _, _ in COMMANDS}
+    assert {"scripts/download_dpr_data.py", "scripts/train_dense_encoder.py", "scripts/generate_dense_embeddings.py",
+            "scripts/dense_retriever.py", "dpr_gc.jax.example"} <= programs
+    assert any(elided for *_, elided in COMMANDS) and any(w.startswith("distributed.md: torchrun")
+                                                         for w, *_ in COMMANDS)
 
 
-@pytest.mark.parametrize("argv", [argv for _, argv in COMMANDS], ids=[where for where, _ in COMMANDS])
-def test_a_documented_command_parses(argv: list[str]) -> None:
-    command = next((word for word in argv if not word.startswith("-")), None)
+@pytest.mark.parametrize("program, argv, elided", [c[1:] for c in COMMANDS], ids=[c[0] for c in COMMANDS])
+def test_a_documented_command_parses(program: str, argv: list[str], elided: bool, monkeypatch) -> None:
+    def refuse(parser: argparse.ArgumentParser, message: str) -> None:
+        raise ValueError(message)
+
+    from dpr_gc.base.args import ArgumentParser
+
+    for cls in (argparse.ArgumentParser, ArgumentParser):  # dpr-gc's prints its one-line error and exits
+        monkeypatch.setattr(cls, "error", refuse)
     try:
-        build_parser(command).parse_args(argv)
+        parser_of(program, argv)(argv)
+    except ValueError as e:
+        if not (elided and str(e).startswith(MISSING)):
+            pytest.fail(f"{program} {' '.join(argv)}: {e}")
     except SystemExit as stop:
-        pytest.fail(f"dpr-gc {' '.join(argv)}: exit {stop.code}")
+        if not (stop.code == 0 and "--help" in argv):
+            pytest.fail(f"{program} {' '.join(argv)}: exit {stop.code}")
