@@ -463,3 +463,17 @@ def test_a_whole_batch_budget_joins_no_cpu_chunk_beyond_its_token_limit(make_ret
     assert max(tokens) <= most and len(tokens) >= 3 and max(tokens) > 2 * CHUNK * p["attention_mask"].size(1), tokens
     assert engine.last_step.kept == engine.last_step.chunks
 
+
+
+def test_the_documented_join_constants_are_the_engines():
+    """docs/training.md states the price of a chunk (16,384 tokens on CUDA, 256 on the CPU), the CPU's join limit
+    (4,096 tokens) and the budget's margin (90 %): the engine's constants, so a change to one shows here."""
+    from pathlib import Path
+
+    from dpr_gc.engine import grad_cache
+
+    page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text().split())
+    cuda, cpu = grad_cache.CHUNK_OVERHEAD_TOKENS["cuda"], grad_cache.CHUNK_OVERHEAD_TOKENS["cpu"]
+    assert f"a chunk's fixed cost counts as {cuda:,} tokens on CUDA" in page and f"and {cpu:,} on the CPU" in page
+    assert f"a joined chunk also stops at {grad_cache.JOINED_CHUNK_MAX_TOKENS['cpu']:,} tokens" in page
+    assert f"({grad_cache.JOIN_MARGIN * 100:.0f} % of it" in page

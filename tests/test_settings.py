@@ -223,6 +223,7 @@ def test_a_run_records_its_resolved_settings(first_run) -> None:
     (["--pooling", "mean"], "--pooling 'cls' -> 'mean'"),
     (["--temperature", "0.5"], "--temperature 1.0 -> 0.5"),
     (["--normalize"], "--normalize False -> True"),
+    (["--no-mask-duplicate-positives"], "--mask-duplicate-positives True -> False"),
 ])
 def test_resume_refuses_a_changed_model_or_training_signal(first_run, change, needle) -> None:
     out = first_run["out"]
