@@ -1173,6 +1173,25 @@ def test_damaged_corpus_cache_is_rebuilt_with_one_warning(world: dict, tmp_path:
         assert arrow.read_bytes() == good, what
 
 
+def test_damaged_training_cache_is_rebuilt_with_one_warning(tmp_path: Path, caplog) -> None:
+    """formats.md: every Arrow cache file, a parsed training set's too, ends in an empty batch recording its row
+    count; a cache that is cut short, garbage, or lacks that batch is rebuilt with one warning."""
+    data = tmp_path / "train.json"
+    data.write_text(json.dumps(training_records()))
+    cache = tmp_path / "cache"
+    reference = load_dpr_files([data], cache).dataset[:]
+    arrow = next(cache.glob("*.arrow"))
+    good = arrow.read_bytes()
+    damages = {"truncated": good[:len(good) // 2], "garbage": b"\x00" * 512, "no row count": _without_row_count(arrow)}
+    for what, damaged in damages.items():
+        arrow.write_bytes(damaged)
+        caplog.clear()
+        assert load_dpr_files([data], cache).dataset[:] == reference, what
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and str(arrow) in warnings[0] and "rebuilding" in warnings[0], (what, warnings)
+        assert arrow.read_bytes() == good, what
+
+
 @pytest.mark.slow
 def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplog) -> None:
     """SIGINT after the first chunk of questions: the finished records are kept beside the output (and nothing under

@@ -124,6 +124,32 @@ def test_partial_last_line_of_metrics_is_dropped_on_resume(task, tmp_path):
         train(config(task, tmp_path / "b", resume="latest", **common))
 
 
+def test_a_checkpoint_interrupted_while_written_never_appears(task, tmp_path, monkeypatch):
+    """formats.md: checkpoints appear whole or not at all. An interruption while checkpoint-4's files are written
+    (after its model, before its state) leaves no checkpoint-4, only a hidden temporary; --resume latest takes
+    checkpoint-2 and the next save replaces the temporary."""
+    import dpr_gc.train.checkpoints as checkpoints
+
+    common = dict(max_steps=6, save_every=2, batch_size=8, keep_checkpoints=5)
+    write_state = checkpoints.write_state
+
+    def interrupted(folder: Path, state: dict) -> None:
+        if state["step"] == 4:
+            raise KeyboardInterrupt
+        write_state(folder, state)
+
+    monkeypatch.setattr(checkpoints, "write_state", interrupted)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(config(task, out, **common))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert (out / ".checkpoint-4.tmp" / "model").is_dir()  # the half-written one, hidden
+    monkeypatch.setattr(checkpoints, "write_state", write_state)
+    train(config(task, out, resume="latest", **common))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert not list(out.glob(".checkpoint-*.tmp")) and (out / "final").is_dir()
+
+
 # ------------------------------------------------------------------------------------------------ encode / index
 def encode_argv(model: Path, corpus: Path, out: Path, *extra) -> list[str]:
     return ["encode", "--model", str(model), "--corpus", str(corpus), "--output", str(out), "--block-size", "4",
