@@ -184,6 +184,34 @@ def test_second_encode_of_the_same_shard_is_refused_while_the_first_runs(task, t
                                                       "shard-00000-of-00001.npy"]
 
 
+def test_two_shards_encode_into_one_folder_at_once(task, tmp_path, monkeypatch):
+    """stages.md: each shard has its own lock, so ranks encode their own shards into one folder together: shard 1
+    of 2 finishes while shard 0's run is still inside its first block, and the folder ends with both shards."""
+    corpus, out = write_corpus(tmp_path / "c", passages(10), "tsv"), tmp_path / "emb"
+    started, release, results = threading.Event(), threading.Event(), []
+    real = encode.encode_block
+
+    def first_waits(*args, **kwargs):
+        if threading.current_thread() is first:
+            started.set()
+            assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(encode, "encode_block", first_waits)
+    shard = ("--shard-id", "{}", "--num-shards", "2")
+    first = threading.Thread(target=lambda: results.append(
+        main(encode_argv(task["model"], corpus, out, *(a.format(0) for a in shard)))))
+    first.start()
+    try:
+        assert started.wait(120)
+        assert main(encode_argv(task["model"], corpus, out, *(a.format(1) for a in shard))) == 0
+        assert (out / "shard-00001-of-00002.npy").is_file() and not (out / "shard-00000-of-00002.npy").exists()
+    finally:
+        release.set()
+        first.join()
+    assert results == [0] and (out / "shard-00000-of-00002.npy").is_file()
+
+
 def test_stray_part_files_of_a_dead_run_do_not_poison_the_folder(task, tmp_path):
     """What two concurrent runs, or a kill -9 during assembly, used to leave: parts without their progress file."""
     corpus, out = write_corpus(tmp_path / "c", passages(10), "tsv"), tmp_path / "emb"
@@ -196,6 +224,31 @@ def test_stray_part_files_of_a_dead_run_do_not_poison_the_folder(task, tmp_path)
     assert main(encode_argv(task["model"], corpus, out)) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in expected.iterdir())
     assert np.array_equal(np.load(out / "shard-00000-of-00001.npy"), np.load(expected / "shard-00000-of-00001.npy"))
+
+
+def test_a_lock_left_by_a_run_killed_with_kill_9_does_not_block_the_next(tmp_path):
+    """stages.md: the lock is released even by ``kill -9`` (the kernel drops a dead holder's flock): a process that
+    holds it is refused to a second taker while alive, and after SIGKILL the same lock file is taken at once."""
+    lock = tmp_path / ".out.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom dpr_gc.base.locks import exclusive_lock\n"
+        f"with exclusive_lock({str(lock)!r}, 'the folder'):\n    print('held', flush=True)\n    time.sleep(120)\n")],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DprGcError, match=f"in use by another run \\(pid {holder.pid}"):
+            with exclusive_lock(lock, "the folder"):
+                pass
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        assert lock.exists()  # left behind by the killed holder
+        with exclusive_lock(lock, "the folder"):
+            pass
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        holder.stdout.close()
 
 
 def test_bad_encode_flag_writes_nothing_and_the_corrected_run_finishes(task, tmp_path, capsys):
