@@ -343,7 +343,9 @@ def test_dataloader_workers_match_and_batches_are_rectangular(tmp_path, make_ret
     kwargs = dict(batch_size=2, hard_negatives=2, other_negatives=2, shuffle_positives=True, seed=5, rank=1,
                   world_size=2)
     serial = list(D.make_dataloader(data, collate, num_workers=0, **kwargs))
-    parallel = list(D.make_dataloader(data, collate, num_workers=2, **kwargs))
+    loader = D.make_dataloader(data, collate, num_workers=2, **kwargs)
+    assert loader.worker_init_fn.keywords == {"parent": os.getpid()}  # workers outlive this process by no second
+    parallel = list(loader)
     assert len(serial) == len(parallel) == 2
     for a, b in zip(serial, parallel):
         assert a["passage"]["input_ids"].shape[0] == 2 * 5 and a["query"]["input_ids"].shape[0] == 2

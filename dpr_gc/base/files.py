@@ -364,16 +364,20 @@ def remove_stale_temporaries(folder: PathLike, names: Iterable[str]) -> list[Pat
 
 
 # ----------------------------------------------------------------------------------------- process lifetime
-def die_with_parent(worker_id: int = 0) -> None:
+def die_with_parent(worker_id: int = 0, parent: Optional[int] = None) -> None:
     """DataLoader ``worker_init_fn``: end this worker as soon as the process that started it dies, ``kill -9``
     included. A worker whose parent is gone can otherwise hang for ever at exit, its queue feeder blocked on a full
-    pipe that a sibling worker keeps open. Linux: the kernel's parent-death signal; everywhere: a watchdog thread."""
-    parent = os.getppid()
+    pipe that a sibling worker keeps open. Linux: the kernel's parent-death signal; everywhere: a watchdog thread.
+    ``parent`` (bind it with ``functools.partial`` when building the DataLoader): the pid to outlive no longer;
+    a worker whose parent died before this ran ends at once (neither guard would ever fire for it)."""
+    parent = os.getppid() if parent is None else parent
     if sys.platform.startswith("linux"):
         import ctypes
 
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=_watch_parent, args=(parent,), name="die-with-parent", daemon=True).start()
 
 

@@ -471,8 +471,9 @@ def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[B
                                 s.shuffle_negatives, seed, sampler.global_batch, items)
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    watch = functools.partial(die_with_parent, parent=os.getpid()) if num_workers else None
     return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
-                                       pin_memory=pin_memory, worker_init_fn=die_with_parent if num_workers else None,
+                                       pin_memory=pin_memory, worker_init_fn=watch,
                                        generator=torch.Generator().manual_seed(seed))
 
 
