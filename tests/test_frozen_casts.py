@@ -34,13 +34,14 @@ def frozen_linear_weights(modules: list[nn.Module]) -> list[nn.Parameter]:
                  if type(m) is nn.Linear and not m.weight.requires_grad}.values())
 
 
-def cached_step(modules: list[nn.Module], batch: tuple[dict, dict], budget: int, engine_bf16: bool) -> GradCache:
-    """One step under bf16: the engine's own autocast, or the caller's around the step."""
+def cached_step(modules: list[nn.Module], batch: tuple[dict, dict], budget: int, engine_bf16: bool,
+                dtype: torch.dtype = torch.bfloat16) -> GradCache:
+    """One step under bf16: the engine's own autocast, or the caller's around the step (in ``dtype``)."""
     engine = GradCache(modules, CHUNK, SimpleContrastiveLoss(1, temperature=0.2), bf16=engine_bf16,
                        memory_budget=budget, chunking=Chunking(sort_by_length=True))
     zero(modules)
     torch.manual_seed(0)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not engine_bf16):
+    with torch.autocast("cpu", dtype=dtype, enabled=not engine_bf16):
         engine(*batch)
     return engine
 
@@ -50,19 +51,19 @@ def without_frozen_casts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def check_casts_and_gradient(retriever: nn.Module, monkeypatch: pytest.MonkeyPatch, budget: int,
-                             engine_bf16: bool, device: str = "cpu") -> None:
+                             engine_bf16: bool, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
     """Each frozen weight cast once in a step (before: once per chunk and pass), the gradient equal to the bit."""
     modules = models_of(retriever.to(device))
     batch = tuple({k: v.to(device) for k, v in x.items()} for x in make_batch(retriever, 8, 1, seed=3))
     frozen = frozen_linear_weights(modules)
     with WeightCasts(frozen) as counter:
-        engine = cached_step(modules, batch, budget, engine_bf16)
+        engine = cached_step(modules, batch, budget, engine_bf16, dtype)
     assert sum(engine.last_step.chunks) > 4
     assert dict(counter.casts) == {w.data_ptr(): 1 for w in frozen}
     got = grads(modules)
     without_frozen_casts(monkeypatch)
     with WeightCasts(frozen) as counter:
-        cached_step(modules, batch, budget, engine_bf16)
+        cached_step(modules, batch, budget, engine_bf16, dtype)
     assert min(counter.casts.values()) >= min(engine.last_step.chunks) > 1  # before: every chunk cast them again
     assert torch.equal(got, grads(modules))
 
@@ -72,6 +73,11 @@ def check_casts_and_gradient(retriever: nn.Module, monkeypatch: pytest.MonkeyPat
 def test_frozen_weights_are_cast_once_per_step_and_the_gradient_is_unchanged(make_retriever, monkeypatch, budget,
                                                                              engine_bf16):
     check_casts_and_gradient(lora_retriever(make_retriever), monkeypatch, budget, engine_bf16)
+
+
+def test_fp16_autocast_too(make_retriever, monkeypatch):
+    """docs/library.md: frozen weights are cast once per step under fp16 autocast as under bf16."""
+    check_casts_and_gradient(lora_retriever(make_retriever), monkeypatch, 0, engine_bf16=False, dtype=torch.float16)
 
 
 def test_a_lora_decoder_too(monkeypatch):
