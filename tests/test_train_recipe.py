@@ -79,3 +79,21 @@ def test_training_a_sentence_transformers_folder_saves_its_recipe(st_folder: Pat
     for key, value in RECIPE.items():
         assert saved[key] == value, key
     assert abs(saved["temperature"] - 0.05) < 1e-6
+
+
+def test_the_folders_projection_is_kept_with_its_weights(tmp_path: Path) -> None:
+    """docs/training.md: the recipe keeps the folder's projection (its Dense module), weights included, so the
+    starting retriever embeds as the folder does."""
+    import torch
+
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(tmp_path / "vocab.txt")), do_lower_case=True)
+    original = Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(**RECIPE, projection_dim=8))
+    original.save(tmp_path / "model")
+    for name in ("retriever_config.json", "heads.safetensors"):
+        (tmp_path / "model" / name).unlink()
+    assert (tmp_path / "model" / "2_Dense").is_dir()
+    started = build_retriever(parsed("--model", str(tmp_path / "model")).model)
+    assert started.config.projection_dim == 8
+    texts = ["what is a river", "the city of paris"]
+    torch.testing.assert_close(torch.as_tensor(started.embed("query", texts)),
+                               torch.as_tensor(original.embed("query", texts)), rtol=0, atol=1e-5)
