@@ -316,8 +316,15 @@ def test_sort_by_length_with_a_3d_attention_mask(tiny_tokenizer, make_retriever)
     loss_fn(model(**q3), model(**p3)).backward()
     expected = grads([model])
     zero([model])
+    seen = []
+    record = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"]), with_kwargs=True)
     GradCache([model, model], 4, loss_fn, chunking=Chunking(sort_by_length=True))(q3, p3)
+    record.remove()
     assert rel_err(grads([model]), expected) < 1e-5
+    # a 3-D mask is not grouped: the first pass's chunks are the input's rows in their own order
+    first_pass = seen[:4]  # 2 query chunks, then 2 passage chunks (6 rows each, chunks of 4)
+    assert torch.equal(torch.cat(first_pass[:2]), q3["input_ids"]) and torch.equal(torch.cat(first_pass[2:]),
+                                                                                     p3["input_ids"])
 
 
 def test_rng_is_captured_on_every_cuda_device_a_parameter_lives_on(monkeypatch):
