@@ -46,7 +46,7 @@ def demo_training() -> TrainConfig:
 
 @dataclasses.dataclass
 class DemoConfig:
-    """The demo's own sizes around a training config; the defaults take about ten minutes on 2 CPU cores (see the
+    """The demo's own sizes around a training config; the defaults take a few minutes on 2 CPU cores (see the
     README for a measured run). ``training.model.name`` is the model measured before training (None: the offline
     MiniLM), ``training.model.retriever`` its settings, and ``training.run.seed`` seeds the dataset too."""
 

@@ -58,3 +58,22 @@ def test_demo_needs_a_batch_several_times_the_chunk():
     with pytest.raises(DprGcError, match="--batch-size 32 should be at least 4x --chunk-size 16"):
         DemoConfig(training=dataclasses.replace(training, data=dataclasses.replace(training.data, batch_size=32)))
     DemoConfig(training=dataclasses.replace(training, data=dataclasses.replace(training.data, batch_size=64)))
+
+
+def test_the_readme_describes_the_demos_defaults():
+    """README, "What the demo does": mean pooling, normalised, temperature 0.05, top 100; 1,024 training questions,
+    batch 64, chunk 16 (4 chunks per step), 16 steps, lr 5e-5 -- the defaults of DemoConfig and demo_training."""
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    config, retriever = DemoConfig(), demo_training().model.retriever
+    training = config.training
+    steps = training.optim.epochs * config.train_queries // training.data.batch_size
+    chunk = training.cache.passage_chunk_size
+    assert (retriever.pooling, retriever.normalize, retriever.temperature) == ("mean", True, 0.05)
+    assert chunk == training.cache.query_chunk_size
+    assert ("(mean pooling, normalised, temperature 0.05), indexes it (FAISS Flat), retrieves the top "
+            f"{config.top_k} for") in readme
+    assert (f"on {config.train_queries:,} training questions: batch {training.data.batch_size}, chunk {chunk} "
+            f"({training.data.batch_size // chunk} chunks per step") in readme
+    assert f"{steps} steps, lr {training.optim.learning_rate:.0e}".replace("e-0", "e-") in readme
