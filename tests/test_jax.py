@@ -7,6 +7,7 @@ backend first with one device, the data-parallel test re-runs itself in a subpro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -359,3 +360,16 @@ def test_a_learnable_temperature_is_fp32_and_clamped():
     assert float(temperature_from_log(jnp.asarray(100.0))) == pytest.approx(hi)
     with pytest.raises(DprGcError, match="temperature must lie in"):
         ContrastiveLoss(temperature=100.0)
+
+
+def test_the_docs_describe_the_examples_defaults():
+    """docs/jax.md: batch 64 in chunks of 16, one hard negative, dropout 0.1, temperature 0.05, fp32, 1,024 training
+    questions (the demo's): ExampleConfig's defaults."""
+    from dpr_gc.jax.example import ExampleConfig, parse_args
+
+    page = " ".join((REPO / "docs" / "jax.md").read_text().split())
+    c = parse_args(["--output", "x"])
+    assert dataclasses.replace(c, output_dir=ExampleConfig().output_dir) == ExampleConfig()
+    assert (f"(batch {c.batch_size} in chunks of {c.chunk_size}, one hard negative, dropout {c.dropout:g} with "
+            f"per-chunk keys, cosine at temperature {c.temperature:g}, AdamW with linear decay, {c.precision})") in page
+    assert c.hard_negatives == 1 and f"({c.train_queries:,} training questions)" in page
