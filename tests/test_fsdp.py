@@ -98,6 +98,48 @@ def test_fsdp_gradient_cache_step_equals_one_process_and_resumes(tmp_path):
     assert not errors, errors
 
 
+def reductions_worker(rank: int, tmp: str) -> None:
+    """The gradient reductions (reduce-scatters, all-reduces) of one backward of plain training, then of a cached
+    step with ``no_sync_except_last`` and without it, written to ``reductions-RANK.txt``."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=300))
+    calls = []
+    for name in ("reduce_scatter_single", "all_reduce"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    try:
+        torch.manual_seed(0)
+        retriever = shard_retriever(lora_decoder())
+        q, p = batches(lora_decoder(), 1)[0]
+        q_local = take_rows(dict(q, kind="query"), torch.arange(rank * LOCAL, (rank + 1) * LOCAL))
+        p_local = take_rows(dict(p, kind="passage"), torch.arange(rank * 2 * LOCAL, (rank + 1) * 2 * LOCAL))
+        counts = []
+        retriever(**q_local).float().sum().add(retriever(**p_local).float().sum()).backward()
+        counts.append(calls.count("reduce_scatter_single"))
+        for last_only in (True, False):
+            calls.clear()
+            cache = GradCache([retriever, retriever], 2, DistributedContrastiveLoss(1))
+            cache(q_local, p_local, no_sync_except_last=last_only)
+            counts.append(calls.count("reduce_scatter_single"))
+        Path(tmp, f"reductions-{rank}.txt").write_text(" ".join(map(str, counts)))
+        dist.barrier()
+    except Exception:
+        Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+
+
+def test_fsdp_syncs_gradients_on_the_last_chunk_only(tmp_path):
+    """docs/distributed.md: under FSDP the cached step reduce-scatters gradients in each model's last chunk's
+    backward only (``set_requires_gradient_sync(False)`` for the others): the tied towers listed twice make two
+    plain backwards' worth (exact, see ``cache_step``), where syncing every chunk makes one per chunk (6 here)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_ranks(reductions_worker, (str(tmp_path),), WORLD)
+    errors = rank_errors(tmp_path)
+    assert not errors, errors
+    for rank in range(WORLD):
+        plain, last_only, every_chunk = map(int, (tmp_path / f"reductions-{rank}.txt").read_text().split())
+        assert plain > 0 and (last_only, every_chunk) == (2 * plain, 6 * plain), (plain, last_only, every_chunk)
+
+
 def test_fsdp_settings_are_checked():
     assert mixed_precision("bf16").param_dtype == torch.bfloat16 and mixed_precision("bf16").reduce_dtype == torch.float32
     with pytest.raises(DprGcError, match="fp16"):
