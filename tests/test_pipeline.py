@@ -52,6 +52,43 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert json.loads((out / "metrics.json").read_text())["after"] == report["after"]
 
 
+@pytest.mark.slow  # ~20 CPU-seconds (a demo interrupted in training, then the rest)
+def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, capsys, monkeypatch, caplog):
+    """README: "Interrupted, the same command resumes where it stopped." Ctrl-C in training step 5 (after the
+    checkpoint of step 4): the rerun keeps the measured "before" stage, resumes training at checkpoint-4, and ends
+    with all 5 steps in the curve."""
+    import logging
+
+    from dpr_gc.train.trainer import Trainer
+
+    model_dir = tmp_path / "tiny"
+    model_dir.mkdir()
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(tmp_path / "vocab.txt")))
+    tiny_bert(len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "demo"
+    args = ["demo", "--output", str(out), "--model", str(model_dir), "--max-examples", "600", "--train-queries",
+            "160", "--batch-size", "32", "--chunk-size", "8", "--passage-max-length", "32"]
+    real_step = Trainer.train_step
+
+    def interrupted(self, batch):
+        if self.step == 4:
+            raise KeyboardInterrupt
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    assert main(args) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    assert (out / "training" / "checkpoint-4").is_dir() and not (out / "training" / "final").exists()
+    before = (out / "before" / "results.json").stat().st_mtime_ns
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        assert main(args) == 0
+    assert (out / "before" / "results.json").stat().st_mtime_ns == before, "the rerun measured 'before' again"
+    assert "resumed from step 4 (epoch 0, 4 batches into it)" in caplog.text, caplog.text[-2000:]
+    assert [step for step, _ in json.loads((out / "metrics.json").read_text())["training_loss"]] == [1, 2, 3, 4, 5]
+
+
 def test_demo_needs_a_batch_several_times_the_chunk():
     training = demo_training()
     assert training.cache.query_chunk_size == training.cache.passage_chunk_size == 16
