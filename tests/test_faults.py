@@ -105,28 +105,28 @@ def test_kill_9_of_train_leaves_no_dataloader_workers(task, tmp_path):
         proc.stderr.close()
 
 
-def test_the_watchdog_alone_ends_a_worker_whose_parent_died(tmp_path):
+def orphan(child: str) -> int:
+    """The pid of a process that ran ``child`` (Python lines; ``parent`` is its parent's pid) in a fork of a parent
+    that exited right after forking it."""
+    body = "".join(f"    {line}\n" for line in child.splitlines())
+    script = ("import os, threading, time\nfrom dpr_gc.base.files import _watch_parent, die_with_parent\n"
+              "parent = os.getpid()\npid = os.fork()\nif pid == 0:\n    os.close(1)\n    os.close(2)\n"
+              f"{body}    time.sleep(60)\n    os._exit(0)\nprint(pid, flush=True)\nos._exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    return int(done.stdout.strip())
+
+
+def test_the_watchdog_alone_ends_a_worker_whose_parent_died():
     """stages.md: besides the parent-death signal, each worker runs a watchdog thread (the only guard off Linux):
     a process watched that way, whose parent exits without it, ends within seconds with no signal from the kernel."""
-    script = ("import os, threading, time\nfrom dpr_gc.base.files import _watch_parent\nparent = os.getpid()\n"
-              "pid = os.fork()\nif pid == 0:\n    os.close(1)\n    os.close(2)\n"
-              "    threading.Thread(target=_watch_parent, args=(parent, 0.1), daemon=True).start()\n"
-              "    time.sleep(60)\n    os._exit(0)\nprint(pid, flush=True)\nos._exit(0)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
-    assert_ends(int(done.stdout.strip()), within=20)
+    assert_ends(orphan("threading.Thread(target=_watch_parent, args=(parent, 0.1), daemon=True).start()"), within=20)
 
 
-def test_a_worker_whose_parent_died_before_it_started_watching_ends_at_once(tmp_path):
+def test_a_worker_whose_parent_died_before_it_started_watching_ends_at_once():
     """The parent-death signal and the watchdog only see a parent that dies after they start: a worker told its
     parent's pid (as the DataLoader's worker_init_fn is) ends at once when that parent is already gone."""
-    script = ("import os, time\nfrom dpr_gc.base.files import die_with_parent\nparent = os.getpid()\n"
-              "pid = os.fork()\nif pid == 0:\n    os.close(1)\n    os.close(2)\n    time.sleep(0.5)\n"
-              "    die_with_parent(0, parent=parent)\n    time.sleep(60)\n    os._exit(0)\n"
-              "print(pid, flush=True)\nos._exit(0)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
-    assert_ends(int(done.stdout.strip()), within=10)
+    assert_ends(orphan("time.sleep(0.5)\ndie_with_parent(0, parent=parent)"), within=10)
 
 
 def assert_ends(pid: int, within: float) -> None:

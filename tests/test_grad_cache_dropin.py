@@ -15,7 +15,7 @@ from torch import nn
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
 from tests.helpers import tiny_bert
-from tests.helpers import grads, make_batch, models_of, reference_grads, rel_err, zero
+from tests.helpers import MeanOfEmbeddings, grads, make_batch, models_of, reference_grads, rel_err, zero
 
 
 def hidden_states(output) -> torch.Tensor:
@@ -381,25 +381,13 @@ def test_the_original_args_kwargs_input():
     assert rel_err(grads([model]), expected) < 1e-5
 
 
-class TwoInputs(torch.nn.Module):
-    """A model called as ``model(ids, mask)`` (a list/tuple input) or ``model(input_ids=..., attention_mask=...)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(30, 8)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        mask = attention_mask.unsqueeze(-1).float()
-        return (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
-
-
 @pytest.mark.parametrize("form", ["list", "tuple", "BatchEncoding"])
 def test_list_tuple_and_batch_encoding_inputs_give_the_full_batch_gradient(form):
     """docs/library.md: lists/tuples of tensors and BatchEncodings are split automatically, row by row."""
     from transformers import BatchEncoding
 
     torch.manual_seed(0)
-    q_model, p_model = TwoInputs(), TwoInputs()
+    q_model, p_model = MeanOfEmbeddings(), MeanOfEmbeddings()  # called as model(ids, mask) or with keywords
     ids = torch.randint(1, 30, (12, 7))
     mask = (torch.arange(7)[None] < torch.randint(2, 8, (12, 1))).long()
     q_ids, q_mask, p_ids, p_mask = ids[:6], mask[:6], ids[6:], mask[6:]

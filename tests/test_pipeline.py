@@ -16,13 +16,19 @@ from tests.helpers import tiny_bert, write_vocab
 import pytest
 
 
-@pytest.mark.slow  # ~20 CPU-seconds or more (measured)
-def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
+def tiny_model_folder(tmp_path):
+    """A tiny random BERT and its tokenizer saved as a transformers folder (the demo's --model)."""
     model_dir = tmp_path / "tiny"
     model_dir.mkdir()
     tokenizer = BertTokenizerFast(vocab=str(write_vocab(tmp_path / "vocab.txt")))
     tiny_bert(len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.mark.slow  # ~20 CPU-seconds or more (measured)
+def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
+    model_dir = tiny_model_folder(tmp_path)
     out = tmp_path / "demo"
     args = ["demo", "--output", str(out), "--model", str(model_dir), "--max-examples", "600", "--train-queries", "96", "--batch-size", "32",
             "--chunk-size", "8", "--passage-max-length", "32"]
@@ -61,11 +67,7 @@ def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, caps
 
     from dpr_gc.train.trainer import Trainer
 
-    model_dir = tmp_path / "tiny"
-    model_dir.mkdir()
-    tokenizer = BertTokenizerFast(vocab=str(write_vocab(tmp_path / "vocab.txt")))
-    tiny_bert(len(tokenizer)).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = tiny_model_folder(tmp_path)
     out = tmp_path / "demo"
     args = ["demo", "--output", str(out), "--model", str(model_dir), "--max-examples", "600", "--train-queries",
             "160", "--batch-size", "32", "--chunk-size", "8", "--passage-max-length", "32"]
