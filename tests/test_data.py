@@ -16,6 +16,7 @@ from tests.helpers import SHARED_DATA
 from dpr_gc.data import training as D
 from dpr_gc.base import streams
 from dpr_gc.base.errors import DprGcError
+from dpr_gc.base.files import die_with_parent
 from dpr_gc.data.sampling import MixedBatchSampler
 
 
@@ -345,6 +346,9 @@ def test_dataloader_workers_match_and_batches_are_rectangular(tmp_path, make_ret
     serial = list(D.make_dataloader(data, collate, num_workers=0, **kwargs))
     loader = D.make_dataloader(data, collate, num_workers=2, **kwargs)
     assert loader.worker_init_fn.keywords == {"parent": os.getpid()}  # workers outlive this process by no second
+    with pytest.MonkeyPatch.context() as patch:  # a forkserver's workers are the server's children, not ours
+        patch.setattr(torch.multiprocessing, "get_start_method", lambda *a, **k: "forkserver")
+        assert D.make_dataloader(data, collate, num_workers=2, **kwargs).worker_init_fn is die_with_parent
     parallel = list(loader)
     assert len(serial) == len(parallel) == 2
     for a, b in zip(serial, parallel):

@@ -450,6 +450,14 @@ class Batching:
         check(self)
 
 
+def worker_watch() -> Callable[[int], None]:
+    """The workers' ``worker_init_fn``: :func:`die_with_parent` told this process's pid where the workers are its
+    own children (``fork``, ``spawn``); under ``forkserver`` their parent is the server, found by the worker."""
+    if torch.multiprocessing.get_start_method() in ("fork", "spawn"):
+        return functools.partial(die_with_parent, parent=os.getpid())
+    return die_with_parent
+
+
 def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[Batching] = None, *, rank: int = 0,
                     world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
                     **options: Any) -> torch.utils.data.DataLoader:
@@ -471,7 +479,7 @@ def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[B
                                 s.shuffle_negatives, seed, sampler.global_batch, items)
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    watch = functools.partial(die_with_parent, parent=os.getpid()) if num_workers else None
+    watch = worker_watch() if num_workers else None
     return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
                                        pin_memory=pin_memory, worker_init_fn=watch,
                                        generator=torch.Generator().manual_seed(seed))
