@@ -20,7 +20,7 @@ from dpr_gc.engine.grad_cache import take_rows
 from dpr_gc.engine.loss import all_gather_with_grad
 from tests.helpers import tiny_bert, write_vocab
 from tests.ranks import run_ranks
-from tests.helpers import grads, make_batch, rel_err
+from tests.helpers import MeanOfEmbeddings, grads, make_batch, rel_err
 
 WORLD = 2
 
@@ -73,6 +73,26 @@ def check_global_target(rank: int) -> None:
     assert rel_err(grads(towers), expected) < 1e-5, rel_err(grads(towers), expected)
 
 
+def check_embeddings_under_ddp(rank: int) -> None:
+    """Trainable embeddings under DDP (dense gradients there; the sparse per-chunk ones are single-process): their
+    gradient reaches the reducer's all-reduce like any other, so the cached step equals the global batch's."""
+    torch.manual_seed(0)
+    towers = [MeanOfEmbeddings() for _ in range(2)]
+    ids = torch.randint(1, 100, (16, 6))
+    mask = (torch.arange(6)[None] < torch.randint(2, 7, (16, 1))).long()
+    q, p = {"input_ids": ids[:8], "attention_mask": mask[:8]}, {"input_ids": ids[8:], "attention_mask": mask[8:]}
+    reference = SimpleContrastiveLoss(temperature=0.5)
+    reference(towers[0](**q), towers[1](**p)).backward()
+    expected = grads(towers)
+    for t in towers:
+        t.zero_grad(set_to_none=True)
+    rows = slice(rank * 4, (rank + 1) * 4)
+    local = [{k: v[rows] for k, v in x.items()} for x in (q, p)]
+    GradCache([DistributedDataParallel(t) for t in towers], 3, DistributedContrastiveLoss(temperature=0.5))(
+        *local, no_sync_except_last=True)
+    assert rel_err(grads(towers), expected) < 1e-5, rel_err(grads(towers), expected)
+
+
 def reentrant_by_default(original):
     """What transformers before the non-reentrant default did when no checkpointing kwargs were given."""
 
@@ -117,6 +137,7 @@ def worker(rank: int, tmp: str) -> None:
     checks = {"gather": lambda: check_gather_leaves_other_consumers_alone(rank),
               "compiled DDP": lambda: check_compiled_ddp(rank),
               "global target": lambda: check_global_target(rank),
+              "embeddings": lambda: check_embeddings_under_ddp(rank),
               "checkpointing": lambda: check_checkpointed_separate_towers(rank, tmp)}
     for name, check in checks.items():
         torch.manual_seed(rank)
