@@ -140,6 +140,12 @@ def test_cache_checks_the_text_behind_an_id():
         assert matcher.flags([(["rome"], [("p1", "Rome")])]) == [[True]]
         assert matcher.flags([(["rome"], [("p1", "Paris")])]) == [[False]]  # same id, other text: re-tokenised
         assert matcher.flags([(["rome"], [(None, "in Rome"), (None, "in Paris")])]) == [[True, False]]
+        # within one call too: results from elsewhere may repeat an id with another text (each as has_answer says)
+        ps = [("7", "paris is big"), ("7", "nothing here"), ("7", "paris is big")]
+        assert matcher.flags([(["paris"], ps), (["paris"], ps[1:])]) == [[True, False, True], [False, True]]
+        assert [am.has_answer(["paris"], text) for _, text in ps] == [True, False, True]
+    with pytest.raises(DprGcError, match="cache_size must be 0 or more"):
+        am.AnswerMatcher(cache_size=-1)
 
 
 def test_errors():

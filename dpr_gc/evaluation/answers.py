@@ -4,7 +4,8 @@ A passage "has the answer" (DPR's protocol) when an answer occurs in its text as
 after Unicode NFD (``string`` mode), or when an answer regex matches the NFD text (``regex`` mode, CuratedTREC).
 
 :class:`AnswerMatcher` gives the same flags as :func:`has_answer` called per (question, passage), but each passage is
-tokenised once per run (an LRU cache keyed by passage id and checked against the text's hash) into one string of
+tokenised once per run (an LRU cache keyed by passage id and checked against the text's hash: an id repeated with
+another text is another passage) into one string of
 space-separated lower-cased tokens, each question's answers once into ``" tok tok "`` needles, and a match is a
 substring test. Tokens never contain a space (tested), so a needle occurs in the passage string exactly when its
 tokens are a contiguous run of the passage's tokens. Passages new to the cache are tokenised by a worker pool
@@ -113,8 +114,10 @@ class AnswerMatcher:
     def __init__(self, mode: str = "string", workers: int = 1, cache_size: int = CACHE_SIZE,
                  parallel_min: int = PARALLEL_MIN) -> None:
         check_mode(mode)
-        if workers < 1 or cache_size < 0:
+        if workers < 1:
             raise DprGcError(f"--workers must be a positive integer, got {workers}")
+        if cache_size < 0:
+            raise DprGcError(f"cache_size must be 0 or more passages, got {cache_size}")
         self.mode, self.workers, self.cache_size, self.parallel_min = mode, workers, cache_size, parallel_min
         self.cache: collections.OrderedDict[Any, tuple[int, str]] = collections.OrderedDict()
         self.prepared = 0
@@ -144,26 +147,27 @@ class AnswerMatcher:
         parts = [(texts[i:i + size], self.mode) for i in range(0, len(texts), size)]
         return [p for part in self._pool.map(_prepare_many, parts) for p in part]
 
-    def passages(self, passages: Iterable[Passage]) -> dict[Any, str]:
-        """Prepared text of each distinct passage (key: id, or the text when the id is None), via the cache."""
-        local: dict[Any, str] = {}
-        todo: dict[Any, str] = {}
+    def passages(self, passages: Iterable[Passage]) -> dict[tuple[Any, int], str]:
+        """Prepared text of each distinct passage, keyed by ``(id, hash of its text)`` (the text when the id is
+        None), via the cache: two passages that share an id but not a text are two passages."""
+        local: dict[tuple[Any, int], str] = {}
+        todo: dict[tuple[Any, int], str] = {}
         for pid, text in passages:
-            key = text if pid is None else pid
+            key = (text if pid is None else pid, hash(text))
             if key in local or key in todo:
                 continue
-            hit = self.cache.get(key)
-            if hit is not None and hit[0] == hash(text):
-                self.cache.move_to_end(key)
+            hit = self.cache.get(key[0])
+            if hit is not None and hit[0] == key[1]:
+                self.cache.move_to_end(key[0])
                 local[key] = hit[1]
             else:
                 todo[key] = text
         if todo:
-            for key, text, prepared in zip(todo, todo.values(), self._prepare(list(todo.values()))):
+            for key, prepared in zip(todo, self._prepare(list(todo.values()))):
                 local[key] = prepared
                 if self.cache_size:
-                    self.cache[key] = (hash(text), prepared)
-                    self.cache.move_to_end(key)
+                    self.cache[key[0]] = (key[1], prepared)
+                    self.cache.move_to_end(key[0])
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
         return local
@@ -174,8 +178,8 @@ class AnswerMatcher:
         out = []
         for answers, ps in questions:
             needles = prepare_answers(answers, self.mode) if answers else []
-            out.append([bool(needles) and matches(needles, prepared[text if pid is None else pid], self.mode)
-                        for pid, text in ps])
+            out.append([bool(needles) and matches(needles, prepared[(text if pid is None else pid, hash(text))],
+                                                  self.mode) for pid, text in ps])
         return out
 
 
