@@ -1,13 +1,12 @@
-"""DPR answer matching (does a passage contain an answer?), computed once per passage and question per run.
+"""DPR answer matching (does a passage contain an answer?), each passage and question prepared once while cached.
 
 A passage "has the answer" (DPR's protocol) when an answer occurs in its text as a whole-token, uncased sequence
 after Unicode NFD (``string`` mode), or when an answer regex matches the NFD text (``regex`` mode, CuratedTREC).
 
-:class:`AnswerMatcher` gives the same flags as :func:`has_answer` called per (question, passage), but each passage is
-tokenised once per run (an LRU cache keyed by passage id and checked against the text's hash: an id repeated with
-another text is another passage) into one string of
-space-separated lower-cased tokens, each question's answers once into ``" tok tok "`` needles, and a match is a
-substring test. Tokens never contain a space (tested), so a needle occurs in the passage string exactly when its
+:class:`AnswerMatcher` gives the same flags as :func:`has_answer` called per (question, passage), but a passage is
+tokenised once while it stays in an LRU cache of ``CACHE_SIZE`` passages (keyed by passage id and checked against the
+text's hash: an id repeated with another text is another passage) into one string of space-separated lower-cased
+tokens, each question's answers once into ``" tok tok "`` needles, and a match is a substring test. Tokens never contain a space (tested), so a needle occurs in the passage string exactly when its
 tokens are a contiguous run of the passage's tokens. Passages new to the cache are tokenised by a worker pool
 when there are many; the flags do not depend on the number of workers.
 """
