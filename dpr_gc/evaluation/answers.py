@@ -1,4 +1,4 @@
-"""DPR answer matching (does a passage contain an answer?), each passage and question prepared once while cached.
+"""DPR answer matching: does a passage contain one of the answers? (each passage tokenised once while cached)
 
 A passage "has the answer" (DPR's protocol) when an answer occurs in its text as a whole-token, uncased sequence
 after Unicode NFD (``string`` mode), or when an answer regex matches the NFD text (``regex`` mode, CuratedTREC).
