@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
+from dpr_gc.base.files import atomic_path
 from dpr_gc.cli import main
 from dpr_gc.data.corpus import load_corpus
 
@@ -20,12 +21,13 @@ def test_cache_lists_and_clears(tmp_path: Path, monkeypatch, capsys) -> None:
     assert "| corpora | 1 |" in listing and str(tmp_path / "cache" / "corpora") in listing
     busy = tmp_path / "cache" / "train" / "t-0123.arrow"
     busy.parent.mkdir(parents=True)
-    busy.write_bytes(b"x")
-    with open(str(busy) + ".lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # a run building this cache right now
+    with open(str(busy) + ".lock", "w") as held, atomic_path(busy) as tmp:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a run building this cache right now, into its hidden temporary
+        Path(tmp).write_bytes(b"x")
         assert main(["cache", "--clear"]) == 0
+        assert Path(tmp).is_file()
     assert "kept 1 cache(s) another run is building" in capsys.readouterr().out
-    assert list((tmp_path / "cache" / "corpora").iterdir()) == [] and busy.is_file()
+    assert list((tmp_path / "cache" / "corpora").iterdir()) == [] and busy.read_bytes() == b"x"  # it finished
     assert len(load_corpus(EXAMPLES / "passages.tsv")) == 6  # parsed again
 
 

@@ -8,6 +8,7 @@ and the others wait, then map its file. The kernel drops the lock of a holder th
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
@@ -148,7 +149,8 @@ def clear_cache(root: Path) -> tuple[int, int, list[Path]]:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
                     busy.append(lock.with_suffix(""))
-        keep = {p for b in busy if b.parent == folder for p in folder.glob(b.stem + "*")}
+        keep = {p for b in busy if b.parent == folder  # its files, and the hidden temporaries it is writing
+                for pattern in (glob.escape(b.stem) + "*", "." + glob.escape(b.stem) + "*") for p in folder.glob(pattern)}
         for path in folder.iterdir():
             if path.is_file() and path not in keep:
                 freed += path.stat().st_size
