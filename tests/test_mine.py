@@ -164,6 +164,12 @@ def test_bm25_index_is_saved_and_reused_only_for_the_same_corpus(world, tmp_path
     small.write_text("".join(json.dumps(p) + "\n" for p in build_passages()[:10]))
     with pytest.raises(DprGcError, match="corpus_rows"):
         BM25Source(load_corpus(small, tmp_path / "cache"), index_dir=root / "bm25")
+    edited = tmp_path / "edited.jsonl"  # the same ids, one passage's text changed
+    rows = build_passages()
+    rows[3] = dict(rows[3], text=rows[3]["text"] + " and something new")
+    edited.write_text("".join(json.dumps(p) + "\n" for p in rows))
+    with pytest.raises(DprGcError, match="corpus_fingerprint"):
+        BM25Source(load_corpus(edited, tmp_path / "cache"), index_dir=root / "bm25")
 
 
 def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):

@@ -52,7 +52,8 @@ class BM25Source:
     Tokenisation is bm25s's tokenizer: lowercase, words of 2+ word characters, English stopwords removed, no
     stemming. The corpus is tokenised block by block from the memory-mapped dataset; bm25s then holds the token ids
     while it builds its sparse score matrix, which is all that stays in memory (or is memory-mapped after a reload).
-    With ``index_dir`` an index saved there for the same corpus and parameters is loaded, else built and saved there.
+    With ``index_dir`` an index saved there for the same corpus (its rows, first and last ids and content fingerprint)
+    and parameters is loaded, one saved for another is refused, and without one it is built and saved there.
     A positive's score is its row of bm25s's score vector for the question, so only positives in the corpus get one.
     Passages sharing no term with the question (score 0) are not candidates. :meth:`retrieve` returns, per question,
     the scores of its positives that have one (for the margin and positive-aware rules of mining).
@@ -60,17 +61,20 @@ class BM25Source:
 
     def __init__(self, corpus: Any, k1: float = 0.9, b: float = 0.4, index_dir: Optional[PathLike] = None,
                  block_size: int = BM25_BLOCK, n_threads: int = 0, show_progress: bool = True) -> None:
+        from ..data.corpus import dataset_fingerprint
+
         bm25s = import_bm25s()
         self.n_threads = n_threads
         self.meta = {"corpus_rows": len(corpus), "first_id": str(corpus[0]["id"]) if len(corpus) else None,
-                     "last_id": str(corpus[len(corpus) - 1]["id"]) if len(corpus) else None, "k1": k1, "b": b,
+                     "last_id": str(corpus[len(corpus) - 1]["id"]) if len(corpus) else None,
+                     "corpus_fingerprint": dataset_fingerprint(corpus), "k1": k1, "b": b,
                      "tokenizer": BM25_TOKENIZER, "bm25s_version": bm25s.__version__}
         self.tokenizer = bm25s.tokenization.Tokenizer(stopwords="english")
         folder = Path(index_dir) if index_dir is not None else None
         if folder is not None and (folder / BM25_META).is_file():
             saved = read_json_object(folder / BM25_META, "BM25 index metadata")
-            diff = [k for k in ("corpus_rows", "first_id", "last_id", "k1", "b", "tokenizer")
-                    if saved.get(k) != self.meta[k]]
+            diff = [k for k in ("corpus_rows", "first_id", "last_id", "corpus_fingerprint", "k1", "b", "tokenizer")
+                    if saved.get(k) != self.meta[k] and (k != "corpus_fingerprint" or k in saved)]
             if diff:
                 raise DprGcError(f"the BM25 index in {folder} was built with other {', '.join(diff)} "
                                  f"({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); give the same corpus and "
