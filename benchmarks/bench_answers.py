@@ -42,7 +42,7 @@ SCIFACT = ROOT.parent / "shared" / "data" / "scifact"
 
 
 # --------------------------------------------------------------------------------------------------- baseline
-# BASELINE ONLY: a faithful copy of dpr_gc.evaluate.has_answer (string mode) as it was before issue 15, called
+# BASELINE ONLY: a faithful copy of dpr_gc.evaluation.answers.has_answer (string mode) as it was before issue 15, called
 # once per (question, passage). Not used by the package.
 def baseline_tokenize(text: str, uncased: bool = True) -> list[str]:
     tokens = _token_pattern().findall(text)

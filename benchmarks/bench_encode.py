@@ -1,4 +1,4 @@
-"""Benchmark: passages/s of ``dpr_gc.encode`` against sentence-transformers' ``encode`` in the same run.
+"""Benchmark: passages/s of ``dpr_gc.retrieval.encode`` against sentence-transformers' ``encode`` in the same run.
 
 Same model (the offline all-MiniLM-L6-v2 with its own recipe: mean pooling + L2 normalisation), same passages
 (SciFact title + " " + text, or generated text when SciFact is absent), same max length, batch size and threads.

@@ -1,6 +1,6 @@
 """The main job: train -> encode -> index -> retrieve -> evaluate, before and after training, on real text.
 
-``dpr-gc demo`` builds the default dataset from Python's standard library (:mod:`dpr_gc.stdlib_data`), measures the
+``dpr-gc demo`` builds the default dataset from Python's standard library (:mod:`dpr_gc.data.stdlib_data`), measures the
 offline all-MiniLM-L6-v2 zero-shot, fine-tunes it with Gradient Cache at a batch several times the chunk, measures
 again, and writes everything to one folder. Every stage goes through the same library functions the sub-commands
 use, on files in the formats users bring, and every stage resumes: run the command again after an interruption.

@@ -1,4 +1,4 @@
-"""Answer matching computed once per run (dpr_gc.answers) equals DPR's per-call has_answer, flag for flag."""
+"""Answer matching computed once per run (dpr_gc.evaluation.answers) equals DPR's per-call has_answer, flag for flag."""
 
 from __future__ import annotations
 

@@ -135,3 +135,30 @@ def test_a_documented_command_parses(program: str, argv: list[str], elided: bool
     except SystemExit as stop:
         if not (stop.code == 0 and "--help" in argv):
             pytest.fail(f"{program} {' '.join(argv)}: exit {stop.code}")
+
+
+def test_every_dotted_name_of_the_package_resolves() -> None:
+    """Each ``dpr_gc.module.name`` that the package's docstrings, README, docs/, benchmarks/ and scripts/ name is a
+    module or an attribute of one (a package move leaves no reference to the old path)."""
+    import importlib
+
+    files = [*ROOT.glob("dpr_gc/**/*.py"), *PAGES, *ROOT.glob("benchmarks/*.py"), *ROOT.glob("benchmarks/*.md"),
+             *ROOT.glob("scripts/*.py")]
+    names = {m for f in files for m in re.findall(r"\b(dpr_gc(?:\.[A-Za-z_]\w*)+)", f.read_text())}
+    assert len(names) > 50
+    def is_module(dotted: str) -> bool:
+        try:
+            return importlib.util.find_spec(dotted) is not None
+        except ModuleNotFoundError:  # a parent that is not a package
+            return False
+
+    broken = []
+    for name in sorted(names):
+        parts = name.split(".")
+        stop = next(i for i in range(len(parts), 0, -1) if is_module(".".join(parts[:i])))
+        obj = importlib.import_module(".".join(parts[:stop]))
+        for attribute in parts[stop:]:
+            obj = getattr(obj, attribute, None)
+        if obj is None:
+            broken.append(name)
+    assert not broken, broken

@@ -394,7 +394,7 @@ class ChunkedOutput:
     the file stays valid whatever chunk it ends on); after each chunk a progress file records the partial file's
     size and the caller's state. A run with the same ``key`` (the settings it depends on) truncates the partial
     file to the last finished chunk and continues; any other run starts over. ``path`` appears only when finished.
-    Use it while holding a lock on ``path`` (see :func:`dpr_gc.locks.output_lock`).
+    Use it while holding a lock on ``path`` (see :func:`dpr_gc.base.locks.output_lock`).
     """
 
     def __init__(self, path: PathLike, key: Any) -> None:

@@ -348,7 +348,7 @@ class Collator:
     """DataLoader ``collate_fn``: ``{"query": [B, Lq], "passage": [B*(1+N+M), Lp]}``, passages grouped per query.
 
     Holds only the tokenizer and a :class:`RetrieverConfig` (so it is cheap to send to workers) and tokenises with
-    :func:`dpr_gc.tokenize.tokenize`, as encoding and retrieval do (prefixes, per-passage format, max lengths).
+    :func:`dpr_gc.model.tokenize.token_ids`, as encoding and retrieval do (prefixes, per-passage format, max lengths).
     """
 
     def __init__(self, source: Any, config: Optional[RetrieverConfig] = None, query_max_length: Optional[int] = None,

@@ -252,7 +252,7 @@ def trim_padding(chunk: Any) -> Any:
     """Cut a padded chunk to its own longest sequence, dropping all-padding columns on its padding side.
 
     Exact because padded positions are masked out -- for left padding, provided the model counts positions from
-    each row's first real token (:class:`dpr_gc.model.Encoder` passes such ``position_ids``); a raw model that
+    each row's first real token (:class:`dpr_gc.model.retriever.Encoder` passes such ``position_ids``); a raw model that
     counts from the first column sees every position shifted, which rotary embeddings ignore up to rounding.
     """
     trim = trimmed_width(chunk)

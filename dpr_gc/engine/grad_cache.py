@@ -18,7 +18,7 @@ every CUDA device the model's parameters and the inputs live on; a frozen model 
 running buffers (BatchNorm statistics) see each example once; the gradients of a loss's own parameters (a
 learnable temperature) are averaged over ranks like DDP averages the encoders'; on the CPU each chunk adds a
 trainable embedding's gradient sparsely into one dense ``.grad`` (:mod:`dpr_gc.engine.sparse_grads`). The input
-helpers live in :mod:`dpr_gc.chunking`.
+helpers live in :mod:`dpr_gc.engine.chunking`.
 """
 
 from __future__ import annotations

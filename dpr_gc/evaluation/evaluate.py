@@ -36,7 +36,7 @@ from ..data.qrels import read_qrels
 logger = logging.getLogger(__name__)
 
 def read_results(path: PathLike) -> list[dict[str, Any]]:
-    """All records of a results file in memory (small files; :func:`dpr_gc.results.iter_results` streams)."""
+    """All records of a results file in memory (small files; :func:`dpr_gc.evaluation.results.iter_results` streams)."""
     return list(iter_results(path))
 
 

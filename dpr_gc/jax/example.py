@@ -1,9 +1,9 @@
 """Train a retriever with JAX Gradient Cache on the built-in stdlib dataset, and measure it before and after.
 
 ``python -m dpr_gc.jax.example --output runs/jax-example`` builds (or reuses) the stdlib retrieval task
-(:mod:`dpr_gc.stdlib_data`), tokenises it with the offline all-MiniLM-L6-v2 tokenizer, starts the Flax encoder from
+(:mod:`dpr_gc.data.stdlib_data`), tokenises it with the offline all-MiniLM-L6-v2 tokenizer, starts the Flax encoder from
 the offline MiniLM weights (``--init minilm``) or from random weights (``--init random``), evaluates top-k answer
-accuracy on the held-out questions with the toolkit's :func:`dpr_gc.evaluate.evaluate_answers`, trains with
+accuracy on the held-out questions with the toolkit's :func:`dpr_gc.evaluation.answers.evaluate_answers`, trains with
 :func:`dpr_gc.jax.cached_value_and_grad` (batch several times the chunk, hard negatives, dropout with per-chunk
 keys, AdamW from optax) logging the loss of every step, evaluates again, and writes ``report.json``.
 """

@@ -1,6 +1,6 @@
 """Contrastive losses in JAX: in-batch negatives plus hard negatives, computed in fp32 whatever the input dtype.
 
-Layout as in :mod:`dpr_gc.loss`: ``queries`` holds B representations, ``passages`` B·(1+n) grouped per query with
+Layout as in :mod:`dpr_gc.engine.loss`: ``queries`` holds B representations, ``passages`` B·(1+n) grouped per query with
 the positive first, and every query is scored against every passage of the (global) batch. Scores are computed in
 row blocks under ``jax.checkpoint``, so neither the forward nor the backward pass holds the whole B × B·(1+n) score
 matrix; that keeps a Gradient Cache step's memory flat in the batch.
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ..base.errors import DprGcError
 
 Array = jax.Array
-TEMPERATURE_RANGE = (0.01, 10.0)  # the same clamp as dpr_gc.loss, so bf16 training cannot blow the scores up
+TEMPERATURE_RANGE = (0.01, 10.0)  # the same clamp as dpr_gc.engine.loss, so bf16 training cannot blow the scores up
 _AUTO_BLOCK_ELEMENTS = 1 << 20
 
 
@@ -55,7 +55,7 @@ def temperature_from_log(log_temperature: Array) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class ContrastiveLoss:
-    """In-batch-negative InfoNCE loss, the JAX twin of :class:`dpr_gc.loss.SimpleContrastiveLoss`.
+    """In-batch-negative InfoNCE loss, the JAX twin of :class:`dpr_gc.engine.loss.SimpleContrastiveLoss`.
 
     ``loss(loss_params, queries, passages)`` returns the mean loss (fp32). ``loss_params`` comes from :meth:`init`:
     ``{"log_temperature": ...}`` when the temperature is learnable, else ``{}``. ``similarity`` is ``"dot"`` or

@@ -1,6 +1,6 @@
 """Data-parallel Gradient Cache with ``shard_map``: every device scores against the global batch.
 
-The gradient rule (the same as :class:`dpr_gc.loss.DistributedContrastiveLoss` under DDP). With W devices each
+The gradient rule (the same as :class:`dpr_gc.engine.loss.DistributedContrastiveLoss` under DDP). With W devices each
 holding B local queries and their passages:
 
 1. each device runs both Gradient Cache passes on its own batch; its loss ``L_d`` is the mean loss of ITS OWN B

@@ -107,7 +107,7 @@ def weights_fingerprint(module: Any) -> str:
 def encode_block(retriever: Any, titles: Sequence[str], texts: Sequence[str], batch_size: int = 64,
                  max_length: Optional[int] = None, autocast: Optional[str] = None,
                  progress: Optional[Any] = None) -> np.ndarray:
-    """Embed passages (float32 ``[N, D]``, input order) with :meth:`~dpr_gc.model.Retriever.embed`, the one
+    """Embed passages (float32 ``[N, D]``, input order) with :meth:`~dpr_gc.model.retriever.Retriever.embed`, the one
     embedding loop (length-sorted, tightly padded batches), under ``autocast`` precision (``bf16``/``fp16``)."""
     return retriever.embed("passage", texts, titles, batch_size, autocast_dtype(autocast), max_length=max_length,
                            progress=progress, progress_in_tokens=True)

@@ -245,7 +245,7 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, set
     ``min_margin`` (M) drop candidates scoring above R x, or M below, the lowest-scoring positive's score (the ratio
     only where that score is > 0); each removal is counted under the first rule that applies, in the order gold,
     answer, qrels, rank, margin, ratio, min margin. ``id_to_row`` maps positive ids to corpus rows for BM25 positive
-    scores (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``match_mode`` kept
+    scores (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``settings.match`` kept
     across calls, caches tokenised candidates between chunks.
     """
     from ..evaluation.answers import AnswerMatcher
@@ -340,7 +340,7 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
     their id is already there), every other field kept. A JSON list, or JSONL when the name ends in ``.jsonl``
     (``.gz`` compresses); the file appears only when complete.
 
-    Each finished chunk is kept (:class:`~dpr_gc.files.ChunkedOutput`): a run with the same ``resume_key`` (the
+    Each finished chunk is kept (:class:`~dpr_gc.base.files.ChunkedOutput`): a run with the same ``resume_key`` (the
     inputs and settings; ``None`` never resumes) continues after the last finished chunk of an interrupted one.
     ``workers`` processes tokenise new candidate passages for answer matching (one matcher for the whole run)."""
     from ..evaluation.answers import AnswerMatcher, default_workers
