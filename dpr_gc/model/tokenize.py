@@ -11,20 +11,29 @@ tokenizer's padding side.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Sequence
 
 from ..base.errors import DprGcError
 
 QUERY, PASSAGE = "query", "passage"
-# No tokenizer makes a token of more characters than this (WordPiece turns a longer word into [UNK] at 100), so text
-# beyond max_length * CHARS_PER_TOKEN characters can never reach the model; it is cut before tokenising, so a 100 MB
-# passage costs what a short one does.
+# No tokenizer makes a token of more characters than this (WordPiece turns a longer word into [UNK] at 100), and
+# whitespace makes none, so text beyond max_length * CHARS_PER_TOKEN characters that are not whitespace cannot reach
+# the model; it is cut before tokenising, so a 100 MB passage costs what a short one does. (Characters tokenizers drop
+# without a token -- control and zero-width ones -- count as if they made one: a text of mostly those may lose words.)
 CHARS_PER_TOKEN = 128
 
 
 def cut(text: str, bound: int) -> str:
-    """``text`` cut to ``bound`` characters (see :data:`CHARS_PER_TOKEN`)."""
-    return text if len(text) <= bound else text[:bound]
+    """``text`` cut after its first ``bound`` characters that are not whitespace (see :data:`CHARS_PER_TOKEN`)."""
+    if len(text) <= bound:
+        return text
+    seen = 0
+    for word in re.finditer(r"\S+", text):
+        seen += word.end() - word.start()
+        if seen >= bound:
+            return text[:word.end()]
+    return text
 
 
 def check_prefix(tokenizer: Any, prefix: str, kind: str, limit: int) -> None:
