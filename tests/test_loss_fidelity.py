@@ -242,3 +242,23 @@ def test_passage_id_minus_one_is_unknown_and_never_masked(block):
     shared[[0, 2]] = 7  # queries 0 and 1 share their positive
     loss_fn(x, y, passage_ids=shared)
     assert loss_fn.masked_scores == 2
+
+
+def test_blocked_cross_entropy_is_fp32_forward_and_backward_under_an_outer_autocast():
+    """``blocked_cross_entropy``'s docstring: fp32 forward and backward whatever autocast is active (called
+    directly, not only through SimpleContrastiveLoss, which switches autocast off itself)."""
+    from dpr_gc.engine.loss import blocked_cross_entropy
+
+    torch.manual_seed(5)
+    x, y = torch.randn(12, 64) * 3, torch.randn(24, 64) * 3
+    targets, scale = torch.arange(12) * 2, torch.tensor(20.0)
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    expected = blocked_cross_entropy(xr, yr, scale, targets, 5)
+    expected.sum().backward()
+    xa, ya = x.clone().requires_grad_(), y.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = blocked_cross_entropy(xa, ya, scale, targets, 5)
+        got.sum().backward()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-6, atol=1e-6)

@@ -149,7 +149,8 @@ def blocked_cross_entropy(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
     if block == 0:
         raise DprGcError("blocked_cross_entropy needs a positive block (loss_chunk_size 0 is the dense path)")
     dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-    return _BlockedCrossEntropy.apply(x.to(dtype), y.to(dtype), scale.to(dtype), targets, int(block), exclusion)
+    with _no_autocast(x):  # the forward's products too: an outer autocast would run them in bf16/fp16
+        return _BlockedCrossEntropy.apply(x.to(dtype), y.to(dtype), scale.to(dtype), targets, int(block), exclusion)
 
 
 def reduce(losses: torch.Tensor, reduction: str) -> torch.Tensor:
