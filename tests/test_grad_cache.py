@@ -211,6 +211,26 @@ def test_functional_decorators_match_the_class(make_retriever):
     assert rel_err(grads(modules), expected) < 1e-5
 
 
+def test_cached_refuses_a_model_it_cannot_replay_by_keyword_too_and_needs_the_backward_first():
+    """``cached``'s docstring: every parameter and buffer of a model passed in, positionally or by keyword, counts
+    for the RNG devices (a device whose RNG cannot be replayed is refused); the closure needs the loss's backward."""
+    meta = torch.nn.Linear(2, 2, device="meta")
+
+    @cached
+    def encode(model, x):
+        return model(x)
+
+    for call in (lambda: encode(meta, torch.zeros(1, 2)), lambda: encode(model=meta, x=torch.zeros(1, 2))):
+        with pytest.raises(DprGcError, match="replays random state .* on CPU and CUDA only"):
+            call()
+    buffered = torch.nn.BatchNorm1d(2).to("meta").requires_grad_(False)
+    with pytest.raises(DprGcError, match="meta"):
+        encode(model=buffered, x=torch.zeros(3, 2))
+    rep, closure = encode(torch.nn.Linear(2, 2), torch.ones(1, 2))
+    with pytest.raises(RuntimeError, match="run the loss's backward first"):
+        closure(rep)
+
+
 def test_clear_errors(make_retriever):
     retriever = make_retriever()
     modules = models_of(retriever)

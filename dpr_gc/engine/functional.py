@@ -17,6 +17,7 @@ gathering).
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -30,14 +31,16 @@ def cached(func: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tenso
     """Run ``func`` without a graph; return a leaf copy of its output and a closure that replays it with a graph.
 
     The closure, called with the leaf after the loss's backward, re-runs ``func`` under the RNG state of the first
-    run (CPU and the CUDA devices of every tensor argument, and of every parameter of a model passed in; other
-    devices are refused) and backpropagates ``leaf.grad`` into the parameters.
+    run (CPU and the CUDA devices of every tensor argument, and of every parameter and buffer of a model passed in,
+    positionally or by keyword; other devices are refused) and backpropagates ``leaf.grad`` into the parameters.
     """
 
     @functools.wraps(func)
     def cache_func(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]]:
-        devices = {t.device for t in tensors_in(list(args) + list(kwargs.values()))}
-        devices |= {p.device for a in args if isinstance(a, torch.nn.Module) for p in a.parameters()}
+        given = list(args) + list(kwargs.values())
+        devices = {t.device for t in tensors_in(given)} | {torch.device("cpu")}
+        devices |= {t.device for a in given if isinstance(a, torch.nn.Module)
+                    for t in itertools.chain(a.parameters(), a.buffers())}
         state = RandState(replayable(devices))
         with torch.no_grad():
             rep = func(*args, **kwargs)
