@@ -406,6 +406,17 @@ def test_join_chunks_leaves_apart_chunks_whose_padding_costs_more_than_a_chunk()
     assert rows(join_chunks(batch, chunks, 100, 100, trim=False, chunk_overhead=0)) == [8, 2], "untrimmed: all 8 wide"
 
 
+def test_on_cuda_a_whole_batch_joins_into_one_chunk_unless_its_padding_passes_the_price():
+    """The engine's docstring: at CUDA's price of a chunk (16,384 tokens) a whole batch joins into one chunk, but 128
+    rows of 512 tokens and 128 of 100 stay two (padding the short half costs 52,736 tokens)."""
+    price = grad_cache.CHUNK_OVERHEAD_TOKENS["cuda"]
+    uneven = rows_of_lengths([512] * 128 + [100] * 128, width=512)
+    chunks = split_input(uneven, 128)
+    assert rows(join_chunks(uneven, chunks, 10**9, 10**9, chunk_overhead=price, join_last=True)) == [128, 128]
+    close = rows_of_lengths([512] * 128 + [480] * 128, width=512)
+    assert rows(join_chunks(close, split_input(close, 128), 10**9, 10**9, chunk_overhead=price, join_last=True)) == [256]
+
+
 def uneven_batch_for_joining(retriever) -> tuple[dict, dict]:
     """16 queries of 4-6 words; 32 passages: 8 of 100 words and 24 of 3, so in chunks of 8 a long chunk padded to
     join a short one would compute far more than either (and than the CPU's price of a chunk)."""

@@ -34,8 +34,9 @@ class Chunking:
             again (under DDP/FSDP it is replayed, since its backward carries the gradient sync); it is
             backpropagated first, so peak memory stays one chunk.
         tokens: one int per model (or one for all; None: rows only): a chunk holds as many rows (at most its
-            chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (after
-            ``sort_by_length``, short sequences make chunks of more rows). Needs a 2-D attention mask.
+            chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (with
+            ``trim=False``, times the full width; after ``sort_by_length``, short sequences make chunks of more
+            rows). Needs a 2-D attention mask.
     """
 
     sort_by_length: bool = False
