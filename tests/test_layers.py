@@ -125,6 +125,23 @@ def test_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_model_modules_import_only_earlier_steps() -> None:
+    """``dpr_gc.model``'s docstring numbers its modules in steps; each imports only modules of earlier steps, and the
+    steps name every module of the package."""
+    import re
+
+    doc = (PACKAGE / "model" / "__init__.py").read_text(encoding="utf-8")
+    listed = [(name, int(number)) for number, names in re.findall(r"^(\d+)\. (.*?) --", doc, re.M)
+              for name in re.findall(r"``(\w+)``", names)]
+    step = dict(listed)
+    assert len(step) == len(listed), "a module listed in two steps"
+    ours = {m.rsplit(".", 1)[1]: targets for m, targets in import_graph().items() if m.startswith("dpr_gc.model.")}
+    assert set(step) == set(ours), set(step) ^ set(ours)
+    late = [f"{m} -> {t.rsplit('.', 1)[1]}" for m, targets in ours.items() for t in targets
+            if t.startswith("dpr_gc.model.") and step[t.rsplit(".", 1)[1]] >= step[m]]
+    assert not late, late
+
+
 def test_the_checks_see_imports_inside_functions(tmp_path: Path) -> None:
     """The checks themselves: a function-level import closing a circle, and a low layer importing a high one
     from inside a function, are both caught and named."""
