@@ -205,7 +205,9 @@ def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[d
              batch_size: int = 64, match: Optional[str] = "string", show_progress: bool = True,
              workers: int = 1) -> list[dict]:
     """All records of :func:`iter_retrieve` in a list (small runs); ``match`` ("string"/"regex") fills
-    ``has_answer`` with DPR's answer matching, ``None`` leaves the field out."""
+    ``has_answer`` with DPR's answer matching, ``None`` (or ``"none"``, as the settings say it) leaves the field
+    out."""
+    match = None if match == "none" else match
     if match is not None and match not in MATCH_MODES:
         raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
     with AnswerMatcher(match or "string", workers) as matcher:
