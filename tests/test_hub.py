@@ -60,6 +60,9 @@ def test_unreachable_hub_fails_fast(monkeypatch, kind, silent_endpoint, refusing
 def test_offline_setting_is_respected(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert timed_failure("HF_HUB_OFFLINE is set") < 20
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # transformers' own name for it, named in the error
+    assert timed_failure(r"TRANSFORMERS_OFFLINE is set \(give a local folder, or unset TRANSFORMERS_OFFLINE\)") < 20
 
 
 def test_missing_folder_is_named(tmp_path: Path) -> None:

@@ -22,9 +22,11 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
 
-def hub_offline() -> bool:
-    """Whether the user asked for no Hub access (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``)."""
-    return any((os.environ.get(k) or "").strip().lower() in TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+def hub_offline() -> Optional[str]:
+    """The variable by which the user asked for no Hub access (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``), or
+    None."""
+    return next((k for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+                 if (os.environ.get(k) or "").strip().lower() in TRUE), None)
 
 
 def in_hub_cache(name: str) -> bool:
@@ -76,9 +78,10 @@ def check_model_source(name: str) -> None:
                          "model name)")
     if in_hub_cache(name):
         return
-    if hub_offline():
+    offline = hub_offline()
+    if offline:
         raise DprGcError(f"cannot load model {name!r}: it is not a local folder, not in the Hugging Face cache, and "
-                         "HF_HUB_OFFLINE is set (give a local folder, or unset HF_HUB_OFFLINE)")
+                         f"{offline} is set (give a local folder, or unset {offline})")
     reason = probe(hub_endpoint())
     if reason is not None:
         raise DprGcError(f"cannot load model {name!r}: it is not a local folder and the Hugging Face Hub "
