@@ -161,6 +161,8 @@ def test_memory_sizes_parse():
         with pytest.raises(DprGcError, match="not a size"):
             parse_memory(bad)
     assert resolve_budget(0, torch.device("cpu")) == 0
+    with pytest.raises(DprGcError, match="must be >= 0 bytes"):
+        parse_memory(-1)
 
 
 def test_auto_budget_on_the_cpu_is_half_the_available_ram(monkeypatch):

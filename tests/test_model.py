@@ -49,3 +49,16 @@ def test_bad_settings_and_models(tmp_path):
         RetrieverConfig(temperature=0.0)
     with pytest.raises(DprGcError, match="cannot load model"):
         Retriever.load(tmp_path / "nothing-here")
+
+
+def test_embed_runs_in_eval_mode_and_leaves_the_mode_as_it_was(make_retriever):
+    """``Retriever.embed``: eval mode inside (dropout off, so two calls agree in training mode), the caller's mode
+    back after."""
+    retriever = make_retriever(dropout=0.5).train()
+    texts = ["the city of paris", "a river"]
+    first, second = (retriever.embed("passage", texts) for _ in range(2))
+    assert retriever.training and all(m.training for m in retriever.modules())
+    np.testing.assert_array_equal(first, second)
+    retriever.eval()
+    retriever.embed("query", texts)
+    assert not retriever.training
