@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dpr_gc.retrieval import encode
 from dpr_gc.retrieval.encode import encode_corpus
@@ -72,6 +74,25 @@ def test_float16_and_bf16_autocast(tmp_path: Path, make_retriever) -> None:
     full = retriever.embed("passage", [r[2] for r in passages(9)], [r[1] for r in passages(9)])
     cos = (half.astype(np.float32) * full).sum(1)
     assert cos.min() > 0.99
+
+
+def test_embeddings_that_overflow_float16_are_refused(tmp_path: Path, make_retriever) -> None:
+    """A float16 shard of values beyond its range would hold inf: refused, naming the rows and --dtype float32,
+    and nothing written; float32 stores them."""
+    retriever = make_retriever(normalize=False, passage_max_length=32)
+    with torch.no_grad():
+        for p in retriever.passage_encoder.parameters():
+            if p.dim() == 1:  # LayerNorm scales and biases: activations far beyond 65,504
+                p.mul_(1e5)
+    path = write_corpus(tmp_path / "data", passages(4), "jsonl")
+    common = dict(precision="fp32", cache_dir=tmp_path / "c", show_progress=False)
+    assert np.abs(retriever.embed("passage", [r[2] for r in passages(4)])).max() > 70_000
+    with pytest.raises(DprGcError, match=r"embeddings overflow float16 in rows 0\.\.3; use --dtype float32"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("error")  # the error line only: no numpy overflow warning before it
+        encode_corpus(retriever, path, tmp_path / "half", dtype="float16", **common)
+    assert not list((tmp_path / "half").glob("*.npy"))
+    assert encode_corpus(retriever, path, tmp_path / "full", dtype="float32", **common)["dtype"] == "float32"
 
 
 def test_int8_encoding_is_close_to_fp32_and_keeps_the_model(tmp_path: Path, make_retriever) -> None:

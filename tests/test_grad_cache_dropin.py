@@ -401,3 +401,19 @@ def test_list_tuple_and_batch_encoding_inputs_give_the_full_batch_gradient(form)
     GradCache([q_model, p_model], 4, loss_fn)(wrap(q_ids, q_mask), wrap(p_ids, p_mask))
     for got, want in zip((p.grad for p in (*q_model.parameters(), *p_model.parameters())), expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_replay_draws_the_captured_numbers_and_puts_the_current_state_back():
+    """``RandState.replay``: the block draws what was drawn after the capture; after it, the random stream goes on
+    from where it was before the block (a cached step leaves the caller's RNG as one forward per chunk left it)."""
+    from dpr_gc.engine.grad_cache import RandState
+
+    torch.manual_seed(3)
+    state = RandState([torch.device("cpu")])
+    first = torch.rand(4)
+    torch.manual_seed(8)
+    expected_next = torch.rand(4)
+    torch.manual_seed(8)
+    with state.replay():
+        torch.testing.assert_close(torch.rand(4), first, rtol=0, atol=0)
+    torch.testing.assert_close(torch.rand(4), expected_next, rtol=0, atol=0)

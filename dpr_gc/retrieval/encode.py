@@ -209,7 +209,9 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
         for b in todo:
             rows = corpus[blocks[b][0]:blocks[b][1]]
             emb = encode_block(encoder, rows["title"], rows["text"], settings.batch_size, manifest["max_length"],
-                               autocast, bar).astype(settings.dtype)
+                               autocast, bar)
+            with np.errstate(over="ignore"):  # checked on the next line, with its own one-line error
+                emb = emb.astype(settings.dtype)
             if not np.isfinite(emb).all():
                 raise DprGcError(f"embeddings overflow {settings.dtype} in rows {blocks[b][0]}..{blocks[b][1] - 1}; "
                                  "use --dtype float32")
