@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark FAISS Flat vs HNSW vs IVF-PQ through ``dpr_gc.retrieval.index``: build seconds, queries/s, recall@k vs Flat.
+"""Benchmark FAISS Flat vs HNSW vs IVF-PQ through ``dpr_gc.retrieval.index``: build seconds, queries/s, recall@k
+against Flat.
 
 The vectors imitate sentence embeddings (e.g. all-MiniLM-L6-v2, 384-d, unit length): a Gaussian mixture of
 clusters in a low-dimensional latent space, mapped into ``--dim`` dimensions by a random linear map, plus a
@@ -54,7 +55,8 @@ def make_data(n: int, n_queries: int, dim: int, latent: int, clusters: int, seed
 
 
 def build(params: IndexParams, data: np.ndarray, train_sample: int, seed: int) -> tuple[DenseIndex, float]:
-    """Build like ``dpr_gc.retrieval.index.build_index``: resolve, train on a random sample, add in blocks; seconds taken."""
+    """Build like ``dpr_gc.retrieval.index.build_index``: resolve, train on a random sample, add in blocks; seconds
+    taken."""
     started = time.perf_counter()
     n_train = min(train_sample, len(data))
     index = DenseIndex.build(data.shape[1], params.resolve(data.shape[1], len(data), n_train))

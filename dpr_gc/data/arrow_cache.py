@@ -149,8 +149,9 @@ def clear_cache(root: Path) -> tuple[int, int, list[Path]]:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
                     busy.append(lock.with_suffix(""))
-        keep = {p for b in busy if b.parent == folder  # its files, and the hidden temporaries it is writing
-                for pattern in (glob.escape(b.stem) + "*", "." + glob.escape(b.stem) + "*") for p in folder.glob(pattern)}
+        patterns = [pattern for b in busy if b.parent == folder  # its files, and the hidden temporaries it writes
+                    for pattern in (glob.escape(b.stem) + "*", "." + glob.escape(b.stem) + "*")]
+        keep = {p for pattern in patterns for p in folder.glob(pattern)}
         for path in folder.iterdir():
             if path.is_file() and path not in keep:
                 freed += path.stat().st_size

@@ -264,8 +264,8 @@ class GradCache:
             256 on the CPU, 64 elsewhere). On CUDA a budget for the whole batch makes the step plain training, one
             chunk per model, unless a join would add more than 16,384 tokens of padding (lengths as uneven as 512
             against 100 over 128 rows stay two chunks; the last chunk joins only a first joined chunk that reaches
-            it, and never under DDP/FSDP); on CPU, chunks of very different lengths stay apart, each trimmed to its own longest
-            sequence, so the step computes fewer tokens than plain training's padded batch, and no joined chunk
+            it, and never under DDP/FSDP); on CPU, chunks of very different lengths stay apart, each trimmed to its own
+            longest sequence, so the step computes fewer tokens than plain training's padded batch, and no joined chunk
             computes more than ``JOINED_CHUNK_MAX_TOKENS`` (4,096 tokens: larger CPU chunks are slower per token).
             Kept graphs are backpropagated in one backward call, as plain training's. Under DDP/FSDP every model's
             last chunk is still replayed: its backward carries the gradient sync, after every kept graph's.
