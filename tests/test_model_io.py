@@ -231,6 +231,19 @@ def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
         assert "SentenceTransformer(" in card and "Retriever.load(" in card and "AutoModel" in card
 
 
+def test_the_card_names_a_hub_base_model_and_never_a_local_path(make_retriever, tmp_path):
+    """card.py: ``base_model`` goes into the YAML only when it is a Hub id (a local folder's path is no model a Hub
+    page can link; the training block still records it)."""
+    from dpr_gc.model.card import hub_metadata
+
+    retriever = make_retriever()
+    for base, named in (("sentence-transformers/all-MiniLM-L6-v2", True), ("bert-base-uncased", True),
+                        (str(tmp_path), False), ("runs/nq/best", False)):
+        retriever.training_info = {"base_model": base}
+        meta = hub_metadata(retriever)
+        assert ("base_model" in meta) == named and meta["dpr_gc"]["training"]["base_model"] == base, base
+
+
 def test_learnable_temperature_keeps_its_raw_parameter(make_retriever, tmp_path):
     import math
 
