@@ -145,6 +145,16 @@ def test_gap_between_shards_is_refused(tmp_path, data):
         build_index(emb_dir, tmp_path / "idx", IndexParams("flat"), allow_partial=True)
 
 
+def test_appended_shards_that_overlap_the_indexed_rows_are_refused(tmp_path, data):
+    """shard_rows_from: shards added to an index must continue its rows without overlaps too (a 3-way split's
+    second shard starts inside the rows a 2-way split's first shard already put there)."""
+    build_index(write_shards(tmp_path / "a", data, num_shards=2, only=[0]), tmp_path / "idx", IndexParams("flat"),
+                allow_partial=True)
+    other_split = write_shards(tmp_path / "b", data, num_shards=3, only=[1, 2])
+    with pytest.raises(DprGcError, match="overlaps indexed rows"):
+        build_index(other_split, tmp_path / "idx", IndexParams("flat"), append=True, allow_partial=True)
+
+
 def test_mixed_models_and_dimensions_are_refused(tmp_path, data):
     mixed = write_shards(tmp_path / "mixed", data, num_shards=2, only=[0])
     write_shards(mixed, data, num_shards=2, only=[1], fingerprint="other")
