@@ -140,6 +140,47 @@ def test_fsdp_syncs_gradients_on_the_last_chunk_only(tmp_path):
         assert plain > 0 and (last_only, every_chunk) == (2 * plain, 6 * plain), (plain, last_only, every_chunk)
 
 
+def clipping_worker(rank: int, tmp: str, expected_norm: float, expected: dict) -> None:
+    """A cached step on 2 ranks, then ``fsdp.clip_grad_norm`` at a norm far below the gradient's: its norm and the
+    clipped gradients (gathered) must be one process's ``torch.nn.utils.clip_grad_norm_`` over the global batch."""
+    from dpr_gc.model.fsdp import clip_grad_norm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=300))
+    try:
+        torch.manual_seed(0)
+        retriever = shard_retriever(lora_decoder())
+        q, p = batches(lora_decoder(), 1)[0]
+        q_local = take_rows(dict(q, kind="query"), torch.arange(rank * LOCAL, (rank + 1) * LOCAL))
+        p_local = take_rows(dict(p, kind="passage"), torch.arange(rank * 2 * LOCAL, (rank + 1) * 2 * LOCAL))
+        GradCache([retriever, retriever], 3, DistributedContrastiveLoss(1))(q_local, p_local, no_sync_except_last=True)
+        trained = {n: t for n, t in retriever.named_parameters() if t.requires_grad}
+        norm = float(clip_grad_norm(list(trained.values()), 1e-3))
+        assert abs(norm - expected_norm) < 1e-4 * expected_norm, (norm, expected_norm)
+        for name, param in trained.items():
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            err = float((grad - expected[name]).norm() / expected[name].norm().clamp(min=1e-12))
+            assert err < 1e-4, f"{name}: clipped gradient differs by {err:.2e}"
+        dist.barrier()
+    except Exception:
+        Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+
+
+def test_fsdp_gradient_clipping_is_one_processs(tmp_path):
+    """docs/distributed.md: gradients are clipped over all shards, by the same rule as one process."""
+    torch.manual_seed(0)
+    retriever = lora_decoder()
+    q, p = batches(retriever, 1)[0]
+    SimpleContrastiveLoss(1)(retriever(kind="query", **q), retriever(kind="passage", **p)).backward()
+    trained = {n: t for n, t in retriever.named_parameters() if t.requires_grad}
+    norm = float(torch.nn.utils.clip_grad_norm_(list(trained.values()), 1e-3))
+    assert norm > 10 * 1e-3  # the clip really scales
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_ranks(clipping_worker, (str(tmp_path), norm, {n: t.grad.clone() for n, t in trained.items()}), WORLD)
+    errors = rank_errors(tmp_path)
+    assert not errors, errors
+
+
 def test_fsdp_settings_are_checked():
     assert mixed_precision("bf16").param_dtype == torch.bfloat16 and mixed_precision("bf16").reduce_dtype == torch.float32
     with pytest.raises(DprGcError, match="fp16"):
