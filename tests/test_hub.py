@@ -65,6 +65,36 @@ def test_offline_setting_is_respected(monkeypatch) -> None:
     assert timed_failure(r"TRANSFORMERS_OFFLINE is set \(give a local folder, or unset TRANSFORMERS_OFFLINE\)") < 20
 
 
+def test_a_name_in_the_hf_cache_goes_to_transformers_and_a_live_endpoint_passes(tmp_path: Path, monkeypatch,
+                                                                                   refusing_endpoint) -> None:
+    """hub.py: a Hub name whose config is in the Hugging Face cache is left to transformers (no probe, even offline);
+    the probe passes an endpoint that answers HTTP at all."""
+    import http.server
+    import threading
+
+    from dpr_gc.model.hub import check_model_source, probe
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_model_source("org/tiny")  # no error: transformers loads it from the cache
+    with pytest.raises(DprGcError, match="HF_HUB_OFFLINE is set"):
+        check_model_source("org/absent")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert probe(f"http://127.0.0.1:{server.server_address[1]}") is None  # answers (501): reachable
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert probe(refusing_endpoint) is not None
+
+
 def test_missing_folder_is_named(tmp_path: Path) -> None:
     with pytest.raises(DprGcError, match="no such folder"):
         Retriever.load(str(tmp_path / "runs" / "final"))
