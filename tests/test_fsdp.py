@@ -98,6 +98,16 @@ def test_fsdp_gradient_cache_step_equals_one_process_and_resumes(tmp_path):
     assert not errors, errors
 
 
+def sharded_model_and_local_batch(rank: int) -> tuple:
+    """The seed-0 LoRA decoder sharded over the ranks, and this rank's rows of the first global batch."""
+    torch.manual_seed(0)
+    retriever = shard_retriever(lora_decoder())
+    q, p = batches(lora_decoder(), 1)[0]
+    q_local = take_rows(dict(q, kind="query"), torch.arange(rank * LOCAL, (rank + 1) * LOCAL))
+    p_local = take_rows(dict(p, kind="passage"), torch.arange(rank * 2 * LOCAL, (rank + 1) * 2 * LOCAL))
+    return retriever, q_local, p_local
+
+
 def reductions_worker(rank: int, tmp: str) -> None:
     """The gradient reductions (reduce-scatters, all-reduces) of one backward of plain training, then of a cached
     step with ``no_sync_except_last`` and without it, written to ``reductions-RANK.txt``."""
@@ -108,11 +118,7 @@ def reductions_worker(rank: int, tmp: str) -> None:
         real = getattr(dist, name)
         setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     try:
-        torch.manual_seed(0)
-        retriever = shard_retriever(lora_decoder())
-        q, p = batches(lora_decoder(), 1)[0]
-        q_local = take_rows(dict(q, kind="query"), torch.arange(rank * LOCAL, (rank + 1) * LOCAL))
-        p_local = take_rows(dict(p, kind="passage"), torch.arange(rank * 2 * LOCAL, (rank + 1) * 2 * LOCAL))
+        retriever, q_local, p_local = sharded_model_and_local_batch(rank)
         counts = []
         retriever(**q_local).float().sum().add(retriever(**p_local).float().sum()).backward()
         counts.append(calls.count("reduce_scatter_single"))
@@ -148,11 +154,7 @@ def clipping_worker(rank: int, tmp: str, expected_norm: float, expected: dict) -
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=300))
     try:
-        torch.manual_seed(0)
-        retriever = shard_retriever(lora_decoder())
-        q, p = batches(lora_decoder(), 1)[0]
-        q_local = take_rows(dict(q, kind="query"), torch.arange(rank * LOCAL, (rank + 1) * LOCAL))
-        p_local = take_rows(dict(p, kind="passage"), torch.arange(rank * 2 * LOCAL, (rank + 1) * 2 * LOCAL))
+        retriever, q_local, p_local = sharded_model_and_local_batch(rank)
         GradCache([retriever, retriever], 3, DistributedContrastiveLoss(1))(q_local, p_local, no_sync_except_last=True)
         trained = {n: t for n, t in retriever.named_parameters() if t.requires_grad}
         norm = float(clip_grad_norm(list(trained.values()), 1e-3))
