@@ -90,12 +90,32 @@ def worker(rank: int, tmp: str, expected_1: dict, expected_2: dict) -> None:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
 
 
+def one_rank_reader(rank: int, tmp: str, expected_1: dict) -> None:
+    """Read the 2-rank sharded checkpoint into a model sharded over 1 rank: the weights after one step."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-1", rank=rank, world_size=1,
+                            timeout=timedelta(seconds=300))
+    try:
+        torch.manual_seed(0)
+        retriever = shard_retriever(lora_decoder())
+        load_sharded(Path(tmp) / "ckpt", retriever, optimizer_for(retriever))
+        compare(rank, retriever, expected_1, "read back on 1 rank")
+    except Exception:
+        Path(tmp, f"error-reader-{rank}.txt").write_text(traceback.format_exc())
+
+
 def test_fsdp_gradient_cache_step_equals_one_process_and_resumes(tmp_path):
+    """2 ranks x 4 end where one process at batch 8 does, and resume from their sharded checkpoint, which also reads
+    back at another world size (fsdp.py: any world size can read it); a folder that is not one is refused first."""
     expected_1, expected_2 = reference_weights(1), reference_weights(2)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_ranks(worker, (str(tmp_path), expected_1, expected_2), WORLD)
     errors = rank_errors(tmp_path)
     assert not errors, errors
+    run_ranks(one_rank_reader, (str(tmp_path), expected_1), 1)
+    errors = rank_errors(tmp_path)
+    assert not errors, errors
+    with pytest.raises(DprGcError, match="not a sharded checkpoint \\(no .metadata\\)"):
+        load_sharded(tmp_path, None, None)
 
 
 def sharded_model_and_local_batch(rank: int) -> tuple:
