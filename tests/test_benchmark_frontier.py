@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -243,15 +244,19 @@ def test_the_join_limit_comparison_runs_each_chunk_overhead_asked_for_at_the_eng
     assert "| overhead-512 s (chunks) |" in capsys.readouterr().out
 
 
+def refused_in_one_line(main: Callable[[list[str]], int], argv: list[str], flag: str, out: Path, capsys) -> None:
+    """A benchmark given a bad flag: exit 2, one ``error:`` line naming the flag, no output file."""
+    assert main(argv + ["--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err and err.count("\n") == 1 and not out.exists()
+
+
 @pytest.mark.parametrize("argv, flag", [(["--rounds", "0"], "--rounds"), (["--also-limits", "0"], "--also-limits"),
                                         (["--also-overheads", "-1"], "--also-overheads")])
 def test_the_join_limit_comparison_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
     import join_limit
 
-    out = tmp_path / "limit.json"
-    assert join_limit.main(argv + ["--output", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and flag in err and err.count("\n") == 1 and not out.exists()
+    refused_in_one_line(join_limit.main, argv, flag, tmp_path / "limit.json", capsys)
 
 
 def test_a_frontier_child_runs_with_the_join_limit_it_is_given(monkeypatch, tmp_path: Path) -> None:
@@ -504,10 +509,7 @@ def test_the_step_profile_profiles_the_llm_shape_without_peers(monkeypatch, tmp_
 def test_the_step_profile_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
     import profile_step
 
-    out = tmp_path / "profile.json"
-    assert profile_step.main(argv + ["--output", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and flag in err and err.count("\n") == 1 and not out.exists()
+    refused_in_one_line(profile_step.main, argv, flag, tmp_path / "profile.json", capsys)
 
 
 def test_a_benchmark_child_run_in_process_leaves_the_next_test_its_threads(tmp_path: Path) -> None:
@@ -542,7 +544,4 @@ def test_the_attention_benchmark_times_each_shape_dtype_and_backend(tmp_path: Pa
 def test_the_attention_benchmark_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
     import attention_backward
 
-    out = tmp_path / "attention.json"
-    assert attention_backward.main(argv + ["--output", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and flag in err and err.count("\n") == 1 and not out.exists()
+    refused_in_one_line(attention_backward.main, argv, flag, tmp_path / "attention.json", capsys)
