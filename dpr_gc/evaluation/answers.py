@@ -5,10 +5,11 @@ after Unicode NFD (``string`` mode), or when an answer regex matches the NFD tex
 
 :class:`AnswerMatcher` gives the same flags as :func:`has_answer` called per (question, passage), but a passage is
 tokenised once while it stays in an LRU cache of ``CACHE_SIZE`` passages (keyed by passage id and checked against the
-text's hash: an id repeated with another text is another passage) into one string of space-separated lower-cased
-tokens, each question's answers once into ``" tok tok "`` needles, and a match is a substring test. Tokens never contain a space (tested), so a needle occurs in the passage string exactly when its
-tokens are a contiguous run of the passage's tokens. Passages new to the cache are tokenised by a worker pool
-when there are many; the flags do not depend on the number of workers.
+text's hash: an id repeated with another text is another passage) into one string of space-separated lower-cased tokens,
+each question's answers once into ``" tok tok "`` needles, and a match is a substring test. Tokens never contain a space
+(tested), so a needle occurs in the passage string exactly when its tokens are a contiguous run of the passage's tokens.
+Passages new to the cache are tokenised by a worker pool when there are many; the flags do not depend on the number of
+workers.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Contrastive losses in JAX: in-batch negatives plus hard negatives, computed in fp32 whatever the input dtype.
 
 Layout as in :mod:`dpr_gc.engine.loss`: ``queries`` holds B representations, ``passages`` B·(1+n) grouped per query with
-the positive first, and every query is scored against every passage of the (global) batch. Scores are computed in
-row blocks under ``jax.checkpoint``, so neither the forward nor the backward pass holds the whole B × B·(1+n) score
-matrix; that keeps a Gradient Cache step's memory flat in the batch.
+the positive first, and every query is scored against every passage of the (global) batch. Scores are computed in row
+blocks of about a million scores under ``jax.checkpoint`` (one block when the whole B × B·(1+n) matrix is smaller), so
+neither the forward nor the backward pass holds more than one block; that keeps a Gradient Cache step's memory flat in
+the batch.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
              titles: Optional[Sequence[Optional[str]]] = None, max_length: Optional[int] = None) -> Any:
     """Padded ``BatchEncoding`` (PyTorch tensors) of queries or passages under ``config``'s format and prefixes.
 
-    ``config`` is a :class:`~dpr_gc.model.config.RetrieverConfig`; ``max_length`` overrides its query/passage max length.
+    ``config`` is a :class:`~dpr_gc.model.config.RetrieverConfig`; ``max_length`` overrides its query/passage max
+    length.
     Titles are ignored for queries; a missing or empty title means an untitled passage.
     """
     if kind not in (QUERY, PASSAGE):

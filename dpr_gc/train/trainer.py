@@ -1,12 +1,12 @@
 """Train a DPR retriever with Gradient Cache: one process or several under ``torchrun`` (DDP).
 
 The step: tokenised batches of B queries and B·(1+N+M) passages from :mod:`dpr_gc.data`, representations from
-:class:`~dpr_gc.model.retriever.Retriever` (the temperature is applied inside its forward, so a learnable one is trained and
-all-reduced like every other weight), the in-batch-negative loss from :mod:`dpr_gc.engine.loss` over the global batch, and
-:class:`~dpr_gc.GradCache` to compute its exact gradient in chunk-sized memory (or one plain graph, for
-comparison). Checkpoints hold everything needed to continue mid-epoch with the same result. The settings are
-grouped in :mod:`dpr_gc.train.config`; checkpoints, RNG states, chunk sizes and the other pieces around the step
-live in the other modules of :mod:`dpr_gc.train`.
+:class:`~dpr_gc.model.retriever.Retriever` (the temperature is applied inside its forward, so a learnable one is trained
+and all-reduced like every other weight), the in-batch-negative loss from :mod:`dpr_gc.engine.loss` over the global
+batch, and :class:`~dpr_gc.GradCache` to compute its exact gradient in chunk-sized memory (or one plain graph, for
+comparison). Checkpoints hold everything needed to continue mid-epoch with the same result. The settings are grouped in
+:mod:`dpr_gc.train.config`; checkpoints, RNG states, chunk sizes and the other pieces around the step live in the other
+modules of :mod:`dpr_gc.train`.
 """
 
 from __future__ import annotations
