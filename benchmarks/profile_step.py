@@ -2,14 +2,15 @@
 
 bench_frontier.py's SciFact step (all-MiniLM-L6-v2, claims -> cited abstracts, one hard negative, bf16 autocast by
 default) for each variant, each in a fresh process: two warm-up steps, ``--steps`` timed steps (median), then one
-step under ``torch.profiler``. Reported per variant: the median step; the device's busy time (the kernels' own time;
-CUDA only) against the host's own operator time; the kernel launches; the host syncs (``cudaStreamSynchronize`` on
-CUDA; on any device the ``aten::_local_scalar_dense`` reads a sync would come from, e.g. ``.item()`` or ``bool()``
-of a tensor); and the operators that took the most time. A step whose device is busy for much less than the step
-is bound by the host (launches, Python, syncs), not by arithmetic. Variants: ``plain`` (the whole batch in one
-graph), ``budget0`` (dpr-gc, only the last chunk's graph kept), ``whole`` (dpr-gc, a budget for the whole batch),
-and the peers ``luyug`` (luyug/GradCache) and ``cmnrl`` (sentence-transformers' CachedMNRL) where installed.
-``--shape llm`` profiles bench_llm.py's LoRA decoder on random token ids instead (plain and dpr-gc only).
+step under ``torch.profiler``. Reported per variant: the median step; the device's busy time (the kernels' own time,
+each once; CUDA only) against the host's own operator time; the kernel launches; the host syncs
+(``cudaStreamSynchronize`` on CUDA; on any device the ``aten::_local_scalar_dense`` reads a sync would come from,
+e.g. ``.item()`` or ``bool()`` of a tensor); and the operators that took the most time. A step whose device is busy
+for much less than the step is bound by the host (launches, Python, syncs), not by arithmetic. Variants: ``plain``
+(the whole batch in one graph), ``budget0`` (dpr-gc, only the last chunk's graph kept), ``whole`` (dpr-gc, a budget
+for the whole batch), and the peers ``luyug`` (luyug/GradCache) and ``cmnrl`` (sentence-transformers' CachedMNRL)
+where installed. ``--shape llm`` profiles bench_llm.py's LoRA decoder on random token ids instead (plain and dpr-gc
+only).
 Results: JSON in benchmarks/results/profile-step-DEVICE.json.
 
     python benchmarks/profile_step.py --device cuda --batch 256 --chunk 32       # the H200 frontier's shape
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.autograd import DeviceType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,6 +48,18 @@ VARIANTS = {"plain": {"method": PLAIN, "budget": None}, "budget0": {"method": OU
             "cmnrl": {"method": ST, "budget": None}}
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def host_events(events: list) -> list:
+    """The host-side events (operators and runtime calls); an operator's self device time is the time of the
+    kernels it launched itself."""
+    return [e for e in events if e.device_type == DeviceType.CPU]
+
+
+def device_busy_ms(events: list) -> float:
+    """The device's busy time: the kernels' (and copies') own time, each counted once. The operator that launched a
+    kernel carries the same time as its self device time, so summing every event would count each kernel twice."""
+    return sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU) / 1e3
 
 
 def profile_one(cfg: dict) -> dict:
@@ -67,9 +81,9 @@ def profile_one(cfg: dict) -> dict:
     events = prof.key_averages()
     count = {e.key: e.count for e in events}
     by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    top = sorted(events, key=lambda e: getattr(e, by), reverse=True)[:cfg["top"]]
+    top = sorted(host_events(events), key=lambda e: getattr(e, by), reverse=True)[:cfg["top"]]
     out = {**cfg, "step_s": statistics.median(times[2:]), "step_times_s": times[2:],
-           "device_busy_ms": sum(e.self_device_time_total for e in events) / 1e3 if device.type == "cuda" else None,
+           "device_busy_ms": device_busy_ms(events) if device.type == "cuda" else None,
            "host_ops_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
            "kernel_launches": sum(count.get(k, 0) for k in LAUNCHES), "host_syncs": sum(count.get(k, 0) for k in SYNCS),
            "local_scalar_reads": count.get("aten::_local_scalar_dense", 0),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
@@ -545,3 +546,19 @@ def test_the_attention_benchmark_refuses_a_bad_flag_in_one_line(tmp_path: Path, 
     import attention_backward
 
     refused_in_one_line(attention_backward.main, argv, flag, tmp_path / "attention.json", capsys)
+
+
+def test_the_step_profile_counts_each_kernel_once() -> None:
+    """A CUDA profile lists a kernel twice over: as itself and inside the self device time of the operator that
+    launched it. The device's busy time sums the kernels (and copies) only; the top list ranks operators."""
+    import profile_step
+    from torch.autograd import DeviceType
+
+    def event(key: str, device_type: DeviceType, device_us: float) -> SimpleNamespace:
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=device_us)
+
+    events = [event("aten::mm", DeviceType.CPU, 3000.0), event("gemm_kernel", DeviceType.CUDA, 3000.0),
+              event("aten::copy_", DeviceType.CPU, 500.0), event("Memcpy HtoD", DeviceType.CUDA, 500.0),
+              event("cudaLaunchKernel", DeviceType.CPU, 0.0)]
+    assert profile_step.device_busy_ms(events) == pytest.approx(3.5)
+    assert [e.key for e in profile_step.host_events(events)] == ["aten::mm", "aten::copy_", "cudaLaunchKernel"]
