@@ -1240,7 +1240,7 @@ def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplo
     caplog.set_level("INFO")
     code, err = call(cli.main, argv)
     assert code == 0, err
-    assert f"resuming: {QUERY_CHUNK} questions" in caplog.text
+    assert f"resuming an interrupted run: {QUERY_CHUNK} questions already" in caplog.text
     assert out.read_bytes() == reference[0].read_bytes() and run.read_bytes() == reference[1].read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 

@@ -128,3 +128,10 @@ def test_quiet_hides_dependencies_deprecations_and_debug_lines_only() -> None:
     bm25s.setLevel(logging.DEBUG)
     assert not bm25s.filter(bm25s.makeRecord("bm25s", logging.DEBUG, "x.py", 1, "debug", (), None))
     assert bm25s.filter(bm25s.makeRecord("bm25s", logging.WARNING, "x.py", 1, "warning", (), None))
+
+
+def test_log_counts_take_the_singular_for_one() -> None:
+    from dpr_gc.base.logs import counted
+
+    assert [counted(n, "passage") for n in (0, 1, 2)] == ["0 passages", "1 passage", "2 passages"]
+    assert counted(1, "query", "queries") == "1 query" and counted(3, "query", "queries") == "3 queries"

@@ -40,7 +40,7 @@ def test_budget_and_token_chunks_take_the_plain_first_step(task, tmp_path, caplo
     assert "/ 40 tokens" in line and "memory budget 1.00 GB" in line and "100% of tokens" in line, line
     assert "peak graph memory" in line
     messages = [r.getMessage() for r in caplog.records]  # the effective batch: per rank x ranks = queries
-    assert any(m.startswith("training 1 steps: batch 8 per rank x 1 rank(s) = 8 queries") for m in messages)
+    assert any(m.startswith("training 1 step: batch 8 per rank x 1 rank = 8 queries") for m in messages)
     info = cached.retriever.training_info["grad_cache_first_step"]
     assert info["kept"] == info["chunks"] and info["peak_graph_bytes"] > 0
 

@@ -37,4 +37,4 @@ def test_cpu_training_starts_no_workers_and_says_so(tmp_path: Path, make_retriev
         trainer = Trainer(config)
         trainer.announce()
     assert trainer.loader.num_workers == 0
-    assert "fp32 on cpu, 0 DataLoader worker(s) (auto)" in caplog.text
+    assert "fp32 on cpu, 0 DataLoader workers (auto)" in caplog.text

@@ -32,6 +32,11 @@ QUIET_ENVIRONMENT = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSIT
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and the noun, singular for one: "1 passage", "2 passages" (``plural`` where adding "s" is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def setup_logging(verbose: bool) -> None:
     """Configure the root logger for a command (DEBUG with ``verbose``, else INFO) and quiet the dependencies."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")

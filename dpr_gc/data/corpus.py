@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from ..base.errors import DprGcError
+from ..base.logs import counted
 from .arrow_cache import cache_file, cached_dataset, write_stream
 from ..base.files import PathLike, check_unicode, iter_jsonl_objects, open_text, require_file
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
@@ -203,7 +204,7 @@ def _build_arrow(path: Path, cache: Path, fingerprint: str) -> None:
         _check_unique_ids(tmp, path)
 
     write_stream(cache, schema, batches(), check)
-    logger.info("cached %d passages from %s in %s", total, path, cache)
+    logger.info("cached %s from %s in %s", counted(total, "passage"), path, cache)
 
 
 def _check_unique_ids(arrow_file: Path, source: Path) -> None:

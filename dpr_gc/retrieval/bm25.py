@@ -12,6 +12,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..base.errors import DprGcError
+from ..base.logs import counted
 from ..base.files import PathLike, read_json_object, write_json
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class BM25Source:
             except (ValueError, OSError, KeyError) as e:
                 raise DprGcError(f"cannot read the BM25 index in {folder} ({str(e).splitlines()[0][:200]}); "
                                  "delete the folder to rebuild it (pickled arrays are never loaded)") from None
-            logger.info("loaded the BM25 index of %d passages from %s", len(corpus), folder)
+            logger.info("loaded the BM25 index of %s from %s", counted(len(corpus), "passage"), folder)
             return
         if len(corpus) == 0:
             raise DprGcError("the corpus is empty; BM25 needs passages")
@@ -96,7 +97,8 @@ class BM25Source:
                 texts = [f"{t} {x}" if t else x for t, x in zip(rows["title"], rows["text"])]
                 ids.extend(self.tokenizer.streaming_tokenize(texts))
                 bar.update(len(texts))
-        logger.info("BM25: building the score matrix of %d passages (bm25s, k1=%s, b=%s)", len(corpus), k1, b)
+        logger.info("BM25: building the score matrix of %s (bm25s, k1=%s, b=%s)", counted(len(corpus), "passage"), k1,
+                    b)
         start = time.perf_counter()
         self.bm25 = bm25s.BM25(k1=k1, b=b)
         self.bm25.index(bm25s.tokenization.Tokenized(ids=ids, vocab=self.tokenizer.get_vocab_dict()),

@@ -33,6 +33,7 @@ from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_s
                              from_args, group, passage_prefix_setting, query_prefix_setting, setting, to_record)
 from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
 from ..base.tables import markdown_table
+from ..base.logs import counted
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +192,8 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
         logger.info("%s is already finished in %s; nothing to do", name, out)
         return read_manifest(done)
     write_json(progress_file, manifest)
-    logger.info("%s: %d passages on %s in %s compute, stored as %s%s; batch %d, max length %d tokens", name, count,
-                next(retriever.parameters()).device, autocast or "fp32", settings.dtype,
+    logger.info("%s: %s on %s in %s compute, stored as %s%s; batch %d, max length %d tokens", name,
+                counted(count, "passage"), next(retriever.parameters()).device, autocast or "fp32", settings.dtype,
                 " (--dtype float32 keeps full precision)" if settings.dtype == "float16" else "", settings.batch_size,
                 manifest["max_length"])
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
@@ -223,7 +224,7 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     _assemble(out, manifest, corpus, parts)
     write_json(done, manifest)
     _remove_parts(out, name)
-    logger.info("%s: %d passages written to %s", name, count, out / manifest["embeddings"])
+    logger.info("%s: %s written to %s", name, counted(count, "passage"), out / manifest["embeddings"])
     return manifest
 
 

@@ -31,6 +31,7 @@ from ..base.files import PathLike, check_output_dir, open_text, parse_json, read
 from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_folders
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary
+from ..base.logs import counted
 from .index_params import IndexBuild, IndexParams
 from ..base.settings import add_arguments, from_args, setting, to_record
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
@@ -401,7 +402,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
         if not dense.is_trained:
             started = time.perf_counter()
             sample = sample_embeddings(todo, train_sample, seed)
-            logger.info("training %s on %d vectors", dense.meta["factory"], len(sample))
+            logger.info("training %s on %s", dense.meta["factory"], counted(len(sample), "vector"))
             dense.train(sample)
             stats = {"train_vectors": len(sample), "train_seconds": round(time.perf_counter() - started, 3)}
         dense.meta["trained_on"] = stats["train_vectors"]
@@ -444,7 +445,7 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build
             dense.meta["model_from_index"] = os.path.relpath(model, out.resolve())
         old_ids = read_ids(out) if existing is not None else ()
         dense.write(out, ids=itertools.chain(old_ids, shard_ids(todo)))
-    logger.info("wrote %s index with %d vectors to %s", dense.meta["factory"], dense.ntotal, out_dir)
+    logger.info("wrote %s index with %s to %s", dense.meta["factory"], counted(dense.ntotal, "vector"), out_dir)
     corpus_rows = dense.meta.get("corpus_rows")
     return {"index": str(out_dir), "factory": dense.meta["factory"], "model": dense.meta.get("model"),
             "dim": dense.dim, "ntotal": dense.ntotal, "added": sum(int(m["count"]) for m in todo),

@@ -33,6 +33,7 @@ from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int)
 from ..base.errors import DprGcError
+from ..base.logs import counted
 from ..base.guard import guarded
 from ..base.files import ChunkedOutput, PathLike, file_identity, require_file
 from ..base.locks import output_lock
@@ -354,7 +355,7 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
         state = writer.resume()
         summary, count = (MiningSummary(**state["summary"]), state["count"]) if state else (MiningSummary(), 0)
         if count:
-            logger.info("resuming: %d questions of an interrupted run are already mined into %s", count, final)
+            logger.info("resuming an interrupted run: %s already mined into %s", counted(count, "question"), final)
         total = len(records) - count if isinstance(records, Sequence) else None
         buffer: list[dict] = []
         with tqdm(total=total, desc="mining", unit=" q", disable=not show_progress) as bar:
@@ -400,14 +401,15 @@ def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_
     rules += [(f"--max-negative-ratio {max_negative_ratio:g}", summary.ratio_dropped)] \
         if max_negative_ratio is not None else []
     rules += [(f"--min-margin {min_margin:g}", summary.min_margin_dropped)] if min_margin is not None else []
-    logger.info("mined %d questions: of %d candidates, removed %s; %d negatives written", summary.questions,
-                summary.candidates, ", ".join(f"{n} by {name}" for name, n in rules), summary.written)
+    logger.info("mined %s: of %s, removed %s; %s written", counted(summary.questions, "question"),
+                counted(summary.candidates, "candidate"), ", ".join(f"{n} by {name}" for name, n in rules),
+                counted(summary.written, "negative"))
     if summary.unscored and needs_positive_scores(margin, max_negative_ratio, min_margin):
-        logger.warning("%d questions have no positive score (positive not in the corpus), so the margin and "
-                       "positive-aware rules did not apply to them", summary.unscored)
+        logger.warning("%s without a positive score (positive not in the corpus): the margin and positive-aware "
+                       "rules did not apply to them", counted(summary.unscored, "question"))
     if summary.ratio_unapplied:
-        logger.warning("%d questions have a lowest positive score <= 0 (BM25: no word in common with the question), "
-                       "so --max-negative-ratio did not apply to them", summary.ratio_unapplied)
+        logger.warning("%s with a lowest positive score <= 0 (BM25: no word in common with the question): "
+                       "--max-negative-ratio did not apply to them", counted(summary.ratio_unapplied, "question"))
 
 
 # ----------------------------------------------------------------------------------------------------- command line

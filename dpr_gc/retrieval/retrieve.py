@@ -24,7 +24,7 @@ from ..evaluation.answers import MATCH_MODES, AnswerMatcher, default_workers
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
-from ..base.logs import nested_bar_disabled
+from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
 from ..base.files import ChunkedOutput, PathLike, iter_jsonl
 from .index import DenseIndex, set_threads
@@ -301,7 +301,8 @@ def retrieve_kept(first: Path, key: dict, queries: Iterable[dict], total: Option
     kept = ChunkedOutput(first.with_name(first.name + ".retrieved"), key)
     done = int((kept.resume() or {}).get("count", 0))
     if done:
-        logger.info("resuming: %d questions of an interrupted run are already retrieved (kept beside %s)", done, first)
+        logger.info("resuming an interrupted run: %s already retrieved (kept beside %s)", counted(done, "question"),
+                    first)
     chunk: list[str] = []
     count = done
     for record in records(itertools.islice(queries, done, None), None if total is None else total - done):

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..base.tables import format_summary
+from ..base.logs import counted
 from .config import TrainConfig
 
 
@@ -16,17 +17,17 @@ def describe_epoch(data: Any, sampler: Any, beir_positives: str) -> str:
     for i, (stats, queries, examples, rate) in enumerate(zip(data.stats, data.sizes, sampler.sizes, sampler.rates)):
         drawn, kind = int(rate * examples), data.source_format(i)
         if kind == "beir" and beir_positives == "pairs":
-            what = f"{examples} (query, positive) pairs of {queries} queries"
+            what = f"{counted(examples, '(query, positive) pair')} of {counted(queries, 'query', 'queries')}"
         elif kind == "beir":
-            what = f"{queries} queries, a positive drawn each time"
+            what = f"{counted(queries, 'query', 'queries')}, a positive drawn each time"
         else:
-            what = f"{queries} questions"
+            what = counted(queries, "question")
         parts.append(f"{stats['source']}: {what}" + (f" x rate {rate:g} = {drawn}" if rate != 1 else ""))
     drawn = sum(int(r * n) for r, n in zip(sampler.rates, sampler.sizes))
     step = sampler.batch_size * sampler.world_size
     used = sampler.batches_per_epoch * step
     flag = f" (--beir-positives {beir_positives})" if "beir" in map(data.source_format, range(len(data.sizes))) else ""
-    return (f"an epoch: {'; '.join(parts)}{flag}; {sampler.batches_per_epoch} steps "
+    return (f"an epoch: {'; '.join(parts)}{flag}; {counted(sampler.batches_per_epoch, 'step')} "
             f"of {step} use {used} of the {drawn} examples, {drawn - used} left out (the last partial batch; "
             "the shuffle leaves out others each epoch)")
 

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..data.training import Collator, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
+from ..base.logs import counted
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
@@ -137,7 +138,8 @@ class Trainer:
         if run.eval_per_epoch:
             eval_every = max(1, -(-self.steps_per_epoch // run.eval_per_epoch))
             save_every = save_every or eval_every
-            logger.info("%d dev evaluation(s) per epoch: every %d steps", run.eval_per_epoch, eval_every)
+            logger.info("%s per epoch: every %s", counted(run.eval_per_epoch, "dev evaluation"),
+                        counted(eval_every, "step"))
         return eval_every, save_every
 
     def build_loss(self) -> SimpleContrastiveLoss:
@@ -205,8 +207,8 @@ class Trainer:
         """Linear warm-up to the learning rate, then linear decay to zero at the last step."""
         warmup, total = self.config.optim.warmup_for(self.total_steps), self.total_steps
         if self.config.optim.warmup_ratio is not None:
-            logger.info("--warmup-ratio %g of %d steps: %d warm-up steps", self.config.optim.warmup_ratio, total,
-                        warmup)
+            logger.info("--warmup-ratio %g of %s: %s", self.config.optim.warmup_ratio, counted(total, "step"),
+                        counted(warmup, "warm-up step"))
         return torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup))))
 
@@ -364,8 +366,8 @@ class Trainer:
         config = self.config
         metrics = evaluate_dev(self.retriever, config.data.dev_file, config.data.dev, config.data.cache_dir,
                                split_over_ranks=not config.run.fsdp)
-        logger.info("dev validation over %d questions and %d passages", metrics.pop("questions"),
-                    metrics.pop("passages"))
+        logger.info("dev validation over %s and %s", counted(metrics.pop("questions"), "question"),
+                    counted(metrics.pop("passages"), "passage"))
         self.retriever.train()
         return {f"dev_{k}": v for k, v in metrics.items()}
 
@@ -408,11 +410,11 @@ class Trainer:
     def announce(self) -> None:
         if self.rank == 0:
             config = self.config
-            logger.info("training %d steps: batch %d per rank x %d rank(s) = %d queries, %d passages per query, %s, "
-                        "%s on %s, %d DataLoader worker(s)%s", self.total_steps, config.data.batch_size, self.world,
-                        self.effective_batch, self.passages_per_query,
+            logger.info("training %s: batch %d per rank x %s = %s, %s per query, %s, %s on %s, %s%s",
+                        counted(self.total_steps, "step"), config.data.batch_size, counted(self.world, "rank"),
+                        counted(self.effective_batch, "query", "queries"), counted(self.passages_per_query, "passage"),
                         f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
-                        config.optim.precision, self.device, self.workers,
+                        config.optim.precision, self.device, counted(self.workers, "DataLoader worker"),
                         " (auto)" if config.data.num_workers == "auto" else "")
             if not config.optim.mask_duplicate_positives:
                 logger.info("--no-mask-duplicate-positives: a copy of a query's own positive elsewhere in the batch "
