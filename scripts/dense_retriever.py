@@ -34,8 +34,8 @@ from dpr_gc.base.args import ArgumentParser, device_arg, nonnegative_int, output
 from dpr_gc.base.errors import report_errors
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.guard import guarded
-from dpr_gc.retrieval.index import (DenseIndex, check_built_from, IndexParams, add_index_arguments, add_shards, index_exists, params_from_args,
-                          set_threads, shard_ids)
+from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, check_built_from,
+                                    index_exists, params_from_args, set_threads, shard_ids)
 from dpr_gc.model.retriever import add_prefix_arguments
 from dpr_gc.retrieval.retrieve import MATCH_CHOICES, retrieve_with_flags
 
@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_cuda", action="store_true", help="encode questions on the CPU")
     p.add_argument("--out_file", type=output_file, dest="output", help="DPR retriever JSON output")
     p.add_argument("--compact", action="store_true", help="results without passage text (ids, scores, has_answer)")
-    p.add_argument("--workers", type=nonnegative_int, default=0, help="answer-matching processes (default 0: all cores)")
+    p.add_argument("--workers", type=nonnegative_int, default=0,
+                   help="answer-matching processes (default 0: all cores)")
     p.add_argument("--n-docs", "--n_docs", dest="top_k", type=positive_int, default=100,
                    help="passages per question (default 100)")
     p.add_argument("--batch_size", dest="batch_size", type=positive_int, default=64, help="questions per encoder batch")
@@ -122,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, help="FAISS threads")
     add_index_arguments(p)
     add_prefix_arguments(p)
-    p.add_argument("--index_buffer", dest="block_size", type=positive_int, help="rows added to the index per block (DPR's name)")
+    p.add_argument("--index_buffer", dest="block_size", type=positive_int,
+                   help="rows added to the index per block (DPR's name)")
     for flag in IGNORED_VALUE:
         p.add_argument(flag, dest="ignored_" + flag.strip("-").replace("-", "_"), default=None, help=argparse.SUPPRESS)
     for flag in IGNORED_SWITCH:

@@ -47,7 +47,8 @@ def hydra_to_flags(argv: Sequence[str]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, dpr_aliases=True)
-    parser.add_argument("--sequence_length", dest="max_length", type=positive_int, help="passage max tokens (DPR's name)")
+    parser.add_argument("--sequence_length", dest="max_length", type=positive_int,
+                        help="passage max tokens (DPR's name)")
     parser.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
                         help="encode under fp16 autocast (as GC-DPR)")
     parser.add_argument("--no_cuda", action="store_true", help="encode on the CPU")

@@ -1,10 +1,13 @@
 """Run one training step (alone or under torchrun) and save the first step's gradient, for test_train.py.
 
-Under torchrun it also checks the teardown order: when the trainer destroys its process group, no DDP wrapper may be
+Under torchrun each rank also lists what it created, wrote, renamed or removed in the output folder (an audit hook;
+written beside the gradient as ``.writes.rankN``): only rank 0 may write files. And it checks the teardown order: when the trainer destroys its process group, no DDP wrapper may be
 alive (its reducer would become the group's last owner and run gloo's destructor wherever it is freed, which once
 deadlocked a rank)."""
 
 import gc
+import json
+import os
 import sys
 
 import torch
@@ -33,7 +36,36 @@ def dump(step: int, retriever) -> None:
         torch.save(grad, grads_path if rank is None else f"{grads_path}.rank{rank}")
 
 
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+CHANGES = {"os.rename": 2, "os.mkdir": 1, "os.remove": 1, "os.rmdir": 1, "shutil.rmtree": 1, "os.link": 2,
+           "os.symlink": 2, "os.truncate": 1}  # audit event -> how many leading arguments are paths
+
+
+def output_writes(root: str) -> list:
+    """Install an audit hook that records each change this process makes under ``root``; returns the record."""
+    seen: list = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args
+            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & WRITE_FLAGS)
+            paths = [path] if writes else []
+        else:
+            paths = list(args[:CHANGES.get(event, 0)])
+        for path in paths:
+            if isinstance(path, (str, bytes, os.PathLike)) and os.path.abspath(os.fsdecode(path)).startswith(root):
+                seen.append([event, os.fsdecode(path)])
+
+    sys.addaudithook(hook)
+    return seen
+
+
+rank = os.environ.get("RANK")
+writes = output_writes(os.path.abspath(out)) if rank is not None else None
 dist.destroy_process_group = checked_destroy
 train(train_config(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
                    query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3, num_workers=0),
       on_backward=dump)
+if writes is not None:
+    with open(f"{grads_path}.writes.rank{rank}", "w") as f:
+        json.dump(writes, f)

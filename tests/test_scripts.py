@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,7 +108,7 @@ def test_gc_dpr_readme_training_command_runs(tiny, tmp_path):
     assert not Retriever.load(tmp_path / "out" / "final").config.shared_encoder  # DPR's two towers
 
 
-def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path):
+def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path, monkeypatch):
     """Every GC-DPR/DPR flag with a meaning here lands in the field of its group (and nothing else moves)."""
     from dpr_gc.train.config import TrainConfig
     from dpr_gc.train.validation import DevLimits
@@ -119,9 +120,14 @@ def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path):
         "--val_av_rank_other_neg", "3", "--val_av_rank_bsz", "9", "--fp16", "--no_cuda", "--weight_decay", "0.01",
         "--checkpoint_file_name", "dpr_biencoder", "--train_files_upsample_rates", "[2]",
         "--model_file", str(tiny["bert"] / "missing.cp")]
-    args = script.build_parser().parse_args(["train", *argv])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    args = script.build_parser().parse_args(["train", *argv, "--local_rank", "1"])
     given = script.typed_flags(argv)
     config = script.config_from_args(args, given)
+    assert os.environ["LOCAL_RANK"] == "1"  # torch.distributed.launch's --local_rank: the rank's device
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    script.config_from_args(args, given)
+    assert os.environ["LOCAL_RANK"] == "0"  # a launcher's own LOCAL_RANK wins
     assert isinstance(config, TrainConfig)
     model, data, optim, cache, run = config.model, config.data, config.optim, config.cache, config.run
     assert model.name == str(tiny["bert"] / "missing.cp")  # --model_file wins over --pretrained_model_cfg
@@ -219,7 +225,7 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
 
 
 @pytest.mark.slow  # 79 s in a full run under load 7-10 on 2 cores (2026-11-24)
-def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path):
+def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path, monkeypatch):
     import json
 
     from dpr_gc.retrieval.index import DenseIndex
@@ -249,3 +255,11 @@ def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path):
     again = run("dense_retriever.py", *command[:-2], "--hnsw_index", "--cache_dir", str(tmp_path / "cache"))
     assert again.returncode == 0 and "loading the index from" in again.stderr
     assert json.loads(out.read_text()) == results
+    added: list[int] = []  # --index_buffer: the rows added to an index built in memory per call
+    real_add = DenseIndex.add
+    monkeypatch.setattr(DenseIndex, "add", lambda self, rows: (added.append(len(rows)), real_add(self, rows))[1])
+    in_memory = [a for a in command if a != "--save_or_load_index"]
+    assert load_script("dense_retriever.py").main(in_memory + ["--out_file", str(tmp_path / "r2.json"),
+                                                               "--index_buffer", "7"]) == 0
+    assert sum(added) == 3 * 40 and max(added) == 7, added
+    assert json.loads((tmp_path / "r2.json").read_text()) == results

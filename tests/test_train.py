@@ -133,3 +133,6 @@ def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared
         got = torch.load(tmp_path / f"ddp.pt.rank{rank}")
         assert float((got - expected).norm() / expected.norm()) < 1e-5
     assert (tmp_path / "o2" / "final" / "retriever_config.json").is_file()
+    writes = {rank: json.loads((tmp_path / f"ddp.pt.writes.rank{rank}").read_text()) for rank in (0, 1)}
+    assert writes[1] == [], writes[1][:5]  # only rank 0 writes files
+    assert any(path.endswith("retriever_config.json") for _, path in writes[0]), writes[0][:5]  # the hook sees writes
