@@ -553,6 +553,64 @@ def test_output_that_is_an_input_is_refused_in_every_stage(world: dict, tmp_path
     assert corpus.read_bytes() == world["corpus"].read_bytes()
 
 
+def own_index(world: dict, tmp_path: Path) -> dict[str, Path]:
+    """A copy of the world's model and corpus, encoded and indexed in ``tmp_path`` (the index records both)."""
+    model, corpus, cache = tmp_path / "model", tmp_path / "corpus.tsv", tmp_path / "cache"
+    shutil.copytree(world["model"], model)
+    shutil.copy(world["corpus"], corpus)
+    encode_corpus(Retriever.load(model), corpus, tmp_path / "emb", 0, 1, dtype="float32", cache_dir=cache,
+                  model_name=str(model), show_progress=False)
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams("flat"))
+    return {"model": model, "corpus": corpus, "emb": tmp_path / "emb", "idx": tmp_path / "idx", "cache": cache}
+
+
+def folder_bytes(*roots: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for root in roots for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file()}
+
+
+def test_an_output_inside_an_input_folder_is_refused(world: dict, tmp_path: Path) -> None:
+    """Files inside an input folder are inputs too: an index's, a model's (also the model and corpus an index
+    records when --model/--corpus are left out), a BEIR folder's."""
+    own = own_index(world, tmp_path)
+    beir = tmp_path / "beir"
+    shutil.copytree(ROOT / "data" / "examples" / "beir", beir)
+    before = folder_bytes(own["model"], own["corpus"], own["idx"], beir)
+    base = ["retrieve", "--index", own["idx"], "--queries", world["qa"], "--device", "cpu", "--cache-dir", own["cache"]]
+    refused(base + ["--output", own["idx"] / "index_meta.json"], "--output", "lies inside the input --index")
+    refused(base + ["--trec-run", own["model"] / "vocab.txt"], "--trec-run", "the index's recorded --model")
+    refused(base + ["--output", own["corpus"]], "--output", "is the input the index's recorded --corpus")
+    refused(base + ["--model", own["model"], "--output", own["model"] / "config.json"], "inside the input --model")
+    refused(["mine", "--source", "bm25", "--beir-dir", beir, "--output", beir / "corpus.jsonl", "--cache-dir",
+             own["cache"]], "--output", "lies inside the input --beir-dir")
+    assert folder_bytes(own["model"], own["corpus"], own["idx"], beir) == before
+
+
+def test_an_index_folder_holding_other_files_is_not_replaced(world: dict, tmp_path: Path) -> None:
+    """An index folder is replaced whole, so a rebuild refuses one that holds anything but the index: here the
+    model the shards were encoded with, and a note."""
+    own = own_index(world, tmp_path)
+    shutil.move(own["model"], own["idx"] / "model")
+    (own["idx"] / "notes.txt").write_text("mine")
+    refused(["index", "--embeddings", own["emb"], "--output", own["idx"]], "holds model, notes.txt beside its index")
+    assert (own["idx"] / "notes.txt").read_text() == "mine" and (own["idx"] / "model" / "config.json").is_file()
+    for name in ("model", "notes.txt"):
+        shutil.move(own["idx"] / name, tmp_path / name)
+    (own["idx"] / ".git").mkdir()
+    refused(["index", "--embeddings", own["emb"], "--output", own["idx"]], "holds .git beside its index")
+    assert (own["idx"] / ".git").is_dir()
+
+
+@pytest.mark.parametrize("command", ["index", "encode", "retrieve", "make-stdlib-data"])
+def test_an_empty_output_path_is_refused(world: dict, tmp_path: Path, monkeypatch, command: str) -> None:
+    """``--output ""`` would be the working folder: written into, or replaced whole by ``index``."""
+    monkeypatch.chdir(tmp_path)
+    argv = {"index": ["index", "--embeddings", world["emb"]],
+            "encode": ["encode", "--model", world["model"], "--corpus", world["corpus"]],
+            "retrieve": retrieve_argv(world, "--queries", world["qa"]), "make-stdlib-data": ["make-stdlib-data"]}
+    refused(argv[command] + ["--output", ""], "--output", "empty")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_two_outputs_of_one_run_may_not_be_the_same_file(world: dict, tmp_path: Path) -> None:
     out = tmp_path / "x"
     refused(retrieve_argv(world, "--queries", world["qa"], "--output", out, "--trec-run", out),

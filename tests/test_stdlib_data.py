@@ -193,3 +193,32 @@ def test_collect_definitions_strips_docstrings_and_skips(tmp_path: Path) -> None
     assert one.summary == "Return x doubled for the caller (é)." and "doubled" not in one.text
     assert "return 2 * x" in one.text
     assert by_pid["mod.bare"].summary is None and "return y" in by_pid["mod.bare"].text
+
+
+def test_a_folder_of_the_users_files_is_not_overwritten(tmp_path: Path) -> None:
+    """Without this dataset's manifest (or an interrupted build's marker), a file the build would write is the
+    user's: refused before anything is written."""
+    (tmp_path / "passages.tsv").write_text("mine")
+    with pytest.raises(DprGcError, match="already holds passages.tsv, not written by make-stdlib-data"):
+        build_stdlib_dataset(tmp_path, max_examples=N, seed=3)
+    assert (tmp_path / "passages.tsv").read_text() == "mine"
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "passages.tsv"]
+
+
+def test_an_interrupted_build_is_finished_by_the_rerun(tmp_path: Path, monkeypatch, built) -> None:
+    """A build killed after some files (before the manifest) leaves its marker, so the re-run overwrites its own
+    files and finishes with the same dataset."""
+    write = stdlib_data._write_outputs
+
+    def killed(out: Path, *args) -> None:
+        (out / "corpus.jsonl").write_text("half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stdlib_data, "_write_outputs", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build_stdlib_dataset(tmp_path, max_examples=N, seed=3)
+    monkeypatch.setattr(stdlib_data, "_write_outputs", write)
+    manifest = build_stdlib_dataset(tmp_path, max_examples=N, seed=3)
+    out, first = built
+    assert manifest["counts"] == first["counts"] and not (tmp_path / stdlib_data.BUILD_MARKER).exists()
+    assert (tmp_path / "corpus.jsonl").read_bytes() == (out / "corpus.jsonl").read_bytes()

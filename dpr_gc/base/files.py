@@ -220,9 +220,17 @@ def iter_jsonl_objects(path: PathLike, what: str = "record") -> Iterator[tuple[i
         yield line_no, obj
 
 
+def _given_path(path: PathLike, flag: str, what: str) -> Path:
+    """``path`` as a Path; an empty one is refused (``Path("")`` would be the working folder, written into or
+    replaced whole)."""
+    if not os.fspath(path).strip():
+        raise DprGcError(f"{flag} is empty; give {what}")
+    return Path(path)
+
+
 def check_output_file(path: PathLike, flag: str = "--output") -> Path:
-    """Refuse an output file path that is an existing folder (an existing file is replaced atomically)."""
-    p = Path(path)
+    """Refuse an output file path that is empty or an existing folder (an existing file is replaced atomically)."""
+    p = _given_path(path, flag, "a file name")
     if p.is_dir():
         raise DprGcError(f"{flag} {p} is a folder; give a file name (an existing file is replaced)")
     for parent in p.parents:
@@ -234,8 +242,8 @@ def check_output_file(path: PathLike, flag: str = "--output") -> Path:
 
 
 def check_output_dir(path: PathLike, flag: str = "--output") -> Path:
-    """Refuse an output folder path that is an existing file (or lies under one)."""
-    p = Path(path)
+    """Refuse an output folder path that is empty or an existing file (or lies under one)."""
+    p = _given_path(path, flag, "a folder")
     for q in (p, *p.parents):
         if q.exists():
             if not q.is_dir():

@@ -4,9 +4,9 @@ output of the same run, and whole-folder replacement.
 A stage declares which of its command-line destinations are inputs and which are outputs (:func:`guarded`); before
 the stage runs, every output is compared with every input and with the other outputs by what it resolves to
 (``realpath``) and, for paths that exist, by ``(st_dev, st_ino)`` -- so a symlink or a hard link to an input is
-refused too -- and a folder replaced whole may not hold an input. Then each output is locked (``flock``; a second run
-on the same output is refused at once) unless the stage takes its own finer lock (``"self"``). Files are written
-atomically by :mod:`dpr_gc.base.files`; folders by :func:`atomic_folder`.
+refused too; no output may lie inside an input folder, and a folder replaced whole may not hold an input. Then each
+output is locked (``flock``; a second run on the same output is refused at once) unless the stage takes its own
+finer lock (``"self"``). Files are written atomically by :mod:`dpr_gc.base.files`; folders by :func:`atomic_folder`.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def _inside(inner: tuple[str, Any], folder: Path) -> bool:
 
 
 def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: Iterable[str] = ()) -> None:
-    """Refuse any output that resolves to an input or to another output (``{flag: path or paths}``), and any
-    input inside an output folder named in ``whole`` (such folders are replaced as a whole)."""
+    """Refuse any output that resolves to an input or to another output (``{flag: path or paths}``), any output
+    inside an input folder (a model's, an index's, a BEIR folder's files), and any input inside an output folder
+    named in ``whole`` (such folders are replaced as a whole)."""
     ins = [(flag, p, _identity(p)) for flag, value in inputs.items() for p in _paths(value)]
     outs = [(flag, p, _identity(p)) for flag, value in outputs.items() for p in _paths(value)]
     for i, (flag, path, ident) in enumerate(outs):
@@ -71,6 +72,9 @@ def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: 
             if _same(ident, in_ident):
                 raise DprGcError(f"{flag} {path} is the input {in_flag} {in_path} (same file or a link to it); "
                                  "write the output somewhere else, inputs are never overwritten")
+            if os.path.isdir(in_path) and _inside(ident, in_path):
+                raise DprGcError(f"{flag} {path} lies inside the input {in_flag} {in_path}; write the output "
+                                 "outside the input's folder, inputs are never overwritten")
             if flag in whole and _inside(in_ident, path):
                 raise DprGcError(f"{flag} {path} holds the input {in_flag} {in_path} and would be replaced whole; "
                                  "write the output somewhere else")

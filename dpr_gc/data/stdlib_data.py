@@ -63,6 +63,7 @@ OUTPUT_FILES = {"corpus": "corpus.jsonl", "queries": "queries.jsonl", "qrels_tra
                 "qrels_dev": "qrels/dev.tsv", "qrels_test": "qrels/test.tsv", "dpr_train": "dpr_train.json",
                 "dpr_dev": "dpr_dev.json", "test_qa": "test_qa.tsv", "test_queries": "test_queries.jsonl",
                 "passages": "passages.tsv"}
+BUILD_MARKER = ".make-stdlib-data.building"
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(`'\"])")
 
@@ -326,6 +327,15 @@ def _write_outputs(out: Path, corpus: list[Definition], queries: list[tuple[str,
         writer.writerows([d.pid, d.text, d.pid] for d in corpus)
 
 
+def _refuse_foreign_files(out: Path) -> None:
+    """Refuse a folder without this dataset's manifest that holds a file the build would write: it is the user's,
+    not an earlier build's, and would be overwritten."""
+    taken = [name for name in (*OUTPUT_FILES.values(), "manifest.json") if (out / name).exists()]
+    if taken:
+        raise DprGcError(f"{out} already holds {', '.join(taken[:3])}{' and more' if len(taken) > 3 else ''}, not "
+                         "written by make-stdlib-data; give a new or empty --output folder")
+
+
 def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, seed: int = 0,
                          dev_fraction: float = 0.1, test_fraction: float = 0.15,
                          max_passage_words: int = 200) -> dict[str, Any]:
@@ -355,6 +365,8 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
         if old.get("params") == params and all((out / p).is_file() for p in old.get("files", {}).values()):
             logger.info("stdlib dataset already built in %s; reusing it", out)
             return old
+    elif not (out / BUILD_MARKER).is_file():
+        _refuse_foreign_files(out)
     start = time.perf_counter()
     root = Path(sysconfig.get_paths()["stdlib"])
     defs, skipped = collect_definitions(root, max_passage_words)
@@ -370,6 +382,8 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
     distractors = spare[:round(DISTRACTORS_PER_EXAMPLE * len(usable))]
     corpus = sorted(usable + distractors, key=lambda d: d.pid)
     queries = [(f"q{i:05d}", split_of[ex.group], ex) for i, ex in enumerate(usable)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / BUILD_MARKER).touch()  # an interrupted build's files are this command's to overwrite on the re-run
     _write_outputs(out, corpus, queries, split_of, seed)
     counts: dict[str, int] = {f"{s}_queries": sum(1 for _, q, _ in queries if q == s) for s in SPLITS}
     counts.update({f"{s}_packages": sum(1 for g in split_of.values() if g == s) for s in SPLITS})
@@ -379,6 +393,7 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
     manifest = {"params": params, "stdlib": str(root), "counts": counts, "files": dict(OUTPUT_FILES),
                 "build_seconds": round(time.perf_counter() - start, 2)}
     write_json(manifest_path, manifest)
+    (out / BUILD_MARKER).unlink(missing_ok=True)
     logger.info("stdlib dataset: %s", counts)
     return manifest
 

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 INDEX_FILE = "index.faiss"
 META_FILE = "index_meta.json"
 IDS_FILE = "ids.txt"
+INDEX_FOLDER_FILES = (INDEX_FILE, META_FILE, IDS_FILE)
 FORMAT_VERSION = 1
 INDEX_META_FIELDS = {"format_version": Field(int), "kind": text(), "factory": text(), "metric": text(),
                      "dim": positive_field(), "ntotal": count(), "params": Field(dict), "model": text(True),
@@ -236,11 +237,19 @@ class DenseIndex:
 
 
 def check_index_folder(folder: PathLike) -> Path:
-    """``folder`` as a Path, refused if it is a non-empty folder holding no index (it would be replaced whole)."""
+    """``folder`` as a Path, refused if it holds anything but an index's own files (it is replaced whole, and what
+    else it holds -- a model the shards were encoded with, a user's notes -- would go with it)."""
     out = Path(folder)
-    if out.is_dir() and not index_exists(out) and any(not p.name.startswith(".") for p in out.iterdir()):
+    if not out.is_dir():
+        return out
+    others = sorted(p.name for p in out.iterdir() if p.name not in INDEX_FOLDER_FILES)  # hidden ones too
+    if others and not index_exists(out):
         raise DprGcError(f"{out} is a folder that holds no index; it would be replaced whole, so give a new or "
                          "empty folder")
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise DprGcError(f"{out} holds {shown} beside its index; the folder is replaced whole, so move them out "
+                         "first or give another --output")
     return out
 
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..evaluation.answers import MATCH_MODES, AnswerMatcher, default_workers
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
-from ..base.guard import guarded
+from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
 from ..base.files import ChunkedOutput, PathLike, iter_jsonl
@@ -375,6 +375,9 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     corpus_path = job.corpus or index.meta.get("corpus")
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
+    check_outputs({"the index's recorded --model": None if job.model else model,
+                   "the index's recorded --corpus": None if job.corpus else corpus_path},
+                  {"--output": s.output, "--trec-run": s.trec_run})
     retriever = Retriever.load(model, default_device(job.device),
                                *recorded_prefixes(index.meta, job.query_prefix, job.passage_prefix))
     check_compatible(retriever, index, check_fingerprint=job.check_model)
