@@ -40,3 +40,16 @@ def test_help_says_where_the_disk_goes(capsys) -> None:
         text = " ".join(capsys.readouterr().out.split())
         assert "~/.cache/dpr_gc" in text and "DPR_GC_CACHE" in text
     assert "about 270 MB under --output" in text
+
+
+def test_a_killed_parse_leaves_no_temporary_after_the_next_run(tmp_path: Path) -> None:
+    """A parse killed mid-write leaves its hidden temporary (as large as the cache); the next build of the same cache
+    deletes it under the cache's lock."""
+    from dpr_gc.data.corpus import corpus_cache_path
+
+    cache = corpus_cache_path(EXAMPLES / "passages.tsv", tmp_path)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    stale = cache.with_name(f".{cache.name}.k1ll3d.tmp")
+    stale.write_bytes(b"half a cache")
+    assert len(load_corpus(EXAMPLES / "passages.tsv", tmp_path)) == 6
+    assert not stale.exists() and cache.is_file()

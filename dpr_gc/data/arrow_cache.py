@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from ..base.files import PathLike, atomic_path
+from ..base.files import PathLike, atomic_path, remove_stale_temporaries
 from ..base.locks import wait_lock
 
 logger = logging.getLogger(__name__)
@@ -36,10 +36,12 @@ def cache_file(cache_dir: Optional[PathLike], kind: str, name: str, key: str) ->
 
 def build_once(cache: Path, ready: Callable[[], bool], build: Callable[[], Any]) -> bool:
     """Run ``build`` unless ``ready()``, holding the cache's lock and checking ``ready()`` again once it is held
-    (another process may have built the cache meanwhile). Returns whether this call built it."""
+    (another process may have built the cache meanwhile). Returns whether this call built it. Under the lock the
+    temporaries a killed build of this cache left (``.NAME.*.tmp``, as large as the cache) are deleted first."""
     if ready():
         return False
     with wait_lock(cache.with_name(cache.name + ".lock")):
+        remove_stale_temporaries(cache.parent, [cache.name])
         if ready():
             return False
         build()
