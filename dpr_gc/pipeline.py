@@ -76,6 +76,37 @@ def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> P
     return target
 
 
+SETTINGS_FILE = "demo_settings.json"
+
+
+def _flat(record: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested settings record as ``{"training.optim.learning_rate": value, ...}``."""
+    if not isinstance(record, dict):
+        return {prefix: record}
+    return {k: v for key, value in record.items()
+            for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def check_demo_settings(out: Path, config: DemoConfig) -> None:
+    """Resume only the same demo: record its settings in ``out`` the first time, and refuse a folder that holds a
+    demo run with other settings (its measured stages, trained model and training subset would be reused as they
+    are, beside a report of the new settings) or other files and no record."""
+    record = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k != "output_dir"}))
+    path = out / SETTINGS_FILE
+    if not path.is_file():
+        if out.is_dir() and any(not p.name.startswith(".") for p in out.iterdir()):  # the guard's lock is hidden
+            raise DprGcError(f"{out} holds files but no {SETTINGS_FILE} of a demo run; give a new or empty --output")
+        write_json(path, record)
+        return
+    old, new = _flat(read_json_object(path, "demo settings")), _flat(record)
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in changed[:3])
+        raise DprGcError(f"{out} holds a demo run with other settings ({shown}"
+                         f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''}); its results would be "
+                         "reused as they are, so give another --output, or the same settings to resume it")
+
+
 def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, top_k: int,
             encode_batch_size: int) -> dict:
     """Encode the corpus, index it (exact inner product), retrieve for the test questions and evaluate."""
@@ -121,7 +152,7 @@ def run_demo(config: DemoConfig) -> dict:
     training = config.training
     torch.manual_seed(training.run.seed)
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_demo_settings(out, config)
     started = time.perf_counter()
     data = out / "data"
     manifest = build_stdlib_dataset(data, max_examples=config.max_examples, seed=training.run.seed)

@@ -116,3 +116,24 @@ def test_the_readme_describes_the_demos_defaults():
     assert (f"on {config.train_queries:,} training questions: batch {training.data.batch_size}, chunk {chunk} "
             f"({training.data.batch_size // chunk} chunks per step") in readme
     assert f"{steps} steps, lr {training.optim.learning_rate:.0e}".replace("e-0", "e-") in readme
+
+
+def test_a_demo_folder_resumes_only_the_same_settings(tmp_path):
+    """The first run records its settings; a re-run with others is refused in one line naming what changed (it
+    would reuse the measured stages and the trained model as they are), the same settings resume, and a folder of
+    other files without the record is refused."""
+    from dpr_gc.pipeline import SETTINGS_FILE, check_demo_settings
+
+    out, config = tmp_path / "demo", DemoConfig()
+    check_demo_settings(out, config)
+    assert (out / SETTINGS_FILE).is_file()
+    check_demo_settings(out, config)
+    training = dataclasses.replace(config.training, optim=dataclasses.replace(config.training.optim,
+                                                                             learning_rate=1e-3))
+    with pytest.raises(DprGcError, match=r"other settings \(max_examples: None there, 300 now; "
+                                         r"training\.optim\.learning_rate: 5e-05 there, 0\.001 now\)"):
+        check_demo_settings(out, dataclasses.replace(config, training=training, max_examples=300))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(DprGcError, match="holds files but no demo_settings.json"):
+        check_demo_settings(tmp_path / "other", config)
