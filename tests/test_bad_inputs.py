@@ -131,6 +131,8 @@ BAD_CORPORA = [
     ("dup.tsv", b"id\ttext\ttitle\na\tx\tt\nb\ty\tt\na\tz\tt\n", "dup.tsv:4: passage id 'a' repeats the one at line 2"),
     ("space.tsv", b"id\ttext\ttitle\na b\tx\tt\n", "space.tsv:2: passage id 'a b' is empty or contains whitespace"),
     ("utf8.jsonl", b'{"_id": "a", "text": "\xc3\x28"}\n', "utf8.jsonl:1: not valid UTF-8"),
+    ("zero_width.jsonl", b'{"_id": "d\\u200b1", "text": "x"}\n',
+     "zero_width.jsonl:1: passage id 'd\\u200b1' holds invisible or control characters (U+200B)"),
 ]
 
 
@@ -150,6 +152,10 @@ BAD_QUERIES = [
     ("deep.jsonl", DEEP.encode() + b"\n", "deep.jsonl:1: JSON nested too deeply"),
     ("qa.csv.gz", gzip.compress(b'q\t["a"]\n' * 50)[:-8], "not a complete gzip file"),
     ("answers.tsv", b"q\t" + DEEP.encode() + b"\n", "answers.tsv:1: answers must be a list"),
+    ("zero_width.jsonl", b'{"_id": "q\\u200b1", "text": "a"}\n',
+     "zero_width.jsonl:1: query id 'q\\u200b1' holds invisible or control characters (U+200B)"),
+    ("empty.tsv", b'fine\t["a"]\n \t["b"]\n', "empty.tsv:2: the question is empty"),
+    ("empty.jsonl", b'{"_id": "q1", "text": ""}\n', "empty.jsonl:1: the question is empty"),
 ]
 
 

@@ -27,11 +27,12 @@ from ..base.logs import counted
 from .arrow_cache import cache_file, cached_dataset, write_stream
 from ..base.files import PathLike, check_unicode, iter_jsonl_objects, open_text, require_file
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
+from ..base.validate import check_id
 
 logger = logging.getLogger(__name__)
 
 COLUMNS = ("id", "title", "text")
-CACHE_VERSION = "3"
+CACHE_VERSION = "4"
 WRITE_BATCH_ROWS = 10_000
 FULL_HASH_BYTES = 256 << 20
 SAMPLE_BLOCKS = 1024
@@ -93,6 +94,7 @@ def iter_passage_lines(path: Path) -> Iterator[tuple[int, str, str, str]]:
         if not pid or _BAD_ID.search(pid):
             raise DprGcError(f"{path}:{line_no}: passage id {pid!r} is empty or contains whitespace; ids must be "
                              "one word (TREC runs and id files separate fields by whitespace); rename it")
+        check_id(pid, f"{path}:{line_no}", "passage id")  # as evaluate checks the runs and results made from it
         yield line_no, pid, title, text
 
 
@@ -327,9 +329,16 @@ def _iter_tsv_queries(path: Path, log: bool) -> Iterator[tuple[int, dict]]:
                              f"got {len(row)} field(s)")
         answers = _parse_answers(row[1], f"{path}:{line_no}")
         counts.rows += 1
-        yield line_no, {"id": row[2] if len(row) == 3 else str(line_no), "question": row[0], "answers": answers}
+        yield line_no, _query(f"{path}:{line_no}", row[2] if len(row) == 3 else str(line_no), row[0], answers)
     if log:
         log_tsv_counts(path, counts, "questions")
+
+
+def _query(where: str, qid: Any, question: str, answers: list[str]) -> dict:
+    """A question record, its id and text checked as ``evaluate`` checks the results and runs made from it."""
+    if not question.strip():
+        raise DprGcError(f"{where}: the question is empty; remove the line or give its text")
+    return {"id": check_id(qid, where, "query id"), "question": question, "answers": answers}
 
 
 def _parse_answers(field: str, where: str) -> list[str]:
@@ -362,5 +371,4 @@ def _iter_jsonl_queries(path: Path) -> Iterator[tuple[int, dict]]:
         raw = obj.get("answers", obj.get("answer", []))
         answers = _answer_list(raw, where) if raw is not None else []
         qid = obj.get("_id", obj.get("id"))
-        qid = str(qid) if qid is not None else str(line_no)
-        yield line_no, {"id": qid, "question": question, "answers": answers}
+        yield line_no, _query(where, qid if qid is not None else str(line_no), question, answers)
