@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in ("grad_cache", "separate_encoders"):
             action.default = None
         if action.dest == "output_dir":
-            action.required = False
+            action.required, action.default = False, None  # DPR's validation-only run writes nothing
         if action.dest == "epochs":
             action.type = positive_float  # DPR's --num_train_epochs is a float
     train.set_defaults(grad_cache=None)

@@ -35,7 +35,7 @@ from dpr_gc.data.training import load_dpr_files, load_training_data
 from dpr_gc.retrieval.encode import encode_corpus
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.evaluation.evaluate import read_qrels, read_results, read_run
-from dpr_gc.retrieval.index import IndexParams, build_index
+from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.helpers import tiny_bert, WORDS
 
@@ -1375,3 +1375,130 @@ def test_model_folders_that_cannot_load_are_one_line(world: dict, tmp_path: Path
                     "cpu", "--cache-dir", tmp_path / "c"], needle)
     assert len(line) < 400 and str(model) in line
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "e").exists()
+
+
+def _without_vocabulary(world: dict, root: Path, kind: str) -> Path:
+    """A copy of the world's model without its tokenizer.json: no vocabulary file at all, an empty vocab.txt, or a
+    vocab.txt without [UNK]."""
+    from tests.helpers import write_vocab
+
+    model = root / "model"
+    shutil.copytree(world["model"], model)
+    (model / "tokenizer.json").unlink()
+    if kind == "empty vocab.txt":
+        (model / "vocab.txt").write_text("")
+    elif kind == "vocab.txt without [UNK]":
+        words = write_vocab(root / "vocab.txt").read_text().splitlines()
+        (model / "vocab.txt").write_text("".join(f"{word}\n" for word in words if word != "[UNK]"))
+    return model
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("no vocabulary file", "the tokenizer has 5 tokens for the model's"),
+    ("empty vocab.txt", "the tokenizer has 5 tokens for the model's"),
+    ("vocab.txt without [UNK]", "Missing [UNK] token")])
+def test_a_model_folder_without_its_vocabulary_is_refused(world: dict, tmp_path: Path, kind: str, needle: str) -> None:
+    """From a folder without its vocabulary transformers builds a tokenizer of the special tokens alone, which turns
+    every word into [UNK] (encode exited 0 with garbage); a WordPiece vocabulary without [UNK] raised a traceback
+    mid-encode and left a half-written shard. Both are refused at load, in one line naming the folder, before
+    --output is touched."""
+    model = _without_vocabulary(world, tmp_path, kind)
+    line = refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device",
+                    "cpu", "--cache-dir", tmp_path / "c"], needle)
+    assert str(model) in line and not (tmp_path / "e").exists()
+
+
+# ------------------------------------------------------------------ integers beyond what FAISS, OpenMP, a model take
+def _ivf_index(world: dict, folder: Path) -> Path:
+    build_index(world["emb"], folder, IndexParams("ivf-flat"))
+    return folder
+
+
+def test_faiss_integer_flags_beyond_their_range_are_refused_when_parsed(world: dict, tmp_path: Path) -> None:
+    """--nprobe 99999999999 was saved into the index and failed every later search ('cur_nprobe > 0'); a huge
+    --ef-construction overflowed a C int in a traceback. Every such flag states its range, on the command line and
+    in code."""
+    index = ["index", "--embeddings", world["emb"], "--output", tmp_path / "idx"]
+    for kind, flag, value, limit in (("ivf-flat", "--nprobe", "99999999999", "1 to 2147483647"),
+                                     ("hnsw", "--ef-construction", "99999999999", "1 to 1048576"),
+                                     ("hnsw", "--ef-search", "2147483647", "1 to 1048576"),
+                                     ("ivf-flat", "--nlist", "99999999999", "1 to 1048576"),
+                                     ("ivf-pq", "--pq-nbits", "25", "1 to 24")):
+        refused([*index, "--kind", kind, flag, value], flag, f"'{value}' is not an integer from {limit}")
+    assert not (tmp_path / "idx").exists()
+    for flag in ("--nprobe", "--ef-search"):
+        refused(retrieve_argv(world, "--queries", world["qa"], "--output", tmp_path / "o.json", flag, "99999999999"),
+                flag, "is not an integer from 1 to")
+    assert not (tmp_path / "o.json").exists()
+    with pytest.raises(DprGcError, match="--nprobe must be an integer from 1 to 2147483647"):
+        IndexParams("ivf-flat", nprobe=2**31)
+    with pytest.raises(DprGcError, match="--nprobe must be an integer from 1 to 2147483647"):
+        DenseIndex.read(_ivf_index(world, tmp_path / "ivf")).set_search_params(nprobe=2**31)
+
+
+def test_index_metadata_holding_an_out_of_range_parameter_is_refused_when_read(world: dict, tmp_path: Path) -> None:
+    """An index saved with nprobe 99999999999 (by a version that took it, or edited) made every retrieve die in FAISS
+    with a traceback; it is refused in one line naming the file and saying to rebuild."""
+    meta_file = _ivf_index(world, tmp_path / "ivf") / "index_meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["params"]["nprobe"] = 99999999999
+    meta_file.write_text(json.dumps(meta))
+    line = refused(["retrieve", "--index", tmp_path / "ivf", "--queries", world["qa"], "--output", tmp_path / "o.json",
+                    "--device", "cpu"], "nprobe 99999999999", "rebuild the index")
+    assert str(meta_file) in line and not (tmp_path / "o.json").exists()
+
+
+def test_more_threads_than_cpus_are_cut_to_the_cpus(world: dict, tmp_path: Path, caplog) -> None:
+    """--threads 99999999999 overflowed omp_set_num_threads in a traceback (and tens of thousands of OpenMP threads
+    abort the process); the count is cut to the CPUs this process may use, with a log line."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    try:
+        code, err = call(cli.main, ["index", "--embeddings", world["emb"], "--output", tmp_path / "idx",
+                                    "--threads", "99999999999"])
+        assert code == 0 and "Traceback" not in err, err
+        assert faiss.omp_get_max_threads() == len(os.sched_getaffinity(0))
+        code, err = call(cli.main, retrieve_argv(world, "--queries", world["qa"], "--output", tmp_path / "o.json",
+                                                 "--threads", "99999999999"))
+        assert code == 0 and "Traceback" not in err, err
+    finally:
+        faiss.omp_set_num_threads(before)
+    assert "--threads 99999999999 is more than the" in caplog.text
+
+
+def _plain_bert(folder: Path, tokenizer: Any) -> Path:
+    """A tiny random BERT (128 positions) and its tokenizer as a transformers folder: train starts a new retriever."""
+    tiny_bert(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_train_max_lengths_beyond_the_model_positions_are_refused(world: dict, tmp_path: Path,
+                                                                   tiny_tokenizer: Any) -> None:
+    """train --query-max-length 100000 was saved into the retriever, and retrieving a long question with it died
+    in the model's forward; it is refused as encode's --max-length is, before --output is created."""
+    train = ["train", "--train", world["train"], "--output", tmp_path / "t", "--device", "cpu", "--max-steps", "1",
+             "--batch-size", "2", "--num-workers", "0", "--model", _plain_bert(tmp_path / "bert", tiny_tokenizer),
+             "--cache-dir", tmp_path / "c"]
+    refused([*train, "--query-max-length", "100000"], "--query-max-length 100000 exceeds the model's limit of 128")
+    refused([*train, "--passage-max-length", "129"], "--passage-max-length 129 exceeds the model's limit of 128")
+    assert not (tmp_path / "t").exists()
+
+
+def test_a_saved_max_length_beyond_the_model_positions_is_cut_at_load(world: dict, tmp_path: Path, caplog) -> None:
+    """A retriever saved with a query_max_length beyond its 128 positions (before train checked the flag) still
+    retrieves a long question: texts are cut at the positions, with a log line when it is loaded."""
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    config = json.loads((model / "retriever_config.json").read_text())
+    (model / "retriever_config.json").write_text(json.dumps({**config, "query_max_length": 100_000}))
+    (tmp_path / "long.tsv").write_text(" ".join(["paris"] * 2000) + '\t["paris"]\n')
+    caplog.set_level("INFO", logger="dpr_gc")
+    code, err = call(cli.main, ["retrieve", "--index", world["idx"], "--model", model, "--queries",
+                                tmp_path / "long.tsv", "--output", tmp_path / "o.json", "--device", "cpu",
+                                "--skip-model-check"])
+    assert code == 0 and "Traceback" not in err, err
+    assert "query_max_length 100000 exceeds the model's limit of 128 positions" in caplog.text
+    assert len(json.loads((tmp_path / "o.json").read_text())[0]["ctxs"]) == 16
+    assert Retriever.load(model).max_length("query") == 128

@@ -177,6 +177,28 @@ def test_bad_beir_qrels(tmp_path):
     assert len(data) == 1 and data.stats[0]["bad"] == 1
 
 
+@pytest.mark.parametrize("kind", ["passage", "query"])
+def test_beir_folder_with_a_repeated_id_is_refused(tmp_path: Path, kind: str) -> None:
+    """Training reads a BEIR folder with the readers ``mine --beir-dir`` uses, so a corpus.jsonl that repeats a passage
+    id, or a queries.jsonl that repeats a query id, is refused naming the file and both lines, not trained on."""
+    folder = write_beir(tmp_path / "beir", records(2))
+    if kind == "passage":
+        path = folder / "corpus.jsonl.gz"
+        lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+        repeated, first = "p0", next(i for i, line in enumerate(lines, 1) if json.loads(line)["_id"] == "p0")
+        lines.append(json.dumps({"_id": "p0", "title": "Other", "text": "Completely different text."}))
+        path.write_bytes(gzip.compress("".join(line + "\n" for line in lines).encode()))
+    else:
+        path = folder / "queries.jsonl"
+        lines = path.read_text().splitlines()
+        repeated, first = "q1", next(i for i, line in enumerate(lines, 1) if json.loads(line)["_id"] == "q1")
+        lines.append(json.dumps({"_id": "q1", "text": "again"}))
+        path.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(DprGcError, match=rf"^{path}:{len(lines)}: {kind} id '{repeated}' repeats the one at line "
+                                         rf"{first}[ ;(]"):
+        D.load_training_data([folder], tmp_path / "cache")
+
+
 def test_training_and_evaluation_read_qrels_alike(tmp_path):
     """One qrels reader: TREC qrels (``qid 0 docid rel``) train exactly as the BEIR TSV they restate, and the
     evaluation reader sees the same judgments."""

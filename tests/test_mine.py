@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import shutil
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -170,6 +173,75 @@ def test_bm25_index_is_saved_and_reused_only_for_the_same_corpus(world, tmp_path
     edited.write_text("".join(json.dumps(p) + "\n" for p in rows))
     with pytest.raises(DprGcError, match="corpus_fingerprint"):
         BM25Source(load_corpus(edited, tmp_path / "cache"), index_dir=root / "bm25")
+
+
+def _swap_rising_pair(indptr: np.ndarray) -> np.ndarray:
+    """``indptr`` with two neighbours that rise swapped, so it decreases there while its ends stay right."""
+    j = 1 + int(np.flatnonzero(np.diff(indptr[1:-1]) > 0)[0])
+    indptr[j], indptr[j + 1] = indptr[j + 1], indptr[j]
+    return indptr
+
+
+def _edit_json(path: Path, change: Callable[[dict], None]) -> None:
+    obj = json.loads(path.read_text())
+    change(obj)
+    path.write_text(json.dumps(obj))
+
+
+BM25_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "vocab": (lambda d: (d / "vocab.index.json").write_text('{"a":1}'), "vocab.index.json"),
+    "indices": (lambda d: np.save(d / "indices.csc.index.npy", np.full_like(np.load(d / "indices.csc.index.npy"),
+                                                                            10**6)), "indices.csc.index.npy"),
+    "indptr": (lambda d: np.save(d / "indptr.csc.index.npy", _swap_rising_pair(np.load(d / "indptr.csc.index.npy"))),
+               "indptr.csc.index.npy decreases"),
+    "data": (lambda d: np.save(d / "data.csc.index.npy", np.load(d / "data.csc.index.npy") * np.nan),
+             "data.csc.index.npy"),
+    "num_docs": (lambda d: _edit_json(d / "params.index.json", lambda p: p.update(num_docs=3)), "num_docs=3"),
+    "tokenizer": (lambda d: _edit_json(d / "vocab.tokenizer.json", lambda v: v["word_to_id"].update(city=10**6)),
+                  "vocab.tokenizer.json"),
+    "deep": (lambda d: (d / "vocab.index.json").write_text('{"a":' * 5000 + "1" + "}" * 5000), "nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("damage", BM25_DAMAGE)
+def test_damaged_bm25_index_is_refused_in_one_line(world, tmp_path, damage):
+    """A BM25 index folder whose files disagree (vocabulary ids, CSC arrays, passage count, the tokenizer's copy of
+    the vocabulary) is refused before mining, in one line naming the folder, not by a traceback deep in bm25s."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    root, folder = world["root"], tmp_path / "bm25"
+    shutil.copytree(root / "bm25", folder)
+    change, needle = BM25_DAMAGE[damage]
+    change(folder)
+    code, err = call(main, ["mine", "--train-file", root / "train.json", "--corpus", root / "corpus.jsonl",
+                            "--cache-dir", root / "cache", "--bm25-index", folder, "--output", tmp_path / "o.json"])
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"error: {folder}: damaged BM25 index (") and needle in lines[0], err
+    assert lines[0].endswith("delete the folder to rebuild it") and not (tmp_path / "o.json").exists()
+
+
+def test_question_without_an_indexed_word_gets_no_bm25_candidate(tmp_path):
+    """An ordinary question can consist of unseen words or stopwords only: it shares no term with any passage, so it
+    gets no candidate (not the passages without an indexed word, which bm25s's empty-text token would match), its
+    positive scores 0, mining goes on, and the summary counts it."""
+    rows = [("p1", "Seine", "The Seine is a river in Paris."), ("p2", "", "it is a"),
+            ("p3", "Thames", "The Thames flows through London.")]
+    path = tmp_path / "c.tsv"
+    path.write_text("id\ttext\ttitle\n" + "".join(f"{i}\t{x}\t{t}\n" for i, t, x in rows))
+    corpus = load_corpus(path, tmp_path / "cache")
+    src = BM25Source(corpus, show_progress=False)
+    scores, found, positive = src.retrieve(["zyxxy qwertz", "the of and", "paris river"], 3,
+                                           [[(1, "", "it is a")], [(0, "", "")], [(0, "", "")]])
+    assert (found[:2] == -1).all() and (scores[:2] == 0).all() and positive[:2] == [[0.0], [0.0]]
+    assert found[2, 0] == 0 and positive[2][0] > 0
+    qs = [{"question": q, "answers": [], "positive_ctxs": [{"passage_id": "p3", "title": "Thames", "text": "x"}]}
+          for q in ("zyxxy qwertz", "paris river")]
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=2, top_k=3)
+    assert records[0]["hard_negative_ctxs"] == [] and [c["passage_id"] for c in records[1]["hard_negative_ctxs"]] \
+        == ["p1"]
+    assert summary.no_candidates == 1 and summary.table()["questions without a candidate"] == 1
 
 
 def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):

@@ -40,7 +40,7 @@ def test_train_script_accepts_gc_dpr_flags(tmp_path):
     result = run("train_dense_encoder.py", "--train_file", str(tmp_path / "missing.json"), "--output_dir",
                  str(tmp_path / "out"), "--grad_cache", "--q_chunk_size", "4", "--ctx_chunk_size", "8",
                  "--batch_size", "16", "--hard_negatives", "1", "--other_negatives", "0", "--fp16",
-                 "--pretrained_model_cfg", str(tmp_path))
+                 "--pretrained_model_cfg", str(tmp_path / "model"))
     assert result.returncode == 2
     assert "missing.json" in result.stderr and "unrecognized" not in result.stderr
 

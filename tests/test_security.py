@@ -187,3 +187,20 @@ def test_learnable_temperature_resumes_bit_for_bit(tmp_path):
     assert all(torch.equal(seen["a"][step], seen["b"][step]) for step in range(5))
     a, b = params(tmp_path / "a" / "final"), params(tmp_path / "b" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_training_files_whose_content_changed(trained, tmp_path, capsys):
+    """A training file edited between the checkpoint and the resume (same records count, other text) would give a
+    run trained on two datasets: refused in one line. The same content resumes."""
+    from tests.helpers import call
+
+    task = {**trained, "train": tmp_path / "t.json"}
+    shutil.copy(trained["train"], task["train"])
+    run = tmp_path / "run"
+    assert main([str(a) for a in train_argv(task, run, "latest")[:-2]] + ["--max-steps", "1", "--save-every", "1"]) == 0
+    records = json.loads(task["train"].read_text())
+    json.dump([{**r, "question": r["question"].upper()} for r in records], task["train"].open("w"))
+    code, err = call(main, train_argv(task, run, "latest"))
+    assert code == 2 and "the content of the training files changed since the checkpoint" in err, err
+    json.dump(records, task["train"].open("w"))
+    assert main([str(a) for a in train_argv(task, run, "latest")]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -113,6 +114,46 @@ def test_bad_input_errors(task, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: dpr-gc train: argument --precision: invalid choice")
     with pytest.raises(DprGcError, match="needs training data"):  # a library config without data or output
         train(TrainConfig())
+
+
+def refused_train(task: dict, out: Path, capsys: pytest.CaptureFixture, *extra: object) -> str:
+    """Run a one-step ``train`` of ``task`` into ``out`` that must be refused; return its one ``error:`` line."""
+    argv = ["train", "--train", task["train"], "--output", out, "--model", task["model"], "--max-steps", 1,
+            "--batch-size", 8, "--device", "cpu", "--num-workers", 0, "--cache-dir", out.parent / "cache", *extra]
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+DEV_RECORD = {"question": "q", "answers": ["a"], "negative_ctxs": [], "hard_negative_ctxs": []}
+
+
+@pytest.mark.parametrize("records, needle", [
+    ([{**DEV_RECORD, "positive_ctxs": [None]}], "dev.json:1 (record 0): positive_ctxs[0] must be an object"),
+    ([{**DEV_RECORD, "positive_ctxs": []}], "dev.json: no usable training question"),
+    (None, "--dev data not found")])
+def test_a_refused_dev_file_is_named_and_leaves_no_output(task, tmp_path, capsys, records, needle):
+    """A bad --dev file was refused only at the first evaluation, after train_config.json was written into --output,
+    and its messages read as the training data's (and advised --skip-bad-records, which does not apply to it): it
+    is now read before anything is written, and its errors say --dev."""
+    dev = tmp_path / "dev.json"
+    if records is not None:
+        dev.write_text(json.dumps(records))
+    err = refused_train(task, tmp_path / "out", capsys, "--dev", dev)
+    assert needle in err and "--dev" in err and "--skip-bad-records" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_without_its_vocabulary_trains_nothing(task, tmp_path, capsys):
+    """A model folder whose tokenizer lost its vocabulary loaded as special tokens alone and trained on [UNK]s; the
+    model loader refuses it, before --output is written."""
+    model = tmp_path / "model"
+    shutil.copytree(task["model"], model)
+    (model / "tokenizer.json").unlink()
+    err = refused_train({**task, "model": model}, tmp_path / "out", capsys)
+    assert f"{model}: the tokenizer has 5 tokens" in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # 37 s in a full run under load 7-10 on 2 cores (2026-11-24)

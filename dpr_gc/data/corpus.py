@@ -56,6 +56,20 @@ def corpus_format(path: PathLike) -> str:
     return "tsv"
 
 
+def source_fingerprint(path: PathLike) -> str:
+    """:func:`corpus_fingerprint` of a training source: a file, or a BEIR folder's corpus, queries and qrels files
+    (by relative path; whatever else the folder holds, e.g. a BM25 index, does not count)."""
+    p = Path(path)
+    if not p.is_dir():
+        return corpus_fingerprint(p)
+    files = sorted(f for f in [*p.glob("corpus*"), *p.glob("queries*"), *p.glob("qrels/*")]
+                   if f.is_file() and not f.name.startswith("."))
+    digest = hashlib.blake2b(digest_size=16)
+    for f in files:
+        digest.update(f"{f.relative_to(p)}\0{corpus_fingerprint(f)}\0".encode())
+    return digest.hexdigest()
+
+
 def corpus_fingerprint(path: PathLike) -> str:
     """A content fingerprint of the corpus file: a hash of its bytes, or of 1,024 evenly spaced 64 KiB blocks and the
     size when it is larger than 256 MiB (so checking a 13 GB ``psgs_w100.tsv`` costs well under a second).

@@ -46,6 +46,7 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         self.rank, self.world_size, self.shuffle, self.per_file_batches = rank, world_size, shuffle, per_file_batches
         self.groups = groups  # the query of each item: no global batch holds one query twice (see spread_groups)
         self.epoch, self.skip, self._resume = 0, 0, None
+        self.data_fingerprints: list[str] = []  # the training sources' content (set by the trainer), checked on resume
         self._order: Optional[tuple[int, np.ndarray]] = None
         if self.batches_per_epoch == 0:
             raise DprGcError(f"too few training questions ({sum(self.sizes)}) for one batch of {batch_size} "
@@ -106,15 +107,21 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         epoch, done = (self.epoch + 1, 0) if batches_done >= self.batches_per_epoch else (self.epoch, batches_done)
         return {"epoch": epoch, "batches_done": done, "seed": self.seed, "batch_size": self.batch_size,
                 "world_size": self.world_size, "sizes": self.sizes, "rates": self.rates,
-                "shuffle": self.shuffle, "per_file_batches": self.per_file_batches}
+                "shuffle": self.shuffle, "per_file_batches": self.per_file_batches,
+                "data_fingerprints": self.data_fingerprints}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume: the next ``set_epoch(state['epoch'])`` skips the batches already done."""
+        """Resume: the next ``set_epoch(state['epoch'])`` skips the batches already done. The data setup must be the
+        checkpoint's, the training sources' content included (a state without fingerprints predates them)."""
         mine = self.state_dict(0)
-        changed = [k for k in mine if k not in ("epoch", "batches_done") and state.get(k) != mine[k]]
+        changed = [k for k in mine if k not in ("epoch", "batches_done", "data_fingerprints")
+                   and state.get(k) != mine[k]]
         if changed:
             raise DprGcError(f"cannot resume: the data setup changed ({', '.join(changed)}); "
                              "use the same training files, rates, batch size, world size and seed")
+        if state.get("data_fingerprints") and state["data_fingerprints"] != self.data_fingerprints:
+            raise DprGcError("cannot resume: the content of the training files changed since the checkpoint; resume "
+                             "with the files it was trained on, or train into a new --output")
         self.epoch, self.skip = state["epoch"], state["batches_done"]
         self._resume = (self.epoch, self.skip)
 

@@ -27,7 +27,7 @@ from .arrow_cache import cache_file, cached_dataset, write_stream
 from .qrels import iter_qrels, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
-from ..base.files import (PathLike, check_unicode, die_with_parent, iter_jsonl, iter_jsonl_objects, open_text,
+from ..base.files import (PathLike, check_unicode, die_with_parent, iter_jsonl, open_text,
                           read_json_object, require_file, write_json)
 from ..base.settings import add_arguments, check, setting
 from ..base.streams import iter_json_list, sniff_json
@@ -39,6 +39,8 @@ from ..model.tokenize import token_ids
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3  # 2: negatives that are the question's own positive are dropped; 3: a row count ends the file
+BEIR_VERSION = 1  # a BEIR folder's cache besides FORMAT_VERSION; 1: read by the corpus and query readers (ids unique)
+SKIP_HINT = " or pass --skip-bad-records"  # ends a bad record's message; a dev file has no such flag
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
 WRITE_BATCH = 256
 Row = dict[str, Any]
@@ -168,8 +170,15 @@ def find_beir_file(folder: Path, name: str) -> Path:
     raise DprGcError(f"{folder} has no {name} (or {name}.gz); expected a BEIR folder")
 
 
-def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
-    """One record per query of ``qrels``, in first-appearance order; positives are pairs with score > 0."""
+def _beir_records(corpus: Path, queries: Path, qrels: Path, cache_dir: Optional[PathLike]) -> Produced:
+    """One record per query of ``qrels``, in first-appearance order; positives are pairs with score > 0.
+
+    Queries and passages are read by the readers every other command uses, so training refuses what ``mine
+    --beir-dir`` refuses (a repeated query or passage id, a passage without text); the corpus lands in the Arrow cache
+    in ``cache_dir`` that encoding and mining map later.
+    """
+    from .corpus import iter_queries, load_corpus, rows_for_ids
+
     pairs: dict[str, list[tuple[str, int]]] = {}
     first_line: dict[str, int] = {}
     bad: list[tuple[str, str]] = []
@@ -184,13 +193,12 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path) -> Produced:
             entry.append((pid, line_no))
     yield from bad
     needed = {p for entry in pairs.values() for p, _ in entry}
-    questions = {str(q.get("_id")): q.get("text") for _, q in iter_jsonl_objects(queries, "a BEIR query")
-                 if str(q.get("_id")) in pairs}
-    docs = {}
-    for _, d in tqdm(iter_jsonl_objects(corpus, "a BEIR passage"), desc=f"read {corpus.name}", unit=" docs",
-                     disable=None):
-        if str(d.get("_id")) in needed:
-            docs[str(d["_id"])] = {"id": str(d["_id"]), "title": d.get("title") or "", "text": d.get("text")}
+    questions = {q["id"]: q["question"] for q in iter_queries(queries, log=False) if q["id"] in pairs}
+    passages = load_corpus(corpus, cache_dir)
+    rows = sorted(rows_for_ids(passages, needed).values())
+    found = passages[rows] if rows else {"id": [], "title": [], "text": []}
+    docs = {pid: {"id": pid, "title": title or "", "text": text}
+            for pid, title, text in zip(found["id"], found["title"], found["text"])}
     for qid, entry in pairs.items():
         where = f"{qrels}:{first_line[qid]}"
         if not entry:
@@ -258,6 +266,7 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
            cache_dir: Optional[PathLike], skip_bad: bool) -> TrainingData:
     """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it."""
     key = [FORMAT_VERSION, tag, skip_bad] + [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    key += [BEIR_VERSION] if tag == "beir" else []  # DPR files keep their caches
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
     arrow = cache_file(cache_dir, "train", stem, json.dumps(key))
     stats_file = arrow.with_name(arrow.stem + ".stats.json")
@@ -289,7 +298,7 @@ def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: b
             stats["records"] += 1
             if isinstance(row, str):
                 if not skip_bad:
-                    raise DprGcError(f"{where}: {row}; fix the record or pass --skip-bad-records")
+                    raise DprGcError(f"{where}: {row}; fix the record{SKIP_HINT}")
                 stats["bad"] += 1
                 if stats["bad"] <= 5:
                     logger.warning("skipping bad record at %s: %s", where, row)
@@ -330,7 +339,7 @@ def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Opti
     folder = Path(beir_dir)
     corpus, queries = find_beir_file(folder, "corpus.jsonl"), find_beir_file(folder, "queries.jsonl")
     qrels = require_file(folder / "qrels" / f"{split}.tsv", f"qrels for split {split!r}")
-    produce = functools.partial(_beir_records, corpus, queries, qrels)
+    produce = functools.partial(_beir_records, corpus, queries, qrels, cache_dir)
     return _build(folder, [qrels, queries, corpus], "beir", produce, cache_dir, skip_bad)
 
 

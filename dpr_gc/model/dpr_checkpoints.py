@@ -77,7 +77,8 @@ def load_dpr_checkpoint(retriever_cls: Any, path: str | Path) -> Any:
             raise DprGcError(f"{p}: {prefix} weights do not fit {name!r} (missing {missing[:3]}, unexpected "
                              f"{unexpected[:3]})")
         towers[side] = (model, projection)
-    retriever = retriever_cls(towers["query"][0], towers["passage"][0], load_tokenizer(str(name)), config)
+    tokenizer = load_tokenizer(str(name), towers["query"][0])
+    retriever = retriever_cls(towers["query"][0], towers["passage"][0], tokenizer, config)
     for encoder, (_, projection) in ((retriever.query_encoder, towers["query"]),
                                      (retriever.passage_encoder, towers["passage"])):
         if encoder.projection is not None:

@@ -57,13 +57,14 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
         context = DPRContextEncoder.from_pretrained(str(context_dir)).ctx_encoder
     except (OSError, ValueError) as e:
         raise DprGcError(f"cannot load the DPR checkpoints in {question_dir.parent}: {str(e).splitlines()[0]}") from None
-    tokenizer = load_tokenizer(question_dir)
-    if tokenizer.get_vocab() != load_tokenizer(context_dir).get_vocab():
+    query_bert, context_bert = _dpr_bert(question), _dpr_bert(context)
+    tokenizer = load_tokenizer(question_dir, query_bert)
+    if tokenizer.get_vocab() != load_tokenizer(context_dir, context_bert).get_vocab():
         raise DprGcError(f"{question_dir} and {context_dir} have different vocabularies; dpr-gc needs one tokenizer")
     projection = question.config.projection_dim or None
     config = RetrieverConfig(pooling="cls", normalize=False, projection_dim=projection, shared_encoder=False,
                              query_max_length=256, passage_max_length=256, passage_format="pair")
-    retriever = retriever_cls(_dpr_bert(question), _dpr_bert(context), tokenizer, config)
+    retriever = retriever_cls(query_bert, context_bert, tokenizer, config)
     if projection:
         retriever.query_encoder.projection.load_state_dict(question.encode_proj.state_dict())
         retriever.passage_encoder.projection.load_state_dict(context.encode_proj.state_dict())

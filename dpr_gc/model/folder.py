@@ -38,7 +38,7 @@ from ..engine.loss import TEMPERATURE_RANGE
 from .card import write_model_card
 from .config import RetrieverConfig
 from .dpr_hub import find_dpr_pair, load_dpr
-from .pretrained import check_saveable, check_tokenizer_fits, load_tokenizer, load_transformer
+from .pretrained import check_saveable, load_tokenizer, load_transformer
 from ..base.guard import atomic_folder
 from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number,
                              positive_int, text)
@@ -313,8 +313,7 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
     query, document = towers["query"], towers["document"]
     q_model = load_transformer(query.transformer)
     p_model = None if query is document else load_transformer(document.transformer)
-    tokenizer = load_tokenizer(query.transformer)
-    check_tokenizer_fits(tokenizer, q_model, query.transformer)
+    tokenizer = load_tokenizer(query.transformer, q_model)
     retriever = retriever_cls(q_model, p_model, tokenizer, config)
     for tower, encoder in ((query, retriever.query_encoder), (document, retriever.passage_encoder)):
         projection = [path for path, activation in tower.dense if activation == IDENTITY]
@@ -344,7 +343,7 @@ def load_format1(retriever_cls: Any, folder: Path, config: Any) -> Any:
     """Folders written before format 2: ``query_encoder/``, ``passage_encoder/``, ``tokenizer/``, ``projection.pt``."""
     q_model = load_transformer(folder / "query_encoder")
     p_model = None if config.shared_encoder else load_transformer(folder / "passage_encoder")
-    retriever = retriever_cls(q_model, p_model, load_tokenizer(folder / "tokenizer"), config)
+    retriever = retriever_cls(q_model, p_model, load_tokenizer(folder / "tokenizer", q_model), config)
     load_heads(folder, retriever, projections=True)
     return retriever
 

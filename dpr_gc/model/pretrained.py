@@ -58,9 +58,30 @@ def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:
     return model
 
 
+# A tokenizer with fewer tokens than half the model's embedding rows lacks its vocabulary. Real models pad the table
+# only a little past the vocabulary (to a multiple of 64 or 128, plus a few reserved rows: Qwen2.5 has 151,665 tokens
+# for 151,936 rows, Phi-2 50,295 for 51,200 -- under 2 % unused), so half leaves a wide margin; yet a folder without its
+# vocabulary file still loads, as the special tokens alone (BERT: 5 tokens for 30,522 rows), and every word becomes
+# [UNK]. Added tokens count (``len(tokenizer)``): a model trained with added tokens has rows for them.
+MIN_VOCABULARY_SHARE = 0.5
+# encoded once at load, so a vocabulary that breaks the tokenizer (a WordPiece one without [UNK]) fails there
+PROBE_TEXT = "Tokenizer check: naïve café, 42 km \u2603 \U0001f9ea"
+
+
 def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | Path) -> None:
-    """Refuse a tokenizer whose special tokens have ids the model has no embedding for, or that cannot pad."""
+    """Refuse a tokenizer without its vocabulary (see :data:`MIN_VOCABULARY_SHARE`), one that cannot encode text,
+    whose special tokens have ids the model has no embedding for, or that cannot pad."""
     rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) < MIN_VOCABULARY_SHARE * rows:
+        raise DprGcError(f"{name_or_path}: the tokenizer has {len(tokenizer):,} tokens for the model's {rows:,} "
+                         "embeddings, so its vocabulary file (tokenizer.json, vocab.txt, ...) is missing or "
+                         "incomplete; copy the model's tokenizer files into the folder")
+    try:
+        tokenizer(PROBE_TEXT)
+    except Exception as e:  # noqa: BLE001 - the Rust tokenizers library raises plain Exceptions on a bad vocabulary
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise DprGcError(f"{name_or_path}: the tokenizer cannot encode text ({reason}); its vocabulary file is "
+                         "damaged: copy the model's tokenizer files into the folder") from None
     ids = [i for i in tokenizer.all_special_ids if i is not None]
     if ids and max(ids) >= rows:
         raise DprGcError(f"{name_or_path}: the tokenizer's special tokens ({', '.join(tokenizer.all_special_tokens)}) "
@@ -94,7 +115,9 @@ def check_tokenizer_file(path: Path) -> None:
                      required=("id", "content"))
 
 
-def load_tokenizer(name_or_path: str | Path) -> Any:
+def load_tokenizer(name_or_path: str | Path, model: nn.Module) -> Any:
+    """The tokenizer of a model name or folder, checked against ``model``, the transformer it will feed (see
+    :func:`check_tokenizer_fits`): every loader of a retriever goes through here, so none skips the check."""
     from transformers import AutoTokenizer
 
     check_model_folder(name_or_path)
@@ -109,6 +132,7 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
         # Decoder-only (Llama/Mistral/Qwen2) tokenizers often have no padding token; padded positions are masked,
         # so any id serves, and EOS is the usual choice.
         tokenizer.pad_token = tokenizer.eos_token
+    check_tokenizer_fits(tokenizer, model, name_or_path)
     return tokenizer
 
 

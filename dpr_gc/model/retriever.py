@@ -25,7 +25,7 @@ from ..engine.loss import Temperature
 from .config import RetrieverConfig
 from .dpr_checkpoints import load_dpr_checkpoint
 from .folder import load_retriever, save_retriever
-from .pretrained import check_tokenizer_fits, load_tokenizer, load_transformer
+from .pretrained import load_tokenizer, load_transformer
 from .tokenize import check_prefix, token_ids
 from ..base.logs import nested_bar_disabled
 
@@ -52,6 +52,26 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each row's last non-padding token, whichever side the padding is on."""
     positions = torch.arange(1, attention_mask.size(1) + 1, device=attention_mask.device)
     return (attention_mask.long() * positions).argmax(1)
+
+
+def position_limit(encoder: nn.Module) -> Optional[int]:
+    """The most tokens an encoder's transformer takes: its ``max_position_embeddings``, less the ids a RoBERTa-style
+    position table reserves below its first position (``padding_idx + 1``: 514 rows hold 512 tokens); None when the
+    model states no such limit (relative or rotary positions without one)."""
+    transformer = getattr(encoder, "transformer", encoder)
+    limit = getattr(getattr(transformer, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        return None
+    table = getattr(getattr(transformer, "embeddings", None), "position_embeddings", None)
+    offset = getattr(table, "padding_idx", None)
+    return limit - offset - 1 if isinstance(offset, int) and 0 <= offset < limit - 1 else limit
+
+
+def check_max_length(flag: str, length: int, limit: Optional[int]) -> None:
+    """Refuse a max length given as ``flag`` beyond the ``limit`` positions of the model (None: no limit): every
+    longer text would fail in the model's forward, and a retriever would save the length for later commands."""
+    if limit is not None and length > limit:
+        raise DprGcError(f"{flag} {length} exceeds the model's limit of {limit} positions; give at most {limit}")
 
 
 def is_left_padded(attention_mask: torch.Tensor) -> bool:
@@ -124,13 +144,27 @@ class Retriever(nn.Module):
         return rep
 
     # ----------------------------------------------------------------- tokenization
+    def positions(self, kind: str) -> Optional[int]:
+        """The most tokens the query or passage tower takes (see :func:`position_limit`; None: no limit)."""
+        return position_limit(self.query_encoder if kind == "query" else self.passage_encoder)
+
+    def max_length(self, kind: str, asked: Optional[int] = None) -> int:
+        """The length ``kind`` texts are cut to: ``asked``, else the config's query/passage max length, at most the
+        tower's :meth:`positions` -- a config that holds more (edited by hand, or saved before train checked its
+        flags) would otherwise fail on every longer text."""
+        length = asked or (self.config.query_max_length if kind == "query" else self.config.passage_max_length)
+        limit = self.positions(kind)
+        return length if limit is None else min(length, limit)
+
     def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
-        """Padded token ids of questions (see :func:`dpr_gc.model.tokenize.token_ids`)."""
-        return token_ids(self.tokenizer, self.config, "query", questions, max_length=max_length)
+        """Padded token ids of questions (see :func:`dpr_gc.model.tokenize.token_ids`), cut to :meth:`max_length`."""
+        return token_ids(self.tokenizer, self.config, "query", questions,
+                         max_length=self.max_length("query", max_length))
 
     def tokenize_passages(self, titles: Sequence[Optional[str]], texts: Sequence[str], max_length: Optional[int] = None) -> Any:
-        """Padded token ids of passages, each tokenised on its own (see :func:`dpr_gc.model.tokenize.token_ids`)."""
-        return token_ids(self.tokenizer, self.config, "passage", texts, titles, max_length)
+        """Padded token ids of passages, each tokenised on its own (see :func:`dpr_gc.model.tokenize.token_ids`), cut
+        to :meth:`max_length`."""
+        return token_ids(self.tokenizer, self.config, "passage", texts, titles, self.max_length("passage", max_length))
 
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> None:
@@ -155,18 +189,29 @@ class Retriever(nn.Module):
             if value is not None and value != getattr(retriever.config, name):
                 logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
                 retriever.config = dataclasses.replace(retriever.config, **{name: value})
+        retriever.log_cut_lengths(path)
         config = retriever.config
-        check_prefix(retriever.tokenizer, config.query_prefix, "query", config.query_max_length)
-        check_prefix(retriever.tokenizer, config.passage_prefix, "passage", config.passage_max_length)
+        check_prefix(retriever.tokenizer, config.query_prefix, "query", retriever.max_length("query"))
+        check_prefix(retriever.tokenizer, config.passage_prefix, "passage", retriever.max_length("passage"))
         return retriever.to(device)
+
+    def log_cut_lengths(self, where: str | Path) -> None:
+        """Say (once, at load) when a stored max length exceeds the model's positions, so texts are cut shorter than
+        the config says (:meth:`max_length`). Cut, not refused: the weights are sound and no longer text could ever
+        be encoded, so a retriever saved with such a length (by hand, or before train checked its flags) stays
+        usable as it is."""
+        for kind, texts in (("query", "queries"), ("passage", "passages")):
+            stored, used = getattr(self.config, f"{kind}_max_length"), self.max_length(kind)
+            if used < stored:
+                logger.info("%s: its %s_max_length %d exceeds the model's limit of %d positions; %s are cut at %d "
+                            "tokens", where, kind, stored, used, texts, used)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: RetrieverConfig) -> "Retriever":
         """Start a retriever from a Hugging Face model name or folder (copied twice when the towers are separate)."""
         q_model = load_transformer(name_or_path)
         p_model = None if config.shared_encoder else load_transformer(name_or_path)
-        tokenizer = load_tokenizer(name_or_path)
-        check_tokenizer_fits(tokenizer, q_model, name_or_path)
+        tokenizer = load_tokenizer(name_or_path, q_model)
         retriever = cls(q_model, p_model, tokenizer, config)
         retriever.training_info["base_model"] = str(name_or_path)
         return retriever

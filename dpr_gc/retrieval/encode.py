@@ -157,13 +157,13 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     Finished blocks from an interrupted run with the same settings are reused; a folder holding parts or shards
     made with another model or other settings is refused rather than mixed.
     """
+    from ..model.retriever import check_max_length
+
     settings = dataclasses.replace(settings or EncodeSettings(), **options)
     autocast = pick_precision(settings.precision, next(retriever.parameters()).device)
-    limit = getattr(retriever.passage_encoder.transformer.config, "max_position_embeddings", None) or 10**9
-    max_length = settings.max_length
-    if max_length is not None and max_length > limit:
-        raise DprGcError(f"--max-length {max_length} exceeds the model's limit of {limit} positions")
-    settings = dataclasses.replace(settings, max_length=max_length or min(retriever.config.passage_max_length, limit))
+    if settings.max_length is not None:
+        check_max_length("--max-length", settings.max_length, retriever.positions("passage"))
+    settings = dataclasses.replace(settings, max_length=retriever.max_length("passage", settings.max_length))
     shard_id, num_shards = resolve_shard(settings.shard_id if shard_id is None else shard_id,
                                          settings.num_shards if num_shards is None else num_shards)
     corpus = load_corpus(corpus_path, settings.cache_dir)

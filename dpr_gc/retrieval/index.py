@@ -32,7 +32,7 @@ from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_fol
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary
 from ..base.logs import counted
-from .index_params import IndexBuild, IndexParams
+from .index_params import IndexBuild, IndexParams, param_rules
 from ..base.settings import add_arguments, from_args, setting, to_record
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
 
@@ -66,12 +66,36 @@ def _faiss() -> Any:
     return faiss
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the system has one, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cap_threads(threads: int) -> int:
+    """``threads`` (a ``--threads`` value; 0 passes through) cut to :func:`usable_cpus`, with a log line when cut.
+
+    Cut rather than refused: FAISS search and bm25s scoring are compute-bound, so threads beyond the CPUs never run
+    faster, while OpenMP asked for tens of thousands aborts the process ("Thread creation failed", or a segfault) and
+    a C int overflows beyond 2**31-1. A fixed upper bound would be wrong on some machine, too high for a container's
+    thread limit or too low for a large host, while the CPU count is right everywhere and a command line that names
+    more threads than this machine has still runs here."""
+    cpus = usable_cpus()
+    if threads > cpus:
+        logger.warning("--threads %d is more than the %d CPU(s) this process may use; using %d", threads, cpus, cpus)
+        return cpus
+    return threads
+
+
 def set_threads(threads: Optional[int]) -> None:
-    """Limit FAISS's OpenMP threads (``None`` keeps FAISS's default: all cores)."""
+    """Limit FAISS's OpenMP threads, at most to the CPUs (see :func:`cap_threads`); ``None`` keeps FAISS's default:
+    all cores."""
     if threads is not None:
-        if threads < 1:
-            raise DprGcError(f"--threads must be a positive integer, got {threads}")
-        _faiss().omp_set_num_threads(threads)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise DprGcError(f"--threads must be a positive integer, got {threads!r}")
+        _faiss().omp_set_num_threads(cap_threads(threads))
 
 
 class DenseIndex:
@@ -90,7 +114,7 @@ class DenseIndex:
         factory = params.factory_string(dim)
         try:
             index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-        except RuntimeError as e:
+        except (RuntimeError, MemoryError) as e:  # MemoryError: a factory string's sizes too large to allocate
             raise DprGcError(f"FAISS cannot build index {factory!r} for dimension {dim}: "
                              f"{_faiss_message(e)}; check --factory / --pq-m") from None
         hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
@@ -156,19 +180,20 @@ class DenseIndex:
 
     def _apply_search_params(self, ef_search: Optional[int], nprobe: Optional[int], strict: bool) -> None:
         space = _faiss().ParameterSpace()
-        for name, flag, value in (("efSearch", "ef_search", ef_search), ("nprobe", "nprobe", nprobe)):
+        for name, field, value in (("efSearch", "ef_search", ef_search), ("nprobe", "nprobe", nprobe)):
             if value is None:
                 continue
-            if value < 1:
-                raise DprGcError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+            flag, rule = param_rules()[field]  # the flag's range: FAISS overflows beyond it
+            if not rule.accepts(value):
+                raise DprGcError(f"{flag} must be {rule.__name__}, got {value!r}")
             try:
                 space.set_index_parameter(self.index, name, int(value))
             except RuntimeError:
                 if strict:
-                    raise DprGcError(f"--{flag.replace('_', '-')} does not apply to a {self.meta['factory']} "
-                                     "index; drop the flag") from None
+                    raise DprGcError(f"{flag} does not apply to a {self.meta['factory']} index; drop the "
+                                     "flag") from None
                 continue
-            self.meta["params"][flag] = int(value)
+            self.meta["params"][field] = int(value)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` by inner product: ``(scores float32 [n, k], rows int64 [n, k])``; row -1 marks no hit."""
@@ -268,11 +293,16 @@ def file_stamp(path: Union[Path, IO[bytes]]) -> list:
 
 
 def check_meta(meta: Any, path: PathLike) -> dict:
-    """Typed fields and ranges of ``index_meta.json``."""
+    """Typed fields and ranges of ``index_meta.json``; a saved parameter outside its flag's range (an edited file, or
+    one written before the ranges were checked) is refused, as FAISS would overflow or fail every search on it."""
     check_fields(meta, path, INDEX_META_FIELDS, "index metadata", required=("format_version", "ntotal", "dim"))
     if meta["format_version"] != FORMAT_VERSION:
         raise DprGcError(f"{path}: not a dpr-gc index (format_version {FORMAT_VERSION} expected); rebuild it")
-    check_fields(meta.get("params") or {}, f"{path} (params)", PARAM_FIELDS, "index parameters")
+    params = check_fields(meta.get("params") or {}, f"{path} (params)", PARAM_FIELDS, "index parameters")
+    for name, (flag, rule) in param_rules().items():
+        if params.get(name) is not None and not rule.accepts(params[name]):
+            raise DprGcError(f"{path}: the saved {name} {params[name]} is outside what {flag} takes "
+                             f"({rule.__name__}), so FAISS would fail on it; rebuild the index with 'dpr-gc index'")
     return meta
 
 
@@ -503,7 +533,8 @@ class IndexJob:
                           help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")
     append: bool = setting(False, "--append", help="add new shards to the existing index in --output")
     allow_partial: bool = setting(False, "--allow-partial", help="index although some shards are not encoded yet")
-    threads: Optional[int] = setting(None, "--threads", type=positive_int, help="FAISS threads (default: all cores)")
+    threads: Optional[int] = setting(None, "--threads", type=positive_int,
+                                     help="FAISS threads, at most the CPUs (default: all cores)")
 
 
 def params_from_args(args: argparse.Namespace) -> IndexParams:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 from ..base.args import int_between, nonnegative_int, positive_int
 from ..base.errors import DprGcError
@@ -14,6 +14,20 @@ from ..base.settings import check, setting
 KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
 CENTROID_POINTS = 39  # FAISS wants about this many training vectors per k-means centroid
 HNSW_M_RANGE = (2, 512)  # FAISS segfaults at M=1 and dies of bad_alloc for a huge M
+# FAISS keeps nprobe (and the sizes of a factory string) in C ints: a larger value overflows, as a traceback when it
+# is set or, once saved, as a wrapped nprobe that fails every search of the index.
+FAISS_INT_MAX = 2**31 - 1
+# FAISS allocates an HNSW beam of ef entries per search thread up front (2**31-1: 16 GiB, bad_alloc); a beam of a
+# million candidates is already an exhaustive search in disguise (use --kind flat), so nothing useful lies beyond.
+HNSW_EF_MAX = 1 << 20
+# An IVF index allocates all its inverted lists at once (2**31-1 of them: bad_alloc). FAISS's guidelines stop at 2**20
+# lists for 100M-1B vectors, which would need 39 * 2**20 training vectors; a larger index is a --factory string.
+NLIST_MAX = 1 << 20
+PQ_NBITS_MAX = 24  # FAISS refuses longer product-quantizer codes ("nbits larger than 24 is not practical")
+
+# Flag types of the parameters above, shared with retrieve's search-time overrides so both take the same range.
+hnsw_ef = int_between(1, HNSW_EF_MAX)
+ivf_nprobe = int_between(1, FAISS_INT_MAX)
 
 
 @dataclasses.dataclass
@@ -29,14 +43,17 @@ class IndexParams:
                                                              "'OPQ64,IVF4096,PQ64' (overrides --kind)")
     hnsw_m: int = setting(32, "--hnsw-m", type=int_between(*HNSW_M_RANGE),
                           help="HNSW neighbours per node, 2 to 512")
-    ef_construction: int = setting(200, "--ef-construction", type=positive_int, help="HNSW build-time beam")
-    ef_search: int = setting(128, "--ef-search", type=positive_int, help="HNSW search beam, keep >= top-k")
-    nlist: Optional[int] = setting(None, "--nlist", type=positive_int,
-                                   help="IVF inverted lists (default about 4*sqrt(N))")
-    pq_m: Optional[int] = setting(None, "--pq-m", type=positive_int,
+    ef_construction: int = setting(200, "--ef-construction", type=hnsw_ef,
+                                   help=f"HNSW build-time beam, 1 to {HNSW_EF_MAX}")
+    ef_search: int = setting(128, "--ef-search", type=hnsw_ef,
+                             help=f"HNSW search beam, keep >= top-k (1 to {HNSW_EF_MAX})")
+    nlist: Optional[int] = setting(None, "--nlist", type=int_between(1, NLIST_MAX),
+                                   help=f"IVF inverted lists, 1 to {NLIST_MAX} (default about 4*sqrt(N))")
+    pq_m: Optional[int] = setting(None, "--pq-m", type=int_between(1, FAISS_INT_MAX),
                                   help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
-    pq_nbits: int = setting(8, "--pq-nbits", type=positive_int, help="bits per PQ code")
-    nprobe: int = setting(32, "--nprobe", type=positive_int, help="IVF lists visited per query")
+    pq_nbits: int = setting(8, "--pq-nbits", type=int_between(1, PQ_NBITS_MAX),
+                            help=f"bits per PQ code, 1 to {PQ_NBITS_MAX}")
+    nprobe: int = setting(32, "--nprobe", type=ivf_nprobe, help="IVF lists visited per query")
 
     def __post_init__(self) -> None:
         check(self)
@@ -91,3 +108,14 @@ class IndexBuild:
 
     def __post_init__(self) -> None:
         check(self)
+
+
+def param_rules() -> dict[str, tuple[str, Any]]:
+    """``{field: (flag, flag type)}`` of the :class:`IndexParams` fields whose flag type checks a range: one rule for
+    the flag, a value set in code (search parameters changed on a loaded index) and a value read from a saved index."""
+    rules = {}
+    for field in dataclasses.fields(IndexParams):
+        decl = field.metadata["setting"]
+        if hasattr(decl.type, "accepts"):
+            rules[field.name] = (decl.flag, decl.type)
+    return rules

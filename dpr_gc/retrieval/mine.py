@@ -40,6 +40,7 @@ from ..base.locks import output_lock
 from ..base.settings import (add_arguments, cache_dir_setting, check, device_setting, from_args, group,
                              passage_prefix_setting, query_prefix_setting, setting)
 from ..evaluation.answers import MATCH_MODES
+from .index import cap_threads
 from .retrieve import DenseSource
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class SourceSettings:
     device: Optional[str] = device_setting()
     cache_dir: Optional[PathLike] = cache_dir_setting()
     threads: int = setting(0, "--threads", type=nonnegative_int,
-                           help="BM25 / FAISS search threads (0: bm25s 1, FAISS all)")
+                           help="BM25 / FAISS search threads, at most the CPUs (0: bm25s 1, FAISS all)")
     check_model: bool = setting(True, "--skip-model-check", dest="skip_model_check", negate=True,
                                 help="do not refuse a model whose weights differ from the one that encoded the "
                                      "passages")
@@ -140,6 +141,7 @@ class MiningSummary:
     questions: int = 0
     judged: int = 0
     candidates: int = 0
+    no_candidates: int = 0
     gold_dropped: int = 0
     answer_dropped: int = 0
     qrels_dropped: int = 0
@@ -166,6 +168,7 @@ class MiningSummary:
             return round(v, 4) if self.written else "-"
 
         return {"questions": self.questions, "questions in qrels": self.judged, "candidates seen": self.candidates,
+                "questions without a candidate": self.no_candidates,
                 "gold dropped": self.gold_dropped, "answer-bearing dropped": self.answer_dropped,
                 "qrels positives dropped": self.qrels_dropped, "skipped by rank": self.rank_skipped,
                 "dropped by margin": self.margin_dropped, "dropped by max negative ratio": self.ratio_dropped,
@@ -322,7 +325,8 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
             chosen.append({"title": title, "text": text, "passage_id": pid, "score": float(score), "rank": rank})
     scores = [c["score"] for c in chosen]
     summary.merge(MiningSummary(questions=1, judged=int(bool(judged)), candidates=len(hits),
-                                short=int(len(chosen) < n_negatives), written=len(chosen), score_sum=sum(scores),
+                                no_candidates=int(not hits), short=int(len(chosen) < n_negatives), written=len(chosen),
+                                score_sum=sum(scores),
                                 score_min=min(scores, default=math.inf), score_max=max(scores, default=-math.inf)))
     return chosen
 
@@ -404,6 +408,10 @@ def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_
     logger.info("mined %s: of %s, removed %s; %s written", counted(summary.questions, "question"),
                 counted(summary.candidates, "candidate"), ", ".join(f"{n} by {name}" for name, n in rules),
                 counted(summary.written, "negative"))
+    if summary.no_candidates:
+        logger.warning("%s without a candidate (BM25: no word of the question is in the corpus's vocabulary, e.g. "
+                       "unseen words or stopwords only): no negatives mined for them",
+                       counted(summary.no_candidates, "question"))
     if summary.unscored and needs_positive_scores(margin, max_negative_ratio, min_margin):
         logger.warning("%s without a positive score (positive not in the corpus): the margin and positive-aware "
                        "rules did not apply to them", counted(summary.unscored, "question"))
@@ -436,7 +444,8 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     model, index, embeddings, device, batch_size = s.model, s.index, s.embeddings, s.device, s.batch_size
     query_prefix, passage_prefix = s.query_prefix, s.passage_prefix
     if kind == "bm25":
-        return BM25Source(corpus, s.k1, s.b, index_dir=s.bm25_index, n_threads=s.threads, show_progress=show_progress)
+        return BM25Source(corpus, s.k1, s.b, index_dir=s.bm25_index, n_threads=cap_threads(s.threads),
+                          show_progress=show_progress)
     if kind != "dense":
         raise DprGcError(f"unknown --source {kind!r}; use one of {', '.join(SOURCES)}")
     from ..base.devices import default_device

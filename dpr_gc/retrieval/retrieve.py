@@ -28,6 +28,7 @@ from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
 from ..base.files import ChunkedOutput, PathLike, iter_jsonl
 from .index import DenseIndex, set_threads
+from .index_params import hnsw_ef, ivf_nprobe
 from ..base.settings import (FREE, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
                              passage_prefix_setting, query_prefix_setting, setting)
 from ..evaluation.results import check_run_tag, open_results, open_trec_run
@@ -459,11 +460,15 @@ class IndexToSearch:
     """``dpr-gc retrieve``'s index: its folder, search-time overrides, FAISS threads."""
 
     index: str = setting("", "--index", required=True, help="index folder written by 'dpr-gc index'")
-    ef_search: Optional[int] = setting(None, "--ef-search", type=positive_int,
+    ef_search: Optional[int] = setting(None, "--ef-search", type=hnsw_ef,
                                        help="override the index's HNSW efSearch (default: the index's own)")
-    nprobe: Optional[int] = setting(None, "--nprobe", type=positive_int,
+    nprobe: Optional[int] = setting(None, "--nprobe", type=ivf_nprobe,
                                     help="override the index's IVF nprobe (default: the index's own)")
-    threads: Optional[int] = setting(None, "--threads", type=positive_int, help="FAISS threads (default: all cores)")
+    threads: Optional[int] = setting(None, "--threads", type=positive_int,
+                                     help="FAISS threads, at most the CPUs (default: all cores)")
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,19 +9,20 @@ from pathlib import Path
 from ..base.errors import DprGcError
 from ..model.dpr_hub import find_dpr_pair
 from ..model.folder import config_from_pipeline, load_pipeline_retriever, read_pipeline
-from ..model.retriever import Retriever, RetrieverConfig
+from ..model.retriever import Retriever, RetrieverConfig, check_max_length
 from .config import DataConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
 def check_sources(data: DataConfig, output: str) -> None:
-    """Refuse a missing training or dev source, or no output folder, before anything is built."""
+    """Refuse a missing training or dev source (naming its flag), or no output folder, before anything is built."""
     if not data.train_files or not output:
         raise DprGcError("training needs training data (--train) and an output folder (--output)")
-    for source in data.train_files + ([data.dev_file] if data.dev_file else []):
+    sources = [("--train", s) for s in data.train_files] + ([("--dev", data.dev_file)] if data.dev_file else [])
+    for flag, source in sources:
         if not Path(source).exists():
-            raise DprGcError(f"training data not found: {source} (give DPR files or BEIR folders)")
+            raise DprGcError(f"{flag} data not found: {source} (give DPR files or BEIR folders)")
 
 
 def build_retriever(model: ModelConfig) -> Retriever:
@@ -40,14 +41,41 @@ def build_retriever(model: ModelConfig) -> Retriever:
                 if v is not None}
     towers = read_pipeline(Path(name)) if Path(name).is_dir() else None
     if towers is None:
-        return Retriever.from_pretrained(name, dataclasses.replace(model.retriever or RetrieverConfig(), **prefixes))
+        config = dataclasses.replace(model.retriever or RetrieverConfig(), **prefixes)
+        return check_lengths(Retriever.from_pretrained(name, config), model)
     config = dataclasses.replace(folder_recipe(name, towers, model), **prefixes)
     folder = config_from_pipeline(Path(name), towers)
     if (config.projection_dim, config.shared_encoder) == (folder.projection_dim, folder.shared_encoder):
         retriever = load_pipeline_retriever(Retriever, Path(name), towers, config)
         retriever.training_info["base_model"] = name
-        return retriever
-    return Retriever.from_pretrained(str(towers["query"].transformer), config)
+        return check_lengths(retriever, model)
+    return check_lengths(Retriever.from_pretrained(str(towers["query"].transformer), config), model)
+
+
+LENGTHS = {"query_max_length": "query", "passage_max_length": "passage"}
+
+
+def chosen_fields(model: ModelConfig) -> set[str]:
+    """The :class:`RetrieverConfig` fields the user chose: the flags given, or (a library caller, who names no flags)
+    those of ``model.retriever`` that differ from the defaults."""
+    if model.retriever_flags is not None:
+        return set(model.retriever_flags)
+    if model.retriever is None:
+        return set()
+    defaults = RetrieverConfig()
+    return {f.name for f in dataclasses.fields(RetrieverConfig)
+            if getattr(model.retriever, f.name) != getattr(defaults, f.name)}
+
+
+def check_lengths(retriever: Retriever, model: ModelConfig) -> Retriever:
+    """``retriever``, refused when a max length the user chose exceeds the positions its model takes (as encode
+    refuses such a ``--max-length``), before anything is written: the retriever would save it and every later
+    command fail on a longer text. A length not chosen (the default, a folder's own) is cut where texts are
+    tokenised instead (:meth:`Retriever.max_length`), as a default is no mistake of the user's."""
+    flags = {f.name: f.metadata["setting"].flag for f in dataclasses.fields(RetrieverConfig)}
+    for name in sorted(chosen_fields(model) & set(LENGTHS)):
+        check_max_length(flags[name], getattr(retriever.config, name), retriever.positions(LENGTHS[name]))
+    return retriever
 
 
 RECIPE = ("pooling", "normalize", "projection_dim", "shared_encoder", "passage_format", "query_max_length",

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from ..data.corpus import source_fingerprint
 from ..data.training import Collator, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
@@ -42,7 +43,7 @@ from .distributed import Towers, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources
-from .validation import evaluate_dev
+from .validation import evaluate_dev, load_dev_data
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,13 @@ class Trainer:
         self.owns_group = self.owns_group and dist.is_initialized()
         seed_everything(config.run.seed)
         self.out = Path(config.run.output_dir)
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         self.data, self.collator, self.loader = self.build_data()
+        if config.data.dev_file:  # parsed (and cached for evaluate) now, so a bad dev file is refused here
+            load_dev_data(config.data.dev_file, config.data.cache_dir)
         self.sampler = self.loader.batch_sampler
+        self.sampler.data_fingerprints = [source_fingerprint(f) for f in config.data.train_files]
         self.steps_per_epoch = self.sampler.batches_per_epoch
         self.total_steps = config.optim.max_steps or self.steps_per_epoch * config.optim.epochs
         self.eval_every, self.save_every = self.schedule()
@@ -99,6 +101,8 @@ class Trainer:
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
         self.skipped_steps = 0  # consecutive fp16 steps the GradScaler skipped
         self.started, self.board, self.bar = time.perf_counter(), None, None
+        if self.rank == 0:  # only once the model and data are checked: a refused run leaves nothing in --output
+            self.out.mkdir(parents=True, exist_ok=True)
 
     # ----------------------------------------------------------------- building
     def build_model(self) -> Retriever:
@@ -120,7 +124,9 @@ class Trainer:
         """The parsed training sources, the collator that tokenises them, and this rank's DataLoader."""
         config = self.config.data
         data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
-        collator = Collator(self.retriever.tokenizer, self.retriever.config)
+        collator = Collator(self.retriever.tokenizer, self.retriever.config,  # lengths at most the model's positions
+                            query_max_length=self.retriever.max_length("query"),
+                            passage_max_length=self.retriever.max_length("passage"))
         loader = make_dataloader(data, collator, batch_size=config.batch_size, hard_negatives=config.hard_negatives,
                                  other_negatives=config.other_negatives, shuffle_positives=config.shuffle_positives,
                                  rates=config.sampling_rates, seed=self.config.run.seed, rank=self.rank,
@@ -226,10 +232,15 @@ class Trainer:
 
     # ----------------------------------------------------------------- state
     def start_fresh(self) -> None:
-        """A new run: refuse a folder that holds checkpoints, and clear an old metrics file."""
+        """A new run: refuse a folder that holds checkpoints or an earlier run's final/ or best/, and clear an old
+        metrics file."""
         if self.checkpointer.checkpoints():
             raise DprGcError(f"{self.out} already holds checkpoints: pass --resume latest to continue, "
                              "or choose a new --output")
+        done = [name for name in ("final", "best") if (self.out / name).exists()]
+        if done:  # a new run would leave the earlier run's best/ beside its own final/ (or none when it has no dev)
+            raise DprGcError(f"{self.out} already holds the trained model of an earlier run "
+                             f"({', '.join(n + '/' for n in done)}); choose a new --output, or delete it first")
         if self.rank == 0:
             self.metrics_file.unlink(missing_ok=True)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.args import nonnegative_int, positive_int
-from ..base.errors import DprGcError
+from ..base.errors import DiskFullError, DprGcError
 from ..base.settings import FREE, check, setting
 
 SCORE_BLOCK_ELEMENTS = 1 << 24  # questions x passages scored at once (64 MB of fp32)
@@ -45,6 +45,20 @@ class DevLimits:
             raise DprGcError("--dev-max-questions, --dev-batch-size and --dev-encode-batch-size must be >= 1")
         if self.hard_negatives < 0 or self.other_negatives < 0:
             raise DprGcError("--dev-hard-negatives and --dev-other-negatives must be >= 0")
+
+
+def load_dev_data(dev_file: str, cache_dir: Optional[str]) -> Any:
+    """The questions of the ``--dev`` file (a dataset; parsed once into its Arrow cache, which later calls reuse).
+    Its errors name ``--dev``, so that they are not taken for the training data's, and drop the advice to pass
+    ``--skip-bad-records``, which applies to the training data only."""
+    from ..data.training import SKIP_HINT, load_training_data
+
+    try:
+        return load_training_data([dev_file], cache_dir).dataset
+    except DiskFullError:
+        raise
+    except DprGcError as e:
+        raise DprGcError(f"--dev: {str(e).replace(SKIP_HINT, '')}") from None
 
 
 def dev_pool(dataset: Any, limits: DevLimits) -> tuple[list[str], list[tuple[str, str]], list[int]]:
@@ -82,10 +96,7 @@ def evaluate_dev(retriever: Any, dev_file: str, limits: DevLimits, cache_dir: Op
     rank returns the same metrics for the work of one; ``split_over_ranks=False`` has every rank do all of it (an
     FSDP model, whose forwards are collective).
     """
-    from ..data.training import load_training_data
-
-    dataset = load_training_data([dev_file], cache_dir).dataset
-    questions, passages, gold = dev_pool(dataset, limits)
+    questions, passages, gold = dev_pool(load_dev_data(dev_file, cache_dir), limits)
     device = next(retriever.parameters()).device
     split = dist.is_initialized() and split_over_ranks
     rank, world = (dist.get_rank(), dist.get_world_size()) if split else (0, 1)
