@@ -521,3 +521,22 @@ def test_a_dense_run_resumes_only_with_the_same_encoder_and_prefixes(world, tmp_
     retriever.save(model)
     cli(*argv, "--skip-model-check")  # the passages were encoded by the old weights
     assert keys[3]["encoder"] != keys[0]["encoder"]
+
+
+def test_two_runs_sharing_a_bm25_folder_build_it_one_at_a_time(world, tmp_path):
+    """While one run builds (or loads) a BM25 folder, another waits for it, then loads what it saved: two builders
+    writing one folder in turn could leave one corpus's vocabulary beside another's score matrix."""
+    import fcntl
+    import threading
+
+    folder, built = tmp_path / "bm25", []
+    with open(tmp_path / ".bm25.lock", "w") as held:  # what a running build of that folder holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        second = threading.Thread(target=lambda: built.append(BM25Source(world["corpus"], index_dir=folder,
+                                                                         show_progress=False)))
+        second.start()
+        second.join(1.0)
+        assert second.is_alive() and not folder.exists(), "the second run did not wait for the first"
+        fcntl.flock(held, fcntl.LOCK_UN)
+    second.join(60)
+    assert not second.is_alive() and built and (folder / "bm25_meta.json").is_file()

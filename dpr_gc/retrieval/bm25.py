@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from ..base.errors import DprGcError
 from ..base.logs import counted
 from ..base.files import PathLike, read_json_object, write_json
+from ..base.locks import wait_lock
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +73,37 @@ class BM25Source:
                      "corpus_fingerprint": dataset_fingerprint(corpus), "k1": k1, "b": b,
                      "tokenizer": BM25_TOKENIZER, "bm25s_version": bm25s.__version__}
         self.tokenizer = bm25s.tokenization.Tokenizer(stopwords="english")
-        folder = Path(index_dir) if index_dir is not None else None
-        if folder is not None and (folder / BM25_META).is_file():
-            saved = read_json_object(folder / BM25_META, "BM25 index metadata")
-            diff = [k for k in ("corpus_rows", "first_id", "last_id", "corpus_fingerprint", "k1", "b", "tokenizer")
-                    if saved.get(k) != self.meta[k] and (k != "corpus_fingerprint" or k in saved)]
-            if diff:
-                raise DprGcError(f"the BM25 index in {folder} was built with other {', '.join(diff)} "
-                                 f"({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); give the same corpus and "
-                                 "parameters, or another --bm25-index folder")
-            self._load(folder, bm25s, len(corpus))
-            logger.info("loaded the BM25 index of %s from %s", counted(len(corpus), "passage"), folder)
+        if index_dir is None:
+            self._build(corpus, bm25s, block_size, show_progress)
             return
+        folder = Path(index_dir)
+        # One process at a time loads or builds the folder: two mining runs sharing it would otherwise write each
+        # other's files in turn, and a later load could pair one corpus's vocabulary with another's matrix.
+        with wait_lock(folder.with_name(f".{folder.name}.lock")):
+            if (folder / BM25_META).is_file():
+                self._check_saved(folder)
+                self._load(folder, bm25s, len(corpus))
+                logger.info("loaded the BM25 index of %s from %s", counted(len(corpus), "passage"), folder)
+                return
+            self._build(corpus, bm25s, block_size, show_progress)
+            folder.mkdir(parents=True, exist_ok=True)
+            self.bm25.save(str(folder), show_progress=False)
+            self.tokenizer.save_vocab(str(folder))
+            write_json(folder / BM25_META, self.meta)  # last: a folder without it is rebuilt
+            logger.info("saved the BM25 index to %s", folder)
+
+    def _check_saved(self, folder: Path) -> None:
+        """Refuse an index saved for another corpus or other parameters."""
+        saved = read_json_object(folder / BM25_META, "BM25 index metadata")
+        diff = [k for k in ("corpus_rows", "first_id", "last_id", "corpus_fingerprint", "k1", "b", "tokenizer")
+                if saved.get(k) != self.meta[k] and (k != "corpus_fingerprint" or k in saved)]
+        if diff:
+            raise DprGcError(f"the BM25 index in {folder} was built with other {', '.join(diff)} "
+                             f"({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); give the same corpus and "
+                             "parameters, or another --bm25-index folder")
+
+    def _build(self, corpus: Any, bm25s: Any, block_size: int, show_progress: bool) -> None:
+        """Tokenise the corpus block by block and build bm25s's score matrix."""
         if len(corpus) == 0:
             raise DprGcError("the corpus is empty; BM25 needs passages")
         ids: list[list[int]] = []
@@ -93,21 +113,14 @@ class BM25Source:
                 texts = [f"{t} {x}" if t else x for t, x in zip(rows["title"], rows["text"])]
                 ids.extend(self.tokenizer.streaming_tokenize(texts))
                 bar.update(len(texts))
-        logger.info("BM25: building the score matrix of %s (bm25s, k1=%s, b=%s)", counted(len(corpus), "passage"), k1,
-                    b)
+        logger.info("BM25: building the score matrix of %s (bm25s, k1=%s, b=%s)", counted(len(corpus), "passage"),
+                    self.meta["k1"], self.meta["b"])
         start = time.perf_counter()
-        self.bm25 = bm25s.BM25(k1=k1, b=b)
+        self.bm25 = bm25s.BM25(k1=self.meta["k1"], b=self.meta["b"])
         self.bm25.index(bm25s.tokenization.Tokenized(ids=ids, vocab=self.tokenizer.get_vocab_dict()),
                         show_progress=False)
         del ids
         logger.info("BM25: score matrix built in %.1f s", time.perf_counter() - start)
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / BM25_META).unlink(missing_ok=True)
-            self.bm25.save(str(folder), show_progress=False)
-            self.tokenizer.save_vocab(str(folder))
-            write_json(folder / BM25_META, self.meta)
-            logger.info("saved the BM25 index to %s", folder)
 
     def _load(self, folder: Path, bm25s: Any, passages: int) -> None:
         """Load the index saved in ``folder`` (arrays memory-mapped, never unpickled) and check it before any use, so a
