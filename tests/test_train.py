@@ -177,3 +177,27 @@ def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared
     writes = {rank: json.loads((tmp_path / f"ddp.pt.writes.rank{rank}").read_text()) for rank in (0, 1)}
     assert writes[1] == [], writes[1][:5]  # only rank 0 writes files
     assert any(path.endswith("retriever_config.json") for _, path in writes[0]), writes[0][:5]  # the hook sees writes
+
+
+@pytest.mark.parametrize("stop_at, advice", [
+    (2, "checkpoint-2 is kept; add --resume latest to the same command to continue from it"),
+    (0, "no checkpoint was saved yet; run the same command again to start over")])
+def test_an_interrupted_train_says_how_to_resume(task, tmp_path, monkeypatch, stop_at, advice):
+    """Ctrl-C in train: a fresh run refuses a folder with checkpoints, so the advice names --resume latest (and the
+    advised command finishes the run); before any checkpoint the same command starts over."""
+    from tests.helpers import call
+
+    argv = ["train", "--train", task["train"], "--output", tmp_path / "run", "--model", task["model"], "--batch-size",
+            8, "--num-workers", 0, "--max-steps", 3, "--save-every", 1, "--cache-dir", task["dir"] / "cache"]
+    real_step = Trainer.train_step
+
+    def interrupted(self, batch):
+        if self.step == stop_at:
+            raise KeyboardInterrupt
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    code, err = call(main, argv)
+    assert code == 130 and err.strip().splitlines()[-1] == f"interrupted: {advice}", err
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert call(main, argv + (["--resume", "latest"] if stop_at else []))[0] == 0

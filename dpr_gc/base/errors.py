@@ -25,6 +25,10 @@ class DiskFullError(DprGcError):
                          f"nothing half-written is left and an earlier version is kept; {advice}")
 
 
+class Interrupted(KeyboardInterrupt):
+    """An interrupt whose command knows how to resume: its message replaces the general advice."""
+
+
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "File too large", "os error 28")
 
@@ -54,7 +58,9 @@ def report_errors(action: Callable[[], Any]) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{e.strerror or e}; check the path and free space", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: finished work is kept; run the same command again to resume", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        advice = str(e) if isinstance(e, Interrupted) and str(e) else \
+            "finished work is kept; run the same command again to resume"
+        print(f"interrupted: {advice}", file=sys.stderr)
         return 130
     return result if isinstance(result, int) else 0

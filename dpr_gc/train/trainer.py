@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from ..data.corpus import source_fingerprint
 from ..data.training import Collator, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, Interrupted
 from ..base.logs import counted
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
@@ -37,7 +37,7 @@ from ..model.lora import apply_lora, has_adapters, train_adapters
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
-from .checkpoints import Checkpointer
+from .checkpoints import Checkpointer, finished_checkpoints
 from .chunks import auto_chunk_size
 from .distributed import Towers, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
@@ -530,4 +530,18 @@ def add_cli(subparsers: Any) -> None:
 
 @guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
 def _cli_train(args: Any) -> None:
-    train(config_from_args(args))
+    config = config_from_args(args)
+    try:
+        train(config)
+    except KeyboardInterrupt:
+        raise Interrupted(resume_advice(config)) from None
+
+
+def resume_advice(config: TrainConfig) -> str:
+    """What to run after an interrupt: a fresh run refuses a folder with checkpoints, so say ``--resume latest``."""
+    if config.run.resume:
+        return "finished work is kept; run the same command again to resume"
+    done = finished_checkpoints(Path(config.run.output_dir))
+    if not done:
+        return "no checkpoint was saved yet; run the same command again to start over"
+    return f"{done[-1].name} is kept; add --resume latest to the same command to continue from it"
