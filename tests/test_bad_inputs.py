@@ -1502,3 +1502,20 @@ def test_a_saved_max_length_beyond_the_model_positions_is_cut_at_load(world: dic
     assert "query_max_length 100000 exceeds the model's limit of 128 positions" in caplog.text
     assert len(json.loads((tmp_path / "o.json").read_text())[0]["ctxs"]) == 16
     assert Retriever.load(model).max_length("query") == 128
+
+
+def test_a_file_that_is_not_a_model_is_one_line_without_advice_to_unpickle(world: dict, tmp_path: Path) -> None:
+    """``--model`` naming a JSON file, or a pickle in an old protocol: one error line (torch's warnings about the
+    pickle protocol stay quiet, in a real process where they would print), never torch's advice to load with
+    ``weights_only=False``, and the pickle's code never runs."""
+    marker = tmp_path / "PWNED"
+    old = tmp_path / "old.cp"
+    with open(old, "wb") as f:
+        torch.save(pickle_payload(marker), f, pickle_protocol=2)
+    for model, needle in ((world["train"], "not a model"), (old, "cannot be read as weights only")):
+        result = subprocess.run([sys.executable, "-m", "dpr_gc.cli", "encode", "--model", str(model), "--corpus",
+                                 str(world["corpus"]), "--output", str(tmp_path / "emb"), "--device", "cpu"],
+                                capture_output=True, text=True, timeout=300, cwd=ROOT)
+        line = assert_one_error(result.returncode, result.stderr, needle)
+        assert "weights_only=False" not in line or "where you trust the file" in line, line
+    assert not marker.exists() and not (tmp_path / "emb").exists()

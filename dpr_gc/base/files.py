@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import zlib
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Optional, Union
@@ -327,6 +328,26 @@ def _read_json_of(path: PathLike, kind: type, what: str) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- tensors, locks, temps
+def torch_load_weights(path: PathLike) -> Any:
+    """``torch.load(weights_only=True)`` on the CPU, without torch's warnings (e.g. on an old pickle protocol): the
+    file is only ever read as plain data, and a refusal is one error line."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def weights_only_reason(error: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in a few words: the unsupported global or operation
+    named in its message, without its advice to load with ``weights_only=False`` (which would run the file's code)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = next((line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")), None)
+    if named is None and lines and lines[0].startswith("Weights only load failed"):
+        named = "not a file of plain tensors"
+    return (named or (lines[0] if lines else type(error).__name__))[:200]
+
+
 def read_tensors(path: PathLike) -> dict:
     """Load a ``.safetensors`` file, or a torch file restricted to plain tensors (``weights_only=True``).
 
@@ -334,7 +355,6 @@ def read_tensors(path: PathLike) -> dict:
     """
     import pickle
 
-    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -344,10 +364,9 @@ def read_tensors(path: PathLike) -> dict:
     if p.suffix == ".safetensors":
         check_safetensors(p)
     try:
-        tensors = load_file(p) if p.suffix == ".safetensors" else torch.load(p, map_location="cpu", weights_only=True)
+        tensors = load_file(p) if p.suffix == ".safetensors" else torch_load_weights(p)
     except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
-        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0] if str(e) else "")
-        raise DprGcError(f"{p}: refused to load, not a plain tensor file ({reason.strip()[:200]}); "
+        raise DprGcError(f"{p}: refused to load, not a plain tensor file ({weights_only_reason(e)}); "
                          "re-create it with dpr-gc, and never load files of unknown origin with pickle") from None
     if not isinstance(tensors, dict):
         raise DprGcError(f"{p}: expected a dictionary of tensors, found {type(tensors).__name__}")

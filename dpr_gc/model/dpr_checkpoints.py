@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..base.errors import DprGcError
+from ..base.files import torch_load_weights, weights_only_reason
 from .config import RetrieverConfig
 from .pretrained import load_tokenizer
 
@@ -27,10 +26,13 @@ CONVERT_HINT = ("convert it where you trust the file: python -c \"import torch; 
 def read_dpr_state(path: Path) -> dict:
     """The checkpoint's dict, read with ``weights_only=True``; a one-line error says how to convert other files."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load_weights(path)
     except Exception as e:  # noqa: BLE001 - pickle and zip errors of any kind mean the same to the user
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DprGcError(f"{path}: cannot be read as weights only ({reason[:200]}); "
+        reason = weights_only_reason(e)
+        if "GLOBAL" not in reason:  # not a torch checkpoint at all, rather than one holding Python objects
+            raise DprGcError(f"{path}: not a model ({reason}); give a dpr-gc retriever folder, a Hugging Face "
+                             "model name or folder, or a DPR .cp checkpoint") from None
+        raise DprGcError(f"{path}: cannot be read as weights only ({reason}); "
                          + CONVERT_HINT.format(path=path)) from None
     if not isinstance(state, dict) or not isinstance(state.get("model_dict"), dict):
         raise DprGcError(f"{path}: not a DPR bi-encoder checkpoint (no 'model_dict'); give a dpr-gc retriever folder, "
