@@ -1519,3 +1519,23 @@ def test_a_file_that_is_not_a_model_is_one_line_without_advice_to_unpickle(world
         line = assert_one_error(result.returncode, result.stderr, needle)
         assert "weights_only=False" not in line or "where you trust the file" in line, line
     assert not marker.exists() and not (tmp_path / "emb").exists()
+
+
+def test_refusals_name_the_file_or_flag_at_fault(world: dict, tmp_path: Path) -> None:
+    """A file where --cache-dir or --embeddings needs a folder, a shard holding NaN, an empty results list: the one
+    error line names the flag or the file."""
+    a_file = tmp_path / "ok.json"
+    a_file.write_text("{}")
+    refused(["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", tmp_path / "e",
+             "--cache-dir", a_file], "--cache-dir", "is a file")
+    refused(["index", "--embeddings", a_file, "--output", tmp_path / "i"], f"{a_file} is a file; give the folder")
+    emb = tmp_path / "emb"
+    shutil.copytree(world["emb"], emb)
+    shard = next(emb.glob("shard-*.npy"))
+    vectors = np.load(shard)
+    vectors[1, 0] = np.nan
+    np.save(shard, vectors)
+    refused(["index", "--embeddings", emb, "--output", tmp_path / "i"], f"{shard} (rows 0-", "NaN")
+    empty = tmp_path / "results.json"
+    empty.write_text("[]")
+    refused(["evaluate", "--results", empty], f"{empty}: no questions to evaluate")

@@ -20,6 +20,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
+from .args import output_dir
 from .errors import DprGcError
 
 FIXED = "fixed"  # changes the model or the training signal: a resumed run must keep the recorded value
@@ -121,7 +122,7 @@ def device_setting(help: str = "torch device (default: cuda:LOCAL_RANK if availa
 def cache_dir_setting(help: str = "where parsed corpora are cached (default: $DPR_GC_CACHE/corpora, else "
                                   "~/.cache/dpr_gc/corpora)") -> Any:
     """``--cache-dir``, declared once for every stage that parses a corpus or training data."""
-    return setting(None, "--cache-dir", resume=FREE, aliases=("--cache_dir",), help=help)
+    return setting(None, "--cache-dir", type=output_dir, resume=FREE, aliases=("--cache_dir",), help=help)
 
 
 def query_prefix_setting() -> Any:

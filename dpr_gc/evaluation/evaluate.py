@@ -278,6 +278,8 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
                     counter.add(row)
             for i, entry in block if acc is not None else ():
                 acc.add(str(entry.get("id")), result_scores(entry, i, source), source)
+    if with_answers is None:
+        raise DprGcError(f"{source}: no questions to evaluate (the results list is empty)")
     answers = None
     if with_answers is not False:
         answers = {"match": mode or "stored", "questions": counter.questions,

@@ -435,8 +435,8 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     if dense is None:
         dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
         dense = DenseIndex.build(dim, params.resolve(dim, total, min(train_sample, total)))
-        dense.meta.update(encoding, **{k: first[k] for k in PREFIX_KEYS if k in first}, model=first.get("model"), corpus=first.get("corpus"),
-                          corpus_rows=first.get("corpus_rows"), corpus_fingerprint=first.get("corpus_fingerprint"),
+        dense.meta.update(encoding, **{k: first[k] for k in PREFIX_KEYS if k in first}, model=first.get("model"),
+                          corpus=first.get("corpus"), corpus_rows=first.get("corpus_rows"), corpus_fingerprint=first.get("corpus_fingerprint"),
                           shards=[])
         if not dense.is_trained:
             started = time.perf_counter()
@@ -450,7 +450,10 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
         for m in todo:
             arr = open_shard(m)
             for s in range(0, len(arr), block_size):
-                dense.add(arr[s:s + block_size])
+                try:
+                    dense.add(arr[s:s + block_size])
+                except DprGcError as e:  # name the shard (and rows) whose vectors were refused
+                    raise DprGcError(f"{m['embeddings']} (rows {s}-{min(s + block_size, len(arr)) - 1}): {e}") from None
                 bar.update(min(block_size, len(arr) - s))
             dense.meta["shards"].append({"embeddings": Path(m["embeddings"]).name, "start_row": int(m["start_row"]),
                                          "count": int(m["count"])})

@@ -75,6 +75,8 @@ def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
     are not covered yet -- FAISS row r must equal corpus row r, so a gap would misalign every later shard.
     """
     root = Path(folder)
+    if root.is_file():
+        raise DprGcError(f"{root} is a file; give the folder that `dpr-gc encode --output` wrote")
     if not root.is_dir():
         raise DprGcError(f"embeddings folder not found: {root} (run `dpr-gc encode` first)")
     manifests = [read_manifest(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
