@@ -90,6 +90,18 @@ def test_encode_index_retrieve_and_mine_print_only_their_own_lines(runs: dict) -
     assert len(re.findall(r"--precision auto on cpu: (bf16|fp32) \(", encoded)) == 1
 
 
+def test_faiss_native_warnings_reach_the_log_not_raw_stderr(runs: dict, env: dict) -> None:
+    """FAISS's C++ prints its warning on too few training points straight to the stderr descriptor; it comes out as
+    one of dpr-gc's own warning lines instead."""
+    out = runs["out"]
+    result = run(["index", "--embeddings", str(out / "emb"), "--output", str(out / "ivf"), "--kind", "ivf-flat",
+                  "--nlist", "2"], env)
+    assert result.returncode == 0, result.stderr
+    assert foreign_lines(result.stderr) == [], result.stderr
+    assert re.search(r"WARNING dpr_gc\.retrieval\.index: FAISS: WARNING clustering 6 points to 2 centroids",
+                     result.stderr), result.stderr
+
+
 @pytest.mark.slow
 def test_verbose_lets_the_dependencies_speak(runs: dict, env: dict) -> None:
     out = runs["out"]

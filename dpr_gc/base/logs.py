@@ -37,6 +37,29 @@ def counted(n: int, noun: str, plural: str = "") -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
+@contextlib.contextmanager
+def native_stderr_logged(log: logging.Logger, source: str) -> Iterator[None]:
+    """For the block, catch what native code (FAISS's C++) prints straight to the stderr file descriptor, past
+    Python's logging, and log each line as a warning of ``log`` named after ``source``: its advice stays visible, in
+    the toolkit's log format, instead of a raw line in the middle of the output."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode("utf-8", "replace").splitlines():
+                if line.strip():
+                    log.warning("%s: %s", source, line.strip())
+
+
 def setup_logging(verbose: bool) -> None:
     """Configure the root logger for a command (DEBUG with ``verbose``, else INFO) and quiet the dependencies."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")

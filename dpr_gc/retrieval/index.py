@@ -31,7 +31,7 @@ from ..base.files import PathLike, check_output_dir, open_text, parse_json, read
 from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_folders
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary
-from ..base.logs import counted
+from ..base.logs import counted, native_stderr_logged
 from .index_params import IndexBuild, IndexParams, param_rules
 from ..base.settings import add_arguments, from_args, setting, to_record
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
@@ -160,7 +160,8 @@ class DenseIndex:
             return
         sample = self._matrix(sample, "training vectors")
         try:
-            self.index.train(sample)
+            with native_stderr_logged(logger, "FAISS"):  # e.g. its warning on too few training points
+                self.index.train(sample)
         except RuntimeError as e:
             raise DprGcError(f"training the {self.meta['factory']} index on {len(sample)} vectors failed: "
                              f"{_faiss_message(e)}; raise --train-sample or lower --nlist / --pq-nbits") from None
