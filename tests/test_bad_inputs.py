@@ -1539,3 +1539,11 @@ def test_refusals_name_the_file_or_flag_at_fault(world: dict, tmp_path: Path) ->
     empty = tmp_path / "results.json"
     empty.write_text("[]")
     refused(["evaluate", "--results", empty], f"{empty}: no questions to evaluate")
+
+
+@pytest.mark.parametrize("factory, needle", [("", "--factory is empty"), ("HNSW1,Flat", "HNSW1 gives each node 1")])
+def test_a_factory_string_faiss_would_misread_is_refused(world: dict, tmp_path: Path, factory: str,
+                                                        needle: str) -> None:
+    """An empty --factory built a Flat index; HNSW with one neighbour per node crashed FAISS (a segfault)."""
+    refused(["index", "--embeddings", world["emb"], "--output", tmp_path / "i", "--factory", factory], needle)
+    assert not (tmp_path / "i").exists()

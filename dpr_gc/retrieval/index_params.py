@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Optional
 
 from ..base.args import int_between, nonnegative_int, positive_int
@@ -28,6 +29,17 @@ PQ_NBITS_MAX = 24  # FAISS refuses longer product-quantizer codes ("nbits larger
 # Flag types of the parameters above, shared with retrieve's search-time overrides so both take the same range.
 hnsw_ef = int_between(1, HNSW_EF_MAX)
 ivf_nprobe = int_between(1, FAISS_INT_MAX)
+
+
+def check_factory(factory: str) -> None:
+    """Refuse a factory string that is empty (FAISS would build a Flat index from it) or names an HNSW graph with
+    fewer neighbours per node than ``--hnsw-m`` takes (FAISS segfaults at M=1)."""
+    if not factory.strip():
+        raise DprGcError("--factory is empty; give a faiss.index_factory string such as 'IVF4096,Flat', or --kind")
+    for m in re.findall(r"HNSW(\d+)", factory):
+        if not HNSW_M_RANGE[0] <= int(m) <= HNSW_M_RANGE[1]:
+            raise DprGcError(f"--factory {factory!r}: HNSW{m} gives each node {m} neighbours; FAISS takes "
+                             f"{HNSW_M_RANGE[0]} to {HNSW_M_RANGE[1]}")
 
 
 @dataclasses.dataclass
@@ -57,7 +69,8 @@ class IndexParams:
 
     def __post_init__(self) -> None:
         check(self)
-        if self.factory:
+        if self.factory is not None:
+            check_factory(self.factory)
             self.kind = "factory"
         elif self.kind not in KINDS:
             raise DprGcError(f"unknown index kind {self.kind!r}; use one of {', '.join(KINDS)} "
