@@ -53,3 +53,17 @@ def test_a_killed_parse_leaves_no_temporary_after_the_next_run(tmp_path: Path) -
     stale.write_bytes(b"half a cache")
     assert len(load_corpus(EXAMPLES / "passages.tsv", tmp_path)) == 6
     assert not stale.exists() and cache.is_file()
+
+
+def test_clear_deletes_only_the_caches_own_files(tmp_path: Path, monkeypatch, capsys) -> None:
+    """--clear removes caches, their locks and temporaries, never a file it did not make; a DPR_GC_CACHE that is a
+    file is refused in one line."""
+    monkeypatch.setenv("DPR_GC_CACHE", str(tmp_path / "cache"))
+    load_corpus(EXAMPLES / "passages.tsv")
+    mine = tmp_path / "cache" / "corpora" / "notes.txt"
+    mine.write_text("mine")
+    assert main(["cache", "--clear"]) == 0
+    assert list((tmp_path / "cache" / "corpora").iterdir()) == [mine]
+    monkeypatch.setenv("DPR_GC_CACHE", str(mine))
+    assert main(["cache"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: the cache folder {mine} ($DPR_GC_CACHE")

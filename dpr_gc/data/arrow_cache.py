@@ -12,9 +12,11 @@ import glob
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from ..base.errors import DprGcError
 from ..base.files import PathLike, atomic_path, remove_stale_temporaries
 from ..base.locks import wait_lock
 
@@ -25,7 +27,11 @@ ROWS_KEY = "dpr_gc_rows"  # custom metadata of the empty batch that ends every c
 def default_cache_dir(kind: str) -> Path:
     """Where parsed sources are cached: ``$DPR_GC_CACHE/KIND`` or ``~/.cache/dpr_gc/KIND`` (``corpora`` for
     passage corpora, ``train`` for training sets)."""
-    return Path(os.environ.get("DPR_GC_CACHE") or Path.home() / ".cache" / "dpr_gc") / kind
+    root = Path(os.environ.get("DPR_GC_CACHE") or Path.home() / ".cache" / "dpr_gc")
+    if root.exists() and not root.is_dir():
+        raise DprGcError(f"the cache folder {root} ($DPR_GC_CACHE, else ~/.cache/dpr_gc) is a file; point "
+                         "DPR_GC_CACHE at a folder")
+    return root / kind
 
 
 def cache_file(cache_dir: Optional[PathLike], kind: str, name: str, key: str) -> Path:
@@ -119,6 +125,8 @@ def map_dataset(path: Path) -> Any:
 
 # ----------------------------------------------------------------- the ``cache`` command
 CACHE_KINDS = ("corpora", "train")
+# what the cache holds: NAME-HASH.arrow (:func:`cache_file`), its lock, and the hidden temporaries of its builds
+CACHE_FILE = re.compile(r"(.+-[0-9a-f]{16}\.arrow(\.lock)?|\..+-[0-9a-f]{16}\.arrow\..+\.tmp)")
 
 
 def cache_root() -> Path:
@@ -136,8 +144,9 @@ def cache_usage(root: Path) -> list[tuple[str, int, int]]:
 
 
 def clear_cache(root: Path) -> tuple[int, int, list[Path]]:
-    """Delete the cached files under ``root`` (each kind folder's files); a cache another process is building
-    right now (its lock is held) is kept. Returns ``(files removed, bytes freed, caches kept)``."""
+    """Delete the cached files under ``root`` (each kind folder's caches, their locks and a killed build's
+    temporaries; nothing else a user may have put there); a cache another process is building right now (its lock
+    is held) is kept. Returns ``(files removed, bytes freed, caches kept)``."""
     import fcntl
 
     removed, freed, busy = 0, 0, []
@@ -155,7 +164,7 @@ def clear_cache(root: Path) -> tuple[int, int, list[Path]]:
                     for pattern in (glob.escape(b.stem) + "*", "." + glob.escape(b.stem) + "*")]
         keep = {p for pattern in patterns for p in folder.glob(pattern)}
         for path in folder.iterdir():
-            if path.is_file() and path not in keep:
+            if path.is_file() and path not in keep and CACHE_FILE.fullmatch(path.name):
                 freed += path.stat().st_size
                 path.unlink()
                 removed += 1
