@@ -606,6 +606,11 @@ def test_an_index_folder_holding_other_files_is_not_replaced(world: dict, tmp_pa
     assert (own["idx"] / ".git").is_dir()
 
 
+def test_an_empty_input_path_is_refused_naming_its_flag(world: dict, tmp_path: Path) -> None:
+    refused(retrieve_argv(world, "--queries", "", "--output", tmp_path / "r.json"), "--queries is empty")
+    refused(["evaluate", "--run", "", "--qrels", world["qrels"]], "--run is empty")
+
+
 @pytest.mark.parametrize("command", ["index", "encode", "retrieve", "make-stdlib-data"])
 def test_an_empty_output_path_is_refused(world: dict, tmp_path: Path, monkeypatch, command: str) -> None:
     """``--output ""`` would be the working folder: written into, or replaced whole by ``index``."""

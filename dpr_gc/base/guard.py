@@ -84,6 +84,15 @@ def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: 
                                  "its own path")
 
 
+def check_inputs_given(inputs: Mapping[str, Any]) -> None:
+    """Refuse an input given as an empty path (``--queries ""``): ``Path("")`` is the working folder, read as
+    whatever the flag expects, with an error naming another flag."""
+    for flag, value in inputs.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, str) and not v.strip() for v in values):
+            raise DprGcError(f"{flag} is empty; give a path")
+
+
 @contextlib.contextmanager
 def output_locks(outputs: Mapping[str, tuple[Any, str]]) -> Iterator[None]:
     """Hold one lock per output (``{flag: (path, mode)}``, modes in :data:`LOCK_MODES`) for the block. Under
@@ -132,6 +141,7 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
     def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(run)
         def guarded_run(args: Any, *more: Any, **named: Any) -> Any:
+            check_inputs_given({flag: getattr(args, dest, None) for dest, flag in ins})
             check_outputs({flag: getattr(args, dest, None) for dest, flag in ins},
                           {flag: getattr(args, dest, None) for dest, flag, _ in outs},
                           whole=[flag for _, flag, mode in outs if mode == "whole"])
