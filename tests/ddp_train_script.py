@@ -1,9 +1,9 @@
 """Run one training step (alone or under torchrun) and save the first step's gradient, for test_train.py.
 
 Under torchrun each rank also lists what it created, wrote, renamed or removed in the output folder (an audit hook;
-written beside the gradient as ``.writes.rankN``): only rank 0 may write files. And it checks the teardown order: when the trainer destroys its process group, no DDP wrapper may be
-alive (its reducer would become the group's last owner and run gloo's destructor wherever it is freed, which once
-deadlocked a rank)."""
+written beside the gradient as ``.writes.rankN``): only rank 0 may write files. And it checks the teardown order:
+when the trainer destroys its process group, no DDP wrapper may be alive (its reducer would become the group's last
+owner and run gloo's destructor wherever it is freed, which once deadlocked a rank)."""
 
 import gc
 import json

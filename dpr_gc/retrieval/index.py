@@ -437,8 +437,8 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
         dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
         dense = DenseIndex.build(dim, params.resolve(dim, total, min(train_sample, total)))
         dense.meta.update(encoding, **{k: first[k] for k in PREFIX_KEYS if k in first}, model=first.get("model"),
-                          corpus=first.get("corpus"), corpus_rows=first.get("corpus_rows"), corpus_fingerprint=first.get("corpus_fingerprint"),
-                          shards=[])
+                          corpus=first.get("corpus"), corpus_rows=first.get("corpus_rows"),
+                          corpus_fingerprint=first.get("corpus_fingerprint"), shards=[])
         if not dense.is_trained:
             started = time.perf_counter()
             sample = sample_embeddings(todo, train_sample, seed)
