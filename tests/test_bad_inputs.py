@@ -1552,3 +1552,19 @@ def test_a_factory_string_faiss_would_misread_is_refused(world: dict, tmp_path: 
     """An empty --factory built a Flat index; HNSW with one neighbour per node crashed FAISS (a segfault)."""
     refused(["index", "--embeddings", world["emb"], "--output", tmp_path / "i", "--factory", factory], needle)
     assert not (tmp_path / "i").exists()
+
+
+def test_a_config_that_does_not_describe_its_weights_names_a_weight(tiny_tokenizer: Any, tmp_path: Path) -> None:
+    """A config.json whose sizes differ from the weights': transformers points at a log report the quiet log hides;
+    the one line names the first weight that differs, its saved and expected shapes."""
+    folder = tmp_path / "model"
+    tiny_bert(len(tiny_tokenizer)).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_size=2 * config["hidden_size"], intermediate_size=2 * config["intermediate_size"])
+    (folder / "config.json").write_text(json.dumps(config))
+    (tmp_path / "c.tsv").write_bytes(tsv_bytes(passages()))
+    line = refused(["encode", "--model", folder, "--corpus", tmp_path / "c.tsv", "--output", tmp_path / "emb"],
+                   "config.json does not describe its weights", "more weights differ")
+    assert re.search(r"\.(weight|bias) holds \[\d+(, \d+)?\] where the config makes \[\d+(, \d+)?\]", line), line
+    assert "above report" not in line

@@ -40,11 +40,31 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
                          "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
     except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
+        if isinstance(e, RuntimeError) and "ignore_mismatched_sizes" in str(e):
+            raise DprGcError(f"cannot load model {str(name_or_path)!r}: {size_mismatch(name_or_path)}; its "
+                             "config.json does not describe its weights (fix the config or use the weights it was "
+                             "saved with)") from None
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: {(str(e).splitlines() or [type(e).__name__])[0]} "
                          "(give a local folder or a Hugging Face model name reachable from this machine)") from None
     except Exception as e:  # noqa: BLE001 - transformers' own checks of config.json raise many types
         reason = " ".join(line.strip() for line in (str(e).splitlines() or [type(e).__name__])[:2])[:300]
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its config.json is not valid ({reason})") from None
+
+
+def size_mismatch(name_or_path: str | Path) -> str:
+    """Which weights have other shapes than the config gives them (transformers says so only in a log report, which
+    the quiet log hides): the first one and how many, from a second load that tolerates the mismatch."""
+    from transformers import AutoModel
+
+    with dependency_deprecations_hidden():
+        _, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False, ignore_mismatched_sizes=True,
+                                            output_loading_info=True)
+    found = list(info.get("mismatched_keys") or [])
+    if not found:
+        return "weights whose shapes differ from the config's"
+    key, saved, expected = found[0]
+    return (f"{key} holds {list(saved)} where the config makes {list(expected)}"
+            + (f" ({len(found) - 1} more weights differ)" if len(found) > 1 else ""))
 
 
 def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:
