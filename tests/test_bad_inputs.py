@@ -814,9 +814,10 @@ def test_damaged_model_weights_are_one_line(world: dict, tmp_path: Path, kind: s
     shutil.copytree(world["model"], model)
     weights = model / "model.safetensors"
     weights.write_bytes(damaged_safetensors(weights.read_bytes())[kind])
-    refused(["retrieve", "--index", world["idx"], "--model", model, "--corpus", world["corpus"], "--device", "cpu",
-             "--queries", world["qa"], "--output", tmp_path / "o.json", "--skip-model-check"],
-            "model.safetensors", "damaged")
+    line = refused(["retrieve", "--index", world["idx"], "--model", model, "--corpus", world["corpus"], "--device",
+                    "cpu", "--queries", world["qa"], "--output", tmp_path / "o.json", "--skip-model-check"],
+                   "model.safetensors", "damaged")
+    assert line.count("damaged safetensors file") == 1, line  # said once, not wrapped in itself
     assert not (tmp_path / "o.json").exists()
 
 

@@ -143,6 +143,8 @@ def check_safetensors(path: PathLike) -> None:
             if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
                 _damaged(p, f"header length {n} does not fit a file of {size} bytes")
             header = json.loads(f.read(n).decode("utf-8"))
+    except DprGcError:  # a ValueError itself: the header length's own message, not wrapped in another
+        raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         _damaged(p, f"unreadable header ({str(e).splitlines()[0][:80]})")
     except OSError as e:
