@@ -1569,3 +1569,14 @@ def test_a_config_that_does_not_describe_its_weights_names_a_weight(tiny_tokeniz
                    "config.json does not describe its weights", "more weights differ")
     assert re.search(r"\.(weight|bias) holds \[\d+(, \d+)?\] where the config makes \[\d+(, \d+)?\]", line), line
     assert "above report" not in line
+
+
+def test_a_safetensors_header_length_that_does_not_fit_is_said_once(tmp_path: Path) -> None:
+    from dpr_gc.base.validate import check_safetensors
+
+    garbage = tmp_path / "model.safetensors"
+    garbage.write_bytes(b"garbage!garbage")
+    with pytest.raises(DprGcError) as caught:
+        check_safetensors(garbage)
+    assert str(caught.value).count("damaged safetensors file") == 1 and "does not fit a file of 15 bytes" in str(
+        caught.value), caught.value
