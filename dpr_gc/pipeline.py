@@ -21,7 +21,7 @@ from .base.errors import DprGcError
 from .base.guard import guarded
 from .base.files import atomic_path, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
-from .base.settings import add_arguments, from_args, setting
+from .base.settings import add_arguments, flat_record, from_args, setting
 from .base.tables import markdown_table
 from .train.config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
@@ -79,14 +79,6 @@ def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> P
 SETTINGS_FILE = "demo_settings.json"
 
 
-def _flat(record: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested settings record as ``{"training.optim.learning_rate": value, ...}``."""
-    if not isinstance(record, dict):
-        return {prefix: record}
-    return {k: v for key, value in record.items()
-            for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
-
-
 def check_demo_settings(out: Path, config: DemoConfig) -> None:
     """Resume only the same demo: record its settings in ``out`` the first time, and refuse a folder that holds a
     demo run with other settings (its measured stages, trained model and training subset would be reused as they
@@ -98,7 +90,7 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
             raise DprGcError(f"{out} holds files but no {SETTINGS_FILE} of a demo run; give a new or empty --output")
         write_json(path, record)
         return
-    old, new = _flat(read_json_object(path, "demo settings")), _flat(record)
+    old, new = flat_record(read_json_object(path, "demo settings")), flat_record(record)
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     if changed:
         shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in changed[:3])

@@ -141,9 +141,9 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
     def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(run)
         def guarded_run(args: Any, *more: Any, **named: Any) -> Any:
-            check_inputs_given({flag: getattr(args, dest, None) for dest, flag in ins})
-            check_outputs({flag: getattr(args, dest, None) for dest, flag in ins},
-                          {flag: getattr(args, dest, None) for dest, flag, _ in outs},
+            given = {flag: getattr(args, dest, None) for dest, flag in ins}
+            check_inputs_given(given)
+            check_outputs(given, {flag: getattr(args, dest, None) for dest, flag, _ in outs},
                           whole=[flag for _, flag, mode in outs if mode == "whole"])
             with output_locks({flag: (getattr(args, dest, None), mode) for dest, flag, mode in outs}):
                 with streams_copied(args, [dest for dest, _ in ins]):

@@ -289,11 +289,12 @@ def _declarations(cls: type, prefix: str = "") -> Iterator[tuple[str, Optional[S
             yield from _declarations(grp.cls, name + ".")
 
 
-def _flat(record: Any, prefix: str = "") -> dict[str, Any]:
+def flat_record(record: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested record (:func:`to_record`, JSON) as ``{"group.field": value}``."""
     out: dict[str, Any] = {}
     for key, value in (record or {}).items():
         if isinstance(value, Mapping):
-            out.update(_flat(value, prefix + key + "."))
+            out.update(flat_record(value, prefix + key + "."))
         else:
             out[prefix + key] = value
     return out
@@ -326,7 +327,7 @@ def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) 
             kinds[name] = (decl.flag or name, decl.resume)
         elif grp is not None:
             kinds[name] = ("--" + grp.when.replace("_", "-") if grp.when else name, FIXED)
-    flat_old, flat_new = _flat(old), _flat(new)
+    flat_old, flat_new = flat_record(old), flat_record(new)
     changes = []
     for key in sorted(set(flat_old) | set(flat_new), key=lambda k: list(kinds).index(k) if k in kinds else 1 << 30):
         a, b = flat_old.get(key, dataclasses.MISSING), flat_new.get(key, dataclasses.MISSING)
