@@ -523,6 +523,41 @@ def test_a_dense_run_resumes_only_with_the_same_encoder_and_prefixes(world, tmp_
     assert keys[3]["encoder"] != keys[0]["encoder"]
 
 
+def test_an_input_edited_with_its_size_and_mtime_restored_is_not_resumed_into(world, tmp_path, monkeypatch):
+    """The resume key of ``dpr-gc mine`` holds its inputs' content fingerprints: a training file or qrels edited in
+    place with the same size and modification time (``cp -p``, rsync, a checkout) gives another key, so the re-run
+    starts over instead of continuing with chunks mined from the old text; an unchanged input gives the same key."""
+    import os
+
+    import dpr_gc.retrieval.mine as mine
+
+    keys = []
+    monkeypatch.setattr(mine, "mine_to_file",
+                        lambda *a, resume_key, **k: keys.append(resume_key) or mine.MiningSummary())
+    train, qrels = tmp_path / "train.json", tmp_path / "q.tsv"
+    shutil.copy(world["root"] / "train.json", train)
+    shutil.copy(world["root"] / "q.tsv", qrels)
+    argv = ("mine", "--train-file", train, "--qrels", qrels, "--output", tmp_path / "out.json", "--corpus",
+            world["root"] / "corpus.jsonl", "--cache-dir", world["root"] / "cache", "--bm25-index",
+            world["root"] / "bm25")
+
+    def edit_keeping_size_and_mtime(path: Path, old: str, new: str) -> None:
+        stat, text = path.stat(), path.read_text()
+        assert len(old) == len(new) and old in text
+        path.write_text(text.replace(old, new, 1))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+
+    cli(*argv)
+    cli(*argv)
+    question = questions()[0]["question"]
+    edit_keeping_size_and_mtime(train, question, question[::-1])
+    cli(*argv)
+    edit_keeping_size_and_mtime(qrels, "\tr0\t1", "\tr0\t0")
+    cli(*argv)
+    assert keys[0] == keys[1] and len({json.dumps(k, sort_keys=True) for k in keys[1:]}) == 3
+
+
 def test_two_runs_sharing_a_bm25_folder_build_it_one_at_a_time(world, tmp_path):
     """While one run builds (or loads) a BM25 folder, another waits for it, then loads what it saved: two builders
     writing one folder in turn could leave one corpus's vocabulary beside another's score matrix."""

@@ -466,10 +466,3 @@ class ChunkedOutput:
     def discard(self) -> None:
         self.partial.unlink(missing_ok=True)
         self.progress.unlink(missing_ok=True)
-
-
-def file_identity(path: PathLike) -> list:
-    """``[absolute path, size, mtime in ns]`` of a file: enough to tell that an input changed between two runs."""
-    p = Path(path)
-    st = p.stat()
-    return [str(p.resolve()), st.st_size, st.st_mtime_ns]

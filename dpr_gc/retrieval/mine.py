@@ -28,14 +28,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .bm25 import BM25Source, Gold
-from ..data.corpus import rows_for_ids
+from ..data.corpus import rows_for_ids, source_fingerprint
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int)
 from ..base.errors import DprGcError
 from ..base.logs import counted
 from ..base.guard import guarded
-from ..base.files import ChunkedOutput, PathLike, file_identity, require_file
+from ..base.files import ChunkedOutput, PathLike, require_file
 from ..base.locks import output_lock
 from ..base.settings import (add_arguments, cache_dir_setting, check, device_setting, from_args, group,
                              passage_prefix_setting, query_prefix_setting, setting)
@@ -425,6 +425,14 @@ RESUME_FLAGS = ("source", "split", "model", "index", "bm25_k1", "bm25_b", "n_neg
                 "match", "append", "max_negative_ratio", "min_margin")
 
 
+def resume_key(args: argparse.Namespace, inputs: dict[str, Optional[PathLike]], source: Any) -> dict:
+    """What a re-run must share with an interrupted one to continue it: each input's content fingerprint (an input
+    edited in place with its size and modification time restored mines other negatives), the query encoder and the
+    settings in ``RESUME_FLAGS``."""
+    return {"inputs": {role: source_fingerprint(p) for role, p in inputs.items() if p},
+            "encoder": encoder_identity(source), **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
+
+
 def encoder_identity(source: Any) -> Optional[list]:
     """A dense source's query encoder by its weights and settings (prefixes included): a retrained model in the same
     folder, or another --query-prefix, mines other candidates, so a run does not resume into it. None for BM25."""
@@ -518,13 +526,13 @@ def _cli(args: argparse.Namespace) -> None:
         if needs_positive_scores(args.margin, args.max_negative_ratio, args.min_margin) and args.source == "bm25":
             golds = (ctx_id(c) for r in iter_training_file(args.train_file) for c in r.get("positive_ctxs") or [])
             id_to_row = rows_for_ids(corpus, golds)
-    inputs = [args.train_file, corpus_path, args.qrels] + ([queries, split_qrels] if beir is not None else [])
+    inputs = {"train_file": args.train_file, "corpus": corpus_path, "qrels": args.qrels}
+    if beir is not None:
+        inputs.update(queries=queries, split_qrels=split_qrels)
     if index_exists(args.index):
-        inputs.append(meta_path(args.index))
-    key = {"inputs": [file_identity(p) for p in inputs if p], "encoder": encoder_identity(source),
-           **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
+        inputs["index_meta"] = meta_path(args.index)
     summary = mine_to_file(records, args.output, source, corpus, mining, qrels=qrels, id_to_row=id_to_row,
-                           resume_key=key)
+                           resume_key=resume_key(args, inputs, source))
     if qrels is not None and summary.judged == 0:
         logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
     print(format_summary({"source": args.source, **summary.table(), "output": args.output}))
