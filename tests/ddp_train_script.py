@@ -3,7 +3,8 @@
 Under torchrun each rank also lists what it created, wrote, renamed or removed in the output folder (an audit hook;
 written beside the gradient as ``.writes.rankN``): only rank 0 may write files. And it checks the teardown order:
 when the trainer destroys its process group, no DDP wrapper may be alive (its reducer would become the group's last
-owner and run gloo's destructor wherever it is freed, which once deadlocked a rank)."""
+owner and run gloo's destructor wherever it is freed, which once deadlocked a rank). It lists, too, the training files
+the rank read to fingerprint them (``.fingerprinted.rankN``): only rank 0 reads them."""
 
 import gc
 import json
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from dpr_gc.train import trainer
 from dpr_gc.train.trainer import train
 from tests.train_data import train_config
 
@@ -62,6 +64,9 @@ def output_writes(root: str) -> list:
 
 rank = os.environ.get("RANK")
 writes = output_writes(os.path.abspath(out)) if rank is not None else None
+fingerprinted: list = []  # the training files this rank read to fingerprint them
+fingerprint = trainer.source_fingerprint
+trainer.source_fingerprint = lambda path: fingerprinted.append(str(path)) or fingerprint(path)
 dist.destroy_process_group = checked_destroy
 train(train_config(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
                    query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3, num_workers=0),
@@ -69,3 +74,5 @@ train(train_config(train_files=[train_file], output_dir=out, model=model, batch_
 if writes is not None:
     with open(f"{grads_path}.writes.rank{rank}", "w") as f:
         json.dump(writes, f)
+    with open(f"{grads_path}.fingerprinted.rank{rank}", "w") as f:
+        json.dump(fingerprinted, f)

@@ -127,6 +127,44 @@ def test_ddp_cached_step_matches_global_batch(tmp_path, shared, learn_t):
         pytest.fail(f"a rank failed:\n{errors}")
 
 
+def fingerprint_worker(rank: int, tmp: str) -> None:
+    """Each rank asks :func:`from_rank0` for a file's fingerprint, counting the reads it makes itself."""
+    import json
+
+    from dpr_gc.data.corpus import source_fingerprint
+    from dpr_gc.train.distributed import from_rank0
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                                timeout=timedelta(seconds=60))
+        reads = []
+        value = from_rank0(lambda: reads.append(rank) or [source_fingerprint(Path(tmp) / "train.json")])
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps({"value": value, "reads": len(reads)}))
+    except Exception:
+        Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_only_rank_0_reads_the_training_files_for_their_fingerprints(tmp_path):
+    """Every torchrun rank fingerprinted the training files at start (a full read of up to 256 MiB each): rank 0
+    reads them and sends the fingerprints, the other ranks receive them without reading."""
+    import json
+
+    from dpr_gc.data.corpus import source_fingerprint
+    from dpr_gc.train.distributed import from_rank0
+
+    (tmp_path / "train.json").write_text("[]")
+    expected = [source_fingerprint(tmp_path / "train.json")]
+    assert from_rank0(lambda: expected) == expected  # no process group: computed here
+    try:
+        run_ranks(fingerprint_worker, (str(tmp_path),), WORLD, limit_s=120)
+    except Exception:
+        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
+        pytest.fail(f"a rank failed:\n{errors}")
+    got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    assert got == [{"value": expected, "reads": 1}, {"value": expected, "reads": 0}]
+
+
 def test_distributed_loss_needs_a_process_group():
     from dpr_gc.base.errors import DprGcError
 

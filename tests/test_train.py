@@ -177,6 +177,8 @@ def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared
     writes = {rank: json.loads((tmp_path / f"ddp.pt.writes.rank{rank}").read_text()) for rank in (0, 1)}
     assert writes[1] == [], writes[1][:5]  # only rank 0 writes files
     assert any(path.endswith("retriever_config.json") for _, path in writes[0]), writes[0][:5]  # the hook sees writes
+    read = {rank: json.loads((tmp_path / f"ddp.pt.fingerprinted.rank{rank}").read_text()) for rank in (0, 1)}
+    assert read == {0: [str(task["train"])], 1: []}  # rank 0 fingerprints the training files and sends the result
 
 
 @pytest.mark.parametrize("stop_at, advice", [

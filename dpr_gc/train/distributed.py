@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -11,6 +11,8 @@ from torch import nn
 
 from ..base.devices import default_device
 from ..model.retriever import Retriever
+
+T = TypeVar("T")
 
 
 def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
@@ -23,6 +25,16 @@ def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, (dist.get_world_size() if dist.is_initialized() else 1), dev
+
+
+def from_rank0(compute: Callable[[], T]) -> T:
+    """``compute()`` on rank 0, its result sent to every other rank, which does not compute it: for what each rank
+    needs but costs a read of the inputs (the training files' fingerprints). Without a process group, ``compute()``."""
+    if not dist.is_initialized():
+        return compute()
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class Towers(nn.Module):

@@ -39,7 +39,7 @@ from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_p
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .checkpoints import Checkpointer, finished_checkpoints
 from .chunks import auto_chunk_size
-from .distributed import Towers, setup_distributed
+from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources
@@ -81,7 +81,7 @@ class Trainer:
         if config.data.dev_file:  # parsed (and cached for evaluate) now, so a bad dev file is refused here
             load_dev_data(config.data.dev_file, config.data.cache_dir)
         self.sampler = self.loader.batch_sampler
-        self.sampler.data_fingerprints = [source_fingerprint(f) for f in config.data.train_files]
+        self.sampler.data_fingerprints = from_rank0(lambda: [source_fingerprint(f) for f in config.data.train_files])
         self.steps_per_epoch = self.sampler.batches_per_epoch
         self.total_steps = config.optim.max_steps or self.steps_per_epoch * config.optim.epochs
         self.eval_every, self.save_every = self.schedule()
