@@ -130,7 +130,8 @@ DEV_RECORD = {"question": "q", "answers": ["a"], "negative_ctxs": [], "hard_nega
 
 
 @pytest.mark.parametrize("records, needle", [
-    ([{**DEV_RECORD, "positive_ctxs": [None]}], "dev.json:1 (record 0): positive_ctxs[0] must be an object"),
+    ([{**DEV_RECORD, "positive_ctxs": [None]}],
+     "dev.json:1 (record 0): positive_ctxs[0] must be an object, got NoneType; fix the record"),
     ([{**DEV_RECORD, "positive_ctxs": []}], "dev.json: no usable training question"),
     (None, "--dev data not found")])
 def test_a_refused_dev_file_is_named_and_leaves_no_output(task, tmp_path, capsys, records, needle):

@@ -40,11 +40,20 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3  # 2: negatives that are the question's own positive are dropped; 3: a row count ends the file
 BEIR_VERSION = 1  # a BEIR folder's cache besides FORMAT_VERSION; 1: read by the corpus and query readers (ids unique)
-SKIP_HINT = " or pass --skip-bad-records"  # ends a bad record's message; a dev file has no such flag
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
 WRITE_BATCH = 256
 Row = dict[str, Any]
 Produced = Iterator[tuple[str, Union[Row, str]]]  # (where, normalised row or error message)
+
+
+class BadRecord(DprGcError):
+    """A record that cannot be trained on: ``where`` it is (file, line, record) and ``problem``. Its message advises
+    fixing it or passing ``--skip-bad-records``; a reader with no such flag (the ``--dev`` file) words its own from
+    the two fields."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        self.where, self.problem = where, problem
+        super().__init__(f"{where}: {problem}; fix the record or pass --skip-bad-records")
 
 
 def _schema() -> Any:
@@ -298,7 +307,7 @@ def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: b
             stats["records"] += 1
             if isinstance(row, str):
                 if not skip_bad:
-                    raise DprGcError(f"{where}: {row}; fix the record{SKIP_HINT}")
+                    raise BadRecord(where, row)
                 stats["bad"] += 1
                 if stats["bad"] <= 5:
                     logger.warning("skipping bad record at %s: %s", where, row)

@@ -49,16 +49,18 @@ class DevLimits:
 
 def load_dev_data(dev_file: str, cache_dir: Optional[str]) -> Any:
     """The questions of the ``--dev`` file (a dataset; parsed once into its Arrow cache, which later calls reuse).
-    Its errors name ``--dev``, so that they are not taken for the training data's, and drop the advice to pass
-    ``--skip-bad-records``, which applies to the training data only."""
-    from ..data.training import SKIP_HINT, load_training_data
+    Its errors name ``--dev``, so that they are not taken for the training data's, and a bad record's says to fix
+    it, without the training data's advice to pass ``--skip-bad-records`` (no flag skips the dev file's records)."""
+    from ..data.training import BadRecord, load_training_data
 
     try:
         return load_training_data([dev_file], cache_dir).dataset
     except DiskFullError:
         raise
+    except BadRecord as e:
+        raise DprGcError(f"--dev: {e.where}: {e.problem}; fix the record") from None
     except DprGcError as e:
-        raise DprGcError(f"--dev: {str(e).replace(SKIP_HINT, '')}") from None
+        raise DprGcError(f"--dev: {e}") from None
 
 
 def dev_pool(dataset: Any, limits: DevLimits) -> tuple[list[str], list[tuple[str, str]], list[int]]:
