@@ -226,6 +226,20 @@ def test_cache_is_reused_until_the_file_changes(tmp_path, monkeypatch):
         load(tmp_path, path)
 
 
+def test_an_edit_that_keeps_size_and_mtime_is_parsed_afresh(tmp_path):
+    """The training cache is keyed by the file's content, so an edit in place with its size and modification time
+    restored (``cp -p``, rsync, a checkout of another version) trains on the new records, not the old parse."""
+    path = write(tmp_path / "t.jsonl", records(3), "lines")
+    before = load(tmp_path, path).dataset.to_list()
+    stat = path.stat()
+    edited = path.read_text().replace(before[0]["question"], before[0]["question"][::-1])
+    assert len(edited) == len(path.read_text())
+    path.write_text(edited)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = load(tmp_path, path).dataset.to_list()
+    assert after[0]["question"] == before[0]["question"][::-1]
+
+
 def test_concurrent_loads_parse_the_training_file_once(tmp_path, monkeypatch):
     """Like torchrun's ranks, two loaders of one training file at once: one parses it, the other waits for its
     cache (before the shared Arrow cache, each parsed the whole file and wrote a cache of its own)."""

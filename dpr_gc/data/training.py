@@ -1,7 +1,7 @@
 """Training data: DPR JSON/JSONL files and BEIR folders -> Arrow, mixed sampling, per-step examples, tokenisation.
 
-Each source is validated record by record while it streams into an Arrow file in a cache folder (keyed by path,
-size and mtime), then memory-mapped, so a multi-GB NQ file never lives as Python objects and a restart does not
+Each source is validated record by record while it streams into an Arrow file in a cache folder (keyed by path
+and content fingerprint), then memory-mapped, so a multi-GB NQ file never lives as Python objects and a restart does not
 re-parse it. :class:`MixedBatchSampler` draws each epoch from several sources at per-source rates, shards it across
 ranks and can resume mid-epoch; :class:`TrainingExamples` (both in ``sampling.py``) picks one positive and ``N + M`` negatives per draw with
 randomness derived from ``(seed, epoch, position)``; :class:`Collator` tokenises in DataLoader workers.
@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .arrow_cache import cache_file, cached_dataset, write_stream
+from .corpus import corpus_fingerprint
 from .qrels import iter_qrels, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
@@ -274,7 +275,7 @@ def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
 def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], Produced],
            cache_dir: Optional[PathLike], skip_bad: bool) -> TrainingData:
     """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it."""
-    key = [FORMAT_VERSION, tag, skip_bad] + [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    key = [FORMAT_VERSION, tag, skip_bad] + [[str(p.resolve()), corpus_fingerprint(p)] for p in files]
     key += [BEIR_VERSION] if tag == "beir" else []  # DPR files keep their caches
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
     arrow = cache_file(cache_dir, "train", stem, json.dumps(key))
