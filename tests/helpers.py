@@ -130,6 +130,15 @@ def randomise_adapters(retriever: torch.nn.Module, seed: int = 0) -> None:
                 param.normal_(0, 0.1)
 
 
+def edit_off_the_sample(module: torch.nn.Module) -> None:
+    """Change one weight of ``module``'s largest tensor between the positions the legacy fingerprint samples (every
+    ``numel // 256``-th value), as fine-tuning a few rows of an embedding table would."""
+    tensor = max(module.state_dict().values(), key=lambda t: t.numel())
+    assert tensor.numel() >= 512, "the stride must skip position 1"
+    with torch.no_grad():
+        tensor.view(-1)[1] += 1.0
+
+
 # ------------------------------------------------------------------ corpora and embedding shards
 CORPUS_WORDS = "the city river king war science protein cell gene paris london music film book water".split()
 

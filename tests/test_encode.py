@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import warnings
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from dpr_gc.retrieval import encode
 from dpr_gc.retrieval.encode import encode_corpus
 from dpr_gc.retrieval.shards import read_manifests, resolve_shard, shard_range
 from dpr_gc.base.errors import DprGcError
-from tests.helpers import gather, passages, write_corpus
+from dpr_gc.retrieval.fingerprint import LEGACY_KEY, is_legacy, legacy_weights_fingerprint
+from tests.helpers import edit_off_the_sample, gather, passages, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_ENCODE_BLOCK = encode.encode_block
@@ -212,6 +214,63 @@ def test_refuses_to_mix_models_or_settings(tmp_path: Path, make_retriever, monke
     write_corpus(tmp_path / "data", passages(9), "tsv")
     with pytest.raises(DprGcError, match="corpus_bytes"):
         encode_corpus(make_retriever(seed=0), path, out, 1, 2, **kw)
+
+
+def test_resume_refuses_a_model_differing_only_off_the_sampled_weights(tmp_path: Path, make_retriever,
+                                                                       monkeypatch) -> None:
+    path = write_corpus(tmp_path / "data", passages(6), "tsv")
+    kw = dict(batch_size=2, block_size=2, cache_dir=tmp_path / "c", show_progress=False)
+    counting_encoder(monkeypatch, fail_on_call=2)
+    with pytest.raises(Interrupted):
+        encode_corpus(make_retriever(), path, tmp_path / "out", 0, 2, **kw)
+    monkeypatch.undo()
+    edited = make_retriever()
+    edit_off_the_sample(edited.passage_encoder)
+    with pytest.raises(DprGcError, match="model_fingerprint"):
+        encode_corpus(edited, path, tmp_path / "out", 0, 2, **kw)
+
+
+def as_legacy(record: Path, retriever) -> None:
+    """Rewrite a manifest or progress file as dpr-gc wrote it before the full fingerprint (16 hex digits)."""
+    data = json.loads(record.read_text())
+    data.pop(LEGACY_KEY, None)
+    data["model_fingerprint"] = legacy_weights_fingerprint(retriever.passage_encoder)
+    record.write_text(json.dumps(data))
+
+
+def test_shards_recording_the_legacy_fingerprint_resume_and_index_with_new_ones(tmp_path: Path, make_retriever,
+                                                                                monkeypatch) -> None:
+    from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index, read_meta
+    from dpr_gc.retrieval.retrieve import check_compatible
+
+    path = write_corpus(tmp_path / "data", passages(6), "tsv")
+    kw = dict(batch_size=2, block_size=2, cache_dir=tmp_path / "c", show_progress=False)
+    out, model, legacy = tmp_path / "out", make_retriever(), tmp_path / "legacy-index"
+    encode_corpus(model, path, out, 0, 2, **kw)
+    counting_encoder(monkeypatch, fail_on_call=2)
+    with pytest.raises(Interrupted):
+        encode_corpus(model, path, out, 1, 2, **kw)
+    monkeypatch.undo()
+    for record in ("shard-00000-of-00002.json", "shard-00001-of-00002.parts.json"):
+        as_legacy(out / record, model)
+    build_index(out, legacy, IndexParams("flat"), allow_partial=True)
+    assert is_legacy(read_meta(legacy)["model_fingerprint"])
+    with pytest.raises(DprGcError, match="model_fingerprint"):
+        encode_corpus(make_retriever(seed=1), path, out, 1, 2, **kw)
+    calls = counting_encoder(monkeypatch)
+    m = encode_corpus(model, path, out, 1, 2, **kw)
+    assert calls == [1], "the legacy progress file's finished block is reused"
+    assert m["model_fingerprint"] == encode.model_fingerprint(model) and not is_legacy(m["model_fingerprint"])
+    assert m[LEGACY_KEY] == legacy_weights_fingerprint(model.passage_encoder)
+    build_index(out, legacy, IndexParams("flat"), append=True)
+    build_index(out, tmp_path / "whole", IndexParams("flat"))
+    edited = make_retriever()
+    edit_off_the_sample(edited.passage_encoder)
+    for folder in (legacy, tmp_path / "whole"):
+        assert read_meta(folder)["model_fingerprint"] == m["model_fingerprint"]
+        check_compatible(model, DenseIndex.read(folder))
+        with pytest.raises(DprGcError, match="weights differ"):
+            check_compatible(edited, DenseIndex.read(folder))
 
 
 def test_partial_folders_are_not_finished(tmp_path: Path, make_retriever) -> None:

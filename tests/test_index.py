@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dpr_gc.base.errors import DprGcError
+from dpr_gc.retrieval.fingerprint import LEGACY_KEY
 from dpr_gc.retrieval.index import (IDS_FILE, INDEX_FILE, META_FILE, DenseIndex, IndexParams, add_shards, build_index,
                           read_ids, sample_embeddings)
 
@@ -27,7 +28,7 @@ KIND_PARAMS = {
 
 def write_shards(folder: Path, emb: np.ndarray, num_shards: int = 2, model: str = "tiny", fingerprint: str = "fp0",
                  dtype: str = "float32", only: Optional[list[int]] = None, passage_format: str = "pair",
-                 ids: Optional[list[str]] = None) -> Path:
+                 ids: Optional[list[str]] = None, legacy: Optional[str] = None) -> Path:
     """Write encode-format shards of ``emb`` (npy, ids.txt, then the JSON manifest), as shards.md specifies."""
     folder.mkdir(parents=True, exist_ok=True)
     n, dim = emb.shape
@@ -42,7 +43,8 @@ def write_shards(folder: Path, emb: np.ndarray, num_shards: int = 2, model: str 
         manifest = {"model": model, "model_fingerprint": fingerprint, "pooling": "cls", "normalize": True,
                     "passage_format": passage_format, "dim": dim, "dtype": dtype, "count": end - start,
                     "start_row": start, "shard_id": k, "num_shards": num_shards, "corpus": "/data/corpus.jsonl",
-                    "corpus_rows": n, "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt"}
+                    "corpus_rows": n, "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt",
+                    **({LEGACY_KEY: legacy} if legacy else {})}
         (folder / f"{name}.json").write_text(json.dumps(manifest))
     return folder
 
@@ -172,6 +174,26 @@ def test_mixed_models_and_dimensions_are_refused(tmp_path, data):
     wider = write_shards(tmp_path / "c", unit_vectors(800, dim=24), num_shards=2, only=[1])
     with pytest.raises(DprGcError, match="dim 24"):
         build_index(wider, tmp_path / "idx", IndexParams("flat"), append=True, allow_partial=True)
+
+
+def test_shards_of_both_fingerprint_forms_index_together_only_when_bridged(tmp_path, data):
+    """A shard encoded into a folder of legacy-fingerprint shards records the model's legacy fingerprint beside the
+    full one: with it the folder is one model's; without it, or with another model's, it is refused."""
+    old, new, other = "0123456789abcdef", "v2:" + "1" * 32, "v2:" + "2" * 32
+    bridged = write_shards(tmp_path / "bridged", data, num_shards=3, only=[0], fingerprint=old)
+    write_shards(bridged, data, num_shards=3, only=[1, 2], fingerprint=new, legacy=old)
+    build_index(bridged, tmp_path / "idx", IndexParams("flat"))
+    meta = json.loads((tmp_path / "idx" / META_FILE).read_text())
+    assert meta["model_fingerprint"] == new and meta[LEGACY_KEY] == old
+    refused = [({"fingerprint": old}, {"fingerprint": new}),  # a full fingerprint without the legacy one
+               ({"fingerprint": old}, {"fingerprint": new, "legacy": "fedcba9876543210"}),  # another model's
+               ({"fingerprint": new, "legacy": old}, {"fingerprint": other, "legacy": old})]  # two full ones
+    for k, (second, third) in enumerate(refused):
+        folder = write_shards(tmp_path / f"mixed{k}", data, num_shards=3, only=[0], fingerprint=old)
+        write_shards(folder, data, num_shards=3, only=[1], **second)
+        write_shards(folder, data, num_shards=3, only=[2], **third)
+        with pytest.raises(DprGcError, match="disagree on model_fingerprint"):
+            build_index(folder, tmp_path / "idx2", IndexParams("flat"))
 
 
 def test_shard_file_disagreeing_with_manifest_is_refused(tmp_path, data):

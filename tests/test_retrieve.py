@@ -18,7 +18,7 @@ from dpr_gc.evaluation.evaluate import qrels_metrics, read_qrels, read_run
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.retrieval.retrieve import add_cli, check_compatible, check_corpus, retrieve, write_results_json, write_trec_run
-from tests.helpers import tiny_bert, WORDS
+from tests.helpers import edit_off_the_sample, tiny_bert, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 N_PASSAGES = 48
@@ -178,6 +178,34 @@ def test_wrong_model_or_corpus_is_refused(world, tiny_tokenizer, tmp_path):
             "--ef-search", 50, "--cache-dir", world["cache"])
     with pytest.raises(DprGcError, match="nothing to do"):
         cli("retrieve", "--index", world["idx"], "--queries", queries, "--cache-dir", world["cache"])
+
+
+def test_a_model_differing_only_off_the_sampled_weights_is_refused(world, tiny_tokenizer):
+    """The fingerprint reads every byte: a weight between the positions the legacy fingerprint sampled counts."""
+    from dpr_gc.retrieval.fingerprint import legacy_weights_fingerprint
+
+    index = DenseIndex.read(world["idx"])
+    same = Retriever(tiny_bert(len(tiny_tokenizer), seed=0), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    check_compatible(same, index)
+    sampled = legacy_weights_fingerprint(same.passage_encoder)
+    edit_off_the_sample(same.passage_encoder)
+    assert legacy_weights_fingerprint(same.passage_encoder) == sampled  # the legacy sample misses the edit
+    with pytest.raises(DprGcError, match="weights differ"):
+        check_compatible(same, index)
+
+
+def test_an_index_recording_the_legacy_fingerprint_is_checked_by_it(world, tiny_tokenizer):
+    """An index written before the full fingerprint (16 hex digits, no ``v2:``) accepts its model and refuses others."""
+    from dpr_gc.retrieval.fingerprint import legacy_weights_fingerprint
+
+    index = DenseIndex.read(world["idx"])
+    assert index.meta["model_fingerprint"].startswith("v2:")
+    same = Retriever(tiny_bert(len(tiny_tokenizer), seed=0), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    other = Retriever(tiny_bert(len(tiny_tokenizer), seed=5), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    index.meta["model_fingerprint"] = legacy_weights_fingerprint(same.passage_encoder)
+    check_compatible(same, index)
+    with pytest.raises(DprGcError, match="weights differ"):
+        check_compatible(other, index)
 
 
 def test_hnsw_index_retrieves_like_flat(world, tmp_path):

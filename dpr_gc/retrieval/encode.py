@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import logging
 import os
 import time
@@ -31,6 +30,7 @@ from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, r
 from ..base.locks import locked_folder
 from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_setting, check, device_setting,
                              from_args, group, passage_prefix_setting, query_prefix_setting, setting, to_record)
+from .fingerprint import bridge_legacy, model_fingerprint, records_agree
 from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
 from ..base.tables import markdown_table
 from ..base.logs import counted
@@ -87,22 +87,6 @@ class EncodeJob:
 
     def __post_init__(self) -> None:
         check(self)
-
-
-def model_fingerprint(retriever: Any) -> str:
-    """A short hash of the passage encoder's weights (a strided sample of each tensor), to detect model changes."""
-    return weights_fingerprint(retriever.passage_encoder)
-
-
-def weights_fingerprint(module: Any) -> str:
-    """A short hash of a module's weights: a strided sample of each tensor, with its name and shape."""
-    h = hashlib.sha1()
-    for name, tensor in sorted(module.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 256)].float().cpu().numpy()
-        h.update(f"{name}{tuple(tensor.shape)}".encode())
-        h.update(sample.tobytes())
-    return h.hexdigest()[:16]
 
 
 def encode_block(retriever: Any, titles: Sequence[str], texts: Sequence[str], batch_size: int = 64,
@@ -184,7 +168,7 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     if removed:
         logger.info("removed %d temporary file(s) of an interrupted run from %s", len(removed), out)
     manifest = _manifest(retriever, corpus, corpus_path, (shard_id, num_shards), settings, autocast, model_name)
-    _check_folder(out, manifest)
+    _check_folder(out, manifest, retriever.passage_encoder)
     done = out / f"{name}.json"
     progress_file = out / f"{name}.parts.json"
     if done.is_file() and (out / manifest["embeddings"]).is_file() and (out / manifest["ids"]).is_file():
@@ -259,19 +243,16 @@ def _part_ok(path: Path, rows: int, dim: int) -> bool:
         return False
 
 
-def _check_folder(out: Path, manifest: dict) -> None:
-    """Refuse a folder whose shards or in-progress parts were made with different settings."""
-    for p in sorted(out.iterdir()):
-        if not (MANIFEST_RE.match(p.name) or PROGRESS_RE.match(p.name)):
-            continue
-        try:
-            other = read_json_object(p, "an encode manifest")
-        except (DprGcError, FileNotFoundError):
-            if p.exists():
-                raise
-            continue  # another shard's run finished meanwhile and removed its progress file
+def _check_folder(out: Path, manifest: dict, encoder: Any) -> None:
+    """Refuse a folder whose shards or in-progress parts were made with different settings or another model (a
+    record of the legacy fingerprint form is compared through the legacy fingerprint ``encoder`` adds to
+    ``manifest``)."""
+    records = _folder_records(out)
+    bridge_legacy(manifest, encoder, [r for _, r in records])
+    for p, other in records:
         for key in MUST_MATCH:
-            if other.get(key) != manifest[key]:
+            same = records_agree(other, manifest) if key == "model_fingerprint" else other.get(key) == manifest[key]
+            if not same:
                 raise DprGcError(f"{p} was made with {key}={other.get(key)!r} but this run has {manifest[key]!r}; "
                                  "use a new --output folder or delete the old shards")
     name = shard_name(manifest["shard_id"], manifest["num_shards"])
@@ -283,6 +264,20 @@ def _check_folder(out: Path, manifest: dict) -> None:
         logger.warning("%s: deleting part files that have no %s (left by a run that died); re-encoding them",
                        out, progress.name)
         _remove_parts(out, name)
+
+
+def _folder_records(out: Path) -> list[tuple[Path, dict]]:
+    """The manifests and progress files in ``out``, with their paths (one another run removes meanwhile is skipped)."""
+    records = []
+    for p in sorted(out.iterdir()):
+        if not (MANIFEST_RE.match(p.name) or PROGRESS_RE.match(p.name)):
+            continue
+        try:
+            records.append((p, read_json_object(p, "an encode manifest")))
+        except (DprGcError, FileNotFoundError):
+            if p.exists():
+                raise
+    return records
 
 
 def _remove_parts(out: Path, name: str) -> None:

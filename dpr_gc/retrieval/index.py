@@ -34,6 +34,7 @@ from ..base.tables import format_summary
 from ..base.logs import counted, native_stderr_logged
 from .index_params import IndexBuild, IndexParams, param_rules
 from ..base.settings import add_arguments, from_args, setting, to_record
+from .fingerprint import LEGACY_KEY, combined, disagreeing, records_agree
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,17 @@ FORMAT_VERSION = 1
 INDEX_META_FIELDS = {"format_version": Field(int), "kind": text(), "factory": text(), "metric": text(),
                      "dim": positive_field(), "ntotal": count(), "params": Field(dict), "model": text(True),
                      "model_from_index": text(True), "corpus": text(True), "corpus_rows": count(True),
-                     "corpus_fingerprint": text(True), "model_fingerprint": text(True), "pooling": text(True),
-                     "normalize": Field(bool, True), "passage_format": text(True), "query_prefix": text(True),
-                     "passage_prefix": text(True), "shards": Field(list), "trained_on": count(True),
+                     "corpus_fingerprint": text(True), "model_fingerprint": text(True), LEGACY_KEY: text(True),
+                     "pooling": text(True), "normalize": Field(bool, True), "passage_format": text(True),
+                     "query_prefix": text(True), "passage_prefix": text(True), "shards": Field(list),
+                     "trained_on": count(True),
                      "first_id": text(True), "last_id": text(True), "index_file": Field(list)}
 PARAM_FIELDS = {"kind": text(), "factory": text(True), "pq_nbits": positive_field(True),
                 **{key: positive_field(True) for key in ("ef_search", "nprobe", "hnsw_m", "ef_construction", "nlist",
                                                          "pq_m")}}
 STAMP_BYTES = 1 << 20
-ENCODING_KEYS = ("model_fingerprint", "dim", "pooling", "normalize", "passage_format")
+# Compared with ==; the model fingerprint is compared through fingerprint.records_agree.
+ENCODING_KEYS = ("dim", "pooling", "normalize", "passage_format")
 # The prefixes the passages were encoded under (encode's flags included); retrieve and mine default to them.
 # Absent from indexes and shards of earlier versions, so they are compared only where both sides record them.
 PREFIX_KEYS = ("query_prefix", "passage_prefix")
@@ -420,7 +423,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
             raise DprGcError(f"{m['embeddings']}: encoded with {_encoding_of(m)} but other shards in {emb_dir} with "
                              f"{encoding}; keep one model's embeddings per folder")
     _check_prefixes(manifests + ([dense.meta] if dense is not None else []), emb_dir)
-    if dense is not None and (_encoding_of(dense.meta) != encoding
+    if dense is not None and (_encoding_of(dense.meta) != encoding or disagreeing([dense.meta, *manifests])
                               or dense.meta.get("corpus_rows") != first.get("corpus_rows")
                               or dense.meta.get("corpus_fingerprint") != first.get("corpus_fingerprint")):
         raise DprGcError(f"embeddings in {emb_dir} (model {first.get('model')}, dim {first['dim']}, "
@@ -433,6 +436,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     for m in todo:
         open_shard(m, check_ids=True)
     stats = {"train_vectors": 0, "train_seconds": 0.0}
+    fingerprint = combined([*manifests, *([dense.meta] if dense is not None else [])])
     if dense is None:
         dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
         dense = DenseIndex.build(dim, params.resolve(dim, total, min(train_sample, total)))
@@ -446,6 +450,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
             dense.train(sample)
             stats = {"train_vectors": len(sample), "train_seconds": round(time.perf_counter() - started, 3)}
         dense.meta["trained_on"] = stats["train_vectors"]
+    dense.meta.update(fingerprint)
     started = time.perf_counter()
     with tqdm(total=sum(int(m["count"]) for m in todo), desc="adding to index", unit=" vectors", disable=None) as bar:
         for m in todo:
@@ -498,8 +503,11 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build
 def check_built_from(dense: "DenseIndex", emb_dir: PathLike, where: PathLike) -> None:
     """Refuse a saved index that was not built from the embeddings in ``emb_dir`` (another model or corpus)."""
     first = read_manifests(emb_dir, complete=False)[0]
-    for key in (*ENCODING_KEYS, "corpus_rows", "corpus_fingerprint"):
-        if key in dense.meta and key in first and dense.meta[key] != first[key]:
+    for key in ("model_fingerprint", *ENCODING_KEYS, "corpus_rows", "corpus_fingerprint"):
+        if key not in dense.meta or key not in first:
+            continue
+        same = records_agree(dense.meta, first) if key == "model_fingerprint" else dense.meta[key] == first[key]
+        if not same:
             raise DprGcError(f"the index in {where} was built with {key}={dense.meta[key]!r} but the embeddings in "
                              f"{emb_dir} have {first[key]!r}; delete the old index or give another --index_path")
 

@@ -436,7 +436,7 @@ def resume_key(args: argparse.Namespace, inputs: dict[str, Optional[PathLike]], 
 def encoder_identity(source: Any) -> Optional[list]:
     """A dense source's query encoder by its weights and settings (prefixes included): a retrained model in the same
     folder, or another --query-prefix, mines other candidates, so a run does not resume into it. None for BM25."""
-    from .encode import weights_fingerprint
+    from .fingerprint import weights_fingerprint
 
     retriever = getattr(source, "retriever", None)
     return None if retriever is None else [weights_fingerprint(retriever), repr(retriever.config)]

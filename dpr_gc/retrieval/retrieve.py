@@ -98,7 +98,8 @@ class RetrieveJob:
 
 
 def check_compatible(retriever: Any, index: DenseIndex, check_fingerprint: bool = True) -> None:
-    """Refuse a query encoder that does not fit the index: other dimension, pooling or (optionally) weights."""
+    """Refuse a query encoder that does not fit the index: other dimension, pooling or (optionally) passage encoder
+    weights, every byte of them (or, for an index recording the legacy fingerprint, its sample; see fingerprint.py)."""
     meta = index.meta
     built = f"index built from model {meta.get('model')}" if meta.get("model") else "index"
     if retriever.dim != index.dim:
@@ -110,9 +111,9 @@ def check_compatible(retriever: Any, index: DenseIndex, check_fingerprint: bool 
             raise DprGcError(f"the model uses {key}={ours!r} but the {built} was encoded with {meta[key]!r}; "
                              "retrieve with the model that encoded the passages")
     if check_fingerprint and meta.get("model_fingerprint"):
-        from .encode import model_fingerprint
+        from .fingerprint import fingerprint_matches
 
-        if model_fingerprint(retriever) != meta["model_fingerprint"]:
+        if not fingerprint_matches(retriever.passage_encoder, meta["model_fingerprint"]):
             raise DprGcError(f"the model's weights differ from those that encoded the passages ({built}); use that "
                              "model, or pass --skip-model-check if the passage encoder changed on purpose")
 
@@ -398,7 +399,7 @@ def retrieval_key(retriever: Any, index: DenseIndex, corpus: Any, job: RetrieveJ
     parameters, the corpus, the query encoder's weights and settings, top-k and answer matching -- so an
     interrupted run resumes only into the same retrieval (see :func:`retrieve_kept`)."""
     from ..data.corpus import corpus_fingerprint, dataset_fingerprint
-    from .encode import weights_fingerprint
+    from .fingerprint import weights_fingerprint
 
     return {"queries": corpus_fingerprint(job.queries), "qrels": corpus_fingerprint(job.qrels) if job.qrels else None,
             "index": [index.meta.get("index_file"), index.meta.get("params"), index.ntotal],

@@ -17,6 +17,7 @@ import numpy as np
 from ..base.errors import DprGcError
 from ..base.files import PathLike, open_text, read_json_object
 from ..base.validate import Field, check_fields, count, inside, positive_int, text
+from .fingerprint import LEGACY_KEY, disagreeing
 
 MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
 PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
@@ -48,7 +49,7 @@ MANIFEST_FIELDS = {"start_row": count(), "count": count(), "shard_id": count(), 
                    "model": text(True), "corpus": text(True), "dtype": text(True), "max_length": positive_int(True),
                    "passage_prefix": text(True), "query_prefix": text(True), "pooling": text(True),
                    "normalize": Field(bool, True), "passage_format": text(True), "corpus_fingerprint": text(True),
-                   "model_fingerprint": text(True)}
+                   "model_fingerprint": text(True), LEGACY_KEY: text(True)}
 
 
 def read_manifest(path: Path) -> dict:
@@ -71,8 +72,9 @@ def read_manifest(path: Path) -> dict:
 def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
     """Finished shard manifests in ``folder`` sorted by start_row, with absolute ``embeddings``/``ids`` paths.
 
-    Raises if there are none, if they disagree on model or dimension, or (``complete=True``) if some corpus rows
-    are not covered yet -- FAISS row r must equal corpus row r, so a gap would misalign every later shard.
+    Raises if there are none, if they disagree on model (:func:`~.fingerprint.records_agree`) or dimension, or
+    (``complete=True``) if some corpus rows are not covered yet -- FAISS row r must equal corpus row r, so a gap would
+    misalign every later shard.
     """
     root = Path(folder)
     if root.is_file():
@@ -82,9 +84,12 @@ def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
     manifests = [read_manifest(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
     if not manifests:
         raise DprGcError(f"no finished embedding shards in {root} (run `dpr-gc encode --output {root}` first)")
-    first = manifests[0]
+    first, pair = manifests[0], disagreeing(manifests)
+    if pair:
+        raise DprGcError(f"shards in {root} disagree on model_fingerprint ({pair[0].get('model_fingerprint')!r} vs "
+                         f"{pair[1].get('model_fingerprint')!r}); re-encode them into one folder with one model")
     for m in manifests[1:]:
-        for key in ("model_fingerprint", "dim", "num_shards", "corpus_rows", "corpus_fingerprint", "pooling",
+        for key in ("dim", "num_shards", "corpus_rows", "corpus_fingerprint", "pooling",
                     "normalize", "passage_prefix"):
             if m.get(key) != first.get(key):
                 raise DprGcError(f"shards in {root} disagree on {key} ({first.get(key)!r} vs {m.get(key)!r}); "
