@@ -1414,6 +1414,32 @@ def test_a_model_folder_without_its_vocabulary_is_refused(world: dict, tmp_path:
     assert str(model) in line and not (tmp_path / "e").exists()
 
 
+def test_a_tokenizer_with_more_ids_than_the_model_has_embeddings_is_refused(world: dict, tmp_path: Path,
+                                                                            tiny_tokenizer: Any) -> None:
+    """Tokens added to a model folder's tokenizer without resize_token_embeddings loaded silently, and the first text
+    holding one crashed mid-encode or mid-train with an IndexError traceback. The loader refuses the folder in one
+    line naming both counts and what to do; a padded table (more embedding rows than tokens) still loads."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = len(tokenizer)
+    tokenizer.add_tokens(["zebrafoo", "quuxbar"])
+    tokenizer.save_pretrained(model)
+    needles = (str(model), f"ids up to {rows + 1}", f"model has {rows} embeddings", "resize_token_embeddings",
+               "remove the added tokens")
+    with pytest.raises(DprGcError) as refusal:
+        Retriever.load(model)
+    assert all(needle in str(refusal.value) for needle in needles), refusal.value
+    refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device", "cpu",
+             "--cache-dir", tmp_path / "c"], *needles)
+    assert not (tmp_path / "e").exists()
+    padded = Retriever(tiny_bert(len(tiny_tokenizer) + 64), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    padded.save(tmp_path / "padded")
+    assert Retriever.load(tmp_path / "padded").tokenizer is not None
+
+
 # ------------------------------------------------------------------ integers beyond what FAISS, OpenMP, a model take
 def _ivf_index(world: dict, folder: Path) -> Path:
     build_index(world["emb"], folder, IndexParams("ivf-flat"))
