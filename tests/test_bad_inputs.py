@@ -7,6 +7,7 @@ format and requires every reader to either read the result or refuse it with a o
 
 from __future__ import annotations
 
+import errno
 import gzip
 import importlib.util
 import json
@@ -629,6 +630,73 @@ def test_two_outputs_of_one_run_may_not_be_the_same_file(world: dict, tmp_path: 
     refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", out, "--plot", out],
             "same file")
     assert not out.exists()
+
+
+def read_only(monkeypatch, folder: Path) -> None:
+    """Make creating anything under ``folder`` fail as on a read-only file system (root ignores chmod)."""
+    real_open, real_mkdir = os.open, os.mkdir
+    writes = os.O_CREAT | os.O_WRONLY | os.O_RDWR
+
+    def refuse(path: Any) -> None:
+        if os.path.abspath(path).startswith(f"{folder}{os.sep}"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+
+    def opened(path: Any, flags: int, *more: Any, **named: Any) -> int:
+        if flags & writes:
+            refuse(path)
+        return real_open(path, flags, *more, **named)
+
+    def made(path: Any, *more: Any, **named: Any) -> None:
+        refuse(path)
+        real_mkdir(path, *more, **named)
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, "mkdir", made)
+
+
+@pytest.mark.parametrize("command, output", [
+    ("index", "idx"), ("index", "new/idx"), ("encode", "emb"), ("retrieve", "r.json"), ("trec-run", "r.trec"),
+    ("evaluate", "ev.json"), ("mine", "m.json"), ("train", "run"), ("merge-lora", "merged"),
+    ("make-stdlib-data", "std"), ("demo", "demo"), ("dense_retriever.py", "r.json")])
+def test_an_output_where_nothing_may_be_written_is_named_with_its_flag(world: dict, tmp_path: Path, monkeypatch,
+                                                                       command: str, output: str) -> None:
+    """An output in a read-only folder was reported through its lock file (``error: ro/.idx.lock: Read-only file
+    system``) or the folder created for it, without the flag; every command names the flag, the output and why."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    out, cache, flag, main = ro / output, tmp_path / "cache", "--output", cli.main
+    argv = {"index": ["index", "--embeddings", world["emb"], "--output", out],
+            "encode": ["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", out, "--device",
+                       "cpu", "--cache-dir", cache],
+            "retrieve": retrieve_argv(world, "--queries", world["qa"], "--output", out),
+            "trec-run": retrieve_argv(world, "--queries", world["qa"], "--output", tmp_path / "r.json", "--trec-run",
+                                      out),
+            "evaluate": ["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", out],
+            "mine": ["mine", "--train-file", world["train"], "--corpus", world["corpus"], "--output", out,
+                     "--cache-dir", cache],
+            "train": ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device",
+                      "cpu", "--cache-dir", cache],
+            "merge-lora": ["merge-lora", "--model", world["model"], "--output", out],
+            "make-stdlib-data": ["make-stdlib-data", "--output", out],
+            "demo": ["demo", "--output", out, "--model", world["model"]],
+            "dense_retriever.py": ["--model_file", world["model"], "--qa_dataset", world["qa"], "--encoded_ctx_file",
+                                   world["emb"], "--out_file", out]}[command]
+    if command == "trec-run":
+        flag = "--trec-run"
+    elif command == "dense_retriever.py":
+        flag, main = "--out_file", load_script("dense_retriever").main
+    read_only(monkeypatch, ro)
+    line = refused(argv, f"{flag} {out} cannot be written: read-only file system in {ro}", main=main)
+    assert ".lock" not in line and list(ro.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux sysfs, where no one may create files")
+def test_an_output_in_sysfs_is_named_with_its_flag(world: dict) -> None:
+    """The same without a stand-in: sysfs refuses new files and folders even to root."""
+    out = Path("/sys/dpr-gc-test-index")
+    line = refused(["index", "--embeddings", world["emb"], "--output", out], f"--output {out} cannot be written: ",
+                   "in /sys;")
+    assert ".lock" not in line and not out.exists()
 
 
 def test_links_to_an_input_are_refused(world: dict, tmp_path: Path) -> None:
@@ -1412,6 +1480,32 @@ def test_a_model_folder_without_its_vocabulary_is_refused(world: dict, tmp_path:
     line = refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device",
                     "cpu", "--cache-dir", tmp_path / "c"], needle)
     assert str(model) in line and not (tmp_path / "e").exists()
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_has_embeddings_is_refused(world: dict, tmp_path: Path,
+                                                                            tiny_tokenizer: Any) -> None:
+    """Tokens added to a model folder's tokenizer without resize_token_embeddings loaded silently, and the first text
+    holding one crashed mid-encode or mid-train with an IndexError traceback. The loader refuses the folder in one
+    line naming both counts and what to do; a padded table (more embedding rows than tokens) still loads."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = len(tokenizer)
+    tokenizer.add_tokens(["zebrafoo", "quuxbar"])
+    tokenizer.save_pretrained(model)
+    needles = (str(model), f"ids up to {rows + 1}", f"model has {rows} embeddings", "resize_token_embeddings",
+               "remove the added tokens")
+    with pytest.raises(DprGcError) as refusal:
+        Retriever.load(model)
+    assert all(needle in str(refusal.value) for needle in needles), refusal.value
+    refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device", "cpu",
+             "--cache-dir", tmp_path / "c"], *needles)
+    assert not (tmp_path / "e").exists()
+    padded = Retriever(tiny_bert(len(tiny_tokenizer) + 64), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    padded.save(tmp_path / "padded")
+    assert Retriever.load(tmp_path / "padded").tokenizer is not None
 
 
 # ------------------------------------------------------------------ integers beyond what FAISS, OpenMP, a model take

@@ -118,6 +118,35 @@ def test_library_and_command_line_apply_one_rule(flag: str, bad: str, build: Cal
     assert flag in line and need in line, (line, str(refused.value))
 
 
+@pytest.mark.parametrize("command, flag, value, refusal", [
+    (["train", "--train", "t.json"], "--memory-budget", "-5GB", "memory budget '-5GB' is not a size"),
+    (["encode", "--model", "m", "--corpus", "c.tsv"], "--device", "-cpu", "'-cpu' is not a torch device")])
+def test_a_value_starting_with_a_dash_says_how_to_write_it(command: list, flag: str, value: str, refusal: str,
+                                                           tmp_path) -> None:
+    """argparse reads a value that starts with '-' as a flag and said only "expected one argument"; the line names
+    the flag and the value and says to write FLAG=VALUE, after which the value meets its own check. Negative numbers
+    argparse takes as values, and a real flag after a flag, keep their own messages."""
+    argv = [*command, "--output", tmp_path / "o"]
+    line = error_line(*call(cli.main, [*argv, flag, value]))
+    assert f"argument {flag}: its value '{value}' starts with '-'" in line and f"write {flag}={value} if" in line, line
+    line = error_line(*call(cli.main, [*argv, f"{flag}={value}"]))
+    assert refusal in line and "write" not in line, line
+    assert "'-1' is not" in error_line(*call(cli.main, [*argv, "--device", "-1"]))
+    assert "expected one argument" in error_line(*call(cli.main, [*argv, flag, "--output", tmp_path / "p"]))
+    assert not (tmp_path / "o").exists()
+
+
+def test_negative_numbers_reach_the_flag_checks() -> None:
+    """A negative number after a flag, one value or several, is the flag's value (argparse takes it so); the flag's
+    own check refuses it."""
+    for argv, needle in ((["train", "--train", "t.json", "--output", "o", "--seed", "-1"], "'-1' is not an integer"),
+                         (["retrieve", "--index", "i", "--queries", "q", "--output", "o", "--k", "5", "-5"],
+                          "'-5' is not a positive integer"),
+                         (["train", "--train", "t.json", "--output", "o", "--learning-rate", "-.5"], "'-.5'")):
+        line = error_line(*call(cli.main, argv))
+        assert needle in line and "write" not in line, line
+
+
 def test_a_wrongly_typed_value_in_code_is_refused_with_the_flag() -> None:
     with pytest.raises(DprGcError, match="--num-workers must be an integer >= 0 or 'auto', got '2'"):
         DataConfig(num_workers="2")  # type: ignore[arg-type]

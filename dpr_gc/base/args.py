@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any, Callable, NoReturn
+from gettext import gettext
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from .errors import DprGcError
 from .files import check_output_dir, check_output_file
@@ -36,11 +37,45 @@ class HelpFormatter(argparse.HelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """An ``argparse`` parser that reports a bad command line as one ``error: ...`` line and exit status 2, and
-    shows every option's default in ``--help``."""
+    shows every option's default in ``--help``. A value that starts with '-' (``--memory-budget -5GB``) reads as a
+    flag to argparse, which then says only "expected one argument"; the line says how to pass such a value."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs["exit_on_error"] = False  # parse_known_args catches the errors, to explain them (see dash_value)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Optional[Sequence[str]] = None,
+                         namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
+        args = sys.argv[1:] if args is None else list(args)
+        try:
+            return super().parse_known_args(args, namespace)
+        except argparse.ArgumentError as e:
+            self.error(self.dash_value(e, args) or str(e))
+
+    def dash_value(self, error: argparse.ArgumentError, args: Sequence[str]) -> Optional[str]:
+        """Why ``error`` arose, when it is a one-value flag followed by a word that starts with '-' but is none of
+        this parser's options (argparse takes any such word but a plain negative number for an unknown flag)."""
+        if error.message != gettext("expected one argument"):  # argparse's own words, translated as it does
+            return None
+        for flag, value in zip(args, args[1:]):
+            if flag == "--":
+                return None
+            action = self._option_string_actions.get(flag)
+            if (action is None or action.nargs is not None or value[:1] not in self.prefix_chars
+                    or error.argument_name != "/".join(action.option_strings) or self.names_an_option(value)):
+                continue
+            return (f"argument {flag}: its value {value!r} starts with '-', so it was read as a flag; write "
+                    f"{flag}={value} if that value is meant")
+        return None
+
+    def names_an_option(self, word: str) -> bool:
+        """Whether argparse reads ``word`` as one of this parser's options (exactly, with ``=VALUE``, or, where
+        abbreviations are allowed, as the start of a long option)."""
+        option = word.split("=", 1)[0]
+        return option in self._option_string_actions or (
+            self.allow_abbrev and option[:2] == "--" and any(name.startswith(option)
+                                                              for name in self._option_string_actions))
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)

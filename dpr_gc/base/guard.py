@@ -12,6 +12,7 @@ finer lock (``"self"``). Files are written atomically by :mod:`dpr_gc.base.files
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import shutil
@@ -27,6 +28,8 @@ from .locks import exclusive_lock, locked_folder, output_lock
 # ("folder": folders written into), or by the stage itself ("self": e.g. one lock per shard).
 LOCK_MODES = ("file", "folder", "whole", "self")
 FOLDER_LOCK = ".dpr-gc.lock"
+# what the system says when it refuses to create a file or folder: no permission, a read-only file system
+REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def _flag(dest: str) -> str:
@@ -130,7 +133,8 @@ def _split(entry: str) -> tuple[str, str]:
 def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = None) -> Callable:
     """Decorate a stage's command function ``f(args, ...)``: ``inputs`` are the ``args`` destinations it reads,
     ``outputs`` maps each destination it writes to its lock mode (see :data:`LOCK_MODES`); an entry may be written
-    ``"dest=--flag"`` to name the flag in messages. Checks, then locks, then runs."""
+    ``"dest=--flag"`` to name the flag in messages. Checks, then locks, then runs; an output the system refuses
+    to create or write is one line naming its flag (:func:`refused_output`)."""
     outputs = dict(outputs or {})
     bad = set(outputs.values()) - set(LOCK_MODES)
     if bad:
@@ -143,15 +147,39 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
         def guarded_run(args: Any, *more: Any, **named: Any) -> Any:
             given = {flag: getattr(args, dest, None) for dest, flag in ins}
             check_inputs_given(given)
-            check_outputs(given, {flag: getattr(args, dest, None) for dest, flag, _ in outs},
-                          whole=[flag for _, flag, mode in outs if mode == "whole"])
-            with output_locks({flag: (getattr(args, dest, None), mode) for dest, flag, mode in outs}):
-                with streams_copied(args, [dest for dest, _ in ins]):
-                    return run(args, *more, **named)
+            written = {flag: getattr(args, dest, None) for dest, flag, _ in outs}
+            check_outputs(given, written, whole=[flag for _, flag, mode in outs if mode == "whole"])
+            try:
+                with output_locks({flag: (written[flag], mode) for _, flag, mode in outs}):
+                    with streams_copied(args, [dest for dest, _ in ins]):
+                        return run(args, *more, **named)
+            except OSError as e:
+                refusal = refused_output(e, written)
+                if refusal is None:
+                    raise
+                raise refusal from None
 
         return guarded_run
 
     return wrap
+
+
+def refused_output(error: OSError, outputs: Mapping[str, Any]) -> Optional[DprGcError]:
+    """The one line for an output (``{flag: path or paths}``) the system refuses to create or write in (no
+    permission, a read-only file system): it names the output's flag and path and the folder that refused, not the
+    lock or temporary file beside or inside the output that the refusal came from. None for other errors."""
+    if error.errno not in REFUSED_ERRNOS or not error.filename:
+        return None
+    where = Path(os.path.abspath(os.fsdecode(error.filename)))
+    for flag, value in outputs.items():
+        for path in _paths(value):
+            out = Path(os.path.abspath(path))
+            beside = where.parent == out.parent and where.name.startswith(f".{out.name}.")
+            if where == out or beside or out in where.parents or where in out.parents:
+                reason = (error.strerror or os.strerror(error.errno)).lower()
+                return DprGcError(f"{flag} {path} cannot be written: {reason} in {where.parent}; give an output in "
+                                  "a folder this user can write to")
+    return None
 
 
 @contextlib.contextmanager

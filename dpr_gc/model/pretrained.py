@@ -90,7 +90,7 @@ PROBE_TEXT = "Tokenizer check: naïve café, 42 km \u2603 \U0001f9ea"
 
 def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | Path) -> None:
     """Refuse a tokenizer without its vocabulary (see :data:`MIN_VOCABULARY_SHARE`), one that cannot encode text,
-    whose special tokens have ids the model has no embedding for, or that cannot pad."""
+    whose special tokens or other tokens have ids the model has no embedding for, or that cannot pad."""
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) < MIN_VOCABULARY_SHARE * rows:
         raise DprGcError(f"{name_or_path}: the tokenizer has {len(tokenizer):,} tokens for the model's {rows:,} "
@@ -106,9 +106,22 @@ def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | P
     if ids and max(ids) >= rows:
         raise DprGcError(f"{name_or_path}: the tokenizer's special tokens ({', '.join(tokenizer.all_special_tokens)}) "
                          f"reach id {max(ids)} but the model has {rows} embeddings; fix tokenizer_config.json")
+    check_ids_have_embeddings(tokenizer, rows, name_or_path)
     if tokenizer.pad_token_id is None:
         raise DprGcError(f"{name_or_path}: the tokenizer has no padding (or end-of-sequence) token; set pad_token in "
                          "tokenizer_config.json")
+
+
+def check_ids_have_embeddings(tokenizer: Any, rows: int, name_or_path: str | Path) -> None:
+    """Refuse a tokenizer whose ids (added tokens included) reach past the model's embedding rows: tokens added
+    without ``resize_token_embeddings`` would raise an IndexError mid-run on the first text holding one. More rows
+    than tokens (a padded table) is normal and accepted."""
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    if top >= rows:
+        raise DprGcError(f"{name_or_path}: the tokenizer has {len(tokenizer):,} tokens with ids up to {top:,} but the "
+                         f"model has {rows:,} embeddings; resize the model's embeddings to the tokenizer "
+                         "(model.resize_token_embeddings(len(tokenizer)), then save both) or remove the added tokens "
+                         "from the tokenizer")
 
 
 def check_model_folder(name_or_path: str | Path) -> None:
