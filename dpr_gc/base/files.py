@@ -502,19 +502,24 @@ class ChunkedOutput:
     def resume(self) -> Any:
         """The state recorded with the last finished chunk of an earlier run with the same key, else None (and
         whatever an earlier run left is deleted). A key of None never resumes."""
-        if self.key is None:
-            self.discard()
-            return None
-        try:
-            saved = json.loads(self.progress.read_text(encoding="utf-8"))
-            size = self.partial.stat().st_size
-        except (OSError, ValueError):
-            saved, size = None, -1
-        if not isinstance(saved, dict) or saved.get("key") != self.key or not 0 <= saved.get("bytes", -1) <= size:
+        saved = self.saved()
+        if self.key is None or saved is None or saved["key"] != self.key:
             self.discard()
             return None
         os.truncate(self.partial, saved["bytes"])
         return saved["state"]
+
+    def saved(self) -> Optional[dict]:
+        """The progress file's record (``key``, ``bytes``, ``state``) when the partial file holds the chunks it
+        counts, else None: no run can continue from what is there."""
+        try:
+            saved = json.loads(self.progress.read_text(encoding="utf-8"))
+            size = self.partial.stat().st_size
+        except (OSError, ValueError):
+            return None
+        if not isinstance(saved, dict) or not {"key", "bytes", "state"} <= saved.keys():
+            return None
+        return saved if type(saved["bytes"]) is int and 0 <= saved["bytes"] <= size else None
 
     def append(self, text: str, state: Any) -> None:
         """Append one chunk durably, then record ``state`` as the point a re-run continues from."""
