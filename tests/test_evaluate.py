@@ -304,6 +304,85 @@ def test_cli_end_to_end(tmp_path, capsys):
         _cli(["evaluate", "--results", str(results)])
 
 
+def _metrics_and_plot(tmp_path):
+    """A results file, and the command writing its metrics JSON and plot (``ks``: the cut-offs)."""
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(_results()))
+    out, plot = tmp_path / "metrics.json", tmp_path / "curve.png"
+
+    def run(*ks: str) -> None:
+        _cli(["evaluate", "--results", str(results), "--k", *ks, "--output", str(out), "--plot", str(plot)])
+
+    return out, plot, run
+
+
+def _own_plot(out, plot) -> bool:
+    """Whether the plot beside the metrics JSON is the one it records (by SHA-256)."""
+    import hashlib
+
+    return json.loads(out.read_text())["plot"]["sha256"] == hashlib.sha256(plot.read_bytes()).hexdigest()
+
+
+def test_metrics_and_plot_are_replaced_together(tmp_path, monkeypatch):
+    """The metrics JSON and its plot are one output: a failure at any of the renames that replace them (a kill
+    between the two writes, simulated by os.replace raising) leaves the earlier pair whole and no temporary."""
+    import os
+
+    out, plot, run = _metrics_and_plot(tmp_path)
+    run("1", "2")
+    before = out.read_bytes(), plot.read_bytes()
+    real_replace = os.replace
+    for fail_at in range(1, 5):
+        calls = []
+
+        def replace(src, dst, fail_at=fail_at, calls=calls):
+            calls.append(dst)
+            if len(calls) == fail_at:
+                raise OSError(f"simulated failure at rename {fail_at}")
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        with pytest.raises(OSError, match="simulated"):
+            run("1")
+        monkeypatch.setattr(os, "replace", real_replace)
+        assert (out.read_bytes(), plot.read_bytes()) == before, f"failure at rename {fail_at}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "metrics.json", "results.json"]
+    run("1")
+    assert out.read_bytes() != before[0] and plot.read_bytes() != before[1] and _own_plot(out, plot)
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 3, 4])
+def test_a_kill_while_replacing_metrics_and_plot_never_pairs_other_metrics(tmp_path, kill_at):
+    """A kill (os._exit in a forked child) at any rename leaves no metrics JSON beside a plot it does not record:
+    the earlier pair, the new pair, or a plot whose JSON is not there yet; the next run cleans up and writes both."""
+    import os
+
+    out, plot, run = _metrics_and_plot(tmp_path)
+    run("1", "2")
+    before = out.read_bytes(), plot.read_bytes()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            calls, real_replace = [], os.replace
+
+            def replace(src, dst):
+                calls.append(dst)
+                if len(calls) == kill_at:
+                    os._exit(9)
+                return real_replace(src, dst)
+
+            os.replace = replace
+            run("1")
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] >> 8 == 9
+    found = (out.read_bytes(), plot.read_bytes()) if out.exists() else None
+    run("1")
+    assert found in (None, before, (out.read_bytes(), plot.read_bytes()))
+    assert _own_plot(out, plot) and json.loads(out.read_text())["k"] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "metrics.json", "results.json"]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (SCIFACT / "qrels" / "test.tsv").is_file(), reason="SciFact data not available")
 def test_scifact_qrels_perfect_run_scores_one():

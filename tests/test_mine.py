@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -244,6 +245,18 @@ def test_question_without_an_indexed_word_gets_no_bm25_candidate(tmp_path):
     assert summary.no_candidates == 1 and summary.table()["questions without a candidate"] == 1
 
 
+def beir_folder(beir: Path) -> Path:
+    """A BEIR folder of the test passages and questions (plus an unjudged query), positives in qrels/train.tsv."""
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": p["id"], "title": p["title"], "text": p["text"]})
+                                               + "\n" for p in build_passages()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": q["id"], "text": q["question"]}) + "\n"
+                                                for q in questions() + [{"id": "extra", "question": "unjudged"}]))
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"q{i}\tg{i}\t1\nq{i}\tr{i}\t1\n" for i in range(len(TOPICS))))
+    return beir
+
+
 def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
     root = world["root"]
     common = ("--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--n-negatives", 2, "--top-k", 20)
@@ -257,14 +270,7 @@ def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
     assert (tmp_path / "idx" / "index_meta.json").is_file() and "| source | dense |" in capsys.readouterr().out
     check_clean(json.loads((tmp_path / "dense.json").read_text()), 2)
 
-    beir = tmp_path / "beir"
-    (beir / "qrels").mkdir(parents=True)
-    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": p["id"], "title": p["title"], "text": p["text"]})
-                                               + "\n" for p in build_passages()))
-    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": q["id"], "text": q["question"]}) + "\n"
-                                                for q in questions() + [{"id": "extra", "question": "unjudged"}]))
-    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
-        f"q{i}\tg{i}\t1\nq{i}\tr{i}\t1\n" for i in range(len(TOPICS))))
+    beir = beir_folder(tmp_path / "beir")
     cli("mine", "--beir-dir", beir, "--output", tmp_path / "beir.json", "--cache-dir", tmp_path / "cache",
         "--n-negatives", 2, "--top-k", 20, "--margin", 0.5)
     written = json.loads((tmp_path / "beir.json").read_text())
@@ -575,3 +581,39 @@ def test_two_runs_sharing_a_bm25_folder_build_it_one_at_a_time(world, tmp_path):
         fcntl.flock(held, fcntl.LOCK_UN)
     second.join(60)
     assert not second.is_alive() and built and (folder / "bm25_meta.json").is_file()
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_folders_mine_builds_are_outputs_never_inside_its_inputs(world, tmp_path):
+    """A folder mine writes when it holds nothing yet -- the BM25 index, and for --source dense the index and the
+    shards -- is an output: refused where it is an input or lies inside an input folder (the BEIR folder, the
+    model), before anything is written. Built, it is an input and may be read where it lies; separate folders still
+    work."""
+    root = world["root"]
+    beir = beir_folder(tmp_path / "beir")
+    before = _files(beir)
+    bm25 = ("mine", "--beir-dir", beir, "--cache-dir", tmp_path / "cache", "--n-negatives", 2, "--top-k", 5)
+    dense = ("mine", "--source", "dense", "--model", root / "model", "--device", "cpu", *bm25[1:])
+    refused = [((*bm25, "--bm25-index", beir / "bm25"), f"--bm25-index {beir / 'bm25'} lies inside the input "
+                                                         f"--beir-dir {beir}"),
+               ((*bm25, "--bm25-index", beir), f"--bm25-index {beir} is the input --beir-dir {beir}"),
+               ((*dense, "--embeddings", beir / "emb"), f"--embeddings {beir / 'emb'} lies inside the input "
+                                                        f"--beir-dir"),
+               ((*dense, "--embeddings", tmp_path / "emb", "--index", root / "model" / "idx"),
+                f"--index {root / 'model' / 'idx'} lies inside the input --model")]
+    for argv, message in refused:
+        with pytest.raises(DprGcError, match=re.escape(message)):
+            cli(*argv, "--output", tmp_path / "o.json")
+    assert _files(beir) == before and not (root / "model" / "idx").exists() and not (tmp_path / "o.json").exists()
+    assert not (tmp_path / "emb").exists()
+
+    cli(*bm25, "--bm25-index", tmp_path / "bm25", "--output", tmp_path / "o.json")
+    assert (tmp_path / "bm25" / "bm25_meta.json").is_file() and (tmp_path / "o.json").is_file()
+    shutil.copytree(tmp_path / "bm25", beir / "bm25")  # built already: an input, read where it lies
+    cli(*bm25, "--bm25-index", beir / "bm25", "--output", tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == (tmp_path / "o.json").read_text()
+    cli(*dense, "--embeddings", tmp_path / "emb", "--index", tmp_path / "idx", "--output", tmp_path / "dense.json")
+    assert (tmp_path / "idx" / "index_meta.json").is_file() and (tmp_path / "dense.json").is_file()

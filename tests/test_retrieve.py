@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import random
 from pathlib import Path
@@ -309,3 +310,52 @@ def test_the_resume_key_changes_with_everything_the_records_depend_on(world, tmp
     changed["corpus"] = (retriever, index, load_corpus(small, tmp_path / "cache"), job)
     for field, args in changed.items():
         assert retrieval_key(*args)[field] != base[field], field
+
+
+def test_kept_records_of_an_interrupted_run_are_named_and_reported_by_later_runs(world, tmp_path, monkeypatch,
+                                                                                caplog):
+    """Ctrl-C names the hidden file of finished records and how to continue or delete it; a later run finishing
+    into another output of the folder warns about it (it is as large as the results), deletes one that no run can
+    continue, and leaves alone one whose output a running retrieval holds."""
+    from dpr_gc.base.locks import output_lock
+    from dpr_gc.cli import main
+    from dpr_gc.retrieval import retrieve as retrieve_module
+    from tests.helpers import call
+
+    queries, _ = self_queries(tmp_path)
+    real_iter_retrieve = retrieve_module.iter_retrieve
+
+    def interrupted_after_five(*args, **kwargs):
+        yield from itertools.islice(real_iter_retrieve(*args, **kwargs), 5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(retrieve_module, "QUERY_CHUNK", 4)
+    monkeypatch.setattr(retrieve_module, "iter_retrieve", interrupted_after_five)
+
+    def argv(out: Path) -> list:
+        return ["retrieve", "--index", world["idx"], "--queries", queries, "--top-k", 3, "--output", out,
+                "--cache-dir", world["cache"], "--device", "cpu", "--workers", 1]
+
+    code, err = call(main, argv(tmp_path / "o.json"))
+    kept, progress = tmp_path / ".o.json.retrieved.partial", tmp_path / ".o.json.retrieved.progress.json"
+    assert code == 130 and kept.is_file() and not (tmp_path / "o.json").exists(), err
+    assert (f"interrupted: 4 questions retrieved are kept in {kept}; run the same command again to continue after "
+            f"them, or delete it and {progress.name} to give up") in err, err
+    monkeypatch.setattr(retrieve_module, "iter_retrieve", real_iter_retrieve)
+    abandoned = tmp_path / ".x.json.retrieved.partial"  # no progress record: nothing can continue it
+    abandoned.write_text("{}\n")
+    busy = tmp_path / ".y.json.retrieved.partial"  # the same, but a running retrieval holds y.json
+    busy.write_text("{}\n")
+    caplog.set_level("INFO")
+    with output_lock(tmp_path / "y.json"):
+        assert call(main, argv(tmp_path / "p.json"))[0] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"{kept} (") and (
+        f"keeps 4 questions an interrupted retrieval into {tmp_path / 'o.json'} finished; run that command again to "
+        f"continue it, or delete it and {progress.name}") in warnings[0], warnings
+    assert f"removed {abandoned}" in caplog.text and not abandoned.exists() and busy.exists() and kept.exists()
+    caplog.clear()
+    assert call(main, argv(tmp_path / "o.json"))[0] == 0
+    assert "resuming an interrupted run: 4 questions already retrieved" in caplog.text
+    assert not kept.exists() and not progress.exists()
+    assert [r["id"] for r in json.loads((tmp_path / "o.json").read_text())] == [f"q{i}" for i in range(10)]

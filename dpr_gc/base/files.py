@@ -262,12 +262,7 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
     """
     final = check_output_file(path, "output")
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    tmp_path = Path(tmp)
+    tmp_path = temporary_beside(final)
     try:
         yield tmp_path
         os.replace(tmp_path, final)
@@ -278,6 +273,74 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def temporary_beside(final: Path) -> Path:
+    """A new empty hidden file ``.NAME.*.tmp`` beside ``final``, with the permissions a new file gets: the name
+    :func:`remove_stale_temporaries` (run by a later run's output lock) deletes when the process that made it died."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return Path(tmp)
+
+
+@contextlib.contextmanager
+def atomic_paths(*paths: PathLike) -> Iterator[list[Path]]:
+    """Like :func:`atomic_path` for files that make one output, whose last is its record (a metrics JSON naming
+    its plot): yield a temporary path beside each; when the block succeeds they replace ``paths`` together
+    (:func:`replace_together`), otherwise none of ``paths`` changes."""
+    finals = [check_output_file(p, "output") for p in paths]
+    tmps: list[Path] = []
+    try:
+        for final in finals:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmps.append(temporary_beside(final))
+        yield tmps
+        replace_together(tmps, finals)
+    except Exception as e:
+        if is_disk_full(e):
+            raise DiskFullError(" and ".join(map(str, finals))) from None
+        raise
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+
+
+def replace_together(news: list[Path], finals: list[Path]) -> None:
+    """Rename each of ``news`` onto its ``finals`` (same folders) as one output whose last file is its record.
+
+    The old record is withdrawn first (moved aside), then the other files are replaced and the record is put in
+    last, so whenever a record is there the files beside it are its own; in between a reader finds the record
+    missing. An error or interrupt on the way puts every old file back: the earlier output stays whole. A kill
+    leaves at most hidden ``.NAME.*.tmp`` files, which the next run's output lock deletes. One file is simply
+    renamed (atomic on its own).
+    """
+    if len(finals) == 1:
+        os.replace(news[0], finals[0])
+        return
+    aside: list[tuple[Path, Path]] = []
+    placed: list[Path] = []
+    try:
+        for final in [finals[-1], *finals[:-1]]:
+            if final.exists():
+                aside.append((temporary_beside(final), final))
+                os.replace(final, aside[-1][0])
+        for new, final in zip(news, finals):
+            os.replace(new, final)
+            placed.append(final)
+    except BaseException:
+        for final in placed:
+            final.unlink(missing_ok=True)
+        for old, final in reversed(aside):
+            if final.exists():  # not moved aside: its own rename failed
+                old.unlink()
+            else:
+                os.replace(old, final)
+        raise
+    for old, _ in aside:
+        old.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -292,8 +355,13 @@ def atomic_open(path: PathLike, mode: str = "w") -> Iterator[IO[Any]]:
 def write_json(path: PathLike, obj: Any) -> None:
     """Write ``obj`` as indented JSON, atomically."""
     with atomic_open(path) as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+        dump_json(obj, f)
+
+
+def dump_json(obj: Any, f: IO[str]) -> None:
+    """Write ``obj`` to the open text file ``f`` as :func:`write_json` lays it out (indented, UTF-8 as is)."""
+    json.dump(obj, f, indent=2, ensure_ascii=False)
+    f.write("\n")
 
 
 def read_json(path: PathLike) -> Any:
@@ -434,19 +502,24 @@ class ChunkedOutput:
     def resume(self) -> Any:
         """The state recorded with the last finished chunk of an earlier run with the same key, else None (and
         whatever an earlier run left is deleted). A key of None never resumes."""
-        if self.key is None:
-            self.discard()
-            return None
-        try:
-            saved = json.loads(self.progress.read_text(encoding="utf-8"))
-            size = self.partial.stat().st_size
-        except (OSError, ValueError):
-            saved, size = None, -1
-        if not isinstance(saved, dict) or saved.get("key") != self.key or not 0 <= saved.get("bytes", -1) <= size:
+        saved = self.saved()
+        if self.key is None or saved is None or saved["key"] != self.key:
             self.discard()
             return None
         os.truncate(self.partial, saved["bytes"])
         return saved["state"]
+
+    def saved(self) -> Optional[dict]:
+        """The progress file's record (``key``, ``bytes``, ``state``) when the partial file holds the chunks it
+        counts, else None: no run can continue from what is there."""
+        try:
+            saved = json.loads(self.progress.read_text(encoding="utf-8"))
+            size = self.partial.stat().st_size
+        except (OSError, ValueError):
+            return None
+        if not isinstance(saved, dict) or not {"key", "bytes", "state"} <= saved.keys():
+            return None
+        return saved if type(saved["bytes"]) is int and 0 <= saved["bytes"] <= size else None
 
     def append(self, text: str, state: Any) -> None:
         """Append one chunk durably, then record ``state`` as the point a re-run continues from."""

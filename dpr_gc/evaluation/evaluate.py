@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
 import math
 from pathlib import Path
@@ -26,7 +27,7 @@ from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
-from ..base.files import PathLike, atomic_path, open_text, write_json
+from ..base.files import PathLike, atomic_path, atomic_paths, dump_json, open_text
 from ..base.settings import add_arguments, check, setting
 from .results import check_question, iter_results
 from ..base.validate import check_id
@@ -224,7 +225,15 @@ def format_table(metrics: dict[str, float]) -> str:
 
 
 def plot_metrics(curves: dict[str, dict[int, float]], path: PathLike) -> Path:
-    """Write a PNG of each curve (e.g. accuracy or recall) against k; log x-axis when k spans a wide range."""
+    """Write a PNG of each curve (e.g. accuracy or recall) against k (see :func:`save_plot`), atomically."""
+    with atomic_path(path) as tmp:
+        save_plot(curves, tmp)
+    return Path(path)
+
+
+def save_plot(curves: dict[str, dict[int, float]], path: PathLike) -> None:
+    """Draw each curve (e.g. accuracy or recall) against k into the PNG file ``path``; log x-axis when k spans a
+    wide range."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,10 +258,10 @@ def plot_metrics(curves: dict[str, dict[int, float]], path: PathLike) -> Path:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
-    return Path(path)
+    try:
+        fig.savefig(path, format="png", dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def curve(metrics: dict[str, float], name: str) -> dict[int, float]:
@@ -335,12 +344,28 @@ def _cli(args: argparse.Namespace) -> None:
         if key in report:
             print(f"\n{title.format(**report[key])}\n{format_table(report[key]['metrics'])}")
             curves.update({f"{key}: {name}@k": curve(report[key]["metrics"], name) for name in names})
-    if args.output:
-        write_json(args.output, report)
-        logger.info("wrote metrics to %s", args.output)
-    if args.plot:
-        plot_metrics(curves, args.plot)
-        logger.info("wrote plot to %s", args.plot)
+    write_report(report, curves, args.output, args.plot)
+
+
+def write_report(report: dict[str, Any], curves: dict[str, dict[int, float]], output: Optional[PathLike],
+                 plot: Optional[PathLike]) -> None:
+    """Write the metrics JSON and/or the plot of ``curves`` as one output (:func:`~dpr_gc.base.files.atomic_paths`,
+    the JSON last). The JSON records the plot's file and SHA-256, so the plot beside it is provably its own; an
+    error or Ctrl-C keeps the earlier pair whole, and a kill leaves no JSON beside another run's plot."""
+    paths = [p for p in (plot, output) if p]
+    if not paths:
+        return
+    with atomic_paths(*paths) as tmps:
+        if plot:
+            save_plot(curves, tmps[0])
+            report = {**report, "plot": {"file": str(plot),
+                                         "sha256": hashlib.sha256(tmps[0].read_bytes()).hexdigest()}}
+        if output:
+            with open(tmps[-1], "w", encoding="utf-8") as f:
+                dump_json(report, f)
+    for what, path in (("plot", plot), ("metrics", output)):
+        if path:
+            logger.info("wrote %s to %s", what, path)
 
 
 @dataclasses.dataclass

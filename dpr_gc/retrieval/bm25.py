@@ -48,6 +48,11 @@ def import_bm25s() -> Any:
     return bm25s
 
 
+def bm25_index_exists(folder: PathLike) -> bool:
+    """Whether ``folder`` holds a saved BM25 index (its metadata is written last), which is loaded rather than built."""
+    return (Path(folder) / BM25_META).is_file()
+
+
 class BM25Source:
     """Candidates from BM25 (bm25s, k1/b as Anserini's defaults) over ``title + " " + text`` of each corpus row.
 
@@ -80,7 +85,7 @@ class BM25Source:
         # One process at a time loads or builds the folder: two mining runs sharing it would otherwise write each
         # other's files in turn, and a later load could pair one corpus's vocabulary with another's matrix.
         with wait_lock(folder.with_name(f".{folder.name}.lock")):
-            if (folder / BM25_META).is_file():
+            if bm25_index_exists(folder):
                 self._check_saved(folder)
                 self._load(folder, bm25s, len(corpus))
                 logger.info("loaded the BM25 index of %s from %s", counted(len(corpus), "passage"), folder)

@@ -27,14 +27,14 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from .bm25 import BM25Source, Gold
+from .bm25 import BM25Source, Gold, bm25_index_exists
 from ..data.corpus import rows_for_ids, source_fingerprint
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int)
 from ..base.errors import DprGcError
 from ..base.logs import counted
-from ..base.guard import guarded
+from ..base.guard import check_outputs, guarded
 from ..base.files import ChunkedOutput, PathLike, require_file
 from ..base.locks import output_lock
 from ..base.settings import (add_arguments, cache_dir_setting, check, device_setting, from_args, group,
@@ -488,8 +488,40 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     return DenseSource(retriever, dense, batch_size)
 
 
-@guarded(inputs=("train_file", "beir_dir", "corpus", "model", "index", "embeddings", "bm25_index", "qrels"),
-         outputs={"output": "self"})
+# What mine reads, by destination and flag; of these, folders it builds when they hold nothing yet are its outputs.
+MINE_INPUTS = {dest: "--" + dest.replace("_", "-")
+               for dest in ("train_file", "beir_dir", "corpus", "model", "index", "embeddings", "bm25_index", "qrels")}
+
+
+def built_folders(args: argparse.Namespace) -> dict[str, str]:
+    """The folders this run writes, by flag (each is read, an input, once built): the BM25 index when
+    ``--bm25-index`` holds none yet; for ``--source dense`` without an index in ``--index``, that index (built from
+    ``--embeddings``) and the shards folder when it holds none (the corpus is encoded into it)."""
+    from .index import index_exists
+    from .shards import has_shards
+
+    built = {}
+    if args.source == "bm25" and args.bm25_index and not bm25_index_exists(args.bm25_index):
+        built["--bm25-index"] = args.bm25_index
+    if args.source == "dense" and args.embeddings and not index_exists(args.index):
+        if args.index:
+            built["--index"] = args.index
+        if not has_shards(args.embeddings):
+            built["--embeddings"] = args.embeddings
+    return built
+
+
+def check_built_folders(args: argparse.Namespace) -> None:
+    """Refuse, before anything is written, a folder this run would write (:func:`built_folders`) that is an input or
+    lies inside an input folder (``--bm25-index B/bm25`` with ``--beir-dir B``), and an index folder, replaced
+    whole, that holds an input. The guard took these flags for inputs, which they are when already built (an index
+    and the shards it is built from are checked against each other by ``build_index``)."""
+    built = built_folders(args)
+    inputs = {flag: getattr(args, dest) for dest, flag in MINE_INPUTS.items() if flag not in built}
+    check_outputs(inputs, {"--output": args.output, **built}, whole=["--index"])
+
+
+@guarded(inputs=tuple(MINE_INPUTS), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     from ..data.corpus import load_corpus
     from ..data.training import find_beir_file
@@ -502,6 +534,7 @@ def _cli(args: argparse.Namespace) -> None:
         raise DprGcError(f"unknown --source {args.source!r}; use one of {', '.join(SOURCES)}")
     if bool(args.train_file) == bool(args.beir_dir):
         raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
+    check_built_folders(args)
     mining = from_args(MineSettings, args)
     steady_malloc()
     beir = Path(args.beir_dir) if args.beir_dir else None

@@ -22,11 +22,12 @@ from tqdm.auto import tqdm
 
 from ..evaluation.answers import MATCH_MODES, AnswerMatcher, default_workers
 from ..base.args import nonnegative_int, output_file, positive_int
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, Interrupted
 from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
 from ..base.files import ChunkedOutput, PathLike, iter_jsonl
+from ..base.locks import output_lock
 from .index import DenseIndex, set_threads
 from .index_params import hnsw_ef, ivf_nprobe
 from ..base.settings import (FREE, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
@@ -37,6 +38,7 @@ from ..base.tables import format_summary
 logger = logging.getLogger(__name__)
 
 MATCH_CHOICES = ("string", "regex", "none")
+KEPT = ".retrieved"  # the finished records of output NAME are kept in .NAME.retrieved.partial
 QUERY_CHUNK = 1024
 KS = (1, 5, 10, 20, 100)
 
@@ -293,30 +295,86 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
                              lambda kept: write_outputs(kept, s, qrels, matcher if match is None else None))
 
 
+def kept_records(first: Path, key: Optional[dict] = None) -> ChunkedOutput:
+    """The finished records a retrieval into the output ``first`` keeps beside it: ``.NAME.retrieved.partial``, with
+    its progress record ``.NAME.retrieved.progress.json``."""
+    return ChunkedOutput(first.with_name(first.name + KEPT), key)
+
+
 def retrieve_kept(first: Path, key: dict, queries: Iterable[dict], total: Optional[int],
                   records: Callable[[Iterable[dict], Optional[int]], Iterator[dict]],
                   write: Callable[[Iterator[dict]], Any]) -> Any:
     """Retrieve into a hidden file of finished records beside the output ``first`` (one JSON record per line,
-    :class:`~dpr_gc.base.files.ChunkedOutput`, a chunk of ``QUERY_CHUNK`` questions at a time), skipping the
-    questions an interrupted run with the same ``key`` finished; then ``write`` the outputs from it, whole, and
-    delete it. Returns what ``write`` returns."""
-    kept = ChunkedOutput(first.with_name(first.name + ".retrieved"), key)
+    :func:`kept_records`, a chunk of ``QUERY_CHUNK`` questions at a time), skipping the questions an interrupted
+    run with the same ``key`` finished; then ``write`` the outputs from it, whole, and delete it. Interrupted, the
+    message names the kept file and how to continue or drop it; finished, the run reports what interrupted runs
+    into other outputs left in the folder (:func:`report_kept_elsewhere`). Returns what ``write`` returns."""
+    kept = kept_records(first, key)
     done = int((kept.resume() or {}).get("count", 0))
     if done:
-        logger.info("resuming an interrupted run: %s already retrieved (kept beside %s)", counted(done, "question"),
-                    first)
-    chunk: list[str] = []
-    count = done
-    for record in records(itertools.islice(queries, done, None), None if total is None else total - done):
-        chunk.append(json.dumps(record, ensure_ascii=False) + "\n")
-        if len(chunk) == QUERY_CHUNK:
-            count += len(chunk)
-            kept.append("".join(chunk), {"count": count})
-            chunk = []
-    kept.append("".join(chunk), {"count": count + len(chunk)})
-    result = write(record for _, record in iter_jsonl(kept.partial))
+        logger.info("resuming an interrupted run: %s already retrieved (kept in %s)", counted(done, "question"),
+                    kept.partial)
+    try:
+        chunk: list[str] = []
+        count = done
+        for record in records(itertools.islice(queries, done, None), None if total is None else total - done):
+            chunk.append(json.dumps(record, ensure_ascii=False) + "\n")
+            if len(chunk) == QUERY_CHUNK:
+                count += len(chunk)
+                kept.append("".join(chunk), {"count": count})
+                chunk = []
+        kept.append("".join(chunk), {"count": count + len(chunk)})
+        result = write(record for _, record in iter_jsonl(kept.partial))
+    except KeyboardInterrupt:
+        if kept.saved() is None:
+            raise
+        raise Interrupted(kept_advice(kept)) from None
+    except Exception:
+        if kept.saved() is not None:
+            logger.warning("%s", kept_advice(kept))
+        raise
     kept.discard()
+    report_kept_elsewhere(first)
     return result
+
+
+def kept_advice(kept: ChunkedOutput) -> str:
+    """What an interrupted retrieval kept (``kept`` holds finished records), and how to continue or drop it."""
+    return (f"{counted(kept_count(kept), 'question')} retrieved are kept in {kept.partial}; run the same command "
+            f"again to continue after them, or delete it and {kept.progress.name} to give up")
+
+
+def kept_count(kept: ChunkedOutput) -> int:
+    """How many questions the finished records in ``kept`` answer, as its progress record says (0 if it cannot)."""
+    state = (kept.saved() or {}).get("state")
+    count = state.get("count") if isinstance(state, dict) else None
+    return count if type(count) is int else 0
+
+
+def report_kept_elsewhere(first: Path) -> None:
+    """Warn about each file of finished records that an interrupted retrieval into another output of ``first``'s
+    folder left there (as large as its results), naming it and how to continue or delete it; delete those no run
+    can continue (no usable progress record). Files of a running retrieval (its output locked) are left alone."""
+    folder = first.parent
+    names = {p.name[1:].removesuffix(suffix) for suffix in (f"{KEPT}.partial", f"{KEPT}.progress.json")
+             for p in folder.glob(f".*{suffix}")}
+    for name in sorted(names - {first.name}):
+        output = folder / name
+        kept = kept_records(output)
+        try:
+            with output_lock(output):
+                saved = kept.saved()
+                if saved is None or saved["key"] is None:
+                    kept.discard()
+                    logger.info("removed %s, left by an interrupted retrieval into %s: no run can continue it",
+                                kept.partial, output)
+                else:
+                    logger.warning("%s (%.1f MiB) keeps %s an interrupted retrieval into %s finished; run that "
+                                   "command again to continue it, or delete it and %s", kept.partial,
+                                   kept.partial.stat().st_size / 2**20, counted(kept_count(kept), "question"),
+                                   output, kept.progress.name)
+        except DprGcError:  # a running retrieval holds the output (or it is a folder): not ours to judge
+            continue
 
 
 def write_outputs(records: Iterable[dict], s: RetrieveSettings, qrels: Optional[dict[str, dict[str, int]]],
