@@ -280,6 +280,18 @@ def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
     assert len(load_dpr_files([tmp_path / "beir.json"], cache_dir=tmp_path / "cache")) == len(TOPICS)
 
 
+def test_dense_embeddings_without_an_index_folder_are_refused_before_encoding(world, tmp_path):
+    """``--embeddings E`` builds a flat index, which may not lie inside E (an output inside an input): without
+    ``--index`` the run is refused at once, naming the flag, rather than after encoding the corpus."""
+    root = world["root"]
+    with pytest.raises(DprGcError, match=re.escape(f"give --index DIR for the flat index built from --embeddings "
+                                                   f"{tmp_path / 'emb'}")):
+        cli("mine", "--source", "dense", "--model", root / "model", "--embeddings", tmp_path / "emb", "--device",
+            "cpu", "--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", "--cache-dir",
+            root / "cache", "--output", tmp_path / "dense.json")
+    assert not (tmp_path / "emb").exists() and not (tmp_path / "dense.json").exists()
+
+
 def test_bad_inputs_give_one_line_errors(world, tmp_path):
     root, corpus, src = world["root"], world["corpus"], world["bm25"]
     base = ("mine", "--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--output", tmp_path / "o.json")

@@ -94,7 +94,7 @@ class SourceSettings:
                                              "missing")
     embeddings: Optional[PathLike] = setting(None, "--embeddings", type=output_dir,
                                              help="encode shards folder (encoded here if it has none), for a new "
-                                                  "flat index")
+                                                  "flat index in --index")
     bm25_index: Optional[PathLike] = setting(None, "--bm25-index", type=output_dir,
                                              help="folder to save the BM25 index to, or load it from if built already")
     k1: float = setting(0.9, "--bm25-k1", type=nonnegative_float, help="BM25 k1 (as Anserini)")
@@ -475,12 +475,14 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
             raise DprGcError(f"{where}--source dense needs --index DIR (from 'dpr-gc index') or --embeddings DIR "
                              "(encode shards; encoded now if the folder has none)")
         emb = Path(embeddings)
+        if index is None:
+            raise DprGcError(f"give --index DIR for the flat index built from --embeddings {emb} (a folder outside "
+                             "it, e.g. beside it)")
         if not has_shards(emb):
             if corpus_path is None:
                 raise DprGcError("encoding the corpus needs --corpus")
             encode_corpus(retriever, corpus_path, emb, shard_id=0, num_shards=1, batch_size=batch_size,
                           cache_dir=s.cache_dir, model_name=str(model), show_progress=show_progress)
-        index = index if index is not None else emb / "index"
         build_index(emb, index, IndexParams("flat"))
     dense = DenseIndex.read(index)
     check_compatible(retriever, dense, check_fingerprint=s.check_model)
