@@ -167,7 +167,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     @guarded(inputs=("model=--model_file", "queries=--qa_dataset", "corpus=--ctx_datatsets",
                      "embeddings=--encoded_ctx_file", "qrels"),
-             outputs={"output=--out_file": "file", "trec_run": "file", "index_path": "whole"})
+             outputs={"output=--out_file": "file", "trec_run": "file", "index_path": "whole",
+                      "cache_dir=--cache_dir": "self"})
     def run(args: argparse.Namespace) -> None:
         set_threads(args.threads)
         params = params_from_args(args)

@@ -592,6 +592,32 @@ def test_an_output_inside_an_input_folder_is_refused(world: dict, tmp_path: Path
     assert folder_bytes(own["model"], own["corpus"], own["idx"], beir) == before
 
 
+@pytest.mark.parametrize("command", ["train", "encode", "mine", "retrieve", "prepare-data"])
+@pytest.mark.parametrize("where", ["is", "inside"])
+def test_the_cache_folder_is_an_output_never_an_input_nor_inside_one(world: dict, tmp_path: Path, command: str,
+                                                                      where: str) -> None:
+    """``--cache-dir`` is written by every command that takes it: given as an input folder (a BEIR folder, a model)
+    or inside one, it is refused in one line naming it before anything is written."""
+    beir, model, out = tmp_path / "beir", tmp_path / "model", tmp_path / "out"
+    shutil.copytree(ROOT / "data" / "examples" / "beir", beir)
+    shutil.copytree(world["model"], model)
+    folder, flag = (model, "--model") if command in ("encode", "retrieve") else (
+        (beir, "the training source") if command == "prepare-data" else (beir, "--beir-dir" if command == "mine"
+                                                                           else "--train"))
+    cache = folder if where == "is" else folder / "cache"
+    argv = {"train": ["train", "--train", beir, "--output", out, "--model", model, "--device", "cpu"],
+            "encode": ["encode", "--model", model, "--corpus", world["corpus"], "--output", out, "--device", "cpu"],
+            "mine": ["mine", "--beir-dir", beir, "--output", out / "mined.jsonl"],
+            "retrieve": retrieve_argv({**world, "model": model}, "--queries", world["qa"], "--output",
+                                      out / "r.json"),
+            "prepare-data": ["prepare-data", beir]}[command]
+    before = folder_bytes(beir, model)
+    reason = f"is the input {flag} {folder}" if where == "is" else f"lies inside the input {flag} {folder}"
+    refused(argv + ["--cache-dir", cache], f"--cache-dir {cache} {reason}")
+    assert folder_bytes(beir, model) == before and not out.exists()
+    assert not (folder / "cache").exists()
+
+
 def test_an_index_folder_holding_other_files_is_not_replaced(world: dict, tmp_path: Path) -> None:
     """An index folder is replaced whole, so a rebuild refuses one that holds anything but the index: here the
     model the shards were encoded with, and a note."""
@@ -719,6 +745,14 @@ def test_scripts_run_under_the_same_guard(world: dict, tmp_path: Path) -> None:
              "--out_file", qa], "--out_file", "is the input --qa_dataset", main=script.main)
     train = load_script("train_dense_encoder")
     refused(["--train_file", world["train"], "--output_dir", world["train"]], "--output_dir", main=train.main)
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    refused(["--model_file", model, "--qa_dataset", qa, "--encoded_ctx_file", world["emb"], "--out_file",
+             tmp_path / "o.json", "--cache_dir", model / "cache"], f"--cache_dir {model / 'cache'} lies inside the "
+            f"input --model_file {model}", main=script.main)
+    refused(["--train_file", world["train"], "--output_dir", tmp_path / "t", "--model", model, "--cache-dir", model],
+            f"--cache-dir {model} is the input --model {model}", main=train.main)
+    assert not (model / "cache").exists() and not (tmp_path / "t").exists()
 
 
 def test_check_outputs_library() -> None:

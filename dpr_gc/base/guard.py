@@ -6,7 +6,8 @@ the stage runs, every output is compared with every input and with the other out
 (``realpath``) and, for paths that exist, by ``(st_dev, st_ino)`` -- so a symlink or a hard link to an input is
 refused too; no output may lie inside an input folder, and a folder replaced whole may not hold an input. Then each
 output is locked (``flock``; a second run on the same output is refused at once) unless the stage takes its own
-finer lock (``"self"``). Files are written atomically by :mod:`dpr_gc.base.files`; folders by :func:`atomic_folder`.
+finer lock (``"self"``). The parsed-data cache a command is given (``--cache-dir``) is one of its outputs too
+(:data:`CACHE_OUTPUT`). Files are written atomically by :mod:`dpr_gc.base.files`; folders by :func:`atomic_folder`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from .locks import exclusive_lock, locked_folder, output_lock
 # ("folder": folders written into), or by the stage itself ("self": e.g. one lock per shard).
 LOCK_MODES = ("file", "folder", "whole", "self")
 FOLDER_LOCK = ".dpr-gc.lock"
+# The parsed-data cache folder (``--cache-dir``, declared once by ``settings.cache_dir_setting``): an output of every
+# guarded command whose arguments carry it, so that it is never an input nor inside an input folder; its caches lock
+# their own files. Left out (None), the caches go to the default folder, which is no output here.
+CACHE_OUTPUT = ("cache_dir", "self")
 # what the system says when it refuses to create a file or folder: no permission, a read-only file system
 REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
@@ -133,7 +138,8 @@ def _split(entry: str) -> tuple[str, str]:
 def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = None) -> Callable:
     """Decorate a stage's command function ``f(args, ...)``: ``inputs`` are the ``args`` destinations it reads,
     ``outputs`` maps each destination it writes to its lock mode (see :data:`LOCK_MODES`); an entry may be written
-    ``"dest=--flag"`` to name the flag in messages. Checks, then locks, then runs; an output the system refuses
+    ``"dest=--flag"`` to name the flag in messages. The cache folder (:data:`CACHE_OUTPUT`) is an output without
+    being declared (declare it to name another flag). Checks, then locks, then runs; an output the system refuses
     to create or write is one line naming its flag (:func:`refused_output`)."""
     outputs = dict(outputs or {})
     bad = set(outputs.values()) - set(LOCK_MODES)
@@ -141,6 +147,9 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
         raise ValueError(f"unknown lock modes {sorted(bad)}")
     ins = [_split(e) for e in inputs]
     outs = [(*_split(e), mode) for e, mode in outputs.items()]
+    cache_dest, cache_mode = CACHE_OUTPUT
+    if all(dest != cache_dest for dest, _, _ in outs):
+        outs.append((cache_dest, _flag(cache_dest), cache_mode))
 
     def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(run)

@@ -121,7 +121,8 @@ def device_setting(help: str = "torch device (default: cuda:LOCAL_RANK if availa
 
 def cache_dir_setting(help: str = "where parsed corpora are cached (default: $DPR_GC_CACHE/corpora, else "
                                   "~/.cache/dpr_gc/corpora)") -> Any:
-    """``--cache-dir``, declared once for every stage that parses a corpus or training data."""
+    """``--cache-dir``, declared once for every stage that parses a corpus or training data; an output to the
+    guard of every command that takes it (:data:`dpr_gc.base.guard.CACHE_OUTPUT`): never an input, nor inside one."""
     return setting(None, "--cache-dir", type=output_dir, resume=FREE, aliases=("--cache_dir",), help=help)
 
 

@@ -28,9 +28,10 @@ from .corpus import corpus_fingerprint
 from .qrels import iter_qrels, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
+from ..base.guard import guarded
 from ..base.files import (PathLike, check_unicode, die_with_parent, iter_jsonl, open_text,
                           read_json_object, require_file, write_json)
-from ..base.settings import add_arguments, check, setting
+from ..base.settings import add_arguments, cache_dir_setting, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
 from .sampling import MixedBatchSampler, TrainingExamples  # noqa: F401 (TrainingExamples is re-exported)
@@ -509,8 +510,8 @@ def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[B
 class PrepareSettings:
     """``dpr-gc prepare-data`` besides the sources: the cache, bad records, the BEIR split."""
 
-    cache_dir: Optional[str] = setting(None, "--cache-dir", help="where Arrow caches go (default: "
-                                                                  "$DPR_GC_CACHE/train, else ~/.cache/dpr_gc/train)")
+    cache_dir: Optional[str] = cache_dir_setting("where Arrow caches go (default: $DPR_GC_CACHE/train, else "
+                                                 "~/.cache/dpr_gc/train)")
     skip_bad_records: bool = setting(False, "--skip-bad-records",
                                      help="skip and count bad records instead of stopping")
     beir_split: str = setting("train", "--beir-split", help="qrels split used for BEIR folders")
@@ -524,6 +525,7 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_prepare)
 
 
+@guarded(inputs=("sources=the training source",))
 def _cli_prepare(args: Any) -> None:
     data = load_training_data(args.sources, args.cache_dir, args.skip_bad_records, args.beir_split)
     print(markdown_table(("source", "records", "kept", "no positive", "bad"),

@@ -437,7 +437,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
         raise DprGcError("give --model and --corpus (the index does not record them)")
     check_outputs({"the index's recorded --model": None if job.model else model,
                    "the index's recorded --corpus": None if job.corpus else corpus_path},
-                  {"--output": s.output, "--trec-run": s.trec_run})
+                  {"--output": s.output, "--trec-run": s.trec_run, "--cache-dir": job.cache_dir})
     retriever = Retriever.load(model, default_device(job.device),
                                *recorded_prefixes(index.meta, job.query_prefix, job.passage_prefix))
     check_compatible(retriever, index, check_fingerprint=job.check_model)

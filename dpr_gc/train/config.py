@@ -19,7 +19,7 @@ from ..base.args import device_arg, nonnegative_int, output_dir, positive_int, p
 from ..base.errors import DprGcError
 from ..base.files import read_json_object, write_json
 from ..base.settings import FIXED, FREE, Change, add_arguments, changed_settings, check, from_args, group, setting
-from ..base.settings import to_record
+from ..base.settings import cache_dir_setting, to_record
 from ..engine.budget import parse_memory
 from ..engine.loss import check_loss_chunk_size
 from ..model.lora import LoraSettings
@@ -119,9 +119,8 @@ class DataConfig:
                                                 "CPU, where they cost memory and measured no faster; 2 on a GPU)")
     skip_bad_records: bool = setting(False, "--skip-bad-records", resume=FREE,
                                      help="skip (and count) malformed training records instead of stopping")
-    cache_dir: Optional[str] = setting(None, "--cache-dir", resume=FREE,
-                                       help="where parsed training data are cached (default: $DPR_GC_CACHE/train, else "
-                                            "~/.cache/dpr_gc/train)")
+    cache_dir: Optional[str] = cache_dir_setting("where parsed training data are cached (default: $DPR_GC_CACHE/train, "
+                                                 "else ~/.cache/dpr_gc/train)")
     dev: DevLimits = group(DevLimits, "dev validation (DPR's val_av_rank_*)")
 
     def __post_init__(self) -> None:
