@@ -599,6 +599,33 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
+def test_a_bm25_folder_holding_other_files_is_refused(world, tmp_path):
+    """``--bm25-index DIR`` holding the user's files and no BM25 index is refused before anything is written, naming
+    the flag and a file it holds (hidden ones too); a folder an interrupted build left (the index's own files, the
+    metadata's temporary) is built into, and a finished index is read even with a note beside it."""
+    root, folder, cache = world["root"], tmp_path / "bm25", tmp_path / "cache"
+    argv = ("mine", "--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", "--cache-dir", cache,
+            "--n-negatives", 2, "--top-k", 5, "--bm25-index", folder, "--output", tmp_path / "o.json")
+    folder.mkdir()
+    (folder / "data.csc.index.npy").write_text("half written")
+    for entry in ("notes.txt", ".git"):
+        (folder / entry).mkdir()
+        before = _files(folder)
+        with pytest.raises(DprGcError, match=re.escape(f"--bm25-index {folder} holds {entry} and no BM25 index")):
+            cli(*argv)
+        assert _files(folder) == before and (folder / "data.csc.index.npy").read_text() == "half written"
+        assert not (tmp_path / "o.json").exists() and not cache.exists()
+        (folder / entry).rmdir()
+    (folder / ".bm25_meta.json.x1y2.tmp").write_text("{")  # what a kill while writing the metadata leaves
+    cli(*argv)
+    assert (folder / "bm25_meta.json").is_file() and (tmp_path / "o.json").is_file()
+    (folder / "notes.txt").write_text("mine")
+    cli(*argv[:-1], tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == (tmp_path / "o.json").read_text()
+    with pytest.raises(DprGcError, match=re.escape(f"--bm25-index {tmp_path} holds ")):
+        BM25Source(world["corpus"], index_dir=tmp_path, show_progress=False)
+
+
 def test_folders_mine_builds_are_outputs_never_inside_its_inputs(world, tmp_path):
     """A folder mine writes when it holds nothing yet -- the BM25 index, and for --source dense the index and the
     shards -- is an output: refused where it is an input or lies inside an input folder (the BEIR folder, the

@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 BM25_BLOCK = 50_000
 BM25_META = "bm25_meta.json"
 BM25_TOKENIZER = "bm25s Tokenizer: lowercase, regex (?u)\\b\\w\\w+\\b, English stopwords, no stemming"
+# What a BM25 index folder holds: bm25s's score matrix (CSC arrays), vocabulary and parameters, the tokenizer's
+# vocabulary, and the metadata written last (plus, after a kill, the metadata's hidden temporary ``.NAME.*.tmp``).
+BM25_FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy", "nonoccurrence_array.index.npy",
+              "vocab.index.json", "params.index.json", "vocab.tokenizer.json", BM25_META)
 Gold = tuple[Optional[int], str, str]  # (corpus row if known, title, text)
 
 
@@ -53,6 +57,25 @@ def bm25_index_exists(folder: PathLike) -> bool:
     return (Path(folder) / BM25_META).is_file()
 
 
+def check_bm25_folder(folder: PathLike, flag: str = "--bm25-index") -> None:
+    """Refuse a folder a BM25 index would be built into that holds anything besides a BM25 index's own files
+    (:data:`BM25_FILES`, which an interrupted build leaves and a rebuild writes over) and no finished index: the
+    index would be written among the user's files. A folder holding a finished index is read, not written."""
+    root = Path(folder)
+    if not root.is_dir() or bm25_index_exists(root):
+        return
+    foreign = sorted(p.name for p in root.iterdir() if not _own_file(p.name))  # hidden ones too
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise DprGcError(f"{flag} {root} holds {foreign[0]}{more} and no BM25 index; the index's files would be "
+                         "written beside them, so give a new or empty folder")
+
+
+def _own_file(name: str) -> bool:
+    """Whether ``name`` is a file of a BM25 index folder (one of :data:`BM25_FILES` or the metadata's temporary)."""
+    return name in BM25_FILES or (name.startswith(f".{BM25_META}.") and name.endswith(".tmp"))
+
+
 class BM25Source:
     """Candidates from BM25 (bm25s, k1/b as Anserini's defaults) over ``title + " " + text`` of each corpus row.
 
@@ -61,7 +84,8 @@ class BM25Source:
     while it builds its sparse score matrix, which is all that stays in memory (or is memory-mapped after a reload).
     With ``index_dir`` an index saved there for the same corpus (its rows, first and last ids and content fingerprint)
     and parameters is loaded, one saved for another is refused, as is a damaged one (its files are checked against
-    each other), and without one it is built and saved there.
+    each other), and without one it is built and saved there (a folder holding other files is refused first,
+    :func:`check_bm25_folder`).
     A positive's score is its row of bm25s's score vector for the question, so only positives in the corpus get one.
     Passages sharing no term with the question (score 0) are not candidates. :meth:`retrieve` returns, per question,
     the scores of its positives that have one (for the margin and positive-aware rules of mining).
@@ -90,6 +114,7 @@ class BM25Source:
                 self._load(folder, bm25s, len(corpus))
                 logger.info("loaded the BM25 index of %s from %s", counted(len(corpus), "passage"), folder)
                 return
+            check_bm25_folder(folder)
             self._build(corpus, bm25s, block_size, show_progress)
             folder.mkdir(parents=True, exist_ok=True)
             self.bm25.save(str(folder), show_progress=False)

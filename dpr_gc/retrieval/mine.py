@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from .bm25 import BM25Source, Gold, bm25_index_exists
+from .bm25 import BM25Source, Gold, bm25_index_exists, check_bm25_folder
 from ..data.corpus import rows_for_ids, source_fingerprint
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
@@ -516,11 +516,14 @@ def built_folders(args: argparse.Namespace) -> dict[str, str]:
 def check_built_folders(args: argparse.Namespace) -> None:
     """Refuse, before anything is written, a folder this run would write (:func:`built_folders`) that is an input or
     lies inside an input folder (``--bm25-index B/bm25`` with ``--beir-dir B``), and an index folder, replaced
-    whole, that holds an input. The guard took these flags for inputs, which they are when already built (an index
-    and the shards it is built from are checked against each other by ``build_index``)."""
+    whole, that holds an input; and a BM25 folder holding other files than an index's (:func:`check_bm25_folder`).
+    The guard took these flags for inputs, which they are when already built (an index and the shards it is built
+    from are checked against each other by ``build_index``)."""
     built = built_folders(args)
     inputs = {flag: getattr(args, dest) for dest, flag in MINE_INPUTS.items() if flag not in built}
     check_outputs(inputs, {"--output": args.output, **built}, whole=["--index"])
+    if "--bm25-index" in built:
+        check_bm25_folder(built["--bm25-index"])
 
 
 @guarded(inputs=tuple(MINE_INPUTS), outputs={"output": "self"})
