@@ -19,7 +19,7 @@ from typing import Any, Optional
 from .base.args import nonnegative_int, output_dir, positive_float, positive_int
 from .base.errors import DprGcError
 from .base.guard import guarded
-from .base.files import atomic_path, read_json, read_json_object, write_json
+from .base.files import atomic_path, atomic_paths, dump_json, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
 from .base.settings import add_arguments, flat_record, from_args, setting
 from .base.tables import markdown_table
@@ -177,19 +177,24 @@ def run_demo(config: DemoConfig) -> dict:
               "outputs": {"model": str(final), "index": str(out / "after" / "index"),
                           "run": str(out / "after" / "run.trec"), "results": str(out / "after" / "results.json"),
                           "metrics": str(out / "metrics.json"), "plot": str(out / "report.png")}}
-    write_json(out / "metrics.json", report)
-    plot_report(report, out / "report.png")
+    write_report(report, out)
     return report
 
 
-def plot_report(report: dict, path: Path) -> None:
-    """Write :func:`report_figure` as a PNG."""
+def write_report(report: dict, out: Path) -> None:
+    """Write ``report.png`` (:func:`report_figure`) and ``metrics.json`` (``report``, which names the plot) into
+    ``out`` as one output (:func:`~dpr_gc.base.files.atomic_paths`, the JSON last): an error or Ctrl-C keeps the
+    earlier pair whole, and a kill leaves no new metrics beside an old report."""
     import matplotlib.pyplot as plt
 
     fig = report_figure(report)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_paths(out / "report.png", out / "metrics.json") as (plot, metrics):
+            fig.savefig(plot, format="png", dpi=100)
+            with open(metrics, "w", encoding="utf-8") as f:
+                dump_json(report, f)
+    finally:
+        plt.close(fig)
 
 
 def report_figure(report: dict) -> Any:

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
 from dpr_gc.cli import main
-from dpr_gc.pipeline import TABLE_KS, format_report, report_figure
+from dpr_gc.pipeline import TABLE_KS, format_report, report_figure, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "data" / "examples"
@@ -36,6 +39,39 @@ def test_report_ticks_are_the_tables_k_and_it_has_a_title() -> None:
     table = format_report(report)
     assert [f"Accuracy@{k}" for k in TABLE_KS] == [line.split("|")[1].strip() for line in table.splitlines()
                                                    if "Accuracy@" in line]
+
+
+def test_demo_metrics_and_report_are_replaced_together(tmp_path, monkeypatch) -> None:
+    """The demo's metrics.json and report.png are one output: a failure at any of the renames that replace them (a
+    kill between the two writes, simulated by os.replace raising) leaves the earlier pair byte-identical and no
+    temporary; the JSON is put in last."""
+    import os
+
+    write_report(fake_report(), tmp_path)
+    metrics, plot = tmp_path / "metrics.json", tmp_path / "report.png"
+    before = metrics.read_bytes(), plot.read_bytes()
+    newer = {**fake_report(), "training_loss": [[1, 3.0], [2, 0.5]], "seconds": 12.0}
+    real_replace = os.replace
+    for fail_at in range(1, 5):
+        calls = []
+
+        def replace(src, dst, fail_at=fail_at, calls=calls):
+            calls.append(Path(dst).name)
+            if len(calls) == fail_at:
+                raise OSError(f"simulated failure at rename {fail_at}")
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        with pytest.raises(OSError, match="simulated"):
+            write_report(newer, tmp_path)
+        monkeypatch.setattr(os, "replace", real_replace)
+        assert (metrics.read_bytes(), plot.read_bytes()) == before, f"failure at rename {fail_at}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json", "report.png"]
+    renamed = []
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append(Path(dst).name), real_replace(src, dst)))
+    write_report(newer, tmp_path)
+    assert renamed[-1] == "metrics.json" and json.loads(metrics.read_text())["seconds"] == 12.0
+    assert plot.read_bytes() != before[1]
 
 
 def test_evaluate_default_k_fills_the_at_10_column(capsys) -> None:
