@@ -314,3 +314,61 @@ def test_a_loss_temperature_at_or_past_its_bound_gets_the_full_batch_gradient(ma
         GradCache(modules, chunk, loss_fn, memory_budget=WHOLE_BATCH if chunk == 3 else 0)(q, p)
         assert rel_err(grads(modules + [loss_fn]), expected) < 1e-5
         assert torch.allclose(loss_fn.tau.log_value.grad, expected[-1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("value", AT_AND_PAST_THE_BOUNDS)
+def test_a_temperature_inside_the_model_at_its_bound_is_trained_exactly(make_retriever, value):
+    """The retriever applies its temperature in every forward, so a cached step calls it once per chunk. On a bound
+    its gradient is the plain one and exact whatever the chunking; a value an optimizer step moved past a bound is put
+    back onto it by ``keep_in_range_()`` (the trainer's projection before each step)."""
+    retriever = make_retriever(shared=True, learn_temperature=True)
+    set_temperature(retriever, value)
+    retriever.tau.keep_in_range_()
+    assert float(retriever.tau.log_value.detach()) == float(torch.tensor(math.log(min(max(value, LO), HI))))
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 8, 1, seed=4)
+    q, p = dict(q, kind="query"), dict(p, kind="passage")
+    retriever.zero_grad()
+    loss_fn(retriever(**q), retriever(**p)).backward()
+    expected = grads([retriever])
+    assert retriever.tau.log_value.grad.abs() > 0
+    for chunk in (1, 3):
+        retriever.zero_grad()
+        GradCache([retriever, retriever], chunk, loss_fn)(q, p)
+        assert rel_err(grads([retriever]), expected) < 1e-5
+        assert torch.allclose(retriever.tau.log_value.grad, expected[-1], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def temperature_task(tmp_path_factory) -> dict:
+    from tests.train_data import init_model, make_records, write_dpr
+
+    d = tmp_path_factory.mktemp("temperature")
+    return {"dir": d, "model": init_model(d, learn_temperature=True, temperature=LO),
+            "train": write_dpr(d / "train.json", make_records(16, 1))}
+
+
+@pytest.mark.parametrize("value", [LO / 2, HI * 2])
+def test_the_trainers_cached_and_plain_steps_agree_with_a_temperature_past_its_bound(temperature_task, tmp_path,
+                                                                                      value):
+    """A learnable temperature that a step left past its bound (or a loaded model holds there) is put back onto the
+    bound before the next step: the cached step, calling it once per chunk, then gets the plain step's gradient, and
+    so does ``dpr-gc verify``. Before, each chunk dropped its own outward-pointing part of the gradient."""
+    from dpr_gc.train.trainer import Trainer
+    from dpr_gc.train.verify import verify
+    from tests.train_data import task_config
+
+    def first_grad(out: str, **settings) -> torch.Tensor:
+        trainer = Trainer(task_config(temperature_task, tmp_path / out, max_steps=1, **settings))
+        set_temperature(trainer.retriever, value)
+        seen = []
+        trainer.on_backward = lambda step, retriever: seen.append(grads([retriever]))
+        trainer.fit()
+        return seen[0]
+
+    plain = first_grad("plain", grad_cache=False)
+    cached = first_grad("cached", query_chunk_size=1, passage_chunk_size=2)
+    assert plain[-1] != 0 and rel_err(cached, plain) < 1e-5
+    config = task_config(temperature_task, tmp_path / "verify", query_chunk_size=1, passage_chunk_size=2)
+    report = verify(config, hook=lambda trainer: set_temperature(trainer.retriever, value))
+    assert report.passed, report.table()
