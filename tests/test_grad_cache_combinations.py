@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
+from dpr_gc.base.errors import DprGcError
 from dpr_gc.engine.loss import TEMPERATURE_RANGE
 from dpr_gc.model.lora import LoraSettings, apply_lora
 from dpr_gc.model.retriever import enable_gradient_checkpointing
@@ -372,3 +373,14 @@ def test_the_trainers_cached_and_plain_steps_agree_with_a_temperature_past_its_b
     config = task_config(temperature_task, tmp_path / "verify", query_chunk_size=1, passage_chunk_size=2)
     report = verify(config, hook=lambda trainer: set_temperature(trainer.retriever, value))
     assert report.passed, report.table()
+
+
+@pytest.mark.parametrize("loss_fn", [lambda x, y: (SimpleContrastiveLoss()(x, y), x @ y.T),
+                                     lambda x, y: SimpleContrastiveLoss()(x, y, reduction="none")],
+                         ids=["extra outputs", "one loss per query"])
+def test_a_loss_that_does_not_return_a_scalar_is_refused(make_retriever, loss_fn):
+    """The drop-in's loss returns the scalar to backpropagate, as in the original package; anything else is named."""
+    retriever = make_retriever()
+    q, p = make_batch(retriever, 4, 0)
+    with pytest.raises(DprGcError, match="loss_fn must return the loss as a scalar tensor"):
+        GradCache(models_of(retriever), 2, loss_fn)(q, p)
