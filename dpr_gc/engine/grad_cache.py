@@ -488,6 +488,10 @@ class GradCache:
         """Part 2: the loss over the whole batch of representations, backpropagated to them: their ``.grad`` (fp32)
         is the cache. The gradients of the loss's own parameters are averaged over ranks here."""
         loss = self.loss_fn(*reps, **loss_kwargs)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise DprGcError(f"loss_fn must return the loss as a scalar tensor, got {shape}: return extra outputs "
+                             "elsewhere, and reduce per-query losses (reduction='mean' or 'sum')")
         if loss.requires_grad:
             (self.scaler.scale(loss) if self.fp16 else loss).backward()
         self._average_loss_parameter_grads()

@@ -177,7 +177,13 @@ class _InwardClamp(torch.autograd.Function):
 class Temperature(nn.Module):
     """A positive temperature: fixed (a buffer) or learnable (a parameter on the log scale), clamped to
     ``TEMPERATURE_RANGE`` in every use so fp16/bf16 training cannot blow the scores up. A learnable one stays
-    learnable at a bound: its gradient is kept whenever the step would bring it back into the range."""
+    learnable at a bound: its gradient is kept whenever the step would bring it back into the range.
+
+    Past a bound that rule holds per call, on the gradient of that call alone, so a step that calls the temperature
+    more than once (a model applying it in every forward, once per Gradient Cache chunk) would get a gradient that
+    depends on how the batch was split. Inside the range, the bounds included, the gradient is the plain one, exact
+    however the batch is split: :meth:`keep_in_range_` before each step (as the trainer does) keeps it there.
+    """
 
     def __init__(self, value: float, learnable: bool = False) -> None:
         super().__init__()
@@ -193,6 +199,12 @@ class Temperature(nn.Module):
     def forward(self) -> torch.Tensor:
         lo, hi = TEMPERATURE_RANGE
         return _InwardClamp.apply(self.log_value, math.log(lo), math.log(hi)).exp()
+
+    def keep_in_range_(self) -> None:
+        """Put a value that an optimizer step (or a loaded file) left past a bound back onto that bound."""
+        lo, hi = TEMPERATURE_RANGE
+        with torch.no_grad():
+            self.log_value.clamp_(math.log(lo), math.log(hi))
 
 
 class SimpleContrastiveLoss(nn.Module):

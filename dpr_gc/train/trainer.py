@@ -284,6 +284,7 @@ class Trainer:
         ids = ({k: batch[k] for k in ("passage_ids", "positive_ids") if k in batch}  # duplicate positives dropped
                if self.config.optim.mask_duplicate_positives else {})
         self.optimizer.zero_grad(set_to_none=True)
+        self.retriever.tau.keep_in_range_()  # past a bound its gradient would depend on the chunking
         if self.cache is not None:
             loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"),
                               no_sync_except_last=self.world > 1, **ids)

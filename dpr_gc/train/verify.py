@@ -148,6 +148,7 @@ class Verifier:
         self.named = [(n, p) for n, p in trainer.retriever.named_parameters() if p.requires_grad]
         is_data_parallel(self.model)  # its first call imports FSDP (seconds): not part of the cached step's time
         self.chunked = has_dropout(trainer.retriever)
+        trainer.retriever.tau.keep_in_range_()  # as each training step does first
         self.loss_fn = SimpleContrastiveLoss(trainer.passages_per_query - 1, symmetric=trainer.config.optim.symmetric,
                                              loss_chunk_size=trainer.config.cache.loss_chunk_size)
 
