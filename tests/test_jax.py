@@ -362,6 +362,27 @@ def test_a_learnable_temperature_is_fp32_and_clamped():
         ContrastiveLoss(temperature=100.0)
 
 
+def test_a_temperature_past_its_bound_can_come_back_as_in_torch():
+    """Past a bound the clamp keeps the gradient that moves the value back into the range and drops the one that
+    pushes it further out, as the torch twin's ``Temperature`` does (a plain clip's gradient there is 0 for ever)."""
+    import math
+
+    import torch
+
+    from dpr_gc.engine.loss import Temperature
+    from dpr_gc.jax.loss import temperature_from_log
+
+    for log_t in (math.log(20.0), math.log(1e-3)):
+        for sign in (1.0, -1.0):
+            got = float(jax.grad(lambda v: sign * temperature_from_log(v))(jnp.asarray(log_t, jnp.float32)))
+            tau = Temperature(1.0, learnable=True)
+            with torch.no_grad():
+                tau.log_value.fill_(log_t)
+            (sign * tau()).backward()
+            assert got == pytest.approx(float(tau.log_value.grad), abs=1e-6)
+            assert (got != 0.0) == ((log_t > 0) == (sign > 0))  # descent moves it back inside: kept
+
+
 def test_the_docs_describe_the_examples_defaults():
     """docs/jax.md: batch 64 in chunks of 16, one hard negative, dropout 0.1, temperature 0.05, fp32, 1,024 training
     questions (the demo's): ExampleConfig's defaults."""

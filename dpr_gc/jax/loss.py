@@ -10,6 +10,7 @@ the batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -48,10 +49,30 @@ def blocked_nll(x: Array, y: Array, scale: Array, targets: Array, block: Optiona
     return jax.lax.map(one_block, (xb, tb)).reshape(-1)[:rows]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _inward_clip(value: Array, lo: float, hi: float) -> Array:
+    """Clip whose gradient is kept wherever a descent step would move the value back into ``[lo, hi]`` (a plain
+    clip's is 0 past a bound, so a value there could never come back), as the torch twin's ``_InwardClamp``."""
+    return jnp.clip(value, lo, hi)
+
+
+def _inward_clip_fwd(value: Array, lo: float, hi: float) -> tuple[Array, Array]:
+    return jnp.clip(value, lo, hi), value
+
+
+def _inward_clip_bwd(lo: float, hi: float, value: Array, grad: Array) -> tuple[Array]:
+    outward = ((value < lo) & (grad > 0)) | ((value > hi) & (grad < 0))
+    return (jnp.where(outward, jnp.zeros_like(grad), grad),)
+
+
+_inward_clip.defvjp(_inward_clip_fwd, _inward_clip_bwd)
+
+
 def temperature_from_log(log_temperature: Array) -> Array:
-    """A learnable temperature stored on the log scale, clamped to ``TEMPERATURE_RANGE`` in every use."""
+    """A learnable temperature stored on the log scale, clamped to ``TEMPERATURE_RANGE`` in every use; past a bound
+    its gradient is kept where descent brings it back (see :func:`_inward_clip`)."""
     lo, hi = TEMPERATURE_RANGE
-    return jnp.exp(jnp.clip(log_temperature.astype(jnp.float32), math.log(lo), math.log(hi)))
+    return jnp.exp(_inward_clip(log_temperature.astype(jnp.float32), math.log(lo), math.log(hi)))
 
 
 @dataclasses.dataclass(frozen=True)
