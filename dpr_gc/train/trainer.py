@@ -489,6 +489,7 @@ class Trainer:
                    "final_loss": self.last_loss, "seconds": seconds,
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
+                   "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
                    "metrics_file": str(self.metrics_file)}
         self.check_finite_weights()
         final = self.export()
