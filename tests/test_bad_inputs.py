@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 import torch
@@ -1710,3 +1710,26 @@ def test_a_safetensors_header_length_that_does_not_fit_is_said_once(tmp_path: Pa
         check_safetensors(garbage)
     assert str(caught.value).count("damaged safetensors file") == 1 and "does not fit a file of 15 bytes" in str(
         caught.value), caught.value
+
+
+@pytest.mark.parametrize("left, extra, needle", [
+    ("checkpoint-4/train_state.json", [], "already holds checkpoints: pass --resume latest"),
+    ("final/model.safetensors", [], "already holds the trained model of an earlier run (final/)"),
+    (None, ["--resume", "latest"], "--resume latest: no finished checkpoint in"),
+    (None, ["--resume", "elsewhere"], "--resume elsewhere: not a checkpoint folder")])
+def test_an_earlier_run_or_a_missing_checkpoint_is_refused_before_the_model_and_data_load(
+        world: dict, tmp_path: Path, monkeypatch, left: Optional[str], extra: list, needle: str) -> None:
+    """A new run into an earlier run's folder (or a resume with nothing to resume) is refused before the model is
+    loaded and the training data parsed: minutes on a large training set."""
+    from dpr_gc.train.trainer import Trainer
+
+    def loaded(self: Any) -> None:
+        raise AssertionError("the model was loaded before the output folder was checked")
+
+    monkeypatch.setattr(Trainer, "build_model", loaded)
+    out = tmp_path / "run"
+    if left is not None:
+        (out / left).parent.mkdir(parents=True)
+        (out / left).write_text("{}")
+    refused(["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu",
+             "--cache-dir", tmp_path / "cache", *extra], needle)

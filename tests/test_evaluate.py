@@ -391,3 +391,23 @@ def test_scifact_qrels_perfect_run_scores_one():
     run = {q: {d: float(rel) for d, rel in judged.items()} for q, judged in qrels.items()}
     metrics = ev.qrels_metrics(run, qrels, [10, 100])
     assert metrics["nDCG@10"] == pytest.approx(1.0) and metrics["Recall@100"] == pytest.approx(1.0)
+
+
+def test_results_whose_questions_have_no_answers_get_no_answer_accuracy(tmp_path, capsys):
+    """A BEIR results file (retrieve over queries.jsonl: every question's answers empty) has no answer accuracy:
+    with --qrels only the qrels metrics are printed, without them one error line says to give them (it printed
+    Accuracy 0.0000 at every k)."""
+    results = _results()
+    for record in results:
+        record["answers"] = []
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    with pytest.raises(DprGcError, match=r"results\.json: none of its 2 questions has answers.*--qrels"):
+        _cli(["evaluate", "--results", str(path)])
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\nq1\td2\t1\nq2\td1\t1\n")
+    out = tmp_path / "metrics.json"
+    _cli(["evaluate", "--results", str(path), "--qrels", str(qrels), "--k", "1", "2", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert "answers" not in report and report["qrels"]["metrics"]["Recall@2"] == 1.0
+    assert "answer accuracy" not in capsys.readouterr().out

@@ -86,3 +86,18 @@ def test_evaluate_default_k_fills_the_at_10_column(capsys) -> None:
             ("Accuracy", "Recall", "MAP", "nDCG")]
     assert len(rows) == 5  # answers' Accuracy; qrels' Recall, nDCG, MAP, Accuracy
     assert all([c.strip() for c in line.split("|")][column] for line in rows), out
+
+
+def test_the_training_summary_names_the_best_dev_metric_or_says_there_was_no_dev_set() -> None:
+    """train's summary table: the best dev value with its metric and folder (a bare 4.25 did not say which metric
+    or whether lower is better), or that no --dev was given (it printed None)."""
+    from dpr_gc.train.report import summary_table
+
+    summary = {"steps": 2, "effective_batch": 8, "passages_per_query": 2, "chunk_sizes": [4, 8],
+               "precision": "fp32", "final_loss": 0.5, "seconds": 3.0, "examples_per_s": 5.0,
+               "final_model": "runs/r1/final", "best_model": None, "best": None, "best_metric": "avg_rank"}
+    assert "| best dev | none (no --dev) |" in summary_table(summary)
+    summary.update(best=4.25, best_model="runs/r1/best")
+    assert "| best dev | avg_rank 4.2500 (lower is better) in runs/r1/best |" in summary_table(summary)
+    summary.update(best=0.625, best_metric="accuracy")
+    assert "| best dev | accuracy 0.6250 (higher is better) in runs/r1/best |" in summary_table(summary)

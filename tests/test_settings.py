@@ -154,6 +154,22 @@ def test_a_wrongly_typed_value_in_code_is_refused_with_the_flag() -> None:
         OptimConfig(precision="fp8")
 
 
+def test_paths_given_in_code_are_kept_as_strings(tmp_path) -> None:
+    """docs/library.md: a setting that names a file or folder takes a ``Path`` too (``get_model_path()`` of an
+    offline model returns one); it is kept as its string, so the run's record, checkpoints and model card are
+    written (a Path used to train and then fail when the model card was written)."""
+    from tests.train_data import init_model, train_config
+
+    data = write_dpr(tmp_path / "train.json", make_records(16, 0))
+    config = train_config(model=init_model(tmp_path), train_files=[data], output_dir=tmp_path / "out",
+                          cache_dir=tmp_path / "cache", batch_size=8, num_workers=0, max_steps=1,
+                          query_chunk_size=4, passage_chunk_size=4)
+    assert isinstance(config.model.name, str) and isinstance(config.run.output_dir, str)
+    assert all(isinstance(f, str) for f in config.data.train_files)
+    train(config)
+    assert (tmp_path / "out" / "final" / "README.md").is_file()
+
+
 def test_flags_and_library_defaults_are_one_declaration(tmp_path) -> None:
     args = cli.build_parser().parse_args(["train", "--train", "t.json", "--output", str(tmp_path / "o")])
     parsed = config_from_args(args)

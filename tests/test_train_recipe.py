@@ -97,3 +97,16 @@ def test_the_folders_projection_is_kept_with_its_weights(tmp_path: Path) -> None
     texts = ["what is a river", "the city of paris"]
     torch.testing.assert_close(torch.as_tensor(started.embed("query", texts)),
                                torch.as_tensor(original.embed("query", texts)), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_seq_length, lengths", [(256, (64, 256)), (40, (40, 40))])
+def test_a_folder_without_a_query_length_caps_queries_at_64_tokens(st_folder: Path, tmp_path: Path,
+                                                                   max_seq_length: int, lengths: tuple) -> None:
+    """docs/training.md: a sentence-transformers folder that sets only ``max_seq_length`` (all-MiniLM-L6-v2: 256)
+    gives passages that length and queries at most 64 tokens."""
+    import shutil
+
+    folder = Path(shutil.copytree(st_folder, tmp_path / "model"))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
+    config = build_retriever(parsed("--model", str(folder)).model).config
+    assert (config.query_max_length, config.passage_max_length) == lengths

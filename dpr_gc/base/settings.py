@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from .args import output_dir
@@ -149,13 +150,27 @@ def _describe(decl: Setting, name: str) -> str:
     return decl.flag or name
 
 
+def as_text(value: Any) -> Any:
+    """A path given in code (``os.PathLike``, each element of a list) as its string, as the command line gives it;
+    any other value as it is."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, os.PathLike) for v in value):
+        return type(value)(os.fspath(v) if isinstance(v, os.PathLike) else v for v in value)
+    return value
+
+
 def check(obj: Any) -> None:
     """Check every declared setting of the dataclass instance ``obj``: choices and the value type's rule (each
-    element of a list). Raises one :class:`DprGcError` naming the flag."""
+    element of a list), after turning a ``Path`` into its string (so records, checkpoints and model cards hold
+    the value the command line would). Raises one :class:`DprGcError` naming the flag."""
     for field in dataclasses.fields(obj):
         decl = _setting(field)
-        value = getattr(obj, field.name)
-        if decl is None or value is None:
+        if decl is None:
+            continue
+        value = as_text(getattr(obj, field.name))
+        object.__setattr__(obj, field.name, value)  # also on a frozen settings dataclass
+        if value is None:
             continue
         values = value if decl.nargs in ("+", "*") and isinstance(value, (list, tuple)) else [value]
         name = _describe(decl, field.name)

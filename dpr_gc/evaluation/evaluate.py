@@ -273,10 +273,12 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
                  qrels: Optional[dict[str, dict[str, int]]] = None,
                  answers_optional: bool = False) -> tuple[Optional[dict], Optional[dict]]:
     """One streaming pass over a results file: answer accuracy (``None`` when ``answers_optional`` and the
-    questions carry no answers) and, with ``qrels``, qrels metrics of the run the results hold."""
+    questions carry no answers) and, with ``qrels``, qrels metrics of the run the results hold. Questions that all
+    have empty answers (retrieved for BEIR queries) have no answer accuracy: refused unless ``answers_optional``."""
     source = str(path)
     counter, acc = AccuracyCounter(), QrelsAccumulator(qrels, ks) if qrels is not None else None
     with_answers: Optional[bool] = None
+    answered = 0
     with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
         for block in iter_blocks(tqdm(iter_results(path), desc="evaluating", unit=" q", disable=None), source):
             if with_answers is None:
@@ -285,10 +287,16 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
                 mode = resolve_mode(mode, block)
                 for row in answer_flags(block, mode, source, regex if mode == "regex" else string):
                     counter.add(row)
+                answered += sum(1 for _, entry in block if entry.get("answers"))
             for i, entry in block if acc is not None else ():
                 acc.add(str(entry.get("id")), result_scores(entry, i, source), source)
     if with_answers is None:
         raise DprGcError(f"{source}: no questions to evaluate (the results list is empty)")
+    if with_answers and not answered:
+        if not answers_optional:
+            raise DprGcError(f"{source}: none of its {counter.questions} questions has answers, so there is no answer "
+                             "accuracy: score the results against relevance judgments with --qrels FILE")
+        with_answers = False
     answers = None
     if with_answers is not False:
         answers = {"match": mode or "stored", "questions": counter.questions,

@@ -122,6 +122,35 @@ def finished_checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
+def resolve_checkpoint(out: Path, resume: str) -> Path:
+    """The checkpoint folder ``--resume`` names: ``latest`` in ``out``, or a folder holding a training state."""
+    if resume == "latest":
+        found = finished_checkpoints(out)
+        if not found:
+            raise DprGcError(f"--resume latest: no finished checkpoint in {out}")
+        return found[-1]
+    path = Path(resume)
+    if not (path / STATE_JSON).is_file() and not (path / LEGACY_STATE).is_file():
+        raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/{STATE_JSON})")
+    return path
+
+
+def check_start(out: Path, resume: Optional[str]) -> None:
+    """Before the model and data are loaded: ``--resume`` names a checkpoint, and a new run is refused a folder
+    holding an earlier run's checkpoints, ``final/`` or ``best/`` (a new run would leave the earlier ``best/``
+    beside its own ``final/``)."""
+    if resume:
+        resolve_checkpoint(out, resume)
+        return
+    if finished_checkpoints(out):
+        raise DprGcError(f"{out} already holds checkpoints: pass --resume latest to continue, "
+                         "or choose a new --output")
+    done = [name for name in ("final", "best") if (out / name).exists()]
+    if done:
+        raise DprGcError(f"{out} already holds the trained model of an earlier run "
+                         f"({', '.join(n + '/' for n in done)}); choose a new --output, or delete it first")
+
+
 class Checkpointer:
     """Writes ``checkpoint-STEP/`` folders (model in Hugging Face format, the training state as JSON + safetensors)
     atomically, keeps the last few, keeps a copy of the best model in ``best/`` by the chosen dev metric, and
@@ -203,15 +232,7 @@ class Checkpointer:
                 shutil.rmtree(old)
 
     def resolve(self, resume: str) -> Path:
-        if resume == "latest":
-            found = self.checkpoints()
-            if not found:
-                raise DprGcError(f"--resume latest: no finished checkpoint in {self.out}")
-            return found[-1]
-        path = Path(resume)
-        if not (path / STATE_JSON).is_file() and not (path / LEGACY_STATE).is_file():
-            raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/{STATE_JSON})")
-        return path
+        return resolve_checkpoint(self.out, resume)
 
     def load(self, resume: str, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any,
              device: torch.device) -> dict:

@@ -59,11 +59,21 @@ def tensorboard_writer(out: Path) -> Any:
     return SummaryWriter(str(out / "tensorboard"))
 
 
+def best_dev(summary: dict) -> str:
+    """The summary's best dev value with its metric, which way is better, and where ``best/`` is."""
+    if summary["best"] is None:
+        return "none (no --dev)" if summary.get("dev") is None else "none"
+    metric = summary["best_metric"]
+    better = "higher" if metric == "accuracy" else "lower"
+    return f"{metric} {summary['best']:.4f} ({better} is better) in {summary['best_model']}"
+
+
 def summary_table(summary: dict) -> str:
+    """train's closing table: steps, batch, chunks, precision, loss, speed, the best dev value and the model."""
     rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
             ("precision", summary["precision"]), ("final loss", f"{summary['final_loss']:.4f}"),
             ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
-            ("best dev", summary["best"]), ("model", summary["final_model"])]
+            ("best dev", best_dev(summary)), ("model", summary["final_model"])]
     return format_summary(dict(rows), ("training", ""))

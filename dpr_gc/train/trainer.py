@@ -37,7 +37,7 @@ from ..model.lora import apply_lora, has_adapters, train_adapters
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
-from .checkpoints import Checkpointer, finished_checkpoints
+from .checkpoints import Checkpointer, check_start, finished_checkpoints
 from .chunks import auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
@@ -75,6 +75,7 @@ class Trainer:
         self.owns_group = self.owns_group and dist.is_initialized()
         seed_everything(config.run.seed)
         self.out = Path(config.run.output_dir)
+        check_start(self.out, config.run.resume)  # before minutes of loading the model and parsing the data
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         self.data, self.collator, self.loader = self.build_data()
@@ -232,15 +233,9 @@ class Trainer:
 
     # ----------------------------------------------------------------- state
     def start_fresh(self) -> None:
-        """A new run: refuse a folder that holds checkpoints or an earlier run's final/ or best/, and clear an old
-        metrics file."""
-        if self.checkpointer.checkpoints():
-            raise DprGcError(f"{self.out} already holds checkpoints: pass --resume latest to continue, "
-                             "or choose a new --output")
-        done = [name for name in ("final", "best") if (self.out / name).exists()]
-        if done:  # a new run would leave the earlier run's best/ beside its own final/ (or none when it has no dev)
-            raise DprGcError(f"{self.out} already holds the trained model of an earlier run "
-                             f"({', '.join(n + '/' for n in done)}); choose a new --output, or delete it first")
+        """A new run: refuse a folder that holds checkpoints or an earlier run's final/ or best/ (checked again: the
+        constructor checked before loading), and clear an old metrics file."""
+        check_start(self.out, None)
         if self.rank == 0:
             self.metrics_file.unlink(missing_ok=True)
 
@@ -495,6 +490,7 @@ class Trainer:
                    "final_loss": self.last_loss, "seconds": seconds,
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
+                   "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
                    "metrics_file": str(self.metrics_file)}
         self.check_finite_weights()
         final = self.export()
