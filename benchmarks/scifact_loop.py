@@ -341,7 +341,7 @@ class Loop:
         for kind, args in sources:
             output = folder / f"train-{kind}.jsonl"
             given = (["--train-file", previous, "--append", "--qrels", self.data / "qrels" / f"{split}.tsv"]
-                     if previous else ["--beir-dir", self.data, "--split", split])
+                     if previous else ["--beir-dir", self.data, "--beir-split", split])
             record = self.run.cli(f"{tag}-mine-{kind}", ["mine", *given, "--output", output, *common, *args],
                                   capture=True)
             counts[kind] = table_rows(record["stdout"])

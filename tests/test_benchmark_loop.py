@@ -317,7 +317,7 @@ class StandInToolkit:
         if "--train-file" in value:
             records = [json.loads(line) for line in Path(value["--train-file"]).read_text().splitlines()]
         else:
-            qrels = Path(value["--beir-dir"]) / "qrels" / f"{value['--split']}.tsv"
+            qrels = Path(value["--beir-dir"]) / "qrels" / f"{value['--beir-split']}.tsv"
             records = [{"question": line.split("\t")[0], "hard_negative_ctxs": []}
                        for line in qrels.read_text().splitlines()[1:]]
         for r in records:

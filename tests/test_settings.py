@@ -88,6 +88,32 @@ def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
     assert not no_default, f"options whose --help shows no default: {no_default}"
 
 
+def test_every_command_that_takes_a_beir_split_names_it_beir_split_and_takes_split_too(capsys) -> None:
+    """One name for a BEIR folder's qrels split across commands: ``--beir-split`` in ``--help``, ``--split`` still
+    accepted (same destination); mine's destination stays ``split``, the name its resume key records."""
+    from dpr_gc.retrieval.mine import RESUME_FLAGS
+
+    dests = {"dpr-gc mine": "split", "dpr-gc prepare-data": "beir_split"}
+    found = {}
+    for name, parser in sub_parsers(cli.build_parser(), "dpr-gc"):
+        actions = [a for a in parser._actions if any("split" in s for s in a.option_strings)]
+        if not actions:
+            continue
+        found[name] = {a.dest for a in actions}
+        shown = [s for a in actions if a.help != argparse.SUPPRESS for s in a.option_strings]
+        assert shown == ["--beir-split"], (name, shown)
+        assert {s for a in actions for s in a.option_strings} == {"--beir-split", "--split"}, name
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--help"])
+        assert "--beir-split" in capsys.readouterr().out
+        required = ["--output", "o.json"] if name.endswith("mine") else ["train.json"]
+        for flag in ("--beir-split", "--split"):
+            assert getattr(parser.parse_args([*required, flag, "dev"]), dests[name]) == "dev", (name, flag)
+        assert getattr(parser.parse_args(required), dests[name]) == "train", name
+    assert found == {name: {dest} for name, dest in dests.items()}
+    assert "split" in RESUME_FLAGS
+
+
 def test_train_help_says_which_settings_resume_may_change(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])

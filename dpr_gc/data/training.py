@@ -514,7 +514,8 @@ class PrepareSettings:
                                                  "~/.cache/dpr_gc/train)")
     skip_bad_records: bool = setting(False, "--skip-bad-records",
                                      help="skip and count bad records instead of stopping")
-    beir_split: str = setting("train", "--beir-split", help="qrels split used for BEIR folders")
+    beir_split: str = setting("train", "--beir-split", hidden=[("--split", {})],
+                              help="qrels split used for BEIR folders (qrels/SPLIT.tsv)")
 
 
 def add_cli(subparsers: Any) -> None:

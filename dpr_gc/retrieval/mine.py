@@ -125,7 +125,8 @@ class MineJob:
                                                                    "whose questions to mine for")
     beir_dir: Optional[str] = setting(None, "--beir-dir", help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, "
                                                                "corpus.jsonl); positives: qrels")
-    split: str = setting("train", "--split", help="qrels split of --beir-dir")
+    split: str = setting("train", "--beir-split", dest="split", hidden=[("--split", {})],
+                         help="qrels split of --beir-dir (qrels/SPLIT.tsv)")
     corpus: Optional[str] = setting(None, "--corpus", help="passages to mine from (default: the BEIR corpus or the "
                                                            "one recorded in --index)")
     qrels: Optional[str] = setting(None, "--qrels", help="relevance judgments: their positives (by question id) are "
