@@ -137,10 +137,11 @@ class MineJob:
 
 @dataclasses.dataclass
 class MiningSummary:
-    """Counts over all mined questions and statistics of the chosen negatives' scores."""
+    """Counts over all mined questions and statistics of the chosen negatives' scores; ``judged``: the questions with
+    an entry in the ``qrels`` filter (None when mined without one)."""
 
     questions: int = 0
-    judged: int = 0
+    judged: Optional[int] = None
     candidates: int = 0
     no_candidates: int = 0
     gold_dropped: int = 0
@@ -161,6 +162,9 @@ class MiningSummary:
     def merge(self, other: "MiningSummary") -> None:
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
+            if a is None or b is None:  # judged: counted only with a qrels filter
+                setattr(self, f.name, b if a is None else a)
+                continue
             setattr(self, f.name, {"score_min": min, "score_max": max}.get(f.name, lambda x, y: x + y)(a, b))
 
     def table(self) -> dict[str, Any]:
@@ -168,7 +172,8 @@ class MiningSummary:
         def stat(v: float) -> Any:
             return round(v, 4) if self.written else "-"
 
-        return {"questions": self.questions, "questions in qrels": self.judged, "candidates seen": self.candidates,
+        judged = {"questions judged in --qrels": self.judged} if self.judged is not None else {}
+        return {"questions": self.questions, **judged, "candidates seen": self.candidates,
                 "questions without a candidate": self.no_candidates,
                 "gold dropped": self.gold_dropped, "answer-bearing dropped": self.answer_dropped,
                 "qrels positives dropped": self.qrels_dropped, "skipped by rank": self.rank_skipped,
@@ -325,8 +330,9 @@ def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, st
         elif len(chosen) < n_negatives:
             chosen.append({"title": title, "text": text, "passage_id": pid, "score": float(score), "rank": rank})
     scores = [c["score"] for c in chosen]
-    summary.merge(MiningSummary(questions=1, judged=int(bool(judged)), candidates=len(hits),
-                                no_candidates=int(not hits), short=int(len(chosen) < n_negatives), written=len(chosen),
+    summary.merge(MiningSummary(questions=1, judged=int(bool(judged)) if qrels is not None else None,
+                                candidates=len(hits), no_candidates=int(not hits),
+                                short=int(len(chosen) < n_negatives), written=len(chosen),
                                 score_sum=sum(scores),
                                 score_min=min(scores, default=math.inf), score_max=max(scores, default=-math.inf)))
     return chosen
