@@ -531,6 +531,7 @@ def test_mine_refuses_a_bad_training_file(world: dict, tmp_path: Path) -> None:
     refused(["mine", "--train-file", bad, "--corpus", world["corpus"], "--output", tmp_path / "mined.json",
              "--cache-dir", tmp_path / "cache"], "train.json:1: unexpected text after the end of the JSON list")
     assert not (tmp_path / "mined.json").exists()
+    assert not (tmp_path / "cache").exists()  # the file is checked before the corpus is read (and cached)
 
 
 # ------------------------------------------------------------------ guarantees every stage keeps (issue 25)

@@ -282,6 +282,26 @@ def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
     assert len(load_dpr_files([tmp_path / "beir.json"], cache_dir=tmp_path / "cache")) == len(TOPICS)
 
 
+def test_mining_progress_bar_counts_to_the_number_of_questions(world, tmp_path, monkeypatch):
+    """Each source and input gives the "mining" bar its total, the questions (a streamed --train-file is counted in
+    the pass that checks it), and the bar ends there."""
+    import dpr_gc.retrieval.mine as mine
+
+    root, bars, real = world["root"], [], mine.tqdm
+    monkeypatch.setattr(mine, "tqdm", lambda *a, **kw: bars.append(real(*a, **kw)) or bars[-1])
+    beir = beir_folder(tmp_path / "beir")
+    common = ("--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--n-negatives", 2, "--top-k", 20)
+    dense = ("--source", "dense", "--model", root / "model", "--embeddings", tmp_path / "emb", "--index",
+             tmp_path / "idx", "--device", "cpu")
+    for i, (source, given) in enumerate([(dense, ("--train-file", root / "train.json")), (dense, ("--beir-dir", beir)),
+                                         (("--source", "bm25"), ("--train-file", root / "train.json")),
+                                         (("--source", "bm25"), ("--beir-dir", beir))]):
+        bars.clear()
+        cli("mine", *given, *source, *common, "--output", tmp_path / f"out{i}.jsonl")
+        (bar,) = [b for b in bars if getattr(b, "unit", None) == " q"]  # the chunks bar is off
+        assert (bar.total, bar.n) == (len(TOPICS), len(TOPICS)), (source[1], given[0])
+
+
 def test_dense_embeddings_without_an_index_folder_are_refused_before_encoding(world, tmp_path):
     """``--embeddings E`` builds a flat index, which may not lie inside E (an output inside an input): without
     ``--index`` the run is refused at once, naming the flag, rather than after encoding the corpus."""

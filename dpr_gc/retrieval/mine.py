@@ -346,7 +346,7 @@ def _merge(old: list, new: list[dict]) -> list:
 def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus: Any,
                  settings: Optional[MineSettings] = None, *, qrels: Optional[dict[str, dict[str, int]]] = None,
                  id_to_row: Optional[dict[str, int]] = None, show_progress: bool = True,
-                 resume_key: Optional[dict] = None, **options: Any) -> MiningSummary:
+                 resume_key: Optional[dict] = None, total: Optional[int] = None, **options: Any) -> MiningSummary:
     """Mine ``records`` chunk by chunk with ``settings`` (fields of :class:`MineSettings` may also be given as
     keywords) and write them with ``hard_negative_ctxs`` replaced (``append``: old ones kept, new ones added unless
     their id is already there), every other field kept. A JSON list, or JSONL when the name ends in ``.jsonl``
@@ -354,7 +354,8 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
 
     Each finished chunk is kept (:class:`~dpr_gc.base.files.ChunkedOutput`): a run with the same ``resume_key`` (the
     inputs and settings; ``None`` never resumes) continues after the last finished chunk of an interrupted one.
-    ``workers`` processes tokenise new candidate passages for answer matching (one matcher for the whole run)."""
+    ``total``: the number of ``records`` when they are an iterator (the progress bar's total; a sequence gives its
+    length). ``workers`` processes tokenise new candidate passages for answer matching (one matcher for the whole run)."""
     from ..evaluation.answers import AnswerMatcher, default_workers
 
     s = dataclasses.replace(settings or MineSettings(), **options)
@@ -367,9 +368,10 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
         summary, count = (MiningSummary(**state["summary"]), state["count"]) if state else (MiningSummary(), 0)
         if count:
             logger.info("resuming an interrupted run: %s already mined into %s", counted(count, "question"), final)
-        total = len(records) - count if isinstance(records, Sequence) else None
+        total = len(records) if isinstance(records, Sequence) else total
         buffer: list[dict] = []
-        with tqdm(total=total, desc="mining", unit=" q", disable=not show_progress) as bar:
+        with tqdm(total=None if total is None else total - count, desc="mining", unit=" q",
+                  disable=not show_progress) as bar:
 
             def flush() -> None:
                 nonlocal count
@@ -533,6 +535,18 @@ def check_built_folders(args: argparse.Namespace) -> None:
         check_bm25_folder(built["--bm25-index"])
 
 
+def scan_training_file(path: PathLike, positive_ids: bool = False) -> tuple[int, set[str]]:
+    """One streaming pass over a DPR training file before mining: every record checked (a bad one fails before any
+    is mined) and counted (the progress bar's total), and with ``positive_ids`` its positives' ids gathered (BM25
+    scores them for the positive-aware rules)."""
+    count, ids = 0, set()
+    for record in iter_training_file(path):
+        count += 1
+        if positive_ids:
+            ids.update(ctx_id(c) for c in record.get("positive_ctxs") or [])
+    return count, ids
+
+
 @guarded(inputs=tuple(MINE_INPUTS), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     from ..data.corpus import load_corpus
@@ -550,11 +564,14 @@ def _cli(args: argparse.Namespace) -> None:
     mining = from_args(MineSettings, args)
     steady_malloc()
     beir = Path(args.beir_dir) if args.beir_dir else None
+    bm25_scored = needs_positive_scores(args.margin, args.max_negative_ratio, args.min_margin) and \
+        args.source == "bm25"
+    total, golds = None, set()
     if beir is not None:
         queries = find_beir_file(beir, "queries.jsonl")
         split_qrels = require_file(beir / "qrels" / f"{args.split}.tsv", f"qrels of split {args.split!r}")
-    else:
-        require_file(args.train_file, "training file")
+    else:  # checked and counted before the corpus is read or encoded
+        total, golds = scan_training_file(args.train_file, positive_ids=bm25_scored)
     corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
     if corpus_path is None and index_exists(args.index):
         corpus_path = read_meta(args.index).get("corpus")
@@ -563,21 +580,17 @@ def _cli(args: argparse.Namespace) -> None:
     corpus = load_corpus(corpus_path, args.cache_dir)
     qrels = read_qrels(args.qrels) if args.qrels else None
     source = open_source(args.source, corpus, from_args(SourceSettings, args), corpus_path=corpus_path)
-    id_to_row = None
     if beir is not None:
         records, id_to_row = beir_training_records(queries, split_qrels, corpus)
     else:
-        records = iter_training_file(args.train_file)
-        if needs_positive_scores(args.margin, args.max_negative_ratio, args.min_margin) and args.source == "bm25":
-            golds = (ctx_id(c) for r in iter_training_file(args.train_file) for c in r.get("positive_ctxs") or [])
-            id_to_row = rows_for_ids(corpus, golds)
+        records, id_to_row = iter_training_file(args.train_file), rows_for_ids(corpus, golds) if bm25_scored else None
     inputs = {"train_file": args.train_file, "corpus": corpus_path, "qrels": args.qrels}
     if beir is not None:
         inputs.update(queries=queries, split_qrels=split_qrels)
     if index_exists(args.index):
         inputs["index_meta"] = meta_path(args.index)
     summary = mine_to_file(records, args.output, source, corpus, mining, qrels=qrels, id_to_row=id_to_row,
-                           resume_key=resume_key(args, inputs, source))
+                           resume_key=resume_key(args, inputs, source), total=total)
     if qrels is not None and summary.judged == 0:
         logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
     print(format_summary({"source": args.source, **summary.table(), "output": args.output}))
