@@ -264,6 +264,7 @@ def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
         "--bm25-index", root / "bm25", "--margin", 0, "--qrels", root / "q.tsv")
     printed = capsys.readouterr().out
     assert "| negatives written | 12 |" in printed and "| questions judged in --qrels | 6 |" in printed
+    assert "| qrels positives dropped |" in printed
     cli("mine", "--source", "dense", "--model", root / "model", "--embeddings", tmp_path / "emb", "--index",
         tmp_path / "idx", "--train-file", root / "train.json", "--output", tmp_path / "dense.json", "--device", "cpu",
         *common)
@@ -275,6 +276,7 @@ def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
         "--n-negatives", 2, "--top-k", 20, "--margin", 0.5)
     printed = capsys.readouterr().out  # positives from the BEIR qrels, no --qrels filter: no row about one
     assert "| questions | 6 |" in printed and "--qrels" not in printed and "questions in qrels" not in printed
+    assert "qrels positives dropped" not in printed  # the BEIR qrels' positives count as gold
     written = json.loads((tmp_path / "beir.json").read_text())
     assert [[c["passage_id"] for c in w["positive_ctxs"]] for w in written] == [[f"g{i}", f"r{i}"] for i in range(6)]
     for i, w in enumerate(written):  # BEIR queries have no answers: gold (by id or text) and qrels positives go

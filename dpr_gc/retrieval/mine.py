@@ -172,11 +172,14 @@ class MiningSummary:
         def stat(v: float) -> Any:
             return round(v, 4) if self.written else "-"
 
-        judged = {"questions judged in --qrels": self.judged} if self.judged is not None else {}
+        judged, judged_dropped = {}, {}
+        if self.judged is not None:  # --qrels given (a BEIR folder's own qrels positives count as gold)
+            judged, judged_dropped = ({"questions judged in --qrels": self.judged},
+                                      {"qrels positives dropped": self.qrels_dropped})
         return {"questions": self.questions, **judged, "candidates seen": self.candidates,
                 "questions without a candidate": self.no_candidates,
                 "gold dropped": self.gold_dropped, "answer-bearing dropped": self.answer_dropped,
-                "qrels positives dropped": self.qrels_dropped, "skipped by rank": self.rank_skipped,
+                **judged_dropped, "skipped by rank": self.rank_skipped,
                 "dropped by margin": self.margin_dropped, "dropped by max negative ratio": self.ratio_dropped,
                 "dropped by min margin": self.min_margin_dropped,
                 "questions without a positive score": self.unscored,
