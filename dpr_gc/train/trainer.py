@@ -37,7 +37,8 @@ from ..model.lora import apply_lora, has_adapters, train_adapters
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
-from .checkpoints import Checkpointer, check_start, finished_checkpoints
+from .config import recorded_settings, resolve_defaults
+from .checkpoints import Checkpointer, check_start, finished_checkpoints, resolve_checkpoint
 from .chunks import auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
@@ -76,6 +77,10 @@ class Trainer:
         seed_everything(config.run.seed)
         self.out = Path(config.run.output_dir)
         check_start(self.out, config.run.resume)  # before minutes of loading the model and parsing the data
+        recorded = recorded_settings(resolve_checkpoint(self.out, config.run.resume), self.out) \
+            if config.run.resume else None
+        self.hard_negatives_given = config.data.hard_negatives is not None
+        self.config = config = self.resolve(config, recorded[1] if recorded else None)
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         self.data, self.collator, self.loader = self.build_data()
@@ -106,10 +111,20 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
 
     # ----------------------------------------------------------------- building
+    def resolve(self, config: TrainConfig, recorded: Optional[dict]) -> TrainConfig:
+        """``config`` with its data-dependent default resolved (:func:`resolve_defaults`; ``recorded``: the
+        settings of the run being resumed), saying so when a default was taken."""
+        config, why = resolve_defaults(config, recorded)
+        if self.rank == 0 and not self.hard_negatives_given:
+            logger.info("--hard-negatives %d (%s; give --hard-negatives N to choose)", config.data.hard_negatives,
+                        why)
+        return config
+
     def build_model(self) -> Retriever:
         """The retriever in training mode on this rank's device, with LoRA adapters (only they train in the
         transformers), gradient checkpointing or frozen position embeddings when asked."""
-        retriever = build_retriever(self.config.model).to(self.device)
+        beside = [("hard_negatives", self.config.data.hard_negatives, self.hard_negatives_given)]
+        retriever = build_retriever(self.config.model, beside).to(self.device)
         if self.config.model.lora is not None:
             apply_lora(retriever, self.config.model.lora)
         elif has_adapters(retriever):  # a saved LoRA retriever trains its adapter further, as with --lora-r

@@ -1,0 +1,126 @@
+"""Defaults a newcomer from DPR or sentence-transformers meets in ``dpr-gc train``: ``--hard-negatives`` follows the
+data (0 on BEIR folders, which have no negatives: in-batch negatives only, as MultipleNegativesRankingLoss; 1 on DPR
+files), the starting model's dev score is the baseline ``best/`` must beat, and the dev file's load is logged once."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from transformers import BertTokenizerFast
+
+from dpr_gc import cli
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.train.config import SETTINGS_FILE, DataConfig, config_from_args
+from dpr_gc.train.trainer import Trainer
+from tests.helpers import call, tiny_bert, write_vocab
+from tests.test_beir_positives import write_beir
+from tests.train_data import make_records, train_config, write_dpr
+
+FILLED = "are filled with the positive of a random other question"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A BEIR folder (12 queries, 16 qrels pairs, no negatives), a DPR file (2 hard negatives a question) and a
+    sentence-transformers folder (mean pooling, normalised: what the README's recipe fine-tunes)."""
+    d = tmp_path_factory.mktemp("defaults")
+    write_beir(d / "beir")
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(d / "vocab.txt")), do_lower_case=True)
+    config = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", query_max_length=16,
+                             passage_max_length=32)
+    Retriever(tiny_bert(len(tokenizer)), None, tokenizer, config).save(d / "st")
+    for name in ("retriever_config.json", "heads.safetensors"):
+        (d / "st" / name).unlink()
+    return {"dir": d, "beir": d / "beir", "dpr": write_dpr(d / "train.json", make_records(16, 0)), "st": d / "st"}
+
+
+def argv(task: dict, out: Path, *extra: object) -> list:
+    return ["train", "--train", task["beir"], "--model", task["st"], "--output", out, "--batch-size", "4",
+            "--num-workers", "0", "--query-chunk-size", "2", "--passage-chunk-size", "4", "--device", "cpu",
+            "--cache-dir", task["dir"] / "cache", "--save-every", "1", *extra]
+
+
+def recorded(out: Path) -> int:
+    return json.loads((out / SETTINGS_FILE).read_text())["data"]["hard_negatives"]
+
+
+# --------------------------------------------------------------------------------------------- --hard-negatives
+def test_hard_negatives_default_by_the_data_and_help_states_the_rule(task: dict, capsys, monkeypatch) -> None:
+    args = cli.build_parser().parse_args(["train", "--train", str(task["beir"]), "--output", "o"])
+    data = config_from_args(args).data
+    assert data.hard_negatives is None and DataConfig().hard_negatives is None  # not given: resolved by the data
+    assert (data.default_hard_negatives(), data.passages_per_query) == (0, 1)
+    both = DataConfig(train_files=[str(task["beir"]), str(task["dpr"])])
+    assert (both.default_hard_negatives(), DataConfig(train_files=[str(task["dpr"])]).default_hard_negatives()) == (1, 1)
+    assert DataConfig(train_files=[str(task["beir"])], hard_negatives=1).passages_per_query == 2  # given wins
+    monkeypatch.setenv("COLUMNS", "1000")  # no line breaks inside words
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("hard negatives per query (default: 0 when every --train source is a BEIR folder, which has none: "
+            "in-batch negatives only, as sentence-transformers' MultipleNegativesRankingLoss; else 1, the hard "
+            "negatives of DPR files; on --resume the recorded value)") in text
+
+
+def test_a_beir_folder_trains_on_in_batch_negatives_and_records_it(task: dict, tmp_path: Path, caplog) -> None:
+    """The README's sentence-transformers recipe (a BEIR folder, no --hard-negatives) in code: one passage per query
+    (no filled slot), recorded as 0 in train_config.json and the model card, and said in the log and the recipe's
+    line of what was taken."""
+    config = train_config(model=str(task["st"]), train_files=[str(task["beir"])], output_dir=str(tmp_path / "out"),
+                          batch_size=4, num_workers=0, max_steps=1, query_chunk_size=2, passage_chunk_size=4,
+                          cache_dir=str(task["dir"] / "cache"), device="cpu")
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        trainer = Trainer(config)
+        batch = next(iter(trainer.loader))
+        summary = trainer.fit()
+    assert trainer.passages_per_query == summary["passages_per_query"] == 1
+    assert len(batch["passage"]["input_ids"]) == len(batch["query"]["input_ids"]) == 4
+    assert recorded(tmp_path / "out") == 0
+    card = (tmp_path / "out" / "final" / "README.md").read_text()
+    assert "| hard negatives per query | 0 |" in card and "hard_negatives: 0" in card
+    assert FILLED not in caplog.text
+    assert "--hard-negatives 0 (not given: every --train source is a BEIR folder" in caplog.text
+    recipe = next(r.getMessage() for r in caplog.records if "is a sentence-transformers folder" in r.getMessage())
+    assert "hard_negatives=0" in recipe.split("(given:")[0], recipe
+
+
+def test_a_dpr_file_keeps_one_hard_negative(task: dict, tmp_path: Path, caplog) -> None:
+    config = train_config(model=str(task["st"]), train_files=[str(task["dpr"])], output_dir=str(tmp_path / "out"),
+                          batch_size=4, num_workers=0, query_chunk_size=2, passage_chunk_size=4,
+                          cache_dir=str(task["dir"] / "cache"), device="cpu")
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        trainer = Trainer(config)
+    assert (trainer.config.data.hard_negatives, trainer.passages_per_query) == (1, 2)
+    assert "--hard-negatives 1 (not given: DPR training files carry hard negatives" in caplog.text
+
+
+def test_an_explicit_value_fills_a_beir_folder_as_given(task: dict, tmp_path: Path, caplog) -> None:
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(cli.main, argv(task, out, "--hard-negatives", "1", "--max-steps", "1"))
+    assert code == 0, err
+    assert recorded(out) == 1 and FILLED in caplog.text and "--hard-negatives 1 (not given" not in caplog.text
+    recipe = next(r.getMessage() for r in caplog.records if "is a sentence-transformers folder" in r.getMessage())
+    assert "(given: hard_negatives=1)" in recipe, recipe
+
+
+def test_a_resumed_run_keeps_its_recorded_hard_negatives(task: dict, tmp_path: Path, caplog) -> None:
+    """A resume without the flag takes the recorded value: a BEIR run started with the default (0) goes on with 0;
+    one recorded with 1 (given, or the default of earlier versions) goes on with 1; another value given is
+    refused as any changed training signal."""
+    fresh, older = tmp_path / "fresh", tmp_path / "older"
+    assert call(cli.main, argv(task, fresh, "--max-steps", "1"))[0] == 0
+    assert call(cli.main, argv(task, older, "--max-steps", "1", "--hard-negatives", "1"))[0] == 0
+    assert (recorded(fresh), recorded(older)) == (0, 1)
+    code, err = call(cli.main, argv(task, fresh, "--max-steps", "2", "--resume", "latest", "--hard-negatives", "1"))
+    assert code == 2 and "--hard-negatives 0 -> 1" in err, err
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        for out in (fresh, older):
+            code, err = call(cli.main, argv(task, out, "--max-steps", "2", "--resume", "latest"))
+            assert code == 0, err
+    assert (recorded(fresh), recorded(older)) == (0, 1)
+    assert "--hard-negatives 1 (not given: the resumed run's" in caplog.text
+    assert (older / "checkpoint-2").is_dir() and (fresh / "checkpoint-2").is_dir()
