@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import BertTokenizerFast
 
 from dpr_gc import cli
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.train.checkpoints import check_start
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.train.config import SETTINGS_FILE, DataConfig, config_from_args
 from dpr_gc.train.trainer import Trainer
@@ -54,7 +58,7 @@ def test_hard_negatives_default_by_the_data_and_help_states_the_rule(task: dict,
     assert data.hard_negatives is None and DataConfig().hard_negatives is None  # not given: resolved by the data
     assert (data.default_hard_negatives(), data.passages_per_query) == (0, 1)
     both = DataConfig(train_files=[str(task["beir"]), str(task["dpr"])])
-    assert (both.default_hard_negatives(), DataConfig(train_files=[str(task["dpr"])]).default_hard_negatives()) == (1, 1)
+    assert both.default_hard_negatives() == DataConfig(train_files=[str(task["dpr"])]).default_hard_negatives() == 1
     assert DataConfig(train_files=[str(task["beir"])], hard_negatives=1).passages_per_query == 2  # given wins
     monkeypatch.setenv("COLUMNS", "1000")  # no line breaks inside words
     with pytest.raises(SystemExit):
@@ -124,3 +128,95 @@ def test_a_resumed_run_keeps_its_recorded_hard_negatives(task: dict, tmp_path: P
     assert (recorded(fresh), recorded(older)) == (0, 1)
     assert "--hard-negatives 1 (not given: the resumed run's" in caplog.text
     assert (older / "checkpoint-2").is_dir() and (fresh / "checkpoint-2").is_dir()
+
+
+# --------------------------------------------------------------------------------------------- best/
+def scripted_dev(monkeypatch: pytest.MonkeyPatch, scores: dict, seen: dict) -> None:
+    """Make every dev evaluation report ``scores[step]`` as its average rank (and keep the weights evaluated)."""
+    def evaluate(self: Trainer) -> dict:
+        seen[self.step] = {k: v.clone() for k, v in self.retriever.state_dict().items()}
+        return {"dev_loss": 1.0, "dev_accuracy": 0.5, "dev_avg_rank": scores[self.step]}
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+
+
+def dev_run(task: dict, out: Path, **kw: object) -> object:
+    return train_config(model=str(task["st"]), train_files=[str(task["dpr"])], dev_file=str(task["dpr"]),
+                        output_dir=str(out), batch_size=4, num_workers=0, query_chunk_size=2, passage_chunk_size=4,
+                        cache_dir=str(task["dir"] / "cache"), device="cpu", eval_every=1, **kw)
+
+
+def saved_weights(folder: Path) -> dict:
+    return Retriever.load(folder).state_dict()
+
+
+def test_the_starting_model_is_the_baseline_best_must_beat(task: dict, tmp_path: Path, monkeypatch, caplog,
+                                                            capsys) -> None:
+    """Dev scores 2.0 before training, then 3.0 and 2.5 (worse): no step is "new best", best/ holds the starting
+    model (written once, at step 0) and the summary says so."""
+    seen: dict = {}
+    scripted_dev(monkeypatch, {0: 2.0, 1: 3.0, 2: 2.5}, seen)
+    saves: list = []
+    real_save = Retriever.save
+    monkeypatch.setattr(Retriever, "save", lambda self, path: (saves.append(Path(path).name), real_save(self, path)))
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        summary = Trainer(dev_run(task, tmp_path / "out", max_steps=2)).fit()
+    assert "new best" not in caplog.text
+    assert (summary["best"], summary["best_step"]) == (2.0, 0) and saves.count("best") == 1
+    best = saved_weights(tmp_path / "out" / "best")
+    assert all(torch.equal(best[k], v) for k, v in seen[0].items())
+    assert not all(torch.equal(best[k], v) for k, v in seen[2].items())  # training did move the weights
+    assert "the starting model, no step beat it" in capsys.readouterr().out
+
+
+def test_a_step_that_beats_the_baseline_is_the_new_best(task: dict, tmp_path: Path, monkeypatch, capsys) -> None:
+    seen: dict = {}
+    scripted_dev(monkeypatch, {0: 2.0, 1: 1.5, 2: 1.8}, seen)
+    summary = Trainer(dev_run(task, tmp_path / "out", max_steps=2)).fit()
+    assert (summary["best"], summary["best_step"]) == (1.5, 1)
+    best = saved_weights(tmp_path / "out" / "best")
+    assert all(torch.equal(best[k], v) for k, v in seen[1].items())
+    printed = capsys.readouterr().out
+    assert "avg_rank 1.5000 (lower is better) in " in printed and "best (step 1) |" in printed, printed
+
+
+def test_resume_keeps_the_baseline(task: dict, tmp_path: Path, monkeypatch) -> None:
+    """Stopped after step 1 (worse than the start), resumed: step 2 (still worse) is no new best either."""
+    seen: dict = {}
+    scripted_dev(monkeypatch, {0: 2.0, 1: 3.0, 2: 2.5}, seen)
+    Trainer(dev_run(task, tmp_path / "out", max_steps=1, save_every=1)).fit()
+    summary = Trainer(dev_run(task, tmp_path / "out", max_steps=2, save_every=1, resume="latest")).fit()
+    best = saved_weights(tmp_path / "out" / "best")
+    assert all(torch.equal(best[k], v) for k, v in seen[0].items())
+    assert (summary["best"], summary.get("best_step")) == (2.0, 0)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_over(task: dict, tmp_path: Path, monkeypatch) -> None:
+    """best/ then holds only the starting model (written before training): the same command starts over, as the
+    interrupt's advice says; an earlier run's trained best/ is still refused."""
+    scripted_dev(monkeypatch, {0: 2.0, 1: 3.0, 2: 2.5}, {})
+    out = tmp_path / "out"
+    args = argv(task, out, "--train", task["dpr"], "--dev", task["dpr"], "--max-steps", "2")
+    args.remove("--save-every")
+    args.remove("1")
+    real_step = Trainer.train_step
+
+    def interrupted(self: Trainer, batch: dict) -> object:
+        if self.step == 1:
+            raise KeyboardInterrupt
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    code, err = call(cli.main, args)
+    assert code == 130 and "run the same command again to start over" in err, err
+    assert (out / "best").is_dir() and not (out / "final").exists()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    code, err = call(cli.main, args)
+    assert code == 0, err
+    left = tmp_path / "left"
+    shutil.copytree(out / "best", left / "best")  # a starting model's best/ alone: replaced by a new run
+    check_start(left, None)
+    card = left / "best" / "README.md"
+    card.write_text(card.read_text().replace("\n    steps: 0\n", "\n    steps: 2\n"))  # a trained one: kept
+    with pytest.raises(DprGcError, match=r"already holds the trained model of an earlier run \(best/\)"):
+        check_start(left, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -38,7 +39,7 @@ from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .config import recorded_settings, resolve_defaults
-from .checkpoints import Checkpointer, check_start, finished_checkpoints, resolve_checkpoint
+from .checkpoints import Checkpointer, check_start, finished_checkpoints, left_at_start, resolve_checkpoint
 from .chunks import auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
@@ -249,10 +250,13 @@ class Trainer:
     # ----------------------------------------------------------------- state
     def start_fresh(self) -> None:
         """A new run: refuse a folder that holds checkpoints or an earlier run's final/ or best/ (checked again: the
-        constructor checked before loading), and clear an old metrics file."""
+        constructor checked before loading), and clear an old metrics file and the starting model that a run
+        stopped before its first checkpoint left in best/."""
         check_start(self.out, None)
         if self.rank == 0:
             self.metrics_file.unlink(missing_ok=True)
+            if left_at_start(self.out):
+                shutil.rmtree(self.out / "best")
 
     def resume(self, checkpoint: str) -> None:
         """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
@@ -410,6 +414,9 @@ class Trainer:
             initial = {"step": 0, **self.evaluate()}
             self.checkpointer.log(self.metrics_file, initial)
             logger.info("dev before training: %s", {k: round(v, 4) for k, v in initial.items()})
+            self.retriever.training_info.update(dev_metrics={k: v for k, v in initial.items() if k != "step"},
+                                                dev_metrics_step=0)
+            self.checkpointer.update_best(0, self.export, initial)  # the baseline: a step must beat it
         self.board = tensorboard_writer(self.out) if self.rank == 0 else None
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
                         dynamic_ncols=True)
@@ -505,6 +512,7 @@ class Trainer:
                    "final_loss": self.last_loss, "seconds": seconds,
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
+                   "best_step": self.checkpointer.best_step,
                    "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
                    "metrics_file": str(self.metrics_file)}
         self.check_finite_weights()
