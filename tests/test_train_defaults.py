@@ -220,3 +220,18 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over(task: dict, tmp_p
     card.write_text(card.read_text().replace("\n    steps: 0\n", "\n    steps: 2\n"))  # a trained one: kept
     with pytest.raises(DprGcError, match=r"already holds the trained model of an earlier run \(best/\)"):
         check_start(left, None)
+
+
+# --------------------------------------------------------------------------------------------- the dev file's log
+def test_the_dev_files_load_is_logged_once_per_run(task: dict, tmp_path: Path, caplog) -> None:
+    """Evaluated before training and after each of 2 steps, the dev file is loaded (and its counts logged) once."""
+    dev = write_dpr(tmp_path / "dev.json", make_records(8, 5))
+    config = train_config(model=str(task["st"]), train_files=[str(task["dpr"])], dev_file=str(dev),
+                          output_dir=str(tmp_path / "out"), batch_size=4, num_workers=0, query_chunk_size=2,
+                          passage_chunk_size=4, cache_dir=str(task["dir"] / "cache"), device="cpu", eval_every=1,
+                          max_steps=2)
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        Trainer(config).fit()
+    loads = [r for r in caplog.records if r.getMessage().startswith(f"{dev}: 8 records, 8 kept")]
+    evaluations = [r for r in caplog.records if r.getMessage().startswith("dev validation over 8 questions")]
+    assert (len(loads), len(evaluations)) == (1, 3), caplog.text

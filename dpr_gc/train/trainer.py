@@ -85,8 +85,8 @@ class Trainer:
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         self.data, self.collator, self.loader = self.build_data()
-        if config.data.dev_file:  # parsed (and cached for evaluate) now, so a bad dev file is refused here
-            load_dev_data(config.data.dev_file, config.data.cache_dir)
+        # parsed now, so a bad dev file is refused here, and kept: each evaluation reuses it (loaded and logged once)
+        self.dev_data = load_dev_data(config.data.dev_file, config.data.cache_dir) if config.data.dev_file else None
         self.sampler = self.loader.batch_sampler
         self.sampler.data_fingerprints = from_rank0(lambda: [source_fingerprint(f) for f in config.data.train_files])
         self.steps_per_epoch = self.sampler.batches_per_epoch
@@ -390,7 +390,7 @@ class Trainer:
         """Dev validation (DPR's in-batch loss and accuracy, and average rank) as ``dev_*`` metrics. A sharded model
         runs the same forwards on every rank (each all-gathers its blocks), so each rank evaluates the whole set."""
         config = self.config
-        metrics = evaluate_dev(self.retriever, config.data.dev_file, config.data.dev, config.data.cache_dir,
+        metrics = evaluate_dev(self.retriever, self.dev_data, config.data.dev, config.data.cache_dir,
                                split_over_ranks=not config.run.fsdp)
         logger.info("dev validation over %s and %s", counted(metrics.pop("questions"), "question"),
                     counted(metrics.pop("passages"), "passage"))
