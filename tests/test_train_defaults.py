@@ -126,7 +126,7 @@ def test_a_resumed_run_keeps_its_recorded_hard_negatives(task: dict, tmp_path: P
             code, err = call(cli.main, argv(task, out, "--max-steps", "2", "--resume", "latest"))
             assert code == 0, err
     assert (recorded(fresh), recorded(older)) == (0, 1)
-    assert "--hard-negatives 1 (not given: the resumed run's" in caplog.text
+    assert "--hard-negatives 1 (not given: the value the resumed run recorded)" in caplog.text
     assert (older / "checkpoint-2").is_dir() and (fresh / "checkpoint-2").is_dir()
 
 

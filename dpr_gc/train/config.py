@@ -334,11 +334,12 @@ def resolve_defaults(config: TrainConfig, recorded: Optional[Mapping[str, Any]] 
     section = recorded.get("data") if isinstance(recorded, Mapping) else None
     old = section.get("hard_negatives") if isinstance(section, Mapping) else None
     if isinstance(old, int) and not isinstance(old, bool) and old >= 0:
-        value, why = old, "not given: the resumed run's"
+        value, why = old, "not given: the value the resumed run recorded"
     else:
         value = data.default_hard_negatives()
         why = ("not given: every --train source is a BEIR folder, which has no negatives, so in-batch negatives "
                "only" if value == 0 else "not given: DPR training files carry hard negatives")
+        why += "; give --hard-negatives N to choose"
     return dataclasses.replace(config, data=dataclasses.replace(data, hard_negatives=value)), why
 
 

@@ -117,8 +117,7 @@ class Trainer:
         settings of the run being resumed), saying so when a default was taken."""
         config, why = resolve_defaults(config, recorded)
         if self.rank == 0 and not self.hard_negatives_given:
-            logger.info("--hard-negatives %d (%s; give --hard-negatives N to choose)", config.data.hard_negatives,
-                        why)
+            logger.info("--hard-negatives %d (%s)", config.data.hard_negatives, why)
         return config
 
     def build_model(self) -> Retriever:
