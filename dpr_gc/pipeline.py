@@ -33,12 +33,12 @@ TABLE_KS = (1, 5, 20, 100)  # the Accuracy@k rows of the printed table (and the 
 
 def demo_training() -> TrainConfig:
     """The demo's training recipe: mean-pooled, normalised MiniLM at temperature 0.05, a batch four times the
-    Gradient Cache chunk, a short warm-up, a checkpoint every four steps (the data and output paths, and the model
-    trained, are filled in by :func:`run_demo`)."""
+    Gradient Cache chunk, a short warm-up, a checkpoint every four steps, DataLoader workers as ``dpr-gc train``
+    chooses them (``auto``: none on the CPU) (the data and output paths, and the model trained, are filled in by
+    :func:`run_demo`)."""
     retriever = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", temperature=0.05,
                                 query_max_length=48, passage_max_length=128)
-    return TrainConfig(model=ModelConfig(retriever=retriever), data=DataConfig(batch_size=64, hard_negatives=0,
-                                                                               num_workers=1),
+    return TrainConfig(model=ModelConfig(retriever=retriever), data=DataConfig(batch_size=64, hard_negatives=0),
                        optim=OptimConfig(learning_rate=5e-5, warmup_steps=2, epochs=1),
                        cache=CacheConfig(query_chunk_size=16, passage_chunk_size=16),
                        run=RunConfig(save_every=4, keep_checkpoints=1))
@@ -77,12 +77,13 @@ def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> P
 
 
 SETTINGS_FILE = "demo_settings.json"
+SAME_RESULTS = ("training.data.num_workers",)  # settings that change no result: workers give the same batches
 
 
 def check_demo_settings(out: Path, config: DemoConfig) -> None:
     """Resume only the same demo: record its settings in ``out`` the first time, and refuse a folder that holds a
     demo run with other settings (its measured stages, trained model and training subset would be reused as they
-    are, beside a report of the new settings) or other files and no record."""
+    are, beside a report of the new settings; :data:`SAME_RESULTS` aside) or other files and no record."""
     record = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k != "output_dir"}))
     path = out / SETTINGS_FILE
     if not path.is_file():
@@ -91,7 +92,7 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
         write_json(path, record)
         return
     old, new = flat_record(read_json_object(path, "demo settings")), flat_record(record)
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in SAME_RESULTS)
     if changed:
         shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in changed[:3])
         raise DprGcError(f"{out} holds a demo run with other settings ({shown}"

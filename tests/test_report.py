@@ -101,3 +101,8 @@ def test_the_training_summary_names_the_best_dev_metric_or_says_there_was_no_dev
     assert "| best dev | avg_rank 4.2500 (lower is better) in runs/r1/best |" in summary_table(summary)
     summary.update(best=0.625, best_metric="accuracy")
     assert "| best dev | accuracy 0.6250 (higher is better) in runs/r1/best |" in summary_table(summary)
+    summary.update(best_step=0)  # no step beat the starting model's dev score (tests/test_train_defaults.py)
+    assert ("| best dev | accuracy 0.6250 (higher is better) in runs/r1/best: the starting model, no step beat it |"
+            in summary_table(summary))
+    summary.update(best_step=12)
+    assert "| best dev | accuracy 0.6250 (higher is better) in runs/r1/best (step 12) |" in summary_table(summary)

@@ -20,7 +20,7 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.settings import FIXED, FREE, changed_settings, to_record
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.train.config import (SETTINGS_FILE, DataConfig, OptimConfig, RunConfig, TrainConfig, compare_recorded,
-                                 config_from_args)
+                                 config_from_args, resolve_defaults)
 from dpr_gc.train.trainer import train
 from tests.helpers import call, tiny_bert, write_vocab
 from tests.train_data import make_records, write_dpr
@@ -283,8 +283,9 @@ def test_a_run_records_its_resolved_settings(first_run) -> None:
     out = first_run["out"]
     recorded = json.loads((out / SETTINGS_FILE).read_text())
     args = cli.build_parser().parse_args([*first_run["argv"], "--output", str(out), "--max-steps", "2"])
-    assert recorded == to_record(config_from_args(args))
+    assert recorded == to_record(resolve_defaults(config_from_args(args))[0])
     assert recorded["optim"]["learning_rate"] == 1e-3 and recorded["model"]["retriever"]["pooling"] == "cls"
+    assert recorded["data"]["hard_negatives"] == 1  # not given: a DPR file's default, resolved
     for step in (1, 2):  # each checkpoint carries the settings it was made with
         assert json.loads((out / f"checkpoint-{step}" / SETTINGS_FILE).read_text()) == recorded
 

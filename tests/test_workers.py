@@ -38,3 +38,21 @@ def test_cpu_training_starts_no_workers_and_says_so(tmp_path: Path, make_retriev
         trainer.announce()
     assert trainer.loader.num_workers == 0
     assert "fp32 on cpu, 0 DataLoader workers (auto)" in caplog.text
+
+
+def test_the_demo_takes_the_same_default(tmp_path: Path) -> None:
+    """docs/training.md: the demo trains with ``--num-workers auto`` too (it fixed 1 worker, against the measured
+    default); a demo folder recorded with 1 worker still resumes (workers give the same batches)."""
+    import json
+
+    from dpr_gc.pipeline import SETTINGS_FILE, DemoConfig, check_demo_settings, demo_training
+
+    data = demo_training().data
+    assert data.num_workers == DataConfig().num_workers == "auto"
+    assert (data.resolve_workers("cpu"), data.resolve_workers("cuda")) == (0, 2)
+    out = tmp_path / "demo"
+    check_demo_settings(out, DemoConfig())
+    record = json.loads((out / SETTINGS_FILE).read_text())
+    record["training"]["data"]["num_workers"] = 1  # as an earlier version recorded it
+    (out / SETTINGS_FILE).write_text(json.dumps(record))
+    check_demo_settings(out, DemoConfig())

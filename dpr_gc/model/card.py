@@ -50,6 +50,21 @@ def hub_metadata(retriever: Any) -> dict:
     return meta
 
 
+def card_training(folder: Path) -> dict:
+    """The ``training`` block of the ``dpr_gc`` metadata of the model card in ``folder``: what a run recorded of itself
+    (steps done, data, batch, ...); empty when the folder has no card or the card has no such block."""
+    import yaml
+
+    try:
+        text = (folder / "README.md").read_text(encoding="utf-8")
+        meta = yaml.safe_load(text.split("---\n")[1]) if text.startswith("---\n") else None
+    except (OSError, UnicodeDecodeError, IndexError, yaml.YAMLError):
+        return {}
+    block = meta.get("dpr_gc") if isinstance(meta, dict) else None
+    training = block.get("training") if isinstance(block, dict) else None
+    return training if isinstance(training, dict) else {}
+
+
 def write_model_card(folder: Path, retriever: Any) -> None:
     """Write ``folder/README.md`` (atomically)."""
     import yaml

@@ -17,6 +17,7 @@ from torch import nn
 from ..base.errors import DiskFullError, DprGcError, is_disk_full
 from ..base.files import atomic_open, read_json, read_tensors
 from ..base.validate import Field, check_fields, count
+from ..model.card import card_training
 from ..model.retriever import Retriever
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,8 @@ def read_state(folder: Path) -> dict:
         raise DprGcError(f"{folder / STATE_JSON}: not a dpr-gc training state; resume from another checkpoint")
     check_fields(state, folder / STATE_JSON, STATE_FIELDS, "a training state",
                  required=("scheduler", "scaler", "sampler", "best"))
-    if len(state["best"]) != 2:
-        raise DprGcError(f"{folder / STATE_JSON}: 'best' must be [value, path]; resume from another checkpoint")
+    if len(state["best"]) not in (2, 3):  # [value, path] before the step was recorded
+        raise DprGcError(f"{folder / STATE_JSON}: 'best' must be [value, path, step]; resume from another checkpoint")
     return state
 
 
@@ -145,10 +146,19 @@ def check_start(out: Path, resume: Optional[str]) -> None:
     if finished_checkpoints(out):
         raise DprGcError(f"{out} already holds checkpoints: pass --resume latest to continue, "
                          "or choose a new --output")
-    done = [name for name in ("final", "best") if (out / name).exists()]
+    done = [name for name in ("final", "best") if (out / name).exists() and not (name == "best" and left_at_start(out))]
     if done:
         raise DprGcError(f"{out} already holds the trained model of an earlier run "
                          f"({', '.join(n + '/' for n in done)}); choose a new --output, or delete it first")
+
+
+def left_at_start(out: Path) -> bool:
+    """Whether ``out/best`` is what a run stopped before its first checkpoint leaves: the starting model (saved when
+    the dev set was evaluated before training; its card records 0 steps) beside no ``final/`` and no checkpoint.
+    Nothing trained is lost when a new run replaces it."""
+    best = out / "best"
+    return (best.is_dir() and not (out / "final").exists() and not finished_checkpoints(out)
+            and card_training(best).get("steps") == 0)
 
 
 class Checkpointer:
@@ -161,6 +171,7 @@ class Checkpointer:
         self.sharded = sharded  # an FSDP model: its weights and optimizer state go to sharded/ (every rank writes)
         self.best_value: Optional[float] = None
         self.best_path: Optional[str] = None
+        self.best_step: Optional[int] = None  # 0: the starting model (no step beat its dev score)
         self.settings: Optional[Callable[[Path], Any]] = None  # writes the run's settings into a checkpoint folder
 
     def _better(self, value: float) -> bool:
@@ -177,16 +188,21 @@ class Checkpointer:
                 f.write(json.dumps(record) + "\n")
 
     def update_best(self, step: int, export: Callable[[], Optional[Retriever]], record: dict) -> None:
-        """Save the model to ``best/`` (atomically) when the record's dev metric beats the best so far (``export``:
-        the retriever to save on the main rank, called on every rank)."""
+        """Save the model to ``best/`` (atomically) when the record's dev metric beats every one seen so far
+        (``export``: the retriever to save on the main rank, called on every rank). The starting model's (step 0,
+        before training) is the first: it is saved, and a later step must beat it."""
         value = record.get(f"dev_{self.metric}")
         if value is None or not self._better(value):
             return
-        self.best_value, self.best_path = float(value), str(self.out / "best")
+        self.best_value, self.best_path, self.best_step = float(value), str(self.out / "best"), step
         retriever = export()
         if self.is_main:
             retriever.save(self.out / "best")  # whole or not at all (a temporary sibling renamed into place)
-            logger.info("new best dev %s %.4f at step %d -> %s", self.metric, value, step, self.best_path)
+            if step == 0:
+                logger.info("dev %s %.4f of the starting model is the baseline: %s holds it until a step beats it",
+                            self.metric, value, self.best_path)
+            else:
+                logger.info("new best dev %s %.4f at step %d -> %s", self.metric, value, step, self.best_path)
 
     def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
              rng: Any, record: dict) -> None:
@@ -200,7 +216,8 @@ class Checkpointer:
                                                            "scheduler": scheduler.state_dict(),
                                                            "scaler": scaler.state_dict(), "sampler": sampler_state,
                                                            "rng": rng, "record": record,
-                                                           "best": [self.best_value, self.best_path]})
+                                                           "best": [self.best_value, self.best_path,
+                                                                    self.best_step]})
         except Exception as e:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -263,7 +280,8 @@ class Checkpointer:
                 optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             scaler.load_state_dict(state["scaler"])
-            self.best_value, self.best_path = state["best"]
+            self.best_value, self.best_path, *step = state["best"]
+            self.best_step = step[0] if step else None
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise DprGcError(f"{path}: this checkpoint does not fit the run ({str(e).splitlines()[0][:200]}); "
                              "resume with the settings it was made with, or from another checkpoint") from None

@@ -101,8 +101,11 @@ class DataConfig:
     dev_file: Optional[str] = setting(None, "--dev", "--dev_file", dest="dev_file",
                                       help="DPR dev file for validation (default: none, no validation)")
     batch_size: int = setting(32, "--batch-size", "--batch_size", type=positive_int, help="queries per step and rank")
-    hard_negatives: int = setting(1, "--hard-negatives", "--hard_negatives", type=nonnegative_int,
-                                  help="hard negatives per query")
+    hard_negatives: Optional[int] = setting(None, "--hard-negatives", "--hard_negatives", type=nonnegative_int,
+                                            help="hard negatives per query (default: 0 when every --train source "
+                                                 "is a BEIR folder, which has none: in-batch negatives only, as "
+                                                 "sentence-transformers' MultipleNegativesRankingLoss; else 1, the "
+                                                 "hard negatives of DPR files; on --resume the recorded value)")
     other_negatives: int = setting(0, "--other-negatives", "--other_negatives", type=nonnegative_int,
                                    help="other (random) negatives per query")
     shuffle_positives: bool = setting(False, "--shuffle-positives", "--shuffle_positive_ctx",
@@ -130,7 +133,14 @@ class DataConfig:
 
     @property
     def passages_per_query(self) -> int:
-        return 1 + self.hard_negatives + self.other_negatives
+        hard = self.default_hard_negatives() if self.hard_negatives is None else self.hard_negatives
+        return 1 + hard + self.other_negatives
+
+    def default_hard_negatives(self) -> int:
+        """``hard_negatives`` when not given: 0 when every training source is a BEIR folder (no negatives, so each
+        slot would hold another question's positive: the batch already has those), else 1 (DPR files carry BM25
+        hard negatives)."""
+        return 0 if self.train_files and all(Path(s).is_dir() for s in self.train_files) else 1
 
     def resolve_workers(self, device_type: str) -> int:
         """``num_workers``, with ``auto`` resolved for the device: 0 on the CPU, where workers measured no faster
@@ -303,21 +313,49 @@ def record_settings(config: TrainConfig, folder: Union[str, Path]) -> Path:
     return path
 
 
+def recorded_settings(checkpoint: Union[str, Path], output: Union[str, Path]) -> Optional[tuple[Path, dict]]:
+    """The settings recorded by the run being resumed and their file (in the checkpoint, else in the output
+    folder); None when no file records them (an older version)."""
+    for folder in (Path(checkpoint), Path(output)):
+        if (folder / SETTINGS_FILE).is_file():
+            path = folder / SETTINGS_FILE
+            return path, read_json_object(path, "recorded training settings")
+    return None
+
+
+def resolve_defaults(config: TrainConfig, recorded: Optional[Mapping[str, Any]] = None) -> tuple[TrainConfig, str]:
+    """``config`` with the default that depends on the data resolved, and why it has its value (for the log).
+    ``--hard-negatives`` not given is the value ``recorded`` by the run being resumed (so a run resumes as it
+    started, one recorded by an earlier version included), else :meth:`DataConfig.default_hard_negatives`. The
+    resolved value is what the run records, its model card states and ``--resume`` compares."""
+    data = config.data
+    if data.hard_negatives is not None:
+        return config, "given"
+    section = recorded.get("data") if isinstance(recorded, Mapping) else None
+    old = section.get("hard_negatives") if isinstance(section, Mapping) else None
+    if isinstance(old, int) and not isinstance(old, bool) and old >= 0:
+        value, why = old, "not given: the value the resumed run recorded"
+    else:
+        value = data.default_hard_negatives()
+        why = ("not given: every --train source is a BEIR folder, which has no negatives, so in-batch negatives "
+               "only" if value == 0 else "not given: DPR training files carry hard negatives")
+        why += "; give --hard-negatives N to choose"
+    return dataclasses.replace(config, data=dataclasses.replace(data, hard_negatives=value)), why
+
+
 def check_resume_settings(config: TrainConfig, checkpoint: Union[str, Path],
                           output: Union[str, Path]) -> list[Change]:
     """Compare ``config`` with the settings recorded by the run being resumed (in the checkpoint, else in the
     output folder). A changed setting that changes the model or the training signal (:data:`FIXED`) is refused in
     one line naming each (old -> new); the others (steps, cadence, workers, logging, memory layout) are returned
     and logged. A run recorded by no file (an older version) is resumed as it is, with a warning."""
-    for folder in (Path(checkpoint), Path(output)):
-        if (folder / SETTINGS_FILE).is_file():
-            path = folder / SETTINGS_FILE
-            break
-    else:
+    found = recorded_settings(checkpoint, output)
+    if found is None:
         logger.warning("%s holds no %s (written by an older version): the settings of the resumed run are not "
                        "compared with these", checkpoint, SETTINGS_FILE)
         return []
-    return compare_recorded(config, read_json_object(path, "recorded training settings"), path)
+    path, recorded = found
+    return compare_recorded(config, recorded, path)
 
 
 def compare_recorded(config: TrainConfig, recorded: Mapping[str, Any], where: Union[str, Path]) -> list[Change]:

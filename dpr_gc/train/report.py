@@ -60,12 +60,15 @@ def tensorboard_writer(out: Path) -> Any:
 
 
 def best_dev(summary: dict) -> str:
-    """The summary's best dev value with its metric, which way is better, and where ``best/`` is."""
+    """The summary's best dev value with its metric, which way is better, where ``best/`` is, and at which step
+    (the starting model, when no step beat its score before training)."""
     if summary["best"] is None:
         return "none (no --dev)" if summary.get("dev") is None else "none"
     metric = summary["best_metric"]
     better = "higher" if metric == "accuracy" else "lower"
-    return f"{metric} {summary['best']:.4f} ({better} is better) in {summary['best_model']}"
+    step = summary.get("best_step")
+    where = {None: "", 0: ": the starting model, no step beat it"}.get(step, f" (step {step})")
+    return f"{metric} {summary['best']:.4f} ({better} is better) in {summary['best_model']}{where}"
 
 
 def summary_table(summary: dict) -> str:

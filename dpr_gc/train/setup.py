@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any, Sequence
 
 from ..base.errors import DprGcError
 from ..model.dpr_hub import find_dpr_pair
@@ -25,10 +26,10 @@ def check_sources(data: DataConfig, output: str) -> None:
             raise DprGcError(f"{flag} data not found: {source} (give DPR files or BEIR folders)")
 
 
-def build_retriever(model: ModelConfig) -> Retriever:
+def build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]] = ()) -> Retriever:
     """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
-    replace its own); a sentence-transformers folder starts from its own recipe (:func:`folder_recipe`); any other
-    model name or folder starts a new one from ``model.retriever``."""
+    replace its own); a sentence-transformers folder starts from its own recipe (:func:`folder_recipe`, whose log
+    line also lists ``beside``); any other model name or folder starts a new one from ``model.retriever``."""
     name = model.path()
     if (Path(name) / "retriever_config.json").is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
         retriever = Retriever.load(name, query_prefix=model.query_prefix, passage_prefix=model.passage_prefix)
@@ -43,7 +44,7 @@ def build_retriever(model: ModelConfig) -> Retriever:
     if towers is None:
         config = dataclasses.replace(model.retriever or RetrieverConfig(), **prefixes)
         return check_lengths(Retriever.from_pretrained(name, config), model)
-    config = dataclasses.replace(folder_recipe(name, towers, model), **prefixes)
+    config = dataclasses.replace(folder_recipe(name, towers, model, beside), **prefixes)
     folder = config_from_pipeline(Path(name), towers)
     if (config.projection_dim, config.shared_encoder) == (folder.projection_dim, folder.shared_encoder):
         retriever = load_pipeline_retriever(Retriever, Path(name), towers, config)
@@ -83,12 +84,15 @@ RECIPE = ("pooling", "normalize", "projection_dim", "shared_encoder", "passage_f
 ST_TEMPERATURE = 0.05  # sentence-transformers' MultipleNegativesRankingLoss: cosine similarity at scale 20
 
 
-def folder_recipe(name: str, towers: dict, model: ModelConfig) -> RetrieverConfig:
+def folder_recipe(name: str, towers: dict, model: ModelConfig,
+                  beside: Sequence[tuple[str, Any, bool]] = ()) -> RetrieverConfig:
     """The settings a sentence-transformers folder declares (pooling, normalisation, projection, passage format,
     max lengths, its "query"/"document" prompts as prefixes) as the defaults of training it, each field the user
     set (``model.retriever_flags``; all of ``model.retriever`` when that is None) replacing the folder's; the
     temperature, which no folder records, defaults to sentence-transformers' 0.05 for a normalised model (cosine
-    similarity at MultipleNegativesRankingLoss's scale 20) and 1.0 otherwise. Logs what it took."""
+    similarity at MultipleNegativesRankingLoss's scale 20) and 1.0 otherwise. Logs what it took and what was given,
+    with ``beside``: the training's own settings of the recipe, as ``(name, value, given)`` (the hard negatives:
+    MultipleNegativesRankingLoss has none)."""
     folder = config_from_pipeline(Path(name), towers)
     given = model.retriever or RetrieverConfig()
     flags = set(model.retriever_flags) if model.retriever_flags is not None else (
@@ -101,9 +105,10 @@ def folder_recipe(name: str, towers: dict, model: ModelConfig) -> RetrieverConfi
     if "temperature" not in flags:
         chosen["temperature"] = ST_TEMPERATURE if chosen["normalize"] else 1.0
     config = RetrieverConfig(**chosen)
-    taken = [k for k in RECIPE if k not in flags]
+    taken = [f"{k}={chosen[k]!r}" for k in RECIPE if k not in flags]
+    taken += [f"{k}={value!r}" for k, value, given in beside if not given]
+    given = [f"{k}={chosen[k]!r}" for k in RECIPE if k in flags] + [f"{k}={v!r}" for k, v, g in beside if g]
     if taken:
-        logger.info("%s is a sentence-transformers folder; its recipe: %s%s", name,
-                    ", ".join(f"{k}={chosen[k]!r}" for k in taken),
-                    f" (given: {', '.join(f'{k}={chosen[k]!r}' for k in RECIPE if k in flags)})" if flags else "")
+        logger.info("%s is a sentence-transformers folder; its recipe: %s%s", name, ", ".join(taken),
+                    f" (given: {', '.join(given)})" if given else "")
     return config

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -37,7 +38,8 @@ from ..model.lora import apply_lora, has_adapters, train_adapters
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
-from .checkpoints import Checkpointer, check_start, finished_checkpoints
+from .config import recorded_settings, resolve_defaults
+from .checkpoints import Checkpointer, check_start, finished_checkpoints, left_at_start, resolve_checkpoint
 from .chunks import auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
@@ -76,11 +78,15 @@ class Trainer:
         seed_everything(config.run.seed)
         self.out = Path(config.run.output_dir)
         check_start(self.out, config.run.resume)  # before minutes of loading the model and parsing the data
+        recorded = recorded_settings(resolve_checkpoint(self.out, config.run.resume), self.out) \
+            if config.run.resume else None
+        self.hard_negatives_given = config.data.hard_negatives is not None
+        self.config = config = self.resolve(config, recorded[1] if recorded else None)
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         self.data, self.collator, self.loader = self.build_data()
-        if config.data.dev_file:  # parsed (and cached for evaluate) now, so a bad dev file is refused here
-            load_dev_data(config.data.dev_file, config.data.cache_dir)
+        # parsed now, so a bad dev file is refused here, and kept: each evaluation reuses it (loaded and logged once)
+        self.dev_data = load_dev_data(config.data.dev_file, config.data.cache_dir) if config.data.dev_file else None
         self.sampler = self.loader.batch_sampler
         self.sampler.data_fingerprints = from_rank0(lambda: [source_fingerprint(f) for f in config.data.train_files])
         self.steps_per_epoch = self.sampler.batches_per_epoch
@@ -106,10 +112,19 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
 
     # ----------------------------------------------------------------- building
+    def resolve(self, config: TrainConfig, recorded: Optional[dict]) -> TrainConfig:
+        """``config`` with its data-dependent default resolved (:func:`resolve_defaults`; ``recorded``: the
+        settings of the run being resumed), saying so when a default was taken."""
+        config, why = resolve_defaults(config, recorded)
+        if self.rank == 0 and not self.hard_negatives_given:
+            logger.info("--hard-negatives %d (%s)", config.data.hard_negatives, why)
+        return config
+
     def build_model(self) -> Retriever:
         """The retriever in training mode on this rank's device, with LoRA adapters (only they train in the
         transformers), gradient checkpointing or frozen position embeddings when asked."""
-        retriever = build_retriever(self.config.model).to(self.device)
+        beside = [("hard_negatives", self.config.data.hard_negatives, self.hard_negatives_given)]
+        retriever = build_retriever(self.config.model, beside).to(self.device)
         if self.config.model.lora is not None:
             apply_lora(retriever, self.config.model.lora)
         elif has_adapters(retriever):  # a saved LoRA retriever trains its adapter further, as with --lora-r
@@ -234,10 +249,13 @@ class Trainer:
     # ----------------------------------------------------------------- state
     def start_fresh(self) -> None:
         """A new run: refuse a folder that holds checkpoints or an earlier run's final/ or best/ (checked again: the
-        constructor checked before loading), and clear an old metrics file."""
+        constructor checked before loading), and clear an old metrics file and the starting model that a run
+        stopped before its first checkpoint left in best/."""
         check_start(self.out, None)
         if self.rank == 0:
             self.metrics_file.unlink(missing_ok=True)
+            if left_at_start(self.out):
+                shutil.rmtree(self.out / "best")
 
     def resume(self, checkpoint: str) -> None:
         """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
@@ -371,7 +389,7 @@ class Trainer:
         """Dev validation (DPR's in-batch loss and accuracy, and average rank) as ``dev_*`` metrics. A sharded model
         runs the same forwards on every rank (each all-gathers its blocks), so each rank evaluates the whole set."""
         config = self.config
-        metrics = evaluate_dev(self.retriever, config.data.dev_file, config.data.dev, config.data.cache_dir,
+        metrics = evaluate_dev(self.retriever, self.dev_data, config.data.dev, config.data.cache_dir,
                                split_over_ranks=not config.run.fsdp)
         logger.info("dev validation over %s and %s", counted(metrics.pop("questions"), "question"),
                     counted(metrics.pop("passages"), "passage"))
@@ -395,6 +413,9 @@ class Trainer:
             initial = {"step": 0, **self.evaluate()}
             self.checkpointer.log(self.metrics_file, initial)
             logger.info("dev before training: %s", {k: round(v, 4) for k, v in initial.items()})
+            self.retriever.training_info.update(dev_metrics={k: v for k, v in initial.items() if k != "step"},
+                                                dev_metrics_step=0)
+            self.checkpointer.update_best(0, self.export, initial)  # the baseline: a step must beat it
         self.board = tensorboard_writer(self.out) if self.rank == 0 else None
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
                         dynamic_ncols=True)
@@ -490,6 +511,7 @@ class Trainer:
                    "final_loss": self.last_loss, "seconds": seconds,
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
+                   "best_step": self.checkpointer.best_step,
                    "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
                    "metrics_file": str(self.metrics_file)}
         self.check_finite_weights()

@@ -10,7 +10,8 @@ The score matrix is computed in row blocks, so memory depends on these caps and 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import os
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -89,16 +90,20 @@ def gold_ranks(q: torch.Tensor, p: torch.Tensor, gold: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def evaluate_dev(retriever: Any, dev_file: str, limits: DevLimits, cache_dir: Optional[str],
+def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, cache_dir: Optional[str],
                  split_over_ranks: bool = True) -> dict:
     """In-batch loss and top-1 accuracy over the dev questions in batches of ``limits.batch_size`` (their gold
     passages as the candidates), and DPR's average rank of each gold passage in the bounded pool.
+
+    ``dev_file``: the ``--dev`` file, or its questions as :func:`load_dev_data` returned them (the trainer loads
+    them once: each load fingerprints the file again and logs its counts).
 
     Under ``torch.distributed`` each rank embeds and ranks its own share and the results are gathered, so every
     rank returns the same metrics for the work of one; ``split_over_ranks=False`` has every rank do all of it (an
     FSDP model, whose forwards are collective).
     """
-    questions, passages, gold = dev_pool(load_dev_data(dev_file, cache_dir), limits)
+    dataset = load_dev_data(dev_file, cache_dir) if isinstance(dev_file, (str, os.PathLike)) else dev_file
+    questions, passages, gold = dev_pool(dataset, limits)
     device = next(retriever.parameters()).device
     split = dist.is_initialized() and split_over_ranks
     rank, world = (dist.get_rank(), dist.get_world_size()) if split else (0, 1)

@@ -1,0 +1,237 @@
+"""Defaults a newcomer from DPR or sentence-transformers meets in ``dpr-gc train``: ``--hard-negatives`` follows the
+data (0 on BEIR folders, which have no negatives: in-batch negatives only, as MultipleNegativesRankingLoss; 1 on DPR
+files), the starting model's dev score is the baseline ``best/`` must beat, and the dev file's load is logged once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BertTokenizerFast
+
+from dpr_gc import cli
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.train.checkpoints import check_start
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.train.config import SETTINGS_FILE, DataConfig, config_from_args
+from dpr_gc.train.trainer import Trainer
+from tests.helpers import call, tiny_bert, write_vocab
+from tests.test_beir_positives import write_beir
+from tests.train_data import make_records, train_config, write_dpr
+
+FILLED = "are filled with the positive of a random other question"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A BEIR folder (12 queries, 16 qrels pairs, no negatives), a DPR file (2 hard negatives a question) and a
+    sentence-transformers folder (mean pooling, normalised: what the README's recipe fine-tunes)."""
+    d = tmp_path_factory.mktemp("defaults")
+    write_beir(d / "beir")
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(d / "vocab.txt")), do_lower_case=True)
+    config = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", query_max_length=16,
+                             passage_max_length=32)
+    Retriever(tiny_bert(len(tokenizer)), None, tokenizer, config).save(d / "st")
+    for name in ("retriever_config.json", "heads.safetensors"):
+        (d / "st" / name).unlink()
+    return {"dir": d, "beir": d / "beir", "dpr": write_dpr(d / "train.json", make_records(16, 0)), "st": d / "st"}
+
+
+def argv(task: dict, out: Path, *extra: object) -> list:
+    return ["train", "--train", task["beir"], "--model", task["st"], "--output", out, "--batch-size", "4",
+            "--num-workers", "0", "--query-chunk-size", "2", "--passage-chunk-size", "4", "--device", "cpu",
+            "--cache-dir", task["dir"] / "cache", "--save-every", "1", *extra]
+
+
+def recorded(out: Path) -> int:
+    return json.loads((out / SETTINGS_FILE).read_text())["data"]["hard_negatives"]
+
+
+# --------------------------------------------------------------------------------------------- --hard-negatives
+def test_hard_negatives_default_by_the_data_and_help_states_the_rule(task: dict, capsys, monkeypatch) -> None:
+    args = cli.build_parser().parse_args(["train", "--train", str(task["beir"]), "--output", "o"])
+    data = config_from_args(args).data
+    assert data.hard_negatives is None and DataConfig().hard_negatives is None  # not given: resolved by the data
+    assert (data.default_hard_negatives(), data.passages_per_query) == (0, 1)
+    both = DataConfig(train_files=[str(task["beir"]), str(task["dpr"])])
+    assert both.default_hard_negatives() == DataConfig(train_files=[str(task["dpr"])]).default_hard_negatives() == 1
+    assert DataConfig(train_files=[str(task["beir"])], hard_negatives=1).passages_per_query == 2  # given wins
+    monkeypatch.setenv("COLUMNS", "1000")  # no line breaks inside words
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("hard negatives per query (default: 0 when every --train source is a BEIR folder, which has none: "
+            "in-batch negatives only, as sentence-transformers' MultipleNegativesRankingLoss; else 1, the hard "
+            "negatives of DPR files; on --resume the recorded value)") in text
+
+
+def test_a_beir_folder_trains_on_in_batch_negatives_and_records_it(task: dict, tmp_path: Path, caplog) -> None:
+    """The README's sentence-transformers recipe (a BEIR folder, no --hard-negatives) in code: one passage per query
+    (no filled slot), recorded as 0 in train_config.json and the model card, and said in the log and the recipe's
+    line of what was taken."""
+    config = train_config(model=str(task["st"]), train_files=[str(task["beir"])], output_dir=str(tmp_path / "out"),
+                          batch_size=4, num_workers=0, max_steps=1, query_chunk_size=2, passage_chunk_size=4,
+                          cache_dir=str(task["dir"] / "cache"), device="cpu")
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        trainer = Trainer(config)
+        batch = next(iter(trainer.loader))
+        summary = trainer.fit()
+    assert trainer.passages_per_query == summary["passages_per_query"] == 1
+    assert len(batch["passage"]["input_ids"]) == len(batch["query"]["input_ids"]) == 4
+    assert recorded(tmp_path / "out") == 0
+    card = (tmp_path / "out" / "final" / "README.md").read_text()
+    assert "| hard negatives per query | 0 |" in card and "hard_negatives: 0" in card
+    assert FILLED not in caplog.text
+    assert "--hard-negatives 0 (not given: every --train source is a BEIR folder" in caplog.text
+    recipe = next(r.getMessage() for r in caplog.records if "is a sentence-transformers folder" in r.getMessage())
+    assert "hard_negatives=0" in recipe.split("(given:")[0], recipe
+
+
+def test_a_dpr_file_keeps_one_hard_negative(task: dict, tmp_path: Path, caplog) -> None:
+    config = train_config(model=str(task["st"]), train_files=[str(task["dpr"])], output_dir=str(tmp_path / "out"),
+                          batch_size=4, num_workers=0, query_chunk_size=2, passage_chunk_size=4,
+                          cache_dir=str(task["dir"] / "cache"), device="cpu")
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        trainer = Trainer(config)
+    assert (trainer.config.data.hard_negatives, trainer.passages_per_query) == (1, 2)
+    assert "--hard-negatives 1 (not given: DPR training files carry hard negatives" in caplog.text
+
+
+def test_an_explicit_value_fills_a_beir_folder_as_given(task: dict, tmp_path: Path, caplog) -> None:
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(cli.main, argv(task, out, "--hard-negatives", "1", "--max-steps", "1"))
+    assert code == 0, err
+    assert recorded(out) == 1 and FILLED in caplog.text and "--hard-negatives 1 (not given" not in caplog.text
+    recipe = next(r.getMessage() for r in caplog.records if "is a sentence-transformers folder" in r.getMessage())
+    assert "(given: hard_negatives=1)" in recipe, recipe
+
+
+def test_a_resumed_run_keeps_its_recorded_hard_negatives(task: dict, tmp_path: Path, caplog) -> None:
+    """A resume without the flag takes the recorded value: a BEIR run started with the default (0) goes on with 0;
+    one recorded with 1 (given, or the default of earlier versions) goes on with 1; another value given is
+    refused as any changed training signal."""
+    fresh, older = tmp_path / "fresh", tmp_path / "older"
+    assert call(cli.main, argv(task, fresh, "--max-steps", "1"))[0] == 0
+    assert call(cli.main, argv(task, older, "--max-steps", "1", "--hard-negatives", "1"))[0] == 0
+    assert (recorded(fresh), recorded(older)) == (0, 1)
+    code, err = call(cli.main, argv(task, fresh, "--max-steps", "2", "--resume", "latest", "--hard-negatives", "1"))
+    assert code == 2 and "--hard-negatives 0 -> 1" in err, err
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        for out in (fresh, older):
+            code, err = call(cli.main, argv(task, out, "--max-steps", "2", "--resume", "latest"))
+            assert code == 0, err
+    assert (recorded(fresh), recorded(older)) == (0, 1)
+    assert "--hard-negatives 1 (not given: the value the resumed run recorded)" in caplog.text
+    assert (older / "checkpoint-2").is_dir() and (fresh / "checkpoint-2").is_dir()
+
+
+# --------------------------------------------------------------------------------------------- best/
+def scripted_dev(monkeypatch: pytest.MonkeyPatch, scores: dict, seen: dict) -> None:
+    """Make every dev evaluation report ``scores[step]`` as its average rank (and keep the weights evaluated)."""
+    def evaluate(self: Trainer) -> dict:
+        seen[self.step] = {k: v.clone() for k, v in self.retriever.state_dict().items()}
+        return {"dev_loss": 1.0, "dev_accuracy": 0.5, "dev_avg_rank": scores[self.step]}
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+
+
+def dev_run(task: dict, out: Path, **kw: object) -> object:
+    return train_config(model=str(task["st"]), train_files=[str(task["dpr"])], dev_file=str(task["dpr"]),
+                        output_dir=str(out), batch_size=4, num_workers=0, query_chunk_size=2, passage_chunk_size=4,
+                        cache_dir=str(task["dir"] / "cache"), device="cpu", eval_every=1, **kw)
+
+
+def saved_weights(folder: Path) -> dict:
+    return Retriever.load(folder).state_dict()
+
+
+def test_the_starting_model_is_the_baseline_best_must_beat(task: dict, tmp_path: Path, monkeypatch, caplog,
+                                                            capsys) -> None:
+    """Dev scores 2.0 before training, then 3.0 and 2.5 (worse): no step is "new best", best/ holds the starting
+    model (written once, at step 0) and the summary says so."""
+    seen: dict = {}
+    scripted_dev(monkeypatch, {0: 2.0, 1: 3.0, 2: 2.5}, seen)
+    saves: list = []
+    real_save = Retriever.save
+    monkeypatch.setattr(Retriever, "save", lambda self, path: (saves.append(Path(path).name), real_save(self, path)))
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        summary = Trainer(dev_run(task, tmp_path / "out", max_steps=2)).fit()
+    assert "new best" not in caplog.text
+    assert (summary["best"], summary["best_step"]) == (2.0, 0) and saves.count("best") == 1
+    best = saved_weights(tmp_path / "out" / "best")
+    assert all(torch.equal(best[k], v) for k, v in seen[0].items())
+    assert not all(torch.equal(best[k], v) for k, v in seen[2].items())  # training did move the weights
+    assert "the starting model, no step beat it" in capsys.readouterr().out
+
+
+def test_a_step_that_beats_the_baseline_is_the_new_best(task: dict, tmp_path: Path, monkeypatch, capsys) -> None:
+    seen: dict = {}
+    scripted_dev(monkeypatch, {0: 2.0, 1: 1.5, 2: 1.8}, seen)
+    summary = Trainer(dev_run(task, tmp_path / "out", max_steps=2)).fit()
+    assert (summary["best"], summary["best_step"]) == (1.5, 1)
+    best = saved_weights(tmp_path / "out" / "best")
+    assert all(torch.equal(best[k], v) for k, v in seen[1].items())
+    printed = capsys.readouterr().out
+    assert "avg_rank 1.5000 (lower is better) in " in printed and "best (step 1) |" in printed, printed
+
+
+def test_resume_keeps_the_baseline(task: dict, tmp_path: Path, monkeypatch) -> None:
+    """Stopped after step 1 (worse than the start), resumed: step 2 (still worse) is no new best either."""
+    seen: dict = {}
+    scripted_dev(monkeypatch, {0: 2.0, 1: 3.0, 2: 2.5}, seen)
+    Trainer(dev_run(task, tmp_path / "out", max_steps=1, save_every=1)).fit()
+    summary = Trainer(dev_run(task, tmp_path / "out", max_steps=2, save_every=1, resume="latest")).fit()
+    best = saved_weights(tmp_path / "out" / "best")
+    assert all(torch.equal(best[k], v) for k, v in seen[0].items())
+    assert (summary["best"], summary.get("best_step")) == (2.0, 0)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_over(task: dict, tmp_path: Path, monkeypatch) -> None:
+    """best/ then holds only the starting model (written before training): the same command starts over, as the
+    interrupt's advice says; an earlier run's trained best/ is still refused."""
+    scripted_dev(monkeypatch, {0: 2.0, 1: 3.0, 2: 2.5}, {})
+    out = tmp_path / "out"
+    args = argv(task, out, "--train", task["dpr"], "--dev", task["dpr"], "--max-steps", "2")
+    args.remove("--save-every")
+    args.remove("1")
+    real_step = Trainer.train_step
+
+    def interrupted(self: Trainer, batch: dict) -> object:
+        if self.step == 1:
+            raise KeyboardInterrupt
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    code, err = call(cli.main, args)
+    assert code == 130 and "run the same command again to start over" in err, err
+    assert (out / "best").is_dir() and not (out / "final").exists()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    code, err = call(cli.main, args)
+    assert code == 0, err
+    left = tmp_path / "left"
+    shutil.copytree(out / "best", left / "best")  # a starting model's best/ alone: replaced by a new run
+    check_start(left, None)
+    card = left / "best" / "README.md"
+    card.write_text(card.read_text().replace("\n    steps: 0\n", "\n    steps: 2\n"))  # a trained one: kept
+    with pytest.raises(DprGcError, match=r"already holds the trained model of an earlier run \(best/\)"):
+        check_start(left, None)
+
+
+# --------------------------------------------------------------------------------------------- the dev file's log
+def test_the_dev_files_load_is_logged_once_per_run(task: dict, tmp_path: Path, caplog) -> None:
+    """Evaluated before training and after each of 2 steps, the dev file is loaded (and its counts logged) once."""
+    dev = write_dpr(tmp_path / "dev.json", make_records(8, 5))
+    config = train_config(model=str(task["st"]), train_files=[str(task["dpr"])], dev_file=str(dev),
+                          output_dir=str(tmp_path / "out"), batch_size=4, num_workers=0, query_chunk_size=2,
+                          passage_chunk_size=4, cache_dir=str(task["dir"] / "cache"), device="cpu", eval_every=1,
+                          max_steps=2)
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        Trainer(config).fit()
+    loads = [r for r in caplog.records if r.getMessage().startswith(f"{dev}: 8 records, 8 kept")]
+    evaluations = [r for r in caplog.records if r.getMessage().startswith("dev validation over 8 questions")]
+    assert (len(loads), len(evaluations)) == (1, 3), caplog.text
