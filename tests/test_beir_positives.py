@@ -4,7 +4,6 @@ draw; the log says how many pairs/queries an epoch uses and how many the last pa
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -15,26 +14,7 @@ import pytest
 import dpr_gc.data.training as D
 from dpr_gc.train.config import DataConfig
 from dpr_gc.train.trainer import Trainer
-from tests.train_data import train_config
-
-POSITIVES = {0: 3, 1: 2, 2: 2}  # queries with several positives; the other queries have one
-
-
-def write_beir(folder: Path, queries: int = 12) -> dict[str, set[str]]:
-    """A BEIR folder whose query i is judged relevant to POSITIVES.get(i, 1) passages; returns question -> texts."""
-    (folder / "qrels").mkdir(parents=True)
-    docs, qrels, pairs = [], ["query-id\tcorpus-id\tscore"], {}
-    for i in range(queries):
-        for j in range(POSITIVES.get(i, 1)):
-            docs.append({"_id": f"d{i}-{j}", "title": "", "text": f"city river {i} passage {j}"})
-            qrels.append(f"q{i}\td{i}-{j}\t1")
-            pairs.setdefault(f"which city {i}", set()).add(f"city river {i} passage {j}")
-    (folder / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": f"which city {i}"}) + "\n"
-                                                  for i in range(queries)))
-    (folder / "qrels" / "train.tsv").write_text("\n".join(qrels) + "\n")
-    return pairs
-
+from tests.train_data import train_config, write_beir
 
 def epoch_batches(loader, epoch: int) -> list[list[tuple[str, str]]]:
     loader.batch_sampler.set_epoch(epoch)

@@ -20,8 +20,7 @@ from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.train.config import SETTINGS_FILE, DataConfig, config_from_args
 from dpr_gc.train.trainer import Trainer
 from tests.helpers import call, tiny_bert, write_vocab
-from tests.test_beir_positives import write_beir
-from tests.train_data import make_records, train_config, write_dpr
+from tests.train_data import make_records, train_config, write_beir, write_dpr
 
 FILLED = "are filled with the positive of a random other question"
 

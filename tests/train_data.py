@@ -82,3 +82,22 @@ def task_config(task: dict, out: Path, **kw) -> TrainConfig:
 def model_params(model_dir: Path) -> dict:
     """A saved retriever's weights by name."""
     return {k: v.clone() for k, v in Retriever.load(model_dir).state_dict().items()}
+
+
+POSITIVES = {0: 3, 1: 2, 2: 2}  # queries with several positives; the other queries have one
+
+
+def write_beir(folder: Path, queries: int = 12) -> dict[str, set[str]]:
+    """A BEIR folder whose query i is judged relevant to POSITIVES.get(i, 1) passages; returns question -> texts."""
+    (folder / "qrels").mkdir(parents=True)
+    docs, qrels, pairs = [], ["query-id\tcorpus-id\tscore"], {}
+    for i in range(queries):
+        for j in range(POSITIVES.get(i, 1)):
+            docs.append({"_id": f"d{i}-{j}", "title": "", "text": f"city river {i} passage {j}"})
+            qrels.append(f"q{i}\td{i}-{j}\t1")
+            pairs.setdefault(f"which city {i}", set()).add(f"city river {i} passage {j}")
+    (folder / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": f"which city {i}"}) + "\n"
+                                                  for i in range(queries)))
+    (folder / "qrels" / "train.tsv").write_text("\n".join(qrels) + "\n")
+    return pairs
