@@ -221,6 +221,35 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over(task: dict, tmp_p
         check_start(left, None)
 
 
+def test_a_run_stopped_with_a_trained_best_before_its_first_checkpoint_says_what_to_do(task: dict, tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """Stopped after a step beat the starting model (best/ holds it) but before any checkpoint: the same command
+    would be refused (a trained best/), so the advice names best/ and says to move or delete it; doing so, the same
+    command starts over and finishes."""
+    scripted_dev(monkeypatch, {0: 3.0, 1: 2.0, 2: 2.5, 3: 2.4}, {})
+    out = tmp_path / "out"
+    args = argv(task, out, "--train", task["dpr"], "--dev", task["dpr"], "--max-steps", "3", "--eval-every", "1")
+    args.remove("--save-every")
+    args.remove("1")
+    real_step = Trainer.train_step
+
+    def interrupted(self: Trainer, batch: dict) -> object:
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    code, err = call(cli.main, args)
+    last = err.strip().splitlines()[-1]
+    assert code == 130 and last == (f"interrupted: no checkpoint was saved yet and {out / 'best'} holds the best "
+                                    "model so far (step 1); move or delete it, then run the same command again to "
+                                    "start over"), err
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    shutil.rmtree(out / "best")
+    code, err = call(cli.main, args)
+    assert code == 0, err
+
+
 # --------------------------------------------------------------------------------------------- the dev file's log
 def test_the_dev_files_load_is_logged_once_per_run(task: dict, tmp_path: Path, caplog) -> None:
     """Evaluated before training and after each of 2 steps, the dev file is loaded (and its counts logged) once."""

@@ -34,6 +34,7 @@ from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
 from ..engine.chunking import Chunking
 from ..engine.grad_cache import GradCache
+from ..model.card import card_training
 from ..model.lora import apply_lora, has_adapters, train_adapters
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
@@ -560,7 +561,12 @@ def resume_advice(config: TrainConfig) -> str:
     """What to run after an interrupt: a fresh run refuses a folder with checkpoints, so say ``--resume latest``."""
     if config.run.resume:
         return "finished work is kept; run the same command again to resume"
-    done = finished_checkpoints(Path(config.run.output_dir))
+    out = Path(config.run.output_dir)
+    done = finished_checkpoints(out)
+    if not done and (out / "best").is_dir() and not left_at_start(out):  # a fresh run refuses a trained best/
+        step = card_training(out / "best").get("steps")
+        return (f"no checkpoint was saved yet and {out / 'best'} holds the best model so far (step {step}); move or "
+                "delete it, then run the same command again to start over")
     if not done:
         return "no checkpoint was saved yet; run the same command again to start over"
     return f"{done[-1].name} is kept; add --resume latest to the same command to continue from it"
