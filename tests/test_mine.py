@@ -643,6 +643,7 @@ def test_a_bm25_folder_holding_other_files_is_refused(world, tmp_path):
     (folder / ".bm25_meta.json.x1y2.tmp").write_text("{")  # what a kill while writing the metadata leaves
     cli(*argv)
     assert (folder / "bm25_meta.json").is_file() and (tmp_path / "o.json").is_file()
+    assert not (folder / ".bm25_meta.json.x1y2.tmp").exists()  # deleted under the folder's lock
     (folder / "notes.txt").write_text("mine")
     cli(*argv[:-1], tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text() == (tmp_path / "o.json").read_text()

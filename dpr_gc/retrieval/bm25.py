@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from ..base.errors import DprGcError
 from ..base.logs import counted
-from ..base.files import PathLike, read_json_object, write_json
+from ..base.files import PathLike, read_json_object, remove_stale_temporaries, write_json
 from ..base.locks import wait_lock
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,8 @@ BM25_BLOCK = 50_000
 BM25_META = "bm25_meta.json"
 BM25_TOKENIZER = "bm25s Tokenizer: lowercase, regex (?u)\\b\\w\\w+\\b, English stopwords, no stemming"
 # What a BM25 index folder holds: bm25s's score matrix (CSC arrays), vocabulary and parameters, the tokenizer's
-# vocabulary, and the metadata written last (plus, after a kill, the metadata's hidden temporary ``.NAME.*.tmp``).
+# vocabulary, and the metadata written last (plus, after a kill, the metadata's hidden temporary ``.NAME.*.tmp``, which
+# the next run deletes under the folder's lock).
 BM25_FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy", "nonoccurrence_array.index.npy",
               "vocab.index.json", "params.index.json", "vocab.tokenizer.json", BM25_META)
 Gold = tuple[Optional[int], str, str]  # (corpus row if known, title, text)
@@ -109,6 +110,7 @@ class BM25Source:
         # One process at a time loads or builds the folder: two mining runs sharing it would otherwise write each
         # other's files in turn, and a later load could pair one corpus's vocabulary with another's matrix.
         with wait_lock(folder.with_name(f".{folder.name}.lock")):
+            remove_stale_temporaries(folder, [BM25_META])  # a killed run's, the lock being ours
             if bm25_index_exists(folder):
                 self._check_saved(folder)
                 self._load(folder, bm25s, len(corpus))
