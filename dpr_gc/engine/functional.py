@@ -28,7 +28,7 @@ def cached(func: Callable[..., Any]) -> Callable[..., tuple[Any, ...]]:
     run (CPU and the CUDA devices of every tensor argument, and of every parameter and buffer of a model passed in,
     positionally or by keyword; other devices are refused) and backpropagates ``leaf.grad`` into the parameters.
 
-    The original's ``grad_cache.functional.cached`` (luyug/GradCache, Gao et al. 2021), same call and results.
+    The original's ``grad_cache.functional.cached`` (luyug/GradCache, Gao et al. 2021), called the same way.
 
     Args:
         func: the model call, ``func(*args, **kwargs)`` returning a representation tensor ``[rows, ...]`` or, as
