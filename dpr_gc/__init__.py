@@ -1,12 +1,12 @@
 """dpr-gc: dense passage retrieval with Gradient Cache.
 
-The public API, importable from here::
+The public API, importable from here:
 
-    from dpr_gc import GradCache, Chunking, SimpleContrastiveLoss, DistributedContrastiveLoss   # the drop-in
-    from dpr_gc import Retriever, RetrieverConfig                                      # the model
-    from dpr_gc import Trainer, TrainConfig            # training: Trainer(TrainConfig(...)).fit()
-    from dpr_gc import verify                          # verify(config) -> report: the cached step vs the full batch
-    from dpr_gc import encode_corpus, build_index, retrieve, evaluate, mine_hard_negatives   # the stages
+>>> from dpr_gc import GradCache, Chunking, SimpleContrastiveLoss, DistributedContrastiveLoss  # the drop-in
+>>> from dpr_gc import Retriever, RetrieverConfig  # the model
+>>> from dpr_gc import Trainer, TrainConfig  # training: Trainer(TrainConfig(...)).fit()
+>>> from dpr_gc import verify  # verify(config) -> report: the cached step vs the full batch
+>>> from dpr_gc import encode_corpus, build_index, retrieve, evaluate, mine_hard_negatives  # the stages
 
 Each name is imported on first use (module ``__getattr__``), so ``import dpr_gc`` loads neither torch nor any
 sub-package, and a command that needs no model (``dpr-gc evaluate``) does not pay for one. ``dpr_gc.train`` is the

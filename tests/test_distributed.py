@@ -61,6 +61,7 @@ def worker(rank: int, tmp: str, shared: bool, learn_t: bool) -> None:
         check_functional_decorators(models, q_local, p_local)
         if not learn_t:
             assert rel_err(grads(towers), expected) < 1e-5
+        check_gather_axis(rank)
         dist.barrier()
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
@@ -114,6 +115,16 @@ def check_functional_decorators(models: list, q_local: dict, p_local: dict) -> N
         for i, (rep, closure) in enumerate(entries):
             with model.no_sync() if i < len(entries) - 1 else torch.enable_grad():
                 closure(rep)
+
+
+def check_gather_axis(rank: int) -> None:
+    """``gather_input_tensor(func, axis=1)``, the original's argument: the ranks' tensors side by side along axis 1,
+    in rank order, and each rank's part gets the gradient of every rank's (here equal) loss."""
+    x = torch.full((2, 1), float(rank), requires_grad=True)
+    gathered = gather_input_tensor(lambda t: t, axis=1)(x)
+    assert gathered.tolist() == [[0.0, 1.0], [0.0, 1.0]]
+    (gathered * torch.tensor([[1.0, 2.0]])).sum().backward()
+    assert x.grad.tolist() == [[WORLD * (rank + 1.0)]] * 2
 
 
 @pytest.mark.parametrize("shared,learn_t", [(True, True), (False, False)])

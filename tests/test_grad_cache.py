@@ -231,6 +231,40 @@ def test_cached_refuses_a_model_it_cannot_replay_by_keyword_too_and_needs_the_ba
         closure(rep)
 
 
+def test_cached_takes_a_model_call_returning_several_representations():
+    """``cached`` as the original: a call returning a tuple gives ``(*leaves, closure)``, the closure takes the tuple
+    of leaves (a leaf the loss did not use adds nothing), and the gradient is the whole batch's; a call returning
+    something else is refused."""
+    torch.manual_seed(0)
+    tower = torch.nn.Linear(8, 4)
+    head = torch.nn.Linear(4, 4)
+
+    @cached
+    def encode(x):
+        rep = tower(x)
+        return rep, head(rep), head(rep) * 0  # the last one is left out of the loss
+
+    def loss(a, b):
+        return SimpleContrastiveLoss()(a, b)
+
+    x = torch.randn(6, 8)
+    loss(*encode.__wrapped__(x)[:2]).backward()
+    expected = [p.grad.clone() for p in (*tower.parameters(), *head.parameters())]
+    tower.zero_grad()
+    head.zero_grad()
+    chunks = [encode(c) for c in x.split(2)]
+    assert all(len(entry) == 4 for entry in chunks)
+    cat_input_tensor(loss)([c[0] for c in chunks], [c[1] for c in chunks]).backward()
+    for *leaves, closure in chunks:
+        closure(tuple(leaves))
+    got = [p.grad for p in (*tower.parameters(), *head.parameters())]
+    assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(got, expected))
+    with pytest.raises(DprGcError, match="3 cached representation"):
+        chunks[0][-1](chunks[0][0])
+    with pytest.raises(DprGcError, match="must return a tensor or a tuple of tensors, got dict"):
+        cached(lambda x: {"rep": x})(x)
+
+
 def test_clear_errors(make_retriever):
     retriever = make_retriever()
     modules = models_of(retriever)

@@ -62,3 +62,18 @@ def test_embed_runs_in_eval_mode_and_leaves_the_mode_as_it_was(make_retriever):
     retriever.eval()
     retriever.embed("query", texts)
     assert not retriever.training
+
+
+def test_embed_and_forward_take_query_or_passage_and_one_title_per_text(make_retriever):
+    """``Retriever.embed``'s and ``forward``'s ``kind`` is "query" or "passage": another ("queries", "doc") is
+    refused instead of silently running the passage tower; ``titles`` gives one title per text."""
+    retriever = make_retriever(shared=False)
+    for kind in ("queries", "doc"):
+        with pytest.raises(DprGcError, match=f"unknown text kind '{kind}'"):
+            retriever.embed(kind, ["the city of paris"])
+        with pytest.raises(DprGcError, match=f"unknown text kind '{kind}'"):
+            retriever(kind, **retriever.tokenize_queries(["the city of paris"]))
+    with pytest.raises(DprGcError, match="1 titles for 2 passage texts"):
+        retriever.embed("passage", ["the city of paris", "a river"], titles=["paris"])
+    with pytest.raises(DprGcError, match="3 titles for 2 passage texts"):
+        retriever.embed("passage", ["the city of paris", "a river"], titles=["paris", "river", "extra"])

@@ -167,6 +167,9 @@ def corpus_cache_path(path: PathLike, cache_dir: Optional[PathLike] = None,
 def load_corpus(path: PathLike, cache_dir: Optional[PathLike] = None) -> Any:
     """Return the corpus as a memory-mapped ``datasets.Dataset`` (columns id, title, text), parsing it once.
 
+    ``path``: a DPR passages TSV (``psgs_w100.tsv``), a BEIR ``corpus.jsonl`` or an ``id/text/title`` JSONL; the
+    Arrow file is kept in ``cache_dir`` (default: ``$DPR_GC_CACHE/corpora``, else ``~/.cache/dpr_gc/corpora``).
+
     The source's content fingerprint is part of the cache key and stored in the Arrow schema metadata
     (``dpr_gc_fingerprint``), so an edited file is parsed again even if its size and mtime were restored.
     """

@@ -46,8 +46,9 @@ def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
 
 
 def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
-    """All judgments of a qrels file as ``{query id: {passage id: relevance}}``; a bad line, a judgment given twice
-    with different relevance, or an empty file is an error naming the file (and line)."""
+    """All judgments of a qrels file (BEIR's ``qrels/*.tsv`` or TREC's, see above) as ``{query id: {passage id:
+    relevance}}``; a bad line, a judgment given twice with different relevance, or an empty file is an error naming
+    the file (and line)."""
     qrels: dict[str, dict[str, int]] = {}
     for line_no, judgment in iter_qrels(path):
         if isinstance(judgment, str):

@@ -356,7 +356,9 @@ def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Opti
 
 def load_training_data(sources: Sequence[PathLike], cache_dir: Optional[PathLike] = None, skip_bad: bool = False,
                        beir_split: str = "train") -> TrainingData:
-    """Load several sources in order: a folder is read as BEIR, a file as DPR training data."""
+    """Load several sources in order: a folder is read as BEIR, a file as DPR training data (DPR's
+    ``biencoder-*.json``, JSON or JSONL). Returns a :class:`TrainingData` (the questions of all sources in one
+    memory-mapped dataset, and per-source sizes and statistics)."""
     if not sources:
         raise DprGcError("no training data given (pass DPR files or BEIR folders)")
     return combine([load_beir_training(s, beir_split, cache_dir, skip_bad) if Path(s).is_dir()

@@ -237,20 +237,26 @@ class _Plan:
 class GradCache:
     """Run one contrastive training step over a large batch, ``chunk_sizes`` rows of each model input at a time.
 
-    Drop-in for the original ``GradCache`` class: ``models`` may hold the same module twice (tied encoders) or
-    different ones; ``chunk_sizes`` is one int or one per model; ``loss_fn(*reps, **loss_kwargs)`` returns a scalar
-    (``gc(q, p, target=t)`` passes ``target`` on). The optimizer step stays with the caller. A model without
-    trainable parameters (a frozen tower) runs once per chunk without a graph and is not replayed; a
-    representation the loss does not use is not replayed either. Running buffers (BatchNorm statistics) are updated
-    once per example: by the first pass, and put back after the replay.
+    The gradient is that of the loss over the whole batch, in the memory of one chunk: every chunk is encoded
+    without a graph, the loss's gradient with respect to all representations is cached, and each chunk is encoded
+    again with a graph to push its share of that gradient into the model. The optimizer step stays with the caller.
+    A model without trainable parameters (a frozen tower) runs once per chunk without a graph and is not replayed;
+    a representation the loss does not use is not replayed either. Running buffers (BatchNorm statistics) are
+    updated once per example: by the first pass, and put back after the replay.
 
     Args:
+        models: one module per model input, e.g. ``[encoder, encoder]`` (tied towers) or ``[query_encoder,
+            passage_encoder]``.
+        chunk_sizes: rows per chunk, one int for all models or one per model.
+        loss_fn: ``loss_fn(*reps, **loss_kwargs)``, one representation per model, returning a scalar tensor (e.g.
+            :class:`~dpr_gc.engine.loss.SimpleContrastiveLoss`).
         split_input_fn: ``f(model_input, chunk_size) -> list`` for inputs other than tensors, lists/tuples of
             tensors, dicts and BatchEncodings; the rows of each chunk are then counted on its representation.
         get_rep_fn: ``f(model_output) -> Tensor`` when the model does not return the representation itself. It may
             return token-level states ``[rows, seq, ...]``: trimmed chunks are then padded back with zeros at the
             cut (padding) positions, which receive no gradient; the loss must mask padding, as it would anyway.
-        fp16: fp16 autocast with ``scaler`` (a ``torch.amp.GradScaler``) scaling the loss.
+        fp16: fp16 autocast with ``scaler`` (a ``torch.amp.GradScaler``, required) scaling the loss.
+        scaler: the ``GradScaler`` of ``fp16``; the caller steps it (``scaler.step(optimizer)``, ``update()``).
         bf16: bf16 autocast, no scaler.
         memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
             first-pass graphs to keep: a chunk whose measured graph fits what is left keeps it and is not run again
@@ -271,6 +277,34 @@ class GradCache:
             last chunk is still replayed: its backward carries the gradient sync, after every kept graph's.
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
             trim padding, keep the last graph, size chunks by tokens).
+
+    Inputs, ``gc(*model_inputs, no_sync_except_last=False, **loss_kwargs)`` (:meth:`cache_step`):
+        one input per model, each a tensor, a list/tuple of tensors, a dict or ``BatchEncoding`` (rows on dim 0),
+        or anything ``split_input_fn`` splits; ``loss_kwargs`` (``target``, ``passage_ids``, ...) go to
+        ``loss_fn``.
+
+    Returns:
+        The loss, detached; the parameter gradients are accumulated into their ``.grad``.
+
+    References:
+        Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"; a drop-in for
+        the ``GradCache`` class of their package, luyug/GradCache (same seven arguments, same call).
+        sentence-transformers' ``CachedMultipleNegativesRankingLoss`` is this step with
+        :class:`~dpr_gc.engine.loss.SimpleContrastiveLoss`.
+
+    Example:
+        >>> import torch
+        >>> from dpr_gc import GradCache, SimpleContrastiveLoss
+        >>> encoder = torch.nn.Linear(8, 4)                           # one tower for queries and passages
+        >>> queries, passages = torch.randn(6, 8), torch.randn(12, 8)  # a positive and a hard negative per query
+        >>> loss_fn = SimpleContrastiveLoss(n_hard_negatives=1)
+        >>> gc = GradCache([encoder, encoder], chunk_sizes=2, loss_fn=loss_fn)
+        >>> loss = gc(queries, passages)                              # gradients are now in encoder.weight.grad
+        >>> cached = encoder.weight.grad.clone()
+        >>> encoder.zero_grad()
+        >>> loss_fn(encoder(queries), encoder(passages)).backward()   # the whole batch in one graph
+        >>> torch.allclose(cached, encoder.weight.grad, atol=1e-6)
+        True
     """
 
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: Union[int, Sequence[int]],

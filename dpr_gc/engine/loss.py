@@ -183,6 +183,27 @@ class Temperature(nn.Module):
     more than once (a model applying it in every forward, once per Gradient Cache chunk) would get a gradient that
     depends on how the batch was split. Inside the range, the bounds included, the gradient is the plain one, exact
     however the batch is split: :meth:`keep_in_range_` before each step (as the trainer does) keeps it there.
+
+    Args:
+        value: the starting temperature, within ``TEMPERATURE_RANGE`` (else a :class:`DprGcError`).
+        learnable: make it a parameter (``log_value``, on the log scale as CLIP's, Radford et al. 2021).
+
+    Returns:
+        ``tau()``: the temperature, a 0-dim fp32 tensor (differentiable when learnable).
+
+    Example:
+        >>> import torch
+        >>> from dpr_gc.engine.loss import Temperature
+        >>> tau = Temperature(0.05, learnable=True)
+        >>> round(tau().item(), 4)
+        0.05
+        >>> with torch.no_grad():              # as if an optimizer step took it past the upper bound, 10
+        ...     _ = tau.log_value.fill_(5.0)
+        >>> round(tau().item(), 4)             # every use is clamped
+        10.0
+        >>> tau.keep_in_range_()               # and this puts the parameter back on the bound
+        >>> round(tau.log_value.exp().item(), 4)
+        10.0
     """
 
     def __init__(self, value: float, learnable: bool = False) -> None:
@@ -208,7 +229,10 @@ class Temperature(nn.Module):
 
 
 class SimpleContrastiveLoss(nn.Module):
-    """In-batch-negative InfoNCE loss, drop-in for GradCache's ``SimpleContrastiveLoss``.
+    """In-batch-negative InfoNCE loss (DPR's), a drop-in for GradCache's ``SimpleContrastiveLoss``.
+
+    Every query is scored against every passage of the batch, so the other queries' positives and everyone's hard
+    negatives are its negatives; its loss is the cross-entropy of its positive among them.
 
     Args:
         n_hard_negatives: passages per query beyond the positive (``y`` has B·(1+n) rows).
@@ -220,20 +244,48 @@ class SimpleContrastiveLoss(nn.Module):
         loss_chunk_size: rows per block of the score matrix; ``None`` picks a block of about 1M scores (4 MB);
             ``0`` computes the dense matrix with plain autograd (the reference path); negative values are refused.
 
-    ``forward(x, y, target=None, reduction="mean", passage_ids=None, positive_ids=None)`` as in the original:
-    ``target`` holds, per query, the index of its positive among the rows of ``y`` (then ``y`` may have any number of
-    rows); ``reduction`` is ``"mean"``, ``"sum"`` or ``"none"`` (one loss per query) on every path.
+    Inputs, ``forward(x, y, target=None, reduction="mean", passage_ids=None, positive_ids=None)`` as in the original:
+        ``x`` ``[B, D]`` query and ``y`` ``[N, D]`` passage representations, any float dtype; ``y`` is grouped per
+        query with the positive first (``N = B·(1+n)``), unless ``target`` (integer ``[B]``) gives, per query, the
+        row of ``y`` holding its positive (then ``N`` is free). ``reduction`` is ``"mean"``, ``"sum"`` or
+        ``"none"`` on every path.
+
+    Returns:
+        The loss in fp32 whatever the inputs' dtype and any outer autocast: a scalar, or ``[B]`` with
+        ``reduction="none"``.
+
+    References:
+        Karpukhin et al. 2020, "Dense Passage Retrieval for Open-Domain Question Answering" (in-batch negatives);
+        Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup", whose package
+        (luyug/GradCache) has the ``SimpleContrastiveLoss`` this replaces. With ``similarity="cos"`` and
+        ``temperature=1/scale`` it is sentence-transformers' ``MultipleNegativesRankingLoss(model, scale)``, and
+        with ``symmetric=True`` the same with ``directions=("query_to_doc", "doc_to_query"),
+        partition_mode="per_direction"``; their ``CachedMultipleNegativesRankingLoss`` is
+        ``GradCache(models, chunk_sizes, SimpleContrastiveLoss(...))`` here.
 
     Duplicate positives: when two queries of a batch share a positive passage, or one passage appears twice, a
     query would see a copy of its own positive as a negative. ``passage_ids`` (int64, one per row of ``y``, equal
     for the same passage, ``-1`` when unknown) drops, for every query, each other row holding the passage of its
     positive; ``positive_ids`` (int64 ``[B, K]``, ``-1`` padding) adds all the passages a query counts as positive.
-    :attr:`masked_scores` then says how many scores the last call dropped (this rank's queries)::
+    :attr:`masked_scores` then says how many scores the last call dropped (this rank's queries);
+    ``GradCache(...)(q, p, passage_ids=ids)`` passes them on.
 
-        loss_fn = SimpleContrastiveLoss(n_hard_negatives=0)
-        x, y = torch.randn(2, 8), torch.randn(2, 8)
-        loss_fn(x, y, passage_ids=torch.tensor([7, 7]))  # both positives are passage 7: loss 0, 2 scores dropped
-        GradCache([enc, enc], 8, loss_fn)(q, p, passage_ids=ids)  # the same through Gradient Cache
+    Example:
+        >>> import torch
+        >>> from dpr_gc import SimpleContrastiveLoss
+        >>> loss_fn = SimpleContrastiveLoss(n_hard_negatives=1, temperature=0.05, similarity="cos")
+        >>> queries = torch.randn(4, 8, requires_grad=True)
+        >>> passages = torch.randn(8, 8)          # per query: its positive, then its hard negative
+        >>> loss = loss_fn(queries, passages)
+        >>> loss.shape, loss.dtype
+        (torch.Size([]), torch.float32)
+        >>> loss.backward()
+        >>> loss_fn(queries, passages, reduction="none").shape
+        torch.Size([4])
+        >>> x, y = torch.randn(2, 8), torch.randn(2, 8)
+        >>> dedup = SimpleContrastiveLoss()
+        >>> float(dedup(x, y, passage_ids=torch.tensor([7, 7]))), dedup.masked_scores  # both positives: passage 7
+        (0.0, 2)
     """
 
     def __init__(self, n_hard_negatives: int = 0, temperature: float = 1.0, learn_temperature: bool = False,
@@ -403,8 +455,34 @@ class DistributedContrastiveLoss(SimpleContrastiveLoss):
     rank's representations, so after DDP averages the parameter gradients over the W ranks every rank holds exactly
     the gradient of the global-batch mean loss (W·B queries) -- no world-size factor is needed anywhere. This holds
     when every rank has the same local batch size, which the gather requires. A learnable temperature is local to
-    this module: :class:`~dpr_gc.GradCache` averages its gradient over ranks. As in the original package, a
-    ``target`` holds one index per query of the GLOBAL batch (rank order) into the gathered passages.
+    this module: :class:`~dpr_gc.GradCache` averages its gradient over ranks.
+
+    Args:
+        n_hard_negatives: and every other argument as in :class:`SimpleContrastiveLoss`.
+
+    Inputs, ``forward(x, y, target=None, reduction="mean", passage_ids=None, positive_ids=None)``:
+        this rank's ``x`` ``[B, D]`` and ``y`` ``[N, D]``, laid out as for :class:`SimpleContrastiveLoss`, with
+        the same ``B`` and ``N`` on every rank. As in the original package, ``target`` holds one index per query of
+        the GLOBAL batch (``[W·B]``, rank order) into the gathered passages.
+
+    Returns:
+        The fp32 loss of this rank's queries against the passages of all ranks (``[B]`` with ``reduction="none"``).
+
+    References:
+        ``DistributedContrastiveLoss`` of luyug/GradCache (Gao et al. 2021), which this replaces.
+
+    Example (one process here; under ``torchrun`` every rank runs the same lines on its own batch):
+        >>> import tempfile
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from dpr_gc import DistributedContrastiveLoss, SimpleContrastiveLoss
+        >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous", rank=0,
+        ...                         world_size=1)
+        >>> x, y = torch.randn(4, 8), torch.randn(8, 8)
+        >>> loss = DistributedContrastiveLoss(n_hard_negatives=1)(x, y)
+        >>> torch.allclose(loss, SimpleContrastiveLoss(n_hard_negatives=1)(x, y))  # one rank: the plain loss
+        True
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, n_hard_negatives: int = 0, **kwargs) -> None:

@@ -262,7 +262,8 @@ def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], s
 
 def evaluate_answers(results: Iterable[dict[str, Any]], ks: Iterable[int], mode: Optional[str] = "string",
                      source: str = "results", workers: int = 1) -> dict[str, float]:
-    """Top-k answer accuracy over DPR results (any iterable, read once), as ``{"Accuracy@k": value}``.
+    """Top-k answer accuracy over DPR results (any iterable, read once), as ``{"Accuracy@k": value}``: the share
+    of questions with an answer-bearing passage in their top k, DPR's retrieval metric (Karpukhin et al. 2020).
 
     With ``mode`` ("string"/"regex") ``has_answer`` is recomputed from each passage's text (``workers`` processes
     tokenise new passages); with ``mode=None`` the stored ``has_answer`` fields are used; ``auto`` picks the stored

@@ -193,6 +193,36 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
     replays one chunk at a time and accumulates its VJP with the cached gradient (fp32 accumulator, returned in the
     parameters' dtypes). Memory is that of one chunk plus the representations. With ``axis_name`` it runs per device
     inside ``shard_map`` and averages loss and gradients over that axis (the rule is in :mod:`.parallel`).
+
+    Args:
+        encoders: one ``f(params, batch, key) -> reps [rows, D]`` per batch (e.g. :func:`encoder_fn`).
+        loss_fn: ``loss_fn(loss_params, *reps) -> scalar`` (e.g. :class:`ContrastiveLoss`).
+        chunk_sizes: rows per chunk, one int or one per encoder.
+        axis_name: the ``shard_map`` axis to average over (None: one device).
+
+    Returns:
+        ``f(params, loss_params, batches, key) -> (loss, (grads, loss_grads))``: ``batches`` holds one pytree per
+        encoder (rows on the leading axis), ``key`` a PRNG key; jit-compatible.
+
+    References:
+        Gao et al. 2021; the two passes of luyug/GradCache's JAX ``cachex`` (:func:`chunk_encode`, :func:`cache_grad`)
+        as one step.
+
+    Example (a linear encoder shared by queries and passages; the whole batch's gradient, chunk by chunk):
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from dpr_gc.jax import ContrastiveLoss, cached_value_and_grad
+        >>> def encode(params, batch, key):                  # an Encoder's encoder_fn(model) has this signature
+        ...     return batch @ params["w"]
+        >>> params = {"w": jax.random.normal(jax.random.key(0), (8, 4))}
+        >>> queries = jax.random.normal(jax.random.key(1), (6, 8))
+        >>> passages = jax.random.normal(jax.random.key(2), (12, 8))  # a positive and a hard negative per query
+        >>> loss = ContrastiveLoss(n_hard_negatives=1, learn_temperature=True)
+        >>> step = jax.jit(cached_value_and_grad([encode, encode], loss, chunk_sizes=2))
+        >>> value, (grads, loss_grads) = step(params, loss.init(), [queries, passages], jax.random.key(3))
+        >>> full = jax.grad(lambda p: loss(loss.init(), encode(p, queries, None), encode(p, passages, None)))(params)
+        >>> bool(jnp.allclose(grads["w"], full["w"], atol=1e-6)), sorted(loss_grads)
+        (True, ['log_temperature'])
     """
     sizes = _as_sizes(chunk_sizes, len(encoders))
 

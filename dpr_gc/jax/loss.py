@@ -85,6 +85,29 @@ class ContrastiveLoss:
     rows per block (``None``: about 1M scores; ``0``: dense). With ``axis_name`` (inside ``shard_map``/``pmap``) the
     representations of all devices are all-gathered so every local query is scored against the global batch;
     the loss is the mean over this device's queries (see :mod:`dpr_gc.jax.parallel` for the gradient rule).
+
+    Inputs: ``queries`` ``[B, D]`` and ``passages`` ``[B·(1+n), D]`` (grouped per query, positive first), any float
+    dtype. Returns a 0-dim fp32 array, differentiable in ``loss_params`` and both inputs.
+
+    References: Gao et al. 2021 (Gradient Cache; luyug/GradCache's JAX ``cachex`` has no loss class, this is the
+    torch package's loss in JAX); Karpukhin et al. 2020 (DPR's in-batch negatives).
+
+    Example (the same number as the torch loss):
+        >>> import jax
+        >>> import numpy as np
+        >>> import torch
+        >>> from dpr_gc import SimpleContrastiveLoss
+        >>> from dpr_gc.jax import ContrastiveLoss
+        >>> loss = ContrastiveLoss(n_hard_negatives=1, temperature=0.05, learn_temperature=True, similarity="cos")
+        >>> queries = jax.random.normal(jax.random.key(0), (4, 8))
+        >>> passages = jax.random.normal(jax.random.key(1), (8, 8))   # per query: its positive, a hard negative
+        >>> value, grads = jax.value_and_grad(loss)(loss.init(), queries, passages)
+        >>> value.shape, value.dtype, sorted(grads)
+        ((), dtype('float32'), ['log_temperature'])
+        >>> twin = SimpleContrastiveLoss(1, temperature=0.05, similarity="cos")
+        >>> expected = twin(torch.tensor(np.asarray(queries)), torch.tensor(np.asarray(passages)))
+        >>> bool(np.isclose(value, expected.item(), rtol=1e-5))
+        True
     """
 
     n_hard_negatives: int = 0

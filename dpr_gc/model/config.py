@@ -24,7 +24,8 @@ class RetrieverConfig:
     ``passage_format="pair"`` encodes ``[CLS] title [SEP] text [SEP]`` (``[CLS] text [SEP]`` for an untitled
     passage, decided per passage) as DPR does; ``"concat"`` encodes
     ``title + " " + text`` as BEIR / sentence-transformers do. A learnable temperature lives in the model (so DDP
-    averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``.
+    averages its gradient like any weight) and is clamped to ``TEMPERATURE_RANGE``. Each field's help below says
+    what it means (``dpr-gc train --help`` shows those that are flags); bad values are refused when it is built.
     """
 
     pooling: str = setting("cls", "--pooling", choices=POOLINGS,

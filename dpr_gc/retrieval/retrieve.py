@@ -210,7 +210,9 @@ def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[d
              workers: int = 1) -> list[dict]:
     """All records of :func:`iter_retrieve` in a list (small runs); ``match`` ("string"/"regex") fills
     ``has_answer`` with DPR's answer matching, ``None`` (or ``"none"``, as the settings say it) leaves the field
-    out."""
+    out. ``queries``: dicts as :func:`~dpr_gc.data.corpus.read_queries` gives them; ``corpus``: as
+    :func:`~dpr_gc.data.corpus.load_corpus` gives it. Each record is DPR's retriever output, ``{"id", "question",
+    "answers", "ctxs": [{"id", "title", "text", "score", "has_answer"}, ...]}``, best passage first."""
     match = None if match == "none" else match
     if match is not None and match not in MATCH_MODES:
         raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")

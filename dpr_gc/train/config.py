@@ -281,7 +281,18 @@ class RunConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Everything a training run depends on, one group per concern."""
+    """Everything a training run depends on, one group per concern, as ``dpr-gc train``'s flags are grouped.
+
+    Args:
+        model: the model trained (:class:`ModelConfig`; default: the offline all-MiniLM-L6-v2).
+        data: training sources and batch (:class:`DataConfig`; ``train_files`` is required).
+        optim: AdamW, schedule, precision and loss options (:class:`OptimConfig`).
+        cache: Gradient Cache chunks and memory budget (:class:`CacheConfig`).
+        run: output folder (required), seed, device, evaluation and checkpoints (:class:`RunConfig`).
+
+    Every field is checked as its flag is, when the group is built; GC-DPR's flag names are the flags' aliases.
+    :class:`~dpr_gc.train.trainer.Trainer` has an example.
+    """
 
     model: ModelConfig = group(ModelConfig, "model")
     data: DataConfig = group(DataConfig, "data")

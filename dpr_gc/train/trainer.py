@@ -68,6 +68,39 @@ class Trainer:
     :meth:`train_step` per batch, :meth:`evaluate` on the dev set, :meth:`save` for checkpoints. ``on_backward(step,
     retriever)`` is called after each step's gradients are complete, before clipping and the optimizer step (used to
     compare gradients in tests).
+
+    Args:
+        config: the run's settings (:class:`~dpr_gc.train.config.TrainConfig`), as ``dpr-gc train``'s flags.
+        on_backward: the hook above (None: none).
+
+    Returns:
+        :meth:`fit` returns the run's summary dict (``steps``, ``final_loss``, ``final_model``, ``best_model``,
+        ...), prints it as a table, and leaves ``final/`` (a retriever folder, :meth:`Retriever.load`), checkpoints
+        and ``metrics.jsonl`` in ``config.run.output_dir``.
+
+    References:
+        DPR's ``train_dense_encoder.py`` (Karpukhin et al. 2020) and its Gradient Cache version in GC-DPR (Gao et
+        al. 2021); ``dpr-gc train`` accepts GC-DPR's flag names as aliases.
+
+    Example (one step of the offline all-MiniLM-L6-v2 on four questions, chunks of two):
+        >>> import json, tempfile
+        >>> from pathlib import Path
+        >>> from dpr_gc import Trainer, TrainConfig
+        >>> from dpr_gc.train.config import CacheConfig, DataConfig, OptimConfig, RunConfig
+        >>> work = Path(tempfile.mkdtemp())
+        >>> records = [{"question": f"what is fact {i}?", "answers": [str(i)],
+        ...             "positive_ctxs": [{"title": f"fact {i}", "text": f"fact {i} is the number {i}"}]}
+        ...            for i in range(4)]
+        >>> _ = (work / "train.json").write_text(json.dumps(records))
+        >>> config = TrainConfig(data=DataConfig(train_files=[str(work / "train.json")], batch_size=4,
+        ...                                      hard_negatives=0),
+        ...                      optim=OptimConfig(max_steps=1),
+        ...                      cache=CacheConfig(query_chunk_size=2, passage_chunk_size=2),
+        ...                      run=RunConfig(output_dir=str(work / "run")))
+        >>> summary = Trainer(config).fit()                     # prints the summary table
+        | training ...
+        >>> summary["steps"], Path(summary["final_model"]).name
+        (1, 'final')
     """
 
     def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> None:

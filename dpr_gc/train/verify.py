@@ -337,7 +337,9 @@ def describe_chunking(trainer: Any) -> str:
 
 def verify(config: TrainConfig, batches: int = 1, hook: Optional[Callable[[Any], None]] = None) -> VerifyReport:
     """Verify the cached step of ``config`` (``dpr-gc train``'s settings) on its first ``batches`` batches; nothing
-    is written to ``config.run.output_dir``. ``hook(trainer)`` may adjust the built trainer (tests)."""
+    is written to ``config.run.output_dir``. ``hook(trainer)`` may adjust the built trainer (tests). Returns a
+    :class:`VerifyReport` (``passed``; per batch, the cached step's loss and gradients against one full-batch graph's).
+    """
     from .trainer import Trainer
 
     if not config.cache.enabled:
