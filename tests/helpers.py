@@ -11,6 +11,7 @@ import random
 import string
 import shutil
 import contextlib
+import dataclasses
 import io
 from collections import Counter
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BertConfig, BertModel
 
@@ -244,3 +246,29 @@ def call(main: Callable[[list[str]], int], argv: Sequence[Any]) -> tuple[int, st
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
     return code, err.getvalue()
+
+
+@dataclasses.dataclass
+class Batch:
+    """A user's own batch object, not a dict or tensor (for GradCache's ``split_input_fn``)."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+class BatchEncoder(nn.Module):
+    """A user's model that takes its own batch object (split by the user's ``split_input_fn``)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.bert = tiny_bert(vocab, 2)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        states = self.bert(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        mask = batch.attention_mask[..., None].float()
+        return (states * mask).sum(1) / mask.sum(1)
+
+
+def split_batch(batch: Batch, size: int) -> list[Batch]:
+    """A user's ``split_input_fn`` for :class:`Batch`."""
+    n = batch.input_ids.size(0)
+    return [Batch(batch.input_ids[s:s + size], batch.attention_mask[s:s + size]) for s in range(0, n, size)]

@@ -6,7 +6,6 @@ error below 1e-5, bf16/fp16 within the bound ``dpr-gc verify`` states."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -19,7 +18,8 @@ from dpr_gc.engine.loss import TEMPERATURE_RANGE
 from dpr_gc.model.lora import LoraSettings, apply_lora
 from dpr_gc.model.retriever import enable_gradient_checkpointing
 from dpr_gc.train.verify import TOLERANCES
-from tests.helpers import grads, make_batch, models_of, randomise_adapters, rel_err, tiny_bert, zero
+from tests.helpers import (Batch, BatchEncoder, grads, make_batch, models_of, randomise_adapters, rel_err,
+                           split_batch, tiny_bert, zero)
 
 CHUNK = 3
 WHOLE_BATCH = 10**12
@@ -244,30 +244,6 @@ def test_repeated_passages_are_never_negatives_under_every_chunking(make_retriev
         loss = engine(q, p, passage_ids=ids)
         assert torch.allclose(loss, expected_loss.detach(), rtol=1e-6) and loss_fn.masked_scores == 4
         assert rel_err(grads(modules + [loss_fn]), expected) < 1e-5
-
-
-@dataclasses.dataclass
-class Batch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-
-
-class BatchEncoder(nn.Module):
-    """A user's model that takes its own batch object (split by the user's ``split_input_fn``)."""
-
-    def __init__(self, vocab: int) -> None:
-        super().__init__()
-        self.bert = tiny_bert(vocab, 2)
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        states = self.bert(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        mask = batch.attention_mask[..., None].float()
-        return (states * mask).sum(1) / mask.sum(1)
-
-
-def split_batch(batch: Batch, size: int) -> list[Batch]:
-    return [Batch(batch.input_ids[s:s + size], batch.attention_mask[s:s + size])
-            for s in range(0, batch.input_ids.size(0), size)]
 
 
 @pytest.mark.parametrize("budget", ["half", "whole batch"])

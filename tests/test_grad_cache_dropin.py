@@ -5,7 +5,6 @@ Every gradient is compared with one full-batch graph (fp32, relative error < 1e-
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import pytest
@@ -14,7 +13,7 @@ from torch import nn
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
-from tests.helpers import tiny_bert
+from tests.helpers import Batch, BatchEncoder, split_batch, tiny_bert
 from tests.helpers import MeanOfEmbeddings, grads, make_batch, models_of, reference_grads, rel_err, zero
 
 
@@ -50,30 +49,6 @@ def test_token_level_representations_with_trimming(tiny_tokenizer, make_retrieve
               chunking=Chunking(keep_last_graph=keep_last_graph, sort_by_length=sort))(q, p, **masks)
     assert seen == [((6, q["input_ids"].size(1), 32), (12, p["input_ids"].size(1), 32))]
     assert rel_err(grads(towers), expected) < 1e-5
-
-
-@dataclasses.dataclass
-class Batch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-
-
-class BatchEncoder(nn.Module):
-    """A user's model that takes its own batch object."""
-
-    def __init__(self, vocab: int) -> None:
-        super().__init__()
-        self.bert = tiny_bert(vocab, 2)
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        states = self.bert(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        mask = batch.attention_mask[..., None].float()
-        return (states * mask).sum(1) / mask.sum(1)
-
-
-def split_batch(batch: Batch, size: int) -> list[Batch]:
-    n = batch.input_ids.size(0)
-    return [Batch(batch.input_ids[s:s + size], batch.attention_mask[s:s + size]) for s in range(0, n, size)]
 
 
 def test_custom_split_input_fn_on_an_object(tiny_tokenizer, make_retriever):
