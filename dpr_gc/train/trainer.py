@@ -508,6 +508,7 @@ class Trainer:
         summary = {"steps": self.step, "effective_batch": self.effective_batch,
                    "passages_per_query": self.passages_per_query,
                    "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
+                   "device": str(self.device), "graphs_kept": self.kept_graphs(),
                    "final_loss": self.last_loss, "seconds": seconds,
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
@@ -520,6 +521,11 @@ class Trainer:
             final.save(self.out / "final")
             print(summary_table(summary))
         return summary
+
+    def kept_graphs(self) -> Optional[str]:
+        """What the last cached step kept under the memory budget (None in plain training, or before any step)."""
+        report = self.cache.last_step if self.cache is not None else None
+        return report.brief() if report is not None else None
 
     def close(self) -> None:
         """Free the DDP wrapper, then tear down the process group this trainer started. In that order: DDP's

@@ -132,12 +132,8 @@ def cost(c: StepCost) -> str:
 
 
 def kept(memory: Optional[StepMemory]) -> str:
-    """The cached step's kept graphs: chunks, share of the batch's tokens, and the budget they were kept under (an
-    ``auto`` budget resolved to bytes)."""
-    if memory is None:
-        return "-"
-    return (f"{sum(memory.kept)}/{sum(memory.chunks)} chunks, {100 * memory.kept_share:.0f}% of tokens "
-            f"({format_bytes(memory.budget)})")
+    """The graphs the cached step kept and the budget (``auto`` resolved to bytes) they were kept under."""
+    return "-" if memory is None else memory.brief()
 
 
 def is_oom(error: BaseException) -> bool:
