@@ -88,6 +88,8 @@ def test_encode_index_retrieve_and_mine_print_only_their_own_lines(runs: dict) -
     choice = re.findall(r"shard-00000-of-00001: 6 passages on cpu in (\w+) compute, stored as float16", encoded)
     assert len(choice) == 1 and choice[0] in ("bf16", "fp32")
     assert len(re.findall(r"--precision auto on cpu: (bf16|fp32) \(", encoded)) == 1
+    retrieved = runs["retrieve"].stderr  # the questions are counted by the check before the bar opens, not inside it
+    assert retrieved.index("qa.tsv: 4 questions from 4 lines") < retrieved.index("retrieving:"), retrieved
 
 
 @pytest.mark.slow

@@ -243,7 +243,7 @@ def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = No
     from ..data.corpus import iter_queries
 
     count = total = 0
-    for q in iter_queries(path, log=False):
+    for q in iter_queries(path):
         qid, total = str(q["id"]), total + 1
         if run_ids and (not qid or any(c.isspace() for c in qid)):
             raise DprGcError(f"{path}: query id {qid!r} is empty or contains whitespace; a TREC run (--trec-run) "
@@ -261,7 +261,7 @@ def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = 
     split's queries)."""
     from ..data.corpus import iter_queries
 
-    return (q for q in iter_queries(path) if qrels is None or str(q["id"]) in qrels)
+    return (q for q in iter_queries(path, log=False) if qrels is None or str(q["id"]) in qrels)
 
 
 def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict],
@@ -443,13 +443,39 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     check_compatible(retriever, index, check_fingerprint=job.check_model)
     passages = load_corpus(corpus_path, job.cache_dir)
     check_corpus(index, passages)
+    log_choices(job, model, corpus_path, retriever, index)
+    key = retrieval_key(retriever, index, passages, job)
+    first = s.output or s.trec_run
+    resumed = kept_before(Path(first), key) if first else 0
     started = time.perf_counter()
     metrics, count = retrieve_file(retriever, index, passages, job.queries, qrels_path=job.qrels, settings=s,
-                                   resume_key=retrieval_key(retriever, index, passages, job))
+                                   resume_key=key)
     seconds = time.perf_counter() - started
-    return metrics, {"queries": count, "top-k": s.top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
-                     "queries/s": round(count / seconds, 1) if seconds > 0 else "n/a",
+    return metrics, {"queries": count, **({"resumed (retrieved before)": resumed} if resumed else {}),
+                     "top-k": s.top_k, "vectors": index.ntotal, "search": index.search_settings(),
+                     "seconds": round(seconds, 2),
+                     "queries/s": round((count - resumed) / seconds, 1) if seconds > 0 and count > resumed else "-",
                      "results": s.output or "-", "trec run": s.trec_run or "-"}
+
+
+def log_choices(job: RetrieveJob, model: str, corpus_path: str, retriever: Any, index: DenseIndex) -> None:
+    """One log line of what the run took without being told: the model and corpus the index records, the device,
+    the query encoder's precision, the search settings and FAISS's threads."""
+    from .index import faiss_threads
+
+    recorded = " (recorded in the index)"
+    logger.info("questions encoded by %s%s on %s in fp32, batch %d; index %s of %s, search %s, FAISS threads %d; "
+                "passages from %s%s", model, "" if job.model else recorded, next(retriever.parameters()).device,
+                job.settings.batch_size, index.meta.get("factory"), counted(index.ntotal, "vector"),
+                index.search_settings(), faiss_threads(), corpus_path, "" if job.corpus else recorded)
+
+
+def kept_before(first: Path, key: dict) -> int:
+    """How many questions an interrupted retrieval with the same ``key`` kept beside ``first`` (read only: the run
+    itself resumes them, :func:`retrieve_kept`)."""
+    kept = kept_records(first, key)
+    saved = kept.saved()
+    return kept_count(kept) if saved is not None and kept.key is not None and saved["key"] == kept.key else 0
 
 
 def retrieval_key(retriever: Any, index: DenseIndex, corpus: Any, job: RetrieveJob) -> dict:
