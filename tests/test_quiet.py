@@ -85,7 +85,8 @@ def test_encode_index_retrieve_and_mine_print_only_their_own_lines(runs: dict) -
     encoded = runs["encode"].stderr
     assert "encode shard-00000-of-00001 (~tokens)" in encoded  # the bar counts estimated tokens
     # the automatic choices, once, at the start: device, compute precision, stored dtype, batch, max length
-    choice = re.findall(r"shard-00000-of-00001: 6 passages on cpu in (\w+) compute, stored as float16", encoded)
+    choice = re.findall(r"shard-00000-of-00001: 6 passages on cpu in (\w+) compute, stored as float16 .*; batch 64, "
+                        r"max length 128 tokens; \d+ CPU threads?\n", encoded)
     assert len(choice) == 1 and choice[0] in ("bf16", "fp32")
     assert len(re.findall(r"--precision auto on cpu: (bf16|fp32) \(", encoded)) == 1
     retrieved = runs["retrieve"].stderr  # the questions are counted by the check before the bar opens, not inside it

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from ..data.corpus import dataset_fingerprint, load_corpus
 from ..base.args import nonnegative_int, output_dir, positive_int
-from ..base.devices import PRECISIONS, autocast_dtype, cpu_has_native_bf16, default_device, pick_precision
+from ..base.devices import (PRECISIONS, autocast_dtype, cpu_has_native_bf16, cpu_threads, default_device,
+                            pick_precision)
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
@@ -177,10 +178,11 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
         logger.info("%s is already finished in %s; nothing to do", name, out)
         return {**read_manifest(done), "encoded": 0}
     write_json(progress_file, manifest)
-    logger.info("%s: %s on %s in %s compute, stored as %s%s; batch %d, max length %d tokens", name,
-                counted(count, "passage"), next(retriever.parameters()).device, autocast or "fp32", settings.dtype,
+    device = next(retriever.parameters()).device
+    logger.info("%s: %s on %s in %s compute, stored as %s%s; batch %d, max length %d tokens%s", name,
+                counted(count, "passage"), device, autocast or "fp32", settings.dtype,
                 " (--dtype float32 keeps full precision)" if settings.dtype == "float16" else "", settings.batch_size,
-                manifest["max_length"])
+                manifest["max_length"], cpu_threads(device))
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
     parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
     todo = [b for b, p in enumerate(parts) if not _part_ok(p, blocks[b][1] - blocks[b][0], retriever.dim)]

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from ..data.corpus import source_fingerprint
 from ..data.training import Collator, load_training_data, make_dataloader
-from ..base.devices import autocast_dtype
+from ..base.devices import autocast_dtype, cpu_threads
 from ..base.errors import DprGcError, Interrupted
 from ..base.logs import counted
 from ..base.guard import guarded
@@ -438,12 +438,12 @@ class Trainer:
     def announce(self) -> None:
         if self.rank == 0:
             config = self.config
-            logger.info("training %s: batch %d per rank x %s = %s, %s per query, %s, %s on %s, %s%s",
+            logger.info("training %s: batch %d per rank x %s = %s, %s per query, %s, %s on %s, %s%s%s",
                         counted(self.total_steps, "step"), config.data.batch_size, counted(self.world, "rank"),
                         counted(self.effective_batch, "query", "queries"), counted(self.passages_per_query, "passage"),
                         f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
                         config.optim.precision, self.device, counted(self.workers, "DataLoader worker"),
-                        " (auto)" if config.data.num_workers == "auto" else "")
+                        " (auto)" if config.data.num_workers == "auto" else "", cpu_threads(self.device))
             if not config.optim.mask_duplicate_positives:
                 logger.info("--no-mask-duplicate-positives: a copy of a query's own positive elsewhere in the batch "
                             "scores as one of its negatives (DPR's and GC-DPR's loss)")
