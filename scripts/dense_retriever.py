@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run_tag", dest="run_tag", default="dpr-gc", help="TREC run tag")
     p.add_argument("--qrels", help="relevance judgments (BEIR/TREC): retrieve judged queries, use in --evaluate")
     p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics")
-    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 20, 100], help="cut-offs for --evaluate")
+    p.add_argument("--k", type=positive_int, nargs="+",
+                   help="cut-offs for --evaluate (default: those of 1 5 10 20 100 below --n-docs, and --n-docs)")
     p.add_argument("--device", type=device_arg, help="torch device for the question encoder")
     p.add_argument("--cache_dir", dest="cache_dir", help="where parsed corpora are cached")
     p.add_argument("--skip_model_check", dest="skip_model_check", action="store_true",

@@ -382,3 +382,18 @@ def test_kept_records_of_an_interrupted_run_are_named_and_reported_by_later_runs
     assert abs(rate * seconds - 6) < abs(rate * seconds - 10), summary
     assert not kept.exists() and not progress.exists()
     assert [r["id"] for r in json.loads((tmp_path / "o.json").read_text())] == [f"q{i}" for i in range(10)]
+
+
+def test_evaluation_cut_offs_stop_at_top_k(world, tmp_path, capsys, caplog):
+    """retrieve --evaluate's default cut-offs are those below --top-k, and --top-k: an Accuracy@100 of 3 passages
+    repeated Accuracy@3 under another name. A --k beyond --top-k is kept, with a warning saying what it counts."""
+    queries, qrels = self_queries(tmp_path)
+    common = ("--index", world["idx"], "--queries", queries, "--qrels", qrels, "--top-k", 3, "--cache-dir",
+              world["cache"], "--device", "cpu", "--evaluate")
+    cli("retrieve", *common)
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| metric"))
+    assert header == "| metric | @1 | @3 | @10 |", header  # @10: nDCG@10 and MRR@10 are always reported
+    with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
+        cli("retrieve", *common, "--k", 1, 3, 20)
+    assert "--k 20 beyond --top-k 3: those figures count only the 3 passages retrieved per question" in caplog.text
+    assert "| metric | @1 | @3 | @10 | @20 |" in capsys.readouterr().out

@@ -65,14 +65,19 @@ class RetrieveSettings:
     run_tag: str = setting("dpr-gc", "--run-tag", help="tag column of the TREC run")
     evaluate: bool = setting(False, "--evaluate", help="print answer accuracy and/or qrels metrics at --k")
     ks: Optional[list[int]] = setting(None, "--k", dest="k", type=positive_int, nargs="+",
-                                      help="cut-offs for --evaluate (default: 1 5 10 20 100)")
+                                      help="cut-offs for --evaluate (default: those of 1 5 10 20 100 below --top-k, "
+                                           "and --top-k)")
 
     def __post_init__(self) -> None:
         check(self)
 
     def cutoffs(self) -> Optional[list[int]]:
-        """The cut-offs to evaluate at (None: no evaluation): ``ks``, or the defaults when ``evaluate`` asks."""
-        return list(self.ks or KS) if self.evaluate else (list(self.ks) if self.ks else None)
+        """The cut-offs to evaluate at (None: no evaluation): ``ks``, or when ``evaluate`` asks the defaults below
+        ``top_k`` and ``top_k`` itself (a cut-off beyond the passages retrieved would repeat ``top_k``'s figure under
+        another name)."""
+        if self.ks:
+            return list(self.ks)
+        return sorted({k for k in KS if k < self.top_k} | {self.top_k}) if self.evaluate else None
 
 
 @dataclasses.dataclass
@@ -283,6 +288,10 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
     match = None if s.match == "none" else s.match
     if s.trec_run:
         check_run_tag(s.run_tag)
+    beyond = [k for k in s.cutoffs() or () if k > s.top_k]
+    if beyond:
+        logger.warning("--k %s beyond --top-k %d: those figures count only the %d passages retrieved per question",
+                       " ".join(map(str, beyond)), s.top_k, s.top_k)
     with AnswerMatcher(match or "string", s.workers or default_workers()) as matcher:
         def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
             return iter_retrieve(retriever, index, corpus, todo, s.top_k, s.batch_size,
