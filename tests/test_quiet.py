@@ -21,7 +21,7 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) dpr_gc(\.[\w.
 # one of the toolkit's own tqdm bars, drawn with carriage returns: "desc: 50%|###  | 3/6 [...]" or "desc: 3 q [...]"
 OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding to index|reading [^:]+|BM25 tokenise|"
                      r"mining|train): .*?\]")
-TABLE_LINE = re.compile(r"^(\|.*\||answers metrics \(\d+ queries\)|qrels metrics \(\d+ queries\))?$")
+TABLE_LINE = re.compile(r"^(\|.*\||(answers|qrels) metrics \(\d+ quer(y|ies)\))?$")
 
 
 def run(args: list[str], env: dict) -> subprocess.CompletedProcess:

@@ -359,10 +359,11 @@ def _cli(args: argparse.Namespace) -> None:
     mode = None if args.match == "stored" else args.match
     report = evaluate(args.k, args.results, args.run, args.qrels, mode, args.workers or default_workers())
     curves = {}
-    for key, title, names in (("answers", "answer accuracy ({questions} questions, match={match})", ["Accuracy"]),
-                              ("qrels", "qrels metrics ({queries} judged queries)", ["Recall", "Accuracy"])):
+    titles = {"answers": lambda r: f"answer accuracy ({counted(r['questions'], 'question')}, match={r['match']})",
+              "qrels": lambda r: f"qrels metrics ({counted(r['queries'], 'judged query', 'judged queries')})"}
+    for key, names in (("answers", ["Accuracy"]), ("qrels", ["Recall", "Accuracy"])):
         if key in report:
-            print(f"\n{title.format(**report[key])}\n{format_table(report[key]['metrics'])}")
+            print(f"\n{titles[key](report[key])}\n{format_table(report[key]['metrics'])}")
             curves.update({f"{key}: {name}@k": curve(report[key]["metrics"], name) for name in names})
     write_report(report, curves, args.output, args.plot)
 

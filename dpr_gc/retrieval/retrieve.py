@@ -533,7 +533,7 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     job = dataclasses.replace(job, device=device or job.device, settings=settings)
     metrics, summary = run_retrieval(index, job, index_dir)
     for name, values in metrics.items():
-        print(f"\n{name} metrics ({summary['queries']} queries)")
+        print(f"\n{name} metrics ({counted(summary['queries'], 'query', 'queries')})")
         print(format_table(values))
     summary = {"queries": summary.pop("queries"), "top-k": summary.pop("top-k"), "index": index_name, **summary}
     print(format_summary(summary))
