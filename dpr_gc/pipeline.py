@@ -127,7 +127,7 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
     qrels = read_qrels(data / manifest["files"]["qrels_test"])
     metrics = retrieve_to_files(retriever, index, load_corpus(corpus_path), queries, top_k=top_k,
                                 output=stage / "results.json", trec_run=stage / "run.trec", run_tag=name, ks=list(KS),
-                                qrels=qrels, workers=default_workers())
+                                qrels=qrels, workers=default_workers(), total=len(queries))
     metrics.update({"encode_seconds": round(encode_seconds, 1), "passages": index.ntotal, "questions": len(queries)})
     write_json(metrics_file, metrics)
     return metrics

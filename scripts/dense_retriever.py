@@ -34,6 +34,7 @@ from dpr_gc.base.args import ArgumentParser, device_arg, nonnegative_int, output
 from dpr_gc.base.errors import report_errors
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.guard import guarded
+from dpr_gc.base.logs import setup_logging
 from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, check_built_from,
                                     index_exists, params_from_args, set_threads, shard_ids)
 from dpr_gc.model.retriever import add_prefix_arguments
@@ -115,12 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run_tag", dest="run_tag", default="dpr-gc", help="TREC run tag")
     p.add_argument("--qrels", help="relevance judgments (BEIR/TREC): retrieve judged queries, use in --evaluate")
     p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics")
-    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 5, 20, 100], help="cut-offs for --evaluate")
+    p.add_argument("--k", type=positive_int, nargs="+",
+                   help="cut-offs for --evaluate (default: those of 1 5 10 20 100 below --n-docs, and --n-docs)")
     p.add_argument("--device", type=device_arg, help="torch device for the question encoder")
     p.add_argument("--cache_dir", dest="cache_dir", help="where parsed corpora are cached")
     p.add_argument("--skip_model_check", dest="skip_model_check", action="store_true",
                    help="allow a model whose weights differ from the one that encoded the passages")
     p.add_argument("--threads", type=positive_int, help="FAISS threads")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="debug logging, plus the dependencies' own log lines and progress bars")
     add_index_arguments(p)
     add_prefix_arguments(p)
     p.add_argument("--index_buffer", dest="block_size", type=positive_int,
@@ -157,9 +161,9 @@ def load_or_build_index(embeddings: Optional[str], index_path: Optional[str], sa
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     flags = hydra_to_flags(list(sys.argv[1:] if argv is None else argv))
     args, unknown = build_parser().parse_known_args(flags)
+    setup_logging(args.verbose)
     typed = {f.split("=", 1)[0] for f in flags if f.startswith("--")}
     ignored = [f for f in IGNORED_VALUE + IGNORED_SWITCH if f in typed] + unknown
     if ignored:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.base.args import ArgumentParser, positive_int  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
+from dpr_gc.base.logs import setup_logging  # noqa: E402
 from dpr_gc.retrieval.encode import add_arguments, resolve_shard, run_cli  # noqa: E402
 
 HYDRA_ARG = re.compile(r"^([A-Za-z_][\w.-]*)=(.*)$")
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
                         help="encode under fp16 autocast (as GC-DPR)")
     parser.add_argument("--no_cuda", action="store_true", help="encode on the CPU")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging, plus the dependencies' own log lines and progress bars")
     parser.add_argument("--pretrained_model_cfg", "--encoder_model_type", "--pretrained_file", "--fp16_opt_level",
                         dest="unused", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--projection_dim", "--local_rank", dest="unused", type=int, default=None,
@@ -71,7 +74,7 @@ def output_folder(out_file: str, shard_id: Optional[int], num_shards: Optional[i
 def main(argv: Optional[Sequence[str]] = None) -> int:
     flags = hydra_to_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(flags)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(args.verbose)
     typed = {f.split("=", 1)[0].lstrip("-") for f in flags if f.startswith("--")}
     unused = [f"--{name}" for name in FROM_CHECKPOINT if name in typed]
     if unused:

@@ -38,6 +38,7 @@ from dpr_gc.base.args import (ArgumentParser, any_int, nonnegative_float, nonneg
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
+from dpr_gc.base.logs import setup_logging  # noqa: E402
 
 logger = logging.getLogger("train_dense_encoder")
 
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model_file", default=None, help="initial weights: a dpr-gc retriever folder or a DPR .cp checkpoint")
     add("--projection_dim", type=nonnegative_int, default=0, help=argparse.SUPPRESS)
     add("--no_cuda", action="store_true", help="train on the CPU")
+    add("-v", "--verbose", action="store_true", help="debug logging, plus the dependencies' own log lines and progress bars")
     add("--local_rank", type=any_int, default=-1, help=argparse.SUPPRESS)
     add("--fp16_opt_level", default="O1", help=argparse.SUPPRESS)
     add("--adam_eps", type=positive_float, default=1e-8)
@@ -167,8 +169,8 @@ def typed_flags(argv: Sequence[str]) -> set[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(["train", *argv])
+    setup_logging(args.verbose)
     given = typed_flags(argv)
     skipped = ignored_flags(given)
     if skipped:

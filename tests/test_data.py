@@ -69,7 +69,7 @@ def test_questions_without_positive_are_skipped_and_counted(tmp_path):
     data = load(tmp_path, write(tmp_path / "t.json", recs, "list"))
     assert len(data) == 3 and data.sizes == [3]
     assert data.stats[0] == {"source": str(tmp_path / "t.json"), "records": 4, "kept": 3, "no_positive": 1,
-                             "bad": 0, "dropped_negatives": 0}
+                             "bad": 0, "dropped_negatives": 0, "parsed_now": True}
     assert "question 1 about the city?" not in data.dataset["question"]
 
 
@@ -402,8 +402,29 @@ def test_mixed_sources_and_cli(tmp_path, capsys):
     D.add_cli(parser.add_subparsers())
     args = parser.parse_args(["prepare-data", str(a), str(beir), "--cache-dir", str(tmp_path / "cache")])
     args.func(args)
-    out = capsys.readouterr().out
-    assert f"| {a} | 3 | 3 | 0 | 0 |" in out and f"| {beir} | 3 | 2 | 1 | 0 |" in out
+    out = capsys.readouterr().out  # load_training_data above parsed both: this run reads them from the cache
+    assert f"| {a} | 3 | 3 | 0 | 0 | 0 | cached |" in out and f"| {beir} | 3 | 2 | 1 | 0 | 0 | cached |" in out, out
+
+
+def test_prepare_data_says_what_it_parsed_now_and_counts_negatives_that_were_positives(tmp_path, capsys, caplog):
+    """prepare-data's table counts the (hard) negatives dropped as their question's own positive (only the log
+    said so) and whether each source was parsed now or read from an earlier run's cache; the log names the cache."""
+    recs = records(3)
+    recs[0]["hard_negative_ctxs"] = [dict(recs[0]["positive_ctxs"][0])]
+    a = write(tmp_path / "a.json", recs, "list")
+    parser = argparse.ArgumentParser()
+    D.add_cli(parser.add_subparsers())
+    args = parser.parse_args(["prepare-data", str(a), "--cache-dir", str(tmp_path / "cache")])
+    with caplog.at_level("INFO", logger="dpr_gc.data.training"):
+        args.func(args)
+        assert f"| {a} | 3 | 3 | 0 | 0 | 1 | new |" in capsys.readouterr().out
+        args.func(args)
+        assert f"| {a} | 3 | 3 | 0 | 0 | 1 | cached |" in capsys.readouterr().out
+    cache = next((tmp_path / "cache").glob("a.json-*.arrow"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{a}: 3 records")]
+    assert lines == [f"{a}: 3 records, 3 kept, 0 without a positive (skipped), 0 bad (skipped); parsed into {cache}",
+                     f"{a}: 3 records, 3 kept, 0 without a positive (skipped), 0 bad (skipped); read from the parse "
+                     f"cached in {cache}"]
 
 
 @pytest.mark.slow

@@ -169,6 +169,38 @@ def test_resume_after_interruption(tmp_path: Path, make_retriever, monkeypatch: 
     assert calls == [], "a finished shard is not encoded again"
 
 
+def test_summary_counts_the_passages_encoded_in_this_run(tmp_path: Path, make_retriever, monkeypatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """encode's table: the shard's passages, and those this run encoded, whose rate it reports -- a resumed run
+    encoded fewer, a finished shard none (its rate was the shard's passages over the seconds of a run that encoded
+    nothing)."""
+    model = tmp_path / "model"
+    make_retriever(passage_max_length=16).save(model)
+    path = write_corpus(tmp_path / "data", passages(10), "tsv")
+    parser = argparse.ArgumentParser()
+    encode.add_cli(parser.add_subparsers())
+    args = parser.parse_args(["encode", "--model", str(model), "--corpus", str(path), "--output", str(tmp_path / "out"),
+                              "--batch-size", "2", "--block-size", "3", "--cache-dir", str(tmp_path / "c")])
+
+    def table_row() -> dict[str, str]:
+        lines = capsys.readouterr().out.splitlines()
+        header = [c.strip() for c in lines[0].strip("|").split("|")]
+        return dict(zip(header, (c.strip() for c in lines[2].strip("|").split("|"))))
+
+    counting_encoder(monkeypatch, fail_on_call=3)
+    with pytest.raises(Interrupted):
+        args.func(args)
+    capsys.readouterr()
+    monkeypatch.undo()
+    args.func(args)
+    row = table_row()
+    assert (row["passages"], row["encoded now"]) == ("10", "4")  # blocks 0 and 1 (rows 0-5) were kept
+    assert float(row["passages/s"]) > 0
+    args.func(args)
+    row = table_row()
+    assert (row["passages"], row["encoded now"], row["passages/s"]) == ("10", "0", "-")
+
+
 def test_crash_before_manifest_is_unfinished_and_cheap_to_redo(tmp_path: Path, make_retriever, monkeypatch) -> None:
     retriever = make_retriever()
     path = write_corpus(tmp_path / "data", passages(5), "jsonl")
@@ -322,7 +354,7 @@ def test_cli_and_dpr_script(tmp_path: Path, make_retriever, capsys: pytest.Captu
                               "--dtype", "float32", "--cache-dir", str(tmp_path / "c")])
     m = args.func(args)
     assert m["count"] == 4 and m["model"] == str(model) and m["max_length"] == 16
-    assert "| passages | seconds | passages/s | shard file |" in capsys.readouterr().out
+    assert "| passages | encoded now | seconds | passages/s | shard file |" in capsys.readouterr().out
     spec = importlib.util.spec_from_file_location("gde", ROOT / "scripts" / "generate_dense_embeddings.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -411,3 +412,31 @@ def test_results_whose_questions_have_no_answers_get_no_answer_accuracy(tmp_path
     report = json.loads(out.read_text())
     assert "answers" not in report and report["qrels"]["metrics"]["Recall@2"] == 1.0
     assert "answer accuracy" not in capsys.readouterr().out
+
+
+def test_the_log_says_how_answers_are_judged(tmp_path, caplog):
+    """--match auto's choice is logged with its reason (the file's has_answer flags, or string matching where it
+    has none), and recomputed flags name the processes that match them (--workers 0: all cores)."""
+    import logging
+
+    from dpr_gc.cli import main
+
+    examples = Path(__file__).resolve().parents[1] / "data" / "examples"
+    bare = tmp_path / "bare.json"
+    records = json.loads((examples / "results.json").read_text())
+    for record in records:
+        for ctx in record["ctxs"]:
+            ctx.pop("has_answer", None)
+    bare.write_text(json.dumps(records))
+    lines = []
+    for argv in (["--results", str(examples / "results.json")], ["--results", str(bare), "--workers", "1"],
+                 ["--results", str(examples / "results.json"), "--match", "regex", "--workers", "2"]):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dpr_gc.evaluation.evaluate"):
+            assert main(["evaluate", *argv]) == 0
+        lines += [r.getMessage() for r in caplog.records]
+    assert lines == [f"the has_answer flags stored in {examples / 'results.json'} (--match auto: the file holds them; "
+                     "--match string or regex recomputes them)",
+                     "answers matched with string matching in 1 process (--match auto: the file holds no has_answer "
+                     "flags)",
+                     "answers matched with regex matching in 2 processes"]

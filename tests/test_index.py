@@ -110,6 +110,29 @@ def test_search_params_are_saved_and_restored(tmp_path, data):
         index.set_search_params(ef_search=10)
 
 
+def test_the_log_and_summary_say_what_was_picked_and_how_searches_run(tmp_path, data, caplog):
+    """index picks nlist / pq-m from the data when not given, and a search runs with efSearch / nprobe (or exactly):
+    the log says so at the start, with FAISS's threads, and the summary keeps the search settings."""
+    import logging
+
+    emb_dir = write_shards(tmp_path / "emb", data)
+    threads = faiss.omp_get_max_threads()
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.index"):
+        ivf = build_index(emb_dir, tmp_path / "ivf", IndexParams("ivf-pq", nprobe=3, pq_nbits=4), train_sample=800)
+        flat = build_index(emb_dir, tmp_path / "flat", IndexParams("flat"))
+        hnsw = build_index(emb_dir, tmp_path / "hnsw", IndexParams("hnsw", hnsw_m=8, ef_search=40))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("building ")]
+    assert lines == [f"building IVF20,PQ4x4 over 800 vectors with --nlist 20 (about 4*sqrt(vectors), at most one "
+                     f"list per 39 training vectors) and --pq-m 4 (the largest divisor of the dimension up to a "
+                     f"quarter of it); search: nprobe 3 of 20 lists; FAISS threads {threads}",
+                     f"building Flat over 800 vectors; search: exact; FAISS threads {threads}",
+                     f"building HNSW8,Flat over 800 vectors; search: efSearch 40; FAISS threads {threads}"]
+    assert [s["search"] for s in (ivf, flat, hnsw)] == ["nprobe 3 of 20 lists", "exact", "efSearch 40"]
+    assert ivf["faiss_threads"] == threads
+    one_list = DenseIndex.build(DIM, IndexParams("ivf-flat", nlist=1, nprobe=32))
+    assert one_list.search_settings() == "nprobe 32 of 1 list (all)"
+
+
 def test_folder_layout_ids_and_metadata(tmp_path, data):
     emb_dir = write_shards(tmp_path / "emb", data, num_shards=2)
     build_index(emb_dir, tmp_path / "idx", IndexParams("hnsw", hnsw_m=8))

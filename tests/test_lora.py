@@ -63,7 +63,7 @@ def test_lora_gradient_cache_equals_full_batch_on_left_padded_decoders(kind, che
     assert cached_step_error(retriever, 4, chunking=Chunking(sort_by_length=True)) < 1e-5
 
 
-def test_saved_adapter_loads_and_encodes_like_the_in_memory_model(tmp_path):
+def test_saved_adapter_loads_and_encodes_like_the_in_memory_model(tmp_path, capsys):
     base = save_decoder(tmp_path / "base", "llama", padding_side="left")
     retriever = Retriever.from_pretrained(str(base), decoder_retriever().config)
     apply_lora(retriever, LoraSettings(r=4, alpha=16))
@@ -93,9 +93,12 @@ def test_saved_adapter_loads_and_encodes_like_the_in_memory_model(tmp_path):
     apply_lora(loaded, LoraSettings(r=4))
     assert adapter_only(loaded)
 
+    capsys.readouterr()
     assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(tmp_path / "merged")]) == 0
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
     merged = Retriever.load(tmp_path / "merged")
+    size = f"{sum(p.numel() for p in merged.parameters()):,}"  # the closing table: towers, parameters, folder
+    assert f"| {1 if merged.config.shared_encoder else 2} | {size} | {tmp_path / 'merged'} |" in capsys.readouterr().out
     assert not is_adapted(merged.query_encoder.transformer)
     np.testing.assert_allclose(merged.embed("passage", texts, titles), expected, rtol=0, atol=1e-5)
     assert main(["merge-lora", "--model", str(tmp_path / "merged"), "--output", str(tmp_path / "again")]) == 2

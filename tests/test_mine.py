@@ -284,6 +284,29 @@ def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
     assert len(load_dpr_files([tmp_path / "beir.json"], cache_dir=tmp_path / "cache")) == len(TOPICS)
 
 
+def test_the_log_says_where_candidates_come_from_and_how_answers_are_matched(world, tmp_path, caplog):
+    """One line at the start: BM25's parameters and scoring threads, or the dense encoder's device, precision and
+    batch with the index's search settings and FAISS threads; the candidates per question and the matching
+    processes (--workers 0: all cores)."""
+    from dpr_gc.evaluation.answers import default_workers
+    from dpr_gc.retrieval.index import faiss_threads
+
+    root = world["root"]
+    common = ("--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache",
+              "--top-k", 20)
+    with caplog.at_level("INFO", logger="dpr_gc.retrieval.mine"):
+        cli("mine", *common, "--output", tmp_path / "bm25.json", "--threads", 1, "--workers", 1)
+        cli("mine", *common, "--output", tmp_path / "dense.json", "--source", "dense", "--model", root / "model",
+            "--embeddings", tmp_path / "emb", "--index", tmp_path / "idx", "--device", "cpu", "--batch-size", 8)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("candidates:")]
+    processes = f"{default_workers()} process" + ("es" if default_workers() != 1 else "")
+    assert lines == ["candidates: BM25 (k1 0.9, b 0.4, 1 scoring thread), top 20 per question; answers matched with "
+                     "string matching in 1 process",
+                     f"candidates: dense (questions encoded on cpu in fp32, batch 8; index Flat of {len(world['corpus'])} "
+                     f"vectors, search exact, FAISS threads {faiss_threads()}), top 20 per question; answers matched "
+                     f"with string matching in {processes}"], lines
+
+
 def test_mining_progress_bar_counts_to_the_number_of_questions(world, tmp_path, monkeypatch):
     """Each source and input gives the "mining" bar its total, the questions (a streamed --train-file is counted in
     the pass that checks it), and the bar ends there."""

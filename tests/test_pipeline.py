@@ -91,6 +91,24 @@ def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, caps
     assert [step for step, _ in json.loads((out / "metrics.json").read_text())["training_loss"]] == [1, 2, 3, 4, 5]
 
 
+def test_a_measured_stage_shows_retrieval_progress_out_of_the_test_questions(tmp_path, make_retriever, monkeypatch):
+    """The demo knows its test questions before retrieving them: the "retrieving" bar counts to their number
+    (it showed a bare count with no total, so no fraction done and no ETA)."""
+    from dpr_gc.data.stdlib_data import build_stdlib_dataset
+    from dpr_gc.pipeline import measure
+    from dpr_gc.retrieval import retrieve
+
+    monkeypatch.setenv("DPR_GC_CACHE", str(tmp_path / "cache"))  # the demo's corpus cache goes to the default place
+    bars = []
+    real_tqdm = retrieve.tqdm
+    monkeypatch.setattr(retrieve, "tqdm", lambda **kw: bars.append(kw) or real_tqdm(**kw))
+    manifest = build_stdlib_dataset(tmp_path / "data", max_examples=20)
+    metrics = measure(make_retriever(passage_max_length=32), "before", tmp_path, tmp_path / "data", manifest, top_k=5,
+                      encode_batch_size=16)
+    assert [bar["total"] for bar in bars if bar["desc"] == "retrieving"] == [metrics["questions"]]
+    assert metrics["questions"] == manifest["counts"]["test_queries"] > 0
+
+
 def test_demo_needs_a_batch_several_times_the_chunk():
     training = demo_training()
     assert training.cache.query_chunk_size == training.cache.passage_chunk_size == 16

@@ -20,8 +20,8 @@ EXAMPLES = ROOT / "data" / "examples"
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) dpr_gc(\.[\w.]+)?: ")
 # one of the toolkit's own tqdm bars, drawn with carriage returns: "desc: 50%|###  | 3/6 [...]" or "desc: 3 q [...]"
 OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding to index|reading [^:]+|BM25 tokenise|"
-                     r"mining): .*?\]")
-TABLE_LINE = re.compile(r"^(\|.*\||answers metrics \(\d+ queries\)|qrels metrics \(\d+ queries\))?$")
+                     r"mining|train): .*?\]")
+TABLE_LINE = re.compile(r"^(\|.*\||(answers|qrels) metrics \(\d+ quer(y|ies)\))?$")
 
 
 def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -85,9 +85,37 @@ def test_encode_index_retrieve_and_mine_print_only_their_own_lines(runs: dict) -
     encoded = runs["encode"].stderr
     assert "encode shard-00000-of-00001 (~tokens)" in encoded  # the bar counts estimated tokens
     # the automatic choices, once, at the start: device, compute precision, stored dtype, batch, max length
-    choice = re.findall(r"shard-00000-of-00001: 6 passages on cpu in (\w+) compute, stored as float16", encoded)
+    choice = re.findall(r"shard-00000-of-00001: 6 passages on cpu in (\w+) compute, stored as float16 .*; batch 64, "
+                        r"max length 128 tokens; \d+ CPU threads?\n", encoded)
     assert len(choice) == 1 and choice[0] in ("bf16", "fp32")
     assert len(re.findall(r"--precision auto on cpu: (bf16|fp32) \(", encoded)) == 1
+    retrieved = runs["retrieve"].stderr  # the questions are counted by the check before the bar opens, not inside it
+    assert retrieved.index("qa.tsv: 4 questions from 4 lines") < retrieved.index("retrieving:"), retrieved
+
+
+@pytest.mark.slow
+def test_dpr_scripts_print_only_their_own_lines(env: dict, model_dir: Path, tmp_path: Path) -> None:
+    """The DPR-compatible scripts keep the dependencies quiet as dpr-gc does (they configured logging themselves and
+    printed FAISS's loader lines, datasets' JAX notice and transformers' weight-loading bars), and take --verbose."""
+    scripts = ROOT / "scripts"
+    commands = {
+        "generate_dense_embeddings.py": ["--model_file", str(model_dir), "--ctx_file", str(EXAMPLES / "passages.tsv"),
+                                         "--out_file", f"{tmp_path / 'emb'}/"],
+        "dense_retriever.py": ["--model_file", str(model_dir), "--qa_file", str(EXAMPLES / "qa.tsv"),
+                               "--encoded_ctx_file", str(tmp_path / "emb"), "--out_file", str(tmp_path / "r.json"),
+                               "--n-docs", "3"],
+        "train_dense_encoder.py": ["--train_file", str(EXAMPLES / "train.json"), "--model_file", str(model_dir),
+                                   "--output_dir", str(tmp_path / "run"), "--batch_size", "2", "--max-steps", "1"]}
+    for script, args in commands.items():
+        result = subprocess.run([sys.executable, str(scripts / script), *args], capture_output=True, text=True,
+                                env=env, timeout=300, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        assert "\x1b" not in result.stderr, f"{script}: a cursor movement in the log"
+        assert foreign_lines(result.stderr) == [], f"{script} printed lines that are not dpr-gc's own"
+    verbose = subprocess.run([sys.executable, str(scripts / "dense_retriever.py"), *commands["dense_retriever.py"],
+                              "--out_file", str(tmp_path / "r2.json"), "--verbose"], capture_output=True, text=True,
+                             env=env, timeout=300, cwd=ROOT)
+    assert verbose.returncode == 0 and "faiss.loader" in verbose.stderr, verbose.stderr
 
 
 def test_faiss_native_warnings_reach_the_log_not_raw_stderr(runs: dict, env: dict) -> None:

@@ -74,6 +74,15 @@ def test_demo_metrics_and_report_are_replaced_together(tmp_path, monkeypatch) ->
     assert plot.read_bytes() != before[1]
 
 
+def test_metric_table_titles_take_the_singular_for_one(capsys) -> None:
+    """evaluate's table titles count with :func:`~dpr_gc.base.logs.counted`: "1 judged query", not "1 judged
+    queries"."""
+    code = main(["evaluate", "--results", str(EXAMPLES / "results.json"), "--run", str(EXAMPLES / "run.trec"),
+                 "--qrels", str(EXAMPLES / "beir" / "qrels" / "test.tsv")])
+    out = capsys.readouterr().out
+    assert code == 0 and "qrels metrics (1 judged query)" in out and "answer accuracy (2 questions, match=" in out, out
+
+
 def test_evaluate_default_k_fills_the_at_10_column(capsys) -> None:
     code = main(["evaluate", "--results", str(EXAMPLES / "results.json"), "--run", str(EXAMPLES / "run.trec"),
                  "--qrels", str(EXAMPLES / "beir" / "qrels" / "test.tsv")])

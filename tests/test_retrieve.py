@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -272,6 +273,22 @@ def test_answers_are_matched_once_and_evaluate_reuses_the_flags(world, tmp_path,
         evaluate([1], out, mode="string")
 
 
+def test_the_log_states_what_retrieve_took_without_being_told(world, tmp_path, caplog, capsys):
+    """The model and corpus the index records, the device, the query encoder's precision, the search settings and
+    FAISS's threads: one line at the start; the summary keeps the search settings."""
+    from dpr_gc.retrieval.index import faiss_threads
+
+    queries, _ = self_queries(tmp_path)
+    with caplog.at_level("INFO", logger="dpr_gc.retrieval.retrieve"):
+        cli("retrieve", "--index", world["idx"], "--queries", queries, "--top-k", 3, "--output", tmp_path / "r.json",
+            "--cache-dir", world["cache"], "--device", "cpu", "--batch-size", 5)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("questions encoded by")]
+    assert lines == [f"questions encoded by {world['model']} (recorded in the index) on cpu in fp32, batch 5; index "
+                     f"Flat of {N_PASSAGES} vectors, search exact, FAISS threads {faiss_threads()}; passages from "
+                     f"{world['corpus']} (recorded in the index)"], lines
+    assert "| search | exact |" in capsys.readouterr().out
+
+
 def test_the_resume_key_changes_with_everything_the_records_depend_on(world, tmp_path):
     """stages.md: an interrupted retrieve continues only with the same questions, qrels, index build and search
     parameters, corpus, query encoder, --top-k and --match; each of them changes the key."""
@@ -313,7 +330,7 @@ def test_the_resume_key_changes_with_everything_the_records_depend_on(world, tmp
 
 
 def test_kept_records_of_an_interrupted_run_are_named_and_reported_by_later_runs(world, tmp_path, monkeypatch,
-                                                                                caplog):
+                                                                                caplog, capsys):
     """Ctrl-C names the hidden file of finished records and how to continue or delete it; a later run finishing
     into another output of the folder warns about it (it is as large as the results), deletes one that no run can
     continue, and leaves alone one whose output a running retrieval holds."""
@@ -355,7 +372,28 @@ def test_kept_records_of_an_interrupted_run_are_named_and_reported_by_later_runs
         f"continue it, or delete it and {progress.name}") in warnings[0], warnings
     assert f"removed {abandoned}" in caplog.text and not abandoned.exists() and busy.exists() and kept.exists()
     caplog.clear()
+    capsys.readouterr()
     assert call(main, argv(tmp_path / "o.json"))[0] == 0
     assert "resuming an interrupted run: 4 questions already retrieved" in caplog.text
+    summary = capsys.readouterr().out  # the rate is over the 6 questions retrieved now, not all 10
+    seconds = float(re.search(r"^\| seconds \| ([\d.]+) \|$", summary, re.M).group(1))
+    rate = float(re.search(r"^\| queries/s \| ([\d.]+) \|$", summary, re.M).group(1))
+    assert "| queries | 10 |" in summary and "| resumed (retrieved before) | 4 |" in summary, summary
+    assert abs(rate * seconds - 6) < abs(rate * seconds - 10), summary
     assert not kept.exists() and not progress.exists()
     assert [r["id"] for r in json.loads((tmp_path / "o.json").read_text())] == [f"q{i}" for i in range(10)]
+
+
+def test_evaluation_cut_offs_stop_at_top_k(world, tmp_path, capsys, caplog):
+    """retrieve --evaluate's default cut-offs are those below --top-k, and --top-k: an Accuracy@100 of 3 passages
+    repeated Accuracy@3 under another name. A --k beyond --top-k is kept, with a warning saying what it counts."""
+    queries, qrels = self_queries(tmp_path)
+    common = ("--index", world["idx"], "--queries", queries, "--qrels", qrels, "--top-k", 3, "--cache-dir",
+              world["cache"], "--device", "cpu", "--evaluate")
+    cli("retrieve", *common)
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| metric"))
+    assert header == "| metric | @1 | @3 | @10 |", header  # @10: nDCG@10 and MRR@10 are always reported
+    with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
+        cli("retrieve", *common, "--k", 1, 3, 20)
+    assert "--k 20 beyond --top-k 3: those figures count only the 3 passages retrieved per question" in caplog.text
+    assert "| metric | @1 | @3 | @10 | @20 |" in capsys.readouterr().out

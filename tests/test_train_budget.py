@@ -4,6 +4,7 @@ log states the chunking, the kept share of graphs and the measured peak."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -65,3 +66,18 @@ def test_auto_chunk_size_on_the_cpu_is_32_rows_capped_by_the_batch_and_logged(ta
     assert small.chunks == (8, 16) and large.chunks == (32, 32)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto chunk size:")]
     assert lines == ["auto chunk size: query 8, passage 16", "auto chunk size: query 32, passage 32"]
+
+
+def test_summary_table_says_what_the_budget_kept_and_the_device(task, tmp_path, capsys):
+    """train's closing table: besides the chunk sizes, the graphs the last cached step kept under the memory budget
+    (in bytes) and the device trained on; plain training keeps none."""
+    base = ["train", "--train", str(task["train"]), "--model", str(task["model"]), "--batch-size", "8",
+            "--max-steps", "1", "--num-workers", "0", "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"]
+    assert main(base + ["--output", str(tmp_path / "gc"), "--memory-budget", "1GB", "--query-chunk-size", "4",
+                        "--passage-chunk-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\| graphs kept \(last step, budget\) \| (\d+)/\1 chunks, 100% of tokens \(1\.00 GB\) \|$", out,
+                     re.M), out
+    assert "| device | cpu |" in out
+    assert main(base + ["--output", str(tmp_path / "plain"), "--no-grad-cache"]) == 0
+    assert "| graphs kept (last step, budget) | - |" in capsys.readouterr().out

@@ -4,6 +4,8 @@ falls back to a smaller batch when the full one runs out of memory, and writes n
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -43,6 +45,17 @@ def test_passes_shared_towers_hard_negatives_learned_temperature(tmp_path, capsy
     assert main(flags(tmp_path, model, "--batches", "0")) == 2
     assert main(flags(tmp_path, model, "--no-grad-cache")) == 2
     assert "drop --no-grad-cache" in capsys.readouterr().err
+
+
+def test_table_names_the_device_and_what_the_memory_budget_kept(tmp_path, capsys):
+    """The chunking's budget is a choice (auto: resolved from the free memory): the table says where it ran and,
+    for each batch, how many graphs the cached step kept under how many bytes (only the chunking was named)."""
+    model = init_model(tmp_path)
+    code, out = run(capsys, flags(tmp_path, model, "--memory-budget", "1GB", "--hard-negatives", "1"))
+    assert code == 0 and out.startswith("verify on cpu: batch 6 per rank"), out
+    assert "| graphs kept (budget) |" in out and "| 6/6 chunks, 100% of tokens (1.00 GB) |" in out, out
+    code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "1"))  # budget 0: only the last chunk's
+    assert code == 0 and re.search(r"\| 1/6 chunks, \d+% of tokens \(0 B\) \|", out), out
 
 
 def cls_model(tmp) -> str:

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.cli import build_parser
@@ -38,6 +39,8 @@ def test_cpu_training_starts_no_workers_and_says_so(tmp_path: Path, make_retriev
         trainer.announce()
     assert trainer.loader.num_workers == 0
     assert "fp32 on cpu, 0 DataLoader workers (auto)" in caplog.text
+    threads = torch.get_num_threads()  # torch's choice (one per core, or OMP_NUM_THREADS) is said too
+    assert f"0 DataLoader workers (auto); {threads} CPU thread{'' if threads == 1 else 's'}\n" in caplog.text
 
 
 def test_the_demo_takes_the_same_default(tmp_path: Path) -> None:

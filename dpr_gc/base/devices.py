@@ -26,6 +26,15 @@ def default_device(device: Optional[str] = None) -> str:
     return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
 
 
+def cpu_threads(device: torch.device) -> str:
+    """For a log line about work on ``device``: ``; N CPU threads`` (torch's intra-op threads, which ``OMP_NUM_THREADS``
+    or ``torch.set_num_threads`` set, else one per core) on the CPU, nothing on a GPU."""
+    if torch.device(device).type != "cpu":
+        return ""
+    n = torch.get_num_threads()
+    return f"; {n} CPU thread{'' if n == 1 else 's'}"
+
+
 def autocast_dtype(precision: Optional[str]) -> Optional[torch.dtype]:
     """The autocast dtype of a precision name: bf16 and fp16 autocast, anything else (fp32, int8, None) runs
     without autocast."""

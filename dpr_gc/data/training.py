@@ -281,11 +281,13 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
     arrow = cache_file(cache_dir, "train", stem, json.dumps(key))
     stats_file = arrow.with_name(arrow.stem + ".stats.json")
-    dataset = cached_dataset(arrow, lambda: _parse(source, stem, produce, skip_bad, arrow, stats_file),
-                             ready=stats_file.is_file)
-    stats = read_json_object(stats_file, "training cache statistics")
-    logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped)", stats["source"],
-                stats["records"], stats["kept"], stats["no_positive"], stats["bad"])
+    parsed: list[bool] = []  # whether this call parsed the source (else an earlier run's cache is reused)
+    dataset = cached_dataset(arrow, lambda: (parsed.append(True), _parse(source, stem, produce, skip_bad, arrow,
+                                                                         stats_file)), ready=stats_file.is_file)
+    stats = {**read_json_object(stats_file, "training cache statistics"), "parsed_now": bool(parsed)}
+    logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped); %s %s", stats["source"],
+                stats["records"], stats["kept"], stats["no_positive"], stats["bad"],
+                "parsed into" if parsed else "read from the parse cached in", arrow)
     if stats.get("dropped_negatives"):
         logger.warning("%s: dropped %d (hard) negatives that are their question's own positive (same passage id, "
                        "or same title and text)", stats["source"], stats["dropped_negatives"])
@@ -531,5 +533,7 @@ def add_cli(subparsers: Any) -> None:
 @guarded(inputs=("sources=the training source",))
 def _cli_prepare(args: Any) -> None:
     data = load_training_data(args.sources, args.cache_dir, args.skip_bad_records, args.beir_split)
-    print(markdown_table(("source", "records", "kept", "no positive", "bad"),
-                         [[s[k] for k in ("source", "records", "kept", "no_positive", "bad")] for s in data.stats]))
+    print(markdown_table(("source", "records", "kept", "no positive", "bad", "negatives that were a positive", "parse"),
+                         [[*(s[k] for k in ("source", "records", "kept", "no_positive", "bad")),
+                           s.get("dropped_negatives", 0), "new" if s["parsed_now"] else "cached"]
+                          for s in data.stats]))

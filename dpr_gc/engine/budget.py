@@ -206,6 +206,11 @@ class StepMemory:
     def kept_share(self) -> float:
         return self.kept_tokens / self.tokens if self.tokens else 0.0
 
+    def brief(self) -> str:
+        """A summary table's cell: the chunks kept, their share of the tokens, and the budget in bytes."""
+        return (f"{sum(self.kept)}/{sum(self.chunks)} chunks, {100 * self.kept_share:.0f}% of tokens "
+                f"({format_bytes(self.budget)})")
+
     def describe(self) -> str:
         last = "the step's last chunk, never replayed, and " if self.kept_last else ""
         return (f"kept the graphs of {sum(self.kept)}/{sum(self.chunks)} chunks ({100 * self.kept_share:.0f}% of "

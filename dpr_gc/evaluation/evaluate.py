@@ -32,6 +32,7 @@ from ..base.settings import add_arguments, check, setting
 from .results import check_question, iter_results
 from ..base.validate import check_id
 from ..base.tables import markdown_table
+from ..base.logs import counted
 from ..data.qrels import read_qrels
 
 logger = logging.getLogger(__name__)
@@ -284,7 +285,9 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
             if with_answers is None:
                 with_answers = not answers_optional or "answers" in block[0][1]
             if with_answers:
-                mode = resolve_mode(mode, block)
+                asked, mode = mode, resolve_mode(mode, block)
+                if not counter.questions:  # the first block: say how its answers (and all others') are judged
+                    announce_mode(asked, mode, workers, source)
                 for row in answer_flags(block, mode, source, regex if mode == "regex" else string):
                     counter.add(row)
                 answered += sum(1 for _, entry in block if entry.get("answers"))
@@ -302,6 +305,15 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
         answers = {"match": mode or "stored", "questions": counter.questions,
                    "metrics": {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}}
     return answers, acc.result() if acc is not None else None
+
+
+def announce_mode(asked: Optional[str], chosen: Optional[str], workers: int, source: str) -> None:
+    """Log how answers are judged: ``auto``'s choice and why, and the processes that match them when they are."""
+    how = (f"answers matched with {chosen} matching in {counted(workers, 'process', 'processes')}" if chosen
+           else f"the has_answer flags stored in {source}")
+    why = "" if asked != "auto" else (" (--match auto: the file holds them; --match string or regex recomputes them)"
+                                      if chosen is STORED else " (--match auto: the file holds no has_answer flags)")
+    logger.info("%s%s", how, why)
 
 
 def evaluate(
@@ -347,10 +359,11 @@ def _cli(args: argparse.Namespace) -> None:
     mode = None if args.match == "stored" else args.match
     report = evaluate(args.k, args.results, args.run, args.qrels, mode, args.workers or default_workers())
     curves = {}
-    for key, title, names in (("answers", "answer accuracy ({questions} questions, match={match})", ["Accuracy"]),
-                              ("qrels", "qrels metrics ({queries} judged queries)", ["Recall", "Accuracy"])):
+    titles = {"answers": lambda r: f"answer accuracy ({counted(r['questions'], 'question')}, match={r['match']})",
+              "qrels": lambda r: f"qrels metrics ({counted(r['queries'], 'judged query', 'judged queries')})"}
+    for key, names in (("answers", ["Accuracy"]), ("qrels", ["Recall", "Accuracy"])):
         if key in report:
-            print(f"\n{title.format(**report[key])}\n{format_table(report[key]['metrics'])}")
+            print(f"\n{titles[key](report[key])}\n{format_table(report[key]['metrics'])}")
             curves.update({f"{key}: {name}@k": curve(report[key]["metrics"], name) for name in names})
     write_report(report, curves, args.output, args.plot)
 

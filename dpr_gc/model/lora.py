@@ -156,8 +156,14 @@ def add_cli(subparsers: Any) -> None:
 
 @guarded(inputs=("model",), outputs={"output": "whole"})
 def _cli(args: argparse.Namespace) -> None:
+    from ..base.tables import markdown_table
+
     retriever = Retriever.load(args.model)
-    if not merge_lora(retriever):
+    merged = merge_lora(retriever)
+    if not merged:
         raise DprGcError(f"{args.model}: no LoRA adapter to merge (a retriever trained with --lora-r has one)")
     retriever.save(args.output)
     logger.info("wrote the merged retriever to %s", args.output)
+    print(markdown_table(("towers merged", "parameters", "merged retriever"),
+                         [(merged, f"{sum(p.numel() for p in retriever.parameters()):,}", args.output)],
+                         ("---:", "---:", "---")))

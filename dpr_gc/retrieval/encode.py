@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from ..data.corpus import dataset_fingerprint, load_corpus
 from ..base.args import nonnegative_int, output_dir, positive_int
-from ..base.devices import PRECISIONS, autocast_dtype, cpu_has_native_bf16, default_device, pick_precision
+from ..base.devices import (PRECISIONS, autocast_dtype, cpu_has_native_bf16, cpu_threads, default_device,
+                            pick_precision)
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
@@ -139,7 +140,8 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
 
     Unset shard arguments come from the settings, else torchrun's ``RANK`` / ``WORLD_SIZE`` (else shard 0 of 1).
     Finished blocks from an interrupted run with the same settings are reused; a folder holding parts or shards
-    made with another model or other settings is refused rather than mixed.
+    made with another model or other settings is refused rather than mixed. The manifest returned also holds
+    ``encoded``: the passages this call encoded (fewer than ``count`` when it resumed, 0 when the shard was done).
     """
     from ..model.retriever import check_max_length
 
@@ -174,12 +176,13 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     if done.is_file() and (out / manifest["embeddings"]).is_file() and (out / manifest["ids"]).is_file():
         _remove_parts(out, name)
         logger.info("%s is already finished in %s; nothing to do", name, out)
-        return read_manifest(done)
+        return {**read_manifest(done), "encoded": 0}
     write_json(progress_file, manifest)
-    logger.info("%s: %s on %s in %s compute, stored as %s%s; batch %d, max length %d tokens", name,
-                counted(count, "passage"), next(retriever.parameters()).device, autocast or "fp32", settings.dtype,
+    device = next(retriever.parameters()).device
+    logger.info("%s: %s on %s in %s compute, stored as %s%s; batch %d, max length %d tokens%s", name,
+                counted(count, "passage"), device, autocast or "fp32", settings.dtype,
                 " (--dtype float32 keeps full precision)" if settings.dtype == "float16" else "", settings.batch_size,
-                manifest["max_length"])
+                manifest["max_length"], cpu_threads(device))
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
     parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
     todo = [b for b, p in enumerate(parts) if not _part_ok(p, blocks[b][1] - blocks[b][0], retriever.dim)]
@@ -209,7 +212,7 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     write_json(done, manifest)
     _remove_parts(out, name)
     logger.info("%s: %s written to %s", name, counted(count, "passage"), out / manifest["embeddings"])
-    return manifest
+    return {**manifest, "encoded": sum(blocks[b][1] - blocks[b][0] for b in todo)}
 
 
 def _manifest(retriever: Any, corpus: Any, corpus_path: PathLike, shard: tuple[int, int], settings: EncodeSettings,
@@ -369,8 +372,9 @@ def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Opti
     job = from_args(EncodeJob, args)
     job = dataclasses.replace(job, output=output or job.output, device=device or job.device)
     manifest, seconds = encode_with_model(job)
-    rate = manifest["count"] / seconds if seconds > 0 else float("nan")
-    print(markdown_table(("passages", "seconds", "passages/s", "shard file"),
-                         [(manifest["count"], f"{seconds:.1f}", f"{rate:.1f}", Path(job.output) / manifest["embeddings"])],
-                         ("---:", "---:", "---:", "---")))
+    encoded = manifest["encoded"]  # a resumed or finished shard encoded fewer than its passages in this run
+    rate = f"{encoded / seconds:.1f}" if encoded and seconds > 0 else "-"
+    print(markdown_table(("passages", "encoded now", "seconds", "passages/s", "shard file"),
+                         [(manifest["count"], encoded, f"{seconds:.1f}", rate, Path(job.output) / manifest["embeddings"])],
+                         ("---:", "---:", "---:", "---:", "---")))
     return manifest

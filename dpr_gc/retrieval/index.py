@@ -101,6 +101,11 @@ def set_threads(threads: Optional[int]) -> None:
         _faiss().omp_set_num_threads(cap_threads(threads))
 
 
+def faiss_threads() -> int:
+    """The OpenMP threads FAISS searches and adds with (``--threads``, else all cores)."""
+    return int(_faiss().omp_get_max_threads())
+
+
 class DenseIndex:
     """A FAISS inner-product index plus its metadata (a JSON-ready dict) — small verbs, as in FAISS."""
 
@@ -146,6 +151,16 @@ class DenseIndex:
     @property
     def is_trained(self) -> bool:
         return bool(self.index.is_trained)
+
+    def search_settings(self) -> str:
+        """How a search runs: HNSW's ``efSearch`` and IVF's ``nprobe`` where the index has them, else exact."""
+        faiss = _faiss()
+        hnsw = getattr(faiss.downcast_index(self.index), "hnsw", None)
+        ivf = faiss.try_extract_index_ivf(self.index)
+        found = ([f"efSearch {hnsw.efSearch}"] if hnsw is not None else []) + \
+            ([f"nprobe {ivf.nprobe} of {counted(ivf.nlist, 'list')}" + (" (all)" if ivf.nprobe >= ivf.nlist else "")]
+             if ivf is not None else [])
+        return ", ".join(found) or "exact"
 
     # ------------------------------------------------------------------------------------------- verbs
     def _matrix(self, x: np.ndarray, what: str) -> np.ndarray:
@@ -438,18 +453,10 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     stats = {"train_vectors": 0, "train_seconds": 0.0}
     fingerprint = combined([*manifests, *([dense.meta] if dense is not None else [])])
     if dense is None:
-        dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
-        dense = DenseIndex.build(dim, params.resolve(dim, total, min(train_sample, total)))
-        dense.meta.update(encoding, **{k: first[k] for k in PREFIX_KEYS if k in first}, model=first.get("model"),
-                          corpus=first.get("corpus"), corpus_rows=first.get("corpus_rows"),
-                          corpus_fingerprint=first.get("corpus_fingerprint"), shards=[])
-        if not dense.is_trained:
-            started = time.perf_counter()
-            sample = sample_embeddings(todo, train_sample, seed)
-            logger.info("training %s on %s", dense.meta["factory"], counted(len(sample), "vector"))
-            dense.train(sample)
-            stats = {"train_vectors": len(sample), "train_seconds": round(time.perf_counter() - started, 3)}
-        dense.meta["trained_on"] = stats["train_vectors"]
+        dense, stats = _new_index(first, todo, params, train_sample, seed)
+    else:
+        logger.info("appending to the %s index of %s (search: %s); FAISS threads %d", dense.meta["factory"],
+                    counted(dense.ntotal, "vector"), dense.search_settings(), faiss_threads())
     dense.meta.update(fingerprint)
     started = time.perf_counter()
     with tqdm(total=sum(int(m["count"]) for m in todo), desc="adding to index", unit=" vectors", disable=None) as bar:
@@ -465,6 +472,29 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
                                          "count": int(m["count"])})
     stats["add_seconds"] = round(time.perf_counter() - started, 3)
     return dense, todo, stats
+
+
+def _new_index(first: dict, todo: list[dict], params: IndexParams, train_sample: int,
+               seed: int) -> tuple[DenseIndex, dict[str, Any]]:
+    """A new index for the shards ``todo`` (``first``: the folder's first manifest), its parameters resolved from
+    the data and logged, trained on a sample when its kind needs it; returns it and the training statistics."""
+    dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
+    resolved = params.resolve(dim, total, min(train_sample, total))
+    dense = DenseIndex.build(dim, resolved)
+    logger.info("building %s over %s%s; search: %s; FAISS threads %d", dense.meta["factory"],
+                counted(total, "vector"), resolved.describe_picked(params), dense.search_settings(), faiss_threads())
+    dense.meta.update(_encoding_of(first), **{k: first[k] for k in PREFIX_KEYS if k in first},
+                      model=first.get("model"), corpus=first.get("corpus"), corpus_rows=first.get("corpus_rows"),
+                      corpus_fingerprint=first.get("corpus_fingerprint"), shards=[])
+    stats: dict[str, Any] = {"train_vectors": 0, "train_seconds": 0.0}
+    if not dense.is_trained:
+        started = time.perf_counter()
+        sample = sample_embeddings(todo, train_sample, seed)
+        logger.info("training %s on %s", dense.meta["factory"], counted(len(sample), "vector"))
+        dense.train(sample)
+        stats = {"train_vectors": len(sample), "train_seconds": round(time.perf_counter() - started, 3)}
+    dense.meta["trained_on"] = stats["train_vectors"]
+    return dense, stats
 
 
 def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build: Optional[IndexBuild] = None, *,
@@ -495,7 +525,8 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build
         dense.write(out, ids=itertools.chain(old_ids, shard_ids(todo)))
     logger.info("wrote %s index with %s to %s", dense.meta["factory"], counted(dense.ntotal, "vector"), out_dir)
     corpus_rows = dense.meta.get("corpus_rows")
-    return {"index": str(out_dir), "factory": dense.meta["factory"], "model": dense.meta.get("model"),
+    return {"index": str(out_dir), "factory": dense.meta["factory"], "search": dense.search_settings(),
+            "faiss_threads": faiss_threads(), "model": dense.meta.get("model"),
             "dim": dense.dim, "ntotal": dense.ntotal, "added": sum(int(m["count"]) for m in todo),
             "shards_added": len(todo), **stats, "complete": corpus_rows is None or dense.ntotal == int(corpus_rows)}
 

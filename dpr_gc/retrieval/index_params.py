@@ -92,6 +92,16 @@ class IndexParams:
             pq_m = max(m for m in range(1, max(dim // 4, 1) + 1) if dim % m == 0)
         return dataclasses.replace(self, nlist=nlist, pq_m=pq_m)
 
+    def describe_picked(self, asked: "IndexParams") -> str:
+        """For the log: the parameters :meth:`resolve` picked here that ``asked`` left open ("" when none)."""
+        picked = []
+        if asked.nlist is None and self.nlist is not None:
+            picked.append(f"--nlist {self.nlist} (about 4*sqrt(vectors), at most one list per {CENTROID_POINTS} "
+                          "training vectors)")
+        if asked.pq_m is None and self.pq_m is not None:
+            picked.append(f"--pq-m {self.pq_m} (the largest divisor of the dimension up to a quarter of it)")
+        return f" with {' and '.join(picked)}" if picked else ""
+
     def factory_string(self, dim: int) -> str:
         """The ``faiss.index_factory`` string for these parameters (after :meth:`resolve`)."""
         if self.factory:

@@ -502,6 +502,20 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     return DenseSource(retriever, dense, batch_size)
 
 
+def describe_source(source: Any) -> str:
+    """For the log: how candidates are found -- BM25's parameters and scoring threads, or the dense model's device,
+    precision and batch and the index's search settings and FAISS threads."""
+    if isinstance(source, BM25Source):
+        return (f"BM25 (k1 {source.meta['k1']:g}, b {source.meta['b']:g}, "
+                f"{counted(max(1, source.n_threads), 'scoring thread')})")
+    from .index import faiss_threads
+
+    index = source.index
+    return (f"dense (questions encoded on {next(source.retriever.parameters()).device} in fp32, batch "
+            f"{source.batch_size}; index {index.meta.get('factory')} of {counted(index.ntotal, 'vector')}, search "
+            f"{index.search_settings()}, FAISS threads {faiss_threads()})")
+
+
 # What mine reads, by destination and flag; of these, folders it builds when they hold nothing yet are its outputs.
 MINE_INPUTS = {dest: "--" + dest.replace("_", "-")
                for dest in ("train_file", "beir_dir", "corpus", "model", "index", "embeddings", "bm25_index", "qrels")}
@@ -558,6 +572,7 @@ def _cli(args: argparse.Namespace) -> None:
     from ..data.qrels import read_qrels
     from .index import index_exists, meta_path, read_meta
     from ..base.tables import format_summary
+    from ..evaluation.answers import default_workers
 
     if args.source not in SOURCES:
         raise DprGcError(f"unknown --source {args.source!r}; use one of {', '.join(SOURCES)}")
@@ -592,6 +607,8 @@ def _cli(args: argparse.Namespace) -> None:
         inputs.update(queries=queries, split_qrels=split_qrels)
     if index_exists(args.index):
         inputs["index_meta"] = meta_path(args.index)
+    logger.info("candidates: %s, top %d per question; answers matched with %s matching in %s", describe_source(source),
+                mining.top_k, mining.match, counted(mining.workers or default_workers(), "process", "processes"))
     summary = mine_to_file(records, args.output, source, corpus, mining, qrels=qrels, id_to_row=id_to_row,
                            resume_key=resume_key(args, inputs, source), total=total)
     if qrels is not None and summary.judged == 0:

@@ -65,14 +65,19 @@ class RetrieveSettings:
     run_tag: str = setting("dpr-gc", "--run-tag", help="tag column of the TREC run")
     evaluate: bool = setting(False, "--evaluate", help="print answer accuracy and/or qrels metrics at --k")
     ks: Optional[list[int]] = setting(None, "--k", dest="k", type=positive_int, nargs="+",
-                                      help="cut-offs for --evaluate (default: 1 5 10 20 100)")
+                                      help="cut-offs for --evaluate (default: those of 1 5 10 20 100 below --top-k, "
+                                           "and --top-k)")
 
     def __post_init__(self) -> None:
         check(self)
 
     def cutoffs(self) -> Optional[list[int]]:
-        """The cut-offs to evaluate at (None: no evaluation): ``ks``, or the defaults when ``evaluate`` asks."""
-        return list(self.ks or KS) if self.evaluate else (list(self.ks) if self.ks else None)
+        """The cut-offs to evaluate at (None: no evaluation): ``ks``, or when ``evaluate`` asks the defaults below
+        ``top_k`` and ``top_k`` itself (a cut-off beyond the passages retrieved would repeat ``top_k``'s figure under
+        another name)."""
+        if self.ks:
+            return list(self.ks)
+        return sorted({k for k in KS if k < self.top_k} | {self.top_k}) if self.evaluate else None
 
 
 @dataclasses.dataclass
@@ -245,7 +250,7 @@ def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = No
     from ..data.corpus import iter_queries
 
     count = total = 0
-    for q in iter_queries(path, log=False):
+    for q in iter_queries(path):
         qid, total = str(q["id"]), total + 1
         if run_ids and (not qid or any(c.isspace() for c in qid)):
             raise DprGcError(f"{path}: query id {qid!r} is empty or contains whitespace; a TREC run (--trec-run) "
@@ -263,7 +268,7 @@ def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = 
     split's queries)."""
     from ..data.corpus import iter_queries
 
-    return (q for q in iter_queries(path) if qrels is None or str(q["id"]) in qrels)
+    return (q for q in iter_queries(path, log=False) if qrels is None or str(q["id"]) in qrels)
 
 
 def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict],
@@ -285,6 +290,10 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
     match = None if s.match == "none" else s.match
     if s.trec_run:
         check_run_tag(s.run_tag)
+    beyond = [k for k in s.cutoffs() or () if k > s.top_k]
+    if beyond:
+        logger.warning("--k %s beyond --top-k %d: those figures count only the %d passages retrieved per question",
+                       " ".join(map(str, beyond)), s.top_k, s.top_k)
     with AnswerMatcher(match or "string", s.workers or default_workers()) as matcher:
         def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
             return iter_retrieve(retriever, index, corpus, todo, s.top_k, s.batch_size,
@@ -445,13 +454,39 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     check_compatible(retriever, index, check_fingerprint=job.check_model)
     passages = load_corpus(corpus_path, job.cache_dir)
     check_corpus(index, passages)
+    log_choices(job, model, corpus_path, retriever, index)
+    key = retrieval_key(retriever, index, passages, job)
+    first = s.output or s.trec_run
+    resumed = kept_before(Path(first), key) if first else 0
     started = time.perf_counter()
     metrics, count = retrieve_file(retriever, index, passages, job.queries, qrels_path=job.qrels, settings=s,
-                                   resume_key=retrieval_key(retriever, index, passages, job))
+                                   resume_key=key)
     seconds = time.perf_counter() - started
-    return metrics, {"queries": count, "top-k": s.top_k, "vectors": index.ntotal, "seconds": round(seconds, 2),
-                     "queries/s": round(count / seconds, 1) if seconds > 0 else "n/a",
+    return metrics, {"queries": count, **({"resumed (retrieved before)": resumed} if resumed else {}),
+                     "top-k": s.top_k, "vectors": index.ntotal, "search": index.search_settings(),
+                     "seconds": round(seconds, 2),
+                     "queries/s": round((count - resumed) / seconds, 1) if seconds > 0 and count > resumed else "-",
                      "results": s.output or "-", "trec run": s.trec_run or "-"}
+
+
+def log_choices(job: RetrieveJob, model: str, corpus_path: str, retriever: Any, index: DenseIndex) -> None:
+    """One log line of what the run took without being told: the model and corpus the index records, the device,
+    the query encoder's precision, the search settings and FAISS's threads."""
+    from .index import faiss_threads
+
+    recorded = " (recorded in the index)"
+    logger.info("questions encoded by %s%s on %s in fp32, batch %d; index %s of %s, search %s, FAISS threads %d; "
+                "passages from %s%s", model, "" if job.model else recorded, next(retriever.parameters()).device,
+                job.settings.batch_size, index.meta.get("factory"), counted(index.ntotal, "vector"),
+                index.search_settings(), faiss_threads(), corpus_path, "" if job.corpus else recorded)
+
+
+def kept_before(first: Path, key: dict) -> int:
+    """How many questions an interrupted retrieval with the same ``key`` kept beside ``first`` (read only: the run
+    itself resumes them, :func:`retrieve_kept`)."""
+    kept = kept_records(first, key)
+    saved = kept.saved()
+    return kept_count(kept) if saved is not None and kept.key is not None and saved["key"] == kept.key else 0
 
 
 def retrieval_key(retriever: Any, index: DenseIndex, corpus: Any, job: RetrieveJob) -> dict:
@@ -500,7 +535,7 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     job = dataclasses.replace(job, device=device or job.device, settings=settings)
     metrics, summary = run_retrieval(index, job, index_dir)
     for name, values in metrics.items():
-        print(f"\n{name} metrics ({summary['queries']} queries)")
+        print(f"\n{name} metrics ({counted(summary['queries'], 'query', 'queries')})")
         print(format_table(values))
     summary = {"queries": summary.pop("queries"), "top-k": summary.pop("top-k"), "index": index_name, **summary}
     print(format_summary(summary))

@@ -72,11 +72,14 @@ def best_dev(summary: dict) -> str:
 
 
 def summary_table(summary: dict) -> str:
-    """train's closing table: steps, batch, chunks, precision, loss, speed, the best dev value and the model."""
+    """train's closing table: steps, batch, chunks and the graphs kept under the memory budget, precision, device,
+    loss, speed, the best dev value and the model."""
     rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
-            ("precision", summary["precision"]), ("final loss", f"{summary['final_loss']:.4f}"),
+            ("graphs kept (last step, budget)", summary.get("graphs_kept") or "-"),
+            ("precision", summary["precision"]), ("device", summary.get("device", "-")),
+            ("final loss", f"{summary['final_loss']:.4f}"),
             ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
             ("best dev", best_dev(summary)), ("model", summary["final_model"])]
     return format_summary(dict(rows), ("training", ""))

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from ..data.corpus import source_fingerprint
 from ..data.training import Collator, load_training_data, make_dataloader
-from ..base.devices import autocast_dtype
+from ..base.devices import autocast_dtype, cpu_threads
 from ..base.errors import DprGcError, Interrupted
 from ..base.logs import counted
 from ..base.guard import guarded
@@ -472,12 +472,12 @@ class Trainer:
     def announce(self) -> None:
         if self.rank == 0:
             config = self.config
-            logger.info("training %s: batch %d per rank x %s = %s, %s per query, %s, %s on %s, %s%s",
+            logger.info("training %s: batch %d per rank x %s = %s, %s per query, %s, %s on %s, %s%s%s",
                         counted(self.total_steps, "step"), config.data.batch_size, counted(self.world, "rank"),
                         counted(self.effective_batch, "query", "queries"), counted(self.passages_per_query, "passage"),
                         f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
                         config.optim.precision, self.device, counted(self.workers, "DataLoader worker"),
-                        " (auto)" if config.data.num_workers == "auto" else "")
+                        " (auto)" if config.data.num_workers == "auto" else "", cpu_threads(self.device))
             if not config.optim.mask_duplicate_positives:
                 logger.info("--no-mask-duplicate-positives: a copy of a query's own positive elsewhere in the batch "
                             "scores as one of its negatives (DPR's and GC-DPR's loss)")
@@ -542,6 +542,7 @@ class Trainer:
         summary = {"steps": self.step, "effective_batch": self.effective_batch,
                    "passages_per_query": self.passages_per_query,
                    "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
+                   "device": str(self.device), "graphs_kept": self.kept_graphs(),
                    "final_loss": self.last_loss, "seconds": seconds,
                    "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                    "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
@@ -554,6 +555,11 @@ class Trainer:
             final.save(self.out / "final")
             print(summary_table(summary))
         return summary
+
+    def kept_graphs(self) -> Optional[str]:
+        """What the last cached step kept under the memory budget (None in plain training, or before any step)."""
+        report = self.cache.last_step if self.cache is not None else None
+        return report.brief() if report is not None else None
 
     def close(self) -> None:
         """Free the DDP wrapper, then tear down the process group this trainer started. In that order: DDP's

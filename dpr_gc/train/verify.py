@@ -29,7 +29,7 @@ from torch import nn
 from ..base.args import positive_int
 from ..base.devices import autocast_dtype
 from ..base.errors import DprGcError
-from ..engine.budget import GraphMeter, fixed_storages, format_bytes
+from ..engine.budget import GraphMeter, StepMemory, fixed_storages, format_bytes
 from ..engine.chunking import pad_sequence_dim, take_rows
 from ..engine.grad_cache import is_data_parallel
 from ..engine.loss import SimpleContrastiveLoss, all_gather_with_grad
@@ -67,6 +67,7 @@ class BatchCheck:
     cached: StepCost
     full: StepCost
     note: str = ""
+    memory: Optional[StepMemory] = None  # what the cached step kept under the memory budget
 
     @property
     def loss_error(self) -> float:
@@ -95,6 +96,7 @@ class VerifyReport:
     reference: str
     batches: list[BatchCheck] = dataclasses.field(default_factory=list)
     rank: int = 0
+    device: str = ""
 
     @property
     def passed(self) -> bool:
@@ -102,15 +104,17 @@ class VerifyReport:
 
     def table(self) -> str:
         """The short table and the verdict ``dpr-gc verify`` prints."""
-        lines = [f"verify: {self.chunking}; {self.precision} (tolerance {self.tolerance:g}); {self.world} rank(s); "
+        on = f" on {self.device}" if self.device else ""
+        lines = [f"verify{on}: {self.chunking}; {self.precision} (tolerance {self.tolerance:g}); {self.world} rank(s); "
                  f"reference: {self.reference}",
                  "| batch | queries | loss cached / full | grad rel. error | worst tensor (rel. error) | "
-                 "temperature grad cached / full | cached step | full step |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 "temperature grad cached / full | cached step | graphs kept (budget) | full step |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for i, b in enumerate(self.batches, start=1):
             temp = "-" if b.temperature_grad is None else f"{b.temperature_grad[0]:.6g} / {b.temperature_grad[1]:.6g}"
             lines.append(f"| {i} | {b.queries} | {b.cached_loss:.6f} / {b.full_loss:.6f} | {b.grad_error:.2e} | "
-                         f"{b.worst_tensor} ({b.worst_error:.2e}) | {temp} | {cost(b.cached)} | {cost(b.full)} |")
+                         f"{b.worst_tensor} ({b.worst_error:.2e}) | {temp} | {cost(b.cached)} | {kept(b.memory)} | "
+                         f"{cost(b.full)} |")
             if b.note:
                 lines.append(f"note (batch {i}): {b.note}")
         if self.passed:
@@ -125,6 +129,11 @@ class VerifyReport:
 
 def cost(c: StepCost) -> str:
     return f"{c.seconds:.2f} s, {c.peak_kind} {format_bytes(c.peak_bytes)}"
+
+
+def kept(memory: Optional[StepMemory]) -> str:
+    """The graphs the cached step kept and the budget (``auto`` resolved to bytes) they were kept under."""
+    return "-" if memory is None else memory.brief()
 
 
 def is_oom(error: BaseException) -> bool:
@@ -307,7 +316,7 @@ def check_batch(verifier: Verifier, query: dict, passage: dict) -> BatchCheck:
     temp = verifier.temperature_name()
     temperature = (float(cached_grads[temp]), float(full_grads[temp])) if temp else None
     return BatchCheck(query["input_ids"].size(0) * trainer.world, cached_loss, full_loss, error, worst, worst_error,
-                      temperature, cached_cost, full_cost, note.strip())
+                      temperature, cached_cost, full_cost, note.strip(), trainer.cache.last_step)
 
 
 def any_rank(flag: bool, world: int) -> bool:
@@ -366,7 +375,7 @@ def run_checks(trainer: Any, batches: int) -> VerifyReport:
     reference = ("one graph, built chunk by chunk in the cached step's order (dropout draws the same masks)"
                  if verifier.chunked else "one graph, one forward per side over the whole batch")
     report = VerifyReport(precision, TOLERANCES[precision], trainer.world, describe_chunking(trainer), reference,
-                          rank=trainer.rank)
+                          rank=trainer.rank, device=str(trainer.device))
     trainer.retriever.train()
     trainer.sampler.set_epoch(0)
     for batch in trainer.loader:
