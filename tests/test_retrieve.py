@@ -271,6 +271,13 @@ def test_answers_are_matched_once_and_evaluate_reuses_the_flags(world, tmp_path,
     assert report["answers"]["metrics"][f"Accuracy@{N_PASSAGES}"] == 0.75
     with pytest.raises(DprGcError, match="compact results have none"):
         evaluate([1], out, mode="string")
+    bare = tmp_path / "bare.jsonl"  # compact results of --match none: neither passage text nor answer flags
+    bare.write_text("".join(json.dumps({**r, "ctxs": [{"id": c["id"], "score": c["score"]} for c in r["ctxs"]]})
+                            + "\n" for r in records))
+    for mode in ("string", None, "auto"):  # the advice never names a mode that fails the same way
+        with pytest.raises(DprGcError, match="neither passage text nor has_answer flags") as refused:
+            evaluate([1], bare, mode=mode)
+        assert "--match stored" not in str(refused.value) and "give a match mode" not in str(refused.value)
 
 
 def test_the_log_states_what_retrieve_took_without_being_told(world, tmp_path, caplog, capsys):

@@ -241,6 +241,18 @@ def resolve_mode(mode: Optional[str], block: list[tuple[int, dict[str, Any]]]) -
     return STORED if all(isinstance(c.get("has_answer"), bool) for c in ctxs) else "string"
 
 
+def missing_for_answers(ctx: dict[str, Any], mode: Optional[str]) -> str:
+    """What a passage lacks for answer matching in ``mode``, and what would work instead: the other field when the
+    passage has it, else (compact results of ``retrieve --match none``) another retrieve or qrels."""
+    has_text, has_flag = isinstance(ctx.get("text"), str), isinstance(ctx.get("has_answer"), bool)
+    if not has_text and not has_flag:
+        return ("neither passage text nor has_answer flags, so answers cannot be judged (compact results of "
+                "--match none); retrieve again with --match string or without --compact, or evaluate with --qrels")
+    if mode:
+        return "missing passage 'text' to match answers (compact results have none: use --match stored)"
+    return "missing boolean 'has_answer'; give a match mode (--match string)"
+
+
 def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], source: str,
                  matcher: Optional[AnswerMatcher]) -> list[list[bool]]:
     """Each passage's answer flag for a block of questions: stored (``mode`` None) or recomputed by ``matcher``."""
@@ -251,9 +263,7 @@ def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], s
         field = "text" if mode else "has_answer"
         for j, ctx in enumerate(entry["ctxs"]):
             if not isinstance(ctx.get(field), str if mode else bool):
-                need = ("passage 'text' to match answers (compact results have none: use --match stored)" if mode
-                        else "boolean 'has_answer'; give a match mode")
-                raise DprGcError(f"{source}: question {i}, ctx {j}: missing {need}")
+                raise DprGcError(f"{source}: question {i}, ctx {j}: {missing_for_answers(ctx, mode)}")
     if not mode:
         return [[c["has_answer"] for c in entry["ctxs"]] for _, entry in block]
     return matcher.flags([(entry["answers"], [(passage_key(c), c["text"]) for c in entry["ctxs"]])
