@@ -22,44 +22,34 @@ from .loss import all_gather_with_grad
 
 
 def cached(func: Callable[..., Any]) -> Callable[..., tuple[Any, ...]]:
-    """Run ``func`` without a graph; return a leaf copy of its output and a closure that replays it with a graph.
-
-    The closure, called with the leaf after the loss's backward, re-runs ``func`` under the RNG state of the first
-    run (CPU and the CUDA devices of every tensor argument, and of every parameter and buffer of a model passed in,
-    positionally or by keyword; other devices are refused) and backpropagates ``leaf.grad`` into the parameters.
-
-    The original's ``grad_cache.functional.cached`` (luyug/GradCache, Gao et al. 2021), called the same way.
+    """Run ``func`` without a graph; return a leaf copy of its output and a closure that replays it with a graph:
+    luyug/GradCache's ``grad_cache.functional.cached`` (Gao et al. 2021), called the same way. The closure, called
+    with the leaf after the loss's backward, re-runs ``func`` under the RNG state of the first run (CPU and the CUDA
+    devices of every tensor argument and of a model's parameters and buffers; other devices are refused) and
+    backpropagates ``leaf.grad`` into the parameters.
 
     Args:
-        func: the model call, ``func(*args, **kwargs)`` returning a representation tensor ``[rows, ...]`` or, as
-            in the original, a tuple of them.
+        func: the model call, returning a representation tensor ``[rows, ...]`` or, as in the original, a tuple.
 
     Returns:
-        The decorated function, returning ``(leaf, closure)`` (``(leaf_1, ..., leaf_k, closure)`` for a tuple):
-        each representation detached, fp32 and requiring grad, and ``closure(leaf)`` (``closure((leaf_1, ...))``),
-        which returns None. A leaf the loss did not use adds nothing; if none has a gradient yet, the closure raises
-        a :class:`RuntimeError`.
+        The decorated function, returning ``(leaf, closure)`` (``(leaf_1, ..., leaf_k, closure)`` for a tuple): each
+        representation detached, fp32, requiring grad; ``closure(leaf)`` returns None, adds nothing for a leaf the
+        loss did not use, and raises :class:`RuntimeError` if no leaf has a gradient yet.
 
-    Example (one step over a batch that arrives in sub-batches of 2, equal to the full-batch gradient):
+    Example (a batch in sub-batches of 2, equal to the full-batch gradient):
         >>> import torch
         >>> from dpr_gc import SimpleContrastiveLoss
         >>> from dpr_gc.engine.functional import cached, cat_input_tensor
-        >>> encoder = torch.nn.Linear(8, 4)
-        >>> @cached
-        ... def encode(model, batch):
-        ...     return model(batch)
-        >>> @cat_input_tensor
-        ... def loss_fn(x, y):
-        ...     return SimpleContrastiveLoss()(x, y)
+        >>> encoder, loss = torch.nn.Linear(8, 4), SimpleContrastiveLoss()
+        >>> encode = cached(lambda model, batch: model(batch))
+        >>> loss_fn = cat_input_tensor(lambda x, y: loss(x, y))
         >>> queries, passages = torch.randn(4, 8), torch.randn(4, 8)
         >>> q_reps, q_replays = zip(*(encode(encoder, b) for b in queries.split(2)))   # no graphs kept
         >>> p_reps, p_replays = zip(*(encode(encoder, b) for b in passages.split(2)))
         >>> loss_fn(list(q_reps), list(p_reps)).backward()       # d loss / d rep lands in each rep's .grad
-        >>> for replay, rep in zip(q_replays + p_replays, q_reps + p_reps):
-        ...     replay(rep)                                      # re-encode with a graph, push the gradient in
-        >>> cached_grad = encoder.weight.grad.clone()
-        >>> encoder.zero_grad()
-        >>> SimpleContrastiveLoss()(encoder(queries), encoder(passages)).backward()
+        >>> _ = [replay(rep) for replay, rep in zip(q_replays + p_replays, q_reps + p_reps)]  # replay, push in
+        >>> cached_grad, encoder.weight.grad = encoder.weight.grad.clone(), None
+        >>> loss(encoder(queries), encoder(passages)).backward()
         >>> torch.allclose(cached_grad, encoder.weight.grad, atol=1e-6)
         True
     """

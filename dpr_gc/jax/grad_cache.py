@@ -185,14 +185,13 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
     """Gradient Cache step for several encoders: returns ``f(params, loss_params, batches, key) -> (loss, (grads,
     loss_grads))`` with the gradients of ``loss_fn(loss_params, *[enc(params, batch) for ...])`` over whole batches.
 
-    ``encoders[i](params, chunk, key) -> reps`` sees the whole ``params`` tree (tied towers use the same subtree,
-    separate towers different ones) and a dropout key. Each batch is padded to a multiple of its chunk size (the
-    padding's representations are dropped before the loss), every chunk gets its own key, and the same key is used
+    Each encoder sees the whole ``params`` tree (tied towers share a subtree) and a dropout key. A batch is padded to
+    a multiple of its chunk size (the padding's representations dropped before the loss); each chunk's key is used
     in the no-gradient pass and in the replay, so the gradient is exact with dropout on. Pass 1 encodes every chunk
-    without a graph; the loss and its gradient with respect to all representations are computed once (fp32); pass 2
-    replays one chunk at a time and accumulates its VJP with the cached gradient (fp32 accumulator, returned in the
-    parameters' dtypes). Memory is that of one chunk plus the representations. With ``axis_name`` it runs per device
-    inside ``shard_map`` and averages loss and gradients over that axis (the rule is in :mod:`.parallel`).
+    without a graph; the loss and its gradient to all representations are computed once (fp32); pass 2 replays one
+    chunk at a time, accumulating its VJP with the cached gradient in fp32 (returned in the parameters' dtypes):
+    memory is one chunk plus the representations. With ``axis_name`` it runs per device inside ``shard_map`` and
+    averages loss and gradients over that axis (:mod:`.parallel`).
 
     Args:
         encoders: one ``f(params, batch, key) -> reps [rows, D]`` per batch (e.g. :func:`encoder_fn`).
@@ -204,9 +203,7 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
         ``f(params, loss_params, batches, key) -> (loss, (grads, loss_grads))``: ``batches`` holds one pytree per
         encoder (rows on the leading axis), ``key`` a PRNG key; jit-compatible.
 
-    References:
-        Gao et al. 2021; the two passes of luyug/GradCache's JAX ``cachex`` (:func:`chunk_encode`, :func:`cache_grad`)
-        as one step.
+    References: Gao et al. 2021; luyug/GradCache's JAX ``cachex`` (:func:`chunk_encode`, :func:`cache_grad`).
 
     Example (a linear encoder shared by queries and passages; the whole batch's gradient, chunk by chunk):
         >>> import jax
