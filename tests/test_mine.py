@@ -492,6 +492,7 @@ def test_mine_cli_reports_each_rules_removals_and_resumes_with_them(world, tmp_p
     printed = capsys.readouterr().out
     assert f"| dropped by max negative ratio | {ref.ratio_dropped} |" in printed
     assert f"| dropped by min margin | {ref.min_margin_dropped} |" in printed
+    assert "dropped by margin" not in printed and "skipped by rank" not in printed  # rules off: no rows of zeros
     assert f"{ref.ratio_dropped} by --max-negative-ratio 0.7, {ref.min_margin_dropped} by --min-margin 0.7" in \
         caplog.text
     assert {"max_negative_ratio", "min_margin"} <= set(RESUME_FLAGS)  # a changed rule never resumes an old run

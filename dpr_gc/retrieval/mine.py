@@ -167,8 +167,9 @@ class MiningSummary:
                 continue
             setattr(self, f.name, {"score_min": min, "score_max": max}.get(f.name, lambda x, y: x + y)(a, b))
 
-    def table(self) -> dict[str, Any]:
-        """The rows of the closing summary table."""
+    def table(self, mining: Optional[MineSettings] = None) -> dict[str, Any]:
+        """The rows of the closing summary table; given the ``mining`` settings, without the rows of rules they
+        leave off (``--skip-top 0``, no ``--margin``, ...), which could only read 0."""
         def stat(v: float) -> Any:
             return round(v, 4) if self.written else "-"
 
@@ -176,7 +177,7 @@ class MiningSummary:
         if self.judged is not None:  # --qrels given (a BEIR folder's own qrels positives count as gold)
             judged, judged_dropped = ({"questions judged in --qrels": self.judged},
                                       {"qrels positives dropped": self.qrels_dropped})
-        return {"questions": self.questions, **judged, "candidates seen": self.candidates,
+        rows = {"questions": self.questions, **judged, "candidates seen": self.candidates,
                 "questions without a candidate": self.no_candidates,
                 "gold dropped": self.gold_dropped, "answer-bearing dropped": self.answer_dropped,
                 **judged_dropped, "skipped by rank": self.rank_skipped,
@@ -187,6 +188,19 @@ class MiningSummary:
                 "questions short of N": self.short,
                 "negatives written": self.written, "mean score": stat(self.score_sum / max(self.written, 1)),
                 "min score": stat(self.score_min), "max score": stat(self.score_max)}
+        return rows if mining is None else {k: v for k, v in rows.items() if k not in rules_off(mining)}
+
+
+def rules_off(mining: MineSettings) -> set[str]:
+    """The summary rows of the rules ``mining`` leaves off."""
+    off = set() if mining.skip_top else {"skipped by rank"}
+    off |= set() if mining.margin is not None else {"dropped by margin"}
+    off |= set() if mining.max_negative_ratio is not None else {"dropped by max negative ratio",
+                                                                  "questions the ratio skipped (positive score <= 0)"}
+    off |= set() if mining.min_margin is not None else {"dropped by min margin"}
+    if not needs_positive_scores(mining.margin, mining.max_negative_ratio, mining.min_margin):
+        off.add("questions without a positive score")
+    return off
 
 
 # ----------------------------------------------------------------------------------------------------- mining
@@ -613,7 +627,7 @@ def _cli(args: argparse.Namespace) -> None:
                            resume_key=resume_key(args, inputs, source), total=total)
     if qrels is not None and summary.judged == 0:
         logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
-    print(format_summary({"source": args.source, **summary.table(), "output": args.output}))
+    print(format_summary({"source": args.source, **summary.table(mining), "output": args.output}))
 
 
 def add_cli(subparsers: Any) -> None:
