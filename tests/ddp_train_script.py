@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dpr_gc.train import trainer
+from dpr_gc.data import corpus
 from dpr_gc.train.trainer import train
 from tests.train_data import train_config
 
@@ -65,8 +65,8 @@ def output_writes(root: str) -> list:
 rank = os.environ.get("RANK")
 writes = output_writes(os.path.abspath(out)) if rank is not None else None
 fingerprinted: list = []  # the training files this rank read to fingerprint them
-fingerprint = trainer.source_fingerprint
-trainer.source_fingerprint = lambda path: fingerprinted.append(str(path)) or fingerprint(path)
+fingerprint = corpus.corpus_fingerprint  # what every source fingerprint reads the files with, wherever it is called
+corpus.corpus_fingerprint = lambda path: fingerprinted.append(str(path)) or fingerprint(path)
 dist.destroy_process_group = checked_destroy
 train(train_config(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
                    query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3, num_workers=0),

@@ -1,8 +1,8 @@
 """Training data: DPR JSON/JSONL files and BEIR folders -> Arrow, mixed sampling, per-step examples, tokenisation.
 
 Each source is validated record by record while it streams into an Arrow file in a cache folder (keyed by path
-and content fingerprint), then memory-mapped, so a multi-GB NQ file never lives as Python objects and a restart does not
-re-parse it. :class:`MixedBatchSampler` draws each epoch from several sources at per-source rates, shards it across
+and content fingerprint), then memory-mapped, so a multi-GB NQ file never lives as Python objects and a restart
+does not re-parse it. :class:`MixedBatchSampler` draws each epoch from several sources at per-source rates, shards it across
 ranks and can resume mid-epoch; :class:`TrainingExamples` (both in ``sampling.py``) picks one positive and ``N + M`` negatives per draw with
 randomness derived from ``(seed, epoch, position)``; :class:`Collator` tokenises in DataLoader workers.
 """
@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .arrow_cache import cache_file, cached_dataset, write_stream
-from .corpus import corpus_fingerprint
+from .corpus import source_fingerprint
 from .qrels import iter_qrels, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
@@ -274,9 +274,9 @@ def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
 
 # ----------------------------------------------------------------- Arrow cache
 def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], Produced],
-           cache_dir: Optional[PathLike], skip_bad: bool) -> TrainingData:
+           cache_dir: Optional[PathLike], skip_bad: bool, fingerprint: Optional[str]) -> TrainingData:
     """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it."""
-    key = [FORMAT_VERSION, tag, skip_bad] + [[str(p.resolve()), corpus_fingerprint(p)] for p in files]
+    key = [FORMAT_VERSION, tag, skip_bad, [str(p.resolve()) for p in files], fingerprint or source_fingerprint(source)]
     key += [BEIR_VERSION] if tag == "beir" else []  # DPR files keep their caches
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
     arrow = cache_file(cache_dir, "train", stem, json.dumps(key))
@@ -331,20 +331,22 @@ def _parse(source: Path, stem: str, produce: Callable[[], Produced], skip_bad: b
     write_json(stats_file, stats)
 
 
-def load_dpr_files(paths: Sequence[PathLike], cache_dir: Optional[PathLike] = None,
-                   skip_bad: bool = False) -> TrainingData:
-    """Load DPR training files (JSON list or JSONL, optionally .gz); one size/stats entry per file, in order."""
+def load_dpr_files(paths: Sequence[PathLike], cache_dir: Optional[PathLike] = None, skip_bad: bool = False,
+                   fingerprints: Optional[Sequence[str]] = None) -> TrainingData:
+    """Load DPR training files (JSON list or JSONL, optionally .gz); one size/stats entry per file, in order.
+    ``fingerprints``: each file's :func:`~dpr_gc.data.corpus.source_fingerprint` when the caller has them (the
+    parse cache is keyed by it), else computed here."""
     if not paths:
         raise DprGcError("no training file given")
     parts = []
-    for path in paths:
+    for path, fingerprint in zip(paths, fingerprints or [None] * len(paths)):
         p = require_file(path, "training file")
-        parts.append(_build(p, [p], "dpr", functools.partial(_dpr_records, p), cache_dir, skip_bad))
+        parts.append(_build(p, [p], "dpr", functools.partial(_dpr_records, p), cache_dir, skip_bad, fingerprint))
     return combine(parts)
 
 
 def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Optional[PathLike] = None,
-                       skip_bad: bool = False) -> TrainingData:
+                       skip_bad: bool = False, fingerprint: Optional[str] = None) -> TrainingData:
     """Training questions from a BEIR folder: positives are ``qrels/<split>.tsv`` pairs with score > 0.
 
     There are no hard or other negatives; :class:`TrainingExamples` fills those slots (see there).
@@ -353,18 +355,20 @@ def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Opti
     corpus, queries = find_beir_file(folder, "corpus.jsonl"), find_beir_file(folder, "queries.jsonl")
     qrels = require_file(folder / "qrels" / f"{split}.tsv", f"qrels for split {split!r}")
     produce = functools.partial(_beir_records, corpus, queries, qrels, cache_dir)
-    return _build(folder, [qrels, queries, corpus], "beir", produce, cache_dir, skip_bad)
+    return _build(folder, [qrels, queries, corpus], "beir", produce, cache_dir, skip_bad, fingerprint)
 
 
 def load_training_data(sources: Sequence[PathLike], cache_dir: Optional[PathLike] = None, skip_bad: bool = False,
-                       beir_split: str = "train") -> TrainingData:
+                       beir_split: str = "train", fingerprints: Optional[Sequence[str]] = None) -> TrainingData:
     """Load several sources in order: a folder is read as BEIR, a file as DPR training data (DPR's
     ``biencoder-*.json``, JSON or JSONL). Returns a :class:`TrainingData` (the questions of all sources in one
-    memory-mapped dataset, and per-source sizes and statistics)."""
+    memory-mapped dataset, and per-source sizes and statistics). Each source's parse is cached under its content
+    fingerprint (:func:`~dpr_gc.data.corpus.source_fingerprint`; ``fingerprints`` when the caller has them)."""
     if not sources:
         raise DprGcError("no training data given (pass DPR files or BEIR folders)")
-    return combine([load_beir_training(s, beir_split, cache_dir, skip_bad) if Path(s).is_dir()
-                    else load_dpr_files([s], cache_dir, skip_bad) for s in sources])
+    given = fingerprints or [None] * len(sources)
+    return combine([load_beir_training(s, beir_split, cache_dir, skip_bad, f) if Path(s).is_dir()
+                    else load_dpr_files([s], cache_dir, skip_bad, [f] if f else None) for s, f in zip(sources, given)])
 
 
 # ----------------------------------------------------------------- examples and tokenisation

@@ -118,11 +118,13 @@ class Trainer:
         self.config = config = self.resolve(config, recorded[1] if recorded else None)
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
+        # rank 0 reads the training files for their fingerprints (the parse cache's key, the resume check's record)
+        self.data_fingerprints = from_rank0(lambda: [source_fingerprint(f) for f in config.data.train_files])
         self.data, self.collator, self.loader = self.build_data()
         # parsed now, so a bad dev file is refused here, and kept: each evaluation reuses it (loaded and logged once)
         self.dev_data = load_dev_data(config.data.dev_file, config.data.cache_dir) if config.data.dev_file else None
         self.sampler = self.loader.batch_sampler
-        self.sampler.data_fingerprints = from_rank0(lambda: [source_fingerprint(f) for f in config.data.train_files])
+        self.sampler.data_fingerprints = self.data_fingerprints
         self.steps_per_epoch = self.sampler.batches_per_epoch
         self.total_steps = config.optim.max_steps or self.steps_per_epoch * config.optim.epochs
         self.eval_every, self.save_every = self.schedule()
@@ -173,7 +175,8 @@ class Trainer:
     def build_data(self) -> tuple[Any, Collator, torch.utils.data.DataLoader]:
         """The parsed training sources, the collator that tokenises them, and this rank's DataLoader."""
         config = self.config.data
-        data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records)
+        data = load_training_data(config.train_files, config.cache_dir, config.skip_bad_records,
+                                  fingerprints=self.data_fingerprints)
         collator = Collator(self.retriever.tokenizer, self.retriever.config,  # lengths at most the model's positions
                             query_max_length=self.retriever.max_length("query"),
                             passage_max_length=self.retriever.max_length("passage"))
