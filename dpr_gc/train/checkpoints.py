@@ -18,6 +18,7 @@ from ..base.errors import DiskFullError, DprGcError, is_disk_full
 from ..base.files import atomic_open, read_json, read_tensors
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
+from .config import HIGHER_IS_BETTER
 from ..model.retriever import Retriever
 
 logger = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ class Checkpointer:
     def _better(self, value: float) -> bool:
         if self.best_value is None:
             return True
-        return value > self.best_value if self.metric == "accuracy" else value < self.best_value
+        return value > self.best_value if self.metric in HIGHER_IS_BETTER else value < self.best_value
 
     def checkpoints(self) -> list[Path]:
         return finished_checkpoints(self.out)

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "bf16", "fp16")
 SETTINGS_FILE = "train_config.json"  # the resolved settings of the run, in the output folder and each checkpoint
 BEST_METRICS = ("avg_rank", "loss", "accuracy")
+HIGHER_IS_BETTER = ("accuracy",)  # of BEST_METRICS; the others are better lower
 
 
 def chunk_arg(value: str) -> Union[int, str]:

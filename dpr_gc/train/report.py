@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from ..base.tables import format_summary
 from ..base.logs import counted
-from .config import TrainConfig
+from .config import HIGHER_IS_BETTER, TrainConfig
 
 
 def describe_epoch(data: Any, sampler: Any, beir_positives: str) -> str:
@@ -65,7 +65,7 @@ def best_dev(summary: dict) -> str:
     if summary["best"] is None:
         return "none (no --dev)" if summary.get("dev") is None else "none"
     metric = summary["best_metric"]
-    better = "higher" if metric == "accuracy" else "lower"
+    better = "higher" if metric in HIGHER_IS_BETTER else "lower"
     step = summary.get("best_step")
     where = {None: "", 0: ": the starting model, no step beat it"}.get(step, f" (step {step})")
     return f"{metric} {summary['best']:.4f} ({better} is better) in {summary['best_model']}{where}"
