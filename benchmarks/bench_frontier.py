@@ -14,7 +14,7 @@ For each shape and precision, in fresh processes (so each peak is its own):
 Shapes: ``scifact``: all-MiniLM-L6-v2 on SciFact claims -> cited abstracts with one random other abstract as hard
 negative (uneven real text; generated text when /work/shared/data/scifact is absent); ``llm``: the Qwen2-shaped
 LoRA retriever of bench_llm.py (``--small``: its 4-layer CPU shape) on random token ids of random lengths
-(dpr-gc and plain only: the peers need a tokenizer and a sentence-transformers model). Precisions: fp32 and bf16
+(of the peers only luyug/GradCache: CachedMNRL needs a sentence-transformers model). Precisions: fp32 and bf16
 autocast (the same outer autocast for every method). Peak memory: bench_gradcache.PeakMemory (CUDA
 ``max_memory_allocated``; CPU resident-set high-water mark). Results: JSON in benchmarks/results/.
 
@@ -84,6 +84,8 @@ def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any,
     q = {k: v.to(device) for k, v in random_batch(cfg["batch"], cfg["q_len"], vocab, 1).items()}
     p = {k: v.to(device) for k, v in random_batch(2 * cfg["batch"], cfg["p_len"], vocab, 2).items()}
     loss_fn = SimpleContrastiveLoss(1)
+    if cfg["method"] == ORIGINAL:
+        return original_llm_step(cfg, retriever, q, p), retriever, None
     if cfg["method"] == PLAIN:
         def plain() -> float:
             loss = loss_fn(retriever(kind="query", **q).float(), retriever(kind="passage", **p).float())
@@ -93,6 +95,19 @@ def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any,
     engine = GradCache([retriever, retriever], cfg["chunk"], loss_fn, memory_budget=cfg["budget"],
                        chunking=Chunking(sort_by_length=True))
     return lambda: float(engine(dict(q, kind="query"), dict(p, kind="passage"))), retriever, engine
+
+
+def original_llm_step(cfg: dict, retriever: Any, q: dict, p: dict) -> Callable[[], float]:
+    """luyug/GradCache's step on the LoRA decoder: its tied encoder (normalised, last-token pooled) as both models,
+    at ``cfg["chunk"]`` rows, and its own contrastive loss on the dot products over the retriever's temperature,
+    the loss dpr-gc's scaled representations give."""
+    from grad_cache import GradCache as OriginalGradCache
+    from grad_cache.loss import SimpleContrastiveLoss as OriginalLoss
+
+    encoder, original_loss = retriever.query_encoder, OriginalLoss(n_hard_negatives=1)
+    temperature = float(retriever.temperature)
+    engine = OriginalGradCache([encoder, encoder], cfg["chunk"], lambda x, y: original_loss(x / temperature, y))
+    return lambda: float(engine.cache_step(q, p))
 
 
 def shape_model(shape: str, small: bool, tiny: bool, folder: Path) -> str:
@@ -338,7 +353,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "p_len": args.passage_length, "small": args.small, "device": device, "threads": threads,
                     "steps": args.steps, "seed": args.seed, "mmap_threshold": args.mmap_threshold}
             for precision in args.precisions.split(","):
-                result = frontier({**base, "precision": precision}, args, [] if llm else peers)
+                shape_peers = [m for m in peers if m == ORIGINAL] if llm else peers
+                result = frontier({**base, "precision": precision}, args, shape_peers)
                 report["runs"].append({"shape": shape, "precision": precision, **result})
                 for row in result["comparison"]:
                     logger.info("%s %s: %s", shape, precision, json.dumps(row))
