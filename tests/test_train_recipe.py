@@ -110,3 +110,19 @@ def test_a_folder_without_a_query_length_caps_queries_at_64_tokens(st_folder: Pa
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     config = build_retriever(parsed("--model", str(folder)).model).config
     assert (config.query_max_length, config.passage_max_length) == lengths
+
+
+def test_the_copy_that_fsdp_saves_does_not_say_the_recipe_again(st_folder: Path, caplog, monkeypatch) -> None:
+    """Under --fsdp each save (final/, every new best/) builds an unsharded copy of the model to gather the weights
+    into; the start-up log said the folder's recipe once, the copies do not say it again."""
+    from dpr_gc.train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "unsharded_copy", lambda model, build, is_main: build())
+    config = parsed("--model", str(st_folder), "--fsdp")
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        trainer = trainer_module.Trainer.__new__(trainer_module.Trainer)
+        trainer.config, trainer.rank, trainer.retriever = config, 0, build_retriever(config.model)
+        said = caplog.text.count("its recipe")
+        copy = trainer.export()
+    assert said == 1 and caplog.text.count("its recipe") == 1, caplog.text
+    assert copy is not trainer.retriever and copy.config == trainer.retriever.config

@@ -103,6 +103,17 @@ def dependency_deprecations_hidden() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def infos_hidden(log: logging.Logger) -> Iterator[None]:
+    """``log`` passes only warnings and errors inside the block: for work done again whose choices the log already
+    stated (the unsharded copy ``--fsdp`` builds for every save)."""
+    log.addFilter(warnings_and_errors)
+    try:
+        yield
+    finally:
+        log.removeFilter(warnings_and_errors)
+
+
 def warnings_and_errors(record: logging.LogRecord) -> bool:
     """A quiet dependency's record passes only at WARNING or above, whatever level the library set itself."""
     return record.levelno >= logging.WARNING

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..base.errors import DprGcError
+from ..base.logs import infos_hidden
 from ..model.dpr_hub import find_dpr_pair
 from ..model.folder import config_from_pipeline, load_pipeline_retriever, read_pipeline
 from ..model.retriever import Retriever, RetrieverConfig, check_max_length
@@ -26,10 +28,16 @@ def check_sources(data: DataConfig, output: str) -> None:
             raise DprGcError(f"{flag} data not found: {source} (give DPR files or BEIR folders)")
 
 
-def build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]] = ()) -> Retriever:
+def build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]] = (), quiet: bool = False) -> Retriever:
     """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
     replace its own); a sentence-transformers folder starts from its own recipe (:func:`folder_recipe`, whose log
-    line also lists ``beside``); any other model name or folder starts a new one from ``model.retriever``."""
+    line also lists ``beside``); any other model name or folder starts a new one from ``model.retriever``.
+    ``quiet``: the same retriever built again, its choices not logged a second time."""
+    with infos_hidden(logger) if quiet else contextlib.nullcontext():
+        return _build_retriever(model, beside)
+
+
+def _build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]]) -> Retriever:
     name = model.path()
     if (Path(name) / "retriever_config.json").is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
         retriever = Retriever.load(name, query_prefix=model.query_prefix, passage_prefix=model.passage_prefix)

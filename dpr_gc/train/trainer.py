@@ -318,7 +318,7 @@ class Trainer:
         if not self.config.run.fsdp:
             return self.retriever if self.rank == 0 else None
         def build() -> Retriever:
-            copy = build_retriever(self.config.model)
+            copy = build_retriever(self.config.model, quiet=True)  # the start-up log said its recipe
             if self.config.model.lora is not None:
                 apply_lora(copy, self.config.model.lora)
             copy.training_info = self.retriever.training_info
