@@ -650,12 +650,14 @@ def test_an_empty_output_path_is_refused(world: dict, tmp_path: Path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
-def test_two_outputs_of_one_run_may_not_be_the_same_file(world: dict, tmp_path: Path) -> None:
+def test_two_outputs_of_one_run_may_not_be_the_same_path(world: dict, tmp_path: Path) -> None:
     out = tmp_path / "x"
     refused(retrieve_argv(world, "--queries", world["qa"], "--output", out, "--trec-run", out),
-            "--trec-run", "are the same file")
+            "--trec-run", "are the same path")
     refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", out, "--plot", out],
-            "same file")
+            "same path")
+    refused(retrieve_argv(world, "--queries", world["qa"], "--output", out, "--cache-dir", out),
+            f"--cache-dir {out} and --output {out} are the same path (or links to one)")
     assert not out.exists()
 
 
@@ -757,7 +759,7 @@ def test_scripts_run_under_the_same_guard(world: dict, tmp_path: Path) -> None:
 
 
 def test_check_outputs_library() -> None:
-    with pytest.raises(DprGcError, match="same file"):
+    with pytest.raises(DprGcError, match="same path"):
         check_outputs({}, {"--a": "x/y", "--b": "x/./y"})
     check_outputs({"--in": "a.txt"}, {"--out": "b.txt"})
 

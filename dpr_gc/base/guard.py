@@ -88,8 +88,8 @@ def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: 
                                  "write the output somewhere else")
         for other_flag, other_path, other_ident in outs[:i]:
             if _same(ident, other_ident):
-                raise DprGcError(f"{flag} {path} and {other_flag} {other_path} are the same file; give each output "
-                                 "its own path")
+                raise DprGcError(f"{flag} {path} and {other_flag} {other_path} are the same path (or links to "
+                                 "one); give each output its own path")
 
 
 def check_inputs_given(inputs: Mapping[str, Any]) -> None:
