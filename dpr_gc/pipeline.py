@@ -9,6 +9,7 @@ use, on files in the formats users bring, and every stage resumes: run the comma
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import shutil
@@ -178,24 +179,27 @@ def run_demo(config: DemoConfig) -> dict:
               "outputs": {"model": str(final), "index": str(out / "after" / "index"),
                           "run": str(out / "after" / "run.trec"), "results": str(out / "after" / "results.json"),
                           "metrics": str(out / "metrics.json"), "plot": str(out / "report.png")}}
-    write_report(report, out)
-    return report
+    return write_report(report, out)
 
 
-def write_report(report: dict, out: Path) -> None:
-    """Write ``report.png`` (:func:`report_figure`) and ``metrics.json`` (``report``, which names the plot) into
-    ``out`` as one output (:func:`~dpr_gc.base.files.atomic_paths`, the JSON last): an error or Ctrl-C keeps the
-    earlier pair whole, and a kill leaves no new metrics beside an old report."""
+def write_report(report: dict, out: Path) -> dict:
+    """Write ``report.png`` (:func:`report_figure`) and ``metrics.json`` (``report``, which names the plot and
+    records its SHA-256, as ``dpr-gc evaluate --plot`` does) into ``out`` as one output
+    (:func:`~dpr_gc.base.files.atomic_paths`, the JSON last): an error or Ctrl-C keeps the earlier pair whole, and a
+    kill leaves no new metrics beside an old report. Returns the report as written."""
     import matplotlib.pyplot as plt
 
     fig = report_figure(report)
     try:
         with atomic_paths(out / "report.png", out / "metrics.json") as (plot, metrics):
             fig.savefig(plot, format="png", dpi=100)
+            digest = hashlib.sha256(Path(plot).read_bytes()).hexdigest()
+            report = {**report, "outputs": {**report["outputs"], "plot_sha256": digest}}
             with open(metrics, "w", encoding="utf-8") as f:
                 dump_json(report, f)
     finally:
         plt.close(fig)
+    return report
 
 
 def report_figure(report: dict) -> Any:

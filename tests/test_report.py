@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -20,7 +21,8 @@ def fake_report() -> dict:
     qrels = {"nDCG@10": 0.5, "MRR@10": 0.45, "Recall@100": 0.9}
     return {"before": {"answers": answers, "qrels": qrels}, "after": {"answers": answers, "qrels": qrels},
             "training_loss": [[1, 2.0], [2, 1.5]], "dataset": {"test_queries": 398},
-            "config": {"training": {"data": {"batch_size": 64}, "cache": {"passage_chunk_size": 16}}}}
+            "config": {"training": {"data": {"batch_size": 64}, "cache": {"passage_chunk_size": 16}}},
+            "outputs": {"metrics": "metrics.json", "plot": "report.png"}}
 
 
 def test_report_ticks_are_the_tables_k_and_it_has_a_title() -> None:
@@ -44,7 +46,7 @@ def test_report_ticks_are_the_tables_k_and_it_has_a_title() -> None:
 def test_demo_metrics_and_report_are_replaced_together(tmp_path, monkeypatch) -> None:
     """The demo's metrics.json and report.png are one output: a failure at any of the renames that replace them (a
     kill between the two writes, simulated by os.replace raising) leaves the earlier pair byte-identical and no
-    temporary; the JSON is put in last."""
+    temporary; the JSON is put in last and records the plot's SHA-256."""
     import os
 
     write_report(fake_report(), tmp_path)
@@ -72,6 +74,8 @@ def test_demo_metrics_and_report_are_replaced_together(tmp_path, monkeypatch) ->
     write_report(newer, tmp_path)
     assert renamed[-1] == "metrics.json" and json.loads(metrics.read_text())["seconds"] == 12.0
     assert plot.read_bytes() != before[1]
+    # the JSON records the plot beside it, as evaluate's does: provably its own
+    assert json.loads(metrics.read_text())["outputs"]["plot_sha256"] == hashlib.sha256(plot.read_bytes()).hexdigest()
 
 
 def test_metric_table_titles_take_the_singular_for_one(capsys) -> None:
