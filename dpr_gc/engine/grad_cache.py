@@ -259,22 +259,14 @@ class GradCache:
         scaler: the ``GradScaler`` of ``fp16``; the caller steps it (``scaler.step(optimizer)``, ``update()``).
         bf16: bf16 autocast, no scaler.
         memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
-            first-pass graphs to keep: a chunk whose measured graph fits what is left keeps it and is not run again
-            (its backward takes the cached gradient directly); the others are replayed. 0 (default): only the last
-            chunk, as ``chunking.keep_last_graph`` says. Graphs are measured exactly (saved-tensor hooks; autocast's
-            weight copies, shared by every chunk of a pass, once); peak graph memory stays within the budget plus
-            one chunk's graph. From the second step on, the leading chunks the budget is predicted to hold (bytes
-            per token measured before) are joined into larger kept chunks, and the replayed chunks after them up to
-            the budget's size, as long as joining saves more than the padding it adds costs (a chunk's fixed cost
-            counts as ``CHUNK_OVERHEAD_TOKENS``: 16,384 tokens on CUDA, whose chunks are bound by kernel launches,
-            256 on the CPU, 64 elsewhere). On CUDA a budget for the whole batch makes the step plain training, one
-            chunk per model, unless a join would add more than 16,384 tokens of padding (lengths as uneven as 512
-            against 100 over 128 rows stay two chunks; the last chunk joins only a first joined chunk that reaches
-            it, and never under DDP/FSDP); on CPU, chunks of very different lengths stay apart, each trimmed to its own
-            longest sequence, so the step computes fewer tokens than plain training's padded batch, and no joined chunk
-            computes more than ``JOINED_CHUNK_MAX_TOKENS`` (4,096 tokens: larger CPU chunks are slower per token).
-            Kept graphs are backpropagated in one backward call, as plain training's. Under DDP/FSDP every model's
-            last chunk is still replayed: its backward carries the gradient sync, after every kept graph's.
+            first-pass graphs to keep: a chunk whose graph, measured exactly with saved-tensor hooks, fits what is
+            left keeps it and is not run again (its backward takes the cached gradient directly); the others are
+            replayed. 0 (default): only the last chunk, as ``chunking.keep_last_graph`` says. Peak graph memory
+            stays within the budget plus one chunk's graph. From the second step on, chunks the budget holds are
+            joined into fewer, larger ones where that saves more than the padding it adds (on CUDA a budget for the
+            whole batch makes the step plain training, one chunk per model; docs/training.md, "Memory budget and
+            chunks"). Under DDP/FSDP each model's last chunk is still replayed: its backward carries the gradient
+            sync.
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
             trim padding, keep the last graph, size chunks by tokens).
 
