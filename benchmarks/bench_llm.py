@@ -51,12 +51,18 @@ SMALL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidd
 
 
 def build(args: argparse.Namespace, device: torch.device) -> Retriever:
+    return build_shape(SMALL if args.small else QWEN2_05B, args.lora_r, device)
+
+
+def build_shape(shape: dict, lora_r: int, device: torch.device) -> Retriever:
+    """A random-weight Qwen2 decoder of ``shape`` (a Qwen2Config's fields) with LoRA rank ``lora_r`` adapters on
+    every attention and MLP projection, last-token pooling, in train mode on ``device``."""
     from transformers import Qwen2Config, Qwen2Model
 
     torch.manual_seed(0)
-    model = Qwen2Model(Qwen2Config(**(SMALL if args.small else QWEN2_05B), attn_implementation="sdpa"))
+    model = Qwen2Model(Qwen2Config(**shape, attn_implementation="sdpa"))
     retriever = Retriever(model, None, None, RetrieverConfig(pooling="last", temperature=0.05, normalize=True))
-    apply_lora(retriever, LoraSettings(r=args.lora_r))
+    apply_lora(retriever, LoraSettings(r=lora_r))
     return retriever.to(device).train()
 
 

@@ -562,3 +562,21 @@ def test_the_step_profile_counts_each_kernel_once() -> None:
               event("cudaLaunchKernel", DeviceType.CPU, 0.0)]
     assert profile_step.device_busy_ms(events) == pytest.approx(3.5)
     assert [e.key for e in profile_step.host_events(events)] == ["aten::mm", "aten::copy_", "cudaLaunchKernel"]
+
+
+def test_the_host_overhead_benchmark_times_plain_and_the_whole_batch_budget_in_turn(tmp_path: Path, capsys) -> None:
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    assert host_overhead.main(["--layers", "1", "--steps", "2", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())["result"]
+    assert [len(result["step_times_s"][k]) for k in ("plain", "whole")] == [4, 4]  # two warm-ups, two timed
+    assert result["plain_ms"] > 0 and result["whole_vs_plain"] == pytest.approx(result["whole_ms"] / result["plain_ms"])
+    assert "ms a step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag", [(["--layers", "0"], "--layers"), (["--query-length", "0"], "--query-length")])
+def test_the_host_overhead_benchmark_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
+    import host_overhead
+
+    refused_in_one_line(host_overhead.main, argv, flag, tmp_path / "host.json", capsys)

@@ -9,6 +9,7 @@ anyway. :class:`BudgetLedger` keeps the graphs that fit and records what it kept
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from typing import Any, Callable, Iterable, Optional, Union
@@ -88,12 +89,16 @@ def _storage(t: torch.Tensor) -> Optional[Any]:
 
 def fixed_storages(modules: Iterable[nn.Module]) -> set[int]:
     """Data pointers of the parameters and buffers of ``modules``: saved for backward, but not the graph's memory."""
+    return storages_of(t for module in modules for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def storages_of(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """Data pointers of the storages of ``tensors`` (:func:`fixed_storages` of tensors already listed)."""
     found = set()
-    for module in modules:
-        for t in list(module.parameters()) + list(module.buffers()):
-            storage = _storage(t)
-            if storage is not None and storage.data_ptr():
-                found.add(storage.data_ptr())
+    for t in tensors:
+        storage = _storage(t)
+        if storage is not None and storage.data_ptr():
+            found.add(storage.data_ptr())
     return found
 
 

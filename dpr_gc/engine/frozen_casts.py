@@ -27,30 +27,25 @@ from torch import nn
 CAST_DTYPES = (torch.float32,)
 
 
-def _owners(models: Sequence[nn.Module]) -> dict[int, set[tuple[int, str]]]:
-    """For every parameter of ``models`` (by identity): the distinct (module, attribute) slots that hold it."""
-    owners: dict[int, set[tuple[int, str]]] = {}
+def castable_linear_params(models: Sequence[nn.Module], dtypes: Mapping[str, torch.dtype]) -> list[nn.Parameter]:
+    """The frozen weights and biases of exact ``nn.Linear`` modules in ``models`` that autocast would lower to
+    ``dtypes[device type]`` at every call: fp32, plain tensors, on a device with an autocast dtype, held by no
+    other module. One walk of each distinct model's modules (tied towers are one model)."""
+    owners: dict[int, set[tuple[int, str]]] = {}  # parameter -> the (module, attribute) slots that hold it
+    linears = []
     for model in {id(m): m for m in models}.values():
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
                 owners.setdefault(id(param), set()).add((id(module), name))
-    return owners
-
-
-def castable_linear_params(models: Sequence[nn.Module], dtypes: Mapping[str, torch.dtype]) -> list[nn.Parameter]:
-    """The frozen weights and biases of exact ``nn.Linear`` modules in ``models`` that autocast would lower to
-    ``dtypes[device type]`` at every call: fp32, plain tensors, on a device with an autocast dtype, held by no
-    other module."""
-    owners, found = _owners(models), {}
-    for model in models:
-        for module in model.modules():
-            if type(module) is not nn.Linear:
-                continue
-            for param in (module.weight, module.bias):
-                if (param is not None and not param.requires_grad and param.dtype in CAST_DTYPES
-                        and type(param.data) is torch.Tensor and param.device.type in dtypes
-                        and len(owners[id(param)]) == 1):
-                    found[id(param)] = param
+            if type(module) is nn.Linear:
+                linears.append(module)
+    found = {}
+    for module in linears:
+        for param in (module.weight, module.bias):
+            if (param is not None and not param.requires_grad and param.dtype in CAST_DTYPES
+                    and type(param.data) is torch.Tensor and param.device.type in dtypes
+                    and len(owners[id(param)]) == 1):
+                found[id(param)] = param
     return list(found.values())
 
 

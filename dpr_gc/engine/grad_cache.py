@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, fixed_storages, parse_memory,
+from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, parse_memory, storages_of,
                      resolve_budget)
 from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
                        pad_sequence_dim, rows_in, split_by_tokens, split_input, take_rows, tensors_in, to_device,
@@ -94,8 +94,12 @@ def rng_devices(model: Any, model_input: Any) -> set[torch.device]:
     Refuses devices whose RNG cannot be replayed here (MPS, XPU, ...): dropout would silently differ between the
     two passes and the gradient would be wrong.
     """
-    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
-    return replayable(devices | {t.device for t in tensors_in(model_input)} | {torch.device("cpu")})
+    return replayable_devices(itertools.chain(model.parameters(), model.buffers(), tensors_in(model_input)))
+
+
+def replayable_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:
+    """The devices of ``tensors`` and the CPU, refused where their RNG cannot be replayed (:func:`rng_devices`)."""
+    return replayable({t.device for t in tensors} | {torch.device("cpu")})
 
 
 def replayable(devices: set[torch.device]) -> set[torch.device]:
@@ -145,7 +149,7 @@ def buffers_kept(models: Iterable[nn.Module]) -> Iterator[None]:
     """Put every buffer of ``models`` back to its current value after the block (the replay must not count a
     chunk's examples twice in BatchNorm-style running statistics)."""
     saved = {}
-    for model in models:
+    for model in {id(m): m for m in models}.values():  # tied towers: walked once
         for name, buffer in model.named_buffers():
             saved.setdefault((id(model), name), (model, name, buffer.detach().clone()))
     try:
@@ -232,6 +236,23 @@ class _Plan:
             raise DprGcError(f"the chunks of model {self.m} gave representations of shapes {tuple(first.shape[1:])} "
                              f"and {tuple(chunk_rep.shape[1:])} per row (a per-token representation with fewer than "
                              "3 dimensions cannot be padded back after trimming): pass trim=False")
+
+
+class _ListedTensors:
+    """The parameters and buffers of each model, listed once per step: walking the modules of a large model (a LoRA
+    decoder of 24 layers has about 2,000) costs milliseconds of host time, which a GPU step waits for, and the first
+    pass and the replay each need them per model input (twice for tied towers)."""
+
+    def __init__(self) -> None:
+        self._listed: dict[int, list[torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self._listed.clear()
+
+    def of(self, model: nn.Module) -> list[torch.Tensor]:
+        if id(model) not in self._listed:
+            self._listed[id(model)] = list(itertools.chain(model.parameters(), model.buffers()))
+        return self._listed[id(model)]
 
 
 class GradCache:
@@ -332,6 +353,7 @@ class GradCache:
         self._replayed_graph: dict[int, int] = {}  # largest replayed chunk graph per model, measured in its first step
         self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
         self.joined_tokens: list[Optional[tuple[int, int]]] = []  # the last step's join limits per model (_plan)
+        self._tensors = _ListedTensors()  # each model's parameters and buffers, listed afresh in every step
 
     def __call__(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
         return self.cache_step(*model_inputs, no_sync_except_last=no_sync_except_last, **loss_kwargs)
@@ -427,9 +449,9 @@ class GradCache:
         others run (or are dropped) without a graph, their RNG state recorded first for the replay. Under DDP/FSDP
         kept graphs run without gradient sync and the last chunk is always replayed: its backward syncs."""
         model = self.models[plan.m]
-        devices = rng_devices(model, None) if trainable else set()
+        devices = replayable_devices(self._tensors.of(model)) if trainable else set()
         data_parallel, last = is_data_parallel(model), len(plan.chunks) - 1
-        exclude = fixed_storages([model]) if trainable else set()
+        exclude = storages_of(self._tensors.of(model)) if trainable else set()
         for i, (chunk, width) in enumerate(zip(plan.chunks, plan.widths)):
             force = keep_last and i == last
             if trainable:
@@ -493,6 +515,7 @@ class GradCache:
         ledger = BudgetLedger(self._budget_bytes(), self._per_token)
         plans, reps = [], []
         self.joined_tokens = []
+        self._tensors.clear()  # a step lists them afresh: the caller may have added or frozen some
         with self._pass_autocast():
             for m, model_input in enumerate(model_inputs):
                 self.joined_tokens.append(self._join_limits(m, trainable[m], ledger))
@@ -565,7 +588,7 @@ class GradCache:
         all-reduce (FSDP's reduce-scatter)."""
         model, end = self.models[plan.m], len(plan.chunks) - 1
         measure = plan.m not in self._replayed_graph
-        exclude = fixed_storages([model]) if plan.states and measure else set()
+        exclude = storages_of(self._tensors.of(model)) if plan.states and measure else set()
         for i in sorted(plan.states):
             with self._sync_context(model, not no_sync or i == end):
                 with plan.states[i].replay(), (GraphMeter(exclude) if measure else contextlib.nullcontext()) as meter:

@@ -38,7 +38,8 @@ class SparseEmbeddingGrads:
     data-parallel one) run with ``sparse=True`` inside it and get their flag back on exit."""
 
     def __init__(self, models: Sequence[Optional[nn.Module]]) -> None:
-        self.embeddings = [switchable_embeddings(model) if model is not None else [] for model in models]
+        found = {id(m): switchable_embeddings(m) for m in models if m is not None}  # tied towers: walked once
+        self.embeddings = [found[id(model)] if model is not None else [] for model in models]
 
     def __enter__(self) -> SparseEmbeddingGrads:
         for embeddings in self.embeddings:
