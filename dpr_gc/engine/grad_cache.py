@@ -500,11 +500,14 @@ class GradCache:
         with SparseEmbeddingGrads([m if t and not is_data_parallel(m) else None
                                    for m, t in zip(self.models, trainable)]) as embeddings, \
                 FrozenLinearCasts([m for m, t in zip(self.models, trainable) if t], self._autocast_dtypes()):
-            plans, reps = self.forward_no_grad(model_inputs, trainable)
-            loss = self.build_cache(reps, **loss_kwargs)
-            cache = [rep.grad for rep in reps]
-            embeddings.dense_grads([grad is not None for grad in cache])
-            self.forward_backward(plans, cache, no_sync_except_last)
+            try:
+                plans, reps = self.forward_no_grad(model_inputs, trainable)
+                loss = self.build_cache(reps, **loss_kwargs)
+                cache = [rep.grad for rep in reps]
+                embeddings.dense_grads([grad is not None for grad in cache])
+                self.forward_backward(plans, cache, no_sync_except_last)
+            finally:
+                self._tensors.clear()  # holds no tensor past the step (a later .to() replaces buffers)
         return loss.detach()
 
     def forward_no_grad(self, model_inputs: Sequence[Any], trainable: list[bool]) -> tuple[list[_Plan], list[torch.Tensor]]:
