@@ -191,4 +191,3 @@ def test_a_frozen_tower_keeps_its_fp32_weights(make_retriever):
 
     GradCache(modules, CHUNK, loss, bf16=True)(*make_batch(retriever, 8, 1, seed=7))
     assert dtypes == [({torch.bfloat16}, {torch.float32})]
-
