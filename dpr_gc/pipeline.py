@@ -9,7 +9,6 @@ use, on files in the formats users bring, and every stage resumes: run the comma
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import shutil
@@ -183,18 +182,19 @@ def run_demo(config: DemoConfig) -> dict:
 
 
 def write_report(report: dict, out: Path) -> dict:
-    """Write ``report.png`` (:func:`report_figure`) and ``metrics.json`` (``report``, which names the plot and
-    records its SHA-256, as ``dpr-gc evaluate --plot`` does) into ``out`` as one output
+    """Write ``report.png`` (:func:`report_figure`) and ``metrics.json`` (``report``, with the plot's file and
+    SHA-256 under ``plot`` as ``dpr-gc evaluate --plot`` records them) into ``out`` as one output
     (:func:`~dpr_gc.base.files.atomic_paths`, the JSON last): an error or Ctrl-C keeps the earlier pair whole, and a
     kill leaves no new metrics beside an old report. Returns the report as written."""
     import matplotlib.pyplot as plt
+
+    from .evaluation.evaluate import plot_record
 
     fig = report_figure(report)
     try:
         with atomic_paths(out / "report.png", out / "metrics.json") as (plot, metrics):
             fig.savefig(plot, format="png", dpi=100)
-            digest = hashlib.sha256(Path(plot).read_bytes()).hexdigest()
-            report = {**report, "outputs": {**report["outputs"], "plot_sha256": digest}}
+            report = {**report, "plot": plot_record(out / "report.png", plot)}
             with open(metrics, "w", encoding="utf-8") as f:
                 dump_json(report, f)
     finally:

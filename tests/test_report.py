@@ -75,7 +75,8 @@ def test_demo_metrics_and_report_are_replaced_together(tmp_path, monkeypatch) ->
     assert renamed[-1] == "metrics.json" and json.loads(metrics.read_text())["seconds"] == 12.0
     assert plot.read_bytes() != before[1]
     # the JSON records the plot beside it, as evaluate's does: provably its own
-    assert json.loads(metrics.read_text())["outputs"]["plot_sha256"] == hashlib.sha256(plot.read_bytes()).hexdigest()
+    assert json.loads(metrics.read_text())["plot"] == {"file": str(plot),
+                                                       "sha256": hashlib.sha256(plot.read_bytes()).hexdigest()}
 
 
 def test_metric_table_titles_take_the_singular_for_one(capsys) -> None:

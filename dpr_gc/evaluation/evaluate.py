@@ -368,6 +368,12 @@ def _cli(args: argparse.Namespace) -> None:
     write_report(report, curves, args.output, args.plot)
 
 
+def plot_record(plot: PathLike, written: Path) -> dict[str, str]:
+    """What a metrics JSON records of the plot written beside it: the plot's path and the SHA-256 of ``written``
+    (its bytes, still under a temporary name), so a reader can tell that the plot there is the JSON's own."""
+    return {"file": str(plot), "sha256": hashlib.sha256(written.read_bytes()).hexdigest()}
+
+
 def write_report(report: dict[str, Any], curves: dict[str, dict[int, float]], output: Optional[PathLike],
                  plot: Optional[PathLike]) -> None:
     """Write the metrics JSON and/or the plot of ``curves`` as one output (:func:`~dpr_gc.base.files.atomic_paths`,
@@ -379,8 +385,7 @@ def write_report(report: dict[str, Any], curves: dict[str, dict[int, float]], ou
     with atomic_paths(*paths) as tmps:
         if plot:
             save_plot(curves, tmps[0])
-            report = {**report, "plot": {"file": str(plot),
-                                         "sha256": hashlib.sha256(tmps[0].read_bytes()).hexdigest()}}
+            report = {**report, "plot": plot_record(plot, tmps[0])}
         if output:
             with open(tmps[-1], "w", encoding="utf-8") as f:
                 dump_json(report, f)
