@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -190,22 +191,34 @@ def test_resume_keeps_the_baseline(task: dict, tmp_path: Path, monkeypatch) -> N
     assert (summary["best"], summary.get("best_step")) == (2.0, 0)
 
 
+def argv_without_checkpoints(task: dict, out: Path, *extra: str) -> list[str]:
+    """The command line of a run on the task's DPR file that saves no checkpoint (no --save-every)."""
+    args = argv(task, out, "--train", task["dpr"], *extra)
+    at = args.index("--save-every")
+    return args[:at] + args[at + 2:]
+
+
+def interrupt_at_step(monkeypatch, step: int) -> Callable:
+    """Make training raise KeyboardInterrupt (Ctrl-C) when it reaches ``step``; returns the real train_step, to put
+    back with ``monkeypatch.setattr(Trainer, "train_step", ...)``."""
+    real_step = Trainer.train_step
+
+    def interrupted(self: Trainer, batch: dict) -> object:
+        if self.step == step:
+            raise KeyboardInterrupt
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    return real_step
+
+
 def test_a_run_stopped_before_its_first_checkpoint_starts_over(task: dict, tmp_path: Path, monkeypatch) -> None:
     """best/ then holds only the starting model (written before training): the same command starts over, as the
     interrupt's advice says; an earlier run's trained best/ is still refused."""
     scripted_dev(monkeypatch, {0: 2.0, 1: 3.0, 2: 2.5}, {})
     out = tmp_path / "out"
-    args = argv(task, out, "--train", task["dpr"], "--dev", task["dpr"], "--max-steps", "2")
-    args.remove("--save-every")
-    args.remove("1")
-    real_step = Trainer.train_step
-
-    def interrupted(self: Trainer, batch: dict) -> object:
-        if self.step == 1:
-            raise KeyboardInterrupt
-        return real_step(self, batch)
-
-    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    args = argv_without_checkpoints(task, out, "--dev", task["dpr"], "--max-steps", "2")
+    real_step = interrupt_at_step(monkeypatch, 1)
     code, err = call(cli.main, args)
     assert code == 130 and "run the same command again to start over" in err, err
     assert (out / "best").is_dir() and not (out / "final").exists()
@@ -228,17 +241,8 @@ def test_a_run_stopped_with_a_trained_best_before_its_first_checkpoint_says_what
     command starts over and finishes."""
     scripted_dev(monkeypatch, {0: 3.0, 1: 2.0, 2: 2.5, 3: 2.4}, {})
     out = tmp_path / "out"
-    args = argv(task, out, "--train", task["dpr"], "--dev", task["dpr"], "--max-steps", "3", "--eval-every", "1")
-    args.remove("--save-every")
-    args.remove("1")
-    real_step = Trainer.train_step
-
-    def interrupted(self: Trainer, batch: dict) -> object:
-        if self.step == 2:
-            raise KeyboardInterrupt
-        return real_step(self, batch)
-
-    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    args = argv_without_checkpoints(task, out, "--dev", task["dpr"], "--max-steps", "3", "--eval-every", "1")
+    real_step = interrupt_at_step(monkeypatch, 2)
     code, err = call(cli.main, args)
     last = err.strip().splitlines()[-1]
     assert code == 130 and last == (f"interrupted: no checkpoint was saved yet and {out / 'best'} holds the best "
