@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -683,17 +684,16 @@ def read_only(monkeypatch, folder: Path) -> None:
     monkeypatch.setattr(os, "mkdir", made)
 
 
-@pytest.mark.parametrize("command, output", [
-    ("index", "idx"), ("index", "new/idx"), ("encode", "emb"), ("retrieve", "r.json"), ("trec-run", "r.trec"),
-    ("evaluate", "ev.json"), ("mine", "m.json"), ("train", "run"), ("merge-lora", "merged"),
-    ("make-stdlib-data", "std"), ("demo", "demo"), ("dense_retriever.py", "r.json")])
-def test_an_output_where_nothing_may_be_written_is_named_with_its_flag(world: dict, tmp_path: Path, monkeypatch,
-                                                                       command: str, output: str) -> None:
-    """An output in a read-only folder was reported through its lock file (``error: ro/.idx.lock: Read-only file
-    system``) or the folder created for it, without the flag; every command names the flag, the output and why."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    out, cache, flag, main = ro / output, tmp_path / "cache", "--output", cli.main
+STAGE_OUTPUTS = [("index", "idx"), ("index", "new/idx"), ("encode", "emb"), ("retrieve", "r.json"),
+                 ("trec-run", "r.trec"), ("evaluate", "ev.json"), ("mine", "m.json"), ("train", "run"),
+                 ("merge-lora", "merged"), ("make-stdlib-data", "std"), ("demo", "demo"),
+                 ("dense_retriever.py", "r.json")]
+
+
+def stage_argv(world: dict, tmp_path: Path, command: str, out: Path) -> tuple[list, str, Callable[[list], int]]:
+    """(argv, the output's flag, main) of a run of ``command`` (a stage, ``trec-run`` or a DPR script) on the
+    world's valid inputs that writes its output at ``out``."""
+    cache, flag, main = tmp_path / "cache", "--output", cli.main
     argv = {"index": ["index", "--embeddings", world["emb"], "--output", out],
             "encode": ["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", out, "--device",
                        "cpu", "--cache-dir", cache],
@@ -714,9 +714,69 @@ def test_an_output_where_nothing_may_be_written_is_named_with_its_flag(world: di
         flag = "--trec-run"
     elif command == "dense_retriever.py":
         flag, main = "--out_file", load_script("dense_retriever").main
+    return argv, flag, main
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+@pytest.mark.parametrize("command, output", STAGE_OUTPUTS)
+def test_an_output_where_nothing_may_be_written_is_named_with_its_flag(world: dict, tmp_path: Path, monkeypatch,
+                                                                       command: str, output: str, depth: int) -> None:
+    """An output in a read-only folder was reported through its lock file (``error: ro/.idx.lock: Read-only file
+    system``) or the folder created for it, without the flag; every command names the flag, the output and why.
+    With ``depth`` 2 the read-only folder and its parent are new: the refused run leaves no empty folder behind."""
+    ro = tmp_path.joinpath("ro", *["new"] * depth)
+    if depth == 0:
+        ro.mkdir()
+    out = ro / output
+    argv, flag, main = stage_argv(world, tmp_path, command, out)
     read_only(monkeypatch, ro)
     line = refused(argv, f"{flag} {out} cannot be written: read-only file system in {ro}", main=main)
-    assert ".lock" not in line and list(ro.iterdir()) == []
+    assert ".lock" not in line
+    assert list(ro.iterdir()) == [] if depth == 0 else not (tmp_path / "ro").exists()
+
+
+@pytest.mark.parametrize("command, output", STAGE_OUTPUTS)
+def test_an_output_that_is_a_pipe_is_refused_and_left_as_it_is(world: dict, tmp_path: Path, command: str,
+                                                               output: str) -> None:
+    """Outputs are written to a new file or folder renamed into place: over a FIFO or a device (``/dev/null`` run
+    as root) that would put a regular file in its place."""
+    out = tmp_path / output
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(out)
+    argv, flag, main = stage_argv(world, tmp_path, command, out)
+    refused(argv, flag, f"{out} is a device, pipe or socket, not a file", main=main)
+    assert stat.S_ISFIFO(os.lstat(out).st_mode)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "index"])
+def test_an_output_that_is_a_link_is_written_through_it(world: dict, tmp_path: Path, command: str) -> None:
+    """A symbolic link as the output keeps being a link: its target gets the output (file or whole folder)."""
+    target, link = tmp_path / "elsewhere" / "target", tmp_path / "link"
+    target.parent.mkdir()
+    if command == "index":
+        target.mkdir()
+    link.symlink_to(target)
+    argv, _, main = stage_argv(world, tmp_path, command, link)
+    code, err = call(main, argv)
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert (target / "index.faiss").is_file() if command == "index" else "qrels" in json.loads(target.read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link"]
+    assert [p.name for p in target.parent.iterdir()] == ["target"]
+
+
+def test_a_run_refused_for_a_missing_input_leaves_no_folders(world: dict, tmp_path: Path) -> None:
+    """Output folders made for a run's locks go again when it is refused: none of ``new/`` is left."""
+    missing, new = tmp_path / "missing", tmp_path / "new"
+    refused(["evaluate", "--results", missing, "--output", new / "m" / "metrics.json", "--plot", new / "p" / "p.png"],
+            "missing")
+    refused(retrieve_argv(world, "--queries", missing, "--output", new / "o" / "r.json", "--trec-run",
+                          new / "t" / "r.trec"), "missing")
+    refused(["index", "--embeddings", missing, "--output", new / "i" / "idx"], "missing")
+    refused(["merge-lora", "--model", missing, "--output", new / "l" / "merged"], "missing")
+    refused(["train", "--train", missing, "--output", new / "r" / "run", "--model", world["model"], "--device", "cpu"],
+            "missing")
+    assert not new.exists()
 
 
 @pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux sysfs, where no one may create files")

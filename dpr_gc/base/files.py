@@ -229,9 +229,53 @@ def _given_path(path: PathLike, flag: str, what: str) -> Path:
     return Path(path)
 
 
+def output_target(path: PathLike, flag: str = "--output") -> Path:
+    """Where an output given as ``path`` is written: through a symbolic link to its target (the link stays a link),
+    and never over a device, pipe or socket: outputs are written to a new file or folder and renamed into place,
+    which would put a regular file where ``/dev/null`` or a FIFO was."""
+    given = Path(path)
+    p = Path(os.path.realpath(given)) if given.is_symlink() else given
+    if p.exists() and not (p.is_file() or p.is_dir()):
+        raise DprGcError(f"{flag} {given} is a device, pipe or socket, not a file; give the path of a file or folder "
+                         "(outputs are written whole and renamed into place)")
+    return p
+
+
+def missing_folders(folder: PathLike) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    for p in (Path(folder), *Path(folder).parents):
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    return missing
+
+
+def remove_empty_folders(folders: Iterable[Path]) -> None:
+    """Remove each of ``folders`` (deepest first) that is an empty folder: what a refused run created."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+                folder.rmdir()
+
+
+@contextlib.contextmanager
+def folders_made(folder: PathLike) -> Iterator[Path]:
+    """Create ``folder`` and its missing parents for the block; if the block fails, the folders made here that are
+    still empty are removed again, so a run refused for bad input leaves no empty folder behind."""
+    made = missing_folders(folder)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    try:
+        yield Path(folder)
+    except BaseException:
+        remove_empty_folders(made)
+        raise
+
+
 def check_output_file(path: PathLike, flag: str = "--output") -> Path:
-    """Refuse an output file path that is empty or an existing folder (an existing file is replaced atomically)."""
-    p = _given_path(path, flag, "a file name")
+    """Refuse an output file path that is empty, an existing folder, or a device, pipe or socket (an existing file
+    is replaced atomically; a symbolic link's target is); returns the path written (:func:`output_target`)."""
+    p = output_target(_given_path(path, flag, "a file name"), flag)
     if p.is_dir():
         raise DprGcError(f"{flag} {p} is a folder; give a file name (an existing file is replaced)")
     for parent in p.parents:
@@ -243,8 +287,9 @@ def check_output_file(path: PathLike, flag: str = "--output") -> Path:
 
 
 def check_output_dir(path: PathLike, flag: str = "--output") -> Path:
-    """Refuse an output folder path that is empty or an existing file (or lies under one)."""
-    p = _given_path(path, flag, "a folder")
+    """Refuse an output folder path that is empty or an existing file (or lies under one); returns the path
+    written (:func:`output_target`)."""
+    p = output_target(_given_path(path, flag, "a folder"), flag)
     for q in (p, *p.parents):
         if q.exists():
             if not q.is_dir():

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from .errors import DiskFullError, DprGcError, is_disk_full
-from .files import PathLike, spooled
+from .files import PathLike, missing_folders, output_target, remove_empty_folders, spooled
 from .locks import exclusive_lock, locked_folder, output_lock
 
 # How an output is locked: a lock file beside it ("file": files, and folders replaced whole), a lock file inside it
@@ -72,9 +72,12 @@ def _inside(inner: tuple[str, Any], folder: Path) -> bool:
 def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: Iterable[str] = ()) -> None:
     """Refuse any output that resolves to an input or to another output (``{flag: path or paths}``), any output
     inside an input folder (a model's, an index's, a BEIR folder's files), and any input inside an output folder
-    named in ``whole`` (such folders are replaced as a whole)."""
+    named in ``whole`` (such folders are replaced as a whole). An output that is a device, pipe or socket is
+    refused too (:func:`~dpr_gc.base.files.output_target`)."""
     ins = [(flag, p, _identity(p)) for flag, value in inputs.items() for p in _paths(value)]
     outs = [(flag, p, _identity(p)) for flag, value in outputs.items() for p in _paths(value)]
+    for flag, path, _ in outs:
+        output_target(path, flag)
     for i, (flag, path, ident) in enumerate(outs):
         for in_flag, in_path, in_ident in ins:
             if _same(ident, in_ident):
@@ -111,22 +114,16 @@ def output_locks(outputs: Mapping[str, tuple[Any, str]]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for flag, (value, mode) in outputs.items():
             for path in _paths(value):
-                if mode == "folder":
-                    if not path.exists():  # a run that writes nothing there leaves no empty folder behind
-                        stack.callback(_remove_if_empty, path)
+                if mode == "folder":  # a run that writes nothing there leaves no empty folder behind
+                    stack.callback(remove_empty_folders, missing_folders(path))
                     stack.enter_context(locked_folder(path, FOLDER_LOCK, f"{flag} {path}"))
                 elif mode == "file":
                     stack.enter_context(output_lock(path))
                 elif mode == "whole":
                     stack.enter_context(exclusive_lock(path.with_name(f".{path.name}.lock"), f"{flag} {path}"))
-                    remove_stale_folders(path.parent, path.name)
+                    target = output_target(path, flag)  # a link's target is where the new folder is made
+                    remove_stale_folders(target.parent, target.name)
         yield
-
-
-def _remove_if_empty(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
 
 
 def _split(entry: str) -> tuple[str, str]:
@@ -225,9 +222,10 @@ def atomic_folder(path: PathLike) -> Iterator[Path]:
     the old folder moved aside first and then deleted), otherwise it is deleted. A kill at any moment leaves the old
     folder or none under ``path`` (plus a hidden ``.NAME.*`` sibling), never a half-written one.
 
-    An existing ``path`` that is a file is refused before anything is written.
+    An existing ``path`` that is a file is refused before anything is written; a symbolic link stays one, its target
+    is replaced.
     """
-    final = Path(path)
+    final = output_target(path, "output")
     if final.exists() and not final.is_dir():
         raise DprGcError(f"{final} is a file; give a folder")
     final.parent.mkdir(parents=True, exist_ok=True)

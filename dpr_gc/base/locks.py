@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import DprGcError
-from .files import PathLike, remove_stale_temporaries
+from .files import PathLike, folders_made, output_target, remove_stale_temporaries
 
 
 @contextlib.contextmanager
@@ -21,12 +21,19 @@ def exclusive_lock(lock_file: PathLike, what: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_file`` for the block, or fail at once with a one-line error.
 
     The kernel drops the lock when its holder exits in any way (``kill -9`` included), so a lock file left behind
-    never blocks a re-run; the holder deletes it when done. The file keeps the holder's pid for the message.
+    never blocks a re-run; the holder deletes it when done. The file keeps the holder's pid for the message. The
+    folders made for the lock file are removed again if the block fails and leaves them empty.
     """
+    p = Path(lock_file)
+    with folders_made(p.parent), _flock(p, what):
+        yield
+
+
+@contextlib.contextmanager
+def _flock(p: Path, what: str) -> Iterator[None]:
+    """:func:`exclusive_lock` in a folder that exists."""
     import fcntl
 
-    p = Path(lock_file)
-    p.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
@@ -52,32 +59,26 @@ def exclusive_lock(lock_file: PathLike, what: str) -> Iterator[None]:
 def locked_folder(folder: PathLike, lock_name: str, what: str) -> Iterator[Path]:
     """Create ``folder`` if needed and hold :func:`exclusive_lock` on ``folder/lock_name`` for the block.
 
-    If the block fails and the folder was created here and is still empty, the folder is removed again,
-    so a run refused for bad input leaves nothing behind.
+    If the block fails, the folders created here (``folder`` and its missing parents) that are still empty are
+    removed again, so a run refused for bad input leaves nothing behind.
     """
     out = Path(folder)
     if out.exists() and not out.is_dir():
         raise DprGcError(f"{out} is a file; give a folder")
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        with exclusive_lock(out / lock_name, what):
-            yield out
-    except BaseException:
-        if created and not any(out.iterdir()):
-            out.rmdir()
-        raise
+    with folders_made(out), exclusive_lock(out / lock_name, what):
+        yield out
 
 
 @contextlib.contextmanager
 def output_lock(path: PathLike) -> Iterator[Path]:
     """Hold a lock on output file ``path`` (a hidden lock file beside it) and delete the temporaries that dead runs
-    of :func:`atomic_path` left for it."""
+    of :func:`atomic_path` left for it (beside the target of a symbolic link, where they are written)."""
     final = Path(path)
     if final.is_dir():
         raise DprGcError(f"{final} is a folder; give a file name for the output")
     with exclusive_lock(final.with_name(f".{final.name}.lock"), str(final)):
-        remove_stale_temporaries(final.parent, [final.name])
+        target = output_target(final, "output")
+        remove_stale_temporaries(target.parent, [target.name])
         yield final
 
 
