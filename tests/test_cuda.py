@@ -188,3 +188,14 @@ def test_host_syncs_do_not_grow_with_the_number_of_chunks(sort_by_length):
     """Each sync makes the host wait for every queued kernel, so one per chunk would serialise a launch-bound
     step: a step in chunks of one row (96 chunks) syncs as often as one in chunks of 16 rows (6 chunks)."""
     assert host_syncs(1, sort_by_length) == host_syncs(16, sort_by_length)
+
+
+def test_auto_chunk_size_probes_the_gpu_up_to_the_whole_batch(make_retriever):
+    """``--passage-chunk-size auto``'s probe on a real GPU: a tiny model fits any batch, small ones included, and the
+    probe leaves no gradient behind."""
+    from dpr_gc.train.chunks import auto_chunk_size
+
+    retriever = make_retriever(shared=True, passage_max_length=32).cuda().train()
+    cuda = torch.device("cuda")
+    assert [auto_chunk_size(retriever, retriever, cuda, rows, "bf16") for rows in (6, 100)] == [6, 100]
+    assert all(p.grad is None for p in retriever.parameters())

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from dpr_gc.cli import main
+from dpr_gc.train import chunks
+from dpr_gc.train.chunks import auto_chunk_size, largest_fitting_rows
 from dpr_gc.train.trainer import Trainer
 from tests.train_data import init_model, make_records, task_config as config, write_dpr
 
@@ -66,6 +68,26 @@ def test_auto_chunk_size_on_the_cpu_is_32_rows_capped_by_the_batch_and_logged(ta
     assert small.chunks == (8, 16) and large.chunks == (32, 32)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto chunk size:")]
     assert lines == ["auto chunk size: query 8, passage 16", "auto chunk size: query 32, passage 32"]
+
+
+def test_auto_chunk_size_on_a_gpu_is_the_largest_that_fits_up_to_the_whole_batch(monkeypatch):
+    """``auto`` on a GPU: the largest power of two, or the batch itself, whose probed peak fits 80% of free memory
+    after AdamW's room; a batch under 8 rows is probed as it is (it used to come out as chunks of 1 row)."""
+    probed = []
+
+    def peak(towers, collator, device, rows, precision) -> float:
+        probed.append(rows)
+        return 100.0 * rows
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10_000, 20_000))
+    monkeypatch.setattr(chunks, "probe_peak_bytes", peak)
+    towers = torch.nn.Linear(10, 10)  # 440 trainable bytes: 0.8 * 10,000 - 2 * 440 = 7,120 bytes for 71 rows
+    cuda = torch.device("cuda")
+    chosen = [auto_chunk_size(towers, None, cuda, rows, "fp32") for rows in (4, 6, 7, 70, 72, 100)]
+    assert chosen == [4, 6, 7, 70, 64, 64]
+    assert probed[:3] == [4, 6, 7]
+    assert largest_fitting_rows(lambda rows: 100.0 * rows, 350, 100) == 2  # 8 rows do not fit: probed downwards
+    assert largest_fitting_rows(lambda rows: float("inf"), 350, 100) == 1
 
 
 def test_summary_table_says_what_the_budget_kept_and_the_device(task, tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -12,31 +12,52 @@ from ..base.devices import autocast_dtype
 CPU_CHUNK_SIZE = 32
 
 
+FIRST_PROBE_ROWS = 8
+
+
 def auto_chunk_size(towers: nn.Module, collator: Any, device: torch.device, max_rows: int, precision: str) -> int:
-    """The largest power-of-two chunk whose forward+backward at full passage length fits in 80% of GPU memory after
-    room for AdamW's states; on CPU, where memory is rarely the limit, a chunk of 32 rows keeps the cores busy."""
+    """The largest chunk of at most ``max_rows`` rows, a power of two or ``max_rows`` itself, whose forward+backward
+    at full passage length fits in 80% of free GPU memory after room for AdamW's states; on CPU, where memory is
+    rarely the limit, a chunk of 32 rows keeps the cores busy."""
     if device.type != "cuda":
         return min(CPU_CHUNK_SIZE, max_rows)
     params = sum(p.numel() * p.element_size() for p in towers.parameters() if p.requires_grad)
-    free, total = torch.cuda.mem_get_info(device)
+    free, _ = torch.cuda.mem_get_info(device)
     budget = 0.8 * free - 2 * params
+    return largest_fitting_rows(lambda rows: probe_peak_bytes(towers, collator, device, rows, precision), budget,
+                                max_rows)
+
+
+def largest_fitting_rows(peak_bytes: Callable[[int], float], budget: float, max_rows: int) -> int:
+    """The largest of 1, 2, 4, ... below ``max_rows`` and ``max_rows`` itself whose ``peak_bytes`` fits ``budget``
+    (1 when none does): probed upwards from 8 rows (or ``max_rows`` if smaller), downwards if that does not fit."""
+    sizes = sorted({min(2 ** k, max_rows) for k in range(max(1, max_rows).bit_length() + 1)})
+    first = sizes.index(min(FIRST_PROBE_ROWS, max_rows))
+    if peak_bytes(sizes[first]) > budget:
+        return next((rows for rows in reversed(sizes[:first]) if peak_bytes(rows) <= budget), 1)
+    best = sizes[first]
+    for rows in sizes[first + 1:]:
+        if peak_bytes(rows) > budget:
+            break
+        best = rows
+    return best
+
+
+def probe_peak_bytes(towers: nn.Module, collator: Any, device: torch.device, rows: int, precision: str) -> float:
+    """The CUDA memory one training forward+backward of ``rows`` passages at full length takes (inf when it runs
+    out of memory)."""
     dtype = autocast_dtype(precision)
     text = " ".join(["passage"] * collator.config.passage_max_length)
-    best, rows = 1, 8
-    while rows <= max_rows:
-        batch = collator.tokenize_passages([""] * rows, [text] * rows)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        try:
-            with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-                towers(kind="passage", **batch).float().sum().backward()
-            peak = torch.cuda.max_memory_allocated(device) - start
-        except torch.cuda.OutOfMemoryError:
-            peak = float("inf")
-        towers.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        if peak > budget:
-            break
-        best, rows = rows, rows * 2
-    return min(max(best, 1), max_rows)
+    batch = collator.tokenize_passages([""] * rows, [text] * rows)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    try:
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            towers(kind="passage", **batch).float().sum().backward()
+        peak = float(torch.cuda.max_memory_allocated(device) - start)
+    except torch.cuda.OutOfMemoryError:
+        peak = float("inf")
+    towers.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return peak
