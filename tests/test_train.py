@@ -19,6 +19,8 @@ from dpr_gc.train.trainer import Trainer, train
 from dpr_gc.train.config import TrainConfig
 from tests.train_data import init_model, make_records, write_dpr
 from tests.train_data import model_params as params, task_config as config
+from tests.helpers import call
+from tests.llm_models import save_decoder
 from tests.ranks import run_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,3 +206,19 @@ def test_an_interrupted_train_says_how_to_resume(task, tmp_path, monkeypatch, st
     assert code == 130 and err.strip().splitlines()[-1] == f"interrupted: {advice}", err
     monkeypatch.setattr(Trainer, "train_step", real_step)
     assert call(main, argv + (["--resume", "latest"] if stop_at else []))[0] == 0
+
+
+def test_frozen_position_embeddings_stay_as_loaded(task, tmp_path):
+    """``--freeze-position-embeddings`` (train short, evaluate long): the position table of the saved model is the
+    loaded one while the other weights train; a model without such a table (rotary positions) is refused."""
+    Trainer(config(task, tmp_path / "run", max_steps=2, freeze_position_embeddings=True)).fit()
+    before, after = params(task["model"]), params(tmp_path / "run" / "final")
+    positions = [name for name in before if "position_embeddings" in name]
+    assert positions and all(torch.equal(before[name], after[name]) for name in positions)
+    assert not torch.equal(before["query_encoder.transformer.embeddings.word_embeddings.weight"],
+                           after["query_encoder.transformer.embeddings.word_embeddings.weight"])
+    decoder = save_decoder(tmp_path / "llama")
+    code, err = call(main, ["train", "--train", task["train"], "--model", decoder, "--output", tmp_path / "d",
+                            "--freeze-position-embeddings", "--device", "cpu", "--max-steps", "1"])
+    assert code == 2 and err.startswith("error: --freeze-position-embeddings: ") and "rotary" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "d").exists()

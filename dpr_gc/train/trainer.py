@@ -169,7 +169,12 @@ class Trainer:
         if self.config.model.gradient_checkpointing:
             enable_gradient_checkpointing(retriever)
         if self.config.model.freeze_position_embeddings:
-            logger.info("froze %d position-embedding weights", freeze_position_embeddings(retriever))
+            frozen = freeze_position_embeddings(retriever)
+            if not frozen:
+                model = self.config.model.name or "the model"
+                raise DprGcError(f"--freeze-position-embeddings: {model} has no position-embedding weights (its "
+                                 "positions are computed, e.g. rotary); drop the flag")
+            logger.info("froze %d position-embedding weights", frozen)
         return retriever
 
     def build_data(self) -> tuple[Any, Collator, torch.utils.data.DataLoader]:
