@@ -73,7 +73,8 @@ class ModelConfig:
     gradient_checkpointing: bool = setting(False, "--gradient-checkpointing", resume=FREE,
                                            help="recompute activations in backward to save memory (same gradients)")
     freeze_position_embeddings: bool = setting(False, "--freeze-position-embeddings",
-                                               help="keep the position-embedding table as loaded (refused for a model without one, e.g. rotary)")
+                                               help="keep the position-embedding table as loaded (refused for a "
+                                                    "model without one, e.g. rotary)")
     lora: Optional[LoraSettings] = group(LoraSettings, "LoRA (only the adapters train in the transformers)",
                                          when="lora_r")
 
