@@ -4,6 +4,7 @@ gives the in-memory model's embeddings, and ``merge-lora`` writes full weights t
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import numpy as np
@@ -159,6 +160,7 @@ def test_train_cli_with_lora_trains_only_adapters_and_resumes(tmp_path):
         here = trained.get(key, trained.get(f"{name[0]}.base_layer.{name[1]}"))
         assert here is not None and torch.equal(here, value), key
 
+    shutil.rmtree(final)  # the resumed run must write final/ again, not leave the uninterrupted run's
     assert main(["train", *flags, "--output", str(tmp_path / "run"), "--resume",
                  str(tmp_path / "run" / "checkpoint-1")]) == 0
     resumed = load_file(str(final / "adapter_model.safetensors"))
