@@ -321,8 +321,8 @@ BAD_VALUES = {flag_types.positive_int: "0", flag_types.nonnegative_int: "-1", fl
 
 
 def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str, str, str]]:
-    """``(argv prefix + required flags, flag, bad value, needle)`` for every validated flag of a parser (recursing
-    into sub-commands); required flags get harmless dummy values."""
+    """``(argv prefix + required flags, flag, bad value, needle)`` for every validated flag of a parser (typed or
+    with choices; recursing into sub-commands); required flags get harmless dummy values."""
     import argparse
 
     cases = []
@@ -345,6 +345,8 @@ def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str
             bad = "0"
         elif getattr(action.type, "__name__", "") == "workers_arg":
             bad = "-1"
+        elif action.choices and not isinstance(action, argparse._SubParsersAction):
+            bad = "no-such-choice"
         if bad is not None:
             cases.append((base, flag, bad, "/".join(action.option_strings)))
     return cases

@@ -120,7 +120,8 @@ class MineJob:
 
     output: str = setting("", "--output", type=output_file, required=True,
                           help="DPR training file to write (.jsonl -> JSONL, else a JSON list)")
-    source: str = setting("bm25", "--source", help="where candidates come from: bm25 (bm25s) or dense")
+    source: str = setting("bm25", "--source", choices=SOURCES, help="where candidates come from: bm25 (bm25s) or "
+                                                                     "dense")
     train_file: Optional[str] = setting(None, "--train-file", help="DPR training file (.json/.jsonl, optionally .gz) "
                                                                    "whose questions to mine for")
     beir_dir: Optional[str] = setting(None, "--beir-dir", help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, "
@@ -588,8 +589,6 @@ def _cli(args: argparse.Namespace) -> None:
     from ..base.tables import format_summary
     from ..evaluation.answers import default_workers
 
-    if args.source not in SOURCES:
-        raise DprGcError(f"unknown --source {args.source!r}; use one of {', '.join(SOURCES)}")
     if bool(args.train_file) == bool(args.beir_dir):
         raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
     check_built_folders(args)
