@@ -136,6 +136,23 @@ def test_the_readme_describes_the_demos_defaults():
     assert f"{steps} steps, lr {training.optim.learning_rate:.0e}".replace("e-0", "e-") in readme
 
 
+def test_the_readmes_demo_table_is_the_recorded_run():
+    """README's before/after table is the ``metrics.json`` of a default ``dpr-gc demo`` run kept in
+    ``benchmarks/results/demo-xeon.json``, to the 4 decimals shown."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    recorded = json.loads((root / "benchmarks" / "results" / "demo-xeon.json").read_text())
+    assert recorded["config"] == json.loads(json.dumps(dataclasses.asdict(DemoConfig())))
+    rows = re.findall(r"^\| (Accuracy@\d+|nDCG@10|MRR@10|Recall@100) \| ([\d.]+) \| ([\d.]+) \|$",
+                      (root / "README.md").read_text(), re.M)
+    assert len(rows) == 7
+    for metric, *shown in rows:
+        part = "answers" if metric.startswith("Accuracy") else "qrels"
+        assert shown == [f"{recorded[stage][part][metric]:.4f}" for stage in ("before", "after")], metric
+
+
 def test_a_demo_folder_resumes_only_the_same_settings(tmp_path):
     """The first run records its settings; a re-run with others is refused in one line naming what changed (it
     would reuse the measured stages and the trained model as they are), the same settings resume, and a folder of
