@@ -1766,6 +1766,40 @@ def test_a_config_that_does_not_describe_its_weights_names_a_weight(tiny_tokeniz
     assert "above report" not in line
 
 
+@pytest.mark.parametrize("change, needle", [
+    ("drop layer 1", "its weights file lacks encoder.layer.1.attention.output.LayerNorm.bias and 15 more that its "
+                     "config.json makes (they would start at random)"),
+    ("3 layers", "its weights file lacks encoder.layer.2."),
+    ("1 layer", "its weights file holds encoder.layer.1.attention.output.LayerNorm.bias and 15 more that its "
+                "config.json leaves out"),
+    ("a task head", None)])
+def test_weights_the_config_makes_but_the_file_lacks_are_refused(tiny_tokenizer: Any, tmp_path: Path, change: str,
+                                                                  needle: Optional[str]) -> None:
+    """Missing weights were started at random and encoded without a word (transformers' report is hidden by the
+    quiet log); saved layers a smaller config leaves out were dropped. A checkpoint's task head loads as before."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "model"
+    tiny_bert(len(tiny_tokenizer)).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    weights, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
+    if change == "drop layer 1":
+        weights = {k: v for k, v in weights.items() if "layer.1." not in k}
+    elif change == "a task head":
+        weights["cls.predictions.bias"] = torch.zeros(len(tiny_tokenizer))
+    else:
+        config["num_hidden_layers"] = int(change[0])
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (tmp_path / "c.tsv").write_bytes(tsv_bytes(passages()))
+    argv = ["encode", "--model", folder, "--corpus", tmp_path / "c.tsv", "--output", tmp_path / "emb"]
+    if needle is None:
+        assert call(cli.main, argv)[0] == 0
+    else:
+        refused(argv, f"cannot load model '{folder}': ", needle)
+        assert not (tmp_path / "emb").exists()
+
+
 def test_a_safetensors_header_length_that_does_not_fit_is_said_once(tmp_path: Path) -> None:
     from dpr_gc.base.validate import check_safetensors
 

@@ -8,6 +8,7 @@ loaded as any other), so both live here; training adapters is :mod:`dpr_gc.model
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     check_model_source(str(name_or_path))
     check_weights_folder(name_or_path)
     try:
-        return check_model_config(AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False), name_or_path)
+        model, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False, output_loading_info=True)
     except pickle.UnpicklingError as e:
         reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
@@ -49,6 +50,35 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     except Exception as e:  # noqa: BLE001 - transformers' own checks of config.json raise many types
         reason = " ".join(line.strip() for line in (str(e).splitlines() or [type(e).__name__])[:2])[:300]
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its config.json is not valid ({reason})") from None
+    check_loaded_weights(model, info, name_or_path)
+    return check_model_config(model, name_or_path)
+
+
+def _kind(key: str) -> str:
+    """A weight's name with its layer numbers masked: ``encoder.layer.#.attention...``."""
+    return re.sub(r"(?<=\.)\d+(?=\.)", "#", key)
+
+
+def _first(keys: list[str]) -> str:
+    return sorted(keys)[0] + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+
+
+def check_loaded_weights(model: nn.Module, info: dict, name_or_path: str | Path) -> None:
+    """Refuse a model whose weights file lacks weights its ``config.json`` makes (transformers would start them at
+    random, saying so only in a log report the quiet log hides), or holds more weights of the kinds the model has
+    (layers a smaller ``num_hidden_layers`` drops). A checkpoint's task heads (``cls.*``, ``lm_head.*``) are left
+    out as transformers does, and so is a missing BERT pooler, which only ``--pooling pooler`` reads."""
+    missing = [k for k in info.get("missing_keys") or [] if not k.startswith("pooler.")]
+    kinds = {_kind(k) for k in model.state_dict()}
+    extra = [k for k in info.get("unexpected_keys") or [] if _kind(k) in kinds]
+    name = str(name_or_path)
+    if missing:
+        raise DprGcError(f"cannot load model {name!r}: its weights file lacks {_first(missing)} "
+                         "that its config.json makes (they would start at random); fix config.json or use the "
+                         "complete weights")
+    if extra:
+        raise DprGcError(f"cannot load model {name!r}: its weights file holds {_first(extra)} that "
+                         "its config.json leaves out (e.g. fewer layers than were saved); fix config.json")
 
 
 def size_mismatch(name_or_path: str | Path) -> str:
