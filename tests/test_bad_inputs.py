@@ -1668,6 +1668,24 @@ def test_more_threads_than_cpus_are_cut_to_the_cpus(world: dict, tmp_path: Path,
     assert "--threads 99999999999 is more than the" in caplog.text
 
 
+def test_more_answer_matching_workers_than_cpus_are_cut_to_the_cpus(world: dict, tmp_path: Path, caplog) -> None:
+    """--workers went straight to a process pool ("in 99999999999999 processes"); it is cut to the CPUs, said once,
+    in every command that matches answers."""
+    cpus, many = len(os.sched_getaffinity(0)), "99999999999999"
+    runs = {"evaluate": ["evaluate", "--results", world["results"], "--match", "regex", "--workers", many],
+            "retrieve": retrieve_argv(world, "--queries", world["qa"], "--output", tmp_path / "o.json", "--workers",
+                                      many),
+            "mine": ["mine", "--train-file", world["train"], "--corpus", world["corpus"], "--output", tmp_path / "m.json",
+                     "--cache-dir", tmp_path / "cache", "--workers", many]}
+    for name, argv in runs.items():
+        caplog.clear()
+        code, err = call(cli.main, argv)
+        assert code == 0, (name, err)
+        said = [r.getMessage() for r in caplog.records]
+        assert [m for m in said if many in m] == [
+            f"--workers {many} is more than the {cpus} CPU(s) this process may use; using {cpus}"], (name, said)
+
+
 def _plain_bert(folder: Path, tokenizer: Any) -> Path:
     """A tiny random BERT (128 positions) and its tokenizer as a transformers folder: train starts a new retriever."""
     tiny_bert(len(tokenizer)).save_pretrained(folder)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import collections
 import math
 import multiprocessing
-import os
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
+from ..base.devices import cap_to_cpus, usable_cpus
 from ..base.errors import DprGcError
 from ..data.answer_text import nfd, simple_tokens
 from .results import check_question, passage_key
@@ -98,9 +98,10 @@ def has_answer(answers: list[str], text: str, mode: str = "string") -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- per run
-def default_workers() -> int:
-    """All cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def default_workers(workers: int = 0) -> int:
+    """The processes that match answers: a ``--workers`` value cut to the CPUs this process may use
+    (:func:`~dpr_gc.base.devices.cap_to_cpus`; a pool of more only forks more), 0 for all of them."""
+    return cap_to_cpus(workers, "--workers") if workers else usable_cpus()
 
 
 class AnswerMatcher:

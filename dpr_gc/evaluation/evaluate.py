@@ -357,7 +357,7 @@ def evaluate(
 def _cli(args: argparse.Namespace) -> None:
     """Handler for ``dpr_gc evaluate``: evaluate, print tables, write JSON and the optional plot."""
     mode = None if args.match == "stored" else args.match
-    report = evaluate(args.k, args.results, args.run, args.qrels, mode, args.workers or default_workers())
+    report = evaluate(args.k, args.results, args.run, args.qrels, mode, default_workers(args.workers))
     curves = {}
     titles = {"answers": lambda r: f"answer accuracy ({counted(r['questions'], 'question')}, match={r['match']})",
               "qrels": lambda r: f"qrels metrics ({counted(r['queries'], 'judged query', 'judged queries')})"}

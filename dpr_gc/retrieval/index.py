@@ -25,6 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..base.args import output_dir, positive_int
+from ..base.devices import cap_to_cpus
 from ..base.errors import DprGcError, is_disk_full
 from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
 from ..base.files import PathLike, check_output_dir, open_text, parse_json, read_json_object
@@ -69,27 +70,11 @@ def _faiss() -> Any:
     return faiss
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the system has one, else all)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def cap_threads(threads: int) -> int:
-    """``threads`` (a ``--threads`` value; 0 passes through) cut to :func:`usable_cpus`, with a log line when cut.
-
-    Cut rather than refused: FAISS search and bm25s scoring are compute-bound, so threads beyond the CPUs never run
-    faster, while OpenMP asked for tens of thousands aborts the process ("Thread creation failed", or a segfault) and
-    a C int overflows beyond 2**31-1. A fixed upper bound would be wrong on some machine, too high for a container's
-    thread limit or too low for a large host, while the CPU count is right everywhere and a command line that names
-    more threads than this machine has still runs here."""
-    cpus = usable_cpus()
-    if threads > cpus:
-        logger.warning("--threads %d is more than the %d CPU(s) this process may use; using %d", threads, cpus, cpus)
-        return cpus
-    return threads
+    """``threads`` (a ``--threads`` value; 0 passes through) cut to the usable CPUs (see
+    :func:`~dpr_gc.base.devices.cap_to_cpus`): FAISS search and bm25s scoring are compute-bound, and OpenMP asked for
+    tens of thousands of threads aborts ("Thread creation failed", or a segfault)."""
+    return cap_to_cpus(threads, "--threads")
 
 
 def set_threads(threads: Optional[int]) -> None:

@@ -379,7 +379,7 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
     s = dataclasses.replace(settings or MineSettings(), **options)
     chunk_size, append = s.chunk_size, s.append
     jsonl = Path(output).name.removesuffix(".gz").endswith(".jsonl")
-    with output_lock(output) as final, AnswerMatcher(s.match, s.workers or default_workers()) as matcher:
+    with output_lock(output) as final, AnswerMatcher(s.match, default_workers(s.workers)) as matcher:
         writer = ChunkedOutput(final, {"settings": resume_key, "chunk_size": chunk_size, "append": append}
                                if resume_key is not None else None)
         state = writer.resume()
@@ -593,6 +593,7 @@ def _cli(args: argparse.Namespace) -> None:
         raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
     check_built_folders(args)
     mining = from_args(MineSettings, args)
+    mining = dataclasses.replace(mining, workers=default_workers(mining.workers))  # cut to the CPUs once, said once
     steady_malloc()
     beir = Path(args.beir_dir) if args.beir_dir else None
     bm25_scored = needs_positive_scores(args.margin, args.max_negative_ratio, args.min_margin) and \
@@ -621,7 +622,7 @@ def _cli(args: argparse.Namespace) -> None:
     if index_exists(args.index):
         inputs["index_meta"] = meta_path(args.index)
     logger.info("candidates: %s, top %d per question; answers matched with %s matching in %s", describe_source(source),
-                mining.top_k, mining.match, counted(mining.workers or default_workers(), "process", "processes"))
+                mining.top_k, mining.match, counted(mining.workers, "process", "processes"))
     summary = mine_to_file(records, args.output, source, corpus, mining, qrels=qrels, id_to_row=id_to_row,
                            resume_key=resume_key(args, inputs, source), total=total)
     if qrels is not None and summary.judged == 0:

@@ -294,7 +294,7 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
     if beyond:
         logger.warning("--k %s beyond --top-k %d: those figures count only the %d passages retrieved per question",
                        " ".join(map(str, beyond)), s.top_k, s.top_k)
-    with AnswerMatcher(match or "string", s.workers or default_workers()) as matcher:
+    with AnswerMatcher(match or "string", default_workers(s.workers)) as matcher:
         def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
             return iter_retrieve(retriever, index, corpus, todo, s.top_k, s.batch_size,
                                  matcher if match is not None else None, show_progress, left)
