@@ -598,10 +598,12 @@ def test_an_output_inside_an_input_folder_is_refused(world: dict, tmp_path: Path
 
 @pytest.mark.parametrize("command", ["train", "encode", "mine", "retrieve", "prepare-data"])
 @pytest.mark.parametrize("where", ["is", "inside"])
+@pytest.mark.parametrize("how", ["--cache-dir", "$DPR_GC_CACHE"])
 def test_the_cache_folder_is_an_output_never_an_input_nor_inside_one(world: dict, tmp_path: Path, command: str,
-                                                                      where: str) -> None:
+                                                                      where: str, how: str, monkeypatch) -> None:
     """``--cache-dir`` is written by every command that takes it: given as an input folder (a BEIR folder, a model)
-    or inside one, it is refused in one line naming it before anything is written."""
+    or inside one, it is refused in one line naming it before anything is written. So is ``$DPR_GC_CACHE`` when no
+    ``--cache-dir`` is given (the caches went into the model folder)."""
     beir, model, out = tmp_path / "beir", tmp_path / "model", tmp_path / "out"
     shutil.copytree(ROOT / "data" / "examples" / "beir", beir)
     shutil.copytree(world["model"], model)
@@ -617,7 +619,11 @@ def test_the_cache_folder_is_an_output_never_an_input_nor_inside_one(world: dict
             "prepare-data": ["prepare-data", beir]}[command]
     before = folder_bytes(beir, model)
     reason = f"is the input {flag} {folder}" if where == "is" else f"lies inside the input {flag} {folder}"
-    refused(argv + ["--cache-dir", cache], f"--cache-dir {cache} {reason}")
+    if how == "--cache-dir":
+        argv += ["--cache-dir", cache]
+    else:
+        monkeypatch.setenv("DPR_GC_CACHE", str(cache))
+    refused(argv, f"{how} {cache} {reason}")
     assert folder_bytes(beir, model) == before and not out.exists()
     assert not (folder / "cache").exists()
 

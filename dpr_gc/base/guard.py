@@ -147,6 +147,7 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
     cache_dest, cache_mode = CACHE_OUTPUT
     if all(dest != cache_dest for dest, _, _ in outs):
         outs.append((cache_dest, _flag(cache_dest), cache_mode))
+    cache_flag = next(flag for dest, flag, _ in outs if dest == cache_dest)
 
     def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(run)
@@ -154,7 +155,8 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
             given = {flag: getattr(args, dest, None) for dest, flag in ins}
             check_inputs_given(given)
             written = {flag: getattr(args, dest, None) for dest, flag, _ in outs}
-            check_outputs(given, written, whole=[flag for _, flag, mode in outs if mode == "whole"])
+            check_outputs(given, with_default_cache(written, cache_flag),
+                          whole=[flag for _, flag, mode in outs if mode == "whole"])
             try:
                 with output_locks({flag: (written[flag], mode) for _, flag, mode in outs}):
                     with streams_copied(args, [dest for dest, _ in ins]):
@@ -168,6 +170,15 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
         return guarded_run
 
     return wrap
+
+
+def with_default_cache(outputs: Mapping[str, Any], cache_flag: str) -> dict[str, Any]:
+    """``outputs`` plus ``$DPR_GC_CACHE`` where the cache flag is not given and that variable names the cache folder:
+    the caches are written there, so it may no more be an input or lie inside one than ``--cache-dir``."""
+    folder = os.environ.get("DPR_GC_CACHE")
+    if outputs.get(cache_flag) is not None or not folder:
+        return dict(outputs)
+    return {**outputs, "$DPR_GC_CACHE": folder}
 
 
 def refused_output(error: OSError, outputs: Mapping[str, Any]) -> Optional[DprGcError]:
