@@ -72,9 +72,10 @@ def merged_view(folders: list[Path], view: Path) -> Path:
 
 
 def dpr_index_path(folders: list[Path]) -> str:
-    """Where ``--save_or_load_index`` keeps the index: ``PREFIX.index`` for ``PREFIX_N`` folders, as DPR does."""
+    """Where ``--save_or_load_index`` keeps the index: ``PREFIX.index`` for ``PREFIX_N`` folders, as DPR does, else
+    ``FOLDER.index`` beside the first folder (never inside an input folder)."""
     m = re.match(r"^(.*)_\d+$", str(folders[0]))
-    return f"{m.group(1)}.index" if m else str(folders[0] / "index")
+    return f"{m.group(1)}.index" if m else f"{folders[0]}.index"
 
 
 def hydra_to_flags(argv: list[str]) -> list[str]:

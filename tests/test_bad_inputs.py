@@ -808,6 +808,20 @@ def test_links_to_an_input_are_refused(world: dict, tmp_path: Path) -> None:
     assert qa.read_bytes() == world["qa"].read_bytes()
 
 
+def test_encode_refuses_an_index_or_model_folder_as_its_output(world: dict, tmp_path: Path) -> None:
+    """Shards written into an index folder made it one that index then refused; into a model folder, a mix."""
+    for name in ("idx", "model"):
+        folder = tmp_path / name
+        shutil.copytree(world[name], folder)
+        before = folder_bytes(folder)
+        refused(["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", folder, "--cache-dir",
+                 tmp_path / "cache"], f"the output folder {folder} holds {'an index' if name == 'idx' else 'a model'}")
+        assert folder_bytes(folder) == before
+    script = load_script("dense_retriever")  # --save_or_load_index keeps the index beside the shards' folder
+    assert script.dpr_index_path([tmp_path / "emb"]) == f"{tmp_path / 'emb'}.index"
+    assert script.dpr_index_path([tmp_path / "emb" / "wiki_0"]) == f"{tmp_path / 'emb' / 'wiki'}.index"
+
+
 def test_scripts_run_under_the_same_guard(world: dict, tmp_path: Path) -> None:
     qa = tmp_path / "qa.tsv"
     shutil.copy(world["qa"], qa)

@@ -146,6 +146,7 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     from ..model.retriever import check_max_length
 
     settings = dataclasses.replace(settings or EncodeSettings(), **options)
+    refuse_foreign_folder(out_dir)
     autocast = pick_precision(settings.precision, next(retriever.parameters()).device)
     if settings.max_length is not None:
         check_max_length("--max-length", settings.max_length, retriever.positions("passage"))
@@ -244,6 +245,19 @@ def _part_ok(path: Path, rows: int, dim: int) -> bool:
         return np.load(path, mmap_mode="r").shape == (rows, dim)
     except (ValueError, OSError):
         return False
+
+
+# Files that make a folder an index's or a model's: embedding shards written among them would mix two outputs.
+FOREIGN_FILES = ("index.faiss", "index_meta.json", "config.json", "retriever_config.json", "model.safetensors")
+
+
+def refuse_foreign_folder(out: PathLike) -> None:
+    """Refuse an output folder that holds an index or a model: encode writes shards into the folder it is given."""
+    found = [name for name in FOREIGN_FILES if (Path(out) / name).is_file()]
+    if found:
+        kind = "an index" if found[0].startswith("index") else "a model"
+        raise DprGcError(f"the output folder {out} holds {kind} ({found[0]}); give the embeddings a folder of "
+                         "their own")
 
 
 def _check_folder(out: Path, manifest: dict, encoder: Any) -> None:
@@ -371,6 +385,7 @@ def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Opti
     the flags'): flags to :func:`encode_with_model`, then a summary table."""
     job = from_args(EncodeJob, args)
     job = dataclasses.replace(job, output=output or job.output, device=device or job.device)
+    refuse_foreign_folder(job.output)  # before the model loads
     manifest, seconds = encode_with_model(job)
     encoded = manifest["encoded"]  # a resumed or finished shard encoded fewer than its passages in this run
     rate = f"{encoded / seconds:.1f}" if encoded and seconds > 0 else "-"
