@@ -339,6 +339,8 @@ def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str
         bad = BAD_VALUES.get(action.type)
         if action.type is flag_types.output_file:
             bad = "/"
+        elif action.type is flag_types.plot_file:
+            bad = "curve.txt"
         elif action.type is flag_types.output_dir:
             bad = str(ROOT / "README.md")
         elif getattr(action.type, "__name__", "") == "chunk_arg":

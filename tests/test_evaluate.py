@@ -305,6 +305,21 @@ def test_cli_end_to_end(tmp_path, capsys):
         _cli(["evaluate", "--results", str(results)])
 
 
+@pytest.mark.parametrize("suffix, magic", [(".svg", b"<?xml"), (".PDF", b"%PDF")])
+def test_the_plot_is_written_in_the_format_its_name_says(tmp_path, suffix, magic):
+    """``--plot curve.pdf`` wrote PNG bytes under that name; the format follows the suffix (png, pdf, svg), and
+    another suffix is refused as the command line is parsed (``test_bad_inputs``: one error line)."""
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(_results()))
+    plot, out = tmp_path / f"curve{suffix}", tmp_path / "metrics.json"
+    _cli(["evaluate", "--results", str(results), "--k", "1", "2", "--plot", str(plot), "--output", str(out)])
+    assert plot.read_bytes().startswith(magic)
+    _cli(["evaluate", "--results", str(results), "--k", "1", "2", "--plot", str(plot)])
+    assert plot.read_bytes().startswith(magic)
+    with pytest.raises(SystemExit):
+        _cli(["evaluate", "--results", str(results), "--plot", str(tmp_path / "curve.txt")])
+
+
 def _metrics_and_plot(tmp_path):
     """A results file, and the command writing its metrics JSON and plot (``ks``: the cut-offs)."""
     results = tmp_path / "results.json"

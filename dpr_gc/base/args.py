@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from gettext import gettext
 from typing import Any, Callable, NoReturn, Optional, Sequence
@@ -133,6 +134,26 @@ def _output_path(check: Callable[[str, str], Any], name: str) -> Callable[[str],
 output_file = _output_path(check_output_file, "output_file")
 # A folder to write into: not an existing file, nor under one.
 output_dir = _output_path(check_output_dir, "output_dir")
+# The image formats a plot is written in, by the file name's suffix.
+PLOT_FORMATS = ("png", "pdf", "svg")
+
+
+def plot_format(path: str) -> str:
+    """The format of a plot written to ``path``, from its suffix (one of :data:`PLOT_FORMATS`)."""
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise DprGcError(f"path {path}: a plot is written as {', '.join(PLOT_FORMATS)}; give a name ending in "
+                         f".{' or .'.join(PLOT_FORMATS)}")
+    return suffix
+
+
+def _check_plot_file(text: str, flag: str) -> None:
+    check_output_file(text, flag)
+    plot_format(text)
+
+
+# A plot to write: an output file whose name ends in a format matplotlib writes (see :func:`plot_format`).
+plot_file = _output_path(_check_plot_file, "plot_file")
 
 
 def device_arg(text: str) -> str:

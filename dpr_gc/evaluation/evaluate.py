@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, check_ks, check_mode, default_workers,
                       iter_blocks, resolve_mode)
 from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  # noqa: F401 (the API of evaluation)
-from ..base.args import nonnegative_int, output_file, positive_int
+from ..base.args import nonnegative_int, output_file, plot_file, plot_format, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_path, atomic_paths, dump_json, open_text
@@ -226,15 +227,16 @@ def format_table(metrics: dict[str, float]) -> str:
 
 
 def plot_metrics(curves: dict[str, dict[int, float]], path: PathLike) -> Path:
-    """Write a PNG of each curve (e.g. accuracy or recall) against k (see :func:`save_plot`), atomically."""
+    """Write a plot of each curve (e.g. accuracy or recall) against k (see :func:`save_plot`), atomically, in the
+    format its name ends in (:func:`~dpr_gc.base.args.plot_format`)."""
     with atomic_path(path) as tmp:
-        save_plot(curves, tmp)
+        save_plot(curves, tmp, plot_format(os.fspath(path)))
     return Path(path)
 
 
-def save_plot(curves: dict[str, dict[int, float]], path: PathLike) -> None:
-    """Draw each curve (e.g. accuracy or recall) against k into the PNG file ``path``; log x-axis when k spans a
-    wide range."""
+def save_plot(curves: dict[str, dict[int, float]], path: PathLike, fmt: str = "png") -> None:
+    """Draw each curve (e.g. accuracy or recall) against k into the file ``path`` in format ``fmt`` (png, pdf or
+    svg); log x-axis when k spans a wide range."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,7 +262,7 @@ def save_plot(curves: dict[str, dict[int, float]], path: PathLike) -> None:
     ax.legend()
     fig.tight_layout()
     try:
-        fig.savefig(path, format="png", dpi=120)
+        fig.savefig(path, format=fmt, dpi=120)
     finally:
         plt.close(fig)
 
@@ -384,7 +386,7 @@ def write_report(report: dict[str, Any], curves: dict[str, dict[int, float]], ou
         return
     with atomic_paths(*paths) as tmps:
         if plot:
-            save_plot(curves, tmps[0])
+            save_plot(curves, tmps[0], plot_format(os.fspath(plot)))
             report = {**report, "plot": plot_record(plot, tmps[0])}
         if output:
             with open(tmps[-1], "w", encoding="utf-8") as f:
@@ -412,8 +414,8 @@ class EvaluateSettings:
     workers: int = setting(0, "--workers", type=nonnegative_int,
                            help="processes that tokenise passages when recomputing flags (0: all cores)")
     output: Optional[str] = setting(None, "--output", type=output_file, help="write the metrics report here as JSON")
-    plot: Optional[str] = setting(None, "--plot", type=output_file,
-                                  help="write a PNG of accuracy/recall against k here")
+    plot: Optional[str] = setting(None, "--plot", type=plot_file,
+                                  help="write a plot of accuracy/recall against k here (.png, .pdf or .svg)")
 
     def __post_init__(self) -> None:
         check(self)
