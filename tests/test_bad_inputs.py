@@ -317,7 +317,8 @@ def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path
 
 
 BAD_VALUES = {flag_types.positive_int: "0", flag_types.nonnegative_int: "-1", flag_types.positive_float: "-1",
-              flag_types.nonnegative_float: "-1", flag_types.any_float: "nan", flag_types.device_arg: "cuda:99"}
+              flag_types.nonnegative_float: "-1", flag_types.any_float: "nan", flag_types.device_arg: "cuda:99",
+              flag_types.unit_float: "1.5"}
 
 
 def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str, str, str]]:
@@ -665,11 +666,12 @@ def test_two_outputs_of_one_run_may_not_be_the_same_path(world: dict, tmp_path: 
     out = tmp_path / "x"
     refused(retrieve_argv(world, "--queries", world["qa"], "--output", out, "--trec-run", out),
             "--trec-run", "are the same path")
-    refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", out, "--plot", out],
+    png = tmp_path / "x.png"
+    refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", png, "--plot", png],
             "same path")
     refused(retrieve_argv(world, "--queries", world["qa"], "--output", out, "--cache-dir", out),
             f"--cache-dir {out} and --output {out} are the same path (or links to one)")
-    assert not out.exists()
+    assert not out.exists() and not png.exists()
 
 
 def read_only(monkeypatch, folder: Path) -> None:
@@ -760,7 +762,9 @@ def test_an_output_that_is_a_pipe_is_refused_and_left_as_it_is(world: dict, tmp_
 
 @pytest.mark.parametrize("command", ["evaluate", "index"])
 def test_an_output_that_is_a_link_is_written_through_it(world: dict, tmp_path: Path, command: str) -> None:
-    """A symbolic link as the output keeps being a link: its target gets the output (file or whole folder)."""
+    """A symbolic link as the output keeps being a link: its target gets the output (file or whole folder). A loop
+    of links, or a link into a folder that does not exist, is refused (the loop was replaced by a file, the missing
+    folders were made)."""
     target, link = tmp_path / "elsewhere" / "target", tmp_path / "link"
     target.parent.mkdir()
     if command == "index":
@@ -773,6 +777,13 @@ def test_an_output_that_is_a_link_is_written_through_it(world: dict, tmp_path: P
     assert (target / "index.faiss").is_file() if command == "index" else "qrels" in json.loads(target.read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link"]
     assert [p.name for p in target.parent.iterdir()] == ["target"]
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "nowhere").symlink_to(tmp_path / "missing" / "target")
+    _, flag, _ = stage_argv(world, tmp_path, command, link)
+    refused(stage_argv(world, tmp_path, command, tmp_path / "loop")[0], flag, "is a loop of symbolic links")
+    refused(stage_argv(world, tmp_path, command, tmp_path / "nowhere")[0], flag,
+            f"is a symbolic link into {tmp_path / 'missing'}, which is not a folder")
+    assert (tmp_path / "loop").is_symlink() and not (tmp_path / "missing").exists()
 
 
 def test_a_run_refused_for_a_missing_input_leaves_no_folders(world: dict, tmp_path: Path) -> None:
@@ -1859,7 +1870,8 @@ def test_a_safetensors_header_length_that_does_not_fit_is_said_once(tmp_path: Pa
     ("checkpoint-4/train_state.json", [], "already holds checkpoints: pass --resume latest"),
     ("final/model.safetensors", [], "already holds the trained model of an earlier run (final/)"),
     (None, ["--resume", "latest"], "--resume latest: no finished checkpoint in"),
-    (None, ["--resume", "elsewhere"], "--resume elsewhere: not a checkpoint folder")])
+    (None, ["--resume", "elsewhere"], "--resume elsewhere: not a checkpoint folder"),
+    ("checkpoint-4/train_state.json", ["--resume", ""], "--resume is empty")])
 def test_an_earlier_run_or_a_missing_checkpoint_is_refused_before_the_model_and_data_load(
         world: dict, tmp_path: Path, monkeypatch, left: Optional[str], extra: list, needle: str) -> None:
     """A new run into an earlier run's folder (or a resume with nothing to resume) is refused before the model is

@@ -110,6 +110,7 @@ positive_float = _number(float, lambda v: v > 0, "a positive number")
 nonnegative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 any_float = _number(float, lambda v: True, "a finite number")
 any_int = _number(int, lambda v: True, "an integer")
+unit_float = _number(float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
 
 
 def int_between(low: int, high: int) -> Callable[[str], int]:

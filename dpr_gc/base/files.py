@@ -235,6 +235,11 @@ def output_target(path: PathLike, flag: str = "--output") -> Path:
     which would put a regular file where ``/dev/null`` or a FIFO was."""
     given = Path(path)
     p = Path(os.path.realpath(given)) if given.is_symlink() else given
+    if p.is_symlink():
+        raise DprGcError(f"{flag} {given} is a loop of symbolic links; give a file or folder path")
+    if p != given and not p.parent.is_dir():
+        raise DprGcError(f"{flag} {given} is a symbolic link into {p.parent}, which is not a folder; give a file or "
+                         "folder path")
     if p.exists() and not (p.is_file() or p.is_dir()):
         raise DprGcError(f"{flag} {given} is a device, pipe or socket, not a file; give the path of a file or folder "
                          "(outputs are written whole and renamed into place)")

@@ -31,7 +31,7 @@ from .bm25 import BM25Source, Gold, bm25_index_exists, check_bm25_folder
 from ..data.corpus import rows_for_ids, source_fingerprint
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
-                         positive_int)
+                         positive_int, unit_float)
 from ..base.errors import DprGcError
 from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
@@ -98,7 +98,7 @@ class SourceSettings:
     bm25_index: Optional[PathLike] = setting(None, "--bm25-index", type=output_dir,
                                              help="folder to save the BM25 index to, or load it from if built already")
     k1: float = setting(0.9, "--bm25-k1", type=nonnegative_float, help="BM25 k1 (as Anserini)")
-    b: float = setting(0.4, "--bm25-b", type=nonnegative_float, help="BM25 b (as Anserini)")
+    b: float = setting(0.4, "--bm25-b", type=unit_float, help="BM25 b, 0 to 1: length normalisation (as Anserini)")
     batch_size: int = setting(64, "--batch-size", type=positive_int, help="questions/passages per encoder batch")
     device: Optional[str] = device_setting()
     cache_dir: Optional[PathLike] = cache_dir_setting()

@@ -140,7 +140,9 @@ def resolve_checkpoint(out: Path, resume: str) -> Path:
 def check_start(out: Path, resume: Optional[str]) -> None:
     """Before the model and data are loaded: ``--resume`` names a checkpoint, and a new run is refused a folder
     holding an earlier run's checkpoints, ``final/`` or ``best/`` (a new run would leave the earlier ``best/``
-    beside its own ``final/``)."""
+    beside its own ``final/``). An empty ``--resume`` is refused, not read as none given."""
+    if resume is not None and not resume.strip():
+        raise DprGcError("--resume is empty; give a checkpoint folder or 'latest'")
     if resume:
         resolve_checkpoint(out, resume)
         return
