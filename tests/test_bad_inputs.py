@@ -1322,7 +1322,8 @@ def test_duplicate_query_ids_are_refused_when_the_file_is_read(world: dict, tmp_
 
 
 def test_queries_from_a_pipe_or_dev_null(world: dict, tmp_path: Path) -> None:
-    """A pipe (``<(...)``) or device is read once into a copy; messages still name what was given."""
+    """A pipe (``<(...)``) or device is read once into a copy; messages still name what was given. A device that
+    never ends is refused."""
     import threading
 
     reference = tmp_path / "ref.json"
@@ -1338,6 +1339,8 @@ def test_queries_from_a_pipe_or_dev_null(world: dict, tmp_path: Path) -> None:
     refused(retrieve_argv(world, "--queries", "/dev/null", "--output", tmp_path / "n.json"), "no queries in /dev/null")
     with pytest.raises(DprGcError, match="is a pipe or device"):
         read_queries("/dev/null")
+    if Path("/dev/zero").exists():  # copied to its end, it filled the disk
+        refused(["evaluate", "--run", "/dev/zero", "--qrels", world["qrels"]], "/dev/zero is a device that never ends")
 
 
 def test_index_readers_always_see_one_whole_build(world: dict, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -53,6 +54,15 @@ def is_stream(path: PathLike) -> bool:
     return p.exists() and not p.is_file() and not p.is_dir()
 
 
+def endless_device(path: Path) -> bool:
+    """Whether ``path`` is a character device other than ``/dev/null`` and a terminal (``/dev/zero``,
+    ``/dev/urandom``): copied to its end, it would fill the disk."""
+    if not stat.S_ISCHR(os.stat(path).st_mode) or os.path.realpath(path) == os.devnull:
+        return False
+    with open(path, "rb", buffering=0) as f:
+        return not os.isatty(f.fileno())
+
+
 @contextlib.contextmanager
 def spooled(paths: Iterable[Path]) -> Iterator[dict[Path, Path]]:
     """Copy each stream of ``paths`` (:func:`is_stream`) into a temporary folder under its own name, so readers that
@@ -61,6 +71,10 @@ def spooled(paths: Iterable[Path]) -> Iterator[dict[Path, Path]]:
     import shutil
 
     streams = list(dict.fromkeys(p for p in paths if is_stream(p)))
+    for stream in streams:
+        if endless_device(stream):
+            raise DprGcError(f"{stream} is a device that never ends (such as /dev/zero); give a file, a pipe or "
+                             "/dev/null")
     if not streams:
         yield {}
         return
