@@ -88,6 +88,10 @@ def test_has_answer_regex(patterns, text, expected):
 def test_invalid_regex_and_mode_errors():
     with pytest.raises(DprGcError, match=r"invalid answer regex '\(unclosed'"):
         ev.has_answer(["(unclosed"], "text", "regex")
+    results = [{"question": "q", "answers": ["ok"], "ctxs": [{"id": "d1", "text": "ok"}]},
+               {"question": "r", "answers": ["(unclosed"], "ctxs": [{"id": "d1", "text": "ok"}]}]
+    with pytest.raises(DprGcError, match=r"^res\.json: question 1: invalid answer regex '\(unclosed'"):
+        ev.evaluate_answers(results, [1], "regex", source="res.json")
     with pytest.raises(DprGcError, match="unknown match mode 'fuzzy'"):
         ev.has_answer(["a"], "a", "fuzzy")
 

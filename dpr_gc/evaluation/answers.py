@@ -261,6 +261,11 @@ def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], s
         answers = entry.get("answers")
         if mode and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
             raise DprGcError(f"{source}: question {i}: 'answers' must be a list of strings")
+        if mode == "regex":
+            try:
+                prepare_answers(answers, mode)  # compiled once more when matched: the regex package caches them
+            except DprGcError as e:
+                raise DprGcError(f"{source}: question {i}: {e}") from None
         field = "text" if mode else "has_answer"
         for j, ctx in enumerate(entry["ctxs"]):
             if not isinstance(ctx.get(field), str if mode else bool):
