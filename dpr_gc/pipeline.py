@@ -58,6 +58,9 @@ class DemoConfig:
     training: TrainConfig = dataclasses.field(default_factory=demo_training)
 
     def __post_init__(self) -> None:
+        from .data.stdlib_data import check_max_examples
+
+        check_max_examples(self.max_examples)
         batch, cache = self.training.data.batch_size, self.training.cache
         chunk = max((c for c in (cache.query_chunk_size, cache.passage_chunk_size) if isinstance(c, int)), default=0)
         if batch < 4 * chunk:
@@ -78,12 +81,21 @@ def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> P
 
 SETTINGS_FILE = "demo_settings.json"
 SAME_RESULTS = ("training.data.num_workers",)  # settings that change no result: workers give the same batches
+NO_STAGE = ("data", SETTINGS_FILE)  # all a run holds before a stage finishes; the dataset checks its own settings
+
+
+def started_stages(out: Path) -> list[str]:
+    """What in a demo folder a stage wrote (the measured stages, the training subset, base model and training, the
+    report): all but the dataset, the settings record and hidden files such as the guard's lock."""
+    return sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name not in NO_STAGE)
 
 
 def check_demo_settings(out: Path, config: DemoConfig) -> None:
     """Resume only the same demo: record its settings in ``out`` the first time, and refuse a folder that holds a
     demo run with other settings (its measured stages, trained model and training subset would be reused as they
-    are, beside a report of the new settings; :data:`SAME_RESULTS` aside) or other files and no record."""
+    are, beside a report of the new settings; :data:`SAME_RESULTS` aside) or other files and no record. A run
+    that stopped before any stage wrote something (:func:`started_stages`) protects nothing: its record is
+    replaced, so a rerun with corrected settings goes ahead."""
     record = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k != "output_dir"}))
     path = out / SETTINGS_FILE
     if not path.is_file():
@@ -93,7 +105,10 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
         return
     old, new = flat_record(read_json_object(path, "demo settings")), flat_record(record)
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in SAME_RESULTS)
-    if changed:
+    if changed and not started_stages(out):
+        logger.info("%s: no stage of the earlier run finished; recording the new settings", out)
+        write_json(path, record)
+    elif changed:
         shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in changed[:3])
         raise DprGcError(f"{out} holds a demo run with other settings ({shown}"
                          f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''}); its results would be "
@@ -138,6 +153,7 @@ def run_demo(config: DemoConfig) -> dict:
     import torch
 
     from .model.retriever import Retriever
+    from .data.sampling import too_few_questions
     from .data.stdlib_data import build_stdlib_dataset
     from .train.trainer import train
     from .train.checkpoints import finished_checkpoints
@@ -149,6 +165,9 @@ def run_demo(config: DemoConfig) -> dict:
     started = time.perf_counter()
     data = out / "data"
     manifest = build_stdlib_dataset(data, max_examples=config.max_examples, seed=training.run.seed)
+    questions = min(manifest["counts"]["train_queries"], config.train_queries or manifest["counts"]["train_queries"])
+    if questions < training.data.batch_size:  # refused before any stage, so the corrected rerun is not blocked
+        raise too_few_questions(questions, training.data.batch_size)
     base = Retriever.from_pretrained(training.model.path(), training.model.retriever)
     before = measure(base, "before", out, data, manifest, config.top_k, config.encode_batch_size)
 

@@ -163,6 +163,7 @@ def test_a_demo_folder_resumes_only_the_same_settings(tmp_path):
     check_demo_settings(out, config)
     assert (out / SETTINGS_FILE).is_file()
     check_demo_settings(out, config)
+    (out / "before").mkdir()  # a stage wrote something
     training = dataclasses.replace(config.training, optim=dataclasses.replace(config.training.optim,
                                                                              learning_rate=1e-3))
     with pytest.raises(DprGcError, match=r"other settings \(max_examples: None there, 300 now; "
@@ -172,3 +173,43 @@ def test_a_demo_folder_resumes_only_the_same_settings(tmp_path):
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(DprGcError, match="holds files but no demo_settings.json"):
         check_demo_settings(tmp_path / "other", config)
+
+
+def test_a_demo_record_protects_only_finished_stages(tmp_path):
+    """A folder where no stage wrote anything (only the dataset, which checks its own settings, and the record)
+    takes new settings, and records them; once a stage wrote something, the old settings are refused again."""
+    from dpr_gc.pipeline import SETTINGS_FILE, check_demo_settings
+
+    out, config = tmp_path / "demo", DemoConfig()
+    check_demo_settings(out, config)
+    (out / "data").mkdir()
+    other = dataclasses.replace(config, max_examples=20)
+    check_demo_settings(out, other)
+    assert json.loads((out / SETTINGS_FILE).read_text())["max_examples"] == 20
+    (out / "before").mkdir()
+    with pytest.raises(DprGcError, match=r"other settings \(max_examples: 20 there, None now\)"):
+        check_demo_settings(out, config)
+
+
+def test_a_refused_demo_leaves_nothing_blocking_the_corrected_rerun(tmp_path, monkeypatch):
+    """--max-examples below 3 is refused before anything is written; too few training questions for the batch is
+    refused before the first stage, and the rerun with a lower --batch-size goes on (to measuring, stubbed here)."""
+    from dpr_gc import pipeline
+    from tests.helpers import call
+
+    out = tmp_path / "dm"
+    code, err = call(main, ["demo", "--output", out, "--max-examples", "1"])
+    assert (code, err) == (2, "error: --max-examples must be at least 3 (got 1)\n")
+    assert not out.exists()
+    model = tiny_model_folder(tmp_path)
+    argv = ["demo", "--output", out, "--model", model, "--max-examples", "20", "--passage-max-length", "32"]
+    code, err = call(main, argv)
+    assert code == 2 and err.startswith("error: too few training questions (15) for one batch of 64 ") and \
+        err.count("\n") == 1
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["data", "demo_settings.json"]
+
+    def measured(*args, **kwargs):
+        raise DprGcError("measuring")
+
+    monkeypatch.setattr(pipeline, "measure", measured)
+    assert call(main, [*argv, "--batch-size", "8", "--chunk-size", "2"]) == (2, "error: measuring\n")

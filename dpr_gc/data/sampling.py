@@ -23,6 +23,13 @@ def passage_key(ctx: dict) -> str:
     return f"id:{ctx['id']}" if ctx.get("id") else f"text:{ctx.get('title') or ''}\n{ctx['text']}"
 
 
+def too_few_questions(questions: int, batch_size: int, world_size: int = 1) -> DprGcError:
+    """The refusal of training data too small for one global batch (the sampler's, and the demo's before it
+    measures anything)."""
+    return DprGcError(f"too few training questions ({questions}) for one batch of {batch_size} x {world_size} "
+                      "rank(s); lower --batch-size")
+
+
 class MixedBatchSampler(torch.utils.data.Sampler):
     """Batch sampler over concatenated sources with per-source rates, rank sharding and mid-epoch resume.
 
@@ -49,8 +56,7 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         self.data_fingerprints: list[str] = []  # the training sources' content (set by the trainer), checked on resume
         self._order: Optional[tuple[int, np.ndarray]] = None
         if self.batches_per_epoch == 0:
-            raise DprGcError(f"too few training questions ({sum(self.sizes)}) for one batch of {batch_size} "
-                             f"x {world_size} rank(s); lower --batch-size")
+            raise too_few_questions(sum(self.sizes), batch_size, world_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All rows drawn in ``epoch``, in order (the same on every rank)."""

@@ -336,6 +336,13 @@ def _refuse_foreign_files(out: Path) -> None:
                          "written by make-stdlib-data; give a new or empty --output folder")
 
 
+def check_max_examples(max_examples: Optional[int]) -> None:
+    """Refuse a subsample too small to split three ways (train, dev, test); the demo checks it before it records
+    its settings."""
+    if max_examples is not None and max_examples < 3:
+        raise DprGcError(f"--max-examples must be at least 3 (got {max_examples})")
+
+
 def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, seed: int = 0,
                          dev_fraction: float = 0.1, test_fraction: float = 0.15,
                          max_passage_words: int = 200) -> dict[str, Any]:
@@ -349,8 +356,7 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
     usable summary join the corpus as distractors (about one per query, from the same modules). The output
     depends only on the arguments and the Python version; file paths in the manifest are relative to ``out_dir``.
     """
-    if max_examples is not None and max_examples < 3:
-        raise DprGcError(f"--max-examples must be at least 3 (got {max_examples})")
+    check_max_examples(max_examples)
     if not (0 < dev_fraction and 0 < test_fraction and dev_fraction + test_fraction < 1):
         raise DprGcError("dev and test fractions must be positive and sum to less than 1")
     if max_passage_words < 16:
