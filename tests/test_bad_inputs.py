@@ -172,6 +172,24 @@ def test_retrieve_refuses_bad_queries(world: dict, tmp_path: Path, name: str, co
     assert not out.exists() and not (tmp_path / "run.trec").exists()
 
 
+def test_retrieve_names_a_missing_queries_or_qrels_file_by_its_flag_before_loading_the_model(
+        world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing or folder --queries / --qrels is named by its flag (not as a corpus file), before the query
+    encoder loads."""
+    def not_loaded(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(Retriever, "load", not_loaded)
+    base = ["retrieve", "--index", world["idx"], "--model", world["model"], "--corpus", world["corpus"],
+            "--output", tmp_path / "x.json", "--cache-dir", tmp_path / "cache", "--device", "cpu"]
+    missing = tmp_path / "nonexist.tsv"
+    refused([*base, "--queries", missing], f"--queries file not found: {missing}")
+    refused([*base, "--queries", world["model"]], f"--queries file {world['model']} is a folder")
+    refused([*base, "--queries", world["qa"], "--qrels", world["model"]], f"--qrels file {world['model']} is a folder")
+    refused([*base, "--queries", world["qa"], "--qrels", missing], f"--qrels file not found: {missing}")
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_evaluate_refuses_bad_qrels_runs_and_results(world: dict, tmp_path: Path) -> None:
     bad = tmp_path / "bad.tsv"
     bad.write_bytes(b"query-id\tcorpus-id\tscore\nq1\tp\xff\t1\n")
@@ -255,6 +273,25 @@ def test_damaged_manifests_metadata_and_configs(world: dict, tmp_path: Path) -> 
     refused(["retrieve", "--index", world["idx"], "--model", model, "--corpus", world["corpus"], "--queries",
              world["qa"], "--output", tmp_path / "o.json", "--device", "cpu"], "retriever_config.json: expected")
     assert not (tmp_path / "o.json").exists()
+
+
+BAD_CONFIG_VALUES = [("pooling", "foo", "one of cls, mean, pooler, last"), ("passage_format", "tsv", "one of pair"),
+                     ("temperature", 100.0, "a number from 0.01 to 10.0"), ("query_max_length", 0, "a positive")]
+
+
+@pytest.mark.parametrize("key,value,need", BAD_CONFIG_VALUES, ids=[c[0] for c in BAD_CONFIG_VALUES])
+def test_a_bad_value_in_a_model_config_names_the_file_and_field_not_a_flag(
+        world: dict, tmp_path: Path, key: str, value: Any, need: str) -> None:
+    """A value RetrieverConfig would refuse, read from MODEL/retriever_config.json, is named there by its field
+    (the user gave no flag)."""
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    config = json.loads((model / "retriever_config.json").read_text())
+    (model / "retriever_config.json").write_text(json.dumps({**config, key: value}))
+    line = refused(["retrieve", "--index", world["idx"], "--model", model, "--corpus", world["corpus"], "--queries",
+                    world["qa"], "--output", tmp_path / "o.json", "--device", "cpu"],
+                   f"{model / 'retriever_config.json'}: '{key}' must be {need}", "fix the file")
+    assert "--" not in line.replace(str(tmp_path), "")
 
 
 def test_pickled_weights_are_refused_in_one_line(world: dict, tmp_path: Path) -> None:

@@ -57,6 +57,11 @@ def number(test: Optional[Callable[[float], bool]] = None, need: str = "a finite
     return Field((int, float), False, test, need)
 
 
+def one_of(choices: Sequence[str]) -> Field:
+    """A string from ``choices`` (the same tuple the matching flag is declared with)."""
+    return Field(str, False, lambda v: v in choices, f"one of {', '.join(choices)}")
+
+
 def text(nullable: bool = False) -> Field:
     return Field(str, nullable, no_lone_surrogates, "a string" + (" or null" if nullable else ""))
 

@@ -70,14 +70,15 @@ def source_fingerprint(path: PathLike) -> str:
     return digest.hexdigest()
 
 
-def corpus_fingerprint(path: PathLike) -> str:
+def corpus_fingerprint(path: PathLike, what: str = "corpus file") -> str:
     """A content fingerprint of the corpus file: a hash of its bytes, or of 1,024 evenly spaced 64 KiB blocks and the
     size when it is larger than 256 MiB (so checking a 13 GB ``psgs_w100.tsv`` costs well under a second).
 
     Recorded in the corpus cache key, the encode manifests and the index metadata, so an edit that keeps the file's
-    size and modification time still cannot pair new passage text with old vectors.
+    size and modification time still cannot pair new passage text with old vectors. ``what`` names the file in the
+    error when it is missing (the questions and qrels files are fingerprinted too).
     """
-    p = require_file(path, "corpus file")
+    p = require_file(path, what)
     size = p.stat().st_size
     digest = hashlib.blake2b(str(size).encode(), digest_size=16)
     with open(p, "rb") as f:

@@ -36,11 +36,11 @@ from ..base.errors import DprGcError
 from ..base.files import atomic_path, read_json_list, read_json_object, read_tensors, write_json
 from ..engine.loss import TEMPERATURE_RANGE
 from .card import write_model_card
-from .config import RetrieverConfig
+from .config import PASSAGE_FORMATS, POOLINGS, RetrieverConfig
 from .dpr_hub import find_dpr_pair, load_dpr
 from .pretrained import check_saveable, load_tokenizer, load_transformer
 from ..base.guard import atomic_folder
-from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number,
+from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number, one_of,
                              positive_int, text)
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,13 @@ POOLING_FIELDS = {"pooling_mode": text(True), "embedding_dimension": positive_in
                   **{f"pooling_mode_{m}": Field(bool) for m in ("cls_token", "mean_tokens", "lasttoken", "max_tokens",
                                                                 "mean_sqrt_len_tokens", "weightedmean_tokens")}}
 ST_FIELDS = {"prompts": Field(dict, True), "similarity_fn_name": text(True)}
-RETRIEVER_FIELDS = {"format_version": Field(int), "pooling": text(), "normalize": Field(bool),
+RETRIEVER_FIELDS = {"format_version": Field(int), "pooling": one_of(POOLINGS), "normalize": Field(bool),
                     "projection_dim": positive_int(True), "shared_encoder": Field(bool),
                     "query_max_length": positive_int(), "passage_max_length": positive_int(),
-                    "temperature": number(lambda v: v > 0, "a positive number"), "learn_temperature": Field(bool),
-                    "passage_format": text(), "query_prefix": text(), "passage_prefix": text()}
+                    "temperature": number(lambda v: TEMPERATURE_RANGE[0] <= v <= TEMPERATURE_RANGE[1],
+                                          "a number from {} to {}".format(*TEMPERATURE_RANGE)),
+                    "learn_temperature": Field(bool), "passage_format": one_of(PASSAGE_FORMATS),
+                    "query_prefix": text(), "passage_prefix": text()}
 IDENTITY, TANH = "torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh"
 ROUTES = {"query": "query", "passage": "document"}
 

@@ -26,7 +26,7 @@ from ..base.errors import DprGcError, Interrupted
 from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
-from ..base.files import ChunkedOutput, PathLike, iter_jsonl
+from ..base.files import ChunkedOutput, PathLike, iter_jsonl, require_file
 from ..base.locks import output_lock
 from .index import DenseIndex, set_threads
 from .index_params import hnsw_ef, ivf_nprobe
@@ -430,6 +430,9 @@ def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
     return model
 
 
+QUERIES, QRELS = "--queries file", "--qrels file"
+
+
 def run_retrieval(index: DenseIndex, job: RetrieveJob,
                   index_dir: Optional[PathLike] = None) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """Load the query encoder (default: the model the index records, relative to ``index_dir`` if moved with it),
@@ -446,6 +449,9 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     corpus_path = job.corpus or index.meta.get("corpus")
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
+    require_file(job.queries, QUERIES)  # before the model loads, and named by its flag
+    if job.qrels:
+        require_file(job.qrels, QRELS)
     check_outputs({"the index's recorded --model": None if job.model else model,
                    "the index's recorded --corpus": None if job.corpus else corpus_path},
                   {"--output": s.output, "--trec-run": s.trec_run, "--cache-dir": job.cache_dir})
@@ -496,7 +502,8 @@ def retrieval_key(retriever: Any, index: DenseIndex, corpus: Any, job: RetrieveJ
     from ..data.corpus import corpus_fingerprint, dataset_fingerprint
     from .fingerprint import weights_fingerprint
 
-    return {"queries": corpus_fingerprint(job.queries), "qrels": corpus_fingerprint(job.qrels) if job.qrels else None,
+    return {"queries": corpus_fingerprint(job.queries, QUERIES),
+            "qrels": corpus_fingerprint(job.qrels, QRELS) if job.qrels else None,
             "index": [index.meta.get("index_file"), index.meta.get("params"), index.ntotal],
             "corpus": dataset_fingerprint(corpus), "model": [weights_fingerprint(retriever), repr(retriever.config)],
             "top_k": job.settings.top_k, "match": job.settings.match}
