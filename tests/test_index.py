@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -160,8 +161,43 @@ def test_partial_then_append_equals_full_build(tmp_path, data, queries):
     b = DenseIndex.read(tmp_path / "full_idx").search(queries, 5)
     np.testing.assert_array_equal(a[1], b[1])
     assert list(read_ids(tmp_path / "idx")) == list(read_ids(tmp_path / "full_idx"))
-    with pytest.raises(DprGcError, match="nothing to add"):
-        build_index(part, tmp_path / "idx", IndexParams("flat"), append=True)
+
+
+def test_a_rerun_of_a_finished_append_says_up_to_date_writes_nothing_and_exits_0(tmp_path, data, caplog):
+    """``index --append`` run again with no new shard resumes as encode does: exit 0, a log line saying the index
+    is up to date, and the index folder left as it was."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb, idx = write_shards(tmp_path / "emb", data, num_shards=2), tmp_path / "idx"
+    argv = ["index", "--embeddings", emb, "--output", idx, "--append"]
+    assert call(main, argv)[0] == 0
+    stamps = {p.name: p.stat().st_mtime_ns for p in idx.iterdir()}
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.index"):
+        code, err = call(main, argv)
+    assert code == 0 and "error" not in err
+    assert f"{idx} is already up to date: every shard in {emb} is in it; nothing written" in caplog.messages
+    assert {p.name: p.stat().st_mtime_ns for p in idx.iterdir()} == stamps
+    summary = build_index(emb, idx, IndexParams("flat"), append=True)
+    assert (summary["added"], summary["shards_added"], summary["ntotal"]) == (0, 0, len(data))
+
+
+def test_appending_to_an_index_with_a_damaged_ids_file_names_it_and_says_rebuild(tmp_path, data):
+    """An ``ids.txt`` that lost a line is named as damaged (not a hidden temporary folder, not the shards) and the
+    index is to be rebuilt without --append; the index is left as it was."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb, idx = write_shards(tmp_path / "emb", data, num_shards=2, only=[0]), tmp_path / "idx"
+    assert call(main, ["index", "--embeddings", emb, "--output", idx, "--allow-partial"])[0] == 0
+    lines = (idx / IDS_FILE).read_text().splitlines(keepends=True)
+    (idx / IDS_FILE).write_text("".join(lines[:2] + lines[3:]))
+    write_shards(emb, data, num_shards=2, only=[1])
+    before = {p.name: p.read_bytes() for p in idx.iterdir()}
+    code, err = call(main, ["index", "--embeddings", emb, "--output", idx, "--append"])
+    assert code == 2 and err == (f"error: {idx / IDS_FILE}: {len(lines) - 1} passage ids for {len(lines)} index rows, "
+                                 "so the index is damaged; rebuild it (without --append)\n")
+    assert {p.name: p.read_bytes() for p in idx.iterdir()} == before
 
 
 def test_gap_between_shards_is_refused(tmp_path, data):

@@ -223,11 +223,12 @@ class DenseIndex:
         sees the old build or the new one, never parts of both. A non-empty folder holding no index is refused."""
         out = check_index_folder(folder)
         with atomic_folder(out) as tmp:
-            self._write_files(tmp, ids)
+            self._write_files(tmp, ids, out)
         return out
 
-    def _write_files(self, out: Path, ids: Optional[Iterable[str]]) -> None:
-        """The three files of an index folder, into the new (still hidden) folder ``out``."""
+    def _write_files(self, out: Path, ids: Optional[Iterable[str]], folder: Path) -> None:
+        """The three files of an index folder, into the new (still hidden) folder ``out`` that replaces ``folder``
+        (the folder errors name)."""
         try:  # through Python's file: FAISS's own writer only prints a failed close (a full disk) and goes on
             with open(out / INDEX_FILE, "wb") as f:
                 _faiss().write_index(self.index, _faiss().PyCallbackIOWriter(f.write))
@@ -245,7 +246,7 @@ class DenseIndex:
                     f.write(last + "\n")
                     n += 1
             if n != self.ntotal:
-                raise DprGcError(f"{out}: {n} passage ids for {self.ntotal} index rows; the shards' ids files "
+                raise DprGcError(f"{folder}: {n} passage ids for {self.ntotal} index rows; the shards' ids files "
                                  "do not match their embeddings, re-encode them")
             self.meta.update(first_id=first, last_id=last)
         self.meta.update(ntotal=self.ntotal, dim=self.dim, faiss_version=_faiss().__version__)
@@ -413,7 +414,8 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
 
     A new trained kind first trains on a random sample of ``train_sample`` vectors; vectors are then added shard
     by shard in blocks of ``block_size`` rows read from memory-mapped ``.npy`` files, so memory holds the index
-    and not every embedding besides. Returns ``(index, shards added, timings)``.
+    and not every embedding besides. Returns ``(index, shards added, timings)``; the shards added are none when
+    ``dense`` already holds every shard.
     """
     IndexBuild(train_sample=train_sample, block_size=block_size, seed=seed)  # the flags' checks and errors
     manifests = read_manifests(emb_dir, complete=not allow_partial)
@@ -431,8 +433,10 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
                          f"{dense.meta.get('model')}, dim {dense.dim}, {dense.meta.get('corpus_rows')} corpus rows); "
                          "encode the same corpus with the same model, or build a new index in another folder")
     todo = shard_rows_from(manifests, dense.ntotal if dense else 0)
+    if not todo and dense is not None:  # a rerun of a finished append: nothing to do, and no error
+        return dense, [], {"train_vectors": 0, "train_seconds": 0.0, "add_seconds": 0.0}
     if not todo:
-        raise DprGcError(f"nothing to add: every shard in {emb_dir} is already in the index")
+        raise DprGcError(f"nothing to add: the shards in {emb_dir} hold no rows")
     for m in todo:
         open_shard(m, check_ids=True)
     stats = {"train_vectors": 0, "train_seconds": 0.0}
@@ -499,8 +503,13 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build
         if removed:
             logger.info("removed %d unfinished folder(s) of an interrupted run beside %s", len(removed), out)
         existing = DenseIndex.read(out) if append and (out / META_FILE).is_file() else None
+        if existing is not None:
+            check_ids_file(out, existing.ntotal)
         dense, todo, stats = add_shards(emb_dir, params, existing, build.train_sample, build.block_size, build.seed,
                                         allow_partial)
+        if not todo:
+            logger.info("%s is already up to date: every shard in %s is in it; nothing written", out_dir, emb_dir)
+            return index_summary(out_dir, dense, todo, stats)
         dense.meta["settings"] = {"index": to_record(params), "build": to_record(build), "append": append,
                                   "allow_partial": allow_partial}
         model = dense.meta.get("model")
@@ -509,11 +518,26 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build
         old_ids = read_ids(out) if existing is not None else ()
         dense.write(out, ids=itertools.chain(old_ids, shard_ids(todo)))
     logger.info("wrote %s index with %s to %s", dense.meta["factory"], counted(dense.ntotal, "vector"), out_dir)
+    return index_summary(out_dir, dense, todo, stats)
+
+
+def index_summary(out_dir: PathLike, dense: DenseIndex, todo: list[dict], stats: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`build_index` returns (and ``dpr-gc index`` prints): the index, its search and size, what was
+    added, and whether it covers the whole corpus."""
     corpus_rows = dense.meta.get("corpus_rows")
     return {"index": str(out_dir), "factory": dense.meta["factory"], "search": dense.search_settings(),
             "faiss_threads": faiss_threads(), "model": dense.meta.get("model"),
             "dim": dense.dim, "ntotal": dense.ntotal, "added": sum(int(m["count"]) for m in todo),
             "shards_added": len(todo), **stats, "complete": corpus_rows is None or dense.ntotal == int(corpus_rows)}
+
+
+def check_ids_file(folder: Path, rows: int) -> None:
+    """Refuse to append to an index whose ``ids.txt`` no longer holds one passage id per row (edited or damaged):
+    the appended ids would be paired with the wrong vectors."""
+    n = sum(1 for _ in read_ids(folder))
+    if n != rows:
+        raise DprGcError(f"{folder / IDS_FILE}: {n} passage ids for {rows} index rows, so the index is damaged; "
+                         "rebuild it (without --append)")
 
 
 def check_built_from(dense: "DenseIndex", emb_dir: PathLike, where: PathLike) -> None:
