@@ -217,6 +217,9 @@ BAD_TRAINING = [
     ("cut.json.gz", gzip.compress(json.dumps(training_records()).encode())[:-9], "not a complete gzip file"),
     ("dict.json", json.dumps({"data": training_records()}), "dict.json:1: missing field 'question'"),
     ("text.json", "question: what?\n", "text.json:1: invalid JSON"),
+    ("empty_question.jsonl", "".join(json.dumps({**r, "question": q}) + "\n" for r, q in
+                                     zip(training_records(2), ["what", " \t "])),
+     "empty_question.jsonl:2: the question is empty; fix the record or pass --skip-bad-records"),
 ]
 
 

@@ -116,6 +116,8 @@ def test_non_object_items_of_a_json_list_are_bad_records(tmp_path, monkeypatch, 
     (lambda r: r.update(hard_negative_ctxs="text"), "field 'hard_negative_ctxs' must be a list"),
     (lambda r: r["positive_ctxs"][1].update(text=None), r"positive_ctxs\[1\].text must be a string"),
     (lambda r: r.update(answers=[1, 2]), "field 'answers' must be a list of strings"),
+    (lambda r: r.update(question=""), "the question is empty"),
+    (lambda r: r.update(question=" \t\n "), "the question is empty"),
 ])
 def test_bad_records_error_or_are_skipped(tmp_path, change, message):
     recs = records(4)

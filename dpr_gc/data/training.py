@@ -40,7 +40,8 @@ from ..model.tokenize import token_ids
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2: negatives that are the question's own positive are dropped; 3: a row count ends the file
+FORMAT_VERSION = 4  # 2: negatives that are the question's own positive are dropped; 3: a row count ends the file;
+# 4: an empty question is a bad record
 BEIR_VERSION = 1  # a BEIR folder's cache besides FORMAT_VERSION; 1: read by the corpus and query readers (ids unique)
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
 WRITE_BATCH = 256
@@ -123,6 +124,8 @@ def normalise_record(record: Any) -> Row:
         raise ValueError("missing field 'question'")
     if not isinstance(question, str):
         raise ValueError(f"field 'question' must be a string, got {type(question).__name__}")
+    if not question.strip():  # refused as retrieve --queries and BEIR queries.jsonl refuse it
+        raise ValueError("the question is empty")
     if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
         raise ValueError("field 'answers' must be a list of strings")
     return {"question": question, "answers": answers, "positives": _contexts(record, "positive_ctxs", True),
@@ -212,8 +215,8 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path, cache_dir: Optional[
             for pid, title, text in zip(found["id"], found["title"], found["text"])}
     for qid, entry in pairs.items():
         where = f"{qrels}:{first_line[qid]}"
-        if not entry:
-            yield where, normalise_record(beir_dpr_record(qid, "", [], []))
+        if not entry:  # judged, none relevant: counted as a question without a positive (its text is not read)
+            yield where, normalise_record(beir_dpr_record(qid, qid, [], []))
             continue
         if not isinstance(questions.get(qid), str):
             yield where, f"query id {qid!r} has no text in {queries.name}"
