@@ -347,6 +347,37 @@ def test_missing_gpu_is_refused(world: dict, tmp_path: Path) -> None:
     assert not (tmp_path / "e").exists() and not (tmp_path / "t").exists()
 
 
+def test_flags_that_would_be_ignored_are_refused_saying_what_to_add_or_drop(world: dict, tmp_path: Path) -> None:
+    """mine's dense flags without --source dense (it would mine with BM25), BM25 flags with it, --beir-split without
+    --beir-dir, and retrieve's --k without --evaluate, --run-tag without --trec-run, --compact without --output are
+    refused in one line, before anything is read or written; a flag given at its default value is not."""
+    out = tmp_path / "o.json"
+    mine = ["mine", "--train-file", world["train"], "--corpus", world["corpus"], "--output", out,
+            "--cache-dir", tmp_path / "cache"]
+    dense = [*mine, "--source", "dense", "--model", world["model"], "--index", world["idx"], "--device", "cpu"]
+    bm25_default = "does not apply to --source bm25 (the default); add --source dense, or drop the flag"
+    for extra, flag in [(["--model", world["model"], "--index", world["idx"]], "--model"),
+                        (["--index", world["idx"]], "--index"), (["--embeddings", tmp_path / "e"], "--embeddings"),
+                        (["--device", "cpu"], "--device"), (["--batch-size", "8"], "--batch-size")]:
+        refused([*mine, *extra], f"error: {flag} {bm25_default}")
+    refused([*dense, "--bm25-b", "0.5"], "error: --bm25-b does not apply to --source dense; drop the flag")
+    refused([*dense, "--bm25-index", tmp_path / "b"], "error: --bm25-index does not apply to --source dense")
+    for flag in ("--beir-split", "--split"):
+        refused([*mine, flag, "test"], "error: --beir-split does not apply without --beir-dir")
+    retrieve = ["retrieve", "--index", world["idx"], "--queries", world["qa"], "--device", "cpu",
+                "--cache-dir", tmp_path / "cache"]
+    refused([*retrieve, "--output", out, "--k", "2"],
+            "error: --k does not apply without --evaluate (it sets the cut-offs evaluated); add --evaluate, or drop")
+    refused([*retrieve, "--output", out, "--run-tag", "mine"], "error: --run-tag does not apply without --trec-run")
+    refused([*retrieve, "--trec-run", tmp_path / "r.trec", "--compact"], "error: --compact does not apply without "
+            "--output (it trims the results JSON); add --output FILE.json, or drop the flag")
+    assert not out.exists() and not (tmp_path / "r.trec").exists() and not (tmp_path / "e").exists()
+    code, err = call(cli.main, [*mine, "--beir-split", "train", "--bm25-k1", "0.9", "--batch-size", "64",
+                                "--n-negatives", "1", "--top-k", "4"])
+    assert code == 0 and "error" not in err, err
+    assert out.is_file()
+
+
 def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path) -> None:
     out = tmp_path / "metrics.json"
     out.write_text("old")

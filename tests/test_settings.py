@@ -462,3 +462,24 @@ def test_a_sharded_checkpoint_resumes_only_with_fsdp(first_run, tmp_path) -> Non
     line = error_line(*call(cli.main, argv))
     assert "this checkpoint was written with --fsdp; resume it the same way" in line
     assert not (out / "checkpoint-3").exists()
+
+
+def test_flags_given_counts_only_flags_set_to_other_than_their_default() -> None:
+    """What ``refuse_flags_that_do_not_apply`` relies on: a command line giving only the required flags sets none
+    but them (flags with non-None defaults, command-line defaults and switches included); a switch turned on,
+    or a value other than the default, is counted; a value repeated at its default is not."""
+    from dpr_gc.base.settings import flags_given
+    from dpr_gc.retrieval.mine import MineJob
+    from dpr_gc.retrieval.retrieve import RetrieveJob
+
+    parse = cli.build_parser().parse_args
+    sub = {"mine": (MineJob, ["mine", "--output", "o.json"], {"output": "--output"}),
+           "retrieve": (RetrieveJob, ["retrieve", "--index", "i", "--queries", "q"], {"queries": "--queries"})}
+    for name, (cls, required, given) in sub.items():
+        assert flags_given(cls, parse(required)) == given, name
+    args = parse(["mine", "--output", "o.json", "--skip-model-check", "--bm25-k1", "0.9", "--workers", "0",
+                  "--split", "dev", "--batch-size", "8"])
+    assert flags_given(MineJob, args) == {"output": "--output", "skip_model_check": "--skip-model-check",
+                                          "split": "--beir-split", "batch_size": "--batch-size"}
+    args = parse(["retrieve", "--index", "i", "--queries", "q", "--compact", "--k", "1", "--run-tag", "dpr-gc"])
+    assert flags_given(RetrieveJob, args) == {"queries": "--queries", "compact": "--compact", "k": "--k"}

@@ -272,6 +272,50 @@ def from_args(cls: type, args: Any) -> Any:
     return cls(**kwargs)
 
 
+def _cli_defaults(cls: type, unset: bool = False) -> Iterator[tuple[str, str, Any]]:
+    """``(destination, flag, value when not given)`` of every flag of ``cls`` and of its groups, as
+    :func:`add_arguments` declares them."""
+    for field in dataclasses.fields(cls):
+        grp = _group(field)
+        if grp is not None:
+            yield from _cli_defaults(grp.cls, unset or grp.given is not None)
+            continue
+        decl = _setting(field)
+        if decl is None or not decl.flags:
+            continue
+        default = _field_default(field) if decl.cli_default is UNSET else decl.cli_default
+        if decl.negate and not decl.negatable:  # a switch: the flag turns the default over
+            default = not field.default
+        yield decl.dest_name(field.name), decl.flag, None if unset else default
+
+
+def flags_given(cls: type, args: Any) -> dict[str, str]:
+    """The flags of ``cls`` (and of its groups) whose parsed value differs from what they take when not given, by
+    destination: the flags a user set (one repeated at its default changes nothing, and is not among them)."""
+    values = vars(args) if not isinstance(args, Mapping) else args
+    return {dest: flag for dest, flag, default in _cli_defaults(cls) if dest in values and values[dest] != default}
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliesWhen:
+    """When a flag takes effect: ``test(args)`` holds; otherwise it does not apply ``where`` ("to --source bm25")
+    and ``fix`` says what to add instead of dropping it ("" when dropping is the only fix)."""
+
+    test: Callable[[Any], bool]
+    where: str
+    fix: str = ""
+
+
+def refuse_flags_that_do_not_apply(cls: type, args: Any, rules: Mapping[str, AppliesWhen]) -> None:
+    """Refuse, in one line, a flag of ``cls`` the user set (:func:`flags_given`) where its rule in ``rules`` (by
+    destination) says it would be ignored: a silently ignored flag is a run other than the one asked for."""
+    given = flags_given(cls, args)
+    for dest, rule in rules.items():
+        if dest in given and not rule.test(args):
+            fix = f"{rule.fix}, or drop the flag" if rule.fix else "drop the flag"
+            raise DprGcError(f"{given[dest]} does not apply {rule.where}; {fix}")
+
+
 # --------------------------------------------------------------------------------------------- records
 def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):

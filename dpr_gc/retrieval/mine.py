@@ -37,8 +37,8 @@ from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
 from ..base.files import ChunkedOutput, PathLike, require_file
 from ..base.locks import output_lock
-from ..base.settings import (add_arguments, cache_dir_setting, check, device_setting, from_args, group,
-                             passage_prefix_setting, query_prefix_setting, setting)
+from ..base.settings import (AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
+                             passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply, setting)
 from ..evaluation.answers import MATCH_MODES
 from .index import cap_threads
 from .retrieve import DenseSource
@@ -579,6 +579,14 @@ def scan_training_file(path: PathLike, positive_ids: bool = False) -> tuple[int,
     return count, ids
 
 
+DENSE, BM25 = (AppliesWhen(lambda a: a.source == "dense", "to --source bm25 (the default)", "add --source dense"),
+               AppliesWhen(lambda a: a.source == "bm25", "to --source dense"))
+BEIR_ONLY = AppliesWhen(lambda a: bool(a.beir_dir), "without --beir-dir (it picks a BEIR folder's qrels split)")
+APPLIES = {**dict.fromkeys(("model", "index", "embeddings", "skip_model_check", "batch_size", "device",
+                            "query_prefix", "passage_prefix"), DENSE),
+           **dict.fromkeys(("bm25_index", "bm25_k1", "bm25_b"), BM25), "split": BEIR_ONLY}
+
+
 @guarded(inputs=tuple(MINE_INPUTS), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     from ..data.corpus import load_corpus
@@ -591,6 +599,7 @@ def _cli(args: argparse.Namespace) -> None:
 
     if bool(args.train_file) == bool(args.beir_dir):
         raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
+    refuse_flags_that_do_not_apply(MineJob, args, APPLIES)
     check_built_folders(args)
     mining = from_args(MineSettings, args)
     mining = dataclasses.replace(mining, workers=default_workers(mining.workers))  # cut to the CPUs once, said once

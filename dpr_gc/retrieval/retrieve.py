@@ -30,8 +30,9 @@ from ..base.files import ChunkedOutput, PathLike, iter_jsonl, require_file
 from ..base.locks import output_lock
 from .index import DenseIndex, set_threads
 from .index_params import hnsw_ef, ivf_nprobe
-from ..base.settings import (FREE, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
-                             passage_prefix_setting, query_prefix_setting, setting)
+from ..base.settings import (FREE, AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, from_args,
+                             group, passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply,
+                             setting)
 from ..evaluation.results import check_run_tag, open_results, open_trec_run
 from ..base.tables import format_summary
 
@@ -549,8 +550,17 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     return metrics
 
 
+APPLIES = {"k": AppliesWhen(lambda a: a.evaluate, "without --evaluate (it sets the cut-offs evaluated)",
+                            "add --evaluate"),
+           "run_tag": AppliesWhen(lambda a: bool(a.trec_run), "without --trec-run (it tags the run file's lines)",
+                                  "add --trec-run FILE"),
+           "compact": AppliesWhen(lambda a: bool(a.output), "without --output (it trims the results JSON)",
+                                  "add --output FILE.json")}
+
+
 @guarded(inputs=("index", "model", "corpus", "queries", "qrels"), outputs={"output": "file", "trec_run": "file"})
 def _retrieve_cli(args: argparse.Namespace) -> None:
+    refuse_flags_that_do_not_apply(RetrieveJob, args, APPLIES)
     set_threads(args.threads)
     index = DenseIndex.read(args.index)
     if args.ef_search is not None or args.nprobe is not None:
