@@ -1962,3 +1962,31 @@ def test_an_earlier_run_or_a_missing_checkpoint_is_refused_before_the_model_and_
         (out / left).write_text("{}")
     refused(["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu",
              "--cache-dir", tmp_path / "cache", *extra], needle)
+
+
+LONG_INTEGER = "9" * 4301  # one digit more than Python converts (sys.get_int_max_str_digits)
+
+
+def test_an_integer_longer_than_python_reads_is_invalid_json_in_every_reader(world: dict, tmp_path: Path) -> None:
+    """An integer of over 4,300 digits made ``json.loads`` raise a ValueError the readers did not catch: a traceback
+    for queries, QA answers, a corpus, training records, results and index metadata alike."""
+    common = ["--output", tmp_path / "o.json", "--cache-dir", tmp_path / "cache", "--device", "cpu"]
+    queries = _write(tmp_path / "q.jsonl", f'{{"_id": "q1", "text": "paris", "n": {LONG_INTEGER}}}\n'.encode())
+    qa = _write(tmp_path / "qa.tsv", f"who sang\t[\"music\"]\nwhat is paris\t[{LONG_INTEGER}]\n".encode())
+    for path, line in ((queries, 1), (qa, 2)):
+        refused(["retrieve", "--index", world["idx"], "--model", world["model"], "--corpus", world["corpus"],
+                 "--queries", path, *common], f"{path}:{line}: invalid JSON (an integer of 4301 digits")
+    corpus = _write(tmp_path / "c.jsonl", f'{{"_id": "a", "text": "x"}}\n{{"_id": "b", "text": {LONG_INTEGER}}}\n'
+                    .encode())
+    refused(["encode", "--model", world["model"], "--corpus", corpus, *common], f"{corpus}:2: invalid JSON")
+    record = json.dumps(training_records(1)[0])
+    train = _write(tmp_path / "t.jsonl", f'{record}\n{record[:-1]}, "n": {LONG_INTEGER}}}\n'.encode())
+    refused(["prepare-data", train, "--cache-dir", tmp_path / "cache"], f"{train}:2: invalid JSON")
+    results = _write(tmp_path / "r.json", world["results"].read_text().replace("1.0", LONG_INTEGER).encode())
+    refused(["evaluate", "--results", results, "--output", tmp_path / "m.json"], f"{results}:1: invalid JSON")
+    idx = tmp_path / "idx"
+    shutil.copytree(world["idx"], idx)
+    meta = idx / "index_meta.json"
+    meta.write_text(meta.read_text().replace("{", f'{{"n": {LONG_INTEGER}, ', 1))
+    refused(["retrieve", "--index", idx, "--queries", world["qa"], *common], f"{meta}", "invalid JSON")
+    assert not (tmp_path / "o.json").exists() and not (tmp_path / "m.json").exists()

@@ -98,6 +98,25 @@ def test_invalid_json_names_file_and_line(tmp_path, monkeypatch):
         load(tmp_path, truncated)
 
 
+def test_an_integer_longer_than_python_reads_is_invalid_json(tmp_path, monkeypatch):
+    """Python refuses to read an integer of over 4,300 digits (a ValueError, not a JSONDecodeError): in a JSONL file
+    it is a bad record like any other, in a JSON list broken syntax, named by file and line."""
+    recs = records(3)
+    recs[1]["n"] = "LONG"
+    lines = tmp_path / "long.jsonl"
+    lines.write_text("\n".join(json.dumps(r) for r in recs).replace('"LONG"', "9" * 4301) + "\n")
+    with pytest.raises(DprGcError, match=rf"{lines}:2: invalid JSON \(an integer of 4301 digits"):
+        load(tmp_path, lines)
+    data = load(tmp_path, lines, skip_bad=True)
+    assert len(data) == 2 and data.stats[0]["bad"] == 1 and data.stats[0]["records"] == 3
+    monkeypatch.setattr(streams, "CHUNK_CHARS", 64)
+    listed = tmp_path / "long.json"
+    listed.write_text(json.dumps(recs, indent=2).replace('"LONG"', "9" * 4301))
+    line = 1 + json.dumps(recs, indent=2).split('"LONG"')[0].count("\n")
+    with pytest.raises(DprGcError, match=rf"{listed}:{line}: invalid JSON \(an integer of 4301 digits"):
+        load(tmp_path, listed, skip_bad=True)
+
+
 @pytest.mark.parametrize("chunk", [5, 6, 7, 8, 9])
 def test_non_object_items_of_a_json_list_are_bad_records(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(streams, "CHUNK_CHARS", chunk)  # the number must be read whole even across chunk borders

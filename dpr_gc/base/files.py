@@ -181,14 +181,40 @@ def open_text(path: PathLike, newline: Optional[str] = None) -> TextReader:
     return TextReader(require_file(path), newline)
 
 
+# What ``json.loads`` raises on text it cannot read: a JSONDecodeError, the ValueError of an integer longer than
+# Python converts (4,300 digits), a RecursionError for nesting deeper than Python's stack.
+JSON_ERRORS = (ValueError, RecursionError)
+MAX_INT_DIGITS = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+_LONG_INTEGER = re.compile(r"\d{%d,}" % (MAX_INT_DIGITS + 1)) if MAX_INT_DIGITS else None
+
+
+def json_problem(error: BaseException, text: str, start: int = 0) -> tuple[str, int]:
+    """What is wrong with the JSON ``text`` (parsed from offset ``start``) that raised ``error`` (one of
+    :data:`JSON_ERRORS`), and the offset it is at: every JSON reader words the same failure the same way."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"invalid JSON ({error.msg})", error.pos
+    if isinstance(error, RecursionError):
+        return "JSON nested too deeply to read", start
+    long_integer = _LONG_INTEGER.search(text, start) if _LONG_INTEGER else None
+    if long_integer is not None:
+        return (f"invalid JSON (an integer of {long_integer.end() - long_integer.start()} digits, longer than the "
+                f"{MAX_INT_DIGITS} digits Python reads; write it as a string)", long_integer.start())
+    return f"invalid JSON ({str(error).splitlines()[0] if str(error) else type(error).__name__})", start
+
+
+def line_at(text: str, offset: int, start: int = 0, first: int = 1) -> int:
+    """The line number of ``offset`` in ``text``, counting from line ``first`` at offset ``start``."""
+    return first + text.count("\n", start, offset)
+
+
 def parse_json(text: str, where: str) -> Any:
-    """``json.loads`` whose failures (bad syntax, nesting too deep for Python) name ``where``."""
+    """``json.loads`` whose failures (bad syntax, an integer too long for Python, nesting too deep) name ``where``."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DprGcError(f"{where}: invalid JSON ({e.msg}); fix or remove that line") from None
-    except RecursionError:
-        raise DprGcError(f"{where}: JSON nested too deeply to read; flatten that record") from None
+    except JSON_ERRORS as e:
+        problem, _ = json_problem(e, text)
+        advice = "flatten that record" if isinstance(e, RecursionError) else "fix or remove that line"
+        raise DprGcError(f"{where}: {problem}; {advice}") from None
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -434,10 +460,10 @@ def read_json(path: PathLike) -> Any:
         text = f.read()
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DprGcError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-    except RecursionError:
-        raise DprGcError(f"{path}: JSON nested too deeply to read") from None
+    except JSON_ERRORS as e:
+        problem, offset = json_problem(e, text)
+        where = path if isinstance(e, RecursionError) else f"{path}:{line_at(text, offset)}"
+        raise DprGcError(f"{where}: {problem}") from None
 
 
 def read_json_object(path: PathLike, what: str = "JSON file") -> dict:

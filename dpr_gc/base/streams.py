@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator, Optional
 
 from .errors import DprGcError
-from .files import PathLike, check_unicode, open_text
+from .files import JSON_ERRORS, PathLike, check_unicode, json_problem, line_at, open_text
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +153,10 @@ def iter_json_list(f: IO[str], path: Path, text_only: bool = False) -> Iterator[
                                                       len(buf) - pos > MAX_RECORD_CHARS)) from None
                 want = 2 * (len(buf) - pos)  # the record may just continue in the next chunk
                 continue
-            except RecursionError:
-                raise DprGcError(f"{path}:{line}: JSON nested too deeply to read; flatten that record") from None
+            except JSON_ERRORS as e:  # nesting too deep, an integer too long: more text cannot cure either
+                problem, at = json_problem(e, buf, pos)
+                advice = "flatten that record" if isinstance(e, RecursionError) else "fix the file"
+                raise DprGcError(f"{path}:{line_at(buf, at, pos, line)}: {problem}; {advice}") from None
             if end == len(buf) and not eof:  # so may a number or literal
                 want = 2 * (len(buf) - pos)
                 continue

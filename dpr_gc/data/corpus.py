@@ -25,7 +25,8 @@ from typing import Any, Iterable, Iterator, Optional
 from ..base.errors import DprGcError
 from ..base.logs import counted
 from .arrow_cache import cache_file, cached_dataset, write_stream
-from ..base.files import PathLike, check_unicode, iter_jsonl_objects, open_text, require_file
+from ..base.files import (JSON_ERRORS, PathLike, check_unicode, iter_jsonl_objects, json_problem, open_text,
+                          require_file)
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
 from ..base.validate import check_id
 
@@ -364,10 +365,12 @@ def _parse_answers(field: str, where: str) -> list[str]:
     value: Any
     try:
         value = json.loads(field)
-    except (json.JSONDecodeError, RecursionError):
+    except JSON_ERRORS as e:
         try:
             value = ast.literal_eval(field)
         except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+            if not isinstance(e, (json.JSONDecodeError, RecursionError)):  # JSON, but an integer Python cannot read
+                raise DprGcError(f"{where}: {json_problem(e, field)[0]}") from None
             raise DprGcError(f"{where}: answers must be a list like [\"a\", \"b\"], got {field[:60]!r}") from None
     return _answer_list(check_unicode(value, where), where)
 

@@ -29,8 +29,8 @@ from .qrels import iter_qrels, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
-from ..base.files import (PathLike, check_unicode, die_with_parent, iter_jsonl, open_text,
-                          read_json_object, require_file, write_json)
+from ..base.files import (JSON_ERRORS, PathLike, check_unicode, die_with_parent, iter_jsonl, json_problem,
+                          open_text, read_json_object, require_file, write_json)
 from ..base.settings import add_arguments, cache_dir_setting, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
@@ -161,11 +161,8 @@ def _dpr_records(path: Path) -> Produced:
             if text.strip():
                 try:
                     obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{line_no}", f"invalid JSON ({e.msg})"
-                    continue
-                except RecursionError:
-                    yield f"{path}:{line_no}", "JSON nested too deeply to read"
+                except JSON_ERRORS as e:
+                    yield f"{path}:{line_no}", json_problem(e, text)[0]
                     continue
                 yield from _checked(f"{path}:{line_no}", check_unicode(obj, f"{path}:{line_no}", text))
 

@@ -9,7 +9,6 @@ the ``"dropout"`` PRNG stream, so Gradient Cache can hand each chunk its own key
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.errors import DprGcError
+from ..base.files import read_json_object
 
 Array = jax.Array
 
@@ -144,7 +144,7 @@ def load_bert(path: str | Path, pooling: str = "mean", dropout: float | None = N
     config_file, weights_file = folder / "config.json", folder / "model.safetensors"
     if not (config_file.is_file() and weights_file.is_file()):
         raise DprGcError(f"{folder}: expected a BERT folder with config.json and model.safetensors")
-    hf = json.loads(config_file.read_text())
+    hf = read_json_object(config_file, "a BERT config")
     if hf.get("model_type") != "bert" or hf.get("hidden_act", "gelu") != "gelu":
         raise DprGcError(f"{config_file}: only BERT models with exact GELU load into the Flax encoder")
     config = EncoderConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..base.errors import DprGcError
+from ..base.files import JSON_ERRORS
 from .config import RetrieverConfig
 from .pretrained import load_tokenizer
 
@@ -28,7 +29,7 @@ def find_dpr_pair(folder: Path) -> Optional[tuple[Path, Path]]:
     for config_file in sorted(folder.glob("*/config.json")):
         try:
             config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        except (OSError, *JSON_ERRORS):  # UnicodeDecodeError is a ValueError
             continue  # not a model folder this reader is looking for
         architectures = config.get("architectures") if isinstance(config, dict) else None
         for architecture in architectures or []:

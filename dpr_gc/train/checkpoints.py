@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.errors import DiskFullError, DprGcError, is_disk_full
-from ..base.files import atomic_open, read_json, read_tensors
+from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
 from .config import HIGHER_IS_BETTER
@@ -304,7 +304,7 @@ def truncate_metrics(metrics: Path, step: int) -> None:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             if number == len(lines):
                 logger.warning("%s: dropped a partial last line (the run was interrupted while writing it)", metrics)
                 break
