@@ -1241,6 +1241,7 @@ def _results(tmp_path: Path, **changes: object) -> Path:
 
 @pytest.mark.parametrize("changes, needle", [
     ({"ctx_score": "NaN"}, "is not a finite number"), ({"ctx_score": "inf"}, "is not a finite number"),
+    ({"ctx_score": 10 ** 309}, "is not a finite number"),
     ({"ctx_has_answer": "false"}, "has_answer must be true or false"), ({"question": "  "}, "non-empty string"),
     ({"ctx_id": None}, "passage id must be a string or an integer"),
     ({"ctx_id": "p\u200b0"}, "invisible or control characters"), ({"ctx_id": "p\u200f0"}, "U+200F"),
@@ -1990,3 +1991,25 @@ def test_an_integer_longer_than_python_reads_is_invalid_json_in_every_reader(wor
     meta.write_text(meta.read_text().replace("{", f'{{"n": {LONG_INTEGER}, ', 1))
     refused(["retrieve", "--index", idx, "--queries", world["qa"], *common], f"{meta}", "invalid JSON")
     assert not (tmp_path / "o.json").exists() and not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.parametrize("rel", ["1" + "0" * 309, "7" * 5000, str(2 ** 31), "-2147483649"],
+                         ids=["310-digits", "5000-digits", "2**31", "-2**31-1"])
+def test_a_relevance_beyond_what_trec_eval_takes_is_refused_in_every_qrels_reader(world: dict, tmp_path: Path,
+                                                                                 rel: str) -> None:
+    """A relevance of 310 digits overflowed nDCG's float sums, one of 5,000 digits crashed int(); anything beyond a
+    32-bit integer (trec_eval's and pytrec_eval's range) is refused naming file and line, in evaluate, mine and a
+    BEIR training folder alike."""
+    qrels = _write(tmp_path / "qrels.tsv", f"query-id\tcorpus-id\tscore\nq1\tp0\t1\nq2\tp1\t{rel}\n".encode())
+    needle = f"{qrels}:3: relevance"
+    refused(["evaluate", "--run", world["run"], "--qrels", qrels, "--output", tmp_path / "m.json"], needle,
+            "out of range")
+    refused(["mine", "--train-file", world["train"], "--corpus", world["corpus"], "--qrels", qrels, "--output",
+             tmp_path / "mined.json", "--cache-dir", tmp_path / "cache"], needle, "out of range")
+    beir = tmp_path / "beir"
+    _write(beir / "corpus.jsonl", b'{"_id": "p0", "text": "x"}\n{"_id": "p1", "text": "y"}\n')
+    _write(beir / "queries.jsonl", b'{"_id": "q1", "text": "a"}\n{"_id": "q2", "text": "b"}\n')
+    shutil.copy(qrels, _write(beir / "qrels" / "train.tsv", b""))
+    refused(["prepare-data", beir, "--cache-dir", tmp_path / "cache"], f"{beir / 'qrels' / 'train.tsv'}:3: relevance",
+            "out of range")
+    assert not (tmp_path / "m.json").exists() and not (tmp_path / "mined.json").exists()

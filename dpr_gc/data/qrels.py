@@ -15,6 +15,7 @@ from ..base.validate import check_id
 from ..base.files import PathLike, open_text
 
 Judgment = tuple[str, str, int]  # (query id, passage id, relevance)
+RELEVANCE_MAX = 2 ** 31 - 1  # a C int, as trec_eval and pytrec_eval read relevance
 QRELS_FORMATS = "expected 'query-id corpus-id score' or 'qid 0 docid rel'"
 
 
@@ -39,10 +40,21 @@ def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
                 yield line_no, f"{QRELS_FORMATS}, got {line.strip()!r}"
                 continue
             qid, docid, rel_text = parts[0], parts[-2], parts[-1]
-            if not re.fullmatch(r"[-+]?\d+(\.0*)?", rel_text):
-                yield line_no, f"relevance {rel_text!r} is not an integer"
-                continue
-            yield line_no, (qid, docid, int(rel_text.split(".")[0]))
+            rel = relevance(rel_text)
+            yield line_no, (qid, docid, rel) if isinstance(rel, int) else rel
+
+
+def relevance(text: str) -> Union[int, str]:
+    """The relevance a qrels field holds (``1`` or ``1.0``), or what is wrong with it: not an integer, or outside
+    the 32-bit range trec_eval and pytrec_eval keep (a larger one also overflows nDCG's float sums)."""
+    shown = repr(text) if len(text) <= 24 else f"{text[:12]!r}... ({len(text)} characters)"
+    if not re.fullmatch(r"[-+]?\d+(\.0*)?", text):
+        return f"relevance {shown} is not an integer"
+    digits = text.split(".")[0]
+    if len(digits.lstrip("+-").lstrip("0")) > len(str(RELEVANCE_MAX)) or not (
+            -RELEVANCE_MAX - 1 <= int(digits) <= RELEVANCE_MAX):
+        return f"relevance {shown} out of range; trec_eval takes {-RELEVANCE_MAX - 1} to {RELEVANCE_MAX}"
+    return int(digits)
 
 
 def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:

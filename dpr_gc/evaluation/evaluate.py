@@ -30,7 +30,7 @@ from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_path, atomic_paths, dump_json, open_text
 from ..base.settings import add_arguments, check, setting
-from .results import check_question, iter_results
+from .results import check_question, ctx_score, iter_results
 from ..base.validate import check_id
 from ..base.tables import markdown_table
 from ..base.logs import counted
@@ -84,10 +84,7 @@ def result_scores(entry: dict[str, Any], i: int, source: str,
         where = f"{source}: question {i}, ctx {j}"
         if "id" not in ctx:
             raise DprGcError(f"{where}: missing passage 'id'")
-        try:
-            score = float(ctx["score"]) if "score" in ctx else float(len(entry["ctxs"]) - j)
-        except (TypeError, ValueError):
-            raise DprGcError(f"{where}: score {ctx['score']!r} is not a number") from None
+        score = ctx_score(ctx["score"], where) if "score" in ctx else float(len(entry["ctxs"]) - j)
         if str(ctx["id"]) in docs:
             raise DprGcError(f"{where}: passage {ctx['id']!r} listed twice")
         docs[str(ctx["id"])] = score

@@ -144,12 +144,19 @@ def _check_ctx(ctx: dict, where: str) -> None:
     if "has_answer" in ctx and not isinstance(ctx["has_answer"], bool):
         raise DprGcError(f"{where}: has_answer must be true or false, got {ascii(ctx['has_answer'])[:40]}")
     if "score" in ctx:
-        try:
-            score = float(ctx["score"]) if not isinstance(ctx["score"], bool) else math.nan
-        except (TypeError, ValueError):
-            score = math.nan
-        if not math.isfinite(score):
-            raise DprGcError(f"{where}: score {ascii(ctx['score'])[:40]} is not a finite number")
+        ctx_score(ctx["score"], where)
+
+
+def ctx_score(value: Any, where: str) -> float:
+    """A ranked passage's score as a float: a finite number, or a string of one (as DPR writes); anything else (an
+    integer too large for a float included) is refused naming ``where``."""
+    try:
+        score = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        score = math.nan
+    if not math.isfinite(score):
+        raise DprGcError(f"{where}: score {ascii(value)[:40]} is not a finite number")
+    return score
 
 
 def passage_key(ctx: dict) -> Optional[str]:
