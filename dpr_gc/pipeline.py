@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .base.args import nonnegative_int, output_dir, positive_float, positive_int
+from .base.args import nonnegative_int, output_dir, positive_float, positive_int, seed_int
 from .base.errors import DprGcError
 from .base.guard import guarded
 from .base.files import atomic_path, atomic_paths, dump_json, read_json, read_json_object, write_json
@@ -286,7 +286,7 @@ class DemoFlags:
                                       type=positive_int, help="passage max tokens")
     precision: str = setting(_RECIPE.optim.precision, "--precision", choices=("fp32", "bf16", "fp16"),
                              help="autocast precision of training")
-    seed: int = setting(_RECIPE.run.seed, "--seed", type=nonnegative_int, help="seed of the dataset and of training")
+    seed: int = setting(_RECIPE.run.seed, "--seed", type=seed_int, help="seed of the dataset and of training")
 
     def config(self) -> DemoConfig:
         """The :class:`DemoConfig` these flags ask for: the recipe with the flags' values put in."""

@@ -389,7 +389,7 @@ def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path
 
 BAD_VALUES = {flag_types.positive_int: "0", flag_types.nonnegative_int: "-1", flag_types.positive_float: "-1",
               flag_types.nonnegative_float: "-1", flag_types.any_float: "nan", flag_types.device_arg: "cuda:99",
-              flag_types.unit_float: "1.5"}
+              flag_types.unit_float: "1.5", flag_types.seed_int: str(2 ** 32)}
 
 
 def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str, str, str]]:
@@ -2013,3 +2013,17 @@ def test_a_relevance_beyond_what_trec_eval_takes_is_refused_in_every_qrels_reade
     refused(["prepare-data", beir, "--cache-dir", tmp_path / "cache"], f"{beir / 'qrels' / 'train.tsv'}:3: relevance",
             "out of range")
     assert not (tmp_path / "m.json").exists() and not (tmp_path / "mined.json").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "verify", "demo", "make-stdlib-data", "index"])
+def test_a_seed_numpy_cannot_take_is_refused_while_the_command_line_is_parsed(world: dict, tmp_path: Path,
+                                                                             command: str) -> None:
+    """--seed 2**32 crashed train, verify and demo in numpy after work had started, and make-stdlib-data and index
+    took it; every --seed is one flag type, refused before anything is read."""
+    assert all(a.type is flag_types.seed_int for a in all_actions(cli.build_parser()) if "--seed" in a.option_strings)
+    argv = {"train": ["train", "--train", world["train"], "--model", world["model"], "--output", tmp_path / "out"],
+            "verify": ["verify", "--model", world["model"]], "demo": ["demo", "--output", tmp_path / "out"],
+            "make-stdlib-data": ["make-stdlib-data", "--output", tmp_path / "out"],
+            "index": ["index", "--embeddings", world["emb"], "--output", tmp_path / "out"]}[command]
+    refused([*argv, "--seed", str(2 ** 32)], "--seed", "from 0 to 4294967295")
+    assert not (tmp_path / "out").exists()

@@ -111,6 +111,8 @@ nonnegative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 any_float = _number(float, lambda v: True, "a finite number")
 any_int = _number(int, lambda v: True, "an integer")
 unit_float = _number(float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
+SEED_MAX = 2 ** 32 - 1  # numpy takes no larger seed (train, verify and demo seed it; every --seed takes the same)
+seed_int = _number(int, lambda v: 0 <= v <= SEED_MAX, f"an integer from 0 to {SEED_MAX} (2**32 - 1)")
 
 
 def int_between(low: int, high: int) -> Callable[[str], int]:

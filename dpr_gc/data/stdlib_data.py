@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional
 
 from tqdm import tqdm
 
-from ..base.args import nonnegative_int, output_dir, positive_int
+from ..base.args import output_dir, positive_int, seed_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, read_json_object, write_json
@@ -419,7 +419,7 @@ class StdlibDataSettings:
                           help="output folder (BEIR + DPR files and manifest.json)")
     max_examples: Optional[int] = setting(None, "--max-examples", type=positive_int,
                                           help="keep at most N queries (seeded subsample; default: all)")
-    seed: int = setting(0, "--seed", type=nonnegative_int, help="seed for the split, subsample and negatives")
+    seed: int = setting(0, "--seed", type=seed_int, help="seed for the split, subsample and negatives")
 
     def __post_init__(self) -> None:
         check(self)

@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any, Optional
 
-from ..base.args import int_between, nonnegative_int, positive_int
+from ..base.args import int_between, positive_int, seed_int
 from ..base.errors import DprGcError
 from ..base.settings import check, setting
 
@@ -127,7 +127,7 @@ class IndexBuild:
     train_sample: int = setting(100_000, "--train-sample", type=positive_int,
                                 help="vectors sampled to train IVF/PQ")
     block_size: int = setting(65_536, "--block-size", type=positive_int, help="rows added per block")
-    seed: int = setting(0, "--seed", type=nonnegative_int, help="seed of the training sample")
+    seed: int = setting(0, "--seed", type=seed_int, help="seed of the training sample")
 
     def __post_init__(self) -> None:
         check(self)

@@ -15,7 +15,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from ..base.args import device_arg, nonnegative_int, output_dir, positive_int, positive_float, nonnegative_float
+from ..base.args import (device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int,
+                         seed_int)
 from ..base.errors import DprGcError
 from ..base.files import read_json_object, write_json
 from ..base.settings import FIXED, FREE, Change, add_arguments, changed_settings, check, from_args, group, setting
@@ -252,7 +253,7 @@ class RunConfig:
 
     output_dir: str = setting("", "--output", "--output_dir", type=output_dir, dest="output_dir", required=True,
                               resume=FREE, help="output folder")
-    seed: int = setting(0, "--seed", type=nonnegative_int, help="seed of initialisation, sampling and dropout")
+    seed: int = setting(0, "--seed", type=seed_int, help="seed of initialisation, sampling and dropout")
     device: Optional[str] = setting(None, "--device", type=device_arg, resume=FREE,
                                     help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     resume: Optional[str] = setting(None, "--resume", resume=FREE,
