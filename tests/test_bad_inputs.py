@@ -322,7 +322,7 @@ def test_issue_flag_cases(world: dict, tmp_path: Path) -> None:
     refused([*train, "--learning-rate", "-1"], "--learning-rate/--learning_rate: '-1' is not a positive number")
     refused([*train, "--num-workers", "-1"], "--num-workers: '-1' is not an integer >= 0")
     refused([*train, "--max-steps", "-1"], "--max-steps: '-1' is not a positive integer")
-    refused([*train, "--projection-dim", "0"], "--projection-dim: '0' is not a positive integer")
+    refused([*train, "--projection-dim", "0"], "--projection-dim: '0' is not an integer from 1 to 65536")
     refused([*train, "--query-chunk-size", "0"], "--query-chunk-size")
     assert not (tmp_path / "t").exists(), "a refused command must not create its output folder"
     encode = ["encode", "--corpus", world["corpus"], "--output", tmp_path / "e", *common]
@@ -389,7 +389,7 @@ def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path
 
 BAD_VALUES = {flag_types.positive_int: "0", flag_types.nonnegative_int: "-1", flag_types.positive_float: "-1",
               flag_types.nonnegative_float: "-1", flag_types.any_float: "nan", flag_types.device_arg: "cuda:99",
-              flag_types.unit_float: "1.5", flag_types.seed_int: str(2 ** 32)}
+              flag_types.unit_float: "1.5", flag_types.seed_int: str(2 ** 32), flag_types.layer_size: "65537"}
 
 
 def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str, str, str]]:
@@ -574,7 +574,7 @@ def test_library_configs_refuse_what_the_flags_refuse(tmp_path: Path) -> None:
                                 (RunConfig, "eval_every", 0)):
         with pytest.raises(DprGcError, match="must be"):
             group(**{field: value})
-    with pytest.raises(DprGcError, match="--projection-dim must be a positive integer"):
+    with pytest.raises(DprGcError, match="--projection-dim must be an integer from 1 to 65536"):
         RetrieverConfig(projection_dim=0)
 
 
@@ -2026,4 +2026,15 @@ def test_a_seed_numpy_cannot_take_is_refused_while_the_command_line_is_parsed(wo
             "make-stdlib-data": ["make-stdlib-data", "--output", tmp_path / "out"],
             "index": ["index", "--embeddings", world["emb"], "--output", tmp_path / "out"]}[command]
     refused([*argv, "--seed", str(2 ** 32)], "--seed", "from 0 to 4294967295")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--projection-dim", "1000000000000"), ("--lora-r", "99999999999")])
+def test_a_layer_wider_than_memory_holds_is_refused_while_the_command_line_is_parsed(world: dict, tmp_path: Path,
+                                                                                    tiny_tokenizer: Any, flag: str,
+                                                                                    value: str) -> None:
+    """A projection to 10**12 dimensions or a LoRA rank of 10**11 crashed train with "can't allocate memory"."""
+    bert = _plain_bert(tmp_path / "bert", tiny_tokenizer)
+    refused(["train", "--train", world["train"], "--model", bert, "--output", tmp_path / "out", "--device", "cpu",
+             flag, value], flag, "from 1 to 65536")
     assert not (tmp_path / "out").exists()

@@ -113,6 +113,8 @@ any_int = _number(int, lambda v: True, "an integer")
 unit_float = _number(float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
 SEED_MAX = 2 ** 32 - 1  # numpy takes no larger seed (train, verify and demo seed it; every --seed takes the same)
 seed_int = _number(int, lambda v: 0 <= v <= SEED_MAX, f"an integer from 0 to {SEED_MAX} (2**32 - 1)")
+SIZE_MAX = 65_536  # a layer width (--projection-dim, --lora-r): wider than any model's; more only exhausts memory
+layer_size = _number(int, lambda v: 1 <= v <= SIZE_MAX, f"an integer from 1 to {SIZE_MAX}")
 
 
 def int_between(low: int, high: int) -> Callable[[str], int]:

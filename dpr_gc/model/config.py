@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
-from ..base.args import positive_float, positive_int
+from ..base.args import layer_size, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.settings import check, setting
 from ..engine.loss import TEMPERATURE_RANGE
@@ -32,9 +32,9 @@ class RetrieverConfig:
                            help="token states to one vector: cls, mean, pooler, or last (the last non-padding "
                                 "token's state, for decoder-only models; EOS appended when absent)")
     normalize: bool = setting(False, "--normalize", help="L2-normalise representations (cosine similarity)")
-    projection_dim: Optional[int] = setting(None, "--projection-dim", type=positive_int,
-                                            help="add a linear projection to this many dimensions (default: none, "
-                                                 "the model's hidden size)")
+    projection_dim: Optional[int] = setting(None, "--projection-dim", type=layer_size,
+                                            help="add a linear projection to this many dimensions, at most 65536 "
+                                                 "(default: none, the model's hidden size)")
     shared_encoder: bool = setting(True, "--separate-encoders", dest="separate_encoders", negate=True,
                                    help="two towers (query and passage) instead of one shared")
     query_max_length: int = setting(32, "--query-max-length", "--query_max_length", type=positive_int,

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from ..base.args import output_dir, positive_float, positive_int
+from ..base.args import layer_size, output_dir, positive_float
 from ..base.errors import DprGcError
 from ..base.logs import dependency_deprecations_hidden
 from .pretrained import is_adapted, peft_module
@@ -56,8 +56,9 @@ class LoraSettings:
     """``--lora-r`` (the rank; LoRA is on when given), ``--lora-alpha`` (default ``2 r``), ``--lora-dropout`` and
     ``--lora-target-modules`` (default: :data:`DEFAULT_TARGETS` for the model's type)."""
 
-    r: int = setting(dataclasses.MISSING, "--lora-r", type=positive_int, cli_default=None,
-                     help="LoRA rank: train low-rank adapters only (default: not set, full fine-tuning)")
+    r: int = setting(dataclasses.MISSING, "--lora-r", type=layer_size, cli_default=None,
+                     help="LoRA rank, at most 65536: train low-rank adapters only (default: not set, full "
+                          "fine-tuning)")
     alpha: Optional[float] = setting(None, "--lora-alpha", type=positive_float,
                                      help="LoRA scaling numerator (default 2 * rank)")
     dropout: float = setting(0.0, "--lora-dropout", type=dropout_rate, help="dropout on the LoRA input, in [0, 1)")
