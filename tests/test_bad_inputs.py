@@ -1868,10 +1868,16 @@ def test_refusals_name_the_file_or_flag_at_fault(world: dict, tmp_path: Path) ->
     refused(["evaluate", "--results", empty], f"{empty}: no questions to evaluate")
 
 
-@pytest.mark.parametrize("factory, needle", [("", "--factory is empty"), ("HNSW1,Flat", "HNSW1 gives each node 1")])
+@pytest.mark.parametrize("factory, needle", [
+    ("", "--factory is empty"), ("HNSW1,Flat", "HNSW1 gives each node 1"),
+    ("IDMap,Flat", "--factory 'IDMap,Flat': an IDMap index takes vectors only with ids"),
+    ("IDMap2,Flat", "leave IDMap out"), ("Flat,IDMap", "leave IDMap out"),
+    ("NSG4,Flat", "FAISS cannot build index 'NSG4,Flat' from these embeddings: Error: 'n > NUM_EVAL_POINTS' failed: "
+                  "NNDescent.build cannot build a graph smaller than 100; check --factory")])
 def test_a_factory_string_faiss_would_misread_is_refused(world: dict, tmp_path: Path, factory: str,
                                                         needle: str) -> None:
-    """An empty --factory built a Flat index; HNSW with one neighbour per node crashed FAISS (a segfault)."""
+    """An empty --factory built a Flat index; HNSW with one neighbour per node crashed FAISS (a segfault); an IDMap
+    (which takes vectors only with ids) and NSG over fewer than 100 vectors crashed it with a traceback."""
     refused(["index", "--embeddings", world["emb"], "--output", tmp_path / "i", "--factory", factory], needle)
     assert not (tmp_path / "i").exists()
 

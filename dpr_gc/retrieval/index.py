@@ -91,6 +91,10 @@ def faiss_threads() -> int:
     return int(_faiss().omp_get_max_threads())
 
 
+class FaissRefused(DprGcError):
+    """FAISS refused to add vectors to an index of this factory string (whatever the vectors)."""
+
+
 class DenseIndex:
     """A FAISS inner-product index plus its metadata (a JSON-ready dict) — small verbs, as in FAISS."""
 
@@ -176,7 +180,11 @@ class DenseIndex:
         block = self._matrix(embeddings, "embeddings")
         if not np.isfinite(block).all():
             raise DprGcError("embeddings contain NaN or infinite values; re-encode (fp16 overflow?) before indexing")
-        self.index.add(block)
+        try:
+            self.index.add(block)
+        except RuntimeError as e:  # e.g. an NSG graph over fewer than 100 vectors
+            raise FaissRefused(f"FAISS cannot build index {self.meta['factory']!r} from these embeddings: "
+                             f"{_faiss_message(e)}; check --factory") from None
 
     def set_search_params(self, ef_search: Optional[int] = None, nprobe: Optional[int] = None) -> None:
         """Change HNSW ``efSearch`` / IVF ``nprobe``; an error if the index has no such parameter."""
@@ -454,6 +462,8 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
             for s in range(0, len(arr), block_size):
                 try:
                     dense.add(arr[s:s + block_size])
+                except FaissRefused:  # the index's fault (its --factory), not these rows'
+                    raise
                 except DprGcError as e:  # name the shard (and rows) whose vectors were refused
                     raise DprGcError(f"{m['embeddings']} (rows {s}-{min(s + block_size, len(arr)) - 1}): {e}") from None
                 bar.update(min(block_size, len(arr) - s))

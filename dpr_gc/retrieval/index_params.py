@@ -32,10 +32,14 @@ ivf_nprobe = int_between(1, FAISS_INT_MAX)
 
 
 def check_factory(factory: str) -> None:
-    """Refuse a factory string that is empty (FAISS would build a Flat index from it) or names an HNSW graph with
-    fewer neighbours per node than ``--hnsw-m`` takes (FAISS segfaults at M=1)."""
+    """Refuse a factory string that is empty (FAISS would build a Flat index from it), wraps the index in an IDMap
+    (which takes vectors only with ids, while dpr-gc keeps the passage ids itself, one per FAISS row) or names an
+    HNSW graph with fewer neighbours per node than ``--hnsw-m`` takes (FAISS segfaults at M=1)."""
     if not factory.strip():
         raise DprGcError("--factory is empty; give a faiss.index_factory string such as 'IVF4096,Flat', or --kind")
+    if "IDMap" in factory:
+        raise DprGcError(f"--factory {factory!r}: an IDMap index takes vectors only with ids, and dpr-gc keeps the "
+                         "passage ids itself (one per FAISS row); check --factory and leave IDMap out")
     for m in re.findall(r"HNSW(\d+)", factory):
         if not HNSW_M_RANGE[0] <= int(m) <= HNSW_M_RANGE[1]:
             raise DprGcError(f"--factory {factory!r}: HNSW{m} gives each node {m} neighbours; FAISS takes "
