@@ -2044,3 +2044,19 @@ def test_a_layer_wider_than_memory_holds_is_refused_while_the_command_line_is_pa
     refused(["train", "--train", world["train"], "--model", bert, "--output", tmp_path / "out", "--device", "cpu",
              flag, value], flag, "from 1 to 65536")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_name_longer_than_a_file_system_takes_is_refused_naming_its_flag(world: dict, tmp_path: Path) -> None:
+    """A path component over 255 bytes made the output checks crash with OSError "File name too long" while the
+    command line was parsed; inputs said it without their flag."""
+    long = "a" * 300
+    refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", tmp_path / f"{long}.json"],
+            "--output", "file name too long (305 bytes")
+    refused(["index", "--embeddings", world["emb"], "--output", tmp_path / long / "x"], "--output", "file name too long")
+    refused(["retrieve", "--index", world["idx"], "--queries", world["qa"], "--output", tmp_path / "o.json",
+             "--trec-run", tmp_path / long], "--trec-run", "file name too long")
+    refused(["evaluate", "--run", tmp_path / f"{long}.trec", "--qrels", world["qrels"]], "--run", "file name too long")
+    refused(["encode", "--model", world["model"], "--corpus", tmp_path / long, "--output", tmp_path / "emb"],
+            "--corpus", "file name too long")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+

@@ -269,10 +269,26 @@ def _given_path(path: PathLike, flag: str, what: str) -> Path:
     return Path(path)
 
 
+NAME_MAX, PATH_MAX = 255, 4095  # bytes in one name and in a whole path that Linux and macOS file systems take
+
+
+def check_path_length(path: PathLike, flag: str) -> None:
+    """Refuse a path no file system can hold (a name over :data:`NAME_MAX` bytes, or a whole path over
+    :data:`PATH_MAX`) naming ``flag``: looking at it would otherwise fail with "File name too long" anywhere."""
+    longest = max(Path(path).parts, key=lambda part: len(os.fsencode(part)), default="")
+    if len(os.fsencode(longest)) > NAME_MAX:
+        raise DprGcError(f"{flag} {path}: file name too long ({len(os.fsencode(longest))} bytes in "
+                         f"{longest[:20]!r}..., file systems take at most {NAME_MAX}); give a shorter name")
+    if len(os.fsencode(path)) > PATH_MAX:
+        raise DprGcError(f"{flag} {str(path)[:40]}...: file name too long ({len(os.fsencode(path))} bytes, file "
+                         f"systems take at most {PATH_MAX}); give a shorter path")
+
+
 def output_target(path: PathLike, flag: str = "--output") -> Path:
     """Where an output given as ``path`` is written: through a symbolic link to its target (the link stays a link),
     and never over a device, pipe or socket: outputs are written to a new file or folder and renamed into place,
     which would put a regular file where ``/dev/null`` or a FIFO was."""
+    check_path_length(path, flag)
     given = Path(path)
     p = Path(os.path.realpath(given)) if given.is_symlink() else given
     if p.is_symlink():

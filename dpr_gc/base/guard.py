@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from .errors import DiskFullError, DprGcError, is_disk_full
-from .files import PathLike, missing_folders, output_target, remove_empty_folders, spooled
+from .files import PathLike, check_path_length, missing_folders, output_target, remove_empty_folders, spooled
 from .locks import exclusive_lock, locked_folder, output_lock
 
 # How an output is locked: a lock file beside it ("file": files, and folders replaced whole), a lock file inside it
@@ -102,6 +102,9 @@ def check_inputs_given(inputs: Mapping[str, Any]) -> None:
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(v, str) and not v.strip() for v in values):
             raise DprGcError(f"{flag} is empty; give a path")
+        for v in values:
+            if isinstance(v, (str, os.PathLike)):
+                check_path_length(v, flag)
 
 
 @contextlib.contextmanager
