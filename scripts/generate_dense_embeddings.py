@@ -80,8 +80,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unused:
         logger.warning("accepted with no effect here (the model file defines them): %s", " ".join(unused))
     device = args.device or ("cpu" if args.no_cuda else None)
-    args.output = output_folder(args.output, args.shard_id, args.num_shards)
-    return report_errors(lambda: run_cli(args, args.output, device))
+
+    def run() -> dict:
+        """The shard's output folder (a shard outside --num_shards is refused here, as one error line), encoded."""
+        args.output = output_folder(args.output, args.shard_id, args.num_shards)
+        return run_cli(args, args.output, device)
+
+    return report_errors(run)
 
 
 if __name__ == "__main__":

@@ -2060,3 +2060,12 @@ def test_a_name_longer_than_a_file_system_takes_is_refused_naming_its_flag(world
             "--corpus", "file name too long")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
+
+@pytest.mark.parametrize("shards", [["--shard_id", "5", "--num_shards", "2"], ["--shard_id", "1"]])
+def test_generate_dense_embeddings_refuses_a_shard_outside_num_shards_in_one_line(world: dict, tmp_path: Path,
+                                                                                  shards: list) -> None:
+    """The shard's output name was resolved before the error guard: a traceback ending in DprGcError."""
+    script = load_script("generate_dense_embeddings")
+    refused(["--model_file", world["model"], "--ctx_file", world["corpus"], "--out_file", tmp_path / "ge", *shards],
+            "--shard-id must be in [0, --num-shards)", main=script.main)
+    assert not list(tmp_path.iterdir())
