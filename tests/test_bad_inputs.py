@@ -2052,7 +2052,8 @@ def test_a_name_longer_than_a_file_system_takes_is_refused_naming_its_flag(world
     long = "a" * 300
     refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", tmp_path / f"{long}.json"],
             "--output", "file name too long (305 bytes")
-    refused(["index", "--embeddings", world["emb"], "--output", tmp_path / long / "x"], "--output", "file name too long")
+    refused(["index", "--embeddings", world["emb"], "--output", tmp_path / long / "x"], "--output",
+            "file name too long")
     refused(["retrieve", "--index", world["idx"], "--queries", world["qa"], "--output", tmp_path / "o.json",
              "--trec-run", tmp_path / long], "--trec-run", "file name too long")
     refused(["evaluate", "--run", tmp_path / f"{long}.trec", "--qrels", world["qrels"]], "--run", "file name too long")
