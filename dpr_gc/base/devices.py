@@ -3,38 +3,12 @@
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import platform
 from pathlib import Path
 from typing import Optional
 
 import torch
-
-logger = logging.getLogger(__name__)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the system has one, else all)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def cap_to_cpus(count: int, flag: str) -> int:
-    """``count`` threads or processes (a ``flag`` value) cut to :func:`usable_cpus`, with a log line when cut.
-
-    Cut rather than refused: the work is compute-bound, so more than the CPUs never runs faster, while OpenMP asked
-    for tens of thousands of threads aborts the process and a pool of that many processes forks without end. A fixed
-    upper bound would be wrong on some machine, while the CPU count is right everywhere and a command line that names
-    more than this machine has still runs here."""
-    cpus = usable_cpus()
-    if count > cpus:
-        logger.warning("%s %d is more than the %d CPU(s) this process may use; using %d", flag, count, cpus, cpus)
-        return cpus
-    return count
-
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")

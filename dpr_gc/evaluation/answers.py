@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
-from ..base.devices import cap_to_cpus, usable_cpus
+from ..base.cpus import cap_to_cpus, usable_cpus
 from ..base.errors import DprGcError
 from ..data.answer_text import nfd, simple_tokens
 from .results import check_question, passage_key
@@ -100,7 +100,7 @@ def has_answer(answers: list[str], text: str, mode: str = "string") -> bool:
 # ----------------------------------------------------------------------------------------------- per run
 def default_workers(workers: int = 0) -> int:
     """The processes that match answers: a ``--workers`` value cut to the CPUs this process may use
-    (:func:`~dpr_gc.base.devices.cap_to_cpus`; a pool of more only forks more), 0 for all of them."""
+    (:func:`~dpr_gc.base.cpus.cap_to_cpus`; a pool of more only forks more), 0 for all of them."""
     return cap_to_cpus(workers, "--workers") if workers else usable_cpus()
 
 

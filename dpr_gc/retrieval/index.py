@@ -25,7 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..base.args import output_dir, positive_int
-from ..base.devices import cap_to_cpus
+from ..base.cpus import cap_to_cpus
 from ..base.errors import DprGcError, is_disk_full
 from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
 from ..base.files import PathLike, check_output_dir, open_text, parse_json, read_json_object
@@ -72,7 +72,7 @@ def _faiss() -> Any:
 
 def cap_threads(threads: int) -> int:
     """``threads`` (a ``--threads`` value; 0 passes through) cut to the usable CPUs (see
-    :func:`~dpr_gc.base.devices.cap_to_cpus`): FAISS search and bm25s scoring are compute-bound, and OpenMP asked for
+    :func:`~dpr_gc.base.cpus.cap_to_cpus`): FAISS search and bm25s scoring are compute-bound, and OpenMP asked for
     tens of thousands of threads aborts ("Thread creation failed", or a segfault)."""
     return cap_to_cpus(threads, "--threads")
 
