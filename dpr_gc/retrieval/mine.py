@@ -128,8 +128,8 @@ class MineJob:
                                                                "corpus.jsonl); positives: qrels")
     split: str = setting("train", "--beir-split", dest="split", hidden=[("--split", {})],
                          help="qrels split of --beir-dir (qrels/SPLIT.tsv)")
-    corpus: Optional[str] = setting(None, "--corpus", help="passages to mine from (default: the BEIR corpus or the "
-                                                           "one recorded in --index)")
+    corpus: Optional[str] = setting(None, "--corpus", help="passages to mine from (default: the BEIR corpus, or with "
+                                                           "--source dense the one recorded in --index)")
     qrels: Optional[str] = setting(None, "--qrels", help="relevance judgments: their positives (by question id) are "
                                                          "never negatives")
     candidates: SourceSettings = group(SourceSettings, "candidates")
