@@ -184,7 +184,7 @@ class DenseIndex:
             self.index.add(block)
         except RuntimeError as e:  # e.g. an NSG graph over fewer than 100 vectors
             raise FaissRefused(f"FAISS cannot build index {self.meta['factory']!r} from these embeddings: "
-                             f"{_faiss_message(e)}; check --factory") from None
+                               f"{_faiss_message(e)}; check --factory") from None
 
     def set_search_params(self, ef_search: Optional[int] = None, nprobe: Optional[int] = None) -> None:
         """Change HNSW ``efSearch`` / IVF ``nprobe``; an error if the index has no such parameter."""
