@@ -835,11 +835,14 @@ def test_an_output_that_is_a_pipe_is_refused_and_left_as_it_is(world: dict, tmp_
 def test_an_output_that_is_a_link_is_written_through_it(world: dict, tmp_path: Path, command: str) -> None:
     """A symbolic link as the output keeps being a link: its target gets the output (file or whole folder). A loop
     of links, or a link into a folder that does not exist, is refused (the loop was replaced by a file, the missing
-    folders were made)."""
+    folders were made). What a killed run left beside the target is cleaned up, as beside any output."""
     target, link = tmp_path / "elsewhere" / "target", tmp_path / "link"
     target.parent.mkdir()
     if command == "index":
         target.mkdir()
+        (target.parent / ".target.dead1234.new").mkdir()  # what a killed run left beside the target
+    else:
+        (target.parent / ".target.dead1234.tmp").write_text("half")
     link.symlink_to(target)
     argv, _, main = stage_argv(world, tmp_path, command, link)
     code, err = call(main, argv)
