@@ -100,7 +100,8 @@ def test_results_equal_brute_force_over_the_shards(world):
             assert set(ctx) == {"id", "title", "text", "score"}
             assert (ctx["title"], ctx["text"]) == (by_id[ctx["id"]]["title"], by_id[ctx["id"]]["text"])
     # "none", the settings' word for no matching, is the same as None
-    assert retrieve(retriever, index, corpus, queries, top_k=7, match="none", show_progress=False) == results
+    assert retrieve(retriever, index, corpus, queries, top_k=7, batch_size=1, match="none",
+                    show_progress=False) == results
 
 
 @pytest.mark.parametrize("fmt", ["dpr_tsv", "dpr_csv_literal", "nq_jsonl"])
