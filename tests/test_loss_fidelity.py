@@ -3,8 +3,11 @@ and with duplicate positives in a batch (a query's own positive is never one of 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from torch import nn
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
@@ -35,6 +38,27 @@ def test_loss_backward_inside_an_autocast_is_fp32(device, dtype, block, symmetri
     loss, got = loss_grads(loss_fn, x, y, True, dtype, device)
     assert torch.allclose(loss, ref_loss, rtol=1e-6)
     assert rel_err(got, ref) < 1e-5  # backward in bf16/fp16 was 2e-3 (dense) to 1e3 (blocked) away
+
+
+@pytest.mark.parametrize("block,symmetric", [(None, False), (3, True), (0, False), (0, True)])
+def test_float64_representations_keep_float64(block, symmetric):
+    """fp16/bf16 are raised to fp32, float64 is kept (``dpr-gc verify`` re-measures in float64): the loss and
+    every gradient, the temperature's included, equal a float64 reference written out by hand."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randn(12, 8, dtype=torch.float64)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.01, learn_temperature=True, symmetric=symmetric,
+                                    loss_chunk_size=block).double()
+    loss, got = loss_grads(loss_fn, x, y, False, None, "cpu")
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    log_tau = torch.tensor(math.log(0.01), dtype=torch.float64, requires_grad=True)
+    targets = torch.arange(6) * 2
+    want = nn.functional.cross_entropy(xr @ yr.T / log_tau.exp(), targets)
+    if symmetric:
+        want = (want + nn.functional.cross_entropy(yr[targets] @ xr.T / log_tau.exp(), torch.arange(6))) / 2
+    want.backward()
+    ref = torch.cat([xr.grad.flatten(), yr.grad.flatten(), log_tau.grad.reshape(1)])
+    assert loss.dtype == torch.float64 and got.dtype == torch.float64
+    assert abs(float(loss - want.detach())) < 1e-12 * abs(float(want.detach())) and rel_err(got, ref) < 1e-12  # fp32 loss: 1e-8
 
 
 def test_grad_cache_inside_a_users_autocast_equals_its_own_bf16(make_retriever):

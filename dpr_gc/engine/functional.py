@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..base.errors import DprGcError
-from .grad_cache import RandState, replayable, tensors_in
+from .grad_cache import RandState, at_least_fp32, replayable, tensors_in
 from .loss import all_gather_with_grad
 
 
@@ -63,7 +63,7 @@ def cached(func: Callable[..., Any]) -> Callable[..., tuple[Any, ...]]:
         state = RandState(replayable(devices))
         with torch.no_grad():
             reps = _as_reps(func(*args, **kwargs))
-        leaves = tuple(rep.detach().float().requires_grad_() for rep in reps)
+        leaves = tuple(rep.detach().to(at_least_fp32(rep)).requires_grad_() for rep in reps)
 
         def forward_backward(cached_reps: Union[torch.Tensor, Sequence[torch.Tensor]]) -> None:
             cached_reps = _as_reps(cached_reps)
@@ -74,7 +74,7 @@ def cached(func: Callable[..., Any]) -> Callable[..., tuple[Any, ...]]:
                 raise RuntimeError("the cached representation has no gradient: run the loss's backward first")
             with state.replay():
                 replayed = _as_reps(func(*args, **kwargs))
-            surrogate = sum(torch.sum(rep.float() * leaf.grad.to(rep.device))
+            surrogate = sum(torch.sum(rep.to(leaf.dtype) * leaf.grad.to(rep.device))
                             for rep, leaf in zip(replayed, cached_reps) if leaf.grad is not None)
             surrogate.backward()
 

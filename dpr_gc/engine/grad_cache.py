@@ -171,6 +171,11 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def at_least_fp32(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype representations are cached and scored in: fp16/bf16 raised to fp32, float64 kept."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
 def cached_gradient(cache: torch.Tensor, rows: Union[slice, torch.Tensor], chunk_rep: torch.Tensor) -> torch.Tensor:
     """The cached fp32 gradient of a chunk's rows (a slice, or an index on the cache's device), on the chunk's device
     and in its dtype: the gradient that ``sum(chunk_rep.float() * cached)`` sends back to ``chunk_rep``."""
@@ -179,7 +184,8 @@ def cached_gradient(cache: torch.Tensor, rows: Union[slice, torch.Tensor], chunk
 
 class _Plan:
     """One model's chunks, the original rows each holds, its RNG states and its trimmed widths (for padding back),
-    and the first pass's representations gathered into one fp32 buffer in the original row order."""
+    and the first pass's representations gathered into one fp32 buffer (float64 for float64 models) in the
+    original row order."""
 
     def __init__(self, m: int, chunks: list[Any], widths: list[Optional[tuple[int, int, str]]],
                  order: Optional[torch.Tensor]) -> None:
@@ -207,14 +213,14 @@ class _Plan:
         if not self.known:
             if self.parts:
                 self._check_shape(self.parts[0], chunk_rep)
-            self.parts.append(chunk_rep.to(torch.float32, copy=True))
+            self.parts.append(chunk_rep.to(at_least_fp32(chunk_rep), copy=True))
             return
         if self.buffer is None:
-            self.buffer = chunk_rep.new_empty((sum(self.counts), *chunk_rep.shape[1:]), dtype=torch.float32)
+            self.buffer = chunk_rep.new_empty((sum(self.counts), *chunk_rep.shape[1:]), dtype=at_least_fp32(chunk_rep))
         self._check_shape(self.buffer, chunk_rep)
-        # One fp32 buffer in the original row order: a chunk's representation may be a view (e.g. the [CLS] row)
+        # One buffer in the original row order: a chunk's representation may be a view (e.g. the [CLS] row)
         # whose base tensor would otherwise stay alive with it.
-        self.buffer[self.index(i, self.buffer.device)] = chunk_rep.float()
+        self.buffer[self.index(i, self.buffer.device)] = chunk_rep.to(self.buffer.dtype)
 
     def index(self, i: int, device: torch.device) -> Union[slice, torch.Tensor]:
         """Where chunk ``i``'s rows sit in the original order, to index a tensor on ``device``: a slice when the

@@ -4,8 +4,8 @@ Layout: ``x`` holds B query representations; ``y`` holds B·(1+n) passage repres
 positive first. Every query is scored against every passage in the batch, so each query sees the other queries'
 positives and everyone's hard negatives as negatives.
 
-Scores and loss are computed in fp32 whatever the input dtype, with autocast switched off inside the loss (forward
-and backward stay fp32 under an outer fp16/bf16 autocast), and, by default, in row blocks of
+Scores and loss are computed in fp32 (float64 inputs stay float64), with autocast switched off inside the loss
+(forward and backward stay fp32 under an outer fp16/bf16 autocast), and, by default, in row blocks of
 ``loss_chunk_size`` queries by a custom autograd function, so the full B × B·(1+n) score matrix never exists: the
 backward pass recomputes each block's scores instead of keeping them.
 """
@@ -251,7 +251,7 @@ class SimpleContrastiveLoss(nn.Module):
         ``"none"`` on every path.
 
     Returns:
-        The loss in fp32 whatever the inputs' dtype and any outer autocast: a scalar, or ``[B]`` with
+        The loss in fp32 (float64 for float64 inputs) under any outer autocast: a scalar, or ``[B]`` with
         ``reduction="none"``.
 
     References:
@@ -358,7 +358,8 @@ class SimpleContrastiveLoss(nn.Module):
         return own if positive_ids is None else torch.cat([own, positive_ids.to(own.device).long()], dim=1)
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = x.float(), y.float()
+        dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        x, y = x.to(dtype), y.to(dtype)
         if self.similarity == "cos":
             x, y = nn.functional.normalize(x, dim=-1), nn.functional.normalize(y, dim=-1)
         return x, y

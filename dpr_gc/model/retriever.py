@@ -109,7 +109,7 @@ class Encoder(nn.Module):
         if self.projection is not None:
             rep = self.projection(rep)
         if self.config.normalize:
-            rep = nn.functional.normalize(rep.float(), dim=-1)
+            rep = nn.functional.normalize(rep.to(torch.promote_types(rep.dtype, torch.float32)), dim=-1)
         return rep
 
 
@@ -154,7 +154,7 @@ class Retriever(nn.Module):
         encoder = self.query_encoder if kind == "query" else self.passage_encoder
         rep = encoder(**batch)
         if scale:
-            rep = rep.float() * self.temperature.rsqrt()
+            rep = rep.to(torch.promote_types(rep.dtype, torch.float32)) * self.temperature.rsqrt()
         return rep
 
     # ----------------------------------------------------------------- tokenization

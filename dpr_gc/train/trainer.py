@@ -423,7 +423,7 @@ class Trainer:
         dtype = autocast_dtype(self.config.optim.precision)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             q, p = self.model(query=query, passage=passage)
-        loss = self.loss_fn(q.float(), p.float(), **ids)
+        loss = self.loss_fn(q, p, **ids)  # the loss raises fp16/bf16 to fp32 itself
         self.scaler.scale(loss).backward()
         return loss.detach()
 

@@ -8,6 +8,10 @@ the precision's tolerance, and reports the time and peak memory of both steps. A
 runs the full batch in one forward per side (batch-dependent layers and padding are then checked too); with
 dropout the one graph is built chunk by chunk in the cached step's order, so both steps draw the same masks.
 
+An fp32 gap past the tolerance is re-measured with the towers in float64 (one process, no FSDP): where the two steps
+agree there, the cached step is exact and the gap is fp32 rounding, which a small temperature amplifies (logits
+scaled by 100 at 0.01: 2e-5 on an AVX2 CPU), and the batch passes with a note saying so.
+
 Under torchrun, W ranks of B rows are compared with the global batch of W*B: each rank's rows in one graph, the
 loss over every rank's representations gathered with their gradient, parameter gradients summed over ranks (FSDP:
 reduced by its own backward). Nothing is written to ``--output``: the trainer is built in a temporary folder.
@@ -42,6 +46,8 @@ logger = logging.getLogger(__name__)
 # bf16 / fp16 autocast: the encoders' matmuls round to 8 / 11 significant bits, and a kernel may split a sum
 # differently for a chunk than for the whole batch, so the two steps can differ by a few units of that rounding.
 TOLERANCES = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+# The largest fp32 gap that a float64 agreement can put down to rounding; past it the batch fails whatever float64 says.
+FP32_ROUNDING_LIMIT = 1e-3
 
 
 @dataclasses.dataclass
@@ -68,6 +74,7 @@ class BatchCheck:
     full: StepCost
     note: str = ""
     memory: Optional[StepMemory] = None  # what the cached step kept under the memory budget
+    float64_error: Optional[float] = None  # the worst error with the towers in float64, where fp32 was past tolerance
 
     @property
     def loss_error(self) -> float:
@@ -82,6 +89,13 @@ class BatchCheck:
 
     def worst(self) -> float:
         return max(self.grad_error, self.loss_error, self.temperature_error)
+
+    def passes(self, tolerance: float) -> bool:
+        """Within the tolerance, or an fp32 gap below :data:`FP32_ROUNDING_LIMIT` that float64 closes."""
+        if self.worst() < tolerance:
+            return True
+        return (self.float64_error is not None and self.float64_error < tolerance
+                and self.worst() < FP32_ROUNDING_LIMIT)
 
 
 @dataclasses.dataclass
@@ -100,7 +114,7 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return bool(self.batches) and all(b.worst() < self.tolerance for b in self.batches)
+        return bool(self.batches) and all(b.passes(self.tolerance) for b in self.batches)
 
     def table(self) -> str:
         """The short table and the verdict ``dpr-gc verify`` prints."""
@@ -120,7 +134,8 @@ class VerifyReport:
         if self.passed:
             lines.append(f"PASS: the cached step equals the full-batch step within {self.tolerance:g}")
         else:
-            worst = max(self.batches, key=BatchCheck.worst) if self.batches else None
+            failed = [b for b in self.batches if not b.passes(self.tolerance)]
+            worst = max(failed, key=BatchCheck.worst) if failed else None
             where = (f": worst tensor {worst.worst_tensor} ({worst.worst_error:.2e}), gradient {worst.grad_error:.2e},"
                      f" loss {worst.loss_error:.2e}, temperature {worst.temperature_error:.2e}") if worst else ""
             lines.append(f"FAIL: the cached step differs from the full-batch step beyond {self.tolerance:g}{where}")
@@ -198,10 +213,10 @@ class Verifier:
         m = 0 if kind == "query" else 1
         with torch.autocast(self.trainer.device.type, dtype=dtype, enabled=dtype is not None):
             if not self.chunked:
-                return self.call(kind, batch).float()
+                return at_least_fp32(self.call(kind, batch))
             cache = self.trainer.cache  # the cached step ran first: its chunks, joined as it joined them
             plan = cache._plan(m, dict(batch, kind=kind), cache.joined_tokens[m] if cache.joined_tokens else None)
-            parts = [pad_sequence_dim(self.call(kind, {k: v for k, v in c.items() if k != "kind"}), w).float()
+            parts = [at_least_fp32(pad_sequence_dim(self.call(kind, {k: v for k, v in c.items() if k != "kind"}), w))
                      for c, w in zip(plan.chunks, plan.widths)]
         reps = torch.cat(parts)
         if plan.order is None:
@@ -218,7 +233,7 @@ class Verifier:
         for name, param in self.named:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            grads[name] = grad.detach().float().clone()
+            grads[name] = at_least_fp32(grad.detach()).clone()
         self.trainer.optimizer.zero_grad(set_to_none=True)
         return grads
 
@@ -244,6 +259,11 @@ class Verifier:
 
     def temperature_name(self) -> Optional[str]:
         return next((n for n, _ in self.named if n.endswith("tau.log_value")), None)
+
+
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 raised to fp32; float64 (the rounding re-check) kept."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
 @contextlib.contextmanager
@@ -284,9 +304,9 @@ def smaller(query: dict, passage: dict, per_query: int) -> tuple[dict, dict]:
     return (take_rows(query, torch.arange(keep)), take_rows(passage, torch.arange(keep * per_query)))
 
 
-def check_batch(verifier: Verifier, query: dict, passage: dict) -> BatchCheck:
+def check_batch(verifier: Verifier, query: dict, passage: dict, tolerance: float) -> BatchCheck:
     """Both steps from the same RNG state; where the full batch runs out of memory, retry both on halves (every
-    rank at once) and say so."""
+    rank at once) and say so; an error past ``tolerance`` is re-measured in float64."""
     trainer, note = verifier.trainer, ""
     while True:
         rng = capture_rng()
@@ -315,8 +335,34 @@ def check_batch(verifier: Verifier, query: dict, passage: dict) -> BatchCheck:
     error, worst, worst_error = compare(cached_grads, full_grads)
     temp = verifier.temperature_name()
     temperature = (float(cached_grads[temp]), float(full_grads[temp])) if temp else None
-    return BatchCheck(query["input_ids"].size(0) * trainer.world, cached_loss, full_loss, error, worst, worst_error,
-                      temperature, cached_cost, full_cost, note.strip(), trainer.cache.last_step)
+    check = BatchCheck(query["input_ids"].size(0) * trainer.world, cached_loss, full_loss, error, worst, worst_error,
+                       temperature, cached_cost, full_cost, note.strip(), trainer.cache.last_step)
+    if check.worst() >= tolerance:
+        recheck_in_float64(verifier, check, query, passage)
+    return check
+
+
+def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passage: dict) -> None:
+    """Run both steps again, from the same random state, with the towers in float64 (fp32 runs in one process
+    without FSDP only) and record the worst error there: near zero means the fp32 gap is rounding."""
+    trainer = verifier.trainer
+    if trainer.config.optim.precision != "fp32" or trainer.world > 1 or verifier.fsdp:
+        return
+    rng = capture_rng()
+    trainer.retriever.double()  # fp32 -> float64 -> fp32 is exact: the weights come back unchanged
+    trainer.retriever.tau.keep_in_range_()  # a bound's fp32 value can lie a hair past its float64 value
+    try:
+        cached_loss, cached, _ = verifier.cached_step(query, passage)
+        restore_rng(rng)
+        full_loss, full, _ = verifier.full_step(query, passage)
+    finally:
+        trainer.retriever.float()
+        restore_rng(rng)
+    error, _, worst_error = compare(cached, full)
+    loss_error = abs(cached_loss - full_loss) / max(abs(full_loss), 1e-12)
+    check.float64_error = max(error, worst_error, loss_error)
+    check.note = (check.note + f" fp32 rounding: the steps differ by {check.worst():.2e} in fp32 and by "
+                  f"{check.float64_error:.2e} with the towers in float64").strip()
 
 
 def any_rank(flag: bool, world: int) -> bool:
@@ -379,7 +425,7 @@ def run_checks(trainer: Any, batches: int) -> VerifyReport:
     trainer.retriever.train()
     trainer.sampler.set_epoch(0)
     for batch in trainer.loader:
-        report.batches.append(check_batch(verifier, dict(batch["query"]), dict(batch["passage"])))
+        report.batches.append(check_batch(verifier, dict(batch["query"]), dict(batch["passage"]), report.tolerance))
         if len(report.batches) >= batches:
             break
     return report
