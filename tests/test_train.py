@@ -159,12 +159,13 @@ def test_a_model_without_its_vocabulary_trains_nothing(task, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # 37 s in a full run under load 7-10 on 2 cores (2026-11-24)
-@pytest.mark.parametrize("shared", [True, False])
-def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path, shared):
+@pytest.mark.slow  # 25 s in a full run on 2 idle AMD EPYC cores (2026-11-26)
+def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path):
+    """Tied towers through a real torchrun launch; separate towers under two trainer ranks are checked by
+    tests/test_verify_distributed.py (the trainer's DDP step against the global batch)."""
     single = tmp_path / "single.pt"
     script = REPO / "tests" / "ddp_train_script.py"
-    model = task["model"] if shared else init_model(tmp_path, shared=False)
+    model = task["model"]
     common = [str(task["train"]), str(model), str(task["dir"] / "cache")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     alone = run_command([sys.executable, str(script), *common, str(tmp_path / "o1"), str(single), "16"], env=env)
