@@ -176,9 +176,10 @@ class TextReader:
         return self._guarded(self._f.readline, size)
 
 
-def open_text(path: PathLike, newline: Optional[str] = None) -> TextReader:
-    """Open a UTF-8 text file for reading (``.gz`` decompressed, a byte-order mark skipped), failing in one line."""
-    return TextReader(require_file(path), newline)
+def open_text(path: PathLike, newline: Optional[str] = None, what: str = "file") -> TextReader:
+    """Open a UTF-8 text file for reading (``.gz`` decompressed, a byte-order mark skipped), failing in one line
+    that names it as ``what`` ("run file") where it is missing or a folder."""
+    return TextReader(require_file(path, what), newline)
 
 
 # What ``json.loads`` raises on text it cannot read: a JSONDecodeError, the ValueError of an integer longer than

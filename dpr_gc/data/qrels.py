@@ -29,7 +29,7 @@ def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
     """``(line number, (query id, passage id, relevance))`` for each judgment in file order, or ``(line number,
     what is wrong)`` for a line that is not one, so a caller decides whether a bad line stops it. Blank lines and
     a header line are skipped."""
-    with open_text(path) as f:
+    with open_text(path, what="qrels file") as f:
         for line_no, line in enumerate(f, start=1):
             parts = _fields(line)
             if not parts:

@@ -47,7 +47,7 @@ def read_results(path: PathLike) -> list[dict[str, Any]]:
 def read_run(path: PathLike) -> dict[str, dict[str, float]]:
     """Read a TREC run file (``qid Q0 docid rank score tag``) into ``{qid: {docid: score}}``."""
     run: dict[str, dict[str, float]] = {}
-    with open_text(path) as f:
+    with open_text(path, what="run file") as f:
         for line_no, line in enumerate(f, start=1):
             parts = line.split()
             if not parts:
