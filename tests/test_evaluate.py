@@ -474,3 +474,18 @@ def test_a_folder_or_missing_file_given_as_run_or_qrels_is_named_as_such(tmp_pat
         assert f"error: {flag} file {tmp_path / 'folder'} is a folder, not a file" in capsys.readouterr().err
     assert main(["evaluate", "--run", str(qrels), "--qrels", str(tmp_path / "missing.tsv")]) == 2
     assert f"error: qrels file not found: {tmp_path / 'missing.tsv'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ctx,match,message", [
+    ({"text": 5}, "string", "question 0, ctx 0: text must be a string, got 5"),
+    ({"text": ["a"], "has_answer": True}, "regex", "question 0, ctx 0: text must be a string, got ['a']"),
+    ({"text": "x", "has_answer": "yes"}, "stored", "question 0, ctx 0: has_answer must be true or false, got 'yes'"),
+])
+def test_a_passage_field_of_the_wrong_type_is_named_with_its_value(tmp_path, capsys, ctx, match, message):
+    """A wrongly typed field is named with its value (a text of 5 was reported as compact results without text)."""
+    from dpr_gc.cli import main
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"id": "1", "title": "t", **ctx}]}]))
+    assert main(["evaluate", "--results", str(results), "--match", match]) == 2
+    assert f"error: {results}: {message}" in capsys.readouterr().err

@@ -245,6 +245,8 @@ def resolve_mode(mode: Optional[str], block: list[tuple[int, dict[str, Any]]]) -
 def missing_for_answers(ctx: dict[str, Any], mode: Optional[str]) -> str:
     """What a passage lacks for answer matching in ``mode``, and what would work instead: the other field when the
     passage has it, else (compact results of ``retrieve --match none``) another retrieve or qrels."""
+    if mode and ctx.get("text") is not None and not isinstance(ctx["text"], str):
+        return f"text must be a string, got {repr(ctx['text'])[:40]}"
     has_text, has_flag = isinstance(ctx.get("text"), str), isinstance(ctx.get("has_answer"), bool)
     if not has_text and not has_flag:
         return ("neither passage text nor has_answer flags, so answers cannot be judged (compact results of "
