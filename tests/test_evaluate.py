@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -436,8 +437,6 @@ def test_results_whose_questions_have_no_answers_get_no_answer_accuracy(tmp_path
 def test_the_log_says_how_answers_are_judged(tmp_path, caplog):
     """--match auto's choice is logged with its reason (the file's has_answer flags, or string matching where it
     has none), and recomputed flags name the processes that match them (--workers 0: all cores)."""
-    import logging
-
     from dpr_gc.cli import main
 
     examples = Path(__file__).resolve().parents[1] / "data" / "examples"
@@ -489,3 +488,25 @@ def test_a_passage_field_of_the_wrong_type_is_named_with_its_value(tmp_path, cap
     results.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"id": "1", "title": "t", **ctx}]}]))
     assert main(["evaluate", "--results", str(results), "--match", match]) == 2
     assert f"error: {results}: {message}" in capsys.readouterr().err
+
+
+def test_questions_without_passages_decide_no_match_mode(tmp_path, caplog):
+    """--match auto decides on the first question with passages, in whatever block it comes: a first block of
+    questions without passages made every later one need stored flags; with no passages at all the log says so
+    (it said the file's stored flags were used)."""
+    from dpr_gc.evaluation.answers import BLOCK
+
+    empty = [{"question": f"q{i}", "answers": ["paris"], "ctxs": []} for i in range(BLOCK)]
+    found = [{"question": "q", "answers": ["paris"], "ctxs": [{"id": "1", "title": "t", "text": "in paris"}]}]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(empty + found))
+    with caplog.at_level(logging.INFO, logger="dpr_gc.evaluation.evaluate"):
+        report = ev.evaluate([1], results, mode="auto")
+    assert report["answers"]["match"] == "string" and report["answers"]["metrics"]["Accuracy@1"] == 1 / (BLOCK + 1)
+    assert "answers matched with string matching" in caplog.text and "stored" not in caplog.text
+    results.write_text(json.dumps(empty[:3]))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpr_gc.evaluation.evaluate"):
+        report = ev.evaluate([1], results, mode="auto")
+    assert report["answers"]["metrics"]["Accuracy@1"] == 0.0
+    assert "no question has retrieved passages, so every accuracy is 0" in caplog.text and "stored" not in caplog.text

@@ -235,10 +235,13 @@ def iter_blocks(results: Iterable[Any], source: str) -> Iterator[list[tuple[int,
 
 
 def resolve_mode(mode: Optional[str], block: list[tuple[int, dict[str, Any]]]) -> Optional[str]:
-    """``auto``: the stored flags when the first question with passages has them on every passage, else string."""
+    """``auto``: the stored flags when the first question with passages has them on every passage, else string;
+    still ``auto`` for a block without passages (a later block decides)."""
     if mode != "auto":
         return mode
-    ctxs = next((e["ctxs"] for _, e in block if e["ctxs"]), [])
+    ctxs = next((e["ctxs"] for _, e in block if e["ctxs"]), None)
+    if ctxs is None:
+        return mode
     return STORED if all(isinstance(c.get("has_answer"), bool) for c in ctxs) else "string"
 
 

@@ -278,15 +278,16 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
     source = str(path)
     counter, acc = AccuracyCounter(), QrelsAccumulator(qrels, ks) if qrels is not None else None
     with_answers: Optional[bool] = None
-    answered = 0
+    answered, announced = 0, False
     with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
         for block in iter_blocks(tqdm(iter_results(path), desc="evaluating", unit=" q", disable=None), source):
             if with_answers is None:
                 with_answers = not answers_optional or "answers" in block[0][1]
             if with_answers:
                 asked, mode = mode, resolve_mode(mode, block)
-                if not counter.questions:  # the first block: say how its answers (and all others') are judged
+                if not announced and mode != "auto":  # decided: say how these answers (and all later) are judged
                     announce_mode(asked, mode, workers, source)
+                    announced = True
                 for row in answer_flags(block, mode, source, regex if mode == "regex" else string):
                     counter.add(row)
                 answered += sum(1 for _, entry in block if entry.get("answers"))
@@ -299,6 +300,8 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
             raise DprGcError(f"{source}: none of its {counter.questions} questions has answers, so there is no answer "
                              "accuracy: score the results against relevance judgments with --qrels FILE")
         with_answers = False
+    if with_answers and mode == "auto":
+        logger.warning("%s: no question has retrieved passages, so every accuracy is 0", source)
     answers = None
     if with_answers is not False:
         answers = {"match": mode or "stored", "questions": counter.questions,
