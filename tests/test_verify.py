@@ -138,7 +138,7 @@ def test_an_fp32_gap_that_float64_closes_passes_as_rounding_and_one_it_keeps_fai
     monkeypatch.setitem(verify_module.TOLERANCES, "fp32", 1e-11)
     code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "1"))
     gap = re.search(r"differ by (\S+) in fp32 and by (\S+) with the towers in float64", out)
-    assert code == 0 and "PASS" in out and gap, out
+    assert code == 0 and "PASS" in out and gap and "fp32 rounding: the steps differ" in out, out
     assert 1e-11 < float(gap.group(1)) < 1e-4 and float(gap.group(2)) < 1e-11, out
     build = Trainer.build_model
 
@@ -151,6 +151,7 @@ def test_an_fp32_gap_that_float64_closes_passes_as_rounding_and_one_it_keeps_fai
     code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "1"))
     gap = re.search(r"differ by (\S+) in fp32 and by (\S+) with the towers in float64", out)
     assert code == 1 and "FAIL" in out and gap and float(gap.group(2)) > 1e-9, out
+    assert "not rounding: the steps differ" in out, out
 
 
 def test_library_call_and_out_of_memory_fallback(tmp_path, monkeypatch):

@@ -346,7 +346,9 @@ def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passa
     """Run both steps again, from the same random state, with the towers in float64 (fp32 runs in one process
     without FSDP only) and record the worst error there: near zero means the fp32 gap is rounding."""
     trainer = verifier.trainer
-    if trainer.config.optim.precision != "fp32" or trainer.world > 1 or verifier.fsdp:
+    tensors = [*trainer.retriever.parameters(), *trainer.retriever.buffers()]
+    if (trainer.config.optim.precision != "fp32" or trainer.world > 1 or verifier.fsdp
+            or any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors)):
         return
     rng = capture_rng()
     trainer.retriever.double()  # fp32 -> float64 -> fp32 is exact: the weights come back unchanged
@@ -361,7 +363,8 @@ def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passa
     error, _, worst_error = compare(cached, full)
     loss_error = abs(cached_loss - full_loss) / max(abs(full_loss), 1e-12)
     check.float64_error = max(error, worst_error, loss_error)
-    check.note = (check.note + f" fp32 rounding: the steps differ by {check.worst():.2e} in fp32 and by "
+    verdict = "fp32 rounding" if check.passes(TOLERANCES["fp32"]) else "not rounding"
+    check.note = (check.note + f" {verdict}: the steps differ by {check.worst():.2e} in fp32 and by "
                   f"{check.float64_error:.2e} with the towers in float64").strip()
 
 
