@@ -77,3 +77,11 @@ def steady_malloc(threshold: int = 1 << 20) -> bool:
     except OSError:
         return False
     return bool(libc.mallopt(-3, threshold))  # -3: M_MMAP_THRESHOLD
+
+
+def at_least_fp32(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype representations, scores and losses are kept in: fp16/bf16 raised to fp32, float64 kept."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out

@@ -16,8 +16,9 @@ from typing import Any, Callable, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from ..base.devices import at_least_fp32
 from ..base.errors import DprGcError
-from .grad_cache import RandState, at_least_fp32, replayable, tensors_in
+from .grad_cache import RandState, replayable, tensors_in
 from .loss import all_gather_with_grad
 
 
@@ -63,7 +64,7 @@ def cached(func: Callable[..., Any]) -> Callable[..., tuple[Any, ...]]:
         state = RandState(replayable(devices))
         with torch.no_grad():
             reps = _as_reps(func(*args, **kwargs))
-        leaves = tuple(rep.detach().to(at_least_fp32(rep)).requires_grad_() for rep in reps)
+        leaves = tuple(rep.detach().to(at_least_fp32(rep.dtype)).requires_grad_() for rep in reps)
 
         def forward_backward(cached_reps: Union[torch.Tensor, Sequence[torch.Tensor]]) -> None:
             cached_reps = _as_reps(cached_reps)

@@ -39,7 +39,7 @@ from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_pad
                        trim_padding, trimmed_width)
 from .frozen_casts import FrozenLinearCasts
 from .sparse_grads import SparseEmbeddingGrads
-from ..base.devices import autocast_dtype
+from ..base.devices import at_least_fp32, autocast_dtype
 from ..base.errors import DprGcError
 
 __all__ = ["Chunking", "GradCache", "RandState", "is_ddp", "is_fsdp", "rng_devices", "split_input", "tensors_in",
@@ -171,11 +171,6 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def at_least_fp32(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype representations are cached and scored in: fp16/bf16 raised to fp32, float64 kept."""
-    return torch.promote_types(tensor.dtype, torch.float32)
-
-
 def cached_gradient(cache: torch.Tensor, rows: Union[slice, torch.Tensor], chunk_rep: torch.Tensor) -> torch.Tensor:
     """The cached fp32 gradient of a chunk's rows (a slice, or an index on the cache's device), on the chunk's device
     and in its dtype: the gradient that ``sum(chunk_rep.float() * cached)`` sends back to ``chunk_rep``."""
@@ -213,10 +208,11 @@ class _Plan:
         if not self.known:
             if self.parts:
                 self._check_shape(self.parts[0], chunk_rep)
-            self.parts.append(chunk_rep.to(at_least_fp32(chunk_rep), copy=True))
+            self.parts.append(chunk_rep.to(at_least_fp32(chunk_rep.dtype), copy=True))
             return
         if self.buffer is None:
-            self.buffer = chunk_rep.new_empty((sum(self.counts), *chunk_rep.shape[1:]), dtype=at_least_fp32(chunk_rep))
+            rows = (sum(self.counts), *chunk_rep.shape[1:])
+            self.buffer = chunk_rep.new_empty(rows, dtype=at_least_fp32(chunk_rep.dtype))
         self._check_shape(self.buffer, chunk_rep)
         # One buffer in the original row order: a chunk's representation may be a view (e.g. the [CLS] row)
         # whose base tensor would otherwise stay alive with it.

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..base.devices import at_least_fp32
 from ..base.errors import DprGcError
 
 TEMPERATURE_RANGE = (0.01, 10.0)
@@ -148,7 +149,7 @@ def blocked_cross_entropy(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
         block = max(1, min(x.size(0), _AUTO_BLOCK_ELEMENTS // max(1, y.size(0))))
     if block == 0:
         raise DprGcError("blocked_cross_entropy needs a positive block (loss_chunk_size 0 is the dense path)")
-    dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+    dtype = at_least_fp32(x.dtype, y.dtype)
     with _no_autocast(x):  # the forward's products too: an outer autocast would run them in bf16/fp16
         return _BlockedCrossEntropy.apply(x.to(dtype), y.to(dtype), scale.to(dtype), targets, int(block), exclusion)
 
@@ -358,7 +359,7 @@ class SimpleContrastiveLoss(nn.Module):
         return own if positive_ids is None else torch.cat([own, positive_ids.to(own.device).long()], dim=1)
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        dtype = at_least_fp32(x.dtype, y.dtype)
         x, y = x.to(dtype), y.to(dtype)
         if self.similarity == "cos":
             x, y = nn.functional.normalize(x, dim=-1), nn.functional.normalize(y, dim=-1)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..base.devices import at_least_fp32
 from ..base.errors import DprGcError
 from ..base.settings import add_arguments, passage_prefix_setting, query_prefix_setting
 from ..engine.loss import Temperature
@@ -109,7 +110,7 @@ class Encoder(nn.Module):
         if self.projection is not None:
             rep = self.projection(rep)
         if self.config.normalize:
-            rep = nn.functional.normalize(rep.to(torch.promote_types(rep.dtype, torch.float32)), dim=-1)
+            rep = nn.functional.normalize(rep.to(at_least_fp32(rep.dtype)), dim=-1)
         return rep
 
 
@@ -154,7 +155,7 @@ class Retriever(nn.Module):
         encoder = self.query_encoder if kind == "query" else self.passage_encoder
         rep = encoder(**batch)
         if scale:
-            rep = rep.to(torch.promote_types(rep.dtype, torch.float32)) * self.temperature.rsqrt()
+            rep = rep.to(at_least_fp32(rep.dtype)) * self.temperature.rsqrt()
         return rep
 
     # ----------------------------------------------------------------- tokenization

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.args import positive_int
-from ..base.devices import autocast_dtype
+from ..base.devices import at_least_fp32, autocast_dtype
 from ..base.errors import DprGcError
 from ..engine.budget import GraphMeter, StepMemory, fixed_storages, format_bytes
 from ..engine.chunking import pad_sequence_dim, take_rows
@@ -213,10 +213,10 @@ class Verifier:
         m = 0 if kind == "query" else 1
         with torch.autocast(self.trainer.device.type, dtype=dtype, enabled=dtype is not None):
             if not self.chunked:
-                return at_least_fp32(self.call(kind, batch))
+                return widened(self.call(kind, batch))
             cache = self.trainer.cache  # the cached step ran first: its chunks, joined as it joined them
             plan = cache._plan(m, dict(batch, kind=kind), cache.joined_tokens[m] if cache.joined_tokens else None)
-            parts = [at_least_fp32(pad_sequence_dim(self.call(kind, {k: v for k, v in c.items() if k != "kind"}), w))
+            parts = [widened(pad_sequence_dim(self.call(kind, {k: v for k, v in c.items() if k != "kind"}), w))
                      for c, w in zip(plan.chunks, plan.widths)]
         reps = torch.cat(parts)
         if plan.order is None:
@@ -233,7 +233,7 @@ class Verifier:
         for name, param in self.named:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            grads[name] = at_least_fp32(grad.detach()).clone()
+            grads[name] = widened(grad.detach()).clone()
         self.trainer.optimizer.zero_grad(set_to_none=True)
         return grads
 
@@ -261,9 +261,9 @@ class Verifier:
         return next((n for n, _ in self.named if n.endswith("tau.log_value")), None)
 
 
-def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
-    """fp16/bf16 raised to fp32; float64 (the rounding re-check) kept."""
-    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+def widened(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in :func:`~dpr_gc.base.devices.at_least_fp32` of its dtype (the float64 re-check keeps float64)."""
+    return tensor.to(at_least_fp32(tensor.dtype))
 
 
 @contextlib.contextmanager
