@@ -1902,9 +1902,12 @@ def test_a_config_that_does_not_describe_its_weights_names_a_weight(tiny_tokeniz
 
 
 @pytest.mark.parametrize("change, needle", [
-    ("drop layer 1", "its weights file lacks encoder.layer.1.attention.output.LayerNorm.bias and 15 more that its "
-                     "config.json makes (they would start at random)"),
-    ("3 layers", "its weights file lacks encoder.layer.2."),
+    ("drop a weight", "its weights file lacks encoder.layer.1.attention.output.LayerNorm.bias that its "
+                      "config.json makes (they would start at random)"),
+    ("drop layer 1", "its config.json makes 2 layers (num_hidden_layers) but its weights file holds 1; fix "
+                     "num_hidden_layers in config.json"),
+    ("3 layers", "its config.json makes 3 layers (num_hidden_layers) but its weights file holds 2"),
+    ("100000 layers", "its config.json makes 100,000 layers (num_hidden_layers) but its weights file holds 2"),
     ("1 layer", "its weights file holds encoder.layer.1.attention.output.LayerNorm.bias and 15 more that its "
                 "config.json leaves out"),
     ("a task head", None),
@@ -1913,21 +1916,24 @@ def test_weights_the_config_makes_but_the_file_lacks_are_refused(tiny_tokenizer:
                                                                   needle: Optional[str]) -> None:
     """Missing weights were started at random and encoded without a word (transformers' report is hidden by the
     quiet log); saved layers a smaller config leaves out were dropped. A checkpoint's task head loads as before. A
-    config too large to build (to name the weight that differs) is still one line."""
+    config too large to build (to name the weight that differs) is still one line, and a config that makes more
+    layers than were saved is refused before the model is built (100,000 layers were built for minutes first)."""
     from safetensors.torch import load_file, save_file
 
     folder = tmp_path / "model"
     tiny_bert(len(tiny_tokenizer)).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     weights, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
-    if change == "drop layer 1":
+    if change == "drop a weight":
+        del weights["encoder.layer.1.attention.output.LayerNorm.bias"]
+    elif change == "drop layer 1":
         weights = {k: v for k, v in weights.items() if "layer.1." not in k}
     elif change == "a task head":
         weights["cls.predictions.bias"] = torch.zeros(len(tiny_tokenizer))
     elif change == "10**12 positions":  # naming the weight that differs needs a model this machine cannot allocate
         config["max_position_embeddings"] = 10 ** 12
     else:
-        config["num_hidden_layers"] = int(change[0])
+        config["num_hidden_layers"] = int(change.split()[0])
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config))
     (tmp_path / "c.tsv").write_bytes(tsv_bytes(passages()))

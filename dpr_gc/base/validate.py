@@ -136,9 +136,10 @@ def refuse_custom_code(folder: PathLike) -> None:
             raise DprGcError(f"{path}: this model folder asks to run its own code (auto_map); refused")
 
 
-def check_safetensors(path: PathLike) -> None:
+def check_safetensors(path: PathLike) -> list[str]:
     """Check a ``.safetensors`` file's header before anything reads it: a sane header length, known dtypes, shapes
-    that match their byte ranges, ranges that neither overlap nor leave the file, and nothing cut off."""
+    that match their byte ranges, ranges that neither overlap nor leave the file, and nothing cut off. Returns the
+    names of the tensors it holds."""
     p = Path(path)
     try:
         size = p.stat().st_size
@@ -177,18 +178,18 @@ def check_safetensors(path: PathLike) -> None:
     for (b1, e1, n1), (b2, _, n2) in zip(ranges, ranges[1:]):
         if b2 < e1:
             _damaged(p, f"tensors {n1!r} and {n2!r} overlap")
+    return [name for _, _, name in ranges]
 
 
 def _damaged(path: Path, reason: str) -> None:
     raise DprGcError(f"{path}: damaged safetensors file ({reason}); copy or save it again")
 
 
-def check_weights_folder(folder: PathLike) -> None:
-    """Check every safetensors file directly in a model folder (:func:`check_safetensors`)."""
+def check_weights_folder(folder: PathLike) -> list[str]:
+    """Check every safetensors file directly in a model folder (:func:`check_safetensors`); the names of the
+    weights they hold."""
     root = Path(folder)
-    if root.is_dir():
-        for p in sorted(root.glob("*.safetensors")):
-            check_safetensors(p)
+    return [name for p in sorted(root.glob("*.safetensors")) for name in check_safetensors(p)] if root.is_dir() else []
 
 
 def check_id(value: Any, where: str, what: str = "id") -> str:

@@ -7,6 +7,7 @@ loaded as any other), so both live here; training adapters is :mod:`dpr_gc.model
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
@@ -33,7 +34,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
         return load_adapter_model(Path(name_or_path))
     check_model_source(str(name_or_path))
-    check_weights_folder(name_or_path)
+    check_layers_saved(Path(name_or_path), check_weights_folder(name_or_path))
     try:
         model, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False, output_loading_info=True)
     except pickle.UnpicklingError as e:
@@ -98,6 +99,27 @@ def size_mismatch(name_or_path: str | Path) -> str:
     key, saved, expected = found[0]
     return (f"{key} holds {list(saved)} where the config makes {list(expected)}"
             + (f" ({len(found) - 1} more weights differ)" if len(found) > 1 else ""))
+
+
+# A weight's layer number: the number after a ``layer``/``layers``/``h``/``block`` part of its name (BERT, Llama,
+# Qwen2, GPT-2, T5). Models that name their layers otherwise (ALBERT's shared layer groups) are not counted.
+LAYER_NUMBER = re.compile(r"(?:^|\.)(?:layer|layers|h|block)\.(\d+)\.")
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def check_layers_saved(folder: Path, weight_names: list[str]) -> None:
+    """Refuse, before the model is built, a ``config.json`` that makes more layers than its safetensors weights hold:
+    transformers builds every layer before it finds their weights missing, so a mistyped count (100000) ran for
+    hours without a word."""
+    numbers = [int(m.group(1)) for m in map(LAYER_NUMBER.search, weight_names) if m]
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # no config or not JSON: transformers' own load names that
+        return
+    key = next((k for k in LAYER_COUNT_KEYS if isinstance(config, dict) and type(config.get(k)) is int), None)
+    if numbers and key is not None and config[key] > max(numbers) + 1:
+        raise DprGcError(f"cannot load model {str(folder)!r}: its config.json makes {config[key]:,} layers ({key}) "
+                         f"but its weights file holds {max(numbers) + 1}; fix {key} in config.json")
 
 
 def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:
