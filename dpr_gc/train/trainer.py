@@ -218,12 +218,12 @@ class Trainer:
         directly) and the towers hold it for plain training."""
         towers = Towers(self.retriever)
         if self.config.run.fsdp:
-            if self.world == 1:
-                raise DprGcError("--fsdp shards the model over the ranks of torchrun: launch with torchrun "
-                                 "--nproc_per_node N (N > 1), or train without --fsdp")
             if self.config.run.fsdp_cpu_offload and self.device.type == "cpu":
                 raise DprGcError("--fsdp-cpu-offload moves GPU weights to the CPU between uses; this run is already "
                                  "on the CPU: drop the flag")
+            if self.world == 1:
+                raise DprGcError("--fsdp shards the model over the ranks of torchrun: launch with torchrun "
+                                 "--nproc_per_node N (N > 1), or train without --fsdp")
             shard_retriever(self.retriever, self.config.optim.precision, self.config.run.fsdp_cpu_offload)
             return towers, towers
         if self.world == 1:
