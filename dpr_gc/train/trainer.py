@@ -276,12 +276,12 @@ class Trainer:
         return torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup))))
 
-    def build_cache(self) -> Optional[GradCache]:
-        """Gradient Cache over the (possibly DDP-wrapped) towers; None in plain training."""
+    def build_cache(self, model: Optional[nn.Module] = None) -> Optional[GradCache]:
+        """Gradient Cache over ``model``, by default the (possibly DDP-wrapped) towers; None in plain training."""
         if self.chunks is None:
             return None
         precision = self.config.optim.precision
-        model = self.retriever if self.config.run.fsdp else self.model
+        model = model if model is not None else self.retriever if self.config.run.fsdp else self.model
         cache = self.config.cache
         return GradCache([model, model], list(self.chunks), self.loss_fn, fp16=precision == "fp16",
                          scaler=self.scaler, bf16=precision == "bf16", memory_budget=cache.memory_budget,

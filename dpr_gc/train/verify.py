@@ -8,7 +8,7 @@ the precision's tolerance, and reports the time and peak memory of both steps. A
 runs the full batch in one forward per side (batch-dependent layers and padding are then checked too); with
 dropout the one graph is built chunk by chunk in the cached step's order, so both steps draw the same masks.
 
-An fp32 gap past the tolerance is re-measured with the towers in float64 (one process, no FSDP): where the two steps
+An fp32 gap past the tolerance is re-measured with the towers in float64 (not under FSDP): where the two steps
 agree there, the cached step is exact and the gap is fp32 rounding, which a small temperature amplifies (logits
 scaled by 100 at 0.01: 2e-5 on an AVX2 CPU), and the batch passes with a note saying so.
 
@@ -169,6 +169,7 @@ class Verifier:
         self.trainer = trainer
         self.fsdp = trainer.config.run.fsdp
         self.model = trainer.retriever if self.fsdp else trainer.towers  # the reference never syncs through DDP
+        self.cache = trainer.cache  # the float64 re-check under DDP swaps in one over the unwrapped towers
         self.named = [(n, p) for n, p in trainer.retriever.named_parameters() if p.requires_grad]
         is_data_parallel(self.model)  # its first call imports FSDP (seconds): not part of the cached step's time
         self.chunked = has_dropout(trainer.retriever)
@@ -181,10 +182,12 @@ class Verifier:
         trainer = self.trainer
         with measured(trainer.device) as peak:
             started = time.perf_counter()
-            loss = trainer.cache(dict(query, kind="query"), dict(passage, kind="passage"),
-                                 no_sync_except_last=trainer.world > 1)
+            synced = trainer.world > 1 and is_data_parallel(self.cache.models[0])
+            loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"), no_sync_except_last=synced)
             seconds = time.perf_counter() - started
-        report = trainer.cache.last_step
+        if trainer.world > 1 and not synced:
+            self.sum_over_ranks()
+        report = self.cache.last_step
         graph_peak = report.peak_graph_bytes if report is not None else 0
         return self.global_loss(loss), self.gradients(), self.step_cost(seconds, peak, graph_peak)
 
@@ -214,7 +217,7 @@ class Verifier:
         with torch.autocast(self.trainer.device.type, dtype=dtype, enabled=dtype is not None):
             if not self.chunked:
                 return widened(self.call(kind, batch))
-            cache = self.trainer.cache  # the cached step ran first: its chunks, joined as it joined them
+            cache = self.cache  # the cached step ran first: its chunks, joined as it joined them
             plan = cache._plan(m, dict(batch, kind=kind), cache.joined_tokens[m] if cache.joined_tokens else None)
             parts = [widened(pad_sequence_dim(self.call(kind, {k: v for k, v in c.items() if k != "kind"}), w))
                      for c, w in zip(plan.chunks, plan.widths)]
@@ -337,28 +340,31 @@ def check_batch(verifier: Verifier, query: dict, passage: dict, tolerance: float
     temperature = (float(cached_grads[temp]), float(full_grads[temp])) if temp else None
     check = BatchCheck(query["input_ids"].size(0) * trainer.world, cached_loss, full_loss, error, worst, worst_error,
                        temperature, cached_cost, full_cost, note.strip(), trainer.cache.last_step)
-    if check.worst() >= tolerance:
+    if any_rank(check.worst() >= tolerance, trainer.world):
         recheck_in_float64(verifier, check, query, passage)
     return check
 
 
 def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passage: dict) -> None:
-    """Run both steps again, from the same random state, with the towers in float64 (fp32 runs in one process
-    without FSDP only) and record the worst error there: near zero means the fp32 gap is rounding."""
+    """Run both steps again, from the same random state, with the towers in float64 (fp32 runs without FSDP only)
+    and record the worst error there: near zero means the fp32 gap is rounding. Under DDP both steps run on the
+    unwrapped towers (DDP's buckets are fp32) and sum their gradients over the ranks as the full step does."""
     trainer = verifier.trainer
     tensors = [*trainer.retriever.parameters(), *trainer.retriever.buffers()]
-    if (trainer.config.optim.precision != "fp32" or trainer.world > 1 or verifier.fsdp
+    if (trainer.config.optim.precision != "fp32" or verifier.fsdp
             or any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors)):
         return
     rng = capture_rng()
     trainer.retriever.double()  # fp32 -> float64 -> fp32 is exact: the weights come back unchanged
     trainer.retriever.tau.keep_in_range_()  # a bound's fp32 value can lie a hair past its float64 value
+    verifier.cache = trainer.build_cache(trainer.towers) if trainer.world > 1 else trainer.cache
     try:
         cached_loss, cached, _ = verifier.cached_step(query, passage)
         restore_rng(rng)
         full_loss, full, _ = verifier.full_step(query, passage)
     finally:
         trainer.retriever.float()
+        verifier.cache = trainer.cache
         restore_rng(rng)
     error, _, worst_error = compare(cached, full)
     loss_error = abs(cached_loss - full_loss) / max(abs(full_loss), 1e-12)
