@@ -224,6 +224,29 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")][0].count("convert it") == 1
 
 
+def test_a_dpr_checkpoint_whose_config_makes_more_layers_is_refused_before_building(tiny, tmp_path):
+    """The config a checkpoint names (``pretrained_model_cfg``) with 100,000 layers: both towers were built layer by
+    layer for minutes before their weights were found missing; now one line names both counts at once."""
+    import json
+    import shutil
+
+    import torch
+
+    from dpr_gc.base.errors import DprGcError
+    from dpr_gc.model.retriever import Retriever
+
+    config_dir = tmp_path / "bert"
+    shutil.copytree(tiny["bert"], config_dir)
+    config = json.loads((config_dir / "config.json").read_text())
+    (config_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))
+    state = torch.load(dpr_checkpoint(tiny, tmp_path / "dpr_biencoder.0.cp"), weights_only=True)
+    state["encoder_params"]["pretrained_model_cfg"] = str(config_dir)
+    torch.save(state, tmp_path / "dpr_biencoder.0.cp")
+    with pytest.raises(DprGcError, match=r"makes 100,000 layers \(num_hidden_layers\) but the checkpoint holds 2; "
+                                         r"point pretrained_model_cfg at the config it was trained from"):
+        Retriever.load(tmp_path / "dpr_biencoder.0.cp")
+
+
 @pytest.mark.slow  # 79 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path, monkeypatch):
     import json

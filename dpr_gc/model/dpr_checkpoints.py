@@ -16,7 +16,7 @@ from typing import Any
 from ..base.errors import DprGcError
 from ..base.files import torch_load_weights, weights_only_reason
 from .config import RetrieverConfig
-from .pretrained import load_tokenizer
+from .pretrained import load_tokenizer, missing_layers
 
 CONVERT_HINT = ("convert it where you trust the file: python -c \"import torch; s = torch.load('{path}', "
                 "weights_only=False); torch.save({{'model_dict': dict(s['model_dict']), 'encoder_params': "
@@ -65,6 +65,10 @@ def load_dpr_checkpoint(retriever_cls: Any, path: str | Path) -> Any:
         hf_config = AutoConfig.from_pretrained(str(name), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise DprGcError(f"{p}: cannot load the config {name!r} it was trained from: {str(e).splitlines()[0]}") from None
+    missing = missing_layers(hf_config.to_dict(), list(state["model_dict"]))
+    if missing:
+        raise DprGcError(f"{p}: the config {name!r} it names makes {missing[1]:,} layers ({missing[0]}) but the "
+                         f"checkpoint holds {missing[2]}; point pretrained_model_cfg at the config it was trained from")
     length = int(params.get("sequence_length") or 256)
     projection_dim = int(params.get("projection_dim") or 0) or None
     config = RetrieverConfig(pooling="cls", shared_encoder=False, projection_dim=projection_dim,

@@ -11,7 +11,7 @@ import json
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
@@ -107,19 +107,29 @@ LAYER_NUMBER = re.compile(r"(?:^|\.)(?:layer|layers|h|block)\.(\d+)\.")
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
-def check_layers_saved(folder: Path, weight_names: list[str]) -> None:
-    """Refuse, before the model is built, a ``config.json`` that makes more layers than its safetensors weights hold:
+def missing_layers(config: Any, weight_names: list[str]) -> Optional[tuple[str, int, int]]:
+    """``(key, made, saved)`` where a config (a ``config.json`` dict) makes more layers than the weights named hold:
     transformers builds every layer before it finds their weights missing, so a mistyped count (100000) ran for
-    hours without a word."""
+    hours without a word; None where they fit or cannot be counted."""
     numbers = [int(m.group(1)) for m in map(LAYER_NUMBER.search, weight_names) if m]
+    key = next((k for k in LAYER_COUNT_KEYS if isinstance(config, dict) and type(config.get(k)) is int), None)
+    if numbers and key is not None and config[key] > max(numbers) + 1:
+        return key, config[key], max(numbers) + 1
+    return None
+
+
+def check_layers_saved(folder: Path, weight_names: list[str]) -> None:
+    """Refuse, before the model is built, a folder whose ``config.json`` makes more layers than its safetensors
+    weights hold (:func:`missing_layers`)."""
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # no config or not JSON: transformers' own load names that
         return
-    key = next((k for k in LAYER_COUNT_KEYS if isinstance(config, dict) and type(config.get(k)) is int), None)
-    if numbers and key is not None and config[key] > max(numbers) + 1:
-        raise DprGcError(f"cannot load model {str(folder)!r}: its config.json makes {config[key]:,} layers ({key}) "
-                         f"but its weights file holds {max(numbers) + 1}; fix {key} in config.json")
+    missing = missing_layers(config, weight_names)
+    if missing:
+        key, made, saved = missing
+        raise DprGcError(f"cannot load model {str(folder)!r}: its config.json makes {made:,} layers ({key}) "
+                         f"but its weights file holds {saved}; fix {key} in config.json")
 
 
 def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:
