@@ -109,8 +109,8 @@ LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 def missing_layers(config: Any, weight_names: list[str]) -> Optional[tuple[str, int, int]]:
     """``(key, made, saved)`` where a config (a ``config.json`` dict) makes more layers than the weights named hold:
-    transformers builds every layer before it finds their weights missing, so a mistyped count (100000) ran for
-    hours without a word; None where they fit or cannot be counted."""
+    transformers builds every layer before it finds their weights missing, so a mistyped count (100000) builds for
+    minutes without a word; None where they fit or cannot be counted."""
     numbers = [int(m.group(1)) for m in map(LAYER_NUMBER.search, weight_names) if m]
     key = next((k for k in LAYER_COUNT_KEYS if isinstance(config, dict) and type(config.get(k)) is int), None)
     if numbers and key is not None and config[key] > max(numbers) + 1:
