@@ -55,8 +55,7 @@ def worker(rank: int, tmp: str) -> None:
 
 
 def rounding_passes_under_ddp(tmp: str) -> None:
-    """Below fp32's rounding the steps differ; with the towers in float64 (no DDP buckets) they agree, and the
-    model is fp32 again afterwards."""
+    """Below fp32's rounding the steps differ; with the towers in float64 (no DDP buckets) they agree."""
     tolerances = dict(verify_module.TOLERANCES)
     verify_module.TOLERANCES["fp32"] = 1e-11
     try:
