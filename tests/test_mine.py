@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -553,7 +554,9 @@ def test_bm25_mining_does_not_start_jax_in_a_process_that_forks(tmp_path, jax_fi
              "from jax._src import xla_bridge\n"
              "print(bm25s.selection.JAX_IS_AVAILABLE, bool(xla_bridge._backends))\n"
              "import jax.numpy\nprint(jax.numpy.zeros(2).shape)\n")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    repo = str(Path(__file__).resolve().parents[1])  # this checkout's dpr_gc, whatever pip has installed
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": repo})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["False False", "(2,)"]
 
