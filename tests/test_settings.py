@@ -290,6 +290,10 @@ def test_a_run_records_its_resolved_settings(first_run) -> None:
         assert json.loads((out / f"checkpoint-{step}" / SETTINGS_FILE).read_text()) == recorded
 
 
+def refuse_to_build(*args, **kwargs):
+    raise AssertionError("the model was built before the resume was checked")
+
+
 @pytest.mark.parametrize("change, needle", [
     (["--learning-rate", "5e-3"], "--learning-rate 0.001 -> 0.005"),
     (["--pooling", "mean"], "--pooling 'cls' -> 'mean'"),
@@ -297,10 +301,12 @@ def test_a_run_records_its_resolved_settings(first_run) -> None:
     (["--normalize"], "--normalize False -> True"),
     (["--no-mask-duplicate-positives"], "--mask-duplicate-positives True -> False"),
 ])
-def test_resume_refuses_a_changed_model_or_training_signal(first_run, change, needle) -> None:
+def test_resume_refuses_a_changed_model_or_training_signal(first_run, change, needle, monkeypatch) -> None:
+    """Refused before the model is built (with a large model, minutes before)."""
     out = first_run["out"]
     before = (out / SETTINGS_FILE).read_text()
     argv = [*first_run["argv"], "--output", str(out), "--max-steps", "3", "--resume", "latest", *change]
+    monkeypatch.setattr("dpr_gc.train.trainer.build_retriever", refuse_to_build)
     line = error_line(*call(cli.main, argv))
     assert needle in line and "--max-steps" not in line and "--resume" in line
     with pytest.raises(DprGcError) as refused:  # the library says the same
@@ -448,9 +454,10 @@ def test_a_checkpoint_without_a_settings_record_resumes_with_a_warning(first_run
     assert (out / "final").is_dir()
 
 
-def test_a_sharded_checkpoint_resumes_only_with_fsdp(first_run, tmp_path) -> None:
-    """docs/distributed.md: a checkpoint holding FSDP shards is refused without --fsdp, in one line that says so
-    (with a real sharded checkpoint, and a plain one under --fsdp, in tests/test_fsdp_cli.py)."""
+def test_a_sharded_checkpoint_resumes_only_with_fsdp(first_run, tmp_path, monkeypatch) -> None:
+    """docs/distributed.md: a checkpoint holding FSDP shards is refused without --fsdp, in one line that says so,
+    before the model is built (with a real sharded checkpoint, and a plain one under --fsdp, in
+    tests/test_fsdp_cli.py)."""
     import shutil
 
     from dpr_gc.train.checkpoints import SHARDED
@@ -459,6 +466,7 @@ def test_a_sharded_checkpoint_resumes_only_with_fsdp(first_run, tmp_path) -> Non
     shutil.copytree(first_run["out"], out)
     (out / "checkpoint-2" / SHARDED).mkdir()
     argv = [*first_run["argv"], "--output", str(out), "--resume", str(out / "checkpoint-2"), "--max-steps", "3"]
+    monkeypatch.setattr("dpr_gc.train.trainer.build_retriever", refuse_to_build)
     line = error_line(*call(cli.main, argv))
     assert "this checkpoint was written with --fsdp; resume it the same way" in line
     assert not (out / "checkpoint-3").exists()

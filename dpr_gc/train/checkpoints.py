@@ -137,6 +137,13 @@ def resolve_checkpoint(out: Path, resume: str) -> Path:
     return path
 
 
+def check_layout(checkpoint: Path, fsdp: bool) -> None:
+    """A checkpoint resumes only as it was written: sharded weights with ``--fsdp``, a whole model without."""
+    if fsdp != (checkpoint / SHARDED).is_dir():
+        written = "without" if fsdp else "with"
+        raise DprGcError(f"{checkpoint}: this checkpoint was written {written} --fsdp; resume it the same way")
+
+
 def check_start(out: Path, resume: Optional[str]) -> None:
     """Before the model and data are loaded: ``--resume`` names a checkpoint, and a new run is refused a folder
     holding an earlier run's checkpoints, ``final/`` or ``best/`` (a new run would leave the earlier ``best/``
@@ -261,9 +268,7 @@ class Checkpointer:
         path = self.resolve(resume)
         older = self.checkpoints()[:-1] if resume == "latest" else []
         while True:
-            if (self.sharded is None) == (path / SHARDED).is_dir():  # before reading: a sharded one has no model/
-                written = "with" if self.sharded is None else "without"
-                raise DprGcError(f"{path}: this checkpoint was written {written} --fsdp; resume it the same way")
+            check_layout(path, self.sharded is not None)  # before reading: a sharded one has no model/
             try:
                 state = read_state(path)
                 saved = Retriever.load(path / "model") if self.sharded is None else None

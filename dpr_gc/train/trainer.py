@@ -40,7 +40,8 @@ from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .config import recorded_settings, resolve_defaults
-from .checkpoints import Checkpointer, check_start, finished_checkpoints, left_at_start, resolve_checkpoint
+from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
+from .checkpoints import resolve_checkpoint
 from .chunks import auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
@@ -116,6 +117,8 @@ class Trainer:
             if config.run.resume else None
         self.hard_negatives_given = config.data.hard_negatives is not None
         self.config = config = self.resolve(config, recorded[1] if recorded else None)
+        if config.run.resume:
+            self.check_resume(resolve_checkpoint(self.out, config.run.resume))
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         # rank 0 reads the training files for their fingerprints (the parse cache's key, the resume check's record)
@@ -155,6 +158,13 @@ class Trainer:
         if self.rank == 0 and not self.hard_negatives_given:
             logger.info("--hard-negatives %d (%s)", config.data.hard_negatives, why)
         return config
+
+    def check_resume(self, checkpoint: Path) -> None:
+        """Before minutes of loading the model and parsing the data: the settings that change the model or the
+        training signal are those the resumed run recorded, and ``checkpoint`` was written with this run's
+        ``--fsdp`` (checked before the ranks are, so one process refuses as every rank of a launch would)."""
+        check_resume_settings(self.config, checkpoint, self.out)
+        check_layout(checkpoint, self.config.run.fsdp)
 
     def build_model(self) -> Retriever:
         """The retriever in training mode on this rank's device, with LoRA adapters (only they train in the
@@ -302,8 +312,7 @@ class Trainer:
     def resume(self, checkpoint: str) -> None:
         """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
         place in its epoch and this rank's RNG state, so the run goes on exactly as if never stopped. Settings that
-        change the model or the training signal must match those the run recorded."""
-        check_resume_settings(self.config, self.checkpointer.resolve(checkpoint), self.out)
+        change the model or the training signal were checked against the run's record by :meth:`check_resume`."""
         state = self.checkpointer.load(checkpoint, self.retriever, self.optimizer, self.scheduler, self.scaler,
                                        self.device)
         self.sampler.load_state_dict(state["sampler"])
