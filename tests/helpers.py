@@ -8,6 +8,7 @@ import csv
 import gzip
 import json
 import random
+import re
 import string
 import shutil
 import contextlib
@@ -272,3 +273,23 @@ def split_batch(batch: Batch, size: int) -> list[Batch]:
     """A user's ``split_input_fn`` for :class:`Batch`."""
     n = batch.input_ids.size(0)
     return [Batch(batch.input_ids[s:s + size], batch.attention_mask[s:s + size]) for s in range(0, n, size)]
+
+
+# a log line of dpr-gc's own (or of its DPR-compatible scripts), and one of its tqdm bars drawn with carriage
+# returns ("desc: 50%|###  | 3/6 [...]")
+LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) (dpr_gc(\.[\w.]+)?|generate_dense_embeddings|"
+                      r"dense_retriever|train_dense_encoder): ")
+OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding to index|reading [^:]+|BM25 tokenise|"
+                     r"mining|train): .*?\] *")  # tqdm pads a redrawn line shorter than the last with spaces
+
+
+def foreign_lines(stderr: str) -> list[str]:
+    """Pieces of a command's stderr that are neither a dpr_gc log line nor one of its own progress bars: what a
+    dependency printed past the toolkit's quieting."""
+    bad = []
+    for line in stderr.split("\n"):
+        for piece in line.split("\r"):
+            rest = OUR_BAR.sub("", piece, count=1)
+            if rest and not LOG_LINE.match(rest):
+                bad.append(piece)
+    return bad

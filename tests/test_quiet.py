@@ -15,29 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import foreign_lines
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "data" / "examples"
-LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) dpr_gc(\.[\w.]+)?: ")
-# one of the toolkit's own tqdm bars, drawn with carriage returns: "desc: 50%|###  | 3/6 [...]" or "desc: 3 q [...]"
-OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding to index|reading [^:]+|BM25 tokenise|"
-                     r"mining|train): .*?\]")
 TABLE_LINE = re.compile(r"^(\|.*\||(answers|qrels) metrics \(\d+ quer(y|ies)\))?$")
 
 
 def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dpr_gc", *args], capture_output=True, text=True, env=env,
                           timeout=300, cwd=ROOT)
-
-
-def foreign_lines(stderr: str) -> list[str]:
-    """Pieces of stderr that are neither a dpr_gc log line nor one of its own progress bars."""
-    bad = []
-    for line in stderr.split("\n"):
-        for piece in line.split("\r"):
-            rest = OUR_BAR.sub("", piece, count=1)
-            if rest and not LOG_LINE.match(rest):
-                bad.append(piece)
-    return bad
 
 
 @pytest.fixture(scope="module")
@@ -91,31 +78,6 @@ def test_encode_index_retrieve_and_mine_print_only_their_own_lines(runs: dict) -
     assert len(re.findall(r"--precision auto on cpu: (bf16|fp32) \(", encoded)) == 1
     retrieved = runs["retrieve"].stderr  # the questions are counted by the check before the bar opens, not inside it
     assert retrieved.index("qa.tsv: 4 questions from 4 lines") < retrieved.index("retrieving:"), retrieved
-
-
-@pytest.mark.slow
-def test_dpr_scripts_print_only_their_own_lines(env: dict, model_dir: Path, tmp_path: Path) -> None:
-    """The DPR-compatible scripts keep the dependencies quiet as dpr-gc does (they configured logging themselves and
-    printed FAISS's loader lines, datasets' JAX notice and transformers' weight-loading bars), and take --verbose."""
-    scripts = ROOT / "scripts"
-    commands = {
-        "generate_dense_embeddings.py": ["--model_file", str(model_dir), "--ctx_file", str(EXAMPLES / "passages.tsv"),
-                                         "--out_file", f"{tmp_path / 'emb'}/"],
-        "dense_retriever.py": ["--model_file", str(model_dir), "--qa_file", str(EXAMPLES / "qa.tsv"),
-                               "--encoded_ctx_file", str(tmp_path / "emb"), "--out_file", str(tmp_path / "r.json"),
-                               "--n-docs", "3"],
-        "train_dense_encoder.py": ["--train_file", str(EXAMPLES / "train.json"), "--model_file", str(model_dir),
-                                   "--output_dir", str(tmp_path / "run"), "--batch_size", "2", "--max-steps", "1"]}
-    for script, args in commands.items():
-        result = subprocess.run([sys.executable, str(scripts / script), *args], capture_output=True, text=True,
-                                env=env, timeout=300, cwd=ROOT)
-        assert result.returncode == 0, result.stderr
-        assert "\x1b" not in result.stderr, f"{script}: a cursor movement in the log"
-        assert foreign_lines(result.stderr) == [], f"{script} printed lines that are not dpr-gc's own"
-    verbose = subprocess.run([sys.executable, str(scripts / "dense_retriever.py"), *commands["dense_retriever.py"],
-                              "--out_file", str(tmp_path / "r2.json"), "--verbose"], capture_output=True, text=True,
-                             env=env, timeout=300, cwd=ROOT)
-    assert verbose.returncode == 0 and "faiss.loader" in verbose.stderr, verbose.stderr
 
 
 def test_faiss_native_warnings_reach_the_log_not_raw_stderr(runs: dict, env: dict) -> None:
