@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import BertTokenizerFast
@@ -10,10 +12,21 @@ from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.helpers import tiny_bert, write_vocab
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (pytest.ini runs two workers) each worker takes its share of the cores for torch and for
+    the processes its tests start (torchrun ranks, CLI runs), so the workers do not oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The JAX tests run last: JAX's thread pools stay up for the rest of the process once started, and a later test
     that forks (DataLoader workers, answer-matching pools) would fork a multithreaded process, which JAX warns may
-    deadlock."""
+    deadlock. Under pytest-xdist, ``--dist loadfile --no-loadscope-reorder`` (pytest.ini) hands the files out in
+    this order, so the worker that takes test_jax.py runs nothing after it."""
     items.sort(key=lambda item: item.path.name == "test_jax.py")  # a stable sort: the rest keep their order
 
 
