@@ -98,7 +98,7 @@ def test_summary_table_says_what_the_budget_kept_and_the_device(task, tmp_path, 
     assert main(base + ["--output", str(tmp_path / "gc"), "--memory-budget", "1GB", "--query-chunk-size", "4",
                         "--passage-chunk-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^\| graphs kept \(last step, budget\) \| (\d+)/\1 chunks, 100% of tokens \(1\.00 GB\) \|$", out,
+    assert re.search(r"^\| graphs kept \(last step, budget\) \| (\d+)/\1 chunks, 100% of tokens \(budget 1\.00 GB\) \|$", out,
                      re.M), out
     assert "| device | cpu |" in out
     assert main(base + ["--output", str(tmp_path / "plain"), "--no-grad-cache"]) == 0

@@ -53,9 +53,9 @@ def test_table_names_the_device_and_what_the_memory_budget_kept(tmp_path, capsys
     model = init_model(tmp_path)
     code, out = run(capsys, flags(tmp_path, model, "--memory-budget", "1GB", "--hard-negatives", "1"))
     assert code == 0 and out.startswith("verify on cpu: batch 6 per rank"), out
-    assert "| graphs kept (budget) |" in out and "| 6/6 chunks, 100% of tokens (1.00 GB) |" in out, out
+    assert "| graphs kept (budget) |" in out and "| 6/6 chunks, 100% of tokens (budget 1.00 GB) |" in out, out
     code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "1"))  # budget 0: only the last chunk's
-    assert code == 0 and re.search(r"\| 1/6 chunks, \d+% of tokens \(0 B\) \|", out), out
+    assert code == 0 and re.search(r"\| 1/6 chunks, \d+% of tokens \(budget 0 B\) \|", out), out
 
 
 def cls_model(tmp) -> str:

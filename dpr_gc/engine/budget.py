@@ -212,9 +212,10 @@ class StepMemory:
         return self.kept_tokens / self.tokens if self.tokens else 0.0
 
     def brief(self) -> str:
-        """A summary table's cell: the chunks kept, their share of the tokens, and the budget in bytes."""
+        """A summary table's cell: the chunks kept, their share of the tokens, and the budget, named as such (at
+        budget 0 the last chunk is still kept, so a bare size would read as that of the kept graphs)."""
         return (f"{sum(self.kept)}/{sum(self.chunks)} chunks, {100 * self.kept_share:.0f}% of tokens "
-                f"({format_bytes(self.budget)})")
+                f"(budget {format_bytes(self.budget)})")
 
     def describe(self) -> str:
         last = "the step's last chunk, never replayed, and " if self.kept_last else ""
