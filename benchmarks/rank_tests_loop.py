@@ -1,9 +1,10 @@
 """Reliability loop: the multi-process tests (DDP, FSDP, torchrun ranks) run N times in a row while a second
 process loads the machine with the rest of the suite.
 
-Each iteration is one ``pytest -p no:cacheprovider -q <node ids>`` in a session of its own (killed with its ranks
-past ``--iteration-limit``); the load is ``pytest -q -p no:cacheprovider -m "not slow" tests`` with those node ids
-deselected, restarted whenever it finishes. Per iteration it records passes, failures, wall time and the load
+Each iteration is one ``pytest -n 0 -p no:cacheprovider -q <node ids>`` (one process, not pytest.ini's two
+workers) in a session of its own (killed with its ranks past ``--iteration-limit``); the load is
+``pytest -n 0 -q -p no:cacheprovider -m "not slow" tests`` with those node ids deselected, restarted whenever it
+finishes. Per iteration it records passes, failures, wall time and the load
 average; a failing iteration's output is saved next to the results and the loop stops (``--keep-going`` runs on).
 
     python benchmarks/rank_tests_loop.py --iterations 20 --output benchmarks/results/rank-tests-loop.json
@@ -35,7 +36,6 @@ NODE_IDS = (
     "tests/test_fsdp.py::test_fsdp_gradient_cache_step_equals_one_process_and_resumes",
     "tests/test_fsdp_cli.py::test_fsdp_training_through_the_cli_equals_one_process_and_resumes",
     "tests/test_fsdp_cli.py::test_fsdp_plain_training_equals_one_process",
-    "tests/test_fsdp_cli.py::test_cpu_offload_is_refused_on_the_cpu",
     "tests/test_train.py::test_torchrun_two_ranks_match_the_single_process_step",
     "tests/test_ranks.py",
 )
@@ -52,7 +52,7 @@ def start_load(node_ids: list[str]) -> subprocess.Popen:
     """The rest of the suite (quick tests, the loop's own node ids deselected) in a shell loop, in its own session."""
     deselect = " ".join(f"--deselect {n}" for n in node_ids if "::" in n)
     ignore = " ".join(f"--ignore {n}" for n in node_ids if "::" not in n)
-    loop = (f'while true; do {sys.executable} -m pytest -q -p no:cacheprovider -m "not slow" tests {deselect} '
+    loop = (f'while true; do {sys.executable} -m pytest -n 0 -q -p no:cacheprovider -m "not slow" tests {deselect} '
             f"{ignore} > /dev/null 2>&1; done")
     return subprocess.Popen(["bash", "-c", loop], cwd=ROOT, env=environment(), start_new_session=True)
 
@@ -76,9 +76,9 @@ def iteration(node_ids: list[str], limit_s: float) -> tuple[dict, str]:
     """One run of the node ids: ``(record, its output)``."""
     load_before = os.getloadavg()
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *node_ids], cwd=ROOT,
-                            env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    command = [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-q", *node_ids]
+    proc = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=limit_s)
         timed_out = False
