@@ -10,7 +10,7 @@ dropout the one graph is built chunk by chunk in the cached step's order, so bot
 
 An fp32 gap past the tolerance is re-measured with the towers in float64 (not under FSDP): where the two steps
 agree there, the cached step is exact and the gap is fp32 rounding, which a small temperature amplifies (logits
-scaled by 100 at 0.01: 2e-5 on an AVX2 CPU), and the batch passes with a note saying so.
+scaled by 100 at 0.01), and the batch passes with a note saying so.
 
 Under torchrun, W ranks of B rows are compared with the global batch of W*B: each rank's rows in one graph, the
 loss over every rank's representations gathered with their gradient, parameter gradients summed over ranks (FSDP:
