@@ -161,7 +161,8 @@ class OptimConfig:
     learning_rate: float = setting(2e-5, "--learning-rate", "--learning_rate", type=positive_float,
                                    help="AdamW peak learning rate")
     weight_decay: float = setting(0.0, "--weight-decay", "--weight_decay", type=nonnegative_float,
-                                  help="AdamW weight decay")
+                                  help="AdamW weight decay (not on biases, normalisation weights or the "
+                                       "temperature)")
     adam_eps: float = setting(1e-8, type=positive_float, help="AdamW epsilon")
     adam_betas: tuple[float, float] = setting((0.9, 0.999), help="AdamW betas")
     warmup_steps: Optional[int] = setting(None, "--warmup-steps", "--warmup_steps", type=nonnegative_int,

@@ -8,8 +8,11 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
+from torch import nn
+
 from ..base.errors import DprGcError
 from ..base.logs import infos_hidden
+from ..engine.loss import Temperature
 from ..model.dpr_hub import find_dpr_pair
 from ..model.folder import config_from_pipeline, load_pipeline_retriever, read_pipeline
 from ..model.retriever import Retriever, RetrieverConfig, check_max_length
@@ -120,3 +123,21 @@ def folder_recipe(name: str, towers: dict, model: ModelConfig,
         logger.info("%s is a sentence-transformers folder; its recipe: %s%s", name, ", ".join(taken),
                     f" (given: {', '.join(given)})" if given else "")
     return config
+
+
+NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups over ``module``'s trainable parameters: biases, the weights of every normalisation
+    layer (BERT's ``LayerNorm``, Llama's and Qwen2's ``RMSNorm``, T5's ``LayerNorm``: found by type, since each
+    model names them its own way) and the temperature are not decayed; the rest are, by ``weight_decay``."""
+    undecayed = set()
+    for prefix, child in module.named_modules():
+        whole = isinstance(child, (*NORM_TYPES, Temperature)) or "norm" in type(child).__name__.lower()
+        for name, _ in child.named_parameters(recurse=False):
+            if whole or name == "bias":
+                undecayed.add(f"{prefix}.{name}" if prefix else name)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n not in undecayed], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n in undecayed], "weight_decay": 0.0}]

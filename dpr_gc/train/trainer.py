@@ -46,7 +46,7 @@ from .chunks import auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
-from .setup import build_retriever, check_sources
+from .setup import build_retriever, check_sources, weight_decay_groups
 from .validation import evaluate_dev, load_dev_data
 
 logger = logging.getLogger(__name__)
@@ -265,17 +265,12 @@ class Trainer:
         return int(q_chunk), int(p_chunk)
 
     def build_optimizer(self) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
-        """The trainable parameters and AdamW over them, without weight decay on biases, LayerNorm weights and the
-        temperature."""
-        no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "tau.log_value")
-        named = [(n, p) for n, p in self.towers.named_parameters() if p.requires_grad]
-        decay = [p for n, p in named if not any(k in n for k in no_decay)]
-        rest = [p for n, p in named if any(k in n for k in no_decay)]
+        """The trainable parameters and AdamW over them, without weight decay on biases, normalisation weights and
+        the temperature (:func:`weight_decay_groups`)."""
         optim = self.config.optim
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
-                                       {"params": rest, "weight_decay": 0.0}],
-                                      lr=optim.learning_rate, eps=optim.adam_eps, betas=tuple(optim.adam_betas))
-        return [p for _, p in named], optimizer
+        optimizer = torch.optim.AdamW(weight_decay_groups(self.towers, optim.weight_decay), lr=optim.learning_rate,
+                                      eps=optim.adam_eps, betas=tuple(optim.adam_betas))
+        return [p for p in self.towers.parameters() if p.requires_grad], optimizer
 
     def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         """Linear warm-up to the learning rate, then linear decay to zero at the last step."""
