@@ -113,6 +113,8 @@ def test_gc_dpr_readme_training_command_runs(tiny, tmp_path):
     assert len(warnings) == 1 and "--do_lower_case" in warnings[0] and "--global_loss_buf_sz" in warnings[0]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "dev_avg_rank" in r] == [0, 2, 4, 6, 8]  # 4 steps/epoch, 2 evals each
+    # and a checkpoint each time (docs/dpr.md), of which the default --keep-checkpoints 2 leaves the newest two
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
     assert "dev validation over 5 questions" in result.stderr
     from dpr_gc.model.retriever import Retriever
 

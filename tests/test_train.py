@@ -248,3 +248,11 @@ def test_biases_normalisation_weights_and_the_temperature_are_not_decayed(task, 
     assert any(n.endswith("layernorm.weight" if kind == "llama" else "LayerNorm.weight") for n in plain)
     assert any(n.endswith("tau.log_value") for n in plain) == (kind == "llama")  # the saved BERT keeps a fixed one
     trainer.close()
+
+
+def test_only_the_newest_checkpoints_are_kept(task, tmp_path):
+    """``--keep-checkpoints N``: each new checkpoint deletes all but the newest N (the default keeps 2)."""
+    Trainer(config(task, tmp_path / "run", max_steps=4, save_every=1, keep_checkpoints=2)).fit()
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    Trainer(config(task, tmp_path / "one", max_steps=3, save_every=1, keep_checkpoints=1)).fit()
+    assert [p.name for p in (tmp_path / "one").glob("checkpoint-*")] == ["checkpoint-3"]
