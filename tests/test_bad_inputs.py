@@ -1816,6 +1816,26 @@ def test_train_max_lengths_beyond_the_model_positions_are_refused(world: dict, t
     assert not (tmp_path / "t").exists()
 
 
+def test_a_max_length_leaving_the_text_no_token_is_refused_before_anything_is_written(world: dict, tmp_path: Path,
+                                                                                      tiny_tokenizer: Any) -> None:
+    """A text needs a token of its own beside the tokenizer's special tokens (a pair-format passage: beside the
+    pair's three). encode and train refuse a max length without one by its flag before writing anything (encode
+    --max-length 1 wrote its progress record first, which then refused every corrected rerun), and the corrected
+    command runs."""
+    encode = ["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", tmp_path / "e",
+              "--device", "cpu", "--cache-dir", tmp_path / "c"]
+    refused([*encode, "--max-length", "1"], "--max-length 1 leaves no room for the passage's text beside the tokenizer's 2 special tokens")
+    assert not (tmp_path / "e").exists() or not any((tmp_path / "e").iterdir())
+    code, err = call(cli.main, encode)
+    assert code == 0, err
+    train = ["train", "--train", world["train"], "--output", tmp_path / "t", "--device", "cpu", "--max-steps", "1",
+             "--batch-size", "2", "--num-workers", "0", "--model", _plain_bert(tmp_path / "bert", tiny_tokenizer),
+             "--cache-dir", tmp_path / "c", "--passage-format", "pair"]
+    refused([*train, "--passage-max-length", "3"], "--passage-max-length 3 leaves no room for a title and a text")
+    refused([*train, "--query-max-length", "2"], "--query-max-length 2 leaves no room for the query's text")
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_saved_max_length_beyond_the_model_positions_is_cut_at_load(world: dict, tmp_path: Path, caplog) -> None:
     """A retriever saved with a query_max_length beyond its 128 positions (before train checked the flag) still
     retrieves a long question: texts are cut at the positions, with a log line when it is loaded."""

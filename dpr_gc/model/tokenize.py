@@ -63,12 +63,8 @@ def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
     """
     check_kind(kind)
     eos = eos_to_append(tokenizer, config)
-    limit = max_length or (config.query_max_length if kind == QUERY else config.passage_max_length)
-    limit -= eos is not None
-    if limit < 1:
-        raise DprGcError(f"the {kind} max length leaves no room for the EOS token that last-token pooling needs; "
-                         "raise --query-max-length / --passage-max-length")
-    check_prefix(tokenizer, config.query_prefix if kind == QUERY else config.passage_prefix, kind, limit)
+    limit = check_length_room(tokenizer, config, kind,
+                              max_length or (config.query_max_length if kind == QUERY else config.passage_max_length))
     bound = limit * CHARS_PER_TOKEN
     texts = [cut(t, bound) for t in texts]
     if kind == QUERY:
@@ -83,6 +79,27 @@ def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
     if eos is not None:
         encoded = [_append_token(row, eos) for row in encoded]
     return tokenizer.pad(encoded, padding=True, return_tensors="pt")
+
+
+def check_length_room(tokenizer: Any, config: Any, kind: str, length: int, flag: Optional[str] = None) -> int:
+    """The tokens a ``kind`` text may take at max length ``length`` (given as ``flag``, by default
+    ``--KIND-max-length``) once the EOS that last-token pooling appends is set aside. Refused where the text would
+    keep no token of its own: no room for that EOS, a prefix that fills the length, no room beside the special
+    tokens, or, for passages of the pair format, none for a title and a text beside the pair's special tokens.
+    Stages call it before writing anything."""
+    flag = flag or f"--{kind}-max-length"
+    limit = length - (eos_to_append(tokenizer, config) is not None)
+    if limit < 1:
+        raise DprGcError(f"{flag} {length} leaves no room for the EOS token that last-token pooling needs; raise it")
+    check_prefix(tokenizer, config.query_prefix if kind == QUERY else config.passage_prefix, kind, limit)
+    special = tokenizer.num_special_tokens_to_add()
+    if limit - special < 1:
+        raise DprGcError(f"{flag} {length} leaves no room for the {kind}'s text beside the tokenizer's {special} "
+                         "special tokens; raise it")
+    pair = kind == PASSAGE and config.passage_format == "pair"
+    if pair and limit - tokenizer.num_special_tokens_to_add(pair=True) < 1:
+        raise DprGcError(f"{flag} {length} leaves no room for a title and a text; raise it")
+    return limit
 
 
 def eos_to_append(tokenizer: Any, config: Any) -> Optional[int]:
@@ -117,9 +134,7 @@ def _passages(tokenizer: Any, config: Any, titles: list[str], texts: list[str], 
     _place(out, untitled, _singles(tokenizer, [prefix + texts[i] for i in untitled], limit))
     if not titled:
         return out  # type: ignore[return-value]
-    budget = limit - tokenizer.num_special_tokens_to_add(pair=True)
-    if budget < 1:
-        raise DprGcError(f"--passage-max-length {limit} leaves no room for a title and a text; raise it")
+    budget = limit - tokenizer.num_special_tokens_to_add(pair=True)  # at least 1: check_length_room
     title_lengths = _lengths(tokenizer, [prefix + titles[i] for i in titled])
     # A title shorter than the budget keeps at least one text token, so only the text is cut; otherwise the text
     # is dropped and the title itself is cut ("[CLS] title [SEP] [SEP]").

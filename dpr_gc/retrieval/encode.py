@@ -144,13 +144,16 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     ``encoded``: the passages this call encoded (fewer than ``count`` when it resumed, 0 when the shard was done).
     """
     from ..model.retriever import check_max_length
+    from ..model.tokenize import check_length_room
 
     settings = dataclasses.replace(settings or EncodeSettings(), **options)
     refuse_foreign_folder(out_dir)
     autocast = pick_precision(settings.precision, next(retriever.parameters()).device)
     if settings.max_length is not None:
         check_max_length("--max-length", settings.max_length, retriever.positions("passage"))
+    flag = "--max-length" if settings.max_length is not None else "the retriever's passage_max_length"
     settings = dataclasses.replace(settings, max_length=retriever.max_length("passage", settings.max_length))
+    check_length_room(retriever.tokenizer, retriever.config, "passage", settings.max_length, flag)
     shard_id, num_shards = resolve_shard(settings.shard_id if shard_id is None else shard_id,
                                          settings.num_shards if num_shards is None else num_shards)
     corpus = load_corpus(corpus_path, settings.cache_dir)

@@ -16,6 +16,7 @@ from ..engine.loss import Temperature
 from ..model.dpr_hub import find_dpr_pair
 from ..model.folder import config_from_pipeline, load_pipeline_retriever, read_pipeline
 from ..model.retriever import Retriever, RetrieverConfig, check_max_length
+from ..model.tokenize import check_length_room
 from .config import DataConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ def check_lengths(retriever: Retriever, model: ModelConfig) -> Retriever:
     tokenised instead (:meth:`Retriever.max_length`), as a default is no mistake of the user's."""
     flags = {f.name: f.metadata["setting"].flag for f in dataclasses.fields(RetrieverConfig)}
     for name in sorted(chosen_fields(model) & set(LENGTHS)):
-        check_max_length(flags[name], getattr(retriever.config, name), retriever.positions(LENGTHS[name]))
+        length = getattr(retriever.config, name)
+        check_max_length(flags[name], length, retriever.positions(LENGTHS[name]))
+        check_length_room(retriever.tokenizer, retriever.config, LENGTHS[name], length, flags[name])
     return retriever
 
 
