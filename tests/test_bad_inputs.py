@@ -2099,3 +2099,33 @@ def test_generate_dense_embeddings_refuses_a_shard_outside_num_shards_in_one_lin
     refused(["--model_file", world["model"], "--ctx_file", world["corpus"], "--out_file", tmp_path / "ge", *shards],
             "--shard-id must be in [0, --num-shards)", main=script.main)
     assert not list(tmp_path.iterdir())
+
+
+def test_train_never_writes_into_the_checkpoint_it_resumes(trained, tmp_path: Path) -> None:
+    """``--output`` may change on --resume, but not to the checkpoint read or a folder inside it: the run would
+    rewrite its settings record and add checkpoints, metrics and final/ inside it."""
+    run = copy_run(trained, tmp_path)
+    checkpoint = run / "checkpoint-1"
+    before = sorted(p.name for p in checkpoint.iterdir())
+    for output in (checkpoint, checkpoint / "sub"):
+        argv = train_argv(trained, run, str(checkpoint))
+        argv[argv.index("--output") + 1] = output
+        refused(argv, f"--output {output}", f"--resume {checkpoint}", "inputs are never overwritten")
+    assert sorted(p.name for p in checkpoint.iterdir()) == before
+
+
+def test_dense_mining_never_overwrites_the_corpus_its_index_records(world: dict, tmp_path: Path) -> None:
+    """Without --corpus, mine reads the passages the index records; an --output naming that file is refused, as
+    retrieve refuses it."""
+    from dpr_gc.retrieval.index import meta_path
+
+    corpus, index = tmp_path / "corpus.tsv", tmp_path / "idx"
+    shutil.copyfile(world["corpus"], corpus)
+    shutil.copytree(world["idx"], index)
+    meta = json.loads(meta_path(index).read_text())
+    meta_path(index).write_text(json.dumps({**meta, "corpus": str(corpus)}))
+    before = corpus.read_bytes()
+    refused(["mine", "--source", "dense", "--model", world["model"], "--index", index, "--train-file", world["train"],
+             "--output", corpus, "--device", "cpu", "--cache-dir", tmp_path / "c"],
+            f"--output {corpus} is the input the index's recorded --corpus")
+    assert corpus.read_bytes() == before

@@ -616,6 +616,8 @@ def _cli(args: argparse.Namespace) -> None:
     corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
     if corpus_path is None and index_exists(args.index):
         corpus_path = read_meta(args.index).get("corpus")
+        check_outputs({"the index's recorded --corpus": corpus_path},
+                      {"--output": args.output, **built_folders(args)})
     if not corpus_path:
         raise DprGcError("give --corpus (the passages to mine from)")
     corpus = load_corpus(corpus_path, args.cache_dir)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.errors import DiskFullError, DprGcError, is_disk_full
+from ..base.guard import check_outputs
 from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
@@ -145,13 +146,14 @@ def check_layout(checkpoint: Path, fsdp: bool) -> None:
 
 
 def check_start(out: Path, resume: Optional[str]) -> None:
-    """Before the model and data are loaded: ``--resume`` names a checkpoint, and a new run is refused a folder
+    """Before the model and data are loaded: ``--resume`` names a checkpoint that ``--output`` neither is nor lies
+    inside (the run would write into the checkpoint it reads), and a new run is refused a folder
     holding an earlier run's checkpoints, ``final/`` or ``best/`` (a new run would leave the earlier ``best/``
     beside its own ``final/``). An empty ``--resume`` is refused, not read as none given."""
     if resume is not None and not resume.strip():
         raise DprGcError("--resume is empty; give a checkpoint folder or 'latest'")
     if resume:
-        resolve_checkpoint(out, resume)
+        check_outputs({"--resume": resolve_checkpoint(out, resume)}, {"--output": out})
         return
     if finished_checkpoints(out):
         raise DprGcError(f"{out} already holds checkpoints: pass --resume latest to continue, "
