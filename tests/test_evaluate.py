@@ -510,3 +510,18 @@ def test_questions_without_passages_decide_no_match_mode(tmp_path, caplog):
         report = ev.evaluate([1], results, mode="auto")
     assert report["answers"]["metrics"]["Accuracy@1"] == 0.0
     assert "no question has retrieved passages, so every accuracy is 0" in caplog.text and "stored" not in caplog.text
+
+
+@pytest.mark.parametrize("ks, scale", [((1, 100), "log"), ((1, 5), "linear")])
+def test_the_plots_x_axis_is_logarithmic_only_when_k_spans_a_wide_range(tmp_path, monkeypatch, ks, scale):
+    """Cut-offs 1..100 get a log x-axis, 1..5 a linear one; curves with no value give "nothing to plot" and no file."""
+    from matplotlib.figure import Figure
+
+    scales, original = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (scales.append(fig.axes[0].get_xscale()),
+                                                                 original(fig, *a, **k))[1])
+    plot = ev.plot_metrics({"Recall": {k: 0.5 for k in ks}, "Accuracy": {}}, tmp_path / "curve.png")
+    assert scales == [scale] and plot.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(DprGcError, match="nothing to plot: no accuracy or recall values were computed"):
+        ev.plot_metrics({"Recall": {}, "Accuracy": {}}, tmp_path / "empty.png")
+    assert scales == [scale] and sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]

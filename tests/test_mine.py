@@ -708,3 +708,23 @@ def test_folders_mine_builds_are_outputs_never_inside_its_inputs(world, tmp_path
     assert (tmp_path / "again.json").read_text() == (tmp_path / "o.json").read_text()
     cli(*dense, "--embeddings", tmp_path / "emb", "--index", tmp_path / "idx", "--output", tmp_path / "dense.json")
     assert (tmp_path / "idx" / "index_meta.json").is_file() and (tmp_path / "dense.json").is_file()
+
+
+def test_a_question_whose_positive_is_not_in_the_corpus_keeps_its_candidates_and_is_reported(world, tmp_path, caplog):
+    """BM25 cannot score a positive missing from the corpus: --margin and --max-negative-ratio leave that question's
+    candidates alone, the summary counts it under ``unscored``, and the log warns that the rules did not apply."""
+    import logging
+
+    corpus, src, qs = world["corpus"], world["bm25"], questions()
+    qs[0]["positive_ctxs"] = [{"passage_id": "elsewhere", "title": TOPICS[0], "text": "a passage of another corpus"}]
+    full, _ = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus))
+    out = tmp_path / "out.jsonl"
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.mine"):
+        summary = mine_to_file(qs, out, src, corpus, n_negatives=100, top_k=len(corpus), margin=1e6,
+                               max_negative_ratio=1e-9, show_progress=False)
+    mined = [json.loads(line) for line in out.read_text().splitlines()]
+    assert ids_of(full)[0] and ids_of(mined)[0] == ids_of(full)[0]  # kept, though the rules would drop all
+    assert ids_of(mined)[1:] == [[]] * (len(TOPICS) - 1) and summary.margin_dropped > 0  # the rules did apply
+    assert summary.unscored == 1 and summary.table()["questions without a positive score"] == 1
+    assert "1 question without a positive score (positive not in the corpus): the margin and positive-aware rules " \
+           "did not apply to them" in caplog.text

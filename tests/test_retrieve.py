@@ -405,3 +405,30 @@ def test_evaluation_cut_offs_stop_at_top_k(world, tmp_path, capsys, caplog):
         cli("retrieve", *common, "--k", 1, 3, 20)
     assert "--k 20 beyond --top-k 3: those figures count only the 3 passages retrieved per question" in caplog.text
     assert "| metric | @1 | @3 | @10 | @20 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ids, judged, message", [
+    (["q0", ""], False, "{queries}: query id '' is empty or contains whitespace; a TREC run (--trec-run) needs "
+                        "one-word query ids"),
+    (["q0", "q 1"], False, "{queries}: query id 'q 1' is empty or contains whitespace"),
+    (["x0", "x1"], True, "no query id in the queries file appears in {qrels}; check that the ids match")],
+    ids=["empty-id", "spaced-id", "none-judged"])
+def test_unusable_query_ids_and_unjudged_questions_are_refused_before_retrieval(world, tmp_path, monkeypatch, capsys,
+                                                                                 ids, judged, message):
+    """With --trec-run an empty or spaced query id, and with --qrels a questions file none of whose ids is judged,
+    are refused in one error line naming the file and the id or what to check: nothing embedded, nothing written."""
+    from dpr_gc.cli import main
+
+    asked: list[str] = []
+    monkeypatch.setattr(Retriever, "embed", lambda self, kind, *a, **k: asked.append(kind))
+    monkeypatch.setattr(DenseIndex, "search", lambda self, *a, **k: asked.append("search"))
+    _, qrels = self_queries(tmp_path, n=3)  # judges q0, q1, q2
+    queries = tmp_path / "asked.jsonl"
+    queries.write_text("".join(json.dumps({"_id": qid, "text": "city river"}) + "\n" for qid in ids))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["retrieve", "--index", str(world["idx"]), "--queries", str(queries), "--cache-dir",
+                 str(world["cache"]), "--device", "cpu", "--output", str(tmp_path / "r.json"), "--trec-run",
+                 str(tmp_path / "run.trec"), *(["--qrels", str(qrels)] if judged else [])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: " + message.format(queries=queries, qrels=qrels)), err
+    assert asked == [] and sorted(p.name for p in tmp_path.iterdir()) == before

@@ -114,3 +114,21 @@ def test_sharded_validation_equals_one_process(model: Path, tmp_path: Path, worl
         assert got.keys() == expected.keys()
         for key, value in expected.items():
             assert got[key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_dev_caps_are_the_same_in_the_library_the_help_and_the_docs() -> None:
+    """DPR's dev caps (10,000 questions, 30 hard and 30 other negatives each) are ``DevLimits()``'s defaults, what
+    ``dpr-gc train --help`` states and what docs/stages.md says, so none of the three can drift from the others."""
+    import re
+
+    limits = V.DevLimits()
+    caps = {"--dev-max-questions": limits.max_questions, "--dev-hard-negatives": limits.hard_negatives,
+            "--dev-other-negatives": limits.other_negatives}
+    assert list(caps.values()) == [10000, 30, 30]
+    train = next(a for a in build_parser("train")._actions if a.dest == "command").choices["train"]
+    entries = {e.split()[0].rstrip(","): " ".join(e.split()) for e in re.split(r"\n  (?=--)", train.format_help())}
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "stages.md").read_text().split())
+    for flag, value in caps.items():
+        assert f"(default: {value})" in entries[flag], entries[flag]
+        stated = re.findall(rf"`{flag}` \(([\d,]+)\)", docs)
+        assert [int(n.replace(",", "")) for n in stated] == [value], (flag, stated)
