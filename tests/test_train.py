@@ -225,15 +225,15 @@ def test_frozen_position_embeddings_stay_as_loaded(task, tmp_path):
     assert err.count("\n") == 1 and not (tmp_path / "d").exists()
 
 
-@pytest.mark.parametrize("kind", ["bert", "llama"])
+@pytest.mark.parametrize("kind", ["bert", "llama", "qwen2"])
 def test_biases_normalisation_weights_and_the_temperature_are_not_decayed(task, tmp_path, kind):
-    """AdamW's weight decay skips every bias, every normalisation layer's weights (BERT's LayerNorm; Llama's
-    RMSNorm, named input_layernorm/post_attention_layernorm/norm) and the learnable temperature, and decays the
-    rest."""
+    """AdamW's weight decay skips every bias, every normalisation layer's weights (BERT's LayerNorm; Llama's and
+    Qwen2's RMSNorm, named input_layernorm/post_attention_layernorm/norm) and the learnable temperature, and decays
+    the rest."""
     from dpr_gc.cli import build_parser
     from dpr_gc.train.config import config_from_args
 
-    model = task["model"] if kind == "bert" else save_decoder(tmp_path / "llama")
+    model = task["model"] if kind == "bert" else save_decoder(tmp_path / kind, kind)
     argv = ["train", "--train", str(task["train"]), "--model", str(model), "--output", str(tmp_path / "out"),
             "--weight-decay", "0.1", "--learn-temperature", "--num-workers", "0", "--cache-dir",
             str(task["dir"] / "cache"), "--device", "cpu"]
@@ -245,8 +245,8 @@ def test_biases_normalisation_weights_and_the_temperature_are_not_decayed(task, 
     assert groups[0.1] | groups[0.0] == set(names.values())
     plain = {n for n in names.values() if n.endswith("bias") or "norm" in n.lower() or n.endswith("tau.log_value")}
     assert groups[0.0] == plain
-    assert any(n.endswith("layernorm.weight" if kind == "llama" else "LayerNorm.weight") for n in plain)
-    assert any(n.endswith("tau.log_value") for n in plain) == (kind == "llama")  # the saved BERT keeps a fixed one
+    assert any(n.endswith("LayerNorm.weight" if kind == "bert" else "layernorm.weight") for n in plain)
+    assert any(n.endswith("tau.log_value") for n in plain) == (kind != "bert")  # the saved BERT keeps a fixed one
     trainer.close()
 
 

@@ -133,13 +133,13 @@ NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._Batc
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups over ``module``'s trainable parameters: biases, the weights of every normalisation
-    layer (BERT's ``LayerNorm``, Llama's and Qwen2's ``RMSNorm``, T5's ``LayerNorm``: found by type, since each
-    model names them its own way) and the temperature are not decayed; the rest are, by ``weight_decay``."""
+    layer (BERT's ``LayerNorm``, Llama's and Qwen2's ``RMSNorm``: found by type, since each model names them its
+    own way) and the temperature are not decayed; the rest are, by ``weight_decay``."""
     undecayed = set()
     for prefix, child in module.named_modules():
-        whole = isinstance(child, (*NORM_TYPES, Temperature)) or "norm" in type(child).__name__.lower()
+        all_plain = isinstance(child, (*NORM_TYPES, Temperature)) or "norm" in type(child).__name__.lower()
         for name, _ in child.named_parameters(recurse=False):
-            if whole or name == "bias":
+            if all_plain or name == "bias":
                 undecayed.add(f"{prefix}.{name}" if prefix else name)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     return [{"params": [p for n, p in named if n not in undecayed], "weight_decay": weight_decay},
