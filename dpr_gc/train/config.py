@@ -359,12 +359,12 @@ def resolve_defaults(config: TrainConfig, recorded: Optional[Mapping[str, Any]] 
 
 
 def check_resume_settings(config: TrainConfig, checkpoint: Union[str, Path],
-                          output: Union[str, Path]) -> list[Change]:
-    """Compare ``config`` with the settings recorded by the run being resumed (in the checkpoint, else in the
-    output folder). A changed setting that changes the model or the training signal (:data:`FIXED`) is refused in
-    one line naming each (old -> new); the others (steps, cadence, workers, logging, memory layout) are returned
-    and logged. A run recorded by no file (an older version) is resumed as it is, with a warning."""
-    found = recorded_settings(checkpoint, output)
+                          found: Optional[tuple[Path, dict]]) -> list[Change]:
+    """Compare ``config`` with the settings recorded by the run being resumed (``found``: what
+    :func:`recorded_settings` read for ``checkpoint``). A changed setting that changes the model or the training
+    signal (:data:`FIXED`) is refused in one line naming each (old -> new); the others (steps, cadence, workers,
+    logging, memory layout) are returned and logged. A run recorded by no file (an older version) is resumed as it
+    is, with a warning."""
     if found is None:
         logger.warning("%s holds no %s (written by an older version): the settings of the resumed run are not "
                        "compared with these", checkpoint, SETTINGS_FILE)

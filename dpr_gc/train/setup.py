@@ -128,16 +128,14 @@ def folder_recipe(name: str, towers: dict, model: ModelConfig,
     return config
 
 
-NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm)
-
-
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups over ``module``'s trainable parameters: biases, the weights of every normalisation
-    layer (BERT's ``LayerNorm``, Llama's and Qwen2's ``RMSNorm``: found by type, since each model names them its
-    own way) and the temperature are not decayed; the rest are, by ``weight_decay``."""
+    layer (BERT's ``LayerNorm``, Llama's and Qwen2's ``RMSNorm``, torch's norms: found by their class's name, since
+    each model names the layers its own way) and the temperature are not decayed; the rest are, by
+    ``weight_decay``."""
     undecayed = set()
     for prefix, child in module.named_modules():
-        all_plain = isinstance(child, (*NORM_TYPES, Temperature)) or "norm" in type(child).__name__.lower()
+        all_plain = isinstance(child, Temperature) or "norm" in type(child).__name__.lower()
         for name, _ in child.named_parameters(recurse=False):
             if all_plain or name == "bias":
                 undecayed.add(f"{prefix}.{name}" if prefix else name)

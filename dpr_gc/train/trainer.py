@@ -113,12 +113,12 @@ class Trainer:
         seed_everything(config.run.seed)
         self.out = Path(config.run.output_dir)
         check_start(self.out, config.run.resume)  # before minutes of loading the model and parsing the data
-        recorded = recorded_settings(resolve_checkpoint(self.out, config.run.resume), self.out) \
-            if config.run.resume else None
+        checkpoint = resolve_checkpoint(self.out, config.run.resume) if config.run.resume else None
+        recorded = recorded_settings(checkpoint, self.out) if checkpoint else None
         self.hard_negatives_given = config.data.hard_negatives is not None
         self.config = config = self.resolve(config, recorded[1] if recorded else None)
-        if config.run.resume:
-            self.check_resume(resolve_checkpoint(self.out, config.run.resume))
+        if checkpoint:
+            self.check_resume(checkpoint, recorded)
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         # rank 0 reads the training files for their fingerprints (the parse cache's key, the resume check's record)
@@ -159,11 +159,12 @@ class Trainer:
             logger.info("--hard-negatives %d (%s)", config.data.hard_negatives, why)
         return config
 
-    def check_resume(self, checkpoint: Path) -> None:
+    def check_resume(self, checkpoint: Path, recorded: Optional[tuple[Path, dict]]) -> None:
         """Before minutes of loading the model and parsing the data: the settings that change the model or the
-        training signal are those the resumed run recorded, and ``checkpoint`` was written with this run's
-        ``--fsdp`` (checked before the ranks are, so one process refuses as every rank of a launch would)."""
-        check_resume_settings(self.config, checkpoint, self.out)
+        training signal are those the resumed run ``recorded`` (:func:`recorded_settings`), and ``checkpoint`` was
+        written with this run's ``--fsdp`` (checked before the ranks are, so one process refuses as every rank of a
+        launch would)."""
+        check_resume_settings(self.config, checkpoint, recorded)
         check_layout(checkpoint, self.config.run.fsdp)
 
     def build_model(self) -> Retriever:
