@@ -5,7 +5,8 @@ modules, every hook. This measures that overhead where it can be seen on any mac
 Qwen2-shaped LoRA retriever with ``--layers`` layers (24, as Qwen2-0.5B: about 2,000 modules with the adapters) on
 rows of a few tokens, so the arithmetic is negligible, bf16 autocast, one thread. Plain training (one graph) and
 dpr-gc at a budget for the whole batch (the same two graphs, one per model) alternate step by step in one process,
-the order swapped every step; the medians after two warm-ups, and their ratio, go to a results file.
+the order swapped every step; the medians after two warm-ups, their ratio, and the garbage collections that ran in
+each variant's steps (count and time) go to a results file.
 
     python benchmarks/host_overhead.py                      # benchmarks/results/host-overhead-cpu.json
     python benchmarks/host_overhead.py --layers 4 --steps 40
@@ -14,6 +15,7 @@ the order swapped every step; the medians after two warm-ups, and their ratio, g
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import statistics
 import sys
@@ -64,20 +66,41 @@ def steps(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     return {"plain": timed(plain), "whole": timed(whole)}
 
 
+class Collections:
+    """A ``gc.callbacks`` entry: the cyclic garbage collections started while it is registered, and their time."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._start = 0, 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.count, self._start = self.count + 1, time.perf_counter()
+        elif self._start is not None:
+            self.seconds, self._start = self.seconds + time.perf_counter() - self._start, None
+
+
 def measure(args: argparse.Namespace) -> dict:
-    """Alternate the two steps ``--steps`` times each (order swapped every step); medians after two warm-ups."""
+    """Alternate the two steps ``--steps`` times each (order swapped every step); medians after two warm-ups, and
+    the garbage collections that ran inside each variant's timed steps."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     variants, times = steps(args), {"plain": [], "whole": []}
+    collections = {"plain": Collections(), "whole": Collections()}
     for i in range(args.steps + 2):
         for name in ("plain", "whole") if i % 2 else ("whole", "plain"):
+            if i >= 2:
+                gc.callbacks.append(collections[name])
             start = time.perf_counter()
             variants[name]()
             times[name].append(time.perf_counter() - start)
+            if i >= 2:
+                gc.callbacks.remove(collections[name])
     medians = {name: statistics.median(t[2:]) for name, t in times.items()}
     return {"plain_ms": 1e3 * medians["plain"], "whole_ms": 1e3 * medians["whole"],
             "overhead_ms": 1e3 * (medians["whole"] - medians["plain"]),
-            "whole_vs_plain": medians["whole"] / medians["plain"], "step_times_s": times}
+            "whole_vs_plain": medians["whole"] / medians["plain"], "step_times_s": times,
+            "collections_per_step": {name: c.count / args.steps for name, c in collections.items()},
+            "collection_ms_per_step": {name: 1e3 * c.seconds / args.steps for name, c in collections.items()}}
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -103,8 +126,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = measure(args)
         write_json(Path(args.output), {"machine": machine_info("cpu", args.threads), "settings": vars(args),
                                        "result": result})
+        gcs = ", ".join(f"{name} {n:.1f} ({result['collection_ms_per_step'][name]:.1f} ms)"
+                        for name, n in result["collections_per_step"].items())
         print(f"plain {result['plain_ms']:.1f} ms, dpr-gc whole batch {result['whole_ms']:.1f} ms: "
-              f"{result['overhead_ms']:+.1f} ms a step ({result['whole_vs_plain']:.3f}x); written {args.output}")
+              f"{result['overhead_ms']:+.1f} ms a step ({result['whole_vs_plain']:.3f}x); garbage collections a step: "
+              f"{gcs}; written {args.output}")
     return report_errors(go)
 
 

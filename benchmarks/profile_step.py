@@ -5,7 +5,9 @@ default) for each variant, each in a fresh process: two warm-up steps, ``--steps
 step under ``torch.profiler``. Reported per variant: the median step; the device's busy time (the kernels' own time,
 each once; CUDA only) against the host's own operator time; the kernel launches; the host syncs
 (``cudaStreamSynchronize`` on CUDA; on any device the ``aten::_local_scalar_dense`` reads a sync would come from,
-e.g. ``.item()`` or ``bool()`` of a tensor); and the operators that took the most time. A step whose device is busy
+e.g. ``.item()`` or ``bool()`` of a tensor) and where each came from (a second profiled step, recorded with Python
+stacks; on CUDA also the lines of every synchronising call, from torch's sync debug mode over one more step); the
+operators that took the most device time (CPU time on the CPU) and the most host time. A step whose device is busy
 for much less than the step is bound by the host (launches, Python, syncs), not by arithmetic. Variants: ``plain``
 (the whole batch in one graph), ``budget0`` (dpr-gc, only the last chunk's graph kept), ``whole`` (dpr-gc, a budget
 for the whole batch), and the peers ``luyug`` (luyug/GradCache) and ``cmnrl`` (sentence-transformers' CachedMNRL)
@@ -25,8 +27,10 @@ import logging
 import statistics
 import sys
 import tempfile
+import warnings
+from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.autograd import DeviceType
@@ -48,6 +52,8 @@ VARIANTS = {"plain": {"method": PLAIN, "budget": None}, "budget0": {"method": OU
             "cmnrl": {"method": ST, "budget": None}}
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+SITE_FRAMES = 6  # the innermost Python frames that name where a host sync or value read came from
+SITE_PACKAGES = ("dpr_gc/", "grad_cache/", "sentence_transformers/")  # the methods' own code, beside the scripts
 
 
 def host_events(events: list) -> list:
@@ -60,6 +66,44 @@ def device_busy_ms(events: list) -> float:
     """The device's busy time: the kernels' (and copies') own time, each counted once. The operator that launched a
     kernel carries the same time as its self device time, so summing every event would count each kernel twice."""
     return sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU) / 1e3
+
+
+def sync_sites(events: list) -> list[dict]:
+    """Where a step's host syncs and value reads come from: each call site (the innermost ``SITE_FRAMES`` Python
+    frames of the methods' own code and the benchmark scripts, from a profile recorded with stacks; the profiler
+    names a frame by its path within its package) with its count and the host's own time there (for a sync, the
+    wait)."""
+    keys = SYNCS + ("aten::_local_scalar_dense",)
+    sites: dict[tuple, dict] = {}
+    for event in events:
+        if event.name not in keys:
+            continue
+        frames, parent = [], event.cpu_parent
+        while parent is not None and len(frames) < SITE_FRAMES:
+            file = parent.name.split(".py(")[0] if ".py(" in parent.name else None
+            if file is not None and (file.startswith(SITE_PACKAGES) or "/" not in file):
+                frames.append(parent.name)
+            parent = parent.cpu_parent
+        site = sites.setdefault((event.name, *frames), {"op": event.name, "calls": 0, "ms": 0.0, "stack": frames})
+        site["calls"] += 1
+        site["ms"] += event.self_cpu_time_total / 1e3
+    return sorted(sites.values(), key=lambda site: site["ms"], reverse=True)
+
+
+def sync_lines(step: Callable[[], None], device: torch.device) -> list[dict]:
+    """CUDA only: the Python lines whose calls synchronised the host with the device in one more step, each with
+    its count (torch's sync debug mode warns at each such call, from the line that made it)."""
+    if device.type != "cuda":
+        return []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines = Counter(f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message))
+    return [{"line": line, "calls": calls} for line, calls in lines.most_common()]
 
 
 def profile_one(cfg: dict) -> dict:
@@ -82,12 +126,21 @@ def profile_one(cfg: dict) -> dict:
     count = {e.key: e.count for e in events}
     by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     top = sorted(host_events(events), key=lambda e: getattr(e, by), reverse=True)[:cfg["top"]]
+    host_top = sorted(host_events(events), key=lambda e: e.self_cpu_time_total, reverse=True)[:cfg["top"]]
+    module.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=activities, with_stack=True) as stacked:
+        step()
+        sync()
     out = {**cfg, "step_s": statistics.median(times[2:]), "step_times_s": times[2:],
            "device_busy_ms": device_busy_ms(events) if device.type == "cuda" else None,
            "host_ops_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
            "kernel_launches": sum(count.get(k, 0) for k in LAUNCHES), "host_syncs": sum(count.get(k, 0) for k in SYNCS),
            "local_scalar_reads": count.get("aten::_local_scalar_dense", 0),
-           "top_ops": [{"op": e.key, "ms": getattr(e, by) / 1e3, "calls": e.count} for e in top]}
+           "top_ops": [{"op": e.key, "ms": getattr(e, by) / 1e3, "calls": e.count} for e in top],
+           "top_host_ops": [{"op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in host_top],
+           "sync_sites": sync_sites(stacked.events())}
+    module.zero_grad(set_to_none=True)
+    out["sync_lines"] = sync_lines(step, device)
     if engine is not None and engine.last_step is not None:
         out.update(chunks=engine.last_step.chunks, kept=engine.last_step.kept)
     return out

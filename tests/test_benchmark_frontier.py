@@ -481,7 +481,30 @@ def test_the_step_profile_reports_each_variants_time_launches_and_host_syncs(tmp
     runs = json.loads(out.read_text())["runs"]
     assert [r["variant"] for r in runs] == ["budget0"] and "error" not in runs[0], runs
     assert runs[0]["step_s"] > 0 and runs[0]["top_ops"] and runs[0]["device_busy_ms"] is None
-    assert sum(runs[0]["chunks"]) > 2 and runs[0]["local_scalar_reads"] >= 1
+    assert sum(runs[0]["chunks"]) > 2 and runs[0]["local_scalar_reads"] >= 1 and runs[0]["top_host_ops"]
+    sites = runs[0]["sync_sites"]
+    assert sum(s["calls"] for s in sites if s["op"] == "aten::_local_scalar_dense") == runs[0]["local_scalar_reads"]
+    assert all(s["stack"] for s in sites) and any("dpr_gc" in frame for s in sites for frame in s["stack"]), sites
+    assert runs[0]["sync_lines"] == []  # CUDA only
+
+
+def test_the_step_profile_counts_synchronising_calls_by_line_on_cuda(monkeypatch) -> None:
+    """On CUDA torch's sync debug mode warns at each synchronising call; the profile counts them per line and
+    leaves the mode as it was (torch's own note on switching it on is not a call)."""
+    import profile_step
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step() -> None:
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("the sync debug mode is on: synchronizing operations warn")
+
+    lines = profile_step.sync_lines(step, torch.device("cuda"))
+    assert [site["calls"] for site in lines] == [3] and lines[0]["line"].startswith(__file__), lines
+    assert modes == ["warn", "default"] and profile_step.sync_lines(step, torch.device("cpu")) == []
 
 
 def test_the_step_profile_profiles_the_llm_shape_without_peers(monkeypatch, tmp_path: Path) -> None:
@@ -573,6 +596,21 @@ def test_the_host_overhead_benchmark_times_plain_and_the_whole_batch_budget_in_t
     assert [len(result["step_times_s"][k]) for k in ("plain", "whole")] == [4, 4]  # two warm-ups, two timed
     assert result["plain_ms"] > 0 and result["whole_vs_plain"] == pytest.approx(result["whole_ms"] / result["plain_ms"])
     assert "ms a step" in capsys.readouterr().out
+    assert set(result["collections_per_step"]) == set(result["collection_ms_per_step"]) == {"plain", "whole"}
+
+
+def test_the_host_overhead_benchmark_counts_garbage_collections_and_their_time() -> None:
+    import gc
+    import host_overhead
+
+    collections = host_overhead.Collections()
+    gc.callbacks.append(collections)
+    try:
+        gc.collect()
+        gc.collect()
+    finally:
+        gc.callbacks.remove(collections)
+    assert collections.count == 2 and collections.seconds > 0
 
 
 @pytest.mark.parametrize("argv, flag", [(["--layers", "0"], "--layers"), (["--query-length", "0"], "--query-length")])

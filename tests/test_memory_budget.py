@@ -257,6 +257,37 @@ def test_meters_free_the_graphs_they_measured_without_the_garbage_collector(make
         collector.enable()
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_garbage_collection_runs_inside_a_cached_step(enabled):
+    """A measured graph keeps a Python object per saved tensor until its backward; the step pauses the cyclic
+    collector they would set off (on a deep model, on the host a GPU step waits for) and leaves it as it was."""
+    import gc
+
+    encoder = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(12)])
+    engine = GradCache([encoder, encoder], 4, SimpleContrastiveLoss(1), memory_budget=10**12)
+    started, seen = [], []  # collections started; how many had, at each forward of the encoder and backward to it
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    encoder.register_forward_pre_hook(lambda module, args: seen.append(len(started)))
+    encoder[0][0].weight.register_hook(lambda grad: seen.append(len(started)))
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(20)  # a collection every 20 saved tensors, as thousands of them set off on a deep model
+    gc.callbacks.append(count)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        engine(torch.randn(8, 8), torch.randn(16, 8))
+        assert gc.isenabled() is enabled and len(seen) > 4 and len(set(seen)) == 1, (seen, started)
+        assert encoder[0][0].weight.grad is not None and engine.last_step.kept == [2, 4]
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+        gc.enable()
+
+
 def test_a_measured_graph_frees_each_saved_tensor_as_its_backward_passes_it():
     """Saved tensors keep the meter's pack hook as long as their graph lives: were the meter (and the storages it
     recorded) reachable from it, a kept graph would hold all its saved tensors until its backward ends (a

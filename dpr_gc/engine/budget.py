@@ -8,11 +8,13 @@ anyway. :class:`BudgetLedger` keeps the graphs that fit and records what it kept
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import os
 import re
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -119,6 +121,21 @@ def casts_a_parameter(t: torch.Tensor) -> bool:
             return False
         node = inputs[0]
     return cast and node is not None and type(node).__name__ == "AccumulateGrad"
+
+
+@contextlib.contextmanager
+def collections_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the block (one cached step), as it was before on exit. A measured
+    graph keeps a Python tensor object per saved tensor (thousands per forward of a deep model) until its backward;
+    while they pile up, every few hundred of them set off a collection that walks the model's objects, on the host
+    that a GPU step waits for. The step frees them itself, by reference count, as its backward passes them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _pack_hook(recording: list["GraphMeter"]) -> Callable[[torch.Tensor], torch.Tensor]:

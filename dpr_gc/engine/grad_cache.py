@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, parse_memory, storages_of,
-                     resolve_budget)
+from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, collections_paused, parse_memory,
+                     resolve_budget, storages_of)
 from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
                        pad_sequence_dim, rows_in, split_by_tokens, split_input, take_rows, tensors_in, to_device,
                        trim_padding, trimmed_width)
@@ -491,7 +491,8 @@ class GradCache:
         sparsely, only the rows its tokens touch, into one dense ``.grad`` (single process; see
         :mod:`dpr_gc.engine.sparse_grads`). Under autocast, the frozen ``nn.Linear`` weights of a model that trains (a
         LoRA base) are held in the autocast dtype for the step, cast once instead of once per chunk (see
-        :mod:`dpr_gc.engine.frozen_casts`).
+        :mod:`dpr_gc.engine.frozen_casts`). Python's cyclic garbage collector is paused for the step (see
+        :func:`~dpr_gc.engine.budget.collections_paused`).
         """
         if len(model_inputs) != len(self.models):
             raise DprGcError(f"got {len(model_inputs)} model inputs for {len(self.models)} models")
@@ -499,7 +500,7 @@ class GradCache:
         if no_sync_except_last and not all(is_data_parallel(m) for m, t in zip(self.models, trainable) if t):
             raise DprGcError("no_sync_except_last=True needs every trainable model wrapped in DistributedDataParallel "
                              "or sharded with fully_shard")
-        with SparseEmbeddingGrads([m if t and not is_data_parallel(m) else None
+        with collections_paused(), SparseEmbeddingGrads([m if t and not is_data_parallel(m) else None
                                    for m, t in zip(self.models, trainable)]) as embeddings, \
                 FrozenLinearCasts([m for m, t in zip(self.models, trainable) if t], self._autocast_dtypes()):
             try:
