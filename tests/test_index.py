@@ -276,6 +276,12 @@ def test_unknown_kind_and_bad_parameters(tmp_path, data):
         DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=5))
     with pytest.raises(DprGcError, match="--hnsw-m must be an integer from 2 to 512"):
         IndexParams("hnsw", hnsw_m=0)
+    with pytest.raises(DprGcError, match="--nlist 64 is a setting of ivf-flat and ivf-pq indexes, which --kind hnsw"):
+        IndexParams("hnsw", nlist=64)
+    with pytest.raises(DprGcError, match="--pq-m 4 is a setting of ivf-pq indexes, which --kind ivf-flat does not"):
+        IndexParams("ivf-flat", nlist=4, pq_m=4)
+    with pytest.raises(DprGcError, match="--nlist 8 .* --factory 'IVF4,Flat' \\(write it into the string\\)"):
+        IndexParams(factory="IVF4,Flat", nlist=8)
     emb_dir = write_shards(tmp_path / "emb", data)
     with pytest.raises(DprGcError, match="raise --train-sample or lower --nlist"):
         build_index(emb_dir, tmp_path / "idx", IndexParams("ivf-flat", nlist=64), train_sample=20)

@@ -51,7 +51,8 @@ class IndexParams:
     """Which FAISS index to build. ``factory`` (any ``faiss.index_factory`` string) overrides ``kind``.
 
     ``nlist=None`` picks about ``4 * sqrt(N)`` inverted lists, capped so each gets enough training vectors;
-    ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector).
+    ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector). Both
+    are refused for a kind that has no use for them (``--nlist`` with hnsw, say), rather than ignored.
     """
 
     kind: str = setting("flat", "--kind", help=f"index kind: {', '.join(KINDS)} (flat = exact search)")
@@ -82,10 +83,15 @@ class IndexParams:
         for name in ("hnsw_m", "ef_construction", "ef_search", "pq_nbits", "nprobe"):
             if getattr(self, name) < 1:
                 raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
-        for name in ("nlist", "pq_m"):
-            value = getattr(self, name)
+        for name, kinds in (("nlist", ("ivf-flat", "ivf-pq")), ("pq_m", ("ivf-pq",))):
+            value, flag = getattr(self, name), f"--{name.replace('_', '-')}"
             if value is not None and value < 1:
-                raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+                raise DprGcError(f"{flag} must be a positive integer, got {value}")
+            if value is not None and self.kind not in kinds:
+                where = (f"--factory {self.factory!r} (write it into the string)" if self.factory
+                         else f"--kind {self.kind}")
+                raise DprGcError(f"{flag} {value} is a setting of {' and '.join(kinds)} indexes, which {where} does "
+                                 f"not build: drop {flag}, or give --kind {' or '.join(kinds)}")
 
     def resolve(self, dim: int, n_vectors: int, n_train: int) -> "IndexParams":
         """Fill a missing ``nlist`` from the data size and training-sample size, a missing ``pq_m`` from ``dim``."""
