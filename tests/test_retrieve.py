@@ -411,7 +411,8 @@ def test_evaluation_cut_offs_stop_at_top_k(world, tmp_path, capsys, caplog):
     (["q0", ""], False, "{queries}: query id '' is empty or contains whitespace; a TREC run (--trec-run) needs "
                         "one-word query ids"),
     (["q0", "q 1"], False, "{queries}: query id 'q 1' is empty or contains whitespace"),
-    (["x0", "x1"], True, "no query id in the queries file appears in {qrels}; check that the ids match")],
+    (["x0", "x1"], True, "no query id in {queries} (the first: 'x0') appears in {qrels} (the first judged: 'q0'); "
+                       "check that the two files use the same ids")],
     ids=["empty-id", "spaced-id", "none-judged"])
 def test_unusable_query_ids_and_unjudged_questions_are_refused_before_retrieval(world, tmp_path, monkeypatch, capsys,
                                                                                  ids, judged, message):

@@ -251,8 +251,10 @@ def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = No
     from ..data.corpus import iter_queries
 
     count = total = 0
+    first = None
     for q in iter_queries(path):
         qid, total = str(q["id"]), total + 1
+        first = qid if first is None else first
         if run_ids and (not qid or any(c.isspace() for c in qid)):
             raise DprGcError(f"{path}: query id {qid!r} is empty or contains whitespace; a TREC run (--trec-run) "
                              "needs one-word query ids")
@@ -260,7 +262,9 @@ def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = No
     if not total:
         raise DprGcError(f"no queries in {path} (the file is empty)")
     if not count:
-        raise DprGcError(f"no query id in the queries file appears in {qrels_path}; check that the ids match")
+        judged = next(iter(qrels), None) if qrels else None
+        raise DprGcError(f"no query id in {path} (the first: {first!r}) appears in {qrels_path} (the first judged: "
+                         f"{judged!r}); check that the two files use the same ids")
     return count
 
 
