@@ -45,6 +45,17 @@ logger = logging.getLogger("dense_retriever")
 IGNORED_VALUE = ("--pretrained_model_cfg", "--encoder_model_type", "--pretrained_file", "--projection_dim",
                  "--sequence_length", "--local_rank", "--fp16_opt_level", "--validation_workers", "--q_encoding_path")
 IGNORED_SWITCH = ("--do_lower_case", "--fp16", "--encode_q_and_save", "--re_encode_q")
+# ``dpr-gc retrieve``'s flags as this script spells them: the retrieval it shares names them in its messages.
+SCRIPT_FLAGS = {"--output": "--out_file", "--trec-run": "--trec_run", "--cache-dir": "--cache_dir",
+                "--model": "--model_file", "--corpus": "--ctx_file", "--queries": "--qa_file", "--top-k": "--n_docs",
+                "--batch-size": "--batch_size", "--run-tag": "--run_tag", "--skip-model-check": "--skip_model_check",
+                "--block-size": "--index_buffer"}
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
+def in_script_flags(error: DprGcError) -> DprGcError:
+    """``error`` with ``dpr-gc retrieve``'s flags named as this script's (``--output`` as ``--out_file``)."""
+    return DprGcError(FLAG.sub(lambda m: SCRIPT_FLAGS.get(m.group(0), m.group(0)), str(error)))
 
 
 def embeddings_folders(spec: str) -> list[Path]:
@@ -181,7 +192,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                           dataclasses.replace(params, kind="hnsw") if args.hnsw_index else params,
                                           args.train_sample, args.block_size, args.seed)
         retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None))
-    return report_errors(lambda: run(args))
+
+    def run_named() -> None:
+        try:
+            run(args)
+        except DprGcError as e:
+            raise in_script_flags(e) from None
+    return report_errors(run_named)
 
 
 if __name__ == "__main__":

@@ -915,6 +915,10 @@ def test_scripts_run_under_the_same_guard(world: dict, tmp_path: Path) -> None:
     script = load_script("dense_retriever")
     refused(["--model_file", world["model"], "--qa_dataset", qa, "--encoded_ctx_file", world["emb"],
              "--out_file", qa], "--out_file", "is the input --qa_dataset", main=script.main)
+    refused(["--model_file", world["model"], "--qa_dataset", qa, "--encoded_ctx_file", world["emb"]],
+            "nothing to do: give --out_file FILE.json and/or --trec_run FILE, or --evaluate", main=script.main)
+    assert str(script.in_script_flags(DprGcError("--top-k 3; --cache-dir x; --model_file m --k 5"))) == \
+        "--n_docs 3; --cache_dir x; --model_file m --k 5"
     train = load_script("train_dense_encoder")
     refused(["--train_file", world["train"], "--output_dir", world["train"]], "--output_dir", main=train.main)
     model = tmp_path / "model"
