@@ -6,8 +6,9 @@ step under ``torch.profiler``. Reported per variant: the median step; the device
 each once; CUDA only) against the host's own operator time; the kernel launches; the host syncs
 (``cudaStreamSynchronize`` on CUDA; on any device the ``aten::_local_scalar_dense`` reads a sync would come from,
 e.g. ``.item()`` or ``bool()`` of a tensor) and where each came from (a second profiled step, recorded with Python
-stacks; on CUDA also the lines of every synchronising call, from torch's sync debug mode over one more step); the
-operators that took the most device time (CPU time on the CPU) and the most host time. A step whose device is busy
+stacks; on CUDA, where those stacks came back empty on an H100, the line of every synchronising call from torch's
+sync debug mode over one more step); the operators that took the most device time (CPU time on the CPU) and the
+most host time. A step whose device is busy
 for much less than the step is bound by the host (launches, Python, syncs), not by arithmetic. Variants: ``plain``
 (the whole batch in one graph), ``budget0`` (dpr-gc, only the last chunk's graph kept), ``whole`` (dpr-gc, a budget
 for the whole batch), and the peers ``luyug`` (luyug/GradCache) and ``cmnrl`` (sentence-transformers' CachedMNRL)
