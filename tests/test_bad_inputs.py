@@ -1840,6 +1840,29 @@ def test_a_max_length_leaving_the_text_no_token_is_refused_before_anything_is_wr
     assert not (tmp_path / "t").exists()
 
 
+def test_a_stored_prefix_is_checked_against_the_max_length_each_stage_uses(world: dict, tmp_path: Path) -> None:
+    """A model stores prefixes that fill its own max lengths (32 passage, 16 query tokens). Loading it refuses
+    nothing (merge-lora only merges weights); encode checks the passage prefix against its --max-length (a longer
+    one runs), retrieve a --query-prefix against the model's own length, named as such (retrieve has no length
+    flag; both once said to raise --query-/--passage-max-length, at load, whatever --max-length said)."""
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    config = json.loads((model / "retriever_config.json").read_text())
+    (model / "retriever_config.json").write_text(json.dumps({
+        **config, "query_max_length": 16, "passage_max_length": 32, "query_prefix": "paris " * 20,
+        "passage_prefix": "river " * 34}))
+    encode = ["encode", "--model", model, "--corpus", world["corpus"], "--device", "cpu", "--cache-dir",
+              tmp_path / "c"]
+    refused([*encode, "--output", tmp_path / "e1"], "the passage prefix 'river river",
+            "tokens a passage has under the retriever's passage_max_length 32")
+    code, err = call(cli.main, [*encode, "--output", tmp_path / "e2", "--max-length", "128"])
+    assert code == 0, err
+    refused(retrieve_argv(world, "--model", model, "--skip-model-check", "--queries", world["qa"], "--output",
+                          tmp_path / "o.json", "--query-prefix", "paris " * 20), "the query prefix 'paris paris",
+            "under the retriever's query_max_length 16", "give a shorter --query-prefix or a longer max length")
+    refused(["merge-lora", "--model", model, "--output", tmp_path / "merged"], "no LoRA adapter to merge")
+
+
 def test_a_saved_max_length_beyond_the_model_positions_is_cut_at_load(world: dict, tmp_path: Path, caplog) -> None:
     """A retriever saved with a query_max_length beyond its 128 positions (before train checked the flag) still
     retrieves a long question: texts are cut at the positions, with a log line when it is loaded."""

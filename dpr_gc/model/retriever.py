@@ -27,7 +27,7 @@ from .config import RetrieverConfig
 from .dpr_checkpoints import load_dpr_checkpoint
 from .folder import load_retriever, save_retriever
 from .pretrained import load_tokenizer, load_transformer
-from .tokenize import check_kind, check_prefix, token_ids
+from .tokenize import check_kind, check_length_room, token_ids
 from ..base.logs import nested_bar_disabled
 
 logger = logging.getLogger(__name__)
@@ -219,10 +219,15 @@ class Retriever(nn.Module):
                 logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
                 retriever.config = dataclasses.replace(retriever.config, **{name: value})
         retriever.log_cut_lengths(path)
-        config = retriever.config
-        check_prefix(retriever.tokenizer, config.query_prefix, "query", retriever.max_length("query"))
-        check_prefix(retriever.tokenizer, config.passage_prefix, "passage", retriever.max_length("passage"))
         return retriever.to(device)
+
+    def check_room(self, *kinds: str) -> "Retriever":
+        """Refuse, before any work, a prefix or format that leaves a text of ``kinds`` no token of its own at this
+        retriever's own max length (see :func:`~dpr_gc.model.tokenize.check_length_room`); a stage that takes a max
+        length flag checks with that instead (encode's ``--max-length``, train's). Returns the retriever."""
+        for kind in kinds:
+            check_length_room(self.tokenizer, self.config, kind, self.max_length(kind))
+        return self
 
     def log_cut_lengths(self, where: str | Path) -> None:
         """Say (once, at load) when a stored max length exceeds the model's positions, so texts are cut shorter than

@@ -36,15 +36,17 @@ def cut(text: str, bound: int) -> str:
     return text
 
 
-def check_prefix(tokenizer: Any, prefix: str, kind: str, limit: int) -> None:
-    """Refuse a prefix that fills the whole max length: every text would be cut away and all look the same."""
+def check_prefix(tokenizer: Any, prefix: str, kind: str, limit: int, length: str) -> None:
+    """Refuse a prefix that fills the whole max length (``limit`` tokens, from ``length``: the flag or setting and
+    its value, as the stage names it): every text would be cut away and all look the same."""
     if not prefix:
         return
     ids = tokenizer(prefix, add_special_tokens=False, truncation=True, max_length=limit)["input_ids"]
     used = len(ids) + tokenizer.num_special_tokens_to_add()
     if used >= limit:
-        raise DprGcError(f"--{kind}-prefix {prefix[:60]!r} takes {used} of the {limit} {kind} tokens and leaves none "
-                         f"for the {kind} itself; shorten the prefix or raise --{kind}-max-length")
+        raise DprGcError(f"the {kind} prefix {prefix[:60]!r} takes {used} of the {limit} tokens a {kind} has under "
+                         f"{length} and leaves none for the {kind} itself; give a shorter --{kind}-prefix or a longer "
+                         "max length")
 
 
 def check_kind(kind: str) -> None:
@@ -82,16 +84,17 @@ def token_ids(tokenizer: Any, config: Any, kind: str, texts: Sequence[str],
 
 
 def check_length_room(tokenizer: Any, config: Any, kind: str, length: int, flag: Optional[str] = None) -> int:
-    """The tokens a ``kind`` text may take at max length ``length`` (given as ``flag``, by default
-    ``--KIND-max-length``) once the EOS that last-token pooling appends is set aside. Refused where the text would
-    keep no token of its own: no room for that EOS, a prefix that fills the length, no room beside the special
-    tokens, or, for passages of the pair format, none for a title and a text beside the pair's special tokens.
-    Stages call it before writing anything."""
-    flag = flag or f"--{kind}-max-length"
+    """The tokens a ``kind`` text may take at max length ``length`` (given as ``flag``, by default the retriever's
+    ``KIND_max_length``: a stage without a length flag names the model's own) once the EOS that last-token pooling
+    appends is set aside. Refused where the text would keep no token of its own: no room for that EOS, a prefix that
+    fills the length, no room beside the special tokens, or, for passages of the pair format, none for a title and a
+    text beside the pair's special tokens. Stages call it before writing anything."""
+    flag = flag or f"the retriever's {kind}_max_length"
     limit = length - (eos_to_append(tokenizer, config) is not None)
     if limit < 1:
         raise DprGcError(f"{flag} {length} leaves no room for the EOS token that last-token pooling needs; raise it")
-    check_prefix(tokenizer, config.query_prefix if kind == QUERY else config.passage_prefix, kind, limit)
+    check_prefix(tokenizer, config.query_prefix if kind == QUERY else config.passage_prefix, kind, limit,
+                 f"{flag} {length}")
     special = tokenizer.num_special_tokens_to_add()
     if limit - special < 1:
         raise DprGcError(f"{flag} {length} leaves no room for the {kind}'s text beside the tokenizer's {special} "

@@ -495,7 +495,7 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     set_threads(s.threads or None)
     if index_exists(index):
         query_prefix, passage_prefix = recorded_prefixes(read_meta(index), query_prefix, passage_prefix)
-    retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix)
+    retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix).check_room("query")
     if not index_exists(index):
         if embeddings is None:
             where = f"no index in {index}; " if index is not None else ""

@@ -461,7 +461,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
                    "the index's recorded --corpus": None if job.corpus else corpus_path},
                   {"--output": s.output, "--trec-run": s.trec_run, "--cache-dir": job.cache_dir})
     retriever = Retriever.load(model, default_device(job.device),
-                               *recorded_prefixes(index.meta, job.query_prefix, job.passage_prefix))
+                               *recorded_prefixes(index.meta, job.query_prefix, job.passage_prefix)).check_room("query")
     check_compatible(retriever, index, check_fingerprint=job.check_model)
     passages = load_corpus(corpus_path, job.cache_dir)
     check_corpus(index, passages)
