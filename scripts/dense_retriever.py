@@ -31,8 +31,7 @@ except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.base.args import ArgumentParser, device_arg, nonnegative_int, output_dir, output_file, positive_int
-from dpr_gc.base.errors import report_errors
-from dpr_gc.base.errors import DprGcError
+from dpr_gc.base.errors import DprGcError, flags_renamed, report_errors
 from dpr_gc.base.guard import guarded
 from dpr_gc.base.logs import setup_logging
 from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, check_built_from,
@@ -50,12 +49,6 @@ SCRIPT_FLAGS = {"--output": "--out_file", "--trec-run": "--trec_run", "--cache-d
                 "--model": "--model_file", "--corpus": "--ctx_file", "--queries": "--qa_file", "--top-k": "--n_docs",
                 "--batch-size": "--batch_size", "--run-tag": "--run_tag", "--skip-model-check": "--skip_model_check",
                 "--block-size": "--index_buffer"}
-FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
-
-
-def in_script_flags(error: DprGcError) -> DprGcError:
-    """``error`` with ``dpr-gc retrieve``'s flags named as this script's (``--output`` as ``--out_file``)."""
-    return DprGcError(FLAG.sub(lambda m: SCRIPT_FLAGS.get(m.group(0), m.group(0)), str(error)))
 
 
 def embeddings_folders(spec: str) -> list[Path]:
@@ -183,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     @guarded(inputs=("model=--model_file", "queries=--qa_dataset", "corpus=--ctx_datatsets",
                      "embeddings=--encoded_ctx_file", "qrels"),
-             outputs={"output=--out_file": "file", "trec_run": "file", "index_path": "whole",
+             outputs={"output=--out_file": "file", "trec_run=--trec_run": "file", "index_path=--index_path": "whole",
                       "cache_dir=--cache_dir": "self"})
     def run(args: argparse.Namespace) -> None:
         set_threads(args.threads)
@@ -194,10 +187,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None))
 
     def run_named() -> None:
-        try:
+        with flags_renamed(SCRIPT_FLAGS):
             run(args)
-        except DprGcError as e:
-            raise in_script_flags(e) from None
     return report_errors(run_named)
 
 

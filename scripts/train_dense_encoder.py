@@ -177,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.warning("accepted with no effect here: %s", "; ".join(skipped))
 
     @guarded(inputs=("train_files=--train_file", "dev_file=--dev_file", "model_file=--model_file", "model"),
-             outputs={"output_dir": "folder"})
+             outputs={"output_dir=--output_dir": "folder"})
     def run(args: argparse.Namespace) -> None:
         config = config_from_args(args, given)
         data = config.data

@@ -35,7 +35,7 @@ from dpr_gc import cli
 from dpr_gc.data.corpus import load_corpus, read_queries
 from dpr_gc.data.training import load_dpr_files, load_training_data
 from dpr_gc.retrieval.encode import encode_corpus
-from dpr_gc.base.errors import DprGcError
+from dpr_gc.base.errors import DiskFullError, DprGcError, flags_renamed
 from dpr_gc.evaluation.evaluate import read_qrels, read_results, read_run
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
@@ -917,10 +917,18 @@ def test_scripts_run_under_the_same_guard(world: dict, tmp_path: Path) -> None:
              "--out_file", qa], "--out_file", "is the input --qa_dataset", main=script.main)
     refused(["--model_file", world["model"], "--qa_dataset", qa, "--encoded_ctx_file", world["emb"]],
             "nothing to do: give --out_file FILE.json and/or --trec_run FILE, or --evaluate", main=script.main)
-    assert str(script.in_script_flags(DprGcError("--top-k 3; --cache-dir x; --model_file m --k 5"))) == \
-        "--n_docs 3; --cache_dir x; --model_file m --k 5"
+    with pytest.raises(DprGcError) as caught, flags_renamed(script.SCRIPT_FLAGS):
+        raise DiskFullError("--top-k 3; --cache-dir x; --model_file m --k 5 --output-dir")
+    assert str(caught.value).startswith("--n_docs 3; --cache_dir x; --model_file m --k 5 --output-dir: the disk")
+    refused(["--model_file", world["model"], "--qa_dataset", qa, "--encoded_ctx_file", world["emb"], "--index_path",
+             world["emb"], "--out_file", tmp_path / "o.json"], f"--index_path {world['emb']} is the input "
+            f"--encoded_ctx_file", main=script.main)
     train = load_script("train_dense_encoder")
     refused(["--train_file", world["train"], "--output_dir", world["train"]], "--output_dir", main=train.main)
+    refused(["--train_file", world["train"], "--output_dir", Path(world["model"]) / "run", "--model_file",
+             world["model"]], f"--output_dir {Path(world['model']) / 'run'} lies inside the input --model_file",
+            main=train.main)
+    assert not (Path(world["model"]) / "run").exists()
     model = tmp_path / "model"
     shutil.copytree(world["model"], model)
     refused(["--model_file", model, "--qa_dataset", qa, "--encoded_ctx_file", world["emb"], "--out_file",
@@ -2139,6 +2147,22 @@ def test_train_never_writes_into_the_checkpoint_it_resumes(trained, tmp_path: Pa
         argv[argv.index("--output") + 1] = output
         refused(argv, f"--output {output}", f"--resume {checkpoint}", "inputs are never overwritten")
     assert sorted(p.name for p in checkpoint.iterdir()) == before
+
+
+def test_dense_mining_names_its_own_flags_in_the_encoding_and_indexing_it_runs(world: dict, tmp_path: Path) -> None:
+    """mine --source dense builds its flat --index from --embeddings (encoding them first when the folder has none):
+    the refusals of that shared code name mine's flags (they said --output, encode's and index's), and settings
+    of encode's that mine lacks as encode's."""
+    from dpr_gc.retrieval.mine import ENCODE_FLAGS
+
+    emb = tmp_path / "emb"  # none yet: mine encodes the corpus into it, then indexes it
+    refused(["mine", "--source", "dense", "--model", world["model"], "--embeddings", emb, "--index", emb / "idx",
+             "--train-file", world["train"], "--output", tmp_path / "o.json", "--corpus", world["corpus"], "--device",
+             "cpu", "--cache-dir", tmp_path / "c"], f"--index {emb / 'idx'} lies inside the input --embeddings {emb}")
+    assert not (emb / "idx").exists() and not (tmp_path / "o.json").exists()
+    with pytest.raises(DprGcError, match="^was started with dpr-gc encode --block-size 2; resume"), \
+            flags_renamed(ENCODE_FLAGS):
+        raise DprGcError("was started with --block-size 2; resume")
 
 
 def test_dense_mining_never_overwrites_the_corpus_its_index_records(world: dict, tmp_path: Path) -> None:

@@ -3,9 +3,11 @@ into one ``error:`` line and exit status 2 for every command (``dpr-gc``, the DP
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 
 class DprGcError(ValueError):
@@ -23,6 +25,20 @@ class DiskFullError(DprGcError):
         self.path = path
         super().__init__(f"{path}: the disk is full (or a quota or file-size limit was reached) while writing it; "
                          f"nothing half-written is left and an earlier version is kept; {advice}")
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
+@contextlib.contextmanager
+def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, a :class:`DprGcError` names each flag of ``names`` as its value. Code that several commands
+    share names its own command's flags (encode's ``--output``), which another command reaching it spells otherwise
+    or lacks (mine's encode writes to its ``--embeddings``; the DPR scripts spell flags as DPR does)."""
+    try:
+        yield
+    except DprGcError as e:
+        raise DprGcError(FLAG.sub(lambda m: names.get(m.group(0), m.group(0)), str(e))) from None
 
 
 class Interrupted(KeyboardInterrupt):

@@ -32,7 +32,7 @@ from ..data.corpus import rows_for_ids, source_fingerprint
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int, unit_float)
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, flags_renamed
 from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
 from ..base.files import ChunkedOutput, PathLike, require_file
@@ -46,6 +46,12 @@ from .retrieve import DenseSource
 logger = logging.getLogger(__name__)
 
 CHUNK = 1024
+# encode's flags in the messages of the encoding dense mining runs: it writes to mine's --embeddings, and settings
+# mine does not take are encode's, for a run of it by hand
+ENCODE_FLAGS = {"--output": "--embeddings", "--block-size": "dpr-gc encode --block-size",
+                "--dtype": "dpr-gc encode --dtype", "--max-length": "dpr-gc encode --max-length",
+                "--precision": "dpr-gc encode --precision", "--shard-id": "dpr-gc encode --shard-id",
+                "--num-shards": "dpr-gc encode --num-shards"}
 SOURCES = ("dense", "bm25")
 
 
@@ -508,9 +514,11 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
         if not has_shards(emb):
             if corpus_path is None:
                 raise DprGcError("encoding the corpus needs --corpus")
-            encode_corpus(retriever, corpus_path, emb, shard_id=0, num_shards=1, batch_size=batch_size,
-                          cache_dir=s.cache_dir, model_name=str(model), show_progress=show_progress)
-        build_index(emb, index, IndexParams("flat"))
+            with flags_renamed(ENCODE_FLAGS):
+                encode_corpus(retriever, corpus_path, emb, shard_id=0, num_shards=1, batch_size=batch_size,
+                              cache_dir=s.cache_dir, model_name=str(model), show_progress=show_progress)
+        with flags_renamed({"--output": "--index"}):
+            build_index(emb, index, IndexParams("flat"))
     dense = DenseIndex.read(index)
     check_compatible(retriever, dense, check_fingerprint=s.check_model)
     check_corpus(dense, corpus)
