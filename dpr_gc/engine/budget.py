@@ -126,10 +126,10 @@ def casts_a_parameter(t: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def collections_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector for the block (one cached step), as it was before on exit. A measured
-    graph keeps a Python tensor object per saved tensor (thousands per forward of a deep model) until its backward;
-    while they pile up, every few hundred of them set off a collection (now and then a full one, over every object
-    of the process), on the host that a GPU step waits for. The step frees them itself, by reference count, as its
-    backward passes them."""
+    graph keeps a Python tensor object per saved tensor (over a thousand per forward of a deep model) until its
+    backward; while they pile up, every few hundred of them set off a collection (now and then a full one, over
+    every object of the process), on the host that a GPU step waits for. The step frees them itself, by reference
+    count, as its backward passes them."""
     enabled = gc.isenabled()
     gc.disable()
     try:
