@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .base.args import nonnegative_int, output_dir, positive_float, positive_int, seed_int
-from .base.errors import DprGcError
+from .base.errors import DiskFullError, DprGcError
 from .base.guard import guarded
 from .base.files import atomic_path, atomic_paths, dump_json, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
@@ -148,6 +148,27 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
     return metrics
 
 
+def train_demo(training: TrainConfig, base: Any, out: Path, train_file: Path) -> None:
+    """Train ``base`` (saved once to ``out/base_model``) on ``train_file`` into ``out/training``, from its latest
+    checkpoint when an earlier run left one: the demo resumes by itself, so a full disk says to run it again (train's
+    own advice names its ``--resume``, which the demo has not)."""
+    from .train.checkpoints import finished_checkpoints
+    from .train.trainer import train
+
+    base_dir, train_out = out / "base_model", out / "training"
+    if not (base_dir / "retriever_config.json").is_file():
+        base.save(base_dir)
+    resume = "latest" if finished_checkpoints(train_out) else None
+    try:
+        train(dataclasses.replace(
+            training, model=dataclasses.replace(training.model, name=str(base_dir), retriever=None),
+            data=dataclasses.replace(training.data, train_files=[str(train_file)], cache_dir=str(out / "cache")),
+            run=dataclasses.replace(training.run, output_dir=str(train_out), resume=resume)))
+    except DiskFullError as e:
+        raise DiskFullError(e.path, "free space, then run the same command again: the demo resumes from its last "
+                            "checkpoint") from None
+
+
 def run_demo(config: DemoConfig) -> dict:
     """Run the whole pipeline; returns the before/after metrics and where every output is."""
     import torch
@@ -155,7 +176,6 @@ def run_demo(config: DemoConfig) -> dict:
     from .model.retriever import Retriever
     from .data.sampling import too_few_questions
     from .data.stdlib_data import build_stdlib_dataset
-    from .train.trainer import train
     from .train.checkpoints import finished_checkpoints
 
     training = config.training
@@ -176,14 +196,7 @@ def run_demo(config: DemoConfig) -> dict:
     train_out = out / "training"
     final = train_out / "final"
     if not (final / "retriever_config.json").is_file():
-        base_dir = out / "base_model"
-        if not (base_dir / "retriever_config.json").is_file():
-            base.save(base_dir)
-        resume = "latest" if finished_checkpoints(train_out) else None
-        train(dataclasses.replace(
-            training, model=dataclasses.replace(training.model, name=str(base_dir), retriever=None),
-            data=dataclasses.replace(training.data, train_files=[str(train_file)], cache_dir=str(out / "cache")),
-            run=dataclasses.replace(training.run, output_dir=str(train_out), resume=resume)))
+        train_demo(training, base, out, train_file)
     for checkpoint in finished_checkpoints(train_out):  # only a resume needs them, and final/ is there
         shutil.rmtree(checkpoint)
         logger.info("removed %s (the trained model is in %s)", checkpoint, final)

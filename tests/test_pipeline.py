@@ -62,9 +62,11 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
 def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, capsys, monkeypatch, caplog):
     """README: "Interrupted, the same command resumes where it stopped." Ctrl-C in training step 5 (after the
     checkpoint of step 4): the rerun keeps the measured "before" stage, resumes training at checkpoint-4, and ends
-    with all 5 steps in the curve."""
+    with all 5 steps in the curve. A full disk in between says to run the demo again (it has no --resume)."""
     import logging
 
+    from dpr_gc.base.errors import DiskFullError
+    from dpr_gc.train import trainer
     from dpr_gc.train.trainer import Trainer
 
     model_dir = tiny_model_folder(tmp_path)
@@ -78,12 +80,21 @@ def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, caps
             raise KeyboardInterrupt
         return real_step(self, batch)
 
+    def disk_full(config):
+        raise DiskFullError(out / "training" / "checkpoint-5", "free space, then run the same command with "
+                            "--resume latest")
+
     monkeypatch.setattr(Trainer, "train_step", interrupted)
     assert main(args) == 130
     assert "run the same command again to resume" in capsys.readouterr().err
     assert (out / "training" / "checkpoint-4").is_dir() and not (out / "training" / "final").exists()
     before = (out / "before" / "results.json").stat().st_mtime_ns
     monkeypatch.setattr(Trainer, "train_step", real_step)
+    monkeypatch.setattr(trainer, "train", disk_full)  # a full disk while training: the demo's own advice, not train's
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "run the same command again: the demo resumes" in err and "--resume" not in err, err
+    monkeypatch.undo()
     with caplog.at_level(logging.INFO, logger="dpr_gc"):
         assert main(args) == 0
     assert (out / "before" / "results.json").stat().st_mtime_ns == before, "the rerun measured 'before' again"
