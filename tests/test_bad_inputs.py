@@ -1851,7 +1851,7 @@ def test_a_max_length_leaving_the_text_no_token_is_refused_before_anything_is_wr
 def test_a_stored_prefix_is_checked_against_the_max_length_each_stage_uses(world: dict, tmp_path: Path) -> None:
     """A model stores prefixes that fill its own max lengths (32 passage, 16 query tokens). Loading it refuses
     nothing (merge-lora only merges weights); encode checks the passage prefix against its --max-length (a longer
-    one runs), retrieve a --query-prefix against the model's own length, named as such (retrieve has no length
+    one runs), retrieve and mine a --query-prefix against the model's own length, named as such (they have no length
     flag; both once said to raise --query-/--passage-max-length, at load, whatever --max-length said)."""
     model = tmp_path / "model"
     shutil.copytree(world["model"], model)
@@ -1868,6 +1868,11 @@ def test_a_stored_prefix_is_checked_against_the_max_length_each_stage_uses(world
     refused(retrieve_argv(world, "--model", model, "--skip-model-check", "--queries", world["qa"], "--output",
                           tmp_path / "o.json", "--query-prefix", "paris " * 20), "the query prefix 'paris paris",
             "under the retriever's query_max_length 16", "give a shorter --query-prefix or a longer max length")
+    refused(["mine", "--source", "dense", "--model", model, "--skip-model-check", "--index", world["idx"],
+             "--train-file", world["train"], "--output", tmp_path / "mined.json", "--corpus", world["corpus"],
+             "--device", "cpu", "--cache-dir", tmp_path / "c", "--query-prefix", "paris " * 20],
+            "the query prefix 'paris paris", "under the retriever's query_max_length 16")
+    assert not (tmp_path / "o.json").exists() and not (tmp_path / "mined.json").exists()
     refused(["merge-lora", "--model", model, "--output", tmp_path / "merged"], "no LoRA adapter to merge")
 
 

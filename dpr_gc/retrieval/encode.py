@@ -151,7 +151,7 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     autocast = pick_precision(settings.precision, next(retriever.parameters()).device)
     if settings.max_length is not None:
         check_max_length("--max-length", settings.max_length, retriever.positions("passage"))
-    flag = "--max-length" if settings.max_length is not None else "the retriever's passage_max_length"
+    flag = "--max-length" if settings.max_length is not None else None  # None: the retriever's own, named as such
     settings = dataclasses.replace(settings, max_length=retriever.max_length("passage", settings.max_length))
     check_length_room(retriever.tokenizer, retriever.config, "passage", settings.max_length, flag)
     shard_id, num_shards = resolve_shard(settings.shard_id if shard_id is None else shard_id,
