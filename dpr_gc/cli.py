@@ -3,31 +3,68 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .base.args import ArgumentParser
 from .base.errors import report_errors
 from .base.logs import setup_logging
 
-# sub-command -> the stage module (under dpr_gc) that registers it, in the order ``--help`` lists them
-STAGES = {"demo": "pipeline", "make-stdlib-data": "data.stdlib_data", "prepare-data": "data.training",
-          "train": "train.trainer", "verify": "train.verify", "encode": "retrieval.encode", "index": "retrieval.index",
-          "retrieve": "retrieval.retrieve", "evaluate": "evaluation.evaluate", "mine": "retrieval.mine",
-          "merge-lora": "model.lora", "cache": "data.arrow_cache"}
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A sub-command: the stage module (under dpr_gc) whose ``add_cli`` registers its parser, and the one line that
+    lists it in ``dpr-gc --help`` (declared here, so that listing the commands imports no stage and no torch)."""
+
+    module: str
+    help: str
 
 
-def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+# sub-command -> its stage, in the order ``dpr-gc --help`` lists them
+STAGES = {
+    "demo": Stage("pipeline", "run the whole pipeline end to end on the built-in stdlib dataset"),
+    "make-stdlib-data": Stage("data.stdlib_data", "build the default retrieval dataset from Python's stdlib"),
+    "prepare-data": Stage("data.training", "validate and cache training data (DPR files, BEIR folders)"),
+    "train": Stage("train.trainer", "train a retriever with Gradient Cache (DPR files or BEIR folders)"),
+    "verify": Stage("train.verify", "check that the cached step equals the full-batch step on your set-up (train's "
+                                    "flags; writes nothing)"),
+    "encode": Stage("retrieval.encode", "embed a passage corpus into resumable shards"),
+    "index": Stage("retrieval.index", "build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards"),
+    "retrieve": Stage("retrieval.retrieve", "top-k passages for questions: DPR JSON and a TREC run"),
+    "evaluate": Stage("evaluation.evaluate", "top-k answer accuracy and qrels metrics (Recall, nDCG, MRR, MAP)"),
+    "mine": Stage("retrieval.mine", "mine hard negatives (BM25 or dense) into a DPR training file"),
+    "merge-lora": Stage("model.lora", "write a retriever with its LoRA adapters merged into full weights"),
+    "cache": Stage("data.arrow_cache", "list (or --clear) the cache of parsed corpora and training sets"),
+}
+
+
+class _Commands:
+    """What a stage's ``add_cli`` registers its parser with: argparse's ``add_parser``, given the command's line from
+    ``STAGES`` as its help (and as its description where the stage gives none)."""
+
+    def __init__(self, subparsers: Any) -> None:
+        self._subparsers = subparsers
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs.setdefault("description", STAGES[name].help[0].upper() + STAGES[name].help[1:] + ".")
+        return self._subparsers.add_parser(name, help=STAGES[name].help, **kwargs)
+
+
+def build_parser(command: Optional[str] = None, listing: bool = False) -> argparse.ArgumentParser:
     """The ``dpr-gc`` parser; given a known ``command``, only that stage is imported and registered, so a command
-    loads what it uses and no more (``dpr-gc evaluate`` loads no torch)."""
+    loads what it uses and no more (``dpr-gc evaluate`` loads no torch). With ``listing`` no stage is imported: each
+    command is a bare entry with its line from ``STAGES``, enough to list them (``dpr-gc --help``) or refuse a
+    command line that names none."""
     parser = ArgumentParser(prog="dpr-gc", description="Dense passage retrieval with Gradient Cache.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="debug logging, plus the dependencies' own log lines and progress bars")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in STAGES.items():
-        if command not in STAGES or command == name:
-            importlib.import_module(f"{__package__}.{module}").add_cli(subparsers)
+    commands = _Commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    for name, stage in STAGES.items():
+        if listing:
+            commands.add_parser(name)
+        elif command not in STAGES or command == name:
+            importlib.import_module(f"{__package__}.{stage.module}").add_cli(commands)
     return parser
 
 
@@ -38,7 +75,8 @@ def requested_command(argv: Sequence[str]) -> Optional[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(requested_command(argv))
+    command = requested_command(argv)
+    parser = build_parser(command, listing=command not in STAGES)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # a refused command line (its one error line is printed) returns 2; --help still exits

@@ -318,7 +318,7 @@ class DemoFlags:
 def add_cli(subparsers: Any) -> None:
     """Register ``demo``: the whole pipeline on the stdlib dataset, before and after Gradient Cache training."""
     p = subparsers.add_parser(
-        "demo", help="run the whole pipeline end to end on the built-in stdlib dataset",
+        "demo",
         description="Build a retrieval task from Python's standard library, measure the offline all-MiniLM-L6-v2, "
                     "fine-tune it with Gradient Cache and measure again. Disk: about 270 MB under --output (the "
                     "dataset, the base and trained models, two corpus encodings and indexes; the training "

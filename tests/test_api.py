@@ -64,3 +64,27 @@ def test_full_parser_still_lists_every_command() -> None:
     choices = next(a for a in parser._actions if a.dest == "command").choices
     assert list(choices) == list(cli.STAGES)
     assert cli.requested_command(["-v", "evaluate", "--k", "1"]) == "evaluate"
+
+
+def test_listing_the_commands_loads_no_torch() -> None:
+    """``dpr-gc --help``, a bare ``dpr-gc`` and a misspelt command list the commands without importing a stage (torch
+    takes seconds to load); the listing is the full parser's, word for word."""
+    run_python("import contextlib, io, sys; from dpr_gc import cli; out = io.StringIO()\n"
+               "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit): cli.main(['--help'])\n"
+               "assert 'merge-lora' in out.getvalue() and 'top-k answer accuracy' in out.getvalue(), out.getvalue()\n"
+               "with contextlib.redirect_stderr(io.StringIO()): assert cli.main([]) == 2 and cli.main(['encod']) == 2\n"
+               "assert 'torch' not in sys.modules, 'torch loaded'\n"
+               "assert not [m for m in sys.modules if m.startswith('dpr_gc.') and m.split('.')[1] != 'base' and "
+               "m != 'dpr_gc.cli']")
+    from dpr_gc import cli
+
+    assert cli.build_parser(listing=True).format_help() == cli.build_parser().format_help()
+
+
+def test_each_command_is_described_in_its_own_help() -> None:
+    from dpr_gc import cli
+
+    commands = next(a for a in cli.build_parser()._actions if a.dest == "command").choices
+    for name, parser in commands.items():
+        assert parser.description, name
+    assert commands["train"].description == "Train a retriever with Gradient Cache (DPR files or BEIR folders)."

@@ -174,7 +174,7 @@ def clear_cache(root: Path) -> tuple[int, int, list[Path]]:
 def add_cli(subparsers: Any) -> None:
     """Register ``cache``: list the parsed-data cache, or clear it."""
     p = subparsers.add_parser(
-        "cache", help="list (or --clear) the cache of parsed corpora and training sets",
+        "cache",
         description="Corpora and training sets are parsed once into memory-mapped Arrow files under $DPR_GC_CACHE "
                     "(default ~/.cache/dpr_gc): corpora/ and train/, each file named by its source and a hash of "
                     "its content. They are safe to delete at any time: the next run parses its source again.")

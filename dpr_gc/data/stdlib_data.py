@@ -427,7 +427,7 @@ class StdlibDataSettings:
 
 def add_cli(subparsers: Any) -> None:
     """Register ``make-stdlib-data`` (flags generated from :class:`StdlibDataSettings`)."""
-    p = subparsers.add_parser("make-stdlib-data", help="build the default retrieval dataset from Python's stdlib",
+    p = subparsers.add_parser("make-stdlib-data",
                               description=__doc__.splitlines()[0])
     add_arguments(p, StdlibDataSettings)
     p.set_defaults(func=_run_cli)

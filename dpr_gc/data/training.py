@@ -528,7 +528,7 @@ class PrepareSettings:
 
 def add_cli(subparsers: Any) -> None:
     """Register ``prepare-data``: parse and cache training sources ahead of training, printing their statistics."""
-    p = subparsers.add_parser("prepare-data", help="validate and cache training data (DPR files, BEIR folders)")
+    p = subparsers.add_parser("prepare-data")
     p.add_argument("sources", nargs="+", help="DPR training files (.json/.jsonl[.gz]) or BEIR folders")
     add_arguments(p, PrepareSettings)
     p.set_defaults(func=_cli_prepare)

@@ -423,7 +423,7 @@ class EvaluateSettings:
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``evaluate`` sub-command (flags generated from :class:`EvaluateSettings`)."""
-    p = subparsers.add_parser("evaluate", help="top-k answer accuracy and qrels metrics (Recall, nDCG, MRR, MAP)",
+    p = subparsers.add_parser("evaluate",
                               description="Evaluate retrieval output against answers and/or relevance judgments.")
     add_arguments(p, EvaluateSettings)
     p.set_defaults(func=_cli)

@@ -150,7 +150,7 @@ class MergeSettings:
 
 
 def add_cli(subparsers: Any) -> None:
-    p = subparsers.add_parser("merge-lora", help="write a retriever with its LoRA adapters merged into full weights")
+    p = subparsers.add_parser("merge-lora")
     add_arguments(p, MergeSettings)
     p.set_defaults(func=_cli)
 

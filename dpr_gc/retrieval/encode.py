@@ -351,7 +351,7 @@ def add_arguments(parser: argparse.ArgumentParser, dpr_aliases: bool = False) ->
 
 def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc encode``."""
-    parser = subparsers.add_parser("encode", help="embed a passage corpus into resumable shards",
+    parser = subparsers.add_parser("encode",
                                    description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.set_defaults(func=run_cli)

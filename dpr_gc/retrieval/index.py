@@ -613,7 +613,7 @@ def _cli(args: argparse.Namespace) -> None:
 
 def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc index``."""
-    p = subparsers.add_parser("index", help="build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards",
+    p = subparsers.add_parser("index",
                               description="Build a FAISS inner-product index from the shards written by encode.")
     add_arguments(p, IndexJob)
     add_index_arguments(p)

@@ -651,7 +651,7 @@ def _cli(args: argparse.Namespace) -> None:
 
 def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc mine``."""
-    p = subparsers.add_parser("mine", help="mine hard negatives (BM25 or dense) into a DPR training file",
+    p = subparsers.add_parser("mine",
                               description=__doc__.splitlines()[0] + " Interrupted, the same command resumes after "
                               "the last finished chunk of 1,024 questions.")
     add_arguments(p, MineJob)

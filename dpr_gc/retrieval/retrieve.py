@@ -595,7 +595,7 @@ def add_retrieve_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_cli(subparsers: Any) -> None:
     """Register ``dpr-gc retrieve``."""
-    p = subparsers.add_parser("retrieve", help="top-k passages for questions: DPR JSON and a TREC run",
+    p = subparsers.add_parser("retrieve",
                               description=__doc__.splitlines()[0])
     add_arguments(p, IndexToSearch)
     add_retrieve_arguments(p)

@@ -595,7 +595,7 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
 
 def add_cli(subparsers: Any) -> None:
     """Register ``train`` (its flags: :func:`dpr_gc.train.config.add_train_arguments`)."""
-    p = subparsers.add_parser("train", help="train a retriever with Gradient Cache (DPR files or BEIR folders)")
+    p = subparsers.add_parser("train")
     add_train_arguments(p)
     p.set_defaults(func=_cli_train)
 

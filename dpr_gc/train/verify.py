@@ -442,8 +442,7 @@ def run_checks(trainer: Any, batches: int) -> VerifyReport:
 
 def add_cli(subparsers: Any) -> None:
     """Register ``verify``: ``dpr-gc train``'s flags plus ``--batches``."""
-    p = subparsers.add_parser("verify", help="check that the cached step equals the full-batch step on your set-up "
-                                             "(train's flags; writes nothing)")
+    p = subparsers.add_parser("verify")
     add_train_arguments(p)
     p.add_argument("--batches", type=positive_int, default=1, help="batches to check (default 1)")
     p.set_defaults(func=_cli_verify)
