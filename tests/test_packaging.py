@@ -77,7 +77,7 @@ def reached_imports(start: str) -> tuple[set[str], set[str], set[str]]:
     if start == "dpr_gc.cli":  # the stages it imports by name (importlib), one per sub-command
         from dpr_gc.cli import STAGES
 
-        todo.extend(f"dpr_gc.{module}" for module in STAGES.values())
+        todo.extend(f"dpr_gc.{stage.module}" for stage in STAGES.values())
     while todo:
         module = todo.pop()
         path = _module_file(module)
