@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -587,16 +588,45 @@ def test_the_step_profile_counts_each_kernel_once() -> None:
     assert [e.key for e in profile_step.host_events(events)] == ["aten::mm", "aten::copy_", "cudaLaunchKernel"]
 
 
-def test_the_host_overhead_benchmark_times_plain_and_the_whole_batch_budget_in_turn(tmp_path: Path, capsys) -> None:
+def test_the_host_overhead_benchmark_times_its_variants_in_turn(tmp_path: Path, capsys) -> None:
     import host_overhead
 
     out = tmp_path / "host.json"
     assert host_overhead.main(["--layers", "1", "--steps", "2", "--output", str(out)]) == 0
     result = json.loads(out.read_text())["result"]
     assert [len(result["step_times_s"][k]) for k in ("plain", "whole")] == [4, 4]  # two warm-ups, two timed
-    assert result["plain_ms"] > 0 and result["whole_vs_plain"] == pytest.approx(result["whole_ms"] / result["plain_ms"])
-    assert "ms a step" in capsys.readouterr().out
-    assert set(result["collections_per_step"]) == set(result["collection_ms_per_step"]) == {"plain", "whole"}
+    assert result["vs_plain"]["whole"] == pytest.approx(result["ms"]["whole"] / result["ms"]["plain"])
+    cpu = result["step_cpu_times_s"]
+    paired = sorted(w / p for w, p in zip(cpu["whole"][2:], cpu["plain"][2:]))
+    assert result["paired_vs_plain"]["whole"] == pytest.approx(sum(paired) / 2) and result["paired_vs_plain"]["plain"] == 1
+    assert set(result["cpu_ms"]) == set(result["collections_per_step"]) == set(result["collection_ms_per_step"]) == {
+        "plain", "whole"}
+    assert "| whole |" in capsys.readouterr().out
+
+
+def test_the_host_overhead_benchmark_takes_the_meter_off_and_runs_budget_0(tmp_path: Path) -> None:
+    """``whole-unmetered`` runs the whole-batch step's chunks without a single saved-tensor hook (the same chunks as
+    ``whole``); ``budget0`` runs ``--chunk`` rows per chunk, in fp32 when asked."""
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    hooks = []
+    real_hooks = torch.autograd.graph.saved_tensors_hooks
+
+    def counting_hooks(pack, unpack):
+        hooks.append(pack)
+        return real_hooks(pack, unpack)
+
+    with mock.patch.object(torch.autograd.graph, "saved_tensors_hooks", counting_hooks):
+        assert host_overhead.main(["--layers", "1", "--steps", "1", "--precision", "fp32", "--variants",
+                                   "whole-unmetered", "--output", str(out)]) == 0
+    assert hooks == []
+    assert host_overhead.main(["--layers", "1", "--steps", "1", "--precision", "fp32", "--chunk", "1", "--variants",
+                               "plain,whole,whole-unmetered,budget0", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["precision"] == "fp32"
+    chunks = result["result"]["chunks"]
+    assert chunks["whole"] == chunks["whole-unmetered"] and chunks["budget0"].startswith("1/6 chunks")
 
 
 def test_the_host_overhead_benchmark_counts_garbage_collections_and_their_time() -> None:
@@ -613,8 +643,12 @@ def test_the_host_overhead_benchmark_counts_garbage_collections_and_their_time()
     assert collections.count == 2 and collections.seconds > 0
 
 
-@pytest.mark.parametrize("argv, flag", [(["--layers", "0"], "--layers"), (["--query-length", "0"], "--query-length")])
-def test_the_host_overhead_benchmark_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, argv, flag) -> None:
+@pytest.mark.parametrize("argv, flag", [(["--layers", "0"], "--layers"), (["--query-length", "0"], "--query-length"),
+                                        (["--variants", "plain,fast"], "--variants fast"),
+                                        (["--variants", "grad_cache-original"], "--variants grad_cache-original")])
+def test_the_host_overhead_benchmark_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, monkeypatch, argv,
+                                                                     flag) -> None:
     import host_overhead
 
+    monkeypatch.setattr(host_overhead, "original_version", lambda: None)  # as where it is not installed
     refused_in_one_line(host_overhead.main, argv, flag, tmp_path / "host.json", capsys)
