@@ -162,6 +162,23 @@ def test_a_value_starting_with_a_dash_says_how_to_write_it(command: list, flag: 
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("argv, said, ending", [
+    (["encod"], "invalid choice: 'encod' (choose from 'demo', ", "; did you mean 'encode'? (see dpr-gc --help)"),
+    (["train", "--train", "t.json", "--output", "o", "--pooling", "clss"], "argument --pooling: invalid choice: 'clss'",
+     "; did you mean 'cls'? (see dpr-gc train --help)"),
+    (["evaluate", "--resluts", "r.json"], "dpr-gc evaluate: unrecognized arguments: --resluts r.json",
+     "; did you mean --results? (see dpr-gc evaluate --help)"),
+    (["train", "--train", "t.json", "--output", "o", "--batch-szie=4"], "unrecognized arguments: --batch-szie=4",
+     "; did you mean --batch-size? (see dpr-gc train --help)")])
+def test_a_misspelt_command_flag_or_choice_is_named_with_the_closest_one(argv: list, said: str, ending: str) -> None:
+    """One line naming what was given and the closest command, flag or choice, pointing to the help of the command
+    it was given to; a word close to nothing gets argparse's line alone."""
+    line = error_line(*call(cli.main, argv))
+    assert said in line and line.endswith(ending), line
+    for nothing_close in (["xyz"], ["train", "--train", "t.json", "--output", "o", "--zzzz"]):
+        assert "did you mean" not in error_line(*call(cli.main, nothing_close))
+
+
 def test_negative_numbers_reach_the_flag_checks() -> None:
     """A negative number after a flag, one value or several, is the flag's value (argparse takes it so); the flag's
     own check refuses it."""

@@ -4,6 +4,7 @@ types that validate numbers and devices while the command line is parsed, before
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import sys
@@ -39,7 +40,8 @@ class HelpFormatter(argparse.HelpFormatter):
 class ArgumentParser(argparse.ArgumentParser):
     """An ``argparse`` parser that reports a bad command line as one ``error: ...`` line and exit status 2, and
     shows every option's default in ``--help``. A value that starts with '-' (``--memory-budget -5GB``) reads as a
-    flag to argparse, which then says only "expected one argument"; the line says how to pass such a value."""
+    flag to argparse, which then says only "expected one argument"; the line says how to pass such a value. A
+    misspelt flag, command or choice is named with the closest one (``did you mean --batch-size?``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -53,6 +55,43 @@ class ArgumentParser(argparse.ArgumentParser):
             return super().parse_known_args(args, namespace)
         except argparse.ArgumentError as e:
             self.error(self.dash_value(e, args) or str(e))
+
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self.command_parser(parsed)
+            parser.error(gettext("unrecognized arguments: %s") % " ".join(extras) + parser.closest_flag(extras))
+        return parsed
+
+    def command_parser(self, parsed: argparse.Namespace) -> "ArgumentParser":
+        """The parser of the sub-command ``parsed`` names, whose flags an unrecognised one was meant to be; this
+        parser where there is none."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+                chosen = action.choices[getattr(parsed, action.dest)]
+                return chosen if isinstance(chosen, ArgumentParser) else self
+        return self
+
+    def closest_flag(self, words: Sequence[str]) -> str:
+        """``; did you mean --FLAG?`` for the first of ``words`` close to one of this parser's options, else ''."""
+        for word in words:
+            options = list(self._option_string_actions) if word[:1] == "-" else []
+            match = difflib.get_close_matches(word.split("=", 1)[0], options, n=1)
+            if match:
+                return f"; did you mean {match[0]}?"
+        return ""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """argparse's check of a value against ``choices`` (a sub-command's name among them), naming the closest
+        choice when there is one."""
+        if action.choices is not None and value not in action.choices:
+            match = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1)
+            if match:
+                choices = ", ".join(map(repr, action.choices))
+                raise argparse.ArgumentError(action, gettext("invalid choice: %(value)r (choose from %(choices)s)")
+                                             % {"value": value, "choices": choices} + f"; did you mean {match[0]!r}?")
+        super()._check_value(action, value)
 
     def dash_value(self, error: argparse.ArgumentError, args: Sequence[str]) -> Optional[str]:
         """Why ``error`` arose, when it is a one-value flag followed by a word that starts with '-' but is none of
