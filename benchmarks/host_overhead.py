@@ -4,7 +4,8 @@ A GPU step of a deep LoRA decoder in small chunks waits on the host: every opera
 modules, every hook. This measures that overhead where it can be seen on any machine: bench_llm.py's 256-wide
 Qwen2-shaped LoRA retriever with ``--layers`` layers (24, as Qwen2-0.5B: about 2,000 modules with the adapters) on
 rows of a few tokens, so the arithmetic is negligible, bf16 autocast (``--precision fp32``: none; on a CPU without
-native bf16 the emulated bf16 arithmetic, not the host, is the bound), one thread. The variants (``--variants``)
+native bf16 the emulated bf16 arithmetic, not the host, is the bound), one thread; or, with ``--device cuda``, on
+a GPU (``--shape qwen2-0.5b`` for Qwen2-0.5B's widths), each step synchronised. The variants (``--variants``)
 alternate step by step in one process, the order reversed every step:
 
 * ``plain``: plain training, one graph per model input;
@@ -21,6 +22,8 @@ the ratios within one round, see :func:`paired_ratios`), and the garbage collect
     python benchmarks/host_overhead.py                      # benchmarks/results/host-overhead-cpu.json
     python benchmarks/host_overhead.py --layers 4 --steps 40
     python benchmarks/host_overhead.py --precision fp32 --variants plain,whole,whole-unmetered,budget0
+    python benchmarks/host_overhead.py --device cuda --shape qwen2-0.5b --rows 32 --query-length 32 \
+        --passage-length 256 --variants plain,whole,whole-unmetered --steps 6    # the H100 LLM shape of bench_frontier
 """
 
 from __future__ import annotations
@@ -88,11 +91,12 @@ def original_step(retriever: Any, chunk: int, q: dict, p: dict) -> Callable[[], 
 
 def steps(args: argparse.Namespace) -> tuple[dict[str, Callable[[], None]], dict[str, GradCache]]:
     """The ``--variants`` steps on one model and batch, each zeroing the gradients first, and dpr-gc's engines."""
-    shape = dict(bench_llm.SMALL, num_hidden_layers=args.layers)
-    retriever = bench_llm.build_shape(shape, lora_r=16, device=torch.device("cpu"))
+    shape = dict(bench_llm.QWEN2_05B if args.shape == "qwen2-0.5b" else bench_llm.SMALL, num_hidden_layers=args.layers)
+    device = torch.device(args.device)
+    retriever = bench_llm.build_shape(shape, lora_r=16, device=device)
     vocab = shape["vocab_size"]
-    q = bench_llm.random_batch(args.rows, args.query_length, vocab, 1)
-    p = bench_llm.random_batch(2 * args.rows, args.passage_length, vocab, 2)
+    q = {k: v.to(device) for k, v in bench_llm.random_batch(args.rows, args.query_length, vocab, 1).items()}
+    p = {k: v.to(device) for k, v in bench_llm.random_batch(2 * args.rows, args.passage_length, vocab, 2).items()}
     loss_fn = SimpleContrastiveLoss(1)
 
     engines = {}
@@ -115,16 +119,19 @@ def steps(args: argparse.Namespace) -> tuple[dict[str, Callable[[], None]], dict
              "whole-unmetered": lambda: unmetered(engine("whole-unmetered", WHOLE_BATCH, args.rows)),
              "budget0": lambda: engine("budget0", 0, args.chunk),
              ORIGINAL: lambda: original_step(retriever, args.chunk, q, p)}
-    return {name: timed(built[name](), retriever, args.precision) for name in args.variants}, engines
+    return {name: timed(built[name](), retriever, args.precision, device) for name in args.variants}, engines
 
 
-def timed(step: Callable[[], None], model: torch.nn.Module, precision: str) -> Callable[[], None]:
-    """``step`` after zeroing ``model``'s gradients, under bf16 autocast unless ``precision`` is fp32."""
+def timed(step: Callable[[], None], model: torch.nn.Module, precision: str, device: torch.device) -> Callable[[], None]:
+    """``step`` after zeroing ``model``'s gradients, under bf16 autocast unless ``precision`` is fp32; on CUDA the
+    device has finished the step when it returns."""
 
     def run() -> None:
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     return run
 
@@ -196,14 +203,21 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=24, help="timed steps per variant (default 24)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="bf16 autocast (default) or fp32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs (default cpu)")
+    p.add_argument("--shape", choices=("small", "qwen2-0.5b"), default="small",
+                   help="the decoder's width: bench_llm.py's 256-wide shape or Qwen2-0.5B's (default small; --layers "
+                        "layers either way)")
     p.add_argument("--variants", default="plain,whole", help=f"comma-separated, of {', '.join(VARIANTS)} (default "
                                                               "plain,whole)")
     p.add_argument("--chunk", type=int, default=1, help="rows per chunk of budget0 and the original (default 1)")
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "host-overhead-cpu.json"))
+    p.add_argument("--output", default=None, help="default benchmarks/results/host-overhead-DEVICE.json")
     args = p.parse_args(argv)
     for flag in ("layers", "rows", "query_length", "passage_length", "steps", "threads", "chunk"):
         if getattr(args, flag) < 1:
             raise DprGcError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive integer")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise DprGcError("--device cuda: no CUDA device is available here; leave --device out to run on the CPU")
+    args.output = args.output or str(ROOT / "benchmarks" / "results" / f"host-overhead-{args.device}.json")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants:
@@ -219,7 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
         args = parse_args(argv)
         result = measure(args)
-        write_json(Path(args.output), {"machine": machine_info("cpu", args.threads), "settings": vars(args),
+        write_json(Path(args.output), {"machine": machine_info(args.device, args.threads), "settings": vars(args),
                                        "result": result})
         print(markdown_table(("variant", "ms a step", "CPU ms", "vs plain (paired)", "collections a step (ms)"), [
             [name, f"{result['ms'][name]:.1f}", f"{result['cpu_ms'][name]:.1f}",

@@ -629,6 +629,25 @@ def test_the_host_overhead_benchmark_takes_the_meter_off_and_runs_budget_0(tmp_p
     assert chunks["whole"] == chunks["whole-unmetered"] and chunks["budget0"].startswith("1/6 chunks")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_the_host_overhead_benchmark_refuses_cuda_without_a_gpu(tmp_path: Path, capsys) -> None:
+    import host_overhead
+
+    refused_in_one_line(host_overhead.main, ["--device", "cuda"], "--device cuda", tmp_path / "host.json", capsys)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_host_overhead_benchmark_runs_on_cuda(tmp_path: Path) -> None:
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    assert host_overhead.main(["--device", "cuda", "--layers", "1", "--steps", "1", "--variants",
+                               "plain,whole,whole-unmetered", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["machine"]["device"] == "cuda" and result["settings"]["device"] == "cuda"
+    assert result["result"]["chunks"]["whole"] == result["result"]["chunks"]["whole-unmetered"]
+
+
 def test_the_host_overhead_benchmark_counts_garbage_collections_and_their_time() -> None:
     import gc
     import host_overhead
