@@ -131,7 +131,7 @@ def check_checkpointed_separate_towers(rank: int, tmp: str) -> None:
 
 
 def worker(rank: int, tmp: str) -> None:
-    """Every check runs on both ranks (one spawn: starting the processes costs more than the checks)."""
+    """Every check runs on both ranks (one start of the ranks: starting them costs more than the checks)."""
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=300))
     checks = {"gather": lambda: check_gather_leaves_other_consumers_alone(rank),
