@@ -19,6 +19,7 @@ them (so a file fetched again, or a copy, is checked against the first).
 from __future__ import annotations
 
 import argparse
+import difflib
 import gzip
 import hashlib
 import json
@@ -33,6 +34,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dpr_gc.base.args import ArgumentParser  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
@@ -55,7 +57,8 @@ RESOURCES = {
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="download_dpr_data.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("resources", nargs="*", help=f"any of: {', '.join(RESOURCES)}")
     parser.add_argument("--output", default="data/dpr", help="download folder")
     parser.add_argument("--list", action="store_true", help="list the resources and exit")
@@ -65,7 +68,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     unknown = [r for r in args.resources if r not in RESOURCES]
     if unknown:
-        parser.error(f"unknown resource {', '.join(unknown)}; choose from {', '.join(RESOURCES)}")
+        close = difflib.get_close_matches(unknown[0], RESOURCES, n=1)
+        parser.error(f"unknown resource {', '.join(unknown)}; choose from {', '.join(RESOURCES)}"
+                     + (f"; did you mean {close[0]}?" if close else ""))
     if not args.resources and not args.list:
         parser.error("name at least one resource (or --list)")
     return args

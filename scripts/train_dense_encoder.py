@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="train_dense_encoder.py", description=__doc__.splitlines()[0])
     T.add_cli(parser.add_subparsers(dest="command"))
     train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    train.prog = parser.prog  # the script runs only train: its lines name the script, not a command never typed
     for action in train._actions:
         if action.dest == "train_files":
             action.required, action.nargs = False, "*"

@@ -42,10 +42,23 @@ def test_download_lists_and_dry_runs(tmp_path):
     assert "already there" in again.stdout
 
 
-@pytest.mark.parametrize("args,message", [(["nq-trian"], "unknown resource nq-trian"), ([], "at least one resource")])
-def test_download_rejects_bad_arguments(args, message):
+@pytest.mark.parametrize("args,message", [(["nq-trian"], "unknown resource nq-trian; choose from nq-train, "),
+                                          ([], "at least one resource"),
+                                          (["--bogus"], "unrecognized arguments: --bogus")])
+def test_download_rejects_bad_arguments_in_one_line(args, message):
     bad = run("download_dpr_data.py", *args)
     assert bad.returncode == 2 and message in bad.stderr
+    assert bad.stderr.startswith("error: download_dpr_data.py: ") and bad.stderr.count("\n") == 1, bad.stderr
+    assert ("did you mean nq-train?" in bad.stderr) == (args == ["nq-trian"])
+
+
+def test_train_script_names_itself_and_the_closest_flag():
+    """The script runs ``dpr-gc train``'s parser as its only command: a misspelt flag's line names the script (not a
+    ``train`` command never typed) and the closest GC-DPR flag."""
+    bad = run("train_dense_encoder.py", "--q_chunk_sise", "4")
+    assert bad.returncode == 2 and bad.stderr == ("error: train_dense_encoder.py: unrecognized arguments: "
+                                                  "--q_chunk_sise 4; did you mean --q_chunk_size? (see "
+                                                  "train_dense_encoder.py --help)\n"), bad.stderr
 
 
 def test_train_script_accepts_gc_dpr_flags(tmp_path):
