@@ -355,6 +355,21 @@ def test_one_weight_copy_per_pass_under_autocast(make_retriever, budget):
     assert sum(report.chunks) > 4 and report.kept_bytes < copies + report.largest_graph * sum(report.chunks)
 
 
+def test_only_half_precision_copies_of_parameters_count_as_shared_weight_copies():
+    """Autocast shares one cached copy of each weight, always in a half precision; a full-precision copy of a
+    parameter (an fp32 op upcasting a bf16 weight) is made afresh by each call, so it is the graph's own."""
+    bf16_weight = nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))
+    fp32_weight = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(4, 4, requires_grad=True)
+    with GraphMeter(set()) as meter:
+        upcast = bf16_weight.float()
+        half = fp32_weight.to(torch.bfloat16)
+        out = (upcast * x).sum() + (half * (x * 1).to(torch.bfloat16)).sum()
+    assert list(meter.weight_copies) == [half.untyped_storage().data_ptr()]
+    assert upcast.untyped_storage().data_ptr() in meter.storages
+    out.backward()
+
+
 def test_ledger_counts_shared_weight_copies_once():
     copy = torch.zeros(1000).untyped_storage()
     ledger = BudgetLedger(10**9, {})

@@ -104,6 +104,7 @@ def storages_of(tensors: Iterable[torch.Tensor]) -> set[int]:
     return found
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # what autocast casts weights to
 # Autograd nodes between a parameter and its autocast copy (a cast, then views such as the transpose a linear saves).
 _CAST_OR_VIEW = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
                            "ReshapeAliasBackward0", "ExpandBackward0", "UnsqueezeBackward0", "AliasBackward0"})
@@ -176,12 +177,16 @@ class GraphMeter:
         self._hooks: Optional[Any] = torch.autograd.graph.saved_tensors_hooks(_pack_hook(self._recording), _unpack)
 
     def _record(self, t: torch.Tensor) -> None:
+        """Runs for every saved tensor, on the host a GPU step waits for: autograd's history is walked only for
+        tensors in a half precision, the dtypes autocast copies weights to."""
         storage = _storage(t)
         if storage is None:
             self.loose += t.numel() * t.element_size()
-        elif storage.data_ptr() not in self.exclude:
-            found = self.weight_copies if casts_a_parameter(t) else self.storages
-            found.setdefault(storage.data_ptr() or id(storage), storage)
+            return
+        ptr = storage.data_ptr()
+        if ptr not in self.exclude:
+            copy = t.dtype in HALF_DTYPES and casts_a_parameter(t)
+            (self.weight_copies if copy else self.storages).setdefault(ptr or id(storage), storage)
 
     def __enter__(self) -> "GraphMeter":
         self._hooks.__enter__()
