@@ -22,12 +22,17 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
 
 
+# The files run last, in this order (see pytest_collection_modifyitems).
+LAST_FILES = ("test_bad_inputs.py", "test_jax.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The JAX tests run last: JAX's thread pools stay up for the rest of the process once started, and a later test
     that forks (DataLoader workers, answer-matching pools) would fork a multithreaded process, which JAX warns may
     deadlock. Under pytest-xdist, ``--dist loadfile --no-loadscope-reorder`` (pytest.ini) hands the files out in
-    this order, so the worker that takes test_jax.py runs nothing after it."""
-    items.sort(key=lambda item: item.path.name == "test_jax.py")  # a stable sort: the rest keep their order
+    this order, so the worker that takes test_jax.py runs nothing after it. Just before it comes one of the longest
+    files, about as long as test_jax.py (100 s on 2 cores), which the other worker runs meanwhile."""
+    items.sort(key=lambda item: LAST_FILES.index(item.path.name) if item.path.name in LAST_FILES else -1)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""The test-rank helpers never let a stuck process outlive its test."""
+"""The test-rank helpers never let a stuck process outlive its test; the suite's order keeps forks away from
+JAX."""
 
 from __future__ import annotations
 
@@ -68,3 +69,12 @@ def test_run_ranks_kills_its_ranks_on_its_limit(tmp_path):
     while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(gone(pid) for pid in pids), "a rank outlived its limit"
+
+
+def test_the_jax_tests_run_last_after_one_of_the_longest_files(request) -> None:
+    """conftest.py's order, as this process collected it: test_jax.py last (no fork after JAX's threads start),
+    test_bad_inputs.py just before it (the other worker's share of the suite's tail)."""
+    files = list(dict.fromkeys(item.path.name for item in request.session.items))
+    if "test_jax.py" not in files or "test_bad_inputs.py" not in files:
+        pytest.skip("run with the whole suite collected")
+    assert files[-2:] == ["test_bad_inputs.py", "test_jax.py"]
