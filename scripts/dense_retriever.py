@@ -167,10 +167,13 @@ def load_or_build_index(embeddings: Optional[str], index_path: Optional[str], sa
 
 def main(argv: Optional[list[str]] = None) -> int:
     flags = hydra_to_flags(list(sys.argv[1:] if argv is None else argv))
-    args, unknown = build_parser().parse_known_args(flags)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(flags)
     setup_logging(args.verbose)
     typed = {f.split("=", 1)[0] for f in flags if f.startswith("--")}
-    ignored = [f for f in IGNORED_VALUE + IGNORED_SWITCH if f in typed] + unknown
+    closest = {word: parser.closest_option(word) for word in unknown}
+    ignored = [f for f in IGNORED_VALUE + IGNORED_SWITCH if f in typed] + [
+        f"{word} (did you mean {closest[word]}?)" if closest[word] else word for word in unknown]
     if ignored:
         logger.warning("accepted with no effect here: %s", " ".join(ignored))
 

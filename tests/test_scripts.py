@@ -52,6 +52,16 @@ def test_download_rejects_bad_arguments_in_one_line(args, message):
     assert ("did you mean nq-train?" in bad.stderr) == (args == ["nq-trian"])
 
 
+def test_dense_retriever_names_the_closest_flag_of_one_it_takes_with_no_effect(tmp_path):
+    """DPR's retriever takes flags it has no use for (hydra overrides) with a warning; a misspelt flag of its own is
+    among them, so the warning names the flag it is close to."""
+    result = run("dense_retriever.py", "--model_file", str(tmp_path / "m"), "--qa_file", str(tmp_path / "q.csv"),
+                 "--ctx_file", str(tmp_path / "c.tsv"), "--encoded_ctx_file", str(tmp_path / "e"), "--out_file",
+                 str(tmp_path / "o.json"), "--n_dosc", "5")
+    warning = next(line for line in result.stderr.splitlines() if "WARNING" in line)
+    assert warning.endswith("accepted with no effect here: --n_dosc (did you mean --n_docs?) 5"), warning
+
+
 def test_train_script_names_itself_and_the_closest_flag():
     """The script runs ``dpr-gc train``'s parser as its only command: a misspelt flag's line names the script (not a
     ``train`` command never typed) and the closest GC-DPR flag."""

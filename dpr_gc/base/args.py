@@ -75,12 +75,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def closest_flag(self, words: Sequence[str]) -> str:
         """``; did you mean --FLAG?`` for the first of ``words`` close to one of this parser's options, else ''."""
-        for word in words:
-            options = list(self._option_string_actions) if word[:1] == "-" else []
-            match = difflib.get_close_matches(word.split("=", 1)[0], options, n=1)
-            if match:
-                return f"; did you mean {match[0]}?"
-        return ""
+        match = next(filter(None, map(self.closest_option, words)), None)
+        return f"; did you mean {match}?" if match else ""
+
+    def closest_option(self, word: str) -> Optional[str]:
+        """This parser's option closest to ``word`` (a flag, with or without ``=VALUE``), if one is close."""
+        options = list(self._option_string_actions) if word[:1] == "-" else []
+        match = difflib.get_close_matches(word.split("=", 1)[0], options, n=1)
+        return match[0] if match else None
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         """argparse's check of a value against ``choices`` (a sub-command's name among them), naming the closest
