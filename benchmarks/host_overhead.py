@@ -62,10 +62,9 @@ class UnmeteredGraph:
     """A graph meter that records nothing (``whole-unmetered``): no saved-tensor hooks, every graph 1 byte (not 0:
     the engine joins a model's chunks only once it has measured some bytes per token)."""
 
-    weight_copies: dict = {}
-
     def __init__(self, exclude: set[int]) -> None:
         del exclude
+        self.weight_copies: dict = {}
 
     def __enter__(self) -> "UnmeteredGraph":
         return self

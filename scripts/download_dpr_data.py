@@ -19,7 +19,6 @@ them (so a file fetched again, or a copy, is checked against the first).
 from __future__ import annotations
 
 import argparse
-import difflib
 import gzip
 import hashlib
 import json
@@ -34,7 +33,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.base.args import ArgumentParser  # noqa: E402
+from dpr_gc.base.args import ArgumentParser, closest  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
@@ -68,9 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     unknown = [r for r in args.resources if r not in RESOURCES]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], RESOURCES, n=1)
+        close = closest(unknown[0], RESOURCES)
         parser.error(f"unknown resource {', '.join(unknown)}; choose from {', '.join(RESOURCES)}"
-                     + (f"; did you mean {close[0]}?" if close else ""))
+                     + (f"; did you mean {close}?" if close else ""))
     if not args.resources and not args.list:
         parser.error("name at least one resource (or --list)")
     return args

@@ -9,7 +9,7 @@ import math
 import os
 import sys
 from gettext import gettext
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence
 
 from .errors import DprGcError
 from .files import check_output_dir, check_output_file
@@ -35,6 +35,13 @@ class HelpFormatter(argparse.HelpFormatter):
         shown = "not set" if default is None else (" ".join(map(str, default)) if isinstance(default, (list, tuple))
                                                    else str(default))
         return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def closest(word: str, candidates: Iterable[str]) -> Optional[str]:
+    """The candidate closest to a misspelt ``word`` (difflib's measure), or None when none is close: what a refusal
+    suggests ("did you mean ...?")."""
+    match = difflib.get_close_matches(word, list(candidates), n=1)
+    return match[0] if match else None
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -80,19 +87,17 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def closest_option(self, word: str) -> Optional[str]:
         """This parser's option closest to ``word`` (a flag, with or without ``=VALUE``), if one is close."""
-        options = list(self._option_string_actions) if word[:1] == "-" else []
-        match = difflib.get_close_matches(word.split("=", 1)[0], options, n=1)
-        return match[0] if match else None
+        return closest(word.split("=", 1)[0], self._option_string_actions) if word[:1] == "-" else None
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         """argparse's check of a value against ``choices`` (a sub-command's name among them), naming the closest
         choice when there is one."""
-        if action.choices is not None and value not in action.choices:
-            match = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1)
-            if match:
-                choices = ", ".join(map(repr, action.choices))
-                raise argparse.ArgumentError(action, gettext("invalid choice: %(value)r (choose from %(choices)s)")
-                                             % {"value": value, "choices": choices} + f"; did you mean {match[0]!r}?")
+        missing = action.choices is not None and value not in action.choices
+        match = closest(str(value), map(str, action.choices)) if missing else None
+        if match is not None:
+            choices = ", ".join(map(repr, action.choices))
+            raise argparse.ArgumentError(action, gettext("invalid choice: %(value)r (choose from %(choices)s)")
+                                         % {"value": value, "choices": choices} + f"; did you mean {match!r}?")
         super()._check_value(action, value)
 
     def dash_value(self, error: argparse.ArgumentError, args: Sequence[str]) -> Optional[str]:
