@@ -536,3 +536,37 @@ def test_the_documented_join_constants_are_the_engines():
     assert f"a chunk's fixed cost counts as {cuda:,} tokens on CUDA" in page and f"and {cpu:,} on the CPU" in page
     assert f"a joined chunk also stops at {grad_cache.JOINED_CHUNK_MAX_TOKENS['cpu']:,} tokens" in page
     assert f"({grad_cache.JOIN_MARGIN * 100:.0f} % of it" in page
+
+
+@pytest.mark.parametrize("budget", ["0", "whole batch"])
+def test_after_the_first_step_the_kept_last_chunk_runs_without_a_meter(make_retriever, monkeypatch, budget):
+    """The step's last chunk keeps its graph whatever it measures, so from the second step on it runs without the
+    meter's saved-tensor hooks and its graph is estimated; the gradient stays the full batch's."""
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 12, 1, seed=9)
+    expected = reference_grads(modules, loss_fn, q, p)
+    meters = []
+
+    class CountedMeter(GraphMeter):
+        def __init__(self, *args: object) -> None:
+            meters[-1] += 1
+            super().__init__(*args)
+
+    monkeypatch.setattr(grad_cache, "GraphMeter", CountedMeter)
+    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=0 if budget == "0" else 10**12)
+    reports = []
+    for _ in range(3):
+        meters.append(0)
+        zero(modules)
+        engine(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
+        reports.append(engine.last_step)
+    assert meters[1:] == ([0, 0] if budget == "0" else [1, 1]), meters  # the query chunk, joined, decides
+    assert meters[0] > meters[1] and reports[0].estimated_last == 0
+    assert reports[2].estimated_last == reports[2].kept_last == 1
+    assert "the step's last chunk, never replayed (its graph estimated" in reports[2].describe()
+    assert reports[2].kept_bytes == reports[1].kept_bytes > 0
+    if budget == "0":  # the same chunk as the first step's, and the bytes per token measured on it
+        assert reports[2].kept_bytes == reports[0].kept_bytes

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import math
 import os
 import re
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
@@ -218,12 +219,14 @@ class StepMemory:
     the first pass, not replayed), the share of the batch's tokens (rows where no sequence length is known) in
     kept chunks, the kept graphs' bytes, the largest chunk graph measured and the peak of graph memory held during
     the first pass (kept graphs plus the chunk being run), and the budget in bytes. ``kept_last`` is 1 when the step's
-    last chunk kept its graph whatever the budget (the backward follows it at once; see ``keep_last_graph``)."""
+    last chunk kept its graph whatever the budget (the backward follows it at once; see ``keep_last_graph``);
+    ``estimated_last`` is 1 when that graph was not measured but estimated (see :meth:`BudgetLedger.estimated`)."""
 
     budget: int = 0
     chunks: list[int] = dataclasses.field(default_factory=list)
     kept: list[int] = dataclasses.field(default_factory=list)
     kept_last: int = 0
+    estimated_last: int = 0
     kept_tokens: int = 0
     tokens: int = 0
     kept_bytes: int = 0
@@ -241,7 +244,8 @@ class StepMemory:
                 f"(budget {format_bytes(self.budget)})")
 
     def describe(self) -> str:
-        last = "the step's last chunk, never replayed, and " if self.kept_last else ""
+        estimated = " (its graph estimated from the bytes per token measured before)" if self.estimated_last else ""
+        last = f"the step's last chunk, never replayed{estimated}, and " if self.kept_last else ""
         return (f"kept the graphs of {sum(self.kept)}/{sum(self.chunks)} chunks ({100 * self.kept_share:.0f}% of "
                 f"tokens, {format_bytes(self.kept_bytes)}: {last}{sum(self.kept) - self.kept_last} within a budget "
                 f"of {format_bytes(self.budget)}); "
@@ -271,8 +275,19 @@ class BudgetLedger:
         it is kept (it fits, or ``force``: the kept last chunk). Weight copies count once, with the first kept graph
         that holds them; the bytes per token that predict later chunks leave them out."""
         new_copies = {ptr: s for ptr, s in (copies or {}).items() if ptr not in self.copies}
-        cost = nbytes + sum(s.nbytes() for s in new_copies.values())
         self.per_token[m] = max(self.per_token.get(m, 0.0), nbytes / max(1, tokens))
+        return self._admit(nbytes + sum(s.nbytes() for s in new_copies.values()), new_copies, force)
+
+    def estimated(self, m: int, tokens: int) -> None:
+        """Keep the step's last chunk, run without a meter: its graph is counted as its tokens times the largest
+        bytes per token measured for model ``m`` (weight copies of its own left out). It is kept whatever it
+        measures, so measuring it would decide nothing; the meter's saved-tensor hooks cost a Python call per saved
+        tensor, which a GPU waits for."""
+        self.report.estimated_last = 1
+        self._admit(math.ceil(self.per_token[m] * tokens), {}, force=True)
+
+    def _admit(self, cost: int, new_copies: dict[int, Any], force: bool) -> bool:
+        """Count a chunk graph of ``cost`` bytes in the report; hold it when it fits (or ``force``)."""
         self.report.largest_graph = max(self.report.largest_graph, cost)
         self.report.peak_graph_bytes = max(self.report.peak_graph_bytes, self.held + cost)
         keep = force or self.held + cost <= self.report.budget

@@ -247,14 +247,23 @@ class _ListedTensors:
 
     def __init__(self) -> None:
         self._listed: dict[int, list[torch.Tensor]] = {}
+        self._fixed: dict[int, set[int]] = {}
 
     def clear(self) -> None:
         self._listed.clear()
+        self._fixed.clear()
 
     def of(self, model: nn.Module) -> list[torch.Tensor]:
         if id(model) not in self._listed:
             self._listed[id(model)] = list(itertools.chain(model.parameters(), model.buffers()))
         return self._listed[id(model)]
+
+    def meter(self, model: nn.Module) -> GraphMeter:
+        """A graph meter for a chunk of ``model``, its parameters and buffers left out (their storages listed once
+        per step too)."""
+        if id(model) not in self._fixed:
+            self._fixed[id(model)] = storages_of(self.of(model))
+        return GraphMeter(self._fixed[id(model)])
 
 
 class GradCache:
@@ -284,8 +293,9 @@ class GradCache:
         memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
             first-pass graphs to keep: a chunk whose graph, measured exactly with saved-tensor hooks, fits what is
             left keeps it and is not run again (its backward takes the cached gradient directly); the others are
-            replayed. 0 (default): only the last chunk, as ``chunking.keep_last_graph`` says. Peak graph memory
-            stays within the budget plus one chunk's graph. From the second step on, chunks the budget holds are
+            replayed. 0 (default): only the last chunk, as ``chunking.keep_last_graph`` says (kept whatever its
+            size, it is measured in the first step only; later ones are estimated, :attr:`last_step` says so).
+            Peak graph memory stays within the budget plus one chunk's graph. From the second step on, chunks the budget holds are
             joined into fewer, larger ones where that saves more than the padding it adds (on CUDA a budget for the
             whole batch makes the step plain training, one chunk per model; docs/training.md, "Memory budget and
             chunks"). Under DDP/FSDP each model's last chunk is still replayed: its backward carries the gradient
@@ -453,13 +463,12 @@ class GradCache:
         model = self.models[plan.m]
         devices = replayable_devices(self._tensors.of(model)) if trainable else set()
         data_parallel, last = is_data_parallel(model), len(plan.chunks) - 1
-        exclude = storages_of(self._tensors.of(model)) if trainable else set()
         for i, (chunk, width) in enumerate(zip(plan.chunks, plan.widths)):
             force = keep_last and i == last
             if trainable:
                 plan.states[i] = RandState(devices | {t.device for t in tensors_in(chunk)})
             if trainable and not (data_parallel and i == last) and (force or ledger.worth_trying(plan.m, plan.tokens[i])):
-                self._run_with_graph(plan, i, exclude, ledger, force)
+                self._run_with_graph(plan, i, ledger, force)
             else:
                 with torch.no_grad():
                     plan.store(self._forward(model, chunk, width))
@@ -467,15 +476,21 @@ class GradCache:
             if i in plan.kept:
                 del plan.states[i]
 
-    def _run_with_graph(self, plan: _Plan, i: int, exclude: set[int], ledger: BudgetLedger, force: bool) -> None:
-        """Run chunk ``i`` with its graph, measured; keep the graph when the ledger admits it, else drop it."""
+    def _run_with_graph(self, plan: _Plan, i: int, ledger: BudgetLedger, force: bool) -> None:
+        """Run chunk ``i`` with its graph, measured; keep the graph when the ledger admits it, else drop it. The
+        step's last chunk, kept whatever its size (``force``), is measured in the engine's first step only, or
+        while its model has no bytes per token measured; later ones are estimated (:meth:`BudgetLedger.estimated`)."""
         model = self.models[plan.m]
-        with self._sync_context(model, False), GraphMeter(exclude) as meter:
+        measure = not force or self.last_step is None or plan.m not in self._per_token
+        with self._sync_context(model, False), (self._tensors.meter(model) if measure else contextlib.nullcontext()) \
+                as meter:
             chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
-        nbytes, copies = meter.nbytes(chunk_rep), meter.weight_copies
-        del meter
-        if ledger.measured(plan.m, plan.tokens[i], nbytes, copies, force):
+        if meter is None:
+            ledger.estimated(plan.m, plan.tokens[i])
             plan.kept[i] = chunk_rep
+        elif ledger.measured(plan.m, plan.tokens[i], meter.nbytes(chunk_rep), meter.weight_copies, force):
+            plan.kept[i] = chunk_rep
+        del meter
         plan.store(chunk_rep.detach())
 
     # ----------------------------------------------------------------- the step
@@ -594,10 +609,10 @@ class GradCache:
         all-reduce (FSDP's reduce-scatter)."""
         model, end = self.models[plan.m], len(plan.chunks) - 1
         measure = plan.m not in self._replayed_graph
-        exclude = storages_of(self._tensors.of(model)) if plan.states and measure else set()
         for i in sorted(plan.states):
             with self._sync_context(model, not no_sync or i == end):
-                with plan.states[i].replay(), (GraphMeter(exclude) if measure else contextlib.nullcontext()) as meter:
+                with plan.states[i].replay(), \
+                        (self._tensors.meter(model) if measure else contextlib.nullcontext()) as meter:
                     chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
                 if meter is not None:
                     self._replayed_graph[plan.m] = max(self._replayed_graph.get(plan.m, 0), meter.nbytes(chunk_rep))
