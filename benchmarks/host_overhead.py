@@ -12,6 +12,8 @@ alternate step by step in one process, the order reversed every step:
 * ``whole``: dpr-gc at a budget for the whole batch (the same two graphs, measured by the graph meter);
 * ``whole-unmetered``: the same with the graph meter replaced by one that records nothing, an ablation that shows
   what the meter's saved-tensor hooks cost (not a mode of the engine: the budget holds everything either way);
+* ``whole-hooks``: the same with saved-tensor hooks that only detach each tensor, as the meter's do, and record
+  nothing: PyTorch's cost of a hook per saved tensor, apart from the meter's record of it;
 * ``budget0``: dpr-gc at budget 0, ``--chunk`` rows per chunk (only the last chunk's graph kept);
 * ``grad_cache-original``: luyug/GradCache at ``--chunk`` rows (installed by hand; its own loss on the same scores).
 
@@ -23,7 +25,7 @@ the ratios within one round, see :func:`paired_ratios`), and the garbage collect
     python benchmarks/host_overhead.py --layers 4 --steps 40
     python benchmarks/host_overhead.py --precision fp32 --variants plain,whole,whole-unmetered,budget0
     python benchmarks/host_overhead.py --device cuda --shape qwen2-0.5b --rows 32 --query-length 32 \
-        --passage-length 256 --variants plain,whole,whole-unmetered --steps 6    # the H100 LLM shape of bench_frontier
+        --passage-length 256 --variants plain,whole,whole-unmetered,whole-hooks --steps 6  # the H100 LLM shape
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from dpr_gc.engine import grad_cache as engine_module  # noqa: E402
 
 logger = logging.getLogger("host_overhead")
 WHOLE_BATCH = 10**15
-VARIANTS = ("plain", "whole", "whole-unmetered", "budget0", ORIGINAL)
+VARIANTS = ("plain", "whole", "whole-unmetered", "whole-hooks", "budget0", ORIGINAL)
 
 
 class UnmeteredGraph:
@@ -74,6 +76,21 @@ class UnmeteredGraph:
 
     def nbytes(self, output: Optional[torch.Tensor] = None) -> int:
         return 1
+
+
+class HookedGraph(UnmeteredGraph):
+    """A graph meter whose saved-tensor hooks only detach each tensor (``whole-hooks``), recording nothing."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        super().__init__(exclude)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, lambda t: t)
+
+    def __enter__(self) -> "HookedGraph":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
 
 
 def original_step(retriever: Any, chunk: int, q: dict, p: dict) -> Callable[[], None]:
@@ -108,14 +125,15 @@ def steps(args: argparse.Namespace) -> tuple[dict[str, Callable[[], None]], dict
     def plain() -> None:
         loss_fn(retriever(kind="query", **q).float(), retriever(kind="passage", **p).float()).backward()
 
-    def unmetered(step: Callable[[], None]) -> Callable[[], None]:
+    def metered_by(meter: type, step: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
-            with mock.patch.object(engine_module, "GraphMeter", UnmeteredGraph):
+            with mock.patch.object(engine_module, "GraphMeter", meter):
                 step()
         return run
 
     built = {"plain": lambda: plain, "whole": lambda: engine("whole", WHOLE_BATCH, args.rows),
-             "whole-unmetered": lambda: unmetered(engine("whole-unmetered", WHOLE_BATCH, args.rows)),
+             "whole-unmetered": lambda: metered_by(UnmeteredGraph, engine("whole-unmetered", WHOLE_BATCH, args.rows)),
+             "whole-hooks": lambda: metered_by(HookedGraph, engine("whole-hooks", WHOLE_BATCH, args.rows)),
              "budget0": lambda: engine("budget0", 0, args.chunk),
              ORIGINAL: lambda: original_step(retriever, args.chunk, q, p)}
     return {name: timed(built[name](), retriever, args.precision, device) for name in args.variants}, engines

@@ -606,7 +606,8 @@ def test_the_host_overhead_benchmark_times_its_variants_in_turn(tmp_path: Path, 
 
 def test_the_host_overhead_benchmark_takes_the_meter_off_and_runs_budget_0(tmp_path: Path) -> None:
     """``whole-unmetered`` runs the whole-batch step's chunks without a single saved-tensor hook (the same chunks as
-    ``whole``); ``budget0`` runs ``--chunk`` rows per chunk, in fp32 when asked."""
+    ``whole``), ``whole-hooks`` with hooks that only detach; ``budget0`` runs ``--chunk`` rows per chunk, in fp32
+    when asked."""
     import host_overhead
 
     out = tmp_path / "host.json"
@@ -621,12 +622,17 @@ def test_the_host_overhead_benchmark_takes_the_meter_off_and_runs_budget_0(tmp_p
         assert host_overhead.main(["--layers", "1", "--steps", "1", "--precision", "fp32", "--variants",
                                    "whole-unmetered", "--output", str(out)]) == 0
     assert hooks == []
+    with mock.patch.object(torch.autograd.graph, "saved_tensors_hooks", counting_hooks):
+        assert host_overhead.main(["--layers", "1", "--steps", "1", "--precision", "fp32", "--variants",
+                                   "whole-hooks", "--output", str(out)]) == 0
+    assert hooks and set(hooks) == {torch.Tensor.detach}
     assert host_overhead.main(["--layers", "1", "--steps", "1", "--precision", "fp32", "--chunk", "1", "--variants",
-                               "plain,whole,whole-unmetered,budget0", "--output", str(out)]) == 0
+                               "plain,whole,whole-unmetered,whole-hooks,budget0", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["settings"]["precision"] == "fp32"
     chunks = result["result"]["chunks"]
-    assert chunks["whole"] == chunks["whole-unmetered"] and chunks["budget0"].startswith("1/6 chunks")
+    assert chunks["whole"] == chunks["whole-unmetered"] == chunks["whole-hooks"]
+    assert chunks["budget0"].startswith("1/6 chunks")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")

@@ -295,11 +295,11 @@ class GradCache:
             left keeps it and is not run again (its backward takes the cached gradient directly); the others are
             replayed. 0 (default): only the last chunk, as ``chunking.keep_last_graph`` says (kept whatever its
             size, it is measured in the first step only; later ones are estimated, :attr:`last_step` says so).
-            Peak graph memory stays within the budget plus one chunk's graph. From the second step on, chunks the budget holds are
-            joined into fewer, larger ones where that saves more than the padding it adds (on CUDA a budget for the
-            whole batch makes the step plain training, one chunk per model; docs/training.md, "Memory budget and
-            chunks"). Under DDP/FSDP each model's last chunk is still replayed: its backward carries the gradient
-            sync.
+            Peak graph memory stays within the budget plus one chunk's graph. From the second step on, chunks the
+            budget holds are joined into fewer, larger ones where that saves more than the padding it adds (on CUDA
+            a budget for the whole batch makes the step plain training, one chunk per model; docs/training.md,
+            "Memory budget and chunks"). Under DDP/FSDP each model's last chunk is still replayed: its backward
+            carries the gradient sync.
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
             trim padding, keep the last graph, size chunks by tokens).
 
