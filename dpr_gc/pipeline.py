@@ -115,13 +115,16 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
                          "reused as they are, so give another --output, or the same settings to resume it")
 
 
-def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, top_k: int,
+def measure(model_dir: Path, name: str, out: Path, data: Path, manifest: dict, top_k: int,
             encode_batch_size: int) -> dict:
-    """Encode the corpus, index it (exact inner product), retrieve for the test questions and evaluate."""
+    """Encode the corpus with the retriever saved in ``model_dir``, index it (exact inner product), retrieve for the
+    test questions and evaluate, into ``out/name``. The index records ``model_dir``, so ``dpr-gc retrieve --index``
+    finds the model without ``--model``."""
     from .data.corpus import load_corpus, read_queries
     from .retrieval.encode import encode_corpus
     from .evaluation.answers import default_workers
     from .data.qrels import read_qrels
+    from .model.retriever import Retriever
     from .retrieval.index import DenseIndex, IndexParams, build_index, index_exists
     from .retrieval.retrieve import retrieve_to_files
 
@@ -131,9 +134,10 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
         logger.info("%s: already measured (%s)", name, metrics_file)
         return read_json_object(metrics_file, "demo metrics")
     corpus_path = data / manifest["files"]["corpus"]
+    retriever = Retriever.load(model_dir)
     started = time.perf_counter()
-    encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, model_name=name,
-                  precision="auto")
+    encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, precision="auto",
+                  model_name=str(model_dir))
     encode_seconds = time.perf_counter() - started
     if not index_exists(stage / "index"):
         build_index(stage / "embeddings", stage / "index", IndexParams(kind="flat"))
@@ -148,16 +152,14 @@ def measure(retriever: Any, name: str, out: Path, data: Path, manifest: dict, to
     return metrics
 
 
-def train_demo(training: TrainConfig, base: Any, out: Path, train_file: Path) -> None:
-    """Train ``base`` (saved once to ``out/base_model``) on ``train_file`` into ``out/training``, from its latest
+def train_demo(training: TrainConfig, out: Path, train_file: Path) -> None:
+    """Train the base model saved in ``out/base_model`` on ``train_file`` into ``out/training``, from its latest
     checkpoint when an earlier run left one: the demo resumes by itself, so a full disk says to run it again (train's
     own advice names its ``--resume``, which the demo has not)."""
     from .train.checkpoints import finished_checkpoints
     from .train.trainer import train
 
     base_dir, train_out = out / "base_model", out / "training"
-    if not (base_dir / "retriever_config.json").is_file():
-        base.save(base_dir)
     resume = "latest" if finished_checkpoints(train_out) else None
     try:
         train(dataclasses.replace(
@@ -188,20 +190,21 @@ def run_demo(config: DemoConfig) -> dict:
     questions = min(manifest["counts"]["train_queries"], config.train_queries or manifest["counts"]["train_queries"])
     if questions < training.data.batch_size:  # refused before any stage, so the corrected rerun is not blocked
         raise too_few_questions(questions, training.data.batch_size)
-    base = Retriever.from_pretrained(training.model.path(), training.model.retriever)
-    before = measure(base, "before", out, data, manifest, config.top_k, config.encode_batch_size)
+    base_dir = out / "base_model"
+    if not (base_dir / "retriever_config.json").is_file():
+        Retriever.from_pretrained(training.model.path(), training.model.retriever).save(base_dir)
+    before = measure(base_dir, "before", out, data, manifest, config.top_k, config.encode_batch_size)
 
     train_file = _subset_training_file(data / manifest["files"]["dpr_train"], out / "train_subset.json",
                                        config.train_queries)
     train_out = out / "training"
     final = train_out / "final"
     if not (final / "retriever_config.json").is_file():
-        train_demo(training, base, out, train_file)
+        train_demo(training, out, train_file)
     for checkpoint in finished_checkpoints(train_out):  # only a resume needs them, and final/ is there
         shutil.rmtree(checkpoint)
         logger.info("removed %s (the trained model is in %s)", checkpoint, final)
-    trained = Retriever.load(final)
-    after = measure(trained, "after", out, data, manifest, config.top_k, config.encode_batch_size)
+    after = measure(final, "after", out, data, manifest, config.top_k, config.encode_batch_size)
 
     curve = [json.loads(line) for line in (train_out / "metrics.jsonl").read_text().splitlines()]
     report = {"config": dataclasses.asdict(config), "dataset": manifest["counts"], "before": before, "after": after,

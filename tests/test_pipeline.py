@@ -49,6 +49,17 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert (out / "training" / "final" / "retriever_config.json").is_file()
     assert not list((out / "training").glob("checkpoint-*"))  # only a resume needs it; final/ is saved
     assert (out / "after" / "run.trec").stat().st_size > 0
+    for name, model in (("before", out / "base_model"), ("after", out / "training" / "final")):
+        recorded = json.loads((out / name / "index" / "index_meta.json").read_text())["model"]
+        assert recorded == str(model.resolve()), (name, recorded)  # so retrieve --index needs no --model
+    queries = out / "data" / "test_queries.jsonl"
+    assert main(["retrieve", "--index", str(out / "after" / "index"), "--queries", str(queries), "--top-k", "5",
+                 "--output", str(tmp_path / "again.json")]) == 0
+    again = {r["question"]: [round(float(c["score"]), 4) for c in r["ctxs"]]
+             for r in read_results(tmp_path / "again.json")}
+    demo_top5 = {r["question"]: [round(float(c["score"]), 4) for c in r["ctxs"][:5]]
+                 for r in read_results(out / "after" / "results.json")}
+    assert again == demo_top5  # the same scores (the tiny model's ties may come in another order)
 
     outputs = [out / "training" / "final" / "retriever_config.json", out / "before" / "results.json",
                out / "after" / "results.json", out / "after" / "index" / "index_meta.json"]
@@ -114,8 +125,8 @@ def test_a_measured_stage_shows_retrieval_progress_out_of_the_test_questions(tmp
     real_tqdm = retrieve.tqdm
     monkeypatch.setattr(retrieve, "tqdm", lambda **kw: bars.append(kw) or real_tqdm(**kw))
     manifest = build_stdlib_dataset(tmp_path / "data", max_examples=20)
-    metrics = measure(make_retriever(passage_max_length=32), "before", tmp_path, tmp_path / "data", manifest, top_k=5,
-                      encode_batch_size=16)
+    make_retriever(passage_max_length=32).save(tmp_path / "model")
+    metrics = measure(tmp_path / "model", "before", tmp_path, tmp_path / "data", manifest, top_k=5, encode_batch_size=16)
     assert [bar["total"] for bar in bars if bar["desc"] == "retrieving"] == [metrics["questions"]]
     assert metrics["questions"] == manifest["counts"]["test_queries"] > 0
 
