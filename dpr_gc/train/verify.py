@@ -52,7 +52,9 @@ FP32_ROUNDING_LIMIT = 1e-3
 
 @dataclasses.dataclass
 class StepCost:
-    """Seconds and peak memory of one step (CUDA: the device's peak allocation; CPU: the measured graph peak)."""
+    """Seconds and peak memory of one step (CUDA: the device's peak allocation; CPU: the graph peak, of graphs the
+    engine measured, or, after its first step, estimated from the bytes per token it measured: the replayed graphs
+    and the kept last chunk's, see ``GradCache.last_step``)."""
 
     seconds: float
     peak_bytes: int
