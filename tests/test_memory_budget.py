@@ -538,15 +538,20 @@ def test_the_documented_join_constants_are_the_engines():
     assert f"({grad_cache.JOIN_MARGIN * 100:.0f} % of it" in page
 
 
-@pytest.mark.parametrize("budget", ["0", "whole batch"])
-def test_after_the_first_step_the_kept_last_chunk_runs_without_a_meter(make_retriever, monkeypatch, budget):
+@pytest.mark.parametrize("budget,checkpointing", [("0", False), ("whole batch", False), ("whole batch", True)])
+def test_after_the_first_step_the_kept_last_chunk_runs_without_a_meter(make_retriever, monkeypatch, budget,
+                                                                       checkpointing):
     """The step's last chunk keeps its graph whatever it measures, so from the second step on it runs without the
-    meter's saved-tensor hooks and its graph is estimated; the gradient stays the full batch's."""
+    meter's saved-tensor hooks and its graph is estimated; the gradient stays the full batch's (with gradient
+    checkpointing too, whose own saved-tensor hooks then run alone)."""
     retriever = make_retriever(shared=True)
     modules = models_of(retriever)
     loss_fn = SimpleContrastiveLoss(1)
     q, p = make_batch(retriever, 12, 1, seed=9)
     expected = reference_grads(modules, loss_fn, q, p)
+    if checkpointing:
+        enable_gradient_checkpointing(retriever)
+        retriever.train()
     meters = []
 
     class CountedMeter(GraphMeter):
