@@ -48,3 +48,21 @@ def test_encode_progress_tracks_the_work_not_the_passages(tmp_path: Path, make_r
     by_passages = rows / len(texts)
     assert np.abs(done - work[rows - 1]).max() < 0.1
     assert np.abs(by_passages - work[rows - 1]).max() > 0.3  # what a bar in passages showed: far behind
+
+
+def test_on_the_cpu_the_encode_bar_advances_after_every_batch(tmp_path: Path, make_retriever, monkeypatch) -> None:
+    """On the CPU a batch's embeddings are ready when its forward returns, so the bar advances batch by batch; it
+    advanced only once per 16 batches (all at once), and its rate and ETA were off by an order of magnitude until
+    then (on a GPU finished batches are copied back a tokenised chunk at a time, so tokenising overlaps them)."""
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("id\ttext\ttitle\n" + "".join(f"p{i}\t{'word ' * (1 + i % 9)}\t\n" for i in range(40)))
+    bars: list[RecordingBar] = []
+    monkeypatch.setattr(encode, "tqdm", lambda **kw: bars.append(RecordingBar(**kw)) or bars[-1])
+    retriever = make_retriever(passage_max_length=32)
+    forwards: list[int] = []
+    retriever.register_forward_hook(lambda *args: forwards.append(1))
+    seen: list[int] = []
+    real_update = RecordingBar.update
+    monkeypatch.setattr(RecordingBar, "update", lambda self, n: seen.append(len(forwards)) or real_update(self, n))
+    encode.encode_corpus(retriever, corpus, tmp_path / "out", batch_size=8, cache_dir=tmp_path / "c")
+    assert seen == [1, 2, 3, 4, 5], seen

@@ -261,8 +261,9 @@ class Retriever(nn.Module):
         ``EMBED_CHUNK_BATCHES`` batches at a time (one fast-tokenizer call), then re-sorted by token count so each
         batch is cut to its own longest sequence. The next chunk is tokenised before the previous chunk's results
         are copied back, so on GPU tokenisation overlaps the forward passes. ``progress`` (a tqdm bar) advances by
-        the rows done, or with ``progress_in_tokens`` by their :func:`estimated_tokens` (the longest texts go first,
-        so a count of rows would promise a finish far too late); ``show_progress`` opens one.
+        the rows done (on the CPU after every batch, on a GPU as each chunk's results are copied back), or with
+        ``progress_in_tokens`` by their :func:`estimated_tokens` (the longest texts go first, so a count of rows
+        would promise a finish far too late); ``show_progress`` opens one.
 
         Args:
             kind: ``"query"`` or ``"passage"`` (the tower, prefix and max length to use).
@@ -338,6 +339,8 @@ class Retriever(nn.Module):
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     rep = self(kind, scale=False, **batch)  # through __call__: a sharded model's hooks gather its weights
                 pending.append((idx[sel.numpy()], rep.float()))
+                if device.type == "cpu":  # ready now: the bar advances batch by batch, its rate and ETA true
+                    _drain(pending, out, bar, weights)
         _drain(pending, out, bar, weights)
         return out
 
