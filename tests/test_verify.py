@@ -47,6 +47,15 @@ def test_passes_shared_towers_hard_negatives_learned_temperature(tmp_path, capsy
     assert "drop --no-grad-cache" in capsys.readouterr().err
 
 
+def test_verify_needs_no_output_folder(tmp_path, capsys):
+    """Verify writes nothing, so --output (kept for a train command line run as it is) is not required."""
+    model = init_model(tmp_path)
+    argv = flags(tmp_path, model)
+    at = argv.index("--output")
+    code, out = run(capsys, argv[:at] + argv[at + 2:])
+    assert code == 0 and "PASS" in out, out
+
+
 def test_table_names_the_device_and_what_the_memory_budget_kept(tmp_path, capsys):
     """The chunking's budget is a choice (auto: resolved from the free memory): the table says where it ran and,
     for each batch, how many graphs the cached step kept under how many bytes (only the chunking was named)."""
