@@ -92,6 +92,21 @@ def test_faiss_native_warnings_reach_the_log_not_raw_stderr(runs: dict, env: dic
                      result.stderr), result.stderr
 
 
+def test_a_native_line_printed_again_and_again_is_logged_once_with_its_count(caplog) -> None:
+    import logging
+    import os
+
+    from dpr_gc.base.logs import native_stderr_logged
+
+    log = logging.getLogger("dpr_gc.test_native")
+    with caplog.at_level(logging.WARNING, logger=log.name), native_stderr_logged(log, "FAISS"):
+        for _ in range(96):
+            os.write(2, b"WARNING clustering 5260 points to 256 centroids\n")
+        os.write(2, b"another line\n")
+    assert [r.getMessage() for r in caplog.records] == [
+        "FAISS: WARNING clustering 5260 points to 256 centroids (printed 96 times)", "FAISS: another line"]
+
+
 @pytest.mark.slow
 def test_verbose_lets_the_dependencies_speak(runs: dict, env: dict) -> None:
     out = runs["out"]

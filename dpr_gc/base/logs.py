@@ -13,6 +13,7 @@ them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -41,7 +42,8 @@ def counted(n: int, noun: str, plural: str = "") -> str:
 def native_stderr_logged(log: logging.Logger, source: str) -> Iterator[None]:
     """For the block, catch what native code (FAISS's C++) prints straight to the stderr file descriptor, past
     Python's logging, and log each line as a warning of ``log`` named after ``source``: its advice stays visible, in
-    the toolkit's log format, instead of a raw line in the middle of the output."""
+    the toolkit's log format, instead of a raw line in the middle of the output. A line printed again and again (FAISS
+    warns once per product-quantizer sub-space: 96 times for a 384-wide ``ivf-pq``) is logged once, with its count."""
     import tempfile
 
     sys.stderr.flush()
@@ -55,9 +57,10 @@ def native_stderr_logged(log: logging.Logger, source: str) -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            for line in caught.read().decode("utf-8", "replace").splitlines():
-                if line.strip():
-                    log.warning("%s: %s", source, line.strip())
+            lines = collections.Counter(line.strip() for line in caught.read().decode("utf-8", "replace").splitlines())
+            for line, times in lines.items():
+                if line:
+                    log.warning("%s: %s%s", source, line, f" (printed {times} times)" if times > 1 else "")
 
 
 def setup_logging(verbose: bool) -> None:
