@@ -117,13 +117,14 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
 
 def measure(model_dir: Path, name: str, out: Path, data: Path, manifest: dict, top_k: int,
             encode_batch_size: int) -> dict:
-    """Encode the corpus with the retriever saved in ``model_dir``, index it (exact inner product), retrieve for the
-    test questions and evaluate, into ``out/name``. The index records ``model_dir``, so ``dpr-gc retrieve --index``
+    """Encode the corpus with the retriever saved in ``model_dir`` (on the GPU when there is one, as training),
+    index it (exact inner product), retrieve for the test questions and evaluate, into ``out/name``. The index records ``model_dir``, so ``dpr-gc retrieve --index``
     finds the model without ``--model``."""
     from .data.corpus import load_corpus, read_queries
     from .retrieval.encode import encode_corpus
     from .evaluation.answers import default_workers
     from .data.qrels import read_qrels
+    from .base.devices import default_device
     from .model.retriever import Retriever
     from .retrieval.index import DenseIndex, IndexParams, build_index, index_exists
     from .retrieval.retrieve import retrieve_to_files
@@ -134,7 +135,7 @@ def measure(model_dir: Path, name: str, out: Path, data: Path, manifest: dict, t
         logger.info("%s: already measured (%s)", name, metrics_file)
         return read_json_object(metrics_file, "demo metrics")
     corpus_path = data / manifest["files"]["corpus"]
-    retriever = Retriever.load(model_dir)
+    retriever = Retriever.load(model_dir, device=default_device())  # where training runs too: a GPU if there is one
     started = time.perf_counter()
     encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, precision="auto",
                   model_name=str(model_dir))

@@ -126,7 +126,19 @@ def test_a_measured_stage_shows_retrieval_progress_out_of_the_test_questions(tmp
     monkeypatch.setattr(retrieve, "tqdm", lambda **kw: bars.append(kw) or real_tqdm(**kw))
     manifest = build_stdlib_dataset(tmp_path / "data", max_examples=20)
     make_retriever(passage_max_length=32).save(tmp_path / "model")
+    from dpr_gc.base import devices
+    from dpr_gc.model.retriever import Retriever
+
+    loaded, real_load = [], Retriever.load
+
+    def load(path, device="cpu", **kwargs):
+        loaded.append(device)
+        return real_load(path, device, **kwargs)
+
+    monkeypatch.setattr(devices, "default_device", lambda device=None: "cpu:0")  # as "cuda:0" where a GPU is
+    monkeypatch.setattr(Retriever, "load", load)
     metrics = measure(tmp_path / "model", "before", tmp_path, tmp_path / "data", manifest, top_k=5, encode_batch_size=16)
+    assert loaded == ["cpu:0"]  # the stage encodes where training runs: on the GPU when there is one
     assert [bar["total"] for bar in bars if bar["desc"] == "retrieving"] == [metrics["questions"]]
     assert metrics["questions"] == manifest["counts"]["test_queries"] > 0
 
