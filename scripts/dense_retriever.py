@@ -23,7 +23,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 try:
     import dpr_gc  # noqa: F401
@@ -165,15 +165,29 @@ def load_or_build_index(embeddings: Optional[str], index_path: Optional[str], sa
     return index, f"{index.meta['factory']} over {embeddings}"
 
 
+def named_unknowns(parser: Any, unknown: list[str]) -> list[str]:
+    """Each unknown flag with the values typed after it, and the closest flag of ours where one is close:
+    ``--n_dosc 5 (did you mean --n_docs?)``."""
+    groups: list[list[str]] = []
+    for word in unknown:
+        if word.startswith("-") or not groups:
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    named = []
+    for flag, *values in groups:
+        close = parser.closest_option(flag) if flag.startswith("-") else None
+        named.append(" ".join([flag, *values]) + (f" (did you mean {close}?)" if close else ""))
+    return named
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     flags = hydra_to_flags(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args, unknown = parser.parse_known_args(flags)
     setup_logging(args.verbose)
     typed = {f.split("=", 1)[0] for f in flags if f.startswith("--")}
-    closest = {word: parser.closest_option(word) for word in unknown}
-    ignored = [f for f in IGNORED_VALUE + IGNORED_SWITCH if f in typed] + [
-        f"{word} (did you mean {closest[word]}?)" if closest[word] else word for word in unknown]
+    ignored = [f for f in IGNORED_VALUE + IGNORED_SWITCH if f in typed] + named_unknowns(parser, unknown)
     if ignored:
         logger.warning("accepted with no effect here: %s", " ".join(ignored))
 

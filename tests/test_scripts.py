@@ -59,7 +59,7 @@ def test_dense_retriever_names_the_closest_flag_of_one_it_takes_with_no_effect(t
                  "--ctx_file", str(tmp_path / "c.tsv"), "--encoded_ctx_file", str(tmp_path / "e"), "--out_file",
                  str(tmp_path / "o.json"), "--n_dosc", "5")
     warning = next(line for line in result.stderr.splitlines() if "WARNING" in line)
-    assert warning.endswith("accepted with no effect here: --n_dosc (did you mean --n_docs?) 5"), warning
+    assert warning.endswith("accepted with no effect here: --n_dosc 5 (did you mean --n_docs?)"), warning
 
 
 def test_train_script_names_itself_and_the_closest_flag():
