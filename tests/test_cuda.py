@@ -46,6 +46,23 @@ def test_cached_step_equals_full_batch_on_cuda(make_retriever, shared, n_hard, k
     assert rel_err(loss_fn.tau.log_value.grad, expected_t) < 1e-5
 
 
+@pytest.mark.parametrize("budget", [0, 10**12])
+def test_later_steps_equal_the_full_batch_on_cuda(make_retriever, budget):
+    """From the second step on the kept last chunk runs without the graph meter (and, at a budget, chunks are
+    joined): each step's gradient is still the full batch's."""
+    retriever, q, p = on_cuda(make_retriever(shared=True), 12, 1, seed=2)
+    modules, loss_fn = models_of(retriever), SimpleContrastiveLoss(1)
+    zero(modules)
+    loss_fn(modules[0](**q), modules[1](**p)).backward()
+    expected = grads(modules)
+    engine = GradCache(modules, 3, loss_fn, memory_budget=budget)
+    for _ in range(3):
+        zero(modules)
+        engine(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
+    assert engine.last_step.estimated_last == 1
+
+
 def test_dropout_is_replayed_from_the_cuda_generator(make_retriever):
     retriever, q, p = on_cuda(make_retriever(shared=False, dropout=0.2), 8, 1, seed=2)
     retriever.train()
