@@ -14,6 +14,8 @@ alternate step by step in one process, the order reversed every step:
   what the meter's saved-tensor hooks cost (not a mode of the engine: the budget holds everything either way);
 * ``whole-hooks``: the same with saved-tensor hooks that only detach each tensor, as the meter's do, and record
   nothing: PyTorch's cost of a hook per saved tensor, apart from the meter's record of it;
+* ``whole-allocator`` (``--device cuda`` only): the same with each graph measured by the CUDA caching allocator (the
+  bytes a forward leaves allocated) instead of hooks, and its kept bytes beside the hooks' (``graph_bytes``);
 * ``budget0``: dpr-gc at budget 0, ``--chunk`` rows per chunk (only the last chunk's graph kept);
 * ``grad_cache-original``: luyug/GradCache at ``--chunk`` rows (installed by hand; its own loss on the same scores).
 
@@ -25,7 +27,7 @@ the ratios within one round, see :func:`paired_ratios`), and the garbage collect
     python benchmarks/host_overhead.py --layers 4 --steps 40
     python benchmarks/host_overhead.py --precision fp32 --variants plain,whole,whole-unmetered,budget0
     python benchmarks/host_overhead.py --device cuda --shape qwen2-0.5b --rows 32 --query-length 32 \
-        --passage-length 256 --variants plain,whole,whole-unmetered,whole-hooks --steps 6  # the H100 LLM shape
+        --passage-length 256 --variants plain,whole,whole-unmetered,whole-hooks,whole-allocator --steps 6
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from dpr_gc.engine import grad_cache as engine_module  # noqa: E402
 
 logger = logging.getLogger("host_overhead")
 WHOLE_BATCH = 10**15
-VARIANTS = ("plain", "whole", "whole-unmetered", "whole-hooks", "budget0", ORIGINAL)
+VARIANTS = ("plain", "whole", "whole-unmetered", "whole-hooks", "whole-allocator", "budget0", ORIGINAL)
 
 
 class UnmeteredGraph:
@@ -91,6 +93,27 @@ class HookedGraph(UnmeteredGraph):
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+
+
+class AllocatorGraph(UnmeteredGraph):
+    """A graph meter that reads the CUDA caching allocator instead of hooking saved tensors (``whole-allocator``):
+    the bytes allocated during the forward and still held after it, its output included. Autocast's weight copies
+    fall to the first chunk that makes them, and FSDP's root keeps its gathered weights: a benchmark-only ablation
+    to weigh an allocator count against the hooks on a GPU, not a mode of the engine."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        super().__init__(exclude)
+        self.start = self.held = 0
+
+    def __enter__(self) -> "AllocatorGraph":
+        self.start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.held = torch.cuda.memory_allocated() - self.start
+
+    def nbytes(self, output: Optional[torch.Tensor] = None) -> int:
+        return max(1, self.held)
 
 
 def original_step(retriever: Any, chunk: int, q: dict, p: dict) -> Callable[[], None]:
@@ -134,6 +157,7 @@ def steps(args: argparse.Namespace) -> tuple[dict[str, Callable[[], None]], dict
     built = {"plain": lambda: plain, "whole": lambda: engine("whole", WHOLE_BATCH, args.rows),
              "whole-unmetered": lambda: metered_by(UnmeteredGraph, engine("whole-unmetered", WHOLE_BATCH, args.rows)),
              "whole-hooks": lambda: metered_by(HookedGraph, engine("whole-hooks", WHOLE_BATCH, args.rows)),
+             "whole-allocator": lambda: metered_by(AllocatorGraph, engine("whole-allocator", WHOLE_BATCH, args.rows)),
              "budget0": lambda: engine("budget0", 0, args.chunk),
              ORIGINAL: lambda: original_step(retriever, args.chunk, q, p)}
     return {name: timed(built[name](), retriever, args.precision, device) for name in args.variants}, engines
@@ -188,6 +212,8 @@ def measure(args: argparse.Namespace) -> dict:
             "paired_vs_plain": paired_ratios(cpu) if "plain" in cpu else {},
             "step_times_s": wall, "step_cpu_times_s": cpu,
             "chunks": {name: cache.last_step.brief() for name, cache in engines.items()},
+            "graph_bytes": {name: {"kept": cache.last_step.kept_bytes, "largest": cache.last_step.largest_graph}
+                            for name, cache in engines.items()},
             "collections_per_step": {name: c.count / args.steps for name, c in collections.items()},
             "collection_ms_per_step": {name: 1e3 * c.seconds / args.steps for name, c in collections.items()}}
 
@@ -239,6 +265,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants:
         raise DprGcError(f"--variants {','.join(unknown) or '(none)'}: choose from {', '.join(VARIANTS)}")
+    if "whole-allocator" in args.variants and args.device != "cuda":
+        raise DprGcError("--variants whole-allocator reads the CUDA caching allocator: give --device cuda")
     if ORIGINAL in args.variants and original_version() is None:
         raise DprGcError(f"--variants {ORIGINAL}: the original GradCache package (module grad_cache) is not "
                          "installed; install it by hand (pip install --no-deps from github.com/luyug/GradCache)")

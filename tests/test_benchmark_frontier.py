@@ -630,8 +630,9 @@ def test_the_host_overhead_benchmark_takes_the_meter_off_and_runs_budget_0(tmp_p
                                "plain,whole,whole-unmetered,whole-hooks,budget0", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["settings"]["precision"] == "fp32"
-    chunks = result["result"]["chunks"]
+    chunks, graphs = result["result"]["chunks"], result["result"]["graph_bytes"]
     assert chunks["whole"] == chunks["whole-unmetered"] == chunks["whole-hooks"]
+    assert graphs["whole"]["kept"] >= graphs["whole"]["largest"] > 1000 > graphs["whole-unmetered"]["largest"]
     assert chunks["budget0"].startswith("1/6 chunks")
 
 
@@ -648,10 +649,12 @@ def test_the_host_overhead_benchmark_runs_on_cuda(tmp_path: Path) -> None:
 
     out = tmp_path / "host.json"
     assert host_overhead.main(["--device", "cuda", "--layers", "1", "--steps", "1", "--variants",
-                               "plain,whole,whole-unmetered", "--output", str(out)]) == 0
+                               "plain,whole,whole-unmetered,whole-allocator", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["machine"]["device"] == "cuda" and result["settings"]["device"] == "cuda"
-    assert result["result"]["chunks"]["whole"] == result["result"]["chunks"]["whole-unmetered"]
+    chunks, graphs = result["result"]["chunks"], result["result"]["graph_bytes"]
+    assert chunks["whole"] == chunks["whole-unmetered"] == chunks["whole-allocator"]
+    assert graphs["whole-allocator"]["largest"] > 1  # the allocator's count of a graph, beside the hooks'
 
 
 def test_the_host_overhead_benchmark_counts_garbage_collections_and_their_time() -> None:
@@ -670,7 +673,8 @@ def test_the_host_overhead_benchmark_counts_garbage_collections_and_their_time()
 
 @pytest.mark.parametrize("argv, flag", [(["--layers", "0"], "--layers"), (["--query-length", "0"], "--query-length"),
                                         (["--variants", "plain,fast"], "--variants fast"),
-                                        (["--variants", "grad_cache-original"], "--variants grad_cache-original")])
+                                        (["--variants", "grad_cache-original"], "--variants grad_cache-original"),
+                                        (["--variants", "whole-allocator"], "--variants whole-allocator")])
 def test_the_host_overhead_benchmark_refuses_a_bad_flag_in_one_line(tmp_path: Path, capsys, monkeypatch, argv,
                                                                      flag) -> None:
     import host_overhead
