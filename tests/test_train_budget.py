@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import re
+from unittest import mock
 
 import pytest
 import torch
 
 from dpr_gc.cli import main
 from dpr_gc.train import chunks
+from dpr_gc.train import trainer as trainer_module
 from dpr_gc.train.chunks import auto_chunk_size, largest_fitting_rows
 from dpr_gc.train.trainer import Trainer
 from tests.train_data import init_model, make_records, task_config as config, write_dpr
@@ -67,7 +69,16 @@ def test_auto_chunk_size_on_the_cpu_is_32_rows_capped_by_the_batch_and_logged(ta
                                passage_chunk_size="auto"))
     assert small.chunks == (8, 16) and large.chunks == (32, 32)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto chunk size:")]
-    assert lines == ["auto chunk size: query 8, passage 16", "auto chunk size: query 32, passage 32"]
+    why = (" (on the CPU 32 rows keep the cores busy, at most the batch; memory is rarely the limit there: "
+           "--memory-budget auto keeps the graphs that fit and skips their second forward)")
+    assert lines == ["auto chunk size: query 8, passage 16" + why, "auto chunk size: query 32, passage 32" + why]
+    caplog.clear()
+    large.device = torch.device("cuda")  # the probe itself runs on a GPU only (tests/test_cuda.py)
+    with mock.patch.object(trainer_module, "auto_chunk_size", lambda *args: 64), \
+            caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        assert large.chunk_sizes() == (48, 64)
+    assert caplog.records[-1].getMessage() == ("auto chunk size: query 48, passage 64 (the largest that fits 80% of "
+                                               "the GPU's free memory, probed at full passage length)")
 
 
 def test_auto_chunk_size_on_a_gpu_is_the_largest_that_fits_up_to_the_whole_batch(monkeypatch):

@@ -42,7 +42,7 @@ from .config import TrainConfig, add_train_arguments, check_resume_settings, con
 from .config import recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import resolve_checkpoint
-from .chunks import auto_chunk_size
+from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
@@ -256,7 +256,11 @@ class Trainer:
             auto = auto_chunk_size(self.towers, self.collator, self.device, passages, self.config.optim.precision)
             q_chunk = min(auto, batch_size) if q_chunk == "auto" else q_chunk
             p_chunk = auto if p_chunk == "auto" else p_chunk
-            logger.info("auto chunk size: query %s, passage %s", q_chunk, p_chunk)
+            why = ("the largest that fits 80% of the GPU's free memory, probed at full passage length"
+                   if self.device.type == "cuda" else
+                   f"on the CPU {CPU_CHUNK_SIZE} rows keep the cores busy, at most the batch; memory is rarely the "
+                   "limit there: --memory-budget auto keeps the graphs that fit and skips their second forward")
+            logger.info("auto chunk size: query %s, passage %s (%s)", q_chunk, p_chunk, why)
         if q_chunk > batch_size:
             raise DprGcError(f"--query-chunk-size {q_chunk} is larger than --batch-size {batch_size}: "
                              "use a chunk of at most the batch (or --no-grad-cache)")
