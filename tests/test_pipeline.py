@@ -137,7 +137,8 @@ def test_a_measured_stage_shows_retrieval_progress_out_of_the_test_questions(tmp
 
     monkeypatch.setattr(devices, "default_device", lambda device=None: "cpu:0")  # as "cuda:0" where a GPU is
     monkeypatch.setattr(Retriever, "load", load)
-    metrics = measure(tmp_path / "model", "before", tmp_path, tmp_path / "data", manifest, top_k=5, encode_batch_size=16)
+    metrics = measure(tmp_path / "model", "before", tmp_path, tmp_path / "data", manifest, top_k=5,
+                      encode_batch_size=16)
     assert loaded == ["cpu:0"]  # the stage encodes where training runs: on the GPU when there is one
     assert [bar["total"] for bar in bars if bar["desc"] == "retrieving"] == [metrics["questions"]]
     assert metrics["questions"] == manifest["counts"]["test_queries"] > 0
