@@ -90,13 +90,15 @@ def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
 
 def test_every_command_that_takes_a_beir_split_names_it_beir_split_and_takes_split_too(capsys) -> None:
     """One name for a BEIR folder's qrels split across commands: ``--beir-split`` in ``--help``, ``--split`` still
-    accepted (same destination); mine's destination stays ``split``, the name its resume key records."""
+    accepted (same destination); mine's destination stays ``split``, the name its resume key records. (train's
+    ``--dev-beir-split`` is the split of its ``--dev`` folder, named with the other ``--dev-*`` flags.)"""
     from dpr_gc.retrieval.mine import RESUME_FLAGS
 
     dests = {"dpr-gc mine": "split", "dpr-gc prepare-data": "beir_split"}
     found = {}
     for name, parser in sub_parsers(cli.build_parser(), "dpr-gc"):
-        actions = [a for a in parser._actions if any("split" in s for s in a.option_strings)]
+        actions = [a for a in parser._actions if any("split" in s and not s.startswith("--dev-")
+                                                     for s in a.option_strings)]
         if not actions:
             continue
         found[name] = {a.dest for a in actions}

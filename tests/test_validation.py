@@ -19,7 +19,7 @@ from dpr_gc.model.retriever import Retriever
 from dpr_gc.cli import build_parser
 from dpr_gc.train.config import config_from_args
 from tests.ranks import run_ranks
-from tests.train_data import init_model
+from tests.train_data import init_model, write_beir
 
 
 def dev_records(n: int) -> list[dict]:
@@ -132,3 +132,20 @@ def test_dev_caps_are_the_same_in_the_library_the_help_and_the_docs() -> None:
         assert f"(default: {value})" in entries[flag], entries[flag]
         stated = re.findall(rf"`{flag}` \(([\d,]+)\)", docs)
         assert [int(n.replace(",", "")) for n in stated] == [value], (flag, stated)
+
+
+def test_a_beir_folder_given_as_dev_is_validated_on_its_dev_split_not_its_training_queries(tmp_path):
+    """``--dev BEIR_DIR`` read the folder's training qrels (the split ``--train`` reads), so validation and the best
+    checkpoint were measured on training queries; it reads ``qrels/dev.tsv`` (``--dev-beir-split``), and a folder
+    without that split is refused in one line that names the splits it has."""
+    folder = tmp_path / "beir"
+    write_beir(folder, queries=12)
+    cache = str(tmp_path / "cache")
+    with pytest.raises(DprGcError, match=r"^--dev .*beir: a BEIR folder is validated on qrels/dev\.tsv, which it "
+                                         r"lacks \(its splits: train\); give --dev-beir-split SPLIT"):
+        V.load_dev_data(str(folder), cache)
+    (folder / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq3\td3-0\t1\nq7\td7-0\t1\n")
+    assert sorted(V.load_dev_data(str(folder), cache)["question"]) == ["which city 3", "which city 7"]
+    assert len(V.load_dev_data(str(folder), cache, beir_split="train")) == 12
+    args = build_parser("train").parse_args(["train", "--train", str(folder), "--dev", str(folder), "--output", "o"])
+    assert config_from_args(args).data.dev.beir_split == "dev"

@@ -102,7 +102,8 @@ class DataConfig:
                                      default_factory=list,
                                      help="DPR training files (.json/.jsonl[.gz]) or BEIR folders (qrels/train.tsv)")
     dev_file: Optional[str] = setting(None, "--dev", "--dev_file", dest="dev_file",
-                                      help="DPR dev file for validation (default: none, no validation)")
+                                      help="DPR dev file, or BEIR folder (its --dev-beir-split qrels), for "
+                                           "validation (default: none, no validation)")
     batch_size: int = setting(32, "--batch-size", "--batch_size", type=positive_int, help="queries per step and rank")
     hard_negatives: Optional[int] = setting(None, "--hard-negatives", "--hard_negatives", type=nonnegative_int,
                                             help="hard negatives per query (default: 0 when every --train source "

@@ -125,7 +125,8 @@ class Trainer:
         self.data_fingerprints = from_rank0(lambda: [source_fingerprint(f) for f in config.data.train_files])
         self.data, self.collator, self.loader = self.build_data()
         # parsed now, so a bad dev file is refused here, and kept: each evaluation reuses it (loaded and logged once)
-        self.dev_data = load_dev_data(config.data.dev_file, config.data.cache_dir) if config.data.dev_file else None
+        self.dev_data = (load_dev_data(config.data.dev_file, config.data.cache_dir, config.data.dev.beir_split)
+                         if config.data.dev_file else None)
         self.sampler = self.loader.batch_sampler
         self.sampler.data_fingerprints = self.data_fingerprints
         self.steps_per_epoch = self.sampler.batches_per_epoch

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -26,7 +27,8 @@ SCORE_BLOCK_ELEMENTS = 1 << 24  # questions x passages scored at once (64 MB of 
 
 @dataclasses.dataclass
 class DevLimits:
-    """DPR's ``val_av_rank_*`` caps: questions read, and negatives of each kind each question adds to the pool."""
+    """DPR's ``val_av_rank_*`` caps: questions read, and negatives of each kind each question adds to the pool;
+    and the qrels split a BEIR folder given as ``--dev`` is validated on (never its training split by default)."""
 
     max_questions: int = setting(10000, "--dev-max-questions", "--val_av_rank_max_qs", type=positive_int,
                                  help="dev questions used for validation (the first ones), as DPR's cap")
@@ -39,6 +41,8 @@ class DevLimits:
     encode_batch_size: Optional[int] = setting(None, "--dev-encode-batch-size", "--val_av_rank_bsz",
                                                type=positive_int, resume=FREE,
                                                help="encoding batch of dev validation (default: --dev-batch-size)")
+    beir_split: str = setting("dev", "--dev-beir-split", resume=FREE, help="the qrels split (qrels/SPLIT.tsv) a "
+                              "BEIR folder given as --dev is validated on")
 
     def __post_init__(self) -> None:
         check(self)
@@ -48,14 +52,20 @@ class DevLimits:
             raise DprGcError("--dev-hard-negatives and --dev-other-negatives must be >= 0")
 
 
-def load_dev_data(dev_file: str, cache_dir: Optional[str]) -> Any:
-    """The questions of the ``--dev`` file (a dataset; parsed once into its Arrow cache, which later calls reuse).
-    Its errors name ``--dev``, so that they are not taken for the training data's, and a bad record's says to fix
-    it, without the training data's advice to pass ``--skip-bad-records`` (no flag skips the dev file's records)."""
+def load_dev_data(dev_file: str, cache_dir: Optional[str], beir_split: str = "dev") -> Any:
+    """The questions of the ``--dev`` file, or of a BEIR folder's ``beir_split`` qrels (a dataset; parsed once into
+    its Arrow cache, which later calls reuse). Its errors name ``--dev``, so that they are not taken for the training
+    data's, and a bad record's says to fix it, without the training data's advice to pass ``--skip-bad-records`` (no
+    flag skips the dev file's records)."""
     from ..data.training import BadRecord, load_training_data
 
+    qrels = Path(dev_file) / "qrels"
+    if Path(dev_file).is_dir() and not (qrels / f"{beir_split}.tsv").is_file():
+        splits = ", ".join(sorted(f.stem for f in qrels.glob("*.tsv"))) or "none"
+        raise DprGcError(f"--dev {dev_file}: a BEIR folder is validated on qrels/{beir_split}.tsv, which it lacks "
+                         f"(its splits: {splits}); give --dev-beir-split SPLIT, or a DPR dev file")
     try:
-        return load_training_data([dev_file], cache_dir).dataset
+        return load_training_data([dev_file], cache_dir, beir_split=beir_split).dataset
     except DiskFullError:
         raise
     except BadRecord as e:
@@ -102,7 +112,8 @@ def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, c
     rank returns the same metrics for the work of one; ``split_over_ranks=False`` has every rank do all of it (an
     FSDP model, whose forwards are collective).
     """
-    dataset = load_dev_data(dev_file, cache_dir) if isinstance(dev_file, (str, os.PathLike)) else dev_file
+    dataset = (load_dev_data(dev_file, cache_dir, limits.beir_split) if isinstance(dev_file, (str, os.PathLike))
+               else dev_file)
     questions, passages, gold = dev_pool(dataset, limits)
     device = next(retriever.parameters()).device
     split = dist.is_initialized() and split_over_ranks
