@@ -451,7 +451,7 @@ def test_the_log_says_how_answers_are_judged(tmp_path, caplog):
                  ["--results", str(examples / "results.json"), "--match", "regex", "--workers", "2"]):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="dpr_gc.evaluation.evaluate"):
-            assert main(["evaluate", *argv]) == 0
+            assert main(["evaluate", *argv, "--k", "1", "2"]) == 0
         lines += [r.getMessage() for r in caplog.records]
     assert lines == [f"the has_answer flags stored in {examples / 'results.json'} (--match auto: the file holds them; "
                      "--match string or regex recomputes them)",
@@ -525,3 +525,22 @@ def test_the_plots_x_axis_is_logarithmic_only_when_k_spans_a_wide_range(tmp_path
     with pytest.raises(DprGcError, match="nothing to plot: no accuracy or recall values were computed"):
         ev.plot_metrics({"Recall": {}, "Accuracy": {}}, tmp_path / "empty.png")
     assert scales == [scale] and sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]
+
+
+def test_a_cut_off_deeper_than_what_was_retrieved_is_named(tmp_path, caplog):
+    """Accuracy@500 or Recall@500 over 2 retrieved passages counts only those 2; the table cannot show it, so a
+    warning names the cut-offs past the deepest list (results file and TREC run alike) and none is logged within it."""
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(_results()))
+    run = tmp_path / "run.trec"
+    run.write_text("q1 Q0 d1 1 2.0 x\nq1 Q0 d2 2 1.0 x\n")
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text("q1\t0\td1\t1\n")
+    with caplog.at_level(logging.WARNING, logger=ev.__name__):
+        ev.evaluate([1, 2], results_path=results, mode=None)
+        assert not caplog.records
+        ev.evaluate([1, 5, 500], results_path=results, mode=None)
+        ev.evaluate([1, 3], run_path=run, qrels_path=qrels)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{results} holds at most 2 retrieved passages per question: @5, @500 count only those",
+        f"{run} holds at most 2 retrieved passages per question: @3 counts only those"]

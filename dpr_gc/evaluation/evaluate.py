@@ -278,11 +278,12 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
     source = str(path)
     counter, acc = AccuracyCounter(), QrelsAccumulator(qrels, ks) if qrels is not None else None
     with_answers: Optional[bool] = None
-    answered, announced = 0, False
+    answered, announced, depth = 0, False, 0
     with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
         for block in iter_blocks(tqdm(iter_results(path), desc="evaluating", unit=" q", disable=None), source):
             if with_answers is None:
                 with_answers = not answers_optional or "answers" in block[0][1]
+            depth = max([depth] + [len(entry.get("ctxs") or ()) for _, entry in block])
             if with_answers:
                 asked, mode = mode, resolve_mode(mode, block)
                 if not announced and mode != "auto":  # decided: say how these answers (and all later) are judged
@@ -295,6 +296,7 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
                 acc.add(str(entry.get("id")), result_scores(entry, i, source), source)
     if with_answers is None:
         raise DprGcError(f"{source}: no questions to evaluate (the results list is empty)")
+    warn_beyond_depth(ks, depth, source)
     if with_answers and not answered:
         if not answers_optional:
             raise DprGcError(f"{source}: none of its {counter.questions} questions has answers, so there is no answer "
@@ -307,6 +309,15 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
         answers = {"match": mode or "stored", "questions": counter.questions,
                    "metrics": {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}}
     return answers, acc.result() if acc is not None else None
+
+
+def warn_beyond_depth(ks: list[int], depth: int, source: str) -> None:
+    """Say when a cut-off is deeper than any question's retrieved list: its metric counts only what was retrieved
+    (a Recall@1000 over 100 passages is Recall@100), which a table would not show."""
+    deeper = [k for k in ks if k > depth]
+    if deeper and depth:
+        logger.warning("%s holds at most %s per question: @%s count%s only those", source,
+                       counted(depth, "retrieved passage"), ", @".join(map(str, deeper)), "" if len(deeper) > 1 else "s")
 
 
 def announce_mode(asked: Optional[str], chosen: Optional[str], workers: int, source: str) -> None:
@@ -349,7 +360,10 @@ def evaluate(
         if answers is not None:
             report["answers"] = {"results": str(results_path), **answers}
     if qrels is not None:
-        metrics = from_results if run_path is None else qrels_metrics(read_run(run_path), qrels, ks)
+        if run_path is not None:
+            run = read_run(run_path)
+            warn_beyond_depth(ks, max(map(len, run.values()), default=0), str(run_path))
+        metrics = from_results if run_path is None else qrels_metrics(run, qrels, ks)
         report["qrels"] = {"qrels": str(qrels_path), "run": str(run_path or results_path), "queries": len(qrels),
                            "metrics": metrics}
     return report
