@@ -144,6 +144,24 @@ def test_gc_dpr_readme_training_command_runs(tiny, tmp_path):
     assert not Retriever.load(tmp_path / "out" / "final").config.shared_encoder  # DPR's two towers
 
 
+def test_eval_per_epoch_without_a_dev_file_is_logged_as_checkpoints_only(caplog):
+    """GC-DPR's ``--eval_per_epoch`` evaluates and saves N times an epoch; without ``--dev_file`` only the
+    checkpoints happen, and the log says so (it announced dev evaluations that never ran)."""
+    import logging
+    from types import SimpleNamespace
+
+    from dpr_gc.train.trainer import Trainer
+
+    for dev_file, said in ((None, "2 checkpoints (no --dev_file: nothing to evaluate) per epoch: every 32 steps"),
+                           ("dev.json", "2 dev evaluations and checkpoints per epoch: every 32 steps")):
+        config = SimpleNamespace(run=SimpleNamespace(eval_every=None, save_every=None, eval_per_epoch=2),
+                                 data=SimpleNamespace(dev_file=dev_file))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+            assert Trainer.schedule(SimpleNamespace(config=config, steps_per_epoch=64)) == (32, 32)
+        assert [r.getMessage() for r in caplog.records] == [said]
+
+
 def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path, monkeypatch):
     """Every GC-DPR/DPR flag with a meaning here lands in the field of its group (and nothing else moves)."""
     from dpr_gc.train.config import TrainConfig

@@ -214,8 +214,10 @@ class Trainer:
         if run.eval_per_epoch:
             eval_every = max(1, -(-self.steps_per_epoch // run.eval_per_epoch))
             save_every = save_every or eval_every
-            logger.info("%s per epoch: every %s", counted(run.eval_per_epoch, "dev evaluation"),
-                        counted(eval_every, "step"))
+            what = (counted(run.eval_per_epoch, "dev evaluation and checkpoint", "dev evaluations and checkpoints")
+                    if self.config.data.dev_file else
+                    counted(run.eval_per_epoch, "checkpoint") + " (no --dev_file: nothing to evaluate)")
+            logger.info("%s per epoch: every %s", what, counted(eval_every, "step"))
         return eval_every, save_every
 
     def build_loss(self) -> SimpleContrastiveLoss:
