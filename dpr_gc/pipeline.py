@@ -118,8 +118,8 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
 def measure(model_dir: Path, name: str, out: Path, data: Path, manifest: dict, top_k: int,
             encode_batch_size: int) -> dict:
     """Encode the corpus with the retriever saved in ``model_dir`` (on the GPU when there is one, as training),
-    index it (exact inner product), retrieve for the test questions and evaluate, into ``out/name``. The index records ``model_dir``, so ``dpr-gc retrieve --index``
-    finds the model without ``--model``."""
+    index it (exact inner product), retrieve for the test questions and evaluate, into ``out/name``. The index
+    records ``model_dir``, so ``dpr-gc retrieve --index`` finds the model without ``--model``."""
     from .data.corpus import load_corpus, read_queries
     from .retrieval.encode import encode_corpus
     from .evaluation.answers import default_workers

@@ -316,8 +316,9 @@ def warn_beyond_depth(ks: list[int], depth: int, source: str) -> None:
     (a Recall@1000 over 100 passages is Recall@100), which a table would not show."""
     deeper = [k for k in ks if k > depth]
     if deeper and depth:
+        cut_offs = ", @".join(map(str, deeper))
         logger.warning("%s holds at most %s per question: @%s count%s only those", source,
-                       counted(depth, "retrieved passage"), ", @".join(map(str, deeper)), "" if len(deeper) > 1 else "s")
+                       counted(depth, "retrieved passage"), cut_offs, "" if len(deeper) > 1 else "s")
 
 
 def announce_mode(asked: Optional[str], chosen: Optional[str], workers: int, source: str) -> None:
@@ -360,10 +361,11 @@ def evaluate(
         if answers is not None:
             report["answers"] = {"results": str(results_path), **answers}
     if qrels is not None:
+        metrics = from_results
         if run_path is not None:
             run = read_run(run_path)
             warn_beyond_depth(ks, max(map(len, run.values()), default=0), str(run_path))
-        metrics = from_results if run_path is None else qrels_metrics(run, qrels, ks)
+            metrics = qrels_metrics(run, qrels, ks)
         report["qrels"] = {"qrels": str(qrels_path), "run": str(run_path or results_path), "queries": len(qrels),
                            "metrics": metrics}
     return report
