@@ -35,6 +35,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: LAST_FILES.index(item.path.name) if item.path.name in LAST_FILES else -1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def parse_cache_in_the_sessions_temp(tmp_path_factory: pytest.TempPathFactory):
+    """Corpora and training sets parsed by the tests (and by the CLI runs they start) are cached in the session's
+    temporary folder, not in the user's ``~/.cache/dpr_gc``, which would otherwise gain files at every run."""
+    before = os.environ.get("DPR_GC_CACHE")
+    os.environ["DPR_GC_CACHE"] = str(tmp_path_factory.mktemp("dpr_gc_cache"))
+    yield
+    if before is None:
+        os.environ.pop("DPR_GC_CACHE", None)
+    else:
+        os.environ["DPR_GC_CACHE"] = before
+
+
 @pytest.fixture(autouse=True)
 def torch_threads_restored():
     """Each test starts with the process's torch thread count: benchmark children run in-process by some tests set

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dpr_gc.base.files import atomic_path
 from dpr_gc.cli import main
+from dpr_gc.data.arrow_cache import default_cache_dir
 from dpr_gc.data.corpus import load_corpus
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples"
@@ -29,6 +30,13 @@ def test_cache_lists_and_clears(tmp_path: Path, monkeypatch, capsys) -> None:
     assert "kept 1 cache(s) another run is building" in capsys.readouterr().out
     assert list((tmp_path / "cache" / "corpora").iterdir()) == [] and busy.read_bytes() == b"x"  # it finished
     assert len(load_corpus(EXAMPLES / "passages.tsv")) == 6  # parsed again
+
+
+def test_the_suite_caches_parsed_sources_outside_the_users_home(tmp_path_factory) -> None:
+    """The suite parses hundreds of small corpora; they go to its temporary folder, not to ~/.cache/dpr_gc."""
+    root = default_cache_dir("corpora")
+    assert root.is_relative_to(tmp_path_factory.getbasetemp())
+    assert not root.is_relative_to(Path.home() / ".cache")
 
 
 def test_help_says_where_the_disk_goes(capsys) -> None:
