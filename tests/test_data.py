@@ -153,6 +153,17 @@ def test_bad_records_error_or_are_skipped(tmp_path, change, message):
         assert len(data) == 3 and data.stats[0]["bad"] == 1
 
 
+@pytest.mark.parametrize("name", ["passages.tsv", "pairs.csv", "train.tsv.gz"])
+def test_a_tsv_or_csv_given_as_training_data_is_refused_by_its_name(tmp_path, name):
+    """Not "line 1: invalid JSON ... or pass --skip-bad-records", which would skip every line of it."""
+    path = tmp_path / name
+    text = "id\ttext\ttitle\n1\tsome passage\tsome title\n"
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    with pytest.raises(DprGcError, match=rf"^{path} is a (TSV|CSV) file: training data is DPR JSON or JSONL") as e:
+        load(tmp_path, path)
+    assert "skip-bad-records" not in str(e.value)
+
+
 def write_beir(folder: Path, recs: list) -> Path:
     """The same content as ``recs`` (positives only) in the BEIR layout, plus one query judged only with score 0."""
     (folder / "qrels").mkdir(parents=True)

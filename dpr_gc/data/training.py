@@ -341,8 +341,18 @@ def load_dpr_files(paths: Sequence[PathLike], cache_dir: Optional[PathLike] = No
     parts = []
     for path, fingerprint in zip(paths, fingerprints or [None] * len(paths)):
         p = require_file(path, "training file")
+        refuse_table_files(p)
         parts.append(_build(p, [p], "dpr", functools.partial(_dpr_records, p), cache_dir, skip_bad, fingerprint))
     return combine(parts)
+
+
+def refuse_table_files(path: Path) -> None:
+    """A TSV or CSV given as training data (a DPR passages file, a QA file, pairs) is refused by its name: read as
+    JSON its first line would be a bad record, and ``--skip-bad-records`` would skip every line."""
+    suffix = Path(path.name.removesuffix(".gz")).suffix.lower()
+    if suffix in (".tsv", ".csv"):
+        raise DprGcError(f"{path} is a {suffix[1:].upper()} file: training data is DPR JSON or JSONL (.json, .jsonl, "
+                         "optionally .gz) or a BEIR folder; see docs/formats.md")
 
 
 def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Optional[PathLike] = None,
