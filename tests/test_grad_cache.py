@@ -276,6 +276,9 @@ def test_clear_errors(make_retriever):
         GradCache(modules, 0, SimpleContrastiveLoss())
     with pytest.raises(DprGcError, match="chunk size"):
         GradCache(modules, [4, -1], SimpleContrastiveLoss())
+    for size in (16.0, torch.tensor(16), [4, 2.0], [4, True]):
+        with pytest.raises(DprGcError, match=r"chunk(_| )size"):
+            GradCache(modules, size, SimpleContrastiveLoss())
     q, p = make_batch(retriever, 4, 0)
     with pytest.raises(DprGcError, match="need 8 passages"):
         GradCache(modules, 2, SimpleContrastiveLoss(n_hard_negatives=1))(q, p)
@@ -285,6 +288,22 @@ def test_clear_errors(make_retriever):
         GradCache(modules, 2, SimpleContrastiveLoss())(q, p, no_sync_except_last=True)
     with pytest.raises(DprGcError, match="GradScaler"):
         GradCache(modules, 2, SimpleContrastiveLoss(), fp16=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_a_float_or_bool_attention_mask_is_chunked_sorted_and_trimmed_as_an_integer_one(make_retriever, dtype):
+    """Hugging Face models take float masks; their lengths were float slice bounds ("slice indices must be
+    integers")."""
+    retriever = make_retriever()
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(1)
+    q, p = make_batch(retriever, 8, 1)
+    q, p = ({k: v.to(dtype) if k == "attention_mask" else v for k, v in batch.items()} for batch in (q, p))
+    expected = reference_grads(modules, loss_fn, q, p)
+    for chunking in (Chunking(), Chunking(sort_by_length=True, tokens=40)):
+        zero(modules)
+        GradCache(modules, 3, loss_fn, chunking=chunking)(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
 
 
 def test_trim_padding_cuts_padding_columns_only():

@@ -105,3 +105,57 @@ def test_left_padded_absolute_position_model_trims_exactly(tiny_tokenizer):
     assert cached_step_error(retriever, 9, chunking=Chunking(sort_by_length=True)) < 1e-5
     np.testing.assert_allclose(retriever.embed("query", TEXTS),
                                np.concatenate([retriever.embed("query", [t]) for t in TEXTS]), atol=1e-5)
+
+
+class LastToken(torch.nn.Module):
+    """A raw GPT-2 (absolute positions, counted from the first column) pooled at the last column: left padding."""
+
+    def __init__(self) -> None:
+        from transformers import GPT2Config, GPT2Model
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt = GPT2Model(GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0,
+                                        embd_pdrop=0, attn_pdrop=0))
+        self.widths: list[int] = []
+
+    def forward(self, input_ids, attention_mask, **kwargs):
+        self.widths.append(input_ids.size(1))
+        return self.gpt(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state[:, -1]
+
+
+def left_padded(rows: int, width: int, seed: int, positions: bool) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, width, (rows,), generator=generator)
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
+    batch = {"input_ids": torch.randint(1, 50, (rows, width), generator=generator) * mask, "attention_mask": mask}
+    return batch | ({"position_ids": (mask.cumsum(1) - 1).clamp(min=0)} if positions else {})
+
+
+@pytest.mark.parametrize("positions", [False, True])
+def test_left_padding_is_cut_only_where_positions_do_not_follow_columns(positions):
+    """A raw GPT-2 fed left-padded rows without position_ids counts positions from the first column, so cutting a
+    chunk's left padding would move every token (the loss went from 4.61 to 9.79): its chunks keep their width and
+    the gradient is the full batch's. Given position_ids, they are cut with the chunk, and it is exact too."""
+    from dpr_gc import GradCache, SimpleContrastiveLoss
+
+    model, loss_fn = LastToken(), SimpleContrastiveLoss()
+    q, p = left_padded(6, 10, 1, positions), left_padded(6, 16, 2, positions)
+    expected = loss_fn(model(**q), model(**p))
+    expected.backward()
+    reference = [t.grad.clone() for t in model.parameters()]
+    model.zero_grad()
+    model.widths.clear()
+    loss = GradCache([model, model], 2, loss_fn, chunking=Chunking(sort_by_length=True))(q, p)
+    error = max(float((t.grad - r).abs().max() / r.abs().max()) for t, r in zip(model.parameters(), reference))
+    assert abs(float(loss) - float(expected.detach())) < 1e-5 and error < 1e-5
+    assert (set(model.widths) == {10, 16}) != positions  # the full widths, or some cut
+
+
+def test_a_retriever_counts_positions_from_the_mask_so_its_left_padding_is_cut():
+    retriever = decoder_retriever("llama", "left")
+    assert retriever.counts_positions_from_mask
+    from dpr_gc.engine.grad_cache import trims_exactly
+
+    q, _ = make_batch(retriever, 8, 1, seed=7)
+    assert trims_exactly(retriever, q) and not trims_exactly(retriever.query_encoder.transformer, q)

@@ -29,7 +29,8 @@ class Chunking:
     Args:
         sort_by_length: group rows of similar length into the same chunk (representations are returned and the
             loss is computed in the original order; inputs without a 2-D attention mask are left in order).
-        trim: cut every chunk to its longest sequence, on its padding side (right or left).
+        trim: cut every chunk to its longest sequence, on its padding side: right padding always, left padding
+            where positions do not follow columns (:func:`~dpr_gc.engine.grad_cache.trims_exactly`).
         keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
             again (under DDP/FSDP it is replayed, since its backward carries the gradient sync); it is
             backpropagated first, so peak memory stays one chunk.
@@ -121,11 +122,12 @@ def split_input(model_input: Any, chunk_size: int) -> list[Any]:
 
 
 def sequence_lengths(model_input: Any) -> Optional[torch.Tensor]:
-    """Real tokens per row (the 2-D attention mask's row sums), or None without such a mask."""
+    """Real tokens per row (the 2-D attention mask's nonzero entries; float and bool masks too), or None without
+    such a mask."""
     if isinstance(model_input, Mapping) and isinstance(model_input.get("attention_mask"), torch.Tensor):
         mask = model_input["attention_mask"]
         if mask.dim() == 2:
-            return mask.sum(1).cpu()
+            return (mask != 0).sum(1).cpu()
     return None
 
 
@@ -204,7 +206,7 @@ def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
     mask = chunk["attention_mask"]
     if mask.dim() != 2 or mask.size(0) == 0:
         return None
-    width, longest = mask.size(1), int(mask.sum(1).max())
+    width, longest = mask.size(1), int((mask != 0).sum(1).max())
     if longest == width:
         return None
     if bool((mask[:, longest:] == 0).all()):
@@ -226,7 +228,7 @@ def chunk_widths(model_input: Any, chunks: list[Any]) -> list[Optional[tuple[int
     columns = torch.arange(width, device=mask.device)
     first = torch.where(real, columns, width).amin(1) if width else torch.zeros_like(mask[:, 0])
     end = torch.where(real, columns + 1, 0).amax(1) if width else torch.zeros_like(mask[:, 0])
-    lengths, first, end = torch.stack([mask.sum(1), first, end]).cpu().tolist()
+    lengths, first, end = torch.stack([real.sum(1), first, end]).cpu().tolist()
     widths, start = [], 0
     for chunk in chunks:
         rows = rows_in(chunk) or 0
@@ -254,7 +256,8 @@ def trim_padding(chunk: Any) -> Any:
 
     Exact because padded positions are masked out -- for left padding, provided the model counts positions from
     each row's first real token (:class:`dpr_gc.model.retriever.Encoder` passes such ``position_ids``); a raw model that
-    counts from the first column sees every position shifted, which rotary embeddings ignore up to rounding.
+    counts from the first column sees every position shifted. This helper cuts either side; a cached step cuts left
+    padding only where it is exact (:func:`dpr_gc.engine.grad_cache.trims_exactly`).
     """
     trim = trimmed_width(chunk)
     return chunk if trim is None else cut_padding(chunk, trim)
@@ -283,7 +286,7 @@ def length_order(model_input: Any) -> Optional[torch.Tensor]:
     if isinstance(model_input, Mapping) and isinstance(model_input.get("attention_mask"), torch.Tensor):
         mask = model_input["attention_mask"]
         if mask.dim() == 2:
-            return torch.sort(mask.sum(1).cpu(), descending=True, stable=True).indices
+            return torch.sort((mask != 0).sum(1).cpu(), descending=True, stable=True).indices
     return None
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -133,6 +133,21 @@ def is_data_parallel(model: nn.Module) -> bool:
     """DDP or FSDP2: gradients are synchronised by backward hooks, which Gradient Cache holds off until the last
     chunk."""
     return is_ddp(model) or is_fsdp(model)
+
+
+def trims_exactly(model: nn.Module, model_input: Any) -> bool:
+    """Whether cutting ``model_input``'s chunks to their longest rows leaves ``model``'s output as it is. Right
+    padding: always. Left padding shifts every real token to a lower column, so it is cut only where positions do
+    not follow columns: the input carries ``position_ids`` (cut with it), or the model counts positions from each
+    row's first real token (a ``counts_positions_from_mask`` attribute that is true, as dpr-gc's retrievers have).
+    A raw decoder with absolute (GPT-2) or rotary positions keeps its left padding."""
+    mask = model_input.get("attention_mask") if isinstance(model_input, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.size(1) == 0 or "position_ids" in model_input:
+        return True
+    inner = unwrap(model)
+    inner = unwrap(inner.module) if isinstance(inner, DistributedDataParallel) else inner
+    left_padded = (mask[:, 0] == 0) & (mask != 0).any(1)
+    return bool(getattr(inner, "counts_positions_from_mask", False)) or not bool(left_padded.any())
 
 
 def is_trainable(model: nn.Module) -> bool:
@@ -339,11 +354,13 @@ class GradCache:
                  scaler: Optional[torch.amp.GradScaler] = None, *, bf16: bool = False,
                  memory_budget: MemoryBudget = 0, chunking: Chunking = Chunking()) -> None:
         self.models = list(models)
+        if not isinstance(chunk_sizes, (int, list, tuple)):
+            raise DprGcError(f"chunk_sizes must be an int or a list of ints (one per model), got {chunk_sizes!r}")
         sizes = [chunk_sizes] * len(self.models) if isinstance(chunk_sizes, int) else list(chunk_sizes)
         if len(sizes) != len(self.models):
             raise DprGcError(f"got {len(sizes)} chunk sizes for {len(self.models)} models")
         for size in sizes:
-            if not isinstance(size, int) or size <= 0:
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
                 raise DprGcError(f"chunk size must be a positive integer, got {size!r}")
         if fp16 and bf16:
             raise DprGcError("choose one of fp16 and bf16")
@@ -416,20 +433,21 @@ class GradCache:
         order = length_order(model_input) if self.chunking.sort_by_length and self.split_input_fn is None else None
         if order is not None:
             model_input = take_rows(model_input, order)
+        trim = self.chunking.trim and trims_exactly(self.models[m], model_input)
         if self.split_input_fn is not None:
             chunks = list(self.split_input_fn(model_input, self.chunk_sizes[m]))
         elif self.chunk_tokens[m] is not None:
-            chunks = split_by_tokens(model_input, self.chunk_sizes[m], self.chunk_tokens[m], self.chunking.trim)
+            chunks = split_by_tokens(model_input, self.chunk_sizes[m], self.chunk_tokens[m], trim)
         else:
             chunks = split_input(model_input, self.chunk_sizes[m])
         if joined is not None and self.split_input_fn is None:
             overhead = CHUNK_OVERHEAD_TOKENS.get(model_device(self.models[m]).type, DEFAULT_CHUNK_OVERHEAD_TOKENS)
             # A model under DDP/FSDP replays its last chunk (its backward syncs), so that chunk stays small.
-            chunks = join_chunks(model_input, chunks, joined[0], joined[1], self.chunking.trim, overhead,
+            chunks = join_chunks(model_input, chunks, joined[0], joined[1], trim, overhead,
                                  join_last=not is_data_parallel(self.models[m]))
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
-        if not self.chunking.trim:
+        if not trim:
             widths = [None] * len(chunks)
         elif self.split_input_fn is None:
             widths = chunk_widths(model_input, chunks)

@@ -100,6 +100,12 @@ class Encoder(nn.Module):
             # An unused pooler would get no gradient, which DDP reports as an error; freezing it keeps the weights.
             pooler.requires_grad_(False)
 
+    @property
+    def counts_positions_from_mask(self) -> bool:
+        """Whether positions start at each row's first real token (see :meth:`forward`), so that Gradient Cache may
+        cut a chunk's left padding exactly (:func:`dpr_gc.engine.grad_cache.trims_exactly`)."""
+        return takes_position_ids(self.transformer)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         if "position_ids" not in kwargs and is_left_padded(attention_mask) and takes_position_ids(self.transformer):
             # Positions counted from each row's first real token: a left-padded sequence then gets the same
@@ -149,6 +155,11 @@ class Retriever(nn.Module):
     @property
     def temperature(self) -> torch.Tensor:
         return self.tau()
+
+    @property
+    def counts_positions_from_mask(self) -> bool:
+        """Both towers count positions from each row's first real token (:attr:`Encoder.counts_positions_from_mask`)."""
+        return self.query_encoder.counts_positions_from_mask and self.passage_encoder.counts_positions_from_mask
 
     def forward(self, kind: str, scale: bool = True, **batch: torch.Tensor) -> torch.Tensor:
         check_kind(kind)
