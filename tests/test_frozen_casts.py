@@ -3,8 +3,6 @@ per chunk and pass, held by no kept graph, the gradient unchanged to the bit, th
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from torch import nn
@@ -47,7 +45,7 @@ def cached_step(modules: list[nn.Module], batch: tuple[dict, dict], budget: int,
 
 
 def without_frozen_casts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(grad_cache, "FrozenLinearCasts", lambda models, dtypes: contextlib.nullcontext())
+    monkeypatch.setattr(grad_cache, "FrozenLinearCasts", lambda models, dtypes: FrozenLinearCasts([], {}))
 
 
 def check_casts_and_gradient(retriever: nn.Module, monkeypatch: pytest.MonkeyPatch, budget: int,
@@ -119,26 +117,31 @@ def test_kept_graphs_hold_no_copy_of_a_frozen_weight(make_retriever, monkeypatch
     assert before.kept_bytes - kept.kept_bytes == sum(kept.kept) * copies // 2
 
 
-def test_fp32_tensors_are_back_after_a_step_and_after_a_failed_one(make_retriever):
+def test_the_linears_are_back_after_a_step_and_after_a_failed_one(make_retriever):
+    """The parameters stay as they are throughout; the base layers' forwards use the copies during the step only."""
     retriever = lora_retriever(make_retriever)
     modules = models_of(retriever)
     frozen = frozen_linear_weights(modules)
+    linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
     before = [(w.data_ptr(), w.dtype) for w in frozen]
     batch = make_batch(retriever, 8, 1, seed=6)
     cached_step(modules, batch, 0, engine_bf16=True)
     assert [(w.data_ptr(), w.dtype) for w in frozen] == before
+    assert not any("forward" in vars(m) for m in linears)
 
     def failing_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        assert all(w.dtype == torch.bfloat16 for w in frozen)  # switched while the step runs
+        assert all("forward" in vars(m) for m in linears)  # switched while the step runs
+        assert [(w.data_ptr(), w.dtype) for w in frozen] == before
         raise RuntimeError("loss failed")
 
     with pytest.raises(RuntimeError, match="loss failed"):
         GradCache(modules, CHUNK, failing_loss, bf16=True)(*batch)
     assert [(w.data_ptr(), w.dtype) for w in frozen] == before
+    assert not any("forward" in vars(m) for m in linears)
 
 
 class ScaledLinear(nn.Linear):
-    """A subclass may read its weight outside autocast's cast list."""
+    """A subclass may read its weight in a forward of its own."""
 
 
 class Sharded(torch.Tensor):
@@ -157,12 +160,13 @@ def test_only_frozen_fp32_linear_tensors_no_other_module_reads_are_switched():
         module.requires_grad_(False)
     assert {id(p) for p in castable_linear_params([model, model], BF16)} == {id(frozen.weight), id(frozen.bias)}
     assert castable_linear_params([model], {"cuda": torch.bfloat16}) == []
-    with FrozenLinearCasts([model], {}):
+    with FrozenLinearCasts([model], {}) as casts:
+        assert casts.copies == [] and "forward" not in vars(frozen)
+    with FrozenLinearCasts([model], BF16) as casts:
+        assert [c.dtype for c in casts.copies] == [torch.bfloat16] * 2 and "forward" in vars(frozen)
+        assert not any("forward" in vars(m) for m in (trained, sub, tied, wide, sharded))
         assert frozen.weight.dtype == torch.float32
-    with FrozenLinearCasts([model], BF16):
-        assert (frozen.weight.dtype, frozen.bias.dtype) == (torch.bfloat16, torch.bfloat16)
-        assert trained.weight.dtype == torch.float32
-    assert frozen.weight.dtype == torch.float32
+    assert "forward" not in vars(frozen) and casts.copies == []
 
 
 def test_a_qwen2_05b_base_casts_072_gb_of_linear_weights_per_call():
@@ -182,12 +186,50 @@ def test_a_frozen_tower_keeps_its_fp32_weights(make_retriever):
     retriever = lora_retriever(make_retriever)
     modules = models_of(retriever)
     modules[1].requires_grad_(False)
-    query_side, passage_side = frozen_linear_weights(modules[:1]), frozen_linear_weights(modules[1:])
-    dtypes = []
+    query_side, passage_side = ([m for m in module.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+                                for module in modules)
+    switched = []
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        dtypes.append(({w.dtype for w in query_side}, {w.dtype for w in passage_side}))
+        switched.append(({"forward" in vars(m) for m in query_side}, {"forward" in vars(m) for m in passage_side}))
         return SimpleContrastiveLoss(1)(x, y)
 
     GradCache(modules, CHUNK, loss, bf16=True)(*make_batch(retriever, 8, 1, seed=7))
-    assert dtypes == [({torch.bfloat16}, {torch.float32})]
+    assert switched == [({True}, {False})]
+
+
+class HalfInFp32(nn.Module):
+    """A trainable layer, then a frozen one the model runs with autocast turned off (in fp32, as some models run
+    their heads); the loss applies a frozen projection of its own, outside the engine's autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trained, self.frozen = nn.Linear(6, 8), nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return self.frozen(self.trained(x).float())
+
+
+@pytest.mark.parametrize("engine_bf16", [True, False])
+def test_a_frozen_linear_called_outside_autocast_runs_in_fp32_as_without_the_step(engine_bf16):
+    """It used to meet its bf16 tensors there ("mat1 and mat2 must have the same dtype"), where plain bf16 training
+    runs it in fp32."""
+    model, projection = HalfInFp32(), nn.Linear(8, 8).requires_grad_(False)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+
+    def loss_fn(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return SimpleContrastiveLoss()(projection(q), p)
+
+    models = [model, nn.Sequential(model, projection)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reps = models[0](x), models[1](y)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not engine_bf16):  # the engine's own holds no loss
+        plain = loss_fn(*reps)
+    plain.backward()
+    expected = grads([model])
+    zero([model])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not engine_bf16):
+        loss = GradCache(models, 3, loss_fn, bf16=engine_bf16)(x, y)
+    assert torch.allclose(loss, plain.detach(), atol=1e-6) and rel_err(grads([model]), expected) < 1e-6

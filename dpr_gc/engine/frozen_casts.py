@@ -5,20 +5,23 @@ but casts a frozen weight (a LoRA base layer's) afresh at every call, and a forw
 copy for its backward. A cached step calls its model once per chunk in each pass, so every chunk casts every frozen
 weight again and every kept graph holds copies of its own: for a Qwen2-0.5B base in bf16 that is 0.72 GB per kept
 chunk, which plain training pays once per encoder call. Inside :class:`FrozenLinearCasts` each frozen fp32
-``nn.Linear`` weight and bias is stored in the autocast dtype instead, so chunks cast nothing and their graphs save
-the parameter itself; the fp32 tensors are put back on exit. Exact: autocast runs ``linear`` in that dtype and
-would have rounded the fp32 tensor to the same values.
+``nn.Linear`` weight and bias is cast once to the autocast dtype, and the module's calls made under that autocast use
+the copy, so chunks cast nothing and their graphs all save that one copy; calls outside autocast (a model that turns
+it off around a layer, a loss that applies the layer) use the fp32 parameter, as they would without the step.
+Exact: autocast runs ``linear`` in that dtype and would have rounded the fp32 tensor to the same values.
 
 The engine switches only models that train: their graphs save a copy of each frozen weight on the gradient's path
 anyway, while a frozen tower runs without a graph and holds each cast only for as long as its call lasts. Only
 tensors that no other module reads are switched (a tied embedding table is looked up outside autocast's cast list),
-only modules whose type is exactly ``nn.Linear`` (a subclass may read its weight outside autocast), and only plain
-tensors (FSDP2 shards are DTensors and cast by FSDP's own mixed-precision policy).
+only modules whose type is exactly ``nn.Linear`` (a subclass may read its weight in a forward of its own) and whose
+``forward`` nobody replaced, and only plain tensors (FSDP2 shards are DTensors and cast by FSDP's own mixed-precision
+policy).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import functools
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,45 +30,73 @@ from torch import nn
 CAST_DTYPES = (torch.float32,)
 
 
-def castable_linear_params(models: Sequence[nn.Module], dtypes: Mapping[str, torch.dtype]) -> list[nn.Parameter]:
-    """The frozen weights and biases of exact ``nn.Linear`` modules in ``models`` that autocast would lower to
-    ``dtypes[device type]`` at every call: fp32, plain tensors, on a device with an autocast dtype, held by no
-    other module. One walk of each distinct model's modules (tied towers are one model)."""
+def castable_linears(models: Sequence[nn.Module],
+                     dtypes: Mapping[str, torch.dtype]) -> list[tuple[nn.Linear, list[str]]]:
+    """Each exact ``nn.Linear`` of ``models`` (its ``forward`` not replaced) with the names of its frozen tensors that
+    autocast would lower to ``dtypes[device type]`` at every call: fp32, plain tensors, on a device with an autocast
+    dtype, held by no other module. One walk of each distinct model's modules (tied towers are one model)."""
     owners: dict[int, set[tuple[int, str]]] = {}  # parameter -> the (module, attribute) slots that hold it
     linears = []
     for model in {id(m): m for m in models}.values():
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
                 owners.setdefault(id(param), set()).add((id(module), name))
-            if type(module) is nn.Linear:
+            if type(module) is nn.Linear and "forward" not in vars(module):
                 linears.append(module)
     found = {}
     for module in linears:
-        for param in (module.weight, module.bias):
-            if (param is not None and not param.requires_grad and param.dtype in CAST_DTYPES
-                    and type(param.data) is torch.Tensor and param.device.type in dtypes
-                    and len(owners[id(param)]) == 1):
-                found[id(param)] = param
+        names = [name for name in ("weight", "bias") if _castable(getattr(module, name), dtypes, owners)]
+        if names:
+            found[id(module)] = (module, names)
     return list(found.values())
 
 
+def _castable(param: Optional[nn.Parameter], dtypes: Mapping[str, torch.dtype], owners: dict) -> bool:
+    return (param is not None and not param.requires_grad and param.dtype in CAST_DTYPES
+            and type(param.data) is torch.Tensor and param.device.type in dtypes and len(owners[id(param)]) == 1)
+
+
+def castable_linear_params(models: Sequence[nn.Module], dtypes: Mapping[str, torch.dtype]) -> list[nn.Parameter]:
+    """The tensors :func:`castable_linears` finds, as a list of parameters."""
+    return [getattr(module, name) for module, names in castable_linears(models, dtypes) for name in names]
+
+
+def _linear_with_copies(module: nn.Linear, copies: dict[str, torch.Tensor], dtype: torch.dtype,
+                        input: torch.Tensor) -> torch.Tensor:
+    """``module``'s forward inside the step: its low-precision copies under an autocast of their dtype on its device,
+    its own tensors otherwise."""
+    device = module.weight.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype:
+        return nn.functional.linear(input, copies.get("weight", module.weight), copies.get("bias", module.bias))
+    return nn.functional.linear(input, module.weight, module.bias)
+
+
 class FrozenLinearCasts:
-    """Context of one cached step: :func:`castable_linear_params` of ``models`` hold their autocast-dtype copy
-    inside it and their own fp32 tensor again on exit (also when the step fails). ``dtypes`` maps a device type to
-    the autocast dtype the step's chunks run in there; a device without one is left alone."""
+    """Context of one cached step: the modules of :func:`castable_linears` of ``models`` run their calls under
+    autocast with a copy of their frozen tensors in its dtype, made on entry and dropped on exit (also when the step
+    fails); their parameters are never touched. ``dtypes`` maps a device type to the autocast dtype the step's chunks
+    run in there; a device without one is left alone. :attr:`copies` lists the copies (held for the step, not by any
+    one graph)."""
 
     def __init__(self, models: Sequence[nn.Module], dtypes: Mapping[str, torch.dtype]) -> None:
-        self.params = castable_linear_params(models, dtypes) if dtypes else []
+        self.linears = castable_linears(models, dtypes) if dtypes else []
         self.dtypes = dict(dtypes)
-        self.originals: list[torch.Tensor] = []
+        self.copies: list[torch.Tensor] = []
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters whose calls under autocast use a copy."""
+        return [getattr(module, name) for module, names in self.linears for name in names]
 
     def __enter__(self) -> FrozenLinearCasts:
-        for param in self.params:
-            self.originals.append(param.data)
-            param.data = param.data.to(self.dtypes[param.device.type])
+        for module, names in self.linears:
+            dtype = self.dtypes[module.weight.device.type]
+            copies = {name: getattr(module, name).detach().to(dtype) for name in names}
+            module.forward = functools.partial(_linear_with_copies, module, copies, dtype)
+            self.copies.extend(copies.values())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for param, original in zip(self.params, self.originals):
-            param.data = original
-        self.originals = []
+        for module, _ in self.linears:
+            vars(module).pop("forward", None)
+        self.copies = []

@@ -263,6 +263,7 @@ class _ListedTensors:
     def __init__(self) -> None:
         self._listed: dict[int, list[torch.Tensor]] = {}
         self._fixed: dict[int, set[int]] = {}
+        self.held: set[int] = set()  # storages the step holds beside them (the frozen weights' autocast copies)
 
     def clear(self) -> None:
         self._listed.clear()
@@ -274,10 +275,10 @@ class _ListedTensors:
         return self._listed[id(model)]
 
     def meter(self, model: nn.Module) -> GraphMeter:
-        """A graph meter for a chunk of ``model``, its parameters and buffers left out (their storages listed once
-        per step too)."""
+        """A graph meter for a chunk of ``model``, its parameters and buffers and :attr:`held` left out (their
+        storages listed once per step too)."""
         if id(model) not in self._fixed:
-            self._fixed[id(model)] = storages_of(self.of(model))
+            self._fixed[id(model)] = storages_of(self.of(model)) | self.held
         return GraphMeter(self._fixed[id(model)])
 
 
@@ -523,7 +524,7 @@ class GradCache:
         and measured is left in :attr:`last_step`. On the CPU each chunk adds a trainable embedding's gradient
         sparsely, only the rows its tokens touch, into one dense ``.grad`` (single process; see
         :mod:`dpr_gc.engine.sparse_grads`). Under autocast, the frozen ``nn.Linear`` weights of a model that trains (a
-        LoRA base) are held in the autocast dtype for the step, cast once instead of once per chunk (see
+        LoRA base) are cast to the autocast dtype once for the step instead of once per chunk (see
         :mod:`dpr_gc.engine.frozen_casts`). Python's cyclic garbage collector is paused for the step (see
         :func:`~dpr_gc.engine.budget.collections_paused`).
         """
@@ -535,7 +536,8 @@ class GradCache:
                              "or sharded with fully_shard")
         with collections_paused(), SparseEmbeddingGrads([m if t and not is_data_parallel(m) else None
                                    for m, t in zip(self.models, trainable)]) as embeddings, \
-                FrozenLinearCasts([m for m, t in zip(self.models, trainable) if t], self._autocast_dtypes()):
+                FrozenLinearCasts([m for m, t in zip(self.models, trainable) if t], self._autocast_dtypes()) as casts:
+            self._tensors.held = storages_of(casts.copies)
             try:
                 plans, reps = self.forward_no_grad(model_inputs, trainable)
                 loss = self.build_cache(reps, **loss_kwargs)
@@ -544,6 +546,7 @@ class GradCache:
                 self.forward_backward(plans, cache, no_sync_except_last)
             finally:
                 self._tensors.clear()  # holds no tensor past the step (a later .to() replaces buffers)
+                self._tensors.held = set()
         return loss.detach()
 
     def forward_no_grad(self, model_inputs: Sequence[Any], trainable: list[bool]) -> tuple[list[_Plan], list[torch.Tensor]]:
