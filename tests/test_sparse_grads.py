@@ -20,10 +20,12 @@ def embeddings_of(modules: list[nn.Module]) -> list[nn.Embedding]:
 
 
 def record_layouts(modules: list[nn.Module]) -> list[torch.layout]:
-    """The layout of every gradient that reaches an embedding weight, in arrival order."""
+    """The layout of the gradient each embedding call sends to its weight (sparse from a call with ``sparse=True``),
+    in call order. Not a hook on the weight: the step leaves an embedding whose weight has one dense."""
     layouts: list[torch.layout] = []
     for embedding in embeddings_of(modules):
-        embedding.weight.register_hook(lambda g: layouts.append(g.layout))
+        embedding.register_forward_pre_hook(
+            lambda module, args: layouts.append(torch.sparse_coo if module.sparse else torch.strided))
     return layouts
 
 
@@ -105,3 +107,42 @@ def test_the_flags_come_back_when_a_step_fails(make_retriever):
     with pytest.raises(RuntimeError, match="loss failed"):
         GradCache(modules, CHUNK, failing_loss)(q, p)
     assert not any(e.sparse for e in embeddings_of(modules))
+
+
+def test_an_embedding_with_a_gradient_hook_gets_dense_gradients():
+    """A hook written for dense gradients (a clamp) would fail on a sparse one ("Could not run 'aten::clamp' with
+    arguments from the 'SparseCPU' backend"): that embedding is not switched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(40, 4))
+    layouts = []
+    model[0].weight.register_hook(lambda g: layouts.append(g.layout) or g.clamp(-1e6, 1e6))
+    model[0].weight.register_post_accumulate_grad_hook(lambda w: layouts.append(w.grad.layout))
+    q, p = torch.randint(0, 50, (6, 5)), torch.randint(0, 50, (6, 5))
+    SimpleContrastiveLoss()(model(q), model(p)).backward()
+    expected = grads([model])
+    zero([model])
+    layouts.clear()
+    GradCache([model, model], 2, SimpleContrastiveLoss())(q, p)
+    assert layouts and set(layouts) == {torch.strided}
+    assert rel_err(grads([model]), expected) < 1e-5
+
+
+class WithASpareTable(nn.Module):
+    """An encoder holding a table its forward never reads (an optional input's, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.spare, self.head = nn.Embedding(50, 8), nn.Embedding(50, 8), nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.used(ids).mean(1))
+
+
+def test_an_embedding_the_forward_never_calls_keeps_no_grad():
+    """As in plain training: a zero ``.grad`` would let weight decay move a table the model never read."""
+    model = WithASpareTable()
+    q, p = torch.randint(0, 50, (6, 5)), torch.randint(0, 50, (6, 5))
+    GradCache([model, model], 2, SimpleContrastiveLoss())(q, p)
+    assert model.spare.weight.grad is None and model.used.weight.grad is not None
+    assert not model.spare.sparse and not model.spare._forward_pre_hooks
