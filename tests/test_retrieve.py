@@ -407,6 +407,21 @@ def test_evaluation_cut_offs_stop_at_top_k(world, tmp_path, capsys, caplog):
     assert "| metric | @1 | @3 | @10 | @20 |" in capsys.readouterr().out
 
 
+def test_a_top_k_beyond_the_index_is_named_and_the_summary_gives_the_depth_retrieved(world, tmp_path, capsys, caplog):
+    """Every question gets the whole index: the summary and the cut-offs said the depth asked for."""
+    queries, qrels = self_queries(tmp_path)
+    vectors = len(passages())
+    with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
+        cli("retrieve", "--index", world["idx"], "--queries", queries, "--qrels", qrels, "--top-k", 500, "--cache-dir",
+            world["cache"], "--device", "cpu", "--evaluate", "--k", 1, 500, "--output", tmp_path / "top.json")
+    assert f"--top-k 500 beyond the index's {vectors} vectors: each question gets those {vectors} passages" \
+        in caplog.text
+    assert f"--k 500 beyond the index's {vectors} vectors: those figures count only the {vectors} passages" \
+        in caplog.text
+    assert f"| top-k | {vectors} (--top-k 500) |" in capsys.readouterr().out
+    assert {len(r["ctxs"]) for r in json.loads((tmp_path / "top.json").read_text())} == {vectors}
+
+
 @pytest.mark.parametrize("ids, judged, message", [
     (["q0", ""], False, "{queries}: query id '' is empty or contains whitespace; a TREC run (--trec-run) needs "
                         "one-word query ids"),

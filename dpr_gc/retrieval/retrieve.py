@@ -295,10 +295,12 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
     match = None if s.match == "none" else s.match
     if s.trec_run:
         check_run_tag(s.run_tag)
-    beyond = [k for k in s.cutoffs() or () if k > s.top_k]
+    depth = retrieved_depth(s.top_k, index)
+    beyond = [k for k in s.cutoffs() or () if k > depth]
     if beyond:
-        logger.warning("--k %s beyond --top-k %d: those figures count only the %d passages retrieved per question",
-                       " ".join(map(str, beyond)), s.top_k, s.top_k)
+        logger.warning("--k %s beyond %s: those figures count only the %d passages retrieved per question",
+                       " ".join(map(str, beyond)), f"--top-k {depth}" if depth == s.top_k else
+                       f"the index's {depth} vectors", depth)
     with AnswerMatcher(match or "string", default_workers(s.workers)) as matcher:
         def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
             return iter_retrieve(retriever, index, corpus, todo, s.top_k, s.batch_size,
@@ -474,7 +476,8 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
                                    resume_key=key)
     seconds = time.perf_counter() - started
     return metrics, {"queries": count, **({"resumed (retrieved before)": resumed} if resumed else {}),
-                     "top-k": s.top_k, "vectors": index.ntotal, "search": index.search_settings(),
+                     "top-k": s.top_k if s.top_k <= index.ntotal else f"{index.ntotal} (--top-k {s.top_k})",
+                     "vectors": index.ntotal, "search": index.search_settings(),
                      "seconds": round(seconds, 2),
                      "queries/s": round((count - resumed) / seconds, 1) if seconds > 0 and count > resumed else "-",
                      "results": s.output or "-", "trec run": s.trec_run or "-"}
@@ -512,6 +515,17 @@ def retrieval_key(retriever: Any, index: DenseIndex, corpus: Any, job: RetrieveJ
             "index": [index.meta.get("index_file"), index.meta.get("params"), index.ntotal],
             "corpus": dataset_fingerprint(corpus), "model": [weights_fingerprint(retriever), repr(retriever.config)],
             "top_k": job.settings.top_k, "match": job.settings.match}
+
+
+def retrieved_depth(top_k: int, index: Any) -> int:
+    """Passages each question gets: ``top_k``, or all of a smaller index (named in a warning, since the results and
+    the summary would otherwise claim the depth asked for)."""
+    vectors = getattr(index, "ntotal", None)
+    if vectors is None or top_k <= vectors:
+        return top_k
+    logger.warning("--top-k %d beyond the index's %d vectors: each question gets those %d passages", top_k, vectors,
+                   vectors)
+    return vectors
 
 
 def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: PathLike,
