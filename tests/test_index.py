@@ -231,8 +231,14 @@ def test_mixed_models_and_dimensions_are_refused(tmp_path, data):
     with pytest.raises(DprGcError, match="do not match the index"):
         build_index(other_model, tmp_path / "idx", IndexParams("flat"), append=True, allow_partial=True)
     wider = write_shards(tmp_path / "c", unit_vectors(800, dim=24), num_shards=2, only=[1])
-    with pytest.raises(DprGcError, match="dim 24"):
+    with pytest.raises(DprGcError, match=r"do not match the index: dim 24 \(the index: 16\);"):
         build_index(wider, tmp_path / "idx", IndexParams("flat"), append=True, allow_partial=True)
+    edited = write_shards(tmp_path / "d", data, num_shards=2, only=[1])
+    for manifest in edited.glob("*.json"):
+        manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"corpus_fingerprint": "edited"}))
+    with pytest.raises(DprGcError, match=r"do not match the index: the corpus's content \(/data/corpus.jsonl; the "
+                                         r"index: /data/corpus.jsonl; as many rows, other text\); encode the same"):
+        build_index(edited, tmp_path / "idx", IndexParams("flat"), append=True, allow_partial=True)
 
 
 def test_shards_of_both_fingerprint_forms_index_together_only_when_bridged(tmp_path, data):

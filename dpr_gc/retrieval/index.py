@@ -407,6 +407,23 @@ def _encoding_of(meta: dict) -> dict:
     return {k: meta.get(k) for k in ENCODING_KEYS}
 
 
+def _append_differences(index_meta: dict, manifests: list[dict]) -> list[str]:
+    """What shards to be appended record otherwise than the index (each named with both values), else []."""
+    first, found = manifests[0], []
+    for key, value in _encoding_of(first).items():
+        if index_meta.get(key) != value:
+            found.append(f"{key} {value!r} (the index: {index_meta.get(key)!r})")
+    if disagreeing([index_meta, *manifests]):
+        found.append(f"the model's weights (model {first.get('model')}; the index: {index_meta.get('model')}; "
+                     "their fingerprints differ)")
+    if index_meta.get("corpus_rows") != first.get("corpus_rows"):
+        found.append(f"{first.get('corpus_rows')} corpus rows (the index: {index_meta.get('corpus_rows')})")
+    elif index_meta.get("corpus_fingerprint") != first.get("corpus_fingerprint"):
+        found.append(f"the corpus's content ({first.get('corpus')}; the index: {index_meta.get('corpus')}; as many "
+                     "rows, other text)")
+    return found
+
+
 def _check_prefixes(records: list[dict], emb_dir: PathLike) -> None:
     """Refuse shards (or shards and an index) encoded under different passage prefixes."""
     seen = {r["passage_prefix"] for r in records if "passage_prefix" in r}
@@ -433,13 +450,10 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
             raise DprGcError(f"{m['embeddings']}: encoded with {_encoding_of(m)} but other shards in {emb_dir} with "
                              f"{encoding}; keep one model's embeddings per folder")
     _check_prefixes(manifests + ([dense.meta] if dense is not None else []), emb_dir)
-    if dense is not None and (_encoding_of(dense.meta) != encoding or disagreeing([dense.meta, *manifests])
-                              or dense.meta.get("corpus_rows") != first.get("corpus_rows")
-                              or dense.meta.get("corpus_fingerprint") != first.get("corpus_fingerprint")):
-        raise DprGcError(f"embeddings in {emb_dir} (model {first.get('model')}, dim {first['dim']}, "
-                         f"{first.get('corpus_rows')} corpus rows) do not match the index (model "
-                         f"{dense.meta.get('model')}, dim {dense.dim}, {dense.meta.get('corpus_rows')} corpus rows); "
-                         "encode the same corpus with the same model, or build a new index in another folder")
+    differences = _append_differences(dense.meta, manifests) if dense is not None else []
+    if differences:
+        raise DprGcError(f"embeddings in {emb_dir} do not match the index: {'; '.join(differences)}; encode the same "
+                         "corpus with the same model, or build a new index in another folder")
     todo = shard_rows_from(manifests, dense.ntotal if dense else 0)
     if not todo and dense is not None:  # a rerun of a finished append: nothing to do, and no error
         return dense, [], {"train_vectors": 0, "train_seconds": 0.0, "add_seconds": 0.0}
