@@ -42,3 +42,14 @@ def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
         assert devices.cpu_has_native_bf16() is want
     monkeypatch.setattr(devices, "Path", lambda path: real(tmp_path / "missing"))
     assert devices.cpu_has_native_bf16() is False
+
+
+@pytest.mark.parametrize("precision, device, native, warned", [
+    ("bf16", "cpu", False, True), ("bf16", "cpu", True, False), ("fp32", "cpu", False, False),
+    (None, "cpu", False, False), ("bf16", "cuda", False, False)])
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_named_in_a_warning(monkeypatch, caplog, precision, device, native,
+                                                                         warned):
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: native)
+    with caplog.at_level("WARNING", logger="dpr_gc.base.devices"):
+        devices.warn_if_emulated(precision, torch.device(device))
+    assert ("--precision bf16 on a CPU without native bf16" in caplog.text) == warned

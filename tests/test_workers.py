@@ -59,3 +59,20 @@ def test_the_demo_takes_the_same_default(tmp_path: Path) -> None:
     record["training"]["data"]["num_workers"] = 1  # as an earlier version recorded it
     (out / SETTINGS_FILE).write_text(json.dumps(record))
     check_demo_settings(out, DemoConfig())
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_train_in_bf16_on_a_cpu_that_emulates_it_warns(tmp_path: Path, make_retriever, caplog, monkeypatch,
+                                                       native) -> None:
+    """Emulated bf16 runs slower than fp32: the run says so at its start rather than leaving the user to guess."""
+    from dpr_gc.base import devices
+
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: native)
+    make_retriever().save(tmp_path / "model")
+    data = write_dpr(tmp_path / "train.json", make_records(16, 0))
+    config = train_config(model=str(tmp_path / "model"), train_files=[str(data)], batch_size=4, device="cpu",
+                          output_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"), precision="bf16",
+                          query_chunk_size=4, passage_chunk_size=4)
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        Trainer(config).announce()
+    assert ("--precision bf16 on a CPU without native bf16" in caplog.text) != native

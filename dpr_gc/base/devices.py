@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
@@ -49,6 +52,13 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def warn_if_emulated(precision: Optional[str], device: torch.device, flag: str = "--precision") -> None:
+    """Warn that bf16 asked for on a CPU without native bf16 is emulated there: slower than fp32, not faster."""
+    if precision == "bf16" and torch.device(device).type == "cpu" and not cpu_has_native_bf16():
+        logger.warning("%s bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): bf16 is "
+                       "emulated here and runs slower than fp32; leave %s out for fp32", flag, flag)
 
 
 def pick_precision(precision: str, device: torch.device) -> Optional[str]:

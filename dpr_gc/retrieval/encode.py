@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ..data.corpus import dataset_fingerprint, load_corpus
 from ..base.args import nonnegative_int, output_dir, positive_int
 from ..base.devices import (PRECISIONS, autocast_dtype, cpu_has_native_bf16, cpu_threads, default_device,
-                            pick_precision)
+                            pick_precision, warn_if_emulated)
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
@@ -149,6 +149,7 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     settings = dataclasses.replace(settings or EncodeSettings(), **options)
     refuse_foreign_folder(out_dir)
     autocast = pick_precision(settings.precision, next(retriever.parameters()).device)
+    warn_if_emulated(settings.precision, next(retriever.parameters()).device)
     if settings.max_length is not None:
         check_max_length("--max-length", settings.max_length, retriever.positions("passage"))
     flag = "--max-length" if settings.max_length is not None else None  # None: the retriever's own, named as such

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from ..data.corpus import source_fingerprint
 from ..data.training import Collator, load_training_data, make_dataloader
-from ..base.devices import autocast_dtype, cpu_threads
+from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
 from ..base.errors import DprGcError, Interrupted
 from ..base.logs import counted
 from ..base.guard import guarded
@@ -498,6 +498,7 @@ class Trainer:
                         f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
                         config.optim.precision, self.device, counted(self.workers, "DataLoader worker"),
                         " (auto)" if config.data.num_workers == "auto" else "", cpu_threads(self.device))
+            warn_if_emulated(config.optim.precision, self.device)
             if not config.optim.mask_duplicate_positives:
                 logger.info("--no-mask-duplicate-positives: a copy of a query's own positive elsewhere in the batch "
                             "scores as one of its negatives (DPR's and GC-DPR's loss)")
