@@ -47,3 +47,18 @@ def test_the_schedule_warms_up_over_the_ratio(tmp_path: Path, make_retriever, ca
         trainer.optimizer.step()
         trainer.scheduler.step()
     assert rates == pytest.approx([1e-3 * k / 5 for k in (1, 2, 3, 4, 5)] + [1e-3, 1e-3 * 14 / 15])
+
+
+def test_metrics_record_the_learning_rate_each_step_used(tmp_path: Path, make_retriever) -> None:
+    """docs/training.md: ``lr`` in metrics.jsonl (and on the progress bar) is the rate the step ran at, not the next
+    step's: without warm-up step 1 runs at the full rate and the last at a sixth of it (it showed 1.667e-05 and 0.0)."""
+    import json
+
+    make_retriever().save(tmp_path / "model")
+    data = write_dpr(tmp_path / "train.json", make_records(24, 0))
+    config = train_config(model=str(tmp_path / "model"), train_files=[str(data)], batch_size=4, max_steps=6,
+                          learning_rate=2e-5, num_workers=0, output_dir=str(tmp_path / "out"),
+                          cache_dir=str(tmp_path / "cache"), query_chunk_size=4, passage_chunk_size=4)
+    Trainer(config).fit()
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["lr"] for line in lines] == pytest.approx([2e-5 * (6 - k) / 6 for k in range(6)])

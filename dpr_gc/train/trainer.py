@@ -147,6 +147,7 @@ class Trainer:
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
         self.skipped_steps = 0  # consecutive fp16 steps the GradScaler skipped
+        self.step_lr = float("nan")  # the learning rate the last step used (the scheduler has moved on since)
         self.started, self.board, self.bar = time.perf_counter(), None, None
         if self.rank == 0:  # only once the model and data are checked: a refused run leaves nothing in --output
             self.out.mkdir(parents=True, exist_ok=True)
@@ -364,6 +365,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_gradients()
         self.check_finite(loss, grad_norm)
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler sets the next step's
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -526,7 +528,7 @@ class Trainer:
             loss, masked = both[0] / self.world, both[1]
         self.last_loss = float(loss)
         rate = self.examples / (time.perf_counter() - self.started)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.step_lr
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.last_loss:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.1f}")
         return {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr,
