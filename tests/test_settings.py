@@ -363,6 +363,23 @@ def test_resume_accepts_changed_steps_cadence_and_workers(first_run, tmp_path, c
     assert steps == [1, 2, 3]
 
 
+def test_an_extended_run_follows_the_schedule_of_its_new_length(first_run, tmp_path) -> None:
+    """docs/training.md: resuming the finished 2-step run (lr 1e-3, no warm-up) with --max-steps 3 runs step 3 at
+    the 3-step schedule's rate, 1e-3 / 3 (it ran at the 2-step schedule's end, 0.0: a step that changed nothing)."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(first_run["out"], out)
+    argv = [*first_run["argv"], "--output", str(out), "--resume", "latest", "--max-steps", "3"]
+    code, err = call(cli.main, argv)
+    assert code == 0, err
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["lr"] == pytest.approx(1e-3 / 3)
+    from dpr_gc.train.checkpoints import read_state
+
+    assert read_state(out / "checkpoint-3")["scheduler"]["_last_lr"] == pytest.approx([0.0, 0.0])  # its end
+
+
 def test_resume_compares_with_the_checkpoint_record(first_run, tmp_path) -> None:
     """The checkpoint's record wins over the output folder's (a later resume may have rewritten the latter)."""
     import shutil

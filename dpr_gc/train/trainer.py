@@ -321,9 +321,20 @@ class Trainer:
                                        self.device)
         self.sampler.load_state_dict(state["sampler"])
         self.step, self.epoch = state["step"], state["sampler"]["epoch"]
+        self.follow_schedule()
         restore_rng(state["rng"][self.rank] if isinstance(state["rng"], list) else state["rng"])
         logger.info("resumed from step %d (epoch %d, %d batches into it)", self.step, self.epoch,
                     state["sampler"]["batches_done"])
+
+    def follow_schedule(self) -> None:
+        """Give the optimizer this run's scheduled rate for the next step. The checkpoint restored the rate of the
+        schedule it was saved with; a resume that changes the length (``--max-steps``, ``--epochs``, hence a
+        ``--warmup-ratio``'s warm-up) has another, and an extended run's next step ran at the old one's end, 0.0."""
+        scheduler = self.scheduler
+        rates = [base * rule(scheduler.last_epoch) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            group["lr"] = rate
+        scheduler._last_lr = rates  # what get_last_lr() reports; torch keeps it only there
 
     def save(self, record: dict, done_in_epoch: int, rng: dict) -> None:
         """Write ``checkpoint-STEP/`` with everything :meth:`resume` needs (``rng``: the state after this step)."""
