@@ -277,6 +277,18 @@ def test_changed_settings_name_each_flag_with_its_kind() -> None:
     assert "--max-steps" not in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
+def test_paths_compare_by_the_place_they_name() -> None:
+    """A folder spelled ``beir/``, ``beir`` or ``./beir/`` is one setting (it was "--train ['beir/'] -> ['beir']");
+    another folder, or a dev file added, is still a change."""
+    def record(*train: str, dev: Optional[str] = None) -> dict:
+        return to_record(TrainConfig(data=DataConfig(train_files=list(train), dev_file=dev)))
+
+    assert changed_settings(TrainConfig, record("beir/"), record("beir")) == []
+    assert changed_settings(TrainConfig, record("beir/", "x/../dpr.json"), record("./beir/", "dpr.json")) == []
+    assert [str(c) for c in changed_settings(TrainConfig, record("beir/"), record("beir2", dev="dev/"))] == [
+        "--train ['beir/'] -> ['beir2']", "--dev (not set) -> 'dev/'"]
+
+
 # --------------------------------------------------------------------------------------------- resume
 def init_model(folder: Path) -> Path:
     tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
@@ -378,6 +390,22 @@ def test_an_extended_run_follows_the_schedule_of_its_new_length(first_run, tmp_p
     from dpr_gc.train.checkpoints import read_state
 
     assert read_state(out / "checkpoint-3")["scheduler"]["_last_lr"] == pytest.approx([0.0, 0.0])  # its end
+
+
+def test_resume_takes_the_training_file_spelled_another_way(first_run, tmp_path, monkeypatch) -> None:
+    """docs/training.md: the 2-step run's training file, given absolute, resumes given as ``./train.json`` from its
+    folder (it was refused: "--train ['/.../train.json'] -> ['./train.json']")."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(first_run["out"], out)
+    argv = list(first_run["argv"])
+    where = argv.index("--train") + 1
+    monkeypatch.chdir(Path(argv[where]).parent)
+    argv[where] = "./train.json"
+    code, err = call(cli.main, [*argv, "--output", str(out), "--resume", "latest", "--max-steps", "3"])
+    assert code == 0, err
+    assert (out / "checkpoint-3").is_dir()
 
 
 def test_resume_compares_with_the_checkpoint_record(first_run, tmp_path) -> None:

@@ -47,6 +47,7 @@ class Setting:
     cli_default: Any = UNSET
     aliases: tuple[str, ...] = ()
     negatable: bool = False
+    path: bool = False
 
     @property
     def flag(self) -> str:
@@ -76,14 +77,16 @@ CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "
 
 
 def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Optional[Callable[[str], Any]] = None,
-            choices: Optional[Sequence[Any]] = None, resume: str = FIXED,
+            choices: Optional[Sequence[Any]] = None, resume: str = FIXED, path: bool = False,
             default_factory: Any = dataclasses.MISSING, **cli: Any) -> Any:
     """A dataclass field declaring one setting.
 
     ``flags``: its command-line names, the first one shown in errors (none: a library-only setting, still checked
     and recorded); ``type``: the flag parser (its ``accepts`` checks values given in code); ``resume``:
-    :data:`FIXED` or :data:`FREE`. ``cli`` shapes the flag: ``nargs``, ``required``, ``dest``; a bool field is a
-    switch (``negate``: the flag sets the field to False, e.g. ``--separate-encoders`` for ``shared_encoder``);
+    :data:`FIXED` or :data:`FREE`; ``path``: a file or folder (or a list of them), compared with another record's
+    by the place it names, not its spelling (``beir/``, ``./beir``). ``cli`` shapes the flag: ``nargs``,
+    ``required``, ``dest``; a bool field is a switch (``negate``: the flag sets the field to False, e.g.
+    ``--separate-encoders`` for ``shared_encoder``);
     ``negatable``: a bool field gets the flag and its ``--no-`` form (``--mask-duplicate-positives`` /
     ``--no-mask-duplicate-positives``); ``hidden``: further ``(flag, argparse options)`` kept for old command lines
     and left out of ``--help``;
@@ -97,7 +100,7 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
     meta = Setting(tuple(flags), help, type, tuple(choices) if choices is not None else None, cli.get("nargs"),
                    cli.get("required", False), cli.get("dest"), resume, cli.get("negate", False),
                    tuple(cli.get("hidden", ())), cli.get("cli_default", UNSET), tuple(cli.get("aliases", ())),
-                   cli.get("negatable", False))
+                   cli.get("negatable", False), path)
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": meta})
     return dataclasses.field(default=default, metadata={"setting": meta})
@@ -124,7 +127,7 @@ def cache_dir_setting(help: str = "where parsed corpora are cached (default: $DP
                                   "~/.cache/dpr_gc/corpora)") -> Any:
     """``--cache-dir``, declared once for every stage that parses a corpus or training data; an output to the
     guard of every command that takes it (:data:`dpr_gc.base.guard.CACHE_OUTPUT`): never an input, nor inside one."""
-    return setting(None, "--cache-dir", type=output_dir, resume=FREE, aliases=("--cache_dir",), help=help)
+    return setting(None, "--cache-dir", type=output_dir, resume=FREE, path=True, aliases=("--cache_dir",), help=help)
 
 
 def query_prefix_setting() -> Any:
@@ -380,23 +383,38 @@ def _show(value: Any) -> str:
 def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """The settings of ``cls`` whose recorded values differ between ``old`` and ``new`` (:func:`to_record`), named
     by their first flag (else their dotted name), each with its resume kind; an optional group present in one
-    record and absent in the other is one change of the flag that brings it into being."""
+    record and absent in the other is one change of the flag that brings it into being. Paths compare by the place
+    they name (:func:`same_place`): a folder spelled ``beir/`` and then ``beir`` is no change."""
     kinds: dict[str, tuple[str, str]] = {}
+    paths = set()
     for name, decl, grp in _declarations(cls):
         if decl is not None:
             kinds[name] = (decl.flag or name, decl.resume)
+            paths.update([name] if decl.path else [])
         elif grp is not None:
             kinds[name] = ("--" + grp.when.replace("_", "-") if grp.when else name, FIXED)
     flat_old, flat_new = flat_record(old), flat_record(new)
     changes = []
     for key in sorted(set(flat_old) | set(flat_new), key=lambda k: list(kinds).index(k) if k in kinds else 1 << 30):
         a, b = flat_old.get(key, dataclasses.MISSING), flat_new.get(key, dataclasses.MISSING)
-        if a == b:
+        if a == b or (key in paths and same_place(a, b)):
             continue
         owner = next((k for k in (key, *_parents(key)) if k in kinds), None)
         flag, kind = kinds[owner] if owner else (key, FIXED)
         changes.append(Change(flag if owner == key else key, a, b, kind))
     return changes
+
+
+def same_place(a: Any, b: Any) -> bool:
+    """Whether two recorded path settings (a path, or a list of paths) name the same places, relative paths taken
+    from the current folder: the spelling (a trailing slash, ``./``, ``a/../b``) does not matter; the content of
+    training files is compared by its fingerprint elsewhere."""
+    def place(value: Any) -> Any:
+        if isinstance(value, str):
+            return os.path.abspath(value)
+        return [place(v) for v in value] if isinstance(value, list) else value
+
+    return place(a) == place(b)
 
 
 def _parents(key: str) -> list[str]:

@@ -59,7 +59,7 @@ class ModelConfig:
     ``.cp`` file (None: the offline all-MiniLM-L6-v2); ``retriever`` sets up a new one (a saved one keeps its own
     settings, except prefixes given here)."""
 
-    name: Optional[str] = setting(None, "--model", "--pretrained_model_cfg", dest="model",
+    name: Optional[str] = setting(None, "--model", "--pretrained_model_cfg", dest="model", path=True,
                                   help="Hugging Face model name or folder, a saved retriever, an official DPR pair "
                                        "or a DPR .cp file (default: offline all-MiniLM-L6-v2)")
     retriever: Optional[RetrieverConfig] = group(RetrieverConfig, "retriever (a new one; a saved one keeps its own; "
@@ -99,9 +99,9 @@ class DataConfig:
     (DPR's ``val_av_rank_*``)."""
 
     train_files: list[str] = setting(None, "--train", "--train_file", dest="train_files", nargs="+", required=True,
-                                     default_factory=list,
+                                     default_factory=list, path=True,
                                      help="DPR training files (.json/.jsonl[.gz]) or BEIR folders (qrels/train.tsv)")
-    dev_file: Optional[str] = setting(None, "--dev", "--dev_file", dest="dev_file",
+    dev_file: Optional[str] = setting(None, "--dev", "--dev_file", dest="dev_file", path=True,
                                       help="DPR dev file, or BEIR folder (its --dev-beir-split qrels), for "
                                            "validation (default: none, no validation)")
     batch_size: int = setting(32, "--batch-size", "--batch_size", type=positive_int, help="queries per step and rank")
@@ -254,7 +254,7 @@ class RunConfig:
     is GC-DPR's: evaluate and save N times an epoch)."""
 
     output_dir: str = setting("", "--output", "--output_dir", type=output_dir, dest="output_dir", required=True,
-                              resume=FREE, help="output folder")
+                              resume=FREE, path=True, help="output folder")
     seed: int = setting(0, "--seed", type=seed_int, help="seed of initialisation, sampling and dropout")
     device: Optional[str] = setting(None, "--device", type=device_arg, resume=FREE,
                                     help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
