@@ -408,6 +408,31 @@ def test_resume_takes_the_training_file_spelled_another_way(first_run, tmp_path,
     assert (out / "checkpoint-3").is_dir()
 
 
+def test_resuming_a_finished_run_says_so_and_trains_nothing(first_run, tmp_path, caplog, capsys) -> None:
+    """docs/training.md: ``--resume latest`` on the finished 2-step run says it finished at step 2, prints no summary
+    table (it printed "final loss | nan", "time | 0.0 s") and leaves final/ as it is; the library's summary gives
+    the loss metrics.jsonl recorded. A final/ that is missing (stopped before it was written) is written."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(first_run["out"], out)
+    argv = [*first_run["argv"], "--output", str(out), "--resume", "latest", "--max-steps", "2"]
+    final = {p: p.stat().st_mtime_ns for p in (out / "final").iterdir()}
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(cli.main, argv)
+    assert code == 0, err
+    assert "the run already finished at step 2 (of 2 steps): nothing to train" in caplog.text
+    assert "training 2 steps" not in caplog.text and "final loss" not in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in (out / "final").iterdir()} == final
+    shutil.rmtree(out / "final")
+    summary = train(config_from_args(cli.build_parser().parse_args(argv)))
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["steps"] == last["step"] == 2 and summary["final_loss"] == last["loss"]
+    assert summary["already_finished"] and (out / "final" / "model.safetensors").is_file()
+    assert "| steps done | 2 |" in (out / "final" / "README.md").read_text()
+    assert "final loss" not in capsys.readouterr().out
+
+
 def test_resume_compares_with_the_checkpoint_record(first_run, tmp_path) -> None:
     """The checkpoint's record wins over the output folder's (a later resume may have rewritten the latter)."""
     import shutil

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -83,3 +84,20 @@ def summary_table(summary: dict) -> str:
             ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
             ("best dev", best_dev(summary)), ("model", summary["final_model"])]
     return format_summary(dict(rows), ("training", ""))
+
+
+def recorded_loss(metrics: Path, step: int) -> float:
+    """The loss ``metrics.jsonl`` recorded for ``step`` (NaN when it holds none: a run logging every N steps, or a
+    file removed), for the summary of a run resumed after its last step."""
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return float("nan")
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step") == step and isinstance(record.get("loss"), (int, float)):
+            return float(record["loss"])
+    return float("nan")

@@ -44,7 +44,7 @@ from .checkpoints import Checkpointer, check_layout, check_start, finished_check
 from .checkpoints import resolve_checkpoint
 from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
-from .report import describe_epoch, describe_training, summary_table, tensorboard_writer
+from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, weight_decay_groups
 from .validation import evaluate_dev, load_dev_data
@@ -468,13 +468,13 @@ class Trainer:
         """Train to the last step (continuing ``config.run.resume`` when given); returns the run's summary."""
         if self.config.run.resume:
             self.resume(self.config.run.resume)
+            if self.step >= self.total_steps:
+                return self.already_finished()
         else:
             self.start_fresh()
         if self.rank == 0:
             record_settings(self.config, self.out)
-        self.retriever.training_info.update(describe_training(self.config, self.data.stats, self.world,
-                                                              self.chunks, self.total_steps))
-        self.retriever.training_info["steps"] = self.step
+        self.describe_run()
         self.announce()
         if self.config.data.dev_file and self.step == 0:
             initial = {"step": 0, **self.evaluate()}
@@ -501,6 +501,12 @@ class Trainer:
         summary = self.finish()
         self.close()
         return summary
+
+    def describe_run(self) -> None:
+        """Put the run's account (data, batch, chunks, steps done) into the model's ``training_info``: its card."""
+        self.retriever.training_info.update(describe_training(self.config, self.data.stats, self.world,
+                                                              self.chunks, self.total_steps))
+        self.retriever.training_info["steps"] = self.step
 
     def announce(self) -> None:
         if self.rank == 0:
@@ -570,25 +576,48 @@ class Trainer:
             self.save(record, done_in_epoch, rng)
         restore_rng(rng)
 
+    def already_finished(self) -> dict:
+        """A resumed run with no step left: say so and train nothing (it printed a summary table of a run that
+        never happened: loss nan, 0.0 s). ``final/`` is written only when it does not hold this step's model (the run
+        stopped between its last checkpoint and ``final/``); the summary's loss is the one metrics.jsonl recorded."""
+        if self.rank == 0:
+            logger.info("the run already finished at step %d (of %s): nothing to train; to train further, resume "
+                        "with a larger --max-steps or --epochs", self.step, counted(self.total_steps, "step"))
+        final = self.out / "final"
+        if not self.all_ranks(self.rank != 0 or card_training(final).get("steps") == self.step):
+            self.describe_run()
+            self.check_finite_weights()
+            exported = self.export()
+            if exported is not None:
+                exported.save(final)
+                logger.info("wrote %s (the model of step %d)", final, self.step)
+        summary = {**self.summary(0.0), "final_loss": recorded_loss(self.metrics_file, self.step),
+                   "already_finished": True}
+        self.close()
+        return summary
+
     def finish(self) -> dict:
         """Save ``final/``, print the summary table, and return the summary."""
-        seconds = time.perf_counter() - self.started
-        summary = {"steps": self.step, "effective_batch": self.effective_batch,
-                   "passages_per_query": self.passages_per_query,
-                   "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
-                   "device": str(self.device), "graphs_kept": self.kept_graphs(),
-                   "final_loss": self.last_loss, "seconds": seconds,
-                   "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
-                   "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
-                   "best_step": self.checkpointer.best_step,
-                   "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
-                   "metrics_file": str(self.metrics_file)}
+        summary = self.summary(time.perf_counter() - self.started)
         self.check_finite_weights()
         final = self.export()
         if final is not None:
             final.save(self.out / "final")
             print(summary_table(summary))
         return summary
+
+    def summary(self, seconds: float) -> dict:
+        """The run's summary (``seconds``: the time this call trained), as :meth:`fit` returns it."""
+        return {"steps": self.step, "effective_batch": self.effective_batch,
+                "passages_per_query": self.passages_per_query,
+                "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
+                "device": str(self.device), "graphs_kept": self.kept_graphs(),
+                "final_loss": self.last_loss, "seconds": seconds,
+                "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
+                "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
+                "best_step": self.checkpointer.best_step,
+                "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
+                "metrics_file": str(self.metrics_file)}
 
     def kept_graphs(self) -> Optional[str]:
         """What the last cached step kept under the memory budget (None in plain training, or before any step)."""
