@@ -4,6 +4,7 @@ files), the starting model's dev score is the baseline ``best/`` must beat, and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -128,6 +129,31 @@ def test_a_resumed_run_keeps_its_recorded_hard_negatives(task: dict, tmp_path: P
     assert (recorded(fresh), recorded(older)) == (0, 1)
     assert "--hard-negatives 1 (not given: the value the resumed run recorded)" in caplog.text
     assert (older / "checkpoint-2").is_dir() and (fresh / "checkpoint-2").is_dir()
+
+
+def test_a_sentence_transformers_run_records_and_resumes_the_recipe_it_used(task: dict, tmp_path: Path) -> None:
+    """docs/training.md: train_config.json holds the recipe the folder gave (mean pooling, normalised, temperature
+    0.05), not the library's defaults (cls, False, 1.0), so --resume takes the value used (--pooling mean was refused
+    as "--pooling 'cls' -> 'mean'") and names a real change (--pooling cls was refused only as
+    "model.retriever_flags [...] -> [...]"). A record of an earlier version (defaults, and the flags given) is
+    compared as the recipe that run used."""
+    out = tmp_path / "out"
+    assert call(cli.main, argv(task, out, "--max-steps", "1"))[0] == 0
+    record = json.loads((out / SETTINGS_FILE).read_text())
+    recipe = record["model"]["retriever"]
+    assert (recipe["pooling"], recipe["normalize"], recipe["temperature"]) == ("mean", True, 0.05)
+    assert (recipe["passage_format"], recipe["query_max_length"]) == ("concat", 16)
+    assert "retriever_flags" not in record["model"]
+    older = dict(record, model=dict(record["model"], retriever=dataclasses.asdict(RetrieverConfig()),
+                                    retriever_flags=[]))
+    for path in (out / SETTINGS_FILE, out / "checkpoint-1" / SETTINGS_FILE):
+        path.write_text(json.dumps(older))
+    for step in (2, 3):  # against the earlier version's record, then against the one step 2 wrote
+        code, err = call(cli.main, argv(task, out, "--max-steps", "4", "--resume", "latest", "--pooling", "cls"))
+        assert code == 2 and "--pooling 'mean' -> 'cls'" in err and "retriever_flags" not in err, err
+        code, err = call(cli.main, argv(task, out, "--max-steps", step, "--resume", "latest", "--pooling", "mean"))
+        assert code == 0, err
+    assert json.loads((out / SETTINGS_FILE).read_text())["model"]["retriever"] == recipe
 
 
 # --------------------------------------------------------------------------------------------- best/

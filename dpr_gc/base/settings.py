@@ -334,9 +334,12 @@ def _plain(value: Any) -> Any:
 
 def to_record(obj: Any) -> dict:
     """The settings dataclass ``obj`` as plain JSON (groups nested; tuples become lists), the format a run records
-    in its output and that :func:`changed_settings` compares."""
+    in its output and that :func:`changed_settings` compares. A plain field, neither a setting nor a group (which
+    flags were given), is no setting of the run and is left out."""
     out = {}
     for field in dataclasses.fields(obj):
+        if _setting(field) is None and _group(field) is None:
+            continue
         value = getattr(obj, field.name)
         out[field.name] = to_record(value) if dataclasses.is_dataclass(value) else _plain(value)
     return out
@@ -384,10 +387,12 @@ def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) 
     """The settings of ``cls`` whose recorded values differ between ``old`` and ``new`` (:func:`to_record`), named
     by their first flag (else their dotted name), each with its resume kind; an optional group present in one
     record and absent in the other is one change of the flag that brings it into being. Paths compare by the place
-    they name (:func:`same_place`): a folder spelled ``beir/`` and then ``beir`` is no change."""
+    they name (:func:`same_place`): a folder spelled ``beir/`` and then ``beir`` is no change. A plain field
+    (which an earlier version recorded) is no setting and is not compared."""
     kinds: dict[str, tuple[str, str]] = {}
-    paths = set()
+    paths, plain = set(), set()
     for name, decl, grp in _declarations(cls):
+        plain.update([name] if decl is None and grp is None else [])
         if decl is not None:
             kinds[name] = (decl.flag or name, decl.resume)
             paths.update([name] if decl.path else [])
@@ -397,7 +402,7 @@ def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) 
     changes = []
     for key in sorted(set(flat_old) | set(flat_new), key=lambda k: list(kinds).index(k) if k in kinds else 1 << 30):
         a, b = flat_old.get(key, dataclasses.MISSING), flat_new.get(key, dataclasses.MISSING)
-        if a == b or (key in paths and same_place(a, b)):
+        if a == b or key in plain or (key in paths and same_place(a, b)):
             continue
         owner = next((k for k in (key, *_parents(key)) if k in kinds), None)
         flag, kind = kinds[owner] if owner else (key, FIXED)

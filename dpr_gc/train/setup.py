@@ -12,6 +12,7 @@ from torch import nn
 
 from ..base.errors import DprGcError
 from ..base.logs import infos_hidden
+from ..base.settings import to_record
 from ..engine.loss import Temperature
 from ..model.dpr_hub import find_dpr_pair
 from ..model.folder import config_from_pipeline, load_pipeline_retriever, read_pipeline
@@ -128,6 +129,41 @@ def folder_recipe(name: str, towers: dict, model: ModelConfig,
         logger.info("%s is a sentence-transformers folder; its recipe: %s%s", name, ", ".join(taken),
                     f" (given: {', '.join(given)})" if given else "")
     return config
+
+
+def resolve_recipe(model: ModelConfig) -> ModelConfig:
+    """``model`` with ``retriever`` holding the recipe a sentence-transformers folder trains with
+    (:func:`folder_recipe`: the flags given, the folder's own values for the rest), so the run records, and
+    ``--resume`` compares, the pooling, normalisation and temperature it used, not the library's defaults. The
+    prefix flags stay in their own fields (the folder's prompts are the recipe's). Any other model as it is: a new
+    one starts from ``retriever`` itself, a saved one keeps its own recipe."""
+    name = model.path()
+    if (Path(name) / "retriever_config.json").is_file() or not Path(name).is_dir():
+        return model
+    towers = read_pipeline(Path(name))
+    if towers is None:
+        return model
+    with infos_hidden(logger):  # build_retriever says the recipe
+        recipe = folder_recipe(name, towers, dataclasses.replace(model, query_prefix=None, passage_prefix=None))
+    flags = model.retriever_flags if model.retriever_flags is not None or model.retriever is not None else ()
+    return dataclasses.replace(model, retriever=recipe, retriever_flags=flags)
+
+
+def resolve_recorded_recipe(recorded: dict) -> dict:
+    """The settings ``recorded`` by a run, its recipe resolved as :func:`resolve_recipe` resolves a new run's. A
+    record from before runs recorded their recipe holds ``model.retriever_flags`` and, for a sentence-transformers
+    folder, the library's defaults for the fields not given: those are the folder's values that run trained with.
+    A newer record is returned as it is."""
+    section = recorded.get("model")
+    if not isinstance(section, dict) or "retriever_flags" not in section:
+        return recorded
+    old, flags = section.get("retriever"), section.get("retriever_flags")
+    model = ModelConfig(name=section.get("name"),
+                        retriever=RetrieverConfig.from_dict(old) if isinstance(old, dict) else None,
+                        retriever_flags=tuple(flags) if isinstance(flags, list) else None)
+    resolved = resolve_recipe(model).retriever
+    retriever = to_record(resolved) if resolved is not None else old
+    return {**recorded, "model": {**section, "retriever": retriever}}
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:

@@ -11,6 +11,7 @@ modules of :mod:`dpr_gc.train`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import shutil
@@ -46,7 +47,7 @@ from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
 from .distributed import Towers, from_rank0, setup_distributed
 from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
-from .setup import build_retriever, check_sources, weight_decay_groups
+from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
 from .validation import evaluate_dev, load_dev_data
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class Trainer:
         check_start(self.out, config.run.resume)  # before minutes of loading the model and parsing the data
         checkpoint = resolve_checkpoint(self.out, config.run.resume) if config.run.resume else None
         recorded = recorded_settings(checkpoint, self.out) if checkpoint else None
+        recorded = (recorded[0], resolve_recorded_recipe(recorded[1])) if recorded else None
         self.hard_negatives_given = config.data.hard_negatives is not None
         self.config = config = self.resolve(config, recorded[1] if recorded else None)
         if checkpoint:
@@ -155,8 +157,10 @@ class Trainer:
     # ----------------------------------------------------------------- building
     def resolve(self, config: TrainConfig, recorded: Optional[dict]) -> TrainConfig:
         """``config`` with its data-dependent default resolved (:func:`resolve_defaults`; ``recorded``: the
-        settings of the run being resumed), saying so when a default was taken."""
+        settings of the run being resumed), saying so when a default was taken, and a sentence-transformers folder's
+        recipe put in (:func:`resolve_recipe`): what the run records and ``--resume`` compares."""
         config, why = resolve_defaults(config, recorded)
+        config = dataclasses.replace(config, model=resolve_recipe(config.model))
         if self.rank == 0 and not self.hard_negatives_given:
             logger.info("--hard-negatives %d (%s)", config.data.hard_negatives, why)
         return config
