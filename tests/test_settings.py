@@ -262,6 +262,19 @@ def test_a_group_can_record_which_of_its_settings_were_given() -> None:
         Outer(Inner("mean", False, False), ("pooling", "normalize", "shared"))
     text = " ".join(parser.format_help().split())
     assert "pooling (default: cls)" in text and "unit vectors (default: False)" in text
+    assert "two towers (default: False)" in text  # the flag's value when not given, not the field's
+
+
+def test_help_shows_a_negating_flags_default_as_the_flag_not_the_field() -> None:
+    """``--separate-encoders`` sets ``shared_encoder`` to False: its help says False (one shared tower unless
+    given), in dpr-gc train and in the GC-DPR compatible script alike."""
+    parsers = [p for name, p in sub_parsers(cli.build_parser(), "dpr-gc") if name == "dpr-gc train"]
+    parsers += [p for name, p in script_parsers() if name == "train_dense_encoder train"]
+    assert len(parsers) == 2
+    for parser in parsers:
+        text = " ".join(parser.format_help().split())
+        assert "--separate-encoders, --no-separate-encoders two towers (query and passage) instead of one shared " \
+               "(default: False)" in text
 
 
 def test_changed_settings_name_each_flag_with_its_kind() -> None:

@@ -225,7 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
             kwargs["default"] = None
         action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
         if unset or decl.negatable:
-            action.shown_default = _field_default(field)  # what applies when not given (see HelpFormatter)
+            action.shown_default = _shown_default(field, decl)  # what applies when not given (see HelpFormatter)
         if resume_kinds:
             action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter
         for flag, options in decl.hidden:
@@ -249,6 +249,13 @@ def _field_default(field: dataclasses.Field) -> Any:
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         return field.default_factory()  # type: ignore[misc]
     return None
+
+
+def _shown_default(field: dataclasses.Field, decl: Setting) -> Any:
+    """The flag's value when not given, as ``--help`` shows it: a negating flag's is the field's default turned
+    over (``--separate-encoders`` is False while ``shared_encoder`` is True)."""
+    default = _field_default(field)
+    return (not default) if decl.negate else default
 
 
 def from_args(cls: type, args: Any) -> Any:
