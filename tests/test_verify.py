@@ -182,3 +182,33 @@ def test_library_call_and_out_of_memory_fallback(tmp_path, monkeypatch):
     assert "verified on 4 queries with the same chunking" in report.table()
     assert report.batches[0].cached.peak_bytes > 0 and report.batches[0].full.peak_bytes > 0
     assert not (tmp_path / "out").exists()
+
+
+def test_batches_past_one_epoch_are_the_next_epochs_as_training_draws_them(tmp_path, monkeypatch):
+    """``--batches N`` past an epoch (24 questions, batch 8: 3 a epoch) checks N batches, the later ones drawn from
+    the next epoch with the trainer's per-epoch seeding (it checked one epoch and passed)."""
+    import dpr_gc.train.verify as verify_module
+
+    model = init_model(tmp_path)
+    data = write_dpr(tmp_path / "train.json", make_records(24, 1))
+    config = train_config(train_files=[str(data)], output_dir=str(tmp_path / "out"), model=str(model), batch_size=8,
+                          query_chunk_size=4, passage_chunk_size=8, num_workers=0, cache_dir=str(tmp_path / "c"),
+                          hard_negatives=1)
+    checked, check_batch = [], verify_module.check_batch
+
+    def recording(verifier, query, passage, tolerance):
+        checked.append((query["input_ids"].clone(), passage["input_ids"].clone()))
+        return check_batch(verifier, query, passage, tolerance)
+
+    monkeypatch.setattr(verify_module, "check_batch", recording)
+    report = verify(config, batches=5)
+    assert report.passed and len(report.batches) == 5 and len(checked) == 5
+    trainer = Trainer(config)
+    drawn = []
+    for epoch in (0, 1):
+        trainer.sampler.set_epoch(epoch)
+        drawn += [(b["query"]["input_ids"], b["passage"]["input_ids"]) for b in trainer.loader]
+    assert len(drawn) == 6
+    for (query, passage), (want_query, want_passage) in zip(checked, drawn):
+        assert torch.equal(query, want_query) and torch.equal(passage, want_passage)
+    assert not torch.equal(checked[3][0], checked[0][0])  # epoch 1 is reshuffled, not epoch 0 again

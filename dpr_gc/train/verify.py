@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -434,12 +435,19 @@ def run_checks(trainer: Any, batches: int) -> VerifyReport:
     report = VerifyReport(precision, TOLERANCES[precision], trainer.world, describe_chunking(trainer), reference,
                           rank=trainer.rank, device=str(trainer.device))
     trainer.retriever.train()
-    trainer.sampler.set_epoch(0)
-    for batch in trainer.loader:
+    for batch in itertools.islice(drawn_batches(trainer), batches):
         report.batches.append(check_batch(verifier, dict(batch["query"]), dict(batch["passage"]), report.tolerance))
-        if len(report.batches) >= batches:
-            break
     return report
+
+
+def drawn_batches(trainer: Any) -> Iterator[dict]:
+    """The trainer's batches in training's order: epoch after epoch, each sampler seeded for its epoch as
+    ``Trainer.train_epoch`` does, so ``--batches`` past one epoch checks the next epoch's batches (not fewer)."""
+    if trainer.sampler.batches_per_epoch < 1:
+        return
+    for epoch in itertools.count():
+        trainer.sampler.set_epoch(epoch)
+        yield from trainer.loader
 
 
 def add_cli(subparsers: Any) -> None:
