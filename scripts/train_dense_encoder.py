@@ -22,6 +22,7 @@ import dataclasses
 import glob
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -120,6 +121,27 @@ def _betas(text: str) -> tuple[float, float]:
     return betas  # type: ignore[return-value]
 
 
+def _rates(text: Optional[str], files: Sequence[str]) -> Optional[list[float]]:
+    """``--train_files_upsample_rates`` as one positive rate per training file, checked before anything loads: a
+    malformed value is one line naming the script's flag (not a traceback), a wrong count too (not dpr-gc's
+    ``--sampling-rates`` once the model and data have loaded)."""
+    if text is None:
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        value = None
+    numbers = isinstance(value, (list, tuple)) and all(
+        isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in value)
+    if not numbers or not value:
+        raise DprGcError(f"--train_files_upsample_rates must be a list of positive numbers, one per --train_file, "
+                         f"e.g. '[1,2]'; got {text!r}")
+    if files and len(value) != len(files):
+        raise DprGcError(f"--train_files_upsample_rates needs one rate per --train_file ({len(files)}: "
+                         f"{', '.join(files)}), got {len(value)}: {text!r}")
+    return [float(r) for r in value]
+
+
 def _epochs(value: Any) -> int:
     if float(value) != int(float(value)) or float(value) < 1:
         raise DprGcError(f"--num_train_epochs must be a whole number >= 1 here, got {value}")
@@ -142,21 +164,21 @@ def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig
     if args.train_files and not args.output_dir:
         raise DprGcError("--output_dir is required for training")
     one_length = "--sequence_length" in given and not given & {"--query-max-length", "--query_max_length"}
+    train_files = _expand(args.train_files or [], "--train_file")
+    rates = _rates(args.train_files_upsample_rates, train_files)
     translated = argparse.Namespace(**{
         **vars(args), "device": args.device or ("cpu" if args.no_cuda else None),
         "grad_cache": bool(args.grad_cache),  # GC-DPR trains plainly unless --grad_cache is given
         "separate_encoders": args.separate_encoders is not False, "projection_dim": args.projection_dim or None,
         "query_max_length": args.passage_max_length if one_length else args.query_max_length,  # DPR: one length
-        "model": args.model_file or args.model, "train_files": _expand(args.train_files or [], "--train_file"),
+        "model": args.model_file or args.model, "train_files": train_files,
         "dev_file": _expand([args.dev_file], "--dev_file")[0] if args.dev_file else None,
         "epochs": _epochs(args.epochs), "output_dir": args.output_dir or ""})
     config = T.config_from_args(translated)
-    rates = args.train_files_upsample_rates
     evals = args.eval_per_epoch or (1 if args.eval_every is None else None)  # GC-DPR: validate and save per epoch
     return dataclasses.replace(
         config, optim=dataclasses.replace(config.optim, adam_eps=args.adam_eps, adam_betas=_betas(args.adam_betas)),
-        data=dataclasses.replace(config.data, sampling_rates=[float(r) for r in ast.literal_eval(rates)] if rates
-                                 else config.data.sampling_rates),
+        data=dataclasses.replace(config.data, sampling_rates=rates or config.data.sampling_rates),
         run=dataclasses.replace(config.run, log_every=args.log_batch_step, eval_per_epoch=evals))
 
 

@@ -219,6 +219,28 @@ def test_gc_dpr_flags_without_a_meaning_here_stop_in_one_line(tiny, tmp_path, ex
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("rates,message", [
+    ("[1,x]", "must be a list of positive numbers"), ("abc", "must be a list of positive numbers"),
+    ("[0]", "must be a list of positive numbers"), ("2", "must be a list of positive numbers"),
+    ("[1,2]", "needs one rate per --train_file (1: ")])
+def test_bad_upsample_rates_are_refused_up_front_naming_the_scripts_flag(tiny, tmp_path, rates, message):
+    """A malformed ``--train_files_upsample_rates`` was a ValueError traceback; a wrong count was refused only once
+    the model and data had loaded, naming dpr-gc's --sampling-rates. Both are now one line naming the script's flag,
+    from the command line's translation (nothing loaded yet)."""
+    from dpr_gc.base.errors import DprGcError
+
+    script = load_script("train_dense_encoder.py")
+    argv = [*gc_dpr_readme_command(tiny, tmp_path / "out"), "--train_files_upsample_rates", rates]
+    with pytest.raises(DprGcError, match="^--train_files_upsample_rates ") as refused:
+        script.config_from_args(script.build_parser().parse_args(["train", *argv]), script.typed_flags(argv))
+    assert message in str(refused.value) and rates in str(refused.value)
+    if rates == "[1,x]":
+        result = run("train_dense_encoder.py", *argv)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "--train_files_upsample_rates" in errors[0] and not (tmp_path / "out").exists()
+
+
 def dpr_checkpoint(tiny: dict, path: Path, projection: int = 0) -> Path:
     """A checkpoint laid out as DPR's ``dpr_biencoder.N.cp`` (two BERT towers, optional encode_proj)."""
     from collections import OrderedDict
