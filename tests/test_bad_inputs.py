@@ -356,10 +356,11 @@ def test_flags_that_would_be_ignored_are_refused_saying_what_to_add_or_drop(worl
             "--cache-dir", tmp_path / "cache"]
     dense = [*mine, "--source", "dense", "--model", world["model"], "--index", world["idx"], "--device", "cpu"]
     bm25_default = "does not apply to --source bm25 (the default); add --source dense, or drop the flag"
-    for extra, flag in [(["--model", world["model"], "--index", world["idx"]], "--model"),
-                        (["--index", world["idx"]], "--index"), (["--embeddings", tmp_path / "e"], "--embeddings"),
+    for extra, flag in [(["--index", world["idx"]], "--index"), (["--embeddings", tmp_path / "e"], "--embeddings"),
                         (["--device", "cpu"], "--device"), (["--batch-size", "8"], "--batch-size")]:
         refused([*mine, *extra], f"error: {flag} {bm25_default}")
+    refused([*mine, "--model", world["model"], "--index", world["idx"]], "error: --model and --index do not apply to "
+            "--source bm25 (the default); add --source dense, or drop them")  # every flag the rule refuses, at once
     refused([*dense, "--bm25-b", "0.5"], "error: --bm25-b does not apply to --source dense; drop the flag")
     refused([*dense, "--bm25-index", tmp_path / "b"], "error: --bm25-index does not apply to --source dense")
     for flag in ("--beir-split", "--split"):
@@ -376,6 +377,28 @@ def test_flags_that_would_be_ignored_are_refused_saying_what_to_add_or_drop(worl
                                 "--n-negatives", "1", "--top-k", "4"])
     assert code == 0 and "error" not in err, err
     assert out.is_file()
+
+
+def test_gradient_cache_flags_with_no_grad_cache_are_refused_all_in_one_line(world: dict, tmp_path: Path) -> None:
+    """``--no-grad-cache`` trains plainly, so chunk sizes, chunk tokens and a memory budget would be ignored: they
+    are refused in one line naming each given, before anything is written; at their defaults (or without
+    --no-grad-cache, or --loss-chunk-size, which the plain loss uses) they are not."""
+    from dpr_gc.base.settings import refuse_flags_that_do_not_apply
+    from dpr_gc.train.config import TrainConfig
+    from dpr_gc.train.trainer import APPLIES
+
+    out = tmp_path / "run"
+    train = ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu"]
+    refused([*train, "--no-grad-cache", "--query-chunk-size", "4", "--memory-budget", "1GB", "--query-chunk-tokens",
+             "8"], "error: --query-chunk-size, --memory-budget and --query-chunk-tokens do not apply to plain training "
+            "(--no-grad-cache: one graph over the whole batch); drop --no-grad-cache, or drop them")
+    refused([*train, "--no-grad-cache", "--ctx_chunk_size", "4"], "error: --passage-chunk-size does not apply to "
+            "plain training", "drop --no-grad-cache, or drop the flag")
+    assert not out.exists()
+    parser = cli.build_parser()
+    for extra in (["--no-grad-cache"], ["--no-grad-cache", "--query-chunk-size", "auto", "--memory-budget", "0",
+                                        "--loss-chunk-size", "8"], ["--query-chunk-size", "4", "--memory-budget", "1GB"]):
+        refuse_flags_that_do_not_apply(TrainConfig, parser.parse_args([*map(str, train), *extra]), APPLIES)
 
 
 def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path) -> None:

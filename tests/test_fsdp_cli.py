@@ -100,6 +100,9 @@ def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path, 
 @pytest.mark.slow  # 26 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_fsdp_plain_training_equals_one_process(tmp_path):
     flags = [*common_flags(tmp_path), "--no-grad-cache"]
+    for chunk in ("--query-chunk-size", "--passage-chunk-size"):  # plain training refuses them (it would ignore them)
+        at = flags.index(chunk)
+        del flags[at:at + 2]
     assert main(["train", *flags, "--batch-size", "8", "--output", str(tmp_path / "single")]) == 0
     torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp")])
     assert_same_adapter(tmp_path / "fsdp" / "final", tmp_path / "single" / "final", "plain training")

@@ -318,12 +318,18 @@ class AppliesWhen:
 
 def refuse_flags_that_do_not_apply(cls: type, args: Any, rules: Mapping[str, AppliesWhen]) -> None:
     """Refuse, in one line, a flag of ``cls`` the user set (:func:`flags_given`) where its rule in ``rules`` (by
-    destination) says it would be ignored: a silently ignored flag is a run other than the one asked for."""
+    destination) says it would be ignored: a silently ignored flag is a run other than the one asked for. The line
+    names every flag given that the first broken rule refuses, so one fix clears them all."""
     given = flags_given(cls, args)
-    for dest, rule in rules.items():
-        if dest in given and not rule.test(args):
-            fix = f"{rule.fix}, or drop the flag" if rule.fix else "drop the flag"
-            raise DprGcError(f"{given[dest]} does not apply {rule.where}; {fix}")
+    broken = [(given[dest], rule) for dest, rule in rules.items() if dest in given and not rule.test(args)]
+    if not broken:
+        return
+    rule = broken[0][1]
+    flags = [flag for flag, other in broken if other is rule]
+    them = "the flag" if len(flags) == 1 else "them"
+    fix = f"{rule.fix}, or drop {them}" if rule.fix else f"drop {them}"
+    named = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
+    raise DprGcError(f"{named} {'does' if len(flags) == 1 else 'do'} not apply {rule.where}; {fix}")
 
 
 # --------------------------------------------------------------------------------------------- records

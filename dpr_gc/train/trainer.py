@@ -30,6 +30,7 @@ from ..data.training import Collator, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
 from ..base.errors import DprGcError, Interrupted
 from ..base.logs import counted
+from ..base.settings import AppliesWhen, refuse_flags_that_do_not_apply
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
@@ -654,8 +655,15 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_train)
 
 
+PLAIN = AppliesWhen(lambda a: a.grad_cache, "to plain training (--no-grad-cache: one graph over the whole batch)",
+                    "drop --no-grad-cache")
+APPLIES = {dest: PLAIN for dest in ("query_chunk_size", "passage_chunk_size", "memory_budget", "query_chunk_tokens",
+                                    "passage_chunk_tokens")}  # --loss-chunk-size applies to plain training too
+
+
 @guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
 def _cli_train(args: Any) -> None:
+    refuse_flags_that_do_not_apply(TrainConfig, args, APPLIES)
     config = config_from_args(args)
     try:
         train(config)
