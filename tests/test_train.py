@@ -148,6 +148,24 @@ def test_a_refused_dev_file_is_named_and_leaves_no_output(task, tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+def test_a_train_refused_at_its_first_batch_leaves_no_output(task, tmp_path, capsys):
+    """No hard negatives in the data, --hard-negatives 1 and a batch of every question: the first batch's negative
+    cannot be found. The refusal comes at the first step, after train_config.json was written: the folder the run
+    created is removed, and in a folder it found, what it wrote (train_config.json, metrics.jsonl) is."""
+    data = write_dpr(tmp_path / "nohn.json", make_records(8, 1, hard=0))
+    for out in (tmp_path / "out", tmp_path / "mine"):
+        if out.name == "mine":
+            out.mkdir()
+            (out / "notes.txt").write_text("kept")
+        argv = ["train", "--train", data, "--output", out, "--model", task["model"], "--batch-size", 8, "--device",
+                "cpu", "--num-workers", 0, "--cache-dir", tmp_path / "cache", "--hard-negatives", 1]
+        code, err = call(main, argv)  # the progress bar had started: its line comes before the error's
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert code == 2 and len(errors) == 1 and "cannot find 1 negatives" in errors[0], err
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
 def test_a_model_without_its_vocabulary_trains_nothing(task, tmp_path, capsys):
     """A model folder whose tokenizer lost its vocabulary loaded as special tokens alone and trained on [UNK]s; the
     model loader refuses it, before --output is written."""

@@ -41,7 +41,7 @@ from ..model.lora import apply_lora, has_adapters, train_adapters
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
-from .config import recorded_settings, resolve_defaults
+from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import resolve_checkpoint
 from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
@@ -152,6 +152,7 @@ class Trainer:
         self.skipped_steps = 0  # consecutive fp16 steps the GradScaler skipped
         self.step_lr = float("nan")  # the learning rate the last step used (the scheduler has moved on since)
         self.started, self.board, self.bar = time.perf_counter(), None, None
+        self.created_out = not self.out.exists()  # a fresh run refused before its first step removes it again
         if self.rank == 0:  # only once the model and data are checked: a refused run leaves nothing in --output
             self.out.mkdir(parents=True, exist_ok=True)
 
@@ -470,7 +471,31 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> dict:
-        """Train to the last step (continuing ``config.run.resume`` when given); returns the run's summary."""
+        """Train to the last step (continuing ``config.run.resume`` when given); returns the run's summary. A fresh
+        run refused before its first step (the first batch's negatives cannot be found) leaves --output as it found
+        it (:meth:`discard_refused_start`)."""
+        try:
+            return self.fit_steps()
+        except TrainingDiverged:
+            raise
+        except DprGcError:
+            self.discard_refused_start()
+            raise
+
+    def discard_refused_start(self) -> None:
+        """Remove what a fresh run wrote before it was refused at its first step: the output folder it created, else
+        the settings record and metrics file it wrote into the folder it found (docs/formats.md: a refused train
+        leaves no output folder)."""
+        if self.rank != 0 or self.config.run.resume or self.step > 0:
+            return
+        if self.created_out:
+            shutil.rmtree(self.out, ignore_errors=True)
+        else:
+            (self.out / SETTINGS_FILE).unlink(missing_ok=True)
+            self.metrics_file.unlink(missing_ok=True)
+
+    def fit_steps(self) -> dict:
+        """:meth:`fit`'s work: start or resume, evaluate the starting model, train, finish."""
         if self.config.run.resume:
             self.resume(self.config.run.resume)
             if self.step >= self.total_steps:
