@@ -36,6 +36,33 @@ def test_pairs_every_positive_each_epoch_no_query_twice_in_a_batch(tmp_path: Pat
             assert len({q for q, _ in batch}) == len(batch)  # one query never twice in a batch
 
 
+def test_a_global_batch_larger_than_the_distinct_queries_is_refused_up_front(tmp_path: Path) -> None:
+    """12 queries, 16 pairs: a global batch of 13 must hold a query twice (spread_groups gave up and the batch
+    silently repeated one); it is refused naming --batch-size and the count, per rank under DDP, and per source
+    with per-file batches. A batch of all 12 queries spreads the pairs: no query twice."""
+    from dpr_gc.base.errors import DprGcError
+
+    write_beir(tmp_path / "beir")
+    write_beir(tmp_path / "small", queries=6)
+    data = D.load_training_data([tmp_path / "beir"], tmp_path / "cache")
+    make = lambda **kw: D.make_dataloader(data, lambda examples: examples, hard_negatives=0, seed=1,  # noqa: E731
+                                          beir_positives="pairs", **kw)
+    with pytest.raises(DprGcError, match=r"^--batch-size 13 is more than the 12 distinct queries of the training "
+                                         r"data: a global batch would hold a query twice .*; use --batch-size 12 or "
+                                         r"less$"):
+        make(batch_size=13)
+    with pytest.raises(DprGcError, match=r"^--batch-size 7 x 2 ranks = 14 is more than the 12 distinct .*; use "
+                                         r"--batch-size 6 or less$"):
+        make(batch_size=7, world_size=2)
+    for epoch in range(5):
+        assert all(len({q for q, _ in batch}) == 12 for batch in epoch_batches(make(batch_size=12), epoch))
+    both = D.load_training_data([tmp_path / "beir", tmp_path / "small"], tmp_path / "cache")
+    with pytest.raises(DprGcError, match="the 6 distinct queries of a training source"):
+        D.make_dataloader(both, lambda examples: examples, batch_size=8, hard_negatives=0, beir_positives="pairs",
+                          per_file_batches=True)
+    D.make_dataloader(both, lambda examples: examples, batch_size=8, hard_negatives=0, beir_positives="pairs")
+
+
 def test_sample_one_example_per_query_with_drawn_positives(tmp_path: Path) -> None:
     pairs = write_beir(tmp_path / "beir")
     data = D.load_training_data([tmp_path / "beir"], tmp_path / "cache")

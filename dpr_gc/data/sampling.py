@@ -57,6 +57,26 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         self._order: Optional[tuple[int, np.ndarray]] = None
         if self.batches_per_epoch == 0:
             raise too_few_questions(sum(self.sizes), batch_size, world_size)
+        if groups is not None:
+            self.check_distinct_queries(groups)
+
+    def check_distinct_queries(self, groups: np.ndarray) -> None:
+        """Refuse a global batch larger than the distinct queries it draws from (all sources, or each source with
+        ``per_file_batches``): it would hold a query twice, each copy scoring the other's positive as a negative,
+        which :func:`spread_groups` cannot avoid."""
+        step, offsets = self.batch_size * self.world_size, np.cumsum([0, *self.sizes])
+        pools = ([groups[a:b] for a, b, size, rate in zip(offsets[:-1], offsets[1:], self.sizes, self.rates)
+                  if int(rate * size) >= step] if self.per_file_batches else [groups])  # those that fill a batch
+        distinct = min(len(np.unique(pool)) for pool in pools)
+        if step <= distinct:
+            return
+        ranks = f" x {self.world_size} ranks = {step}" if self.world_size > 1 else ""
+        fix = (f"use --batch-size {distinct // self.world_size} or less" if distinct >= self.world_size
+               else "use fewer ranks")
+        where = "a training source" if self.per_file_batches and len(self.sizes) > 1 else "the training data"
+        raise DprGcError(f"--batch-size {self.batch_size}{ranks} is more than the {distinct} distinct queries of "
+                         f"{where}: a global batch would hold a query twice (each copy scoring the other's positive "
+                         f"as a negative); {fix}")
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All rows drawn in ``epoch``, in order (the same on every rank)."""
