@@ -396,8 +396,8 @@ def test_gradient_cache_flags_with_no_grad_cache_are_refused_all_in_one_line(wor
             "plain training", "drop --no-grad-cache, or drop the flag")
     assert not out.exists()
     parser = cli.build_parser()
-    for extra in (["--no-grad-cache"], ["--no-grad-cache", "--query-chunk-size", "auto", "--memory-budget", "0",
-                                        "--loss-chunk-size", "8"], ["--query-chunk-size", "4", "--memory-budget", "1GB"]):
+    at_defaults = ["--no-grad-cache", "--query-chunk-size", "auto", "--memory-budget", "0", "--loss-chunk-size", "8"]
+    for extra in (["--no-grad-cache"], at_defaults, ["--query-chunk-size", "4", "--memory-budget", "1GB"]):
         refuse_flags_that_do_not_apply(TrainConfig, parser.parse_args([*map(str, train), *extra]), APPLIES)
 
 
