@@ -150,7 +150,7 @@ def run_one(cfg: dict) -> dict:
         sparse_grads.SPARSE_EMBEDDING_GRAD_DEVICES = tuple(t for t in sparse_grads.SPARSE_EMBEDDING_GRAD_DEVICES
                                                            if t != device.type)
     if cfg.get("frozen_linear_casts") is False:  # frozen_casts.py's comparison: autocast casts frozen weights per call
-        grad_cache.FrozenLinearCasts = lambda models, dtypes: frozen_casts.FrozenLinearCasts(models, {})
+        grad_cache.FrozenLinearCasts = lambda models, dtypes, forwards=None: frozen_casts.FrozenLinearCasts(models, {})
     build = scifact_step if cfg["shape"] == "scifact" else llm_step
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16")
     with autocast:

@@ -45,7 +45,7 @@ def cached_step(modules: list[nn.Module], batch: tuple[dict, dict], budget: int,
 
 
 def without_frozen_casts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(grad_cache, "FrozenLinearCasts", lambda models, dtypes: FrozenLinearCasts([], {}))
+    monkeypatch.setattr(grad_cache, "FrozenLinearCasts", lambda models, dtypes, forwards: FrozenLinearCasts([], {}))
 
 
 def check_casts_and_gradient(retriever: nn.Module, monkeypatch: pytest.MonkeyPatch, budget: int,
@@ -233,3 +233,27 @@ def test_a_frozen_linear_called_outside_autocast_runs_in_fp32_as_without_the_ste
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not engine_bf16):
         loss = GradCache(models, 3, loss_fn, bf16=engine_bf16)(x, y)
     assert torch.allclose(loss, plain.detach(), atol=1e-6) and rel_err(grads([model]), expected) < 1e-6
+
+
+class FrozenThenTrained(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen, self.trained = nn.Linear(16, 32).requires_grad_(False), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trained(torch.relu(self.frozen(x)))
+
+
+def test_a_compiled_model_is_not_recompiled_at_every_step():
+    """``torch.compile`` guards on a switched layer's forward: each step gives it the same object (a new one every
+    step recompiled the model at each step until dynamo's limit, then ran it uncompiled)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.compile(FrozenThenTrained(), backend="eager")
+    engine = GradCache([model, model], 4, SimpleContrastiveLoss(), bf16=True)
+    for _ in range(5):
+        engine(torch.randn(8, 16), torch.randn(8, 16))
+    assert counters["frames"]["total"] <= 2  # the forward without and with a graph

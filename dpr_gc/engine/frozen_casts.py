@@ -21,7 +21,7 @@ policy).
 from __future__ import annotations
 
 import functools
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -61,14 +61,17 @@ def castable_linear_params(models: Sequence[nn.Module], dtypes: Mapping[str, tor
     return [getattr(module, name) for module, names in castable_linears(models, dtypes) for name in names]
 
 
-def _linear_with_copies(module: nn.Linear, copies: dict[str, torch.Tensor], dtype: torch.dtype,
-                        input: torch.Tensor) -> torch.Tensor:
-    """``module``'s forward inside the step: its low-precision copies under an autocast of their dtype on its device,
-    its own tensors otherwise."""
+def _linear_with_copies(module: nn.Linear, copies: dict[str, Any], input: torch.Tensor) -> torch.Tensor:
+    """``module``'s forward inside the step: its low-precision ``copies`` under an autocast of their dtype on its
+    device, its own tensors otherwise (and after the step, when ``copies`` is empty)."""
     device = module.weight.device.type
-    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype:
+    if copies and torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == copies["dtype"]:
         return nn.functional.linear(input, copies.get("weight", module.weight), copies.get("bias", module.bias))
     return nn.functional.linear(input, module.weight, module.bias)
+
+
+# A switched module's forward for every step of one engine: module id -> (module, forward, its copies' dict).
+Forwards = dict[int, tuple[nn.Linear, Callable[[torch.Tensor], torch.Tensor], dict[str, Any]]]
 
 
 class FrozenLinearCasts:
@@ -76,11 +79,14 @@ class FrozenLinearCasts:
     autocast with a copy of their frozen tensors in its dtype, made on entry and dropped on exit (also when the step
     fails); their parameters are never touched. ``dtypes`` maps a device type to the autocast dtype the step's chunks
     run in there; a device without one is left alone. :attr:`copies` lists the copies (held for the step, not by any
-    one graph)."""
+    one graph). ``forwards`` (the engine's, kept from step to step) gives a module the same forward object in every
+    step: ``torch.compile`` guards on it, and a new one each step would recompile the model at every step."""
 
-    def __init__(self, models: Sequence[nn.Module], dtypes: Mapping[str, torch.dtype]) -> None:
+    def __init__(self, models: Sequence[nn.Module], dtypes: Mapping[str, torch.dtype],
+                 forwards: Optional[Forwards] = None) -> None:
         self.linears = castable_linears(models, dtypes) if dtypes else []
         self.dtypes = dict(dtypes)
+        self.forwards: Forwards = {} if forwards is None else forwards
         self.copies: list[torch.Tensor] = []
 
     @property
@@ -89,14 +95,23 @@ class FrozenLinearCasts:
         return [getattr(module, name) for module, names in self.linears for name in names]
 
     def __enter__(self) -> FrozenLinearCasts:
+        current = {id(module): module for module, _ in self.linears}
+        for key in [key for key, entry in self.forwards.items() if current.get(key) is not entry[0]]:
+            del self.forwards[key]  # a module no longer switched, or gone
         for module, names in self.linears:
+            entry = self.forwards.get(id(module))
+            if entry is None:
+                copies: dict[str, Any] = {}
+                entry = self.forwards[id(module)] = (module, functools.partial(_linear_with_copies, module, copies),
+                                                     copies)
             dtype = self.dtypes[module.weight.device.type]
-            copies = {name: getattr(module, name).detach().to(dtype) for name in names}
-            module.forward = functools.partial(_linear_with_copies, module, copies, dtype)
-            self.copies.extend(copies.values())
+            entry[2].update({name: getattr(module, name).detach().to(dtype) for name in names}, dtype=dtype)
+            module.forward = entry[1]
+            self.copies.extend(entry[2][name] for name in names)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for module, _ in self.linears:
             vars(module).pop("forward", None)
+            self.forwards[id(module)][2].clear()
         self.copies = []

@@ -37,7 +37,7 @@ from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, collect
 from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
                        pad_sequence_dim, rows_in, split_by_tokens, split_input, take_rows, tensors_in, to_device,
                        trim_padding, trimmed_width)
-from .frozen_casts import FrozenLinearCasts
+from .frozen_casts import FrozenLinearCasts, Forwards
 from .sparse_grads import SparseEmbeddingGrads
 from ..base.devices import at_least_fp32, autocast_dtype
 from ..base.errors import DprGcError
@@ -384,6 +384,7 @@ class GradCache:
         self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
         self.joined_tokens: list[Optional[tuple[int, int]]] = []  # the last step's join limits per model (_plan)
         self._tensors = _ListedTensors()  # each model's parameters and buffers, listed afresh in every step
+        self._cast_forwards: Forwards = {}  # frozen Linears' forwards under autocast, the same objects every step
 
     def __call__(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
         return self.cache_step(*model_inputs, no_sync_except_last=no_sync_except_last, **loss_kwargs)
@@ -536,7 +537,8 @@ class GradCache:
                              "or sharded with fully_shard")
         with collections_paused(), SparseEmbeddingGrads([m if t and not is_data_parallel(m) else None
                                    for m, t in zip(self.models, trainable)]) as embeddings, \
-                FrozenLinearCasts([m for m, t in zip(self.models, trainable) if t], self._autocast_dtypes()) as casts:
+                FrozenLinearCasts([m for m, t in zip(self.models, trainable) if t], self._autocast_dtypes(),
+                                  self._cast_forwards) as casts:
             self._tensors.held = storages_of(casts.copies)
             try:
                 plans, reps = self.forward_no_grad(model_inputs, trainable)
