@@ -64,8 +64,8 @@ def castable_linear_params(models: Sequence[nn.Module], dtypes: Mapping[str, tor
 def _linear_with_copies(module: nn.Linear, copies: dict[str, Any], input: torch.Tensor) -> torch.Tensor:
     """``module``'s forward inside the step: its low-precision ``copies`` under an autocast of their dtype on its
     device, its own tensors otherwise (and after the step, when ``copies`` is empty)."""
-    device = module.weight.device.type
-    if copies and torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == copies["dtype"]:
+    device = copies.get("device")
+    if device and torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == copies["dtype"]:
         return nn.functional.linear(input, copies.get("weight", module.weight), copies.get("bias", module.bias))
     return nn.functional.linear(input, module.weight, module.bias)
 
@@ -104,8 +104,10 @@ class FrozenLinearCasts:
                 copies: dict[str, Any] = {}
                 entry = self.forwards[id(module)] = (module, functools.partial(_linear_with_copies, module, copies),
                                                      copies)
-            dtype = self.dtypes[module.weight.device.type]
-            entry[2].update({name: getattr(module, name).detach().to(dtype) for name in names}, dtype=dtype)
+            device = module.weight.device.type
+            dtype = self.dtypes[device]
+            entry[2].update({name: getattr(module, name).detach().to(dtype) for name in names}, dtype=dtype,
+                            device=device)
             module.forward = entry[1]
             self.copies.extend(entry[2][name] for name in names)
         return self
