@@ -146,8 +146,9 @@ def trims_exactly(model: nn.Module, model_input: Any) -> bool:
         return True
     inner = unwrap(model)
     inner = unwrap(inner.module) if isinstance(inner, DistributedDataParallel) else inner
-    left_padded = (mask[:, 0] == 0) & (mask != 0).any(1)
-    return bool(getattr(inner, "counts_positions_from_mask", False)) or not bool(left_padded.any())
+    if getattr(inner, "counts_positions_from_mask", False):
+        return True
+    return not bool(((mask[:, 0] == 0) & (mask != 0).any(1)).any())  # no row starts with padding
 
 
 def is_trainable(model: nn.Module) -> bool:
