@@ -171,7 +171,17 @@ def test_auto_budget_on_the_cpu_is_half_the_available_ram(monkeypatch):
 
     assert budget.available_ram() > 0
     monkeypatch.setattr(budget, "available_ram", lambda: 10 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert resolve_budget("auto", torch.device("cpu")) == 5 * 2**30
+
+
+def test_ranks_on_one_machine_share_the_cpus_auto_budget(monkeypatch):
+    """Each of two torchrun ranks took half the RAM, together all of it."""
+    import dpr_gc.engine.budget as budget
+
+    monkeypatch.setattr(budget, "available_ram", lambda: 10 * 2**30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_budget("auto", torch.device("cpu")) == 5 * 2**30 // 2
 
 
 def test_auto_budget_on_cuda_is_free_memory_less_the_margin_and_two_chunk_graphs(monkeypatch):
@@ -575,3 +585,19 @@ def test_after_the_first_step_the_kept_last_chunk_runs_without_a_meter(make_retr
     assert reports[2].kept_bytes == reports[1].kept_bytes > 0
     if budget == "0":  # the same chunk as the first step's, and the bytes per token measured on it
         assert reports[2].kept_bytes == reports[0].kept_bytes
+
+
+def test_replayed_graphs_are_estimated_from_the_replays_measure_where_no_first_pass_graph_was_measured(
+        make_retriever):
+    """At budget 0 without a kept last chunk (as every model under DDP/FSDP) no first-pass graph is measured: later
+    steps reported a graph peak of 0 B (verify under torchrun said "graph peak 0 B" from its second batch on)."""
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    q, p = make_batch(retriever, 12, 1, seed=9)
+    engine = GradCache(modules, CHUNK, SimpleContrastiveLoss(1), chunking=Chunking(keep_last_graph=False))
+    peaks = []
+    for _ in range(3):
+        engine(q, p)
+        peaks.append(engine.last_step.peak_graph_bytes)
+        assert engine.last_step.kept_bytes == 0
+    assert peaks[0] > 0 and peaks[1] == peaks[2] and abs(peaks[1] - peaks[0]) <= 0.2 * peaks[0], peaks

@@ -69,14 +69,16 @@ def available_ram() -> int:
 def resolve_budget(budget: MemoryBudget, device: torch.device, largest_graph: int = 0) -> int:
     """Bytes of kept graphs allowed this step. ``auto``: on CUDA the free memory (the driver's plus what PyTorch's
     cache holds unused) minus 10% of the device and twice the largest chunk graph measured so far (room for one
-    more chunk and the backward's temporaries); on the CPU ``CPU_AUTO_SHARE`` of the available RAM."""
+    more chunk and the backward's temporaries); on the CPU ``CPU_AUTO_SHARE`` of the available RAM, shared by the
+    ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``), which all draw on the same RAM."""
     if budget != "auto":
         return int(budget or 0)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return max(0, int(free + cached - CUDA_AUTO_MARGIN * total - 2 * largest_graph))
-    return int(CPU_AUTO_SHARE * available_ram())
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return int(CPU_AUTO_SHARE * available_ram() / max(1, local_ranks))
 
 
 def _storage(t: torch.Tensor) -> Optional[Any]:

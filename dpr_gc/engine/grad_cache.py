@@ -382,6 +382,7 @@ class GradCache:
             raise DprGcError("chunk tokens split by the attention mask; they cannot be combined with split_input_fn")
         self._per_token: dict[int, float] = {}  # largest graph bytes per token measured, per model, across steps
         self._replayed_graph: dict[int, int] = {}  # largest replayed chunk graph per model, measured in its first step
+        self._replayed_per_token: dict[int, float] = {}  # and its largest bytes per token
         self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
         self.joined_tokens: list[Optional[tuple[int, int]]] = []  # the last step's join limits per model (_plan)
         self._tensors = _ListedTensors()  # each model's parameters and buffers, listed afresh in every step
@@ -639,12 +640,18 @@ class GradCache:
                         (self._tensors.meter(model) if measure else contextlib.nullcontext()) as meter:
                     chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
                 if meter is not None:
-                    self._replayed_graph[plan.m] = max(self._replayed_graph.get(plan.m, 0), meter.nbytes(chunk_rep))
+                    self._measured_replay(plan.m, meter.nbytes(chunk_rep), plan.tokens[i])
                     del meter
-                self._note_replayed_graph(self._replayed_graph[plan.m] if measure else
-                                          int(self._per_token.get(plan.m, 0.0) * plan.tokens[i]))
+                per_token = max(self._per_token.get(plan.m, 0.0), self._replayed_per_token.get(plan.m, 0.0))
+                self._note_replayed_graph(self._replayed_graph[plan.m] if measure else int(per_token * plan.tokens[i]))
                 self._backward_chunk(chunk_rep, plan.index(i, cache.device), cache)
                 del chunk_rep
+
+    def _measured_replay(self, m: int, nbytes: int, tokens: int) -> None:
+        """Record a replayed chunk's measured graph: later replays of model ``m`` are estimated from it where no
+        first-pass graph was measured (budget 0 without a kept last chunk, and every model under DDP/FSDP)."""
+        self._replayed_graph[m] = max(self._replayed_graph.get(m, 0), nbytes)
+        self._replayed_per_token[m] = max(self._replayed_per_token.get(m, 0.0), nbytes / max(1, tokens))
 
     def _note_replayed_graph(self, nbytes: int) -> None:
         """Count a replayed chunk's graph in :attr:`last_step` (kept graphs are all freed before the replay). Replayed

@@ -226,7 +226,8 @@ class CacheConfig:
     memory_budget: Union[int, str] = setting(0, "--memory-budget", type=memory_arg, resume=FREE,
                                              help="memory for first-pass graphs kept instead of replayed, e.g. "
                                                   "12GB, 512MiB, or auto (free GPU memory minus a margin; half the "
-                                                  "available RAM on CPU); 0: replay all but the last chunk")
+                                                  "available RAM on CPU, shared by the machine's ranks); 0: replay "
+                                                  "all but the last chunk")
     query_chunk_tokens: Optional[int] = setting(None, "--query-chunk-tokens", type=positive_int, resume=FREE,
                                                 help="tokens per query chunk (rows x longest sequence; rows at "
                                                      "most --query-chunk-size)")
