@@ -181,3 +181,34 @@ def test_distributed_loss_needs_a_process_group():
 
     with pytest.raises(DprGcError, match="init_process_group"):
         DistributedContrastiveLoss()
+
+
+def peer_lost_worker(rank: int, tmp: str) -> None:
+    """Rank 1 leaves right after joining the group; rank 0's collective then fails, inside the CLI's error report."""
+    import contextlib
+    import io
+
+    from dpr_gc.base.errors import report_errors
+
+    os.environ["WORLD_SIZE"] = str(WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    if rank == 1:
+        os._exit(0)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            code = report_errors(lambda: dist.all_reduce(torch.ones(4)))
+        except BaseException:
+            code, stderr = -1, io.StringIO(traceback.format_exc())
+    Path(tmp, "rank0.txt").write_text(f"{code}\n{stderr.getvalue()}")
+    os._exit(0)
+
+
+def test_a_rank_whose_peer_stopped_says_so_in_one_line(tmp_path):
+    """The surviving rank printed ~50 lines of gloo traceback under the failed rank's own message."""
+    run_ranks(peer_lost_worker, (str(tmp_path),), WORLD, limit_s=120)
+    code, *lines = (tmp_path / "rank0.txt").read_text().splitlines()
+    assert code == "2" and len(lines) == 1, lines
+    assert lines[0].startswith("error: another rank of this job stopped (its own message says why); this rank "
+                               "stopped too: ")

@@ -58,7 +58,9 @@ def assert_same_adapter(got_dir: Path, want_dir: Path, what: str) -> None:
 def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path, capsys):
     flags = [*common_flags(tmp_path), "--gradient-checkpointing", "--learn-temperature"]
     assert main(["train", *flags, "--batch-size", "8", "--output", str(tmp_path / "single")]) == 0
-    torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp")])
+    log = torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp")])
+    for line in ("train.json: 16 records", "dev before training:", "LoRA: ", "training 2 steps"):
+        assert log.count(line) == 1, (line, log[-3000:])  # rank 1 logs warnings and errors only
     single, sharded = tmp_path / "single" / "final", tmp_path / "fsdp" / "final"
     assert_same_adapter(sharded, single, "2 ranks x 4 vs 1 x 8")
     dev = [{k: v for k, v in json.loads(line).items() if k.startswith("dev_")}
@@ -73,8 +75,9 @@ def test_fsdp_training_through_the_cli_equals_one_process_and_resumes(tmp_path, 
     checkpoint = tmp_path / "fsdp" / "checkpoint-1"
     assert (checkpoint / "sharded" / ".metadata").is_file() and not (checkpoint / "model").exists()
 
-    torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp"), "--resume",
-              str(checkpoint)])
+    log = torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp"), "--resume",
+                    str(checkpoint)])
+    assert log.count("resumed from step 1") == 1, log[-3000:]
     assert_same_adapter(sharded, single, "resumed from the sharded checkpoint")
     # a sharded checkpoint resumes only with --fsdp, a plain one only without, each refused in a line naming it
     # (the run's settings record names the change; without a record the checkpoint's own layout does), before the

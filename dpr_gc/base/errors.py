@@ -57,12 +57,36 @@ def is_disk_full(error: BaseException) -> bool:
     return not isinstance(error, DprGcError) and any(word in str(error) for word in DISK_FULL_WORDS)
 
 
+# What gloo and NCCL say when the other end of a collective is gone (its process failed, was interrupted or killed).
+LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                   "NCCL communicator was aborted")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's failure because another rank of a multi-process job stopped: then that rank
+    has printed the reason, and this one's traceback (dozens of lines from every surviving rank) would bury it."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE") or 1) <= 1 or not isinstance(error, RuntimeError):
+        return False
+    distributed = sys.modules.get("torch.distributed")
+    dist_error = getattr(distributed, "DistError", None)
+    return (dist_error is not None and isinstance(error, dist_error)) or any(w in str(error) for w in LOST_PEER_WORDS)
+
+
 def report_errors(action: Callable[[], Any]) -> int:
     """Run ``action`` as a command: a :class:`DprGcError` (or an ``OSError``, e.g. a full disk) becomes one
-    ``error: ...`` line on stderr and exit status 2, an interrupt exit status 130; an int result is the exit status,
-    anything else 0."""
+    ``error: ...`` line on stderr and exit status 2, a collective that lost another rank of the job one line too
+    (:func:`lost_a_peer`), an interrupt exit status 130; an int result is the exit status, anything else 0."""
     try:
         result = action()
+    except RuntimeError as e:
+        if not lost_a_peer(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: another rank of this job stopped (its own message says why); this rank stopped too: {first}",
+              file=sys.stderr)
+        return 2
     except DprGcError as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2

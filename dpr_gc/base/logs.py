@@ -117,6 +117,14 @@ def infos_hidden(log: logging.Logger) -> Iterator[None]:
         log.removeFilter(warnings_and_errors)
 
 
+def infos_from_rank_zero() -> None:
+    """Under torchrun, a rank other than 0 logs warnings and errors only (a filter on the root logger's handlers):
+    training's INFO lines (data counts, dev metrics, resume) are the same on every rank, and each came twice."""
+    if int(os.environ.get("RANK") or 0) > 0:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(warnings_and_errors)
+
+
 def warnings_and_errors(record: logging.LogRecord) -> bool:
     """A quiet dependency's record passes only at WARNING or above, whatever level the library set itself."""
     return record.levelno >= logging.WARNING

@@ -29,7 +29,7 @@ from ..data.corpus import source_fingerprint
 from ..data.training import Collator, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
 from ..base.errors import DprGcError, Interrupted
-from ..base.logs import counted
+from ..base.logs import counted, infos_from_rank_zero, infos_hidden
 from ..base.settings import AppliesWhen, refuse_flags_that_do_not_apply
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
@@ -355,7 +355,8 @@ class Trainer:
         def build() -> Retriever:
             copy = build_retriever(self.config.model, quiet=True)  # the start-up log said its recipe
             if self.config.model.lora is not None:
-                apply_lora(copy, self.config.model.lora)
+                with infos_hidden(logging.getLogger(apply_lora.__module__)):  # said once, at the start
+                    apply_lora(copy, self.config.model.lora)
             copy.training_info = self.retriever.training_info
             return copy
 
@@ -688,6 +689,7 @@ APPLIES = {dest: PLAIN for dest in ("query_chunk_size", "passage_chunk_size", "m
 
 @guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
 def _cli_train(args: Any) -> None:
+    infos_from_rank_zero()
     refuse_flags_that_do_not_apply(TrainConfig, args, APPLIES)
     config = config_from_args(args)
     try:

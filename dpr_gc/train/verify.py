@@ -34,6 +34,7 @@ from torch import nn
 from ..base.args import positive_int
 from ..base.devices import at_least_fp32, autocast_dtype
 from ..base.errors import DprGcError
+from ..base.logs import infos_from_rank_zero
 from ..engine.budget import GraphMeter, StepMemory, fixed_storages, format_bytes
 from ..engine.chunking import pad_sequence_dim, take_rows
 from ..engine.grad_cache import is_data_parallel
@@ -462,6 +463,7 @@ def add_cli(subparsers: Any) -> None:
 
 
 def _cli_verify(args: Any) -> int:
+    infos_from_rank_zero()
     report = verify(config_from_args(args), args.batches)
     if report.rank == 0:
         print(report.table())
