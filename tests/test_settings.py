@@ -304,9 +304,10 @@ def test_paths_compare_by_the_place_they_name() -> None:
 
 # --------------------------------------------------------------------------------------------- resume
 def init_model(folder: Path) -> Path:
+    """A Hugging Face model folder (not a saved retriever, which would keep its own recipe whatever the flags)."""
     tokenizer = BertTokenizerFast(vocab=str(write_vocab(folder / "vocab.txt")))
-    config = RetrieverConfig(pooling="cls", query_max_length=16, passage_max_length=32)
-    Retriever(tiny_bert(len(tokenizer)), None, tokenizer, config).save(folder / "init")
+    tiny_bert(len(tokenizer)).save_pretrained(folder / "init")
+    tokenizer.save_pretrained(folder / "init")
     return folder / "init"
 
 
@@ -316,6 +317,7 @@ def first_run(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("resume")
     argv = ["train", "--train", write_dpr(d / "train.json", make_records(32, 1)), "--model", init_model(d),
             "--batch-size", "8", "--num-workers", "0", "--learning-rate", "1e-3", "--query-chunk-size", "4",
+            "--query-max-length", "16", "--passage-max-length", "32",
             "--passage-chunk-size", "8", "--cache-dir", d / "cache", "--save-every", "1", "--keep-checkpoints", "3"]
     out = d / "out"
     code, err = call(cli.main, [*argv, "--output", out, "--max-steps", "2"])

@@ -156,6 +156,28 @@ def test_a_sentence_transformers_run_records_and_resumes_the_recipe_it_used(task
     assert json.loads((out / SETTINGS_FILE).read_text())["model"]["retriever"] == recipe
 
 
+def test_a_saved_retriever_run_records_the_recipe_it_keeps_and_names_flags_it_does_not_use(task: dict, tmp_path: Path,
+                                                                                          caplog) -> None:
+    """Training again from a trained retriever (the quality loop): it keeps its own recipe, which the record holds
+    (it held the library's defaults, so --resume --pooling mean, the value used, was refused as "'cls' -> 'mean'"),
+    and a recipe flag given with another value is named in a warning, since it is not used."""
+    first = tmp_path / "first"
+    assert call(cli.main, argv(task, first, "--max-steps", "1"))[0] == 0
+    again, saved = tmp_path / "again", str(first / "final")
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(cli.main, argv(task, again, "--model", saved, "--max-steps", "1", "--pooling", "cls",
+                                        "--temperature", "0.05"))
+    assert code == 0, err
+    assert (f"{saved} is a saved retriever and keeps its own recipe: --pooling 'cls' not used (it has pooling "
+            "'mean')") in caplog.text
+    recipe = json.loads((again / SETTINGS_FILE).read_text())["model"]["retriever"]
+    assert (recipe["pooling"], recipe["normalize"]) == ("mean", True) and recipe["temperature"] == pytest.approx(0.05)
+    for flags in (("--pooling", "mean"), ("--temperature", "0.05"), ()):
+        code, err = call(cli.main, argv(task, again, "--model", saved, "--max-steps", "2", "--resume", "latest",
+                                        *flags))
+        assert code == 0, err
+
+
 # --------------------------------------------------------------------------------------------- best/
 def scripted_dev(monkeypatch: pytest.MonkeyPatch, scores: dict, seen: dict) -> None:
     """Make every dev evaluation report ``scores[step]`` as its average rank (and keep the weights evaluated)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -15,7 +17,7 @@ from ..base.logs import infos_hidden
 from ..base.settings import to_record
 from ..engine.loss import Temperature
 from ..model.dpr_hub import find_dpr_pair
-from ..model.folder import config_from_pipeline, load_pipeline_retriever, read_pipeline
+from ..model.folder import CONFIG_NAME, config_from_pipeline, load_pipeline_retriever, read_pipeline
 from ..model.retriever import Retriever, RetrieverConfig, check_max_length
 from ..model.tokenize import check_length_room
 from .config import DataConfig, ModelConfig
@@ -44,7 +46,7 @@ def build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]] 
 
 def _build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]]) -> Retriever:
     name = model.path()
-    if (Path(name) / "retriever_config.json").is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
+    if (Path(name) / CONFIG_NAME).is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
         retriever = Retriever.load(name, query_prefix=model.query_prefix, passage_prefix=model.passage_prefix)
         flags = model.retriever_flags if model.retriever_flags is not None else (
             ("retriever",) if model.retriever is not None else ())
@@ -131,14 +133,16 @@ def folder_recipe(name: str, towers: dict, model: ModelConfig,
     return config
 
 
-def resolve_recipe(model: ModelConfig) -> ModelConfig:
+def resolve_recipe(model: ModelConfig, warn: bool = False) -> ModelConfig:
     """``model`` with ``retriever`` holding the recipe a sentence-transformers folder trains with
-    (:func:`folder_recipe`: the flags given, the folder's own values for the rest), so the run records, and
-    ``--resume`` compares, the pooling, normalisation and temperature it used, not the library's defaults. The
-    prefix flags stay in their own fields (the folder's prompts are the recipe's). Any other model as it is: a new
-    one starts from ``retriever`` itself, a saved one keeps its own recipe."""
+    (:func:`folder_recipe`: the flags given, the folder's own values for the rest), or a saved retriever folder's own
+    (:func:`saved_recipe`), so the run records, and ``--resume`` compares, the pooling, normalisation and temperature
+    it used, not the library's defaults. The prefix flags stay in their own fields (the folder's prompts are the
+    recipe's). Any other model as it is: a new one starts from ``retriever`` itself."""
     name = model.path()
-    if (Path(name) / "retriever_config.json").is_file() or not Path(name).is_dir():
+    if (Path(name) / CONFIG_NAME).is_file():
+        return saved_recipe(model, warn)
+    if not Path(name).is_dir():
         return model
     towers = read_pipeline(Path(name))
     if towers is None:
@@ -147,6 +151,33 @@ def resolve_recipe(model: ModelConfig) -> ModelConfig:
         recipe = folder_recipe(name, towers, dataclasses.replace(model, query_prefix=None, passage_prefix=None))
     flags = model.retriever_flags if model.retriever_flags is not None or model.retriever is not None else ()
     return dataclasses.replace(model, retriever=recipe, retriever_flags=flags)
+
+
+def saved_recipe(model: ModelConfig, warn: bool) -> ModelConfig:
+    """``model`` with ``retriever`` holding the recipe its saved retriever folder keeps (it loads as it is); with
+    ``warn``, the recipe flags given with other values are named in a warning, since they are not used. An unreadable
+    config is left to the load to report."""
+    try:
+        saved = RetrieverConfig.from_dict(json.loads((Path(model.path()) / CONFIG_NAME).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return model
+    given = [f for f in model.retriever_flags or () if f not in ("query_prefix", "passage_prefix")]
+    unused = [f for f in given if model.retriever is not None and not same_value(getattr(model.retriever, f),
+                                                                                getattr(saved, f))]
+    if warn and unused:
+        logger.warning("%s is a saved retriever and keeps its own recipe: %s not used (it has %s)", model.path(),
+                       ", ".join(f"--{f.replace('_', '-')} {getattr(model.retriever, f)!r}" for f in unused),
+                       ", ".join(f"{f} {getattr(saved, f)!r}" for f in unused))
+    flags = model.retriever_flags if model.retriever_flags is not None or model.retriever is not None else ()
+    return dataclasses.replace(model, retriever=saved, retriever_flags=flags)
+
+
+def same_value(given: Any, saved: Any) -> bool:
+    """Equal, floats to float32's precision (a saved temperature went through a float32 parameter: 0.05 is stored
+    as 0.04999999701976776)."""
+    if isinstance(given, float) and isinstance(saved, float):
+        return math.isclose(given, saved, rel_tol=1e-6)
+    return given == saved
 
 
 def resolve_recorded_recipe(recorded: dict) -> dict:

@@ -162,7 +162,7 @@ class Trainer:
         settings of the run being resumed), saying so when a default was taken, and a sentence-transformers folder's
         recipe put in (:func:`resolve_recipe`): what the run records and ``--resume`` compares."""
         config, why = resolve_defaults(config, recorded)
-        config = dataclasses.replace(config, model=resolve_recipe(config.model))
+        config = dataclasses.replace(config, model=resolve_recipe(config.model, warn=self.rank == 0))
         if self.rank == 0 and not self.hard_negatives_given:
             logger.info("--hard-negatives %d (%s)", config.data.hard_negatives, why)
         return config
