@@ -171,7 +171,9 @@ def test_a_value_starting_with_a_dash_says_how_to_write_it(command: list, flag: 
     (["evaluate", "--resluts", "r.json"], "dpr-gc evaluate: unrecognized arguments: --resluts r.json",
      "; did you mean --results? (see dpr-gc evaluate --help)"),
     (["train", "--train", "t.json", "--output", "o", "--batch-szie=4"], "unrecognized arguments: --batch-szie=4",
-     "; did you mean --batch-size? (see dpr-gc train --help)")])
+     "; did you mean --batch-size? (see dpr-gc train --help)"),
+    (["train", "--batch-szie", "4"], "unrecognized arguments: --batch-szie; did you mean --batch-size?; the following "
+     "arguments are required: --train/--train_file, --output/--output_dir", "(see dpr-gc train --help)")])
 def test_a_misspelt_command_flag_or_choice_is_named_with_the_closest_one(argv: list, said: str, ending: str) -> None:
     """One line naming what was given and the closest command, flag or choice, pointing to the help of the command
     it was given to; a word close to nothing gets argparse's line alone."""

@@ -58,6 +58,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_known_args(self, args: Optional[Sequence[str]] = None,
                          namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
         args = sys.argv[1:] if args is None else list(args)
+        self.given = args
         try:
             return super().parse_known_args(args, namespace)
         except argparse.ArgumentError as e:
@@ -125,8 +126,24 @@ class ArgumentParser(argparse.ArgumentParser):
                                                               for name in self._option_string_actions))
 
     def error(self, message: str) -> NoReturn:
-        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        print(f"error: {self.prog}: {self.misspelt_first(message)} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(ERROR_EXIT)
+
+    def misspelt_first(self, message: str) -> str:
+        """``message``, led by the flags given that this parser does not know (with the closest one) when it says
+        required flags are missing: argparse names the missing ones first, so ``dpr-gc train --batch-szie 4`` never
+        heard of its misspelling."""
+        if not message.startswith(gettext("the following arguments are required: %s").split("%s")[0]):
+            return message
+        unknown = [word for word in getattr(self, "given", ()) if word[:2] == "--" and self.unknown_option(word)]
+        if not unknown:
+            return message
+        return gettext("unrecognized arguments: %s") % " ".join(unknown) + self.closest_flag(unknown) + "; " + message
+
+    def unknown_option(self, word: str) -> bool:
+        """Whether ``word`` (``--flag`` or ``--flag=VALUE``) is none of this parser's options, nor a prefix of one."""
+        flag = word.split("=", 1)[0]
+        return flag != "--" and not any(option.startswith(flag) for option in self._option_string_actions)
 
 
 def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], need: str) -> Callable[[str], Any]:
