@@ -164,6 +164,20 @@ def test_a_tsv_or_csv_given_as_training_data_is_refused_by_its_name(tmp_path, na
     assert "skip-bad-records" not in str(e.value)
 
 
+def test_a_cached_parse_is_named_by_the_path_this_run_gave(tmp_path, caplog, monkeypatch):
+    """The same file spelt from another folder reuses the parse; the log and counts name the path given now, not
+    the first run's (``../demo/train.json`` from a folder where it names nothing)."""
+    (tmp_path / "a").mkdir()
+    write(tmp_path / "a" / "train.json", records(3), "list")
+    monkeypatch.chdir(tmp_path)
+    assert load(tmp_path, Path("a/train.json")).stats[0]["source"] == "a/train.json"
+    monkeypatch.chdir(tmp_path / "a")
+    with caplog.at_level("INFO", logger="dpr_gc.data.training"):
+        data = load(tmp_path, Path("train.json"))
+    assert data.stats[0]["source"] == "train.json" and not data.stats[0]["parsed_now"]
+    assert "train.json: 3 records" in caplog.text and "a/train.json" not in caplog.text
+
+
 def write_beir(folder: Path, recs: list) -> Path:
     """The same content as ``recs`` (positives only) in the BEIR layout, plus one query judged only with score 0."""
     (folder / "qrels").mkdir(parents=True)

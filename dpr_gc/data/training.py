@@ -284,7 +284,9 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     parsed: list[bool] = []  # whether this call parsed the source (else an earlier run's cache is reused)
     dataset = cached_dataset(arrow, lambda: (parsed.append(True), _parse(source, stem, produce, skip_bad, arrow,
                                                                          stats_file)), ready=stats_file.is_file)
-    stats = {**read_json_object(stats_file, "training cache statistics"), "parsed_now": bool(parsed)}
+    # The source as this run names it: the cache is keyed by content, and an earlier run may have spelt it otherwise.
+    stats = {**read_json_object(stats_file, "training cache statistics"), "source": str(source),
+             "parsed_now": bool(parsed)}
     logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped); %s %s", stats["source"],
                 stats["records"], stats["kept"], stats["no_positive"], stats["bad"],
                 "parsed into" if parsed else "read from the parse cached in", arrow)
