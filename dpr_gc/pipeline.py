@@ -8,13 +8,14 @@ use, on files in the formats users bring, and every stage resumes: run the comma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .base.args import nonnegative_int, output_dir, positive_float, positive_int, seed_int
 from .base.errors import DiskFullError, DprGcError
@@ -80,6 +81,7 @@ def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> P
 
 
 SETTINGS_FILE = "demo_settings.json"
+SECONDS_FILE = ".seconds.json"  # the demo's time over every invocation (see demo_clock)
 SAME_RESULTS = ("training.data.num_workers",)  # settings that change no result: workers give the same batches
 NO_STAGE = ("data", SETTINGS_FILE)  # all a run holds before a stage finishes; the dataset checks its own settings
 
@@ -108,6 +110,7 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
     if changed and not started_stages(out):
         logger.info("%s: no stage of the earlier run finished; recording the new settings", out)
         write_json(path, record)
+        (out / SECONDS_FILE).unlink(missing_ok=True)  # its time was another demo's
     elif changed:
         shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in changed[:3])
         raise DprGcError(f"{out} holds a demo run with other settings ({shown}"
@@ -185,36 +188,55 @@ def run_demo(config: DemoConfig) -> dict:
     torch.manual_seed(training.run.seed)
     out = Path(config.output_dir)
     check_demo_settings(out, config)
+    with demo_clock(out) as clock:
+        data = out / "data"
+        manifest = build_stdlib_dataset(data, max_examples=config.max_examples, seed=training.run.seed)
+        available = manifest["counts"]["train_queries"]
+        questions = min(available, config.train_queries or available)
+        if questions < training.data.batch_size:  # refused before any stage, so the corrected rerun is not blocked
+            raise too_few_questions(questions, training.data.batch_size)
+        base_dir = out / "base_model"
+        if not (base_dir / "retriever_config.json").is_file():
+            Retriever.from_pretrained(training.model.path(), training.model.retriever).save(base_dir)
+        before = measure(base_dir, "before", out, data, manifest, config.top_k, config.encode_batch_size)
+
+        train_file = _subset_training_file(data / manifest["files"]["dpr_train"], out / "train_subset.json",
+                                           config.train_queries)
+        train_out = out / "training"
+        final = train_out / "final"
+        if not (final / "retriever_config.json").is_file():
+            train_demo(training, out, train_file)
+        for checkpoint in finished_checkpoints(train_out):  # only a resume needs them, and final/ is there
+            shutil.rmtree(checkpoint)
+            logger.info("removed %s (the trained model is in %s)", checkpoint, final)
+        after = measure(final, "after", out, data, manifest, config.top_k, config.encode_batch_size)
+
+        curve = [json.loads(line) for line in (train_out / "metrics.jsonl").read_text().splitlines()]
+        report = {"config": dataclasses.asdict(config), "dataset": manifest["counts"], "before": before, "after": after,
+                  "training_loss": [[r["step"], r["loss"]] for r in curve if "loss" in r],
+                  "seconds": round(clock(), 1),
+                  "outputs": {"model": str(final), "index": str(out / "after" / "index"),
+                              "run": str(out / "after" / "run.trec"), "results": str(out / "after" / "results.json"),
+                              "metrics": str(out / "metrics.json"), "plot": str(out / "report.png")}}
+        return write_report(report, out)
+
+
+@contextlib.contextmanager
+def demo_clock(out: Path) -> Iterator[Callable[[], float]]:
+    """The seconds the demo in ``out`` has run over every invocation, an interrupted one's included, kept in
+    ``out/.seconds.json`` (:data:`SECONDS_FILE`): ``metrics.json``'s ``seconds`` is the demo's time, not the last
+    rerun's alone (a finished demo run again recorded 0.1 s, a resumed one the resumed part)."""
+    path = out / SECONDS_FILE
+    before = float(read_json_object(path, "demo time").get("seconds", 0.0)) if path.is_file() else 0.0
     started = time.perf_counter()
-    data = out / "data"
-    manifest = build_stdlib_dataset(data, max_examples=config.max_examples, seed=training.run.seed)
-    questions = min(manifest["counts"]["train_queries"], config.train_queries or manifest["counts"]["train_queries"])
-    if questions < training.data.batch_size:  # refused before any stage, so the corrected rerun is not blocked
-        raise too_few_questions(questions, training.data.batch_size)
-    base_dir = out / "base_model"
-    if not (base_dir / "retriever_config.json").is_file():
-        Retriever.from_pretrained(training.model.path(), training.model.retriever).save(base_dir)
-    before = measure(base_dir, "before", out, data, manifest, config.top_k, config.encode_batch_size)
 
-    train_file = _subset_training_file(data / manifest["files"]["dpr_train"], out / "train_subset.json",
-                                       config.train_queries)
-    train_out = out / "training"
-    final = train_out / "final"
-    if not (final / "retriever_config.json").is_file():
-        train_demo(training, out, train_file)
-    for checkpoint in finished_checkpoints(train_out):  # only a resume needs them, and final/ is there
-        shutil.rmtree(checkpoint)
-        logger.info("removed %s (the trained model is in %s)", checkpoint, final)
-    after = measure(final, "after", out, data, manifest, config.top_k, config.encode_batch_size)
+    def total() -> float:
+        return before + time.perf_counter() - started
 
-    curve = [json.loads(line) for line in (train_out / "metrics.jsonl").read_text().splitlines()]
-    report = {"config": dataclasses.asdict(config), "dataset": manifest["counts"], "before": before, "after": after,
-              "training_loss": [[r["step"], r["loss"]] for r in curve if "loss" in r],
-              "seconds": round(time.perf_counter() - started, 1),
-              "outputs": {"model": str(final), "index": str(out / "after" / "index"),
-                          "run": str(out / "after" / "run.trec"), "results": str(out / "after" / "results.json"),
-                          "metrics": str(out / "metrics.json"), "plot": str(out / "report.png")}}
-    return write_report(report, out)
+    try:
+        yield total
+    finally:
+        write_json(path, {"seconds": round(total(), 1)})
 
 
 def write_report(report: dict, out: Path) -> dict:
