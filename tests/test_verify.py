@@ -56,6 +56,16 @@ def test_verify_needs_no_output_folder(tmp_path, capsys):
     assert code == 0 and "PASS" in out, out
 
 
+def test_the_training_runs_warm_up_is_not_announced_as_the_checks(tmp_path, capsys, caplog):
+    """It logged "--warmup-ratio 0.1 of 1 step: 1 warm-up step" for a training run of many steps."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, out = run(capsys, flags(tmp_path, init_model(tmp_path), "--warmup-ratio", "0.1", "--epochs", "2"))
+    assert code == 0 and "PASS" in out, out
+    assert "--warmup-ratio" not in caplog.text and "warm-up step" not in caplog.text
+
+
 def test_table_names_the_device_and_what_the_memory_budget_kept(tmp_path, capsys):
     """The chunking's budget is a choice (auto: resolved from the free memory): the table says where it ran and,
     for each batch, how many graphs the cached step kept under how many bytes (only the chunking was named)."""

@@ -417,8 +417,10 @@ def verify(config: TrainConfig, batches: int = 1, hook: Optional[Callable[[Any],
     with tempfile.TemporaryDirectory(prefix="dpr-gc-verify-") as scratch:
         run = dataclasses.replace(config.run, output_dir=scratch, resume=None)
         data = dataclasses.replace(config.data, num_workers=0)
+        # Its own few steps, no warm-up: the schedule changes no gradient, and a "--warmup-ratio R of N steps" line
+        # about the checked batches would read as the training run's.
         trainer = Trainer(dataclasses.replace(config, run=run, data=data, optim=dataclasses.replace(
-            config.optim, max_steps=batches)))
+            config.optim, max_steps=batches, warmup_ratio=None, warmup_steps=0)))
         try:
             if hook is not None:
                 hook(trainer)
