@@ -9,7 +9,7 @@ from torch import nn
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.engine import grad_cache
-from dpr_gc.engine.frozen_casts import FrozenLinearCasts, castable_linear_params
+from dpr_gc.engine.frozen_casts import FrozenLinearCasts
 from dpr_gc.model.lora import LoraSettings, apply_lora
 from tests.helpers import WeightCasts, grads, make_batch, models_of, randomise_adapters, rel_err, zero
 from tests.llm_models import lora_decoder
@@ -158,8 +158,8 @@ def test_only_frozen_fp32_linear_tensors_no_other_module_reads_are_switched():
     model = nn.ModuleList([frozen, trained, sub, tied, embedding, wide, sharded])
     for module in (frozen, sub, tied, embedding, wide, sharded):
         module.requires_grad_(False)
-    assert {id(p) for p in castable_linear_params([model, model], BF16)} == {id(frozen.weight), id(frozen.bias)}
-    assert castable_linear_params([model], {"cuda": torch.bfloat16}) == []
+    assert {id(p) for p in FrozenLinearCasts([model, model], BF16).params} == {id(frozen.weight), id(frozen.bias)}
+    assert FrozenLinearCasts([model], {"cuda": torch.bfloat16}).params == []
     with FrozenLinearCasts([model], {}) as casts:
         assert casts.copies == [] and "forward" not in vars(frozen)
     with FrozenLinearCasts([model], BF16) as casts:

@@ -54,11 +54,11 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def warn_if_emulated(precision: Optional[str], device: torch.device, flag: str = "--precision") -> None:
+def warn_if_emulated(precision: Optional[str], device: torch.device) -> None:
     """Warn that bf16 asked for on a CPU without native bf16 is emulated there: slower than fp32, not faster."""
     if precision == "bf16" and torch.device(device).type == "cpu" and not cpu_has_native_bf16():
-        logger.warning("%s bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): bf16 is "
-                       "emulated here and runs slower than fp32; leave %s out for fp32", flag, flag)
+        logger.warning("--precision bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
+                       "bf16 is emulated here and runs slower than fp32; leave --precision out for fp32")
 
 
 def pick_precision(precision: str, device: torch.device) -> Optional[str]:

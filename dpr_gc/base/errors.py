@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import re
 import sys
 from typing import Any, Callable, Iterator, Mapping
@@ -65,8 +66,6 @@ LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Bro
 def lost_a_peer(error: BaseException) -> bool:
     """Whether ``error`` is a collective's failure because another rank of a multi-process job stopped: then that rank
     has printed the reason, and this one's traceback (dozens of lines from every surviving rank) would bury it."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE") or 1) <= 1 or not isinstance(error, RuntimeError):
         return False
     distributed = sys.modules.get("torch.distributed")

@@ -56,11 +56,6 @@ def _castable(param: Optional[nn.Parameter], dtypes: Mapping[str, torch.dtype], 
             and type(param.data) is torch.Tensor and param.device.type in dtypes and len(owners[id(param)]) == 1)
 
 
-def castable_linear_params(models: Sequence[nn.Module], dtypes: Mapping[str, torch.dtype]) -> list[nn.Parameter]:
-    """The tensors :func:`castable_linears` finds, as a list of parameters."""
-    return [getattr(module, name) for module, names in castable_linears(models, dtypes) for name in names]
-
-
 def _linear_with_copies(module: nn.Linear, copies: dict[str, Any], input: torch.Tensor) -> torch.Tensor:
     """``module``'s forward inside the step: its low-precision ``copies`` under an autocast of their dtype on its
     device, its own tensors otherwise (and after the step, when ``copies`` is empty)."""

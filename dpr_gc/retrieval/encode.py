@@ -148,8 +148,9 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
 
     settings = dataclasses.replace(settings or EncodeSettings(), **options)
     refuse_foreign_folder(out_dir)
-    autocast = pick_precision(settings.precision, next(retriever.parameters()).device)
-    warn_if_emulated(settings.precision, next(retriever.parameters()).device)
+    device = next(retriever.parameters()).device
+    autocast = pick_precision(settings.precision, device)
+    warn_if_emulated(settings.precision, device)
     if settings.max_length is not None:
         check_max_length("--max-length", settings.max_length, retriever.positions("passage"))
     flag = "--max-length" if settings.max_length is not None else None  # None: the retriever's own, named as such

@@ -8,7 +8,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from torch import nn
 
@@ -140,27 +140,26 @@ def resolve_recipe(model: ModelConfig, warn: bool = False) -> ModelConfig:
     it used, not the library's defaults. The prefix flags stay in their own fields (the folder's prompts are the
     recipe's). Any other model as it is: a new one starts from ``retriever`` itself."""
     name = model.path()
-    if (Path(name) / CONFIG_NAME).is_file():
-        return saved_recipe(model, warn)
-    if not Path(name).is_dir():
+    towers = None if (Path(name) / CONFIG_NAME).is_file() or not Path(name).is_dir() else read_pipeline(Path(name))
+    if towers is not None:
+        with infos_hidden(logger):  # build_retriever says the recipe
+            recipe = folder_recipe(name, towers, dataclasses.replace(model, query_prefix=None, passage_prefix=None))
+    else:
+        recipe = saved_recipe(model, warn) if (Path(name) / CONFIG_NAME).is_file() else None
+    if recipe is None:
         return model
-    towers = read_pipeline(Path(name))
-    if towers is None:
-        return model
-    with infos_hidden(logger):  # build_retriever says the recipe
-        recipe = folder_recipe(name, towers, dataclasses.replace(model, query_prefix=None, passage_prefix=None))
     flags = model.retriever_flags if model.retriever_flags is not None or model.retriever is not None else ()
     return dataclasses.replace(model, retriever=recipe, retriever_flags=flags)
 
 
-def saved_recipe(model: ModelConfig, warn: bool) -> ModelConfig:
-    """``model`` with ``retriever`` holding the recipe its saved retriever folder keeps (it loads as it is); with
-    ``warn``, the recipe flags given with other values are named in a warning, since they are not used. An unreadable
-    config is left to the load to report."""
+def saved_recipe(model: ModelConfig, warn: bool) -> Optional[RetrieverConfig]:
+    """The recipe ``model``'s saved retriever folder keeps (it loads as it is); with ``warn``, the recipe flags given
+    with other values are named in a warning, since they are not used. None for an unreadable config, left to the
+    load to report."""
     try:
         saved = RetrieverConfig.from_dict(json.loads((Path(model.path()) / CONFIG_NAME).read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
-        return model
+        return None
     given = [f for f in model.retriever_flags or () if f not in ("query_prefix", "passage_prefix")]
     unused = [f for f in given if model.retriever is not None and not same_value(getattr(model.retriever, f),
                                                                                 getattr(saved, f))]
@@ -168,8 +167,7 @@ def saved_recipe(model: ModelConfig, warn: bool) -> ModelConfig:
         logger.warning("%s is a saved retriever and keeps its own recipe: %s not used (it has %s)", model.path(),
                        ", ".join(f"--{f.replace('_', '-')} {getattr(model.retriever, f)!r}" for f in unused),
                        ", ".join(f"{f} {getattr(saved, f)!r}" for f in unused))
-    flags = model.retriever_flags if model.retriever_flags is not None or model.retriever is not None else ()
-    return dataclasses.replace(model, retriever=saved, retriever_flags=flags)
+    return saved
 
 
 def same_value(given: Any, saved: Any) -> bool:
