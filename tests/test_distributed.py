@@ -212,3 +212,44 @@ def test_a_rank_whose_peer_stopped_says_so_in_one_line(tmp_path):
     assert code == "2" and len(lines) == 1, lines
     assert lines[0].startswith("error: another rank of this job stopped (its own message says why); this rank "
                                "stopped too: ")
+
+
+def digest_worker(rank: int, tmp: str, differ: bool) -> None:
+    """Each rank loads its own copy of the training file (rank 1's differs in one question when ``differ``) and
+    compares what it loaded, as ``dpr-gc train`` does under torchrun."""
+    import json
+
+    from dpr_gc.base.errors import DprGcError
+    from dpr_gc.data.training import data_digest, load_training_data
+    from dpr_gc.train.distributed import same_on_every_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    records = [{"question": f"question {i}", "answers": [], "positive_ctxs": [{"title": "", "text": f"passage {i}",
+                                                                                 "passage_id": str(i)}]}
+               for i in range(100)]
+    if differ and rank == 1:
+        records[50]["question"] = "another question"
+    copy = Path(tmp, f"rank{rank}", "train.json")
+    copy.parent.mkdir()
+    copy.write_text(json.dumps(records))
+    data = load_training_data([copy], cache_dir=Path(tmp, f"rank{rank}", "cache"))
+    try:
+        same_on_every_rank(data_digest(data), "the training data (--train)", "give every rank the same files")
+        outcome = "same"
+    except DprGcError as e:
+        outcome = str(e)
+    Path(tmp, f"outcome{rank}.txt").write_text(outcome)
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_ranks_that_loaded_different_training_data_are_refused_on_every_rank(tmp_path, differ):
+    """Ranks on other machines parse their own copies of the training files (keyed by rank 0's fingerprints); a copy
+    that differed trained on other batches without a word."""
+    run_ranks(digest_worker, (str(tmp_path), differ), WORLD, limit_s=120)
+    outcomes = [(tmp_path / f"outcome{rank}.txt").read_text() for rank in range(WORLD)]
+    if not differ:
+        assert outcomes == ["same", "same"]
+    else:
+        assert outcomes[0] == outcomes[1] == ("the training data (--train) differs between ranks: rank 1 loaded other "
+                                              "data than rank 0; give every rank the same files")

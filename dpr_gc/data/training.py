@@ -83,6 +83,22 @@ class TrainingData:
         return len(self.dataset)
 
 
+DIGEST_ROWS = 64  # rows read by :func:`data_digest`, spread over the data
+
+
+def data_digest(data: TrainingData) -> str:
+    """A short digest of loaded training data: its sizes per source and the question and passage ids of
+    ``DIGEST_ROWS`` rows spread over it. Cheap (it reads those rows only), for comparing what each torchrun rank
+    loaded: ranks on other machines parse their own copies of the files, keyed by rank 0's fingerprints."""
+    digest = hashlib.blake2b(json.dumps(data.sizes).encode("utf-8"), digest_size=16)
+    n = len(data)
+    for i in sorted({j * n // DIGEST_ROWS for j in range(DIGEST_ROWS)} if n else ()):
+        row = data.dataset[i]
+        ids = [ctx["id"] for key in ("positives", "hard_negatives", "negatives") for ctx in row[key] or ()]
+        digest.update(json.dumps([row["question"], ids]).encode("utf-8"))
+    return digest.hexdigest()
+
+
 def combine(parts: Sequence[TrainingData]) -> TrainingData:
     """Concatenate loaded sources (no copy), keeping one size and one stats entry per source."""
     import datasets

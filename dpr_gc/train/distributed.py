@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.devices import default_device
+from ..base.errors import DprGcError
 from ..model.retriever import Retriever
 
 T = TypeVar("T")
@@ -35,6 +36,21 @@ def from_rank0(compute: Callable[[], T]) -> T:
     box = [compute() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def same_on_every_rank(value: Any, what: str, fix: str) -> None:
+    """Refuse, on every rank at once, a ``value`` that differs between ranks (each rank's digest of what it read):
+    ranks that trained on different data would average gradients of different batches without a word. Without a
+    process group, nothing to compare."""
+    if not dist.is_initialized():
+        return
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    differing = [rank for rank, v in enumerate(values) if v != values[0]]
+    if differing:
+        ranks = ", ".join(map(str, differing))
+        raise DprGcError(f"{what} differs between ranks: rank{'s' if len(differing) > 1 else ''} {ranks} loaded "
+                         f"other data than rank 0; {fix}")
 
 
 class Towers(nn.Module):

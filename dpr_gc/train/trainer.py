@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from ..data.corpus import source_fingerprint
-from ..data.training import Collator, load_training_data, make_dataloader
+from ..data.training import Collator, data_digest, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
 from ..base.errors import DprGcError, Interrupted
 from ..base.logs import counted, infos_from_rank_zero, infos_hidden
@@ -45,7 +45,7 @@ from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import resolve_checkpoint
 from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
-from .distributed import Towers, from_rank0, setup_distributed
+from .distributed import Towers, from_rank0, same_on_every_rank, setup_distributed
 from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
@@ -127,6 +127,8 @@ class Trainer:
         # rank 0 reads the training files for their fingerprints (the parse cache's key, the resume check's record)
         self.data_fingerprints = from_rank0(lambda: [source_fingerprint(f) for f in config.data.train_files])
         self.data, self.collator, self.loader = self.build_data()
+        same_on_every_rank(data_digest(self.data), "the training data (--train)",
+                           "give every rank the same files (a copy on each machine must be byte for byte the same)")
         # parsed now, so a bad dev file is refused here, and kept: each evaluation reuses it (loaded and logged once)
         self.dev_data = (load_dev_data(config.data.dev_file, config.data.cache_dir, config.data.dev.beir_split)
                          if config.data.dev_file else None)
