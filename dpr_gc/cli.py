@@ -9,7 +9,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .base.args import ArgumentParser
-from .base.errors import report_errors
+from .base.errors import NOTHING_STARTED, report_errors
 from .base.logs import setup_logging
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +76,16 @@ def requested_command(argv: Sequence[str]) -> Optional[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = requested_command(argv)
-    parser = build_parser(command, listing=command not in STAGES)
-    try:
+    try:  # loading a stage imports torch: seconds in which an interrupt must not print a traceback
+        parser = build_parser(command, listing=command not in STAGES)
         args = parser.parse_args(argv)
     except SystemExit as e:  # a refused command line (its one error line is printed) returns 2; --help still exits
         if e.code in (0, None):
             raise
         return int(e.code) if isinstance(e.code, int) else 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {NOTHING_STARTED}", file=sys.stderr)
+        return 130
     setup_logging(args.verbose)
     return report_errors(lambda: args.func(args))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from .base.args import nonnegative_int, output_dir, positive_float, positive_int, seed_int
-from .base.errors import DiskFullError, DprGcError
+from .base.errors import DiskFullError, DprGcError, Interrupted
 from .base.guard import guarded
 from .base.files import atomic_path, atomic_paths, dump_json, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
@@ -356,7 +356,12 @@ def add_cli(subparsers: Any) -> None:
 
 @guarded(inputs=("model",), outputs={"output": "folder"})
 def _cli_demo(args: Any) -> None:
-    report = run_demo(from_args(DemoFlags, args).config())
+    config = from_args(DemoFlags, args).config()
+    try:
+        report = run_demo(config)
+    except KeyboardInterrupt:
+        raise Interrupted(f"the stages finished and training's checkpoints are kept in {config.output_dir}; run the same "
+                          "command again to resume") from None
     print(format_report(report))
     outputs = report["outputs"]
     print(f"\nfinished in {report['seconds']:.0f} s; trained retriever: {outputs['model']}\n"

@@ -252,6 +252,33 @@ def test_two_shards_encode_into_one_folder_at_once(task, tmp_path, monkeypatch):
     assert results == [0] and (out / "shard-00000-of-00002.npy").is_file()
 
 
+def test_an_interrupted_encode_says_which_blocks_it_kept(task, tmp_path, monkeypatch, capsys):
+    """Ctrl-C printed "finished work is kept" whether or not a block was: after one block of 4 passages the line
+    says what is kept and where; during the first block the general line, which claims nothing kept."""
+    corpus, out = write_corpus(tmp_path / "c", passages(10), "tsv"), tmp_path / "emb"
+    real, calls = encode.encode_block, []
+
+    def interrupted_at(n: int):
+        def block(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return block
+
+    monkeypatch.setattr(encode, "encode_block", interrupted_at(1))
+    assert main(encode_argv(task["model"], corpus, out)) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar's lines
+    assert err == ("interrupted: nothing half-written is left; run the same command again (it reuses any output it "
+                   "had finished)")
+    calls.clear()
+    monkeypatch.setattr(encode, "encode_block", interrupted_at(2))
+    assert main(encode_argv(task["model"], corpus, out)) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"interrupted: shard-00000-of-00001: 1 of 3 blocks of 4 passages are kept in {out}; run the same "
+                   "command again to encode the rest")
+
+
 def test_stray_part_files_of_a_dead_run_do_not_poison_the_folder(task, tmp_path):
     """What two concurrent runs, or a kill -9 during assembly, used to leave: parts without their progress file."""
     corpus, out = write_corpus(tmp_path / "c", passages(10), "tsv"), tmp_path / "emb"

@@ -17,7 +17,7 @@ import pytest
 from dpr_gc.data.corpus import load_corpus
 from dpr_gc.data.training import load_dpr_files
 from dpr_gc.retrieval.encode import encode_corpus
-from dpr_gc.base.errors import DprGcError
+from dpr_gc.base.errors import DprGcError, Interrupted
 from dpr_gc.evaluation.evaluate import has_answer
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.retrieval.mine import (BM25Source, DenseSource, add_cli, iter_training_file, mine_hard_negatives, mine_to_file,
@@ -502,7 +502,11 @@ def test_mine_cli_reports_each_rules_removals_and_resumes_with_them(world, tmp_p
     common = dict(n_negatives=2, top_k=20, chunk_size=2, show_progress=False, max_negative_ratio=0.7, min_margin=0.7,
                   id_to_row=rows)  # a wrapped BM25 source is not recognised as one: the positives' rows are given
     out, key = tmp_path / "resumed.jsonl", {"inputs": "the same"}
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as nothing_kept:  # inside the first chunk: no advice of its own
+        mine_to_file(qs, out, Recording(world["bm25"], fail_at=1), corpus, resume_key=key, **common)
+    assert not isinstance(nothing_kept.value, Interrupted)
+    with pytest.raises(Interrupted, match=f"^2 questions mined are kept in {tmp_path / '.resumed.jsonl.partial'}; "
+                       "run the same command again to continue after them$"):
         mine_to_file(qs, out, Recording(world["bm25"], fail_at=2), corpus, resume_key=key, **common)
     again = Recording(world["bm25"])
     summary = mine_to_file(qs, out, again, corpus, resume_key=key, **common)

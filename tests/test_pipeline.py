@@ -99,7 +99,8 @@ def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, caps
 
     monkeypatch.setattr(Trainer, "train_step", interrupted)
     assert main(args) == 130
-    assert "run the same command again to resume" in capsys.readouterr().err
+    assert (f"interrupted: the stages finished and training's checkpoints are kept in {out}; run the same command "
+            "again to resume") in capsys.readouterr().err
     assert (out / "training" / "checkpoint-4").is_dir() and not (out / "training" / "final").exists()
     before = (out / "before" / "results.json").stat().st_mtime_ns
     monkeypatch.setattr(Trainer, "train_step", real_step)

@@ -183,6 +183,16 @@ def test_a_misspelt_command_flag_or_choice_is_named_with_the_closest_one(argv: l
         assert "did you mean" not in error_line(*call(cli.main, nothing_close))
 
 
+def test_an_interrupt_while_a_command_loads_is_one_line(monkeypatch) -> None:
+    """Ctrl-C in the seconds a stage takes to import torch printed an 18-frame traceback and died of SIGINT."""
+    def loading(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", loading)
+    code, err = call(cli.main, ["encode", "--model", "m"])
+    assert (code, err.strip()) == (130, "interrupted: stopped while the command was loading; nothing was written")
+
+
 def test_negative_numbers_reach_the_flag_checks() -> None:
     """A negative number after a flag, one value or several, is the flag's value (argparse takes it so); the flag's
     own check refuses it."""

@@ -43,7 +43,13 @@ def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
 
 
 class Interrupted(KeyboardInterrupt):
-    """An interrupt whose command knows how to resume: its message replaces the general advice."""
+    """An interrupt after which a command has kept finished work: its message says what and how to resume, in
+    place of :data:`NOTHING_KEPT`."""
+
+
+# What an interrupt prints where the command names no kept work of its own (outputs appear whole or not at all).
+NOTHING_KEPT = "nothing half-written is left; run the same command again (it reuses any output it had finished)"
+NOTHING_STARTED = "stopped while the command was loading; nothing was written"
 
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -98,8 +104,7 @@ def report_errors(action: Callable[[], Any]) -> int:
         print(f"error: {where}{e.strerror or e}; check the path and free space", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        advice = str(e) if isinstance(e, Interrupted) and str(e) else \
-            "finished work is kept; run the same command again to resume"
+        advice = str(e) if isinstance(e, Interrupted) and str(e) else NOTHING_KEPT
         print(f"interrupted: {advice}", file=sys.stderr)
         return 130
     return result if isinstance(result, int) else 0

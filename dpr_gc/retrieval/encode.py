@@ -25,7 +25,7 @@ from ..data.corpus import dataset_fingerprint, load_corpus
 from ..base.args import nonnegative_int, output_dir, positive_int
 from ..base.devices import (PRECISIONS, autocast_dtype, cpu_has_native_bf16, cpu_threads, default_device,
                             pick_precision, warn_if_emulated)
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, Interrupted
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
 from ..base.locks import locked_folder
@@ -199,18 +199,16 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     bar = tqdm(total=int(sum(shard_tokens(corpus, *blocks[b], manifest["max_length"]).sum() for b in todo)), unit=" tokens",
                desc=f"encode {name} (~tokens)", unit_scale=True, disable=not show_progress, smoothing=0.05)
     encoder = quantize_int8(retriever) if autocast == "int8" and todo else retriever
+    finished = len(blocks) - len(todo)
     try:
         for b in todo:
-            rows = corpus[blocks[b][0]:blocks[b][1]]
-            emb = encode_block(encoder, rows["title"], rows["text"], settings.batch_size, manifest["max_length"],
-                               autocast, bar)
-            with np.errstate(over="ignore"):  # checked on the next line, with its own one-line error
-                emb = emb.astype(settings.dtype)
-            if not np.isfinite(emb).all():
-                raise DprGcError(f"embeddings overflow {settings.dtype} in rows {blocks[b][0]}..{blocks[b][1] - 1}; "
-                                 "use --dtype float32")
-            with atomic_open(parts[b], "wb") as f:
-                np.save(f, emb)
+            _encode_part(encoder, corpus, blocks[b], parts[b], settings, autocast, bar)
+            finished += 1
+    except KeyboardInterrupt:
+        if not finished:
+            raise
+        raise Interrupted(f"{name}: {finished} of {len(blocks)} blocks of {settings.block_size} passages are kept in "
+                          f"{out}; run the same command again to encode the rest") from None
     finally:
         bar.close()
         retriever.train(was_training)
@@ -219,6 +217,19 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     _remove_parts(out, name)
     logger.info("%s: %s written to %s", name, counted(count, "passage"), out / manifest["embeddings"])
     return {**manifest, "encoded": sum(blocks[b][1] - blocks[b][0] for b in todo)}
+
+
+def _encode_part(encoder: Any, corpus: Any, rows: tuple[int, int], part: Path, settings: EncodeSettings,
+                 autocast: Optional[str], bar: Any) -> None:
+    """Encode the corpus rows ``rows`` (start, end) into the part file ``part``, whole or not at all."""
+    block = corpus[rows[0]:rows[1]]
+    emb = encode_block(encoder, block["title"], block["text"], settings.batch_size, settings.max_length, autocast, bar)
+    with np.errstate(over="ignore"):  # checked on the next line, with its own one-line error
+        emb = emb.astype(settings.dtype)
+    if not np.isfinite(emb).all():
+        raise DprGcError(f"embeddings overflow {settings.dtype} in rows {rows[0]}..{rows[1] - 1}; use --dtype float32")
+    with atomic_open(part, "wb") as f:
+        np.save(f, emb)
 
 
 def _manifest(retriever: Any, corpus: Any, corpus_path: PathLike, shard: tuple[int, int], settings: EncodeSettings,

@@ -22,7 +22,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -32,7 +32,7 @@ from ..data.corpus import rows_for_ids, source_fingerprint
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int, unit_float)
-from ..base.errors import DprGcError, flags_renamed
+from ..base.errors import DprGcError, Interrupted, flags_renamed
 from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
 from ..base.files import ChunkedOutput, PathLike, require_file
@@ -367,6 +367,26 @@ def _merge(old: list, new: list[dict]) -> list:
     return list(old) + [c for c in new if c["passage_id"] not in seen]
 
 
+def in_chunks(records: Iterable[dict], chunk_size: int, flush: Callable[[list[dict]], None],
+              kept: Callable[[], Optional[str]]) -> None:
+    """Hand ``records`` to ``flush`` in lists of ``chunk_size``; interrupted, the message says what ``kept()`` says
+    the finished chunks hold (nothing specific when it says None)."""
+    buffer: list[dict] = []
+    try:
+        for record in records:
+            buffer.append(record)
+            if len(buffer) >= chunk_size:
+                flush(buffer)
+                buffer = []
+        if buffer:
+            flush(buffer)
+    except KeyboardInterrupt:
+        advice = kept()
+        if advice is None:
+            raise
+        raise Interrupted(advice) from None
+
+
 def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus: Any,
                  settings: Optional[MineSettings] = None, *, qrels: Optional[dict[str, dict[str, int]]] = None,
                  id_to_row: Optional[dict[str, int]] = None, show_progress: bool = True,
@@ -393,11 +413,10 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
         if count:
             logger.info("resuming an interrupted run: %s already mined into %s", counted(count, "question"), final)
         total = len(records) if isinstance(records, Sequence) else total
-        buffer: list[dict] = []
         with tqdm(total=None if total is None else total - count, desc="mining", unit=" q",
                   disable=not show_progress) as bar:
 
-            def flush() -> None:
+            def flush(buffer: list[dict]) -> None:
                 nonlocal count
                 mined, part = mine_hard_negatives(buffer, source, corpus, s, qrels=qrels, id_to_row=id_to_row,
                                                   matcher=matcher)
@@ -412,14 +431,12 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
                     count += 1
                 writer.append("".join(texts), {"count": count, "summary": dataclasses.asdict(summary)})
                 bar.update(len(buffer))
-                buffer.clear()
 
-            for record in itertools.islice(records, count, None):
-                buffer.append(record)
-                if len(buffer) >= chunk_size:
-                    flush()
-            if buffer:
-                flush()
+            def kept() -> Optional[str]:
+                return (f"{counted(count, 'question')} mined are kept in {writer.partial}; run the same command "
+                        "again to continue after them" if count and resume_key is not None else None)
+
+            in_chunks(itertools.islice(records, count, None), chunk_size, flush, kept)
         if count == 0:
             writer.discard()
             raise DprGcError(f"no training questions to mine (the input is empty); nothing written to {final}")
