@@ -77,7 +77,9 @@ def test_has_answer_string(answers, text, expected):
         ([r"art\b"], "an artist", False),
         ([r"[0-9]{4}"], "in 1999.", True),
         ([r"cafe"], "Café", True),  # text is NFD, so the base letters are searchable
-        (["café"], "Café", False),  # the pattern is used as given (not normalized), as in DPR
+        (["caf\u00e9"], "Caf\u00e9", True),  # pattern and text both NFD, as in DPR (it failed: only the text was)
+        (["cafe\u0301"], "Caf\u00e9", True),
+        (["[\u00e9]"], "caf\u00e9", True),  # a class of one NFC letter is [e + accent] after NFD, as in DPR
         ([""], "anything", False),
         ([], "anything", False),
     ],
@@ -86,13 +88,22 @@ def test_has_answer_regex(patterns, text, expected):
     assert ev.has_answer(patterns, text, "regex") is expected
 
 
-def test_invalid_regex_and_mode_errors():
-    with pytest.raises(DprGcError, match=r"invalid answer regex '\(unclosed'"):
-        ev.has_answer(["(unclosed"], "text", "regex")
+def test_a_pattern_that_does_not_compile_never_matches_and_is_named_in_one_warning(caplog):
+    """stages.md: as in DPR (regex_match returns False) such a pattern never matches, so the figures stay comparable
+    with DPR's; one warning names the file, the count and the first questions with the regex error (it raised, naming
+    no file or line)."""
+    assert ev.has_answer(["(unclosed", "ok"], "ok", "regex") and not ev.has_answer(["(unclosed"], "(unclosed", "regex")
     results = [{"question": "q", "answers": ["ok"], "ctxs": [{"id": "d1", "text": "ok"}]},
-               {"question": "r", "answers": ["(unclosed"], "ctxs": [{"id": "d1", "text": "ok"}]}]
-    with pytest.raises(DprGcError, match=r"^res\.json: question 1: invalid answer regex '\(unclosed'"):
-        ev.evaluate_answers(results, [1], "regex", source="res.json")
+               {"question": "r", "answers": ["(unclosed", "[x"], "ctxs": [{"id": "d1", "text": "ok"}]},
+               {"question": "s", "answers": ["o"], "ctxs": [{"id": "d1", "text": "ok"}]}]
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.evaluation.answers"):
+        assert ev.evaluate_answers(results, [1], "regex", source="res.json") == {"Accuracy@1": pytest.approx(2 / 3)}
+    assert [r.getMessage() for r in caplog.records] == [
+        "res.json: 2 answer patterns do not compile (question 1: '(unclosed': missing ) at position 9; question 1: "
+        "'[x': unterminated character set at position 2); they never match, as in DPR"]
+
+
+def test_unknown_match_mode_is_refused():
     with pytest.raises(DprGcError, match="unknown match mode 'fuzzy'"):
         ev.has_answer(["a"], "a", "fuzzy")
 
@@ -432,6 +443,42 @@ def test_results_whose_questions_have_no_answers_get_no_answer_accuracy(tmp_path
     report = json.loads(out.read_text())
     assert "answers" not in report and report["qrels"]["metrics"]["Recall@2"] == 1.0
     assert "answer accuracy" not in capsys.readouterr().out
+
+
+def test_compact_results_without_answers_are_scored_on_qrels_alone(tmp_path, capsys):
+    """Compact results of retrieve --match none over BEIR queries (no answers, passages with neither text nor
+    has_answer flags) get the qrels metrics with --qrels; they were refused, telling to give the --qrels given."""
+    compact = [{"id": r["id"], "question": r["question"], "answers": [],
+                "ctxs": [{"id": c["id"], "score": c["score"]} for c in r["ctxs"]]} for r in _results()]
+    path, qrels, out = tmp_path / "c.json", tmp_path / "q.tsv", tmp_path / "metrics.json"
+    path.write_text(json.dumps(compact))
+    qrels.write_text("query-id\tcorpus-id\tscore\nq1\td2\t1\nq2\td3\t1\n")
+    _cli(["evaluate", "--results", str(path), "--qrels", str(qrels), "--k", "1", "2", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert "answers" not in report and report["qrels"]["metrics"]["Recall@1"] == 0.5
+    assert report["qrels"]["metrics"]["Recall@2"] == 1.0
+    printed = capsys.readouterr().out
+    assert "qrels metrics (2 judged queries)" in printed and "answer accuracy" not in printed
+    with pytest.raises(DprGcError, match=r"c\.json: question 0, ctx 0: neither passage text nor has_answer"):
+        _cli(["evaluate", "--results", str(path)])  # without --qrels nothing can be scored
+
+
+def test_qrels_metrics_average_over_every_judged_query(tmp_path, capsys):
+    """stages.md: qrels metrics are the mean over every judged query of the qrels -- one missing from the run counts
+    0 (trec_eval -c) and one judged all non-relevant counts 0 -- while run queries without judgments are dropped;
+    the heading gives that count."""
+    qrels = tmp_path / "q.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\nq1\td2\t1\nq2\td3\t1\nq3\td9\t1\nq4\td1\t0\n")
+    results = tmp_path / "r.json"
+    unjudged = {"id": "q5", "question": "unjudged?", "answers": [],
+                "ctxs": [{"id": "d2", "text": "t", "score": 1, "has_answer": False}]}
+    records = _results() + [unjudged]
+    results.write_text(json.dumps(records))  # q1: d2 at 2, q2: d3 at 1; q3 missing; q4 all non-relevant; q5 unjudged
+    out = tmp_path / "m.json"
+    _cli(["evaluate", "--results", str(results), "--qrels", str(qrels), "--k", "1", "2", "--output", str(out)])
+    report = json.loads(out.read_text())["qrels"]
+    assert report["queries"] == 4 and report["metrics"]["Recall@1"] == 1 / 4 and report["metrics"]["Recall@2"] == 2 / 4
+    assert "qrels metrics (4 judged queries)" in capsys.readouterr().out
 
 
 def test_the_log_says_how_answers_are_judged(tmp_path, caplog):

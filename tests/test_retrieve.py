@@ -448,3 +448,53 @@ def test_unusable_query_ids_and_unjudged_questions_are_refused_before_retrieval(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: " + message.format(queries=queries, qrels=qrels)), err
     assert asked == [] and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_answer_patterns_that_do_not_compile_are_named_before_the_model_loads_and_never_match(world, tmp_path, caplog):
+    """stages.md: retrieve --match regex warns once, while checking the questions (before the model loads), naming
+    the file, the count and the first lines with the regex error; such a pattern never matches, as in DPR (the run
+    failed after the model loaded and a chunk was retrieved, naming no file or line)."""
+    qa = tmp_path / "q.tsv"
+    qa.write_text('who is it\t["(unclosed"]\tq1\nwhat city\t["[x", "city"]\tq2\nwhere\t["."]\tq3\n')
+    out = tmp_path / "r.json"
+    with caplog.at_level("INFO", logger="dpr_gc"):
+        cli("retrieve", "--index", world["idx"], "--queries", qa, "--top-k", 3, "--match", "regex", "--output", out,
+            "--cache-dir", world["cache"], "--device", "cpu")
+    messages = [r.getMessage() for r in caplog.records]
+    warning = (f"{qa}: 2 answer patterns do not compile (line 1: '(unclosed': missing ) at position 9; line 2: '[x': "
+               "unterminated character set at position 2); they never match, as in DPR")
+    assert messages.count(warning) == 1, messages
+    loaded = next(i for i, m in enumerate(messages) if m.startswith("questions encoded by"))
+    assert messages.index(warning) < loaded
+    flags = {r["id"]: [c["has_answer"] for c in r["ctxs"]] for r in json.loads(out.read_text())}
+    assert flags["q1"] == [False] * 3 and flags["q3"] == [True] * 3
+
+
+def test_evaluate_with_neither_answers_nor_qrels_is_refused_before_the_model_loads(world, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """retrieve --evaluate over questions without answers (BEIR queries) and without --qrels is refused in one error
+    line saying what to add or drop, as evaluate refuses the same (it printed no metrics and exited 0)."""
+    from dpr_gc.cli import main
+
+    loaded: list[str] = []
+    monkeypatch.setattr(Retriever, "load", lambda *a, **k: loaded.append("model") or pytest.fail("model loaded"))
+    queries, _ = self_queries(tmp_path, n=3)
+    assert main(["retrieve", "--index", str(world["idx"]), "--queries", str(queries), "--evaluate", "--cache-dir",
+                 str(world["cache"]), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {queries}: none of its 3 questions has answers, so --evaluate has nothing to evaluate "
+                   "(no answer accuracy, no qrels): give --qrels FILE, or drop --evaluate"], err
+    assert loaded == []
+
+
+def test_the_qrels_heading_counts_the_judged_queries_the_metrics_average_over(world, tmp_path, capsys):
+    """Qrels metrics are averaged over every judged query (one missing from the questions counts 0): the heading
+    gives that count, as evaluate's does (it gave the 4 questions retrieved while averaging over 5)."""
+    _, qrels = self_queries(tmp_path, n=5)
+    (tmp_path / "four").mkdir()
+    queries, _ = self_queries(tmp_path / "four", n=4)
+    cli("retrieve", "--index", world["idx"], "--queries", queries, "--qrels", qrels, "--top-k", 3, "--evaluate",
+        "--k", 1, "--cache-dir", world["cache"], "--device", "cpu")
+    printed = capsys.readouterr().out
+    assert "qrels metrics (5 judged queries)" in printed and "| Recall | 0.8000 |" in printed, printed
+    assert "| queries | 4 |" in printed

@@ -301,11 +301,17 @@ def iter_queries(path: PathLike, log: bool = True) -> Iterator[dict]:
     """The questions of :func:`read_queries` one at a time, in file order, so a run over millions of them holds one
     (``log``: say how many lines a TSV file had, once the file is read). A repeated query id is refused once the
     file is read, naming both lines (``retrieve`` reads the file once to check it before retrieving anything)."""
+    for _, query in iter_numbered_queries(path, log):
+        yield query
+
+
+def iter_numbered_queries(path: PathLike, log: bool = True) -> Iterator[tuple[int, dict]]:
+    """:func:`iter_queries` with each question's line number, for messages that name the line."""
     p = require_file(path, "queries file")
     hashes = array.array("q")  # 8 bytes a question: the check for repeated ids keeps memory flat
-    for _, query in _query_rows(p, log):
+    for line_no, query in _query_rows(p, log):
         hashes.append(_id_hash(query["id"]))
-        yield query
+        yield line_no, query
     _refuse_repeated_ids(p, hashes)
 
 

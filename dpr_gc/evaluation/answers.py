@@ -15,6 +15,7 @@ workers.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import multiprocessing
 from typing import Any, Iterable, Iterator, Optional, Sequence
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from ..base.cpus import cap_to_cpus, usable_cpus
 from ..base.errors import DprGcError
+from ..base.logs import counted
 from ..data.answer_text import nfd, simple_tokens
 from .results import check_question, passage_key
 
@@ -31,6 +33,8 @@ CACHE_SIZE = 65_536
 BLOCK = 1024
 STORED = None  # match mode meaning "use the has_answer flags in the file"
 PARALLEL_MIN = 2_048
+
+logger = logging.getLogger(__name__)
 
 Passage = tuple[Optional[str], str]  # (passage id or None, text)
 
@@ -51,23 +55,43 @@ def _prepare_many(args: tuple[list[str], str]) -> list[str]:
     return [prepare_passage(t, mode) for t in texts]
 
 
-def prepare_answers(answers: Sequence[str], mode: str) -> list[Any]:
-    """Needles of one question: ``" tok tok "`` strings (string) or compiled patterns (regex).
+def compile_pattern(pattern: str) -> Any:
+    """An answer pattern compiled as DPR's ``has_answer`` does: NFD first (DPR normalises the answer as it does the
+    text, so an NFC "café" matches an NFC passage), IGNORECASE|UNICODE|MULTILINE, by the ``regex`` package (it
+    differs from ``re`` on some Unicode classes). Raises ``regex.error`` when the pattern does not compile."""
+    import regex
 
-    Answers without tokens and empty patterns are dropped, so they never match (DPR would match everything).
-    Patterns are compiled by the ``regex`` package, as DPR does (it differs from ``re`` on some Unicode classes).
+    return regex.compile(nfd(pattern), regex.IGNORECASE | regex.UNICODE | regex.MULTILINE)
+
+
+def pattern_error(pattern: str) -> Optional[str]:
+    """Why an answer pattern does not compile (the regex error), None when it does."""
+    import regex
+
+    try:
+        compile_pattern(pattern)
+    except regex.error as e:
+        return str(e)
+    return None
+
+
+def prepare_answers(answers: Sequence[str], mode: str) -> list[Any]:
+    """Needles of one question: ``" tok tok "`` strings (string) or compiled patterns (regex, :func:`compile_pattern`).
+
+    Answers without tokens and empty patterns are dropped, so they never match (DPR would match everything). A
+    pattern that does not compile is dropped too: it never matches, as in DPR (whose ``regex_match`` returns False);
+    :class:`UncompiledPatterns` names such patterns in a warning.
     """
     if mode == "regex":
         import regex
 
         out = []
         for pattern in answers:
-            if not pattern:
-                continue
-            try:
-                out.append(regex.compile(pattern, regex.IGNORECASE | regex.UNICODE | regex.MULTILINE))
-            except regex.error as e:
-                raise DprGcError(f"invalid answer regex {pattern!r}: {e}; fix the pattern or use --match string")
+            if pattern:
+                try:
+                    out.append(compile_pattern(pattern))
+                except regex.error:
+                    continue
         return out
     needles = []
     for answer in answers:
@@ -75,6 +99,35 @@ def prepare_answers(answers: Sequence[str], mode: str) -> list[Any]:
         if tokens and (needle := " " + " ".join(tokens) + " ") not in needles:
             needles.append(needle)
     return needles
+
+
+class UncompiledPatterns:
+    """Answer patterns of one file that do not compile, gathered so one warning names them all: how many, where the
+    first ``SHOWN`` are and the regex error of each. They never match, as in DPR, so figures stay comparable with
+    DPR's published ones; the warning says so, since a typo in a pattern would otherwise pass unnoticed."""
+
+    SHOWN = 3
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: list[str] = []
+
+    def check(self, answers: Iterable[str], where: str) -> None:
+        """Note each pattern of ``answers`` (one question, found at ``where``: "line 12") that does not compile."""
+        for pattern in answers:
+            error = pattern_error(pattern) if pattern else None
+            if error is not None:
+                self.count += 1
+                if len(self.first) < self.SHOWN:
+                    self.first.append(f"{where}: {pattern!r}: {error}")
+
+    def warn(self, source: str) -> None:
+        """One warning naming ``source`` and the patterns noted, if any."""
+        if self.count:
+            more = ", ..." if self.count > len(self.first) else ""
+            logger.warning("%s: %s not compile (%s%s); they never match, as in DPR", source,
+                           counted(self.count, "answer pattern does", "answer patterns do"), "; ".join(self.first),
+                           more)
 
 
 def matches(needles: list[Any], passage: str, mode: str) -> bool:
@@ -89,8 +142,9 @@ def has_answer(answers: list[str], text: str, mode: str = "string") -> bool:
 
     ``string``: the answer's NFD, uncased tokens appear as a contiguous run of the passage's tokens, so "art"
     does not match "artist" and "U.S." needs the periods. ``regex``: the answer is a pattern searched in the NFD
-    text with IGNORECASE|UNICODE|MULTILINE (the pattern itself is not normalized, as in DPR). Unlike DPR, an
-    answer with no tokens (or an empty pattern) never matches instead of matching everything.
+    text with IGNORECASE|UNICODE|MULTILINE, the pattern NFD-normalised too, as in DPR (so "café" matches "Café"
+    however each is composed); a pattern that does not compile never matches, as in DPR. Unlike DPR, an answer with no
+    tokens (or an empty pattern) never matches instead of matching everything.
     """
     check_mode(mode)
     needles = prepare_answers(answers, mode)
@@ -260,17 +314,15 @@ def missing_for_answers(ctx: dict[str, Any], mode: Optional[str]) -> str:
 
 
 def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], source: str,
-                 matcher: Optional[AnswerMatcher]) -> list[list[bool]]:
-    """Each passage's answer flag for a block of questions: stored (``mode`` None) or recomputed by ``matcher``."""
+                 matcher: Optional[AnswerMatcher], uncompiled: Optional[UncompiledPatterns] = None) -> list[list[bool]]:
+    """Each passage's answer flag for a block of questions: stored (``mode`` None) or recomputed by ``matcher``;
+    regex patterns that do not compile are noted in ``uncompiled`` (they never match)."""
     for i, entry in block:
         answers = entry.get("answers")
         if mode and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
             raise DprGcError(f"{source}: question {i}: 'answers' must be a list of strings")
-        if mode == "regex":
-            try:
-                prepare_answers(answers, mode)  # compiled once more when matched: the regex package caches them
-            except DprGcError as e:
-                raise DprGcError(f"{source}: question {i}: {e}") from None
+        if mode == "regex" and uncompiled is not None:
+            uncompiled.check(answers, f"question {i}")  # compiled once more when matched: the regex package caches
         field = "text" if mode else "has_answer"
         for j, ctx in enumerate(entry["ctxs"]):
             if not isinstance(ctx.get(field), str if mode else bool):
@@ -288,16 +340,18 @@ def evaluate_answers(results: Iterable[dict[str, Any]], ks: Iterable[int], mode:
 
     With ``mode`` ("string"/"regex") ``has_answer`` is recomputed from each passage's text (``workers`` processes
     tokenise new passages); with ``mode=None`` the stored ``has_answer`` fields are used; ``auto`` picks the stored
-    flags when the file has them. ``source`` names the input in error messages.
+    flags when the file has them. ``source`` names the input in error messages, and in one warning the regex
+    patterns that do not compile (they never match, as in DPR).
     """
     ks = check_ks(ks)
     if mode not in (STORED, "auto"):
         check_mode(mode)
-    counter = AccuracyCounter()
+    counter, uncompiled = AccuracyCounter(), UncompiledPatterns()
     with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
         resolved = mode
         for block in iter_blocks(tqdm(results, desc="matching answers", unit=" q", disable=None), source):
             resolved = resolve_mode(resolved, block)
-            for row in answer_flags(block, resolved, source, regex if resolved == "regex" else string):
+            for row in answer_flags(block, resolved, source, regex if resolved == "regex" else string, uncompiled):
                 counter.add(row)
+    uncompiled.warn(source)
     return {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}

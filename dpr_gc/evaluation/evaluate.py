@@ -22,8 +22,8 @@ from typing import Any, Iterable, Optional
 
 from tqdm import tqdm
 
-from .answers import (STORED, AccuracyCounter, AnswerMatcher, answer_flags, check_ks, check_mode, default_workers,
-                      iter_blocks, resolve_mode)
+from .answers import (STORED, AccuracyCounter, AnswerMatcher, UncompiledPatterns, answer_flags, check_ks, check_mode,
+                      default_workers, iter_blocks, resolve_mode)
 from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  # noqa: F401 (the API of evaluation)
 from ..base.args import nonnegative_int, output_file, plot_file, plot_format, positive_int
 from ..base.errors import DprGcError
@@ -198,6 +198,8 @@ class RunEvaluation:
             out["answers"] = {f"Accuracy@{k}": v for k, v in self.answers.accuracy(self.ks).items()}
         if self.qrels is not None:
             out["qrels"] = self.qrels.result()
+        if not out:  # the command line refuses this up front (retrieve.queries_to_retrieve); code is told here
+            logger.warning("nothing evaluated: no question has answers and no qrels were given")
         return out
 
 
@@ -272,40 +274,43 @@ def curve(metrics: dict[str, float], name: str) -> dict[int, float]:
 def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: int = 1,
                  qrels: Optional[dict[str, dict[str, int]]] = None,
                  answers_optional: bool = False) -> tuple[Optional[dict], Optional[dict]]:
-    """One streaming pass over a results file: answer accuracy (``None`` when ``answers_optional`` and the
-    questions carry no answers) and, with ``qrels``, qrels metrics of the run the results hold. Questions that all
-    have empty answers (retrieved for BEIR queries) have no answer accuracy: refused unless ``answers_optional``."""
+    """One streaming pass over a results file: answer accuracy (``None`` when ``answers_optional`` and no question
+    has answers) and, with ``qrels``, qrels metrics of the run the results hold. Questions that all have empty
+    answers (retrieved for BEIR queries) have no answer accuracy: refused unless ``answers_optional``, and then
+    their passages need neither text nor flags (compact results of ``retrieve --match none`` are scored on qrels).
+    Regex patterns that do not compile never match, as in DPR, and are named in one warning."""
     source = str(path)
     counter, acc = AccuracyCounter(), QrelsAccumulator(qrels, ks) if qrels is not None else None
-    with_answers: Optional[bool] = None
+    uncompiled, judging = UncompiledPatterns(), not answers_optional
     answered, announced, depth = 0, False, 0
     with AnswerMatcher(workers=workers) as string, AnswerMatcher("regex", workers=workers) as regex:
         for block in iter_blocks(tqdm(iter_results(path), desc="evaluating", unit=" q", disable=None), source):
-            if with_answers is None:
-                with_answers = not answers_optional or "answers" in block[0][1]
             depth = max([depth] + [len(entry.get("ctxs") or ()) for _, entry in block])
-            if with_answers:
+            judging = judging or any(entry.get("answers") for _, entry in block)  # from the first with answers
+            if not judging:  # no question so far has answers: each is a miss, whatever its passages hold
+                for _ in block:
+                    counter.add(())
+            else:
                 asked, mode = mode, resolve_mode(mode, block)
                 if not announced and mode != "auto":  # decided: say how these answers (and all later) are judged
                     announce_mode(asked, mode, workers, source)
                     announced = True
-                for row in answer_flags(block, mode, source, regex if mode == "regex" else string):
+                for row in answer_flags(block, mode, source, regex if mode == "regex" else string, uncompiled):
                     counter.add(row)
                 answered += sum(1 for _, entry in block if entry.get("answers"))
             for i, entry in block if acc is not None else ():
                 acc.add(str(entry.get("id")), result_scores(entry, i, source), source)
-    if with_answers is None:
+    if not counter.questions:
         raise DprGcError(f"{source}: no questions to evaluate (the results list is empty)")
+    uncompiled.warn(source)
     warn_beyond_depth(ks, depth, source)
-    if with_answers and not answered:
-        if not answers_optional:
-            raise DprGcError(f"{source}: none of its {counter.questions} questions has answers, so there is no answer "
-                             "accuracy: score the results against relevance judgments with --qrels FILE")
-        with_answers = False
-    if with_answers and mode == "auto":
+    if not answered and not answers_optional:
+        raise DprGcError(f"{source}: none of its {counter.questions} questions has answers, so there is no answer "
+                         "accuracy: score the results against relevance judgments with --qrels FILE")
+    if answered and mode == "auto":
         logger.warning("%s: no question has retrieved passages, so every accuracy is 0", source)
     answers = None
-    if with_answers is not False:
+    if answered:
         answers = {"match": mode or "stored", "questions": counter.questions,
                    "metrics": {f"Accuracy@{k}": v for k, v in counter.accuracy(ks).items()}}
     return answers, acc.result() if acc is not None else None

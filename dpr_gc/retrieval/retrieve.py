@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..evaluation.answers import MATCH_MODES, AnswerMatcher, default_workers
+from ..evaluation.answers import MATCH_MODES, AnswerMatcher, UncompiledPatterns, default_workers
 from ..base.args import nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError, Interrupted
 from ..base.guard import check_outputs, guarded
@@ -244,28 +244,51 @@ def write_trec_run(results: Iterable[dict], path: PathLike, tag: str = "dpr-gc")
 
 
 def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = None,
-                 qrels_path: Optional[PathLike] = None, run_ids: bool = False) -> int:
+                 qrels_path: Optional[PathLike] = None, run_ids: bool = False,
+                 match: Optional[str] = None) -> tuple[int, int]:
     """First pass over a questions file, before any retrieval: parse every line (a malformed one fails now, not an
     hour in), check the ids a TREC run needs (``run_ids``: non-empty, one word), and count the questions to
-    retrieve (with ``qrels``, the judged ones). Repeated ids are refused by the reader, naming their lines."""
-    from ..data.corpus import iter_queries
+    retrieve (with ``qrels``, the judged ones) and those of them with answers. Repeated ids are refused by the
+    reader, naming their lines. With ``match`` "regex", answer patterns that do not compile are named in one warning
+    now: they never match, as in DPR. Returns ``(questions, questions with answers)``."""
+    from ..data.corpus import iter_numbered_queries
 
-    count = total = 0
+    count = total = answered = 0
     first = None
-    for q in iter_queries(path):
+    uncompiled = UncompiledPatterns()
+    for line_no, q in iter_numbered_queries(path):
         qid, total = str(q["id"]), total + 1
         first = qid if first is None else first
         if run_ids and (not qid or any(c.isspace() for c in qid)):
             raise DprGcError(f"{path}: query id {qid!r} is empty or contains whitespace; a TREC run (--trec-run) "
                              "needs one-word query ids")
-        count += qrels is None or qid in qrels
+        if qrels is None or qid in qrels:
+            count, answered = count + 1, answered + bool(q.get("answers"))
+            if match == "regex":
+                uncompiled.check(q.get("answers") or (), f"line {line_no}")
     if not total:
         raise DprGcError(f"no queries in {path} (the file is empty)")
     if not count:
         judged = next(iter(qrels), None) if qrels else None
         raise DprGcError(f"no query id in {path} (the first: {first!r}) appears in {qrels_path} (the first judged: "
                          f"{judged!r}); check that the two files use the same ids")
-    return count
+    uncompiled.warn(str(path))
+    return count, answered
+
+
+def queries_to_retrieve(queries_path: PathLike, qrels_path: Optional[PathLike],
+                        s: RetrieveSettings) -> tuple[Optional[dict[str, dict[str, int]]], int]:
+    """Read the qrels and check the questions (:func:`scan_queries`) before anything loads or is retrieved, and
+    refuse ``--evaluate`` with nothing to evaluate against: no question has answers and no qrels are given (BEIR
+    queries). Returns the qrels (None without) and the number of questions to retrieve."""
+    from ..data.qrels import read_qrels
+
+    qrels = read_qrels(qrels_path) if qrels_path else None
+    count, answered = scan_queries(queries_path, qrels, qrels_path, run_ids=bool(s.trec_run), match=s.match)
+    if s.cutoffs() is not None and qrels is None and not answered:
+        raise DprGcError(f"{queries_path}: none of its {counted(count, 'question')} has answers, so --evaluate has "
+                         "nothing to evaluate (no answer accuracy, no qrels): give --qrels FILE, or drop --evaluate")
+    return qrels, count
 
 
 def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = None) -> Iterator[dict]:
@@ -462,6 +485,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     check_outputs({"the index's recorded --model": None if job.model else model,
                    "the index's recorded --corpus": None if job.corpus else corpus_path},
                   {"--output": s.output, "--trec-run": s.trec_run, "--cache-dir": job.cache_dir})
+    qrels, count = queries_to_retrieve(job.queries, job.qrels, s)  # a bad question fails before the model loads
     retriever = Retriever.load(model, default_device(job.device),
                                *recorded_prefixes(index.meta, job.query_prefix, job.passage_prefix)).check_room("query")
     check_compatible(retriever, index, check_fingerprint=job.check_model)
@@ -472,10 +496,11 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     first = s.output or s.trec_run
     resumed = kept_before(Path(first), key) if first else 0
     started = time.perf_counter()
-    metrics, count = retrieve_file(retriever, index, passages, job.queries, qrels_path=job.qrels, settings=s,
-                                   resume_key=key)
+    metrics = retrieve_to_files(retriever, index, passages, judged_queries(job.queries, qrels), s, qrels=qrels,
+                                total=count, resume_key=key)
     seconds = time.perf_counter() - started
-    return metrics, {"queries": count, **({"resumed (retrieved before)": resumed} if resumed else {}),
+    return metrics, {"queries": count, **({"judged queries": len(qrels)} if qrels is not None else {}),
+                     **({"resumed (retrieved before)": resumed} if resumed else {}),
                      "top-k": s.top_k if s.top_k <= index.ntotal else f"{index.ntotal} (--top-k {s.top_k})",
                      "vectors": index.ntotal, "search": index.search_settings(),
                      "seconds": round(seconds, 2),
@@ -532,15 +557,14 @@ def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: 
                   qrels_path: Optional[PathLike] = None, trec_run: Optional[PathLike] = None,
                   **options: Any) -> tuple[dict[str, dict[str, float]], int]:
     """:func:`retrieve_to_files` over the questions of a file (only those judged in ``qrels_path`` when given), read
-    in two streaming passes -- checks, then retrieval -- so memory does not grow with their number. Returns the
-    metrics and the number of questions retrieved."""
-    from ..data.qrels import read_qrels
-
-    qrels = read_qrels(qrels_path) if qrels_path else None
-    trec_run = trec_run or (options.get("settings") or RetrieveSettings()).trec_run
-    count = scan_queries(queries_path, qrels, qrels_path, run_ids=bool(trec_run))
+    in two streaming passes -- checks (:func:`queries_to_retrieve`), then retrieval -- so memory does not grow with
+    their number. Returns the metrics and the number of questions retrieved."""
     if trec_run:
         options["trec_run"] = trec_run
+    fields = {f.name for f in dataclasses.fields(RetrieveSettings)}
+    s = dataclasses.replace(options.get("settings") or RetrieveSettings(),
+                            **{k: v for k, v in options.items() if k in fields})
+    qrels, count = queries_to_retrieve(queries_path, qrels_path, s)
     metrics = retrieve_to_files(retriever, index, corpus, judged_queries(queries_path, qrels), qrels=qrels,
                                 total=count, **options)
     return metrics, count
@@ -560,8 +584,11 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     settings = dataclasses.replace(job.settings, ks=job.settings.ks if job.settings.evaluate else None)
     job = dataclasses.replace(job, device=device or job.device, settings=settings)
     metrics, summary = run_retrieval(index, job, index_dir)
-    for name, values in metrics.items():
-        print(f"\n{name} metrics ({counted(summary['queries'], 'query', 'queries')})")
+    judged = summary.pop("judged queries", None)
+    for name, values in metrics.items():  # each heading says how many queries its figures are averaged over
+        over = (counted(judged, "judged query", "judged queries") if name == "qrels" and judged is not None
+                else counted(summary["queries"], "query", "queries"))
+        print(f"\n{name} metrics ({over})")
         print(format_table(values))
     summary = {"queries": summary.pop("queries"), "top-k": summary.pop("top-k"), "index": index_name, **summary}
     print(format_summary(summary))
