@@ -210,6 +210,19 @@ def test_beir_and_dpr_readers_give_the_same_examples(tmp_path):
         assert len(a[key]["passages"]) == 4
 
 
+def test_a_beir_query_becomes_a_record_with_every_key_of_a_dpr_training_file(tmp_path):
+    """``mine --beir-dir`` writes these records: they lacked ``negative_ctxs``, which DPR's older loaders (GC-DPR's)
+    read as ``sample['negative_ctxs']``, so the mined file failed there."""
+    from dpr_gc.data.corpus import load_corpus
+
+    beir = write_beir(tmp_path / "beir", records(2))
+    corpus = load_corpus(beir / "corpus.jsonl.gz", cache_dir=tmp_path / "cache")
+    built, _ = D.beir_training_records(beir / "queries.jsonl", beir / "qrels" / "train.tsv", corpus)
+    assert [sorted(r) for r in built] == [["answers", "hard_negative_ctxs", "id", "negative_ctxs", "positive_ctxs",
+                                          "question"]] * 2
+    assert all(r["negative_ctxs"] == r["hard_negative_ctxs"] == [] for r in built)
+
+
 def test_bad_beir_qrels(tmp_path):
     folder = write_beir(tmp_path / "beir", records(2))
     qrels = folder / "qrels" / "train.tsv"

@@ -243,10 +243,11 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path, cache_dir: Optional[
 
 def beir_dpr_record(qid: str, question: str, answers: Sequence[str], positives: Sequence[dict]) -> dict:
     """The DPR training record of a BEIR query, its qrels positives (``{id, title, text}``) as ``positive_ctxs`` and
-    no negatives: the one BEIR -> DPR builder, for training sets and for mining."""
+    no negatives (empty ``negative_ctxs`` and ``hard_negative_ctxs``: DPR's loaders read every key of its training
+    files): the one BEIR -> DPR builder, for training sets and for mining."""
     return {"id": qid, "question": question, "answers": list(answers),
             "positive_ctxs": [{"title": p["title"] or "", "text": p["text"], "passage_id": p["id"]} for p in positives],
-            "hard_negative_ctxs": []}
+            "negative_ctxs": [], "hard_negative_ctxs": []}
 
 
 def iter_training_file(path: PathLike) -> Iterator[dict]:
