@@ -119,6 +119,34 @@ def test_separate_lora_towers_round_trip(make_retriever, tmp_path):
         np.testing.assert_allclose(loaded.embed(kind, TEXTS), retriever.embed(kind, TEXTS), rtol=0, atol=1e-6)
 
 
+
+def test_merge_lora_replaces_only_a_folder_that_holds_a_model_and_nothing_else(tmp_path, capsys):
+    """merge-lora's --output is replaced whole: a folder that merely holds a config.json, or a model folder holding
+    the user's files beside the model, is refused in one line naming the first foreign entry, and left as it was."""
+    retriever = Retriever.load(init_model(tmp_path, shared=False))
+    apply_lora(retriever, LoraSettings(r=2))
+    retriever.save(tmp_path / "lora")
+    project = tmp_path / "proj"
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text("{}")
+    (project / "src" / "main.py").write_text("print('mine')\n")
+    merged = tmp_path / "merged"
+    assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(merged)]) == 0
+    (merged / "notes.txt").write_text("mine")
+    (merged / "query_1_Pooling" / "results").mkdir()
+    for folder, foreign in ((project, project / "src"), (merged, merged / "notes.txt")):
+        before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+        capsys.readouterr()
+        assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(folder)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and f"holds {foreign}," in err[0], err
+        assert "--output" in err[0] and sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
+    (merged / "notes.txt").unlink()
+    assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(merged)]) == 2  # results/ too
+    (merged / "query_1_Pooling" / "results").rmdir()
+    assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(merged)]) == 0  # a model alone
+    Retriever.load(merged)
+
 def test_bad_lora_settings_are_refused(make_retriever):
     with pytest.raises(DprGcError, match="--lora-r"):
         LoraSettings(r=0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -77,18 +78,59 @@ IDENTITY, TANH = "torch.nn.modules.linear.Identity", "torch.nn.modules.activatio
 ROUTES = {"query": "query", "passage": "document"}
 
 
+# What a model folder dpr-gc may replace whole consists of (format 2, format 1, a LoRA tower, a Hugging Face or
+# sentence-transformers model): anything else in it is the user's, and the folder is refused rather than replaced.
+MODEL_FILE = re.compile(r"(config|generation_config|modules|sentence_bert_config|config_sentence_transformers|"
+                        r"retriever_config|router_config|adapter_config|tokenizer|tokenizer_config|"
+                        r"special_tokens_map|added_tokens|vocab|model\.safetensors\.index|chat_template)\.json|"
+                        r"(model|heads|adapter_model)\.safetensors|model-\d+-of-\d+\.safetensors|"
+                        r"vocab\.txt|merges\.txt|(tokenizer|spiece|sentencepiece\.bpe)\.model|chat_template\.jinja|"
+                        r"projection\.pt|README\.md")
+MODEL_SUBFOLDER = re.compile(r"\d+_(Pooling|Dense|Normalize)|(query|document)_\d+_(Transformer|Pooling|Dense|Normalize)|"
+                             r"query_encoder|passage_encoder|tokenizer")
+
+
 # ------------------------------------------------------------------------------------------------------- writing
 def save_retriever(retriever: Any, path: str | Path) -> None:
     """Write ``retriever`` as a format-2 folder (see the module docstring) with its model card, whole or not at all:
     it is written into a temporary sibling folder that then replaces ``path`` (see :func:`atomic_folder`). An
-    existing non-empty folder that holds no model is refused rather than replaced."""
+    existing non-empty folder is replaced only when it is a saved model and nothing else
+    (:func:`check_replaceable`)."""
     target = Path(path)
-    if target.is_dir() and any(target.iterdir()) and not any(
-            (target / name).is_file() for name in (CONFIG_NAME, "modules.json", "config.json")):
-        raise DprGcError(f"{target} is a folder that holds no saved model; it would be replaced whole, so give a new "
-                         "or empty folder")
+    check_replaceable(target)
     with atomic_folder(target) as out:
         _write_retriever(retriever, out)
+
+
+def check_replaceable(target: Path, flag: str = "--output") -> None:
+    """Refuse a non-empty folder ``target`` unless it holds a model and only what a model folder consists of
+    (:data:`MODEL_FILE` files, :data:`MODEL_SUBFOLDER` folders of such files): replaced whole, it would lose the
+    user's files beside the model (a project holding a ``config.json``, notes, results)."""
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not any((target / name).is_file() for name in (CONFIG_NAME, "modules.json", "config.json")):
+        raise DprGcError(f"{target} is a folder that holds no saved model; it would be replaced whole, so give a new "
+                         "or empty folder")
+    foreign = _foreign_entry(target, top=True)
+    if foreign is not None:
+        raise DprGcError(f"{target} holds {foreign}, which is no part of a saved model; the folder would be "
+                         f"replaced whole, so choose another {flag} or move {foreign.name} out of it")
+
+
+def _foreign_entry(folder: Path, top: bool) -> Optional[Path]:
+    """The first entry of ``folder`` (sorted) that no saved model folder holds, or None."""
+    for entry in sorted(folder.iterdir()):
+        if entry.is_symlink() or not (entry.is_file() or entry.is_dir()):
+            return entry
+        if entry.is_file() and MODEL_FILE.fullmatch(entry.name):
+            continue
+        if entry.is_dir() and top and MODEL_SUBFOLDER.fullmatch(entry.name):
+            inner = _foreign_entry(entry, top=False)
+            if inner is None:
+                continue
+            return inner
+        return entry
+    return None
 
 
 def _write_retriever(retriever: Any, out: Path) -> None:

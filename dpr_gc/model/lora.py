@@ -21,6 +21,7 @@ from ..base.args import layer_size, output_dir, positive_float
 from ..base.errors import DprGcError
 from ..base.logs import dependency_deprecations_hidden
 from .pretrained import is_adapted, peft_module
+from .folder import check_replaceable
 from .retriever import Retriever
 from ..base.settings import add_arguments, check, setting
 from ..base.guard import guarded
@@ -159,6 +160,7 @@ def add_cli(subparsers: Any) -> None:
 def _cli(args: argparse.Namespace) -> None:
     from ..base.tables import markdown_table
 
+    check_replaceable(Path(args.output))  # before the minutes of loading: a folder of the user's is refused at once
     retriever = Retriever.load(args.model)
     merged = merge_lora(retriever)
     if not merged:
