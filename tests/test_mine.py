@@ -714,6 +714,30 @@ def test_folders_mine_builds_are_outputs_never_inside_its_inputs(world, tmp_path
     assert (tmp_path / "idx" / "index_meta.json").is_file() and (tmp_path / "dense.json").is_file()
 
 
+
+def test_no_output_inside_a_folder_mine_builds_even_before_it_is_built(world, tmp_path):
+    """--output (or --cache-dir) inside the --bm25-index or --index folder mine would build is refused on the first
+    run, as the identical rerun (the folder then built, an input) refuses it: accepted once, the run could not
+    resume, and the index folder would hold a foreign file. Nothing is written; outside the folder the run works."""
+    root = world["root"]
+    bm25 = ("mine", "--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", "--n-negatives", 2,
+            "--top-k", 5, "--bm25-index", tmp_path / "bm25")
+    dense = ("mine", "--source", "dense", "--model", root / "model", "--device", "cpu", *bm25[1:9],
+             "--embeddings", tmp_path / "emb", "--index", tmp_path / "idx")
+    refused = [((*bm25, "--cache-dir", tmp_path / "c", "--output", tmp_path / "bm25" / "o.json"), "--output",
+                "--bm25-index"),
+               ((*bm25, "--cache-dir", tmp_path / "bm25" / "c", "--output", tmp_path / "o.json"), "--cache-dir",
+                "--bm25-index"),
+               ((*dense, "--cache-dir", tmp_path / "c", "--output", tmp_path / "idx" / "o.json"), "--output",
+                "--index")]
+    for argv, flag, built in refused:
+        with pytest.raises(DprGcError, match=re.escape(f"{flag} ") + ".* lies inside " + re.escape(built)):
+            cli(*argv)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    cli(*bm25, "--cache-dir", tmp_path / "c", "--output", tmp_path / "o.json")
+    cli(*bm25, "--cache-dir", tmp_path / "c", "--output", tmp_path / "o.json")  # the same command again runs
+    assert _files(tmp_path / "bm25") and (tmp_path / "o.json").is_file()
+
 def test_a_question_whose_positive_is_not_in_the_corpus_keeps_its_candidates_and_is_reported(world, tmp_path, caplog):
     """BM25 cannot score a positive missing from the corpus: --margin and --max-negative-ratio leave that question's
     candidates alone, the summary counts it under ``unscored``, and the log warns that the rules did not apply."""

@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -588,8 +589,23 @@ def check_built_folders(args: argparse.Namespace) -> None:
     built = built_folders(args)
     inputs = {flag: getattr(args, dest) for dest, flag in MINE_INPUTS.items() if flag not in built}
     check_outputs(inputs, {"--output": args.output, **built}, whole=["--index"])
+    check_nothing_inside_built(args, built)
     if "--bm25-index" in built:
         check_bm25_folder(built["--bm25-index"])
+
+
+def check_nothing_inside_built(args: argparse.Namespace, built: dict[str, str]) -> None:
+    """Refuse ``--output`` or ``--cache-dir`` inside a folder this run builds: built, that folder is an input the
+    same command then refuses to write inside (no resume), and ``index`` refuses a folder holding other files."""
+    for flag, value in (("--output", args.output), ("--cache-dir", getattr(args, "cache_dir", None))):
+        if not value:
+            continue
+        real = os.path.realpath(value)
+        for built_flag, folder in built.items():
+            root = os.path.realpath(folder)
+            if real != root and os.path.commonpath([real, root]) == root:
+                raise DprGcError(f"{flag} {value} lies inside {built_flag} {folder}, a folder this run builds to "
+                                 "hold nothing else (and reads when run again); write it outside that folder")
 
 
 def scan_training_file(path: PathLike, positive_ids: bool = False) -> tuple[int, set[str]]:
