@@ -1698,6 +1698,46 @@ def test_model_folders_that_cannot_load_are_one_line(world: dict, tmp_path: Path
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "e").exists()
 
 
+
+@pytest.fixture(scope="module")
+def lora_folder(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The world's model with a LoRA adapter, saved: adapter_config.json + adapter_model.safetensors."""
+    from dpr_gc.model.lora import LoraSettings, apply_lora
+
+    retriever = Retriever.load(world["model"])
+    apply_lora(retriever, LoraSettings(r=2))
+    folder = tmp_path_factory.mktemp("lora") / "lora"
+    retriever.save(folder)
+    return folder
+
+
+@pytest.mark.parametrize("fault, needles", [
+    ({"lora_alpha": "16"}, ("adapter_config.json", "'lora_alpha' must be a positive number")),
+    ({"r": "x"}, ("adapter_config.json", "'r' must be a positive integer")),
+    ({"target_modules": 5}, ("adapter_config.json", "'target_modules' must be a string or a list of strings")),
+    ({"lora_dropout": "0.1"}, ("adapter_config.json", "'lora_dropout' must be a number")),
+    ({"rank_pattern": [1]}, ("adapter_config.json", "'rank_pattern' must be an object")),
+    (None, ("no adapter_model.safetensors", "copy the file back or save the adapter again"))])
+def test_a_lora_adapter_folder_with_wrong_fields_or_no_weights_is_one_line(world: dict, lora_folder: Path,
+                                                                          tmp_path: Path, fault: Optional[dict],
+                                                                          needles: tuple) -> None:
+    """adapter_config.json values of the wrong type (peft raised TypeError tracebacks) and a missing
+    adapter_model.safetensors (peft went to the Hub: a ConnectError traceback) are one error line naming the
+    file or folder, from Retriever.load and from encode --model, before any output is written."""
+    model = tmp_path / "lora"
+    shutil.copytree(lora_folder, model)
+    if fault is None:
+        (model / "adapter_model.safetensors").unlink()
+    else:
+        config = json.loads((model / "adapter_config.json").read_text())
+        (model / "adapter_config.json").write_text(json.dumps({**config, **fault}))
+    with pytest.raises(DprGcError) as refusal:
+        Retriever.load(model)
+    assert str(model) in str(refusal.value) and "\n" not in str(refusal.value)
+    line = refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device",
+                    "cpu", "--cache-dir", tmp_path / "c"], *needles)
+    assert str(model) in line and not (tmp_path / "e").exists()
+
 def _without_vocabulary(world: dict, root: Path, kind: str) -> Path:
     """A copy of the world's model without its tokenizer.json: no vocabulary file at all, an empty vocab.txt, or a
     vocab.txt without [UNK]."""

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..base.errors import DprGcError
 from ..base.logs import dependency_deprecations_hidden
-from ..base.validate import Field, check_fields, check_weights_folder, count, refuse_custom_code, text
+from ..base.validate import (Field, check_fields, check_weights_folder, count, number, positive_int,
+                             refuse_custom_code, text)
 from .hub import check_model_source
 from ..base.files import read_json
 
@@ -264,16 +265,54 @@ def check_saveable(model: nn.Module) -> None:
                          "first and start from that folder")
 
 
+def _all(kind: type, test: Any = None) -> Any:
+    """A test that a JSON list (or an object's values) holds only ``kind`` (passing ``test``)."""
+    def ok(value: Any) -> bool:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+        return all(isinstance(v, kind) and not isinstance(v, bool) and (test is None or test(v)) for v in items)
+    return ok
+
+
+def _strings(kinds: tuple = (list, str)) -> Field:
+    """A string or list of strings (``kinds``), or null."""
+    return Field(kinds, True, _all(str), ("a string or " if str in kinds else "") + "a list of strings or null")
+
+
+# the fields of adapter_config.json that peft reads when it loads a LoRA adapter, typed (see dpr_gc.base.validate)
+ADAPTER_FIELDS = {
+    "peft_type": text(), "task_type": text(True), "revision": text(True), "base_model_name_or_path": text(True),
+    "r": positive_int(), "lora_alpha": number(lambda v: v > 0, "a positive number"),
+    "lora_dropout": number(lambda v: 0 <= v < 1, "a number from 0 to below 1"),
+    "target_modules": _strings(), "exclude_modules": _strings(), "modules_to_save": _strings((list,)),
+    "target_parameters": _strings((list,)), "layers_pattern": _strings(),
+    "layers_to_transform": Field((int, list), True, _all(int, lambda v: v >= 0),
+                                 "an integer >= 0, a list of them or null"),
+    "rank_pattern": Field(dict, True, _all(int, lambda v: v >= 1), "an object of positive integers"),
+    "alpha_pattern": Field(dict, True, _all((int, float), lambda v: v > 0), "an object of positive numbers"),
+    "bias": Field(str, False, lambda v: v in ("none", "all", "lora_only"), "one of none, all, lora_only"),
+    "init_lora_weights": Field((bool, str)), "layer_replication": Field(list, True),
+    "loftq_config": Field(dict, True), "megatron_config": Field(dict, True), "auto_mapping": Field(dict, True),
+    **{key: Field(bool) for key in ("fan_in_fan_out", "inference_mode", "use_rslora", "use_dora", "lora_bias",
+                                    "use_qalora", "ensure_weight_tying")}}
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
 def load_adapter_model(folder: Path, trainable: bool = False) -> nn.Module:
-    """A PEFT adapter folder on top of the base model its ``adapter_config.json`` names."""
-    config = read_json(folder / ADAPTER_CONFIG)
-    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    """A PEFT adapter folder on top of the base model its ``adapter_config.json`` names. The config is checked field
+    by field (:data:`ADAPTER_FIELDS`) and the weights file must be there, so peft never fails with a traceback nor
+    looks the folder up on the Hub."""
+    config = check_fields(read_json(folder / ADAPTER_CONFIG), folder / ADAPTER_CONFIG, ADAPTER_FIELDS,
+                          "a LoRA adapter config")
+    base = config.get("base_model_name_or_path")
     if not base:
         raise DprGcError(f"{folder / ADAPTER_CONFIG}: no base_model_name_or_path; cannot tell which model the "
                          "adapter belongs to")
-    if not isinstance(base, str) or (Path(base) / ADAPTER_CONFIG).is_file():
+    if (Path(base) / ADAPTER_CONFIG).is_file():
         raise DprGcError(f"{folder / ADAPTER_CONFIG}: base_model_name_or_path {str(base)[:200]!r} must name a plain "
                          "model (not an adapter folder, not this folder); point it at the base model")
+    if not any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise DprGcError(f"{folder}: no {ADAPTER_WEIGHTS[0]} beside {ADAPTER_CONFIG}, so the LoRA adapter has no "
+                         "weights; copy the file back or save the adapter again")
     check_weights_folder(folder)
     peft = peft_module()
     try:
@@ -283,4 +322,5 @@ def load_adapter_model(folder: Path, trainable: bool = False) -> nn.Module:
         raise DprGcError(f"{folder}: the adapter weights are a pickle, which dpr-gc never loads; save the adapter as "
                          "adapter_model.safetensors") from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise DprGcError(f"cannot load the LoRA adapter in {folder}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise DprGcError(f"cannot load the LoRA adapter in {folder}: {reason}") from None
