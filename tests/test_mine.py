@@ -153,6 +153,38 @@ def test_written_file_keeps_fields_and_reads_back_as_training_data(world, tmp_pa
     assert [len(r["hard_negative_ctxs"]) for r in json.loads((tmp_path / "again.json").read_text())] == [3] * 6
 
 
+
+def test_append_counts_the_negatives_it_added_not_those_already_in_the_record(world, tmp_path, capsys, caplog):
+    """mine --append said "negatives written" before dropping the mined ids the record already held (it gained 44
+    and said 81): written, the score statistics and "questions short of N" now count what was added, and the
+    negatives already in the record are their own row and part of the log line."""
+    import logging
+
+    root = world["root"]
+    base = ("mine", "--corpus", root / "corpus.jsonl", "--cache-dir", tmp_path / "c", "--bm25-index", root / "bm25",
+            "--top-k", 20)
+    cli(*base, "--train-file", root / "train.json", "--n-negatives", 3, "--output", tmp_path / "first.json")
+    first = json.loads((tmp_path / "first.json").read_text())
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.mine"):
+        cli(*base, "--train-file", tmp_path / "first.json", "--n-negatives", 5, "--append", "--output",
+            tmp_path / "second.json")
+    printed = capsys.readouterr().out
+    second = json.loads((tmp_path / "second.json").read_text())
+    added = [b["hard_negative_ctxs"][len(a["hard_negative_ctxs"]):] for a, b in zip(first, second)]
+    n_added, scores = sum(map(len, added)), [c["score"] for negs in added for c in negs]
+    assert 0 < n_added < 5 * len(TOPICS) and all(negs[:3] == a["hard_negative_ctxs"]
+                                                 for negs, a in zip([b["hard_negative_ctxs"] for b in second], first))
+    already = 5 * len(TOPICS) - n_added  # every question found 5; the first 3 of each were there already
+    assert f"| negatives written | {n_added} |" in printed, printed
+    assert f"| negatives already in the record (not added) | {already} |" in printed
+    assert f"| min score | {round(min(scores), 4)} |" in printed and f"| max score | {round(max(scores), 4)} |" in printed
+    assert f"| questions short of N | {sum(len(negs) < 5 for negs in added)} |" in printed
+    assert f"{n_added} negatives written ({already} already in the record, not added)" in caplog.text
+    capsys.readouterr()
+    cli(*base, "--train-file", root / "train.json", "--n-negatives", 3, "--output", tmp_path / "third.json")
+    assert "already in the record" not in capsys.readouterr().out  # without --append the row is left off
+
 def test_bm25_index_is_saved_and_reused_only_for_the_same_corpus(world, tmp_path, monkeypatch):
     import bm25s
 

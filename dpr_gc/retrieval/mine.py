@@ -163,6 +163,7 @@ class MiningSummary:
     ratio_unapplied: int = 0
     short: int = 0
     written: int = 0
+    already_there: int = 0
     score_sum: float = 0.0
     score_min: float = math.inf
     score_max: float = -math.inf
@@ -194,6 +195,7 @@ class MiningSummary:
                 "questions without a positive score": self.unscored,
                 "questions the ratio skipped (positive score <= 0)": self.ratio_unapplied,
                 "questions short of N": self.short,
+                "negatives already in the record (not added)": self.already_there,
                 "negatives written": self.written, "mean score": stat(self.score_sum / max(self.written, 1)),
                 "min score": stat(self.score_min), "max score": stat(self.score_max)}
         return rows if mining is None else {k: v for k, v in rows.items() if k not in rules_off(mining)}
@@ -206,6 +208,7 @@ def rules_off(mining: MineSettings) -> set[str]:
     off |= set() if mining.max_negative_ratio is not None else {"dropped by max negative ratio",
                                                                   "questions the ratio skipped (positive score <= 0)"}
     off |= set() if mining.min_margin is not None else {"dropped by min margin"}
+    off |= set() if mining.append else {"negatives already in the record (not added)"}
     if not needs_positive_scores(mining.margin, mining.max_negative_ratio, mining.min_margin):
         off.add("questions without a positive score")
     return off
@@ -368,6 +371,23 @@ def _merge(old: list, new: list[dict]) -> list:
     return list(old) + [c for c in new if c["passage_id"] not in seen]
 
 
+def _appended(records: Sequence[dict], mined: Sequence[dict], part: MiningSummary, n_negatives: int) -> list[list]:
+    """``--append``: each record's hard negatives with the mined ones added, and ``part`` made to count what was
+    added, not what was mined: a negative already in the record is counted under ``already_there``, and
+    ``written``, the score statistics and ``short`` (fewer than ``n_negatives`` added) cover the added ones only."""
+    merged, added = [], []
+    for record, m in zip(records, mined):
+        old = record.get("hard_negative_ctxs") or []
+        merged.append(_merge(old, m["hard_negative_ctxs"]))
+        added.extend(merged[-1][len(old):])
+        part.already_there += len(m["hard_negative_ctxs"]) - (len(merged[-1]) - len(old))
+        part.short -= int(len(m["hard_negative_ctxs"]) < n_negatives) - int(len(merged[-1]) - len(old) < n_negatives)
+    scores = [c["score"] for c in added]
+    part.written, part.score_sum = len(added), sum(scores)
+    part.score_min, part.score_max = min(scores, default=math.inf), max(scores, default=-math.inf)
+    return merged
+
+
 def in_chunks(records: Iterable[dict], chunk_size: int, flush: Callable[[list[dict]], None],
               kept: Callable[[], Optional[str]]) -> None:
     """Hand ``records`` to ``flush`` in lists of ``chunk_size``; interrupted, the message says what ``kept()`` says
@@ -421,12 +441,13 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
                 nonlocal count
                 mined, part = mine_hard_negatives(buffer, source, corpus, s, qrels=qrels, id_to_row=id_to_row,
                                                   matcher=matcher)
+                negatives = (_appended(buffer, mined, part, s.n_negatives) if append
+                             else [m["hard_negative_ctxs"] for m in mined])
                 summary.merge(part)
                 texts = []
-                for record, m in zip(buffer, mined):
+                for record, negs in zip(buffer, negatives):
                     new = dict(record)
-                    new["hard_negative_ctxs"] = (_merge(record.get("hard_negative_ctxs") or [],
-                                                        m["hard_negative_ctxs"]) if append else m["hard_negative_ctxs"])
+                    new["hard_negative_ctxs"] = negs
                     text = json.dumps(new, ensure_ascii=False)
                     texts.append(text + "\n" if jsonl else ("[\n" if count == 0 else ",\n") + text)
                     count += 1
@@ -456,9 +477,10 @@ def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_
     rules += [(f"--max-negative-ratio {max_negative_ratio:g}", summary.ratio_dropped)] \
         if max_negative_ratio is not None else []
     rules += [(f"--min-margin {min_margin:g}", summary.min_margin_dropped)] if min_margin is not None else []
-    logger.info("mined %s: of %s, removed %s; %s written", counted(summary.questions, "question"),
+    already = f" ({summary.already_there} already in the record, not added)" if summary.already_there else ""
+    logger.info("mined %s: of %s, removed %s; %s written%s", counted(summary.questions, "question"),
                 counted(summary.candidates, "candidate"), ", ".join(f"{n} by {name}" for name, n in rules),
-                counted(summary.written, "negative"))
+                counted(summary.written, "negative"), already)
     if summary.no_candidates:
         logger.warning("%s without a candidate (BM25: no word of the question is in the corpus's vocabulary, e.g. "
                        "unseen words or stopwords only): no negatives mined for them",
