@@ -75,3 +75,26 @@ def test_clear_deletes_only_the_caches_own_files(tmp_path: Path, monkeypatch, ca
     monkeypatch.setenv("DPR_GC_CACHE", str(mine))
     assert main(["cache"]) == 2
     assert capsys.readouterr().err.startswith(f"error: the cache folder {mine} ($DPR_GC_CACHE")
+
+
+def test_clear_and_the_listing_cover_every_file_a_training_parse_writes(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A training parse writes NAME-HASH.arrow and NAME-HASH.stats.json: --clear left the stats file behind; now it
+    removes both (the user's own file stays), and the listing's bytes are those of the cache's files alone."""
+    from dpr_gc.data.arrow_cache import cache_usage
+    from dpr_gc.data.training import load_dpr_files
+
+    monkeypatch.setenv("DPR_GC_CACHE", str(tmp_path / "cache"))
+    load_dpr_files([EXAMPLES / "train.json"])
+    train = tmp_path / "cache" / "train"
+    written = sorted(p.name for p in train.iterdir())
+    assert any(n.endswith(".stats.json") for n in written) and any(n.endswith(".arrow") for n in written), written
+    mine = train / "notes.txt"
+    mine.write_text("mine, not the cache's" * 100)
+    usage = {kind: (n, size) for kind, n, size in cache_usage(tmp_path / "cache")}
+    assert usage["train"] == (1, sum(p.stat().st_size for p in train.iterdir() if p != mine))
+    cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p != mine]
+    assert main(["cache", "--clear"]) == 0
+    assert f"removed {len(cached)} file(s)" in capsys.readouterr().out
+    assert not any(p.exists() for p in cached)
+    assert list(train.iterdir()) == [mine]
+    assert len(load_dpr_files([EXAMPLES / "train.json"])) > 0  # parsed again

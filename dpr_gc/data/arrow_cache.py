@@ -125,8 +125,10 @@ def map_dataset(path: Path) -> Any:
 
 # ----------------------------------------------------------------- the ``cache`` command
 CACHE_KINDS = ("corpora", "train")
-# what the cache holds: NAME-HASH.arrow (:func:`cache_file`), its lock, and the hidden temporaries of its builds
-CACHE_FILE = re.compile(r"(.+-[0-9a-f]{16}\.arrow(\.lock)?|\..+-[0-9a-f]{16}\.arrow\..+\.tmp)")
+# what the cache holds: NAME-HASH.arrow (:func:`cache_file`), its lock, a training parse's NAME-HASH.stats.json
+# (dpr_gc.data.training), and the hidden temporaries their builds write (``.NAME-HASH.arrow.*.tmp``, ...)
+CACHE_FILE = re.compile(r"(.+-[0-9a-f]{16}\.(arrow(\.lock)?|stats\.json)|"
+                        r"\..+-[0-9a-f]{16}\.(arrow|stats\.json)\..+\.tmp)")
 
 
 def cache_root() -> Path:
@@ -135,10 +137,13 @@ def cache_root() -> Path:
 
 
 def cache_usage(root: Path) -> list[tuple[str, int, int]]:
-    """``(kind, cached sources, bytes)`` of each cache kind under ``root``."""
+    """``(kind, cached sources, bytes)`` of each cache kind under ``root``: the files ``--clear`` deletes
+    (:data:`CACHE_FILE`), no file of the user's."""
     rows = []
     for kind in CACHE_KINDS:
-        files = [p for p in (root / kind).glob("*") if p.is_file()] if (root / kind).is_dir() else []
+        folder = root / kind
+        files = [p for p in folder.iterdir() if p.is_file() and CACHE_FILE.fullmatch(p.name)] if folder.is_dir() \
+            else []
         rows.append((kind, sum(p.suffix == ".arrow" for p in files), sum(p.stat().st_size for p in files)))
     return rows
 
