@@ -92,3 +92,29 @@ def test_examples_run_through_encode_index_retrieve(tmp_path, tiny_tokenizer):
     for r in results:
         assert sorted(c["id"] for c in r["ctxs"]) == PASSAGE_IDS
         assert any(c["has_answer"] for c in r["ctxs"])
+
+
+def _results_flags(command: str) -> list[str]:
+    """The flags of ``dpr-gc COMMAND`` that take a results file (their dest names results)."""
+    import argparse
+
+    from dpr_gc.cli import build_parser
+
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return [a.option_strings[0] for a in sub._actions if a.option_strings and "results" in a.dest]
+
+
+def test_the_docs_name_only_commands_that_read_results_files_as_their_readers():
+    """data/README.md said `mine` reads DPR retriever results and formats.md listed mining as a use of the compact
+    form, but mine has no flag taking a results file: every reader the two tables name has one."""
+    readme = (EXAMPLES.parent / "README.md").read_text().splitlines()
+    formats = (EXAMPLES.parents[1] / "docs" / "formats.md").read_text().splitlines()
+    cells = [line.split("|")[3] for line in readme if line.startswith("| DPR retriever results")]
+    cells += [line.split("|")[3] for line in formats if line.startswith("| DPR (default)") or
+              line.startswith("| compact (`--compact`)")]
+    assert len(cells) == 3
+    for cell in cells:
+        assert "mine" not in cell and "mining" not in cell, cell
+        for command in {name.split()[0] for name in re.findall(r"`([a-z-]+(?: --[a-z-]+)?)`", cell)}:
+            assert _results_flags(command), f"{command} is named as reading results files: {cell}"
