@@ -394,3 +394,13 @@ def test_the_docs_describe_the_examples_defaults():
     assert (f"(batch {c.batch_size} in chunks of {c.chunk_size}, one hard negative, dropout {c.dropout:g} with "
             f"per-chunk keys, cosine at temperature {c.temperature:g}, AdamW with linear decay, {c.precision})") in page
     assert c.hard_negatives == 1 and f"({c.train_queries:,} training questions)" in page
+
+
+def test_example_refuses_zero_epochs_before_any_work(capsys, monkeypatch):
+    """``--epochs 0`` would build the dataset, evaluate and then have no loss to report: refused up front."""
+    from dpr_gc.jax import example
+
+    monkeypatch.setattr(example, "run_example", lambda config: pytest.fail("work started"))
+    assert example.main(["--epochs", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --epochs must be at least 1, got 0") and "\n" not in err

@@ -69,6 +69,9 @@ class ExampleConfig:
         if self.batch_size < 1 or self.chunk_size < 1 or self.train_queries < self.batch_size:
             raise DprGcError(f"--train-queries {self.train_queries} must be at least --batch-size {self.batch_size} "
                              "and both, like --chunk-size, positive")
+        if self.epochs < 1:
+            raise DprGcError(f"--epochs must be at least 1, got {self.epochs} (the example trains, then compares "
+                             "accuracy before and after)")
 
 
 def padded_token_ids(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None,
