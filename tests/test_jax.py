@@ -404,3 +404,26 @@ def test_example_refuses_zero_epochs_before_any_work(capsys, monkeypatch):
     assert example.main(["--epochs", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --epochs must be at least 1, got 0") and "\n" not in err
+
+
+def _uneven_global_batch_is_refused() -> None:
+    def encode(params, batch, key):
+        return batch @ params["w"]
+
+    params = {"w": jnp.ones((8, 4))}
+    loss = ContrastiveLoss(n_hard_negatives=1, axis_name="data")
+    step = data_parallel_value_and_grad([encode, encode], loss, 2, data_mesh(jax.devices()[:2]))
+    batches = [jnp.ones((5, 8)), jnp.ones((10, 8))]
+    for run in (step, jax.jit(step)):
+        with pytest.raises(DprGcError, match="batch 0 has 5 rows, which 2 devices do not split evenly"):
+            run(params, loss.init(), batches, jax.random.key(0))
+
+
+def test_data_parallel_refuses_a_global_batch_the_devices_do_not_divide():
+    if len(jax.devices()) >= 2:
+        _uneven_global_batch_is_refused()
+        return
+    env = {**os.environ, "XLA_FLAGS": DEVICE_FLAG, "PYTHONPATH": str(REPO)}
+    code = "import tests.test_jax as t, jax; assert len(jax.devices()) == 2; t._uneven_global_batch_is_refused()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from ..base.errors import DprGcError
 from .grad_cache import Encoder, cached_value_and_grad, remat_value_and_grad
 
 DATA_AXIS = "data"
@@ -52,5 +53,21 @@ def data_parallel_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[
         return local_step(params, loss_params, batches, jax.random.fold_in(key, jax.lax.axis_index(axis_name)))
 
     replicated, split = PartitionSpec(), PartitionSpec(axis_name)
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(replicated, replicated, split, replicated),
-                         out_specs=replicated, check_vma=False)
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(replicated, replicated, split, replicated),
+                           out_specs=replicated, check_vma=False)
+
+    def step(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array) -> Any:
+        check_divisible(batches, mesh.shape[axis_name])
+        return mapped(params, loss_params, batches, key)
+
+    return step
+
+
+def check_divisible(batches: Sequence[Any], n_devices: int) -> None:
+    """Refuse a global batch whose leading axis the ``n_devices`` devices do not split evenly."""
+    for i, batch in enumerate(batches):
+        sizes = sorted({np.shape(leaf)[0] if np.ndim(leaf) else 0 for leaf in jax.tree_util.tree_leaves(batch)})
+        uneven = [n for n in sizes if n % n_devices]
+        if uneven:
+            raise DprGcError(f"data_parallel_value_and_grad: batch {i} has {uneven[0]} rows, which {n_devices} "
+                             f"devices do not split evenly; use a global batch that is a multiple of {n_devices}")
