@@ -427,3 +427,20 @@ def test_data_parallel_refuses_a_global_batch_the_devices_do_not_divide():
     code = "import tests.test_jax as t, jax; assert len(jax.devices()) == 2; t._uneven_global_batch_is_refused()"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_chunk_sizes_take_numpy_integers_and_refuse_non_integers():
+    """A numpy integer chunk size is one int for every encoder; a float or a bool is refused in one clear line."""
+    params = make_params(TINY, ("shared",))["shared"]
+    encode = encoder_fn(Encoder(TINY))
+    loss = ContrastiveLoss(n_hard_negatives=1)
+    rng = np.random.default_rng(0)
+    batches = [make_batch(rng, 4), make_batch(rng, 8)]
+    want = cached_value_and_grad([encode, encode], loss, 4)(params, loss.init(), batches, jax.random.key(0))
+    for sizes in (np.int64(4), [np.int32(4), 4], np.array([4, 4])):
+        got = cached_value_and_grad([encode, encode], loss, sizes)(params, loss.init(), batches, jax.random.key(0))
+        assert float(got[0]) == float(want[0]) and rel_error(got[1], want[1]) == 0
+    for bad in (4.0, True, "4", [4, 2.5], np.float32(4), None):
+        for build in (cached_value_and_grad, remat_value_and_grad):
+            with pytest.raises(DprGcError, match="chunk sizes must be one positive integer"):
+                build([encode, encode], loss, bad)

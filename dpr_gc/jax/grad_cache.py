@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+import operator
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..base.errors import DprGcError
 
@@ -143,11 +146,23 @@ def grad_cached(f: Callable[[Any, Any], Array],
     return cached_f
 
 
+def _is_int(value: Any) -> bool:
+    """An integer of any kind (``int``, ``np.int64`` ...), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _as_sizes(chunk_sizes: int | Sequence[int], n: int) -> list[int]:
-    sizes = [chunk_sizes] * n if isinstance(chunk_sizes, int) else list(chunk_sizes)
-    if len(sizes) != n or any(not isinstance(s, int) or s < 1 for s in sizes):
-        raise DprGcError(f"chunk sizes must be one positive int or one per encoder ({n}); got {chunk_sizes!r}")
-    return sizes
+    """One positive chunk size per encoder, from one integer (numpy's included) or a sequence of them."""
+    if _is_int(chunk_sizes):
+        sizes = [chunk_sizes] * n
+    elif isinstance(chunk_sizes, (Sequence, np.ndarray)) and not isinstance(chunk_sizes, str) \
+            and np.ndim(chunk_sizes) == 1:
+        sizes = list(chunk_sizes)
+    else:
+        sizes = []
+    if len(sizes) != n or any(not _is_int(s) or s < 1 for s in sizes):
+        raise DprGcError(f"chunk sizes must be one positive integer or one per encoder ({n}); got {chunk_sizes!r}")
+    return [operator.index(s) for s in sizes]
 
 
 def _chunked(batch: Any, chunk_size: int, key: Array) -> tuple[Any, Array, int]:
