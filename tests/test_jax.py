@@ -444,3 +444,15 @@ def test_chunk_sizes_take_numpy_integers_and_refuse_non_integers():
         for build in (cached_value_and_grad, remat_value_and_grad):
             with pytest.raises(DprGcError, match="chunk sizes must be one positive integer"):
                 build([encode, encode], loss, bad)
+
+
+def test_an_inference_encoder_needs_no_key_and_a_training_one_says_it_does():
+    """encoder_fn's docstring: dropout comes from the key only when ``train``; without it None is a fine key."""
+    params = make_params(TINY, ("shared",))["shared"]
+    batch = make_batch(np.random.default_rng(0), 2)
+    model = Encoder(dataclasses.replace(TINY, dropout=0.1))
+    reps = encoder_fn(model, train=False)(params, batch, None)
+    direct = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"])
+    np.testing.assert_allclose(np.asarray(reps), np.asarray(direct), atol=1e-6)
+    with pytest.raises(DprGcError, match="needs a PRNG key for dropout"):
+        encoder_fn(model)(params, batch, None)

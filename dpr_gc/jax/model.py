@@ -99,11 +99,17 @@ class Encoder(nn.Module):
 
 def encoder_fn(model: Encoder, subtree: str | None = None, train: bool = True) -> Callable[[Any, dict, Array], Array]:
     """``f(params, batch, key) -> reps`` for the Gradient Cache steps: ``params[subtree]`` (or all of ``params``)
-    applied to ``batch["input_ids"]``/``batch["attention_mask"]``, with dropout from ``key`` when ``train``."""
-    def encode(params: Any, batch: dict, key: Array) -> Array:
+    applied to ``batch["input_ids"]``/``batch["attention_mask"]``, with dropout from ``key`` when ``train`` (without
+    ``train`` the key is not used and may be ``None``)."""
+    def encode(params: Any, batch: dict, key: Array | None) -> Array:
         weights = params[subtree] if subtree is not None else params
-        return model.apply({"params": weights}, batch["input_ids"], batch["attention_mask"],
-                           deterministic=not train, rngs={"dropout": key})
+        if not train:
+            return model.apply({"params": weights}, batch["input_ids"], batch["attention_mask"], deterministic=True)
+        if key is None:
+            raise DprGcError("encoder_fn(model, train=True) needs a PRNG key for dropout (e.g. jax.random.key(0)); "
+                             "got None: pass a key, or use encoder_fn(model, train=False) for inference")
+        return model.apply({"params": weights}, batch["input_ids"], batch["attention_mask"], deterministic=False,
+                           rngs={"dropout": key})
 
     return encode
 
