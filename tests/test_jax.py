@@ -456,3 +456,12 @@ def test_an_inference_encoder_needs_no_key_and_a_training_one_says_it_does():
     np.testing.assert_allclose(np.asarray(reps), np.asarray(direct), atol=1e-6)
     with pytest.raises(DprGcError, match="needs a PRNG key for dropout"):
         encoder_fn(model)(params, batch, None)
+
+
+def test_a_learnable_temperature_without_its_params_says_to_pass_loss_init():
+    loss = ContrastiveLoss(n_hard_negatives=1, learn_temperature=True)
+    queries, passages = jnp.ones((2, 4)), jnp.ones((4, 4))
+    for given in ({}, None, {"temperature": 0.1}):
+        with pytest.raises(DprGcError, match=r"pass the params from loss\.init\(\)"):
+            loss(given, queries, passages)
+    assert loss.init()["log_temperature"].dtype == jnp.float32

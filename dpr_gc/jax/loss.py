@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,13 @@ def temperature_from_log(log_temperature: Array) -> Array:
     return jnp.exp(_inward_clip(log_temperature.astype(jnp.float32), math.log(lo), math.log(hi)))
 
 
+def _describe(loss_params: Any) -> str:
+    """Short words for what was passed as the loss's parameters (keys, not values: they may be traced)."""
+    if isinstance(loss_params, Mapping):
+        return f"a dict with keys {sorted(map(str, loss_params))}" if loss_params else "an empty dict"
+    return type(loss_params).__name__
+
+
 @dataclasses.dataclass(frozen=True)
 class ContrastiveLoss:
     """In-batch-negative InfoNCE loss, the JAX twin of :class:`dpr_gc.engine.loss.SimpleContrastiveLoss`.
@@ -134,7 +142,11 @@ class ContrastiveLoss:
         return {"log_temperature": jnp.asarray(math.log(self.temperature), jnp.float32)}
 
     def current_temperature(self, loss_params: dict[str, Array]) -> Array:
+        """The temperature in use: the learnt one (clamped) from ``loss_params``, or the fixed one."""
         if self.learn_temperature:
+            if not isinstance(loss_params, Mapping) or "log_temperature" not in loss_params:
+                raise DprGcError("ContrastiveLoss(learn_temperature=True) needs its parameters: pass the params from "
+                                 f"loss.init() (a dict with 'log_temperature'), got {_describe(loss_params)}")
             return temperature_from_log(loss_params["log_temperature"])
         return jnp.asarray(self.temperature, jnp.float32)
 
