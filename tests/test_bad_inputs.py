@@ -2248,3 +2248,17 @@ def test_dense_mining_never_overwrites_the_corpus_its_index_records(world: dict,
              "--output", corpus, "--device", "cpu", "--cache-dir", tmp_path / "c"],
             f"--output {corpus} is the input the index's recorded --corpus")
     assert corpus.read_bytes() == before
+
+
+def test_renamed_flags_leave_a_quoted_dpr_gc_command_as_it_is() -> None:
+    """A script's or mine's renaming reached into advice to run a dpr-gc command (`dpr-gc encode --out_file`, a flag
+    encode lacks): a quoted dpr-gc command keeps its own flags, the rest of the message is renamed."""
+    from dpr_gc.retrieval.mine import ENCODE_FLAGS
+
+    with pytest.raises(DprGcError) as caught, flags_renamed({"--output": "--index"}):
+        raise DprGcError("--output o: build one with 'dpr-gc index --embeddings DIR --output DIR'")
+    assert str(caught.value) == "--index o: build one with 'dpr-gc index --embeddings DIR --output DIR'"
+    with pytest.raises(DprGcError) as caught, flags_renamed(ENCODE_FLAGS):
+        raise DprGcError("--shard-id 3 is missing; run `dpr-gc encode --shard-id 3 --output e` for it")
+    assert str(caught.value) == ("dpr-gc encode --shard-id 3 is missing; run `dpr-gc encode --shard-id 3 --output e` "
+                                 "for it")

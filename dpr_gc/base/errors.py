@@ -29,17 +29,33 @@ class DiskFullError(DprGcError):
 
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+# A quoted dpr-gc command line in a message (`dpr-gc encode --output DIR` or 'dpr-gc index ...'): its flags are
+# that command's own and stay as they are whoever shows the message.
+COMMAND = re.compile(r"(`|')dpr-gc [^`']*\1")
+
+
+def rename_flags(message: str, names: Mapping[str, str]) -> str:
+    """``message`` with each flag of ``names`` spelt as its value, except inside quoted ``dpr-gc`` commands."""
+    def rename(text: str) -> str:
+        return FLAG.sub(lambda m: names.get(m.group(0), m.group(0)), text)
+
+    out, end = [], 0
+    for command in COMMAND.finditer(message):
+        out += [rename(message[end:command.start()]), command.group(0)]
+        end = command.end()
+    return "".join(out + [rename(message[end:])])
 
 
 @contextlib.contextmanager
 def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
     """Within the block, a :class:`DprGcError` names each flag of ``names`` as its value. Code that several commands
     share names its own command's flags (encode's ``--output``), which another command reaching it spells otherwise
-    or lacks (mine's encode writes to its ``--embeddings``; the DPR scripts spell flags as DPR does)."""
+    or lacks (mine's encode writes to its ``--embeddings``; the DPR scripts spell flags as DPR does). A quoted
+    ``dpr-gc`` command in the message (advice to run one) keeps that command's own flags."""
     try:
         yield
     except DprGcError as e:
-        raise DprGcError(FLAG.sub(lambda m: names.get(m.group(0), m.group(0)), str(e))) from None
+        raise DprGcError(rename_flags(str(e), names)) from None
 
 
 class Interrupted(KeyboardInterrupt):
