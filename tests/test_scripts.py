@@ -363,3 +363,31 @@ def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path, monkeypatch
                                                                "--index_buffer", "7"]) == 0
     assert sum(added) == 3 * 40 and max(added) == 7, added
     assert json.loads((tmp_path / "r2.json").read_text()) == results
+
+
+def test_dense_retriever_says_dpr_pickled_embeddings_are_never_read(tmp_path, capsys):
+    """DPR's ``--encoded_ctx_file`` pickles were met with advice to run ``dpr-gc encode --out_file`` (the script's
+    renaming reached into a dpr-gc command, which has no --out_file): the advice keeps encode's own flag, and files
+    that look like DPR's pickles are named as never read (nothing is unpickled) and to be re-encoded."""
+    import pickle
+
+    script = load_script("dense_retriever.py")
+    (tmp_path / "m.cp").write_bytes(b"x")
+    (tmp_path / "qa.csv").write_text("q\t['a']\n")
+    (tmp_path / "psgs.tsv").write_text("id\ttext\ttitle\n1\tt\tT\n")
+    common = ["--model_file", str(tmp_path / "m.cp"), "--qa_file", str(tmp_path / "qa.csv"), "--ctx_file",
+              str(tmp_path / "psgs.tsv"), "--out_file", str(tmp_path / "o.json")]
+    dpremb, empty = tmp_path / "dpremb", tmp_path / "empty"
+    dpremb.mkdir(), empty.mkdir()
+    for shard in (0, 1):  # written as DPR writes them; this test never loads them either
+        (dpremb / f"wikipedia_passages_{shard}").write_bytes(pickle.dumps([(f"{shard}", [0.5, 0.25])], protocol=4))
+    assert script.main(common + ["--encoded_ctx_file", str(dpremb / "wikipedia_passages_*")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: no finished embedding shards in {dpremb}, only what look "
+                                                   "like DPR's pickled embedding files (wikipedia_passages_0, "
+                                                   "wikipedia_passages_1); dpr-gc never reads them"), err
+    assert "never unpickles" in err and "re-encode" in err and "`dpr-gc encode --output DIR`" in err
+    assert "generate_dense_embeddings.py --out_file" in err
+    assert script.main(common + ["--encoded_ctx_file", str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: no finished embedding shards in {empty} (run `dpr-gc encode --output {empty}` first)"

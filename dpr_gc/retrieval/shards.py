@@ -69,6 +69,28 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
+def looks_pickled(path: Path) -> bool:
+    """Whether ``path`` starts like a pickle of protocol 2 to 5 (DPR's embedding files): two bytes are read, nothing
+    is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        return False
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def no_shards_message(root: Path) -> str:
+    """Why ``root`` gives no embeddings and what to run; DPR's pickled embedding files are named as never read."""
+    pickles = [p.name for p in sorted(root.iterdir()) if p.is_file() and looks_pickled(p)]
+    if not pickles:
+        return f"no finished embedding shards in {root} (run `dpr-gc encode --output {root}` first)"
+    shown = ", ".join(pickles[:3]) + (" ..." if len(pickles) > 3 else "")
+    return (f"no finished embedding shards in {root}, only what look like DPR's pickled embedding files ({shown}); "
+            "dpr-gc never reads them (it never unpickles a file): re-encode the passages with "
+            "`dpr-gc encode --output DIR` or scripts/generate_dense_embeddings.py --out_file PREFIX, and give that")
+
+
 def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
     """Finished shard manifests in ``folder`` sorted by start_row, with absolute ``embeddings``/``ids`` paths.
 
@@ -83,7 +105,7 @@ def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
         raise DprGcError(f"embeddings folder not found: {root} (run `dpr-gc encode` first)")
     manifests = [read_manifest(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
     if not manifests:
-        raise DprGcError(f"no finished embedding shards in {root} (run `dpr-gc encode --output {root}` first)")
+        raise DprGcError(no_shards_message(root))
     first, pair = manifests[0], disagreeing(manifests)
     if pair:
         raise DprGcError(f"shards in {root} disagree on model_fingerprint ({pair[0].get('model_fingerprint')!r} vs "
