@@ -148,10 +148,8 @@ def _epochs(value: Any) -> int:
     return int(float(value))
 
 
-def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig:
-    """The :class:`TrainConfig` a GC-DPR/DPR command line asks for (``given``: the flags typed). Flags with a
-    ``dpr-gc train`` equivalent are translated to it and go through that command's adapter; GC-DPR's own settings
-    then land in their groups. ``args`` is left as parsed."""
+def refuse_unsupported(args: argparse.Namespace) -> None:
+    """GC-DPR settings this trainer cannot honour, refused in one line before anything (a warning included) runs."""
     if args.gradient_accumulation_steps != 1:
         raise DprGcError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: accumulation would "
                          "shrink the in-batch negatives; use --grad_cache with --batch_size "
@@ -159,6 +157,13 @@ def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig
     if args.encoder_model_type not in (None, "hf_bert", "hf_roberta"):
         raise DprGcError(f"--encoder_model_type {args.encoder_model_type}: only Hugging Face models are supported "
                          "(hf_bert); convert the checkpoint to a Hugging Face folder and pass it as --model")
+
+
+def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig:
+    """The :class:`TrainConfig` a GC-DPR/DPR command line asks for (``given``: the flags typed). Flags with a
+    ``dpr-gc train`` equivalent are translated to it and go through that command's adapter; GC-DPR's own settings
+    then land in their groups. ``args`` is left as parsed."""
+    refuse_unsupported(args)
     if args.local_rank >= 0:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     if args.train_files and not args.output_dir:
@@ -195,9 +200,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(["train", *argv])
     setup_logging(args.verbose)
     given = typed_flags(argv)
-    skipped = ignored_flags(given)
-    if skipped:
-        logger.warning("accepted with no effect here: %s", "; ".join(skipped))
 
     @guarded(inputs=("train_files=--train_file", "dev_file=--dev_file", "model_file=--model_file", "model"),
              outputs={"output_dir=--output_dir": "folder"})
@@ -215,7 +217,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             raise DprGcError("nothing to do: give --train_file (and --output_dir), or --model_file with --dev_file "
                              "to validate a model")
-    return report_errors(lambda: run(args))
+    def checked_run() -> None:
+        """Refusals first, so a refused flag is not also named in the warning as accepted."""
+        refuse_unsupported(args)
+        skipped = ignored_flags(given)
+        if skipped:
+            logger.warning("accepted with no effect here: %s", "; ".join(skipped))
+        run(args)
+    return report_errors(checked_run)
 
 
 if __name__ == "__main__":

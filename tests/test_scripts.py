@@ -391,3 +391,14 @@ def test_dense_retriever_says_dpr_pickled_embeddings_are_never_read(tmp_path, ca
     assert script.main(common + ["--encoded_ctx_file", str(empty)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: no finished embedding shards in {empty} (run `dpr-gc encode --output {empty}` first)"
+
+
+def test_a_refused_encoder_model_type_is_not_first_called_accepted(tiny, tmp_path):
+    """``--encoder_model_type fairseq_roberta`` drew the warning "accepted with no effect here: --encoder_model_type"
+    and then the refusal; now the refusal is the only line, before any warning."""
+    result = run("train_dense_encoder.py", "--train_file", str(tiny["dir"] / "data" / "nq-train.json"),
+                 "--output_dir", str(tmp_path / "out"), "--pretrained_model_cfg", str(tiny["bert"]),
+                 "--do_lower_case", "--encoder_model_type", "fairseq_roberta")
+    assert result.returncode == 2 and "accepted with no effect" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: --encoder_model_type fairseq_roberta: only Hugging Face models")
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
