@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.base.args import ArgumentParser, positive_int  # noqa: E402
-from dpr_gc.base.errors import report_errors  # noqa: E402
+from dpr_gc.base.errors import flags_renamed, report_errors  # noqa: E402
 from dpr_gc.base.logs import setup_logging  # noqa: E402
 from dpr_gc.retrieval.encode import add_arguments, resolve_shard, run_cli  # noqa: E402
 
@@ -34,6 +34,24 @@ HYDRA_ARG = re.compile(r"^([A-Za-z_][\w.-]*)=(.*)$")
 logger = logging.getLogger("generate_dense_embeddings")
 FROM_CHECKPOINT = ("pretrained_model_cfg", "encoder_model_type", "pretrained_file", "projection_dim", "do_lower_case",
                    "fp16_opt_level", "local_rank")
+
+# ``dpr-gc encode``'s flags as DPR spells them: the encoding this script shares names them in its messages. A
+# spelling the user typed (``--sequence_length`` or ``--max_length``, ``--ctx_src`` or ``--ctx_file``) wins.
+SCRIPT_FLAGS = {"--output": "--out_file", "--shard-id": "--shard_id", "--num-shards": "--num_shards",
+                "--batch-size": "--batch_size", "--max-length": "--sequence_length", "--model": "--model_file",
+                "--corpus": "--ctx_file", "--cache-dir": "--cache_dir"}
+
+
+def script_flags(parser: argparse.ArgumentParser, typed: set[str]) -> dict[str, str]:
+    """:data:`SCRIPT_FLAGS`, with each dpr-gc flag named as the user typed it where they typed another spelling."""
+    names = dict(SCRIPT_FLAGS)
+    canonical = {a.dest: a.option_strings[0] for a in parser._actions
+                 if a.option_strings and a.option_strings[0] in SCRIPT_FLAGS}
+    for action in parser._actions:
+        spelt = [f for f in action.option_strings if f in typed]
+        if spelt and action.dest in canonical:
+            names[canonical[action.dest]] = spelt[0]
+    return names
 
 
 def hydra_to_flags(argv: Sequence[str]) -> list[str]:
@@ -73,9 +91,11 @@ def output_folder(out_file: str, shard_id: Optional[int], num_shards: Optional[i
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     flags = hydra_to_flags(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(flags)
+    parser = build_parser()
+    args = parser.parse_args(flags)
     setup_logging(args.verbose)
     typed = {f.split("=", 1)[0].lstrip("-") for f in flags if f.startswith("--")}
+    names = script_flags(parser, {f"--{name}" for name in typed})
     unused = [f"--{name}" for name in FROM_CHECKPOINT if name in typed]
     if unused:
         logger.warning("accepted with no effect here (the model file defines them): %s", " ".join(unused))
@@ -83,8 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def run() -> dict:
         """The shard's output folder (a shard outside --num_shards is refused here, as one error line), encoded."""
-        args.output = output_folder(args.output, args.shard_id, args.num_shards)
-        return run_cli(args, args.output, device)
+        with flags_renamed(names):
+            args.output = output_folder(args.output, args.shard_id, args.num_shards)
+            return run_cli(args, args.output, device)
 
     return report_errors(run)
 

@@ -2200,7 +2200,7 @@ def test_generate_dense_embeddings_refuses_a_shard_outside_num_shards_in_one_lin
     """The shard's output name was resolved before the error guard: a traceback ending in DprGcError."""
     script = load_script("generate_dense_embeddings")
     refused(["--model_file", world["model"], "--ctx_file", world["corpus"], "--out_file", tmp_path / "ge", *shards],
-            "--shard-id must be in [0, --num-shards)", main=script.main)
+            "--shard_id must be in [0, --num_shards)", main=script.main)
     assert not list(tmp_path.iterdir())
 
 

@@ -366,4 +366,4 @@ def test_cli_and_dpr_script(tmp_path: Path, make_retriever, capsys: pytest.Captu
     assert ids == [r[0] for r in passages(8)] and emb.shape == (8, 32)
     assert script.main(["--model_file", str(model), "--ctx_file", str(path), "--out_file", str(tmp_path / "cli"),
                         "--shard_id", "5", "--num_shards", "2"]) == 2
-    assert "--shard-id must be in" in capsys.readouterr().err
+    assert "--shard_id must be in [0, --num_shards)" in capsys.readouterr().err

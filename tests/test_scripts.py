@@ -402,3 +402,27 @@ def test_a_refused_encoder_model_type_is_not_first_called_accepted(tiny, tmp_pat
     assert result.returncode == 2 and "accepted with no effect" not in result.stderr, result.stderr
     assert result.stderr.startswith("error: --encoder_model_type fairseq_roberta: only Hugging Face models")
     assert result.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("given,named", [(["--shard_id", "3", "--num_shards", "2"], "--shard_id must be in [0, "
+                                          "--num_shards); got shard 3 of 2"),
+                                         (["shard_id=3", "num_shards=2"], "--shard_id must be in [0, --num_shards)"),
+                                         (["--shard-id", "3", "--num_shards", "2"], "--shard-id must be in [0, "
+                                          "--num_shards)")])
+def test_generate_dense_embeddings_errors_name_the_flags_typed(tmp_path, capsys, given, named):
+    """The script's errors named dpr-gc encode's --shard-id/--num-shards/--output, flags a DPR command line never
+    has: they now name DPR's spelling, or the one typed; a quoted dpr-gc command keeps its own flags."""
+    from dpr_gc.base.errors import DprGcError, flags_renamed
+
+    script = load_script("generate_dense_embeddings.py")
+    argv = ["--model_file", str(tmp_path / "m"), "--ctx_file", str(tmp_path / "c.tsv"), "--out_file",
+            str(tmp_path / "emb" / "wiki"), *given]
+    assert script.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {named}" or err.startswith(f"error: {named}"), err
+    assert not (tmp_path / "emb").exists()
+    names = script.script_flags(script.build_parser(), {"--sequence_length"})
+    with pytest.raises(DprGcError) as caught, flags_renamed(names):
+        raise DprGcError("--output x was written with --max-length 8; run `dpr-gc encode --output x --shard-id 1`")
+    assert str(caught.value) == ("--out_file x was written with --sequence_length 8; run "
+                                 "`dpr-gc encode --output x --shard-id 1`")
