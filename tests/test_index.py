@@ -125,10 +125,11 @@ def test_the_log_and_summary_say_what_was_picked_and_how_searches_run(tmp_path, 
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("building ")]
     assert lines == [f"building IVF20,PQ4x4 over 800 vectors with --nlist 20 (about 4*sqrt(vectors), at most one "
                      f"list per 39 training vectors) and --pq-m 4 (the largest divisor of the dimension up to a "
-                     f"quarter of it); search: nprobe 3 of 20 lists; FAISS threads {threads}",
+                     f"quarter of it); search: nprobe 3 of 20 lists, PQ4x4 codes; FAISS threads {threads}",
                      f"building Flat over 800 vectors; search: exact; FAISS threads {threads}",
                      f"building HNSW8,Flat over 800 vectors; search: efSearch 40; FAISS threads {threads}"]
-    assert [s["search"] for s in (ivf, flat, hnsw)] == ["nprobe 3 of 20 lists", "exact", "efSearch 40"]
+    assert [s["search"] for s in (ivf, flat, hnsw)] == ["nprobe 3 of 20 lists, PQ4x4 codes", "exact",
+                                                          "efSearch 40"]
     assert ivf["faiss_threads"] == threads
     one_list = DenseIndex.build(DIM, IndexParams("ivf-flat", nlist=1, nprobe=32))
     assert one_list.search_settings() == "nprobe 32 of 1 list (all)"
@@ -289,7 +290,8 @@ def test_unknown_kind_and_bad_parameters(tmp_path, data):
     with pytest.raises(DprGcError, match="--nlist 8 .* --factory 'IVF4,Flat' \\(write it into the string\\)"):
         IndexParams(factory="IVF4,Flat", nlist=8)
     emb_dir = write_shards(tmp_path / "emb", data)
-    with pytest.raises(DprGcError, match="raise --train-sample or lower --nlist"):
+    with pytest.raises(DprGcError, match="raise --train-sample to at least 64 \\(the embeddings hold 800 vectors\\), "
+                                         "or lower --nlist to at most 20$"):
         build_index(emb_dir, tmp_path / "idx", IndexParams("ivf-flat", nlist=64), train_sample=20)
 
 
@@ -403,3 +405,76 @@ def test_hnsw_beam_narrower_than_k_still_returns_k_hits(data):
 def test_ivf_pq_skips_polysemous_training():
     index = DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=4))
     assert faiss.downcast_index(faiss.extract_index_ivf(index.index)).do_polysemous_training is False
+
+
+@pytest.mark.parametrize("factory, search", [
+    ("PQ4np", "approximate (PQ4 codes)"), ("PCA8,Flat", "approximate (PCA to 8, flat)"),
+    ("NSG16,Flat", "approximate (NSG graph)"), ("HNSW8_PQ4", "efSearch 128, PQ4 codes"),
+    ("PCA8,IVF4,Flat", "nprobe 32 of 4 lists (all), PCA to 8"), ("RR16,Flat", "exact")])
+def test_an_index_is_said_to_search_exactly_only_when_it_does(tmp_path, data, caplog, factory, search):
+    """How a search runs is read from the FAISS index's structure: compressed codes, a dimension-reducing transform
+    or a graph make it approximate, and the log, the summary and a reloaded index say so (and why); only a flat
+    index over the vectors as given (a rotation before it included) searches exactly."""
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=1)  # an NSG graph is built by one add
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.index"):
+        summary = build_index(emb_dir, tmp_path / "idx", IndexParams(factory=factory))
+    assert f"building {factory} over 800 vectors; search: {search};" in " ".join(caplog.messages)
+    assert summary["search"] == search == DenseIndex.read(tmp_path / "idx").search_settings()
+
+
+def test_too_few_vectors_to_train_advises_what_can_help(tmp_path):
+    """Training needs a vector per IVF list / PQ centroid: with every vector sampled, --train-sample cannot help
+    and is not named; the fix is written as the index was given (a flag, or the number in the --factory string)."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb = write_shards(tmp_path / "emb", unit_vectors(400))
+    code, err = call(main, ["index", "--embeddings", emb, "--output", tmp_path / "a", "--kind", "ivf-flat",
+                            "--nlist", "1000"])
+    assert code == 2 and err.endswith("; the embeddings hold only 400 vectors: lower --nlist to at most 400\n")
+    code, err = call(main, ["index", "--embeddings", emb, "--output", tmp_path / "b", "--factory", "IVF1000,Flat"])
+    assert code == 2 and err.endswith("; the embeddings hold only 400 vectors: lower IVF1000 in --factory "
+                                      "'IVF1000,Flat' to at most IVF400\n")
+    code, err = call(main, ["index", "--embeddings", emb, "--output", tmp_path / "c", "--kind", "ivf-pq", "--nlist",
+                            "4", "--pq-nbits", "12", "--train-sample", "300"])
+    assert code == 2 and err.endswith("; the embeddings hold only 400 vectors and --train-sample takes 300 of them: "
+                                      "lower --pq-nbits to at most 8\n")
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_append_keeps_how_the_index_was_built_and_sets_search_flags(tmp_path, data):
+    """``--append`` adds vectors to the index as it was built: a build flag other than the index's (--kind, --nlist,
+    --hnsw-m, --factory, --train-sample...) is refused in one line naming it, the index left as it was; a search flag
+    (--nprobe, --ef-search) is set on the index, as FAISS sets it on a loaded one, and index_meta.json records the
+    index's real settings."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb, idx = write_shards(tmp_path / "emb", data, only=[0]), tmp_path / "idx"
+    run = ["index", "--embeddings", emb, "--output", idx]
+    assert call(main, [*run, "--kind", "ivf-flat", "--nlist", "4", "--nprobe", "4", "--allow-partial"])[0] == 0
+    before = {p.name: p.read_bytes() for p in idx.iterdir()}
+    refused = {("--nprobe", "1", "--kind", "hnsw"): "--kind hnsw: --append only adds vectors to the IVF4,Flat index in "
+                                                    f"{idx} (built with --kind ivf-flat) and would ignore it; drop it, "
+                                                    "or build a new index in another folder",
+               ("--nlist", "8"): "--nlist 8: --append only adds vectors to the IVF4,Flat index in "
+                                 f"{idx} (built with --nlist 4) and would ignore it",
+               ("--hnsw-m", "8", "--seed", "3"): "--hnsw-m 8 and --seed 3: --append only adds vectors to the "
+                                                 f"IVF4,Flat index in {idx} (built with --seed 0) and would ignore "
+                                                 "them; drop them",
+               ("--factory", "IVF8,Flat"): "--factory IVF8,Flat: --append",
+               ("--ef-search", "16"): "--ef-search does not apply to a IVF4,Flat index; drop the flag"}
+    for flags, message in refused.items():
+        code, err = call(main, [*run, "--append", "--allow-partial", *flags])
+        assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, (flags, err)
+        assert {p.name: p.read_bytes() for p in idx.iterdir()} == before
+    write_shards(tmp_path / "emb", data, only=[1])
+    assert call(main, [*run, "--append", "--nprobe", "1", "--kind", "ivf-flat", "--nlist", "4"])[0] == 0
+    index = DenseIndex.read(idx)
+    assert (index.ntotal, index.search_settings(), index.meta["factory"]) == (800, "nprobe 1 of 4 lists", "IVF4,Flat")
+    recorded = index.meta["settings"]["index"]
+    assert (recorded["kind"], recorded["nlist"], recorded["nprobe"], index.meta["params"]["nprobe"]) == \
+        ("ivf-flat", 4, 1, 1)
+    assert call(main, [*run, "--append", "--nprobe", "2"])[0] == 0  # nothing to add: the search setting is written
+    assert DenseIndex.read(idx).search_settings() == "nprobe 2 of 4 lists"
+    assert DenseIndex.read(idx).meta["settings"]["index"]["nprobe"] == 2

@@ -19,7 +19,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Optional, Union
+from typing import IO, Any, Iterable, Iterator, Mapping, Optional, Union
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -91,6 +91,70 @@ def faiss_threads() -> int:
     return int(_faiss().omp_get_max_threads())
 
 
+def _search_parts(index: Any) -> tuple[list[str], list[str]]:
+    """``(search parameters, what makes the search approximate)`` of a FAISS index, layer by layer; both empty for
+    a flat index (exact search)."""
+    faiss = _faiss()
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexFlat):
+        return [], []
+    if isinstance(index, faiss.IndexPreTransform):
+        knobs, lossy = _search_parts(index.index)
+        steps = [_transform_loss(faiss.downcast_VectorTransform(index.chain.at(i))) for i in range(index.chain.size())]
+        steps = [step for step in steps if step]
+        return knobs, steps + (lossy or (["flat"] if steps and not knobs else []))
+    if isinstance(index, faiss.IndexRefine):
+        knobs, lossy = _search_parts(index.base_index)
+        refined = "exactly" if not any(_search_parts(index.refine_index)) else "by a finer index"
+        return knobs, lossy + [f"{index.k_factor:g}x candidates re-ranked {refined}"]
+    if isinstance(index, faiss.IndexHNSW):
+        return [f"efSearch {index.hnsw.efSearch}"], _search_parts(index.storage)[1]
+    if isinstance(index, faiss.IndexIVF):
+        probed = f"nprobe {index.nprobe} of {counted(index.nlist, 'list')}" + \
+            (" (all)" if index.nprobe >= index.nlist else "")
+        return [probed], [] if isinstance(index, faiss.IndexIVFFlat) else [_codes(index)]
+    if isinstance(index, faiss.IndexNSG):
+        return [], ["NSG graph"] + _search_parts(index.storage)[1]
+    return [], [_codes(index)]
+
+
+def _layers(index: Any) -> Iterator[Any]:
+    """A FAISS index and the indexes inside it (a transform's, a refinement's base, a graph's storage), downcast."""
+    index = _faiss().downcast_index(index)
+    yield index
+    inner = next((getattr(index, name) for name in ("index", "base_index", "storage")
+                  if getattr(index, name, None) is not None), None)
+    if inner is not None:
+        yield from _layers(inner)
+
+
+def _codes(index: Any) -> str:
+    """The compressed codes a FAISS index searches (PQ or scalar quantizer), else its class name."""
+    pq, sq = getattr(index, "pq", None), getattr(index, "sq", None)
+    if pq is not None:
+        return f"PQ{pq.M}{'' if pq.nbits == 8 else f'x{pq.nbits}'} codes"
+    if sq is not None:
+        names = {getattr(_faiss().ScalarQuantizer, n): n[3:] for n in dir(_faiss().ScalarQuantizer)
+                 if n.startswith("QT_")}
+        return f"SQ{names.get(sq.qtype, sq.qtype)} codes"
+    return type(index).__name__
+
+
+def _transform_loss(transform: Any) -> str:
+    """What a FAISS vector transform loses for inner-product search ("" for a rotation that keeps every vector)."""
+    faiss = _faiss()
+    if transform.d_out == transform.d_in and (
+            isinstance(transform, (faiss.OPQMatrix, faiss.RandomRotationMatrix)) or
+            isinstance(transform, faiss.PCAMatrix) and transform.eigen_power == 0 or
+            type(transform) is faiss.LinearTransform and transform.is_orthonormal and not transform.have_bias):
+        return ""  # a rotation (PCA's centering shifts every score of a query alike)
+    names = {faiss.PCAMatrix: "PCA", faiss.OPQMatrix: "OPQ", faiss.RandomRotationMatrix: "random rotation",
+             faiss.NormalizationTransform: "L2 normalization", faiss.ITQTransform: "ITQ",
+             faiss.LinearTransform: "projection"}  # FAISS reads an OPQ matrix back as a LinearTransform
+    name = names.get(type(transform), type(transform).__name__)
+    return f"{name} to {transform.d_out}" if transform.d_out < transform.d_in else name
+
+
 class FaissRefused(DprGcError):
     """FAISS refused to add vectors to an index of this factory string (whatever the vectors)."""
 
@@ -142,14 +206,13 @@ class DenseIndex:
         return bool(self.index.is_trained)
 
     def search_settings(self) -> str:
-        """How a search runs: HNSW's ``efSearch`` and IVF's ``nprobe`` where the index has them, else exact."""
-        faiss = _faiss()
-        hnsw = getattr(faiss.downcast_index(self.index), "hnsw", None)
-        ivf = faiss.try_extract_index_ivf(self.index)
-        found = ([f"efSearch {hnsw.efSearch}"] if hnsw is not None else []) + \
-            ([f"nprobe {ivf.nprobe} of {counted(ivf.nlist, 'list')}" + (" (all)" if ivf.nprobe >= ivf.nlist else "")]
-             if ivf is not None else [])
-        return ", ".join(found) or "exact"
+        """How a search runs, read from the FAISS index's structure: HNSW's ``efSearch`` and IVF's ``nprobe`` where
+        it has them, then what else makes it approximate (a lossy transform, compressed codes, a graph); "exact"
+        only for a flat index over the vectors as given, else "approximate (...)" naming why."""
+        knobs, lossy = _search_parts(self.index)
+        if knobs:
+            return ", ".join(knobs + lossy)
+        return f"approximate ({', '.join(lossy)})" if lossy else "exact"
 
     # ------------------------------------------------------------------------------------------- verbs
     def _matrix(self, x: np.ndarray, what: str) -> np.ndarray:
@@ -161,8 +224,9 @@ class DenseIndex:
                              f"vectors{built}; use the same model (and projection) for passages and queries")
         return np.ascontiguousarray(x, dtype=np.float32)
 
-    def train(self, sample: np.ndarray) -> None:
-        """Train quantizers on ``sample`` (a no-op for Flat/HNSW); must happen before anything is added."""
+    def train(self, sample: np.ndarray, available: Optional[int] = None) -> None:
+        """Train quantizers on ``sample`` (a no-op for Flat/HNSW); must happen before anything is added.
+        ``available``: the vectors the sample was drawn from, so a failure's advice says what can help."""
         if self.is_trained:
             return
         sample = self._matrix(sample, "training vectors")
@@ -171,7 +235,34 @@ class DenseIndex:
                 self.index.train(sample)
         except RuntimeError as e:
             raise DprGcError(f"training the {self.meta['factory']} index on {len(sample)} vectors failed: "
-                             f"{_faiss_message(e)}; raise --train-sample or lower --nlist / --pq-nbits") from None
+                             f"{_faiss_message(e)}; {self._training_advice(len(sample), available)}") from None
+
+    def _training_advice(self, n: int, available: Optional[int]) -> str:
+        """What can make training on ``n`` vectors (of ``available``) work: FAISS trains at most one centroid per
+        vector, so the IVF lists and PQ centroids (2**bits) too many are lowered, written as they were given (a flag
+        or the --factory string); --train-sample is named only where the embeddings hold more vectors."""
+        faiss, factory = _faiss(), self.meta.get("kind") == "factory"
+        layers = list(_layers(self.index))
+        ivf = next((layer for layer in layers if isinstance(layer, faiss.IndexIVF)), None)
+        pq = next((layer.pq for layer in layers if getattr(layer, "pq", None) is not None), None)
+        fixes, need, bits = [], 0, max(n.bit_length() - 1, 1)
+        string = f"in --factory {self.meta['factory']!r}"
+        if ivf is not None and ivf.nlist > n:
+            need = int(ivf.nlist)
+            fixes.append(f"IVF{ivf.nlist} {string} to at most IVF{n}" if factory else f"--nlist to at most {n}")
+        if pq is not None and pq.ksub > n:
+            need = max(need, int(pq.ksub))
+            fixes.append(f"PQ{pq.M}x{pq.nbits} {string} to at most PQ{pq.M}x{bits}" if factory
+                         else f"--pq-nbits to at most {bits}")
+        if not fixes:
+            return "check --factory" if factory else "raise --train-sample or lower --nlist / --pq-nbits"
+        lower = "lower " + " and ".join(fixes)
+        if available is None:
+            return f"raise --train-sample or {lower}"
+        if n < available and need <= available:
+            return f"raise --train-sample to at least {need} (the embeddings hold {available} vectors), or {lower}"
+        took = f" and --train-sample takes {n} of them" if n < available else ""
+        return f"the embeddings hold only {available} vectors{took}: {lower}"
 
     def add(self, embeddings: np.ndarray) -> None:
         """Append vectors; their FAISS rows continue from :attr:`ntotal`."""
@@ -504,38 +595,49 @@ def _new_index(first: dict, todo: list[dict], params: IndexParams, train_sample:
         started = time.perf_counter()
         sample = sample_embeddings(todo, train_sample, seed)
         logger.info("training %s on %s", dense.meta["factory"], counted(len(sample), "vector"))
-        dense.train(sample)
+        dense.train(sample, available=total)
         stats = {"train_vectors": len(sample), "train_seconds": round(time.perf_counter() - started, 3)}
     dense.meta["trained_on"] = stats["train_vectors"]
     return dense, stats
 
 
-def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build: Optional[IndexBuild] = None, *,
-                append: bool = False, allow_partial: bool = False, **options: Any) -> dict[str, Any]:
+def build_index(emb_dir: PathLike, out_dir: PathLike, params: Union[IndexParams, Mapping[str, Any]],
+                build: Optional[IndexBuild] = None, *, append: bool = False, allow_partial: bool = False,
+                **options: Any) -> dict[str, Any]:
     """Build the index in ``out_dir`` from the encode shards in ``emb_dir`` (see :func:`add_shards`) as ``build``
     says (fields of :class:`IndexBuild` may also be given as keywords, checked as the flags are, before anything
     is read or written).
 
     With ``append`` an existing index in ``out_dir`` is extended by the shards it lacks, which must continue its
-    rows and come from the same model and corpus. Returns a summary dict.
+    rows and come from the same model and corpus; it keeps how it was built, so a build parameter given (one of
+    ``params`` other than its default, or any in a mapping of the fields given) that differs from the index's is
+    refused, and a search parameter given (``ef_search``, ``nprobe``) is set on it. Returns a summary dict.
     """
     build = dataclasses.replace(build or IndexBuild(), **options)
+    given = params_given(params)
     out = check_index_folder(check_output_dir(out_dir).absolute())
+    if not append or not index_exists(out):
+        params = IndexParams(**given) if not isinstance(params, IndexParams) else params  # refused before the lock
     check_outputs({"--embeddings": emb_dir}, {"--output": out}, whole=["--output"])
     with exclusive_lock(out.with_name(f".{out.name}.lock"), f"index folder {out_dir}"):
         removed = remove_stale_folders(out.parent, out.name)
         if removed:
             logger.info("removed %d unfinished folder(s) of an interrupted run beside %s", len(removed), out)
         existing = DenseIndex.read(out) if append and (out / META_FILE).is_file() else None
+        searched: dict[str, int] = {}
         if existing is not None:
             check_ids_file(out, existing.ntotal)
-        dense, todo, stats = add_shards(emb_dir, params, existing, build.train_sample, build.block_size, build.seed,
-                                        allow_partial)
-        if not todo:
+            searched = _keep_how_it_was_built(existing, given, build, out_dir)
+        elif not isinstance(params, IndexParams):  # an index that was there before the lock is gone
+            params = IndexParams(**given)
+        dense, todo, stats = add_shards(emb_dir, params if existing is None else IndexParams(), existing,
+                                        build.train_sample, build.block_size, build.seed, allow_partial)
+        if not todo and not searched:
             logger.info("%s is already up to date: every shard in %s is in it; nothing written", out_dir, emb_dir)
             return index_summary(out_dir, dense, todo, stats)
-        dense.meta["settings"] = {"index": to_record(params), "build": to_record(build), "append": append,
-                                  "allow_partial": allow_partial}
+        if not todo:
+            logger.info("every shard in %s is in %s already; writing its new search settings", emb_dir, out_dir)
+        dense.meta["settings"] = _settings_record(existing, params, build, searched, append, allow_partial)
         model = dense.meta.get("model")
         if model and Path(model).is_absolute():
             dense.meta["model_from_index"] = os.path.relpath(model, out.resolve())
@@ -543,6 +645,74 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: IndexParams, build
         dense.write(out, ids=itertools.chain(old_ids, shard_ids(todo)))
     logger.info("wrote %s index with %s to %s", dense.meta["factory"], counted(dense.ntotal, "vector"), out_dir)
     return index_summary(out_dir, dense, todo, stats)
+
+
+def params_given(params: Union[IndexParams, Mapping[str, Any]]) -> dict[str, Any]:
+    """The :class:`IndexParams` fields a caller set: a mapping's (the flags given), else those other than their
+    defaults (``kind`` left out where ``factory`` is set)."""
+    names = {field.name for field in dataclasses.fields(IndexParams)}
+    if not isinstance(params, IndexParams):
+        unknown = sorted(set(params) - names)
+        if unknown:
+            raise DprGcError(f"unknown index parameters {', '.join(unknown)}; see IndexParams")
+        return {name: value for name, value in params.items() if value is not None}
+    default = IndexParams()
+    given = {name: getattr(params, name) for name in names if getattr(params, name) != getattr(default, name)}
+    if params.factory is not None:
+        given.pop("kind", None)
+    return given
+
+
+SEARCH_FIELDS = ("ef_search", "nprobe")
+# The build parameters each kind uses, by field ("factory": those beside the string, where the index has HNSW).
+BUILT_WITH = {"flat": (), "hnsw": ("hnsw_m", "ef_construction"), "ivf-flat": ("nlist",),
+              "ivf-pq": ("nlist", "pq_m", "pq_nbits"), "factory": ("ef_construction",)}
+
+
+def _keep_how_it_was_built(dense: DenseIndex, given: Mapping[str, Any], build: IndexBuild,
+                           out_dir: PathLike) -> dict[str, int]:
+    """Refuse, in one line naming each, the build settings given for an append that differ from how ``dense`` was
+    built (it is not rebuilt, so they would be ignored); set the search settings given on it and return them."""
+    recorded, old_build = dense.meta.get("params") or {}, (dense.meta.get("settings") or {}).get("build") or {}
+    rules = param_rules()
+    differ, was = [], []
+    for name, value in sorted(given.items()):
+        have = dense.meta.get(name) if name in ("kind", "factory") else recorded.get(name)
+        if name in SEARCH_FIELDS or value == have:
+            continue
+        flag = rules[name][0] if name in rules else f"--{name.replace('_', '-')}"
+        differ.append(f"{flag} {value}")
+        if name in ("kind", "factory") or name in BUILT_WITH.get(str(dense.meta.get("kind")), ()):
+            was.append(f"{flag} {have}" if name != "factory" else f"{flag} {have!r}")
+    for name in ("train_sample", "seed"):  # they train an index, and this one is trained already
+        value, default = getattr(build, name), getattr(IndexBuild(), name)
+        if value != default and name in old_build and value != old_build[name]:
+            differ.append(f"--{name.replace('_', '-')} {value}")
+            was.append(f"--{name.replace('_', '-')} {old_build[name]}")
+    if differ:
+        named = differ[0] if len(differ) == 1 else f"{', '.join(differ[:-1])} and {differ[-1]}"
+        built = f" (built with {', '.join(was)})" if was else ""
+        raise DprGcError(f"{named}: --append only adds vectors to the {dense.meta['factory']} index in {out_dir}"
+                         f"{built} and would ignore {'it' if len(differ) == 1 else 'them'}; drop "
+                         f"{'it' if len(differ) == 1 else 'them'}, or build a new index in another folder")
+    searched = {name: int(given[name]) for name in SEARCH_FIELDS
+                if name in given and given[name] != recorded.get(name)}
+    dense.set_search_params(**searched)
+    return searched
+
+
+def _settings_record(existing: Optional[DenseIndex], params: Any, build: IndexBuild,
+                     searched: Mapping[str, int], append: bool, allow_partial: bool) -> dict[str, Any]:
+    """``settings`` of index_meta.json: the index's own (an appended index keeps those it was built with, its
+    search settings as now set) and this run's block size, append and allow-partial."""
+    if existing is None:
+        return {"index": to_record(params), "build": to_record(build), "append": append,
+                "allow_partial": allow_partial}
+    old = existing.meta.get("settings") or {}
+    index = dict(old.get("index") or to_record(IndexParams(**existing.meta.get("params") or {})))
+    return {"index": {**index, **searched}, "build": {**to_record(build), **(old.get("build") or {}),
+                                                      "block_size": build.block_size},
+            "append": append, "allow_partial": allow_partial}
 
 
 def index_summary(out_dir: PathLike, dense: DenseIndex, todo: list[dict], stats: dict[str, Any]) -> dict[str, Any]:
@@ -620,7 +790,8 @@ def params_from_args(args: argparse.Namespace) -> IndexParams:
 @guarded(inputs=("embeddings",), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     set_threads(args.threads)
-    summary = build_index(args.embeddings, args.output, params_from_args(args), from_args(IndexBuild, args),
+    given = {field.name: getattr(args, field.name) for field in dataclasses.fields(IndexParams)}  # None: not given
+    summary = build_index(args.embeddings, args.output, given, from_args(IndexBuild, args),
                           append=args.append, allow_partial=args.allow_partial)
     print(format_summary(summary))
 
@@ -630,5 +801,6 @@ def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("index",
                               description="Build a FAISS inner-product index from the shards written by encode.")
     add_arguments(p, IndexJob)
-    add_index_arguments(p)
+    add_arguments(p, IndexParams, unset=True)  # unset: --append tells the flags given from the index's own
+    add_arguments(p, IndexBuild)
     p.set_defaults(func=_cli)
