@@ -274,6 +274,30 @@ def test_shard_file_disagreeing_with_manifest_is_refused(tmp_path, data):
     assert not (tmp_path / "idx2" / META_FILE).exists()
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--kind", "hnsw", "--nprobe", "4"], "--nprobe 4 does not apply to --kind hnsw, which it would not change: drop "
+     "--nprobe, or give --kind ivf-flat or ivf-pq"),
+    (["--ef-search", "5"], "--ef-search 5 does not apply to --kind flat, which it would not change: drop --ef-search, "
+     "or give --kind hnsw"),
+    (["--kind", "ivf-flat", "--hnsw-m", "16"], "--hnsw-m 16 does not apply to --kind ivf-flat"),
+    (["--factory", "HNSW16,Flat", "--hnsw-m", "8"], "--hnsw-m 8 does not apply to --factory 'HNSW16,Flat' (write it "
+     "into the string (HNSW32)): drop --hnsw-m"),
+    (["--factory", "PQ16np", "--nprobe", "8"], "--nprobe 8 does not apply to --factory 'PQ16np' (the string has no "
+     "IVF part): drop --nprobe")])
+def test_a_parameter_the_index_would_not_use_is_refused(tmp_path, data, capsys, flags, said):
+    """index accepted --nprobe for an HNSW index and --ef-search for a flat one and ignored them (retrieve refuses
+    them on such an index); the refusal comes before anything is written."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb = write_shards(tmp_path / "emb", data, num_shards=1)
+    code, err = call(main, ["index", "--embeddings", emb, "--output", tmp_path / "idx", *flags])
+    assert code == 2 and err.strip().startswith(f"error: {said}") and err.count("\n") == 1, err
+    assert not (tmp_path / "idx").exists()
+    assert call(main, ["index", "--embeddings", emb, "--output", tmp_path / "ok", "--kind", "ivf-flat", "--nlist", 2,
+                       "--nprobe", 2])[0] == 0
+
+
 def test_unknown_kind_and_bad_parameters(tmp_path, data):
     with pytest.raises(DprGcError, match="unknown index kind 'annoy'.*flat, hnsw, ivf-flat, ivf-pq"):
         IndexParams("annoy")

@@ -33,7 +33,7 @@ from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_fol
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary
 from ..base.logs import counted, native_stderr_logged
-from .index_params import IndexBuild, IndexParams, param_rules
+from .index_params import IndexBuild, IndexParams, param_rules, refuse_unused
 from ..base.settings import add_arguments, from_args, setting, to_record
 from .fingerprint import LEGACY_KEY, combined, disagreeing, records_agree
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
@@ -618,6 +618,7 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: Union[IndexParams,
     out = check_index_folder(check_output_dir(out_dir).absolute())
     if not append or not index_exists(out):
         params = IndexParams(**given) if not isinstance(params, IndexParams) else params  # refused before the lock
+        refuse_unused(given, params)
     check_outputs({"--embeddings": emb_dir}, {"--output": out}, whole=["--output"])
     with exclusive_lock(out.with_name(f".{out.name}.lock"), f"index folder {out_dir}"):
         removed = remove_stale_folders(out.parent, out.name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from ..base.args import int_between, positive_int, seed_int
 from ..base.errors import DprGcError
@@ -141,6 +141,28 @@ class IndexBuild:
 
     def __post_init__(self) -> None:
         check(self)
+
+
+# The parameters only some indexes use: by --kind, or by the part a --factory string names (HNSW32, IVF4096).
+USED_BY = {"hnsw_m": ("hnsw", None), "ef_construction": ("hnsw", "HNSW"), "ef_search": ("hnsw", "HNSW"),
+           "nprobe": ("ivf", "IVF")}
+
+
+def refuse_unused(given: Mapping[str, Any], params: IndexParams) -> None:
+    """Refuse, in one line, a parameter given that the index ``params`` builds would not use (``--nprobe`` for an
+    HNSW index, ``--ef-search`` for a flat one): it would be ignored. ``--hnsw-m`` goes into a --factory string."""
+    for name, (kind, part) in USED_BY.items():
+        if given.get(name) is None:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        if params.factory is None and not params.kind.startswith(kind):
+            kinds = "hnsw" if kind == "hnsw" else "ivf-flat or ivf-pq"
+            raise DprGcError(f"{flag} {given[name]} does not apply to --kind {params.kind}, which it would not "
+                             f"change: drop {flag}, or give --kind {kinds}")
+        if params.factory is not None and (part is None or part not in params.factory.upper()):
+            where = "write it into the string (HNSW32)" if part is None else f"the string has no {part} part"
+            raise DprGcError(f"{flag} {given[name]} does not apply to --factory {params.factory!r} ({where}): drop "
+                             f"{flag}")
 
 
 def param_rules() -> dict[str, tuple[str, Any]]:
