@@ -285,11 +285,12 @@ OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding t
 
 def foreign_lines(stderr: str) -> list[str]:
     """Pieces of a command's stderr that are neither a dpr_gc log line nor one of its own progress bars: what a
-    dependency printed past the toolkit's quieting."""
+    dependency printed past the toolkit's quieting. A piece of spaces alone is a bar clearing its line before a log
+    line is written above it (train logs through tqdm while its bar is drawn)."""
     bad = []
     for line in stderr.split("\n"):
         for piece in line.split("\r"):
             rest = OUR_BAR.sub("", piece, count=1)
-            if rest and not LOG_LINE.match(rest):
+            if rest.strip(" ") and not LOG_LINE.match(rest):
                 bad.append(piece)
     return bad

@@ -57,6 +57,22 @@ def test_dev_loss_falls_and_outputs(task, tmp_path):
     assert not np.allclose(initial.embed("query", texts), trained.embed("query", texts))
 
 
+def test_a_line_logged_while_training_goes_above_the_progress_bar(task, tmp_path):
+    """On a terminal the first step's "Gradient Cache:" line and every mid-run dev line were printed onto the train
+    bar's line: while the bar is drawn, the log's console handler writes through tqdm."""
+    import logging
+
+    console = logging.StreamHandler(sys.stderr)
+    logging.root.addHandler(console)
+    seen = []
+    try:
+        train(config(task, tmp_path / "run", max_steps=1),
+              on_backward=lambda step, retriever: seen.extend(type(h).__name__ for h in logging.root.handlers))
+    finally:
+        logging.root.removeHandler(console)
+    assert "_TqdmLoggingHandler" in seen and "StreamHandler" not in seen, seen
+
+
 @pytest.mark.slow  # 33 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_resume_equals_uninterrupted(tmp_path):
     model = init_model(tmp_path, dropout=0.1)

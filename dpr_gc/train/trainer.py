@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..data.corpus import source_fingerprint
 from ..data.training import Collator, data_digest, load_training_data, make_dataloader
@@ -521,9 +522,10 @@ class Trainer:
                         dynamic_ncols=True)
         self.started = time.perf_counter()
         try:
-            while self.step < self.total_steps:
-                self.train_epoch()
-                self.epoch += 1
+            with logging_redirect_tqdm():  # a line logged mid-run goes above the bar, not onto its line
+                while self.step < self.total_steps:
+                    self.train_epoch()
+                    self.epoch += 1
         except TrainingDiverged:
             self.close()  # every rank took the same decision, so the group can be torn down in order
             raise
