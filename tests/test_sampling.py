@@ -90,3 +90,23 @@ def test_global_batch_spans_all_ranks() -> None:
     sampler.set_epoch(1)
     first = next(iter(sampler))
     assert [p for _, _, p in first] == [4, 5, 6, 7] and all(sampler.global_batch(1, p)[0] == 0 for _, _, p in first)
+
+
+def test_filled_slots_count_the_examples_an_epoch_draws(tmp_path: Path, caplog) -> None:
+    """The fill line counts an epoch's draws as the "an epoch" line does: a BEIR folder's (query, positive) pairs
+    (12 queries, 16 pairs, no negatives) and --sampling-rates (a DPR file of 12 questions with a negative each at
+    rate 0.5 draws 6), not the 24 rows: 16 of the 22 slots (72.7%), not 12 of 24 (50%)."""
+    from tests.train_data import write_beir
+
+    write_beir(tmp_path / "beir")
+    recs = positives_only(12, cross_answers=False)
+    for i, rec in enumerate(recs):
+        rec["hard_negative_ctxs"] = [{"passage_id": f"n{i}", "title": "", "text": f"unrelated {i}"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    data = D.load_training_data([tmp_path / "beir", path], tmp_path / "cache")
+    with caplog.at_level(logging.INFO, logger="dpr_gc.data.sampling"):
+        D.make_dataloader(data, lambda examples: examples, batch_size=4, hard_negatives=1, rates=[1.0, 0.5],
+                          beir_positives="pairs")
+    assert ("12 of 24 questions have fewer than 1 negatives: 16 of the 22 negative slots of an epoch (22 examples; "
+            "72.7%) are filled") in caplog.text

@@ -217,6 +217,21 @@ class BatchExclusion:
         return any(tuple(tokens[i:i + n]) in self.answers for n in self.lengths for i in range(len(tokens) - n + 1))
 
 
+def epoch_shortfall(missing: np.ndarray, examples: Optional[np.ndarray], sizes: Optional[Sequence[int]],
+                    rates: Optional[Sequence[float]]) -> tuple[float, int]:
+    """``(negative slots an epoch fills, examples it draws)``: the epoch of :class:`MixedBatchSampler` over
+    ``sizes`` examples per source (consecutive; default: all in one) at ``rates``, each example
+    (``examples[i] = (row, positive)``, default one per row) short of ``missing[row]`` negatives. A source drawn
+    at a rate other than 1 fills the expected count (``rate x`` its examples' shortfall); the examples are counted
+    as :func:`~dpr_gc.train.report.describe_epoch` counts them (``int(rate x size)``)."""
+    per_example = missing if examples is None else missing[np.asarray(examples, dtype=np.int64)[:, 0]]
+    sizes = list(sizes) if sizes is not None else [len(per_example)]
+    rates = list(rates) if rates is not None else [1.0] * len(sizes)
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    filled = sum(rate * float(per_example[a:b].sum()) for a, b, rate in zip(bounds[:-1], bounds[1:], rates))
+    return filled, sum(int(rate * size) for rate, size in zip(rates, sizes))
+
+
 class TrainingExamples(torch.utils.data.Dataset):
     """One query and ``1 + N + M`` passages per draw: the positive, N hard negatives, M other negatives.
 
@@ -236,7 +251,8 @@ class TrainingExamples(torch.utils.data.Dataset):
     def __init__(self, dataset: Any, hard_negatives: int = 1, other_negatives: int = 0, shuffle_positives: bool = False,
                  shuffle_negatives: bool = True, seed: int = 0,
                  global_batch: Optional[Callable[[int, int], tuple[int, np.ndarray]]] = None,
-                 examples: Optional[np.ndarray] = None) -> None:
+                 examples: Optional[np.ndarray] = None, sizes: Optional[Sequence[int]] = None,
+                 rates: Optional[Sequence[float]] = None) -> None:
         import pyarrow.compute as pc
 
         # ``examples[i] = (row, positive)``: the positive's index, FIRST_POSITIVE or SAMPLED_POSITIVE (None: one
@@ -256,12 +272,14 @@ class TrainingExamples(torch.utils.data.Dataset):
         if missing.any():
             if len(dataset) < 2:
                 raise DprGcError("one training question with too few negatives; add negatives or questions")
-            logger.info("%d of %d questions have fewer than %d negatives: %d of the %d negative slots of a pass over "
-                        "the data (%.1f%%) are filled with the positive of a random other question, never a positive "
-                        "or an answer-bearing passage of a question in the same global batch",
-                        int((missing > 0).sum()), len(dataset), hard_negatives + other_negatives, int(missing.sum()),
-                        len(dataset) * (hard_negatives + other_negatives),
-                        100.0 * missing.sum() / (len(dataset) * (hard_negatives + other_negatives)))
+            filled, drawn = epoch_shortfall(missing, examples, sizes, rates)
+            slots = drawn * (hard_negatives + other_negatives)
+            logger.info("%d of %d questions have fewer than %d negatives: %s%d of the %d negative slots of an epoch "
+                        "(%d examples; %.1f%%) are filled with the positive of a random other question, never a "
+                        "positive or an answer-bearing passage of a question in the same global batch",
+                        int((missing > 0).sum()), len(dataset), hard_negatives + other_negatives,
+                        "" if float(filled).is_integer() else "about ", round(filled), slots, drawn,
+                        100.0 * filled / slots if slots else 0.0)
 
     def __len__(self) -> int:
         return len(self.dataset) if self.examples is None else len(self.examples)

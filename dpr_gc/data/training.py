@@ -533,7 +533,7 @@ def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[B
     groups = items[:, 0] if items is not None and len(items) > len(data) else None
     sampler = MixedBatchSampler(sizes, batch_size, rates, seed, rank, world_size, shuffle, s.per_file_batches, groups)
     examples = TrainingExamples(data.dataset, s.hard_negatives, s.other_negatives, s.shuffle_positives,
-                                s.shuffle_negatives, seed, sampler.global_batch, items)
+                                s.shuffle_negatives, seed, sampler.global_batch, items, sizes, sampler.rates)
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     watch = worker_watch() if num_workers else None
