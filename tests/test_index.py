@@ -426,6 +426,18 @@ def test_hnsw_beam_narrower_than_k_still_returns_k_hits(data):
     assert index.index.hnsw.efSearch == 2
 
 
+def test_search_settings_at_a_depth_name_the_ef_search_that_runs(data):
+    """A search of top-k over an HNSW beam narrower than k runs with efSearch k (at most the vectors): the settings
+    of a search at that depth say so; a beam already as wide, or no depth, reads the index's own."""
+    index = DenseIndex.build(DIM, IndexParams("hnsw", hnsw_m=4, ef_search=128))
+    index.add(data)
+    assert index.search_settings() == index.search_settings(100) == "efSearch 128"
+    assert index.search_settings(200) == "efSearch 200 (raised to --top-k 200)"
+    assert index.search_settings(10 ** 6) == (f"efSearch {len(data)} (raised to --top-k 1000000, cut to the "
+                                              f"{len(data)} vectors)")
+    assert index.index.hnsw.efSearch == 128
+
+
 def test_ivf_pq_skips_polysemous_training():
     index = DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=4))
     assert faiss.downcast_index(faiss.extract_index_ivf(index.index)).do_polysemous_training is False

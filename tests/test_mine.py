@@ -321,6 +321,8 @@ def test_the_log_says_where_candidates_come_from_and_how_answers_are_matched(wor
     """One line at the start: BM25's parameters and scoring threads, or the dense encoder's device, precision and
     batch with the index's search settings and FAISS threads; the candidates per question and the matching
     processes (--workers 0: all cores)."""
+    import torch
+
     from dpr_gc.evaluation.answers import default_workers
     from dpr_gc.retrieval.index import faiss_threads
 
@@ -333,11 +335,31 @@ def test_the_log_says_where_candidates_come_from_and_how_answers_are_matched(wor
             "--embeddings", tmp_path / "emb", "--index", tmp_path / "idx", "--device", "cpu", "--batch-size", 8)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("candidates:")]
     processes = f"{default_workers()} process" + ("es" if default_workers() != 1 else "")
+    cpu = f"{torch.get_num_threads()} CPU thread" + ("s" if torch.get_num_threads() != 1 else "")
     assert lines == ["candidates: BM25 (k1 0.9, b 0.4, 1 scoring thread), top 20 per question; answers matched with "
                      "string matching in 1 process",
-                     f"candidates: dense (questions encoded on cpu in fp32, batch 8; index Flat of {len(world['corpus'])} "
-                     f"vectors, search exact, FAISS threads {faiss_threads()}), top 20 per question; answers matched "
-                     f"with string matching in {processes}"], lines
+                     f"candidates: dense (questions encoded on cpu in fp32, batch 8; {cpu}; index Flat of "
+                     f"{len(world['corpus'])} vectors, search exact, FAISS threads {faiss_threads()}), top 20 per "
+                     f"question; answers matched with string matching in {processes}"], lines
+
+
+def test_the_dense_log_gives_the_encoder_threads_and_the_ef_search_that_runs(tmp_path):
+    """mine's dense line names the question encoder's CPU threads (--threads bounds them too: its help says so) and
+    the efSearch a --top-k search runs with: an HNSW index's 2 is raised to --top-k 20."""
+    import torch
+
+    from dpr_gc.retrieval.mine import describe_source
+
+    index = DenseIndex.build(8, IndexParams("hnsw", hnsw_m=4, ef_search=2))
+    index.add(np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32))
+    threads = torch.get_num_threads()
+    line = describe_source(DenseSource(torch.nn.Linear(1, 1), index, 8), 20)
+    assert line.startswith(f"dense (questions encoded on cpu in fp32, batch 8; {threads} CPU thread")
+    assert "search efSearch 20 (raised to --top-k 20), FAISS threads" in line
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    helped = " ".join(parser._subparsers._group_actions[0].choices["mine"].format_help().split())
+    assert "also bounds the question encoder's CPU threads" in helped
 
 
 def test_mining_progress_bar_counts_to_the_number_of_questions(world, tmp_path, monkeypatch):

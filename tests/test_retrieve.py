@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dpr_gc.retrieval.encode import encode_corpus
 from dpr_gc.retrieval.shards import read_manifests
@@ -291,10 +292,43 @@ def test_the_log_states_what_retrieve_took_without_being_told(world, tmp_path, c
         cli("retrieve", "--index", world["idx"], "--queries", queries, "--top-k", 3, "--output", tmp_path / "r.json",
             "--cache-dir", world["cache"], "--device", "cpu", "--batch-size", 5)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("questions encoded by")]
-    assert lines == [f"questions encoded by {world['model']} (recorded in the index) on cpu in fp32, batch 5; index "
-                     f"Flat of {N_PASSAGES} vectors, search exact, FAISS threads {faiss_threads()}; passages from "
-                     f"{world['corpus']} (recorded in the index)"], lines
+    threads = torch.get_num_threads()
+    assert lines == [f"questions encoded by {world['model']} (recorded in the index) on cpu in fp32, batch 5; "
+                     f"{threads} CPU thread{'s' if threads != 1 else ''}; index Flat of {N_PASSAGES} vectors, search "
+                     f"exact, FAISS threads {faiss_threads()}; passages from {world['corpus']} (recorded in the index)"]
     assert "| search | exact |" in capsys.readouterr().out
+
+
+def test_threads_bound_the_question_encoder_and_the_log_says_so(world, tmp_path, caplog):
+    """--threads also sets torch's CPU threads (one OpenMP runtime): its help says so, and the log line gives the
+    question encoder's CPU threads beside FAISS's."""
+    queries, _ = self_queries(tmp_path)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level("INFO", logger="dpr_gc.retrieval.retrieve"):
+            cli("retrieve", "--index", world["idx"], "--queries", queries, "--top-k", 3, "--output",
+                tmp_path / "r.json", "--cache-dir", world["cache"], "--device", "cpu", "--threads", 1)
+    finally:
+        torch.set_num_threads(before)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("questions encoded by"))
+    assert "on cpu in fp32, batch 64; 1 CPU thread; index Flat" in line and "FAISS threads 1;" in line
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    helped = " ".join(parser._subparsers._group_actions[0].choices["retrieve"].format_help().split())
+    assert "also bounds the question encoder's CPU threads" in helped
+
+
+def test_the_log_and_summary_give_the_ef_search_the_search_ran_with(world, tmp_path, caplog, capsys):
+    """An HNSW index whose efSearch (2) is below --top-k (5) is searched with efSearch 5: the log line and the
+    summary table say so, not the index's 2 (docs/stages.md, retrieve)."""
+    build_index(world["emb"], tmp_path / "hnsw", IndexParams("hnsw", hnsw_m=8, ef_search=2))
+    queries, _ = self_queries(tmp_path)
+    with caplog.at_level("INFO", logger="dpr_gc.retrieval.retrieve"):
+        cli("retrieve", "--index", tmp_path / "hnsw", "--queries", queries, "--top-k", 5, "--output",
+            tmp_path / "r.json", "--cache-dir", world["cache"], "--device", "cpu")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("questions encoded by"))
+    assert "search efSearch 5 (raised to --top-k 5), FAISS threads" in line
+    assert "| search | efSearch 5 (raised to --top-k 5) |" in capsys.readouterr().out
 
 
 def test_the_resume_key_changes_with_everything_the_records_depend_on(world, tmp_path):

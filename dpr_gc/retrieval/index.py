@@ -205,14 +205,27 @@ class DenseIndex:
     def is_trained(self) -> bool:
         return bool(self.index.is_trained)
 
-    def search_settings(self) -> str:
+    def search_settings(self, k: Optional[int] = None) -> str:
         """How a search runs, read from the FAISS index's structure: HNSW's ``efSearch`` and IVF's ``nprobe`` where
         it has them, then what else makes it approximate (a lossy transform, compressed codes, a graph); "exact"
-        only for a flat index over the vectors as given, else "approximate (...)" naming why."""
+        only for a flat index over the vectors as given, else "approximate (...)" naming why. With ``k`` (the
+        ``--top-k`` of a search), the ``efSearch`` that search runs with: :meth:`search` raises a narrower one to
+        ``k`` (at most the vectors) for that search only."""
         knobs, lossy = _search_parts(self.index)
+        widened = self._widened_ef(k) if k is not None else None
+        if widened is not None:
+            cut = "" if widened == k else f", cut to the {counted(self.ntotal, 'vector')}"
+            knobs = [f"efSearch {widened} (raised to --top-k {k}{cut})"] + knobs[1:]
         if knobs:
             return ", ".join(knobs + lossy)
         return f"approximate ({', '.join(lossy)})" if lossy else "exact"
+
+    def _widened_ef(self, k: int) -> Optional[int]:
+        """The ``efSearch`` a top-``k`` search raises an HNSW index's narrower beam to (``k``, at most the
+        vectors), or None where it searches with the index's own (no HNSW on top, or a beam already as wide)."""
+        hnsw = getattr(_faiss().downcast_index(self.index), "hnsw", None)
+        depth = min(k, self.ntotal)
+        return depth if hnsw is not None and hnsw.efSearch < depth else None
 
     # ------------------------------------------------------------------------------------------- verbs
     def _matrix(self, x: np.ndarray, what: str) -> np.ndarray:
@@ -306,11 +319,9 @@ class DenseIndex:
             raise DprGcError("the index is empty; build it from encoded passages first (dpr-gc index)")
         queries = self._matrix(queries, "query vectors")
         k = min(k, self.ntotal)
-        faiss = _faiss()
-        hnsw = getattr(faiss.downcast_index(self.index), "hnsw", None)
-        if hnsw is not None and hnsw.efSearch < k:
+        if self._widened_ef(k) is not None:
             # An HNSW beam narrower than k returns fewer than k hits; widen it for this search only.
-            scores, rows = self.index.search(queries, k, params=faiss.SearchParametersHNSW(efSearch=k))
+            scores, rows = self.index.search(queries, k, params=_faiss().SearchParametersHNSW(efSearch=k))
         else:
             scores, rows = self.index.search(queries, k)
         return scores, rows.astype(np.int64, copy=False)

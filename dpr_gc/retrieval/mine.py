@@ -110,7 +110,9 @@ class SourceSettings:
     device: Optional[str] = device_setting()
     cache_dir: Optional[PathLike] = cache_dir_setting()
     threads: int = setting(0, "--threads", type=nonnegative_int,
-                           help="BM25 / FAISS search threads, at most the CPUs (0: bm25s 1, FAISS all)")
+                           help="BM25 / FAISS search threads, at most the CPUs (0: bm25s 1, FAISS all); FAISS and "
+                                "torch share one OpenMP runtime, so this also bounds the question encoder's CPU "
+                                "threads")
     check_model: bool = setting(True, "--skip-model-check", dest="skip_model_check", negate=True,
                                 help="do not refuse a model whose weights differ from the one that encoded the "
                                      "passages")
@@ -565,18 +567,20 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     return DenseSource(retriever, dense, batch_size)
 
 
-def describe_source(source: Any) -> str:
+def describe_source(source: Any, top_k: Optional[int] = None) -> str:
     """For the log: how candidates are found -- BM25's parameters and scoring threads, or the dense model's device,
-    precision and batch and the index's search settings and FAISS threads."""
+    precision, batch and CPU threads and the index's search settings (the efSearch a ``top_k`` search runs with)
+    and FAISS threads."""
     if isinstance(source, BM25Source):
         return (f"BM25 (k1 {source.meta['k1']:g}, b {source.meta['b']:g}, "
                 f"{counted(max(1, source.n_threads), 'scoring thread')})")
+    from ..base.devices import cpu_threads
     from .index import faiss_threads
 
-    index = source.index
-    return (f"dense (questions encoded on {next(source.retriever.parameters()).device} in fp32, batch "
-            f"{source.batch_size}; index {index.meta.get('factory')} of {counted(index.ntotal, 'vector')}, search "
-            f"{index.search_settings()}, FAISS threads {faiss_threads()})")
+    index, device = source.index, next(source.retriever.parameters()).device
+    return (f"dense (questions encoded on {device} in fp32, batch {source.batch_size}{cpu_threads(device)}; index "
+            f"{index.meta.get('factory')} of {counted(index.ntotal, 'vector')}, search "
+            f"{index.search_settings(top_k)}, FAISS threads {faiss_threads()})")
 
 
 # What mine reads, by destination and flag; of these, folders it builds when they hold nothing yet are its outputs.
@@ -695,7 +699,8 @@ def _cli(args: argparse.Namespace) -> None:
         inputs.update(queries=queries, split_qrels=split_qrels)
     if index_exists(args.index):
         inputs["index_meta"] = meta_path(args.index)
-    logger.info("candidates: %s, top %d per question; answers matched with %s matching in %s", describe_source(source),
+    logger.info("candidates: %s, top %d per question; answers matched with %s matching in %s",
+                describe_source(source, mining.top_k),
                 mining.top_k, mining.match, counted(mining.workers, "process", "processes"))
     summary = mine_to_file(records, args.output, source, corpus, mining, qrels=qrels, id_to_row=id_to_row,
                            resume_key=resume_key(args, inputs, source), total=total)

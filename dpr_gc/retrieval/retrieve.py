@@ -502,7 +502,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     return metrics, {"queries": count, **({"judged queries": len(qrels)} if qrels is not None else {}),
                      **({"resumed (retrieved before)": resumed} if resumed else {}),
                      "top-k": s.top_k if s.top_k <= index.ntotal else f"{index.ntotal} (--top-k {s.top_k})",
-                     "vectors": index.ntotal, "search": index.search_settings(),
+                     "vectors": index.ntotal, "search": index.search_settings(s.top_k),
                      "seconds": round(seconds, 2),
                      "queries/s": round((count - resumed) / seconds, 1) if seconds > 0 and count > resumed else "-",
                      "results": s.output or "-", "trec run": s.trec_run or "-"}
@@ -510,14 +510,16 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
 
 def log_choices(job: RetrieveJob, model: str, corpus_path: str, retriever: Any, index: DenseIndex) -> None:
     """One log line of what the run took without being told: the model and corpus the index records, the device,
-    the query encoder's precision, the search settings and FAISS's threads."""
+    the query encoder's precision and CPU threads (on the CPU: ``--threads`` bounds them too, FAISS and torch share
+    one OpenMP runtime), the search settings (the efSearch the ``--top-k`` search runs with) and FAISS's threads."""
+    from ..base.devices import cpu_threads
     from .index import faiss_threads
 
-    recorded = " (recorded in the index)"
-    logger.info("questions encoded by %s%s on %s in fp32, batch %d; index %s of %s, search %s, FAISS threads %d; "
-                "passages from %s%s", model, "" if job.model else recorded, next(retriever.parameters()).device,
-                job.settings.batch_size, index.meta.get("factory"), counted(index.ntotal, "vector"),
-                index.search_settings(), faiss_threads(), corpus_path, "" if job.corpus else recorded)
+    recorded, device = " (recorded in the index)", next(retriever.parameters()).device
+    logger.info("questions encoded by %s%s on %s in fp32, batch %d%s; index %s of %s, search %s, FAISS threads %d; "
+                "passages from %s%s", model, "" if job.model else recorded, device, job.settings.batch_size,
+                cpu_threads(device), index.meta.get("factory"), counted(index.ntotal, "vector"),
+                index.search_settings(job.settings.top_k), faiss_threads(), corpus_path, "" if job.corpus else recorded)
 
 
 def kept_before(first: Path, key: dict) -> int:
@@ -623,7 +625,9 @@ class IndexToSearch:
     nprobe: Optional[int] = setting(None, "--nprobe", type=ivf_nprobe,
                                     help="override the index's IVF nprobe (default: the index's own)")
     threads: Optional[int] = setting(None, "--threads", type=positive_int,
-                                     help="FAISS threads, at most the CPUs (default: all cores)")
+                                     help="FAISS threads, at most the CPUs (default: all cores); FAISS and torch "
+                                          "share one OpenMP runtime, so this also bounds the question encoder's "
+                                          "CPU threads")
 
     def __post_init__(self) -> None:
         check(self)
