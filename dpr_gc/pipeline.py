@@ -360,8 +360,8 @@ def _cli_demo(args: Any) -> None:
     try:
         report = run_demo(config)
     except KeyboardInterrupt:
-        raise Interrupted(f"the stages finished and training's checkpoints are kept in {config.output_dir}; run the same "
-                          "command again to resume") from None
+        raise Interrupted(f"the stages finished and training's checkpoints are kept in {config.output_dir}; run the "
+                          "same command again to resume") from None
     print(format_report(report))
     outputs = report["outputs"]
     print(f"\nfinished in {report['seconds']:.0f} s; trained retriever: {outputs['model']}\n"

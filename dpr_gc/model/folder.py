@@ -86,7 +86,8 @@ MODEL_FILE = re.compile(r"(config|generation_config|modules|sentence_bert_config
                         r"(model|heads|adapter_model)\.safetensors|model-\d+-of-\d+\.safetensors|"
                         r"vocab\.txt|merges\.txt|(tokenizer|spiece|sentencepiece\.bpe)\.model|chat_template\.jinja|"
                         r"projection\.pt|README\.md")
-MODEL_SUBFOLDER = re.compile(r"\d+_(Pooling|Dense|Normalize)|(query|document)_\d+_(Transformer|Pooling|Dense|Normalize)|"
+MODEL_SUBFOLDER = re.compile(r"\d+_(Pooling|Dense|Normalize)|"
+                             r"(query|document)_\d+_(Transformer|Pooling|Dense|Normalize)|"
                              r"query_encoder|passage_encoder|tokenizer")
 
 
