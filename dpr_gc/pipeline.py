@@ -360,6 +360,9 @@ def _cli_demo(args: Any) -> None:
     try:
         report = run_demo(config)
     except KeyboardInterrupt:
+        out = Path(config.output_dir)
+        if not out.is_dir() or not (started_stages(out) or (out / "data").is_dir()):
+            raise  # nothing to resume from: the general line
         raise Interrupted(f"the stages finished and training's checkpoints are kept in {config.output_dir}; run the "
                           "same command again to resume") from None
     print(format_report(report))

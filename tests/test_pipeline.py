@@ -78,7 +78,8 @@ def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, caps
     with all 5 steps in the curve. A full disk in between says to run the demo again (it has no --resume)."""
     import logging
 
-    from dpr_gc.base.errors import DiskFullError
+    from dpr_gc.base.errors import NOTHING_KEPT, DiskFullError
+    from dpr_gc.data import stdlib_data
     from dpr_gc.train import trainer
     from dpr_gc.train.trainer import Trainer
 
@@ -86,17 +87,24 @@ def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, caps
     out = tmp_path / "demo"
     args = ["demo", "--output", str(out), "--model", str(model_dir), "--max-examples", "600", "--train-queries",
             "160", "--batch-size", "32", "--chunk-size", "8", "--passage-max-length", "32"]
-    real_step = Trainer.train_step
+    real_step, real_build = Trainer.train_step, stdlib_data.build_stdlib_dataset
 
     def interrupted(self, batch):
         if self.step == 4:
             raise KeyboardInterrupt
         return real_step(self, batch)
 
+    def stop_at_once(*args, **kwargs):
+        raise KeyboardInterrupt
+
     def disk_full(config):
         raise DiskFullError(out / "training" / "checkpoint-5", "free space, then run the same command with "
                             "--resume latest")
 
+    monkeypatch.setattr(stdlib_data, "build_stdlib_dataset", stop_at_once)  # before any stage: nothing to resume
+    assert main(args) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: {NOTHING_KEPT}"
+    monkeypatch.setattr(stdlib_data, "build_stdlib_dataset", real_build)
     monkeypatch.setattr(Trainer, "train_step", interrupted)
     assert main(args) == 130
     assert (f"interrupted: the stages finished and training's checkpoints are kept in {out}; run the same command "
