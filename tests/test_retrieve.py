@@ -532,3 +532,20 @@ def test_the_qrels_heading_counts_the_judged_queries_the_metrics_average_over(wo
     printed = capsys.readouterr().out
     assert "qrels metrics (5 judged queries)" in printed and "| Recall | 0.8000 |" in printed, printed
     assert "| queries | 4 |" in printed
+
+
+def test_library_retrieve_names_answer_patterns_that_do_not_compile(world, caplog):
+    """retrieve(match="regex") names the patterns that do not compile in one warning before retrieving, as the
+    command does (the library call skipped them silently); they never match."""
+    from dpr_gc.data.corpus import load_corpus
+
+    retriever, index = Retriever.load(world["model"]), DenseIndex.read(world["idx"])
+    corpus = load_corpus(world["corpus"], world["cache"])
+    queries = [{"id": "a", "question": "king of paris", "answers": ["(unclosed", "."]},
+               {"id": "b", "question": "river water", "answers": ["."]}]
+    with caplog.at_level("WARNING", logger="dpr_gc"):
+        results = retrieve(retriever, index, corpus, iter(queries), top_k=3, match="regex", show_progress=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["queries: 1 answer pattern does not compile (question 0: '(unclosed': missing ) at "
+                        "position 9); they never match, as in DPR"], warnings
+    assert [r["id"] for r in results] == ["a", "b"] and all(c["has_answer"] for r in results for c in r["ctxs"])

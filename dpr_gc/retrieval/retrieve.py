@@ -218,10 +218,17 @@ def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[d
     ``has_answer`` with DPR's answer matching, ``None`` (or ``"none"``, as the settings say it) leaves the field
     out. ``queries``: dicts as :func:`~dpr_gc.data.corpus.read_queries` gives them; ``corpus``: as
     :func:`~dpr_gc.data.corpus.load_corpus` gives it. Each record is DPR's retriever output, ``{"id", "question",
-    "answers", "ctxs": [{"id", "title", "text", "score", "has_answer"}, ...]}``, best passage first."""
+    "answers", "ctxs": [{"id", "title", "text", "score", "has_answer"}, ...]}``, best passage first. With ``match``
+    "regex", answer patterns that do not compile are named in one warning before anything is retrieved: they never
+    match, as in DPR."""
     match = None if match == "none" else match
     if match is not None and match not in MATCH_MODES:
         raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
+    if match == "regex":
+        queries, uncompiled = list(queries), UncompiledPatterns()
+        for i, q in enumerate(queries):
+            uncompiled.check(q.get("answers") or (), f"question {i}")
+        uncompiled.warn("queries")
     with AnswerMatcher(match or "string", workers) as matcher:
         return list(iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
                                   matcher if match is not None else None, show_progress))
