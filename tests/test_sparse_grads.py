@@ -146,3 +146,26 @@ def test_an_embedding_the_forward_never_calls_keeps_no_grad():
     GradCache([model, model], 2, SimpleContrastiveLoss())(q, p)
     assert model.spare.weight.grad is None and model.used.weight.grad is not None
     assert not model.spare.sparse and not model.spare._forward_pre_hooks
+
+
+def test_a_loss_that_calls_the_models_embedding_leaves_a_dense_grad(make_retriever):
+    """library.md: ``.grad`` stays dense. A loss that scores queries against rows of the model's own embedding table
+    runs its backward while the step's embeddings are sparse: that gradient is made dense before the chunks add
+    theirs (it stayed sparse, and AdamW refused it)."""
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    table = retriever.query_encoder.transformer.embeddings.word_embeddings
+    labels = torch.arange(4)
+    contrastive = SimpleContrastiveLoss(0)
+
+    def loss_fn(q_rep: torch.Tensor, p_rep: torch.Tensor) -> torch.Tensor:
+        label_reps = table(labels)[:, : q_rep.size(1)]
+        return contrastive(q_rep, p_rep) + (q_rep[:4] @ label_reps.T).logsumexp(1).mean()
+
+    q, p = make_batch(retriever, 6, 0, seed=8)
+    expected = reference_grads(modules, loss_fn, q, p)
+    zero(modules)
+    GradCache(modules, CHUNK, loss_fn)(q, p)
+    assert table.weight.grad.layout == torch.strided and not table.sparse
+    assert rel_err(grads(modules), expected) < 1e-5
+    torch.optim.AdamW(retriever.parameters()).step()

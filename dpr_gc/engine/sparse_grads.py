@@ -66,10 +66,14 @@ class SparseEmbeddingGrads:
         self._hooks, self.called = [], set()
 
     def dense_grads(self, used: Sequence[bool]) -> None:
-        """Before the first backward: a dense zero ``.grad`` for each switched weight of a model whose representation
-        the loss used, that the forwards called and which has none yet, for every chunk's sparse gradient to be added
-        into."""
+        """Before the chunks' backward: a dense zero ``.grad`` for each switched weight of a model whose
+        representation the loss used, that the forwards called and which has none yet, for every chunk's sparse
+        gradient to be added into; a sparse ``.grad`` the loss's own backward left (a loss that calls the model's
+        embedding) is made dense."""
         for embeddings, is_used in zip(self.embeddings, used):
-            for module in embeddings if is_used else ():
-                if module.weight.grad is None and id(module) in self.called:
+            for module in embeddings:
+                grad = module.weight.grad
+                if grad is not None and grad.is_sparse:
+                    module.weight.grad = grad.to_dense()
+                elif is_used and grad is None and id(module) in self.called:
                     module.weight.grad = torch.zeros_like(module.weight)
