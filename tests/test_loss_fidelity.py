@@ -286,3 +286,15 @@ def test_blocked_cross_entropy_is_fp32_forward_and_backward_under_an_outer_autoc
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+@pytest.mark.parametrize("block", [0, 2])
+def test_a_target_of_any_integer_dtype_gives_the_int64_targets_loss(dtype, block):
+    """The docstring's ``target`` (integer ``[B]``): any integer dtype is the passage index it holds (int32 failed on
+    the dense path, int16 and uint8 on the blocked one, with torch's own errors)."""
+    torch.manual_seed(3)
+    x, y = torch.randn(4, 8), torch.randn(8, 8)
+    target = torch.tensor([1, 0, 7, 5])
+    loss = SimpleContrastiveLoss(loss_chunk_size=block)
+    assert torch.equal(loss(x, y, target=target.to(dtype)), loss(x, y, target=target))

@@ -405,7 +405,7 @@ class SimpleContrastiveLoss(nn.Module):
         self._check(x, y, target, reduction)
         self._check_ids(x, y, passage_ids, positive_ids)
         query_index = torch.arange(x.size(0), device=x.device)
-        targets = query_index * (1 + self.n_hard_negatives) if target is None else target.to(x.device)
+        targets = query_index * (1 + self.n_hard_negatives) if target is None else target.to(x.device, torch.long)
         keys = None
         if passage_ids is not None:
             passage_ids = passage_ids.to(x.device).long()
@@ -508,7 +508,8 @@ class DistributedContrastiveLoss(SimpleContrastiveLoss):
         y_all = all_gather_with_grad(y)
         query_index = torch.arange(x.size(0), device=x.device) + self.rank * x.size(0)
         every_query = torch.arange(x_all.size(0), device=x.device)
-        all_targets = every_query * (1 + self.n_hard_negatives) if target is None else target.to(x.device)
+        all_targets = every_query * (1 + self.n_hard_negatives) if target is None else target.to(x.device,
+                                                                                                   torch.long)
         keys = None
         if passage_ids is not None:
             ids = gather_ids(passage_ids.to(x.device).long()[:, None])[:, 0]
