@@ -392,3 +392,36 @@ def test_a_replay_draws_the_captured_numbers_and_puts_the_current_state_back():
     with state.replay():
         torch.testing.assert_close(torch.rand(4), first, rtol=0, atol=0)
     torch.testing.assert_close(torch.rand(4), expected_next, rtol=0, atol=0)
+
+
+class FeaturesModel(nn.Module):
+    """A model in sentence-transformers' manner: ``forward(features)`` takes the tokenizer's dict whole and returns
+    it with ``sentence_embedding`` added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = MeanOfEmbeddings()
+
+    def forward(self, features: dict, **kwargs: object) -> dict:
+        return dict(features, sentence_embedding=self.inner(features["input_ids"], features["attention_mask"]))
+
+
+def test_a_model_that_takes_the_features_dict_whole_gets_it_sorted_and_trimmed():
+    """GradCache's docstring: a SentenceTransformer is given its features dicts (its forward takes the dict whole),
+    as CachedMultipleNegativesRankingLoss does; the dicts are still sorted by length and trimmed (it was called
+    with the dict's entries as keywords and failed in forward)."""
+    torch.manual_seed(1)
+    model = FeaturesModel()
+    ids = torch.randint(1, 30, (12, 9))
+    mask = (torch.arange(9)[None] < torch.randint(2, 8, (12, 1))).long()
+    q, p = ({"input_ids": ids[s], "attention_mask": mask[s]} for s in (slice(0, 6), slice(6, 12)))
+    loss_fn = SimpleContrastiveLoss(0)
+    loss_fn(model(q)["sentence_embedding"], model(p)["sentence_embedding"]).backward()
+    expected = grads([model])
+    zero([model])
+    widths = []
+    model.register_forward_pre_hook(lambda module, args: widths.append(args[0]["input_ids"].size(1)))
+    GradCache([model, model], 4, loss_fn, get_rep_fn=lambda out: out["sentence_embedding"],
+              chunking=Chunking(sort_by_length=True))(q, p)
+    assert rel_err(grads([model]), expected) < 1e-5
+    assert max(widths) < 9

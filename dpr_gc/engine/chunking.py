@@ -1,12 +1,15 @@
 """Model inputs for Gradient Cache: find their tensors, split them into chunks, trim padding, call the model.
 
 Tensors, lists/tuples, dicts and ``BatchEncoding``s (any ``Mapping``) are handled; the original package's
-``(args_list, kwargs_dict)`` tuple is called as ``model(*args, **kwargs)``. Other objects pass through untouched
-(a user's ``split_input_fn`` splits them).
+``(args_list, kwargs_dict)`` tuple is called as ``model(*args, **kwargs)``, a dict as ``model(**dict)``, or as
+``model(dict)`` for a model whose forward takes the features dict whole (sentence-transformers'). Other objects pass
+through untouched (a user's ``split_input_fn`` splits them).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -296,11 +299,31 @@ def is_args_kwargs(model_input: Any) -> bool:
             and isinstance(model_input[1], Mapping))
 
 
+@functools.lru_cache(maxsize=None)
+def required_positionals(forward: Any) -> tuple[str, ...]:
+    """The names of the positional parameters ``forward`` (a class's function) requires, ``self`` left out."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def takes_features(model: nn.Module, model_input: Mapping) -> bool:
+    """Whether ``model`` takes a dict input whole, as one argument (sentence-transformers' models:
+    ``forward(features)``), rather than its entries as keywords: its forward (a wrapper's inner module's) requires
+    exactly one positional parameter, and the dict has no entry of that name."""
+    inner = getattr(model, "module", model)  # DistributedDataParallel passes its arguments on
+    required = required_positionals(getattr(type(inner), "forward", None))
+    return len(required) == 1 and required[0] not in model_input
+
+
 def call_model(model: nn.Module, model_input: Any) -> Any:
     if is_args_kwargs(model_input):
         return model(*model_input[0], **model_input[1])
     if isinstance(model_input, Mapping):
-        return model(**model_input)
+        return model(model_input) if takes_features(model, model_input) else model(**model_input)
     if isinstance(model_input, (list, tuple)):
         return model(*model_input)
     return model(model_input)

@@ -332,7 +332,8 @@ class GradCache:
         Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"; a drop-in for
         the ``GradCache`` class of their package, luyug/GradCache (same seven arguments, same call).
         sentence-transformers' ``CachedMultipleNegativesRankingLoss`` is this step with
-        :class:`~dpr_gc.engine.loss.SimpleContrastiveLoss`.
+        :class:`~dpr_gc.engine.loss.SimpleContrastiveLoss`: a ``SentenceTransformer`` is given its features dicts
+        (its forward takes the dict whole) with ``get_rep_fn=lambda out: out["sentence_embedding"]``.
 
     Example:
         >>> import torch
