@@ -423,7 +423,7 @@ def test_a_two_dimensional_per_token_representation_is_refused_when_trimmed_chun
     def loss_fn(scores: torch.Tensor) -> torch.Tensor:
         return (scores ** 2).sum()
 
-    with pytest.raises(DprGcError, match="pass trim=False"):
+    with pytest.raises(DprGcError, match="pass token_states=True, or trim=False"):
         GradCache([model], 2, loss_fn)(batch)
     loss_fn(model(**batch)).backward()
     expected = model.embed.weight.grad.clone()

@@ -45,8 +45,8 @@ def test_token_level_representations_with_trimming(tiny_tokenizer, make_retrieve
         seen.append((x.shape, y.shape))
         return late_interaction(x, y, **kw)
 
-    GradCache(towers, 4, loss_fn, get_rep_fn=hidden_states,
-              chunking=Chunking(keep_last_graph=keep_last_graph, sort_by_length=sort))(q, p, **masks)
+    chunking = Chunking(keep_last_graph=keep_last_graph, sort_by_length=sort, token_states=True)
+    GradCache(towers, 4, loss_fn, get_rep_fn=hidden_states, chunking=chunking)(q, p, **masks)
     assert seen == [((6, q["input_ids"].size(1), 32), (12, p["input_ids"].size(1), 32))]
     assert rel_err(grads(towers), expected) < 1e-5
 
@@ -425,3 +425,72 @@ def test_a_model_that_takes_the_features_dict_whole_gets_it_sorted_and_trimmed()
               chunking=Chunking(sort_by_length=True))(q, p)
     assert rel_err(grads([model]), expected) < 1e-5
     assert max(widths) < 9
+
+
+class PolyCodes(nn.Module):
+    """A fixed number of vectors per row whatever the width (poly-encoder codes): 4 learned codes attend over the
+    tokens, ``[rows, 4, 8]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.codes = nn.Embedding(50, 8), nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        states = self.embed(input_ids)
+        weights = (self.codes @ states.transpose(1, 2)).masked_fill(attention_mask[:, None] == 0, -1e9).softmax(-1)
+        return weights @ states
+
+
+def right_padded(lengths: list[int], width: int = 12) -> dict[str, torch.Tensor]:
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": torch.randint(1, 50, (len(lengths), width)) * mask, "attention_mask": mask}
+
+
+def test_a_fixed_number_of_vectors_per_row_is_never_padded_as_token_states():
+    """Chunking.token_states: a ``[rows, 4, D]`` output whose 4 happens to be the length the queries were trimmed to
+    is refused unless told (it was padded to the batch's width as if per token: a wrong loss and gradient with no
+    error); token_states=False gives the full batch's gradient, and True refuses it as not per token."""
+    torch.manual_seed(0)
+    model = PolyCodes()
+    q, p = right_padded([4, 3, 4, 2]), right_padded([9, 4, 11, 7])
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(x.mean(1) @ y.mean(1).T, torch.arange(x.size(0)))
+
+    loss_fn(model(**q), model(**p)).backward()
+    expected = grads([model])
+    with pytest.raises(DprGcError, match=r"say whether its dimension 1 runs over the tokens"):
+        GradCache([model, model], 4, loss_fn)(q, p)
+    with pytest.raises(DprGcError, match=r"its dimension 1 is not per token"):
+        GradCache([model, model], 4, loss_fn, chunking=Chunking(token_states=True))(q, p)
+    zero([model])
+    GradCache([model, model], 4, loss_fn, chunking=Chunking(token_states=False))(q, p)
+    assert rel_err(grads([model]), expected) < 1e-5
+
+
+def test_two_dimensional_token_scores_are_padded_back_with_token_states():
+    """Chunking(token_states=True) pads a ``[rows, tokens]`` output (one score per token) back too, so chunks that
+    trim to different widths give the full batch's gradient (without it they are refused: see test_grad_cache)."""
+    torch.manual_seed(1)
+    embed = nn.Embedding(50, 4)
+
+    class TokenScores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = embed
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.embed(input_ids).sum(-1) * attention_mask
+
+    model, batch = TokenScores(), right_padded([9, 4, 11, 2, 6, 3])
+    seen = []
+
+    def loss_fn(scores: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(scores.shape))
+        return (scores ** 2).sum()
+
+    loss_fn(model(**batch)).backward()
+    expected = grads([model])
+    zero([model])
+    GradCache([model], 2, loss_fn, chunking=Chunking(sort_by_length=True, token_states=True))(batch)
+    assert seen[-1] == (6, 12) and rel_err(grads([model]), expected) < 1e-5

@@ -69,7 +69,8 @@ def test_trim_cuts_left_padding_and_pads_back_on_the_left():
     assert trim == (4, 2, "left")
     assert trim_padding(left)["input_ids"].tolist() == [[5, 6], [0, 7]]
     rep = torch.ones(2, 2, 3)
-    assert pad_sequence_dim(rep, trim)[:, :2].abs().sum() == 0 and pad_sequence_dim(rep, trim).shape == (2, 4, 3)
+    padded = pad_sequence_dim(rep, trim, token_states=True)
+    assert padded[:, :2].abs().sum() == 0 and padded.shape == (2, 4, 3)
     holes = {"input_ids": torch.tensor([[0, 5, 0]]), "attention_mask": torch.tensor([[0, 1, 0]])}
     assert trimmed_width(holes) is None
 

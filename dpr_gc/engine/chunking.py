@@ -41,17 +41,26 @@ class Chunking:
             chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (with
             ``trim=False``, times the full width; after ``sort_by_length``, short sequences make chunks of more
             rows). Needs a 2-D attention mask.
+        token_states: whether a representation's dimension 1 runs over the tokens, so that a trimmed chunk's is
+            padded back with zeros to the batch's width: True for token-level states (``[rows, tokens, ...]``, two
+            dimensions or more; ColBERT-style losses), False for pooled vectors or a fixed number of vectors per
+            row (``[rows, K, D]``: poly-encoder codes), None (default): pooled ``[rows, D]`` pass as they are and a
+            ``[rows, n, ...]`` output whose ``n`` is the length a chunk was trimmed to is refused, since it could be
+            either.
     """
 
     sort_by_length: bool = False
     trim: bool = True
     keep_last_graph: bool = True
     tokens: TokenLimits = None
+    token_states: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("sort_by_length", "trim", "keep_last_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise DprGcError(f"Chunking.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.token_states is not None and not isinstance(self.token_states, bool):
+            raise DprGcError(f"Chunking.token_states must be True, False or None, got {self.token_states!r}")
         limits = [self.tokens] if self.tokens is None or isinstance(self.tokens, int) else list(self.tokens)
         for limit in limits:
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
@@ -274,14 +283,31 @@ def cut_padding(chunk: Any, trim: tuple[int, int, str]) -> Any:
                             else v for k, v in chunk.items()})
 
 
-def pad_sequence_dim(rep: torch.Tensor, trim: Optional[tuple[int, int, str]]) -> torch.Tensor:
+def pad_sequence_dim(rep: torch.Tensor, trim: Optional[tuple[int, int, str]],
+                     token_states: Optional[bool] = None) -> torch.Tensor:
     """Pad a token-level representation ``[rows, longest, ...]`` of a trimmed chunk back to ``[rows, width, ...]``
     with zeros on the side that was cut, so the loss sees the untrimmed shape; the padded positions get no
-    gradient. Pooled ones pass."""
-    if trim is None or rep.dim() < 3 or rep.size(1) != trim[1]:
+    gradient. ``token_states`` as :class:`Chunking` says: True pads (two dimensions or more), False passes, None
+    passes pooled ``[rows, D]`` and refuses a ``[rows, longest, ...]`` of a chunk cut shorter (it could be
+    either)."""
+    if trim is None or token_states is False or rep.dim() < 2 or (token_states is None and rep.dim() < 3):
         return rep
-    cut = trim[0] - trim[1]
-    return nn.functional.pad(rep, (0, 0) * (rep.dim() - 2) + ((0, cut) if trim[2] == "right" else (cut, 0)))
+    full, longest, side = trim
+    if rep.size(1) != longest:
+        if token_states:
+            raise DprGcError(f"Chunking(token_states=True), but a chunk trimmed to {longest} tokens gave a "
+                             f"representation of shape {tuple(rep.shape)}: its dimension 1 is not per token; pass "
+                             "token_states=False (or None)")
+        return rep
+    if longest == full:
+        return rep
+    if token_states is None:
+        raise DprGcError(f"a chunk trimmed from {full} to {longest} tokens gave a representation of shape "
+                         f"{tuple(rep.shape)}: say whether its dimension 1 runs over the tokens: "
+                         f"Chunking(token_states=True) pads it back to {full} (token-level states), "
+                         "token_states=False leaves it (a fixed number of vectors per row); or pass trim=False")
+    cut = full - longest
+    return nn.functional.pad(rep, (0, 0) * (rep.dim() - 2) + ((0, cut) if side == "right" else (cut, 0)))
 
 
 def length_order(model_input: Any) -> Optional[torch.Tensor]:

@@ -252,8 +252,9 @@ class _Plan:
     def _check_shape(self, first: torch.Tensor, chunk_rep: torch.Tensor) -> None:
         if first.shape[1:] != chunk_rep.shape[1:]:
             raise DprGcError(f"the chunks of model {self.m} gave representations of shapes {tuple(first.shape[1:])} "
-                             f"and {tuple(chunk_rep.shape[1:])} per row (a per-token representation with fewer than "
-                             "3 dimensions cannot be padded back after trimming): pass trim=False")
+                             f"and {tuple(chunk_rep.shape[1:])} per row (a per-token representation is padded back "
+                             "after trimming only with Chunking(token_states=True)): pass token_states=True, or "
+                             "trim=False")
 
 
 class _ListedTensors:
@@ -302,8 +303,9 @@ class GradCache:
         split_input_fn: ``f(model_input, chunk_size) -> list`` for inputs other than tensors, lists/tuples of
             tensors, dicts and BatchEncodings; the rows of each chunk are then counted on its representation.
         get_rep_fn: ``f(model_output) -> Tensor`` when the model does not return the representation itself. It may
-            return token-level states ``[rows, seq, ...]``: trimmed chunks are then padded back with zeros at the
-            cut (padding) positions, which receive no gradient; the loss must mask padding, as it would anyway.
+            return token-level states ``[rows, seq, ...]`` (with ``Chunking(token_states=True)``): trimmed chunks
+            are then padded back with zeros at the cut (padding) positions, which receive no gradient; the loss
+            must mask padding, as it would anyway.
         fp16: fp16 autocast with ``scaler`` (a ``torch.amp.GradScaler``, required) scaling the loss.
         scaler: the ``GradScaler`` of ``fp16``; the caller steps it (``scaler.step(optimizer)``, ``update()``).
         bf16: bf16 autocast, no scaler.
@@ -429,7 +431,7 @@ class GradCache:
         device = model_device(model)
         with self._autocast(device):
             rep = self._rep(call_model(model, to_device(chunk, device)))
-        return pad_sequence_dim(rep, width)
+        return pad_sequence_dim(rep, width, self.chunking.token_states)
 
     def _plan(self, m: int, model_input: Any, joined: Optional[tuple[int, int]] = None) -> _Plan:
         """Model ``m``'s chunks (grouped by length, split by rows or tokens, trimmed); with ``joined`` =
