@@ -99,6 +99,26 @@ def test_the_folders_projection_is_kept_with_its_weights(tmp_path: Path) -> None
                                torch.as_tensor(original.embed("query", texts)), rtol=0, atol=1e-5)
 
 
+def test_separate_towers_from_a_folder_with_a_projection_start_from_its_weights(tmp_path: Path) -> None:
+    """docs/training.md: ``--separate-encoders`` on a shared sentence-transformers folder with a Dense projection
+    gives two copies of its tower, projection weights included, so both embed as the folder does before any step
+    (the passage tower once got a new, random projection)."""
+    import torch
+
+    tokenizer = BertTokenizerFast(vocab=str(write_vocab(tmp_path / "vocab.txt")), do_lower_case=True)
+    original = Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(**RECIPE, projection_dim=8))
+    original.save(tmp_path / "model")
+    for name in ("retriever_config.json", "heads.safetensors"):
+        (tmp_path / "model" / name).unlink()
+    started = build_retriever(parsed("--model", str(tmp_path / "model"), "--separate-encoders").model)
+    assert not started.config.shared_encoder and started.config.projection_dim == 8
+    assert started.passage_encoder.transformer is not started.query_encoder.transformer
+    texts = ["what is a river", "the city of paris"]
+    for kind in ("query", "passage"):
+        torch.testing.assert_close(torch.as_tensor(started.embed(kind, texts)),
+                                   torch.as_tensor(original.embed(kind, texts)), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("max_seq_length, lengths", [(256, (64, 256)), (40, (40, 40))])
 def test_a_folder_without_a_query_length_caps_queries_at_64_tokens(st_folder: Path, tmp_path: Path,
                                                                    max_seq_length: int, lengths: tuple) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -61,11 +62,28 @@ def _build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]]
         return check_lengths(Retriever.from_pretrained(name, config), model)
     config = dataclasses.replace(folder_recipe(name, towers, model, beside), **prefixes)
     folder = config_from_pipeline(Path(name), towers)
-    if (config.projection_dim, config.shared_encoder) == (folder.projection_dim, folder.shared_encoder):
-        retriever = load_pipeline_retriever(Retriever, Path(name), towers, config)
-        retriever.training_info["base_model"] = name
-        return check_lengths(retriever, model)
-    return check_lengths(Retriever.from_pretrained(str(towers["query"].transformer), config), model)
+    if config.projection_dim != folder.projection_dim:  # a projection asked for anew starts from random weights
+        return check_lengths(Retriever.from_pretrained(str(towers["query"].transformer), config), model)
+    retriever = load_pipeline_retriever(Retriever, Path(name), towers,
+                                        dataclasses.replace(config, shared_encoder=folder.shared_encoder))
+    if config.shared_encoder != folder.shared_encoder:
+        retriever = retower(retriever, config)
+    retriever.training_info["base_model"] = name
+    return check_lengths(retriever, model)
+
+
+def retower(loaded: Retriever, config: RetrieverConfig) -> Retriever:
+    """``loaded`` (a folder's towers, weights and projection as read) with ``config``'s towers: one shared tower, or
+    two, each its query tower's copy, projection included, so ``--separate-encoders`` / ``--shared-encoder`` start
+    from the folder's weights and embed as it does before the first step."""
+    query = loaded.query_encoder
+    passage = None if config.shared_encoder else copy.deepcopy(query.transformer)
+    retriever = Retriever(query.transformer, passage, loaded.tokenizer, config)
+    if query.projection is not None:
+        for encoder in (retriever.query_encoder, retriever.passage_encoder):
+            encoder.projection.load_state_dict(query.projection.state_dict())
+    retriever.tau.load_state_dict(loaded.tau.state_dict())
+    return retriever
 
 
 LENGTHS = {"query_max_length": "query", "passage_max_length": "passage"}
