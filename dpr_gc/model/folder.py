@@ -74,6 +74,9 @@ RETRIEVER_FIELDS = {"format_version": Field(int), "pooling": one_of(POOLINGS), "
                                           "a number from {} to {}".format(*TEMPERATURE_RANGE)),
                     "learn_temperature": Field(bool), "passage_format": one_of(PASSAGE_FORMATS),
                     "query_prefix": text(), "passage_prefix": text()}
+# A foreign folder's max lengths (see config_from_pipeline): passages as sentence-transformers cuts them, else 256;
+# queries at most 64 tokens unless the folder gives a query length.
+DEFAULT_LENGTH, QUERY_LENGTH, NO_LIMIT = 256, 64, 10 ** 29
 IDENTITY, TANH = "torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh"
 ROUTES = {"query": "query", "passage": "document"}
 
@@ -328,8 +331,10 @@ def _pooling_mode(config_file: Path) -> str:
 
 
 def config_from_pipeline(folder: Path, towers: dict[str, Tower]) -> RetrieverConfig:
-    """The recipe a foreign sentence-transformers folder declares: pooling, normalisation, projection, max lengths
-    and its "query"/"document" prompts as prefixes; passages as ``title + " " + text``."""
+    """The recipe a foreign sentence-transformers folder declares: pooling, normalisation, projection, its
+    "query"/"document" prompts as prefixes, passages as ``title + " " + text``, and max lengths: each route's
+    query/document length, else where sentence-transformers cuts that route's texts (:func:`text_limit`), queries at
+    most 64 tokens."""
     query, document = towers["query"], towers["document"]
     for tower in (query, document):
         if any(activation != IDENTITY for _, activation in tower.dense) or len(tower.dense) > 1:
@@ -345,12 +350,31 @@ def config_from_pipeline(folder: Path, towers: dict[str, Tower]) -> RetrieverCon
     for key, value in prompts.items():
         if not isinstance(value, str) or not no_lone_surrogates(value):
             raise DprGcError(f"{settings_file}: prompt {key!r} must be a string, got {type(value).__name__}")
-    default = document.document_length or document.max_seq_length or 256
+    passage_length = document.document_length or text_limit(document) or DEFAULT_LENGTH
+    query_length = query.query_length or min(QUERY_LENGTH, text_limit(query) or DEFAULT_LENGTH)
     return RetrieverConfig(pooling=query.pooling, normalize=query.normalize,
                            projection_dim=dims.pop() if dims else None, shared_encoder=query is document,
-                           passage_format="concat", query_max_length=query.query_length or min(64, default),
-                           passage_max_length=default, query_prefix=prompts.get("query", ""),
+                           passage_format="concat", query_max_length=query_length,
+                           passage_max_length=passage_length, query_prefix=prompts.get("query", ""),
                            passage_prefix=prompts.get("document", prompts.get("passage", "")))
+
+
+def text_limit(tower: Tower) -> Optional[int]:
+    """The tokens sentence-transformers cuts this tower's texts at when it sets no query/document length: its
+    ``max_seq_length``, else the least of the tokenizer's ``model_max_length`` and the model's
+    ``max_position_embeddings``; None when none of them is stated."""
+    if tower.max_seq_length:
+        return tower.max_seq_length
+    limits = [_stated_int(tower.transformer / "tokenizer_config.json", "model_max_length"),
+              _stated_int(tower.transformer / "config.json", "max_position_embeddings")]
+    limits = [n for n in limits if n is not None]
+    return min(limits) if limits else None
+
+
+def _stated_int(path: Path, key: str) -> Optional[int]:
+    """``key`` of the JSON object in ``path`` when it is a positive int short of "no limit" (transformers: 1e30)."""
+    value = read_json_object(path).get(key) if path.is_file() else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < NO_LIMIT else None
 
 
 def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, Tower], config: Any) -> Any:

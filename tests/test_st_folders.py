@@ -1,0 +1,85 @@
+"""Foreign sentence-transformers folders, built by hand in its layout: each setting dpr-gc reads is honoured as
+sentence-transformers honours it (max lengths, lower-casing), and one it cannot honour is refused with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+from transformers import BertTokenizerFast
+
+from dpr_gc.model.retriever import Retriever
+from tests.helpers import tiny_bert, write_vocab
+
+TRANSFORMER = "sentence_transformers.models.Transformer"
+MEAN = {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}
+
+
+def write_transformer(folder: Path, settings: dict, seed: int = 0, vocab: Optional[Path] = None,
+                      **tokenizer_options: Any) -> Path:
+    """A tiny BERT (128 positions) with its tokenizer and ``sentence_bert_config.json`` in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = BertTokenizerFast(vocab=str(vocab or write_vocab(folder.parent / "vocab.txt")), **tokenizer_options)
+    tiny_bert(len(tokenizer), seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "sentence_bert_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+def write_module(folder: Path, config: Optional[dict] = None) -> str:
+    """A module folder holding ``config.json`` (none when ``config`` is None); returns its name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder.name
+
+
+def shared_folder(root: Path, settings: dict, pooling: dict = MEAN, prompts: Optional[dict] = None,
+                  **tokenizer_options: Any) -> Path:
+    """Transformer -> Pooling in ``root/model``, with ``prompts`` in ``config_sentence_transformers.json``."""
+    folder = write_transformer(root / "model", settings, **tokenizer_options)
+    write_module(folder / "1_Pooling", pooling)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": TRANSFORMER},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    if prompts is not None:
+        (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    return folder
+
+
+def router_folder(root: Path, query: dict, document: dict, **tokenizer_options: Any) -> Path:
+    """A Router with query and document routes (Transformer -> Pooling each), their transformer settings given."""
+    folder = root / "model"
+    vocab = write_vocab(root / "vocab.txt")
+    structure, types = {}, {}
+    for route, settings in (("query", query), ("document", document)):
+        write_transformer(folder / f"{route}_0_Transformer", settings, seed=len(route), vocab=vocab,
+                          **tokenizer_options.get(route, {}))
+        write_module(folder / f"{route}_1_Pooling", MEAN)
+        structure[route] = [f"{route}_0_Transformer", f"{route}_1_Pooling"]
+        types.update({f"{route}_0_Transformer": TRANSFORMER,
+                      f"{route}_1_Pooling": "sentence_transformers.models.Pooling"})
+    (folder / "router_config.json").write_text(json.dumps({"structure": structure, "types": types}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Router"}]))
+    return folder
+
+
+def test_each_route_of_a_router_keeps_its_own_max_length(tmp_path: Path) -> None:
+    """docs/training.md: a Router's query route cuts queries at its own ``max_seq_length`` (8 here), as
+    sentence-transformers does; they once got the document route's length, capped at 64."""
+    folder = router_folder(tmp_path, {"max_seq_length": 8}, {"max_seq_length": 100})
+    config = Retriever.load(folder).config
+    assert (config.query_max_length, config.passage_max_length) == (8, 100)
+
+
+@pytest.mark.parametrize("model_max_length, lengths", [(16, (16, 16)), (None, (64, 128))])
+def test_a_folder_without_max_seq_length_cuts_where_sentence_transformers_does(
+        tmp_path: Path, model_max_length: Optional[int], lengths: tuple) -> None:
+    """docs/training.md: no ``max_seq_length``: the least of the tokenizer's ``model_max_length`` and the model's
+    positions (128 here), queries at most 64 tokens; such folders once got 256."""
+    options = {} if model_max_length is None else {"model_max_length": model_max_length}
+    config = Retriever.load(shared_folder(tmp_path, {}, **options)).config
+    assert (config.query_max_length, config.passage_max_length) == lengths
