@@ -10,6 +10,7 @@ from typing import Any, Optional
 import pytest
 from transformers import BertTokenizerFast
 
+from dpr_gc.base.errors import DprGcError
 from dpr_gc.model.retriever import Retriever
 from tests.helpers import tiny_bert, write_vocab
 
@@ -83,3 +84,16 @@ def test_a_folder_without_max_seq_length_cuts_where_sentence_transformers_does(
     options = {} if model_max_length is None else {"model_max_length": model_max_length}
     config = Retriever.load(shared_folder(tmp_path, {}, **options)).config
     assert (config.query_max_length, config.passage_max_length) == lengths
+
+
+def test_a_router_whose_routes_have_different_vocabularies_is_refused(tmp_path: Path) -> None:
+    """docs/formats.md: a retriever has one tokenizer; a Router whose document route has its own vocabulary is
+    refused (its passages were once tokenised with the query route's tokenizer), as a DPR pair is."""
+    folder = router_folder(tmp_path, {"max_seq_length": 32}, {"max_seq_length": 32})
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(write_vocab(tmp_path / "vocab.txt").read_text().split()[:-1]) + "\n")
+    BertTokenizerFast(vocab=str(other)).save_pretrained(folder / "document_0_Transformer")
+    with pytest.raises(DprGcError, match="document_0_Transformer have different vocabularies; dpr-gc needs one"):
+        Retriever.load(folder)
+    BertTokenizerFast(vocab=str(tmp_path / "vocab.txt")).save_pretrained(folder / "document_0_Transformer")
+    assert Retriever.load(folder).passage_encoder is not None

@@ -59,9 +59,7 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
     except (OSError, ValueError) as e:
         raise DprGcError(f"cannot load the DPR checkpoints in {question_dir.parent}: {str(e).splitlines()[0]}") from None
     query_bert, context_bert = _dpr_bert(question), _dpr_bert(context)
-    tokenizer = load_tokenizer(question_dir, query_bert)
-    if tokenizer.get_vocab() != load_tokenizer(context_dir, context_bert).get_vocab():
-        raise DprGcError(f"{question_dir} and {context_dir} have different vocabularies; dpr-gc needs one tokenizer")
+    tokenizer = one_tokenizer(question_dir, query_bert, context_dir, context_bert)
     projection = question.config.projection_dim or None
     config = RetrieverConfig(pooling="cls", normalize=False, projection_dim=projection, shared_encoder=False,
                              query_max_length=256, passage_max_length=256, passage_format="pair")
@@ -72,6 +70,16 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
     retriever.training_info["imported_from"] = {"DPRQuestionEncoder": str(question_dir),
                                                 "DPRContextEncoder": str(context_dir)}
     return retriever
+
+
+def one_tokenizer(query_dir: Path, query_model: nn.Module, passage_dir: Path, passage_model: nn.Module) -> Any:
+    """The query tower's tokenizer, refused when the passage tower's own has another vocabulary: a retriever has one
+    tokenizer, and the passage tower would be fed ids it was not trained on."""
+    tokenizer = load_tokenizer(query_dir, query_model)
+    if tokenizer.get_vocab() != load_tokenizer(passage_dir, passage_model).get_vocab():
+        raise DprGcError(f"{query_dir} and {passage_dir} have different vocabularies; dpr-gc needs one tokenizer "
+                         "for both towers, so give both the same tokenizer files")
+    return tokenizer
 
 
 def _dpr_bert(encoder: nn.Module) -> nn.Module:

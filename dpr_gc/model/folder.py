@@ -38,7 +38,7 @@ from ..base.files import atomic_path, read_json_list, read_json_object, read_ten
 from ..engine.loss import TEMPERATURE_RANGE
 from .card import write_model_card
 from .config import PASSAGE_FORMATS, POOLINGS, RetrieverConfig
-from .dpr_hub import find_dpr_pair, load_dpr
+from .dpr_hub import find_dpr_pair, load_dpr, one_tokenizer
 from .pretrained import check_saveable, load_tokenizer, load_transformer
 from ..base.guard import atomic_folder
 from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number, one_of,
@@ -382,7 +382,8 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
     query, document = towers["query"], towers["document"]
     q_model = load_transformer(query.transformer)
     p_model = None if query is document else load_transformer(document.transformer)
-    tokenizer = load_tokenizer(query.transformer, q_model)
+    tokenizer = load_tokenizer(query.transformer, q_model) if p_model is None else \
+        one_tokenizer(query.transformer, q_model, document.transformer, p_model)
     retriever = retriever_cls(q_model, p_model, tokenizer, config)
     for tower, encoder in ((query, retriever.query_encoder), (document, retriever.passage_encoder)):
         projection = [path for path, activation in tower.dense if activation == IDENTITY]
