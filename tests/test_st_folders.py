@@ -97,3 +97,18 @@ def test_a_router_whose_routes_have_different_vocabularies_is_refused(tmp_path: 
         Retriever.load(folder)
     BertTokenizerFast(vocab=str(tmp_path / "vocab.txt")).save_pretrained(folder / "document_0_Transformer")
     assert Retriever.load(folder).passage_encoder is not None
+
+
+def test_do_lower_case_lower_cases_every_text_and_a_save_keeps_it(tmp_path: Path) -> None:
+    """docs/formats.md: ``do_lower_case`` in ``sentence_bert_config.json`` lower-cases texts and prompts before the
+    tokenizer (a ``Lowercase`` normalizer first, as sentence-transformers puts it); it was once ignored, so "PARIS"
+    became [UNK]s. A saved retriever writes ``do_lower_case`` again: transformers rebuilds a BERT normalizer."""
+    folder = shared_folder(tmp_path, {"max_seq_length": 32, "do_lower_case": True}, prompts={"query": "Q: "},
+                           do_lower_case=False)
+    retriever = Retriever.load(folder)
+    ids = retriever.tokenize_queries(["PARIS City"])["input_ids"].tolist()
+    assert ids == retriever.tokenizer(["q: paris city"])["input_ids"] and 1 not in ids[0]  # no [UNK]
+    retriever.save(tmp_path / "saved")
+    settings = json.loads((tmp_path / "saved" / "sentence_bert_config.json").read_text())
+    assert settings["do_lower_case"] is True
+    assert Retriever.load(tmp_path / "saved").tokenize_queries(["PARIS City"])["input_ids"].tolist() == ids

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base.files import atomic_open
+from .tokenize import lowercases
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TRAINING_ROWS = (("base_model", "base model"), ("train_data", "training data"), ("dev_file", "dev data"),
@@ -123,14 +124,16 @@ def _usage(retriever: Any, shared: bool) -> str:
     if config.passage_format == "pair":
         st[-1] += (" A passage whose title takes more than half the passage length is cut differently "
                    "(sentence-transformers truncates the longer of title and text; dpr-gc the text first).")
-    return "\n".join(st + _transformers_usage(config, shared) + _dpr_gc_usage()) + "\n"
+    lower = lowercases(retriever.tokenizer)
+    return "\n".join(st + _transformers_usage(config, shared, lower) + _dpr_gc_usage()) + "\n"
 
 
-def _transformers_usage(config: Any, shared: bool) -> list[str]:
+def _transformers_usage(config: Any, shared: bool, lower: bool) -> list[str]:
     if not shared:
         return ["", "### transformers", "",
                 "The towers are Hugging Face models in `query_0_Transformer/` and `document_0_Transformer/` (each "
                 "with its tokenizer): load each with `AutoModel` / `AutoTokenizer` and pool as below."]
+    text = f"({config.query_prefix!r} + q).lower()" if lower else f"{config.query_prefix!r} + q"  # do_lower_case
     pool = {"mean": "(hidden * mask).sum(1) / mask.sum(1)", "cls": "hidden[:, 0]",
             "pooler": "model(**batch).pooler_output",
             "last": "hidden[torch.arange(len(hidden)), (mask[..., 0] * torch.arange(1, hidden.size(1) + 1)).argmax(1)]"
@@ -138,7 +141,7 @@ def _transformers_usage(config: Any, shared: bool) -> list[str]:
     lines = ["", "### transformers", "", "```python", "import torch", "from transformers import AutoModel, AutoTokenizer",
              "", 'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
              'model = AutoModel.from_pretrained("path/to/this/folder")',
-             f"batch = tokenizer([{config.query_prefix!r} + q for q in questions], truncation=True, "
+             f"batch = tokenizer([{text} for q in questions], truncation=True, "
              f"max_length={config.query_max_length}, padding=True, return_tensors=\"pt\")",
              "hidden = model(**batch).last_hidden_state", "mask = batch[\"attention_mask\"].unsqueeze(-1).float()",
              f"embeddings = {pool}"]

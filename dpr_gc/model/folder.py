@@ -40,6 +40,7 @@ from .card import write_model_card
 from .config import PASSAGE_FORMATS, POOLINGS, RetrieverConfig
 from .dpr_hub import find_dpr_pair, load_dpr, one_tokenizer
 from .pretrained import check_saveable, load_tokenizer, load_transformer
+from .tokenize import lowercases, normalizers
 from ..base.guard import atomic_folder
 from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number, one_of,
                              positive_int, text)
@@ -228,7 +229,8 @@ def _write_transformer(folder: Path, model: nn.Module, tokenizer: Any, config: A
         "transformer_task": "feature-extraction",
         "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
         "module_output_name": "token_embeddings",
-        "query_length": config.query_max_length, "document_length": config.passage_max_length})
+        "query_length": config.query_max_length, "document_length": config.passage_max_length,
+        **({"do_lower_case": True} if lowercases(tokenizer) else {})})
 
 
 def _write_dense(folder: Path, linear: nn.Linear, activation: str) -> None:
@@ -255,6 +257,7 @@ class Tower:
     query_length: Optional[int] = None
     document_length: Optional[int] = None
     max_seq_length: Optional[int] = None
+    lower_case: bool = False  # sentence_bert_config.json's do_lower_case
 
 
 def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
@@ -299,7 +302,7 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
     if settings_file.is_file():
         settings = check_fields(read_json_object(settings_file), settings_file, TRANSFORMER_FIELDS, "sentence_bert_config.json")
         tower.query_length, tower.document_length = settings.get("query_length"), settings.get("document_length")
-        tower.max_seq_length = settings.get("max_seq_length")
+        tower.max_seq_length, tower.lower_case = settings.get("max_seq_length"), settings.get("do_lower_case", False)
     for path, kind in modules[1:]:
         if _kind(kind) == "Pooling":
             tower.pooling = _pooling_mode(path / "config.json")
@@ -384,6 +387,7 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
     p_model = None if query is document else load_transformer(document.transformer)
     tokenizer = load_tokenizer(query.transformer, q_model) if p_model is None else \
         one_tokenizer(query.transformer, q_model, document.transformer, p_model)
+    lower_case(tokenizer, towers, folder)
     retriever = retriever_cls(q_model, p_model, tokenizer, config)
     for tower, encoder in ((query, retriever.query_encoder), (document, retriever.passage_encoder)):
         projection = [path for path, activation in tower.dense if activation == IDENTITY]
@@ -393,6 +397,26 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
             _load_linear(projection[0], encoder.projection)
     load_heads(folder, retriever, projections=False)
     return retriever
+
+
+def lower_case(tokenizer: Any, towers: dict[str, Tower], folder: Path) -> None:
+    """Make ``tokenizer`` lower-case every text (prompt included) when the folder's ``sentence_bert_config.json``
+    says ``do_lower_case``, as sentence-transformers does: a ``Lowercase`` normalizer put first in the fast
+    tokenizer's, unless it has one. A save keeps it in ``tokenizer.json``, so the saved folder lower-cases in
+    dpr-gc, sentence-transformers and transformers alike."""
+    wanted = {towers["query"].lower_case, towers["document"].lower_case}
+    if wanted == {False}:
+        return
+    if len(wanted) > 1:
+        raise DprGcError(f"{folder}: one route sets do_lower_case in its sentence_bert_config.json and the other does "
+                         "not; dpr-gc has one tokenizer for both, so set do_lower_case alike in both")
+    if not getattr(tokenizer, "is_fast", False):
+        raise DprGcError(f"{folder}: do_lower_case in sentence_bert_config.json needs a fast tokenizer "
+                         "(tokenizer.json); save the tokenizer with tokenizer.json or lower-case it there")
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    if not lowercases(tokenizer):
+        tokenizer.backend_tokenizer.normalizer = Sequence([Lowercase(), *normalizers(tokenizer)])
 
 
 def _load_linear(folder: Path, linear: nn.Linear) -> None:

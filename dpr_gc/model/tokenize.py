@@ -173,3 +173,20 @@ def _rows(encoding: Any) -> list[dict]:
 def _place(out: list, positions: list[int], rows: list[dict]) -> None:
     for i, row in zip(positions, rows):
         out[i] = row
+
+
+def lowercases(tokenizer: Any) -> bool:
+    """Whether a fast tokenizer's normalizer (or one in its sequence) is a ``Lowercase``, as
+    :func:`dpr_gc.model.folder.lower_case` puts it: a save then writes ``do_lower_case``, since transformers rebuilds
+    a BERT tokenizer's normalizer at load."""
+    from tokenizers.normalizers import Lowercase
+
+    return any(isinstance(n, Lowercase) for n in normalizers(tokenizer))
+
+
+def normalizers(tokenizer: Any) -> list:
+    """A fast tokenizer's normalizers, in order (none for a slow tokenizer)."""
+    from tokenizers.normalizers import Sequence
+
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return list(normalizer) if isinstance(normalizer, Sequence) else [] if normalizer is None else [normalizer]

@@ -18,7 +18,7 @@ from ..base.logs import infos_hidden
 from ..base.settings import to_record
 from ..engine.loss import Temperature
 from ..model.dpr_hub import find_dpr_pair
-from ..model.folder import CONFIG_NAME, config_from_pipeline, load_pipeline_retriever, read_pipeline
+from ..model.folder import CONFIG_NAME, config_from_pipeline, load_pipeline_retriever, lower_case, read_pipeline
 from ..model.retriever import Retriever, RetrieverConfig, check_max_length
 from ..model.tokenize import check_length_room
 from .config import DataConfig, ModelConfig
@@ -63,7 +63,9 @@ def _build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]]
     config = dataclasses.replace(folder_recipe(name, towers, model, beside), **prefixes)
     folder = config_from_pipeline(Path(name), towers)
     if config.projection_dim != folder.projection_dim:  # a projection asked for anew starts from random weights
-        return check_lengths(Retriever.from_pretrained(str(towers["query"].transformer), config), model)
+        retriever = Retriever.from_pretrained(str(towers["query"].transformer), config)
+        lower_case(retriever.tokenizer, towers, Path(name))
+        return check_lengths(retriever, model)
     retriever = load_pipeline_retriever(Retriever, Path(name), towers,
                                         dataclasses.replace(config, shared_encoder=folder.shared_encoder))
     if config.shared_encoder != folder.shared_encoder:
