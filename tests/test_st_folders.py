@@ -112,3 +112,18 @@ def test_do_lower_case_lower_cases_every_text_and_a_save_keeps_it(tmp_path: Path
     settings = json.loads((tmp_path / "saved" / "sentence_bert_config.json").read_text())
     assert settings["do_lower_case"] is True
     assert Retriever.load(tmp_path / "saved").tokenize_queries(["PARIS City"])["input_ids"].tolist() == ids
+
+
+@pytest.mark.parametrize("prompts, refused", [({"query": "query: "}, True), ({"query": ""}, False)])
+def test_pooling_without_the_prompt_is_refused_when_there_is_a_prompt(tmp_path: Path, prompts: dict,
+                                                                      refused: bool) -> None:
+    """docs/formats.md: a Pooling config with ``include_prompt: false`` leaves the prompt's tokens out of the mean in
+    sentence-transformers; dpr-gc pools them, so such a folder with a prompt is refused (it once loaded, embedding
+    otherwise, and a save wrote ``include_prompt: true``); without a prompt the setting changes nothing."""
+    folder = shared_folder(tmp_path, {"max_seq_length": 32}, {"pooling_mode": "mean", "include_prompt": False},
+                           prompts=prompts)
+    if refused:
+        with pytest.raises(DprGcError, match=r"1_Pooling/config.json: include_prompt false .* set include_prompt"):
+            Retriever.load(folder)
+    else:
+        assert Retriever.load(folder).config.pooling == "mean"

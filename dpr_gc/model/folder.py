@@ -65,6 +65,7 @@ TRANSFORMER_FIELDS = {"max_seq_length": positive_int(True), "query_length": posi
 DENSE_FIELDS = {"in_features": positive_int(), "out_features": positive_int(), "bias": Field(bool),
                 "activation_function": text(True)}
 POOLING_FIELDS = {"pooling_mode": text(True), "embedding_dimension": positive_int(True),
+                  "include_prompt": Field(bool),
                   **{f"pooling_mode_{m}": Field(bool) for m in ("cls_token", "mean_tokens", "lasttoken", "max_tokens",
                                                                 "mean_sqrt_len_tokens", "weightedmean_tokens")}}
 ST_FIELDS = {"prompts": Field(dict, True), "similarity_fn_name": text(True)}
@@ -258,6 +259,7 @@ class Tower:
     document_length: Optional[int] = None
     max_seq_length: Optional[int] = None
     lower_case: bool = False  # sentence_bert_config.json's do_lower_case
+    prompt_left_out: Optional[Path] = None  # the Pooling config.json that sets include_prompt false
 
 
 def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
@@ -306,6 +308,8 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
     for path, kind in modules[1:]:
         if _kind(kind) == "Pooling":
             tower.pooling = _pooling_mode(path / "config.json")
+            if _includes_prompt(path / "config.json") is False:
+                tower.prompt_left_out = path / "config.json"
         elif _kind(kind) == "Dense":
             dense = check_fields(read_json_object(path / "config.json"), path / "config.json", DENSE_FIELDS, "a Dense layer",
                                  required=("out_features",))
@@ -316,6 +320,22 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
             raise DprGcError(f"{source}: module {kind} is not supported by dpr-gc "
                              "(Transformer, Pooling, Dense, Normalize and query/document Routers are)")
     return tower
+
+
+def _includes_prompt(config_file: Path) -> Optional[bool]:
+    """A Pooling config's ``include_prompt`` (None when not stated: sentence-transformers then includes it)."""
+    return read_json_object(config_file).get("include_prompt") if config_file.is_file() else None
+
+
+def check_prompts_pooled(towers: dict[str, Tower], config: RetrieverConfig) -> None:
+    """Refuse a folder that pools without its prompt's tokens (``include_prompt: false``) when it has a prompt:
+    dpr-gc pools every token, the prefix's too, so its embeddings would differ from sentence-transformers'."""
+    for kind, prefix in (("query", config.query_prefix), ("document", config.passage_prefix)):
+        left_out = towers[kind].prompt_left_out
+        if prefix and left_out is not None:
+            raise DprGcError(f"{left_out}: include_prompt false (pooling without the {kind} prompt {prefix[:40]!r}) "
+                             "is not supported by dpr-gc, which pools the prompt's tokens too; set include_prompt "
+                             "to true there (the embeddings change) or remove the folder's prompts")
 
 
 def _pooling_mode(config_file: Path) -> str:
@@ -355,11 +375,13 @@ def config_from_pipeline(folder: Path, towers: dict[str, Tower]) -> RetrieverCon
             raise DprGcError(f"{settings_file}: prompt {key!r} must be a string, got {type(value).__name__}")
     passage_length = document.document_length or text_limit(document) or DEFAULT_LENGTH
     query_length = query.query_length or min(QUERY_LENGTH, text_limit(query) or DEFAULT_LENGTH)
-    return RetrieverConfig(pooling=query.pooling, normalize=query.normalize,
+    config = RetrieverConfig(pooling=query.pooling, normalize=query.normalize,
                            projection_dim=dims.pop() if dims else None, shared_encoder=query is document,
                            passage_format="concat", query_max_length=query_length,
                            passage_max_length=passage_length, query_prefix=prompts.get("query", ""),
                            passage_prefix=prompts.get("document", prompts.get("passage", "")))
+    check_prompts_pooled(towers, config)
+    return config
 
 
 def text_limit(tower: Tower) -> Optional[int]:
