@@ -127,3 +127,18 @@ def test_pooling_without_the_prompt_is_refused_when_there_is_a_prompt(tmp_path: 
             Retriever.load(folder)
     else:
         assert Retriever.load(folder).config.pooling == "mean"
+
+
+def test_a_projection_after_normalize_is_refused(tmp_path: Path) -> None:
+    """docs/formats.md: Transformer -> Pooling -> Normalize -> Dense projects the normalised vector; dpr-gc
+    normalises last, so such a folder is refused (it was once run as Dense -> Normalize)."""
+    folder = shared_folder(tmp_path, {"max_seq_length": 32})
+    write_module(folder / "2_Normalize")
+    write_module(folder / "3_Dense", {"in_features": 32, "out_features": 8, "bias": True,
+                                      "activation_function": "torch.nn.modules.linear.Identity"})
+    modules = json.loads((folder / "modules.json").read_text()) + [
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(DprGcError, match=r"modules.json: a Dense module \(3_Dense\) after Normalize is not supported"):
+        Retriever.load(folder)

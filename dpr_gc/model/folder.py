@@ -306,6 +306,9 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
         tower.query_length, tower.document_length = settings.get("query_length"), settings.get("document_length")
         tower.max_seq_length, tower.lower_case = settings.get("max_seq_length"), settings.get("do_lower_case", False)
     for path, kind in modules[1:]:
+        if tower.normalize:  # dpr-gc normalises last, as its Encoder does
+            raise DprGcError(f"{source}: a {_kind(kind)} module ({path.name or kind}) after Normalize is not supported "
+                             "by dpr-gc, which normalises last; use a folder whose Normalize module comes last")
         if _kind(kind) == "Pooling":
             tower.pooling = _pooling_mode(path / "config.json")
             if _includes_prompt(path / "config.json") is False:
