@@ -1699,6 +1699,32 @@ def test_model_folders_that_cannot_load_are_one_line(world: dict, tmp_path: Path
 
 
 
+@pytest.mark.parametrize("kind, needles", [
+    ("runs/nq", ("a training output folder", "use {runs}/final or {runs}/best")),
+    ("runs/nq/checkpoint-2", ("a training checkpoint", "its model is {runs}/checkpoint-2/model")),
+    ("empty", ("not a model folder (no config.json)",))])
+@pytest.mark.parametrize("command", ["encode", "train"])
+def test_a_folder_holding_no_model_says_what_it_is(tmp_path: Path, kind: str, needles: tuple, command: str) -> None:
+    """A training output, one of its checkpoints or an empty folder as --model is one line saying what the folder
+    is and where its model is (it once reached transformers: "Unrecognized model ... Should have a `model_type` key",
+    with advice to give a Hugging Face name)."""
+    runs = tmp_path / "runs" / "nq"
+    for folder in ("checkpoint-2/model", "final", "best"):
+        (runs / folder).mkdir(parents=True)
+    (runs / "train_config.json").write_text("{}")
+    (runs / "checkpoint-2" / "train_state.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "corpus.tsv").write_bytes(tsv_bytes(passages()))
+    (tmp_path / "train.json").write_text(json.dumps(training_records()))
+    model = tmp_path / kind
+    argv = (["encode", "--corpus", tmp_path / "corpus.tsv", "--device", "cpu"] if command == "encode" else
+            ["train", "--train", tmp_path / "train.json", "--max-steps", "1"])
+    line = refused([*argv, "--model", model, "--output", tmp_path / "out", "--cache-dir", tmp_path / "c"],
+                   *(needle.format(runs=runs) for needle in needles))
+    assert str(model) in line and "model_type" not in line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def lora_folder(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The world's model with a LoRA adapter, saved: adapter_config.json + adapter_model.safetensors."""

@@ -32,6 +32,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     from transformers import AutoModel
 
     check_model_folder(name_or_path)
+    check_model_files(Path(name_or_path))
     if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
         return load_adapter_model(Path(name_or_path))
     check_model_source(str(name_or_path))
@@ -201,6 +202,27 @@ def check_model_folder(name_or_path: str | Path) -> None:
                              "point --model at the real folder") from None
         return  # not a local path: a Hugging Face model name
     refuse_custom_code(path)
+
+
+def check_model_files(folder: Path) -> None:
+    """Refuse, in one line, a local folder that holds no model (no ``config.json``, ``modules.json`` or adapter
+    config), saying where the model is when it is a training output or one of its checkpoints; transformers would
+    say only that ``config.json`` lacks a ``model_type``."""
+    if not folder.is_dir() or any((folder / name).is_file() for name in ("config.json", "modules.json",
+                                                                          ADAPTER_CONFIG)):
+        return
+    if (folder / "model").is_dir() and any((folder / name).is_file() for name in ("train_state.json", "state.pt")):
+        raise DprGcError(f"model {str(folder)!r}: a training checkpoint, not a model folder; its model is "
+                         f"{folder / 'model'}")
+    steps = sorted(int(p.name[11:]) for p in folder.glob("checkpoint-*") if p.name[11:].isdigit() and p.is_dir())
+    done = [str(folder / name) for name in ("final", "best") if (folder / name).is_dir()]
+    if done or steps or (folder / "train_config.json").is_file():
+        where = f"use {' or '.join(done)}" if done else "it holds no trained model yet"
+        if steps and not done:
+            where = f"its latest checkpoint's model is {folder / f'checkpoint-{steps[-1]}' / 'model'}"
+        raise DprGcError(f"model {str(folder)!r}: a training output folder, not a model folder; {where}")
+    raise DprGcError(f"model {str(folder)!r}: not a model folder (no config.json); give the folder a model was saved "
+                     "to, or a Hugging Face model name")
 
 
 def check_tokenizer_file(path: Path) -> None:
