@@ -354,17 +354,44 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_demo)
 
 
+# what a finished stage of the demo leaves (written last), and its name in the Ctrl-C message
+FINISHED_STAGES = (("data/manifest.json", "the dataset"), ("base_model/retriever_config.json", "the base model"),
+                   ("before/metrics.json", "the 'before' measurement"),
+                   ("training/final/retriever_config.json", "the trained model"),
+                   ("after/metrics.json", "the 'after' measurement"))
+
+
+def demo_kept(out: Path, interrupt: KeyboardInterrupt) -> Optional[str]:
+    """What an interrupted demo in ``out`` keeps, from what is there: its finished stages, training's latest
+    checkpoint, and the interrupted stage's own line (the blocks a corpus encoding kept, the questions a retrieval
+    kept; not training's, which names ``--resume``, a flag the demo does without); None when nothing is kept."""
+    from .train.checkpoints import finished_checkpoints
+
+    if not out.is_dir():
+        return None
+    done = [name for path, name in FINISHED_STAGES if (out / path).is_file()]
+    parts = [f"{', '.join(done[:-1])} and {done[-1]} are kept in {out}" if len(done) > 1 else
+             f"{done[0]} is kept in {out}"] if done else []
+    training = out / "training"
+    in_training = training.is_dir() and "the trained model" not in done
+    checkpoints = finished_checkpoints(training) if in_training else []
+    if checkpoints:
+        parts.append(f"training's {checkpoints[-1].name} is kept in {training} and training resumes from it")
+    if isinstance(interrupt, Interrupted) and str(interrupt) and not in_training:
+        return "; ".join([*parts, str(interrupt)])  # the stage's own line says what it kept and how to go on
+    return "; ".join([*parts, "run the same command again to resume"]) if parts else None
+
+
 @guarded(inputs=("model",), outputs={"output": "folder"})
 def _cli_demo(args: Any) -> None:
     config = from_args(DemoFlags, args).config()
     try:
         report = run_demo(config)
-    except KeyboardInterrupt:
-        out = Path(config.output_dir)
-        if not out.is_dir() or not (started_stages(out) or (out / "data").is_dir()):
+    except KeyboardInterrupt as interrupt:
+        kept = demo_kept(Path(config.output_dir), interrupt)
+        if kept is None:
             raise  # nothing to resume from: the general line
-        raise Interrupted(f"the stages finished and training's checkpoints are kept in {config.output_dir}; run the "
-                          "same command again to resume") from None
+        raise Interrupted(kept) from None
     print(format_report(report))
     outputs = report["outputs"]
     print(f"\nfinished in {report['seconds']:.0f} s; trained retriever: {outputs['model']}\n"

@@ -107,8 +107,9 @@ def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, caps
     monkeypatch.setattr(stdlib_data, "build_stdlib_dataset", real_build)
     monkeypatch.setattr(Trainer, "train_step", interrupted)
     assert main(args) == 130
-    assert (f"interrupted: the stages finished and training's checkpoints are kept in {out}; run the same command "
-            "again to resume") in capsys.readouterr().err
+    assert (f"interrupted: the dataset, the base model and the 'before' measurement are kept in {out}; training's "
+            f"checkpoint-4 is kept in {out / 'training'} and training resumes from it; run the same command again to "
+            "resume") in capsys.readouterr().err
     assert (out / "training" / "checkpoint-4").is_dir() and not (out / "training" / "final").exists()
     before = (out / "before" / "results.json").stat().st_mtime_ns
     monkeypatch.setattr(Trainer, "train_step", real_step)
@@ -122,6 +123,32 @@ def test_demo_interrupted_in_training_resumes_from_its_checkpoint(tmp_path, caps
     assert (out / "before" / "results.json").stat().st_mtime_ns == before, "the rerun measured 'before' again"
     assert "resumed from step 4 (epoch 0, 4 batches into it)" in caplog.text, caplog.text[-2000:]
     assert [step for step, _ in json.loads((out / "metrics.json").read_text())["training_loss"]] == [1, 2, 3, 4, 5]
+
+
+def test_demo_interrupted_in_its_first_encoding_names_what_is_kept(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the demo encodes the corpus for "before" (training not started) names the stages that finished
+    and the encoder's own line, the blocks it kept and where; it claimed "the stages finished and training's
+    checkpoints are kept" (there were none) and hid the encoder's line."""
+    from dpr_gc.retrieval import encode
+
+    out = tmp_path / "demo"
+    args = ["demo", "--output", str(out), "--model", str(tiny_model_folder(tmp_path)), "--max-examples", "200",
+            "--train-queries", "64", "--batch-size", "32", "--chunk-size", "8", "--passage-max-length", "32"]
+    real_encode, real_part, calls = encode.encode_corpus, encode._encode_part, []
+
+    def second_block_interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_part(*args, **kwargs)
+
+    monkeypatch.setattr(encode, "encode_corpus", lambda *a, **kw: real_encode(*a, **{**kw, "block_size": 16}))
+    monkeypatch.setattr(encode, "_encode_part", second_block_interrupted)
+    assert main(args) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"interrupted: the dataset and the base model are kept in {out}; shard-00000-of-00001: "
+                           f"1 of ") and f"blocks of 16 passages are kept in {out / 'before' / 'embeddings'}" in line
+    assert "checkpoint" not in line and "training" not in line and not (out / "training").exists()
 
 
 def test_a_measured_stage_shows_retrieval_progress_out_of_the_test_questions(tmp_path, make_retriever, monkeypatch):
