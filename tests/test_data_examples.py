@@ -107,7 +107,19 @@ def _results_flags(command: str) -> list[str]:
 
 def test_the_docs_name_only_commands_that_read_results_files_as_their_readers():
     """data/README.md said `mine` reads DPR retriever results and formats.md listed mining as a use of the compact
-    form, but mine has no flag taking a results file: every reader the two tables name has one."""
+    form, and `retrieve --help` said --compact results are "for evaluate and mine", but mine has no flag taking a
+    results file: every reader the two tables and the help name has one."""
+    import argparse
+
+    from dpr_gc.cli import STAGES, build_parser
+
+    parser = build_parser("retrieve")
+    retrieve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["retrieve"]
+    compact = next(a.help for a in retrieve._actions if "--compact" in a.option_strings)
+    named = [word for word in re.findall(r"[a-z-]+", compact) if word in STAGES]
+    assert named, compact
+    for command in named:
+        assert _results_flags(command), f"retrieve --help names {command} as reading --compact results: {compact}"
     readme = (EXAMPLES.parent / "README.md").read_text().splitlines()
     formats = (EXAMPLES.parents[1] / "docs" / "formats.md").read_text().splitlines()
     cells = [line.split("|")[3] for line in readme if line.startswith("| DPR retriever results")]

@@ -58,7 +58,7 @@ class RetrieveSettings:
     output: Optional[PathLike] = setting(None, "--output", type=output_file,
                                          help="write DPR retriever JSON here (JSONL when named .jsonl; .gz compresses)")
     compact: bool = setting(False, "--compact", help="results without passage title and text: ids, scores and "
-                                                     "has_answer (for evaluate and mine)")
+                                                     "has_answer (all that evaluate reads)")
     workers: int = setting(1, "--workers", type=nonnegative_int, cli_default=0,
                            help="processes that tokenise passages for answer matching (0: all cores; default 0 on "
                                 "the command line, 1 in code)")
