@@ -183,6 +183,16 @@ def test_a_misspelt_command_flag_or_choice_is_named_with_the_closest_one(argv: l
         assert "did you mean" not in error_line(*call(cli.main, nothing_close))
 
 
+def test_an_abbreviated_flag_with_an_underscore_alias_is_that_flag() -> None:
+    """``--learning`` matches ``--learning-rate`` and its alias ``--learning_rate``: one flag, once refused as
+    "ambiguous option: --learning could match --learning-rate, --learning_rate". Two flags stay ambiguous."""
+    base = ["train", "--train", "t.json", "--output", "o"]
+    parsed = cli.build_parser("train").parse_args([*base, "--learning", "1e-5", "--hard", "2", "--bat", "4"])
+    assert (parsed.learning_rate, parsed.hard_negatives, parsed.batch_size) == (1e-5, 2, 4)
+    line = error_line(*call(cli.main, [*base, "--dev-b", "4"]))
+    assert "ambiguous option: --dev-b could match --dev-batch-size, " in line and "--dev-beir-split" in line, line
+
+
 def test_an_interrupt_while_a_command_loads_is_one_line(monkeypatch) -> None:
     """Ctrl-C in the seconds a stage takes to import torch printed an 18-frame traceback and died of SIGINT."""
     def loading(*args: Any, **kwargs: Any) -> None:

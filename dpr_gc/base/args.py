@@ -101,6 +101,12 @@ class ArgumentParser(argparse.ArgumentParser):
                                          % {"value": value, "choices": choices} + f"; did you mean {match!r}?")
         super()._check_value(action, value)
 
+    def _get_option_tuples(self, option_string: str) -> list:
+        """argparse's matches of an abbreviated flag, one per flag: ``--learning`` matches ``--learning-rate`` and
+        its alias ``--learning_rate``, one flag, which argparse refused as ambiguous."""
+        matches = super()._get_option_tuples(option_string)
+        return [match for i, match in enumerate(matches) if all(match[0] is not m[0] for m in matches[:i])]
+
     def dash_value(self, error: argparse.ArgumentError, args: Sequence[str]) -> Optional[str]:
         """Why ``error`` arose, when it is a one-value flag followed by a word that starts with '-' but is none of
         this parser's options (argparse takes any such word but a plain negative number for an unknown flag)."""
