@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..base.errors import DprGcError
 from ..base.files import torch_load_weights, weights_only_reason
 from .config import RetrieverConfig
@@ -76,7 +78,8 @@ def load_dpr_checkpoint(retriever_cls: Any, path: str | Path) -> Any:
     towers = {}
     for side, prefix in (("query", "question_model."), ("passage", "ctx_model.")):
         weights, projection = _tower(state["model_dict"], prefix)
-        model = AutoModel.from_config(hf_config, add_pooling_layer="pooler.dense.weight" in weights)
+        model = AutoModel.from_config(hf_config, add_pooling_layer="pooler.dense.weight" in weights,
+                                      dtype=torch.float32)  # not the config's saved dtype: precision is autocast's
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not k.endswith("position_ids")]
         if missing or unexpected:

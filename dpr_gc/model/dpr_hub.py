@@ -54,8 +54,9 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
         refuse_custom_code(folder)
         check_weights_folder(folder)
     try:
-        question = DPRQuestionEncoder.from_pretrained(str(question_dir)).question_encoder
-        context = DPRContextEncoder.from_pretrained(str(context_dir)).ctx_encoder
+        # float32 whatever the saved dtype: precision is autocast's (see load_transformer)
+        question = DPRQuestionEncoder.from_pretrained(str(question_dir), dtype=torch.float32).question_encoder
+        context = DPRContextEncoder.from_pretrained(str(context_dir), dtype=torch.float32).ctx_encoder
     except (OSError, ValueError) as e:
         raise DprGcError(f"cannot load the DPR checkpoints in {question_dir.parent}: {str(e).splitlines()[0]}") from None
     query_bert, context_bert = _dpr_bert(question), _dpr_bert(context)

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from ..base.errors import DprGcError
@@ -28,7 +29,9 @@ WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
 
 
 def load_transformer(name_or_path: str | Path) -> nn.Module:
-    """A Hugging Face model by name or folder; a folder holding a PEFT adapter loads on top of its base model."""
+    """A Hugging Face model by name or folder; a folder holding a PEFT adapter loads on top of its base model.
+    Weights load as float32 whatever dtype they were saved in (transformers would keep a saved fp16/bf16): training
+    updates them in fp32 and ``--precision`` sets the compute dtype through autocast alone."""
     from transformers import AutoModel
 
     check_model_folder(name_or_path)
@@ -38,7 +41,8 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     check_model_source(str(name_or_path))
     check_layers_saved(Path(name_or_path), check_weights_folder(name_or_path))
     try:
-        model, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False, output_loading_info=True)
+        model, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False, output_loading_info=True,
+                                                dtype=torch.float32)
     except pickle.UnpicklingError as e:
         reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
         raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
@@ -92,7 +96,8 @@ def size_mismatch(name_or_path: str | Path) -> str:
     try:
         with dependency_deprecations_hidden():
             _, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False,
-                                                ignore_mismatched_sizes=True, output_loading_info=True)
+                                                ignore_mismatched_sizes=True, output_loading_info=True,
+                                                dtype=torch.float32)
     except (RuntimeError, MemoryError):  # the config's sizes do not fit this machine's memory
         info = {}
     found = list(info.get("mismatched_keys") or [])

@@ -1,0 +1,54 @@
+"""Models come in as they were saved, or are refused in one line: weights saved in fp16/bf16 load as float32 (the
+precision of a run is autocast's alone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dpr_gc.model.retriever import Retriever
+from tests.helpers import gather, passages, tiny_bert, write_corpus
+
+TEXTS = ["who was the king of france", "a film with music from london", "paris is the city of france on the river"]
+
+
+def save_in_dtypes(tokenizer, folder: Path, dtype: torch.dtype) -> tuple[Path, Path]:
+    """One tiny BERT rounded to ``dtype``, saved in ``dtype`` and, the same rounded weights, in float32."""
+    model = tiny_bert(len(tokenizer), seed=4).to(dtype)
+    half, full = folder / "half", folder / "fp32"
+    model.save_pretrained(half)
+    model.float().save_pretrained(full)
+    for path in (half, full):
+        tokenizer.save_pretrained(path)
+    return half, full
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_weights_load_as_float32(tiny_tokenizer, tmp_path, dtype) -> None:
+    """A model saved in fp16/bf16 loads with float32 parameters (transformers 5 would keep the saved dtype, so
+    AdamW would update half weights and ``--precision fp32`` would compute in half), embedding exactly as the fp32
+    copy of the same weights; a DPR ``.cp`` whose config was saved in half builds float32 towers too."""
+    half, full = save_in_dtypes(tiny_tokenizer, tmp_path, dtype)
+    retriever = Retriever.load(half)
+    assert {p.dtype for p in retriever.parameters()} == {torch.float32}
+    np.testing.assert_array_equal(retriever.embed("passage", TEXTS), Retriever.load(full).embed("passage", TEXTS))
+    weights = {f"{side}.{k}": v for k, v in retriever.query_encoder.transformer.state_dict().items()
+               for side in ("question_model", "ctx_model")}
+    torch.save({"model_dict": weights, "encoder_params": {"pretrained_model_cfg": str(half)}}, tmp_path / "dpr.cp")
+    assert {p.dtype for p in Retriever.load(tmp_path / "dpr.cp").parameters()} == {torch.float32}
+
+
+def test_encode_at_fp32_computes_in_fp32_from_half_weights(tiny_tokenizer, tmp_path) -> None:
+    """``dpr-gc encode --precision fp32`` on a model saved in fp16 writes the shards of its fp32 copy."""
+    from dpr_gc.cli import main
+
+    half, full = save_in_dtypes(tiny_tokenizer, tmp_path, torch.float16)
+    corpus = write_corpus(tmp_path / "data", passages(6), "jsonl")
+    for model in (half, full):
+        assert main(["encode", "--model", str(model), "--corpus", str(corpus), "--output",
+                     str(tmp_path / f"emb_{model.name}"), "--cache-dir", str(tmp_path / "cache"), "--precision",
+                     "fp32", "--device", "cpu"]) == 0
+    np.testing.assert_array_equal(gather(tmp_path / "emb_half")[1], gather(tmp_path / "emb_fp32")[1])
