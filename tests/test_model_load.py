@@ -1,5 +1,5 @@
 """Models come in as they were saved, or are refused in one line: weights saved in fp16/bf16 load as float32 (the
-precision of a run is autocast's alone)."""
+precision of a run is autocast's alone); separate towers of different widths are refused at load."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import BertConfig, BertModel
 
-from dpr_gc.model.retriever import Retriever
+from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from tests.helpers import gather, passages, tiny_bert, write_corpus
 
 TEXTS = ["who was the king of france", "a film with music from london", "paris is the city of france on the river"]
@@ -52,3 +53,33 @@ def test_encode_at_fp32_computes_in_fp32_from_half_weights(tiny_tokenizer, tmp_p
                      str(tmp_path / f"emb_{model.name}"), "--cache-dir", str(tmp_path / "cache"), "--precision",
                      "fp32", "--device", "cpu"]) == 0
     np.testing.assert_array_equal(gather(tmp_path / "emb_half")[1], gather(tmp_path / "emb_fp32")[1])
+
+
+def wide_bert(vocab_size: int, hidden: int) -> BertModel:
+    """A random 1-layer BERT of hidden size ``hidden``."""
+    torch.manual_seed(5)
+    return BertModel(BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=37, max_position_embeddings=128))
+
+
+@pytest.mark.parametrize("kind", ["dpr-gc", "sentence-transformers"])
+def test_towers_of_different_widths_are_refused_in_one_line(tiny_tokenizer, tmp_path, capsys, kind) -> None:
+    """A separate-tower folder whose query transformer is 32 wide and document transformer 64 (a dpr-gc folder, or
+    a foreign sentence-transformers Router folder) is refused at load, naming the folder and both widths, where
+    encode failed with a broadcast traceback and train at its first step."""
+    from dpr_gc.cli import main
+
+    folder = tmp_path / "model"
+    vocab = len(tiny_tokenizer)
+    Retriever(wide_bert(vocab, 32), wide_bert(vocab, 64), tiny_tokenizer, RetrieverConfig(shared_encoder=False)) \
+        .save(folder)
+    if kind == "sentence-transformers":
+        for name in ("retriever_config.json", "heads.safetensors"):
+            (folder / name).unlink()
+    corpus = write_corpus(tmp_path / "data", passages(3), "jsonl")
+    capsys.readouterr()  # transformers' save bars
+    assert main(["encode", "--model", str(folder), "--corpus", str(corpus), "--output", str(tmp_path / "emb"),
+                 "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {folder}: the query tower gives vectors of width 32 and the passage (document) "
+                          "tower of width 64") and len(err.splitlines()) == 1, err

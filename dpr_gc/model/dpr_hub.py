@@ -70,7 +70,7 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
         retriever.passage_encoder.projection.load_state_dict(context.encode_proj.state_dict())
     retriever.training_info["imported_from"] = {"DPRQuestionEncoder": str(question_dir),
                                                 "DPRContextEncoder": str(context_dir)}
-    return retriever
+    return retriever.check_widths(question_dir.parent)
 
 
 def one_tokenizer(query_dir: Path, query_model: nn.Module, passage_dir: Path, passage_model: nn.Module) -> Any:

@@ -421,7 +421,7 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
                 raise DprGcError(f"{folder}: projection_dim is set but the tower has no projection Dense layer")
             _load_linear(projection[0], encoder.projection)
     load_heads(folder, retriever, projections=False)
-    return retriever
+    return retriever.check_widths(folder)
 
 
 def lower_case(tokenizer: Any, towers: dict[str, Tower], folder: Path) -> None:
@@ -464,7 +464,7 @@ def load_format1(retriever_cls: Any, folder: Path, config: Any) -> Any:
     p_model = None if config.shared_encoder else load_transformer(folder / "passage_encoder")
     retriever = retriever_cls(q_model, p_model, load_tokenizer(folder / "tokenizer", q_model), config)
     load_heads(folder, retriever, projections=True)
-    return retriever
+    return retriever.check_widths(folder)
 
 
 def load_heads(folder: Path, retriever: Any, projections: bool) -> None:

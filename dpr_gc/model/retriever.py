@@ -101,6 +101,11 @@ class Encoder(nn.Module):
             pooler.requires_grad_(False)
 
     @property
+    def dim(self) -> int:
+        """The width of this tower's vectors: the projection's output, else the transformer's hidden size."""
+        return self.projection.out_features if self.projection is not None else self.transformer.config.hidden_size
+
+    @property
     def counts_positions_from_mask(self) -> bool:
         """Whether positions start at each row's first real token (see :meth:`forward`), so that Gradient Cache may
         cut a chunk's left padding exactly (:func:`dpr_gc.engine.grad_cache.trims_exactly`)."""
@@ -357,8 +362,19 @@ class Retriever(nn.Module):
 
     @property
     def dim(self) -> int:
-        proj = self.query_encoder.projection
-        return proj.out_features if proj is not None else self.query_encoder.transformer.config.hidden_size
+        """The width of the vectors both towers give (:meth:`check_widths` makes them one)."""
+        return self.query_encoder.dim
+
+    def check_widths(self, where: str | Path) -> "Retriever":
+        """Refuse towers whose vectors differ in width (separate towers of different hidden sizes, loaded from
+        ``where``): a score is the dot product of a query and a passage vector, so encoding, retrieval and training
+        would each fail at their first batch. Returns the retriever."""
+        query, passage = self.query_encoder.dim, self.passage_encoder.dim
+        if query != passage:
+            raise DprGcError(f"{where}: the query tower gives vectors of width {query} and the passage (document) "
+                             f"tower of width {passage}; a retriever's towers must give one width (towers of one "
+                             "hidden size, or a projection Dense layer of one out_features in each)")
+        return self
 
 
 def grad_free(module: nn.Module) -> Any:
