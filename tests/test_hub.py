@@ -5,6 +5,7 @@ The bound (20 s) is the issue's target; the probe itself gives up after 4 s."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -109,3 +110,26 @@ def test_cli_gives_one_error_line(tmp_path: Path, refusing_endpoint) -> None:
     assert result.returncode == 2
     assert result.stderr.splitlines() == [l for l in result.stderr.splitlines() if l.startswith("error: ")]
     assert len(result.stderr.splitlines()) == 1 and "is unreachable" in result.stderr
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_dpr_checkpoint_naming_an_unreachable_hub_config_fails_fast(tmp_path: Path, monkeypatch, offline,
+                                                                       silent_endpoint) -> None:
+    """A DPR ``.cp`` whose ``pretrained_model_cfg`` is a Hub name goes through the same check as ``--model``: refused
+    within seconds, naming the file, with the Hub off or black-holed (transformers would retry for minutes)."""
+    import torch
+
+    checkpoint = tmp_path / "dpr_biencoder.0.cp"
+    torch.save({"model_dict": {"question_model.embeddings.word_embeddings.weight": torch.zeros(2, 2)},
+                "encoder_params": {"pretrained_model_cfg": NAME}}, checkpoint)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_ENDPOINT", silent_endpoint)
+    began = time.perf_counter()
+    expected = f"{checkpoint}: its encoder_params.pretrained_model_cfg: cannot load model '{NAME}': it is not a local"
+    with pytest.raises(DprGcError, match=f"^{re.escape(expected)} folder"):
+        Retriever.load(checkpoint)
+    assert time.perf_counter() - began < 20

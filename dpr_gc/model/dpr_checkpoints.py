@@ -18,6 +18,7 @@ import torch
 from ..base.errors import DprGcError
 from ..base.files import torch_load_weights, weights_only_reason
 from .config import RetrieverConfig
+from .hub import check_model_source
 from .pretrained import load_tokenizer, missing_layers
 
 CONVERT_HINT = ("convert it where you trust the file: python -c \"import torch; s = torch.load('{path}', "
@@ -63,6 +64,10 @@ def load_dpr_checkpoint(retriever_cls: Any, path: str | Path) -> Any:
         raise DprGcError(f"{p}: encoder_params has no pretrained_model_cfg, so the model config is unknown")
     if params.get("encoder_model_type") not in (None, "hf_bert"):
         raise DprGcError(f"{p}: encoder_model_type {params['encoder_model_type']!r} is not supported (only hf_bert)")
+    try:  # a Hub name is refused within seconds offline, not after transformers' minute of retries
+        check_model_source(str(name))
+    except DprGcError as e:
+        raise DprGcError(f"{p}: its encoder_params.pretrained_model_cfg: {e}") from None
     try:
         hf_config = AutoConfig.from_pretrained(str(name), trust_remote_code=False)
     except (OSError, ValueError) as e:
