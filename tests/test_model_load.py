@@ -1,13 +1,17 @@
 """Models come in as they were saved, or are refused in one line: weights saved in fp16/bf16 load as float32 (the
-precision of a run is autocast's alone); separate towers of different widths are refused at load."""
+precision of a run is autocast's alone); separate towers of different widths are refused at load; a
+sentence-transformers Dense layer without a bias loads and saves as it is."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
+from sentence_transformers import SentenceTransformer
 from transformers import BertConfig, BertModel
 
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
@@ -83,3 +87,33 @@ def test_towers_of_different_widths_are_refused_in_one_line(tiny_tokenizer, tmp_
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {folder}: the query tower gives vectors of width 32 and the passage (document) "
                           "tower of width 64") and len(err.splitlines()) == 1, err
+
+
+def test_a_dense_layer_without_bias_loads_and_saves_as_it_is(make_retriever, tiny_tokenizer, tmp_path) -> None:
+    """A sentence-transformers folder whose projection Dense layer has ``"bias": false`` (refused before: "not the
+    projection this retriever expects ('linear.bias')") embeds as transformer -> mean pooling -> the bias-less
+    linear -> normalize computed by hand, and saved again keeps its layer bias-less (sentence-transformers loads it
+alike)."""
+    folder = tmp_path / "st"
+    make_retriever(projection_dim=8, normalize=True).save(folder)
+    for name in ("retriever_config.json", "heads.safetensors"):
+        (folder / name).unlink()
+    torch.manual_seed(6)
+    weight = torch.randn(8, 32)
+    save_file({"linear.weight": weight}, str(folder / "2_Dense" / "model.safetensors"))
+    dense = json.loads((folder / "2_Dense" / "config.json").read_text())
+    (folder / "2_Dense" / "config.json").write_text(json.dumps({**dense, "bias": False}))
+    retriever = Retriever.load(folder)
+    assert retriever.query_encoder.projection.bias is None
+    with torch.no_grad():
+        batch = tiny_tokenizer(TEXTS, padding=True, return_tensors="pt")
+        states = BertModel.from_pretrained(folder).eval()(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        expected = torch.nn.functional.normalize(((states * mask).sum(1) / mask.sum(1)) @ weight.T, dim=-1)
+    np.testing.assert_allclose(retriever.embed("passage", TEXTS), expected.numpy(), rtol=0, atol=1e-5)
+    retriever.save(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "2_Dense" / "config.json").read_text())["bias"] is False
+    np.testing.assert_array_equal(Retriever.load(tmp_path / "again").embed("passage", TEXTS),
+                                  retriever.embed("passage", TEXTS))
+    st_model = SentenceTransformer(str(tmp_path / "again"), device="cpu")
+    np.testing.assert_allclose(st_model.encode(TEXTS), expected.numpy(), rtol=0, atol=1e-5)

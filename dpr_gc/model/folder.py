@@ -419,6 +419,7 @@ def load_pipeline_retriever(retriever_cls: Any, folder: Path, towers: dict[str, 
         if encoder.projection is not None:
             if len(projection) != 1:
                 raise DprGcError(f"{folder}: projection_dim is set but the tower has no projection Dense layer")
+            encoder.projection = _dense_linear(projection[0], encoder.projection)
             _load_linear(projection[0], encoder.projection)
     load_heads(folder, retriever, projections=False)
     return retriever.check_widths(folder)
@@ -442,6 +443,15 @@ def lower_case(tokenizer: Any, towers: dict[str, Tower], folder: Path) -> None:
 
     if not lowercases(tokenizer):
         tokenizer.backend_tokenizer.normalizer = Sequence([Lowercase(), *normalizers(tokenizer)])
+
+
+def _dense_linear(folder: Path, linear: nn.Linear) -> nn.Linear:
+    """``linear``, or one of its shape without a bias where the Dense layer in ``folder`` has ``"bias": false``
+    (sentence-transformers' Dense may have none; a retriever builds its projections with one). Saved again, the
+    folder keeps its layer bias-less (:func:`_write_dense`)."""
+    if read_json_object(folder / "config.json").get("bias", True):
+        return linear
+    return nn.Linear(linear.in_features, linear.out_features, bias=False)
 
 
 def _load_linear(folder: Path, linear: nn.Linear) -> None:
