@@ -282,6 +282,32 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over(task: dict, tmp_p
         check_start(left, None)
 
 
+def test_a_new_run_from_the_starting_model_left_in_best_is_refused_and_removes_nothing(task: dict, tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """A run stopped before its first checkpoint leaves the starting model in best/, which a new run in that
+    --output removes: a new run that starts from it (--model OUT/best --output OUT) is refused in one line, and
+    best/ is kept."""
+    scripted_dev(monkeypatch, {0: 2.0, 1: 3.0}, {})
+    out = tmp_path / "out"
+    real_step = interrupt_at_step(monkeypatch, 1)
+    code, err = call(cli.main, argv_without_checkpoints(task, out, "--dev", task["dpr"], "--max-steps", "2"))
+    assert code == 130 and (out / "best").is_dir(), err
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    before = saved_weights(out / "best")
+    args = argv_without_checkpoints(task, out, "--max-steps", "1")
+    args[args.index("--model") + 1] = out / "best"
+    code, err = call(cli.main, args)
+    assert code == 2 and err.strip() == (f"error: --model {out / 'best'} lies inside {out / 'best'}, the starting "
+                                         "model an interrupted run left, which a new run in this --output removes: "
+                                         "copy it elsewhere and start from the copy, or choose a new --output"), err
+    after = saved_weights(out / "best")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    shutil.copytree(out / "best", tmp_path / "copy")
+    args[args.index("--model") + 1] = tmp_path / "copy"
+    code, err = call(cli.main, args)
+    assert code == 0 and (out / "final").is_dir(), err
+
+
 def test_a_run_stopped_with_a_trained_best_before_its_first_checkpoint_says_what_to_do(task: dict, tmp_path: Path,
                                                                                        monkeypatch) -> None:
     """Stopped after a step beat the starting model (best/ holds it) but before any checkpoint: the same command

@@ -95,6 +95,13 @@ def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: 
                                  "one); give each output its own path")
 
 
+def lies_within(path: PathLike, folder: PathLike) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it, also through links (compared as :func:`check_outputs`
+    compares an output with an input)."""
+    ident = _identity(Path(path))
+    return _same(ident, _identity(Path(folder))) or _inside(ident, Path(folder))
+
+
 def check_inputs_given(inputs: Mapping[str, Any]) -> None:
     """Refuse an input given as an empty path (``--queries ""``): ``Path("")`` is the working folder, read as
     whatever the flag expects, with an error naming another flag."""

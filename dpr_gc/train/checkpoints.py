@@ -7,7 +7,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.errors import DiskFullError, DprGcError, is_disk_full
-from ..base.guard import check_outputs
+from ..base.guard import check_outputs, lies_within
 from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
@@ -145,11 +145,13 @@ def check_layout(checkpoint: Path, fsdp: bool) -> None:
         raise DprGcError(f"{checkpoint}: this checkpoint was written {written} --fsdp; resume it the same way")
 
 
-def check_start(out: Path, resume: Optional[str]) -> None:
+def check_start(out: Path, resume: Optional[str], inputs: Optional[Mapping[str, Any]] = None) -> None:
     """Before the model and data are loaded: ``--resume`` names a checkpoint that ``--output`` neither is nor lies
     inside (the run would write into the checkpoint it reads), and a new run is refused a folder
     holding an earlier run's checkpoints, ``final/`` or ``best/`` (a new run would leave the earlier ``best/``
-    beside its own ``final/``). An empty ``--resume`` is refused, not read as none given."""
+    beside its own ``final/``), or an input (``inputs``: ``{flag: path or paths}``) inside the starting model's
+    ``best/`` that it would remove (:func:`left_at_start`). An empty ``--resume`` is refused, not read as none
+    given."""
     if resume is not None and not resume.strip():
         raise DprGcError("--resume is empty; give a checkpoint folder or 'latest'")
     if resume:
@@ -162,6 +164,18 @@ def check_start(out: Path, resume: Optional[str]) -> None:
     if done:
         raise DprGcError(f"{out} already holds the trained model of an earlier run "
                          f"({', '.join(n + '/' for n in done)}); choose a new --output, or delete it first")
+    if left_at_start(out):
+        check_inputs_kept(out / "best", inputs or {})
+
+
+def check_inputs_kept(best: Path, inputs: Mapping[str, Any]) -> None:
+    """Refuse an input inside ``best``, the starting model an interrupted run left, which a new run removes."""
+    for flag, value in inputs.items():
+        for path in value if isinstance(value, (list, tuple)) else [value]:
+            if path is not None and lies_within(path, best):
+                raise DprGcError(f"{flag} {path} lies inside {best}, the starting model an interrupted run left, "
+                                 "which a new run in this --output removes: copy it elsewhere and start from the "
+                                 "copy, or choose a new --output")
 
 
 def left_at_start(out: Path) -> bool:

@@ -115,7 +115,7 @@ class Trainer:
         self.owns_group = self.owns_group and dist.is_initialized()
         seed_everything(config.run.seed)
         self.out = Path(config.run.output_dir)
-        check_start(self.out, config.run.resume)  # before minutes of loading the model and parsing the data
+        check_start(self.out, config.run.resume, self.inputs())  # before minutes of loading the model and the data
         checkpoint = resolve_checkpoint(self.out, config.run.resume) if config.run.resume else None
         recorded = recorded_settings(checkpoint, self.out) if checkpoint else None
         recorded = (recorded[0], resolve_recorded_recipe(recorded[1])) if recorded else None
@@ -158,6 +158,11 @@ class Trainer:
         self.created_out = not self.out.exists()  # a fresh run refused before its first step removes it again
         if self.rank == 0:  # only once the model and data are checked: a refused run leaves nothing in --output
             self.out.mkdir(parents=True, exist_ok=True)
+
+    def inputs(self) -> dict[str, Any]:
+        """The run's inputs by flag (the model, the training and dev data), which it never removes."""
+        data = self.config.data
+        return {"--model": self.config.model.name, "--train": data.train_files, "--dev": data.dev_file}
 
     # ----------------------------------------------------------------- building
     def resolve(self, config: TrainConfig, recorded: Optional[dict]) -> TrainConfig:
@@ -316,7 +321,7 @@ class Trainer:
         """A new run: refuse a folder that holds checkpoints or an earlier run's final/ or best/ (checked again: the
         constructor checked before loading), and clear an old metrics file and the starting model that a run
         stopped before its first checkpoint left in best/."""
-        check_start(self.out, None)
+        check_start(self.out, None, self.inputs())
         if self.rank == 0:
             self.metrics_file.unlink(missing_ok=True)
             if left_at_start(self.out):
