@@ -3,6 +3,7 @@ log states the chunking, the kept share of graphs and the measured peak."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from unittest import mock
@@ -10,12 +11,14 @@ from unittest import mock
 import pytest
 import torch
 
+from dpr_gc import GradCache, SimpleContrastiveLoss
 from dpr_gc.cli import main
+from dpr_gc.base.errors import DprGcError
 from dpr_gc.train import chunks
 from dpr_gc.train import trainer as trainer_module
 from dpr_gc.train.chunks import auto_chunk_size, largest_fitting_rows
-from dpr_gc.train.trainer import Trainer
-from tests.train_data import init_model, make_records, task_config as config, write_dpr
+from dpr_gc.train.trainer import Trainer, train
+from tests.train_data import init_model, make_records, model_params, task_config as config, write_dpr
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +117,42 @@ def test_summary_table_says_what_the_budget_kept_and_the_device(task, tmp_path, 
     assert "| device | cpu |" in out
     assert main(base + ["--output", str(tmp_path / "plain"), "--no-grad-cache"]) == 0
     assert "| graphs kept (last step, budget) | - |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget", ["12MB", "auto"])
+def test_resume_with_a_memory_budget_equals_uninterrupted(tmp_path, budget):
+    """Joining chunks from a run's second step on depends on the bytes per token the engine measured in its first:
+    a checkpoint saves what the engine learnt (as JSON) and the resumed run restores it, so with dropout its
+    weights equal an uninterrupted run's bit for bit (the resumed first step ran unjoined chunks: other dropout
+    draws)."""
+    task = {"dir": tmp_path, "model": init_model(tmp_path, dropout=0.1),
+            "train": write_dpr(tmp_path / "t.json", make_records(32, 3))}
+    common = dict(max_steps=4, save_every=2, batch_size=8, memory_budget=budget)
+    train(config(task, tmp_path / "a", **common))
+
+    def crash(step: int, retriever) -> None:
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(config(task, tmp_path / "b", **common), on_backward=crash)
+    saved = json.loads((tmp_path / "b" / "checkpoint-2" / "train_state.json").read_text())
+    assert any(key == "grad_cache" and value is not None for key, value in saved["__dict__"]), saved.keys()
+    train(config(task, tmp_path / "b", resume="latest", **common))
+    a, b = model_params(tmp_path / "a" / "final"), model_params(tmp_path / "b" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_grad_cache_state_round_trips_and_a_damaged_one_is_refused():
+    """GradCache.state_dict() is plain numbers (JSON keeps them; int keys come back as strings and are read back)."""
+    torch.manual_seed(0)
+    encoder, loss_fn = torch.nn.Linear(8, 4), SimpleContrastiveLoss(n_hard_negatives=1)
+    cache = GradCache([encoder, encoder], chunk_sizes=2, loss_fn=loss_fn, memory_budget="1MB")
+    cache(torch.randn(6, 8), torch.randn(12, 8))
+    state = cache.state_dict()
+    assert state["per_token"] and state["last_step"]["chunks"] == [3, 6]
+    fresh = GradCache([encoder, encoder], chunk_sizes=2, loss_fn=loss_fn, memory_budget="1MB")
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert fresh.state_dict() == state
+    with pytest.raises(DprGcError, match="not a GradCache state"):
+        fresh.load_state_dict({"per_token": [1]})

@@ -24,6 +24,7 @@ helpers live in :mod:`dpr_gc.engine.chunking`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -393,6 +394,27 @@ class GradCache:
 
     def __call__(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
         return self.cache_step(*model_inputs, no_sync_except_last=no_sync_except_last, **loss_kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the engine learnt in its steps that decides the later ones, as plain numbers (for a checkpoint):
+        the bytes per token measured per model (the join limits and the graphs tried), the largest replayed graphs,
+        and the last step's report (whether a step ran; its largest graph sizes an ``auto`` budget)."""
+        last = dataclasses.asdict(self.last_step) if self.last_step is not None else None
+        return {"per_token": dict(self._per_token), "replayed_graph": dict(self._replayed_graph),
+                "replayed_per_token": dict(self._replayed_per_token), "last_step": last}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the next step chunks, joins and keeps graphs as the steps that
+        learnt it would have gone on to (a resumed run equals an uninterrupted one)."""
+        try:
+            per_token = {int(m): float(v) for m, v in state["per_token"].items()}
+            replayed = {int(m): int(v) for m, v in state["replayed_graph"].items()}
+            replayed_per_token = {int(m): float(v) for m, v in state["replayed_per_token"].items()}
+            last = StepMemory(**state["last_step"]) if state["last_step"] is not None else None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise DprGcError(f"not a GradCache state ({e})") from None
+        self._per_token, self._replayed_graph, self._replayed_per_token = per_token, replayed, replayed_per_token
+        self.last_step = last
 
     # ----------------------------------------------------------------- pieces
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:

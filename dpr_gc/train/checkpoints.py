@@ -231,9 +231,10 @@ class Checkpointer:
                 logger.info("new best dev %s %.4f at step %d -> %s", self.metric, value, step, self.best_path)
 
     def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
-             rng: Any, record: dict) -> None:
+             rng: Any, record: dict, grad_cache: Any = None) -> None:
         """Write ``checkpoint-STEP/`` whole: into a hidden sibling renamed into place, which a failure (a full disk:
-        one error line naming the checkpoint) removes again, so the finished checkpoints stay as they were."""
+        one error line naming the checkpoint) removes again, so the finished checkpoints stay as they were.
+        ``grad_cache``: what the Gradient Cache engine learnt (each rank's :meth:`GradCache.state_dict`)."""
         tmp = self.out / f".checkpoint-{step}.tmp"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -241,7 +242,7 @@ class Checkpointer:
             self._write(tmp, step, retriever, optimizer, {"step": step, "optimizer": None,
                                                            "scheduler": scheduler.state_dict(),
                                                            "scaler": scaler.state_dict(), "sampler": sampler_state,
-                                                           "rng": rng, "record": record,
+                                                           "rng": rng, "record": record, "grad_cache": grad_cache,
                                                            "best": [self.best_value, self.best_path,
                                                                     self.best_step]})
         except Exception as e:

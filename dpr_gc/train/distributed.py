@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,15 @@ def from_rank0(compute: Callable[[], T]) -> T:
     box = [compute() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def every_rank(value: T, world: int) -> Union[T, list[T]]:
+    """``value`` itself in one process, else every rank's as a list (a checkpoint restores each rank's own)."""
+    if world == 1:
+        return value
+    values: list = [None] * world
+    dist.all_gather_object(values, value)
+    return values
 
 
 def same_on_every_rank(value: Any, what: str, fix: str) -> None:

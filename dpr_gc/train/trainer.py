@@ -46,7 +46,7 @@ from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import resolve_checkpoint
 from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
-from .distributed import Towers, from_rank0, same_on_every_rank, setup_distributed
+from .distributed import Towers, every_rank, from_rank0, same_on_every_rank, setup_distributed
 from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
@@ -337,8 +337,21 @@ class Trainer:
         self.step, self.epoch = state["step"], state["sampler"]["epoch"]
         self.follow_schedule()
         restore_rng(state["rng"][self.rank] if isinstance(state["rng"], list) else state["rng"])
+        self.restore_cache(state.get("grad_cache"))
         logger.info("resumed from step %d (epoch %d, %d batches into it)", self.step, self.epoch,
                     state["sampler"]["batches_done"])
+
+    def restore_cache(self, saved: Any) -> None:
+        """Give Gradient Cache what it learnt before the checkpoint (bytes per token, graph sizes), so the resumed
+        steps join chunks and keep graphs as the uninterrupted run did (a checkpoint from before it was saved, or of
+        plain training, has none: the next step measures afresh)."""
+        if self.cache is None or saved is None:
+            return
+        try:
+            self.cache.load_state_dict(saved[self.rank] if isinstance(saved, list) else saved)
+        except (DprGcError, IndexError) as e:
+            raise DprGcError(f"--resume {self.config.run.resume}: the checkpoint's Gradient Cache state does not fit "
+                             f"this run ({e}); resume from another checkpoint") from None
 
     def follow_schedule(self) -> None:
         """Give the optimizer this run's scheduled rate for the next step. The checkpoint restored the rate of the
@@ -352,8 +365,9 @@ class Trainer:
 
     def save(self, record: dict, done_in_epoch: int, rng: dict) -> None:
         """Write ``checkpoint-STEP/`` with everything :meth:`resume` needs (``rng``: the state after this step)."""
+        cache = every_rank(self.cache.state_dict(), self.world) if self.cache is not None else None
         self.checkpointer.save(self.step, self.retriever, self.optimizer, self.scheduler, self.scaler,
-                               self.sampler.state_dict(done_in_epoch), gather_rng(rng, self.world), record)
+                               self.sampler.state_dict(done_in_epoch), gather_rng(rng, self.world), record, cache)
 
     def export(self) -> Optional[Retriever]:
         """The retriever to save, on rank 0 (None elsewhere): the trained one, or under ``--fsdp`` an unsharded
