@@ -4,6 +4,7 @@ falls back to a smaller batch when the full one runs out of memory, and writes n
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -180,10 +181,10 @@ def test_library_call_and_out_of_memory_fallback(tmp_path, monkeypatch):
                           query_chunk_size=3, passage_chunk_size=5, num_workers=0, cache_dir=str(tmp_path / "c"))
     full_step = Verifier.full_step
 
-    def small_memory(self, query, passage):
+    def small_memory(self, query, passage, ids):
         if query["input_ids"].size(0) > 4:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return full_step(self, query, passage)
+        return full_step(self, query, passage, ids)
 
     monkeypatch.setattr(Verifier, "full_step", small_memory)
     report = verify(config)
@@ -206,9 +207,9 @@ def test_batches_past_one_epoch_are_the_next_epochs_as_training_draws_them(tmp_p
                           hard_negatives=1)
     checked, check_batch = [], verify_module.check_batch
 
-    def recording(verifier, query, passage, tolerance):
+    def recording(verifier, query, passage, ids, tolerance):
         checked.append((query["input_ids"].clone(), passage["input_ids"].clone()))
-        return check_batch(verifier, query, passage, tolerance)
+        return check_batch(verifier, query, passage, ids, tolerance)
 
     monkeypatch.setattr(verify_module, "check_batch", recording)
     report = verify(config, batches=5)
@@ -222,3 +223,39 @@ def test_batches_past_one_epoch_are_the_next_epochs_as_training_draws_them(tmp_p
     for (query, passage), (want_query, want_passage) in zip(checked, drawn):
         assert torch.equal(query, want_query) and torch.equal(passage, want_passage)
     assert not torch.equal(checked[3][0], checked[0][0])  # epoch 1 is reshuffled, not epoch 0 again
+
+
+def shared_positives(path, groups: int = 3):
+    """Training data whose questions share positives (``groups`` passages, by id): duplicate positives in a batch."""
+    records = make_records(24, 1)
+    for i, record in enumerate(records):
+        g = i % groups
+        record["positive_ctxs"] = [{"title": f"shared {g}", "text": f"shared positive passage {g} paris river",
+                                    "passage_id": f"P{g}"}]
+    return write_dpr(path, records)
+
+
+def test_verify_checks_the_masked_loss_training_uses(tmp_path, capsys):
+    """Training drops a query's duplicate positives from its negatives by default; verify checked the unmasked loss
+    (it passed no passage ids) and ignored --no-mask-duplicate-positives. Its loss is now the one train's first step
+    logs, and the flag switches it to DPR's unmasked loss."""
+    model = init_model(tmp_path)
+    shared_positives(tmp_path / "train.json")
+    argv = flags(tmp_path, model, "--hard-negatives", "1")
+    code, err = call_train(capsys, ["train", *argv[1:], "--max-steps", "1"])
+    assert code == 0, err
+    logged = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert logged["masked_scores"] > 0, logged
+    losses = {}
+    for extra in ((), ("--no-mask-duplicate-positives",)):
+        code, out = run(capsys, argv + list(extra))
+        cached, full = re.search(r"\| 1 \| 6 \| (\S+) / (\S+) \|", out).groups()
+        assert code == 0 and "PASS" in out and cached == full, out
+        losses[extra] = float(cached)
+    assert abs(losses[()] - logged["loss"]) < 1e-6, (losses, logged)
+    assert abs(losses[("--no-mask-duplicate-positives",)] - logged["loss"]) > 1e-3, (losses, logged)
+
+
+def call_train(capsys, argv: list[str]) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().err

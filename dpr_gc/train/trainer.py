@@ -389,8 +389,7 @@ class Trainer:
         """One optimizer step on one batch: the gradient (cached, or one plain graph), clipping, AdamW and the
         schedule; returns the detached loss and the gradient norm before clipping."""
         query, passage = dict(batch["query"]), dict(batch["passage"])
-        ids = ({k: batch[k] for k in ("passage_ids", "positive_ids") if k in batch}  # duplicate positives dropped
-               if self.config.optim.mask_duplicate_positives else {})
+        ids = self.loss_ids(batch)
         self.optimizer.zero_grad(set_to_none=True)
         self.retriever.tau.keep_in_range_()  # past a bound its gradient would depend on the chunking
         if self.cache is not None:
@@ -410,6 +409,13 @@ class Trainer:
         self.scaler.update()
         self.scheduler.step()
         return loss, grad_norm
+
+    def loss_ids(self, batch: dict) -> dict[str, torch.Tensor]:
+        """The batch's passage and positive ids, by which the loss drops a query's other positives from its
+        negatives (none under ``--no-mask-duplicate-positives``: DPR's unmasked loss)."""
+        if not self.config.optim.mask_duplicate_positives:
+            return {}
+        return {k: batch[k] for k in ("passage_ids", "positive_ids") if k in batch}
 
     def all_ranks(self, flag: bool) -> bool:
         """``flag`` on every rank (so all ranks take the same decision)."""

@@ -38,7 +38,7 @@ from ..base.logs import infos_from_rank_zero
 from ..engine.budget import GraphMeter, StepMemory, fixed_storages, format_bytes
 from ..engine.chunking import pad_sequence_dim, take_rows
 from ..engine.grad_cache import is_data_parallel
-from ..engine.loss import SimpleContrastiveLoss, all_gather_with_grad
+from ..engine.loss import SimpleContrastiveLoss, all_gather_with_grad, gather_ids
 from .config import TrainConfig, add_train_arguments, config_from_args
 from .rng import capture_rng, restore_rng
 
@@ -182,12 +182,14 @@ class Verifier:
                                              loss_chunk_size=trainer.config.cache.loss_chunk_size)
 
     # ----------------------------------------------------------------- the two steps
-    def cached_step(self, query: dict, passage: dict) -> tuple[float, dict, StepCost]:
+    def cached_step(self, query: dict, passage: dict, ids: dict) -> tuple[float, dict, StepCost]:
+        """The trainer's cached step (``ids``: the loss's passage and positive ids, as the trainer passes them)."""
         trainer = self.trainer
         with measured(trainer.device) as peak:
             started = time.perf_counter()
             synced = trainer.world > 1 and is_data_parallel(self.cache.models[0])
-            loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"), no_sync_except_last=synced)
+            loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"), no_sync_except_last=synced,
+                              **ids)
             seconds = time.perf_counter() - started
         if trainer.world > 1 and not synced:
             self.sum_over_ranks()
@@ -195,8 +197,9 @@ class Verifier:
         graph_peak = report.peak_graph_bytes if report is not None else 0
         return self.global_loss(loss), self.gradients(), self.step_cost(seconds, peak, graph_peak)
 
-    def full_step(self, query: dict, passage: dict) -> tuple[float, dict, StepCost]:
-        """One graph over the batch (this rank's rows, the loss over every rank's), one backward."""
+    def full_step(self, query: dict, passage: dict, ids: dict) -> tuple[float, dict, StepCost]:
+        """One graph over the batch (this rank's rows, the loss over every rank's, masked by every rank's ``ids``),
+        one backward."""
         trainer = self.trainer
         exclude = fixed_storages([trainer.retriever])
         with measured(trainer.device) as peak, GraphMeter(exclude) as meter:
@@ -204,7 +207,8 @@ class Verifier:
             reps = [self.encode(kind, batch) for kind, batch in (("query", query), ("passage", passage))]
             if trainer.world > 1:
                 reps = [all_gather_with_grad(r) for r in reps]
-            loss = self.loss_fn(*reps)
+                ids = global_ids(ids, reps[0].device)
+            loss = self.loss_fn(*reps, **ids)
             graph = meter.nbytes() + meter.copies_nbytes()
             trainer.scaler.scale(loss).backward()
             seconds = time.perf_counter() - started
@@ -305,22 +309,35 @@ def compare(cached: dict, full: dict) -> tuple[float, str, float]:
     return num / max(den, 1e-30), worst, worst_error
 
 
-def smaller(query: dict, passage: dict, per_query: int) -> tuple[dict, dict]:
-    """The first half of the batch's queries and their passages."""
+def global_ids(ids: dict, device: torch.device) -> dict:
+    """Every rank's loss ids, gathered as :class:`~dpr_gc.engine.loss.DistributedContrastiveLoss` gathers them."""
+    gathered = {}
+    if "passage_ids" in ids:
+        gathered["passage_ids"] = gather_ids(ids["passage_ids"].to(device).long()[:, None])[:, 0]
+    if "positive_ids" in ids:
+        gathered["positive_ids"] = gather_ids(ids["positive_ids"].to(device).long())
+    return gathered
+
+
+def smaller(query: dict, passage: dict, ids: dict, per_query: int) -> tuple[dict, dict, dict]:
+    """The first half of the batch's queries, their passages and their loss ids."""
     keep = max(1, query["input_ids"].size(0) // 2)
-    return (take_rows(query, torch.arange(keep)), take_rows(passage, torch.arange(keep * per_query)))
+    rows = {"passage_ids": torch.arange(keep * per_query), "positive_ids": torch.arange(keep)}
+    return (take_rows(query, torch.arange(keep)), take_rows(passage, torch.arange(keep * per_query)),
+            {k: v[rows[k]] for k, v in ids.items()})
 
 
-def check_batch(verifier: Verifier, query: dict, passage: dict, tolerance: float) -> BatchCheck:
-    """Both steps from the same RNG state; where the full batch runs out of memory, retry both on halves (every
-    rank at once) and say so; an error past ``tolerance`` is re-measured in float64."""
+def check_batch(verifier: Verifier, query: dict, passage: dict, ids: dict, tolerance: float) -> BatchCheck:
+    """Both steps from the same RNG state (``ids``: the loss's passage and positive ids, as training passes them);
+    where the full batch runs out of memory, retry both on halves (every rank at once) and say so; an error past
+    ``tolerance`` is re-measured in float64."""
     trainer, note = verifier.trainer, ""
     while True:
         rng = capture_rng()
-        cached_loss, cached_grads, cached_cost = verifier.cached_step(query, passage)
+        cached_loss, cached_grads, cached_cost = verifier.cached_step(query, passage, ids)
         restore_rng(rng)
         try:
-            full_loss, full_grads, full_cost = verifier.full_step(query, passage)
+            full_loss, full_grads, full_cost = verifier.full_step(query, passage, ids)
             failed = None
         except RuntimeError as e:
             if not is_oom(e):
@@ -335,7 +352,7 @@ def check_batch(verifier: Verifier, query: dict, passage: dict, tolerance: float
             raise DprGcError(f"the full batch does not fit even at one query per rank: {failed}")
         note += (f"the full batch of {size * trainer.world} queries needs more than the "
                  f"{format_bytes(device_memory(trainer.device))} available; ")
-        query, passage = smaller(query, passage, trainer.passages_per_query)
+        query, passage, ids = smaller(query, passage, ids, trainer.passages_per_query)
         note += f"verified on {query['input_ids'].size(0) * trainer.world} queries with the same chunking. "
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -345,11 +362,11 @@ def check_batch(verifier: Verifier, query: dict, passage: dict, tolerance: float
     check = BatchCheck(query["input_ids"].size(0) * trainer.world, cached_loss, full_loss, error, worst, worst_error,
                        temperature, cached_cost, full_cost, note.strip(), trainer.cache.last_step)
     if any_rank(check.worst() >= tolerance, trainer.world):
-        recheck_in_float64(verifier, check, query, passage)
+        recheck_in_float64(verifier, check, query, passage, ids)
     return check
 
 
-def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passage: dict) -> None:
+def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passage: dict, ids: dict) -> None:
     """Run both steps again, from the same random state, with the towers in float64 (fp32 runs without FSDP only)
     and record the worst error there: near zero means the fp32 gap is rounding. Under DDP both steps run on the
     unwrapped towers (DDP's buckets are fp32) and sum their gradients over the ranks as the full step does."""
@@ -363,9 +380,9 @@ def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passa
     trainer.retriever.tau.keep_in_range_()  # a bound's fp32 value can lie a hair past its float64 value
     verifier.cache = trainer.build_cache(trainer.towers) if trainer.world > 1 else trainer.cache
     try:
-        cached_loss, cached, _ = verifier.cached_step(query, passage)
+        cached_loss, cached, _ = verifier.cached_step(query, passage, ids)
         restore_rng(rng)
-        full_loss, full, _ = verifier.full_step(query, passage)
+        full_loss, full, _ = verifier.full_step(query, passage, ids)
     finally:
         trainer.retriever.float()
         verifier.cache = trainer.cache
@@ -439,7 +456,8 @@ def run_checks(trainer: Any, batches: int) -> VerifyReport:
                           rank=trainer.rank, device=str(trainer.device))
     trainer.retriever.train()
     for batch in itertools.islice(drawn_batches(trainer), batches):
-        report.batches.append(check_batch(verifier, dict(batch["query"]), dict(batch["passage"]), report.tolerance))
+        report.batches.append(check_batch(verifier, dict(batch["query"]), dict(batch["passage"]),
+                                          trainer.loss_ids(batch), report.tolerance))
     return report
 
 
