@@ -239,6 +239,32 @@ def test_resume_keeps_the_baseline(task: dict, tmp_path: Path, monkeypatch) -> N
     assert (summary["best"], summary.get("best_step")) == (2.0, 0)
 
 
+def test_a_resume_into_a_new_output_keeps_its_best_there(task: dict, tmp_path: Path, monkeypatch, caplog) -> None:
+    """--resume OTHER/checkpoint-2 --output NEW named OTHER/best in NEW's summary, though OTHER/best held another
+    step's model by then. The checkpoint's own model, when it is the best recorded, is copied to NEW/best;
+    otherwise the record is reset (one line says so) and NEW's next dev evaluation writes NEW/best."""
+    seen: dict = {}
+    scripted_dev(monkeypatch, {0: 3.0, 1: 2.5, 2: 2.0, 3: 2.2, 4: 1.0}, seen)
+    Trainer(dev_run(task, tmp_path / "other", max_steps=4, save_every=2)).fit()  # other/best: step 4's model
+    scripted_dev(monkeypatch, {3: 2.5, 4: 2.6}, seen)  # no step of the resumed run beats step 2
+    summary = Trainer(dev_run(task, tmp_path / "new", max_steps=4,
+                              resume=str(tmp_path / "other" / "checkpoint-2"))).fit()
+    assert (summary["best_model"], summary["best_step"]) == (str(tmp_path / "new" / "best"), 2), summary
+    best, step2 = saved_weights(tmp_path / "new" / "best"), saved_weights(tmp_path / "other" / "checkpoint-2" / "model")
+    assert all(torch.equal(best[k], v) for k, v in step2.items())
+    scripted_dev(monkeypatch, {0: 3.0, 1: 2.0, 2: 2.5}, seen)
+    Trainer(dev_run(task, tmp_path / "other2", max_steps=2, save_every=2)).fit()  # best: step 1, no checkpoint
+    scripted_dev(monkeypatch, {3: 2.7, 4: 2.6}, seen)
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        summary = Trainer(dev_run(task, tmp_path / "new2", max_steps=4,
+                                  resume=str(tmp_path / "other2" / "checkpoint-2"))).fit()
+    assert f"{tmp_path / 'new2'} has no best/ yet" in caplog.text, caplog.text
+    assert (summary["best_model"], summary["best_step"], summary["best"]) == (str(tmp_path / "new2" / "best"), 4,
+                                                                              2.6), summary
+    best = saved_weights(tmp_path / "new2" / "best")
+    assert all(torch.equal(best[k], v) for k, v in seen[4].items())
+
+
 def argv_without_checkpoints(task: dict, out: Path, *extra: str) -> list[str]:
     """The command line of a run on the task's DPR file that saves no checkpoint (no --save-every)."""
     args = argv(task, out, "--train", task["dpr"], *extra)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -310,9 +311,33 @@ class Checkpointer:
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise DprGcError(f"{path}: this checkpoint does not fit the run ({str(e).splitlines()[0][:200]}); "
                              "resume with the settings it was made with, or from another checkpoint") from None
+        self.adopt_best(path, state["step"], saved)
         if self.is_main:
             truncate_metrics(self.out / "metrics.jsonl", state["step"])
         return state
+
+
+    def adopt_best(self, checkpoint: Path, step: int, saved: Optional[Retriever]) -> None:
+        """A resume into a new ``--output``: the recorded ``best/`` is the resumed run's, which may by now hold
+        another step's model. When the checkpoint's own model is the best one recorded (``saved``, its step the
+        best step), it is copied into this output's ``best/``; otherwise the record is reset, said in one line, and
+        the next dev evaluation writes ``best/`` here."""
+        here = os.path.realpath(self.out)
+        if self.best_path is None or here in (os.path.realpath(checkpoint.parent),
+                                              os.path.dirname(os.path.realpath(self.best_path))):
+            return
+        recorded, best_step = self.best_path, self.best_step
+        self.best_path = str(self.out / "best")
+        if saved is not None and best_step == step:
+            if self.is_main:
+                saved.save(self.out / "best")  # whole or not at all
+                logger.info("%s: the best model recorded (step %d) is this checkpoint's: copied to %s", checkpoint,
+                            step, self.best_path)
+            return
+        self.best_value, self.best_path, self.best_step = None, None, None
+        if self.is_main:
+            logger.info("%s has no best/ yet: the best model recorded, %s (step %s), belongs to the run resumed; the "
+                        "next dev evaluation writes best/ here", self.out, recorded, best_step)
 
 
 def truncate_metrics(metrics: Path, step: int) -> None:
