@@ -401,6 +401,27 @@ def test_gradient_cache_flags_with_no_grad_cache_are_refused_all_in_one_line(wor
         refuse_flags_that_do_not_apply(TrainConfig, parser.parse_args([*map(str, train), *extra]), APPLIES)
 
 
+def test_dev_flags_without_dev_are_refused_in_one_line(world: dict, tmp_path: Path) -> None:
+    """--eval-every, --best-metric and the --dev-* limits only act on a dev set: without --dev they were silently
+    ignored; now refused in one line naming each given, saying to add --dev. With --dev, or at their defaults, they
+    are not."""
+    from dpr_gc.base.settings import refuse_flags_that_do_not_apply
+    from dpr_gc.train.config import TrainConfig
+    from dpr_gc.train.trainer import APPLIES
+
+    out = tmp_path / "run"
+    train = ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu"]
+    refused([*train, "--eval-every", "2", "--best-metric", "loss", "--dev-max-questions", "5"],
+            "error: --eval-every, --best-metric and --dev-max-questions do not apply without --dev (there is no dev "
+            "set to evaluate); add --dev FILE, or drop them")
+    refused([*train, "--val_av_rank_hard_neg", "3"], "error: --dev-hard-negatives does not apply without --dev",
+            "add --dev FILE, or drop the flag")
+    assert not out.exists()
+    parser = cli.build_parser()
+    for extra in (["--best-metric", "avg_rank"], ["--dev", str(world["train"]), "--eval-every", "2"]):
+        refuse_flags_that_do_not_apply(TrainConfig, parser.parse_args([*map(str, train), *extra]), APPLIES)
+
+
 def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path) -> None:
     out = tmp_path / "metrics.json"
     out.write_text("old")

@@ -712,8 +712,13 @@ def add_cli(subparsers: Any) -> None:
 
 PLAIN = AppliesWhen(lambda a: a.grad_cache, "to plain training (--no-grad-cache: one graph over the whole batch)",
                     "drop --no-grad-cache")
-APPLIES = {dest: PLAIN for dest in ("query_chunk_size", "passage_chunk_size", "memory_budget", "query_chunk_tokens",
-                                    "passage_chunk_tokens")}  # --loss-chunk-size applies to plain training too
+DEV = AppliesWhen(lambda a: a.dev_file is not None, "without --dev (there is no dev set to evaluate)",
+                  "add --dev FILE")
+APPLIES = {**{dest: PLAIN for dest in ("query_chunk_size", "passage_chunk_size", "memory_budget", "query_chunk_tokens",
+                                       "passage_chunk_tokens")},  # --loss-chunk-size applies to plain training too
+           **{dest: DEV for dest in ("eval_every", "best_metric", "dev_max_questions", "dev_hard_negatives",
+                                     "dev_other_negatives", "dev_batch_size", "dev_encode_batch_size",
+                                     "dev_beir_split")}}  # --eval_per_epoch also sets the checkpoints: it applies
 
 
 @guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
