@@ -259,3 +259,13 @@ def test_verify_checks_the_masked_loss_training_uses(tmp_path, capsys):
 def call_train(capsys, argv: list[str]) -> tuple[int, str]:
     code = main(argv)
     return code, capsys.readouterr().err
+
+
+def test_resume_is_refused_not_silently_ignored(tmp_path, capsys):
+    """verify takes train's flags but checks the starting model: --resume latest checked it silently."""
+    model = init_model(tmp_path)
+    capsys.readouterr()  # saving the model drew a progress bar
+    assert main(flags(tmp_path, model, "--resume", "latest")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --resume latest does not apply to verify: it checks the starting model; to check a "
+                   "checkpoint's weights, give its model/ folder as --model"), err

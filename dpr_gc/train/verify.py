@@ -431,6 +431,9 @@ def verify(config: TrainConfig, batches: int = 1, hook: Optional[Callable[[Any],
         raise DprGcError("verify checks the Gradient Cache step against the full batch: drop --no-grad-cache")
     if batches < 1:
         raise DprGcError(f"--batches must be >= 1, got {batches}")
+    if config.run.resume is not None:
+        raise DprGcError(f"--resume {config.run.resume} does not apply to verify: it checks the starting model; to "
+                         "check a checkpoint's weights, give its model/ folder as --model")
     with tempfile.TemporaryDirectory(prefix="dpr-gc-verify-") as scratch:
         run = dataclasses.replace(config.run, output_dir=scratch, resume=None)
         data = dataclasses.replace(config.data, num_workers=0)
