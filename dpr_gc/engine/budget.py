@@ -300,6 +300,15 @@ class BudgetLedger:
             self.report.kept_bytes = self.held
         return keep
 
+    def holding(self) -> tuple[int, frozenset[int]]:
+        """What the ledger holds now, for :meth:`let_go`."""
+        return self.held, frozenset(self.copies)
+
+    def let_go(self, holding: tuple[int, frozenset[int]]) -> None:
+        """Drop the graphs admitted since ``holding`` was taken (their chunk is replayed after all)."""
+        self.held, self.copies = holding[0], set(holding[1])
+        self.report.kept_bytes = self.held
+
     def count(self, m: int, tokens: int, kept: bool) -> None:
         """Count a chunk of model ``m`` (kept or not) in the report."""
         while len(self.report.chunks) <= m:

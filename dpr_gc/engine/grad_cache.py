@@ -36,8 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, collections_paused, parse_memory,
                      resolve_budget, storages_of)
 from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
-                       pad_sequence_dim, rows_in, split_by_tokens, split_input, take_rows, tensors_in, to_device,
-                       trim_padding, trimmed_width)
+                       pad_sequence_dim, rows_in, sequence_lengths, split_by_tokens, split_input, take_rows, tensors_in,
+                       to_device, trim_padding, trimmed_width)
 from .frozen_casts import FrozenLinearCasts, Forwards
 from .sparse_grads import SparseEmbeddingGrads
 from ..base.devices import at_least_fp32, autocast_dtype
@@ -188,6 +188,44 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def all_reduce_ints(values: list[int], op: Any) -> list[int]:
+    """``values`` reduced over the default process group with ``op`` (on the current CUDA device under NCCL)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    reduced = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(reduced, op=op)
+    return reduced.tolist()
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (one tiny all-reduce)."""
+    return bool(all_reduce_ints([int(flag)], dist.ReduceOp.MIN)[0])
+
+
+def agreed_chunks(m: int, model_input: Any, chunks: list[Any], splittable: bool) -> list[Any]:
+    """``chunks`` split further until every rank runs as many as the rank with the most: under FSDP each chunk's
+    forward and backward are collective, while each rank plans its chunks from its own rows (chunks by tokens, joins
+    from measured graphs). Splitting the chunk of most tokens in two by rows keeps every token limit and the gradient
+    exact. Every rank refuses together when one cannot (too few rows, or chunks of ``split_input_fn``)."""
+    rows = rows_in(model_input) or 0
+    most, neg_rows, neg_chunks = all_reduce_ints([len(chunks), -rows, -len(chunks)], dist.ReduceOp.MAX)
+    if most > -neg_rows or (not splittable and most != -neg_chunks):
+        raise DprGcError(f"model input {m}: the ranks of an FSDP-sharded model must run as many chunks each, but one "
+                         f"rank plans {most} chunks and one has {-neg_rows} rows (split by split_input_fn: "
+                         f"{not splittable}): give every rank as many rows, or chunks by rows")
+    chunks = list(chunks)
+    while len(chunks) < most:
+        i = max(range(len(chunks)), key=lambda j: (rows_in(chunks[j]) > 1, _computed_tokens(chunks[j]), -j))
+        chunks[i:i + 1] = split_input(chunks[i], (rows_in(chunks[i]) + 1) // 2)
+    return chunks
+
+
+def _computed_tokens(chunk: Any) -> int:
+    """Rows times the longest row of a chunk with a 2-D attention mask (its trimmed tokens), else its rows."""
+    lengths = sequence_lengths(chunk)
+    rows = rows_in(chunk) or 0
+    return rows * int(lengths.max()) if lengths is not None and rows else rows
+
+
 def cached_gradient(cache: torch.Tensor, rows: Union[slice, torch.Tensor], chunk_rep: torch.Tensor) -> torch.Tensor:
     """The cached fp32 gradient of a chunk's rows (a slice, or an index on the cache's device), on the chunk's device
     and in its dtype: the gradient that ``sum(chunk_rep.float() * cached)`` sends back to ``chunk_rep``."""
@@ -319,7 +357,8 @@ class GradCache:
             budget holds are joined into fewer, larger ones where that saves more than the padding it adds (on CUDA
             a budget for the whole batch makes the step plain training, one chunk per model; docs/training.md,
             "Memory budget and chunks"). Under DDP/FSDP each model's last chunk is still replayed: its backward
-            carries the gradient sync.
+            carries the gradient sync. Under FSDP, whose chunk forwards and backwards are collectives, the ranks
+            agree on each model's chunk count and on every kept graph (a tiny all-reduce each).
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
             trim padding, keep the last graph, size chunks by tokens).
 
@@ -474,6 +513,8 @@ class GradCache:
             # A model under DDP/FSDP replays its last chunk (its backward syncs), so that chunk stays small.
             chunks = join_chunks(model_input, chunks, joined[0], joined[1], trim, overhead,
                                  join_last=not is_data_parallel(self.models[m]))
+        if is_fsdp(self.models[m]):
+            chunks = agreed_chunks(m, model_input, chunks, self.split_input_fn is None)
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
         if not trim:
@@ -510,15 +551,20 @@ class GradCache:
         model = self.models[plan.m]
         devices = replayable_devices(self._tensors.of(model)) if trainable else set()
         data_parallel, last = is_data_parallel(model), len(plan.chunks) - 1
+        sharded = trainable and is_fsdp(model)
         for i, (chunk, width) in enumerate(zip(plan.chunks, plan.widths)):
             force = keep_last and i == last
             if trainable:
                 plan.states[i] = RandState(devices | {t.device for t in tensors_in(chunk)})
+            holding = ledger.holding() if sharded else None
             if trainable and not (data_parallel and i == last) and (force or ledger.worth_trying(plan.m, plan.tokens[i])):
                 self._run_with_graph(plan, i, ledger, force)
             else:
                 with torch.no_grad():
                     plan.store(self._forward(model, chunk, width))
+            if sharded and i != last and not all_ranks_agree(i in plan.kept) and i in plan.kept:
+                del plan.kept[i]  # another rank replays this chunk: FSDP's collectives must pair up rank by rank
+                ledger.let_go(holding)
             ledger.count(plan.m, plan.tokens[i], i in plan.kept)
             if i in plan.kept:
                 del plan.states[i]
