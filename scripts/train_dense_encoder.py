@@ -39,7 +39,7 @@ from dpr_gc.base.args import (ArgumentParser, any_int, nonnegative_float, nonneg
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
-from dpr_gc.base.logs import setup_logging  # noqa: E402
+from dpr_gc.base.logs import infos_from_rank_zero, setup_logging  # noqa: E402
 
 logger = logging.getLogger("train_dense_encoder")
 
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--projection_dim", type=nonnegative_int, default=0, help=argparse.SUPPRESS)
     add("--no_cuda", action="store_true", help="train on the CPU")
     add("-v", "--verbose", action="store_true", help="debug logging, plus the dependencies' own log lines and progress bars")
-    add("--local_rank", type=any_int, default=-1, help=argparse.SUPPRESS)
+    # torch.distributed.launch passes --local-rank=N since torch 2.0, --local_rank=N before
+    add("--local_rank", "--local-rank", dest="local_rank", type=any_int, default=-1, help=argparse.SUPPRESS)
     add("--fp16_opt_level", default="O1", help=argparse.SUPPRESS)
     add("--adam_eps", type=positive_float, default=1e-8)
     add("--adam_betas", default="(0.9, 0.999)")
@@ -199,6 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(["train", *argv])
     setup_logging(args.verbose)
+    infos_from_rank_zero()  # under torchrun INFO lines come from rank 0 only, as in dpr-gc train
     given = typed_flags(argv)
 
     @guarded(inputs=("train_files=--train_file", "dev_file=--dev_file", "model_file=--model_file", "model"),

@@ -426,3 +426,21 @@ def test_generate_dense_embeddings_errors_name_the_flags_typed(tmp_path, capsys,
         raise DprGcError("--output x was written with --max-length 8; run `dpr-gc encode --output x --shard-id 1`")
     assert str(caught.value) == ("--out_file x was written with --sequence_length 8; run "
                                  "`dpr-gc encode --output x --shard-id 1`")
+
+
+def test_gc_dpr_two_process_launch_line_runs_and_logs_info_once(tiny, tmp_path):
+    """GC-DPR's ``python -m torch.distributed.launch --nproc_per_node=2 train_dense_encoder.py ...``: torch >= 2
+    passes ``--local-rank=N`` (it was refused: only ``--local_rank`` was known), and rank 1 logs no INFO line."""
+    from tests.ranks import run_command
+
+    command = gc_dpr_readme_command(tiny, tmp_path / "out")
+    command[command.index("--num_train_epochs") + 1] = "1"
+    command[command.index("--eval_per_epoch") + 1] = "1"
+    result = run_command([sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "scripts" / "train_dense_encoder.py"), *command, "--no_cuda", "--num-workers",
+                          "0", "--cache-dir", str(tmp_path / "cache")], limit_s=240, cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "out" / "final").is_dir()
+    for info in ("an epoch:", "dev before training:", "dev evaluation and checkpoint per epoch", "steps: batch 8"):
+        assert sum(info in line for line in result.stderr.splitlines()) == 1, (info, result.stderr[-3000:])
