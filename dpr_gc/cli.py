@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 from typing import Any, Optional, Sequence
 
 from .base.args import ArgumentParser
-from .base.errors import NOTHING_STARTED, report_errors
+from .base.errors import NOTHING_STARTED, DprGcError, report_errors
 from .base.logs import setup_logging
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,7 @@ class Stage:
 
     module: str
     help: str
+    distributed: bool = False  # runs under torchrun (one rank per process); the others refuse WORLD_SIZE > 1
 
 
 # sub-command -> its stage, in the order ``dpr-gc --help`` lists them
@@ -26,10 +28,10 @@ STAGES = {
     "demo": Stage("pipeline", "run the whole pipeline end to end on the built-in stdlib dataset"),
     "make-stdlib-data": Stage("data.stdlib_data", "build the default retrieval dataset from Python's stdlib"),
     "prepare-data": Stage("data.training", "validate and cache training data (DPR files, BEIR folders)"),
-    "train": Stage("train.trainer", "train a retriever with Gradient Cache (DPR files or BEIR folders)"),
+    "train": Stage("train.trainer", "train a retriever with Gradient Cache (DPR files or BEIR folders)", True),
     "verify": Stage("train.verify", "check that the cached step equals the full-batch step on your set-up (train's "
-                                    "flags; writes nothing)"),
-    "encode": Stage("retrieval.encode", "embed a passage corpus into resumable shards"),
+                                    "flags; writes nothing)", True),
+    "encode": Stage("retrieval.encode", "embed a passage corpus into resumable shards", True),
     "index": Stage("retrieval.index", "build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards"),
     "retrieve": Stage("retrieval.retrieve", "top-k passages for questions: DPR JSON and a TREC run"),
     "evaluate": Stage("evaluation.evaluate", "top-k answer accuracy and qrels metrics (Recall, nDCG, MRR, MAP)"),
@@ -87,7 +89,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"interrupted: {NOTHING_STARTED}", file=sys.stderr)
         return 130
     setup_logging(args.verbose)
-    return report_errors(lambda: args.func(args))
+    return report_errors(lambda: run_stage(args))
+
+
+def run_stage(args: argparse.Namespace) -> Any:
+    """Run the parsed command; a stage without a distributed mode refuses a torchrun launch, whose ranks would each
+    do all the work (and write the same files, or find each other's locks)."""
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not STAGES[args.command].distributed:
+        ranked = ", ".join(name for name, stage in STAGES.items() if stage.distributed)
+        raise DprGcError(f"run dpr-gc {args.command} without torchrun: it has no distributed mode (only {ranked} "
+                         "run under torchrun)")
+    return args.func(args)
 
 
 if __name__ == "__main__":
