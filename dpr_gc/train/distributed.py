@@ -28,6 +28,28 @@ def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
     return rank, (dist.get_world_size() if dist.is_initialized() else 1), dev
 
 
+def refused_together(check: Callable[[], None]) -> None:
+    """Run ``check`` (a refusal of this rank's inputs) on every rank and share the outcome, so that every rank refuses
+    when one does (on several machines nothing else would stop the others). Call it after joining the group: a rank
+    that refused before would leave the other machines' ranks waiting to join for gloo's 30 minutes."""
+    try:
+        check()
+        error = None
+    except DprGcError as refused:
+        error = str(refused)
+    if not dist.is_initialized():
+        if error is not None:
+            raise DprGcError(error)
+        return
+    errors: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    refusing = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if error is not None:
+        raise DprGcError(error)
+    if refusing:
+        raise DprGcError(f"rank {refusing[0][0]} stopped: {refusing[0][1]}")
+
+
 def from_rank0(compute: Callable[[], T]) -> T:
     """``compute()`` on rank 0, its result sent to every other rank, which does not compute it: for what each rank
     needs but costs a read of the inputs (the training files' fingerprints). Without a process group, ``compute()``."""

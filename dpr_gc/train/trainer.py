@@ -46,7 +46,7 @@ from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import resolve_checkpoint
 from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
-from .distributed import Towers, every_rank, from_rank0, same_on_every_rank, setup_distributed
+from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
 from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
@@ -109,10 +109,11 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> None:
         self.config, self.on_backward = config, on_backward
-        check_sources(config.data, config.run.output_dir)
         self.owns_group = not dist.is_initialized()
         self.rank, self.world, self.device = setup_distributed(config.run.device)
         self.owns_group = self.owns_group and dist.is_initialized()
+        # after joining the group: a rank refusing alone would leave other machines' ranks waiting to join
+        refused_together(lambda: check_sources(config.data, config.run.output_dir))
         seed_everything(config.run.seed)
         self.out = Path(config.run.output_dir)
         check_start(self.out, config.run.resume, self.inputs())  # before minutes of loading the model and the data
