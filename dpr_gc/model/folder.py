@@ -379,10 +379,10 @@ def config_from_pipeline(folder: Path, towers: dict[str, Tower]) -> RetrieverCon
     passage_length = document.document_length or text_limit(document) or DEFAULT_LENGTH
     query_length = query.query_length or min(QUERY_LENGTH, text_limit(query) or DEFAULT_LENGTH)
     config = RetrieverConfig(pooling=query.pooling, normalize=query.normalize,
-                           projection_dim=dims.pop() if dims else None, shared_encoder=query is document,
-                           passage_format="concat", query_max_length=query_length,
-                           passage_max_length=passage_length, query_prefix=prompts.get("query", ""),
-                           passage_prefix=prompts.get("document", prompts.get("passage", "")))
+                             projection_dim=dims.pop() if dims else None, shared_encoder=query is document,
+                             passage_format="concat", query_max_length=query_length,
+                             passage_max_length=passage_length, query_prefix=prompts.get("query", ""),
+                             passage_prefix=prompts.get("document", prompts.get("passage", "")))
     check_prompts_pooled(towers, config)
     return config
 
