@@ -494,3 +494,31 @@ def test_two_dimensional_token_scores_are_padded_back_with_token_states():
     zero([model])
     GradCache([model], 2, loss_fn, chunking=Chunking(sort_by_length=True, token_states=True))(batch)
     assert seen[-1] == (6, 12) and rel_err(grads([model]), expected) < 1e-5
+
+
+class KeywordModel(nn.Module):
+    """An ordinary model taking the dict's entries as keywords, with a child layer named ``module`` (as a data
+    parallel wrapper names its model) whose forward takes one argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.module = MeanOfEmbeddings(), nn.Linear(16, 8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.module(self.inner(input_ids, attention_mask))
+
+
+def test_a_child_named_module_does_not_make_a_model_take_the_dict_whole():
+    """Only data parallel and torch.compile wrappers are looked inside when deciding how to call a model with a
+    dict: a child layer named ``module`` took the model for a wrapper, and it was called with the dict whole."""
+    torch.manual_seed(2)
+    model = KeywordModel()
+    ids = torch.randint(1, 30, (8, 6))
+    mask = (torch.arange(6)[None] < torch.randint(2, 7, (8, 1))).long()
+    q, p = ({"input_ids": ids[s], "attention_mask": mask[s]} for s in (slice(0, 4), slice(4, 8)))
+    loss_fn = SimpleContrastiveLoss(0)
+    loss_fn(model(**q), model(**p)).backward()
+    expected = grads([model])
+    zero([model])
+    GradCache([model, model], 2, loss_fn)(q, p)
+    assert rel_err(grads([model]), expected) < 1e-5

@@ -338,9 +338,13 @@ def required_positionals(forward: Any) -> tuple[str, ...]:
 
 def takes_features(model: nn.Module, model_input: Mapping) -> bool:
     """Whether ``model`` takes a dict input whole, as one argument (sentence-transformers' models:
-    ``forward(features)``), rather than its entries as keywords: its forward (a wrapper's inner module's) requires
-    exactly one positional parameter, and the dict has no entry of that name."""
-    inner = getattr(model, "module", model)  # DistributedDataParallel passes its arguments on
+    ``forward(features)``), rather than its entries as keywords: its forward (inside torch.compile's and data
+    parallel wrappers) requires exactly one positional parameter, and the dict has no entry of that name."""
+    inner = model
+    while isinstance(getattr(inner, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+        inner = inner._orig_mod
+    if isinstance(inner, (nn.DataParallel, nn.parallel.DistributedDataParallel)):  # they pass their arguments on
+        inner = inner.module
     required = required_positionals(getattr(type(inner), "forward", None))
     return len(required) == 1 and required[0] not in model_input
 
