@@ -95,7 +95,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run_stage(args: argparse.Namespace) -> Any:
     """Run the parsed command; a stage without a distributed mode refuses a torchrun launch, whose ranks would each
     do all the work (and write the same files, or find each other's locks)."""
-    if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not STAGES[args.command].distributed:
+    world = os.environ.get("WORLD_SIZE") or "1"
+    if not world.strip().isdigit():
+        raise DprGcError(f"the environment's WORLD_SIZE must be a whole number (torchrun sets it), got {world!r}; "
+                         "unset it to run in one process")
+    if int(world) > 1 and not STAGES[args.command].distributed:
         ranked = ", ".join(name for name, stage in STAGES.items() if stage.distributed)
         raise DprGcError(f"run dpr-gc {args.command} without torchrun: it has no distributed mode (only {ranked} "
                          "run under torchrun)")

@@ -27,3 +27,12 @@ def test_a_single_process_is_not_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert cli.main(["index", "--embeddings", "emb", "--output", "idx"]) == 2
     assert "without torchrun" not in capsys.readouterr().err
+
+
+def test_a_world_size_that_is_not_a_number_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """A WORLD_SIZE that is no whole number is refused in one line naming it (a traceback before)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    assert cli.main(["cache"]) == 2
+    assert capsys.readouterr().err == ("error: the environment's WORLD_SIZE must be a whole number (torchrun sets it), "
+                                       "got 'abc'; unset it to run in one process\n")
