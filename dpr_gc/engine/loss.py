@@ -449,6 +449,15 @@ def gather_ids(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
+def gather_loss_ids(passage_ids: Optional[torch.Tensor], positive_ids: Optional[torch.Tensor],
+                    device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Every rank's passage ids ``[n]`` and positive ids ``[n, K]`` (either may be None), in rank order on
+    ``device``: what the loss over the gathered batch masks by."""
+    passages = None if passage_ids is None else gather_ids(passage_ids.to(device).long()[:, None])[:, 0]
+    positives = None if positive_ids is None else gather_ids(positive_ids.to(device).long())
+    return passages, positives
+
+
 class DistributedContrastiveLoss(SimpleContrastiveLoss):
     """The same loss over the global batch of all ranks (create it after the process group is initialised).
 
@@ -512,7 +521,6 @@ class DistributedContrastiveLoss(SimpleContrastiveLoss):
                                                                                                    torch.long)
         keys = None
         if passage_ids is not None:
-            ids = gather_ids(passage_ids.to(x.device).long()[:, None])[:, 0]
-            positive = None if positive_ids is None else gather_ids(positive_ids.to(x.device).long())
+            ids, positive = gather_loss_ids(passage_ids, positive_ids, x.device)
             keys = (ids, self._positive_keys(ids, all_targets, positive))
         return self._loss(x, y_all, all_targets[query_index], x_all, query_index, reduction, keys)

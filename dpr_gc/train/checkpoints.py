@@ -316,7 +316,6 @@ class Checkpointer:
             truncate_metrics(self.out / "metrics.jsonl", state["step"])
         return state
 
-
     def adopt_best(self, checkpoint: Path, step: int, saved: Optional[Retriever]) -> None:
         """A resume into a new ``--output``: the recorded ``best/`` is the resumed run's, which may by now hold
         another step's model. When the checkpoint's own model is the best one recorded (``saved``, its step the

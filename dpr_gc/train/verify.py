@@ -38,7 +38,7 @@ from ..base.logs import infos_from_rank_zero
 from ..engine.budget import GraphMeter, StepMemory, fixed_storages, format_bytes
 from ..engine.chunking import pad_sequence_dim, take_rows
 from ..engine.grad_cache import is_data_parallel
-from ..engine.loss import SimpleContrastiveLoss, all_gather_with_grad, gather_ids
+from ..engine.loss import SimpleContrastiveLoss, all_gather_with_grad, gather_loss_ids
 from .config import TrainConfig, add_train_arguments, config_from_args
 from .rng import capture_rng, restore_rng
 
@@ -311,12 +311,8 @@ def compare(cached: dict, full: dict) -> tuple[float, str, float]:
 
 def global_ids(ids: dict, device: torch.device) -> dict:
     """Every rank's loss ids, gathered as :class:`~dpr_gc.engine.loss.DistributedContrastiveLoss` gathers them."""
-    gathered = {}
-    if "passage_ids" in ids:
-        gathered["passage_ids"] = gather_ids(ids["passage_ids"].to(device).long()[:, None])[:, 0]
-    if "positive_ids" in ids:
-        gathered["positive_ids"] = gather_ids(ids["positive_ids"].to(device).long())
-    return gathered
+    passages, positives = gather_loss_ids(ids.get("passage_ids"), ids.get("positive_ids"), device)
+    return {k: v for k, v in (("passage_ids", passages), ("positive_ids", positives)) if v is not None}
 
 
 def smaller(query: dict, passage: dict, ids: dict, per_query: int) -> tuple[dict, dict, dict]:
