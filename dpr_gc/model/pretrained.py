@@ -209,6 +209,16 @@ def check_model_folder(name_or_path: str | Path) -> None:
     refuse_custom_code(path)
 
 
+STATE_JSON = "train_state.json"  # a training checkpoint's state (dpr_gc.train.checkpoints writes it)
+LEGACY_STATE = "state.pt"  # the state of a checkpoint from before the JSON format
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    """The steps of the ``checkpoint-STEP`` folders in a training output ``out``, ascending (finished or not)."""
+    return sorted(int(p.name.split("-", 1)[1]) for p in out.glob("checkpoint-*")
+                  if p.name.split("-", 1)[1].isdigit() and p.is_dir())
+
+
 def check_model_files(folder: Path) -> None:
     """Refuse, in one line, a local folder that holds no model (no ``config.json``, ``modules.json`` or adapter
     config), saying where the model is when it is a training output or one of its checkpoints; transformers would
@@ -216,10 +226,10 @@ def check_model_files(folder: Path) -> None:
     if not folder.is_dir() or any((folder / name).is_file() for name in ("config.json", "modules.json",
                                                                           ADAPTER_CONFIG)):
         return
-    if (folder / "model").is_dir() and any((folder / name).is_file() for name in ("train_state.json", "state.pt")):
+    if (folder / "model").is_dir() and any((folder / name).is_file() for name in (STATE_JSON, LEGACY_STATE)):
         raise DprGcError(f"model {str(folder)!r}: a training checkpoint, not a model folder; its model is "
                          f"{folder / 'model'}")
-    steps = sorted(int(p.name[11:]) for p in folder.glob("checkpoint-*") if p.name[11:].isdigit() and p.is_dir())
+    steps = checkpoint_steps(folder)
     done = [str(folder / name) for name in ("final", "best") if (folder / name).is_dir()]
     if done or steps or (folder / "train_config.json").is_file():
         where = f"use {' or '.join(done)}" if done else "it holds no trained model yet"

@@ -20,18 +20,17 @@ from ..base.guard import check_outputs, lies_within
 from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
+from ..model.pretrained import LEGACY_STATE, STATE_JSON, checkpoint_steps
 from .config import HIGHER_IS_BETTER
 from ..model.retriever import Retriever
 
 logger = logging.getLogger(__name__)
 
 
-STATE_JSON = "train_state.json"
 STATE_FIELDS = {"step": count(), "optimizer": Field(dict, True), "scheduler": Field(dict), "scaler": Field(dict),
                 "sampler": Field(dict), "record": Field(dict, True), "best": Field(list)}
 SHARDED = "sharded"  # a checkpoint's FSDP weights and optimizer state (torch.distributed.checkpoint)
 STATE_TENSORS = "train_state.safetensors"
-LEGACY_STATE = "state.pt"
 
 
 def to_plain(obj: Any, key: str, tensors: dict) -> Any:
@@ -121,9 +120,8 @@ def numpy_globals() -> list:
 
 def finished_checkpoints(out: Path) -> list[Path]:
     """The finished ``checkpoint-STEP`` folders in ``out``, oldest first."""
-    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[1].isdigit()
-             and ((p / STATE_JSON).is_file() or (p / LEGACY_STATE).is_file())]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    folders = (out / f"checkpoint-{step}" for step in checkpoint_steps(out))
+    return [p for p in folders if (p / STATE_JSON).is_file() or (p / LEGACY_STATE).is_file()]
 
 
 def resolve_checkpoint(out: Path, resume: str) -> Path:
