@@ -40,6 +40,7 @@ from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
 from dpr_gc.base.logs import infos_from_rank_zero, setup_logging  # noqa: E402
+from dpr_gc.base.settings import flags_given  # noqa: E402
 
 logger = logging.getLogger("train_dense_encoder")
 
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     """``dpr-gc train``'s parser plus the GC-DPR/DPR flags it lacks (same names, types and meanings)."""
     parser = ArgumentParser(prog="train_dense_encoder.py", description=__doc__.splitlines()[0])
     T.add_cli(parser.add_subparsers(dest="command"))
-    train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    train = train_parser(parser)
     train.prog = parser.prog  # the script runs only train: its lines name the script, not a command never typed
     for action in train._actions:
         if action.dest == "train_files":
@@ -99,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint_file_name", default="dpr_biencoder", help=argparse.SUPPRESS)
     add("--shared-encoder", dest="separate_encoders", action="store_false", help="one tower for both sides")
     return parser
+
+
+def train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``train`` sub-parser of :func:`build_parser`'s parser."""
+    return parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
 
 
 def _expand(patterns: Sequence[str], flag: str) -> list[str]:
@@ -188,8 +194,21 @@ def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig
         run=dataclasses.replace(config.run, log_every=args.log_batch_step, eval_per_epoch=evals))
 
 
-def ignored_flags(given: set[str]) -> list[str]:
-    return [f"--{name} ({why})" for name, why in IGNORED.items() if f"--{name}" in given]
+def ignored_flags(given: set[str], args: Optional[argparse.Namespace] = None) -> list[str]:
+    """The flags typed that change nothing here, with the reason: GC-DPR's own (:data:`IGNORED`) and, with the
+    parsed ``args``, those whose rule in ``dpr-gc train`` says they would not apply (that command refuses them; a
+    GC-DPR command line carries ``--dev_batch_size`` or ``--q_chunk_size`` whether or not they apply)."""
+    named = [f"--{name} ({why})" for name, why in IGNORED.items() if f"--{name}" in given]
+    if args is None:
+        return named
+    settings = argparse.Namespace(**{**vars(args), "grad_cache": bool(args.grad_cache)})  # GC-DPR: plain by default
+    why = {id(T.PLAIN): "training is plain without --grad_cache", id(T.DEV): "there is no --dev_file"}
+    options = {a.dest: a.option_strings for a in train_parser(build_parser())._actions}
+    for dest, rule in T.APPLIES.items():
+        if dest in flags_given(T.TrainConfig, settings) and not rule.test(settings):
+            typed = [o for o in options.get(dest, ()) if o in given] or options[dest][:1]
+            named.append(f"{typed[0]} ({why.get(id(rule), 'it does not apply ' + rule.where)})")
+    return named
 
 
 def typed_flags(argv: Sequence[str]) -> set[str]:
@@ -222,7 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def checked_run() -> None:
         """Refusals first, so a refused flag is not also named in the warning as accepted."""
         refuse_unsupported(args)
-        skipped = ignored_flags(given)
+        skipped = ignored_flags(given, args)
         if skipped:
             logger.warning("accepted with no effect here: %s", "; ".join(skipped))
         run(args)

@@ -444,3 +444,16 @@ def test_gc_dpr_two_process_launch_line_runs_and_logs_info_once(tiny, tmp_path):
     assert (tmp_path / "out" / "final").is_dir()
     for info in ("an epoch:", "dev before training:", "dev evaluation and checkpoint per epoch", "steps: batch 8"):
         assert sum(info in line for line in result.stderr.splitlines()) == 1, (info, result.stderr[-3000:])
+
+
+@pytest.mark.parametrize("extra,named", [
+    ([], ["--q_chunk_size (training is plain without --grad_cache)", "--dev_batch_size (there is no --dev_file)"]),
+    (["--grad_cache"], ["--dev_batch_size (there is no --dev_file)"]),
+    (["--grad_cache", "--dev_file", "dev.json"], [])])
+def test_train_script_names_flags_that_do_not_apply_in_its_warning(extra, named):
+    """``dpr-gc train`` refuses a dev flag without --dev and a chunk flag of plain training; a GC-DPR command line
+    carries them whether or not they apply, so the script takes them and names them in its no-effect warning."""
+    script = load_script("train_dense_encoder.py")
+    argv = ["--train_file", "t.json", "--output_dir", "o", "--dev_batch_size", "3", "--q_chunk_size", "4", *extra]
+    args = script.build_parser().parse_args(["train", *argv])
+    assert script.ignored_flags(script.typed_flags(argv), args) == named
