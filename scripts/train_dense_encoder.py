@@ -86,13 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     # torch.distributed.launch passes --local-rank=N since torch 2.0, --local_rank=N before
     add("--local_rank", "--local-rank", dest="local_rank", type=any_int, default=-1, help=argparse.SUPPRESS)
     add("--fp16_opt_level", default="O1", help=argparse.SUPPRESS)
-    add("--adam_eps", type=positive_float, default=1e-8)
-    add("--adam_betas", default="(0.9, 0.999)")
+    add("--adam_eps", type=positive_float, default=1e-8, help="AdamW epsilon")
+    add("--adam_betas", default="(0.9, 0.999)", help="AdamW betas, as GC-DPR writes them")
     add("--log_batch_step", type=positive_int, default=1, help="steps between metrics.jsonl records")
     add("--train_rolling_loss_step", type=positive_int, default=100, help=argparse.SUPPRESS)
     add("--dropout", type=nonnegative_float, default=0.1, help=argparse.SUPPRESS)
-    add("--gradient_accumulation_steps", type=positive_int, default=1)
-    add("--eval_per_epoch", type=positive_int, default=None, help="dev evaluations (and checkpoints) per epoch")
+    add("--gradient_accumulation_steps", type=positive_int, default=1,
+        help="only 1: for more queries per update use a larger --batch_size with --grad_cache")
+    add("--eval_per_epoch", type=positive_int, default=None,
+        help="dev evaluations (and checkpoints) per epoch (default: 1, none when --eval-every is given)")
     add("--global_loss_buf_sz", type=positive_int, default=150000, help=argparse.SUPPRESS)
     add("--fix_ctx_encoder", action="store_true", help=argparse.SUPPRESS)
     add("--train_files_upsample_rates", default=None, help="per-file rates, e.g. [1,2,1]")
