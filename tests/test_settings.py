@@ -194,11 +194,15 @@ def test_a_value_starting_with_a_dash_says_how_to_write_it(command: list, flag: 
      "; did you mean --results? (see dpr-gc evaluate --help)"),
     (["train", "--train", "t.json", "--output", "o", "--batch-szie=4"], "unrecognized arguments: --batch-szie=4",
      "; did you mean --batch-size? (see dpr-gc train --help)"),
-    (["train", "--batch-szie", "4"], "unrecognized arguments: --batch-szie; did you mean --batch-size?; the following "
-     "arguments are required: --train/--train_file, --output/--output_dir", "(see dpr-gc train --help)")])
+    (["train", "--batch-szie", "4"], "error: dpr-gc train: unrecognized arguments: --batch-szie 4; did you mean "
+     "--batch-size?; the following arguments are required: --train/--train_file, --output/--output_dir",
+     "(see dpr-gc train --help)"),
+    (["train", "--batch-szie", "4", "--output", "o"], "unrecognized arguments: --batch-szie 4; did you mean "
+     "--batch-size?; the following arguments are required: --train/--train_file (see", "(see dpr-gc train --help)")])
 def test_a_misspelt_command_flag_or_choice_is_named_with_the_closest_one(argv: list, said: str, ending: str) -> None:
     """One line naming what was given and the closest command, flag or choice, pointing to the help of the command
-    it was given to; a word close to nothing gets argparse's line alone."""
+    it was given to; a word close to nothing gets argparse's line alone. A misspelt flag named before missing
+    required ones keeps its value, as argparse's own line does (it once read "--batch-szie; did you mean")."""
     line = error_line(*call(cli.main, argv))
     assert said in line and line.endswith(ending), line
     for nothing_close in (["xyz"], ["train", "--train", "t.json", "--output", "o", "--zzzz"]):

@@ -141,10 +141,26 @@ class ArgumentParser(argparse.ArgumentParser):
         heard of its misspelling."""
         if not message.startswith(gettext("the following arguments are required: %s").split("%s")[0]):
             return message
-        unknown = [word for word in getattr(self, "given", ()) if word[:2] == "--" and self.unknown_option(word)]
+        unknown = self.unknown_words(getattr(self, "given", ()))
         if not unknown:
             return message
         return gettext("unrecognized arguments: %s") % " ".join(unknown) + self.closest_flag(unknown) + "; " + message
+
+    def unknown_words(self, given: Sequence[str]) -> list[str]:
+        """The flags in ``given`` this parser does not know, each with the values after it (the words up to the next
+        flag), as argparse lists them: ``--batch-szie 4``, not ``--batch-szie``."""
+        words: list[str] = []
+        taking = False
+        for word in given:
+            if word == "--":
+                break
+            if word[:1] in self.prefix_chars and not self._negative_number_matcher.match(word):
+                unknown = word[:2] == "--" and self.unknown_option(word)
+                words += [word] if unknown else []
+                taking = unknown and "=" not in word
+            elif taking:
+                words.append(word)
+        return words
 
     def unknown_option(self, word: str) -> bool:
         """Whether ``word`` (``--flag`` or ``--flag=VALUE``) is none of this parser's options, nor a prefix of one."""
