@@ -59,6 +59,9 @@ class DemoConfig:
     training: TrainConfig = dataclasses.field(default_factory=demo_training)
 
     def __post_init__(self) -> None:
+        """Refuse sizes the demo cannot run with before anything is written: fewer ``--train-queries`` than one
+        batch is known from the flags alone (a dataset subsampled by ``--max-examples`` is checked once built)."""
+        from .data.sampling import too_few_questions
         from .data.stdlib_data import check_max_examples
 
         check_max_examples(self.max_examples)
@@ -67,6 +70,8 @@ class DemoConfig:
         if batch < 4 * chunk:
             raise DprGcError(f"--batch-size {batch} should be at least 4x --chunk-size {chunk}: "
                              "the demo exists to show Gradient Cache at a batch larger than what one chunk holds")
+        if self.train_queries is not None and self.train_queries < batch:
+            raise DprGcError(f"--train-queries {self.train_queries}: {too_few_questions(self.train_queries, batch)}")
 
 
 def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> Path:

@@ -190,6 +190,18 @@ def test_demo_needs_a_batch_several_times_the_chunk():
     DemoConfig(training=dataclasses.replace(training, data=dataclasses.replace(training.data, batch_size=64)))
 
 
+def test_fewer_train_queries_than_one_batch_are_refused_before_anything_is_written(tmp_path):
+    """``--train-queries 8 --batch-size 64`` is known too small from the flags: refused in one line before the
+    dataset is built (it once built it, wrote demo_settings.json, and only then refused)."""
+    from tests.helpers import call
+
+    out = tmp_path / "d1"
+    code, err = call(main, ["demo", "--output", out, "--train-queries", "8", "--batch-size", "64"])
+    assert (code, err) == (2, "error: --train-queries 8: too few training questions (8) for one batch of 64 x 1 "
+                              "rank(s); lower --batch-size\n")
+    assert not out.exists()
+
+
 def test_the_readme_describes_the_demos_defaults():
     """README, "What the demo does": mean pooling, normalised, temperature 0.05, top 100; 1,024 training questions,
     batch 64, chunk 16 (4 chunks per step), 16 steps, lr 5e-5 -- the defaults of DemoConfig and demo_training."""
