@@ -442,7 +442,8 @@ def test_evaluation_cut_offs_stop_at_top_k(world, tmp_path, capsys, caplog):
 
 
 def test_a_top_k_beyond_the_index_is_named_and_the_summary_gives_the_depth_retrieved(world, tmp_path, capsys, caplog):
-    """Every question gets the whole index: the summary and the cut-offs said the depth asked for."""
+    """Every question gets the whole index: the summary and the cut-offs said the depth asked for. Without --k one
+    warning says so (a second once named a "--k 500" never given, the default cut-off at --top-k)."""
     queries, qrels = self_queries(tmp_path)
     vectors = len(passages())
     with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
@@ -454,6 +455,13 @@ def test_a_top_k_beyond_the_index_is_named_and_the_summary_gives_the_depth_retri
         in caplog.text
     assert f"| top-k | {vectors} (--top-k 500) |" in capsys.readouterr().out
     assert {len(r["ctxs"]) for r in json.loads((tmp_path / "top.json").read_text())} == {vectors}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):  # the default cut-offs: no --k to name
+        cli("retrieve", "--index", world["idx"], "--queries", queries, "--qrels", qrels, "--top-k", 500, "--cache-dir",
+            world["cache"], "--device", "cpu", "--evaluate")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"--top-k 500 beyond the index's {vectors} vectors: each question gets those {vectors} "
+                        "passages"], warnings
 
 
 @pytest.mark.parametrize("ids, judged, message", [

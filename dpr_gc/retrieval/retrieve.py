@@ -326,7 +326,7 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
     if s.trec_run:
         check_run_tag(s.run_tag)
     depth = retrieved_depth(s.top_k, index)
-    beyond = [k for k in s.cutoffs() or () if k > depth]
+    beyond = [k for k in s.ks or () if k > depth]  # the default cut-offs stop at --top-k, warned of above
     if beyond:
         logger.warning("--k %s beyond %s: those figures count only the %d passages retrieved per question",
                        " ".join(map(str, beyond)), f"--top-k {depth}" if depth == s.top_k else
