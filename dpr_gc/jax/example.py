@@ -25,8 +25,10 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from ..base.args import ArgumentParser
 from ..base.errors import DprGcError, report_errors
 from ..base.files import read_json, write_json
+from ..base.settings import add_arguments, from_args, setting
 from ..model.retriever import RetrieverConfig
 from ..model.tokenize import token_ids
 from .grad_cache import cached_value_and_grad
@@ -43,23 +45,31 @@ RANDOM_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_siz
 
 @dataclasses.dataclass
 class ExampleConfig:
-    """Defaults: the demo's setting (1,024 training questions, batch 64 in chunks of 16) plus one hard negative."""
+    """Defaults: the demo's setting (1,024 training questions, batch 64 in chunks of 16) plus one hard negative. Each
+    field is declared once with its flag, type, default and help (:func:`dpr_gc.base.settings.setting`), so every
+    flag of ``--help`` shows them."""
 
-    output_dir: str = "runs/jax-example"
-    init: str = "minilm"
-    max_examples: Optional[int] = None
-    train_queries: int = 1024
-    batch_size: int = 64
-    chunk_size: int = 16
-    hard_negatives: int = 1
-    epochs: int = 1
-    learning_rate: float = 5e-5
-    temperature: float = 0.05
-    dropout: float = 0.1
-    query_max_length: int = 48
-    passage_max_length: int = 128
-    precision: str = "fp32"
-    seed: int = 0
+    output_dir: str = setting("runs/jax-example", "--output", help="output folder (the dataset is reused)")
+    init: str = setting("minilm", "--init", choices=("minilm", "random"),
+                        help="start from the offline MiniLM weights or from a random 4-layer encoder")
+    max_examples: Optional[int] = setting(None, "--max-examples", type=int,
+                                          help="subsample the dataset, a quicker, rougher run (default: all of it)")
+    train_queries: int = setting(1024, "--train-queries", type=int, help="training questions used")
+    batch_size: int = setting(64, "--batch-size", type=int,
+                              help="training queries per step (the Gradient Cache batch)")
+    chunk_size: int = setting(16, "--chunk-size", type=int,
+                              help="rows per Gradient Cache chunk, of queries and passages")
+    hard_negatives: int = setting(1, "--hard-negatives", type=int, help="hard negatives per training query")
+    epochs: int = setting(1, "--epochs", type=int, help="passes over the training questions")
+    learning_rate: float = setting(5e-5, "--learning-rate", type=float,
+                                   help="AdamW peak learning rate (linear decay to 0)")
+    temperature: float = setting(0.05, "--temperature", type=float, help="scores are divided by it before the softmax")
+    dropout: float = setting(0.1, "--dropout", type=float, help="the encoder's dropout in training (keys per chunk)")
+    query_max_length: int = setting(48, "--query-max-length", type=int, help="query max tokens")
+    passage_max_length: int = setting(128, "--passage-max-length", type=int, help="passage max tokens, title included")
+    precision: str = setting("fp32", "--precision", choices=("fp32", "bf16"),
+                             help="the encoder's parameters and activations (the loss is fp32 either way)")
+    seed: int = setting(0, "--seed", type=int, help="seed of the dataset, initial weights, batch order and dropout")
 
     def __post_init__(self) -> None:
         if self.init not in ("minilm", "random"):
@@ -245,23 +255,17 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The example's flags, generated from :class:`ExampleConfig` as the ``dpr-gc`` commands' are from theirs:
+    every flag with its help and default, a bad command line as one ``error:`` line."""
+    parser = ArgumentParser(prog="python -m dpr_gc.jax.example", description=__doc__.split("\n")[0])
+    add_arguments(parser, ExampleConfig)
+    return parser
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> ExampleConfig:
-    defaults = ExampleConfig()
-    p = argparse.ArgumentParser(prog="python -m dpr_gc.jax.example", description=__doc__.split("\n")[0])
-    p.add_argument("--output", default=defaults.output_dir, help="output folder (the dataset is reused)")
-    p.add_argument("--init", default=defaults.init, choices=["minilm", "random"],
-                   help="start from the offline MiniLM weights or from a random 4-layer encoder")
-    p.add_argument("--max-examples", type=int, default=None, help="subsample the dataset (a quicker, rougher run)")
-    for name in ("train_queries", "batch_size", "chunk_size", "hard_negatives", "epochs", "query_max_length",
-                 "passage_max_length", "seed"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    for name in ("learning_rate", "temperature", "dropout"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
-    p.add_argument("--precision", default=defaults.precision, choices=["fp32", "bf16"])
-    args = p.parse_args(argv)
-    fields = {f.name for f in dataclasses.fields(ExampleConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    return ExampleConfig(output_dir=args.output, **values)
+    """The :class:`ExampleConfig` of a command line."""
+    return from_args(ExampleConfig, build_parser().parse_args(argv))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
