@@ -509,6 +509,24 @@ def test_resume_compares_with_the_checkpoint_record(first_run, tmp_path) -> None
     assert code == 0, err
 
 
+def test_a_checkpoint_without_a_record_resumes_with_a_warning(first_run, tmp_path, caplog) -> None:
+    """docs/training.md: a run saved by an older version records no train_config.json (neither in its checkpoints
+    nor in its output folder); it resumes, with a warning that its settings are not compared."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(first_run["out"], out)
+    for record in [out / SETTINGS_FILE, *out.glob(f"checkpoint-*/{SETTINGS_FILE}")]:
+        record.unlink()
+    argv = [*first_run["argv"], "--output", str(out), "--resume", "latest", "--max-steps", "3"]
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.train.config"):
+        code, err = call(cli.main, argv)
+    assert code == 0, err
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"checkpoint-2 holds no {SETTINGS_FILE} (written by an older version)" in w for w in warned), warned
+    assert (out / "checkpoint-3").is_dir() and (out / SETTINGS_FILE).is_file()
+
+
 # --------------------------------------------------------------------------------------------- encode / index record
 def test_encode_and_index_record_their_settings(tmp_path, make_retriever) -> None:
     from dpr_gc.retrieval.encode import EncodeSettings, encode_corpus
