@@ -557,3 +557,36 @@ def test_library_retrieve_names_answer_patterns_that_do_not_compile(world, caplo
     assert warnings == ["queries: 1 answer pattern does not compile (question 0: '(unclosed': missing ) at "
                         "position 9); they never match, as in DPR"], warnings
     assert [r["id"] for r in results] == ["a", "b"] and all(c["has_answer"] for r in results for c in r["ctxs"])
+
+
+def test_an_ivf_search_that_reaches_fewer_passages_says_how_many_and_what_to_raise(world, tmp_path, capsys, caplog):
+    """FAISS marks the hits an IVF search probing too few lists did not reach with row -1: they are left out, and a
+    warning at the end, the summary and the evaluation's note give the passages the questions got (the summary said
+    --top-k and nothing warned), naming --nprobe to raise."""
+    from dpr_gc.data.corpus import load_corpus
+
+    build_index(world["emb"], tmp_path / "ivf", IndexParams("ivf-flat", nlist=8, nprobe=1))
+    index = DenseIndex.read(tmp_path / "ivf")
+    queries, qrels = self_queries(tmp_path)
+    retriever = Retriever.load(world["model"])
+    texts = [json.loads(line)["text"] for line in queries.read_text().splitlines()]
+    got = (index.search(retriever.embed("query", texts), 40)[1] >= 0).sum(axis=1)
+    assert got.max() < 40, got
+    with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
+        cli("retrieve", "--index", tmp_path / "ivf", "--queries", queries, "--qrels", qrels, "--top-k", 40,
+            "--cache-dir", world["cache"], "--device", "cpu", "--evaluate", "--output", tmp_path / "r.json")
+    assert [len(r["ctxs"]) for r in json.loads((tmp_path / "r.json").read_text())] == got.tolist()
+    mean = f"{got.mean():.1f}"
+    assert (f"10 questions of 10 got fewer than the 40 passages asked for (fewest {got.min()}, mean {mean} per "
+            "question): the IVF8,Flat search (nprobe 1 of 8 lists) reached no more; raise --nprobe to retrieve them "
+            "all; the evaluation's figures count only the passages retrieved") in caplog.messages, caplog.messages
+    assert f"| top-k | {got.min()}..40, mean {mean} (--top-k 40) |" in capsys.readouterr().out
+    caplog.clear()
+    corpus = load_corpus(world["corpus"], world["cache"])
+    with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
+        records = retrieve(retriever, index, corpus, [{"id": "a", "question": texts[0]}], top_k=40, match=None,
+                           show_progress=False)
+    assert len(records[0]["ctxs"]) == got[0]
+    assert any(m.startswith("1 question of 1 got fewer than the 40 passages") and m.endswith("raise --nprobe to "
+                                                                                           "retrieve them all")
+               for m in caplog.messages), caplog.messages

@@ -220,6 +220,14 @@ class DenseIndex:
             return ", ".join(knobs + lossy)
         return f"approximate ({', '.join(lossy)})" if lossy else "exact"
 
+    def search_flags(self) -> list[str]:
+        """The ``retrieve`` flags that widen this index's search (``--nprobe`` for an IVF part, ``--ef-search`` for
+        an HNSW one): where a search returns fewer hits than asked, raising them reaches more."""
+        faiss = _faiss()
+        layers = list(_layers(self.index))
+        return ([flag for flag, kind in (("--nprobe", faiss.IndexIVF), ("--ef-search", faiss.IndexHNSW))
+                 if any(isinstance(layer, kind) for layer in layers)])
+
     def _widened_ef(self, k: int) -> Optional[int]:
         """The ``efSearch`` a top-``k`` search raises an HNSW index's narrower beam to (``k``, at most the
         vectors), or None where it searches with the index's own (no HNSW on top, or a beam already as wide)."""

@@ -152,6 +152,43 @@ def check_corpus(index: DenseIndex, corpus: Any) -> None:
                        "contents cannot be checked against it; rebuild the index to get that check")
 
 
+@dataclasses.dataclass
+class HitCount:
+    """Passages each question got, counted from the records (``write``, as the outputs are): FAISS returns fewer
+    than ``asked`` (rows -1, dropped) where an IVF search probes lists holding fewer vectors or an HNSW beam reaches
+    fewer, so the warning and the summary give what was retrieved, not what was asked."""
+
+    asked: int
+    questions: int = 0
+    hits: int = 0
+    fewest: Optional[int] = None
+    short: int = 0
+
+    def write(self, record: dict) -> None:
+        n = len(record["ctxs"])
+        self.questions, self.hits, self.short = self.questions + 1, self.hits + n, self.short + (n < self.asked)
+        self.fewest = n if self.fewest is None else min(self.fewest, n)
+
+    def depth(self, top_k: int) -> Any:
+        """The summary's "top-k": ``top_k``, else the passages the questions got (fewest..asked, mean) and the flag."""
+        if self.short:
+            return f"{self.fewest}..{self.asked}, mean {self.hits / self.questions:.1f} (--top-k {top_k})"
+        return top_k if top_k == self.asked else f"{self.asked} (--top-k {top_k})"
+
+    def warn(self, index: DenseIndex, evaluated: bool) -> None:
+        """One warning, once the questions are retrieved, when some got fewer passages than asked: how many, the
+        fewest and mean per question, and which search flag of the index to raise."""
+        if not self.short:
+            return
+        flags = index.search_flags()
+        advice = f"raise {' or '.join(flags)}" if flags else "search it with a wider index"
+        logger.warning("%s of %d got fewer than the %d passages asked for (fewest %d, mean %.1f per question): the "
+                       "%s search (%s) reached no more; %s to retrieve them all%s",
+                       counted(self.short, "question"), self.questions, self.asked, self.fewest,
+                       self.hits / self.questions, index.meta.get("factory"), index.search_settings(self.asked),
+                       advice, "; the evaluation's figures count only the passages retrieved" if evaluated else "")
+
+
 def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
                   batch_size: int = 64, matcher: Optional[AnswerMatcher] = None,
                   show_progress: bool = True, total: Optional[int] = None) -> Iterator[dict]:
@@ -159,6 +196,8 @@ def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Itera
 
     Questions are embedded ``batch_size`` at a time and searched ``QUERY_CHUNK`` at a time, so memory holds one
     chunk; ``matcher`` (an :class:`AnswerMatcher`) fills each passage's ``has_answer``, ``None`` leaves it out.
+    A question may get fewer than ``top_k`` passages: the hits an approximate search did not reach (FAISS row -1)
+    are left out (:class:`HitCount` counts what each got).
     """
     if retriever.dim != index.dim:
         check_compatible(retriever, index, check_fingerprint=False)
@@ -220,7 +259,8 @@ def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[d
     :func:`~dpr_gc.data.corpus.load_corpus` gives it. Each record is DPR's retriever output, ``{"id", "question",
     "answers", "ctxs": [{"id", "title", "text", "score", "has_answer"}, ...]}``, best passage first. With ``match``
     "regex", answer patterns that do not compile are named in one warning before anything is retrieved: they never
-    match, as in DPR."""
+    match, as in DPR. Questions that got fewer passages than asked are named in a warning at the end
+    (:class:`HitCount`)."""
     match = None if match == "none" else match
     if match is not None and match not in MATCH_MODES:
         raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
@@ -230,8 +270,13 @@ def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[d
             uncompiled.check(q.get("answers") or (), f"question {i}")
         uncompiled.warn("queries")
     with AnswerMatcher(match or "string", workers) as matcher:
-        return list(iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
-                                  matcher if match is not None else None, show_progress))
+        results = list(iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
+                                     matcher if match is not None else None, show_progress))
+    hits = HitCount(min(top_k, index.ntotal))
+    for record in results:
+        hits.write(record)
+    hits.warn(index, evaluated=False)
+    return results
 
 
 def write_results_json(results: Iterable[dict], path: PathLike, compact: bool = False) -> Path:
@@ -319,9 +364,17 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
     beside the first output (:func:`retrieve_kept`), and a run with the same key continues after the last finished
     chunk of an interrupted one. Answers are matched once per run: evaluation reuses the ``has_answer`` flags
     written to the results (with ``match`` None or ``none`` they are matched for the evaluation only, with DPR's
-    string matching).
+    string matching). Questions that got fewer passages than asked are named in a warning at the end
+    (:class:`HitCount`).
     """
     s = dataclasses.replace(settings or RetrieveSettings(), **options)
+    return write_retrieval(retriever, index, corpus, queries, s, qrels, show_progress, total, resume_key)[0]
+
+
+def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], s: RetrieveSettings,
+                    qrels: Optional[dict[str, dict[str, int]]], show_progress: bool, total: Optional[int],
+                    resume_key: Optional[dict]) -> tuple[dict[str, dict[str, float]], HitCount]:
+    """:func:`retrieve_to_files`, returning the metrics and the passages the questions got."""
     match = None if s.match == "none" else s.match
     if s.trec_run:
         check_run_tag(s.run_tag)
@@ -331,16 +384,22 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
         logger.warning("--k %s beyond %s: those figures count only the %d passages retrieved per question",
                        " ".join(map(str, beyond)), f"--top-k {depth}" if depth == s.top_k else
                        f"the index's {depth} vectors", depth)
+    hits = HitCount(depth)
     with AnswerMatcher(match or "string", default_workers(s.workers)) as matcher:
         def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
             return iter_retrieve(retriever, index, corpus, todo, s.top_k, s.batch_size,
                                  matcher if match is not None else None, show_progress, left)
 
+        def write(done: Iterable[dict]) -> dict[str, dict[str, float]]:
+            return write_outputs(done, s, qrels, matcher if match is None else None, hits)
+
         first = s.output or s.trec_run
         if resume_key is None or not first:
-            return write_outputs(records(queries, total), s, qrels, matcher if match is None else None)
-        return retrieve_kept(Path(first), resume_key, queries, total, records,
-                             lambda kept: write_outputs(kept, s, qrels, matcher if match is None else None))
+            metrics = write(records(queries, total))
+        else:
+            metrics = retrieve_kept(Path(first), resume_key, queries, total, records, write)
+    hits.warn(index, evaluated=s.cutoffs() is not None)
+    return metrics, hits
 
 
 def kept_records(first: Path, key: Optional[dict] = None) -> ChunkedOutput:
@@ -426,12 +485,13 @@ def report_kept_elsewhere(first: Path) -> None:
 
 
 def write_outputs(records: Iterable[dict], s: RetrieveSettings, qrels: Optional[dict[str, dict[str, int]]],
-                  matcher: Optional[AnswerMatcher]) -> dict[str, dict[str, float]]:
+                  matcher: Optional[AnswerMatcher], hits: Optional[HitCount] = None) -> dict[str, dict[str, float]]:
     """Write ``records`` to the results file and the TREC run of ``s`` (each atomically) and evaluate them at its
-    cut-offs (``matcher``: match answers for the evaluation, else use the records' ``has_answer``)."""
+    cut-offs (``matcher``: match answers for the evaluation, else use the records' ``has_answer``); ``hits`` counts
+    the passages each record holds."""
     ks = s.cutoffs()
     with contextlib.ExitStack() as stack:
-        writers = []
+        writers: list[Any] = [hits] if hits is not None else []
         if s.output:
             writers.append(stack.enter_context(open_results(s.output, s.compact)))
         if s.trec_run:
@@ -503,12 +563,12 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     first = s.output or s.trec_run
     resumed = kept_before(Path(first), key) if first else 0
     started = time.perf_counter()
-    metrics = retrieve_to_files(retriever, index, passages, judged_queries(job.queries, qrels), s, qrels=qrels,
-                                total=count, resume_key=key)
+    metrics, hits = write_retrieval(retriever, index, passages, judged_queries(job.queries, qrels), s, qrels, True,
+                                    count, key)
     seconds = time.perf_counter() - started
     return metrics, {"queries": count, **({"judged queries": len(qrels)} if qrels is not None else {}),
                      **({"resumed (retrieved before)": resumed} if resumed else {}),
-                     "top-k": s.top_k if s.top_k <= index.ntotal else f"{index.ntotal} (--top-k {s.top_k})",
+                     "top-k": hits.depth(s.top_k),
                      "vectors": index.ntotal, "search": index.search_settings(s.top_k),
                      "seconds": round(seconds, 2),
                      "queries/s": round((count - resumed) / seconds, 1) if seconds > 0 and count > resumed else "-",
@@ -552,13 +612,15 @@ def retrieval_key(retriever: Any, index: DenseIndex, corpus: Any, job: RetrieveJ
 
 
 def retrieved_depth(top_k: int, index: Any) -> int:
-    """Passages each question gets: ``top_k``, or all of a smaller index (named in a warning, since the results and
-    the summary would otherwise claim the depth asked for)."""
+    """Passages each question asks for: ``top_k``, or all of a smaller index (named in a warning, since the results
+    and the summary would otherwise claim the depth asked for; "at most" where an IVF or HNSW search may reach
+    fewer, :class:`HitCount`)."""
     vectors = getattr(index, "ntotal", None)
     if vectors is None or top_k <= vectors:
         return top_k
-    logger.warning("--top-k %d beyond the index's %d vectors: each question gets those %d passages", top_k, vectors,
-                   vectors)
+    at_most = "at most " if getattr(index, "search_flags", lambda: [])() else ""
+    logger.warning("--top-k %d beyond the index's %d vectors: each question gets %sthose %d passages", top_k,
+                   vectors, at_most, vectors)
     return vectors
 
 
