@@ -590,3 +590,27 @@ def test_an_ivf_search_that_reaches_fewer_passages_says_how_many_and_what_to_rai
     assert any(m.startswith("1 question of 1 got fewer than the 40 passages") and m.endswith("raise --nprobe to "
                                                                                            "retrieve them all")
                for m in caplog.messages), caplog.messages
+
+
+def test_the_library_refuses_a_model_or_corpus_the_index_was_not_built_from(world, tiny_tokenizer, tmp_path):
+    """retrieve() and retrieve_to_files() check the model and corpus as the command does (they returned results);
+    check_model=False is --skip-model-check."""
+    from dpr_gc.data.corpus import load_corpus
+    from dpr_gc.retrieval.retrieve import retrieve_to_files
+
+    index = DenseIndex.read(world["idx"])
+    corpus = load_corpus(world["corpus"], world["cache"])
+    other = Retriever(tiny_bert(len(tiny_tokenizer), seed=5), None, tiny_tokenizer, RetrieverConfig(**CONFIG))
+    queries = [{"id": "a", "question": "king of paris", "answers": []}]
+    reordered = tmp_path / "reordered.jsonl"
+    reordered.write_text("".join(json.dumps(p) + "\n" for p in passages()[::-1]))
+    shuffled = load_corpus(reordered, tmp_path / "cache")
+    out = tmp_path / "r.json"
+    for call in (lambda r, c, **kw: retrieve(r, index, c, queries, top_k=3, match=None, show_progress=False, **kw),
+                 lambda r, c, **kw: retrieve_to_files(r, index, c, queries, output=out, show_progress=False, **kw)):
+        with pytest.raises(DprGcError, match="the model's weights differ from those that encoded the passages"):
+            call(other, corpus)
+        with pytest.raises(DprGcError, match=f"corpus row 0 has id 'p{N_PASSAGES - 1}' but the index expects 'p0'"):
+            call(Retriever.load(world["model"]), shuffled)
+        call(other, corpus, check_model=False)
+    assert [r["id"] for r in json.loads(out.read_text())] == ["a"]

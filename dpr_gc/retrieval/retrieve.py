@@ -152,6 +152,17 @@ def check_corpus(index: DenseIndex, corpus: Any) -> None:
                        "contents cannot be checked against it; rebuild the index to get that check")
 
 
+def check_inputs(retriever: Any, index: DenseIndex, corpus: Any, check_model: bool = True) -> None:
+    """The command's checks of the query encoder (:func:`check_compatible`; ``check_model=False``: not its weights,
+    as ``--skip-model-check``) and of the corpus (:func:`check_corpus`) against the index, for the library's entry
+    points (``test_the_library_refuses_a_model_or_corpus_the_index_was_not_built_from``). An index object that records
+    nothing (no ``meta``: any object with FAISS's ``search``) has only its dimension checked, as it is searched."""
+    if getattr(index, "meta", None) is None:
+        return
+    check_compatible(retriever, index, check_fingerprint=check_model)
+    check_corpus(index, corpus)
+
+
 @dataclasses.dataclass
 class HitCount:
     """Passages each question got, counted from the records (``write``, as the outputs are): FAISS returns fewer
@@ -252,18 +263,20 @@ class DenseSource:
 
 def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
              batch_size: int = 64, match: Optional[str] = "string", show_progress: bool = True,
-             workers: int = 1) -> list[dict]:
+             workers: int = 1, check_model: bool = True) -> list[dict]:
     """All records of :func:`iter_retrieve` in a list (small runs); ``match`` ("string"/"regex") fills
     ``has_answer`` with DPR's answer matching, ``None`` (or ``"none"``, as the settings say it) leaves the field
     out. ``queries``: dicts as :func:`~dpr_gc.data.corpus.read_queries` gives them; ``corpus``: as
     :func:`~dpr_gc.data.corpus.load_corpus` gives it. Each record is DPR's retriever output, ``{"id", "question",
     "answers", "ctxs": [{"id", "title", "text", "score", "has_answer"}, ...]}``, best passage first. With ``match``
     "regex", answer patterns that do not compile are named in one warning before anything is retrieved: they never
-    match, as in DPR. Questions that got fewer passages than asked are named in a warning at the end
-    (:class:`HitCount`)."""
+    match, as in DPR. The model and corpus are checked against the index as the command checks them
+    (:func:`check_inputs`; ``check_model=False`` is ``--skip-model-check``), and questions that got fewer passages
+    than asked are named in a warning at the end (:class:`HitCount`)."""
     match = None if match == "none" else match
     if match is not None and match not in MATCH_MODES:
         raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
+    check_inputs(retriever, index, corpus, check_model)
     if match == "regex":
         queries, uncompiled = list(queries), UncompiledPatterns()
         for i, q in enumerate(queries):
@@ -354,7 +367,7 @@ def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = 
 def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict],
                       settings: Optional[RetrieveSettings] = None, *, qrels: Optional[dict[str, dict[str, int]]] = None,
                       show_progress: bool = True, total: Optional[int] = None, resume_key: Optional[dict] = None,
-                      **options: Any) -> dict[str, dict[str, float]]:
+                      check_model: bool = True, **options: Any) -> dict[str, dict[str, float]]:
     """Retrieve ``queries`` (any iterable, read once; ``total``: their number, for the progress bar) with
     ``settings`` (fields of :class:`RetrieveSettings` may also be given as keywords), writing the results file
     (``compact``: without passage text) and the TREC run as records come and evaluating them on the way at the
@@ -364,17 +377,20 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
     beside the first output (:func:`retrieve_kept`), and a run with the same key continues after the last finished
     chunk of an interrupted one. Answers are matched once per run: evaluation reuses the ``has_answer`` flags
     written to the results (with ``match`` None or ``none`` they are matched for the evaluation only, with DPR's
-    string matching). Questions that got fewer passages than asked are named in a warning at the end
-    (:class:`HitCount`).
+    string matching). The model and corpus are first checked against the index as the command checks them
+    (:func:`check_inputs`; ``check_model=False`` is ``--skip-model-check``); questions that got fewer passages than
+    asked are named in a warning at the end (:class:`HitCount`).
     """
     s = dataclasses.replace(settings or RetrieveSettings(), **options)
+    check_inputs(retriever, index, corpus, check_model)
     return write_retrieval(retriever, index, corpus, queries, s, qrels, show_progress, total, resume_key)[0]
 
 
 def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], s: RetrieveSettings,
                     qrels: Optional[dict[str, dict[str, int]]], show_progress: bool, total: Optional[int],
                     resume_key: Optional[dict]) -> tuple[dict[str, dict[str, float]], HitCount]:
-    """:func:`retrieve_to_files`, returning the metrics and the passages the questions got."""
+    """:func:`retrieve_to_files` once its inputs are checked (:func:`run_retrieval` checks them as they load, each
+    once); returns the metrics and the passages the questions got."""
     match = None if s.match == "none" else s.match
     if s.trec_run:
         check_run_tag(s.run_tag)
@@ -555,7 +571,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     qrels, count = queries_to_retrieve(job.queries, job.qrels, s)  # a bad question fails before the model loads
     retriever = Retriever.load(model, default_device(job.device),
                                *recorded_prefixes(index.meta, job.query_prefix, job.passage_prefix)).check_room("query")
-    check_compatible(retriever, index, check_fingerprint=job.check_model)
+    check_compatible(retriever, index, check_fingerprint=job.check_model)  # before the corpus loads
     passages = load_corpus(corpus_path, job.cache_dir)
     check_corpus(index, passages)
     log_choices(job, model, corpus_path, retriever, index)
