@@ -29,7 +29,8 @@ KIND_PARAMS = {
 
 def write_shards(folder: Path, emb: np.ndarray, num_shards: int = 2, model: str = "tiny", fingerprint: str = "fp0",
                  dtype: str = "float32", only: Optional[list[int]] = None, passage_format: str = "pair",
-                 ids: Optional[list[str]] = None, legacy: Optional[str] = None) -> Path:
+                 ids: Optional[list[str]] = None, legacy: Optional[str] = None,
+                 settings: Optional[dict] = None) -> Path:
     """Write encode-format shards of ``emb`` (npy, ids.txt, then the JSON manifest), as shards.md specifies."""
     folder.mkdir(parents=True, exist_ok=True)
     n, dim = emb.shape
@@ -45,7 +46,7 @@ def write_shards(folder: Path, emb: np.ndarray, num_shards: int = 2, model: str 
                     "passage_format": passage_format, "dim": dim, "dtype": dtype, "count": end - start,
                     "start_row": start, "shard_id": k, "num_shards": num_shards, "corpus": "/data/corpus.jsonl",
                     "corpus_rows": n, "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt",
-                    **({LEGACY_KEY: legacy} if legacy else {})}
+                    **({LEGACY_KEY: legacy} if legacy else {}), **(settings or {})}
         (folder / f"{name}.json").write_text(json.dumps(manifest))
     return folder
 
@@ -207,6 +208,40 @@ def test_gap_between_shards_is_refused(tmp_path, data):
         build_index(emb_dir, tmp_path / "idx", IndexParams("flat"), allow_partial=True)
 
 
+def test_an_append_of_shards_encoded_otherwise_is_refused(tmp_path, data, caplog):
+    """Shards encoded with another --max-length, --dtype or --precision (encode refuses them in one folder) are
+    refused in one line naming each difference, appended to an index (which records them) or copied into one
+    folder; an index written before they were recorded still appends, with a warning that they go unchecked."""
+    from dpr_gc.cli import main
+    from dpr_gc.retrieval.shards import read_manifests
+    from tests.helpers import call
+
+    ea = write_shards(tmp_path / "ea", data, num_shards=3, only=[0], dtype="float16",
+                      settings={"max_length": 64, "precision": "fp32"})
+    eb = write_shards(tmp_path / "eb", data, num_shards=3, only=[1], settings={"max_length": 8, "precision": "fp32"})
+    ixm = tmp_path / "ixm"
+    assert call(main, ["index", "--embeddings", ea, "--output", ixm, "--allow-partial"])[0] == 0
+    meta = json.loads((ixm / META_FILE).read_text())
+    assert (meta["max_length"], meta["precision"], meta["dtype"]) == (64, "fp32", "float16")
+    code, err = call(main, ["index", "--embeddings", eb, "--output", ixm, "--append", "--allow-partial"])
+    assert code == 2 and err == (f"error: embeddings in {eb} do not match the index: max_length 8 (the index: 64); "
+                                 "dtype 'float32' (the index: 'float16'); encode the same corpus with the same model "
+                                 "and encode settings, or build a new index in another folder\n"), err
+    for key in ("max_length", "precision", "dtype"):  # as an index of an earlier version records it
+        del meta[key]
+    (ixm / META_FILE).write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.retrieval.index"):
+        assert build_index(eb, ixm, IndexParams("flat"), append=True, allow_partial=True)["added"] == 267
+    assert ("the index records no max_length, precision, dtype (built before dpr-gc recorded them), so the shards "
+            "appended cannot be checked against how its passages were encoded; rebuild the index to get that check"
+            ) in caplog.messages
+    for name in ("shard-00001-of-00003.npy", "shard-00001-of-00003.ids.txt", "shard-00001-of-00003.json"):
+        (ea / name).write_bytes((eb / name).read_bytes())
+    with pytest.raises(DprGcError, match=r"^shards in .* disagree on max_length \(64 vs 8\); re-encode them into one "
+                                         "folder with one model and the same encode settings$"):
+        read_manifests(ea, complete=False)
+
+
 def test_appended_shards_that_overlap_the_indexed_rows_are_refused(tmp_path, data):
     """shard_rows_from: shards added to an index must continue its rows without overlaps too (a 3-way split's
     second shard starts inside the rows a 2-way split's first shard already put there)."""
@@ -224,7 +259,7 @@ def test_mixed_models_and_dimensions_are_refused(tmp_path, data):
         build_index(mixed, tmp_path / "idx", IndexParams("flat"))
     formats = write_shards(tmp_path / "formats", data, num_shards=2, only=[0])
     write_shards(formats, data, num_shards=2, only=[1], passage_format="concat")
-    with pytest.raises(DprGcError, match="one model's embeddings per folder"):
+    with pytest.raises(DprGcError, match=r"disagree on passage_format \('pair' vs 'concat'\)"):
         build_index(formats, tmp_path / "idx", IndexParams("flat"))
     build_index(write_shards(tmp_path / "a", data, num_shards=2, only=[0]), tmp_path / "idx", IndexParams("flat"),
                 allow_partial=True)

@@ -51,7 +51,8 @@ INDEX_META_FIELDS = {"format_version": Field(int), "kind": text(), "factory": te
                      "corpus_fingerprint": text(True), "model_fingerprint": text(True), LEGACY_KEY: text(True),
                      "pooling": text(True), "normalize": Field(bool, True), "passage_format": text(True),
                      "query_prefix": text(True), "passage_prefix": text(True), "shards": Field(list),
-                     "trained_on": count(True),
+                     "trained_on": count(True), "max_length": positive_field(True), "precision": text(True),
+                     "dtype": text(True),
                      "first_id": text(True), "last_id": text(True), "index_file": Field(list)}
 PARAM_FIELDS = {"kind": text(), "factory": text(True), "pq_nbits": positive_field(True),
                 **{key: positive_field(True) for key in ("ef_search", "nprobe", "hnsw_m", "ef_construction", "nlist",
@@ -59,6 +60,9 @@ PARAM_FIELDS = {"kind": text(), "factory": text(True), "pq_nbits": positive_fiel
 STAMP_BYTES = 1 << 20
 # Compared with ==; the model fingerprint is compared through fingerprint.records_agree.
 ENCODING_KEYS = ("dim", "pooling", "normalize", "passage_format")
+# Encode's settings the vectors depend on, recorded since they are compared (absent from earlier indexes: an append
+# to one compares the shards among themselves only, with a warning).
+ENCODE_SETTING_KEYS = ("max_length", "precision", "dtype")
 # The prefixes the passages were encoded under (encode's flags included); retrieve and mine default to them.
 # Absent from indexes and shards of earlier versions, so they are compared only where both sides record them.
 PREFIX_KEYS = ("query_prefix", "passage_prefix")
@@ -514,14 +518,15 @@ def read_ids(folder: PathLike) -> Iterator[str]:
 
 
 def _encoding_of(meta: dict) -> dict:
-    return {k: meta.get(k) for k in ENCODING_KEYS}
+    return {k: meta.get(k) for k in (*ENCODING_KEYS, *ENCODE_SETTING_KEYS)}
 
 
 def _append_differences(index_meta: dict, manifests: list[dict]) -> list[str]:
-    """What shards to be appended record otherwise than the index (each named with both values), else []."""
+    """What shards to be appended record otherwise than the index (each named with both values), else []. Encode
+    settings an index of an earlier version does not record are not compared (:func:`_check_shards` warns)."""
     first, found = manifests[0], []
     for key, value in _encoding_of(first).items():
-        if index_meta.get(key) != value:
+        if (key in index_meta or key not in ENCODE_SETTING_KEYS) and index_meta.get(key) != value:
             found.append(f"{key} {value!r} (the index: {index_meta.get(key)!r})")
     if disagreeing([index_meta, *manifests]):
         found.append(f"the model's weights (model {first.get('model')}; the index: {index_meta.get('model')}; "
@@ -542,6 +547,24 @@ def _check_prefixes(records: list[dict], emb_dir: PathLike) -> None:
                          f"({' vs '.join(map(repr, sorted(seen)))}); encode them with one prefix")
 
 
+def _check_shards(manifests: list[dict], dense: Optional[DenseIndex], emb_dir: PathLike) -> None:
+    """Refuse, in one line, shards encoded otherwise than one another or (appending) than the index ``dense``: the
+    model, corpus and encode settings (those of one folder's shards are compared as they are read,
+    :func:`~.shards.read_manifests`; ``test_an_append_of_shards_encoded_otherwise_is_refused``)."""
+    _check_prefixes(manifests + ([dense.meta] if dense is not None else []), emb_dir)
+    if dense is None:
+        return
+    differences = _append_differences(dense.meta, manifests)
+    if differences:
+        raise DprGcError(f"embeddings in {emb_dir} do not match the index: {'; '.join(differences)}; encode the same "
+                         "corpus with the same model and encode settings, or build a new index in another folder")
+    unrecorded = [key for key in ENCODE_SETTING_KEYS if key not in dense.meta]
+    if unrecorded:
+        logger.warning("the index records no %s (built before dpr-gc recorded them), so the shards appended cannot "
+                       "be checked against how its passages were encoded; rebuild the index to get that check",
+                       ", ".join(unrecorded))
+
+
 def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseIndex] = None,
                train_sample: int = 100_000, block_size: int = 65_536, seed: int = 0,
                allow_partial: bool = False) -> tuple[DenseIndex, list[dict], dict[str, Any]]:
@@ -554,16 +577,8 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     """
     IndexBuild(train_sample=train_sample, block_size=block_size, seed=seed)  # the flags' checks and errors
     manifests = read_manifests(emb_dir, complete=not allow_partial)
-    encoding, first = _encoding_of(manifests[0]), manifests[0]
-    for m in manifests:
-        if _encoding_of(m) != encoding:
-            raise DprGcError(f"{m['embeddings']}: encoded with {_encoding_of(m)} but other shards in {emb_dir} with "
-                             f"{encoding}; keep one model's embeddings per folder")
-    _check_prefixes(manifests + ([dense.meta] if dense is not None else []), emb_dir)
-    differences = _append_differences(dense.meta, manifests) if dense is not None else []
-    if differences:
-        raise DprGcError(f"embeddings in {emb_dir} do not match the index: {'; '.join(differences)}; encode the same "
-                         "corpus with the same model, or build a new index in another folder")
+    first = manifests[0]
+    _check_shards(manifests, dense, emb_dir)
     todo = shard_rows_from(manifests, dense.ntotal if dense else 0)
     if not todo and dense is not None:  # a rerun of a finished append: nothing to do, and no error
         return dense, [], {"train_vectors": 0, "train_seconds": 0.0, "add_seconds": 0.0}

@@ -19,6 +19,8 @@ from ..base.files import PathLike, open_text, read_json_object
 from ..base.validate import Field, check_fields, count, inside, positive_int, text
 from .fingerprint import LEGACY_KEY, disagreeing
 
+# How the passages were encoded, beside the model (encode's MUST_MATCH): shards indexed together agree on them.
+SHARD_SETTINGS = ("pooling", "normalize", "passage_format", "passage_prefix", "max_length", "precision", "dtype")
 MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
 PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
 
@@ -111,11 +113,10 @@ def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
         raise DprGcError(f"shards in {root} disagree on model_fingerprint ({pair[0].get('model_fingerprint')!r} vs "
                          f"{pair[1].get('model_fingerprint')!r}); re-encode them into one folder with one model")
     for m in manifests[1:]:
-        for key in ("dim", "num_shards", "corpus_rows", "corpus_fingerprint", "pooling",
-                    "normalize", "passage_prefix"):
+        for key in ("dim", "num_shards", "corpus_rows", "corpus_fingerprint", *SHARD_SETTINGS):
             if m.get(key) != first.get(key):
                 raise DprGcError(f"shards in {root} disagree on {key} ({first.get(key)!r} vs {m.get(key)!r}); "
-                                 "re-encode them into one folder with one model")
+                                 "re-encode them into one folder with one model and the same encode settings")
     manifests.sort(key=lambda m: m["start_row"])
     for m in manifests:
         for key in ("embeddings", "ids"):
