@@ -202,10 +202,35 @@ def test_appending_to_an_index_with_a_damaged_ids_file_names_it_and_says_rebuild
     assert {p.name: p.read_bytes() for p in idx.iterdir()} == before
 
 
-def test_gap_between_shards_is_refused(tmp_path, data):
-    emb_dir = write_shards(tmp_path / "emb", data, num_shards=3, only=[0, 2])
-    with pytest.raises(DprGcError, match="missing"):
-        build_index(emb_dir, tmp_path / "idx", IndexParams("flat"), allow_partial=True)
+def test_allow_partial_indexes_the_shards_before_one_still_being_encoded(tmp_path, data, caplog):
+    """Shards 0 and 2 of 3 encoded, 1 still running: --allow-partial indexes shard 0 (it refused the folder) and a
+    warning names shard 2 as waiting for rows 266..532; once shard 1 is there, --append gives the index built all at
+    once. With shard 0 missing there is nothing to index yet, said in one line."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    n, idx = len(data), tmp_path / "idx"
+    emb = write_shards(tmp_path / "emb", data, num_shards=3, only=[0, 2])
+    with pytest.raises(DprGcError, match="lacks finished shard"):
+        build_index(emb, idx, IndexParams("flat"))
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.retrieval.index"):
+        summary = build_index(emb, idx, IndexParams("flat"), allow_partial=True)
+    assert summary["ntotal"] == n // 3 and not summary["complete"]
+    assert ("left out shard-00002-of-00003 (from corpus row 533): they wait for rows 266..532, whose shard is not "
+            "encoded yet, since FAISS rows must equal corpus rows; a later `dpr-gc index --append` adds them"
+            ) in caplog.messages, caplog.messages
+    write_shards(emb, data, num_shards=3, only=[1])
+    assert build_index(emb, idx, IndexParams("flat"), append=True)["added"] == n - n // 3
+    full = build_index(write_shards(tmp_path / "full", data, num_shards=3), tmp_path / "full_idx", IndexParams("flat"))
+    assert full["ntotal"] == DenseIndex.read(idx).ntotal == n
+    np.testing.assert_array_equal(DenseIndex.read(idx).index.reconstruct_n(0, n),
+                                  DenseIndex.read(tmp_path / "full_idx").index.reconstruct_n(0, n))
+    assert list(read_ids(idx)) == list(read_ids(tmp_path / "full_idx"))
+    late = write_shards(tmp_path / "late", data, num_shards=3, only=[1, 2])
+    code, err = call(main, ["index", "--embeddings", late, "--output", tmp_path / "late_idx", "--allow-partial"])
+    assert code == 2 and err == (f"error: nothing to index in {late} yet: corpus rows 0..265 are not encoded, and "
+                                 "the shards after them (shard-00001-of-00003, shard-00002-of-00003) wait for them, "
+                                 "since FAISS rows must equal corpus rows; encode the first shard, then index\n"), err
 
 
 def test_an_append_of_shards_encoded_otherwise_is_refused(tmp_path, data, caplog):

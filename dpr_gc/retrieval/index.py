@@ -36,7 +36,7 @@ from ..base.logs import counted, native_stderr_logged
 from .index_params import IndexBuild, IndexParams, param_rules, refuse_unused
 from ..base.settings import add_arguments, from_args, setting, to_record
 from .fingerprint import LEGACY_KEY, combined, disagreeing, records_agree
-from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_rows_from
+from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_name, shard_rows_from
 
 logger = logging.getLogger(__name__)
 
@@ -565,6 +565,25 @@ def _check_shards(manifests: list[dict], dense: Optional[DenseIndex], emb_dir: P
                        ", ".join(unrecorded))
 
 
+def _shards_to_add(manifests: list[dict], first_row: int, allow_partial: bool, emb_dir: PathLike) -> list[dict]:
+    """The shards continuing the index's ``first_row`` rows (:func:`~.shards.shard_rows_from`); with
+    ``allow_partial`` those after a shard not encoded yet wait for it, named in a warning
+    (``test_allow_partial_indexes_the_shards_before_one_still_being_encoded``)."""
+    todo, waiting = shard_rows_from(manifests, first_row, allow_partial)
+    if not waiting:
+        return todo
+    missing = int(todo[-1]["start_row"]) + int(todo[-1]["count"]) if todo else first_row
+    names = ", ".join(shard_name(m["shard_id"], m["num_shards"]) for m in waiting)
+    if not todo and not first_row:
+        raise DprGcError(f"nothing to index in {emb_dir} yet: corpus rows {missing}..{int(waiting[0]['start_row']) - 1}"
+                         f" are not encoded, and the shards after them ({names}) wait for them, since FAISS rows must "
+                         "equal corpus rows; encode the first shard, then index")
+    logger.warning("left out %s (from corpus row %d): they wait for rows %d..%d, whose shard is not encoded yet, "
+                   "since FAISS rows must equal corpus rows; a later `dpr-gc index --append` adds them", names,
+                   int(waiting[0]["start_row"]), missing, int(waiting[0]["start_row"]) - 1)
+    return todo
+
+
 def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseIndex] = None,
                train_sample: int = 100_000, block_size: int = 65_536, seed: int = 0,
                allow_partial: bool = False) -> tuple[DenseIndex, list[dict], dict[str, Any]]:
@@ -579,7 +598,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     manifests = read_manifests(emb_dir, complete=not allow_partial)
     first = manifests[0]
     _check_shards(manifests, dense, emb_dir)
-    todo = shard_rows_from(manifests, dense.ntotal if dense else 0)
+    todo = _shards_to_add(manifests, dense.ntotal if dense else 0, allow_partial, emb_dir)
     if not todo and dense is not None:  # a rerun of a finished append: nothing to do, and no error
         return dense, [], {"train_vectors": 0, "train_seconds": 0.0, "add_seconds": 0.0}
     if not todo:
@@ -813,7 +832,9 @@ class IndexJob:
     output: str = setting("", "--output", type=output_dir, required=True,
                           help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")
     append: bool = setting(False, "--append", help="add new shards to the existing index in --output")
-    allow_partial: bool = setting(False, "--allow-partial", help="index although some shards are not encoded yet")
+    allow_partial: bool = setting(False, "--allow-partial",
+                                  help="index although some shards are not encoded yet: those up to the first "
+                                       "missing one (a later --append adds the rest)")
     threads: Optional[int] = setting(None, "--threads", type=positive_int,
                                      help="FAISS threads, at most the CPUs (default: all cores)")
 

@@ -139,20 +139,25 @@ def has_shards(folder: PathLike) -> bool:
     return root.is_dir() and any(MANIFEST_RE.match(p.name) for p in root.iterdir())
 
 
-def shard_rows_from(manifests: list[dict], first_row: int) -> list[dict]:
-    """Shards to add: those from ``first_row`` on, which must continue it without gaps or overlaps."""
+def shard_rows_from(manifests: list[dict], first_row: int,
+                    allow_partial: bool = False) -> tuple[list[dict], list[dict]]:
+    """Shards to add: those from ``first_row`` on, which must continue it without gaps or overlaps. With
+    ``allow_partial`` a gap (a shard still being encoded) ends them instead: the shards after it wait for it.
+    Returns ``(shards to add, shards waiting)``."""
     todo, expected = [], first_row
-    for m in manifests:
+    for i, m in enumerate(manifests):
         start, count = int(m["start_row"]), int(m["count"])
         if start + count <= first_row:
             continue
+        if start > expected and allow_partial:
+            return todo, manifests[i:]
         if start != expected:
             what = "overlaps indexed rows" if start < expected else f"leaves rows {expected}..{start - 1} missing"
             raise DprGcError(f"{m['embeddings']}: shard starting at corpus row {start} {what}; FAISS rows must equal "
                              "corpus rows, so finish (or re-run) the missing shards first")
         todo.append(m)
         expected = start + count
-    return todo
+    return todo, []
 
 
 def open_shard(m: dict, check_ids: bool = False) -> np.ndarray:
