@@ -299,6 +299,44 @@ def test_an_edit_that_keeps_size_and_mtime_is_parsed_afresh(tmp_path):
     assert after[0]["question"] == before[0]["question"][::-1]
 
 
+def sample_only_the_ends(monkeypatch) -> None:
+    """Make every file "large": its fingerprint then hashes only its first and last 16 bytes (as a file over
+    256 MiB, whose fingerprint samples 1,024 blocks), so an edit in between leaves the fingerprint as it was."""
+    from dpr_gc.data import corpus as corpus_mod
+
+    monkeypatch.setattr(corpus_mod, "FULL_HASH_BYTES", 0)
+    monkeypatch.setattr(corpus_mod, "SAMPLE_BLOCKS", 2)
+    monkeypatch.setattr(corpus_mod, "SAMPLE_BLOCK_BYTES", 16)
+
+
+def edit_between_samples(path: Path, old: str, new: str) -> None:
+    """Replace ``old`` by ``new`` (same length) in the middle of ``path``, one second later than its mtime."""
+    stat, text = path.stat(), path.read_text()
+    assert len(old) == len(new) and 16 < text.index(old) < len(text) - 16 - len(old)
+    path.write_text(text.replace(old, new, 1))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+
+def test_an_edit_of_a_large_file_between_its_sampled_blocks_is_parsed_afresh(tmp_path, monkeypatch):
+    """The training cache key holds each file's size and modification time besides the content fingerprint, as the
+    corpus cache's does: an edit of a file over 256 MiB outside the fingerprint's sampled blocks is not served from
+    the old parse (a DPR file, and a BEIR folder's queries)."""
+    sample_only_the_ends(monkeypatch)
+    from dpr_gc.data.corpus import source_fingerprint
+
+    path = write(tmp_path / "t.jsonl", records(3), "lines")
+    before, fingerprint = load(tmp_path, path).dataset.to_list(), source_fingerprint(path)
+    edit_between_samples(path, "question 1 about", "QUESTION 1 ABOUT")
+    assert source_fingerprint(path) == fingerprint
+    assert load(tmp_path, path).dataset.to_list()[1]["question"] == "QUESTION 1 ABOUT the city?" != \
+        before[1]["question"]
+    folder = write_beir(tmp_path / "beir", records(3))
+    questions = lambda: D.load_beir_training(folder, cache_dir=tmp_path / "cache").dataset["question"]  # noqa: E731
+    assert "question 1 about the city?" in questions()
+    edit_between_samples(folder / "queries.jsonl", "question 1 about", "QUESTION 1 ABOUT")
+    assert "QUESTION 1 ABOUT the city?" in questions()
+
+
 def test_concurrent_loads_parse_the_training_file_once(tmp_path, monkeypatch):
     """Like torchrun's ranks, two loaders of one training file at once: one parses it, the other waits for its
     cache (before the shared Arrow cache, each parsed the whole file and wrote a cache of its own)."""

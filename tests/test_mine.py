@@ -686,6 +686,38 @@ def test_an_input_edited_with_its_size_and_mtime_restored_is_not_resumed_into(wo
     assert keys[0] == keys[1] and len({json.dumps(k, sort_keys=True) for k in keys[1:]}) == 3
 
 
+def test_the_resume_key_holds_each_inputs_size_and_mtime(world, tmp_path, monkeypatch):
+    """The resume key of ``dpr-gc mine`` holds each input's size and modification time besides its content
+    fingerprint: the fingerprint of a file over 256 MiB hashes sampled blocks only (made so here for every file), so
+    an edit between them, or a file only touched, gives another key and the re-run starts over."""
+    import os
+
+    import dpr_gc.data.corpus as corpus_mod
+    import dpr_gc.retrieval.mine as mine
+
+    monkeypatch.setattr(corpus_mod, "FULL_HASH_BYTES", 0)  # every file "large": only its first and last 16 bytes
+    monkeypatch.setattr(corpus_mod, "SAMPLE_BLOCKS", 2)
+    monkeypatch.setattr(corpus_mod, "SAMPLE_BLOCK_BYTES", 16)
+    keys = []
+    monkeypatch.setattr(mine, "mine_to_file",
+                        lambda *a, resume_key, **k: keys.append(resume_key) or mine.MiningSummary())
+    train = tmp_path / "train.json"
+    shutil.copy(world["root"] / "train.json", train)
+    argv = ("mine", "--train-file", train, "--output", tmp_path / "out.json", "--corpus",
+            world["root"] / "corpus.jsonl", "--cache-dir", tmp_path / "cache", "--bm25-index", tmp_path / "bm25")
+    cli(*argv)
+    cli(*argv)
+    stat, fingerprint = train.stat(), corpus_mod.source_fingerprint(train)
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched
+    cli(*argv)
+    question = questions()[1]["question"]
+    train.write_text(train.read_text().replace(question, question[::-1], 1))  # between the sampled ends
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+    assert corpus_mod.source_fingerprint(train) == fingerprint
+    cli(*argv)
+    assert keys[0] == keys[1] and len({json.dumps(k, sort_keys=True) for k in keys[1:]}) == 3
+
+
 def test_two_runs_sharing_a_bm25_folder_build_it_one_at_a_time(world, tmp_path):
     """While one run builds (or loads) a BM25 folder, another waits for it, then loads what it saved: two builders
     writing one folder in turn could leave one corpus's vocabulary beside another's score matrix."""

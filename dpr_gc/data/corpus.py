@@ -71,6 +71,14 @@ def source_fingerprint(path: PathLike) -> str:
     return digest.hexdigest()
 
 
+def file_stamp(path: PathLike) -> list[int]:
+    """A file's size and modification time (ns), keyed beside its :func:`corpus_fingerprint` (training caches,
+    ``mine``'s resume): above 256 MiB the fingerprint hashes sampled blocks only, so an edit between them changes
+    only these."""
+    st = Path(path).stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
 def corpus_fingerprint(path: PathLike, what: str = "corpus file") -> str:
     """A content fingerprint of the corpus file: a hash of its bytes, or of 1,024 evenly spaced 64 KiB blocks and the
     size when it is larger than 256 MiB (so checking a 13 GB ``psgs_w100.tsv`` costs well under a second).

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .arrow_cache import cache_file, cached_dataset, write_stream
-from .corpus import source_fingerprint
+from .corpus import file_stamp, source_fingerprint
 from .qrels import iter_qrels, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
@@ -292,8 +292,10 @@ def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
 # ----------------------------------------------------------------- Arrow cache
 def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], Produced],
            cache_dir: Optional[PathLike], skip_bad: bool, fingerprint: Optional[str]) -> TrainingData:
-    """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it."""
-    key = [FORMAT_VERSION, tag, skip_bad, [str(p.resolve()) for p in files], fingerprint or source_fingerprint(source)]
+    """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it. The key
+    holds each file's path, size and modification time and the source's content fingerprint, as the corpus cache's."""
+    key = [FORMAT_VERSION, tag, skip_bad, [[str(p.resolve()), *file_stamp(p)] for p in files],
+           fingerprint or source_fingerprint(source)]
     key += [BEIR_VERSION] if tag == "beir" else []  # DPR files keep their caches
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
     arrow = cache_file(cache_dir, "train", stem, json.dumps(key))

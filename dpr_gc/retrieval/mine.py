@@ -29,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .bm25 import BM25Source, Gold, bm25_index_exists, check_bm25_folder
-from ..data.corpus import rows_for_ids, source_fingerprint
+from ..data.corpus import file_stamp, rows_for_ids, source_fingerprint
 from ..data.training import ID_KEYS, beir_training_records, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int, unit_float)
@@ -502,9 +502,10 @@ RESUME_FLAGS = ("source", "split", "model", "index", "bm25_k1", "bm25_b", "n_neg
 
 def resume_key(args: argparse.Namespace, inputs: dict[str, Optional[PathLike]], source: Any) -> dict:
     """What a re-run must share with an interrupted one to continue it: each input's content fingerprint (an input
-    edited in place with its size and modification time restored mines other negatives), the query encoder and the
-    settings in ``RESUME_FLAGS``."""
-    return {"inputs": {role: source_fingerprint(p) for role, p in inputs.items() if p},
+    edited in place with its size and modification time restored mines other negatives) and its size and
+    modification time (the fingerprint of a file over 256 MiB samples blocks), the query encoder and the settings in
+    ``RESUME_FLAGS``."""
+    return {"inputs": {role: [source_fingerprint(p), *file_stamp(p)] for role, p in inputs.items() if p},
             "encoder": encoder_identity(source), **{k: v for k, v in vars(args).items() if k in RESUME_FLAGS}}
 
 
