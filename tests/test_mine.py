@@ -395,6 +395,26 @@ def test_dense_embeddings_without_an_index_folder_are_refused_before_encoding(wo
     assert not (tmp_path / "emb").exists() and not (tmp_path / "dense.json").exists()
 
 
+def test_answer_patterns_that_do_not_compile_are_named_before_the_corpus_is_read(tmp_path, caplog):
+    """stages.md: mine --match regex warns once, while checking the training file (before the corpus is read),
+    naming the file, the count and the first lines with the regex error, as retrieve and evaluate do: such a
+    pattern never matches, so the passage holding the answer can be mined as a hard negative (it was, silently)."""
+    corpus, train = tmp_path / "c.tsv", tmp_path / "rx.jsonl"
+    corpus.write_text("id\ttext\ttitle\nans1\tMany rivers exist; the SEINE is famous.\tRivers\n"
+                      "p1\tsomething else entirely\tT\n")
+    record = {"question": "which rivers exist and are famous", "answers": ["(SEINE"],
+              "positive_ctxs": [{"title": "x", "text": "unrelated", "passage_id": "zz"}]}
+    train.write_text(json.dumps({**record, "answers": ["some(thing)"]}) + "\n" + json.dumps(record) + "\n")
+    with caplog.at_level("INFO", logger="dpr_gc"):
+        cli("mine", "--train-file", train, "--corpus", corpus, "--output", tmp_path / "out.jsonl", "--n-negatives", 3,
+            "--top-k", 5, "--workers", 1, "--match", "regex", "--cache-dir", tmp_path / "cache")
+    messages = [r.getMessage() for r in caplog.records]
+    warning = (f"{train}: 1 answer pattern does not compile (line 2: '(SEINE': missing ) at position 6); they never "
+               "match, as in DPR, so a passage holding such an answer may be mined as a hard negative")
+    assert messages.count(warning) == 1, messages
+    assert messages.index(warning) < next(i for i, m in enumerate(messages) if "passages from" in m)
+
+
 def test_bad_inputs_give_one_line_errors(world, tmp_path):
     root, corpus, src = world["root"], world["corpus"], world["bm25"]
     base = ("mine", "--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--output", tmp_path / "o.json")

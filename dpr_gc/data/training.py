@@ -253,6 +253,11 @@ def beir_dpr_record(qid: str, question: str, answers: Sequence[str], positives: 
 def iter_training_file(path: PathLike) -> Iterator[dict]:
     """Stream the records of a DPR training file (JSON list or JSONL, optionally .gz) unchanged, each checked as the
     training reader checks it; a bad record raises naming file and line."""
+    return (record for _, record in iter_numbered_training_file(path))
+
+
+def iter_numbered_training_file(path: PathLike) -> Iterator[tuple[int, dict]]:
+    """:func:`iter_training_file` with the line each record starts on, for messages naming it."""
     p = require_file(path, "training file")
     is_list = sniff_json(p) == "list"
     with open_text(p) as f:
@@ -261,7 +266,7 @@ def iter_training_file(path: PathLike) -> Iterator[dict]:
                 normalise_record(record)
             except ValueError as e:
                 raise DprGcError(f"{p}:{line}: {e}; fix the record") from None
-            yield record
+            yield line, record
 
 
 def beir_training_records(queries_path: PathLike, qrels_path: PathLike,

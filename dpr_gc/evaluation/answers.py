@@ -121,13 +121,14 @@ class UncompiledPatterns:
                 if len(self.first) < self.SHOWN:
                     self.first.append(f"{where}: {pattern!r}: {error}")
 
-    def warn(self, source: str) -> None:
-        """One warning naming ``source`` and the patterns noted, if any."""
+    def warn(self, source: str, effect: str = "") -> None:
+        """One warning naming ``source`` and the patterns noted, if any, and ``effect`` (what never matching does to
+        the run, e.g. ``", so ..."``)."""
         if self.count:
             more = ", ..." if self.count > len(self.first) else ""
-            logger.warning("%s: %s not compile (%s%s); they never match, as in DPR", source,
+            logger.warning("%s: %s not compile (%s%s); they never match, as in DPR%s", source,
                            counted(self.count, "answer pattern does", "answer patterns do"), "; ".join(self.first),
-                           more)
+                           more, effect)
 
 
 def matches(needles: list[Any], passage: str, mode: str) -> bool:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from .bm25 import BM25Source, Gold, bm25_index_exists, check_bm25_folder
 from ..data.corpus import file_stamp, rows_for_ids, source_fingerprint
-from ..data.training import ID_KEYS, beir_training_records, iter_training_file
+from ..data.training import ID_KEYS, beir_training_records, iter_numbered_training_file, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int, unit_float)
 from ..base.errors import DprGcError, Interrupted, flags_renamed
@@ -40,7 +40,7 @@ from ..base.files import ChunkedOutput, PathLike, require_file
 from ..base.locks import output_lock
 from ..base.settings import (AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
                              passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply, setting)
-from ..evaluation.answers import MATCH_MODES
+from ..evaluation.answers import MATCH_MODES, UncompiledPatterns
 from .index import cap_threads
 from .retrieve import DenseSource
 
@@ -635,15 +635,21 @@ def check_nothing_inside_built(args: argparse.Namespace, built: dict[str, str]) 
                                  "hold nothing else (and reads when run again); write it outside that folder")
 
 
-def scan_training_file(path: PathLike, positive_ids: bool = False) -> tuple[int, set[str]]:
+def scan_training_file(path: PathLike, positive_ids: bool = False,
+                       match: Optional[str] = None) -> tuple[int, set[str]]:
     """One streaming pass over a DPR training file before mining: every record checked (a bad one fails before any
     is mined) and counted (the progress bar's total), and with ``positive_ids`` its positives' ids gathered (BM25
-    scores them for the positive-aware rules)."""
-    count, ids = 0, set()
-    for record in iter_training_file(path):
+    scores them for the positive-aware rules). With ``match`` "regex", answer patterns that do not compile are named
+    in one warning (file and lines), as ``retrieve`` names them: they never match, so the passage holding the answer
+    may be mined as a hard negative."""
+    count, ids, uncompiled = 0, set(), UncompiledPatterns()
+    for line, record in iter_numbered_training_file(path):
         count += 1
         if positive_ids:
             ids.update(ctx_id(c) for c in record.get("positive_ctxs") or [])
+        if match == "regex":
+            uncompiled.check(record.get("answers") or (), f"line {line}")
+    uncompiled.warn(str(path), ", so a passage holding such an answer may be mined as a hard negative")
     return count, ids
 
 
@@ -680,7 +686,7 @@ def _cli(args: argparse.Namespace) -> None:
         queries = find_beir_file(beir, "queries.jsonl")
         split_qrels = require_file(beir / "qrels" / f"{args.split}.tsv", f"qrels of split {args.split!r}")
     else:  # checked and counted before the corpus is read or encoded
-        total, golds = scan_training_file(args.train_file, positive_ids=bm25_scored)
+        total, golds = scan_training_file(args.train_file, positive_ids=bm25_scored, match=args.match)
     corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
     if corpus_path is None and index_exists(args.index):
         corpus_path = read_meta(args.index).get("corpus")
