@@ -46,14 +46,19 @@ ALPHABET = list("abcAB  xyzXé.,-'") + ["\u0301", "\u00e9", "E\u0301", "\u0130",
                                            "\u212a", "日"]
 
 
-def random_text(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice(ALPHABET) for _ in range(n))
+# Code points assigned after Unicode 14 (Python 3.11's unicodedata): an emoji (16.0), Kawi (15.0), CJK extension I
+# (15.1), Nag Mundari, a Kannada mark, a Devanagari punctuation, a Cyrillic modifier letter, a heart emoji (15.0)
+RECENT = ["\U0001fae9", "\U00011f04", "\U0002ebf0", "\U0001e4d0", "\u0cf3", "\U00011b00", "\U0001e030", "\U0001fa77"]
 
 
-def random_case(rng: random.Random, n_questions: int = 60, n_passages: int = 40):
+def random_text(rng: random.Random, n: int, alphabet: list[str] = ALPHABET) -> str:
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+def random_case(rng: random.Random, n_questions: int = 60, n_passages: int = 40, alphabet: list[str] = ALPHABET):
     """Passages of random text; answers that are pieces of passages (often hits, partly cut mid-token, case and
     accent changed) or random strings (mostly misses)."""
-    passages = [(f"p{i}", random_text(rng, rng.randint(0, 60))) for i in range(n_passages)]
+    passages = [(f"p{i}", random_text(rng, rng.randint(0, 60), alphabet)) for i in range(n_passages)]
     questions = []
     for _ in range(n_questions):
         answers = []
@@ -64,7 +69,7 @@ def random_case(rng: random.Random, n_questions: int = 60, n_passages: int = 40)
                 piece = text[a:a + rng.randint(1, 12)]
                 answers.append(piece.upper() if rng.random() < 0.3 else unicodedata.normalize("NFC", piece))
             else:
-                answers.append(random_text(rng, rng.randint(1, 6)))
+                answers.append(random_text(rng, rng.randint(1, 6), alphabet))
         questions.append((answers, rng.sample(passages, rng.randint(0, 15))))
     return questions
 
@@ -84,6 +89,30 @@ def test_string_flags_equal_dpr_on_random_data(seed):
     assert [[am.has_answer(a, text) for _, text in ps] for a, ps in questions] == want
     with am.AnswerMatcher("string", workers=2, parallel_min=1) as pooled:  # new passages tokenised by a pool
         assert pooled.flags(questions[:30]) + pooled.flags(questions[30:]) == want
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_code_points_newer_than_the_stdlib_unicode_split_and_match_as_in_dpr(seed):
+    """DPR's SimpleTokenizer classes its characters by the ``regex`` package's Unicode, newer than the stdlib
+    ``unicodedata`` (Unicode 14 on Python 3.11), and so does dpr-gc's: an emoji, a script or CJK assigned since
+    splits and matches as in DPR (built from ``unicodedata`` they were unassigned, like controls: the emoji was no
+    token and a Kawi letter split a word in two)."""
+    assert answer_text.simple_tokens("tired \U0001fae9 face") == ["tired", "\U0001fae9", "face"]
+    assert am.has_answer(["\U0001fae9"], "tired \U0001fae9 face") and dpr_has_answer(["\U0001fae9"],
+                                                                                    "tired \U0001fae9 face", "string")
+    assert not am.has_answer(["foo bar"], "foo\U00011f04bar") and not dpr_has_answer(["foo bar"], "foo\U00011f04bar",
+                                                                                      "string")
+    rng = random.Random(seed)
+    alphabet = ALPHABET + RECENT * 3
+    for _ in range(300):
+        text = answer_text.nfd(random_text(rng, rng.randint(0, 30), alphabet))
+        assert answer_text.simple_tokens(text, uncased=False) == [m.group() for m in DPR_TOKEN.finditer(text)], \
+            ascii(text)
+    questions = random_case(rng, alphabet=alphabet)
+    want = [[dpr_has_answer(with_tokens(a), text, "string") for _, text in ps] for a, ps in questions]
+    assert 10 < sum(map(sum, want)) < sum(map(len, want)) / 2
+    with am.AnswerMatcher("string") as matcher:
+        assert matcher.flags(questions) == want
 
 
 @pytest.mark.parametrize("seed", range(2))

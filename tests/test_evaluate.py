@@ -20,7 +20,7 @@ SCIFACT = SHARED_DATA / "scifact"
 
 # ------------------------------------------------------------------------------------------------ tokenizer
 def test_tokenizer_matches_unicode_property_reference():
-    """Our stdlib-only classes equal [\\p{L}\\p{N}\\p{M}]+ | [^\\p{Z}\\p{C}] from the `regex` package."""
+    """Our tokens equal [\\p{L}\\p{N}\\p{M}]+ | [^\\p{Z}\\p{C}] of the `regex` package, as DPR's SimpleTokenizer."""
     regex = pytest.importorskip("regex")
     reference = regex.compile(r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])")
     rng = random.Random(0)
