@@ -918,6 +918,49 @@ def test_a_run_refused_for_a_missing_input_leaves_no_folders(world: dict, tmp_pa
     assert not new.exists()
 
 
+@pytest.mark.parametrize("command", ["train", "encode", "mine", "retrieve", "prepare-data", "dense_retriever.py"])
+@pytest.mark.parametrize("how", ["--cache-dir", "$DPR_GC_CACHE", "home"])
+def test_a_cache_folder_where_nothing_may_be_written_is_refused_up_front_naming_what_set_it(
+        world: dict, tmp_path: Path, monkeypatch, command: str, how: str) -> None:
+    """Every command that caches parsed data probes its cache folder before anything runs: ``--cache-dir``, else
+    ``$DPR_GC_CACHE``, else ``~/.cache/dpr_gc``, named by what set it (an unwritable ``$DPR_GC_CACHE`` failed when
+    the first cache was written, train after its model loaded, as ``error: DIR: Read-only file system``)."""
+    beir, ro, out = tmp_path / "beir", tmp_path / "ro", tmp_path / "out"
+    shutil.copytree(ROOT / "data" / "examples" / "beir", beir)
+    ro.mkdir()
+    argv, main = {"train": ["train", "--train", beir, "--output", out, "--model", world["model"], "--device", "cpu"],
+                  "encode": ["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", out,
+                             "--device", "cpu"],
+                  "mine": ["mine", "--beir-dir", beir, "--output", out],
+                  "retrieve": retrieve_argv(world, "--queries", world["qa"], "--output", out),
+                  "prepare-data": ["prepare-data", beir],
+                  "dense_retriever.py": ["--model_file", world["model"], "--qa_dataset", world["qa"],
+                                         "--encoded_ctx_file", world["emb"], "--out_file", out]}[command], cli.main
+    flag = "--cache-dir"
+    if command == "dense_retriever.py":
+        flag, main = "--cache_dir", load_script("dense_retriever").main
+    cache = ro / ".cache" / "dpr_gc" if how == "home" else ro / "cache"
+    if how == "--cache-dir":
+        argv += [flag, cache]
+        want = f"{flag} {cache} cannot be written: read-only file system in {ro}; give an output in a folder"
+    elif how == "$DPR_GC_CACHE":
+        monkeypatch.setenv("DPR_GC_CACHE", str(cache))
+        want = (f"$DPR_GC_CACHE {cache} cannot be written: read-only file system in {ro}; point DPR_GC_CACHE to a "
+                f"folder this user can write to, or give {flag}")
+    else:
+        monkeypatch.delenv("DPR_GC_CACHE")
+        monkeypatch.setenv("HOME", str(ro))
+        want = (f"the cache folder {cache} ($DPR_GC_CACHE is not set) cannot be written: read-only file system in "
+                f"{ro}; set DPR_GC_CACHE to a folder this user can write to, or give {flag}")
+    import dpr_gc.train.trainer as trainer
+
+    loaded: list[str] = []
+    monkeypatch.setattr(trainer, "build_retriever", lambda *a, **k: loaded.append("model") or pytest.fail("loaded"))
+    read_only(monkeypatch, ro)
+    refused(argv, want, main=main)
+    assert list(ro.iterdir()) == [] and not out.exists() and not loaded
+
+
 @pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux sysfs, where no one may create files")
 def test_an_output_in_sysfs_is_named_with_its_flag(world: dict) -> None:
     """The same without a stand-in: sysfs refuses new files and folders even to root."""

@@ -7,7 +7,9 @@ the stage runs, every output is compared with every input and with the other out
 refused too; no output may lie inside an input folder, and a folder replaced whole may not hold an input. Then each
 output is locked (``flock``; a second run on the same output is refused at once) unless the stage takes its own
 finer lock (``"self"``). The parsed-data cache a command is given (``--cache-dir``) is one of its outputs too
-(:data:`CACHE_OUTPUT`). Files are written atomically by :mod:`dpr_gc.base.files`; folders by :func:`atomic_folder`.
+(:data:`CACHE_OUTPUT`), and the cache folder it uses, given or the default, is probed for writing up front
+(:func:`check_cache_writable`). Files are written atomically by :mod:`dpr_gc.base.files`; folders by
+:func:`atomic_folder`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from .errors import DiskFullError, DprGcError, is_disk_full
-from .files import PathLike, check_path_length, missing_folders, output_target, remove_empty_folders, spooled
+from .files import (PathLike, check_output_dir, check_path_length, missing_folders, output_target,
+                    remove_empty_folders, spooled)
 from .locks import exclusive_lock, locked_folder, output_lock
 
 # How an output is locked: a lock file beside it ("file": files, and folders replaced whole), a lock file inside it
@@ -31,8 +34,11 @@ LOCK_MODES = ("file", "folder", "whole", "self")
 FOLDER_LOCK = ".dpr-gc.lock"
 # The parsed-data cache folder (``--cache-dir``, declared once by ``settings.cache_dir_setting``): an output of every
 # guarded command whose arguments carry it, so that it is never an input nor inside an input folder; its caches lock
-# their own files. Left out (None), the caches go to the default folder, which is no output here.
+# their own files. Left out (None), the caches go to the default folder (:func:`default_cache_root`), which is
+# checked as an output when $DPR_GC_CACHE names it; given or not, the folder is probed up front
+# (:func:`check_cache_writable`).
 CACHE_OUTPUT = ("cache_dir", "self")
+CACHE_VARIABLE = "DPR_GC_CACHE"
 # what the system says when it refuses to create a file or folder: no permission, a read-only file system
 REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
@@ -146,7 +152,8 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
     """Decorate a stage's command function ``f(args, ...)``: ``inputs`` are the ``args`` destinations it reads,
     ``outputs`` maps each destination it writes to its lock mode (see :data:`LOCK_MODES`); an entry may be written
     ``"dest=--flag"`` to name the flag in messages. The cache folder (:data:`CACHE_OUTPUT`) is an output without
-    being declared (declare it to name another flag). Checks, then locks, then runs; an output the system refuses
+    being declared (declare it to name another flag); a command whose ``args`` carry it has the folder it uses probed
+    (:func:`check_cache_writable`). Checks, then locks, then runs; an output the system refuses
     to create or write is one line naming its flag (:func:`refused_output`)."""
     outputs = dict(outputs or {})
     bad = set(outputs.values()) - set(LOCK_MODES)
@@ -167,12 +174,14 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
             written = {flag: getattr(args, dest, None) for dest, flag, _ in outs}
             check_outputs(given, with_default_cache(written, cache_flag),
                           whole=[flag for _, flag, mode in outs if mode == "whole"])
+            if hasattr(args, cache_dest):  # the command uses the cache
+                check_cache_writable(written[cache_flag], cache_flag)
             try:
                 with output_locks({flag: (written[flag], mode) for _, flag, mode in outs}):
                     with streams_copied(args, [dest for dest, _ in ins]):
                         return run(args, *more, **named)
             except OSError as e:
-                refusal = refused_output(e, written)
+                refusal = refused_output(e, with_default_cache(written, cache_flag))
                 if refusal is None:
                     raise
                 raise refusal from None
@@ -182,13 +191,45 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
     return wrap
 
 
+def default_cache_root() -> tuple[Path, Optional[str]]:
+    """The folder the parsed-data caches go to without ``--cache-dir``: ``$DPR_GC_CACHE``, else ``~/.cache/dpr_gc``;
+    and the variable's name in messages when it set the folder (None for the home default)."""
+    folder = os.environ.get(CACHE_VARIABLE)
+    return (Path(folder), f"${CACHE_VARIABLE}") if folder else (Path.home() / ".cache" / "dpr_gc", None)
+
+
 def with_default_cache(outputs: Mapping[str, Any], cache_flag: str) -> dict[str, Any]:
     """``outputs`` plus ``$DPR_GC_CACHE`` where the cache flag is not given and that variable names the cache folder:
     the caches are written there, so it may no more be an input or lie inside one than ``--cache-dir``."""
-    folder = os.environ.get("DPR_GC_CACHE")
-    if outputs.get(cache_flag) is not None or not folder:
+    folder, variable = default_cache_root()
+    if outputs.get(cache_flag) is not None or variable is None:
         return dict(outputs)
-    return {**outputs, "$DPR_GC_CACHE": folder}
+    return {**outputs, variable: str(folder)}
+
+
+def check_cache_writable(given: Any, cache_flag: str) -> None:
+    """Refuse up front, in one line naming what set it, a cache folder this user cannot create or write in:
+    ``cache_flag`` when given, else ``$DPR_GC_CACHE``, else ``~/.cache/dpr_gc`` (a run failed only when it first wrote
+    a cache, ``train`` after its model loaded, naming no flag nor variable). The probe is a temporary folder made and
+    removed in the cache folder, or in its nearest existing parent: nothing is left behind."""
+    if given is not None:
+        folder, label, advice = Path(os.fspath(given)), cache_flag, "give an output in a folder this user can write to"
+        name = f"{label} {given}"
+    else:
+        folder, variable = default_cache_root()
+        label = variable or "the cache folder"
+        name = f"{label} {folder}" + ("" if variable else f" (${CACHE_VARIABLE} is not set)")
+        advice = f"{'point' if variable else 'set'} {CACHE_VARIABLE} to a folder this user can write to, or give " \
+                 f"{cache_flag}"
+    folder = check_output_dir(folder, label)
+    existing = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dpr-gc-probe-", dir=existing))
+    except OSError as e:
+        if e.errno not in REFUSED_ERRNOS:
+            raise
+        reason = (e.strerror or os.strerror(e.errno)).lower()
+        raise DprGcError(f"{name} cannot be written: {reason} in {existing}; {advice}") from None
 
 
 def refused_output(error: OSError, outputs: Mapping[str, Any]) -> Optional[DprGcError]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from ..base.errors import DprGcError
 from ..base.files import PathLike, atomic_path, remove_stale_temporaries
+from ..base.guard import default_cache_root
 from ..base.locks import wait_lock
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ ROWS_KEY = "dpr_gc_rows"  # custom metadata of the empty batch that ends every c
 def default_cache_dir(kind: str) -> Path:
     """Where parsed sources are cached: ``$DPR_GC_CACHE/KIND`` or ``~/.cache/dpr_gc/KIND`` (``corpora`` for
     passage corpora, ``train`` for training sets)."""
-    root = Path(os.environ.get("DPR_GC_CACHE") or Path.home() / ".cache" / "dpr_gc")
+    root = default_cache_root()[0]
     if root.exists() and not root.is_dir():
         raise DprGcError(f"the cache folder {root} ($DPR_GC_CACHE, else ~/.cache/dpr_gc) is a file; point "
                          "DPR_GC_CACHE at a folder")
