@@ -2352,3 +2352,17 @@ def test_renamed_flags_leave_a_quoted_dpr_gc_command_as_it_is() -> None:
         raise DprGcError("--shard-id 3 is missing; run `dpr-gc encode --shard-id 3 --output e` for it")
     assert str(caught.value) == ("dpr-gc encode --shard-id 3 is missing; run `dpr-gc encode --shard-id 3 --output e` "
                                  "for it")
+
+
+def test_caches_built_earlier_are_read_from_a_read_only_cache_folder(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The up-front probe leaves out a cache folder that exists: caches prepared beforehand (a shared, read-only
+    folder) are read as before; only a folder that cannot be made is refused before anything runs."""
+    beir, cache = tmp_path / "beir", tmp_path / "cache"
+    shutil.copytree(ROOT / "data" / "examples" / "beir", beir)
+    monkeypatch.setenv("DPR_GC_CACHE", str(cache))
+    assert call(cli.main, ["prepare-data", beir])[0] == 0
+    built = sorted(cache.rglob("*"))
+    read_only(monkeypatch, cache)
+    code, err = call(cli.main, ["prepare-data", beir])
+    assert code == 0 and "| cached |" in capsys.readouterr().out, err
+    assert sorted(cache.rglob("*")) == built

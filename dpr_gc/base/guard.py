@@ -211,7 +211,9 @@ def check_cache_writable(given: Any, cache_flag: str) -> None:
     """Refuse up front, in one line naming what set it, a cache folder this user cannot create or write in:
     ``cache_flag`` when given, else ``$DPR_GC_CACHE``, else ``~/.cache/dpr_gc`` (a run failed only when it first wrote
     a cache, ``train`` after its model loaded, naming no flag nor variable). The probe is a temporary folder made and
-    removed in the cache folder, or in its nearest existing parent: nothing is left behind."""
+    removed in the cache folder, or in its nearest existing parent: nothing is left behind. A folder that exists is
+    not probed: caches built earlier may be read from a read-only one (a cache still to write there is refused when
+    it is written, naming the same)."""
     if given is not None:
         folder, label, advice = Path(os.fspath(given)), cache_flag, "give an output in a folder this user can write to"
         name = f"{label} {given}"
@@ -222,6 +224,8 @@ def check_cache_writable(given: Any, cache_flag: str) -> None:
         advice = f"{'point' if variable else 'set'} {CACHE_VARIABLE} to a folder this user can write to, or give " \
                  f"{cache_flag}"
     folder = check_output_dir(folder, label)
+    if folder.is_dir():
+        return
     existing = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".dpr-gc-probe-", dir=existing))
