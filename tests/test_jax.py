@@ -486,3 +486,33 @@ def test_every_option_of_the_examples_help_has_help_and_shows_its_default(capsys
     assert "--train-queries TRAIN_QUERIES training questions used (default: 1024)" in text
     assert parse_args(["--batch-size", "32", "--init", "random", "--output", "o"]) == dataclasses.replace(
         ExampleConfig(), batch_size=32, init="random", output_dir="o")
+
+
+def test_a_zero_representation_keeps_cosine_gradients_finite_as_in_torch():
+    """An all-zero representation under ``similarity="cos"`` (an all-padding row under mean pooling) normalises as
+    torch's ``F.normalize`` does: finite gradients equal to the torch loss's, also through the cached step."""
+    import torch
+
+    from dpr_gc import SimpleContrastiveLoss
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(3, 8)).astype(np.float32), rng.normal(size=(6, 8)).astype(np.float32)
+    y[5], y[4] = 0.0, 1e-14  # a zero row and one below F.normalize's eps
+    loss = ContrastiveLoss(n_hard_negatives=1, temperature=0.1, similarity="cos")
+    value, (gx, gy) = jax.value_and_grad(lambda a, b: loss({}, a, b), argnums=(0, 1))(x, y)
+    tx, ty = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+    want = SimpleContrastiveLoss(1, temperature=0.1, similarity="cos")(tx, ty)
+    want.backward()
+    assert float(value) == pytest.approx(want.item(), rel=1e-6)
+    np.testing.assert_allclose(np.asarray(gx), tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gy), ty.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+    params = make_params(TINY, ("shared",))["shared"]
+    encode = encoder_fn(Encoder(TINY), train=False)
+    batches = [make_batch(rng, 4), make_batch(rng, 8)]
+    batches[1]["attention_mask"] = batches[1]["attention_mask"].at[7].set(0)  # a passage row of padding only
+    _, (grads, _) = jax.jit(cached_value_and_grad([encode, encode], loss, 3))(params, {}, batches, jax.random.key(0))
+    leaves = jax.tree_util.tree_leaves(grads)
+    assert all(bool(jnp.isfinite(leaf).all()) for leaf in leaves)
+    _, (want_grads, _) = full_batch([encode, encode], loss, None)(params, {}, batches, jax.random.key(0))
+    assert rel_error(grads, want_grads) < 1e-5

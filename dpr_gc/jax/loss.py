@@ -23,6 +23,7 @@ from ..base.errors import DprGcError
 Array = jax.Array
 TEMPERATURE_RANGE = (0.01, 10.0)  # the same clamp as dpr_gc.engine.loss, so bf16 training cannot blow the scores up
 _AUTO_BLOCK_ELEMENTS = 1 << 20
+_NORM_EPS = 1e-12  # torch.nn.functional.normalize's eps
 
 
 def _block_nll(x: Array, y: Array, scale: Array, targets: Array) -> Array:
@@ -151,9 +152,15 @@ class ContrastiveLoss:
         return jnp.asarray(self.temperature, jnp.float32)
 
     def _prepare(self, reps: Array) -> Array:
+        """fp32 representations, L2-normalised for ``"cos"`` as torch's ``F.normalize`` (``x / max(|x|, 1e-12)``).
+
+        The norm is taken as ``sqrt(max(|x|^2, 1e-24))``: the same value, but its gradient is 0 below the floor
+        (``F.normalize``'s), where ``jnp.linalg.norm``'s gradient at a zero row is NaN and spreads to every
+        parameter (``test_a_zero_representation_keeps_cosine_gradients_finite_as_in_torch``)."""
         reps = reps.astype(jnp.float32)
         if self.similarity == "cos":
-            reps = reps / jnp.maximum(jnp.linalg.norm(reps, axis=-1, keepdims=True), 1e-12)
+            squares = jnp.sum(reps * reps, axis=-1, keepdims=True)
+            reps = reps / jnp.sqrt(jnp.maximum(squares, _NORM_EPS * _NORM_EPS))
         return reps
 
     def _check(self, queries: Array, passages: Array) -> None:
