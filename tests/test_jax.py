@@ -516,3 +516,127 @@ def test_a_zero_representation_keeps_cosine_gradients_finite_as_in_torch():
     assert all(bool(jnp.isfinite(leaf).all()) for leaf in leaves)
     _, (want_grads, _) = full_batch([encode, encode], loss, None)(params, {}, batches, jax.random.key(0))
     assert rel_error(grads, want_grads) < 1e-5
+
+
+def _duplicate_ids_batch(queries: int, group: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Representations and passage ids with every kind of copy: queries sharing a positive, a hard negative that is
+    another query's positive and one that is the query's own, an unknown id (-1), across both halves of the batch."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(queries, 8)).astype(np.float32)
+    ids = np.arange(100, 100 + queries * group)
+    ids[group] = ids[0]                    # queries 0 and 1 share a positive
+    ids[-1] = ids[0]                       # the last hard negative (second half) is query 0's positive
+    if group > 1:
+        ids[1] = ids[0]                    # query 0's hard negative is its own positive
+        ids[2 * group + 1] = ids[group * (queries - 1)]  # a first-half query's negative: the last query's positive
+    ids[3 * group] = -1                    # an unknown id masks nothing
+    y = rng.normal(size=(queries * group, 8)).astype(np.float32)
+    return x, y, ids
+
+
+def test_passage_ids_mask_duplicate_positives_as_the_torch_loss():
+    """``ContrastiveLoss(...)(lp, q, p, passage_ids)`` masks exactly the copies the torch loss masks: same loss and
+    gradients (queries, passages, temperature) for dot/cos, hard negatives, symmetric, blocked and dense."""
+    import torch
+
+    from dpr_gc import SimpleContrastiveLoss
+    from dpr_gc.jax.example import masked_copies
+
+    for n, kwargs in ((1, dict(similarity="cos", temperature=0.1)), (0, dict(symmetric=True, temperature=0.5)),
+                      (2, dict(similarity="cos", temperature=0.05, learn_temperature=True, symmetric=True)),
+                      (1, dict(temperature=0.2, learn_temperature=True, symmetric=True))):
+        x, y, ids = _duplicate_ids_batch(6, 1 + n)
+        for block in (None, 0, 4):
+            loss = ContrastiveLoss(n, block=block, **kwargs)
+            value, grads = jax.value_and_grad(lambda lp, a, b: loss(lp, a, b, jnp.asarray(ids)), argnums=(0, 1, 2))(
+                loss.init(), x, y)
+            twin = SimpleContrastiveLoss(n, loss_chunk_size=block, **kwargs)
+            tx, ty = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+            want = twin(tx, ty, passage_ids=torch.tensor(ids))
+            want.backward()
+            assert twin.masked_scores == masked_copies(ids, 1 + n) > 0
+            assert float(value) == pytest.approx(want.item(), rel=1e-5), (n, kwargs, block)
+            assert float(value) != pytest.approx(float(loss(loss.init(), x, y)), rel=1e-3)  # the mask mattered
+            np.testing.assert_allclose(np.asarray(grads[1]), tx.grad.numpy(), rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(grads[2]), ty.grad.numpy(), rtol=1e-4, atol=1e-6)
+            if kwargs.get("learn_temperature"):
+                assert float(grads[0]["log_temperature"]) == pytest.approx(float(twin.tau.log_value.grad), rel=1e-4)
+
+
+def _ids_steps_match_full_batch(data_parallel: bool) -> None:
+    """The cached and rematerialised steps (on one device, or on two with the ids split with the batch) given
+    ``passage_ids`` equal ``jax.grad`` of the full-batch masked loss."""
+    def encode_q(params, batch, key):
+        return jnp.tanh(batch @ params["q"])
+
+    def encode_p(params, batch, key):
+        return jnp.tanh(batch @ params["p"])
+
+    rng = np.random.default_rng(1)
+    params = {"q": jnp.asarray(rng.normal(size=(8, 6)), jnp.float32),
+              "p": jnp.asarray(rng.normal(size=(8, 6)), jnp.float32)}
+    queries, passages, ids = _duplicate_ids_batch(8, 2)
+    ids = jnp.asarray(ids)
+    kwargs = dict(n_hard_negatives=1, temperature=0.2, learn_temperature=True, similarity="cos", symmetric=True)
+    single = ContrastiveLoss(**kwargs)
+    want_loss, want = jax.value_and_grad(
+        lambda p, lp: single(lp, encode_q(p, queries, None), encode_p(p, passages, None), ids), argnums=(0, 1))(
+        params, single.init())
+    unmasked = single(single.init(), encode_q(params, queries, None), encode_p(params, passages, None))
+    assert abs(float(want_loss - unmasked)) > 1e-3
+    for remat in (False, True):
+        if data_parallel:
+            loss = ContrastiveLoss(**kwargs, axis_name="data")
+            step = data_parallel_value_and_grad([encode_q, encode_p], loss, [3, 4], data_mesh(jax.devices()[:2]),
+                                                remat=remat)
+        else:
+            loss = single
+            step = (remat_value_and_grad if remat else cached_value_and_grad)([encode_q, encode_p], loss, [3, 5])
+        got_loss, got = jax.jit(step)(params, loss.init(), [queries, passages], jax.random.key(0), ids)
+        assert abs(float(got_loss - want_loss)) < 1e-5 * abs(float(want_loss)), remat
+        assert rel_error(got, want) < 1e-5, remat
+
+
+def test_passage_ids_through_the_cached_steps_equal_the_full_batch_gradient():
+    _ids_steps_match_full_batch(data_parallel=False)
+
+
+def test_passage_ids_through_the_data_parallel_step_equal_the_full_batch_gradient():
+    if len(jax.devices()) >= 2:
+        _ids_steps_match_full_batch(data_parallel=True)
+        return
+    env = {**os.environ, "XLA_FLAGS": DEVICE_FLAG, "PYTHONPATH": str(REPO)}
+    code = ("import tests.test_jax as t, jax; assert len(jax.devices()) == 2; "
+            "jax.config.update('jax_disable_most_optimizations', True); t._ids_steps_match_full_batch(True)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_example_masks_copies_of_a_questions_own_positive(tiny_tokenizer, tmp_path):
+    """The example keys passages as the torch trainer does (passage id, else title and text) and its first step's
+    loss is the masked loss: two questions sharing a positive do not score it as each other's negative."""
+    from dpr_gc.base.files import write_json
+    from dpr_gc.jax.example import (ExampleConfig, masked_copies, padded_token_ids, passage_id_array, train,
+                                    training_examples)
+
+    words = ["city", "river", "king", "war"]
+    ctx = [{"title": "", "text": f"the {w} is {w}", "passage_id": f"p{i}"} for i, w in enumerate(words)]
+    records = [{"question": f"what is the {w}", "answers": [w], "positive_ctxs": [ctx[min(i, 2)]],
+                "hard_negative_ctxs": [ctx[3 - i] if i != 1 else {"title": "", "text": "the city is city"}]}
+               for i, w in enumerate(words)]  # questions 2 and 3 share p2; question 1's negative: p0's text, no id
+    write_json(tmp_path / "train.json", records)
+    questions, groups, keys = training_examples(tmp_path / "train.json", 4, 1)
+    ids = passage_id_array(groups, keys)
+    assert ids.tolist() == [0, 1, 2, 3, 4, 2, 4, 0]  # (p0, p3), (p1, text), (p2, p1), (p2, p0)
+    assert masked_copies(ids, 2) == 4  # q0: row 7; q1: row 5; q2 and q3: each other's positive
+    config = ExampleConfig(train_queries=4, batch_size=4, chunk_size=3, hard_negatives=1, epochs=1,
+                           temperature=0.1, dropout=0.0, query_max_length=8, passage_max_length=8)
+    model = Encoder(EncoderConfig(**{**TINY.__dict__, "vocab_size": len(tiny_tokenizer)}))
+    params = make_params(model.config, ("x",))["x"]
+    _, losses = train(model, params, tiny_tokenizer, questions, groups, config, keys)
+    q = padded_token_ids(tiny_tokenizer, questions, 8, pad_to=8)
+    p = padded_token_ids(tiny_tokenizer, [t for g in groups for t in g], 8, pad_to=8, kind="passage")
+    reps = [model.apply({"params": params}, b["input_ids"], b["attention_mask"]) for b in (q, p)]
+    loss = ContrastiveLoss(n_hard_negatives=1, temperature=0.1, similarity="cos")
+    assert losses[0] == pytest.approx(float(loss({}, *reps, jnp.asarray(ids))), rel=1e-5)
+    assert abs(losses[0] - float(loss({}, *reps))) > 1e-3

@@ -109,21 +109,31 @@ def passage_text(ctx: dict) -> str:
     return f"{title} {text}" if title else text
 
 
-def training_examples(path: Path, limit: int, hard_negatives: int) -> tuple[list[str], list[list[str]]]:
-    """Questions and their passage groups (positive first, then ``hard_negatives`` hard negatives)."""
-    questions, groups = [], []
+def passage_key(ctx: dict) -> str:
+    """What makes two passages the same one, as the torch trainer keys them: the passage id, else title and text."""
+    pid = ctx.get("passage_id")
+    return f"id:{pid}" if pid not in (None, "") else f"text:{ctx.get('title') or ''}\t{ctx.get('text') or ''}"
+
+
+def training_examples(path: Path, limit: int,
+                      hard_negatives: int) -> tuple[list[str], list[list[str]], list[list[str]]]:
+    """Questions, their passage groups (positive first, then ``hard_negatives`` hard negatives) and the groups'
+    passage keys (:func:`passage_key`: equal keys, the same passage)."""
+    questions, groups, keys = [], [], []
     for record in read_json(path):
         negatives = record.get("hard_negative_ctxs") or []
         if not record.get("positive_ctxs") or len(negatives) < hard_negatives:
             continue
         questions.append(record["question"])
-        groups.append([passage_text(c) for c in [record["positive_ctxs"][0]] + negatives[:hard_negatives]])
+        ctxs = [record["positive_ctxs"][0]] + negatives[:hard_negatives]
+        groups.append([passage_text(c) for c in ctxs])
+        keys.append([passage_key(c) for c in ctxs])
         if len(questions) == limit:
             break
     if len(questions) < limit:
         raise DprGcError(f"{path}: only {len(questions)} questions have a positive and {hard_negatives} hard "
                          f"negatives; lower --train-queries or --hard-negatives")
-    return questions, groups
+    return questions, groups, keys
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -178,9 +188,24 @@ def initial_params(config: ExampleConfig, model_path: str, vocab_size: int) -> t
     return Encoder(enc_config), params
 
 
+def passage_id_array(groups: list[list[str]], keys: Optional[list[list[str]]] = None) -> np.ndarray:
+    """One int32 id per passage row (groups flattened), equal for equal keys (the passages' texts when ``keys`` is
+    None): what the loss masks duplicate positives by."""
+    index: dict[str, int] = {}
+    flat = [k for g in (keys if keys is not None else groups) for k in g]
+    return np.asarray([index.setdefault(k, len(index)) for k in flat], np.int32)
+
+
+def masked_copies(ids: np.ndarray, group: int) -> int:
+    """How many scores of one batch the duplicate-positive mask drops: per query, the other rows holding its
+    positive's passage (the torch loss's ``masked_scores``)."""
+    return int((ids[::group, None] == ids[None, :]).sum()) - len(ids) // group
+
+
 def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], groups: list[list[str]],
-          config: ExampleConfig) -> tuple[Any, list[float]]:
-    """Gradient Cache training (tied encoder); returns the trained parameters and the loss of every step."""
+          config: ExampleConfig, keys: Optional[list[list[str]]] = None) -> tuple[Any, list[float]]:
+    """Gradient Cache training (tied encoder); returns the trained parameters and the loss of every step. A copy of
+    a question's own positive in its batch (equal ``keys``; the texts without them) is masked, not a negative."""
     loss = ContrastiveLoss(n_hard_negatives=config.hard_negatives, temperature=config.temperature, similarity="cos")
     steps_per_epoch = len(questions) // config.batch_size
     total = steps_per_epoch * config.epochs
@@ -190,8 +215,9 @@ def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], gro
     value_and_grad = cached_value_and_grad([encode, encode], loss, config.chunk_size)
 
     @jax.jit
-    def step(params: Any, opt_state: Any, batches: list, key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        value, (grads, _) = value_and_grad(params, {}, batches, key)
+    def step(params: Any, opt_state: Any, batches: list, ids: jax.Array,
+             key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        value, (grads, _) = value_and_grad(params, {}, batches, key, ids)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
@@ -199,17 +225,22 @@ def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], gro
     p_tok = padded_token_ids(tokenizer, [p for g in groups for p in g], config.passage_max_length,
                              pad_to=config.passage_max_length, kind="passage")
     group = 1 + config.hard_negatives
+    passage_ids = passage_id_array(groups, keys)
     opt_state, losses = optimizer.init(params), []
     rng, key = np.random.default_rng(config.seed), jax.random.key(config.seed)
     for epoch in range(config.epochs):
-        order = rng.permutation(len(questions))
+        order, masked = rng.permutation(len(questions)), 0
         for i in tqdm(range(steps_per_epoch), desc=f"training epoch {epoch + 1}", disable=None):
             rows = order[i * config.batch_size:(i + 1) * config.batch_size]
             p_rows = (rows[:, None] * group + np.arange(group)[None]).reshape(-1)
             batches = [{k: v[rows] for k, v in q_tok.items()}, {k: v[p_rows] for k, v in p_tok.items()}]
-            params, opt_state, value = step(params, opt_state, batches, jax.random.fold_in(key, len(losses)))
+            masked += masked_copies(passage_ids[p_rows], group)
+            params, opt_state, value = step(params, opt_state, batches, passage_ids[p_rows],
+                                            jax.random.fold_in(key, len(losses)))
             losses.append(float(value))
             logger.info("step %d/%d loss %.4f", len(losses), total, losses[-1])
+        logger.info("epoch %d: %d in-batch copies of a question's own positive masked (not scored as negatives)",
+                    epoch + 1, masked)
     return params, losses
 
 
@@ -232,9 +263,9 @@ def run_example(config: ExampleConfig) -> dict:
     test_questions = read_queries(files["test_qa"])
     before = evaluate_model(model, params, tokenizer, corpus, test_questions, config)
     logger.info("before training: %s", before)
-    questions, groups = training_examples(files["dpr_train"], config.train_queries, config.hard_negatives)
+    questions, groups, keys = training_examples(files["dpr_train"], config.train_queries, config.hard_negatives)
     train_started = time.perf_counter()
-    params, losses = train(model, params, tokenizer, questions, groups, config)
+    params, losses = train(model, params, tokenizer, questions, groups, config, keys)
     train_seconds = time.perf_counter() - train_started
     after = evaluate_model(model, params, tokenizer, corpus, test_questions, config)
     logger.info("after training: %s", after)

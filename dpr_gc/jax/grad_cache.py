@@ -197,8 +197,9 @@ def _accumulate(encoder: Encoder, params: Any, acc: Any, chunks: Any, keys: Arra
 
 def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Array],
                           chunk_sizes: int | Sequence[int], axis_name: Optional[str] = None) -> Callable[..., Any]:
-    """Gradient Cache step for several encoders: returns ``f(params, loss_params, batches, key) -> (loss, (grads,
-    loss_grads))`` with the gradients of ``loss_fn(loss_params, *[enc(params, batch) for ...])`` over whole batches.
+    """Gradient Cache step for several encoders: returns ``f(params, loss_params, batches, key, *loss_inputs) ->
+    (loss, (grads, loss_grads))`` with the gradients of ``loss_fn(loss_params, *[enc(params, batch) for ...],
+    *loss_inputs)`` over whole batches (``loss_inputs``: e.g. :class:`ContrastiveLoss`'s ``passage_ids``).
 
     Each encoder sees the whole ``params`` tree (tied towers share a subtree) and a dropout key. A batch is padded to
     a multiple of its chunk size (the padding's representations dropped before the loss); each chunk's key is used
@@ -215,8 +216,8 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
         axis_name: the ``shard_map`` axis to average over (None: one device).
 
     Returns:
-        ``f(params, loss_params, batches, key) -> (loss, (grads, loss_grads))``: ``batches`` holds one pytree per
-        encoder (rows on the leading axis), ``key`` a PRNG key; jit-compatible.
+        That step: ``batches`` holds one pytree per encoder (rows on the leading axis), ``key`` a PRNG key,
+        ``loss_inputs`` what the loss takes after the representations (not differentiated); jit-compatible.
 
     References: Gao et al. 2021; luyug/GradCache's JAX ``cachex`` (:func:`chunk_encode`, :func:`cache_grad`).
 
@@ -238,13 +239,14 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
     """
     sizes = _as_sizes(chunk_sizes, len(encoders))
 
-    def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array) -> tuple[Array, Any]:
+    def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array,
+                       *loss_inputs: Any) -> tuple[Array, Any]:
         if len(batches) != len(encoders):
             raise DprGcError(f"{len(encoders)} encoders need {len(encoders)} batches, got {len(batches)}")
         parts = [_chunked(b, s, k) for b, s, k in zip(batches, sizes, jax.random.split(key, len(encoders)))]
         reps = [_encode_no_grad(enc, params, *part) for enc, part in zip(encoders, parts)]
-        loss, (loss_grads, rep_grads) = jax.value_and_grad(lambda lp, rs: loss_fn(lp, *rs), argnums=(0, 1))(
-            loss_params, reps)
+        loss, (loss_grads, rep_grads) = jax.value_and_grad(lambda lp, rs: loss_fn(lp, *rs, *loss_inputs),
+                                                           argnums=(0, 1))(loss_params, reps)
         acc = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         for enc, (chunks, keys, _), rep_grad in zip(encoders, parts, rep_grads):
             acc = _accumulate(enc, params, acc, chunks, keys, rep_grad)
@@ -258,22 +260,25 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
 
 def remat_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Array],
                          chunk_sizes: int | Sequence[int], axis_name: Optional[str] = None) -> Callable[..., Any]:
-    """The same step as :func:`cached_value_and_grad` (same arguments, padding and per-chunk keys, so the same
-    numbers) built on :func:`grad_cached`: XLA derives the backward pass and rematerialises each chunk."""
+    """The same step as :func:`cached_value_and_grad` (same arguments, ``loss_inputs`` too, padding and per-chunk
+    keys, so the same numbers) built on :func:`grad_cached`: XLA derives the backward pass and rematerialises each
+    chunk."""
     sizes = _as_sizes(chunk_sizes, len(encoders))
 
-    def total_loss(params: Any, loss_params: Any, batches: Sequence[Any], key: Array) -> Array:
+    def total_loss(params: Any, loss_params: Any, batches: Sequence[Any], key: Array, *loss_inputs: Any) -> Array:
         reps = []
         for enc, batch, size, k in zip(encoders, batches, sizes, jax.random.split(key, len(encoders))):
             chunks, keys, real = _chunked(batch, size, k)
             encode = grad_cached(lambda p, xs, enc=enc: enc(p, *xs))
             reps.append(encode(params, (chunks, keys))[:real])
-        return loss_fn(loss_params, *reps)
+        return loss_fn(loss_params, *reps, *loss_inputs)
 
-    def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array) -> tuple[Array, Any]:
+    def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array,
+                       *loss_inputs: Any) -> tuple[Array, Any]:
         if len(batches) != len(encoders):
             raise DprGcError(f"{len(encoders)} encoders need {len(encoders)} batches, got {len(batches)}")
-        loss, (grads, loss_grads) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, loss_params, batches, key)
+        loss, (grads, loss_grads) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, loss_params, batches, key,
+                                                                                   *loss_inputs)
         if axis_name is not None:
             loss, grads, loss_grads = jax.lax.pmean((loss, grads, loss_grads), axis_name)
         return loss, (grads, loss_grads)

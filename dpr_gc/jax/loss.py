@@ -26,29 +26,43 @@ _AUTO_BLOCK_ELEMENTS = 1 << 20
 _NORM_EPS = 1e-12  # torch.nn.functional.normalize's eps
 
 
-def _block_nll(x: Array, y: Array, scale: Array, targets: Array) -> Array:
-    """Per-row ``-log softmax(scale * x y^T)[target]`` for one block of rows."""
+def _block_nll(x: Array, y: Array, scale: Array, targets: Array, row_keys: Optional[Array] = None,
+               col_keys: Optional[Array] = None) -> Array:
+    """Per-row ``-log softmax(scale * x y^T)[target]`` for one block of rows; with keys, a row's scores of the
+    columns sharing its key (``>= 0``) are left out of the softmax, its target's excepted (torch's ``Exclusion``)."""
     scores = (x @ y.T) * scale
-    return jax.nn.logsumexp(scores, axis=1) - jnp.take_along_axis(scores, targets[:, None], axis=1)[:, 0]
+    target_scores = jnp.take_along_axis(scores, targets[:, None], axis=1)[:, 0]
+    if row_keys is not None:
+        drop = (row_keys[:, None] == col_keys[None, :]) & (row_keys[:, None] >= 0)
+        drop &= jnp.arange(y.shape[0])[None, :] != targets[:, None]
+        scores = jnp.where(drop, -jnp.inf, scores)
+    return jax.nn.logsumexp(scores, axis=1) - target_scores
 
 
-def blocked_nll(x: Array, y: Array, scale: Array, targets: Array, block: Optional[int] = None) -> Array:
+def blocked_nll(x: Array, y: Array, scale: Array, targets: Array, block: Optional[int] = None,
+                row_keys: Optional[Array] = None, col_keys: Optional[Array] = None) -> Array:
     """Per-row InfoNCE losses of ``x`` over ``y`` (fp32), ``block`` rows at a time; ``block=0`` is the dense path.
 
-    Rows are padded to a multiple of the block with zero queries whose losses are dropped, so any batch size works.
+    ``row_keys`` ``[len(x)]`` and ``col_keys`` ``[len(y)]`` (integers, ``-1`` for none) drop, per row, the columns
+    holding its key other than its target, as torch's ``Exclusion`` does. Rows are padded to a multiple of the block
+    with zero queries whose losses are dropped, so any batch size works.
     """
     x, y, scale = x.astype(jnp.float32), y.astype(jnp.float32), jnp.asarray(scale, jnp.float32)
     rows = x.shape[0]
     if block is None:
         block = max(1, min(rows, _AUTO_BLOCK_ELEMENTS // max(1, y.shape[0])))
     if block == 0 or block >= rows:
-        return _block_nll(x, y, scale, targets)
+        return _block_nll(x, y, scale, targets, row_keys, col_keys)
     n_block = math.ceil(rows / block)
     pad = n_block * block - rows
     xb = jnp.pad(x, ((0, pad), (0, 0))).reshape(n_block, block, -1)
     tb = jnp.pad(targets, (0, pad)).reshape(n_block, block)
-    one_block = jax.checkpoint(lambda xs: _block_nll(xs[0], y, scale, xs[1]))
-    return jax.lax.map(one_block, (xb, tb)).reshape(-1)[:rows]
+    if row_keys is None:
+        one_block = jax.checkpoint(lambda xs: _block_nll(xs[0], y, scale, xs[1]))
+        return jax.lax.map(one_block, (xb, tb)).reshape(-1)[:rows]
+    kb = jnp.pad(row_keys, (0, pad), constant_values=-1).reshape(n_block, block)
+    one_block = jax.checkpoint(lambda xs: _block_nll(xs[0], y, scale, xs[1], xs[2], col_keys))
+    return jax.lax.map(one_block, (xb, tb, kb)).reshape(-1)[:rows]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -97,6 +111,14 @@ class ContrastiveLoss:
 
     Inputs: ``queries`` ``[B, D]`` and ``passages`` ``[B·(1+n), D]`` (grouped per query, positive first), any float
     dtype. Returns a 0-dim fp32 array, differentiable in ``loss_params`` and both inputs.
+
+    Duplicate positives: ``loss(loss_params, queries, passages, passage_ids)`` with ``passage_ids`` (one integer per
+    passage row, equal for the same passage, ``-1`` when unknown; int32 under JAX's default precision) drops, for
+    every query, each other row holding the passage of its positive (another query's positive, a hard negative),
+    and in the symmetric direction every other query whose positive is that passage: the torch loss's
+    ``passage_ids`` masking, the ids gathered over ``axis_name`` with the passages
+    (``test_passage_ids_mask_duplicate_positives_as_the_torch_loss``). The Gradient Cache steps pass extra
+    arguments after ``key`` on to the loss: ``step(params, loss_params, batches, key, passage_ids)``.
 
     References: Gao et al. 2021 (Gradient Cache; luyug/GradCache's JAX ``cachex`` has no loss class, this is the
     torch package's loss in JAX); Karpukhin et al. 2020 (DPR's in-batch negatives).
@@ -163,7 +185,7 @@ class ContrastiveLoss:
             reps = reps / jnp.sqrt(jnp.maximum(squares, _NORM_EPS * _NORM_EPS))
         return reps
 
-    def _check(self, queries: Array, passages: Array) -> None:
+    def _check(self, queries: Array, passages: Array, passage_ids: Optional[Array]) -> None:
         group = 1 + self.n_hard_negatives
         if queries.ndim != 2 or passages.ndim != 2 or queries.shape[1] != passages.shape[1]:
             raise DprGcError(f"representations must be [B, D] and [B*(1+n), D] with equal D; got {queries.shape} "
@@ -171,22 +193,36 @@ class ContrastiveLoss:
         if passages.shape[0] != queries.shape[0] * group:
             raise DprGcError(f"{queries.shape[0]} queries need {queries.shape[0] * group} passages (1 positive + "
                              f"{self.n_hard_negatives} hard negatives each), got {passages.shape[0]}")
+        if passage_ids is not None and (jnp.shape(passage_ids) != (passages.shape[0],)
+                                        or not jnp.issubdtype(jnp.result_type(passage_ids), jnp.integer)):
+            raise DprGcError(f"passage_ids must hold one integer id per passage row ({passages.shape[0]}), got shape "
+                             f"{jnp.shape(passage_ids)} of {jnp.result_type(passage_ids)}")
 
-    def __call__(self, loss_params: dict[str, Array], queries: Array, passages: Array) -> Array:
-        self._check(queries, passages)
+    def __call__(self, loss_params: dict[str, Array], queries: Array, passages: Array,
+                 passage_ids: Optional[Array] = None) -> Array:
+        self._check(queries, passages, passage_ids)
         x, y = self._prepare(queries), self._prepare(passages)
         b, group = x.shape[0], 1 + self.n_hard_negatives
         offset = 0
-        x_all, y_all = x, y
+        x_all, y_all, ids_all = x, y, passage_ids
         if self.axis_name is not None:
             offset = jax.lax.axis_index(self.axis_name) * b
             x_all = jax.lax.all_gather(x, self.axis_name, tiled=True)
             y_all = jax.lax.all_gather(y, self.axis_name, tiled=True)
+            if passage_ids is not None:
+                ids_all = jax.lax.all_gather(jnp.asarray(passage_ids), self.axis_name, tiled=True)
         scale = 1.0 / self.current_temperature(loss_params)
         rows = offset + jnp.arange(b)
-        loss = jnp.mean(blocked_nll(x, y_all, scale, rows * group, self.block))
+        # With ids, a query's own positive's id is its row key and every passage's id a column key, so no copy of
+        # its positive is a negative; the symmetric direction swaps them (the torch loss's two Exclusions).
+        forward_keys = backward_keys = (None, None)
+        if ids_all is not None:
+            ids_all = jnp.asarray(ids_all)
+            forward_keys = (ids_all[rows * group], ids_all)
+            backward_keys = (ids_all[rows * group], ids_all[::group])
+        loss = jnp.mean(blocked_nll(x, y_all, scale, rows * group, self.block, *forward_keys))
         if self.symmetric:
-            loss = (loss + jnp.mean(blocked_nll(y[::group], x_all, scale, rows, self.block))) / 2
+            loss = (loss + jnp.mean(blocked_nll(y[::group], x_all, scale, rows, self.block, *backward_keys))) / 2
         return loss
 
     def scores(self, loss_params: dict[str, Array], queries: Array, passages: Array) -> Array:

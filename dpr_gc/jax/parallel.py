@@ -40,34 +40,39 @@ def data_parallel_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[
                                  remat: bool = False) -> Callable[..., Any]:
     """The Gradient Cache step of :func:`~dpr_gc.jax.cached_value_and_grad` over ``mesh``.
 
-    Returns ``f(params, loss_params, batches, key) -> (loss, (grads, loss_grads))`` taking the GLOBAL batches, split
-    along their leading axis across the devices (each device's share must be the same size), with replicated
-    parameters; the outputs are replicated and equal to the single-device global-batch step's. ``loss_fn`` must
-    gather over ``axis_name`` (e.g. ``ContrastiveLoss(axis_name=...)``). Each device draws its dropout keys from
-    ``fold_in(key, device index)``. ``remat=True`` uses the single-decorator form instead of the two passes.
+    Returns ``f(params, loss_params, batches, key, *loss_inputs) -> (loss, (grads, loss_grads))`` taking the GLOBAL
+    batches and loss inputs (e.g. ``passage_ids``, which :class:`~dpr_gc.jax.ContrastiveLoss` gathers with the
+    passages), split along their leading axis across the devices (each device's share must be the same size), with
+    replicated parameters; the outputs are replicated and equal to the single-device global-batch step's.
+    ``loss_fn`` must gather over ``axis_name`` (e.g. ``ContrastiveLoss(axis_name=...)``). Each device draws its
+    dropout keys from ``fold_in(key, device index)``. ``remat=True`` uses the single-decorator form instead of the
+    two passes.
     """
     build = remat_value_and_grad if remat else cached_value_and_grad
     local_step = build(encoders, loss_fn, chunk_sizes, axis_name=axis_name)
 
-    def per_device(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array) -> Any:
-        return local_step(params, loss_params, batches, jax.random.fold_in(key, jax.lax.axis_index(axis_name)))
+    def per_device(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array,
+                   loss_inputs: tuple) -> Any:
+        return local_step(params, loss_params, batches, jax.random.fold_in(key, jax.lax.axis_index(axis_name)),
+                          *loss_inputs)
 
     replicated, split = PartitionSpec(), PartitionSpec(axis_name)
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(replicated, replicated, split, replicated),
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(replicated, replicated, split, replicated, split),
                            out_specs=replicated, check_vma=False)
 
-    def step(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array) -> Any:
+    def step(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array, *loss_inputs: Any) -> Any:
         check_divisible(batches, mesh.shape[axis_name])
-        return mapped(params, loss_params, batches, key)
+        check_divisible(loss_inputs, mesh.shape[axis_name], "loss input")
+        return mapped(params, loss_params, batches, key, tuple(loss_inputs))
 
     return step
 
 
-def check_divisible(batches: Sequence[Any], n_devices: int) -> None:
-    """Refuse a global batch whose leading axis the ``n_devices`` devices do not split evenly."""
+def check_divisible(batches: Sequence[Any], n_devices: int, what: str = "batch") -> None:
+    """Refuse a global batch (or loss input) whose leading axis the ``n_devices`` devices do not split evenly."""
     for i, batch in enumerate(batches):
         sizes = sorted({np.shape(leaf)[0] if np.ndim(leaf) else 0 for leaf in jax.tree_util.tree_leaves(batch)})
         uneven = [n for n in sizes if n % n_devices]
         if uneven:
-            raise DprGcError(f"data_parallel_value_and_grad: batch {i} has {uneven[0]} rows, which {n_devices} "
+            raise DprGcError(f"data_parallel_value_and_grad: {what} {i} has {uneven[0]} rows, which {n_devices} "
                              f"devices do not split evenly; use a global batch that is a multiple of {n_devices}")
