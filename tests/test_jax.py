@@ -640,3 +640,29 @@ def test_the_example_masks_copies_of_a_questions_own_positive(tiny_tokenizer, tm
     loss = ContrastiveLoss(n_hard_negatives=1, temperature=0.1, similarity="cos")
     assert losses[0] == pytest.approx(float(loss({}, *reps, jnp.asarray(ids))), rel=1e-5)
     assert abs(losses[0] - float(loss({}, *reps))) > 1e-3
+
+
+def test_dropout_outside_zero_to_one_is_refused():
+    """A dropout of 1 or more zeroes the encoder's output (then a NaN loss); a negative one silently meant none."""
+    from dpr_gc.jax.example import ExampleConfig
+
+    for bad in (1.5, 1.0, -0.3):
+        with pytest.raises(DprGcError, match=r"dropout must lie in \[0, 1\)"):
+            EncoderConfig(dropout=bad)
+        with pytest.raises(DprGcError, match=r"--dropout must lie in \[0, 1\)"):
+            ExampleConfig(dropout=bad)
+
+
+def test_the_example_stops_on_a_non_finite_loss(tiny_tokenizer):
+    """As ``dpr-gc train``: a loss that stops being finite ends training with one "training diverged" error."""
+    from dpr_gc.jax.example import ExampleConfig, train
+
+    words = ["city", "river", "king", "war"]
+    questions = [f"what is the {w}" for w in words]
+    groups = [[f"the {w} is {w}", f"a film about {w}"] for w in words]
+    config = ExampleConfig(train_queries=4, batch_size=4, chunk_size=2, hard_negatives=1, epochs=4,
+                           learning_rate=1e30, dropout=0.0, query_max_length=8, passage_max_length=8)
+    model = Encoder(EncoderConfig(**{**TINY.__dict__, "vocab_size": len(tiny_tokenizer)}))
+    with pytest.raises(DprGcError, match=r"training diverged at step [234]: loss nan \(fp32\); stopped without "
+                                         "writing report.json"):
+        train(model, make_params(model.config, ("x",))["x"], tiny_tokenizer, questions, groups, config)

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,8 @@ class ExampleConfig:
         if self.epochs < 1:
             raise DprGcError(f"--epochs must be at least 1, got {self.epochs} (the example trains, then compares "
                              "accuracy before and after)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise DprGcError(f"--dropout must lie in [0, 1), got {self.dropout} (1 or more drops every activation)")
 
 
 def padded_token_ids(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None,
@@ -202,6 +205,13 @@ def masked_copies(ids: np.ndarray, group: int) -> int:
     return int((ids[::group, None] == ids[None, :]).sum()) - len(ids) // group
 
 
+def check_finite(loss: float, step: int, config: ExampleConfig) -> None:
+    """Stop on a non-finite loss as ``dpr-gc train`` does: the parameters it updated are broken."""
+    if not math.isfinite(loss):
+        raise DprGcError(f"training diverged at step {step}: loss {loss:.4g} ({config.precision}); stopped without "
+                         "writing report.json; try a lower --learning-rate")
+
+
 def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], groups: list[list[str]],
           config: ExampleConfig, keys: Optional[list[list[str]]] = None) -> tuple[Any, list[float]]:
     """Gradient Cache training (tied encoder); returns the trained parameters and the loss of every step. A copy of
@@ -239,6 +249,7 @@ def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], gro
                                             jax.random.fold_in(key, len(losses)))
             losses.append(float(value))
             logger.info("step %d/%d loss %.4f", len(losses), total, losses[-1])
+            check_finite(losses[-1], len(losses), config)
         logger.info("epoch %d: %d in-batch copies of a question's own positive masked (not scored as negatives)",
                     epoch + 1, masked)
     return params, losses

@@ -43,6 +43,8 @@ class EncoderConfig:
             raise DprGcError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}")
         if self.pooling not in ("mean", "cls"):
             raise DprGcError(f"pooling must be 'mean' or 'cls', got {self.pooling!r}")
+        if not 0.0 <= self.dropout < 1.0:  # 1 or more zeroes every activation, below 0 silently means none
+            raise DprGcError(f"dropout must lie in [0, 1), got {self.dropout}")
 
 
 class Layer(nn.Module):
