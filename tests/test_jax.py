@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -666,3 +667,28 @@ def test_the_example_stops_on_a_non_finite_loss(tiny_tokenizer):
     with pytest.raises(DprGcError, match=r"training diverged at step [234]: loss nan \(fp32\); stopped without "
                                          "writing report.json"):
         train(model, make_params(model.config, ("x",))["x"], tiny_tokenizer, questions, groups, config)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "0"], r"--temperature must lie in \[0.01, 10.0\], got 0.0"),
+    (["--hard-negatives", "-1"], r"--hard-negatives must lie in \[0, 3\] \(the stdlib dataset's"),
+    (["--hard-negatives", "4"], r"--hard-negatives must lie in \[0, 3\]"),
+    (["--query-max-length", "513"], r"--query-max-length must lie in \[1, 512\]"),
+    (["--passage-max-length", "1024"], r"--passage-max-length must lie in \[1, 512\]"),
+    (["--passage-max-length", "0"], r"--passage-max-length must lie in \[1, 512\]"),
+    (["--max-examples", "2"], r"--max-examples must be at least 3 \(got 2\)"),
+    (["--max-examples", "200", "--train-queries", "256"], r"--train-queries 256 exceeds --max-examples 200"),
+    (["--learning-rate=-1e-4"], r"--learning-rate must be a positive number"),
+    (["--seed", "-1"], r"--seed must be 0 or more"),
+])
+def test_example_refuses_each_bad_flag_by_name_before_any_work(argv, message, capsys, monkeypatch):
+    """Bad example flags are refused up front in one line naming the flag, not after the dataset, the model and a
+    first evaluation."""
+    from dpr_gc.jax import example
+
+    monkeypatch.setattr(example, "run_example", lambda config: pytest.fail("work started"))
+    monkeypatch.setattr(example, "build_stdlib_dataset", lambda *a, **k: pytest.fail("dataset built"))
+    assert example.main(["--output", "x", "--batch-size", "32", "--train-queries", "64", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ")
+    assert re.search(message, err), err

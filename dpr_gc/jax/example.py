@@ -30,10 +30,11 @@ from ..base.args import ArgumentParser
 from ..base.errors import DprGcError, report_errors
 from ..base.files import read_json, write_json
 from ..base.settings import add_arguments, from_args, setting
+from ..data.stdlib_data import N_HARD_NEGATIVES, build_stdlib_dataset, check_max_examples
 from ..model.retriever import RetrieverConfig
 from ..model.tokenize import token_ids
 from .grad_cache import cached_value_and_grad
-from .loss import ContrastiveLoss
+from .loss import TEMPERATURE_RANGE, ContrastiveLoss
 from .model import Encoder, EncoderConfig, cast_params, encoder_fn, load_bert
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 KS = (1, 5, 20, 100)
 # Queries and passages as all-MiniLM-L6-v2 was trained: no prefixes, a passage as "title text".
 TEXT_FORMAT = RetrieverConfig(passage_format="concat")
+MAX_LENGTH = 512  # all-MiniLM-L6-v2's positions (its tokenizer's model_max_length)
 RANDOM_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)
 
 
@@ -85,6 +87,33 @@ class ExampleConfig:
                              "accuracy before and after)")
         if not 0.0 <= self.dropout < 1.0:
             raise DprGcError(f"--dropout must lie in [0, 1), got {self.dropout} (1 or more drops every activation)")
+        self.check_data_flags()
+        self.check_loss_flags()
+
+    def check_data_flags(self) -> None:
+        """The data and length flags, refused before the dataset is built or the model loaded."""
+        check_max_examples(self.max_examples)
+        if self.max_examples is not None and self.train_queries > self.max_examples:
+            raise DprGcError(f"--train-queries {self.train_queries} exceeds --max-examples {self.max_examples} (the "
+                             "training questions are a share of the examples); lower one or raise the other")
+        if not 0 <= self.hard_negatives <= N_HARD_NEGATIVES:
+            raise DprGcError(f"--hard-negatives must lie in [0, {N_HARD_NEGATIVES}] (the stdlib dataset's hard "
+                             f"negatives per question), got {self.hard_negatives}")
+        for flag, value in (("--query-max-length", self.query_max_length),
+                            ("--passage-max-length", self.passage_max_length)):
+            if not 1 <= value <= MAX_LENGTH:
+                raise DprGcError(f"{flag} must lie in [1, {MAX_LENGTH}] (the MiniLM tokenizer's and model's "
+                                 f"positions), got {value}")
+        if self.seed < 0:
+            raise DprGcError(f"--seed must be 0 or more, got {self.seed}")
+
+    def check_loss_flags(self) -> None:
+        """The loss and optimiser flags, refused before any work."""
+        lo, hi = TEMPERATURE_RANGE
+        if not lo <= self.temperature <= hi:
+            raise DprGcError(f"--temperature must lie in [{lo}, {hi}], got {self.temperature}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise DprGcError(f"--learning-rate must be a positive number, got {self.learning_rate}")
 
 
 def padded_token_ids(tokenizer: Any, texts: Sequence[str], max_length: int, pad_to: Optional[int] = None,
@@ -261,12 +290,13 @@ def run_example(config: ExampleConfig) -> dict:
 
     from ..data.corpus import iter_passages, read_queries
     from ..model.pretrained import default_model_path
-    from ..data.stdlib_data import build_stdlib_dataset
 
     started = time.perf_counter()
     out = Path(config.output_dir)
     manifest = build_stdlib_dataset(out / "data", max_examples=config.max_examples, seed=config.seed)
     files = {k: out / "data" / v for k, v in manifest["files"].items()}
+    # Read before the model loads and the first evaluation runs, so too few usable questions are said at once.
+    questions, groups, keys = training_examples(files["dpr_train"], config.train_queries, config.hard_negatives)
     model_path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     model, params = initial_params(config, model_path, len(tokenizer))
@@ -274,7 +304,6 @@ def run_example(config: ExampleConfig) -> dict:
     test_questions = read_queries(files["test_qa"])
     before = evaluate_model(model, params, tokenizer, corpus, test_questions, config)
     logger.info("before training: %s", before)
-    questions, groups, keys = training_examples(files["dpr_train"], config.train_queries, config.hard_negatives)
     train_started = time.perf_counter()
     params, losses = train(model, params, tokenizer, questions, groups, config, keys)
     train_seconds = time.perf_counter() - train_started
