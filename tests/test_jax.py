@@ -692,3 +692,47 @@ def test_example_refuses_each_bad_flag_by_name_before_any_work(argv, message, ca
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("error: ")
     assert re.search(message, err), err
+
+
+def test_bad_library_arguments_are_refused_with_a_clear_error():
+    """ContrastiveLoss's block and n_hard_negatives, and an empty batch, are refused in one clear DprGcError (as the
+    torch loss refuses a negative loss_chunk_size); a Python float log temperature is taken as fp32."""
+    for block in (-1, -3, 2.5, True):
+        with pytest.raises(DprGcError, match="block must be a positive number of score rows per block, 0 for the"):
+            ContrastiveLoss(1, block=block)
+    for n in (1.5, -1, True):
+        with pytest.raises(DprGcError, match="n_hard_negatives must be an integer >= 0"):
+            ContrastiveLoss(n)
+    x, y = jnp.ones((4, 8)), jnp.ones((8, 8))
+    assert float(ContrastiveLoss(1, block=np.int64(2))({}, x, y)) == pytest.approx(float(ContrastiveLoss(1)({}, x, y)))
+    loss = ContrastiveLoss(1, learn_temperature=True)
+    assert float(loss({"log_temperature": 0.0}, x, y)) == pytest.approx(float(ContrastiveLoss(1)({}, x, y)))
+
+    def encode(params, batch, key):
+        return batch @ params["w"]
+
+    for build in (cached_value_and_grad, remat_value_and_grad):
+        with pytest.raises(DprGcError, match=r"batch 1 is empty \(0 rows\)"):
+            build([encode, encode], ContrastiveLoss(), 2)({"w": jnp.ones((8, 4))}, {},
+                                                          [jnp.ones((2, 8)), jnp.ones((0, 8))], jax.random.key(0))
+
+
+def test_load_bert_takes_berts_defaults_for_missing_config_fields(tmp_path):
+    """A config.json without layer_norm_eps, type_vocab_size or the dropout fields loads with BERT's defaults, as
+    transformers loads it; a field of the wrong type is named."""
+    import json
+
+    from tests.helpers import tiny_bert
+
+    pytest.importorskip("torch")
+    tiny_bert(VOCAB, seed=3).save_pretrained(tmp_path)
+    config_file = tmp_path / "config.json"
+    hf = json.loads(config_file.read_text())
+    for name in ("layer_norm_eps", "type_vocab_size", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        hf.pop(name, None)
+    config_file.write_text(json.dumps(hf))
+    config, _ = load_bert(tmp_path)
+    assert (config.layer_norm_eps, config.type_vocab_size, config.dropout) == (1e-12, 2, 0.1)
+    config_file.write_text(json.dumps({**hf, "hidden_size": "32"}))
+    with pytest.raises(DprGcError, match="config.json: hidden_size must be an integer, got '32'"):
+        load_bert(tmp_path)

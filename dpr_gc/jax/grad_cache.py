@@ -146,23 +146,32 @@ def grad_cached(f: Callable[[Any, Any], Array],
     return cached_f
 
 
-def _is_int(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
     """An integer of any kind (``int``, ``np.int64`` ...), but not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _as_sizes(chunk_sizes: int | Sequence[int], n: int) -> list[int]:
     """One positive chunk size per encoder, from one integer (numpy's included) or a sequence of them."""
-    if _is_int(chunk_sizes):
+    if is_integer(chunk_sizes):
         sizes = [chunk_sizes] * n
     elif isinstance(chunk_sizes, (Sequence, np.ndarray)) and not isinstance(chunk_sizes, str) \
             and np.ndim(chunk_sizes) == 1:
         sizes = list(chunk_sizes)
     else:
         sizes = []
-    if len(sizes) != n or any(not _is_int(s) or s < 1 for s in sizes):
+    if len(sizes) != n or any(not is_integer(s) or s < 1 for s in sizes):
         raise DprGcError(f"chunk sizes must be one positive integer or one per encoder ({n}); got {chunk_sizes!r}")
     return [operator.index(s) for s in sizes]
+
+
+def _check_batches(batches: Sequence[Any], n_encoders: int) -> None:
+    """One non-empty batch per encoder (an empty one has nothing to encode, and no loss to average)."""
+    if len(batches) != n_encoders:
+        raise DprGcError(f"{n_encoders} encoders need {n_encoders} batches, got {len(batches)}")
+    for i, batch in enumerate(batches):
+        if _leading_size(batch) == 0:
+            raise DprGcError(f"batch {i} is empty (0 rows): every encoder needs at least one row to encode")
 
 
 def _chunked(batch: Any, chunk_size: int, key: Array) -> tuple[Any, Array, int]:
@@ -241,8 +250,7 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
 
     def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array,
                        *loss_inputs: Any) -> tuple[Array, Any]:
-        if len(batches) != len(encoders):
-            raise DprGcError(f"{len(encoders)} encoders need {len(encoders)} batches, got {len(batches)}")
+        _check_batches(batches, len(encoders))
         parts = [_chunked(b, s, k) for b, s, k in zip(batches, sizes, jax.random.split(key, len(encoders)))]
         reps = [_encode_no_grad(enc, params, *part) for enc, part in zip(encoders, parts)]
         loss, (loss_grads, rep_grads) = jax.value_and_grad(lambda lp, rs: loss_fn(lp, *rs, *loss_inputs),
@@ -275,8 +283,7 @@ def remat_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Arr
 
     def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array,
                        *loss_inputs: Any) -> tuple[Array, Any]:
-        if len(batches) != len(encoders):
-            raise DprGcError(f"{len(encoders)} encoders need {len(encoders)} batches, got {len(batches)}")
+        _check_batches(batches, len(encoders))
         loss, (grads, loss_grads) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, loss_params, batches, key,
                                                                                    *loss_inputs)
         if axis_name is not None:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..base.errors import DprGcError
+from .grad_cache import is_integer
 
 Array = jax.Array
 TEMPERATURE_RANGE = (0.01, 10.0)  # the same clamp as dpr_gc.engine.loss, so bf16 training cannot blow the scores up
@@ -88,7 +89,7 @@ def temperature_from_log(log_temperature: Array) -> Array:
     """A learnable temperature stored on the log scale, clamped to ``TEMPERATURE_RANGE`` in every use; past a bound
     its gradient is kept where descent brings it back (see :func:`_inward_clip`)."""
     lo, hi = TEMPERATURE_RANGE
-    return jnp.exp(_inward_clip(log_temperature.astype(jnp.float32), math.log(lo), math.log(hi)))
+    return jnp.exp(_inward_clip(jnp.asarray(log_temperature, jnp.float32), math.log(lo), math.log(hi)))
 
 
 def _describe(loss_params: Any) -> str:
@@ -153,8 +154,11 @@ class ContrastiveLoss:
         lo, hi = TEMPERATURE_RANGE
         if self.similarity not in ("dot", "cos"):
             raise DprGcError(f"similarity must be 'dot' or 'cos', got {self.similarity!r}")
-        if self.n_hard_negatives < 0:
-            raise DprGcError(f"n_hard_negatives must be >= 0, got {self.n_hard_negatives}")
+        if not is_integer(self.n_hard_negatives) or self.n_hard_negatives < 0:
+            raise DprGcError(f"n_hard_negatives must be an integer >= 0, got {self.n_hard_negatives!r}")
+        if self.block is not None and (not is_integer(self.block) or self.block < 0):
+            raise DprGcError(f"block must be a positive number of score rows per block, 0 for the dense score matrix, "
+                             f"or None for automatic blocks; got {self.block!r}")
         if not lo <= self.temperature <= hi:
             raise DprGcError(f"temperature must lie in [{lo}, {hi}], got {self.temperature}")
 

@@ -144,6 +144,25 @@ def _flax_leaf(module: str, suffix: str, value: np.ndarray) -> tuple[str, np.nda
     return {"weight": "kernel", "bias": "bias"}[suffix], value.T if suffix == "weight" else value
 
 
+# transformers' BertConfig defaults, used for the fields a config.json leaves out (as transformers does).
+BERT_DEFAULTS: dict[str, int | float] = {
+    "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "intermediate_size": 3072, "max_position_embeddings": 512, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+    "hidden_dropout_prob": 0.1}
+
+
+def _bert_fields(hf: dict, config_file: Path) -> dict[str, int | float]:
+    """The encoder's fields of a BERT ``config.json``: BERT's defaults for missing ones, each of the right type."""
+    fields = {}
+    for name, default in BERT_DEFAULTS.items():
+        value = hf.get(name, default)
+        kinds, kind = ((int, float), "a number") if isinstance(default, float) else ((int,), "an integer")
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise DprGcError(f"{config_file}: {name} must be {kind}, got {value!r}")
+        fields[name] = value
+    return fields
+
+
 def load_bert(path: str | Path, pooling: str = "mean", dropout: float | None = None) -> tuple[EncoderConfig, Any]:
     """Read a BERT folder (``config.json`` + ``model.safetensors``) into an :class:`EncoderConfig` and Flax params."""
     from safetensors.numpy import load_file
@@ -155,11 +174,13 @@ def load_bert(path: str | Path, pooling: str = "mean", dropout: float | None = N
     hf = read_json_object(config_file, "a BERT config")
     if hf.get("model_type") != "bert" or hf.get("hidden_act", "gelu") != "gelu":
         raise DprGcError(f"{config_file}: only BERT models with exact GELU load into the Flax encoder")
-    config = EncoderConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                           num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-                           intermediate_size=hf["intermediate_size"], max_positions=hf["max_position_embeddings"],
-                           type_vocab_size=hf["type_vocab_size"], layer_norm_eps=hf["layer_norm_eps"],
-                           dropout=hf["hidden_dropout_prob"] if dropout is None else dropout, pooling=pooling)
+    fields = _bert_fields(hf, config_file)
+    config = EncoderConfig(vocab_size=fields["vocab_size"], hidden_size=fields["hidden_size"],
+                           num_layers=fields["num_hidden_layers"], num_heads=fields["num_attention_heads"],
+                           intermediate_size=fields["intermediate_size"],
+                           max_positions=fields["max_position_embeddings"], type_vocab_size=fields["type_vocab_size"],
+                           layer_norm_eps=fields["layer_norm_eps"],
+                           dropout=fields["hidden_dropout_prob"] if dropout is None else dropout, pooling=pooling)
     tensors = {k.removeprefix("bert."): v for k, v in load_file(str(weights_file)).items()}
     params: dict[str, Any] = {}
     for src, dst in _bert_names(config.num_layers).items():
