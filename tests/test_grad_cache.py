@@ -470,3 +470,39 @@ def test_a_step_holds_none_of_the_models_tensors_after_it():
     model.counts = torch.zeros(4)
     gc.collect()
     assert old() is None
+
+
+class MeanPooledBert(nn.Module):
+    """A tiny BERT, mean-pooled over real tokens (an all-padding row pools to zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.helpers import tiny_bert
+
+        self.bert = tiny_bert(100, layers=1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return (hidden * attention_mask[..., None]).sum(1) / attention_mask.sum(1, keepdim=True).clamp(min=1)
+
+
+@pytest.mark.parametrize("sort_by_length", [False, True])
+def test_a_chunk_of_padding_rows_only_keeps_one_column_and_the_gradient_exact(sort_by_length):
+    """Empty placeholder passages (a missing hard negative) can make a whole chunk padding: it was trimmed to width 0,
+    which BERT cannot reshape (a raw error where the full batch runs); a chunk keeps at least one column."""
+    torch.manual_seed(0)
+    encoder = MeanPooledBert()
+    ids, mask = torch.randint(1, 100, (8, 6)), torch.ones(8, 6, dtype=torch.long)
+    ids[6:], mask[6:] = 0, 0
+    q, p = {"input_ids": ids[:4], "attention_mask": mask[:4]}, {"input_ids": ids, "attention_mask": mask}
+    loss_fn = SimpleContrastiveLoss(n_hard_negatives=1)
+    expected = reference_grads([encoder, encoder], loss_fn, q, p)
+    zero([encoder])
+    GradCache([encoder, encoder], 2, loss_fn, chunking=Chunking(sort_by_length=sort_by_length))(q, p)
+    assert rel_err(grads([encoder]), expected) < 1e-5
+    assert trimmed_width(slice_of(p, 6, 8)) == (6, 1, "right")
+    assert chunk_widths(p, [slice_of(p, 0, 6), slice_of(p, 6, 8)])[1] == (6, 1, "right")
+
+
+def slice_of(batch: dict, start: int, end: int) -> dict:
+    return {k: v[start:end] for k, v in batch.items()}

@@ -212,14 +212,15 @@ def chunk_tokens(chunk: Any) -> int:
 
 def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
     """``(width, longest, side)`` when a chunk with a 2-D attention mask has padding columns beyond its longest row
-    on one side (``"right"``, or ``"left"`` for a decoder tokenizer's left padding), else None."""
+    on one side (``"right"``, or ``"left"`` for a decoder tokenizer's left padding), else None. A chunk of padding
+    rows only is cut to one column, not none (a model cannot reshape a sequence of width 0)."""
     if not isinstance(chunk, Mapping) or not isinstance(chunk.get("attention_mask"), torch.Tensor):
         return None
     mask = chunk["attention_mask"]
     if mask.dim() != 2 or mask.size(0) == 0:
         return None
-    width, longest = mask.size(1), int((mask != 0).sum(1).max())
-    if longest == width:
+    width, longest = mask.size(1), max(1, int((mask != 0).sum(1).max()))  # a chunk of padding rows keeps a column
+    if longest >= width:
         return None
     if bool((mask[:, longest:] == 0).all()):
         return width, longest, "right"
@@ -253,8 +254,8 @@ def _width(lengths: list[int], first: list[int], end: list[int], width: int) -> 
     """:func:`trimmed_width` from a chunk's row lengths, first real columns and ends past the last real ones."""
     if not lengths:
         return None
-    longest = max(lengths)
-    if longest == width:
+    longest = max(1, max(lengths))  # a chunk of padding rows only keeps one column: models cannot take width 0
+    if longest >= width:
         return None
     if max(end) <= longest:
         return width, longest, "right"
