@@ -1,6 +1,8 @@
 """`dpr-gc verify` under two gloo ranks: DDP (separate towers, a memory budget) and FSDP (a LoRA decoder, last
-pooling) each check 2 ranks x 4 queries against the global batch of 8 and pass. Under DDP an fp32 gap past the
-tolerance (made 1e-11 here) is re-measured in float64 on every rank and passes as rounding."""
+pooling) each check 2 ranks x 4 queries against the global batch of 8 and pass. DDP with separate towers and no
+budget checks two batches: the first's reference step must leave DDP's reducer as it found it, or the second
+cached step fails on parameters the reducer thinks were used but whose gradients were cleared. Under DDP an fp32
+gap past the tolerance (made 1e-11 here) is re-measured in float64 on every rank and passes as rounding."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Union
 
 import torch.distributed as dist
 
@@ -21,7 +24,7 @@ from tests.train_data import make_records, train_config, write_dpr
 WORLD = 2
 
 
-def settings(tmp: str, fsdp: bool):
+def settings(tmp: str, fsdp: bool, budget: Union[int, str] = "1GB"):
     common = dict(train_files=[str(Path(tmp) / "train.json")], output_dir=str(Path(tmp) / "out"), batch_size=4,
                   query_chunk_size=3, passage_chunk_size=3, num_workers=0, cache_dir=str(Path(tmp) / "cache"),
                   device="cpu")
@@ -32,16 +35,17 @@ def settings(tmp: str, fsdp: bool):
         retriever = RetrieverConfig(pooling="last", passage_format="concat", learn_temperature=True)
         return train_config(model=str(Path(tmp) / "decoder"), retriever=retriever, lora=LoraSettings(r=4),
                             fsdp=True, **common)
-    return train_config(model=str(Path(tmp) / "init"), memory_budget="1GB", **common)
+    return train_config(model=str(Path(tmp) / "init"), memory_budget=budget, **common)
 
 
 def worker(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=300))
-    for name, fsdp in (("ddp", False), ("fsdp", True)):
+    for name, fsdp, budget, batches in (("ddp", False, "1GB", 1), ("ddp-no-budget", False, 0, 2),
+                                        ("fsdp", True, "1GB", 1)):
         try:
-            report = verify(settings(tmp, fsdp))
-            assert report.world == WORLD and report.batches[0].queries == 8, report.table()
+            report = verify(settings(tmp, fsdp, budget), batches)
+            assert report.world == WORLD and [b.queries for b in report.batches] == [8] * batches, report.table()
             assert report.passed, report.table()
             Path(tmp, f"table-{name}-{rank}.txt").write_text(report.table())
         except Exception:

@@ -14,7 +14,9 @@ scaled by 100 at 0.01), and the batch passes with a note saying so.
 
 Under torchrun, W ranks of B rows are compared with the global batch of W*B: each rank's rows in one graph, the
 loss over every rank's representations gathered with their gradient, parameter gradients summed over ranks (FSDP:
-reduced by its own backward). Nothing is written to ``--output``: the trainer is built in a temporary folder.
+reduced by its own backward). Under DDP the full step runs on the unwrapped towers and takes its gradients with
+``torch.autograd.grad``, leaving DDP's reducer as the cached step left it. Nothing is written to ``--output``: the
+trainer is built in a temporary folder.
 """
 
 from __future__ import annotations
@@ -210,11 +212,24 @@ class Verifier:
                 ids = global_ids(ids, reps[0].device)
             loss = self.loss_fn(*reps, **ids)
             graph = meter.nbytes() + meter.copies_nbytes()
-            trainer.scaler.scale(loss).backward()
+            self.backward(trainer.scaler.scale(loss))
             seconds = time.perf_counter() - started
         if trainer.world > 1 and not self.fsdp:
             self.sum_over_ranks()
         return float(loss.detach()), self.gradients(), self.step_cost(seconds, peak, graph)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The reference's gradients into ``.grad``. FSDP reduces them in its backward's hooks. Otherwise they come
+        from ``torch.autograd.grad``, which runs no parameter's gradient accumulator and so none of the DDP hooks
+        on it: a ``backward()`` through the unwrapped towers marks their parameters used in DDP's reducer, and
+        the next cached step, finding one used with its gradient cleared, fails (``--batches 2`` in
+        tests/test_verify_distributed.py)."""
+        if self.fsdp:
+            loss.backward()
+            return
+        params = [p for _, p in self.named]
+        for param, grad in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+            param.grad = grad
 
     def encode(self, kind: str, batch: dict) -> torch.Tensor:
         """Representations with their graph: in one forward, or (dropout) chunk by chunk in the cached step's
