@@ -12,12 +12,14 @@ import os
 import re
 import subprocess
 import sys
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count=2"
+SUBPROCESS_SECONDS = 600  # a hung process is killed, never waited for
 if DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICE_FLAG}".strip()
 
@@ -247,15 +249,22 @@ def _data_parallel_matches_one_device() -> None:
         assert rel_error(got, want) < 1e-5
 
 
-def test_data_parallel_on_two_devices_equals_the_global_batch():
+def on_two_devices(check: Callable[[], None], call: str) -> None:
+    """Run ``check`` here when JAX has two devices, else ``t.CALL`` in a subprocess with two XLA host devices
+    (killed after ``SUBPROCESS_SECONDS``)."""
     if len(jax.devices()) >= 2:
-        _data_parallel_matches_one_device()
+        check()
         return
     env = {**os.environ, "XLA_FLAGS": DEVICE_FLAG, "PYTHONPATH": str(REPO)}
     code = ("import tests.test_jax as t, jax; assert len(jax.devices()) == 2; "
-            "jax.config.update('jax_disable_most_optimizations', True); t._data_parallel_matches_one_device()")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+            f"jax.config.update('jax_disable_most_optimizations', True); t.{call}")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=SUBPROCESS_SECONDS)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_data_parallel_on_two_devices_equals_the_global_batch():
+    on_two_devices(_data_parallel_matches_one_device, "_data_parallel_matches_one_device()")
 
 
 def test_compiled_memory_is_flat_in_the_batch():
@@ -312,7 +321,7 @@ def test_flax_encoder_loads_a_bert_checkpoint_and_matches_torch(tmp_path):
 def test_importing_dpr_gc_does_not_import_jax():
     code = "import sys, dpr_gc, dpr_gc.cli, dpr_gc.train; assert 'jax' not in sys.modules, 'jax imported'"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=SUBPROCESS_SECONDS)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -421,13 +430,7 @@ def _uneven_global_batch_is_refused() -> None:
 
 
 def test_data_parallel_refuses_a_global_batch_the_devices_do_not_divide():
-    if len(jax.devices()) >= 2:
-        _uneven_global_batch_is_refused()
-        return
-    env = {**os.environ, "XLA_FLAGS": DEVICE_FLAG, "PYTHONPATH": str(REPO)}
-    code = "import tests.test_jax as t, jax; assert len(jax.devices()) == 2; t._uneven_global_batch_is_refused()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    on_two_devices(_uneven_global_batch_is_refused, "_uneven_global_batch_is_refused()")
 
 
 def test_chunk_sizes_take_numpy_integers_and_refuse_non_integers():
@@ -603,14 +606,7 @@ def test_passage_ids_through_the_cached_steps_equal_the_full_batch_gradient():
 
 
 def test_passage_ids_through_the_data_parallel_step_equal_the_full_batch_gradient():
-    if len(jax.devices()) >= 2:
-        _ids_steps_match_full_batch(data_parallel=True)
-        return
-    env = {**os.environ, "XLA_FLAGS": DEVICE_FLAG, "PYTHONPATH": str(REPO)}
-    code = ("import tests.test_jax as t, jax; assert len(jax.devices()) == 2; "
-            "jax.config.update('jax_disable_most_optimizations', True); t._ids_steps_match_full_batch(True)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    on_two_devices(lambda: _ids_steps_match_full_batch(data_parallel=True), "_ids_steps_match_full_batch(True)")
 
 
 def test_the_example_masks_copies_of_a_questions_own_positive(tiny_tokenizer, tmp_path):
