@@ -20,7 +20,8 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.evaluation.evaluate import qrels_metrics, read_qrels, read_run
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from dpr_gc.retrieval.retrieve import add_cli, check_compatible, check_corpus, retrieve, write_results_json, write_trec_run
+from dpr_gc.retrieval.retrieve import (add_cli, check_compatible, check_corpus, retrieve, retrieve_file,
+                                       retrieve_to_files, write_results_json, write_trec_run)
 from tests.helpers import edit_off_the_sample, tiny_bert, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -614,3 +615,27 @@ def test_the_library_refuses_a_model_or_corpus_the_index_was_not_built_from(worl
             call(Retriever.load(world["model"]), shuffled)
         call(other, corpus, check_model=False)
     assert [r["id"] for r in json.loads(out.read_text())] == ["a"]
+
+
+def test_library_retrieve_to_files_names_answer_patterns_that_do_not_compile_once(world, tmp_path, caplog):
+    """retrieve_to_files(match="regex") over a stream names the patterns that do not compile in one warning once it
+    has retrieved (it skipped them silently); retrieve_file, which checks its file first, names them once too."""
+    from dpr_gc.data.corpus import load_corpus
+
+    retriever, index = Retriever.load(world["model"]), DenseIndex.read(world["idx"])
+    corpus = load_corpus(world["corpus"], world["cache"])
+    queries = [{"id": "a", "question": "king of paris", "answers": ["(unclosed", "."]},
+               {"id": "b", "question": "river water", "answers": ["."]}]
+    want = "1 answer pattern does not compile (question 0: '(unclosed': missing ) at position 9)"
+    with caplog.at_level("WARNING", logger="dpr_gc"):
+        retrieve_to_files(retriever, index, corpus, iter(queries), top_k=3, match="regex", output=tmp_path / "r.json",
+                          show_progress=False)
+    assert [r.getMessage() for r in caplog.records if want in r.getMessage()] == [
+        f"queries: {want}; they never match, as in DPR"]
+    caplog.clear()
+    qa = tmp_path / "q.tsv"
+    qa.write_text('king of paris\t["(unclosed", "."]\ta\n')
+    with caplog.at_level("WARNING", logger="dpr_gc"):
+        retrieve_file(retriever, index, corpus, qa, top_k=3, match="regex", output=tmp_path / "f.json",
+                      show_progress=False)
+    assert len([r for r in caplog.records if "does not compile" in r.getMessage()]) == 1

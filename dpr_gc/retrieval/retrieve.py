@@ -379,11 +379,25 @@ def retrieve_to_files(retriever: Any, index: DenseIndex, corpus: Any, queries: I
     written to the results (with ``match`` None or ``none`` they are matched for the evaluation only, with DPR's
     string matching). The model and corpus are first checked against the index as the command checks them
     (:func:`check_inputs`; ``check_model=False`` is ``--skip-model-check``); questions that got fewer passages than
-    asked are named in a warning at the end (:class:`HitCount`).
+    asked are named in a warning at the end (:class:`HitCount`), and so, with ``match`` "regex", are answer patterns
+    that do not compile (they never match, as in DPR).
     """
     s = dataclasses.replace(settings or RetrieveSettings(), **options)
     check_inputs(retriever, index, corpus, check_model)
-    return write_retrieval(retriever, index, corpus, queries, s, qrels, show_progress, total, resume_key)[0]
+    uncompiled = UncompiledPatterns()
+    if s.match == "regex":
+        queries = patterns_noted(queries, uncompiled)
+    metrics = write_retrieval(retriever, index, corpus, queries, s, qrels, show_progress, total, resume_key)[0]
+    uncompiled.warn("queries")
+    return metrics
+
+
+def patterns_noted(queries: Iterable[dict], uncompiled: UncompiledPatterns) -> Iterator[dict]:
+    """``queries`` as they are read, each one's answer patterns that do not compile noted in ``uncompiled`` (a stream
+    is read once, so :func:`retrieve_to_files` names them when it has retrieved)."""
+    for i, q in enumerate(queries):
+        uncompiled.check(q.get("answers") or (), f"question {i}")
+        yield q
 
 
 def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], s: RetrieveSettings,
@@ -651,9 +665,10 @@ def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: 
     fields = {f.name for f in dataclasses.fields(RetrieveSettings)}
     s = dataclasses.replace(options.get("settings") or RetrieveSettings(),
                             **{k: v for k, v in options.items() if k in fields})
-    qrels, count = queries_to_retrieve(queries_path, qrels_path, s)
-    metrics = retrieve_to_files(retriever, index, corpus, judged_queries(queries_path, qrels), qrels=qrels,
-                                total=count, **options)
+    qrels, count = queries_to_retrieve(queries_path, qrels_path, s)  # names patterns that do not compile
+    check_inputs(retriever, index, corpus, options.get("check_model", True))
+    metrics, _ = write_retrieval(retriever, index, corpus, judged_queries(queries_path, qrels), s, qrels,
+                                 options.get("show_progress", True), count, options.get("resume_key"))
     return metrics, count
 
 
