@@ -226,6 +226,15 @@ class Recording:
         return self.source.retrieve(questions, k, positives)
 
 
+def ctrl_c_at(step: int) -> Callable[[int, Any], None]:
+    """A trainer ``on_backward`` callback that stops training as Ctrl-C would when it reaches ``step``."""
+    def interrupt(at: int, retriever: Any) -> None:
+        if at == step:
+            raise KeyboardInterrupt
+
+    return interrupt
+
+
 def copy_run(trained: dict, tmp_path: Path) -> Path:
     run = tmp_path / "run"
     shutil.copytree(trained["dir"] / "run", run)

@@ -22,7 +22,7 @@ from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.locks import exclusive_lock
 from dpr_gc.train.trainer import train
-from tests.helpers import passages, write_corpus
+from tests.helpers import ctrl_c_at, passages, write_corpus
 from tests.train_data import init_model, task_config as config
 from tests.train_data import make_records, write_dpr
 
@@ -148,12 +148,8 @@ def assert_ends(pid: int, within: float) -> None:
 def test_partial_last_line_of_metrics_is_dropped_on_resume(task, tmp_path):
     common = dict(max_steps=4, save_every=2, batch_size=8)
 
-    def crash(step: int, retriever) -> None:
-        if step == 3:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train(config(task, tmp_path / "b", **common), on_backward=crash)
+        train(config(task, tmp_path / "b", **common), on_backward=ctrl_c_at(3))
     metrics = tmp_path / "b" / "metrics.jsonl"
     with open(metrics, "a") as f:
         f.write('{"step": 3, "epoch": 0, "lo')

@@ -19,7 +19,7 @@ from dpr_gc.train.trainer import Trainer, train
 from dpr_gc.train.config import TrainConfig
 from tests.train_data import init_model, make_records, write_dpr
 from tests.train_data import model_params as params, task_config as config
-from tests.helpers import call
+from tests.helpers import call, ctrl_c_at
 from tests.llm_models import save_decoder
 from tests.ranks import run_command
 
@@ -80,12 +80,8 @@ def test_resume_equals_uninterrupted(tmp_path):
     common = dict(max_steps=9, save_every=2, learning_rate=5e-4, batch_size=8)
     train(config(task, tmp_path / "a", **common))
 
-    def crash(step: int, retriever) -> None:
-        if step == 5:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train(config(task, tmp_path / "b", **common), on_backward=crash)
+        train(config(task, tmp_path / "b", **common), on_backward=ctrl_c_at(5))
     assert (tmp_path / "b" / "checkpoint-4").is_dir() and not (tmp_path / "b" / "final").exists()
     with pytest.raises(DprGcError, match="--resume latest"):
         train(config(task, tmp_path / "b", **common))

@@ -18,6 +18,7 @@ from dpr_gc.train import chunks
 from dpr_gc.train import trainer as trainer_module
 from dpr_gc.train.chunks import auto_chunk_size, largest_fitting_rows
 from dpr_gc.train.trainer import Trainer, train
+from tests.helpers import ctrl_c_at
 from tests.train_data import init_model, make_records, model_params, task_config as config, write_dpr
 
 
@@ -130,12 +131,8 @@ def test_resume_with_a_memory_budget_equals_uninterrupted(tmp_path, budget):
     common = dict(max_steps=4, save_every=2, batch_size=8, memory_budget=budget)
     train(config(task, tmp_path / "a", **common))
 
-    def crash(step: int, retriever) -> None:
-        if step == 2:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train(config(task, tmp_path / "b", **common), on_backward=crash)
+        train(config(task, tmp_path / "b", **common), on_backward=ctrl_c_at(2))
     saved = json.loads((tmp_path / "b" / "checkpoint-2" / "train_state.json").read_text())
     assert any(key == "grad_cache" and value is not None for key, value in saved["__dict__"]), saved.keys()
     train(config(task, tmp_path / "b", resume="latest", **common))
