@@ -11,7 +11,8 @@ Those with a meaning here are honoured: ``--train_file``/``--dev_file`` (files o
 ``--grad_cache`` training is plain, as in GC-DPR), ``--fp16``, ``--no_cuda``, ``--local_rank``,
 ``--eval_per_epoch``, ``--val_av_rank_*``, ``--hard_negatives``, ``--other_negatives``, ``--shuffle_positive_ctx``,
 ``--train_files_upsample_rates``, ``--output_dir``. As in DPR the two towers are separate (``--shared-encoder``
-shares them). The rest are accepted and named in one warning line.
+shares them). The rest are accepted and named in one warning line. A ``--dev_file`` glob must match one file
+(validation reads one dev file).
 """
 
 from __future__ import annotations
@@ -120,6 +121,18 @@ def _expand(patterns: Sequence[str], flag: str) -> list[str]:
     return out
 
 
+def _dev_file(pattern: Optional[str]) -> Optional[str]:
+    """The one dev file ``--dev_file`` names: validation reads one file, so a glob matching several is refused (a
+    match left out would change the dev metrics silently)."""
+    if not pattern:
+        return None
+    matches = _expand([pattern], "--dev_file")
+    if len(matches) > 1:
+        raise DprGcError(f"--dev_file {pattern!r} matches {len(matches)} files ({', '.join(matches)}); validation "
+                         "reads one dev file: give one of them, or join them into one")
+    return matches[0]
+
+
 def _betas(text: str) -> tuple[float, float]:
     try:
         betas = tuple(float(b) for b in ast.literal_eval(text))
@@ -186,7 +199,7 @@ def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig
         "separate_encoders": args.separate_encoders is not False, "projection_dim": args.projection_dim or None,
         "query_max_length": args.passage_max_length if one_length else args.query_max_length,  # DPR: one length
         "model": args.model_file or args.model, "train_files": train_files,
-        "dev_file": _expand([args.dev_file], "--dev_file")[0] if args.dev_file else None,
+        "dev_file": _dev_file(args.dev_file),
         "epochs": _epochs(args.epochs), "output_dir": args.output_dir or ""})
     config = T.config_from_args(translated)
     evals = args.eval_per_epoch or (1 if args.eval_every is None else None)  # GC-DPR: validate and save per epoch

@@ -457,3 +457,24 @@ def test_train_script_names_flags_that_do_not_apply_in_its_warning(extra, named)
     argv = ["--train_file", "t.json", "--output_dir", "o", "--dev_batch_size", "3", "--q_chunk_size", "4", *extra]
     args = script.build_parser().parse_args(["train", *argv])
     assert script.ignored_flags(script.typed_flags(argv), args) == named
+
+
+def test_a_dev_file_glob_matching_several_files_is_refused_naming_them(tiny, tmp_path):
+    """``--dev_file GLOB`` validated on the first match only and dropped the rest silently; one dev file is
+    validated, so a glob matching several is refused in one line that names every match."""
+    from dpr_gc.base.errors import DprGcError
+
+    script = load_script("train_dense_encoder.py")
+    dev = tiny["dir"] / "data" / "nq-dev.json"
+    for part in ("0", "1"):
+        (tmp_path / f"dev-{part}.json").write_text(dev.read_text())
+    argv = ["--train_file", str(tiny["dir"] / "data" / "nq-train.json"), "--dev_file", str(tmp_path / "dev-*"),
+            "--output_dir", str(tmp_path / "out"), "--pretrained_model_cfg", str(tiny["bert"])]
+    with pytest.raises(DprGcError) as refused:
+        script.config_from_args(script.build_parser().parse_args(["train", *argv]), script.typed_flags(argv))
+    assert str(refused.value) == (f"--dev_file {str(tmp_path / 'dev-*')!r} matches 2 files ({tmp_path / 'dev-0.json'}, "
+                                  f"{tmp_path / 'dev-1.json'}); validation reads one dev file: give one of them, "
+                                  "or join them into one")
+    argv[3] = str(tmp_path / "dev-1*")
+    config = script.config_from_args(script.build_parser().parse_args(["train", *argv]), script.typed_flags(argv))
+    assert config.data.dev_file == str(tmp_path / "dev-1.json")
