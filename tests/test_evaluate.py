@@ -226,11 +226,34 @@ def test_qrels_metrics_hand_computed_and_missing_queries():
 # ------------------------------------------------------------------------------------------------ file readers
 def test_read_qrels_formats(tmp_path):
     beir = tmp_path / "test.tsv"
-    beir.write_text("query-id\tcorpus-id\tscore\nq1\td 1\t1\nq1\td2\t2\nq2\td3\t0\n")
-    assert ev.read_qrels(beir) == {"q1": {"d 1": 1, "d2": 2}, "q2": {"d3": 0}}
+    beir.write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td2\t2\nq2\td3\t0\n")
+    assert ev.read_qrels(beir) == {"q1": {"d1": 1, "d2": 2}, "q2": {"d3": 0}}
     trec = tmp_path / "qrels.txt"
     trec.write_text("q1 0 d1 1\nq1 0 d2 0\n\nq2 Q0 d3 2.0\n")
     assert ev.read_qrels(trec) == {"q1": {"d1": 1, "d2": 0}, "q2": {"d3": 2}}
+
+
+@pytest.mark.parametrize("content", ["q1 0\td1\t1\nq2 0\td2\t1\n", "q1\td1\t1\t\nq2\td2\t1\t\n",
+                                     "q1 0 d1 1\t\nq2 0 d2 1 \n", "q1\t0\td1\t1\nq2\t0\td2\t1\n"])
+def test_qrels_lines_read_as_trec_eval_and_beir_read_them(tmp_path, content):
+    """A TREC line with a tab between some fields (``q1 0<TAB>d1<TAB>1``) was read as query id 'q1 0', and a line
+    ending in a tab was refused; trec_eval splits on any whitespace and BEIR's reader drops the trailing tab."""
+    path = tmp_path / "qrels.txt"
+    path.write_text(content)
+    assert ev.read_qrels(path) == {"q1": {"d1": 1}, "q2": {"d2": 1}}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("query-id\tcorpus-id\tscore\nq1\td 1\t1\n", r"^{path}:2: document id 'd 1' contains whitespace; "),
+    ("q 1\t0\td1\t1\n", r"^{path}:1: query id 'q 1' contains whitespace; "),
+    ("q1\t0 d1\t1\n", r"^{path}:1: document id '0 d1' contains whitespace; ")])
+def test_a_qrels_id_with_whitespace_is_refused_naming_the_line(tmp_path, content, message):
+    """Passage ids never hold whitespace (the corpus reader refuses them) and TREC files cannot hold it, so a BEIR
+    line's id with a space in it was accepted and silently never matched; it is refused naming the file and line."""
+    path = tmp_path / "qrels.tsv"
+    path.write_text(content)
+    with pytest.raises(DprGcError, match=message.format(path=path)):
+        ev.read_qrels(path)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 evaluation alike.
 
 BEIR writes ``query-id<TAB>corpus-id<TAB>score`` under a header line, TREC ``qid 0 docid rel`` separated by
-whitespace; a line with a tab is split on tabs, any other on whitespace. Relevance is an integer (``1`` or ``1.0``).
+whitespace (:func:`_fields` tells them apart line by line; trailing whitespace is dropped). Ids are one word: an id
+with whitespace inside is refused naming the line. Relevance is an integer (``1`` or ``1.0``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ QRELS_FORMATS = "expected 'query-id corpus-id score' or 'qid 0 docid rel'"
 
 
 def _fields(line: str) -> list[str]:
-    """Split on tabs when the line has any (BEIR TSV), otherwise on whitespace (TREC)."""
-    line = line.rstrip("\r\n")
-    return [f.strip() for f in line.split("\t")] if "\t" in line else line.split()
+    """The line's fields: its tab-separated ones (BEIR TSV), or its whitespace-separated ones (TREC, as trec_eval
+    splits) when those are the same or the line is TREC's ``qid iter<TAB>docid<TAB>rel``. Trailing whitespace (a
+    trailing tab) is dropped first. A tab field with whitespace inside is kept whole, so that its id is refused."""
+    line = line.strip()
+    words = line.split()
+    tabbed = [f.strip() for f in line.split("\t")]
+    if "\t" not in line or tabbed == words:
+        return words
+    trec = len(tabbed) == 3 and len(words) == 4 and tabbed[0].split() == words[:2]
+    return words if trec else tabbed
 
 
 def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
@@ -40,6 +48,12 @@ def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
                 yield line_no, f"{QRELS_FORMATS}, got {line.strip()!r}"
                 continue
             qid, docid, rel_text = parts[0], parts[-2], parts[-1]
+            spaced = [f"{what} {name!r}" for what, name in (("query id", qid), ("document id", docid))
+                      if any(c.isspace() for c in name)]
+            if spaced:
+                yield line_no, (f"{spaced[0]} contains whitespace; ids are one word (passage ids never hold "
+                                "whitespace and TREC files separate fields by it), so it could never match; fix the id")
+                continue
             rel = relevance(rel_text)
             yield line_no, (qid, docid, rel) if isinstance(rel, int) else rel
 
