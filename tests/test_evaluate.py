@@ -468,6 +468,28 @@ def test_results_whose_questions_have_no_answers_get_no_answer_accuracy(tmp_path
     assert "answer accuracy" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("answered_first", [False, True])
+@pytest.mark.parametrize("with_qrels", [False, True])
+def test_a_question_without_answers_is_a_miss_whatever_its_stored_flags(tmp_path, answered_first, with_qrels):
+    """A question with empty answers is a miss, as retrieve counts it. With stored flags (--match stored) one
+    flagged has_answer true counted as a hit, or with --qrels as a miss in the blocks before the first answered
+    question and a hit after it, so the accuracy depended on the questions' order."""
+    from dpr_gc.evaluation.answers import BLOCK
+
+    def question(i: int, answers: list) -> dict:
+        return {"id": f"q{i}", "question": f"question {i}?", "answers": answers,
+                "ctxs": [{"id": f"d{i}", "title": "", "text": "x", "score": 1.0, "has_answer": True}]}
+
+    unanswered = [question(i, []) for i in range(BLOCK + 1)]
+    records = [question(BLOCK + 1, ["x"])] + unanswered if answered_first else unanswered + [question(BLOCK + 1, ["x"])]
+    path, qrels = tmp_path / "results.json", tmp_path / "qrels.tsv"
+    path.write_text(json.dumps(records))
+    qrels.write_text(f"q0 0 d0 1\nq{BLOCK + 1} 0 d{BLOCK + 1} 1\n")
+    report = ev.evaluate([1], path, qrels_path=qrels if with_qrels else None, mode=None)
+    assert report["answers"]["metrics"] == {"Accuracy@1": 1 / len(records)}
+    assert ev.evaluate_answers(records, [1], None) == {"Accuracy@1": 1 / len(records)}
+
+
 def test_compact_results_without_answers_are_scored_on_qrels_alone(tmp_path, capsys):
     """Compact results of retrieve --match none over BEIR queries (no answers, passages with neither text nor
     has_answer flags) get the qrels metrics with --qrels; they were refused, telling to give the --qrels given."""

@@ -317,7 +317,8 @@ def missing_for_answers(ctx: dict[str, Any], mode: Optional[str]) -> str:
 def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], source: str,
                  matcher: Optional[AnswerMatcher], uncompiled: Optional[UncompiledPatterns] = None) -> list[list[bool]]:
     """Each passage's answer flag for a block of questions: stored (``mode`` None) or recomputed by ``matcher``;
-    regex patterns that do not compile are noted in ``uncompiled`` (they never match)."""
+    regex patterns that do not compile are noted in ``uncompiled`` (they never match). A question without answers
+    has no flags (a miss), whatever flags it stores, as answer matching would find none."""
     for i, entry in block:
         answers = entry.get("answers")
         if mode and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
@@ -329,7 +330,7 @@ def answer_flags(block: list[tuple[int, dict[str, Any]]], mode: Optional[str], s
             if not isinstance(ctx.get(field), str if mode else bool):
                 raise DprGcError(f"{source}: question {i}, ctx {j}: {missing_for_answers(ctx, mode)}")
     if not mode:
-        return [[c["has_answer"] for c in entry["ctxs"]] for _, entry in block]
+        return [[c["has_answer"] for c in entry["ctxs"]] if entry.get("answers") else [] for _, entry in block]
     return matcher.flags([(entry["answers"], [(passage_key(c), c["text"]) for c in entry["ctxs"]])
                           for _, entry in block])
 
