@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--local_rank", "--local-rank", dest="local_rank", type=any_int, default=-1, help=argparse.SUPPRESS)
     add("--fp16_opt_level", default="O1", help=argparse.SUPPRESS)
     add("--adam_eps", type=positive_float, default=1e-8, help="AdamW epsilon")
-    add("--adam_betas", default="(0.9, 0.999)", help="AdamW betas, as GC-DPR writes them")
+    add("--adam_betas", default="(0.9, 0.999)", help="AdamW betas, as GC-DPR writes them (each in [0, 1))")
     add("--log_batch_step", type=positive_int, default=1, help="steps between metrics.jsonl records")
     add("--train_rolling_loss_step", type=positive_int, default=100, help=argparse.SUPPRESS)
     add("--dropout", type=nonnegative_float, default=0.1, help=argparse.SUPPRESS)
@@ -134,12 +134,14 @@ def _dev_file(pattern: Optional[str]) -> Optional[str]:
 
 
 def _betas(text: str) -> tuple[float, float]:
+    """``--adam_betas`` as AdamW takes them (two numbers, each finite and in [0, 1)), checked before anything loads:
+    torch refuses others with a traceback once the model has loaded."""
     try:
         betas = tuple(float(b) for b in ast.literal_eval(text))
-    except (ValueError, SyntaxError, TypeError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         betas = ()
-    if len(betas) != 2:
-        raise DprGcError(f"--adam_betas must look like '(0.9, 0.999)', got {text!r}")
+    if len(betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in betas):
+        raise DprGcError(f"--adam_betas must be two numbers, each in [0, 1), e.g. '(0.9, 0.999)'; got {text!r}")
     return betas  # type: ignore[return-value]
 
 

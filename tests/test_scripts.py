@@ -212,7 +212,7 @@ def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize("extra,message", [
     (["--gradient_accumulation_steps", "2"], "--gradient_accumulation_steps 2"),
     (["--num_train_epochs", "2.5"], "--num_train_epochs must be a whole number"),
-    (["--adam_betas", "0.9"], "--adam_betas must look like"),
+    (["--adam_betas", "0.9"], "--adam_betas must be two numbers"),
     (["--encoder_model_type", "fairseq_roberta"], "only Hugging Face models")])
 def test_gc_dpr_flags_without_a_meaning_here_stop_in_one_line(tiny, tmp_path, extra, message):
     result = run("train_dense_encoder.py", *gc_dpr_readme_command(tiny, tmp_path / "out"), *extra)
@@ -478,3 +478,20 @@ def test_a_dev_file_glob_matching_several_files_is_refused_naming_them(tiny, tmp
     argv[3] = str(tmp_path / "dev-1*")
     config = script.config_from_args(script.build_parser().parse_args(["train", *argv]), script.typed_flags(argv))
     assert config.data.dev_file == str(tmp_path / "dev-1.json")
+
+
+@pytest.mark.parametrize("betas", ["(2,0.5)", "(1e999,0.9)", "(0.9, 1.0)", "(-0.1, 0.999)", "(nan, 0.999)"])
+def test_adam_betas_outside_zero_to_one_are_refused_up_front(tiny, tmp_path, betas):
+    """Betas AdamW refuses (each must be finite and in [0, 1)) passed the script's check and ended in torch's
+    ValueError traceback once the model had loaded; they are one line naming --adam_betas, before anything loads."""
+    from dpr_gc.base.errors import DprGcError
+
+    script = load_script("train_dense_encoder.py")
+    argv = [*gc_dpr_readme_command(tiny, tmp_path / "out"), "--adam_betas", betas]
+    with pytest.raises(DprGcError, match=r"^--adam_betas .*each in \[0, 1\)"):
+        script.config_from_args(script.build_parser().parse_args(["train", *argv]), script.typed_flags(argv))
+    if betas == "(2,0.5)":
+        result = run("train_dense_encoder.py", *argv)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+            "error: --adam_betas must be two numbers, each in [0, 1), e.g. '(0.9, 0.999)'; got '(2,0.5)'"]
