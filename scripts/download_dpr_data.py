@@ -13,7 +13,8 @@ Verification: DPR publishes no checksums for these files (its own download_data.
 download is checked against what can be known: the size the server declares, the gzip CRC-32 and length of every
 member for ``.gz`` files, and a SHA-256 where one is listed below. The SHA-256 and size of every finished file are
 recorded in ``SHA256SUMS.json`` in the output folder; a later download into that folder, or ``--verify``, must match
-them (so a file fetched again, or a copy, is checked against the first).
+them (so a file fetched again, or a copy, is checked against the first). An entry there that is not ``{"sha256": 64
+hex digits, "size": bytes}`` stops the run with one line naming the file and the entry.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import urllib.error
@@ -115,6 +117,8 @@ def file_sha256(path: Path) -> str:
 
 
 def read_sums(folder: Path) -> dict:
+    """The checksums recorded in ``folder``'s :data:`SUMS_FILE` (none when it is absent), each entry checked: one
+    that is not ``{"sha256": 64 hex digits, "size": bytes}`` would skip the check or stop in a traceback."""
     path = folder / SUMS_FILE
     if not path.is_file():
         return {}
@@ -124,6 +128,14 @@ def read_sums(folder: Path) -> dict:
         raise DprGcError(f"{path}: invalid JSON ({e}); delete it to record the checksums again") from None
     if not isinstance(sums, dict):
         raise DprGcError(f"{path}: expected an object of file name -> {{sha256, size}}; delete it")
+    for filename, entry in sums.items():
+        sha = entry.get("sha256") if isinstance(entry, dict) else None
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)) or isinstance(size, bool) \
+                or not isinstance(size, int) or size < 0:
+            raise DprGcError(f"{path}: the entry {filename!r} must be {{\"sha256\": 64 lowercase hex digits, "
+                             f"\"size\": bytes}}, got {json.dumps(entry)[:80]}; fix it, or delete the entry to "
+                             "record it again")
     return sums
 
 
@@ -171,7 +183,8 @@ def verify(name: str, out: Path, sums: dict) -> None:
     if not want:
         sums[filename] = {"sha256": sha, "size": target.stat().st_size, "url": RESOURCES[name][0]}
         write_sums(out, sums)
-    print(f"{name}: {target} verified ({'sha256 ' + sha if want else 'gzip intact; sha256 recorded now'})")
+    checked = "gzip intact; " if filename.endswith(".gz") else ""
+    print(f"{name}: {target} verified ({'sha256 ' + sha if want else checked + 'sha256 recorded now'})")
 
 
 @guarded(outputs={"output": "folder"})

@@ -109,3 +109,39 @@ def test_downloads_are_verified_and_recorded(server, tmp_path, monkeypatch, caps
     assert script.main(["--output", str(out), "train"]) == 2
     assert "does not match the expected" in one_error(capsys)
     assert not (out / "train.json.gz").exists()
+
+
+@pytest.mark.parametrize("entry", ["0" * 64, {"sha256": None, "size": 3}, {"sha256": "abc", "size": 3},
+                                   {"sha256": "0" * 64, "size": "3"}, {"sha256": "0" * 64}, ["0" * 64, 3]])
+def test_a_malformed_checksum_entry_is_refused_naming_the_file(tmp_path, monkeypatch, capsys, entry):
+    """An entry of SHA256SUMS.json that is not ``{sha256: 64 hex digits, size: bytes}`` was an AttributeError
+    traceback (a string) or skipped the check and was overwritten ({"sha256": null}); it is one error line naming
+    the sums file and the entry, and the file is left as it was."""
+    script = load_script()
+    monkeypatch.setattr(script, "RESOURCES", {"qa": ("http://127.0.0.1:9/qa.csv", "qa.csv", "", None)})
+    out = tmp_path / "dpr"
+    out.mkdir()
+    (out / "qa.csv").write_bytes(b"q\t['a']\n")
+    sums = json.dumps({"qa.csv": entry})
+    (out / "SHA256SUMS.json").write_text(sums)
+    assert script.main(["--output", str(out), "--verify", "qa"]) == 2
+    assert one_error(capsys).startswith(f"error: {out / 'SHA256SUMS.json'}: the entry 'qa.csv' must be ")
+    assert (out / "SHA256SUMS.json").read_text() == sums
+
+
+def test_verify_says_gzip_intact_only_for_a_gzip_file(tmp_path, monkeypatch, capsys):
+    """A .csv was reported 'gzip intact' though only .gz files are read through gzip."""
+    script = load_script()
+    monkeypatch.setattr(script, "RESOURCES", {"qa": ("http://127.0.0.1:9/qa.csv", "qa.csv", "", None),
+                                              "train": ("http://127.0.0.1:9/t.json.gz", "t.json.gz", "", None)})
+    out = tmp_path / "dpr"
+    out.mkdir()
+    (out / "qa.csv").write_bytes(b"q\t['a']\n")
+    (out / "t.json.gz").write_bytes(gzip.compress(b"[]"))
+    assert script.main(["--output", str(out), "--verify", "qa", "train"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"qa: {out / 'qa.csv'} verified (sha256 recorded now)",
+                       f"train: {out / 't.json.gz'} verified (gzip intact; sha256 recorded now)"]
+    assert script.main(["--output", str(out), "--verify", "qa"]) == 0
+    sha = hashlib.sha256(b"q\t['a']\n").hexdigest()
+    assert capsys.readouterr().out == f"qa: {out / 'qa.csv'} verified (sha256 {sha})\n"
