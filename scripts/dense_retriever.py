@@ -36,6 +36,7 @@ from dpr_gc.base.guard import guarded
 from dpr_gc.base.logs import setup_logging
 from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, check_built_from,
                                     index_exists, params_from_args, set_threads, shard_ids)
+from dpr_gc.retrieval.shards import has_shards, no_shards_message
 from dpr_gc.model.retriever import add_prefix_arguments
 from dpr_gc.retrieval.retrieve import MATCH_CHOICES, retrieve_with_flags
 
@@ -63,10 +64,14 @@ def embeddings_folders(spec: str) -> list[Path]:
 
 
 def merged_view(folders: list[Path], view: Path) -> Path:
-    """One folder of links to every shard file of ``folders``, so all shards form one index."""
+    """One folder of links to the shard files (``shard-*``) of ``folders``, so all shards form one index; other files
+    beside them are left out. A folder without finished shards is refused, naming it."""
+    for folder in folders:
+        if not has_shards(folder):
+            raise DprGcError(no_shards_message(folder))
     for folder in folders:
         for item in folder.iterdir():
-            if item.is_file():
+            if item.is_file() and item.name.startswith("shard-"):
                 target = view / item.name
                 if target.exists():
                     raise DprGcError(f"{item.name} is in more than one of the --encoded_ctx_file folders; "
@@ -141,11 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_or_build_index(embeddings: Optional[str], index_path: Optional[str], save_or_load: bool,
-                        params: IndexParams, train_sample: int, block_size: int, seed: int) -> tuple[DenseIndex, str]:
+def load_or_build_index(embeddings: Optional[list[str]], index_path: Optional[str], save_or_load: bool,
+                        params: IndexParams, train_sample: int, block_size: int, seed: int,
+                        label: Optional[str] = None) -> tuple[DenseIndex, str]:
     """The index in ``index_path`` if complete (with ``save_or_load``, default ``PREFIX.index`` beside the shards),
-    else one built from the encode output(s) ``embeddings`` and saved to ``index_path`` when given."""
-    folders = embeddings_folders(embeddings) if embeddings else []
+    else one built from the encode output folders ``embeddings`` (:func:`embeddings_folders`) and saved to
+    ``index_path`` when given; with its name in the summary (``label``: the ``--encoded_ctx_file`` typed)."""
+    folders = [Path(folder) for folder in embeddings or ()]
     if save_or_load and not index_path and folders:
         index_path = dpr_index_path(folders)
     if index_exists(index_path):
@@ -162,7 +169,7 @@ def load_or_build_index(embeddings: Optional[str], index_path: Optional[str], sa
         if index_path:
             index.write(index_path, ids=shard_ids(shards))
             logger.info("saved the index to %s", index_path)
-    return index, f"{index.meta['factory']} over {embeddings}"
+    return index, f"{index.meta['factory']} over {label or ', '.join(map(str, folders))}"
 
 
 def named_unknowns(parser: Any, unknown: list[str]) -> list[str]:
@@ -200,11 +207,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         params = params_from_args(args)
         index, name = load_or_build_index(args.embeddings, args.index_path, args.save_or_load_index,
                                           dataclasses.replace(params, kind="hnsw") if args.hnsw_index else params,
-                                          args.train_sample, args.block_size, args.seed)
+                                          args.train_sample, args.block_size, args.seed, args.embeddings_given)
         retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None))
 
     def run_named() -> None:
+        """The folders ``--encoded_ctx_file`` matches in its place, so that the guard compares the outputs with each."""
         with flags_renamed(SCRIPT_FLAGS):
+            args.embeddings_given = args.embeddings
+            if args.embeddings:
+                args.embeddings = [str(folder) for folder in embeddings_folders(args.embeddings)]
             run(args)
     return report_errors(run_named)
 

@@ -495,3 +495,45 @@ def test_adam_betas_outside_zero_to_one_are_refused_up_front(tiny, tmp_path, bet
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
             "error: --adam_betas must be two numbers, each in [0, 1), e.g. '(0.9, 0.999)'; got '(2,0.5)'"]
+
+
+def test_an_output_inside_a_folder_the_embeddings_glob_matches_is_refused(tmp_path, capsys):
+    """``--encoded_ctx_file "emb/wiki_*"`` reached the output guard as the glob itself, so ``--out_file
+    emb/wiki_0/x.json`` was written into an input shard folder; each folder the glob matches is guarded."""
+    script = load_script("dense_retriever.py")
+    for shard in (0, 1):
+        (tmp_path / "emb" / f"wiki_{shard}").mkdir(parents=True)
+    (tmp_path / "qa.csv").write_text("q\t['a']\n")
+    out = tmp_path / "emb" / "wiki_0" / "x.json"
+    assert script.main(["--model_file", str(tmp_path / "m"), "--qa_file", str(tmp_path / "qa.csv"),
+                        "--encoded_ctx_file", str(tmp_path / "emb" / "wiki_*"), "--out_file", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out_file {out} lies inside the input --encoded_ctx_file {tmp_path / 'emb' / 'wiki_0'}"
+                          "; "), err
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_the_merged_view_of_shard_folders_links_only_their_shards(tmp_path):
+    """Several ``--encoded_ctx_file`` folders form one index through a folder of links: every file of each was
+    linked, so a file beside the shards in two folders (a results file, a lock) stopped the run as a shard
+    'encoded twice'. Only shard files are linked, and a folder without finished shards is named."""
+    from dpr_gc.base.errors import DprGcError
+
+    script = load_script("dense_retriever.py")
+    folders = [tmp_path / f"wiki_{shard}" for shard in (0, 1)]
+    for shard, folder in enumerate(folders):
+        folder.mkdir()
+        for suffix in (".json", ".npy", ".ids.txt"):
+            (folder / f"shard-{shard:05d}-of-00002{suffix}").write_text("{}")
+        (folder / "x.json").write_text("[]")
+        (folder / ".dpr-gc.lock").write_text("")
+    view = tmp_path / "view"
+    view.mkdir()
+    script.merged_view(folders, view)
+    assert sorted(p.name for p in view.iterdir()) == sorted(f"shard-{s:05d}-of-00002{suffix}" for s in (0, 1)
+                                                            for suffix in (".json", ".npy", ".ids.txt"))
+    (tmp_path / "dpremb").mkdir()
+    (tmp_path / "dpremb" / "wikipedia_passages_0").write_bytes(b"\x80\x04N.")
+    with pytest.raises(DprGcError, match=rf"^no finished embedding shards in {tmp_path / 'dpremb'}, only what look "
+                                         "like DPR's pickled embedding files"):
+        script.merged_view([folders[0], tmp_path / "dpremb"], tmp_path / "view2")
