@@ -9,12 +9,15 @@ folders that ``generate_dense_embeddings.py --out_file PREFIX`` writes (one per 
 index is built in memory (exact, or HNSW with ``--hnsw_index``, ``--index_buffer`` rows at a time), or loaded from /
 saved to ``--index_path`` (``--save_or_load_index``: the folder ``PREFIX.index`` beside the shards, as DPR does).
 ``--model_file`` may be a DPR ``.cp`` checkpoint. Hydra-style ``key=value`` arguments (as newer DPR versions take)
-are accepted too. Flags DPR has and this script does not need are named in one warning line.
+are accepted too, lists as DPR's README writes them (``encoded_ctx_files=[\\"emb1/wiki_*\\",\\"emb2/wiki_*\\"]``:
+``--encoded_ctx_file`` takes several globs). Flags DPR has and this script does not need are named in one warning
+line.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import glob
 import logging
@@ -23,7 +26,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 try:
     import dpr_gc  # noqa: F401
@@ -52,15 +55,18 @@ SCRIPT_FLAGS = {"--output": "--out_file", "--trec-run": "--trec_run", "--cache-d
                 "--block-size": "--index_buffer"}
 
 
-def embeddings_folders(spec: str) -> list[Path]:
-    """Encode output folders given as one folder, a glob of shard files inside one, or a glob of ``PREFIX_N``
-    folders (one per shard, as ``generate_dense_embeddings.py --out_file PREFIX`` writes them)."""
-    if Path(spec).is_dir():
-        return [Path(spec)]
-    folders = sorted({Path(p) if Path(p).is_dir() else Path(p).parent for p in glob.glob(spec)})
-    if not folders:
-        raise DprGcError(f"--encoded_ctx_file {spec!r} matches no files; give the encode output folder(s)")
-    return folders
+def embeddings_folders(specs: Sequence[str]) -> list[Path]:
+    """Encode output folders, each spec given as one folder, a glob of shard files inside one, or a glob of
+    ``PREFIX_N`` folders (one per shard, as ``generate_dense_embeddings.py --out_file PREFIX`` writes them); a
+    folder two specs match is counted once."""
+    folders: dict[str, Path] = {}
+    for spec in specs:
+        matched = [Path(spec)] if Path(spec).is_dir() else [Path(p) if Path(p).is_dir() else Path(p).parent
+                                                            for p in glob.glob(spec)]
+        if not matched:
+            raise DprGcError(f"--encoded_ctx_file {spec!r} matches no files; give the encode output folder(s)")
+        folders.update((os.path.realpath(folder), folder) for folder in matched)
+    return sorted(folders.values())
 
 
 def merged_view(folders: list[Path], view: Path) -> Path:
@@ -87,15 +93,38 @@ def dpr_index_path(folders: list[Path]) -> str:
     return f"{m.group(1)}.index" if m else f"{folders[0]}.index"
 
 
+def hydra_values(value: str) -> list[str]:
+    """The values of a hydra override: the items of a list ``[a,b]`` or ``["a","b"]`` (quotes the shell kept from
+    DPR's ``[\\"a\\"]`` removed), else the one value, unquoted."""
+    if not (value.startswith("[") and value.endswith("]")):
+        return [hydra_unquoted(value)]
+    inner = value[1:-1].strip()
+    try:
+        items = ast.literal_eval(f"[{inner}]")
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        items = [hydra_unquoted(item.strip()) for item in inner.split(",")] if inner else []
+    return items
+
+
+def hydra_unquoted(value: str) -> str:
+    """``value`` without one pair of quotes around it."""
+    return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'" else value
+
+
 def hydra_to_flags(argv: list[str]) -> list[str]:
-    """Turn DPR/hydra ``key=value`` arguments into ``--key=value``; list values ``[a]`` lose their brackets."""
+    """Turn DPR/hydra ``key=value`` arguments into ``--key=value``; a list ``key=[a,b]`` into ``--key a b`` (the
+    flags that take several values take them all; another names the rest in the no-effect warning)."""
     out = []
     for arg in argv:
-        if not arg.startswith("-") and "=" in arg:
-            key, value = arg.split("=", 1)
-            value = value[1:-1] if value.startswith("[") and value.endswith("]") else value
-            arg = f"--{key}={value}"
-        out.append(arg)
+        if arg.startswith("-") or "=" not in arg:
+            out.append(arg)
+            continue
+        key, value = arg.split("=", 1)
+        values = hydra_values(value)
+        out.extend([f"--{key}={values[0]}"] if len(values) == 1 else [f"--{key}", *values] if values else
+                   [f"--{key}="])
     return out
 
 
@@ -106,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="questions: DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
     p.add_argument("--ctx_datatsets", "--ctx_datasets", "--ctx_file", dest="corpus",
                    help="passages TSV / corpus.jsonl (default: the corpus recorded with the embeddings)")
-    p.add_argument("--encoded_ctx_file", "--encoded_ctx_files", dest="embeddings",
-                   help="encode output folder, or a glob of its shard files or of PREFIX_N shard folders")
+    p.add_argument("--encoded_ctx_file", "--encoded_ctx_files", dest="embeddings", nargs="+",
+                   help="encode output folder(s), or globs of their shard files or of PREFIX_N shard folders")
     p.add_argument("--index_path", type=output_dir,
                    help="load the index from this folder if it holds one, else save it there")
     p.add_argument("--hnsw_index", action="store_true", help="build an HNSW index instead of an exact one")
@@ -213,8 +242,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     def run_named() -> None:
         """The folders ``--encoded_ctx_file`` matches in its place, so that the guard compares the outputs with each."""
         with flags_renamed(SCRIPT_FLAGS):
-            args.embeddings_given = args.embeddings
-            if args.embeddings:
+            args.embeddings_given = " ".join(args.embeddings or ())
+            if args.embeddings and all(args.embeddings):  # an empty one is refused by the guard
                 args.embeddings = [str(folder) for folder in embeddings_folders(args.embeddings)]
             run(args)
     return report_errors(run_named)

@@ -537,3 +537,31 @@ def test_the_merged_view_of_shard_folders_links_only_their_shards(tmp_path):
     with pytest.raises(DprGcError, match=rf"^no finished embedding shards in {tmp_path / 'dpremb'}, only what look "
                                          "like DPR's pickled embedding files"):
         script.merged_view([folders[0], tmp_path / "dpremb"], tmp_path / "view2")
+
+
+@pytest.mark.parametrize("form", [['encoded_ctx_files=["{a}","{b}"]'], ["encoded_ctx_files=['{a}', '{b}']"],
+                                  ["encoded_ctx_files=[{a},{b}]"], ["--encoded_ctx_file", "{a}", "{b}"]])
+def test_the_hydra_list_of_embedding_globs_in_dprs_readme_is_read(tmp_path, capsys, form):
+    """DPR's README writes ``encoded_ctx_files=[\\"emb1/wiki_*\\",\\"emb2/wiki_*\\"]`` (the shell leaves the quotes):
+    the brackets were removed but the quotes kept and the commas not split, so no file matched. Each glob of the
+    list is read, as are several after --encoded_ctx_file, and every folder they match is an input."""
+    script = load_script("dense_retriever.py")
+    for root in ("emb1", "emb2"):
+        (tmp_path / root / "wiki_0").mkdir(parents=True)
+    (tmp_path / "qa.csv").write_text("q\t['a']\n")
+    a, b = tmp_path / "emb1" / "wiki_*", tmp_path / "emb2" / "wiki_*"
+    listed = [word.format(a=a, b=b) for word in form]
+    args, unknown = script.build_parser().parse_known_args(script.hydra_to_flags([*listed, "qa_dataset=q.csv"]))
+    assert args.embeddings == [str(a), str(b)] and unknown == []
+    assert script.hydra_to_flags(['encoded_ctx_files=["out/emb/wiki_*"]', "ctx_datatsets=[dpr_wiki]"]) == [
+        "--encoded_ctx_files=out/emb/wiki_*", "--ctx_datatsets=dpr_wiki"]
+    out = tmp_path / "emb2" / "wiki_0" / "x.json"
+    readme = ['model_file=' + str(tmp_path / "m"), f'qa_dataset={tmp_path / "qa.csv"}', "ctx_datatsets=[dpr_wiki]",
+              f'encoded_ctx_files=["{a}","{b}"]', f"out_file={out}"]
+    assert script.main(readme) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out_file {out} lies inside the input --encoded_ctx_file") and err.count("\n") == 1
+    assert f" {tmp_path / 'emb2' / 'wiki_0'}; " in err, err
+    assert script.main([*readme[:3], f'encoded_ctx_files=["{a}","{tmp_path / "nope_*"}"]',
+                        f"out_file={tmp_path / 'r.json'}"]) == 2
+    assert f"{str(tmp_path / 'nope_*')!r} matches no files" in capsys.readouterr().err
