@@ -33,7 +33,8 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.base.args import ArgumentParser, device_arg, nonnegative_int, output_dir, output_file, positive_int
+from dpr_gc.base.args import (ArgumentParser, device_arg, flags_as_typed, nonnegative_int, output_dir, output_file,
+                              positive_int)
 from dpr_gc.base.errors import DprGcError, flags_renamed, report_errors
 from dpr_gc.base.guard import guarded
 from dpr_gc.base.logs import setup_logging
@@ -48,11 +49,18 @@ logger = logging.getLogger("dense_retriever")
 IGNORED_VALUE = ("--pretrained_model_cfg", "--encoder_model_type", "--pretrained_file", "--projection_dim",
                  "--sequence_length", "--local_rank", "--fp16_opt_level", "--validation_workers", "--q_encoding_path")
 IGNORED_SWITCH = ("--do_lower_case", "--fp16", "--encode_q_and_save", "--re_encode_q")
-# ``dpr-gc retrieve``'s flags as this script spells them: the retrieval it shares names them in its messages.
+# ``dpr-gc retrieve``'s flags as this script spells them: the retrieval it shares, and the output guard, name them in
+# their messages. A spelling the user typed (``--qa_dataset`` or ``--qa_file``, ``--n-docs`` or ``--n_docs``) wins
+# (:func:`script_flags`).
 SCRIPT_FLAGS = {"--output": "--out_file", "--trec-run": "--trec_run", "--cache-dir": "--cache_dir",
                 "--model": "--model_file", "--corpus": "--ctx_file", "--queries": "--qa_file", "--top-k": "--n_docs",
                 "--batch-size": "--batch_size", "--run-tag": "--run_tag", "--skip-model-check": "--skip_model_check",
-                "--block-size": "--index_buffer"}
+                "--block-size": "--index_buffer", "--embeddings": "--encoded_ctx_file"}
+
+
+def script_flags(parser: argparse.ArgumentParser, typed: set[str]) -> dict[str, str]:
+    """:data:`SCRIPT_FLAGS`, with each dpr-gc flag named as the user typed it where they typed another spelling."""
+    return flags_as_typed(parser, SCRIPT_FLAGS, typed)
 
 
 def embeddings_folders(specs: Sequence[str]) -> list[Path]:
@@ -227,10 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ignored:
         logger.warning("accepted with no effect here: %s", " ".join(ignored))
 
-    @guarded(inputs=("model=--model_file", "queries=--qa_dataset", "corpus=--ctx_datatsets",
-                     "embeddings=--encoded_ctx_file", "qrels"),
-             outputs={"output=--out_file": "file", "trec_run=--trec_run": "file", "index_path=--index_path": "whole",
-                      "cache_dir=--cache_dir": "self"})
+    @guarded(inputs=("model", "queries", "corpus", "embeddings", "qrels"),  # dpr-gc's names, renamed as typed
+             outputs={"output": "file", "trec_run": "file", "index_path=--index_path": "whole", "cache_dir": "self"})
     def run(args: argparse.Namespace) -> None:
         set_threads(args.threads)
         params = params_from_args(args)
@@ -241,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def run_named() -> None:
         """The folders ``--encoded_ctx_file`` matches in its place, so that the guard compares the outputs with each."""
-        with flags_renamed(SCRIPT_FLAGS):
+        with flags_renamed(script_flags(parser, typed)):
             args.embeddings_given = " ".join(args.embeddings or ())
             if args.embeddings and all(args.embeddings):  # an empty one is refused by the guard
                 args.embeddings = [str(folder) for folder in embeddings_folders(args.embeddings)]

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.base.args import ArgumentParser, positive_int  # noqa: E402
+from dpr_gc.base.args import ArgumentParser, flags_as_typed, positive_int  # noqa: E402
 from dpr_gc.base.errors import flags_renamed, report_errors  # noqa: E402
 from dpr_gc.base.logs import setup_logging  # noqa: E402
 from dpr_gc.retrieval.encode import add_arguments, resolve_shard, run_cli  # noqa: E402
@@ -44,14 +44,7 @@ SCRIPT_FLAGS = {"--output": "--out_file", "--shard-id": "--shard_id", "--num-sha
 
 def script_flags(parser: argparse.ArgumentParser, typed: set[str]) -> dict[str, str]:
     """:data:`SCRIPT_FLAGS`, with each dpr-gc flag named as the user typed it where they typed another spelling."""
-    names = dict(SCRIPT_FLAGS)
-    canonical = {a.dest: a.option_strings[0] for a in parser._actions
-                 if a.option_strings and a.option_strings[0] in SCRIPT_FLAGS}
-    for action in parser._actions:
-        spelt = [f for f in action.option_strings if f in typed]
-        if spelt and action.dest in canonical:
-            names[canonical[action.dest]] = spelt[0]
-    return names
+    return flags_as_typed(parser, SCRIPT_FLAGS, typed)
 
 
 def hydra_to_flags(argv: Sequence[str]) -> list[str]:

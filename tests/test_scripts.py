@@ -565,3 +565,31 @@ def test_the_hydra_list_of_embedding_globs_in_dprs_readme_is_read(tmp_path, caps
     assert script.main([*readme[:3], f'encoded_ctx_files=["{a}","{tmp_path / "nope_*"}"]',
                         f"out_file={tmp_path / 'r.json'}"]) == 2
     assert f"{str(tmp_path / 'nope_*')!r} matches no files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("typed,named", [
+    (["--qa_file", "{qa}", "--out_file", "{qa}"], "--out_file {qa} is the input --qa_file {qa}"),
+    (["--qa_file", "{qa}", "--ctx_file", "{c}", "--out_file", "{c}"], "--out_file {c} is the input --ctx_file {c}"),
+    (["--qa_file", "{qa}", "--ctx_datasets", "{c}", "--out_file", "{c}"], "is the input --ctx_datasets {c}"),
+    (["qa_dataset={qa}", "out_file={qa}"], "--out_file {qa} is the input --qa_dataset {qa}"),
+    (["--qa_file", "{qa}", "--model", "{qa}", "--out_file", "{qa}"], "--out_file {qa} is the input --model {qa}"),
+    (["--qa_file", "{qa}", "--encoded_ctx_files", "{e}", "--out_file", "{e}/x.json"],
+     "--out_file {e}/x.json lies inside the input --encoded_ctx_files {e}")])
+def test_dense_retriever_errors_name_the_flags_typed(tmp_path, capsys, typed, named):
+    """The retriever's guard named DPR's hydra names (--qa_dataset, --ctx_datatsets) whatever was typed, and its
+    messages one fixed spelling (--n_docs for --n-docs); docs/dpr.md promises the flags as typed."""
+    from dpr_gc.base.errors import DprGcError, flags_renamed
+
+    script = load_script("dense_retriever.py")
+    paths = {"qa": tmp_path / "qa.csv", "c": tmp_path / "psgs.tsv", "e": tmp_path / "emb"}
+    paths["qa"].write_text("q\t['a']\n"), paths["c"].write_text("id\ttext\ttitle\n1\tt\tT\n"), paths["e"].mkdir()
+    argv = [word.format(**paths) for word in typed]
+    if "--model" not in argv:
+        argv += ["--model_file", str(tmp_path / "m")]
+    assert script.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named.format(**paths) in err and err.count("\n") == 1, err
+    parser = script.build_parser()
+    with pytest.raises(DprGcError) as caught, flags_renamed(script.script_flags(parser, {"--n-docs", "--trec-run"})):
+        raise DprGcError("--top-k 3 beyond the index; --trec-run r; --output o")
+    assert str(caught.value) == "--n-docs 3 beyond the index; --trec-run r; --out_file o"

@@ -9,7 +9,7 @@ import math
 import os
 import sys
 from gettext import gettext
-from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Optional, Sequence
 
 from .errors import DprGcError
 from .files import check_output_dir, check_output_file
@@ -42,6 +42,20 @@ def closest(word: str, candidates: Iterable[str]) -> Optional[str]:
     suggests ("did you mean ...?")."""
     match = difflib.get_close_matches(word, list(candidates), n=1)
     return match[0] if match else None
+
+
+def flags_as_typed(parser: argparse.ArgumentParser, names: Mapping[str, str], typed: Iterable[str]) -> dict[str, str]:
+    """``names`` (a shared code's flag -> a script's spelling of it, for :func:`~dpr_gc.base.errors.flags_renamed`)
+    with each spelling replaced by the one the user typed of the same option (an alias of it in ``parser``, or of
+    the shared flag), so that messages name flags as typed: ``--n-docs`` where ``--n-docs`` was typed, not
+    ``--n_docs``."""
+    typed = set(typed)
+    out = {}
+    for flag, spelling in names.items():
+        options = [o for action in parser._actions if {flag, spelling} & set(action.option_strings)
+                   for o in action.option_strings]
+        out[flag] = next((o for o in options if o in typed), spelling)
+    return out
 
 
 class ArgumentParser(argparse.ArgumentParser):
