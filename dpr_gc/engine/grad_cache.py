@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -64,6 +65,33 @@ DEFAULT_CHUNK_OVERHEAD_TOKENS = 64
 # glibc mapping and page-faulting afresh every tensor above its largest mmap threshold (32 MiB): with mmap off,
 # MiniLM's 64-row chunk took 1.18x and 1.54x. CUDA's caching allocator reuses its blocks.
 JOINED_CHUNK_MAX_TOKENS = {"cpu": 4096}
+# The original package's per-model phase methods, by their leading parameters there ("*" marks ``*args``), and what
+# a subclass overrides here instead: dpr-gc's phases of those names run every model at once.
+ORIGINAL_PHASES = {
+    "forward_no_grad": (("model", "model_inputs"), "model_call and get_reps (each chunk's call and representation)"),
+    "build_cache": (("*reps",), "compute_loss (the loss over every model's representations)"),
+    "forward_backward": (("model", "model_inputs", "cached_gradients", "random_states"),
+                         "model_call and get_reps (each chunk's call and representation)"),
+}
+
+
+def refuse_original_phases(cls: type) -> None:
+    """Refuse a :class:`GradCache` subclass that overrides a phase with the original package's per-model signature
+    (:data:`ORIGINAL_PHASES`): the engine would call it with all models' arguments, and the step would fail or its
+    gradient be wrong. Overrides with dpr-gc's signatures are left alone."""
+    for name, (leading, alternative) in ORIGINAL_PHASES.items():
+        method = cls.__dict__.get(name)
+        try:
+            params = list(inspect.signature(method).parameters.values())[1:] if callable(method) else None
+        except (TypeError, ValueError):
+            params = None
+        if params is None:
+            continue
+        names = tuple(("*" if p.kind is p.VAR_POSITIONAL else "") + p.name for p in params)
+        if names[:len(leading)] == leading:
+            raise DprGcError(f"{cls.__name__}.{name}({', '.join(names)}) overrides the original GradCache's "
+                             f"per-model {name}, which dpr-gc never calls that way (its {name} runs every model at "
+                             f"once): override {alternative} instead")
 
 
 class RandState:
@@ -372,7 +400,12 @@ class GradCache:
 
     References:
         Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"; a drop-in for
-        the ``GradCache`` class of their package, luyug/GradCache (same seven arguments, same call).
+        the ``GradCache`` class of their package, luyug/GradCache (same seven arguments, same call). A subclass
+        may override the original's hooks, called as there: :meth:`compute_loss`, :meth:`get_reps`,
+        :meth:`model_call`, :meth:`split_inputs` (then treated as ``split_input_fn``) and
+        :meth:`get_input_tensors`. Overriding its per-model ``forward_no_grad``, ``build_cache`` or
+        ``forward_backward`` with the original's signatures is refused when the class is created: here they are
+        the phases of the step over all models at once.
         sentence-transformers' ``CachedMultipleNegativesRankingLoss`` is this step with
         :class:`~dpr_gc.engine.loss.SimpleContrastiveLoss`: a ``SentenceTransformer`` is given its features dicts
         (its forward takes the dict whole) with ``get_rep_fn=lambda out: out["sentence_embedding"]``.
@@ -421,8 +454,9 @@ class GradCache:
         self.chunking = chunking
         self.memory_budget = parse_memory(memory_budget if memory_budget is not None else 0)
         self.chunk_tokens = chunking.token_limits(len(self.models))
-        if self.split_input_fn is not None and any(limit is not None for limit in self.chunk_tokens):
-            raise DprGcError("chunk tokens split by the attention mask; they cannot be combined with split_input_fn")
+        if self.user_split and any(limit is not None for limit in self.chunk_tokens):
+            raise DprGcError("chunk tokens split by the attention mask; they cannot be combined with split_input_fn "
+                             "or an overridden split_inputs")
         self._per_token: dict[int, float] = {}  # largest graph bytes per token measured, per model, across steps
         self._replayed_graph: dict[int, int] = {}  # largest replayed chunk graph per model, measured in its first step
         self._replayed_per_token: dict[int, float] = {}  # and its largest bytes per token
@@ -431,8 +465,44 @@ class GradCache:
         self._tensors = _ListedTensors()  # each model's parameters and buffers, listed afresh in every step
         self._cast_forwards: Forwards = {}  # frozen Linears' forwards under autocast, the same objects every step
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_original_phases(cls)
+
     def __call__(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> torch.Tensor:
         return self.cache_step(*model_inputs, no_sync_except_last=no_sync_except_last, **loss_kwargs)
+
+    # ----------------------------------------------------------------- the original package's hooks
+    def split_inputs(self, model_input: Any, chunk_size: int) -> list[Any]:
+        """One model input in chunks of ``chunk_size`` rows: ``split_input_fn`` when given, else
+        :func:`~dpr_gc.engine.chunking.split_input`. A subclass that overrides it makes every input's chunks, as
+        ``split_input_fn`` does (in row order: no ``sort_by_length``, no chunk tokens, no joined chunks)."""
+        if self.split_input_fn is not None:
+            return list(self.split_input_fn(model_input, chunk_size))
+        return split_input(model_input, chunk_size)
+
+    def get_input_tensors(self, model_input: Any) -> list[torch.Tensor]:
+        """The tensors of a chunk, whose devices' RNG states are recorded before its first pass and replayed (with
+        those of the model's parameters and buffers)."""
+        return tensors_in(model_input)
+
+    def model_call(self, model: nn.Module, model_input: Any) -> Any:
+        """Run ``model`` on a chunk (on the model's device, inside the step's autocast), as
+        :func:`~dpr_gc.engine.chunking.call_model` does."""
+        return call_model(model, model_input)
+
+    def get_reps(self, model_out: Any) -> torch.Tensor:
+        """The representation tensor of a model output: ``get_rep_fn(model_out)``, or the output itself."""
+        return self.get_rep_fn(model_out) if self.get_rep_fn is not None else model_out
+
+    def compute_loss(self, *reps: torch.Tensor, **loss_kwargs: Any) -> torch.Tensor:
+        """The loss over every model's representations (fp32; float64 for float64 models): ``loss_fn``'s."""
+        return self.loss_fn(*reps, **loss_kwargs)
+
+    @property
+    def user_split(self) -> bool:
+        """Whether the user makes the chunks: ``split_input_fn``, or a subclass's :meth:`split_inputs`."""
+        return self.split_input_fn is not None or type(self).split_inputs is not GradCache.split_inputs
 
     def state_dict(self) -> dict[str, Any]:
         """What the engine learnt in its steps that decides the later ones, as plain numbers (for a checkpoint):
@@ -482,44 +552,53 @@ class GradCache:
         return dtypes
 
     def _rep(self, output: Any) -> torch.Tensor:
-        rep = self.get_rep_fn(output) if self.get_rep_fn is not None else output
+        rep = self.get_reps(output)
         if not isinstance(rep, torch.Tensor):
-            raise DprGcError(f"the model output (or get_rep_fn) gave {type(rep).__name__}, not a tensor: pass a "
-                             "get_rep_fn that returns the representation tensor")
+            raise DprGcError(f"the model output (or get_rep_fn, get_reps) gave {type(rep).__name__}, not a tensor: "
+                             "pass a get_rep_fn that returns the representation tensor")
         return rep
+
+    def _input_devices(self, chunk: Any) -> set[torch.device]:
+        """The devices of :meth:`get_input_tensors` of a chunk."""
+        tensors = self.get_input_tensors(chunk)
+        if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise DprGcError(f"get_input_tensors gave {type(tensors).__name__}, not a list of tensors: return the "
+                             "chunk's tensors as a list")
+        return {t.device for t in tensors}
 
     def _forward(self, model: nn.Module, chunk: Any, width: Optional[tuple[int, int, str]]) -> torch.Tensor:
         device = model_device(model)
         with self._autocast(device):
-            rep = self._rep(call_model(model, to_device(chunk, device)))
+            rep = self._rep(self.model_call(model, to_device(chunk, device)))
         return pad_sequence_dim(rep, width, self.chunking.token_states)
 
     def _plan(self, m: int, model_input: Any, joined: Optional[tuple[int, int]] = None) -> _Plan:
         """Model ``m``'s chunks (grouped by length, split by rows or tokens, trimmed); with ``joined`` =
         (tokens to keep, tokens per replayed chunk) consecutive chunks are joined to those sizes (see
         :meth:`_join_limits`)."""
-        order = length_order(model_input) if self.chunking.sort_by_length and self.split_input_fn is None else None
+        user_split = self.user_split
+        order = length_order(model_input) if self.chunking.sort_by_length and not user_split else None
         if order is not None:
             model_input = take_rows(model_input, order)
         trim = self.chunking.trim and trims_exactly(self.models[m], model_input)
-        if self.split_input_fn is not None:
-            chunks = list(self.split_input_fn(model_input, self.chunk_sizes[m]))
+        if user_split:
+            chunks = list(self.split_inputs(model_input, self.chunk_sizes[m]))
         elif self.chunk_tokens[m] is not None:
             chunks = split_by_tokens(model_input, self.chunk_sizes[m], self.chunk_tokens[m], trim)
         else:
             chunks = split_input(model_input, self.chunk_sizes[m])
-        if joined is not None and self.split_input_fn is None:
+        if joined is not None and not user_split:
             overhead = CHUNK_OVERHEAD_TOKENS.get(model_device(self.models[m]).type, DEFAULT_CHUNK_OVERHEAD_TOKENS)
             # A model under DDP/FSDP replays its last chunk (its backward syncs), so that chunk stays small.
             chunks = join_chunks(model_input, chunks, joined[0], joined[1], trim, overhead,
                                  join_last=not is_data_parallel(self.models[m]))
         if is_fsdp(self.models[m]):
-            chunks = agreed_chunks(m, model_input, chunks, self.split_input_fn is None)
+            chunks = agreed_chunks(m, model_input, chunks, not user_split)
         if not chunks or rows_in(model_input) == 0:
             raise DprGcError(f"model input {m} is empty: a cached step needs at least one row per model")
         if not trim:
             widths = [None] * len(chunks)
-        elif self.split_input_fn is None:
+        elif not user_split:
             widths = chunk_widths(model_input, chunks)
         else:
             widths = [trimmed_width(c) for c in chunks]
@@ -555,7 +634,7 @@ class GradCache:
         for i, (chunk, width) in enumerate(zip(plan.chunks, plan.widths)):
             force = keep_last and i == last
             if trainable:
-                plan.states[i] = RandState(devices | {t.device for t in tensors_in(chunk)})
+                plan.states[i] = RandState(devices | self._input_devices(chunk))
             holding = ledger.holding() if sharded else None
             if trainable and not (data_parallel and i == last) and (force or ledger.worth_trying(plan.m, plan.tokens[i])):
                 self._run_with_graph(plan, i, ledger, force)
@@ -653,11 +732,12 @@ class GradCache:
     def build_cache(self, reps: list[torch.Tensor], **loss_kwargs: Any) -> torch.Tensor:
         """Part 2: the loss over the whole batch of representations, backpropagated to them: their ``.grad`` (fp32)
         is the cache. The gradients of the loss's own parameters are averaged over ranks here."""
-        loss = self.loss_fn(*reps, **loss_kwargs)
+        loss = self.compute_loss(*reps, **loss_kwargs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise DprGcError(f"loss_fn must return the loss as a scalar tensor, got {shape}: return extra outputs "
-                             "elsewhere, and reduce per-query losses (reduction='mean' or 'sum')")
+            raise DprGcError(f"loss_fn must return the loss as a scalar tensor (as must an overridden compute_loss), "
+                             f"got {shape}: return extra outputs elsewhere, and reduce per-query losses "
+                             "(reduction='mean' or 'sum')")
         if loss.requires_grad:
             (self.scaler.scale(loss) if self.fp16 else loss).backward()
         self._average_loss_parameter_grads()
