@@ -5,6 +5,7 @@ Every gradient is compared with one full-batch graph (fp32, relative error < 1e-
 
 from __future__ import annotations
 
+import collections
 import types
 
 import pytest
@@ -517,4 +518,49 @@ def test_a_child_named_module_does_not_make_a_model_take_the_dict_whole():
     expected = grads([model])
     zero([model])
     GradCache([model, model], 2, loss_fn)(q, p)
+    assert rel_err(grads([model]), expected) < 1e-5
+
+
+class ScaledByInput(nn.Module):
+    """A model given a 0-d tensor beside its rows: ``forward(x, scale)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+@pytest.mark.parametrize("mapping", [dict, lambda items: collections.defaultdict(list, items)])
+def test_a_tensor_without_the_batchs_rows_goes_whole_to_every_chunk(mapping):
+    """A 0-d tensor in an input dict is not a row of the batch: every chunk gets it whole (it was sliced: an
+    IndexError). A defaultdict input is rebuilt as a dict (its class cannot be built from one)."""
+    torch.manual_seed(4)
+    model, q, p = ScaledByInput(), torch.randn(6, 8), torch.randn(6, 8)
+    loss_fn = SimpleContrastiveLoss()
+    two, half = torch.tensor(2.0), torch.tensor(0.5)
+    loss_fn(model(q, two), model(p, half)).backward()
+    expected = grads([model])
+    zero([model])
+    GradCache([model, model], 4, loss_fn)(mapping({"x": q, "scale": two}), mapping({"scale": half, "x": p}))
+    assert rel_err(grads([model]), expected) < 1e-5
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_broadcast_position_ids_go_whole_to_every_chunk(tiny_tokenizer, first):
+    """HF-style ``position_ids`` of shape ``[1, T]`` broadcast over the rows: each chunk gets them whole, trimmed
+    with its columns (they were sliced by rows: a size mismatch inside BERT), also when they come first in the dict
+    (the rows are counted on a tensor of more than one row)."""
+    model = tiny_bert(len(tiny_tokenizer), 5)
+    torch.manual_seed(5)
+    q, p = right_padded([3, 7, 2, 5, 4, 6]), right_padded([9, 4, 11, 2, 6, 8])
+    positions = {"position_ids": torch.arange(12)[None]}
+    q, p = ({**positions, **x} if first else {**x, **positions} for x in (q, p))
+    loss_fn = SimpleContrastiveLoss()
+    cls = lambda out: out.last_hidden_state[:, 0]  # noqa: E731
+    loss_fn(cls(model(**q)), cls(model(**p))).backward()
+    expected = grads([model])
+    zero([model])
+    GradCache([model, model], 4, loss_fn, get_rep_fn=cls, chunking=Chunking(sort_by_length=True))(q, p)
     assert rel_err(grads([model]), expected) < 1e-5

@@ -1,6 +1,8 @@
 """Model inputs for Gradient Cache: find their tensors, split them into chunks, trim padding, call the model.
 
-Tensors, lists/tuples, dicts and ``BatchEncoding``s (any ``Mapping``) are handled; the original package's
+Tensors, lists/tuples, dicts and ``BatchEncoding``s (any ``Mapping``; one whose class cannot be built from a dict,
+such as a ``defaultdict``, is rebuilt as a dict) are handled, their rows on dimension 0 (:func:`rows_in`: a 0-d
+tensor or one broadcast over the rows goes whole to every chunk); the original package's
 ``(args_list, kwargs_dict)`` tuple is called as ``model(*args, **kwargs)``, a dict as ``model(**dict)``, or as
 ``model(dict)`` for a model whose forward takes the features dict whole (sentence-transformers'). Other objects pass
 through untouched (a user's ``split_input_fn`` splits them).
@@ -89,23 +91,38 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 def rows_in(model_input: Any) -> Optional[int]:
-    """Rows of an input (the first dimension of its first tensor), or None when it holds no tensor we can see."""
-    tensors = [t for t in tensors_in(model_input) if t.dim() > 0]
-    return tensors[0].size(0) if tensors else None
+    """Rows of an input: the first dimension of its first tensor of more than one row (of its first tensor that has
+    dimensions, when none has more), or None when it holds no tensor we can see. A 0-d tensor and a tensor
+    broadcast over the rows (HF-style ``position_ids`` of shape ``[1, T]``) are not rows of the batch."""
+    sizes = [t.size(0) for t in tensors_in(model_input) if t.dim() > 0]
+    return next((n for n in sizes if n != 1), sizes[0]) if sizes else None
+
+
+def rebuilt(mapping: Mapping, items: dict) -> Mapping:
+    """``items`` in the class of ``mapping`` (a ``BatchEncoding`` stays one), or as a dict where that class cannot
+    be built from a dict (a ``defaultdict``)."""
+    try:
+        return mapping.__class__(items)
+    except TypeError:
+        return items
 
 
 def take_rows(obj: Any, index: torch.Tensor) -> Any:
-    """Select rows ``index`` of every tensor in ``obj`` (keeps the container types, BatchEncoding included). The
+    """Select rows ``index`` of every tensor in ``obj`` that holds the input's rows (:func:`rows_in`); the others
+    (a 0-d tensor, a broadcast ``[1, T]``) are kept whole. Keeps the container types, BatchEncoding included. The
     index is copied to each device once, not once per tensor: a blocking copy waits for every queued kernel."""
     moved: dict[torch.device, torch.Tensor] = {}
+    rows = rows_in(obj)
 
     def take(part: Any) -> Any:
         if isinstance(part, torch.Tensor):
+            if part.dim() == 0 or part.size(0) != rows:
+                return part
             if part.device not in moved:
                 moved[part.device] = index.to(part.device)
             return part[moved[part.device]]
         if isinstance(part, Mapping):
-            return part.__class__({k: take(v) for k, v in part.items()})
+            return rebuilt(part, {k: take(v) for k, v in part.items()})
         if isinstance(part, (list, tuple)):
             return type(part)(take(v) for v in part)
         return part
@@ -113,14 +130,17 @@ def take_rows(obj: Any, index: torch.Tensor) -> Any:
     return take(obj)
 
 
-def slice_rows(obj: Any, start: int, end: int) -> Any:
-    """Rows ``start:end`` of every tensor in ``obj`` as views (no copy; keeps the container types)."""
+def slice_rows(obj: Any, start: int, end: int, rows: Optional[int] = None) -> Any:
+    """Rows ``start:end`` of every tensor in ``obj`` that holds the input's ``rows`` (:func:`rows_in` when not
+    given), as views (no copy; keeps the container types); the others (a 0-d tensor, a broadcast ``[1, T]``) are
+    kept whole, for every chunk."""
+    rows = rows_in(obj) if rows is None else rows
     if isinstance(obj, torch.Tensor):
-        return obj[start:end]
+        return obj[start:end] if obj.dim() > 0 and obj.size(0) == rows else obj
     if isinstance(obj, Mapping):
-        return obj.__class__({k: slice_rows(v, start, end) for k, v in obj.items()})
+        return rebuilt(obj, {k: slice_rows(v, start, end, rows) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
-        return type(obj)(slice_rows(v, start, end) for v in obj)
+        return type(obj)(slice_rows(v, start, end, rows) for v in obj)
     return obj
 
 
@@ -130,7 +150,7 @@ def split_input(model_input: Any, chunk_size: int) -> list[Any]:
     if n is None:
         raise DprGcError(f"cannot find a tensor in a model input of type {type(model_input).__name__}; "
                          "pass split_input_fn")
-    return [slice_rows(model_input, s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+    return [slice_rows(model_input, s, min(s + chunk_size, n), n) for s in range(0, n, chunk_size)]
 
 
 def sequence_lengths(model_input: Any) -> Optional[torch.Tensor]:
@@ -205,9 +225,8 @@ def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tok
 def chunk_tokens(chunk: Any) -> int:
     """Tokens a chunk computes: rows times its sequence width (after trimming), or its rows without a 2-D input."""
     tensors = [t for t in tensors_in(chunk) if t.dim() >= 2]
-    if tensors:
-        return int(tensors[0].size(0) * tensors[0].size(1))
-    return rows_in(chunk) or 0
+    rows = rows_in(chunk) or 0
+    return rows * int(tensors[0].size(1)) if tensors else rows
 
 
 def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
@@ -280,8 +299,8 @@ def cut_padding(chunk: Any, trim: tuple[int, int, str]) -> Any:
     """Cut a chunk to ``trim`` = ``(width, longest, side)`` from :func:`trimmed_width` (or :func:`chunk_widths`)."""
     full, longest, side = trim
     cut = slice(0, longest) if side == "right" else slice(full - longest, full)
-    return chunk.__class__({k: v[:, cut] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.size(1) == full
-                            else v for k, v in chunk.items()})
+    return rebuilt(chunk, {k: v[:, cut] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.size(1) == full
+                           else v for k, v in chunk.items()})
 
 
 def pad_sequence_dim(rep: torch.Tensor, trim: Optional[tuple[int, int, str]],
@@ -364,7 +383,7 @@ def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, Mapping):
-        return obj.__class__({k: to_device(v, device) for k, v in obj.items()})
+        return rebuilt(obj, {k: to_device(v, device) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
     return obj

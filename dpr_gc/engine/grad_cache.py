@@ -391,8 +391,9 @@ class GradCache:
             trim padding, keep the last graph, size chunks by tokens).
 
     Inputs, ``gc(*model_inputs, no_sync_except_last=False, **loss_kwargs)`` (:meth:`cache_step`):
-        one input per model, each a tensor, a list/tuple of tensors, a dict or ``BatchEncoding`` (rows on dim 0),
-        or anything ``split_input_fn`` splits; ``loss_kwargs`` (``target``, ``passage_ids``, ...) go to
+        one input per model, each a tensor, a list/tuple of tensors, a dict or ``BatchEncoding`` (rows on dim 0;
+        a tensor without them, 0-d or broadcast as ``[1, T]``, goes whole to every chunk), or anything
+        ``split_input_fn`` splits; ``loss_kwargs`` (``target``, ``passage_ids``, ...) go to
         ``loss_fn``.
 
     Returns:
