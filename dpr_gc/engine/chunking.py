@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..base.errors import DprGcError
+from .arguments import is_integer
 
 
 TokenLimits = Union[None, int, Sequence[Optional[int]]]
@@ -39,10 +41,10 @@ class Chunking:
         keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
             again (under DDP/FSDP it is replayed, since its backward carries the gradient sync); it is
             backpropagated first, so peak memory stays one chunk.
-        tokens: one int per model (or one for all; None: rows only): a chunk holds as many rows (at most its
-            chunk size) as fit this many tokens, counted as rows times the chunk's longest sequence (with
-            ``trim=False``, times the full width; after ``sort_by_length``, short sequences make chunks of more
-            rows). Needs a 2-D attention mask.
+        tokens: one int per model (or one for all; None: rows only; numpy integers too): a chunk holds as many
+            rows (at most its chunk size) as fit this many tokens, counted as rows times the chunk's longest
+            sequence (with ``trim=False``, times the full width; after ``sort_by_length``, short sequences make
+            chunks of more rows). Needs a 2-D attention mask.
         token_states: whether a representation's dimension 1 runs over the tokens, so that a trimmed chunk's is
             padded back with zeros to the batch's width: True for token-level states (``[rows, tokens, ...]``, two
             dimensions or more; ColBERT-style losses), False for pooled vectors or a fixed number of vectors per
@@ -63,12 +65,16 @@ class Chunking:
                 raise DprGcError(f"Chunking.{name} must be True or False, got {getattr(self, name)!r}")
         if self.token_states is not None and not isinstance(self.token_states, bool):
             raise DprGcError(f"Chunking.token_states must be True, False or None, got {self.token_states!r}")
-        limits = [self.tokens] if self.tokens is None or isinstance(self.tokens, int) else list(self.tokens)
+        one = self.tokens is None or isinstance(self.tokens, numbers.Integral)
+        if not one and not isinstance(self.tokens, (list, tuple)):
+            raise DprGcError(f"chunk tokens must be a positive integer, None, or a list of them (one per model), got "
+                             f"{self.tokens!r}")
+        limits = [self.tokens] if one else list(self.tokens)
         for limit in limits:
-            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+            if limit is not None and (not is_integer(limit) or limit <= 0):
                 raise DprGcError(f"chunk tokens must be a positive integer (or None), got {limit!r}")
-        if not isinstance(self.tokens, (type(None), int)):
-            object.__setattr__(self, "tokens", tuple(limits))
+        limits = [None if limit is None else int(limit) for limit in limits]
+        object.__setattr__(self, "tokens", limits[0] if one else tuple(limits))
 
     def token_limits(self, models: int) -> list[Optional[int]]:
         """One token limit (or None) per model."""

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .arguments import as_int, check_bool, check_callable, is_integer
 from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, collections_paused, parse_memory,
                      resolve_budget, storages_of)
 from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
@@ -92,6 +94,51 @@ def refuse_original_phases(cls: type) -> None:
             raise DprGcError(f"{cls.__name__}.{name}({', '.join(names)}) overrides the original GradCache's "
                              f"per-model {name}, which dpr-gc never calls that way (its {name} runs every model at "
                              f"once): override {alternative} instead")
+
+
+def checked_models(models: Any) -> list[nn.Module]:
+    """``models`` as a list: a list, tuple or ``nn.ModuleList`` of at least one ``nn.Module``. A single module is
+    refused (an ``nn.Sequential`` would otherwise be taken for a list of its layers)."""
+    if isinstance(models, nn.Module) and not isinstance(models, nn.ModuleList):
+        raise DprGcError(f"models must be a list of models, got one module ({type(models).__name__}): pass [model] "
+                         "for one input, or [model, model] for queries and passages through one tower")
+    if not isinstance(models, (list, tuple, nn.ModuleList)):
+        raise DprGcError(f"models must be a list or tuple of torch.nn.Module, got {type(models).__name__}")
+    if len(models) == 0:
+        raise DprGcError("models must hold at least one model (one per model input), got none")
+    for i, model in enumerate(models):
+        if not isinstance(model, nn.Module):
+            raise DprGcError(f"models[{i}] is a {type(model).__name__}, not a torch.nn.Module")
+    return list(models)
+
+
+def checked_chunk_sizes(chunk_sizes: Any, models: int) -> list[int]:
+    """One positive int per model, from one int for all or a list (numpy integers too)."""
+    if not (is_integer(chunk_sizes) or isinstance(chunk_sizes, (list, tuple))):
+        raise DprGcError(f"chunk_sizes must be an int or a list of ints (one per model), got {chunk_sizes!r}")
+    sizes = [chunk_sizes] * models if is_integer(chunk_sizes) else list(chunk_sizes)
+    if len(sizes) != models:
+        raise DprGcError(f"got {len(sizes)} chunk sizes for {models} models")
+    return [as_int("chunk size", size, 1) for size in sizes]
+
+
+def check_precision(fp16: Any, bf16: Any, scaler: Any) -> None:
+    """fp16 and bf16 are bools, not both; fp16 comes with a GradScaler. An enabled GradScaler without fp16 is
+    accepted, as the original package accepts it, and left unused (the loss is scaled only under fp16), with a
+    warning: code that then calls ``scaler.step()`` finds nothing scaled. A disabled one passes quietly
+    (``GradScaler(enabled=fp16)``, as the trainer passes)."""
+    check_bool("fp16", fp16)
+    check_bool("bf16", bf16)
+    if fp16 and bf16:
+        raise DprGcError("choose one of fp16 and bf16")
+    if scaler is not None and not callable(getattr(scaler, "scale", None)):
+        raise DprGcError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if fp16 and scaler is None:
+        raise DprGcError("fp16 needs a GradScaler: GradCache(..., fp16=True, scaler=torch.amp.GradScaler())")
+    if scaler is not None and not fp16 and getattr(scaler, "is_enabled", lambda: True)():
+        warnings.warn("GradCache got an enabled GradScaler without fp16=True: it is not used (the loss is scaled "
+                      "only under fp16; bf16 and fp32 need no scaler), so scaler.step() would find nothing scaled; "
+                      "pass fp16=True, or scaler=None", stacklevel=3)
 
 
 class RandState:
@@ -362,9 +409,9 @@ class GradCache:
     updated once per example: by the first pass, and put back after the replay.
 
     Args:
-        models: one module per model input, e.g. ``[encoder, encoder]`` (tied towers) or ``[query_encoder,
-            passage_encoder]``.
-        chunk_sizes: rows per chunk, one int for all models or one per model.
+        models: a list (tuple, ``nn.ModuleList``) of one module per model input, e.g. ``[encoder, encoder]`` (tied
+            towers) or ``[query_encoder, passage_encoder]``; a single module is refused.
+        chunk_sizes: rows per chunk, one int for all models or one per model (numpy integers too).
         loss_fn: ``loss_fn(*reps, **loss_kwargs)``, one representation per model, returning a scalar tensor (e.g.
             :class:`~dpr_gc.engine.loss.SimpleContrastiveLoss`).
         split_input_fn: ``f(model_input, chunk_size) -> list`` for inputs other than tensors, lists/tuples of
@@ -375,6 +422,8 @@ class GradCache:
             must mask padding, as it would anyway.
         fp16: fp16 autocast with ``scaler`` (a ``torch.amp.GradScaler``, required) scaling the loss.
         scaler: the ``GradScaler`` of ``fp16``; the caller steps it (``scaler.step(optimizer)``, ``update()``).
+            An enabled one without ``fp16`` is refused (it would scale nothing); ``GradScaler(enabled=False)`` is
+            accepted.
         bf16: bf16 autocast, no scaler.
         memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
             first-pass graphs to keep: a chunk whose graph, measured exactly with saved-tensor hooks, fits what is
@@ -432,20 +481,14 @@ class GradCache:
                  get_rep_fn: Optional[Callable[[Any], torch.Tensor]] = None, fp16: bool = False,
                  scaler: Optional[torch.amp.GradScaler] = None, *, bf16: bool = False,
                  memory_budget: MemoryBudget = 0, chunking: Chunking = Chunking()) -> None:
-        self.models = list(models)
-        if not isinstance(chunk_sizes, (int, list, tuple)):
-            raise DprGcError(f"chunk_sizes must be an int or a list of ints (one per model), got {chunk_sizes!r}")
-        sizes = [chunk_sizes] * len(self.models) if isinstance(chunk_sizes, int) else list(chunk_sizes)
-        if len(sizes) != len(self.models):
-            raise DprGcError(f"got {len(sizes)} chunk sizes for {len(self.models)} models")
-        for size in sizes:
-            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-                raise DprGcError(f"chunk size must be a positive integer, got {size!r}")
-        if fp16 and bf16:
-            raise DprGcError("choose one of fp16 and bf16")
-        if fp16 and scaler is None:
-            raise DprGcError("fp16 needs a GradScaler: GradCache(..., fp16=True, scaler=torch.amp.GradScaler())")
-        self.chunk_sizes = sizes
+        self.models = checked_models(models)
+        self.chunk_sizes = checked_chunk_sizes(chunk_sizes, len(self.models))
+        check_callable("loss_fn", loss_fn, "SimpleContrastiveLoss() (loss_fn(*reps, **loss_kwargs) -> scalar)")
+        for name, fn in (("split_input_fn", split_input_fn), ("get_rep_fn", get_rep_fn)):
+            if fn is not None:
+                check_callable(name, fn, "lambda out: out.pooler_output" if name == "get_rep_fn"
+                               else "lambda model_input, chunk_size: [...]")
+        check_precision(fp16, bf16, scaler)
         self.loss_fn = loss_fn
         self.split_input_fn = split_input_fn
         self.get_rep_fn = get_rep_fn
@@ -684,6 +727,7 @@ class GradCache:
         """
         if len(model_inputs) != len(self.models):
             raise DprGcError(f"got {len(model_inputs)} model inputs for {len(self.models)} models")
+        check_bool("no_sync_except_last", no_sync_except_last)
         trainable = [is_trainable(m) for m in self.models]
         if no_sync_except_last and not all(is_data_parallel(m) for m, t in zip(self.models, trainable) if t):
             raise DprGcError("no_sync_except_last=True needs every trainable model wrapped in DistributedDataParallel "

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..base.devices import at_least_fp32
 from ..base.errors import DprGcError
+from .arguments import as_int, as_number, check_bool, is_integer
 
 TEMPERATURE_RANGE = (0.01, 10.0)
 REDUCTIONS = ("mean", "sum", "none")
@@ -134,7 +135,7 @@ class _BlockedCrossEntropy(torch.autograd.Function):
 
 def check_loss_chunk_size(block: Optional[int]) -> None:
     """``None`` (automatic), 0 (the dense reference path) or a positive number of rows per block."""
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
+    if block is not None and (not is_integer(block) or block < 0):
         raise DprGcError(f"loss_chunk_size (--loss-chunk-size) must be a positive number of rows per block, 0 for the "
                          f"dense score matrix, or None for automatic blocks; got {block!r}")
 
@@ -209,11 +210,9 @@ class Temperature(nn.Module):
 
     def __init__(self, value: float, learnable: bool = False) -> None:
         super().__init__()
-        lo, hi = TEMPERATURE_RANGE
-        if not lo <= value <= hi:
-            raise DprGcError(f"temperature must lie in [{lo}, {hi}], got {value}")
+        value = as_number("temperature", value, *TEMPERATURE_RANGE)
         log_value = torch.tensor(math.log(value), dtype=torch.float32)
-        if learnable:
+        if check_bool("learnable", learnable):
             self.log_value = nn.Parameter(log_value)
         else:
             self.register_buffer("log_value", log_value, persistent=False)
@@ -294,14 +293,12 @@ class SimpleContrastiveLoss(nn.Module):
         super().__init__()
         if similarity not in ("dot", "cos"):
             raise DprGcError(f"similarity must be 'dot' or 'cos', got {similarity!r}")
-        if n_hard_negatives < 0:
-            raise DprGcError(f"n_hard_negatives must be >= 0, got {n_hard_negatives}")
-        self.n_hard_negatives = n_hard_negatives
+        self.n_hard_negatives = as_int("n_hard_negatives", n_hard_negatives, 0)
         self.similarity = similarity
-        self.symmetric = symmetric
+        self.symmetric = check_bool("symmetric", symmetric)
         check_loss_chunk_size(loss_chunk_size)
-        self.loss_chunk_size = loss_chunk_size
-        self.tau = Temperature(temperature, learn_temperature)
+        self.loss_chunk_size = None if loss_chunk_size is None else int(loss_chunk_size)
+        self.tau = Temperature(temperature, check_bool("learn_temperature", learn_temperature))
         self.masked_scores = 0
 
     @property
