@@ -422,6 +422,47 @@ def test_dev_flags_without_dev_are_refused_in_one_line(world: dict, tmp_path: Pa
         refuse_flags_that_do_not_apply(TrainConfig, parser.parse_args([*map(str, train), *extra]), APPLIES)
 
 
+def test_lora_flags_without_lora_r_are_refused_in_one_line(world: dict, tmp_path: Path) -> None:
+    """--lora-alpha, --lora-dropout and --lora-target-modules shape the adapters --lora-r brings: without it they were
+    silently ignored (full fine-tuning, even with a module named foo); train and verify refuse them in one line naming
+    each given. With --lora-r, or at their defaults, they are not."""
+    from dpr_gc.train.config import config_from_args
+
+    out = tmp_path / "run"
+    for command in ("train", "verify"):
+        argv = [command, "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu"]
+        refused([*argv, "--lora-alpha", "8", "--lora-dropout", "0.1", "--lora-target-modules", "foo"],
+                "error: --lora-alpha, --lora-dropout and --lora-target-modules do not apply without --lora-r (LoRA is "
+                "off: full fine-tuning); add --lora-r N, or drop them")
+    assert not out.exists()
+    parse = cli.build_parser().parse_args
+    train = ["train", "--train", str(world["train"]), "--output", str(out)]
+    assert config_from_args(parse([*train, "--lora-r", "4", "--lora-alpha", "8"])).model.lora.alpha == 8
+    assert config_from_args(parse([*train, "--lora-dropout", "0"])).model.lora is None
+
+
+def test_beir_flags_without_a_beir_folder_are_refused_in_one_line(world: dict, tmp_path: Path) -> None:
+    """--beir-positives acts on BEIR folders among --train, --dev-beir-split on a BEIR folder given as --dev: with DPR
+    files they were silently ignored; each is refused in one line saying what to give. With a BEIR folder they are
+    not."""
+    from dpr_gc.base.settings import refuse_flags_that_do_not_apply
+    from dpr_gc.train.config import TrainConfig
+    from dpr_gc.train.trainer import APPLIES
+
+    out, beir = tmp_path / "run", tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    train = ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu"]
+    refused([*train, "--beir-positives", "sample"], "error: --beir-positives does not apply without a BEIR folder "
+            "among --train (a DPR file's record is one example); add a BEIR folder to --train, or drop the flag")
+    for dev in ([], ["--dev", world["train"]]):
+        refused([*train, *dev, "--dev-beir-split", "test"], "error: --dev-beir-split does not apply without a BEIR "
+                "folder as --dev (it names the folder's qrels split); give --dev a BEIR folder, or drop the flag")
+    assert not out.exists()
+    parse = cli.build_parser().parse_args
+    for extra in (["--train", str(beir), "--beir-positives", "sample"], ["--dev", str(beir), "--dev-beir-split", "test"]):
+        refuse_flags_that_do_not_apply(TrainConfig, parse([*map(str, train), *extra]), APPLIES)
+
+
 def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path) -> None:
     out = tmp_path / "metrics.json"
     out.write_text("old")

@@ -62,15 +62,23 @@ class Setting:
 @dataclasses.dataclass(frozen=True)
 class Group:
     """A field holding another settings dataclass (a group by concern); ``when`` names the flag destination whose
-    value (not None) brings an optional group into being from the command line (``--lora-r`` for LoRA); ``given``
-    names a sibling field that receives the names of the group's fields set on the command line (the group's flags
-    then default to unset, and the group is built from the given ones: the others may come from elsewhere, e.g. a
-    model folder's own recipe)."""
+    value (not None) brings an optional group into being from the command line (``--lora-r`` for LoRA): the group's
+    other flags given without it are refused, as they would be ignored (``off`` says what the run is then, ``fix``
+    what to add); ``given`` names a sibling field that receives the names of the group's fields set on the command
+    line (the group's flags then default to unset, and the group is built from the given ones: the others may come
+    from elsewhere, e.g. a model folder's own recipe)."""
 
     cls: type
     title: str = ""
     when: Optional[str] = None
     given: Optional[str] = None
+    off: str = ""
+    fix: str = ""
+
+    @property
+    def when_flag(self) -> str:
+        """The flag of ``when`` (``lora_r``: ``--lora-r``)."""
+        return "--" + (self.when or "").replace("_", "-")
 
 
 CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "aliases", "negatable")
@@ -106,11 +114,12 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
     return dataclasses.field(default=default, metadata={"setting": meta})
 
 
-def group(cls: type, title: str = "", *, when: Optional[str] = None, given: Optional[str] = None) -> Any:
+def group(cls: type, title: str = "", *, when: Optional[str] = None, given: Optional[str] = None, off: str = "",
+          fix: str = "") -> Any:
     """A field holding the settings dataclass ``cls`` (None by default when ``when`` or ``given`` is set, else
     ``cls()``); see :class:`Group`."""
     meta = {"group": Group(cls, title or (cls.__doc__ or cls.__name__).split(":")[0].split(".")[0].strip(), when,
-                           given)}
+                           given, off, fix)}
     if when is not None or given is not None:
         return dataclasses.field(default=None, metadata=meta)
     return dataclasses.field(default_factory=cls, metadata=meta)
@@ -270,6 +279,8 @@ def from_args(cls: type, args: Any) -> Any:
         elif grp is not None:
             if grp.when is None or values.get(grp.when) is not None:
                 kwargs[field.name] = from_args(grp.cls, values)
+            else:
+                _refuse_group_flags(grp, values)
             continue
         decl = _setting(field)
         if decl is None or not decl.flags:
@@ -280,6 +291,14 @@ def from_args(cls: type, args: Any) -> Any:
         value = values[dest]
         kwargs[field.name] = (not value) if decl.negate else value
     return cls(**kwargs)
+
+
+def _refuse_group_flags(grp: Group, values: Mapping[str, Any]) -> None:
+    """Refuse the flags of the optional group ``grp`` given without the flag that brings it into being (its
+    ``when``): the group is not built, so they would be ignored (``--lora-alpha`` without ``--lora-r``)."""
+    where = f"without {grp.when_flag}" + (f" ({grp.off})" if grp.off else "")
+    rule = AppliesWhen(lambda _: False, where, grp.fix or f"add {grp.when_flag}")
+    refuse_flags_that_do_not_apply(grp.cls, values, dict.fromkeys(flags_given(grp.cls, values), rule))
 
 
 def _cli_defaults(cls: type, unset: bool = False) -> Iterator[tuple[str, str, Any]]:
@@ -410,7 +429,7 @@ def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) 
             kinds[name] = (decl.flag or name, decl.resume)
             paths.update([name] if decl.path else [])
         elif grp is not None:
-            kinds[name] = ("--" + grp.when.replace("_", "-") if grp.when else name, FIXED)
+            kinds[name] = (grp.when_flag if grp.when else name, FIXED)
     flat_old, flat_new = flat_record(old), flat_record(new)
     changes = []
     for key in sorted(set(flat_old) | set(flat_new), key=lambda k: list(kinds).index(k) if k in kinds else 1 << 30):

@@ -77,7 +77,7 @@ class ModelConfig:
                                                help="keep the position-embedding table as loaded (refused for a "
                                                     "model without one, e.g. rotary)")
     lora: Optional[LoraSettings] = group(LoraSettings, "LoRA (only the adapters train in the transformers)",
-                                         when="lora_r")
+                                         when="lora_r", off="LoRA is off: full fine-tuning", fix="add --lora-r N")
 
     # The ``retriever`` fields the user set (the flags given); a sentence-transformers folder supplies the others.
     # None: every field of ``retriever`` when it is given, the folder's recipe when it is None.

@@ -715,11 +715,17 @@ PLAIN = AppliesWhen(lambda a: a.grad_cache, "to plain training (--no-grad-cache:
                     "drop --no-grad-cache")
 DEV = AppliesWhen(lambda a: a.dev_file is not None, "without --dev (there is no dev set to evaluate)",
                   "add --dev FILE")
+BEIR_TRAIN = AppliesWhen(lambda a: not all(Path(f).is_file() for f in a.train_files),
+                         "without a BEIR folder among --train (a DPR file's record is one example)",
+                         "add a BEIR folder to --train")
+BEIR_DEV = AppliesWhen(lambda a: a.dev_file is not None and not Path(a.dev_file).is_file(),
+                       "without a BEIR folder as --dev (it names the folder's qrels split)", "give --dev a BEIR folder")
+# --loss-chunk-size applies to plain training too; --eval_per_epoch also sets the checkpoints: it applies without --dev
 APPLIES = {**{dest: PLAIN for dest in ("query_chunk_size", "passage_chunk_size", "memory_budget", "query_chunk_tokens",
-                                       "passage_chunk_tokens")},  # --loss-chunk-size applies to plain training too
+                                       "passage_chunk_tokens")},
            **{dest: DEV for dest in ("eval_every", "best_metric", "dev_max_questions", "dev_hard_negatives",
-                                     "dev_other_negatives", "dev_batch_size", "dev_encode_batch_size",
-                                     "dev_beir_split")}}  # --eval_per_epoch also sets the checkpoints: it applies
+                                     "dev_other_negatives", "dev_batch_size", "dev_encode_batch_size")},
+           "beir_positives": BEIR_TRAIN, "dev_beir_split": BEIR_DEV}
 
 
 @guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
