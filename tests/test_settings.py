@@ -471,6 +471,42 @@ def test_resume_takes_the_training_file_spelled_another_way(first_run, tmp_path,
     assert (out / "checkpoint-3").is_dir()
 
 
+def test_a_run_started_with_relative_paths_resumes_from_another_folder_by_place(tmp_path, monkeypatch) -> None:
+    """docs/training.md: paths compare by the place they name. A run started with relative paths resumes from another
+    folder given the same files absolute (it was refused: the record held the spellings, which the check took from
+    the new folder); a copy of its output elsewhere, resumed there with another dev.json spelled the same, is refused
+    naming --dev (it was accepted)."""
+    import shutil
+
+    first = tmp_path / "first"
+    first.mkdir()
+    write_dpr(first / "train.json", make_records(16, 1))
+    write_dpr(first / "dev.json", make_records(4, 2))
+    init_model(first)
+    argv = ["train", "--train", "train.json", "--dev", "dev.json", "--model", "init", "--batch-size", "8",
+            "--num-workers", "0", "--query-chunk-size", "4", "--passage-chunk-size", "8", "--cache-dir", "cache",
+            "--save-every", "1", "--output", "out"]
+    monkeypatch.chdir(first)
+    code, err = call(cli.main, [*argv, "--max-steps", "1"])
+    assert code == 0, err
+    recorded = json.loads((first / "out" / SETTINGS_FILE).read_text())
+    assert recorded["data"]["train_files"] == [str(first / "train.json")]  # the place, not the spelling
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    absolute = [str(first / a) if a in ("train.json", "dev.json", "init", "cache", "out") else a for a in argv]
+    code, err = call(cli.main, [*absolute, "--max-steps", "2", "--resume", "latest"])
+    assert code == 0, err
+    assert (first / "out" / "checkpoint-2").is_dir()
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)
+    write_dpr(copy / "dev.json", make_records(4, 3))
+    monkeypatch.chdir(copy)
+    line = error_line(*call(cli.main, [*argv, "--max-steps", "3", "--resume", "latest"]))
+    assert f"--dev {str(first / 'dev.json')!r} -> 'dev.json'" in line, line
+    assert not (copy / "out" / "checkpoint-3").exists()
+
+
 def test_resuming_a_finished_run_says_so_and_trains_nothing(first_run, tmp_path, caplog, capsys) -> None:
     """docs/training.md: ``--resume latest`` on the finished 2-step run says it finished at step 2, prints no summary
     table (it printed "final loss | nan", "time | 0.0 s") and leaves final/ as it is; the library's summary gives

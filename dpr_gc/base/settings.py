@@ -364,17 +364,31 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def to_record(obj: Any) -> dict:
+def to_record(obj: Any, places: bool = False) -> dict:
     """The settings dataclass ``obj`` as plain JSON (groups nested; tuples become lists), the format a run records
     in its output and that :func:`changed_settings` compares. A plain field, neither a setting nor a group (which
-    flags were given), is no setting of the run and is left out."""
+    flags were given), is no setting of the run and is left out. ``places``: a path setting naming a file or folder
+    that exists is recorded absolute (:func:`place`), so that a record read from another folder names the same
+    places."""
     out = {}
     for field in dataclasses.fields(obj):
-        if _setting(field) is None and _group(field) is None:
+        decl = _setting(field)
+        if decl is None and _group(field) is None:
             continue
         value = getattr(obj, field.name)
-        out[field.name] = to_record(value) if dataclasses.is_dataclass(value) else _plain(value)
+        if dataclasses.is_dataclass(value):
+            out[field.name] = to_record(value, places)
+        else:
+            out[field.name] = _plain(place(value) if places and decl is not None and decl.path else value)
     return out
+
+
+def place(value: Any) -> Any:
+    """A path setting's value (a path, or a list of them) with each relative path that names an existing file or
+    folder made absolute; any other (a Hugging Face model name, a folder not made yet) as it is."""
+    if isinstance(value, (list, tuple)):
+        return [place(v) for v in value]
+    return os.path.abspath(value) if isinstance(value, str) and value and os.path.exists(value) else value
 
 
 def _declarations(cls: type, prefix: str = "") -> Iterator[tuple[str, Optional[Setting], Optional[Group]]]:
@@ -444,8 +458,9 @@ def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) 
 
 def same_place(a: Any, b: Any) -> bool:
     """Whether two recorded path settings (a path, or a list of paths) name the same places, relative paths taken
-    from the current folder: the spelling (a trailing slash, ``./``, ``a/../b``) does not matter; the content of
-    training files is compared by its fingerprint elsewhere."""
+    from the current folder (a run records the places it read absolute: ``to_record(..., places=True)``): the
+    spelling (a trailing slash, ``./``, ``a/../b``) does not matter; the content of training files is compared by
+    its fingerprint elsewhere."""
     def place(value: Any) -> Any:
         if isinstance(value, str):
             return os.path.abspath(value)

@@ -324,9 +324,10 @@ def config_from_args(args: Any) -> TrainConfig:
 
 def record_settings(config: TrainConfig, folder: Union[str, Path]) -> Path:
     """Write the run's resolved settings (:func:`~dpr_gc.base.settings.to_record`) as ``folder/train_config.json``,
-    atomically; ``--resume`` compares them with its own."""
+    atomically, its files and folders as absolute paths (so a resume from another folder compares the places);
+    ``--resume`` compares them with its own."""
     path = Path(folder) / SETTINGS_FILE
-    write_json(path, to_record(config))
+    write_json(path, to_record(config, places=True))
     return path
 
 
