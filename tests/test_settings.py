@@ -338,6 +338,21 @@ def test_changed_settings_name_each_flag_with_its_kind() -> None:
     assert "--max-steps" not in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
+def test_resume_refuses_another_dev_beir_split() -> None:
+    """docs/training.md: the dev set is fixed on --resume. --dev-beir-split picks the questions of a BEIR folder
+    given as --dev, so a resume that changed it (it was accepted) had best/ compare average ranks over other
+    questions; it is refused as the other dev settings are, and its help says so."""
+    from dpr_gc.train.validation import DevLimits
+
+    def run(split: str) -> TrainConfig:
+        return TrainConfig(data=DataConfig(dev_file="beir", dev=DevLimits(beir_split=split)))
+
+    with pytest.raises(DprGcError, match=r"--dev-beir-split 'dev' -> 'test'"):
+        compare_recorded(run("test"), to_record(run("dev")), "train_config.json")
+    action = cli.build_parser()._subparsers._group_actions[0].choices["train"]._option_string_actions
+    assert action["--dev-beir-split"].note == "[fixed on --resume]"
+
+
 def test_paths_compare_by_the_place_they_name() -> None:
     """A folder spelled ``beir/``, ``beir`` or ``./beir/`` is one setting (it was "--train ['beir/'] -> ['beir']");
     another folder, or a dev file added, is still a change."""

@@ -41,8 +41,8 @@ class DevLimits:
     encode_batch_size: Optional[int] = setting(None, "--dev-encode-batch-size", "--val_av_rank_bsz",
                                                type=positive_int, resume=FREE,
                                                help="encoding batch of dev validation (default: --dev-batch-size)")
-    beir_split: str = setting("dev", "--dev-beir-split", resume=FREE, help="the qrels split (qrels/SPLIT.tsv) a "
-                              "BEIR folder given as --dev is validated on")
+    beir_split: str = setting("dev", "--dev-beir-split", help="the qrels split (qrels/SPLIT.tsv) a BEIR folder given "
+                              "as --dev is validated on")
 
     def __post_init__(self) -> None:
         check(self)
