@@ -217,7 +217,8 @@ def phase_train(s: Settings, name: str, batch_size: int, grad_cache: bool, max_s
                         hard_negatives=s.hard_negatives if s.negatives != "none" else 0),
         optim=OptimConfig(learning_rate=s.learning_rate, epochs=s.epochs, max_steps=max_steps, warmup_steps=warmup,
                           precision=s.precision),
-        cache=CacheConfig(enabled=grad_cache, query_chunk_size=s.chunk_size, passage_chunk_size=s.chunk_size),
+        cache=(CacheConfig(query_chunk_size=s.chunk_size, passage_chunk_size=s.chunk_size) if grad_cache
+               else CacheConfig(enabled=False)),
         run=RunConfig(output_dir=str(folder / "train"), device=device_of(s), seed=s.seed, log_every=1))
     summary = train(config)
     for old in (folder / "train").glob("checkpoint-*"):

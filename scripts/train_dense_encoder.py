@@ -34,6 +34,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dpr_gc.train import config as C  # noqa: E402
 from dpr_gc.train import trainer as T  # noqa: E402
 from dpr_gc.base.args import (ArgumentParser, any_int, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
                          positive_int)
@@ -41,7 +42,7 @@ from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
 from dpr_gc.base.logs import infos_from_rank_zero, setup_logging  # noqa: E402
-from dpr_gc.base.settings import flags_given  # noqa: E402
+from dpr_gc.base.settings import flags_that_do_not_apply, without_flags  # noqa: E402
 
 logger = logging.getLogger("train_dense_encoder")
 
@@ -203,6 +204,8 @@ def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig
         "model": args.model_file or args.model, "train_files": train_files,
         "dev_file": _dev_file(args.dev_file),
         "epochs": _epochs(args.epochs), "output_dir": args.output_dir or ""})
+    # dpr-gc train refuses a flag that would not apply; a GC-DPR command line carries them: named in the warning
+    translated = without_flags(C.TrainConfig, translated, flags_that_do_not_apply(C.TrainConfig, translated, C.APPLIES))
     config = T.config_from_args(translated)
     evals = args.eval_per_epoch or (1 if args.eval_every is None else None)  # GC-DPR: validate and save per epoch
     return dataclasses.replace(
@@ -219,12 +222,11 @@ def ignored_flags(given: set[str], args: Optional[argparse.Namespace] = None) ->
     if args is None:
         return named
     settings = argparse.Namespace(**{**vars(args), "grad_cache": bool(args.grad_cache)})  # GC-DPR: plain by default
-    why = {id(T.PLAIN): "training is plain without --grad_cache", id(T.DEV): "there is no --dev_file"}
+    why = {id(C.PLAIN): "training is plain without --grad_cache", id(C.DEV): "there is no --dev_file"}
     options = {a.dest: a.option_strings for a in train_parser(build_parser())._actions}
-    for dest, rule in T.APPLIES.items():
-        if dest in flags_given(T.TrainConfig, settings) and not rule.test(settings):
-            typed = [o for o in options.get(dest, ()) if o in given] or options[dest][:1]
-            named.append(f"{typed[0]} ({why.get(id(rule), 'it does not apply ' + rule.where)})")
+    for dest in flags_that_do_not_apply(C.TrainConfig, settings, C.APPLIES):
+        typed = [o for o in options.get(dest, ()) if o in given] or options[dest][:1]
+        named.append(f"{typed[0]} ({why.get(id(C.APPLIES[dest]), 'it does not apply ' + C.APPLIES[dest].where)})")
     return named
 
 

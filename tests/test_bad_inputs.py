@@ -385,7 +385,7 @@ def test_gradient_cache_flags_with_no_grad_cache_are_refused_all_in_one_line(wor
     --no-grad-cache, or --loss-chunk-size, which the plain loss uses) they are not."""
     from dpr_gc.base.settings import refuse_flags_that_do_not_apply
     from dpr_gc.train.config import TrainConfig
-    from dpr_gc.train.trainer import APPLIES
+    from dpr_gc.train.config import APPLIES
 
     out = tmp_path / "run"
     train = ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu"]
@@ -407,7 +407,7 @@ def test_dev_flags_without_dev_are_refused_in_one_line(world: dict, tmp_path: Pa
     are not."""
     from dpr_gc.base.settings import refuse_flags_that_do_not_apply
     from dpr_gc.train.config import TrainConfig
-    from dpr_gc.train.trainer import APPLIES
+    from dpr_gc.train.config import APPLIES
 
     out = tmp_path / "run"
     train = ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu"]
@@ -447,7 +447,7 @@ def test_beir_flags_without_a_beir_folder_are_refused_in_one_line(world: dict, t
     not."""
     from dpr_gc.base.settings import refuse_flags_that_do_not_apply
     from dpr_gc.train.config import TrainConfig
-    from dpr_gc.train.trainer import APPLIES
+    from dpr_gc.train.config import APPLIES
 
     out, beir = tmp_path / "run", tmp_path / "beir"
     (beir / "qrels").mkdir(parents=True)

@@ -450,13 +450,20 @@ def test_gc_dpr_two_process_launch_line_runs_and_logs_info_once(tiny, tmp_path):
     ([], ["--q_chunk_size (training is plain without --grad_cache)", "--dev_batch_size (there is no --dev_file)"]),
     (["--grad_cache"], ["--dev_batch_size (there is no --dev_file)"]),
     (["--grad_cache", "--dev_file", "dev.json"], [])])
-def test_train_script_names_flags_that_do_not_apply_in_its_warning(extra, named):
+def test_train_script_names_flags_that_do_not_apply_in_its_warning(extra, named, tmp_path, monkeypatch):
     """``dpr-gc train`` refuses a dev flag without --dev and a chunk flag of plain training; a GC-DPR command line
-    carries them whether or not they apply, so the script takes them and names them in its no-effect warning."""
+    carries them whether or not they apply, so the script takes them, names them in its no-effect warning and trains
+    as without them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.json").write_text("[]")
+    (tmp_path / "dev.json").write_text("[]")
     script = load_script("train_dense_encoder.py")
     argv = ["--train_file", "t.json", "--output_dir", "o", "--dev_batch_size", "3", "--q_chunk_size", "4", *extra]
     args = script.build_parser().parse_args(["train", *argv])
     assert script.ignored_flags(script.typed_flags(argv), args) == named
+    config = script.config_from_args(args, script.typed_flags(argv))  # TrainConfig would refuse them
+    assert config.data.dev.batch_size == (3 if "--dev_file" in extra else 64)
+    assert config.cache.query_chunk_size == (4 if "--grad_cache" in extra else "auto")
 
 
 def test_a_dev_file_glob_matching_several_files_is_refused_naming_them(tiny, tmp_path):

@@ -19,8 +19,8 @@ from dpr_gc import cli
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.settings import FIXED, FREE, changed_settings, to_record
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from dpr_gc.train.config import (SETTINGS_FILE, DataConfig, OptimConfig, RunConfig, TrainConfig, compare_recorded,
-                                 config_from_args, resolve_defaults)
+from dpr_gc.train.config import (SETTINGS_FILE, CacheConfig, DataConfig, OptimConfig, RunConfig, TrainConfig,
+                                 compare_recorded, config_from_args, resolve_defaults)
 from dpr_gc.train.trainer import train
 from tests.helpers import call, tiny_bert, write_vocab
 from tests.train_data import make_records, write_dpr
@@ -245,6 +245,35 @@ def test_a_wrongly_typed_value_in_code_is_refused_with_the_flag() -> None:
         DataConfig(num_workers="2")  # type: ignore[arg-type]
     with pytest.raises(DprGcError, match="--precision must be one of fp32, bf16, fp16, got 'fp8'"):
         OptimConfig(precision="fp8")
+
+
+@pytest.mark.parametrize("build, refusal", [
+    (lambda: RunConfig(output_dir="x", device="tpu"), "--device: 'tpu' is not a torch device (use cpu, cuda or cuda:N)"),
+    (lambda: OptimConfig(adam_betas=(1.5, 0.9)), "adam_betas must be a number in [0, 1), got 1.5"),
+    (lambda: OptimConfig(adam_betas=(0.9,)), "adam_betas takes 2 values, got (0.9,)"),
+    (lambda: DataConfig(train_files="train.json"), "--train takes a list of values, e.g. ['train.json'], got "
+                                                   "'train.json'"),
+    (lambda: DataConfig(sampling_rates=0.5), "--sampling-rates takes a list of values, e.g. [0.5], got 0.5"),
+    (lambda: TrainConfig(run=RunConfig(eval_every=1)), "--eval-every does not apply without --dev (there is no dev "
+                                                       "set to evaluate); add --dev FILE, or drop the flag"),
+    (lambda: TrainConfig(cache=CacheConfig(enabled=False, memory_budget="1GB")), "--memory-budget does not apply to "
+     "plain training (--no-grad-cache: one graph over the whole batch); drop --no-grad-cache, or drop the flag"),
+])
+def test_settings_built_in_code_get_the_command_lines_checks(build: Callable[[], Any], refusal: str) -> None:
+    """docs/library.md: checks and errors are the same in code and on the command line. Each of these was accepted in
+    code and then failed with a raw error (the device, AdamW's betas), read a file name letter by letter, or was
+    silently ignored where the command line refuses it."""
+    with pytest.raises(DprGcError) as refused:
+        build()
+    assert str(refused.value) == refusal
+
+
+def test_verify_refuses_the_flags_train_refuses_as_not_applying() -> None:
+    """``dpr-gc verify`` takes train's flags and builds the same settings, so a flag train refuses as ignored (a dev
+    flag without --dev) is refused there too, before anything loads (it was accepted)."""
+    line = error_line(*call(cli.main, ["verify", "--train", "t.json", "--eval-every", "2"]))
+    assert line == ("error: --eval-every does not apply without --dev (there is no dev set to evaluate); add --dev "
+                    "FILE, or drop the flag")
 
 
 def test_paths_given_in_code_are_kept_as_strings(tmp_path) -> None:

@@ -81,8 +81,9 @@ def test_blocked_ranks_equal_the_full_matrix(monkeypatch) -> None:
 
 
 def test_dev_flags_and_bad_values(tmp_path: Path) -> None:
-    args = build_parser().parse_args(["train", "--train", "t", "--output", "o", "--dev-max-questions", "5",
-                                      "--dev-hard-negatives", "0", "--dev-other-negatives", "2", "--dev-batch-size", "3"])
+    args = build_parser().parse_args(["train", "--train", "t", "--output", "o", "--dev", "d", "--dev-max-questions",
+                                      "5", "--dev-hard-negatives", "0", "--dev-other-negatives", "2", "--dev-batch-size",
+                                      "3"])
     assert config_from_args(args).data.dev == V.DevLimits(5, 0, 2, 3, None)
     with pytest.raises(DprGcError, match="--dev-max-questions"):
         V.DevLimits(max_questions=0)

@@ -75,6 +75,8 @@ def task_config(task: dict, out: Path, **kw) -> TrainConfig:
     """The training settings of a test task (``init_model`` folder, ``train``/``dev`` files) writing to ``out``."""
     base = dict(train_files=[str(task["train"])], output_dir=str(out), model=str(task["model"]), batch_size=8,
                 num_workers=0, learning_rate=1e-3, query_chunk_size=3, passage_chunk_size=5, cache_dir=str(task["dir"] / "cache"))
+    if kw.get("grad_cache") is False:  # plain training takes no chunk sizes
+        del base["query_chunk_size"], base["passage_chunk_size"]
     base.update(kw)
     return train_config(**base)
 

@@ -212,6 +212,7 @@ any_int = _number(int, lambda v: True, "an integer")
 unit_float = _number(float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
 SEED_MAX = 2 ** 32 - 1  # numpy takes no larger seed (train, verify and demo seed it; every --seed takes the same)
 seed_int = _number(int, lambda v: 0 <= v <= SEED_MAX, f"an integer from 0 to {SEED_MAX} (2**32 - 1)")
+proper_fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")  # AdamW's betas
 SIZE_MAX = 65_536  # a layer width (--projection-dim, --lora-r): wider than any model's; more only exhausts memory
 layer_size = _number(int, lambda v: 1 <= v <= SIZE_MAX, f"an integer from 1 to {SIZE_MAX}")
 
@@ -260,22 +261,37 @@ def _check_plot_file(text: str, flag: str) -> None:
 plot_file = _output_path(_check_plot_file, "plot_file")
 
 
-def device_arg(text: str) -> str:
-    """A torch device that exists on this machine (``cpu``, ``cuda``, ``cuda:N`` below the GPU count, ``mps``)."""
+def device_refusal(value: Any) -> Optional[str]:
+    """Why ``value`` is no torch device of this machine (``cpu``, ``cuda``, ``cuda:N`` below the GPU count,
+    ``mps``); None when it is one. ``--device``'s rule, for a value given in code as well."""
     import torch
 
     try:
-        device = torch.device(text)
+        device = torch.device(value) if isinstance(value, str) else None
     except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+        device = None
+    if device is None:
+        return f"{value!r} is not a torch device (use cpu, cuda or cuda:N)"
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is available here; use --device cpu")
+            return f"{value!r}: no CUDA GPU is available here; use --device cpu"
         if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} GPU(s) (cuda:0..cuda:{count - 1})")
+            return f"{value!r}: this machine has {count} GPU(s) (cuda:0..cuda:{count - 1})"
     elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available here; use --device cpu")
+        return f"{value!r}: MPS is not available here; use --device cpu"
     elif device.type not in ("cpu", "cuda", "mps"):
-        raise argparse.ArgumentTypeError(f"{text!r}: unsupported device type; use cpu or cuda[:N]")
+        return f"{value!r}: unsupported device type; use cpu or cuda[:N]"
+    return None
+
+
+def device_arg(text: str) -> str:
+    """A torch device that exists on this machine (see :func:`device_refusal`, which also checks a value given in
+    code: :func:`dpr_gc.base.settings.check`)."""
+    why = device_refusal(text)
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return text
+
+
+device_arg.refusal = device_refusal  # type: ignore[attr-defined]

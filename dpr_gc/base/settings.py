@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import math
 import os
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from .args import output_dir
 from .errors import DprGcError
@@ -173,9 +173,11 @@ def as_text(value: Any) -> Any:
 
 
 def check(obj: Any) -> None:
-    """Check every declared setting of the dataclass instance ``obj``: choices and the value type's rule (each
-    element of a list), after turning a ``Path`` into its string (so records, checkpoints and model cards hold
-    the value the command line would). Raises one :class:`DprGcError` naming the flag."""
+    """Check every declared setting of the dataclass instance ``obj``: a list where the flag takes several values
+    (their count where it takes a fixed number), choices and the value type's rule (each element of a list: its
+    ``accepts``, else its ``refusal``, the sentence the flag's parser would refuse the value with), after turning a
+    ``Path`` into its string (so records, checkpoints and model cards hold the value the command line would).
+    Raises one :class:`DprGcError` naming the flag."""
     for field in dataclasses.fields(obj):
         decl = _setting(field)
         if decl is None:
@@ -184,14 +186,29 @@ def check(obj: Any) -> None:
         object.__setattr__(obj, field.name, value)  # also on a frozen settings dataclass
         if value is None:
             continue
-        values = value if decl.nargs in ("+", "*") and isinstance(value, (list, tuple)) else [value]
         name = _describe(decl, field.name)
-        for item in values:
+        for item in _values(decl, name, value):
             if decl.choices is not None and item not in decl.choices:
                 raise DprGcError(f"{name} must be one of {', '.join(map(str, decl.choices))}, got {item!r}")
             accepts = getattr(decl.type, "accepts", None)
             if accepts is not None and not accepts(item):
                 raise DprGcError(f"{name} must be {decl.type.__name__}, got {item!r}")
+            refusal = getattr(decl.type, "refusal", None)
+            why = refusal(item) if refusal is not None else None
+            if why:
+                raise DprGcError(f"{name}: {why}")
+
+
+def _values(decl: Setting, name: str, value: Any) -> Sequence[Any]:
+    """The values of a setting to check one by one: the elements of a list where its flag takes several (a lone
+    value there is refused: a string would be read letter by letter), else the value itself."""
+    if decl.nargs not in ("+", "*") and not isinstance(decl.nargs, int):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise DprGcError(f"{name} takes a list of values, e.g. [{value!r}], got {value!r}")
+    if isinstance(decl.nargs, int) and len(value) != decl.nargs:
+        raise DprGcError(f"{name} takes {decl.nargs} values, got {value!r}")
+    return value
 
 
 # --------------------------------------------------------------------------------------------- command line
@@ -335,12 +352,25 @@ class AppliesWhen:
     fix: str = ""
 
 
+def flags_that_do_not_apply(cls: type, args: Any, rules: Mapping[str, AppliesWhen]) -> dict[str, str]:
+    """The flags of ``cls`` the user set (:func:`flags_given`) whose rule in ``rules`` (by destination) says they
+    would be ignored, by destination, in the order of ``rules``."""
+    given = flags_given(cls, args)
+    return {dest: given[dest] for dest, rule in rules.items() if dest in given and not rule.test(args)}
+
+
+def without_flags(cls: type, args: Any, dests: Iterable[str]) -> argparse.Namespace:
+    """``args`` with the flags of ``cls`` at ``dests`` put back to what they take when not given."""
+    defaults = {dest: default for dest, _, default in _cli_defaults(cls)}
+    values = dict(vars(args) if not isinstance(args, Mapping) else args)
+    return argparse.Namespace(**{**values, **{dest: defaults[dest] for dest in dests}})
+
+
 def refuse_flags_that_do_not_apply(cls: type, args: Any, rules: Mapping[str, AppliesWhen]) -> None:
     """Refuse, in one line, a flag of ``cls`` the user set (:func:`flags_given`) where its rule in ``rules`` (by
     destination) says it would be ignored: a silently ignored flag is a run other than the one asked for. The line
     names every flag given that the first broken rule refuses, so one fix clears them all."""
-    given = flags_given(cls, args)
-    broken = [(given[dest], rule) for dest, rule in rules.items() if dest in given and not rule.test(args)]
+    broken = [(flag, rules[dest]) for dest, flag in flags_that_do_not_apply(cls, args, rules).items()]
     if not broken:
         return
     rule = broken[0][1]
@@ -349,6 +379,21 @@ def refuse_flags_that_do_not_apply(cls: type, args: Any, rules: Mapping[str, App
     fix = f"{rule.fix}, or drop {them}" if rule.fix else f"drop {them}"
     named = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
     raise DprGcError(f"{named} {'does' if len(flags) == 1 else 'do'} not apply {rule.where}; {fix}")
+
+
+def flag_values(obj: Any) -> argparse.Namespace:
+    """The settings dataclass ``obj`` (and its groups) as the command line's parsed flags would hold it, by
+    destination: what :func:`refuse_flags_that_do_not_apply` reads, so settings built in code meet the command
+    line's rules. An optional group that is None has none of its flags set."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        decl = _setting(field)
+        if _group(field) is not None and value is not None:
+            values.update(vars(flag_values(value)))
+        elif decl is not None and decl.flags:
+            values[decl.dest_name(field.name)] = (not value) if decl.negate else value
+    return argparse.Namespace(**values)
 
 
 # --------------------------------------------------------------------------------------------- records

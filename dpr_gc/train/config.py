@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from ..base.args import (device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int,
-                         seed_int)
+                         proper_fraction, seed_int)
 from ..base.errors import DprGcError
 from ..base.files import read_json_object, write_json
-from ..base.settings import FIXED, FREE, Change, add_arguments, changed_settings, check, from_args, group, setting
-from ..base.settings import cache_dir_setting, to_record
+from ..base.settings import FIXED, FREE, AppliesWhen, Change, add_arguments, changed_settings, check, from_args, group
+from ..base.settings import cache_dir_setting, flag_values, refuse_flags_that_do_not_apply, setting, to_record
 from ..engine.budget import parse_memory
 from ..engine.loss import check_loss_chunk_size
 from ..model.lora import LoraSettings
@@ -165,7 +165,7 @@ class OptimConfig:
                                   help="AdamW weight decay (not on biases, normalisation weights or the "
                                        "temperature)")
     adam_eps: float = setting(1e-8, type=positive_float, help="AdamW epsilon")
-    adam_betas: tuple[float, float] = setting((0.9, 0.999), help="AdamW betas")
+    adam_betas: tuple[float, float] = setting((0.9, 0.999), type=proper_fraction, nargs=2, help="AdamW betas")
     warmup_steps: Optional[int] = setting(None, "--warmup-steps", "--warmup_steps", type=nonnegative_int,
                                           help="steps of linear learning-rate warm-up (default: 0, or "
                                                "--warmup-ratio)")
@@ -309,6 +309,26 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.run.fsdp and self.optim.precision not in ("fp32", "bf16"):
             raise DprGcError(f"--fsdp trains in --precision fp32 or bf16, not {self.optim.precision}")
+        refuse_flags_that_do_not_apply(TrainConfig, flag_values(self), APPLIES)
+
+
+PLAIN = AppliesWhen(lambda a: a.grad_cache, "to plain training (--no-grad-cache: one graph over the whole batch)",
+                    "drop --no-grad-cache")
+DEV = AppliesWhen(lambda a: a.dev_file is not None, "without --dev (there is no dev set to evaluate)",
+                  "add --dev FILE")
+BEIR_TRAIN = AppliesWhen(lambda a: not all(Path(f).is_file() for f in a.train_files),
+                         "without a BEIR folder among --train (a DPR file's record is one example)",
+                         "add a BEIR folder to --train")
+BEIR_DEV = AppliesWhen(lambda a: a.dev_file is not None and not Path(a.dev_file).is_file(),
+                       "without a BEIR folder as --dev (it names the folder's qrels split)", "give --dev a BEIR folder")
+# When a setting takes effect, by flag destination: one set otherwise (to other than its default) is refused, in code
+# and on the command line alike, as it would be ignored. --loss-chunk-size applies to plain training too;
+# --eval_per_epoch also sets the checkpoints: it applies without --dev.
+APPLIES = {**{dest: PLAIN for dest in ("query_chunk_size", "passage_chunk_size", "memory_budget", "query_chunk_tokens",
+                                       "passage_chunk_tokens")},
+           **{dest: DEV for dest in ("eval_every", "best_metric", "dev_max_questions", "dev_hard_negatives",
+                                     "dev_other_negatives", "dev_batch_size", "dev_encode_batch_size")},
+           "beir_positives": BEIR_TRAIN, "dev_beir_split": BEIR_DEV}
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

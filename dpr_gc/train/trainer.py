@@ -31,7 +31,6 @@ from ..data.training import Collator, data_digest, load_training_data, make_data
 from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
 from ..base.errors import DprGcError, Interrupted
 from ..base.logs import counted, infos_from_rank_zero, infos_hidden
-from ..base.settings import AppliesWhen, refuse_flags_that_do_not_apply
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
@@ -711,27 +710,9 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_train)
 
 
-PLAIN = AppliesWhen(lambda a: a.grad_cache, "to plain training (--no-grad-cache: one graph over the whole batch)",
-                    "drop --no-grad-cache")
-DEV = AppliesWhen(lambda a: a.dev_file is not None, "without --dev (there is no dev set to evaluate)",
-                  "add --dev FILE")
-BEIR_TRAIN = AppliesWhen(lambda a: not all(Path(f).is_file() for f in a.train_files),
-                         "without a BEIR folder among --train (a DPR file's record is one example)",
-                         "add a BEIR folder to --train")
-BEIR_DEV = AppliesWhen(lambda a: a.dev_file is not None and not Path(a.dev_file).is_file(),
-                       "without a BEIR folder as --dev (it names the folder's qrels split)", "give --dev a BEIR folder")
-# --loss-chunk-size applies to plain training too; --eval_per_epoch also sets the checkpoints: it applies without --dev
-APPLIES = {**{dest: PLAIN for dest in ("query_chunk_size", "passage_chunk_size", "memory_budget", "query_chunk_tokens",
-                                       "passage_chunk_tokens")},
-           **{dest: DEV for dest in ("eval_every", "best_metric", "dev_max_questions", "dev_hard_negatives",
-                                     "dev_other_negatives", "dev_batch_size", "dev_encode_batch_size")},
-           "beir_positives": BEIR_TRAIN, "dev_beir_split": BEIR_DEV}
-
-
 @guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
 def _cli_train(args: Any) -> None:
     infos_from_rank_zero()
-    refuse_flags_that_do_not_apply(TrainConfig, args, APPLIES)
     config = config_from_args(args)
     try:
         train(config)
