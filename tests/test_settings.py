@@ -219,6 +219,24 @@ def test_an_abbreviated_flag_with_an_underscore_alias_is_that_flag() -> None:
     assert "ambiguous option: --dev-b could match --dev-batch-size, " in line and "--dev-beir-split" in line, line
 
 
+@pytest.mark.parametrize("given, earlier, later", [
+    (["--precision", "bf16", "--fp16"], "--precision", "--fp16"),
+    (["--fp16", "--precision", "bf16"], "--fp16", "--precision"),
+    (["--no-grad-cache", "--grad_cache"], "--no-grad-cache", "--grad_cache"),
+])
+def test_a_flag_and_a_hidden_alias_that_contradict_each_other_are_refused(given: list, earlier: str,
+                                                                           later: str) -> None:
+    """GC-DPR's hidden ``--fp16`` and ``--grad_cache`` set the destination of ``--precision`` and ``--no-grad-cache``:
+    given with another value, the last one silently won; the line names both. Agreeing ones are taken."""
+    base = ["train", "--train", "t.json", "--output", "o"]
+    line = error_line(*call(cli.main, [*base, *given]))
+    assert line == (f"error: dpr-gc train: argument {later}: contradicts {earlier}, given before it; give one of the "
+                    "two (see dpr-gc train --help)")
+    parse = cli.build_parser().parse_args
+    assert parse([*base, "--precision", "fp16", "--fp16"]).precision == "fp16"
+    assert parse([*base, "--fp16", "--fp16"]).precision == "fp16"
+
+
 def test_an_interrupt_while_a_command_loads_is_one_line(monkeypatch) -> None:
     """Ctrl-C in the seconds a stage takes to import torch printed an 18-frame traceback and died of SIGINT."""
     def loading(*args: Any, **kwargs: Any) -> None:

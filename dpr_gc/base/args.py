@@ -37,6 +37,30 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
+class OneMeaning(argparse.Action):
+    """Mixed into the actions of flags that share a destination (a setting and its hidden old aliases, see
+    :func:`one_meaning`): a command line giving two of them with different values is refused, naming both, where
+    the last one would silently win (``--precision bf16 --fp16``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        super().__call__(parser, namespace, values, option_string)  # type: ignore[misc]
+        value, set_by = getattr(namespace, self.dest), getattr(parser, "set_by", None)
+        if set_by is None:  # a parser that is not ours keeps argparse's own rule
+            return
+        other, before, flag = set_by.get(self.dest, (self, value, option_string))
+        if other is not self and before != value:
+            raise argparse.ArgumentError(self, f"contradicts {flag}, given before it; give one of the two")
+        set_by[self.dest] = (self, value, option_string)
+
+
+def one_meaning(container: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` of ``add_argument`` with their action made a :class:`OneMeaning` one (``container``: the parser or
+    argument group it is added to, whose registry names the actions)."""
+    base = container._registry_get("action", options.get("action"), options.get("action"))
+    return {**options, "action": type(f"OneMeaning{base.__name__}", (OneMeaning, base), {})}
+
+
 def closest(word: str, candidates: Iterable[str]) -> Optional[str]:
     """The candidate closest to a misspelt ``word`` (difflib's measure), or None when none is close: what a refusal
     suggests ("did you mean ...?")."""
@@ -73,6 +97,7 @@ class ArgumentParser(argparse.ArgumentParser):
                          namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
         args = sys.argv[1:] if args is None else list(args)
         self.given = args
+        self.set_by: dict[str, tuple[argparse.Action, Any, Optional[str]]] = {}  # see OneMeaning
         try:
             return super().parse_known_args(args, namespace)
         except argparse.ArgumentError as e:

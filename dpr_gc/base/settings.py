@@ -21,7 +21,7 @@ import math
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .args import output_dir
+from .args import one_meaning, output_dir
 from .errors import DprGcError
 
 FIXED = "fixed"  # changes the model or the training signal: a resumed run must keep the recorded value
@@ -249,13 +249,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
                 kwargs["choices"] = list(decl.choices)
         if unset and kwargs.get("default") is not None:
             kwargs["default"] = None
+        if decl.hidden:  # the flag and its hidden aliases share a destination: refuse them with different values
+            kwargs = one_meaning(target, kwargs)
         action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
         if unset or decl.negatable:
             action.shown_default = _shown_default(field, decl)  # what applies when not given (see HelpFormatter)
         if resume_kinds:
             action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter
         for flag, options in decl.hidden:
-            target.add_argument(flag, dest=dest, help=argparse.SUPPRESS, **options)
+            target.add_argument(flag, dest=dest, help=argparse.SUPPRESS, **one_meaning(target, dict(options)))
 
 
 def _given(cls: type, values: Mapping[str, Any]) -> tuple[Any, tuple[str, ...]]:
