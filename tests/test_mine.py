@@ -863,3 +863,32 @@ def test_a_question_whose_positive_is_not_in_the_corpus_keeps_its_candidates_and
     assert summary.unscored == 1 and summary.table()["questions without a positive score"] == 1
     assert "1 question without a positive score (positive not in the corpus): the margin and positive-aware rules " \
            "did not apply to them" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["closed.json", "closed.json.gz"])
+def test_a_run_stopped_after_the_list_is_closed_resumes_to_the_same_valid_file(world, tmp_path, monkeypatch, name):
+    """A JSON list's closing ``]`` is recorded with the run's progress: a run stopped after it was written but
+    before the file got its name (Ctrl-C; a kill -9 leaves the same files) says what it kept, and the next run
+    only renames the file, which holds one ``]`` and equals an uninterrupted run's."""
+    from dpr_gc.base.files import ChunkedOutput
+    from tests.helpers import Recording
+
+    corpus, qs, bm25 = world["corpus"], questions(), world["bm25"]
+    common = dict(n_negatives=2, top_k=20, chunk_size=2, show_progress=False)
+    reference = mine_to_file(qs, tmp_path / f"ref-{name}", bm25, corpus, **common)
+    out, key = tmp_path / name, {"inputs": "the same"}
+
+    def stopped(self: ChunkedOutput) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ChunkedOutput, "finish", stopped)
+        with pytest.raises(Interrupted, match=f"^all {len(qs)} questions are mined into "
+                           f"{re.escape(str(tmp_path / f'.{name}.partial'))}; run the same command again to "
+                           f"finish {re.escape(str(out))}$"):
+            mine_to_file(qs, out, bm25, corpus, resume_key=key, **common)
+    again = Recording(bm25)
+    assert mine_to_file(qs, out, again, corpus, resume_key=key, **common) == reference
+    read = (lambda p: gzip.decompress(p.read_bytes()).decode()) if name.endswith(".gz") else (lambda p: p.read_text())
+    assert again.asked == [] and read(out) == read(tmp_path / f"ref-{name}")
+    assert len(json.loads(read(out))) == len(qs) and not list(tmp_path.glob(".*"))

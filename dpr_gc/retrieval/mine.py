@@ -16,6 +16,7 @@ not the file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -23,7 +24,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -395,7 +396,7 @@ def in_chunks(records: Iterable[dict], chunk_size: int, flush: Callable[[list[di
     """Hand ``records`` to ``flush`` in lists of ``chunk_size``; interrupted, the message says what ``kept()`` says
     the finished chunks hold (nothing specific when it says None)."""
     buffer: list[dict] = []
-    try:
+    with kept_on_interrupt(kept):
         for record in records:
             buffer.append(record)
             if len(buffer) >= chunk_size:
@@ -403,11 +404,43 @@ def in_chunks(records: Iterable[dict], chunk_size: int, flush: Callable[[list[di
                 buffer = []
         if buffer:
             flush(buffer)
+
+
+@contextlib.contextmanager
+def kept_on_interrupt(kept: Callable[[], Optional[str]]) -> Iterator[None]:
+    """An interrupt within the block becomes :class:`Interrupted` with ``kept()``'s message (what finished work is
+    kept and how to go on), or stays as it is when that says None."""
+    try:
+        yield
     except KeyboardInterrupt:
         advice = kept()
         if advice is None:
             raise
         raise Interrupted(advice) from None
+
+
+def _record_texts(records: Sequence[dict], negatives: Sequence[list], first: int, jsonl: bool) -> str:
+    """``records`` with their ``hard_negative_ctxs`` replaced by ``negatives``, as the output's text: JSON lines, or
+    the items of a JSON list whose ``first``-th item (0: the list opens) is the first of them."""
+    texts = []
+    for i, (record, negs) in enumerate(zip(records, negatives), start=first):
+        new = dict(record)
+        new["hard_negative_ctxs"] = negs
+        text = json.dumps(new, ensure_ascii=False)
+        texts.append(text + "\n" if jsonl else ("[\n" if i == 0 else ",\n") + text)
+    return "".join(texts)
+
+
+def _kept_message(writer: ChunkedOutput, count: int, closed: bool) -> Optional[str]:
+    """What an interrupted run into ``writer`` keeps for the next one to go on from, or None (nothing): ``count``
+    questions mined; ``closed``: all of them, the file complete but for its rename."""
+    if not count or not writer.partial.exists():
+        return None
+    if closed:
+        return (f"all {counted(count, 'question')} are mined into {writer.partial}; run the same command again to "
+                f"finish {writer.path}")
+    return (f"{counted(count, 'question')} mined are kept in {writer.partial}; run the same command again to "
+            "continue after them")
 
 
 def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus: Any,
@@ -433,39 +466,39 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
                                if resume_key is not None else None)
         state = writer.resume()
         summary, count = (MiningSummary(**state["summary"]), state["count"]) if state else (MiningSummary(), 0)
+        closed = bool(state and state.get("closed"))  # all mined, the list closed: only the rename is left
         if count:
             logger.info("resuming an interrupted run: %s already mined into %s", counted(count, "question"), final)
         total = len(records) if isinstance(records, Sequence) else total
+
+        def flush(buffer: list[dict]) -> None:
+            nonlocal count
+            mined, part = mine_hard_negatives(buffer, source, corpus, s, qrels=qrels, id_to_row=id_to_row,
+                                              matcher=matcher)
+            negatives = (_appended(buffer, mined, part, s.n_negatives) if append
+                         else [m["hard_negative_ctxs"] for m in mined])
+            summary.merge(part)
+            text = _record_texts(buffer, negatives, count, jsonl)
+            count += len(buffer)
+            writer.append(text, {"count": count, "summary": dataclasses.asdict(summary)})
+            bar.update(len(buffer))
+
+        def kept() -> Optional[str]:
+            return _kept_message(writer, count, closed) if resume_key is not None else None
+
         with tqdm(total=None if total is None else total - count, desc="mining", unit=" q",
-                  disable=not show_progress) as bar:
-
-            def flush(buffer: list[dict]) -> None:
-                nonlocal count
-                mined, part = mine_hard_negatives(buffer, source, corpus, s, qrels=qrels, id_to_row=id_to_row,
-                                                  matcher=matcher)
-                negatives = (_appended(buffer, mined, part, s.n_negatives) if append
-                             else [m["hard_negative_ctxs"] for m in mined])
-                summary.merge(part)
-                texts = []
-                for record, negs in zip(buffer, negatives):
-                    new = dict(record)
-                    new["hard_negative_ctxs"] = negs
-                    text = json.dumps(new, ensure_ascii=False)
-                    texts.append(text + "\n" if jsonl else ("[\n" if count == 0 else ",\n") + text)
-                    count += 1
-                writer.append("".join(texts), {"count": count, "summary": dataclasses.asdict(summary)})
-                bar.update(len(buffer))
-
-            def kept() -> Optional[str]:
-                return (f"{counted(count, 'question')} mined are kept in {writer.partial}; run the same command "
-                        "again to continue after them" if count and resume_key is not None else None)
-
-            in_chunks(itertools.islice(records, count, None), chunk_size, flush, kept)
+                  disable=not show_progress or closed) as bar:
+            if not closed:
+                in_chunks(itertools.islice(records, count, None), chunk_size, flush, kept)
         if count == 0:
             writer.discard()
             raise DprGcError(f"no training questions to mine (the input is empty); nothing written to {final}")
-        writer.append("" if jsonl else "\n]\n", {"count": count, "summary": dataclasses.asdict(summary)})
-        writer.finish()
+        with kept_on_interrupt(kept):
+            if not closed:
+                writer.append("" if jsonl else "\n]\n",
+                              {"count": count, "summary": dataclasses.asdict(summary), "closed": True})
+                closed = True
+            writer.finish()
     _log_removals(summary, s.margin, s.max_negative_ratio, s.min_margin)
     return summary
 
