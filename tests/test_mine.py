@@ -892,3 +892,29 @@ def test_a_run_stopped_after_the_list_is_closed_resumes_to_the_same_valid_file(w
     read = (lambda p: gzip.decompress(p.read_bytes()).decode()) if name.endswith(".gz") else (lambda p: p.read_text())
     assert again.asked == [] and read(out) == read(tmp_path / f"ref-{name}")
     assert len(json.loads(read(out))) == len(qs) and not list(tmp_path.glob(".*"))
+
+
+def test_a_stop_while_a_chunk_is_written_names_the_questions_the_progress_keeps(world, tmp_path, monkeypatch):
+    """Ctrl-C while a chunk is being written (before its progress is recorded) names the questions of the chunks
+    recorded before it, from which the next run goes on, not those of the chunk it stopped in."""
+    from dpr_gc.base.files import ChunkedOutput
+    from tests.helpers import Recording
+
+    corpus, qs, bm25 = world["corpus"], questions(), world["bm25"]
+    common = dict(n_negatives=2, top_k=20, chunk_size=2, show_progress=False)
+    reference = mine_to_file(qs, tmp_path / "ref.jsonl", bm25, corpus, **common)
+    out, key, append, calls = tmp_path / "out.jsonl", {"inputs": "the same"}, ChunkedOutput.append, []
+
+    def stopped_at_the_second(self: ChunkedOutput, text: str, state: object) -> None:
+        calls.append(state)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        append(self, text, state)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ChunkedOutput, "append", stopped_at_the_second)
+        with pytest.raises(Interrupted, match="^2 questions mined are kept in "):
+            mine_to_file(qs, out, bm25, corpus, resume_key=key, **common)
+    again = Recording(bm25)
+    assert mine_to_file(qs, out, again, corpus, resume_key=key, **common) == reference
+    assert len(again.asked) == 2 and out.read_text() == (tmp_path / "ref.jsonl").read_text()

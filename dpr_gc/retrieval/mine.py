@@ -478,9 +478,9 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
             negatives = (_appended(buffer, mined, part, s.n_negatives) if append
                          else [m["hard_negative_ctxs"] for m in mined])
             summary.merge(part)
-            text = _record_texts(buffer, negatives, count, jsonl)
-            count += len(buffer)
-            writer.append(text, {"count": count, "summary": dataclasses.asdict(summary)})
+            writer.append(_record_texts(buffer, negatives, count, jsonl),
+                          {"count": count + len(buffer), "summary": dataclasses.asdict(summary)})
+            count += len(buffer)  # once recorded: an interrupt names the questions a re-run goes on after
             bar.update(len(buffer))
 
         def kept() -> Optional[str]:
