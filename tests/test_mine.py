@@ -918,3 +918,27 @@ def test_a_stop_while_a_chunk_is_written_names_the_questions_the_progress_keeps(
     again = Recording(bm25)
     assert mine_to_file(qs, out, again, corpus, resume_key=key, **common) == reference
     assert len(again.asked) == 2 and out.read_text() == (tmp_path / "ref.jsonl").read_text()
+
+
+def test_answer_patterns_of_beir_queries_that_do_not_compile_are_named_before_the_corpus_is_read(tmp_path, caplog):
+    """The BEIR twin of the training-file check: with --beir-dir and --match regex, the judged queries' answer
+    patterns that do not compile are named in one warning (file and lines) before the corpus is read."""
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "title": t, "text": x}) + "\n" for i, t, x in (
+        ("ans1", "Rivers", "Many rivers exist; the SEINE is famous."), ("p1", "T", "something else entirely"),
+        ("pos", "x", "unrelated"))))
+    queries = [{"_id": "q1", "text": "which rivers exist and are famous", "answers": ["some(thing)"]},
+               {"_id": "q2", "text": "which rivers exist and are famous", "answers": ["(SEINE"]},
+               {"_id": "q3", "text": "not judged, not mined", "answers": ["(unjudged"]}]
+    (beir / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\tpos\t1\nq2\tpos\t1\n")
+    with caplog.at_level("INFO", logger="dpr_gc"):
+        cli("mine", "--beir-dir", beir, "--output", tmp_path / "out.jsonl", "--n-negatives", 3, "--top-k", 5,
+            "--workers", 1, "--match", "regex", "--cache-dir", tmp_path / "cache")
+    messages = [r.getMessage() for r in caplog.records]
+    warning = (f"{beir / 'queries.jsonl'}: 1 answer pattern does not compile (line 2: '(SEINE': missing ) at "
+               "position 6); they never match, as in DPR, so a passage holding such an answer may be mined as a "
+               "hard negative")
+    assert messages.count(warning) == 1, messages
+    assert messages.index(warning) < next(i for i, m in enumerate(messages) if "passages from" in m)

@@ -55,6 +55,8 @@ ENCODE_FLAGS = {"--output": "--embeddings", "--block-size": "dpr-gc encode --blo
                 "--precision": "dpr-gc encode --precision", "--shard-id": "dpr-gc encode --shard-id",
                 "--num-shards": "dpr-gc encode --num-shards"}
 SOURCES = ("dense", "bm25")
+# What an answer pattern that does not compile (it never matches) does to mining, for its warning.
+UNMATCHED_EFFECT = ", so a passage holding such an answer may be mined as a hard negative"
 
 
 @dataclasses.dataclass
@@ -682,8 +684,23 @@ def scan_training_file(path: PathLike, positive_ids: bool = False,
             ids.update(ctx_id(c) for c in record.get("positive_ctxs") or [])
         if match == "regex":
             uncompiled.check(record.get("answers") or (), f"line {line}")
-    uncompiled.warn(str(path), ", so a passage holding such an answer may be mined as a hard negative")
+    uncompiled.warn(str(path), UNMATCHED_EFFECT)
     return count, ids
+
+
+def scan_beir_queries(queries: PathLike, qrels_path: PathLike) -> None:
+    """For ``--match regex`` with a BEIR folder, before the corpus is read: name in one warning (file and lines) the
+    answer patterns that do not compile of the queries mined for (those with a positive in ``qrels_path``), as
+    :func:`scan_training_file` does for a training file."""
+    from ..data.corpus import iter_numbered_queries
+    from ..data.qrels import read_qrels
+
+    mined = {q for q, judged in read_qrels(qrels_path).items() if any(rel > 0 for rel in judged.values())}
+    uncompiled = UncompiledPatterns()
+    for line, query in iter_numbered_queries(queries, log=False):
+        if str(query["id"]) in mined:
+            uncompiled.check(query.get("answers") or (), f"line {line}")
+    uncompiled.warn(str(queries), UNMATCHED_EFFECT)
 
 
 DENSE, BM25 = (AppliesWhen(lambda a: a.source == "dense", "to --source bm25 (the default)", "add --source dense"),
@@ -718,6 +735,8 @@ def _cli(args: argparse.Namespace) -> None:
     if beir is not None:
         queries = find_beir_file(beir, "queries.jsonl")
         split_qrels = require_file(beir / "qrels" / f"{args.split}.tsv", f"qrels of split {args.split!r}")
+        if args.match == "regex":
+            scan_beir_queries(queries, split_qrels)
     else:  # checked and counted before the corpus is read or encoded
         total, golds = scan_training_file(args.train_file, positive_ids=bm25_scored, match=args.match)
     corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
