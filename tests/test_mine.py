@@ -235,6 +235,9 @@ BM25_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "tokenizer": (lambda d: _edit_json(d / "vocab.tokenizer.json", lambda v: v["word_to_id"].update(city=10**6)),
                   "vocab.tokenizer.json"),
     "deep": (lambda d: (d / "vocab.index.json").write_text('{"a":' * 5000 + "1" + "}" * 5000), "nested too deeply"),
+    **{f"backend {name}": (lambda d, name=name: _edit_json(d / "params.index.json",
+                                                           lambda p: p.update(backend=name)), f"backend={name!r}")
+       for name in ("numba", "jax", "bogus")},
 }
 
 
@@ -254,6 +257,7 @@ def test_damaged_bm25_index_is_refused_in_one_line(world, tmp_path, damage):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith(f"error: {folder}: damaged BM25 index (") and needle in lines[0], err
+    assert lines[0].count("damaged BM25 index") == 1, err
     assert lines[0].endswith("delete the folder to rebuild it") and not (tmp_path / "o.json").exists()
 
 

@@ -159,13 +159,15 @@ class BM25Source:
         damaged file is refused in one line here rather than failing deep inside bm25s while mining. The vocabularies
         are read with the standard JSON reader: bm25s's (orjson) crashes the process on deeply nested input."""
         try:
-            read_json_object(folder / "params.index.json", "BM25 parameters")
+            backend = read_json_object(folder / "params.index.json", "BM25 parameters").get("backend", "numpy")
+            if backend != "numpy":  # bm25s would import (or fail to import) another backend's library
+                raise DprGcError(f"params.index.json has backend={backend!r}, where this index is 'numpy'")
             vocab = read_json_object(folder / "vocab.index.json", "BM25 vocabulary")
             words = read_json_object(folder / "vocab.tokenizer.json", "BM25 tokenizer vocabulary").get("word_to_id")
             bm25 = bm25s.BM25.load(str(folder), mmap=True, load_vocab=False, show_progress=False)
         except DprGcError as e:
             raise damaged(folder, str(e)) from None
-        except (ValueError, OSError, KeyError, TypeError) as e:
+        except (ValueError, OSError, KeyError, TypeError, ImportError) as e:
             why = (str(e).splitlines() or [type(e).__name__])[0][:200]
             raise damaged(folder, f"cannot read it: {why}; pickled arrays are never loaded") from None
         expected = bm25s.BM25(k1=self.meta["k1"], b=self.meta["b"])
