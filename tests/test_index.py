@@ -574,3 +574,19 @@ def test_append_keeps_how_the_index_was_built_and_sets_search_flags(tmp_path, da
     assert call(main, [*run, "--append", "--nprobe", "2"])[0] == 0  # nothing to add: the search setting is written
     assert DenseIndex.read(idx).search_settings() == "nprobe 2 of 4 lists"
     assert DenseIndex.read(idx).meta["settings"]["index"]["nprobe"] == 2
+
+
+@pytest.mark.parametrize("factory", ["Flat", "PCA8,Flat", "PCAR16,Flat", "OPQ4,IVF4,PQ4x4", "IVF4,SQ8", "SQ8",
+                                     "HNSW8", "IVF4,PQ4x4,RFlat", "L2norm,Flat"])
+def test_pair_scores_are_the_scores_a_search_gives(factory):
+    """DenseIndex.pair_scores gives a vector the score a search of the index gives it (transforms, codes,
+    refinement), so a passage scored outside a search (mine's positives) compares with the search's hits."""
+    rng = np.random.default_rng(0)
+    x, q = rng.standard_normal((300, DIM)).astype(np.float32), rng.standard_normal((4, DIM)).astype(np.float32)
+    dense = DenseIndex.build(DIM, IndexParams(factory=factory, nprobe=4))
+    dense.train(x)
+    dense.add(x)
+    scores, rows = dense.search(q, 10)
+    for i in range(len(q)):
+        pairs = dense.pair_scores(np.repeat(q[i:i + 1], 10, axis=0), x[rows[i]])
+        np.testing.assert_allclose(pairs, scores[i], rtol=1e-4, atol=1e-4)

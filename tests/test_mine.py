@@ -946,3 +946,44 @@ def test_answer_patterns_of_beir_queries_that_do_not_compile_are_named_before_th
                "hard negative")
     assert messages.count(warning) == 1, messages
     assert messages.index(warning) < next(i for i, m in enumerate(messages) if "passages from" in m)
+
+
+def test_positive_scores_are_the_index_scores_of_a_pca_index(world, tmp_path):
+    """A positive is scored as the index scores candidates: through a PCA index's centring and projection (a shift of
+    every score of a question and a loss of what the projection drops), not by the full-space dot product the
+    candidates' scores are no longer on the scale of. Each gold positive is in the corpus, so its score equals the
+    one the index's search gives its row, and the rules cut the candidates at those scores."""
+    root, corpus, retriever = world["root"], world["corpus"], world["retriever"]
+    encode_corpus(retriever, root / "corpus.jsonl", tmp_path / "emb", 0, 1, dtype="float32",
+                  cache_dir=root / "cache", show_progress=False)
+    build_index(tmp_path / "emb", tmp_path / "pca", IndexParams(factory="PCA8,Flat"))
+    src, qs = DenseSource(retriever, DenseIndex.read(tmp_path / "pca")), questions()
+    scores, rows, positive = src.retrieve([q["question"] for q in qs], len(corpus), [[(None, c["title"], c["text"])
+                                          for c in q["positive_ctxs"]] for q in qs])
+    ids = list(corpus["id"])
+    for q, q_scores, q_rows, pos in zip(qs, scores, rows, positive):
+        row = ids.index(q["positive_ctxs"][0]["passage_id"])
+        np.testing.assert_allclose(pos, [q_scores[list(q_rows).index(row)]], rtol=1e-4, atol=1e-4)
+    full, _ = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus))
+    margin = float(np.median([p[0] - c["score"] for r, p in zip(full, positive) for c in r["hard_negative_ctxs"]]))
+    kept, removed = kept_and_removed(full, [p[0] - margin for p in positive])
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus), min_margin=margin)
+    assert ids_of(records) == kept and summary.min_margin_dropped == removed > 0
+
+
+def test_positive_aware_rules_are_refused_for_an_index_that_cannot_score_a_positive(world, tmp_path):
+    """An index whose search scores otherwise than its codes' inner product (FAISS's HNSW over PQ codes ranks by L2)
+    gives no positive score comparable with its candidates': the rules that need one are refused in one line."""
+    import faiss
+
+    retriever, corpus = world["retriever"], world["corpus"]
+    vectors = retriever.embed("passage", list(corpus["text"]), titles=list(corpus["title"]))
+    index = faiss.index_factory(vectors.shape[1], "HNSW8_PQ4x4", faiss.METRIC_INNER_PRODUCT)
+    index.train(vectors)
+    index.add(vectors)
+    src = DenseSource(retriever, DenseIndex(index, {"factory": "HNSW8_PQ4x4"}))
+    mine_hard_negatives(questions(), src, corpus, n_negatives=2, top_k=10)  # no rule needs a positive's score
+    for rule in (dict(margin=0.1), dict(max_negative_ratio=0.9), dict(min_margin=0.1)):
+        with pytest.raises(DprGcError, match="^--margin, --max-negative-ratio and --min-margin compare candidates "
+                           "with the positives' scores as the index gives them, which the HNSW8_PQ4x4 index cannot"):
+            mine_hard_negatives(questions(), src, corpus, n_negatives=2, top_k=10, **rule)

@@ -159,6 +159,34 @@ def _transform_loss(transform: Any) -> str:
     return f"{name} to {transform.d_out}" if transform.d_out < transform.d_in else name
 
 
+def _pair_scores(index: Any, queries: np.ndarray, passages: np.ndarray) -> np.ndarray:
+    """Row i: the score a search of the FAISS ``index`` gives ``passages[i]`` for ``queries[i]`` -- both through its
+    transforms, the passage through its codes (encoded, then decoded), their inner product; a refined index's scores
+    are its refinement's, a graph's its storage's. :class:`Unscorable` names a part that scores otherwise."""
+    faiss = _faiss()
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexPreTransform):
+        for i in range(index.chain.size()):
+            step = faiss.downcast_VectorTransform(index.chain.at(i))
+            queries, passages = step.apply(queries), step.apply(passages)
+        return _pair_scores(index.index, queries, passages)
+    inner = next((getattr(index, name) for kind, name in ((faiss.IndexRefine, "refine_index"),
+                  (faiss.IndexHNSW, "storage"), (faiss.IndexNSG, "storage")) if isinstance(index, kind)), None)
+    if inner is not None:
+        return _pair_scores(inner, queries, passages)
+    if index.metric_type != faiss.METRIC_INNER_PRODUCT:
+        raise Unscorable(f"its {type(index).__name__} part ranks by another metric than the inner product")
+    try:
+        decoded = index.sa_decode(index.sa_encode(np.ascontiguousarray(passages, dtype=np.float32)))
+    except RuntimeError:
+        raise Unscorable(f"its {type(index).__name__} part cannot encode a vector on its own") from None
+    return np.einsum("nd,nd->n", queries, decoded)
+
+
+class Unscorable(DprGcError):
+    """A FAISS index whose search scores cannot be computed for given vectors (:meth:`DenseIndex.pair_scores`)."""
+
+
 class FaissRefused(DprGcError):
     """FAISS refused to add vectors to an index of this factory string (whatever the vectors)."""
 
@@ -337,6 +365,17 @@ class DenseIndex:
         else:
             scores, rows = self.index.search(queries, k)
         return scores, rows.astype(np.int64, copy=False)
+
+    def pair_scores(self, queries: np.ndarray, passages: np.ndarray) -> np.ndarray:
+        """Row i: the score a search of this index gives the passage vector ``passages[i]`` for ``queries[i]``, so a
+        passage not among a search's hits (a positive) compares with those hits: the inner product after the
+        index's transforms (PCA centres and projects), with the passage through its compressed codes -- the dot
+        product for a flat index; for fast-scan PQ codes, up to the rounding of their lookup tables. Raises
+        :class:`Unscorable` for an index that scores otherwise (HNSW over PQ codes ranks by L2)."""
+        q, p = self._matrix(queries, "query vectors"), self._matrix(passages, "passage vectors")
+        if len(q) != len(p):
+            raise ValueError(f"{len(q)} query vectors for {len(p)} passage vectors; pair_scores takes one of each")
+        return _pair_scores(self.index, q, p)
 
     # ------------------------------------------------------------------------------------------- persistence
     def write(self, folder: PathLike, ids: Optional[Iterable[str]] = None) -> Path:

@@ -8,9 +8,9 @@ ranks ``<= skip_top`` are skipped and, with ``margin``, so is any candidate scor
 margin``. Positive-aware mining (NV-Retriever, 2024) then removes likely unlabelled positives: ``max_negative_ratio``
 drops candidates scoring above R x the question's lowest-scoring positive ("TopK-PercPos", e.g. 0.95), ``min_margin``
 those scoring above that positive's score - M. Positive scores come from the same source as the candidates (BM25
-score, or the dense model's dot product). The first ``n_negatives`` left (by rank) become ``hard_negative_ctxs``.
-Training files stream through in chunks of questions and are rewritten record by record, so memory holds one chunk,
-not the file.
+score, or the dense index's score: the model's dot product through the index's transforms and codes). The first
+``n_negatives`` left (by rank) become ``hard_negative_ctxs``. Training files stream through in chunks of questions
+and are rewritten record by record, so memory holds one chunk, not the file.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class MineSettings:
     max_negative_ratio: Optional[float] = setting(None, "--max-negative-ratio", type=positive_float,
                                                   help="positive-aware: drop candidates scoring above R x the "
                                                        "question's lowest positive score (e.g. 0.95; scored by the "
-                                                       "candidates' own source: BM25 score or dense dot product)")
+                                                       "candidates' own source: BM25 score or the dense index's "
+                                                       "score)")
     min_margin: Optional[float] = setting(None, "--min-margin", type=any_float,
                                           help="positive-aware: drop candidates scoring above (lowest positive "
                                                "score - M)")
@@ -281,12 +282,14 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, set
     """Hard negatives for DPR-style question records (``question``, ``answers``, ``positive_ctxs``, optional ``id``).
 
     Returns one ``{"id", "question", "hard_negative_ctxs"}`` per question -- each ctx ``{title, text, passage_id,
-    score, rank}`` with ``rank`` the 1-based position in the retrieved list -- and a :class:`MiningSummary`.
+    score, rank}`` with ``score`` the source's (BM25's, or the index's search score: the dot product for a flat
+    index) and ``rank`` the 1-based position in the retrieved list -- and a :class:`MiningSummary`.
     ``settings`` (fields of :class:`MineSettings` may also be given as keywords) say which candidates are kept:
     ``margin`` drops candidates scoring above the best positive's score minus ``margin``; questions whose positive
     has no score (BM25: positive not in the corpus) keep their candidates. ``max_negative_ratio`` (R) and
     ``min_margin`` (M) drop candidates scoring above R x, or M below, the lowest-scoring positive's score (the ratio
-    only where that score is > 0); each removal is counted under the first rule that applies, in the order gold,
+    only where that score is > 0), a positive scored as the source scores candidates (a dense index that cannot is
+    refused); each removal is counted under the first rule that applies, in the order gold,
     answer, qrels, rank, margin, ratio, min margin. ``id_to_row`` maps positive ids to corpus rows for BM25 positive
     scores (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``settings.match`` kept
     across calls, caches tokenised candidates between chunks.
@@ -302,6 +305,8 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, set
             return mine_hard_negatives(questions, source, corpus, s, qrels=qrels, id_to_row=id_to_row, matcher=own,
                                        show_progress=show_progress)
     scored = needs_positive_scores(margin, max_negative_ratio, min_margin)
+    if scored and isinstance(source, DenseSource):
+        source.check_positive_scores()  # before any search
     if scored and id_to_row is None and isinstance(source, BM25Source):
         id_to_row = rows_for_ids(corpus, (ctx_id(c) for q in questions for c in q.get("positive_ctxs") or []))
     summary, records = MiningSummary(), []
@@ -526,7 +531,8 @@ def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_
         logger.warning("%s without a positive score (positive not in the corpus): the margin and positive-aware "
                        "rules did not apply to them", counted(summary.unscored, "question"))
     if summary.ratio_unapplied:
-        logger.warning("%s with a lowest positive score <= 0 (BM25: no word in common with the question): "
+        logger.warning("%s with a lowest positive score <= 0 (BM25: no word in common with the question; dense: "
+                       "as the index scores, e.g. after a PCA's centring): "
                        "--max-negative-ratio did not apply to them", counted(summary.ratio_unapplied, "question"))
 
 

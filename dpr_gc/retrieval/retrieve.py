@@ -28,7 +28,7 @@ from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
 from ..base.files import ChunkedOutput, PathLike, iter_jsonl, require_file
 from ..base.locks import output_lock
-from .index import DenseIndex, set_threads
+from .index import DenseIndex, Unscorable, set_threads
 from .index_params import hnsw_ef, ivf_nprobe
 from ..base.settings import (FREE, AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, from_args,
                              group, passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply,
@@ -240,12 +240,26 @@ def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Itera
 class DenseSource:
     """Candidates from a FAISS index (row r = corpus row r) searched with ``retriever``'s question encoder.
 
-    A positive's score is the dot product of the question with the positive embedded by the same passage encoder;
-    :meth:`retrieve` returns, per question, the scores of all its positives.
+    A positive's score is the one the index's search gives it (:meth:`DenseIndex.pair_scores`: the question and the
+    positive embedded by the same encoders, through the index's transforms and codes; the dot product for a flat
+    index), so it compares with the candidates' scores; :meth:`retrieve` returns, per question, the scores of all
+    its positives.
     """
 
     def __init__(self, retriever: Any, index: Any, batch_size: int = 64) -> None:
         self.retriever, self.index, self.batch_size = retriever, index, batch_size
+
+    def check_positive_scores(self) -> None:
+        """Refuse, in one line, the rules that compare candidates with positives' scores when the index cannot give
+        a positive the score its search would."""
+        dim = self.index.dim
+        try:
+            self.index.pair_scores(np.zeros((1, dim), np.float32), np.zeros((1, dim), np.float32))
+        except Unscorable as e:
+            raise DprGcError(f"--margin, --max-negative-ratio and --min-margin compare candidates with the "
+                             f"positives' scores as the index gives them, which the {self.index.meta.get('factory')} "
+                             f"index cannot ({e}); mine with another index (flat, IVF, PQ, HNSW over flat "
+                             "vectors) or drop those flags") from None
 
     def retrieve(self, questions: list[str], k: int,
                  positives: Optional[list[list[tuple]]] = None) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
@@ -254,9 +268,10 @@ class DenseSource:
         positive_scores: list[list[float]] = [[] for _ in questions]
         flat = [(i, g) for i, gs in enumerate(positives or []) for g in gs]
         if flat:
+            self.check_positive_scores()
             pemb = self.retriever.embed("passage", [g[2] for _, g in flat], titles=[g[1] for _, g in flat],
                                         batch_size=self.batch_size)
-            for (i, _), s in zip(flat, np.einsum("nd,nd->n", emb[[i for i, _ in flat]], pemb).tolist()):
+            for (i, _), s in zip(flat, self.index.pair_scores(emb[[i for i, _ in flat]], pemb).tolist()):
                 positive_scores[i].append(s)
         return scores, rows, positive_scores
 
