@@ -505,8 +505,9 @@ def test_ivf_pq_skips_polysemous_training():
 
 @pytest.mark.parametrize("factory, search", [
     ("PQ4np", "approximate (PQ4 codes)"), ("PCA8,Flat", "approximate (PCA to 8, flat)"),
-    ("NSG16,Flat", "approximate (NSG graph)"), ("HNSW8_PQ4", "efSearch 128, PQ4 codes"),
-    ("PCA8,IVF4,Flat", "nprobe 32 of 4 lists (all), PCA to 8"), ("RR16,Flat", "exact")])
+    ("NSG16,Flat", "approximate (NSG graph)"), ("HNSW8_SQ8", "efSearch 128, SQ8bit codes"),
+    ("PCA8,IVF4,Flat", "nprobe 32 of 4 lists (all), PCA to 8"), ("RR16,Flat", "exact"),
+    ("PCA16,Flat", "approximate (PCA centring, flat)")])
 def test_an_index_is_said_to_search_exactly_only_when_it_does(tmp_path, data, caplog, factory, search):
     """How a search runs is read from the FAISS index's structure: compressed codes, a dimension-reducing transform
     or a graph make it approximate, and the log, the summary and a reloaded index say so (and why); only a flat
@@ -516,6 +517,39 @@ def test_an_index_is_said_to_search_exactly_only_when_it_does(tmp_path, data, ca
         summary = build_index(emb_dir, tmp_path / "idx", IndexParams(factory=factory))
     assert f"building {factory} over 800 vectors; search: {search};" in " ".join(caplog.messages)
     assert summary["search"] == search == DenseIndex.read(tmp_path / "idx").search_settings()
+
+
+def test_a_full_rank_pca_is_not_exact_its_centring_changes_the_ranking(data, queries):
+    """PCA centres the vectors: (q - m).(p - m) moves each passage's score by its own -m.p, so even a PCA that keeps
+    every dimension ranks otherwise than the dot product; its index must not call its search exact."""
+    index = DenseIndex.build(data.shape[1], IndexParams(factory="PCA16,Flat"))
+    index.train(data)
+    index.add(data)
+    _, rows = exact_top_k(data, queries, 10)
+    _, found = index.search(queries, 10)
+    assert (found != rows).any() and index.search_settings() == "approximate (PCA centring, flat)"
+
+
+def test_an_index_faiss_builds_with_the_l2_metric_is_refused_at_build_and_read(tmp_path, data):
+    """FAISS builds HNSW over PQ codes with the L2 metric whatever metric is asked for: its search would return
+    distances, smallest first, read as scores. `dpr-gc index` refuses the factory in one line, and a folder holding
+    such an index (built elsewhere) is refused when read."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb = write_shards(tmp_path / "emb", data)
+    code, err = call(main, ["index", "--embeddings", emb, "--output", tmp_path / "a", "--factory", "HNSW8_PQ4"])
+    assert code == 2 and err.startswith("error: FAISS builds index 'HNSW8_PQ4' with its IndexHNSWPQ part ranking "
+                                        "by the L2 distance") and err.count("\n") == 1, err
+    assert not (tmp_path / "a").exists()
+    hnsw_pq = faiss.index_factory(data.shape[1], "HNSW8_PQ4", faiss.METRIC_INNER_PRODUCT)
+    hnsw_pq.train(data)
+    hnsw_pq.add(data)
+    build_index(emb, tmp_path / "b", IndexParams(factory="HNSW8,Flat"))
+    meta = json.loads((tmp_path / "b" / META_FILE).read_text())
+    DenseIndex(hnsw_pq, dict(meta, factory="HNSW8_PQ4")).write(tmp_path / "b")
+    with pytest.raises(DprGcError, match=r"was built with its IndexHNSWPQ part ranking by the L2 distance"):
+        DenseIndex.read(tmp_path / "b")
 
 
 def test_too_few_vectors_to_train_advises_what_can_help(tmp_path):

@@ -122,6 +122,14 @@ def _search_parts(index: Any) -> tuple[list[str], list[str]]:
     return [], [_codes(index)]
 
 
+def _other_metric(index: Any) -> str:
+    """'' when every layer of a FAISS index ranks by inner product, else which one does not (FAISS gives HNSW over
+    PQ codes the L2 metric whatever metric the factory is asked for)."""
+    faiss = _faiss()
+    other = next((layer for layer in _layers(index) if layer.metric_type != faiss.METRIC_INNER_PRODUCT), None)
+    return "" if other is None else f"its {type(other).__name__} part ranking by the L2 distance"
+
+
 def _layers(index: Any) -> Iterator[Any]:
     """A FAISS index and the indexes inside it (a transform's, a refinement's base, a graph's storage), downcast."""
     index = _faiss().downcast_index(index)
@@ -149,9 +157,10 @@ def _transform_loss(transform: Any) -> str:
     faiss = _faiss()
     if transform.d_out == transform.d_in and (
             isinstance(transform, (faiss.OPQMatrix, faiss.RandomRotationMatrix)) or
-            isinstance(transform, faiss.PCAMatrix) and transform.eigen_power == 0 or
             type(transform) is faiss.LinearTransform and transform.is_orthonormal and not transform.have_bias):
-        return ""  # a rotation (PCA's centering shifts every score of a query alike)
+        return ""  # a rotation keeps every inner product
+    if isinstance(transform, faiss.PCAMatrix) and transform.d_out == transform.d_in:
+        return "PCA centring"  # (q - m).(p - m) moves each passage's score by its own -m.p: another ranking
     names = {faiss.PCAMatrix: "PCA", faiss.OPQMatrix: "OPQ", faiss.RandomRotationMatrix: "random rotation",
              faiss.NormalizationTransform: "L2 normalization", faiss.ITQTransform: "ITQ",
              faiss.LinearTransform: "projection"}  # FAISS reads an OPQ matrix back as a LinearTransform
@@ -210,6 +219,11 @@ class DenseIndex:
         except (RuntimeError, MemoryError) as e:  # MemoryError: a factory string's sizes too large to allocate
             raise DprGcError(f"FAISS cannot build index {factory!r} for dimension {dim}: "
                              f"{_faiss_message(e)}; check --factory / --pq-m") from None
+        other = _other_metric(index)
+        if other:
+            raise DprGcError(f"FAISS builds index {factory!r} with {other}, whatever metric it is asked for, so its "
+                             "search would rank passages by distance, not by score; choose another --factory (e.g. "
+                             "'HNSW32,Flat', or 'IVF4096,PQ64' for compressed codes)")
         hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
         if hnsw is not None:
             hnsw.efConstruction = params.ef_construction
@@ -421,6 +435,11 @@ class DenseIndex:
         vectors come from one build even while ``index`` replaces the folder (see :func:`_read_one_build`)."""
         folder = Path(folder)
         index, meta = _read_one_build(folder)
+        other = _other_metric(index)
+        if other:
+            raise DprGcError(f"{folder}: its FAISS index ({meta.get('factory')!r}) was built with {other}, so its "
+                             "search ranks passages by distance, not by score; rebuild it with dpr-gc index and "
+                             "another --factory")
         dense = cls(index, meta)
         params = meta.get("params") or {}
         dense._apply_search_params(params.get("ef_search"), params.get("nprobe"), strict=False)
