@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers import BertTokenizerFast
 
 from dpr_gc.cli import main
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.train.config import TrainConfig
 from dpr_gc.train.trainer import Trainer
 from dpr_gc.train.verify import Verifier, verify
 from tests.helpers import tiny_bert, write_vocab
@@ -150,8 +152,9 @@ def test_fails_on_noise_it_cannot_replay(tmp_path, capsys, monkeypatch):
 
 def test_an_fp32_gap_that_float64_closes_passes_as_rounding_and_one_it_keeps_fails(tmp_path, capsys, monkeypatch):
     """Past the fp32 tolerance (here made 1e-11, below fp32's rounding), verify re-runs both steps with the towers
-    in float64: they agree there, so the batch passes with a note; a small defect (noise the cache cannot replay,
-    1e-5 of the hidden states) is still a gap in float64 and fails."""
+    in float64: they agree there, so the batch passes with a note (and fails, its note saying float64 closes the gap,
+    where the gap is past FP32_ROUNDING_LIMIT); a small defect (noise the cache cannot replay, 1e-5 of the hidden
+    states) is still a gap in float64 and fails."""
     import dpr_gc.train.verify as verify_module
 
     model = init_model(tmp_path, learn_temperature=True, temperature=0.3)
@@ -160,6 +163,9 @@ def test_an_fp32_gap_that_float64_closes_passes_as_rounding_and_one_it_keeps_fai
     gap = re.search(r"differ by (\S+) in fp32 and by (\S+) with the towers in float64", out)
     assert code == 0 and "PASS" in out and gap and "fp32 rounding: the steps differ" in out, out
     assert 1e-11 < float(gap.group(1)) < 1e-4 and float(gap.group(2)) < 1e-11, out
+    monkeypatch.setattr(verify_module, "FP32_ROUNDING_LIMIT", 1e-11)  # the same gap, past what rounding explains
+    code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "1"))
+    assert code == 1 and "FAIL" in out and "float64 closes it, but past the 1e-11 fp32 rounding can explain" in out, out
     build = Trainer.build_model
 
     def noisy(self):
@@ -269,3 +275,40 @@ def test_resume_is_refused_not_silently_ignored(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("error: --resume latest does not apply to verify: it checks the starting model; to check a "
                    "checkpoint's weights, give its model/ folder as --model"), err
+
+
+def cancelling_temperature(tmp: Path) -> TrainConfig:
+    """A LoRA decoder at temperature 0.199 whose second batch's temperature gradient nearly cancels (2.4e-4 against
+    0.76 on the first), so fp32 rounding of its terms is a large share of it."""
+    from dpr_gc.model.lora import LoraSettings
+
+    save_decoder(tmp / "decoder", "llama", padding_side="left")
+    data = write_dpr(tmp / "train.json", make_records(16, 1))
+    retriever = RetrieverConfig(pooling="last", passage_format="concat", learn_temperature=True, temperature=0.199)
+    return train_config(train_files=[str(data)], output_dir=str(tmp / "out"), model=str(tmp / "decoder"),
+                        retriever=retriever, lora=LoraSettings(r=4), batch_size=8, query_chunk_size=3,
+                        passage_chunk_size=3, num_workers=0, cache_dir=str(tmp / "cache"), device="cpu")
+
+
+def test_a_temperature_gradient_that_nearly_cancels_passes_and_a_wrong_one_fails(tmp_path, monkeypatch):
+    """The temperature's gradient sums terms of both signs; its error is measured against their absolute sum, so
+    where they nearly cancel the fp32 rounding of the terms passes (relative to the sum alone it was 3.6e-3), while a
+    cached temperature gradient twice the full one fails."""
+    config = cancelling_temperature(tmp_path)
+    report = verify(config, batches=2)
+    first, second = (b.temperature_grad[1] for b in report.batches)
+    assert abs(second) < 1e-3 * abs(first), report.table()
+    assert report.passed and "PASS" in report.table(), report.table()
+    assert all(b.temperature_error < 1e-5 for b in report.batches), report.table()
+    cached_step = Verifier.cached_step
+
+    def doubled_temperature(self, query, passage, ids):
+        loss, grads, cost = cached_step(self, query, passage, ids)
+        grads["tau.log_value"] = grads["tau.log_value"] * 2
+        return loss, grads, cost
+
+    monkeypatch.setattr(Verifier, "cached_step", doubled_temperature)
+    report = verify(config, batches=2)
+    first = report.batches[0]
+    assert not report.passed and first.temperature_error > 1e-3 and "not rounding" in first.note, report.table()
+    assert "FAIL" in report.table() and "worst tensor tau.log_value" in report.table(), report.table()

@@ -1,5 +1,6 @@
 """`dpr-gc verify` under two gloo ranks: DDP (separate towers, a memory budget) and FSDP (a LoRA decoder, last
-pooling) each check 2 ranks x 4 queries against the global batch of 8 and pass. DDP with separate towers and no
+pooling, two batches, the second's temperature gradient nearly cancelling) each check 2 ranks x 4 queries against the
+global batch of 8 and pass. DDP with separate towers and no
 budget checks two batches: the first's reference step must leave DDP's reducer as it found it, or the second
 cached step fails on parameters the reducer thinks were used but whose gradients were cleared. Under DDP an fp32
 gap past the tolerance (made 1e-11 here) is re-measured in float64 on every rank and passes as rounding."""
@@ -32,7 +33,8 @@ def settings(tmp: str, fsdp: bool, budget: Union[int, str] = "1GB"):
         from dpr_gc.model.lora import LoraSettings
         from dpr_gc.model.retriever import RetrieverConfig
 
-        retriever = RetrieverConfig(pooling="last", passage_format="concat", learn_temperature=True)
+        # At 0.2 the second batch's temperature gradient nearly cancels: fp32 rounding is a large share of it.
+        retriever = RetrieverConfig(pooling="last", passage_format="concat", learn_temperature=True, temperature=0.2)
         return train_config(model=str(Path(tmp) / "decoder"), retriever=retriever, lora=LoraSettings(r=4),
                             fsdp=True, **common)
     return train_config(model=str(Path(tmp) / "init"), memory_budget=budget, **common)
@@ -42,7 +44,7 @@ def worker(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=300))
     for name, fsdp, budget, batches in (("ddp", False, "1GB", 1), ("ddp-no-budget", False, 0, 2),
-                                        ("fsdp", True, "1GB", 1)):
+                                        ("fsdp", True, "1GB", 2)):
         try:
             report = verify(settings(tmp, fsdp, budget), batches)
             assert report.world == WORLD and [b.queries for b in report.batches] == [8] * batches, report.table()
