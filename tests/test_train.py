@@ -178,6 +178,28 @@ def test_a_train_refused_at_its_first_batch_leaves_no_output(task, tmp_path, cap
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
 
 
+def test_a_refusal_on_another_rank_at_the_first_batch_leaves_no_output(task, tmp_path):
+    """Under torchrun rank 1 cannot find its first batch's negative (its question has none, and every other passage
+    holds its answer) while rank 0 can: rank 0 went on into the step's collectives, lost its peer or was stopped by
+    torchrun, and left train_config.json in --output. The refusal is shared: both ranks stop with one error line,
+    rank 0's naming rank 1, and the folder rank 0 created is removed."""
+    records = [{"question": f"question number {i}", "answers": ["zzz"], "negative_ctxs": [],
+                "positive_ctxs": [{"title": "t", "text": f"zzz passage {i}", "passage_id": f"p{i}"}],
+                "hard_negative_ctxs": [{"title": "n", "text": f"neg {i}", "passage_id": f"n{i}"}] if i < 2 else []}
+               for i in range(4)]
+    data, out = write_dpr(tmp_path / "half.json", records), tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                       "dpr_gc.cli", "train", "--model", str(task["model"]), "--train", str(data), "--hard-negatives",
+                       "1", "--batch-size", "1", "--seed", "3", "--max-steps", "2", "--num-workers", "0", "--device",
+                       "cpu", "--cache-dir", str(tmp_path / "cache"), "--output", str(out)], limit_s=150, env=env)
+    errors = sorted(line[line.index("error:"):] for line in run.stderr.splitlines() if "error:" in line)
+    assert run.returncode != 0 and len(errors) == 2, run.stderr[-3000:]
+    assert errors[0].startswith("error: cannot find 1 negatives for training row"), errors
+    assert errors[1].startswith("error: rank 1 stopped: cannot find 1 negatives"), errors
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
 def test_a_model_without_its_vocabulary_trains_nothing(task, tmp_path, capsys):
     """A model folder whose tokenizer lost its vocabulary loaded as special tokens alone and trained on [UNK]s; the
     model loader refuses it, before --output is written."""

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -501,8 +502,8 @@ class Trainer:
     # ----------------------------------------------------------------- the loop
     def fit(self) -> dict:
         """Train to the last step (continuing ``config.run.resume`` when given); returns the run's summary. A fresh
-        run refused before its first step (the first batch's negatives cannot be found) leaves --output as it found
-        it (:meth:`discard_refused_start`)."""
+        run refused before its first step (the first batch's negatives cannot be found, on any rank:
+        :meth:`first_batch`) leaves --output as it found it (:meth:`discard_refused_start`)."""
         try:
             return self.fit_steps()
         except TrainingDiverged:
@@ -586,13 +587,31 @@ class Trainer:
         """The rest of the current epoch (all of it, unless resumed inside it), stopping at the last step."""
         self.sampler.set_epoch(self.epoch)
         done_in_epoch = self.steps_per_epoch - len(self.sampler)
-        for batch in self.loader:
+        batches = iter(self.loader)
+        if self.step == 0:
+            batches = itertools.chain(self.first_batch(batches), batches)
+        for batch in batches:
             loss, grad_norm = self.train_step(batch)
             self.step, done_in_epoch = self.step + 1, done_in_epoch + 1
             self.examples += self.effective_batch
             self.after_step(self.record(loss, grad_norm), done_in_epoch)
             if self.step >= self.total_steps:
                 break
+
+    def first_batch(self, batches: Iterator[dict]) -> list[dict]:
+        """The run's first batch (none where the epoch has none), drawn on every rank before the first step's
+        collectives. A refusal while drawing it (a negative that cannot be found) is shared: every rank raises it, as
+        at start-up (:func:`~dpr_gc.train.distributed.refused_together`), and the others wait until rank 0 has
+        removed what the run wrote (:meth:`discard_refused_start`): torchrun stops the job once one rank exits."""
+        drawn: list[dict] = []
+        try:
+            refused_together(lambda: drawn.extend(itertools.islice(batches, 1)))
+        except DprGcError:
+            self.discard_refused_start()
+            if dist.is_initialized():
+                dist.barrier()
+            raise
+        return drawn
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The step's metrics record (and the progress bar's line). Under torchrun each rank's loss is the mean over
