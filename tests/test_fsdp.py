@@ -118,6 +118,34 @@ def test_fsdp_gradient_cache_step_equals_one_process_and_resumes(tmp_path):
         load_sharded(tmp_path, None, None)
 
 
+def snapshot_worker(rank: int, tmp: str) -> None:
+    """``full_state_dict`` kept from before a step, then the step: the kept weights are those from before (the
+    replicated temperature was the live parameter on the CPU), while the step moved the temperature."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=300))
+    try:
+        torch.manual_seed(0)
+        retriever = shard_retriever(lora_decoder())
+        kept = full_state_dict(retriever)
+        before = {k: v.clone() for k, v in kept.items()}
+        sharded_steps(rank, retriever, optimizer_for(retriever), batches(lora_decoder(), 1))
+        after = full_state_dict(retriever)
+        if rank == 0:
+            changed = [k for k in before if not torch.equal(kept[k], before[k])]
+            assert not changed, f"the kept state dict changed with the step: {changed}"
+            assert not torch.equal(after["tau.log_value"], before["tau.log_value"]), "the step left tau as it was"
+    except Exception:
+        Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+    dist.barrier()  # rank 1 waits for rank 0's checks, failed or not
+
+
+def test_fsdp_full_state_dict_is_a_snapshot(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_ranks(snapshot_worker, (str(tmp_path),), WORLD, limit_s=180)
+    errors = rank_errors(tmp_path)
+    assert not errors, errors
+
+
 def sharded_model_and_local_batch(rank: int) -> tuple:
     """The seed-0 LoRA decoder sharded over the ranks, and this rank's rows of the first global batch."""
     torch.manual_seed(0)

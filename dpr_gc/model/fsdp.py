@@ -101,10 +101,16 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded model weights on the CPU of rank 0 (empty elsewhere), e.g. to save a retriever folder."""
+    """The unsharded model weights on the CPU of rank 0 (empty elsewhere), e.g. to save a retriever folder: a
+    snapshot, which later steps leave as it is. The sharded weights are gathered into new tensors, but the CPU
+    tensors FSDP does not shard (a replicated temperature, buffers) would be the live ones: they are copied."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    live = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
+            if not isinstance(t, DTensor)}
+    return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in state.items()}
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
