@@ -533,7 +533,8 @@ def test_resume_takes_the_training_file_spelled_another_way(first_run, tmp_path,
     assert (out / "checkpoint-3").is_dir()
 
 
-def test_a_run_started_with_relative_paths_resumes_from_another_folder_by_place(tmp_path, monkeypatch) -> None:
+def test_a_run_started_with_relative_paths_resumes_from_another_folder_by_place(tmp_path, monkeypatch,
+                                                                                  capsys) -> None:
     """docs/training.md: paths compare by the place they name. A run started with relative paths resumes from another
     folder given the same files absolute (it was refused: the record held the spellings, which the check took from
     the new folder); a copy of its output elsewhere, resumed there with another dev.json spelled the same, is refused
@@ -557,9 +558,11 @@ def test_a_run_started_with_relative_paths_resumes_from_another_folder_by_place(
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     absolute = [str(first / a) if a in ("train.json", "dev.json", "init", "cache", "out") else a for a in argv]
+    capsys.readouterr()
     code, err = call(cli.main, [*absolute, "--max-steps", "2", "--resume", "latest"])
     assert code == 0, err
     assert (first / "out" / "checkpoint-2").is_dir()
+    assert f" in {first / 'out' / 'best'}" in capsys.readouterr().out  # not 'out/best', read from here
     copy = tmp_path / "copy"
     shutil.copytree(first, copy)
     write_dpr(copy / "dev.json", make_records(4, 3))

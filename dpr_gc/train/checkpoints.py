@@ -320,8 +320,12 @@ class Checkpointer:
         best step), it is copied into this output's ``best/``; otherwise the record is reset, said in one line, and
         the next dev evaluation writes ``best/`` here."""
         here = os.path.realpath(self.out)
-        if self.best_path is None or here in (os.path.realpath(checkpoint.parent),
-                                              os.path.dirname(os.path.realpath(self.best_path))):
+        if self.best_path is None:
+            return
+        if here == os.path.realpath(checkpoint.parent):  # recorded as the run spelt it, maybe from another folder
+            self.best_path = str(self.out / "best")
+            return
+        if here == os.path.dirname(os.path.realpath(self.best_path)):
             return
         recorded, best_step = self.best_path, self.best_step
         self.best_path = str(self.out / "best")
