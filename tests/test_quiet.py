@@ -152,3 +152,17 @@ def test_log_counts_take_the_singular_for_one() -> None:
 
     assert [counted(n, "passage") for n in (0, 1, 2)] == ["0 passages", "1 passage", "2 passages"]
     assert counted(1, "query", "queries") == "1 query" and counted(3, "query", "queries") == "3 queries"
+
+
+def test_matplotlibs_font_cache_notice_is_kept_quiet(tmp_path: Path) -> None:
+    """On a machine where matplotlib has no font cache yet (a fresh ``MPLCONFIGDIR``), drawing the demo's or
+    evaluate's plot logged "INFO matplotlib.font_manager: generated new fontManager"; it is a dependency's line."""
+    code = ("from dpr_gc.base.logs import setup_logging\nsetup_logging(False)\nimport matplotlib\n"
+            "matplotlib.use('Agg')\nimport matplotlib.pyplot\n")
+    fresh = tmp_path / "mplconfig"
+    fresh.mkdir()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), MPLCONFIGDIR=str(fresh)))
+    assert result.returncode == 0, result.stderr
+    assert any(fresh.iterdir()), "matplotlib built no font cache: the test did not reach the notice"
+    assert result.stderr == "", result.stderr

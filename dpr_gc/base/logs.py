@@ -1,14 +1,14 @@
 """The command line's log: the toolkit's own lines, and its dependencies kept quiet unless ``--verbose``.
 
 FAISS logs its loader's attempts (``ModuleNotFoundError`` for the AVX-512 build it did not find) at INFO, datasets
-announces "JAX version ... available" at import, bm25s sets its own logger to DEBUG when imported, transformers draws
-a "Loading weights" bar on every model load and "Writing model shards" bars on every save (which break into the
-training bar), and peft calls a transformers property that warns of its own deprecation. None of it is about what the
-toolkit does, so without ``--verbose`` those loggers pass only warnings and errors (a filter on each, which a level the
-library sets at import does not undo), those bars are off, and deprecation warnings raised inside them are not shown
-(they are addressed to the library's callers' developers, not to our user). The settings go through the libraries' own
-environment variables (``setdefault``: a user's own setting wins), so DataLoader workers and torchrun ranks inherit
-them.
+announces "JAX version ... available" at import, bm25s sets its own logger to DEBUG when imported, transformers draws a
+"Loading weights" bar on every model load and "Writing model shards" bars on every save (which break into the training
+bar), peft calls a transformers property that warns of its own deprecation, and matplotlib announces the font cache it
+builds on a machine's first plot. None of it is about what the toolkit does, so without ``--verbose`` those loggers pass
+only warnings and errors (a filter on each, which a level the library sets at import does not undo), those bars are off,
+and deprecation warnings raised inside them are not shown (they are addressed to the library's callers' developers, not
+to our user). The settings go through the libraries' own environment variables (``setdefault``: a user's own setting
+wins), so DataLoader workers and torchrun ranks inherit them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import warnings
 from typing import Iterator
 
 QUIET_LOGGERS = ("faiss", "datasets", "transformers", "sentence_transformers", "huggingface_hub", "urllib3",
-                 "httpx", "filelock", "jax", "absl", "bm25s", "peft", "accelerate")
+                 "httpx", "filelock", "jax", "absl", "bm25s", "peft", "accelerate", "matplotlib")
 # where a deprecation warning is attributed to one of these modules, a dependency is talking to its own callers
 QUIET_WARNING_MODULES = r"(torch|transformers|peft|accelerate|datasets|sentence_transformers|huggingface_hub|faiss|" \
                         r"bm25s|jax|flax|optax)(\..*)?$"
