@@ -639,3 +639,32 @@ def test_library_retrieve_to_files_names_answer_patterns_that_do_not_compile_onc
         retrieve_file(retriever, index, corpus, qa, top_k=3, match="regex", output=tmp_path / "f.json",
                       show_progress=False)
     assert len([r for r in caplog.records if "does not compile" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("where", ["search", "evaluation"])
+def test_an_interrupt_while_retrieving_ends_stderr_with_the_interrupted_line(world, tmp_path, monkeypatch, where):
+    """Ctrl-C inside the 'retrieving' bar, while FAISS searches (inside the generator that owns the bar) or while a
+    retrieved question is evaluated (outside it): the bar is closed as the interrupt leaves, so the ``interrupted:``
+    line is the last one on stderr; a stale bar came after it once the interrupt was collected."""
+    import contextlib
+    import gc
+    import io
+
+    from dpr_gc.cli import main
+    from dpr_gc.evaluation.evaluate import RunEvaluation
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    queries, qrels = self_queries(tmp_path)
+    monkeypatch.setattr(*((DenseIndex, "search") if where == "search" else (RunEvaluation, "write")), interrupted)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main([str(a) for a in ("retrieve", "--index", world["idx"], "--queries", queries, "--qrels", qrels,
+                                      "--evaluate", "--top-k", 3, "--cache-dir", world["cache"], "--device", "cpu",
+                                      "--workers", 1)])
+        gc.collect()  # whatever the interrupt left open is closed now, into the same stderr
+    lines = [line for line in err.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    assert code == 130 and "retrieving" in err.getvalue(), err.getvalue()
+    assert lines[-1].startswith("interrupted: "), lines[-3:]
+    assert "\ninterrupted: " in err.getvalue(), err.getvalue()  # on a line of its own, not after the bar's text

@@ -214,27 +214,35 @@ def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Itera
         check_compatible(retriever, index, check_fingerprint=False)
     queries = iter(queries)
     bar = tqdm(desc="retrieving", unit=" q", total=total, disable=nested_bar_disabled(show_progress))
-    while chunk := list(itertools.islice(queries, QUERY_CHUNK)):
-        emb = retriever.embed("query", [q["question"] for q in chunk], batch_size=batch_size,
-                              show_progress=show_progress and len(chunk) > batch_size)
-        scores, rows = index.search(emb, top_k)
-        unique = np.unique(rows[rows >= 0]).tolist()
-        passages = corpus[unique] if unique else {"id": [], "title": [], "text": []}
-        where = {row: i for i, row in enumerate(unique)}
-        records = []
-        for q, q_scores, q_rows in zip(chunk, scores.tolist(), rows.tolist()):
-            ctxs = [{"id": str(passages["id"][i]), "title": passages["title"][i] or "", "text": passages["text"][i],
-                     "score": score} for score, i in ((s, where[r]) for s, r in zip(q_scores, q_rows) if r >= 0)]
-            records.append({"id": str(q["id"]), "question": q["question"], "answers": q.get("answers") or [],
-                            "ctxs": ctxs})
-        if matcher is not None:
-            flags = matcher.flags([(r["answers"], [(c["id"], c["text"]) for c in r["ctxs"]]) for r in records])
-            for record, row in zip(records, flags):
-                for ctx, flag in zip(record["ctxs"], row):
-                    ctx["has_answer"] = flag
-        bar.update(len(chunk))
-        yield from records
-    bar.close()
+    try:  # closed as an interrupt or error leaves too, before the command prints its last line
+        while chunk := list(itertools.islice(queries, QUERY_CHUNK)):
+            emb = retriever.embed("query", [q["question"] for q in chunk], batch_size=batch_size,
+                                  show_progress=show_progress and len(chunk) > batch_size)
+            records = searched_records(chunk, *index.search(emb, top_k), corpus)
+            if matcher is not None:
+                flags = matcher.flags([(r["answers"], [(c["id"], c["text"]) for c in r["ctxs"]]) for r in records])
+                for record, row in zip(records, flags):
+                    for ctx, flag in zip(record["ctxs"], row):
+                        ctx["has_answer"] = flag
+            bar.update(len(chunk))
+            yield from records
+    finally:
+        bar.close()
+
+
+def searched_records(chunk: list[dict], scores: np.ndarray, rows: np.ndarray, corpus: Any) -> list[dict]:
+    """The DPR retriever records of the questions ``chunk`` from their search's ``scores`` and corpus ``rows``
+    (a row -1, a hit the search did not reach, is left out)."""
+    unique = np.unique(rows[rows >= 0]).tolist()
+    passages = corpus[unique] if unique else {"id": [], "title": [], "text": []}
+    where = {row: i for i, row in enumerate(unique)}
+    records = []
+    for q, q_scores, q_rows in zip(chunk, scores.tolist(), rows.tolist()):
+        ctxs = [{"id": str(passages["id"][i]), "title": passages["title"][i] or "", "text": passages["text"][i],
+                 "score": score} for score, i in ((s, where[r]) for s, r in zip(q_scores, q_rows) if r >= 0)]
+        records.append({"id": str(q["id"]), "question": q["question"], "answers": q.get("answers") or [],
+                        "ctxs": ctxs})
+    return records
 
 
 class DenseSource:
@@ -440,7 +448,8 @@ def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Ite
 
         first = s.output or s.trec_run
         if resume_key is None or not first:
-            metrics = write(records(queries, total))
+            with contextlib.closing(records(queries, total)) as todo:  # its bar closes as an interrupt leaves
+                metrics = write(todo)
         else:
             metrics = retrieve_kept(Path(first), resume_key, queries, total, records, write)
     hits.warn(index, evaluated=s.cutoffs() is not None)
