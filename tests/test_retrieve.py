@@ -668,3 +668,26 @@ def test_an_interrupt_while_retrieving_ends_stderr_with_the_interrupted_line(wor
     assert code == 130 and "retrieving" in err.getvalue(), err.getvalue()
     assert lines[-1].startswith("interrupted: "), lines[-3:]
     assert "\ninterrupted: " in err.getvalue(), err.getvalue()  # on a line of its own, not after the bar's text
+
+
+def test_the_librarys_depth_warnings_name_no_command_flags(world, tmp_path, caplog):
+    """retrieve_to_files (the demo's retrieval: top_k=100 and its own cut-offs) warned of "--top-k 100" and
+    "--k 20 100", flags of dpr-gc retrieve that the demo and a library caller do not have: its warnings say top-k
+    and cut-offs in words (the command's, in test_a_top_k_beyond_the_index_is_named..., keep naming its flags)."""
+    from dpr_gc.data.corpus import load_corpus
+
+    retriever, index = Retriever.load(world["model"]), DenseIndex.read(world["idx"])
+    corpus = load_corpus(world["corpus"], world["cache"])
+    queries = [{"id": "a", "question": "king of paris", "answers": ["paris"]}]
+    for top_k, ks, want in (
+            (100, [1, 20, 100], [f"a top-k of 100 is beyond the index's {N_PASSAGES} vectors: each question gets "
+                                 f"those {N_PASSAGES} passages",
+                                 f"cut-off 100 beyond the index's {N_PASSAGES} vectors: those figures count only the "
+                                 f"{N_PASSAGES} passages retrieved per question"]),
+            (3, [1, 20], ["cut-off 20 beyond the top-k of 3: those figures count only the 3 passages retrieved per "
+                          "question"])):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dpr_gc"):
+            retrieve_to_files(retriever, index, corpus, queries, top_k=top_k, ks=ks, output=tmp_path / "r.json",
+                              show_progress=False)
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == want

@@ -425,18 +425,15 @@ def patterns_noted(queries: Iterable[dict], uncompiled: UncompiledPatterns) -> I
 
 def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], s: RetrieveSettings,
                     qrels: Optional[dict[str, dict[str, int]]], show_progress: bool, total: Optional[int],
-                    resume_key: Optional[dict]) -> tuple[dict[str, dict[str, float]], HitCount]:
+                    resume_key: Optional[dict], flags: bool = False) -> tuple[dict[str, dict[str, float]], HitCount]:
     """:func:`retrieve_to_files` once its inputs are checked (:func:`run_retrieval` checks them as they load, each
-    once); returns the metrics and the passages the questions got."""
+    once); returns the metrics and the passages the questions got. ``flags``: the settings came as ``dpr-gc
+    retrieve``'s flags, which its warnings then name (a library caller, the demo among them, has none)."""
     match = None if s.match == "none" else s.match
     if s.trec_run:
         check_run_tag(s.run_tag)
-    depth = retrieved_depth(s.top_k, index)
-    beyond = [k for k in s.ks or () if k > depth]  # the default cut-offs stop at --top-k, warned of above
-    if beyond:
-        logger.warning("--k %s beyond %s: those figures count only the %d passages retrieved per question",
-                       " ".join(map(str, beyond)), f"--top-k {depth}" if depth == s.top_k else
-                       f"the index's {depth} vectors", depth)
+    depth = retrieved_depth(s.top_k, index, flags)
+    warn_cut_offs_beyond(s, depth, flags)
     hits = HitCount(depth)
     with AnswerMatcher(match or "string", default_workers(s.workers)) as matcher:
         def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
@@ -618,7 +615,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     resumed = kept_before(Path(first), key) if first else 0
     started = time.perf_counter()
     metrics, hits = write_retrieval(retriever, index, passages, judged_queries(job.queries, qrels), s, qrels, True,
-                                    count, key)
+                                    count, key, flags=True)
     seconds = time.perf_counter() - started
     return metrics, {"queries": count, **({"judged queries": len(qrels)} if qrels is not None else {}),
                      **({"resumed (retrieved before)": resumed} if resumed else {}),
@@ -665,17 +662,32 @@ def retrieval_key(retriever: Any, index: DenseIndex, corpus: Any, job: RetrieveJ
             "top_k": job.settings.top_k, "match": job.settings.match}
 
 
-def retrieved_depth(top_k: int, index: Any) -> int:
+def retrieved_depth(top_k: int, index: Any, flags: bool = False) -> int:
     """Passages each question asks for: ``top_k``, or all of a smaller index (named in a warning, since the results
     and the summary would otherwise claim the depth asked for; "at most" where an IVF or HNSW search may reach
-    fewer, :class:`HitCount`)."""
+    fewer, :class:`HitCount`). ``flags``: the warning names ``--top-k``, else it says top-k in words."""
     vectors = getattr(index, "ntotal", None)
     if vectors is None or top_k <= vectors:
         return top_k
     at_most = "at most " if getattr(index, "search_flags", lambda: [])() else ""
-    logger.warning("--top-k %d beyond the index's %d vectors: each question gets %sthose %d passages", top_k,
-                   vectors, at_most, vectors)
+    logger.warning("%s beyond the index's %d vectors: each question gets %sthose %d passages",
+                   f"--top-k {top_k}" if flags else f"a top-k of {top_k} is", vectors, at_most, vectors)
     return vectors
+
+
+def warn_cut_offs_beyond(s: RetrieveSettings, depth: int, flags: bool) -> None:
+    """Name the cut-offs ``s.ks`` asks for beyond the ``depth`` retrieved, whose figures count only those passages
+    (the default cut-offs stop at the top-k, warned of by :func:`retrieved_depth`); ``flags``: as ``--k`` and
+    ``--top-k``, else in words."""
+    beyond = [k for k in s.ks or () if k > depth]
+    if not beyond:
+        return
+    cut_offs = " ".join(map(str, beyond))
+    limit = f"the index's {depth} vectors" if depth < s.top_k else f"--top-k {depth}" if flags else \
+        f"the top-k of {depth}"
+    logger.warning("%s beyond %s: those figures count only the %d passages retrieved per question",
+                   f"--k {cut_offs}" if flags else f"{'cut-off' if len(beyond) == 1 else 'cut-offs'} {cut_offs}",
+                   limit, depth)
 
 
 def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: PathLike,
