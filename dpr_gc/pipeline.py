@@ -397,7 +397,7 @@ def _cli_demo(args: Any) -> None:
         if kept is None:
             raise  # nothing to resume from: the general line
         raise Interrupted(kept) from None
-    print(format_report(report))
+    print(f"\n{format_report(report)}")  # a table of its own: training's summary table may end just above
     outputs = report["outputs"]
     print(f"\nfinished in {report['seconds']:.0f} s; trained retriever: {outputs['model']}\n"
           f"index: {outputs['index']}\nrun file: {outputs['run']}\nmetrics: {outputs['metrics']}\n"

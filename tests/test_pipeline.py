@@ -298,3 +298,24 @@ def test_a_refused_demo_leaves_nothing_blocking_the_corrected_rerun(tmp_path, mo
 
     monkeypatch.setattr(pipeline, "measure", measured)
     assert call(main, [*argv, "--batch-size", "8", "--chunk-size", "2"]) == (2, "error: measuring\n")
+
+
+def test_the_demo_table_is_a_markdown_table_of_its_own_after_trainings(tmp_path, monkeypatch, capsys):
+    """Training's summary table ends just before the demo prints its before/after table: a blank line parts the
+    two, or as Markdown the demo's rows would run on as rows of training's table."""
+    from dpr_gc import pipeline
+    from dpr_gc.base.tables import format_summary
+
+    measured = {"answers": {f"Accuracy@{k}": 0.5 for k in pipeline.TABLE_KS},
+                "qrels": {"nDCG@10": 0.5, "MRR@10": 0.5, "Recall@100": 0.5}}
+    outputs = {name: str(tmp_path / name) for name in ("model", "index", "run", "results", "metrics", "plot")}
+
+    def trained_and_measured(config):
+        print(format_summary({"steps": 5}))  # as train ends, inside the demo
+        return {"before": measured, "after": measured, "seconds": 1.0, "outputs": outputs}
+
+    monkeypatch.setattr(pipeline, "run_demo", trained_and_measured)
+    assert main(["demo", "--output", str(tmp_path / "demo")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index("| metric (held-out test) | before training | after training |")
+    assert lines[header - 1] == "" and lines[header - 2] == "| steps | 5 |", lines
