@@ -192,6 +192,8 @@ def run_demo(config: DemoConfig) -> dict:
     training = config.training
     torch.manual_seed(training.run.seed)
     out = Path(config.output_dir)
+    if not (out / "base_model" / "retriever_config.json").is_file():  # a resumed run has its own copy
+        check_start_model(training.model.path())
     check_demo_settings(out, config)
     with demo_clock(out) as clock:
         data = out / "data"
@@ -224,6 +226,24 @@ def run_demo(config: DemoConfig) -> dict:
                               "run": str(out / "after" / "run.trec"), "results": str(out / "after" / "results.json"),
                               "metrics": str(out / "metrics.json"), "plot": str(out / "report.png")}}
         return write_report(report, out)
+
+
+def check_start_model(name: str) -> None:
+    """Refuse, before anything is written, a ``--model`` the base model could not be built from: what every stage
+    refuses (a link loop, a folder holding no model, a missing folder, a Hub name while the Hub is off or out of
+    reach: :func:`~dpr_gc.model.hub.check_model_source`), and a missing relative path inside a folder that exists
+    here (``runs/modle`` beside ``runs/``) that the Hugging Face cache does not hold: a path, not a Hub name."""
+    from .model.hub import check_model_source, in_hub_cache
+    from .model.pretrained import check_model_files, check_model_folder
+
+    path = Path(name)
+    check_model_folder(name)
+    beside = not path.is_absolute() and path.parent != Path(".") and path.parent.is_dir()
+    if beside and not path.exists() and not in_hub_cache(name):
+        raise DprGcError(f"cannot load model {name!r}: no such folder (give a model folder or a Hugging Face model "
+                         "name)")
+    check_model_files(path)
+    check_model_source(name)
 
 
 @contextlib.contextmanager

@@ -319,3 +319,29 @@ def test_the_demo_table_is_a_markdown_table_of_its_own_after_trainings(tmp_path,
     lines = capsys.readouterr().out.splitlines()
     header = lines.index("| metric (held-out test) | before training | after training |")
     assert lines[header - 1] == "" and lines[header - 2] == "| steps | 5 |", lines
+
+
+@pytest.mark.parametrize("model, why", [("absolute", "no such folder"), ("./missing", "no such folder"),
+                                        ("../missing", "no such folder"), ("beside/missing", "no such folder"),
+                                        ("empty", "not a model folder"), ("hub-org/hub-model", "HF_HUB_OFFLINE")])
+def test_a_model_that_cannot_load_is_refused_before_anything_is_written(tmp_path, monkeypatch, model, why):
+    """README: "Settings are checked before anything is written where the flags tell". A --model path that does not
+    exist (absolute, ./ or ../, or inside a folder that exists here: no Hub name), a folder holding no model, or a
+    Hub name while the Hub is off was found only once the whole dataset was built, which stayed in --output with
+    the settings record."""
+    from dpr_gc.data import stdlib_data
+    from tests.helpers import call
+
+    def not_built(*args, **kwargs):
+        raise AssertionError("the dataset was built before the model was checked")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(stdlib_data, "build_stdlib_dataset", not_built)
+    (tmp_path / "beside").mkdir()
+    (tmp_path / "empty").mkdir()
+    name = str(tmp_path / "nonexistent") if model == "absolute" else model
+    out = tmp_path / "demo"
+    code, err = call(main, ["demo", "--output", out, "--model", name])
+    assert code == 2 and err.count("\n") == 1 and f"model {name!r}" in err and why in err, err
+    assert not out.exists()
