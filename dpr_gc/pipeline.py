@@ -88,21 +88,52 @@ def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> P
 SETTINGS_FILE = "demo_settings.json"
 SECONDS_FILE = ".seconds.json"  # the demo's time over every invocation (see demo_clock)
 SAME_RESULTS = ("training.data.num_workers",)  # settings that change no result: workers give the same batches
-NO_STAGE = ("data", SETTINGS_FILE)  # all a run holds before a stage finishes; the dataset checks its own settings
+NO_STAGE = ("data", SETTINGS_FILE, "cache")  # the dataset and training's parse cache check their own settings
+REBUILT = ("train_subset.json",)  # cut from the dataset again under new settings (training, which reads it, not begun)
+MODEL_SETTINGS = ("training.model.name", "training.model.retriever.")
+# the settings (a key, or a prefix ending in ".") that the work a stage holds depends on; any other entry (after/,
+# the report) depends on them all
+STAGE_SETTINGS = {"base_model": MODEL_SETTINGS,
+                  "before": ("max_examples", "training.run.seed", "top_k", "encode_batch_size", *MODEL_SETTINGS),
+                  "training": ("max_examples", "train_queries", "training.")}
 
 
 def started_stages(out: Path) -> list[str]:
-    """What in a demo folder a stage wrote (the measured stages, the training subset, base model and training, the
-    report): all but the dataset, the settings record and hidden files such as the guard's lock."""
-    return sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name not in NO_STAGE)
+    """The entries of a demo folder that hold work a rerun reuses (:func:`holds_work`): all but the dataset, the
+    settings record, training's parse cache, the training subset (:data:`REBUILT`) and hidden files such as the
+    guard's lock."""
+    return sorted(p.name for p in out.iterdir()
+                  if not p.name.startswith(".") and p.name not in NO_STAGE + REBUILT and holds_work(p))
+
+
+def holds_work(path: Path) -> bool:
+    """Whether the stage output ``path`` holds work a rerun reuses: the base model once saved, training once it has
+    a checkpoint or its trained model (one stopped before its first checkpoint, e.g. diverged, starts afresh), a
+    measured stage once it holds a file (encoded blocks, the index, the results), any other file."""
+    from .train.checkpoints import finished_checkpoints
+
+    if path.name == "base_model":
+        return (path / "retriever_config.json").is_file()
+    if path.name == "training":
+        return bool(finished_checkpoints(path)) or (path / "final" / "retriever_config.json").is_file()
+    if path.is_dir():
+        return any(p.is_file() and not p.name.startswith(".") for p in path.rglob("*"))
+    return True
+
+
+def depends_on(stage: str, key: str) -> bool:
+    """Whether the work of ``stage`` depends on the setting ``key`` (:data:`STAGE_SETTINGS`)."""
+    settings = STAGE_SETTINGS.get(stage)
+    return settings is None or any(key == s or (s.endswith(".") and key.startswith(s)) for s in settings)
 
 
 def check_demo_settings(out: Path, config: DemoConfig) -> None:
     """Resume only the same demo: record its settings in ``out`` the first time, and refuse a folder that holds a
-    demo run with other settings (its measured stages, trained model and training subset would be reused as they
-    are, beside a report of the new settings; :data:`SAME_RESULTS` aside) or other files and no record. A run
-    that stopped before any stage wrote something (:func:`started_stages`) protects nothing: its record is
-    replaced, so a rerun with corrected settings goes ahead."""
+    demo run with other settings that a stage holding work depends on (:func:`started_stages`; that work would be
+    reused as it is, beside a report of the new settings; :data:`SAME_RESULTS` aside), or other files and no
+    record. Settings only stages not started depend on (the learning rate, after a training that stopped before its
+    first checkpoint) are recorded anew, so a rerun with corrected settings goes ahead; the demo's time restarts
+    when no stage holds work."""
     record = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k != "output_dir"}))
     path = out / SETTINGS_FILE
     if not path.is_file():
@@ -112,15 +143,25 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
         return
     old, new = flat_record(read_json_object(path, "demo settings")), flat_record(record)
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in SAME_RESULTS)
-    if changed and not started_stages(out):
-        logger.info("%s: no stage of the earlier run finished; recording the new settings", out)
-        write_json(path, record)
-        (out / SECONDS_FILE).unlink(missing_ok=True)  # its time was another demo's
-    elif changed:
-        shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in changed[:3])
+    started = started_stages(out)
+    kept = [stage for stage in started if any(depends_on(stage, k) for k in changed)]
+    if kept:
+        held = [k for k in changed if any(depends_on(stage, k) for stage in kept)]
+        shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in held[:3])
+        names = [stage + "/" * (out / stage).is_dir() for stage in kept]
         raise DprGcError(f"{out} holds a demo run with other settings ({shown}"
-                         f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''}); its results would be "
-                         "reused as they are, so give another --output, or the same settings to resume it")
+                         f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}); its "
+                         f"{' and '.join(filter(None, [', '.join(names[:-1]), names[-1]]))} would be reused as "
+                         f"{'they are' if len(kept) > 1 else 'it is'}, so give another --output, or the same settings "
+                         "to resume it")
+    if changed:
+        logger.info("%s: the earlier run's settings changed only for stages it had not started; recording the new "
+                    "ones", out)
+        write_json(path, record)
+        for name in REBUILT:
+            (out / name).unlink(missing_ok=True)
+        if not started:
+            (out / SECONDS_FILE).unlink(missing_ok=True)  # its time was another demo's
 
 
 def measure(model_dir: Path, name: str, out: Path, data: Path, manifest: dict, top_k: int,
@@ -161,6 +202,22 @@ def measure(model_dir: Path, name: str, out: Path, data: Path, manifest: dict, t
     return metrics
 
 
+def save_base_model(model: ModelConfig, base_dir: Path) -> None:
+    """Build the retriever measured before training from ``model`` and save it in ``base_dir``, unless saved there
+    already. Its max lengths are checked first to leave a text a token beside the special tokens
+    (:func:`~dpr_gc.model.tokenize.check_length_room`; the passage's named by ``--passage-max-length``), so a length
+    without one is refused before the model is saved, not by the first encoding once it is."""
+    from .model.retriever import Retriever
+    from .model.tokenize import check_length_room
+
+    if (base_dir / "retriever_config.json").is_file():
+        return
+    retriever = Retriever.from_pretrained(model.path(), model.retriever)
+    config = retriever.config
+    check_length_room(retriever.tokenizer, config, "passage", config.passage_max_length, "--passage-max-length")
+    retriever.check_room("query").save(base_dir)
+
+
 def train_demo(training: TrainConfig, out: Path, train_file: Path) -> None:
     """Train the base model saved in ``out/base_model`` on ``train_file`` into ``out/training``, from its latest
     checkpoint when an earlier run left one: the demo resumes by itself, so a full disk says to run it again (train's
@@ -184,7 +241,6 @@ def run_demo(config: DemoConfig) -> dict:
     """Run the whole pipeline; returns the before/after metrics and where every output is."""
     import torch
 
-    from .model.retriever import Retriever
     from .data.sampling import too_few_questions
     from .data.stdlib_data import build_stdlib_dataset
     from .train.checkpoints import finished_checkpoints
@@ -203,8 +259,7 @@ def run_demo(config: DemoConfig) -> dict:
         if questions < training.data.batch_size:  # refused before any stage, so the corrected rerun is not blocked
             raise too_few_questions(questions, training.data.batch_size)
         base_dir = out / "base_model"
-        if not (base_dir / "retriever_config.json").is_file():
-            Retriever.from_pretrained(training.model.path(), training.model.retriever).save(base_dir)
+        save_base_model(training.model, base_dir)
         before = measure(base_dir, "before", out, data, manifest, config.top_k, config.encode_batch_size)
 
         train_file = _subset_training_file(data / manifest["files"]["dpr_train"], out / "train_subset.json",

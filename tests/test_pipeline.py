@@ -249,11 +249,12 @@ def test_a_demo_folder_resumes_only_the_same_settings(tmp_path):
     assert (out / SETTINGS_FILE).is_file()
     check_demo_settings(out, config)
     (out / "before").mkdir()  # a stage wrote something
+    (out / "before" / "metrics.json").write_text("{}")
     training = dataclasses.replace(config.training, optim=dataclasses.replace(config.training.optim,
                                                                              learning_rate=1e-3))
-    with pytest.raises(DprGcError, match=r"other settings \(max_examples: None there, 300 now; "
-                                         r"training\.optim\.learning_rate: 5e-05 there, 0\.001 now\)"):
-        check_demo_settings(out, dataclasses.replace(config, training=training, max_examples=300))
+    with pytest.raises(DprGcError, match=r"other settings \(max_examples: None there, 300 now; top_k: 100 there, 5 "
+                                         r"now\); its before/ would be reused as it is"):  # not the learning rate
+        check_demo_settings(out, dataclasses.replace(config, training=training, max_examples=300, top_k=5))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(DprGcError, match="holds files but no demo_settings.json"):
@@ -272,6 +273,7 @@ def test_a_demo_record_protects_only_finished_stages(tmp_path):
     check_demo_settings(out, other)
     assert json.loads((out / SETTINGS_FILE).read_text())["max_examples"] == 20
     (out / "before").mkdir()
+    (out / "before" / "metrics.json").write_text("{}")
     with pytest.raises(DprGcError, match=r"other settings \(max_examples: 20 there, None now\)"):
         check_demo_settings(out, config)
 
@@ -345,3 +347,88 @@ def test_a_model_that_cannot_load_is_refused_before_anything_is_written(tmp_path
     code, err = call(main, ["demo", "--output", out, "--model", name])
     assert code == 2 and err.count("\n") == 1 and f"model {name!r}" in err and why in err, err
     assert not out.exists()
+
+
+def test_a_passage_length_with_no_room_is_refused_before_the_base_model_is_saved(tmp_path, monkeypatch):
+    """--passage-max-length 1 leaves a BERT passage no token beside [CLS] and [SEP]: refused, naming the flag, before
+    the base model is saved, so the rerun with a length that has room goes on. The base model was saved first and
+    the 'before' encoding refused the length; the rerun was then refused as a run with other settings."""
+    from dpr_gc import pipeline
+    from tests.helpers import call
+
+    out = tmp_path / "pl"
+    argv = ["demo", "--output", out, "--model", tiny_model_folder(tmp_path), "--max-examples", "8", "--train-queries",
+            "4", "--batch-size", "4", "--chunk-size", "1"]
+    assert call(main, [*argv, "--passage-max-length", "1"]) == (
+        2, "error: --passage-max-length 1 leaves no room for the passage's text beside the tokenizer's 2 special "
+           "tokens; raise it\n")
+    assert not (out / "base_model").exists()
+
+    def measured(*args, **kwargs):
+        raise DprGcError("measuring")
+
+    monkeypatch.setattr(pipeline, "measure", measured)
+    assert call(main, [*argv, "--passage-max-length", "16"]) == (2, "error: measuring\n")
+    assert json.loads((out / "base_model" / "retriever_config.json").read_text())["passage_max_length"] == 16
+
+
+def test_a_diverged_training_leaves_nothing_blocking_the_rerun_with_another_learning_rate(tmp_path, monkeypatch):
+    """--learning-rate 1e30 diverges before training's first checkpoint: the training folder holds nothing a rerun
+    would reuse, so the rerun with another learning rate records it and goes on to train (stopped here), keeping
+    the base model and the 'before' measurement, which do not depend on it. It was refused as a run with other
+    settings, though no rerun could ever resume that training."""
+    from dpr_gc import pipeline
+    from dpr_gc.pipeline import SETTINGS_FILE
+    from tests.helpers import call
+
+    def measured(model_dir, name, out, *args):
+        (out / name).mkdir(exist_ok=True)
+        (out / name / "metrics.json").write_text("{}")  # a finished stage, as measure leaves it
+        return {}
+
+    monkeypatch.setattr(pipeline, "measure", measured)
+    out = tmp_path / "lr"
+    argv = ["demo", "--output", out, "--model", tiny_model_folder(tmp_path), "--max-examples", "200",
+            "--train-queries", "64", "--batch-size", "32", "--chunk-size", "8", "--passage-max-length", "32"]
+    code, err = call(main, [*argv, "--learning-rate", "1e30"])
+    assert code == 2 and "training diverged" in err and "no checkpoint was written" in err, err
+    base = (out / "base_model" / "retriever_config.json").stat().st_mtime_ns
+
+    def trained(*args):
+        raise DprGcError("training")
+
+    monkeypatch.setattr(pipeline, "train_demo", trained)
+    assert call(main, argv) == (2, "error: training\n")
+    assert json.loads((out / SETTINGS_FILE).read_text())["training"]["optim"]["learning_rate"] == 5e-5
+    assert (out / "base_model" / "retriever_config.json").stat().st_mtime_ns == base
+
+
+def test_a_demo_record_protects_the_settings_of_the_stages_that_hold_work(tmp_path):
+    """A changed setting is refused only where a stage that holds work a rerun reuses depends on it: the base model
+    on the model and its retriever settings, 'before' on those, the dataset's and the measuring's, training (once
+    it has a checkpoint) on every training setting. The others are recorded anew, and the training subset, cut for
+    the old settings, is cut again."""
+    from dpr_gc.pipeline import SETTINGS_FILE, check_demo_settings
+
+    out, config = tmp_path / "demo", DemoConfig()
+    check_demo_settings(out, config)
+    for name in ("base_model/retriever_config.json", "before/metrics.json", "train_subset.json",
+                 "training/metrics.jsonl", "training/train_config.json", "cache/train_subset.json-1.arrow"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("{}")
+    r, training = dataclasses.replace, config.training
+    faster = r(config, training=r(training, optim=r(training.optim, learning_rate=1e-4)))
+    check_demo_settings(out, faster)
+    assert json.loads((out / SETTINGS_FILE).read_text())["training"]["optim"]["learning_rate"] == 1e-4
+    assert not (out / "train_subset.json").exists()
+    shorter = r(faster, training=r(training, model=r(training.model, retriever=r(training.model.retriever,
+                                                                                passage_max_length=64))))
+    with pytest.raises(DprGcError, match=r"other settings \(training\.model\.retriever\.passage_max_length: 128 "
+                                         r"there, 64 now\); its base_model/ and before/ would be reused as they are"):
+        check_demo_settings(out, shorter)
+    with pytest.raises(DprGcError, match=r"\(top_k: 100 there, 20 now\); its before/ would be reused"):
+        check_demo_settings(out, r(faster, top_k=20))
+    (out / "training" / "checkpoint-4").mkdir()
+    (out / "training" / "checkpoint-4" / "train_state.json").write_text("{}")
+    with pytest.raises(DprGcError, match=r"learning_rate: 0\.0001 there, 5e-05 now\); its training/ would be reused"):
+        check_demo_settings(out, config)
