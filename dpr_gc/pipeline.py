@@ -12,7 +12,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -87,6 +90,8 @@ def _subset_training_file(source: Path, target: Path, limit: Optional[int]) -> P
 
 SETTINGS_FILE = "demo_settings.json"
 SECONDS_FILE = ".seconds.json"  # the demo's time over every invocation (see demo_clock)
+ENCODE_SECONDS_FILE = ".encode_seconds.json"  # a measured stage's corpus encoding time, the same way
+CLOCK_SAVE_SECONDS = 10.0  # how often demo_clock saves a running total: what a killed run loses at most
 SAME_RESULTS = ("training.data.num_workers",)  # settings that change no result: workers give the same batches
 NO_STAGE = ("data", SETTINGS_FILE, "cache")  # the dataset and training's parse cache check their own settings
 REBUILT = ("train_subset.json",)  # cut from the dataset again under new settings (training, which reads it, not begun)
@@ -157,11 +162,21 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
     if changed:
         logger.info("%s: the earlier run's settings changed only for stages it had not started; recording the new "
                     "ones", out)
-        write_json(path, record)
-        for name in REBUILT:
-            (out / name).unlink(missing_ok=True)
-        if not started:
-            (out / SECONDS_FILE).unlink(missing_ok=True)  # its time was another demo's
+        record_new_settings(out, record, started)
+
+
+def record_new_settings(out: Path, record: dict, started: list[str]) -> None:
+    """Replace the settings record of ``out``, where no stage in ``started`` depends on what changed, and remove
+    what was made for the old settings and no stage reuses: the training subset, the encoding time of a measured
+    stage not started, and the demo's time when no stage holds work (it was another demo's)."""
+    write_json(out / SETTINGS_FILE, record)
+    for name in REBUILT:
+        (out / name).unlink(missing_ok=True)
+    for stage in ("before", "after"):
+        if stage not in started:
+            (out / stage / ENCODE_SECONDS_FILE).unlink(missing_ok=True)
+    if not started:
+        (out / SECONDS_FILE).unlink(missing_ok=True)
 
 
 def measure(model_dir: Path, name: str, out: Path, data: Path, manifest: dict, top_k: int,
@@ -185,10 +200,10 @@ def measure(model_dir: Path, name: str, out: Path, data: Path, manifest: dict, t
         return read_json_object(metrics_file, "demo metrics")
     corpus_path = data / manifest["files"]["corpus"]
     retriever = Retriever.load(model_dir, device=default_device())  # where training runs too: a GPU if there is one
-    started = time.perf_counter()
-    encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, precision="auto",
-                  model_name=str(model_dir))
-    encode_seconds = time.perf_counter() - started
+    with demo_clock(stage / ENCODE_SECONDS_FILE) as encoding:  # over every run that encoded, as the demo's time
+        encode_corpus(retriever, corpus_path, stage / "embeddings", batch_size=encode_batch_size, precision="auto",
+                      model_name=str(model_dir))
+        encode_seconds = encoding()
     if not index_exists(stage / "index"):
         build_index(stage / "embeddings", stage / "index", IndexParams(kind="flat"))
     index = DenseIndex.read(stage / "index")
@@ -251,7 +266,7 @@ def run_demo(config: DemoConfig) -> dict:
     if not (out / "base_model" / "retriever_config.json").is_file():  # a resumed run has its own copy
         check_start_model(training.model.path())
     check_demo_settings(out, config)
-    with demo_clock(out) as clock:
+    with demo_clock(out / SECONDS_FILE) as clock:
         data = out / "data"
         manifest = build_stdlib_dataset(data, max_examples=config.max_examples, seed=training.run.seed)
         available = manifest["counts"]["train_queries"]
@@ -302,21 +317,62 @@ def check_start_model(name: str) -> None:
 
 
 @contextlib.contextmanager
-def demo_clock(out: Path) -> Iterator[Callable[[], float]]:
-    """The seconds the demo in ``out`` has run over every invocation, an interrupted one's included, kept in
-    ``out/.seconds.json`` (:data:`SECONDS_FILE`): ``metrics.json``'s ``seconds`` is the demo's time, not the last
-    rerun's alone (a finished demo run again recorded 0.1 s, a resumed one the resumed part)."""
-    path = out / SECONDS_FILE
+def demo_clock(path: Path) -> Iterator[Callable[[], float]]:
+    """The seconds a piece of the demo has run over every invocation, an interrupted or killed one's included, kept
+    in ``path``: the demo's in ``out/.seconds.json`` (:data:`SECONDS_FILE`), so ``metrics.json``'s ``seconds`` is the
+    demo's time, not the last rerun's alone (a finished demo run again recorded 0.1 s, a resumed one the resumed
+    part), and each measured stage's corpus encoding (``encode_seconds``). The total is saved every
+    :data:`CLOCK_SAVE_SECONDS` while the block runs (a thread) and as it ends, however it ends: a run killed
+    (SIGKILL, the OOM killer) loses at most that period; SIGTERM stops the demo as Ctrl-C does
+    (:func:`sigterm_as_interrupt`), so it loses nothing."""
     before = float(read_json_object(path, "demo time").get("seconds", 0.0)) if path.is_file() else 0.0
-    started = time.perf_counter()
+    started, ended, lock = time.perf_counter(), threading.Event(), threading.Lock()
 
     def total() -> float:
         return before + time.perf_counter() - started
 
+    def save() -> None:
+        with lock:  # the thread's save and the last one never race for the file
+            write_json(path, {"seconds": round(total(), 1)})
+
+    def keep_saving() -> None:
+        while not ended.wait(CLOCK_SAVE_SECONDS):
+            with contextlib.suppress(OSError):  # a full disk: the save at the end says so
+                save()
+
+    saver = threading.Thread(target=keep_saving, name="demo clock", daemon=True)
+    saver.start()
     try:
         yield total
     finally:
-        write_json(path, {"seconds": round(total(), 1)})
+        ended.set()
+        saver.join()
+        save()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM (``timeout``, Slurm, ``docker stop``) stops this process as Ctrl-C does: the demo
+    saves its time and says what it kept (:func:`demo_kept`) rather than vanishing. A process forked inside (a
+    worker) that gets SIGTERM dies of it as it would have. Outside the main thread, where no handler can be set,
+    nothing changes."""
+    owner = os.getpid()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    earlier = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, earlier)
 
 
 def write_report(report: dict, out: Path) -> dict:
@@ -466,7 +522,8 @@ def demo_kept(out: Path, interrupt: KeyboardInterrupt) -> Optional[str]:
 def _cli_demo(args: Any) -> None:
     config = from_args(DemoFlags, args).config()
     try:
-        report = run_demo(config)
+        with sigterm_as_interrupt():
+            report = run_demo(config)
     except KeyboardInterrupt as interrupt:
         kept = demo_kept(Path(config.output_dir), interrupt)
         if kept is None:

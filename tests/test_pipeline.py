@@ -149,6 +149,8 @@ def test_demo_interrupted_in_its_first_encoding_names_what_is_kept(tmp_path, cap
     assert line.startswith(f"interrupted: the dataset and the base model are kept in {out}; shard-00000-of-00001: "
                            f"1 of ") and f"blocks of 16 passages are kept in {out / 'before' / 'embeddings'}" in line
     assert "checkpoint" not in line and "training" not in line and not (out / "training").exists()
+    kept_time = json.loads((out / "before" / ".encode_seconds.json").read_text())["seconds"]
+    assert isinstance(kept_time, float) and kept_time >= 0  # the encoding's time so far, counted on resuming
 
 
 def test_a_measured_stage_shows_retrieval_progress_out_of_the_test_questions(tmp_path, make_retriever, monkeypatch):
@@ -432,3 +434,52 @@ def test_a_demo_record_protects_the_settings_of_the_stages_that_hold_work(tmp_pa
     (out / "training" / "checkpoint-4" / "train_state.json").write_text("{}")
     with pytest.raises(DprGcError, match=r"learning_rate: 0\.0001 there, 5e-05 now\); its training/ would be reused"):
         check_demo_settings(out, config)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_the_demos_time_survives_a_run_stopped_by_a_signal(tmp_path, sig):
+    """README: ``metrics.json``'s ``seconds`` counts every run of the demo. A run stopped by SIGTERM (``timeout``,
+    Slurm, ``docker stop``) stops as Ctrl-C does, saying what it kept, and saves its time; one killed (SIGKILL) has
+    its time saved while it ran, to within the saving period. Both lost it: the time was saved only on the way out
+    of Python."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from dpr_gc.pipeline import CLOCK_SAVE_SECONDS, SECONDS_FILE
+
+    out, marker = tmp_path / "demo", tmp_path / "building"
+    script = ("import sys, time\nfrom dpr_gc import pipeline\nfrom dpr_gc.data import stdlib_data\n"
+              "pipeline.CLOCK_SAVE_SECONDS = 0.5\n"
+              f"def building(*args, **kwargs):\n    open({str(marker)!r}, 'w').close()\n    time.sleep(120)\n"
+              "stdlib_data.build_stdlib_dataset = building\nfrom dpr_gc.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), DPR_GC_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-c", script, "demo", "--output", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "the demo did not reach its dataset"
+        time.sleep(2.5)
+        proc.send_signal(getattr(signal, sig))
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    seconds = json.loads((out / SECONDS_FILE).read_text())["seconds"]
+    if sig == "SIGTERM":
+        assert code == 130 and err.strip().splitlines()[-1].startswith("interrupted: "), err
+        assert seconds >= 2.5
+    else:
+        assert code == -signal.SIGKILL and seconds >= 1.5
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"a run killed outright loses at most the last {CLOCK_SAVE_SECONDS:.0f} s of its time" in readme
