@@ -600,3 +600,27 @@ def test_dense_retriever_errors_name_the_flags_typed(tmp_path, capsys, typed, na
     with pytest.raises(DprGcError) as caught, flags_renamed(script.script_flags(parser, {"--n-docs", "--trec-run"})):
         raise DprGcError("--top-k 3 beyond the index; --trec-run r; --output o")
     assert str(caught.value) == "--n-docs 3 beyond the index; --trec-run r; --out_file o"
+
+
+@pytest.mark.parametrize("typed", ["--n_docs", "--n-docs"])
+def test_dense_retriever_warnings_name_the_flags_typed(tmp_path, tiny_tokenizer, caplog, typed):
+    """The retriever's warnings (its retrieval is dpr-gc retrieve's) named --top-k, a flag the script does not
+    have, where its errors named --n_docs: they name each flag as typed too."""
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
+    from dpr_gc.retrieval.encode import encode_corpus
+    from tests.helpers import tiny_bert
+
+    retriever = Retriever(tiny_bert(len(tiny_tokenizer)), None, tiny_tokenizer, RetrieverConfig(pooling="mean"))
+    retriever.save(tmp_path / "model")
+    (tmp_path / "psgs.tsv").write_text("id\ttext\ttitle\n" + "".join(f"{i}\tword {i}\tT{i}\n" for i in range(5)))
+    (tmp_path / "qa.csv").write_text("word 1\t['1']\n")
+    encode_corpus(retriever, tmp_path / "psgs.tsv", tmp_path / "emb", cache_dir=tmp_path / "cache",
+                  model_name=str(tmp_path / "model"), show_progress=False)
+    argv = ["--model_file", str(tmp_path / "model"), "--ctx_file", str(tmp_path / "psgs.tsv"), "--qa_file",
+            str(tmp_path / "qa.csv"), "--encoded_ctx_file", str(tmp_path / "emb"), "--out_file",
+            str(tmp_path / "r.json"), typed, "10", "--cache_dir", str(tmp_path / "cache"), "--no_cuda"]
+    with caplog.at_level("WARNING"):
+        assert load_script("dense_retriever.py").main(argv) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"{typed} 10 beyond the index's 5 vectors: each question gets those 5 passages" in warnings, warnings
+    assert not any("--top-k" in w for w in warnings), warnings

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import sys
@@ -48,14 +49,30 @@ def rename_flags(message: str, names: Mapping[str, str]) -> str:
 
 @contextlib.contextmanager
 def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
-    """Within the block, a :class:`DprGcError` names each flag of ``names`` as its value. Code that several commands
-    share names its own command's flags (encode's ``--output``), which another command reaching it spells otherwise
-    or lacks (mine's encode writes to its ``--embeddings``; the DPR scripts spell flags as DPR does). A quoted
-    ``dpr-gc`` command in the message (advice to run one) keeps that command's own flags."""
+    """Within the block, a :class:`DprGcError` and a log line name each flag of ``names`` as its value. Code that
+    several commands share names its own command's flags (encode's ``--output``), which another command reaching it
+    spells otherwise or lacks (mine's encode writes to its ``--embeddings``; the DPR scripts spell flags as DPR
+    does). A quoted ``dpr-gc`` command in the message (advice to run one) keeps that command's own flags."""
+    make_record = logging.getLogRecordFactory()
+
+    def renamed_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # arguments that do not fit the format: logging reports them as it emits the line
+            return record
+        renamed = rename_flags(message, names)
+        if renamed != message:
+            record.msg, record.args = renamed, ()
+        return record
+
+    logging.setLogRecordFactory(renamed_record)
     try:
         yield
     except DprGcError as e:
         raise DprGcError(rename_flags(str(e), names)) from None
+    finally:
+        logging.setLogRecordFactory(make_record)
 
 
 class Interrupted(KeyboardInterrupt):
