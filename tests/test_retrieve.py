@@ -588,9 +588,33 @@ def test_an_ivf_search_that_reaches_fewer_passages_says_how_many_and_what_to_rai
         records = retrieve(retriever, index, corpus, [{"id": "a", "question": texts[0]}], top_k=40, match=None,
                            show_progress=False)
     assert len(records[0]["ctxs"]) == got[0]
-    assert any(m.startswith("1 question of 1 got fewer than the 40 passages") and m.endswith("raise --nprobe to "
-                                                                                           "retrieve them all")
-               for m in caplog.messages), caplog.messages
+
+
+def test_the_librarys_short_search_warnings_name_no_command_flags(world, tmp_path, caplog):
+    """retrieve and retrieve_to_files (the demo's retrieval) over an IVF or HNSW index reaching fewer passages than
+    asked advised raising --nprobe or --ef-search, flags of dpr-gc retrieve a library caller does not have: they
+    name the index's parameter and DenseIndex.set_search_params (the command's, in
+    test_an_ivf_search_that_reaches_fewer..., keep naming its flags)."""
+    from dpr_gc.data.corpus import load_corpus
+
+    build_index(world["emb"], tmp_path / "ivf", IndexParams("ivf-flat", nlist=8, nprobe=1))
+    retriever, index = Retriever.load(world["model"]), DenseIndex.read(tmp_path / "ivf")
+    corpus = load_corpus(world["corpus"], world["cache"])
+    queries = [{"id": "a", "question": f"{p['title']} {p['text']}", "answers": ["x"]} for p in passages()[:2]]
+    for search in (lambda: retrieve(retriever, index, corpus, queries, top_k=40, match=None, show_progress=False),
+                   lambda: retrieve_to_files(retriever, index, corpus, queries, top_k=40, ks=[1],
+                                             output=tmp_path / "r.json", show_progress=False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dpr_gc"):
+            search()
+        short = [m for m in caplog.messages if "got fewer than the 40 passages" in m]
+        assert len(short) == 1 and "--" not in short[0], caplog.messages
+        assert "(nprobe 1 of 8 lists) reached no more; raise the index's nprobe (DenseIndex.set_search_params) " \
+               "to retrieve them all" in short[0], short
+    build_index(world["emb"], tmp_path / "hnsw", IndexParams("hnsw", ef_search=4))
+    hnsw = DenseIndex.read(tmp_path / "hnsw")
+    assert hnsw.search_flags(flags=False) == ["efSearch"] and hnsw.search_flags() == ["--ef-search"]
+    assert hnsw.search_settings(40, flags=False).startswith("efSearch 40 (raised to the top-k 40)")
 
 
 def test_the_library_refuses_a_model_or_corpus_the_index_was_not_built_from(world, tiny_tokenizer, tmp_path):

@@ -251,27 +251,30 @@ class DenseIndex:
     def is_trained(self) -> bool:
         return bool(self.index.is_trained)
 
-    def search_settings(self, k: Optional[int] = None) -> str:
+    def search_settings(self, k: Optional[int] = None, flags: bool = True) -> str:
         """How a search runs, read from the FAISS index's structure: HNSW's ``efSearch`` and IVF's ``nprobe`` where
         it has them, then what else makes it approximate (a lossy transform, compressed codes, a graph); "exact"
         only for a flat index over the vectors as given, else "approximate (...)" naming why. With ``k`` (the
-        ``--top-k`` of a search), the ``efSearch`` that search runs with: :meth:`search` raises a narrower one to
-        ``k`` (at most the vectors) for that search only."""
+        ``--top-k`` of a search, "the top-k" without ``flags``), the ``efSearch`` that search runs with:
+        :meth:`search` raises a narrower one to ``k`` (at most the vectors) for that search only."""
         knobs, lossy = _search_parts(self.index)
         widened = self._widened_ef(k) if k is not None else None
         if widened is not None:
             cut = "" if widened == k else f", cut to the {counted(self.ntotal, 'vector')}"
-            knobs = [f"efSearch {widened} (raised to --top-k {k}{cut})"] + knobs[1:]
+            knobs = [f"efSearch {widened} (raised to {'--top-k' if flags else 'the top-k'} {k}{cut})"] + knobs[1:]
         if knobs:
             return ", ".join(knobs + lossy)
         return f"approximate ({', '.join(lossy)})" if lossy else "exact"
 
-    def search_flags(self) -> list[str]:
+    def search_flags(self, flags: bool = True) -> list[str]:
         """The ``retrieve`` flags that widen this index's search (``--nprobe`` for an IVF part, ``--ef-search`` for
-        an HNSW one): where a search returns fewer hits than asked, raising them reaches more."""
+        an HNSW one), or without ``flags`` the FAISS parameters they set (``nprobe``, ``efSearch``, as
+        :meth:`set_search_params` takes them): where a search returns fewer hits than asked, raising them reaches
+        more."""
         faiss = _faiss()
         layers = list(_layers(self.index))
-        return ([flag for flag, kind in (("--nprobe", faiss.IndexIVF), ("--ef-search", faiss.IndexHNSW))
+        return ([flag if flags else name for flag, name, kind in (("--nprobe", "nprobe", faiss.IndexIVF),
+                                                                   ("--ef-search", "efSearch", faiss.IndexHNSW))
                  if any(isinstance(layer, kind) for layer in layers)])
 
     def _widened_ef(self, k: int) -> Optional[int]:

@@ -186,18 +186,27 @@ class HitCount:
             return f"{self.fewest}..{self.asked}, mean {self.hits / self.questions:.1f} (--top-k {top_k})"
         return top_k if top_k == self.asked else f"{self.asked} (--top-k {top_k})"
 
-    def warn(self, index: DenseIndex, evaluated: bool) -> None:
+    def warn(self, index: DenseIndex, evaluated: bool, flags: bool = False) -> None:
         """One warning, once the questions are retrieved, when some got fewer passages than asked: how many, the
-        fewest and mean per question, and which search flag of the index to raise."""
+        fewest and mean per question, and which search parameter of the index to raise; ``flags``: as ``dpr-gc
+        retrieve``'s flag (``--nprobe``), else as the index's parameter (``nprobe``), which a library caller sets
+        with :meth:`DenseIndex.set_search_params`."""
         if not self.short:
             return
-        flags = index.search_flags()
-        advice = f"raise {' or '.join(flags)}" if flags else "search it with a wider index"
+        knobs = index.search_flags(flags)
+        if not knobs:
+            advice = "search it with a wider index"
+        elif flags:
+            advice = f"raise {' or '.join(knobs)}"
+        else:
+            advice = f"raise the index's {' or '.join(knobs)} " \
+                     "(DenseIndex.set_search_params)"
         logger.warning("%s of %d got fewer than the %d passages asked for (fewest %d, mean %.1f per question): the "
                        "%s search (%s) reached no more; %s to retrieve them all%s",
                        counted(self.short, "question"), self.questions, self.asked, self.fewest,
-                       self.hits / self.questions, index.meta.get("factory"), index.search_settings(self.asked),
-                       advice, "; the evaluation's figures count only the passages retrieved" if evaluated else "")
+                       self.hits / self.questions, index.meta.get("factory"),
+                       index.search_settings(self.asked, flags=flags), advice,
+                       "; the evaluation's figures count only the passages retrieved" if evaluated else "")
 
 
 def iter_retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[dict], top_k: int = 100,
@@ -449,7 +458,7 @@ def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Ite
                 metrics = write(todo)
         else:
             metrics = retrieve_kept(Path(first), resume_key, queries, total, records, write)
-    hits.warn(index, evaluated=s.cutoffs() is not None)
+    hits.warn(index, evaluated=s.cutoffs() is not None, flags=flags)
     return metrics, hits
 
 
