@@ -10,8 +10,12 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .base.args import ArgumentParser
-from .base.errors import NOTHING_STARTED, DprGcError, report_errors
+from .base.errors import NOTHING_STARTED, DprGcError, model_named_by, report_errors
 from .base.logs import setup_logging
+
+# The flags a stage takes its model with: dpr-gc's, and the DPR/GC-DPR names encode and train accept.
+MODEL_FLAGS = ("--model", "--model_file", "--pretrained_model_cfg")
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -89,12 +93,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"interrupted: {NOTHING_STARTED}", file=sys.stderr)
         return 130
     setup_logging(args.verbose)
-    return report_errors(lambda: run_stage(args))
+    return report_errors(lambda: run_stage(args, model_flag(argv)))
 
 
-def run_stage(args: argparse.Namespace) -> Any:
+def model_flag(argv: Sequence[str]) -> str:
+    """The flag the command line gave the model with (a DPR name, ``--model_file``, as typed), else ``--model``."""
+    return next((flag for flag in (arg.split("=", 1)[0] for arg in argv) if flag in MODEL_FLAGS), "--model")
+
+
+def run_stage(args: argparse.Namespace, model_flag: str = "--model") -> Any:
     """Run the parsed command; a stage without a distributed mode refuses a torchrun launch, whose ranks would each
-    do all the work (and write the same files, or find each other's locks)."""
+    do all the work (and write the same files, or find each other's locks). An error about the model given names it
+    by ``model_flag``, the flag it came with (the model layer, which library callers reach too, says "model")."""
     world = os.environ.get("WORLD_SIZE") or "1"
     if not world.strip().isdigit():
         raise DprGcError(f"the environment's WORLD_SIZE must be a whole number (torchrun sets it), got {world!r}; "
@@ -103,7 +113,9 @@ def run_stage(args: argparse.Namespace) -> Any:
         ranked = ", ".join(name for name, stage in STAGES.items() if stage.distributed)
         raise DprGcError(f"run dpr-gc {args.command} without torchrun: it has no distributed mode (only {ranked} "
                          "run under torchrun)")
-    return args.func(args)
+    model = getattr(args, "model", None)
+    with model_named_by(model_flag, model if isinstance(model, str) else None):
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -2195,7 +2195,7 @@ def test_weights_the_config_makes_but_the_file_lacks_are_refused(tiny_tokenizer:
     if needle is None:
         assert call(cli.main, argv)[0] == 0
     else:
-        refused(argv, f"cannot load model '{folder}': ", needle)
+        refused(argv, f"cannot load --model '{folder}': ", needle)
         assert not (tmp_path / "emb").exists()
 
 
@@ -2407,3 +2407,21 @@ def test_caches_built_earlier_are_read_from_a_read_only_cache_folder(tmp_path: P
     code, err = call(cli.main, ["prepare-data", beir])
     assert code == 0 and "| cached |" in capsys.readouterr().out, err
     assert sorted(cache.rglob("*")) == built
+
+
+DEMO, TRAIN = ["demo", "--output", "{tmp}/demo"], ["train", "--train", "{tmp}/t.json", "--output", "{tmp}/run"]
+ENCODE = ["encode", "--corpus", "{tmp}/t.json", "--output", "{tmp}/emb"]
+
+
+@pytest.mark.parametrize("stage, flag", [(DEMO, "--model"), (TRAIN, "--model"), (TRAIN, "--pretrained_model_cfg"),
+                                         (ENCODE, "--model")])
+def test_a_model_that_cannot_load_is_named_by_its_flag(tmp_path, capsys, stage, flag):
+    """dpr-gc demo/train/encode --model /missing/path said "cannot load model '/missing/path'" without naming the
+    flag it came from: the line names it as typed."""
+    from dpr_gc.cli import main
+
+    (tmp_path / "t.json").write_text("[]")
+    missing = str(tmp_path / "missing")
+    assert main([word.format(tmp=tmp_path) for word in stage] + [flag, missing]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: cannot load {flag} {missing!r}: no such folder"), err

@@ -9,7 +9,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 
 class DprGcError(ValueError):
@@ -73,6 +73,18 @@ def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
         raise DprGcError(rename_flags(str(e), names)) from None
     finally:
         logging.setLogRecordFactory(make_record)
+
+
+@contextlib.contextmanager
+def model_named_by(flag: str, model: Optional[str]) -> Iterator[None]:
+    """Within the block, a :class:`DprGcError` about the model ``model`` (the model layer's "model 'X'", as a library
+    caller passes it) names it by the ``flag`` it came from ("--model 'X'"); a ``model`` None changes nothing."""
+    try:
+        yield
+    except DprGcError as e:
+        if not model or f"model {model!r}" not in str(e):
+            raise
+        raise DprGcError(str(e).replace(f"model {model!r}", f"{flag} {model!r}", 1)) from None
 
 
 class Interrupted(KeyboardInterrupt):
