@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import logging
 import os
 import re
 import shutil
@@ -293,6 +294,23 @@ def beir_folder(beir: Path) -> Path:
     (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
         f"q{i}\tg{i}\t1\nq{i}\tr{i}\t1\n" for i in range(len(TOPICS))))
     return beir
+
+
+def test_dense_mining_takes_the_model_the_index_records_as_retrieve_does(world, tmp_path, caplog):
+    """An index built by dpr-gc index records its model: `mine --source dense --index IDX` without --model uses it
+    (said in the log), mining what --model gives; with neither, one line before the corpus is read."""
+    root = world["root"]
+    common = ("--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache",
+              "--n-negatives", 2, "--top-k", 20, "--device", "cpu", "--source", "dense")
+    cli("mine", *common, "--model", root / "model", "--embeddings", tmp_path / "emb", "--index", tmp_path / "idx",
+        "--output", tmp_path / "given.json")
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.mine"):
+        cli("mine", *common, "--index", tmp_path / "idx", "--output", tmp_path / "recorded.json")
+    assert f"model {root / 'model'} (recorded in the index)" in caplog.messages
+    assert json.loads((tmp_path / "recorded.json").read_text()) == json.loads((tmp_path / "given.json").read_text())
+    with pytest.raises(DprGcError, match=r"^--source dense needs --model"):
+        cli("mine", *common, "--embeddings", tmp_path / "emb", "--index", tmp_path / "none",
+            "--output", tmp_path / "x.json")
 
 
 def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):

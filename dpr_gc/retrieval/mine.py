@@ -99,7 +99,8 @@ class SourceSettings:
     """Where candidates come from: BM25 (``k1``, ``b``, a saved index), or a trained retriever over a FAISS index
     (built from encode shards, which are encoded first when missing)."""
 
-    model: Optional[str] = setting(None, "--model", help="trained retriever folder (dense source)")
+    model: Optional[str] = setting(None, "--model", help="trained retriever folder (dense source; default: the model "
+                                                        "recorded in --index)")
     index: Optional[PathLike] = setting(None, "--index", type=output_dir,
                                         help="index folder from 'dpr-gc index'; built here from --embeddings if "
                                              "missing")
@@ -717,13 +718,40 @@ APPLIES = {**dict.fromkeys(("model", "index", "embeddings", "skip_model_check", 
            **dict.fromkeys(("bm25_index", "bm25_k1", "bm25_b"), BM25), "split": BEIR_ONLY}
 
 
+def recorded_inputs(args: argparse.Namespace, beir: Optional[Path]) -> str:
+    """The corpus to mine from (``--corpus``, the BEIR folder's, else the one ``--index`` records) and, for a dense
+    source without ``--model``, the model ``--index`` records (into ``args.model``, said in the log), as ``retrieve``
+    takes them; each recorded one is checked not to hold an output. Refused before the corpus is read when missing."""
+    from ..data.training import find_beir_file
+    from .index import index_exists, read_meta
+    from .retrieve import recorded_model
+
+    corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
+    meta = read_meta(args.index) if index_exists(args.index) else {}
+    recorded = {}
+    if corpus_path is None and meta:
+        corpus_path = recorded["the index's recorded --corpus"] = meta.get("corpus")
+    if args.source == "dense" and not args.model and meta:
+        args.model = recorded["the index's recorded --model"] = recorded_model(args.index, meta)
+        if args.model:
+            logger.info("model %s (recorded in the index)", args.model)
+    if recorded:
+        check_outputs(recorded, {"--output": args.output, **built_folders(args)})
+    if not corpus_path:
+        raise DprGcError("give --corpus (the passages to mine from)")
+    if args.source == "dense" and not args.model:
+        raise DprGcError("--source dense needs --model (the trained retriever folder; an index built by dpr-gc index "
+                         "records it)")
+    return corpus_path
+
+
 @guarded(inputs=tuple(MINE_INPUTS), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     from ..data.corpus import load_corpus
     from ..data.training import find_beir_file
     from ..base.devices import steady_malloc
     from ..data.qrels import read_qrels
-    from .index import index_exists, meta_path, read_meta
+    from .index import index_exists, meta_path
     from ..base.tables import format_summary
     from ..evaluation.answers import default_workers
 
@@ -745,13 +773,7 @@ def _cli(args: argparse.Namespace) -> None:
             scan_beir_queries(queries, split_qrels)
     else:  # checked and counted before the corpus is read or encoded
         total, golds = scan_training_file(args.train_file, positive_ids=bm25_scored, match=args.match)
-    corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
-    if corpus_path is None and index_exists(args.index):
-        corpus_path = read_meta(args.index).get("corpus")
-        check_outputs({"the index's recorded --corpus": corpus_path},
-                      {"--output": args.output, **built_folders(args)})
-    if not corpus_path:
-        raise DprGcError("give --corpus (the passages to mine from)")
+    corpus_path = recorded_inputs(args, beir)
     corpus = load_corpus(corpus_path, args.cache_dir)
     qrels = read_qrels(args.qrels) if args.qrels else None
     source = open_source(args.source, corpus, from_args(SourceSettings, args), corpus_path=corpus_path)
