@@ -120,3 +120,8 @@ def test_the_training_summary_names_the_best_dev_metric_or_says_there_was_no_dev
             in summary_table(summary))
     summary.update(best_step=12)
     assert "| best dev | accuracy 0.6250 (higher is better) in runs/r1/best (step 12) |" in summary_table(summary)
+    assert "last dev" not in summary_table(summary)  # no --dev: the best row says so
+    summary.update(dev="dev.json")
+    assert "| last dev | - |" in summary_table(summary)  # no evaluation after a step in this run
+    summary.update(last_dev={"step": 16, "dev_loss": 0.7, "dev_accuracy": 0.5, "dev_avg_rank": 1.2})
+    assert "| last dev | accuracy 0.5000 (step 16) |" in summary_table(summary)

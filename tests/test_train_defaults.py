@@ -214,7 +214,12 @@ def test_the_starting_model_is_the_baseline_best_must_beat(task: dict, tmp_path:
     best = saved_weights(tmp_path / "out" / "best")
     assert all(torch.equal(best[k], v) for k, v in seen[0].items())
     assert not all(torch.equal(best[k], v) for k, v in seen[2].items())  # training did move the weights
-    assert "the starting model, no step beat it" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "the starting model, no step beat it" in printed
+    # each evaluation after a step is logged as the first is, and the table gives the last beside the best (only
+    # metrics.jsonl held them): here the trained model scores worse than the starting one
+    assert "dev at step 1: {'dev_loss': 1.0, 'dev_accuracy': 0.5, 'dev_avg_rank': 3.0}" in caplog.messages
+    assert "| last dev | avg_rank 2.5000 (step 2) |" in printed
 
 
 def test_a_step_that_beats_the_baseline_is_the_new_best(task: dict, tmp_path: Path, monkeypatch, capsys) -> None:

@@ -74,7 +74,7 @@ def best_dev(summary: dict) -> str:
 
 def summary_table(summary: dict) -> str:
     """train's closing table: steps, batch, chunks and the graphs kept under the memory budget, precision, device,
-    loss, speed, the best dev value and the model."""
+    loss, speed, the best and (with a dev set) the last dev values and the model."""
     rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
@@ -82,8 +82,19 @@ def summary_table(summary: dict) -> str:
             ("precision", summary["precision"]), ("device", summary.get("device", "-")),
             ("final loss", f"{summary['final_loss']:.4f}"),
             ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
-            ("best dev", best_dev(summary)), ("model", summary["final_model"])]
+            ("best dev", best_dev(summary))]
+    if summary.get("dev") is not None or summary.get("last_dev"):
+        rows.append(("last dev", last_dev(summary)))
+    rows.append(("model", summary["final_model"]))
     return format_summary(dict(rows), ("training", ""))
+
+
+def last_dev(summary: dict) -> str:
+    """The run's latest dev value after a step, by the best-model metric, and its step: beside the best, it says
+    how the model trained last compares (the best may be the starting model's score)."""
+    last = summary.get("last_dev")
+    value = (last or {}).get(f"dev_{summary['best_metric']}")
+    return "-" if value is None else f"{summary['best_metric']} {value:.4f} (step {last['step']})"
 
 
 def recorded_loss(metrics: Path, step: int) -> float:

@@ -153,6 +153,7 @@ class Trainer:
         self.checkpointer.settings = lambda folder: record_settings(config, folder)
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
+        self.last_dev: Optional[dict] = None  # this run's latest dev evaluation after a step: {"step", "dev_...": ..}
         self.skipped_steps = 0  # consecutive fp16 steps the GradScaler skipped
         self.step_lr = float("nan")  # the learning rate the last step used (the scheduler has moved on since)
         self.started, self.board, self.bar = time.perf_counter(), None, None
@@ -642,9 +643,11 @@ class Trainer:
         if due or evaluate:
             self.check_finite_weights()
         if evaluate:
-            record.update(self.evaluate())
-            self.retriever.training_info.update(dev_metrics={k: v for k, v in record.items() if k.startswith("dev_")},
-                                                dev_metrics_step=self.step)
+            dev = self.evaluate()
+            record.update(dev)
+            self.last_dev = {"step": self.step, **dev}
+            logger.info("dev at step %d: %s", self.step, {k: round(v, 4) for k, v in dev.items()})
+            self.retriever.training_info.update(dev_metrics=dev, dev_metrics_step=self.step)
             self.checkpointer.update_best(self.step, self.export, record)
         if self.step % self.config.run.log_every == 0 or last:
             self.checkpointer.log(self.metrics_file, record)
@@ -694,7 +697,7 @@ class Trainer:
                 "final_loss": self.last_loss, "seconds": seconds,
                 "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                 "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
-                "best_step": self.checkpointer.best_step,
+                "best_step": self.checkpointer.best_step, "last_dev": self.last_dev,
                 "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
                 "metrics_file": str(self.metrics_file)}
 
