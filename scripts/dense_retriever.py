@@ -235,6 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ignored:
         logger.warning("accepted with no effect here: %s", " ".join(ignored))
 
+    names = script_flags(parser, typed)
+
     @guarded(inputs=("model", "queries", "corpus", "embeddings", "qrels"),  # dpr-gc's names, renamed as typed
              outputs={"output": "file", "trec_run": "file", "index_path=--index_path": "whole", "cache_dir": "self"})
     def run(args: argparse.Namespace) -> None:
@@ -243,11 +245,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         index, name = load_or_build_index(args.embeddings, args.index_path, args.save_or_load_index,
                                           dataclasses.replace(params, kind="hnsw") if args.hnsw_index else params,
                                           args.train_sample, args.block_size, args.seed, args.embeddings_given)
-        retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None))
+        retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None),
+                            flag_names=names)
 
     def run_named() -> None:
         """The folders ``--encoded_ctx_file`` matches in its place, so that the guard compares the outputs with each."""
-        with flags_renamed(script_flags(parser, typed)):
+        with flags_renamed(names):
             args.embeddings_given = " ".join(args.embeddings or ())
             if args.embeddings and all(args.embeddings):  # an empty one is refused by the guard
                 args.embeddings = [str(folder) for folder in embeddings_folders(args.embeddings)]

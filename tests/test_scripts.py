@@ -603,9 +603,9 @@ def test_dense_retriever_errors_name_the_flags_typed(tmp_path, capsys, typed, na
 
 
 @pytest.mark.parametrize("typed", ["--n_docs", "--n-docs"])
-def test_dense_retriever_warnings_name_the_flags_typed(tmp_path, tiny_tokenizer, caplog, typed):
-    """The retriever's warnings (its retrieval is dpr-gc retrieve's) named --top-k, a flag the script does not
-    have, where its errors named --n_docs: they name each flag as typed too."""
+def test_dense_retriever_warnings_name_the_flags_typed(tmp_path, tiny_tokenizer, caplog, capsys, typed):
+    """The retriever's warnings and its summary table (its retrieval is dpr-gc retrieve's) named --top-k, a flag
+    the script does not have, where its errors named --n_docs: they name each flag as typed too."""
     from dpr_gc.model.retriever import Retriever, RetrieverConfig
     from dpr_gc.retrieval.encode import encode_corpus
     from tests.helpers import tiny_bert
@@ -624,3 +624,5 @@ def test_dense_retriever_warnings_name_the_flags_typed(tmp_path, tiny_tokenizer,
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert f"{typed} 10 beyond the index's 5 vectors: each question gets those 5 passages" in warnings, warnings
     assert not any("--top-k" in w for w in warnings), warnings
+    table = capsys.readouterr().out
+    assert f"| top-k | 5 ({typed} 10) |" in table and "--top-k" not in table, table

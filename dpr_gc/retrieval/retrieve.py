@@ -15,14 +15,14 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from ..evaluation.answers import MATCH_MODES, AnswerMatcher, UncompiledPatterns, default_workers
 from ..base.args import nonnegative_int, output_file, positive_int
-from ..base.errors import DprGcError, Interrupted
+from ..base.errors import DprGcError, Interrupted, rename_flags
 from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import RunEvaluation
@@ -719,10 +719,12 @@ def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: 
 
 def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name: str,
                         index_dir: Optional[PathLike] = None,
-                        device: Optional[str] = None) -> dict[str, dict[str, float]]:
+                        device: Optional[str] = None,
+                        flag_names: Optional[Mapping[str, str]] = None) -> dict[str, dict[str, float]]:
     """The command-line side of :func:`run_retrieval`, shared by ``dpr-gc retrieve`` and
     ``scripts/dense_retriever.py``: flags to arguments (``device`` when given replaces ``--device``), then the
-    metric tables and the summary table printed; returns the metrics."""
+    metric tables and the summary table printed, naming each flag as ``flag_names`` spells it (a script's
+    spelling, as :func:`~dpr_gc.base.errors.flags_renamed` does for errors and log lines); returns the metrics."""
     from ..base.devices import steady_malloc
     from ..evaluation.evaluate import format_table
 
@@ -738,7 +740,7 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
         print(f"\n{name} metrics ({over})")
         print(format_table(values))
     summary = {"queries": summary.pop("queries"), "top-k": summary.pop("top-k"), "index": index_name, **summary}
-    print(format_summary(summary))
+    print(rename_flags(format_summary(summary), flag_names or {}))
     return metrics
 
 
