@@ -35,7 +35,7 @@ except ImportError:  # running from a checkout without installing the package
 
 from dpr_gc.base.args import (ArgumentParser, device_arg, flags_as_typed, nonnegative_int, output_dir, output_file,
                               positive_int)
-from dpr_gc.base.errors import DprGcError, flags_renamed, report_errors
+from dpr_gc.base.errors import DprGcError, flags_renamed, model_named_by, report_errors
 from dpr_gc.base.guard import guarded
 from dpr_gc.base.logs import setup_logging
 from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, check_built_from,
@@ -250,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def run_named() -> None:
         """The folders ``--encoded_ctx_file`` matches in its place, so that the guard compares the outputs with each."""
-        with flags_renamed(names):
+        with flags_renamed(names), model_named_by("--model", args.model):
             args.embeddings_given = " ".join(args.embeddings or ())
             if args.embeddings and all(args.embeddings):  # an empty one is refused by the guard
                 args.embeddings = [str(folder) for folder in embeddings_folders(args.embeddings)]

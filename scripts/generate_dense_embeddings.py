@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.base.args import ArgumentParser, flags_as_typed, positive_int  # noqa: E402
-from dpr_gc.base.errors import flags_renamed, report_errors  # noqa: E402
+from dpr_gc.base.errors import flags_renamed, model_named_by, report_errors  # noqa: E402
 from dpr_gc.base.logs import setup_logging  # noqa: E402
 from dpr_gc.retrieval.encode import add_arguments, resolve_shard, run_cli  # noqa: E402
 
@@ -96,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def run() -> dict:
         """The shard's output folder (a shard outside --num_shards is refused here, as one error line), encoded."""
-        with flags_renamed(names):
+        with flags_renamed(names), model_named_by("--model", args.model):
             args.output = output_folder(args.output, args.shard_id, args.num_shards)
             return run_cli(args, args.output, device)
 

@@ -34,11 +34,12 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dpr_gc.cli import model_flag  # noqa: E402
 from dpr_gc.train import config as C  # noqa: E402
 from dpr_gc.train import trainer as T  # noqa: E402
 from dpr_gc.base.args import (ArgumentParser, any_int, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
                          positive_int)
-from dpr_gc.base.errors import report_errors  # noqa: E402
+from dpr_gc.base.errors import model_named_by, report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
 from dpr_gc.base.logs import infos_from_rank_zero, setup_logging  # noqa: E402
@@ -263,7 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         skipped = ignored_flags(given, args)
         if skipped:
             logger.warning("accepted with no effect here: %s", "; ".join(skipped))
-        run(args)
+        with model_named_by(model_flag(argv), args.model_file or args.model):
+            run(args)
     return report_errors(checked_run)
 
 

@@ -626,3 +626,33 @@ def test_dense_retriever_warnings_name_the_flags_typed(tmp_path, tiny_tokenizer,
     assert not any("--top-k" in w for w in warnings), warnings
     table = capsys.readouterr().out
     assert f"| top-k | 5 ({typed} 10) |" in table and "--top-k" not in table, table
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("generate_dense_embeddings.py", ["--model_file", "{m}", "--ctx_file", "{d}/c.tsv", "--out_file", "{d}/emb"]),
+    ("dense_retriever.py", ["--model_file", "{m}", "--ctx_file", "{d}/c.tsv", "--qa_file", "{d}/q.csv",
+                            "--out_file", "{d}/o.json"]),
+    ("train_dense_encoder.py", ["--pretrained_model_cfg", "{m}", "--train_file", "{d}/t.json", "--output_dir",
+                                "{d}/out"]),
+    ("train_dense_encoder.py", ["--model_file", "{m}", "--dev_file", "{d}/t.json"])])
+def test_dpr_scripts_name_a_model_that_cannot_load_by_the_flag_typed(tmp_path, tiny_tokenizer, script, flags):
+    """A model that cannot load is named by the flag the script took it with (dpr-gc's commands do so): the scripts
+    said "model", so a user of several model flags could not tell which one to fix."""
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
+    from dpr_gc.retrieval.encode import encode_corpus
+    from tests.helpers import tiny_bert
+
+    (tmp_path / "c.tsv").write_text("id\ttext\ttitle\n1\thello\tT\n")
+    (tmp_path / "q.csv").write_text('hello\t["hello"]\n')
+    (tmp_path / "t.json").write_text('[{"question": "q", "answers": ["a"], "positive_ctxs": [{"text": "a"}]}]')
+    model = str(tmp_path / "no-model")
+    argv = [f.format(m=model, d=tmp_path) for f in flags]
+    if script == "dense_retriever.py":  # shards encoded by a model that loads; --model_file names one that does not
+        retriever = Retriever(tiny_bert(len(tiny_tokenizer)), None, tiny_tokenizer, RetrieverConfig(pooling="mean"))
+        encode_corpus(retriever, tmp_path / "c.tsv", tmp_path / "emb", cache_dir=tmp_path / "cache",
+                      model_name="tiny", show_progress=False)
+        argv += ["--encoded_ctx_file", str(tmp_path / "emb"), "--cache_dir", str(tmp_path / "cache")]
+    result = run(script, *argv)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert errors[0].startswith(f"error: cannot load {argv[0]} '{model}': no such folder"), errors
