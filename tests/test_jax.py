@@ -218,16 +218,48 @@ def test_loss_is_fp32_under_bf16_and_blocks_match_dense():
         ContrastiveLoss(n_hard_negatives=2)({}, x, y)
 
 
-def test_bf16_parameters_train_with_fp32_loss():
+def test_bf16_compute_from_fp32_master_weights_gives_fp32_gradients_and_loss():
+    """An encoder that casts fp32 master weights to bf16 for its forward: the loss is fp32 and the gradients come
+    back fp32, ready for an fp32 optimizer update (bf16 parameters given directly get bf16 gradients)."""
     model = Encoder(TINY)
-    params = cast_params(make_params(TINY, ("shared",)), jnp.bfloat16)
+    params = make_params(TINY, ("shared",))
     rng = np.random.default_rng(5)
-    encoders = [encoder_fn(model, "shared")] * 2
+    encode = encoder_fn(model, "shared")
+    encoders = [lambda p, b, k: encode(cast_params(p, jnp.bfloat16), b, k)] * 2
     loss = ContrastiveLoss(temperature=0.1)
-    value, (grads, _) = jax.jit(cached_value_and_grad(encoders, loss, 4))(
-        params, {}, [make_batch(rng, 8), make_batch(rng, 8)], jax.random.key(0))
+    batches = [make_batch(rng, 8), make_batch(rng, 8)]
+    value, (grads, _) = jax.jit(cached_value_and_grad(encoders, loss, 4))(params, {}, batches, jax.random.key(0))
     assert value.dtype == jnp.float32 and bool(jnp.isfinite(value))
-    assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+    assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(jnp.float32)}
+    _, (bf16_grads, _) = jax.jit(cached_value_and_grad([encode] * 2, loss, 4))(
+        cast_params(params, jnp.bfloat16), {}, batches, jax.random.key(0))
+    assert {g.dtype for g in jax.tree_util.tree_leaves(bf16_grads)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_the_examples_bf16_training_updates_fp32_master_weights(tiny_tokenizer, monkeypatch):
+    """``--precision bf16`` computes in bf16 but keeps fp32 weights for AdamW: every kernel and LayerNorm scale
+    moves (in bf16 storage an update of ~lr rounds away) and the update is about the fp32 run's size."""
+    from dpr_gc.jax import example
+
+    monkeypatch.setattr(example, "RANDOM_MODEL", dict(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32))
+    words = ["city", "river", "king", "war", "protein", "cell", "gene", "music"]
+    questions = [f"what is the {w}" for w in words]
+    groups = [[f"the {w} is {w}", f"a film about {o}"] for w, o in zip(words, reversed(words))]
+    updates = {}
+    for precision in ("fp32", "bf16"):
+        config = example.ExampleConfig(init="random", train_queries=8, batch_size=4, chunk_size=2, hard_negatives=1,
+                                       epochs=2, dropout=0.0, query_max_length=8, passage_max_length=8,
+                                       precision=precision)
+        model, params = example.initial_params(config, "", len(tiny_tokenizer))
+        trained, _ = example.train(model, params, tiny_tokenizer, questions, groups, config)
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        for (path, before), after in zip(flat, jax.tree_util.tree_leaves(trained)):
+            assert before.dtype == after.dtype == jnp.float32, (precision, path)
+            moved = float(jnp.mean(before != after))
+            if path[-1].key in ("kernel", "scale"):
+                assert moved > 0.9, (precision, jax.tree_util.keystr(path), moved)
+        updates[precision] = rel_error(trained, params)
+    assert 0.5 < updates["bf16"] / updates["fp32"] < 2, updates
 
 
 def _data_parallel_matches_one_device() -> None:

@@ -71,7 +71,8 @@ class ExampleConfig:
     query_max_length: int = setting(48, "--query-max-length", type=int, help="query max tokens")
     passage_max_length: int = setting(128, "--passage-max-length", type=int, help="passage max tokens, title included")
     precision: str = setting("fp32", "--precision", choices=("fp32", "bf16"),
-                             help="the encoder's parameters and activations (the loss is fp32 either way)")
+                             help="the encoder's compute; bf16 runs on bf16 copies of fp32 master weights, which "
+                                  "AdamW updates in fp32 (the loss is fp32 either way)")
     seed: int = setting(0, "--seed", type=int, help="seed of the dataset, initial weights, batch order and dropout")
 
     def __post_init__(self) -> None:
@@ -189,11 +190,18 @@ def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[st
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
 
+def compute_params(params: Any, config: ExampleConfig) -> Any:
+    """The weights the encoder runs with: bf16 copies of the fp32 master weights under ``--precision bf16`` (an
+    AdamW step of about the learning rate would round away in bf16 storage), else the weights themselves."""
+    return cast_params(params, jnp.bfloat16) if config.precision == "bf16" else params
+
+
 def evaluate_model(model: Encoder, params: Any, tokenizer: Any, corpus: list[tuple[str, str, str]],
                    questions: list[dict], config: ExampleConfig) -> dict[str, float]:
-    """Exact top-100 retrieval over the corpus, scored by the toolkit's top-k answer accuracy."""
+    """Exact top-100 retrieval over the corpus, in ``--precision``, scored by the toolkit's top-k answer accuracy."""
     from ..evaluation.answers import evaluate_answers
 
+    params = compute_params(params, config)
     passages = encode_texts(model, params, tokenizer, [text for _, _, text in corpus], config.passage_max_length,
                             desc="encoding passages", kind="passage", titles=[title for _, title, _ in corpus])
     queries = encode_texts(model, params, tokenizer, [q["question"] for q in questions], config.query_max_length,
@@ -207,6 +215,7 @@ def evaluate_model(model: Encoder, params: Any, tokenizer: Any, corpus: list[tup
 
 
 def initial_params(config: ExampleConfig, model_path: str, vocab_size: int) -> tuple[Encoder, Any]:
+    """The encoder and its fp32 weights (the master weights under ``--precision bf16`` too): MiniLM's or random."""
     if config.init == "minilm":
         enc_config, params = load_bert(model_path, dropout=config.dropout)
     else:
@@ -215,8 +224,6 @@ def initial_params(config: ExampleConfig, model_path: str, vocab_size: int) -> t
                                    dropout=config.dropout, **RANDOM_MODEL)
         ones = jnp.ones((1, 8), jnp.int32)
         params = jax.jit(Encoder(enc_config).init)(jax.random.key(config.seed), ones, ones)["params"]
-    if config.precision == "bf16":
-        params = cast_params(params, jnp.bfloat16)
     return Encoder(enc_config), params
 
 
@@ -244,13 +251,19 @@ def check_finite(loss: float, step: int, config: ExampleConfig) -> None:
 def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], groups: list[list[str]],
           config: ExampleConfig, keys: Optional[list[list[str]]] = None) -> tuple[Any, list[float]]:
     """Gradient Cache training (tied encoder); returns the trained parameters and the loss of every step. A copy of
-    a question's own positive in its batch (equal ``keys``; the texts without them) is masked, not a negative."""
+    a question's own positive in its batch (equal ``keys``; the texts without them) is masked, not a negative.
+    ``params`` stay fp32, as do the gradients and AdamW's state; ``--precision bf16`` runs each chunk's forward and
+    backward on bf16 copies (:func:`compute_params`)."""
     loss = ContrastiveLoss(n_hard_negatives=config.hard_negatives, temperature=config.temperature, similarity="cos")
     steps_per_epoch = len(questions) // config.batch_size
     total = steps_per_epoch * config.epochs
     schedule = optax.linear_schedule(config.learning_rate, 0.0, total)
     optimizer = optax.adamw(schedule, weight_decay=0.01)
-    encode = encoder_fn(model, train=config.dropout > 0)
+    run_encoder = encoder_fn(model, train=config.dropout > 0)
+
+    def encode(params: Any, batch: dict, key: jax.Array) -> jax.Array:
+        return run_encoder(compute_params(params, config), batch, key)
+
     value_and_grad = cached_value_and_grad([encode, encode], loss, config.chunk_size)
 
     @jax.jit
