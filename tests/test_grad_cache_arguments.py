@@ -4,6 +4,7 @@ built, each with one DprGcError naming the argument and what to pass, and take n
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,6 +68,16 @@ def test_an_enabled_scaler_without_fp16_is_accepted_as_the_original_does_and_nam
     model = nn.Linear(8, 4)
     with pytest.warns(UserWarning, match="GradScaler without fp16=True: it is not used"):
         GradCache([model, model], 2, SimpleContrastiveLoss(), bf16=bf16, scaler=torch.amp.GradScaler("cpu"))
+
+
+def test_the_docs_say_an_enabled_scaler_without_fp16_is_accepted_with_a_warning():
+    """docs/library.md and GradCache's docstring state what the check does: accepted, warned about, not refused."""
+    library = Path(__file__).resolve().parents[1] / "docs" / "library.md"
+    said = "accepted, as the original package accepts it, with a warning that it goes unused"
+    for text in (library.read_text(), GradCache.__init__.__doc__ or "", GradCache.__doc__ or ""):
+        assert "without fp16 is refused" not in " ".join(text.split()).replace("`", "").replace("=True", "")
+    assert said in " ".join(library.read_text().split())
+    assert said in " ".join(((GradCache.__doc__ or "") + (GradCache.__init__.__doc__ or "")).split())
 
 
 def test_no_sync_except_last_must_be_a_bool():

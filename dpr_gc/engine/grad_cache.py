@@ -422,8 +422,8 @@ class GradCache:
             must mask padding, as it would anyway.
         fp16: fp16 autocast with ``scaler`` (a ``torch.amp.GradScaler``, required) scaling the loss.
         scaler: the ``GradScaler`` of ``fp16``; the caller steps it (``scaler.step(optimizer)``, ``update()``).
-            An enabled one without ``fp16`` is refused (it would scale nothing); ``GradScaler(enabled=False)`` is
-            accepted.
+            An enabled one without ``fp16`` is accepted, as the original package accepts it, with a warning that
+            it goes unused (the loss is scaled only under fp16); ``GradScaler(enabled=False)`` passes quietly.
         bf16: bf16 autocast, no scaler.
         memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
             first-pass graphs to keep: a chunk whose graph, measured exactly with saved-tensor hooks, fits what is
