@@ -400,7 +400,7 @@ def test_a_learnable_temperature_is_fp32_and_clamped():
         got = loss.current_temperature({"log_temperature": jnp.asarray(log_t, jnp.bfloat16)})
         assert got.dtype == jnp.float32 and abs(float(got) - want) < 1e-2 * want  # a bf16 log value, rounded
     assert float(temperature_from_log(jnp.asarray(100.0))) == pytest.approx(hi)
-    with pytest.raises(DprGcError, match="temperature must lie in"):
+    with pytest.raises(DprGcError, match=r"temperature must be a number in \[0.01, 10.0\], got 100.0"):
         ContrastiveLoss(temperature=100.0)
 
 
@@ -723,8 +723,17 @@ def test_example_refuses_each_bad_flag_by_name_before_any_work(argv, message, ca
 
 
 def test_bad_library_arguments_are_refused_with_a_clear_error():
-    """ContrastiveLoss's block and n_hard_negatives, and an empty batch, are refused in one clear DprGcError (as the
-    torch loss refuses a negative loss_chunk_size); a Python float log temperature is taken as fp32."""
+    """ContrastiveLoss's block and n_hard_negatives, a switch that is not True or False, a temperature that is not a
+    number in range, and an empty batch are refused in one clear DprGcError (as the torch loss refuses a negative
+    loss_chunk_size, symmetric="no" or temperature="0.05"); a Python float log temperature is taken as fp32."""
+    for name in ("learn_temperature", "symmetric"):
+        for bad in ("no", 1, None):
+            with pytest.raises(DprGcError, match=f"{name} must be True or False, got {bad!r}"):
+                ContrastiveLoss(1, **{name: bad})
+    for bad in ("0.05", None, True, 100.0, float("nan")):
+        with pytest.raises(DprGcError, match=r"temperature must be a number in \[0.01, 10.0\], got "):
+            ContrastiveLoss(1, temperature=bad)
+    assert ContrastiveLoss(1, temperature=np.float32(0.05), symmetric=True, learn_temperature=True).symmetric
     for block in (-1, -3, 2.5, True):
         with pytest.raises(DprGcError, match="block must be a positive number of score rows per block, 0 for the"):
             ContrastiveLoss(1, block=block)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..base.errors import DprGcError
+from ..engine.arguments import as_number, check_bool
 from .grad_cache import is_integer
 
 Array = jax.Array
@@ -151,7 +152,11 @@ class ContrastiveLoss:
     axis_name: Optional[str] = None
 
     def __post_init__(self) -> None:
-        lo, hi = TEMPERATURE_RANGE
+        """Refuse what the torch twin refuses, in the same words: a switch that is not True or False (``"no"``
+        would switch it on), a temperature that is not a number in ``TEMPERATURE_RANGE``, a bad block or count."""
+        check_bool("learn_temperature", self.learn_temperature)
+        check_bool("symmetric", self.symmetric)
+        as_number("temperature", self.temperature, *TEMPERATURE_RANGE)
         if self.similarity not in ("dot", "cos"):
             raise DprGcError(f"similarity must be 'dot' or 'cos', got {self.similarity!r}")
         if not is_integer(self.n_hard_negatives) or self.n_hard_negatives < 0:
@@ -159,8 +164,6 @@ class ContrastiveLoss:
         if self.block is not None and (not is_integer(self.block) or self.block < 0):
             raise DprGcError(f"block must be a positive number of score rows per block, 0 for the dense score matrix, "
                              f"or None for automatic blocks; got {self.block!r}")
-        if not lo <= self.temperature <= hi:
-            raise DprGcError(f"temperature must lie in [{lo}, {hi}], got {self.temperature}")
 
     def init(self) -> dict[str, Array]:
         """The loss's trainable parameters (fp32 even when the encoders are bf16)."""
