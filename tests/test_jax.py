@@ -722,6 +722,30 @@ def test_example_refuses_each_bad_flag_by_name_before_any_work(argv, message, ca
     assert re.search(message, err), err
 
 
+def test_example_refuses_train_queries_beyond_the_training_split_in_one_line(tmp_path, capsys, monkeypatch):
+    """How many questions the split gives training is known once the dataset is built: more --train-queries than
+    that is refused then, in one line naming the flag, before the model loads."""
+    import json
+
+    from dpr_gc.jax import example
+    from dpr_gc.model import pretrained
+
+    def build(folder: Path, **kwargs) -> dict:
+        folder.mkdir(parents=True)
+        records = [{"question": f"q{i}", "positive_ctxs": [{"title": "t", "text": f"p{i}"}],
+                    "hard_negative_ctxs": [{"title": "t", "text": f"n{i}"}]} for i in range(3)]
+        (folder / "train.json").write_text(json.dumps(records))
+        return {"files": {"dpr_train": "train.json"}, "counts": {}}
+
+    monkeypatch.setattr(example, "build_stdlib_dataset", build)
+    monkeypatch.setattr(pretrained, "default_model_path", lambda: pytest.fail("the model loads"))
+    argv = ["--output", str(tmp_path), "--max-examples", "4", "--train-queries", "4", "--batch-size", "4"]
+    assert example.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: "), err
+    assert re.search(r"only 3 questions have a positive and 1 hard negative, fewer than --train-queries 4 ", err), err
+
+
 def test_bad_library_arguments_are_refused_with_a_clear_error():
     """ContrastiveLoss's block and n_hard_negatives, a switch that is not True or False, a temperature that is not a
     number in range, and an empty batch are refused in one clear DprGcError (as the torch loss refuses a negative

@@ -151,7 +151,8 @@ def passage_key(ctx: dict) -> str:
 def training_examples(path: Path, limit: int,
                       hard_negatives: int) -> tuple[list[str], list[list[str]], list[list[str]]]:
     """Questions, their passage groups (positive first, then ``hard_negatives`` hard negatives) and the groups'
-    passage keys (:func:`passage_key`: equal keys, the same passage)."""
+    passage keys (:func:`passage_key`: equal keys, the same passage). Fewer than ``limit`` usable questions is
+    refused naming --train-queries: the split's size is known only once the dataset is built."""
     questions, groups, keys = [], [], []
     for record in read_json(path):
         negatives = record.get("hard_negative_ctxs") or []
@@ -164,8 +165,10 @@ def training_examples(path: Path, limit: int,
         if len(questions) == limit:
             break
     if len(questions) < limit:
+        plural = "" if hard_negatives == 1 else "s"
         raise DprGcError(f"{path}: only {len(questions)} questions have a positive and {hard_negatives} hard "
-                         f"negatives; lower --train-queries or --hard-negatives")
+                         f"negative{plural}, fewer than --train-queries {limit} (the training split is a share of the "
+                         "examples); lower --train-queries or --hard-negatives")
     return questions, groups, keys
 
 
