@@ -498,6 +498,28 @@ def test_search_settings_at_a_depth_name_the_ef_search_that_runs(data):
     assert index.index.hnsw.efSearch == 128
 
 
+@pytest.mark.parametrize("factory", ["PCA16,HNSW32,Flat", "HNSW32,Flat,RFlat", "IVF4_HNSW32,Flat"])
+def test_hnsw_settings_reach_a_graph_inside_the_index(tmp_path, data, factory):
+    """An HNSW graph behind a transform, under a refinement or as an IVF quantizer is built with --ef-construction
+    (FAISS's default 40 was kept, while index_meta.json recorded the flag), and a search graph's beam narrower than
+    top-k is widened for that search as a top-level one is (PCA16,HNSW32,Flat gave fewer hits than asked)."""
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=1)
+    build_index(emb_dir, tmp_path / "idx", IndexParams(factory=factory, ef_construction=500, ef_search=7))
+    index = DenseIndex.read(tmp_path / "idx")
+    layers = [faiss.downcast_index(index.index)]
+    while layers[-1] is not None and not hasattr(layers[-1], "hnsw"):
+        inner = next((getattr(layers[-1], name) for name in ("index", "base_index", "quantizer")
+                      if getattr(layers[-1], name, None) is not None), None)
+        layers.append(None if inner is None else faiss.downcast_index(inner))
+    assert layers[-1].hnsw.efConstruction == 500 == index.meta["params"]["ef_construction"]
+    if "IVF" in factory:  # the quantizer's beam finds the lists to probe: top-k does not widen it
+        return
+    _, rows = index.search(data[:5], 200)
+    assert (rows >= 0).all() and all(len(set(r)) == 200 for r in rows)
+    assert index.search_settings(200).startswith("efSearch 200 (raised to --top-k 200)")
+    assert index.search_settings().startswith("efSearch 7") and layers[-1].hnsw.efSearch == 7
+
+
 def test_ivf_pq_skips_polysemous_training():
     index = DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=4))
     assert faiss.downcast_index(faiss.extract_index_ivf(index.index)).do_polysemous_training is False

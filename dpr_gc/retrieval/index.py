@@ -140,6 +140,34 @@ def _layers(index: Any) -> Iterator[Any]:
         yield from _layers(inner)
 
 
+def _hnsw_graphs(index: Any) -> Iterator[Any]:
+    """The HNSW indexes in a FAISS index: itself, one behind a transform or under a refinement, an IVF quantizer."""
+    faiss = _faiss()
+    for layer in _layers(index):
+        if isinstance(layer, faiss.IndexHNSW):
+            yield layer
+        if isinstance(layer, faiss.IndexIVF):
+            yield from (inner for inner in _layers(layer.quantizer) if isinstance(inner, faiss.IndexHNSW))
+
+
+def _widening(index: Any, k: int) -> Optional[Any]:
+    """FAISS search parameters raising to ``k`` the beam of the HNSW graph whose search gives the hits (the index
+    itself, or one behind transforms or under a refinement), for one search; None where there is no such graph or
+    its beam is as wide. An IVF quantizer's beam finds the lists to probe, not the hits, and is left as it is."""
+    faiss = _faiss()
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexHNSW):
+        return faiss.SearchParametersHNSW(efSearch=k) if index.hnsw.efSearch < k else None
+    if isinstance(index, faiss.IndexPreTransform):
+        inner = _widening(index.index, k)
+        return None if inner is None else faiss.SearchParametersPreTransform(index_params=inner)
+    if isinstance(index, faiss.IndexRefine):
+        inner = _widening(index.base_index, k)
+        return None if inner is None else faiss.IndexRefineSearchParameters(k_factor=index.k_factor,
+                                                                             base_index_params=inner)
+    return None
+
+
 def _codes(index: Any) -> str:
     """The compressed codes a FAISS index searches (PQ or scalar quantizer), else its class name."""
     pq, sq = getattr(index, "pq", None), getattr(index, "sq", None)
@@ -224,9 +252,8 @@ class DenseIndex:
             raise DprGcError(f"FAISS builds index {factory!r} with {other}, whatever metric it is asked for, so its "
                              "search would rank passages by distance, not by score; choose another --factory (e.g. "
                              "'HNSW32,Flat', or 'IVF4096,PQ64' for compressed codes)")
-        hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
-        if hnsw is not None:
-            hnsw.efConstruction = params.ef_construction
+        for graph in _hnsw_graphs(index):  # before anything is added (an IVF quantizer's: before training)
+            graph.hnsw.efConstruction = params.ef_construction
         ivf = faiss.try_extract_index_ivf(index)
         if ivf is not None and hasattr(faiss.downcast_index(ivf), "do_polysemous_training"):
             # Polysemous training (on by default for IVF-PQ) only serves Hamming-filtered search, which is not
@@ -278,11 +305,10 @@ class DenseIndex:
                  if any(isinstance(layer, kind) for layer in layers)])
 
     def _widened_ef(self, k: int) -> Optional[int]:
-        """The ``efSearch`` a top-``k`` search raises an HNSW index's narrower beam to (``k``, at most the
-        vectors), or None where it searches with the index's own (no HNSW on top, or a beam already as wide)."""
-        hnsw = getattr(_faiss().downcast_index(self.index), "hnsw", None)
+        """The ``efSearch`` a top-``k`` search raises a narrower beam of the HNSW graph giving the hits to (``k``,
+        at most the vectors), or None where it searches with the index's own (no such graph, or a beam as wide)."""
         depth = min(k, self.ntotal)
-        return depth if hnsw is not None and hnsw.efSearch < depth else None
+        return depth if _widening(self.index, depth) is not None else None
 
     # ------------------------------------------------------------------------------------------- verbs
     def _matrix(self, x: np.ndarray, what: str) -> np.ndarray:
@@ -376,9 +402,9 @@ class DenseIndex:
             raise DprGcError("the index is empty; build it from encoded passages first (dpr-gc index)")
         queries = self._matrix(queries, "query vectors")
         k = min(k, self.ntotal)
-        if self._widened_ef(k) is not None:
-            # An HNSW beam narrower than k returns fewer than k hits; widen it for this search only.
-            scores, rows = self.index.search(queries, k, params=_faiss().SearchParametersHNSW(efSearch=k))
+        widened = _widening(self.index, k)  # an HNSW beam narrower than k returns fewer than k hits
+        if widened is not None:
+            scores, rows = self.index.search(queries, k, params=widened)
         else:
             scores, rows = self.index.search(queries, k)
         return scores, rows.astype(np.int64, copy=False)
