@@ -186,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 def load_or_build_index(embeddings: Optional[list[str]], index_path: Optional[str], save_or_load: bool,
                         params: IndexParams, train_sample: int, block_size: int, seed: int,
                         label: Optional[str] = None) -> tuple[DenseIndex, str]:
-    """The index in ``index_path`` if complete (with ``save_or_load``, default ``PREFIX.index`` beside the shards),
-    else one built from the encode output folders ``embeddings`` (:func:`embeddings_folders`) and saved to
-    ``index_path`` when given; with its name in the summary (``label``: the ``--encoded_ctx_file`` typed)."""
+    """The index in ``index_path`` if complete (with ``save_or_load``, default ``PREFIX.index`` beside the shards;
+    refused where the shards were encoded otherwise since, :func:`check_built_from`), else one built from the
+    encode output folders ``embeddings`` (:func:`embeddings_folders`) and saved to ``index_path`` when given; with
+    its name in the summary (``label``: the ``--encoded_ctx_file`` typed)."""
     folders = [Path(folder) for folder in embeddings or ()]
     if save_or_load and not index_path and folders:
         index_path = dpr_index_path(folders)

@@ -15,7 +15,7 @@ import pytest
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.retrieval.fingerprint import LEGACY_KEY
 from dpr_gc.retrieval.index import (IDS_FILE, INDEX_FILE, META_FILE, DenseIndex, IndexParams, add_shards, build_index,
-                          read_ids, sample_embeddings)
+                          check_built_from, read_ids, sample_embeddings)
 
 DIM = 16
 KIND_PARAMS = {
@@ -518,6 +518,28 @@ def test_hnsw_settings_reach_a_graph_inside_the_index(tmp_path, data, factory):
     assert (rows >= 0).all() and all(len(set(r)) == 200 for r in rows)
     assert index.search_settings(200).startswith("efSearch 200 (raised to --top-k 200)")
     assert index.search_settings().startswith("efSearch 7") and layers[-1].hnsw.efSearch == 7
+
+
+@pytest.mark.parametrize("changed, said", [
+    ({"max_length": 128}, "max_length=64 but the embeddings in {emb} have max_length=128"),
+    ({"precision": "bf16", "passage_prefix": "passage: "},
+     "precision='fp32', passage_prefix='' but the embeddings in {emb} have precision='bf16', "
+     "passage_prefix='passage: '"),
+    ({"dtype": "float16"}, "dtype='float32' but the embeddings in {emb} have dtype='float16'")])
+def test_a_saved_index_is_refused_for_shards_encoded_with_other_settings(tmp_path, data, changed, said):
+    """dense_retriever.py --save_or_load_index reused an index after its shards were re-encoded with another
+    --max-length, precision, dtype or passage prefix (only the model, encoding and corpus were compared), so it
+    retrieved from stale vectors silently; those are compared too, each difference named in one line."""
+    settings = {"max_length": 64, "precision": "fp32", "passage_prefix": "", "query_prefix": ""}
+    build_index(write_shards(tmp_path / "emb", data, settings=settings), tmp_path / "idx", IndexParams("flat"))
+    index = DenseIndex.read(tmp_path / "idx")
+    check_built_from(index, tmp_path / "emb", tmp_path / "idx")  # what the script calls before reusing the index
+    dtype = changed.pop("dtype", "float32")
+    emb = write_shards(tmp_path / "emb2", data, dtype=dtype, settings={**settings, **changed})
+    with pytest.raises(DprGcError) as caught:
+        check_built_from(index, emb, tmp_path / "idx")
+    assert str(caught.value) == (f"the index in {tmp_path / 'idx'} was built with {said.format(emb=emb)}; delete the "
+                                 "old index or give another --index_path")
 
 
 def test_ivf_pq_skips_polysemous_training():

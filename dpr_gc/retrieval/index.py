@@ -876,15 +876,23 @@ def check_ids_file(folder: Path, rows: int) -> None:
 
 
 def check_built_from(dense: "DenseIndex", emb_dir: PathLike, where: PathLike) -> None:
-    """Refuse a saved index that was not built from the embeddings in ``emb_dir`` (another model or corpus)."""
+    """Refuse, in one line naming each difference, a saved index that was not built from the embeddings in
+    ``emb_dir``: another model or corpus, or passages encoded otherwise (their encode settings and prefix, compared
+    where both record them, as indexes and shards of earlier versions lack them)."""
     first = read_manifests(emb_dir, complete=False)[0]
-    for key in ("model_fingerprint", *ENCODING_KEYS, "corpus_rows", "corpus_fingerprint"):
-        if key not in dense.meta or key not in first:
+    differ = []
+    for key in ("model_fingerprint", *ENCODING_KEYS, "corpus_rows", "corpus_fingerprint", *ENCODE_SETTING_KEYS,
+                "passage_prefix"):
+        if dense.meta.get(key) is None or first.get(key) is None:
             continue
         same = records_agree(dense.meta, first) if key == "model_fingerprint" else dense.meta[key] == first[key]
         if not same:
-            raise DprGcError(f"the index in {where} was built with {key}={dense.meta[key]!r} but the embeddings in "
-                             f"{emb_dir} have {first[key]!r}; delete the old index or give another --index_path")
+            differ.append(key)
+    if differ:
+        raise DprGcError(f"the index in {where} was built with "
+                         f"{', '.join(f'{key}={dense.meta[key]!r}' for key in differ)} but the embeddings in "
+                         f"{emb_dir} have {', '.join(f'{key}={first[key]!r}' for key in differ)}; delete the old "
+                         "index or give another --index_path")
 
 
 def index_exists(folder: Optional[PathLike]) -> bool:
