@@ -542,6 +542,41 @@ def test_a_saved_index_is_refused_for_shards_encoded_with_other_settings(tmp_pat
                                  "old index or give another --index_path")
 
 
+def test_an_nsg_graph_is_built_in_one_add_and_never_appended_to(tmp_path, data, caplog):
+    """FAISS builds an NSG graph in one add and refuses a second: over several shards (or more rows than
+    --block-size) dpr-gc's block-by-block adds failed with FAISS's 'NSG does not support incremental addition'. Its
+    rows are gathered into one add, said in the log; an --append to such an index, and an --allow-partial build that
+    a later --append would have to finish, are refused in one line before anything is added."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb = write_shards(tmp_path / "emb", data, num_shards=2)
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.index"):
+        summary = build_index(emb, tmp_path / "idx", IndexParams(factory="PCA8,NSG16,Flat"), block_size=50)
+    assert summary["ntotal"] == len(data) == DenseIndex.read(tmp_path / "idx").ntotal
+    assert ("its NSG graph is built in one add: gathering all 800 vectors (0.0 MiB as float32) in memory, whatever "
+            "--block-size") in caplog.messages, caplog.messages
+    partial = write_shards(tmp_path / "partial", data, num_shards=2, only=[0])
+    code, err = call(main, ["index", "--embeddings", partial, "--output", tmp_path / "p", "--factory", "NSG16,Flat",
+                            "--allow-partial"])
+    assert code == 2 and err == ("error: --allow-partial: the NSG16,Flat index builds its NSG graph in one add and "
+                                 "could not take corpus rows 400..799, not encoded yet, later; wait for their shards, "
+                                 "then index without --allow-partial\n"), err
+    assert not (tmp_path / "p").exists()
+    build_index(partial, tmp_path / "p", IndexParams("flat"), allow_partial=True)  # as an NSG index built earlier
+    flat = DenseIndex.read(tmp_path / "p")
+    nsg = DenseIndex.build(DIM, IndexParams(factory="NSG16,Flat"))
+    nsg.add(data[:400])
+    nsg.meta = {**flat.meta, **{key: nsg.meta[key] for key in ("kind", "factory", "params")}}
+    nsg.write(tmp_path / "p", ids=read_ids(tmp_path / "p"))
+    write_shards(partial, data, num_shards=2, only=[1])
+    code, err = call(main, ["index", "--embeddings", partial, "--output", tmp_path / "p", "--append"])
+    assert code == 2 and err == (f"error: --append: the NSG16,Flat index built its NSG graph in one add and cannot "
+                                 f"take the 400 vectors of {partial} it lacks; build a new index over all the shards "
+                                 "without --append\n"), err
+    assert DenseIndex.read(tmp_path / "p").ntotal == 400
+
+
 def test_ivf_pq_skips_polysemous_training():
     index = DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=4))
     assert faiss.downcast_index(faiss.extract_index_ivf(index.index)).do_polysemous_training is False

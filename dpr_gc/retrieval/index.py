@@ -360,13 +360,18 @@ class DenseIndex:
         took = f" and --train-sample takes {n} of them" if n < available else ""
         return f"the embeddings hold only {available} vectors{took}: {lower}"
 
+    def _finite(self, embeddings: np.ndarray) -> np.ndarray:
+        """``embeddings`` as the float32 matrix FAISS adds, refused when it holds NaN or infinite values."""
+        block = self._matrix(embeddings, "embeddings")
+        if not np.isfinite(block).all():
+            raise DprGcError("embeddings contain NaN or infinite values; re-encode (fp16 overflow?) before indexing")
+        return block
+
     def add(self, embeddings: np.ndarray) -> None:
         """Append vectors; their FAISS rows continue from :attr:`ntotal`."""
         if not self.is_trained:
             raise DprGcError(f"the {self.meta['factory']} index must be trained before vectors are added")
-        block = self._matrix(embeddings, "embeddings")
-        if not np.isfinite(block).all():
-            raise DprGcError("embeddings contain NaN or infinite values; re-encode (fp16 overflow?) before indexing")
+        block = self._finite(embeddings)
         try:
             self.index.add(block)
         except RuntimeError as e:  # e.g. an NSG graph over fewer than 100 vectors
@@ -678,8 +683,9 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
 
     A new trained kind first trains on a random sample of ``train_sample`` vectors; vectors are then added shard
     by shard in blocks of ``block_size`` rows read from memory-mapped ``.npy`` files, so memory holds the index
-    and not every embedding besides. Returns ``(index, shards added, timings)``; the shards added are none when
-    ``dense`` already holds every shard.
+    and not every embedding besides -- except for an NSG graph, which FAISS builds in one add of all its vectors:
+    they are gathered into one array, and appending to such an index is refused. Returns ``(index, shards added,
+    timings)``; the shards added are none when ``dense`` already holds every shard.
     """
     IndexBuild(train_sample=train_sample, block_size=block_size, seed=seed)  # the flags' checks and errors
     manifests = read_manifests(emb_dir, complete=not allow_partial)
@@ -690,6 +696,7 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
         return dense, [], {"train_vectors": 0, "train_seconds": 0.0, "add_seconds": 0.0}
     if not todo:
         raise DprGcError(f"nothing to add: the shards in {emb_dir} hold no rows")
+    one_add = _refuse_a_second_add(dense, params, todo, first, emb_dir)
     for m in todo:
         open_shard(m, check_ids=True)
     stats = {"train_vectors": 0, "train_seconds": 0.0}
@@ -701,21 +708,68 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
                     counted(dense.ntotal, "vector"), dense.search_settings(), faiss_threads())
     dense.meta.update(fingerprint)
     started = time.perf_counter()
-    with tqdm(total=sum(int(m["count"]) for m in todo), desc="adding to index", unit=" vectors", disable=None) as bar:
+    _add_blocks(dense, todo, block_size, one_add)
+    stats["add_seconds"] = round(time.perf_counter() - started, 3)
+    return dense, todo, stats
+
+
+def _one_add_part(factory: Optional[str]) -> str:
+    """The part of an index of ``factory`` that FAISS builds in one add of all its vectors, refusing a second add
+    ("NSG graph"), else ""."""
+    return "NSG graph" if factory and "NSG" in factory.upper() else ""
+
+
+def _refuse_a_second_add(dense: Optional[DenseIndex], params: IndexParams, todo: list[dict], first: dict,
+                         emb_dir: PathLike) -> str:
+    """Refuse, in one line, to append the shards ``todo`` to an index FAISS built in one add (NSG), or to build one
+    over some corpus rows only (``--allow-partial``), which could never take the rest; returns the part built in
+    one add ("" for an index taking vectors block by block)."""
+    factory = dense.meta["factory"] if dense is not None else params.factory
+    part = _one_add_part(factory)
+    if not part:
+        return ""
+    if dense is not None and todo:
+        vectors = counted(sum(int(m["count"]) for m in todo), "vector")
+        raise DprGcError(f"--append: the {factory} index built its {part} in one add and cannot take the {vectors} "
+                         f"of {emb_dir} it lacks; build a new index over all the shards without --append")
+    end, rows = (int(todo[-1]["start_row"]) + int(todo[-1]["count"]) if todo else 0), first.get("corpus_rows")
+    if dense is None and rows is not None and end < int(rows):
+        raise DprGcError(f"--allow-partial: the {factory} index builds its {part} in one add and could not take "
+                         f"corpus rows {end}..{int(rows) - 1}, not encoded yet, later; wait for their shards, then "
+                         "index without --allow-partial")
+    return part
+
+
+def _add_blocks(dense: DenseIndex, todo: list[dict], block_size: int, one_add: str) -> None:
+    """Add the rows of the shards ``todo`` to ``dense`` in blocks of ``block_size`` read from memory-mapped files,
+    naming the shard and rows of a block refused; an index built in one add (``one_add``: its part, an NSG graph)
+    gets them all in one add, gathered in memory block by block."""
+    total = sum(int(m["count"]) for m in todo)
+    gathered = np.empty((total, dense.dim), np.float32) if one_add else None
+    if one_add:
+        logger.info("its %s is built in one add: gathering all %s (%.1f MiB as float32) in memory, whatever "
+                    "--block-size", one_add, counted(total, "vector"), total * dense.dim * 4 / 2 ** 20)
+    at = 0
+    with tqdm(total=total, desc="adding to index", unit=" vectors", disable=None) as bar:
         for m in todo:
             arr = open_shard(m)
             for s in range(0, len(arr), block_size):
+                block = arr[s:s + block_size]
                 try:
-                    dense.add(arr[s:s + block_size])
+                    if gathered is None:
+                        dense.add(block)
+                    else:
+                        gathered[at:at + len(block)] = dense._finite(block)
                 except FaissRefused:  # the index's fault (its --factory), not these rows'
                     raise
                 except DprGcError as e:  # name the shard (and rows) whose vectors were refused
-                    raise DprGcError(f"{m['embeddings']} (rows {s}-{min(s + block_size, len(arr)) - 1}): {e}") from None
-                bar.update(min(block_size, len(arr) - s))
+                    raise DprGcError(f"{m['embeddings']} (rows {s}-{s + len(block) - 1}): {e}") from None
+                at += len(block)
+                bar.update(len(block))
             dense.meta["shards"].append({"embeddings": Path(m["embeddings"]).name, "start_row": int(m["start_row"]),
                                          "count": int(m["count"])})
-    stats["add_seconds"] = round(time.perf_counter() - started, 3)
-    return dense, todo, stats
+    if gathered is not None:
+        dense.add(gathered)
 
 
 def _new_index(first: dict, todo: list[dict], params: IndexParams, train_sample: int,
