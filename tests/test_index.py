@@ -373,6 +373,10 @@ def test_unknown_kind_and_bad_parameters(tmp_path, data):
         IndexParams("ivf-flat", nlist=4, pq_m=4)
     with pytest.raises(DprGcError, match="--nlist 8 .* --factory 'IVF4,Flat' \\(write it into the string\\)"):
         IndexParams(factory="IVF4,Flat", nlist=8)
+    with pytest.raises(DprGcError, match="--pq-nbits 4 is a setting of ivf-pq indexes, which --kind ivf-flat does"):
+        IndexParams("ivf-flat", nlist=4, pq_nbits=4)
+    with pytest.raises(DprGcError, match="--pq-nbits 6 .* --factory 'IVF4,PQ4' \\(write it into the string\\)"):
+        IndexParams(factory="IVF4,PQ4", pq_nbits=6)
     emb_dir = write_shards(tmp_path / "emb", data)
     with pytest.raises(DprGcError, match="raise --train-sample to at least 64 \\(the embeddings hold 800 vectors\\), "
                                          "or lower --nlist to at most 20$"):
@@ -687,6 +691,12 @@ def test_append_keeps_how_the_index_was_built_and_sets_search_flags(tmp_path, da
     assert call(main, [*run, "--append", "--nprobe", "2"])[0] == 0  # nothing to add: the search setting is written
     assert DenseIndex.read(idx).search_settings() == "nprobe 2 of 4 lists"
     assert DenseIndex.read(idx).meta["settings"]["index"]["nprobe"] == 2
+    meta = json.loads((idx / META_FILE).read_text())  # as earlier versions wrote it: pq_nbits 8 for every kind
+    meta["params"]["pq_nbits"] = 8
+    del meta["settings"]
+    (idx / META_FILE).write_text(json.dumps(meta))
+    assert call(main, [*run, "--append", "--nprobe", "3"])[0] == 0
+    assert DenseIndex.read(idx).meta["settings"]["index"]["nprobe"] == 3
 
 
 @pytest.mark.parametrize("factory", ["Flat", "PCA8,Flat", "PCAR16,Flat", "OPQ4,IVF4,PQ4x4", "IVF4,SQ8", "SQ8",

@@ -904,7 +904,10 @@ def _settings_record(existing: Optional[DenseIndex], params: Any, build: IndexBu
         return {"index": to_record(params), "build": to_record(build), "append": append,
                 "allow_partial": allow_partial}
     old = existing.meta.get("settings") or {}
-    index = dict(old.get("index") or to_record(IndexParams(**existing.meta.get("params") or {})))
+    recorded = dict(existing.meta.get("params") or {})
+    if recorded.get("kind") != "ivf-pq":
+        recorded["pq_nbits"] = None  # recorded as 8 for every kind by earlier versions, and a setting of ivf-pq only
+    index = dict(old.get("index") or to_record(IndexParams(**recorded)))
     return {"index": {**index, **searched}, "build": {**to_record(build), **(old.get("build") or {}),
                                                       "block_size": build.block_size},
             "append": append, "allow_partial": allow_partial}

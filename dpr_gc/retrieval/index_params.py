@@ -25,6 +25,7 @@ HNSW_EF_MAX = 1 << 20
 # lists for 100M-1B vectors, which would need 39 * 2**20 training vectors; a larger index is a --factory string.
 NLIST_MAX = 1 << 20
 PQ_NBITS_MAX = 24  # FAISS refuses longer product-quantizer codes ("nbits larger than 24 is not practical")
+PQ_NBITS = 8  # bits per product-quantizer code where --pq-nbits is not given: one byte per sub-vector
 
 # Flag types of the parameters above, shared with retrieve's search-time overrides so both take the same range.
 hnsw_ef = int_between(1, HNSW_EF_MAX)
@@ -51,8 +52,9 @@ class IndexParams:
     """Which FAISS index to build. ``factory`` (any ``faiss.index_factory`` string) overrides ``kind``.
 
     ``nlist=None`` picks about ``4 * sqrt(N)`` inverted lists, capped so each gets enough training vectors;
-    ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector). Both
-    are refused for a kind that has no use for them (``--nlist`` with hnsw, say), rather than ignored.
+    ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector), and
+    ``pq_nbits=None`` 8 bits per code. The three are refused for a kind that has no use for them (``--nlist`` with
+    hnsw, ``--pq-nbits`` with ivf-flat, say), rather than ignored.
     """
 
     kind: str = setting("flat", "--kind", help=f"index kind: {', '.join(KINDS)} (flat = exact search)")
@@ -68,8 +70,8 @@ class IndexParams:
                                    help=f"IVF inverted lists, 1 to {NLIST_MAX} (default about 4*sqrt(N))")
     pq_m: Optional[int] = setting(None, "--pq-m", type=int_between(1, FAISS_INT_MAX),
                                   help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
-    pq_nbits: int = setting(8, "--pq-nbits", type=int_between(1, PQ_NBITS_MAX),
-                            help=f"bits per PQ code, 1 to {PQ_NBITS_MAX}")
+    pq_nbits: Optional[int] = setting(None, "--pq-nbits", type=int_between(1, PQ_NBITS_MAX),
+                                      help=f"bits per PQ code, 1 to {PQ_NBITS_MAX} (default {PQ_NBITS})")
     nprobe: int = setting(32, "--nprobe", type=ivf_nprobe, help="IVF lists visited per query")
 
     def __post_init__(self) -> None:
@@ -80,10 +82,10 @@ class IndexParams:
         elif self.kind not in KINDS:
             raise DprGcError(f"unknown index kind {self.kind!r}; use one of {', '.join(KINDS)} "
                              "or --factory STRING (any faiss.index_factory string)")
-        for name in ("hnsw_m", "ef_construction", "ef_search", "pq_nbits", "nprobe"):
+        for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe"):
             if getattr(self, name) < 1:
                 raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
-        for name, kinds in (("nlist", ("ivf-flat", "ivf-pq")), ("pq_m", ("ivf-pq",))):
+        for name, kinds in (("nlist", ("ivf-flat", "ivf-pq")), ("pq_m", ("ivf-pq",)), ("pq_nbits", ("ivf-pq",))):
             value, flag = getattr(self, name), f"--{name.replace('_', '-')}"
             if value is not None and value < 1:
                 raise DprGcError(f"{flag} must be a positive integer, got {value}")
@@ -94,13 +96,16 @@ class IndexParams:
                                  f"not build: drop {flag}, or give --kind {' or '.join(kinds)}")
 
     def resolve(self, dim: int, n_vectors: int, n_train: int) -> "IndexParams":
-        """Fill a missing ``nlist`` from the data size and training-sample size, a missing ``pq_m`` from ``dim``."""
-        nlist, pq_m = self.nlist, self.pq_m
+        """Fill a missing ``nlist`` from the data size and training-sample size, a missing ``pq_m`` from ``dim``, a
+        missing ``pq_nbits`` with the default."""
+        nlist, pq_m, pq_nbits = self.nlist, self.pq_m, self.pq_nbits
         if self.kind in ("ivf-flat", "ivf-pq") and nlist is None:
             nlist = max(1, min(int(4 * math.sqrt(max(n_vectors, 1))), n_train // CENTROID_POINTS))
         if self.kind == "ivf-pq" and pq_m is None:
             pq_m = max(m for m in range(1, max(dim // 4, 1) + 1) if dim % m == 0)
-        return dataclasses.replace(self, nlist=nlist, pq_m=pq_m)
+        if self.kind == "ivf-pq" and pq_nbits is None:
+            pq_nbits = PQ_NBITS
+        return dataclasses.replace(self, nlist=nlist, pq_m=pq_m, pq_nbits=pq_nbits)
 
     def describe_picked(self, asked: "IndexParams") -> str:
         """For the log: the parameters :meth:`resolve` picked here that ``asked`` left open ("" when none)."""
@@ -127,7 +132,7 @@ class IndexParams:
             return f"IVF{self.nlist},Flat"
         if dim % self.pq_m:
             raise DprGcError(f"--pq-m {self.pq_m} must divide the embedding dimension {dim}")
-        return f"IVF{self.nlist},PQ{self.pq_m}x{self.pq_nbits}"
+        return f"IVF{self.nlist},PQ{self.pq_m}x{self.pq_nbits or PQ_NBITS}"
 
 
 @dataclasses.dataclass
