@@ -1024,7 +1024,8 @@ def test_links_to_an_input_are_refused(world: dict, tmp_path: Path) -> None:
 
 
 def test_encode_refuses_an_index_or_model_folder_as_its_output(world: dict, tmp_path: Path) -> None:
-    """Shards written into an index folder made it one that index then refused; into a model folder, a mix."""
+    """Shards written into an index folder (or a folder inside one) made it one that index then refused; into a
+    model folder, a mix."""
     for name in ("idx", "model"):
         folder = tmp_path / name
         shutil.copytree(world[name], folder)
@@ -1032,6 +1033,10 @@ def test_encode_refuses_an_index_or_model_folder_as_its_output(world: dict, tmp_
         refused(["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", folder, "--cache-dir",
                  tmp_path / "cache"], f"the output folder {folder} holds {'an index' if name == 'idx' else 'a model'}")
         assert folder_bytes(folder) == before
+    inside = tmp_path / "idx" / "sub" / "emb"  # a rebuild replaces the index folder whole: refused, shards and all
+    refused(["encode", "--model", world["model"], "--corpus", world["corpus"], "--output", inside, "--cache-dir",
+             tmp_path / "cache"], f"the output folder {inside} lies inside the index folder {tmp_path / 'idx'}")
+    assert not (tmp_path / "idx" / "sub").exists()
     script = load_script("dense_retriever")  # --save_or_load_index keeps the index beside the shards' folder
     assert script.dpr_index_path([tmp_path / "emb"]) == f"{tmp_path / 'emb'}.index"
     assert script.dpr_index_path([tmp_path / "emb" / "wiki_0"]) == f"{tmp_path / 'emb' / 'wiki'}.index"

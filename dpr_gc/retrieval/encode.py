@@ -264,16 +264,24 @@ def _part_ok(path: Path, rows: int, dim: int) -> bool:
 
 
 # Files that make a folder an index's or a model's: embedding shards written among them would mix two outputs.
-FOREIGN_FILES = ("index.faiss", "index_meta.json", "config.json", "retriever_config.json", "model.safetensors")
+INDEX_FILES = ("index.faiss", "index_meta.json")
+FOREIGN_FILES = (*INDEX_FILES, "config.json", "retriever_config.json", "model.safetensors")
 
 
 def refuse_foreign_folder(out: PathLike) -> None:
-    """Refuse an output folder that holds an index or a model: encode writes shards into the folder it is given."""
+    """Refuse an output folder that holds an index or a model (encode writes shards into the folder it is given),
+    or that lies inside an index folder (a rebuild of the index replaces its folder whole, and refuses one holding
+    anything else)."""
     found = [name for name in FOREIGN_FILES if (Path(out) / name).is_file()]
     if found:
         kind = "an index" if found[0].startswith("index") else "a model"
         raise DprGcError(f"the output folder {out} holds {kind} ({found[0]}); give the embeddings a folder of "
                          "their own")
+    index = next((parent for parent in Path(os.path.abspath(out)).parents
+                  if any((parent / name).is_file() for name in INDEX_FILES)), None)
+    if index is not None:
+        raise DprGcError(f"the output folder {out} lies inside the index folder {index}, which a rebuild of the "
+                         "index replaces whole; give the embeddings a folder outside it")
 
 
 def _check_folder(out: Path, manifest: dict, encoder: Any) -> None:
