@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 STATE_FIELDS = {"step": count(), "optimizer": Field(dict, True), "scheduler": Field(dict), "scaler": Field(dict),
-                "sampler": Field(dict), "record": Field(dict, True), "best": Field(list)}
+                "sampler": Field(dict), "record": Field(dict, True), "best": Field(list),
+                "skipped_steps": count(), "skipped_in_a_row": count()}  # fp16 steps the GradScaler skipped
 SHARDED = "sharded"  # a checkpoint's FSDP weights and optimizer state (torch.distributed.checkpoint)
 STATE_TENSORS = "train_state.safetensors"
 
@@ -37,7 +39,8 @@ def to_plain(obj: Any, key: str, tensors: dict) -> Any:
     """``obj`` as JSON-ready data, its tensors and arrays moved into ``tensors`` (for safetensors) under ``key``.
 
     Dicts become key/value pair lists and tuples are marked, so int keys (optimizer state) and tuples (Python's RNG
-    state) come back as they were; floats survive JSON exactly (``repr`` round-trips).
+    state) come back as they were; floats survive JSON exactly (``repr`` round-trips), NaN and infinities (not JSON:
+    a skipped fp16 step's gradient norm) as marked strings.
     """
     if isinstance(obj, torch.Tensor):
         tensors[key] = obj.detach().cpu().contiguous().clone()
@@ -51,10 +54,12 @@ def to_plain(obj: Any, key: str, tensors: dict) -> Any:
         return {"__tuple__": [to_plain(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
         return [to_plain(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"__float__": repr(float(obj))}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, np.generic):
-        return obj.item()
+        return to_plain(obj.item(), key, tensors)
     raise TypeError(f"cannot store a {type(obj).__name__} in the training state ({key})")
 
 
@@ -68,6 +73,8 @@ def from_plain(obj: Any, tensors: dict, source: Path) -> Any:
         return {k: from_plain(v, tensors, source) for k, v in obj["__dict__"]}
     if "__tuple__" in obj:
         return tuple(from_plain(v, tensors, source) for v in obj["__tuple__"])
+    if obj.get("__float__") in ("nan", "inf", "-inf"):
+        return float(obj["__float__"])
     key = obj.get("__tensor__", obj.get("__ndarray__"))
     if key not in tensors:
         raise DprGcError(f"{source}: tensor {key!r} is missing from {STATE_TENSORS}; the checkpoint is damaged")
@@ -208,9 +215,10 @@ class Checkpointer:
         return finished_checkpoints(self.out)
 
     def log(self, path: Path, record: dict) -> None:
+        """Append ``record`` to the JSON lines file ``path``, a non-finite number as null (JSON has no NaN)."""
         if self.is_main:
             with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
 
     def update_best(self, step: int, export: Callable[[], Optional[Retriever]], record: dict) -> None:
         """Save the model to ``best/`` (atomically) when the record's dev metric beats every one seen so far
@@ -230,10 +238,11 @@ class Checkpointer:
                 logger.info("new best dev %s %.4f at step %d -> %s", self.metric, value, step, self.best_path)
 
     def save(self, step: int, retriever: Retriever, optimizer: Any, scheduler: Any, scaler: Any, sampler_state: dict,
-             rng: Any, record: dict, grad_cache: Any = None) -> None:
+             rng: Any, record: dict, grad_cache: Any = None, skipped: tuple[int, int] = (0, 0)) -> None:
         """Write ``checkpoint-STEP/`` whole: into a hidden sibling renamed into place, which a failure (a full disk:
         one error line naming the checkpoint) removes again, so the finished checkpoints stay as they were.
-        ``grad_cache``: what the Gradient Cache engine learnt (each rank's :meth:`GradCache.state_dict`)."""
+        ``grad_cache``: what the Gradient Cache engine learnt (each rank's :meth:`GradCache.state_dict`);
+        ``skipped``: the steps fp16's GradScaler skipped, in all and the latest in a row."""
         tmp = self.out / f".checkpoint-{step}.tmp"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -243,7 +252,9 @@ class Checkpointer:
                                                            "scaler": scaler.state_dict(), "sampler": sampler_state,
                                                            "rng": rng, "record": record, "grad_cache": grad_cache,
                                                            "best": [self.best_value, self.best_path,
-                                                                    self.best_step]})
+                                                                    self.best_step],
+                                                           "skipped_steps": skipped[0],
+                                                           "skipped_in_a_row": skipped[1]})
         except Exception as e:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -339,6 +350,17 @@ class Checkpointer:
         if self.is_main:
             logger.info("%s has no best/ yet: the best model recorded, %s (step %s), belongs to the run resumed; the "
                         "next dev evaluation writes best/ here", self.out, recorded, best_step)
+
+
+def finite_or_null(value: Any) -> Any:
+    """``value`` with each non-finite float inside it (NaN, infinities: not JSON) made None, written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 def truncate_metrics(metrics: Path, step: int) -> None:

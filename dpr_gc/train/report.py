@@ -73,13 +73,14 @@ def best_dev(summary: dict) -> str:
 
 
 def summary_table(summary: dict) -> str:
-    """train's closing table: steps, batch, chunks and the graphs kept under the memory budget, precision, device,
-    loss, speed, the best and (with a dev set) the last dev values and the model."""
+    """train's closing table: steps, batch, chunks and the graphs kept under the memory budget, precision (and under
+    fp16, or where there were any, the steps the GradScaler skipped), device, loss, speed, the best and (with a dev
+    set) the last dev values and the model."""
     rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
             ("graphs kept (last step, budget)", summary.get("graphs_kept") or "-"),
-            ("precision", summary["precision"]), ("device", summary.get("device", "-")),
+            ("precision", summary["precision"]), *skipped_steps(summary), ("device", summary.get("device", "-")),
             ("final loss", f"{summary['final_loss']:.4f}"),
             ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
             ("best dev", best_dev(summary))]
@@ -87,6 +88,15 @@ def summary_table(summary: dict) -> str:
         rows.append(("last dev", last_dev(summary)))
     rows.append(("model", summary["final_model"]))
     return format_summary(dict(rows), ("training", ""))
+
+
+def skipped_steps(summary: dict) -> list[tuple[str, str]]:
+    """The summary's row of steps fp16's GradScaler skipped, of all the run's steps (none outside fp16 without any)."""
+    skipped = summary.get("skipped_steps") or 0
+    if summary["precision"] != "fp16" and not skipped:
+        return []
+    why = " (inf/NaN gradients: the weights stayed as they were)" if skipped else ""
+    return [("skipped steps", f"{skipped} of {summary['steps']}{why}")]
 
 
 def last_dev(summary: dict) -> str:

@@ -17,6 +17,7 @@ import itertools
 import logging
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -44,7 +45,7 @@ from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_p
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
-from .checkpoints import resolve_checkpoint
+from .checkpoints import finite_or_null, resolve_checkpoint
 from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
 from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
@@ -57,6 +58,20 @@ logger = logging.getLogger(__name__)
 # Under fp16 the GradScaler skips a step whose gradient overflowed and halves its scale; a run of more skips than
 # this (the scale fell by 2**25) is divergence, not scale-finding.
 MAX_SKIPPED_STEPS = 25
+# what torch warns, once, when the first step the GradScaler skips (no optimizer.step()) is followed by
+# scheduler.step(): the schedule advances every step, skipped or not, as torch's own AMP recipe does
+SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+@dataclasses.dataclass
+class SkippedSteps:
+    """The steps fp16's GradScaler skipped (inf/NaN gradients: the weights stayed as they were): over the whole run
+    (kept in checkpoints), the latest of them in a row (more than ``MAX_SKIPPED_STEPS`` is divergence), and this
+    invocation's (its first is logged)."""
+
+    total: int = 0
+    in_a_row: int = 0
+    this_run: int = 0
 
 
 class TrainingDiverged(DprGcError):
@@ -154,7 +169,7 @@ class Trainer:
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
         self.last_dev: Optional[dict] = None  # this run's latest dev evaluation after a step: {"step", "dev_...": ..}
-        self.skipped_steps = 0  # consecutive fp16 steps the GradScaler skipped
+        self.skipped, self.step_skipped = SkippedSteps(), False  # fp16 steps the GradScaler skipped; the last step
         self.step_lr = float("nan")  # the learning rate the last step used (the scheduler has moved on since)
         self.started, self.board, self.bar = time.perf_counter(), None, None
         self.created_out = not self.out.exists()  # a fresh run refused before its first step removes it again
@@ -340,6 +355,7 @@ class Trainer:
         self.follow_schedule()
         restore_rng(state["rng"][self.rank] if isinstance(state["rng"], list) else state["rng"])
         self.restore_cache(state.get("grad_cache"))
+        self.skipped = SkippedSteps(state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0))
         logger.info("resumed from step %d (epoch %d, %d batches into it)", self.step, self.epoch,
                     state["sampler"]["batches_done"])
 
@@ -369,7 +385,8 @@ class Trainer:
         """Write ``checkpoint-STEP/`` with everything :meth:`resume` needs (``rng``: the state after this step)."""
         cache = every_rank(self.cache.state_dict(), self.world) if self.cache is not None else None
         self.checkpointer.save(self.step, self.retriever, self.optimizer, self.scheduler, self.scaler,
-                               self.sampler.state_dict(done_in_epoch), gather_rng(rng, self.world), record, cache)
+                               self.sampler.state_dict(done_in_epoch), gather_rng(rng, self.world), record, cache,
+                               skipped=(self.skipped.total, self.skipped.in_a_row))
 
     def export(self) -> Optional[Retriever]:
         """The retriever to save, on rank 0 (None elsewhere): the trained one, or under ``--fsdp`` an unsharded
@@ -407,10 +424,26 @@ class Trainer:
         grad_norm = self.clip_gradients()
         self.check_finite(loss, grad_norm)
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler sets the next step's
+        scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.scheduler.step()
+        self.count_skipped(scale)
+        with warnings.catch_warnings():  # a skipped first step called no optimizer.step(), which torch warns of
+            warnings.filterwarnings("ignore", SCHEDULER_ORDER_WARNING, UserWarning)
+            self.scheduler.step()
         return loss, grad_norm
+
+    def count_skipped(self, scale: float) -> None:
+        """Count the step as skipped when fp16's GradScaler lowered its loss ``scale`` (it found inf/NaN gradients and
+        left the weights as they were); this invocation's first skip is logged."""
+        self.step_skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale
+        if not self.step_skipped:
+            return
+        self.skipped.total, self.skipped.this_run = self.skipped.total + 1, self.skipped.this_run + 1
+        if self.skipped.this_run == 1 and self.rank == 0:
+            logger.info("step %d skipped by fp16's GradScaler: inf/NaN gradients at loss scale %g; it lowers the "
+                        "scale and goes on (metrics.jsonl marks each skipped step, the summary counts them)",
+                        self.step + 1, scale)
 
     def loss_ids(self, batch: dict) -> dict[str, torch.Tensor]:
         """The batch's passage and positive ids, by which the loss drops a query's other positives from its
@@ -432,14 +465,14 @@ class Trainer:
         ``MAX_SKIPPED_STEPS`` consecutive steps the fp16 GradScaler skipped (it skips the odd overflow by design)."""
         finite = self.all_ranks(bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)))
         if finite:
-            self.skipped_steps = 0
+            self.skipped.in_a_row = 0
             return
         what = f"loss {float(loss):.4g}, gradient norm {float(grad_norm):.4g}"
         if not self.scaler.is_enabled():
             raise self.diverged(f"{what} ({self.config.optim.precision})")
-        self.skipped_steps += 1
-        if self.skipped_steps > MAX_SKIPPED_STEPS:
-            raise self.diverged(f"{what}; the fp16 GradScaler skipped {self.skipped_steps} steps in a row")
+        self.skipped.in_a_row += 1
+        if self.skipped.in_a_row > MAX_SKIPPED_STEPS:
+            raise self.diverged(f"{what}; the fp16 GradScaler skipped {self.skipped.in_a_row} steps in a row")
 
     def diverged(self, what: str) -> TrainingDiverged:
         """The error naming the step and the last checkpoint written (whose weights were finite)."""
@@ -541,8 +574,8 @@ class Trainer:
             initial = {"step": 0, **self.evaluate()}
             self.checkpointer.log(self.metrics_file, initial)
             logger.info("dev before training: %s", {k: round(v, 4) for k, v in initial.items()})
-            self.retriever.training_info.update(dev_metrics={k: v for k, v in initial.items() if k != "step"},
-                                                dev_metrics_step=0)
+            before = finite_or_null({k: v for k, v in initial.items() if k != "step"})
+            self.retriever.training_info.update(dev_metrics=before, dev_metrics_step=0)
             self.checkpointer.update_best(0, self.export, initial)  # the baseline: a step must beat it
         self.board = tensorboard_writer(self.out) if self.rank == 0 else None
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
@@ -628,9 +661,10 @@ class Trainer:
         lr = self.step_lr
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.last_loss:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.1f}")
+        skipped = {"skipped": self.step_skipped} if self.scaler.is_enabled() else {}
         return {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr,
                 "grad_norm": float(grad_norm), "examples_per_s": rate, "masked_scores": int(masked),
-                "temperature": float(self.retriever.temperature.detach())}
+                "temperature": float(self.retriever.temperature.detach()), **skipped}
 
     def after_step(self, record: dict, done_in_epoch: int) -> None:
         """Evaluate, log and save when due. Dev validation must not move the training RNG, so the state after the
@@ -647,7 +681,7 @@ class Trainer:
             record.update(dev)
             self.last_dev = {"step": self.step, **dev}
             logger.info("dev at step %d: %s", self.step, {k: round(v, 4) for k, v in dev.items()})
-            self.retriever.training_info.update(dev_metrics=dev, dev_metrics_step=self.step)
+            self.retriever.training_info.update(dev_metrics=finite_or_null(dev), dev_metrics_step=self.step)
             self.checkpointer.update_best(self.step, self.export, record)
         if self.step % self.config.run.log_every == 0 or last:
             self.checkpointer.log(self.metrics_file, record)
@@ -693,7 +727,7 @@ class Trainer:
         return {"steps": self.step, "effective_batch": self.effective_batch,
                 "passages_per_query": self.passages_per_query,
                 "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
-                "device": str(self.device), "graphs_kept": self.kept_graphs(),
+                "device": str(self.device), "graphs_kept": self.kept_graphs(), "skipped_steps": self.skipped.total,
                 "final_loss": self.last_loss, "seconds": seconds,
                 "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                 "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
