@@ -162,8 +162,8 @@ def test_partial_last_line_of_metrics_is_dropped_on_resume(task, tmp_path):
 
 def test_a_checkpoint_interrupted_while_written_never_appears(task, tmp_path, monkeypatch):
     """formats.md: checkpoints appear whole or not at all. An interruption while checkpoint-4's files are written
-    (after its model, before its state) leaves no checkpoint-4, only a hidden temporary; --resume latest takes
-    checkpoint-2 and the next save replaces the temporary."""
+    (after its model, before its state) leaves no checkpoint-4, and Ctrl-C removes its hidden temporary (a model
+    copy) on the way out; --resume latest takes checkpoint-2."""
     import dpr_gc.train.checkpoints as checkpoints
 
     common = dict(max_steps=6, save_every=2, batch_size=8, keep_checkpoints=5)
@@ -179,11 +179,29 @@ def test_a_checkpoint_interrupted_while_written_never_appears(task, tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         train(config(task, out, **common))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
-    assert (out / ".checkpoint-4.tmp" / "model").is_dir()  # the half-written one, hidden
+    assert not (out / ".checkpoint-4.tmp").exists()  # the half-written one
     monkeypatch.setattr(checkpoints, "write_state", write_state)
     train(config(task, out, resume="latest", **common))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not list(out.glob(".checkpoint-*.tmp")) and (out / "final").is_dir()
+
+
+
+def test_a_resumed_train_removes_the_temporaries_a_killed_run_left(task, tmp_path):
+    """stages.md: a run deletes the temporaries that a killed run of its own left. kill -9 while checkpoint-6, best/
+    or final/ is written leaves a hidden copy of the model beside them (and a file's temporary beside
+    train_config.json); the resumed run, saving at other steps (--save-every 5), removes every one."""
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(config(task, out, max_steps=7, save_every=2), on_backward=ctrl_c_at(5))
+    model = out / "checkpoint-4" / "model"
+    for left in (".checkpoint-6.tmp/model", ".best.k2j4x9.new", ".best.p0q1r2.old", ".final.a1b2c3.new"):
+        shutil.copytree(model, out / left)
+    (out / ".train_config.json.z8y7x6.tmp").write_text("{")
+    train(config(task, out, max_steps=7, save_every=5, resume="latest"))
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-7"]
+    assert (out / "final").is_dir()
 
 
 # ------------------------------------------------------------------------------------------------ encode / index

@@ -286,7 +286,8 @@ def streams_copied(args: Any, dests: Sequence[str]) -> Iterator[None]:
 def atomic_folder(path: PathLike) -> Iterator[Path]:
     """Yield a new temporary folder beside ``path``; when the block succeeds it replaces ``path`` (rename into place,
     the old folder moved aside first and then deleted), otherwise it is deleted. A kill at any moment leaves the old
-    folder or none under ``path`` (plus a hidden ``.NAME.*`` sibling), never a half-written one.
+    folder or none under ``path`` (plus a hidden ``.NAME.*.new`` or ``.old`` sibling, which the next run on that output
+    deletes: :func:`remove_stale_folders`), never a half-written one.
 
     An existing ``path`` that is a file is refused before anything is written; a symbolic link stays one, its target
     is replaced.

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.errors import DiskFullError, DprGcError, is_disk_full
-from ..base.guard import check_outputs, lies_within
-from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors
+from ..base.guard import check_outputs, lies_within, remove_stale_folders
+from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors, remove_stale_temporaries
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
 from ..model.pretrained import LEGACY_STATE, STATE_JSON, checkpoint_steps
-from .config import HIGHER_IS_BETTER
+from .config import HIGHER_IS_BETTER, SETTINGS_FILE
 from ..model.retriever import Retriever
 
 logger = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class Checkpointer:
                                                                     self.best_step],
                                                            "skipped_steps": skipped[0],
                                                            "skipped_in_a_row": skipped[1]})
-        except Exception as e:
+        except BaseException as e:  # Ctrl-C too: a checkpoint's temporary is a whole model copy
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(e):
@@ -350,6 +350,22 @@ class Checkpointer:
         if self.is_main:
             logger.info("%s has no best/ yet: the best model recorded, %s (step %s), belongs to the run resumed; the "
                         "next dev evaluation writes best/ here", self.out, recorded, best_step)
+
+
+def remove_temporaries(out: Path) -> list[Path]:
+    """Delete what a killed run left half-written in its output folder ``out``, each a hidden sibling of what it was
+    writing: ``.checkpoint-STEP.tmp/``, ``best/``'s and ``final/``'s (:func:`~dpr_gc.base.guard.atomic_folder`'s
+    ``.NAME.*.new``/``.old``) and the settings and metrics files' (``.NAME.*.tmp``); the removal is logged. Call it
+    where no other run writes into ``out`` (train's output lock; rank 0 only)."""
+    removed = [*remove_stale_folders(out, "best"), *remove_stale_folders(out, "final")]
+    for tmp in out.glob(".checkpoint-*.tmp") if out.is_dir() else ():
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    removed += remove_stale_temporaries(out, [SETTINGS_FILE, "metrics.jsonl"])
+    if removed:
+        logger.info("removed what a killed run left half-written in %s: %s", out, ", ".join(p.name for p in removed))
+    return removed
 
 
 def finite_or_null(value: Any) -> Any:

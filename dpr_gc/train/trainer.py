@@ -45,7 +45,7 @@ from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_p
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
-from .checkpoints import finite_or_null, resolve_checkpoint
+from .checkpoints import finite_or_null, remove_temporaries, resolve_checkpoint
 from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
 from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
@@ -559,13 +559,16 @@ class Trainer:
             self.metrics_file.unlink(missing_ok=True)
 
     def fit_steps(self) -> dict:
-        """:meth:`fit`'s work: start or resume, evaluate the starting model, train, finish."""
+        """:meth:`fit`'s work: start or resume (removing what a killed run left half-written), evaluate the starting
+        model, train, finish."""
         if self.config.run.resume:
             self.resume(self.config.run.resume)
-            if self.step >= self.total_steps:
-                return self.already_finished()
         else:
             self.start_fresh()
+        if self.rank == 0:
+            remove_temporaries(self.out)
+        if self.config.run.resume and self.step >= self.total_steps:
+            return self.already_finished()
         if self.rank == 0:
             record_settings(self.config, self.out)
         self.describe_run()
