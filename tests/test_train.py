@@ -261,6 +261,24 @@ def test_an_interrupted_train_says_how_to_resume(task, tmp_path, monkeypatch, st
     assert call(main, argv + (["--resume", "latest"] if stop_at else []))[0] == 0
 
 
+def test_a_resumed_run_announces_and_sums_up_its_own_steps(task, tmp_path, capsys, caplog):
+    """A resume trains the steps after its checkpoint: the start-up line names them among the run's, and the
+    summary's steps row, beside this invocation's time and examples/s, says how many of them it trained."""
+    import logging
+
+    common = dict(max_steps=5, save_every=2)
+    with caplog.at_level(logging.INFO, logger="dpr_gc"), pytest.raises(KeyboardInterrupt):
+        train(config(task, tmp_path / "run", **common), on_backward=ctrl_c_at(2))  # checkpoint-2 kept
+    assert "training 5 steps: batch 8 per rank" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        summary = train(config(task, tmp_path / "run", resume="latest", **common))
+    assert "training steps 3-5 of 5: batch 8 per rank" in caplog.text
+    assert "| steps | 5 (3 this run, resumed from step 2) |" in capsys.readouterr().out
+    assert summary["steps"] == 5 and summary["resumed_from"] == 2
+    assert summary["examples_per_s"] == pytest.approx(3 * 8 / summary["seconds"])
+
+
 def test_frozen_position_embeddings_stay_as_loaded(task, tmp_path):
     """``--freeze-position-embeddings`` (train short, evaluate long): the position table of the saved model is the
     loaded one while the other weights train; a model without such a table (rotary positions) is refused."""

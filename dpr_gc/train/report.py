@@ -73,10 +73,11 @@ def best_dev(summary: dict) -> str:
 
 
 def summary_table(summary: dict) -> str:
-    """train's closing table: steps, batch, chunks and the graphs kept under the memory budget, precision (and under
-    fp16, or where there were any, the steps the GradScaler skipped), device, loss, speed, the best and (with a dev
-    set) the last dev values and the model."""
-    rows = [("steps", summary["steps"]), ("effective batch (queries)", summary["effective_batch"]),
+    """train's closing table: steps (a resumed run's, with those this invocation trained), batch, chunks and the
+    graphs kept under the memory budget, precision (and under fp16, or where there were any, the steps the GradScaler
+    skipped), device, loss, this invocation's time and speed, the best and (with a dev set) the last dev values and
+    the model."""
+    rows = [("steps", steps_trained(summary)), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
             ("graphs kept (last step, budget)", summary.get("graphs_kept") or "-"),
@@ -88,6 +89,13 @@ def summary_table(summary: dict) -> str:
         rows.append(("last dev", last_dev(summary)))
     rows.append(("model", summary["final_model"]))
     return format_summary(dict(rows), ("training", ""))
+
+
+def steps_trained(summary: dict) -> str:
+    """The run's steps, and for a resumed run how many of them this invocation trained (its time and examples/s are
+    theirs) after which checkpoint."""
+    steps, resumed = summary["steps"], summary.get("resumed_from")
+    return str(steps) if resumed is None else f"{steps} ({steps - resumed} this run, resumed from step {resumed})"
 
 
 def skipped_steps(summary: dict) -> list[tuple[str, str]]:

@@ -168,6 +168,7 @@ class Trainer:
         self.checkpointer.settings = lambda folder: record_settings(config, folder)
         self.metrics_file = self.out / "metrics.jsonl"
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
+        self.resumed_from: Optional[int] = None  # the step of the checkpoint resumed (None: a fresh run)
         self.last_dev: Optional[dict] = None  # this run's latest dev evaluation after a step: {"step", "dev_...": ..}
         self.skipped, self.step_skipped = SkippedSteps(), False  # fp16 steps the GradScaler skipped; the last step
         self.step_lr = float("nan")  # the learning rate the last step used (the scheduler has moved on since)
@@ -352,6 +353,7 @@ class Trainer:
                                        self.device)
         self.sampler.load_state_dict(state["sampler"])
         self.step, self.epoch = state["step"], state["sampler"]["epoch"]
+        self.resumed_from = self.step
         self.follow_schedule()
         restore_rng(state["rng"][self.rank] if isinstance(state["rng"], list) else state["rng"])
         self.restore_cache(state.get("grad_cache"))
@@ -607,10 +609,14 @@ class Trainer:
         self.retriever.training_info["steps"] = self.step
 
     def announce(self) -> None:
+        """Log what the run trains: its steps (a resumed run's, those after its checkpoint), batch, chunks,
+        precision, device and workers."""
         if self.rank == 0:
-            config = self.config
+            config, total = self.config, self.total_steps
+            steps = (counted(total, "step") if not self.step else f"step {total} of {total}" if self.step + 1 == total
+                     else f"steps {self.step + 1}-{total} of {total}")
             logger.info("training %s: batch %d per rank x %s = %s, %s per query, %s, %s on %s, %s%s%s",
-                        counted(self.total_steps, "step"), config.data.batch_size, counted(self.world, "rank"),
+                        steps, config.data.batch_size, counted(self.world, "rank"),
                         counted(self.effective_batch, "query", "queries"), counted(self.passages_per_query, "passage"),
                         f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
                         config.optim.precision, self.device, counted(self.workers, "DataLoader worker"),
@@ -726,8 +732,9 @@ class Trainer:
         return summary
 
     def summary(self, seconds: float) -> dict:
-        """The run's summary (``seconds``: the time this call trained), as :meth:`fit` returns it."""
-        return {"steps": self.step, "effective_batch": self.effective_batch,
+        """The run's summary (``seconds``: the time this call trained, ``examples_per_s`` its speed; ``steps``: the
+        run's, of which a resumed one trained those after ``resumed_from``), as :meth:`fit` returns it."""
+        return {"steps": self.step, "resumed_from": self.resumed_from, "effective_batch": self.effective_batch,
                 "passages_per_query": self.passages_per_query,
                 "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
                 "device": str(self.device), "graphs_kept": self.kept_graphs(), "skipped_steps": self.skipped.total,
