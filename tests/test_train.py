@@ -279,6 +279,35 @@ def test_a_resumed_run_announces_and_sums_up_its_own_steps(task, tmp_path, capsy
     assert summary["examples_per_s"] == pytest.approx(3 * 8 / summary["seconds"])
 
 
+def test_a_resumed_run_purges_the_tensorboard_steps_after_its_checkpoint(task, tmp_path, monkeypatch):
+    """A run stopped after its checkpoint had logged later steps to TensorBoard, which the resume logs again: its
+    writer purges the events from the step after the checkpoint on; a fresh run's purges none (a stub writer: the
+    tensorboard package is optional)."""
+    import types
+
+    opened, logged = [], []
+
+    class Writer:
+        def __init__(self, log_dir: str, purge_step=None) -> None:
+            opened.append((Path(log_dir).name, purge_step))
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            logged.append(step)
+
+        def close(self) -> None:
+            pass
+
+    board = types.ModuleType("torch.utils.tensorboard")
+    board.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", board)
+    common = dict(max_steps=5, save_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(task, tmp_path / "run", **common), on_backward=ctrl_c_at(3))  # steps 1-3 logged, 2 kept
+    train(config(task, tmp_path / "run", resume="latest", **common))
+    assert opened == [("tensorboard", None), ("tensorboard", 3)]
+    assert sorted(set(logged)) == [1, 2, 3, 4, 5]
+
+
 def test_frozen_position_embeddings_stay_as_loaded(task, tmp_path):
     """``--freeze-position-embeddings`` (train short, evaluate long): the position table of the saved model is the
     loaded one while the other weights train; a model without such a table (rotary positions) is refused."""

@@ -51,13 +51,15 @@ def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks
             "precision": optim.precision, "seed": config.run.seed, "steps": 0}
 
 
-def tensorboard_writer(out: Path) -> Any:
-    """A TensorBoard writer into ``out/tensorboard`` when the tensorboard package is installed, else None."""
+def tensorboard_writer(out: Path, purge_step: Optional[int] = None) -> Any:
+    """A TensorBoard writer into ``out/tensorboard`` when the tensorboard package is installed, else None.
+    ``purge_step``: the first step a resumed run logs; the events a stopped run logged from it on are purged, as the
+    resumed run logs those steps again."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(str(out / "tensorboard"))
+    return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)
 
 
 def best_dev(summary: dict) -> str:

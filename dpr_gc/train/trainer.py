@@ -582,7 +582,8 @@ class Trainer:
             before = finite_or_null({k: v for k, v in initial.items() if k != "step"})
             self.retriever.training_info.update(dev_metrics=before, dev_metrics_step=0)
             self.checkpointer.update_best(0, self.export, initial)  # the baseline: a step must beat it
-        self.board = tensorboard_writer(self.out) if self.rank == 0 else None
+        purge = None if self.resumed_from is None else self.resumed_from + 1  # the steps it logs again
+        self.board = tensorboard_writer(self.out, purge) if self.rank == 0 else None
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
                         dynamic_ncols=True)
         self.started = time.perf_counter()
