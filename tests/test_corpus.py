@@ -12,6 +12,8 @@ import pytest
 
 from dpr_gc.data import corpus as corpus_mod
 from dpr_gc.data.corpus import load_corpus, read_queries
+from dpr_gc.data.qrels import read_qrels
+from dpr_gc.data.training import load_dpr_files, load_training_data
 from dpr_gc.base.errors import DprGcError
 from tests.helpers import SHARED_DATA
 
@@ -281,3 +283,17 @@ def test_bom_is_skipped_by_every_text_reader(tmp_path: Path) -> None:
     queries = tmp_path / "queries.jsonl"
     queries.write_text(BOM + '{"_id": "q1", "text": "claim"}\n', encoding="utf-8")
     assert read_queries(queries)[0]["id"] == "q1"
+    record = {"question": "who", "answers": ["A"], "positive_ctxs": [{"title": "t", "text": "x", "passage_id": "p"}]}
+    for name, text in (("train.json", json.dumps([record])), ("train.jsonl", json.dumps(record) + "\n")):
+        (tmp_path / name).write_text(BOM + text, encoding="utf-8")
+        assert load_dpr_files([tmp_path / name], tmp_path / "c").dataset[0]["question"] == "who"
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text(BOM + "query-id\tcorpus-id\tscore\nq1\td1\t1\n", encoding="utf-8")
+    assert read_qrels(qrels) == {"q1": {"d1": 1}}
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text(BOM + '{"_id": "d1", "title": "t", "text": "x"}\n', encoding="utf-8")
+    (beir / "queries.jsonl").write_text(BOM + '{"_id": "q1", "text": "claim"}\n', encoding="utf-8")
+    (beir / "qrels" / "train.tsv").write_bytes(qrels.read_bytes())
+    row = load_training_data([beir], tmp_path / "c").dataset[0]
+    assert (row["question"], row["positives"][0]["id"]) == ("claim", "d1")
