@@ -236,6 +236,24 @@ def test_bad_beir_qrels(tmp_path):
     assert len(data) == 1 and data.stats[0]["bad"] == 1
 
 
+def test_gzipped_qrels_of_a_beir_folder_are_found(tmp_path, capsys):
+    """Every text file of a BEIR folder may be gzipped: ``qrels/train.tsv.gz`` trains as ``qrels/train.tsv`` does
+    (train, prepare-data); a split with neither is one line naming the folder, the split and the splits it has."""
+    from dpr_gc.cli import main
+
+    plain = write_beir(tmp_path / "plain", records(3))
+    folder = write_beir(tmp_path / "beir", records(3))
+    qrels = folder / "qrels" / "train.tsv"
+    (folder / "qrels" / "train.tsv.gz").write_bytes(gzip.compress(qrels.read_bytes()))
+    qrels.unlink()
+    loaded = [D.load_training_data([f], tmp_path / "cache").dataset.to_list() for f in (plain, folder)]
+    assert loaded[0] == loaded[1] and len(loaded[0]) == 3
+    assert main(["prepare-data", str(folder), "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert main(["prepare-data", str(folder), "--cache-dir", str(tmp_path / "cache"), "--beir-split", "dev"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {folder} has no qrels/dev.tsv (or qrels/dev.tsv.gz); its qrels splits: train")
+
+
 @pytest.mark.parametrize("kind", ["passage", "query"])
 def test_beir_folder_with_a_repeated_id_is_refused(tmp_path: Path, kind: str) -> None:
     """Training reads a BEIR folder with the readers ``mine --beir-dir`` uses, so a corpus.jsonl that repeats a passage

@@ -340,6 +340,22 @@ def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
     assert len(load_dpr_files([tmp_path / "beir.json"], cache_dir=tmp_path / "cache")) == len(TOPICS)
 
 
+def test_mine_finds_the_gzipped_qrels_of_a_beir_folder(world, tmp_path):
+    """``mine --beir-dir`` reads ``qrels/SPLIT.tsv.gz`` where the folder holds no ``qrels/SPLIT.tsv``, as it reads
+    ``corpus.jsonl.gz`` and ``queries.jsonl.gz``: the same records as from the plain file."""
+    beir = beir_folder(tmp_path / "beir")
+    common = ("--cache-dir", tmp_path / "cache", "--n-negatives", 2, "--top-k", 20)
+    cli("mine", "--beir-dir", beir, "--output", tmp_path / "plain.json", *common)
+    qrels = beir / "qrels" / "train.tsv"
+    (beir / "qrels" / "train.tsv.gz").write_bytes(gzip.compress(qrels.read_bytes()))
+    qrels.unlink()
+    cli("mine", "--beir-dir", beir, "--output", tmp_path / "gz.json", *common)
+    assert json.loads((tmp_path / "gz.json").read_text()) == json.loads((tmp_path / "plain.json").read_text())
+    with pytest.raises(DprGcError, match=rf"^{beir} has no qrels/dev.tsv \(or qrels/dev.tsv.gz\); its qrels splits: "
+                                         "train$"):
+        cli("mine", "--beir-dir", beir, "--output", tmp_path / "dev.json", "--split", "dev", *common)
+
+
 def test_the_log_says_where_candidates_come_from_and_how_answers_are_matched(world, tmp_path, caplog):
     """One line at the start: BM25's parameters and scoring threads, or the dense encoder's device, precision and
     batch with the index's search settings and FAISS threads; the candidates per question and the matching

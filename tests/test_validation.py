@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import gzip
 import json
 import traceback
 from pathlib import Path
@@ -148,5 +149,7 @@ def test_a_beir_folder_given_as_dev_is_validated_on_its_dev_split_not_its_traini
     (folder / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq3\td3-0\t1\nq7\td7-0\t1\n")
     assert sorted(V.load_dev_data(str(folder), cache)["question"]) == ["which city 3", "which city 7"]
     assert len(V.load_dev_data(str(folder), cache, beir_split="train")) == 12
+    (folder / "qrels" / "test.tsv.gz").write_bytes(gzip.compress(b"q5\td5-0\t1\n"))  # gzipped as any text file
+    assert V.load_dev_data(str(folder), cache, beir_split="test")["question"] == ["which city 5"]
     args = build_parser("train").parse_args(["train", "--train", str(folder), "--dev", str(folder), "--output", "o"])
     assert config_from_args(args).data.dev.beir_split == "dev"

@@ -197,6 +197,22 @@ def find_beir_file(folder: Path, name: str) -> Path:
     raise DprGcError(f"{folder} has no {name} (or {name}.gz); expected a BEIR folder")
 
 
+def beir_splits(folder: Path) -> list[str]:
+    """The qrels splits of a BEIR folder: the names of its ``qrels/SPLIT.tsv`` and ``qrels/SPLIT.tsv.gz`` files."""
+    names = (f.name for f in (folder / "qrels").glob("*.tsv*") if f.is_file() and not f.name.startswith("."))
+    return sorted({n.removesuffix(".gz").removesuffix(".tsv") for n in names if n.endswith((".tsv", ".tsv.gz"))})
+
+
+def find_beir_qrels(folder: Path, split: str) -> Path:
+    """``qrels/<split>.tsv`` of a BEIR folder, or ``qrels/<split>.tsv.gz`` (as :func:`find_beir_file` finds the
+    corpus and queries); refused naming the splits the folder has."""
+    for candidate in (folder / "qrels" / f"{split}.tsv", folder / "qrels" / f"{split}.tsv.gz"):
+        if candidate.is_file():
+            return candidate
+    raise DprGcError(f"{folder} has no qrels/{split}.tsv (or qrels/{split}.tsv.gz); its qrels splits: "
+                     f"{', '.join(beir_splits(folder)) or 'none'}")
+
+
 def _beir_records(corpus: Path, queries: Path, qrels: Path, cache_dir: Optional[PathLike]) -> Produced:
     """One record per query of ``qrels``, in first-appearance order; positives are pairs with score > 0.
 
@@ -383,13 +399,14 @@ def refuse_table_files(path: Path) -> None:
 
 def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Optional[PathLike] = None,
                        skip_bad: bool = False, fingerprint: Optional[str] = None) -> TrainingData:
-    """Training questions from a BEIR folder: positives are ``qrels/<split>.tsv`` pairs with score > 0.
+    """Training questions from a BEIR folder: positives are ``qrels/<split>.tsv`` (or ``.tsv.gz``) pairs with score
+    > 0.
 
     There are no hard or other negatives; :class:`TrainingExamples` fills those slots (see there).
     """
     folder = Path(beir_dir)
     corpus, queries = find_beir_file(folder, "corpus.jsonl"), find_beir_file(folder, "queries.jsonl")
-    qrels = require_file(folder / "qrels" / f"{split}.tsv", f"qrels for split {split!r}")
+    qrels = find_beir_qrels(folder, split)
     produce = functools.partial(_beir_records, corpus, queries, qrels, cache_dir)
     return _build(folder, [qrels, queries, corpus], "beir", produce, cache_dir, skip_bad, fingerprint)
 

@@ -37,7 +37,7 @@ from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_d
 from ..base.errors import DprGcError, Interrupted, flags_renamed
 from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
-from ..base.files import ChunkedOutput, PathLike, require_file
+from ..base.files import ChunkedOutput, PathLike
 from ..base.locks import output_lock
 from ..base.settings import (AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
                              passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply, setting)
@@ -748,7 +748,7 @@ def recorded_inputs(args: argparse.Namespace, beir: Optional[Path]) -> str:
 @guarded(inputs=tuple(MINE_INPUTS), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
     from ..data.corpus import load_corpus
-    from ..data.training import find_beir_file
+    from ..data.training import find_beir_file, find_beir_qrels
     from ..base.devices import steady_malloc
     from ..data.qrels import read_qrels
     from .index import index_exists, meta_path
@@ -768,7 +768,7 @@ def _cli(args: argparse.Namespace) -> None:
     total, golds = None, set()
     if beir is not None:
         queries = find_beir_file(beir, "queries.jsonl")
-        split_qrels = require_file(beir / "qrels" / f"{args.split}.tsv", f"qrels of split {args.split!r}")
+        split_qrels = find_beir_qrels(beir, args.split)
         if args.match == "regex":
             scan_beir_queries(queries, split_qrels)
     else:  # checked and counted before the corpus is read or encoded

@@ -57,13 +57,12 @@ def load_dev_data(dev_file: str, cache_dir: Optional[str], beir_split: str = "de
     its Arrow cache, which later calls reuse). Its errors name ``--dev``, so that they are not taken for the training
     data's, and a bad record's says to fix it, without the training data's advice to pass ``--skip-bad-records`` (no
     flag skips the dev file's records)."""
-    from ..data.training import BadRecord, load_training_data
+    from ..data.training import BadRecord, beir_splits, load_training_data
 
-    qrels = Path(dev_file) / "qrels"
-    if Path(dev_file).is_dir() and not (qrels / f"{beir_split}.tsv").is_file():
-        splits = ", ".join(sorted(f.stem for f in qrels.glob("*.tsv"))) or "none"
+    splits = beir_splits(Path(dev_file)) if Path(dev_file).is_dir() else [beir_split]
+    if beir_split not in splits:
         raise DprGcError(f"--dev {dev_file}: a BEIR folder is validated on qrels/{beir_split}.tsv, which it lacks "
-                         f"(its splits: {splits}); give --dev-beir-split SPLIT, or a DPR dev file")
+                         f"(its splits: {', '.join(splits) or 'none'}); give --dev-beir-split SPLIT, or a DPR dev file")
     try:
         return load_training_data([dev_file], cache_dir, beir_split=beir_split).dataset
     except DiskFullError:
