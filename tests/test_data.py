@@ -236,6 +236,30 @@ def test_bad_beir_qrels(tmp_path):
     assert len(data) == 1 and data.stats[0]["bad"] == 1
 
 
+def test_training_refuses_the_qrels_lines_evaluate_and_mine_refuse(tmp_path):
+    """A judgment given again with another relevance, or an id that only looks like another (a zero-width space),
+    is refused by the one qrels reader's checks naming file and line, as ``evaluate --qrels`` and ``mine
+    --beir-dir`` refuse it; with ``--skip-bad-records`` the line is skipped and counted, the first judgment kept."""
+    from dpr_gc.data.qrels import read_qrels
+
+    folder = write_beir(tmp_path / "beir", records(3))
+    qrels = folder / "qrels" / "train.tsv"
+    judged = qrels.read_text()
+    lines = len(judged.splitlines())
+    for extra, problem in (("q0\tp0\t0\n", "conflicting relevance for query 'q0' doc 'p0'"),
+                           ("q1\tp1\u200b\t1\n", r"document id 'p1\\u200b' holds invisible or control characters")):
+        qrels.write_text(judged + extra)
+        with pytest.raises(DprGcError, match=rf"^{qrels}:{lines + 1}: {problem}"):
+            read_qrels(qrels)
+        with pytest.raises(DprGcError, match=rf"^{qrels}:{lines + 1}: {problem}.*; fix the record or pass "
+                                             "--skip-bad-records$"):
+            D.load_beir_training(folder, cache_dir=tmp_path / "cache")
+        data = D.load_beir_training(folder, cache_dir=tmp_path / "cache", skip_bad=True)
+        assert data.stats[0]["bad"] == 1 and len(data) == 3
+        assert [[c["id"] for c in row] for row in data.dataset["positives"]] == [["p0", "p0b"], ["p1", "p1b"],
+                                                                                  ["p2", "p2b"]]
+
+
 def test_gzipped_qrels_of_a_beir_folder_are_found(tmp_path, capsys):
     """Every text file of a BEIR folder may be gzipped: ``qrels/train.tsv.gz`` trains as ``qrels/train.tsv`` does
     (train, prepare-data); a split with neither is one line naming the folder, the split and the splits it has."""

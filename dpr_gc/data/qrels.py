@@ -9,7 +9,7 @@ with whitespace inside is refused naming the line. Relevance is an integer (``1`
 from __future__ import annotations
 
 import re
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 from ..base.errors import DprGcError
 from ..base.validate import check_id
@@ -76,15 +76,27 @@ def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
     relevance}}``; a bad line, a judgment given twice with different relevance, or an empty file is an error naming
     the file (and line)."""
     qrels: dict[str, dict[str, int]] = {}
+    seen: dict[tuple[str, str], int] = {}
     for line_no, judgment in iter_qrels(path):
-        if isinstance(judgment, str):
-            raise DprGcError(f"{path}:{line_no}: {judgment}")
+        problem = judgment if isinstance(judgment, str) else qrels_line_problem(judgment, f"{path}:{line_no}", seen)
+        if problem:
+            raise DprGcError(f"{path}:{line_no}: {problem}")
         qid, docid, rel = judgment
-        check_id(qid, f"{path}:{line_no}", "query id"), check_id(docid, f"{path}:{line_no}", "document id")
-        judged = qrels.setdefault(qid, {})
-        if judged.get(docid, rel) != rel:
-            raise DprGcError(f"{path}:{line_no}: conflicting relevance for query {qid!r} doc {docid!r}")
-        judged[docid] = rel
+        qrels.setdefault(qid, {})[docid] = rel
     if not qrels:
         raise DprGcError(f"{path}: no relevance judgments found")
     return qrels
+
+
+def qrels_line_problem(judgment: Judgment, where: str, seen: dict[tuple[str, str], int]) -> Optional[str]:
+    """What is wrong with a judgment read at ``where`` (an id that could look like another, see
+    :func:`~dpr_gc.base.validate.check_id`; a pair ``seen`` earlier with another relevance), else None, ``seen``
+    then recording it: every reader of qrels refuses the same lines."""
+    qid, docid, rel = judgment
+    try:
+        check_id(qid, where, "query id"), check_id(docid, where, "document id")
+    except DprGcError as e:
+        return str(e).removeprefix(f"{where}: ")
+    if seen.setdefault((qid, docid), rel) != rel:
+        return f"conflicting relevance for query {qid!r} doc {docid!r}"
+    return None

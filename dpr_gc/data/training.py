@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from .arrow_cache import cache_file, cached_dataset, write_stream
 from .corpus import file_stamp, source_fingerprint
-from .qrels import iter_qrels, read_qrels
+from .qrels import iter_qrels, qrels_line_problem, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 4  # 2: negatives that are the question's own positive are dropped; 3: a row count ends the file;
 # 4: an empty question is a bad record
-BEIR_VERSION = 1  # a BEIR folder's cache besides FORMAT_VERSION; 1: read by the corpus and query readers (ids unique)
+BEIR_VERSION = 2  # a BEIR folder's cache besides FORMAT_VERSION; 1: read by the corpus and query readers (ids unique);
+# 2: qrels lines checked as read_qrels checks them
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
 WRITE_BATCH = 256
 Row = dict[str, Any]
@@ -216,24 +217,14 @@ def find_beir_qrels(folder: Path, split: str) -> Path:
 def _beir_records(corpus: Path, queries: Path, qrels: Path, cache_dir: Optional[PathLike]) -> Produced:
     """One record per query of ``qrels``, in first-appearance order; positives are pairs with score > 0.
 
-    Queries and passages are read by the readers every other command uses, so training refuses what ``mine
-    --beir-dir`` refuses (a repeated query or passage id, a passage without text); the corpus lands in the Arrow cache
-    in ``cache_dir`` that encoding and mining map later.
+    Queries and passages are read by the readers every other command uses and qrels lines checked as
+    :func:`~dpr_gc.data.qrels.read_qrels` checks them, so training refuses what ``mine --beir-dir`` refuses (a
+    repeated query or passage id, a passage without text, a judgment given again with another relevance); the corpus
+    lands in the Arrow cache in ``cache_dir`` that encoding and mining map later.
     """
     from .corpus import iter_queries, load_corpus, rows_for_ids
 
-    pairs: dict[str, list[tuple[str, int]]] = {}
-    first_line: dict[str, int] = {}
-    bad: list[tuple[str, str]] = []
-    for line_no, judgment in iter_qrels(qrels):
-        if isinstance(judgment, str):
-            bad.append((f"{qrels}:{line_no}", judgment))
-            continue
-        qid, pid, score = judgment
-        entry = pairs.setdefault(qid, [])
-        first_line.setdefault(qid, line_no)
-        if score > 0 and pid not in [p for p, _ in entry]:
-            entry.append((pid, line_no))
+    pairs, first_line, bad = _qrels_positives(qrels)
     yield from bad
     needed = {p for entry in pairs.values() for p, _ in entry}
     questions = {q["id"]: q["question"] for q in iter_queries(queries, log=False) if q["id"] in pairs}
@@ -255,6 +246,28 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path, cache_dir: Optional[
             yield f"{qrels}:{missing[0][1]}", f"corpus id {missing[0][0]!r} has no text in {corpus.name}"
             continue
         yield where, normalise_record(beir_dpr_record(qid, questions[qid], [], [docs[p] for p, _ in entry]))
+
+
+def _qrels_positives(qrels: Path) -> tuple[dict[str, list[tuple[str, int]]], dict[str, int], list[tuple[str, str]]]:
+    """``(query id -> [(positive passage id, line)], query id -> its first line, bad lines as (where, problem))``
+    of a qrels file, each line checked as :func:`~dpr_gc.data.qrels.read_qrels` checks it (ids, a judgment given
+    again with another relevance); a bad line is left out, so the first judgment of a pair stands."""
+    pairs: dict[str, list[tuple[str, int]]] = {}
+    first_line: dict[str, int] = {}
+    relevance: dict[tuple[str, str], int] = {}
+    bad: list[tuple[str, str]] = []
+    for line_no, judgment in iter_qrels(qrels):
+        where = f"{qrels}:{line_no}"
+        problem = judgment if isinstance(judgment, str) else qrels_line_problem(judgment, where, relevance)
+        if problem:
+            bad.append((where, problem))
+            continue
+        qid, pid, score = judgment
+        entry = pairs.setdefault(qid, [])
+        first_line.setdefault(qid, line_no)
+        if score > 0 and pid not in [p for p, _ in entry]:
+            entry.append((pid, line_no))
+    return pairs, first_line, bad
 
 
 def beir_dpr_record(qid: str, question: str, answers: Sequence[str], positives: Sequence[dict]) -> dict:
