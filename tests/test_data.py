@@ -496,6 +496,48 @@ def test_resume_reproduces_the_remaining_batches():
         MixedBatchSampler([11, 6], 4, [1.0, 1.5], seed=4).load_state_dict(state)
 
 
+def test_resume_counts_only_the_files_a_beir_folder_trains_on(tmp_path, make_retriever, capsys):
+    """A qrels split training never reads (``qrels/test.tsv`` added after the checkpoint) does not block
+    ``--resume``; an edit of a file it reads is refused naming that file."""
+    from dpr_gc.cli import main
+    from tests.train_data import write_beir as write_beir_task
+
+    write_beir_task(tmp_path / "beir")
+    make_retriever().save(tmp_path / "model")
+    argv = ["train", "--train", str(tmp_path / "beir"), "--output", str(tmp_path / "out"), "--model",
+            str(tmp_path / "model"), "--num-workers", "0", "--cache-dir", str(tmp_path / "cache"), "--batch-size", "4",
+            "--hard-negatives", "0", "--save-every", "1", "--query-chunk-size", "4", "--passage-chunk-size", "4"]
+    assert main([*argv, "--max-steps", "1"]) == 0
+    (tmp_path / "beir" / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1-0\t1\n")
+    assert main([*argv, "--max-steps", "2", "--resume", "latest"]) == 0, capsys.readouterr().err
+    corpus = tmp_path / "beir" / "corpus.jsonl"
+    corpus.write_text(corpus.read_text().replace("passage", "text"))
+    assert main([*argv, "--max-steps", "3", "--resume", "latest"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: cannot resume: the content of the training files changed since the checkpoint ({corpus} changed); "
+        "resume with the files it was trained on, or train into a new --output")
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_by_the_fingerprint_it_recorded(tmp_path):
+    """A sampler state without a per-file record fingerprinted a BEIR folder with every qrels split: such a
+    fingerprint still resumes; one that differs names the source."""
+    from dpr_gc.data.corpus import source_files, source_fingerprint
+    from tests.train_data import write_beir as write_beir_task
+
+    folder = tmp_path / "beir"
+    write_beir_task(folder)
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1-0\t1\n")
+    files = [{"source": str(folder), "files": source_files(folder)}]
+    sampler = MixedBatchSampler([12], batch_size=4)
+    sampler.data_fingerprints, sampler.data_files = [source_fingerprint(folder, files=files[0]["files"])], files
+    old = {k: v for k, v in sampler.state_dict(1).items() if k != "data_files"}
+    legacy = source_fingerprint(folder, files=source_files(folder, every_qrels=True))
+    assert legacy != sampler.data_fingerprints[0]
+    sampler.load_state_dict({**old, "data_fingerprints": [legacy]})
+    with pytest.raises(DprGcError, match=rf"changed since the checkpoint \({folder} changed\); resume"):
+        sampler.load_state_dict({**old, "data_fingerprints": ["0" * 32]})
+
+
 def test_collator_matches_retriever_tokenisation(make_retriever):
     retriever = make_retriever(query_max_length=16, passage_max_length=24)
     collate = D.Collator(retriever, passage_max_length=20)

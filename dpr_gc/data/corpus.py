@@ -57,17 +57,30 @@ def corpus_format(path: PathLike) -> str:
     return "tsv"
 
 
-def source_fingerprint(path: PathLike) -> str:
-    """:func:`corpus_fingerprint` of a training source: a file, or a BEIR folder's corpus, queries and qrels files
-    (by relative path; whatever else the folder holds, e.g. a BM25 index, does not count)."""
+def source_files(path: PathLike, split: str = "train", every_qrels: bool = False) -> dict[str, str]:
+    """The :func:`corpus_fingerprint` of each file a training source reads, by its path: the file, or a BEIR
+    folder's corpus, queries and ``qrels/<split>.tsv`` (or ``.tsv.gz``) files, in the order of their paths relative
+    to it; whatever else the folder holds (other splits' qrels, a BM25 index) does not count. ``every_qrels``: every
+    ``qrels/*`` file instead, as fingerprints of earlier versions counted them."""
     p = Path(path)
     if not p.is_dir():
-        return corpus_fingerprint(p)
-    files = sorted(f for f in [*p.glob("corpus*"), *p.glob("queries*"), *p.glob("qrels/*")]
+        return {str(p): corpus_fingerprint(p)}
+    qrels = p.glob("qrels/*") if every_qrels else [p / "qrels" / f"{split}.tsv", p / "qrels" / f"{split}.tsv.gz"]
+    files = sorted(f for f in [*p.glob("corpus*"), *p.glob("queries*"), *qrels]
                    if f.is_file() and not f.name.startswith("."))
+    return {str(f): corpus_fingerprint(f) for f in files}
+
+
+def source_fingerprint(path: PathLike, split: str = "train", files: Optional[dict[str, str]] = None) -> str:
+    """The content fingerprint of a training source: :func:`corpus_fingerprint` of a file, or a hash of a BEIR
+    folder's :func:`source_files` (``files`` when the caller has them) with their paths relative to it."""
+    p = Path(path)
+    files = source_files(p, split) if files is None else files
+    if not p.is_dir():
+        return next(iter(files.values()))
     digest = hashlib.blake2b(digest_size=16)
-    for f in files:
-        digest.update(f"{f.relative_to(p)}\0{corpus_fingerprint(f)}\0".encode())
+    for name, fingerprint in files.items():
+        digest.update(f"{Path(name).relative_to(p)}\0{fingerprint}\0".encode())
     return digest.hexdigest()
 
 

@@ -5,6 +5,7 @@ negatives, filled-in negatives never being a positive or answer-bearing passage 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -54,6 +55,7 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         self.groups = groups  # the query of each item: no global batch holds one query twice (see spread_groups)
         self.epoch, self.skip, self._resume = 0, 0, None
         self.data_fingerprints: list[str] = []  # the training sources' content (set by the trainer), checked on resume
+        self.data_files: list[dict] = []  # per source {"source": path, "files": {path: fingerprint}} (idem)
         self._order: Optional[tuple[int, np.ndarray]] = None
         if self.batches_per_epoch == 0:
             raise too_few_questions(sum(self.sizes), batch_size, world_size)
@@ -134,22 +136,48 @@ class MixedBatchSampler(torch.utils.data.Sampler):
         return {"epoch": epoch, "batches_done": done, "seed": self.seed, "batch_size": self.batch_size,
                 "world_size": self.world_size, "sizes": self.sizes, "rates": self.rates,
                 "shuffle": self.shuffle, "per_file_batches": self.per_file_batches,
-                "data_fingerprints": self.data_fingerprints}
+                "data_fingerprints": self.data_fingerprints, "data_files": self.data_files}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next ``set_epoch(state['epoch'])`` skips the batches already done. The data setup must be the
         checkpoint's, the training sources' content included (a state without fingerprints predates them)."""
         mine = self.state_dict(0)
-        changed = [k for k in mine if k not in ("epoch", "batches_done", "data_fingerprints")
+        changed = [k for k in mine if k not in ("epoch", "batches_done", "data_fingerprints", "data_files")
                    and state.get(k) != mine[k]]
         if changed:
             raise DprGcError(f"cannot resume: the data setup changed ({', '.join(changed)}); "
                              "use the same training files, rates, batch size, world size and seed")
         if state.get("data_fingerprints") and state["data_fingerprints"] != self.data_fingerprints:
-            raise DprGcError("cannot resume: the content of the training files changed since the checkpoint; resume "
-                             "with the files it was trained on, or train into a new --output")
+            what = changed_sources(state, self.data_fingerprints, self.data_files)
+            if what:
+                raise DprGcError(f"cannot resume: the content of the training files changed since the checkpoint "
+                                 f"({what}); resume with the files it was trained on, or train into a new --output")
         self.epoch, self.skip = state["epoch"], state["batches_done"]
         self._resume = (self.epoch, self.skip)
+
+
+def changed_sources(state: dict, fingerprints: list[str], files: list[dict]) -> str:
+    """What changed in the training sources since a sampler ``state`` whose fingerprints differ from
+    ``fingerprints`` (``files``: this run's :func:`~dpr_gc.data.corpus.source_files` per source): the files whose
+    content changed, came or went, by the state's record of each; for a state of an earlier version (no such
+    record) the sources, unless their fingerprints as that version took them (every qrels split of a BEIR folder)
+    are the recorded ones, then ``""``: nothing changed."""
+    from .corpus import source_files, source_fingerprint
+
+    recorded = state.get("data_files")
+    if recorded:
+        then = {name: value for source in recorded for name, value in source["files"].items()}
+        now = {name: value for source in files for name, value in source["files"].items()}
+        names = [f"{n} {'added' if n not in then else 'removed' if n not in now else 'changed'}"
+                 for n in sorted({*then, *now}) if then.get(n) != now.get(n)]
+        return "; ".join(names) or "their fingerprints differ"
+    if not files:
+        return "their fingerprints differ"
+    old = [source_fingerprint(f["source"], files=source_files(f["source"], every_qrels=True))
+           if Path(f["source"]).is_dir() else value for f, value in zip(files, fingerprints)]
+    if old == state["data_fingerprints"]:
+        return ""
+    return "; ".join(f"{f['source']} changed" for f, a, b in zip(files, old, state["data_fingerprints"]) if a != b)
 
 
 def spread_groups(order: np.ndarray, groups: np.ndarray, step: int) -> np.ndarray:

@@ -421,6 +421,7 @@ def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Opti
     corpus, queries = find_beir_file(folder, "corpus.jsonl"), find_beir_file(folder, "queries.jsonl")
     qrels = find_beir_qrels(folder, split)
     produce = functools.partial(_beir_records, corpus, queries, qrels, cache_dir)
+    fingerprint = fingerprint or source_fingerprint(folder, split)
     return _build(folder, [qrels, queries, corpus], "beir", produce, cache_dir, skip_bad, fingerprint)
 
 

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..data.corpus import source_fingerprint
+from ..data.corpus import source_files, source_fingerprint
 from ..data.training import Collator, data_digest, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
 from ..base.errors import DprGcError, Interrupted
@@ -142,7 +142,9 @@ class Trainer:
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         # rank 0 reads the training files for their fingerprints (the parse cache's key, the resume check's record)
-        self.data_fingerprints = from_rank0(lambda: [source_fingerprint(f) for f in config.data.train_files])
+        self.data_files = from_rank0(lambda: [{"source": str(f), "files": source_files(f)}
+                                              for f in config.data.train_files])
+        self.data_fingerprints = [source_fingerprint(f["source"], files=f["files"]) for f in self.data_files]
         self.data, self.collator, self.loader = self.build_data()
         same_on_every_rank(data_digest(self.data), "the training data (--train)",
                            "give every rank the same files (a copy on each machine must be byte for byte the same)")
@@ -150,7 +152,7 @@ class Trainer:
         self.dev_data = (load_dev_data(config.data.dev_file, config.data.cache_dir, config.data.dev.beir_split)
                          if config.data.dev_file else None)
         self.sampler = self.loader.batch_sampler
-        self.sampler.data_fingerprints = self.data_fingerprints
+        self.sampler.data_fingerprints, self.sampler.data_files = self.data_fingerprints, self.data_files
         self.steps_per_epoch = self.sampler.batches_per_epoch
         self.total_steps = config.optim.max_steps or self.steps_per_epoch * config.optim.epochs
         self.eval_every, self.save_every = self.schedule()
