@@ -215,7 +215,8 @@ BAD_TRAINING = [
     ("deep_line.jsonl", json.dumps(training_records()[0]) + "\n" + DEEP + "\n", "deep_line.jsonl:2: JSON nested"),
     ("utf8.json", b"[" + json.dumps(training_records()[0]).encode()[:-2] + b'\xff"}]', "utf8.json:1: not valid UTF-8"),
     ("cut.json.gz", gzip.compress(json.dumps(training_records()).encode())[:-9], "not a complete gzip file"),
-    ("dict.json", json.dumps({"data": training_records()}), "dict.json:1: missing field 'question'"),
+    ("dict.json", json.dumps({"data": training_records()}),
+     "dict.json:1: it holds one JSON object with the records under 'data', not a JSON list or JSONL of records"),
     ("text.json", "question: what?\n", "text.json:1: invalid JSON"),
     ("empty_question.jsonl", "".join(json.dumps({**r, "question": q}) + "\n" for r, q in
                                      zip(training_records(2), ["what", " \t "])),

@@ -6,6 +6,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,51 @@ def test_a_tsv_or_csv_given_as_training_data_is_refused_by_its_name(tmp_path, na
     with pytest.raises(DprGcError, match=rf"^{path} is a (TSV|CSV) file: training data is DPR JSON or JSONL") as e:
         load(tmp_path, path)
     assert "skip-bad-records" not in str(e.value)
+
+
+TRAINING_FORMATS = (r"; training data is DPR records \(a JSON list or JSONL of \{question, answers, positive_ctxs, "
+                    r"negative_ctxs, hard_negative_ctxs\}, optionally \.gz\) or a BEIR folder; see docs/formats\.md$")
+OTHER_FORMATS = {  # name: (content, what it looks like)
+    "triplets.jsonl": ('{"anchor": "q", "positive": "p", "negative": "n"}\n{"anchor": "r", "positive": "s", '
+                       '"negative": "t"}\n', r"sentence-transformers \(anchor, positive, negative\) records"),
+    "pairs.json": ('[{"anchor": "q", "positive": "p"}]', r"sentence-transformers \(anchor, positive\) records"),
+    "bge.jsonl": ('{"query": "q", "pos": ["p"], "neg": ["n"]}\n', r"FlagEmbedding \(query, pos, neg\) records"),
+    "corpus.jsonl": ('{"_id": "d1", "title": "", "text": "x"}\n', r"a BEIR corpus or queries file \(_id, text, "
+                     r"title\), not DPR"),
+    "nq-open.jsonl": ('{"question": "who", "answer": ["x"]}\n', r"a questions file \(question, answer\) without "
+                      r"passages"),
+    "other.jsonl": ('{"sentence": "x", "label": 1}\n', r"records with the fields label, sentence"),
+    "strings.json": ('["one", "two"]', r"a list of str, not of records"),
+    "pretty.json": (json.dumps(records(1)[0], indent=2), r"one JSON object spread over several lines, not a JSON "
+                    r"list or JSONL of records"),
+    "packed.json": ("GZIP", r"gzipped, though its name does not end in \.gz; rename it packed\.json\.gz"),
+}
+
+
+@pytest.mark.parametrize("name", OTHER_FORMATS)
+def test_a_file_in_another_format_is_refused_once_with_a_format_hint(tmp_path, name):
+    """Not "line 1: missing field 'question' ... or pass --skip-bad-records", advice that would skip every record:
+    a file whose first record has none of the DPR fields is named for what it looks like, in one line, by
+    training and by ``mine --train-file``."""
+    content, looks = OTHER_FORMATS[name]
+    path = tmp_path / name
+    data = gzip.compress(json.dumps(records(2)).encode()) if content == "GZIP" else content.encode()
+    path.write_bytes(data)
+    with pytest.raises(DprGcError, match=rf"^{path}(:1: it | )(looks like|holds|is) .*{looks}") as e:
+        load(tmp_path, path, skip_bad=True)
+    assert re.search(TRAINING_FORMATS, str(e.value)) and "\n" not in str(e.value) and "skip-bad" not in str(e.value)
+    with pytest.raises(DprGcError, match=rf"^{path}(:1: it | )(looks like|holds|is) .*{looks}"):
+        list(D.iter_training_file(path))
+
+
+def test_a_file_whose_first_record_is_a_bad_dpr_record_keeps_the_record_advice(tmp_path):
+    recs = records(3)
+    del recs[0]["positive_ctxs"]
+    path = write(tmp_path / "t.jsonl", recs, "lines")
+    with pytest.raises(DprGcError, match=r":1: missing field 'positive_ctxs'; fix the record or pass "
+                                         r"--skip-bad-records$"):
+        load(tmp_path, path)
+    assert len(load(tmp_path, path, skip_bad=True)) == 2
 
 
 def test_a_cached_parse_is_named_by_the_path_this_run_gave(tmp_path, caplog, monkeypatch):

@@ -288,6 +288,7 @@ def iter_training_file(path: PathLike) -> Iterator[dict]:
 def iter_numbered_training_file(path: PathLike) -> Iterator[tuple[int, dict]]:
     """:func:`iter_training_file` with the line each record starts on, for messages naming it."""
     p = require_file(path, "training file")
+    refuse_other_formats(p)
     is_list = sniff_json(p) == "list"
     with open_text(p) as f:
         for line, record in (iter_json_list(f, p, text_only=True) if is_list else iter_jsonl(p, text_only=True)):
@@ -397,6 +398,7 @@ def load_dpr_files(paths: Sequence[PathLike], cache_dir: Optional[PathLike] = No
     for path, fingerprint in zip(paths, fingerprints or [None] * len(paths)):
         p = require_file(path, "training file")
         refuse_table_files(p)
+        refuse_other_formats(p)
         parts.append(_build(p, [p], "dpr", functools.partial(_dpr_records, p), cache_dir, skip_bad, fingerprint))
     return combine(parts)
 
@@ -408,6 +410,76 @@ def refuse_table_files(path: Path) -> None:
     if suffix in (".tsv", ".csv"):
         raise DprGcError(f"{path} is a {suffix[1:].upper()} file: training data is DPR JSON or JSONL (.json, .jsonl, "
                          "optionally .gz) or a BEIR folder; see docs/formats.md")
+
+
+DPR_FIELDS = ("question", "positive_ctxs", "negative_ctxs", "hard_negative_ctxs")
+TRAINING_FORMATS = ("training data is DPR records (a JSON list or JSONL of {question, answers, positive_ctxs, "
+                    "negative_ctxs, hard_negative_ctxs}, optionally .gz) or a BEIR folder; see docs/formats.md")
+_UNREADABLE, _OPENS_OBJECT = object(), object()  # a first line that is not JSON; one that is "{" alone
+
+
+def refuse_other_formats(path: Path) -> None:
+    """A file that holds no DPR training records at all (gzipped under a name without ``.gz``, one pretty-printed
+    JSON object, sentence-transformers or FlagEmbedding pairs, a BEIR corpus) is refused in one line saying what it
+    looks like, by its first record: read on, every record would be a bad one, which ``--skip-bad-records`` skips."""
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped and not path.name.endswith(".gz"):
+        raise DprGcError(f"{path} is gzipped, though its name does not end in .gz; rename it {path.name}.gz; "
+                         f"{TRAINING_FORMATS}")
+    is_list = sniff_json(path) == "list"
+    line, record = _first_record(path, is_list)
+    looks = _looks_like(record, is_list)
+    if looks:
+        raise DprGcError(f"{path}:{line}: {looks}; {TRAINING_FORMATS}")
+
+
+def _first_record(path: Path, is_list: bool) -> tuple[int, Any]:
+    """``(line, first record)`` of a training file; ``_UNREADABLE`` where the readers will name what is wrong."""
+    try:
+        with open_text(path) as f:
+            if is_list:
+                return next(iter_json_list(f, path, text_only=True), (1, _UNREADABLE))
+            for line_no, text in enumerate(f, start=1):
+                if text.strip():
+                    try:
+                        return line_no, json.loads(text)
+                    except JSON_ERRORS:
+                        return line_no, _OPENS_OBJECT if text.strip() == "{" else _UNREADABLE
+    except DprGcError:
+        pass
+    return 1, _UNREADABLE
+
+
+def _looks_like(record: Any, is_list: bool) -> Optional[str]:
+    """What a first record that is no DPR training record (it has no passage list) says the file is, or None."""
+    if record is _UNREADABLE:
+        return None
+    if record is _OPENS_OBJECT:
+        return "it holds one JSON object spread over several lines, not a JSON list or JSONL of records"
+    if not isinstance(record, dict):
+        return f"it holds {'a list' if is_list else 'lines'} of {type(record).__name__}, not of records"
+    keys = set(record)
+    if keys & set(DPR_FIELDS[1:]):  # a passage list: a DPR record, bad or good
+        return None
+    wrapped = [k for k, v in record.items() if isinstance(v, list) and v and isinstance(v[0], dict)
+               and set(v[0]) & set(DPR_FIELDS)]
+    if wrapped:
+        return f"it holds one JSON object with the records under {wrapped[0]!r}, not a JSON list or JSONL of records"
+    def named(*names: str) -> str:
+        return ", ".join(k for k in names if k in keys)
+
+    if {"anchor", "positive"} <= keys:
+        guess = f"sentence-transformers ({named('anchor', 'positive', 'negative')}) records"
+    elif {"query", "pos"} <= keys:
+        guess = f"FlagEmbedding ({named('query', 'pos', 'neg')}) records"
+    elif {"_id", "text"} <= keys:
+        guess = f"a BEIR corpus or queries file ({named('_id', 'text', 'title')})"
+    elif "question" in keys:
+        guess = f"a questions file ({named('question', 'answer', 'answers', 'id')}) without passages"
+    else:
+        guess = f"records with the fields {', '.join(sorted(keys)[:8])}"
+    return f"it looks like {guess}, not DPR training records (its first record has none of {', '.join(DPR_FIELDS)})"
 
 
 def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Optional[PathLike] = None,
