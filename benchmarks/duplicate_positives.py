@@ -24,17 +24,14 @@ sys.path.insert(0, str(ROOT))
 
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
-from dpr_gc.data.training import TrainingExamples, key_id, load_training_data  # noqa: E402
+from dpr_gc.data.training import TrainingExamples, key_ids, load_training_data  # noqa: E402
 from dpr_gc.engine.loss import Exclusion  # noqa: E402
 
 
 def batch_ids(items: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Passage ids, positive ids [B, K] and targets of one batch, as the collator and the loss build them."""
-    passage_ids = torch.tensor([key_id(k) for item in items for k in item["passage_keys"]])
-    width = max(len(item["positive_keys"]) for item in items)
-    positive_ids = torch.full((len(items), width), -1, dtype=torch.long)
-    for i, item in enumerate(items):
-        positive_ids[i, :len(item["positive_keys"])] = torch.tensor([key_id(k) for k in item["positive_keys"]])
+    """Passage ids [P, 2], positive ids [B, K] and targets of one batch, as the collator and the loss build them."""
+    passage_ids = key_ids([keys for item in items for keys in item["passage_keys"]], 2)
+    positive_ids = key_ids([item["positive_keys"] for item in items])
     targets = torch.arange(len(items)) * len(items[0]["passage_keys"])
     return passage_ids, positive_ids, targets
 
@@ -52,9 +49,9 @@ def count(data, batch_size: int, hard: int, epochs: int, seed: int) -> list[dict
         for batch in sampler:
             items = [examples[key] for key in batch]
             passage_ids, positive_ids, targets = batch_ids(items)
-            own = passage_ids[targets][:, None]
-            everything = Exclusion(torch.cat([own, positive_ids], 1), passage_ids[:, None], targets).dense()
-            sampled = Exclusion(own, passage_ids[:, None], targets).dense()
+            own = passage_ids[targets]
+            everything = Exclusion(torch.cat([own, positive_ids], 1), passage_ids, targets).dense()
+            sampled = Exclusion(own, passage_ids, targets).dense()
             row["batches"] += 1
             row["scores"] += everything.numel()
             row["masked"] += int(everything.sum())

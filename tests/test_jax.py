@@ -642,8 +642,9 @@ def test_passage_ids_through_the_data_parallel_step_equal_the_full_batch_gradien
 
 
 def test_the_example_masks_copies_of_a_questions_own_positive(tiny_tokenizer, tmp_path):
-    """The example keys passages as the torch trainer does (passage id, else title and text) and its first step's
-    loss is the masked loss: two questions sharing a positive do not score it as each other's negative."""
+    """The example keys passages as the torch trainer does (the same passage id, or title and text, a copy without
+    an id included) and its first step's loss is the masked loss: two questions sharing a positive do not score it
+    as each other's negative."""
     from dpr_gc.base.files import write_json
     from dpr_gc.jax.example import (ExampleConfig, masked_copies, padded_token_ids, passage_id_array, train,
                                     training_examples)
@@ -656,8 +657,8 @@ def test_the_example_masks_copies_of_a_questions_own_positive(tiny_tokenizer, tm
     write_json(tmp_path / "train.json", records)
     questions, groups, keys = training_examples(tmp_path / "train.json", 4, 1)
     ids = passage_id_array(groups, keys)
-    assert ids.tolist() == [0, 1, 2, 3, 4, 2, 4, 0]  # (p0, p3), (p1, text), (p2, p1), (p2, p0)
-    assert masked_copies(ids, 2) == 4  # q0: row 7; q1: row 5; q2 and q3: each other's positive
+    assert ids.tolist() == [0, 1, 2, 0, 3, 2, 3, 0]  # (p0, p3), (p1, p0's text), (p2, p1), (p2, p0)
+    assert masked_copies(ids, 2) == 5  # q0: rows 3 and 7; q1: row 5; q2 and q3: each other's positive
     config = ExampleConfig(train_queries=4, batch_size=4, chunk_size=3, hard_negatives=1, epochs=1,
                            temperature=0.1, dropout=0.0, query_max_length=8, passage_max_length=8)
     model = Encoder(EncoderConfig(**{**TINY.__dict__, "vocab_size": len(tiny_tokenizer)}))

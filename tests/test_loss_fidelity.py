@@ -211,6 +211,8 @@ def distributed_worker(rank: int, tmp: str) -> None:
             masked = torch.tensor(loss_fn.masked_scores)
             dist.all_reduce(masked)
             assert int(masked) == 10
+            keyed = torch.stack([torch.full_like(IDS[p_rows], -1), IDS[p_rows]], dim=1)  # [N, K] ids gather alike
+            assert torch.equal(loss_fn(xl, yl, passage_ids=keyed, positive_ids=positive_ids), loss.detach())
         dist.barrier()
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
@@ -266,6 +268,23 @@ def test_passage_id_minus_one_is_unknown_and_never_masked(block):
     shared[[0, 2]] = 7  # queries 0 and 1 share their positive
     loss_fn(x, y, passage_ids=shared)
     assert loss_fn.masked_scores == 2
+
+
+@pytest.mark.parametrize("block,symmetric", [(None, False), (0, True), (1, True)])
+def test_passage_ids_with_several_keys_per_row_mask_on_any_key(block, symmetric):
+    """``passage_ids`` of ``[N, K]``: two rows hold the same passage when any key is equal (a copy keyed by its text
+    alone is the passage keyed by id and text), masked as one id per row masks them; -1 is no key."""
+    torch.manual_seed(4)
+    x, y = torch.randn(2, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.5, symmetric=symmetric, loss_chunk_size=block)
+    keyed = loss_fn(x, y, passage_ids=torch.tensor([[10, 20], [11, 21], [12, 22], [-1, 20]]))
+    assert loss_fn.masked_scores == 1  # query 0 drops row 3
+    one_id = loss_fn(x, y, passage_ids=torch.tensor([10, 11, 12, 10]))
+    torch.testing.assert_close(keyed, one_id)
+    loss_fn(x, y, passage_ids=torch.tensor([[10, -1], [11, -1], [12, -1], [-1, 20]]))
+    assert loss_fn.masked_scores == 0
+    with pytest.raises(DprGcError, match="one integer id per passage row"):
+        loss_fn(x, y, passage_ids=torch.zeros(5, 2, dtype=torch.long))
 
 
 def test_blocked_cross_entropy_is_fp32_forward_and_backward_under_an_outer_autocast():

@@ -89,9 +89,46 @@ def test_hard_negative_that_is_the_own_positive_is_dropped_at_load(tmp_path, mod
 
     collator = Collator(Retriever.load(model))
     batch = next(iter(make_dataloader(data, collator, batch_size=6, hard_negatives=1, shuffle=False)))
-    ids = batch["passage_ids"].view(6, 2)
-    assert not (ids[:, 1] == ids[:, 0]).any()  # no question's hard negative is its positive
-    assert batch["positive_ids"].shape == (6, 1) and torch.equal(batch["positive_ids"][:, 0], ids[:, 0])
+    ids = batch["passage_ids"].view(6, 2, 2)  # per question its positive and hard negative, each keyed two ways
+    assert not (ids[:, 1, None, :] == ids[:, 0, :, None]).any()  # no question's hard negative is its positive
+    assert torch.equal(batch["positive_ids"], ids[:, 0])  # the keys of its one positive
+
+
+SEINE = {"title": "Seine", "text": "the seine is a river in paris"}
+COPIES = {"with its id": {**SEINE, "passage_id": "p1"}, "without an id": dict(SEINE),
+          "with its id under id": {**SEINE, "id": "p1"},
+          "with an empty passage_id": {**SEINE, "passage_id": "", "id": "p1"},
+          "with its id and other text": {"title": "Seine", "text": "the seine river", "passage_id": "p1"}}
+
+
+@pytest.mark.parametrize("copy", COPIES)
+def test_a_copy_of_a_positive_is_masked_whether_or_not_it_has_an_id(tmp_path, model, copy):
+    """Question 1's hard negative is question 0's positive: a copy with the same passage id, or with the same title
+    and text when either copy has no id, is dropped from question 0's negatives (one masked score), and the loss is
+    the same as with the id; an empty ``passage_id`` is no id (the next id key is read)."""
+    from dpr_gc import SimpleContrastiveLoss
+    from dpr_gc.model.retriever import Retriever
+
+    def record(question: str, positive: dict, hard: dict) -> dict:
+        return {"question": question, "answers": [], "positive_ctxs": [positive], "hard_negative_ctxs": [hard]}
+
+    other = {"title": "x", "text": "music film book", "passage_id": "n1"}
+    london = {"title": "Thames", "text": "the thames is a river in london", "passage_id": "p2"}
+    collator = Collator(Retriever.load(model))
+    losses = {}
+    for name in ("with its id", copy):
+        path = write_dpr(tmp_path / f"{len(losses)}.json", [record("which river flows through paris",
+                                                                   {**SEINE, "passage_id": "p1"}, other),
+                                                            record("which river flows through london", london,
+                                                                   COPIES[name])])
+        data = load_dpr_files([path], tmp_path / "cache")
+        batch = next(iter(make_dataloader(data, collator, batch_size=2, hard_negatives=1, shuffle=False)))
+        torch.manual_seed(0)
+        loss_fn = SimpleContrastiveLoss(1)
+        losses[name] = float(loss_fn(torch.randn(2, 8), torch.randn(4, 8), passage_ids=batch["passage_ids"],
+                                     positive_ids=batch["positive_ids"]))
+        assert loss_fn.masked_scores == 1, name
+    assert losses[copy] == losses["with its id"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

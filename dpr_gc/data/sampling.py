@@ -19,9 +19,12 @@ logger = logging.getLogger(__name__)
 FIRST_POSITIVE, SAMPLED_POSITIVE = -1, -2  # an example's positive: its question's first, or one drawn per draw
 
 
-def passage_key(ctx: dict) -> str:
-    """What makes two passages the same one: their passage id, or title and text when the id is missing."""
-    return f"id:{ctx['id']}" if ctx.get("id") else f"text:{ctx.get('title') or ''}\n{ctx['text']}"
+def passage_keys(ctx: dict) -> list[str]:
+    """What makes two passages the same one, any key in common: their passage id (when they have one) or their
+    title and text, so a copy without an id is still the passage (as the load-time drop of a question's own
+    positive from its negatives matches them)."""
+    text = f"text:{ctx.get('title') or ''}\n{ctx['text']}"
+    return [f"id:{ctx['id']}", text] if ctx.get("id") else [text]
 
 
 def too_few_questions(questions: int, batch_size: int, world_size: int = 1) -> DprGcError:
@@ -271,9 +274,9 @@ class TrainingExamples(torch.utils.data.Dataset):
     of randomly drawn other questions (a random negative, as in-batch negatives are; draws may repeat), so batches
     stay rectangular -- never a passage that is a positive of, or contains an answer of, any question in the same
     global batch (``global_batch(epoch, position) -> (start, rows)``, all ranks; without it only this question's
-    own positives are excluded). Each draw also carries the :func:`passage_key` of every passage and of every
-    positive of its question, so the loss can drop duplicate positives from the negatives. All choices derive from ``(seed, epoch, position)``, so workers and resumed runs
-    make the same ones.
+    own positives are excluded). Each draw also carries the :func:`passage_keys` of every passage and of every
+    positive of its question, so the loss can drop duplicate positives from the negatives. All choices derive from
+    ``(seed, epoch, position)``, so workers and resumed runs make the same ones.
     """
 
     def __init__(self, dataset: Any, hard_negatives: int = 1, other_negatives: int = 0, shuffle_positives: bool = False,
@@ -331,8 +334,8 @@ class TrainingExamples(torch.utils.data.Dataset):
         cut = self.n_hard - len(hard_sel)
         chosen = [positive] + hard_sel + fill[:cut] + other_sel + fill[cut:]
         return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen],
-                "passage_keys": [passage_key(c) for c in chosen],
-                "positive_keys": [passage_key(c) for c in positives]}
+                "passage_keys": [passage_keys(c) for c in chosen],
+                "positive_keys": [k for c in positives for k in passage_keys(c)]}
 
     def _order(self, pool: list, rng: np.random.Generator) -> list:
         return [pool[i] for i in rng.permutation(len(pool))] if self.shuffle_negatives else list(pool)

@@ -40,8 +40,8 @@ from ..model.tokenize import token_ids
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 4  # 2: negatives that are the question's own positive are dropped; 3: a row count ends the file;
-# 4: an empty question is a bad record
+FORMAT_VERSION = 5  # 2: negatives that are the question's own positive are dropped; 3: a row count ends the file;
+# 4: an empty question is a bad record; 5: an empty id is no id (the next id key is read)
 BEIR_VERSION = 2  # a BEIR folder's cache besides FORMAT_VERSION; 1: read by the corpus and query readers (ids unique);
 # 2: qrels lines checked as read_qrels checks them
 ID_KEYS = ("passage_id", "id", "psg_id", "_id")
@@ -123,13 +123,19 @@ def _contexts(record: dict, key: str, required: bool) -> list[dict]:
         if not isinstance(ctx, dict):
             raise ValueError(f"{key}[{j}] must be an object, got {type(ctx).__name__}")
         text, title = ctx.get("text"), ctx.get("title") or ""
-        pid = next((ctx[k] for k in ID_KEYS if ctx.get(k) is not None), "")
+        pid = context_id(ctx)
         if not isinstance(text, str):
             raise ValueError(f"{key}[{j}].text must be a string, got {type(text).__name__}")
         if not isinstance(title, str) or not isinstance(pid, (str, int)):
             raise ValueError(f"{key}[{j}] has a title that is not a string or an id that is not a string/int")
         out.append({"id": str(pid), "title": title, "text": text})
     return out
+
+
+def context_id(ctx: dict) -> Any:
+    """A DPR context's passage id as given: the first of :data:`ID_KEYS` it holds other than null or an empty
+    string (DPR files use ``passage_id``), else ``""`` (no id)."""
+    return next((ctx[k] for k in ID_KEYS if ctx.get(k) is not None and ctx[k] != ""), "")
 
 
 def normalise_record(record: Any) -> Row:
@@ -536,21 +542,27 @@ class Collator:
         return token_ids(self.tokenizer, self.config, "passage", texts, titles, max_length)
 
     def __call__(self, examples: Sequence[dict]) -> dict:
-        """Tokenised queries and passages; with the examples' passage keys also ``passage_ids`` (one int64 per
-        passage) and ``positive_ids`` (``[B, K]``, -1 padding), the loss's arguments for dropping duplicate
-        positives (ids are hashes of the keys, so they agree across ranks)."""
+        """Tokenised queries and passages; with the examples' passage keys also ``passage_ids`` (``[P, 2]``: each
+        passage's keys, by id and by title and text, -1 padding where it has no id) and ``positive_ids`` (``[B, K]``,
+        -1 padding), the loss's arguments for dropping duplicate positives (ids are hashes of the keys, so they agree
+        across ranks; two passages are the same when any key is)."""
         titles, texts = zip(*[p for e in examples for p in e["passages"]])
         batch = {"query": self.tokenize_queries([e["question"] for e in examples]),
                  "passage": self.tokenize_passages(titles, texts)}
         if all("passage_keys" in e for e in examples):
-            batch["passage_ids"] = torch.tensor([key_id(k) for e in examples for k in e["passage_keys"]])
-            width = max(len(e.get("positive_keys", ())) for e in examples)
-            positive_ids = torch.full((len(examples), width), -1, dtype=torch.long)
-            for i, e in enumerate(examples):
-                positive_ids[i, :len(e.get("positive_keys", ()))] = torch.tensor(
-                    [key_id(k) for k in e.get("positive_keys", ())], dtype=torch.long)
-            batch["positive_ids"] = positive_ids
+            passages = [keys for e in examples for keys in e["passage_keys"]]
+            batch["passage_ids"] = key_ids(passages, 2)
+            batch["positive_ids"] = key_ids([e.get("positive_keys", ()) for e in examples])
         return batch
+
+
+def key_ids(rows: Sequence[Sequence[str]], width: int = 0) -> torch.Tensor:
+    """``[len(rows), max(width, longest row)]``: the :func:`key_id` of each row's keys, -1 padding."""
+    out = torch.full((len(rows), max([width, *map(len, rows)])), -1, dtype=torch.long)
+    for i, keys in enumerate(rows):
+        if keys:
+            out[i, :len(keys)] = torch.tensor([key_id(k) for k in keys], dtype=torch.long)
+    return out
 
 
 def key_id(key: str) -> int:

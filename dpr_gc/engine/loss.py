@@ -265,8 +265,10 @@ class SimpleContrastiveLoss(nn.Module):
 
     Duplicate positives: when two queries of a batch share a positive passage, or one passage appears twice, a
     query would see a copy of its own positive as a negative. ``passage_ids`` (int64, one per row of ``y``, equal
-    for the same passage, ``-1`` when unknown) drops, for every query, each other row holding the passage of its
-    positive; ``positive_ids`` (int64 ``[B, K]``, ``-1`` padding) adds all the passages a query counts as positive.
+    for the same passage, ``-1`` when unknown; or ``[N, K]``, several keys per row, two rows holding the same
+    passage when any key is equal, e.g. its id and its text) drops, for every query, each other row holding the
+    passage of its positive; ``positive_ids`` (int64 ``[B, K]``, ``-1`` padding) adds all the passages a query
+    counts as positive.
     :attr:`masked_scores` then says how many scores the last call dropped (this rank's queries);
     ``GradCache(...)(q, p, passage_ids=ids)`` passes them on.
 
@@ -337,9 +339,9 @@ class SimpleContrastiveLoss(nn.Module):
             if positive_ids is not None:
                 raise DprGcError("positive_ids needs passage_ids (one id per passage row)")
             return
-        if passage_ids.shape != (y.size(0),) or passage_ids.dtype.is_floating_point:
-            raise DprGcError(f"passage_ids must hold one integer id per passage row ({y.size(0)}), got shape "
-                             f"{tuple(passage_ids.shape)} of {passage_ids.dtype}")
+        if passage_ids.dim() not in (1, 2) or passage_ids.size(0) != y.size(0) or passage_ids.dtype.is_floating_point:
+            raise DprGcError(f"passage_ids must hold one integer id per passage row ({y.size(0)}), or [rows, K] ids, "
+                             f"got shape {tuple(passage_ids.shape)} of {passage_ids.dtype}")
         if positive_ids is not None and (positive_ids.dim() != 2 or positive_ids.size(0) != x.size(0)
                                          or positive_ids.dtype.is_floating_point):
             raise DprGcError(f"positive_ids must be integer ids [queries ({x.size(0)}), K], got shape "
@@ -349,11 +351,14 @@ class SimpleContrastiveLoss(nn.Module):
         return 1
 
     @staticmethod
-    def _positive_keys(passage_ids: torch.Tensor, targets: torch.Tensor,
-                       positive_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """``[B, K]`` ids of every passage each query counts as positive: its target's, then ``positive_ids``."""
-        own = passage_ids[targets].long()[:, None]
-        return own if positive_ids is None else torch.cat([own, positive_ids.to(own.device).long()], dim=1)
+    def _keys(passage_ids: torch.Tensor, targets: torch.Tensor,
+              positive_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``passage_ids`` as ``[N, K]`` keys per passage row, and the ``[B, K']`` keys of every passage each query
+        counts as positive: its target's, then ``positive_ids``."""
+        passage_ids = passage_ids.long().reshape(passage_ids.size(0), -1)
+        own = passage_ids[targets]
+        positives = own if positive_ids is None else torch.cat([own, positive_ids.to(own.device).long()], dim=1)
+        return passage_ids, positives
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = at_least_fp32(x.dtype, y.dtype)
@@ -377,14 +382,14 @@ class SimpleContrastiveLoss(nn.Module):
               ) -> torch.Tensor:
         """Loss of the queries ``x``, whose positives sit at rows ``targets`` of ``y_all``, against all passages;
         the symmetric term scores those positives against all queries ``x_all`` (``x`` is ``x_all[query_index]``).
-        ``keys``: the passage id of every row of ``y_all`` and the positive ids ``[B_all, K]`` of every query of
-        ``x_all`` (duplicate positives are dropped). Autocast is off: an outer fp16/bf16 autocast would otherwise
-        lower the scores' precision (the backward passes switch it off too)."""
+        ``keys``: the ids ``[N_all, K]`` of every row of ``y_all`` and the positive ids ``[B_all, K']`` of every
+        query of ``x_all`` (duplicate positives are dropped). Autocast is off: an outer fp16/bf16 autocast would
+        otherwise lower the scores' precision (the backward passes switch it off too)."""
         forward_mask = backward_mask = None
         if keys is not None:
             passage_ids, positive_keys = keys
-            forward_mask = Exclusion(positive_keys[query_index], passage_ids[:, None], targets)
-            backward_mask = Exclusion(passage_ids[targets][:, None], positive_keys, query_index)
+            forward_mask = Exclusion(positive_keys[query_index], passage_ids, targets)
+            backward_mask = Exclusion(passage_ids[targets], positive_keys, query_index)
             self.masked_scores = forward_mask.count(max(1, _AUTO_BLOCK_ELEMENTS // max(1, y_all.size(0))))
         else:
             self.masked_scores = 0
@@ -405,8 +410,7 @@ class SimpleContrastiveLoss(nn.Module):
         targets = query_index * (1 + self.n_hard_negatives) if target is None else target.to(x.device, torch.long)
         keys = None
         if passage_ids is not None:
-            passage_ids = passage_ids.to(x.device).long()
-            keys = (passage_ids, self._positive_keys(passage_ids, targets, positive_ids))
+            keys = self._keys(passage_ids.to(x.device), targets, positive_ids)
         return self._loss(x, y, targets, x, query_index, reduction, keys)
 
 
@@ -448,9 +452,12 @@ def gather_ids(ids: torch.Tensor) -> torch.Tensor:
 
 def gather_loss_ids(passage_ids: Optional[torch.Tensor], positive_ids: Optional[torch.Tensor],
                     device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Every rank's passage ids ``[n]`` and positive ids ``[n, K]`` (either may be None), in rank order on
-    ``device``: what the loss over the gathered batch masks by."""
-    passages = None if passage_ids is None else gather_ids(passage_ids.to(device).long()[:, None])[:, 0]
+    """Every rank's passage ids ``[n]`` (or ``[n, K]``) and positive ids ``[n, K]`` (either may be None), in rank
+    order on ``device``: what the loss over the gathered batch masks by."""
+    passages = None
+    if passage_ids is not None:
+        passages = gather_ids(passage_ids.to(device).long().reshape(passage_ids.size(0), -1))
+        passages = passages[:, 0] if passage_ids.dim() == 1 else passages
     positives = None if positive_ids is None else gather_ids(positive_ids.to(device).long())
     return passages, positives
 
@@ -519,5 +526,5 @@ class DistributedContrastiveLoss(SimpleContrastiveLoss):
         keys = None
         if passage_ids is not None:
             ids, positive = gather_loss_ids(passage_ids, positive_ids, x.device)
-            keys = (ids, self._positive_keys(ids, all_targets, positive))
+            keys = self._keys(ids, all_targets, positive)
         return self._loss(x, y_all, all_targets[query_index], x_all, query_index, reduction, keys)

@@ -142,17 +142,18 @@ def passage_text(ctx: dict) -> str:
     return f"{title} {text}" if title else text
 
 
-def passage_key(ctx: dict) -> str:
-    """What makes two passages the same one, as the torch trainer keys them: the passage id, else title and text."""
-    pid = ctx.get("passage_id")
-    return f"id:{pid}" if pid not in (None, "") else f"text:{ctx.get('title') or ''}\t{ctx.get('text') or ''}"
+def passage_keys(ctx: dict) -> tuple[str, ...]:
+    """What makes two passages the same one, as the torch trainer keys them, any key in common: the passage id
+    (when it has one) or the title and text."""
+    pid, text = ctx.get("passage_id"), f"text:{ctx.get('title') or ''}\t{ctx.get('text') or ''}"
+    return (f"id:{pid}", text) if pid not in (None, "") else (text,)
 
 
 def training_examples(path: Path, limit: int,
-                      hard_negatives: int) -> tuple[list[str], list[list[str]], list[list[str]]]:
+                      hard_negatives: int) -> tuple[list[str], list[list[str]], list[list[tuple[str, ...]]]]:
     """Questions, their passage groups (positive first, then ``hard_negatives`` hard negatives) and the groups'
-    passage keys (:func:`passage_key`: equal keys, the same passage). Fewer than ``limit`` usable questions is
-    refused naming --train-queries: the split's size is known only once the dataset is built."""
+    passage keys (:func:`passage_keys`: a key in common, the same passage). Fewer than ``limit`` usable questions
+    is refused naming --train-queries: the split's size is known only once the dataset is built."""
     questions, groups, keys = [], [], []
     for record in read_json(path):
         negatives = record.get("hard_negative_ctxs") or []
@@ -161,7 +162,7 @@ def training_examples(path: Path, limit: int,
         questions.append(record["question"])
         ctxs = [record["positive_ctxs"][0]] + negatives[:hard_negatives]
         groups.append([passage_text(c) for c in ctxs])
-        keys.append([passage_key(c) for c in ctxs])
+        keys.append([passage_keys(c) for c in ctxs])
         if len(questions) == limit:
             break
     if len(questions) < limit:
@@ -230,12 +231,22 @@ def initial_params(config: ExampleConfig, model_path: str, vocab_size: int) -> t
     return Encoder(enc_config), params
 
 
-def passage_id_array(groups: list[list[str]], keys: Optional[list[list[str]]] = None) -> np.ndarray:
-    """One int32 id per passage row (groups flattened), equal for equal keys (the passages' texts when ``keys`` is
-    None): what the loss masks duplicate positives by."""
+def passage_id_array(groups: list[list[str]], keys: Optional[list[list[tuple[str, ...]]]] = None) -> np.ndarray:
+    """One int32 id per passage row (groups flattened), equal for rows with a key in common, directly or through
+    other rows (the passages' texts when ``keys`` is None): what the loss masks duplicate positives by."""
+    flat = [k for g in keys for k in g] if keys is not None else [(text,) for g in groups for text in g]
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    for row in flat:
+        for key in row[1:]:
+            parent[root(key)] = root(row[0])
     index: dict[str, int] = {}
-    flat = [k for g in (keys if keys is not None else groups) for k in g]
-    return np.asarray([index.setdefault(k, len(index)) for k in flat], np.int32)
+    return np.asarray([index.setdefault(root(row[0]), len(index)) for row in flat], np.int32)
 
 
 def masked_copies(ids: np.ndarray, group: int) -> int:
@@ -252,7 +263,7 @@ def check_finite(loss: float, step: int, config: ExampleConfig) -> None:
 
 
 def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], groups: list[list[str]],
-          config: ExampleConfig, keys: Optional[list[list[str]]] = None) -> tuple[Any, list[float]]:
+          config: ExampleConfig, keys: Optional[list[list[tuple[str, ...]]]] = None) -> tuple[Any, list[float]]:
     """Gradient Cache training (tied encoder); returns the trained parameters and the loss of every step. A copy of
     a question's own positive in its batch (equal ``keys``; the texts without them) is masked, not a negative.
     ``params`` stay fp32, as do the gradients and AdamW's state; ``--precision bf16`` runs each chunk's forward and

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from .bm25 import BM25Source, Gold, bm25_index_exists, check_bm25_folder
 from ..data.corpus import file_stamp, rows_for_ids, source_fingerprint
-from ..data.training import ID_KEYS, beir_training_records, iter_numbered_training_file, iter_training_file
+from ..data.training import beir_training_records, context_id, iter_numbered_training_file, iter_training_file
 from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
                          positive_int, unit_float)
 from ..base.errors import DprGcError, Interrupted, flags_renamed
@@ -224,7 +224,7 @@ def rules_off(mining: MineSettings) -> set[str]:
 # ----------------------------------------------------------------------------------------------------- mining
 def ctx_id(ctx: dict) -> str:
     """A DPR context's passage id (DPR files use ``passage_id``; others ``id``/``psg_id``/``_id``), or ''."""
-    return str(next((ctx[k] for k in ID_KEYS if ctx.get(k) is not None), ""))
+    return str(context_id(ctx))
 
 
 def _qid(record: dict) -> str:
