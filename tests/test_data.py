@@ -496,6 +496,57 @@ def test_fill_never_uses_a_passage_of_the_question_itself(tmp_path):
         D.TrainingExamples(data.dataset.select(range(1)), 1, 0)
 
 
+def twin_records() -> list[dict]:
+    """Six questions, two of which ask the same (up to case and spacing) with different positives."""
+    recs = [r | {"negative_ctxs": [], "hard_negative_ctxs": []} for r in records(6)]
+    recs[3]["question"] = "  QUESTION 0 about  the city?"
+    return recs
+
+
+def asked(question: str) -> str:
+    return " ".join(question.lower().split())
+
+
+def test_rows_asking_the_same_question_are_one_question_for_the_loss(tmp_path, tiny_tokenizer):
+    """Two rows with the same question text and different positives: each draw of one counts the other's positives
+    as its own (masked, never a negative), the two never share a global batch, the refusal of a batch larger than
+    the distinct questions counts texts, and no filled-in negative is the positive of a batch question's twin."""
+    data = load(tmp_path, write(tmp_path / "t.json", twin_records(), "list"))
+    examples = D.TrainingExamples(data.dataset, 0, 0)
+    keys = [set(examples[(row, 0, row)]["positive_keys"]) for row in range(6)]
+    assert keys[0] == keys[3] and len(keys[0]) == 8  # the two rows' two positives each, by id and by text
+    assert all(keys[0].isdisjoint(keys[row]) for row in (1, 2, 4, 5))
+    batch = D.Collator(tiny_tokenizer)([examples[(row, 0, row)] for row in (0, 3)])
+    assert set(batch["passage_ids"][1].tolist()) <= set(batch["positive_ids"][0].tolist())  # row 3's positive
+    for seed in range(10):
+        loader = D.make_dataloader(data, lambda e: e, batch_size=2, hard_negatives=1, seed=seed)
+        for epoch in range(3):
+            loader.batch_sampler.set_epoch(epoch)
+            for drawn in loader:
+                questions = [asked(e["question"]) for e in drawn]
+                assert len(set(questions)) == 2, questions  # the twins never share a batch
+                twins = {c["text"] for row in data.dataset if asked(row["question"]) in questions
+                         for c in row["positives"]}
+                assert not {text for e in drawn for _, text in e["passages"][1:]} & twins  # nor are filled in
+    with pytest.raises(DprGcError, match=r"^--batch-size 6 is more than the 5 distinct queries of the training data"):
+        D.make_dataloader(data, lambda e: e, batch_size=6, hard_negatives=0)
+
+
+def test_beir_queries_with_other_ids_and_the_same_text_are_one_question(tmp_path):
+    """SciFact's train queries 89 and 90 hold the same claim: rows with other query ids and the same text are
+    grouped as one query, as repeated pairs of one query id are."""
+    recs = twin_records()
+    recs[3]["question"] = recs[0]["question"]
+    data = D.load_beir_training(write_beir(tmp_path / "beir", recs), cache_dir=tmp_path / "cache")
+    assert len(data) == 6
+    with pytest.raises(DprGcError, match=r"more than the 5 distinct queries"):
+        D.make_dataloader(data, lambda e: e, batch_size=6, hard_negatives=0, beir_positives="sample")
+    loader = D.make_dataloader(data, lambda e: e, batch_size=5, hard_negatives=0, beir_positives="pairs")
+    for epoch in range(5):
+        loader.batch_sampler.set_epoch(epoch)
+        assert all(len({e["question"] for e in drawn}) == 5 for drawn in loader)
+
+
 def test_rates_are_per_source_and_deterministic():
     s = MixedBatchSampler([10, 4], batch_size=2, rates=[0.5, 2.0], seed=7)
     order = s.epoch_order(0)

@@ -5,6 +5,7 @@ negatives, filled-in negatives never being a positive or answer-bearing passage 
 from __future__ import annotations
 
 import logging
+import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -25,6 +26,19 @@ def passage_keys(ctx: dict) -> list[str]:
     positive from its negatives matches them)."""
     text = f"text:{ctx.get('title') or ''}\n{ctx['text']}"
     return [f"id:{ctx['id']}", text] if ctx.get("id") else [text]
+
+
+def question_key(question: str) -> str:
+    """What makes two training rows ask the same question: their text in Unicode NFC, case folded, whitespace
+    collapsed (a DPR file repeating a question with another positive; BEIR queries of other ids and one text)."""
+    return " ".join(unicodedata.normalize("NFC", question).casefold().split())
+
+
+def question_groups(questions: Sequence[str]) -> np.ndarray:
+    """One int64 group per row, equal for rows asking the same question (:func:`question_key`), numbered in order
+    of first appearance: rows of one group are one question for the loss."""
+    index: dict[str, int] = {}
+    return np.asarray([index.setdefault(question_key(q), len(index)) for q in questions], dtype=np.int64)
 
 
 def too_few_questions(questions: int, batch_size: int, world_size: int = 1) -> DprGcError:
@@ -67,8 +81,9 @@ class MixedBatchSampler(torch.utils.data.Sampler):
 
     def check_distinct_queries(self, groups: np.ndarray) -> None:
         """Refuse a global batch larger than the distinct queries it draws from (all sources, or each source with
-        ``per_file_batches``): it would hold a query twice, each copy scoring the other's positive as a negative,
-        which :func:`spread_groups` cannot avoid."""
+        ``per_file_batches``; ``groups``: the query of each item, rows asking the same question one): it would hold
+        a query twice, each copy scoring the other's positive as a negative, which :func:`spread_groups` cannot
+        avoid."""
         step, offsets = self.batch_size * self.world_size, np.cumsum([0, *self.sizes])
         pools = ([groups[a:b] for a, b, size, rate in zip(offsets[:-1], offsets[1:], self.sizes, self.rates)
                   if int(rate * size) >= step] if self.per_file_batches else [groups])  # those that fill a batch
@@ -222,12 +237,13 @@ class BatchExclusion:
     A negative slot that the training data cannot fill takes the positive of some other question; that passage must
     not be a positive of any question in the same global batch (all ranks), nor contain an answer of one when
     answers are known, or the loss would push a question away from its own gold passage. ``rows`` are the batch's
-    training rows and ``records`` their ``question``, ``answers`` and ``positives`` columns.
+    training rows and ``records`` their ``question``, ``answers`` and ``positives`` columns; the positive of a row
+    asking one of the batch's questions (:func:`question_key`) is never taken either.
     """
 
     def __init__(self, rows: Sequence[int], records: dict[str, list]) -> None:
         self.rows = {int(r) for r in rows}
-        self.questions = set(records["question"])
+        self.questions = {question_key(q) for q in records["question"]}
         contexts = [c for group in records["positives"] for c in group]
         self.ids = {c["id"] for c in contexts if c["id"]}
         self.texts = {c["text"] for c in contexts}
@@ -237,7 +253,7 @@ class BatchExclusion:
 
     def allows(self, row: int, question: str, ctx: dict) -> bool:
         """May ``ctx`` (the positive of training row ``row``, asked as ``question``) fill a negative slot?"""
-        if row in self.rows or question in self.questions:
+        if row in self.rows or question_key(question) in self.questions:
             return False
         if (ctx["id"] and ctx["id"] in self.ids) or ctx["text"] in self.texts:
             return False
@@ -246,6 +262,14 @@ class BatchExclusion:
     def _bears_answer(self, text: str) -> bool:
         tokens = simple_tokens(nfd(text))
         return any(tuple(tokens[i:i + n]) in self.answers for n in self.lengths for i in range(len(tokens) - n + 1))
+
+
+def twin_rows(groups: np.ndarray) -> dict[int, list[int]]:
+    """Row -> every row of its group (itself included), for the groups of more than one row."""
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(np.asarray(groups).tolist()):
+        members.setdefault(group, []).append(row)
+    return {row: rows for rows in members.values() if len(rows) > 1 for row in rows}
 
 
 def epoch_shortfall(missing: np.ndarray, examples: Optional[np.ndarray], sizes: Optional[Sequence[int]],
@@ -275,15 +299,16 @@ class TrainingExamples(torch.utils.data.Dataset):
     stay rectangular -- never a passage that is a positive of, or contains an answer of, any question in the same
     global batch (``global_batch(epoch, position) -> (start, rows)``, all ranks; without it only this question's
     own positives are excluded). Each draw also carries the :func:`passage_keys` of every passage and of every
-    positive of its question, so the loss can drop duplicate positives from the negatives. All choices derive from
-    ``(seed, epoch, position)``, so workers and resumed runs make the same ones.
+    positive of its question, those of every row asking the same question (:func:`question_key`) included, so the
+    loss can drop duplicate positives from the negatives. All choices derive from ``(seed, epoch, position)``, so
+    workers and resumed runs make the same ones.
     """
 
     def __init__(self, dataset: Any, hard_negatives: int = 1, other_negatives: int = 0, shuffle_positives: bool = False,
                  shuffle_negatives: bool = True, seed: int = 0,
                  global_batch: Optional[Callable[[int, int], tuple[int, np.ndarray]]] = None,
                  examples: Optional[np.ndarray] = None, sizes: Optional[Sequence[int]] = None,
-                 rates: Optional[Sequence[float]] = None) -> None:
+                 rates: Optional[Sequence[float]] = None, groups: Optional[np.ndarray] = None) -> None:
         import pyarrow.compute as pc
 
         # ``examples[i] = (row, positive)``: the positive's index, FIRST_POSITIVE or SAMPLED_POSITIVE (None: one
@@ -296,6 +321,8 @@ class TrainingExamples(torch.utils.data.Dataset):
         self.shuffle_positives, self.shuffle_negatives = shuffle_positives, shuffle_negatives
         self.global_batch = global_batch
         self.candidates = dataset.select_columns(["question", "positives"])
+        # rows asking the same question (``groups``: :func:`question_groups` of the rows, computed when not given)
+        self.twins = twin_rows(question_groups(self.candidates[:]["question"]) if groups is None else groups)
         self._exclusion: Optional[tuple[tuple[int, int], BatchExclusion]] = None
         counts = (pc.list_value_length(dataset.data.column("hard_negatives")).to_numpy(zero_copy_only=False)
                   + pc.list_value_length(dataset.data.column("negatives")).to_numpy(zero_copy_only=False))
@@ -333,9 +360,10 @@ class TrainingExamples(torch.utils.data.Dataset):
         fill = self._fill(missing, row, self._excluded(row, epoch, position), rng) if missing else []
         cut = self.n_hard - len(hard_sel)
         chosen = [positive] + hard_sel + fill[:cut] + other_sel + fill[cut:]
+        twins = [c for r in self.twins.get(row, ()) if r != row for c in self.candidates[r]["positives"]]
         return {"question": record["question"], "passages": [(c["title"], c["text"]) for c in chosen],
                 "passage_keys": [passage_keys(c) for c in chosen],
-                "positive_keys": [k for c in positives for k in passage_keys(c)]}
+                "positive_keys": [k for c in positives + twins for k in passage_keys(c)]}
 
     def _order(self, pool: list, rng: np.random.Generator) -> list:
         return [pool[i] for i in rng.permutation(len(pool))] if self.shuffle_negatives else list(pool)

@@ -34,7 +34,8 @@ from ..base.files import (JSON_ERRORS, PathLike, check_unicode, die_with_parent,
 from ..base.settings import add_arguments, cache_dir_setting, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
-from .sampling import MixedBatchSampler, TrainingExamples  # noqa: F401 (TrainingExamples is re-exported)
+from .sampling import (MixedBatchSampler, TrainingExamples,  # noqa: F401 (TrainingExamples is re-exported)
+                       question_groups)
 from ..base.tables import markdown_table
 from ..model.tokenize import token_ids
 
@@ -652,10 +653,12 @@ def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[B
     batch_size, rates, seed, shuffle = s.batch_size, s.rates, s.seed, s.shuffle
     index = example_index(data, s.beir_positives)
     items, sizes = index if index is not None else (None, data.sizes)
-    groups = items[:, 0] if items is not None and len(items) > len(data) else None
+    questions = question_groups(data.dataset.select_columns(["question"])[:]["question"])
+    groups = questions[items[:, 0]] if items is not None else questions  # each item's question
+    groups = groups if len(np.unique(groups)) < len(groups) else None  # None: no question is drawn twice
     sampler = MixedBatchSampler(sizes, batch_size, rates, seed, rank, world_size, shuffle, s.per_file_batches, groups)
     examples = TrainingExamples(data.dataset, s.hard_negatives, s.other_negatives, s.shuffle_positives,
-                                s.shuffle_negatives, seed, sampler.global_batch, items, sizes, sampler.rates)
+                                s.shuffle_negatives, seed, sampler.global_batch, items, sizes, sampler.rates, questions)
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     watch = worker_watch() if num_workers else None
