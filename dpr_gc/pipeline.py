@@ -301,13 +301,17 @@ def run_demo(config: DemoConfig) -> dict:
 def check_start_model(name: str) -> None:
     """Refuse, before anything is written, a ``--model`` the base model could not be built from: what every stage
     refuses (a link loop, a folder holding no model, a missing folder, a Hub name while the Hub is off or out of
-    reach: :func:`~dpr_gc.model.hub.check_model_source`), and a missing relative path inside a folder that exists
-    here (``runs/modle`` beside ``runs/``) that the Hugging Face cache does not hold: a path, not a Hub name."""
+    reach: :func:`~dpr_gc.model.hub.check_model_source`), a missing relative path inside a folder that exists
+    here (``runs/modle`` beside ``runs/``) that the Hugging Face cache does not hold: a path, not a Hub name, and a
+    file: the base model is built from a folder or a Hub name (a DPR ``.cp`` checkpoint loads as it is, in train)."""
     from .model.hub import check_model_source, in_hub_cache
     from .model.pretrained import check_model_files, check_model_folder
 
     path = Path(name)
     check_model_folder(name)
+    if path.is_file():
+        raise DprGcError(f"cannot load model {name!r}: a file, not a model folder; the demo starts from a model "
+                         "folder or a Hugging Face model name (a DPR .cp checkpoint: train from it with dpr-gc train)")
     beside = not path.is_absolute() and path.parent != Path(".") and path.parent.is_dir()
     if beside and not path.exists() and not in_hub_cache(name):
         raise DprGcError(f"cannot load model {name!r}: no such folder (give a model folder or a Hugging Face model "

@@ -327,12 +327,14 @@ def test_the_demo_table_is_a_markdown_table_of_its_own_after_trainings(tmp_path,
 
 @pytest.mark.parametrize("model, why", [("absolute", "no such folder"), ("./missing", "no such folder"),
                                         ("../missing", "no such folder"), ("beside/missing", "no such folder"),
-                                        ("empty", "not a model folder"), ("hub-org/hub-model", "HF_HUB_OFFLINE")])
+                                        ("empty", "not a model folder"), ("hub-org/hub-model", "HF_HUB_OFFLINE"),
+                                        ("beside/qa.csv", "a file, not a model folder"),
+                                        ("dpr.cp", "a file, not a model folder")])
 def test_a_model_that_cannot_load_is_refused_before_anything_is_written(tmp_path, monkeypatch, model, why):
     """README: "Settings are checked before anything is written where the flags tell". A --model path that does not
-    exist (absolute, ./ or ../, or inside a folder that exists here: no Hub name), a folder holding no model, or a
-    Hub name while the Hub is off was found only once the whole dataset was built, which stayed in --output with
-    the settings record."""
+    exist (absolute, ./ or ../, or inside a folder that exists here: no Hub name), a folder holding no model, a file
+    (the demo starts from a folder or a Hub name; a DPR .cp checkpoint too is a file), or a Hub name while the Hub
+    is off was found only once the whole dataset was built, which stayed in --output with the settings record."""
     from dpr_gc.data import stdlib_data
     from tests.helpers import call
 
@@ -344,6 +346,8 @@ def test_a_model_that_cannot_load_is_refused_before_anything_is_written(tmp_path
     monkeypatch.setattr(stdlib_data, "build_stdlib_dataset", not_built)
     (tmp_path / "beside").mkdir()
     (tmp_path / "empty").mkdir()
+    (tmp_path / "beside" / "qa.csv").write_text("who?\t[\"me\"]\n")
+    (tmp_path / "dpr.cp").write_bytes(b"PK")
     name = str(tmp_path / "nonexistent") if model == "absolute" else model
     out = tmp_path / "demo"
     code, err = call(main, ["demo", "--output", out, "--model", name])
