@@ -2417,17 +2417,24 @@ def test_caches_built_earlier_are_read_from_a_read_only_cache_folder(tmp_path: P
 
 DEMO, TRAIN = ["demo", "--output", "{tmp}/demo"], ["train", "--train", "{tmp}/t.json", "--output", "{tmp}/run"]
 ENCODE = ["encode", "--corpus", "{tmp}/t.json", "--output", "{tmp}/emb"]
+MERGE = ["merge-lora", "--output", "{tmp}/merged"]
+NOT_LOADED = {"missing": "no such folder", "qa.csv": "not a model folder nor a DPR .cp checkpoint"}
 
 
 @pytest.mark.parametrize("stage, flag", [(DEMO, "--model"), (TRAIN, "--model"), (TRAIN, "--pretrained_model_cfg"),
-                                         (ENCODE, "--model")])
-def test_a_model_that_cannot_load_is_named_by_its_flag(tmp_path, capsys, stage, flag):
+                                         (ENCODE, "--model"), (MERGE, "--model")])
+@pytest.mark.parametrize("model", NOT_LOADED)
+def test_a_model_that_cannot_load_is_named_by_its_flag(tmp_path, capsys, stage, flag, model):
     """dpr-gc demo/train/encode --model /missing/path said "cannot load model '/missing/path'" without naming the
-    flag it came from: the line names it as typed."""
+    flag it came from, and a file that is not a model (qa.csv) "qa.csv: not a model (Unsupported operand 119)",
+    the unpickler's words: the line names the flag as typed and what the path is not."""
     from dpr_gc.cli import main
 
     (tmp_path / "t.json").write_text("[]")
-    missing = str(tmp_path / "missing")
-    assert main([word.format(tmp=tmp_path) for word in stage] + [flag, missing]) == 2
+    (tmp_path / "qa.csv").write_text('who?\t["me"]\n')
+    path = str(tmp_path / model)
+    assert main([word.format(tmp=tmp_path) for word in stage] + [flag, path]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"error: cannot load {flag} {missing!r}: no such folder"), err
+    why = "a file, not a model folder" if stage == DEMO and model == "qa.csv" else NOT_LOADED[model]
+    assert err.startswith(f"error: cannot load {flag} {path!r}: {why}"), err
+    assert "operand" not in err

@@ -10,6 +10,7 @@ it is tensors, numbers, strings and containers, so ``torch.load(weights_only=Tru
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +26,28 @@ CONVERT_HINT = ("convert it where you trust the file: python -c \"import torch; 
                 "weights_only=False); torch.save({{'model_dict': dict(s['model_dict']), 'encoder_params': "
                 "dict(s['encoder_params'])}}, '{path}.safe')\" and pass {path}.safe")
 
+logger = logging.getLogger(__name__)
 
-def read_dpr_state(path: Path) -> dict:
-    """The checkpoint's dict, read with ``weights_only=True``; a one-line error says how to convert other files."""
+
+def read_dpr_state(path: str | Path) -> dict:
+    """The checkpoint's dict, read with ``weights_only=True``. A file that is no torch checkpoint, or one without
+    DPR's ``model_dict``, is refused as "cannot load model 'PATH'" (a command names its flag there), the unpickler's
+    own reason logged at debug level; one holding Python objects is refused with how to convert it."""
+    name = str(path)
     try:
-        state = torch_load_weights(path)
+        state = torch_load_weights(Path(path))
     except Exception as e:  # noqa: BLE001 - pickle and zip errors of any kind mean the same to the user
         reason = weights_only_reason(e)
         if "GLOBAL" not in reason:  # not a torch checkpoint at all, rather than one holding Python objects
-            raise DprGcError(f"{path}: not a model ({reason}); give a dpr-gc retriever folder, a Hugging Face "
-                             "model name or folder, or a DPR .cp checkpoint") from None
-        raise DprGcError(f"{path}: cannot be read as weights only ({reason}); "
-                         + CONVERT_HINT.format(path=path)) from None
+            logger.debug("%s: torch.load(weights_only=True) refused it: %s", name, reason)
+            raise DprGcError(f"cannot load model {name!r}: not a model folder nor a DPR .cp checkpoint (give a dpr-gc "
+                             "retriever folder, a Hugging Face model name or folder, or a DPR .cp file)") from None
+        raise DprGcError(f"cannot load model {name!r}: it cannot be read as weights only ({reason}); "
+                         + CONVERT_HINT.format(path=name)) from None
     if not isinstance(state, dict) or not isinstance(state.get("model_dict"), dict):
-        raise DprGcError(f"{path}: not a DPR bi-encoder checkpoint (no 'model_dict'); give a dpr-gc retriever folder, "
-                         "a Hugging Face model, or a DPR .cp file")
+        raise DprGcError(f"cannot load model {name!r}: not a model folder nor a DPR .cp checkpoint (a torch file "
+                         "without DPR's 'model_dict'; give a dpr-gc retriever folder, a Hugging Face model name or "
+                         "folder, or a DPR .cp file)")
     return state
 
 
@@ -57,7 +65,7 @@ def load_dpr_checkpoint(retriever_cls: Any, path: str | Path) -> Any:
     from transformers import AutoConfig, AutoModel
 
     p = Path(path)
-    state = read_dpr_state(p)
+    state = read_dpr_state(path)
     params = state.get("encoder_params") or {}
     name = params.get("pretrained_model_cfg")
     if not name:

@@ -227,7 +227,7 @@ class Retriever(nn.Module):
             ('mean', True, 384)
         """
         if Path(path).is_file():  # DPR's and GC-DPR's trainers save one .cp file
-            retriever = load_dpr_checkpoint(cls, Path(path))
+            retriever = load_dpr_checkpoint(cls, path)
         else:
             retriever = load_retriever(cls, Path(path))
         for name, value in (("query_prefix", query_prefix), ("passage_prefix", passage_prefix)):
