@@ -431,6 +431,10 @@ def test_build_settings_in_code_are_checked_as_the_flags_first(tmp_path, data, f
 def test_reading_incomplete_or_inconsistent_folders(tmp_path, data):
     with pytest.raises(DprGcError, match="no complete index"):
         DenseIndex.read(tmp_path)
+    (tmp_path / "a-file").write_text("not an index")
+    for path in (tmp_path / "a-file", tmp_path / "a-file" / "idx"):  # "Not a directory" is no complete index either
+        with pytest.raises(DprGcError, match=f"^no complete index in {path} "):
+            DenseIndex.read(path)
     emb_dir = write_shards(tmp_path / "emb", data)
     build_index(emb_dir, tmp_path / "idx", IndexParams("flat"))
     meta_path = tmp_path / "idx" / META_FILE

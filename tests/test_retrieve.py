@@ -715,3 +715,20 @@ def test_the_librarys_depth_warnings_name_no_command_flags(world, tmp_path, capl
             retrieve_to_files(retriever, index, corpus, queries, top_k=top_k, ks=ks, output=tmp_path / "r.json",
                               show_progress=False)
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == want
+
+
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_an_index_that_is_a_file_is_refused_as_the_command_line_is_read(tmp_path, monkeypatch, capsys, where):
+    """retrieve --index FILE said "FILE: Not a directory; check the path and free space" once the questions were
+    read: refused while the command line is parsed, naming --index, as mine's --index is."""
+    from dpr_gc.cli import main
+
+    monkeypatch.setattr(Retriever, "load", lambda *a, **k: pytest.fail("model loaded"))
+    file = tmp_path / "qa.csv"
+    file.write_text('who?\t["me"]\n')
+    index = file if where == "file" else file / "idx"
+    assert main(["retrieve", "--index", str(index), "--queries", str(file), "--output", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: dpr-gc retrieve: argument --index: path {index}: {file} is a file, not a folder; give "
+                   "a folder (see dpr-gc retrieve --help)"], err
+    assert not (tmp_path / "o.json").exists()

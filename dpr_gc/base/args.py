@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from gettext import gettext
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NoReturn, Optional, Sequence
 
 from .errors import DprGcError
@@ -248,7 +249,7 @@ def int_between(low: int, high: int) -> Callable[[str], int]:
 
 
 def _output_path(check: Callable[[str, str], Any], name: str) -> Callable[[str], str]:
-    """A flag type running ``check`` (from ``files``) while the command line is parsed."""
+    """A path flag type running ``check`` (from ``files``, or a folder to read's) while the command line is parsed."""
     def parse(text: str) -> str:
         try:
             check(text, "path")
@@ -260,6 +261,18 @@ def _output_path(check: Callable[[str, str], Any], name: str) -> Callable[[str],
     return parse
 
 
+def _check_input_dir(text: str, flag: str) -> None:
+    """Refuse a folder to read that is a file or lies under one; a missing one is named by the stage reading it,
+    which says what it should hold."""
+    for q in (Path(text), *Path(text).parents):
+        if q.exists():
+            if not q.is_dir():
+                raise DprGcError(f"{flag} {text}: {q} is a file, not a folder; give a folder")
+            return
+
+
+# A folder to read (retrieve's --index): not an existing file, nor under one.
+input_dir = _output_path(_check_input_dir, "input_dir")
 # A file to write: not an existing folder, not under a file (an existing file is replaced atomically).
 output_file = _output_path(check_output_file, "output_file")
 # A folder to write into: not an existing file, nor under one.

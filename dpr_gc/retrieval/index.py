@@ -541,6 +541,8 @@ def _read_one_build(folder: Path, attempts: int = 100) -> tuple[Any, dict]:
         except FileNotFoundError:
             if not _being_replaced(folder):
                 break  # no rebuild under way: the folder or a file is simply missing
+        except NotADirectoryError:
+            break  # a file where the folder (or one above it) should be
         time.sleep(0.01)
     raise DprGcError(f"no complete index in {folder} (need {INDEX_FILE} and {META_FILE}); build one with "
                      "'dpr-gc index --embeddings DIR --output DIR'")

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..evaluation.answers import MATCH_MODES, AnswerMatcher, UncompiledPatterns, default_workers
-from ..base.args import nonnegative_int, output_file, positive_int
+from ..base.args import input_dir, nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError, Interrupted, rename_flags
 from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
@@ -766,7 +766,7 @@ def _retrieve_cli(args: argparse.Namespace) -> None:
 class IndexToSearch:
     """``dpr-gc retrieve``'s index: its folder, search-time overrides, FAISS threads."""
 
-    index: str = setting("", "--index", required=True, help="index folder written by 'dpr-gc index'")
+    index: str = setting("", "--index", type=input_dir, required=True, help="index folder written by 'dpr-gc index'")
     ef_search: Optional[int] = setting(None, "--ef-search", type=hnsw_ef,
                                        help="override the index's HNSW efSearch (default: the index's own)")
     nprobe: Optional[int] = setting(None, "--nprobe", type=ivf_nprobe,
