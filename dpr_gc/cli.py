@@ -13,8 +13,27 @@ from .base.args import ArgumentParser
 from .base.errors import NOTHING_STARTED, DprGcError, model_named_by, report_errors
 from .base.logs import setup_logging
 
-# The flags a stage takes its model with: dpr-gc's, and the DPR/GC-DPR names encode and train accept.
+# The flags a command takes its model with, as typed: dpr-gc's, train's DPR name --pretrained_model_cfg, and DPR's
+# --model_file, which the DPR-compatible scripts take (dpr-gc's commands answer it with --model: DPR_FLAGS).
 MODEL_FLAGS = ("--model", "--model_file", "--pretrained_model_cfg")
+# DPR's and GC-DPR's flag names that dpr-gc's commands lack -> the flag of a command taking that setting (with its
+# value where DPR's is a switch); "" where dpr-gc has none, for which a command with a DPR-compatible script
+# (Stage.dpr_script) names the script. The scripts' renaming tables (SCRIPT_FLAGS, train_dense_encoder.py's DPR
+# flags) are its source: tests/test_settings.py checks that each of their DPR names is answered.
+DPR_FLAGS = {
+    "--model_file": "--model", "--ctx_file": "--corpus", "--ctx_src": "--corpus", "--ctx_datasets": "--corpus",
+    "--ctx_datatsets": "--corpus", "--qa_file": "--queries", "--qa_dataset": "--queries", "--n_docs": "--top-k",
+    "--out_file": "--output", "--encoded_ctx_file": "--embeddings", "--encoded_ctx_files": "--embeddings",
+    "--index_path": "--index", "--index_buffer": "--block-size", "--hnsw_index": "--kind hnsw",
+    "--sequence_length": "--max-length", "--projection_dim": "--projection-dim", "--no_cuda": "--device cpu",
+    "--fp16": "--precision fp16", "--train_files_upsample_rates": "--sampling-rates",
+    **dict.fromkeys(("--eval_per_epoch", "--log_batch_step", "--gradient_accumulation_steps", "--adam_eps",
+                     "--adam_betas", "--do_lower_case", "--encoder_model_type", "--pretrained_model_cfg",
+                     "--pretrained_file", "--fp16_opt_level", "--dropout", "--train_rolling_loss_step",
+                     "--global_loss_buf_sz", "--fix_ctx_encoder", "--val_av_rank_start_epoch", "--checkpoint_file_name",
+                     "--local_rank", "--save_or_load_index", "--encode_q_and_save", "--re_encode_q",
+                     "--q_encoding_path", "--validation_workers"), ""),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +44,7 @@ class Stage:
     module: str
     help: str
     distributed: bool = False  # runs under torchrun (one rank per process); the others refuse WORLD_SIZE > 1
+    dpr_script: str = ""  # the script in scripts/ that takes DPR's and GC-DPR's command lines for this stage
 
 
 # sub-command -> its stage, in the order ``dpr-gc --help`` lists them
@@ -32,12 +52,15 @@ STAGES = {
     "demo": Stage("pipeline", "run the whole pipeline end to end on the built-in stdlib dataset"),
     "make-stdlib-data": Stage("data.stdlib_data", "build the default retrieval dataset from Python's stdlib"),
     "prepare-data": Stage("data.training", "validate and cache training data (DPR files, BEIR folders)"),
-    "train": Stage("train.trainer", "train a retriever with Gradient Cache (DPR files or BEIR folders)", True),
+    "train": Stage("train.trainer", "train a retriever with Gradient Cache (DPR files or BEIR folders)", True,
+                   "scripts/train_dense_encoder.py"),
     "verify": Stage("train.verify", "check that the cached step equals the full-batch step on your set-up (train's "
                                     "flags; writes nothing)", True),
-    "encode": Stage("retrieval.encode", "embed a passage corpus into resumable shards", True),
+    "encode": Stage("retrieval.encode", "embed a passage corpus into resumable shards", True,
+                    "scripts/generate_dense_embeddings.py"),
     "index": Stage("retrieval.index", "build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards"),
-    "retrieve": Stage("retrieval.retrieve", "top-k passages for questions: DPR JSON and a TREC run"),
+    "retrieve": Stage("retrieval.retrieve", "top-k passages for questions: DPR JSON and a TREC run",
+                      dpr_script="scripts/dense_retriever.py"),
     "evaluate": Stage("evaluation.evaluate", "top-k answer accuracy and qrels metrics (Recall, nDCG, MRR, MAP)"),
     "mine": Stage("retrieval.mine", "mine hard negatives (BM25 or dense) into a DPR training file"),
     "merge-lora": Stage("model.lora", "write a retriever with its LoRA adapters merged into full weights"),
@@ -47,14 +70,17 @@ STAGES = {
 
 class _Commands:
     """What a stage's ``add_cli`` registers its parser with: argparse's ``add_parser``, given the command's line from
-    ``STAGES`` as its help (and as its description where the stage gives none)."""
+    ``STAGES`` as its help (and as its description where the stage gives none), and the DPR flag names it answers
+    (:data:`DPR_FLAGS`, and the stage's script)."""
 
     def __init__(self, subparsers: Any) -> None:
         self._subparsers = subparsers
 
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
         kwargs.setdefault("description", STAGES[name].help[0].upper() + STAGES[name].help[1:] + ".")
-        return self._subparsers.add_parser(name, help=STAGES[name].help, **kwargs)
+        parser = self._subparsers.add_parser(name, help=STAGES[name].help, **kwargs)
+        parser.dpr_names, parser.dpr_script = DPR_FLAGS, STAGES[name].dpr_script
+        return parser
 
 
 def build_parser(command: Optional[str] = None, listing: bool = False) -> argparse.ArgumentParser:

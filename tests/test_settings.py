@@ -209,6 +209,63 @@ def test_a_misspelt_command_flag_or_choice_is_named_with_the_closest_one(argv: l
         assert "did you mean" not in error_line(*call(cli.main, nothing_close))
 
 
+TRAIN_BASE = ["train", "--train", "t.json", "--output", "o"]
+SCRIPT_SAYS = ("{flag} is a GC-DPR/DPR flag dpr-gc {command} has no flag for; scripts/{script} takes DPR's whole "
+               "command line")
+
+
+@pytest.mark.parametrize("argv, hint", [
+    ([*TRAIN_BASE, "--model_file", "tiny"], "--model_file is DPR's name: dpr-gc train takes --model"),
+    (["train", "--model_file", "tiny"], "--model_file is DPR's name: dpr-gc train takes --model"),
+    ([*TRAIN_BASE, "--train_files_upsample_rates", "[1]"],
+     "--train_files_upsample_rates is DPR's name: dpr-gc train takes --sampling-rates"),
+    ([*TRAIN_BASE, "--no_cuda"], "--no_cuda is DPR's name: dpr-gc train takes --device cpu"),
+    (["retrieve", "--index", "i", "--qa_file", "q.csv", "--n_docs", "5"],
+     "--qa_file is DPR's name: dpr-gc retrieve takes --queries"),
+    (["retrieve", "--index", "i", "--queries", "q.csv", "--n_docs", "5"],
+     "--n_docs is DPR's name: dpr-gc retrieve takes --top-k"),
+    (["encode", "--model", "m", "--ctx_file", "c.tsv", "--output", "o"],
+     "--ctx_file is DPR's name: dpr-gc encode takes --corpus"),
+    (["mine", "--model_file", "m"], "--model_file is DPR's name: dpr-gc mine takes --model"),
+    *[([*TRAIN_BASE, flag, "1"], SCRIPT_SAYS.format(flag=flag, command="train", script="train_dense_encoder.py"))
+      for flag in ("--log_batch_step", "--eval_per_epoch", "--gradient_accumulation_steps", "--encoder_model_type")],
+    ([*TRAIN_BASE, "--do_lower_case"],
+     SCRIPT_SAYS.format(flag="--do_lower_case", command="train", script="train_dense_encoder.py")),
+    (["retrieve", "--index", "i", "--queries", "q.csv", "--encoded_ctx_file", "e"],
+     SCRIPT_SAYS.format(flag="--encoded_ctx_file", command="retrieve", script="dense_retriever.py")),
+    (["encode", "--model", "m", "--corpus", "c.tsv", "--output", "o", "--pretrained_model_cfg", "bert"],
+     SCRIPT_SAYS.format(flag="--pretrained_model_cfg", command="encode", script="generate_dense_embeddings.py"))])
+def test_a_dpr_flag_name_is_answered_with_the_dpr_gc_flag_or_the_script(argv: list, hint: str) -> None:
+    """GC-DPR/DPR flag names typed into dpr-gc commands got lexical guesses (--model_file: "did you mean
+    --dev_file?", --log_batch_step: "--batch_size?") or nothing: the line names the dpr-gc flag that takes the
+    setting, or, for a GC-DPR setting the command has no flag for, the script that takes DPR's command line."""
+    line = error_line(*call(cli.main, argv))
+    assert f"; {hint}" in line and "did you mean" not in line, line
+
+
+def test_every_dpr_flag_a_script_takes_is_answered_by_its_command() -> None:
+    """Each flag spelt as DPR does (no '-' inside: --model_file, --dropout) that a DPR-compatible script takes
+    beyond its dpr-gc command, typed into that command, is answered with a flag the command has or with the script
+    (the scripts' own renaming tables are the source); the flags dense_retriever.py borrows from dpr-gc index
+    (--factory, --block-size) and dpr-gc-style spellings are left to spelling."""
+    from dpr_gc.base.args import closest
+
+    commands = {"train_dense_encoder train": "train", "generate_dense_embeddings": "encode",
+                "dense_retriever": "retrieve"}
+    index = set(cli.build_parser("index")._subparsers._group_actions[0].choices["index"]._option_string_actions)
+    for name, script in script_parsers():
+        if name not in commands:
+            continue
+        command = cli.build_parser(commands[name])._subparsers._group_actions[0].choices[commands[name]]
+        extra = set(script._option_string_actions) - set(command._option_string_actions) - index - {"-v", "--verbose"}
+        for flag in sorted(flag for flag in extra if "-" not in flag[2:]):
+            hint = command.closest_flag([flag])
+            named = closest(flag, command._option_string_actions)
+            assert hint.startswith(f"; {flag} is ") or named == flag.replace("_", "-"), (name, flag, hint)
+            if " takes --" in hint:
+                assert hint.split(" takes ")[1].split()[0] in command._option_string_actions, (name, hint)
+
+
 def test_an_abbreviated_flag_with_an_underscore_alias_is_that_flag() -> None:
     """``--learning`` matches ``--learning-rate`` and its alias ``--learning_rate``: one flag, once refused as
     "ambiguous option: --learning could match --learning-rate, --learning_rate". Two flags stay ambiguous."""

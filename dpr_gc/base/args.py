@@ -93,6 +93,8 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs["exit_on_error"] = False  # parse_known_args catches the errors, to explain them (see dash_value)
         super().__init__(*args, **kwargs)
+        self.dpr_names: dict[str, str] = {}  # a DPR/GC-DPR flag name -> the flag taking it here (see dpr_hint)
+        self.dpr_script = ""  # the DPR-compatible script taking this command's DPR command lines, if any
 
     def parse_known_args(self, args: Optional[Sequence[str]] = None,
                          namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
@@ -122,9 +124,28 @@ class ArgumentParser(argparse.ArgumentParser):
         return self
 
     def closest_flag(self, words: Sequence[str]) -> str:
-        """``; did you mean --FLAG?`` for the first of ``words`` close to one of this parser's options, else ''."""
-        match = next(filter(None, map(self.closest_option, words)), None)
-        return f"; did you mean {match}?" if match else ""
+        """For the first of ``words`` that is a DPR/GC-DPR flag name (:meth:`dpr_hint`) or close to one of this
+        parser's options: ``; --model_file is DPR's name: ...`` or ``; did you mean --FLAG?``; else ''."""
+        for word in words:
+            match = self.closest_option(word)
+            hint = self.dpr_hint(word) or (f"did you mean {match}?" if match else None)
+            if hint:
+                return f"; {hint}"
+        return ""
+
+    def dpr_hint(self, word: str) -> Optional[str]:
+        """What this command calls the DPR/GC-DPR flag ``word`` (``dpr_names``), or, for one it has no flag for,
+        the script that takes DPR's command lines (``dpr_script``); None for any other word (spelling decides)."""
+        flag = word.split("=", 1)[0]
+        target = self.dpr_names.get(flag)
+        if target is None:
+            return None
+        if target and target.split()[0] in self._option_string_actions:
+            return f"{flag} is DPR's name: {self.prog} takes {target}"
+        if self.dpr_script:
+            return (f"{flag} is a GC-DPR/DPR flag {self.prog} has no flag for; {self.dpr_script} takes DPR's whole "
+                    "command line (docs/dpr.md)")
+        return None
 
     def closest_option(self, word: str) -> Optional[str]:
         """This parser's option closest to ``word`` (a flag, with or without ``=VALUE``), if one is close."""
