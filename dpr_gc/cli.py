@@ -70,16 +70,16 @@ STAGES = {
 
 class _Commands:
     """What a stage's ``add_cli`` registers its parser with: argparse's ``add_parser``, given the command's line from
-    ``STAGES`` as its help (and as its description where the stage gives none), and the DPR flag names it answers
-    (:data:`DPR_FLAGS`, and the stage's script)."""
+    ``STAGES`` as its help (and as its description where the stage gives none), the DPR flag names it answers
+    (:data:`DPR_FLAGS`, and the stage's script), and ``dpr-gc``'s parser, whose options it names where they go."""
 
-    def __init__(self, subparsers: Any) -> None:
-        self._subparsers = subparsers
+    def __init__(self, parser: ArgumentParser, subparsers: Any) -> None:
+        self._parser, self._subparsers = parser, subparsers
 
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
         kwargs.setdefault("description", STAGES[name].help[0].upper() + STAGES[name].help[1:] + ".")
         parser = self._subparsers.add_parser(name, help=STAGES[name].help, **kwargs)
-        parser.dpr_names, parser.dpr_script = DPR_FLAGS, STAGES[name].dpr_script
+        parser.dpr_names, parser.dpr_script, parser.outer = DPR_FLAGS, STAGES[name].dpr_script, self._parser
         return parser
 
 
@@ -91,7 +91,7 @@ def build_parser(command: Optional[str] = None, listing: bool = False) -> argpar
     parser = ArgumentParser(prog="dpr-gc", description="Dense passage retrieval with Gradient Cache.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="debug logging, plus the dependencies' own log lines and progress bars")
-    commands = _Commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    commands = _Commands(parser, parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     for name, stage in STAGES.items():
         if listing:
             commands.add_parser(name)

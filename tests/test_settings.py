@@ -266,6 +266,19 @@ def test_every_dpr_flag_a_script_takes_is_answered_by_its_command() -> None:
                 assert hint.split(" takes ")[1].split()[0] in command._option_string_actions, (name, hint)
 
 
+@pytest.mark.parametrize("argv, flag, command", [
+    (["evaluate", "--results", "r.json", "--verbose"], "--verbose", "evaluate"),
+    (["evaluate", "--results", "r.json", "-v"], "-v", "evaluate"),
+    (["train", "-v"], "-v", "train"),
+    (["train", "--verbose", "--output", "o"], "--verbose", "train")])
+def test_dpr_gcs_own_option_after_the_command_says_where_it_goes(argv: list, flag: str, command: str) -> None:
+    """-v/--verbose after the command was "unrecognized arguments: --verbose" with no hint, or (train -v, required
+    flags missing) left out of the line: it is named, with where it goes."""
+    line = error_line(*call(cli.main, argv))
+    assert (f"unrecognized arguments: {flag}; {flag} is dpr-gc's own option: put it before the command, dpr-gc "
+            f"{flag} {command} ...") in line, line
+
+
 def test_an_abbreviated_flag_with_an_underscore_alias_is_that_flag() -> None:
     """``--learning`` matches ``--learning-rate`` and its alias ``--learning_rate``: one flag, once refused as
     "ambiguous option: --learning could match --learning-rate, --learning_rate". Two flags stay ambiguous."""

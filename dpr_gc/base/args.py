@@ -95,6 +95,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.dpr_names: dict[str, str] = {}  # a DPR/GC-DPR flag name -> the flag taking it here (see dpr_hint)
         self.dpr_script = ""  # the DPR-compatible script taking this command's DPR command lines, if any
+        self.outer: Optional[ArgumentParser] = None  # the parser this one is a sub-command of (see outer_hint)
 
     def parse_known_args(self, args: Optional[Sequence[str]] = None,
                          namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
@@ -124,14 +125,24 @@ class ArgumentParser(argparse.ArgumentParser):
         return self
 
     def closest_flag(self, words: Sequence[str]) -> str:
-        """For the first of ``words`` that is a DPR/GC-DPR flag name (:meth:`dpr_hint`) or close to one of this
-        parser's options: ``; --model_file is DPR's name: ...`` or ``; did you mean --FLAG?``; else ''."""
+        """For the first of ``words`` that is a DPR/GC-DPR flag name (:meth:`dpr_hint`), an option of the command
+        line before the sub-command (:meth:`outer_hint`) or close to one of this parser's options: ``; --model_file
+        is DPR's name: ...``, ``; --verbose is dpr-gc's own option: ...`` or ``; did you mean --FLAG?``; else ''."""
         for word in words:
             match = self.closest_option(word)
-            hint = self.dpr_hint(word) or (f"did you mean {match}?" if match else None)
+            hint = self.dpr_hint(word) or self.outer_hint(word) or (f"did you mean {match}?" if match else None)
             if hint:
                 return f"; {hint}"
         return ""
+
+    def outer_hint(self, word: str) -> Optional[str]:
+        """Where ``word`` goes when it is an option of the parser this one is a sub-command of (``dpr-gc -v train``,
+        not ``dpr-gc train -v``); None otherwise."""
+        flag, outer = word.split("=", 1)[0], self.outer
+        if outer is None or flag in ("-h", "--help") or flag not in outer._option_string_actions:
+            return None
+        command = self.prog.removeprefix(outer.prog).strip()
+        return f"{flag} is {outer.prog}'s own option: put it before the command, {outer.prog} {flag} {command} ..."
 
     def dpr_hint(self, word: str) -> Optional[str]:
         """What this command calls the DPR/GC-DPR flag ``word`` (``dpr_names``), or, for one it has no flag for,
@@ -216,7 +227,7 @@ class ArgumentParser(argparse.ArgumentParser):
             if word == "--":
                 break
             if word[:1] in self.prefix_chars and not self._negative_number_matcher.match(word):
-                unknown = word[:2] == "--" and self.unknown_option(word)
+                unknown = self.unknown_option(word)
                 words += [word] if unknown else []
                 taking = unknown and "=" not in word
             elif taking:
@@ -224,8 +235,11 @@ class ArgumentParser(argparse.ArgumentParser):
         return words
 
     def unknown_option(self, word: str) -> bool:
-        """Whether ``word`` (``--flag`` or ``--flag=VALUE``) is none of this parser's options, nor a prefix of one."""
+        """Whether ``word`` (``--flag`` or ``--flag=VALUE``) is none of this parser's options, nor a prefix of one;
+        a single-dash word (``-v``, ``-n5``), whether its first letter is none of this parser's short options."""
         flag = word.split("=", 1)[0]
+        if flag[:2] != "--":
+            return flag != "-" and flag[:2] not in self._option_string_actions
         return flag != "--" and not any(option.startswith(flag) for option in self._option_string_actions)
 
 
