@@ -321,7 +321,7 @@ def test_issue_flag_cases(world: dict, tmp_path: Path) -> None:
             "--batch-size: '0' is not a positive integer")
     train = ["train", "--train", world["train"], "--output", tmp_path / "t", *common]
     refused([*train, "--learning-rate", "-1"], "--learning-rate/--learning_rate: '-1' is not a positive number")
-    refused([*train, "--num-workers", "-1"], "--num-workers: '-1' is not an integer >= 0")
+    refused([*train, "--num-workers", "-1"], "--num-workers: '-1' is neither auto nor an integer >= 0")
     refused([*train, "--max-steps", "-1"], "--max-steps: '-1' is not a positive integer")
     refused([*train, "--projection-dim", "0"], "--projection-dim: '0' is not an integer from 1 to 65536")
     refused([*train, "--query-chunk-size", "0"], "--query-chunk-size")
@@ -501,10 +501,10 @@ def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str
             bad = "curve.txt"
         elif action.type in (flag_types.output_dir, flag_types.input_dir):
             bad = str(ROOT / "README.md")
-        elif getattr(action.type, "__name__", "") == "chunk_arg":
-            bad = "0"
-        elif getattr(action.type, "__name__", "") == "workers_arg":
+        elif getattr(action.type, "__name__", "").startswith("auto or "):  # auto or a number
             bad = "-1"
+        elif getattr(action.type, "__name__", "") == "index_kind":
+            bad = "no-such-kind"
         elif action.choices and not isinstance(action, argparse._SubParsersAction):
             bad = "no-such-choice"
         if bad is not None:

@@ -481,9 +481,9 @@ def test_index_cli(tmp_path, data, capsys):
     out = capsys.readouterr().out
     assert "| ntotal | 800 |" in out and "IVF8,Flat" in out
     assert DenseIndex.read(tmp_path / "idx").meta["params"]["nprobe"] == 2
-    bad = parser.parse_args(["index", "--embeddings", str(emb_dir), "--output", str(tmp_path / "x"), "--kind", "lsh"])
-    with pytest.raises(DprGcError, match="unknown index kind 'lsh'"):
-        bad.func(bad)
+    with pytest.raises(SystemExit):  # refused as the command line is read (test_a_misspelt_index_kind_...)
+        parser.parse_args(["index", "--embeddings", str(emb_dir), "--output", str(tmp_path / "x"), "--kind", "lsh"])
+    assert "argument --kind: invalid choice: 'lsh'" in capsys.readouterr().err
 
 
 def test_hnsw_beam_narrower_than_k_still_returns_k_hits(data):
@@ -717,3 +717,21 @@ def test_pair_scores_are_the_scores_a_search_gives(factory):
     for i in range(len(q)):
         pairs = dense.pair_scores(np.repeat(q[i:i + 1], 10, axis=0), x[rows[i]])
         np.testing.assert_allclose(pairs, scores[i], rtol=1e-4, atol=1e-4)
+
+
+def test_a_misspelt_index_kind_is_named_with_the_closest_kind(tmp_path, data, capsys):
+    """docs/stages.md: a misspelt choice names the closest one. --kind hsnw was refused after parsing as "unknown
+    index kind 'hsnw'; use one of ...", naming neither the flag nor hnsw: refused as the command line is read, and
+    IndexParams in code names --kind and the closest kind too."""
+    from dpr_gc.cli import main
+
+    emb_dir = write_shards(tmp_path / "emb", data)
+    assert main(["index", "--embeddings", str(emb_dir), "--output", str(tmp_path / "idx"), "--kind", "hsnw"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: dpr-gc index: argument --kind: invalid choice: 'hsnw' (choose from 'flat', 'hnsw', "
+                   "'ivf-flat', 'ivf-pq', or --factory STRING); did you mean 'hnsw'? (see dpr-gc index --help)"], err
+    assert not (tmp_path / "idx").exists()
+    with pytest.raises(DprGcError, match=r"^--kind: unknown index kind 'ivfpq'; use one of .*; did you mean 'ivf-pq'"):
+        IndexParams(kind="ivfpq")
+    with pytest.raises(DprGcError, match=r"^--kind: unknown index kind 'zzz'; use one of [^?]*$"):
+        IndexParams(kind="zzz")

@@ -279,6 +279,36 @@ def test_dpr_gcs_own_option_after_the_command_says_where_it_goes(argv: list, fla
             f"{flag} {command} ...") in line, line
 
 
+@pytest.mark.parametrize("flag, need", [("--query-chunk-size", "a positive integer"),
+                                        ("--passage-chunk-size", "a positive integer"),
+                                        ("--num-workers", "an integer >= 0")])
+def test_a_misspelt_auto_is_named_with_auto(flag: str, need: str) -> None:
+    """stages.md: a misspelt choice names the closest one. --query-chunk-size atuo said "'atuo' is not a positive
+    integer", though auto is valid (the default): the line says neither and names auto when the word is close."""
+    line = error_line(*call(cli.main, [*TRAIN_BASE, flag, "atuo"]))
+    said = f": 'atuo' is neither auto nor {need}; did you mean auto? (see dpr-gc train --help)"
+    assert f"argument {flag}" in line and said in line, line
+    line = error_line(*call(cli.main, [*TRAIN_BASE, flag, "lots"]))
+    assert "is neither auto nor" in line and "did you mean" not in line, line
+    line = error_line(*call(cli.main, [*TRAIN_BASE, "--memory-budget", "atuo"]))
+    assert line.endswith("or 'auto'; did you mean auto? (see dpr-gc train --help)"), line
+
+
+def test_a_misspelt_resume_latest_is_named_with_latest(tmp_path, monkeypatch) -> None:
+    """--resume lastest said "not a checkpoint folder (expected lastest/train_state.json)": where no such folder
+    exists and the word is close to latest, the line names latest; a folder of that name keeps the first line."""
+    monkeypatch.chdir(tmp_path)
+    write_dpr(tmp_path / "t.json", make_records(8, 1))
+    line = error_line(*call(cli.main, [*TRAIN_BASE, "--resume", "lastest"]))
+    assert line == ("error: --resume lastest: no such checkpoint folder; did you mean latest (the last checkpoint "
+                    "in --output)?"), line
+    (tmp_path / "lastest").mkdir()
+    line = error_line(*call(cli.main, [*TRAIN_BASE, "--resume", "lastest"]))
+    assert "not a checkpoint folder (expected lastest/train_state.json)" in line and "latest (" not in line, line
+    line = error_line(*call(cli.main, [*TRAIN_BASE, "--resume", "runs/x"]))
+    assert "did you mean" not in line, line
+
+
 def test_an_abbreviated_flag_with_an_underscore_alias_is_that_flag() -> None:
     """``--learning`` matches ``--learning-rate`` and its alias ``--learning_rate``: one flag, once refused as
     "ambiguous option: --learning could match --learning-rate, --learning_rate". Two flags stay ambiguous."""

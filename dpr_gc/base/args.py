@@ -278,6 +278,22 @@ SIZE_MAX = 65_536  # a layer width (--projection-dim, --lora-r): wider than any 
 layer_size = _number(int, lambda v: 1 <= v <= SIZE_MAX, f"an integer from 1 to {SIZE_MAX}")
 
 
+def auto_or(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A flag type taking ``auto`` or a value of the flag type ``kind`` (a :func:`_number` one); a word that is
+    neither is refused naming both, and auto where the word is close to it (``atuo``)."""
+    def parse(text: str) -> Any:
+        if text == "auto":
+            return text
+        try:
+            return kind(text)
+        except argparse.ArgumentTypeError:
+            hint = "; did you mean auto?" if closest(text.lower(), ["auto"]) else ""
+            raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor {kind.__name__}{hint}") from None
+
+    parse.__name__ = f"auto or {kind.__name__}"
+    return parse
+
+
 def int_between(low: int, high: int) -> Callable[[str], int]:
     """A flag type for an integer in ``[low, high]``: the range a library (FAISS) can take without crashing."""
     return _number(int, lambda v: low <= v <= high, f"an integer from {low} to {high}")

@@ -3,12 +3,13 @@ parameters, with defaults picked from the data size."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import re
 from typing import Any, Mapping, Optional
 
-from ..base.args import int_between, positive_int, seed_int
+from ..base.args import closest, int_between, positive_int, seed_int
 from ..base.errors import DprGcError
 from ..base.settings import check, setting
 
@@ -30,6 +31,21 @@ PQ_NBITS = 8  # bits per product-quantizer code where --pq-nbits is not given: o
 # Flag types of the parameters above, shared with retrieve's search-time overrides so both take the same range.
 hnsw_ef = int_between(1, HNSW_EF_MAX)
 ivf_nprobe = int_between(1, FAISS_INT_MAX)
+
+
+def closest_kind(kind: str) -> str:
+    """``; did you mean 'KIND'?`` for the index kind closest to a misspelt ``kind``, else ''."""
+    near = closest(str(kind), KINDS)
+    return f"; did you mean {near!r}?" if near else ""
+
+
+def index_kind(text: str) -> str:
+    """``--kind``'s flag type: one of :data:`KINDS`, a misspelt one refused with the closest, as a choice is (the
+    declaration has no choices: ``factory``, which ``--factory`` sets, is a kind in code)."""
+    if text not in KINDS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, KINDS))}, or "
+                                         f"--factory STRING){closest_kind(text)}")
+    return text
 
 
 def check_factory(factory: str) -> None:
@@ -57,7 +73,8 @@ class IndexParams:
     hnsw, ``--pq-nbits`` with ivf-flat, say), rather than ignored.
     """
 
-    kind: str = setting("flat", "--kind", help=f"index kind: {', '.join(KINDS)} (flat = exact search)")
+    kind: str = setting("flat", "--kind", type=index_kind,
+                        help=f"index kind: {', '.join(KINDS)} (flat = exact search)")
     factory: Optional[str] = setting(None, "--factory", help="any faiss.index_factory string, e.g. "
                                                              "'OPQ64,IVF4096,PQ64' (overrides --kind)")
     hnsw_m: int = setting(32, "--hnsw-m", type=int_between(*HNSW_M_RANGE),
@@ -80,8 +97,8 @@ class IndexParams:
             check_factory(self.factory)
             self.kind = "factory"
         elif self.kind not in KINDS:
-            raise DprGcError(f"unknown index kind {self.kind!r}; use one of {', '.join(KINDS)} "
-                             "or --factory STRING (any faiss.index_factory string)")
+            raise DprGcError(f"--kind: unknown index kind {self.kind!r}; use one of {', '.join(KINDS)} or --factory "
+                             f"STRING (any faiss.index_factory string){closest_kind(self.kind)}")
         for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe"):
             if getattr(self, name) < 1:
                 raise DprGcError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")

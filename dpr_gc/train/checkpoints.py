@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..base.args import closest
 from ..base.errors import DiskFullError, DprGcError, is_disk_full
 from ..base.guard import check_outputs, lies_within, remove_stale_folders
 from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors, remove_stale_temporaries
@@ -132,13 +133,17 @@ def finished_checkpoints(out: Path) -> list[Path]:
 
 
 def resolve_checkpoint(out: Path, resume: str) -> Path:
-    """The checkpoint folder ``--resume`` names: ``latest`` in ``out``, or a folder holding a training state."""
+    """The checkpoint folder ``--resume`` names: ``latest`` in ``out``, or a folder holding a training state (a
+    missing one spelt close to latest, ``lastest``, is named with latest)."""
     if resume == "latest":
         found = finished_checkpoints(out)
         if not found:
             raise DprGcError(f"--resume latest: no finished checkpoint in {out}")
         return found[-1]
     path = Path(resume)
+    if not os.path.lexists(path) and closest(resume.lower(), ["latest"]):
+        raise DprGcError(f"--resume {resume}: no such checkpoint folder; did you mean latest (the last checkpoint in "
+                         "--output)?")
     if not (path / STATE_JSON).is_file() and not (path / LEGACY_STATE).is_file():
         raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/{STATE_JSON})")
     return path

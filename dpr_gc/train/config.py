@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from ..base.args import (device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float, positive_int,
-                         proper_fraction, seed_int)
+from ..base.args import (auto_or, closest, device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float,
+                         positive_int, proper_fraction, seed_int)
 from ..base.errors import DprGcError
 from ..base.files import read_json_object, write_json
 from ..base.settings import FIXED, FREE, AppliesWhen, Change, add_arguments, changed_settings, check, from_args, group
@@ -35,22 +35,17 @@ BEST_METRICS = ("avg_rank", "loss", "accuracy")
 HIGHER_IS_BETTER = ("accuracy",)  # of BEST_METRICS; the others are better lower
 
 
-def chunk_arg(value: str) -> Union[int, str]:
-    """A chunk size flag: a positive integer or ``auto``."""
-    return value if value == "auto" else positive_int(value)
-
-
-def workers_arg(value: str) -> Union[int, str]:
-    """A --num-workers flag: an integer >= 0 or ``auto``."""
-    return value if value == "auto" else nonnegative_int(value)
+chunk_arg = auto_or(positive_int)  # a chunk size flag: a positive integer or auto
+workers_arg = auto_or(nonnegative_int)  # a --num-workers flag: an integer >= 0 or auto
 
 
 def memory_arg(value: str) -> Union[int, str]:
-    """A memory size flag: bytes with a unit (``12GB``, ``512MiB``) or ``auto``."""
+    """A memory size flag: bytes with a unit (``12GB``, ``512MiB``) or ``auto`` (named where the word is close)."""
     try:
         return parse_memory(value)
     except DprGcError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        hint = "; did you mean auto?" if closest(value.lower(), ["auto"]) else ""
+        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
 
 
 @dataclasses.dataclass
