@@ -27,7 +27,8 @@ from ..base.devices import (PRECISIONS, autocast_dtype, cpu_has_native_bf16, cpu
                             pick_precision, warn_if_emulated)
 from ..base.errors import DprGcError, Interrupted
 from ..base.guard import guarded
-from ..base.files import PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, write_json
+from ..base.files import (PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, require_file,
+                          write_json)
 from ..base.locks import locked_folder
 from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_setting, check, device_setting,
                              from_args, group, passage_prefix_setting, query_prefix_setting, setting, to_record)
@@ -406,10 +407,13 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
 @guarded(inputs=("model", "corpus"), outputs={"output": "self"})
 def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
     """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
-    the flags'): flags to :func:`encode_with_model`, then a summary table."""
+    the flags'): flags to :func:`encode_with_model`, then a summary table. The output folder, the shard pair and
+    the corpus path are checked before the model loads (which takes seconds to minutes)."""
     job = from_args(EncodeJob, args)
     job = dataclasses.replace(job, output=output or job.output, device=device or job.device)
-    refuse_foreign_folder(job.output)  # before the model loads
+    refuse_foreign_folder(job.output)
+    resolve_shard(job.settings.shard_id, job.settings.num_shards)
+    require_file(job.corpus, "--corpus")
     manifest, seconds = encode_with_model(job)
     encoded = manifest["encoded"]  # a resumed or finished shard encoded fewer than its passages in this run
     rate = f"{encoded / seconds:.1f}" if encoded and seconds > 0 else "-"
