@@ -154,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out_file", type=output_file, dest="output", help="DPR retriever JSON output")
     p.add_argument("--compact", action="store_true", help="results without passage text (ids, scores, has_answer)")
     p.add_argument("--workers", type=nonnegative_int, default=0,
-                   help="answer-matching processes (default 0: all cores)")
+                   help="answer-matching processes (0: all cores)")
     p.add_argument("--n-docs", "--n_docs", dest="top_k", type=positive_int, default=100,
-                   help="passages per question (default 100)")
+                   help="passages per question")
     p.add_argument("--batch_size", dest="batch_size", type=positive_int, default=64, help="questions per encoder batch")
     p.add_argument("--match", choices=MATCH_CHOICES, default="string", help="answer matching for has_answer")
     p.add_argument("--trec_run", "--trec-run", type=output_file, dest="trec_run", help="also write a TREC run file")

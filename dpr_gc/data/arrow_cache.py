@@ -181,8 +181,10 @@ def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "cache",
         description="Corpora and training sets are parsed once into memory-mapped Arrow files under $DPR_GC_CACHE "
-                    "(default ~/.cache/dpr_gc): corpora/ and train/, each file named by its source and a hash of "
-                    "its content. They are safe to delete at any time: the next run parses its source again.")
+                    "(default: ~/.cache/dpr_gc): corpora/ and train/, each file named by its source and a hash of "
+                    "what was read (path, size, modification time, a fingerprint of the content), so a changed "
+                    "source, or a copy elsewhere, gets a file of its own. They are safe to delete at any time: the "
+                    "next run parses its source again.")
     p.add_argument("--clear", action="store_true", help="delete the cached files (a cache being built now is kept)")
     p.set_defaults(func=_cli_cache)
 

@@ -61,7 +61,7 @@ class LoraSettings:
                      help="LoRA rank, at most 65536: train low-rank adapters only (default: not set, full "
                           "fine-tuning)")
     alpha: Optional[float] = setting(None, "--lora-alpha", type=positive_float,
-                                     help="LoRA scaling numerator (default 2 * rank)")
+                                     help="LoRA scaling numerator (default: 2 * rank)")
     dropout: float = setting(0.0, "--lora-dropout", type=dropout_rate, help="dropout on the LoRA input, in [0, 1)")
     target_modules: Optional[Sequence[str]] = setting(
         None, "--lora-target-modules", type=module_names,

@@ -84,11 +84,11 @@ class IndexParams:
     ef_search: int = setting(128, "--ef-search", type=hnsw_ef,
                              help=f"HNSW search beam, keep >= top-k (1 to {HNSW_EF_MAX})")
     nlist: Optional[int] = setting(None, "--nlist", type=int_between(1, NLIST_MAX),
-                                   help=f"IVF inverted lists, 1 to {NLIST_MAX} (default about 4*sqrt(N))")
+                                   help=f"IVF inverted lists, 1 to {NLIST_MAX} (default: about 4*sqrt(N))")
     pq_m: Optional[int] = setting(None, "--pq-m", type=int_between(1, FAISS_INT_MAX),
-                                  help="PQ sub-quantizers, must divide the dimension (default about dim/4)")
+                                  help="PQ sub-quantizers, must divide the dimension (default: about dim/4)")
     pq_nbits: Optional[int] = setting(None, "--pq-nbits", type=int_between(1, PQ_NBITS_MAX),
-                                      help=f"bits per PQ code, 1 to {PQ_NBITS_MAX} (default {PQ_NBITS})")
+                                      help=f"bits per PQ code, 1 to {PQ_NBITS_MAX} (default: {PQ_NBITS})")
     nprobe: int = setting(32, "--nprobe", type=ivf_nprobe, help="IVF lists visited per query")
 
     def __post_init__(self) -> None:

@@ -326,10 +326,11 @@ APPLIES = {**{dest: PLAIN for dest in ("query_chunk_size", "passage_chunk_size",
            "beir_positives": BEIR_TRAIN, "dev_beir_split": BEIR_DEV}
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
+def add_train_arguments(p: argparse.ArgumentParser, resume_kinds: bool = True) -> None:
     """The ``dpr-gc train`` flags, generated from :class:`TrainConfig` (GC-DPR's flag names are accepted as
-    aliases, see scripts/train_dense_encoder.py); each help says whether ``--resume`` may change the setting."""
-    add_arguments(p, TrainConfig, resume_kinds=True)
+    aliases, see scripts/train_dense_encoder.py); with ``resume_kinds`` each help says whether ``--resume`` may
+    change the setting."""
+    add_arguments(p, TrainConfig, resume_kinds=resume_kinds)
 
 
 def config_from_args(args: Any) -> TrainConfig:

@@ -515,11 +515,11 @@ def drawn_batches(trainer: Any) -> Iterator[dict]:
 def add_cli(subparsers: Any) -> None:
     """Register ``verify``: ``dpr-gc train``'s flags plus ``--batches``."""
     p = subparsers.add_parser("verify")
-    add_train_arguments(p)
+    add_train_arguments(p, resume_kinds=False)  # verify refuses --resume: no flag is tagged with what it keeps
     output = p._option_string_actions["--output"]  # argparse keeps no public handle on an added flag
     output.required, output.default = False, None
     output.help = "accepted and ignored: verify writes nothing, so a dpr-gc train command line runs as it is"
-    p.add_argument("--batches", type=positive_int, default=1, help="batches to check (default 1)")
+    p.add_argument("--batches", type=positive_int, default=1, help="batches to check")
     p.set_defaults(func=_cli_verify)
 
 
