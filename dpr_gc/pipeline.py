@@ -26,7 +26,7 @@ from .base.guard import guarded
 from .base.files import atomic_path, atomic_paths, dump_json, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
 from .base.settings import add_arguments, flat_record, from_args, setting
-from .base.tables import markdown_table
+from .base.tables import format_summary, markdown_table
 from .train.config import CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -535,6 +535,6 @@ def _cli_demo(args: Any) -> None:
         raise Interrupted(kept) from None
     print(f"\n{format_report(report)}")  # a table of its own: training's summary table may end just above
     outputs = report["outputs"]
-    print(f"\nfinished in {report['seconds']:.0f} s; trained retriever: {outputs['model']}\n"
-          f"index: {outputs['index']}\nrun file: {outputs['run']}\nmetrics: {outputs['metrics']}\n"
-          f"plot: {outputs['plot']}")
+    print("\n" + format_summary({"output": config.output_dir, "trained retriever": outputs["model"],
+                                 "index": outputs["index"], "run file": outputs["run"], "metrics": outputs["metrics"],
+                                 "plot": outputs["plot"]}, report["seconds"]))

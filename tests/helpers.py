@@ -303,3 +303,20 @@ def foreign_lines(stderr: str) -> list[str]:
             if rest.strip(" ") and not LOG_LINE.match(rest):
                 bad.append(piece)
     return bad
+
+
+def summary_rows(printed: str) -> dict[str, str]:
+    """The rows of the last closing summary (``| item | value |``) in a command's output, checked against the
+    convention every command follows: that header, keys in words (no snake_case), and a ``time`` row in seconds."""
+    lines = printed.splitlines()
+    starts = [i for i, line in enumerate(lines) if line == "| item | value |"]
+    assert starts, f"no '| item | value |' closing summary in:\n{printed}"
+    rows: dict[str, str] = {}
+    for line in lines[starts[-1] + 2:]:
+        if not line.startswith("| "):
+            break
+        key, value = (cell.strip() for cell in line.strip().strip("|").split("|", 1))
+        rows[key] = value
+    assert not [k for k in rows if re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)+", k)], f"a snake_case key in {rows}"
+    assert re.fullmatch(r"\d+\.\d+ s", rows.get("time", "")), f"no 'time' row of seconds in {rows}"
+    return rows

@@ -52,8 +52,9 @@ def test_reports_of_the_toolkit_are_read_back(tmp_path):
                        "recall@100": round(2 / 3, 4)}
     with pytest.raises(DprGcError, match="nDCG@10"):
         loop.qrels_metrics({"k": [10]})
-    printed = format_summary({"source": "dense", "dropped by max negative ratio": 9, "mean score": 0.5526})
-    assert loop.table_rows(printed) == {"source": "dense", "dropped by max negative ratio": 9, "mean score": 0.5526}
+    printed = format_summary({"source": "dense", "dropped by max negative ratio": 9, "mean score": 0.5526}, 1.0)
+    assert loop.table_rows(printed) == {"source": "dense", "dropped by max negative ratio": 9, "mean score": 0.5526,
+                                        "time": "1.00 s"}
 
 
 @pytest.mark.slow  # two toolkit subprocesses: ~40 s on the loaded 2-core machine
@@ -324,7 +325,7 @@ class StandInToolkit:
             r["hard_negative_ctxs"] += [{"passage_id": f"n{len(r['hard_negative_ctxs']) + k}"} for k in range(3)]
         Path(value["--output"]).parent.mkdir(parents=True, exist_ok=True)
         Path(value["--output"]).write_text("".join(json.dumps(r) + "\n" for r in records))
-        return format_summary({"source": "dense", "dropped by max negative ratio": 1})
+        return format_summary({"source": "dense", "dropped by max negative ratio": 1}, 1.0)
 
     @staticmethod
     def train(value: dict, args: list) -> str:

@@ -17,7 +17,7 @@ from dpr_gc.retrieval.encode import encode_corpus
 from dpr_gc.retrieval.shards import read_manifests, resolve_shard, shard_range
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.retrieval.fingerprint import LEGACY_KEY, is_legacy, legacy_weights_fingerprint
-from tests.helpers import edit_off_the_sample, gather, passages, write_corpus
+from tests.helpers import edit_off_the_sample, gather, passages, summary_rows, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_ENCODE_BLOCK = encode.encode_block
@@ -183,9 +183,7 @@ def test_summary_counts_the_passages_encoded_in_this_run(tmp_path: Path, make_re
                               "--batch-size", "2", "--block-size", "3", "--cache-dir", str(tmp_path / "c")])
 
     def table_row() -> dict[str, str]:
-        lines = capsys.readouterr().out.splitlines()
-        header = [c.strip() for c in lines[0].strip("|").split("|")]
-        return dict(zip(header, (c.strip() for c in lines[2].strip("|").split("|"))))
+        return summary_rows(capsys.readouterr().out)
 
     counting_encoder(monkeypatch, fail_on_call=3)
     with pytest.raises(Interrupted):
@@ -194,11 +192,11 @@ def test_summary_counts_the_passages_encoded_in_this_run(tmp_path: Path, make_re
     monkeypatch.undo()
     args.func(args)
     row = table_row()
-    assert (row["passages"], row["encoded now"]) == ("10", "4")  # blocks 0 and 1 (rows 0-5) were kept
+    assert (row["passages"], row["encoded this run"]) == ("10", "4")  # blocks 0 and 1 (rows 0-5) were kept
     assert float(row["passages/s"]) > 0
     args.func(args)
     row = table_row()
-    assert (row["passages"], row["encoded now"], row["passages/s"]) == ("10", "0", "-")
+    assert (row["passages"], row["encoded this run"], row["passages/s"]) == ("10", "0", "-")
 
 
 def test_crash_before_manifest_is_unfinished_and_cheap_to_redo(tmp_path: Path, make_retriever, monkeypatch) -> None:
@@ -354,7 +352,8 @@ def test_cli_and_dpr_script(tmp_path: Path, make_retriever, capsys: pytest.Captu
                               "--dtype", "float32", "--cache-dir", str(tmp_path / "c")])
     m = args.func(args)
     assert m["count"] == 4 and m["model"] == str(model) and m["max_length"] == 16
-    assert "| passages | encoded now | seconds | passages/s | shard file |" in capsys.readouterr().out
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["passages"] == "4" and rows["output"] == str(tmp_path / "cli" / m["embeddings"]), rows
     spec = importlib.util.spec_from_file_location("gde", ROOT / "scripts" / "generate_dense_embeddings.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

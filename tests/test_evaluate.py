@@ -13,7 +13,7 @@ import pytest
 from dpr_gc.data.answer_text import nfd, simple_tokens
 from dpr_gc.evaluation import evaluate as ev
 from dpr_gc.base.errors import DprGcError
-from tests.helpers import SHARED_DATA
+from tests.helpers import SHARED_DATA, summary_rows
 
 SCIFACT = SHARED_DATA / "scifact"
 
@@ -504,6 +504,7 @@ def test_compact_results_without_answers_are_scored_on_qrels_alone(tmp_path, cap
     assert report["qrels"]["metrics"]["Recall@2"] == 1.0
     printed = capsys.readouterr().out
     assert "qrels metrics (2 judged queries)" in printed and "answer accuracy" not in printed
+    assert summary_rows(printed)["output"] == str(out)
     with pytest.raises(DprGcError, match=r"c\.json: question 0, ctx 0: neither passage text nor has_answer"):
         _cli(["evaluate", "--results", str(path)])  # without --qrels nothing can be scored
 

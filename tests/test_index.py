@@ -16,6 +16,7 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.retrieval.fingerprint import LEGACY_KEY
 from dpr_gc.retrieval.index import (IDS_FILE, INDEX_FILE, META_FILE, DenseIndex, IndexParams, add_shards, build_index,
                           check_built_from, read_ids, sample_embeddings)
+from tests.helpers import summary_rows
 
 DIM = 16
 KIND_PARAMS = {
@@ -479,7 +480,8 @@ def test_index_cli(tmp_path, data, capsys):
     finally:
         faiss.omp_set_num_threads(threads)
     out = capsys.readouterr().out
-    assert "| ntotal | 800 |" in out and "IVF8,Flat" in out
+    rows = summary_rows(out)
+    assert (rows["vectors"], rows["factory"], rows["FAISS threads"]) == ("800", "IVF8,Flat", "1"), rows
     assert DenseIndex.read(tmp_path / "idx").meta["params"]["nprobe"] == 2
     with pytest.raises(SystemExit):  # refused as the command line is read (test_a_misspelt_index_kind_...)
         parser.parse_args(["index", "--embeddings", str(emb_dir), "--output", str(tmp_path / "x"), "--kind", "lsh"])

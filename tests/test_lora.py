@@ -99,7 +99,9 @@ def test_saved_adapter_loads_and_encodes_like_the_in_memory_model(tmp_path, caps
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
     merged = Retriever.load(tmp_path / "merged")
     size = f"{sum(p.numel() for p in merged.parameters()):,}"  # the closing table: towers, parameters, folder
-    assert f"| {1 if merged.config.shared_encoder else 2} | {size} | {tmp_path / 'merged'} |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert f"| towers merged | {1 if merged.config.shared_encoder else 2} |" in table, table
+    assert f"| parameters | {size} |" in table and f"| output | {tmp_path / 'merged'} |" in table, table
     assert not is_adapted(merged.query_encoder.transformer)
     np.testing.assert_allclose(merged.embed("passage", texts, titles), expected, rtol=0, atol=1e-5)
     assert main(["merge-lora", "--model", str(tmp_path / "merged"), "--output", str(tmp_path / "again")]) == 2

@@ -24,7 +24,7 @@ from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.retrieval.mine import (BM25Source, DenseSource, add_cli, iter_training_file, mine_hard_negatives, mine_to_file,
                          open_source)
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from tests.helpers import build_passages, N_EXTRA, questions, tiny_bert, TOPICS
+from tests.helpers import build_passages, N_EXTRA, questions, summary_rows, tiny_bert, TOPICS
 
 CONFIG = dict(pooling="mean", normalize=True, passage_format="concat", query_max_length=32, passage_max_length=48)
 QRELS = {f"q{i}": {f"r{i}": 1, f"d{i}_0": 0} for i in range(len(TOPICS))}
@@ -182,6 +182,7 @@ def test_append_counts_the_negatives_it_added_not_those_already_in_the_record(wo
     assert f"| min score | {round(min(scores), 4)} |" in printed
     assert f"| max score | {round(max(scores), 4)} |" in printed
     assert f"| questions short of N | {sum(len(negs) < 5 for negs in added)} |" in printed
+    assert summary_rows(printed)["output"] == str(tmp_path / "second.json")
     assert f"{n_added} negatives written ({already} already in the record, not added)" in caplog.text
     capsys.readouterr()
     cli(*base, "--train-file", root / "train.json", "--n-negatives", 3, "--output", tmp_path / "third.json")

@@ -11,7 +11,7 @@ from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.evaluation.evaluate import evaluate_answers, qrels_metrics, read_qrels, read_results, read_run
 from dpr_gc.pipeline import DemoConfig, demo_training
-from tests.helpers import tiny_bert, write_vocab
+from tests.helpers import summary_rows, tiny_bert, write_vocab
 
 import pytest
 
@@ -315,14 +315,15 @@ def test_the_demo_table_is_a_markdown_table_of_its_own_after_trainings(tmp_path,
     outputs = {name: str(tmp_path / name) for name in ("model", "index", "run", "results", "metrics", "plot")}
 
     def trained_and_measured(config):
-        print(format_summary({"steps": 5}))  # as train ends, inside the demo
+        print(format_summary({"steps": 5}, 1.0))  # as train ends, inside the demo
         return {"before": measured, "after": measured, "seconds": 1.0, "outputs": outputs}
 
     monkeypatch.setattr(pipeline, "run_demo", trained_and_measured)
     assert main(["demo", "--output", str(tmp_path / "demo")]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = lines.index("| metric (held-out test) | before training | after training |")
-    assert lines[header - 1] == "" and lines[header - 2] == "| steps | 5 |", lines
+    assert lines[header - 1] == "" and lines[header - 2] == "| time | 1.00 s |", lines
+    assert summary_rows("\n".join(lines[header:]))["trained retriever"] == outputs["model"]
 
 
 @pytest.mark.parametrize("model, why", [("absolute", "no such folder"), ("./missing", "no such folder"),

@@ -19,7 +19,8 @@ from tests.helpers import foreign_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "data" / "examples"
-TABLE_LINE = re.compile(r"^(\|.*\||(answers|qrels) metrics \(\d+ quer(y|ies)\))?$")
+TABLE_LINE = re.compile(r"^(\|.*\||answer accuracy \(\d+ questions?, match=\w+\)"
+                        r"|qrels metrics \(\d+ judged quer(y|ies)\))?$")
 
 
 def run(args: list[str], env: dict) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.retrieval.retrieve import (add_cli, check_compatible, check_corpus, retrieve, retrieve_file,
                                        retrieve_to_files, write_results_json, write_trec_run)
-from tests.helpers import edit_off_the_sample, tiny_bert, WORDS
+from tests.helpers import edit_off_the_sample, summary_rows, tiny_bert, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 N_PASSAGES = 48
@@ -268,6 +268,7 @@ def test_answers_are_matched_once_and_evaluate_reuses_the_flags(world, tmp_path,
     first = [next((i for i, c in enumerate(r["ctxs"]) if c["has_answer"]), None) for r in records]
     printed = capsys.readouterr().out
     assert f"| Accuracy | {sum(f == 0 for f in first) / 4:.4f} | 0.7500 |" in printed
+    assert "\nanswer accuracy (4 questions, match=string)\n" in printed, printed  # evaluate's heading
     calls.clear()
     report = evaluate([1, N_PASSAGES], out)
     assert not calls and report["answers"]["match"] == "stored"
@@ -419,9 +420,9 @@ def test_kept_records_of_an_interrupted_run_are_named_and_reported_by_later_runs
     assert call(main, argv(tmp_path / "o.json"))[0] == 0
     assert "resuming an interrupted run: 4 questions already retrieved" in caplog.text
     summary = capsys.readouterr().out  # the rate is over the 6 questions retrieved now, not all 10
-    seconds = float(re.search(r"^\| seconds \| ([\d.]+) \|$", summary, re.M).group(1))
-    rate = float(re.search(r"^\| queries/s \| ([\d.]+) \|$", summary, re.M).group(1))
-    assert "| queries | 10 |" in summary and "| resumed (retrieved before) | 4 |" in summary, summary
+    rows = summary_rows(summary)
+    seconds, rate = float(rows["time"].removesuffix(" s")), float(rows["queries/s"])
+    assert (rows["queries"], rows["resumed (retrieved before)"], rows["output"]) == ("10", "4", str(tmp_path / "o.json"))
     assert abs(rate * seconds - 6) < abs(rate * seconds - 10), summary
     assert not kept.exists() and not progress.exists()
     assert [r["id"] for r in json.loads((tmp_path / "o.json").read_text())] == [f"q{i}" for i in range(10)]

@@ -14,6 +14,7 @@ from dpr_gc.data import stdlib_data
 from dpr_gc.data.corpus import load_corpus
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.data.stdlib_data import add_cli, build_stdlib_dataset, collect_definitions, is_informative, split_docstring
+from tests.helpers import summary_rows
 
 N = 80
 
@@ -143,7 +144,8 @@ def test_cli_prints_summary(built: tuple[Path, dict], capsys) -> None:
     args = parser.parse_args(["make-stdlib-data", "--output", str(out), "--max-examples", str(N), "--seed", "3"])
     args.func(args)
     printed = capsys.readouterr().out
-    assert f"| train_queries | {manifest['counts']['train_queries']} |" in printed
+    rows = summary_rows(printed)
+    assert rows["train queries"] == str(manifest["counts"]["train_queries"]) and rows["output"] == str(out), rows
 
 
 def test_bad_arguments_raise() -> None:

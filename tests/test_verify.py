@@ -19,7 +19,7 @@ from dpr_gc.model.retriever import Retriever, RetrieverConfig
 from dpr_gc.train.config import TrainConfig
 from dpr_gc.train.trainer import Trainer
 from dpr_gc.train.verify import Verifier, verify
-from tests.helpers import tiny_bert, write_vocab
+from tests.helpers import summary_rows, tiny_bert, write_vocab
 from tests.llm_models import save_decoder
 from tests.train_data import init_model
 from tests.train_data import make_records, train_config, write_dpr
@@ -76,6 +76,7 @@ def test_table_names_the_device_and_what_the_memory_budget_kept(tmp_path, capsys
     code, out = run(capsys, flags(tmp_path, model, "--memory-budget", "1GB", "--hard-negatives", "1"))
     assert code == 0 and out.startswith("verify on cpu: batch 6 per rank"), out
     assert "| graphs kept (budget) |" in out and "| 6/6 chunks, 100% of tokens (budget 1.00 GB) |" in out, out
+    assert (summary_rows(out)["result"], summary_rows(out)["device"]) == ("PASS", "cpu")
     code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "1"))  # budget 0: only the last chunk's
     assert code == 0 and re.search(r"\| 1/6 chunks, \d+% of tokens \(budget 0 B\) \|", out), out
 

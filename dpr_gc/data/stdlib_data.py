@@ -407,8 +407,8 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
 @guarded(outputs={"output": "folder"})
 def _run_cli(args: argparse.Namespace) -> None:
     manifest = build_stdlib_dataset(args.output, max_examples=args.max_examples, seed=args.seed)
-    print(format_summary(manifest["counts"], ("count", "value")))
-    print(f"written to {args.output}")
+    counts = {key.replace("_", " "): value for key, value in manifest["counts"].items()}  # manifest.json keeps its keys
+    print(format_summary({**counts, "output": args.output}, manifest["build_seconds"]))
 
 
 @dataclasses.dataclass

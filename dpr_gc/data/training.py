@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -36,7 +37,7 @@ from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
 from .sampling import (MixedBatchSampler, TrainingExamples,  # noqa: F401 (TrainingExamples is re-exported)
                        question_groups)
-from ..base.tables import markdown_table
+from ..base.tables import format_summary, markdown_table
 from ..model.tokenize import token_ids
 
 logger = logging.getLogger(__name__)
@@ -690,8 +691,14 @@ def add_cli(subparsers: Any) -> None:
 
 @guarded(inputs=("sources=the training source",))
 def _cli_prepare(args: Any) -> None:
+    """Handler for ``prepare-data``: a table of each source's counts, then the closing summary of them all."""
+    started = time.perf_counter()
     data = load_training_data(args.sources, args.cache_dir, args.skip_bad_records, args.beir_split)
     print(markdown_table(("source", "records", "kept", "no positive", "bad", "negatives that were a positive", "parse"),
                          [[*(s[k] for k in ("source", "records", "kept", "no_positive", "bad")),
                            s.get("dropped_negatives", 0), "new" if s["parsed_now"] else "cached"]
                           for s in data.stats]))
+    print(format_summary({"sources": len(data.stats), "records": sum(s["records"] for s in data.stats),
+                          "kept": sum(s["kept"] for s in data.stats),
+                          "parsed this run": sum(1 for s in data.stats if s["parsed_now"])},
+                         time.perf_counter() - started))

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -32,7 +33,7 @@ from ..base.files import PathLike, atomic_path, atomic_paths, dump_json, open_te
 from ..base.settings import add_arguments, check, setting
 from .results import check_question, ctx_score, iter_results
 from ..base.validate import check_id
-from ..base.tables import markdown_table
+from ..base.tables import format_summary, markdown_table
 from ..base.logs import counted
 from ..data.qrels import read_qrels
 
@@ -376,19 +377,32 @@ def evaluate(
     return report
 
 
+def metrics_heading(kind: str, count: int, match: Optional[str] = None) -> str:
+    """The heading over a metric table, the same in ``evaluate`` and ``retrieve --evaluate``: ``answer accuracy
+    (2 questions, match=string)`` or ``qrels metrics (2 judged queries)``, the count being what its figures are
+    averaged over."""
+    if kind == "answers":
+        return f"answer accuracy ({counted(count, 'question')}, match={match})"
+    return f"qrels metrics ({counted(count, 'judged query', 'judged queries')})"
+
+
 @guarded(inputs=("results", "run", "qrels"), outputs={"output": "file", "plot": "file"})
 def _cli(args: argparse.Namespace) -> None:
-    """Handler for ``dpr_gc evaluate``: evaluate, print tables, write JSON and the optional plot."""
+    """Handler for ``dpr_gc evaluate``: evaluate, print the metric tables, write JSON and the optional plot, then
+    the closing summary (inputs, outputs, time)."""
+    started = time.perf_counter()
     mode = None if args.match == "stored" else args.match
     report = evaluate(args.k, args.results, args.run, args.qrels, mode, default_workers(args.workers))
     curves = {}
-    titles = {"answers": lambda r: f"answer accuracy ({counted(r['questions'], 'question')}, match={r['match']})",
-              "qrels": lambda r: f"qrels metrics ({counted(r['queries'], 'judged query', 'judged queries')})"}
     for key, names in (("answers", ["Accuracy"]), ("qrels", ["Recall", "Accuracy"])):
         if key in report:
-            print(f"\n{titles[key](report[key])}\n{format_table(report[key]['metrics'])}")
+            part = report[key]
+            heading = metrics_heading(key, part["questions" if key == "answers" else "queries"], part.get("match"))
+            print(f"\n{heading}\n{format_table(part['metrics'])}")
             curves.update({f"{key}: {name}@k": curve(report[key]["metrics"], name) for name in names})
     write_report(report, curves, args.output, args.plot)
+    print(format_summary({"results": args.results or "-", "run": args.run or "-", "qrels": args.qrels or "-",
+                          "output": args.output or "-", "plot": args.plot or "-"}, time.perf_counter() - started))
 
 
 def plot_record(plot: PathLike, written: Path) -> dict[str, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -158,8 +159,9 @@ def add_cli(subparsers: Any) -> None:
 
 @guarded(inputs=("model",), outputs={"output": "whole"})
 def _cli(args: argparse.Namespace) -> None:
-    from ..base.tables import markdown_table
+    from ..base.tables import format_summary
 
+    started = time.perf_counter()
     check_replaceable(Path(args.output))  # before the minutes of loading: a folder of the user's is refused at once
     retriever = Retriever.load(args.model)
     merged = merge_lora(retriever)
@@ -167,6 +169,5 @@ def _cli(args: argparse.Namespace) -> None:
         raise DprGcError(f"{args.model}: no LoRA adapter to merge (a retriever trained with --lora-r has one)")
     retriever.save(args.output)
     logger.info("wrote the merged retriever to %s", args.output)
-    print(markdown_table(("towers merged", "parameters", "merged retriever"),
-                         [(merged, f"{sum(p.numel() for p in retriever.parameters()):,}", args.output)],
-                         ("---:", "---:", "---")))
+    print(format_summary({"towers merged": merged, "parameters": f"{sum(p.numel() for p in retriever.parameters()):,}",
+                          "output": args.output}, time.perf_counter() - started))

@@ -34,7 +34,7 @@ from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_s
                              from_args, group, passage_prefix_setting, query_prefix_setting, setting, to_record)
 from .fingerprint import bridge_legacy, model_fingerprint, records_agree
 from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
-from ..base.tables import markdown_table
+from ..base.tables import format_summary
 from ..base.logs import counted
 
 logger = logging.getLogger(__name__)
@@ -417,7 +417,6 @@ def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Opti
     manifest, seconds = encode_with_model(job)
     encoded = manifest["encoded"]  # a resumed or finished shard encoded fewer than its passages in this run
     rate = f"{encoded / seconds:.1f}" if encoded and seconds > 0 else "-"
-    print(markdown_table(("passages", "encoded now", "seconds", "passages/s", "shard file"),
-                         [(manifest["count"], encoded, f"{seconds:.1f}", rate, Path(job.output) / manifest["embeddings"])],
-                         ("---:", "---:", "---:", "---:", "---")))
+    print(format_summary({"passages": manifest["count"], "encoded this run": encoded, "passages/s": rate,
+                          "output": Path(job.output) / manifest["embeddings"]}, seconds))
     return manifest

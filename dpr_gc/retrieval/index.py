@@ -31,7 +31,7 @@ from ..base.validate import Field, check_fields, count, positive_int as positive
 from ..base.files import PathLike, check_output_dir, open_text, parse_json, read_json_object
 from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_folders
 from ..base.locks import exclusive_lock
-from ..base.tables import format_summary
+from ..base.tables import format_summary, seconds_text
 from ..base.logs import counted, native_stderr_logged
 from .index_params import IndexBuild, IndexParams, param_rules, refuse_unused
 from ..base.settings import add_arguments, from_args, setting, to_record
@@ -1003,7 +1003,23 @@ def _cli(args: argparse.Namespace) -> None:
     given = {field.name: getattr(args, field.name) for field in dataclasses.fields(IndexParams)}  # None: not given
     summary = build_index(args.embeddings, args.output, given, from_args(IndexBuild, args),
                           append=args.append, allow_partial=args.allow_partial)
-    print(format_summary(summary))
+    print(summary_text(summary))
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """``dpr-gc index``'s closing table of :func:`build_index`'s summary (whose keys stay as they are), in words:
+    the index and its search, the vectors added and from how many shards, the training sample, whether the index
+    covers the whole corpus, and the time spent training and adding."""
+    seconds = summary["train_seconds"] + summary["add_seconds"]
+    trained = (f"{summary['train_vectors']} vectors in {seconds_text(summary['train_seconds'])}"
+               if summary["train_vectors"] else "-")
+    return format_summary({"factory": summary["factory"], "search": summary["search"],
+                           "FAISS threads": summary["faiss_threads"], "model": summary["model"],
+                           "dimension": summary["dim"], "vectors": summary["ntotal"],
+                           "added this run": f"{summary['added']} from {counted(summary['shards_added'], 'shard')} in "
+                                             f"{seconds_text(summary['add_seconds'])}",
+                           "trained on": trained, "whole corpus": "yes" if summary["complete"] else "no",
+                           "output": summary["index"]}, seconds)
 
 
 def add_cli(subparsers: Any) -> None:

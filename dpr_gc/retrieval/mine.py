@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -755,6 +756,7 @@ def _cli(args: argparse.Namespace) -> None:
     from ..base.tables import format_summary
     from ..evaluation.answers import default_workers
 
+    started = time.perf_counter()
     if bool(args.train_file) == bool(args.beir_dir):
         raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
     refuse_flags_that_do_not_apply(MineJob, args, APPLIES)
@@ -793,7 +795,8 @@ def _cli(args: argparse.Namespace) -> None:
                            resume_key=resume_key(args, inputs, source), total=total)
     if qrels is not None and summary.judged == 0:
         logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
-    print(format_summary({"source": args.source, **summary.table(mining), "output": args.output}))
+    print(format_summary({"source": args.source, **summary.table(mining), "output": args.output},
+                         time.perf_counter() - started))
 
 
 def add_cli(subparsers: Any) -> None:

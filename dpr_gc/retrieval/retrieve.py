@@ -726,7 +726,7 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     metric tables and the summary table printed, naming each flag as ``flag_names`` spells it (a script's
     spelling, as :func:`~dpr_gc.base.errors.flags_renamed` does for errors and log lines); returns the metrics."""
     from ..base.devices import steady_malloc
-    from ..evaluation.evaluate import format_table
+    from ..evaluation.evaluate import format_table, metrics_heading
 
     steady_malloc()
     job = from_args(RetrieveJob, args)
@@ -735,13 +735,20 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     metrics, summary = run_retrieval(index, job, index_dir)
     judged = summary.pop("judged queries", None)
     for name, values in metrics.items():  # each heading says how many queries its figures are averaged over
-        over = (counted(judged, "judged query", "judged queries") if name == "qrels" and judged is not None
-                else counted(summary["queries"], "query", "queries"))
-        print(f"\n{name} metrics ({over})")
+        count = judged if name == "qrels" and judged is not None else summary["queries"]
+        print(f"\n{metrics_heading(name, count, job.settings.match or 'string')}")
         print(format_table(values))
-    summary = {"queries": summary.pop("queries"), "top-k": summary.pop("top-k"), "index": index_name, **summary}
-    print(rename_flags(format_summary(summary), flag_names or {}))
+    print(("\n" if metrics else "") + rename_flags(summary_text(summary, index_name), flag_names or {}))
     return metrics
+
+
+def summary_text(summary: dict[str, Any], index_name: str) -> str:
+    """The closing table of :func:`run_retrieval`'s summary (whose keys stay as they are): the questions, the depth
+    and the index first, the results file as ``output`` and the seconds as the time row."""
+    rows = {"queries": summary["queries"], "top-k": summary["top-k"], "index": index_name,
+            **{k: v for k, v in summary.items() if k not in ("queries", "top-k", "seconds", "results")},
+            "output": summary["results"]}
+    return format_summary(rows, summary["seconds"])
 
 
 APPLIES = {"k": AppliesWhen(lambda a: a.evaluate, "without --evaluate (it sets the cut-offs evaluated)",

@@ -77,20 +77,19 @@ def best_dev(summary: dict) -> str:
 def summary_table(summary: dict) -> str:
     """train's closing table: steps (a resumed run's, with those this invocation trained), batch, chunks and the
     graphs kept under the memory budget, precision (and under fp16, or where there were any, the steps the GradScaler
-    skipped), device, loss, this invocation's time and speed, the best and (with a dev set) the last dev values and
-    the model."""
+    skipped), device, loss, this invocation's speed, the best and (with a dev set) the last dev values, the model
+    and this invocation's time."""
     rows = [("steps", steps_trained(summary)), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
             ("graphs kept (last step, budget)", summary.get("graphs_kept") or "-"),
             ("precision", summary["precision"]), *skipped_steps(summary), ("device", summary.get("device", "-")),
-            ("final loss", f"{summary['final_loss']:.4f}"),
-            ("time", f"{summary['seconds']:.1f} s"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
+            ("final loss", f"{summary['final_loss']:.4f}"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
             ("best dev", best_dev(summary))]
     if summary.get("dev") is not None or summary.get("last_dev"):
         rows.append(("last dev", last_dev(summary)))
-    rows.append(("model", summary["final_model"]))
-    return format_summary(dict(rows), ("training", ""))
+    rows.append(("output", summary["final_model"]))
+    return format_summary(dict(rows), summary["seconds"])
 
 
 def steps_trained(summary: dict) -> str:

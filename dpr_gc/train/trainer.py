@@ -117,7 +117,8 @@ class Trainer:
         ...                      cache=CacheConfig(query_chunk_size=2, passage_chunk_size=2),
         ...                      run=RunConfig(output_dir=str(work / "run")))
         >>> summary = Trainer(config).fit()                     # prints the summary table
-        | training ...
+        | item | value |
+        ...
         >>> summary["steps"], Path(summary["final_model"]).name
         (1, 'final')
     """

@@ -39,6 +39,7 @@ from ..base.args import positive_int
 from ..base.devices import at_least_fp32, autocast_dtype
 from ..base.errors import DprGcError
 from ..base.logs import infos_from_rank_zero
+from ..base.tables import format_summary
 from ..engine.budget import GraphMeter, StepMemory, fixed_storages, format_bytes
 from ..engine.chunking import pad_sequence_dim, take_rows
 from ..engine.grad_cache import is_data_parallel
@@ -151,6 +152,12 @@ class VerifyReport:
                      f" loss {worst.loss_error:.2e}, temperature {worst.temperature_error:.2e}") if worst else ""
             lines.append(f"FAIL: the cached step differs from the full-batch step beyond {self.tolerance:g}{where}")
         return "\n".join(lines)
+
+    def summary(self, seconds: float) -> str:
+        """The closing summary ``dpr-gc verify`` prints below :meth:`table`, as every command ends."""
+        return format_summary({"batches checked": len(self.batches), "result": "PASS" if self.passed else "FAIL",
+                               "precision": f"{self.precision} (tolerance {self.tolerance:g})",
+                               "device": self.device or "-", "ranks": self.world}, seconds)
 
 
 def cost(c: StepCost) -> str:
@@ -525,7 +532,9 @@ def add_cli(subparsers: Any) -> None:
 
 def _cli_verify(args: Any) -> int:
     infos_from_rank_zero()
+    started = time.perf_counter()
     report = verify(config_from_args(args), args.batches)
     if report.rank == 0:
         print(report.table())
+        print(report.summary(time.perf_counter() - started))
     return 0 if report.passed else 1
