@@ -357,3 +357,23 @@ def test_the_library_pages_sentence_transformers_snippet_embeds_as_dpr_gc_encode
                  "--cache-dir", str(tmp_path / "cache"), "--precision", "fp32", "--dtype", "float32",
                  "--device", "cpu"]) == 0
     np.testing.assert_allclose(shown["passages"], gather(tmp_path / "emb")[1], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("fields", [{}, {"query_prefix": "query: ", "normalize": True}])
+def test_the_model_cards_python_snippets_run_as_written_and_embed_as_dpr_gc(make_retriever, tmp_path, fields):
+    """Each python block of a saved retriever's card runs as written (with the folder's path in place of
+    "path/to/this/folder") and its query vectors equal dpr-gc's: the card's dpr-gc import and the transformers
+    block's inputs were never run by a test."""
+    import re
+
+    retriever = make_retriever(**fields)
+    retriever.save(tmp_path / "m")
+    card = (tmp_path / "m" / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    assert len(blocks) == 3, card
+    expected = retriever.embed("query", ["Who wrote On the Origin of Species?"])
+    for block, result in zip(blocks, ("queries", "embeddings", "vectors")):
+        scope: dict = {}
+        exec(block.replace("path/to/this/folder", str(tmp_path / "m")), scope)  # noqa: S102 (the card's own code)
+        got = scope[result].detach().numpy() if isinstance(scope[result], torch.Tensor) else scope[result]
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=ATOL, err_msg=block)

@@ -141,6 +141,7 @@ def _transformers_usage(config: Any, shared: bool, lower: bool) -> list[str]:
     lines = ["", "### transformers", "", "```python", "import torch", "from transformers import AutoModel, AutoTokenizer",
              "", 'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
              'model = AutoModel.from_pretrained("path/to/this/folder")',
+             'questions = ["Who wrote On the Origin of Species?"]',
              f"batch = tokenizer([{text} for q in questions], truncation=True, "
              f"max_length={config.query_max_length}, padding=True, return_tensors=\"pt\")",
              "hidden = model(**batch).last_hidden_state", "mask = batch[\"attention_mask\"].unsqueeze(-1).float()",
@@ -156,6 +157,6 @@ def _dpr_gc_usage() -> list[str]:
     return ["", "### dpr-gc", "", "```bash",
             "dpr-gc encode --model path/to/this/folder --corpus passages.tsv --output emb",
             "dpr-gc index --embeddings emb --output index && dpr-gc retrieve --index index --queries qa.csv "
-            "--output results.json --evaluate", "```", "", "```python", "from dpr_gc.model import Retriever", "",
+            "--output results.json --evaluate", "```", "", "```python", "from dpr_gc import Retriever", "",
             'retriever = Retriever.load("path/to/this/folder")',
             'vectors = retriever.embed("query", ["Who wrote On the Origin of Species?"])', "```"]
