@@ -6,6 +6,7 @@ import argparse
 import ast
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,24 @@ def test_an_interrupted_build_is_finished_by_the_rerun(tmp_path: Path, monkeypat
     out, first = built
     assert manifest["counts"] == first["counts"] and not (tmp_path / stdlib_data.BUILD_MARKER).exists()
     assert (tmp_path / "corpus.jsonl").read_bytes() == (out / "corpus.jsonl").read_bytes()
+
+
+def test_a_rebuild_stopped_midway_is_never_reused_under_the_earlier_manifest(tmp_path: Path, monkeypatch,
+                                                                             built) -> None:
+    """A rebuild with other settings stopped after some files removes the finished build's manifest first, so
+    re-running the earlier settings rebuilds rather than reusing the stopped build's files under that manifest."""
+    out, first = built
+    shutil.copytree(out, tmp_path / "ds")
+    write = stdlib_data._write_outputs
+
+    def killed(folder: Path, *args) -> None:
+        (folder / "corpus.jsonl").write_text("half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stdlib_data, "_write_outputs", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build_stdlib_dataset(tmp_path / "ds", max_examples=N, seed=4)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+    monkeypatch.setattr(stdlib_data, "_write_outputs", write)
+    assert build_stdlib_dataset(tmp_path / "ds", max_examples=N, seed=3)["counts"] == first["counts"]
+    assert (tmp_path / "ds" / "corpus.jsonl").read_bytes() == (out / "corpus.jsonl").read_bytes()

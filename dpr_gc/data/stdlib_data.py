@@ -336,6 +336,22 @@ def _refuse_foreign_files(out: Path) -> None:
                          "written by make-stdlib-data; give a new or empty --output folder")
 
 
+def _earlier_build(out: Path, params: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Return the manifest of a finished build in ``out`` with these ``params`` and all its files, to reuse it; else
+    ``None``. An interrupted build (its marker present) is never reused, as its files may be another build's; a
+    folder neither left by one nor holding this command's manifest is checked for files the build would overwrite."""
+    if (out / BUILD_MARKER).is_file():
+        return None
+    manifest_path = out / "manifest.json"
+    if not manifest_path.is_file():
+        _refuse_foreign_files(out)
+        return None
+    old = read_json_object(manifest_path, "a dataset manifest")
+    if old.get("params") == params and all((out / p).is_file() for p in old.get("files", {}).values()):
+        return old
+    return None
+
+
 def check_max_examples(max_examples: Optional[int]) -> None:
     """Refuse a subsample too small to split three ways (train, dev, test); the demo checks it before it records
     its settings."""
@@ -365,14 +381,10 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
     params = {"format_version": FORMAT_VERSION, "python_version": sys.version.split()[0],
               "max_examples": max_examples, "seed": seed, "dev_fraction": dev_fraction,
               "test_fraction": test_fraction, "max_passage_words": max_passage_words}
-    manifest_path = out / "manifest.json"
-    if manifest_path.is_file():
-        old = read_json_object(manifest_path, "a dataset manifest")
-        if old.get("params") == params and all((out / p).is_file() for p in old.get("files", {}).values()):
-            logger.info("stdlib dataset already built in %s; reusing it", out)
-            return old
-    elif not (out / BUILD_MARKER).is_file():
-        _refuse_foreign_files(out)
+    old = _earlier_build(out, params)
+    if old is not None:
+        logger.info("stdlib dataset already built in %s; reusing it", out)
+        return old
     start = time.perf_counter()
     root = Path(sysconfig.get_paths()["stdlib"])
     defs, skipped = collect_definitions(root, max_passage_words)
@@ -390,6 +402,7 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
     queries = [(f"q{i:05d}", split_of[ex.group], ex) for i, ex in enumerate(usable)]
     out.mkdir(parents=True, exist_ok=True)
     (out / BUILD_MARKER).touch()  # an interrupted build's files are this command's to overwrite on the re-run
+    (out / "manifest.json").unlink(missing_ok=True)  # an earlier build's, no longer true of the files once one changes
     _write_outputs(out, corpus, queries, split_of, seed)
     counts: dict[str, int] = {f"{s}_queries": sum(1 for _, q, _ in queries if q == s) for s in SPLITS}
     counts.update({f"{s}_packages": sum(1 for g in split_of.values() if g == s) for s in SPLITS})
@@ -398,7 +411,7 @@ def build_stdlib_dataset(out_dir: PathLike, max_examples: Optional[int] = None, 
                    "files_skipped": skipped})
     manifest = {"params": params, "stdlib": str(root), "counts": counts, "files": dict(OUTPUT_FILES),
                 "build_seconds": round(time.perf_counter() - start, 2)}
-    write_json(manifest_path, manifest)
+    write_json(out / "manifest.json", manifest)
     (out / BUILD_MARKER).unlink(missing_ok=True)
     logger.info("stdlib dataset: %s", counts)
     return manifest
