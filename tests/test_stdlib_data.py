@@ -246,3 +246,15 @@ def test_a_rebuild_stopped_midway_is_never_reused_under_the_earlier_manifest(tmp
     monkeypatch.setattr(stdlib_data, "_write_outputs", write)
     assert build_stdlib_dataset(tmp_path / "ds", max_examples=N, seed=3)["counts"] == first["counts"]
     assert (tmp_path / "ds" / "corpus.jsonl").read_bytes() == (out / "corpus.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("manifest", ['{"my": "project manifest"}', '["not", "an object"]', "not JSON"])
+def test_a_users_manifest_json_does_not_make_the_folder_this_commands(tmp_path: Path, manifest: str) -> None:
+    """Only a manifest of this command's shape (its format version and files) marks an earlier build: a folder
+    holding another manifest.json is the user's, refused before anything is written."""
+    (tmp_path / "manifest.json").write_text(manifest)
+    (tmp_path / "corpus.jsonl").write_text("mine")
+    with pytest.raises(DprGcError, match="already holds corpus.jsonl, manifest.json, not written by make-stdlib"):
+        build_stdlib_dataset(tmp_path, max_examples=N, seed=3)
+    assert (tmp_path / "manifest.json").read_text() == manifest and (tmp_path / "corpus.jsonl").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "manifest.json"]

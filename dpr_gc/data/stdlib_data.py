@@ -342,12 +342,26 @@ def _earlier_build(out: Path, params: dict[str, Any]) -> Optional[dict[str, Any]
     folder neither left by one nor holding this command's manifest is checked for files the build would overwrite."""
     if (out / BUILD_MARKER).is_file():
         return None
-    manifest_path = out / "manifest.json"
-    if not manifest_path.is_file():
+    old = _own_manifest(out / "manifest.json")
+    if old is None:
         _refuse_foreign_files(out)
         return None
-    old = read_json_object(manifest_path, "a dataset manifest")
-    if old.get("params") == params and all((out / p).is_file() for p in old.get("files", {}).values()):
+    if old["params"] == params and all((out / p).is_file() for p in old["files"].values()):
+        return old
+    return None
+
+
+def _own_manifest(path: Path) -> Optional[dict[str, Any]]:
+    """Return the manifest at ``path`` when it has this command's shape (a format version, these output files), else
+    ``None``: any other ``manifest.json`` is the user's (a project's), not an earlier build's to overwrite."""
+    if not path.is_file():
+        return None
+    try:
+        old = read_json_object(path, "a dataset manifest")
+    except DprGcError:
+        return None
+    params = old.get("params")
+    if isinstance(params, dict) and "format_version" in params and old.get("files") == OUTPUT_FILES:
         return old
     return None
 
