@@ -14,6 +14,7 @@ import torch
 from dpr_gc.cli import main
 from dpr_gc import Chunking
 from dpr_gc.base.errors import DprGcError
+from dpr_gc.model.card import card_training
 from dpr_gc.model.lora import LoraSettings, apply_lora, is_adapted
 from dpr_gc.model.retriever import Retriever, enable_gradient_checkpointing
 from tests.llm_models import save_decoder
@@ -148,6 +149,22 @@ def test_merge_lora_replaces_only_a_folder_that_holds_a_model_and_nothing_else(t
     (merged / "query_1_Pooling" / "results").rmdir()
     assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(merged)]) == 0  # a model alone
     Retriever.load(merged)
+
+def test_merge_lora_keeps_the_training_record_of_the_model_card_and_notes_the_merge(tmp_path):
+    """The merged retriever's card carries the adapted one's training record (base model, steps, dev metrics) and
+    names the folder whose adapters it merged, in the metadata and in the prose."""
+    retriever = Retriever.load(init_model(tmp_path, shared=False))
+    apply_lora(retriever, LoraSettings(r=2))
+    retriever.training_info.update(base_model="bert-tiny", steps=7, loss="infonce", dev_metrics={"mrr@10": 0.5},
+                                   dev_metrics_step=7)
+    retriever.save(tmp_path / "lora")
+    assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(tmp_path / "merged")]) == 0
+    record = card_training(tmp_path / "merged")
+    assert record == {**retriever.training_info, "merged_from": str(tmp_path / "lora")}, record
+    card = (tmp_path / "merged" / "README.md").read_text(encoding="utf-8")
+    assert "| steps done | 7 |" in card and "| mrr@10 | 0.5000 |" in card, card
+    assert f"LoRA adapters of `{tmp_path / 'lora'}` merged into its weights." in card, card
+
 
 def test_bad_lora_settings_are_refused(make_retriever):
     with pytest.raises(DprGcError, match="--lora-r"):

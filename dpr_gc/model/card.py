@@ -96,6 +96,8 @@ def _body(retriever: Any) -> str:
         lines += [f"| {name} | {value:.4f} |" for name, value in info["dev_metrics"].items()]
     if info.get("imported_from"):
         lines += ["", "Imported from " + ", ".join(f"`{v}` ({k})" for k, v in info["imported_from"].items()) + "."]
+    if info.get("merged_from"):
+        lines += ["", f"LoRA adapters of `{info['merged_from']}` merged into its weights."]
     return "\n".join(lines + ["", _usage(retriever, shared)]) + "\n"
 
 

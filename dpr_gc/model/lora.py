@@ -160,6 +160,7 @@ def add_cli(subparsers: Any) -> None:
 @guarded(inputs=("model",), outputs={"output": "whole"})
 def _cli(args: argparse.Namespace) -> None:
     from ..base.tables import format_summary
+    from .card import card_training
 
     started = time.perf_counter()
     check_replaceable(Path(args.output))  # before the minutes of loading: a folder of the user's is refused at once
@@ -167,6 +168,7 @@ def _cli(args: argparse.Namespace) -> None:
     merged = merge_lora(retriever)
     if not merged:
         raise DprGcError(f"{args.model}: no LoRA adapter to merge (a retriever trained with --lora-r has one)")
+    retriever.training_info = {**card_training(Path(args.model)), "merged_from": str(args.model)}  # for its card
     retriever.save(args.output)
     logger.info("wrote the merged retriever to %s", args.output)
     print(format_summary({"towers merged": merged, "parameters": f"{sum(p.numel() for p in retriever.parameters()):,}",
