@@ -98,3 +98,45 @@ def test_clear_and_the_listing_cover_every_file_a_training_parse_writes(tmp_path
     assert not any(p.exists() for p in cached)
     assert list(train.iterdir()) == [mine]
     assert len(load_dpr_files([EXAMPLES / "train.json"])) > 0  # parsed again
+
+
+def test_cache_lists_and_clears_a_cache_dir_folder(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``cache --cache-dir DIR`` lists and clears the caches a command given ``--cache-dir DIR`` wrote there (corpora
+    and training sets together, no kind folders), keeping the user's files and a cache being built; the default
+    cache is not touched. A missing DIR, or a file, is refused in one line naming --cache-dir."""
+    from dpr_gc.data.training import load_training_data
+
+    monkeypatch.setenv("DPR_GC_CACHE", str(tmp_path / "default"))
+    load_corpus(EXAMPLES / "passages.tsv")
+    flat = tmp_path / "flat"
+    load_corpus(EXAMPLES / "passages.tsv", flat)
+    load_training_data([EXAMPLES / "train.json"], flat)
+    (flat / "notes.txt").write_text("mine")
+    cached = sorted(p for p in flat.iterdir() if p.name != "notes.txt")
+    capsys.readouterr()
+    assert main(["cache", "--cache-dir", str(flat)]) == 0
+    listing = capsys.readouterr().out
+    size = f"{sum(p.stat().st_size for p in cached) / 2**20:.1f}"
+    assert f"| corpora and train | 2 | {size} | {flat} |" in listing, listing
+    busy = flat / "t-0123456789abcdef.arrow"
+    with open(str(busy) + ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert main(["cache", "--cache-dir", str(flat), "--clear"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {len(cached)} file(s)" in out and f"from {flat}" in out and "kept 1 cache(s)" in out, out
+    assert sorted(p.name for p in flat.iterdir()) == ["notes.txt", busy.name + ".lock"]
+    assert len(list((tmp_path / "default" / "corpora").iterdir())) == 2  # its cache and lock
+    for given in (tmp_path / "missing", flat / "notes.txt"):
+        assert main(["cache", "--cache-dir", str(given)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "--cache-dir" in err[0] and str(given) in err[0], err
+
+
+def test_prepare_data_help_says_where_each_cache_goes(capsys) -> None:
+    """prepare-data's --cache-dir takes the training sets' caches and a BEIR folder's corpus alike."""
+    try:
+        main(["prepare-data", "--help"])
+    except SystemExit:
+        pass
+    text = " ".join(capsys.readouterr().out.split())
+    assert "$DPR_GC_CACHE/corpora" in text and "$DPR_GC_CACHE/train" in text, text

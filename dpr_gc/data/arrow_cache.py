@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from ..base.args import input_dir
 from ..base.errors import DprGcError
 from ..base.files import PathLike, atomic_path, remove_stale_temporaries
 from ..base.guard import default_cache_root
@@ -136,27 +137,31 @@ def cache_root() -> Path:
     return default_cache_dir(CACHE_KINDS[0]).parent
 
 
-def cache_usage(root: Path) -> list[tuple[str, int, int]]:
-    """``(kind, cached sources, bytes)`` of each cache kind under ``root``: the files ``--clear`` deletes
+def cache_folders(root: Path, flat: bool = False) -> list[tuple[str, Path]]:
+    """``(label, folder)`` of each folder of caches under ``root``: one per kind (``root/corpora``, ``root/train``),
+    or, ``flat``, ``root`` itself holding every kind, as a folder given to a command's ``--cache-dir`` does."""
+    return [(" and ".join(CACHE_KINDS), root)] if flat else [(kind, root / kind) for kind in CACHE_KINDS]
+
+
+def cache_usage(root: Path, flat: bool = False) -> list[tuple[str, int, int]]:
+    """``(label, cached sources, bytes)`` of each folder of :func:`cache_folders`: the files ``--clear`` deletes
     (:data:`CACHE_FILE`), no file of the user's."""
     rows = []
-    for kind in CACHE_KINDS:
-        folder = root / kind
+    for label, folder in cache_folders(root, flat):
         files = [p for p in folder.iterdir() if p.is_file() and CACHE_FILE.fullmatch(p.name)] if folder.is_dir() \
             else []
-        rows.append((kind, sum(p.suffix == ".arrow" for p in files), sum(p.stat().st_size for p in files)))
+        rows.append((label, sum(p.suffix == ".arrow" for p in files), sum(p.stat().st_size for p in files)))
     return rows
 
 
-def clear_cache(root: Path) -> tuple[int, int, list[Path]]:
-    """Delete the cached files under ``root`` (each kind folder's caches, their locks and a killed build's
+def clear_cache(root: Path, flat: bool = False) -> tuple[int, int, list[Path]]:
+    """Delete the cached files in each folder of :func:`cache_folders` (caches, their locks and a killed build's
     temporaries; nothing else a user may have put there); a cache another process is building right now (its lock
     is held) is kept. Returns ``(files removed, bytes freed, caches kept)``."""
     import fcntl
 
     removed, freed, busy = 0, 0, []
-    for kind in CACHE_KINDS:
-        folder = root / kind
+    for _, folder in cache_folders(root, flat):
         if not folder.is_dir():
             continue
         for lock in sorted(folder.glob("*.lock")):
@@ -186,19 +191,26 @@ def add_cli(subparsers: Any) -> None:
                     "source, or a copy elsewhere, gets a file of its own. They are safe to delete at any time: the "
                     "next run parses its source again.")
     p.add_argument("--clear", action="store_true", help="delete the cached files (a cache being built now is kept)")
+    p.add_argument("--cache-dir", "--cache_dir", type=input_dir,
+                   help="the folder given to another command's --cache-dir, whose caches it holds side by side "
+                        "(default: the corpora/ and train/ folders under $DPR_GC_CACHE, else ~/.cache/dpr_gc)")
     p.set_defaults(func=_cli_cache)
 
 
 def _cli_cache(args: Any) -> None:
     from ..base.tables import markdown_table
 
-    root = cache_root()
+    flat = args.cache_dir is not None
+    root = Path(args.cache_dir) if flat else cache_root()
+    if flat and not root.is_dir():
+        raise DprGcError(f"--cache-dir {args.cache_dir}: no such folder; give the folder another command's "
+                         "--cache-dir wrote its caches to")
     if args.clear:
-        removed, freed, busy = clear_cache(root)
+        removed, freed, busy = clear_cache(root, flat)
         print(f"removed {removed} file(s), {freed / 2**20:.1f} MiB, from {root}"
               + (f"; kept {len(busy)} cache(s) another run is building" if busy else ""))
         return
-    rows = cache_usage(root)
+    rows, folders = cache_usage(root, flat), dict(cache_folders(root, flat))
     print(markdown_table(("cache", "sources", "MiB", "folder"),
-                         [(k, n, f"{b / 2**20:.1f}", root / k) for k, n, b in rows] +
+                         [(k, n, f"{b / 2**20:.1f}", folders[k]) for k, n, b in rows] +
                          [("total", sum(n for _, n, _ in rows), f"{sum(b for *_, b in rows) / 2**20:.1f}", root)]))

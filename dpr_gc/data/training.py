@@ -673,8 +673,9 @@ def make_dataloader(data: TrainingData, collator: Collator, settings: Optional[B
 class PrepareSettings:
     """``dpr-gc prepare-data`` besides the sources: the cache, bad records, the BEIR split."""
 
-    cache_dir: Optional[str] = cache_dir_setting("where Arrow caches go (default: $DPR_GC_CACHE/train, else "
-                                                 "~/.cache/dpr_gc/train)")
+    cache_dir: Optional[str] = cache_dir_setting("where Arrow caches go, a BEIR folder's corpus beside the training "
+                                                 "sets (default: $DPR_GC_CACHE/train and $DPR_GC_CACHE/corpora, "
+                                                 "else ~/.cache/dpr_gc/train and ~/.cache/dpr_gc/corpora)")
     skip_bad_records: bool = setting(False, "--skip-bad-records",
                                      help="skip and count bad records instead of stopping")
     beir_split: str = setting("train", "--beir-split", hidden=[("--split", {})],
