@@ -140,3 +140,20 @@ def test_prepare_data_help_says_where_each_cache_goes(capsys) -> None:
         pass
     text = " ".join(capsys.readouterr().out.split())
     assert "$DPR_GC_CACHE/corpora" in text and "$DPR_GC_CACHE/train" in text, text
+
+
+def test_a_tilde_in_the_cache_folder_means_the_home_folder(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``~`` in $DPR_GC_CACHE or --cache-dir (quoted, or after ``=``, so the shell left it) is the home folder, as
+    in ~/.cache/dpr_gc: no folder named ``~`` is made in the working folder."""
+    from dpr_gc.base.guard import default_cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DPR_GC_CACHE", "~/cy")
+    assert default_cache_root()[0] == tmp_path / "home" / "cy"
+    load_corpus(EXAMPLES / "passages.tsv")
+    assert (tmp_path / "home" / "cy" / "corpora").is_dir()
+    assert main(["prepare-data", str(EXAMPLES / "train.json"), "--cache-dir=~/cz"]) == 0
+    assert any(p.suffix == ".arrow" for p in (tmp_path / "home" / "cz").iterdir())
+    assert main(["cache", "--cache-dir", "~/cz"]) == 0 and f"{tmp_path / 'home' / 'cz'} |" in capsys.readouterr().out
+    assert not (tmp_path / "~").exists()

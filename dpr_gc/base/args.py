@@ -328,6 +328,14 @@ input_dir = _output_path(_check_input_dir, "input_dir")
 output_file = _output_path(check_output_file, "output_file")
 # A folder to write into: not an existing file, nor under one.
 output_dir = _output_path(check_output_dir, "output_dir")
+
+
+def cache_dir_arg(text: str) -> str:
+    """``--cache-dir``: a folder to write into (:data:`output_dir`) with ``~`` expanded, as in ``$DPR_GC_CACHE``: the
+    shell leaves a quoted ``~`` or one after ``=``, which would otherwise make a folder named ``~``."""
+    return output_dir(os.path.expanduser(text))
+
+
 # The image formats a plot is written in, by the file name's suffix.
 PLOT_FORMATS = ("png", "pdf", "svg")
 

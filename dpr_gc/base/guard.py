@@ -192,10 +192,11 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
 
 
 def default_cache_root() -> tuple[Path, Optional[str]]:
-    """The folder the parsed-data caches go to without ``--cache-dir``: ``$DPR_GC_CACHE``, else ``~/.cache/dpr_gc``;
-    and the variable's name in messages when it set the folder (None for the home default)."""
+    """The folder the parsed-data caches go to without ``--cache-dir``: ``$DPR_GC_CACHE`` (``~`` expanded, as a
+    quoted value keeps it), else ``~/.cache/dpr_gc``; and the variable's name in messages when it set the folder
+    (None for the home default)."""
     folder = os.environ.get(CACHE_VARIABLE)
-    return (Path(folder), f"${CACHE_VARIABLE}") if folder else (Path.home() / ".cache" / "dpr_gc", None)
+    return (Path(folder).expanduser(), f"${CACHE_VARIABLE}") if folder else (Path.home() / ".cache" / "dpr_gc", None)
 
 
 def with_default_cache(outputs: Mapping[str, Any], cache_flag: str) -> dict[str, Any]:

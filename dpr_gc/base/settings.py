@@ -21,7 +21,7 @@ import math
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .args import one_meaning, output_dir
+from .args import cache_dir_arg, one_meaning
 from .errors import DprGcError
 
 FIXED = "fixed"  # changes the model or the training signal: a resumed run must keep the recorded value
@@ -136,7 +136,7 @@ def cache_dir_setting(help: str = "where parsed corpora are cached (default: $DP
                                   "~/.cache/dpr_gc/corpora)") -> Any:
     """``--cache-dir``, declared once for every stage that parses a corpus or training data; an output to the
     guard of every command that takes it (:data:`dpr_gc.base.guard.CACHE_OUTPUT`): never an input, nor inside one."""
-    return setting(None, "--cache-dir", type=output_dir, resume=FREE, path=True, aliases=("--cache_dir",), help=help)
+    return setting(None, "--cache-dir", type=cache_dir_arg, resume=FREE, path=True, aliases=("--cache_dir",), help=help)
 
 
 def query_prefix_setting() -> Any:

@@ -201,7 +201,7 @@ def _cli_cache(args: Any) -> None:
     from ..base.tables import markdown_table
 
     flat = args.cache_dir is not None
-    root = Path(args.cache_dir) if flat else cache_root()
+    root = Path(args.cache_dir).expanduser() if flat else cache_root()
     if flat and not root.is_dir():
         raise DprGcError(f"--cache-dir {args.cache_dir}: no such folder; give the folder another command's "
                          "--cache-dir wrote its caches to")
