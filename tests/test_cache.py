@@ -6,6 +6,8 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
+import pytest
+
 from dpr_gc.base.files import atomic_path
 from dpr_gc.cli import main
 from dpr_gc.data.arrow_cache import default_cache_dir
@@ -132,10 +134,11 @@ def test_cache_lists_and_clears_a_cache_dir_folder(tmp_path: Path, monkeypatch, 
         assert len(err) == 1 and err[0].startswith("error: ") and "--cache-dir" in err[0] and str(given) in err[0], err
 
 
-def test_prepare_data_help_says_where_each_cache_goes(capsys) -> None:
-    """prepare-data's --cache-dir takes the training sets' caches and a BEIR folder's corpus alike."""
+@pytest.mark.parametrize("command", ["prepare-data", "train"])
+def test_prepare_data_help_says_where_each_cache_goes(capsys, command) -> None:
+    """prepare-data's and train's --cache-dir take the training sets' caches and a BEIR folder's corpus alike."""
     try:
-        main(["prepare-data", "--help"])
+        main([command, "--help"])
     except SystemExit:
         pass
     text = " ".join(capsys.readouterr().out.split())

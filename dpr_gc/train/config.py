@@ -121,8 +121,10 @@ class DataConfig:
                                                 "CPU, where they cost memory and measured no faster; 2 on a GPU)")
     skip_bad_records: bool = setting(False, "--skip-bad-records", resume=FREE,
                                      help="skip (and count) malformed training records instead of stopping")
-    cache_dir: Optional[str] = cache_dir_setting("where parsed training data are cached (default: $DPR_GC_CACHE/train, "
-                                                 "else ~/.cache/dpr_gc/train)")
+    cache_dir: Optional[str] = cache_dir_setting("where parsed training data are cached, a BEIR folder's corpus "
+                                                 "beside the training sets (default: $DPR_GC_CACHE/train and "
+                                                 "$DPR_GC_CACHE/corpora, else ~/.cache/dpr_gc/train and "
+                                                 "~/.cache/dpr_gc/corpora)")
     dev: DevLimits = group(DevLimits, "dev validation (DPR's val_av_rank_*)")
 
     def __post_init__(self) -> None:
