@@ -224,10 +224,11 @@ def save_base_model(model: ModelConfig, base_dir: Path) -> None:
     without one is refused before the model is saved, not by the first encoding once it is."""
     from .model.retriever import Retriever
     from .model.tokenize import check_length_room
+    from .train.setup import chosen_fields
 
     if (base_dir / "retriever_config.json").is_file():
         return
-    retriever = Retriever.from_pretrained(model.path(), model.retriever)
+    retriever = Retriever.from_pretrained(model.path(), model.retriever, chosen_fields(model))
     config = retriever.config
     check_length_room(retriever.tokenizer, config, "passage", config.passage_max_length, "--passage-max-length")
     retriever.check_room("query").save(base_dir)

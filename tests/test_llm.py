@@ -160,3 +160,34 @@ def test_a_retriever_counts_positions_from_the_mask_so_its_left_padding_is_cut()
 
     q, _ = make_batch(retriever, 8, 1, seed=7)
     assert trims_exactly(retriever, q) and not trims_exactly(retriever.query_encoder.transformer, q)
+
+
+def test_a_plain_decoder_folder_defaults_to_last_token_pooling_and_refuses_cls(tmp_path, caplog):
+    """A plain Llama/Qwen2 folder trains and encodes with last-token pooling and concat passages unless told
+    otherwise (cls pooling gives every text of a causal decoder the same vector), logs the pooling it took, and
+    refuses an explicit --pooling cls or pooler in one line naming the flag."""
+    import json
+    import logging
+
+    from dpr_gc.cli import main
+    from tests.helpers import call
+    from tests.train_data import make_records, write_dpr
+
+    folder = save_decoder(tmp_path / "llama", "llama", padding_side="left")
+    train = write_dpr(tmp_path / "train.json", make_records(8, 1))
+    flags = ["--train", train, "--batch-size", "4", "--max-steps", "1", "--num-workers", "0", "--cache-dir",
+             tmp_path / "c", "--device", "cpu", "--model", folder]
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(main, ["train", *flags, "--output", tmp_path / "run"])
+    assert code == 0, err
+    saved = json.loads((tmp_path / "run" / "final" / "retriever_config.json").read_text())
+    assert (saved["pooling"], saved["passage_format"]) == ("last", "concat")
+    assert "a decoder-only llama model: pooling last, passage format concat" in caplog.text
+    loaded = Retriever.load(save_decoder(tmp_path / "qwen", "qwen2"))
+    assert (loaded.config.pooling, loaded.config.passage_format) == ("last", "concat")
+    vectors = loaded.embed("query", TEXTS)
+    assert np.abs(vectors - vectors[0]).max() > 1e-3  # the texts do not all embed alike
+    for pooling in ("cls", "pooler"):
+        code, err = call(main, ["train", *flags, "--pooling", pooling, "--output", tmp_path / pooling])
+        assert code == 2 and err.startswith(f"error: --pooling {pooling} does not fit a decoder-only model (llama)")
+        assert err.count("\n") == 1 and "--pooling last" in err and not (tmp_path / pooling).exists(), err

