@@ -225,3 +225,33 @@ def test_train_cli_with_lora_trains_only_adapters_and_resumes(tmp_path):
     assert any(not torch.equal(further[k], adapter[k]) for k in adapter if "lora_B" in k)
     settings = json.loads((tmp_path / "more" / "final" / "adapter_config.json").read_text())
     assert (settings["r"], settings["lora_alpha"]) == (4, 8)  # the saved adapter's shape, not new defaults
+
+
+def test_lora_and_decoder_folders_load_in_sentence_transformers(tmp_path):
+    """``SentenceTransformer(folder)`` embeds as dpr-gc a shared-tower LoRA decoder folder and a last-token-pooling
+    decoder folder (given the EOS that dpr-gc appends); separate LoRA towers it cannot load (its ``Router`` looks for
+    each tower's base model in a subfolder of the base), which their card says, and loads once merged."""
+    from sentence_transformers import SentenceTransformer
+
+    from dpr_gc.model.lora import merge_lora
+    from dpr_gc.model.retriever import RetrieverConfig
+
+    base = save_decoder(tmp_path / "base", "llama", padding_side="right")
+    plain = Retriever.load(base)
+    plain.save(tmp_path / "plain")
+    model = SentenceTransformer(str(tmp_path / "plain"), device="cpu")
+    np.testing.assert_allclose(model.encode_query([t + " </s>" for t in TEXTS]), plain.embed("query", TEXTS),
+                               atol=1e-5)
+    for shared in (True, False):
+        retriever = Retriever.from_pretrained(str(base), RetrieverConfig(pooling="mean", shared_encoder=shared))
+        apply_lora(retriever, LoraSettings(r=4))
+        randomise_adapters(retriever)
+        retriever.save(tmp_path / f"lora-{shared}")
+        card = (tmp_path / f"lora-{shared}" / "README.md").read_text()
+        assert ("cannot load" in card and "dpr-gc merge-lora --model" in card) == (not shared), card
+        if not shared:
+            merge_lora(retriever)
+            retriever.save(tmp_path / f"lora-{shared}")
+        model = SentenceTransformer(str(tmp_path / f"lora-{shared}"), device="cpu")
+        np.testing.assert_allclose(model.encode_query(TEXTS), retriever.embed("query", TEXTS), atol=1e-5)
+        np.testing.assert_allclose(model.encode_document(TEXTS), retriever.embed("passage", TEXTS), atol=1e-5)

@@ -7,9 +7,9 @@ imports inside functions included):
 1. ``config``, ``tokenize``, ``hub``, ``fsdp`` -- :class:`RetrieverConfig`, the recipe (pooling, lengths,
    prefixes, temperature); the one place text becomes token ids; where a model name leads (a folder, the Hub,
    refused within seconds offline); FSDP2 sharding;
-2. ``pretrained``, ``card`` -- Hugging Face models and tokenizers in, a PEFT adapter folder on top of its base model;
-   the model card (its usage lower-cases text as the tokenizer does);
-3. ``dpr_hub``, ``dpr_checkpoints`` -- DPR's two formats in;
+2. ``pretrained`` -- Hugging Face models and tokenizers in, a PEFT adapter folder on top of its base model;
+3. ``dpr_hub``, ``dpr_checkpoints``, ``card`` -- DPR's two formats in; the model card (its usage lower-cases text as
+   the tokenizer does, and says what loads a LoRA adapter);
 4. ``folder`` -- saved retriever folders (sentence-transformers and transformers layouts) written and read;
 5. ``retriever`` -- :class:`Retriever` itself, whose ``load`` / ``save`` call the loaders above, passing its own
    class so that they build it without importing it;

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base.files import atomic_open
+from .pretrained import is_adapted
 from .tokenize import lowercases
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -115,7 +116,7 @@ def _usage(retriever: Any, shared: bool) -> str:
     config = retriever.config
     passages = ('[("Title", "Passage text.")])  # (title, text) pairs; untitled passages as plain strings'
                 if config.passage_format == "pair" else '["Title Passage text."])  # title + " " + text')
-    st = ["## Usage", "", "### sentence-transformers", "", "```python",
+    st = ["## Usage", "", "### sentence-transformers", ""] + _separate_lora_note(retriever, shared) + ["```python",
           "from sentence_transformers import SentenceTransformer", "",
           'model = SentenceTransformer("path/to/this/folder")',
           'queries = model.encode_query(["Who wrote On the Origin of Species?"])  # adds the query prefix',
@@ -128,6 +129,16 @@ def _usage(retriever: Any, shared: bool) -> str:
                    "(sentence-transformers truncates the longer of title and text; dpr-gc the text first).")
     lower = lowercases(retriever.tokenizer)
     return "\n".join(st + _transformers_usage(config, shared, lower) + _dpr_gc_usage()) + "\n"
+
+
+def _separate_lora_note(retriever: Any, shared: bool) -> list[str]:
+    """The card's word that sentence-transformers loads separate LoRA towers only once merged: its ``Router`` looks
+    for each tower's base model in that tower's subfolder of the base model's folder."""
+    if shared or not any(is_adapted(e.transformer) for e in (retriever.query_encoder, retriever.passage_encoder)):
+        return []
+    return ["The towers are separate LoRA adapters, which `SentenceTransformer` cannot load (it looks for each "
+            "tower's base model in a subfolder of the base); `dpr-gc merge-lora --model path/to/this/folder "
+            "--output merged` writes a folder it loads as below.", ""]
 
 
 def _transformers_usage(config: Any, shared: bool, lower: bool) -> list[str]:

@@ -3,7 +3,8 @@
 A :class:`Retriever` bundles the two encoders, the tokenizer and a :class:`RetrieverConfig` (pooling,
 normalisation, projection, temperature, max lengths, prefixes). A saved retriever is a sentence-transformers model
 folder (and, with one shared tower, a transformers model folder) -- see :mod:`dpr_gc.model.folder` -- so it loads back
-with :meth:`Retriever.load` here and with ``SentenceTransformer(folder)`` or ``AutoModel.from_pretrained`` elsewhere.
+with :meth:`Retriever.load` here and with ``SentenceTransformer(folder)`` or ``AutoModel.from_pretrained`` elsewhere
+(separate LoRA towers load in sentence-transformers once ``dpr-gc merge-lora`` has merged them).
 """
 
 from __future__ import annotations
