@@ -255,3 +255,30 @@ def test_lora_and_decoder_folders_load_in_sentence_transformers(tmp_path):
         model = SentenceTransformer(str(tmp_path / f"lora-{shared}"), device="cpu")
         np.testing.assert_allclose(model.encode_query(TEXTS), retriever.embed("query", TEXTS), atol=1e-5)
         np.testing.assert_allclose(model.encode_document(TEXTS), retriever.embed("passage", TEXTS), atol=1e-5)
+
+
+def test_lora_flags_that_differ_from_a_saved_adapter_are_refused_and_the_used_ones_recorded(tmp_path):
+    """Training a saved LoRA retriever trains its adapter as saved: --lora-* flags with other values are refused in
+    one line naming the adapter's settings, and matching ones record the adapter's (alpha, dropout, targets)."""
+    from dpr_gc.model.retriever import RetrieverConfig
+    from tests.helpers import call
+    from tests.train_data import make_records, write_dpr
+
+    base = save_decoder(tmp_path / "base", "llama", padding_side="left")
+    retriever = Retriever.from_pretrained(str(base), RetrieverConfig(pooling="last", passage_format="concat"))
+    apply_lora(retriever, LoraSettings(r=4, dropout=0.1, target_modules=["q_proj", "v_proj"]))
+    retriever.save(tmp_path / "lora")
+    data = write_dpr(tmp_path / "train.json", make_records(8, 1))
+    flags = ["train", "--train", data, "--model", tmp_path / "lora", "--batch-size", "4", "--max-steps", "1",
+             "--num-workers", "0", "--cache-dir", tmp_path / "c", "--device", "cpu"]
+    for given, named in ((["--lora-r", "16"], "--lora-r 16"),
+                         (["--lora-r", "4", "--lora-alpha", "32"], "--lora-alpha 32"),
+                         (["--lora-r", "4", "--lora-target-modules", "q_proj"], "--lora-target-modules q_proj")):
+        code, err = call(main, [*flags, *given, "--output", tmp_path / "x"])
+        assert code == 2 and err.count("\n") == 1 and not (tmp_path / "x").exists(), err
+        assert "already carries an r=4 adapter (alpha 8, dropout 0.1, on q_proj,v_proj)" in err, err
+        assert f"drop {named}, or run dpr-gc merge-lora" in err, err
+    code, err = call(main, [*flags, "--lora-r", "4", "--output", tmp_path / "run"])
+    assert code == 0, err
+    recorded = json.loads((tmp_path / "run" / "train_config.json").read_text())["model"]["lora"]
+    assert recorded == {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}, recorded

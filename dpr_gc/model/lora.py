@@ -20,9 +20,10 @@ from torch import nn
 
 from ..base.args import layer_size, output_dir, positive_float
 from ..base.errors import DprGcError
+from ..base.files import read_json_object
 from ..base.logs import dependency_deprecations_hidden
-from .pretrained import is_adapted, peft_module
-from .folder import check_replaceable
+from .pretrained import ADAPTER_CONFIG, is_adapted, peft_module
+from .folder import check_replaceable, read_pipeline
 from .retriever import Retriever
 from ..base.settings import add_arguments, check, setting
 from ..base.guard import guarded
@@ -79,6 +80,44 @@ class LoraSettings:
             raise DprGcError(f"--lora-dropout must lie in [0, 1), got {self.dropout}")
         if self.target_modules is not None and not list(self.target_modules):
             raise DprGcError("--lora-target-modules needs at least one module name")
+
+
+def saved_adapter(folder: Path) -> Optional[LoraSettings]:
+    """The settings of the LoRA adapter that ``folder`` (a saved retriever, whose query tower's adapter is read, or a
+    PEFT adapter folder) carries; None when it carries none."""
+    towers = read_pipeline(folder) if folder.is_dir() else None
+    files = [folder / ADAPTER_CONFIG] + [t.transformer / ADAPTER_CONFIG for t in (towers or {}).values()]
+    found = next((f for f in files if f.is_file()), None)
+    if found is None:
+        return None
+    data = read_json_object(found, "a LoRA adapter config")
+    targets = data.get("target_modules") or []
+    try:
+        return LoraSettings(r=int(data["r"]), alpha=float(data["lora_alpha"]),
+                            dropout=float(data.get("lora_dropout") or 0.0),
+                            target_modules=sorted([targets] if isinstance(targets, str) else targets))
+    except (KeyError, TypeError, ValueError, DprGcError):
+        raise DprGcError(f"{found}: not a LoRA adapter config (r, lora_alpha, target_modules); save it again") from None
+
+
+def resolve_lora(name: str, settings: Optional[LoraSettings]) -> Optional[LoraSettings]:
+    """``settings`` (the ``--lora-*`` flags) for training the model ``name``: when it carries an adapter already,
+    which trains as saved, that adapter's own settings, so the run records what it trains; a flag given with another
+    value than the adapter's is refused in one line. No flags (None): None, the adapter trained all the same."""
+    saved = saved_adapter(Path(name)) if settings is not None and Path(name).is_dir() else None
+    if saved is None:
+        return settings
+    targets = ",".join(saved.target_modules or ())
+    differ = [f"--lora-r {settings.r}"] if settings.r != saved.r else []
+    differ += [f"--lora-alpha {settings.alpha:g}"] if settings.alpha not in (None, saved.alpha) else []
+    differ += [f"--lora-dropout {settings.dropout:g}"] if settings.dropout not in (0.0, saved.dropout) else []
+    if settings.target_modules is not None and set(settings.target_modules) != set(saved.target_modules or ()):
+        differ.append(f"--lora-target-modules {','.join(settings.target_modules)}")
+    if differ:
+        raise DprGcError(f"{name} already carries an r={saved.r} adapter (alpha {saved.alpha:g}, dropout "
+                         f"{saved.dropout:g}, on {targets}), which trains as saved; drop {' and '.join(differ)}, or "
+                         "run dpr-gc merge-lora on it first to put new adapters on the merged weights")
+    return saved
 
 
 def default_targets(model: nn.Module) -> list[str]:

@@ -39,7 +39,7 @@ from ..engine.budget import format_bytes
 from ..engine.chunking import Chunking
 from ..engine.grad_cache import GradCache
 from ..model.card import card_training
-from ..model.lora import apply_lora, has_adapters, train_adapters
+from ..model.lora import apply_lora, has_adapters, resolve_lora, train_adapters
 from ..engine.loss import DistributedContrastiveLoss, SimpleContrastiveLoss
 from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_position_embeddings
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
@@ -188,10 +188,13 @@ class Trainer:
     # ----------------------------------------------------------------- building
     def resolve(self, config: TrainConfig, recorded: Optional[dict]) -> TrainConfig:
         """``config`` with its data-dependent default resolved (:func:`resolve_defaults`; ``recorded``: the
-        settings of the run being resumed), saying so when a default was taken, and a sentence-transformers folder's
-        recipe put in (:func:`resolve_recipe`): what the run records and ``--resume`` compares."""
+        settings of the run being resumed), saying so when a default was taken, a sentence-transformers folder's
+        recipe put in (:func:`resolve_recipe`) and a saved adapter's LoRA settings (:func:`resolve_lora`): what the
+        run records and ``--resume`` compares."""
         config, why = resolve_defaults(config, recorded)
-        config = dataclasses.replace(config, model=resolve_recipe(config.model, warn=self.rank == 0))
+        model = resolve_recipe(config.model, warn=self.rank == 0)
+        model = dataclasses.replace(model, lora=resolve_lora(model.path(), model.lora))
+        config = dataclasses.replace(config, model=model)
         if self.rank == 0 and not self.hard_negatives_given:
             logger.info("--hard-negatives %d (%s)", config.data.hard_negatives, why)
         return config
