@@ -499,6 +499,24 @@ def test_changed_settings_name_each_flag_with_its_kind() -> None:
     assert "--max-steps" not in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
+def test_lora_switched_on_or_off_is_one_change_of_lora_r_with_its_values() -> None:
+    """An optional group recorded in one run and not the other is one change of the flag that brings it into being,
+    with that flag's values (``--lora-r 4 -> (not set)``), not one value-less change per member of the group."""
+    from dpr_gc.model.lora import LoraSettings
+    from dpr_gc.train.config import ModelConfig
+
+    plain = TrainConfig()
+    lora = TrainConfig(model=ModelConfig(lora=LoraSettings(r=4, alpha=8, dropout=0.1)))
+    for old, new, expected in ((lora, plain, "--lora-r 4 -> (not set)"), (plain, lora, "--lora-r (not set) -> 4")):
+        changes = changed_settings(TrainConfig, to_record(old), to_record(new))
+        assert [str(c) for c in changes] == [expected] and changes[0].resume == FIXED
+        with pytest.raises(DprGcError) as refused:
+            compare_recorded(new, to_record(old), "train_config.json")
+        assert f"training signal: {expected}; resume with" in str(refused.value), str(refused.value)
+    other = TrainConfig(model=ModelConfig(lora=LoraSettings(r=8, alpha=8, dropout=0.1)))
+    assert [str(c) for c in changed_settings(TrainConfig, to_record(lora), to_record(other))] == ["--lora-r 4 -> 8"]
+
+
 def test_resume_refuses_another_dev_beir_split() -> None:
     """docs/training.md: the dev set is fixed on --resume. --dev-beir-split picks the questions of a BEIR folder
     given as --dev, so a resume that changed it (it was accepted) had best/ compare average ranks over other

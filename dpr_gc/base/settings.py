@@ -479,7 +479,8 @@ def _show(value: Any) -> str:
 def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """The settings of ``cls`` whose recorded values differ between ``old`` and ``new`` (:func:`to_record`), named
     by their first flag (else their dotted name), each with its resume kind; an optional group present in one
-    record and absent in the other is one change of the flag that brings it into being. Paths compare by the place
+    record and absent in the other is one change of the flag that brings it into being, with that flag's values
+    (:func:`_toggled_groups`). Paths compare by the place
     they name (:func:`same_place`): a folder spelled ``beir/`` and then ``beir`` is no change. A plain field
     (which an earlier version recorded) is no setting and is not compared."""
     kinds: dict[str, tuple[str, str]] = {}
@@ -492,15 +493,36 @@ def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) 
         elif grp is not None:
             kinds[name] = (grp.when_flag if grp.when else name, FIXED)
     flat_old, flat_new = flat_record(old), flat_record(new)
+    toggled = _toggled_groups(cls, flat_old, flat_new)
     changes = []
     for key in sorted(set(flat_old) | set(flat_new), key=lambda k: list(kinds).index(k) if k in kinds else 1 << 30):
         a, b = flat_old.get(key, dataclasses.MISSING), flat_new.get(key, dataclasses.MISSING)
+        group = next((g for g in toggled if key == g or key.startswith(g + ".")), None)
+        if group is not None:
+            changes += [toggled[group]] if toggled[group] not in changes else []
+            continue
         if a == b or key in plain or (key in paths and same_place(a, b)):
             continue
         owner = next((k for k in (key, *_parents(key)) if k in kinds), None)
         flag, kind = kinds[owner] if owner else (key, FIXED)
         changes.append(Change(flag if owner == key else key, a, b, kind))
     return changes
+
+
+def _toggled_groups(cls: type, flat_old: Mapping[str, Any], flat_new: Mapping[str, Any]) -> dict[str, Change]:
+    """The optional groups (those a ``when`` flag brings into being) present in one flat record and absent (None or
+    missing) in the other, each as one change of its ``when`` flag: ``--lora-r 4 -> (not set)``."""
+    declared = list(_declarations(cls))
+    toggled = {}
+    for name, _, grp in declared:
+        on = [any(k.startswith(name + ".") for k in flat) for flat in (flat_old, flat_new)]
+        if grp is None or not grp.when or on[0] == on[1]:
+            continue
+        when = next((k for k, decl, _ in declared if k.startswith(name + ".") and decl is not None
+                     and decl.flag == grp.when_flag), None)
+        values = [flat.get(when) if present and when else None for flat, present in zip((flat_old, flat_new), on)]
+        toggled[name] = Change(grp.when_flag, values[0], values[1], FIXED)
+    return toggled
 
 
 def same_place(a: Any, b: Any) -> bool:
