@@ -118,6 +118,15 @@ def test_the_pages_show_commands() -> None:
                                                          for w, *_ in COMMANDS)
 
 
+def test_no_shown_command_passes_a_literal_backslash_n() -> None:
+    """A newline in a shown flag value (an instruction prefix "...\\nQuery: ") is written $'...\\n...': bash passes
+    a backslash and an n from "..." or '...', and dpr-gc would store them as they are."""
+    literal = re.compile(r'"(?:[^"\\]|\\.)*\\n(?:[^"\\]|\\.)*"' + r"|(?<!\$)'[^']*\\n[^']*'")
+    found = [f"{page.name}: {line.strip()}" for page in PAGES for line in shell_lines(page.read_text(encoding="utf-8"))
+             if literal.search(line)]
+    assert not found, found
+
+
 @pytest.mark.parametrize("program, argv, elided", [c[1:] for c in COMMANDS], ids=[c[0] for c in COMMANDS])
 def test_a_documented_command_parses(program: str, argv: list[str], elided: bool, monkeypatch) -> None:
     def refuse(parser: argparse.ArgumentParser, message: str) -> None:
