@@ -282,3 +282,32 @@ def test_lora_flags_that_differ_from_a_saved_adapter_are_refused_and_the_used_on
     assert code == 0, err
     recorded = json.loads((tmp_path / "run" / "train_config.json").read_text())["model"]["lora"]
     assert recorded == {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}, recorded
+
+
+def test_the_log_and_the_card_say_the_lora_settings_and_gradient_checkpointing(tmp_path, caplog):
+    """The log says the rank, alpha, dropout and targets a run's adapters take (and where the targets came from),
+    and that gradient checkpointing is on; the model card of a LoRA folder has a LoRA entry naming its base."""
+    import logging
+
+    from tests.helpers import call
+    from tests.train_data import make_records, write_dpr
+
+    base = save_decoder(tmp_path / "base", "llama", padding_side="left")
+    data = write_dpr(tmp_path / "train.json", make_records(8, 1))
+    flags = ["train", "--train", data, "--batch-size", "4", "--max-steps", "1", "--num-workers", "0",
+             "--cache-dir", tmp_path / "c", "--device", "cpu"]
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(main, [*flags, "--model", base, "--lora-r", "4", "--lora-dropout", "0.1",
+                                "--gradient-checkpointing", "--output", tmp_path / "run"])
+    assert code == 0, err
+    assert ("LoRA r=4 alpha=8 dropout=0.1 on down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj "
+            "(default for llama)") in caplog.text
+    assert "gradient checkpointing: activations are recomputed" in caplog.text
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert "| lora | r=4 alpha=8 dropout=0.1 on down_proj,gate_proj,k_proj," in card, card
+    assert f"LoRA adapters over the base model `{base.resolve()}`" in card, card
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(main, [*flags, "--model", tmp_path / "run" / "final", "--output", tmp_path / "more"])
+    assert code == 0 and "LoRA r=4 alpha=8 dropout=0.1 on down_proj," in caplog.text, err
+    assert "(the saved adapter)" in caplog.text

@@ -1,9 +1,9 @@
 """The model card (``README.md``) of a saved retriever, in the Hugging Face Hub's format.
 
 YAML metadata first (``library_name``, ``pipeline_tag``, ``tags``, ``base_model`` when it is a Hub id, and a
-``dpr_gc`` block with the recipe and the training run: data files and counts, batch and chunk sizes, loss,
-temperature, hard negatives, steps, dev metrics), then the same in prose and how to load the folder with
-sentence-transformers, transformers and dpr-gc. The training part comes from ``Retriever.training_info``.
+``dpr_gc`` block with the recipe, a LoRA folder's adapter settings and base model, and the training run: data files
+and counts, batch and chunk sizes, loss, temperature, hard negatives, steps, dev metrics), then the same in prose
+and how to load the folder with sentence-transformers, transformers and dpr-gc. The training part comes from ``Retriever.training_info``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,21 @@ def model_settings(retriever: Any) -> dict:
             "temperature": round(float(retriever.temperature.detach()), 6),
             "learn_temperature": config.learn_temperature, "query_max_length": config.query_max_length,
             "passage_max_length": config.passage_max_length, "passage_format": config.passage_format,
-            "query_prefix": config.query_prefix, "passage_prefix": config.passage_prefix}
+            "query_prefix": config.query_prefix, "passage_prefix": config.passage_prefix,
+            **({"lora": lora} if (lora := lora_settings(retriever)) else {})}
+
+
+def lora_settings(retriever: Any) -> dict:
+    """The LoRA adapter the towers carry (the query tower's), as the card states it; empty when they carry none."""
+    towers = (retriever.query_encoder, retriever.passage_encoder)
+    model = next((e.transformer for e in towers if is_adapted(e.transformer)), None)
+    if model is None:
+        return {}
+    config = model.peft_config["default"]
+    targets = config.target_modules
+    return {"r": config.r, "alpha": config.lora_alpha, "dropout": config.lora_dropout,
+            "target_modules": targets if isinstance(targets, str) else sorted(targets),
+            "base_model": str(config.base_model_name_or_path)}
 
 
 def hub_metadata(retriever: Any) -> dict:
@@ -86,7 +100,11 @@ def _body(retriever: Any) -> str:
              f"A bi-encoder for dense passage retrieval ({towers}), saved by dpr-gc as a sentence-transformers "
              "model folder.", "",
              "## Model", "", "| setting | value |", "|---|---|"]
-    lines += [f"| {key.replace('_', ' ')} | {_cell(value)} |" for key, value in settings.items()]
+    lines += [f"| {key.replace('_', ' ')} | {_lora_cell(value) if key == 'lora' else _cell(value)} |"
+              for key, value in settings.items()]
+    if "lora" in settings:
+        lines += ["", f"The towers hold LoRA adapters over the base model `{settings['lora']['base_model']}`, which "
+                  "loading needs (with `peft` installed); `dpr-gc merge-lora` writes a folder of full weights."]
     rows = [(label, info[key]) for key, label in TRAINING_ROWS if key in info]
     if rows:
         lines += ["", "## Training", "", "| setting | value |", "|---|---|"]
@@ -100,6 +118,12 @@ def _body(retriever: Any) -> str:
     if info.get("merged_from"):
         lines += ["", f"LoRA adapters of `{info['merged_from']}` merged into its weights."]
     return "\n".join(lines + ["", _usage(retriever, shared)]) + "\n"
+
+
+def _lora_cell(lora: dict) -> str:
+    targets = lora["target_modules"]
+    return (f"r={lora['r']} alpha={lora['alpha']:g} dropout={lora['dropout']:g} on "
+            f"{targets if isinstance(targets, str) else ','.join(targets)}")
 
 
 def _cell(value: Any) -> str:

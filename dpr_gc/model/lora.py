@@ -137,12 +137,15 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
     """Put LoRA adapters on every tower's transformer and freeze its other weights; a tower already carrying an
     adapter (a saved LoRA retriever) has that adapter made trainable instead. Returns the trainable adapter size."""
     peft = peft_module()
+    sources = {}
     for encoder in _towers(retriever):
         model = encoder.transformer
         if not is_adapted(model):
             targets = list(settings.target_modules or default_targets(model))
             config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r,
                                      lora_dropout=settings.dropout, target_modules=targets, bias="none")
+            sources[id(encoder)] = ("--lora-target-modules" if settings.target_modules else
+                                    f"default for {getattr(model.config, 'model_type', '?')}")
             base = str(getattr(model.config, "name_or_path", "") or "")
             try:
                 with dependency_deprecations_hidden():
@@ -152,12 +155,29 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
             if base and Path(base).exists():  # the adapter names its base; absolute, so the folder can move
                 model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
             encoder.transformer = model
-    return train_adapters(retriever)
+    return train_adapters(retriever, sources)
 
 
-def train_adapters(retriever: Any) -> int:
+def describe_lora(config: Any, targets_from: str) -> str:
+    """One line for the log: a PEFT ``LoraConfig``'s rank, alpha, dropout and target modules, and where the targets
+    came from (``targets_from``)."""
+    targets = config.target_modules
+    names = targets if isinstance(targets, str) else ",".join(sorted(targets or ()))
+    return (f"LoRA r={config.r} alpha={config.lora_alpha:g} dropout={config.lora_dropout:g} on {names} "
+            f"({targets_from})")
+
+
+def train_adapters(retriever: Any, sources: Optional[dict[int, str]] = None) -> int:
     """Make every tower's LoRA adapter trainable and freeze the rest of its transformer (a saved adapter loads
-    frozen); returns the trainable adapter size."""
+    frozen); returns the trainable adapter size. Logs each adapter's settings (:func:`describe_lora`), its targets'
+    source by the tower's ``id`` in ``sources`` (a new adapter's), else "the saved adapter"."""
+    said = set()
+    for encoder in _towers(retriever):
+        config = getattr(encoder.transformer, "peft_config", {}).get("default")
+        if config is not None:
+            said.add(describe_lora(config, (sources or {}).get(id(encoder), "the saved adapter")))
+    for line in sorted(said):
+        logger.info("%s", line)
     for encoder in _towers(retriever):
         for name, param in encoder.transformer.named_parameters():
             # an unused pooler (any pooling but "pooler") gets no gradient, so its adapter stays frozen too

@@ -219,6 +219,7 @@ class Trainer:
         retriever.train()
         if self.config.model.gradient_checkpointing:
             enable_gradient_checkpointing(retriever)
+            logger.info("gradient checkpointing: activations are recomputed in the backward pass")
         if self.config.model.freeze_position_embeddings:
             frozen = freeze_position_embeddings(retriever)
             if not frozen:
