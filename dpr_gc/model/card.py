@@ -3,7 +3,8 @@
 YAML metadata first (``library_name``, ``pipeline_tag``, ``tags``, ``base_model`` when it is a Hub id, and a
 ``dpr_gc`` block with the recipe, a LoRA folder's adapter settings and base model, and the training run: data files
 and counts, batch and chunk sizes, loss, temperature, hard negatives, steps, dev metrics), then the same in prose
-and how to load the folder with sentence-transformers, transformers and dpr-gc. The training part comes from ``Retriever.training_info``.
+and how to load the folder with sentence-transformers, transformers and dpr-gc. The training part comes from
+``Retriever.training_info``.
 """
 
 from __future__ import annotations
