@@ -191,3 +191,29 @@ def test_a_plain_decoder_folder_defaults_to_last_token_pooling_and_refuses_cls(t
         code, err = call(main, ["train", *flags, "--pooling", pooling, "--output", tmp_path / pooling])
         assert code == 2 and err.startswith(f"error: --pooling {pooling} does not fit a decoder-only model (llama)")
         assert err.count("\n") == 1 and "--pooling last" in err and not (tmp_path / pooling).exists(), err
+
+
+def test_a_default_length_beyond_the_models_positions_is_logged_once_and_saved_as_cut(tmp_path, caplog):
+    """--passage-max-length's default 256 on a model of 128 positions: texts are cut at 128, the start of training
+    says so once, and the saved retriever records 128, so its later loads have no cut to report."""
+    import json
+    import logging
+
+    from dpr_gc.cli import main
+    from tests.helpers import call
+    from tests.train_data import make_records, write_dpr
+
+    folder = save_decoder(tmp_path / "llama", "llama", padding_side="left")
+    train = write_dpr(tmp_path / "train.json", make_records(8, 1))
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(main, ["train", "--train", train, "--batch-size", "4", "--max-steps", "1", "--num-workers",
+                                "0", "--cache-dir", tmp_path / "c", "--device", "cpu", "--model", folder,
+                                "--output", tmp_path / "run"])
+    assert code == 0, err
+    assert caplog.text.count("passage_max_length 256 -> 128") == 1, caplog.text
+    saved = json.loads((tmp_path / "run" / "final" / "retriever_config.json").read_text())
+    assert (saved["query_max_length"], saved["passage_max_length"]) == (32, 128)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        Retriever.load(tmp_path / "run" / "final")
+    assert "exceeds the model's limit" not in caplog.text

@@ -67,7 +67,7 @@ def test_a_plain_transformers_folder_keeps_the_dpr_defaults(tmp_path: Path) -> N
     tokenizer.save_pretrained(tmp_path / "bert")
     config = build_retriever(parsed("--model", str(tmp_path / "bert")).model).config
     assert (config.pooling, config.normalize, config.passage_format, config.temperature) == ("cls", False, "pair", 1.0)
-    assert (config.query_max_length, config.passage_max_length) == (32, 256)
+    assert (config.query_max_length, config.passage_max_length) == (32, 128)  # 256, cut to the model's positions
 
 
 def test_training_a_sentence_transformers_folder_saves_its_recipe(st_folder: Path, tmp_path: Path) -> None:
@@ -119,7 +119,7 @@ def test_separate_towers_from_a_folder_with_a_projection_start_from_its_weights(
                                    torch.as_tensor(original.embed(kind, texts)), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("max_seq_length, lengths", [(256, (64, 256)), (40, (40, 40))])
+@pytest.mark.parametrize("max_seq_length, lengths", [(100, (64, 100)), (40, (40, 40))])  # the model: 128 positions
 def test_a_folder_without_a_query_length_caps_queries_at_64_tokens(st_folder: Path, tmp_path: Path,
                                                                    max_seq_length: int, lengths: tuple) -> None:
     """docs/training.md: a sentence-transformers folder that sets only ``max_seq_length`` (all-MiniLM-L6-v2: 256)

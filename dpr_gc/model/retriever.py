@@ -285,6 +285,16 @@ class Retriever(nn.Module):
                 logger.info("%s: its %s_max_length %d exceeds the model's limit of %d positions; %s are cut at %d "
                             "tokens", where, kind, stored, used, texts, used)
 
+    def fit_lengths(self) -> list[str]:
+        """Set the config's max lengths to those texts are cut to (:meth:`max_length`, at most the model's positions),
+        so that a save records the lengths used; returns each change, as ``"passage_max_length 256 -> 128"``."""
+        cut = {f"{kind}_max_length": self.max_length(kind) for kind in ("query", "passage")}
+        changed = [f"{name} {getattr(self.config, name)} -> {length}" for name, length in cut.items()
+                   if length != getattr(self.config, name)]
+        if changed:
+            self.config = dataclasses.replace(self.config, **cut)
+        return changed
+
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: RetrieverConfig,
                         chosen: Optional[Collection[str]] = None) -> "Retriever":

@@ -53,6 +53,7 @@ def _build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]]
             ("retriever",) if model.retriever is not None else ())
         if set(flags) - {"query_prefix", "passage_prefix"}:
             logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", name)
+        retriever.fit_lengths()  # a stored length beyond the model's positions: cut, as its load said
         return retriever.check_room("query", "passage")
     prefixes = {k: v for k, v in (("query_prefix", model.query_prefix), ("passage_prefix", model.passage_prefix))
                 if v is not None}
@@ -107,14 +108,19 @@ def check_lengths(retriever: Retriever, model: ModelConfig) -> Retriever:
     """``retriever``, refused when a max length the user chose exceeds the positions its model takes (as encode
     refuses such a ``--max-length``), before anything is written: the retriever would save it and every later
     command fail on a longer text. A length not chosen (the default, a folder's own) is cut where texts are
-    tokenised instead (:meth:`Retriever.max_length`), as a default is no mistake of the user's; the room it leaves a
-    text beside a prefix is checked all the same (:meth:`Retriever.check_room`)."""
+    tokenised instead (:meth:`Retriever.max_length`), as a default is no mistake of the user's, logged once and
+    recorded as cut (:meth:`Retriever.fit_lengths`); the room it leaves a text beside a prefix is checked all the same
+    (:meth:`Retriever.check_room`)."""
     flags = {f.name: f.metadata["setting"].flag for f in dataclasses.fields(RetrieverConfig)}
     chosen = chosen_fields(model) & set(LENGTHS)
     for name in sorted(chosen):
         length = getattr(retriever.config, name)
         check_max_length(flags[name], length, retriever.positions(LENGTHS[name]))
         check_length_room(retriever.tokenizer, retriever.config, LENGTHS[name], length, flags[name])
+    cut = retriever.fit_lengths()
+    if cut:
+        logger.info("%s takes %s positions: %s, the length texts are cut to and the retriever records",
+                    model.path(), retriever.positions("passage"), "; ".join(cut))
     return retriever.check_room(*(LENGTHS[name] for name in sorted(set(LENGTHS) - chosen)))
 
 
