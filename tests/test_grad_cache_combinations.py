@@ -1,8 +1,8 @@
 """Gradient Cache where its features meet: every memory budget with chunks by tokens, dropout, hard negatives, either
-kind of towers, gradient checkpointing, LoRA under bf16/fp16, uneven batches and chunks of one row, repeated passages,
-a custom split, gradients accumulated over several cached steps, and a learnable temperature at its bounds. Each
-parameter's gradient (the temperature's included) is compared with one graph over the whole batch: fp32 to a relative
-error below 1e-5, bf16/fp16 within the bound ``dpr-gc verify`` states."""
+kind of towers, gradient checkpointing, LoRA under bf16/fp16 and with dropout, uneven batches and chunks of one row,
+repeated passages, a custom split, gradients accumulated over several cached steps, and a learnable temperature at its
+bounds. Each parameter's gradient (the temperature's included) is compared with one graph over the whole batch: fp32
+to a relative error below 1e-5, bf16/fp16 within the bound ``dpr-gc verify`` states."""
 
 from __future__ import annotations
 
@@ -134,6 +134,33 @@ def test_accumulated_cached_steps_equal_the_references_steps(make_retriever, lor
     chunks = check_against_dropout_reference(engine, modules, loss_fn, steps, seed=11)
     assert loss_fn.tau.log_value.grad is not None
     assert (engine.joined_tokens[1] is not None) == (budget != "0"), chunks  # later steps join what a budget holds
+
+
+@pytest.mark.parametrize("kind, side, shared, checkpointing, budget", [
+    ("llama", "left", True, False, "0"), ("llama", "left", False, True, "half"),
+    ("qwen2", "right", True, True, "whole batch")])
+def test_lora_dropout_is_replayed_as_the_reference_draws_it(kind, side, shared, checkpointing, budget):
+    """docs/distributed.md: Gradient Cache replays the adapters' dropout like any other. LoRA towers with dropout
+    0.3 on decoders whose own layers have none (so the adapters' masks are the only randomness), over two accumulated
+    cached steps, under each kind of towers, gradient checkpointing and budget, equal the reference graphs that draw
+    the same masks."""
+    from tests.llm_models import decoder_retriever
+
+    retriever = decoder_retriever(kind, side, shared=shared, learn_temperature=True, temperature=0.2)
+    apply_lora(retriever, LoraSettings(r=4, dropout=0.3))
+    randomise_adapters(retriever)
+    if checkpointing:
+        enable_gradient_checkpointing(retriever)
+    retriever.train()
+    modules = models_of(retriever)
+    inputs = make_batch(retriever, 7, 2, seed=3)
+    with torch.no_grad():  # the adapters' dropout is live: the same batch embeds otherwise each time
+        assert not torch.equal(modules[0](**inputs[0]), modules[0](**inputs[0]))
+    loss_fn = SimpleContrastiveLoss(2)
+    chunking = Chunking(sort_by_length=True, tokens=[30, 80])
+    nbytes = budget_bytes(budget, modules, loss_fn, inputs, 3, chunking=chunking)
+    engine = GradCache(modules, 3, loss_fn, memory_budget=nbytes, chunking=chunking)
+    check_against_dropout_reference(engine, modules, loss_fn, [inputs, make_batch(retriever, 7, 2, seed=4)], seed=5)
 
 
 def plain_low_precision(modules: list[nn.Module], loss_fn: nn.Module, q: dict, p: dict, dtype: torch.dtype,
