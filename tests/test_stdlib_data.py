@@ -208,9 +208,8 @@ def test_a_folder_of_the_users_files_is_not_overwritten(tmp_path: Path) -> None:
     assert sorted(tmp_path.iterdir()) == [tmp_path / "passages.tsv"]
 
 
-def test_an_interrupted_build_is_finished_by_the_rerun(tmp_path: Path, monkeypatch, built) -> None:
-    """A build killed after some files (before the manifest) leaves its marker, so the re-run overwrites its own
-    files and finishes with the same dataset."""
+def interrupt_build(folder: Path, seed: int, monkeypatch) -> None:
+    """A build of ``folder`` with ``seed`` stopped by Ctrl-C once it has half-written corpus.jsonl."""
     write = stdlib_data._write_outputs
 
     def killed(out: Path, *args) -> None:
@@ -219,8 +218,14 @@ def test_an_interrupted_build_is_finished_by_the_rerun(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(stdlib_data, "_write_outputs", killed)
     with pytest.raises(KeyboardInterrupt):
-        build_stdlib_dataset(tmp_path, max_examples=N, seed=3)
+        build_stdlib_dataset(folder, max_examples=N, seed=seed)
     monkeypatch.setattr(stdlib_data, "_write_outputs", write)
+
+
+def test_an_interrupted_build_is_finished_by_the_rerun(tmp_path: Path, monkeypatch, built) -> None:
+    """A build killed after some files (before the manifest) leaves its marker, so the re-run overwrites its own
+    files and finishes with the same dataset."""
+    interrupt_build(tmp_path, 3, monkeypatch)
     manifest = build_stdlib_dataset(tmp_path, max_examples=N, seed=3)
     out, first = built
     assert manifest["counts"] == first["counts"] and not (tmp_path / stdlib_data.BUILD_MARKER).exists()
@@ -233,17 +238,8 @@ def test_a_rebuild_stopped_midway_is_never_reused_under_the_earlier_manifest(tmp
     re-running the earlier settings rebuilds rather than reusing the stopped build's files under that manifest."""
     out, first = built
     shutil.copytree(out, tmp_path / "ds")
-    write = stdlib_data._write_outputs
-
-    def killed(folder: Path, *args) -> None:
-        (folder / "corpus.jsonl").write_text("half")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(stdlib_data, "_write_outputs", killed)
-    with pytest.raises(KeyboardInterrupt):
-        build_stdlib_dataset(tmp_path / "ds", max_examples=N, seed=4)
+    interrupt_build(tmp_path / "ds", 4, monkeypatch)
     assert not (tmp_path / "ds" / "manifest.json").exists()
-    monkeypatch.setattr(stdlib_data, "_write_outputs", write)
     assert build_stdlib_dataset(tmp_path / "ds", max_examples=N, seed=3)["counts"] == first["counts"]
     assert (tmp_path / "ds" / "corpus.jsonl").read_bytes() == (out / "corpus.jsonl").read_bytes()
 
