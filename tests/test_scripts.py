@@ -656,3 +656,17 @@ def test_dpr_scripts_name_a_model_that_cannot_load_by_the_flag_typed(tmp_path, t
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert errors[0].startswith(f"error: cannot load {argv[0]} '{model}': no such folder"), errors
+
+
+def test_dense_retrievers_cache_dir_is_typed_as_dpr_gcs(tmp_path, monkeypatch):
+    """The retriever's --cache_dir takes dpr-gc's --cache-dir type: a '~' the shell left (after '=') is the home
+    folder, not a folder named '~', and a file is refused as the command line is read."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    import argparse
+
+    parser = load_script("dense_retriever.py").build_parser()
+    typed = next(a for a in parser._actions if "--cache_dir" in a.option_strings).type
+    assert typed is not None and typed("~/c") == str(tmp_path / "home" / "c")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(argparse.ArgumentTypeError):
+        typed(str(tmp_path / "f"))
