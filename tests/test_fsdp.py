@@ -23,6 +23,13 @@ from tests.llm_models import lora_decoder
 WORLD, LOCAL = 2, 4
 
 
+def join(rank: int, tmp: str, world: int = WORLD) -> None:
+    """This process into a gloo group of ``world`` ranks meeting in ``tmp`` (a rendezvous file per group size)."""
+    name = "rendezvous" if world == WORLD else f"rendezvous-{world}"
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/{name}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+
+
 def batches(retriever, steps: int):
     return [make_batch(retriever, WORLD * LOCAL, 1, seed=20 + s) for s in range(steps)]
 
@@ -66,8 +73,7 @@ def compare(rank: int, retriever, expected: dict, what: str) -> None:
 
 
 def worker(rank: int, tmp: str, expected_1: dict, expected_2: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=300))
+    join(rank, tmp)
     try:
         torch.manual_seed(0)
         retriever = shard_retriever(lora_decoder())
@@ -92,8 +98,7 @@ def worker(rank: int, tmp: str, expected_1: dict, expected_2: dict) -> None:
 
 def one_rank_reader(rank: int, tmp: str, expected_1: dict) -> None:
     """Read the 2-rank sharded checkpoint into a model sharded over 1 rank: the weights after one step."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-1", rank=rank, world_size=1,
-                            timeout=timedelta(seconds=300))
+    join(rank, tmp, 1)
     try:
         torch.manual_seed(0)
         retriever = shard_retriever(lora_decoder())
@@ -121,8 +126,7 @@ def test_fsdp_gradient_cache_step_equals_one_process_and_resumes(tmp_path):
 def snapshot_worker(rank: int, tmp: str) -> None:
     """``full_state_dict`` kept from before a step, then the step: the kept weights are those from before (the
     replicated temperature was the live parameter on the CPU), while the step moved the temperature."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=300))
+    join(rank, tmp)
     try:
         torch.manual_seed(0)
         retriever = shard_retriever(lora_decoder())
@@ -159,8 +163,7 @@ def sharded_model_and_local_batch(rank: int) -> tuple:
 def reductions_worker(rank: int, tmp: str) -> None:
     """The gradient reductions (reduce-scatters, all-reduces) of one backward of plain training, then of a cached
     step with ``no_sync_except_last`` and without it, written to ``reductions-RANK.txt``."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=300))
+    join(rank, tmp)
     calls = []
     for name in ("reduce_scatter_single", "all_reduce"):
         real = getattr(dist, name)
@@ -199,8 +202,7 @@ def clipping_worker(rank: int, tmp: str, expected_norm: float, expected: dict) -
     clipped gradients (gathered) must be one process's ``torch.nn.utils.clip_grad_norm_`` over the global batch."""
     from dpr_gc.model.fsdp import clip_grad_norm
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=300))
+    join(rank, tmp)
     try:
         retriever, q_local, p_local = sharded_model_and_local_batch(rank)
         GradCache([retriever, retriever], 3, DistributedContrastiveLoss(1))(q_local, p_local, no_sync_except_last=True)
