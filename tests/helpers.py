@@ -307,10 +307,12 @@ def foreign_lines(stderr: str) -> list[str]:
 
 def summary_rows(printed: str) -> dict[str, str]:
     """The rows of the last closing summary (``| item | value |``) in a command's output, checked against the
-    convention every command follows: that header, keys in words (no snake_case), and a ``time`` row in seconds."""
+    convention every command follows: a table of its own (not glued to a table above it), that header, keys in words
+    (no snake_case), and a ``time`` row in seconds."""
     lines = printed.splitlines()
     starts = [i for i, line in enumerate(lines) if line == "| item | value |"]
     assert starts, f"no '| item | value |' closing summary in:\n{printed}"
+    assert starts[-1] == 0 or not lines[starts[-1] - 1].startswith("|"), f"the summary glued to a table:\n{printed}"
     rows: dict[str, str] = {}
     for line in lines[starts[-1] + 2:]:
         if not line.startswith("| "):

@@ -401,7 +401,7 @@ def _cli(args: argparse.Namespace) -> None:
             print(f"\n{heading}\n{format_table(part['metrics'])}")
             curves.update({f"{key}: {name}@k": curve(report[key]["metrics"], name) for name in names})
     write_report(report, curves, args.output, args.plot)
-    print(format_summary({"results": args.results or "-", "run": args.run or "-", "qrels": args.qrels or "-",
+    print("\n" + format_summary({"results": args.results or "-", "run": args.run or "-", "qrels": args.qrels or "-",
                           "output": args.output or "-", "plot": args.plot or "-"}, time.perf_counter() - started))
 
 
