@@ -13,6 +13,7 @@ import string
 import shutil
 import contextlib
 import dataclasses
+import importlib.util
 import io
 from collections import Counter
 from pathlib import Path
@@ -322,3 +323,13 @@ def summary_rows(printed: str) -> dict[str, str]:
     assert not [k for k in rows if re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)+", k)], f"a snake_case key in {rows}"
     assert re.fullmatch(r"\d+\.\d+ s", rows.get("time", "")), f"no 'time' row of seconds in {rows}"
     return rows
+
+
+def load_script(name: str) -> Any:
+    """Import ``scripts/NAME.py`` (``.py`` optional) as a module, as a user running it would, without a package."""
+    name = name.removesuffix(".py")
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

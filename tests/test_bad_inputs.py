@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import gzip
-import importlib.util
 import json
 import os
 import random
@@ -26,7 +25,7 @@ import torch
 
 import struct
 import numpy as np
-from tests.helpers import call, copy_run, train_argv
+from tests.helpers import call, copy_run, load_script, train_argv
 from dpr_gc.base.guard import atomic_folder, check_outputs
 from dpr_gc.base.locks import exclusive_lock
 from dpr_gc.model import folder as model_folder
@@ -105,13 +104,6 @@ def assert_one_error(code: int, err: str, *needles: str) -> str:
 
 def refused(argv: Sequence[Any], *needles: str, main: Callable[[list[str]], int] = cli.main) -> str:
     return assert_one_error(*call(main, argv), *needles)
-
-
-def load_script(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def pickle_payload(marker: Path) -> Any:

@@ -7,22 +7,13 @@ import functools
 import gzip
 import hashlib
 import http.server
-import importlib.util
 import json
 import socket
 import threading
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("download_dpr_data", REPO / "scripts" / "download_dpr_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_script
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -76,7 +67,7 @@ def test_downloads_are_verified_and_recorded(server, tmp_path, monkeypatch, caps
     bad_crc = bytearray(whole)
     bad_crc[-8] ^= 0xFF  # a whole member whose CRC-32 does not match its data
     (root / "crc.tsv.gz").write_bytes(bytes(bad_crc))
-    script = load_script()
+    script = load_script("download_dpr_data")
     monkeypatch.setattr(script, "RESOURCES", {
         "qa": (f"{url}/qa.csv", "qa.csv", "", hashlib.sha256(qa).hexdigest()),
         "train": (f"{url}/train.json.gz", "train.json.gz", "", None),
@@ -117,7 +108,7 @@ def test_a_malformed_checksum_entry_is_refused_naming_the_file(tmp_path, monkeyp
     """An entry of SHA256SUMS.json that is not ``{sha256: 64 hex digits, size: bytes}`` was an AttributeError
     traceback (a string) or skipped the check and was overwritten ({"sha256": null}); it is one error line naming
     the sums file and the entry, and the file is left as it was."""
-    script = load_script()
+    script = load_script("download_dpr_data")
     monkeypatch.setattr(script, "RESOURCES", {"qa": ("http://127.0.0.1:9/qa.csv", "qa.csv", "", None)})
     out = tmp_path / "dpr"
     out.mkdir()
@@ -131,7 +122,7 @@ def test_a_malformed_checksum_entry_is_refused_naming_the_file(tmp_path, monkeyp
 
 def test_verify_says_gzip_intact_only_for_a_gzip_file(tmp_path, monkeypatch, capsys):
     """A .csv was reported 'gzip intact' though only .gz files are read through gzip."""
-    script = load_script()
+    script = load_script("download_dpr_data")
     monkeypatch.setattr(script, "RESOURCES", {"qa": ("http://127.0.0.1:9/qa.csv", "qa.csv", "", None),
                                               "train": ("http://127.0.0.1:9/t.json.gz", "t.json.gz", "", None)})
     out = tmp_path / "dpr"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import foreign_lines
+from tests.helpers import foreign_lines, load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,15 +81,6 @@ def test_train_script_accepts_gc_dpr_flags(tmp_path):
 
 
 # ------------------------------------------------------------------ GC-DPR / DPR command lines on tiny data
-def load_script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), REPO / "scripts" / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict:
     """A tiny Hugging Face BERT folder, DPR training/dev files, a passages TSV and a QA file."""
