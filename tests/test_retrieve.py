@@ -7,7 +7,6 @@ import importlib.util
 import itertools
 import json
 import random
-import re
 from pathlib import Path
 
 import numpy as np

@@ -18,7 +18,7 @@ from transformers import BertTokenizerFast
 from dpr_gc import cli
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.settings import FIXED, FREE, changed_settings, to_record
-from dpr_gc.model.retriever import Retriever, RetrieverConfig
+from dpr_gc.model.retriever import RetrieverConfig
 from dpr_gc.train.config import (SETTINGS_FILE, CacheConfig, DataConfig, OptimConfig, RunConfig, TrainConfig,
                                  compare_recorded, config_from_args, resolve_defaults)
 from dpr_gc.train.trainer import train
