@@ -50,6 +50,7 @@ def test_training_state_has_no_pickle(trained):
     assert sorted(p.name for p in ckpt.iterdir()) == ["model", "train_config.json", "train_state.json",
                                                       "train_state.safetensors"]
     assert not list(ckpt.rglob("*.pt")) and not list(ckpt.rglob("*.bin"))
+    assert all(p.read_text().endswith("}\n") for p in ckpt.glob("*.json")), "a JSON file without its last newline"
 
 
 @pytest.mark.parametrize("target", ["train_state.safetensors", "model/heads.safetensors"])

@@ -93,6 +93,7 @@ def write_state(folder: Path, state: dict) -> None:
     save_file(tensors, str(folder / STATE_TENSORS))
     with open(folder / STATE_JSON, "w", encoding="utf-8") as f:
         json.dump(plain, f)
+        f.write("\n")
 
 
 def read_state(folder: Path) -> dict:
