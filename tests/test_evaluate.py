@@ -622,7 +622,9 @@ def test_the_plots_x_axis_is_logarithmic_only_when_k_spans_a_wide_range(tmp_path
 
 def test_a_cut_off_deeper_than_what_was_retrieved_is_named(tmp_path, caplog):
     """Accuracy@500 or Recall@500 over 2 retrieved passages counts only those 2; the table cannot show it, so a
-    warning names the cut-offs past the deepest list (results file and TREC run alike) and none is logged within it."""
+    warning names the cut-offs past the deepest list (results file and TREC run alike) and none is logged within it.
+    Qrels metrics always include nDCG@10 and MRR@10, which the same warning names when 10 is past the deepest list
+    (answer accuracy alone has no @10)."""
     results = tmp_path / "results.json"
     results.write_text(json.dumps(_results()))
     run = tmp_path / "run.trec"
@@ -634,6 +636,24 @@ def test_a_cut_off_deeper_than_what_was_retrieved_is_named(tmp_path, caplog):
         assert not caplog.records
         ev.evaluate([1, 5, 500], results_path=results, mode=None)
         ev.evaluate([1, 3], run_path=run, qrels_path=qrels)
+        ev.evaluate([1, 2], run_path=run, qrels_path=qrels)
+        ev.evaluate([1, 10], run_path=run, qrels_path=qrels)
     assert [r.getMessage() for r in caplog.records] == [
         f"{results} holds at most 2 retrieved passages per question: @5, @500 count only those",
-        f"{run} holds at most 2 retrieved passages per question: @3 counts only those"]
+        f"{run} holds at most 2 retrieved passages per question: @3, nDCG@10 and MRR@10 count only those",
+        f"{run} holds at most 2 retrieved passages per question: nDCG@10 and MRR@10 count only those",
+        f"{run} holds at most 2 retrieved passages per question: @10 counts only those"]
+
+
+def test_the_always_reported_cut_off_is_named_in_results_scored_on_qrels(tmp_path, caplog):
+    """Results scored on qrels report nDCG@10 and MRR@10 whatever --k: over 2 passages per question the one
+    warning names them beside the cut-offs asked for."""
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(_results()))
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text("q1\t0\td1\t1\n")
+    with caplog.at_level(logging.WARNING, logger=ev.__name__):
+        ev.evaluate([1, 2], results_path=results, qrels_path=qrels, mode=None)
+    warnings = [r.getMessage() for r in caplog.records if "count only those" in r.getMessage()]
+    assert warnings == [f"{results} holds at most 2 retrieved passages per question: nDCG@10 and MRR@10 count only "
+                        "those"], caplog.text

@@ -429,17 +429,30 @@ def test_kept_records_of_an_interrupted_run_are_named_and_reported_by_later_runs
 
 def test_evaluation_cut_offs_stop_at_top_k(world, tmp_path, capsys, caplog):
     """retrieve --evaluate's default cut-offs are those below --top-k, and --top-k: an Accuracy@100 of 3 passages
-    repeated Accuracy@3 under another name. A --k beyond --top-k is kept, with a warning saying what it counts."""
+    repeated Accuracy@3 under another name. A --k beyond --top-k is kept, with a warning saying what it counts;
+    nDCG@10 and MRR@10, reported whatever the cut-offs, are named in that warning when --top-k is below 10."""
     queries, qrels = self_queries(tmp_path)
     common = ("--index", world["idx"], "--queries", queries, "--qrels", qrels, "--top-k", 3, "--cache-dir",
               world["cache"], "--device", "cpu", "--evaluate")
-    cli("retrieve", *common)
+    with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
+        cli("retrieve", *common)
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| metric"))
     assert header == "| metric | @1 | @3 | @10 |", header  # @10: nDCG@10 and MRR@10 are always reported
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["nDCG@10 and MRR@10 beyond --top-k 3: those figures count only the 3 passages retrieved per "
+                        "question"], warnings
+    caplog.clear()
     with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
         cli("retrieve", *common, "--k", 1, 3, 20)
-    assert "--k 20 beyond --top-k 3: those figures count only the 3 passages retrieved per question" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["--k 20, nDCG@10 and MRR@10 beyond --top-k 3: those figures count only the 3 passages "
+                        "retrieved per question"], warnings
     assert "| metric | @1 | @3 | @10 | @20 |" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):  # a --k of 10 names @10 itself
+        cli("retrieve", *common, "--k", 1, 10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["--k 10 beyond --top-k 3: those figures count only the 3 passages retrieved per question"]
 
 
 def test_a_top_k_beyond_the_index_is_named_and_the_summary_gives_the_depth_retrieved(world, tmp_path, capsys, caplog):

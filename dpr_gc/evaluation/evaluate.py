@@ -38,6 +38,8 @@ from ..base.logs import counted
 from ..data.qrels import read_qrels
 
 logger = logging.getLogger(__name__)
+ALWAYS_AT, ALWAYS_REPORTED = 10, "nDCG@10 and MRR@10"  # qrels metrics reported whatever the cut-offs
+
 
 def read_results(path: PathLike) -> list[dict[str, Any]]:
     """All records of a results file in memory (small files; :func:`dpr_gc.evaluation.results.iter_results` streams)."""
@@ -304,7 +306,7 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
     if not counter.questions:
         raise DprGcError(f"{source}: no questions to evaluate (the results list is empty)")
     uncompiled.warn(source)
-    warn_beyond_depth(ks, depth, source)
+    warn_beyond_depth(ks, depth, source, qrels=acc is not None)
     if not answered and not answers_optional:
         raise DprGcError(f"{source}: none of its {counter.questions} questions has answers, so there is no answer "
                          "accuracy: score the results against relevance judgments with --qrels FILE")
@@ -317,14 +319,21 @@ def scan_results(path: PathLike, ks: list[int], mode: Optional[str], workers: in
     return answers, acc.result() if acc is not None else None
 
 
-def warn_beyond_depth(ks: list[int], depth: int, source: str) -> None:
+def always_beyond(ks: Iterable[int], depth: int) -> bool:
+    """Whether qrels metrics at cut-offs ``ks`` report nDCG@10 and MRR@10 (always reported) beyond ``depth``
+    retrieved passages without a cut-off of 10 among ``ks`` to name them."""
+    return depth < ALWAYS_AT and ALWAYS_AT not in ks
+
+
+def warn_beyond_depth(ks: list[int], depth: int, source: str, qrels: bool = False) -> None:
     """Say when a cut-off is deeper than any question's retrieved list: its metric counts only what was retrieved
-    (a Recall@1000 over 100 passages is Recall@100), which a table would not show."""
-    deeper = [k for k in ks if k > depth]
+    (a Recall@1000 over 100 passages is Recall@100), which a table would not show; ``qrels``: qrels metrics are
+    reported, whose nDCG@10 and MRR@10 the warning names too."""
+    deeper = [f"@{k}" for k in ks if k > depth] + ([ALWAYS_REPORTED] if qrels and always_beyond(ks, depth) else [])
     if deeper and depth:
-        cut_offs = ", @".join(map(str, deeper))
-        logger.warning("%s holds at most %s per question: @%s count%s only those", source,
-                       counted(depth, "retrieved passage"), cut_offs, "" if len(deeper) > 1 else "s")
+        logger.warning("%s holds at most %s per question: %s count%s only those", source,
+                       counted(depth, "retrieved passage"), ", ".join(deeper),
+                       "" if len(deeper) > 1 or deeper == [ALWAYS_REPORTED] else "s")
 
 
 def announce_mode(asked: Optional[str], chosen: Optional[str], workers: int, source: str) -> None:
@@ -370,7 +379,7 @@ def evaluate(
         metrics = from_results
         if run_path is not None:
             run = read_run(run_path)
-            warn_beyond_depth(ks, max(map(len, run.values()), default=0), str(run_path))
+            warn_beyond_depth(ks, max(map(len, run.values()), default=0), str(run_path), qrels=True)
             metrics = qrels_metrics(run, qrels, ks)
         report["qrels"] = {"qrels": str(qrels_path), "run": str(run_path or results_path), "queries": len(qrels),
                            "metrics": metrics}

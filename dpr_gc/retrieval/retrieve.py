@@ -25,7 +25,7 @@ from ..base.args import input_dir, nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError, Interrupted, rename_flags
 from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
-from ..evaluation.evaluate import RunEvaluation
+from ..evaluation.evaluate import ALWAYS_REPORTED, RunEvaluation, always_beyond
 from ..base.files import ChunkedOutput, PathLike, iter_jsonl, require_file
 from ..base.locks import output_lock
 from .index import DenseIndex, Unscorable, set_threads
@@ -442,7 +442,7 @@ def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Ite
     if s.trec_run:
         check_run_tag(s.run_tag)
     depth = retrieved_depth(s.top_k, index, flags)
-    warn_cut_offs_beyond(s, depth, flags)
+    warn_cut_offs_beyond(s, depth, flags, judged=qrels is not None)
     hits = HitCount(depth)
     with AnswerMatcher(match or "string", default_workers(s.workers)) as matcher:
         def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
@@ -684,19 +684,22 @@ def retrieved_depth(top_k: int, index: Any, flags: bool = False) -> int:
     return vectors
 
 
-def warn_cut_offs_beyond(s: RetrieveSettings, depth: int, flags: bool) -> None:
+def warn_cut_offs_beyond(s: RetrieveSettings, depth: int, flags: bool, judged: bool = False) -> None:
     """Name the cut-offs ``s.ks`` asks for beyond the ``depth`` retrieved, whose figures count only those passages
-    (the default cut-offs stop at the top-k, warned of by :func:`retrieved_depth`); ``flags``: as ``--k`` and
-    ``--top-k``, else in words."""
+    (the default cut-offs stop at the top-k, warned of by :func:`retrieved_depth`), and with qrels (``judged``)
+    nDCG@10 and MRR@10, reported whatever the cut-offs; ``flags``: as ``--k`` and ``--top-k``, else in words."""
+    cutoffs = s.cutoffs()
     beyond = [k for k in s.ks or () if k > depth]
-    if not beyond:
+    always = judged and cutoffs is not None and always_beyond(cutoffs, depth)
+    if not beyond and not always:
         return
     cut_offs = " ".join(map(str, beyond))
+    named = [f"--k {cut_offs}" if flags else f"{'cut-off' if len(beyond) == 1 else 'cut-offs'} {cut_offs}"] \
+        if beyond else []
     limit = f"the index's {depth} vectors" if depth < s.top_k else f"--top-k {depth}" if flags else \
         f"the top-k of {depth}"
     logger.warning("%s beyond %s: those figures count only the %d passages retrieved per question",
-                   f"--k {cut_offs}" if flags else f"{'cut-off' if len(beyond) == 1 else 'cut-offs'} {cut_offs}",
-                   limit, depth)
+                   ", ".join(named + ([ALWAYS_REPORTED] if always else [])), limit, depth)
 
 
 def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: PathLike,
