@@ -556,6 +556,26 @@ def test_the_qrels_heading_counts_the_judged_queries_the_metrics_average_over(wo
     assert "| queries | 4 |" in printed
 
 
+def test_match_none_stores_no_flags_and_its_evaluation_says_it_matched_by_string(world, tmp_path, capsys, caplog):
+    """--match none stores no has_answer flags; --evaluate then matches the answers by string: the heading said
+    match=none over figures string matching gave. It and a log line name the matching used, and the figures are
+    --match string's."""
+    word = passages()[3]["text"].split()[0]
+    qa = tmp_path / "qa.tsv"
+    qa.write_text(f'who is {word}\t["{word}"]\tq1\nwhat city\t["qqq"]\tq2\n')
+    tables = {}
+    for match in ("none", "string"):
+        with caplog.at_level("INFO", logger="dpr_gc"):
+            cli("retrieve", "--index", world["idx"], "--queries", qa, "--top-k", 3, "--match", match, "--evaluate",
+                "--output", tmp_path / f"{match}.json", "--cache-dir", world["cache"], "--device", "cpu")
+        tables[match] = capsys.readouterr().out.split("| item |")[0]
+    assert tables["none"] == tables["string"], tables
+    assert "answer accuracy (2 questions, match=string)" in tables["none"], tables["none"]
+    assert caplog.text.count("--match none stores no has_answer flags: --evaluate matches the answers of 2 questions "
+                             "with string matching") == 1, caplog.text
+    assert not any("has_answer" in c for r in json.loads((tmp_path / "none.json").read_text()) for c in r["ctxs"])
+
+
 def test_library_retrieve_names_answer_patterns_that_do_not_compile(world, caplog):
     """retrieve(match="regex") names the patterns that do not compile in one warning before retrieving, as the
     command does (the library call skipped them silently); they never match."""

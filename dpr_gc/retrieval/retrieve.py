@@ -54,7 +54,8 @@ class RetrieveSettings:
     batch_size: int = setting(64, "--batch-size", type=positive_int, help="questions per encoder batch")
     match: Optional[str] = setting("string", "--match", choices=MATCH_CHOICES,
                                    help="answer matching for has_answer: string (NQ/TriviaQA), regex (CuratedTREC) "
-                                        "or none (None in code)")
+                                        "or none (None in code: no has_answer flags stored; --evaluate then matches "
+                                        "answers by string)")
     output: Optional[PathLike] = setting(None, "--output", type=output_file,
                                          help="write DPR retriever JSON here (JSONL when named .jsonl; .gz compresses)")
     compact: bool = setting(False, "--compact", help="results without passage title and text: ids, scores and "
@@ -385,7 +386,16 @@ def queries_to_retrieve(queries_path: PathLike, qrels_path: Optional[PathLike],
     if s.cutoffs() is not None and qrels is None and not answered:
         raise DprGcError(f"{queries_path}: none of its {counted(count, 'question')} has answers, so --evaluate has "
                          "nothing to evaluate (no answer accuracy, no qrels): give --qrels FILE, or drop --evaluate")
+    if s.cutoffs() is not None and answered and s.match in (None, "none"):
+        logger.info("--match none stores no has_answer flags: --evaluate matches the answers of %s with %s matching",
+                    counted(answered, "question"), evaluation_match(s.match))
     return qrels, count
+
+
+def evaluation_match(match: Optional[str]) -> str:
+    """The answer matching an evaluation of a retrieval with ``match`` uses: its own, or string matching where
+    ``match`` (None, "none") stores no ``has_answer`` flags to evaluate."""
+    return "string" if match in (None, "none") else match
 
 
 def judged_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = None) -> Iterator[dict]:
@@ -444,7 +454,7 @@ def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Ite
     depth = retrieved_depth(s.top_k, index, flags)
     warn_cut_offs_beyond(s, depth, flags, judged=qrels is not None)
     hits = HitCount(depth)
-    with AnswerMatcher(match or "string", default_workers(s.workers)) as matcher:
+    with AnswerMatcher(evaluation_match(match), default_workers(s.workers)) as matcher:
         def records(todo: Iterable[dict], left: Optional[int]) -> Iterator[dict]:
             return iter_retrieve(retriever, index, corpus, todo, s.top_k, s.batch_size,
                                  matcher if match is not None else None, show_progress, left)
@@ -739,7 +749,7 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
     judged = summary.pop("judged queries", None)
     for name, values in metrics.items():  # each heading says how many queries its figures are averaged over
         count = judged if name == "qrels" and judged is not None else summary["queries"]
-        print(f"\n{metrics_heading(name, count, job.settings.match or 'string')}")
+        print(f"\n{metrics_heading(name, count, evaluation_match(job.settings.match))}")
         print(format_table(values))
     print(("\n" if metrics else "") + rename_flags(summary_text(summary, index_name), flag_names or {}))
     return metrics
