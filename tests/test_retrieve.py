@@ -576,6 +576,37 @@ def test_match_none_stores_no_flags_and_its_evaluation_says_it_matched_by_string
     assert not any("has_answer" in c for r in json.loads((tmp_path / "none.json").read_text()) for c in r["ctxs"])
 
 
+def qrels_section(printed: str) -> str:
+    """The qrels heading and metric table a command printed (up to the blank line after it)."""
+    start = printed.index("qrels metrics (")
+    return printed[start:printed.index("\n\n", start)]
+
+
+def test_retrieve_evaluate_gives_the_qrels_metrics_evaluate_gives_for_what_it_wrote(world, tmp_path, capsys):
+    """The qrels metrics retrieve --evaluate prints are those evaluate prints for the results file and the TREC run
+    it wrote, figure for figure: graded judgments, a judged query never asked (0 in both) and imperfect rankings."""
+    from dpr_gc.cli import main
+    from dpr_gc.evaluation.evaluate import evaluate
+
+    rng, ps = random.Random(1), passages()
+    queries, qrels = tmp_path / "queries.jsonl", tmp_path / "qrels.tsv"
+    queries.write_text("".join(json.dumps({"_id": f"q{i}", "text": " ".join(rng.sample(ps[i]["text"].split(), 3))})
+                               + "\n" for i in range(8)))
+    qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{ps[i]['id']}\t2\nq{i}\t{ps[i + 8]['id']}\t1\n"
+                                                           for i in range(8)) + "q9\tp0\t1\n")
+    out, run, ks = tmp_path / "r.json", tmp_path / "r.trec", ["1", "5", "10", "20"]
+    assert main(["retrieve", "--index", str(world["idx"]), "--queries", str(queries), "--qrels", str(qrels), "--top-k",
+                 "20", "--evaluate", "--k", *ks, "--output", str(out), "--trec-run", str(run), "--cache-dir",
+                 str(world["cache"]), "--device", "cpu"]) == 0
+    retrieved = qrels_section(capsys.readouterr().out)
+    assert "qrels metrics (9 judged queries)" in retrieved and "| 1.0000 |" not in retrieved, retrieved
+    for given in (["--results", str(out)], ["--run", str(run)]):
+        assert main(["evaluate", *given, "--qrels", str(qrels), "--k", *ks]) == 0
+        assert qrels_section(capsys.readouterr().out) == retrieved, given
+    by_results = evaluate([1, 5, 10, 20], results_path=out, qrels_path=qrels)["qrels"]["metrics"]
+    assert by_results == evaluate([1, 5, 10, 20], run_path=run, qrels_path=qrels)["qrels"]["metrics"]
+
+
 def test_library_retrieve_names_answer_patterns_that_do_not_compile(world, caplog):
     """retrieve(match="regex") names the patterns that do not compile in one warning before retrieving, as the
     command does (the library call skipped them silently); they never match."""
