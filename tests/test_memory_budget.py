@@ -601,3 +601,37 @@ def test_replayed_graphs_are_estimated_from_the_replays_measure_where_no_first_p
         peaks.append(engine.last_step.peak_graph_bytes)
         assert engine.last_step.kept_bytes == 0
     assert peaks[0] > 0 and peaks[1] == peaks[2] and abs(peaks[1] - peaks[0]) <= 0.2 * peaks[0], peaks
+
+
+def batch_of_width(retriever, seed: int, lo: int, hi: int) -> tuple[dict, dict]:
+    """Six queries and their positive passages of ``lo`` to ``hi`` words."""
+    q = retriever.tokenize_queries(random_texts(6, seed, 2, 6))
+    p = retriever.tokenize_passages(random_texts(6, seed + 1, 1, 2), random_texts(6, seed + 2, lo, hi))
+    return dict(q), dict(p)
+
+
+@pytest.mark.parametrize("keep_last", [True, False])
+def test_a_step_wider_than_any_measured_before_is_measured_not_estimated(make_retriever, keep_last):
+    """Graph bytes per token grow with the padded width (attention), so a step wider than any measured before
+    measures its kept last chunk (or, without one, its replayed chunks) again: its figures are a fresh engine's,
+    and its gradient the full batch's."""
+    retriever = make_retriever(shared=True)
+    modules = models_of(retriever)
+    loss_fn = SimpleContrastiveLoss(0)
+    short, wide = batch_of_width(retriever, 1, 2, 4), batch_of_width(retriever, 5, 100, 120)
+    chunking = Chunking(keep_last_graph=keep_last)
+    engine = GradCache(modules, CHUNK, loss_fn, chunking=chunking)
+    engine(*short)
+    zero(modules)
+    expected = reference_grads(modules, loss_fn, *wide)
+    zero(modules)
+    engine(*wide)
+    assert rel_err(grads(modules), expected) < 1e-5
+    zero(modules)
+    fresh = GradCache(modules, CHUNK, loss_fn, chunking=chunking)
+    fresh(*wide)
+    zero(modules)
+    seen, measured = engine.last_step, fresh.last_step
+    assert seen.largest_graph == pytest.approx(measured.largest_graph, rel=0.03), (seen.describe(), measured.describe())
+    assert seen.peak_graph_bytes == pytest.approx(measured.peak_graph_bytes, rel=0.03)
+    assert seen.kept_bytes == pytest.approx(measured.kept_bytes, rel=0.03)

@@ -246,7 +246,8 @@ class StepMemory:
                 f"(budget {format_bytes(self.budget)})")
 
     def describe(self) -> str:
-        estimated = " (its graph estimated from the bytes per token measured before)" if self.estimated_last else ""
+        estimated = (" (its graph estimated from the bytes per token measured before on chunks at least as wide)"
+                     if self.estimated_last else "")
         last = f"the step's last chunk, never replayed{estimated}, and " if self.kept_last else ""
         return (f"kept the graphs of {sum(self.kept)}/{sum(self.chunks)} chunks ({100 * self.kept_share:.0f}% of "
                 f"tokens, {format_bytes(self.kept_bytes)}: {last}{sum(self.kept) - self.kept_last} within a budget "
@@ -257,34 +258,50 @@ class StepMemory:
 
 class BudgetLedger:
     """One step's account of kept graphs against the budget. A chunk is run with its graph when its predicted
-    size (its tokens times the largest bytes per token measured so far for that model, carried across steps in
-    ``per_token``) fits what is left; its measured size then decides whether the graph is kept."""
+    size (:meth:`predicted`: from the largest bytes per token measured so far for that model, carried across steps
+    in ``per_token``, and the widest padded width measured, in ``widest``) fits what is left; its measured size
+    then decides whether the graph is kept."""
 
-    def __init__(self, budget: int, per_token: dict[int, float]) -> None:
+    def __init__(self, budget: int, per_token: dict[int, float], widest: Optional[dict[int, int]] = None) -> None:
         self.report = StepMemory(budget=budget)
         self.per_token = per_token
+        self.widest = widest if widest is not None else {}
         self.held = 0
         self.copies: set[int] = set()  # the autocast weight copies that kept graphs hold (counted in ``held``)
 
-    def worth_trying(self, m: int, tokens: int) -> bool:
+    def knows(self, m: int, width: int) -> bool:
+        """Whether model ``m``'s bytes per token were measured on a chunk at least ``width`` wide: bytes per token
+        grow with the width (attention), so they bound a chunk's graph only up to the widest width measured."""
+        return m in self.per_token and width <= self.widest.get(m, -1)
+
+    def predicted(self, m: int, tokens: int, width: int) -> float:
+        """A chunk's graph bytes, at most: its tokens times the bytes per token measured, scaled up by its width
+        over the widest measured where it is wider (bytes per token are a per-token part plus one that grows in
+        proportion to the width, so the scaled figure bounds them)."""
+        widest = self.widest.get(m, 0)
+        return self.per_token[m] * tokens * (max(1.0, width / widest) if widest else 1.0)
+
+    def worth_trying(self, m: int, tokens: int, width: int = 0) -> bool:
         if self.report.budget <= self.held:
             return False
-        return m not in self.per_token or self.per_token[m] * tokens <= self.report.budget - self.held
+        return m not in self.per_token or self.predicted(m, tokens, width) <= self.report.budget - self.held
 
     def measured(self, m: int, tokens: int, nbytes: int, copies: Optional[dict[int, Any]] = None,
-                 force: bool = False) -> bool:
-        """Record a measured chunk graph (``nbytes`` of its own, and the autocast weight copies it shares); True when
-        it is kept (it fits, or ``force``: the kept last chunk). Weight copies count once, with the first kept graph
-        that holds them; the bytes per token that predict later chunks leave them out."""
+                 force: bool = False, width: int = 0) -> bool:
+        """Record a measured chunk graph (``nbytes`` of its own, and the autocast weight copies it shares, of a
+        chunk ``width`` wide); True when it is kept (it fits, or ``force``: the kept last chunk). Weight copies
+        count once, with the first kept graph that holds them; the bytes per token that predict later chunks leave
+        them out."""
         new_copies = {ptr: s for ptr, s in (copies or {}).items() if ptr not in self.copies}
         self.per_token[m] = max(self.per_token.get(m, 0.0), nbytes / max(1, tokens))
+        self.widest[m] = max(self.widest.get(m, 0), width)
         return self._admit(nbytes + sum(s.nbytes() for s in new_copies.values()), new_copies, force)
 
     def estimated(self, m: int, tokens: int) -> None:
-        """Keep the step's last chunk, run without a meter: its graph is counted as its tokens times the largest
-        bytes per token measured for model ``m`` (weight copies of its own left out). It is kept whatever it
-        measures, so measuring it would decide nothing; the meter's saved-tensor hooks cost a Python call per saved
-        tensor, which a GPU waits for."""
+        """Keep the step's last chunk, run without a meter (only where :meth:`knows` its width): its graph is
+        counted as its tokens times the largest bytes per token measured for model ``m`` (weight copies of its own
+        left out). It is kept whatever it measures, so measuring it would decide nothing; the meter's saved-tensor
+        hooks cost a Python call per saved tensor, which a GPU waits for."""
         self.report.estimated_last = 1
         self._admit(math.ceil(self.per_token[m] * tokens), {}, force=True)
 

@@ -235,6 +235,13 @@ def chunk_tokens(chunk: Any) -> int:
     return rows * int(tensors[0].size(1)) if tensors else rows
 
 
+def chunk_width(chunk: Any) -> int:
+    """A chunk's padded sequence width (dimension 1 of its first tensor of two dimensions or more), 0 without one:
+    a graph's bytes per token grow with it (attention)."""
+    tensors = [t for t in tensors_in(chunk) if t.dim() >= 2]
+    return int(tensors[0].size(1)) if tensors else 0
+
+
 def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
     """``(width, longest, side)`` when a chunk with a 2-D attention mask has padding columns beyond its longest row
     on one side (``"right"``, or ``"left"`` for a decoder tokenizer's left padding), else None. A chunk of padding

@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel
 from .arguments import as_int, check_bool, check_callable, is_integer
 from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, collections_paused, parse_memory,
                      resolve_budget, storages_of)
-from .chunking import (Chunking, call_model, chunk_tokens, chunk_widths, cut_padding, length_order, join_chunks,
-                       pad_sequence_dim, rows_in, sequence_lengths, split_by_tokens, split_input, take_rows, tensors_in,
-                       to_device, trim_padding, trimmed_width)
+from .chunking import (Chunking, call_model, chunk_tokens, chunk_width, chunk_widths, cut_padding, length_order,
+                       join_chunks, pad_sequence_dim, rows_in, sequence_lengths, split_by_tokens, split_input,
+                       take_rows, tensors_in, to_device, trim_padding, trimmed_width)
 from .frozen_casts import FrozenLinearCasts, Forwards
 from .sparse_grads import SparseEmbeddingGrads
 from ..base.devices import at_least_fp32, autocast_dtype
@@ -319,6 +319,7 @@ class _Plan:
         self.states: dict[int, RandState] = {}  # the RNG state before each chunk that is replayed
         self.counts = [rows_in(c) for c in chunks]
         self.tokens = [chunk_tokens(c) for c in chunks]
+        self.padded = [chunk_width(c) for c in chunks]  # each chunk's padded width, as it runs
         self.known = all(n is not None for n in self.counts)
         self.starts = list(itertools.accumulate([0] + self.counts[:-1])) if self.known else []
         self.orders: dict[torch.device, torch.Tensor] = {}  # ``order`` on each device that indexes with it
@@ -429,7 +430,8 @@ class GradCache:
             first-pass graphs to keep: a chunk whose graph, measured exactly with saved-tensor hooks, fits what is
             left keeps it and is not run again (its backward takes the cached gradient directly); the others are
             replayed. 0 (default): only the last chunk, as ``chunking.keep_last_graph`` says (kept whatever its
-            size, it is measured in the first step only; later ones are estimated, :attr:`last_step` says so).
+            size, it is measured only where it is wider than every chunk measured before; the others are estimated,
+            :attr:`last_step` says so).
             Peak graph memory stays within the budget plus one chunk's graph. From the second step on, chunks the
             budget holds are joined into fewer, larger ones where that saves more than the padding it adds (on CUDA
             a budget for the whole batch makes the step plain training, one chunk per model; docs/training.md,
@@ -502,8 +504,10 @@ class GradCache:
             raise DprGcError("chunk tokens split by the attention mask; they cannot be combined with split_input_fn "
                              "or an overridden split_inputs")
         self._per_token: dict[int, float] = {}  # largest graph bytes per token measured, per model, across steps
-        self._replayed_graph: dict[int, int] = {}  # largest replayed chunk graph per model, measured in its first step
+        self._widest: dict[int, int] = {}  # and the widest padded chunk measured, per model
+        self._replayed_graph: dict[int, int] = {}  # largest replayed chunk graph measured per model
         self._replayed_per_token: dict[int, float] = {}  # and its largest bytes per token
+        self._replayed_widest: dict[int, int] = {}  # and the widest replayed chunk measured
         self.last_step: Optional[StepMemory] = None  # what the last step kept and measured
         self.joined_tokens: list[Optional[tuple[int, int]]] = []  # the last step's join limits per model (_plan)
         self._tensors = _ListedTensors()  # each model's parameters and buffers, listed afresh in every step
@@ -550,23 +554,29 @@ class GradCache:
 
     def state_dict(self) -> dict[str, Any]:
         """What the engine learnt in its steps that decides the later ones, as plain numbers (for a checkpoint):
-        the bytes per token measured per model (the join limits and the graphs tried), the largest replayed graphs,
-        and the last step's report (whether a step ran; its largest graph sizes an ``auto`` budget)."""
+        the bytes per token and widest chunk measured per model (the join limits, the graphs tried and the chunks
+        measured again), the largest replayed graphs, and the last step's report (whether a step ran; its largest
+        graph sizes an ``auto`` budget)."""
         last = dataclasses.asdict(self.last_step) if self.last_step is not None else None
-        return {"per_token": dict(self._per_token), "replayed_graph": dict(self._replayed_graph),
-                "replayed_per_token": dict(self._replayed_per_token), "last_step": last}
+        return {"per_token": dict(self._per_token), "widest": dict(self._widest),
+                "replayed_graph": dict(self._replayed_graph), "replayed_per_token": dict(self._replayed_per_token),
+                "replayed_widest": dict(self._replayed_widest), "last_step": last}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the next step chunks, joins and keeps graphs as the steps that
-        learnt it would have gone on to (a resumed run equals an uninterrupted one)."""
+        learnt it would have gone on to (a resumed run equals an uninterrupted one). A state without the widest
+        chunks measured has the next step measure its chunks again."""
         try:
             per_token = {int(m): float(v) for m, v in state["per_token"].items()}
+            widest = {int(m): int(v) for m, v in state.get("widest", {}).items()}
+            replayed_widest = {int(m): int(v) for m, v in state.get("replayed_widest", {}).items()}
             replayed = {int(m): int(v) for m, v in state["replayed_graph"].items()}
             replayed_per_token = {int(m): float(v) for m, v in state["replayed_per_token"].items()}
             last = StepMemory(**state["last_step"]) if state["last_step"] is not None else None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise DprGcError(f"not a GradCache state ({e})") from None
         self._per_token, self._replayed_graph, self._replayed_per_token = per_token, replayed, replayed_per_token
+        self._widest, self._replayed_widest = widest, replayed_widest
         self.last_step = last
 
     # ----------------------------------------------------------------- pieces
@@ -652,16 +662,18 @@ class GradCache:
             plan.index(0, model_device(self.models[m]))  # the order's one copy to the device, before any forward
         return plan
 
-    def _join_limits(self, m: int, trainable: bool, ledger: BudgetLedger) -> Optional[tuple[int, int]]:
+    def _join_limits(self, m: int, trainable: bool, ledger: BudgetLedger, width: int) -> Optional[tuple[int, int]]:
         """(tokens, tokens) of model ``m``: the leading chunks that the rest of the budget should hold are joined
         up to that size and kept, and the chunks after it are joined up to the size of the whole budget (kept graphs
-        are freed before the replay), both over the largest bytes per token measured for the model in earlier
-        steps, with ``JOIN_MARGIN`` to spare. Fewer, larger chunks mean far fewer kernel launches on a GPU (where
-        padding is cheaper than a launch, see ``CHUNK_OVERHEAD_TOKENS``); on the CPU both sizes stop at
-        ``JOINED_CHUNK_MAX_TOKENS``. None before the first measurement, for frozen models and at budget 0."""
-        left, per_token = ledger.report.budget - ledger.held, self._per_token.get(m)
-        if not trainable or not per_token or ledger.report.budget <= 0:
+        are freed before the replay), both over the bytes per token measured for the model in earlier steps
+        (:meth:`BudgetLedger.predicted` at the input's padded ``width``), with ``JOIN_MARGIN`` to spare. Fewer,
+        larger chunks mean far fewer kernel launches on a GPU (where padding is cheaper than a launch, see
+        ``CHUNK_OVERHEAD_TOKENS``); on the CPU both sizes stop at ``JOINED_CHUNK_MAX_TOKENS``. None before the first
+        measurement, for frozen models and at budget 0."""
+        left = ledger.report.budget - ledger.held
+        if not trainable or not self._per_token.get(m) or ledger.report.budget <= 0:
             return None
+        per_token = ledger.predicted(m, 1, width)
         first, rest = int(JOIN_MARGIN * max(0, left) / per_token), int(JOIN_MARGIN * ledger.report.budget / per_token)
         most = JOINED_CHUNK_MAX_TOKENS.get(model_device(self.models[m]).type)
         return (first, rest) if most is None else (min(first, most), min(rest, most))
@@ -680,7 +692,8 @@ class GradCache:
             if trainable:
                 plan.states[i] = RandState(devices | self._input_devices(chunk))
             holding = ledger.holding() if sharded else None
-            if trainable and not (data_parallel and i == last) and (force or ledger.worth_trying(plan.m, plan.tokens[i])):
+            if trainable and not (data_parallel and i == last) and (
+                    force or ledger.worth_trying(plan.m, plan.tokens[i], plan.padded[i])):
                 self._run_with_graph(plan, i, ledger, force)
             else:
                 with torch.no_grad():
@@ -694,17 +707,19 @@ class GradCache:
 
     def _run_with_graph(self, plan: _Plan, i: int, ledger: BudgetLedger, force: bool) -> None:
         """Run chunk ``i`` with its graph, measured; keep the graph when the ledger admits it, else drop it. The
-        step's last chunk, kept whatever its size (``force``), is measured in the engine's first step only, or
-        while its model has no bytes per token measured; later ones are estimated (:meth:`BudgetLedger.estimated`)."""
+        step's last chunk, kept whatever its size (``force``), is measured in the engine's first step, and later
+        where it is wider than any chunk its model measured; the others are estimated
+        (:meth:`BudgetLedger.estimated`)."""
         model = self.models[plan.m]
-        measure = not force or self.last_step is None or plan.m not in self._per_token
+        measure = not force or self.last_step is None or not ledger.knows(plan.m, plan.padded[i])
         with self._sync_context(model, False), (self._tensors.meter(model) if measure else contextlib.nullcontext()) \
                 as meter:
             chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
         if meter is None:
             ledger.estimated(plan.m, plan.tokens[i])
             plan.kept[i] = chunk_rep
-        elif ledger.measured(plan.m, plan.tokens[i], meter.nbytes(chunk_rep), meter.weight_copies, force):
+        elif ledger.measured(plan.m, plan.tokens[i], meter.nbytes(chunk_rep), meter.weight_copies, force,
+                             plan.padded[i]):
             plan.kept[i] = chunk_rep
         del meter
         plan.store(chunk_rep.detach())
@@ -753,13 +768,13 @@ class GradCache:
         model trains). Chunks whose graphs fit the memory budget keep them; so does the very last chunk (of the
         last model) when ``chunking.keep_last_graph`` allows: it is the one chunk whose graph can live until the loss
         without raising peak memory beyond one chunk (not under DDP or FSDP, whose last chunks carry the sync)."""
-        ledger = BudgetLedger(self._budget_bytes(), self._per_token)
+        ledger = BudgetLedger(self._budget_bytes(), self._per_token, self._widest)
         plans, reps = [], []
         self.joined_tokens = []
         self._tensors.clear()  # a step lists them afresh: the caller may have added or frozen some
         with self._pass_autocast():
             for m, model_input in enumerate(model_inputs):
-                self.joined_tokens.append(self._join_limits(m, trainable[m], ledger))
+                self.joined_tokens.append(self._join_limits(m, trainable[m], ledger, chunk_width(model_input)))
                 plan = self._plan(m, model_input, self.joined_tokens[m])
                 keep = (self.chunking.keep_last_graph and m == len(self.models) - 1 and trainable[m]
                         and not is_data_parallel(self.models[m]))
@@ -828,32 +843,38 @@ class GradCache:
     def _replay(self, plan: _Plan, cache: torch.Tensor, no_sync: bool) -> None:
         """One model's part 3 for the chunks without a kept graph; with ``no_sync`` only the last chunk runs DDP's
         all-reduce (FSDP's reduce-scatter)."""
-        model, end = self.models[plan.m], len(plan.chunks) - 1
-        measure = plan.m not in self._replayed_graph
+        model, end, m = self.models[plan.m], len(plan.chunks) - 1, plan.m
         for i in sorted(plan.states):
+            widest = max(self._widest.get(m, 0), self._replayed_widest.get(m, 0))
+            measure = m not in self._replayed_graph or plan.padded[i] > widest
             with self._sync_context(model, not no_sync or i == end):
                 with plan.states[i].replay(), \
                         (self._tensors.meter(model) if measure else contextlib.nullcontext()) as meter:
                     chunk_rep = self._forward(model, plan.chunks[i], plan.widths[i])
                 if meter is not None:
-                    self._measured_replay(plan.m, meter.nbytes(chunk_rep), plan.tokens[i])
+                    nbytes = meter.nbytes(chunk_rep)
+                    self._measured_replay(m, nbytes, plan.tokens[i], plan.padded[i])
                     del meter
-                per_token = max(self._per_token.get(plan.m, 0.0), self._replayed_per_token.get(plan.m, 0.0))
-                self._note_replayed_graph(self._replayed_graph[plan.m] if measure else int(per_token * plan.tokens[i]))
+                else:
+                    per_token = max(self._per_token.get(m, 0.0), self._replayed_per_token.get(m, 0.0))
+                    nbytes = int(per_token * plan.tokens[i])
+                self._note_replayed_graph(nbytes)
                 self._backward_chunk(chunk_rep, plan.index(i, cache.device), cache)
                 del chunk_rep
 
-    def _measured_replay(self, m: int, nbytes: int, tokens: int) -> None:
-        """Record a replayed chunk's measured graph: later replays of model ``m`` are estimated from it where no
-        first-pass graph was measured (budget 0 without a kept last chunk, and every model under DDP/FSDP)."""
+    def _measured_replay(self, m: int, nbytes: int, tokens: int, width: int) -> None:
+        """Record a replayed chunk's measured graph (``width`` wide): later replays of model ``m`` up to the widest
+        width measured are estimated from it where no first-pass graph was measured (budget 0 without a kept last
+        chunk, and every model under DDP/FSDP)."""
         self._replayed_graph[m] = max(self._replayed_graph.get(m, 0), nbytes)
         self._replayed_per_token[m] = max(self._replayed_per_token.get(m, 0.0), nbytes / max(1, tokens))
+        self._replayed_widest[m] = max(self._replayed_widest.get(m, 0), width)
 
     def _note_replayed_graph(self, nbytes: int) -> None:
         """Count a replayed chunk's graph in :attr:`last_step` (kept graphs are all freed before the replay). Replayed
-        graphs are measured in a model's first replay only; later ones are estimated as their tokens times the
-        largest bytes per token measured: the saved-tensor hook costs a Python call per saved tensor, which a GPU
-        waits for."""
+        graphs are measured in a model's first replay and where a chunk is wider than any its model measured; the
+        others are estimated as their tokens times the largest bytes per token measured: the saved-tensor hook
+        costs a Python call per saved tensor, which a GPU waits for."""
         if self.last_step is not None:
             self.last_step.largest_graph = max(self.last_step.largest_graph, nbytes)
             self.last_step.peak_graph_bytes = max(self.last_step.peak_graph_bytes, nbytes)
