@@ -22,7 +22,7 @@ from dpr_gc.train.verify import Verifier, verify
 from tests.helpers import summary_rows, tiny_bert, write_vocab
 from tests.llm_models import save_decoder
 from tests.train_data import init_model
-from tests.train_data import make_records, train_config, write_dpr
+from tests.train_data import make_records, task_config, train_config, write_dpr
 
 
 def flags(tmp, model, *extra: str) -> list[str]:
@@ -313,3 +313,28 @@ def test_a_temperature_gradient_that_nearly_cancels_passes_and_a_wrong_one_fails
     first = report.batches[0]
     assert not report.passed and first.temperature_error > 1e-3 and "not rounding" in first.note, report.table()
     assert "FAIL" in report.table() and "worst tensor tau.log_value" in report.table(), report.table()
+
+
+def centred_over_the_batch(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out - out.mean(0, keepdim=True)  # batch statistics, as BatchNorm in train mode
+
+
+def shifted_by_the_padded_width(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out + 0.01 * out.shape[1]  # depends on the padded width, which the cached step trims
+
+
+@pytest.mark.parametrize("dropout", [0.0])
+@pytest.mark.parametrize("layer", [centred_over_the_batch, shifted_by_the_padded_width])
+def test_fails_a_model_whose_output_depends_on_the_batch_or_its_padding(tmp_path, dropout, layer):
+    """verify.py: the full batch runs in one forward per side, so a layer using batch statistics or the padded
+    width, which no chunked step can reproduce, fails (a correct model passes alongside)."""
+    train = write_dpr(tmp_path / "train.json", make_records(32, 2, hard=1))
+    task = {"train": train, "model": init_model(tmp_path, dropout=dropout), "dir": tmp_path}
+
+    def embeddings_through(hook):
+        return lambda t: t.retriever.query_encoder.transformer.embeddings.register_forward_hook(hook)
+
+    for hook, passes in ((layer, False), (lambda module, inputs, out: out, True)):
+        config = task_config(task, tmp_path / "out", batch_size=8, memory_budget="300KB")
+        report = verify(config, 1, hook=embeddings_through(hook))
+        assert report.passed is passes, report.table()
