@@ -100,7 +100,9 @@ def test_passes_separate_towers_cls_dropout_budget_two_batches(tmp_path, capsys)
     code, out = run(capsys, flags(tmp_path, model, "--memory-budget", "1GB", "--batches", "2"))
     assert code == 0 and "PASS" in out and "chunk by chunk" in out, out
     assert "key.bias" not in out  # a zero-in-exact-arithmetic gradient is not reported as the worst
-    assert out.count("| 6 |") == 2, out
+    assert out.count("| 6 |") == 4 and "| 2 (dropout 0) | 6 |" in out, out
+    assert "dropout 0: one graph, one forward" in out, out
+    assert summary_rows(out)["batches checked"] == "2", out
 
 
 def test_passes_lora_checkpointing_bf16(tmp_path, capsys):
@@ -323,7 +325,7 @@ def shifted_by_the_padded_width(module: nn.Module, inputs: tuple, out: torch.Ten
     return out + 0.01 * out.shape[1]  # depends on the padded width, which the cached step trims
 
 
-@pytest.mark.parametrize("dropout", [0.0])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("layer", [centred_over_the_batch, shifted_by_the_padded_width])
 def test_fails_a_model_whose_output_depends_on_the_batch_or_its_padding(tmp_path, dropout, layer):
     """verify.py: the full batch runs in one forward per side, so a layer using batch statistics or the padded

@@ -7,7 +7,9 @@ gradients (relative error overall and of the worst tensor, named) and the learna
 to the absolute sum of its terms, which have both signs) against the precision's tolerance, and reports the time and
 peak memory of both steps. A model without active dropout runs the full batch in one forward per side
 (batch-dependent layers and padding are then checked too); with dropout the one graph is built chunk by chunk in the
-cached step's order, so both steps draw the same masks.
+cached step's order, so both steps draw the same masks, and each batch is checked a second time with every dropout
+module's ``p`` set to 0 (put back after), the full batch then in one forward per side, so batch-dependent layers and
+padding are checked there too.
 
 An fp32 gap past the tolerance is re-measured with the towers in float64 (not under FSDP): where the two steps
 agree there, the cached step is exact and the gap is fp32 rounding, which a small temperature amplifies (logits
@@ -85,6 +87,7 @@ class BatchCheck:
     memory: Optional[StepMemory] = None  # what the cached step kept under the memory budget
     float64_error: Optional[float] = None  # the worst error with the towers in float64, where fp32 was past tolerance
     temperature_scale: float = 0.0  # the absolute sum of the temperature gradient's terms (Verifier.temperature_terms)
+    label: str = ""  # which check of its batch this is ("dropout 0"), where a batch has two
 
     @property
     def loss_error(self) -> float:
@@ -136,7 +139,7 @@ class VerifyReport:
                  "| batch | queries | loss cached / full | grad rel. error | worst tensor (rel. error) | "
                  "temperature grad cached / full | cached step | graphs kept (budget) | full step |",
                  "|---|---|---|---|---|---|---|---|---|"]
-        for i, b in enumerate(self.batches, start=1):
+        for i, b in zip(batch_numbers(self.batches), self.batches):
             temp = "-" if b.temperature_grad is None else f"{b.temperature_grad[0]:.6g} / {b.temperature_grad[1]:.6g}"
             lines.append(f"| {i} | {b.queries} | {b.cached_loss:.6f} / {b.full_loss:.6f} | {b.grad_error:.2e} | "
                          f"{b.worst_tensor} ({b.worst_error:.2e}) | {temp} | {cost(b.cached)} | {kept(b.memory)} | "
@@ -148,16 +151,28 @@ class VerifyReport:
         else:
             failed = [b for b in self.batches if not b.passes(self.tolerance)]
             worst = max(failed, key=BatchCheck.worst) if failed else None
-            where = (f": worst tensor {worst.worst_tensor} ({worst.worst_error:.2e}), gradient {worst.grad_error:.2e},"
-                     f" loss {worst.loss_error:.2e}, temperature {worst.temperature_error:.2e}") if worst else ""
+            check = f" ({worst.label})" if worst and worst.label else ""
+            where = (f"{check}: worst tensor {worst.worst_tensor} ({worst.worst_error:.2e}), "
+                     f"gradient {worst.grad_error:.2e}, loss {worst.loss_error:.2e}, "
+                     f"temperature {worst.temperature_error:.2e}") if worst else ""
             lines.append(f"FAIL: the cached step differs from the full-batch step beyond {self.tolerance:g}{where}")
         return "\n".join(lines)
 
     def summary(self, seconds: float) -> str:
         """The closing summary ``dpr-gc verify`` prints below :meth:`table`, as every command ends."""
-        return format_summary({"batches checked": len(self.batches), "result": "PASS" if self.passed else "FAIL",
+        return format_summary({"batches checked": sum(not b.label for b in self.batches),
+                               "result": "PASS" if self.passed else "FAIL",
                                "precision": f"{self.precision} (tolerance {self.tolerance:g})",
                                "device": self.device or "-", "ranks": self.world}, seconds)
+
+
+def batch_numbers(batches: list[BatchCheck]) -> list[str]:
+    """Each check's batch number (a labelled check is a further check of the batch before it), with its label."""
+    numbers, n = [], 0
+    for b in batches:
+        n += not b.label
+        numbers.append(f"{n} ({b.label})" if b.label else str(n))
+    return numbers
 
 
 def cost(c: StepCost) -> str:
@@ -173,6 +188,20 @@ def is_oom(error: BaseException) -> bool:
     """An allocation failure we can recover from (CUDA's, or a CPU allocator's refusal)."""
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower() \
         or "can't allocate memory" in str(error).lower()
+
+
+@contextlib.contextmanager
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Every dropout module of ``model`` at ``p`` 0 for the block, its own ``p`` put back after."""
+    modules = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    saved = [m.p for m in modules]
+    for m in modules:
+        m.p = 0.0
+    try:
+        yield
+    finally:
+        for m, p in zip(modules, saved):
+            m.p = p
 
 
 def has_dropout(model: nn.Module) -> bool:
@@ -498,15 +527,31 @@ def verify(config: TrainConfig, batches: int = 1, hook: Optional[Callable[[Any],
 def run_checks(trainer: Any, batches: int) -> VerifyReport:
     verifier = Verifier(trainer)
     precision = trainer.config.optim.precision
-    reference = ("one graph, built chunk by chunk in the cached step's order (dropout draws the same masks)"
-                 if verifier.chunked else "one graph, one forward per side over the whole batch")
+    whole = "one graph, one forward per side over the whole batch"
+    reference = (f"one graph, built chunk by chunk in the cached step's order (dropout draws the same masks); "
+                 f"dropout 0: {whole}" if verifier.chunked else whole)
     report = VerifyReport(precision, TOLERANCES[precision], trainer.world, describe_chunking(trainer), reference,
                           rank=trainer.rank, device=str(trainer.device))
     trainer.retriever.train()
     for batch in itertools.islice(drawn_batches(trainer), batches):
-        report.batches.append(check_batch(verifier, dict(batch["query"]), dict(batch["passage"]),
-                                          trainer.loss_ids(batch), report.tolerance))
+        step = (dict(batch["query"]), dict(batch["passage"]), trainer.loss_ids(batch))
+        report.batches.append(check_batch(verifier, *step, report.tolerance))
+        if verifier.chunked:
+            report.batches.append(check_without_dropout(verifier, step, report.tolerance))
     return report
+
+
+def check_without_dropout(verifier: Verifier, step: tuple[dict, dict, dict], tolerance: float) -> BatchCheck:
+    """:func:`check_batch` with every dropout module at ``p`` 0 and the full batch in one forward per side: the
+    chunk-by-chunk reference that dropout needs cannot see layers using batch statistics or the padded width."""
+    verifier.chunked = False
+    try:
+        with dropout_off(verifier.trainer.retriever):
+            check = check_batch(verifier, *step, tolerance)
+    finally:
+        verifier.chunked = True
+    check.label = "dropout 0"
+    return check
 
 
 def drawn_batches(trainer: Any) -> Iterator[dict]:
