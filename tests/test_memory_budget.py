@@ -157,12 +157,22 @@ def test_memory_sizes_parse():
     assert parse_memory("12GB") == 12 * 10**9 and parse_memory("512MiB") == 512 * 2**20
     assert parse_memory("1.5g") == 1_500_000_000 and parse_memory("0") == 0 and parse_memory("auto") == "auto"
     assert parse_memory(1024) == 1024
-    for bad in ("12 parsecs", "-1GB", "", "GB"):
+    for bad in ("12 parsecs", "", "GB"):
         with pytest.raises(DprGcError, match="not a size"):
             parse_memory(bad)
     assert resolve_budget(0, torch.device("cpu")) == 0
     with pytest.raises(DprGcError, match="must be >= 0 bytes"):
         parse_memory(-1)
+
+
+@pytest.mark.parametrize("negative", [-1, "-1", " -1 ", "-1GB", "-0.5MiB"])
+def test_a_negative_memory_budget_gets_one_message_as_int_or_text(negative):
+    """The library's int and the command line's text are refused alike: a negative size is no 'not a size'."""
+    with pytest.raises(DprGcError) as refused:
+        parse_memory(negative)
+    message = str(refused.value)
+    assert message.startswith(f"memory budget must be >= 0 bytes, got {str(negative).strip()}: give a size"), message
+    assert "not a size" not in message
 
 
 def test_auto_budget_on_the_cpu_is_half_the_available_ram(monkeypatch):

@@ -183,7 +183,7 @@ def test_library_and_command_line_apply_one_rule(flag: str, bad: str, build: Cal
 
 
 @pytest.mark.parametrize("command, flag, value, refusal", [
-    (["train", "--train", "t.json"], "--memory-budget", "-5GB", "memory budget '-5GB' is not a size"),
+    (["train", "--train", "t.json"], "--memory-budget", "-5GB", "memory budget must be >= 0 bytes, got -5GB"),
     (["encode", "--model", "m", "--corpus", "c.tsv"], "--device", "-cpu", "'-cpu' is not a torch device")])
 def test_a_value_starting_with_a_dash_says_how_to_write_it(command: list, flag: str, value: str, refusal: str,
                                                            tmp_path) -> None:

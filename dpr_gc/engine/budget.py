@@ -26,6 +26,7 @@ MemoryBudget = Union[int, str, None]
 
 UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
          "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+NEGATIVE_HINT = "give a size such as 12GB, 0 (only the last chunk's graph) or 'auto'"
 CPU_AUTO_SHARE = 0.5  # "auto" on the CPU: half of the RAM available when the step starts
 CUDA_AUTO_MARGIN = 0.1  # "auto" on CUDA: free memory minus 10% of the device and twice the largest chunk graph
 
@@ -34,11 +35,13 @@ def parse_memory(text: Union[str, int]) -> MemoryBudget:
     """``12GB``, ``512MiB``, ``1.5G``, a number of bytes, or ``auto``; refuses anything else with one line."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
-            raise DprGcError(f"memory budget must be >= 0 bytes, got {text}")
+            raise DprGcError(f"memory budget must be >= 0 bytes, got {text}: {NEGATIVE_HINT}")
         return text
     value = str(text).strip()
     if value.lower() == "auto":
         return "auto"
+    if re.fullmatch(r"-\s*[0-9]*\.?[0-9]+\s*[A-Za-z]*", value):
+        raise DprGcError(f"memory budget must be >= 0 bytes, got {value}: {NEGATIVE_HINT}")
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", value)
     unit = match.group(2).upper() if match else None
     if match is None or unit not in UNITS:
