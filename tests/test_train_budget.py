@@ -16,7 +16,7 @@ from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.train import chunks
 from dpr_gc.train import trainer as trainer_module
-from dpr_gc.train.chunks import auto_chunk_size, largest_fitting_rows
+from dpr_gc.train.chunks import auto_chunk_size, chunk_sizes, largest_fitting_rows
 from dpr_gc.train.trainer import Trainer, train
 from tests.helpers import ctrl_c_at
 from tests.train_data import init_model, make_records, model_params, task_config as config, write_dpr
@@ -46,12 +46,19 @@ def test_budget_and_token_chunks_take_the_plain_first_step(task, tmp_path, caplo
         got = first_grad(cached)
     assert float((got - plain).norm() / plain.norm()) < 1e-5
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Gradient Cache:"))
-    assert "/ 40 tokens" in line and "memory budget 1.00 GB" in line and "100% of tokens" in line, line
+    assert "query chunks of 8 rows / 40 tokens (" in line and "memory budget 1.00 GB" in line, line
+    assert "100% of tokens" in line, line
     assert "peak graph memory" in line
     messages = [r.getMessage() for r in caplog.records]  # the effective batch: per rank x ranks = queries
     assert any(m.startswith("training 1 step: batch 8 per rank x 1 rank = 8 queries") for m in messages)
     info = cached.retriever.training_info["grad_cache_first_step"]
     assert info["kept"] == info["chunks"] and info["peak_graph_bytes"] > 0
+
+
+def test_chunk_sizes_read_as_rows_and_tokens_in_the_train_log_and_verify_header():
+    """'chunks of 5 rows / 1 token', never '1 tokens' nor '21/30 tokens' (read as 21 of 30)."""
+    assert chunk_sizes(5, 1) == "chunks of 5 rows / 1 token" and chunk_sizes(1, None) == "chunks of 1 row"
+    assert chunk_sizes(21, 30) == "chunks of 21 rows / 30 tokens"
 
 
 def test_memory_budget_flag_is_checked(task, tmp_path, capsys):  # noqa: F811

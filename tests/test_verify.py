@@ -121,7 +121,7 @@ def test_passes_decoder_last_pooling_token_chunks(tmp_path, capsys):
     base = save_decoder(tmp_path / "base", "llama", padding_side="left")
     code, out = run(capsys, flags(tmp_path, base, "--pooling", "last", "--passage-format", "concat",
                                   "--passage-chunk-tokens", "40"))
-    assert code == 0 and "PASS" in out and "passage chunk 4/40 tokens" in out, out
+    assert code == 0 and "PASS" in out and "passage chunks of 4 rows / 40 tokens" in out, out
 
 
 class Noise(nn.Module):

@@ -1,13 +1,14 @@
-"""Gradient Cache's chunk size when none is given: probed on a GPU, fixed on the CPU."""
+"""Gradient Cache's chunk size when none is given: probed on a GPU, fixed on the CPU; and how a chunk size reads."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..base.devices import autocast_dtype
+from ..base.logs import counted
 
 CPU_CHUNK_SIZE = 32
 
@@ -61,3 +62,8 @@ def probe_peak_bytes(towers: nn.Module, collator: Any, device: torch.device, row
     towers.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
     return peak
+
+
+def chunk_sizes(rows: int, tokens: Optional[int]) -> str:
+    """A side's chunk size as train's log and verify's header say it: "chunks of 5 rows / 1 token"."""
+    return f"chunks of {counted(rows, 'row')}" + (f" / {counted(tokens, 'token')}" if tokens else "")

@@ -46,7 +46,7 @@ from .config import TrainConfig, add_train_arguments, check_resume_settings, con
 from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import finite_or_null, remove_temporaries, resolve_checkpoint
-from .chunks import CPU_CHUNK_SIZE, auto_chunk_size
+from .chunks import CPU_CHUNK_SIZE, auto_chunk_size, chunk_sizes
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
 from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
@@ -500,7 +500,7 @@ class Trainer:
         """Say what the first cached step chose and measured: chunking, the share of graphs kept under the memory
         budget, and the peak graph memory (plus the device's peak allocation on CUDA)."""
         report, cache = self.cache.last_step, self.config.cache
-        sides = [f"{name} chunks of {rows} rows" + (f" / {tokens} tokens" if tokens else "") + f" ({n} this step)"
+        sides = [f"{name} {chunk_sizes(rows, tokens)} ({n} this step)"
                  for name, rows, tokens, n in zip(("query", "passage"), self.chunks,
                                                   (cache.query_chunk_tokens, cache.passage_chunk_tokens),
                                                   report.chunks)]
