@@ -1744,6 +1744,23 @@ def test_disk_full_while_encoding_is_one_line(world: dict, tmp_path: Path) -> No
     assert not list(out.glob("*.npy")) and not list(out.glob("*.json"))
 
 
+def test_disk_full_inside_an_encode_part_file_names_it(world: dict, tmp_path: Path) -> None:
+    """The part file itself (64 rows of float32, 8 KB) overflows the limit while the progress record (1 KB) fits:
+    the line names the part file and says to free space, and the same command then finishes."""
+    corpus, cache, out = tmp_path / "c.tsv", tmp_path / "cache", tmp_path / "emb"
+    corpus.write_bytes(tsv_bytes(passages(64)))
+    load_corpus(corpus, cache)
+    argv = ["encode", "--model", world["model"], "--corpus", corpus, "--output", out, "--device", "cpu",
+            "--dtype", "float32", "--cache-dir", cache]
+    proc = _run_with_file_limit(argv, 5000, tmp_path)
+    part = out / "shard-00000-of-00001.part00000.npy"
+    _assert_process_refused(proc, f"{part}: the disk is full")
+    assert "free space" in proc.stderr.strip().splitlines()[-1]
+    assert not part.exists() and not list(out.glob(".*.tmp"))
+    assert call(cli.main, argv)[0] == 0
+    assert np.load(out / "shard-00000-of-00001.npy").shape == (64, 32)
+
+
 def _damaged_model_folder(world: dict, root: Path, kind: str) -> Path:
     """A model folder of the issue's poor-message cases, built in ``root``."""
     from safetensors.torch import load_file

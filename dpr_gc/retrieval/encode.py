@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import IO, Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -230,7 +230,15 @@ def _encode_part(encoder: Any, corpus: Any, rows: tuple[int, int], part: Path, s
     if not np.isfinite(emb).all():
         raise DprGcError(f"embeddings overflow {settings.dtype} in rows {rows[0]}..{rows[1] - 1}; use --dtype float32")
     with atomic_open(part, "wb") as f:
-        np.save(f, emb)
+        _save_npy(f, emb)
+
+
+def _save_npy(f: IO[bytes], arr: np.ndarray) -> None:
+    """Write ``arr`` to ``f`` as a ``.npy`` with plain writes: a full disk is then an ``OSError`` with its errno (one
+    error line naming the file), where ``np.save`` on a file reports a short write without one."""
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(arr.dtype),
+                                             "fortran_order": False, "shape": arr.shape})
+    f.write(np.ascontiguousarray(arr).tobytes())
 
 
 def _manifest(retriever: Any, corpus: Any, corpus_path: PathLike, shard: tuple[int, int], settings: EncodeSettings,
@@ -353,7 +361,7 @@ def _assemble(out: Path, manifest: dict, corpus: Any, parts: list[Path]) -> None
     with atomic_path(out / manifest["embeddings"]) as tmp:
         if count == 0:
             with open(tmp, "wb") as f:
-                np.save(f, np.zeros((0, dim), dtype=manifest["dtype"]))
+                _save_npy(f, np.zeros((0, dim), dtype=manifest["dtype"]))
         else:
             _write_npy(tmp, parts, np.dtype(manifest["dtype"]), count, dim)
     start = manifest["start_row"]
