@@ -1761,6 +1761,51 @@ def test_disk_full_inside_an_encode_part_file_names_it(world: dict, tmp_path: Pa
     assert np.load(out / "shard-00000-of-00001.npy").shape == (64, 32)
 
 
+def _disk_full_run(argv: list, output: Path, limit: int, cwd: Path) -> str:
+    """The error line of ``dpr-gc ARGV --output OUTPUT`` run under a file-size limit of ``limit`` bytes."""
+    proc = _run_with_file_limit([*argv, "--output", output], limit, cwd)
+    _assert_process_refused(proc, f"{output}: the disk is full")
+    assert not output.exists()
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_disk_full_while_retrieving_names_the_output(world: dict, tmp_path: Path) -> None:
+    """The results (one chunk of 40 questions) overflow the limit before any chunk is kept: the line names the
+    output, nothing torn is left beside it, and the same command then writes the whole results."""
+    queries, cache = tmp_path / "q.tsv", tmp_path / "cache"
+    queries.write_text("".join(f"{WORDS[i % len(WORDS)]} {WORDS[(3 * i) % len(WORDS)]}\t[\"x\"]\n" for i in range(40)))
+    load_corpus(world["corpus"], cache)
+    argv = retrieve_argv(world, "--queries", queries, "--top-k", "5", "--workers", "1", "--cache-dir", cache)
+    assert call(cli.main, [*argv, "--output", tmp_path / "ref.json"])[0] == 0
+    out = tmp_path / "o.json"
+    line = _disk_full_run(argv, out, (tmp_path / "ref.json").stat().st_size // 2, tmp_path)
+    assert "free space" in line and "run the same command again" in line
+    assert not list(tmp_path.glob(".o.json.*partial*")) and not list(tmp_path.glob(".o.json.*progress*"))
+    assert call(cli.main, [*argv, "--output", out])[0] == 0
+    assert out.read_bytes() == (tmp_path / "ref.json").read_bytes()
+
+
+def test_disk_full_while_mining_keeps_the_finished_records(world: dict, tmp_path: Path) -> None:
+    """Every record fits and the list's closing bracket does not: the line names the output and the kept file, which
+    is cut back to the records recorded as finished, and the same command continues from them to the whole file."""
+    train_file, cache = tmp_path / "train.json", tmp_path / "cache"
+    train_file.write_text(json.dumps(training_records(12)))
+    load_corpus(world["corpus"], cache)
+    argv = ["mine", "--source", "dense", "--train-file", train_file, "--index", world["idx"], "--corpus",
+            world["corpus"], "--cache-dir", cache, "--n-negatives", "2", "--top-k", "5", "--device", "cpu",
+            "--workers", "1"]
+    code, err = call(cli.main, [*argv, "--output", tmp_path / "ref.json"])
+    assert code == 0, err
+    reference = (tmp_path / "ref.json").read_bytes()
+    out, kept = tmp_path / "mined.json", tmp_path / ".mined.json.partial"
+    line = _disk_full_run(argv, out, len(reference) - 1, tmp_path)
+    assert str(kept) in line and "run the same command again" in line
+    progress = json.loads((tmp_path / ".mined.json.progress.json").read_text())
+    assert kept.stat().st_size == progress["bytes"] and reference.startswith(kept.read_bytes())
+    assert call(cli.main, [*argv, "--output", out])[0] == 0
+    assert out.read_bytes() == reference
+
+
 def _damaged_model_folder(world: dict, root: Path, kind: str) -> Path:
     """A model folder of the issue's poor-message cases, built in ``root``."""
     from safetensors.torch import load_file

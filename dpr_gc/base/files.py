@@ -596,11 +596,13 @@ class ChunkedOutput:
     the file stays valid whatever chunk it ends on); after each chunk a progress file records the partial file's
     size and the caller's state. A run with the same ``key`` (the settings it depends on) truncates the partial
     file to the last finished chunk and continues; any other run starts over. ``path`` appears only when finished.
-    Use it while holding a lock on ``path`` (see :func:`dpr_gc.base.locks.output_lock`).
+    Use it while holding a lock on ``path`` (see :func:`dpr_gc.base.locks.output_lock`). ``output``: the output a
+    full disk's message names (default ``path``), where the file written is a step towards it.
     """
 
-    def __init__(self, path: PathLike, key: Any) -> None:
+    def __init__(self, path: PathLike, key: Any, output: Optional[PathLike] = None) -> None:
         self.path = Path(path)
+        self.output = Path(output or path)
         self.partial = self.path.with_name(f".{self.path.name}.partial")
         self.progress = self.path.with_name(f".{self.path.name}.progress.json")
         self.key = json.loads(json.dumps(key))
@@ -629,13 +631,31 @@ class ChunkedOutput:
         return saved if type(saved["bytes"]) is int and 0 <= saved["bytes"] <= size else None
 
     def append(self, text: str, state: Any) -> None:
-        """Append one chunk durably, then record ``state`` as the point a re-run continues from."""
-        with (gzip.open(self.partial, "at", encoding="utf-8") if self.gz else
-              open(self.partial, "a", encoding="utf-8")) as f:
-            f.write(text)
-        with open(self.partial, "rb") as f:
-            os.fsync(f.fileno())
-        write_json(self.progress, {"key": self.key, "bytes": self.partial.stat().st_size, "state": state})
+        """Append one chunk durably, then record ``state`` as the point a re-run continues from. A full disk cuts
+        the partial file back to the last recorded chunk (deletes it when none is, or a re-run cannot continue) and
+        is one :class:`DiskFullError` naming the output."""
+        try:
+            with (gzip.open(self.partial, "at", encoding="utf-8") if self.gz else
+                  open(self.partial, "a", encoding="utf-8")) as f:
+                f.write(text)
+            with open(self.partial, "rb") as f:
+                os.fsync(f.fileno())
+            write_json(self.progress, {"key": self.key, "bytes": self.partial.stat().st_size, "state": state})
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            raise DiskFullError(self.output, self._rewind()) from None
+
+    def _rewind(self) -> str:
+        """Cut the partial file back to its last recorded chunk (or delete it, and its progress, when no run can
+        continue from it); returns what to do once space is freed."""
+        saved = self.saved() if self.key is not None else None
+        if saved is None:
+            self.discard()
+            return "free space or write somewhere else, then run the same command again"
+        os.truncate(self.partial, saved["bytes"])
+        return (f"the finished part is kept in {self.partial}; free space, then run the same command again to "
+                "continue after it")
 
     def finish(self) -> None:
         """Move the completed file to its name and forget the progress."""

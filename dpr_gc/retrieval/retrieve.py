@@ -475,7 +475,7 @@ def write_retrieval(retriever: Any, index: DenseIndex, corpus: Any, queries: Ite
 def kept_records(first: Path, key: Optional[dict] = None) -> ChunkedOutput:
     """The finished records a retrieval into the output ``first`` keeps beside it: ``.NAME.retrieved.partial``, with
     its progress record ``.NAME.retrieved.progress.json``."""
-    return ChunkedOutput(first.with_name(first.name + KEPT), key)
+    return ChunkedOutput(first.with_name(first.name + KEPT), key, output=first)
 
 
 def retrieve_kept(first: Path, key: dict, queries: Iterable[dict], total: Optional[int],
