@@ -1618,14 +1618,18 @@ def test_disk_full_while_indexing_keeps_the_old_index(world: dict, tmp_path: Pat
 
 
 def test_disk_full_while_writing_a_checkpoint(world: dict, tmp_path: Path) -> None:
-    """The model (100 KB) fits under the limit, the optimizer state (200 KB) does not."""
+    """The model (100 KB) fits under the limit, the optimizer state (200 KB) does not. At the first checkpoint
+    there is none to resume: the line says to run the same command again, which then trains to the end."""
     out = tmp_path / "run"
-    proc = _run_with_file_limit(["train", "--train", world["train"], "--output", out, "--model", world["model"],
-                                 "--device", "cpu", "--max-steps", "2", "--save-every", "1", "--batch-size", "2",
-                                 "--num-workers", "0", "--cache-dir", tmp_path / "cache"], 150_000, tmp_path)
+    argv = ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu",
+            "--max-steps", "2", "--save-every", "1", "--batch-size", "2", "--num-workers", "0", "--cache-dir",
+            tmp_path / "cache"]
+    proc = _run_with_file_limit(argv, 150_000, tmp_path)
     _assert_process_refused(proc, f"{out / 'checkpoint-1'}: the disk is full")
-    assert "--resume latest" in proc.stderr
+    assert "run the same command again" in proc.stderr and "--resume" not in proc.stderr
     assert not [p.name for p in out.iterdir() if p.name.startswith((".checkpoint", "checkpoint", "final"))]
+    code, err = call(cli.main, argv)
+    assert code == 0 and (out / "final").is_dir(), err
 
 
 def _without_row_count(cache: Path) -> bytes:

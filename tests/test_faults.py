@@ -187,6 +187,33 @@ def test_a_checkpoint_interrupted_while_written_never_appears(task, tmp_path, mo
 
 
 
+@pytest.mark.parametrize("finished", [False, True])
+def test_disk_full_at_a_checkpoint_advises_what_resumes(tmp_path, monkeypatch, finished):
+    """``--resume latest`` is advised only when a finished checkpoint is there for it; before the first, running the
+    same command again is (``--resume latest`` would find no checkpoint)."""
+    import errno
+    from types import SimpleNamespace
+
+    from dpr_gc.train.checkpoints import STATE_JSON, Checkpointer
+
+    if finished:
+        (tmp_path / "checkpoint-1").mkdir()
+        (tmp_path / "checkpoint-1" / STATE_JSON).write_text("{}\n")
+    checkpointer = Checkpointer(tmp_path, keep=2, metric="loss", is_main=True)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpointer, "_write", full)
+    stateful = SimpleNamespace(state_dict=dict)
+    with pytest.raises(DprGcError) as refused:
+        checkpointer.save(2, None, None, stateful, stateful, {}, {}, {})
+    message = str(refused.value)
+    assert str(tmp_path / "checkpoint-2") in message and "free space" in message
+    assert ("--resume latest" in message) == finished, message
+    assert finished or "run the same command again" in message, message
+
+
 def test_a_resumed_train_removes_the_temporaries_a_killed_run_left(task, tmp_path):
     """stages.md: a run deletes the temporaries that a killed run of its own left. kill -9 while checkpoint-6, best/
     or final/ is written leaves a hidden copy of the model beside them (and a file's temporary beside

@@ -265,8 +265,9 @@ class Checkpointer:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(e):
-                raise DiskFullError(self.out / f"checkpoint-{step}", "free space, then run the same command with "
-                                    "--resume latest") from None
+                resume = "with --resume latest" if self.checkpoints() else "again"  # latest needs a finished one
+                raise DiskFullError(self.out / f"checkpoint-{step}", f"free space, then run the same command {resume}"
+                                    ) from None
             raise
         if dist.is_initialized():
             dist.barrier()
