@@ -108,6 +108,29 @@ def test_pickled_model_weights_are_refused(trained, tmp_path, capsys, where):
              tmp_path / "cache"], marker, capsys, where if where.endswith(".safetensors") else str(model))
 
 
+def test_tensors_pickled_with_protocol_4_are_refused_in_one_true_line(tmp_path):
+    """Plain tensors that ``torch.save(pickle_protocol=4)`` wrote use a pickle opcode the weights-only reader lacks:
+    the folder is refused without torch's own warning and without claiming the file holds more than tensors."""
+    import warnings
+
+    from dpr_gc.base.errors import DprGcError
+    from dpr_gc.model.pretrained import load_transformer
+    from tests.helpers import tiny_bert
+
+    folder = tmp_path / "model"
+    model = tiny_bert(64)
+    model.save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin", pickle_protocol=4)
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(DprGcError) as refused:
+        warnings.simplefilter("always")
+        load_transformer(folder)
+    assert not [w for w in seen if "pickle protocol" in str(w.message)], [str(w.message) for w in seen]
+    message = str(refused.value)
+    assert "could not be read as plain tensors (weights_only" in message and "safetensors" in message, message
+    assert "more than tensors" not in message, message
+
+
 def test_pickled_embeddings_are_refused(trained, tmp_path, capsys):
     corpus = write_corpus(tmp_path / "c", passages(5), "tsv")
     emb, marker = tmp_path / "emb", tmp_path / "PWNED"

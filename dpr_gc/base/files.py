@@ -520,6 +520,7 @@ def weights_only_reason(error: BaseException) -> str:
     named = next((line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")), None)
     if named is None and lines and lines[0].startswith("Weights only load failed"):
         named = "not a file of plain tensors"
+    named = re.sub(r"^WeightsUnpickler error: ", "", named or "").split(" was not an allowed global")[0]
     return (named or (lines[0] if lines else type(error).__name__))[:200]
 
 

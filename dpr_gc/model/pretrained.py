@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +22,7 @@ from ..base.logs import dependency_deprecations_hidden
 from ..base.validate import (Field, check_fields, check_weights_folder, count, number, positive_int,
                              refuse_custom_code, text)
 from .hub import check_model_source
-from ..base.files import read_json
+from ..base.files import read_json, weights_only_reason
 
 ADAPTER_CONFIG = "adapter_config.json"
 # what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
@@ -41,12 +42,14 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     check_model_source(str(name_or_path))
     check_layers_saved(Path(name_or_path), check_weights_folder(name_or_path))
     try:
-        model, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False, output_loading_info=True,
-                                                dtype=torch.float32)
+        with warnings.catch_warnings():  # torch's note on an old pickle protocol: the refusal below says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            model, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False,
+                                                    output_loading_info=True, dtype=torch.float32)
     except pickle.UnpicklingError as e:
-        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), "not plain tensors").strip()
-        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused ({reason}); it holds "
-                         "more than tensors, so it is never unpickled -- use a model saved as safetensors") from None
+        raise DprGcError(f"cannot load model {str(name_or_path)!r}: its weights file was refused: it could not be "
+                         f"read as plain tensors (weights_only: {weights_only_reason(e)}), and it is never unpickled "
+                         "-- use a model saved as safetensors") from None
     except WEIGHT_ERRORS as e:  # a damaged weights file (truncated zip, bad safetensors header) too
         if isinstance(e, RuntimeError) and "ignore_mismatched_sizes" in str(e):
             raise DprGcError(f"cannot load model {str(name_or_path)!r}: {size_mismatch(name_or_path)}; its "
