@@ -1132,6 +1132,41 @@ def test_atomic_folder_refuses_to_replace_a_folder_that_holds_no_model(make_retr
     assert not (tmp_path / "x").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+# ----------------------------------------------------------------------------------------- messages that say what is so
+@pytest.mark.parametrize("name", ["r.json", "r.jsonl"])
+def test_an_empty_results_file_is_called_empty(world: dict, tmp_path: Path, name: str) -> None:
+    results = tmp_path / name
+    results.write_bytes(b"")
+    line = refused(["evaluate", "--results", results], str(results), "empty")
+    assert "truncated" not in line, line
+
+
+def test_a_shard_of_another_dtype_names_its_dtype(world: dict, tmp_path: Path) -> None:
+    emb = tmp_path / "emb"
+    shutil.copytree(world["emb"], emb)
+    shard = emb / "shard-00000-of-00001.npy"
+    np.save(shard, np.load(shard).astype(np.float64))
+    line = refused(["index", "--embeddings", emb, "--output", tmp_path / "idx"], str(shard), "float64", "float32")
+    assert "manifest says 16 x 32" not in line, line
+
+
+def test_a_local_model_of_a_type_transformers_does_not_know_says_so(world: dict, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "evil_custom"}))
+    line = refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device",
+                    "cpu"], str(model), "'evil_custom'", "transformers")
+    assert "reachable from this machine" not in line, line
+
+
+def test_a_weights_file_given_as_the_model_is_told_to_pass_its_folder(world: dict, tmp_path: Path) -> None:
+    weights = world["model"] / "model.safetensors"
+    line = refused(["encode", "--model", weights, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device",
+                    "cpu"], str(weights), f"pass the folder {world['model']}")
+    assert "torch file" not in line, line
+
+
 # --------------------------------------------------------------------------------------------- no code from a folder
 def test_model_folder_with_custom_code_is_refused_and_never_run(world: dict, tmp_path: Path) -> None:
     model = tmp_path / "evil"

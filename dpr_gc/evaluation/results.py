@@ -112,7 +112,10 @@ def iter_results(path: PathLike) -> Iterator[dict]:
         for _, record in iter_jsonl(p):
             yield record
         return
-    if sniff_json(p) == "lines":
+    kind = sniff_json(p)
+    if kind == "empty":  # no questions, as an empty .jsonl holds none: the caller says so
+        return
+    if kind == "lines":
         raise DprGcError(f"{p}:1: invalid JSON results: expected a JSON list of questions with 'answers' and "
                          "'ctxs' (or one per line in a file named .jsonl)")
     with open_text(p) as f:

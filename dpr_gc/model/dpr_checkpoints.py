@@ -34,6 +34,7 @@ def read_dpr_state(path: str | Path) -> dict:
     DPR's ``model_dict``, is refused as "cannot load model 'PATH'" (a command names its flag there), the unpickler's
     own reason logged at debug level; one holding Python objects is refused with how to convert it."""
     name = str(path)
+    refuse_weights_file(Path(path))
     try:
         state = torch_load_weights(Path(path))
     except Exception as e:  # noqa: BLE001 - pickle and zip errors of any kind mean the same to the user
@@ -45,10 +46,19 @@ def read_dpr_state(path: str | Path) -> dict:
         raise DprGcError(f"cannot load model {name!r}: it cannot be read as weights only ({reason}); "
                          + CONVERT_HINT.format(path=name)) from None
     if not isinstance(state, dict) or not isinstance(state.get("model_dict"), dict):
+        refuse_weights_file(Path(path), model_folder=True)
         raise DprGcError(f"cannot load model {name!r}: not a model folder nor a DPR .cp checkpoint (a torch file "
                          "without DPR's 'model_dict'; give a dpr-gc retriever folder, a Hugging Face model name or "
                          "folder, or a DPR .cp file)")
     return state
+
+
+def refuse_weights_file(path: Path, model_folder: bool = False) -> None:
+    """Refuse, saying to pass its folder, a model's weights file given as the model: a ``.safetensors`` file, or
+    (``model_folder``: a torch file without DPR's ``model_dict``) one beside a ``config.json``."""
+    if path.suffix == ".safetensors" or (model_folder and (path.parent / "config.json").is_file()):
+        raise DprGcError(f"cannot load model {str(path)!r}: a weights file of a model, not a DPR .cp checkpoint; "
+                         f"pass the folder {path.parent} that holds it with its config.json")
 
 
 def _tower(model_dict: dict, prefix: str) -> tuple[dict, dict]:

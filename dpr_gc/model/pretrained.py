@@ -41,6 +41,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
         return load_adapter_model(Path(name_or_path))
     check_model_source(str(name_or_path))
     check_layers_saved(Path(name_or_path), check_weights_folder(name_or_path))
+    check_model_type(Path(name_or_path))
     try:
         with warnings.catch_warnings():  # torch's note on an old pickle protocol: the refusal below says it all
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -140,6 +141,23 @@ def check_layers_saved(folder: Path, weight_names: list[str]) -> None:
         key, made, saved = missing
         raise DprGcError(f"cannot load model {str(folder)!r}: its config.json makes {made:,} layers ({key}) "
                          f"but its weights file holds {saved}; fix {key} in config.json")
+
+
+def check_model_type(folder: Path) -> None:
+    """Refuse a local folder whose ``config.json`` names a ``model_type`` this transformers version does not know
+    (transformers' own message blames the checkpoint or the version at length); dpr-gc never runs a folder's own
+    model code, so a newer transformers is the way to load it."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):  # no config or not a JSON object: transformers' own load names that
+        return
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise DprGcError(f"cannot load model {str(folder)!r}: its config.json has model_type {model_type!r}, which "
+                         f"transformers {transformers.__version__} does not know (a newer transformers may; dpr-gc "
+                         "never runs a folder's own model code)")
 
 
 def check_model_config(model: nn.Module, name_or_path: str | Path) -> nn.Module:

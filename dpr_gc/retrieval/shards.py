@@ -167,9 +167,12 @@ def open_shard(m: dict, check_ids: bool = False) -> np.ndarray:
         arr = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
         raise DprGcError(f"{path}: cannot read embeddings ({e}); re-encode this shard") from None
-    if arr.shape != (int(m["count"]), int(m["dim"])) or arr.dtype not in (np.float16, np.float32):
+    if arr.shape != (int(m["count"]), int(m["dim"])):
         raise DprGcError(f"{path}: holds {arr.dtype} {arr.shape} but its manifest says {m['count']} x {m['dim']}; "
                          "re-encode this shard")
+    if arr.dtype not in (np.float16, np.float32):
+        raise DprGcError(f"{path}: holds {arr.dtype} values where encode writes float16 or float32 (its manifest "
+                         f"says {m['dtype']}); re-encode this shard")
     if check_ids:
         with open(m["ids"], "rb") as f:
             n_ids = sum(1 for _ in f)
