@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_common import results_path  # noqa: E402
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
                              encoder_model, interleave, machine_info, make_step, original_version, run_child,
                              st_version)
@@ -299,7 +300,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's default, dynamic threshold)")
-    p.add_argument("--output", default=None, help="default benchmarks/results/frontier-DEVICE.json (and its .png)")
+    p.add_argument("--output", default=None, help="default benchmarks/results/frontier-DEVICE.json, "
+                   "frontier-DEVICE-quick.json with --quick or --tiny (and its .png)")
     p.add_argument("--plot", metavar="RESULTS", help="only draw the PNG of an existing results file")
     args = p.parse_args(argv)
     if args.mmap_threshold < 0:
@@ -319,6 +321,11 @@ def available_peers(names: list[str]) -> tuple[list[str], list[str]]:
         else:
             found.append(name)
     return found, notes
+
+
+def output_path(args: argparse.Namespace, device: str) -> str:
+    """--output, else frontier-DEVICE.json, or frontier-DEVICE-quick.json for a --quick or --tiny run."""
+    return args.output or results_path(f"frontier-{device}", args.quick or args.tiny)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -343,7 +350,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     for note in notes:
         logger.warning(note)
     report = {"machine": machine_info(device, threads), "settings": vars(args), "notes": notes, "runs": []}
-    output = args.output or str(ROOT / "benchmarks" / "results" / f"frontier-{device}.json")
+    output = output_path(args, device)
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         for shape in args.shapes.split(","):
             llm = shape == "llm"

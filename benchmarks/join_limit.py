@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_frontier import OURS, PLAIN, launch, shape_model  # noqa: E402
+from bench_common import results_path  # noqa: E402
 from bench_gradcache import machine_info  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -68,7 +69,8 @@ def grid_parser(description: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="the llm shape's 4-layer CPU size")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="results JSON (default benchmarks/results/NAME-DEVICE.json)")
+    p.add_argument("--output", default=None, help="results JSON (default benchmarks/results/NAME-DEVICE.json, "
+                   "NAME-DEVICE-quick.json with --tiny)")
     return p
 
 
@@ -85,7 +87,7 @@ def check_grid_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.mmap_threshold < 0:
         raise DprGcError(f"--mmap-threshold {args.mmap_threshold}: give a size in bytes, or 0 for glibc's own "
                          "threshold")
-    args.output = args.output or str(ROOT / "benchmarks" / "results" / f"{args.results_name}-{args.device}.json")
+    args.output = args.output or results_path(f"{args.results_name}-{args.device}", args.tiny)
     return args
 
 
