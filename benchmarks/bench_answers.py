@@ -34,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_common import run_script  # noqa: E402
 from dpr_gc.data.answer_text import _token_pattern, nfd as normalize  # noqa: E402
 from dpr_gc.evaluation.answers import AnswerMatcher, default_workers  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
@@ -237,4 +238,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

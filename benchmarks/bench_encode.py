@@ -38,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_common import run_script  # noqa: E402
 from dpr_gc.data.corpus import load_corpus  # noqa: E402
 from dpr_gc.base.devices import cpu_has_native_bf16  # noqa: E402
 from dpr_gc.retrieval.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
@@ -250,4 +251,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

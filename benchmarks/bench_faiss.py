@@ -31,6 +31,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import run_script
 from dpr_gc.base.files import write_json
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, set_threads
 
@@ -182,4 +183,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

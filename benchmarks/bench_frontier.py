@@ -41,12 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import results_path  # noqa: E402
+from bench_common import results_path, run_script  # noqa: E402
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
                              encoder_model, interleave, machine_info, make_step, original_version, run_child,
                              st_version)
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
-from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
+from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import atomic_path, read_json_object, write_json  # noqa: E402
 from dpr_gc.engine import frozen_casts, grad_cache, sparse_grads  # noqa: E402
 
@@ -370,4 +370,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(report_errors(main))
+    sys.exit(run_script(main))

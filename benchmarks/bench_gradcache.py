@@ -51,7 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
-from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_common import int_list, name_list, parser, require_cuda, results_path, run_script  # noqa: E402
+from dpr_gc.base.errors import DprGcError  # noqa: E402
+from dpr_gc.base.files import iter_jsonl, read_json_object, write_json  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -517,9 +521,8 @@ def verdicts(targets: dict, uneven_target: float) -> list[str]:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints, names = int_list, name_list
+    p = parser(__doc__)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--batches", type=ints, default=[32, 128, 512])
     p.add_argument("--chunk", type=int, default=32)
@@ -559,15 +562,21 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     bad = [m for m in args.methods if m not in METHODS] + [i for i in args.inputs if i not in INPUTS]
     if bad:
         p.error(f"unknown method/input {bad}; choose from {METHODS} and {INPUTS}")
+    require_cuda(args.device)
     if args.output is None:
-        args.output = str(ROOT / "benchmarks" / "results" / ("gradcache-quick.json" if args.quick else "gradcache.json"))
+        args.output = results_path("gradcache", args.quick)
     return args
 
 
 def merge(args: argparse.Namespace) -> None:
     """One report from several runs made at the same time (each measured in its own processes): their results
     and memory checks side by side, each run's machine record and settings kept."""
-    reports = [json.loads(Path(f).read_text()) for f in args.merge]
+    reports = [read_json_object(f, "bench_gradcache.py results file") for f in args.merge]
+    for f, rep in zip(args.merge, reports):
+        shape = (("machine", dict), ("results", list), ("memory_check", list))
+        if not all(isinstance(rep.get(k), t) for k, t in shape):
+            raise DprGcError(f"--merge {f}: not a bench_gradcache.py results file (no 'machine', 'results' and "
+                             "'memory_check'); give the files its runs wrote")
     results = [r for rep in reports for r in rep["results"]]
     memory = [r for rep in reports for r in rep["memory_check"]]
     lines, targets = summarise(results, memory, args.clock, args.uneven_target)
@@ -631,4 +640,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

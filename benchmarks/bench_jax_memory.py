@@ -23,13 +23,16 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench_common import int_list, parser, run_script  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, cached_value_and_grad, encoder_fn,  # noqa: E402
                         remat_value_and_grad)
@@ -63,16 +66,21 @@ def plan(step, params, batch: int, query_length: int, passage_length: int, group
             "output_bytes": int(stats.output_size_in_bytes), "compile_seconds": round(time.perf_counter() - started, 1)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batches", default="64,256,1024,4096", help="comma-separated batch sizes (queries)")
-    parser.add_argument("--chunk", type=int, default=16)
-    parser.add_argument("--hard-negatives", type=int, default=1)
-    parser.add_argument("--query-length", type=int, default=32)
-    parser.add_argument("--passage-length", type=int, default=128)
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "jax_memory.json"))
-    args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = parser(__doc__)
+    p.add_argument("--batches", type=int_list, default=[64, 256, 1024, 4096],
+                   help="comma-separated batch sizes (queries)")
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--hard-negatives", type=int, default=1)
+    p.add_argument("--query-length", type=int, default=32)
+    p.add_argument("--passage-length", type=int, default=128)
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "jax_memory.json"))
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    batches = args.batches
     model = Encoder(MINILM)
     ones = jnp.ones((1, 8), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), ones, ones)["params"]
@@ -95,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

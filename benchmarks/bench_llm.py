@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_common import check_choices, int_list, name_list, parser, run_script  # noqa: E402
 from bench_gradcache import PeakMemory  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -115,30 +117,36 @@ def one_run(args: argparse.Namespace) -> dict:
             "memory_method": memory.method, "parameters": params, "trainable_parameters": trainable}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
-    parser.add_argument("--batches", default="8,32,128", help="comma-separated query batch sizes")
-    parser.add_argument("--chunk", type=int, default=8)
-    parser.add_argument("--query-length", type=int, default=32)
-    parser.add_argument("--passage-length", type=int, default=128)
-    parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--small", action="store_true", help="a 4-layer, 256-wide model instead of Qwen2-0.5B's shape")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "llm.json"))
-    parser.add_argument("--append", action="store_true",
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = parser(__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--batches", type=int_list, default=[8, 32, 128], help="comma-separated query batch sizes")
+    p.add_argument("--chunk", type=int, default=8)
+    p.add_argument("--query-length", type=int, default=32)
+    p.add_argument("--passage-length", type=int, default=128)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--small", action="store_true", help="a 4-layer, 256-wide model instead of Qwen2-0.5B's shape")
+    p.add_argument("--methods", type=name_list, default=list(METHODS), help=",".join(METHODS))
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "llm.json"))
+    p.add_argument("--append", action="store_true",
                         help="add the rows to those already in --output (each invocation's settings are kept)")
-    parser.add_argument("--method", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    check_choices("--methods", args.methods, METHODS)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
     if args.method:  # a child process: one configuration, its result as JSON on the last line
         print(json.dumps(one_run(args)))
         return
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        for method in args.methods.split(","):
+    for batch in args.batches:
+        for method in args.methods:
             cmd = [sys.executable, __file__, "--method", method, "--batch", str(batch)] + sys.argv[1:]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
@@ -158,4 +166,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import run_script  # noqa: E402
+
 
 def process_tree(pid: int) -> list[int]:
     found, todo = [], [pid]
@@ -93,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -16,12 +16,16 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_common import parser, run_script  # noqa: E402
+from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
 from dpr_gc.data.training import TrainingExamples, key_ids, load_training_data  # noqa: E402
@@ -63,7 +67,7 @@ def count(data, batch_size: int, hard: int, epochs: int, seed: int) -> list[dict
 
 def replay_parser(doc: str, results_name: str) -> argparse.ArgumentParser:
     """The flags of a sampler replay (this script and filled_negatives.py): data, batch, epochs, seed, output."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p = parser(doc)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR folder")
     p.add_argument("--batch-size", type=int, default=256, help="questions per global batch")
     p.add_argument("--hard-negatives", type=int, default=1, help="hard negatives per question")
@@ -73,11 +77,19 @@ def replay_parser(doc: str, results_name: str) -> argparse.ArgumentParser:
     return p
 
 
+def load_replay_data(folder: str, cache: str) -> Any:
+    """The training examples of the BEIR folder ``folder`` (``--data``), refused in one line if it is no folder."""
+    if not Path(folder).is_dir():
+        raise DprGcError(f"--data {folder}: not a folder; give a BEIR folder (corpus.jsonl, queries.jsonl, qrels/), "
+                         "e.g. ../shared/data/scifact")
+    return load_training_data([folder], cache)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = replay_parser(__doc__, "duplicate-positives.json").parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
-        data = load_training_data([args.data], cache)
+        data = load_replay_data(args.data, cache)
         epochs = count(data, args.batch_size, args.hard_negatives, args.epochs, args.seed)
     total = {k: sum(e[k] for e in epochs) for k in epochs[0] if k != "epoch"}
     report = {"data": args.data, "questions": len(data), "batch_size": args.batch_size,
@@ -89,4 +101,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -19,11 +19,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from dpr_gc.data.training import TrainingExamples, load_training_data  # noqa: E402
+from dpr_gc.data.training import TrainingExamples  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
-from duplicate_positives import replay_parser  # noqa: E402
+from bench_common import run_script  # noqa: E402
+from duplicate_positives import load_replay_data, replay_parser  # noqa: E402
 
 
 def count(data, batch_size: int, hard: int, epochs: int, seed: int, global_batch: bool) -> dict:
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = replay_parser(__doc__, "filled-negatives.json").parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
-        data = load_training_data([args.data], cache)
+        data = load_replay_data(args.data, cache)
         report = {"data": args.data, "questions": len(data), "batch_size": args.batch_size,
                   "hard_negatives": args.hard_negatives, "epochs": args.epochs, "seed": args.seed,
                   "whole_data_set_draw": count(data, args.batch_size, args.hard_negatives, args.epochs, args.seed,
@@ -62,4 +64,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import run_script  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("rank_tests_loop")
 
@@ -145,4 +148,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -20,8 +20,10 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
+from bench_common import run_script  # noqa: E402
+from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
 
@@ -86,4 +88,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(report_errors(main))
+    sys.exit(run_script(main))

@@ -53,7 +53,7 @@ def test_a_file_that_is_not_frontier_results_is_one_error_line(tmp_path: Path, c
     other = tmp_path / "other.json"
     other.write_text('{"rounds": []}')
     for bad in (tmp_path / "missing.json", other):
-        assert frontier.report_errors(lambda: frontier.main(["--plot", str(bad)])) == 2
+        assert frontier.run_script(lambda: frontier.main(["--plot", str(bad)])) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and str(bad) in err and err.count("\n") == 1
     assert not list(tmp_path.glob("*.png"))
@@ -73,7 +73,7 @@ def test_padding_statistics_without_the_data_are_one_error_line(tmp_path: Path, 
     import scifact_padding
 
     out = tmp_path / "padding.json"
-    code = scifact_padding.report_errors(lambda: scifact_padding.main(["--data", str(tmp_path), "--output", str(out)]))
+    code = scifact_padding.run_script(lambda: scifact_padding.main(["--data", str(tmp_path), "--output", str(out)]))
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "corpus.jsonl.gz" in err and err.count("\n") == 1
     assert not out.exists()
@@ -91,7 +91,7 @@ def test_bad_padding_flags_are_one_error_line(tmp_path: Path, capsys) -> None:
     for flags, message in ((["--samples", "0"], "error: --samples 0: must be at least 1"),
                            (["--batch", "8"], "error: --batch 8: more rows than the 4 texts to sample from; "
                                               "give a smaller batch")):
-        code = scifact_padding.report_errors(
+        code = scifact_padding.run_script(
             lambda: scifact_padding.main(["--data", str(tmp_path), "--output", str(out), *flags]))
         assert code == 2 and capsys.readouterr().err.strip() == message
     assert not out.exists()
@@ -152,7 +152,7 @@ def test_a_negative_mmap_threshold_is_one_error_line(tmp_path: Path, capsys) -> 
     out = tmp_path / "out.json"
     for run in (lambda: frontier.main(["--mmap-threshold", "-1", "--output", str(out)]),
                 lambda: join_limit.run(["--mmap-threshold", "-1", "--output", str(out)])):
-        assert frontier.report_errors(run) == 2
+        assert frontier.run_script(run) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: --mmap-threshold -1") and err.count("\n") == 1
     assert not out.exists()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
+from unittest import mock
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -11,6 +15,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_frontier  # noqa: E402
 import join_limit  # noqa: E402
 import profile_step  # noqa: E402
+from bench_common import run_script  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -25,3 +30,35 @@ def test_a_smoke_run_never_writes_over_committed_results() -> None:
     assert join_limit.parse_args(["--device", "cpu", "--tiny"]).output == str(RESULTS / "join-limit-cpu-quick.json")
     assert join_limit.parse_args(["--device", "cpu"]).output == str(RESULTS / "join-limit-cpu.json")
     assert profile_step.parse_args(["--device", "cpu", "--tiny"]).output == str(RESULTS / "profile-step-cpu-quick.json")
+
+
+def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words: tuple[str, ...] = ()) -> None:
+    """``benchmarks/SCRIPT ARGS``, run as its ``__main__`` runs it, exits 2 with one ``error:`` line naming ``words``."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    with mock.patch("torch.cuda.is_available", return_value=False), pytest.raises(SystemExit) as done:
+        sys.exit(run_script(lambda: module.main(list(args))))
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("script, args, words", [
+    ("bench_llm.py", ["--batches", "2,x"], ["--batches", "2,x"]),
+    ("bench_jax_memory.py", ["--batches", "4,x"], ["--batches", "4,x"]),
+    ("bench_gradcache.py", ["--device", "cuda"], ["--device cuda", "no CUDA device"]),
+    ("duplicate_positives.py", ["--data", "/nonexistent"], ["--data /nonexistent", "BEIR folder"]),
+    ("filled_negatives.py", ["--data", "/nonexistent"], ["--data /nonexistent", "BEIR folder"]),
+])
+def test_a_bad_flag_is_one_error_line(capsys: pytest.CaptureFixture, script: str, args: list[str],
+                                      words: list[str]) -> None:
+    one_error_line(capsys, script, *args, words=tuple(words))
+
+
+def test_merging_a_missing_or_foreign_file_is_one_error_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    other = tmp_path / "other.json"
+    other.write_text('{"runs": []}\n')
+    for bad in (tmp_path / "missing.json", other):
+        out = tmp_path / "merged.json"
+        one_error_line(capsys, "bench_gradcache.py", "--merge", str(bad), "--output", str(out), words=(str(bad),))
+        assert not out.exists()
