@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import check_choices, int_list, name_list, parser, run_script  # noqa: E402
+from bench_common import check_choices, int_list, name_list, parser, require_cuda, run_script  # noqa: E402
 from bench_gradcache import PeakMemory  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -119,7 +119,7 @@ def one_run(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     p.add_argument("--batches", type=int_list, default=[8, 32, 128], help="comma-separated query batch sizes")
     p.add_argument("--chunk", type=int, default=8)
@@ -131,23 +131,21 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--methods", type=name_list, default=list(METHODS), help=",".join(METHODS))
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "llm.json"))
     p.add_argument("--append", action="store_true",
-                        help="add the rows to those already in --output (each invocation's settings are kept)")
+                   help="add the rows to those already in --output (each invocation's settings are kept)")
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     check_choices("--methods", args.methods, METHODS)
+    require_cuda(args.device)
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    args = parse_args(argv)
-    if args.method:  # a child process: one configuration, its result as JSON on the last line
-        print(json.dumps(one_run(args)))
-        return
+def run_children(args: argparse.Namespace, given: list[str]) -> list[dict]:
+    """Each (batch, method) in a fresh process (``given``: this command line); a failed one is a row with its error."""
     rows = []
     for batch in args.batches:
         for method in args.methods:
-            cmd = [sys.executable, __file__, "--method", method, "--batch", str(batch)] + sys.argv[1:]
+            cmd = [sys.executable, __file__, "--method", method, "--batch", str(batch)] + given
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 tail = (done.stderr.strip().splitlines() or ["?"])[-1]
@@ -155,6 +153,19 @@ def main(argv: Optional[list[str]] = None) -> None:
             else:
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.method:  # a child process: one configuration, its result as JSON on the last line
+        print(json.dumps(one_run(args)))
+        return 0
+    rows = run_children(args, sys.argv[1:] if argv is None else list(argv))
+    if all("error" in r for r in rows):
+        print(f"error: every configuration failed, nothing written to {args.output}; the last said: "
+              f"{rows[-1]['error']}", file=sys.stderr)
+        return 1
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "settings": vars(args) | {"method": None}, "results": rows}
@@ -163,6 +174,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         report["results"] = before["results"] + rows
         report["invocations"] = before.get("invocations", [before["settings"]]) + [report["settings"]]
     write_json(args.output, report)
+    return 0
 
 
 if __name__ == "__main__":

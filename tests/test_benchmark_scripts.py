@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -62,3 +63,21 @@ def test_merging_a_missing_or_foreign_file_is_one_error_line(capsys: pytest.Capt
         out = tmp_path / "merged.json"
         one_error_line(capsys, "bench_gradcache.py", "--merge", str(bad), "--output", str(out), words=(str(bad),))
         assert not out.exists()
+
+
+def test_bench_llm_refuses_cuda_without_a_gpu_before_any_child(capsys: pytest.CaptureFixture) -> None:
+    with mock.patch("subprocess.run") as child:
+        one_error_line(capsys, "bench_llm.py", "--device", "cuda", words=("--device cuda", "no CUDA device"))
+    child.assert_not_called()
+
+
+def test_bench_llm_fails_and_writes_nothing_when_every_configuration_failed(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    import bench_llm
+
+    out = tmp_path / "llm.json"
+    failed = subprocess.CompletedProcess([], 1, "", "Traceback ...\nRuntimeError: out of memory\n")
+    with mock.patch("subprocess.run", return_value=failed):
+        code = bench_llm.main(["--device", "cpu", "--batches", "2", "--methods", "plain", "--output", str(out)])
+    assert code == 1 and not out.exists()
+    assert "every configuration failed" in capsys.readouterr().err
