@@ -19,9 +19,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import run_script  # noqa: E402
+from dpr_gc.base.errors import DprGcError  # noqa: E402
 
 
 def process_tree(pid: int) -> list[int]:
@@ -52,6 +54,13 @@ def memory_mib(pids: list[int]) -> tuple[float, float]:
     return pss / 1024, rss / 1024
 
 
+def last_error(log: Path) -> str:
+    """The trainer's last ``error:`` line in ``log`` (its message without the prefix), else its last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    return (errors or lines or ["no output"])[-1]
+
+
 def run(train: str, workers: int, args: argparse.Namespace) -> dict:
     out = Path(args.work_dir) / f"workers-{workers}"
     shutil.rmtree(out, ignore_errors=True)
@@ -60,20 +69,23 @@ def run(train: str, workers: int, args: argparse.Namespace) -> dict:
            "--passage-max-length", str(args.passage_max_length), "--max-steps", str(args.steps),
            "--num-workers", str(workers), "--cache-dir", str(Path(args.work_dir) / "cache"), "--save-every", "100000"]
     began = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(args.work_dir) / f"workers-{workers}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
     peak_pss = peak_rss = 0.0
     while proc.poll() is None:
         pss, rss = memory_mib(process_tree(proc.pid))
         peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
         time.sleep(0.3)
     if proc.returncode != 0:
-        raise SystemExit(f"training with {workers} workers failed: {' '.join(cmd)}")
+        raise DprGcError(f"training with {workers} workers failed: {last_error(log)} (its log: {log})")
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     return {"workers": workers, "peak_pss_mib": round(peak_pss), "peak_rss_mib": round(peak_rss),
             "examples_per_s": round(last["examples_per_s"], 3), "wall_s": round(time.perf_counter() - began, 1)}
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("train", help="a DPR training file (e.g. the demo's data/dpr_train.json)")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="values to compare (first: baseline)")
@@ -84,7 +96,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--work-dir", default="runs/bench_workers")
     parser.add_argument("--output", default="benchmarks/results/workers.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not Path(args.train).is_file():
+        raise DprGcError(f"{args.train}: no such training file; give a DPR training file, e.g. the demo's "
+                         "runs/demo/data/dpr_train.json")
     runs = [run(args.train, w, args) for _ in range(args.rounds) for w in args.workers]
     base = [r for r in runs if r["workers"] == args.workers[0]]
     for r in runs:

@@ -34,7 +34,7 @@ def test_a_smoke_run_never_writes_over_committed_results() -> None:
 
 
 def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words: tuple[str, ...] = ()) -> None:
-    """``benchmarks/SCRIPT ARGS``, run as its ``__main__`` runs it, exits 2 with one ``error:`` line naming ``words``."""
+    """``benchmarks/SCRIPT ARGS``, run as its ``__main__`` runs it: exit 2, one ``error:`` line naming ``words``."""
     module = importlib.import_module(script.removesuffix(".py"))
     with mock.patch("torch.cuda.is_available", return_value=False), pytest.raises(SystemExit) as done:
         sys.exit(run_script(lambda: module.main(list(args))))
@@ -81,3 +81,18 @@ def test_bench_llm_fails_and_writes_nothing_when_every_configuration_failed(tmp_
         code = bench_llm.main(["--device", "cpu", "--batches", "2", "--methods", "plain", "--output", str(out)])
     assert code == 1 and not out.exists()
     assert "every configuration failed" in capsys.readouterr().err
+
+
+def test_bench_workers_says_why_training_failed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A missing training file is refused up front; a failed training shows the trainer's last error: line."""
+    import bench_workers
+
+    one_error_line(capsys, "bench_workers.py", str(tmp_path / "missing.json"), words=("missing.json",))
+    train = tmp_path / "train.json"
+    train.write_text("[]\n")
+    trainer = "import sys; print('INFO starting'); print('error: train.json: no examples', file=sys.stderr); exit(2)"
+    popen = subprocess.Popen
+    with mock.patch.object(bench_workers.subprocess, "Popen",
+                           lambda cmd, **kw: popen([sys.executable, "-c", trainer], **kw)):
+        one_error_line(capsys, "bench_workers.py", str(train), "--work-dir", str(tmp_path / "work"),
+                       words=("training with 0 workers failed: train.json: no examples",))
