@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import machine_info  # noqa: E402
+from bench_common import setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     def go() -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+        setup_logging()
         report = run(parse_args(argv))
         print("| rows × heads × tokens × dim | dtype | backend | forward ms | backward ms |\n|---|---|---|---:|---:|")
         for r in report["runs"]:

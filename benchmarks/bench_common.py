@@ -1,10 +1,12 @@
 """What the benchmark scripts share: where a results file goes by default (a smoke run never overwrites the
 committed results of a full one), their command line (comma-separated list flags, a CUDA device checked up front)
-and how a script runs (a bad input is one ``error:`` line and exit status 2, as for ``dpr-gc``)."""
+and how a script runs (a bad input is one ``error:`` line and exit status 2, as for ``dpr-gc``; the dependencies'
+INFO lines and progress bars off, as ``dpr-gc`` has them without ``--verbose``)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from dpr_gc.base.args import ArgumentParser  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
+from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
 
 
 def results_path(stem: str, smoke: bool) -> str:
@@ -60,7 +63,16 @@ def require_cuda(device: str) -> None:
                          "give --device cpu")
 
 
+def setup_logging(fmt: str = "%(asctime)s %(message)s", level: int = logging.INFO) -> None:
+    """A script's log: its own lines at ``level`` in ``fmt``; the dependencies' (FAISS's loader, datasets' "JAX
+    version ... available", transformers' "Loading weights" and "Writing model shards" bars) quiet, children too."""
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S")
+    quiet_dependencies()
+
+
 def run_script(main: Callable[[], Any]) -> int:
-    """Run a script's ``main`` as a command: a :class:`DprGcError` or an ``OSError`` becomes one ``error:`` line
-    and exit status 2 (see :func:`dpr_gc.base.errors.report_errors`); the exit status to pass to ``sys.exit``."""
+    """Run a script's ``main`` as a command, the dependencies quiet from the start (see :func:`setup_logging`): a
+    :class:`DprGcError` or an ``OSError`` becomes one ``error:`` line and exit status 2 (see
+    :func:`dpr_gc.base.errors.report_errors`); the exit status to pass to ``sys.exit``."""
+    quiet_dependencies()
     return report_errors(main)

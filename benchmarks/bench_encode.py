@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import run_script  # noqa: E402
+from bench_common import run_script, setup_logging  # noqa: E402
 from dpr_gc.data.corpus import load_corpus  # noqa: E402
 from dpr_gc.base.devices import cpu_has_native_bf16  # noqa: E402
 from dpr_gc.retrieval.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
@@ -225,7 +225,7 @@ def main() -> None:
                              "default is float16)")
     parser.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_encode"), help="cached SciFact embeddings")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("%(message)s", logging.WARNING)
 
     load_before = list(os.getloadavg())
     rows, source = load_passages(args.docs)

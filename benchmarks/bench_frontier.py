@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import results_path, run_script  # noqa: E402
+from bench_common import results_path, run_script, setup_logging  # noqa: E402
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
                              encoder_model, interleave, machine_info, make_step, original_version, run_child,
                              st_version)
@@ -333,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.one:
         print(RESULT_TAG + json.dumps(run_one(json.loads(args.one))), flush=True)
         return
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    setup_logging()
     if args.plot:
         report = read_json_object(args.plot, "frontier results file")
         if not isinstance(report.get("runs"), list) or not isinstance(report.get("machine"), dict):

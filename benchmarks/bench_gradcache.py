@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import int_list, name_list, parser, require_cuda, results_path, run_script  # noqa: E402
+from bench_common import int_list, name_list, parser, require_cuda, results_path, run_script, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json_object, write_json  # noqa: E402
 
@@ -589,7 +589,7 @@ def merge(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    setup_logging("%(message)s")
     if args.one:
         print(RESULT_TAG + json.dumps(run_one(json.loads(args.one))), flush=True)
         return

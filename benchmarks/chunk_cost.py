@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import machine_info  # noqa: E402
+from bench_common import setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
-from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
 from dpr_gc.engine.grad_cache import (CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERHEAD_TOKENS,  # noqa: E402
                                       JOINED_CHUNK_MAX_TOKENS)
 
@@ -213,9 +213,7 @@ def run(argv: Optional[list[str]]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    quiet_dependencies()
+    setup_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
     return report_errors(lambda: run(argv))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import parser, run_script  # noqa: E402
+from bench_common import parser, run_script, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
@@ -87,7 +86,7 @@ def load_replay_data(folder: str, cache: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = replay_parser(__doc__, "duplicate-positives.json").parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging("%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
         data = load_replay_data(args.data, cache)
         epochs = count(data, args.batch_size, args.hard_negatives, args.epochs, args.seed)

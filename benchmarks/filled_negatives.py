@@ -12,7 +12,6 @@ rules; no model is involved, so it takes seconds.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from dpr_gc.data.training import TrainingExamples  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
-from bench_common import run_script  # noqa: E402
+from bench_common import run_script, setup_logging  # noqa: E402
 from duplicate_positives import load_replay_data, replay_parser  # noqa: E402
 
 
@@ -49,7 +48,7 @@ def count(data, batch_size: int, hard: int, epochs: int, seed: int, global_batch
 
 def main(argv: list[str] | None = None) -> int:
     args = replay_parser(__doc__, "filled-negatives.json").parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging("%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
         data = load_replay_data(args.data, cache)
         report = {"data": args.data, "questions": len(data), "batch_size": args.batch_size,

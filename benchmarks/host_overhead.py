@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_llm  # noqa: E402
 from bench_gradcache import ORIGINAL, machine_info, original_version  # noqa: E402
+from bench_common import setup_logging  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -275,7 +276,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     def go() -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+        setup_logging()
         args = parse_args(argv)
         result = measure(args)
         write_json(Path(args.output), {"machine": machine_info(args.device, args.threads), "settings": vars(args),

@@ -31,11 +31,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_frontier import OURS, PLAIN, launch, shape_model  # noqa: E402
-from bench_common import results_path  # noqa: E402
+from bench_common import results_path, setup_logging  # noqa: E402
 from bench_gradcache import machine_info  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
-from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
 from dpr_gc.engine.grad_cache import (CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERHEAD_TOKENS,  # noqa: E402
                                       JOINED_CHUNK_MAX_TOKENS)
 
@@ -206,8 +205,7 @@ def run(argv: Optional[list[str]]) -> None:
 
 def grid_main(run_script: Callable[[Optional[list[str]]], None], argv: Optional[list[str]]) -> int:
     """A grid script's entry: timestamped log lines, dependencies quiet, a bad flag as one error line (exit 2)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    quiet_dependencies()
+    setup_logging()
     return report_errors(lambda: run_script(argv))
 
 

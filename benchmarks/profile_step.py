@@ -42,11 +42,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_frontier import (OURS, PLAIN, ST, available_peers, llm_step, scifact_step, shape_model,  # noqa: E402
                             timed_steps)
-from bench_common import results_path  # noqa: E402
+from bench_common import results_path, setup_logging  # noqa: E402
 from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
-from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
 
 logger = logging.getLogger("profile_step")
 VARIANTS = {"plain": {"method": PLAIN, "budget": None}, "budget0": {"method": OURS, "budget": 0},
@@ -214,8 +213,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.one:
             print(RESULT_TAG + json.dumps(profile_one(json.loads(args.one))), flush=True)
             return
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-        quiet_dependencies()
+        setup_logging()
         run(args)
         logger.info("wrote %s", args.output)
     return report_errors(go)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import run_script  # noqa: E402
+from bench_common import run_script, setup_logging  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("rank_tests_loop")
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("node_ids", nargs="*", default=list(NODE_IDS), help="tests to repeat (default: all "
                         "multi-process tests)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup_logging()
     output = Path(args.output)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit(), "command": " ".join(sys.argv),
               "node_ids": args.node_ids,

@@ -38,6 +38,8 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_common import setup_logging  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json, write_json  # noqa: E402
@@ -573,8 +575,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    setup_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
     return report_errors(lambda: run(args))
 
 

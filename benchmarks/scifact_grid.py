@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scifact_loop import (LoopSettings, Loop, ReportHead, Runner, add_settings_flags, common_parser,  # noqa: E402
                           count_queries, open_work, opt, prepare_data, report_errors, settings_from, write_report)
+from bench_common import setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 
 logger = logging.getLogger("scifact_grid")
@@ -113,8 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = common_parser(__doc__.splitlines()[0], "scifact-grid")
     add_settings_flags(p, GridSettings, skip=GRID_ONLY)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    setup_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
     return report_errors(lambda: run(args))
 
 

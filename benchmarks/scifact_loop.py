@@ -53,6 +53,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_common import setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import read_json, write_json  # noqa: E402
 from dpr_gc.cli import report_errors  # noqa: E402
@@ -743,8 +745,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = common_parser(__doc__.splitlines()[0], "scifact-loop")
     add_settings_flags(p, LoopSettings)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    setup_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
     return report_errors(lambda: run(args))
 
 

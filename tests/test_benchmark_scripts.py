@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,18 @@ def test_bench_workers_says_why_training_failed(tmp_path: Path, capsys: pytest.C
                            lambda cmd, **kw: popen([sys.executable, "-c", trainer], **kw)):
         one_error_line(capsys, "bench_workers.py", str(train), "--work-dir", str(tmp_path / "work"),
                        words=("training with 0 workers failed: train.json: no examples",))
+
+
+def test_a_script_prints_none_of_its_dependencies_lines(tmp_path: Path) -> None:
+    """No datasets "JAX version ... available", FAISS loader or transformers bar: every script sets its log up
+    through bench_common (the dependencies quiet), none by logging.basicConfig of its own."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "duplicate_positives.py"), "--data",
+                           str(REPO / "data" / "examples" / "beir"), "--batch-size", "2", "--epochs", "1",
+                           "--output", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout + done.stderr
+    assert "dpr_gc.data.training" in out
+    assert not [line for line in out.splitlines() if " datasets:" in line or " faiss" in line or "it/s]" in line]
+    for script in (REPO / "benchmarks").glob("*.py"):
+        assert script.name == "bench_common.py" or "logging.basicConfig" not in script.read_text(), script
