@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import run_script  # noqa: E402
+from bench_common import machine_info, run_script  # noqa: E402
 from dpr_gc.data.answer_text import _token_pattern, nfd as normalize  # noqa: E402
 from dpr_gc.evaluation.answers import AnswerMatcher, default_workers  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
@@ -215,13 +214,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs of each compact retrieve (peak RSS varies by run)")
     p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_answers"))
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "answers.json"))
-    p.add_argument("--note", default="shared 2-core machine, run under nice -n 5",
-                   help="machine conditions, recorded in the results")
+    p.add_argument("--note", default="", help="the run's conditions (e.g. 'run under nice -n 5 beside tests'), "
+                   "recorded in the results")
     args = p.parse_args()
     passages = build_passages(args.passages)
     _token_pattern()  # built once per process, outside the timings
-    report: dict[str, Any] = {"cpu_cores": default_workers(), "python": platform.python_version(),
-                              "machine": platform.machine(), "note": args.note}
+    report: dict[str, Any] = {"machine": machine_info("cpu", default_workers()), "note": args.note}
     if not args.matching and Path(args.output).is_file():
         report = json.loads(Path(args.output).read_text()) | {"whole_runs_note": args.note}
     if args.matching:

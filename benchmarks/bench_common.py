@@ -6,13 +6,20 @@ INFO lines and progress bars off, as ``dpr-gc`` has them without ``--verbose``).
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import logging
+import os
+import platform
+import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# the CPU features a step's speed depends on (bf16 and int8 kernels, AMX tiles)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 sys.path.insert(0, str(ROOT))
 
 from dpr_gc.base.args import ArgumentParser  # noqa: E402
@@ -24,6 +31,47 @@ def results_path(stem: str, smoke: bool) -> str:
     """The default results file ``benchmarks/results/STEM.json``, or ``STEM-quick.json`` for a smoke run
     (``--quick``, ``--tiny``): the committed results of a full run are never the target of a smoke run."""
     return str(RESULTS / f"{stem}{'-quick' if smoke else ''}.json")
+
+
+def cpu_model() -> tuple[str, list[str]]:
+    """The CPU's model name and which of :data:`CPU_FLAGS` it has (from /proc/cpuinfo; elsewhere the platform's
+    processor name and no flags)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name in (platform.processor(), platform.machine()):
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return name, [flag for flag in CPU_FLAGS if flag in flags]
+
+
+def version(package: str) -> Optional[str]:
+    """An installed package's version without importing it (None when it is not installed)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(device: str = "cpu", threads: Optional[int] = None) -> dict:
+    """What every results file records of the run: the date-time (UTC), the CPU's model and the flags of interest,
+    its logical CPUs and the threads used, torch's and Python's versions, the device (and GPU's name), the load
+    average at the start and the command line, so a figure can be traced to the machine and conditions."""
+    cpu, flags = cpu_model()
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
+            "cpu_flags": flags, "logical_cpus": os.cpu_count(), "threads": threads, "torch": version("torch"),
+            "transformers": version("transformers"), "python": platform.python_version(), "device": device,
+            "load_average_at_start": os.getloadavg(), "command": shlex.join(sys.argv)}
+    if str(device).startswith("cuda"):
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
 
 
 def parser(doc: str) -> argparse.ArgumentParser:

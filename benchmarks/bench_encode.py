@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import random
 import statistics
 import sys
@@ -38,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import run_script, setup_logging  # noqa: E402
+from bench_common import machine_info, run_script, setup_logging  # noqa: E402
 from dpr_gc.data.corpus import load_corpus  # noqa: E402
 from dpr_gc.base.devices import cpu_has_native_bf16  # noqa: E402
 from dpr_gc.retrieval.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
@@ -66,16 +65,6 @@ def load_passages(docs: int) -> tuple[list[dict], str]:
     rows = [{"id": str(i), "title": " ".join(rng.choices(WORDS, k=rng.randint(3, 12))),
              "text": " ".join(rng.choices(WORDS, k=rng.randint(20, 300)))} for i in range(docs)]
     return rows, "generated"
-
-
-def cpu_name() -> str:
-    """The CPU model and whether it has native bf16, from /proc/cpuinfo."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{model} ({'with' if cpu_has_native_bf16() else 'without'} native bf16)"
 
 
 def search_metrics(q_emb: np.ndarray, p_emb: np.ndarray, corpus: list[tuple], queries: list[dict],
@@ -235,10 +224,9 @@ def main() -> None:
     retriever = Retriever.from_pretrained(path, config).eval()
     results = time_methods(args, retriever, rows, path) if args.timing else {}
     report = {"passages": len(rows), "source": source, "model": path, "max_length": args.max_length,
-              "batch_size": args.batch_size, "chunk": args.chunk, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
-              "torch": torch.__version__, "cpu": cpu_name(), "device": "cpu", "results": results,
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
-              "load_average_before": load_before}
+              "batch_size": args.batch_size, "chunk": args.chunk, "rounds": args.rounds,
+              "machine": machine_info("cpu", torch.get_num_threads()), "native_bf16": cpu_has_native_bf16(),
+              "results": results, "load_average_before": load_before}
     write_json(args.output, report)
     if args.quality:
         report["scifact_quality"] = scifact_quality(retriever, args.quality_max_length or args.max_length,

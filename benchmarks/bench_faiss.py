@@ -17,8 +17,6 @@ Writes ``benchmarks/results/faiss.json`` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import run_script
+from bench_common import machine_info, run_script
 from dpr_gc.base.files import write_json
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, set_threads
 
@@ -130,9 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     best = max(hits, key=lambda r: r["speedup_vs_flat"]) if hits else None
     return {
         "config": {key: value for key, value in vars(args).items() if key != "output"},
-        "machine": {"cpus": os.cpu_count(), "faiss_threads": faiss.omp_get_max_threads(),
-                    "faiss_version": faiss.__version__, "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": {**machine_info("cpu", faiss.omp_get_max_threads()), "faiss_version": faiss.__version__},
         "results": rows_out,
         "target": {"recall_at_k": args.target_recall, "speedup_vs_flat": args.target_speedup,
                    "met": best is not None, "setting": f"{best['index']} {best['setting']}" if best else None},

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import importlib.metadata
 import json
 import logging
 import os
-import platform
 import random
 import resource
 import statistics
@@ -53,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_common import machine_info as common_machine_info  # noqa: E402
 from bench_common import int_list, name_list, parser, require_cuda, results_path, run_script, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json_object, write_json  # noqa: E402
@@ -408,19 +407,8 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 def machine_info(device: str, threads: int) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import transformers
-
-    info = {"cpu": cpu, "logical_cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(), "device": device,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "load_average_at_start": os.getloadavg()}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(0)
+    """bench_common's machine record, with the peers' versions (sentence-transformers, the original GradCache)."""
+    info = common_machine_info(device, threads)
     info["sentence_transformers"] = st_version()
     info["grad_cache_original"] = original_version()
     return info

@@ -18,8 +18,6 @@ arguments (parameters, token ids) are the same for all methods. Full XLA optimis
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_common import int_list, parser, run_script  # noqa: E402
+from bench_common import int_list, machine_info, parser, run_script  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, cached_value_and_grad, encoder_fn,  # noqa: E402
                         remat_value_and_grad)
@@ -96,8 +94,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     base = {r["method"]: r["temp_bytes"] for r in rows if r["batch"] == batches[0]}
     for r in rows:
         r["temp_vs_smallest_batch"] = round(r["temp_bytes"] / base[r["method"]], 3)
-    write_json(args.output, {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-                             "backend": jax.default_backend(), "machine": platform.machine(),
+    write_json(args.output, {"machine": machine_info("cpu"), "jax": jax.__version__, "backend": jax.default_backend(),
                              "settings": vars(args), "model": MINILM.__dict__, "results": rows})
     print(f"wrote {args.output}")
 

@@ -22,9 +22,7 @@ One warm-up step, then ``--steps`` timed steps (median wall time, and the CPU ti
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import check_choices, int_list, name_list, parser, require_cuda, run_script  # noqa: E402
+from bench_common import check_choices, int_list, machine_info, name_list, parser, require_cuda, run_script  # noqa: E402
 from bench_gradcache import PeakMemory  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -166,9 +164,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: every configuration failed, nothing written to {args.output}; the last said: "
               f"{rows[-1]['error']}", file=sys.stderr)
         return 1
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "settings": vars(args) | {"method": None}, "results": rows}
+    report = {"machine": machine_info(args.device, torch.get_num_threads()), "settings": vars(args) | {"method": None}, "results": rows}
     if args.append and Path(args.output).is_file():
         before = json.loads(Path(args.output).read_text())
         report["results"] = before["results"] + rows

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import run_script  # noqa: E402
+from bench_common import machine_info, run_script  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
+from dpr_gc.base.files import write_json  # noqa: E402
 
 
 def process_tree(pid: int) -> list[int]:
@@ -100,14 +101,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not Path(args.train).is_file():
         raise DprGcError(f"{args.train}: no such training file; give a DPR training file, e.g. the demo's "
                          "runs/demo/data/dpr_train.json")
+    machine = machine_info()
     runs = [run(args.train, w, args) for _ in range(args.rounds) for w in args.workers]
     base = [r for r in runs if r["workers"] == args.workers[0]]
     for r in runs:
         r["pss_vs_baseline"] = round(r["peak_pss_mib"] / min(b["peak_pss_mib"] for b in base), 3)
         r["speed_vs_baseline"] = round(r["examples_per_s"] / max(b["examples_per_s"] for b in base), 3)
         print(r, flush=True)
-    Path(args.output).write_text(json.dumps({"settings": vars(args), "cpu_count": os.cpu_count(),
-                                             "load_average": os.getloadavg(), "runs": runs}, indent=1) + "\n")
+    write_json(args.output, {"machine": machine, "settings": vars(args), "load_average_at_end": os.getloadavg(),
+                             "runs": runs})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import parser, run_script, setup_logging  # noqa: E402
+from bench_common import machine_info, parser, run_script, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         data = load_replay_data(args.data, cache)
         epochs = count(data, args.batch_size, args.hard_negatives, args.epochs, args.seed)
     total = {k: sum(e[k] for e in epochs) for k in epochs[0] if k != "epoch"}
-    report = {"data": args.data, "questions": len(data), "batch_size": args.batch_size,
+    report = {"machine": machine_info(), "data": args.data, "questions": len(data), "batch_size": args.batch_size,
               "hard_negatives": args.hard_negatives, "epochs": args.epochs, "seed": args.seed,
               "per_epoch": epochs, "mean_per_epoch": {k: v / args.epochs for k, v in total.items()}}
     write_json(args.output, report)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from dpr_gc.data.training import TrainingExamples  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
-from bench_common import run_script, setup_logging  # noqa: E402
+from bench_common import machine_info, run_script, setup_logging  # noqa: E402
 from duplicate_positives import load_replay_data, replay_parser  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
         data = load_replay_data(args.data, cache)
-        report = {"data": args.data, "questions": len(data), "batch_size": args.batch_size,
+        report = {"machine": machine_info(), "data": args.data, "questions": len(data), "batch_size": args.batch_size,
                   "hard_negatives": args.hard_negatives, "epochs": args.epochs, "seed": args.seed,
                   "whole_data_set_draw": count(data, args.batch_size, args.hard_negatives, args.epochs, args.seed,
                                                False),

@@ -26,7 +26,6 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_common import setup_logging  # noqa: E402
+from bench_common import machine_info, setup_logging  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json, write_json  # noqa: E402
@@ -427,10 +426,8 @@ def machine(s: Settings, load_start: tuple) -> dict:
     import torch
 
     device = device_of(s)
-    return {"cpu": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
-            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-            "python": platform.python_version(), "load_average_start": load_start, "load_average_end": os.getloadavg()}
+    return {**machine_info(device, torch.get_num_threads()), "load_average_at_start": load_start,
+            "load_average_end": os.getloadavg()}
 
 
 def targets(rows: list[dict], zero: dict, plain_eval: dict) -> dict:
@@ -488,9 +485,10 @@ def markdown(report: dict) -> str:
               f"normalisation, temperature 0.05, title + ' ' + text; {s['epochs']} epochs at lr "
               f"{s['learning_rate']:g} (warm-up {s['warmup_ratio']:.0%} of the steps, then linear decay); "
               f"{negatives}; training precision {s['precision']}, encoding precision {s['eval_precision']}; "
-              f"device {m['device']}{' (' + m['gpu'] + ')' if m['gpu'] else ''}.",
-              f"Machine: {m['logical_cpus']} logical CPUs ({m['torch_threads']} torch threads), load average "
-              f"{m['load_average_start'][0]:.1f} at start and {m['load_average_end'][0]:.1f} at the end (shared "
+              f"device {m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}.",
+              f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs ({m['threads']} torch threads), run "
+              f"{m['date']}, load average {m['load_average_at_start'][0]:.1f} at start and "
+              f"{m['load_average_end'][0]:.1f} at the end (shared "
               f"machine). Wall time: {report['wall_s_all_phases'] / 60:.1f} min over all phases.",
               "", "Targets (nDCG@10): " + "; ".join(f"{name}: " + ", ".join(f"{k} {'yes' if v else 'no'}"
                                                                          for k, v in t.items())

@@ -38,7 +38,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -54,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_common import setup_logging  # noqa: E402
+from bench_common import machine_info, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import read_json, write_json  # noqa: E402
 from dpr_gc.cli import report_errors  # noqa: E402
@@ -634,12 +633,10 @@ def run_loop(loop: Loop, base_model: str, save: Callable[[dict], Any] = lambda o
 
 
 def machine(device: Optional[str]) -> dict:
+    """bench_common's machine record for ``device`` (default: cuda where torch sees one, else cpu)."""
     import torch
 
-    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    return {"cpu": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
-            "torch": torch.__version__, "device": device or ("cuda" if cuda else "cpu"),
-            "gpu": torch.cuda.get_device_name() if cuda else None, "load_average": os.getloadavg()}
+    return machine_info(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 # ----------------------------------------------------------------------------------------------- command line

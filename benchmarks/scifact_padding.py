@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import run_script  # noqa: E402
+from bench_common import machine_info, run_script  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -77,7 +77,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from dpr_gc.model.pretrained import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    report = {"tokenizer": "all-MiniLM-L6-v2", "samples": args.samples, "shapes": []}
+    report = {"machine": machine_info(), "tokenizer": "all-MiniLM-L6-v2", "samples": args.samples, "shapes": []}
     for kind, rows in texts.items():
         for max_length in ((32,) if kind == "queries" else (128, 256, 512)):
             lengths = [len(ids) for ids in tokenizer(rows, truncation=True, max_length=max_length)["input_ids"]]

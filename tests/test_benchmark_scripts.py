@@ -112,3 +112,21 @@ def test_a_script_prints_none_of_its_dependencies_lines(tmp_path: Path) -> None:
     assert not [line for line in out.splitlines() if " datasets:" in line or " faiss" in line or "it/s]" in line]
     for script in (REPO / "benchmarks").glob("*.py"):
         assert script.name == "bench_common.py" or "logging.basicConfig" not in script.read_text(), script
+
+
+def test_every_results_file_records_the_machine_through_one_helper() -> None:
+    """bench_common.machine_info: date-time UTC, CPU model and flags, torch, device, load, command; every script
+    that writes results uses it (directly or through bench_gradcache's), none platform.machine() of its own."""
+    import bench_common
+
+    with mock.patch.object(sys, "argv", ["benchmarks/x.py", "--data", "a b"]):
+        info = bench_common.machine_info("cpu", 2)
+    assert info["date"].endswith("+00:00") and info["cpu"] and isinstance(info["cpu_flags"], list)
+    assert info["torch"] and info["threads"] == 2 and info["device"] == "cpu"
+    assert len(info["load_average_at_start"]) == 3 and info["command"] == "benchmarks/x.py --data 'a b'"
+    for script in (REPO / "benchmarks").glob("*.py"):
+        text = script.read_text()
+        if script.name in ("bench_common.py", "rank_tests_loop.py") or "results" not in text:
+            continue
+        assert "machine_info" in text or "write_report" in text, script  # scifact_grid: scifact_loop's report
+        assert "platform.machine()" not in text and "platform.processor()" not in text, script
