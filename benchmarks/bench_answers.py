@@ -37,6 +37,7 @@ from bench_common import machine_info, run_script  # noqa: E402
 from dpr_gc.data.answer_text import _token_pattern, nfd as normalize  # noqa: E402
 from dpr_gc.evaluation.answers import AnswerMatcher, default_workers  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
+from dpr_gc.base.tables import markdown_table  # noqa: E402
 
 SCIFACT = ROOT.parent / "shared" / "data" / "scifact"
 
@@ -129,6 +130,18 @@ def bench_matching(passages: list[dict], questions: list[dict], workers: int) ->
 
 
 # --------------------------------------------------------------------------------------------------- whole CLI
+def matching_table(results: dict) -> str:
+    """The matching benchmark's table. Its ratio is on wall time for a row with worker processes (the parent's CPU
+    time leaves out the workers'), on the process's CPU time otherwise; the column says which."""
+    rows = []
+    for name, r in results.items():
+        clock = "wall" if "workers" in name else "CPU"
+        ratio = r.get(f"speedup_{clock.lower()}_vs_baseline", 1.0)
+        rows.append((name, f"{r['wall_s']:.2f} s", f"{r['cpu_s']:.2f} s", f"{ratio:.1f}x ({clock})"))
+    return markdown_table(("method", "wall", "CPU (this process)", "speed vs baseline"), rows,
+                          ("---", "---:", "---:", "---:"))
+
+
 def run_cli(argv: list[str], env: dict) -> dict:
     """Run ``dpr-gc ARGV`` in a subprocess; wall seconds."""
     started = time.perf_counter()
@@ -225,9 +238,7 @@ def main() -> None:
     if args.matching:
         report["matching"] = bench_matching(passages, build_questions(passages, args.questions), args.workers)
         write_json(args.output, report)
-        for name, r in report["matching"]["results"].items():
-            print(f"| {name} | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s | "
-                  f"{r.get('speedup_cpu_vs_baseline', 1):.1f}x |")
+        print(matching_table(report["matching"]["results"]))
     if args.rss_questions:
         report["whole_runs"] = bench_cli(passages, args.rss_questions, Path(args.work_dir), args.full_max,
                                          args.repeats)

@@ -281,7 +281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = measure(args)
         write_json(Path(args.output), {"machine": machine_info(args.device, args.threads), "settings": vars(args),
                                        "result": result})
-        print(markdown_table(("variant", "ms a step", "CPU ms", "vs plain (paired)", "collections a step (ms)"), [
+        header = ("variant", "ms a step", "CPU ms", "vs plain (CPU, paired)", "collections a step (ms)")
+        print(markdown_table(header, [
             [name, f"{result['ms'][name]:.1f}", f"{result['cpu_ms'][name]:.1f}",
              f"{result['paired_vs_plain'].get(name, float('nan')):.3f}x",
              f"{result['collections_per_step'][name]:.1f} ({result['collection_ms_per_step'][name]:.1f})"]

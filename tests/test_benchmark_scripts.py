@@ -130,3 +130,19 @@ def test_every_results_file_records_the_machine_through_one_helper() -> None:
             continue
         assert "machine_info" in text or "write_report" in text, script  # scifact_grid: scifact_loop's report
         assert "platform.machine()" not in text and "platform.processor()" not in text, script
+
+
+def test_printed_ratios_say_which_clock_they_are_on() -> None:
+    """bench_answers' worker row is compared on wall time (the parent's CPU time leaves the workers out);
+    host_overhead's paired ratio, a CPU-time one, says so beside its wall-time column."""
+    import bench_answers
+
+    results = {"baseline per-call has_answer": {"cpu_s": 30.0, "wall_s": 30.0},
+               "AnswerMatcher 1 process": {"cpu_s": 6.0, "wall_s": 6.0, "speedup_cpu_vs_baseline": 5.0,
+                                           "speedup_wall_vs_baseline": 5.0},
+               "AnswerMatcher 2 workers": {"cpu_s": 1.4, "wall_s": 3.16, "speedup_cpu_vs_baseline": 21.4,
+                                           "speedup_wall_vs_baseline": 9.5}}
+    table = bench_answers.matching_table(results).splitlines()
+    assert table[0].startswith("| method |") and table[1].startswith("|---|")
+    assert table[-1].endswith("| 9.5x (wall) |") and table[-2].endswith("| 5.0x (CPU) |")
+    assert '"vs plain (CPU, paired)"' in (REPO / "benchmarks" / "host_overhead.py").read_text()
