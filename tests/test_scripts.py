@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,8 +233,9 @@ def test_bad_upsample_rates_are_refused_up_front_naming_the_scripts_flag(tiny, t
         assert "--train_files_upsample_rates" in errors[0] and not (tmp_path / "out").exists()
 
 
-def dpr_checkpoint(tiny: dict, path: Path, projection: int = 0) -> Path:
-    """A checkpoint laid out as DPR's ``dpr_biencoder.N.cp`` (two BERT towers, optional encode_proj)."""
+def dpr_checkpoint(tiny: dict, path: Path, projection: int = 0, wrap: Any = None) -> Path:
+    """A checkpoint laid out as DPR's ``dpr_biencoder.N.cp`` (two BERT towers, optional encode_proj); with ``wrap``,
+    as hydra-era DPR saves it: ``encoder_params = {"do_lower_case": ..., "encoder": wrap(the encoder's settings)}``."""
     from collections import OrderedDict
 
     import torch
@@ -250,6 +252,8 @@ def dpr_checkpoint(tiny: dict, path: Path, projection: int = 0) -> Path:
             model_dict[prefix + "encode_proj.bias"] = torch.zeros(projection)
     params = {"do_lower_case": True, "pretrained_model_cfg": str(tiny["bert"]), "encoder_model_type": "hf_bert",
               "pretrained_file": None, "projection_dim": projection, "sequence_length": 24}
+    if wrap is not None:
+        params = {"do_lower_case": params.pop("do_lower_case"), "encoder": wrap(params)}
     torch.save({"model_dict": model_dict, "optimizer_dict": None, "scheduler_dict": None, "offset": 0, "epoch": 3,
                 "encoder_params": params}, path)
     return path
@@ -289,6 +293,48 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
                  "--out_file", str(tmp_path / "emb" / "wiki"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")][0].count("convert it") == 1
+
+
+def test_a_hydra_era_dpr_checkpoint_loads_with_its_nested_encoder_settings(tiny, tmp_path):
+    """Hydra-era DPR saves ``encoder_params = {"do_lower_case": ..., "encoder": cfg.encoder}``: read as plain data,
+    the encoder's settings (config, projection, length) come from the nested ``encoder``."""
+    from dpr_gc.model.retriever import Retriever
+
+    retriever = Retriever.load(dpr_checkpoint(tiny, tmp_path / "dpr_biencoder.1.cp", projection=8, wrap=dict))
+    assert retriever.dim == 8 and retriever.config.passage_max_length == 24 and retriever.config.pooling == "cls"
+
+
+@pytest.mark.parametrize("wrap", ["Namespace", "UserDict"])
+def test_the_conversion_a_pickled_dpr_checkpoint_is_refused_with_gives_a_file_that_loads(tiny, tmp_path, wrap):
+    """Hydra-era DPR's ``encoder`` is an OmegaConf DictConfig (simulated by objects that need unpickling, a mapping
+    and an attribute bag): the refusal quotes torch's reason whole-worded, and its command, run here, writes a
+    ``.safe`` file of plain nested dicts that loads."""
+    import argparse as ap
+    import collections
+    import re
+
+    import torch
+
+    from dpr_gc.base.errors import DprGcError
+    from dpr_gc.model.retriever import Retriever
+
+    make = (lambda d: ap.Namespace(**d)) if wrap == "Namespace" else (
+        lambda d: collections.UserDict({**d, "nested": collections.UserDict({"a": [1, 2]})}))
+    cp = dpr_checkpoint(tiny, tmp_path / "dpr_biencoder.2.cp", projection=8, wrap=make)
+    with pytest.raises(DprGcError) as refused:
+        Retriever.load(cp)
+    message = str(refused.value)
+    with pytest.raises(Exception) as torch_refused:
+        torch.load(cp, weights_only=True)
+    quoted = re.search(r"weights only \((.*?)(\.\.\.)?\); convert it", message)
+    assert quoted and "GLOBAL" in quoted.group(1), message
+    assert re.search(re.escape(quoted.group(1)) + r"(\W|$)", str(torch_refused.value)), message  # no word cut
+    code = re.search(r'python -c "(.*?)" and pass', message)
+    assert code, message
+    done = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    retriever = Retriever.load(f"{cp}.safe")
+    assert retriever.dim == 8 and retriever.config.passage_max_length == 24
 
 
 def test_a_dpr_checkpoint_whose_config_makes_more_layers_is_refused_before_building(tiny, tmp_path):

@@ -514,14 +514,16 @@ def torch_load_weights(path: PathLike) -> Any:
 
 
 def weights_only_reason(error: BaseException) -> str:
-    """Why ``torch.load(weights_only=True)`` refused a file, in a few words: the unsupported global or operation
-    named in its message, without its advice to load with ``weights_only=False`` (which would run the file's code)."""
+    """Why ``torch.load(weights_only=True)`` refused a file, in a few words: the first sentence naming the unsupported
+    global or operation, without torch's advice to allowlist it or to load with ``weights_only=False`` (which would
+    run the file's code); a longer one is cut at a word, marked ``...``."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     named = next((line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")), None)
     if named is None and lines and lines[0].startswith("Weights only load failed"):
         named = "not a file of plain tensors"
     named = re.sub(r"^WeightsUnpickler error: ", "", named or "").split(" was not an allowed global")[0]
-    return (named or (lines[0] if lines else type(error).__name__))[:200]
+    reason = re.split(r"(?<=\.)\s", named or (lines[0] if lines else type(error).__name__), maxsplit=1)[0].rstrip(".")
+    return reason if len(reason) <= 200 else reason[:200].rsplit(" ", 1)[0] + "..."
 
 
 def read_tensors(path: PathLike) -> dict:

@@ -4,7 +4,9 @@ unpickling code (the Hub's transformers DPR pairs are :mod:`dpr_gc.model.dpr_hub
 DPR saves ``{model_dict, optimizer_dict, scheduler_dict, offset, epoch, encoder_params}`` with ``torch.save``; all of
 it is tensors, numbers, strings and containers, so ``torch.load(weights_only=True)`` reads it. ``model_dict`` holds
 ``question_model.*`` and ``ctx_model.*`` (Hugging Face BERT weights, plus ``encode_proj`` with a projection);
-``encoder_params`` names the Hugging Face config (``pretrained_model_cfg``) and the sequence length. DPR pools the
+``encoder_params`` names the Hugging Face config (``pretrained_model_cfg``), the projection and the sequence length,
+itself (argparse-era DPR, GC-DPR) or in its ``encoder`` (hydra-era DPR). A file holding objects (hydra's
+``DictConfig``) is refused with a command that converts it to plain dicts. DPR pools the
 [CLS] state and scores by dot product, which is what the returned retriever does.
 """
 
@@ -22,9 +24,13 @@ from .config import RetrieverConfig
 from .hub import check_model_source
 from .pretrained import load_tokenizer, missing_layers
 
-CONVERT_HINT = ("convert it where you trust the file: python -c \"import torch; s = torch.load('{path}', "
-                "weights_only=False); torch.save({{'model_dict': dict(s['model_dict']), 'encoder_params': "
-                "dict(s['encoder_params'])}}, '{path}.safe')\" and pass {path}.safe")
+# The settings become plain nested dicts: a mapping (hydra's DictConfig) by its keys, a list config as a list, an
+# attribute bag (argparse.Namespace) by its attributes.
+CONVERT_HINT = ("convert it where you trust the file: python -c \"import json, torch; s = torch.load('{path}', "
+                "weights_only=False); p = json.loads(json.dumps(s['encoder_params'], default=lambda o: dict(o) if "
+                "hasattr(o, 'keys') else list(o) if hasattr(o, '__iter__') else vars(o))); "
+                "torch.save({{'model_dict': dict(s['model_dict']), 'encoder_params': p}}, '{path}.safe')\" "
+                "and pass {path}.safe")
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,18 @@ def refuse_weights_file(path: Path, model_folder: bool = False) -> None:
                          f"pass the folder {path.parent} that holds it with its config.json")
 
 
+def encoder_settings(state: dict, path: Path) -> dict:
+    """The encoder's settings of a DPR checkpoint: ``encoder_params`` itself (argparse-era DPR, GC-DPR) or its
+    ``encoder`` (hydra-era DPR saves ``{"do_lower_case": ..., "encoder": cfg.encoder}``)."""
+    params = state.get("encoder_params") or {}
+    if not isinstance(params, dict):
+        raise DprGcError(f"{path}: encoder_params is a {type(params).__name__}, not a dict of settings")
+    encoder = params.get("encoder", params)
+    if not isinstance(encoder, dict):
+        raise DprGcError(f"{path}: encoder_params.encoder is a {type(encoder).__name__}, not a dict of settings")
+    return encoder
+
+
 def _tower(model_dict: dict, prefix: str) -> tuple[dict, dict]:
     weights = {k[len(prefix):]: v for k, v in model_dict.items() if k.startswith(prefix)}
     projection = {k[len("encode_proj."):]: weights.pop(k) for k in list(weights) if k.startswith("encode_proj.")}
@@ -76,7 +94,7 @@ def load_dpr_checkpoint(retriever_cls: Any, path: str | Path) -> Any:
 
     p = Path(path)
     state = read_dpr_state(path)
-    params = state.get("encoder_params") or {}
+    params = encoder_settings(state, p)
     name = params.get("pretrained_model_cfg")
     if not name:
         raise DprGcError(f"{p}: encoder_params has no pretrained_model_cfg, so the model config is unknown")
