@@ -37,12 +37,14 @@ from dpr_gc.base.args import (ArgumentParser, cache_dir_arg, device_arg, flags_a
                               output_file, positive_int)
 from dpr_gc.base.errors import DprGcError, flags_renamed, model_named_by, report_errors
 from dpr_gc.base.guard import guarded
+from dpr_gc.base.files import require_file
 from dpr_gc.base.logs import setup_logging
+from dpr_gc.model.hub import check_model_source
 from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, check_built_from,
                                     index_exists, params_from_args, set_threads, shard_ids)
 from dpr_gc.retrieval.shards import has_shards, no_shards_message
 from dpr_gc.model.retriever import add_prefix_arguments
-from dpr_gc.retrieval.retrieve import MATCH_CHOICES, retrieve_with_flags
+from dpr_gc.retrieval.retrieve import MATCH_CHOICES, QRELS, QUERIES, retrieve_with_flags
 
 logger = logging.getLogger("dense_retriever")
 # DPR/GC-DPR flags with no effect here: the model file defines the encoder; answers are matched in-process.
@@ -210,6 +212,18 @@ def load_or_build_index(embeddings: Optional[list[str]], index_path: Optional[st
     return index, f"{index.meta['factory']} over {label or ', '.join(map(str, folders))}"
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse a missing --qa_file, --qrels, --ctx_file or --model_file (named as typed) before the index is built,
+    which takes hours over a large corpus."""
+    require_file(args.queries, QUERIES)
+    if args.qrels:
+        require_file(args.qrels, QRELS)
+    if args.corpus:
+        require_file(args.corpus, "--corpus file")
+    if args.model:
+        check_model_source(str(args.model))
+
+
 def named_unknowns(parser: Any, unknown: list[str]) -> list[str]:
     """Each unknown flag with the values typed after it, and the closest flag of ours where one is close:
     ``--n_dosc 5 (did you mean --n_docs?)``."""
@@ -241,6 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     @guarded(inputs=("model", "queries", "corpus", "embeddings", "qrels"),  # dpr-gc's names, renamed as typed
              outputs={"output": "file", "trec_run": "file", "index_path=--index_path": "whole", "cache_dir": "self"})
     def run(args: argparse.Namespace) -> None:
+        check_inputs(args)
         set_threads(args.threads)
         params = params_from_args(args)
         index, name = load_or_build_index(args.embeddings, args.index_path, args.save_or_load_index,

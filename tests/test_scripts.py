@@ -695,6 +695,31 @@ def test_dpr_scripts_name_a_model_that_cannot_load_by_the_flag_typed(tmp_path, t
     assert errors[0].startswith(f"error: cannot load {argv[0]} '{model}': no such folder"), errors
 
 
+@pytest.mark.parametrize("missing,named", [("qa.csv", "--qa_file"), ("c.tsv", "--ctx_file"),
+                                            ("m", "--model_file")])
+def test_dense_retriever_checks_its_inputs_before_building_the_index(tmp_path, tiny_tokenizer, capsys, missing, named):
+    """A missing --qa_file, --ctx_file or --model_file was reported only once the whole index was built and saved
+    (hours with --hnsw_index over 21M passages): each is refused, named as typed, before any index file is written."""
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
+    from dpr_gc.retrieval.encode import encode_corpus
+    from tests.helpers import tiny_bert
+
+    (tmp_path / "c.tsv").write_text("id\ttext\ttitle\n1\thello\tT\n")
+    (tmp_path / "qa.csv").write_text('hello\t["hello"]\n')
+    retriever = Retriever(tiny_bert(len(tiny_tokenizer)), None, tiny_tokenizer, RetrieverConfig(pooling="mean"))
+    retriever.save(tmp_path / "m")
+    encode_corpus(retriever, tmp_path / "c.tsv", tmp_path / "emb", cache_dir=tmp_path / "cache", model_name="tiny",
+                  show_progress=False)
+    paths = {name: str(tmp_path / (f"no-{name}" if name == missing else name)) for name in ("qa.csv", "c.tsv", "m")}
+    argv = ["--model_file", paths["m"], "--qa_file", paths["qa.csv"], "--ctx_file", paths["c.tsv"],
+            "--encoded_ctx_file", str(tmp_path / "emb"), "--out_file", str(tmp_path / "o.json"),
+            "--save_or_load_index", "--hnsw_index", "--cache_dir", str(tmp_path / "cache")]
+    assert load_script("dense_retriever.py").main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and named in err[0] and f"no-{missing}" in err[0], err
+    assert not (tmp_path / "emb.index").exists() and not (tmp_path / "o.json").exists()
+
+
 def test_dense_retrievers_cache_dir_is_typed_as_dpr_gcs(tmp_path, monkeypatch):
     """The retriever's --cache_dir takes dpr-gc's --cache-dir type: a '~' the shell left (after '=') is the home
     folder, not a folder named '~', and a file is refused as the command line is read."""
