@@ -7,7 +7,8 @@
 ``--encoded_ctx_file`` is an encode output folder or a glob: of its ``shard-*`` files, or of the ``{out_file}_N``
 folders that ``generate_dense_embeddings.py --out_file PREFIX`` writes (one per shard, as DPR's ``_N`` files). The
 index is built in memory (exact, or HNSW with ``--hnsw_index``, ``--index_buffer`` rows at a time), or loaded from /
-saved to ``--index_path`` (``--save_or_load_index``: the folder ``PREFIX.index`` beside the shards, as DPR does).
+saved to ``--index_path`` (``--save_or_load_index``: the folder ``PREFIX.index`` beside the shards, as DPR does); a
+saved index of another kind than asked for, or built from other shards, is refused rather than reused.
 ``--model_file`` may be a DPR ``.cp`` checkpoint. Hydra-style ``key=value`` arguments (as newer DPR versions take)
 are accepted too, lists as DPR's README writes them (``encoded_ctx_files=[\\"emb1/wiki_*\\",\\"emb2/wiki_*\\"]``:
 ``--encoded_ctx_file`` takes several globs). Flags DPR has and this script does not need are named in one warning
@@ -40,9 +41,9 @@ from dpr_gc.base.guard import guarded
 from dpr_gc.base.files import require_file
 from dpr_gc.base.logs import setup_logging
 from dpr_gc.model.hub import check_model_source
-from dpr_gc.retrieval.index import (DenseIndex, IndexParams, add_index_arguments, add_shards, check_built_from,
-                                    index_exists, params_from_args, set_threads, shard_ids)
-from dpr_gc.retrieval.shards import has_shards, no_shards_message
+from dpr_gc.retrieval.index import (DenseIndex, IndexBuild, IndexParams, add_index_arguments, add_shards,
+                                    check_built_from, index_exists, params_from_args, set_threads, shard_ids)
+from dpr_gc.retrieval.shards import has_shards, no_shards_message, read_manifests
 from dpr_gc.model.retriever import add_prefix_arguments
 from dpr_gc.retrieval.retrieve import MATCH_CHOICES, QRELS, QUERIES, retrieve_with_flags
 
@@ -185,11 +186,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def kind_asked(params: IndexParams, hnsw_flag: bool) -> tuple[str, str, str]:
+    """The index kind ``params`` ask for, the flag that asks for it as a phrase, and what undoes that flag."""
+    if params.factory:
+        return "factory", f"--factory {params.factory!r} asks for that index", f"drop --factory {params.factory!r}"
+    if hnsw_flag:
+        return "hnsw", "--hnsw_index asks for an hnsw index", "drop --hnsw_index"
+    if params.kind != "flat":
+        return params.kind, f"--kind {params.kind} asks for an {params.kind} index", f"drop --kind {params.kind}"
+    return "flat", "a flat index is asked for (no --hnsw_index)", "add --hnsw_index"
+
+
+def check_saved_index(dense: DenseIndex, folders: list[Path], where: str, params: IndexParams,
+                      hnsw_flag: bool) -> None:
+    """Refuse, in one line, a saved index of another kind (or factory) than the flags ask for, or built from other
+    shards than the ``--encoded_ctx_file`` folders hold (a subset would answer from shards not given), or from
+    shards encoded otherwise (:func:`check_built_from`)."""
+    kind, asked, undo = kind_asked(params, hnsw_flag)
+    if dense.meta.get("kind") != kind or (kind == "factory" and dense.meta.get("factory") != params.factory):
+        article = "an" if str(dense.meta.get("kind"))[:1] in "aeioh" else "a"
+        raise DprGcError(f"the index in {where} is {article} {dense.meta.get('kind')} index "
+                         f"({dense.meta.get('factory')}) but {asked}; delete {where} to build it anew, or {undo}")
+    built = [shard["embeddings"] for shard in dense.meta.get("shards") or ()]
+    given = sorted(Path(m["embeddings"]).name for folder in folders for m in read_manifests(folder, complete=False))
+    if built and folders and sorted(built) != given:
+        raise DprGcError(f"the index in {where} was built from the shards {', '.join(sorted(built))} but "
+                         f"--encoded_ctx_file gives {', '.join(given)}; delete {where} to build it anew, or give "
+                         "the --encoded_ctx_file it was built from")
+    for folder in folders:
+        check_built_from(dense, folder, where)
+
+
 def load_or_build_index(embeddings: Optional[list[str]], index_path: Optional[str], save_or_load: bool,
-                        params: IndexParams, train_sample: int, block_size: int, seed: int,
+                        params: IndexParams, build: IndexBuild, hnsw_flag: bool = False,
                         label: Optional[str] = None) -> tuple[DenseIndex, str]:
     """The index in ``index_path`` if complete (with ``save_or_load``, default ``PREFIX.index`` beside the shards;
-    refused where the shards were encoded otherwise since, :func:`check_built_from`), else one built from the
+    refused where it is not what the flags and shards ask for, :func:`check_saved_index`), else one built from the
     encode output folders ``embeddings`` (:func:`embeddings_folders`) and saved to ``index_path`` when given; with
     its name in the summary (``label``: the ``--encoded_ctx_file`` typed)."""
     folders = [Path(folder) for folder in embeddings or ()]
@@ -198,14 +230,13 @@ def load_or_build_index(embeddings: Optional[list[str]], index_path: Optional[st
     if index_exists(index_path):
         logger.info("loading the index from %s", index_path)
         dense = DenseIndex.read(index_path)
-        for folder in folders:
-            check_built_from(dense, folder, index_path)
+        check_saved_index(dense, folders, str(index_path), params, hnsw_flag)
         return dense, index_path
     if not folders:
         raise DprGcError("give --encoded_ctx_file (the encode output folder) or an --index_path holding an index")
     with tempfile.TemporaryDirectory(prefix="dense-retriever-") as tmp:
         folder = folders[0] if len(folders) == 1 else merged_view(folders, Path(tmp))
-        index, shards, _ = add_shards(folder, params, None, train_sample, block_size, seed)
+        index, shards, _ = add_shards(folder, params, None, build.train_sample, build.block_size, build.seed)
         if index_path:
             index.write(index_path, ids=shard_ids(shards))
             logger.info("saved the index to %s", index_path)
@@ -260,7 +291,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         params = params_from_args(args)
         index, name = load_or_build_index(args.embeddings, args.index_path, args.save_or_load_index,
                                           dataclasses.replace(params, kind="hnsw") if args.hnsw_index else params,
-                                          args.train_sample, args.block_size, args.seed, args.embeddings_given)
+                                          IndexBuild(args.train_sample, args.block_size, args.seed),
+                                          args.hnsw_index, args.embeddings_given)
         retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None),
                             flag_names=names)
 

@@ -388,10 +388,12 @@ def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path, monkeypatch
     results = json.loads(out.read_text())
     assert len(results) == 6 and all(len(r["ctxs"]) == 5 for r in results)
     assert DenseIndex.read(tmp_path / "emb" / "wiki.index").ntotal == 3 * 40  # both shards in one index
-    again = run("dense_retriever.py", *command[:-2], "--hnsw_index", "--cache_dir", str(tmp_path / "cache"),
+    again = run("dense_retriever.py", *command[:-2], "--cache_dir", str(tmp_path / "cache"),
                 "--verbose")  # the lines the quiet runs hide exist, and --verbose shows them
     assert again.returncode == 0 and "loading the index from" in again.stderr and "faiss.loader" in again.stderr
     assert json.loads(out.read_text()) == results
+    other_kind = run("dense_retriever.py", *command, "--hnsw_index")  # the saved index is flat: refused, not reused
+    assert other_kind.returncode == 2 and "but --hnsw_index asks for an hnsw index" in other_kind.stderr
     added: list[int] = []  # --index_buffer: the rows added to an index built in memory per call
     real_add = DenseIndex.add
     monkeypatch.setattr(DenseIndex, "add", lambda self, rows: (added.append(len(rows)), real_add(self, rows))[1])
@@ -718,6 +720,58 @@ def test_dense_retriever_checks_its_inputs_before_building_the_index(tmp_path, t
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and named in err[0] and f"no-{missing}" in err[0], err
     assert not (tmp_path / "emb.index").exists() and not (tmp_path / "o.json").exists()
+
+
+def two_saved_shards(tmp_path: Path, tokenizer: Any) -> list[str]:
+    """A tiny retriever saved to ``m``, a 4-passage corpus ``c.tsv`` encoded as DPR's ``emb/wiki_0`` and ``wiki_1``,
+    a QA file; returns dense_retriever.py's command line over ``emb/wiki_*`` keeping its index (no output yet)."""
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
+    from dpr_gc.retrieval.encode import encode_corpus
+    from tests.helpers import tiny_bert
+
+    (tmp_path / "c.tsv").write_text("id\ttext\ttitle\n" + "".join(f"{i}\tword{i} hello\tT{i}\n" for i in range(4)))
+    (tmp_path / "qa.csv").write_text('hello\t["hello"]\n')
+    retriever = Retriever(tiny_bert(len(tokenizer)), None, tokenizer, RetrieverConfig(pooling="mean"))
+    retriever.save(tmp_path / "m")
+    for shard in (0, 1):
+        encode_corpus(retriever, tmp_path / "c.tsv", tmp_path / "emb" / f"wiki_{shard}", shard, 2,
+                      cache_dir=tmp_path / "cache", model_name=str(tmp_path / "m"), show_progress=False)
+    return ["--model_file", str(tmp_path / "m"), "--qa_file", str(tmp_path / "qa.csv"), "--ctx_file",
+            str(tmp_path / "c.tsv"), "--save_or_load_index", "--cache_dir", str(tmp_path / "cache")]
+
+
+@pytest.mark.parametrize("first,then,named", [
+    ([], ["--hnsw_index"], "is a flat index (Flat) but --hnsw_index asks for an hnsw index; delete {index} to build "
+                           "it anew, or drop --hnsw_index"),
+    (["--hnsw_index"], [], "is an hnsw index (HNSW32,Flat) but a flat index is asked for (no --hnsw_index); "
+                           "delete {index} to build it anew, or add --hnsw_index")])
+def test_a_saved_index_of_another_kind_is_refused(tmp_path, tiny_tokenizer, capsys, first, then, named):
+    """--save_or_load_index reused a saved Flat index though --hnsw_index was given (and an HNSW one without it)."""
+    script = load_script("dense_retriever.py")
+    argv = two_saved_shards(tmp_path, tiny_tokenizer) + ["--encoded_ctx_file", str(tmp_path / "emb" / "wiki_*")]
+    assert script.main(argv + first + ["--out_file", str(tmp_path / "a.json")]) == 0
+    capsys.readouterr()
+    assert script.main(argv + then + ["--out_file", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and named.format(index=tmp_path / "emb" / "wiki.index") in err, err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_a_saved_index_of_other_shards_is_refused(tmp_path, tiny_tokenizer, capsys):
+    """An index saved from emb/wiki_* was reused for --encoded_ctx_file emb/wiki_0 alone (answers from shard 1)."""
+    script = load_script("dense_retriever.py")
+    argv = two_saved_shards(tmp_path, tiny_tokenizer)
+    assert script.main(argv + ["--encoded_ctx_file", str(tmp_path / "emb" / "wiki_*"), "--out_file",
+                               str(tmp_path / "a.json")]) == 0
+    capsys.readouterr()
+    assert script.main(argv + ["--encoded_ctx_file", str(tmp_path / "emb" / "wiki_0"), "--out_file",
+                               str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    index = tmp_path / "emb" / "wiki.index"
+    assert err.count("\n") == 0 and err.startswith(f"error: the index in {index} was built from the shards "
+                                                    "shard-00000-of-00002.npy, shard-00001-of-00002.npy but "
+                                                    "--encoded_ctx_file gives shard-00000-of-00002.npy; delete "), err
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_dense_retrievers_cache_dir_is_typed_as_dpr_gcs(tmp_path, monkeypatch):
