@@ -69,13 +69,14 @@ def script_flags(parser: argparse.ArgumentParser, typed: set[str]) -> dict[str, 
 def embeddings_folders(specs: Sequence[str]) -> list[Path]:
     """Encode output folders, each spec given as one folder, a glob of shard files inside one, or a glob of
     ``PREFIX_N`` folders (one per shard, as ``generate_dense_embeddings.py --out_file PREFIX`` writes them); a
-    folder two specs match is counted once."""
+    folder two specs match is counted once. Errors name the flag ``--embeddings``, which the script's
+    :func:`~dpr_gc.base.errors.flags_renamed` spells as typed (``--encoded_ctx_file`` or ``--encoded_ctx_files``)."""
     folders: dict[str, Path] = {}
     for spec in specs:
         matched = [Path(spec)] if Path(spec).is_dir() else [Path(p) if Path(p).is_dir() else Path(p).parent
                                                             for p in glob.glob(spec)]
         if not matched:
-            raise DprGcError(f"--encoded_ctx_file {spec!r} matches no files; give the encode output folder(s)")
+            raise DprGcError(f"--embeddings {spec!r} matches no files; give the encode output folder(s)")
         folders.update((os.path.realpath(folder), folder) for folder in matched)
     return sorted(folders.values())
 
@@ -91,7 +92,7 @@ def merged_view(folders: list[Path], view: Path) -> Path:
             if item.is_file() and item.name.startswith("shard-"):
                 target = view / item.name
                 if target.exists():
-                    raise DprGcError(f"{item.name} is in more than one of the --encoded_ctx_file folders; "
+                    raise DprGcError(f"{item.name} is in more than one of the --embeddings folders; "
                                      "each shard must be encoded once")
                 os.symlink(item.resolve(), target)
     return view
@@ -211,8 +212,8 @@ def check_saved_index(dense: DenseIndex, folders: list[Path], where: str, params
     given = sorted(Path(m["embeddings"]).name for folder in folders for m in read_manifests(folder, complete=False))
     if built and folders and sorted(built) != given:
         raise DprGcError(f"the index in {where} was built from the shards {', '.join(sorted(built))} but "
-                         f"--encoded_ctx_file gives {', '.join(given)}; delete {where} to build it anew, or give "
-                         "the --encoded_ctx_file it was built from")
+                         f"--embeddings gives {', '.join(given)}; delete {where} to build it anew, or give "
+                         "the --embeddings it was built from")
     for folder in folders:
         check_built_from(dense, folder, where)
 
@@ -233,7 +234,7 @@ def load_or_build_index(embeddings: Optional[list[str]], index_path: Optional[st
         check_saved_index(dense, folders, str(index_path), params, hnsw_flag)
         return dense, index_path
     if not folders:
-        raise DprGcError("give --encoded_ctx_file (the encode output folder) or an --index_path holding an index")
+        raise DprGcError("give --embeddings (the encode output folder) or an --index_path holding an index")
     with tempfile.TemporaryDirectory(prefix="dense-retriever-") as tmp:
         folder = folders[0] if len(folders) == 1 else merged_view(folders, Path(tmp))
         index, shards, _ = add_shards(folder, params, None, build.train_sample, build.block_size, build.seed)

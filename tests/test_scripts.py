@@ -774,6 +774,20 @@ def test_a_saved_index_of_other_shards_is_refused(tmp_path, tiny_tokenizer, caps
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.parametrize("typed,named", [("--encoded_ctx_files", "--encoded_ctx_files"),
+                                         ("--encoded_ctx_file", "--encoded_ctx_file"),
+                                         ("encoded_ctx_files=[{glob}]", "--encoded_ctx_files")])
+def test_an_embeddings_glob_matching_nothing_is_named_by_the_flag_typed(tmp_path, capsys, typed, named):
+    """``--encoded_ctx_files nothere_*`` (DPR's plural) was refused naming ``--encoded_ctx_file``."""
+    (tmp_path / "qa.csv").write_text('hello\t["hello"]\n')
+    pattern = str(tmp_path / "nothere_*")
+    given = [typed.format(glob=pattern)] if "=" in typed else [typed, pattern]
+    assert load_script("dense_retriever.py").main(["--qa_file", str(tmp_path / "qa.csv"), *given, "--out_file",
+                                                   str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {named} {pattern!r} matches no files; give the encode output folder(s)", err
+
+
 def test_dense_retrievers_cache_dir_is_typed_as_dpr_gcs(tmp_path, monkeypatch):
     """The retriever's --cache_dir takes dpr-gc's --cache-dir type: a '~' the shell left (after '=') is the home
     folder, not a folder named '~', and a file is refused as the command line is read."""
