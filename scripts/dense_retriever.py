@@ -9,6 +9,7 @@ folders that ``generate_dense_embeddings.py --out_file PREFIX`` writes (one per 
 index is built in memory (exact, or HNSW with ``--hnsw_index``, ``--index_buffer`` rows at a time), or loaded from /
 saved to ``--index_path`` (``--save_or_load_index``: the folder ``PREFIX.index`` beside the shards, as DPR does); a
 saved index of another kind than asked for, or built from other shards, is refused rather than reused.
+Questions with answers are evaluated unasked (top-k answer accuracy, as DPR prints it), others with ``--evaluate``.
 ``--model_file`` may be a DPR ``.cp`` checkpoint. Hydra-style ``key=value`` arguments (as newer DPR versions take)
 are accepted too, lists as DPR's README writes them (``encoded_ctx_files=[\\"emb1/wiki_*\\",\\"emb2/wiki_*\\"]``:
 ``--encoded_ctx_file`` takes several globs). Flags DPR has and this script does not need are named in one warning
@@ -40,6 +41,7 @@ from dpr_gc.base.errors import DprGcError, flags_renamed, model_named_by, report
 from dpr_gc.base.guard import guarded
 from dpr_gc.base.files import require_file
 from dpr_gc.base.logs import setup_logging
+from dpr_gc.data.corpus import iter_queries
 from dpr_gc.model.hub import check_model_source
 from dpr_gc.retrieval.index import (DenseIndex, IndexBuild, IndexParams, add_index_arguments, add_shards,
                                     check_built_from, index_exists, params_from_args, set_threads, shard_ids)
@@ -166,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trec_run", "--trec-run", type=output_file, dest="trec_run", help="also write a TREC run file")
     p.add_argument("--run_tag", dest="run_tag", default="dpr-gc", help="TREC run tag")
     p.add_argument("--qrels", help="relevance judgments (BEIR/TREC): retrieve judged queries, use in --evaluate")
-    p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics")
+    p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics (answer "
+                                                           "accuracy is printed unasked where the questions have "
+                                                           "answers, as DPR does)")
     p.add_argument("--k", type=positive_int, nargs="+",
                    help="cut-offs for --evaluate (default: those of 1 5 10 20 100 below --n-docs, and --n-docs)")
     p.add_argument("--device", type=device_arg, help="torch device for the question encoder")
@@ -256,6 +260,23 @@ def check_inputs(args: argparse.Namespace) -> None:
         check_model_source(str(args.model))
 
 
+def has_answers(queries: str) -> bool:
+    """Whether a question of ``queries`` has answers (the first one that does ends the reading); a file that cannot
+    be read says nothing here, and the retrieval's own check names its fault."""
+    try:
+        return any(query.get("answers") for query in iter_queries(queries, log=False))
+    except DprGcError:
+        return False
+
+
+def evaluate_as_dpr(args: argparse.Namespace) -> None:
+    """Turn on ``--evaluate`` where the questions have answers, as DPR's dense_retriever always prints its top-k
+    accuracy for them, saying so in one line."""
+    if not args.evaluate and has_answers(args.queries):
+        args.evaluate = True
+        logger.info("the questions have answers: their top-k accuracy is evaluated as DPR's dense_retriever does")
+
+
 def named_unknowns(parser: Any, unknown: list[str]) -> list[str]:
     """Each unknown flag with the values typed after it, and the closest flag of ours where one is close:
     ``--n_dosc 5 (did you mean --n_docs?)``."""
@@ -288,6 +309,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              outputs={"output": "file", "trec_run": "file", "index_path=--index_path": "whole", "cache_dir": "self"})
     def run(args: argparse.Namespace) -> None:
         check_inputs(args)
+        evaluate_as_dpr(args)
         set_threads(args.threads)
         params = params_from_args(args)
         index, name = load_or_build_index(args.embeddings, args.index_path, args.save_or_load_index,

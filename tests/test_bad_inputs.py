@@ -1041,8 +1041,9 @@ def test_scripts_run_under_the_same_guard(world: dict, tmp_path: Path) -> None:
     script = load_script("dense_retriever")
     refused(["--model_file", world["model"], "--qa_dataset", qa, "--encoded_ctx_file", world["emb"],
              "--out_file", qa], "--out_file", "is the input --qa_dataset", main=script.main)
-    refused(["--model_file", world["model"], "--qa_dataset", qa, "--encoded_ctx_file", world["emb"]],
-            "nothing to do: give --out_file FILE.json and/or --trec_run FILE, or --evaluate", main=script.main)
+    refused(["--model_file", world["model"], "--qa_dataset", world["queries"], "--encoded_ctx_file", world["emb"]],
+            "nothing to do: give --out_file FILE.json and/or --trec_run FILE, or --evaluate",
+            main=script.main)  # questions without answers: with answers, the script evaluates them as DPR does
     with pytest.raises(DprGcError) as caught, flags_renamed(script.SCRIPT_FLAGS):
         raise DiskFullError("--top-k 3; --cache-dir x; --model_file m --k 5 --output-dir")
     assert str(caught.value).startswith("--n_docs 3; --cache_dir x; --model_file m --k 5 --output-dir: the disk")

@@ -774,6 +774,28 @@ def test_a_saved_index_of_other_shards_is_refused(tmp_path, tiny_tokenizer, caps
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.parametrize("answered", [True, False])
+def test_dense_retriever_evaluates_questions_with_answers_by_default(tmp_path, tiny_tokenizer, capsys, caplog,
+                                                                     answered):
+    """DPR's dense_retriever always prints its top-k accuracy when the QA file has answers; the script printed none
+    without --evaluate. It evaluates such questions unasked, saying so in one log line; BEIR queries (no answers)
+    are retrieved without evaluation, and without the refusal --evaluate draws for them."""
+    import json
+    import logging
+
+    argv = two_saved_shards(tmp_path, tiny_tokenizer) + ["--encoded_ctx_file", str(tmp_path / "emb" / "wiki_*"),
+                                                         "--out_file", str(tmp_path / "o.json"), "--n_docs", "2"]
+    if not answered:
+        (tmp_path / "q.jsonl").write_text(json.dumps({"_id": "q1", "text": "hello"}) + "\n")
+        argv[argv.index("--qa_file") + 1] = str(tmp_path / "q.jsonl")
+    with caplog.at_level(logging.INFO):
+        assert load_script("dense_retriever.py").main(argv) == 0
+    out = capsys.readouterr().out
+    assert ("answer accuracy (1 question, match=string)" in out) == answered, out
+    said = [r.getMessage() for r in caplog.records if "evaluated as DPR's dense_retriever does" in r.getMessage()]
+    assert len(said) == answered, said
+
+
 @pytest.mark.parametrize("typed,named", [("--encoded_ctx_files", "--encoded_ctx_files"),
                                          ("--encoded_ctx_file", "--encoded_ctx_file"),
                                          ("encoded_ctx_files=[{glob}]", "--encoded_ctx_files")])
