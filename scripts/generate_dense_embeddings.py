@@ -11,7 +11,8 @@ DPR's and GC-DPR's flags work unchanged, and so does DPR's Hydra ``key=value`` s
 that is an existing folder (or ends in ``/``) receives the shard files directly. ``--fp16`` encodes under fp16
 autocast, ``--sequence_length`` caps the passage length, ``--no_cuda`` stays on the CPU; DPR's flags that describe
 the model (``--pretrained_model_cfg``, ``--encoder_model_type``, ``--projection_dim``, ``--do_lower_case`` ...) are
-read from the checkpoint instead and named in one warning line.
+read from the checkpoint instead; they, apex's ``--fp16_opt_level`` and a launcher's ``--local_rank`` (the shard comes
+from ``--shard_id``/``--num_shards``, else torchrun) are named in one warning line, each with why it has no effect.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ from dpr_gc.retrieval.encode import add_arguments, resolve_shard, run_cli  # noq
 
 HYDRA_ARG = re.compile(r"^([A-Za-z_][\w.-]*)=(.*)$")
 logger = logging.getLogger("generate_dense_embeddings")
-FROM_CHECKPOINT = ("pretrained_model_cfg", "encoder_model_type", "pretrained_file", "projection_dim", "do_lower_case",
-                   "fp16_opt_level", "local_rank")
+# DPR's flags this script takes with no effect, each with why: the model file defines the encoder; --fp16 is torch
+# autocast, not apex; the shard comes from --shard_id/--num_shards or torchrun, not from a launcher's --local_rank.
+MODEL_DEFINES = "the model file defines them"
+IGNORED = {"pretrained_model_cfg": MODEL_DEFINES, "encoder_model_type": MODEL_DEFINES, "pretrained_file": MODEL_DEFINES,
+           "projection_dim": MODEL_DEFINES, "do_lower_case": MODEL_DEFINES,
+           "fp16_opt_level": "an apex setting: --fp16 encodes under torch autocast",
+           "local_rank": "the shard comes from --shard_id/--num_shards, else torchrun's RANK and WORLD_SIZE"}
 
 # ``dpr-gc encode``'s flags as DPR spells them: the encoding this script shares names them in its messages. A
 # spelling the user typed (``--sequence_length`` or ``--max_length``, ``--ctx_src`` or ``--ctx_file``) wins.
@@ -82,6 +88,16 @@ def output_folder(out_file: str, shard_id: Optional[int], num_shards: Optional[i
     return f"{out_file}_{shard}"
 
 
+def ignored_flags(typed: set[str]) -> str:
+    """The flags of :data:`IGNORED` among ``typed`` (names without dashes), grouped by their reason:
+    ``--projection_dim --do_lower_case (the model file defines them); --local_rank (...)``."""
+    groups: dict[str, list[str]] = {}
+    for name, reason in IGNORED.items():
+        if name in typed:
+            groups.setdefault(reason, []).append(f"--{name}")
+    return "; ".join(f"{' '.join(flags)} ({reason})" for reason, flags in groups.items())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     flags = hydra_to_flags(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -89,9 +105,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logging(args.verbose)
     typed = {f.split("=", 1)[0].lstrip("-") for f in flags if f.startswith("--")}
     names = script_flags(parser, {f"--{name}" for name in typed})
-    unused = [f"--{name}" for name in FROM_CHECKPOINT if name in typed]
+    unused = ignored_flags(typed)
     if unused:
-        logger.warning("accepted with no effect here (the model file defines them): %s", " ".join(unused))
+        logger.warning("accepted with no effect here: %s", unused)
     device = args.device or ("cpu" if args.no_cuda else None)
 
     def run() -> dict:

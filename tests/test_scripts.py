@@ -467,6 +467,24 @@ def test_generate_dense_embeddings_errors_name_the_flags_typed(tmp_path, capsys,
                                  "`dpr-gc encode --output x --shard-id 1`")
 
 
+def test_generate_dense_embeddings_gives_each_ignored_flag_its_own_reason(tmp_path, caplog, capsys):
+    """--fp16_opt_level and --local_rank were said to be defined by the model file, which defines neither."""
+    import logging
+
+    script = load_script("generate_dense_embeddings.py")
+    with caplog.at_level(logging.WARNING):
+        script.main(["--model_file", str(tmp_path / "m"), "--ctx_file", str(tmp_path / "c.tsv"), "--out_file",
+                     str(tmp_path / "emb"), "--fp16_opt_level", "O2", "--local_rank", "0", "--projection_dim", "8",
+                     "--do_lower_case"])
+    capsys.readouterr()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0] == ("accepted with no effect here: --projection_dim --do_lower_case (the model file defines "
+                           "them); --fp16_opt_level (an apex setting: --fp16 encodes under torch autocast); "
+                           "--local_rank (the shard comes from --shard_id/--num_shards, else torchrun's RANK and "
+                           "WORLD_SIZE)"), warnings
+
+
 def test_gc_dpr_two_process_launch_line_runs_and_logs_info_once(tiny, tmp_path):
     """GC-DPR's ``python -m torch.distributed.launch --nproc_per_node=2 train_dense_encoder.py ...``: torch >= 2
     passes ``--local-rank=N`` (it was refused: only ``--local_rank`` was known), and rank 1 logs no INFO line."""
