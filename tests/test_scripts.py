@@ -485,6 +485,25 @@ def test_generate_dense_embeddings_gives_each_ignored_flag_its_own_reason(tmp_pa
                            "WORLD_SIZE)"), warnings
 
 
+def test_an_out_file_ending_in_a_slash_receives_the_shard_files_directly(tmp_path, tiny_tokenizer, capsys):
+    """generate_dense_embeddings.py's docstring: an --out_file that does not exist yet but ends in / is a folder
+    that receives the shard files, not DPR's ``{out_file}_{shard_id}``."""
+    from dpr_gc.model.retriever import Retriever, RetrieverConfig
+    from tests.helpers import tiny_bert
+
+    (tmp_path / "c.tsv").write_text("id\ttext\ttitle\n" + "".join(f"{i}\tword{i} hello\tT{i}\n" for i in range(4)))
+    retriever = Retriever(tiny_bert(len(tiny_tokenizer)), None, tiny_tokenizer, RetrieverConfig(pooling="mean"))
+    retriever.save(tmp_path / "m")
+    out = tmp_path / "new"
+    assert load_script("generate_dense_embeddings.py").main([
+        "--model_file", str(tmp_path / "m"), "--ctx_file", str(tmp_path / "c.tsv"), "--out_file", f"{out}/",
+        "--shard_id", "1", "--num_shards", "2", "--cache_dir", str(tmp_path / "cache")]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("shard-")) == [
+        f"shard-00001-of-00002{suffix}" for suffix in (".ids.txt", ".json", ".npy")]
+    assert not list(tmp_path.glob("new_*"))
+
+
 def test_gc_dpr_two_process_launch_line_runs_and_logs_info_once(tiny, tmp_path):
     """GC-DPR's ``python -m torch.distributed.launch --nproc_per_node=2 train_dense_encoder.py ...``: torch >= 2
     passes ``--local-rank=N`` (it was refused: only ``--local_rank`` was known), and rank 1 logs no INFO line."""
