@@ -146,3 +146,17 @@ def test_the_copy_that_fsdp_saves_does_not_say_the_recipe_again(st_folder: Path,
         copy = trainer.export()
     assert said == 1 and caplog.text.count("its recipe") == 1, caplog.text
     assert copy is not trainer.retriever and copy.config == trainer.retriever.config
+
+
+@pytest.mark.parametrize("model_type, said", [("bert", "a bert model"), ("albert", "an albert model"),
+                                              ("electra", "an electra model"), ("roberta", "a roberta model")])
+def test_the_plain_model_line_takes_the_article_of_the_model_type(caplog, model_type, said):
+    """The pooling line of a plain Hugging Face model says "a bert model", "an albert model" (it said "an" always)."""
+    from types import SimpleNamespace
+
+    from dpr_gc.model.retriever import plain_model_recipe
+
+    model = SimpleNamespace(config=SimpleNamespace(model_type=model_type, is_decoder=False, architectures=None))
+    with caplog.at_level(logging.INFO, logger="dpr_gc.model.retriever"):
+        plain_model_recipe("m", model, RetrieverConfig(), chosen=())
+    assert f"m: {said}: pooling" in caplog.text

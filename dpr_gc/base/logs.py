@@ -38,6 +38,11 @@ def counted(n: int, noun: str, plural: str = "") -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
+def with_article(word: str) -> str:
+    """``word`` after the indefinite article its first letter takes: "a bert", "an albert"."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
 @contextlib.contextmanager
 def native_stderr_logged(log: logging.Logger, source: str) -> Iterator[None]:
     """For the block, catch what native code (FAISS's C++) prints straight to the stderr file descriptor, past

@@ -29,7 +29,7 @@ from .dpr_checkpoints import load_dpr_checkpoint
 from .folder import load_retriever, save_retriever
 from .pretrained import load_tokenizer, load_transformer
 from .tokenize import check_kind, check_length_room, token_ids
-from ..base.logs import nested_bar_disabled
+from ..base.logs import nested_bar_disabled, with_article
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +107,10 @@ def plain_model_recipe(name: str, model: nn.Module, config: RetrieverConfig,
     if decoder:
         config = dataclasses.replace(config, **{k: v for k, v in DECODER_RECIPE.items() if k not in chosen})
     if "pooling" not in chosen:
-        kind = "a decoder-only" if decoder else "an"
-        logger.info("%s: %s %s model: pooling %s, passage format %s (--pooling and --passage-format change them)",
-                    name, kind, getattr(model_config, "model_type", "?"), config.pooling, config.passage_format)
+        model_type = getattr(model_config, "model_type", "?")
+        kind = f"a decoder-only {model_type}" if decoder else with_article(model_type)
+        logger.info("%s: %s model: pooling %s, passage format %s (--pooling and --passage-format change them)",
+                    name, kind, config.pooling, config.passage_format)
     return config
 
 
