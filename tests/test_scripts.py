@@ -154,6 +154,25 @@ def test_eval_per_epoch_without_a_dev_file_is_logged_as_checkpoints_only(caplog)
         assert [r.getMessage() for r in caplog.records] == [said]
 
 
+def test_eval_per_epoch_logs_the_evaluations_that_happen(caplog):
+    """``--eval_per_epoch 3`` with 4 steps an epoch evaluates every 2 steps: twice an epoch, which the line says (it
+    said 3); with 5 steps an epoch, every 2 steps is two or three times an epoch."""
+    import logging
+    from types import SimpleNamespace
+
+    from dpr_gc.train.trainer import Trainer
+
+    for steps, said in ((4, "2 dev evaluations and checkpoints per epoch: every 2 steps (--eval_per_epoch 3)"),
+                        (5, "2 to 3 dev evaluations and checkpoints per epoch: every 2 steps (--eval_per_epoch 3)"),
+                        (6, "3 dev evaluations and checkpoints per epoch: every 2 steps")):
+        config = SimpleNamespace(run=SimpleNamespace(eval_every=None, save_every=None, eval_per_epoch=3),
+                                 data=SimpleNamespace(dev_file="dev.json"))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+            assert Trainer.schedule(SimpleNamespace(config=config, steps_per_epoch=steps)) == (2, 2)
+        assert [r.getMessage() for r in caplog.records] == [said]
+
+
 def test_gc_dpr_flags_land_in_the_config(tiny, tmp_path, monkeypatch):
     """Every GC-DPR/DPR flag with a meaning here lands in the field of its group (and nothing else moves)."""
     from dpr_gc.train.config import TrainConfig

@@ -248,16 +248,21 @@ class Trainer:
 
     def schedule(self) -> tuple[Optional[int], Optional[int]]:
         """Steps between dev evaluations and between checkpoints (GC-DPR's ``--eval_per_epoch`` evaluates and saves
-        N times an epoch)."""
+        N times an epoch, every ceil(steps per epoch / N) steps). The log line says how many happen an epoch, which
+        that rounding can make fewer than N (3 asked of 4 steps: every 2 steps, twice)."""
         run = self.config.run
         eval_every, save_every = run.eval_every, run.save_every
         if run.eval_per_epoch:
             eval_every = max(1, -(-self.steps_per_epoch // run.eval_per_epoch))
             save_every = save_every or eval_every
-            what = (counted(run.eval_per_epoch, "dev evaluation and checkpoint", "dev evaluations and checkpoints")
+            fewest, most = self.steps_per_epoch // eval_every, -(-self.steps_per_epoch // eval_every)
+            count = f"{fewest}" if fewest == most else f"{fewest} to {most}"
+            many = most > 1
+            what = (f"{count} dev evaluation{'s' if many else ''} and checkpoint{'s' if many else ''}"
                     if self.config.data.dev_file else
-                    counted(run.eval_per_epoch, "checkpoint") + " (no --dev_file: nothing to evaluate)")
-            logger.info("%s per epoch: every %s", what, counted(eval_every, "step"))
+                    f"{count} checkpoint{'s' if many else ''} (no --dev_file: nothing to evaluate)")
+            asked = "" if fewest == most == run.eval_per_epoch else f" (--eval_per_epoch {run.eval_per_epoch})"
+            logger.info("%s per epoch: every %s%s", what, counted(eval_every, "step"), asked)
         return eval_every, save_every
 
     def build_loss(self) -> SimpleContrastiveLoss:
