@@ -9,7 +9,6 @@ import json
 import traceback
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,7 +35,8 @@ def write_dev(path: Path, n: int) -> str:
 
 
 def brute_force(retriever: Retriever, records: list[dict], hard: int, other: int) -> float:
-    """DPR's average rank computed the direct way: the full score matrix of the capped pool."""
+    """DPR's average rank as DPR's ``validate_average_rank`` computes it: the full score matrix of the capped pool
+    sorted per question, each gold passage's 0-based place in that order (``(indices[i] == gold).nonzero()``)."""
     pool: dict = {}
     gold = []
     for r in records:
@@ -45,9 +45,9 @@ def brute_force(retriever: Retriever, records: list[dict], hard: int, other: int
         gold.append(pool[r["positive_ctxs"][0]["passage_id"]][0])
     q = retriever.embed("query", [r["question"] for r in records])
     p = retriever.embed("passage", [t for _, t in pool.values()])
-    scores = q @ p.T
-    gold_scores = scores[np.arange(len(gold)), gold]
-    return float(((scores > gold_scores[:, None]).sum(1) + 1).mean())
+    scores = torch.from_numpy(q) @ torch.from_numpy(p).T
+    _, indices = torch.sort(scores, dim=1, descending=True)
+    return sum((indices[i] == g).nonzero().item() for i, g in enumerate(gold)) / len(gold)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_blocked_ranks_equal_the_full_matrix(monkeypatch) -> None:
     q, p = torch.randn(37, 8, generator=gen), torch.randn(91, 8, generator=gen)
     gold = torch.randint(0, 91, (37,), generator=gen)
     scores = q @ p.T
-    expected = (scores > scores[torch.arange(37), gold][:, None]).sum(1) + 1
+    expected = (scores > scores[torch.arange(37), gold][:, None]).sum(1)  # 0-based, as DPR's
     monkeypatch.setattr(V, "SCORE_BLOCK_ELEMENTS", 91 * 5)  # five questions per block
     assert torch.equal(V.gold_ranks(q, p, gold), expected)
 

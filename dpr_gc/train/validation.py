@@ -2,7 +2,8 @@
 
 At most ``max_questions`` dev questions are read (the first ones, in file order), each bringing its first positive,
 its first ``hard_negatives`` hard negatives and first ``other_negatives`` other negatives into one passage pool
-(deduplicated by id, else text); DPR's average rank is the 1-based rank of each gold passage among the whole pool.
+(deduplicated by id, else text); DPR's average rank is the mean 0-based rank of each gold passage among the whole
+pool (0: scored above every other passage), as DPR's ``validate_average_rank`` computes it.
 The score matrix is computed in row blocks, so memory depends on these caps and never on the dev set's size. Under
 ``torch.distributed`` each rank embeds and ranks its own share (the work is done once, not once per rank).
 """
@@ -88,13 +89,14 @@ def dev_pool(dataset: Any, limits: DevLimits) -> tuple[list[str], list[tuple[str
 
 
 def gold_ranks(q: torch.Tensor, p: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
-    """1-based rank of each question's gold passage among all passages, scoring a block of questions at a time."""
+    """0-based rank of each question's gold passage among all passages (how many score above it: DPR's place in the
+    sorted scores), scoring a block of questions at a time."""
     block = max(1, SCORE_BLOCK_ELEMENTS // max(1, len(p)))
     ranks = []
     for start in range(0, len(q), block):
         scores = q[start:start + block] @ p.T
         gold_scores = scores[torch.arange(len(scores)), gold[start:start + block]]
-        ranks.append((scores > gold_scores[:, None]).sum(1) + 1)
+        ranks.append((scores > gold_scores[:, None]).sum(1))
     return torch.cat(ranks)
 
 
