@@ -37,9 +37,9 @@ except ImportError:  # running from a checkout without installing the package
 from dpr_gc.cli import model_flag  # noqa: E402
 from dpr_gc.train import config as C  # noqa: E402
 from dpr_gc.train import trainer as T  # noqa: E402
-from dpr_gc.base.args import (ArgumentParser, any_int, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
-                         positive_int)
-from dpr_gc.base.errors import model_named_by, report_errors  # noqa: E402
+from dpr_gc.base.args import (ArgumentParser, any_int, flags_as_typed, nonnegative_float,  # noqa: E402
+                               nonnegative_int, positive_float, positive_int)
+from dpr_gc.base.errors import flags_renamed, model_named_by, report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
 from dpr_gc.base.logs import infos_from_rank_zero, setup_logging  # noqa: E402
@@ -60,6 +60,29 @@ IGNORED = {
     "val_av_rank_start_epoch": "average rank is computed at every dev evaluation",
     "checkpoint_file_name": "checkpoints are checkpoint-STEP/ folders",
 }
+
+# ``dpr-gc train``'s flags as GC-DPR spells them: the training this script shares names them in its errors and log
+# lines. A spelling the user typed (``--batch-size`` or ``--batch_size``) wins (:func:`script_flags`).
+SCRIPT_FLAGS = {"--output": "--output_dir", "--train": "--train_file", "--dev": "--dev_file",
+                "--batch-size": "--batch_size", "--query-chunk-size": "--q_chunk_size",
+                "--passage-chunk-size": "--ctx_chunk_size", "--hard-negatives": "--hard_negatives",
+                "--other-negatives": "--other_negatives", "--shuffle-positives": "--shuffle_positive_ctx",
+                "--passage-max-length": "--sequence_length", "--dev-batch-size": "--dev_batch_size",
+                "--dev-max-questions": "--val_av_rank_max_qs", "--dev-hard-negatives": "--val_av_rank_hard_neg",
+                "--dev-other-negatives": "--val_av_rank_other_neg", "--dev-encode-batch-size": "--val_av_rank_bsz",
+                "--learning-rate": "--learning_rate", "--weight-decay": "--weight_decay",
+                "--warmup-steps": "--warmup_steps", "--epochs": "--num_train_epochs",
+                "--max-grad-norm": "--max_grad_norm", "--sampling-rates": "--train_files_upsample_rates"}
+
+
+def script_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
+    """:data:`SCRIPT_FLAGS` with each flag named as the user typed it (``--model`` as the flag that gave the model;
+    ``--query-max-length`` as ``--sequence_length`` where that alone set both lengths)."""
+    given = typed_flags(argv)
+    names = {**SCRIPT_FLAGS, "--model": model_flag(argv) if model_flag(argv) != "--model" else "--pretrained_model_cfg"}
+    if "--sequence_length" in given and not given & {"--query-max-length", "--query_max_length"}:
+        names["--query-max-length"] = "--sequence_length"
+    return flags_as_typed(train_parser(parser), names, given)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,7 +260,8 @@ def typed_flags(argv: Sequence[str]) -> set[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(["train", *argv])
+    parser = build_parser()
+    args = parser.parse_args(["train", *argv])
     setup_logging(args.verbose)
     infos_from_rank_zero()  # under torchrun INFO lines come from rank 0 only, as in dpr-gc train
     given = typed_flags(argv)
@@ -264,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         skipped = ignored_flags(given, args)
         if skipped:
             logger.warning("accepted with no effect here: %s", "; ".join(skipped))
-        with model_named_by(model_flag(argv), args.model_file or args.model):
+        with flags_renamed(script_flags(parser, argv)), model_named_by(model_flag(argv), args.model_file or args.model):
             run(args)
     return report_errors(checked_run)
 

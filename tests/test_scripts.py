@@ -582,6 +582,26 @@ def test_a_dev_file_glob_matching_several_files_is_refused_naming_them(tiny, tmp
     assert config.data.dev_file == str(tmp_path / "dev-1.json")
 
 
+@pytest.mark.parametrize("extra, named", [
+    (["--batch_size", "100"], "batch of 100 x 1 rank(s); lower --batch_size"),
+    (["--batch-size", "100"], "batch of 100 x 1 rank(s); lower --batch-size"),
+    (["--batch_size", "8", "final"], "choose a new --output_dir, or delete it first")])
+def test_train_script_errors_name_the_flags_typed(tiny, tmp_path, capsys, extra, named):
+    """The script's errors named dpr-gc's spellings (--batch-size, --output) for GC-DPR's --batch_size and
+    --output_dir; they name each flag as it was typed, as the other two scripts' do."""
+    out = tmp_path / "out"
+    if "final" in extra:
+        (out / "final").mkdir(parents=True)
+        extra = extra[:-1]
+    argv = ["--pretrained_model_cfg", str(tiny["bert"]), "--train_file", str(tiny["dir"] / "data" / "nq-train.json"),
+            "--output_dir", str(out), "--num-workers", "0", "--cache-dir", str(tmp_path / "cache"), *extra]
+    assert load_script("train_dense_encoder.py").main(argv) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and named in error[0], error
+    assert not {"--output", "--batch-size"} & set(error[0].replace(";", " ").replace(",", " ").split()) or \
+        "--batch-size" in extra, error
+
+
 @pytest.mark.parametrize("betas", ["(2,0.5)", "(1e999,0.9)", "(0.9, 1.0)", "(-0.1, 0.999)", "(nan, 0.999)"])
 def test_adam_betas_outside_zero_to_one_are_refused_up_front(tiny, tmp_path, betas):
     """Betas AdamW refuses (each must be finite and in [0, 1)) passed the script's check and ended in torch's
