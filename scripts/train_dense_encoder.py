@@ -232,10 +232,28 @@ def config_from_args(args: argparse.Namespace, given: set[str]) -> T.TrainConfig
     translated = without_flags(C.TrainConfig, translated, flags_that_do_not_apply(C.TrainConfig, translated, C.APPLIES))
     config = T.config_from_args(translated)
     evals = args.eval_per_epoch or (1 if args.eval_every is None else None)  # GC-DPR: validate and save per epoch
-    return dataclasses.replace(
+    return capped_chunks(dataclasses.replace(
         config, optim=dataclasses.replace(config.optim, adam_eps=args.adam_eps, adam_betas=_betas(args.adam_betas)),
         data=dataclasses.replace(config.data, sampling_rates=rates or config.data.sampling_rates),
-        run=dataclasses.replace(config.run, log_every=args.log_batch_step, eval_per_epoch=evals))
+        run=dataclasses.replace(config.run, log_every=args.log_batch_step, eval_per_epoch=evals)))
+
+
+def capped_chunks(config: T.TrainConfig) -> T.TrainConfig:
+    """``config`` with each Gradient Cache chunk size capped at what a batch holds, logged: GC-DPR takes a chunk
+    larger than the batch as one chunk, where ``dpr-gc train`` refuses it."""
+    cache, data = config.cache, config.data
+    if not cache.enabled:
+        return config
+    sizes = {"query_chunk_size": (cache.query_chunk_size, data.batch_size, "--query-chunk-size",
+                                  "is more than --batch-size {batch}", "questions"),
+             "passage_chunk_size": (cache.passage_chunk_size, data.batch_size * data.passages_per_query,
+                                    "--passage-chunk-size", "is more than the {batch} passages of a batch", "passages")}
+    capped = {}
+    for field, (chunk, batch, flag, why, rows) in sizes.items():
+        if isinstance(chunk, int) and chunk > batch:
+            logger.info("%s %d %s: one chunk of %d %s, as in GC-DPR", flag, chunk, why.format(batch=batch), batch, rows)
+            capped[field] = batch
+    return dataclasses.replace(config, cache=dataclasses.replace(cache, **capped)) if capped else config
 
 
 def ignored_flags(given: set[str], args: Optional[argparse.Namespace] = None) -> list[str]:

@@ -602,6 +602,28 @@ def test_train_script_errors_name_the_flags_typed(tiny, tmp_path, capsys, extra,
         "--batch-size" in extra, error
 
 
+def test_a_chunk_larger_than_the_batch_is_one_chunk_as_in_gc_dpr(tiny, tmp_path, caplog):
+    """GC-DPR takes ``--q_chunk_size 16`` with ``--batch_size 8`` (one chunk); the script refused it ("larger than
+    --batch-size 8"). It caps each chunk at the batch and says so (``dpr-gc train`` itself still refuses)."""
+    import logging
+
+    script = load_script("train_dense_encoder.py")
+    argv = ["--pretrained_model_cfg", str(tiny["bert"]), "--train_file", str(tiny["dir"] / "data" / "nq-train.json"),
+            "--output_dir", str(tmp_path / "out"), "--batch_size", "8", "--grad_cache", "--q_chunk_size", "16",
+            "--ctx_chunk_size", "100", "--hard_negatives", "1"]
+    config = script.config_from_args(script.build_parser().parse_args(["train", *argv]), script.typed_flags(argv))
+    assert (config.cache.query_chunk_size, config.cache.passage_chunk_size) == (8, 16)
+    with caplog.at_level(logging.INFO, logger="train_dense_encoder"):
+        assert script.main([*argv, "--max-steps", "1", "--num-workers", "0",
+                            "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert ("--q_chunk_size 16 is more than --batch_size 8: one chunk of 8 questions, as in GC-DPR" in caplog.messages
+            and "--ctx_chunk_size 100 is more than the 16 passages of a batch: one chunk of 16 passages, as in GC-DPR"
+            in caplog.messages), caplog.messages
+    argv[argv.index("--q_chunk_size") + 1] = "4"
+    config = script.config_from_args(script.build_parser().parse_args(["train", *argv]), script.typed_flags(argv))
+    assert config.cache.query_chunk_size == 4
+
+
 @pytest.mark.parametrize("betas", ["(2,0.5)", "(1e999,0.9)", "(0.9, 1.0)", "(-0.1, 0.999)", "(nan, 0.999)"])
 def test_adam_betas_outside_zero_to_one_are_refused_up_front(tiny, tmp_path, betas):
     """Betas AdamW refuses (each must be finite and in [0, 1)) passed the script's check and ended in torch's
