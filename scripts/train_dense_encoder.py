@@ -21,13 +21,14 @@ import argparse
 import ast
 import dataclasses
 import glob
-import json
 import logging
 import math
 import os
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+import torch
 
 try:
     import dpr_gc  # noqa: F401
@@ -272,6 +273,31 @@ def ignored_flags(given: set[str], args: Optional[argparse.Namespace] = None) ->
     return named
 
 
+def validate(config: T.TrainConfig, model_file: str) -> dict:
+    """DPR's validation-only run: the model loaded on the run's device, the dev set embedded under its precision
+    with a progress bar, and the dev metrics (those of :func:`~dpr_gc.train.validation.evaluate_dev`) printed as the
+    closing ``| item | value |`` summary; returns them."""
+    import time
+
+    from dpr_gc.base.devices import autocast_dtype, cpu_threads, default_device, warn_if_emulated
+    from dpr_gc.base.tables import format_summary
+    from dpr_gc.model.retriever import Retriever
+    from dpr_gc.train.validation import evaluate_dev
+
+    started, data, precision = time.perf_counter(), config.data, config.optim.precision
+    device = default_device(config.run.device)
+    retriever = Retriever.load(config.model.path(), device=device)
+    logger.info("validating %s on %s, precision %s%s", model_file, device, precision, cpu_threads(torch.device(device)))
+    warn_if_emulated(precision, torch.device(device))
+    metrics = evaluate_dev(retriever, data.dev_file, data.dev, data.cache_dir, dtype=autocast_dtype(precision),
+                           show_progress=True)
+    print(format_summary({"model": model_file, "dev file": data.dev_file, "questions": metrics["questions"],
+                          "passages": metrics["passages"], "loss": f"{metrics['loss']:.4f}",
+                          "accuracy": f"{metrics['accuracy']:.4f}", "average rank": f"{metrics['avg_rank']:.4f}",
+                          "device": device, "precision": precision}, time.perf_counter() - started))
+    return metrics
+
+
 def typed_flags(argv: Sequence[str]) -> set[str]:
     return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
 
@@ -292,11 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if data.train_files:
             T.train(config)
         elif data.dev_file and args.model_file:
-            from dpr_gc.model.retriever import Retriever
-            from dpr_gc.train.validation import evaluate_dev
-
-            print(json.dumps(evaluate_dev(Retriever.load(config.model.path()), data.dev_file, data.dev,
-                                          data.cache_dir), indent=2))
+            validate(config, args.model_file)
         else:
             raise DprGcError("nothing to do: give --train_file (and --output_dir), or --model_file with --dev_file "
                              "to validate a model")

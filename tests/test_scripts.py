@@ -303,7 +303,7 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
     script = load_script("train_dense_encoder.py")  # DPR's validation-only run: --model_file and --dev_file
     assert script.main(["--model_file", str(cp), "--dev_file", str(tiny["dir"] / "data" / "nq-dev.json"),
                         "--val_av_rank_max_qs", "3", "--cache-dir", str(tmp_path / "cache")]) == 0
-    assert '"questions": 3' in capsys.readouterr().out
+    assert "| questions | 3 |" in capsys.readouterr().out
     pickled = tmp_path / "namespace.cp"
     torch.save({"model_dict": state, "encoder_params": ap.Namespace(sequence_length=24)}, pickled)
     with pytest.raises(DprGcError, match=r"cannot be read as weights only .*convert it"):
@@ -354,6 +354,38 @@ def test_the_conversion_a_pickled_dpr_checkpoint_is_refused_with_gives_a_file_th
     assert done.returncode == 0, done.stderr
     retriever = Retriever.load(f"{cp}.safe")
     assert retriever.dim == 8 and retriever.config.passage_max_length == 24
+
+
+def test_the_validation_only_run_takes_the_device_and_precision_and_ends_with_a_summary(tiny, tmp_path, capsys,
+                                                                                         monkeypatch, caplog):
+    """DPR's validation-only run (``--model_file`` and ``--dev_file``) loaded the model on the CPU whatever the device,
+    ignored ``--fp16``, showed no progress and ended with a JSON blob; it loads on the run's device, embeds under the
+    precision asked, says both, and ends with the ``| item | value |`` summary of its dev metrics."""
+    import logging
+
+    from dpr_gc.base.devices import default_device
+    from dpr_gc.model.retriever import Retriever
+    from tests.helpers import summary_rows
+
+    loaded, embedded = [], []
+    load, embed = Retriever.load.__func__, Retriever.embed
+    monkeypatch.setattr(Retriever, "load", classmethod(lambda cls, path, **kw: (loaded.append(kw.get("device")),
+                                                                                load(cls, path, **kw))[1]))
+    monkeypatch.setattr(Retriever, "embed", lambda self, kind, texts, *a, **kw: (
+        embedded.append((kind, kw.get("dtype"), kw.get("progress") is not None)), embed(self, kind, texts, *a, **kw))[1])
+    script = load_script("train_dense_encoder.py")
+    with caplog.at_level(logging.INFO, logger="train_dense_encoder"):
+        assert script.main(["--model_file", str(tiny["bert"]), "--dev_file", str(tiny["dir"] / "data" / "nq-dev.json"),
+                            "--val_av_rank_max_qs", "3", "--fp16", "--cache-dir", str(tmp_path / "cache")]) == 0
+    device = default_device(None)
+    assert loaded == [device]
+    import torch
+
+    assert embedded == [("query", torch.float16, True), ("passage", torch.float16, True)]
+    assert any(f"on {device}, precision fp16" in m for m in caplog.messages), caplog.messages
+    rows = summary_rows(capsys.readouterr().out)
+    assert (rows["questions"], rows["device"], rows["precision"]) == ("3", device, "fp16"), rows
+    assert {"model", "dev file", "passages", "loss", "accuracy", "average rank"} <= set(rows), rows
 
 
 def test_a_dpr_checkpoint_whose_config_makes_more_layers_is_refused_before_building(tiny, tmp_path):

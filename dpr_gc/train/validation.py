@@ -11,6 +11,7 @@ The score matrix is computed in row blocks, so memory depends on these caps and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -18,9 +19,11 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..base.args import nonnegative_int, positive_int
 from ..base.errors import DiskFullError, DprGcError
+from ..base.logs import nested_bar_disabled
 from ..base.settings import FREE, check, setting
 
 SCORE_BLOCK_ELEMENTS = 1 << 24  # questions x passages scored at once (64 MB of fp32)
@@ -102,7 +105,8 @@ def gold_ranks(q: torch.Tensor, p: torch.Tensor, gold: torch.Tensor) -> torch.Te
 
 @torch.no_grad()
 def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, cache_dir: Optional[str],
-                 split_over_ranks: bool = True) -> dict:
+                 split_over_ranks: bool = True, dtype: Optional[torch.dtype] = None,
+                 show_progress: bool = False) -> dict:
     """In-batch loss and top-1 accuracy over the dev questions in batches of ``limits.batch_size`` (their gold
     passages as the candidates), and DPR's average rank of each gold passage in the bounded pool.
 
@@ -111,7 +115,8 @@ def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, c
 
     Under ``torch.distributed`` each rank embeds and ranks its own share and the results are gathered, so every
     rank returns the same metrics for the work of one; ``split_over_ranks=False`` has every rank do all of it (an
-    FSDP model, whose forwards are collective).
+    FSDP model, whose forwards are collective). ``dtype``: the autocast dtype texts are embedded under (None: the
+    weights' own); ``show_progress``: one bar over the questions and passages this rank embeds.
     """
     dataset = (load_dev_data(dev_file, cache_dir, limits.beir_split) if isinstance(dev_file, (str, os.PathLike))
                else dev_file)
@@ -120,9 +125,13 @@ def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, c
     split = dist.is_initialized() and split_over_ranks
     rank, world = (dist.get_rank(), dist.get_world_size()) if split else (0, 1)
     encode_batch = limits.encode_batch_size or limits.batch_size
-    q = _embed_shared(retriever, "query", questions, None, encode_batch, device, rank, world)
-    titles, texts = (list(column) for column in zip(*passages))
-    p = _embed_shared(retriever, "passage", texts, titles, encode_batch, device, rank, world)
+    mine = sum(hi - lo for lo, hi in (_share(len(questions), rank, world), _share(len(passages), rank, world)))
+    with tqdm(total=mine, desc="dev validation", disable=nested_bar_disabled(show_progress and rank == 0)) as bar:
+        embed = functools.partial(_embed_shared, retriever, batch_size=encode_batch, device=device, rank=rank,
+                                  world=world, dtype=dtype, bar=bar)
+        q = embed("query", questions, None)
+        titles, texts = (list(column) for column in zip(*passages))
+        p = embed("passage", texts, titles)
     gold_t = torch.tensor(gold, device=device)
     temperature = float(retriever.temperature)
     lo, hi = _share(len(gold), rank, world)
@@ -150,11 +159,13 @@ def _share(n: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def _embed_shared(retriever: Any, kind: str, texts: list[str], titles: Optional[list[str]], batch_size: int,
-                  device: torch.device, rank: int, world: int) -> torch.Tensor:
-    """All rows' embeddings on ``device``; with several ranks each embeds its share and the shares are gathered."""
+                  device: torch.device, rank: int, world: int, dtype: Optional[torch.dtype], bar: Any) -> torch.Tensor:
+    """All rows' embeddings on ``device`` (under ``dtype`` autocast, advancing ``bar``); with several ranks each
+    embeds its share and the shares are gathered."""
     lo, hi = _share(len(texts), rank, world)
     if hi > lo:
-        mine = retriever.embed(kind, texts[lo:hi], titles[lo:hi] if titles else None, batch_size=batch_size)
+        mine = retriever.embed(kind, texts[lo:hi], titles[lo:hi] if titles else None, batch_size=batch_size,
+                               dtype=dtype, progress=bar)
         mine_t = torch.from_numpy(mine).to(device)
     else:
         mine_t = torch.zeros(0, retriever.dim, device=device)
