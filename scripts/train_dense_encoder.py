@@ -282,7 +282,7 @@ def validate(config: T.TrainConfig, model_file: str) -> dict:
     from dpr_gc.base.devices import autocast_dtype, cpu_threads, default_device, warn_if_emulated
     from dpr_gc.base.tables import format_summary
     from dpr_gc.model.retriever import Retriever
-    from dpr_gc.train.validation import evaluate_dev
+    from dpr_gc.train.validation import dev_negatives, evaluate_dev
 
     started, data, precision = time.perf_counter(), config.data, config.optim.precision
     device = default_device(config.run.device)
@@ -290,7 +290,7 @@ def validate(config: T.TrainConfig, model_file: str) -> dict:
     logger.info("validating %s on %s, precision %s%s", model_file, device, precision, cpu_threads(torch.device(device)))
     warn_if_emulated(precision, torch.device(device))
     metrics = evaluate_dev(retriever, data.dev_file, data.dev, data.cache_dir, dtype=autocast_dtype(precision),
-                           show_progress=True)
+                           show_progress=True, negatives=dev_negatives(data))
     print(format_summary({"model": model_file, "dev file": data.dev_file, "questions": metrics["questions"],
                           "passages": metrics["passages"], "loss": f"{metrics['loss']:.4f}",
                           "accuracy": f"{metrics['accuracy']:.4f}", "average rank": f"{metrics['avg_rank']:.4f}",

@@ -71,6 +71,46 @@ def test_caps_bound_questions_and_pool_whatever_the_dev_size(model: Path, tmp_pa
     assert small["avg_rank"] == pytest.approx(brute_force(retriever, dev_records(10), 2, 1))
 
 
+def dpr_validate_nll(retriever: Retriever, records: list[dict], batch: int, hard: int, other: int) -> tuple:
+    """DPR's ``validate_nll`` (its ``create_biencoder_input`` with ``shuffle=False``): each batch's questions scored
+    against each one's first positive, first ``other`` negatives and first ``hard`` hard negatives (the first negatives
+    where it has no hard ones), the batch's mean NLL averaged over the batches; scores over the retriever's
+    temperature, as its training loss takes them."""
+    losses, correct = [], 0
+    for start in range(0, len(records), batch):
+        ctxs, positions = [], []
+        for r in records[start:start + batch]:
+            hards = r["hard_negative_ctxs"] or r["negative_ctxs"][:hard]
+            positions.append(len(ctxs))
+            ctxs += r["positive_ctxs"][:1] + r["negative_ctxs"][:other] + hards[:hard]
+        q = torch.from_numpy(retriever.embed("query", [r["question"] for r in records[start:start + batch]]))
+        p = torch.from_numpy(retriever.embed("passage", [c["text"] for c in ctxs], [c["title"] for c in ctxs]))
+        log_probs = torch.log_softmax(q @ p.T / float(retriever.temperature), dim=1)
+        target = torch.tensor(positions)
+        losses.append(float(torch.nn.functional.nll_loss(log_probs, target)))
+        correct += int((log_probs.argmax(1) == target).sum())
+    return sum(losses) / len(losses), correct / len(records)
+
+
+@pytest.mark.parametrize("pool_hard, pool_other", [(5, 5), (0, 0)])
+def test_dev_loss_and_accuracy_are_dprs_validate_nll(model: Path, tmp_path: Path, pool_hard, pool_other) -> None:
+    """dev_loss and dev_accuracy scored each question against the batch's gold passages only (ln 4 for a random model
+    with batches of 4) where DPR's validate_nll adds each question's --hard_negatives and --other_negatives; they are
+    DPR's, whatever the average-rank pool holds (which the loss's negatives leave as it was)."""
+    retriever = Retriever.load(model)
+    records = dev_records(8)
+    records[1]["hard_negative_ctxs"] = []  # DPR takes its first negatives in their place
+    dev = tmp_path / "dev.json"
+    dev.write_text(json.dumps(records))
+    limits = V.DevLimits(hard_negatives=pool_hard, other_negatives=pool_other, batch_size=4)
+    got = V.evaluate_dev(retriever, str(dev), limits, str(tmp_path / "cache"), negatives=(2, 1))
+    loss, accuracy = dpr_validate_nll(retriever, records, 4, 2, 1)
+    assert (got["loss"], got["accuracy"]) == (pytest.approx(loss, rel=1e-5), pytest.approx(accuracy))
+    plain = V.evaluate_dev(retriever, str(dev), limits, str(tmp_path / "cache"))
+    assert plain["loss"] == pytest.approx(dpr_validate_nll(retriever, records, 4, 0, 0)[0], rel=1e-5)
+    assert (got["avg_rank"], got["passages"]) == (plain["avg_rank"], plain["passages"])
+
+
 def test_blocked_ranks_equal_the_full_matrix(monkeypatch) -> None:
     gen = torch.Generator().manual_seed(0)
     q, p = torch.randn(37, 8, generator=gen), torch.randn(91, 8, generator=gen)

@@ -51,7 +51,7 @@ from .distributed import Towers, every_rank, from_rank0, refused_together, same_
 from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
-from .validation import evaluate_dev, load_dev_data
+from .validation import dev_negatives, evaluate_dev, load_dev_data
 
 logger = logging.getLogger(__name__)
 
@@ -537,11 +537,12 @@ class Trainer:
         return loss.detach()
 
     def evaluate(self) -> dict:
-        """Dev validation (DPR's in-batch loss and accuracy, and average rank) as ``dev_*`` metrics. A sharded model
-        runs the same forwards on every rank (each all-gathers its blocks), so each rank evaluates the whole set."""
+        """Dev validation (DPR's in-batch loss and accuracy over the gold passages plus each question's first
+        ``--hard-negatives`` and ``--other-negatives``, and average rank) as ``dev_*`` metrics. A sharded model runs
+        the same forwards on every rank (each all-gathers its blocks), so each rank evaluates the whole set."""
         config = self.config
         metrics = evaluate_dev(self.retriever, self.dev_data, config.data.dev, config.data.cache_dir,
-                               split_over_ranks=not config.run.fsdp)
+                               split_over_ranks=not config.run.fsdp, negatives=dev_negatives(config.data))
         logger.info("dev validation over %s and %s", counted(metrics.pop("questions"), "question"),
                     counted(metrics.pop("passages"), "passage"))
         self.retriever.train()

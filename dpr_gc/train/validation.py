@@ -3,7 +3,9 @@
 At most ``max_questions`` dev questions are read (the first ones, in file order), each bringing its first positive,
 its first ``hard_negatives`` hard negatives and first ``other_negatives`` other negatives into one passage pool
 (deduplicated by id, else text); DPR's average rank is the mean 0-based rank of each gold passage among the whole
-pool (0: scored above every other passage), as DPR's ``validate_average_rank`` computes it.
+pool (0: scored above every other passage), as DPR's ``validate_average_rank`` computes it. The in-batch loss and
+accuracy are DPR's ``validate_nll``: each batch of questions scored against the gold passages and the training's
+hard and other negatives of every question in it.
 The score matrix is computed in row blocks, so memory depends on these caps and never on the dev set's size. Under
 ``torch.distributed`` each rank embeds and ranks its own share (the work is done once, not once per rank).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -77,18 +80,63 @@ def load_dev_data(dev_file: str, cache_dir: Optional[str], beir_split: str = "de
         raise DprGcError(f"--dev: {e}") from None
 
 
-def dev_pool(dataset: Any, limits: DevLimits) -> tuple[list[str], list[tuple[str, str]], list[int]]:
-    """``(questions, passages as (title, text), gold passage index per question)`` within ``limits``."""
+@dataclasses.dataclass
+class DevPool:
+    """The dev questions and the passages validation embeds, as (title, text): the average-rank pool first
+    (``ranked`` of them), then those only the in-batch loss scores; per question, its gold passage and its loss
+    candidates (DPR's order: gold, other negatives, hard negatives) as indices into ``passages``."""
+
+    questions: list[str]
+    passages: list[tuple[str, str]]
+    ranked: int
+    gold: list[int]
+    candidates: list[list[int]]
+
+
+def dev_pool(dataset: Any, limits: DevLimits, negatives: tuple[int, int] = (0, 0)) -> DevPool:
+    """The :class:`DevPool` within ``limits``; ``negatives``: the hard and other negatives per question that the
+    in-batch loss adds to the batch's gold passages, as DPR's ``validate_nll`` takes them (:func:`loss_contexts`)."""
     head = dataset.select(range(min(limits.max_questions, len(dataset))))
-    questions, gold, pool = [], [], {}
-    for row in head.select_columns(["question", "positives", "hard_negatives", "negatives"]):
-        contexts = (row["positives"][:1] + row["hard_negatives"][:limits.hard_negatives]
-                    + row["negatives"][:limits.other_negatives])
-        for ctx in contexts:
-            pool.setdefault(ctx["id"] or ctx["text"], (len(pool), ctx["title"], ctx["text"]))
-        questions.append(row["question"])
-        gold.append(pool[contexts[0]["id"] or contexts[0]["text"]][0])
-    return questions, [(title, text) for _, title, text in pool.values()], gold
+    rows = list(head.select_columns(["question", "positives", "hard_negatives", "negatives"]))
+    pool: dict[str, tuple[int, str, str]] = {}
+
+    def index(ctx: dict) -> int:
+        return pool.setdefault(ctx["id"] or ctx["text"], (len(pool), ctx["title"], ctx["text"]))[0]
+
+    gold = [[index(ctx) for ctx in row["positives"][:1] + row["hard_negatives"][:limits.hard_negatives]
+             + row["negatives"][:limits.other_negatives]][0] for row in rows]
+    ranked = len(pool)
+    candidates = [[index(ctx) for ctx in loss_contexts(row, *negatives)] for row in rows]
+    return DevPool([row["question"] for row in rows], [(title, text) for _, title, text in pool.values()], ranked,
+                   gold, candidates)
+
+
+def dev_negatives(data: Any) -> tuple[int, int]:
+    """The (hard, other) negatives per question that the dev loss scores, those training takes (``data``: the run's
+    :class:`~dpr_gc.train.config.DataConfig`; an unset ``--hard-negatives`` takes its default)."""
+    return data.passages_per_query - 1 - data.other_negatives, data.other_negatives
+
+
+def loss_contexts(row: dict, hard: int, other: int) -> list[dict]:
+    """A dev question's in-batch loss candidates as DPR's ``create_biencoder_input`` takes them for validation (no
+    shuffling): its first positive, its first ``other`` negatives and first ``hard`` hard negatives (its first
+    negatives in their place when it has no hard ones)."""
+    hards = row["hard_negatives"] or row["negatives"][:hard]
+    return row["positives"][:1] + row["negatives"][:other] + hards[:hard]
+
+
+def batch_losses(q: torch.Tensor, p: torch.Tensor, pool: DevPool, batch_size: int, temperature: float) -> torch.Tensor:
+    """The in-batch loss summed over the questions and the number of them scoring their gold passage first: each
+    batch of ``batch_size`` questions scored against the candidates of all of them (DPR's ``validate_nll``)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=q.device)
+    for start in range(0, len(pool.gold), batch_size):
+        block = pool.candidates[start:start + batch_size]
+        starts = torch.tensor([0, *itertools.accumulate(len(c) for c in block)][:-1], device=q.device)
+        candidates = torch.tensor([i for c in block for i in c], device=q.device)
+        logits = q[start:start + batch_size] @ p[candidates].T / temperature
+        totals[0] += nn.functional.cross_entropy(logits, starts, reduction="sum").double()
+        totals[1] += (logits.argmax(1) == starts).sum()
+    return totals
 
 
 def gold_ranks(q: torch.Tensor, p: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
@@ -106,9 +154,11 @@ def gold_ranks(q: torch.Tensor, p: torch.Tensor, gold: torch.Tensor) -> torch.Te
 @torch.no_grad()
 def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, cache_dir: Optional[str],
                  split_over_ranks: bool = True, dtype: Optional[torch.dtype] = None,
-                 show_progress: bool = False) -> dict:
-    """In-batch loss and top-1 accuracy over the dev questions in batches of ``limits.batch_size`` (their gold
-    passages as the candidates), and DPR's average rank of each gold passage in the bounded pool.
+                 show_progress: bool = False, negatives: tuple[int, int] = (0, 0)) -> dict:
+    """DPR's in-batch loss and top-1 accuracy (``validate_nll``) over the dev questions in batches of
+    ``limits.batch_size``, each scored against the batch's gold passages and ``negatives`` (hard, other) of each
+    question (:func:`loss_contexts`), averaged over the questions; and DPR's average rank of each gold passage in
+    the bounded pool.
 
     ``dev_file``: the ``--dev`` file, or its questions as :func:`load_dev_data` returned them (the trainer loads
     them once: each load fingerprints the file again and logs its counts).
@@ -120,36 +170,30 @@ def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, c
     """
     dataset = (load_dev_data(dev_file, cache_dir, limits.beir_split) if isinstance(dev_file, (str, os.PathLike))
                else dev_file)
-    questions, passages, gold = dev_pool(dataset, limits)
+    pool = dev_pool(dataset, limits, negatives)
     device = next(retriever.parameters()).device
     split = dist.is_initialized() and split_over_ranks
     rank, world = (dist.get_rank(), dist.get_world_size()) if split else (0, 1)
     encode_batch = limits.encode_batch_size or limits.batch_size
-    mine = sum(hi - lo for lo, hi in (_share(len(questions), rank, world), _share(len(passages), rank, world)))
+    mine = sum(hi - lo for lo, hi in (_share(len(rows), rank, world) for rows in (pool.questions, pool.passages)))
     with tqdm(total=mine, desc="dev validation", disable=nested_bar_disabled(show_progress and rank == 0)) as bar:
         embed = functools.partial(_embed_shared, retriever, batch_size=encode_batch, device=device, rank=rank,
                                   world=world, dtype=dtype, bar=bar)
-        q = embed("query", questions, None)
-        titles, texts = (list(column) for column in zip(*passages))
+        q = embed("query", pool.questions, None)
+        titles, texts = (list(column) for column in zip(*pool.passages))
         p = embed("passage", texts, titles)
-    gold_t = torch.tensor(gold, device=device)
-    temperature = float(retriever.temperature)
-    lo, hi = _share(len(gold), rank, world)
+    gold_t = torch.tensor(pool.gold, device=device)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, rank sum
-    for start in range(0, len(gold), limits.batch_size):
-        qb, pb = q[start:start + limits.batch_size], p[gold_t[start:start + limits.batch_size]]
-        logits = qb @ pb.T / temperature
-        target = torch.arange(len(qb), device=device)
-        totals[0] += nn.functional.cross_entropy(logits, target, reduction="sum").double()
-        totals[1] += (logits.argmax(1) == target).sum()
-    totals[2] = gold_ranks(q[lo:hi], p, gold_t[lo:hi]).double().sum() if hi > lo else 0.0
+    totals[:2] = batch_losses(q, p, pool, limits.batch_size, float(retriever.temperature))
+    lo, hi = _share(len(pool.gold), rank, world)
+    totals[2] = gold_ranks(q[lo:hi], p[:pool.ranked], gold_t[lo:hi]).double().sum() if hi > lo else 0.0
     if world > 1:
         ranks_sum = totals[2:].clone()
         dist.all_reduce(ranks_sum)
         totals[2] = ranks_sum[0]
-    n = len(gold)
+    n = len(pool.gold)
     return {"loss": float(totals[0]) / n, "accuracy": float(totals[1]) / n, "avg_rank": float(totals[2]) / n,
-            "questions": n, "passages": len(passages)}
+            "questions": n, "passages": pool.ranked}
 
 
 def _share(n: int, rank: int, world: int) -> tuple[int, int]:
