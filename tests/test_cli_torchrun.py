@@ -1,11 +1,23 @@
 """Stages without a distributed mode refuse a torchrun launch in one line (each rank did all the work: index's
-second rank reported its sibling's lock as another run, retrieve's ranks wrote the same file)."""
+second rank reported its sibling's lock as another run, retrieve's ranks wrote the same file); encode under a real
+torchrun launch writes one shard per rank."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from dpr_gc import cli
+from dpr_gc.cli import main
+from tests.helpers import gather, passages, write_corpus
+from tests.ranks import run_command
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("argv", [["index", "--embeddings", "emb", "--output", "idx"],
@@ -36,3 +48,38 @@ def test_a_world_size_that_is_not_a_number_is_one_error_line(tmp_path, monkeypat
     assert cli.main(["cache"]) == 2
     assert capsys.readouterr().err == ("error: the environment's WORLD_SIZE must be a whole number (torchrun sets it), "
                                        "got 'abc'; unset it to run in one process\n")
+
+
+def encode_under_torchrun(tmp_path: Path, model: Path, corpus: Path, *flags: str) -> subprocess.CompletedProcess:
+    """``dpr-gc encode`` launched by torchrun on 2 CPU ranks, killed with its ranks on a time limit."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "dpr_gc.cli", "encode", "--model", str(model), "--corpus", str(corpus), "--device", "cpu",
+                        "--cache-dir", str(tmp_path / "c"), "--batch-size", "4", *flags], limit_s=180, env=env)
+
+
+def test_each_torchrun_rank_encodes_its_own_shard_into_one_folder(tmp_path, make_retriever):
+    """stages.md: under torchrun each rank encodes its own shard into one folder; the two shards hold the corpus
+    whole, as one process encodes it. A --shard-id under torchrun is refused in one line: rank 1 found rank 0's
+    lock on shard 0 ('in use by another run') and torchrun reported a failed child."""
+    make_retriever(passage_max_length=16).save(tmp_path / "model")
+    rows = passages(11)
+    corpus = write_corpus(tmp_path / "data", rows, "tsv")
+    run = encode_under_torchrun(tmp_path, tmp_path / "model", corpus, "--output", str(tmp_path / "emb"),
+                                "--precision", "fp32", "--dtype", "float32")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "emb").glob("*.json")) == ["shard-00000-of-00002.json",
+                                                                        "shard-00001-of-00002.json"]
+    ids, emb = gather(tmp_path / "emb")
+    assert main(["encode", "--model", str(tmp_path / "model"), "--corpus", str(corpus), "--device", "cpu",
+                 "--cache-dir", str(tmp_path / "c"), "--output", str(tmp_path / "one"), "--precision", "fp32",
+                 "--dtype", "float32"]) == 0
+    one_ids, one = gather(tmp_path / "one")
+    assert ids == one_ids == [r[0] for r in rows]
+    np.testing.assert_allclose(emb, one, atol=1e-5)
+
+    run = encode_under_torchrun(tmp_path, tmp_path / "model", corpus, "--output", str(tmp_path / "refused"),
+                                "--shard-id", "0", "--num-shards", "1")
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode != 0 and errors and all("torchrun gives each rank its shard" in e for e in errors), errors
+    assert "in use by another run" not in run.stderr and not (tmp_path / "refused").exists()

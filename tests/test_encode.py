@@ -40,9 +40,27 @@ def test_resolve_shard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert resolve_shard(None, None) == (3, 4)
+    monkeypatch.setenv("WORLD_SIZE", "1")
     for bad in ((4, 4), (-1, 2), (0, 0)):
         with pytest.raises(DprGcError, match="--shard-id"):
             resolve_shard(*bad)
+
+
+TORCHRUN_SHARD = ("under torchrun (2 ranks): torchrun gives each rank its shard (shard RANK of WORLD_SIZE, here of 2); "
+                  "drop {flag}, or run without torchrun to encode a chosen shard")
+
+
+@pytest.mark.parametrize("shard,said", [((0, None), "--shard-id 0"), ((0, 1), "--shard-id 0"),
+                                        ((None, 1), "--num-shards 1"), ((None, 4), "--num-shards 4")])
+def test_torchrun_refuses_a_shard_given_by_flags(monkeypatch: pytest.MonkeyPatch, shard: tuple, said: str) -> None:
+    """Under torchrun, --shard-id 0 --num-shards 1 made every rank encode shard 0 (rank 1: 'in use by another run')
+    and --num-shards 1 alone gave rank 1 'got shard 1 of 1', a shard id it never typed."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DprGcError) as refused:
+        resolve_shard(*shard)
+    assert str(refused.value) == f"{said} {TORCHRUN_SHARD.format(flag=said.split()[0])}"
+    assert resolve_shard(None, 2) == (1, 2)
 
 
 @pytest.mark.parametrize("fmt,n,shards", [("tsv", 7, 3), ("beir", 7, 1), ("jsonl", 7, 10), ("tsv", 11, 4)])

@@ -54,9 +54,9 @@ class EncodeSettings:
     picks bf16 on GPUs and CPUs that support it, fp16 on older GPUs, else fp32 (the library's default is fp32)."""
 
     shard_id: Optional[int] = setting(None, "--shard-id", type=nonnegative_int, aliases=("--shard_id",),
-                                      help="this shard (default: torchrun's RANK, else 0)")
+                                      help="this shard (default: 0; under torchrun RANK, and the flag is refused)")
     num_shards: Optional[int] = setting(None, "--num-shards", type=positive_int, aliases=("--num_shards",),
-                                        help="number of shards (default: torchrun's WORLD_SIZE, else 1)")
+                                        help="number of shards (default: 1; under torchrun WORLD_SIZE, no other)")
     batch_size: int = setting(64, "--batch-size", type=positive_int, aliases=("--batch_size",),
                               help="passages per encoder batch")
     max_length: Optional[int] = setting(None, "--max-length", type=positive_int, aliases=("--max_length",),
@@ -139,7 +139,8 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     """Encode shard ``shard_id`` of ``num_shards`` of a corpus into ``out_dir`` with ``settings`` (fields of
     :class:`EncodeSettings` may also be given as keywords); returns its manifest.
 
-    Unset shard arguments come from the settings, else torchrun's ``RANK`` / ``WORLD_SIZE`` (else shard 0 of 1).
+    Unset shard arguments come from the settings, else shard 0 of 1; under torchrun each rank encodes shard ``RANK``
+    of ``WORLD_SIZE`` and given ones are refused (:func:`~.shards.resolve_shard`).
     Finished blocks from an interrupted run with the same settings are reused; a folder holding parts or shards
     made with another model or other settings is refused rather than mixed. The manifest returned also holds
     ``encoded``: the passages this call encoded (fewer than ``count`` when it resumed, 0 when the shard was done).

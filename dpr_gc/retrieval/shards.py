@@ -36,11 +36,21 @@ def shard_range(num_rows: int, shard_id: int, num_shards: int) -> tuple[int, int
 
 
 def resolve_shard(shard_id: Optional[int], num_shards: Optional[int]) -> tuple[int, int]:
-    """Explicit values, else torchrun's ``RANK`` / ``WORLD_SIZE``, else shard 0 of 1; validated."""
+    """Explicit values, else torchrun's ``RANK`` / ``WORLD_SIZE``, else shard 0 of 1; validated. Under torchrun
+    (``WORLD_SIZE`` above 1) each rank encodes shard ``RANK`` of ``WORLD_SIZE``: a ``--shard-id`` (every rank would
+    encode that one shard) or another ``--num-shards`` (rows left out, or a shard id past the count) is refused."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if world > 1:
+        given = (f"--shard-id {shard_id}" if shard_id is not None else
+                 f"--num-shards {num_shards}" if num_shards not in (None, world) else None)
+        if given:
+            raise DprGcError(f"{given} under torchrun ({world} ranks): torchrun gives each rank its shard (shard RANK "
+                             f"of WORLD_SIZE, here of {world}); drop {given.split()[0]}, or run without torchrun to "
+                             "encode a chosen shard")
     if shard_id is None:
         shard_id = int(os.environ.get("RANK", 0))
     if num_shards is None:
-        num_shards = int(os.environ.get("WORLD_SIZE", 1))
+        num_shards = world
     if num_shards < 1 or not 0 <= shard_id < num_shards:
         raise DprGcError(f"--shard-id must be in [0, --num-shards); got shard {shard_id} of {num_shards}")
     return shard_id, num_shards
