@@ -211,7 +211,28 @@ def test_a_rank_whose_peer_stopped_says_so_in_one_line(tmp_path):
     code, *lines = (tmp_path / "rank0.txt").read_text().splitlines()
     assert code == "2" and len(lines) == 1, lines
     assert lines[0].startswith("error: another rank of this job stopped (its own message says why); this rank "
-                               "stopped too: ")
+                               "stopped too")
+
+
+GLOO_READ_ERROR = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                   "[127.0.0.1]:34734: Connection reset by peer. This is typically caused by a remote worker hanging "
+                   "or bugs in the application. Check the logs of the remote worker before reporting an error. "
+                   "GLHF! \U0001f3d6")
+
+
+@pytest.mark.parametrize("raw,reason", [(GLOO_READ_ERROR, "connection reset by peer"),
+                                        ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
+                                         "for recv operation to complete", "timed out"),
+                                        ("NCCL communicator was aborted on rank 0.", "NCCL communicator was aborted"),
+                                        ("some other failure\nwith more lines", None)])
+def test_the_lost_peer_line_keeps_a_short_reason_not_gloo_text(raw, reason, monkeypatch):
+    """After a kill -9 of a peer, the surviving rank printed gloo's source path, address, advice and 'GLHF! 🏖️'."""
+    from dpr_gc.base.errors import lost_peer_line
+
+    line = lost_peer_line(RuntimeError(raw))
+    start = "error: another rank of this job stopped (its own message says why); this rank stopped too"
+    assert line == (f"{start} ({reason})" if reason else start), line
+    assert "gloo" not in line and "GLHF" not in line and "\n" not in line
 
 
 def digest_worker(rank: int, tmp: str, differ: bool) -> None:

@@ -124,6 +124,21 @@ def lost_a_peer(error: BaseException) -> bool:
     return (dist_error is not None and isinstance(error, dist_error)) or any(w in str(error) for w in LOST_PEER_WORDS)
 
 
+# The short reasons a lost peer's line keeps from gloo's or NCCL's message (its source path, address and advice go).
+LOST_PEER_REASONS = {"connection reset by peer": "connection reset by peer",
+                     "connection closed by peer": "connection closed by peer", "broken pipe": "broken pipe",
+                     "nccl communicator was aborted": "NCCL communicator was aborted", "timed out": "timed out"}
+
+
+def lost_peer_line(error: BaseException) -> str:
+    """The one line a rank prints when its collective lost another rank (:func:`lost_a_peer`): that it stopped too,
+    with a short reason when the library's message names one ("connection reset by peer"), never its raw text."""
+    text = str(error).lower()
+    reason = next((short for words, short in LOST_PEER_REASONS.items() if words in text), None)
+    return ("error: another rank of this job stopped (its own message says why); this rank stopped too"
+            + (f" ({reason})" if reason else ""))
+
+
 def report_errors(action: Callable[[], Any]) -> int:
     """Run ``action`` as a command: a :class:`DprGcError` (or an ``OSError``, e.g. a full disk) becomes one
     ``error: ...`` line on stderr and exit status 2, a collective that lost another rank of the job one line too
@@ -133,9 +148,7 @@ def report_errors(action: Callable[[], Any]) -> int:
     except RuntimeError as e:
         if not lost_a_peer(e):
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: another rank of this job stopped (its own message says why); this rank stopped too: {first}",
-              file=sys.stderr)
+        print(lost_peer_line(e), file=sys.stderr)
         return 2
     except DprGcError as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
