@@ -14,8 +14,10 @@ import pytest
 
 from dpr_gc import cli
 from dpr_gc.cli import main
+from dpr_gc.train.checkpoints import STATE_JSON
 from tests.helpers import gather, passages, write_corpus
 from tests.ranks import run_command
+from tests.train_data import make_records, write_dpr
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,5 +83,21 @@ def test_each_torchrun_rank_encodes_its_own_shard_into_one_folder(tmp_path, make
     run = encode_under_torchrun(tmp_path, tmp_path / "model", corpus, "--output", str(tmp_path / "refused"),
                                 "--shard-id", "0", "--num-shards", "1")
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert run.returncode != 0 and errors and all("torchrun gives each rank its shard" in e for e in errors), errors
+    assert run.returncode != 0 and len(errors) == 1 and "torchrun gives each rank its shard" in errors[0], errors
     assert "in use by another run" not in run.stderr and not (tmp_path / "refused").exists()
+
+
+def test_a_refusal_every_rank_reaches_alike_is_one_line(tmp_path, make_retriever):
+    """training.md: one process shows the refusal. A new run into a folder holding checkpoints printed the same
+    `error:` line once per rank (8 copies on 8 GPUs)."""
+    make_retriever(passage_max_length=16).save(tmp_path / "model")
+    data = write_dpr(tmp_path / "train.json", make_records(8, 1))
+    (tmp_path / "out" / "checkpoint-1").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint-1" / STATE_JSON).write_text("{}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       "-m", "dpr_gc.cli", "train", "--model", str(tmp_path / "model"), "--train", str(data),
+                       "--output", str(tmp_path / "out"), "--device", "cpu", "--num-workers", "0",
+                       "--cache-dir", str(tmp_path / "c")], limit_s=180, env=env)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode != 0 and len(errors) == 1 and "already holds checkpoints" in errors[0], run.stderr[-3000:]

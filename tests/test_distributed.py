@@ -274,3 +274,29 @@ def test_ranks_that_loaded_different_training_data_are_refused_on_every_rank(tmp
     else:
         assert outcomes[0] == outcomes[1] == ("the training data (--train) differs between ranks: rank 1 loaded other "
                                               "data than rank 0; give every rank the same files")
+
+
+@pytest.mark.parametrize("local_rank,alike,printed", [("0", True, True), ("1", True, False), ("1", None, True),
+                                                      ("1", False, True)])
+def test_a_refusal_every_rank_reaches_alike_is_printed_by_one_rank_per_machine(local_rank, alike, printed,
+                                                                               monkeypatch, capsys):
+    """Under torchrun each rank printed the same `error:` line, and an interrupt's notice came once per rank; a
+    rank's own refusal (``rank N stopped: ...``, one not known to be alike) still prints on that rank."""
+    from dpr_gc.base.errors import DprGcError, Interrupted, report_errors
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    refusal = DprGcError("out already holds checkpoints")
+    refusal.alike = alike
+
+    def refuse() -> None:
+        raise refusal
+
+    assert report_errors(refuse) == 2
+    assert capsys.readouterr().err == ("error: out already holds checkpoints\n" if printed else "")
+
+    def interrupt() -> None:
+        raise Interrupted("checkpoint-3 is kept")
+
+    assert report_errors(interrupt) == 130
+    assert capsys.readouterr().err == ("interrupted: checkpoint-3 is kept\n" if local_rank == "0" else "")

@@ -15,8 +15,12 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 class DprGcError(ValueError):
     """A user-facing error (a ValueError, so library callers can treat it as one). The message is one line that names the file, line or flag and what to do.
 
-    The CLI prints it as ``error: <message>`` and exits with status 2; library callers can catch it.
+    The CLI prints it as ``error: <message>`` and exits with status 2; library callers can catch it. ``alike`` says
+    whether every rank of a torchrun launch raises it alike (the same command line and files): then one rank per
+    machine prints it (:func:`report_errors`). None (not known) and False (this rank's own) print on every rank.
     """
+
+    alike: Optional[bool] = None
 
 
 class DiskFullError(DprGcError):
@@ -47,6 +51,32 @@ def rename_flags(message: str, names: Mapping[str, str]) -> str:
     return "".join(out + [rename(message[end:])])
 
 
+def reworded(error: DprGcError, message: str) -> DprGcError:
+    """A :class:`DprGcError` saying ``message`` in place of ``error``, raised as alike on every rank as it was."""
+    new = DprGcError(message)
+    new.alike = error.alike
+    return new
+
+
+@contextlib.contextmanager
+def alike_on_every_rank() -> Iterator[None]:
+    """Within the block, a :class:`DprGcError` not known otherwise is one every rank of a torchrun launch raises alike:
+    for refusals that follow from the command line and the files alone (flags, inputs, outputs, settings, the
+    data's size), which every rank checks the same way, so one line per machine says it, not one per rank."""
+    try:
+        yield
+    except DprGcError as e:
+        if e.alike is None:
+            e.alike = True
+        raise
+
+
+def shown_by_another_rank() -> bool:
+    """Whether this process is a torchrun rank other than its machine's first (``LOCAL_RANK`` above 0): a refusal
+    every rank reaches alike, or an interrupt every rank receives, is printed by that first rank, not by this one."""
+    return int(os.environ.get("WORLD_SIZE") or 1) > 1 and int(os.environ.get("LOCAL_RANK") or 0) > 0
+
+
 @contextlib.contextmanager
 def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
     """Within the block, a :class:`DprGcError` and a log line name each flag of ``names`` as its value. Code that
@@ -70,7 +100,7 @@ def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     except DprGcError as e:
-        raise DprGcError(rename_flags(str(e), names)) from None
+        raise reworded(e, rename_flags(str(e), names)) from None
     finally:
         logging.setLogRecordFactory(make_record)
 
@@ -84,7 +114,7 @@ def model_named_by(flag: str, model: Optional[str]) -> Iterator[None]:
     except DprGcError as e:
         if not model or f"model {model!r}" not in str(e):
             raise
-        raise DprGcError(str(e).replace(f"model {model!r}", f"{flag} {model!r}", 1)) from None
+        raise reworded(e, str(e).replace(f"model {model!r}", f"{flag} {model!r}", 1)) from None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -142,7 +172,9 @@ def lost_peer_line(error: BaseException) -> str:
 def report_errors(action: Callable[[], Any]) -> int:
     """Run ``action`` as a command: a :class:`DprGcError` (or an ``OSError``, e.g. a full disk) becomes one
     ``error: ...`` line on stderr and exit status 2, a collective that lost another rank of the job one line too
-    (:func:`lost_a_peer`), an interrupt exit status 130; an int result is the exit status, anything else 0."""
+    (:func:`lost_a_peer`), an interrupt exit status 130; an int result is the exit status, anything else 0. Under
+    torchrun a refusal every rank reaches alike (``DprGcError.alike``) and the interrupt notice are printed by each
+    machine's first rank only (the others exit silently with the same status)."""
     try:
         result = action()
     except RuntimeError as e:
@@ -151,7 +183,8 @@ def report_errors(action: Callable[[], Any]) -> int:
         print(lost_peer_line(e), file=sys.stderr)
         return 2
     except DprGcError as e:
-        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        if not (e.alike and shown_by_another_rank()):
+            print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
     except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON) reached a UTF-8 output
         print(f"error: the input holds text that is not valid Unicode ({ascii(e.object[e.start:e.end])}, a lone "
@@ -163,6 +196,7 @@ def report_errors(action: Callable[[], Any]) -> int:
         return 2
     except KeyboardInterrupt as e:
         advice = str(e) if isinstance(e, Interrupted) and str(e) else NOTHING_KEPT
-        print(f"interrupted: {advice}", file=sys.stderr)
+        if not shown_by_another_rank():
+            print(f"interrupted: {advice}", file=sys.stderr)
         return 130
     return result if isinstance(result, int) else 0

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .errors import DiskFullError, DprGcError, is_disk_full
+from .errors import DiskFullError, DprGcError, alike_on_every_rank, is_disk_full
 from .files import (PathLike, check_output_dir, check_path_length, missing_folders, output_target,
                     remove_empty_folders, spooled)
 from .locks import exclusive_lock, locked_folder, output_lock
@@ -170,12 +170,13 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
         @functools.wraps(run)
         def guarded_run(args: Any, *more: Any, **named: Any) -> Any:
             given = {flag: getattr(args, dest, None) for dest, flag in ins}
-            check_inputs_given(given)
             written = {flag: getattr(args, dest, None) for dest, flag, _ in outs}
-            check_outputs(given, with_default_cache(written, cache_flag),
-                          whole=[flag for _, flag, mode in outs if mode == "whole"])
-            if hasattr(args, cache_dest):  # the command uses the cache
-                check_cache_writable(written[cache_flag], cache_flag)
+            with alike_on_every_rank():  # every torchrun rank checks the same flags and paths
+                check_inputs_given(given)
+                check_outputs(given, with_default_cache(written, cache_flag),
+                              whole=[flag for _, flag, mode in outs if mode == "whole"])
+                if hasattr(args, cache_dest):  # the command uses the cache
+                    check_cache_writable(written[cache_flag], cache_flag)
             try:
                 with output_locks({flag: (written[flag], mode) for _, flag, mode in outs}):
                     with streams_copied(args, [dest for dest, _ in ins]):

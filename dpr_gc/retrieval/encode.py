@@ -25,7 +25,7 @@ from ..data.corpus import dataset_fingerprint, load_corpus
 from ..base.args import nonnegative_int, output_dir, positive_int
 from ..base.devices import (PRECISIONS, autocast_dtype, cpu_has_native_bf16, cpu_threads, default_device,
                             pick_precision, warn_if_emulated)
-from ..base.errors import DprGcError, Interrupted
+from ..base.errors import DprGcError, Interrupted, alike_on_every_rank
 from ..base.guard import guarded
 from ..base.files import (PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, require_file,
                           write_json)
@@ -420,9 +420,10 @@ def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Opti
     the corpus path are checked before the model loads (which takes seconds to minutes)."""
     job = from_args(EncodeJob, args)
     job = dataclasses.replace(job, output=output or job.output, device=device or job.device)
-    refuse_foreign_folder(job.output)
-    resolve_shard(job.settings.shard_id, job.settings.num_shards)
-    require_file(job.corpus, "--corpus")
+    with alike_on_every_rank():  # every torchrun rank checks the same flags and paths
+        refuse_foreign_folder(job.output)
+        resolve_shard(job.settings.shard_id, job.settings.num_shards)
+        require_file(job.corpus, "--corpus")
     manifest, seconds = encode_with_model(job)
     encoded = manifest["encoded"]  # a resumed or finished shard encoded fewer than its passages in this run
     rate = f"{encoded / seconds:.1f}" if encoded and seconds > 0 else "-"

@@ -31,7 +31,8 @@ def setup_distributed(device: Optional[str]) -> tuple[int, int, torch.device]:
 def refused_together(check: Callable[[], None]) -> None:
     """Run ``check`` (a refusal of this rank's inputs) on every rank and share the outcome, so that every rank refuses
     when one does (on several machines nothing else would stop the others). Call it after joining the group: a rank
-    that refused before would leave the other machines' ranks waiting to join for gloo's 30 minutes."""
+    that refused before would leave the other machines' ranks waiting to join for gloo's 30 minutes. A refusal every
+    rank made alike is printed once per machine; otherwise each rank prints its own (``rank N stopped: ...``)."""
     try:
         check()
         error = None
@@ -44,10 +45,11 @@ def refused_together(check: Callable[[], None]) -> None:
     errors: list[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     refusing = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if error is not None:
-        raise DprGcError(error)
-    if refusing:
-        raise DprGcError(f"rank {refusing[0][0]} stopped: {refusing[0][1]}")
+    if not refusing:
+        return
+    refused = DprGcError(error if error is not None else f"rank {refusing[0][0]} stopped: {refusing[0][1]}")
+    refused.alike = all(e == errors[0] for e in errors)  # else each rank's line is its own: each prints it
+    raise refused
 
 
 def from_rank0(compute: Callable[[], T]) -> T:
@@ -80,8 +82,10 @@ def same_on_every_rank(value: Any, what: str, fix: str) -> None:
     differing = [rank for rank, v in enumerate(values) if v != values[0]]
     if differing:
         ranks = ", ".join(map(str, differing))
-        raise DprGcError(f"{what} differs between ranks: rank{'s' if len(differing) > 1 else ''} {ranks} loaded "
-                         f"other data than rank 0; {fix}")
+        refused = DprGcError(f"{what} differs between ranks: rank{'s' if len(differing) > 1 else ''} {ranks} loaded "
+                             f"other data than rank 0; {fix}")
+        refused.alike = True  # every rank raises these words
+        raise refused
 
 
 class Towers(nn.Module):

@@ -31,7 +31,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from ..data.corpus import source_files, source_fingerprint
 from ..data.training import Collator, data_digest, load_training_data, make_dataloader
 from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
-from ..base.errors import DprGcError, Interrupted
+from ..base.errors import DprGcError, Interrupted, alike_on_every_rank
 from ..base.logs import counted, infos_from_rank_zero, infos_hidden
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
@@ -780,7 +780,9 @@ def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], 
     """Run training (see :class:`Trainer`); returns a summary (steps, examples/s, best metric, output folders).
     Raises :class:`TrainingDiverged` (an ``error:`` line on the command line) when the loss or gradient stops being
     finite."""
-    return Trainer(config, on_backward).fit()
+    with alike_on_every_rank():  # its setup refuses from the command line and the files alone, alike on every rank
+        trainer = Trainer(config, on_backward)
+    return trainer.fit()
 
 
 def add_cli(subparsers: Any) -> None:
@@ -793,7 +795,8 @@ def add_cli(subparsers: Any) -> None:
 @guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
 def _cli_train(args: Any) -> None:
     infos_from_rank_zero()
-    config = config_from_args(args)
+    with alike_on_every_rank():
+        config = config_from_args(args)
     try:
         train(config)
     except KeyboardInterrupt:

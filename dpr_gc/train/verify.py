@@ -39,7 +39,7 @@ from torch import nn
 
 from ..base.args import positive_int
 from ..base.devices import at_least_fp32, autocast_dtype
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, alike_on_every_rank
 from ..base.logs import infos_from_rank_zero
 from ..base.tables import format_summary
 from ..engine.budget import GraphMeter, StepMemory, fixed_storages, format_bytes
@@ -500,22 +500,11 @@ def verify(config: TrainConfig, batches: int = 1, hook: Optional[Callable[[Any],
     is written to ``config.run.output_dir``. ``hook(trainer)`` may adjust the built trainer (tests). Returns a
     :class:`VerifyReport` (``passed``; per batch, the cached step's loss and gradients against one full-batch graph's).
     """
-    from .trainer import Trainer
-
-    if not config.cache.enabled:
-        raise DprGcError("verify checks the Gradient Cache step against the full batch: drop --no-grad-cache")
-    if batches < 1:
-        raise DprGcError(f"--batches must be >= 1, got {batches}")
-    if config.run.resume is not None:
-        raise DprGcError(f"--resume {config.run.resume} does not apply to verify: it checks the starting model; to "
-                         "check a checkpoint's weights, give its model/ folder as --model")
+    with alike_on_every_rank():  # refusals of the command line and the files alone, alike on every rank
+        check_verify(config, batches)
     with tempfile.TemporaryDirectory(prefix="dpr-gc-verify-") as scratch:
-        run = dataclasses.replace(config.run, output_dir=scratch, resume=None)
-        data = dataclasses.replace(config.data, num_workers=0)
-        # Its own few steps, no warm-up: the schedule changes no gradient, and a "--warmup-ratio R of N steps" line
-        # about the checked batches would read as the training run's.
-        trainer = Trainer(dataclasses.replace(config, run=run, data=data, optim=dataclasses.replace(
-            config.optim, max_steps=batches, warmup_ratio=None, warmup_steps=0)))
+        with alike_on_every_rank():
+            trainer = verify_trainer(config, batches, scratch)
         try:
             if hook is not None:
                 hook(trainer)
@@ -523,6 +512,29 @@ def verify(config: TrainConfig, batches: int = 1, hook: Optional[Callable[[Any],
         finally:
             if trainer.owns_group and dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def check_verify(config: TrainConfig, batches: int) -> None:
+    """Refuse what verify cannot check: no Gradient Cache, no batch, a ``--resume``."""
+    if not config.cache.enabled:
+        raise DprGcError("verify checks the Gradient Cache step against the full batch: drop --no-grad-cache")
+    if batches < 1:
+        raise DprGcError(f"--batches must be >= 1, got {batches}")
+    if config.run.resume is not None:
+        raise DprGcError(f"--resume {config.run.resume} does not apply to verify: it checks the starting model; to "
+                         "check a checkpoint's weights, give its model/ folder as --model")
+
+
+def verify_trainer(config: TrainConfig, batches: int, scratch: str) -> Any:
+    """The trainer whose first ``batches`` batches are checked, writing into ``scratch``: its own few steps, no
+    warm-up (the schedule changes no gradient, and a "--warmup-ratio R of N steps" line about the checked batches
+    would read as the training run's)."""
+    from .trainer import Trainer
+
+    run = dataclasses.replace(config.run, output_dir=scratch, resume=None)
+    data = dataclasses.replace(config.data, num_workers=0)
+    return Trainer(dataclasses.replace(config, run=run, data=data, optim=dataclasses.replace(
+        config.optim, max_steps=batches, warmup_ratio=None, warmup_steps=0)))
 
 
 def run_checks(trainer: Any, batches: int) -> VerifyReport:
@@ -579,7 +591,9 @@ def add_cli(subparsers: Any) -> None:
 def _cli_verify(args: Any) -> int:
     infos_from_rank_zero()
     started = time.perf_counter()
-    report = verify(config_from_args(args), args.batches)
+    with alike_on_every_rank():
+        config = config_from_args(args)
+    report = verify(config, args.batches)
     if report.rank == 0:
         print(report.table())
         print(report.summary(time.perf_counter() - started))
