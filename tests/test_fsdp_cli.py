@@ -123,3 +123,34 @@ def test_fsdp_settings_are_refused_with_one_line(tmp_path, capsys):
     # checked before the ranks are, so one process shows what every rank of a torchrun launch says
     assert main(["train", *flags, *out, "--fsdp", "--fsdp-cpu-offload"]) == 2
     assert "error: --fsdp-cpu-offload moves GPU weights to the CPU" in capsys.readouterr().err
+
+
+def test_fsdp_environment_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """--fsdp without torchrun and --fsdp-cpu-offload on the CPU were refused only once the model had loaded and the
+    data been parsed (minutes for an LLM); they depend on the launch and the device alone."""
+    from dpr_gc.train.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "build_model", lambda self: pytest.fail("the model loaded first"))
+    flags = [*common_flags(tmp_path), "--batch-size", "4", "--output", str(tmp_path / "x")]
+    assert main(["train", *flags, "--fsdp"]) == 2
+    assert "launch with torchrun" in capsys.readouterr().err
+    assert main(["train", *flags, "--fsdp", "--fsdp-cpu-offload"]) == 2
+    assert "error: --fsdp-cpu-offload moves GPU weights to the CPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fsdp,precision,world,ranks,means", [
+    (True, "bf16", 2, "FSDP2 over 2 ranks (the model sharded)", "bf16 parameters, fp32 gradient reduction (FSDP2)"),
+    (True, "fp32", 8, "FSDP2 over 8 ranks (the model sharded)", "fp32"),
+    (False, "bf16", 2, "DDP over 2 ranks", "bf16"), (False, "fp32", 1, "one process", "fp32")])
+def test_the_summary_names_fsdp_and_what_its_precision_means(fsdp, precision, world, ranks, means):
+    """The start line and the summary read the same under --fsdp as under DDP, though FSDP's bf16 is bf16
+    parameters (MixedPrecisionPolicy), not autocast over fp32 ones."""
+    from dpr_gc.train.report import describe_parallel, describe_precision, summary_table
+    from tests.helpers import summary_rows
+
+    assert (describe_parallel(fsdp, world), describe_precision(fsdp, precision)) == (ranks, means)
+    summary = {"steps": 2, "effective_batch": 8, "passages_per_query": 2, "chunk_sizes": [2, 3], "precision": precision,
+               "parallel": ranks, "fsdp": fsdp, "device": "cpu", "final_loss": 1.0, "examples_per_s": 3.0,
+               "best": None, "best_metric": "avg_rank", "final_model": "out/final", "seconds": 1.0}
+    rows = summary_rows(summary_table(summary))
+    assert (rows["ranks"], rows["precision"]) == (ranks, means)

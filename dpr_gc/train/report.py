@@ -76,20 +76,35 @@ def best_dev(summary: dict) -> str:
 
 def summary_table(summary: dict) -> str:
     """train's closing table: steps (a resumed run's, with those this invocation trained), batch, chunks and the
-    graphs kept under the memory budget, precision (and under fp16, or where there were any, the steps the GradScaler
-    skipped), device, loss, this invocation's speed, the best and (with a dev set) the last dev values, the model
-    and this invocation's time."""
+    graphs kept under the memory budget, the ranks and precision (:func:`describe_parallel`; under fp16, or where
+    there were any, the steps the GradScaler skipped), device, loss, this invocation's speed, the best and (with a
+    dev set) the last dev values, the model and this invocation's time."""
     rows = [("steps", steps_trained(summary)), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
             ("graphs kept (last step, budget)", summary.get("graphs_kept") or "-"),
-            ("precision", summary["precision"]), *skipped_steps(summary), ("device", summary.get("device", "-")),
+            ("ranks", summary.get("parallel") or "one process"),
+            ("precision", describe_precision(summary.get("fsdp", False), summary["precision"])),
+            *skipped_steps(summary), ("device", summary.get("device", "-")),
             ("final loss", f"{summary['final_loss']:.4f}"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
             ("best dev", best_dev(summary))]
     if summary.get("dev") is not None or summary.get("last_dev"):
         rows.append(("last dev", last_dev(summary)))
     rows.append(("output", summary["final_model"]))
     return format_summary(dict(rows), summary["seconds"])
+
+
+def describe_parallel(fsdp: bool, world: int) -> str:
+    """How the model runs over the ranks: sharded (``--fsdp``, FSDP2), replicated (DDP) or in one process."""
+    if fsdp:
+        return f"FSDP2 over {counted(world, 'rank')} (the model sharded)"
+    return f"DDP over {counted(world, 'rank')}" if world > 1 else "one process"
+
+
+def describe_precision(fsdp: bool, precision: str) -> str:
+    """What ``--precision`` means: under ``--fsdp`` bf16 is the parameters' own dtype with gradients reduced in fp32
+    (FSDP2's ``MixedPrecisionPolicy``), elsewhere autocast over fp32 parameters (said as the flag's value)."""
+    return "bf16 parameters, fp32 gradient reduction (FSDP2)" if fsdp and precision == "bf16" else precision
 
 
 def steps_trained(summary: dict) -> str:

@@ -48,7 +48,8 @@ from .checkpoints import Checkpointer, check_layout, check_start, finished_check
 from .checkpoints import finite_or_null, remove_temporaries, resolve_checkpoint
 from .chunks import CPU_CHUNK_SIZE, auto_chunk_size, chunk_sizes
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
-from .report import describe_epoch, describe_training, recorded_loss, summary_table, tensorboard_writer
+from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, recorded_loss,
+                     summary_table, tensorboard_writer)
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
 from .validation import dev_negatives, evaluate_dev, load_dev_data
@@ -140,6 +141,7 @@ class Trainer:
         self.config = config = self.resolve(config, recorded[1] if recorded else None)
         if checkpoint:
             self.check_resume(checkpoint, recorded)
+        check_fsdp_launch(config, self.world, self.device)  # the launch and the device alone: before the model loads
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         # rank 0 reads the training files for their fingerprints (the parse cache's key, the resume check's record)
@@ -277,12 +279,6 @@ class Trainer:
         directly) and the towers hold it for plain training."""
         towers = Towers(self.retriever)
         if self.config.run.fsdp:
-            if self.config.run.fsdp_cpu_offload and self.device.type == "cpu":
-                raise DprGcError("--fsdp-cpu-offload moves GPU weights to the CPU between uses; this run is already "
-                                 "on the CPU: drop the flag")
-            if self.world == 1:
-                raise DprGcError("--fsdp shards the model over the ranks of torchrun: launch with torchrun "
-                                 "--nproc_per_node N (N > 1), or train without --fsdp")
             shard_retriever(self.retriever, self.config.optim.precision, self.config.run.fsdp_cpu_offload)
             return towers, towers
         if self.world == 1:
@@ -629,11 +625,13 @@ class Trainer:
             config, total = self.config, self.total_steps
             steps = (counted(total, "step") if not self.step else f"step {total} of {total}" if self.step + 1 == total
                      else f"steps {self.step + 1}-{total} of {total}")
+            ranks = counted(self.world, "rank") + (" (FSDP2)" if config.run.fsdp else "")
             logger.info("training %s: batch %d per rank x %s = %s, %s per query, %s, %s on %s, %s%s%s",
-                        steps, config.data.batch_size, counted(self.world, "rank"),
+                        steps, config.data.batch_size, ranks,
                         counted(self.effective_batch, "query", "queries"), counted(self.passages_per_query, "passage"),
                         f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
-                        config.optim.precision, self.device, counted(self.workers, "DataLoader worker"),
+                        describe_precision(config.run.fsdp, config.optim.precision), self.device,
+                        counted(self.workers, "DataLoader worker"),
                         " (auto)" if config.data.num_workers == "auto" else "", cpu_threads(self.device))
             warn_if_emulated(config.optim.precision, self.device)
             if not config.optim.mask_duplicate_positives:
@@ -751,6 +749,7 @@ class Trainer:
         return {"steps": self.step, "resumed_from": self.resumed_from, "effective_batch": self.effective_batch,
                 "passages_per_query": self.passages_per_query,
                 "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
+                "parallel": describe_parallel(self.config.run.fsdp, self.world), "fsdp": self.config.run.fsdp,
                 "device": str(self.device), "graphs_kept": self.kept_graphs(), "skipped_steps": self.skipped.total,
                 "final_loss": self.last_loss, "seconds": seconds,
                 "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
@@ -774,6 +773,19 @@ class Trainer:
             dist.barrier()
         if self.owns_group:  # torn down here, not at interpreter exit (where gloo's threads could abort the rank)
             dist.destroy_process_group()
+
+
+def check_fsdp_launch(config: TrainConfig, world: int, device: torch.device) -> None:
+    """Refuse ``--fsdp`` settings that the launch or the device rule out, before the model loads: offload on the CPU,
+    and FSDP in one process (nothing to shard over)."""
+    if not config.run.fsdp:
+        return
+    if config.run.fsdp_cpu_offload and device.type == "cpu":
+        raise DprGcError("--fsdp-cpu-offload moves GPU weights to the CPU between uses; this run is already on the "
+                         "CPU: drop the flag")
+    if world == 1:
+        raise DprGcError("--fsdp shards the model over the ranks of torchrun: launch with torchrun --nproc_per_node N "
+                         "(N > 1), or train without --fsdp")
 
 
 def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> dict:
