@@ -15,7 +15,7 @@ import pytest
 from dpr_gc import cli
 from dpr_gc.cli import main
 from dpr_gc.train.checkpoints import STATE_JSON
-from tests.helpers import gather, passages, write_corpus
+from tests.helpers import gather, passages, summary_rows, write_corpus
 from tests.ranks import run_command
 from tests.train_data import make_records, write_dpr
 
@@ -70,6 +70,11 @@ def test_each_torchrun_rank_encodes_its_own_shard_into_one_folder(tmp_path, make
     run = encode_under_torchrun(tmp_path, tmp_path / "model", corpus, "--output", str(tmp_path / "emb"),
                                 "--precision", "fp32", "--dtype", "float32")
     assert run.returncode == 0, run.stderr[-3000:]
+    # rank 1 logs warnings only, as train's ranks do; each rank's table names its shard
+    assert "shard-00000-of-00002: 5 passages written" in run.stderr, run.stderr[-3000:]
+    assert "shard-00001-of-00002" not in "\n".join(line for line in run.stderr.splitlines() if " INFO " in line)
+    tables = ["| item |" + table for table in run.stdout.split("| item |")[1:]]
+    assert sorted(summary_rows(table)["shard"] for table in tables) == ["0 of 2", "1 of 2"], run.stdout
     assert sorted(p.name for p in (tmp_path / "emb").glob("*.json")) == ["shard-00000-of-00002.json",
                                                                         "shard-00001-of-00002.json"]
     ids, emb = gather(tmp_path / "emb")

@@ -35,7 +35,7 @@ from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_s
 from .fingerprint import bridge_legacy, model_fingerprint, records_agree
 from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
 from ..base.tables import format_summary
-from ..base.logs import counted
+from ..base.logs import counted, infos_from_rank_zero
 
 logger = logging.getLogger(__name__)
 
@@ -416,8 +416,10 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
 @guarded(inputs=("model", "corpus"), outputs={"output": "self"})
 def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
     """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
-    the flags'): flags to :func:`encode_with_model`, then a summary table. The output folder, the shard pair and
-    the corpus path are checked before the model loads (which takes seconds to minutes)."""
+    the flags'): flags to :func:`encode_with_model`, then a summary table naming the shard. The output folder, the
+    shard pair and the corpus path are checked before the model loads (which takes seconds to minutes). Under
+    torchrun ranks other than 0 log warnings only, and each rank prints its own shard's table."""
+    infos_from_rank_zero()  # under torchrun the ranks' lines would come once per rank
     job = from_args(EncodeJob, args)
     job = dataclasses.replace(job, output=output or job.output, device=device or job.device)
     with alike_on_every_rank():  # every torchrun rank checks the same flags and paths
@@ -427,6 +429,7 @@ def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Opti
     manifest, seconds = encode_with_model(job)
     encoded = manifest["encoded"]  # a resumed or finished shard encoded fewer than its passages in this run
     rate = f"{encoded / seconds:.1f}" if encoded and seconds > 0 else "-"
-    print(format_summary({"passages": manifest["count"], "encoded this run": encoded, "passages/s": rate,
+    print(format_summary({"shard": f"{manifest['shard_id']} of {manifest['num_shards']}",
+                          "passages": manifest["count"], "encoded this run": encoded, "passages/s": rate,
                           "output": Path(job.output) / manifest["embeddings"]}, seconds))
     return manifest
