@@ -52,7 +52,8 @@ from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_common import machine_info as common_machine_info  # noqa: E402
-from bench_common import int_list, name_list, parser, require_cuda, results_path, run_script, setup_logging  # noqa: E402
+from bench_common import (int_list, name_list, parser, require_cuda, results_path, run_script,  # noqa: E402
+                          setup_logging)
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json_object, write_json  # noqa: E402
 

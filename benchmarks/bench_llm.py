@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import check_choices, int_list, machine_info, name_list, parser, require_cuda, run_script  # noqa: E402
+from bench_common import (check_choices, int_list, machine_info, name_list, parser, require_cuda,  # noqa: E402
+                          run_script)
 from bench_gradcache import PeakMemory  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -164,7 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: every configuration failed, nothing written to {args.output}; the last said: "
               f"{rows[-1]['error']}", file=sys.stderr)
         return 1
-    report = {"machine": machine_info(args.device, torch.get_num_threads()), "settings": vars(args) | {"method": None}, "results": rows}
+    report = {"machine": machine_info(args.device, torch.get_num_threads()), "settings": vars(args) | {"method": None},
+              "results": rows}
     if args.append and Path(args.output).is_file():
         before = json.loads(Path(args.output).read_text())
         report["results"] = before["results"] + rows

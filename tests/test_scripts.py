@@ -372,7 +372,8 @@ def test_the_validation_only_run_takes_the_device_and_precision_and_ends_with_a_
     monkeypatch.setattr(Retriever, "load", classmethod(lambda cls, path, **kw: (loaded.append(kw.get("device")),
                                                                                 load(cls, path, **kw))[1]))
     monkeypatch.setattr(Retriever, "embed", lambda self, kind, texts, *a, **kw: (
-        embedded.append((kind, kw.get("dtype"), kw.get("progress") is not None)), embed(self, kind, texts, *a, **kw))[1])
+        embedded.append((kind, kw.get("dtype"), kw.get("progress") is not None)),
+        embed(self, kind, texts, *a, **kw))[1])
     script = load_script("train_dense_encoder.py")
     with caplog.at_level(logging.INFO, logger="train_dense_encoder"):
         assert script.main(["--model_file", str(tiny["bert"]), "--dev_file", str(tiny["dir"] / "data" / "nq-dev.json"),
