@@ -184,7 +184,8 @@ def test_distributed_loss_needs_a_process_group():
 
 
 def peer_lost_worker(rank: int, tmp: str) -> None:
-    """Rank 1 leaves right after joining the group; rank 0's collective then fails, inside the CLI's error report."""
+    """Rank 1 leaves right after joining the group and its first barrier; rank 0's collective then fails, inside the
+    CLI's error report."""
     import contextlib
     import io
 
@@ -193,6 +194,7 @@ def peer_lost_worker(rank: int, tmp: str) -> None:
     os.environ["WORLD_SIZE"] = str(WORLD)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
+    dist.barrier()  # both ranks are connected (rank 1 leaving inside the group's set-up fails rank 0 there instead)
     if rank == 1:
         os._exit(0)
     stderr = io.StringIO()
