@@ -9,7 +9,8 @@ from torch import nn
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
-from dpr_gc.engine.budget import BudgetLedger, GraphMeter, fixed_storages, parse_memory, resolve_budget
+from dpr_gc.engine.budget import (BudgetLedger, GraphMeter, budget_reading, fixed_storages, parse_memory,
+                                  resolve_budget)
 from dpr_gc.engine.chunking import (chunk_tokens, join_chunks, length_order, rows_in, split_by_tokens, take_rows,
                                    token_spans)
 from dpr_gc.engine.grad_cache import split_input, trim_padding
@@ -206,6 +207,9 @@ def test_auto_budget_on_cuda_is_free_memory_less_the_margin_and_two_chunk_graphs
     assert resolve_budget("auto", cuda, largest_graph=gb) == 22 * gb
     assert resolve_budget("auto", cuda, largest_graph=20 * gb) == 0  # never negative
     assert resolve_budget(3 * gb, cuda) == 3 * gb
+    assert budget_reading("auto", cuda, largest_graph=gb) == (22 * gb, "30.00 GB free + 2.00 GB cached unused - 10% "
+                                                              "of 80.00 GB - twice the largest chunk graph 1.00 GB")
+    assert budget_reading(3 * gb, cuda) == (3 * gb, "")  # a size given: nothing to account for
 
 
 def test_token_spans_fill_the_token_budget():

@@ -55,6 +55,20 @@ def test_budget_and_token_chunks_take_the_plain_first_step(task, tmp_path, caplo
     assert info["kept"] == info["chunks"] and info["peak_graph_bytes"] > 0
 
 
+
+def test_an_auto_budget_says_in_the_log_how_it_was_read(task, tmp_path, caplog, monkeypatch):  # noqa: F811
+    """``--memory-budget auto`` on the CPU logged only the size it came to; the line says it is half the available RAM
+    (shared by the machine's ranks), with the figures it was read from."""
+    import dpr_gc.engine.budget as budget
+
+    monkeypatch.setattr(budget, "available_ram", lambda: 8 * 10**9)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        Trainer(config(task, tmp_path / "auto", max_steps=1, memory_budget="auto")).fit()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Gradient Cache:"))
+    assert "memory budget auto (50% of 8.00 GB available RAM, shared by 2 ranks on this machine)" in line, line
+    assert "within a budget of 2.00 GB" in line, line
+
 def test_chunk_sizes_read_as_rows_and_tokens_in_the_train_log_and_verify_header():
     """'chunks of 5 rows / 1 token', never '1 tokens' nor '21/30 tokens' (read as 21 of 30)."""
     assert chunk_sizes(5, 1) == "chunks of 5 rows / 1 token" and chunk_sizes(1, None) == "chunks of 1 row"

@@ -70,18 +70,29 @@ def available_ram() -> int:
 
 
 def resolve_budget(budget: MemoryBudget, device: torch.device, largest_graph: int = 0) -> int:
-    """Bytes of kept graphs allowed this step. ``auto``: on CUDA the free memory (the driver's plus what PyTorch's
-    cache holds unused) minus 10% of the device and twice the largest chunk graph measured so far (room for one
-    more chunk and the backward's temporaries); on the CPU ``CPU_AUTO_SHARE`` of the available RAM, shared by the
-    ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``), which all draw on the same RAM."""
+    """Bytes of kept graphs allowed this step (:func:`budget_reading` without its account)."""
+    return budget_reading(budget, device, largest_graph)[0]
+
+
+def budget_reading(budget: MemoryBudget, device: torch.device, largest_graph: int = 0) -> tuple[int, str]:
+    """Bytes of kept graphs allowed this step, and for ``auto`` how they were read ('' otherwise). ``auto``: on
+    CUDA the free memory (the driver's plus what PyTorch's cache holds unused) minus 10% of the device and twice the
+    largest chunk graph measured so far (room for one more chunk and the backward's temporaries); on the CPU
+    ``CPU_AUTO_SHARE`` of the available RAM, shared by the ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``),
+    which all draw on the same RAM."""
     if budget != "auto":
-        return int(budget or 0)
+        return int(budget or 0), ""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return max(0, int(free + cached - CUDA_AUTO_MARGIN * total - 2 * largest_graph))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return int(CPU_AUTO_SHARE * available_ram() / max(1, local_ranks))
+        nbytes = max(0, int(free + cached - CUDA_AUTO_MARGIN * total - 2 * largest_graph))
+        return nbytes, (f"{format_bytes(free)} free + {format_bytes(cached)} cached unused - "
+                        f"{CUDA_AUTO_MARGIN:.0%} of {format_bytes(total)} - twice the largest chunk graph "
+                        f"{format_bytes(largest_graph)}")
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    ram = available_ram()
+    ranks = f", shared by {local_ranks} ranks on this machine" if local_ranks > 1 else ""
+    return int(CPU_AUTO_SHARE * ram / local_ranks), f"{CPU_AUTO_SHARE:.0%} of {format_bytes(ram)} available RAM{ranks}"
 
 
 def _storage(t: torch.Tensor) -> Optional[Any]:
@@ -228,6 +239,7 @@ class StepMemory:
     ``estimated_last`` is 1 when that graph was not measured but estimated (see :meth:`BudgetLedger.estimated`)."""
 
     budget: int = 0
+    auto: str = ""  # how an ``auto`` budget was read (:func:`budget_reading`), '' for a given size
     chunks: list[int] = dataclasses.field(default_factory=list)
     kept: list[int] = dataclasses.field(default_factory=list)
     kept_last: int = 0
@@ -265,8 +277,9 @@ class BudgetLedger:
     in ``per_token``, and the widest padded width measured, in ``widest``) fits what is left; its measured size
     then decides whether the graph is kept."""
 
-    def __init__(self, budget: int, per_token: dict[int, float], widest: Optional[dict[int, int]] = None) -> None:
-        self.report = StepMemory(budget=budget)
+    def __init__(self, budget: int, per_token: dict[int, float], widest: Optional[dict[int, int]] = None,
+                 auto: str = "") -> None:
+        self.report = StepMemory(budget=budget, auto=auto)
         self.per_token = per_token
         self.widest = widest if widest is not None else {}
         self.held = 0

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .arguments import as_int, check_bool, check_callable, is_integer
 from .budget import (BudgetLedger, GraphMeter, MemoryBudget, StepMemory, collections_paused, parse_memory,
-                     resolve_budget, storages_of)
+                     budget_reading, storages_of)
 from .chunking import (Chunking, call_model, chunk_tokens, chunk_width, chunk_widths, cut_padding, length_order,
                        join_chunks, pad_sequence_dim, rows_in, sequence_lengths, split_by_tokens, split_input,
                        take_rows, tensors_in, to_device, trim_padding, trimmed_width)
@@ -426,7 +426,7 @@ class GradCache:
             An enabled one without ``fp16`` is accepted, as the original package accepts it, with a warning that
             it goes unused (the loss is scaled only under fp16); ``GradScaler(enabled=False)`` passes quietly.
         bf16: bf16 autocast, no scaler.
-        memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.resolve_budget`) of
+        memory_budget: bytes (or ``"12GB"``, or ``"auto"``: see :func:`dpr_gc.engine.budget.budget_reading`) of
             first-pass graphs to keep: a chunk whose graph, measured exactly with saved-tensor hooks, fits what is
             left keeps it and is not run again (its backward takes the cached gradient directly); the others are
             replayed. 0 (default): only the last chunk, as ``chunking.keep_last_graph`` says (kept whatever its
@@ -768,7 +768,8 @@ class GradCache:
         model trains). Chunks whose graphs fit the memory budget keep them; so does the very last chunk (of the
         last model) when ``chunking.keep_last_graph`` allows: it is the one chunk whose graph can live until the loss
         without raising peak memory beyond one chunk (not under DDP or FSDP, whose last chunks carry the sync)."""
-        ledger = BudgetLedger(self._budget_bytes(), self._per_token, self._widest)
+        budget, auto = self._budget_bytes()
+        ledger = BudgetLedger(budget, self._per_token, self._widest, auto=auto)
         plans, reps = [], []
         self.joined_tokens = []
         self._tensors.clear()  # a step lists them afresh: the caller may have added or frozen some
@@ -784,10 +785,10 @@ class GradCache:
         self.last_step = ledger.report
         return plans, reps
 
-    def _budget_bytes(self) -> int:
-        """This step's budget in bytes (``auto`` is resolved on the first model's device, now)."""
+    def _budget_bytes(self) -> tuple[int, str]:
+        """This step's budget in bytes and how an ``auto`` one was read (on the first model's device, now)."""
         largest = self.last_step.largest_graph if self.last_step is not None else 0
-        return resolve_budget(self.memory_budget, model_device(self.models[0]), largest)
+        return budget_reading(self.memory_budget, model_device(self.models[0]), largest)
 
     def build_cache(self, reps: list[torch.Tensor], **loss_kwargs: Any) -> torch.Tensor:
         """Part 2: the loss over the whole batch of representations, backpropagated to them: their ``.grad`` (fp32)

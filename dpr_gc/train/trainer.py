@@ -507,7 +507,7 @@ class Trainer:
                                                   report.chunks)]
         peak = (f", device peak {format_bytes(torch.cuda.max_memory_allocated(self.device))}"
                 if self.device.type == "cuda" else "")
-        budget = "auto" if cache.memory_budget == "auto" else format_bytes(cache.memory_budget)
+        budget = f"auto ({report.auto})" if cache.memory_budget == "auto" else format_bytes(cache.memory_budget)
         logger.info("Gradient Cache: %s; memory budget %s: %s%s", ", ".join(sides), budget, report.describe(), peak)
         self.retriever.training_info["grad_cache_first_step"] = {
             "chunks": report.chunks, "kept": report.kept, "kept_token_share": report.kept_share,
