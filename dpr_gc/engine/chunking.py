@@ -228,18 +228,22 @@ def join_chunks(model_input: Any, chunks: list[Any], first_tokens: int, rest_tok
     return joined + chunks[i:]
 
 
+def _first_matrix(chunk: Any) -> Optional[torch.Tensor]:
+    """A chunk's first tensor of two dimensions or more (its sequence width is dimension 1), None without one."""
+    return next((t for t in tensors_in(chunk) if t.dim() >= 2), None)
+
+
 def chunk_tokens(chunk: Any) -> int:
     """Tokens a chunk computes: rows times its sequence width (after trimming), or its rows without a 2-D input."""
-    tensors = [t for t in tensors_in(chunk) if t.dim() >= 2]
-    rows = rows_in(chunk) or 0
-    return rows * int(tensors[0].size(1)) if tensors else rows
+    matrix, rows = _first_matrix(chunk), rows_in(chunk) or 0
+    return rows * int(matrix.size(1)) if matrix is not None else rows
 
 
 def chunk_width(chunk: Any) -> int:
-    """A chunk's padded sequence width (dimension 1 of its first tensor of two dimensions or more), 0 without one:
-    a graph's bytes per token grow with it (attention)."""
-    tensors = [t for t in tensors_in(chunk) if t.dim() >= 2]
-    return int(tensors[0].size(1)) if tensors else 0
+    """A chunk's padded sequence width (dimension 1 of :func:`_first_matrix`), 0 without one: a graph's bytes per
+    token grow with it (attention)."""
+    matrix = _first_matrix(chunk)
+    return int(matrix.size(1)) if matrix is not None else 0
 
 
 def trimmed_width(chunk: Any) -> Optional[tuple[int, int, str]]:
