@@ -149,9 +149,15 @@ def test_the_copy_that_fsdp_saves_does_not_say_the_recipe_again(st_folder: Path,
 
 
 @pytest.mark.parametrize("model_type, said", [("bert", "a bert model"), ("albert", "an albert model"),
-                                              ("electra", "an electra model"), ("roberta", "a roberta model")])
+                                              ("electra", "an electra model"), ("roberta", "a roberta model"),
+                                              ("mpnet", "an mpnet model"), ("xlm-roberta", "an xlm-roberta model"),
+                                              ("mt5", "an mt5 model"), ("nomic_bert", "a nomic_bert model"),
+                                              ("squeezebert", "a squeezebert model"),
+                                              ("longformer", "a longformer model"),
+                                              ("flaubert", "a flaubert model"), ("unispeech", "a unispeech model")])
 def test_the_plain_model_line_takes_the_article_of_the_model_type(caplog, model_type, said):
-    """The pooling line of a plain Hugging Face model says "a bert model", "an albert model" (it said "an" always)."""
+    """The pooling line of a plain Hugging Face model takes the article of the model type's sound: "a bert model", "an
+    albert model", "an mpnet model" (an initialism read letter by letter), "a unispeech model"."""
     from types import SimpleNamespace
 
     from dpr_gc.model.retriever import plain_model_recipe

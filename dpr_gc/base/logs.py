@@ -38,9 +38,24 @@ def counted(n: int, noun: str, plural: str = "") -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
+# Letters whose names start with a vowel sound (ef, aitch, el, em, en, ar, es, ex): a name read letter by letter
+# from one of them takes "an" ("an mpnet", "an xlm-roberta").
+VOWEL_NAMED_LETTERS = "fhlmnrsx"
+# Two letters that begin a spoken word ("flaubert", "llama", "squeezebert"): a name starting so is not spelt out.
+SPOKEN_STARTS = ("fl", "fr", "ll", "sc", "sh", "sk", "sl", "sm", "sn", "sp", "sq", "st", "sw")
+# Vowel letters sounding as a consonant ("a unispeech", "a one-tower model").
+CONSONANT_SOUNDS = ("uni", "one", "use", "eu")
+
+
 def with_article(word: str) -> str:
-    """``word`` after the indefinite article its first letter takes: "a bert", "an albert"."""
-    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+    """``word`` after the indefinite article its sound takes, for the model names the toolkit logs: "a bert", "an
+    albert", "a unispeech", and "an mpnet", "an xlm-roberta" for initialisms read letter by letter (an x, or one of
+    :data:`VOWEL_NAMED_LETTERS` before a consonant or digit that does not start a spoken word)."""
+    low = word.lower()
+    spelt = low[:1] == "x" or (low[:1] in VOWEL_NAMED_LETTERS and low[1:2] not in ("", *"aeiouy")
+                               and low[:2] not in SPOKEN_STARTS)
+    vowel = low[:1] in "aeiou" and not low.startswith(CONSONANT_SOUNDS)
+    return f"{'an' if vowel or spelt else 'a'} {word}"
 
 
 @contextlib.contextmanager
