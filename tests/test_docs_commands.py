@@ -171,3 +171,13 @@ def test_every_dotted_name_of_the_package_resolves() -> None:
         if obj is None:
             broken.append(name)
     assert not broken, broken
+
+
+def test_shown_shard_file_names_are_the_ones_encode_writes() -> None:
+    """Every shard file named in the README and docs/ (``shard-00000-of-00001.npy`` in an example table) is spelt as
+    encode names it (:func:`dpr_gc.retrieval.shards.shard_name`: five digits each), so a reader's glob finds it."""
+    from dpr_gc.retrieval.shards import shard_name
+
+    shown = {name for page in PAGES for name in re.findall(r"shard-\d+-of-\d+", page.read_text())}
+    assert shown
+    assert not [name for name in shown if name != shard_name(*map(int, re.findall(r"\d+", name)))], shown
