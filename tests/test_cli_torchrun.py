@@ -106,3 +106,14 @@ def test_a_refusal_every_rank_reaches_alike_is_one_line(tmp_path, make_retriever
                        "--cache-dir", str(tmp_path / "c")], limit_s=180, env=env)
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert run.returncode != 0 and len(errors) == 1 and "already holds checkpoints" in errors[0], run.stderr[-3000:]
+
+
+def test_a_bad_command_line_under_torchrun_is_one_line(tmp_path):
+    """A flag argparse refuses is refused alike by every rank: each machine's first rank prints the `error:` line,
+    the others exit 2 silently (2 ranks printed it twice)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       "-m", "dpr_gc.cli", "train", "--bogus-flag", "--model", "m", "--train", "t.json",
+                       "--output", str(tmp_path / "out")], limit_s=120, env=env)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode != 0 and len(errors) == 1 and "--bogus-flag" in errors[0], run.stderr[-3000:]

@@ -12,7 +12,7 @@ from gettext import gettext
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NoReturn, Optional, Sequence
 
-from .errors import DprGcError
+from .errors import DprGcError, shown_by_another_rank
 from .files import check_output_dir, check_output_file
 
 ERROR_EXIT = 2
@@ -87,7 +87,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """An ``argparse`` parser that reports a bad command line as one ``error: ...`` line and exit status 2, and
     shows every option's default in ``--help``. A value that starts with '-' (``--memory-budget -5GB``) reads as a
     flag to argparse, which then says only "expected one argument"; the line says how to pass such a value. A
-    misspelt flag, command or choice is named with the closest one (``did you mean --batch-size?``)."""
+    misspelt flag, command or choice is named with the closest one (``did you mean --batch-size?``). Under torchrun
+    each machine's first rank prints the line (:meth:`error`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -204,6 +205,10 @@ class ArgumentParser(argparse.ArgumentParser):
                                                               for name in self._option_string_actions))
 
     def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one ``error:`` line and exit 2; under torchrun every rank parses the same command
+        line, so only each machine's first rank prints it (the others exit 2 silently)."""
+        if shown_by_another_rank():
+            sys.exit(ERROR_EXIT)
         print(f"error: {self.prog}: {self.misspelt_first(message)} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(ERROR_EXIT)
 
