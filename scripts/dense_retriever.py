@@ -35,7 +35,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.base.args import (ArgumentParser, cache_dir_arg, device_arg, flags_as_typed, nonnegative_int, output_dir,
+from dpr_gc.base.args import (ArgumentParser, device_arg, flags_as_typed, nonnegative_int, output_dir,
                               output_file, positive_int)
 from dpr_gc.base.errors import DprGcError, flags_renamed, model_named_by, report_errors
 from dpr_gc.base.guard import guarded
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=positive_int, nargs="+",
                    help="cut-offs for --evaluate (default: those of 1 5 10 20 100 below --n-docs, and --n-docs)")
     p.add_argument("--device", type=device_arg, help="torch device for the question encoder")
-    p.add_argument("--cache_dir", dest="cache_dir", type=cache_dir_arg, help="where parsed corpora are cached")
+    p.add_argument("--cache_dir", dest="cache_dir", type=output_dir, help="where parsed corpora are cached")
     p.add_argument("--skip_model_check", dest="skip_model_check", action="store_true",
                    help="allow a model whose weights differ from the one that encoded the passages")
     p.add_argument("--threads", type=positive_int, help="FAISS threads")

@@ -491,7 +491,7 @@ def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str
             bad = "/"
         elif action.type is flag_types.plot_file:
             bad = "curve.txt"
-        elif action.type in (flag_types.output_dir, flag_types.input_dir, flag_types.cache_dir_arg):
+        elif action.type in (flag_types.output_dir, flag_types.input_dir):
             bad = str(ROOT / "README.md")
         elif getattr(action.type, "__name__", "").startswith("auto or "):  # auto or a number
             bad = "-1"

@@ -894,3 +894,31 @@ def test_flags_given_counts_only_flags_set_to_other_than_their_default() -> None
                                           "split": "--beir-split", "batch_size": "--batch-size"}
     args = parse(["retrieve", "--index", "i", "--queries", "q", "--compact", "--k", "1", "--run-tag", "dpr-gc"])
     assert flags_given(RetrieveJob, args) == {"queries": "--queries", "compact": "--compact", "k": "--k"}
+
+
+@pytest.mark.parametrize("command, argv, expanded", [
+    ("encode", ["--model", "m", "--corpus", "c.tsv", "--output=~/emb", "--cache-dir=~/c"], {"output": "emb",
+                                                                                           "cache_dir": "c"}),
+    ("index", ["--embeddings", "e", "--output=~/idx"], {"output": "idx"}),
+    ("retrieve", ["--index=~/idx", "--queries", "q.csv", "--output=~/r.json", "--trec-run=~/r.trec"],
+     {"index": "idx", "output": "r.json", "trec_run": "r.trec"}),
+    ("evaluate", ["--run", "r.trec", "--qrels", "q.tsv", "--output=~/m.json", "--plot=~/p.png"],
+     {"output": "m.json", "plot": "p.png"}),
+    ("mine", ["--output=~/mined.json", "--index=~/mi", "--embeddings=~/me", "--bm25-index=~/mb"],
+     {"output": "mined.json", "index": "mi", "embeddings": "me", "bm25_index": "mb"}),
+    ("merge-lora", ["--model", "m", "--output=~/merged"], {"output": "merged"}),
+    ("make-stdlib-data", ["--output=~/data"], {"output": "data"}),
+    ("demo", ["--output=~/demo"], {"output": "demo"}),
+    ("train", ["--model=~/model", "--train=~/t.json", "--dev=~/d.json", "--output=~/run"],
+     {"model": "model", "train_files": ["t.json"], "dev_file": "d.json", "output_dir": "run"}),
+    ("prepare-data", ["t.json", "--cache-dir=~/c"], {"cache_dir": "c"}),
+    ("cache", ["--cache-dir=~/c"], {"cache_dir": "c"}),
+])
+def test_a_path_flag_expands_the_home_folder(command, argv, expanded, tmp_path, monkeypatch):
+    """A path flag given as ``--flag=~/x`` (the shell leaves ``~`` after ``=``) names ``$HOME/x``, not a folder
+    named ``~`` in the working folder: every stage's path flags expand it while the command line is parsed."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = cli.build_parser(command).parse_args([command, *argv])
+    wanted = {dest: [str(tmp_path / v) for v in value] if isinstance(value, list) else str(tmp_path / value)
+              for dest, value in expanded.items()}
+    assert {dest: getattr(args, dest) for dest in expanded} == wanted

@@ -304,14 +304,22 @@ def int_between(low: int, high: int) -> Callable[[str], int]:
     return _number(int, lambda v: low <= v <= high, f"an integer from {low} to {high}")
 
 
+def home_expanded(text: str) -> str:
+    """A path flag's value with a leading ``~`` or ``~user`` expanded, as the shell would: it leaves one after ``=``
+    (``--output=~/x``) or inside quotes, which would otherwise make a folder named ``~``."""
+    return os.path.expanduser(text)
+
+
 def _output_path(check: Callable[[str, str], Any], name: str) -> Callable[[str], str]:
-    """A path flag type running ``check`` (from ``files``, or a folder to read's) while the command line is parsed."""
+    """A path flag type: :func:`home_expanded`, then ``check`` (from ``files``, or a folder to read's) while the
+    command line is parsed."""
     def parse(text: str) -> str:
+        path = home_expanded(text)
         try:
-            check(text, "path")
+            check(path, "path")
         except DprGcError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-        return text
+        return path
 
     parse.__name__ = name
     return parse
@@ -331,14 +339,8 @@ def _check_input_dir(text: str, flag: str) -> None:
 input_dir = _output_path(_check_input_dir, "input_dir")
 # A file to write: not an existing folder, not under a file (an existing file is replaced atomically).
 output_file = _output_path(check_output_file, "output_file")
-# A folder to write into: not an existing file, nor under one.
+# A folder to write into: not an existing file, nor under one (also ``--cache-dir``, as in ``$DPR_GC_CACHE``).
 output_dir = _output_path(check_output_dir, "output_dir")
-
-
-def cache_dir_arg(text: str) -> str:
-    """``--cache-dir``: a folder to write into (:data:`output_dir`) with ``~`` expanded, as in ``$DPR_GC_CACHE``: the
-    shell leaves a quoted ``~`` or one after ``=``, which would otherwise make a folder named ``~``."""
-    return output_dir(os.path.expanduser(text))
 
 
 # The image formats a plot is written in, by the file name's suffix.

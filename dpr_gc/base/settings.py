@@ -21,7 +21,7 @@ import math
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .args import cache_dir_arg, one_meaning
+from .args import home_expanded, one_meaning, output_dir
 from .errors import DprGcError
 
 FIXED = "fixed"  # changes the model or the training signal: a resumed run must keep the recorded value
@@ -92,7 +92,8 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
     ``flags``: its command-line names, the first one shown in errors (none: a library-only setting, still checked
     and recorded); ``type``: the flag parser (its ``accepts`` checks values given in code); ``resume``:
     :data:`FIXED` or :data:`FREE`; ``path``: a file or folder (or a list of them), compared with another record's
-    by the place it names, not its spelling (``beir/``, ``./beir``). ``cli`` shapes the flag: ``nargs``,
+    by the place it names, not its spelling (``beir/``, ``./beir``), its flag expanding ``~`` as the path types of
+    :mod:`dpr_gc.base.args` do. ``cli`` shapes the flag: ``nargs``,
     ``required``, ``dest``; a bool field is a switch (``negate``: the flag sets the field to False, e.g.
     ``--separate-encoders`` for ``shared_encoder``);
     ``negatable``: a bool field gets the flag and its ``--no-`` form (``--mask-duplicate-positives`` /
@@ -136,7 +137,7 @@ def cache_dir_setting(help: str = "where parsed corpora are cached (default: $DP
                                   "~/.cache/dpr_gc/corpora)") -> Any:
     """``--cache-dir``, declared once for every stage that parses a corpus or training data; an output to the
     guard of every command that takes it (:data:`dpr_gc.base.guard.CACHE_OUTPUT`): never an input, nor inside one."""
-    return setting(None, "--cache-dir", type=cache_dir_arg, resume=FREE, path=True, aliases=("--cache_dir",), help=help)
+    return setting(None, "--cache-dir", type=output_dir, resume=FREE, path=True, aliases=("--cache_dir",), help=help)
 
 
 def query_prefix_setting() -> Any:
@@ -244,7 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
             default = (not field.default) if decl.negate else default
             kwargs.update(action="store_false" if default else "store_true", default=default)
         else:
-            kwargs.update(default=default, type=decl.type, nargs=decl.nargs, required=decl.required)
+            kind = decl.type or (home_expanded if decl.path else None)  # a path flag's ~ is expanded (args.py)
+            kwargs.update(default=default, type=kind, nargs=decl.nargs, required=decl.required)
             if decl.choices is not None:
                 kwargs["choices"] = list(decl.choices)
         if unset and kwargs.get("default") is not None:
