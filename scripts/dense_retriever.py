@@ -8,7 +8,8 @@
 folders that ``generate_dense_embeddings.py --out_file PREFIX`` writes (one per shard, as DPR's ``_N`` files). The
 index is built in memory (exact, or HNSW with ``--hnsw_index``, ``--index_buffer`` rows at a time), or loaded from /
 saved to ``--index_path`` (``--save_or_load_index``: the folder ``PREFIX.index`` beside the shards, as DPR does); a
-saved index of another kind than asked for, or built from other shards, is refused rather than reused.
+saved index of another kind than asked for, built with other settings of its kind (``--nlist``, ``--hnsw-m``)
+or from other shards, is refused rather than reused.
 Questions with answers are evaluated unasked (top-k answer accuracy, as DPR prints it), others with ``--evaluate``.
 ``--model_file`` may be a DPR ``.cp`` checkpoint. Hydra-style ``key=value`` arguments (as newer DPR versions take)
 are accepted too, lists as DPR's README writes them (``encoded_ctx_files=[\\"emb1/wiki_*\\",\\"emb2/wiki_*\\"]``:
@@ -43,8 +44,9 @@ from dpr_gc.base.files import require_file
 from dpr_gc.base.logs import setup_logging
 from dpr_gc.data.corpus import iter_queries
 from dpr_gc.model.hub import check_model_source
-from dpr_gc.retrieval.index import (DenseIndex, IndexBuild, IndexParams, add_index_arguments, add_shards,
+from dpr_gc.retrieval.index import (BUILT_WITH, DenseIndex, IndexBuild, IndexParams, add_index_arguments, add_shards,
                                     check_built_from, index_exists, params_from_args, set_threads, shard_ids)
+from dpr_gc.retrieval.index_params import param_rules
 from dpr_gc.retrieval.shards import has_shards, no_shards_message, read_manifests
 from dpr_gc.model.retriever import add_prefix_arguments
 from dpr_gc.retrieval.retrieve import MATCH_CHOICES, QRELS, QUERIES, retrieve_with_flags
@@ -202,9 +204,19 @@ def kind_asked(params: IndexParams, hnsw_flag: bool) -> tuple[str, str, str]:
     return "flat", "a flat index is asked for (no --hnsw_index)", "add --hnsw_index"
 
 
+def built_otherwise(dense: DenseIndex, params: IndexParams, kind: str) -> list[tuple[str, Any, Any]]:
+    """``(flag, saved value, asked value)`` for each build setting of ``kind`` (``--nlist``, ``--hnsw-m``, ...) that
+    the saved index ``dense`` was built with otherwise than ``params`` ask (one left to its default, None, as for
+    ``--nlist``, takes what the index has)."""
+    recorded, rules = dense.meta.get("params") or {}, param_rules()
+    return [(rules[name][0], recorded[name], getattr(params, name)) for name in BUILT_WITH.get(kind, ())
+            if getattr(params, name) is not None and recorded.get(name) not in (None, getattr(params, name))]
+
+
 def check_saved_index(dense: DenseIndex, folders: list[Path], where: str, params: IndexParams,
                       hnsw_flag: bool) -> None:
-    """Refuse, in one line, a saved index of another kind (or factory) than the flags ask for, or built from other
+    """Refuse, in one line, a saved index of another kind (or factory) than the flags ask for, or built with other
+    settings of that kind (:func:`built_otherwise`: ``--nlist``, ``--hnsw-m``), or built from other
     shards than the ``--encoded_ctx_file`` folders hold (a subset would answer from shards not given), or from
     shards encoded otherwise (:func:`check_built_from`)."""
     kind, asked, undo = kind_asked(params, hnsw_flag)
@@ -212,6 +224,9 @@ def check_saved_index(dense: DenseIndex, folders: list[Path], where: str, params
         article = "an" if str(dense.meta.get("kind"))[:1] in "aeioh" else "a"
         raise DprGcError(f"the index in {where} is {article} {dense.meta.get('kind')} index "
                          f"({dense.meta.get('factory')}) but {asked}; delete {where} to build it anew, or {undo}")
+    for flag, was, asked_now in built_otherwise(dense, params, kind):
+        raise DprGcError(f"the index in {where} was built with {flag} {was} but {flag} {asked_now} is asked for; "
+                         f"delete {where} to build it anew, or give {flag} {was}")
     built = [shard["embeddings"] for shard in dense.meta.get("shards") or ()]
     given = sorted(Path(m["embeddings"]).name for folder in folders for m in read_manifests(folder, complete=False))
     if built and folders and sorted(built) != given:

@@ -888,6 +888,23 @@ def test_a_saved_index_of_another_kind_is_refused(tmp_path, tiny_tokenizer, caps
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.parametrize("first,then,named", [
+    (["--kind", "ivf-flat", "--nlist", "2"], ["--kind", "ivf-flat", "--nlist", "1"],
+     "was built with --nlist 2 but --nlist 1 is asked for; delete {index} to build it anew, or give --nlist 2"),
+    (["--hnsw_index", "--hnsw-m", "16"], ["--hnsw_index"],
+     "was built with --hnsw-m 16 but --hnsw-m 32 is asked for; delete {index} to build it anew, or give --hnsw-m 16")])
+def test_a_saved_index_built_with_other_settings_is_refused(tmp_path, tiny_tokenizer, capsys, first, then, named):
+    """--save_or_load_index reused an index saved with --nlist 2 when --nlist 1 was asked for (and --hnsw-m alike)."""
+    script = load_script("dense_retriever.py")
+    argv = two_saved_shards(tmp_path, tiny_tokenizer) + ["--encoded_ctx_file", str(tmp_path / "emb" / "wiki_*")]
+    assert script.main(argv + first + ["--out_file", str(tmp_path / "a.json")]) == 0
+    capsys.readouterr()
+    assert script.main(argv + then + ["--out_file", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and named.format(index=tmp_path / "emb" / "wiki.index") in err, err
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_a_saved_index_of_other_shards_is_refused(tmp_path, tiny_tokenizer, capsys):
     """An index saved from emb/wiki_* was reused for --encoded_ctx_file emb/wiki_0 alone (answers from shard 1)."""
     script = load_script("dense_retriever.py")
