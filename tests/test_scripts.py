@@ -6,6 +6,7 @@ bars through) unless given --verbose."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -323,11 +324,13 @@ def test_a_hydra_era_dpr_checkpoint_loads_with_its_nested_encoder_settings(tiny,
     assert retriever.dim == 8 and retriever.config.passage_max_length == 24 and retriever.config.pooling == "cls"
 
 
-@pytest.mark.parametrize("wrap", ["Namespace", "UserDict"])
-def test_the_conversion_a_pickled_dpr_checkpoint_is_refused_with_gives_a_file_that_loads(tiny, tmp_path, wrap):
+@pytest.mark.parametrize("wrap, folder", [("Namespace", "plain"), ("UserDict", "plain"), ("Namespace", "it's here")])
+def test_the_conversion_a_pickled_dpr_checkpoint_is_refused_with_gives_a_file_that_loads(tiny, tmp_path, wrap,
+                                                                                         folder):
     """Hydra-era DPR's ``encoder`` is an OmegaConf DictConfig (simulated by objects that need unpickling, a mapping
-    and an attribute bag): the refusal quotes torch's reason whole-worded, and its command, run here, writes a
-    ``.safe`` file of plain nested dicts that loads."""
+    and an attribute bag): the refusal quotes torch's reason whole-worded, and its shell command, run as printed
+    (also for a path holding a quote and a space), writes a ``.safe`` file of plain nested dicts that loads, the path
+    it says to pass."""
     import argparse as ap
     import collections
     import re
@@ -339,7 +342,8 @@ def test_the_conversion_a_pickled_dpr_checkpoint_is_refused_with_gives_a_file_th
 
     make = (lambda d: ap.Namespace(**d)) if wrap == "Namespace" else (
         lambda d: collections.UserDict({**d, "nested": collections.UserDict({"a": [1, 2]})}))
-    cp = dpr_checkpoint(tiny, tmp_path / "dpr_biencoder.2.cp", projection=8, wrap=make)
+    (tmp_path / folder).mkdir()
+    cp = dpr_checkpoint(tiny, tmp_path / folder / "dpr_biencoder.2.cp", projection=8, wrap=make)
     with pytest.raises(DprGcError) as refused:
         Retriever.load(cp)
     message = str(refused.value)
@@ -348,10 +352,12 @@ def test_the_conversion_a_pickled_dpr_checkpoint_is_refused_with_gives_a_file_th
     quoted = re.search(r"weights only \((.*?)(\.\.\.)?\); convert it", message)
     assert quoted and "GLOBAL" in quoted.group(1), message
     assert re.search(re.escape(quoted.group(1)) + r"(\W|$)", str(torch_refused.value)), message  # no word cut
-    code = re.search(r'python -c "(.*?)" and pass', message)
-    assert code, message
-    done = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, cwd=tmp_path)
+    command, passed = message.split("convert it where you trust the file: ", 1)[1].rsplit(" and pass ", 1)
+    assert command.startswith("python -c "), message
+    shell_command = shlex.quote(sys.executable) + command.removeprefix("python")
+    done = subprocess.run(["bash", "-c", shell_command], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+    assert shlex.split(passed) == [f"{cp}.safe"], passed
     retriever = Retriever.load(f"{cp}.safe")
     assert retriever.dim == 8 and retriever.config.passage_max_length == 24
 

@@ -13,6 +13,7 @@ itself (argparse-era DPR, GC-DPR) or in its ``encoder`` (hydra-era DPR). A file 
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,26 @@ from .pretrained import load_tokenizer, missing_layers
 
 # The settings become plain nested dicts: a mapping (hydra's DictConfig) by its keys, a list config as a list, an
 # attribute bag (argparse.Namespace) by its attributes.
-CONVERT_HINT = ("convert it where you trust the file: python -c \"import json, torch; s = torch.load('{path}', "
-                "weights_only=False); p = json.loads(json.dumps(s['encoder_params'], default=lambda o: dict(o) if "
-                "hasattr(o, 'keys') else list(o) if hasattr(o, '__iter__') else vars(o))); "
-                "torch.save({{'model_dict': dict(s['model_dict']), 'encoder_params': p}}, '{path}.safe')\" "
-                "and pass {path}.safe")
+CONVERT_CODE = ('import json, torch; s = torch.load({path}, weights_only=False); p = json.loads(json.dumps('
+                's["encoder_params"], default=lambda o: dict(o) if hasattr(o, "keys") else list(o) if hasattr(o, '
+                '"__iter__") else vars(o))); torch.save({{"model_dict": dict(s["model_dict"]), "encoder_params": p}}, '
+                '{safe})')
+
+
+def python_string(text: str) -> str:
+    """``text`` as a Python string literal in double quotes where ``repr``'s single ones may be swapped for them
+    (the literal then needs no escaping inside the shell's single quotes), else ``repr``'s."""
+    literal = repr(text)
+    return f'"{literal[1:-1]}"' if literal[0] == "'" and '"' not in text else literal
+
+
+def convert_hint(path: str) -> str:
+    """The command that converts the checkpoint ``path`` to plain data in ``path.safe``, and to pass that file: the
+    paths are a Python literal in a shell-quoted ``python -c`` argument, so the command runs as printed whatever
+    they hold (a quote, a space)."""
+    code = CONVERT_CODE.format(path=python_string(path), safe=python_string(f"{path}.safe"))
+    return f"convert it where you trust the file: python -c {shlex.quote(code)} and pass {shlex.quote(path + '.safe')}"
+
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +66,7 @@ def read_dpr_state(path: str | Path) -> dict:
             raise DprGcError(f"cannot load model {name!r}: not a model folder nor a DPR .cp checkpoint (give a dpr-gc "
                              "retriever folder, a Hugging Face model name or folder, or a DPR .cp file)") from None
         raise DprGcError(f"cannot load model {name!r}: it cannot be read as weights only ({reason}); "
-                         + CONVERT_HINT.format(path=name)) from None
+                         + convert_hint(name)) from None
     if not isinstance(state, dict) or not isinstance(state.get("model_dict"), dict):
         refuse_weights_file(Path(path), model_folder=True)
         raise DprGcError(f"cannot load model {name!r}: not a model folder nor a DPR .cp checkpoint (a torch file "
