@@ -315,6 +315,34 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")][0].count("convert it") == 1
 
 
+@pytest.mark.parametrize("script", [True, False])
+@pytest.mark.parametrize("held", [(), (4, 8)])
+def test_resume_from_a_missing_checkpoint_names_those_there_are(tiny, tmp_path, capsys, script, held):
+    """train_dense_encoder.py and dpr-gc train: --resume checkpoint-9, which does not exist, is one error: line
+    naming it and the checkpoints the output folder holds (or that it holds none), exit 2, nothing trained."""
+    from dpr_gc.cli import main
+    from dpr_gc.train.checkpoints import STATE_JSON
+
+    out = tmp_path / "out"
+    for step in held:
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / STATE_JSON).write_text("{}\n")
+    flags = (["--pretrained_model_cfg", str(tiny["bert"]), "--train_file", str(tiny["dir"] / "data" / "nq-train.json"),
+              "--output_dir", str(out), "--batch_size", "4"] if script else
+             ["train", "--model", str(tiny["bert"]), "--train", str(tiny["dir"] / "data" / "nq-train.json"),
+              "--output", str(out), "--batch-size", "4"])
+    entry = load_script("train_dense_encoder.py").main if script else main
+    assert entry([*flags, "--num-workers", "0", "--resume", "checkpoint-9", "--cache-dir", str(tmp_path / "c")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    output_flag = "--output_dir" if script else "--output"
+    there = (f"{output_flag} {out} holds checkpoint-4, checkpoint-8" if held else
+             f"{output_flag} {out} holds no finished checkpoint")
+    assert len(errors) == 1 and errors[0].startswith("error: --resume checkpoint-9: not a checkpoint folder") \
+        and there in errors[0], errors
+    assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{step}" for step in held] if held else \
+        not out.exists() or not any(out.iterdir())
+
+
 def test_a_hydra_era_dpr_checkpoint_loads_with_its_nested_encoder_settings(tiny, tmp_path):
     """Hydra-era DPR saves ``encoder_params = {"do_lower_case": ..., "encoder": cfg.encoder}``: read as plain data,
     the encoder's settings (config, projection, length) come from the nested ``encoder``."""

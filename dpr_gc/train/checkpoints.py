@@ -135,7 +135,8 @@ def finished_checkpoints(out: Path) -> list[Path]:
 
 def resolve_checkpoint(out: Path, resume: str) -> Path:
     """The checkpoint folder ``--resume`` names: ``latest`` in ``out``, or a folder holding a training state (a
-    missing one spelt close to latest, ``lastest``, is named with latest)."""
+    missing one spelt close to latest, ``lastest``, is named with latest; any other is refused naming the finished
+    checkpoints ``out`` holds)."""
     if resume == "latest":
         found = finished_checkpoints(out)
         if not found:
@@ -146,7 +147,11 @@ def resolve_checkpoint(out: Path, resume: str) -> Path:
         raise DprGcError(f"--resume {resume}: no such checkpoint folder; did you mean latest (the last checkpoint in "
                          "--output)?")
     if not (path / STATE_JSON).is_file() and not (path / LEGACY_STATE).is_file():
-        raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/{STATE_JSON})")
+        found = finished_checkpoints(out)
+        there = (f"--output {out} holds {', '.join(p.name for p in found)} (give one's path, e.g. {found[-1]}, or "
+                 "latest)" if found else f"--output {out} holds no finished checkpoint (run without --resume to "
+                 "start anew)")
+        raise DprGcError(f"--resume {resume}: not a checkpoint folder (expected {path}/{STATE_JSON}); {there}")
     return path
 
 
