@@ -1,7 +1,8 @@
 """What the benchmark scripts share: where a results file goes by default (a smoke run never overwrites the
-committed results of a full one), their command line (comma-separated list flags, a CUDA device checked up front)
-and how a script runs (a bad input is one ``error:`` line and exit status 2, as for ``dpr-gc``; the dependencies'
-INFO lines and progress bars off, as ``dpr-gc`` has them without ``--verbose``)."""
+committed results of a full one), their command line (comma-separated list flags, a CUDA device checked up front),
+how a script runs (a bad input is one ``error:`` line and exit status 2, as for ``dpr-gc``; the dependencies'
+INFO lines and progress bars off, as ``dpr-gc`` has them without ``--verbose``) and the ``| item | value |`` table
+it ends with."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from dpr_gc.base.args import ArgumentParser  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.logs import quiet_dependencies  # noqa: E402
+from dpr_gc.base.tables import format_summary  # noqa: E402
 
 
 def results_path(stem: str, smoke: bool) -> str:
@@ -72,6 +74,20 @@ def machine_info(device: str = "cpu", threads: Optional[int] = None) -> dict:
 
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def machine_text(info: Mapping[str, Any]) -> str:
+    """The machine of a :func:`machine_info` record in a few words: CPU (and GPU), device and the load at the start."""
+    load = info.get("load_average_at_start") or [None]
+    parts = [str(info.get("gpu") or info.get("cpu") or "?"), str(info.get("device") or "cpu")]
+    return ", ".join(parts) + ("" if load[0] is None else f", load {load[0]:.1f}")
+
+
+def summary_table(items: Mapping[str, Any], output: Any, info: Mapping[str, Any], seconds: float) -> str:
+    """The short ``| item | value |`` table a benchmark ends with (``dpr_gc``'s :func:`format_summary`): ``items``
+    (the figures that matter, e.g. the ratios against its baseline), the results file ``output``, the machine of
+    ``info`` (a :func:`machine_info` record) and the run's ``seconds``."""
+    return format_summary({**items, "results file": str(output), "machine": machine_text(info)}, seconds)
 
 
 def parser(doc: str) -> argparse.ArgumentParser:

@@ -16,7 +16,9 @@ negative (uneven real text; generated text when /work/shared/data/scifact is abs
 LoRA retriever of bench_llm.py (``--small``: its 4-layer CPU shape) on random token ids of random lengths
 (of the peers only luyug/GradCache: CachedMNRL needs a sentence-transformers model). Precisions: fp32 and bf16
 autocast (the same outer autocast for every method). Peak memory: bench_gradcache.PeakMemory (CUDA
-``max_memory_allocated``; CPU resident-set high-water mark). Results: JSON in benchmarks/results/.
+``max_memory_allocated``; CPU resident-set high-water mark). Results: JSON in benchmarks/results/; the run ends
+with a ``| item | value |`` table of each budget's ratios (against plain and the best peer that fits), the results
+file and the machine.
 
     python benchmarks/bench_frontier.py --device cuda --quick          # a few minutes on one GPU
     python benchmarks/bench_frontier.py --batch 32 --chunk 8 --passage-length 128 --small --steps 1   # a CPU run
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import results_path, run_script, setup_logging  # noqa: E402
+from bench_common import results_path, run_script, setup_logging, summary_table  # noqa: E402
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
                              encoder_model, interleave, machine_info, make_step, original_version, run_child,
                              st_version)
@@ -240,6 +242,25 @@ def frontier(base: dict, args: argparse.Namespace, peers: list[str]) -> dict:
     return {"plain": plain, "ours": ours, "peers": peer_rows, "comparison": comparison}
 
 
+def summary_items(runs: list[dict]) -> dict[str, str]:
+    """The closing table's rows: each shape, precision and budget's speed and memory against plain training and its
+    speed against the fastest peer that fits its memory."""
+    items = {}
+    for run in runs:
+        name = f"{run['shape']} {run['precision']}"
+        if not run.get("comparison"):
+            failed = [r["error"] for r in [run.get("plain") or {}, *run.get("ours", [])] if "error" in r]
+            items[name] = f"no budget ran: {failed[-1]}" if failed else "no budget ran"
+        for row in run.get("comparison", []):
+            budget = row["budget_mb"] if isinstance(row["budget_mb"], str) else f"{row['budget_mb']:.3g} MB"
+            parts = [f"{row[k]:.2f}x plain's {what}" for k, what in (("speedup_vs_plain", "speed"),
+                                                                     ("memory_vs_plain", "memory")) if row[k]]
+            if row["best_peer"]:
+                parts.append(f"{row['speedup_vs_best_peer']:.2f}x {row['best_peer']}'s speed")
+            items[f"{name} budget {budget}"] = ", ".join(parts) or f"{row['step_s']:.2f} s/step"
+    return items
+
+
 def plot(report: dict, path: Path) -> Path:
     """A PNG beside the results: step time against peak memory for every shape and precision, one series per
     method (dpr-gc over its budgets, each peer over its chunk sizes, plain training as one point)."""
@@ -329,6 +350,7 @@ def output_path(args: argparse.Namespace, device: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    started = time.perf_counter()
     args = parse_args(argv)
     if args.one:
         print(RESULT_TAG + json.dumps(run_one(json.loads(args.one))), flush=True)
@@ -367,6 +389,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     logger.info("%s %s: %s", shape, precision, json.dumps(row))
                 write_json(output, report)  # after each shape and precision: a run cut short keeps what it finished
     logger.info("wrote %s and %s", output, plot(report, Path(output)))
+    print(summary_table(summary_items(report["runs"]), output, report["machine"], time.perf_counter() - started))
 
 
 if __name__ == "__main__":

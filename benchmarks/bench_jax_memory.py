@@ -10,7 +10,8 @@ Compiles, without running, three steps for each batch size and reads ``compiled.
 Model: the all-MiniLM-L6-v2 architecture (6 layers, hidden 384, random weights: the plan depends on shapes only),
 mean pooling, tied towers, dropout on, fp32; queries 32 tokens, one hard negative per query, passages 128 tokens;
 cosine scores at temperature 0.05. ``temp`` is XLA's temporary buffer size (activations, gradients, workspace);
-arguments (parameters, token ids) are the same for all methods. Full XLA optimisation, CPU backend.
+arguments (parameters, token ids) are the same for all methods. Full XLA optimisation, CPU backend. It ends with a
+``| item | value |`` table of each batch's temporary buffers against plain's, the results file and the machine.
 
     python benchmarks/bench_jax_memory.py --batches 64,256,1024,4096 --chunk 16
 """
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_common import int_list, machine_info, parser, run_script  # noqa: E402
+from bench_common import int_list, machine_info, parser, run_script, summary_table  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, cached_value_and_grad, encoder_fn,  # noqa: E402
                         remat_value_and_grad)
@@ -76,7 +77,21 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def summary_items(rows: list[dict]) -> dict[str, str]:
+    """The closing table's rows: per batch size, each method's temporary buffers against plain's at that batch."""
+    items: dict[str, list[str]] = {}
+    plain = {r["batch"]: r["temp_bytes"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        mib = r["temp_bytes"] / 2**20
+        text = f"{r['method']} {mib:,.0f} MiB" if mib >= 10 else f"{r['method']} {mib:.1f} MiB"
+        if r["method"] != "plain" and plain.get(r["batch"]):
+            text += f" ({r['temp_bytes'] / plain[r['batch']]:.2f}x plain)"
+        items.setdefault(f"batch {r['batch']}", []).append(text)
+    return {key: "; ".join(texts) for key, texts in items.items()}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    started = time.perf_counter()
     args = parse_args(argv)
     batches = args.batches
     model = Encoder(MINILM)
@@ -94,9 +109,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     base = {r["method"]: r["temp_bytes"] for r in rows if r["batch"] == batches[0]}
     for r in rows:
         r["temp_vs_smallest_batch"] = round(r["temp_bytes"] / base[r["method"]], 3)
-    write_json(args.output, {"machine": machine_info("cpu"), "jax": jax.__version__, "backend": jax.default_backend(),
+    machine = machine_info("cpu")
+    write_json(args.output, {"machine": machine, "jax": jax.__version__, "backend": jax.default_backend(),
                              "settings": vars(args), "model": MINILM.__dict__, "results": rows})
     print(f"wrote {args.output}")
+    print(summary_table(summary_items(rows), args.output, machine, time.perf_counter() - started))
 
 
 if __name__ == "__main__":

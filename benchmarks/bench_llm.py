@@ -13,7 +13,8 @@ Each (method, batch) runs in a fresh Python process, so its peak memory is its o
 above the memory held before the step). The weights are random (the speed and memory of a step do not depend on
 their values); the default shape is Qwen2-0.5B's (494M parameters), ``--small`` a 4-layer one for CPUs. Token ids
 are random with random lengths (queries up to ``--query-length``, passages up to ``--passage-length``), right-padded.
-One warm-up step, then ``--steps`` timed steps (median wall time, and the CPU time of the process).
+One warm-up step, then ``--steps`` timed steps (median wall time, and the CPU time of the process). The run ends
+with a ``| item | value |`` table of each configuration against plain at its batch, the results file and the machine.
 
     python benchmarks/bench_llm.py --device cuda --precision bf16 --batches 8,32,128 --chunk 8
     python benchmarks/bench_llm.py --small --batches 8,16,32 --chunk 4          # a CPU-sized run
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_common import (check_choices, int_list, machine_info, name_list, parser, require_cuda,  # noqa: E402
-                          run_script)
+                          run_script, summary_table)
 from bench_gradcache import PeakMemory  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -155,7 +156,26 @@ def run_children(args: argparse.Namespace, given: list[str]) -> list[dict]:
     return rows
 
 
+def summary_items(rows: list[dict]) -> dict[str, str]:
+    """The closing table's rows: each (batch, method)'s step time and peak memory, against plain training at the
+    same batch where it ran."""
+    plain = {r["batch"]: r for r in rows if r["method"] == "plain" and "error" not in r}
+    items = {}
+    for r in rows:
+        base, key = plain.get(r["batch"]), f"batch {r['batch']} {r['method']}"
+        if "error" in r:
+            items[key] = f"failed: {r['error']}"
+        elif base is None or base is r:
+            items[key] = f"{r['step_s']:.2f} s/step, {r['peak_mb']:.0f} MB"
+        else:
+            memory = f"{r['peak_mb'] / base['peak_mb']:.2f}x" if base["peak_mb"] else "-"
+            items[key] = (f"{r['step_s']:.2f} s/step ({base['step_s'] / r['step_s']:.2f}x plain's speed), "
+                          f"{r['peak_mb']:.0f} MB ({memory} plain's memory)")
+    return items
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     if args.method:  # a child process: one configuration, its result as JSON on the last line
         print(json.dumps(one_run(args)))
@@ -172,6 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["results"] = before["results"] + rows
         report["invocations"] = before.get("invocations", [before["settings"]]) + [report["settings"]]
     write_json(args.output, report)
+    print(summary_table(summary_items(rows), args.output, report["machine"], time.perf_counter() - started))
     return 0
 
 

@@ -4,7 +4,7 @@ Runs the same short training (the offline all-MiniLM-L6-v2, a DPR training file)
 alternating, and samples the proportional set size (PSS: shared pages split between the processes sharing them)
 and the RSS of the whole process tree (the trainer and its forked workers) every 0.3 s; reports the peak of each
 and the examples/s of the last logged step, as ratios against the first value given (the baseline), in
-``--output`` (JSON).
+``--output`` (JSON), and ends with a ``| item | value |`` table of those ratios, the results file and the machine.
 
     nice -n 5 python benchmarks/bench_workers.py runs/demo/data/dpr_train.json --workers 0 2 --rounds 2
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import machine_info, run_script  # noqa: E402
+from bench_common import machine_info, run_script, summary_table  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -86,7 +86,21 @@ def run(train: str, workers: int, args: argparse.Namespace) -> dict:
             "examples_per_s": round(last["examples_per_s"], 3), "wall_s": round(time.perf_counter() - began, 1)}
 
 
+def summary_items(runs: list[dict], workers: list[int]) -> dict[str, str]:
+    """The closing table's rows: the baseline's (``workers[0]``) speed and memory, then each other value's best
+    speed and lowest peak PSS over the rounds against the baseline's."""
+    best = {w: (max(r["examples_per_s"] for r in runs if r["workers"] == w),
+                min(r["peak_pss_mib"] for r in runs if r["workers"] == w)) for w in workers}
+    speed, pss = best[workers[0]]
+    items = {f"{workers[0]} workers (baseline)": f"{speed:.2f} examples/s, {pss:.0f} MiB peak PSS"}
+    for w in workers[1:]:
+        ratios = [f"{mine / base:.2f}x" if base else "-" for mine, base in zip(best[w], (speed, pss))]
+        items[f"{w} workers"] = f"{ratios[0]} the speed, {ratios[1]} the memory (PSS) of {workers[0]} workers"
+    return items
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("train", help="a DPR training file (e.g. the demo's data/dpr_train.json)")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="values to compare (first: baseline)")
@@ -110,6 +124,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(r, flush=True)
     write_json(args.output, {"machine": machine, "settings": vars(args), "load_average_at_end": os.getloadavg(),
                              "runs": runs})
+    print(summary_table(summary_items(runs, args.workers), args.output, machine, time.perf_counter() - started))
 
 
 if __name__ == "__main__":

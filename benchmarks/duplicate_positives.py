@@ -3,7 +3,8 @@
 Several SciFact claims cite one abstract, so a batch can hold the same passage as the positive of two questions, or
 a question's other positive as another question's positive. Each such score is a false negative unless the loss
 drops it. This script replays epochs of the real sampler and training examples (no model), builds the passage ids the
-collator gives the loss, and counts the scores the loss's mask drops, per epoch.
+collator gives the loss, and counts the scores the loss's mask drops, per epoch; it ends with a ``| item | value |``
+table of the means per epoch, the results file and the machine.
 
     python benchmarks/duplicate_positives.py --data ../shared/data/scifact --batch-size 256 --hard-negatives 1
 """
@@ -11,9 +12,9 @@ collator gives the loss, and counts the scores the loss's mask drops, per epoch.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import machine_info, parser, run_script, setup_logging  # noqa: E402
+from bench_common import machine_info, parser, run_script, setup_logging, summary_table  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
@@ -84,7 +85,19 @@ def load_replay_data(folder: str, cache: str) -> Any:
     return load_training_data([folder], cache)
 
 
+def summary_items(report: dict) -> dict[str, str]:
+    """The closing table's rows: the scores the loss's mask drops per epoch, their share of all scores, and the
+    questions they touch."""
+    mean = report["mean_per_epoch"]
+    return {"questions": str(report["questions"]), "scores per epoch": f"{mean['scores']:.0f}",
+            "scores masked per epoch": f"{mean['masked']:.1f} ({mean['masked_same_sampled_positive']:.1f} a copy of "
+                                       "the sampled positive)",
+            "share of scores masked": f"{mean['masked'] / max(mean['scores'], 1):.3%}",
+            "questions affected per epoch": f"{mean['questions_affected']:.1f} of {report['questions']}"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = replay_parser(__doc__, "duplicate-positives.json").parse_args(argv)
     setup_logging("%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
@@ -95,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
               "hard_negatives": args.hard_negatives, "epochs": args.epochs, "seed": args.seed,
               "per_epoch": epochs, "mean_per_epoch": {k: v / args.epochs for k, v in total.items()}}
     write_json(args.output, report)
-    print(json.dumps(report["mean_per_epoch"], indent=2))
+    print(summary_table(summary_items(report), args.output, report["machine"], time.perf_counter() - started))
     return 0
 
 

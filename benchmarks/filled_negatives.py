@@ -4,16 +4,17 @@ A training question with fewer negatives than the step needs (every question of 
 random other question in each missing slot. Drawing over the whole data set (the question's own positives excluded,
 as before the fix) lets a fill be the positive of another question *in the same batch*, which then meets a copy of
 its own gold passage as a negative. This script replays epochs of the real sampler and counts those fills for both
-rules; no model is involved, so it takes seconds.
+rules; no model is involved, so it takes seconds. It ends with a ``| item | value |`` table of both rules' false
+negatives, the results file and the machine.
 
     python benchmarks/filled_negatives.py --data ../shared/data/scifact --batch-size 256 --hard-negatives 1
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from dpr_gc.data.training import TrainingExamples  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
-from bench_common import machine_info, run_script, setup_logging  # noqa: E402
+from bench_common import machine_info, run_script, setup_logging, summary_table  # noqa: E402
 from duplicate_positives import load_replay_data, replay_parser  # noqa: E402
 
 
@@ -46,7 +47,18 @@ def count(data, batch_size: int, hard: int, epochs: int, seed: int, global_batch
     return {"fills": fills, "false_negatives": false, "share": false / max(fills, 1)}
 
 
+def summary_items(report: dict) -> dict[str, str]:
+    """The closing table's rows: the false negatives among the fills under each rule."""
+    items = {"questions": str(report["questions"])}
+    for key in ("whole_data_set_draw", "global_batch_exclusion"):
+        rule = report[key]
+        items[f"false negatives, {key.replace('_', ' ')}"] = (f"{rule['false_negatives']} ({rule['share']:.3%}) of "
+                                                              f"{rule['fills']} fills")
+    return items
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = replay_parser(__doc__, "filled-negatives.json").parse_args(argv)
     setup_logging("%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
@@ -58,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                   "global_batch_exclusion": count(data, args.batch_size, args.hard_negatives, args.epochs,
                                                   args.seed, True)}
     write_json(args.output, report)
-    print(json.dumps(report, indent=2))
+    print(summary_table(summary_items(report), args.output, report["machine"], time.perf_counter() - started))
     return 0
 
 

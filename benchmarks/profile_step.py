@@ -14,7 +14,8 @@ for much less than the step is bound by the host (launches, Python, syncs), not 
 for the whole batch), and the peers ``luyug`` (luyug/GradCache) and ``cmnrl`` (sentence-transformers' CachedMNRL)
 where installed. ``--shape llm`` profiles bench_llm.py's LoRA decoder on random token ids instead (plain and dpr-gc
 only).
-Results: JSON in benchmarks/results/profile-step-DEVICE.json.
+Results: JSON in benchmarks/results/profile-step-DEVICE.json; the run ends with a ``| item | value |`` table of each
+variant's step, launches and syncs against plain's, the results file and the machine.
 
     python benchmarks/profile_step.py --device cuda --batch 256 --chunk 32       # the H200 frontier's shape
     python benchmarks/profile_step.py --shape llm --small --passage-length 128   # the CPU LoRA decoder's
@@ -28,6 +29,7 @@ import logging
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_frontier import (OURS, PLAIN, ST, available_peers, llm_step, scifact_step, shape_model,  # noqa: E402
                             timed_steps)
-from bench_common import results_path, setup_logging  # noqa: E402
+from bench_common import results_path, setup_logging, summary_table  # noqa: E402
 from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -207,15 +209,33 @@ def summary_line(out: dict) -> str:
             f"launches, {out['host_syncs']} syncs, {out['local_scalar_reads']} scalar reads")
 
 
+def summary_items(runs: list[dict]) -> dict[str, str]:
+    """The closing table's rows: each variant's step, launches and syncs (:func:`summary_line`) and its speed against
+    plain training's where both ran."""
+    plain = next((r for r in runs if r.get("variant") == "plain" and "error" not in r), None)
+    items = {}
+    for out in runs:
+        if "error" in out:
+            items[out["variant"]] = f"failed: {out['error']}"
+            continue
+        items[out["variant"]] = summary_line(out)
+        if plain is not None and out is not plain:
+            items[out["variant"]] += f", {plain['step_s'] / out['step_s']:.2f}x plain's speed"
+    return items
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     def go() -> None:
+        started = time.perf_counter()
         args = parse_args(argv)
         if args.one:
             print(RESULT_TAG + json.dumps(profile_one(json.loads(args.one))), flush=True)
             return
         setup_logging()
-        run(args)
+        report = run(args)
         logger.info("wrote %s", args.output)
+        print(summary_table(summary_items(report["runs"]), args.output, report["machine"],
+                            time.perf_counter() - started))
     return report_errors(go)
 
 

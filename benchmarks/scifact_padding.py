@@ -4,6 +4,8 @@ For each max length, every text is tokenized once (all-MiniLM-L6-v2's tokenizer,
 random batches of ``--batch`` rows report the tokens a batch padded to its longest row computes, against its real
 tokens and against the same rows grouped by length in chunks of ``--chunk`` rows, each trimmed to its own longest
 (what dpr-gc computes when it keeps chunks apart). Passages are SciFact's title + " " + text, queries its claims.
+It ends with a ``| item | value |`` table of each shape's ratios (their range over the batch and chunk sizes), the
+results file and the machine.
 
     python benchmarks/scifact_padding.py --data ../shared/data/scifact
 """
@@ -15,6 +17,7 @@ import gzip
 import json
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import machine_info, run_script  # noqa: E402
+from bench_common import machine_info, run_script, summary_table  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -55,7 +58,23 @@ def read_texts(data: Path) -> dict[str, list[str]]:
         return {"passages": passages, "queries": [json.loads(line)["text"] for line in f]}
 
 
+def summary_items(shapes: list[dict]) -> dict[str, str]:
+    """The closing table's rows: per text kind and max length, the range over the batch and chunk sizes of the
+    padded batch's tokens against the real ones and against the length-grouped chunks'."""
+    items = {}
+    for shape in shapes:
+        for key, what in (("padded_vs_real", "padded vs real"), ("padded_vs_grouped_chunks", "padded vs grouped "
+                                                                                              "chunks")):
+            values = [b[key] for b in shape["batches"]]
+            if values:
+                low, high = min(values), max(values)
+                items[f"{shape['texts']} {shape['max_length']} tokens: {what}"] = (
+                    f"{low:.2f}x" if low == high else f"{low:.2f}x to {high:.2f}x")
+    return items
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    started = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "scifact",
                    help="BEIR SciFact folder (default ../shared/data/scifact)")
@@ -85,6 +104,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             report["shapes"].append({"texts": kind, **length_stats(lengths, max_length), "batches": ratios})
             print(json.dumps(report["shapes"][-1]))
     write_json(args.output, report)
+    print(summary_table(summary_items(report["shapes"]), args.output, report["machine"], time.perf_counter() - started))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_frontier as frontier  # noqa: E402
 from bench_gradcache import tiny_model  # noqa: E402
 from dpr_gc.engine import grad_cache  # noqa: E402
+from tests.helpers import summary_rows  # noqa: E402
 
 THREADS_AT_IMPORT = torch.get_num_threads()
 
@@ -473,7 +474,7 @@ def test_a_quick_gpu_frontier_times_two_steps_unless_told_otherwise(monkeypatch,
     assert seen == [steps]
 
 
-def test_the_step_profile_reports_each_variants_time_launches_and_host_syncs(tmp_path: Path) -> None:
+def test_the_step_profile_reports_each_variants_time_launches_and_host_syncs(tmp_path: Path, capsys) -> None:
     import profile_step
 
     out = tmp_path / "profile.json"
@@ -487,6 +488,19 @@ def test_the_step_profile_reports_each_variants_time_launches_and_host_syncs(tmp
     assert sum(s["calls"] for s in sites if s["op"] == "aten::_local_scalar_dense") == runs[0]["local_scalar_reads"]
     assert all(s["stack"] for s in sites) and any("dpr_gc" in frame for s in sites for frame in s["stack"]), sites
     assert runs[0]["sync_lines"] == []  # CUDA only
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["budget0"].startswith(f"{runs[0]['step_s']:.3f} s/step, ") and rows["results file"] == str(out), rows
+
+
+def test_the_step_profiles_table_gives_each_variants_speed_against_plain() -> None:
+    import profile_step
+
+    run = {"device_busy_ms": None, "host_ops_ms": 10.0, "kernel_launches": 0, "host_syncs": 0, "local_scalar_reads": 1}
+    items = profile_step.summary_items([{"variant": "plain", "step_s": 1.0, **run},
+                                        {"variant": "budget0", "step_s": 2.0, **run},
+                                        {"variant": "luyug", "error": "exit 1: ImportError"}])
+    assert items["budget0"].endswith(", 0.50x plain's speed") and "x plain" not in items["plain"], items
+    assert items["luyug"] == "failed: exit 1: ImportError"
 
 
 def test_the_step_profile_counts_synchronising_calls_by_line_on_cuda(monkeypatch) -> None:

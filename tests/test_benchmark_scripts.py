@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import bench_frontier  # noqa: E402
 import join_limit  # noqa: E402
 import profile_step  # noqa: E402
 from bench_common import run_script  # noqa: E402
+from tests.helpers import summary_rows  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -107,6 +109,9 @@ def test_a_script_prints_none_of_its_dependencies_lines(tmp_path: Path) -> None:
                            str(REPO / "data" / "examples" / "beir"), "--batch-size", "2", "--epochs", "1",
                            "--output", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
+    rows = summary_rows(done.stdout)
+    assert rows["results file"] == str(tmp_path / "out.json") and rows["machine"]
+    assert "share of scores masked" in rows and "questions affected per epoch" in rows
     out = done.stdout + done.stderr
     assert "dpr_gc.data.training" in out
     assert not [line for line in out.splitlines() if " datasets:" in line or " faiss" in line or "it/s]" in line]
@@ -146,3 +151,105 @@ def test_printed_ratios_say_which_clock_they_are_on() -> None:
     assert table[0].startswith("| method |") and table[1].startswith("|---|")
     assert table[-1].endswith("| 9.5x (wall) |") and table[-2].endswith("| 5.0x (CPU) |")
     assert '"vs plain (CPU, paired)"' in (REPO / "benchmarks" / "host_overhead.py").read_text()
+
+
+def test_bench_llm_ends_with_its_ratios_against_plain(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Each method's step time and peak memory against plain training at the same batch, in the closing table."""
+    import bench_llm
+
+    real = subprocess.run
+
+    def child(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        if "--method" not in cmd:  # not one of the script's children
+            return real(cmd, **kw)
+        method, batch = cmd[cmd.index("--method") + 1], int(cmd[cmd.index("--batch") + 1])
+        row = {"method": method, "batch": batch, "step_s": 2.0 if method == "plain" else 3.0,
+               "peak_mb": 400.0 if method == "plain" else 100.0}
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(row) + "\n", "")
+
+    out = tmp_path / "llm.json"
+    with mock.patch("subprocess.run", child):
+        assert bench_llm.main(["--device", "cpu", "--batches", "2", "--methods", "plain,gc", "--output", str(out)]) == 0
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["batch 2 gc"] == "3.00 s/step (0.67x plain's speed), 100 MB (0.25x plain's memory)", rows
+    assert rows["results file"] == str(out) and "cpu" in rows["machine"]
+
+
+def test_bench_frontier_ends_with_each_budgets_ratios(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    comparison = [{"budget_mb": 0.0, "kept_token_share": 0.25, "step_s": 2.0, "peak_mb": 50.0, "speedup_vs_plain": 0.5,
+                   "memory_vs_plain": 0.25, "best_peer": "st-cmnrl chunk 8", "speedup_vs_best_peer": 1.5}]
+    monkeypatch.setattr(bench_frontier, "frontier", lambda base, args, peers: {"comparison": comparison})
+    monkeypatch.setattr(bench_frontier, "plot", lambda report, path: path)
+    out = tmp_path / "f.json"
+    bench_frontier.main(["--tiny", "--shapes", "scifact", "--precisions", "fp32", "--output", str(out)])
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["scifact fp32 budget 0 MB"] == ("0.50x plain's speed, 0.25x plain's memory, 1.50x st-cmnrl chunk 8's "
+                                                "speed"), rows
+    assert rows["results file"] == str(out) and rows["machine"]
+
+
+def test_filled_negatives_ends_with_the_false_negative_shares(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import filled_negatives
+
+    out = tmp_path / "filled.json"
+    assert filled_negatives.main(["--data", str(REPO / "data" / "examples" / "beir"), "--batch-size", "2",
+                                  "--epochs", "1", "--output", str(out)]) == 0
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["false negatives, whole data set draw"].endswith(" fills"), rows
+    assert "false negatives, global batch exclusion" in rows and rows["results file"] == str(out)
+
+
+def test_scifact_padding_ends_with_each_shapes_padding_ratios(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import gzip
+
+    import scifact_padding
+
+    (tmp_path / "queries.jsonl").write_text("".join(f'{{"_id": "q{i}", "text": "claim {i}"}}\n' for i in range(4)))
+    with gzip.open(tmp_path / "corpus.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"_id": f"d{i}", "title": "t", "text": "passage" + " more" * i}) + "\n"
+                     for i in range(4))
+    out = tmp_path / "padding.json"
+    scifact_padding.main(["--data", str(tmp_path), "--batch", "4", "--chunk", "2", "--samples", "2",
+                          "--output", str(out)])
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["passages 128 tokens: padded vs real"].endswith("x"), rows
+    assert "queries 32 tokens: padded vs grouped chunks" in rows and rows["results file"] == str(out)
+
+
+def test_bench_workers_ends_with_each_values_ratios_against_the_baseline(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    import bench_workers
+
+    train = tmp_path / "train.json"
+    train.write_text("[]\n")
+    speeds = {0: 10.0, 2: 12.0}
+
+    def fake(path: str, workers: int, args: object) -> dict:
+        return {"workers": workers, "peak_pss_mib": 100 * (1 + workers), "peak_rss_mib": 1, "wall_s": 1.0,
+                "examples_per_s": speeds[workers]}
+
+    out = tmp_path / "workers.json"
+    with mock.patch.object(bench_workers, "run", fake):
+        bench_workers.main([str(train), "--workers", "0", "2", "--output", str(out)])
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["2 workers"] == "1.20x the speed, 3.00x the memory (PSS) of 0 workers", rows
+    assert rows["results file"] == str(out) and rows["machine"]
+
+
+def test_bench_jax_memory_ends_with_each_methods_memory_against_plain(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    import bench_jax_memory
+
+    def fake(step: str, params: object, batch: int, *shape: int) -> dict:
+        temp = {"plain": 8, "gradcache": 2, "remat": 4}[step] * batch * 2**20
+        return {"temp_bytes": temp, "argument_bytes": 0, "output_bytes": 0, "compile_seconds": 0.1}
+
+    steps = {name: name for name in ("plain", "gradcache", "remat")}  # each step stands in by its name
+    out = tmp_path / "jax.json"
+    with mock.patch.object(bench_jax_memory, "plan", fake), \
+            mock.patch.object(bench_jax_memory, "build_steps", lambda *a: steps):
+        bench_jax_memory.main(["--batches", "1,4", "--output", str(out)])
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["batch 4"] == "plain 32 MiB; gradcache 8.0 MiB (0.25x plain); remat 16 MiB (0.50x plain)", rows
+    assert rows["results file"] == str(out) and rows["machine"]
