@@ -1022,3 +1022,25 @@ def test_positive_aware_rules_are_refused_for_an_index_that_cannot_score_a_posit
         with pytest.raises(DprGcError, match="^--margin, --max-negative-ratio and --min-margin compare candidates "
                            "with the positives' scores as the index gives them, which the HNSW8_PQ4x4 index cannot"):
             mine_hard_negatives(questions(), src, corpus, n_negatives=2, top_k=10, **rule)
+
+
+def test_positive_scores_follow_the_max_length_and_dtype_the_index_was_encoded_with(world, tmp_path):
+    """A corpus encoded with a --max-length other than the model's passage max length (and stored as float16): each
+    positive, in the corpus, gets the score the index's search gives its row, not that of the model's own length,
+    so every negative a ratio keeps scores at most R x its positive's index score."""
+    root, corpus, retriever = world["root"], world["corpus"], world["retriever"]
+    encode_corpus(retriever, root / "corpus.jsonl", tmp_path / "emb", 0, 1, max_length=6, cache_dir=root / "cache",
+                  show_progress=False)
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams("flat"))
+    index, qs = DenseIndex.read(tmp_path / "idx"), questions()
+    src, ids = DenseSource(retriever, index), list(corpus["id"])
+    rows = [ids.index(q["positive_ctxs"][0]["passage_id"]) for q in qs]
+    q_emb = retriever.embed("query", [q["question"] for q in qs])
+    indexed = [float(index.index.reconstruct(row) @ v) for row, v in zip(rows, q_emb)]
+    _, _, positive = src.retrieve([q["question"] for q in qs], 5, [[(None, c["title"], c["text"])
+                                                                     for c in q["positive_ctxs"]] for q in qs])
+    np.testing.assert_allclose([p[0] for p in positive], indexed, rtol=1e-5, atol=1e-5)
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus),
+                                           max_negative_ratio=0.95)
+    assert summary.ratio_dropped > 0
+    assert all(c["score"] <= 0.95 * p + 1e-6 for r, p in zip(records, indexed) for c in r["hard_negative_ctxs"])

@@ -100,6 +100,30 @@ def encode_block(retriever: Any, titles: Sequence[str], texts: Sequence[str], ba
                            progress=progress, progress_in_tokens=True)
 
 
+class PassagesAsEncoded:
+    """Embeds passages as encode embedded those of an index or shard recording ``meta``: at its ``max_length``, under
+    its ``precision`` (``int8``: a quantized copy on the CPU, made once) and rounded to its stored ``dtype`` (each
+    absent: the retriever's own length, fp32, float32), so a passage scored beside the index's hits (a positive)
+    gets the vector the index holds for it (under int8, up to its activation scales, which are set per batch)."""
+
+    def __init__(self, retriever: Any, meta: Optional[dict] = None) -> None:
+        self.retriever, self.meta, self.int8 = retriever, meta or {}, None
+
+    def embed(self, titles: Sequence[str], texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """Float32 ``[N, D]`` vectors of the passages, input order."""
+        precision, encoder = self.meta.get("precision") or "fp32", self.retriever
+        if precision == "int8":
+            if self.int8 is None:
+                import copy
+
+                cpu = next(self.retriever.parameters()).device.type == "cpu"
+                self.int8 = quantize_int8(self.retriever if cpu else copy.deepcopy(self.retriever).cpu())
+            encoder = self.int8
+        emb = encode_block(encoder, titles, texts, batch_size, self.meta.get("max_length"), precision)
+        dtype = self.meta.get("dtype")
+        return emb.astype(dtype).astype(np.float32) if dtype and dtype != "float32" else emb
+
+
 def shard_tokens(corpus: Any, start: int, stop: int, max_length: int) -> np.ndarray:
     """The :func:`~dpr_gc.model.retriever.estimated_tokens` of corpus rows ``start:stop`` (title + text
     characters, counted by Arrow without reading the texts into Python): the units of encode's progress bar."""

@@ -8,7 +8,8 @@ ranks ``<= skip_top`` are skipped and, with ``margin``, so is any candidate scor
 margin``. Positive-aware mining (NV-Retriever, 2024) then removes likely unlabelled positives: ``max_negative_ratio``
 drops candidates scoring above R x the question's lowest-scoring positive ("TopK-PercPos", e.g. 0.95), ``min_margin``
 those scoring above that positive's score - M. Positive scores come from the same source as the candidates (BM25
-score, or the dense index's score: the model's dot product through the index's transforms and codes). The first
+score, or the dense index's score: the model's dot product, the positive embedded as the index's passages were,
+through the index's transforms and codes). The first
 ``n_negatives`` left (by rank) become ``hard_negative_ctxs``. Training files stream through in chunks of questions
 and are rewritten record by record, so memory holds one chunk, not the file.
 """

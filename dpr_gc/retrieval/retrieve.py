@@ -259,13 +259,17 @@ class DenseSource:
     """Candidates from a FAISS index (row r = corpus row r) searched with ``retriever``'s question encoder.
 
     A positive's score is the one the index's search gives it (:meth:`DenseIndex.pair_scores`: the question and the
-    positive embedded by the same encoders, through the index's transforms and codes; the dot product for a flat
+    positive embedded by the same encoders, the positive at the max length, precision and stored dtype the index
+    records its passages were encoded with, through the index's transforms and codes; the dot product for a flat
     index), so it compares with the candidates' scores; :meth:`retrieve` returns, per question, the scores of all
     its positives.
     """
 
     def __init__(self, retriever: Any, index: Any, batch_size: int = 64) -> None:
+        from .encode import PassagesAsEncoded
+
         self.retriever, self.index, self.batch_size = retriever, index, batch_size
+        self.positives = PassagesAsEncoded(retriever, getattr(index, "meta", None))
 
     def check_positive_scores(self) -> None:
         """Refuse, in one line, the rules that compare candidates with positives' scores when the index cannot give
@@ -287,8 +291,7 @@ class DenseSource:
         flat = [(i, g) for i, gs in enumerate(positives or []) for g in gs]
         if flat:
             self.check_positive_scores()
-            pemb = self.retriever.embed("passage", [g[2] for _, g in flat], titles=[g[1] for _, g in flat],
-                                        batch_size=self.batch_size)
+            pemb = self.positives.embed([g[1] for _, g in flat], [g[2] for _, g in flat], self.batch_size)
             for (i, _), s in zip(flat, self.index.pair_scores(emb[[i for i, _ in flat]], pemb).tolist()):
                 positive_scores[i].append(s)
         return scores, rows, positive_scores
