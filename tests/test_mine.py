@@ -1044,3 +1044,19 @@ def test_positive_scores_follow_the_max_length_and_dtype_the_index_was_encoded_w
                                            max_negative_ratio=0.95)
     assert summary.ratio_dropped > 0
     assert all(c["score"] <= 0.95 * p + 1e-6 for r, p in zip(records, indexed) for c in r["hard_negative_ctxs"])
+
+
+@pytest.mark.parametrize("qrels_line", ["q0\tnot-in-corpus\t1\n", "unknown\tg0\t1\n"])
+def test_beir_qrels_the_corpus_or_queries_do_not_match_are_refused_before_anything_is_encoded(world, tmp_path,
+                                                                                             qrels_line):
+    """A BEIR split whose qrels name a positive missing from the corpus, or no query of the folder, is refused once
+    the corpus is read: before the corpus is encoded, indexed or BM25-indexed, so none of those folders is left."""
+    root, beir = world["root"], beir_folder(tmp_path / "beir")
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + qrels_line)
+    message = "positive passage id" if "not-in-corpus" in qrels_line else "no query of"
+    sources = [("--source", "dense", "--model", root / "model", "--embeddings", tmp_path / "emb", "--index",
+                tmp_path / "idx", "--device", "cpu"), ("--bm25-index", tmp_path / "bm25")]
+    for source in sources:
+        with pytest.raises(DprGcError, match=message):
+            cli("mine", "--beir-dir", beir, *source, "--cache-dir", root / "cache", "--output", tmp_path / "out.json")
+    assert not {"emb", "idx", "bm25", "out.json"} & {p.name for p in tmp_path.iterdir()}

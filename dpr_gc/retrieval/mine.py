@@ -778,11 +778,11 @@ def _cli(args: argparse.Namespace) -> None:
         total, golds = scan_training_file(args.train_file, positive_ids=bm25_scored, match=args.match)
     corpus_path = recorded_inputs(args, beir)
     corpus = load_corpus(corpus_path, args.cache_dir)
+    if beir is not None:  # qrels checked against the corpus and queries before it is encoded or indexed
+        records, id_to_row = beir_training_records(queries, split_qrels, corpus)
     qrels = read_qrels(args.qrels) if args.qrels else None
     source = open_source(args.source, corpus, from_args(SourceSettings, args), corpus_path=corpus_path)
-    if beir is not None:
-        records, id_to_row = beir_training_records(queries, split_qrels, corpus)
-    else:
+    if beir is None:
         records, id_to_row = iter_training_file(args.train_file), rows_for_ids(corpus, golds) if bm25_scored else None
     inputs = {"train_file": args.train_file, "corpus": corpus_path, "qrels": args.qrels}
     if beir is not None:
