@@ -1060,3 +1060,29 @@ def test_beir_qrels_the_corpus_or_queries_do_not_match_are_refused_before_anythi
         with pytest.raises(DprGcError, match=message):
             cli("mine", "--beir-dir", beir, *source, "--cache-dir", root / "cache", "--output", tmp_path / "out.json")
     assert not {"emb", "idx", "bm25", "out.json"} & {p.name for p in tmp_path.iterdir()}
+
+
+def test_qrels_judging_no_question_of_the_input_are_refused_before_the_corpus_is_read(world, tmp_path, monkeypatch):
+    """``--qrels`` sharing no question id with ``--train-file`` (or the BEIR queries mined) would remove nothing:
+    one line naming both files and their first ids, before the corpus is read; qrels judging some of the questions
+    mine as before."""
+    import dpr_gc.data.corpus as corpus_module
+
+    root, beir = world["root"], beir_folder(tmp_path / "beir")
+    (tmp_path / "other.tsv").write_text("x1\tg0\t1\nx2\tg1\t1\n")
+    (tmp_path / "some.tsv").write_text("x1\tg0\t1\nq1\tr1\t1\n")
+    common = ("--qrels", tmp_path / "other.tsv", "--cache-dir", root / "cache", "--output", tmp_path / "out.json")
+    real = corpus_module.load_corpus
+    monkeypatch.setattr(corpus_module, "load_corpus", lambda *a, **kw: pytest.fail("the corpus was read"))
+    with pytest.raises(DprGcError, match=re.escape(f"no question id of --train-file {root / 'train.json'} (the "
+                                                   f"first: 'q0') appears in --qrels {tmp_path / 'other.tsv'} (the "
+                                                   "first judged: 'x1')")):
+        cli("mine", "--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", *common)
+    monkeypatch.setattr(corpus_module, "load_corpus", real)
+    with pytest.raises(DprGcError, match=re.escape(f"no query id of --beir-dir {beir} (the first with a positive in "
+                                                   f"{beir / 'qrels' / 'train.tsv'}: 'q0') appears in --qrels")):
+        cli("mine", "--beir-dir", beir, *common)
+    assert not (tmp_path / "out.json").exists()
+    cli("mine", "--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", "--qrels",
+        tmp_path / "some.tsv", "--cache-dir", root / "cache", "--output", tmp_path / "out.json")
+    assert (tmp_path / "out.json").is_file()

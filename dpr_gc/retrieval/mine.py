@@ -679,22 +679,42 @@ def check_nothing_inside_built(args: argparse.Namespace, built: dict[str, str]) 
                                  "hold nothing else (and reads when run again); write it outside that folder")
 
 
-def scan_training_file(path: PathLike, positive_ids: bool = False,
-                       match: Optional[str] = None) -> tuple[int, set[str]]:
+def scan_training_file(path: PathLike, positive_ids: bool = False, match: Optional[str] = None,
+                       qrels: Optional[dict[str, dict[str, int]]] = None,
+                       qrels_path: Optional[PathLike] = None) -> tuple[int, set[str]]:
     """One streaming pass over a DPR training file before mining: every record checked (a bad one fails before any
     is mined) and counted (the progress bar's total), and with ``positive_ids`` its positives' ids gathered (BM25
     scores them for the positive-aware rules). With ``match`` "regex", answer patterns that do not compile are named
     in one warning (file and lines), as ``retrieve`` names them: they never match, so the passage holding the answer
-    may be mined as a hard negative."""
-    count, ids, uncompiled = 0, set(), UncompiledPatterns()
+    may be mined as a hard negative. ``qrels`` (read from ``qrels_path``) judging none of its question ids is refused
+    (:func:`refuse_unjudged`)."""
+    count, ids, uncompiled, qids = 0, set(), UncompiledPatterns(), []
     for line, record in iter_numbered_training_file(path):
         count += 1
         if positive_ids:
             ids.update(ctx_id(c) for c in record.get("positive_ctxs") or [])
         if match == "regex":
             uncompiled.check(record.get("answers") or (), f"line {line}")
+        if qrels is not None and len(qids) < 2 and (not qids or qids[0] not in qrels):
+            qids.append(_qid(record))  # the first id, then the first judged one
     uncompiled.warn(str(path), UNMATCHED_EFFECT)
+    if qrels is not None:
+        refuse_unjudged(qids, qrels, qrels_path, f"question id of --train-file {path} (the first")
     return count, ids
+
+
+def refuse_unjudged(qids: Iterable[str], qrels: dict[str, dict[str, int]], qrels_path: Optional[PathLike],
+                    named: str) -> None:
+    """Refuse, in one line, a ``--qrels`` filter none of whose question ids is among ``qids`` (the questions mined,
+    ``named`` with its first id): it would remove nothing, and the ids of the two files most likely differ."""
+    first = None
+    for qid in qids:
+        if qid in qrels:
+            return
+        first = qid if first is None else first
+    example = f"{named}: {first!r})" if first else f"{named} has no id)"
+    raise DprGcError(f"no {example} appears in --qrels {qrels_path} (the first judged: {next(iter(qrels), None)!r}), "
+                     "so it would remove nothing; give the qrels of these questions (the same ids), or drop --qrels")
 
 
 def scan_beir_queries(queries: PathLike, qrels_path: PathLike) -> None:
@@ -769,18 +789,21 @@ def _cli(args: argparse.Namespace) -> None:
     bm25_scored = needs_positive_scores(args.margin, args.max_negative_ratio, args.min_margin) and \
         args.source == "bm25"
     total, golds = None, set()
+    qrels = read_qrels(args.qrels) if args.qrels else None
     if beir is not None:
         queries = find_beir_file(beir, "queries.jsonl")
         split_qrels = find_beir_qrels(beir, args.split)
         if args.match == "regex":
             scan_beir_queries(queries, split_qrels)
     else:  # checked and counted before the corpus is read or encoded
-        total, golds = scan_training_file(args.train_file, positive_ids=bm25_scored, match=args.match)
+        total, golds = scan_training_file(args.train_file, bm25_scored, args.match, qrels, args.qrels)
     corpus_path = recorded_inputs(args, beir)
     corpus = load_corpus(corpus_path, args.cache_dir)
     if beir is not None:  # qrels checked against the corpus and queries before it is encoded or indexed
         records, id_to_row = beir_training_records(queries, split_qrels, corpus)
-    qrels = read_qrels(args.qrels) if args.qrels else None
+        if qrels is not None:
+            refuse_unjudged((_qid(r) for r in records), qrels, args.qrels,
+                            f"query id of --beir-dir {beir} (the first with a positive in {split_qrels}")
     source = open_source(args.source, corpus, from_args(SourceSettings, args), corpus_path=corpus_path)
     if beir is None:
         records, id_to_row = iter_training_file(args.train_file), rows_for_ids(corpus, golds) if bm25_scored else None
@@ -794,8 +817,6 @@ def _cli(args: argparse.Namespace) -> None:
                 mining.top_k, mining.match, counted(mining.workers, "process", "processes"))
     summary = mine_to_file(records, args.output, source, corpus, mining, qrels=qrels, id_to_row=id_to_row,
                            resume_key=resume_key(args, inputs, source), total=total)
-    if qrels is not None and summary.judged == 0:
-        logger.warning("no question id of the input appears in %s, so the qrels removed nothing", args.qrels)
     print(format_summary({"source": args.source, **summary.table(mining), "output": args.output},
                          time.perf_counter() - started))
 
