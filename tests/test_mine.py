@@ -1086,3 +1086,28 @@ def test_qrels_judging_no_question_of_the_input_are_refused_before_the_corpus_is
     cli("mine", "--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", "--qrels",
         tmp_path / "some.tsv", "--cache-dir", root / "cache", "--output", tmp_path / "out.json")
     assert (tmp_path / "out.json").is_file()
+
+
+def test_dense_mining_shows_the_questions_and_positives_it_embeds_batch_by_batch(world, tmp_path, monkeypatch):
+    """The "mining" bar moves once per chunk of questions; under it, on a terminal, a dense source opens, as retrieve
+    does, a bar for the chunk's questions and one for its positives, each advancing batch by batch."""
+    import sys
+
+    import dpr_gc.model.retriever as retriever_module
+
+    root, real, bars = world["root"], retriever_module.tqdm, []
+
+    def recorded(*args, **kwargs):
+        bar = real(*args, **kwargs)
+        bars.append((kwargs.get("desc"), bar.disable, bar, []))  # as opened: a closed bar reads disabled
+        bar.update = lambda n=1, _bar=bar, _steps=bars[-1][3]: _steps.append(n) or real.update(_bar, n)
+        return bar
+
+    monkeypatch.setattr(retriever_module, "tqdm", recorded)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    cli("mine", "--source", "dense", "--model", root / "model", "--embeddings", tmp_path / "emb", "--index",
+        tmp_path / "idx", "--device", "cpu", "--batch-size", 2, "--train-file", root / "train.json", "--corpus",
+        root / "corpus.jsonl", "--cache-dir", root / "cache", "--n-negatives", 2, "--top-k", 10,
+        "--max-negative-ratio", 0.9, "--output", tmp_path / "out.json")
+    shown = [(desc, bar.n, steps) for desc, disabled, bar, steps in bars if not disabled]
+    assert shown == [("embed query texts", 6, [2, 2, 2]), ("embed passage texts", 6, [2, 2, 2])]

@@ -109,8 +109,9 @@ class PassagesAsEncoded:
     def __init__(self, retriever: Any, meta: Optional[dict] = None) -> None:
         self.retriever, self.meta, self.int8 = retriever, meta or {}, None
 
-    def embed(self, titles: Sequence[str], texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-        """Float32 ``[N, D]`` vectors of the passages, input order."""
+    def embed(self, titles: Sequence[str], texts: Sequence[str], batch_size: int = 64,
+              show_progress: bool = False) -> np.ndarray:
+        """Float32 ``[N, D]`` vectors of the passages, input order (``show_progress``: under a bar of their own)."""
         precision, encoder = self.meta.get("precision") or "fp32", self.retriever
         if precision == "int8":
             if self.int8 is None:
@@ -119,7 +120,8 @@ class PassagesAsEncoded:
                 cpu = next(self.retriever.parameters()).device.type == "cpu"
                 self.int8 = quantize_int8(self.retriever if cpu else copy.deepcopy(self.retriever).cpu())
             encoder = self.int8
-        emb = encode_block(encoder, titles, texts, batch_size, self.meta.get("max_length"), precision)
+        emb = encoder.embed("passage", texts, titles, batch_size, autocast_dtype(precision), show_progress,
+                            max_length=self.meta.get("max_length"))
         dtype = self.meta.get("dtype")
         return emb.astype(dtype).astype(np.float32) if dtype and dtype != "float32" else emb
 

@@ -609,7 +609,7 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     dense = DenseIndex.read(index)
     check_compatible(retriever, dense, check_fingerprint=s.check_model)
     check_corpus(dense, corpus)
-    return DenseSource(retriever, dense, batch_size)
+    return DenseSource(retriever, dense, batch_size, show_progress)
 
 
 def describe_source(source: Any, top_k: Optional[int] = None) -> str:

@@ -262,13 +262,14 @@ class DenseSource:
     positive embedded by the same encoders, the positive at the max length, precision and stored dtype the index
     records its passages were encoded with, through the index's transforms and codes; the dot product for a flat
     index), so it compares with the candidates' scores; :meth:`retrieve` returns, per question, the scores of all
-    its positives.
+    its positives. ``show_progress``: the questions and the positives of more than one batch are embedded under a
+    bar each, as ``retrieve`` embeds a chunk's questions (nested: off in a log file while another bar is open).
     """
 
-    def __init__(self, retriever: Any, index: Any, batch_size: int = 64) -> None:
+    def __init__(self, retriever: Any, index: Any, batch_size: int = 64, show_progress: bool = False) -> None:
         from .encode import PassagesAsEncoded
 
-        self.retriever, self.index, self.batch_size = retriever, index, batch_size
+        self.retriever, self.index, self.batch_size, self.show_progress = retriever, index, batch_size, show_progress
         self.positives = PassagesAsEncoded(retriever, getattr(index, "meta", None))
 
     def check_positive_scores(self) -> None:
@@ -285,13 +286,15 @@ class DenseSource:
 
     def retrieve(self, questions: list[str], k: int,
                  positives: Optional[list[list[tuple]]] = None) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
-        emb = self.retriever.embed("query", questions, batch_size=self.batch_size)
+        emb = self.retriever.embed("query", questions, batch_size=self.batch_size,
+                                   show_progress=self.show_progress and len(questions) > self.batch_size)
         scores, rows = self.index.search(emb, k)
         positive_scores: list[list[float]] = [[] for _ in questions]
         flat = [(i, g) for i, gs in enumerate(positives or []) for g in gs]
         if flat:
             self.check_positive_scores()
-            pemb = self.positives.embed([g[1] for _, g in flat], [g[2] for _, g in flat], self.batch_size)
+            pemb = self.positives.embed([g[1] for _, g in flat], [g[2] for _, g in flat], self.batch_size,
+                                        self.show_progress and len(flat) > self.batch_size)
             for (i, _), s in zip(flat, self.index.pair_scores(emb[[i for i, _ in flat]], pemb).tolist()):
                 positive_scores[i].append(s)
         return scores, rows, positive_scores
