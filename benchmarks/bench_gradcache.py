@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_common import machine_info as common_machine_info  # noqa: E402
 from bench_common import (int_list, name_list, parser, require_cuda, results_path, run_script,  # noqa: E402
                           setup_logging)
+from dpr_gc.base.args import positive_float, positive_int  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json_object, write_json  # noqa: E402
 
@@ -520,8 +521,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--plain-max-batch", type=int, default=128, help="skip plain above this batch (its memory grows)")
     p.add_argument("--fixed-lengths", type=ints, default=[32, 128], help="query,passage tokens for 'fixed'")
     p.add_argument("--uneven-lengths", type=ints, default=[32, 256], help="query,passage max tokens for 'uneven'")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median reported)")
-    p.add_argument("--rounds", type=int, default=1, help="repeat the grid, methods rotated; medians over rounds")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per configuration (median reported)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="repeat the grid, methods rotated; medians over rounds")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: all; --quick: 1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -531,9 +533,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--skip-grid", action="store_true", help="run only the memory check")
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's default, dynamic threshold)")
-    p.add_argument("--uneven-target", type=float, default=1.15)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="time the ratios use: wall, or process CPU time (steadier on a shared machine, 1 thread)")
+    p.add_argument("--uneven-target", type=positive_float, default=None,
+                   help="dpr-gc's speed over the best peer's on uneven inputs (default 1.15; --merge: the runs')")
+    p.add_argument("--clock", choices=("wall", "cpu"), default=None, help="time the ratios use: wall (default), or "
+                   "process CPU time (steadier on a shared machine, 1 thread); --merge: the runs' clock")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of MiniLM (smoke runs)")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 8, chunk 4, short lengths, one step")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
@@ -551,6 +554,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     bad = [m for m in args.methods if m not in METHODS] + [i for i in args.inputs if i not in INPUTS]
     if bad:
         p.error(f"unknown method/input {bad}; choose from {METHODS} and {INPUTS}")
+    if args.skip_grid and not args.memory_check and not args.merge:
+        p.error("--skip-grid without --memory-check leaves nothing to run; add --memory-check or drop --skip-grid")
+    if not args.merge:
+        args.clock, args.uneven_target = args.clock or "wall", args.uneven_target or 1.15
     require_cuda(args.device)
     if args.output is None:
         args.output = results_path("gradcache", args.quick)
@@ -559,21 +566,57 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def merge(args: argparse.Namespace) -> None:
     """One report from several runs made at the same time (each measured in its own processes): their results
-    and memory checks side by side, each run's machine record and settings kept."""
+    and memory checks side by side, each run's machine record and settings kept (a merged file's parts as they
+    are), the ratios on the clock and target the runs were given unless --clock or --uneven-target says."""
     reports = [read_json_object(f, "bench_gradcache.py results file") for f in args.merge]
+    parts = []
     for f, rep in zip(args.merge, reports):
         shape = (("machine", dict), ("results", list), ("memory_check", list))
-        if not all(isinstance(rep.get(k), t) for k, t in shape):
-            raise DprGcError(f"--merge {f}: not a bench_gradcache.py results file (no 'machine', 'results' and "
-                             "'memory_check'); give the files its runs wrote")
+        if not all(isinstance(rep.get(k), t) for k, t in shape) or not (
+                isinstance(rep.get("settings"), dict) or isinstance(rep.get("merged_from"), list)):
+            raise DprGcError(f"--merge {f}: not a bench_gradcache.py results file (no 'machine', 'results', "
+                             "'memory_check' and 'settings'); give the files its runs wrote")
+        own = {"file": Path(f).name, "machine": rep["machine"], "settings": rep.get("settings")}
+        parts += rep.get("merged_from") or [own]
+    clock = args.clock or parts_setting(parts, "clock", "--clock")
+    target = args.uneven_target or parts_setting(parts, "uneven_target", "--uneven-target")
     results = [r for rep in reports for r in rep["results"]]
     memory = [r for rep in reports for r in rep["memory_check"]]
-    lines, targets = summarise(results, memory, args.clock, args.uneven_target)
-    write_json(args.output, {"machine": reports[0]["machine"], "merged_from": [
-        {"file": Path(f).name, "machine": rep["machine"], "settings": rep["settings"]} for f, rep in zip(args.merge, reports)],
-        "results": results, "memory_check": memory, "targets": targets})
-    print("\n".join(lines + [""] + verdicts(targets, args.uneven_target)))
+    lines, targets = summarise(results, memory, clock, target)
+    write_json(args.output, {"machine": reports[0]["machine"], "merged_from": parts, "results": results,
+                             "memory_check": memory, "targets": targets})
+    print("\n".join(lines + [""] + verdicts(targets, target)))
     print(f"\nwritten {args.output}")
+
+
+def parts_setting(parts: list[dict], name: str, flag: str) -> Any:
+    """The setting ``name`` the merged runs share; runs given different ones are refused, naming ``flag``."""
+    values = {json.dumps(p["settings"].get(name)): p["file"] for p in parts}
+    if len(values) > 1:
+        given = ", ".join(f"{file} {json.loads(v)}" for v, file in values.items())
+        raise DprGcError(f"--merge: the runs were measured with different {flag} ({given}); give {flag} to "
+                         "choose the one the ratios and targets use")
+    value = json.loads(next(iter(values)))
+    return value if value is not None else {"clock": "wall", "uneven_target": 1.15}[name]
+
+
+def installed_methods(methods: list[str], skip_grid: bool) -> list[str]:
+    """``methods`` less the peers whose package is not installed (each skipped with a warning); refused when none
+    is left to run the grid with."""
+    missing = {"st-cmnrl": ("sentence-transformers", st_version), ORIGINAL: ("the original GradCache package "
+                                                                          "(module grad_cache)", original_version)}
+    kept = []
+    for method in methods:
+        package, installed = missing.get(method, ("", lambda: "yes"))
+        if installed() is None:
+            logger.warning("%s is not installed: %s skipped", package, method)
+        else:
+            kept.append(method)
+    if not kept and not skip_grid:
+        raise DprGcError(f"--methods {','.join(methods)}: none is installed here ({ORIGINAL}: pip install --no-deps "
+                         "git+https://github.com/luyug/GradCache; st-cmnrl: pip install sentence-transformers); "
+                         "install one or name other methods")
+    return kept
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -586,12 +629,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         merge(args)
         return
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if "st-cmnrl" in args.methods and st_version() is None:
-        logger.warning("sentence-transformers is not installed: st-cmnrl skipped")
-        args.methods = [m for m in args.methods if m != "st-cmnrl"]
-    if ORIGINAL in args.methods and original_version() is None:
-        logger.warning("the original GradCache package (module grad_cache) is not installed: %s skipped", ORIGINAL)
-        args.methods = [m for m in args.methods if m != ORIGINAL]
+    args.methods = installed_methods(args.methods, args.skip_grid)
     with tempfile.TemporaryDirectory(prefix="bench_gc_") as tmp:
         model = encoder_model(args.tiny, Path(tmp))
         base = {"model": "tiny-random-bert" if args.tiny else model, "threads": args.threads, "device": device,
