@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import machine_info  # noqa: E402
-from bench_common import setup_logging  # noqa: E402
+from bench_common import parser, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -73,7 +73,7 @@ def time_attention(shape: tuple[int, int, int, int], dtype: torch.dtype, backend
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--shapes", nargs="+", default=["64,4,128,64", "64,12,128,32", "16,12,256,32", "8,12,512,32"],
                    help="rows,heads,tokens,dim each (default: the LLM shape's and three MiniLM ones)")

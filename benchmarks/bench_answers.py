@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import machine_info, run_script  # noqa: E402
+from bench_common import machine_info, parser, run_script  # noqa: E402
 from dpr_gc.data.answer_text import _token_pattern, nfd as normalize  # noqa: E402
 from dpr_gc.evaluation.answers import AnswerMatcher, default_workers  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
@@ -214,7 +214,7 @@ def bench_cli(passages: list[dict], sizes: list[int], work: Path, full_max: int,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--questions", type=int, default=10_000, help="questions in the matching benchmark")
     p.add_argument("--passages", type=int, default=2_067, help="passage pool size")
     p.add_argument("--workers", type=int, default=default_workers())

@@ -90,9 +90,11 @@ def summary_table(items: Mapping[str, Any], output: Any, info: Mapping[str, Any]
     return format_summary({**items, "results file": str(output), "machine": machine_text(info)}, seconds)
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """A script's parser, named by the first line of its docstring: a bad flag or value is one ``error:`` line."""
-    return ArgumentParser(description=doc.strip().splitlines()[0])
+def parser(doc: str, paragraph: bool = False) -> argparse.ArgumentParser:
+    """A script's parser, described by the first line (or ``paragraph``: the first paragraph) of its docstring: a
+    bad flag or value is one ``error:`` line and exit status 2, and ``--help`` shows every option's default."""
+    text = doc.strip()
+    return ArgumentParser(description=text.split("\n\n")[0] if paragraph else text.splitlines()[0])
 
 
 def int_list(text: str) -> list[int]:

@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import machine_info, run_script, setup_logging  # noqa: E402
+from bench_common import machine_info, parser, run_script, setup_logging  # noqa: E402
 from dpr_gc.data.corpus import load_corpus  # noqa: E402
 from dpr_gc.base.devices import cpu_has_native_bf16  # noqa: E402
 from dpr_gc.retrieval.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
@@ -194,26 +194,26 @@ def summarize(args: argparse.Namespace, n_rows: int, seconds: dict, outputs: dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=1000)
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--chunk", type=int, default=256, help="passages per timed call; methods rotate per chunk")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encode.json"))
-    parser.add_argument("--quality", action=argparse.BooleanOptionalAction, default=SCIFACT.is_file(),
+    p = parser(__doc__)
+    p.add_argument("--docs", type=int, default=1000)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--chunk", type=int, default=256, help="passages per timed call; methods rotate per chunk")
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encode.json"))
+    p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=SCIFACT.is_file(),
                         help="also measure SciFact nDCG@10 per precision (default: when SciFact is present)")
-    parser.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                         help="time the methods on --docs passages (--no-timing: only the quality phase)")
-    parser.add_argument("--quality-max-length", type=int, help="passage max length of the quality phase "
+    p.add_argument("--quality-max-length", type=int, help="passage max length of the quality phase "
                         "(default --max-length)")
-    parser.add_argument("--quality-precisions", nargs="+", default=["fp32", "bf16", "int8"],
+    p.add_argument("--quality-precisions", nargs="+", default=["fp32", "bf16", "int8"],
                         choices=["fp32", "bf16", "int8"], help="precisions of the quality phase (fp32 is the reference)")
-    parser.add_argument("--quality-dtypes", nargs="+", default=["float32"], choices=["float32", "float16"],
+    p.add_argument("--quality-dtypes", nargs="+", default=["float32"], choices=["float32", "float16"],
                         help="stored embedding dtypes of the quality phase (float32 is the reference; encode's "
                              "default is float16)")
-    parser.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_encode"), help="cached SciFact embeddings")
-    args = parser.parse_args()
+    p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_encode"), help="cached SciFact embeddings")
+    args = p.parse_args()
     setup_logging("%(message)s", logging.WARNING)
 
     load_before = list(os.getloadavg())

@@ -29,7 +29,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import machine_info, run_script
+from bench_common import machine_info, parser, run_script
 from dpr_gc.base.files import write_json
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, set_threads
 
@@ -150,7 +150,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--n", type=int, default=200_000, help="database vectors (default 200k)")
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--latent", type=int, default=32, help="intrinsic dimension of the data (default 32)")

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import results_path, run_script, setup_logging, summary_table  # noqa: E402
+from bench_common import parser, results_path, run_script, setup_logging, summary_table  # noqa: E402
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
                              encoder_model, interleave, machine_info, make_step, original_version, run_child,
                              st_version)
@@ -297,7 +297,7 @@ def plot(report: dict, path: Path) -> Path:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--shapes", default="scifact,llm", help="scifact,llm")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import machine_info, run_script, summary_table  # noqa: E402
+from bench_common import machine_info, parser, results_path, run_script, summary_table  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -99,19 +99,19 @@ def summary_items(runs: list[dict], workers: list[int]) -> dict[str, str]:
     return items
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("train", help="a DPR training file (e.g. the demo's data/dpr_train.json)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="values to compare (first: baseline)")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=16)
-    parser.add_argument("--passage-max-length", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--work-dir", default="runs/bench_workers")
-    parser.add_argument("--output", default="benchmarks/results/workers.json")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("train", help="a DPR training file (e.g. the demo's data/dpr_train.json)")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="values to compare (first: baseline)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--passage-max-length", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--work-dir", default="runs/bench_workers")
+    p.add_argument("--output", default=results_path("workers", False))
+    args = p.parse_args(argv)
     if not Path(args.train).is_file():
         raise DprGcError(f"{args.train}: no such training file; give a DPR training file, e.g. the demo's "
                          "runs/demo/data/dpr_train.json")
@@ -125,6 +125,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     write_json(args.output, {"machine": machine, "settings": vars(args), "load_average_at_end": os.getloadavg(),
                              "runs": runs})
     print(summary_table(summary_items(runs, args.workers), args.output, machine, time.perf_counter() - started))
+    return 0
 
 
 if __name__ == "__main__":

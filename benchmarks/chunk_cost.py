@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import machine_info  # noqa: E402
-from bench_common import setup_logging  # noqa: E402
+from bench_common import parser, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.engine.grad_cache import (CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERHEAD_TOKENS,  # noqa: E402
@@ -128,7 +128,7 @@ def neighbour_prices(result: dict) -> str:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--model", help="encoder folder (default: the offline all-MiniLM-L6-v2)")
     p.add_argument("--random-bert-base", action="store_true",
                    help="time a randomly initialised BERT-base (hidden 768, 12 layers: DPR's encoder shape) with "

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_llm  # noqa: E402
 from bench_gradcache import ORIGINAL, machine_info, original_version  # noqa: E402
-from bench_common import setup_logging  # noqa: E402
+from bench_common import parser, setup_logging  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -239,7 +239,7 @@ def counted(collections: Collections, timed_step: bool) -> Iterator[None]:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--layers", type=int, default=24, help="decoder layers (default 24, as Qwen2-0.5B)")
     p.add_argument("--rows", type=int, default=2, help="queries per step (passages: twice as many; default 2)")
     p.add_argument("--query-length", type=int, default=4)

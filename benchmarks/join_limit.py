@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_frontier import OURS, PLAIN, launch, shape_model  # noqa: E402
-from bench_common import results_path, setup_logging  # noqa: E402
+from bench_common import parser, results_path, setup_logging  # noqa: E402
 from bench_gradcache import machine_info  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -48,7 +48,7 @@ VARIANTS = {"plain": {"method": PLAIN, "budget": None},
 def grid_parser(description: str, name: str) -> argparse.ArgumentParser:
     """The flags of a grid of passage lengths x precisions, each variant in fresh processes (shared with
     embedding_grads.py and frozen_casts.py); results go to ``benchmarks/results/NAME-DEVICE.json`` by default."""
-    p = argparse.ArgumentParser(description=description)
+    p = parser(description)
     p.set_defaults(results_name=name)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every variant runs (default cpu)")
     p.add_argument("--passage-lengths", type=int, nargs="+", default=[128, 256], help="passage max lengths")

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_frontier import (OURS, PLAIN, ST, available_peers, llm_step, scifact_step, shape_model,  # noqa: E402
                             timed_steps)
-from bench_common import results_path, setup_logging, summary_table  # noqa: E402
+from bench_common import parser, results_path, setup_logging, summary_table  # noqa: E402
 from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -150,7 +150,7 @@ def profile_one(cfg: dict) -> dict:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))

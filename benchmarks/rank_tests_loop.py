@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import run_script, setup_logging  # noqa: E402
+from bench_common import parser, run_script, setup_logging  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("rank_tests_loop")
@@ -108,16 +108,16 @@ def commit() -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=20, help="runs of the multi-process tests")
-    parser.add_argument("--iteration-limit", type=float, default=1800.0, help="seconds before a run is killed")
-    parser.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
+    p = parser(__doc__)
+    p.add_argument("--iterations", type=int, default=20, help="runs of the multi-process tests")
+    p.add_argument("--iteration-limit", type=float, default=1800.0, help="seconds before a run is killed")
+    p.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
                         help="load the machine with the rest of the suite meanwhile")
-    parser.add_argument("--keep-going", action="store_true", help="go on after a failing iteration")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "rank-tests-loop.json"))
-    parser.add_argument("node_ids", nargs="*", default=list(NODE_IDS), help="tests to repeat (default: all "
+    p.add_argument("--keep-going", action="store_true", help="go on after a failing iteration")
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "rank-tests-loop.json"))
+    p.add_argument("node_ids", nargs="*", default=list(NODE_IDS), help="tests to repeat (default: all "
                         "multi-process tests)")
-    args = parser.parse_args()
+    args = p.parse_args()
     setup_logging()
     output = Path(args.output)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit(), "command": " ".join(sys.argv),

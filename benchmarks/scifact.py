@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_common import machine_info, setup_logging  # noqa: E402
+from bench_common import machine_info, parser, setup_logging  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json, write_json  # noqa: E402
@@ -503,8 +503,7 @@ QUICK = dict(query_max_length=32, passage_max_length=64, train_passage_max_lengt
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = parser(__doc__, paragraph=True)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR SciFact folder")
     p.add_argument("--out", default=str(ROOT / "runs" / "scifact"), help="cache folder for every phase")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where the JSON/markdown go")

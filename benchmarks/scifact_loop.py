@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_common import machine_info, setup_logging  # noqa: E402
+from bench_common import machine_info, parser, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import read_json, write_json  # noqa: E402
 from dpr_gc.cli import report_errors  # noqa: E402
@@ -656,7 +656,7 @@ def add_settings_flags(p: argparse.ArgumentParser, settings_class: type, skip: t
 
 
 def common_parser(description: str, results_name: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = parser(description)
     default = next((d for d in (ROOT.parent / "shared" / "data" / "scifact",
                                 ROOT.parents[1] / "shared" / "data" / "scifact") if d.is_dir()),
                    ROOT.parent / "shared" / "data" / "scifact")

@@ -12,7 +12,6 @@ results file and the machine.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import random
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import machine_info, run_script, summary_table  # noqa: E402
+from bench_common import machine_info, parser, run_script, summary_table  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -73,9 +72,9 @@ def summary_items(shapes: list[dict]) -> dict[str, str]:
     return items
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "scifact",
                    help="BEIR SciFact folder (default ../shared/data/scifact)")
     p.add_argument("--batch", type=int, nargs="+", default=[32, 64, 256, 512], help="rows per batch")
@@ -105,6 +104,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(json.dumps(report["shapes"][-1]))
     write_json(args.output, report)
     print(summary_table(summary_items(report["shapes"]), args.output, report["machine"], time.perf_counter() - started))
+    return 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 from unittest import mock
 
 import pytest
@@ -36,11 +37,14 @@ def test_a_smoke_run_never_writes_over_committed_results() -> None:
     assert profile_step.parse_args(["--device", "cpu", "--tiny"]).output == str(RESULTS / "profile-step-cpu-quick.json")
 
 
-def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words: tuple[str, ...] = ()) -> None:
-    """``benchmarks/SCRIPT ARGS``, run as its ``__main__`` runs it: exit 2, one ``error:`` line naming ``words``."""
+def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words: tuple[str, ...] = (),
+                   argv: Optional[list[str]] = []) -> None:
+    """``benchmarks/SCRIPT ARGS``, run as its ``__main__`` runs it: exit 2, one ``error:`` line naming ``words``
+    (``argv`` None: its ``main()`` reads ``sys.argv``, for the scripts whose ``main`` takes no arguments)."""
     module = importlib.import_module(script.removesuffix(".py"))
+    call = (lambda: module.main()) if argv is None else (lambda: module.main(list(args)))
     with mock.patch("torch.cuda.is_available", return_value=False), pytest.raises(SystemExit) as done:
-        sys.exit(run_script(lambda: module.main(list(args))))
+        sys.exit(run_script(call))
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
@@ -57,6 +61,35 @@ def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words
 def test_a_bad_flag_is_one_error_line(capsys: pytest.CaptureFixture, script: str, args: list[str],
                                       words: list[str]) -> None:
     one_error_line(capsys, script, *args, words=tuple(words))
+
+
+SCRIPTS = sorted(f.name for f in (REPO / "benchmarks").glob("*.py") if "parse_args(" in f.read_text())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_scripts_unknown_flag_is_one_error_line(capsys: pytest.CaptureFixture, script: str) -> None:
+    """Each script's parser is bench_common's: an unknown flag is one error: line naming it and exit status 2,
+    argparse's usage lines not printed (a positional argument given where the script takes one)."""
+    argv = [script, "--no-such-flag"] + (["train.json"] if script == "bench_workers.py" else [])
+    with mock.patch.object(sys, "argv", argv):
+        one_error_line(capsys, script, words=("unrecognized arguments: --no-such-flag", script), argv=None)
+    assert "argparse.ArgumentParser(" not in (REPO / "benchmarks" / script).read_text()
+
+
+def test_bench_workers_writes_its_results_beside_the_others_from_any_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The default --output is benchmarks/results/workers.json of the checkout, not of the working directory."""
+    import bench_workers
+
+    train = tmp_path / "train.json"
+    train.write_text("[]\n")
+    written: list[str] = []
+    fake = {"workers": 0, "peak_pss_mib": 1, "peak_rss_mib": 1, "wall_s": 1.0, "examples_per_s": 1.0}
+    monkeypatch.chdir(tmp_path)
+    with mock.patch.object(bench_workers, "run", lambda path, workers, args: {**fake, "workers": workers}), \
+            mock.patch.object(bench_workers, "write_json", lambda path, data: written.append(path)):
+        assert bench_workers.main([str(train), "--workers", "0"]) == 0
+    assert written == [str(RESULTS / "workers.json")]
 
 
 def test_merging_a_missing_or_foreign_file_is_one_error_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
@@ -210,8 +243,8 @@ def test_scifact_padding_ends_with_each_shapes_padding_ratios(tmp_path: Path, ca
         f.writelines(json.dumps({"_id": f"d{i}", "title": "t", "text": "passage" + " more" * i}) + "\n"
                      for i in range(4))
     out = tmp_path / "padding.json"
-    scifact_padding.main(["--data", str(tmp_path), "--batch", "4", "--chunk", "2", "--samples", "2",
-                          "--output", str(out)])
+    assert scifact_padding.main(["--data", str(tmp_path), "--batch", "4", "--chunk", "2", "--samples", "2",
+                                 "--output", str(out)]) == 0
     rows = summary_rows(capsys.readouterr().out)
     assert rows["passages 128 tokens: padded vs real"].endswith("x"), rows
     assert "queries 32 tokens: padded vs grouped chunks" in rows and rows["results file"] == str(out)
@@ -231,7 +264,7 @@ def test_bench_workers_ends_with_each_values_ratios_against_the_baseline(tmp_pat
 
     out = tmp_path / "workers.json"
     with mock.patch.object(bench_workers, "run", fake):
-        bench_workers.main([str(train), "--workers", "0", "2", "--output", str(out)])
+        assert bench_workers.main([str(train), "--workers", "0", "2", "--output", str(out)]) == 0
     rows = summary_rows(capsys.readouterr().out)
     assert rows["2 workers"] == "1.20x the speed, 3.00x the memory (PSS) of 0 workers", rows
     assert rows["results file"] == str(out) and rows["machine"]
