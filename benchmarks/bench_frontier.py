@@ -93,7 +93,7 @@ def llm_step(cfg: dict, device: torch.device) -> tuple[Callable[[], float], Any,
         def plain() -> float:
             loss = loss_fn(retriever(kind="query", **q).float(), retriever(kind="passage", **p).float())
             loss.backward()
-            return float(loss)
+            return loss.item()
         return plain, retriever, None
     engine = GradCache([retriever, retriever], cfg["chunk"], loss_fn, memory_budget=cfg["budget"],
                        chunking=Chunking(sort_by_length=True))

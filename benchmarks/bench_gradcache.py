@@ -236,7 +236,7 @@ def make_step(cfg: dict, device: torch.device) -> tuple[Callable[[list], Callabl
             def step() -> float:
                 loss = loss_mod([dict(f) for f in features], None)
                 loss.backward()
-                return float(loss)
+                return loss.item()
             return step
         return prepare_st, st.tokenizer, st, st[0].auto_model.config._attn_implementation
 
@@ -269,7 +269,7 @@ def make_step(cfg: dict, device: torch.device) -> tuple[Callable[[list], Callabl
                 return float(engine.cache_step(q, p))
             loss = loss_fn(encoder(**q), retriever.passage_encoder(**p))
             loss.backward()
-            return float(loss)
+            return loss.item()
         return step
     return prepare, retriever.tokenizer, retriever, encoder.transformer.config._attn_implementation
 
