@@ -332,7 +332,7 @@ def test_exact_in_float64_with_sdpa_attention(tiny_tokenizer):
 
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(trim="yes"), "Chunking.trim must be True or False"),
+    (dict(trim="yes"), "Chunking.trim must be True, False or None"),
     (dict(sort_by_length=1), "Chunking.sort_by_length must be True or False"),
     (dict(tokens=[8, -1]), "chunk tokens must be a positive integer"),
     (dict(tokens=True), "chunk tokens must be a positive integer"),
@@ -390,7 +390,7 @@ def test_a_step_reads_no_value_back_per_chunk_or_row(sort_by_length, budget):
         torch.manual_seed(0)
         model = MeanOfEmbeddings()
         engine = GradCache([model, model], chunk, SimpleContrastiveLoss(1), memory_budget=budget,
-                           chunking=Chunking(sort_by_length=sort_by_length, tokens=tokens))
+                           chunking=Chunking(sort_by_length=sort_by_length, trim=True, tokens=tokens))
         q, p = uneven_batch()
         engine(q, p)  # the first step measures graphs
         engine(q, p)
@@ -424,7 +424,7 @@ def test_a_two_dimensional_per_token_representation_is_refused_when_trimmed_chun
         return (scores ** 2).sum()
 
     with pytest.raises(DprGcError, match="pass token_states=True, or trim=False"):
-        GradCache([model], 2, loss_fn)(batch)
+        GradCache([model], 2, loss_fn, chunking=Chunking(trim=True))(batch)
     loss_fn(model(**batch)).backward()
     expected = model.embed.weight.grad.clone()
     model.zero_grad()
@@ -498,7 +498,7 @@ def test_a_chunk_of_padding_rows_only_keeps_one_column_and_the_gradient_exact(so
     loss_fn = SimpleContrastiveLoss(n_hard_negatives=1)
     expected = reference_grads([encoder, encoder], loss_fn, q, p)
     zero([encoder])
-    GradCache([encoder, encoder], 2, loss_fn, chunking=Chunking(sort_by_length=sort_by_length))(q, p)
+    GradCache([encoder, encoder], 2, loss_fn, chunking=Chunking(sort_by_length=sort_by_length, trim=True))(q, p)
     assert rel_err(grads([encoder]), expected) < 1e-5
     assert trimmed_width(slice_of(p, 6, 8)) == (6, 1, "right")
     assert chunk_widths(p, [slice_of(p, 0, 6), slice_of(p, 6, 8)])[1] == (6, 1, "right")

@@ -238,7 +238,7 @@ def test_uneven_batches_and_chunks_of_one_row(tiny_tokenizer, make_retriever, ch
     loss_fn(*(reps if get_rep is None else map(get_rep, reps)), **loss_kwargs).backward()
     expected = grads(towers)
     engine = GradCache(towers, chunk, loss_fn, get_rep_fn=get_rep, memory_budget=0 if budget == "0" else WHOLE_BATCH,
-                       chunking=Chunking(sort_by_length=True, token_states=rep == "tokens" or None))
+                       chunking=Chunking(sort_by_length=True, trim=True, token_states=rep == "tokens" or None))
     for _ in range(2):
         zero(towers)
         engine(q, p, **loss_kwargs)

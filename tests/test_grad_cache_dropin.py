@@ -46,7 +46,7 @@ def test_token_level_representations_with_trimming(tiny_tokenizer, make_retrieve
         seen.append((x.shape, y.shape))
         return late_interaction(x, y, **kw)
 
-    chunking = Chunking(keep_last_graph=keep_last_graph, sort_by_length=sort, token_states=True)
+    chunking = Chunking(keep_last_graph=keep_last_graph, sort_by_length=sort, trim=True, token_states=True)
     GradCache(towers, 4, loss_fn, get_rep_fn=hidden_states, chunking=chunking)(q, p, **masks)
     assert seen == [((6, q["input_ids"].size(1), 32), (12, p["input_ids"].size(1), 32))]
     assert rel_err(grads(towers), expected) < 1e-5
@@ -421,7 +421,7 @@ def test_a_model_that_takes_the_features_dict_whole_gets_it_sorted_and_trimmed()
     widths = []
     model.register_forward_pre_hook(lambda module, args: widths.append(args[0]["input_ids"].size(1)))
     GradCache([model, model], 4, loss_fn, get_rep_fn=lambda out: out["sentence_embedding"],
-              chunking=Chunking(sort_by_length=True))(q, p)
+              chunking=Chunking(sort_by_length=True, trim=True))(q, p)
     assert rel_err(grads([model]), expected) < 1e-5
     assert max(widths) < 9
 
@@ -459,11 +459,11 @@ def test_a_fixed_number_of_vectors_per_row_is_never_padded_as_token_states():
     loss_fn(model(**q), model(**p)).backward()
     expected = grads([model])
     with pytest.raises(DprGcError, match=r"say whether its dimension 1 runs over the tokens"):
-        GradCache([model, model], 4, loss_fn)(q, p)
+        GradCache([model, model], 4, loss_fn, chunking=Chunking(trim=True))(q, p)
     with pytest.raises(DprGcError, match=r"its dimension 1 is not per token"):
-        GradCache([model, model], 4, loss_fn, chunking=Chunking(token_states=True))(q, p)
+        GradCache([model, model], 4, loss_fn, chunking=Chunking(trim=True, token_states=True))(q, p)
     zero([model])
-    GradCache([model, model], 4, loss_fn, chunking=Chunking(token_states=False))(q, p)
+    GradCache([model, model], 4, loss_fn, chunking=Chunking(trim=True, token_states=False))(q, p)
     assert rel_err(grads([model]), expected) < 1e-5
 
 
@@ -491,7 +491,7 @@ def test_two_dimensional_token_scores_are_padded_back_with_token_states():
     loss_fn(model(**batch)).backward()
     expected = grads([model])
     zero([model])
-    GradCache([model], 2, loss_fn, chunking=Chunking(sort_by_length=True, token_states=True))(batch)
+    GradCache([model], 2, loss_fn, chunking=Chunking(sort_by_length=True, trim=True, token_states=True))(batch)
     assert seen[-1] == (6, 12) and rel_err(grads([model]), expected) < 1e-5
 
 
@@ -562,5 +562,5 @@ def test_broadcast_position_ids_go_whole_to_every_chunk(tiny_tokenizer, first):
     loss_fn(cls(model(**q)), cls(model(**p))).backward()
     expected = grads([model])
     zero([model])
-    GradCache([model, model], 4, loss_fn, get_rep_fn=cls, chunking=Chunking(sort_by_length=True))(q, p)
+    GradCache([model, model], 4, loss_fn, get_rep_fn=cls, chunking=Chunking(sort_by_length=True, trim=True))(q, p)
     assert rel_err(grads([model]), expected) < 1e-5

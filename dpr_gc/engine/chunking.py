@@ -30,20 +30,25 @@ TokenLimits = Union[None, int, Sequence[Optional[int]]]
 
 @dataclass(frozen=True)
 class Chunking:
-    """How :class:`~dpr_gc.engine.grad_cache.GradCache` forms and runs its chunks (every option keeps the gradient
-    exact; they change time and memory only).
+    """How :class:`~dpr_gc.engine.grad_cache.GradCache` forms and runs its chunks (the defaults keep the gradient
+    exact for any model; they change time and memory only).
 
     Args:
         sort_by_length: group rows of similar length into the same chunk (representations are returned and the
             loss is computed in the original order; inputs without a 2-D attention mask are left in order).
-        trim: cut every chunk to its longest sequence, on its padding side: right padding always, left padding
-            where positions do not follow columns (:func:`~dpr_gc.engine.grad_cache.trims_exactly`).
+        trim: cut every chunk to its longest sequence, on its padding side. None (default): only for a model that
+            declares its output ignores padding positions (``ignores_padding``: dpr-gc's retrievers, whose pooling
+            masks them); a raw model runs its chunks at the batch's width, as the original package does, since its
+            representation may read padding (a mean without the mask, the last column). True: for every model, as
+            the user vouches its representation masks padding (or returns token states, ``token_states=True``);
+            False: never. Right padding is cut wherever trimming is on, left padding only where positions do not
+            follow columns (:func:`~dpr_gc.engine.grad_cache.trims_exactly`).
         keep_last_graph: keep the graph of the last model's last chunk from the first pass instead of running it
             again (under DDP/FSDP it is replayed, since its backward carries the gradient sync); it is
             backpropagated first, so peak memory stays one chunk.
         tokens: one int per model (or one for all; None: rows only; numpy integers too): a chunk holds as many
             rows (at most its chunk size) as fit this many tokens, counted as rows times the chunk's longest
-            sequence (with ``trim=False``, times the full width; after ``sort_by_length``, short sequences make
+            sequence (untrimmed, times the full width; after ``sort_by_length``, short sequences make
             chunks of more rows). Needs a 2-D attention mask.
         token_states: whether a representation's dimension 1 runs over the tokens, so that a trimmed chunk's is
             padded back with zeros to the batch's width: True for token-level states (``[rows, tokens, ...]``, two
@@ -54,17 +59,18 @@ class Chunking:
     """
 
     sort_by_length: bool = False
-    trim: bool = True
+    trim: Optional[bool] = None
     keep_last_graph: bool = True
     tokens: TokenLimits = None
     token_states: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        for name in ("sort_by_length", "trim", "keep_last_graph"):
+        for name in ("sort_by_length", "keep_last_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise DprGcError(f"Chunking.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.token_states is not None and not isinstance(self.token_states, bool):
-            raise DprGcError(f"Chunking.token_states must be True, False or None, got {self.token_states!r}")
+        for name in ("trim", "token_states"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise DprGcError(f"Chunking.{name} must be True, False or None, got {getattr(self, name)!r}")
         one = self.tokens is None or isinstance(self.tokens, numbers.Integral)
         if not one and not isinstance(self.tokens, (list, tuple)):
             raise DprGcError(f"chunk tokens must be a positive integer, None, or a list of them (one per model), got "

@@ -9,8 +9,9 @@ One cached step (:meth:`GradCache.cache_step`) runs in three parts, one method e
 3. :meth:`~GradCache.forward_backward`: re-run each chunk with a graph under its recorded RNG state and
    backpropagate the cached gradient into the encoder (``sum(rep * cached_grad)`` has exactly that gradient).
 
-Beyond the original module: bf16 autocast beside fp16 + GradScaler; every chunk is trimmed to its own longest
-sequence (token-level representations are padded back, so the loss sees the untrimmed shape); the batch can be
+Beyond the original module: bf16 autocast beside fp16 + GradScaler; every chunk of a model whose output ignores
+padding (dpr-gc's retrievers; any model with ``Chunking(trim=True)``) is trimmed to its own longest sequence
+(token-level representations are padded back, so the loss sees the untrimmed shape); the batch can be
 grouped by length before chunking, and chunked by tokens; the very last chunk keeps its graph from part 1 instead of
 being run again, and under a memory budget so does every chunk whose measured graph fits (under DDP or FSDP those run
 without gradient sync and each model's last chunk is replayed to carry it); the RNG state is replayed on
@@ -211,17 +212,27 @@ def is_data_parallel(model: nn.Module) -> bool:
     return is_ddp(model) or is_fsdp(model)
 
 
-def trims_exactly(model: nn.Module, model_input: Any) -> bool:
-    """Whether cutting ``model_input``'s chunks to their longest rows leaves ``model``'s output as it is. Right
-    padding: always. Left padding shifts every real token to a lower column, so it is cut only where positions do
-    not follow columns: the input carries ``position_ids`` (cut with it), or the model counts positions from each
-    row's first real token (a ``counts_positions_from_mask`` attribute that is true, as dpr-gc's retrievers have).
-    A raw decoder with absolute (GPT-2) or rotary positions keeps its left padding."""
+def wrapped_module(model: nn.Module) -> nn.Module:
+    """The user's module inside ``torch.compile``, DDP and ``nn.DataParallel`` wrappers (FSDP2 shards it in place)."""
+    inner = unwrap(model)
+    return unwrap(inner.module) if isinstance(inner, (DistributedDataParallel, nn.DataParallel)) else inner
+
+
+def trims_exactly(model: nn.Module, model_input: Any, trim: Optional[bool] = None) -> bool:
+    """Whether ``model_input``'s chunks are cut to their longest rows for ``model``, as ``Chunking.trim`` says: False
+    never; None (automatic) only where the model declares its output ignores padding positions (an
+    ``ignores_padding`` attribute that is true, as dpr-gc's retrievers have, whose pooling masks padding: a raw
+    model's representation may read them, a mean without the mask or the last column); True where the user vouches
+    for it. Left padding shifts every real token to a lower column, so it is cut only where positions do not follow
+    columns: the input carries ``position_ids`` (cut with it), or the model counts positions from each row's first
+    real token (a true ``counts_positions_from_mask``). A raw decoder with absolute (GPT-2) or rotary positions
+    keeps its left padding."""
+    inner = wrapped_module(model)
+    if trim is False or (trim is None and not getattr(inner, "ignores_padding", False)):
+        return False
     mask = model_input.get("attention_mask") if isinstance(model_input, Mapping) else None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.size(1) == 0 or "position_ids" in model_input:
         return True
-    inner = unwrap(model)
-    inner = unwrap(inner.module) if isinstance(inner, DistributedDataParallel) else inner
     if getattr(inner, "counts_positions_from_mask", False):
         return True
     return not bool(((mask[:, 0] == 0) & (mask != 0).any(1)).any())  # no row starts with padding
@@ -418,9 +429,11 @@ class GradCache:
         split_input_fn: ``f(model_input, chunk_size) -> list`` for inputs other than tensors, lists/tuples of
             tensors, dicts and BatchEncodings; the rows of each chunk are then counted on its representation.
         get_rep_fn: ``f(model_output) -> Tensor`` when the model does not return the representation itself. It may
-            return token-level states ``[rows, seq, ...]`` (with ``Chunking(token_states=True)``): trimmed chunks
-            are then padded back with zeros at the cut (padding) positions, which receive no gradient; the loss
-            must mask padding, as it would anyway.
+            return token-level states ``[rows, seq, ...]``; with ``Chunking(trim=True, token_states=True)``
+            trimmed chunks are padded back with zeros at the cut (padding) positions, which receive no gradient;
+            the loss must mask padding, as it would anyway. A raw model's chunks are not trimmed unless
+            ``Chunking(trim=True)`` says its representation ignores padding (:class:`Chunking`), so one that reads
+            padding positions (a mean without the mask, the last column) gets the full batch's gradient.
         fp16: fp16 autocast with ``scaler`` (a ``torch.amp.GradScaler``, required) scaling the loss.
         scaler: the ``GradScaler`` of ``fp16``; the caller steps it (``scaler.step(optimizer)``, ``update()``).
             An enabled one without ``fp16`` is accepted, as the original package accepts it, with a warning that
@@ -439,7 +452,7 @@ class GradCache:
             carries the gradient sync. Under FSDP, whose chunk forwards and backwards are collectives, the ranks
             agree on each model's chunk count and on every kept graph (a tiny all-reduce each).
         chunking: how chunks are formed and run (:class:`~dpr_gc.engine.chunking.Chunking`: sort by length,
-            trim padding, keep the last graph, size chunks by tokens).
+            trim padding (by default for dpr-gc's retrievers only), keep the last graph, size chunks by tokens).
 
     Inputs, ``gc(*model_inputs, no_sync_except_last=False, **loss_kwargs)`` (:meth:`cache_step`):
         one input per model, each a tensor, a list/tuple of tensors, a dict or ``BatchEncoding`` (rows on dim 0;
@@ -634,7 +647,7 @@ class GradCache:
         order = length_order(model_input) if self.chunking.sort_by_length and not user_split else None
         if order is not None:
             model_input = take_rows(model_input, order)
-        trim = self.chunking.trim and trims_exactly(self.models[m], model_input)
+        trim = trims_exactly(self.models[m], model_input, self.chunking.trim)
         if user_split:
             chunks = list(self.split_inputs(model_input, self.chunk_sizes[m]))
         elif self.chunk_tokens[m] is not None:

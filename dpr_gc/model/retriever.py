@@ -117,6 +117,10 @@ def plain_model_recipe(name: str, model: nn.Module, config: RetrieverConfig,
 class Encoder(nn.Module):
     """A transformer plus pooling, an optional linear projection and optional L2 normalisation."""
 
+    # Its pooling reads real tokens only (the mask-weighted mean, the last real token; cls and pooler the first
+    # column), so Gradient Cache cuts a chunk's padding by default (:func:`dpr_gc.engine.grad_cache.trims_exactly`).
+    ignores_padding = True
+
     def __init__(self, transformer: nn.Module, config: RetrieverConfig) -> None:
         super().__init__()
         check_pooling(transformer, config.pooling)
@@ -175,6 +179,8 @@ class Retriever(nn.Module):
     forward is what lets a learnable temperature be trained with Gradient Cache and averaged by DDP exactly like
     every other weight.
     """
+
+    ignores_padding = True  # its towers' outputs (:attr:`Encoder.ignores_padding`)
 
     def __init__(self, query_model: nn.Module, passage_model: Optional[nn.Module], tokenizer: Any, config: RetrieverConfig) -> None:
         super().__init__()

@@ -92,6 +92,8 @@ class Towers(nn.Module):
     """What DDP wraps: ``forward(kind=..., **batch)`` encodes one side (Gradient Cache chunks);
     ``forward(query=..., passage=...)`` encodes both in one call (plain training needs one forward per backward)."""
 
+    ignores_padding = True  # the retriever's outputs (:attr:`dpr_gc.model.retriever.Encoder.ignores_padding`)
+
     def __init__(self, retriever: Retriever) -> None:
         super().__init__()
         self.retriever = retriever
