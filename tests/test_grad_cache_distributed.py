@@ -56,21 +56,23 @@ def check_compiled_ddp(rank: int) -> None:
 def check_global_target(rank: int) -> None:
     """docs/library.md: DistributedContrastiveLoss takes ``target`` over the global batch, as the original does:
     with one index per query of all ranks into the gathered passages, the cached DDP step equals the full batch's
-    loss with that target."""
+    gradient with that target. Unlike the original's, the loss it returns is the mean over this rank's queries."""
     torch.manual_seed(0)
     towers = [nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)) for _ in range(2)]
     q, p = torch.randn(8, 5), torch.randn(12, 5)  # no fixed layout: 12 passages for 8 queries
     target = torch.tensor([11, 0, 5, 5, 2, 9, 7, 3])
     reference = SimpleContrastiveLoss(temperature=0.5)
-    reference(towers[0](q), towers[1](p), target=target).backward()
+    per_query = reference(towers[0](q), towers[1](p), target=target, reduction="none")
+    per_query.mean().backward()
     expected = grads(towers)
     for t in towers:
         t.zero_grad(set_to_none=True)
     models = [DistributedDataParallel(t) for t in towers]
     q_rows, p_rows = slice(rank * 4, (rank + 1) * 4), slice(rank * 6, (rank + 1) * 6)
-    GradCache(models, 3, DistributedContrastiveLoss(temperature=0.5))(q[q_rows], p[p_rows], target=target,
-                                                                      no_sync_except_last=True)
+    loss = GradCache(models, 3, DistributedContrastiveLoss(temperature=0.5))(q[q_rows], p[p_rows], target=target,
+                                                                             no_sync_except_last=True)
     assert rel_err(grads(towers), expected) < 1e-5, rel_err(grads(towers), expected)
+    torch.testing.assert_close(loss, per_query[q_rows].mean().detach())
 
 
 def check_embeddings_under_ddp(rank: int) -> None:

@@ -484,7 +484,11 @@ class DistributedContrastiveLoss(SimpleContrastiveLoss):
         The fp32 loss of this rank's queries against the passages of all ranks (``[B]`` with ``reduction="none"``).
 
     References:
-        ``DistributedContrastiveLoss`` of luyug/GradCache (Gao et al. 2021), which this replaces.
+        ``DistributedContrastiveLoss`` of luyug/GradCache (Gao et al. 2021), which this replaces, taking its
+        arguments and global ``target``. Two differences: it returns this rank's queries' loss (their mean) where
+        the original returns the global batch's, and its parameter gradients are W times the original's (whose
+        gather passes no gradient to other ranks, so after DDP's averaging it holds 1/W of the global-batch
+        gradient); here they are exactly the global-batch mean loss's gradient.
 
     Example (one process here; under ``torchrun`` every rank runs the same lines on its own batch):
         >>> import tempfile
