@@ -14,7 +14,7 @@ from torch import nn
 
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.base.errors import DprGcError
-from tests.helpers import Batch, BatchEncoder, split_batch, tiny_bert
+from tests.helpers import Batch, BatchEncoder, random_texts, split_batch, tiny_bert
 from tests.helpers import MeanOfEmbeddings, grads, make_batch, models_of, reference_grads, rel_err, zero
 
 
@@ -424,6 +424,42 @@ def test_a_model_that_takes_the_features_dict_whole_gets_it_sorted_and_trimmed()
               chunking=Chunking(sort_by_length=True, trim=True))(q, p)
     assert rel_err(grads([model]), expected) < 1e-5
     assert max(widths) < 9
+
+
+def tiny_sentence_transformer(tokenizer, folder) -> nn.Module:
+    """A SentenceTransformer of a tiny random BERT (saved to ``folder``, no hub) and mean pooling, in eval mode."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    tiny_bert(len(tokenizer), 4).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model = SentenceTransformer(modules=[Transformer(str(folder)), Pooling(32, "mean")], device="cpu")
+    return model.eval()
+
+
+@pytest.mark.parametrize("hard_negatives", [0, 1])
+def test_cached_mnrl_is_grad_cache_with_the_simple_contrastive_loss(tiny_tokenizer, tmp_path, hard_negatives):
+    """SimpleContrastiveLoss's and GradCache's References: sentence-transformers' CachedMultipleNegativesRankingLoss
+    (scale 20, mini-batches of 3) is GradCache over the SentenceTransformer's features dicts with
+    ``SimpleContrastiveLoss(similarity="cos", temperature=1/scale)`` and ``out["sentence_embedding"]``: the same
+    loss and parameter gradients, with and without a hard negative column (laid out per query here, positive
+    first; a column each there)."""
+    import copy
+
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    theirs = tiny_sentence_transformer(tiny_tokenizer, tmp_path / "bert")
+    ours = copy.deepcopy(theirs)
+    columns = [random_texts(8, 50, 2, 8)] + [random_texts(8, 51 + c, 4, 30) for c in range(1 + hard_negatives)]
+    expected_loss = CachedMultipleNegativesRankingLoss(theirs, scale=20.0, mini_batch_size=3)(
+        [theirs.tokenize(column) for column in columns], torch.zeros(8))
+    expected_loss.backward()
+    passages = [column[i] for i in range(8) for column in columns[1:]]
+    loss_fn = SimpleContrastiveLoss(n_hard_negatives=hard_negatives, similarity="cos", temperature=1 / 20.0)
+    loss = GradCache([ours, ours], 3, loss_fn, get_rep_fn=lambda out: out["sentence_embedding"])(
+        ours.tokenize(columns[0]), ours.tokenize(passages))
+    assert abs(float(loss) - expected_loss.item()) / expected_loss.item() < 1e-5
+    assert rel_err(grads([ours]), grads([theirs])) < 1e-5
 
 
 class PolyCodes(nn.Module):
