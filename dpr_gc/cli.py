@@ -18,12 +18,13 @@ from .base.logs import setup_logging
 MODEL_FLAGS = ("--model", "--model_file", "--pretrained_model_cfg")
 # DPR's and GC-DPR's flag names that dpr-gc's commands lack -> the flag of a command taking that setting (with its
 # value where DPR's is a switch); "" where dpr-gc has none, for which a command with a DPR-compatible script
-# (Stage.dpr_script) names the script. The scripts' renaming tables (SCRIPT_FLAGS, train_dense_encoder.py's DPR
-# flags) are its source: tests/test_settings.py checks that each of their DPR names is answered.
+# (Stage.dpr_script) names the script. The scripts' parsers are its source: tests/test_settings.py checks that each
+# option string of their DPR options (--n_docs and its alias --n-docs) that the command lacks is answered.
 DPR_FLAGS = {
     "--model_file": "--model", "--ctx_file": "--corpus", "--ctx_src": "--corpus", "--ctx_datasets": "--corpus",
     "--ctx_datatsets": "--corpus", "--qa_file": "--queries", "--qa_dataset": "--queries", "--n_docs": "--top-k",
-    "--out_file": "--output", "--encoded_ctx_file": "--embeddings", "--encoded_ctx_files": "--embeddings",
+    "--n-docs": "--top-k", "--out_file": "--output", "--encoded_ctx_file": "--embeddings",
+    "--encoded_ctx_files": "--embeddings",
     "--index_path": "--index", "--index_buffer": "--block-size", "--hnsw_index": "--kind hnsw",
     "--sequence_length": "--max-length", "--projection_dim": "--projection-dim", "--no_cuda": "--device cpu",
     "--fp16": "--precision fp16", "--train_files_upsample_rates": "--sampling-rates",
@@ -31,7 +32,7 @@ DPR_FLAGS = {
                      "--adam_betas", "--do_lower_case", "--encoder_model_type", "--pretrained_model_cfg",
                      "--pretrained_file", "--fp16_opt_level", "--dropout", "--train_rolling_loss_step",
                      "--global_loss_buf_sz", "--fix_ctx_encoder", "--val_av_rank_start_epoch", "--checkpoint_file_name",
-                     "--local_rank", "--save_or_load_index", "--encode_q_and_save", "--re_encode_q",
+                     "--local_rank", "--local-rank", "--save_or_load_index", "--encode_q_and_save", "--re_encode_q",
                      "--q_encoding_path", "--validation_workers"), ""),
 }
 

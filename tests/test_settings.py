@@ -238,6 +238,8 @@ SCRIPT_SAYS = ("{flag} is a GC-DPR/DPR flag dpr-gc {command} has no flag for; sc
      "--qa_file is DPR's name: dpr-gc retrieve takes --queries"),
     (["retrieve", "--index", "i", "--queries", "q.csv", "--n_docs", "5"],
      "--n_docs is DPR's name: dpr-gc retrieve takes --top-k"),
+    (["retrieve", "--index", "i", "--queries", "q.csv", "--n-docs", "100"],
+     "--n-docs is DPR's name: dpr-gc retrieve takes --top-k"),
     (["encode", "--model", "m", "--ctx_file", "c.tsv", "--output", "o"],
      "--ctx_file is DPR's name: dpr-gc encode takes --corpus"),
     (["mine", "--model_file", "m"], "--model_file is DPR's name: dpr-gc mine takes --model"),
@@ -258,26 +260,43 @@ def test_a_dpr_flag_name_is_answered_with_the_dpr_gc_flag_or_the_script(argv: li
 
 
 def test_every_dpr_flag_a_script_takes_is_answered_by_its_command() -> None:
-    """Each flag spelt as DPR does (no '-' inside: --model_file, --dropout) that a DPR-compatible script takes
-    beyond its dpr-gc command, typed into that command, is answered with a flag the command has or with the script
-    (the scripts' own renaming tables are the source); the flags dense_retriever.py borrows from dpr-gc index
-    (--factory, --block-size) and dpr-gc-style spellings are left to spelling."""
+    """Each option string of a DPR-compatible script's DPR option (one with a name spelt as DPR does: --model_file,
+    --n_docs, and its aliases: --n-docs, --local-rank) that its dpr-gc command lacks, typed into that command, is
+    answered with a flag the command has or with the script; dpr-gc's own flags under DPR's spelling (--batch_size)
+    are left to spelling. The scripts' parsers are the source, so a new script alias cannot go unanswered."""
     from dpr_gc.base.args import closest
 
     commands = {"train_dense_encoder train": "train", "generate_dense_embeddings": "encode",
                 "dense_retriever": "retrieve"}
-    index = set(cli.build_parser("index")._subparsers._group_actions[0].choices["index"]._option_string_actions)
     for name, script in script_parsers():
         if name not in commands:
             continue
         command = cli.build_parser(commands[name])._subparsers._group_actions[0].choices[commands[name]]
-        extra = set(script._option_string_actions) - set(command._option_string_actions) - index - {"-v", "--verbose"}
-        for flag in sorted(flag for flag in extra if "-" not in flag[2:]):
+        dpr = {flag for action in script._actions if any("_" in option for option in action.option_strings)
+               for flag in action.option_strings}
+        for flag in sorted(dpr - set(command._option_string_actions)):
             hint = command.closest_flag([flag])
             named = closest(flag, command._option_string_actions)
             assert hint.startswith(f"; {flag} is ") or named == flag.replace("_", "-"), (name, flag, hint)
             if " takes --" in hint:
                 assert hint.split(" takes ")[1].split()[0] in command._option_string_actions, (name, hint)
+
+
+@pytest.mark.parametrize("argv, hints", [
+    (["encode", "--model_file", "m", "--ctx_file", "c.tsv", "--out_file", "o"],
+     ["--model_file is DPR's name: dpr-gc encode takes --model", "--ctx_file is DPR's name: dpr-gc encode takes "
+      "--corpus", "--out_file is DPR's name: dpr-gc encode takes --output"]),
+    (["retrieve", "--model_file", "m", "--qa_file", "q.csv", "--n-docs", "5", "--index", "i"],
+     ["--model_file is DPR's name: dpr-gc retrieve takes --model", "--qa_file is DPR's name: dpr-gc retrieve takes "
+      "--queries", "--n-docs is DPR's name: dpr-gc retrieve takes --top-k"]),
+    ([*TRAIN_BASE, "--eval_per_epoch", "2", "--model_file", "m", "--log_batch_step=3"],
+     ["--model_file is DPR's name: dpr-gc train takes --model", "--eval_per_epoch, --log_batch_step are GC-DPR/DPR "
+      "flags dpr-gc train has no flag for; scripts/train_dense_encoder.py takes DPR's whole command line"])])
+def test_a_pasted_dpr_command_line_has_every_dpr_flag_answered(argv: list, hints: list) -> None:
+    """A DPR command line pasted into a dpr-gc command answered only its first DPR flag, so each rerun met the
+    next one: the one error line answers each of them."""
+    line = error_line(*call(cli.main, argv))
+    assert all(hint in line for hint in hints), line
 
 
 @pytest.mark.parametrize("argv, flag, command", [

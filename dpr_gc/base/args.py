@@ -126,9 +126,14 @@ class ArgumentParser(argparse.ArgumentParser):
         return self
 
     def closest_flag(self, words: Sequence[str]) -> str:
-        """For the first of ``words`` that is a DPR/GC-DPR flag name (:meth:`dpr_hint`), an option of the command
-        line before the sub-command (:meth:`outer_hint`) or close to one of this parser's options: ``; --model_file
-        is DPR's name: ...``, ``; --verbose is dpr-gc's own option: ...`` or ``; did you mean --FLAG?``; else ''."""
+        """What each of ``words`` that is a DPR/GC-DPR flag name means here (:meth:`dpr_hint`; a pasted DPR command
+        line has them all answered at once): ``; --model_file is DPR's name: ...; --ctx_file is ...``; where none is,
+        for the first word that is an option of the command line before the sub-command (:meth:`outer_hint`) or
+        close to one of this parser's options, ``; --verbose is dpr-gc's own option: ...`` or ``; did you mean
+        --FLAG?``; else ''."""
+        dpr = self.dpr_hints(words)
+        if dpr:
+            return "".join(f"; {hint}" for hint in dpr)
         for word in words:
             match = self.closest_option(word)
             hint = self.dpr_hint(word) or self.outer_hint(word) or (f"did you mean {match}?" if match else None)
@@ -148,16 +153,24 @@ class ArgumentParser(argparse.ArgumentParser):
     def dpr_hint(self, word: str) -> Optional[str]:
         """What this command calls the DPR/GC-DPR flag ``word`` (``dpr_names``), or, for one it has no flag for,
         the script that takes DPR's command lines (``dpr_script``); None for any other word (spelling decides)."""
-        flag = word.split("=", 1)[0]
-        target = self.dpr_names.get(flag)
-        if target is None:
-            return None
-        if target and target.split()[0] in self._option_string_actions:
-            return f"{flag} is DPR's name: {self.prog} takes {target}"
-        if self.dpr_script:
-            return (f"{flag} is a GC-DPR/DPR flag {self.prog} has no flag for; {self.dpr_script} takes DPR's whole "
-                    "command line (docs/dpr.md)")
-        return None
+        hints = self.dpr_hints([word])
+        return hints[0] if hints else None
+
+    def dpr_hints(self, words: Sequence[str]) -> list[str]:
+        """:meth:`dpr_hint` of each DPR/GC-DPR flag among ``words``, those this command has no flag for named
+        together with the script, in one hint."""
+        flags = dict.fromkeys(word.split("=", 1)[0] for word in words if word[:1] == "-")
+        targets = {flag: self.dpr_names[flag] for flag in flags if flag in self.dpr_names}
+        hints = [f"{flag} is DPR's name: {self.prog} takes {target}" for flag, target in targets.items()
+                 if target and target.split()[0] in self._option_string_actions]
+        scripted = [flag for flag, target in targets.items() if not target
+                    or target.split()[0] not in self._option_string_actions]
+        if scripted and self.dpr_script:
+            which = f"{scripted[0]} is a GC-DPR/DPR flag" if len(scripted) == 1 else \
+                f"{', '.join(scripted)} are GC-DPR/DPR flags"
+            hints.append(f"{which} {self.prog} has no flag for; {self.dpr_script} takes DPR's whole command line "
+                         "(docs/dpr.md)")
+        return hints
 
     def closest_option(self, word: str) -> Optional[str]:
         """This parser's option closest to ``word`` (a flag, with or without ``=VALUE``), if one is close."""
