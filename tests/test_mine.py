@@ -314,6 +314,26 @@ def test_dense_mining_takes_the_model_the_index_records_as_retrieve_does(world, 
             "--output", tmp_path / "x.json")
 
 
+NEEDS_INDEX = ("--source dense needs --index DIR (from dpr-gc index; it records the model and corpus) or "
+               "--embeddings DIR with --model and --corpus")
+
+
+@pytest.mark.parametrize("given", [(), ("--corpus",), ("--model", "--corpus")])
+def test_dense_mining_without_an_index_says_what_it_needs_in_one_line_before_loading(world, tmp_path, monkeypatch,
+                                                                                    given):
+    """`mine --source dense` with neither --index nor --embeddings asked for --corpus, then --model, and only after
+    the model loaded for --index or --embeddings, though --index alone is enough: one line says so first."""
+    monkeypatch.setattr(Retriever, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    paths = {"--corpus": world["root"] / "corpus.jsonl", "--model": world["root"] / "model"}
+    with pytest.raises(DprGcError) as refused:
+        cli("mine", "--train-file", world["root"] / "train.json", "--source", "dense",
+            *[word for flag in given for word in (flag, paths[flag])], "--output", tmp_path / "o.json")
+    assert str(refused.value) == NEEDS_INDEX
+    with pytest.raises(DprGcError, match=f"^no index in {re.escape(str(tmp_path / 'none'))}; " + re.escape(NEEDS_INDEX)):
+        cli("mine", "--train-file", world["root"] / "train.json", "--source", "dense", "--index", tmp_path / "none",
+            "--output", tmp_path / "o.json")
+
+
 def test_cli_bm25_dense_and_beir(world, tmp_path, capsys):
     root = world["root"]
     common = ("--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--n-negatives", 2, "--top-k", 20)

@@ -590,10 +590,7 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
         query_prefix, passage_prefix = recorded_prefixes(read_meta(index), query_prefix, passage_prefix)
     retriever = Retriever.load(model, default_device(device), query_prefix, passage_prefix).check_room("query")
     if not index_exists(index):
-        if embeddings is None:
-            where = f"no index in {index}; " if index is not None else ""
-            raise DprGcError(f"{where}--source dense needs --index DIR (from 'dpr-gc index') or --embeddings DIR "
-                             "(encode shards; encoded now if the folder has none)")
+        check_dense_inputs(index, embeddings)
         emb = Path(embeddings)
         if index is None:
             raise DprGcError(f"give --index DIR for the flat index built from --embeddings {emb} (a folder outside "
@@ -740,6 +737,17 @@ APPLIES = {**dict.fromkeys(("model", "index", "embeddings", "skip_model_check", 
            **dict.fromkeys(("bm25_index", "bm25_k1", "bm25_b"), BM25), "split": BEIR_ONLY}
 
 
+def check_dense_inputs(index: Optional[PathLike], embeddings: Optional[PathLike]) -> None:
+    """Refuse a dense source given neither an existing ``--index`` nor ``--embeddings``, in one line saying what
+    serves (``--index`` alone does: it records the model and corpus), before anything loads."""
+    from .index import index_exists
+
+    if embeddings is None and not index_exists(index):
+        where = f"no index in {index}; " if index is not None else ""
+        raise DprGcError(f"{where}--source dense needs --index DIR (from dpr-gc index; it records the model and "
+                         "corpus) or --embeddings DIR with --model and --corpus")
+
+
 def recorded_inputs(args: argparse.Namespace, beir: Optional[Path]) -> str:
     """The corpus to mine from (``--corpus``, the BEIR folder's, else the one ``--index`` records) and, for a dense
     source without ``--model``, the model ``--index`` records (into ``args.model``, said in the log), as ``retrieve``
@@ -748,6 +756,8 @@ def recorded_inputs(args: argparse.Namespace, beir: Optional[Path]) -> str:
     from .index import index_exists, read_meta
     from .retrieve import recorded_model
 
+    if args.source == "dense":
+        check_dense_inputs(args.index, args.embeddings)
     corpus_path = args.corpus or (find_beir_file(beir, "corpus.jsonl") if beir is not None else None)
     meta = read_meta(args.index) if index_exists(args.index) else {}
     recorded = {}
