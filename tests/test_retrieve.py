@@ -457,7 +457,8 @@ def test_evaluation_cut_offs_stop_at_top_k(world, tmp_path, capsys, caplog):
 
 def test_a_top_k_beyond_the_index_is_named_and_the_summary_gives_the_depth_retrieved(world, tmp_path, capsys, caplog):
     """Every question gets the whole index: the summary and the cut-offs said the depth asked for. Without --k one
-    warning says so (a second once named a "--k 500" never given, the default cut-off at --top-k)."""
+    warning says so (a second once named a "--k 500" never given, the default cut-off at --top-k), and the default
+    cut-offs stop at the depth retrieved (columns beyond it repeated its figures)."""
     queries, qrels = self_queries(tmp_path)
     vectors = len(passages())
     with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
@@ -476,6 +477,8 @@ def test_a_top_k_beyond_the_index_is_named_and_the_summary_gives_the_depth_retri
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [f"--top-k 500 beyond the index's {vectors} vectors: each question gets those {vectors} "
                         "passages"], warnings
+    columns = [f"@{k}" for k in (1, 5, 10, 20, 100) if k < vectors] + [f"@{vectors}"]  # none repeats @{vectors}
+    assert f"| metric | {' | '.join(columns)} |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("ids, judged, message", [

@@ -73,13 +73,14 @@ class RetrieveSettings:
     def __post_init__(self) -> None:
         check(self)
 
-    def cutoffs(self) -> Optional[list[int]]:
+    def cutoffs(self, depth: Optional[int] = None) -> Optional[list[int]]:
         """The cut-offs to evaluate at (None: no evaluation): ``ks``, or when ``evaluate`` asks the defaults below
-        ``top_k`` and ``top_k`` itself (a cut-off beyond the passages retrieved would repeat ``top_k``'s figure under
-        another name)."""
+        the depth retrieved (``top_k``, or ``depth`` where the index holds fewer vectors) and that depth itself (a
+        cut-off beyond the passages retrieved would repeat the depth's figure under another name)."""
         if self.ks:
             return list(self.ks)
-        return sorted({k for k in KS if k < self.top_k} | {self.top_k}) if self.evaluate else None
+        deepest = self.top_k if depth is None else min(self.top_k, depth)
+        return sorted({k for k in KS if k < deepest} | {deepest}) if self.evaluate else None
 
 
 @dataclasses.dataclass
@@ -564,8 +565,8 @@ def write_outputs(records: Iterable[dict], s: RetrieveSettings, qrels: Optional[
                   matcher: Optional[AnswerMatcher], hits: Optional[HitCount] = None) -> dict[str, dict[str, float]]:
     """Write ``records`` to the results file and the TREC run of ``s`` (each atomically) and evaluate them at its
     cut-offs (``matcher``: match answers for the evaluation, else use the records' ``has_answer``); ``hits`` counts
-    the passages each record holds."""
-    ks = s.cutoffs()
+    the passages each record holds (the default cut-offs stop at the depth it was asked for)."""
+    ks = s.cutoffs(hits.asked if hits is not None else None)
     with contextlib.ExitStack() as stack:
         writers: list[Any] = [hits] if hits is not None else []
         if s.output:
@@ -704,7 +705,7 @@ def warn_cut_offs_beyond(s: RetrieveSettings, depth: int, flags: bool, judged: b
     """Name the cut-offs ``s.ks`` asks for beyond the ``depth`` retrieved, whose figures count only those passages
     (the default cut-offs stop at the top-k, warned of by :func:`retrieved_depth`), and with qrels (``judged``)
     nDCG@10 and MRR@10, reported whatever the cut-offs; ``flags``: as ``--k`` and ``--top-k``, else in words."""
-    cutoffs = s.cutoffs()
+    cutoffs = s.cutoffs(depth)
     beyond = [k for k in s.ks or () if k > depth]
     always = judged and cutoffs is not None and always_beyond(cutoffs, depth)
     if not beyond and not always:
