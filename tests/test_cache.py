@@ -12,16 +12,21 @@ from dpr_gc.base.files import atomic_path
 from dpr_gc.cli import main
 from dpr_gc.data.arrow_cache import default_cache_dir
 from dpr_gc.data.corpus import load_corpus
+from tests.helpers import summary_rows
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples"
 
 
 def test_cache_lists_and_clears(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Both end with the closing summary every command prints (they printed none): the sources, MiB and folder of
+    the listing; what --clear removed, freed and kept."""
     monkeypatch.setenv("DPR_GC_CACHE", str(tmp_path / "cache"))
     load_corpus(EXAMPLES / "passages.tsv")
     assert main(["cache"]) == 0
     listing = capsys.readouterr().out
     assert "| corpora | 1 |" in listing and str(tmp_path / "cache" / "corpora") in listing
+    listed = summary_rows(listing)
+    assert (listed["sources"], listed["folder"]) == ("1", str(tmp_path / "cache")) and "MiB" in listed, listed
     busy = tmp_path / "cache" / "train" / "t-0123.arrow"
     busy.parent.mkdir(parents=True)
     with open(str(busy) + ".lock", "w") as held, atomic_path(busy) as tmp:
@@ -29,7 +34,9 @@ def test_cache_lists_and_clears(tmp_path: Path, monkeypatch, capsys) -> None:
         Path(tmp).write_bytes(b"x")
         assert main(["cache", "--clear"]) == 0
         assert Path(tmp).is_file()
-    assert "kept 1 cache(s) another run is building" in capsys.readouterr().out
+    cleared = summary_rows(capsys.readouterr().out)
+    assert cleared["kept"] == "1 cache(s) another run is building", cleared
+    assert cleared["removed"].endswith(" file(s)") and cleared["folder"] == str(tmp_path / "cache"), cleared
     assert list((tmp_path / "cache" / "corpora").iterdir()) == [] and busy.read_bytes() == b"x"  # it finished
     assert len(load_corpus(EXAMPLES / "passages.tsv")) == 6  # parsed again
 
@@ -96,7 +103,7 @@ def test_clear_and_the_listing_cover_every_file_a_training_parse_writes(tmp_path
     assert usage["train"] == (1, sum(p.stat().st_size for p in train.iterdir() if p != mine))
     cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p != mine]
     assert main(["cache", "--clear"]) == 0
-    assert f"removed {len(cached)} file(s)" in capsys.readouterr().out
+    assert summary_rows(capsys.readouterr().out)["removed"] == f"{len(cached)} file(s)"
     assert not any(p.exists() for p in cached)
     assert list(train.iterdir()) == [mine]
     assert len(load_dpr_files([EXAMPLES / "train.json"])) > 0  # parsed again
@@ -124,8 +131,8 @@ def test_cache_lists_and_clears_a_cache_dir_folder(tmp_path: Path, monkeypatch, 
     with open(str(busy) + ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         assert main(["cache", "--cache-dir", str(flat), "--clear"]) == 0
-    out = capsys.readouterr().out
-    assert f"removed {len(cached)} file(s)" in out and f"from {flat}" in out and "kept 1 cache(s)" in out, out
+    out = summary_rows(capsys.readouterr().out)
+    assert (out["removed"], out["folder"], out["kept"][:10]) == (f"{len(cached)} file(s)", str(flat), "1 cache(s)"), out
     assert sorted(p.name for p in flat.iterdir()) == ["notes.txt", busy.name + ".lock"]
     assert len(list((tmp_path / "default" / "corpora").iterdir())) == 2  # its cache and lock
     for given in (tmp_path / "missing", flat / "notes.txt"):

@@ -11,7 +11,7 @@ from tests.helpers import summary_rows
 PACKAGE = Path(__file__).resolve().parents[1] / "dpr_gc"
 # the tables that are no closing summary: metric tables, per-source counts, the cache listing, the demo's before/after
 DETAIL_TABLES = {("evaluation/evaluate.py", "format_table"), ("data/training.py", "_cli_prepare"),
-                 ("data/arrow_cache.py", "_cli_cache"), ("pipeline.py", "format_report"),
+                 ("data/arrow_cache.py", "cache_listing"), ("pipeline.py", "format_report"),
                  ("base/tables.py", "format_summary")}
 
 

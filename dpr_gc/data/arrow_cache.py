@@ -197,9 +197,22 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_cache)
 
 
-def _cli_cache(args: Any) -> None:
+def cache_listing(rows: list[tuple[str, int, int]], folders: Mapping[str, Path]) -> str:
+    """The detail table of ``dpr-gc cache``: the cached sources, MiB and folder of each kind of cache."""
     from ..base.tables import markdown_table
 
+    return markdown_table(("cache", "sources", "MiB", "folder"),
+                          [(k, n, f"{b / 2**20:.1f}", folders[k]) for k, n, b in rows])
+
+
+def _cli_cache(args: Any) -> None:
+    """List the caches (a detail table per kind), or with ``--clear`` empty them; either ends with the closing
+    summary every command prints."""
+    import time
+
+    from ..base.tables import format_summary
+
+    started = time.perf_counter()
     flat = args.cache_dir is not None
     root = Path(args.cache_dir).expanduser() if flat else cache_root()
     if flat and not root.is_dir():
@@ -207,10 +220,11 @@ def _cli_cache(args: Any) -> None:
                          "--cache-dir wrote its caches to")
     if args.clear:
         removed, freed, busy = clear_cache(root, flat)
-        print(f"removed {removed} file(s), {freed / 2**20:.1f} MiB, from {root}"
-              + (f"; kept {len(busy)} cache(s) another run is building" if busy else ""))
+        kept = {"kept": f"{len(busy)} cache(s) another run is building"} if busy else {}
+        print(format_summary({"removed": f"{removed} file(s)", "MiB": f"{freed / 2**20:.1f}", **kept, "folder": root},
+                             time.perf_counter() - started))
         return
-    rows, folders = cache_usage(root, flat), dict(cache_folders(root, flat))
-    print(markdown_table(("cache", "sources", "MiB", "folder"),
-                         [(k, n, f"{b / 2**20:.1f}", folders[k]) for k, n, b in rows] +
-                         [("total", sum(n for _, n, _ in rows), f"{sum(b for *_, b in rows) / 2**20:.1f}", root)]))
+    rows = cache_usage(root, flat)
+    print(cache_listing(rows, dict(cache_folders(root, flat))) + "\n")
+    print(format_summary({"sources": sum(n for _, n, _ in rows), "MiB": f"{sum(b for *_, b in rows) / 2**20:.1f}",
+                          "folder": root}, time.perf_counter() - started))
