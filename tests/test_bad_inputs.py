@@ -182,6 +182,26 @@ def test_retrieve_names_a_missing_queries_or_qrels_file_by_its_flag_before_loadi
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["evaluate", "--results", "{missing}"], "--results file not found: {missing}"),
+    (["evaluate", "--run", "{missing}", "--qrels", "{qrels}"], "--run file not found: {missing}"),
+    (["evaluate", "--results", "{qa}", "--qrels", "{missing}"], "--qrels file not found: {missing}"),
+    (["mine", "--train-file", "{missing}", "--corpus", "{corpus}", "--output", "{out}"],
+     "--train-file not found: {missing}"),
+    (["mine", "--train-file", "{qa}", "--corpus", "{missing}", "--output", "{out}"],
+     "--corpus file not found: {missing}"),
+    (["index", "--embeddings", "{missing}", "--output", "{out}"], "--embeddings folder not found: {missing}"),
+    (["encode", "--model", "{model}", "--corpus", "{missing}", "--output", "{out}"],
+     "--corpus file not found: {missing}"),
+    (["retrieve", "--index", "{idx}", "--queries", "{missing}", "--evaluate"],
+     "--queries file not found: {missing}")])
+def test_every_stage_names_a_missing_input_by_its_flag(world: dict, tmp_path: Path, argv: list, said: str) -> None:
+    """retrieve, encode and train named the flag of a missing input ("--queries file not found"), evaluate, mine and
+    index did not ("results file not found", "training file not found", "embeddings folder not found"): each does."""
+    paths = {"missing": tmp_path / "missing.json", "out": tmp_path / "out", **world}
+    refused([arg.format(**paths) for arg in argv], "error: " + said.format(**paths))
+
+
 def test_evaluate_refuses_bad_qrels_runs_and_results(world: dict, tmp_path: Path) -> None:
     bad = tmp_path / "bad.tsv"
     bad.write_bytes(b"query-id\tcorpus-id\tscore\nq1\tp\xff\t1\n")

@@ -387,8 +387,8 @@ def test_cli_and_dpr_script(tmp_path: Path, make_retriever, capsys: pytest.Captu
 
 
 @pytest.mark.parametrize("corpus, shard, said", [
-    ("missing.tsv", [], "--corpus not found: {tmp}/missing.tsv (check the path)"),
-    ("folder", [], "--corpus {tmp}/folder is a folder, not a file (check the path)"),
+    ("missing.tsv", [], "--corpus file not found: {tmp}/missing.tsv (check the path)"),
+    ("folder", [], "--corpus file {tmp}/folder is a folder, not a file (check the path)"),
     ("c.tsv", ["--shard-id", "3", "--num-shards", "2"],
      "--shard-id must be in [0, --num-shards); got shard 3 of 2")])
 def test_a_bad_corpus_or_shard_is_refused_before_the_model_loads(tmp_path: Path, monkeypatch, capsys, corpus: str,

@@ -554,7 +554,7 @@ def test_the_log_says_how_answers_are_judged(tmp_path, caplog):
 
 
 def test_a_folder_or_missing_file_given_as_run_or_qrels_is_named_as_such(tmp_path, capsys):
-    """The one-line error says which input it is, as it does for --results (it said only "file")."""
+    """The one-line error says which input it is by its flag, as it does for --results (it said only "file")."""
     from dpr_gc.cli import main
 
     qrels = tmp_path / "qrels.tsv"
@@ -563,9 +563,9 @@ def test_a_folder_or_missing_file_given_as_run_or_qrels_is_named_as_such(tmp_pat
     for flag, argv in (("run", ["--run", tmp_path / "folder", "--qrels", qrels]),
                        ("qrels", ["--run", qrels, "--qrels", tmp_path / "folder"])):
         assert main(["evaluate", *map(str, argv)]) == 2
-        assert f"error: {flag} file {tmp_path / 'folder'} is a folder, not a file" in capsys.readouterr().err
+        assert f"error: --{flag} file {tmp_path / 'folder'} is a folder, not a file" in capsys.readouterr().err
     assert main(["evaluate", "--run", str(qrels), "--qrels", str(tmp_path / "missing.tsv")]) == 2
-    assert f"error: qrels file not found: {tmp_path / 'missing.tsv'}" in capsys.readouterr().err
+    assert f"error: --qrels file not found: {tmp_path / 'missing.tsv'}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("ctx,match,message", [

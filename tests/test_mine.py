@@ -477,7 +477,7 @@ def test_answer_patterns_that_do_not_compile_are_named_before_the_corpus_is_read
 def test_bad_inputs_give_one_line_errors(world, tmp_path):
     root, corpus, src = world["root"], world["corpus"], world["bm25"]
     base = ("mine", "--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--output", tmp_path / "o.json")
-    with pytest.raises(DprGcError, match="training file not found"):
+    with pytest.raises(DprGcError, match="--train-file not found"):
         cli(*base, "--train-file", tmp_path / "missing.json")
     (tmp_path / "empty.json").write_text("[]\n")
     with pytest.raises(DprGcError, match="no training questions"):

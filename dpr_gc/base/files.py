@@ -35,7 +35,8 @@ DECODE_CHUNK = 1 << 20
 
 
 def require_file(path: PathLike, what: str = "file") -> Path:
-    """Return ``path`` as a Path, or raise a one-line error if it does not exist."""
+    """Return ``path`` as a Path, or raise a one-line error naming it as ``what`` if it is no file; a command names
+    its flag (``--queries file not found: X``), a library call what the file is."""
     p = Path(path)
     if p.is_dir():
         raise DprGcError(f"{what} {p} is a folder, not a file (check the path)")
@@ -44,6 +45,16 @@ def require_file(path: PathLike, what: str = "file") -> Path:
                          "(on the command line dpr-gc copies such an input first)")
     if not p.is_file():
         raise DprGcError(f"{what} not found: {p} (check the path)")
+    return p
+
+
+def require_folder(path: PathLike, what: str = "folder", advice: str = "check the path") -> Path:
+    """Return ``path`` as a Path, or raise a one-line error naming it as ``what`` (a command names its flag:
+    ``--embeddings folder``) if nothing is there, worded as :func:`require_file` words a missing file; a file there
+    is left to the caller, which knows what folder to ask for."""
+    p = Path(path)
+    if not p.is_dir() and not p.is_file():
+        raise DprGcError(f"{what} not found: {p} ({advice})")
     return p
 
 

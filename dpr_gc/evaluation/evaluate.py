@@ -29,7 +29,7 @@ from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  
 from ..base.args import nonnegative_int, output_file, plot_file, plot_format, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
-from ..base.files import PathLike, atomic_path, atomic_paths, dump_json, open_text
+from ..base.files import PathLike, atomic_path, atomic_paths, dump_json, open_text, require_file
 from ..base.settings import add_arguments, check, setting
 from .results import check_question, ctx_score, iter_results
 from ..base.validate import check_id
@@ -400,6 +400,9 @@ def _cli(args: argparse.Namespace) -> None:
     """Handler for ``dpr_gc evaluate``: evaluate, print the metric tables, write JSON and the optional plot, then
     the closing summary (inputs, outputs, time)."""
     started = time.perf_counter()
+    for flag in ("results", "run", "qrels"):  # a missing file is named by its flag, as every command names it
+        if getattr(args, flag):
+            require_file(getattr(args, flag), f"--{flag} file")
     mode = None if args.match == "stored" else args.match
     report = evaluate(args.k, args.results, args.run, args.qrels, mode, default_workers(args.workers))
     curves = {}

@@ -451,7 +451,7 @@ def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Opti
     with alike_on_every_rank():  # every torchrun rank checks the same flags and paths
         refuse_foreign_folder(job.output)
         resolve_shard(job.settings.shard_id, job.settings.num_shards)
-        require_file(job.corpus, "--corpus")
+        require_file(job.corpus, "--corpus file")
     manifest, seconds = encode_with_model(job)
     encoded = manifest["encoded"]  # a resumed or finished shard encoded fewer than its passages in this run
     rate = f"{encoded / seconds:.1f}" if encoded and seconds > 0 else "-"

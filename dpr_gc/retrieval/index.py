@@ -28,7 +28,7 @@ from ..base.args import output_dir, positive_int
 from ..base.cpus import cap_to_cpus
 from ..base.errors import DprGcError, is_disk_full
 from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
-from ..base.files import PathLike, check_output_dir, open_text, parse_json, read_json_object
+from ..base.files import PathLike, check_output_dir, open_text, parse_json, read_json_object, require_folder
 from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_folders
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary, seconds_text
@@ -999,6 +999,8 @@ def params_from_args(args: argparse.Namespace) -> IndexParams:
 
 @guarded(inputs=("embeddings",), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
+    """Handler for ``dpr-gc index``: build (or extend) the index from ``--embeddings``, then the closing summary."""
+    require_folder(args.embeddings, "--embeddings folder", "run `dpr-gc encode` first")  # named by its flag
     set_threads(args.threads)
     given = {field.name: getattr(args, field.name) for field in dataclasses.fields(IndexParams)}  # None: not given
     summary = build_index(args.embeddings, args.output, given, from_args(IndexBuild, args),

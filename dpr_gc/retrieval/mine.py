@@ -39,7 +39,7 @@ from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_d
 from ..base.errors import DprGcError, Interrupted, flags_renamed
 from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
-from ..base.files import ChunkedOutput, PathLike
+from ..base.files import ChunkedOutput, PathLike, require_file
 from ..base.locks import output_lock
 from ..base.settings import (AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
                              passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply, setting)
@@ -630,6 +630,13 @@ MINE_INPUTS = {dest: "--" + dest.replace("_", "-")
                for dest in ("train_file", "beir_dir", "corpus", "model", "index", "embeddings", "bm25_index", "qrels")}
 
 
+def require_input_files(args: argparse.Namespace) -> None:
+    """Refuse a missing --train-file, --corpus or --qrels in one line naming its flag, before anything is read."""
+    for flag, what in (("train_file", "--train-file"), ("corpus", "--corpus file"), ("qrels", "--qrels file")):
+        if getattr(args, flag):
+            require_file(getattr(args, flag), what)
+
+
 def built_folders(args: argparse.Namespace) -> dict[str, str]:
     """The folders this run writes, by flag (each is read, an input, once built): the BM25 index when
     ``--bm25-index`` holds none yet; for ``--source dense`` without an index in ``--index``, that index (built from
@@ -791,6 +798,7 @@ def _cli(args: argparse.Namespace) -> None:
     if bool(args.train_file) == bool(args.beir_dir):
         raise DprGcError("give exactly one of --train-file (DPR training file) or --beir-dir (BEIR folder)")
     refuse_flags_that_do_not_apply(MineJob, args, APPLIES)
+    require_input_files(args)
     check_built_folders(args)
     mining = from_args(MineSettings, args)
     mining = dataclasses.replace(mining, workers=default_workers(mining.workers))  # cut to the CPUs once, said once

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..base.errors import DprGcError
-from ..base.files import PathLike, open_text, read_json_object
+from ..base.files import PathLike, open_text, read_json_object, require_folder
 from ..base.validate import Field, check_fields, count, inside, positive_int, text
 from .fingerprint import LEGACY_KEY, disagreeing
 
@@ -113,8 +113,7 @@ def read_manifests(folder: PathLike, complete: bool = True) -> list[dict]:
     root = Path(folder)
     if root.is_file():
         raise DprGcError(f"{root} is a file; give the folder that `dpr-gc encode --output` wrote")
-    if not root.is_dir():
-        raise DprGcError(f"embeddings folder not found: {root} (run `dpr-gc encode` first)")
+    require_folder(root, "embeddings folder", "run `dpr-gc encode` first")
     manifests = [read_manifest(p) for p in sorted(root.iterdir()) if MANIFEST_RE.match(p.name)]
     if not manifests:
         raise DprGcError(no_shards_message(root))
