@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from .base.args import nonnegative_int, output_dir, positive_float, positive_int, seed_int
+from .base.args import home_expanded, nonnegative_int, output_dir, positive_float, positive_int, seed_int
 from .base.errors import DiskFullError, DprGcError, Interrupted
 from .base.guard import guarded
 from .base.files import atomic_path, atomic_paths, dump_json, read_json, read_json_object, write_json
@@ -448,7 +448,8 @@ class DemoFlags:
     worth changing from the command line; the defaults are the recipe's."""
 
     output: str = setting(DemoConfig.output_dir, "--output", type=output_dir, help="output folder (resumable)")
-    model: Optional[str] = setting(None, "--model", help="Hugging Face model name or folder (default: offline MiniLM)")
+    model: Optional[str] = setting(None, "--model", type=home_expanded,
+                                   help="Hugging Face model name or folder (default: offline MiniLM)")
     max_examples: Optional[int] = setting(None, "--max-examples", type=positive_int,
                                           help="subsample the dataset (a quicker, rougher run)")
     train_queries: Optional[int] = setting(DemoConfig.train_queries, "--train-queries", type=positive_int,

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .answers import (STORED, AccuracyCounter, AnswerMatcher, UncompiledPatterns, answer_flags, check_ks, check_mode,
                       default_workers, iter_blocks, resolve_mode)
 from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  # noqa: F401 (the API of evaluation)
-from ..base.args import nonnegative_int, output_file, plot_file, plot_format, positive_int
+from ..base.args import home_expanded, nonnegative_int, output_file, plot_file, plot_format, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
 from ..base.files import PathLike, atomic_path, atomic_paths, dump_json, open_text, require_file
@@ -448,11 +448,13 @@ class EvaluateSettings:
     """``dpr-gc evaluate``: what is evaluated (a results file and/or a TREC run with qrels), at which cut-offs, how
     answers are matched, and where the report goes."""
 
-    results: Optional[str] = setting(None, "--results",
+    results: Optional[str] = setting(None, "--results", type=home_expanded,
                                      help="DPR retriever output JSON: [{question, answers, ctxs: [...]}]")
-    run: Optional[str] = setting(None, "--run", help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
-    qrels: Optional[str] = setting(None, "--qrels", help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels "
-                                                         "(qid 0 docid rel)")
+    run: Optional[str] = setting(None, "--run", type=home_expanded,
+                                 help="TREC run file 'qid Q0 docid rank score tag' (needs --qrels)")
+    qrels: Optional[str] = setting(None, "--qrels", type=home_expanded,
+                                   help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels "
+                                        "(qid 0 docid rel)")
     k: list[int] = setting(None, "--k", type=positive_int, nargs="+", default_factory=lambda: [1, 5, 10, 20, 100],
                            help="cut-offs (nDCG@10 and MRR@10 are always reported)")
     match: str = setting("auto", "--match", choices=("auto", "stored") + MATCH_MODES,

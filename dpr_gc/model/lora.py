@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from ..base.args import layer_size, output_dir, positive_float
+from ..base.args import home_expanded, layer_size, output_dir, positive_float
 from ..base.errors import DprGcError
 from ..base.files import read_json_object
 from ..base.logs import dependency_deprecations_hidden
@@ -206,7 +206,8 @@ def merge_lora(retriever: Any) -> int:
 class MergeSettings:
     """``dpr-gc merge-lora``: the adapted retriever and the folder for the merged one."""
 
-    model: str = setting("", "--model", required=True, help="a saved retriever whose towers carry LoRA adapters")
+    model: str = setting("", "--model", type=home_expanded,
+                         required=True, help="a saved retriever whose towers carry LoRA adapters")
     output: str = setting("", "--output", type=output_dir, required=True, help="folder for the merged retriever")
 
 

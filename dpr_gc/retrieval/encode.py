@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data.corpus import dataset_fingerprint, load_corpus
-from ..base.args import nonnegative_int, output_dir, positive_int
+from ..base.args import home_expanded, nonnegative_int, output_dir, positive_int
 from ..base.devices import (PRECISIONS, autocast_dtype, cpu_has_native_bf16, cpu_threads, default_device,
                             pick_precision, warn_if_emulated)
 from ..base.errors import DprGcError, Interrupted, alike_on_every_rank
@@ -76,9 +76,9 @@ class EncodeSettings:
 class EncodeJob:
     """``dpr-gc encode``: which model encodes which corpus into which folder, on which device, and how."""
 
-    model: str = setting("", "--model", required=True, aliases=("--model_file",),
+    model: str = setting("", "--model", type=home_expanded, required=True, aliases=("--model_file",),
                          help="trained retriever folder, or any Hugging Face model folder/name")
-    corpus: str = setting("", "--corpus", required=True, aliases=("--ctx_src", "--ctx_file"),
+    corpus: str = setting("", "--corpus", type=home_expanded, required=True, aliases=("--ctx_src", "--ctx_file"),
                           help="passages TSV (id, text, title), BEIR corpus.jsonl(.gz) or JSONL with id/text/title")
     output: str = setting("", "--output", type=output_dir, required=True, aliases=("--out_file",),
                           help="output folder")

@@ -24,7 +24,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping, Optional, Union
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..base.args import output_dir, positive_int
+from ..base.args import home_expanded, output_dir, positive_int
 from ..base.cpus import cap_to_cpus
 from ..base.errors import DprGcError, is_disk_full
 from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
@@ -981,7 +981,7 @@ def add_index_arguments(p: argparse.ArgumentParser) -> None:
 class IndexJob:
     """``dpr-gc index`` besides the index's parameters: the shards, the index folder, appending, FAISS threads."""
 
-    embeddings: str = setting("", "--embeddings", required=True,
+    embeddings: str = setting("", "--embeddings", type=home_expanded, required=True,
                               help="folder of encode shards (shard-*.npy/.ids.txt/.json)")
     output: str = setting("", "--output", type=output_dir, required=True,
                           help=f"index folder to write ({INDEX_FILE}, {IDS_FILE}, {META_FILE})")

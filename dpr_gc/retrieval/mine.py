@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 from .bm25 import BM25Source, Gold, bm25_index_exists, check_bm25_folder
 from ..data.corpus import file_stamp, rows_for_ids, source_fingerprint
 from ..data.training import beir_training_records, context_id, iter_numbered_training_file, iter_training_file
-from ..base.args import (any_float, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
-                         positive_int, unit_float)
+from ..base.args import (any_float, home_expanded, nonnegative_float, nonnegative_int, output_dir, output_file,
+                         positive_float, positive_int, unit_float)
 from ..base.errors import DprGcError, Interrupted, flags_renamed
 from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
@@ -101,8 +101,9 @@ class SourceSettings:
     """Where candidates come from: BM25 (``k1``, ``b``, a saved index), or a trained retriever over a FAISS index
     (built from encode shards, which are encoded first when missing)."""
 
-    model: Optional[str] = setting(None, "--model", help="trained retriever folder (dense source; default: the model "
-                                                        "recorded in --index)")
+    model: Optional[str] = setting(None, "--model", type=home_expanded,
+                                   help="trained retriever folder (dense source; default: the model "
+                                        "recorded in --index)")
     index: Optional[PathLike] = setting(None, "--index", type=output_dir,
                                         help="index folder from 'dpr-gc index'; built here from --embeddings if "
                                              "missing")
@@ -138,16 +139,20 @@ class MineJob:
                           help="DPR training file to write (.jsonl -> JSONL, else a JSON list)")
     source: str = setting("bm25", "--source", choices=SOURCES, help="where candidates come from: bm25 (bm25s) or "
                                                                      "dense")
-    train_file: Optional[str] = setting(None, "--train-file", help="DPR training file (.json/.jsonl, optionally .gz) "
-                                                                   "whose questions to mine for")
-    beir_dir: Optional[str] = setting(None, "--beir-dir", help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, "
-                                                               "corpus.jsonl); positives: qrels")
+    train_file: Optional[str] = setting(None, "--train-file", type=home_expanded,
+                                        help="DPR training file (.json/.jsonl, optionally .gz) "
+                                             "whose questions to mine for")
+    beir_dir: Optional[str] = setting(None, "--beir-dir", type=home_expanded,
+                                      help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, "
+                                           "corpus.jsonl); positives: qrels")
     split: str = setting("train", "--beir-split", dest="split", hidden=[("--split", {})],
                          help="qrels split of --beir-dir (qrels/SPLIT.tsv)")
-    corpus: Optional[str] = setting(None, "--corpus", help="passages to mine from (default: the BEIR corpus, or with "
-                                                           "--source dense the one recorded in --index)")
-    qrels: Optional[str] = setting(None, "--qrels", help="relevance judgments: their positives (by question id) are "
-                                                         "never negatives")
+    corpus: Optional[str] = setting(None, "--corpus", type=home_expanded,
+                                    help="passages to mine from (default: the BEIR corpus, or with "
+                                         "--source dense the one recorded in --index)")
+    qrels: Optional[str] = setting(None, "--qrels", type=home_expanded,
+                                   help="relevance judgments: their positives (by question id) are "
+                                        "never negatives")
     candidates: SourceSettings = group(SourceSettings, "candidates")
     mining: MineSettings = group(MineSettings, "mining")
 

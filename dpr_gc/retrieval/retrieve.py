@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..evaluation.answers import MATCH_MODES, AnswerMatcher, UncompiledPatterns, default_workers
-from ..base.args import input_dir, nonnegative_int, output_file, positive_int
+from ..base.args import home_expanded, input_dir, nonnegative_int, output_file, positive_int
 from ..base.errors import DprGcError, Interrupted, rename_flags
 from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
@@ -87,13 +87,16 @@ class RetrieveSettings:
 class RetrieveJob:
     """``dpr-gc retrieve`` besides the index: which questions, with which model against which corpus, and how."""
 
-    queries: str = setting("", "--queries", required=True, help="DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
-    model: Optional[str] = setting(None, "--model",
+    queries: str = setting("", "--queries", type=home_expanded,
+                           required=True, help="DPR QA TSV/CSV, NQ-open JSONL or BEIR queries.jsonl")
+    model: Optional[str] = setting(None, "--model", type=home_expanded,
                                    help="retriever folder or HF model (default: the model recorded in the index)")
-    corpus: Optional[str] = setting(None, "--corpus", help="passages the index was built from (default: the corpus "
-                                                           "recorded in the index)")
-    qrels: Optional[str] = setting(None, "--qrels", help="relevance judgments: only judged queries are retrieved; "
-                                                         "used by --evaluate")
+    corpus: Optional[str] = setting(None, "--corpus", type=home_expanded,
+                                    help="passages the index was built from (default: the corpus "
+                                         "recorded in the index)")
+    qrels: Optional[str] = setting(None, "--qrels", type=home_expanded,
+                                   help="relevance judgments: only judged queries are retrieved; "
+                                        "used by --evaluate")
     device: Optional[str] = device_setting("torch device for the question encoder (default: cuda if available)")
     cache_dir: Optional[str] = cache_dir_setting()
     check_model: bool = setting(True, "--skip-model-check", dest="skip_model_check", negate=True, resume=FREE,

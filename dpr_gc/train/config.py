@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from ..base.args import (auto_or, closest, device_arg, nonnegative_float, nonnegative_int, output_dir, positive_float,
-                         positive_int, proper_fraction, seed_int)
+from ..base.args import (auto_or, closest, device_arg, home_expanded, nonnegative_float, nonnegative_int, output_dir,
+                         positive_float, positive_int, proper_fraction, seed_int)
 from ..base.errors import DprGcError
 from ..base.files import read_json_object, write_json
 from ..base.settings import FIXED, FREE, AppliesWhen, Change, add_arguments, changed_settings, check, from_args, group
@@ -256,7 +256,7 @@ class RunConfig:
     seed: int = setting(0, "--seed", type=seed_int, help="seed of initialisation, sampling and dropout")
     device: Optional[str] = setting(None, "--device", type=device_arg, resume=FREE,
                                     help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    resume: Optional[str] = setting(None, "--resume", resume=FREE,
+    resume: Optional[str] = setting(None, "--resume", type=home_expanded, resume=FREE,
                                     help="checkpoint folder, or 'latest' in --output; settings that change the "
                                          "model or the training signal must match the recorded run")
     eval_every: Optional[int] = setting(None, "--eval-every", type=positive_int, resume=FREE,
