@@ -442,9 +442,15 @@ def test_mining_progress_bar_counts_to_the_number_of_questions(world, tmp_path, 
         assert (bar.total, bar.n) == (len(TOPICS), len(TOPICS)), (source[1], given[0])
 
 
-def test_dense_embeddings_without_an_index_folder_are_refused_before_encoding(world, tmp_path):
+def test_dense_embeddings_without_an_index_folder_are_refused_before_encoding(world, tmp_path, monkeypatch):
     """``--embeddings E`` builds a flat index, which may not lie inside E (an output inside an input): without
-    ``--index`` the run is refused at once, naming the flag, rather than after encoding the corpus."""
+    ``--index`` the run is refused at once, naming the flag, before the model loads or the corpus is encoded."""
+    from dpr_gc.model.retriever import Retriever
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(Retriever, "load", no_load)
     root = world["root"]
     with pytest.raises(DprGcError, match=re.escape(f"give --index DIR for the flat index built from --embeddings "
                                                    f"{tmp_path / 'emb'}")):

@@ -597,9 +597,6 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     if not index_exists(index):
         check_dense_inputs(index, embeddings)
         emb = Path(embeddings)
-        if index is None:
-            raise DprGcError(f"give --index DIR for the flat index built from --embeddings {emb} (a folder outside "
-                             "it, e.g. beside it)")
         if not has_shards(emb):
             if corpus_path is None:
                 raise DprGcError("encoding the corpus needs --corpus")
@@ -751,13 +748,17 @@ APPLIES = {**dict.fromkeys(("model", "index", "embeddings", "skip_model_check", 
 
 def check_dense_inputs(index: Optional[PathLike], embeddings: Optional[PathLike]) -> None:
     """Refuse a dense source given neither an existing ``--index`` nor ``--embeddings``, in one line saying what
-    serves (``--index`` alone does: it records the model and corpus), before anything loads."""
+    serves (``--index`` alone does: it records the model and corpus), and ``--embeddings`` without the ``--index``
+    folder its flat index goes to, before anything loads."""
     from .index import index_exists
 
     if embeddings is None and not index_exists(index):
         where = f"no index in {index}; " if index is not None else ""
         raise DprGcError(f"{where}--source dense needs --index DIR (from dpr-gc index; it records the model and "
                          "corpus) or --embeddings DIR with --model and --corpus")
+    if index is None and embeddings is not None:
+        raise DprGcError(f"give --index DIR for the flat index built from --embeddings {Path(embeddings)} (a folder "
+                         "outside it, e.g. beside it)")
 
 
 def recorded_inputs(args: argparse.Namespace, beir: Optional[Path]) -> str:
