@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import machine_info, parser, results_path, run_script, summary_table  # noqa: E402
+from bench_common import ROOT, machine_info, parser, results_path, run_script, summary_table  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -109,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--passage-max-length", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--work-dir", default="runs/bench_workers")
+    p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_workers"), help="the runs' folders and logs")
     p.add_argument("--output", default=results_path("workers", False))
     args = p.parse_args(argv)
     if not Path(args.train).is_file():

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 from unittest import mock
 
 import pytest
@@ -78,7 +78,8 @@ def test_every_scripts_unknown_flag_is_one_error_line(capsys: pytest.CaptureFixt
 
 def test_bench_workers_writes_its_results_beside_the_others_from_any_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    """The default --output is benchmarks/results/workers.json of the checkout, not of the working directory."""
+    """The default --output is benchmarks/results/workers.json of the checkout, not of the working directory, and
+    the default --work-dir is the checkout's runs/bench_workers."""
     import bench_workers
 
     train = tmp_path / "train.json"
@@ -86,10 +87,17 @@ def test_bench_workers_writes_its_results_beside_the_others_from_any_folder(
     written: list[str] = []
     fake = {"workers": 0, "peak_pss_mib": 1, "peak_rss_mib": 1, "wall_s": 1.0, "examples_per_s": 1.0}
     monkeypatch.chdir(tmp_path)
-    with mock.patch.object(bench_workers, "run", lambda path, workers, args: {**fake, "workers": workers}), \
+    work_dirs: list[str] = []
+
+    def run(path: str, workers: int, args: Any) -> dict:
+        work_dirs.append(args.work_dir)
+        return {**fake, "workers": workers}
+
+    with mock.patch.object(bench_workers, "run", run), \
             mock.patch.object(bench_workers, "write_json", lambda path, data: written.append(path)):
         assert bench_workers.main([str(train), "--workers", "0"]) == 0
     assert written == [str(RESULTS / "workers.json")]
+    assert work_dirs == [str(REPO / "runs" / "bench_workers")]
 
 
 def test_merging_a_missing_or_foreign_file_is_one_error_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
