@@ -317,3 +317,23 @@ def test_a_target_of_any_integer_dtype_gives_the_int64_targets_loss(dtype, block
     target = torch.tensor([1, 0, 7, 5])
     loss = SimpleContrastiveLoss(loss_chunk_size=block)
     assert torch.equal(loss(x, y, target=target.to(dtype)), loss(x, y, target=target))
+
+
+@pytest.mark.parametrize("block", [None, 0, 2])
+def test_a_zero_passage_row_under_symmetric_cosine_has_the_single_normalisation_gradient(block):
+    """Symmetric cosine normalises each representation once: a zero (all-padding) positive row's gradient is that of
+    one ``F.normalize``, as in the query→passage direction, not of a normalisation applied twice."""
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 8), torch.randn(6, 8)
+    y[2] = 0.0  # the second query's positive
+    loss_fn = SimpleContrastiveLoss(1, temperature=0.1, similarity="cos", symmetric=True, loss_chunk_size=block)
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    loss_fn(xr, yr).backward()
+    xa, ya = x.clone().requires_grad_(), y.clone().requires_grad_()
+    qn, pn = nn.functional.normalize(xa, dim=-1), nn.functional.normalize(ya, dim=-1)
+    targets = torch.arange(3) * 2
+    scores = qn @ pn.T / 0.1
+    want = (nn.functional.cross_entropy(scores, targets) + nn.functional.cross_entropy(scores[:, targets].T,
+                                                                                      torch.arange(3))) / 2
+    want.backward()
+    assert rel_err(yr.grad, ya.grad) < 1e-5 and rel_err(xr.grad, xa.grad) < 1e-5

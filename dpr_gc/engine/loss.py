@@ -360,12 +360,12 @@ class SimpleContrastiveLoss(nn.Module):
         positives = own if positive_ids is None else torch.cat([own, positive_ids.to(own.device).long()], dim=1)
         return passage_ids, positives
 
-    def _prepare(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = at_least_fp32(x.dtype, y.dtype)
-        x, y = x.to(dtype), y.to(dtype)
+    def _prepare(self, dtype: torch.dtype, *reps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``reps`` in ``dtype``, each row normalised once under ``"cos"``."""
+        reps = tuple(rep.to(dtype) for rep in reps)
         if self.similarity == "cos":
-            x, y = nn.functional.normalize(x, dim=-1), nn.functional.normalize(y, dim=-1)
-        return x, y
+            reps = tuple(nn.functional.normalize(rep, dim=-1) for rep in reps)
+        return reps
 
     def _direction(self, x: torch.Tensor, y: torch.Tensor, targets: torch.Tensor, reduction: str,
                    exclusion: Optional[Exclusion]) -> torch.Tensor:
@@ -394,11 +394,12 @@ class SimpleContrastiveLoss(nn.Module):
         else:
             self.masked_scores = 0
         with torch.autocast(x.device.type, enabled=False):
-            x, y_all = self._prepare(x, y_all)
+            dtype = at_least_fp32(x.dtype, y_all.dtype)
+            x, y_all = self._prepare(dtype, x, y_all)
             loss = self._direction(x, y_all, targets, reduction, forward_mask)
-            if self.symmetric:
-                x_all, positives = self._prepare(x_all, y_all[targets])
-                loss = (loss + self._direction(positives, x_all, query_index, reduction, backward_mask)) / 2
+            if self.symmetric:  # y_all's rows are normalised already
+                x_all, = self._prepare(dtype, x_all)
+                loss = (loss + self._direction(y_all[targets], x_all, query_index, reduction, backward_mask)) / 2
             return loss
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, target: Optional[torch.Tensor] = None,
