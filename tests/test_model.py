@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -77,3 +78,27 @@ def test_embed_and_forward_take_query_or_passage_and_one_title_per_text(make_ret
         retriever.embed("passage", ["the city of paris", "a river"], titles=["paris"])
     with pytest.raises(DprGcError, match="3 titles for 2 passage texts"):
         retriever.embed("passage", ["the city of paris", "a river"], titles=["paris", "river", "extra"])
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_a_left_padding_tokenizer_embeds_a_text_as_alone_and_as_right_padded(make_retriever, pooling):
+    """An encoder whose tokenizer pads on the left: ``cls`` pools each row's first real token (column 0 is padding
+    there), positions follow the mask, so a text embeds as it does alone and as under right padding."""
+    texts = ["the city of paris", "a river", "one two three four five six seven eight nine"]
+    retriever = make_retriever(pooling=pooling)
+    right = retriever.embed("passage", texts)
+    retriever.tokenizer = copy.deepcopy(retriever.tokenizer)
+    retriever.tokenizer.padding_side = "left"
+    together = retriever.embed("passage", texts)
+    alone = np.concatenate([retriever.embed("passage", [t]) for t in texts])
+    np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(together, right, rtol=1e-5, atol=1e-5)
+
+
+def test_pooler_pooling_refuses_left_padded_input(make_retriever):
+    """The pooler layer reads column 0, padding under a left-padding tokenizer: refused in one line, not pooled."""
+    retriever = make_retriever(pooling="pooler")
+    retriever.tokenizer = copy.deepcopy(retriever.tokenizer)
+    retriever.tokenizer.padding_side = "left"
+    with pytest.raises(DprGcError, match="--pooling pooler.*left"):
+        retriever.embed("passage", ["the city of paris", "a river"])

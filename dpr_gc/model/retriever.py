@@ -38,8 +38,8 @@ EMBED_CHUNK_BATCHES = 16  # batches tokenised per fast-tokenizer call by Retriev
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, pooler_output: Optional[torch.Tensor]) -> torch.Tensor:
     """Reduce token states ``[B, T, H]`` to one vector per sequence."""
-    if pooling == "cls":
-        return hidden[:, 0]
+    if pooling == "cls":  # each row's first real token: column 0 is padding under a left-padding tokenizer
+        return hidden[torch.arange(hidden.size(0), device=hidden.device), attention_mask.long().argmax(1)]
     if pooling == "mean":
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
@@ -47,6 +47,9 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, poole
         return hidden[torch.arange(hidden.size(0), device=hidden.device), last_token_index(attention_mask)]
     if pooler_output is None:
         raise DprGcError("--pooling pooler needs a model with a pooler layer; use cls, mean or last")
+    if is_left_padded(attention_mask):
+        raise DprGcError("--pooling pooler reads the first column, which is padding when the tokenizer pads on the "
+                         "left; use --pooling cls, or a tokenizer with padding_side='right'")
     return pooler_output
 
 
@@ -117,8 +120,8 @@ def plain_model_recipe(name: str, model: nn.Module, config: RetrieverConfig,
 class Encoder(nn.Module):
     """A transformer plus pooling, an optional linear projection and optional L2 normalisation."""
 
-    # Its pooling reads real tokens only (the mask-weighted mean, the last real token; cls and pooler the first
-    # column), so Gradient Cache cuts a chunk's padding by default (:func:`dpr_gc.engine.grad_cache.trims_exactly`).
+    # Its pooling reads real tokens only (the mask-weighted mean, the last real token, cls the first real one; pooler
+    # the first column, refused when that is padding), so Gradient Cache cuts a chunk's padding by default (:func:`dpr_gc.engine.grad_cache.trims_exactly`).
     ignores_padding = True
 
     def __init__(self, transformer: nn.Module, config: RetrieverConfig) -> None:
