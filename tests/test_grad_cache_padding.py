@@ -97,3 +97,15 @@ def test_a_retriever_still_trims_by_default(make_retriever) -> None:
     for model in (retriever, retriever.query_encoder, towers, torch.compile(retriever), torch.compile(towers)):
         assert trims_exactly(model, p), type(model).__name__
         assert not trims_exactly(model, p, trim=False)
+
+
+def test_the_trainers_towers_cut_a_left_padded_decoders_chunks_as_its_retriever_does() -> None:
+    """The trainer's towers report their retriever's ``counts_positions_from_mask``: a left-padded decoder's chunks
+    are cut to their longest rows in training as through the retriever (the same step, fewer columns)."""
+    from tests.llm_models import decoder_retriever
+
+    retriever = decoder_retriever(padding_side="left", passage_max_length=12)
+    q, p = make_batch(retriever, 6, 1, seed=3)
+    assert not bool(p["attention_mask"][:, 0].all())  # some row starts with padding
+    for model in (retriever, Towers(retriever), torch.compile(Towers(retriever))):
+        assert trims_exactly(model, p), type(model).__name__

@@ -98,6 +98,12 @@ class Towers(nn.Module):
         super().__init__()
         self.retriever = retriever
 
+    @property
+    def counts_positions_from_mask(self) -> bool:
+        """The retriever's (:attr:`dpr_gc.model.retriever.Retriever.counts_positions_from_mask`): left padding is cut
+        from the chunks exactly when positions follow the mask."""
+        return self.retriever.counts_positions_from_mask
+
     def forward(self, kind: Optional[str] = None, query: Any = None, passage: Any = None, **batch: torch.Tensor) -> Any:
         if kind is not None:
             return self.retriever(kind, **batch)
