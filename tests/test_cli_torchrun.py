@@ -117,3 +117,12 @@ def test_a_bad_command_line_under_torchrun_is_one_line(tmp_path):
                        "--output", str(tmp_path / "out")], limit_s=120, env=env)
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert run.returncode != 0 and len(errors) == 1 and "--bogus-flag" in errors[0], run.stderr[-3000:]
+
+
+def test_help_under_torchrun_prints_once(tmp_path):
+    """``--help`` under torchrun: each machine's first rank prints the help, the others exit 0 silently (2 ranks
+    printed it twice, interleaved)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       "-m", "dpr_gc.cli", "train", "--help"], limit_s=120, env=env)
+    assert run.returncode == 0 and run.stdout.count("usage: dpr-gc train") == 1, run.stdout[-3000:]

@@ -217,6 +217,11 @@ class ArgumentParser(argparse.ArgumentParser):
             self.allow_abbrev and option[:2] == "--" and any(name.startswith(option)
                                                               for name in self._option_string_actions))
 
+    def print_help(self, file: Any = None) -> None:
+        """The help, printed by each machine's first rank only under torchrun (every rank parses the same line)."""
+        if not shown_by_another_rank():
+            super().print_help(file)
+
     def error(self, message: str) -> NoReturn:
         """Print ``message`` as one ``error:`` line and exit 2; under torchrun every rank parses the same command
         line, so only each machine's first rank prints it (the others exit 2 silently)."""
