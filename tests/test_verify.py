@@ -67,6 +67,7 @@ def test_the_training_runs_warm_up_is_not_announced_as_the_checks(tmp_path, caps
         code, out = run(capsys, flags(tmp_path, init_model(tmp_path), "--warmup-ratio", "0.1", "--epochs", "2"))
     assert code == 0 and "PASS" in out, out
     assert "--warmup-ratio" not in caplog.text and "warm-up step" not in caplog.text
+    assert "--max-steps" not in caplog.text  # verify's own few steps are not the run's length
 
 
 def test_table_names_the_device_and_what_the_memory_budget_kept(tmp_path, capsys):

@@ -62,3 +62,43 @@ def test_metrics_record_the_learning_rate_each_step_used(tmp_path: Path, make_re
     Trainer(config).fit()
     lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["lr"] for line in lines] == pytest.approx([2e-5 * (6 - k) / 6 for k in range(6)])
+
+
+def _trainer(tmp_path: Path, make_retriever, records: int, **settings) -> Trainer:
+    make_retriever().save(tmp_path / "model")
+    data = write_dpr(tmp_path / "train.json", make_records(records, 0))
+    config = train_config(model=str(tmp_path / "model"), train_files=[str(data)], batch_size=4, num_workers=0,
+                          output_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"), query_chunk_size=4,
+                          passage_chunk_size=4, **settings)
+    return Trainer(config)
+
+
+def test_a_warm_up_not_shorter_than_the_run_is_a_warning(tmp_path: Path, make_retriever, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        _trainer(tmp_path, make_retriever, 24, max_steps=4, warmup_steps=50, learning_rate=1e-3).announce()
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "--warmup-steps 50" in r.getMessage()]
+    assert len(warned) == 1
+    assert "never reaches --learning-rate 0.001 (the last step runs at 8e-05)" in warned[0].getMessage()
+
+
+def test_max_steps_decides_the_length_over_epochs(tmp_path: Path, make_retriever, caplog) -> None:
+    """``--max-steps`` trains that many steps whatever ``--epochs`` says (as Hugging Face's Trainer), and says so."""
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        trainer = _trainer(tmp_path, make_retriever, 32, epochs=1, max_steps=12)
+        trainer.announce()
+    assert trainer.steps_per_epoch == 8 and trainer.total_steps == 12
+    assert "--max-steps 12: 1.5 epochs of 8 steps each (--max-steps decides the run's length" in caplog.text
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records)
+
+
+def test_max_grad_norm_clips_the_gradient_the_optimizer_sees(tmp_path: Path, make_retriever) -> None:
+    import torch
+
+    trainer = _trainer(tmp_path, make_retriever, 24, max_steps=1, max_grad_norm=1e-3, learning_rate=1e-3)
+    seen = []
+    step = trainer.scaler.step
+    trainer.scaler.step = lambda optimizer: (seen.append(torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for p in trainer.params if p.grad is not None])).item()),
+        step(optimizer))
+    _, grad_norm = trainer.train_step(next(iter(trainer.loader)))
+    assert float(grad_norm) > 1e-2 and seen == [pytest.approx(1e-3, rel=1e-4)]

@@ -172,7 +172,9 @@ class OptimConfig:
     epochs: int = setting(1, "--epochs", "--num_train_epochs", type=positive_int, resume=FREE,
                           help="passes over the training data")
     max_steps: Optional[int] = setting(None, "--max-steps", type=positive_int, resume=FREE,
-                                       help="stop after this many steps (default: --epochs decides)")
+                                       help="train this many steps, over as many epochs as that takes; "
+                                            "given, it decides the length instead of --epochs (default: --epochs "
+                                            "decides)")
     max_grad_norm: float = setting(2.0, "--max-grad-norm", "--max_grad_norm", type=positive_float,
                                    help="clip the gradient norm to this")
     precision: str = setting("fp32", "--precision", choices=PRECISIONS,

@@ -618,6 +618,19 @@ class Trainer:
                                                               self.chunks, self.total_steps))
         self.retriever.training_info["steps"] = self.step
 
+    def announce_length(self) -> None:
+        """Say that ``--max-steps`` sets the run's length (``--epochs`` then counts for nothing), and warn of a
+        warm-up that the run never finishes (the rate never reaches ``--learning-rate``)."""
+        optim, total = self.config.optim, self.total_steps
+        if optim.max_steps is not None:
+            logger.info("--max-steps %d: %.3g epochs of %s each (--max-steps decides the run's length, not --epochs)",
+                        total, total / self.steps_per_epoch, counted(self.steps_per_epoch, "step"))
+        warmup = optim.warmup_for(total)
+        if optim.warmup_ratio is None and warmup >= total:
+            logger.warning("--warmup-steps %d is not shorter than the run's %s: the learning rate never reaches "
+                           "--learning-rate %g (the last step runs at %g)", warmup, counted(total, "step"),
+                           optim.learning_rate, optim.learning_rate * total / warmup)
+
     def announce(self) -> None:
         """Log what the run trains: its steps (a resumed run's, those after its checkpoint), batch, chunks,
         precision, device and workers."""
@@ -634,6 +647,7 @@ class Trainer:
                         counted(self.workers, "DataLoader worker"),
                         " (auto)" if config.data.num_workers == "auto" else "", cpu_threads(self.device))
             warn_if_emulated(config.optim.precision, self.device)
+            self.announce_length()
             if not config.optim.mask_duplicate_positives:
                 logger.info("--no-mask-duplicate-positives: a copy of a query's own positive elsewhere in the batch "
                             "scores as one of its negatives (DPR's and GC-DPR's loss)")
