@@ -209,6 +209,14 @@ def test_qrels_metrics_equal_pytrec_eval(seed):
         assert abs(means[name] - total / len(qrels)) < 1e-9, name
 
 
+def test_scores_equal_in_float32_tie_as_in_trec_eval():
+    """trec_eval (and pytrec_eval) keep scores as C floats: two float64 scores that round to one float32 tie, and
+    the tie goes to the larger docid ('b' ranks first; pytrec_eval gives recip_rank 0.5)."""
+    m = ev.qrels_metrics({"q1": {"a": 0.712345671, "b": 0.712345670}}, {"q1": {"a": 1}}, [1])
+    assert m["MRR@10"] == 0.5 and m["Recall@1"] == 0.0
+    assert ev.rank_documents({"a": 1.0000000000000002, "b": 1.0, "c": 2.0}) == ["c", "b", "a"]
+
+
 def test_qrels_metrics_hand_computed_and_missing_queries():
     qrels = {"a": {"x": 2, "y": 1, "z": 0}, "b": {"w": 1}}
     run = {"a": {"z": 3.0, "y": 2.0, "x": 2.0, "n": 1.0}}  # ties: y before x (docid descending)

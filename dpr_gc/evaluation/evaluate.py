@@ -17,6 +17,7 @@ import hashlib
 import logging
 import math
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -104,8 +105,12 @@ def run_from_results(results: Iterable[Any], source: str = "results") -> dict[st
 
 
 def rank_documents(scores: dict[str, float]) -> list[str]:
-    """Order documents as trec_eval does: score descending, ties broken by docid descending."""
-    return [d for d, _ in sorted(scores.items(), key=lambda item: (item[1], item[0]), reverse=True)]
+    """Order documents as trec_eval does: score descending, ties broken by docid descending. trec_eval holds each
+    score as a C ``float``, so scores equal in float32 (0.712345671 and 0.712345670) tie there too."""
+    def key(item: tuple[str, float]) -> tuple[float, str]:
+        return struct.unpack("f", struct.pack("f", item[1]))[0], item[0]
+
+    return [d for d, _ in sorted(scores.items(), key=key, reverse=True)]
 
 
 def query_metrics(scores: dict[str, float], judged: dict[str, int], ks: Iterable[int]) -> dict[str, float]:
