@@ -1,4 +1,5 @@
-"""Tiny random decoder-only models (Llama, Qwen2) and a decoder-style fast tokenizer, built in code (no download).
+"""Tiny random decoder-only models (Llama, Qwen2, Granite) and a decoder-style fast tokenizer, built in code (no
+download).
 
 The tokenizer behaves like Llama's: it adds BOS but not EOS and has no padding token, so loading it exercises
 dpr-gc's pad-token default and the EOS that last-token pooling appends.
@@ -11,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2Model
+from transformers import (GraniteConfig, GraniteModel, LlamaConfig, LlamaModel, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2Model)
 
 from dpr_gc import GradCache, SimpleContrastiveLoss
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
@@ -42,7 +44,7 @@ def decoder_tokenizer(padding_side: str = "right", add_eos: bool = False,
 
 
 def tiny_decoder(kind: str, vocab_size: int, seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    """A random 2-layer Llama or Qwen2 (eager attention: the same kernel whatever the sequence length)."""
+    """A random 2-layer Llama, Qwen2 or Granite (eager attention: the same kernel whatever the sequence length)."""
     torch.manual_seed(seed)
     fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -51,6 +53,8 @@ def tiny_decoder(kind: str, vocab_size: int, seed: int = 0, layers: int = 2) -> 
         return LlamaModel(LlamaConfig(**fields))
     if kind == "qwen2":
         return Qwen2Model(Qwen2Config(**fields))
+    if kind == "granite":
+        return GraniteModel(GraniteConfig(**fields))
     raise ValueError(f"unknown decoder kind {kind!r}")
 
 

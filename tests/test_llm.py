@@ -217,3 +217,69 @@ def test_a_default_length_beyond_the_models_positions_is_logged_once_and_saved_a
     with caplog.at_level(logging.INFO, logger="dpr_gc"):
         Retriever.load(tmp_path / "run" / "final")
     assert "exceeds the model's limit" not in caplog.text
+
+
+def test_a_decoder_family_outside_the_named_ones_takes_last_pooling_and_refuses_cls(tmp_path, caplog):
+    """A causal LM type transformers knows but dpr-gc does not name (Granite) is a decoder-only model: it loads with
+    last-token pooling, logged, and an explicit --pooling cls is refused in one line."""
+    import logging
+
+    from dpr_gc.base.errors import DprGcError
+
+    folder = save_decoder(tmp_path / "granite", "granite")
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        loaded = Retriever.load(folder)
+    assert (loaded.config.pooling, loaded.config.passage_format) == ("last", "concat")
+    assert "a decoder-only granite model: pooling last, passage format concat" in caplog.text
+    vectors = loaded.embed("query", TEXTS)
+    assert np.abs(vectors - vectors[0]).max() > 1e-3
+    with pytest.raises(DprGcError, match=r"--pooling cls does not fit a decoder-only model \(granite\)"):
+        Retriever.from_pretrained(str(folder), RetrieverConfig(pooling="cls"), chosen={"pooling"})
+
+
+def test_causal_decoders_are_told_from_encoders_and_encoder_decoders():
+    """Decoder-only: any causal LM type of transformers that has no masked LM, a config with is_decoder, an
+    unknown type whose architectures end in ForCausalLM; never an encoder (even one with a causal LM head class)
+    nor an encoder-decoder."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from dpr_gc.model.config import is_causal_decoder
+
+    for model_type in ("granite", "starcoder2", "cohere", "gemma3_text", "smollm3", "llama", "gpt2"):
+        assert is_causal_decoder(AutoConfig.for_model(model_type)), model_type
+    for model_type in ("bert", "roberta", "electra", "xlm-roberta", "bart", "mbart", "marian", "pegasus", "whisper",
+                       "t5", "distilbert", "bert-generation"):
+        assert not is_causal_decoder(AutoConfig.for_model(model_type)), model_type
+    assert is_causal_decoder(AutoConfig.for_model("bert", is_decoder=True))
+    assert is_causal_decoder(PretrainedConfig(architectures=["MyOwnForCausalLM"]))
+    assert not is_causal_decoder(PretrainedConfig(architectures=["MyOwnModel"]))
+    assert not is_causal_decoder(AutoConfig.for_model("roberta", architectures=["RobertaForCausalLM"]))
+
+
+def test_a_config_with_is_decoder_takes_last_pooling_and_the_load_logs_it(tmp_path, caplog):
+    """docs/stages.md: a plain model whose config has is_decoder (a BERT made causal) defaults to last-token
+    pooling, and the pooling taken is logged as the model loads."""
+    import logging
+
+    from transformers import BertConfig, BertModel
+
+    from dpr_gc.cli import main
+    from tests.helpers import call, passages, write_corpus
+
+    folder = tmp_path / "bert-decoder"
+    tokenizer = decoder_tokenizer()
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, is_decoder=True)).save_pretrained(folder)
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        loaded = Retriever.load(folder)
+    assert loaded.config.pooling == "last"
+    assert "a decoder-only bert model: pooling last" in caplog.text
+    caplog.clear()
+    corpus = write_corpus(tmp_path / "corpus", passages(4), "tsv")
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, err = call(main, ["encode", "--model", folder, "--corpus", corpus, "--output", tmp_path / "emb",
+                                "--device", "cpu"])
+    assert code == 0, err
+    assert "a decoder-only bert model: pooling last" in caplog.text

@@ -311,3 +311,12 @@ def test_the_log_and_the_card_say_the_lora_settings_and_gradient_checkpointing(t
         code, err = call(main, [*flags, "--model", tmp_path / "run" / "final", "--output", tmp_path / "more"])
     assert code == 0 and "LoRA r=4 alpha=8 dropout=0.1 on down_proj," in caplog.text, err
     assert "(the saved adapter)" in caplog.text
+
+
+def test_a_llama_style_decoder_outside_the_table_gets_the_default_lora_targets():
+    """Granite (and any decoder whose blocks hold Llama's q_proj ... down_proj) takes the Llama targets by default."""
+    retriever = decoder_retriever("granite")
+    apply_lora(retriever, LoraSettings(r=2))
+    config = retriever.query_encoder.transformer.peft_config["default"]
+    assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert adapter_only(retriever)

@@ -16,18 +16,38 @@ from ..engine.loss import TEMPERATURE_RANGE
 POOLINGS = ("cls", "mean", "pooler", "last")
 PASSAGE_FORMATS = ("pair", "concat")
 # transformers model types of decoder-only language models, whose causal attention lets a token see only those
-# before it: the first token (cls pooling) sees nothing of the text, so they take last-token pooling
+# before it: the first token (cls pooling) sees nothing of the text, so they take last-token pooling. Any other type
+# with a causal LM class of transformers and no masked LM one counts too (:func:`is_causal_decoder`).
 DECODER_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
                  "gemma3_text", "phi", "phi3", "gpt2", "gpt_neox", "gptj", "falcon", "opt", "olmo", "olmo2", "stablelm")
+# types with a causal LM class whose base model attends both ways unless configured ``is_decoder``
+BIDIRECTIONAL_TYPES = ("bert-generation",)
 # what a decoder-only model starts with when the user sets neither (docs/distributed.md's LLM recipe)
 DECODER_RECIPE = {"pooling": "last", "passage_format": "concat"}
 
 
 def is_causal_decoder(model_config: Any) -> bool:
-    """Whether a transformers model config describes causal attention: a decoder-only model type
-    (:data:`DECODER_TYPES`) or an encoder configured as a decoder (``is_decoder``)."""
-    return (getattr(model_config, "model_type", None) in DECODER_TYPES
-            or getattr(model_config, "is_decoder", False) is True)
+    """Whether a transformers model config describes causal attention, so the first token sees none of the text:
+    an encoder configured as a decoder (``is_decoder``), or a decoder-only model (not an encoder-decoder) whose type
+    is in :data:`DECODER_TYPES` or has a causal LM class in transformers but no masked LM one, or whose unknown
+    type names ``architectures`` ending in ``ForCausalLM``. Encoders with a causal LM head class (BERT, RoBERTa,
+    BART) are not decoders."""
+    if getattr(model_config, "is_decoder", False) is True:
+        return True
+    if getattr(model_config, "is_encoder_decoder", False) is True:
+        return False
+    model_type = getattr(model_config, "model_type", None)
+    if model_type in DECODER_TYPES:
+        return True
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type in BIDIRECTIONAL_TYPES:
+        return False
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return True
+    architectures = getattr(model_config, "architectures", None) or ()
+    return any(str(a).endswith("ForCausalLM") for a in architectures)
 
 
 @dataclasses.dataclass

@@ -32,9 +32,11 @@ logger = logging.getLogger(__name__)
 
 ENCODER_TARGETS = ("query", "key", "value", "dense")
 DECODER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Linear layers adapted by default, by transformers ``model_type``: attention and feed-forward of every block.
+# Linear layers adapted by default, by transformers ``model_type``: attention and feed-forward of every block. A type
+# not listed whose blocks hold every one of DECODER_TARGETS (Llama-style names) takes those.
 DEFAULT_TARGETS = {**dict.fromkeys(("bert", "roberta", "xlm-roberta", "camembert", "electra"), ENCODER_TARGETS),
-                   **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"),
+                   **dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                                    "granite", "olmo", "olmo2", "olmo3", "cohere", "cohere2", "helium", "smollm3"),
                                    DECODER_TARGETS)}
 
 
@@ -57,7 +59,7 @@ def module_names(text: str) -> list[str]:
 @dataclasses.dataclass
 class LoraSettings:
     """``--lora-r`` (the rank; LoRA is on when given), ``--lora-alpha`` (default ``2 r``), ``--lora-dropout`` and
-    ``--lora-target-modules`` (default: :data:`DEFAULT_TARGETS` for the model's type)."""
+    ``--lora-target-modules`` (default: :func:`default_targets`)."""
 
     r: int = setting(dataclasses.MISSING, "--lora-r", type=layer_size, cli_default=None,
                      help="LoRA rank, at most 65536: train low-rank adapters only (default: not set, full "
@@ -120,8 +122,20 @@ def resolve_lora(name: str, settings: Optional[LoraSettings]) -> Optional[LoraSe
     return saved
 
 
+def linear_leaf_names(model: nn.Module) -> list[str]:
+    """The last name part of every Linear (or GPT-2 style Conv1D) layer of ``model``, deduplicated in model order:
+    the names ``--lora-target-modules`` can take."""
+    names = [name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")]
+    return list(dict.fromkeys(names))
+
+
 def default_targets(model: nn.Module) -> list[str]:
+    """The Linear layers a new adapter goes on when ``--lora-target-modules`` is not given: :data:`DEFAULT_TARGETS`
+    by model type, else Llama's names when the model holds them all."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in DEFAULT_TARGETS and set(DECODER_TARGETS) <= set(linear_leaf_names(model)):
+        return list(DECODER_TARGETS)
     if model_type not in DEFAULT_TARGETS:
         raise DprGcError(f"no default LoRA target modules for model type {model_type!r}; name the Linear layers "
                          "to adapt with --lora-target-modules (e.g. q_proj,v_proj)")
