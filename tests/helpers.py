@@ -130,7 +130,7 @@ def randomise_adapters(retriever: torch.nn.Module, seed: int = 0) -> None:
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in retriever.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "lora_embedding_B" in name:
                 param.normal_(0, 0.1)
 
 

@@ -320,3 +320,21 @@ def test_a_llama_style_decoder_outside_the_table_gets_the_default_lora_targets()
     config = retriever.query_encoder.transformer.peft_config["default"]
     assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert adapter_only(retriever)
+
+
+def test_an_adapter_on_the_embedding_layer_loads_encodes_and_merges(tmp_path, capsys):
+    """--lora-target-modules embed_tokens wraps the input embeddings in PEFT's lora.Embedding: the saved retriever
+    loads back, encodes as the in-memory one and merges."""
+    base = save_decoder(tmp_path / "base", "llama")
+    retriever = Retriever.from_pretrained(str(base), decoder_retriever().config)
+    apply_lora(retriever, LoraSettings(r=2, target_modules=["embed_tokens", "q_proj"]))
+    randomise_adapters(retriever, seed=4)
+    retriever.save(tmp_path / "lora")
+    expected = retriever.embed("query", TEXTS)
+    loaded = Retriever.load(tmp_path / "lora")
+    np.testing.assert_allclose(loaded.embed("query", TEXTS), expected, rtol=0, atol=1e-6)
+    capsys.readouterr()
+    assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(tmp_path / "merged")]) == 0
+    merged = Retriever.load(tmp_path / "merged")
+    assert not is_adapted(merged.query_encoder.transformer)
+    np.testing.assert_allclose(merged.embed("query", TEXTS), expected, rtol=0, atol=1e-5)

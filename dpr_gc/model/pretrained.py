@@ -181,10 +181,18 @@ MIN_VOCABULARY_SHARE = 0.5
 PROBE_TEXT = "Tokenizer check: naïve café, 42 km \u2603 \U0001f9ea"
 
 
+def embedding_rows(model: nn.Module) -> int:
+    """How many token ids the model's input embeddings hold, read from the weight's rows: under a LoRA adapter on the
+    embeddings (PEFT's ``lora.Embedding``) the layer is a wrapper without ``num_embeddings``."""
+    embeddings = model.get_input_embeddings()
+    base = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
+    return int(base.weight.shape[0])
+
+
 def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | Path) -> None:
     """Refuse a tokenizer without its vocabulary (see :data:`MIN_VOCABULARY_SHARE`), one that cannot encode text,
     whose special tokens or other tokens have ids the model has no embedding for, or that cannot pad."""
-    rows = model.get_input_embeddings().num_embeddings
+    rows = embedding_rows(model)
     if len(tokenizer) < MIN_VOCABULARY_SHARE * rows:
         raise DprGcError(f"{name_or_path}: the tokenizer has {len(tokenizer):,} tokens for the model's {rows:,} "
                          "embeddings, so its vocabulary file (tokenizer.json, vocab.txt, ...) is missing or "
