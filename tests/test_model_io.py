@@ -359,14 +359,18 @@ def test_the_library_pages_sentence_transformers_snippet_embeds_as_dpr_gc_encode
     np.testing.assert_allclose(shown["passages"], gather(tmp_path / "emb")[1], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("fields", [{}, {"query_prefix": "query: ", "normalize": True}])
-def test_the_model_cards_python_snippets_run_as_written_and_embed_as_dpr_gc(make_retriever, tmp_path, fields):
+@pytest.mark.parametrize("kind,fields", [("bert", {}), ("bert", {"query_prefix": "query: ", "normalize": True}),
+                                         ("llama", {"query_prefix": "query: "})])
+def test_the_model_cards_python_snippets_run_as_written_and_embed_as_dpr_gc(make_retriever, tmp_path, kind, fields):
     """Each python block of a saved retriever's card runs as written (with the folder's path in place of
     "path/to/this/folder") and its query vectors equal dpr-gc's: the card's dpr-gc import and the transformers
-    block's inputs were never run by a test."""
+    block's inputs were never run by a test. A last-token decoder whose tokenizer adds no EOS: the snippets append
+    it, as dpr-gc does."""
     import re
 
-    retriever = make_retriever(**fields)
+    from tests.llm_models import decoder_retriever
+
+    retriever = make_retriever(**fields) if kind == "bert" else decoder_retriever(kind, **fields)
     retriever.save(tmp_path / "m")
     card = (tmp_path / "m" / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", card, flags=re.S)

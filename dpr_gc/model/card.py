@@ -15,7 +15,7 @@ from typing import Any
 
 from ..base.files import atomic_open
 from .pretrained import is_adapted
-from .tokenize import lowercases
+from .tokenize import eos_to_append, lowercases
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TRAINING_ROWS = (("base_model", "base model"), ("train_data", "training data"), ("dev_file", "dev data"),
@@ -138,22 +138,31 @@ def _cell(value: Any) -> str:
 
 
 def _usage(retriever: Any, shared: bool) -> str:
+    """The card's usage section: sentence-transformers, transformers and dpr-gc snippets that embed as dpr-gc does
+    (the EOS dpr-gc appends under last-token pooling written into the texts where the tokenizer does not add it)."""
     config = retriever.config
-    passages = ('[("Title", "Passage text.")])  # (title, text) pairs; untitled passages as plain strings'
-                if config.passage_format == "pair" else '["Title Passage text."])  # title + " " + text')
+    eos = eos_to_append(retriever.tokenizer, config) is not None
+    plus = " + eos" if eos else ""
+    passages = (f'[("Title", "Passage text."{plus})])  # (title, text) pairs; untitled passages as plain strings'
+                if config.passage_format == "pair" else f'["Title Passage text."{plus}])  # title + " " + text')
+    eos_line = ([f"eos = {retriever.tokenizer.eos_token!r}  # dpr-gc ends every text with it (last-token pooling)"]
+                if eos else [])
     st = ["## Usage", "", "### sentence-transformers", ""] + _separate_lora_note(retriever, shared) + ["```python",
           "from sentence_transformers import SentenceTransformer", "",
-          'model = SentenceTransformer("path/to/this/folder")',
-          'queries = model.encode_query(["Who wrote On the Origin of Species?"])  # adds the query prefix',
+          'model = SentenceTransformer("path/to/this/folder")', *eos_line,
+          f'queries = model.encode_query(["Who wrote On the Origin of Species?"{plus}])  # adds the query prefix',
           f"passages = model.encode_document({passages}",
           "scores = model.similarity(queries, passages)", "```", "",
           "`encode_query` / `encode_document` apply the stored prefixes and max lengths"
-          + ("" if shared else " and pick the tower (a `Router`)") + ", so the embeddings equal dpr-gc's."]
+          + ("" if shared else " and pick the tower (a `Router`)") + ", so the embeddings equal dpr-gc's"
+          + (" once each text ends with the tokenizer's EOS token, which dpr-gc appends under last-token pooling "
+             "and sentence-transformers does not; a text cut at the max length loses that EOS, where dpr-gc keeps "
+             "it as the last token." if eos else ".")]
     if config.passage_format == "pair":
         st[-1] += (" A passage whose title takes more than half the passage length is cut differently "
                    "(sentence-transformers truncates the longer of title and text; dpr-gc the text first).")
     lower = lowercases(retriever.tokenizer)
-    return "\n".join(st + _transformers_usage(config, shared, lower) + _dpr_gc_usage()) + "\n"
+    return "\n".join(st + _transformers_usage(config, shared, lower, eos) + _dpr_gc_usage()) + "\n"
 
 
 def _separate_lora_note(retriever: Any, shared: bool) -> list[str]:
@@ -166,16 +175,19 @@ def _separate_lora_note(retriever: Any, shared: bool) -> list[str]:
             "--output merged` writes a folder it loads as below.", ""]
 
 
-def _transformers_usage(config: Any, shared: bool, lower: bool) -> list[str]:
+def _transformers_usage(config: Any, shared: bool, lower: bool, eos: bool) -> list[str]:
+    """The card's transformers snippet (one shared tower) or a word on the towers' subfolders; ``eos``: the texts
+    end with the EOS token the tokenizer does not add."""
     if not shared:
         return ["", "### transformers", "",
                 "The towers are Hugging Face models in `query_0_Transformer/` and `document_0_Transformer/` (each "
                 "with its tokenizer): load each with `AutoModel` / `AutoTokenizer` and pool as below."]
     text = f"({config.query_prefix!r} + q).lower()" if lower else f"{config.query_prefix!r} + q"  # do_lower_case
+    text += " + tokenizer.eos_token" if eos else ""
     pool = {"mean": "(hidden * mask).sum(1) / mask.sum(1)", "cls": "hidden[:, 0]",
             "pooler": "model(**batch).pooler_output",
             "last": "hidden[torch.arange(len(hidden)), (mask[..., 0] * torch.arange(1, hidden.size(1) + 1)).argmax(1)]"
-            "  # the last real token (EOS appended when the tokenizer does not add it)"}[config.pooling]
+            "  # each text's last real token"}[config.pooling]
     lines = ["", "### transformers", "", "```python", "import torch", "from transformers import AutoModel, AutoTokenizer",
              "", 'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
              'model = AutoModel.from_pretrained("path/to/this/folder")',
