@@ -438,7 +438,8 @@ def test_dev_flags_without_dev_are_refused_in_one_line(world: dict, tmp_path: Pa
 def test_lora_flags_without_lora_r_are_refused_in_one_line(world: dict, tmp_path: Path) -> None:
     """--lora-alpha, --lora-dropout and --lora-target-modules shape the adapters --lora-r brings: without it they were
     silently ignored (full fine-tuning, even with a module named foo); train and verify refuse them in one line naming
-    each given. With --lora-r, or at their defaults, they are not."""
+    each given, --lora-dropout 0 too (a given value, refused against a saved adapter's other dropout). With --lora-r
+    they are not."""
     from dpr_gc.train.config import config_from_args
 
     out = tmp_path / "run"
@@ -451,7 +452,9 @@ def test_lora_flags_without_lora_r_are_refused_in_one_line(world: dict, tmp_path
     parse = cli.build_parser().parse_args
     train = ["train", "--train", str(world["train"]), "--output", str(out)]
     assert config_from_args(parse([*train, "--lora-r", "4", "--lora-alpha", "8"])).model.lora.alpha == 8
-    assert config_from_args(parse([*train, "--lora-dropout", "0"])).model.lora is None
+    assert config_from_args(parse([*train])).model.lora is None
+    with pytest.raises(DprGcError, match="--lora-dropout does not apply without --lora-r"):
+        config_from_args(parse([*train, "--lora-dropout", "0"]))
 
 
 def test_beir_flags_without_a_beir_folder_are_refused_in_one_line(world: dict, tmp_path: Path) -> None:

@@ -259,7 +259,8 @@ def test_lora_and_decoder_folders_load_in_sentence_transformers(tmp_path):
 
 def test_lora_flags_that_differ_from_a_saved_adapter_are_refused_and_the_used_ones_recorded(tmp_path):
     """Training a saved LoRA retriever trains its adapter as saved: --lora-* flags with other values are refused in
-    one line naming the adapter's settings, and matching ones record the adapter's (alpha, dropout, targets)."""
+    one line naming the adapter's settings (an explicit --lora-dropout 0 too), and matching ones, or none, record
+    the adapter's (alpha, dropout, targets), so resuming with or without --lora-r goes on."""
     from dpr_gc.model.retriever import RetrieverConfig
     from tests.helpers import call
     from tests.train_data import make_records, write_dpr
@@ -273,15 +274,22 @@ def test_lora_flags_that_differ_from_a_saved_adapter_are_refused_and_the_used_on
              "--num-workers", "0", "--cache-dir", tmp_path / "c", "--device", "cpu"]
     for given, named in ((["--lora-r", "16"], "--lora-r 16"),
                          (["--lora-r", "4", "--lora-alpha", "32"], "--lora-alpha 32"),
-                         (["--lora-r", "4", "--lora-target-modules", "q_proj"], "--lora-target-modules q_proj")):
+                         (["--lora-r", "4", "--lora-target-modules", "q_proj"], "--lora-target-modules q_proj"),
+                         (["--lora-r", "4", "--lora-dropout", "0"], "--lora-dropout 0")):
         code, err = call(main, [*flags, *given, "--output", tmp_path / "x"])
         assert code == 2 and err.count("\n") == 1 and not (tmp_path / "x").exists(), err
         assert "already carries an r=4 adapter (alpha 8, dropout 0.1, on q_proj,v_proj)" in err, err
         assert f"drop {named}, or run dpr-gc merge-lora" in err, err
-    code, err = call(main, [*flags, "--lora-r", "4", "--output", tmp_path / "run"])
+    saved = {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
+    for run, given in (("run", ["--lora-r", "4"]), ("plain", [])):
+        code, err = call(main, [*flags, *given, "--save-every", "1", "--output", tmp_path / run])
+        assert code == 0, err
+        recorded = json.loads((tmp_path / run / "train_config.json").read_text())["model"]["lora"]
+        assert recorded == saved, recorded
+    steps = [*flags[:flags.index("--max-steps") + 1], "2", *flags[flags.index("--max-steps") + 2:]]
+    code, err = call(main, [*steps, "--lora-r", "4", "--output", tmp_path / "plain", "--resume",
+                            tmp_path / "plain" / "checkpoint-1"])
     assert code == 0, err
-    recorded = json.loads((tmp_path / "run" / "train_config.json").read_text())["model"]["lora"]
-    assert recorded == {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}, recorded
 
 
 def test_the_log_and_the_card_say_the_lora_settings_and_gradient_checkpointing(tmp_path, caplog):

@@ -58,15 +58,17 @@ def module_names(text: str) -> list[str]:
 
 @dataclasses.dataclass
 class LoraSettings:
-    """``--lora-r`` (the rank; LoRA is on when given), ``--lora-alpha`` (default ``2 r``), ``--lora-dropout`` and
-    ``--lora-target-modules`` (default: :func:`default_targets`)."""
+    """``--lora-r`` (the rank; LoRA is on when given), ``--lora-alpha`` (default ``2 r``), ``--lora-dropout`` (None:
+    0) and ``--lora-target-modules`` (default: :func:`default_targets`); None is a flag not given, so a saved
+    adapter's own value applies (:func:`resolve_lora`)."""
 
     r: int = setting(dataclasses.MISSING, "--lora-r", type=layer_size, cli_default=None,
                      help="LoRA rank, at most 65536: train low-rank adapters only (default: not set, full "
                           "fine-tuning)")
     alpha: Optional[float] = setting(None, "--lora-alpha", type=positive_float,
                                      help="LoRA scaling numerator (default: 2 * rank)")
-    dropout: float = setting(0.0, "--lora-dropout", type=dropout_rate, help="dropout on the LoRA input, in [0, 1)")
+    dropout: Optional[float] = setting(None, "--lora-dropout", type=dropout_rate,
+                                       help="dropout on the LoRA input, in [0, 1) (default: 0, a saved adapter's own)")
     target_modules: Optional[Sequence[str]] = setting(
         None, "--lora-target-modules", type=module_names,
         help="comma-separated Linear module names to adapt (default: per architecture, e.g. query,key,value,dense "
@@ -78,7 +80,7 @@ class LoraSettings:
             raise DprGcError(f"--lora-r must be a positive integer, got {self.r!r}")
         if self.alpha is not None and not self.alpha > 0:
             raise DprGcError(f"--lora-alpha must be positive, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
+        if self.dropout is not None and not 0 <= self.dropout < 1:
             raise DprGcError(f"--lora-dropout must lie in [0, 1), got {self.dropout}")
         if self.target_modules is not None and not list(self.target_modules):
             raise DprGcError("--lora-target-modules needs at least one module name")
@@ -103,16 +105,20 @@ def saved_adapter(folder: Path) -> Optional[LoraSettings]:
 
 
 def resolve_lora(name: str, settings: Optional[LoraSettings]) -> Optional[LoraSettings]:
-    """``settings`` (the ``--lora-*`` flags) for training the model ``name``: when it carries an adapter already,
-    which trains as saved, that adapter's own settings, so the run records what it trains; a flag given with another
-    value than the adapter's is refused in one line. No flags (None): None, the adapter trained all the same."""
-    saved = saved_adapter(Path(name)) if settings is not None and Path(name).is_dir() else None
+    """The LoRA settings a run training the model ``name`` records: when it carries an adapter already, which trains
+    as saved, that adapter's own settings (``--lora-*`` flags given or not), a flag given (not None) with another value
+    than the adapter's refused in one line; else ``settings`` (the flags; None: no LoRA), dropout 0 when not given."""
+    saved = saved_adapter(Path(name)) if Path(name).is_dir() else None
     if saved is None:
+        if settings is not None and settings.dropout is None:
+            settings = dataclasses.replace(settings, dropout=0.0)
         return settings
+    if settings is None:
+        return saved
     targets = ",".join(saved.target_modules or ())
     differ = [f"--lora-r {settings.r}"] if settings.r != saved.r else []
     differ += [f"--lora-alpha {settings.alpha:g}"] if settings.alpha not in (None, saved.alpha) else []
-    differ += [f"--lora-dropout {settings.dropout:g}"] if settings.dropout not in (0.0, saved.dropout) else []
+    differ += [f"--lora-dropout {settings.dropout:g}"] if settings.dropout not in (None, saved.dropout) else []
     if settings.target_modules is not None and set(settings.target_modules) != set(saved.target_modules or ()):
         differ.append(f"--lora-target-modules {','.join(settings.target_modules)}")
     if differ:
@@ -157,7 +163,7 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
         if not is_adapted(model):
             targets = list(settings.target_modules or default_targets(model))
             config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r,
-                                     lora_dropout=settings.dropout, target_modules=targets, bias="none")
+                                     lora_dropout=settings.dropout or 0.0, target_modules=targets, bias="none")
             sources[id(encoder)] = ("--lora-target-modules" if settings.target_modules else
                                     f"default for {getattr(model.config, 'model_type', '?')}")
             base = str(getattr(model.config, "name_or_path", "") or "")
