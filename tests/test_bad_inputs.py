@@ -1953,6 +1953,28 @@ def test_a_folder_holding_no_model_says_what_it_is(tmp_path: Path, kind: str, ne
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind, needles", [
+    ("fsdp", ("a training output folder", "its checkpoints are sharded FSDP checkpoints",
+              "--fsdp --resume", "final/ or best/")),
+    ("fsdp/checkpoint-1", ("a sharded FSDP training checkpoint", "--fsdp --resume", "{runs}/final or {runs}/best"))])
+def test_an_fsdp_run_or_checkpoint_says_its_checkpoints_are_sharded(tmp_path: Path, kind: str,
+                                                                     needles: tuple) -> None:
+    """An FSDP run without final/ and one of its checkpoints (sharded/, no model/) as --model: one line saying the
+    checkpoints hold sharded weights only a --fsdp --resume reads, pointing to final/ or best/ (not to a
+    checkpoint-N/model that does not exist, nor 'no trained model yet')."""
+    runs = tmp_path / "fsdp"
+    for step in (1, 2):
+        (runs / f"checkpoint-{step}" / "sharded").mkdir(parents=True)
+        (runs / f"checkpoint-{step}" / "train_state.json").write_text("{}")
+        (runs / f"checkpoint-{step}" / "train_config.json").write_text("{}")
+    (runs / "train_config.json").write_text("{}")
+    (tmp_path / "corpus.tsv").write_bytes(tsv_bytes(passages()))
+    model = tmp_path / kind
+    line = refused(["encode", "--corpus", tmp_path / "corpus.tsv", "--device", "cpu", "--model", model, "--output",
+                    tmp_path / "out", "--cache-dir", tmp_path / "c"], *(n.format(runs=runs) for n in needles))
+    assert str(model) in line and "checkpoint-2/model" not in line and "no trained model yet" not in line
+
+
 @pytest.fixture(scope="module")
 def lora_folder(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The world's model with a LoRA adapter, saved: adapter_config.json + adapter_model.safetensors."""

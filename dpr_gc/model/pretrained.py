@@ -240,6 +240,7 @@ def check_model_folder(name_or_path: str | Path) -> None:
 
 STATE_JSON = "train_state.json"  # a training checkpoint's state (dpr_gc.train.checkpoints writes it)
 LEGACY_STATE = "state.pt"  # the state of a checkpoint from before the JSON format
+SHARDED = "sharded"  # an FSDP checkpoint's weights and optimizer state (torch.distributed.checkpoint), no model/
 
 
 def checkpoint_steps(out: Path) -> list[int]:
@@ -250,20 +251,31 @@ def checkpoint_steps(out: Path) -> list[int]:
 
 def check_model_files(folder: Path) -> None:
     """Refuse, in one line, a local folder that holds no model (no ``config.json``, ``modules.json`` or adapter
-    config), saying where the model is when it is a training output or one of its checkpoints; transformers would
-    say only that ``config.json`` lacks a ``model_type``."""
+    config), saying where the model is when it is a training output or one of its checkpoints (an FSDP one holds
+    sharded weights that only ``--fsdp --resume`` reads); transformers would say only that ``config.json`` lacks a
+    ``model_type``."""
     if not folder.is_dir() or any((folder / name).is_file() for name in ("config.json", "modules.json",
                                                                           ADAPTER_CONFIG)):
         return
-    if (folder / "model").is_dir() and any((folder / name).is_file() for name in (STATE_JSON, LEGACY_STATE)):
+    state = any((folder / name).is_file() for name in (STATE_JSON, LEGACY_STATE))
+    if state and (folder / "model").is_dir():
         raise DprGcError(f"model {str(folder)!r}: a training checkpoint, not a model folder; its model is "
                          f"{folder / 'model'}")
+    if state and (folder / SHARDED).is_dir():
+        run = folder.parent
+        raise DprGcError(f"model {str(folder)!r}: a sharded FSDP training checkpoint, not a model folder; only "
+                         f"torchrun ... dpr-gc train --fsdp --resume {folder} reads it: give the run's {run / 'final'} "
+                         f"or {run / 'best'} once it has written them")
     steps = checkpoint_steps(folder)
     done = [str(folder / name) for name in ("final", "best") if (folder / name).is_dir()]
     if done or steps or (folder / "train_config.json").is_file():
         where = f"use {' or '.join(done)}" if done else "it holds no trained model yet"
-        if steps and not done:
-            where = f"its latest checkpoint's model is {folder / f'checkpoint-{steps[-1]}' / 'model'}"
+        latest = folder / f"checkpoint-{steps[-1]}" if steps else folder
+        if steps and not done and (latest / SHARDED).is_dir() and not (latest / "model").is_dir():
+            where = ("its checkpoints are sharded FSDP checkpoints, which only torchrun ... dpr-gc train --fsdp "
+                     "--resume reads: give its final/ or best/ once the run has written them")
+        elif steps and not done:
+            where = f"its latest checkpoint's model is {latest / 'model'}"
         raise DprGcError(f"model {str(folder)!r}: a training output folder, not a model folder; {where}")
     raise DprGcError(f"model {str(folder)!r}: not a model folder (no config.json); give the folder a model was saved "
                      "to, or a Hugging Face model name")

@@ -22,7 +22,7 @@ from ..base.guard import check_outputs, lies_within, remove_stale_folders
 from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors, remove_stale_temporaries
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
-from ..model.pretrained import LEGACY_STATE, STATE_JSON, checkpoint_steps
+from ..model.pretrained import LEGACY_STATE, SHARDED, STATE_JSON, checkpoint_steps
 from .config import HIGHER_IS_BETTER, SETTINGS_FILE
 from ..model.retriever import Retriever
 
@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 STATE_FIELDS = {"step": count(), "optimizer": Field(dict, True), "scheduler": Field(dict), "scaler": Field(dict),
                 "sampler": Field(dict), "record": Field(dict, True), "best": Field(list),
                 "skipped_steps": count(), "skipped_in_a_row": count()}  # fp16 steps the GradScaler skipped
-SHARDED = "sharded"  # a checkpoint's FSDP weights and optimizer state (torch.distributed.checkpoint)
 STATE_TENSORS = "train_state.safetensors"
 
 
