@@ -283,3 +283,19 @@ def test_a_config_with_is_decoder_takes_last_pooling_and_the_load_logs_it(tmp_pa
                                 "--device", "cpu"])
     assert code == 0, err
     assert "a decoder-only bert model: pooling last" in caplog.text
+
+
+def test_a_retriever_built_again_quietly_logs_its_recipe_no_second_time(tmp_path, caplog):
+    """--fsdp's export builds the retriever again at every save (build_retriever(quiet=True)): the pooling line its
+    model's load logs (dpr_gc.model.retriever) is said once, at the start, not again at each export."""
+    import logging
+
+    from dpr_gc.train.config import ModelConfig
+    from dpr_gc.train.setup import build_retriever
+
+    model = ModelConfig(name=str(save_decoder(tmp_path / "qwen", "qwen2")))
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        build_retriever(model)
+        for _ in range(2):
+            build_retriever(model, quiet=True)
+    assert caplog.text.count("a decoder-only qwen2 model: pooling last") == 1, caplog.text

@@ -128,13 +128,24 @@ def dependency_deprecations_hidden() -> Iterator[None]:
 
 @contextlib.contextmanager
 def infos_hidden(log: logging.Logger) -> Iterator[None]:
-    """``log`` passes only warnings and errors inside the block: for work done again whose choices the log already
-    stated (the unsharded copy ``--fsdp`` builds for every save)."""
-    log.addFilter(warnings_and_errors)
+    """``log`` and every logger below it (``dpr_gc``: the whole toolkit) pass only warnings and errors inside the
+    block: for work done again whose choices the log already stated (the unsharded copy ``--fsdp`` builds for every
+    save). The filter sits on the handlers from ``log`` up to the root, where a child logger's records arrive."""
+    def keep(record: logging.LogRecord) -> bool:
+        below = record.name == log.name or record.name.startswith(log.name + ".")
+        return warnings_and_errors(record) or not below
+
+    handlers, node = [], log
+    while node is not None:
+        handlers += node.handlers
+        node = node.parent if node.propagate else None
+    for handler in handlers:
+        handler.addFilter(keep)
     try:
         yield
     finally:
-        log.removeFilter(warnings_and_errors)
+        for handler in handlers:
+            handler.removeFilter(keep)
 
 
 def infos_from_rank_zero() -> None:

@@ -40,8 +40,8 @@ def build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]] 
     """A saved retriever folder, an official DPR pair or a DPR ``.cp`` file loads as it is (prefixes given as flags
     replace its own); a sentence-transformers folder starts from its own recipe (:func:`folder_recipe`, whose log
     line also lists ``beside``); any other model name or folder starts a new one from ``model.retriever``.
-    ``quiet``: the same retriever built again, its choices not logged a second time."""
-    with infos_hidden(logger) if quiet else contextlib.nullcontext():
+    ``quiet``: the same retriever built again, its choices (the toolkit's INFO lines) not logged a second time."""
+    with infos_hidden(logging.getLogger("dpr_gc")) if quiet else contextlib.nullcontext():
         return _build_retriever(model, beside)
 
 
