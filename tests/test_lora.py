@@ -346,3 +346,33 @@ def test_an_adapter_on_the_embedding_layer_loads_encodes_and_merges(tmp_path, ca
     merged = Retriever.load(tmp_path / "merged")
     assert not is_adapted(merged.query_encoder.transformer)
     np.testing.assert_allclose(merged.embed("query", TEXTS), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,targets", [("gpt2", "c_attn,c_proj"), ("llama", "embed_tokens,q_proj")])
+def test_peft_advice_stays_out_of_the_command_lines_output(tmp_path, kind, targets):
+    """peft's UserWarnings about settings it adjusts itself (GPT-2's Conv1D fan_in_fan_out, save_embedding_layers
+    for an adapter on the embeddings) appear only with --verbose."""
+    from tests.helpers import call
+    from tests.llm_models import decoder_tokenizer
+    from tests.train_data import make_records, write_dpr
+
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2Model
+
+        base, tokenizer = tmp_path / "gpt2", decoder_tokenizer()
+        torch.manual_seed(0)
+        GPT2Model(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=64)
+                  ).save_pretrained(base)
+        tokenizer.save_pretrained(base)
+    else:
+        base = save_decoder(tmp_path / "llama", "llama")
+    data = write_dpr(tmp_path / "train.json", make_records(8, 1))
+    flags = ["train", "--train", data, "--model", base, "--batch-size", "4", "--max-steps", "1", "--num-workers", "0",
+             "--cache-dir", tmp_path / "c", "--device", "cpu", "--lora-r", "2", "--lora-target-modules", targets]
+    for verbose in ([], ["--verbose"]):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            code, err = call(main, [*verbose, *flags, "--output", tmp_path / f"run{len(verbose)}"])
+        assert code == 0, err
+        from_peft = [str(w.message) for w in seen if issubclass(w.category, UserWarning) and "peft" in w.filename]
+        assert bool(from_peft) == bool(verbose), from_peft

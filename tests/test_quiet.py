@@ -130,7 +130,8 @@ def test_no_cursor_movement_from_a_nested_bar_in_a_log_file(make_retriever, caps
 
 def test_quiet_hides_dependencies_deprecations_and_debug_lines_only() -> None:
     """A deprecation warning a dependency raises is for its callers' developers (peft's call of a deprecated
-    transformers property warns on every LoRA run); ours and other warnings still show. bm25s sets its own logger
+    transformers property warns on every LoRA run), and so is peft's advice on settings it adjusts itself; ours and
+    other warnings still show. bm25s sets its own logger
     to DEBUG when imported, after the quiet levels were set: the filter still holds its debug lines back."""
     from dpr_gc.base.logs import quiet_dependencies
 
@@ -139,7 +140,7 @@ def test_quiet_hides_dependencies_deprecations_and_debug_lines_only() -> None:
         quiet_dependencies()
         for module, category in (("transformers.modeling_utils", FutureWarning), ("peft.peft_model", FutureWarning),
                                  ("torch.distributed", DeprecationWarning), ("dpr_gc.engine", FutureWarning),
-                                 ("transformers.modeling_utils", UserWarning)):
+                                 ("transformers.modeling_utils", UserWarning), ("peft.tuners.lora.model", UserWarning)):
             warnings.warn_explicit(f"{module} {category.__name__}", category, "x.py", 1, module=module)
     assert [str(w.message) for w in seen] == ["dpr_gc.engine FutureWarning", "transformers.modeling_utils UserWarning"]
     bm25s = logging.getLogger("bm25s")

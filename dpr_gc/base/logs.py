@@ -4,11 +4,12 @@ FAISS logs its loader's attempts (``ModuleNotFoundError`` for the AVX-512 build 
 announces "JAX version ... available" at import, bm25s sets its own logger to DEBUG when imported, transformers draws a
 "Loading weights" bar on every model load and "Writing model shards" bars on every save (which break into the training
 bar), peft calls a transformers property that warns of its own deprecation, and matplotlib announces the font cache it
-builds on a machine's first plot. None of it is about what the toolkit does, so without ``--verbose`` those loggers pass
-only warnings and errors (a filter on each, which a level the library sets at import does not undo), those bars are off,
-and deprecation warnings raised inside them are not shown (they are addressed to the library's callers' developers, not
-to our user). The settings go through the libraries' own environment variables (``setdefault``: a user's own setting
-wins), so DataLoader workers and torchrun ranks inherit them.
+builds on a machine's first plot, and peft warns of settings it adjusts itself. None of it is about what the toolkit
+does, so without ``--verbose`` those loggers pass only warnings and errors (a filter on each, which a level the library
+sets at import does not undo), those bars are off, and deprecation warnings raised inside them and peft's UserWarnings
+are not shown (they are addressed to the library's callers' developers, not to our user). The settings go through
+the libraries' own environment variables (``setdefault``: a user's own setting wins), so DataLoader workers and
+torchrun ranks inherit them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ QUIET_LOGGERS = ("faiss", "datasets", "transformers", "sentence_transformers", "
 QUIET_WARNING_MODULES = r"(torch|transformers|peft|accelerate|datasets|sentence_transformers|huggingface_hub|faiss|" \
                         r"bm25s|jax|flax|optax)(\..*)?$"
 DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+# whose UserWarnings report settings the dependency adjusted itself (peft: fan_in_fan_out for GPT-2's Conv1D,
+# save_embedding_layers for an adapter on the embeddings), advice for its callers' developers
+QUIET_ADVICE_MODULES = r"peft(\..*)?$"
 QUIET_ENVIRONMENT = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                      "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "DATASETS_VERBOSITY": "error",
                      "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
@@ -98,6 +102,7 @@ def quiet_dependencies() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
         logging.getLogger(name).addFilter(warnings_and_errors)
     hide_dependency_deprecations()
+    warnings.filterwarnings("ignore", category=UserWarning, module=QUIET_ADVICE_MODULES)
     if "transformers" in sys.modules:  # already imported: its bars read the environment at import time
         from transformers.utils import logging as hf_logging
 
