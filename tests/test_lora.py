@@ -376,3 +376,28 @@ def test_peft_advice_stays_out_of_the_command_lines_output(tmp_path, kind, targe
         assert code == 0, err
         from_peft = [str(w.message) for w in seen if issubclass(w.category, UserWarning) and "peft" in w.filename]
         assert bool(from_peft) == bool(verbose), from_peft
+
+
+def test_lora_target_names_the_model_lacks_are_refused_naming_its_own_layers():
+    """A model type without default targets (GPT-2) is told its own Linear/Conv1D names, not Llama's; a
+    --lora-target-modules name matching no module is refused (one line naming it and the flag), even beside one that
+    matches."""
+    from transformers import GPT2Config, GPT2Model
+
+    from dpr_gc.model.retriever import RetrieverConfig
+    from tests.llm_models import decoder_tokenizer
+
+    tokenizer = decoder_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    gpt2 = GPT2Model(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=2, n_head=2, n_positions=64))
+    retriever = Retriever(gpt2, None, tokenizer, RetrieverConfig(pooling="last"))
+    with pytest.raises(DprGcError) as refused:
+        apply_lora(retriever, LoraSettings(r=2))
+    line = str(refused.value)
+    assert "'gpt2'" in line and "--lora-target-modules" in line and "(e.g. c_attn,c_proj,c_fc)" in line, line
+    assert "q_proj" not in line and "\n" not in line, line
+    with pytest.raises(DprGcError) as refused:
+        apply_lora(decoder_retriever(), LoraSettings(r=2, target_modules=["foo", "q_proj", "bar"]))
+    line = str(refused.value)
+    assert line.startswith("--lora-target-modules foo, bar: no module of the model is named so"), line
+    assert "q_proj" in line and "\n" not in line

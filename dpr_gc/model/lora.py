@@ -31,6 +31,7 @@ from ..base.guard import guarded
 logger = logging.getLogger(__name__)
 
 ENCODER_TARGETS = ("query", "key", "value", "dense")
+SHOWN_NAMES = 8  # of a model's Linear layer names, in a message on LoRA targets
 DECODER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Linear layers adapted by default, by transformers ``model_type``: attention and feed-forward of every block. A type
 # not listed whose blocks hold every one of DECODER_TARGETS (Llama-style names) takes those.
@@ -143,9 +144,21 @@ def default_targets(model: nn.Module) -> list[str]:
     if model_type not in DEFAULT_TARGETS and set(DECODER_TARGETS) <= set(linear_leaf_names(model)):
         return list(DECODER_TARGETS)
     if model_type not in DEFAULT_TARGETS:
+        names = ",".join(linear_leaf_names(model)[:SHOWN_NAMES])
         raise DprGcError(f"no default LoRA target modules for model type {model_type!r}; name the Linear layers "
-                         "to adapt with --lora-target-modules (e.g. q_proj,v_proj)")
+                         f"to adapt with --lora-target-modules (e.g. {names})")
     return list(DEFAULT_TARGETS[model_type])
+
+
+def check_targets(model: nn.Module, targets: Sequence[str]) -> None:
+    """Refuse, in one line, each ``--lora-target-modules`` name that matches no module of ``model`` as peft matches
+    them (the whole name or its last dotted parts), naming the model's own Linear layers: peft adapts the names that
+    match and ignores the others, silently."""
+    names = [name for name, _ in model.named_modules() if name]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise DprGcError(f"--lora-target-modules {', '.join(missing)}: no module of the model is named so; its "
+                         f"Linear layers are {', '.join(linear_leaf_names(model)[:SHOWN_NAMES])}")
 
 
 def _towers(retriever: Any) -> list[Any]:
@@ -162,6 +175,7 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
         model = encoder.transformer
         if not is_adapted(model):
             targets = list(settings.target_modules or default_targets(model))
+            check_targets(model, targets)
             config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r,
                                      lora_dropout=settings.dropout or 0.0, target_modules=targets, bias="none")
             sources[id(encoder)] = ("--lora-target-modules" if settings.target_modules else
