@@ -737,3 +737,27 @@ def test_a_misspelt_index_kind_is_named_with_the_closest_kind(tmp_path, data, ca
         IndexParams(kind="ivfpq")
     with pytest.raises(DprGcError, match=r"^--kind: unknown index kind 'zzz'; use one of [^?]*$"):
         IndexParams(kind="zzz")
+
+
+def test_ivf_pq_picks_the_bits_its_training_sample_supports_and_advises_on_rough_centroids(tmp_path, caplog):
+    """Without --pq-nbits, ivf-pq takes the most bits whose 2**bits codes get 39 training vectors each (8 wanted
+    9,984: on 1,000 vectors FAISS warned 'please provide at least 9984 training points' with no advice), and says so;
+    a --pq-nbits given too large for the sample is kept, with a warning naming the flag to lower."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb = write_shards(tmp_path / "emb", unit_vectors(1000))
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, _ = call(main, ["index", "--embeddings", emb, "--output", tmp_path / "a", "--kind", "ivf-pq"])
+    assert code == 0 and "--pq-nbits 4 (not 8: 256 codes want 9984 training vectors, 39 each)" in caplog.text
+    assert json.loads((tmp_path / "a" / META_FILE).read_text())["params"]["pq_nbits"] == 4
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        code, _ = call(main, ["index", "--embeddings", emb, "--output", tmp_path / "b", "--kind", "ivf-pq",
+                              "--nlist", "4", "--pq-nbits", "8"])
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "dpr_gc.retrieval.index" and "rough" in r.getMessage()]
+    assert code == 0 and warned == ["1000 training vectors are fewer than the 39 per IVF list / PQ centroid k-means "
+                                    "wants, so the centroids are rough: the embeddings hold only 1000 vectors: lower "
+                                    "--pq-nbits to at most 4"]

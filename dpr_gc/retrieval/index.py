@@ -33,7 +33,7 @@ from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_fol
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary, seconds_text
 from ..base.logs import counted, native_stderr_logged
-from .index_params import IndexBuild, IndexParams, param_rules, refuse_unused
+from .index_params import CENTROID_POINTS, IndexBuild, IndexParams, param_rules, refuse_unused
 from ..base.settings import add_arguments, from_args, setting, to_record
 from .fingerprint import LEGACY_KEY, combined, disagreeing, records_agree
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_name, shard_rows_from
@@ -332,24 +332,34 @@ class DenseIndex:
         except RuntimeError as e:
             raise DprGcError(f"training the {self.meta['factory']} index on {len(sample)} vectors failed: "
                              f"{_faiss_message(e)}; {self._training_advice(len(sample), available)}") from None
+        advice = self._training_advice(len(sample), available, CENTROID_POINTS, fixes_only=True)
+        if advice:  # FAISS trained, warning of too few points per centroid (its line above names no flag)
+            logger.warning("%d training vectors are fewer than the %d per IVF list / PQ centroid k-means wants, "
+                           "so the centroids are rough: %s", len(sample), CENTROID_POINTS, advice)
 
-    def _training_advice(self, n: int, available: Optional[int]) -> str:
+    def _training_advice(self, n: int, available: Optional[int], per_centroid: int = 1,
+                         fixes_only: bool = False) -> str:
         """What can make training on ``n`` vectors (of ``available``) work: FAISS trains at most one centroid per
-        vector, so the IVF lists and PQ centroids (2**bits) too many are lowered, written as they were given (a flag
-        or the --factory string); --train-sample is named only where the embeddings hold more vectors."""
+        vector (k-means wants ``per_centroid``), so the IVF lists and PQ centroids (2**bits) too many are lowered,
+        written as they were given (a flag or the --factory string); --train-sample is named only where the
+        embeddings hold more vectors. With ``fixes_only``, "" where nothing is too many."""
         faiss, factory = _faiss(), self.meta.get("kind") == "factory"
         layers = list(_layers(self.index))
         ivf = next((layer for layer in layers if isinstance(layer, faiss.IndexIVF)), None)
         pq = next((layer.pq for layer in layers if getattr(layer, "pq", None) is not None), None)
-        fixes, need, bits = [], 0, max(n.bit_length() - 1, 1)
+        limit = max(n // per_centroid, 1)
+        fixes, need, bits = [], 0, max(limit.bit_length() - 1, 1)
         string = f"in --factory {self.meta['factory']!r}"
-        if ivf is not None and ivf.nlist > n:
-            need = int(ivf.nlist)
-            fixes.append(f"IVF{ivf.nlist} {string} to at most IVF{n}" if factory else f"--nlist to at most {n}")
-        if pq is not None and pq.ksub > n:
-            need = max(need, int(pq.ksub))
+        if ivf is not None and ivf.nlist > limit:
+            need = int(ivf.nlist) * per_centroid
+            fixes.append(f"IVF{ivf.nlist} {string} to at most IVF{limit}" if factory
+                         else f"--nlist to at most {limit}")
+        if pq is not None and pq.ksub > limit:
+            need = max(need, int(pq.ksub) * per_centroid)
             fixes.append(f"PQ{pq.M}x{pq.nbits} {string} to at most PQ{pq.M}x{bits}" if factory
                          else f"--pq-nbits to at most {bits}")
+        if fixes_only and not fixes:
+            return ""
         if not fixes:
             return "check --factory" if factory else "raise --train-sample or lower --nlist / --pq-nbits"
         lower = "lower " + " and ".join(fixes)

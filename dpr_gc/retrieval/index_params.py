@@ -69,8 +69,9 @@ class IndexParams:
 
     ``nlist=None`` picks about ``4 * sqrt(N)`` inverted lists, capped so each gets enough training vectors;
     ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector), and
-    ``pq_nbits=None`` 8 bits per code. The three are refused for a kind that has no use for them (``--nlist`` with
-    hnsw, ``--pq-nbits`` with ivf-flat, say), rather than ignored.
+    ``pq_nbits=None`` 8 bits per code, fewer where the training sample holds under 39 vectors per code. The three
+    are refused for a kind that has no use for them (``--nlist`` with hnsw, ``--pq-nbits`` with ivf-flat, say),
+    rather than ignored.
     """
 
     kind: str = setting("flat", "--kind", type=index_kind,
@@ -88,7 +89,9 @@ class IndexParams:
     pq_m: Optional[int] = setting(None, "--pq-m", type=int_between(1, FAISS_INT_MAX),
                                   help="PQ sub-quantizers, must divide the dimension (default: about dim/4)")
     pq_nbits: Optional[int] = setting(None, "--pq-nbits", type=int_between(1, PQ_NBITS_MAX),
-                                      help=f"bits per PQ code, 1 to {PQ_NBITS_MAX} (default: {PQ_NBITS})")
+                                      help=f"bits per PQ code, 1 to {PQ_NBITS_MAX} (default: {PQ_NBITS}, fewer "
+                                           f"where the training sample holds under {CENTROID_POINTS} vectors per "
+                                           "code)")
     nprobe: int = setting(32, "--nprobe", type=ivf_nprobe, help="IVF lists visited per query")
 
     def __post_init__(self) -> None:
@@ -114,14 +117,14 @@ class IndexParams:
 
     def resolve(self, dim: int, n_vectors: int, n_train: int) -> "IndexParams":
         """Fill a missing ``nlist`` from the data size and training-sample size, a missing ``pq_m`` from ``dim``, a
-        missing ``pq_nbits`` with the default."""
+        missing ``pq_nbits`` with the default, fewer bits where the sample holds under 39 vectors per code."""
         nlist, pq_m, pq_nbits = self.nlist, self.pq_m, self.pq_nbits
         if self.kind in ("ivf-flat", "ivf-pq") and nlist is None:
             nlist = max(1, min(int(4 * math.sqrt(max(n_vectors, 1))), n_train // CENTROID_POINTS))
         if self.kind == "ivf-pq" and pq_m is None:
             pq_m = max(m for m in range(1, max(dim // 4, 1) + 1) if dim % m == 0)
-        if self.kind == "ivf-pq" and pq_nbits is None:
-            pq_nbits = PQ_NBITS
+        if self.kind == "ivf-pq" and pq_nbits is None:  # k-means wants CENTROID_POINTS vectors per code
+            pq_nbits = max(1, min(PQ_NBITS, (n_train // CENTROID_POINTS).bit_length() - 1))
         return dataclasses.replace(self, nlist=nlist, pq_m=pq_m, pq_nbits=pq_nbits)
 
     def describe_picked(self, asked: "IndexParams") -> str:
@@ -132,6 +135,9 @@ class IndexParams:
                           "training vectors)")
         if asked.pq_m is None and self.pq_m is not None:
             picked.append(f"--pq-m {self.pq_m} (the largest divisor of the dimension up to a quarter of it)")
+        if asked.pq_nbits is None and self.pq_nbits is not None and self.pq_nbits < PQ_NBITS:
+            picked.append(f"--pq-nbits {self.pq_nbits} (not {PQ_NBITS}: {2 ** PQ_NBITS} codes want "
+                          f"{2 ** PQ_NBITS * CENTROID_POINTS} training vectors, {CENTROID_POINTS} each)")
         return f" with {' and '.join(picked)}" if picked else ""
 
     def factory_string(self, dim: int) -> str:
