@@ -7,6 +7,7 @@ format and requires every reader to either read the result or refuse it with a o
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gzip
 import json
@@ -18,7 +19,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import pytest
 import torch
@@ -1613,6 +1614,78 @@ def test_queries_from_a_pipe_or_dev_null(world: dict, tmp_path: Path) -> None:
         read_queries("/dev/null")
     if Path("/dev/zero").exists():  # copied to its end, it filled the disk
         refused(["evaluate", "--run", "/dev/zero", "--qrels", world["qrels"]], "/dev/zero is a device that never ends")
+
+
+@contextlib.contextmanager
+def fed(data: bytes, fifo: Optional[Path] = None) -> Iterator[str]:
+    """A pipe a thread writes ``data`` into once, as ``<(cat file)`` is: the named pipe ``fifo`` (made here), else an
+    anonymous pipe by its ``/dev/fd/N`` name."""
+    import threading
+
+    if fifo is not None:
+        os.mkfifo(fifo)
+        feeder = threading.Thread(target=lambda: fifo.write_bytes(data), daemon=True)
+        name, fds = str(fifo), ()
+    else:
+        read_end, write_end = os.pipe()
+
+        def write() -> None:
+            with os.fdopen(write_end, "wb") as f:
+                f.write(data)
+
+        feeder, name, fds = threading.Thread(target=write, daemon=True), f"/dev/fd/{read_end}", (read_end,)
+    feeder.start()
+    try:
+        yield name
+    finally:
+        feeder.join(10)
+        for fd in fds:
+            os.close(fd)
+        if fifo is not None:
+            fifo.unlink()
+
+
+def test_a_piped_corpus_is_named_as_given_in_log_lines_and_records(world: dict, tmp_path: Path, caplog) -> None:
+    """``encode --corpus <(...)`` reads a temporary copy; its log lines and the shard manifest and index name the
+    pipe given, never the copy (deleted when encode ends); retrieve without ``--corpus`` asks for it in one line."""
+    caplog.set_level("INFO", logger="dpr_gc")
+    with fed(world["corpus"].read_bytes()) as corpus:
+        code, err = call(cli.main, ["encode", "--model", world["model"], "--corpus", corpus, "--output",
+                                    tmp_path / "emb", "--dtype", "float32", "--cache-dir", tmp_path / "cache"])
+    assert code == 0, err
+    assert f"{corpus}: 16 passages from 17 lines" in caplog.text and "dpr-gc-input" not in caplog.text
+    manifest = json.loads((tmp_path / "emb" / "shard-00000-of-00001.json").read_text())
+    assert manifest["corpus"] == corpus and manifest["corpus_rows"] == 16
+    assert call(cli.main, ["index", "--embeddings", tmp_path / "emb", "--output", tmp_path / "idx"])[0] == 0
+    assert json.loads((tmp_path / "idx" / "index_meta.json").read_text())["corpus"] == corpus
+    refused(["retrieve", "--index", tmp_path / "idx", "--queries", world["qa"], "--output", tmp_path / "o.json"],
+            f"the recorded corpus {corpus} was a pipe; give --corpus")
+    with fed(world["corpus"].read_bytes()) as again:
+        code, err = call(cli.main, ["retrieve", "--index", tmp_path / "idx", "--corpus", again, "--queries",
+                                    world["qa"], "--output", tmp_path / "o.json", "--cache-dir", tmp_path / "cache"])
+    assert code == 0, err
+    assert f"passages from {again}" in caplog.text and "dpr-gc-input" not in caplog.text + err
+    assert len(json.loads((tmp_path / "o.json").read_text())) == 2
+
+
+def test_a_piped_training_file_is_recorded_as_given_and_resumed_with(trained: dict, tmp_path: Path,
+                                                                     caplog) -> None:
+    """``train --train <(...)`` records the pipe given (train_config.json, the checkpoints' data record, the model
+    card), so ``--resume latest`` with the same pipe resumes rather than refusing a changed ``--train``."""
+    caplog.set_level("INFO", logger="dpr_gc")
+    run, fifo = tmp_path / "run", tmp_path / "train-pipe"
+    for more in (("--max-steps", 1), ("--max-steps", 2, "--resume", "latest")):
+        with fed(trained["train"].read_bytes(), fifo) as train:
+            code, err = call(cli.main, ["train", "--train", train, "--output", run, "--model", trained["model"],
+                                        "--batch-size", 8, "--num-workers", 0, "--q_chunk_size", 3, "--ctx_chunk_size",
+                                        5, "--cache-dir", tmp_path / "cache", "--save-every", 1, *more])
+        assert code == 0, err
+    assert json.loads((run / "train_config.json").read_text())["data"]["train_files"] == [train]
+    assert f"{train}: 16 records" in caplog.text and "resumed from step 1" in caplog.text
+    card = (run / "final" / "README.md").read_text()
+    assert f"file: {train}" in card
+    recorded = "".join(p.read_text(errors="replace") for p in run.rglob("*") if p.suffix in (".json", ".md"))
+    assert "dpr-gc-input" not in recorded + caplog.text
 
 
 def test_index_readers_always_see_one_whole_build(world: dict, tmp_path: Path) -> None:

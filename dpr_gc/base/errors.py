@@ -78,31 +78,40 @@ def shown_by_another_rank() -> bool:
 
 
 @contextlib.contextmanager
-def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
-    """Within the block, a :class:`DprGcError` and a log line name each flag of ``names`` as its value. Code that
-    several commands share names its own command's flags (encode's ``--output``), which another command reaching it
-    spells otherwise or lacks (mine's encode writes to its ``--embeddings``; the DPR scripts spell flags as DPR
-    does). A quoted ``dpr-gc`` command in the message (advice to run one) keeps that command's own flags."""
+def messages_rewritten(rewrite: Callable[[str], str]) -> Iterator[None]:
+    """Within the block, every log line (of any level) and every :class:`DprGcError` message says
+    ``rewrite(text)`` in place of its text: code below a command names what it was handed, and the command knows
+    what the user typed for it (:func:`flags_renamed`, an input copied from a pipe)."""
     make_record = logging.getLogRecordFactory()
 
-    def renamed_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+    def rewritten_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make_record(*args, **kwargs)
         try:
             message = record.getMessage()
         except Exception:  # arguments that do not fit the format: logging reports them as it emits the line
             return record
-        renamed = rename_flags(message, names)
-        if renamed != message:
-            record.msg, record.args = renamed, ()
+        rewritten = rewrite(message)
+        if rewritten != message:
+            record.msg, record.args = rewritten, ()
         return record
 
-    logging.setLogRecordFactory(renamed_record)
+    logging.setLogRecordFactory(rewritten_record)
     try:
         yield
     except DprGcError as e:
-        raise reworded(e, rename_flags(str(e), names)) from None
+        raise reworded(e, rewrite(str(e))) from None
     finally:
         logging.setLogRecordFactory(make_record)
+
+
+@contextlib.contextmanager
+def flags_renamed(names: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, a :class:`DprGcError` and a log line name each flag of ``names`` as its value. Code that
+    several commands share names its own command's flags (encode's ``--output``), which another command reaching it
+    spells otherwise or lacks (mine's encode writes to its ``--embeddings``; the DPR scripts spell flags as DPR
+    does). A quoted ``dpr-gc`` command in the message (advice to run one) keeps that command's own flags."""
+    with messages_rewritten(lambda message: rename_flags(message, names)):
+        yield
 
 
 @contextlib.contextmanager

@@ -74,11 +74,15 @@ def endless_device(path: Path) -> bool:
         return not os.isatty(f.fileno())
 
 
+SPOOL_PREFIX = "dpr-gc-input-"  # the temporary folder of :func:`spooled`'s copies
+
+
 @contextlib.contextmanager
 def spooled(paths: Iterable[Path]) -> Iterator[dict[Path, Path]]:
     """Copy each stream of ``paths`` (:func:`is_stream`) into a temporary folder under its own name, so readers that
     read a file twice (format sniffing, a checking pass, fingerprints) can take it; yields ``{stream: copy}`` and
-    deletes the copies after the block."""
+    deletes the copies after the block. Each copy's folder records the stream it came from
+    (:func:`copied_from`), so what a stage records names the input given, not a copy deleted when it ends."""
     import shutil
 
     streams = list(dict.fromkeys(p for p in paths if is_stream(p)))
@@ -89,17 +93,31 @@ def spooled(paths: Iterable[Path]) -> Iterator[dict[Path, Path]]:
     if not streams:
         yield {}
         return
-    with tempfile.TemporaryDirectory(prefix="dpr-gc-input-") as folder:
+    with tempfile.TemporaryDirectory(prefix=SPOOL_PREFIX) as folder:
         copies = {}
         for i, stream in enumerate(streams):
             copies[stream] = Path(folder) / str(i) / stream.name
             copies[stream].parent.mkdir()
+            (Path(folder) / f"{i}.source").write_bytes(os.fsencode(stream))
             try:
                 with open(stream, "rb") as src, open(copies[stream], "wb") as dst:
                     shutil.copyfileobj(src, dst, DECODE_CHUNK)
             except OSError as e:
                 raise read_failure(stream, e) from None
         yield copies
+
+
+def copied_from(path: Any) -> Optional[str]:
+    """The pipe or device (as given) that ``path`` is :func:`spooled`'s temporary copy of, None for any other path:
+    a record names the input the user gave (``/dev/fd/63``), never a copy deleted when the command ends."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        return None
+    copy = Path(path)
+    source = copy.parent.parent / f"{copy.parent.name}.source"
+    if not copy.parent.parent.name.startswith(SPOOL_PREFIX) or not source.is_file():
+        return None
+    given = os.fsdecode(source.read_bytes())
+    return given if Path(given).name == copy.name else None
 
 
 def _open_binary(path: Path) -> IO[bytes]:

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .errors import DiskFullError, DprGcError, alike_on_every_rank, is_disk_full
+from .errors import DiskFullError, DprGcError, alike_on_every_rank, is_disk_full, messages_rewritten
 from .files import (PathLike, check_output_dir, check_path_length, missing_folders, output_target,
                     remove_empty_folders, spooled)
 from .locks import exclusive_lock, locked_folder, output_lock
@@ -259,8 +259,9 @@ def refused_output(error: OSError, outputs: Mapping[str, Any]) -> Optional[DprGc
 @contextlib.contextmanager
 def streams_copied(args: Any, dests: Sequence[str]) -> Iterator[None]:
     """For the block, replace each input of ``args`` (destinations ``dests``) that is a pipe or device (``<(...)``,
-    ``/dev/stdin``, ``/dev/null``) by a temporary copy (:func:`~dpr_gc.base.files.spooled`); an error message that
-    names a copy names the input given instead."""
+    ``/dev/stdin``, ``/dev/null``) by a temporary copy (:func:`~dpr_gc.base.files.spooled`); an error message or log
+    line that names a copy names the input given instead (what the stage records names it too:
+    :func:`~dpr_gc.base.files.copied_from`)."""
     given = {dest: getattr(args, dest, None) for dest in dests}
     with spooled(p for value in given.values() for p in _paths(value)) as copies:
         if not copies:
@@ -271,13 +272,17 @@ def streams_copied(args: Any, dests: Sequence[str]) -> Iterator[None]:
                 setattr(args, dest, type(value)(str(copies.get(Path(v), v)) for v in value))
             elif value is not None and Path(os.fspath(value)) in copies:
                 setattr(args, dest, str(copies[Path(os.fspath(value))]))
+        names = {spelt: str(stream) for stream, copy in copies.items()
+                 for spelt in (str(copy), os.path.realpath(copy))}
+
+        def given_names(message: str) -> str:
+            for spelt in sorted(names, key=len, reverse=True):
+                message = message.replace(spelt, names[spelt])
+            return message
+
         try:
-            yield
-        except DprGcError as e:
-            message = str(e)
-            for stream, copy in copies.items():
-                message = message.replace(str(copy), str(stream))
-            raise DprGcError(message) from None
+            with messages_rewritten(given_names):
+                yield
         finally:
             for dest, value in given.items():
                 setattr(args, dest, value)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 from .args import home_expanded, one_meaning, output_dir
 from .errors import DprGcError
+from .files import copied_from
 
 FIXED = "fixed"  # changes the model or the training signal: a resumed run must keep the recorded value
 FREE = "free"  # may change when a run resumes: steps, cadence of saving/evaluating, workers, logging, memory layout
@@ -416,9 +417,10 @@ def _plain(value: Any) -> Any:
 def to_record(obj: Any, places: bool = False) -> dict:
     """The settings dataclass ``obj`` as plain JSON (groups nested; tuples become lists), the format a run records
     in its output and that :func:`changed_settings` compares. A plain field, neither a setting nor a group (which
-    flags were given), is no setting of the run and is left out. ``places``: a path setting naming a file or folder
-    that exists is recorded absolute (:func:`place`), so that a record read from another folder names the same
-    places."""
+    flags were given), is no setting of the run and is left out. A path setting holding the temporary copy of a
+    piped input names the pipe given (:func:`~dpr_gc.base.files.copied_from`). ``places``: a path setting naming a
+    file or folder that exists is recorded absolute (:func:`place`), so that a record read from another folder names
+    the same places."""
     out = {}
     for field in dataclasses.fields(obj):
         decl = _setting(field)
@@ -427,9 +429,19 @@ def to_record(obj: Any, places: bool = False) -> dict:
         value = getattr(obj, field.name)
         if dataclasses.is_dataclass(value):
             out[field.name] = to_record(value, places)
+        elif decl is not None and decl.path:
+            out[field.name] = _plain(place(given_paths(value)) if places else given_paths(value))
         else:
-            out[field.name] = _plain(place(value) if places and decl is not None and decl.path else value)
+            out[field.name] = _plain(value)
     return out
+
+
+def given_paths(value: Any) -> Any:
+    """A path setting's value (a path, or a list of them) with each temporary copy of a piped input replaced by the
+    pipe given (``/dev/fd/63``), any other value as it is."""
+    if isinstance(value, (list, tuple)):
+        return [given_paths(v) for v in value]
+    return copied_from(value) or value
 
 
 def place(value: Any) -> Any:

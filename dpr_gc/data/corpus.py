@@ -25,8 +25,8 @@ from typing import Any, Iterable, Iterator, Optional
 from ..base.errors import DprGcError
 from ..base.logs import counted
 from .arrow_cache import cache_file, cached_dataset, write_stream
-from ..base.files import (JSON_ERRORS, PathLike, check_unicode, iter_jsonl_objects, json_problem, open_text,
-                          require_file)
+from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, iter_jsonl_objects, json_problem,
+                          open_text, require_file)
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
 from ..base.validate import check_id
 
@@ -61,10 +61,11 @@ def source_files(path: PathLike, split: str = "train", every_qrels: bool = False
     """The :func:`corpus_fingerprint` of each file a training source reads, by its path: the file, or a BEIR
     folder's corpus, queries and ``qrels/<split>.tsv`` (or ``.tsv.gz``) files, in the order of their paths relative
     to it; whatever else the folder holds (other splits' qrels, a BM25 index) does not count. ``every_qrels``: every
-    ``qrels/*`` file instead, as fingerprints of earlier versions counted them."""
+    ``qrels/*`` file instead, as fingerprints of earlier versions counted them. A piped file is named as given
+    (:func:`~dpr_gc.base.files.copied_from`), not by its temporary copy."""
     p = Path(path)
     if not p.is_dir():
-        return {str(p): corpus_fingerprint(p)}
+        return {copied_from(p) or str(p): corpus_fingerprint(p)}
     qrels = p.glob("qrels/*") if every_qrels else [p / "qrels" / f"{split}.tsv", p / "qrels" / f"{split}.tsv.gz"]
     files = sorted(f for f in [*p.glob("corpus*"), *p.glob("queries*"), *qrels]
                    if f.is_file() and not f.name.startswith("."))

@@ -30,8 +30,8 @@ from .qrels import iter_qrels, qrels_line_problem, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
 from ..base.errors import DprGcError
 from ..base.guard import guarded
-from ..base.files import (JSON_ERRORS, PathLike, check_unicode, die_with_parent, iter_jsonl, json_problem,
-                          open_text, read_json_object, require_file, write_json)
+from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, die_with_parent, iter_jsonl,
+                          json_problem, open_text, read_json_object, require_file, write_json)
 from ..base.settings import add_arguments, cache_dir_setting, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
@@ -347,8 +347,8 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     dataset = cached_dataset(arrow, lambda: (parsed.append(True), _parse(source, stem, produce, skip_bad, arrow,
                                                                          stats_file)), ready=stats_file.is_file)
     # The source as this run names it: the cache is keyed by content, and an earlier run may have spelt it otherwise.
-    stats = {**read_json_object(stats_file, "training cache statistics"), "source": str(source),
-             "parsed_now": bool(parsed)}
+    stats = {**read_json_object(stats_file, "training cache statistics"),
+             "source": copied_from(source) or str(source), "parsed_now": bool(parsed)}
     logger.info("%s: %d records, %d kept, %d without a positive (skipped), %d bad (skipped); %s %s", stats["source"],
                 stats["records"], stats["kept"], stats["no_positive"], stats["bad"],
                 "parsed into" if parsed else "read from the parse cached in", arrow)

@@ -27,8 +27,8 @@ from ..base.devices import (PRECISIONS, autocast_dtype, cpu_has_native_bf16, cpu
                             pick_precision, warn_if_emulated)
 from ..base.errors import DprGcError, Interrupted, alike_on_every_rank
 from ..base.guard import guarded
-from ..base.files import (PathLike, atomic_open, atomic_path, read_json_object, remove_stale_temporaries, require_file,
-                          write_json)
+from ..base.files import (PathLike, atomic_open, atomic_path, copied_from, read_json_object, remove_stale_temporaries,
+                          require_file, write_json)
 from ..base.locks import locked_folder
 from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_setting, check, device_setting,
                              from_args, group, passage_prefix_setting, query_prefix_setting, setting, to_record)
@@ -282,12 +282,19 @@ def _manifest(retriever: Any, corpus: Any, corpus_path: PathLike, shard: tuple[i
         "passage_format": cfg.passage_format, "query_prefix": cfg.query_prefix, "passage_prefix": cfg.passage_prefix,
         "max_length": settings.max_length,
         "precision": autocast or "fp32", "dim": retriever.dim, "dtype": settings.dtype, "count": count,
-        "start_row": start, "shard_id": shard_id, "num_shards": num_shards, "corpus": str(Path(corpus_path).resolve()),
+        "start_row": start, "shard_id": shard_id, "num_shards": num_shards, "corpus": corpus_as_recorded(corpus_path),
         "corpus_name": Path(corpus_path).name, "corpus_bytes": Path(corpus_path).stat().st_size,
         "corpus_rows": len(corpus), "corpus_fingerprint": dataset_fingerprint(corpus),
         "block_size": settings.block_size, "embeddings": f"{name}.npy", "ids": f"{name}.ids.txt",
         "settings": to_record(record),
     }
+
+
+def corpus_as_recorded(corpus_path: PathLike) -> str:
+    """The corpus a shard records: its absolute path, or the pipe given for it (``/dev/fd/63``), never the temporary
+    copy read in its place (:func:`~dpr_gc.base.files.copied_from`)."""
+    source = copied_from(corpus_path)
+    return os.path.abspath(source) if source else str(Path(corpus_path).resolve())
 
 
 def _part_ok(path: Path, rows: int, dim: int) -> bool:

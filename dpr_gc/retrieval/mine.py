@@ -767,7 +767,7 @@ def recorded_inputs(args: argparse.Namespace, beir: Optional[Path]) -> str:
     takes them; each recorded one is checked not to hold an output. Refused before the corpus is read when missing."""
     from ..data.training import find_beir_file
     from .index import index_exists, read_meta
-    from .retrieve import recorded_model
+    from .retrieve import recorded_corpus, recorded_model
 
     if args.source == "dense":
         check_dense_inputs(args.index, args.embeddings)
@@ -775,7 +775,7 @@ def recorded_inputs(args: argparse.Namespace, beir: Optional[Path]) -> str:
     meta = read_meta(args.index) if index_exists(args.index) else {}
     recorded = {}
     if corpus_path is None and meta:
-        corpus_path = recorded["the index's recorded --corpus"] = meta.get("corpus")
+        corpus_path = recorded["the index's recorded --corpus"] = recorded_corpus(meta)
     if args.source == "dense" and not args.model and meta:
         args.model = recorded["the index's recorded --model"] = recorded_model(args.index, meta)
         if args.model:

@@ -26,7 +26,7 @@ from ..base.errors import DprGcError, Interrupted, rename_flags
 from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import ALWAYS_REPORTED, RunEvaluation, always_beyond
-from ..base.files import ChunkedOutput, PathLike, iter_jsonl, require_file
+from ..base.files import ChunkedOutput, PathLike, is_stream, iter_jsonl, require_file
 from ..base.locks import output_lock
 from .index import DenseIndex, Unscorable, set_threads
 from .index_params import hnsw_ef, ivf_nprobe
@@ -595,6 +595,16 @@ def recorded_prefixes(meta: dict, query_prefix: Optional[str],
             passage_prefix if passage_prefix is not None else meta.get("passage_prefix"))
 
 
+def recorded_corpus(meta: dict) -> Optional[str]:
+    """The corpus an index records (None when it records none); one that was a pipe or device
+    (``--corpus <(...)`` recorded as ``/dev/fd/63``) is gone, or is now another stream, so it is refused in one line
+    asking for ``--corpus``."""
+    corpus = meta.get("corpus")
+    if corpus and (is_stream(corpus) or Path(corpus).parts[:2] in (("/", "dev"), ("/", "proc"))):
+        raise DprGcError(f"the recorded corpus {corpus} was a pipe; give --corpus (the passages encoded)")
+    return corpus
+
+
 def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
     """The model an index records: its absolute path, else the path relative to the index folder (the two were
     moved together), else the name as recorded (a Hugging Face name, or a relative path from an older version)."""
@@ -623,7 +633,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     if not (s.output or s.trec_run or s.cutoffs() is not None):
         raise DprGcError("nothing to do: give --output FILE.json and/or --trec-run FILE, or --evaluate")
     model = job.model or recorded_model(index_dir, index.meta)
-    corpus_path = job.corpus or index.meta.get("corpus")
+    corpus_path = job.corpus or recorded_corpus(index.meta)
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
     require_file(job.queries, QUERIES)  # before the model loads, and named by its flag

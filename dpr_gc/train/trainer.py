@@ -33,6 +33,7 @@ from ..data.training import Collator, data_digest, load_training_data, make_data
 from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
 from ..base.errors import DprGcError, Interrupted, alike_on_every_rank
 from ..base.logs import counted, infos_from_rank_zero, infos_hidden
+from ..base.files import copied_from
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
@@ -145,7 +146,7 @@ class Trainer:
         self.retriever = self.build_model()
         self.workers = config.data.resolve_workers(self.device.type)
         # rank 0 reads the training files for their fingerprints (the parse cache's key, the resume check's record)
-        self.data_files = from_rank0(lambda: [{"source": str(f), "files": source_files(f)}
+        self.data_files = from_rank0(lambda: [{"source": copied_from(f) or str(f), "files": source_files(f)}
                                               for f in config.data.train_files])
         self.data_fingerprints = [source_fingerprint(f["source"], files=f["files"]) for f in self.data_files]
         self.data, self.collator, self.loader = self.build_data()
