@@ -2543,6 +2543,30 @@ def test_a_name_longer_than_a_file_system_takes_is_refused_naming_its_flag(world
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("size", [250, 225])
+def test_an_output_name_too_long_for_the_files_beside_it_is_refused_before_any_work(world: dict, tmp_path: Path,
+                                                                                     size: int) -> None:
+    """An output name a few bytes under 255 passed the checks and failed after the work, naming the lock or temporary
+    file beside the output (``.NAME.lock``, ``..NAME.retrieved.progress.json.XXXXXXXX.tmp``) and leaving a partial
+    file; it is refused up front naming its flag, and a name at the limit is written."""
+    from dpr_gc.base.files import BESIDE_BYTES, NAME_MAX
+
+    name = "a" * (size - 5) + ".json"
+    refused(retrieve_argv(world, "--queries", world["qa"], "--output", tmp_path / name), "--output",
+            f"{tmp_path / name}: file name too long ({size} bytes", "give a shorter name")
+    refused(["index", "--embeddings", world["emb"], "--output", tmp_path / name[:-5]], "--output",
+            f"{tmp_path / name[:-5]}: file name too long ({size - 5} bytes")
+    assert list(tmp_path.iterdir()) == []
+    fits = tmp_path / ("b" * (NAME_MAX - BESIDE_BYTES - 5) + ".json")
+    assert call(cli.main, retrieve_argv(world, "--queries", world["qa"], "--output", fits))[0] == 0
+    assert [p.name for p in tmp_path.iterdir()] == [fits.name] and json.loads(fits.read_text())
+    from dpr_gc.base.guard import refused_output  # a file system of shorter names refuses the lock beside it
+
+    lock = OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(tmp_path / f".{fits.name}.lock"))
+    assert str(refused_output(lock, {"--output": fits})) == (f"--output {fits} cannot be written: file name too "
+                                                              f"long in {tmp_path}; give a shorter name")
+
+
 @pytest.mark.parametrize("shards", [["--shard_id", "5", "--num_shards", "2"], ["--shard_id", "1"]])
 def test_generate_dense_embeddings_refuses_a_shard_outside_num_shards_in_one_line(world: dict, tmp_path: Path,
                                                                                   shards: list) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NoReturn, Optional, Sequence
 
 from .errors import DprGcError, shown_by_another_rank
-from .files import check_output_dir, check_output_file
+from .files import BESIDE_BYTES, check_output_dir, check_output_file, check_path_length
 
 ERROR_EXIT = 2
 
@@ -328,12 +328,13 @@ def home_expanded(text: str) -> str:
     return os.path.expanduser(text)
 
 
-def _output_path(check: Callable[[str, str], Any], name: str) -> Callable[[str], str]:
+def _output_path(check: Callable[[str, str], Any], name: str, beside: int = 0) -> Callable[[str], str]:
     """A path flag type: :func:`home_expanded`, then ``check`` (from ``files``, or a folder to read's) while the
-    command line is parsed."""
+    command line is parsed; an output's name leaves room for the ``beside`` bytes of the files written beside it."""
     def parse(text: str) -> str:
         path = home_expanded(text)
         try:
+            check_path_length(path, "path", beside)
             check(path, "path")
         except DprGcError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
@@ -356,9 +357,9 @@ def _check_input_dir(text: str, flag: str) -> None:
 # A folder to read (retrieve's --index): not an existing file, nor under one.
 input_dir = _output_path(_check_input_dir, "input_dir")
 # A file to write: not an existing folder, not under a file (an existing file is replaced atomically).
-output_file = _output_path(check_output_file, "output_file")
+output_file = _output_path(check_output_file, "output_file", BESIDE_BYTES)
 # A folder to write into: not an existing file, nor under one (also ``--cache-dir``, as in ``$DPR_GC_CACHE``).
-output_dir = _output_path(check_output_dir, "output_dir")
+output_dir = _output_path(check_output_dir, "output_dir", BESIDE_BYTES)
 
 
 # The image formats a plot is written in, by the file name's suffix.

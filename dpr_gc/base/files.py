@@ -300,18 +300,31 @@ def _given_path(path: PathLike, flag: str, what: str) -> Path:
 
 
 NAME_MAX, PATH_MAX = 255, 4095  # bytes in one name and in a whole path that Linux and macOS file systems take
+# The most bytes a writer adds to an output's name for a file it keeps beside it: the temporary file of retrieve's
+# progress record, "..NAME.retrieved.progress.json.XXXXXXXX.tmp" (a lock ".NAME.lock", a temporary ".NAME.*.tmp" or
+# ".NAME.*.new", a partial ".NAME.retrieved.partial" add fewer).
+BESIDE_BYTES = len("..") + len(".retrieved.progress.json") + len(".XXXXXXXX.tmp")
 
 
-def check_path_length(path: PathLike, flag: str) -> None:
+def check_path_length(path: PathLike, flag: str, beside: int = 0) -> None:
     """Refuse a path no file system can hold (a name over :data:`NAME_MAX` bytes, or a whole path over
-    :data:`PATH_MAX`) naming ``flag``: looking at it would otherwise fail with "File name too long" anywhere."""
-    longest = max(Path(path).parts, key=lambda part: len(os.fsencode(part)), default="")
+    :data:`PATH_MAX`) naming ``flag``: looking at it would otherwise fail with "File name too long" anywhere.
+    ``beside``: the bytes a writer adds to the last name for the files it keeps beside it (:data:`BESIDE_BYTES` for
+    an output given on the command line), so that such a name is refused before any work, not when they are made."""
+    parts = Path(path).parts
+    longest = max(parts, key=lambda part: len(os.fsencode(part)), default="")
     if len(os.fsencode(longest)) > NAME_MAX:
         raise DprGcError(f"{flag} {path}: file name too long ({len(os.fsencode(longest))} bytes in "
                          f"{longest[:20]!r}..., file systems take at most {NAME_MAX}); give a shorter name")
-    if len(os.fsencode(path)) > PATH_MAX:
+    name = len(os.fsencode(parts[-1])) if parts else 0
+    if beside and name > NAME_MAX - beside:
+        raise DprGcError(f"{flag} {path}: file name too long ({name} bytes; an output's name may take at most "
+                         f"{NAME_MAX - beside}, as the lock and temporary files beside it add {beside} to it and file "
+                         f"systems take {NAME_MAX}); give a shorter name")
+    if len(os.fsencode(path)) + beside > PATH_MAX:
         raise DprGcError(f"{flag} {str(path)[:40]}...: file name too long ({len(os.fsencode(path))} bytes, file "
-                         f"systems take at most {PATH_MAX}); give a shorter path")
+                         f"systems take at most {PATH_MAX}{f' with the {beside} added beside it' if beside else ''}); "
+                         "give a shorter path")
 
 
 def output_target(path: PathLike, flag: str = "--output") -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from .errors import DiskFullError, DprGcError, alike_on_every_rank, is_disk_full, messages_rewritten
-from .files import (PathLike, check_output_dir, check_path_length, missing_folders, output_target,
+from .files import (BESIDE_BYTES, PathLike, check_output_dir, check_path_length, missing_folders, output_target,
                     remove_empty_folders, spooled)
 from .locks import exclusive_lock, locked_folder, output_lock
 
@@ -39,8 +39,9 @@ FOLDER_LOCK = ".dpr-gc.lock"
 # (:func:`check_cache_writable`).
 CACHE_OUTPUT = ("cache_dir", "self")
 CACHE_VARIABLE = "DPR_GC_CACHE"
-# what the system says when it refuses to create a file or folder: no permission, a read-only file system
-REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+# what the system says when it refuses to create a file or folder: no permission, a read-only file system, a name
+# longer than the file system takes (a lock or temporary file beside an output, on a file system of shorter names)
+REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
 
 
 def _flag(dest: str) -> str:
@@ -79,10 +80,12 @@ def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: 
     """Refuse any output that resolves to an input or to another output (``{flag: path or paths}``), any output
     inside an input folder (a model's, an index's, a BEIR folder's files), and any input inside an output folder
     named in ``whole`` (such folders are replaced as a whole). An output that is a device, pipe or socket is
-    refused too (:func:`~dpr_gc.base.files.output_target`)."""
+    refused too (:func:`~dpr_gc.base.files.output_target`), and so is a name too long for the lock and temporary
+    files written beside it (:data:`~dpr_gc.base.files.BESIDE_BYTES`)."""
     ins = [(flag, p, _identity(p)) for flag, value in inputs.items() for p in _paths(value)]
     outs = [(flag, p, _identity(p)) for flag, value in outputs.items() for p in _paths(value)]
     for flag, path, _ in outs:
+        check_path_length(path, flag, BESIDE_BYTES)
         output_target(path, flag)
     for i, (flag, path, ident) in enumerate(outs):
         for in_flag, in_path, in_ident in ins:
@@ -240,8 +243,9 @@ def check_cache_writable(given: Any, cache_flag: str) -> None:
 
 def refused_output(error: OSError, outputs: Mapping[str, Any]) -> Optional[DprGcError]:
     """The one line for an output (``{flag: path or paths}``) the system refuses to create or write in (no
-    permission, a read-only file system): it names the output's flag and path and the folder that refused, not the
-    lock or temporary file beside or inside the output that the refusal came from. None for other errors."""
+    permission, a read-only file system, a name too long): it names the output's flag and path and the folder that
+    refused, not the lock or temporary file beside or inside the output that the refusal came from. None for other
+    errors."""
     if error.errno not in REFUSED_ERRNOS or not error.filename:
         return None
     where = Path(os.path.abspath(os.fsdecode(error.filename)))
@@ -251,8 +255,9 @@ def refused_output(error: OSError, outputs: Mapping[str, Any]) -> Optional[DprGc
             beside = where.parent == out.parent and where.name.startswith(f".{out.name}.")
             if where == out or beside or out in where.parents or where in out.parents:
                 reason = (error.strerror or os.strerror(error.errno)).lower()
-                return DprGcError(f"{flag} {path} cannot be written: {reason} in {where.parent}; give an output in "
-                                  "a folder this user can write to")
+                advice = ("give a shorter name" if error.errno == errno.ENAMETOOLONG else
+                          "give an output in a folder this user can write to")
+                return DprGcError(f"{flag} {path} cannot be written: {reason} in {where.parent}; {advice}")
     return None
 
 
