@@ -1028,6 +1028,25 @@ def test_an_output_in_sysfs_is_named_with_its_flag(world: dict) -> None:
     assert ".lock" not in line and not out.exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux procfs, where no one may create files")
+def test_an_output_or_cache_folder_in_procfs_is_named_with_its_flag(world: dict, tmp_path: Path, monkeypatch) -> None:
+    """procfs refuses a new file with "No such file or directory" in a folder that exists: an output there, or a
+    cache folder, is named by its flag or variable, never by the lock beside it."""
+    beir = tmp_path / "beir"
+    shutil.copytree(ROOT / "data" / "examples" / "beir", beir)
+    out, idx, cache = Path("/proc/dpr-gc-test.json"), Path("/proc/dpr-gc-test-index"), Path("/proc/dpr-gc-test-cache")
+    line = refused(retrieve_argv(world, "--queries", world["qa"], "--output", out, "--cache-dir", tmp_path / "c"),
+                   f"--output {out} cannot be written: ", "in /proc;")
+    assert ".lock" not in line
+    line = refused(["index", "--embeddings", world["emb"], "--output", idx], f"--output {idx} cannot be written: ",
+                   "in /proc;")
+    assert ".lock" not in line
+    refused(["prepare-data", beir, "--cache-dir", cache], f"--cache-dir {cache} cannot be written: ", "in /proc;")
+    monkeypatch.setenv("DPR_GC_CACHE", str(cache))
+    refused(["prepare-data", beir], f"$DPR_GC_CACHE {cache} cannot be written: ", "in /proc;", "point DPR_GC_CACHE")
+    assert not any(p.exists() for p in (out, idx, cache))
+
+
 def test_links_to_an_input_are_refused(world: dict, tmp_path: Path) -> None:
     qa = tmp_path / "qa.tsv"
     shutil.copy(world["qa"], qa)

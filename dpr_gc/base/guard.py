@@ -218,7 +218,7 @@ def check_cache_writable(given: Any, cache_flag: str) -> None:
     a cache, ``train`` after its model loaded, naming no flag nor variable). The probe is a temporary folder made and
     removed in the cache folder, or in its nearest existing parent: nothing is left behind. A folder that exists is
     not probed: caches built earlier may be read from a read-only one (a cache still to write there is refused when
-    it is written, naming the same)."""
+    it is written, naming the same). Any error of the probe refuses the folder."""
     if given is not None:
         folder, label, advice = Path(os.fspath(given)), cache_flag, "give an output in a folder this user can write to"
         name = f"{label} {given}"
@@ -234,10 +234,9 @@ def check_cache_writable(given: Any, cache_flag: str) -> None:
     existing = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".dpr-gc-probe-", dir=existing))
-    except OSError as e:
-        if e.errno not in REFUSED_ERRNOS:
-            raise
-        reason = (e.strerror or os.strerror(e.errno)).lower()
+    except OSError as e:  # any refusal: procfs says "no such file or directory" in a folder that exists
+        reason = (e.strerror or os.strerror(e.errno) if e.errno else str(e)).lower()
+        reason = "the file system takes no new files" if e.errno == errno.ENOENT else reason
         raise DprGcError(f"{name} cannot be written: {reason} in {existing}; {advice}") from None
 
 
@@ -246,19 +245,37 @@ def refused_output(error: OSError, outputs: Mapping[str, Any]) -> Optional[DprGc
     permission, a read-only file system, a name too long): it names the output's flag and path and the folder that
     refused, not the lock or temporary file beside or inside the output that the refusal came from. None for other
     errors."""
-    if error.errno not in REFUSED_ERRNOS or not error.filename:
+    if not error.filename:
         return None
     where = Path(os.path.abspath(os.fsdecode(error.filename)))
+    reason = (error.strerror or os.strerror(error.errno)).lower()
+    if error.errno == errno.ENOENT and refuses_new_files(where.parent):  # procfs: "no such file" in a folder
+        reason = "the file system takes no new files"
+    elif error.errno not in REFUSED_ERRNOS:
+        return None
     for flag, value in outputs.items():
         for path in _paths(value):
             out = Path(os.path.abspath(path))
             beside = where.parent == out.parent and where.name.startswith(f".{out.name}.")
             if where == out or beside or out in where.parents or where in out.parents:
-                reason = (error.strerror or os.strerror(error.errno)).lower()
                 advice = ("give a shorter name" if error.errno == errno.ENAMETOOLONG else
                           "give an output in a folder this user can write to")
                 return DprGcError(f"{flag} {path} cannot be written: {reason} in {where.parent}; {advice}")
     return None
+
+
+def refuses_new_files(folder: Path) -> bool:
+    """Whether ``folder`` exists and no file can be made in it (a temporary file made and removed tells): procfs
+    answers "No such file or directory" for a new file in a folder that exists."""
+    if not folder.is_dir():
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dpr-gc-probe-", dir=folder)
+    except OSError:
+        return True
+    os.close(fd)
+    os.unlink(probe)
+    return False
 
 
 @contextlib.contextmanager
