@@ -185,6 +185,20 @@ def test_a_rerun_of_a_finished_append_says_up_to_date_writes_nothing_and_exits_0
     assert (summary["added"], summary["shards_added"], summary["ntotal"]) == (0, 0, len(data))
 
 
+def test_shards_added_counts_the_shards_holding_rows(tmp_path, capsys):
+    """8 shards over 6 passages leave shards 0 and 4 empty: the summary said "6 from 7 shards" (the empty shard at
+    row 0 left out, the one in the middle counted); every shard holding no row is left out of the count."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb = write_shards(tmp_path / "emb", unit_vectors(6), num_shards=8)
+    assert [json.loads(p.read_text())["count"] for p in sorted(emb.glob("*.json"))] == [0, 1, 1, 1, 0, 1, 1, 1]
+    summary = build_index(emb, tmp_path / "idx", IndexParams("flat"))
+    assert (summary["added"], summary["shards_added"], summary["ntotal"]) == (6, 6, 6)
+    assert call(main, ["index", "--embeddings", emb, "--output", tmp_path / "idx2"])[0] == 0
+    assert summary_rows(capsys.readouterr().out)["added this run"].startswith("6 from 6 shards in ")
+
+
 def test_appending_to_an_index_with_a_damaged_ids_file_names_it_and_says_rebuild(tmp_path, data):
     """An ``ids.txt`` that lost a line is named as damaged (not a hidden temporary folder, not the shards) and the
     index is to be rebuilt without --append; the index is left as it was."""

@@ -150,9 +150,10 @@ def has_shards(folder: PathLike) -> bool:
 
 def shard_rows_from(manifests: list[dict], first_row: int,
                     allow_partial: bool = False) -> tuple[list[dict], list[dict]]:
-    """Shards to add: those from ``first_row`` on, which must continue it without gaps or overlaps. With
-    ``allow_partial`` a gap (a shard still being encoded) ends them instead: the shards after it wait for it.
-    Returns ``(shards to add, shards waiting)``."""
+    """Shards to add: those holding rows from ``first_row`` on, which must continue it without gaps or overlaps (a
+    shard holding no row, more shards than passages, adds nothing and is not one of them). With ``allow_partial`` a
+    gap (a shard still being encoded) ends them instead: the shards after it wait for it. Returns ``(shards to add,
+    shards waiting)``."""
     todo, expected = [], first_row
     for i, m in enumerate(manifests):
         start, count = int(m["start_row"]), int(m["count"])
@@ -164,7 +165,8 @@ def shard_rows_from(manifests: list[dict], first_row: int,
             what = "overlaps indexed rows" if start < expected else f"leaves rows {expected}..{start - 1} missing"
             raise DprGcError(f"{m['embeddings']}: shard starting at corpus row {start} {what}; FAISS rows must equal "
                              "corpus rows, so finish (or re-run) the missing shards first")
-        todo.append(m)
+        if count:
+            todo.append(m)
         expected = start + count
     return todo, []
 
