@@ -648,7 +648,8 @@ def test_an_ivf_search_that_reaches_fewer_passages_says_how_many_and_what_to_rai
     assert (f"10 questions of 10 got fewer than the 40 passages asked for (fewest {got.min()}, mean {mean} per "
             "question): the IVF8,Flat search (nprobe 1 of 8 lists) reached no more; raise --nprobe to retrieve them "
             "all; the evaluation's figures count only the passages retrieved") in caplog.messages, caplog.messages
-    assert f"| top-k | {got.min()}..40, mean {mean} (--top-k 40) |" in capsys.readouterr().out
+    # the most any question got, then what was asked (it read 'fewest..40' though none got 40)
+    assert f"| top-k | {got.min()}..{got.max()}, mean {mean} of 40 asked (--top-k 40) |" in capsys.readouterr().out
     caplog.clear()
     corpus = load_corpus(world["corpus"], world["cache"])
     with caplog.at_level("WARNING", logger="dpr_gc.retrieval.retrieve"):
@@ -799,3 +800,17 @@ def test_an_index_that_is_a_file_is_refused_as_the_command_line_is_read(tmp_path
     assert err == [f"error: dpr-gc retrieve: argument --index: path {index}: {file} is a file, not a folder; give "
                    "a folder (see dpr-gc retrieve --help)"], err
     assert not (tmp_path / "o.json").exists()
+
+
+def test_with_qrels_only_the_judged_questions_are_retrieved(world, tmp_path, capsys):
+    """``--qrels`` (``--help``: "only judged queries are retrieved"): a question the qrels do not judge is left out of
+    the results, the TREC run and the summary's count."""
+    queries, qrels = self_queries(tmp_path, 4)
+    lines = qrels.read_text().splitlines()
+    qrels.write_text("\n".join(lines[:1] + lines[2:]) + "\n")  # q0 is not judged
+    out, run = tmp_path / "r.json", tmp_path / "run.trec"
+    cli("retrieve", "--index", world["idx"], "--queries", queries, "--qrels", qrels, "--top-k", 3, "--output", out,
+        "--trec-run", run, "--cache-dir", world["cache"], "--device", "cpu")
+    assert [r["id"] for r in json.loads(out.read_text())] == ["q1", "q2", "q3"]
+    assert {line.split()[0] for line in run.read_text().splitlines()} == {"q1", "q2", "q3"}
+    assert summary_rows(capsys.readouterr().out)["queries"].startswith("3")

@@ -178,17 +178,22 @@ class HitCount:
     questions: int = 0
     hits: int = 0
     fewest: Optional[int] = None
+    most: int = 0
     short: int = 0
 
     def write(self, record: dict) -> None:
         n = len(record["ctxs"])
         self.questions, self.hits, self.short = self.questions + 1, self.hits + n, self.short + (n < self.asked)
         self.fewest = n if self.fewest is None else min(self.fewest, n)
+        self.most = max(self.most, n)
 
     def depth(self, top_k: int) -> Any:
-        """The summary's "top-k": ``top_k``, else the passages the questions got (fewest..asked, mean) and the flag."""
+        """The summary's "top-k": ``top_k``, else the passages the questions got (fewest..most, mean), what was
+        asked where no question got it all, and the flag."""
         if self.short:
-            return f"{self.fewest}..{self.asked}, mean {self.hits / self.questions:.1f} (--top-k {top_k})"
+            asked = f" of {self.asked} asked" if self.most < self.asked else ""
+            return (f"{self.fewest}..{self.most}, mean {self.hits / self.questions:.1f}{asked} "
+                    f"(--top-k {top_k})")
         return top_k if top_k == self.asked else f"{self.asked} (--top-k {top_k})"
 
     def warn(self, index: DenseIndex, evaluated: bool, flags: bool = False) -> None:
