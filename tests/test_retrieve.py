@@ -814,3 +814,33 @@ def test_with_qrels_only_the_judged_questions_are_retrieved(world, tmp_path, cap
     assert [r["id"] for r in json.loads(out.read_text())] == ["q1", "q2", "q3"]
     assert {line.split()[0] for line in run.read_text().splitlines()} == {"q1", "q2", "q3"}
     assert summary_rows(capsys.readouterr().out)["queries"].startswith("3")
+
+
+def test_a_rerun_with_other_settings_says_it_drops_what_the_interrupted_run_kept(world, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """A re-run with another --top-k cannot continue the interrupted run's kept questions: it starts over (as it
+    did) and now says so, naming the setting that changed (it dropped them without a word)."""
+    from dpr_gc.cli import main
+    from dpr_gc.retrieval import retrieve as retrieve_module
+    from tests.helpers import call
+
+    queries, _ = self_queries(tmp_path)
+    real_iter_retrieve = retrieve_module.iter_retrieve
+
+    def interrupted_after_five(*args, **kwargs):
+        yield from itertools.islice(real_iter_retrieve(*args, **kwargs), 5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(retrieve_module, "QUERY_CHUNK", 4)
+    monkeypatch.setattr(retrieve_module, "iter_retrieve", interrupted_after_five)
+    argv = ["retrieve", "--index", world["idx"], "--queries", queries, "--output", tmp_path / "o.json",
+            "--cache-dir", world["cache"], "--device", "cpu", "--workers", 1, "--top-k"]
+    assert call(main, argv + [3])[0] == 130
+    monkeypatch.setattr(retrieve_module, "iter_retrieve", real_iter_retrieve)
+    caplog.set_level("INFO")
+    assert call(main, argv + [2])[0] == 0
+    kept = tmp_path / ".o.json.retrieved.partial"
+    assert (f"starting over: the 4 questions an interrupted run kept in {kept} were retrieved with other settings "
+            "(--top-k 3 -> 2)") in caplog.messages, caplog.messages
+    assert "resuming an interrupted run" not in caplog.text
+    assert all(len(r["ctxs"]) == 2 for r in json.loads((tmp_path / "o.json").read_text()))
