@@ -274,9 +274,9 @@ def _data_parallel_matches_one_device() -> None:
                                                                            jax.random.key(0))
     mesh = data_mesh(jax.devices()[:2])
     spread = ContrastiveLoss(**kwargs, axis_name="data")
-    for remat in (False, True):
+    for remat, key in ((False, jax.random.key(0)), (True, jax.random.key(0)), (False, None)):
         step = jax.jit(data_parallel_value_and_grad(encoders, spread, 2, mesh, remat=remat))
-        got_loss, got = step(params, spread.init(), batches, jax.random.key(0))
+        got_loss, got = step(params, spread.init(), batches, key)
         assert abs(float(got_loss - want_loss)) < 1e-5 * abs(float(want_loss))
         assert rel_error(got, want) < 1e-5
 
@@ -492,6 +492,27 @@ def test_an_inference_encoder_needs_no_key_and_a_training_one_says_it_does():
     np.testing.assert_allclose(np.asarray(reps), np.asarray(direct), atol=1e-6)
     with pytest.raises(DprGcError, match="needs a PRNG key for dropout"):
         encoder_fn(model)(params, batch, None)
+
+
+def test_a_step_without_a_key_serves_encoders_that_draw_no_dropout():
+    """cached_value_and_grad's docstring: a ``key`` of None reaches every encoder as None, which an inference
+    encoder_fn takes (the same numbers as with a key) and a training one refuses in one line; another kind of key
+    is named, not handed to ``jax.random.split``."""
+    params = make_params(TINY, ("shared",))["shared"]
+    model = Encoder(dataclasses.replace(TINY, dropout=0.1))
+    loss = ContrastiveLoss(n_hard_negatives=1)
+    rng = np.random.default_rng(0)
+    batches = [make_batch(rng, 3), make_batch(rng, 6)]
+    inference, training = encoder_fn(model, train=False), encoder_fn(model)
+    for build in (cached_value_and_grad, remat_value_and_grad):
+        step = build([inference, inference], loss, 2)
+        want_loss, want = step(params, {}, batches, jax.random.key(0))
+        got_loss, got = jax.jit(step)(params, {}, batches, None)
+        assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6) and rel_error(got, want) < 1e-6
+        with pytest.raises(DprGcError, match="needs a PRNG key for dropout"):
+            build([training, training], loss, 2)(params, {}, batches, None)
+        with pytest.raises(DprGcError, match="key must be a PRNG key .* or None when no encoder draws dropout; got"):
+            step(params, {}, batches, 0)
 
 
 def test_a_learnable_temperature_without_its_params_says_to_pass_loss_init():

@@ -165,8 +165,9 @@ def _as_sizes(chunk_sizes: int | Sequence[int], n: int) -> list[int]:
     return [operator.index(s) for s in sizes]
 
 
-def _check_batches(batches: Sequence[Any], n_encoders: int) -> None:
-    """One non-empty batch per encoder (an empty one has nothing to encode, and no loss to average)."""
+def _check_inputs(batches: Sequence[Any], n_encoders: int, key: Any) -> None:
+    """One non-empty batch per encoder (an empty one has nothing to encode, and no loss to average), and a key."""
+    _check_key(key)
     if len(batches) != n_encoders:
         raise DprGcError(f"{n_encoders} encoders need {n_encoders} batches, got {len(batches)}")
     for i, batch in enumerate(batches):
@@ -174,14 +175,27 @@ def _check_batches(batches: Sequence[Any], n_encoders: int) -> None:
             raise DprGcError(f"batch {i} is empty (0 rows): every encoder needs at least one row to encode")
 
 
-def _chunked(batch: Any, chunk_size: int, key: Array) -> tuple[Any, Array, int]:
-    """Pad ``batch`` to a multiple of the chunk, add the chunk axis, and draw one dropout key per chunk."""
+def _check_key(key: Any) -> None:
+    """A step's ``key`` is a PRNG key or None (no encoder draws dropout); anything else is named, not split."""
+    if key is not None and not isinstance(key, (jax.Array, np.ndarray)):
+        raise DprGcError(f"key must be a PRNG key (e.g. jax.random.key(0)) or None when no encoder draws dropout; "
+                         f"got {type(key).__name__}")
+
+
+def _split_key(key: Optional[Array], n: int) -> Any:
+    """``n`` keys from ``key``, or ``n`` Nones when there is no key."""
+    return [None] * n if key is None else jax.random.split(key, n)
+
+
+def _chunked(batch: Any, chunk_size: int, key: Optional[Array]) -> tuple[Any, Optional[Array], int]:
+    """Pad ``batch`` to a multiple of the chunk, add the chunk axis, and draw one dropout key per chunk (None
+    without a key)."""
     padded, size = pad_to_multiple(batch, chunk_size)
     n_chunk = _leading_size(padded) // chunk_size
-    return tree_chunk(padded, n_chunk), jax.random.split(key, n_chunk), size
+    return tree_chunk(padded, n_chunk), None if key is None else jax.random.split(key, n_chunk), size
 
 
-def _encode_no_grad(encoder: Encoder, params: Any, chunks: Any, keys: Array, size: int) -> Array:
+def _encode_no_grad(encoder: Encoder, params: Any, chunks: Any, keys: Optional[Array], size: int) -> Array:
     def one_chunk(carry: None, xs: tuple[Any, Array]) -> tuple[None, Array]:
         return carry, jax.lax.stop_gradient(encoder(params, *xs))
 
@@ -189,14 +203,14 @@ def _encode_no_grad(encoder: Encoder, params: Any, chunks: Any, keys: Array, siz
     return reps.reshape((-1,) + reps.shape[2:])[:size]
 
 
-def _accumulate(encoder: Encoder, params: Any, acc: Any, chunks: Any, keys: Array, rep_grad: Array) -> Any:
-    n_chunk = keys.shape[0]
+def _accumulate(encoder: Encoder, params: Any, acc: Any, chunks: Any, keys: Optional[Array], rep_grad: Array) -> Any:
+    n_chunk = jax.tree_util.tree_leaves(chunks)[0].shape[0]
     padded = jnp.zeros((math.prod(jax.tree_util.tree_leaves(chunks)[0].shape[:2]),) + rep_grad.shape[1:],
                        jnp.float32).at[:rep_grad.shape[0]].set(rep_grad)
     cache = padded.reshape((n_chunk, -1) + rep_grad.shape[1:])
     chunk_grad = grad_with_cache(lambda p, chunk, key: encoder(p, chunk, key))
 
-    def step(carry: Any, xs: tuple[Any, Array, Array]) -> tuple[Any, None]:
+    def step(carry: Any, xs: tuple[Any, Optional[Array], Array]) -> tuple[Any, None]:
         chunk, key, cached = xs
         grads = chunk_grad(params, cached, chunk, key)
         return jax.tree_util.tree_map(lambda a, g: a + g.astype(jnp.float32), carry, grads), None
@@ -225,8 +239,8 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
         axis_name: the ``shard_map`` axis to average over (None: one device).
 
     Returns:
-        That step: ``batches`` holds one pytree per encoder (rows on the leading axis), ``key`` a PRNG key,
-        ``loss_inputs`` what the loss takes after the representations (not differentiated); jit-compatible.
+        That step (jit-compatible): ``batches`` one pytree per encoder (rows first), ``key`` a PRNG key or None (each
+        encoder then gets None, as an ``encoder_fn(model, train=False)`` takes), ``loss_inputs`` the other loss inputs.
 
     References: Gao et al. 2021; luyug/GradCache's JAX ``cachex`` (:func:`chunk_encode`, :func:`cache_grad`).
 
@@ -250,8 +264,8 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
 
     def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array,
                        *loss_inputs: Any) -> tuple[Array, Any]:
-        _check_batches(batches, len(encoders))
-        parts = [_chunked(b, s, k) for b, s, k in zip(batches, sizes, jax.random.split(key, len(encoders)))]
+        _check_inputs(batches, len(encoders), key)
+        parts = [_chunked(b, s, k) for b, s, k in zip(batches, sizes, _split_key(key, len(encoders)))]
         reps = [_encode_no_grad(enc, params, *part) for enc, part in zip(encoders, parts)]
         loss, (loss_grads, rep_grads) = jax.value_and_grad(lambda lp, rs: loss_fn(lp, *rs, *loss_inputs),
                                                            argnums=(0, 1))(loss_params, reps)
@@ -275,7 +289,7 @@ def remat_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Arr
 
     def total_loss(params: Any, loss_params: Any, batches: Sequence[Any], key: Array, *loss_inputs: Any) -> Array:
         reps = []
-        for enc, batch, size, k in zip(encoders, batches, sizes, jax.random.split(key, len(encoders))):
+        for enc, batch, size, k in zip(encoders, batches, sizes, _split_key(key, len(encoders))):
             chunks, keys, real = _chunked(batch, size, k)
             encode = grad_cached(lambda p, xs, enc=enc: enc(p, *xs))
             reps.append(encode(params, (chunks, keys))[:real])
@@ -283,7 +297,7 @@ def remat_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Arr
 
     def value_and_grad(params: Any, loss_params: Any, batches: Sequence[Any], key: Array,
                        *loss_inputs: Any) -> tuple[Array, Any]:
-        _check_batches(batches, len(encoders))
+        _check_inputs(batches, len(encoders), key)
         loss, (grads, loss_grads) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, loss_params, batches, key,
                                                                                    *loss_inputs)
         if axis_name is not None:

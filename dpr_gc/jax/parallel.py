@@ -45,16 +45,16 @@ def data_parallel_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[
     passages), split along their leading axis across the devices (each device's share must be the same size), with
     replicated parameters; the outputs are replicated and equal to the single-device global-batch step's.
     ``loss_fn`` must gather over ``axis_name`` (e.g. ``ContrastiveLoss(axis_name=...)``). Each device draws its
-    dropout keys from ``fold_in(key, device index)``. ``remat=True`` uses the single-decorator form instead of the
-    two passes.
+    dropout keys from ``fold_in(key, device index)`` (a ``key`` of None stays None, for encoders without dropout).
+    ``remat=True`` uses the single-decorator form instead of the two passes.
     """
     build = remat_value_and_grad if remat else cached_value_and_grad
     local_step = build(encoders, loss_fn, chunk_sizes, axis_name=axis_name)
 
     def per_device(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array,
                    loss_inputs: tuple) -> Any:
-        return local_step(params, loss_params, batches, jax.random.fold_in(key, jax.lax.axis_index(axis_name)),
-                          *loss_inputs)
+        device_key = None if key is None else jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+        return local_step(params, loss_params, batches, device_key, *loss_inputs)
 
     replicated, split = PartitionSpec(), PartitionSpec(axis_name)
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(replicated, replicated, split, replicated, split),
