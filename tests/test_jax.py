@@ -730,6 +730,15 @@ def test_the_example_stops_on_a_non_finite_loss(tiny_tokenizer):
     (["--max-examples", "200", "--train-queries", "256"], r"--train-queries 256 exceeds --max-examples 200"),
     (["--learning-rate=-1e-4"], r"--learning-rate must be a positive number"),
     (["--seed", "-1"], r"--seed must be 0 or more"),
+    (["--chunk-size", "0"], r"^error: --chunk-size must be at least 1, got 0"),
+    (["--batch-size", "0"], r"^error: --batch-size must be at least 1, got 0"),
+    (["--batch-size", "-4", "--chunk-size", "0"], r"^error: --batch-size must be at least 1, got -4"),
+    (["--train-queries", "0"], r"^error: --train-queries must be at least 1, got 0"),
+    (["--train-queries", "16"], r"^error: --train-queries 16 must be at least --batch-size 32"),
+    (["--epochs", "0"], r"^error: --epochs must be at least 1, got 0"),
+    (["--dropout", "1"], r"^error: --dropout must lie in \[0, 1\)"),
+    (["--query-max-length", "0"], r"--query-max-length must lie in \[1, 512\]"),
+    (["--max-examples", "-5"], r"--max-examples must be at least 3"),
 ])
 def test_example_refuses_each_bad_flag_by_name_before_any_work(argv, message, capsys, monkeypatch):
     """Bad example flags are refused up front in one line naming the flag, not after the dataset, the model and a

@@ -80,9 +80,13 @@ class ExampleConfig:
             raise DprGcError(f"--init must be 'minilm' or 'random', got {self.init!r}")
         if self.precision not in ("fp32", "bf16"):
             raise DprGcError(f"--precision must be 'fp32' or 'bf16', got {self.precision!r}")
-        if self.batch_size < 1 or self.chunk_size < 1 or self.train_queries < self.batch_size:
+        for flag, value in (("--batch-size", self.batch_size), ("--chunk-size", self.chunk_size),
+                            ("--train-queries", self.train_queries)):
+            if value < 1:
+                raise DprGcError(f"{flag} must be at least 1, got {value}")
+        if self.train_queries < self.batch_size:
             raise DprGcError(f"--train-queries {self.train_queries} must be at least --batch-size {self.batch_size} "
-                             "and both, like --chunk-size, positive")
+                             "(a step takes --batch-size training questions)")
         if self.epochs < 1:
             raise DprGcError(f"--epochs must be at least 1, got {self.epochs} (the example trains, then compares "
                              "accuracy before and after)")
