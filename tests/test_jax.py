@@ -457,11 +457,23 @@ def _uneven_global_batch_is_refused() -> None:
     step = data_parallel_value_and_grad([encode, encode], loss, 2, data_mesh(jax.devices()[:2]))
     batches = [jnp.ones((5, 8)), jnp.ones((10, 8))]
     for run in (step, jax.jit(step)):
-        with pytest.raises(DprGcError, match="batch 0 has 5 rows, which 2 devices do not split evenly"):
+        with pytest.raises(DprGcError, match="global batch 0 has 5 rows, which 2 devices do not split evenly"):
             run(params, loss.init(), batches, jax.random.key(0))
+    where = r"data_parallel_value_and_grad \(2 devices\): "
+    for batches, ids, message in (
+            ([jnp.ones((4, 8)), jnp.ones((6, 8))], (), r"the global batch's 4 queries need 8 passages \(1 positive "
+                                                        r"\+ 1 hard negatives each\), got 6"),
+            ([jnp.ones((0, 8)), jnp.ones((0, 8))], (), r"global batch 0 is empty \(0 rows\)"),
+            ([jnp.ones((4, 8))], (), "2 encoders need 2 global batches, got 1"),
+            ([jnp.ones((4, 8)), jnp.ones((8, 8))], (jnp.arange(6),),
+             r"passage_ids must hold one id per passage row of the global batch \(8\), got shape \(6,\)")):
+        with pytest.raises(DprGcError, match="^" + where + message):
+            step(params, loss.init(), batches, None, *ids)
 
 
 def test_data_parallel_refuses_a_global_batch_the_devices_do_not_divide():
+    """A global batch the devices do not split, or that each device's step would refuse, is refused before it is
+    split, naming the global sizes and the device count (not one device's share)."""
     on_two_devices(_uneven_global_batch_is_refused, "_uneven_global_batch_is_refused()")
 
 

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ..base.errors import DprGcError
 from .grad_cache import Encoder, cached_value_and_grad, remat_value_and_grad
+from .loss import ContrastiveLoss
 
 DATA_AXIS = "data"
 
@@ -61,11 +62,42 @@ def data_parallel_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[
                            out_specs=replicated, check_vma=False)
 
     def step(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array, *loss_inputs: Any) -> Any:
-        check_divisible(batches, mesh.shape[axis_name])
-        check_divisible(loss_inputs, mesh.shape[axis_name], "loss input")
+        check_global_batch(batches, loss_inputs, len(encoders), loss_fn, mesh.shape[axis_name])
         return mapped(params, loss_params, batches, key, tuple(loss_inputs))
 
     return step
+
+
+def check_global_batch(batches: Sequence[Any], loss_inputs: Sequence[Any], n_encoders: int, loss_fn: Any,
+                       n_devices: int) -> None:
+    """Refuse, before the batch is split, what each device's step would refuse with its own share's counts: the
+    errors name the global batch's sizes and the device count."""
+    where = f"data_parallel_value_and_grad ({n_devices} devices)"
+    if len(batches) != n_encoders:
+        raise DprGcError(f"{where}: {n_encoders} encoders need {n_encoders} global batches, got {len(batches)}")
+    rows = [_rows(batch, f"batch {i}", where) for i, batch in enumerate(batches)]
+    for i, n in enumerate(rows):
+        if n == 0:
+            raise DprGcError(f"{where}: global batch {i} is empty (0 rows): every encoder needs at least one row "
+                             "on every device")
+    check_divisible(batches, n_devices)
+    check_divisible(loss_inputs, n_devices, "loss input")
+    if isinstance(loss_fn, ContrastiveLoss) and len(rows) == 2:
+        group = 1 + loss_fn.n_hard_negatives
+        if rows[1] != rows[0] * group:
+            raise DprGcError(f"{where}: the global batch's {rows[0]} queries need {rows[0] * group} passages "
+                             f"(1 positive + {loss_fn.n_hard_negatives} hard negatives each), got {rows[1]}")
+        if loss_inputs and np.shape(loss_inputs[0]) != (rows[1],):
+            raise DprGcError(f"{where}: passage_ids must hold one id per passage row of the global batch "
+                             f"({rows[1]}), got shape {np.shape(loss_inputs[0])}")
+
+
+def _rows(batch: Any, what: str, where: str) -> int:
+    """The leading size every leaf of a global batch shares."""
+    sizes = sorted({np.shape(leaf)[0] if np.ndim(leaf) else 0 for leaf in jax.tree_util.tree_leaves(batch)})
+    if len(sizes) != 1:
+        raise DprGcError(f"{where}: every leaf of global {what} must have the same number of rows; got {sizes}")
+    return sizes[0]
 
 
 def check_divisible(batches: Sequence[Any], n_devices: int, what: str = "batch") -> None:
@@ -74,5 +106,6 @@ def check_divisible(batches: Sequence[Any], n_devices: int, what: str = "batch")
         sizes = sorted({np.shape(leaf)[0] if np.ndim(leaf) else 0 for leaf in jax.tree_util.tree_leaves(batch)})
         uneven = [n for n in sizes if n % n_devices]
         if uneven:
-            raise DprGcError(f"data_parallel_value_and_grad: {what} {i} has {uneven[0]} rows, which {n_devices} "
-                             f"devices do not split evenly; use a global batch that is a multiple of {n_devices}")
+            raise DprGcError(f"data_parallel_value_and_grad: global {what} {i} has {uneven[0]} rows, which "
+                             f"{n_devices} devices do not split evenly; use a global batch that is a multiple of "
+                             f"{n_devices}")
