@@ -477,6 +477,20 @@ def test_data_parallel_refuses_a_global_batch_the_devices_do_not_divide():
     on_two_devices(_uneven_global_batch_is_refused, "_uneven_global_batch_is_refused()")
 
 
+def test_data_parallel_refuses_a_contrastive_loss_that_does_not_gather_over_its_axis():
+    """Without ``axis_name`` each device's queries would meet only its own passages, another loss than the global
+    batch's (the data-parallel step equals the one-device one only with it: test_data_parallel_on_two_devices_...)."""
+    def encode(params, batch, key):
+        return batch @ params["w"]
+
+    mesh = data_mesh(jax.devices()[:1])
+    for loss in (ContrastiveLoss(n_hard_negatives=1), ContrastiveLoss(n_hard_negatives=1, axis_name="other")):
+        with pytest.raises(DprGcError, match=f"ContrastiveLoss\\(axis_name={loss.axis_name!r}\\) would score each "
+                                             r"device's queries against its own passages only.* pass "
+                                             r"ContrastiveLoss\(\.\.\., axis_name='data'\)"):
+            data_parallel_value_and_grad([encode, encode], loss, 2, mesh)
+
+
 def test_chunk_sizes_take_numpy_integers_and_refuse_non_integers():
     """A numpy integer chunk size is one int for every encoder; a float or a bool is refused in one clear line."""
     params = make_params(TINY, ("shared",))["shared"]

@@ -45,10 +45,15 @@ def data_parallel_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[
     batches and loss inputs (e.g. ``passage_ids``, which :class:`~dpr_gc.jax.ContrastiveLoss` gathers with the
     passages), split along their leading axis across the devices (each device's share must be the same size), with
     replicated parameters; the outputs are replicated and equal to the single-device global-batch step's.
-    ``loss_fn`` must gather over ``axis_name`` (e.g. ``ContrastiveLoss(axis_name=...)``). Each device draws its
-    dropout keys from ``fold_in(key, device index)`` (a ``key`` of None stays None, for encoders without dropout).
-    ``remat=True`` uses the single-decorator form instead of the two passes.
+    ``loss_fn`` must gather over ``axis_name``: a :class:`~dpr_gc.jax.ContrastiveLoss` built with another
+    ``axis_name`` (None included) is refused, since it would score each device's queries against its own passages.
+    Each device draws its dropout keys from ``fold_in(key, device index)`` (a ``key`` of None stays None, for
+    encoders without dropout). ``remat=True`` uses the single-decorator form instead of the two passes.
     """
+    if isinstance(loss_fn, ContrastiveLoss) and loss_fn.axis_name != axis_name:
+        raise DprGcError(f"data_parallel_value_and_grad: ContrastiveLoss(axis_name={loss_fn.axis_name!r}) would score "
+                         "each device's queries against its own passages only, another loss than the global batch's; "
+                         f"pass ContrastiveLoss(..., axis_name={axis_name!r})")
     build = remat_value_and_grad if remat else cached_value_and_grad
     local_step = build(encoders, loss_fn, chunk_sizes, axis_name=axis_name)
 
