@@ -386,6 +386,37 @@ def test_example_refuses_bad_flags_with_a_one_line_error(capsys):
     assert err.startswith("error: --train-queries 10 must be at least --batch-size 64") and "\n" not in err
 
 
+def test_the_example_logs_its_backend_and_chunks_and_ends_with_the_summary_table(tiny_tokenizer, tmp_path, caplog,
+                                                                                   capsys, monkeypatch):
+    """As the dpr-gc commands: the toolkit's log with JAX's own INFO lines (a TPU backend it did not find) kept
+    quiet, a line on backend, precision, steps and chunks, and the before/after table followed by the closing
+    ``| item | value |`` summary naming the report.json written."""
+    import logging
+
+    from dpr_gc.jax import example
+    from dpr_gc.model import pretrained
+    from tests.helpers import summary_rows
+
+    tiny_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    monkeypatch.setattr(pretrained, "default_model_path", lambda: str(tmp_path / "tokenizer"))
+    monkeypatch.setattr(example, "RANDOM_MODEL", dict(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32))
+    argv = ["--output", str(tmp_path / "run"), "--init", "random", "--max-examples", "12", "--train-queries", "4",
+            "--batch-size", "4", "--chunk-size", "3", "--query-max-length", "16", "--passage-max-length", "32"]
+    caplog.set_level(logging.INFO)
+    assert example.main(argv) == 0
+    assert not logging.getLogger("jax._src.xla_bridge").isEnabledFor(logging.INFO)
+    messages = [r.getMessage() for r in caplog.records if r.name == example.__name__]
+    assert any(re.fullmatch(r"training on JAX \S+'s cpu backend \(\d devices?, the step on one\), precision fp32, 1 "
+                            r"steps of 4 queries and 8 passages, Gradient Cache chunks of 3 rows", m)
+               for m in messages), messages
+    printed = capsys.readouterr().out
+    assert "| metric (held-out test) | before training | after training |" in printed
+    rows = summary_rows(printed)
+    assert rows["report"] == str(tmp_path / "run" / "report.json") and (tmp_path / "run" / "report.json").is_file()
+    assert (rows["precision"], rows["steps"], rows["batch (queries)"], rows["chunk size"]) == ("fp32", "1", "4", "3")
+    assert rows["backend"].startswith("cpu ("), rows
+
+
 def test_a_learnable_temperature_is_fp32_and_clamped():
     """docs/jax.md: the learnable temperature is kept in fp32 and clamped to the torch loss's range in every use."""
     import math

@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dpr_gc"
 # the tables that are no closing summary: metric tables, per-source counts, the cache listing, the demo's before/after
 DETAIL_TABLES = {("evaluation/evaluate.py", "format_table"), ("data/training.py", "_cli_prepare"),
                  ("data/arrow_cache.py", "cache_listing"), ("pipeline.py", "format_report"),
+                 ("jax/example.py", "format_report"),
                  ("base/tables.py", "format_summary")}
 
 

@@ -5,7 +5,8 @@
 the offline MiniLM weights (``--init minilm``) or from random weights (``--init random``), evaluates top-k answer
 accuracy on the held-out questions with the toolkit's :func:`dpr_gc.evaluation.answers.evaluate_answers`, trains with
 :func:`dpr_gc.jax.cached_value_and_grad` (batch several times the chunk, hard negatives, dropout with per-chunk
-keys, AdamW from optax) logging the loss of every step, evaluates again, and writes ``report.json``.
+keys, AdamW from optax) logging its backend, precision and chunks and the loss of every step, evaluates again,
+writes ``report.json`` and ends with the before/after table and the closing ``| item | value |`` summary.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from tqdm import tqdm
 from ..base.args import ArgumentParser
 from ..base.errors import DprGcError, report_errors
 from ..base.files import read_json, write_json
+from ..base.logs import setup_logging
+from ..base.tables import format_summary, markdown_table
 from ..base.settings import add_arguments, from_args, setting
 from ..data.stdlib_data import N_HARD_NEGATIVES, build_stdlib_dataset, check_max_examples
 from ..model.retriever import RetrieverConfig
@@ -266,6 +269,15 @@ def check_finite(loss: float, step: int, config: ExampleConfig) -> None:
                          "writing report.json; try a lower --learning-rate")
 
 
+def describe_run(config: ExampleConfig, steps: int) -> str:
+    """The log line that says how training runs: backend and devices, precision, steps, batch and chunking."""
+    group = 1 + config.hard_negatives
+    return (f"training on JAX {jax.__version__}'s {jax.default_backend()} backend ({len(jax.devices())} "
+            f"device{'s' if len(jax.devices()) != 1 else ''}, the step on one), precision {config.precision}, "
+            f"{steps} steps of {config.batch_size} queries and {config.batch_size * group} passages, Gradient Cache "
+            f"chunks of {config.chunk_size} rows")
+
+
 def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], groups: list[list[str]],
           config: ExampleConfig, keys: Optional[list[list[tuple[str, ...]]]] = None) -> tuple[Any, list[float]]:
     """Gradient Cache training (tied encoder); returns the trained parameters and the loss of every step. A copy of
@@ -296,6 +308,7 @@ def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], gro
                              pad_to=config.passage_max_length, kind="passage")
     group = 1 + config.hard_negatives
     passage_ids = passage_id_array(groups, keys)
+    logger.info("%s", describe_run(config, total))
     opt_state, losses = optimizer.init(params), []
     rng, key = np.random.default_rng(config.seed), jax.random.key(config.seed)
     for epoch in range(config.epochs):
@@ -348,13 +361,20 @@ def run_example(config: ExampleConfig) -> dict:
     return report
 
 
-def format_report(report: dict) -> str:
-    losses = report["training_loss"]
-    lines = [f"training loss: first step {losses[0]:.4f}, last step {losses[-1]:.4f} ({len(losses)} steps, "
-             f"{report['train_seconds']:.0f} s)", "| metric (held-out test) | before training | after training |",
-             "|---|---|---|"]
-    lines += [f"| {k} | {report['before'][k]:.4f} | {report['after'][k]:.4f} |" for k in report["before"]]
-    return "\n".join(lines)
+def format_report(report: dict, report_file: Path) -> str:
+    """The before/after accuracy table, then the closing ``| item | value |`` summary every command prints: backend,
+    precision, steps, batch and chunks, the first and last step's loss, and the ``report.json`` written."""
+    metrics = markdown_table(("metric (held-out test)", "before training", "after training"),
+                             [(k, f"{report['before'][k]:.4f}", f"{report['after'][k]:.4f}") for k in report["before"]])
+    config, losses = report["config"], report["training_loss"]
+    rows = {"backend": f"{report['backend']} ({report['devices']} devices, the step on one), JAX "
+                       f"{report['jax_version']}",
+            "precision": config["precision"], "steps": len(losses),
+            "batch (queries)": config["batch_size"], "chunk size": config["chunk_size"],
+            "hard negatives": config["hard_negatives"],
+            "loss (first → last step)": f"{losses[0]:.4f} → {losses[-1]:.4f}",
+            "training time": f"{report['train_seconds']:.1f} s", "report": str(report_file)}
+    return f"{metrics}\n\n{format_summary(rows, report['seconds'])}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -371,11 +391,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ExampleConfig:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    """The command: the toolkit's log (dependencies quiet), the run, the tables; a bad flag is one ``error:`` line."""
+    setup_logging(verbose=False)
 
     def run() -> None:
-        print(format_report(run_example(parse_args(argv))))
+        config = parse_args(argv)
+        report = run_example(config)
+        print(format_report(report, Path(config.output_dir) / "report.json"))
 
     return report_errors(run)
 
