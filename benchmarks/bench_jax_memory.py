@@ -32,6 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench_common import int_list, machine_info, parser, run_script, summary_table  # noqa: E402
+from dpr_gc.base.args import nonnegative_int, positive_int  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, cached_value_and_grad, encoder_fn,  # noqa: E402
                         remat_value_and_grad)
@@ -69,10 +70,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--batches", type=int_list, default=[64, 256, 1024, 4096],
                    help="comma-separated batch sizes (queries)")
-    p.add_argument("--chunk", type=int, default=16)
-    p.add_argument("--hard-negatives", type=int, default=1)
-    p.add_argument("--query-length", type=int, default=32)
-    p.add_argument("--passage-length", type=int, default=128)
+    p.add_argument("--chunk", type=positive_int, default=16, help="rows per Gradient Cache chunk")
+    p.add_argument("--hard-negatives", type=nonnegative_int, default=1, help="hard negatives per query")
+    p.add_argument("--query-length", type=positive_int, default=32, help="query tokens")
+    p.add_argument("--passage-length", type=positive_int, default=128, help="passage tokens")
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "jax_memory.json"))
     return p.parse_args(argv)
 

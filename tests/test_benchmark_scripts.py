@@ -54,6 +54,10 @@ def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words
 @pytest.mark.parametrize("script, args, words", [
     ("bench_llm.py", ["--batches", "2,x"], ["--batches", "2,x"]),
     ("bench_jax_memory.py", ["--batches", "4,x"], ["--batches", "4,x"]),
+    ("bench_jax_memory.py", ["--chunk", "0"], ["--chunk", "positive integer"]),
+    ("bench_jax_memory.py", ["--query-length", "0"], ["--query-length", "positive integer"]),
+    ("bench_jax_memory.py", ["--passage-length", "-3"], ["--passage-length", "positive integer"]),
+    ("bench_jax_memory.py", ["--hard-negatives", "-1"], ["--hard-negatives", "integer >= 0"]),
     ("bench_gradcache.py", ["--device", "cuda"], ["--device cuda", "no CUDA device"]),
     ("duplicate_positives.py", ["--data", "/nonexistent"], ["--data /nonexistent", "BEIR folder"]),
     ("filled_negatives.py", ["--data", "/nonexistent"], ["--data /nonexistent", "BEIR folder"]),

@@ -135,6 +135,45 @@ def test_tree_chunk_refuses_an_uneven_split_clearly():
         tree_chunk({"a": jnp.zeros((4,)), "b": jnp.zeros((6,))}, 2)
 
 
+def test_bad_sizes_are_refused_naming_the_argument():
+    """A chunk count that is not an integer, a multiple of 0, and an EncoderConfig size below 1 (a head count of 0
+    divided by zero, a hidden size of 0 was taken) are refused in one DprGcError naming the argument."""
+    from dpr_gc.jax import pad_to_multiple
+
+    tree = {"input_ids": jnp.zeros((4, 3))}
+    for bad in (2.0, "2", True):
+        with pytest.raises(DprGcError, match=f"n_chunk must be a positive integer, got {bad!r}"):
+            tree_chunk(tree, bad)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(DprGcError, match=f"multiple must be a positive integer, got {bad!r}"):
+            pad_to_multiple(tree, bad)
+    for field in ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "max_positions", "type_vocab_size"):
+        with pytest.raises(DprGcError, match=f"EncoderConfig: {field} must be a positive integer, got 0"):
+            EncoderConfig(**{field: 0})
+    with pytest.raises(DprGcError, match="EncoderConfig: num_layers must be an integer >= 0, got -1"):
+        EncoderConfig(num_layers=-1)
+
+
+def test_a_chunk_larger_than_the_batch_is_the_batch():
+    """A chunk of 100 on a batch of 8 runs one chunk of 8 rows (not 100, 92 of them padding), with the same numbers
+    as a chunk of 8."""
+    seen = []
+
+    def encode(params, batch, key):
+        seen.append(batch.shape[0])
+        return jnp.tanh(batch @ params["w"])
+
+    params = {"w": jax.random.normal(jax.random.key(0), (6, 4))}
+    batches = [jax.random.normal(jax.random.key(1), (8, 6)), jax.random.normal(jax.random.key(2), (16, 6))]
+    loss = ContrastiveLoss(n_hard_negatives=1)
+    for build in (cached_value_and_grad, remat_value_and_grad):
+        want_loss, want = build([encode, encode], loss, [8, 16])(params, {}, batches, jax.random.key(3))
+        seen.clear()
+        got_loss, got = build([encode, encode], loss, 100)(params, {}, batches, jax.random.key(3))
+        assert set(seen) == {8, 16}, (build.__name__, seen)
+        assert float(got_loss) == float(want_loss) and rel_error(got, want) == 0
+
+
 def test_original_api_two_pass_and_single_decorator():
     """The original package's functions, used as its README/training code uses them, give jax.grad's result."""
     model = Encoder(TINY)
@@ -407,7 +446,7 @@ def test_the_example_logs_its_backend_and_chunks_and_ends_with_the_summary_table
     assert not logging.getLogger("jax._src.xla_bridge").isEnabledFor(logging.INFO)
     messages = [r.getMessage() for r in caplog.records if r.name == example.__name__]
     assert any(re.fullmatch(r"training on JAX \S+'s cpu backend \(\d devices?, the step on one\), precision fp32, 1 "
-                            r"steps of 4 queries and 8 passages, Gradient Cache chunks of 3 rows", m)
+                            r"steps of 4 queries and 8 passages, Gradient Cache chunks of 3 queries and 3 passages", m)
                for m in messages), messages
     printed = capsys.readouterr().out
     assert "| metric (held-out test) | before training | after training |" in printed

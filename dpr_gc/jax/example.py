@@ -275,7 +275,8 @@ def describe_run(config: ExampleConfig, steps: int) -> str:
     return (f"training on JAX {jax.__version__}'s {jax.default_backend()} backend ({len(jax.devices())} "
             f"device{'s' if len(jax.devices()) != 1 else ''}, the step on one), precision {config.precision}, "
             f"{steps} steps of {config.batch_size} queries and {config.batch_size * group} passages, Gradient Cache "
-            f"chunks of {config.chunk_size} rows")
+            f"chunks of {min(config.chunk_size, config.batch_size)} queries and "
+            f"{min(config.chunk_size, config.batch_size * group)} passages")
 
 
 def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], groups: list[list[str]],

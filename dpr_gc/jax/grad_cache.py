@@ -40,10 +40,17 @@ def _leading_size(tree: Any, axis: int = 0) -> int:
     return sizes.pop()
 
 
+def _check_positive(name: str, value: Any) -> None:
+    """Refuse a count that is not a positive integer (a float, a bool, 0) in one line naming the argument."""
+    if not is_integer(value) or value < 1:
+        raise DprGcError(f"{name} must be a positive integer, got {value!r}")
+
+
 def tree_chunk(tree: Any, n_chunk: int, axis: int = 0) -> Any:
     """Split axis ``axis`` of every leaf into ``(n_chunk, size // n_chunk)``; the size must divide evenly."""
+    _check_positive("n_chunk", n_chunk)
     size = _leading_size(tree, axis)
-    if n_chunk < 1 or size % n_chunk:
+    if size % n_chunk:
         raise DprGcError(f"cannot split a batch of {size} into {n_chunk} equal chunks; pick a number of chunks that "
                          "divides the batch, or pad it with pad_to_multiple (cached_value_and_grad pads for you)")
     return jax.tree_util.tree_map(lambda v: v.reshape(v.shape[:axis] + (n_chunk, size // n_chunk) + v.shape[axis + 1:]),
@@ -61,6 +68,7 @@ def pad_to_multiple(tree: Any, multiple: int) -> tuple[Any, int]:
     Returns the padded tree and the real size. Repeated rows are valid inputs (no empty attention mask, no division
     by zero in pooling); callers drop their representations before the loss, so they receive exactly zero gradient.
     """
+    _check_positive("multiple", multiple)
     size = _leading_size(tree)
     extra = -size % multiple
     if extra == 0:
@@ -189,8 +197,9 @@ def _split_key(key: Optional[Array], n: int) -> Any:
 
 def _chunked(batch: Any, chunk_size: int, key: Optional[Array]) -> tuple[Any, Optional[Array], int]:
     """Pad ``batch`` to a multiple of the chunk, add the chunk axis, and draw one dropout key per chunk (None
-    without a key)."""
-    padded, size = pad_to_multiple(batch, chunk_size)
+    without a key). A chunk larger than the batch is the batch: one chunk, no padding rows to encode."""
+    padded, size = pad_to_multiple(batch, min(chunk_size, _leading_size(batch)))
+    chunk_size = min(chunk_size, size)
     n_chunk = _leading_size(padded) // chunk_size
     return tree_chunk(padded, n_chunk), None if key is None else jax.random.split(key, n_chunk), size
 
@@ -235,7 +244,7 @@ def cached_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[..., Ar
     Args:
         encoders: one ``f(params, batch, key) -> reps [rows, D]`` per batch (e.g. :func:`encoder_fn`).
         loss_fn: ``loss_fn(loss_params, *reps) -> scalar`` (e.g. :class:`ContrastiveLoss`).
-        chunk_sizes: rows per chunk, one int or one per encoder.
+        chunk_sizes: rows per chunk, one int or one per encoder (one larger than its batch is the batch).
         axis_name: the ``shard_map`` axis to average over (None: one device).
 
     Returns:

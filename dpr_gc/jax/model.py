@@ -9,6 +9,7 @@ the ``"dropout"`` PRNG stream, so Gradient Cache can hand each chunk its own key
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,6 +40,13 @@ class EncoderConfig:
     pooling: str = "mean"
 
     def __post_init__(self) -> None:
+        """Refuse sizes the model cannot have (a head count of 0 would divide by zero), naming the field."""
+        for name in ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "max_positions",
+                     "type_vocab_size", "num_layers"):
+            value, least = getattr(self, name), 0 if name == "num_layers" else 1
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                kind = "an integer >= 0" if least == 0 else "a positive integer"
+                raise DprGcError(f"EncoderConfig: {name} must be {kind}, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise DprGcError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}")
         if self.pooling not in ("mean", "cls"):
