@@ -495,6 +495,25 @@ def test_a_temperature_past_its_bound_can_come_back_as_in_torch():
             assert (got != 0.0) == ((log_t > 0) == (sign > 0))  # descent moves it back inside: kept
 
 
+def test_the_jax_pages_code_runs_as_written(tiny_tokenizer, tmp_path):
+    """docs/jax.md's code block, run as printed with a tiny BERT folder where it names the offline MiniLM: its loss
+    is the full-batch loss and its gradient that of jax.grad over the whole batch (chunks of 2 with their keys)."""
+    from tests.helpers import tiny_bert
+
+    page = (REPO / "docs" / "jax.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) == 1 and "default_model_path()" in blocks[0]
+    tiny_bert(len(tiny_tokenizer), seed=2).save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    scope: dict = {}
+    exec(blocks[0].replace("default_model_path()", repr(str(tmp_path))), scope)  # noqa: S102 (the page's own code)
+    loss, encode, params = scope["loss"], scope["encode"], scope["params"]
+    batches, key = [scope["query_batch"], scope["passage_batch"]], scope["key"]
+    want_loss, want = full_batch([encode, encode], loss, 2)(params, loss.init(), batches, key)
+    assert float(scope["value"]) == pytest.approx(float(want_loss), rel=1e-5)
+    assert rel_error((scope["grads"], scope["loss_grads"]), want) < 1e-5
+
+
 def test_the_docs_describe_the_examples_defaults():
     """docs/jax.md: batch 64 in chunks of 16, one hard negative, dropout 0.1, temperature 0.05, fp32, 1,024 training
     questions (the demo's): ExampleConfig's defaults."""
