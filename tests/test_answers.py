@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 import sys
 import unicodedata
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +197,25 @@ def test_accuracy_counter():
     assert counter.accuracy([1, 2, 5]) == {1: 0.25, 2: 0.5, 5: 0.5}
     with pytest.raises(DprGcError, match="no questions"):
         am.AccuracyCounter().accuracy([1])
+
+
+def test_the_matching_pool_does_not_fork_a_process_running_jax(tmp_path):
+    """Once JAX is imported (the JAX example evaluates after training) the pool starts by ``forkserver``: forking
+    JAX's threads can deadlock, and JAX warned "os.fork() was called ...". In a subprocess: JAX stays out of this one."""
+    pytest.importorskip("jax")
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import jax\n"
+        "from dpr_gc.evaluation.answers import AnswerMatcher\n\n\n"
+        "def main():\n"
+        "    jax.devices()\n"
+        "    texts = [f'passage number {i} about paris' for i in range(64)]\n"
+        "    with AnswerMatcher(workers=2, parallel_min=8) as pooled, AnswerMatcher(workers=1) as serial:\n"
+        "        assert pooled.passages([(None, t) for t in texts]) == serial.passages([(None, t) for t in texts])\n"
+        "    print('same')\n\n\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert run.returncode == 0 and run.stdout.strip() == "same", run.stderr[-2000:]
+    assert "os.fork()" not in run.stderr, run.stderr[-2000:]

@@ -18,6 +18,7 @@ import collections
 import logging
 import math
 import multiprocessing
+import sys
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
@@ -48,6 +49,16 @@ def prepare_passage(text: str, mode: str) -> str:
     """What answers are matched against: the NFD text (regex) or ``" tok tok ... "`` of its uncased tokens."""
     text = nfd(text)
     return text if mode == "regex" else " " + " ".join(simple_tokens(text)) + " "
+
+
+def pool_context() -> Any:
+    """The start method of the matching pool: ``fork`` where there is one (the workers start at once with the
+    parent's imports), but ``forkserver`` once JAX is imported (its threads make a forked child deadlock-prone, as
+    JAX warns: the JAX example evaluates after training)."""
+    methods = multiprocessing.get_all_start_methods()
+    if "jax" in sys.modules and "forkserver" in methods:
+        return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context("fork" if "fork" in methods else None)
 
 
 def _prepare_many(args: tuple[list[str], str]) -> list[str]:
@@ -197,8 +208,7 @@ class AnswerMatcher:
         if self.workers == 1 or len(texts) < self.parallel_min:
             return _prepare_many((texts, self.mode))
         if self._pool is None:
-            methods = multiprocessing.get_all_start_methods()
-            self._pool = multiprocessing.get_context("fork" if "fork" in methods else None).Pool(self.workers)
+            self._pool = pool_context().Pool(self.workers)
         size = math.ceil(len(texts) / (self.workers * 4))
         parts = [(texts[i:i + size], self.mode) for i in range(0, len(texts), size)]
         return [p for part in self._pool.map(_prepare_many, parts) for p in part]
