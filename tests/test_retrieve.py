@@ -8,6 +8,7 @@ import itertools
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,6 +67,22 @@ def self_queries(tmp_path: Path, n: int = 10) -> tuple[Path, Path]:
     qrels = tmp_path / "test.tsv"
     qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{p['id']}\t1\n" for i, p in enumerate(ps)))
     return queries, qrels
+
+
+def interrupt_after_five_records(monkeypatch) -> Any:
+    """Make retrieval keep chunks of 4 questions and stop with Ctrl-C after the fifth record; returns the real
+    ``iter_retrieve`` to put back."""
+    from dpr_gc.retrieval import retrieve as retrieve_module
+
+    real_iter_retrieve = retrieve_module.iter_retrieve
+
+    def interrupted_after_five(*args, **kwargs):
+        yield from itertools.islice(real_iter_retrieve(*args, **kwargs), 5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(retrieve_module, "QUERY_CHUNK", 4)
+    monkeypatch.setattr(retrieve_module, "iter_retrieve", interrupted_after_five)
+    return real_iter_retrieve
 
 
 def test_end_to_end_encode_index_retrieve_evaluate(world, tmp_path, capsys):
@@ -383,14 +400,7 @@ def test_kept_records_of_an_interrupted_run_are_named_and_reported_by_later_runs
     from tests.helpers import call
 
     queries, _ = self_queries(tmp_path)
-    real_iter_retrieve = retrieve_module.iter_retrieve
-
-    def interrupted_after_five(*args, **kwargs):
-        yield from itertools.islice(real_iter_retrieve(*args, **kwargs), 5)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(retrieve_module, "QUERY_CHUNK", 4)
-    monkeypatch.setattr(retrieve_module, "iter_retrieve", interrupted_after_five)
+    real_iter_retrieve = interrupt_after_five_records(monkeypatch)
 
     def argv(out: Path) -> list:
         return ["retrieve", "--index", world["idx"], "--queries", queries, "--top-k", 3, "--output", out,
@@ -825,14 +835,7 @@ def test_a_rerun_with_other_settings_says_it_drops_what_the_interrupted_run_kept
     from tests.helpers import call
 
     queries, _ = self_queries(tmp_path)
-    real_iter_retrieve = retrieve_module.iter_retrieve
-
-    def interrupted_after_five(*args, **kwargs):
-        yield from itertools.islice(real_iter_retrieve(*args, **kwargs), 5)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(retrieve_module, "QUERY_CHUNK", 4)
-    monkeypatch.setattr(retrieve_module, "iter_retrieve", interrupted_after_five)
+    real_iter_retrieve = interrupt_after_five_records(monkeypatch)
     argv = ["retrieve", "--index", world["idx"], "--queries", queries, "--output", tmp_path / "o.json",
             "--cache-dir", world["cache"], "--device", "cpu", "--workers", 1, "--top-k"]
     assert call(main, argv + [3])[0] == 130
