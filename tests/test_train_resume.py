@@ -1,0 +1,159 @@
+"""docs/stages.md's promise that a resumed train equals an uninterrupted one bit for bit, held for what the run
+leaves: the final weights, every checkpoint's model and training state (optimizer, scheduler, sampler, RNG,
+Gradient Cache, best record), each metrics.jsonl row but its timing, and ``best/``; for a run stopped by Ctrl-C
+mid-step with DataLoader workers and dropout on, one stopped in the middle of a dev evaluation, and one killed (-9)
+while it wrote a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dpr_gc.train.validation as validation
+from dpr_gc.cli import main
+from dpr_gc.train.trainer import train
+from tests.helpers import call, ctrl_c_at
+from tests.ranks import run_command
+from tests.train_data import init_model, make_records, model_params, task_config, write_dpr
+
+TIMING = "examples_per_s"  # the only field that may differ between two runs of the same steps
+REPO = Path(__file__).resolve().parents[1]
+KILLED_AT_SECOND_STATE = """
+import os, signal, sys
+import dpr_gc.train.checkpoints as checkpoints
+from dpr_gc.cli import main
+real, calls = checkpoints.write_state, []
+def killed(folder, state):
+    calls.append(folder)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(folder, state)
+checkpoints.write_state = killed
+sys.exit(main(sys.argv[1:]))
+"""  # `python -c` this with train's arguments: kill -9 while the second checkpoint's training state is written
+
+
+def without_timing(value: Any, out: Path) -> Any:
+    """A checkpoint's ``train_state.json`` content as nested dicts and lists (its key/value pair lists made dicts),
+    without the step's timing and with the run folder spelt RUN."""
+    if isinstance(value, dict) and "__dict__" in value:
+        return {str(k): without_timing(v, out) for k, v in value["__dict__"] if k != TIMING}
+    if isinstance(value, dict):
+        return {k: without_timing(v, out) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_timing(v, out) for v in value]
+    return value.replace(str(out), "RUN") if isinstance(value, str) else value
+
+
+def run_record(out: Path) -> dict:
+    """What a finished run left in ``out``, comparable between runs: final/, best/ and each checkpoint's model
+    weights, each checkpoint's training state (JSON and tensors), and the metrics rows without their timing."""
+    record: dict = {"metrics": [{k: v for k, v in json.loads(line).items() if k != TIMING}
+                                for line in (out / "metrics.jsonl").read_text().splitlines()]}
+    for checkpoint in sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1])):
+        record[checkpoint.name] = {
+            "state": without_timing(json.loads((checkpoint / "train_state.json").read_text()), out),
+            "tensors": load_file(str(checkpoint / "train_state.safetensors")),
+            "model": model_params(checkpoint / "model")}
+    record["final"] = model_params(out / "final")
+    record["best"] = model_params(out / "best") if (out / "best").is_dir() else None
+    return record
+
+
+def assert_same(a: Any, b: Any, where: str = "run") -> None:
+    """``a`` equals ``b`` bit for bit (tensors by ``torch.equal``), naming the first place they differ."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: {sorted(a)} != {sorted(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{where}: {len(a)} != {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_a_run_stopped_mid_step_with_workers_and_dropout_resumes_to_the_same_run(tmp_path: Path) -> None:
+    """Two DataLoader workers and dropout 0.1, Ctrl-C in step 4 of 7 (4 steps an epoch, checkpoints every 2): the
+    resumed run goes on mid-epoch and into the next one exactly as the uninterrupted run did."""
+    task = {"dir": tmp_path, "model": init_model(tmp_path, dropout=0.1),
+            "train": write_dpr(tmp_path / "t.json", make_records(32, 3))}
+    common = dict(max_steps=7, save_every=2, keep_checkpoints=10, num_workers=2, learning_rate=5e-4, seed=11)
+    train(task_config(task, tmp_path / "a", **common))
+    with pytest.raises(KeyboardInterrupt):
+        train(task_config(task, tmp_path / "b", **common), on_backward=ctrl_c_at(3))  # in step 4
+    assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint-*")) == ["checkpoint-2"]
+    train(task_config(task, tmp_path / "b", resume="latest", **common))
+    a, b = run_record(tmp_path / "a"), run_record(tmp_path / "b")
+    assert [row["step"] for row in b["metrics"]] == list(range(1, 8))
+    assert {k for k in a if k.startswith("checkpoint")} == {"checkpoint-2", "checkpoint-4", "checkpoint-6",
+                                                           "checkpoint-7"}
+    assert_same(a, b)
+
+
+def test_a_run_stopped_during_a_dev_evaluation_resumes_to_the_same_run(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while step 8's dev evaluation embeds the passages (dev every 2 steps, checkpoints every 3, best by the
+    dev accuracy, which step 4 reaches and no later step beats): the resume from checkpoint-6 drops step 7's metrics
+    row, keeps step 4's best record, and ends as the uninterrupted run did, best/ included."""
+    task = {"dir": tmp_path, "model": init_model(tmp_path, dropout=0.1),
+            "train": write_dpr(tmp_path / "t.json", make_records(32, 3)),
+            "dev": write_dpr(tmp_path / "dev.json", make_records(8, 5))}
+    common = dict(max_steps=9, save_every=3, eval_every=2, best_metric="accuracy", dev_file=str(task["dev"]),
+                  keep_checkpoints=10, learning_rate=5e-4, seed=11)
+    train(task_config(task, tmp_path / "a", **common))
+    embed, calls = validation._embed_shared, []
+
+    def interrupted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[1])
+        if len(calls) == 10:  # the passages of the fifth evaluation (steps 0, 2, 4, 6, 8): step 8's
+            raise KeyboardInterrupt
+        return embed(*args, **kwargs)
+
+    monkeypatch.setattr(validation, "_embed_shared", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(task_config(task, tmp_path / "b", **common))
+    assert calls[-2:] == ["query", "passage"]
+    assert [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(8))
+    monkeypatch.setattr(validation, "_embed_shared", embed)
+    train(task_config(task, tmp_path / "b", resume="latest", **common))
+    a, b = run_record(tmp_path / "a"), run_record(tmp_path / "b")
+    assert [row["step"] for row in b["metrics"]] == list(range(10))
+    assert [row["step"] for row in b["metrics"] if "dev_loss" in row] == [0, 2, 4, 6, 8, 9]
+    assert {k for k in a if k.startswith("checkpoint")} == {"checkpoint-3", "checkpoint-6", "checkpoint-9"}
+    assert a["checkpoint-9"]["state"]["best"][2] == 4  # recorded before checkpoint-6: the resume must keep it
+    assert_same(a, b)
+
+
+def test_a_run_killed_while_writing_a_checkpoint_resumes_to_the_same_run(tmp_path: Path) -> None:
+    """kill -9 of ``dpr-gc train`` (two DataLoader workers, dropout) while checkpoint-4's training state is written:
+    its hidden copy is removed, the run resumes from checkpoint-2, dropping the metrics rows of steps 3 and 4, and
+    ends as an uninterrupted run of the same command did."""
+    model, data = init_model(tmp_path, dropout=0.1), write_dpr(tmp_path / "t.json", make_records(32, 3))
+    argv = ["train", "--train", data, "--model", model, "--batch-size", 8, "--num-workers", 2, "--max-steps", 7,
+            "--save-every", 2, "--keep-checkpoints", 10, "--learning-rate", 5e-4, "--seed", 11, "--query-chunk-size",
+            3, "--passage-chunk-size", 5, "--device", "cpu", "--cache-dir", tmp_path / "cache"]
+    assert call(main, argv + ["--output", tmp_path / "a"])[0] == 0
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    killed = run_command([sys.executable, "-c", KILLED_AT_SECOND_STATE, *map(str, argv), "--output",
+                          str(tmp_path / "b")], limit_s=240, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (tmp_path / "b" / ".checkpoint-4.tmp" / "model").is_dir()
+    code, err = call(main, argv + ["--output", tmp_path / "b", "--resume", "latest"])
+    assert code == 0, err[-3000:]
+    assert not (tmp_path / "b" / ".checkpoint-4.tmp").exists()
+    a, b = run_record(tmp_path / "a"), run_record(tmp_path / "b")
+    assert [row["step"] for row in b["metrics"]] == list(range(1, 8))
+    assert_same(a, b)
