@@ -1,7 +1,8 @@
-"""The command line's output: ``encode``, ``index``, ``retrieve`` and BM25 ``mine`` on the example files print only
-the toolkit's own log lines, its progress bars and the final table (no FAISS loader lines, no datasets/JAX notice, no
-transformers or bm25s bars, no bm25s debug lines, no dependency's deprecation warnings, no cursor movements of nested
-bars); ``--verbose`` lets the dependencies speak; each automatic choice is logged once at the start."""
+"""The command line's output: ``encode``, ``index``, ``retrieve`` and BM25 ``mine`` on the example files, and
+``train`` of a tiny GPT-2 with gradient checkpointing, print only the toolkit's own log lines, its progress bars and
+the final table (no FAISS loader lines, no datasets/JAX notice, no transformers or bm25s bars, no transformers
+warnings, no bm25s debug lines, no dependency's deprecation warnings, no cursor movements of nested bars);
+``--verbose`` lets the dependencies speak; each automatic choice is logged once at the start."""
 
 from __future__ import annotations
 
@@ -79,6 +80,38 @@ def test_encode_index_retrieve_and_mine_print_only_their_own_lines(runs: dict) -
     assert len(re.findall(r"--precision auto on cpu: (bf16|fp32) \(", encoded)) == 1
     retrieved = runs["retrieve"].stderr  # the questions are counted by the check before the bar opens, not inside it
     assert retrieved.index("qa.tsv: 4 questions from 4 lines") < retrieved.index("retrieving:"), retrieved
+
+
+def tiny_gpt2(folder: Path) -> Path:
+    """A Hugging Face folder holding a tiny random GPT-2 (whose forward warns of ``use_cache`` under gradient
+    checkpointing) and a small tokenizer."""
+    from transformers import GPT2Config, GPT2Model
+
+    from tests.llm_models import decoder_tokenizer
+
+    tokenizer = decoder_tokenizer()
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    GPT2Model(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_train_prints_only_its_own_lines(tmp_path: Path, env: dict) -> None:
+    """``train --gradient-checkpointing`` of a GPT-2: neither transformers' "`use_cache=True` is incompatible with
+    gradient checkpointing" (GPT-2's forward logs it in training; ``--verbose`` shows it) nor its "Loading weights"
+    and "Writing model shards" bars reach stderr, only the toolkit's log lines and its own bar; stdout holds only the
+    closing table."""
+    from tests.train_data import make_records, write_dpr
+
+    data, model = write_dpr(tmp_path / "train.json", make_records(8, 1)), tiny_gpt2(tmp_path / "gpt2")
+    argv = ["train", "--train", str(data), "--model", str(model), "--gradient-checkpointing", "--max-steps", "2",
+            "--batch-size", "4", "--num-workers", "0", "--device", "cpu"]
+    quiet = run([*argv, "--output", str(tmp_path / "quiet")], env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert foreign_lines(quiet.stderr) == [], quiet.stderr
+    assert "use_cache" not in quiet.stderr and "Loading weights" not in quiet.stderr, quiet.stderr
+    assert all(TABLE_LINE.match(line) for line in quiet.stdout.splitlines()), quiet.stdout
 
 
 def test_faiss_native_warnings_reach_the_log_not_raw_stderr(runs: dict, env: dict) -> None:
