@@ -53,11 +53,11 @@ def prepare_passage(text: str, mode: str) -> str:
 
 def pool_context() -> Any:
     """The start method of the matching pool: ``fork`` where there is one (the workers start at once with the
-    parent's imports), but ``forkserver`` once JAX is imported (its threads make a forked child deadlock-prone, as
-    JAX warns: the JAX example evaluates after training)."""
+    parent's imports), but ``spawn`` once JAX is imported (its threads make a forked child deadlock-prone, as JAX
+    warns: the JAX example evaluates after training; spawn leaves the process's one fork server to others)."""
     methods = multiprocessing.get_all_start_methods()
-    if "jax" in sys.modules and "forkserver" in methods:
-        return multiprocessing.get_context("forkserver")
+    if "jax" in sys.modules:
+        return multiprocessing.get_context("spawn")
     return multiprocessing.get_context("fork" if "fork" in methods else None)
 
 
