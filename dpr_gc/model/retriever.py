@@ -121,7 +121,8 @@ class Encoder(nn.Module):
     """A transformer plus pooling, an optional linear projection and optional L2 normalisation."""
 
     # Its pooling reads real tokens only (the mask-weighted mean, the last real token, cls the first real one; pooler
-    # the first column, refused when that is padding), so Gradient Cache cuts a chunk's padding by default (:func:`dpr_gc.engine.grad_cache.trims_exactly`).
+    # the first column, refused when that is padding), so Gradient Cache cuts a chunk's padding by default
+    # (:func:`dpr_gc.engine.grad_cache.trims_exactly`).
     ignores_padding = True
 
     def __init__(self, transformer: nn.Module, config: RetrieverConfig) -> None:
