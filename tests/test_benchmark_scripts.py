@@ -280,21 +280,3 @@ def test_bench_workers_ends_with_each_values_ratios_against_the_baseline(tmp_pat
     rows = summary_rows(capsys.readouterr().out)
     assert rows["2 workers"] == "1.20x the speed, 3.00x the memory (PSS) of 0 workers", rows
     assert rows["results file"] == str(out) and rows["machine"]
-
-
-def test_bench_jax_memory_ends_with_each_methods_memory_against_plain(tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture) -> None:
-    import bench_jax_memory
-
-    def fake(step: str, params: object, batch: int, *shape: int) -> dict:
-        temp = {"plain": 8, "gradcache": 2, "remat": 4}[step] * batch * 2**20
-        return {"temp_bytes": temp, "argument_bytes": 0, "output_bytes": 0, "compile_seconds": 0.1}
-
-    steps = {name: name for name in ("plain", "gradcache", "remat")}  # each step stands in by its name
-    out = tmp_path / "jax.json"
-    with mock.patch.object(bench_jax_memory, "plan", fake), \
-            mock.patch.object(bench_jax_memory, "build_steps", lambda *a: steps):
-        bench_jax_memory.main(["--batches", "1,4", "--output", str(out)])
-    rows = summary_rows(capsys.readouterr().out)
-    assert rows["batch 4"] == "plain 32 MiB; gradcache 8.0 MiB (0.25x plain); remat 16 MiB (0.50x plain)", rows
-    assert rows["results file"] == str(out) and rows["machine"]

@@ -943,3 +943,31 @@ def test_load_bert_takes_berts_defaults_for_missing_config_fields(tmp_path):
     config_file.write_text(json.dumps({**hf, "hidden_size": "32"}))
     with pytest.raises(DprGcError, match="config.json: hidden_size must be an integer, got '32'"):
         load_bert(tmp_path)
+
+
+def test_bench_jax_memory_ends_with_each_methods_memory_against_plain(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """In this file, run last (tests/conftest.py): the benchmark starts JAX's backend in this process, after which
+    a test that forks (DataLoader workers) would fork JAX's threads."""
+    from unittest import mock
+
+    from tests.helpers import summary_rows
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_jax_memory
+    finally:
+        sys.path.pop(0)
+
+    def fake(step: str, params: object, batch: int, *shape: int) -> dict:
+        temp = {"plain": 8, "gradcache": 2, "remat": 4}[step] * batch * 2**20
+        return {"temp_bytes": temp, "argument_bytes": 0, "output_bytes": 0, "compile_seconds": 0.1}
+
+    steps = {name: name for name in ("plain", "gradcache", "remat")}  # each step stands in by its name
+    out = tmp_path / "jax.json"
+    with mock.patch.object(bench_jax_memory, "plan", fake), \
+            mock.patch.object(bench_jax_memory, "build_steps", lambda *a: steps):
+        bench_jax_memory.main(["--batches", "1,4", "--output", str(out)])
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["batch 4"] == "plain 32 MiB; gradcache 8.0 MiB (0.25x plain); remat 16 MiB (0.50x plain)", rows
+    assert rows["results file"] == str(out) and rows["machine"]
