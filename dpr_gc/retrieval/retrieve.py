@@ -503,7 +503,7 @@ def report_kept_discarded(kept: ChunkedOutput) -> None:
     flags = {"top_k": "--top-k", "match": "--match"}
     changed = [f"{flags[name]} {old.get(name)} -> {value}" if name in flags else f"the {name}"
                for name, value in kept.key.items() if old.get(name) != value]
-    count = (saved["state"] or {}).get("count", 0) if isinstance(saved["state"], dict) else 0
+    count = saved["state"].get("count", 0) if isinstance(saved["state"], dict) else 0
     logger.info("starting over: the %s an interrupted run kept in %s were retrieved with other settings (%s)",
                 counted(count, "question"), kept.partial, ", ".join(changed) or "another version")
 
