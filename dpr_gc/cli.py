@@ -10,7 +10,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .base.args import ArgumentParser
-from .base.errors import NOTHING_STARTED, DprGcError, model_named_by, report_errors
+from .base.errors import NOTHING_STARTED, DprGcError, model_named_by, report_errors, say
 from .base.logs import setup_logging
 
 # The flags a command takes its model with, as typed: dpr-gc's, train's DPR name --pretrained_model_cfg, and DPR's
@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         return int(e.code) if isinstance(e.code, int) else 2
     except KeyboardInterrupt:
-        print(f"interrupted: {NOTHING_STARTED}", file=sys.stderr)
+        say(f"interrupted: {NOTHING_STARTED}")
         return 130
     setup_logging(args.verbose)
     return report_errors(lambda: run_stage(args, model_flag(argv)))

@@ -302,3 +302,41 @@ def test_a_refusal_every_rank_reaches_alike_is_printed_by_one_rank_per_machine(l
 
     assert report_errors(interrupt) == 130
     assert capsys.readouterr().err == ("interrupted: checkpoint-3 is kept\n" if local_rank == "0" else "")
+
+
+class Writes:
+    """A stderr that records each write, as the pipe torchrun's ranks share receives them."""
+
+    def __init__(self) -> None:
+        self.writes: list = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_each_error_line_reaches_stderr_in_one_write(monkeypatch):
+    """stderr into a pipe is unbuffered, and print() wrote an error's text and its newline apart: under torchrun
+    rank 0's ``error: rank 1 stopped: ...`` landed between rank 1's text and its newline (one line glued onto the
+    other). Every line the toolkit prints on stopping is written whole, newline included."""
+    from dpr_gc.base.args import ArgumentParser
+    from dpr_gc.base.errors import DprGcError, Interrupted, report_errors
+
+    stderr = Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def refuse(error: BaseException) -> None:
+        raise error
+
+    for error in (DprGcError("no negatives\nfor row 2"), OSError(28, "No space left on device", "out"),
+                  Interrupted("checkpoint-3 is kept"), UnicodeEncodeError(
+                      "utf-8", "\ud800", 0, 1, "surrogates not allowed")):
+        assert report_errors(lambda: refuse(error)) in (2, 130)
+    with pytest.raises(SystemExit):
+        ArgumentParser(prog="dpr-gc train").error("the following arguments are required: --train")
+    assert len(stderr.writes) == 5 and all(w.count("\n") == 1 and w.endswith("\n") for w in stderr.writes), \
+        stderr.writes

@@ -12,7 +12,7 @@ from gettext import gettext
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NoReturn, Optional, Sequence
 
-from .errors import DprGcError, shown_by_another_rank
+from .errors import DprGcError, say, shown_by_another_rank
 from .files import BESIDE_BYTES, check_output_dir, check_output_file, check_path_length
 
 ERROR_EXIT = 2
@@ -227,7 +227,7 @@ class ArgumentParser(argparse.ArgumentParser):
         line, so only each machine's first rank prints it (the others exit 2 silently)."""
         if shown_by_another_rank():
             sys.exit(ERROR_EXIT)
-        print(f"error: {self.prog}: {self.misspelt_first(message)} (see {self.prog} --help)", file=sys.stderr)
+        say(f"error: {self.prog}: {self.misspelt_first(message)} (see {self.prog} --help)")
         sys.exit(ERROR_EXIT)
 
     def misspelt_first(self, message: str) -> str:

@@ -153,6 +153,14 @@ LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Bro
                    "NCCL communicator was aborted")
 
 
+def say(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write: stderr into a pipe is unbuffered, so ``print`` writes
+    the text and the newline apart, and under torchrun another rank's line could land between them (one line glued
+    onto another, the next left empty)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def lost_a_peer(error: BaseException) -> bool:
     """Whether ``error`` is a collective's failure because another rank of a multi-process job stopped: then that rank
     has printed the reason, and this one's traceback (dozens of lines from every surviving rank) would bury it."""
@@ -189,23 +197,23 @@ def report_errors(action: Callable[[], Any]) -> int:
     except RuntimeError as e:
         if not lost_a_peer(e):
             raise
-        print(lost_peer_line(e), file=sys.stderr)
+        say(lost_peer_line(e))
         return 2
     except DprGcError as e:
         if not (e.alike and shown_by_another_rank()):
-            print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+            say("error: " + " ".join(str(e).splitlines()))
         return 2
     except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON) reached a UTF-8 output
-        print(f"error: the input holds text that is not valid Unicode ({ascii(e.object[e.start:e.end])}, a lone "
-              "surrogate from a JSON escape); fix or remove it in the input file", file=sys.stderr)
+        say(f"error: the input holds text that is not valid Unicode ({ascii(e.object[e.start:e.end])}, a lone "
+            "surrogate from a JSON escape); fix or remove it in the input file")
         return 2
     except OSError as e:  # refused by the OS: permissions, a full disk, a folder where a file belongs
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}; check the path and free space", file=sys.stderr)
+        say(f"error: {where}{e.strerror or e}; check the path and free space")
         return 2
     except KeyboardInterrupt as e:
         advice = str(e) if isinstance(e, Interrupted) and str(e) else NOTHING_KEPT
         if not shown_by_another_rank():
-            print(f"interrupted: {advice}", file=sys.stderr)
+            say(f"interrupted: {advice}")
         return 130
     return result if isinstance(result, int) else 0
