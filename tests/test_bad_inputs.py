@@ -1685,6 +1685,7 @@ def test_a_piped_corpus_is_named_as_given_in_log_lines_and_records(world: dict, 
     assert code == 0, err
     assert f"passages from {again}" in caplog.text and "dpr-gc-input" not in caplog.text + err
     assert len(json.loads((tmp_path / "o.json").read_text())) == 2
+    assert len(list((tmp_path / "cache").glob("*.arrow"))) == 1, "the same text piped again parses again"
 
 
 def test_a_piped_training_file_is_recorded_as_given_and_resumed_with(trained: dict, tmp_path: Path,
@@ -1701,6 +1702,7 @@ def test_a_piped_training_file_is_recorded_as_given_and_resumed_with(trained: di
         assert code == 0, err
     assert json.loads((run / "train_config.json").read_text())["data"]["train_files"] == [train]
     assert f"{train}: 16 records" in caplog.text and "resumed from step 1" in caplog.text
+    assert len(list((tmp_path / "cache").glob("*.arrow"))) == 1, "the same text piped again parses again"
     card = (run / "final" / "README.md").read_text()
     assert f"file: {train}" in card
     recorded = "".join(p.read_text(errors="replace") for p in run.rglob("*") if p.suffix in (".json", ".md"))

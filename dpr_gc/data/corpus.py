@@ -85,12 +85,19 @@ def source_fingerprint(path: PathLike, split: str = "train", files: Optional[dic
     return digest.hexdigest()
 
 
-def file_stamp(path: PathLike) -> list[int]:
+def file_stamp(path: PathLike) -> list:
     """A file's size and modification time (ns), keyed beside its :func:`corpus_fingerprint` (training caches,
     ``mine``'s resume): above 256 MiB the fingerprint hashes sampled blocks only, so an edit between them changes
-    only these."""
+    only these. A pipe's temporary copy (:func:`~dpr_gc.base.files.copied_from`) is new at every run: its stamp is
+    its size and a hash of all its bytes, so the same text piped again finds its cache and its interrupted run."""
     st = Path(path).stat()
-    return [st.st_size, st.st_mtime_ns]
+    if copied_from(path) is None:
+        return [st.st_size, st.st_mtime_ns]
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return [st.st_size, f"piped-{digest.hexdigest()}"]
 
 
 def corpus_fingerprint(path: PathLike, what: str = "corpus file") -> str:
@@ -181,11 +188,13 @@ def _iter_jsonl_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
 # --------------------------------------------------------------------------------------------- Arrow cache
 def corpus_cache_path(path: PathLike, cache_dir: Optional[PathLike] = None,
                       fingerprint: Optional[str] = None) -> Path:
-    """The Arrow cache file for ``path``; it changes whenever the file's path, size, mtime or content changes."""
+    """The Arrow cache file for ``path``; it changes whenever the file's path, size, mtime or content changes (a
+    pipe's copy: its content only, :func:`file_stamp`, as a pipe's name says nothing of what it holds)."""
     p = Path(path).resolve()
-    st = p.stat()
+    size, stamp = file_stamp(p)
     fingerprint = fingerprint or corpus_fingerprint(p)
-    return cache_file(cache_dir, "corpora", p.name, f"{CACHE_VERSION}|{p}|{st.st_size}|{st.st_mtime_ns}|{fingerprint}")
+    where = "piped" if copied_from(p) else p
+    return cache_file(cache_dir, "corpora", p.name, f"{CACHE_VERSION}|{where}|{size}|{stamp}|{fingerprint}")
 
 
 def load_corpus(path: PathLike, cache_dir: Optional[PathLike] = None) -> Any:

@@ -336,9 +336,10 @@ def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
 def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], Produced],
            cache_dir: Optional[PathLike], skip_bad: bool, fingerprint: Optional[str]) -> TrainingData:
     """Stream ``produce()`` into an Arrow file cached by the ``files`` it reads (or reuse it); memory-map it. The key
-    holds each file's path, size and modification time and the source's content fingerprint, as the corpus cache's."""
-    key = [FORMAT_VERSION, tag, skip_bad, [[str(p.resolve()), *file_stamp(p)] for p in files],
-           fingerprint or source_fingerprint(source)]
+    holds each file's path (a pipe's copy: "piped"), :func:`~dpr_gc.data.corpus.file_stamp` and the source's
+    content fingerprint, as the corpus cache's."""
+    stamps = [["piped" if copied_from(p) else str(p.resolve()), *file_stamp(p)] for p in files]
+    key = [FORMAT_VERSION, tag, skip_bad, stamps, fingerprint or source_fingerprint(source)]
     key += [BEIR_VERSION] if tag == "beir" else []  # DPR files keep their caches
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)
     arrow = cache_file(cache_dir, "train", stem, json.dumps(key))
