@@ -28,8 +28,8 @@ QUIET_LOGGERS = ("faiss", "datasets", "transformers", "sentence_transformers", "
 QUIET_WARNING_MODULES = r"(torch|transformers|peft|accelerate|datasets|sentence_transformers|huggingface_hub|faiss|" \
                         r"bm25s|jax|flax|optax)(\..*)?$"
 DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
-# whose UserWarnings report settings the dependency adjusted itself (peft: fan_in_fan_out for GPT-2's Conv1D,
-# save_embedding_layers for an adapter on the embeddings), advice for its callers' developers
+# whose UserWarnings report settings the dependency adjusted itself (peft: fan_in_fan_out for GPT-2's Conv1D),
+# advice for its callers' developers
 QUIET_ADVICE_MODULES = r"peft(\..*)?$"
 QUIET_ENVIRONMENT = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                      "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "DATASETS_VERBOSITY": "error",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -220,7 +221,9 @@ def _write_transformer(folder: Path, model: nn.Module, tokenizer: Any, config: A
     """The Hugging Face model and tokenizer (``model_max_length`` = this tower's plain-``encode`` length)."""
     check_saveable(model)
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
+    with warnings.catch_warnings():  # peft saves an adapted embedding layer's weights, as it must, and says so
+        warnings.filterwarnings("ignore", message="Setting `save_embedding_layers` to `True`", category=UserWarning)
+        model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     settings_file = folder / "tokenizer_config.json"
     settings = read_json_object(settings_file) if settings_file.is_file() else {}
