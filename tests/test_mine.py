@@ -771,6 +771,31 @@ def test_an_input_edited_with_its_size_and_mtime_restored_is_not_resumed_into(wo
     assert keys[0] == keys[1] and len({json.dumps(k, sort_keys=True) for k in keys[1:]}) == 3
 
 
+def test_a_piped_training_file_gives_the_same_resume_key_for_the_same_text(world, tmp_path, monkeypatch):
+    """``mine --train-file <(...)`` reads a new temporary copy at every run: its resume key holds the copy's content,
+    not its path or time, so the same text piped again resumes the run, and other text starts over."""
+    import os
+    import threading
+
+    import dpr_gc.retrieval.mine as mine
+
+    keys = []
+    monkeypatch.setattr(mine, "mine_to_file",
+                        lambda *a, resume_key, **k: keys.append(resume_key) or mine.MiningSummary())
+    text = (world["root"] / "train.json").read_text()
+    question = questions()[0]["question"]
+    for data in (text, text, text.replace(question, question[::-1], 1)):
+        fifo = tmp_path / "train-pipe"
+        os.mkfifo(fifo)
+        feeder = threading.Thread(target=lambda: fifo.write_text(data), daemon=True)
+        feeder.start()
+        cli("mine", "--train-file", fifo, "--output", tmp_path / "out.json", "--corpus", world["root"] / "corpus.jsonl",
+            "--cache-dir", tmp_path / "cache", "--bm25-index", world["root"] / "bm25")
+        feeder.join(10)
+        fifo.unlink()
+    assert keys[0] == keys[1] and keys[1] != keys[2]
+
+
 def test_the_resume_key_holds_each_inputs_size_and_mtime(world, tmp_path, monkeypatch):
     """The resume key of ``dpr-gc mine`` holds each input's size and modification time besides its content
     fingerprint: the fingerprint of a file over 256 MiB hashes sampled blocks only (made so here for every file), so
