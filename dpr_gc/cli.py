@@ -10,7 +10,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .base.args import ArgumentParser
-from .base.errors import NOTHING_STARTED, DprGcError, model_named_by, report_errors, say
+from .base.errors import NOTHING_STARTED, DprGcError, alike_on_every_rank, model_named_by, report_errors, say
 from .base.logs import setup_logging
 
 # The flags a command takes its model with, as typed: dpr-gc's, train's DPR name --pretrained_model_cfg, and DPR's
@@ -138,8 +138,9 @@ def run_stage(args: argparse.Namespace, model_flag: str = "--model") -> Any:
                          "unset it to run in one process")
     if int(world) > 1 and not STAGES[args.command].distributed:
         ranked = ", ".join(name for name, stage in STAGES.items() if stage.distributed)
-        raise DprGcError(f"run dpr-gc {args.command} without torchrun: it has no distributed mode (only {ranked} "
-                         "run under torchrun)")
+        with alike_on_every_rank():
+            raise DprGcError(f"run dpr-gc {args.command} without torchrun: it has no distributed mode (only {ranked} "
+                             "run under torchrun)")
     model = getattr(args, "model", None)
     with model_named_by(model_flag, model if isinstance(model, str) else None):
         return args.func(args)

@@ -34,6 +34,9 @@ def test_stages_without_a_distributed_mode_refuse_torchrun_in_one_line(argv, tmp
     assert err == (f"error: run dpr-gc {argv[0]} without torchrun: it has no distributed mode (only train, verify, "
                    "encode run under torchrun)\n"), err
     assert not any(tmp_path.iterdir()), "nothing is written"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # every rank reaches the refusal alike: the machine's first prints it
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == ""
 
 
 def test_a_single_process_is_not_refused(tmp_path, monkeypatch, capsys):
