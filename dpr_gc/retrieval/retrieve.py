@@ -373,8 +373,8 @@ def scan_queries(path: PathLike, qrels: Optional[dict[str, dict[str, int]]] = No
         qid, total = str(q["id"]), total + 1
         first = qid if first is None else first
         if run_ids and (not qid or any(c.isspace() for c in qid)):
-            raise DprGcError(f"{path}: query id {qid!r} is empty or contains whitespace; a TREC run (--trec-run) "
-                             "needs one-word query ids")
+            raise DprGcError(f"{path}:{line_no}: query id {qid!r} is empty or contains whitespace; a TREC run "
+                             "(--trec-run) needs one-word query ids; rename it")
         if qrels is None or qid in qrels:
             count, answered = count + 1, answered + bool(q.get("answers"))
             if match == "regex":
