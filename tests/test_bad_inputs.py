@@ -1597,6 +1597,13 @@ def test_cr_only_line_endings_are_named(world: dict, tmp_path: Path) -> None:
     crlf = tmp_path / "crlf.tsv"
     crlf.write_bytes(world["qa"].read_bytes().replace(b"\n", b"\r\n"))
     assert len(read_queries(crlf)) == 2
+    mixed = tmp_path / "mixed.tsv"  # the header ends in LF, the rows in CR: they read as one line of 2 rows
+    head, rest = tsv_bytes(passages(4)).split(b"\n", 1)
+    mixed.write_bytes(head + b"\n" + rest.replace(b"\n", b"\r"))
+    refused(["encode", "--model", world["model"], "--corpus", mixed, "--output", tmp_path / "e", "--device", "cpu",
+             "--cache-dir", tmp_path / "cache"], f"{mixed}:2: the line holds a carriage return", "convert the file")
+    mixed.write_bytes(world["qa"].read_bytes().replace(b"\n", b"\r", 1))
+    refused(retrieve_argv(world, "--queries", mixed, "--output", tmp_path / "o.json"), f"{mixed}:1:", "carriage")
 
 
 def test_duplicate_query_ids_are_refused_when_the_file_is_read(world: dict, tmp_path: Path, monkeypatch) -> None:

@@ -56,6 +56,10 @@ def iter_tsv_lines(path: Path, counts: TsvCounts) -> Iterator[tuple[int, list[st
             counts.lines += 1
             line = line[:-1] if line.endswith("\n") else line
             line = line[:-1] if line.endswith("\r") else line
+            if "\r" in line:  # as csv and pandas read it, a line break: rows glued together, fields miscounted
+                raise DprGcError(f"{path}:{counts.lines}: the line holds a carriage return (CR) before its end, as "
+                                 "lines ending in CR only do (mixed with LF ones); convert the file to LF or CRLF "
+                                 "line endings, e.g. tr '\\r' '\\n'")
             if not line.strip():
                 counts.blank += 1
                 continue
