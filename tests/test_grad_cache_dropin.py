@@ -112,6 +112,40 @@ def test_loss_target_and_reduction_follow_the_original():
         SimpleContrastiveLoss()(x, y, target=torch.tensor([0, 1, 2, 3, 7]))
 
 
+def test_a_subclass_of_the_original_losses_finds_their_attributes_and_gather_hook(tmp_path):
+    """A loss subclass written against the original reads ``target_per_qry`` (and, distributed, ``word_size`` and
+    ``rank``) and may override ``gather_tensor``, which the distributed loss gathers its representations with."""
+    import torch.distributed as dist
+
+    from dpr_gc import DistributedContrastiveLoss
+
+    class Checked(SimpleContrastiveLoss):
+        def forward(self, x, y, **kwargs):
+            assert y.size(0) == x.size(0) * self.target_per_qry
+            return super().forward(x, y, **kwargs)
+
+    x, y = torch.randn(3, 8), torch.randn(6, 8)
+    loss = Checked(n_hard_negatives=1)
+    assert loss.target_per_qry == 2 and torch.isfinite(loss(x, y))
+    loss.target_per_qry = 3
+    assert loss.n_hard_negatives == 2
+    gathered = []
+
+    class OwnGather(DistributedContrastiveLoss):
+        def gather_tensor(self, t):
+            gathered.append(tuple(t.shape))
+            return super().gather_tensor(t)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        own = OwnGather(n_hard_negatives=1)
+        assert (own.word_size, own.rank) == (1, 0)
+        assert torch.allclose(own(x, y), SimpleContrastiveLoss(n_hard_negatives=1)(x, y))
+    finally:
+        dist.destroy_process_group()
+    assert gathered == [(3, 8), (6, 8)]
+
+
 def test_target_through_grad_cache(make_retriever):
     retriever = make_retriever(shared=True)
     towers = models_of(retriever)

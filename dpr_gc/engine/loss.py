@@ -261,7 +261,8 @@ class SimpleContrastiveLoss(nn.Module):
         ``temperature=1/scale`` it is sentence-transformers' ``MultipleNegativesRankingLoss(model, scale)``, and
         with ``symmetric=True`` the same with ``directions=("query_to_doc", "doc_to_query"),
         partition_mode="per_direction"``; their ``CachedMultipleNegativesRankingLoss`` is
-        ``GradCache(models, chunk_sizes, SimpleContrastiveLoss(...))`` here.
+        ``GradCache(models, chunk_sizes, SimpleContrastiveLoss(...))`` here (the same gradients with dropout off;
+        with it on, the two draw their masks for differently shaped chunks).
 
     Duplicate positives: when two queries of a batch share a positive passage, or one passage appears twice, a
     query would see a copy of its own positive as a negative. ``passage_ids`` (int64, one per row of ``y``, equal
@@ -306,6 +307,15 @@ class SimpleContrastiveLoss(nn.Module):
     @property
     def temperature(self) -> torch.Tensor:
         return self.tau()
+
+    @property
+    def target_per_qry(self) -> int:
+        """Passages per query (its positive and hard negatives): the original loss's attribute, for its subclasses."""
+        return self.n_hard_negatives + 1
+
+    @target_per_qry.setter
+    def target_per_qry(self, value: int) -> None:
+        self.n_hard_negatives = as_int("target_per_qry", value, 1) - 1
 
     def _check(self, x: torch.Tensor, y: torch.Tensor, target: Optional[torch.Tensor], reduction: str,
                queries: Optional[int] = None) -> None:
@@ -512,8 +522,18 @@ class DistributedContrastiveLoss(SimpleContrastiveLoss):
         super().__init__(n_hard_negatives=n_hard_negatives, **kwargs)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
+    @property
+    def word_size(self) -> int:
+        """The world size under the original loss's name for it, for its subclasses."""
+        return self.world_size
+
     def _world(self) -> int:
         return self.world_size
+
+    def gather_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` concatenated in rank order, with gradient flowing back to each rank's own rows (the
+        original's hook: a subclass overriding it gathers the representations its own way)."""
+        return all_gather_with_grad(t)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, target: Optional[torch.Tensor] = None,
                 reduction: str = "mean", passage_ids: Optional[torch.Tensor] = None,
@@ -522,8 +542,8 @@ class DistributedContrastiveLoss(SimpleContrastiveLoss):
         a query's positive is dropped from the negatives of every rank's queries."""
         self._check(x, y, target, reduction, queries=x.size(0) * self.world_size)
         self._check_ids(x, y, passage_ids, positive_ids)
-        x_all = all_gather_with_grad(x)
-        y_all = all_gather_with_grad(y)
+        x_all = self.gather_tensor(x)
+        y_all = self.gather_tensor(y)
         query_index = torch.arange(x.size(0), device=x.device) + self.rank * x.size(0)
         every_query = torch.arange(x_all.size(0), device=x.device)
         all_targets = every_query * (1 + self.n_hard_negatives) if target is None else target.to(x.device,
