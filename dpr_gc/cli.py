@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from . import __version__
 from .base.args import ArgumentParser
 from .base.errors import NOTHING_STARTED, DprGcError, alike_on_every_rank, model_named_by, report_errors, say
 from .base.logs import setup_logging
@@ -92,6 +93,7 @@ def build_parser(command: Optional[str] = None, listing: bool = False) -> argpar
     parser = ArgumentParser(prog="dpr-gc", description="Dense passage retrieval with Gradient Cache.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="debug logging, plus the dependencies' own log lines and progress bars")
+    parser.add_argument("--version", action="version", version=f"dpr-gc {__version__}")
     commands = _Commands(parser, parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     for name, stage in STAGES.items():
         if listing:

@@ -185,3 +185,14 @@ def test_requirements_pins_satisfy_pyproject() -> None:
         assert name in pins, f"{req} is declared in pyproject.toml but pinned in no requirements file"
         assert req.specifier.contains(pins[name], prereleases=True), \
             f"requirements pin {name}=={pins[name]} is outside pyproject.toml's {req}"
+
+
+def test_the_command_says_its_version_from_the_project(capsys) -> None:
+    """``dpr-gc --version`` prints the version pyproject.toml declares (it was refused, suggesting --verbose)."""
+    from dpr_gc.cli import main
+
+    declared = re.search(r'^version = "([^"]+)"', (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(),
+                         re.M).group(1)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--version"])
+    assert stopped.value.code == 0 and capsys.readouterr().out == f"dpr-gc {declared}\n"
