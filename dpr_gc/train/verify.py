@@ -9,7 +9,8 @@ peak memory of both steps. A model without active dropout runs the full batch in
 (batch-dependent layers and padding are then checked too); with dropout the one graph is built chunk by chunk in the
 cached step's order, so both steps draw the same masks, and each batch is checked a second time with every dropout
 module's ``p`` set to 0 (put back after), the full batch then in one forward per side, so batch-dependent layers and
-padding are checked there too.
+padding are checked there too. Every cached step of a batch's checks chunks as training's step over that batch would
+(:meth:`Verifier.training_step`).
 
 An fp32 gap past the tolerance is re-measured with the towers in float64 (not under FSDP): where the two steps
 agree there, the cached step is exact and the gap is fp32 rounding, which a small temperature amplifies (logits
@@ -221,20 +222,42 @@ class Verifier:
         self.named = [(n, p) for n, p in trainer.retriever.named_parameters() if p.requires_grad]
         is_data_parallel(self.model)  # its first call imports FSDP (seconds): not part of the cached step's time
         self.chunked = has_dropout(trainer.retriever)
+        self.planning: Optional[dict] = None  # the engine's planning state the batch's training step starts from
+        self.stepped: Optional[dict] = None  # and the state that step leaves (after the batch's first cached step)
         trainer.retriever.tau.keep_in_range_()  # as each training step does first
         self.loss_fn = SimpleContrastiveLoss(trainer.passages_per_query - 1, symmetric=trainer.config.optim.symmetric,
                                              loss_chunk_size=trainer.config.cache.loss_chunk_size)
 
+    @contextlib.contextmanager
+    def training_step(self) -> Iterator[None]:
+        """Every cached step in the block chunks as training's step over the batch would: each starts from the
+        engine's planning state as it is now (bytes per token and widest chunks measured, the last step's report,
+        which decide the chunks joined and the graphs kept), and the block leaves the state the first of them left.
+        Otherwise a batch's second check would run the chunks training joins from its next step on (under a budget
+        holding the whole batch, one per side: plain training, which no batch-dependent layer can fail)."""
+        self.planning, self.stepped = self.cache.state_dict(), None
+        try:
+            yield
+        finally:
+            if self.stepped is not None:
+                self.cache.load_state_dict(self.stepped)
+            self.planning = self.stepped = None
+
     # ----------------------------------------------------------------- the two steps
     def cached_step(self, query: dict, passage: dict, ids: dict) -> tuple[float, dict, StepCost]:
-        """The trainer's cached step (``ids``: the loss's passage and positive ids, as the trainer passes them)."""
+        """The trainer's cached step (``ids``: the loss's passage and positive ids, as the trainer passes them),
+        from the planning state of :meth:`training_step` where one is open."""
         trainer = self.trainer
+        if self.planning is not None:
+            self.cache.load_state_dict(self.planning)
         with measured(trainer.device) as peak:
             started = time.perf_counter()
             synced = trainer.world > 1 and is_data_parallel(self.cache.models[0])
             loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"), no_sync_except_last=synced,
                               **ids)
             seconds = time.perf_counter() - started
+        if self.planning is not None and self.stepped is None:
+            self.stepped = self.cache.state_dict()
         if trainer.world > 1 and not synced:
             self.sum_over_ranks()
         report = self.cache.last_step
@@ -548,9 +571,10 @@ def run_checks(trainer: Any, batches: int) -> VerifyReport:
     trainer.retriever.train()
     for batch in itertools.islice(drawn_batches(trainer), batches):
         step = (dict(batch["query"]), dict(batch["passage"]), trainer.loss_ids(batch))
-        report.batches.append(check_batch(verifier, *step, report.tolerance))
-        if verifier.chunked:
-            report.batches.append(check_without_dropout(verifier, step, report.tolerance))
+        with verifier.training_step():  # both checks run the chunks of training's step over this batch
+            report.batches.append(check_batch(verifier, *step, report.tolerance))
+            if verifier.chunked:
+                report.batches.append(check_without_dropout(verifier, step, report.tolerance))
     return report
 
 
