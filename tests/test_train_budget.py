@@ -69,6 +69,24 @@ def test_an_auto_budget_says_in_the_log_how_it_was_read(task, tmp_path, caplog, 
     assert "memory budget auto (50% of 8.00 GB available RAM, shared by 2 ranks on this machine)" in line, line
     assert "within a budget of 2.00 GB" in line, line
 
+def test_a_token_limit_below_the_longest_row_is_said_once(task, tmp_path, caplog):  # noqa: F811
+    """A chunk token limit below a batch's longest row gives each such row a chunk of its own (slower, and the chunk
+    sizes logged do not show it): the log says so once per side for the run, not at every step."""
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        Trainer(config(task, tmp_path / "o", max_steps=3, batch_size=8, query_chunk_tokens=2,
+                       passage_chunk_tokens=3)).fit()
+    lines = [r.getMessage() for r in caplog.records if "is below the longest" in r.getMessage()]
+    assert len(lines) == 2, lines
+    query, passage = lines
+    assert re.fullmatch(r"--query-chunk-tokens 2 is below the longest query \(\d+ tokens\) of step 1's batch: "
+                        r"such queries run one per chunk", query), query
+    assert passage.startswith("--passage-chunk-tokens 3 is below the longest passage ("), passage
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        Trainer(config(task, tmp_path / "fits", max_steps=1, batch_size=8, query_chunk_tokens=1000)).fit()
+    assert not [r for r in caplog.records if "is below the longest" in r.getMessage()]
+
+
 def test_chunk_sizes_read_as_rows_and_tokens_in_the_train_log_and_verify_header():
     """'chunks of 5 rows / 1 token', never '1 tokens' nor '21/30 tokens' (read as 21 of 30)."""
     assert chunk_sizes(5, 1) == "chunks of 5 rows / 1 token" and chunk_sizes(1, None) == "chunks of 1 row"

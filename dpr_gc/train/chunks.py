@@ -9,6 +9,8 @@ from torch import nn
 
 from ..base.devices import autocast_dtype
 from ..base.logs import counted
+from ..engine.chunking import sequence_lengths
+from ..engine.grad_cache import trims_exactly
 
 CPU_CHUNK_SIZE = 32
 
@@ -67,3 +69,14 @@ def probe_peak_bytes(towers: nn.Module, collator: Any, device: torch.device, row
 def chunk_sizes(rows: int, tokens: Optional[int]) -> str:
     """A side's chunk size as train's log and verify's header say it: "chunks of 5 rows / 1 token"."""
     return f"chunks of {counted(rows, 'row')}" + (f" / {counted(tokens, 'token')}" if tokens else "")
+
+
+def longest_row_tokens(model: nn.Module, model_input: dict, trim: Optional[bool] = None) -> Optional[int]:
+    """The tokens a chunk by tokens counts for the longest row of ``model_input`` run through ``model``: its real
+    tokens where the engine trims the chunks (``trim`` as ``Chunking.trim``), else the padded width; None without a
+    2-D attention mask. A limit below it leaves that row a chunk of its own
+    (:func:`~dpr_gc.engine.chunking.token_spans`)."""
+    lengths = sequence_lengths(model_input)
+    if lengths is None or lengths.numel() == 0:
+        return None
+    return int(lengths.max()) if trims_exactly(model, model_input, trim) else int(model_input["attention_mask"].size(1))

@@ -229,10 +229,11 @@ class CacheConfig:
                                                   "all but the last chunk")
     query_chunk_tokens: Optional[int] = setting(None, "--query-chunk-tokens", type=positive_int, resume=FREE,
                                                 help="tokens per query chunk (rows x longest sequence; rows at "
-                                                     "most --query-chunk-size)")
+                                                     "most --query-chunk-size; a longer query runs alone)")
     passage_chunk_tokens: Optional[int] = setting(None, "--passage-chunk-tokens", type=positive_int,
                                                   resume=FREE, help="tokens per passage chunk (rows x longest "
-                                                  "sequence; rows at most --passage-chunk-size)")
+                                                  "sequence; rows at most --passage-chunk-size; a longer passage "
+                                                  "runs alone)")
 
     def __post_init__(self) -> None:
         self.memory_budget = parse_memory(self.memory_budget)

@@ -47,7 +47,7 @@ from .config import TrainConfig, add_train_arguments, check_resume_settings, con
 from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import finite_or_null, remove_temporaries, resolve_checkpoint
-from .chunks import CPU_CHUNK_SIZE, auto_chunk_size, chunk_sizes
+from .chunks import CPU_CHUNK_SIZE, auto_chunk_size, chunk_sizes, longest_row_tokens
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
 from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, recorded_loss,
                      summary_table, tensorboard_writer)
@@ -177,6 +177,7 @@ class Trainer:
         self.resumed_from: Optional[int] = None  # the step of the checkpoint resumed (None: a fresh run)
         self.last_dev: Optional[dict] = None  # this run's latest dev evaluation after a step: {"step", "dev_...": ..}
         self.skipped, self.step_skipped = SkippedSteps(), False  # fp16 steps the GradScaler skipped; the last step
+        self.noted_limits: set[str] = set()  # sides whose chunk token limit was said to be below a row's length
         self.step_lr = float("nan")  # the learning rate the last step used (the scheduler has moved on since)
         self.started, self.board, self.bar = time.perf_counter(), None, None
         self.created_out = not self.out.exists()  # a fresh run refused before its first step removes it again
@@ -423,6 +424,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.retriever.tau.keep_in_range_()  # past a bound its gradient would depend on the chunking
         if self.cache is not None:
+            self.note_token_limits(query, passage)
             loss = self.cache(dict(query, kind="query"), dict(passage, kind="passage"),
                               no_sync_except_last=self.world > 1, **ids)
         else:
@@ -497,6 +499,21 @@ class Trainer:
         local = all(bool(torch.isfinite(getattr(p, "_local_tensor", p).detach()).all()) for p in self.params)
         if not self.all_ranks(local):
             raise self.diverged("the weights are not finite")
+
+    def note_token_limits(self, query: dict, passage: dict) -> None:
+        """Say once per run and side where ``--*-chunk-tokens`` is below the longest row of a step's batch: such a
+        row cannot share a chunk, so each runs alone (slower), which the chunk sizes logged do not show."""
+        cache = self.config.cache
+        for side, batch, limit in (("query", query, cache.query_chunk_tokens),
+                                   ("passage", passage, cache.passage_chunk_tokens)):
+            if limit is None or side in self.noted_limits:
+                continue
+            longest = longest_row_tokens(self.cache.models[0], dict(batch, kind=side), self.cache.chunking.trim)
+            if longest is not None and longest > limit:
+                self.noted_limits.add(side)
+                logger.info("--%s-chunk-tokens %d is below the longest %s (%s) of step %d's batch: such %s run one "
+                            "per chunk", side, limit, side, counted(longest, "token"), self.step + 1,
+                            "queries" if side == "query" else "passages")
 
     def log_chunking(self) -> None:
         """Say what the first cached step chose and measured: chunking, the share of graphs kept under the memory
