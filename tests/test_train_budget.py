@@ -51,6 +51,8 @@ def test_budget_and_token_chunks_take_the_plain_first_step(task, tmp_path, caplo
     assert "peak graph memory" in line
     messages = [r.getMessage() for r in caplog.records]  # the effective batch: per rank x ranks = queries
     assert any(m.startswith("training 1 step: batch 8 per rank x 1 rank = 8 queries") for m in messages)
+    start = next(m for m in messages if m.startswith("training 1 step:"))  # the chunks in the first step's words
+    assert ", Gradient Cache query chunks of 8 rows / 40 tokens and passage chunks of 16 rows / 90 tokens, " in start
     info = cached.retriever.training_info["grad_cache_first_step"]
     assert info["kept"] == info["chunks"] and info["peak_graph_bytes"] > 0
 
@@ -145,18 +147,20 @@ def test_auto_chunk_size_on_a_gpu_is_the_largest_that_fits_up_to_the_whole_batch
 
 
 def test_summary_table_says_what_the_budget_kept_and_the_device(task, tmp_path, capsys):
-    """train's closing table: besides the chunk sizes, the graphs the last cached step kept under the memory budget
-    (in bytes) and the device trained on; plain training keeps none."""
+    """train's closing table: the chunk sizes in the log's words (rows and token limits, not a list), the graphs the
+    last cached step kept under the memory budget (in bytes) and the device trained on; plain training keeps none."""
     base = ["train", "--train", str(task["train"]), "--model", str(task["model"]), "--batch-size", "8",
             "--max-steps", "1", "--num-workers", "0", "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"]
     assert main(base + ["--output", str(tmp_path / "gc"), "--memory-budget", "1GB", "--query-chunk-size", "4",
-                        "--passage-chunk-size", "4"]) == 0
+                        "--passage-chunk-size", "4", "--passage-chunk-tokens", "90"]) == 0
     out = capsys.readouterr().out
+    assert "| chunk sizes (query/passage) | 4 rows, 4 rows / 90 tokens |" in out, out
     assert re.search(r"^\| graphs kept \(last step, budget\) \| (\d+)/\1 chunks, 100% of tokens \(budget 1\.00 GB\) \|$", out,
                      re.M), out
     assert "| device | cpu |" in out
     assert main(base + ["--output", str(tmp_path / "plain"), "--no-grad-cache"]) == 0
-    assert "| graphs kept (last step, budget) | - |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| graphs kept (last step, budget) | - |" in out and "| chunk sizes (query/passage) | off (plain) |" in out
 
 
 @pytest.mark.parametrize("budget", ["12MB", "auto"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -68,7 +68,18 @@ def probe_peak_bytes(towers: nn.Module, collator: Any, device: torch.device, row
 
 def chunk_sizes(rows: int, tokens: Optional[int]) -> str:
     """A side's chunk size as train's log and verify's header say it: "chunks of 5 rows / 1 token"."""
-    return f"chunks of {counted(rows, 'row')}" + (f" / {counted(tokens, 'token')}" if tokens else "")
+    return f"chunks of {rows_and_tokens(rows, tokens)}"
+
+
+def rows_and_tokens(rows: int, tokens: Optional[int]) -> str:
+    """A chunk size in words: "5 rows / 1 token", "5 rows" without a token limit."""
+    return counted(rows, "row") + (f" / {counted(tokens, 'token')}" if tokens else "")
+
+
+def both_chunk_sizes(rows: Sequence[int], tokens: Sequence[Optional[int]], joiner: str = ", ") -> str:
+    """The query and passage chunk sizes in the first step's words: "query chunks of 8 rows / 2 tokens, passage
+    chunks of 16 rows" (``joiner`` between the sides)."""
+    return joiner.join(f"{side} {chunk_sizes(n, t)}" for side, n, t in zip(("query", "passage"), rows, tokens))
 
 
 def longest_row_tokens(model: nn.Module, model_input: dict, trim: Optional[bool] = None) -> Optional[int]:

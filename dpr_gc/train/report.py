@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from ..base.tables import format_summary
 from ..base.logs import counted
+from .chunks import rows_and_tokens
 from .config import HIGHER_IS_BETTER, TrainConfig
 
 
@@ -81,7 +82,7 @@ def summary_table(summary: dict) -> str:
     dev set) the last dev values, the model and this invocation's time."""
     rows = [("steps", steps_trained(summary)), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
-            ("chunk sizes (query/passage)", summary["chunk_sizes"] or "off (plain)"),
+            ("chunk sizes (query/passage)", chunk_sizes_cell(summary)),
             ("graphs kept (last step, budget)", summary.get("graphs_kept") or "-"),
             ("ranks", summary.get("parallel") or "one process"),
             ("precision", describe_precision(summary.get("fsdp", False), summary["precision"])),
@@ -92,6 +93,15 @@ def summary_table(summary: dict) -> str:
         rows.append(("last dev", last_dev(summary)))
     rows.append(("output", summary["final_model"]))
     return format_summary(dict(rows), summary["seconds"])
+
+
+def chunk_sizes_cell(summary: dict) -> str:
+    """The summary's chunk sizes in the first step's words, query then passage: "8 rows / 2 tokens, 16 rows", or
+    "off (plain)" without Gradient Cache."""
+    if not summary["chunk_sizes"]:
+        return "off (plain)"
+    tokens = summary.get("chunk_tokens") or [None] * len(summary["chunk_sizes"])
+    return ", ".join(rows_and_tokens(rows, limit) for rows, limit in zip(summary["chunk_sizes"], tokens))
 
 
 def describe_parallel(fsdp: bool, world: int) -> str:

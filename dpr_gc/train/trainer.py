@@ -47,7 +47,7 @@ from .config import TrainConfig, add_train_arguments, check_resume_settings, con
 from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import finite_or_null, remove_temporaries, resolve_checkpoint
-from .chunks import CPU_CHUNK_SIZE, auto_chunk_size, chunk_sizes, longest_row_tokens
+from .chunks import CPU_CHUNK_SIZE, auto_chunk_size, both_chunk_sizes, chunk_sizes, longest_row_tokens
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
 from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, recorded_loss,
                      summary_table, tensorboard_writer)
@@ -660,7 +660,8 @@ class Trainer:
             logger.info("training %s: batch %d per rank x %s = %s, %s per query, %s, %s on %s, %s%s%s",
                         steps, config.data.batch_size, ranks,
                         counted(self.effective_batch, "query", "queries"), counted(self.passages_per_query, "passage"),
-                        f"Gradient Cache chunks {self.chunks[0]}/{self.chunks[1]}" if self.chunks else "plain training",
+                        f"Gradient Cache {both_chunk_sizes(self.chunks, self.chunk_tokens(), ' and ')}"
+                        if self.chunks else "plain training",
                         describe_precision(config.run.fsdp, config.optim.precision), self.device,
                         counted(self.workers, "DataLoader worker"),
                         " (auto)" if config.data.num_workers == "auto" else "", cpu_threads(self.device))
@@ -780,7 +781,8 @@ class Trainer:
         run's, of which a resumed one trained those after ``resumed_from``), as :meth:`fit` returns it."""
         return {"steps": self.step, "resumed_from": self.resumed_from, "effective_batch": self.effective_batch,
                 "passages_per_query": self.passages_per_query,
-                "chunk_sizes": list(self.chunks) if self.chunks else None, "precision": self.config.optim.precision,
+                "chunk_sizes": list(self.chunks) if self.chunks else None,
+                "chunk_tokens": self.chunk_tokens() if self.chunks else None, "precision": self.config.optim.precision,
                 "parallel": describe_parallel(self.config.run.fsdp, self.world), "fsdp": self.config.run.fsdp,
                 "device": str(self.device), "graphs_kept": self.kept_graphs(), "skipped_steps": self.skipped.total,
                 "final_loss": self.last_loss, "seconds": seconds,
@@ -789,6 +791,10 @@ class Trainer:
                 "best_step": self.checkpointer.best_step, "last_dev": self.last_dev,
                 "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
                 "metrics_file": str(self.metrics_file)}
+
+    def chunk_tokens(self) -> list[Optional[int]]:
+        """The query and passage chunk token limits (``--*-chunk-tokens``; None where chunks are by rows only)."""
+        return [self.config.cache.query_chunk_tokens, self.config.cache.passage_chunk_tokens]
 
     def kept_graphs(self) -> Optional[str]:
         """What the last cached step kept under the memory budget (None in plain training, or before any step)."""

@@ -47,7 +47,7 @@ from ..engine.budget import GraphMeter, StepMemory, fixed_storages, format_bytes
 from ..engine.chunking import pad_sequence_dim, take_rows
 from ..engine.grad_cache import is_data_parallel
 from ..engine.loss import SimpleContrastiveLoss, all_gather_with_grad, gather_loss_ids
-from .chunks import chunk_sizes
+from .chunks import both_chunk_sizes
 from .config import TrainConfig, add_train_arguments, config_from_args
 from .rng import capture_rng, restore_rng
 
@@ -511,11 +511,9 @@ def device_memory(device: torch.device) -> int:
 
 def describe_chunking(trainer: Any) -> str:
     cache = trainer.config.cache
-    tokens = [cache.query_chunk_tokens, cache.passage_chunk_tokens]
-    sides = [f"{name} {chunk_sizes(rows, t)}"
-             for name, rows, t in zip(("query", "passage"), trainer.chunks, tokens)]
+    sides = both_chunk_sizes(trainer.chunks, [cache.query_chunk_tokens, cache.passage_chunk_tokens])
     budget = cache.memory_budget if cache.memory_budget == "auto" else format_bytes(cache.memory_budget)
-    return f"batch {trainer.config.data.batch_size} per rank, {', '.join(sides)}, memory budget {budget}"
+    return f"batch {trainer.config.data.batch_size} per rank, {sides}, memory budget {budget}"
 
 
 def verify(config: TrainConfig, batches: int = 1, hook: Optional[Callable[[Any], None]] = None) -> VerifyReport:
