@@ -16,7 +16,7 @@ from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.train import chunks
 from dpr_gc.train import trainer as trainer_module
-from dpr_gc.train.chunks import auto_chunk_size, chunk_sizes, largest_fitting_rows
+from dpr_gc.train.chunks import auto_chunk_rows, auto_chunk_size, chunk_sizes, largest_fitting_rows
 from dpr_gc.train.trainer import Trainer, train
 from tests.helpers import ctrl_c_at
 from tests.train_data import init_model, make_records, model_params, task_config as config, write_dpr
@@ -124,6 +124,28 @@ def test_auto_chunk_size_on_the_cpu_is_32_rows_capped_by_the_batch_and_logged(ta
         assert large.chunk_sizes() == (48, 64)
     assert caplog.records[-1].getMessage() == ("auto chunk size: query 48, passage 64 (the largest that fits 80% of "
                                                "the GPU's free memory, probed at full passage length)")
+
+
+def test_auto_chunks_under_ddp_with_a_budget_leave_chunks_before_the_replayed_last(task, tmp_path, caplog):
+    """Under DDP/FSDP each tower's last chunk is replayed (its backward syncs the gradients), so one chunk per tower
+    kept no graph whatever the budget (0/2 chunks at 4 queries per rank on the CPU, the log claiming --memory-budget
+    auto skips their second forward): with a budget, an automatic chunk is at most half the per-rank rows."""
+    assert [auto_chunk_rows(32, rows, keep_before_last=True) for rows in (1, 2, 4, 5, 8, 64, 100)] == \
+        [1, 1, 2, 2, 4, 32, 32]
+    assert [auto_chunk_rows(32, rows, keep_before_last=False) for rows in (1, 4, 64)] == [1, 4, 32]
+    trainer = Trainer(config(task, tmp_path / "ddp", max_steps=1, batch_size=4, memory_budget="auto",
+                             query_chunk_size="auto", passage_chunk_size="auto"))
+    assert trainer.chunks == (4, 8)  # one process: one chunk per tower, the last chunk's graph kept
+    trainer.world = 2  # what torchrun's second rank makes of the same settings (tests/test_distributed.py runs it)
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        assert trainer.chunk_sizes() == (2, 4)
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("auto chunk size: query 2, passage 4 (on the CPU 32 rows keep the cores busy"), line
+    assert "at most half the per-rank batch" in line and "skips their second forward" not in line, line
+    trainer.config.cache.memory_budget = 0  # no budget: nothing is kept before the last chunk, so it is not split
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        assert trainer.chunk_sizes() == (4, 8)
+    assert "skips their second forward" not in caplog.records[-1].getMessage(), caplog.records[-1].getMessage()
 
 
 def test_auto_chunk_size_on_a_gpu_is_the_largest_that_fits_up_to_the_whole_batch(monkeypatch):

@@ -31,6 +31,31 @@ def auto_chunk_size(towers: nn.Module, collator: Any, device: torch.device, max_
                                 max_rows)
 
 
+def auto_chunk_rows(auto: int, rows: int, keep_before_last: bool) -> int:
+    """An automatic chunk size for a side of ``rows`` rows per rank: ``auto`` rows (the device's choice) at most
+    ``rows``; with ``keep_before_last`` (DDP or FSDP with a memory budget) at most half of them. There each tower's
+    last chunk is replayed, since its backward syncs the gradients, so only the chunks before it can keep their
+    graphs: one chunk per tower would keep none."""
+    return min(auto, max(1, rows // 2) if keep_before_last else rows)
+
+
+def auto_chunk_reason(cuda: bool, parallel: str, keep_before_last: bool) -> str:
+    """Why the automatic chunk sizes are what they are, as the log says it (``parallel``: "DDP", "FSDP2" or ""
+    in one process; ``keep_before_last``: see :func:`auto_chunk_rows`)."""
+    why = ("the largest that fits 80% of the GPU's free memory, probed at full passage length" if cuda else
+           f"on the CPU {CPU_CHUNK_SIZE} rows keep the cores busy")
+    replayed = f"under {parallel} each tower's last chunk is replayed, its backward syncing the gradients"
+    if keep_before_last:
+        return f"{why}, at most half the per-rank batch: {replayed}, so the chunks before it keep their graphs"
+    if cuda:
+        return why
+    why += ", at most the batch; memory is rarely the limit there"
+    if parallel:
+        return (f"{why}, but {replayed}: with --memory-budget auto, chunks of at most half the per-rank batch keep "
+                "the graphs of all but the last")
+    return f"{why}: --memory-budget auto keeps the graphs that fit and skips their second forward"
+
+
 def largest_fitting_rows(peak_bytes: Callable[[int], float], budget: float, max_rows: int) -> int:
     """The largest of 1, 2, 4, ... below ``max_rows`` and ``max_rows`` itself whose ``peak_bytes`` fits ``budget``
     (1 when none does): probed upwards from 8 rows (or ``max_rows`` if smaller), downwards if that does not fit."""

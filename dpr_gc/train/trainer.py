@@ -47,7 +47,8 @@ from .config import TrainConfig, add_train_arguments, check_resume_settings, con
 from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
 from .checkpoints import finite_or_null, remove_temporaries, resolve_checkpoint
-from .chunks import CPU_CHUNK_SIZE, auto_chunk_size, both_chunk_sizes, chunk_sizes, longest_row_tokens
+from .chunks import auto_chunk_reason, auto_chunk_rows, auto_chunk_size, both_chunk_sizes, chunk_sizes
+from .chunks import longest_row_tokens
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
 from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, recorded_loss,
                      summary_table, tensorboard_writer)
@@ -290,23 +291,24 @@ class Trainer:
                                                find_unused_parameters=not self.retriever.config.shared_encoder)
 
     def chunk_sizes(self) -> tuple[int, int]:
-        """Gradient Cache's query and passage chunk sizes (``auto`` probes the device), checked against the batch."""
+        """Gradient Cache's query and passage chunk sizes (``auto`` probes the device; under DDP/FSDP with a memory
+        budget at most half the per-rank rows: :func:`auto_chunk_rows`), checked against the batch."""
         batch_size, cache = self.config.data.batch_size, self.config.cache
         passages = batch_size * self.passages_per_query
+        keep_before_last = self.world > 1 and cache.memory_budget != 0
         q_chunk, p_chunk = cache.query_chunk_size, cache.passage_chunk_size
         if cache.query_chunk_tokens is not None and q_chunk == "auto":
-            q_chunk = batch_size  # the token budget sizes the chunks; rows are not capped
+            q_chunk = auto_chunk_rows(batch_size, batch_size, keep_before_last)  # the token limit sizes the chunks
         if cache.passage_chunk_tokens is not None and p_chunk == "auto":
-            p_chunk = passages
+            p_chunk = auto_chunk_rows(passages, passages, keep_before_last)
         if "auto" in (q_chunk, p_chunk):
-            auto = auto_chunk_size(self.towers, self.collator, self.device, passages, self.config.optim.precision)
-            q_chunk = min(auto, batch_size) if q_chunk == "auto" else q_chunk
-            p_chunk = auto if p_chunk == "auto" else p_chunk
-            why = ("the largest that fits 80% of the GPU's free memory, probed at full passage length"
-                   if self.device.type == "cuda" else
-                   f"on the CPU {CPU_CHUNK_SIZE} rows keep the cores busy, at most the batch; memory is rarely the "
-                   "limit there: --memory-budget auto keeps the graphs that fit and skips their second forward")
-            logger.info("auto chunk size: query %s, passage %s (%s)", q_chunk, p_chunk, why)
+            auto = auto_chunk_size(self.towers, self.collator, self.device,
+                                   auto_chunk_rows(passages, passages, keep_before_last), self.config.optim.precision)
+            q_chunk = auto_chunk_rows(auto, batch_size, keep_before_last) if q_chunk == "auto" else q_chunk
+            p_chunk = auto_chunk_rows(auto, passages, keep_before_last) if p_chunk == "auto" else p_chunk
+            parallel = ("FSDP2" if self.config.run.fsdp else "DDP") if self.world > 1 else ""
+            logger.info("auto chunk size: query %s, passage %s (%s)", q_chunk, p_chunk,
+                        auto_chunk_reason(self.device.type == "cuda", parallel, keep_before_last))
         if q_chunk > batch_size:
             raise DprGcError(f"--query-chunk-size {q_chunk} is larger than --batch-size {batch_size}: "
                              "use a chunk of at most the batch (or --no-grad-cache)")
