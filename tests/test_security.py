@@ -228,3 +228,62 @@ def test_resume_refuses_training_files_whose_content_changed(trained, tmp_path, 
     assert code == 2 and "the content of the training files changed since the checkpoint" in err, err
     json.dump(records, task["train"].open("w"))
     assert main([str(a) for a in train_argv(task, run, "latest")]) == 0
+
+
+def sharded_checkpoint(folder: Path, lr: object = 0.1) -> tuple:
+    """A sharded checkpoint (``save_sharded``) of a stepped linear layer and its AdamW state in ``folder``, with
+    ``lr`` standing in the saved learning rate; returns the layer and optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from dpr_gc.model.fsdp import save_sharded
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    layer(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    if lr != 0.1:
+        import torch.distributed.checkpoint as dcp
+
+        model_state, optim_state = get_state_dict(layer, optimizer)
+        optim_state["param_groups"][0]["lr"] = lr
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+    else:
+        save_sharded(folder, layer, optimizer)
+    return layer, optimizer
+
+
+def load_fresh(folder: Path) -> torch.nn.Module:
+    """A fresh linear layer and optimizer read back from the sharded checkpoint ``folder``; returns the layer."""
+    from dpr_gc.model.fsdp import load_sharded
+
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(2, 2)
+    load_sharded(folder, layer, torch.optim.AdamW(layer.parameters(), lr=0.5))
+    return layer
+
+
+def test_sharded_checkpoint_is_never_unpickled(tmp_path):
+    """``--fsdp`` checkpoints (torch.distributed.checkpoint) read back, while a ``.metadata`` or a saved setting
+    that would run code when unpickled, or a truncated ``.metadata``, is refused in one line naming the file."""
+    from dpr_gc.base.errors import DprGcError
+
+    marker = tmp_path / "PWNED"
+    layer, _ = sharded_checkpoint(tmp_path / "ok")
+    assert torch.equal(load_fresh(tmp_path / "ok").weight, layer.weight)
+    metadata = (tmp_path / "ok" / ".metadata").read_bytes()
+    cases = {"payload": pickle.dumps(Payload(marker)), "truncated": metadata[:len(metadata) // 2]}
+    for name, content in cases.items():
+        shutil.copytree(tmp_path / "ok", tmp_path / name)
+        (tmp_path / name / ".metadata").write_bytes(content)
+        with pytest.raises(DprGcError) as e:
+            load_fresh(tmp_path / name)
+        assert len(str(e.value).splitlines()) == 1 and f"{name}/.metadata" in str(e.value), e.value
+        assert "resume from another checkpoint" in str(e.value)
+    assert not marker.exists(), "the pickle payload ran"
+    assert "it would run code: io.open" in str(pytest.raises(DprGcError, load_fresh, tmp_path / "payload").value)
+    sharded_checkpoint(tmp_path / "setting", lr=Payload(marker))
+    with pytest.raises(DprGcError) as e:
+        load_fresh(tmp_path / "setting")
+    assert len(str(e.value).splitlines()) == 1 and "setting" in str(e.value), e.value
+    assert not marker.exists(), "the pickle payload ran"

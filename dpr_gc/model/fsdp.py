@@ -11,6 +11,8 @@ can read them back.
 
 from __future__ import annotations
 
+import io
+import pickle
 from pathlib import Path
 from typing import Any, Optional
 
@@ -87,17 +89,114 @@ def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Read a checkpoint of :func:`save_sharded` into the sharded ``model`` and ``optimizer`` (all ranks)."""
+    """Read a checkpoint of :func:`save_sharded` into the sharded ``model`` and ``optimizer`` (all ranks). Nothing in
+    it is unpickled: ``.metadata`` may name only checkpoint-layout classes and the saved settings load with
+    ``weights_only=True``; anything else is refused in one line."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if not (Path(folder) / ".metadata").is_file():
         raise DprGcError(f"{folder}: not a sharded checkpoint (no .metadata); resume from a checkpoint written "
                          "with --fsdp")
+    read_metadata(Path(folder) / ".metadata")  # refused here in one line: torch logs its readers' errors
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(folder))
+    try:
+        dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner(folder))
+    except CheckpointException as e:  # a BaseException holding each rank's error
+        errors = [exc for exc, _ in e.failures.values()]
+        refusal = next((exc for exc in errors if isinstance(exc, DprGcError)), None)
+        if refusal is None:
+            first = str(errors[0]).splitlines()[0][:200] if errors else type(e).__name__
+            refusal = DprGcError(f"{folder}: this sharded checkpoint does not fit the run ({first}); resume with "
+                                 "the settings it was made with, or from another checkpoint")
+        refusal.alike = True
+        raise refusal from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _metadata_class(module: str, name: str) -> bool:
+    """Whether a sharded checkpoint's ``.metadata`` may name the class ``module.name``: the checkpoint-layout
+    classes, ``torch.Size``, dtypes and layouts, paths and ordered dicts (what ``dcp.save`` writes there)."""
+    from torch.distributed.checkpoint import metadata
+
+    if "." in name:
+        return False
+    if module == metadata.__name__:
+        value = getattr(metadata, name, None)
+        return isinstance(value, type) and value.__module__ == module
+    if module == "torch" and name != "Size":
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    return (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                              ("collections", "OrderedDict"),
+                              ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads a ``.metadata`` file naming only :func:`_metadata_class` classes; any other is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not _metadata_class(module, name):
+            raise pickle.UnpicklingError(f"it would run code: {module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_metadata(path: Path) -> Any:
+    """The ``Metadata`` of a sharded checkpoint's ``.metadata`` file ``path``, read with
+    :class:`_MetadataUnpickler`; a file naming other classes, or damaged, is refused in one line."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError, IndexError,
+            KeyError, MemoryError) as e:
+        why = str(e) if str(e).startswith("it would run code") else "damaged or truncated"
+        raise DprGcError(f"{path}: not a dpr-gc sharded checkpoint ({why}); resume from another checkpoint",
+                         ) from None
+    if not isinstance(metadata, Metadata):
+        raise DprGcError(f"{path}: not a dpr-gc sharded checkpoint (it holds a {type(metadata).__name__}); resume "
+                         "from another checkpoint")
+    return metadata
+
+
+def _safe_reader(folder: Path) -> Any:
+    """A ``FileSystemReader`` of ``folder`` whose ``.metadata`` goes through :func:`read_metadata` (torch's own
+    unpickles it, which would run any code a crafted file holds)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            metadata = read_metadata(Path(folder) / (".metadata" if rank is None else f"__{rank}.metadata"))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
+
+
+def _safe_planner(folder: Path) -> Any:
+    """torch's default load planner, but the saved non-tensor values (optimizer settings) load with
+    ``weights_only=True``; torch's own unpickles them in full."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except (pickle.UnpicklingError, EOFError, RuntimeError):
+                raise DprGcError(f"{folder}: not a dpr-gc sharded checkpoint (its {read_item.dest_index.fqn} "
+                                 "would need unpickling); resume from another checkpoint") from None
+            plain = io.BytesIO()  # torch's method reads the value again, unrestricted: hand it a vetted copy
+            torch.save(loaded, plain)
+            plain.seek(0)
+            super().load_bytes(read_item, plain)
+
+    return SafePlanner()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

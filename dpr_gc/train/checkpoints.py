@@ -328,6 +328,8 @@ class Checkpointer:
             scaler.load_state_dict(state["scaler"])
             self.best_value, self.best_path, *step = state["best"]
             self.best_step = step[0] if step else None
+        except DprGcError:
+            raise
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise DprGcError(f"{path}: this checkpoint does not fit the run ({str(e).splitlines()[0][:200]}); "
                              "resume with the settings it was made with, or from another checkpoint") from None
