@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 from transformers import AutoModel, AutoTokenizer, DPRConfig, DPRContextEncoder, DPRQuestionEncoder
 
@@ -174,6 +175,25 @@ def save_dpr_pair(tokenizer, folder, projection_dim: int) -> tuple[DPRQuestionEn
         tokenizer.save_pretrained(folder / name)
         models.append(model)
     return models[0], models[1]
+
+
+class Unlisted:
+    """A class no weights-only reader allows: a file holding it can only be unpickled."""
+
+
+def test_dpr_pair_with_pickled_weights_is_refused_in_one_line(tiny_tokenizer, tmp_path):
+    """A DPR question encoder whose weights are only a pickled ``pytorch_model.bin`` is refused naming the file,
+    never unpickled, and saying to convert it to safetensors."""
+    save_dpr_pair(tiny_tokenizer, tmp_path / "dpr", 0)
+    question = tmp_path / "dpr" / "dpr-question_encoder-single-nq-base"
+    state = {k: v for k, v in load_file(question / "model.safetensors").items()}
+    (question / "model.safetensors").unlink()
+    torch.save({**state, "extra": Unlisted()}, question / "pytorch_model.bin")
+    with pytest.raises(DprGcError) as e:
+        Retriever.load(tmp_path / "dpr")
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and str(question / "pytorch_model.bin") in message, message
+    assert "never unpickled" in message and "safetensors" in message and "weights_only=False" not in message
 
 
 @pytest.mark.parametrize("projection_dim", [0, 8])

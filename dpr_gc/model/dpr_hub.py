@@ -53,12 +53,8 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
     for folder in (question_dir, context_dir):
         refuse_custom_code(folder)
         check_weights_folder(folder)
-    try:
-        # float32 whatever the saved dtype: precision is autocast's (see load_transformer)
-        question = DPRQuestionEncoder.from_pretrained(str(question_dir), dtype=torch.float32).question_encoder
-        context = DPRContextEncoder.from_pretrained(str(context_dir), dtype=torch.float32).ctx_encoder
-    except (OSError, ValueError) as e:
-        raise DprGcError(f"cannot load the DPR checkpoints in {question_dir.parent}: {str(e).splitlines()[0]}") from None
+    question = _load_tower(DPRQuestionEncoder, question_dir).question_encoder
+    context = _load_tower(DPRContextEncoder, context_dir).ctx_encoder
     query_bert, context_bert = _dpr_bert(question), _dpr_bert(context)
     tokenizer = one_tokenizer(question_dir, query_bert, context_dir, context_bert)
     projection = question.config.projection_dim or None
@@ -71,6 +67,21 @@ def load_dpr(retriever_cls: Any, question_dir: Path, context_dir: Path) -> Any:
     retriever.training_info["imported_from"] = {"DPRQuestionEncoder": str(question_dir),
                                                 "DPRContextEncoder": str(context_dir)}
     return retriever.check_widths(question_dir.parent)
+
+
+def _load_tower(encoder_cls: Any, folder: Path) -> nn.Module:
+    """One DPR encoder from ``folder`` in float32 whatever the saved dtype (precision is autocast's, see
+    load_transformer); weights that are a pickle are refused in one line, never unpickled."""
+    import pickle
+
+    try:
+        return encoder_cls.from_pretrained(str(folder), dtype=torch.float32)
+    except pickle.UnpicklingError:
+        weights = next(iter(sorted(folder.glob("*.bin"))), folder)
+        raise DprGcError(f"{weights}: the weights are a pickle, which is never unpickled; convert them to "
+                         "model.safetensors (save_pretrained(..., safe_serialization=True))") from None
+    except (OSError, ValueError) as e:
+        raise DprGcError(f"cannot load the DPR checkpoints in {folder.parent}: {str(e).splitlines()[0]}") from None
 
 
 def one_tokenizer(query_dir: Path, query_model: nn.Module, passage_dir: Path, passage_model: nn.Module) -> Any:
