@@ -349,6 +349,24 @@ def test_shard_file_disagreeing_with_manifest_is_refused(tmp_path, data):
     assert not (tmp_path / "idx2" / META_FILE).exists()
 
 
+def test_a_zip_named_as_a_shard_is_refused_in_one_line(tmp_path, data):
+    """``np.savez`` bytes under a shard's ``.npy`` name (NumPy would open them as an archive) are refused naming
+    the file; an encode part file holding them counts as not written, so it is encoded again."""
+    import io
+
+    from dpr_gc.retrieval.encode import _part_ok
+
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=1)
+    archive = io.BytesIO()
+    np.savez(archive, emb=data)
+    (emb_dir / "shard-00000-of-00001.npy").write_bytes(archive.getvalue())
+    with pytest.raises(DprGcError) as e:
+        build_index(emb_dir, tmp_path / "idx", IndexParams("flat"))
+    assert len(str(e.value).splitlines()) == 1 and "shard-00000-of-00001.npy" in str(e.value), e.value
+    assert "not a .npy array" in str(e.value) and "re-encode this shard" in str(e.value)
+    assert not _part_ok(emb_dir / "shard-00000-of-00001.npy", *data.shape)
+
+
 @pytest.mark.parametrize("flags, said", [
     (["--kind", "hnsw", "--nprobe", "4"], "--nprobe 4 does not apply to --kind hnsw, which it would not change: drop "
      "--nprobe, or give --kind ivf-flat or ivf-pq"),

@@ -301,7 +301,7 @@ def _part_ok(path: Path, rows: int, dim: int) -> bool:
     if not path.is_file():
         return False
     try:
-        return np.load(path, mmap_mode="r").shape == (rows, dim)
+        return np.lib.format.open_memmap(path, mode="r").shape == (rows, dim)  # np.load also opens zips
     except (ValueError, OSError):
         return False
 
@@ -379,7 +379,7 @@ def _write_npy(path: Path, parts: list[Path], dtype: np.dtype, count: int, dim: 
         np.lib.format.write_array_header_1_0(f, header)
         rows = 0
         for p in parts:
-            block = np.load(p, mmap_mode="r")
+            block = np.lib.format.open_memmap(p, mode="r")
             for s in range(0, len(block), 65_536):
                 f.write(np.ascontiguousarray(block[s:s + 65_536], dtype=dtype).tobytes())
             rows += len(block)

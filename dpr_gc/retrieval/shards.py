@@ -175,8 +175,11 @@ def open_shard(m: dict, check_ids: bool = False) -> np.ndarray:
     """Memory-map a shard's embeddings, checking them (and optionally its ids file) against its manifest."""
     path = Path(m["embeddings"])
     try:
-        arr = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as e:
+        arr = np.lib.format.open_memmap(path, mode="r")  # np.load would open a zip (np.savez) as an archive
+    except ValueError:
+        raise DprGcError(f"{path}: cannot read embeddings: not a .npy array (an archive, pickle or other bytes); "
+                         "re-encode this shard") from None
+    except OSError as e:
         raise DprGcError(f"{path}: cannot read embeddings ({e}); re-encode this shard") from None
     if arr.shape != (int(m["count"]), int(m["dim"])):
         raise DprGcError(f"{path}: holds {arr.dtype} {arr.shape} but its manifest says {m['count']} x {m['dim']}; "
