@@ -1115,6 +1115,25 @@ def test_check_outputs_library() -> None:
     check_outputs({"--in": "a.txt"}, {"--out": "b.txt"})
 
 
+@pytest.mark.parametrize("name", [".out.json.partial", ".out.json.progress.json", ".out.json.retrieved.partial",
+                                  ".out.json.lock", ".out.json.x1y2.tmp", ".out.json.x1y2.new",
+                                  "..out.json.retrieved.progress.json.x1y2.tmp"])
+def test_an_input_named_as_a_file_written_beside_an_output_is_refused(tmp_path: Path, name: str) -> None:
+    """The partial file, progress record, lock and temporaries a run keeps beside output NAME (``.NAME.*``) would
+    delete or overwrite an input of that name (or a link to one); other hidden names are inputs like any."""
+    given = tmp_path / name
+    given.write_text("q1\tquestion\n")
+    link = tmp_path / "link.tsv"
+    link.symlink_to(given)
+    for source in (given, link):
+        with pytest.raises(DprGcError) as e:
+            check_outputs({"--queries": source}, {"--output": tmp_path / "out.json"})
+        assert f"--queries {source}" in str(e.value) and f"--output {tmp_path / 'out.json'}" in str(e.value), e.value
+    assert given.read_text() == "q1\tquestion\n"
+    check_outputs({"--queries": given}, {"--output": tmp_path / "out.jso"})
+    check_outputs({"--queries": given}, {"--output": tmp_path / "sub" / "out.json"})
+
+
 def test_second_train_into_one_output_is_refused_at_once(world: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu",

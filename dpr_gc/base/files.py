@@ -306,6 +306,25 @@ NAME_MAX, PATH_MAX = 255, 4095  # bytes in one name and in a whole path that Lin
 BESIDE_BYTES = len("..") + len(".retrieved.progress.json") + len(".XXXXXXXX.tmp")
 
 
+def beside(path: PathLike, suffix: str) -> Path:
+    """The hidden file ``.NAME<suffix>`` a writer keeps beside output ``path`` (NAME its name): its lock, partial
+    file, progress record and temporaries are all named so, which is how :func:`written_beside` knows them."""
+    return Path(path).with_name(f".{Path(path).name}{suffix}")
+
+
+def written_beside(candidate: PathLike, output: PathLike) -> bool:
+    """Whether ``candidate`` (what it resolves to) is a name a run writing ``output`` keeps beside it (or beside
+    the file a link ``output`` points to): ``.NAME.*`` (:func:`beside`), or ``..NAME.*``, a temporary of one."""
+    real = os.path.realpath(candidate)
+    folder, name = os.path.dirname(real), os.path.basename(real)
+    out = Path(output)
+    for place in (os.path.join(os.path.realpath(out.parent), out.name), os.path.realpath(out)):
+        out_folder, out_name = os.path.split(place)
+        if folder == out_folder and name.startswith((f".{out_name}.", f"..{out_name}.")):
+            return True
+    return False
+
+
 def check_path_length(path: PathLike, flag: str, beside: int = 0) -> None:
     """Refuse a path no file system can hold (a name over :data:`NAME_MAX` bytes, or a whole path over
     :data:`PATH_MAX`) naming ``flag``: looking at it would otherwise fail with "File name too long" anywhere.
@@ -427,7 +446,7 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
 def temporary_beside(final: Path) -> Path:
     """A new empty hidden file ``.NAME.*.tmp`` beside ``final``, with the permissions a new file gets: the name
     :func:`remove_stale_temporaries` (run by a later run's output lock) deletes when the process that made it died."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    fd, tmp = tempfile.mkstemp(prefix=beside(final, ".").name, suffix=".tmp", dir=final.parent)
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
@@ -648,8 +667,8 @@ class ChunkedOutput:
     def __init__(self, path: PathLike, key: Any, output: Optional[PathLike] = None) -> None:
         self.path = Path(path)
         self.output = Path(output or path)
-        self.partial = self.path.with_name(f".{self.path.name}.partial")
-        self.progress = self.path.with_name(f".{self.path.name}.progress.json")
+        self.partial = beside(self.path, ".partial")
+        self.progress = beside(self.path, ".progress.json")
         self.key = json.loads(json.dumps(key))
         self.gz = self.path.suffix == ".gz"
 

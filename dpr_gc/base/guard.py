@@ -4,8 +4,9 @@ output of the same run, and whole-folder replacement.
 A stage declares which of its command-line destinations are inputs and which are outputs (:func:`guarded`); before
 the stage runs, every output is compared with every input and with the other outputs by what it resolves to
 (``realpath``) and, for paths that exist, by ``(st_dev, st_ino)`` -- so a symlink or a hard link to an input is
-refused too; no output may lie inside an input folder, and a folder replaced whole may not hold an input. Then each
-output is locked (``flock``; a second run on the same output is refused at once) unless the stage takes its own
+refused too, and so is an input named as a file kept beside an output (``.NAME.*``: its lock, partial file,
+progress record or temporaries); no output may lie inside an input folder, and a folder replaced whole may not
+hold an input. Then each output is locked (``flock``; a second run on the same output is refused at once) unless the stage takes its own
 finer lock (``"self"``). The parsed-data cache a command is given (``--cache-dir``) is one of its outputs too
 (:data:`CACHE_OUTPUT`), and the cache folder it uses, given or the default, is probed for writing up front
 (:func:`check_cache_writable`). Files are written atomically by :mod:`dpr_gc.base.files`; folders by
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from .errors import DiskFullError, DprGcError, alike_on_every_rank, is_disk_full, messages_rewritten
-from .files import (BESIDE_BYTES, PathLike, check_output_dir, check_path_length, missing_folders, output_target,
-                    remove_empty_folders, spooled)
+from .files import (BESIDE_BYTES, PathLike, beside, check_output_dir, check_path_length, missing_folders,
+                    output_target, remove_empty_folders, spooled, written_beside)
 from .locks import exclusive_lock, locked_folder, output_lock
 
 # How an output is locked: a lock file beside it ("file": files, and folders replaced whole), a lock file inside it
@@ -92,6 +93,10 @@ def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: 
             if _same(ident, in_ident):
                 raise DprGcError(f"{flag} {path} is the input {in_flag} {in_path} (same file or a link to it); "
                                  "write the output somewhere else, inputs are never overwritten")
+            if written_beside(in_path, path):
+                raise DprGcError(f"the input {in_flag} {in_path} has the name of a file {flag} {path} keeps beside "
+                                 "it (its lock, partial file, progress record or a temporary), which the run would "
+                                 "delete or overwrite; rename the input or write the output elsewhere")
             if os.path.isdir(in_path) and _inside(ident, in_path):
                 raise DprGcError(f"{flag} {path} lies inside the input {in_flag} {in_path}; write the output "
                                  "outside the input's folder, inputs are never overwritten")
@@ -139,7 +144,7 @@ def output_locks(outputs: Mapping[str, tuple[Any, str]]) -> Iterator[None]:
                 elif mode == "file":
                     stack.enter_context(output_lock(path))
                 elif mode == "whole":
-                    stack.enter_context(exclusive_lock(path.with_name(f".{path.name}.lock"), f"{flag} {path}"))
+                    stack.enter_context(exclusive_lock(beside(path, ".lock"), f"{flag} {path}"))
                     target = output_target(path, flag)  # a link's target is where the new folder is made
                     remove_stale_folders(target.parent, target.name)
         yield
@@ -325,7 +330,7 @@ def atomic_folder(path: PathLike) -> Iterator[Path]:
     if final.exists() and not final.is_dir():
         raise DprGcError(f"{final} is a file; give a folder")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".new", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=beside(final, ".").name, suffix=".new", dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         try:

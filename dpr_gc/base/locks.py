@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import DprGcError
-from .files import PathLike, folders_made, output_target, remove_stale_temporaries
+from .files import PathLike, beside, folders_made, output_target, remove_stale_temporaries
 
 
 @contextlib.contextmanager
@@ -76,7 +76,7 @@ def output_lock(path: PathLike) -> Iterator[Path]:
     final = Path(path)
     if final.is_dir():
         raise DprGcError(f"{final} is a folder; give a file name for the output")
-    with exclusive_lock(final.with_name(f".{final.name}.lock"), str(final)):
+    with exclusive_lock(beside(final, ".lock"), str(final)):
         target = output_target(final, "output")
         remove_stale_temporaries(target.parent, [target.name])
         yield final
