@@ -1134,6 +1134,29 @@ def test_an_input_named_as_a_file_written_beside_an_output_is_refused(tmp_path: 
     check_outputs({"--queries": given}, {"--output": tmp_path / "sub" / "out.json"})
 
 
+@pytest.mark.parametrize("tower", ["", "query/", "checkpoint-1/model/"])
+def test_the_base_model_of_a_lora_input_is_an_input_too(tmp_path: Path, tower: str) -> None:
+    """The local base model folder a ``--model`` LoRA adapter (any tower's ``adapter_config.json``) names is read
+    too: an output that is it, or lies inside it, is refused, and the base is left as it was."""
+    import argparse
+
+    from dpr_gc.base.guard import guarded
+
+    base, adapted = tmp_path / "base", tmp_path / "adapted"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (adapted / tower).mkdir(parents=True)
+    (adapted / tower / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+    stage = guarded(inputs=("model",), outputs={"output": "whole"})(lambda args: "ran")
+    for output in (base, base / "config.json"):
+        with pytest.raises(DprGcError) as e:
+            stage(argparse.Namespace(model=str(adapted), output=str(output)))
+        assert f"--output {output}" in str(e.value) and str(base) in str(e.value), e.value
+        assert "base model" in str(e.value)
+    assert (base / "config.json").read_text() == "{}"
+    assert stage(argparse.Namespace(model=str(adapted), output=str(tmp_path / "merged"))) == "ran"
+
+
 def test_second_train_into_one_output_is_refused_at_once(world: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["train", "--train", world["train"], "--output", out, "--model", world["model"], "--device", "cpu",

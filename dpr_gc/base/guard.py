@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -40,6 +41,9 @@ FOLDER_LOCK = ".dpr-gc.lock"
 # (:func:`check_cache_writable`).
 CACHE_OUTPUT = ("cache_dir", "self")
 CACHE_VARIABLE = "DPR_GC_CACHE"
+# A PEFT adapter's config, whose base_model_name_or_path names the model the adapter is read on top of: a local one
+# is an input of any command given the adapter (:func:`with_adapter_bases`).
+ADAPTER_CONFIG = "adapter_config.json"
 # what the system says when it refuses to create a file or folder: no permission, a read-only file system, a name
 # longer than the file system takes (a lock or temporary file beside an output, on a file system of shorter names)
 REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
@@ -116,6 +120,26 @@ def lies_within(path: PathLike, folder: PathLike) -> bool:
     return _same(ident, _identity(Path(folder))) or _inside(ident, Path(folder))
 
 
+def with_adapter_bases(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """``inputs`` plus the local base model folder each LoRA adapter among them names (``adapter_config.json``
+    in an input folder or a tower or checkpoint folder under it, two levels down): loading the adapter reads that
+    folder, so an output may no more be it or lie inside it than the input itself."""
+    found = dict(inputs)
+    for flag, value in inputs.items():
+        for path in _paths(value):
+            if not path.is_dir():
+                continue
+            configs = [c for pattern in ("", "*/", "*/*/") for c in sorted(path.glob(pattern + ADAPTER_CONFIG))]
+            for config in configs:
+                try:
+                    base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+                except (OSError, ValueError, AttributeError):  # the loader refuses such a file in its own words
+                    continue
+                if isinstance(base, str) and base.strip() and os.path.exists(base):
+                    found[f"{flag} {path} (the base model its {config.relative_to(path)} names)"] = base
+    return found
+
+
 def check_inputs_given(inputs: Mapping[str, Any]) -> None:
     """Refuse an input given as an empty path (``--queries ""``): ``Path("")`` is the working folder, read as
     whatever the flag expects, with an error naming another flag."""
@@ -181,7 +205,7 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
             written = {flag: getattr(args, dest, None) for dest, flag, _ in outs}
             with alike_on_every_rank():  # every torchrun rank checks the same flags and paths
                 check_inputs_given(given)
-                check_outputs(given, with_default_cache(written, cache_flag),
+                check_outputs(with_adapter_bases(given), with_default_cache(written, cache_flag),
                               whole=[flag for _, flag, mode in outs if mode == "whole"])
                 if hasattr(args, cache_dest):  # the command uses the cache
                     check_cache_writable(written[cache_flag], cache_flag)

@@ -23,8 +23,8 @@ from ..base.validate import (Field, check_fields, check_weights_folder, count, n
                              refuse_custom_code, text)
 from .hub import check_model_source
 from ..base.files import read_json, weights_only_reason
+from ..base.guard import ADAPTER_CONFIG
 
-ADAPTER_CONFIG = "adapter_config.json"
 # what loading a model's files can raise on a damaged or hostile file (pickles are refused by weights_only loading)
 WEIGHT_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError)
 
