@@ -263,6 +263,7 @@ def load_fresh(folder: Path) -> torch.nn.Module:
     return layer
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process, no group, here
 def test_sharded_checkpoint_is_never_unpickled(tmp_path):
     """``--fsdp`` checkpoints (torch.distributed.checkpoint) read back, while a ``.metadata`` or a saved setting
     that would run code when unpickled, or a truncated ``.metadata``, is refused in one line naming the file."""
