@@ -540,9 +540,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of MiniLM (smoke runs)")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 8, chunk 4, short lengths, one step")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
-    p.add_argument("--output", default=None, help="default benchmarks/results/gradcache.json (-quick.json)")
+    p.add_argument("--output", default=None, help="default benchmarks/results/gradcache.json (--quick or --tiny: "
+                   "gradcache-quick.json; --merge: required)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="combine the results of runs made side by side (one per method) into --output; runs nothing")
+                   help="combine the results of runs made side by side (one per method) into --output (required); "
+                   "runs nothing")
     args = p.parse_args(argv)
     if args.inputs is None:
         args.inputs = ["uneven"] if args.quick else list(INPUTS)
@@ -559,8 +561,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if not args.merge:
         args.clock, args.uneven_target = args.clock or "wall", args.uneven_target or 1.15
     require_cuda(args.device)
+    if args.merge and args.output is None:
+        raise DprGcError("--merge needs --output: name the merged results file (e.g. --output "
+                         "benchmarks/results/gradcache-merged.json)")
     if args.output is None:
-        args.output = results_path("gradcache", args.quick)
+        args.output = results_path("gradcache", args.quick or args.tiny)
     return args
 
 

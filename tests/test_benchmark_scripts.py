@@ -37,6 +37,17 @@ def test_a_smoke_run_never_writes_over_committed_results() -> None:
     assert profile_step.parse_args(["--device", "cpu", "--tiny"]).output == str(RESULTS / "profile-step-cpu-quick.json")
 
 
+def test_bench_gradcache_smoke_and_merge_runs_never_default_to_committed_results(
+        capsys: pytest.CaptureFixture) -> None:
+    """--tiny alone is a smoke run (gradcache-quick.json); --merge names its --output, never the default file."""
+    import bench_gradcache
+
+    for flags in (["--tiny"], ["--quick"], ["--quick", "--tiny"]):
+        assert bench_gradcache.parse_args(flags).output == str(RESULTS / "gradcache-quick.json"), flags
+    assert bench_gradcache.parse_args([]).output == str(RESULTS / "gradcache.json")
+    one_error_line(capsys, "bench_gradcache.py", "--merge", "a.json", "b.json", words=("--merge", "--output"))
+
+
 def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words: tuple[str, ...] = (),
                    argv: Optional[list[str]] = []) -> None:
     """``benchmarks/SCRIPT ARGS``, run as its ``__main__`` runs it: exit 2, one ``error:`` line naming ``words``
