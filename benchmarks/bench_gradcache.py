@@ -561,12 +561,22 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if not args.merge:
         args.clock, args.uneven_target = args.clock or "wall", args.uneven_target or 1.15
     require_cuda(args.device)
-    if args.merge and args.output is None:
+    args.output = output_path(args)
+    return args
+
+
+def output_path(args: argparse.Namespace) -> str:
+    """--output, else gradcache.json (gradcache-quick.json for a --quick or --tiny run); a --merge names its own,
+    never one of the files it reads, so no run replaces the results it merges."""
+    if not args.merge:
+        return args.output or results_path("gradcache", args.quick or args.tiny)
+    if args.output is None:
         raise DprGcError("--merge needs --output: name the merged results file (e.g. --output "
                          "benchmarks/results/gradcache-merged.json)")
-    if args.output is None:
-        args.output = results_path("gradcache", args.quick or args.tiny)
-    return args
+    if any(Path(args.output).resolve() == Path(f).resolve() for f in args.merge):
+        raise DprGcError(f"--output {args.output} is one of the --merge files; the merge would replace its own "
+                         "input: give another file")
+    return args.output
 
 
 def merge(args: argparse.Namespace) -> None:

@@ -124,6 +124,18 @@ def test_merging_a_missing_or_foreign_file_is_one_error_line(capsys: pytest.Capt
         assert not out.exists()
 
 
+def test_merging_into_one_of_its_inputs_is_one_error_line(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """--output naming one of the --merge files (by any spelling of its path) is refused; the file stays as it was."""
+    part = tmp_path / "a.json"
+    part.write_text('{"runs": []}\n')
+    monkeypatch.chdir(tmp_path)
+    for output in (str(part), "./a.json"):
+        one_error_line(capsys, "bench_gradcache.py", "--merge", str(part), str(tmp_path / "b.json"), "--output",
+                       output, words=("--output " + output, "--merge", "another file"))
+        assert part.read_text() == '{"runs": []}\n'
+
+
 def test_bench_llm_refuses_cuda_without_a_gpu_before_any_child(capsys: pytest.CaptureFixture) -> None:
     with mock.patch("subprocess.run") as child:
         one_error_line(capsys, "bench_llm.py", "--device", "cuda", words=("--device cuda", "no CUDA device"))
