@@ -560,9 +560,20 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         p.error("--skip-grid without --memory-check leaves nothing to run; add --memory-check or drop --skip-grid")
     if not args.merge:
         args.clock, args.uneven_target = args.clock or "wall", args.uneven_target or 1.15
+        check_plan(args)
     require_cuda(args.device)
     args.output = output_path(args)
     return args
+
+
+def check_plan(args: argparse.Namespace) -> None:
+    """Refuse a run with no configuration to measure (plain alone, every batch above --plain-max-batch; no
+    --memory-check), before any model loads, rather than ending without a table."""
+    if args.memory_check or any(m != "plain" or b <= args.plain_max_batch for m in args.methods for b in args.batches):
+        return
+    raise DprGcError(f"nothing to run: --methods {','.join(args.methods) or '(none)'} at --batches "
+                     f"{','.join(map(str, args.batches))}, and plain runs only up to --plain-max-batch "
+                     f"{args.plain_max_batch}; give a smaller batch, a higher --plain-max-batch or another method")
 
 
 def output_path(args: argparse.Namespace) -> str:
@@ -645,6 +656,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     args.methods = installed_methods(args.methods, args.skip_grid)
+    check_plan(args)
     with tempfile.TemporaryDirectory(prefix="bench_gc_") as tmp:
         model = encoder_model(args.tiny, Path(tmp))
         base = {"model": "tiny-random-bert" if args.tiny else model, "threads": args.threads, "device": device,

@@ -136,6 +136,16 @@ def test_merging_into_one_of_its_inputs_is_one_error_line(capsys: pytest.Capture
         assert part.read_text() == '{"runs": []}\n'
 
 
+def test_bench_gradcache_refuses_a_grid_with_nothing_to_run(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """plain alone above --plain-max-batch leaves no configuration: refused before any model or child starts."""
+    out = tmp_path / "x.json"
+    with mock.patch("subprocess.run") as child:
+        one_error_line(capsys, "bench_gradcache.py", "--tiny", "--methods", "plain", "--batches", "256", "--output",
+                       str(out), words=("nothing to run", "--methods plain", "--batches 256", "--plain-max-batch 128"))
+    child.assert_not_called()
+    assert not out.exists()
+
+
 def test_bench_llm_refuses_cuda_without_a_gpu_before_any_child(capsys: pytest.CaptureFixture) -> None:
     with mock.patch("subprocess.run") as child:
         one_error_line(capsys, "bench_llm.py", "--device", "cuda", words=("--device cuda", "no CUDA device"))
