@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import parser, results_path, run_script, setup_logging, summary_table  # noqa: E402
+from bench_common import (parser, require_cuda, results_path, run_script, setup_logging,  # noqa: E402
+                          summary_table)
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
                              encoder_model, interleave, machine_info, make_step, original_version, run_child,
                              st_version)
@@ -328,6 +329,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.mmap_threshold < 0:
         raise DprGcError(f"--mmap-threshold {args.mmap_threshold}: give a size in bytes, or 0 for glibc's own "
                          "threshold")
+    require_cuda(args.device)
     return args
 
 

@@ -469,6 +469,7 @@ def test_a_quick_gpu_frontier_times_two_steps_unless_told_otherwise(monkeypatch,
                         lambda base, args, peers: seen.append(base["steps"]) or {"comparison": []})
     monkeypatch.setattr(frontier, "machine_info", lambda device, threads: {"device": device})
     monkeypatch.setattr(frontier, "plot", lambda report, path: path)
+    monkeypatch.setattr(frontier, "require_cuda", lambda device: None)  # the GPU's defaults, on any machine
     frontier.main(flags + ["--tiny", "--shapes", "scifact", "--precisions", "fp32",
                            "--output", str(tmp_path / "f.json")])
     assert seen == [steps]

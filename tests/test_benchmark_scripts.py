@@ -70,6 +70,7 @@ def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words
     ("bench_jax_memory.py", ["--passage-length", "-3"], ["--passage-length", "positive integer"]),
     ("bench_jax_memory.py", ["--hard-negatives", "-1"], ["--hard-negatives", "integer >= 0"]),
     ("bench_gradcache.py", ["--device", "cuda"], ["--device cuda", "no CUDA device"]),
+    ("bench_frontier.py", ["--device", "cuda"], ["--device cuda", "no CUDA device"]),
     ("duplicate_positives.py", ["--data", "/nonexistent"], ["--data /nonexistent", "BEIR folder"]),
     ("filled_negatives.py", ["--data", "/nonexistent"], ["--data /nonexistent", "BEIR folder"]),
 ])
