@@ -43,12 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import (parser, require_cuda, results_path, run_script, setup_logging,  # noqa: E402
-                          summary_table)
+from bench_common import (check_choices, name_list, parser, require_cuda, results_path, run_script,  # noqa: E402
+                          setup_logging, summary_table)
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
                              encoder_model, interleave, machine_info, make_step, original_version, run_child,
                              st_version)
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
+from dpr_gc.base.args import positive_int  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import atomic_path, read_json_object, write_json  # noqa: E402
 from dpr_gc.engine import frozen_casts, grad_cache, sparse_grads  # noqa: E402
@@ -56,6 +57,7 @@ from dpr_gc.engine import frozen_casts, grad_cache, sparse_grads  # noqa: E402
 logger = logging.getLogger("bench_frontier")
 OURS, PLAIN, ST = "dpr-gc", "plain", "st-cmnrl"
 FIT_SLACK = 1.05
+SHAPES, PRECISIONS = ("scifact", "llm"), ("fp32", "bf16")
 
 
 # ----------------------------------------------------------------------------------------------- one configuration
@@ -301,24 +303,26 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--shapes", default="scifact,llm", help="scifact,llm")
+    p.add_argument("--shapes", default="scifact,llm", help=",".join(SHAPES))
     p.add_argument("--precisions", default="fp32,bf16", help="fp32,bf16 (bf16: autocast)")
-    p.add_argument("--batch", type=int, default=128, help="queries per step (passages: twice as many)")
-    p.add_argument("--chunk", type=int, default=32, help="rows per chunk (dpr-gc; the smallest peer chunk)")
-    p.add_argument("--query-length", type=int, default=32)
-    p.add_argument("--passage-length", type=int, default=256)
-    p.add_argument("--llm-batch", type=int, default=None, help="queries per step of the llm shape (default --batch)")
-    p.add_argument("--llm-chunk", type=int, default=None, help="rows per chunk of the llm shape (default --chunk)")
+    p.add_argument("--batch", type=positive_int, default=128, help="queries per step (passages: twice as many)")
+    p.add_argument("--chunk", type=positive_int, default=32, help="rows per chunk (dpr-gc; the smallest peer chunk)")
+    p.add_argument("--query-length", type=positive_int, default=32)
+    p.add_argument("--passage-length", type=positive_int, default=256)
+    p.add_argument("--llm-batch", type=positive_int, default=None,
+                   help="queries per step of the llm shape (default --batch)")
+    p.add_argument("--llm-chunk", type=positive_int, default=None,
+                   help="rows per chunk of the llm shape (default --chunk)")
     p.add_argument("--small", action="store_true", help="the 4-layer llm shape instead of Qwen2-0.5B's")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
     p.add_argument("--peers", default=f"{ST},{ORIGINAL}", help="peers to run where installed")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median; default 3, 2 with "
+    p.add_argument("--steps", type=positive_int, default=None, help="timed steps per configuration (median; default 3, 2 with "
                    "--quick on a GPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: all)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per process (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="fewer budgets (0, one chunk, half, whole); on a GPU: batch 256 / chunk 32, llm batch 32 / "
                         "chunk 8, 2 steps unless --steps says otherwise -- a few minutes")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    p.add_argument("--timeout", type=positive_int, default=1800, help="seconds per configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's default, dynamic threshold)")
@@ -329,6 +333,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.mmap_threshold < 0:
         raise DprGcError(f"--mmap-threshold {args.mmap_threshold}: give a size in bytes, or 0 for glibc's own "
                          "threshold")
+    check_choices("--shapes", name_list(args.shapes), SHAPES)
+    check_choices("--precisions", name_list(args.precisions), PRECISIONS)
     require_cuda(args.device)
     return args
 
@@ -376,14 +382,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     report = {"machine": machine_info(device, threads), "settings": vars(args), "notes": notes, "runs": []}
     output = output_path(args, device)
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
-        for shape in args.shapes.split(","):
+        for shape in name_list(args.shapes):
             llm = shape == "llm"
             base = {"shape": shape, "model": shape_model(shape, args.small, args.tiny, Path(tmp)),
                     "input": "uneven", "batch": (args.llm_batch or args.batch) if llm else args.batch,
                     "chunk": (args.llm_chunk or args.chunk) if llm else args.chunk, "q_len": args.query_length,
                     "p_len": args.passage_length, "small": args.small, "device": device, "threads": threads,
                     "steps": args.steps, "seed": args.seed, "mmap_threshold": args.mmap_threshold}
-            for precision in args.precisions.split(","):
+            for precision in name_list(args.precisions):
                 shape_peers = [m for m in peers if m == ORIGINAL] if llm else peers
                 result = frontier({**base, "precision": precision}, args, shape_peers)
                 report["runs"].append({"shape": shape, "precision": precision, **result})

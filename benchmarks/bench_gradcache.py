@@ -515,7 +515,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--batches", type=ints, default=[32, 128, 512])
-    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--chunk", type=positive_int, default=32, help="rows per chunk")
     p.add_argument("--inputs", type=names, default=None, help="fixed,uneven (default both; --quick: uneven)")
     p.add_argument("--methods", type=names, default=list(METHODS), help=",".join(METHODS))
     p.add_argument("--plain-max-batch", type=int, default=128, help="skip plain above this batch (its memory grows)")
@@ -524,7 +524,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps per configuration (median reported)")
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="repeat the grid, methods rotated; medians over rounds")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: all; --quick: 1)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per process (default: all; --quick: 1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory-check", action="store_true", help="also run dpr-gc at batch 64 and 4096 (chunk 16)")
@@ -539,7 +539,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    "process CPU time (steadier on a shared machine, 1 thread); --merge: the runs' clock")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of MiniLM (smoke runs)")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 8, chunk 4, short lengths, one step")
-    p.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
+    p.add_argument("--timeout", type=positive_int, default=3600, help="seconds per configuration")
     p.add_argument("--output", default=None, help="default benchmarks/results/gradcache.json (--quick or --tiny: "
                    "gradcache-quick.json; --merge: required)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_common import machine_info, parser, run_script, setup_logging, summary_table  # noqa: E402
+from dpr_gc.base.args import nonnegative_int, positive_int  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
@@ -69,9 +70,9 @@ def replay_parser(doc: str, results_name: str) -> argparse.ArgumentParser:
     """The flags of a sampler replay (this script and filled_negatives.py): data, batch, epochs, seed, output."""
     p = parser(doc)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR folder")
-    p.add_argument("--batch-size", type=int, default=256, help="questions per global batch")
-    p.add_argument("--hard-negatives", type=int, default=1, help="hard negatives per question")
-    p.add_argument("--epochs", type=int, default=6, help="epochs to replay")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="questions per global batch")
+    p.add_argument("--hard-negatives", type=nonnegative_int, default=1, help="hard negatives per question")
+    p.add_argument("--epochs", type=positive_int, default=6, help="epochs to replay")
     p.add_argument("--seed", type=int, default=0, help="sampler seed")
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / results_name), help="results JSON")
     return p

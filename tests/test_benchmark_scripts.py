@@ -79,6 +79,30 @@ def test_a_bad_flag_is_one_error_line(capsys: pytest.CaptureFixture, script: str
     one_error_line(capsys, script, *args, words=tuple(words))
 
 
+BEIR = str(REPO / "data" / "examples" / "beir")
+
+
+@pytest.mark.parametrize("script, args, words", [
+    ("bench_frontier.py", ["--batch", "0"], ["--batch", "positive integer"]),
+    ("bench_frontier.py", ["--llm-chunk", "-2"], ["--llm-chunk", "positive integer"]),
+    ("bench_frontier.py", ["--precisions", "fp32,fp8"], ["--precisions fp8", "fp32,bf16"]),
+    ("bench_frontier.py", ["--shapes", "foo"], ["--shapes foo", "scifact,llm"]),
+    ("bench_gradcache.py", ["--chunk", "0"], ["--chunk", "positive integer"]),
+    ("duplicate_positives.py", ["--data", BEIR, "--epochs", "0"], ["--epochs", "positive integer"]),
+    ("duplicate_positives.py", ["--data", BEIR, "--batch-size", "0"], ["--batch-size", "positive integer"]),
+    ("duplicate_positives.py", ["--data", BEIR, "--hard-negatives", "-1"], ["--hard-negatives", "integer >= 0"]),
+])
+def test_a_count_below_its_range_is_refused_before_any_work(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                            script: str, args: list[str], words: list[str]) -> None:
+    """One error: line naming the flag, exit 2, from the flags alone: no model, data or child process is touched."""
+    out = tmp_path / "x.json"
+    with mock.patch("subprocess.run") as child, mock.patch("duplicate_positives.load_training_data") as load:
+        one_error_line(capsys, script, *args, "--output", str(out), words=tuple(words))
+    child.assert_not_called()
+    load.assert_not_called()
+    assert not out.exists()
+
+
 SCRIPTS = sorted(f.name for f in (REPO / "benchmarks").glob("*.py") if "parse_args(" in f.read_text())
 
 
