@@ -10,7 +10,7 @@ and the scores the mask dropped per cell. Nothing is chosen from these figures. 
 dpr_gc.cli`` subprocess (the pieces come from ``scifact_loop.py``); ``--parallel N`` trains and scores N cells at
 once (results in grid order).
 
-    python benchmarks/scifact_grid.py --quick                       # smoke test on a CPU
+    python benchmarks/scifact_grid.py --quick                       # smoke test on a CPU; runs/scifact-grid-quick/
     python benchmarks/scifact_grid.py --device cuda --model PATH --output DIR --parallel 4
     python benchmarks/scifact_grid.py --batches 256 --negatives 1 --masking on off ...   # the masking pair
 """

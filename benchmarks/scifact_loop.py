@@ -24,7 +24,7 @@ choice side by side, the refit round 1 beside the round-2 choice); results keep 
 ``seed<N>-round2``; round 1 on the same negatives, round 2 on those its own round-1 model mines) and records each
 round's nDCG@10 over the seeds (``seed_spread``); they may be added to a finished run's folder.
 
-    python benchmarks/scifact_loop.py --quick                       # smoke test, a few minutes on a CPU
+    python benchmarks/scifact_loop.py --quick          # smoke test, a few minutes on a CPU; runs/scifact-loop-quick/
     python benchmarks/scifact_loop.py --device cuda --model PATH --output DIR --parallel 4
 
 Each command's record is kept under ``<output>/phases``: a rerun with the same settings skips finished commands.
@@ -663,7 +663,8 @@ def common_parser(description: str, results_name: str) -> argparse.ArgumentParse
     p.add_argument("--data", default=str(default), help="BEIR SciFact folder (default: ../shared/data/scifact)")
     p.add_argument("--model", help="the base model folder (default: the offline all-MiniLM-L6-v2)")
     p.add_argument("--output", help="work folder for every command's outputs (default runs/<benchmark>[-quick])")
-    p.add_argument("--results", help=f"results JSON (default benchmarks/results/{results_name}[-quick].json)")
+    p.add_argument("--results", help=f"results JSON (default benchmarks/results/{results_name}.json; --quick: "
+                   "results.json in the --output folder)")
     p.add_argument("--device", help="torch device for every command (default: the toolkit's choice)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 48 training / 20 test queries, 200 passages, tiny lengths and batches, fp32, "
@@ -701,12 +702,14 @@ def settings_from(args: argparse.Namespace, settings_class: type, quick: dict) -
 
 def open_work(args: argparse.Namespace, name: str, settings: Any, free: tuple = ()) -> tuple[Path, Path, str]:
     """The work folder (refusing one made with other settings but the ``free`` ones, which only add or drop
-    commands), the results path and the base model."""
+    commands), the results path and the base model. A ``--quick`` run's results default to ``WORK/results.json``,
+    so a smoke run never replaces the committed results under benchmarks/results."""
     from dpr_gc.model.pretrained import default_model_path
 
     suffix = "-quick" if args.quick else ""
     work = Path(args.output or ROOT / "runs" / f"{name}{suffix}").resolve()
-    results = Path(args.results or ROOT / "benchmarks" / "results" / f"{name}{suffix}.json")
+    results = Path(args.results or (work / "results.json" if args.quick else
+                                    ROOT / "benchmarks" / "results" / f"{name}.json"))
     model = args.model or default_model_path()
     fixed = {k: v for k, v in dataclasses.asdict(settings).items() if k not in free}
     key = {"settings": fixed, "model": str(model), "data": str(Path(args.data).resolve()),

@@ -431,3 +431,22 @@ def test_a_report_holds_its_head_its_body_and_every_phase(tmp_path: Path) -> Non
     assert report["commands"] == [runner.phases[0]["command"]] and report["wall_s_all_phases"] >= 0
     keys = list(report)
     assert keys.index("concurrency") < keys.index("rounds") < keys.index("phases")
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_smoke_run_writes_its_results_into_its_work_folder(tmp_path: Path, quick: bool) -> None:
+    """--quick without --results writes WORK/results.json, never a committed file under benchmarks/results (the
+    README cites scifact-loop-quick.json); a full run defaults to benchmarks/results/NAME.json; --results wins."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Settings:
+        batch: int = 8
+
+    args = argparse.Namespace(quick=quick, output=str(tmp_path / "w"), results=None, model="MODEL",
+                              data=str(tmp_path))
+    work, results, _ = loop.open_work(args, "scifact-loop", Settings())
+    assert work == tmp_path / "w"
+    assert results == (work / "results.json" if quick else REPO / "benchmarks" / "results" / "scifact-loop.json")
+    args.results = str(tmp_path / "r.json")
+    assert loop.open_work(args, "scifact-loop", Settings())[1] == tmp_path / "r.json"
