@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, alike_on_every_rank
 
 BLOCK_LISTS = ("layers", "layer", "h", "blocks")  # Llama/Qwen2/Mistral, BERT-family, GPT-2, others
 
@@ -99,7 +99,8 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     if not (Path(folder) / ".metadata").is_file():
         raise DprGcError(f"{folder}: not a sharded checkpoint (no .metadata); resume from a checkpoint written "
                          "with --fsdp")
-    read_metadata(Path(folder) / ".metadata")  # refused here in one line: torch logs its readers' errors
+    with alike_on_every_rank():  # every rank reads the same file: one line per machine says it
+        read_metadata(Path(folder) / ".metadata")  # refused here in one line: torch logs its readers' errors
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     try:
