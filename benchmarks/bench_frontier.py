@@ -316,8 +316,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="the 4-layer llm shape instead of Qwen2-0.5B's")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
     p.add_argument("--peers", default=f"{ST},{ORIGINAL}", help="peers to run where installed")
-    p.add_argument("--steps", type=positive_int, default=None, help="timed steps per configuration (median; default 3, 2 with "
-                   "--quick on a GPU)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed steps per configuration (median; default 3, 2 with --quick on a GPU)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per process (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="fewer budgets (0, one chunk, half, whole); on a GPU: batch 256 / chunk 32, llm batch 32 / "

@@ -524,7 +524,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps per configuration (median reported)")
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="repeat the grid, methods rotated; medians over rounds")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per process (default: all; --quick: 1)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads per process (default: all; --quick: 1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory-check", action="store_true", help="also run dpr-gc at batch 64 and 4096 (chunk 16)")

@@ -201,7 +201,8 @@ def test_accuracy_counter():
 
 def test_the_matching_pool_does_not_fork_a_process_running_jax(tmp_path):
     """Once JAX is imported (the JAX example evaluates after training) the pool starts by ``spawn``: forking
-    JAX's threads can deadlock, and JAX warned "os.fork() was called ...". In a subprocess: JAX stays out of this one."""
+    JAX's threads can deadlock, and JAX warned "os.fork() was called ...". In a subprocess: JAX stays out of this
+    one."""
     pytest.importorskip("jax")
     script = tmp_path / "pool.py"
     script.write_text(

@@ -501,7 +501,8 @@ def test_a_top_k_beyond_the_index_is_named_and_the_summary_gives_the_depth_retri
 def test_unusable_query_ids_and_unjudged_questions_are_refused_before_retrieval(world, tmp_path, monkeypatch, capsys,
                                                                                  ids, judged, message):
     """With --trec-run an empty or spaced query id, and with --qrels a questions file none of whose ids is judged,
-    are refused in one error line naming the file (and line) and the id or what to check: nothing embedded, nothing written."""
+    are refused in one error line naming the file (and line) and the id or what to check: nothing embedded, nothing
+    written."""
     from dpr_gc.cli import main
 
     asked: list[str] = []

@@ -6,8 +6,8 @@ the stage runs, every output is compared with every input and with the other out
 (``realpath``) and, for paths that exist, by ``(st_dev, st_ino)`` -- so a symlink or a hard link to an input is
 refused too, and so is an input named as a file kept beside an output (``.NAME.*``: its lock, partial file,
 progress record or temporaries); no output may lie inside an input folder, and a folder replaced whole may not
-hold an input. Then each output is locked (``flock``; a second run on the same output is refused at once) unless the stage takes its own
-finer lock (``"self"``). The parsed-data cache a command is given (``--cache-dir``) is one of its outputs too
+hold an input. Then each output is locked (``flock``; a second run on the same output is refused at once) unless
+the stage takes its own finer lock (``"self"``). The parsed-data cache a command is given (``--cache-dir``) is one of its outputs too
 (:data:`CACHE_OUTPUT`), and the cache folder it uses, given or the default, is probed for writing up front
 (:func:`check_cache_writable`). Files are written atomically by :mod:`dpr_gc.base.files`; folders by
 :func:`atomic_folder`.
@@ -285,8 +285,7 @@ def refused_output(error: OSError, outputs: Mapping[str, Any]) -> Optional[DprGc
     for flag, value in outputs.items():
         for path in _paths(value):
             out = Path(os.path.abspath(path))
-            beside = where.parent == out.parent and where.name.startswith(f".{out.name}.")
-            if where == out or beside or out in where.parents or where in out.parents:
+            if where == out or written_beside(where, out) or out in where.parents or where in out.parents:
                 advice = ("give a shorter name" if error.errno == errno.ENAMETOOLONG else
                           "give an output in a folder this user can write to")
                 return DprGcError(f"{flag} {path} cannot be written: {reason} in {where.parent}; {advice}")
