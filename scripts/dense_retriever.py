@@ -36,7 +36,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.base.args import (ArgumentParser, device_arg, flags_as_typed, nonnegative_int, output_dir,
+from dpr_gc.base.args import (ArgumentParser, ExtendGiven, device_arg, flags_as_typed, nonnegative_int, output_dir,
                               output_file, positive_int)
 from dpr_gc.base.errors import DprGcError, flags_renamed, model_named_by, report_errors
 from dpr_gc.base.guard import guarded
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics (answer "
                                                            "accuracy is printed unasked where the questions have "
                                                            "answers, as DPR does)")
-    p.add_argument("--k", type=positive_int, nargs="+",
+    p.add_argument("--k", type=positive_int, nargs="+", action=ExtendGiven,
                    help="cut-offs for --evaluate (default: those of 1 5 10 20 100 below --n-docs, and --n-docs)")
     p.add_argument("--device", type=device_arg, help="torch device for the question encoder")
     p.add_argument("--cache_dir", dest="cache_dir", type=output_dir, help="where parsed corpora are cached")

@@ -22,7 +22,7 @@ from dpr_gc.model.retriever import RetrieverConfig
 from dpr_gc.train.config import (SETTINGS_FILE, CacheConfig, DataConfig, OptimConfig, RunConfig, TrainConfig,
                                  compare_recorded, config_from_args, resolve_defaults)
 from dpr_gc.train.trainer import train
-from tests.helpers import call, tiny_bert, write_vocab
+from tests.helpers import call, load_script, tiny_bert, write_vocab
 from tests.train_data import make_records, write_dpr
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -947,3 +947,19 @@ def test_a_path_flag_expands_the_home_folder(command, argv, expanded, tmp_path, 
     wanted = {dest: [str(tmp_path / v) for v in value] if isinstance(value, list) else str(tmp_path / value)
               for dest, value in expanded.items()}
     assert {dest: getattr(args, dest) for dest in expanded} == wanted
+
+
+@pytest.mark.parametrize("argv", [
+    ["evaluate", "--results", "r.json"],
+    ["retrieve", "--index", "i", "--queries", "q.json", "--output", "o.json", "--evaluate"],
+])
+def test_cut_offs_given_twice_add_up(argv: list) -> None:
+    """``--k 1 --k 5`` evaluated @5 only (argparse keeps the last); the repeats add up, and the first replaces
+    evaluate's default cut-offs rather than adding to them."""
+    parse = cli.build_parser().parse_args
+    assert parse([*argv, "--k", "1", "--k", "5", "20"]).k == [1, 5, 20]
+    assert parse([*argv, "--k", "3"]).k == [3]
+    assert parse([*argv, "--k", "1", "--k", "5"]).k == [1, 5]  # the default list is not changed in place
+    script = load_script("dense_retriever").build_parser().parse_args
+    assert script(["--model_file", "m", "--qa_file", "q.csv", "--ctx_file", "c.tsv", "--encoded_ctx_file", "e",
+                   "--out_file", "o.json", "--k", "1", "--k", "5"]).k == [1, 5]

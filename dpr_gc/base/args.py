@@ -55,6 +55,17 @@ class OneMeaning(argparse.Action):
         set_by[self.dest] = (self, value, option_string)
 
 
+class ExtendGiven(argparse._StoreAction):
+    """The action of a flag taking several values whose repeats add up (``--k 1 --k 5``: cut-offs 1 and 5), where
+    argparse keeps the last; the first use replaces the default rather than adding to it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        first = before is None or before is self.default
+        setattr(namespace, self.dest, list(values) if first else [*before, *values])
+
+
 def one_meaning(container: Any, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` of ``add_argument`` with their action made a :class:`OneMeaning` one (``container``: the parser or
     argument group it is added to, whose registry names the actions)."""

@@ -21,7 +21,7 @@ import math
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .args import home_expanded, one_meaning, output_dir
+from .args import ExtendGiven, home_expanded, one_meaning, output_dir
 from .errors import DprGcError
 from .files import copied_from
 
@@ -49,6 +49,7 @@ class Setting:
     aliases: tuple[str, ...] = ()
     negatable: bool = False
     path: bool = False
+    extend: bool = False
 
     @property
     def flag(self) -> str:
@@ -82,7 +83,7 @@ class Group:
         return "--" + (self.when or "").replace("_", "-")
 
 
-CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "aliases", "negatable")
+CLI_OPTIONS = ("nargs", "required", "dest", "negate", "hidden", "cli_default", "aliases", "negatable", "extend")
 
 
 def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Optional[Callable[[str], Any]] = None,
@@ -95,7 +96,8 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
     :data:`FIXED` or :data:`FREE`; ``path``: a file or folder (or a list of them), compared with another record's
     by the place it names, not its spelling (``beir/``, ``./beir``), its flag expanding ``~`` as the path types of
     :mod:`dpr_gc.base.args` do. ``cli`` shapes the flag: ``nargs``,
-    ``required``, ``dest``; a bool field is a switch (``negate``: the flag sets the field to False, e.g.
+    ``required``, ``dest``; ``extend``: a flag taking several values adds up its repeats (``--k 1 --k 5``) where
+    argparse keeps the last; a bool field is a switch (``negate``: the flag sets the field to False, e.g.
     ``--separate-encoders`` for ``shared_encoder``);
     ``negatable``: a bool field gets the flag and its ``--no-`` form (``--mask-duplicate-positives`` /
     ``--no-mask-duplicate-positives``); ``hidden``: further ``(flag, argparse options)`` kept for old command lines
@@ -110,7 +112,7 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
     meta = Setting(tuple(flags), help, type, tuple(choices) if choices is not None else None, cli.get("nargs"),
                    cli.get("required", False), cli.get("dest"), resume, cli.get("negate", False),
                    tuple(cli.get("hidden", ())), cli.get("cli_default", UNSET), tuple(cli.get("aliases", ())),
-                   cli.get("negatable", False), path)
+                   cli.get("negatable", False), path, cli.get("extend", False))
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"setting": meta})
     return dataclasses.field(default=default, metadata={"setting": meta})
@@ -248,6 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
         else:
             kind = decl.type or (home_expanded if decl.path else None)  # a path flag's ~ is expanded (args.py)
             kwargs.update(default=default, type=kind, nargs=decl.nargs, required=decl.required)
+            if decl.extend:
+                kwargs["action"] = ExtendGiven
             if decl.choices is not None:
                 kwargs["choices"] = list(decl.choices)
         if unset and kwargs.get("default") is not None:

@@ -460,7 +460,8 @@ class EvaluateSettings:
     qrels: Optional[str] = setting(None, "--qrels", type=home_expanded,
                                    help="BEIR qrels TSV (query-id corpus-id score) or TREC qrels "
                                         "(qid 0 docid rel)")
-    k: list[int] = setting(None, "--k", type=positive_int, nargs="+", default_factory=lambda: [1, 5, 10, 20, 100],
+    k: list[int] = setting(None, "--k", type=positive_int, nargs="+", extend=True,
+                           default_factory=lambda: [1, 5, 10, 20, 100],
                            help="cut-offs (nDCG@10 and MRR@10 are always reported)")
     match: str = setting("auto", "--match", choices=("auto", "stored") + MATCH_MODES,
                          help="answer flags: auto (the file's has_answer fields when present, else string), stored, "

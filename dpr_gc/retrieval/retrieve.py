@@ -66,7 +66,7 @@ class RetrieveSettings:
     trec_run: Optional[PathLike] = setting(None, "--trec-run", type=output_file, help="write a TREC run file here")
     run_tag: str = setting("dpr-gc", "--run-tag", help="tag column of the TREC run")
     evaluate: bool = setting(False, "--evaluate", help="print answer accuracy and/or qrels metrics at --k")
-    ks: Optional[list[int]] = setting(None, "--k", dest="k", type=positive_int, nargs="+",
+    ks: Optional[list[int]] = setting(None, "--k", dest="k", type=positive_int, nargs="+", extend=True,
                                       help="cut-offs for --evaluate (default: those of 1 5 10 20 100 below --top-k, "
                                            "and --top-k)")
 
