@@ -16,7 +16,7 @@ Recall@100 on the 300 test queries. Phases, each in a fresh subprocess so its pe
 Each phase writes ``<out>/<phase>/result.json`` last, so a rerun skips finished phases (delete a folder to redo it).
 
     python benchmarks/scifact.py                # full run, results in benchmarks/results/scifact.{json,md}
-    python benchmarks/scifact.py --quick        # smoke test on a 200-passage subset, a few steps
+    python benchmarks/scifact.py --quick        # smoke test on a 200-passage subset, a few steps; runs/scifact-quick/
 """
 
 from __future__ import annotations
@@ -506,9 +506,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = parser(__doc__, paragraph=True)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR SciFact folder")
     p.add_argument("--out", default=str(ROOT / "runs" / "scifact"), help="cache folder for every phase")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where the JSON/markdown go")
+    p.add_argument("--results", help="folder the JSON/markdown go to (default benchmarks/results; --quick: the "
+                                      "out folder, so a smoke run never replaces a committed results file)")
     p.add_argument("--quick", action="store_true", help="smoke test: 200-passage subset, tiny lengths and batches "
-                   "(out folder gets a -quick suffix, results go to scifact-quick.*)")
+                   "(out folder gets a -quick suffix, results go to scifact-quick.* there)")
     for f in dataclasses.fields(Settings):
         if f.name in ("data", "out", "quick"):
             continue
@@ -570,6 +571,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return s
 
 
+def results_folder(args: argparse.Namespace) -> Path:
+    """Where the JSON/markdown go: ``--results``, else the committed folder, or for ``--quick`` its out folder."""
+    if args.results:
+        return Path(args.results)
+    if args.quick:
+        return Path(args.out).with_name(Path(args.out).name + "-quick")
+    return ROOT / "benchmarks" / "results"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     setup_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -590,7 +600,7 @@ def run(args: argparse.Namespace) -> None:
     if args.phase:
         child(s, args.phase, args.name, json.loads(args.extra))
     else:
-        orchestrate(s, Path(args.results), [parse_variant(v) for v in args.variant])
+        orchestrate(s, results_folder(args), [parse_variant(v) for v in args.variant])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -338,3 +338,15 @@ def test_bench_workers_ends_with_each_values_ratios_against_the_baseline(tmp_pat
     rows = summary_rows(capsys.readouterr().out)
     assert rows["2 workers"] == "1.20x the speed, 3.00x the memory (PSS) of 0 workers", rows
     assert rows["results file"] == str(out) and rows["machine"]
+
+
+def test_a_scifact_smoke_run_writes_its_results_to_its_work_folder() -> None:
+    """``scifact.py --quick`` wrote benchmarks/results/scifact-quick.*, replacing a committed file with numbers of a
+    200-passage subset; a smoke run's results go to its out folder, a full run's to benchmarks/results, and
+    ``--results`` wins over both."""
+    import scifact
+
+    assert scifact.results_folder(scifact.parse_args(["--quick"])) == REPO / "runs" / "scifact-quick"
+    assert scifact.results_folder(scifact.parse_args(["--quick", "--out", "w/x"])) == Path("w/x-quick")
+    assert scifact.results_folder(scifact.parse_args([])) == REPO / "benchmarks" / "results"
+    assert scifact.results_folder(scifact.parse_args(["--quick", "--results", "r"])) == Path("r")
