@@ -315,7 +315,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="rows per chunk of the llm shape (default --chunk)")
     p.add_argument("--small", action="store_true", help="the 4-layer llm shape instead of Qwen2-0.5B's")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
-    p.add_argument("--peers", default=f"{ST},{ORIGINAL}", help="peers to run where installed")
+    p.add_argument("--peers", default=f"{ST},{ORIGINAL}", help=f"peers to run where installed: {ST}, {ORIGINAL}")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="timed steps per configuration (median; default 3, 2 with --quick on a GPU)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per process (default: all)")
@@ -335,6 +335,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                          "threshold")
     check_choices("--shapes", name_list(args.shapes), SHAPES)
     check_choices("--precisions", name_list(args.precisions), PRECISIONS)
+    if any(name not in (ST, ORIGINAL) for name in name_list(args.peers)):  # none at all: no peers run
+        check_choices("--peers", name_list(args.peers), (ST, ORIGINAL))
     require_cuda(args.device)
     return args
 

@@ -23,6 +23,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, machine_info, parser, results_path, run_script, summary_table  # noqa: E402
+from dpr_gc.base.args import nonnegative_int, positive_int  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -103,12 +104,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
     p = parser(__doc__)
     p.add_argument("train", help="a DPR training file (e.g. the demo's data/dpr_train.json)")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="values to compare (first: baseline)")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--chunk", type=int, default=16)
-    p.add_argument("--passage-max-length", type=int, default=128)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--workers", type=nonnegative_int, nargs="+", default=[0, 2],
+                   help="values to compare (first: baseline)")
+    p.add_argument("--rounds", type=positive_int, default=1)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--chunk", type=positive_int, default=16)
+    p.add_argument("--passage-max-length", type=positive_int, default=128)
+    p.add_argument("--steps", type=positive_int, default=8)
     p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_workers"), help="the runs' folders and logs")
     p.add_argument("--output", default=results_path("workers", False))
     args = p.parse_args(argv)
