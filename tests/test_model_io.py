@@ -232,7 +232,8 @@ def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
     train(train_config(train_files=[str(train_file)], dev_file=str(write_dpr(tmp_path / "dev.json", make_records(8, 2))),
                        output_dir=str(tmp_path / "out"), model=str(init_model(tmp_path)), batch_size=4, num_workers=0,
                        max_steps=2, eval_every=1, save_every=2, hard_negatives=1, query_chunk_size=2,
-                       passage_chunk_size=3, cache_dir=str(tmp_path / "c")))
+                       passage_chunk_size=3, passage_chunk_tokens=90, memory_budget="1MB",
+                       cache_dir=str(tmp_path / "c")))
     for folder in ("final", "best", "checkpoint-2/model"):
         path = tmp_path / "out" / folder
         retriever = Retriever.load(path)
@@ -244,11 +245,14 @@ def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
         assert (model["pooling"], model["towers"], model["passage_max_length"]) == ("mean", "shared", 32)
         assert run["train_data"] == [{"file": str(train_file), "records": 16, "kept": 16}]
         assert (run["batch_size"], run["query_chunk_size"], run["passage_chunk_size"]) == (4, 2, 3)
+        assert (run["query_chunk_tokens"], run["passage_chunk_tokens"], run["memory_budget"]) == (None, 90, 10**6)
         assert run["hard_negatives"] == 1 and "InfoNCE" in run["loss"] and run["base_model"].endswith("init")
         assert run["steps"] == run["dev_metrics_step"] == (2 if folder != "best" else run["steps"])
         assert set(run["dev_metrics"]) == {"dev_loss", "dev_accuracy", "dev_avg_rank"}
         card = (path / "README.md").read_text()
         assert "SentenceTransformer(" in card and "Retriever.load(" in card and "AutoModel" in card
+        assert "| passage chunk token limit | 90 |" in card, card
+        assert "| memory budget (bytes of graphs kept) | 1000000 |" in card, card
 
 
 def test_the_card_names_a_hub_base_model_and_never_a_local_path(make_retriever, tmp_path):

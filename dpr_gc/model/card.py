@@ -2,9 +2,9 @@
 
 YAML metadata first (``library_name``, ``pipeline_tag``, ``tags``, ``base_model`` when it is a Hub id, and a
 ``dpr_gc`` block with the recipe, a LoRA folder's adapter settings and base model, and the training run: data files
-and counts, batch and chunk sizes, loss, temperature, hard negatives, steps, dev metrics), then the same in prose
-and how to load the folder with sentence-transformers, transformers and dpr-gc. The training part comes from
-``Retriever.training_info``.
+and counts, batch and chunk sizes, chunk token limits and memory budget, loss, temperature, hard negatives, steps,
+dev metrics), then the same in prose and how to load the folder with sentence-transformers, transformers and
+dpr-gc. The training part comes from ``Retriever.training_info``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ TRAINING_ROWS = (("base_model", "base model"), ("train_data", "training data"), 
                  ("loss", "loss"), ("batch_size", "batch (queries per step, all ranks)"),
                  ("hard_negatives", "hard negatives per query"), ("other_negatives", "other negatives per query"),
                  ("grad_cache", "Gradient Cache"), ("query_chunk_size", "query chunk"),
-                 ("passage_chunk_size", "passage chunk"), ("learning_rate", "learning rate"),
+                 ("passage_chunk_size", "passage chunk"), ("query_chunk_tokens", "query chunk token limit"),
+                 ("passage_chunk_tokens", "passage chunk token limit"),
+                 ("memory_budget", "memory budget (bytes of graphs kept)"), ("learning_rate", "learning rate"),
                  ("warmup_steps", "warmup steps"), ("epochs", "epochs"), ("steps", "steps done"),
                  ("total_steps", "steps planned"), ("precision", "precision"), ("seed", "seed"))
 

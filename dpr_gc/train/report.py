@@ -47,9 +47,19 @@ def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks
             "batch_size": data.batch_size * world, "batch_size_per_rank": data.batch_size, "world_size": world,
             "hard_negatives": data.hard_negatives, "other_negatives": data.other_negatives,
             "grad_cache": config.cache.enabled, "query_chunk_size": chunks[0] if chunks else None,
-            "passage_chunk_size": chunks[1] if chunks else None, "learning_rate": optim.learning_rate,
+            "passage_chunk_size": chunks[1] if chunks else None, **chunk_limits(config.cache),
+            "learning_rate": optim.learning_rate,
             "warmup_steps": optim.warmup_for(total_steps), "epochs": optim.epochs, "total_steps": total_steps,
             "precision": optim.precision, "seed": config.run.seed, "steps": 0}
+
+
+def chunk_limits(cache: Any) -> dict:
+    """The token limits and memory budget a Gradient Cache run chunked with (None where not set; none without
+    Gradient Cache)."""
+    if not cache.enabled:
+        return {}
+    return {"query_chunk_tokens": cache.query_chunk_tokens, "passage_chunk_tokens": cache.passage_chunk_tokens,
+            "memory_budget": cache.memory_budget}
 
 
 def tensorboard_writer(out: Path, purge_step: Optional[int] = None) -> Any:
