@@ -1,7 +1,8 @@
 """Every command shown in the README and docs/ parses: ``dpr-gc`` (also under ``torchrun -m dpr_gc.cli``), the DPR
 scripts and the JAX example, in code blocks and inline -- its sub-command and every flag exist and take the values
 shown (a renamed or removed flag fails here before it fails a reader). A command that elides flags with ``...`` is
-checked for the flags it shows; only the required ones it leaves out are excused."""
+checked for the flags it shows; only the required ones it leaves out are excused. Flags are spelt out: a unique
+prefix parses (argparse's abbreviations) but a page shows the whole flag."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 
 import pytest
 
+from dpr_gc.base.args import ArgumentParser
 from dpr_gc.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,23 +91,62 @@ def shown_commands(page: Path) -> list[tuple[str, str, list[str], bool]]:
 COMMANDS = [c for page in PAGES for c in shown_commands(page)]
 
 
-def parser_of(program: str, argv: list[str]) -> Callable[[list[str]], object]:
-    """What parses ``argv`` for ``program`` (exits or raises on a bad flag)."""
+ERROR_EXAMPLES = {("dpr-gc", ("train", "--batch-szie", "4"))}  # shown with the error they print
+
+
+def parser_of(program: str, argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """What parses ``argv`` for ``program`` (exits or raises on a bad flag), and the words put before ``argv``."""
     if program == "dpr-gc":
         command = next((word for word in argv if not word.startswith("-")), None)
-        return build_parser(command).parse_args
+        return build_parser(command), []
     if program == "dpr_gc.jax.example":
         pytest.importorskip("jax")
-        from dpr_gc.jax.example import parse_args
+        from dpr_gc.jax.example import build_parser as example_parser
 
-        return parse_args
+        return example_parser(), []
     path = ROOT / program
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if path.name == "train_dense_encoder.py":  # dpr-gc train's parser under DPR's flags: main() prepends "train"
-        return lambda words: module.build_parser().parse_args(["train", *words])
-    return module.build_parser().parse_args if hasattr(module, "build_parser") else module.parse_args
+        return module.build_parser(), ["train"]
+    if hasattr(module, "build_parser"):
+        return module.build_parser(), []
+    return ParseOnly(module.parse_args), []
+
+
+class ParseOnly(argparse.ArgumentParser):
+    """A script's ``parse_args(argv)`` function (its parser and checks in one), as a parser without options."""
+
+    def __init__(self, parse: Callable[[list[str]], object]) -> None:
+        super().__init__()
+        self.parse = parse
+
+    def parse_args(self, args: Optional[list[str]] = None, namespace: object = None) -> object:
+        return self.parse(list(args or []))
+
+
+def parsers_in(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and its sub-commands' parsers."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(p for a in subs for child in a.choices.values() for p in parsers_in(child))]
+
+
+def abbreviated(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The flags of ``argv`` that are no option's whole name (prefixes argparse took for one)."""
+    names = {o for p in parsers_in(parser) for a in p._actions for o in a.option_strings}
+    return [w.split("=")[0] for w in argv if w.startswith("--") and w.split("=")[0] not in names]
+
+
+def without_required(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` with no option required, so an elided command is checked for every flag it shows."""
+    for p in parsers_in(parser):
+        for action in p._actions:
+            if action.required and action.option_strings:
+                action.required, action.default = False, None
+            elif not action.option_strings and action.nargs in (None, "+"):  # a positional: may be left out
+                action.nargs, action.default = ("?" if action.nargs is None else "*"), None
+    return parser
 
 
 def test_the_pages_show_commands() -> None:
@@ -132,18 +173,27 @@ def test_a_documented_command_parses(program: str, argv: list[str], elided: bool
     def refuse(parser: argparse.ArgumentParser, message: str) -> None:
         raise ValueError(message)
 
-    from dpr_gc.base.args import ArgumentParser
-
     for cls in (argparse.ArgumentParser, ArgumentParser):  # dpr-gc's prints its one-line error and exits
         monkeypatch.setattr(cls, "error", refuse)
+    if (program, tuple(argv)) in ERROR_EXAMPLES:
+        return
+    parser, before = parser_of(program, argv)
     try:
-        parser_of(program, argv)(argv)
+        try:
+            parser.parse_args([*before, *argv])
+        except ValueError as e:
+            if not (elided and str(e).startswith(MISSING)):
+                raise
+            _, left = without_required(parser).parse_known_args([*before, *argv])  # the flags shown, beside the
+            flags = [word for word in left if word.startswith("-")]  # ones left out ("--fsdp ...": no value)
+            if flags:
+                raise ValueError(f"unrecognized arguments: {' '.join(flags)}") from None
     except ValueError as e:
-        if not (elided and str(e).startswith(MISSING)):
-            pytest.fail(f"{program} {' '.join(argv)}: {e}")
+        pytest.fail(f"{program} {' '.join(argv)}: {e}")
     except SystemExit as stop:
         if not (stop.code == 0 and "--help" in argv):
             pytest.fail(f"{program} {' '.join(argv)}: exit {stop.code}")
+    assert isinstance(parser, ParseOnly) or not abbreviated(parser, argv), f"{program} {' '.join(argv)}: spell it out"
 
 
 def test_every_dotted_name_of_the_package_resolves() -> None:
