@@ -112,6 +112,25 @@ def test_fsdp_plain_training_equals_one_process(tmp_path):
     assert_same_adapter(tmp_path / "fsdp" / "final", tmp_path / "single" / "final", "plain training")
 
 
+@pytest.mark.slow  # ~20 s on 2 idle cores (2026-11-28)
+def test_fsdp_trains_in_bf16_with_bf16_parameters_and_fp32_weights_saved(tmp_path):
+    """docs/distributed.md: under ``--precision bf16`` FSDP holds bf16 parameters and reduces gradients in fp32. Its
+    run says so, its first loss (before any update) is the one-process bf16 run's within bf16 rounding, and final/
+    holds fp32 adapters whose first AdamW step (LoRA B starts at zero) goes the way that run's does."""
+    flags = [*common_flags(tmp_path), "--precision", "bf16", "--max-steps", "1", "--learning-rate", "1e-3"]
+    assert main(["train", *flags, "--batch-size", "8", "--output", str(tmp_path / "single")]) == 0
+    log = torchrun([*flags, "--batch-size", "4", "--fsdp", "--output", str(tmp_path / "fsdp")])
+    assert log.count("bf16 parameters, fp32 gradient reduction (FSDP2)") >= 1, log[-3000:]
+    losses = [json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+              for run in ("single", "fsdp")]
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2), losses
+    got, want = (load_file(str(tmp_path / run / "final" / "adapter_model.safetensors")) for run in ("fsdp", "single"))
+    assert got.keys() == want.keys() and all(t.dtype == torch.float32 for t in got.values())
+    moved = [key for key in want if key.endswith("lora_B.weight")]  # zero at the start: one AdamW step's signs
+    agree = sum(int((got[k].sign() == want[k].sign()).sum()) for k in moved) / sum(want[k].numel() for k in moved)
+    assert moved and agree > 0.9, agree  # a step in bf16 rounding flips the signs of the smallest gradients only
+
+
 def test_fsdp_settings_are_refused_with_one_line(tmp_path, capsys):
     flags = common_flags(tmp_path)
     out = ["--batch-size", "4", "--output", str(tmp_path / "x")]
