@@ -13,8 +13,8 @@ or from other shards, is refused rather than reused.
 Questions with answers are evaluated unasked (top-k answer accuracy, as DPR prints it), others with ``--evaluate``.
 ``--model_file`` may be a DPR ``.cp`` checkpoint. Hydra-style ``key=value`` arguments (as newer DPR versions take)
 are accepted too, lists as DPR's README writes them (``encoded_ctx_files=[\\"emb1/wiki_*\\",\\"emb2/wiki_*\\"]``:
-``--encoded_ctx_file`` takes several globs). Flags DPR has and this script does not need are named in one warning
-line.
+``--encoded_ctx_file`` takes several globs; a switch as ``hnsw_index=true`` or ``=false``). Flags DPR has and
+this script does not need are named in one warning line.
 """
 
 from __future__ import annotations
@@ -129,22 +129,29 @@ def hydra_unquoted(value: str) -> str:
     return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'" else value
 
 
-def hydra_to_flags(argv: list[str]) -> list[str]:
+def hydra_to_flags(argv: list[str], parser: Optional[ArgumentParser] = None) -> list[str]:
     """Turn DPR/hydra ``key=value`` arguments into ``--key=value``; a list ``key=[a,b]`` into ``--key a b`` (the
-    flags that take several values take them all; another names the rest in the no-effect warning)."""
+    flags that take several values take them all; another names the rest in the no-effect warning); a switch's
+    ``key=true`` into ``--key``, its ``key=false`` into nothing (:meth:`~dpr_gc.base.args.ArgumentParser.hydra_switch`
+    of ``parser``, default :func:`build_parser`'s)."""
+    parser = parser or build_parser()
     out = []
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             out.append(arg)
             continue
         key, value = arg.split("=", 1)
+        switch = parser.hydra_switch(key, hydra_unquoted(value))
+        if switch is not None:
+            out.extend(switch)
+            continue
         values = hydra_values(value)
         out.extend([f"--{key}={values[0]}"] if len(values) == 1 else [f"--{key}", *values] if values else
                    [f"--{key}="])
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_file", "--model", dest="model", help="retriever folder or HF model")
     p.add_argument("--qa_dataset", "--qa_file", dest="queries", required=True,
@@ -309,8 +316,8 @@ def named_unknowns(parser: Any, unknown: list[str]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    flags = hydra_to_flags(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
+    flags = hydra_to_flags(list(sys.argv[1:] if argv is None else argv), parser)
     args, unknown = parser.parse_known_args(flags)
     setup_logging(args.verbose)
     typed = {f.split("=", 1)[0] for f in flags if f.startswith("--")}

@@ -1,6 +1,7 @@
 """Embed a passage corpus into shards: ``dpr-gc encode`` under DPR's script name, taking DPR's command lines.
 
-DPR's and GC-DPR's flags work unchanged, and so does DPR's Hydra ``key=value`` style::
+DPR's and GC-DPR's flags work unchanged, and so does DPR's Hydra ``key=value`` style (a switch as ``fp16=true``
+or ``=false``)::
 
     python scripts/generate_dense_embeddings.py --model_file CHECKPOINT --ctx_file psgs_w100.tsv \\
         --shard_id 0 --num_shards 50 --out_file emb/wiki --batch_size 512 --fp16
@@ -53,16 +54,23 @@ def script_flags(parser: argparse.ArgumentParser, typed: set[str]) -> dict[str, 
     return flags_as_typed(parser, SCRIPT_FLAGS, typed)
 
 
-def hydra_to_flags(argv: Sequence[str]) -> list[str]:
-    """Turn DPR's ``key=value`` arguments into ``--key value``; other arguments pass through."""
+def hydra_to_flags(argv: Sequence[str], parser: Optional[ArgumentParser] = None) -> list[str]:
+    """Turn DPR's ``key=value`` arguments into ``--key value``, a switch's ``key=true`` into ``--key`` and its
+    ``key=false`` into nothing (:meth:`~dpr_gc.base.args.ArgumentParser.hydra_switch` of ``parser``, default
+    :func:`build_parser`'s); other arguments pass through."""
+    parser = parser or build_parser()
     out: list[str] = []
     for arg in argv:
         m = HYDRA_ARG.match(arg)
-        out.extend([f"--{m.group(1)}", m.group(2)] if m and not arg.startswith("-") else [arg])
+        if not m or arg.startswith("-"):
+            out.append(arg)
+            continue
+        switch = parser.hydra_switch(m.group(1), m.group(2))
+        out.extend([f"--{m.group(1)}", m.group(2)] if switch is None else switch)
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, dpr_aliases=True)
     parser.add_argument("--sequence_length", dest="max_length", type=positive_int,
@@ -99,8 +107,8 @@ def ignored_flags(typed: set[str]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    flags = hydra_to_flags(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    flags = hydra_to_flags(sys.argv[1:] if argv is None else argv, parser)
     args = parser.parse_args(flags)
     setup_logging(args.verbose)
     typed = {f.split("=", 1)[0].lstrip("-") for f in flags if f.startswith("--")}

@@ -992,3 +992,26 @@ def test_dense_retrievers_cache_dir_is_typed_as_dpr_gcs(tmp_path, monkeypatch):
     (tmp_path / "f").write_text("")
     with pytest.raises(argparse.ArgumentTypeError):
         typed(str(tmp_path / "f"))
+
+
+@pytest.mark.parametrize("script,switch,dest,on,off", [
+    ("dense_retriever.py", "hnsw_index", "hnsw_index", True, False),
+    ("dense_retriever.py", "save_or_load_index", "save_or_load_index", True, False),
+    ("generate_dense_embeddings.py", "fp16", "precision", "fp16", "auto"),
+    ("generate_dense_embeddings.py", "no_cuda", "no_cuda", True, False)])
+def test_hydra_booleans_of_dprs_switches_are_read(tmp_path, capsys, script, switch, dest, on, off):
+    """DPR's hydra booleans (``hnsw_index=True``, ``fp16=false``) were passed on as ``--key=True``, refused by the
+    switch ('ignored explicit argument', or 'unrecognized arguments: True'): true/True/1 gives the switch, false/
+    False/0 leaves it off, any other value is refused in one line naming key=value."""
+    loaded = load_script(script)
+    parser = loaded.build_parser()
+    for value, expected in (("True", on), ("true", on), ("1", on), ("False", off), ("false", off), ("0", off)):
+        needed = ["--qa_file", "q.csv"] if script == "dense_retriever.py" else ["--model_file", "m", "--ctx_file",
+                                                                                 "c.tsv", "--out_file", "emb"]
+        parsed, unknown = parser.parse_known_args(loaded.hydra_to_flags([*needed, f"{switch}={value}"], parser))
+        assert unknown == [] and getattr(parsed, dest) == expected, (value, parsed)
+    with pytest.raises(SystemExit) as exited:
+        loaded.hydra_to_flags([f"{switch}=yes"], parser)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert f"{switch}=yes: --{switch} is a switch; give {switch}=true" in err, err

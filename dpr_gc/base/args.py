@@ -183,6 +183,20 @@ class ArgumentParser(argparse.ArgumentParser):
                          "(docs/dpr.md)")
         return hints
 
+    def hydra_switch(self, key: str, value: str) -> Optional[list[str]]:
+        """The flags a hydra override ``key=value`` stands for when ``--key`` is a switch of this parser (a flag that
+        takes no value, as DPR's booleans): ``[--key]`` for true/True/1, ``[]`` for false/False/0, any other value
+        refused in one line naming ``key=value``; None where ``--key`` is no switch (its value is the flag's)."""
+        action = self._option_string_actions.get(f"--{key}")
+        if action is None or action.nargs != 0:
+            return None
+        if value.lower() in ("true", "1"):
+            return [f"--{key}"]
+        if value.lower() in ("false", "0"):
+            return []
+        self.error(f"{key}={value}: --{key} is a switch; give {key}=true (or True, 1) to set it, {key}=false "
+                   "(or False, 0) to leave it off")
+
     def closest_option(self, word: str) -> Optional[str]:
         """This parser's option closest to ``word`` (a flag, with or without ``=VALUE``), if one is close."""
         return closest(word.split("=", 1)[0], self._option_string_actions) if word[:1] == "-" else None
