@@ -23,6 +23,7 @@ import argparse
 import ast
 import dataclasses
 import glob
+import json
 import logging
 import os
 import re
@@ -91,15 +92,38 @@ def merged_view(folders: list[Path], view: Path) -> Path:
     for folder in folders:
         if not has_shards(folder):
             raise DprGcError(no_shards_message(folder))
+    linked: dict[str, Path] = {}  # a shard file's name -> the folder its link in ``view`` points into
     for folder in folders:
         for item in folder.iterdir():
             if item.is_file() and item.name.startswith("shard-"):
-                target = view / item.name
-                if target.exists():
-                    raise DprGcError(f"{item.name} is in more than one of the --embeddings folders; "
-                                     "each shard must be encoded once")
-                os.symlink(item.resolve(), target)
+                if item.name in linked:
+                    raise DprGcError(shard_clash(item, linked[item.name]))
+                os.symlink(item.resolve(), view / item.name)
+                linked[item.name] = folder
     return view
+
+
+def manifest_corpus(path: Path) -> Optional[tuple[str, str]]:
+    """The corpus the shard manifest ``path`` names and its fingerprint; None where it names none or is unreadable."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or not manifest.get("corpus_fingerprint"):
+        return None
+    return str(manifest.get("corpus")), str(manifest["corpus_fingerprint"])
+
+
+def shard_clash(item: Path, other: Path) -> str:
+    """Why the shard file ``item`` cannot join a view that links the file of that name in the folder ``other``: the
+    two folders look like separate encodings where their manifests name corpora of different fingerprints, else the
+    shard is in both."""
+    shard = re.sub(r"(\.ids\.txt|\.json|\.npy)$", "", item.name)
+    corpora = [manifest_corpus(folder / f"{shard}.json") for folder in (other, item.parent)]
+    if corpora[0] and corpora[1] and corpora[0][1] != corpora[1][1]:
+        return (f"{item.name} is in {other} and {item.parent}, which look like separate encodings (of "
+                f"{corpora[0][0]} and {corpora[1][0]}): give the --embeddings folders of one encoding of one corpus")
+    return f"{item.name} is in more than one of the --embeddings folders; each shard must be encoded once"
 
 
 def dpr_index_path(folders: list[Path]) -> str:
@@ -131,9 +155,10 @@ def hydra_unquoted(value: str) -> str:
 
 def hydra_to_flags(argv: list[str], parser: Optional[ArgumentParser] = None) -> list[str]:
     """Turn DPR/hydra ``key=value`` arguments into ``--key=value``; a list ``key=[a,b]`` into ``--key a b`` (the
-    flags that take several values take them all; another names the rest in the no-effect warning); a switch's
-    ``key=true`` into ``--key``, its ``key=false`` into nothing (:meth:`~dpr_gc.base.args.ArgumentParser.hydra_switch`
-    of ``parser``, default :func:`build_parser`'s)."""
+    flags that take several values take them all, one that takes one refuses several, :func:`refuse_several`, an
+    unknown one's rest is named in the no-effect warning); a switch's ``key=true`` into ``--key``, its ``key=false``
+    into nothing (:meth:`~dpr_gc.base.args.ArgumentParser.hydra_switch` of ``parser``, default
+    :func:`build_parser`'s)."""
     parser = parser or build_parser()
     out = []
     for arg in argv:
@@ -146,9 +171,20 @@ def hydra_to_flags(argv: list[str], parser: Optional[ArgumentParser] = None) -> 
             out.extend(switch)
             continue
         values = hydra_values(value)
+        refuse_several(parser, key, value, values)
         out.extend([f"--{key}={values[0]}"] if len(values) == 1 else [f"--{key}", *values] if values else
                    [f"--{key}="])
     return out
+
+
+def refuse_several(parser: ArgumentParser, key: str, value: str, values: list[str]) -> None:
+    """Refuse a hydra list of several ``values`` for a flag of ``parser`` that takes one (``ctx_datatsets=[a,b]``),
+    naming ``key``: the values after the first would be left out (a flag with no effect here takes any)."""
+    action = parser._option_string_actions.get(f"--{key}")
+    if len(values) < 2 or action is None or action.nargs is not None or action.dest.startswith("ignored_"):
+        return
+    why = "; the passages come from one file: join them into one (and encode that)" if action.dest == "corpus" else ""
+    parser.error(f"{key}={value} gives {len(values)} values but --{key} takes one{why}")
 
 
 def build_parser() -> ArgumentParser:

@@ -1015,3 +1015,39 @@ def test_hydra_booleans_of_dprs_switches_are_read(tmp_path, capsys, script, swit
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1, err
     assert f"{switch}=yes: --{switch} is a switch; give {switch}=true" in err, err
+
+
+def test_several_passage_files_in_one_hydra_list_are_refused_naming_the_key(tmp_path, capsys):
+    """``ctx_datatsets=[pa.tsv,pb.tsv]`` retrieved from pa.tsv only, pb.tsv named as 'accepted with no effect': a list
+    of several values for a flag that takes one is refused in one line naming the key."""
+    script = load_script("dense_retriever.py")
+    assert script.hydra_to_flags(["ctx_datatsets=[pa.tsv]"]) == ["--ctx_datatsets=pa.tsv"]
+    with pytest.raises(SystemExit) as exited:
+        script.hydra_to_flags(["ctx_datatsets=[pa.tsv,pb.tsv]"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert "ctx_datatsets=[pa.tsv,pb.tsv] gives 2 values but --ctx_datatsets takes one" in err, err
+
+
+def test_shard_folders_of_different_corpora_are_named_as_separate_encodings(tmp_path):
+    """Two folders each holding shard 0 of 1 were refused as a shard 'encoded twice'; where their manifests name
+    different corpora, the line says they look like separate encodings of those corpora."""
+    import json
+
+    from dpr_gc.base.errors import DprGcError
+
+    script = load_script("dense_retriever.py")
+    folders = [tmp_path / name / "wiki_0" for name in ("emba", "embb")]
+    for folder, corpus in zip(folders, ("pa.tsv", "pb.tsv")):
+        folder.mkdir(parents=True)
+        for suffix in (".npy", ".ids.txt"):
+            (folder / f"shard-00000-of-00001{suffix}").write_text("")
+        manifest = {"corpus_name": corpus, "corpus": f"/d/{corpus}", "corpus_fingerprint": f"full-{corpus}"}
+        (folder / "shard-00000-of-00001.json").write_text(json.dumps(manifest))
+    (tmp_path / "view").mkdir()
+    with pytest.raises(DprGcError, match=r"look like separate encodings \(of /d/pa.tsv and /d/pb.tsv\)"):
+        script.merged_view(folders, tmp_path / "view")
+    (tmp_path / "same").mkdir()
+    (folders[1] / "shard-00000-of-00001.json").write_text((folders[0] / "shard-00000-of-00001.json").read_text())
+    with pytest.raises(DprGcError, match="each shard must be encoded once$"):
+        script.merged_view(folders, tmp_path / "same")
