@@ -50,7 +50,9 @@ from dpr_gc.retrieval.index import (BUILT_WITH, DenseIndex, IndexBuild, IndexPar
 from dpr_gc.retrieval.index_params import param_rules
 from dpr_gc.retrieval.shards import has_shards, no_shards_message, read_manifests
 from dpr_gc.model.retriever import add_prefix_arguments
-from dpr_gc.retrieval.retrieve import MATCH_CHOICES, QRELS, QUERIES, retrieve_with_flags
+from dpr_gc.base.settings import refuse_flags_that_do_not_apply
+from dpr_gc.retrieval.retrieve import (APPLIES, MATCH_CHOICES, QRELS, QUERIES, RetrieveJob, RetrieveSettings,
+                                       retrieve_with_flags)
 
 logger = logging.getLogger("dense_retriever")
 # DPR/GC-DPR flags with no effect here: the model file defines the encoder; answers are matched in-process.
@@ -211,7 +213,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--batch_size", dest="batch_size", type=positive_int, default=64, help="questions per encoder batch")
     p.add_argument("--match", choices=MATCH_CHOICES, default="string", help="answer matching for has_answer")
     p.add_argument("--trec_run", "--trec-run", type=output_file, dest="trec_run", help="also write a TREC run file")
-    p.add_argument("--run_tag", dest="run_tag", default="dpr-gc", help="TREC run tag")
+    p.add_argument("--run_tag", dest="run_tag", help=f"TREC run tag (default: {RetrieveSettings().run_tag})")
     p.add_argument("--qrels", help="relevance judgments (BEIR/TREC): retrieve judged queries, use in --evaluate")
     p.add_argument("--evaluate", action="store_true", help="print answer accuracy and/or qrels metrics (answer "
                                                            "accuracy is printed unasked where the questions have "
@@ -335,6 +337,18 @@ def evaluate_as_dpr(args: argparse.Namespace) -> None:
         logger.info("the questions have answers: their top-k accuracy is evaluated as DPR's dense_retriever does")
 
 
+def refuse_ignored_flags(args: argparse.Namespace) -> None:
+    """Refuse, as ``dpr-gc retrieve`` does, a flag that would be ignored (its ``APPLIES``): ``--k`` without
+    ``--evaluate`` (after questions with answers turned it on), ``--run_tag`` without ``--trec_run``, ``--compact``
+    without ``--out_file``; a ``--run_tag`` typed counts even at the default tag, which a run_tag not typed (None)
+    takes here."""
+    default = RetrieveSettings().run_tag
+    typed_tag = args.run_tag is not None
+    seen = argparse.Namespace(**{**vars(args), "run_tag": (args.run_tag,) if typed_tag else default})
+    refuse_flags_that_do_not_apply(RetrieveJob, seen, APPLIES)
+    args.run_tag = args.run_tag if typed_tag else default
+
+
 def named_unknowns(parser: Any, unknown: list[str]) -> list[str]:
     """Each unknown flag with the values typed after it, and the closest flag of ours where one is close:
     ``--n_dosc 5 (did you mean --n_docs?)``."""
@@ -368,6 +382,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def run(args: argparse.Namespace) -> None:
         check_inputs(args)
         evaluate_as_dpr(args)
+        refuse_ignored_flags(args)
         set_threads(args.threads)
         params = params_from_args(args)
         index, name = load_or_build_index(args.embeddings, args.index_path, args.save_or_load_index,

@@ -1051,3 +1051,26 @@ def test_shard_folders_of_different_corpora_are_named_as_separate_encodings(tmp_
     (folders[1] / "shard-00000-of-00001.json").write_text((folders[0] / "shard-00000-of-00001.json").read_text())
     with pytest.raises(DprGcError, match="each shard must be encoded once$"):
         script.merged_view(folders, tmp_path / "same")
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["--trec_run", "{d}/r.trec", "--compact"], "--compact does not apply without --out_file (it trims the results "
+                                                "JSON); add --out_file FILE.json, or drop the flag"),
+    (["--out_file", "{d}/o.json", "--k", "5"], "--k does not apply without --evaluate"),
+    (["--out_file", "{d}/o.json", "--run_tag", "x"], "--run_tag does not apply without --trec_run (it tags the run "
+                                                     "file's lines); add --trec_run FILE, or drop the flag"),
+    (["--out_file", "{d}/o.json", "run_tag=dpr-gc"], "--run_tag does not apply without --trec_run")])
+def test_dense_retriever_refuses_the_flags_dpr_gc_retrieve_refuses(tmp_path, tiny_tokenizer, capsys, extra, named):
+    """dpr-gc retrieve refuses a flag that would be ignored (docs/stages.md); the script took them silently:
+    --compact with no --out_file, --k without --evaluate (BEIR queries: no answers turn it on), --run_tag without
+    --trec_run (also typed at its default value)."""
+    import json
+
+    argv = two_saved_shards(tmp_path, tiny_tokenizer) + ["--encoded_ctx_file", str(tmp_path / "emb" / "wiki_*")]
+    (tmp_path / "q.jsonl").write_text(json.dumps({"_id": "q1", "text": "hello"}) + "\n")
+    argv[argv.index("--qa_file") + 1] = str(tmp_path / "q.jsonl")
+    capsys.readouterr()
+    assert load_script("dense_retriever.py").main(argv + [w.format(d=tmp_path) for w in extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: ") and named in err, err
+    assert not (tmp_path / "o.json").exists() and not (tmp_path / "r.trec").exists()
