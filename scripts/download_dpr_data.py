@@ -4,10 +4,13 @@
     python scripts/download_dpr_data.py --output data/dpr nq-train nq-dev nq-test psgs_w100
     python scripts/download_dpr_data.py --output data/dpr --verify nq-test
     python scripts/download_dpr_data.py --list
+    python scripts/download_dpr_data.py --resource data.retriever.nq-train --output_dir data/dpr  # DPR's form
 
 Files are kept gzipped where DPR publishes them gzipped (every dpr-gc reader takes .gz). Each download goes to a
 temporary file that is renamed only when complete and verified, so an interrupted or damaged download is never
-mistaken for a finished one; finished files are skipped on the next run.
+mistaken for a finished one; finished files are skipped on the next run. DPR's ``download_data.py`` command line
+runs too: ``--resource KEY`` takes DPR's key of each resource listed here (:data:`DPR_KEYS`) and ``--output_dir``
+is ``--output``; the files keep the names listed, in the folder given.
 
 Verification: DPR publishes no checksums for these files (its own download_data.py lists URLs only), so each
 download is checked against what can be known: the size the server declares, the gzip CRC-32 and length of every
@@ -56,17 +59,36 @@ RESOURCES = {
                   "21M Wikipedia passages of 100 words (id, text, title; ~4.7 GB gz)", None),
 }
 
+# DPR's download_data.py resource key -> the resource of :data:`RESOURCES` holding that file.
+DPR_KEYS = {"data.retriever.nq-train": "nq-train", "data.retriever.nq-dev": "nq-dev",
+            "data.retriever.qas.nq-test": "nq-test", "data.retriever.qas.nq-dev": "nq-dev-qa",
+            "data.wikipedia_split.psgs_w100": "psgs_w100"}
+
+
+def dpr_resources(parser: ArgumentParser, keys: list[str]) -> list[str]:
+    """The resources DPR's ``--resource`` keys name; a key not in :data:`DPR_KEYS` is refused in one line naming
+    ``--resource`` and the closest key."""
+    for key in keys:
+        if key not in DPR_KEYS:
+            close = closest(key, DPR_KEYS)
+            parser.error(f"--resource {key} is no DPR resource this script downloads; choose from "
+                         f"{', '.join(DPR_KEYS)}" + (f"; did you mean {close}?" if close else ""))
+    return [DPR_KEYS[key] for key in keys]
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = ArgumentParser(prog="download_dpr_data.py", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("resources", nargs="*", help=f"any of: {', '.join(RESOURCES)}")
-    parser.add_argument("--output", default="data/dpr", help="download folder")
+    parser.add_argument("--resource", dest="dpr_keys", action="append", default=[], metavar="KEY",
+                        help=f"a resource by DPR's download_data.py key, any of: {', '.join(DPR_KEYS)}")
+    parser.add_argument("--output", "--output_dir", default="data/dpr", help="download folder")
     parser.add_argument("--list", action="store_true", help="list the resources and exit")
     parser.add_argument("--dry-run", action="store_true", help="print what would be downloaded, download nothing")
     parser.add_argument("--verify", action="store_true",
                         help="check files already downloaded against the recorded SHA-256 (and gzip CRCs)")
     args = parser.parse_args(argv)
+    args.resources += dpr_resources(parser, args.dpr_keys)
     unknown = [r for r in args.resources if r not in RESOURCES]
     if unknown:
         close = closest(unknown[0], RESOURCES)

@@ -1074,3 +1074,25 @@ def test_dense_retriever_refuses_the_flags_dpr_gc_retrieve_refuses(tmp_path, tin
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: ") and named in err, err
     assert not (tmp_path / "o.json").exists() and not (tmp_path / "r.trec").exists()
+
+
+@pytest.mark.parametrize("key,name", [("data.retriever.nq-train", "nq-train"), ("data.retriever.nq-dev", "nq-dev"),
+                                      ("data.retriever.qas.nq-test", "nq-test"),
+                                      ("data.retriever.qas.nq-dev", "nq-dev-qa"),
+                                      ("data.wikipedia_split.psgs_w100", "psgs_w100")])
+def test_dprs_download_command_line_names_the_resources(tmp_path, key, name):
+    """DPR's ``download_data.py --resource KEY --output_dir DIR`` was refused ('unrecognized arguments: --resource
+    --output_dir x', the key taken as a resource name): --resource takes DPR's keys the script knows, each as its
+    resource, and --output_dir is --output."""
+    script = load_script("download_dpr_data.py")
+    args = script.parse_args(["--resource", key, "--output_dir", str(tmp_path / "x")])
+    assert args.resources == [name] and args.output == str(tmp_path / "x")
+    dry = run("download_dpr_data.py", "--dry-run", "--resource", key, "--output_dir", str(tmp_path / "x"))
+    assert dry.returncode == 0 and f"-> {tmp_path / 'x' / script.RESOURCES[name][1]}" in dry.stdout, dry.stderr
+
+
+def test_an_unknown_dpr_resource_key_is_refused_naming_the_closest(tmp_path):
+    bad = run("download_dpr_data.py", "--resource", "data.retriever.nq-trian", "--output_dir", str(tmp_path / "x"))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--resource data.retriever.nq-trian is no DPR resource this script downloads" in bad.stderr, bad.stderr
+    assert "did you mean data.retriever.nq-train?" in bad.stderr, bad.stderr
