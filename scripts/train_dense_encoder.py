@@ -12,7 +12,8 @@ Those with a meaning here are honoured: ``--train_file``/``--dev_file`` (files o
 ``--eval_per_epoch``, ``--val_av_rank_*``, ``--hard_negatives``, ``--other_negatives``, ``--shuffle_positive_ctx``,
 ``--train_files_upsample_rates``, ``--output_dir``. As in DPR the two towers are separate (``--shared-encoder``
 shares them). The rest are accepted and named in one warning line. A ``--dev_file`` glob must match one file
-(validation reads one dev file).
+(validation reads one dev file). Hydra-era DPR's ``key=value`` words are refused in one line naming the flag of
+each key that has one (``train_datasets=`` is ``--train_file``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import glob
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -62,6 +64,11 @@ IGNORED = {
     "checkpoint_file_name": "checkpoints are checkpoint-STEP/ folders",
 }
 
+# A hydra-era DPR override (``train_datasets=[x]``, ``+key=v``), and the flag of each key that has one here.
+HYDRA_WORD = re.compile(r"^\+{0,2}[A-Za-z_][\w.]*=")
+HYDRA_KEYS = {"train_datasets": "--train_file", "dev_datasets": "--dev_file", "output_dir": "--output_dir",
+              "model_file": "--model_file", "seed": "--seed"}
+
 # ``dpr-gc train``'s flags as GC-DPR spells them: the training this script shares names them in its errors and log
 # lines. A spelling the user typed (``--batch-size`` or ``--batch_size``) wins (:func:`script_flags`).
 SCRIPT_FLAGS = {"--output": "--output_dir", "--train": "--train_file", "--dev": "--dev_file",
@@ -86,7 +93,7 @@ def script_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[s
     return flags_as_typed(train_parser(parser), names, given)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     """``dpr-gc train``'s parser plus the GC-DPR/DPR flags it lacks (same names, types and meanings)."""
     parser = ArgumentParser(prog="train_dense_encoder.py", description=__doc__.splitlines()[0])
     T.add_cli(parser.add_subparsers(dest="command"))
@@ -298,6 +305,27 @@ def validate(config: T.TrainConfig, model_file: str) -> dict:
     return metrics
 
 
+def refuse_hydra(parser: ArgumentParser, argv: Sequence[str]) -> None:
+    """Refuse hydra-era DPR's ``key=value`` words (``train_datasets=[x.json] train=biencoder_local``) in one line:
+    only the argparse-era command line is taken; the line names the flag of each key that has one
+    (:data:`HYDRA_KEYS`). A word that is a flag's value (``--output_dir a=b``) is no such word."""
+    train, words, after = train_parser(parser), [], None
+    for word in argv:
+        action = train._option_string_actions.get(after or "")
+        if HYDRA_WORD.match(word) and (action is None or action.nargs == 0):
+            words.append(word)
+        after = word if word.startswith("--") and "=" not in word else None
+    if not words:
+        return
+    keys = list(dict.fromkeys(word.split("=", 1)[0].lstrip("+") for word in words))
+    named = [f"{key}= is {HYDRA_KEYS[key]}" for key in keys if key in HYDRA_KEYS]
+    others = [f"{key}=" for key in keys if key not in HYDRA_KEYS]
+    hint = ", ".join(named) + ("; " if named and others else "") + (
+        f"for {' '.join(others)} give the settings as flags" if others else "")
+    parser.error(f"only the argparse-era command line of DPR/GC-DPR is taken, not hydra's key=value words "
+                 f"({' '.join(words)}): {hint}")
+
+
 def typed_flags(argv: Sequence[str]) -> set[str]:
     return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
 
@@ -305,6 +333,7 @@ def typed_flags(argv: Sequence[str]) -> set[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    refuse_hydra(parser, argv)
     args = parser.parse_args(["train", *argv])
     setup_logging(args.verbose)
     infos_from_rank_zero()  # under torchrun INFO lines come from rank 0 only, as in dpr-gc train

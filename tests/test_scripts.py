@@ -1096,3 +1096,16 @@ def test_an_unknown_dpr_resource_key_is_refused_naming_the_closest(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert "--resource data.retriever.nq-trian is no DPR resource this script downloads" in bad.stderr, bad.stderr
     assert "did you mean data.retriever.nq-train?" in bad.stderr, bad.stderr
+
+
+def test_dprs_hydra_era_training_command_is_refused_naming_the_argparse_flags():
+    """DPR's hydra-era ``train_dense_encoder.py train_datasets=[x.json] ... output_dir=o`` stopped with
+    'unrecognized arguments: ...'; the line says only the argparse-era form is taken and names the flags for the
+    keys given."""
+    bad = run("train_dense_encoder.py", "train_datasets=[nq_train]", "dev_datasets=[nq_dev]", "train=biencoder_local",
+              "output_dir=o")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "only the argparse-era command line of DPR/GC-DPR is taken, not hydra's key=value words" in bad.stderr
+    assert ("train_datasets= is --train_file, dev_datasets= is --dev_file, output_dir= is --output_dir"
+            in bad.stderr), bad.stderr
+    assert "unrecognized" not in bad.stderr
