@@ -297,3 +297,32 @@ def test_bom_is_skipped_by_every_text_reader(tmp_path: Path) -> None:
     (beir / "qrels" / "train.tsv").write_bytes(qrels.read_bytes())
     row = load_training_data([beir], tmp_path / "c").dataset[0]
     assert (row["question"], row["positives"][0]["id"]) == ("claim", "d1")
+
+
+@pytest.mark.parametrize("content,kind", [
+    (json.dumps([{"question": "q" * 20000, "answers": ["a"], "ctxs": []}] * 50), "a results JSON"),
+    ("q1 Q0 " + "d" * 100000 + " 1 12.5 run\n", "a TREC run"),
+    ("q1\t" + "y" * 100000 + "\n", None)], ids=["results", "trec-run", "tsv"])
+def test_a_bad_qrels_line_is_quoted_cut_short_and_named_when_it_is_another_file(tmp_path: Path, content: str,
+                                                                                 kind) -> None:
+    """``evaluate --qrels big.json`` quoted the whole one-line file in its error (a 1 MB line); the quote is cut to
+    60 characters with the line's length, and a line that looks like a results JSON or a TREC run says so."""
+    path = tmp_path / "bad.qrels"
+    path.write_text(content)
+    with pytest.raises(DprGcError) as caught:
+        read_qrels(path)
+    message = str(caught.value)
+    assert len(message) < 400 and f"characters)" in message and message.count("\n") == 0, message[:500]
+    assert (f"looks like {kind}" in message) if kind else "looks like" not in message, message
+
+
+@pytest.mark.parametrize("content,name", [
+    ("id\t" + "x" * 100000 + "\n1\ttext\n", "header"),
+    (json.dumps({"_id": ["p"] * 50000, "text": "t"}) + "\n", "id")], ids=["header", "id"])
+def test_a_long_bad_corpus_field_is_quoted_cut_short(tmp_path: Path, content: str, name: str) -> None:
+    """The corpus readers quoted a bad header or passage id whole (a 100,000-character line in the error)."""
+    path = tmp_path / ("c.tsv" if name == "header" else "c.jsonl")
+    path.write_text(content)
+    with pytest.raises(DprGcError) as caught:
+        list(corpus_mod.iter_passages(path))
+    assert len(str(caught.value)) < 400 and "characters)" in str(caught.value), str(caught.value)[:500]

@@ -51,6 +51,12 @@ def rename_flags(message: str, names: Mapping[str, str]) -> str:
     return "".join(out + [rename(message[end:])])
 
 
+def clipped(text: str, limit: int = 60) -> str:
+    """``text`` quoted for a message, cut to ``limit`` characters with its length said where it is longer: a bad
+    line of a one-line file (a megabyte of JSON) must not make the error line as long."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 def reworded(error: DprGcError, message: str) -> DprGcError:
     """A :class:`DprGcError` saying ``message`` in place of ``error``, raised as alike on every rank as it was."""
     new = DprGcError(message)

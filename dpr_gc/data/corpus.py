@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, clipped
 from ..base.logs import counted
 from .arrow_cache import cache_file, cached_dataset, write_stream
 from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, iter_jsonl_objects, json_problem,
@@ -137,8 +137,8 @@ def iter_passage_lines(path: Path) -> Iterator[tuple[int, str, str, str]]:
     rows = _iter_tsv_passages(path) if corpus_format(path) == "tsv" else _iter_jsonl_passages(path)
     for line_no, pid, title, text in rows:
         if not pid or _BAD_ID.search(pid):
-            raise DprGcError(f"{path}:{line_no}: passage id {pid!r} is empty or contains whitespace; ids must be "
-                             "one word (TREC runs and id files separate fields by whitespace); rename it")
+            raise DprGcError(f"{path}:{line_no}: passage id {clipped(pid)} is empty or contains whitespace; ids must "
+                             "be one word (TREC runs and id files separate fields by whitespace); rename it")
         check_id(pid, f"{path}:{line_no}", "passage id")  # as evaluate checks the runs and results made from it
         yield line_no, pid, title, text
 
@@ -154,8 +154,8 @@ def _iter_tsv_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
     names = [h.strip().lower() for h in header]
     missing = [c for c in ("id", "text") if c not in names]
     if missing:
-        raise DprGcError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)} (got {header!r}); "
-                         "a passages TSV starts with 'id<TAB>text<TAB>title'")
+        raise DprGcError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)} "
+                         f"(got {clipped(str(header))}); a passages TSV starts with 'id<TAB>text<TAB>title'")
     i_id, i_text = names.index("id"), names.index("text")
     i_title = names.index("title") if "title" in names else None
     for line_no, row in lines:
@@ -175,7 +175,7 @@ def _iter_jsonl_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
         if pid is None:
             raise DprGcError(f"{path}:{line_no}: missing passage id (need '_id' or 'id')")
         if not isinstance(pid, (str, int)) or isinstance(pid, bool):
-            raise DprGcError(f"{path}:{line_no}: passage id must be a string or an integer, got {pid!r}")
+            raise DprGcError(f"{path}:{line_no}: passage id must be a string or an integer, got {clipped(str(pid))}")
         text = obj.get("text")
         if not isinstance(text, str):
             raise DprGcError(f"{path}:{line_no}: missing or non-string 'text'")
@@ -280,7 +280,7 @@ def _check_unique_ids(arrow_file: Path, source: Path) -> None:
                 break
             seen[pid] = row
     lines = _lines_of_rows(source, {first, second})
-    raise DprGcError(f"{source}:{lines[second]}: passage id {pid!r} repeats the one at line {lines[first]} "
+    raise DprGcError(f"{source}:{lines[second]}: passage id {clipped(pid)} repeats the one at line {lines[first]} "
                      f"({len(repeated)} id(s) occur more than once); passage ids must be unique, so rename or "
                      "remove the duplicates")
 
@@ -368,7 +368,7 @@ def _refuse_repeated_ids(path: Path, hashes: "array.array[int]") -> None:
     for line_no, query in _query_rows(path, False):
         if _id_hash(query["id"]) in repeated:
             if query["id"] in first:
-                raise DprGcError(f"{path}:{line_no}: query id {query['id']!r} repeats the one at line "
+                raise DprGcError(f"{path}:{line_no}: query id {clipped(query['id'])} repeats the one at line "
                                  f"{first[query['id']]}; every question needs its own id (results, runs and qrels "
                                  "are joined by it), so rename or remove the duplicate")
             first[query["id"]] = line_no

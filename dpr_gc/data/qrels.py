@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Iterator, Optional, Union
 
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, clipped
 from ..base.validate import check_id
 from ..base.files import PathLike, open_text
 
@@ -45,10 +45,10 @@ def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
             if line_no == 1 and (parts[0].lower() in ("query-id", "query_id") or parts[-1].lower() == "score"):
                 continue
             if len(parts) not in (3, 4) or not all(parts):
-                yield line_no, f"{QRELS_FORMATS}, got {line.strip()!r}"
+                yield line_no, f"{QRELS_FORMATS}, got {clipped(line.strip())}{another_file(line)}"
                 continue
             qid, docid, rel_text = parts[0], parts[-2], parts[-1]
-            spaced = [f"{what} {name!r}" for what, name in (("query id", qid), ("document id", docid))
+            spaced = [f"{what} {clipped(name)}" for what, name in (("query id", qid), ("document id", docid))
                       if any(c.isspace() for c in name)]
             if spaced:
                 yield line_no, (f"{spaced[0]} contains whitespace; ids are one word (passage ids never hold "
@@ -56,6 +56,18 @@ def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
                 continue
             rel = relevance(rel_text)
             yield line_no, (qid, docid, rel) if isinstance(rel, int) else rel
+
+
+def another_file(line: str) -> str:
+    """What a line that is no qrels line looks like when it is a line of another file the commands take (a results
+    JSON, a TREC run), as ``; the line looks like ...``; '' otherwise."""
+    text, words = line.strip(), line.split()
+    if text[:1] in "[{":
+        kind = "a results JSON" if '"ctxs"' in text or '"question"' in text else "JSON"
+        return f"; the line looks like {kind}, not qrels"
+    if len(words) == 6 and words[1] == "Q0":
+        return "; the line looks like a TREC run (qid Q0 docid rank score tag), not qrels"
+    return ""
 
 
 def relevance(text: str) -> Union[int, str]:
@@ -98,5 +110,5 @@ def qrels_line_problem(judgment: Judgment, where: str, seen: dict[tuple[str, str
     except DprGcError as e:
         return str(e).removeprefix(f"{where}: ")
     if seen.setdefault((qid, docid), rel) != rel:
-        return f"conflicting relevance for query {qid!r} doc {docid!r}"
+        return f"conflicting relevance for query {clipped(qid)} doc {clipped(docid)}"
     return None

@@ -28,7 +28,7 @@ from .arrow_cache import cache_file, cached_dataset, write_stream
 from .corpus import file_stamp, source_fingerprint
 from .qrels import iter_qrels, qrels_line_problem, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int
-from ..base.errors import DprGcError
+from ..base.errors import DprGcError, clipped
 from ..base.guard import guarded
 from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, die_with_parent, iter_jsonl,
                           json_problem, open_text, read_json_object, require_file, write_json)
@@ -247,11 +247,11 @@ def _beir_records(corpus: Path, queries: Path, qrels: Path, cache_dir: Optional[
             yield where, normalise_record(beir_dpr_record(qid, qid, [], []))
             continue
         if not isinstance(questions.get(qid), str):
-            yield where, f"query id {qid!r} has no text in {queries.name}"
+            yield where, f"query id {clipped(qid)} has no text in {queries.name}"
             continue
         missing = [(p, n) for p, n in entry if not isinstance(docs.get(p, {}).get("text"), str)]
         if missing:
-            yield f"{qrels}:{missing[0][1]}", f"corpus id {missing[0][0]!r} has no text in {corpus.name}"
+            yield f"{qrels}:{missing[0][1]}", f"corpus id {clipped(missing[0][0])} has no text in {corpus.name}"
             continue
         yield where, normalise_record(beir_dpr_record(qid, questions[qid], [], [docs[p] for p, _ in entry]))
 
@@ -319,7 +319,7 @@ def beir_training_records(queries_path: PathLike, qrels_path: PathLike,
     missing = sorted({d for ds in positives.values() for d in ds} - set(id_to_row))
     if missing:
         raise DprGcError(f"{qrels_path}: {len(missing)} positive passage id(s) are not in the corpus (e.g. "
-                         f"{missing[0]!r}); give the corpus these qrels judge")
+                         f"{clipped(missing[0])}); give the corpus these qrels judge")
     records = []
     for q in read_queries(queries_path):
         ids = positives.get(str(q["id"]))
