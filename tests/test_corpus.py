@@ -326,3 +326,18 @@ def test_a_long_bad_corpus_field_is_quoted_cut_short(tmp_path: Path, content: st
     with pytest.raises(DprGcError) as caught:
         list(corpus_mod.iter_passages(path))
     assert len(str(caught.value)) < 400 and "characters)" in str(caught.value), str(caught.value)[:500]
+
+
+def test_a_curatedtrec_pattern_answer_is_read_without_a_warning(tmp_path: Path) -> None:
+    """CuratedTREC's answers are regular expressions (``['\\d+ inches']``); read as a Python literal they made Python
+    print a raw 'SyntaxWarning: invalid escape sequence' (a DeprecationWarning before 3.12). The pattern is read
+    as DPR reads it, without a warning."""
+    import warnings
+
+    path = tmp_path / "curatedtrec-test.txt"
+    path.write_text("how tall is it\t['\\d+ inches', 'a\\.b']\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        queries = read_queries(path)
+    assert queries[0]["answers"] == ["\\d+ inches", "a\\.b"]
+    assert [str(w.message) for w in caught] == []

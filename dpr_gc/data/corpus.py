@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
@@ -404,12 +405,20 @@ def _parse_answers(field: str, where: str) -> list[str]:
         value = json.loads(field)
     except JSON_ERRORS as e:
         try:
-            value = ast.literal_eval(field)
+            value = _literal(field)
         except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
             if not isinstance(e, (json.JSONDecodeError, RecursionError)):  # JSON, but an integer Python cannot read
                 raise DprGcError(f"{where}: {json_problem(e, field)[0]}") from None
             raise DprGcError(f"{where}: answers must be a list like [\"a\", \"b\"], got {field[:60]!r}") from None
     return _answer_list(check_unicode(value, where), where)
+
+
+def _literal(field: str) -> Any:
+    """``ast.literal_eval`` of ``field`` without Python's compile warnings: a CuratedTREC pattern (``'\\d+'``) is an
+    invalid escape to the compiler, which would print a raw SyntaxWarning for the value read as DPR reads it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.literal_eval(field)
 
 
 def _answer_list(value: Any, where: str) -> list[str]:
