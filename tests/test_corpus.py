@@ -341,3 +341,14 @@ def test_a_curatedtrec_pattern_answer_is_read_without_a_warning(tmp_path: Path) 
         queries = read_queries(path)
     assert queries[0]["answers"] == ["\\d+ inches", "a\\.b"]
     assert [str(w.message) for w in caught] == []
+
+
+def test_answers_are_read_as_dpr_reads_them_a_python_literal_first(tmp_path: Path) -> None:
+    """``["AC\\/DC"]`` was read as JSON (AC/DC) where DPR's eval gives AC\\/DC, the text its answer matching sees;
+    the answers column is a Python literal first, JSON (true, false, null) only where it is none."""
+    path = tmp_path / "qa.csv"
+    path.write_text('who sang it\t["AC\\/DC"]\nwhat is it\t["caf\\u00e9", \'x\']\n')
+    assert [q["answers"] for q in read_queries(path)] == [["AC\\/DC"], ["café", "x"]]
+    path.write_text("q\t[true]\n")
+    with pytest.raises(DprGcError, match="answers must be a string or a list of strings, got '\\[True\\]'"):
+        read_queries(path)

@@ -399,14 +399,15 @@ def _query(where: str, qid: Any, question: str, answers: list[str]) -> dict:
 
 
 def _parse_answers(field: str, where: str) -> list[str]:
-    """Parse a JSON or Python-literal list of answer strings (never ``eval``)."""
+    """Parse a Python-literal list of answer strings, as DPR's ``eval`` reads it (never ``eval`` itself: ``"AC\\/DC"``
+    keeps its backslash), or, where the field is no literal, JSON (``true``, ``false``, ``null``)."""
     value: Any
     try:
-        value = json.loads(field)
-    except JSON_ERRORS as e:
+        value = _literal(field)
+    except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
         try:
-            value = _literal(field)
-        except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+            value = json.loads(field)
+        except JSON_ERRORS as e:
             if not isinstance(e, (json.JSONDecodeError, RecursionError)):  # JSON, but an integer Python cannot read
                 raise DprGcError(f"{where}: {json_problem(e, field)[0]}") from None
             raise DprGcError(f"{where}: answers must be a list like [\"a\", \"b\"], got {field[:60]!r}") from None
