@@ -333,7 +333,8 @@ def test_issue_flag_cases(world: dict, tmp_path: Path) -> None:
     refused(["retrieve", "--index", world["idx"], "--queries", world["qa"], "--batch-size", "0"],
             "--batch-size: '0' is not a positive integer")
     train = ["train", "--train", world["train"], "--output", tmp_path / "t", *common]
-    refused([*train, "--learning-rate", "-1"], "--learning-rate/--learning_rate: '-1' is not a positive number")
+    refused([*train, "--learning-rate", "-1"], "argument --learning-rate: '-1' is not a positive number")
+    refused([*train, "--learning_rate", "-1"], "argument --learning_rate: '-1' is not a positive number")
     refused([*train, "--num-workers", "-1"], "--num-workers: '-1' is neither auto nor an integer >= 0")
     refused([*train, "--max-steps", "-1"], "--max-steps: '-1' is not a positive integer")
     refused([*train, "--projection-dim", "0"], "--projection-dim: '0' is not an integer from 1 to 65536")
@@ -524,7 +525,7 @@ def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str
         elif action.choices and not isinstance(action, argparse._SubParsersAction):
             bad = "no-such-choice"
         if bad is not None:
-            cases.append((base, flag, bad, "/".join(action.option_strings)))
+            cases.append((base, flag, bad, flag))  # the spelling typed (not every spelling, as argparse names it)
     return cases
 
 

@@ -1109,3 +1109,16 @@ def test_dprs_hydra_era_training_command_is_refused_naming_the_argparse_flags():
     assert ("train_datasets= is --train_file, dev_datasets= is --dev_file, output_dir= is --output_dir"
             in bad.stderr), bad.stderr
     assert "unrecognized" not in bad.stderr
+
+
+@pytest.mark.parametrize("script,argv,named", [
+    ("dense_retriever.py", ["--qa_file", "q.csv", "n_docs=0"], "argument --n_docs: '0' is not a positive integer"),
+    ("dense_retriever.py", ["--qa_file", "q.csv", "--n-docs", "0"], "argument --n-docs: '0' is not a positive"),
+    ("train_dense_encoder.py", ["--num_train_epochs", "0"], "argument --num_train_epochs: "),
+    ("train_dense_encoder.py", ["--epochs=0"], "argument --epochs: ")])
+def test_a_bad_flag_value_names_the_flag_as_typed(script, argv, named):
+    """argparse named every spelling of a flag with a bad value ('argument --n-docs/--n_docs: ...'); docs/dpr.md
+    promises messages name flags as typed, so the line names the spelling given."""
+    bad = run(script, *argv)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and named in bad.stderr, bad.stderr
+    assert "/--" not in bad.stderr, bad.stderr

@@ -117,7 +117,7 @@ class ArgumentParser(argparse.ArgumentParser):
         try:
             return super().parse_known_args(args, namespace)
         except argparse.ArgumentError as e:
-            self.error(self.dash_value(e, args) or str(e))
+            self.error(self.dash_value(e, args) or self.as_typed(e, args))
 
     def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
                    namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
@@ -233,6 +233,15 @@ class ArgumentParser(argparse.ArgumentParser):
             return (f"argument {flag}: its value {value!r} starts with '-', so it was read as a flag; write "
                     f"{flag}={value} if that value is meant")
         return None
+
+    def as_typed(self, error: argparse.ArgumentError, args: Sequence[str]) -> str:
+        """``error``'s message naming its flag by the spelling typed in ``args`` (``argument --n_docs: ...``), not by
+        all of the flag's spellings as argparse does (``argument --n-docs/--n_docs: ...``)."""
+        spellings = (error.argument_name or "").split("/")
+        typed = dict.fromkeys(word.split("=", 1)[0] for word in args if word.split("=", 1)[0] in spellings)
+        if len(spellings) < 2 or not typed:
+            return str(error)
+        return str(error).replace(f"argument {error.argument_name}:", f"argument {'/'.join(typed)}:", 1)
 
     def names_an_option(self, word: str) -> bool:
         """Whether argparse reads ``word`` as one of this parser's options (exactly, with ``=VALUE``, or, where
