@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -380,6 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     @guarded(inputs=("model", "queries", "corpus", "embeddings", "qrels"),  # dpr-gc's names, renamed as typed
              outputs={"output": "file", "trec_run": "file", "index_path=--index_path": "whole", "cache_dir": "self"})
     def run(args: argparse.Namespace) -> None:
+        started = time.perf_counter()
         check_inputs(args)
         evaluate_as_dpr(args)
         refuse_ignored_flags(args)
@@ -390,7 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                           IndexBuild(args.train_sample, args.block_size, args.seed),
                                           args.hnsw_index, args.embeddings_given)
         retrieve_with_flags(args, index, name, device=args.device or ("cpu" if args.no_cuda else None),
-                            flag_names=names)
+                            flag_names=names, started=started)
 
     def run_named() -> None:
         """The folders ``--encoded_ctx_file`` matches in its place, so that the guard compares the outputs with each."""

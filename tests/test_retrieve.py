@@ -430,7 +430,7 @@ def test_kept_records_of_an_interrupted_run_are_named_and_reported_by_later_runs
     assert "resuming an interrupted run: 4 questions already retrieved" in caplog.text
     summary = capsys.readouterr().out  # the rate is over the 6 questions retrieved now, not all 10
     rows = summary_rows(summary)
-    seconds, rate = float(rows["time"].removesuffix(" s")), float(rows["queries/s"])
+    seconds, rate = float(rows["retrieval"].removesuffix(" s")), float(rows["queries/s"])
     assert (rows["queries"], rows["resumed (retrieved before)"], rows["output"]) == ("10", "4", str(tmp_path / "o.json"))
     assert abs(rate * seconds - 6) < abs(rate * seconds - 10), summary
     assert not kept.exists() and not progress.exists()

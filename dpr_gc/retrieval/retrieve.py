@@ -34,7 +34,7 @@ from ..base.settings import (FREE, AppliesWhen, add_arguments, cache_dir_setting
                              group, passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply,
                              setting)
 from ..evaluation.results import check_run_tag, open_results, open_trec_run
-from ..base.tables import format_summary
+from ..base.tables import format_summary, seconds_text
 
 logger = logging.getLogger(__name__)
 
@@ -774,14 +774,18 @@ def retrieve_file(retriever: Any, index: DenseIndex, corpus: Any, queries_path: 
 def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name: str,
                         index_dir: Optional[PathLike] = None,
                         device: Optional[str] = None,
-                        flag_names: Optional[Mapping[str, str]] = None) -> dict[str, dict[str, float]]:
+                        flag_names: Optional[Mapping[str, str]] = None,
+                        started: Optional[float] = None) -> dict[str, dict[str, float]]:
     """The command-line side of :func:`run_retrieval`, shared by ``dpr-gc retrieve`` and
     ``scripts/dense_retriever.py``: flags to arguments (``device`` when given replaces ``--device``), then the
     metric tables and the summary table printed, naming each flag as ``flag_names`` spells it (a script's
-    spelling, as :func:`~dpr_gc.base.errors.flags_renamed` does for errors and log lines); returns the metrics."""
+    spelling, as :func:`~dpr_gc.base.errors.flags_renamed` does for errors and log lines); returns the metrics.
+    The summary's time is the command's since ``started`` (its ``time.perf_counter()``; default: this call's
+    start), the index read or built included, as every stage's summary times its whole command."""
     from ..base.devices import steady_malloc
     from ..evaluation.evaluate import format_table, metrics_heading
 
+    started = time.perf_counter() if started is None else started
     steady_malloc()
     job = from_args(RetrieveJob, args)
     settings = dataclasses.replace(job.settings, ks=job.settings.ks if job.settings.evaluate else None)
@@ -792,17 +796,20 @@ def retrieve_with_flags(args: argparse.Namespace, index: DenseIndex, index_name:
         count = judged if name == "qrels" and judged is not None else summary["queries"]
         print(f"\n{metrics_heading(name, count, evaluation_match(job.settings.match))}")
         print(format_table(values))
-    print(("\n" if metrics else "") + rename_flags(summary_text(summary, index_name), flag_names or {}))
+    text = summary_text(summary, index_name, time.perf_counter() - started)
+    print(("\n" if metrics else "") + rename_flags(text, flag_names or {}))
     return metrics
 
 
-def summary_text(summary: dict[str, Any], index_name: str) -> str:
+def summary_text(summary: dict[str, Any], index_name: str, seconds: Optional[float] = None) -> str:
     """The closing table of :func:`run_retrieval`'s summary (whose keys stay as they are): the questions, the depth
-    and the index first, the results file as ``output`` and the seconds as the time row."""
+    and the index first, the results file as ``output``, the retrieval's own seconds (encoding, search, writing:
+    what ``queries/s`` divides) as ``retrieval``, and the command's ``seconds`` (default: the retrieval's) as the
+    time row."""
     rows = {"queries": summary["queries"], "top-k": summary["top-k"], "index": index_name,
             **{k: v for k, v in summary.items() if k not in ("queries", "top-k", "seconds", "results")},
-            "output": summary["results"]}
-    return format_summary(rows, summary["seconds"])
+            "output": summary["results"], "retrieval": seconds_text(summary["seconds"])}
+    return format_summary(rows, summary["seconds"] if seconds is None else seconds)
 
 
 APPLIES = {"k": AppliesWhen(lambda a: a.evaluate, "without --evaluate (it sets the cut-offs evaluated)",
@@ -815,12 +822,14 @@ APPLIES = {"k": AppliesWhen(lambda a: a.evaluate, "without --evaluate (it sets t
 
 @guarded(inputs=("index", "model", "corpus", "queries", "qrels"), outputs={"output": "file", "trec_run": "file"})
 def _retrieve_cli(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
     refuse_flags_that_do_not_apply(RetrieveJob, args, APPLIES)
     set_threads(args.threads)
     index = DenseIndex.read(args.index)
     if args.ef_search is not None or args.nprobe is not None:
         index.set_search_params(ef_search=args.ef_search, nprobe=args.nprobe)
-    retrieve_with_flags(args, index, f"{index.meta['factory']} in {args.index}", index_dir=args.index)
+    retrieve_with_flags(args, index, f"{index.meta['factory']} in {args.index}", index_dir=args.index,
+                        started=started)
 
 
 @dataclasses.dataclass
