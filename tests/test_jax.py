@@ -445,15 +445,16 @@ def test_the_example_logs_its_backend_and_chunks_and_ends_with_the_summary_table
     assert example.main(argv) == 0
     assert not logging.getLogger("jax._src.xla_bridge").isEnabledFor(logging.INFO)
     messages = [r.getMessage() for r in caplog.records if r.name == example.__name__]
-    assert any(re.fullmatch(r"training on JAX \S+'s cpu backend \(\d devices?, the step on one\), precision fp32, 1 "
-                            r"steps of 4 queries and 8 passages, Gradient Cache chunks of 3 queries and 3 passages", m)
+    assert any(re.fullmatch(r"training on JAX \S+'s cpu backend \((1 device|\d devices), the step on one\), precision "
+                            r"fp32, 1 step of 4 queries and 8 passages, Gradient Cache chunks of 3 queries and 3 "
+                            r"passages", m)
                for m in messages), messages
     printed = capsys.readouterr().out
     assert "| metric (held-out test) | before training | after training |" in printed
     rows = summary_rows(printed)
     assert rows["report"] == str(tmp_path / "run" / "report.json") and (tmp_path / "run" / "report.json").is_file()
     assert (rows["precision"], rows["steps"], rows["batch (queries)"], rows["chunk size"]) == ("fp32", "1", "4", "3")
-    assert rows["backend"].startswith("cpu ("), rows
+    assert re.match(r"cpu \((1 device|\d devices), the step on one\)", rows["backend"]), rows
 
 
 def test_a_learnable_temperature_is_fp32_and_clamped():
@@ -551,13 +552,18 @@ def _uneven_global_batch_is_refused() -> None:
     where = r"data_parallel_value_and_grad \(2 devices\): "
     for batches, ids, message in (
             ([jnp.ones((4, 8)), jnp.ones((6, 8))], (), r"the global batch's 4 queries need 8 passages \(1 positive "
-                                                        r"\+ 1 hard negatives each\), got 6"),
+                                                        r"\+ 1 hard negative each\), got 6"),
             ([jnp.ones((0, 8)), jnp.ones((0, 8))], (), r"global batch 0 is empty \(0 rows\)"),
             ([jnp.ones((4, 8))], (), "2 encoders need 2 global batches, got 1"),
             ([jnp.ones((4, 8)), jnp.ones((8, 8))], (jnp.arange(6),),
-             r"passage_ids must hold one id per passage row of the global batch \(8\), got shape \(6,\)")):
+             r"passage_ids must hold one integer id per passage row of the global batch \(8\), got shape \(6,\)"),
+            ([jnp.ones((4, 8)), jnp.ones((8, 8))], (jnp.ones(8),),  # named with the global batch's rows, not 4
+             r"passage_ids must hold one integer id per passage row of the global batch \(8\), got shape \(8,\) "
+             "of float32")):
         with pytest.raises(DprGcError, match="^" + where + message):
             step(params, loss.init(), batches, None, *ids)
+    with pytest.raises(DprGcError, match="key must be a PRNG key"):  # was JAX's TypeError from fold_in
+        step(params, loss.init(), [jnp.ones((4, 8)), jnp.ones((8, 8))], 5)
 
 
 def test_data_parallel_refuses_a_global_batch_the_devices_do_not_divide():

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..base.devices import at_least_fp32
 from ..base.errors import DprGcError
+from ..base.logs import counted
 from .arguments import as_int, as_number, check_bool, is_integer
 
 TEMPERATURE_RANGE = (0.01, 10.0)
@@ -339,7 +340,8 @@ class SimpleContrastiveLoss(nn.Module):
         group = 1 + self.n_hard_negatives
         if y.size(0) != x.size(0) * group:
             raise DprGcError(f"{x.size(0)} queries need {x.size(0) * group} passages (1 positive + "
-                             f"{self.n_hard_negatives} hard negatives each), got {y.size(0)}: check the batch layout "
+                             f"{counted(self.n_hard_negatives, 'hard negative')} each), got {y.size(0)}: check the "
+                             "batch layout "
                              "or n_hard_negatives, or pass target")
 
     @staticmethod

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..base.args import ArgumentParser
 from ..base.errors import DprGcError, report_errors
 from ..base.files import read_json, write_json
-from ..base.logs import setup_logging
+from ..base.logs import counted, setup_logging
 from ..base.tables import format_summary, markdown_table
 from ..base.settings import add_arguments, from_args, setting
 from ..data.stdlib_data import N_HARD_NEGATIVES, build_stdlib_dataset, check_max_examples
@@ -272,10 +272,10 @@ def check_finite(loss: float, step: int, config: ExampleConfig) -> None:
 def describe_run(config: ExampleConfig, steps: int) -> str:
     """The log line that says how training runs: backend and devices, precision, steps, batch and chunking."""
     group = 1 + config.hard_negatives
-    return (f"training on JAX {jax.__version__}'s {jax.default_backend()} backend ({len(jax.devices())} "
-            f"device{'s' if len(jax.devices()) != 1 else ''}, the step on one), precision {config.precision}, "
-            f"{steps} steps of {config.batch_size} queries and {config.batch_size * group} passages, Gradient Cache "
-            f"chunks of {min(config.chunk_size, config.batch_size)} queries and "
+    return (f"training on JAX {jax.__version__}'s {jax.default_backend()} backend ("
+            f"{counted(len(jax.devices()), 'device')}, the step on one), precision {config.precision}, "
+            f"{counted(steps, 'step')} of {config.batch_size} queries and {config.batch_size * group} passages, "
+            f"Gradient Cache chunks of {min(config.chunk_size, config.batch_size)} queries and "
             f"{min(config.chunk_size, config.batch_size * group)} passages")
 
 
@@ -368,7 +368,7 @@ def format_report(report: dict, report_file: Path) -> str:
     metrics = markdown_table(("metric (held-out test)", "before training", "after training"),
                              [(k, f"{report['before'][k]:.4f}", f"{report['after'][k]:.4f}") for k in report["before"]])
     config, losses = report["config"], report["training_loss"]
-    rows = {"backend": f"{report['backend']} ({report['devices']} devices, the step on one), JAX "
+    rows = {"backend": f"{report['backend']} ({counted(report['devices'], 'device')}, the step on one), JAX "
                        f"{report['jax_version']}",
             "precision": config["precision"], "steps": len(losses),
             "batch (queries)": config["batch_size"], "chunk size": config["chunk_size"],

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..base.errors import DprGcError
+from ..base.logs import counted
 from ..engine.arguments import as_number, check_bool
 from .grad_cache import is_integer
 
@@ -199,7 +200,7 @@ class ContrastiveLoss:
                              f"and {passages.shape}")
         if passages.shape[0] != queries.shape[0] * group:
             raise DprGcError(f"{queries.shape[0]} queries need {queries.shape[0] * group} passages (1 positive + "
-                             f"{self.n_hard_negatives} hard negatives each), got {passages.shape[0]}")
+                             f"{counted(self.n_hard_negatives, 'hard negative')} each), got {passages.shape[0]}")
         if passage_ids is not None and (jnp.shape(passage_ids) != (passages.shape[0],)
                                         or not jnp.issubdtype(jnp.result_type(passage_ids), jnp.integer)):
             raise DprGcError(f"passage_ids must hold one integer id per passage row ({passages.shape[0]}), got shape "

@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ..base.errors import DprGcError
-from .grad_cache import Encoder, cached_value_and_grad, remat_value_and_grad
+from ..base.logs import counted
+from .grad_cache import Encoder, _check_key, cached_value_and_grad, remat_value_and_grad
 from .loss import ContrastiveLoss
 
 DATA_AXIS = "data"
@@ -68,6 +69,7 @@ def data_parallel_value_and_grad(encoders: Sequence[Encoder], loss_fn: Callable[
 
     def step(params: Any, loss_params: Any, batches: Sequence[Any], key: jax.Array, *loss_inputs: Any) -> Any:
         check_global_batch(batches, loss_inputs, len(encoders), loss_fn, mesh.shape[axis_name])
+        _check_key(key)  # before each device folds its index into it
         return mapped(params, loss_params, batches, key, tuple(loss_inputs))
 
     return step
@@ -91,10 +93,12 @@ def check_global_batch(batches: Sequence[Any], loss_inputs: Sequence[Any], n_enc
         group = 1 + loss_fn.n_hard_negatives
         if rows[1] != rows[0] * group:
             raise DprGcError(f"{where}: the global batch's {rows[0]} queries need {rows[0] * group} passages "
-                             f"(1 positive + {loss_fn.n_hard_negatives} hard negatives each), got {rows[1]}")
-        if loss_inputs and np.shape(loss_inputs[0]) != (rows[1],):
-            raise DprGcError(f"{where}: passage_ids must hold one id per passage row of the global batch "
-                             f"({rows[1]}), got shape {np.shape(loss_inputs[0])}")
+                             f"(1 positive + {counted(loss_fn.n_hard_negatives, 'hard negative')} each), got "
+                             f"{rows[1]}")
+        if loss_inputs and (np.shape(loss_inputs[0]) != (rows[1],)
+                            or not np.issubdtype(np.result_type(loss_inputs[0]), np.integer)):
+            raise DprGcError(f"{where}: passage_ids must hold one integer id per passage row of the global batch "
+                             f"({rows[1]}), got shape {np.shape(loss_inputs[0])} of {np.result_type(loss_inputs[0])}")
 
 
 def _rows(batch: Any, what: str, where: str) -> int:
