@@ -86,7 +86,8 @@ def test_flat_from_shards_equals_numpy_top_k(tmp_path, data, queries):
 @pytest.mark.parametrize("kind", sorted(KIND_PARAMS))
 def test_each_kind_builds_searches_and_reloads_identically(tmp_path, data, queries, kind):
     emb_dir = write_shards(tmp_path / "emb", data, dtype="float16")
-    build_index(emb_dir, tmp_path / "idx", KIND_PARAMS[kind], train_sample=700)
+    trains = {"train_sample": 700} if kind not in ("flat", "hnsw") else {}  # refused for a kind training nothing
+    build_index(emb_dir, tmp_path / "idx", KIND_PARAMS[kind], **trains)
     index = DenseIndex.read(tmp_path / "idx")
     assert index.ntotal == len(data) and index.dim == DIM
     scores, rows = index.search(queries, 10)
@@ -376,10 +377,18 @@ def test_a_zip_named_as_a_shard_is_refused_in_one_line(tmp_path, data):
     (["--factory", "HNSW16,Flat", "--hnsw-m", "8"], "--hnsw-m 8 does not apply to --factory 'HNSW16,Flat' (write it "
      "into the string (HNSW32)): drop --hnsw-m"),
     (["--factory", "PQ16np", "--nprobe", "8"], "--nprobe 8 does not apply to --factory 'PQ16np' (the string has no "
-     "IVF part): drop --nprobe")])
+     "IVF part): drop --nprobe"),
+    (["--kind", "flat", "--train-sample", "500"], "--train-sample 500 does not apply to --kind flat, which trains "
+     "nothing: drop it, or give --kind ivf-flat or ivf-pq"),
+    (["--kind", "hnsw", "--train-sample", "500"], "--train-sample 500 does not apply to --kind hnsw, which trains "
+     "nothing: drop it"),
+    (["--seed", "3"], "--seed 3 does not apply to --kind flat, which trains nothing: drop it"),
+    (["--factory", "HNSW8,Flat", "--train-sample", "50", "--seed", "3"], "--train-sample 50 and --seed 3 do not "
+     "apply to --factory 'HNSW8,Flat', which trains nothing: drop them, or name a part that trains in the string")])
 def test_a_parameter_the_index_would_not_use_is_refused(tmp_path, data, capsys, flags, said):
-    """index accepted --nprobe for an HNSW index and --ef-search for a flat one and ignored them (retrieve refuses
-    them on such an index); the refusal comes before anything is written."""
+    """index accepted --nprobe for an HNSW index, --ef-search for a flat one and --train-sample / --seed for one that
+    trains nothing (flat, HNSW over flat vectors), and ignored them (retrieve refuses the search flags on such an
+    index); the refusal comes before anything is written. An index that trains (a factory's SQ8 part) takes them."""
     from dpr_gc.cli import main
     from tests.helpers import call
 
@@ -389,6 +398,8 @@ def test_a_parameter_the_index_would_not_use_is_refused(tmp_path, data, capsys, 
     assert not (tmp_path / "idx").exists()
     assert call(main, ["index", "--embeddings", emb, "--output", tmp_path / "ok", "--kind", "ivf-flat", "--nlist", 2,
                        "--nprobe", 2])[0] == 0
+    assert call(main, ["index", "--embeddings", emb, "--output", tmp_path / "sq", "--factory", "HNSW8,SQ8",
+                       "--train-sample", 300, "--seed", 3])[0] == 0
 
 
 def test_unknown_kind_and_bad_parameters(tmp_path, data):
@@ -735,6 +746,22 @@ def test_append_keeps_how_the_index_was_built_and_sets_search_flags(tmp_path, da
     (idx / META_FILE).write_text(json.dumps(meta))
     assert call(main, [*run, "--append", "--nprobe", "3"])[0] == 0
     assert DenseIndex.read(idx).meta["settings"]["index"]["nprobe"] == 3
+
+
+def test_an_append_with_training_flags_to_an_index_that_trains_nothing_is_refused_as_such(tmp_path, data):
+    """--append --train-sample onto a flat index said it was "built with --train-sample 100000", a sample it never
+    took (trained_on 0); the flags are refused as ones the index has no use for, the index left as it was."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb, idx = write_shards(tmp_path / "emb", data, only=[0]), tmp_path / "idx"
+    run = ["index", "--embeddings", emb, "--output", idx]
+    assert call(main, [*run, "--allow-partial"])[0] == 0
+    before = {p.name: p.read_bytes() for p in idx.iterdir()}
+    code, err = call(main, [*run, "--append", "--train-sample", "500"])
+    assert code == 2 and err == (f"error: --train-sample 500 does not apply to the Flat index in {idx}, which trains "
+                                 "nothing: drop it\n"), err
+    assert {p.name: p.read_bytes() for p in idx.iterdir()} == before
 
 
 @pytest.mark.parametrize("factory", ["Flat", "PCA8,Flat", "PCAR16,Flat", "OPQ4,IVF4,PQ4x4", "IVF4,SQ8", "SQ8",

@@ -33,7 +33,8 @@ from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_fol
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary, seconds_text
 from ..base.logs import counted, native_stderr_logged
-from .index_params import CENTROID_POINTS, IndexBuild, IndexParams, param_rules, refuse_unused
+from .index_params import (CENTROID_POINTS, IndexBuild, IndexParams, param_rules, refuse_training,
+                           refuse_training_for, refuse_unused)
 from ..base.settings import add_arguments, from_args, setting, to_record
 from .fingerprint import LEGACY_KEY, combined, disagreeing, records_agree
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_name, shard_rows_from
@@ -693,11 +694,12 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
                allow_partial: bool = False) -> tuple[DenseIndex, list[dict], dict[str, Any]]:
     """Add the shards of ``emb_dir`` not yet in ``dense`` (a new index when ``None``), in memory.
 
-    A new trained kind first trains on a random sample of ``train_sample`` vectors; vectors are then added shard
-    by shard in blocks of ``block_size`` rows read from memory-mapped ``.npy`` files, so memory holds the index
-    and not every embedding besides -- except for an NSG graph, which FAISS builds in one add of all its vectors:
-    they are gathered into one array, and appending to such an index is refused. Returns ``(index, shards added,
-    timings)``; the shards added are none when ``dense`` already holds every shard.
+    A new trained kind first trains on a random sample of ``train_sample`` vectors (``train_sample`` or ``seed``
+    other than its default is refused for one that trains nothing, which would ignore it); vectors are then added
+    shard by shard in blocks of ``block_size`` rows read from memory-mapped ``.npy`` files, so memory holds the
+    index and not every embedding besides -- except for an NSG graph, which FAISS builds in one add of all its
+    vectors: they are gathered into one array, and appending to such an index is refused. Returns ``(index, shards
+    added, timings)``; the shards added are none when ``dense`` already holds every shard.
     """
     IndexBuild(train_sample=train_sample, block_size=block_size, seed=seed)  # the flags' checks and errors
     manifests = read_manifests(emb_dir, complete=not allow_partial)
@@ -791,6 +793,8 @@ def _new_index(first: dict, todo: list[dict], params: IndexParams, train_sample:
     dim, total = int(first["dim"]), sum(int(m["count"]) for m in todo)
     resolved = params.resolve(dim, total, min(train_sample, total))
     dense = DenseIndex.build(dim, resolved)
+    if dense.is_trained:  # FAISS needs no training for it: a training sample or seed given would be ignored
+        refuse_training_for(params, IndexBuild(train_sample=train_sample, seed=seed))
     logger.info("building %s over %s%s; search: %s; FAISS threads %d", dense.meta["factory"],
                 counted(total, "vector"), resolved.describe_picked(params), dense.search_settings(), faiss_threads())
     dense.meta.update(_encoding_of(first), **{k: first[k] for k in PREFIX_KEYS if k in first},
@@ -891,6 +895,8 @@ def _keep_how_it_was_built(dense: DenseIndex, given: Mapping[str, Any], build: I
         differ.append(f"{flag} {value}")
         if name in ("kind", "factory") or name in BUILT_WITH.get(str(dense.meta.get("kind")), ()):
             was.append(f"{flag} {have}" if name != "factory" else f"{flag} {have!r}")
+    if dense.meta.get("trained_on") == 0:  # built without training: it never took a sample
+        refuse_training(build, f"the {dense.meta['factory']} index in {out_dir}")
     for name in ("train_sample", "seed"):  # they train an index, and this one is trained already
         value, default = getattr(build, name), getattr(IndexBuild(), name)
         if value != default and name in old_build and value != old_build[name]:

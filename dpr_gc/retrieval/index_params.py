@@ -193,6 +193,28 @@ def refuse_unused(given: Mapping[str, Any], params: IndexParams) -> None:
                              f"{flag}")
 
 
+def refuse_training(build: IndexBuild, where: str, fix: str = "") -> None:
+    """Refuse, in one line, ``--train-sample`` / ``--seed`` set in ``build`` (other than their defaults) for an index
+    (``where``: "--kind flat") that trains nothing, which would ignore them; ``fix``: what else to give."""
+    default = IndexBuild()
+    given = [f"--{name.replace('_', '-')} {getattr(build, name)}" for name in ("train_sample", "seed")
+             if getattr(build, name) != getattr(default, name)]
+    if given:
+        one = len(given) == 1
+        raise DprGcError(f"{' and '.join(given)} {'does' if one else 'do'} not apply to {where}, which trains "
+                         f"nothing: drop {'it' if one else 'them'}{fix}")
+
+
+def refuse_training_for(params: IndexParams, build: IndexBuild) -> None:
+    """:func:`refuse_training` for a new index of ``params`` that FAISS builds trained (flat, HNSW over flat vectors,
+    a factory string with no IVF, PQ, SQ or transform to train), naming its flag."""
+    if params.factory is not None:
+        refuse_training(build, f"--factory {params.factory!r}", ", or name a part that trains in the string "
+                                                                "(IVF4096, PQ64, SQ8)")
+    else:
+        refuse_training(build, f"--kind {params.kind}", ", or give --kind ivf-flat or ivf-pq")
+
+
 def param_rules() -> dict[str, tuple[str, Any]]:
     """``{field: (flag, flag type)}`` of the :class:`IndexParams` fields whose flag type checks a range: one rule for
     the flag, a value set in code (search parameters changed on a loaded index) and a value read from a saved index."""
