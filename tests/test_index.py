@@ -411,6 +411,8 @@ def test_unknown_kind_and_bad_parameters(tmp_path, data):
         DenseIndex.build(DIM, IndexParams("ivf-pq", nlist=4, pq_m=5))
     with pytest.raises(DprGcError, match="--hnsw-m must be an integer from 2 to 512"):
         IndexParams("hnsw", hnsw_m=0)
+    with pytest.raises(DprGcError, match="^an ivf-flat index needs --nlist"):
+        IndexParams("ivf-flat").factory_string(DIM)
     with pytest.raises(DprGcError, match="--nlist 64 is a setting of ivf-flat and ivf-pq indexes, which --kind hnsw"):
         IndexParams("hnsw", nlist=64)
     with pytest.raises(DprGcError, match="--pq-m 4 is a setting of ivf-pq indexes, which --kind ivf-flat does not"):
@@ -725,7 +727,7 @@ def test_append_keeps_how_the_index_was_built_and_sets_search_flags(tmp_path, da
                                                  f"IVF4,Flat index in {idx} (built with --seed 0) and would ignore "
                                                  "them; drop them",
                ("--factory", "IVF8,Flat"): "--factory IVF8,Flat: --append",
-               ("--ef-search", "16"): "--ef-search does not apply to a IVF4,Flat index; drop the flag"}
+               ("--ef-search", "16"): "--ef-search does not apply to the IVF4,Flat index; drop the flag"}
     for flags, message in refused.items():
         code, err = call(main, [*run, "--append", "--allow-partial", *flags])
         assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, (flags, err)

@@ -669,6 +669,16 @@ def test_an_ivf_search_that_reaches_fewer_passages_says_how_many_and_what_to_rai
     assert len(records[0]["ctxs"]) == got[0]
 
 
+def test_a_search_flag_the_index_has_no_use_for_names_the_index(world, tmp_path):
+    """--ef-search on an IVF index was refused as not applying "to a IVF8,Flat index"; the line names the index."""
+    build_index(world["emb"], tmp_path / "ivf", IndexParams("ivf-flat", nlist=8))
+    queries, _ = self_queries(tmp_path)
+    with pytest.raises(DprGcError) as e:
+        cli("retrieve", "--index", tmp_path / "ivf", "--queries", queries, "--output", tmp_path / "o.json",
+            "--ef-search", 4, "--cache-dir", world["cache"], "--device", "cpu")
+    assert str(e.value) == "--ef-search does not apply to the IVF8,Flat index; drop the flag"
+
+
 def test_the_librarys_short_search_warnings_name_no_command_flags(world, tmp_path, caplog):
     """retrieve and retrieve_to_files (the demo's retrieval) over an IVF or HNSW index reaching fewer passages than
     asked advised raising --nprobe or --ef-search, flags of dpr-gc retrieve a library caller does not have: they

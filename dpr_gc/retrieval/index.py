@@ -405,7 +405,7 @@ class DenseIndex:
                 space.set_index_parameter(self.index, name, int(value))
             except RuntimeError:
                 if strict:
-                    raise DprGcError(f"{flag} does not apply to a {self.meta['factory']} index; drop the "
+                    raise DprGcError(f"{flag} does not apply to the {self.meta['factory']} index; drop the "
                                      "flag") from None
                 continue
             self.meta["params"][field] = int(value)

@@ -149,7 +149,7 @@ class IndexParams:
         if self.kind == "hnsw":
             return f"HNSW{self.hnsw_m},Flat"
         if self.nlist is None or (self.kind == "ivf-pq" and self.pq_m is None):
-            raise DprGcError(f"a {self.kind} index needs --nlist (and --pq-m for ivf-pq); "
+            raise DprGcError(f"an {self.kind} index needs --nlist (and --pq-m for ivf-pq); "
                              "build_index picks them from the data")
         if self.kind == "ivf-flat":
             return f"IVF{self.nlist},Flat"
