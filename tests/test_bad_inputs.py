@@ -2361,7 +2361,7 @@ def test_a_stored_prefix_is_checked_against_the_max_length_each_stage_uses(world
 
 def test_a_saved_max_length_beyond_the_model_positions_is_cut_at_load(world: dict, tmp_path: Path, caplog) -> None:
     """A retriever saved with a query_max_length beyond its 128 positions (before train checked the flag) still
-    retrieves a long question: texts are cut at the positions, with a log line when it is loaded."""
+    retrieves a long question: texts are cut at the positions, with a log line saying so."""
     model = tmp_path / "model"
     shutil.copytree(world["model"], model)
     config = json.loads((model / "retriever_config.json").read_text())

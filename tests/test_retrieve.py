@@ -858,3 +858,32 @@ def test_a_rerun_with_other_settings_says_it_drops_what_the_interrupted_run_kept
             "(--top-k 3 -> 2)") in caplog.messages, caplog.messages
     assert "resuming an interrupted run" not in caplog.text
     assert all(len(r["ctxs"]) == 2 for r in json.loads((tmp_path / "o.json").read_text()))
+
+
+def test_a_stored_length_beyond_the_positions_is_said_only_where_it_is_used(world, tmp_path, caplog):
+    """A model storing passage_max_length 256 (128 positions) said at load that passages are cut at 128, also under
+    encode --max-length 32 and in retrieve, which encodes no passage; the line comes where the stored length is the
+    one texts are cut to: encode without --max-length."""
+    import shutil
+
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    config = json.loads((model / "retriever_config.json").read_text())
+    (model / "retriever_config.json").write_text(json.dumps({**config, "passage_max_length": 256}))
+    said = "its passage_max_length 256 exceeds the model's limit of 128 positions; passages are cut at 128 tokens"
+    encode = ["encode", "--model", model, "--corpus", world["corpus"], "--cache-dir", world["cache"], "--device", "cpu"]
+    runs = {"encode --max-length 32": [*encode, "--output", tmp_path / "e32", "--max-length", 32],
+            "retrieve": ["retrieve", "--index", world["idx"], "--model", model, "--queries", self_queries(tmp_path)[0],
+                         "--output", tmp_path / "o.json", "--cache-dir", world["cache"], "--device", "cpu",
+                         "--skip-model-check"],
+            "encode": [*encode, "--output", tmp_path / "e"]}
+    caplog.set_level("INFO", logger="dpr_gc")
+    for run, argv in runs.items():
+        caplog.clear()
+        code, err = call(main, argv)
+        assert code == 0, (run, err)
+        assert caplog.text.count(said) == (run == "encode"), (run, caplog.text)
+    assert json.loads((tmp_path / "e" / "shard-00000-of-00001.json").read_text())["max_length"] == 128

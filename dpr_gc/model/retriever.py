@@ -195,6 +195,8 @@ class Retriever(nn.Module):
         self.tau = Temperature(config.temperature, config.learn_temperature)
         # What the model card says about how this retriever was made (base model, data, batch, steps, dev metrics).
         self.training_info: dict[str, Any] = {}
+        self.loaded_from: Optional[str] = None  # the folder or file load read, named in its log lines
+        self.cuts_said: set[str] = set()  # the towers whose stored max length :meth:`max_length` said it cuts
 
     @property
     def temperature(self) -> torch.Tensor:
@@ -221,10 +223,19 @@ class Retriever(nn.Module):
     def max_length(self, kind: str, asked: Optional[int] = None) -> int:
         """The length ``kind`` texts are cut to: ``asked``, else the config's query/passage max length, at most the
         tower's :meth:`positions` -- a config that holds more (edited by hand, or saved before train checked its
-        flags) would otherwise fail on every longer text."""
-        length = asked or (self.config.query_max_length if kind == "query" else self.config.passage_max_length)
+        flags) would otherwise fail on every longer text. Cut, not refused: the weights are sound and no longer text
+        could ever be encoded. The first cut of the config's own length is logged, once per tower: where it is the
+        length used (not under an ``asked`` one, nor for a tower the caller never tokenises for)."""
+        stored = self.config.query_max_length if kind == "query" else self.config.passage_max_length
         limit = self.positions(kind)
-        return length if limit is None else min(length, limit)
+        length = asked or stored
+        length = length if limit is None else min(length, limit)
+        if not asked and length < stored and kind not in self.cuts_said:
+            self.cuts_said.add(kind)
+            logger.info("%s: its %s_max_length %d exceeds the model's limit of %d positions; %s are cut at %d tokens",
+                        self.loaded_from or "the retriever", kind, stored, length,
+                        "queries" if kind == "query" else "passages", length)
+        return length
 
     def tokenize_queries(self, questions: Sequence[str], max_length: Optional[int] = None) -> Any:
         """Padded token ids of questions (see :func:`dpr_gc.model.tokenize.token_ids`), cut to :meth:`max_length`."""
@@ -274,7 +285,7 @@ class Retriever(nn.Module):
             if value is not None and value != getattr(retriever.config, name):
                 logger.info("%s: %s %r replaces the stored %r", path, name, value, getattr(retriever.config, name))
                 retriever.config = dataclasses.replace(retriever.config, **{name: value})
-        retriever.log_cut_lengths(path)
+        retriever.loaded_from = str(path)
         return retriever.to(device)
 
     def check_room(self, *kinds: str) -> "Retriever":
@@ -285,21 +296,11 @@ class Retriever(nn.Module):
             check_length_room(self.tokenizer, self.config, kind, self.max_length(kind))
         return self
 
-    def log_cut_lengths(self, where: str | Path) -> None:
-        """Say (once, at load) when a stored max length exceeds the model's positions, so texts are cut shorter than
-        the config says (:meth:`max_length`). Cut, not refused: the weights are sound and no longer text could ever
-        be encoded, so a retriever saved with such a length (by hand, or before train checked its flags) stays
-        usable as it is."""
-        for kind, texts in (("query", "queries"), ("passage", "passages")):
-            stored, used = getattr(self.config, f"{kind}_max_length"), self.max_length(kind)
-            if used < stored:
-                logger.info("%s: its %s_max_length %d exceeds the model's limit of %d positions; %s are cut at %d "
-                            "tokens", where, kind, stored, used, texts, used)
-
     def fit_lengths(self) -> list[str]:
         """Set the config's max lengths to those texts are cut to (:meth:`max_length`, at most the model's positions),
         so that a save records the lengths used; returns each change, as ``"passage_max_length 256 -> 128"``."""
-        cut = {f"{kind}_max_length": self.max_length(kind) for kind in ("query", "passage")}
+        cut = {f"{kind}_max_length": self.max_length(kind, getattr(self.config, f"{kind}_max_length"))
+               for kind in ("query", "passage")}
         changed = [f"{name} {getattr(self.config, name)} -> {length}" for name, length in cut.items()
                    if length != getattr(self.config, name)]
         if changed:
@@ -390,7 +391,7 @@ class Retriever(nn.Module):
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         chars = np.asarray([len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)],
                            dtype=np.int64)
-        limit = max_length or (self.config.query_max_length if kind == "query" else self.config.passage_max_length)
+        limit = self.max_length(kind, max_length)
         weights = estimated_tokens(chars, limit) if progress_in_tokens else np.ones(len(texts), dtype=np.int64)
         order = np.argsort(-chars, kind="stable")
         pending: list[tuple[np.ndarray, torch.Tensor]] = []

@@ -53,7 +53,7 @@ def _build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]]
             ("retriever",) if model.retriever is not None else ())
         if set(flags) - {"query_prefix", "passage_prefix"}:
             logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", name)
-        retriever.fit_lengths()  # a stored length beyond the model's positions: cut, as its load said
+        fit_and_say_lengths(retriever, name)  # a stored length beyond the model's positions: cut
         return retriever.check_room("query", "passage")
     prefixes = {k: v for k, v in (("query_prefix", model.query_prefix), ("passage_prefix", model.passage_prefix))
                 if v is not None}
@@ -104,6 +104,15 @@ def chosen_fields(model: ModelConfig) -> set[str]:
             if getattr(model.retriever, f.name) != getattr(defaults, f.name)}
 
 
+def fit_and_say_lengths(retriever: Retriever, name: str) -> None:
+    """Cut the max lengths of ``retriever`` (from ``name``) beyond its model's positions to them, as training and the
+    retriever it saves use them (:meth:`Retriever.fit_lengths`), saying so in one line."""
+    cut = retriever.fit_lengths()
+    if cut:
+        logger.info("%s takes %s positions: %s, the length texts are cut to and the retriever records",
+                    name, retriever.positions("passage"), "; ".join(cut))
+
+
 def check_lengths(retriever: Retriever, model: ModelConfig) -> Retriever:
     """``retriever``, refused when a max length the user chose exceeds the positions its model takes (as encode
     refuses such a ``--max-length``), before anything is written: the retriever would save it and every later
@@ -117,10 +126,7 @@ def check_lengths(retriever: Retriever, model: ModelConfig) -> Retriever:
         length = getattr(retriever.config, name)
         check_max_length(flags[name], length, retriever.positions(LENGTHS[name]))
         check_length_room(retriever.tokenizer, retriever.config, LENGTHS[name], length, flags[name])
-    cut = retriever.fit_lengths()
-    if cut:
-        logger.info("%s takes %s positions: %s, the length texts are cut to and the retriever records",
-                    model.path(), retriever.positions("passage"), "; ".join(cut))
+    fit_and_say_lengths(retriever, model.path())
     return retriever.check_room(*(LENGTHS[name] for name in sorted(set(LENGTHS) - chosen)))
 
 
