@@ -887,3 +887,31 @@ def test_a_stored_length_beyond_the_positions_is_said_only_where_it_is_used(worl
         assert code == 0, (run, err)
         assert caplog.text.count(said) == (run == "encode"), (run, caplog.text)
     assert json.loads((tmp_path / "e" / "shard-00000-of-00001.json").read_text())["max_length"] == 128
+
+
+def test_retrieve_finds_the_model_moved_together_with_the_index(world, tmp_path, monkeypatch, caplog):
+    """docs/stages.md: the index records the model also relative to the index folder, so retrieve --index DIR finds
+    it from any directory, and after the two are moved together (the old folder renamed away, paths given relative
+    to where encode and index ran)."""
+    import shutil
+
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    before, after, elsewhere = tmp_path / "before", tmp_path / "after", tmp_path / "elsewhere"
+    shutil.copytree(world["model"], before / "model")
+    elsewhere.mkdir()
+    monkeypatch.chdir(before)
+    assert call(main, ["encode", "--model", "model", "--corpus", world["corpus"], "--output", "emb", "--cache-dir",
+                       world["cache"], "--device", "cpu"])[0] == 0
+    assert call(main, ["index", "--embeddings", "emb", "--output", "idx"])[0] == 0
+    before.rename(after)
+    monkeypatch.chdir(elsewhere)
+    queries, _ = self_queries(elsewhere)
+    caplog.set_level("INFO", logger="dpr_gc")
+    code, err = call(main, ["retrieve", "--index", after / "idx", "--queries", queries, "--top-k", 3, "--output",
+                            "o.json", "--cache-dir", world["cache"], "--device", "cpu"])
+    assert code == 0, err
+    assert f"questions encoded by {after / 'idx' / '..' / 'model'} (recorded in the index)" in caplog.text
+    results = json.loads((elsewhere / "o.json").read_text())
+    assert [r["ctxs"][0]["id"] for r in results] == [f"p{i}" for i in range(10)]
