@@ -19,8 +19,9 @@ from dpr_gc import cli
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.base.settings import FIXED, FREE, changed_settings, to_record
 from dpr_gc.model.retriever import RetrieverConfig
-from dpr_gc.train.config import (SETTINGS_FILE, CacheConfig, DataConfig, OptimConfig, RunConfig, TrainConfig,
-                                 compare_recorded, config_from_args, resolve_defaults)
+from dpr_gc.retrieval.index_params import IndexParams
+from dpr_gc.train.config import (SETTINGS_FILE, CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig,
+                                 TrainConfig, compare_recorded, config_from_args, resolve_defaults)
 from dpr_gc.train.trainer import train
 from tests.helpers import call, load_script, tiny_bert, write_vocab
 from tests.train_data import make_records, write_dpr
@@ -409,6 +410,15 @@ def test_a_wrongly_typed_value_in_code_is_refused_with_the_flag() -> None:
                                                        "set to evaluate); add --dev FILE, or drop the flag"),
     (lambda: TrainConfig(cache=CacheConfig(enabled=False, memory_budget="1GB")), "--memory-budget does not apply to "
      "plain training (--no-grad-cache: one graph over the whole batch); drop --no-grad-cache, or drop the flag"),
+    (lambda: RetrieverConfig(normalize="no"), "--normalize must be True or False, got 'no'"),
+    (lambda: OptimConfig(mask_duplicate_positives="false"), "--mask-duplicate-positives must be True or False, got "
+                                                            "'false'"),
+    (lambda: RunConfig(output_dir="o", fsdp="false"), "--fsdp must be True or False, got 'false'"),
+    (lambda: CacheConfig(enabled="false"), "enabled (--no-grad-cache) must be True or False, got 'false'"),
+    (lambda: ModelConfig(query_prefix=5), "--query-prefix must be a str, got 5"),
+    (lambda: DataConfig(train_files=[5]), "--train must be a path (str or os.PathLike), got 5"),
+    (lambda: RunConfig(output_dir=5), "--output must be a path (str or os.PathLike), got 5"),
+    (lambda: IndexParams(factory=5), "--factory must be a str, got 5"),
 ])
 def test_settings_built_in_code_get_the_command_lines_checks(build: Callable[[], Any], refusal: str) -> None:
     """docs/library.md: checks and errors are the same in code and on the command line. Each of these was accepted in

@@ -362,6 +362,9 @@ def home_expanded(text: str) -> str:
     return os.path.expanduser(text)
 
 
+home_expanded.text = True  # type: ignore[attr-defined]  # a path: a value given in code must be a str
+
+
 def _output_path(check: Callable[[str, str], Any], name: str, beside: int = 0) -> Callable[[str], str]:
     """A path flag type: :func:`home_expanded`, then ``check`` (from ``files``, or a folder to read's) while the
     command line is parsed; an output's name leaves room for the ``beside`` bytes of the files written beside it."""
@@ -375,6 +378,7 @@ def _output_path(check: Callable[[str, str], Any], name: str, beside: int = 0) -
         return path
 
     parse.__name__ = name
+    parse.text = True  # type: ignore[attr-defined]  # a path: a value given in code must be a str (settings.check)
     return parse
 
 

@@ -180,8 +180,9 @@ def check(obj: Any) -> None:
     """Check every declared setting of the dataclass instance ``obj``: a list where the flag takes several values
     (their count where it takes a fixed number), choices and the value type's rule (each element of a list: its
     ``accepts``, else its ``refusal``, the sentence the flag's parser would refuse the value with), after turning a
-    ``Path`` into its string (so records, checkpoints and model cards hold the value the command line would).
-    Raises one :class:`DprGcError` naming the flag."""
+    ``Path`` into its string (so records, checkpoints and model cards hold the value the command line would). A
+    switch (a bool default) takes only True or False (the string ``'false'`` would turn it on), a text or path
+    setting only a str (a path also an ``os.PathLike``). Raises one :class:`DprGcError` naming the flag."""
     for field in dataclasses.fields(obj):
         decl = _setting(field)
         if decl is None:
@@ -191,7 +192,14 @@ def check(obj: Any) -> None:
         if value is None:
             continue
         name = _describe(decl, field.name)
+        if isinstance(field.default, bool) and not isinstance(value, bool):
+            switch = name if decl.dest_name(field.name) == field.name else f"{field.name} ({name})"
+            raise DprGcError(f"{switch} must be True or False, got {value!r}")
+        text = _is_text(decl, field)
         for item in _values(decl, name, value):
+            if text and not isinstance(item, str):
+                raise DprGcError(f"{name} must be {'a path (str or os.PathLike)' if text == 'path' else 'a str'}, "
+                                 f"got {item!r}")
             if decl.choices is not None and item not in decl.choices:
                 raise DprGcError(f"{name} must be one of {', '.join(map(str, decl.choices))}, got {item!r}")
             accepts = getattr(decl.type, "accepts", None)
@@ -201,6 +209,15 @@ def check(obj: Any) -> None:
             why = refusal(item) if refusal is not None else None
             if why:
                 raise DprGcError(f"{name}: {why}")
+
+
+def _is_text(decl: Setting, field: dataclasses.Field) -> str:
+    """``'path'`` for a setting naming a file or folder (``path``, or a path flag type of :mod:`~dpr_gc.base.args`,
+    marked ``text``), ``'text'`` for any other text setting (no flag type, no choices, not a switch), else ``''``:
+    what :func:`check` requires a str of, where any other value would fail far from the call that gave it."""
+    if decl.path or getattr(decl.type, "text", False):
+        return "path"
+    return "text" if decl.type is None and decl.choices is None and not isinstance(field.default, bool) else ""
 
 
 def _values(decl: Setting, name: str, value: Any) -> Sequence[Any]:
