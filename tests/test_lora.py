@@ -175,6 +175,17 @@ def test_bad_lora_settings_are_refused(make_retriever):
         apply_lora(make_retriever(), LoraSettings(r=2, target_modules=["no_such_layer"]))
 
 
+def test_lora_target_modules_in_code_take_a_list_of_names():
+    """docs/library.md: a single string where a flag takes several values is refused in one line (it was read letter
+    by letter: "q, u, e, r, y: no module ..."), as is a name that is not a str."""
+    with pytest.raises(DprGcError) as refused:
+        LoraSettings(r=4, target_modules="query")
+    assert str(refused.value) == "--lora-target-modules takes a list of values, e.g. ['query'], got 'query'"
+    with pytest.raises(DprGcError, match="^--lora-target-modules must be a str, got 5$"):
+        LoraSettings(r=4, target_modules=["query", 5])
+    assert list(LoraSettings(r=4, target_modules=("query", "value")).target_modules) == ["query", "value"]
+
+
 @pytest.mark.slow  # 35 s in a full run under load 7-10 on 2 cores (2026-11-24)
 def test_train_cli_with_lora_trains_only_adapters_and_resumes(tmp_path):
     """`dpr-gc train --lora-r` on a decoder folder: final/ is a PEFT adapter over the untouched base, and a run

@@ -214,16 +214,20 @@ def check(obj: Any) -> None:
 def _is_text(decl: Setting, field: dataclasses.Field) -> str:
     """``'path'`` for a setting naming a file or folder (``path``, or a path flag type of :mod:`~dpr_gc.base.args`,
     marked ``text``), ``'text'`` for any other text setting (no flag type, no choices, not a switch), else ``''``:
-    what :func:`check` requires a str of, where any other value would fail far from the call that gave it."""
+    what :func:`check` requires a str of, where any other value would fail far from the call that gave it (a flag
+    type marked ``words`` reads one word into a list of names: each must be a str)."""
     if decl.path or getattr(decl.type, "text", False):
         return "path"
-    return "text" if decl.type is None and decl.choices is None and not isinstance(field.default, bool) else ""
+    plain = decl.type is None or getattr(decl.type, "words", False)
+    return "text" if plain and decl.choices is None and not isinstance(field.default, bool) else ""
 
 
 def _values(decl: Setting, name: str, value: Any) -> Sequence[Any]:
     """The values of a setting to check one by one: the elements of a list where its flag takes several (a lone
-    value there is refused: a string would be read letter by letter), else the value itself."""
-    if decl.nargs not in ("+", "*") and not isinstance(decl.nargs, int):
+    value there is refused: a string would be read letter by letter), also where its flag type reads one word into a
+    list (``words``: ``--lora-target-modules query,value``), else the value itself."""
+    several = decl.nargs in ("+", "*") or isinstance(decl.nargs, int) or getattr(decl.type, "words", False)
+    if not several:
         return [value]
     if not isinstance(value, (list, tuple)):
         raise DprGcError(f"{name} takes a list of values, e.g. [{value!r}], got {value!r}")

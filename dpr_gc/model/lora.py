@@ -57,6 +57,9 @@ def module_names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+module_names.words = True  # type: ignore[attr-defined]  # in code: a list of str (settings.check)
+
+
 @dataclasses.dataclass
 class LoraSettings:
     """``--lora-r`` (the rank; LoRA is on when given), ``--lora-alpha`` (default ``2 r``), ``--lora-dropout`` (None:
