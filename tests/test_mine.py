@@ -1162,3 +1162,16 @@ def test_dense_mining_shows_the_questions_and_positives_it_embeds_batch_by_batch
         "--max-negative-ratio", 0.9, "--output", tmp_path / "out.json")
     shown = [(desc, bar.n, steps) for desc, disabled, bar, steps in bars if not disabled]
     assert shown == [("embed query texts", 6, [2, 2, 2]), ("embed passage texts", 6, [2, 2, 2])]
+
+
+def test_source_settings_in_code_meet_the_command_lines_rules():
+    """docs/library.md: settings that would not apply are refused in code as on the command line; open_source("bm25")
+    ignored a dense source's model, index and batch size (and "dense" BM25's k1) without a word."""
+    from dpr_gc.retrieval.mine import SourceSettings
+
+    with pytest.raises(DprGcError) as refused:
+        open_source("bm25", None, SourceSettings(model="x", index="y", batch_size=8))
+    assert str(refused.value) == ("--model, --index and --batch-size do not apply to --source bm25 (the default); add "
+                                  "--source dense, or drop them")
+    with pytest.raises(DprGcError, match=r"^--bm25-k1 does not apply to --source dense; drop the flag$"):
+        open_source("dense", None, k1=1.2)

@@ -915,3 +915,18 @@ def test_retrieve_finds_the_model_moved_together_with_the_index(world, tmp_path,
     assert f"questions encoded by {after / 'idx' / '..' / 'model'} (recorded in the index)" in caplog.text
     results = json.loads((elsewhere / "o.json").read_text())
     assert [r["ctxs"][0]["id"] for r in results] == [f"p{i}" for i in range(10)]
+
+
+def test_retrieve_settings_in_code_meet_the_command_lines_rules():
+    """docs/library.md: a setting that would not apply is refused in code as on the command line (a run tag without a
+    TREC run, compact results without a results file); cut-offs alone turn evaluation on in code."""
+    from dpr_gc.retrieval.retrieve import RetrieveSettings
+
+    with pytest.raises(DprGcError) as refused:
+        RetrieveSettings(run_tag="mine")
+    assert str(refused.value) == ("--run-tag does not apply without --trec-run (it tags the run file's lines); add "
+                                  "--trec-run FILE, or drop the flag")
+    with pytest.raises(DprGcError, match=r"^--compact does not apply without --output"):
+        RetrieveSettings(compact=True)
+    assert RetrieveSettings(ks=[1, 5]).cutoffs() == [1, 5]
+    assert RetrieveSettings(compact=True, output="o.json", trec_run="r.trec", run_tag="t").run_tag == "t"

@@ -41,8 +41,9 @@ from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
 from ..base.files import ChunkedOutput, PathLike, require_file
 from ..base.locks import output_lock
-from ..base.settings import (AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, from_args, group,
-                             passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply, setting)
+from ..base.settings import (AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, flag_values,
+                             from_args, group, passage_prefix_setting, query_prefix_setting,
+                             refuse_flags_that_do_not_apply, setting)
 from ..evaluation.answers import MATCH_MODES, UncompiledPatterns
 from .index import cap_threads
 from .retrieve import DenseSource
@@ -576,6 +577,9 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
     s = dataclasses.replace(settings or SourceSettings(), **options)
     model, index, embeddings, device, batch_size = s.model, s.index, s.embeddings, s.device, s.batch_size
     query_prefix, passage_prefix = s.query_prefix, s.passage_prefix
+    if kind in SOURCES:  # the command line's rules: a setting the other source takes is refused, not ignored
+        refuse_flags_that_do_not_apply(SourceSettings, argparse.Namespace(**vars(flag_values(s)), source=kind),
+                                       APPLIES)
     if kind == "bm25":
         return BM25Source(corpus, s.k1, s.b, index_dir=s.bm25_index, n_threads=cap_threads(s.threads),
                           show_progress=show_progress)

@@ -30,9 +30,9 @@ from ..base.files import ChunkedOutput, PathLike, is_stream, iter_jsonl, require
 from ..base.locks import output_lock
 from .index import DenseIndex, Unscorable, set_threads
 from .index_params import hnsw_ef, ivf_nprobe
-from ..base.settings import (FREE, AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, from_args,
-                             group, passage_prefix_setting, query_prefix_setting, refuse_flags_that_do_not_apply,
-                             setting)
+from ..base.settings import (FREE, AppliesWhen, add_arguments, cache_dir_setting, check, device_setting,
+                             flag_values, from_args, group, passage_prefix_setting, query_prefix_setting,
+                             refuse_flags_that_do_not_apply, setting)
 from ..evaluation.results import check_run_tag, open_results, open_trec_run
 from ..base.tables import format_summary, seconds_text
 
@@ -72,6 +72,8 @@ class RetrieveSettings:
 
     def __post_init__(self) -> None:
         check(self)
+        in_code = {dest: rule for dest, rule in APPLIES.items() if dest != "k"}  # ks alone turns evaluation on here
+        refuse_flags_that_do_not_apply(RetrieveSettings, flag_values(self), in_code)
 
     def cutoffs(self, depth: Optional[int] = None) -> Optional[list[int]]:
         """The cut-offs to evaluate at (None: no evaluation): ``ks``, or when ``evaluate`` asks the defaults below
