@@ -47,6 +47,7 @@ class Stage:
     help: str
     distributed: bool = False  # runs under torchrun (one rank per process); the others refuse WORLD_SIZE > 1
     dpr_script: str = ""  # the script in scripts/ that takes DPR's and GC-DPR's command lines for this stage
+    joins_group: bool = False  # under torchrun its ranks join a process group (env://: MASTER_ADDR, MASTER_PORT)
 
 
 # sub-command -> its stage, in the order ``dpr-gc --help`` lists them
@@ -55,9 +56,9 @@ STAGES = {
     "make-stdlib-data": Stage("data.stdlib_data", "build the default retrieval dataset from Python's stdlib"),
     "prepare-data": Stage("data.training", "validate and cache training data (DPR files, BEIR folders)"),
     "train": Stage("train.trainer", "train a retriever with Gradient Cache (DPR files or BEIR folders)", True,
-                   "scripts/train_dense_encoder.py"),
+                   "scripts/train_dense_encoder.py", joins_group=True),
     "verify": Stage("train.verify", "check that the cached step equals the full-batch step on your set-up (train's "
-                                    "flags; writes nothing)", True),
+                                    "flags; writes nothing)", True, joins_group=True),
     "encode": Stage("retrieval.encode", "embed a passage corpus into resumable shards", True,
                     "scripts/generate_dense_embeddings.py"),
     "index": Stage("retrieval.index", "build a FAISS index (flat, hnsw, ivf-flat, ivf-pq, factory) from shards"),
@@ -134,18 +135,38 @@ def run_stage(args: argparse.Namespace, model_flag: str = "--model") -> Any:
     """Run the parsed command; a stage without a distributed mode refuses a torchrun launch, whose ranks would each
     do all the work (and write the same files, or find each other's locks). An error about the model given names it
     by ``model_flag``, the flag it came with (the model layer, which library callers reach too, says "model")."""
-    world = os.environ.get("WORLD_SIZE") or "1"
-    if not world.strip().isdigit():
-        raise DprGcError(f"the environment's WORLD_SIZE must be a whole number (torchrun sets it), got {world!r}; "
-                         "unset it to run in one process")
-    if int(world) > 1 and not STAGES[args.command].distributed:
-        ranked = ", ".join(name for name, stage in STAGES.items() if stage.distributed)
-        with alike_on_every_rank():
-            raise DprGcError(f"run dpr-gc {args.command} without torchrun: it has no distributed mode (only {ranked} "
-                             "run under torchrun)")
+    check_launch(args.command)
     model = getattr(args, "model", None)
     with model_named_by(model_flag, model if isinstance(model, str) else None):
         return args.func(args)
+
+
+def check_launch(command: str) -> None:
+    """Refuse, in one line, a launch environment torchrun would not have set: a non-integer WORLD_SIZE, RANK or
+    LOCAL_RANK (read by the logging and by the device choice), a stage without a distributed mode under WORLD_SIZE
+    above 1, and there a RANK (LOCAL_RANK; for a stage joining a process group MASTER_ADDR, MASTER_PORT) that is
+    missing or a RANK not below WORLD_SIZE: torch would stop with a rendezvous traceback, or each rank take RANK 0."""
+    env = os.environ
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        if env.get(name) and not env[name].strip().isdigit():
+            raise DprGcError(f"the environment's {name} must be a whole number (torchrun sets it), got {env[name]!r}; "
+                             "unset it to run in one process")
+    world = int(env.get("WORLD_SIZE") or 1)
+    if world <= 1:
+        return
+    if not STAGES[command].distributed:
+        ranked = ", ".join(name for name, stage in STAGES.items() if stage.distributed)
+        with alike_on_every_rank():
+            raise DprGcError(f"run dpr-gc {command} without torchrun: it has no distributed mode (only {ranked} "
+                             "run under torchrun)")
+    needed = ("RANK", "LOCAL_RANK") + (("MASTER_ADDR", "MASTER_PORT") if STAGES[command].joins_group else ())
+    missing = [name for name in needed if not env.get(name)]
+    if missing:
+        unset = f"{missing[0]} is" if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]} are"
+        raise DprGcError(f"WORLD_SIZE={world} is set but {unset} not: launch with torchrun, or unset WORLD_SIZE")
+    if int(env["RANK"]) >= world:
+        raise DprGcError(f"RANK={env['RANK']} is not below WORLD_SIZE={world}: launch with torchrun, or unset "
+                         "WORLD_SIZE")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,33 @@ def test_a_world_size_that_is_not_a_number_is_one_error_line(tmp_path, monkeypat
                                        "got 'abc'; unset it to run in one process\n")
 
 
+@pytest.mark.parametrize("env,said", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are not: launch "
+                          "with torchrun, or unset WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"},
+     "WORLD_SIZE=2 is set but RANK is not: launch with torchrun, or unset WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, "WORLD_SIZE=2 is set but MASTER_ADDR and MASTER_PORT are "
+                                                          "not: launch with torchrun, or unset WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"},
+     "RANK=2 is not below WORLD_SIZE=2: launch with torchrun, or unset WORLD_SIZE"),
+    ({"RANK": "abc"}, "the environment's RANK must be a whole number (torchrun sets it), got 'abc'; unset it to run "
+                      "in one process"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "x"},
+     "the environment's LOCAL_RANK must be a whole number (torchrun sets it), got 'x'; unset it to run in one process"),
+])
+def test_a_launch_environment_torchrun_would_not_set_is_one_error_line(env, said, tmp_path, monkeypatch, capsys):
+    """WORLD_SIZE=2 without RANK ended in init_process_group's 44-line traceback, RANK=abc in int()'s ValueError; each
+    is refused in one line naming the variable, before anything loads (no process group is joined here)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["train", "--train", "t.json", "--output", "out"]) == 2
+    assert capsys.readouterr().err == f"error: {said}\n"
+    assert not any(tmp_path.iterdir()), "nothing is written"
+
+
 def encode_under_torchrun(tmp_path: Path, model: Path, corpus: Path, *flags: str) -> subprocess.CompletedProcess:
     """``dpr-gc encode`` launched by torchrun on 2 CPU ranks, killed with its ranks on a time limit."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

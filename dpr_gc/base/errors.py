@@ -80,7 +80,8 @@ def alike_on_every_rank() -> Iterator[None]:
 def shown_by_another_rank() -> bool:
     """Whether this process is a torchrun rank other than its machine's first (``LOCAL_RANK`` above 0): a refusal
     every rank reaches alike, or an interrupt every rank receives, is printed by that first rank, not by this one."""
-    return int(os.environ.get("WORLD_SIZE") or 1) > 1 and int(os.environ.get("LOCAL_RANK") or 0) > 0
+    world, local = (os.environ.get(name) or "" for name in ("WORLD_SIZE", "LOCAL_RANK"))  # not numbers: refused later
+    return world.strip().isdigit() and int(world) > 1 and local.strip().isdigit() and int(local) > 0
 
 
 @contextlib.contextmanager
