@@ -83,7 +83,7 @@ def help_gaps(parsers: list[tuple[str, argparse.ArgumentParser]], hidden_aliases
                 continue
             if not (action.help or "").strip():
                 missing.append(f"{name} {action.option_strings[0]}")
-            elif not action.required and action.nargs != 0 and "default" not in formatter._expand_help(action):
+            elif not action.required and action.nargs != 0 and "default:" not in formatter._expand_help(action):
                 no_default.append(f"{name} {action.option_strings[0]}")
             if "%%" in formatter._expand_help(action):  # a percent sign escaped twice shows doubled
                 missing.append(f"{name} {action.option_strings[0]} (prints %%)")
@@ -163,6 +163,21 @@ def test_help_says_defaults_one_way_and_only_what_applies(capsys) -> None:
     assert "on --resume]" not in texts["dpr-gc verify"] and "[fixed on --resume]" in texts["dpr-gc train"]
     assert "hash of its content" not in texts["dpr-gc cache"]
     assert "path, size, modification time" in texts["dpr-gc cache"], texts["dpr-gc cache"]
+
+
+def test_train_help_says_the_recipe_flags_default_to_the_models_own(capsys) -> None:
+    """--help showed --temperature (default: 1.0) and --passage-format (default: pair) while the default model, a
+    sentence-transformers folder, trains with its own recipe (0.05, concat), and --pooling showed no default at all
+    (a help holding the word "default" was taken to state it)."""
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "folder, like the default model, brings its own recipe, which the flags given replace" in text
+    for flag, default in (("--pooling", "cls"), ("--normalize", "False"), ("--temperature", "1.0"),
+                          ("--query-max-length", "32"), ("--passage-format", "pair")):
+        after = text[text.index(flag, text.index("retriever recipe:")):]
+        shown = after[after.index("(default:"):after.index(")", after.index("(default:")) + 1]
+        assert shown == f"(default: {default} for a plain Hugging Face model, else the model's own)", (flag, shown)
 
 
 # --------------------------------------------------------------------------------------------- one rule
@@ -512,7 +527,7 @@ def test_help_shows_a_negating_flags_default_as_the_flag_not_the_field() -> None
     for parser in parsers:
         text = " ".join(parser.format_help().split())
         assert "--separate-encoders, --no-separate-encoders two towers (query and passage) instead of one shared " \
-               "(default: False)" in text
+               "(default: False for a plain Hugging Face model, else the model's own)" in text
 
 
 def test_changed_settings_name_each_flag_with_its_kind() -> None:

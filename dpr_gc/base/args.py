@@ -19,8 +19,9 @@ ERROR_EXIT = 2
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Shows every option's default after its help (unless the help already says it; switches are off unless
-    given, required options have none), then the option's ``note`` if it has one (e.g. "[fixed on --resume]")."""
+    """Shows every option's default after its help (unless the help already says it, as ``default: ...``;
+    switches are off unless given, required options have none), then the option's ``note`` if it has one (e.g.
+    "[fixed on --resume]")."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         note = getattr(action, "note", "")
@@ -29,7 +30,7 @@ class HelpFormatter(argparse.HelpFormatter):
     def _with_default(self, action: argparse.Action) -> str:
         text = action.help or ""
         switch = action.nargs == 0 and not hasattr(action, "shown_default")
-        if (not action.option_strings or action.required or switch or "default" in text.lower()
+        if (not action.option_strings or action.required or switch or "default:" in text.lower()
                 or action.default is argparse.SUPPRESS):
             return text
         default = getattr(action, "shown_default", action.default)

@@ -68,7 +68,9 @@ class Group:
     other flags given without it are refused, as they would be ignored (``off`` says what the run is then, ``fix``
     what to add); ``given`` names a sibling field that receives the names of the group's fields set on the command
     line (the group's flags then default to unset, and the group is built from the given ones: the others may come
-    from elsewhere, e.g. a model folder's own recipe)."""
+    from elsewhere, e.g. a model folder's own recipe); ``shown`` is how ``--help`` shows the default of such a
+    flag, ``{}`` standing for the setting's own ("{} for a plain Hugging Face model, else the model's own");
+    ``about``, shown under the group's title in ``--help``."""
 
     cls: type
     title: str = ""
@@ -76,6 +78,8 @@ class Group:
     given: Optional[str] = None
     off: str = ""
     fix: str = ""
+    shown: str = "{}"
+    about: str = ""
 
     @property
     def when_flag(self) -> str:
@@ -119,11 +123,11 @@ def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, type: Op
 
 
 def group(cls: type, title: str = "", *, when: Optional[str] = None, given: Optional[str] = None, off: str = "",
-          fix: str = "") -> Any:
+          fix: str = "", shown: str = "{}", about: str = "") -> Any:
     """A field holding the settings dataclass ``cls`` (None by default when ``when`` or ``given`` is set, else
     ``cls()``); see :class:`Group`."""
     meta = {"group": Group(cls, title or (cls.__doc__ or cls.__name__).split(":")[0].split(".")[0].strip(), when,
-                           given, off, fix)}
+                           given, off, fix, shown, about)}
     if when is not None or given is not None:
         return dataclasses.field(default=None, metadata=meta)
     return dataclasses.field(default_factory=cls, metadata=meta)
@@ -242,16 +246,18 @@ def _help(decl: Setting) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: bool = False,
-                  title: Optional[str] = None, dpr_aliases: bool = False, unset: bool = False) -> None:
+                  title: Optional[str] = None, dpr_aliases: bool = False, unset: bool = False,
+                  shown: str = "{}", about: Optional[str] = None) -> None:
     """Add the flags of the settings dataclass ``cls`` (and of its groups, each an argument group) to ``parser``;
     ``resume_kinds`` says in every help whether ``--resume`` keeps the setting fixed; ``dpr_aliases`` adds DPR's
-    flag names; ``unset``: every flag defaults to None (not given), its help showing the setting's own default."""
-    target = parser.add_argument_group(title) if title else parser
+    flag names; ``unset``: every flag defaults to None (not given), its help showing the setting's own default in
+    ``shown`` (:class:`Group`); ``about``: the text under ``title``."""
+    target = parser.add_argument_group(title, about) if title else parser
     for field in dataclasses.fields(cls):
         grp = _group(field)
         if grp is not None:
             add_arguments(parser, grp.cls, resume_kinds=resume_kinds, title=grp.title, dpr_aliases=dpr_aliases,
-                          unset=grp.given is not None)
+                          unset=grp.given is not None, shown=grp.shown, about=grp.about or None)
             continue
         decl = _setting(field)
         if decl is None or not decl.flags:
@@ -280,8 +286,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
         if decl.hidden:  # the flag and its hidden aliases share a destination: refuse them with different values
             kwargs = one_meaning(target, kwargs)
         action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
-        if unset or decl.negatable:
-            action.shown_default = _shown_default(field, decl)  # what applies when not given (see HelpFormatter)
+        if unset or decl.negatable:  # what applies when not given (see HelpFormatter)
+            action.shown_default = shown.format(_shown_default(field, decl)) if unset else _shown_default(field, decl)
         if resume_kinds:
             action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter
         for flag, options in decl.hidden:

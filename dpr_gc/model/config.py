@@ -64,7 +64,8 @@ class RetrieverConfig:
     pooling: str = setting("cls", "--pooling", choices=POOLINGS,
                            help="token states to one vector: cls, mean, pooler, or last (the last non-padding "
                                 "token's state, for decoder-only models; EOS appended when absent); a plain "
-                                "decoder-only model (Llama, Qwen2) defaults to last and refuses cls and pooler")
+                                "decoder-only model (Llama, Qwen2) refuses cls and pooler, and takes last unless "
+                                "given")
     normalize: bool = setting(False, "--normalize", help="L2-normalise representations (cosine similarity)")
     projection_dim: Optional[int] = setting(None, "--projection-dim", type=layer_size,
                                             help="add a linear projection to this many dimensions, at most 65536 "
@@ -81,7 +82,7 @@ class RetrieverConfig:
                                       help="learn the temperature (starting from --temperature) with the weights")
     passage_format: str = setting("pair", "--passage-format", choices=PASSAGE_FORMATS,
                                   help="pair: [CLS] title [SEP] text [SEP] as DPR; concat: 'title text' as BEIR and "
-                                       "sentence-transformers")
+                                       "sentence-transformers (a plain decoder-only model takes concat unless given)")
     query_prefix: str = setting("", help="text put before every query (the model's own)")
     passage_prefix: str = setting("", help="text put before every passage (the model's own)")
 

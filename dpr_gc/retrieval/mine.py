@@ -78,7 +78,7 @@ class MineSettings:
                          help="answer matching: string (NQ/TriviaQA) or regex (CuratedTREC)")
     append: bool = setting(False, "--append", help="keep existing hard_negative_ctxs and add the new ones")
     workers: int = setting(1, "--workers", type=nonnegative_int, cli_default=0,
-                           help="processes that tokenise candidates for answer matching (0: all cores; default 0 on "
+                           help="processes that tokenise candidates for answer matching (0: all cores; default: 0 on "
                                 "the command line, 1 in code)")
     chunk_size: int = setting(CHUNK, type=positive_int, help="questions per resumable chunk")
     max_negative_ratio: Optional[float] = setting(None, "--max-negative-ratio", type=positive_float,

@@ -61,7 +61,7 @@ class RetrieveSettings:
     compact: bool = setting(False, "--compact", help="results without passage title and text: ids, scores and "
                                                      "has_answer (all that evaluate reads)")
     workers: int = setting(1, "--workers", type=nonnegative_int, cli_default=0,
-                           help="processes that tokenise passages for answer matching (0: all cores; default 0 on "
+                           help="processes that tokenise passages for answer matching (0: all cores; default: 0 on "
                                 "the command line, 1 in code)")
     trec_run: Optional[PathLike] = setting(None, "--trec-run", type=output_file, help="write a TREC run file here")
     run_tag: str = setting("dpr-gc", "--run-tag", help="tag column of the TREC run")

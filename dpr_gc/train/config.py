@@ -57,9 +57,12 @@ class ModelConfig:
     name: Optional[str] = setting(None, "--model", "--pretrained_model_cfg", dest="model", path=True,
                                   help="Hugging Face model name or folder, a saved retriever, an official DPR pair "
                                        "or a DPR .cp file (default: offline all-MiniLM-L6-v2)")
-    retriever: Optional[RetrieverConfig] = group(RetrieverConfig, "retriever (a new one; a saved one keeps its own; "
-                                                 "a sentence-transformers folder supplies what is not given)",
-                                                 given="retriever_flags")
+    retriever: Optional[RetrieverConfig] = group(
+        RetrieverConfig, "retriever recipe", given="retriever_flags",
+        shown="{} for a plain Hugging Face model, else the model's own",
+        about="A plain Hugging Face model starts from the defaults below; a sentence-transformers folder, like the "
+              "default model, brings its own recipe, which the flags given replace; a saved dpr-gc retriever keeps "
+              "its own.")
     query_prefix: Optional[str] = setting(None, "--query-prefix",
                                           help="text put before every query, e.g. 'query: ' (default: the model's "
                                                "own, else none)")
