@@ -165,6 +165,19 @@ def test_help_says_defaults_one_way_and_only_what_applies(capsys) -> None:
     assert "path, size, modification time" in texts["dpr-gc cache"], texts["dpr-gc cache"]
 
 
+def test_verify_help_says_which_of_trains_flags_it_refuses_or_ignores(capsys) -> None:
+    """verify --help described --resume as train does ("checkpoint folder, or 'latest'") though verify refuses it,
+    and --save-every/--keep-checkpoints as if they acted; each says what verify does with it."""
+    with pytest.raises(SystemExit):
+        cli.main(["verify", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("--resume RESUME refused: verify checks the starting model; to check a checkpoint's weights, give its "
+            "model/ folder as --model") in text
+    for flag in ("--save-every SAVE_EVERY", "--keep-checkpoints KEEP_CHECKPOINTS"):
+        assert f"{flag} accepted and ignored: verify writes no checkpoints" in text, flag
+    assert "latest" not in text
+
+
 def test_train_help_says_the_recipe_flags_default_to_the_models_own(capsys) -> None:
     """--help showed --temperature (default: 1.0) and --passage-format (default: pair) while the default model, a
     sentence-transformers folder, trains with its own recipe (0.05, concat), and --pooling showed no default at all

@@ -606,6 +606,10 @@ def add_cli(subparsers: Any) -> None:
     output = p._option_string_actions["--output"]  # argparse keeps no public handle on an added flag
     output.required, output.default = False, None
     output.help = "accepted and ignored: verify writes nothing, so a dpr-gc train command line runs as it is"
+    for flag in ("--save-every", "--keep-checkpoints"):
+        p._option_string_actions[flag].help = "accepted and ignored: verify writes no checkpoints"
+    p._option_string_actions["--resume"].help = ("refused: verify checks the starting model; to check a checkpoint's "
+                                                 "weights, give its model/ folder as --model")
     p.add_argument("--batches", type=positive_int, default=1, help="batches to check")
     p.set_defaults(func=_cli_verify)
 
