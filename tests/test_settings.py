@@ -457,6 +457,24 @@ def test_settings_built_in_code_get_the_command_lines_checks(build: Callable[[],
     assert str(refused.value) == refusal
 
 
+def test_numpy_numbers_in_code_are_taken_as_python_numbers() -> None:
+    """GradCache takes numpy integers (its docs); EncodeSettings(batch_size=np.int64(8)) was refused ("must be a
+    positive integer, got np.int64(8)"). Any integer type but bool is taken, kept as an int, so a record holds a JSON
+    number, and a numpy float where a number goes."""
+    import numpy as np
+
+    from dpr_gc.retrieval.encode import EncodeSettings
+
+    assert type(EncodeSettings(batch_size=np.int64(8)).batch_size) is int
+    data = DataConfig(batch_size=np.int32(4), sampling_rates=[np.float32(0.5), 1])
+    assert (data.batch_size, data.sampling_rates) == (4, [0.5, 1])
+    assert json.loads(json.dumps(to_record(data)))["batch_size"] == 4
+    assert type(OptimConfig(learning_rate=np.float64(1e-5)).learning_rate) is float
+    for bad in (True, 8.0, np.int64(0)):
+        with pytest.raises(DprGcError, match="^--batch-size must be a positive integer, got "):
+            EncodeSettings(batch_size=bad)
+
+
 def test_verify_refuses_the_flags_train_refuses_as_not_applying() -> None:
     """``dpr-gc verify`` takes train's flags and builds the same settings, so a flag train refuses as ignored (a dev
     flag without --dev) is refused there too, before anything loads (it was accepted)."""

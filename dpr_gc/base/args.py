@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import numbers
 import os
 import sys
 from gettext import gettext
@@ -312,13 +313,19 @@ def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], need: str) 
         return value
 
     def accepts(value: Any) -> bool:
-        """The same rule for a value given in code (see :func:`dpr_gc.base.settings.check`)."""
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        """The same rule for a value given in code (see :func:`dpr_gc.base.settings.check`): any integer type but
+        bool (``numpy.int64`` too), and where a number goes any finite real (``numpy.float32`` too)."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real if kind is float else numbers.Integral):
             return False
-        return (not isinstance(value, float) or math.isfinite(value)) and bool(test(value))
+        return (isinstance(value, numbers.Integral) or math.isfinite(value)) and bool(test(value))
+
+    def plain(value: Any) -> Any:
+        """An accepted value as Python's own int or float (a record holds it as JSON)."""
+        return value if type(value) in (int, float) else kind(value)
 
     parse.__name__ = need
     parse.accepts = accepts  # type: ignore[attr-defined]
+    parse.plain = plain  # type: ignore[attr-defined]
     return parse
 
 

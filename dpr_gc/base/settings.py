@@ -186,7 +186,8 @@ def check(obj: Any) -> None:
     ``accepts``, else its ``refusal``, the sentence the flag's parser would refuse the value with), after turning a
     ``Path`` into its string (so records, checkpoints and model cards hold the value the command line would). A
     switch (a bool default) takes only True or False (the string ``'false'`` would turn it on), a text or path
-    setting only a str (a path also an ``os.PathLike``). Raises one :class:`DprGcError` naming the flag."""
+    setting only a str (a path also an ``os.PathLike``); an integer setting any integer type but bool (a numpy
+    one is kept as an int). Raises one :class:`DprGcError` naming the flag."""
     for field in dataclasses.fields(obj):
         decl = _setting(field)
         if decl is None:
@@ -199,20 +200,28 @@ def check(obj: Any) -> None:
         if isinstance(field.default, bool) and not isinstance(value, bool):
             switch = name if decl.dest_name(field.name) == field.name else f"{field.name} ({name})"
             raise DprGcError(f"{switch} must be True or False, got {value!r}")
-        text = _is_text(decl, field)
-        for item in _values(decl, name, value):
-            if text and not isinstance(item, str):
-                raise DprGcError(f"{name} must be {'a path (str or os.PathLike)' if text == 'path' else 'a str'}, "
-                                 f"got {item!r}")
-            if decl.choices is not None and item not in decl.choices:
-                raise DprGcError(f"{name} must be one of {', '.join(map(str, decl.choices))}, got {item!r}")
-            accepts = getattr(decl.type, "accepts", None)
-            if accepts is not None and not accepts(item):
-                raise DprGcError(f"{name} must be {decl.type.__name__}, got {item!r}")
-            refusal = getattr(decl.type, "refusal", None)
-            why = refusal(item) if refusal is not None else None
-            if why:
-                raise DprGcError(f"{name}: {why}")
+        items = _values(decl, name, value)
+        checked = [_checked(decl, _is_text(decl, field), name, item) for item in items]
+        object.__setattr__(obj, field.name, type(value)(checked) if items is value else checked[0])
+
+
+def _checked(decl: Setting, text: str, name: str, item: Any) -> Any:
+    """One value of a setting checked (see :func:`check`; ``text``: :func:`_is_text`), as the plain Python value
+    its flag type makes of it (``numpy.int64(8)``: 8), so records hold JSON numbers."""
+    if text and not isinstance(item, str):
+        raise DprGcError(f"{name} must be {'a path (str or os.PathLike)' if text == 'path' else 'a str'}, "
+                         f"got {item!r}")
+    if decl.choices is not None and item not in decl.choices:
+        raise DprGcError(f"{name} must be one of {', '.join(map(str, decl.choices))}, got {item!r}")
+    accepts = getattr(decl.type, "accepts", None)
+    if accepts is not None and not accepts(item):
+        raise DprGcError(f"{name} must be {decl.type.__name__}, got {item!r}")
+    refusal = getattr(decl.type, "refusal", None)
+    why = refusal(item) if refusal is not None else None
+    if why:
+        raise DprGcError(f"{name}: {why}")
+    plain = getattr(decl.type, "plain", None)
+    return plain(item) if plain is not None else item
 
 
 def _is_text(decl: Setting, field: dataclasses.Field) -> str:
