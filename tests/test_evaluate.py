@@ -147,6 +147,23 @@ def test_evaluate_answers_recompute_vs_stored():
         ev.evaluate_answers([{"answers": []}], [1], "string")
 
 
+def test_the_library_evaluate_takes_what_the_command_line_takes(tmp_path):
+    """evaluate(..., workers=0) was refused ("--workers must be a positive integer, got 0") though --workers 0 is all
+    cores, and mode="stored" as an unknown mode whose message left out stored and None."""
+    path = tmp_path / "res.json"
+    path.write_text(json.dumps(_results()))
+    by_string = ev.evaluate([1, 2], path, workers=0, mode="string")["answers"]
+    assert (by_string["match"], by_string["metrics"]["Accuracy@1"]) == ("string", 0.5)
+    stored = ev.evaluate([1, 2], path, mode="stored")["answers"]
+    assert (stored["match"], stored["metrics"]["Accuracy@1"]) == ("stored", 1.0)
+    assert ev.evaluate([1], path, mode=None)["answers"]["match"] == "stored"
+    with pytest.raises(DprGcError) as refused:
+        ev.evaluate([1], path, mode="fuzzy")
+    assert str(refused.value) == "--match must be one of auto, stored (or None), string, regex, got 'fuzzy'"
+    with pytest.raises(DprGcError, match=r"^--workers must be an integer >= 0 \(0: all cores\), got -1$"):
+        ev.evaluate([1], path, workers=-1, mode="string")
+
+
 def test_run_from_results():
     run = ev.run_from_results(_results())
     assert run == {"q1": {"d1": 9.5, "d2": 8.0}, "q2": {"d3": 3.0, "d1": 1.0}}

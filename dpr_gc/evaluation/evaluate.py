@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional
 
 from tqdm import tqdm
 
-from .answers import (STORED, AccuracyCounter, AnswerMatcher, UncompiledPatterns, answer_flags, check_ks, check_mode,
+from .answers import (STORED, AccuracyCounter, AnswerMatcher, UncompiledPatterns, answer_flags, check_ks,
                       default_workers, iter_blocks, resolve_mode)
 from .answers import MATCH_MODES, evaluate_answers, has_answer, top_k_accuracy  # noqa: F401 (the API of evaluation)
 from ..base.args import home_expanded, nonnegative_int, output_file, plot_file, plot_format, positive_int
@@ -362,16 +362,20 @@ def evaluate(
 
     ``results_path`` gives answer accuracy (when questions have answers), read as a stream; ``mode`` ``auto``
     uses the file's ``has_answer`` flags when it has them, ``string``/``regex`` recompute them (``workers``
-    processes), ``None`` insists on the stored ones. With ``qrels_path`` the run comes from ``run_path``, or else
-    from the results' question and passage ids.
+    processes, 0: all cores, as ``--workers``), ``"stored"`` (or ``None``) insists on the stored ones. With
+    ``qrels_path`` the run comes from ``run_path``, or else from the results' question and passage ids.
     """
     ks = check_ks(ks)
+    mode = STORED if mode == "stored" else mode
+    if mode not in (STORED, "auto", *MATCH_MODES):
+        raise DprGcError(f"--match must be one of auto, stored (or None), {', '.join(MATCH_MODES)}, got {mode!r}")
+    if not nonnegative_int.accepts(workers):
+        raise DprGcError(f"--workers must be an integer >= 0 (0: all cores), got {workers!r}")
+    workers = int(workers) or default_workers(0)
     if results_path is None and run_path is None:
         raise DprGcError("give --results FILE and/or --run FILE with --qrels FILE")
     if run_path is not None and qrels_path is None:
         raise DprGcError("--run needs --qrels FILE to score it against")
-    if mode not in (STORED, "auto"):
-        check_mode(mode)
     report: dict[str, Any] = {"k": ks}
     qrels = read_qrels(qrels_path) if qrels_path is not None else None
     from_results = None
