@@ -384,7 +384,10 @@ def test_a_zip_named_as_a_shard_is_refused_in_one_line(tmp_path, data):
      "nothing: drop it"),
     (["--seed", "3"], "--seed 3 does not apply to --kind flat, which trains nothing: drop it"),
     (["--factory", "HNSW8,Flat", "--train-sample", "50", "--seed", "3"], "--train-sample 50 and --seed 3 do not "
-     "apply to --factory 'HNSW8,Flat', which trains nothing: drop them, or name a part that trains in the string")])
+     "apply to --factory 'HNSW8,Flat', which trains nothing: drop them, or name a part that trains in the string"),
+    (["--kind", "ivf-flat", "--factory", "Flat"], "--kind ivf-flat does not apply beside --factory 'Flat' (the string "
+     "says the whole index); drop --kind, or --factory"),
+    (["--kind", "flat", "--factory", "Flat"], "--kind flat does not apply beside --factory 'Flat'")])
 def test_a_parameter_the_index_would_not_use_is_refused(tmp_path, data, capsys, flags, said):
     """index accepted --nprobe for an HNSW index, --ef-search for a flat one and --train-sample / --seed for one that
     trains nothing (flat, HNSW over flat vectors), and ignored them (retrieve refuses the search flags on such an
@@ -400,6 +403,15 @@ def test_a_parameter_the_index_would_not_use_is_refused(tmp_path, data, capsys, 
                        "--nprobe", 2])[0] == 0
     assert call(main, ["index", "--embeddings", emb, "--output", tmp_path / "sq", "--factory", "HNSW8,SQ8",
                        "--train-sample", 300, "--seed", 3])[0] == 0
+
+
+def test_a_kind_given_beside_a_factory_in_code_is_refused():
+    """IndexParams(kind="hnsw", factory=...) built the factory string's index without a word about the kind."""
+    from dpr_gc.retrieval.index_params import IndexParams
+
+    with pytest.raises(DprGcError, match=r"^--kind hnsw does not apply beside --factory 'Flat'"):
+        IndexParams(kind="hnsw", factory="Flat")
+    assert IndexParams(factory="Flat").kind == "factory"
 
 
 def test_unknown_kind_and_bad_parameters(tmp_path, data):

@@ -33,8 +33,8 @@ from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_fol
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary, seconds_text
 from ..base.logs import counted, native_stderr_logged
-from .index_params import (CENTROID_POINTS, IndexBuild, IndexParams, param_rules, refuse_training,
-                           refuse_training_for, refuse_unused)
+from .index_params import (CENTROID_POINTS, IndexBuild, IndexParams, param_rules, refuse_kind_beside_factory,
+                           refuse_training, refuse_training_for, refuse_unused)
 from ..base.settings import add_arguments, from_args, setting, to_record
 from .fingerprint import LEGACY_KEY, combined, disagreeing, records_agree
 from .shards import open_shard, read_manifests, sample_embeddings, shard_ids, shard_name, shard_rows_from
@@ -866,6 +866,8 @@ def params_given(params: Union[IndexParams, Mapping[str, Any]]) -> dict[str, Any
         unknown = sorted(set(params) - names)
         if unknown:
             raise DprGcError(f"unknown index parameters {', '.join(unknown)}; see IndexParams")
+        if params.get("kind") is not None and params.get("factory") is not None:  # --kind given, even flat
+            refuse_kind_beside_factory(params["kind"], params["factory"])
         return {name: value for name, value in params.items() if value is not None}
     default = IndexParams()
     given = {name: getattr(params, name) for name in names if getattr(params, name) != getattr(default, name)}

@@ -63,9 +63,17 @@ def check_factory(factory: str) -> None:
                              f"{HNSW_M_RANGE[0]} to {HNSW_M_RANGE[1]}")
 
 
+def refuse_kind_beside_factory(kind: str, factory: str) -> None:
+    """Refuse a ``--kind`` given beside ``--factory``: the string says the whole index, so the kind would be
+    ignored."""
+    raise DprGcError(f"--kind {kind} does not apply beside --factory {factory!r} (the string says the whole index); "
+                     "drop --kind, or --factory")
+
+
 @dataclasses.dataclass
 class IndexParams:
-    """Which FAISS index to build. ``factory`` (any ``faiss.index_factory`` string) overrides ``kind``.
+    """Which FAISS index to build: ``kind``, or ``factory`` (any ``faiss.index_factory`` string), beside which a
+    ``kind`` other than the default is refused.
 
     ``nlist=None`` picks about ``4 * sqrt(N)`` inverted lists, capped so each gets enough training vectors;
     ``pq_m=None`` picks the largest divisor of the dimension that is at most ``dim / 4`` (bytes per vector), and
@@ -77,7 +85,7 @@ class IndexParams:
     kind: str = setting("flat", "--kind", type=index_kind,
                         help=f"index kind: {', '.join(KINDS)} (flat = exact search)")
     factory: Optional[str] = setting(None, "--factory", help="any faiss.index_factory string, e.g. "
-                                                             "'OPQ64,IVF4096,PQ64' (overrides --kind)")
+                                                             "'OPQ64,IVF4096,PQ64' (instead of --kind)")
     hnsw_m: int = setting(32, "--hnsw-m", type=int_between(*HNSW_M_RANGE),
                           help="HNSW neighbours per node, 2 to 512")
     ef_construction: int = setting(200, "--ef-construction", type=hnsw_ef,
@@ -98,6 +106,8 @@ class IndexParams:
         check(self)
         if self.factory is not None:
             check_factory(self.factory)
+            if self.kind not in ("flat", "factory"):  # flat: the default, not told from one given in code
+                refuse_kind_beside_factory(self.kind, self.factory)
             self.kind = "factory"
         elif self.kind not in KINDS:
             raise DprGcError(f"--kind: unknown index kind {self.kind!r}; use one of {', '.join(KINDS)} or --factory "
