@@ -382,14 +382,18 @@ def test_an_abbreviated_flag_with_an_underscore_alias_is_that_flag() -> None:
 
 
 @pytest.mark.parametrize("given, earlier, later", [
+    (["--batch-size", "4", "--batch_size", "8"], "--batch-size", "--batch_size"),
+    (["--output_dir", "other"], "--output", "--output_dir"),
+    (["--bat", "4", "--batch_size", "8"], "--batch-size", "--batch_size"),
     (["--precision", "bf16", "--fp16"], "--precision", "--fp16"),
     (["--fp16", "--precision", "bf16"], "--fp16", "--precision"),
     (["--no-grad-cache", "--grad_cache"], "--no-grad-cache", "--grad_cache"),
 ])
-def test_a_flag_and_a_hidden_alias_that_contradict_each_other_are_refused(given: list, earlier: str,
-                                                                           later: str) -> None:
-    """GC-DPR's hidden ``--fp16`` and ``--grad_cache`` set the destination of ``--precision`` and ``--no-grad-cache``:
-    given with another value, the last one silently won; the line names both. Agreeing ones are taken."""
+def test_two_spellings_of_a_setting_that_contradict_each_other_are_refused(given: list, earlier: str,
+                                                                            later: str) -> None:
+    """Two spellings of one setting (``--batch-size 4 --batch_size 8``; GC-DPR's hidden ``--fp16`` and
+    ``--grad_cache`` beside ``--precision`` and ``--no-grad-cache``) given with different values: the last one
+    silently won; the line names both. Agreeing ones are taken, and one spelling given again keeps the last."""
     base = ["train", "--train", "t.json", "--output", "o"]
     line = error_line(*call(cli.main, [*base, *given]))
     assert line == (f"error: dpr-gc train: argument {later}: contradicts {earlier}, given before it; give one of the "
@@ -397,6 +401,8 @@ def test_a_flag_and_a_hidden_alias_that_contradict_each_other_are_refused(given:
     parse = cli.build_parser().parse_args
     assert parse([*base, "--precision", "fp16", "--fp16"]).precision == "fp16"
     assert parse([*base, "--fp16", "--fp16"]).precision == "fp16"
+    assert parse([*base, "--batch-size", "4", "--batch_size", "4"]).batch_size == 4
+    assert parse([*base, "--batch-size", "4", "--batch-size", "8"]).batch_size == 8
 
 
 def test_an_interrupt_while_a_command_loads_is_one_line(monkeypatch) -> None:

@@ -41,9 +41,10 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class OneMeaning(argparse.Action):
-    """Mixed into the actions of flags that share a destination (a setting and its hidden old aliases, see
-    :func:`one_meaning`): a command line giving two of them with different values is refused, naming both, where
-    the last one would silently win (``--precision bf16 --fp16``)."""
+    """Mixed into the actions of flags spelt more than one way (``--batch-size``/``--batch_size``, a setting and its
+    hidden old aliases, see :func:`one_meaning`): a command line giving two spellings with different values is
+    refused, naming both, where the last one would silently win (``--precision bf16 --fp16``); one spelling
+    given again keeps argparse's rule, the last value."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: Optional[str] = None) -> None:
@@ -51,10 +52,11 @@ class OneMeaning(argparse.Action):
         value, set_by = getattr(namespace, self.dest), getattr(parser, "set_by", None)
         if set_by is None:  # a parser that is not ours keeps argparse's own rule
             return
-        other, before, flag = set_by.get(self.dest, (self, value, option_string))
-        if other is not self and before != value:
-            raise argparse.ArgumentError(self, f"contradicts {flag}, given before it; give one of the two")
-        set_by[self.dest] = (self, value, option_string)
+        before, flag = set_by.get(self.dest, (value, option_string))
+        if flag != option_string and before != value:
+            raise argparse.ArgumentError(None, f"argument {option_string}: contradicts {flag}, given before it; give "
+                                               "one of the two")
+        set_by[self.dest] = (value, option_string)
 
 
 class ExtendGiven(argparse._StoreAction):
@@ -115,7 +117,7 @@ class ArgumentParser(argparse.ArgumentParser):
                          namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
         args = sys.argv[1:] if args is None else list(args)
         self.given = args
-        self.set_by: dict[str, tuple[argparse.Action, Any, Optional[str]]] = {}  # see OneMeaning
+        self.set_by: dict[str, tuple[Any, Optional[str]]] = {}  # see OneMeaning
         try:
             return super().parse_known_args(args, namespace)
         except argparse.ArgumentError as e:

@@ -292,8 +292,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
                 kwargs["choices"] = list(decl.choices)
         if unset and kwargs.get("default") is not None:
             kwargs["default"] = None
-        if decl.hidden:  # the flag and its hidden aliases share a destination: refuse them with different values
-            kwargs = one_meaning(target, kwargs)
+        if decl.hidden or len(decl.flags) + (len(decl.aliases) if dpr_aliases else 0) > 1:  # spelt more than one
+            kwargs = one_meaning(target, kwargs)  # way: refuse two spellings with different values
         action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
         if unset or decl.negatable:  # what applies when not given (see HelpFormatter)
             action.shown_default = shown.format(_shown_default(field, decl)) if unset else _shown_default(field, decl)
