@@ -381,6 +381,18 @@ def test_an_abbreviated_flag_with_an_underscore_alias_is_that_flag() -> None:
     assert "ambiguous option: --dev-b could match --dev-batch-size, " in line and "--dev-beir-split" in line, line
 
 
+def test_an_abbreviation_never_reaches_a_hidden_old_flag() -> None:
+    """--fp set precision fp16 through the hidden --fp16 and --grad was ambiguous with the hidden --grad_cache (a flag
+    --help never shows); a prefix stands for a shown flag only, and a hidden one works spelt out."""
+    base = ["train", "--train", "t.json", "--output", "o"]
+    line = error_line(*call(cli.main, [*base, "--fp"]))
+    assert line.startswith("error: dpr-gc train: unrecognized arguments: --fp;"), line
+    parse = cli.build_parser("train").parse_args
+    assert parse([*base, "--grad"]).gradient_checkpointing
+    assert parse([*base, "--fp16"]).precision == "fp16" and parse([*base, "--grad_cache"]).grad_cache
+    assert parse([*base, "--batch", "4"]).batch_size == 4
+
+
 @pytest.mark.parametrize("given, earlier, later", [
     (["--batch-size", "4", "--batch_size", "8"], "--batch-size", "--batch_size"),
     (["--output_dir", "other"], "--output", "--output_dir"),

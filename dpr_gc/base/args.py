@@ -218,9 +218,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def _get_option_tuples(self, option_string: str) -> list:
         """argparse's matches of an abbreviated flag, one per flag: ``--learning`` matches ``--learning-rate`` and
-        its alias ``--learning_rate``, one flag, which argparse refused as ambiguous."""
-        matches = super()._get_option_tuples(option_string)
+        its alias ``--learning_rate``, one flag, which argparse refused as ambiguous. A hidden flag (an old alias
+        ``--help`` does not show) is matched spelt out only: ``--fp`` is no ``--fp16``, and ``--grad`` is
+        ``--gradient-checkpointing``, not ambiguous with ``--grad_cache``."""
+        matches = [m for m in super()._get_option_tuples(option_string) if m[0].help != argparse.SUPPRESS]
         return [match for i, match in enumerate(matches) if all(match[0] is not m[0] for m in matches[:i])]
+
+    def abbreviable(self) -> list[str]:
+        """The option strings a unique prefix may stand for: those of the flags ``--help`` shows."""
+        return [option for option, action in self._option_string_actions.items() if action.help != argparse.SUPPRESS]
 
     def dash_value(self, error: argparse.ArgumentError, args: Sequence[str]) -> Optional[str]:
         """Why ``error`` arose, when it is a one-value flag followed by a word that starts with '-' but is none of
@@ -252,8 +258,7 @@ class ArgumentParser(argparse.ArgumentParser):
         abbreviations are allowed, as the start of a long option)."""
         option = word.split("=", 1)[0]
         return option in self._option_string_actions or (
-            self.allow_abbrev and option[:2] == "--" and any(name.startswith(option)
-                                                              for name in self._option_string_actions))
+            self.allow_abbrev and option[:2] == "--" and any(name.startswith(option) for name in self.abbreviable()))
 
     def print_help(self, file: Any = None) -> None:
         """The help, printed by each machine's first rank only under torchrun (every rank parses the same line)."""
@@ -296,12 +301,13 @@ class ArgumentParser(argparse.ArgumentParser):
         return words
 
     def unknown_option(self, word: str) -> bool:
-        """Whether ``word`` (``--flag`` or ``--flag=VALUE``) is none of this parser's options, nor a prefix of one;
-        a single-dash word (``-v``, ``-n5``), whether its first letter is none of this parser's short options."""
+        """Whether ``word`` (``--flag`` or ``--flag=VALUE``) is none of this parser's options, nor a prefix of a shown
+        one; a single-dash word (``-v``, ``-n5``), whether its first letter is none of this parser's short options."""
         flag = word.split("=", 1)[0]
         if flag[:2] != "--":
             return flag != "-" and flag[:2] not in self._option_string_actions
-        return flag != "--" and not any(option.startswith(flag) for option in self._option_string_actions)
+        return flag != "--" and flag not in self._option_string_actions and not any(
+            option.startswith(flag) for option in self.abbreviable())
 
 
 def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], need: str) -> Callable[[str], Any]:
