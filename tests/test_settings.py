@@ -139,6 +139,22 @@ def test_every_command_that_takes_a_beir_split_names_it_beir_split_and_takes_spl
     assert "split" in RESUME_FLAGS
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["prepare-data", "train.json", "--beir-split="], "--beir-split"),
+    (["prepare-data", "train.json", "--split="], "--split"),
+    (["mine", "--beir-dir", "beir", "--output", "o.json", "--beir-split="], "--beir-split"),
+    (["train", "--train", "t.json", "--output", "o", "--dev", "beir", "--dev-beir-split", " "], "--dev-beir-split"),
+])
+def test_an_empty_beir_split_is_refused_naming_its_flag(argv: list, flag: str) -> None:
+    """An empty --beir-split= was read as the split '' and refused later as "... has no qrels/.tsv ...", the flag
+    unnamed; it is refused as the flags are read."""
+    line = error_line(*call(cli.main, argv))
+    assert line.startswith(f"error: dpr-gc {argv[0]}: argument {flag}: the split is empty; give the qrels split to "
+                           "read (qrels/SPLIT.tsv)"), line
+    with pytest.raises(DprGcError, match="^--dev-beir-split: the split is empty"):
+        __import__("dpr_gc.train.validation", fromlist=["DevLimits"]).DevLimits(beir_split="")
+
+
 def test_train_help_says_which_settings_resume_may_change(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])

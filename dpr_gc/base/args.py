@@ -367,6 +367,27 @@ def auto_or(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def split_refusal(value: Any) -> Optional[str]:
+    """Why ``value`` is no BEIR qrels split (the SPLIT of ``qrels/SPLIT.tsv``); None when it is one. The rule of
+    :func:`qrels_split`, for a value given in code as well."""
+    if not isinstance(value, str):
+        return f"{value!r} is not a split name (a str: train, dev, test)"
+    if not value.strip():
+        return "the split is empty; give the qrels split to read (qrels/SPLIT.tsv), e.g. train, dev or test"
+    return None
+
+
+def qrels_split(text: str) -> str:
+    """A flag type for a BEIR qrels split: any name but an empty one (see :func:`split_refusal`)."""
+    why = split_refusal(text)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
+qrels_split.refusal = split_refusal  # type: ignore[attr-defined]
+
+
 def int_between(low: int, high: int) -> Callable[[str], int]:
     """A flag type for an integer in ``[low, high]``: the range a library (FAISS) can take without crashing."""
     return _number(int, lambda v: low <= v <= high, f"an integer from {low} to {high}")

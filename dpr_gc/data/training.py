@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from .arrow_cache import cache_file, cached_dataset, write_stream
 from .corpus import file_stamp, source_fingerprint
 from .qrels import iter_qrels, qrels_line_problem, read_qrels
-from ..base.args import nonnegative_int, positive_float, positive_int
+from ..base.args import nonnegative_int, positive_float, positive_int, qrels_split
 from ..base.errors import DprGcError, clipped
 from ..base.guard import guarded
 from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, die_with_parent, iter_jsonl,
@@ -679,7 +679,7 @@ class PrepareSettings:
                                                  "else ~/.cache/dpr_gc/train and ~/.cache/dpr_gc/corpora)")
     skip_bad_records: bool = setting(False, "--skip-bad-records",
                                      help="skip and count bad records instead of stopping")
-    beir_split: str = setting("train", "--beir-split", hidden=[("--split", {})],
+    beir_split: str = setting("train", "--beir-split", type=qrels_split, hidden=[("--split", {"type": qrels_split})],
                               help="qrels split used for BEIR folders (qrels/SPLIT.tsv)")
 
 

@@ -35,7 +35,7 @@ from .bm25 import BM25Source, Gold, bm25_index_exists, check_bm25_folder
 from ..data.corpus import file_stamp, rows_for_ids, source_fingerprint
 from ..data.training import beir_training_records, context_id, iter_numbered_training_file, iter_training_file
 from ..base.args import (any_float, home_expanded, nonnegative_float, nonnegative_int, output_dir, output_file,
-                         positive_float, positive_int, unit_float)
+                         positive_float, positive_int, qrels_split, unit_float)
 from ..base.errors import DprGcError, Interrupted, flags_renamed
 from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
@@ -146,7 +146,8 @@ class MineJob:
     beir_dir: Optional[str] = setting(None, "--beir-dir", type=home_expanded,
                                       help="BEIR folder (queries.jsonl, qrels/SPLIT.tsv, "
                                            "corpus.jsonl); positives: qrels")
-    split: str = setting("train", "--beir-split", dest="split", hidden=[("--split", {})],
+    split: str = setting("train", "--beir-split", dest="split", type=qrels_split,
+                         hidden=[("--split", {"type": qrels_split})],
                          help="qrels split of --beir-dir (qrels/SPLIT.tsv)")
     corpus: Optional[str] = setting(None, "--corpus", type=home_expanded,
                                     help="passages to mine from (default: the BEIR corpus, or with "

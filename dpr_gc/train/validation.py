@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..base.args import nonnegative_int, positive_int
+from ..base.args import nonnegative_int, positive_int, qrels_split
 from ..base.errors import DiskFullError, DprGcError
 from ..base.logs import nested_bar_disabled
 from ..base.settings import FREE, check, setting
@@ -48,8 +48,8 @@ class DevLimits:
     encode_batch_size: Optional[int] = setting(None, "--dev-encode-batch-size", "--val_av_rank_bsz",
                                                type=positive_int, resume=FREE,
                                                help="encoding batch of dev validation (default: --dev-batch-size)")
-    beir_split: str = setting("dev", "--dev-beir-split", help="the qrels split (qrels/SPLIT.tsv) a BEIR folder given "
-                              "as --dev is validated on")
+    beir_split: str = setting("dev", "--dev-beir-split", type=qrels_split,
+                              help="the qrels split (qrels/SPLIT.tsv) a BEIR folder given as --dev is validated on")
 
     def __post_init__(self) -> None:
         check(self)
