@@ -229,12 +229,14 @@ def test_library_and_command_line_apply_one_rule(flag: str, bad: str, build: Cal
 
 @pytest.mark.parametrize("command, flag, value, refusal", [
     (["train", "--train", "t.json"], "--memory-budget", "-5GB", "memory budget must be >= 0 bytes, got -5GB"),
-    (["encode", "--model", "m", "--corpus", "c.tsv"], "--device", "-cpu", "'-cpu' is not a torch device")])
+    (["encode", "--model", "m", "--corpus", "c.tsv"], "--device", "-cpu", "'-cpu' is not a torch device"),
+    (["train", "--train", "t.json"], "--learning-rate", "-1e-3", "'-1e-3' is not a positive number")])
 def test_a_value_starting_with_a_dash_says_how_to_write_it(command: list, flag: str, value: str, refusal: str,
                                                            tmp_path) -> None:
     """argparse reads a value that starts with '-' as a flag and said only "expected one argument"; the line names
     the flag and the value and says to write FLAG=VALUE, after which the value meets its own check. Negative numbers
-    argparse takes as values, and a real flag after a flag, keep their own messages."""
+    argparse takes as values (plain ones: -1, -.5, not -1e-3), and a real flag after a flag, keep their own
+    messages."""
     argv = [*command, "--output", tmp_path / "o"]
     line = error_line(*call(cli.main, [*argv, flag, value]))
     assert f"argument {flag}: its value '{value}' starts with '-'" in line and f"write {flag}={value} if" in line, line
