@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import dpr_gc.train.validation as validation
+from dpr_gc.model.card import card_training
 from dpr_gc.cli import main
 from dpr_gc.train.trainer import train
 from tests.helpers import call, ctrl_c_at
@@ -158,3 +159,28 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_to_the_same_run(tmp_pat
     a, b = run_record(tmp_path / "a"), run_record(tmp_path / "b")
     assert [row["step"] for row in b["metrics"]] == list(range(1, 8))
     assert_same(a, b)
+
+
+def test_resuming_an_earlier_checkpoint_drops_what_the_run_it_redoes_wrote_after_it(tmp_path: Path, caplog) -> None:
+    """``--resume OUT/checkpoint-1`` with checkpoint-2 and -3, final/ and best/ of step 3 in OUT kept them: rotation
+    then removed the checkpoints the resumed run wrote, ``--resume latest`` and ``final/`` took the old step 3, and
+    best/ matched no row of the cut metrics.jsonl. What came after step 1 is removed, said in one line, and the run
+    ends as a run of its own length does."""
+    task = {"dir": tmp_path, "model": init_model(tmp_path),
+            "train": write_dpr(tmp_path / "t.json", make_records(16, 1)),
+            "dev": write_dpr(tmp_path / "d.json", make_records(8, 2))}
+    common = dict(save_every=1, keep_checkpoints=2, dev_file=str(task["dev"]), eval_every=1, learning_rate=1e-2)
+    train(task_config(task, tmp_path / "a", max_steps=4, **{**common, "keep_checkpoints": 5}))
+    train(task_config(task, tmp_path / "b", max_steps=4, **common))
+    with caplog.at_level("WARNING", logger="dpr_gc.train.checkpoints"):
+        train(task_config(task, tmp_path / "a", max_steps=4, resume=str(tmp_path / "a" / "checkpoint-1"), **common))
+    assert "removed what the run it redoes wrote after step 1 (checkpoint-2/, checkpoint-3/, checkpoint-4/, final/" \
+        in caplog.text
+    a, b = run_record(tmp_path / "a"), run_record(tmp_path / "b")
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert [row["step"] for row in a["metrics"]] == [row["step"] for row in b["metrics"]] == [0, 1, 2, 3, 4]
+    assert_same(a, b)
+    train(task_config(task, tmp_path / "b", max_steps=3, resume=str(tmp_path / "b" / "checkpoint-3"), **common))
+    assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint-*")) == ["checkpoint-3"]  # latest: step 3
+    assert card_training(tmp_path / "b" / "final")["steps"] == 3
+    assert not (tmp_path / "b" / "best").exists() or card_training(tmp_path / "b" / "best")["steps"] <= 3

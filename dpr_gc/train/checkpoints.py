@@ -184,6 +184,11 @@ def check_start(out: Path, resume: Optional[str], inputs: Optional[Mapping[str, 
         check_inputs_kept(out / "best", inputs or {})
 
 
+def checkpoint_step(folder: Path) -> int:
+    """The step of a ``checkpoint-STEP`` folder."""
+    return int(folder.name.removeprefix("checkpoint-"))
+
+
 def check_inputs_kept(best: Path, inputs: Mapping[str, Any]) -> None:
     """Refuse an input inside ``best``, the starting model an interrupted run left, which a new run removes."""
     for flag, value in inputs.items():
@@ -334,9 +339,36 @@ class Checkpointer:
             raise DprGcError(f"{path}: this checkpoint does not fit the run ({str(e).splitlines()[0][:200]}); "
                              "resume with the settings it was made with, or from another checkpoint") from None
         self.adopt_best(path, state["step"], saved)
+        self.drop_later(path, state["step"], saved)
         if self.is_main:
             truncate_metrics(self.out / "metrics.jsonl", state["step"])
         return state
+
+    def drop_later(self, checkpoint: Path, step: int, saved: Optional[Retriever]) -> None:
+        """A resume of an earlier checkpoint of this ``--output`` goes on from its step, as metrics.jsonl does: the
+        later checkpoints, and a ``final/`` or ``best/`` of a later step, belong to the run being redone and are
+        removed, said in one line (kept, rotation removed the resumed run's own checkpoints, ``--resume latest`` and
+        ``final/`` took the old run's last step). ``best/`` becomes the checkpoint's model where that is the best
+        recorded, else the next dev evaluation writes it."""
+        if os.path.realpath(checkpoint.parent) != os.path.realpath(self.out):
+            return
+        later = [p for p in self.checkpoints() if checkpoint_step(p) > step]
+        later += [self.out / name for name in ("final", "best")
+                  if card_training(self.out / name).get("steps", 0) > step]
+        best_gone = self.out / "best" in later
+        if best_gone:
+            self.best_value, self.best_path, self.best_step = ((self.best_value, self.best_path, step)
+                                                               if saved is not None and self.best_step == step
+                                                               else (None, None, None))
+        if dist.is_initialized():
+            dist.barrier()  # every rank has read the folders before the first one removes them
+        if self.is_main and later:
+            for folder in later:
+                shutil.rmtree(folder)
+            logger.warning("resuming %s, an earlier checkpoint of %s: removed what the run it redoes wrote after "
+                           "step %d (%s)", checkpoint.name, self.out, step, ", ".join(p.name + "/" for p in later))
+            if best_gone and self.best_path is not None:
+                save_with_card(saved, checkpoint, self.out / "best")
 
     def adopt_best(self, checkpoint: Path, step: int, saved: Optional[Retriever]) -> None:
         """A resume into a new ``--output``: the recorded ``best/`` is the resumed run's, which may by now hold
@@ -355,7 +387,7 @@ class Checkpointer:
         self.best_path = str(self.out / "best")
         if saved is not None and best_step == step:
             if self.is_main:
-                saved.save(self.out / "best")  # whole or not at all
+                save_with_card(saved, checkpoint, self.out / "best")
                 logger.info("%s: the best model recorded (step %d) is this checkpoint's: copied to %s", checkpoint,
                             step, self.best_path)
             return
@@ -363,6 +395,13 @@ class Checkpointer:
         if self.is_main:
             logger.info("%s has no best/ yet: the best model recorded, %s (step %s), belongs to the run resumed; the "
                         "next dev evaluation writes best/ here", self.out, recorded, best_step)
+
+
+def save_with_card(saved: Retriever, checkpoint: Path, folder: Path) -> None:
+    """Save a checkpoint's model (``saved``, read from ``checkpoint/model``) to ``folder`` whole or not at all, its
+    model card keeping the training record the checkpoint's holds (steps, data, dev metrics)."""
+    saved.training_info = {**card_training(checkpoint / "model"), **saved.training_info}
+    saved.save(folder)
 
 
 def remove_temporaries(out: Path) -> list[Path]:
