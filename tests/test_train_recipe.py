@@ -166,3 +166,58 @@ def test_the_plain_model_line_takes_the_article_of_the_model_type(caplog, model_
     with caplog.at_level(logging.INFO, logger="dpr_gc.model.retriever"):
         plain_model_recipe("m", model, RetrieverConfig(), chosen=())
     assert f"m: {said}: pooling" in caplog.text
+
+
+def test_a_decoder_run_records_the_recipe_and_lora_settings_it_trained_with(tmp_path: Path) -> None:
+    """docs/training.md: a plain decoder folder trained without --pooling records the last-token pooling, concat
+    passages and LoRA alpha and targets it took (it recorded cls, pair and nulls), so --resume takes those values
+    given as flags; a record of an earlier version (cls/pair, null alpha and targets) resumes with the original
+    command line, and with the values used, as the recipe its checkpoint was trained with."""
+    from dpr_gc.cli import main
+    from dpr_gc.model.lora import DECODER_TARGETS
+    from tests.helpers import call
+    from tests.llm_models import save_decoder
+
+    base = save_decoder(tmp_path / "base", "llama", padding_side="left")
+    data = write_dpr(tmp_path / "train.json", make_records(8, 1))
+    out = tmp_path / "run"
+    flags = ["train", "--train", data, "--model", base, "--batch-size", "4", "--num-workers", "0", "--device", "cpu",
+             "--cache-dir", tmp_path / "c", "--lora-r", "4", "--lora-dropout", "0.1", "--output", out]
+    code, err = call(main, [*flags, "--max-steps", "1", "--save-every", "1"])
+    assert code == 0, err
+    record = json.loads((out / "checkpoint-1" / "train_config.json").read_text())["model"]
+    assert (record["retriever"]["pooling"], record["retriever"]["passage_format"]) == ("last", "concat")
+    targets = sorted(DECODER_TARGETS)
+    assert record["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": targets}, record["lora"]
+    given = ["--pooling", "last", "--passage-format", "concat", "--lora-alpha", "8",
+             "--lora-target-modules", ",".join(targets)]
+    old = dict(record, retriever=dict(record["retriever"], pooling="cls", passage_format="pair"),
+               lora=dict(record["lora"], alpha=None, target_modules=None))
+    for older in (False, True):
+        if older:
+            for path in (out / "train_config.json", out / "checkpoint-1" / "train_config.json"):
+                path.write_text(json.dumps(dict(json.loads(path.read_text()), model=old)))
+        for extra in ([], given):
+            code, err = call(main, [*flags, *extra, "--max-steps", "2", "--resume", out / "checkpoint-1"])
+            assert code == 0, (older, extra, err)
+
+
+def test_an_earlier_decoder_record_without_a_saved_model_is_read_as_the_decoder_recipe(tmp_path: Path) -> None:
+    """A checkpoint that saves no model (FSDP's sharded one) of an earlier version's decoder run: a recorded cls
+    pooling, which no decoder trains with, is the unresolved default, read as the decoder's last/concat; a pooling
+    the run took (last) keeps the passage format recorded, and the LoRA nulls are the defaults the run took."""
+    from dpr_gc.base.settings import to_record
+    from dpr_gc.train.setup import resolve_recorded_recipe
+    from tests.llm_models import save_decoder
+
+    base = save_decoder(tmp_path / "base", "qwen2")
+    retriever = to_record(RetrieverConfig())
+    lora = {"r": 2, "alpha": None, "dropout": 0.0, "target_modules": None}
+    old = {"model": {"name": str(base), "retriever": retriever, "lora": lora}}
+    model = resolve_recorded_recipe(old, tmp_path / "checkpoint-1")["model"]
+    assert (model["retriever"]["pooling"], model["retriever"]["passage_format"]) == ("last", "concat")
+    assert model["lora"]["alpha"] == 4.0 and model["lora"]["target_modules"][:2] == ["down_proj", "gate_proj"]
+    taken = dict(old, model=dict(old["model"], retriever=dict(retriever, pooling="last"), lora=None))
+    assert resolve_recorded_recipe(taken, tmp_path / "checkpoint-1")["model"]["retriever"]["passage_format"] == "pair"
+    unread = dict(old, model=dict(old["model"], name=str(tmp_path / "gone")))  # no config to read: as recorded
+    assert resolve_recorded_recipe(unread, None) == unread

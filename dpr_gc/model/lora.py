@@ -22,7 +22,7 @@ from ..base.args import home_expanded, layer_size, output_dir, positive_float
 from ..base.errors import DprGcError
 from ..base.files import read_json_object
 from ..base.logs import dependency_deprecations_hidden
-from .pretrained import ADAPTER_CONFIG, is_adapted, peft_module
+from .pretrained import ADAPTER_CONFIG, is_adapted, peft_module, read_model_config
 from .folder import check_replaceable, read_pipeline
 from .retriever import Retriever
 from ..base.settings import add_arguments, check, setting
@@ -111,12 +111,11 @@ def saved_adapter(folder: Path) -> Optional[LoraSettings]:
 def resolve_lora(name: str, settings: Optional[LoraSettings]) -> Optional[LoraSettings]:
     """The LoRA settings a run training the model ``name`` records: when it carries an adapter already, which trains
     as saved, that adapter's own settings (``--lora-*`` flags given or not), a flag given (not None) with another value
-    than the adapter's refused in one line; else ``settings`` (the flags; None: no LoRA), dropout 0 when not given."""
+    than the adapter's refused in one line; else ``settings`` (the flags; None: no LoRA) with the defaults of those
+    not given (:func:`lora_defaults`)."""
     saved = saved_adapter(Path(name)) if Path(name).is_dir() else None
     if saved is None:
-        if settings is not None and settings.dropout is None:
-            settings = dataclasses.replace(settings, dropout=0.0)
-        return settings
+        return lora_defaults(name, settings) if settings is not None else None
     if settings is None:
         return saved
     targets = ",".join(saved.target_modules or ())
@@ -130,6 +129,19 @@ def resolve_lora(name: str, settings: Optional[LoraSettings]) -> Optional[LoraSe
                          f"{saved.dropout:g}, on {targets}), which trains as saved; drop {' and '.join(differ)}, or "
                          "run dpr-gc merge-lora on it first to put new adapters on the merged weights")
     return saved
+
+
+def lora_defaults(name: str, settings: LoraSettings) -> LoraSettings:
+    """``settings`` for a new adapter on the model ``name``, the values a flag not given takes filled in, so a run
+    records (and ``--resume`` compares) the adapter it trains: dropout 0, alpha ``2 r`` and, for a model type of
+    :data:`DEFAULT_TARGETS` (read from the model's config), its targets, sorted as the log and the adapter list them.
+    Targets found from the model's layer names (an unlisted type) stay None: they need the model loaded."""
+    filled = {"dropout": 0.0 if settings.dropout is None else settings.dropout,
+              "alpha": float(2 * settings.r) if settings.alpha is None else settings.alpha}
+    if settings.target_modules is None:
+        model_type = getattr(read_model_config(name), "model_type", None)
+        filled["target_modules"] = sorted(DEFAULT_TARGETS[model_type]) if model_type in DEFAULT_TARGETS else None
+    return dataclasses.replace(settings, **filled)
 
 
 def linear_leaf_names(model: nn.Module) -> list[str]:
@@ -181,8 +193,10 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
             check_targets(model, targets)
             config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r,
                                      lora_dropout=settings.dropout or 0.0, target_modules=targets, bias="none")
-            sources[id(encoder)] = ("--lora-target-modules" if settings.target_modules else
-                                    f"default for {getattr(model.config, 'model_type', '?')}")
+            model_type = getattr(model.config, "model_type", "?")
+            default = set(settings.target_modules or ()) == set(DEFAULT_TARGETS.get(model_type, ()))
+            sources[id(encoder)] = ("--lora-target-modules" if settings.target_modules and not default else
+                                    f"default for {model_type}")  # the defaults a run records are the type's
             base = str(getattr(model.config, "name_or_path", "") or "")
             try:
                 with dependency_deprecations_hidden():

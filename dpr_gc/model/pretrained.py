@@ -65,6 +65,29 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     return check_model_config(model, name_or_path)
 
 
+def read_model_config(name_or_path: str | Path) -> Optional[Any]:
+    """The transformers config of a model folder (a PEFT adapter folder: its base model's) or of a Hub model already
+    in the local cache, read without the weights or the network, so a run can resolve the defaults that depend on
+    the model before loading it; None when there is none to read here (the load reports why)."""
+    from transformers import AutoConfig
+
+    path = Path(name_or_path)
+    if (path / ADAPTER_CONFIG).is_file():
+        try:
+            base = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(base, str) or not base or (Path(base) / ADAPTER_CONFIG).is_file():
+            return None  # the load refuses an adapter without a plain base model
+        name_or_path = base
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoConfig.from_pretrained(str(name_or_path), trust_remote_code=False, local_files_only=True)
+    except Exception:  # noqa: BLE001 - no config here, or one transformers refuses: the load says which
+        return None
+
+
 def _kind(key: str) -> str:
     """A weight's name with its layer numbers masked: ``encoder.layer.#.attention...``."""
     return re.sub(r"(?<=\.)\d+(?=\.)", "#", key)

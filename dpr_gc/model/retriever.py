@@ -100,15 +100,22 @@ def check_pooling(transformer: nn.Module, pooling: str) -> None:
                          "every text gets the same vector; use --pooling last")
 
 
+def decoder_recipe(model_config: Any, config: RetrieverConfig, chosen: Collection[str]) -> RetrieverConfig:
+    """``config`` for a plain Hugging Face model of ``model_config`` (a transformers config): a decoder-only one
+    takes :data:`DECODER_RECIPE` (last-token pooling, concat passages) in every field not ``chosen`` by the user.
+    Training resolves it from the model's config before loading the model, so the run records what it trains with."""
+    if not is_causal_decoder(model_config):
+        return config
+    return dataclasses.replace(config, **{k: v for k, v in DECODER_RECIPE.items() if k not in chosen})
+
+
 def plain_model_recipe(name: str, model: nn.Module, config: RetrieverConfig,
                        chosen: Collection[str]) -> RetrieverConfig:
-    """``config`` for a plain Hugging Face model, a decoder-only one taking :data:`DECODER_RECIPE` (last-token pooling,
-    concat passages) in every field not ``chosen`` by the user; logs the pooling when the user left it to the
-    model."""
+    """``config`` for a plain Hugging Face model (:func:`decoder_recipe`); logs the pooling when the user left it to
+    the model."""
     model_config = getattr(model, "config", None)
     decoder = is_causal_decoder(model_config)
-    if decoder:
-        config = dataclasses.replace(config, **{k: v for k, v in DECODER_RECIPE.items() if k not in chosen})
+    config = decoder_recipe(model_config, config, chosen)
     if "pooling" not in chosen:
         model_type = getattr(model_config, "model_type", "?")
         kind = f"a decoder-only {model_type}" if decoder else with_article(model_type)

@@ -19,7 +19,10 @@ from ..base.settings import to_record
 from ..engine.loss import Temperature
 from ..model.dpr_hub import find_dpr_pair
 from ..model.folder import CONFIG_NAME, config_from_pipeline, load_pipeline_retriever, lower_case, read_pipeline
-from ..model.retriever import Retriever, RetrieverConfig, check_max_length
+from ..model.config import DECODER_RECIPE, is_causal_decoder
+from ..model.lora import LoraSettings, lora_defaults
+from ..model.pretrained import default_model_path, read_model_config
+from ..model.retriever import Retriever, RetrieverConfig, check_max_length, decoder_recipe
 from ..model.tokenize import check_length_room
 from .config import DataConfig, ModelConfig
 
@@ -167,21 +170,38 @@ def folder_recipe(name: str, towers: dict, model: ModelConfig,
 
 def resolve_recipe(model: ModelConfig, warn: bool = False) -> ModelConfig:
     """``model`` with ``retriever`` holding the recipe a sentence-transformers folder trains with
-    (:func:`folder_recipe`: the flags given, the folder's own values for the rest), or a saved retriever folder's own
-    (:func:`saved_recipe`), so the run records, and ``--resume`` compares, the pooling, normalisation and temperature
-    it used, not the library's defaults. The prefix flags stay in their own fields (the folder's prompts are the
-    recipe's). Any other model as it is: a new one starts from ``retriever`` itself."""
+    (:func:`folder_recipe`: the flags given, the folder's own values for the rest), a saved retriever folder's own
+    (:func:`saved_recipe`), or a plain decoder-only model's (:func:`plain_recipe`), so the run records, and
+    ``--resume`` compares, the pooling, normalisation and temperature it used, not the library's defaults. The
+    prefix flags stay in their own fields (the folder's prompts are the recipe's). Any other model as it is: a new
+    one starts from ``retriever`` itself."""
     name = model.path()
     towers = None if (Path(name) / CONFIG_NAME).is_file() or not Path(name).is_dir() else read_pipeline(Path(name))
     if towers is not None:
         with infos_hidden(logger):  # build_retriever says the recipe
             recipe = folder_recipe(name, towers, dataclasses.replace(model, query_prefix=None, passage_prefix=None))
+    elif (Path(name) / CONFIG_NAME).is_file():
+        recipe = saved_recipe(model, warn)
     else:
-        recipe = saved_recipe(model, warn) if (Path(name) / CONFIG_NAME).is_file() else None
+        return plain_recipe(model)
     if recipe is None:
         return model
     flags = model.retriever_flags if model.retriever_flags is not None or model.retriever is not None else ()
     return dataclasses.replace(model, retriever=recipe, retriever_flags=flags)
+
+
+def plain_recipe(model: ModelConfig) -> ModelConfig:
+    """``model`` with a plain decoder-only model's recipe (:func:`~dpr_gc.model.retriever.decoder_recipe`: last-token
+    pooling and concat passages where not given) read from its config before it loads; any other model (an encoder,
+    a DPR file or pair, one whose config cannot be read here) as it is."""
+    if Path(model.path()).is_file() or find_dpr_pair(Path(model.path())):
+        return model
+    model_config = read_model_config(model.path())
+    chosen = chosen_fields(model)
+    if model_config is None or not is_causal_decoder(model_config):
+        return model
+    recipe = decoder_recipe(model_config, model.retriever or RetrieverConfig(), chosen)
+    return dataclasses.replace(model, retriever=recipe, retriever_flags=tuple(sorted(chosen)))
 
 
 def saved_recipe(model: ModelConfig, warn: bool) -> Optional[RetrieverConfig]:
@@ -210,14 +230,17 @@ def same_value(given: Any, saved: Any) -> bool:
     return given == saved
 
 
-def resolve_recorded_recipe(recorded: dict) -> dict:
+def resolve_recorded_recipe(recorded: dict, checkpoint: Optional[Path] = None) -> dict:
     """The settings ``recorded`` by a run, its recipe resolved as :func:`resolve_recipe` resolves a new run's. A
     record from before runs recorded their recipe holds ``model.retriever_flags`` and, for a sentence-transformers
     folder, the library's defaults for the fields not given: those are the folder's values that run trained with.
-    A newer record is returned as it is."""
+    A record from before a plain decoder's recipe and LoRA defaults were recorded is read as the run it was
+    (:func:`resolve_recorded_decoder`). A newer record is returned as it is."""
     section = recorded.get("model")
-    if not isinstance(section, dict) or "retriever_flags" not in section:
+    if not isinstance(section, dict):
         return recorded
+    if "retriever_flags" not in section:
+        return {**recorded, "model": resolve_recorded_decoder(section, checkpoint)}
     old, flags = section.get("retriever"), section.get("retriever_flags")
     model = ModelConfig(name=section.get("name"),
                         retriever=RetrieverConfig.from_dict(old) if isinstance(old, dict) else None,
@@ -225,6 +248,45 @@ def resolve_recorded_recipe(recorded: dict) -> dict:
     resolved = resolve_recipe(model).retriever
     retriever = to_record(resolved) if resolved is not None else old
     return {**recorded, "model": {**section, "retriever": retriever}}
+
+
+def resolve_recorded_decoder(section: dict, checkpoint: Optional[Path]) -> dict:
+    """A recorded ``model`` section of a plain decoder-only model as the run trained it. Earlier versions recorded
+    the library's defaults (pooling cls, passage format pair; LoRA alpha and targets null) where the run took the
+    decoder's (:func:`~dpr_gc.model.retriever.decoder_recipe`, :func:`~dpr_gc.model.lora.lora_defaults`): the
+    pooling and passage format are those of the retriever ``checkpoint`` saved, else (an FSDP checkpoint saves
+    none) the decoder's in place of a recorded cls pooling, which no decoder trains with; a null alpha or target
+    list is the default the run took."""
+    name = section.get("name") or default_model_path()
+    folder = any((Path(name) / f).is_file() for f in (CONFIG_NAME, "modules.json"))  # a saved or s-t folder
+    model_config = None if folder else read_model_config(name)
+    if model_config is None or not is_causal_decoder(model_config):
+        return section
+    retriever = section.get("retriever") if isinstance(section.get("retriever"), dict) else to_record(RetrieverConfig())
+    saved = saved_fields(checkpoint / "model" / CONFIG_NAME) if checkpoint is not None else None
+    if saved is not None:
+        retriever = {**retriever, **{k: saved[k] for k in DECODER_RECIPE if isinstance(saved.get(k), str)}}
+    elif retriever.get("pooling") == RetrieverConfig().pooling:
+        defaults = to_record(RetrieverConfig())
+        retriever = {**retriever, **{k: v for k, v in DECODER_RECIPE.items() if retriever.get(k) == defaults[k]}}
+    lora = section.get("lora")
+    if isinstance(lora, dict):
+        try:
+            filled = lora_defaults(name, LoraSettings(r=lora.get("r")))
+        except DprGcError:  # no rank a run takes: compared as recorded
+            return {**section, "retriever": retriever}
+        lora = {**lora, **{k: getattr(filled, k) for k in ("alpha", "target_modules") if lora.get(k) is None}}
+        return {**section, "retriever": retriever, "lora": lora}
+    return {**section, "retriever": retriever}
+
+
+def saved_fields(path: Path) -> Optional[dict]:
+    """The fields of a saved retriever's ``retriever_config.json``; None when it is missing or unreadable."""
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return fields if isinstance(fields, dict) else None
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:

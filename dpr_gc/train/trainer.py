@@ -138,7 +138,7 @@ class Trainer:
         check_start(self.out, config.run.resume, self.inputs())  # before minutes of loading the model and the data
         checkpoint = resolve_checkpoint(self.out, config.run.resume) if config.run.resume else None
         recorded = recorded_settings(checkpoint, self.out) if checkpoint else None
-        recorded = (recorded[0], resolve_recorded_recipe(recorded[1])) if recorded else None
+        recorded = (recorded[0], resolve_recorded_recipe(recorded[1], checkpoint)) if recorded else None
         self.hard_negatives_given = config.data.hard_negatives is not None
         self.config = config = self.resolve(config, recorded[1] if recorded else None)
         if checkpoint:
