@@ -405,3 +405,23 @@ def test_the_model_cards_python_snippets_run_as_written_and_embed_as_dpr_gc(make
         exec(block.replace("path/to/this/folder", str(tmp_path / "m")), scope)  # noqa: S102 (the card's own code)
         got = scope[result].detach().numpy() if isinstance(scope[result], torch.Tensor) else scope[result]
         np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=ATOL, err_msg=block)
+
+
+def test_a_prefix_with_a_newline_a_bar_or_backticks_keeps_the_cards_table_one_row_per_setting(make_retriever, tmp_path):
+    """card.py: a table cell holds a string escaped (a newline as \\n, | as \\|, a code span fenced past its
+    backticks), so an instruction prefix ($'Instruct: ...\\nQuery: ') keeps one row per setting; the YAML metadata
+    keeps the real value."""
+    import yaml
+
+    query, passage = "Instruct: find the abstract\nQuery: ", "doc | `x` "
+    retriever = make_retriever(query_prefix=query, passage_prefix=passage)
+    retriever.save(tmp_path / "m")
+    card = (tmp_path / "m" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])["dpr_gc"]["model"]
+    assert (meta["query_prefix"], meta["passage_prefix"]) == (query, passage)
+    table = card.split("| setting | value |\n|---|---|\n")[1].split("\n\n")[0].splitlines()
+    assert len(table) == len(meta) and all(line.startswith("| ") and line.endswith(" |") for line in table), table
+    cells = [line.replace("\\|", "").count("|") for line in table]
+    assert cells == [3] * len(table), table
+    assert "| query prefix | `Instruct: find the abstract\\nQuery: ` |" in table, table
+    assert "| passage prefix | `` doc \\| `x`  `` |" in table, table

@@ -28,6 +28,8 @@ TRAINING_ROWS = (("base_model", "base model"), ("train_data", "training data"), 
                  ("warmup_steps", "warmup steps"), ("epochs", "epochs"), ("steps", "steps done"),
                  ("total_steps", "steps planned"), ("precision", "precision"), ("seed", "seed"))
 
+SHOWN_BREAKS = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})  # a table cell holds one line
+
 
 def model_settings(retriever: Any) -> dict:
     """The recipe as the card states it (and as ``retriever_config.json`` stores it)."""
@@ -130,13 +132,26 @@ def _lora_cell(lora: dict) -> str:
 
 
 def _cell(value: Any) -> str:
+    """``value`` as one Markdown table cell: a string as a code span (:func:`_code`), a list or dict joined; a line
+    break shown as ``\\n`` and ``|`` escaped, so a multi-line instruction prefix keeps its row (the YAML metadata
+    holds the value itself)."""
     if isinstance(value, list):
         return "; ".join(_cell(v) for v in value)
     if isinstance(value, dict):
-        return ", ".join(f"{k}: {v}" for k, v in value.items())
+        return ", ".join(f"{k}: {v}" for k, v in value.items()).translate(SHOWN_BREAKS).replace("|", "\\|")
     if isinstance(value, str):
-        return f"`{value}`" if value else '`""`'
+        return _code(value).replace("|", "\\|") if value else '`""`'
     return str(value)
+
+
+def _code(text: str) -> str:
+    """``text`` as a Markdown code span that shows it whole: line breaks and tabs shown escaped, fenced by more
+    backticks than it holds in a row, and padded with a space where it holds a backtick or starts and ends with a
+    space (which Markdown strips one of)."""
+    text = text.translate(SHOWN_BREAKS)
+    run = max((len(ticks) for ticks in re.findall(r"`+", text)), default=0)
+    pad = " " if run or (text.startswith(" ") and text.endswith(" ") and text.strip()) else ""
+    return f"{'`' * (run + 1)}{pad}{text}{pad}{'`' * (run + 1)}"
 
 
 def _usage(retriever: Any, shared: bool) -> str:
