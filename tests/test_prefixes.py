@@ -113,7 +113,9 @@ def test_encode_retrieve_and_mine_apply_stored_prefixes_and_flags(make_retriever
 
 def test_prefixes_given_to_encode_are_recorded_and_used_by_retrieve_and_mine(make_retriever, tmp_path, capsys):
     """`encode --query-prefix/--passage-prefix` override the model's; the index records them, so retrieve and mine
-    embed queries under the same ones without repeating the flags (an explicit flag still wins)."""
+    embed queries under the same ones without repeating the flags (an explicit flag still wins). A --passage-prefix
+    other than the index's is refused naming the flag, the index's prefix and the remedy, in the command's words
+    (it blamed the model, which is the one that encoded the passages)."""
     retriever = make_retriever(query_prefix=QP, passage_prefix=PP, passage_format="concat", normalize=True)
     retriever.save(tmp_path / "model")
     corpus = tmp_path / "corpus.jsonl"
@@ -139,14 +141,15 @@ def test_prefixes_given_to_encode_are_recorded_and_used_by_retrieve_and_mine(mak
     assert main(["retrieve", "--index", str(tmp_path / "idx"), "--queries", str(queries), "--output", str(out),
                  "--match", "none", "--device", "cpu", "--cache-dir", str(tmp_path / "c"),
                  "--passage-prefix", PP]) == 2  # passages were encoded without it
-    refusal = f"the model uses passage_prefix={PP!r} but the index built from model"
-    assert refusal in capsys.readouterr().err
+    refusal = (f"error: --passage-prefix {PP!r} differs from the '' the index built from model {tmp_path / 'model'} "
+               "was encoded with; drop --passage-prefix ({} then takes the index's) or give ''\n")
+    assert capsys.readouterr().err == refusal.format("retrieve")
     train = tmp_path / "train.json"
     train.write_text(json.dumps([{"question": q, "answers": ["zzz"], "positive_ctxs": [PASSAGES[0]]} for q in QUERIES]))
     assert main(["mine", "--source", "dense", "--index", str(tmp_path / "idx"), "--train-file", str(train),
                  "--output", str(tmp_path / "mined.json"), "--corpus", str(corpus), "--device", "cpu",
                  "--cache-dir", str(tmp_path / "c"), "--model", str(tmp_path / "model"), "--passage-prefix", PP]) == 2
-    assert refusal in capsys.readouterr().err and not (tmp_path / "mined.json").exists()
+    assert capsys.readouterr().err == refusal.format("mine") and not (tmp_path / "mined.json").exists()
     source = open_source("dense", load_corpus(corpus, tmp_path / "c"), model=str(tmp_path / "model"),
                          index=tmp_path / "idx", device="cpu", show_progress=False)
     assert (source.retriever.config.query_prefix, source.retriever.config.passage_prefix) == ("on ", "")

@@ -611,7 +611,7 @@ def open_source(kind: str, corpus: Any, settings: Optional[SourceSettings] = Non
         with flags_renamed({"--output": "--index"}):
             build_index(emb, index, IndexParams("flat"))
     dense = DenseIndex.read(index)
-    check_compatible(retriever, dense, check_fingerprint=s.check_model)
+    check_compatible(retriever, dense, s.check_model, s.passage_prefix, verb="mine")
     check_corpus(dense, corpus)
     return DenseSource(retriever, dense, batch_size, show_progress)
 

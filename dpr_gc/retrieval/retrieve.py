@@ -112,19 +112,27 @@ class RetrieveJob:
         check(self)
 
 
-def check_compatible(retriever: Any, index: DenseIndex, check_fingerprint: bool = True) -> None:
+def check_compatible(retriever: Any, index: DenseIndex, check_fingerprint: bool = True,
+                     passage_prefix: Optional[str] = None, verb: str = "retrieve") -> None:
     """Refuse a query encoder that does not fit the index: other dimension, pooling or (optionally) passage encoder
-    weights, every byte of them (or, for an index recording the legacy fingerprint, its sample; see fingerprint.py)."""
+    weights, every byte of them (or, for an index recording the legacy fingerprint, its sample; see fingerprint.py).
+    ``passage_prefix``: the ``--passage-prefix`` given (None: not given), named as the cause where the index's
+    prefix differs; ``verb``: the command (retrieve, mine), as the remedy says it."""
     meta = index.meta
     built = f"index built from model {meta.get('model')}" if meta.get("model") else "index"
     if retriever.dim != index.dim:
         raise DprGcError(f"the model gives {retriever.dim}-dimensional vectors but the {built} holds {index.dim}-"
-                         "dimensional ones; retrieve with the model that encoded the passages")
+                         f"dimensional ones; {verb} with the model that encoded the passages")
     for key in ("pooling", "normalize", "passage_format", "passage_prefix"):
         ours = getattr(retriever.config, key)
-        if meta.get(key) is not None and meta[key] != ours:
-            raise DprGcError(f"the model uses {key}={ours!r} but the {built} was encoded with {meta[key]!r}; "
-                             "retrieve with the model that encoded the passages")
+        if meta.get(key) is None or meta[key] == ours:
+            continue
+        if key == "passage_prefix" and passage_prefix is not None:
+            raise DprGcError(f"--passage-prefix {passage_prefix!r} differs from the {meta[key]!r} the {built} was "
+                             f"encoded with; drop --passage-prefix ({verb} then takes the index's) or give "
+                             f"{meta[key]!r}")
+        raise DprGcError(f"the model uses {key}={ours!r} but the {built} was encoded with {meta[key]!r}; "
+                         f"{verb} with the model that encoded the passages")
     if check_fingerprint and meta.get("model_fingerprint"):
         from .fingerprint import fingerprint_matches
 
@@ -668,7 +676,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     qrels, count = queries_to_retrieve(job.queries, job.qrels, s)  # a bad question fails before the model loads
     retriever = Retriever.load(model, default_device(job.device),
                                *recorded_prefixes(index.meta, job.query_prefix, job.passage_prefix)).check_room("query")
-    check_compatible(retriever, index, check_fingerprint=job.check_model)  # before the corpus loads
+    check_compatible(retriever, index, job.check_model, job.passage_prefix)  # before the corpus loads
     passages = load_corpus(corpus_path, job.cache_dir)
     check_corpus(index, passages)
     log_choices(job, model, corpus_path, retriever, index)
