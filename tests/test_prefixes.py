@@ -20,7 +20,7 @@ from dpr_gc.model.retriever import Retriever
 from dpr_gc.train.trainer import train
 from dpr_gc.train.config import ModelConfig
 from dpr_gc.train.setup import build_retriever
-from tests.helpers import gather
+from tests.helpers import call, gather
 from tests.train_data import init_model
 from tests.train_data import make_records, train_config, write_dpr
 
@@ -153,3 +153,38 @@ def test_prefixes_given_to_encode_are_recorded_and_used_by_retrieve_and_mine(mak
     source = open_source("dense", load_corpus(corpus, tmp_path / "c"), model=str(tmp_path / "model"),
                          index=tmp_path / "idx", device="cpu", show_progress=False)
     assert (source.retriever.config.query_prefix, source.retriever.config.passage_prefix) == ("on ", "")
+
+
+def test_mine_scores_queries_under_the_prefixes_the_index_records(make_retriever, tmp_path):
+    """docs/stages.md: mine embeds queries under the prefixes the index records (encode's --query-prefix over the
+    model's own): each mined negative's score is the query embedded with that prefix dotted with its passage's
+    vector, not the score under the model's own query prefix."""
+    retriever = make_retriever(query_prefix=QP, passage_prefix=PP, passage_format="concat")
+    retriever.save(tmp_path / "model")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in PASSAGES))
+    code, err = call(main, ["encode", "--model", tmp_path / "model", "--output", tmp_path / "emb", "--corpus",
+                            corpus, "--query-prefix", "on ", "--dtype", "float32", "--precision", "fp32",
+                            "--cache-dir", tmp_path / "c", "--device", "cpu"])
+    assert code == 0, err
+    build_index(tmp_path / "emb", tmp_path / "idx", IndexParams("flat"))
+    train = tmp_path / "train.json"
+    train.write_text(json.dumps([{"question": q, "answers": ["zzz"], "positive_ctxs": [PASSAGES[0]]} for q in QUERIES]))
+    code, err = call(main, ["mine", "--source", "dense", "--index", tmp_path / "idx", "--train-file", train,
+                            "--corpus", corpus, "--model", tmp_path / "model", "--output", tmp_path / "mined.json",
+                            "--n-negatives", "2", "--top-k", "3", "--workers", "1", "--device", "cpu",
+                            "--cache-dir", tmp_path / "c"])
+    assert code == 0, err
+    mined = json.loads((tmp_path / "mined.json").read_text())
+    by_id = {p["id"]: p for p in PASSAGES}
+    plain = unprefixed(retriever)
+    for record in mined:
+        negatives = record["hard_negative_ctxs"]
+        assert negatives, record
+        rows = [by_id[c["passage_id"]] for c in negatives]
+        passages = retriever.embed("passage", [p["text"] for p in rows], [p["title"] for p in rows])
+        scores = [c["score"] for c in negatives]
+        query = plain.embed("query", ["on " + record["question"]])[0]
+        np.testing.assert_allclose(scores, passages @ query, rtol=0, atol=1e-4)
+        own = retriever.embed("query", [record["question"]])[0]  # the model's own prefix scores otherwise
+        assert np.abs(passages @ own - scores).max() > 1e-3
