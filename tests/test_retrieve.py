@@ -930,3 +930,31 @@ def test_retrieve_settings_in_code_meet_the_command_lines_rules():
         RetrieveSettings(compact=True)
     assert RetrieveSettings(ks=[1, 5]).cutoffs() == [1, 5]
     assert RetrieveSettings(compact=True, output="o.json", trec_run="r.trec", run_tag="t").run_tag == "t"
+
+
+def test_the_librarys_retrieve_bar_knows_its_total(world, tmp_path, monkeypatch):
+    """The library's ``retrieve`` drew "retrieving: 10 q [..., q/s]", a bar with no total or ETA, where the command's
+    shows 0/10; it counts to the number of questions given (an iterator of them too)."""
+    import dpr_gc.retrieval.retrieve as retrieve_module
+    from dpr_gc.data.corpus import load_corpus, read_queries
+
+    bars: list = []
+
+    class Bar:
+        def __init__(self, total=None, **kw):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(retrieve_module, "tqdm", Bar)
+    queries, _ = self_queries(tmp_path)
+    results = retrieve_module.retrieve(Retriever.load(world["model"]), DenseIndex.read(world["idx"]),
+                                       load_corpus(world["corpus"], cache_dir=world["cache"]),
+                                       iter(read_queries(queries)), top_k=3, match=None)
+    (bar,) = bars
+    assert len(results) == bar.total == bar.n == 10

@@ -335,14 +335,15 @@ def retrieve(retriever: Any, index: DenseIndex, corpus: Any, queries: Iterable[d
     if match is not None and match not in MATCH_MODES:
         raise DprGcError(f"--match must be one of {', '.join(MATCH_CHOICES)}, got {match!r}")
     check_inputs(retriever, index, corpus, check_model)
+    queries = list(queries)  # the bar's total (the results are a list anyway)
     if match == "regex":
-        queries, uncompiled = list(queries), UncompiledPatterns()
+        uncompiled = UncompiledPatterns()
         for i, q in enumerate(queries):
             uncompiled.check(q.get("answers") or (), f"question {i}")
         uncompiled.warn("queries")
     with AnswerMatcher(match or "string", workers) as matcher:
         results = list(iter_retrieve(retriever, index, corpus, queries, top_k, batch_size,
-                                     matcher if match is not None else None, show_progress))
+                                     matcher if match is not None else None, show_progress, total=len(queries)))
     hits = HitCount(min(top_k, index.ntotal))
     for record in results:
         hits.write(record)
