@@ -73,12 +73,18 @@ def _trainer(tmp_path: Path, make_retriever, records: int, **settings) -> Traine
     return Trainer(config)
 
 
-def test_a_warm_up_not_shorter_than_the_run_is_a_warning(tmp_path: Path, make_retriever, caplog) -> None:
+def test_a_warm_up_longer_than_the_run_is_a_warning(tmp_path: Path, make_retriever, caplog) -> None:
+    """A warm-up as long as the run reaches the full rate at its last step (s / warm-up steps at step s): it was
+    warned of as never reaching it ("the last step runs at 5e-05", the full rate); only a longer one is."""
     with caplog.at_level(logging.INFO, logger="dpr_gc"):
         _trainer(tmp_path, make_retriever, 24, max_steps=4, warmup_steps=50, learning_rate=1e-3).announce()
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "--warmup-steps 50" in r.getMessage()]
     assert len(warned) == 1
     assert "never reaches --learning-rate 0.001 (the last step runs at 8e-05)" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpr_gc"):
+        _trainer(tmp_path / "equal", make_retriever, 24, max_steps=4, warmup_steps=4, learning_rate=1e-3).announce()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING], caplog.text
 
 
 def test_max_steps_decides_the_length_over_epochs(tmp_path: Path, make_retriever, caplog) -> None:

@@ -646,8 +646,8 @@ class Trainer:
             logger.info("--max-steps %d: %.3g epochs of %s each (--max-steps decides the run's length, not --epochs)",
                         total, total / self.steps_per_epoch, counted(self.steps_per_epoch, "step"))
         warmup = optim.warmup_for(total)
-        if optim.warmup_ratio is None and warmup >= total:
-            logger.warning("--warmup-steps %d is not shorter than the run's %s: the learning rate never reaches "
+        if optim.warmup_ratio is None and warmup > total:
+            logger.warning("--warmup-steps %d is longer than the run's %s: the learning rate never reaches "
                            "--learning-rate %g (the last step runs at %g)", warmup, counted(total, "step"),
                            optim.learning_rate, optim.learning_rate * total / warmup)
 
