@@ -218,3 +218,16 @@ def test_a_grad_cache_state_round_trips_and_a_damaged_one_is_refused():
     assert fresh.state_dict() == state
     with pytest.raises(DprGcError, match="not a GradCache state"):
         fresh.load_state_dict({"per_token": [1]})
+
+
+def test_a_resumed_run_says_what_its_first_cached_step_chose(task, tmp_path, caplog):  # noqa: F811
+    """The first step's Gradient Cache line (chunking, the share of graphs kept, the peak) came at global step 1
+    only: a resumed run never said it, and its model card lost the first step's record."""
+    common = dict(max_steps=2, save_every=1, memory_budget="1GB")
+    Trainer(config(task, tmp_path / "run", **common)).fit()
+    with caplog.at_level(logging.INFO, logger="dpr_gc.train.trainer"):
+        resumed = Trainer(config(task, tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-1"), **common))
+        resumed.fit()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Gradient Cache:")]
+    assert len(lines) == 1 and "memory budget 1.00 GB" in lines[0], lines
+    assert resumed.retriever.training_info["grad_cache_first_step"]["chunks"]

@@ -431,8 +431,8 @@ class Trainer:
                               no_sync_except_last=self.world > 1, **ids)
         else:
             loss = self.plain_backward(query, passage, ids)
-        if self.cache is not None and self.step == 0 and self.rank == 0:
-            self.log_chunking()
+        if self.cache is not None and self.step == (self.resumed_from or 0) and self.rank == 0:
+            self.log_chunking()  # the first step of each run, a resumed one's too
         if self.on_backward is not None:
             self.on_backward(self.step, self.retriever)
         self.scaler.unscale_(self.optimizer)
