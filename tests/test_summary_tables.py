@@ -62,3 +62,14 @@ def test_each_stages_closing_summary_follows_the_convention() -> None:
     assert "seconds" not in retrieved and retrieved["time"] == "2.00 s"
     verified = summary_rows(VerifyReport("fp32", 1e-5, 1, "chunk 2", "full batch", device="cpu").summary(0.5))
     assert (verified["result"], verified["device"], verified["time"]) == ("FAIL", "cpu", "0.50 s")
+
+
+def test_prepare_data_prints_its_summary_apart_from_its_table(tmp_path, capsys) -> None:
+    """prepare-data printed its per-source table and the closing summary with no line between, which Markdown
+    renders as one table; a blank line parts them, as in retrieve, evaluate and the demo."""
+    from dpr_gc.cli import main
+
+    data = Path(__file__).resolve().parents[1] / "data" / "examples" / "train.json"
+    assert main(["prepare-data", str(data), "--cache-dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert "|\n\n| item | value |" in out, out

@@ -700,6 +700,7 @@ def _cli_prepare(args: Any) -> None:
                          [[*(s[k] for k in ("source", "records", "kept", "no_positive", "bad")),
                            s.get("dropped_negatives", 0), "new" if s["parsed_now"] else "cached"]
                           for s in data.stats]))
+    print()  # two tables apart: pasted together they would render as one
     print(format_summary({"sources": len(data.stats), "records": sum(s["records"] for s in data.stats),
                           "kept": sum(s["kept"] for s in data.stats),
                           "parsed this run": sum(1 for s in data.stats if s["parsed_now"])},
