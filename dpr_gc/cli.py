@@ -114,6 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = requested_command(argv)
     try:  # loading a stage imports torch: seconds in which an interrupt must not print a traceback
         parser = build_parser(command, listing=command not in STAGES)
+        check_own_options(parser, argv, command)
         args = parser.parse_args(argv)
     except SystemExit as e:  # a refused command line (its one error line is printed) returns 2; --help still exits
         if e.code in (0, None):
@@ -124,6 +125,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     setup_logging(args.verbose)
     return report_errors(lambda: run_stage(args, model_flag(argv)))
+
+
+def check_own_options(parser: argparse.ArgumentParser, argv: Sequence[str], command: Optional[str]) -> None:
+    """Refuse an unknown option before the command as dpr-gc's own (``dpr-gc -q evaluate``): argparse named it as
+    the command's ("dpr-gc evaluate: unrecognized arguments: -q"), though it went to dpr-gc itself."""
+    if command not in STAGES:
+        return
+    own = set(parser._option_string_actions)
+    unknown = [word for word in argv[:list(argv).index(command)] if word.split("=", 1)[0] not in own]
+    if unknown:
+        parser.error(f"unrecognized option {unknown[0]} before the command: dpr-gc's own options are -v/--verbose, "
+                     f"--version and -h/--help; {command}'s options go after it (dpr-gc {command} ... {unknown[0]})")
 
 
 def model_flag(argv: Sequence[str]) -> str:

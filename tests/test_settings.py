@@ -1055,3 +1055,11 @@ def test_cut_offs_given_twice_add_up(argv: list) -> None:
     script = load_script("dense_retriever").build_parser().parse_args
     assert script(["--model_file", "m", "--qa_file", "q.csv", "--ctx_file", "c.tsv", "--encoded_ctx_file", "e",
                    "--out_file", "o.json", "--k", "1", "--k", "5"]).k == [1, 5]
+
+
+def test_an_unknown_option_before_the_command_is_named_as_dpr_gcs_own(capsys) -> None:
+    """``dpr-gc -q evaluate ...`` said "dpr-gc evaluate: unrecognized arguments: -q", as if given to evaluate."""
+    code, err = call(cli.main, ["-q", "evaluate", "--results", "r.json"])
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: dpr-gc: unrecognized option -q before the command: dpr-gc's own options are "), err
+    assert "evaluate's options go after it (dpr-gc evaluate ... -q)" in err, err
