@@ -121,6 +121,15 @@ def test_fp16_is_checked_at_its_own_tolerance(tmp_path, capsys):
     assert code == 0 and "PASS" in out and "fp16 (tolerance 0.005)" in out, out
 
 
+def test_fp16_gradients_that_overflow_at_the_first_loss_scale_are_compared_at_a_lower_one(tmp_path, capsys):
+    """At temperature 0.05 both steps' gradients overflow at GradScaler's first scale (65536), which training skips;
+    verify lowers the scale as the scaler does and compares there, naming the scale it ran at."""
+    model = init_model(tmp_path, temperature=0.05)
+    code, out = run(capsys, flags(tmp_path, model, "--precision", "fp16", "--hard-negatives", "1"))
+    assert code == 0 and "PASS" in out and "nan" not in out, out
+    assert re.search(r"overflow at loss scale 65536; compared at loss scale \d+", out), out
+
+
 def test_passes_decoder_last_pooling_token_chunks(tmp_path, capsys):
     base = save_decoder(tmp_path / "base", "llama", padding_side="left")
     code, out = run(capsys, flags(tmp_path, base, "--pooling", "last", "--passage-format", "concat",

@@ -15,7 +15,9 @@ padding are checked there too. Every cached step of a batch's checks chunks as t
 An fp32 gap past the tolerance is re-measured with the towers in float64 (not under FSDP): where the two steps
 agree there, the cached step is exact and the gap is fp32 rounding, which a small temperature amplifies (logits
 scaled by 100 at 0.01), and the batch passes with a note saying so; a gap of :data:`FP32_ROUNDING_LIMIT` or more
-fails, its note saying that float64 closes it.
+fails, its note saying that float64 closes it. Gradients are compared unscaled; under fp16, where a step's scaled
+gradients overflow, both steps run again at a lower loss scale, as training's GradScaler lowers it on skipping such
+a step (:func:`lower_scale`), the batch's note naming both scales.
 
 Under torchrun, W ranks of B rows are compared with the global batch of W*B: each rank's rows in one graph, the
 loss over every rank's representations gathered with their gradient, parameter gradients summed over ranks (FSDP:
@@ -59,6 +61,9 @@ logger = logging.getLogger(__name__)
 TOLERANCES = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 # The largest fp32 gap that a float64 agreement can put down to rounding; past it the batch fails whatever float64 says.
 FP32_ROUNDING_LIMIT = 1e-3
+
+# How many times fp16's loss scale is halved at most where a step's scaled gradients overflow (check_batch).
+SCALE_TRIES = 24
 
 
 @dataclasses.dataclass
@@ -294,7 +299,7 @@ class Verifier:
             return 0.0
         leaves = [r.detach().requires_grad_() for r in reps]
         with torch.enable_grad():
-            grads = torch.autograd.grad(self.trainer.scaler.scale(self.loss_fn(*leaves, **ids)), leaves)
+            grads = torch.autograd.grad(self.loss_fn(*leaves, **ids), leaves)
         return 0.5 * sum(float((g.double() * r.detach().double()).abs().sum()) for g, r in zip(grads, leaves))
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -333,12 +338,13 @@ class Verifier:
 
     # ----------------------------------------------------------------- pieces
     def gradients(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter's gradient (full tensors under FSDP), then cleared."""
-        grads = {}
+        """Every trainable parameter's gradient (full tensors under FSDP), unscaled by fp16's loss scale, then
+        cleared."""
+        grads, scale = {}, self.trainer.scaler.get_scale()
         for name, param in self.named:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            grads[name] = widened(grad.detach()).clone()
+            grads[name] = widened(grad.detach()) / scale
         self.trainer.optimizer.zero_grad(set_to_none=True)
         return grads
 
@@ -418,26 +424,53 @@ def smaller(query: dict, passage: dict, ids: dict, per_query: int) -> tuple[dict
             {k: v[rows[k]] for k, v in ids.items()})
 
 
+def both_steps(verifier: Verifier, query: dict, passage: dict, ids: dict) -> tuple[tuple, tuple, Optional[Exception]]:
+    """The cached and the full step from the same RNG state, and the full step's out-of-memory error, if any."""
+    rng = capture_rng()
+    cached = verifier.cached_step(query, passage, ids)
+    restore_rng(rng)
+    try:
+        full, failed = verifier.full_step(query, passage, ids), None
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
+        full, failed = (None, None, None, 0.0), e
+        verifier.trainer.optimizer.zero_grad(set_to_none=True)
+    restore_rng(rng)
+    return cached, full, failed
+
+
+def lower_scale(verifier: Verifier, cached: dict, full: Optional[dict], first: Optional[float]) -> Optional[float]:
+    """Under fp16, where either step's gradients are not finite on any rank, halve the loss scale (the scaler's
+    backoff, as training's GradScaler does on skipping such a step) and return the scale they overflowed at first;
+    None where they are finite, or after :data:`SCALE_TRIES` halvings."""
+    scaler = verifier.trainer.scaler
+    finite = all(bool(torch.isfinite(g).all()) for grads in (cached, full or {}) for g in grads.values())
+    if not scaler.is_enabled() or not any_rank(not finite, verifier.trainer.world):
+        return None
+    scale = scaler.get_scale()
+    first = scale if first is None else first
+    if scale <= first * scaler.get_backoff_factor() ** SCALE_TRIES:
+        return None
+    scaler.update(scale * scaler.get_backoff_factor())
+    return first
+
+
 def check_batch(verifier: Verifier, query: dict, passage: dict, ids: dict, tolerance: float) -> BatchCheck:
     """Both steps from the same RNG state (``ids``: the loss's passage and positive ids, as training passes them);
-    where the full batch runs out of memory, retry both on halves (every rank at once) and say so; an error past
-    ``tolerance`` is re-measured in float64."""
-    trainer, note = verifier.trainer, ""
+    where the full batch runs out of memory, retry both on halves (every rank at once) and say so; under fp16, where
+    the scaled gradients overflow, retry both at a lower loss scale (:func:`lower_scale`) and say at which; an error
+    past ``tolerance`` is re-measured in float64."""
+    trainer, note, overflowed = verifier.trainer, "", None
     while True:
-        rng = capture_rng()
-        cached_loss, cached_grads, cached_cost = verifier.cached_step(query, passage, ids)
-        restore_rng(rng)
-        try:
-            full_loss, full_grads, full_cost, terms = verifier.full_step(query, passage, ids)
-            failed = None
-        except RuntimeError as e:
-            if not is_oom(e):
-                raise
-            failed, full_loss = e, None
-            trainer.optimizer.zero_grad(set_to_none=True)
-        restore_rng(rng)
+        (cached_loss, cached_grads, cached_cost), (full_loss, full_grads, full_cost, terms), failed = \
+            both_steps(verifier, query, passage, ids)
         if not any_rank(failed is not None, trainer.world):
-            break
+            first = lower_scale(verifier, cached_grads, full_grads, overflowed)
+            if first is None:
+                break
+            overflowed = first
+            continue
         size = query["input_ids"].size(0)
         if size == 1:
             raise DprGcError(f"the full batch does not fit even at one query per rank: {failed}")
@@ -447,6 +480,10 @@ def check_batch(verifier: Verifier, query: dict, passage: dict, ids: dict, toler
         note += f"verified on {query['input_ids'].size(0) * trainer.world} queries with the same chunking. "
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if overflowed is not None:
+        note += (f"the scaled gradients overflow at loss scale {overflowed:g}; compared at loss scale "
+                 f"{trainer.scaler.get_scale():g} (training's GradScaler skips a step that overflows and lowers its "
+                 "scale).")
     temp = verifier.temperature_name()
     error, worst, worst_error = compare(cached_grads, full_grads, {temp: terms} if temp else None)
     temperature = (float(cached_grads[temp]), float(full_grads[temp])) if temp else None
