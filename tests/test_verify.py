@@ -44,6 +44,9 @@ def test_passes_shared_towers_hard_negatives_learned_temperature(tmp_path, capsy
     code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "2"))
     assert code == 0 and "PASS" in out, out
     assert "tolerance 1e-05" in out and "temperature grad" in out and "one forward per side" in out
+    table, _, rest = out.partition("|\n\n")  # each table ends at a blank line: the verdict and summary apart
+    assert rest.startswith("PASS: ") and "PASS: the cached step equals" in rest.split("\n\n")[0], out
+    assert "\n\n| item | value |" in rest, out
     assert not (tmp_path / "out").exists(), "verify must not write to --output"
     assert main(flags(tmp_path, model, "--batches", "0")) == 2
     assert main(flags(tmp_path, model, "--no-grad-cache")) == 2

@@ -146,13 +146,15 @@ class VerifyReport:
                  "| batch | queries | loss cached / full | grad rel. error | worst tensor (rel. error) | "
                  "temperature grad cached / full | cached step | graphs kept (budget) | full step |",
                  "|---|---|---|---|---|---|---|---|---|"]
+        notes = []
         for i, b in zip(batch_numbers(self.batches), self.batches):
             temp = "-" if b.temperature_grad is None else f"{b.temperature_grad[0]:.6g} / {b.temperature_grad[1]:.6g}"
             lines.append(f"| {i} | {b.queries} | {b.cached_loss:.6f} / {b.full_loss:.6f} | {b.grad_error:.2e} | "
                          f"{b.worst_tensor} ({b.worst_error:.2e}) | {temp} | {cost(b.cached)} | {kept(b.memory)} | "
                          f"{cost(b.full)} |")
             if b.note:
-                lines.append(f"note (batch {i}): {b.note}")
+                notes.append(f"note (batch {i}): {b.note}")
+        lines += ["", *notes]  # below the table: a line right after its rows would read as one of them
         if self.passed:
             lines.append(f"PASS: the cached step equals the full-batch step within {self.tolerance:g}")
         else:
@@ -659,5 +661,6 @@ def _cli_verify(args: Any) -> int:
     report = verify(config, args.batches)
     if report.rank == 0:
         print(report.table())
+        print()  # the closing summary apart from the table above
         print(report.summary(time.perf_counter() - started))
     return 0 if report.passed else 1
