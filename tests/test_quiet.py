@@ -201,3 +201,51 @@ def test_matplotlibs_font_cache_notice_is_kept_quiet(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert any(fresh.iterdir()), "matplotlib built no font cache: the test did not reach the notice"
     assert result.stderr == "", result.stderr
+
+
+def test_library_load_and_save_draw_no_transformers_bars_and_keep_the_users_settings(make_retriever, tmp_path: Path,
+                                                                                    capfd) -> None:
+    """In library use, ``Retriever.save`` and ``Retriever.load`` print none of transformers' bars or lines; a user's
+    own transformers settings (bar on, info verbosity) hold again after each call."""
+    from transformers.utils import logging as hf_logging
+
+    logging.getLogger("dpr_gc").setLevel(logging.NOTSET)  # as in a fresh process (an earlier in-process --verbose)
+    before = (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity())
+    hf_logging.enable_progress_bar()
+    hf_logging.set_verbosity_info()
+    try:
+        make_retriever().save(tmp_path / "saved")
+        assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == logging.INFO
+        Retriever = type(make_retriever())
+        Retriever.load(tmp_path / "saved")
+        assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == logging.INFO
+    finally:
+        (hf_logging.enable_progress_bar if before[0] else hf_logging.disable_progress_bar)()
+        hf_logging.set_verbosity(before[1])
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err and "\x1b" not in err, err
+
+
+def test_library_lora_fit_of_a_checkpointed_gpt2_prints_nothing_of_its_dependencies(tmp_path: Path, capfd) -> None:
+    """``Trainer(config).fit()`` of a GPT-2 with LoRA on c_attn,c_proj and gradient checkpointing, called from
+    code: no "Loading weights"/"Writing model shards" bar, no transformers ``use_cache`` line, no peft
+    ``fan_in_fan_out`` warning."""
+    import dataclasses
+
+    from dpr_gc.model.lora import LoraSettings
+    from dpr_gc.train.trainer import Trainer
+    from tests.train_data import make_records, task_config, write_dpr
+
+    task = {"dir": tmp_path, "model": tiny_gpt2(tmp_path / "gpt2"),
+            "train": write_dpr(tmp_path / "train.json", make_records(8, 1))}
+    config = task_config(task, tmp_path / "run", batch_size=4, max_steps=2, save_every=1, gradient_checkpointing=True)
+    config.model = dataclasses.replace(config.model, lora=LoraSettings(r=4, target_modules=("c_attn", "c_proj")))
+    capfd.readouterr()  # the test's own GPT-2 save
+    logging.getLogger("dpr_gc").setLevel(logging.NOTSET)  # as in a fresh process (an earlier in-process --verbose)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(config).fit()
+    err = capfd.readouterr().err
+    for text in ("Loading weights", "Writing model shards", "use_cache", "fan_in_fan_out", "\x1b"):
+        assert text not in err, err
+    assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]

@@ -88,8 +88,12 @@ def native_stderr_logged(log: logging.Logger, source: str) -> Iterator[None]:
 
 
 def setup_logging(verbose: bool) -> None:
-    """Configure the root logger for a command (DEBUG with ``verbose``, else INFO) and quiet the dependencies."""
+    """Configure the root logger for a command (DEBUG with ``verbose``, else INFO) and quiet the dependencies; the
+    toolkit's own logger is set to DEBUG with ``verbose`` also where the root already has handlers (an in-process
+    call), which :func:`transformers_quiet` reads."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
+    if verbose:
+        logging.getLogger("dpr_gc").setLevel(logging.DEBUG)
     if not verbose:
         quiet_dependencies()
 
@@ -129,6 +133,30 @@ def dependency_deprecations_hidden() -> Iterator[None]:
     with warnings.catch_warnings():
         hide_dependency_deprecations()
         yield
+
+
+@contextlib.contextmanager
+def transformers_quiet() -> Iterator[None]:
+    """For one load or save through transformers or peft from the library: no progress bar, only its errors, no
+    dependency deprecations or peft advice (see the module doc); the caller's transformers settings and warning
+    filters return after it. Nothing is hidden where the toolkit logs at DEBUG (``dpr-gc --verbose``)."""
+    if logging.getLogger("dpr_gc").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            hide_dependency_deprecations()
+            warnings.filterwarnings("ignore", category=UserWarning, module=QUIET_ADVICE_MODULES)
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..base.errors import DprGcError
 from ..base.files import JSON_ERRORS
+from ..base.logs import transformers_quiet
 from .config import RetrieverConfig
 from .pretrained import load_tokenizer
 
@@ -75,7 +76,8 @@ def _load_tower(encoder_cls: Any, folder: Path) -> nn.Module:
     import pickle
 
     try:
-        return encoder_cls.from_pretrained(str(folder), dtype=torch.float32)
+        with transformers_quiet():
+            return encoder_cls.from_pretrained(str(folder), dtype=torch.float32)
     except pickle.UnpicklingError:
         weights = next(iter(sorted(folder.glob("*.bin"))), folder)
         raise DprGcError(f"{weights}: the weights are a pickle, which is never unpickled; convert them to "

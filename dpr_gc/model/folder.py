@@ -43,6 +43,7 @@ from .dpr_hub import find_dpr_pair, load_dpr, one_tokenizer
 from .pretrained import check_saveable, load_tokenizer, load_transformer
 from .tokenize import lowercases, normalizers
 from ..base.guard import atomic_folder
+from ..base.logs import transformers_quiet
 from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number, one_of,
                              positive_int, text)
 
@@ -221,7 +222,7 @@ def _write_transformer(folder: Path, model: nn.Module, tokenizer: Any, config: A
     """The Hugging Face model and tokenizer (``model_max_length`` = this tower's plain-``encode`` length)."""
     check_saveable(model)
     folder.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():  # peft saves an adapted embedding layer's weights, as it must, and says so
+    with transformers_quiet(), warnings.catch_warnings():  # peft saves an adapted embedding layer, and says so
         warnings.filterwarnings("ignore", message="Setting `save_embedding_layers` to `True`", category=UserWarning)
         model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

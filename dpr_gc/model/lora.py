@@ -21,7 +21,7 @@ from torch import nn
 from ..base.args import home_expanded, layer_size, output_dir, positive_float
 from ..base.errors import DprGcError
 from ..base.files import read_json_object
-from ..base.logs import dependency_deprecations_hidden
+from ..base.logs import transformers_quiet
 from .pretrained import ADAPTER_CONFIG, is_adapted, peft_module, read_model_config
 from .folder import check_replaceable, read_pipeline
 from .retriever import Retriever
@@ -199,7 +199,7 @@ def apply_lora(retriever: Any, settings: LoraSettings) -> int:
                                     f"default for {model_type}")  # the defaults a run records are the type's
             base = str(getattr(model.config, "name_or_path", "") or "")
             try:
-                with dependency_deprecations_hidden():
+                with transformers_quiet():  # peft's advice on fan_in_fan_out for GPT-2's Conv1D too
                     model = peft.get_peft_model(model, config)
             except ValueError as e:
                 raise DprGcError(f"--lora-target-modules {','.join(targets)}: {str(e).splitlines()[0]}") from None

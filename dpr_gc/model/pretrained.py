@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..base.errors import DprGcError
-from ..base.logs import dependency_deprecations_hidden
+from ..base.logs import transformers_quiet
 from ..base.validate import (Field, check_fields, check_weights_folder, count, number, positive_int,
                              refuse_custom_code, text)
 from .hub import check_model_source
@@ -43,7 +43,7 @@ def load_transformer(name_or_path: str | Path) -> nn.Module:
     check_layers_saved(Path(name_or_path), check_weights_folder(name_or_path))
     check_model_type(Path(name_or_path))
     try:
-        with warnings.catch_warnings():  # torch's note on an old pickle protocol: the refusal below says it all
+        with transformers_quiet(), warnings.catch_warnings():  # torch's old pickle protocol note: refused below
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             model, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False,
                                                     output_loading_info=True, dtype=torch.float32)
@@ -121,7 +121,7 @@ def size_mismatch(name_or_path: str | Path) -> str:
     from transformers import AutoModel
 
     try:
-        with dependency_deprecations_hidden():
+        with transformers_quiet():
             _, info = AutoModel.from_pretrained(str(name_or_path), trust_remote_code=False,
                                                 ignore_mismatched_sizes=True, output_loading_info=True,
                                                 dtype=torch.float32)
@@ -417,7 +417,7 @@ def load_adapter_model(folder: Path, trainable: bool = False) -> nn.Module:
     check_weights_folder(folder)
     peft = peft_module()
     try:
-        with dependency_deprecations_hidden():
+        with transformers_quiet():
             return peft.PeftModel.from_pretrained(load_transformer(base), str(folder), is_trainable=trainable)
     except pickle.UnpicklingError:
         raise DprGcError(f"{folder}: the adapter weights are a pickle, which dpr-gc never loads; save the adapter as "

@@ -472,6 +472,8 @@ def enable_gradient_checkpointing(retriever: Retriever) -> None:
         # Explicitly non-reentrant: older transformers default to reentrant checkpointing, which breaks DDP with
         # separate towers ("Expected to mark a variable ready only once").
         kwargs = {"use_reentrant": False}
+        if getattr(getattr(model, "config", None), "use_cache", None):  # a cache is of no use with recomputation
+            model.config.use_cache = False
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
