@@ -312,7 +312,7 @@ def test_a_bad_qrels_line_is_quoted_cut_short_and_named_when_it_is_another_file(
     with pytest.raises(DprGcError) as caught:
         read_qrels(path)
     message = str(caught.value)
-    assert len(message) < 400 and f"characters)" in message and message.count("\n") == 0, message[:500]
+    assert len(message) < 400 and "characters)" in message and message.count("\n") == 0, message[:500]
     assert (f"looks like {kind}" in message) if kind else "looks like" not in message, message
 
 
