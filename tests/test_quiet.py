@@ -209,7 +209,6 @@ def test_library_load_and_save_draw_no_transformers_bars_and_keep_the_users_sett
     own transformers settings (bar on, info verbosity) hold again after each call."""
     from transformers.utils import logging as hf_logging
 
-    logging.getLogger("dpr_gc").setLevel(logging.NOTSET)  # as in a fresh process (an earlier in-process --verbose)
     before = (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity())
     hf_logging.enable_progress_bar()
     hf_logging.set_verbosity_info()
@@ -241,7 +240,6 @@ def test_library_lora_fit_of_a_checkpointed_gpt2_prints_nothing_of_its_dependenc
     config = task_config(task, tmp_path / "run", batch_size=4, max_steps=2, save_every=1, gradient_checkpointing=True)
     config.model = dataclasses.replace(config.model, lora=LoraSettings(r=4, target_modules=("c_attn", "c_proj")))
     capfd.readouterr()  # the test's own GPT-2 save
-    logging.getLogger("dpr_gc").setLevel(logging.NOTSET)  # as in a fresh process (an earlier in-process --verbose)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Trainer(config).fit()
@@ -249,3 +247,23 @@ def test_library_lora_fit_of_a_checkpointed_gpt2_prints_nothing_of_its_dependenc
     for text in ("Loading weights", "Writing model shards", "use_cache", "fan_in_fan_out", "\x1b"):
         assert text not in err, err
     assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_an_in_process_verbose_command_leaves_the_library_quiet_after_it(tmp_path) -> None:
+    """``main(["--verbose", ...])`` in a process left the toolkit noting verbose, so a library load later in it drew
+    transformers' bars and deprecations (a test's helper did, after an earlier test's --verbose run)."""
+    from transformers.utils import logging as hf_logging
+
+    from dpr_gc.base.logs import transformers_quiet
+    from dpr_gc.cli import main
+
+    assert main(["--verbose", "evaluate", "--results", str(tmp_path / "missing.json")]) == 2
+    before = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        with transformers_quiet():
+            assert not hf_logging.is_progress_bar_enabled()
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        if not before:
+            hf_logging.disable_progress_bar()

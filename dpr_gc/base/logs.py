@@ -89,11 +89,10 @@ def native_stderr_logged(log: logging.Logger, source: str) -> Iterator[None]:
 
 def setup_logging(verbose: bool) -> None:
     """Configure the root logger for a command (DEBUG with ``verbose``, else INFO) and quiet the dependencies; the
-    toolkit's own logger is set to DEBUG with ``verbose`` also where the root already has handlers (an in-process
-    call), which :func:`transformers_quiet` reads."""
+    toolkit's logger notes whether this command is verbose (``verbose_dependencies``, read by
+    :func:`transformers_quiet`), set by every command, so an in-process call leaves no level behind for the next."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
-    if verbose:
-        logging.getLogger("dpr_gc").setLevel(logging.DEBUG)
+    dependencies_verbose(verbose)
     if not verbose:
         quiet_dependencies()
 
@@ -135,12 +134,18 @@ def dependency_deprecations_hidden() -> Iterator[None]:
         yield
 
 
+def dependencies_verbose(verbose: bool) -> None:
+    """Note whether the command running is ``--verbose`` (read by :func:`transformers_quiet`): set as a command sets
+    up its logging and reset as it ends, so an in-process ``--verbose`` call leaves the library quiet after it."""
+    logging.getLogger("dpr_gc").verbose_dependencies = verbose  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def transformers_quiet() -> Iterator[None]:
     """For one load or save through transformers or peft from the library: no progress bar, only its errors, no
     dependency deprecations or peft advice (see the module doc); the caller's transformers settings and warning
-    filters return after it. Nothing is hidden where the toolkit logs at DEBUG (``dpr-gc --verbose``)."""
-    if logging.getLogger("dpr_gc").isEnabledFor(logging.DEBUG):
+    filters return after it. Nothing is hidden under ``dpr-gc --verbose`` (:func:`setup_logging`)."""
+    if getattr(logging.getLogger("dpr_gc"), "verbose_dependencies", False):
         yield
         return
     from transformers.utils import logging as hf_logging
