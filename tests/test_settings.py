@@ -191,7 +191,11 @@ def test_verify_help_says_which_of_trains_flags_it_refuses_or_ignores(capsys) ->
             "model/ folder as --model") in text
     for flag in ("--save-every SAVE_EVERY", "--keep-checkpoints KEEP_CHECKPOINTS"):
         assert f"{flag} accepted and ignored: verify writes no checkpoints" in text, flag
-    assert "latest" not in text
+    for flag in ("EVAL_EVERY", "{avg_rank,loss,accuracy}", "DEV_BATCH_SIZE"):
+        assert f"{flag} accepted and ignored: verify runs no dev validation" in text, flag
+    for flag in ("EPOCHS", "WARMUP_RATIO", "LEARNING_RATE"):
+        assert f"{flag} accepted and ignored: verify compares gradients over --batches" in text, flag
+    assert "latest" not in text and "steps between dev evaluations" not in text
 
 
 def test_train_help_says_the_recipe_flags_default_to_the_models_own(capsys) -> None:

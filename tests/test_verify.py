@@ -62,6 +62,19 @@ def test_verify_needs_no_output_folder(tmp_path, capsys):
     assert code == 0 and "PASS" in out, out
 
 
+def test_a_train_command_lines_dev_flags_are_accepted_and_the_dev_file_left_unread(tmp_path, capsys, monkeypatch):
+    """verify loaded and tokenised the --dev file of a train command line though it runs no validation."""
+    from dpr_gc.train import trainer
+
+    read = []
+    monkeypatch.setattr(trainer, "load_dev_data", lambda *args: read.append(args))
+    dev = tmp_path / "dev.json"
+    write_dpr(dev, make_records(4, 1))
+    code = main(flags(tmp_path, init_model(tmp_path), "--dev", str(dev), "--eval-every", "1"))
+    out, err = capsys.readouterr()
+    assert code == 0 and "PASS" in out and read == [], out + err
+
+
 def test_the_training_runs_warm_up_is_not_announced_as_the_checks(tmp_path, capsys, caplog):
     """It logged "--warmup-ratio 0.1 of 1 step: 1 warm-up step" for a training run of many steps."""
     import logging

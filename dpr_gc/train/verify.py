@@ -591,8 +591,8 @@ def verify_trainer(config: TrainConfig, batches: int, scratch: str) -> Any:
     would read as the training run's)."""
     from .trainer import Trainer
 
-    run = dataclasses.replace(config.run, output_dir=scratch, resume=None)
-    data = dataclasses.replace(config.data, num_workers=0)
+    run = dataclasses.replace(config.run, output_dir=scratch, resume=None, eval_every=None)
+    data = dataclasses.replace(config.data, num_workers=0, dev_file=None)  # no validation: the dev file unread
     return Trainer(dataclasses.replace(config, run=run, data=data, optim=dataclasses.replace(
         config.optim, max_steps=batches, warmup_ratio=None, warmup_steps=0)))
 
@@ -638,6 +638,15 @@ def drawn_batches(trainer: Any) -> Iterator[dict]:
         yield from trainer.loader
 
 
+IGNORED_TRAIN_FLAGS = {
+    ("--save-every", "--keep-checkpoints"): "verify writes no checkpoints",
+    ("--dev", "--eval-every", "--best-metric", "--dev-max-questions", "--dev-hard-negatives", "--dev-other-negatives",
+     "--dev-batch-size", "--dev-encode-batch-size", "--dev-beir-split"): "verify runs no dev validation",
+    ("--epochs", "--max-steps", "--warmup-steps", "--warmup-ratio", "--learning-rate", "--weight-decay",
+     "--max-grad-norm"): "verify compares gradients over --batches batches and takes no optimizer step",
+}
+
+
 def add_cli(subparsers: Any) -> None:
     """Register ``verify``: ``dpr-gc train``'s flags plus ``--batches``."""
     p = subparsers.add_parser("verify")
@@ -645,8 +654,9 @@ def add_cli(subparsers: Any) -> None:
     output = p._option_string_actions["--output"]  # argparse keeps no public handle on an added flag
     output.required, output.default = False, None
     output.help = "accepted and ignored: verify writes nothing, so a dpr-gc train command line runs as it is"
-    for flag in ("--save-every", "--keep-checkpoints"):
-        p._option_string_actions[flag].help = "accepted and ignored: verify writes no checkpoints"
+    for flags, why in IGNORED_TRAIN_FLAGS.items():
+        for flag in flags:
+            p._option_string_actions[flag].help = f"accepted and ignored: {why}"
     p._option_string_actions["--resume"].help = ("refused: verify checks the starting model; to check a checkpoint's "
                                                  "weights, give its model/ folder as --model")
     p.add_argument("--batches", type=positive_int, default=1, help="batches to check")
