@@ -37,9 +37,9 @@ TABLE_KS = (1, 5, 20, 100)  # the Accuracy@k rows of the printed table (and the 
 
 def demo_training() -> TrainConfig:
     """The demo's training recipe: mean-pooled, normalised MiniLM at temperature 0.05, a batch four times the
-    Gradient Cache chunk, a short warm-up, a checkpoint every four steps, DataLoader workers as ``dpr-gc train``
-    chooses them (``auto``: none on the CPU) (the data and output paths, and the model trained, are filled in by
-    :func:`run_demo`)."""
+    Gradient Cache chunk, a warm-up of 2 steps (at most the run's), a checkpoint every four steps, DataLoader workers
+    as ``dpr-gc train`` chooses them (``auto``: none on the CPU) (the data and output paths, and the model trained,
+    are filled in by :func:`run_demo`)."""
     retriever = RetrieverConfig(pooling="mean", normalize=True, passage_format="concat", temperature=0.05,
                                 query_max_length=48, passage_max_length=128)
     return TrainConfig(model=ModelConfig(retriever=retriever), data=DataConfig(batch_size=64, hard_negatives=0),
@@ -234,6 +234,14 @@ def save_base_model(model: ModelConfig, base_dir: Path) -> None:
     retriever.check_room("query").save(base_dir)
 
 
+def warmup_within_run(training: TrainConfig, questions: int) -> TrainConfig:
+    """``training`` with its warm-up cut to the run's steps (``questions`` a batch each, per epoch): the demo's short
+    warm-up outlasted a run of fewer steps, which train warns of by a ``--warmup-steps`` the demo has not."""
+    optim = training.optim
+    steps = optim.epochs * (questions // training.data.batch_size)
+    return dataclasses.replace(training, optim=dataclasses.replace(optim, warmup_steps=min(optim.warmup_steps, steps)))
+
+
 def train_demo(training: TrainConfig, out: Path, train_file: Path) -> None:
     """Train the base model saved in ``out/base_model`` on ``train_file`` into ``out/training``, from its latest
     checkpoint when an earlier run left one: the demo resumes by itself, so a full disk says to run it again (train's
@@ -283,7 +291,7 @@ def run_demo(config: DemoConfig) -> dict:
         train_out = out / "training"
         final = train_out / "final"
         if not (final / "retriever_config.json").is_file():
-            train_demo(training, out, train_file)
+            train_demo(warmup_within_run(training, questions), out, train_file)
         for checkpoint in finished_checkpoints(train_out):  # only a resume needs them, and final/ is there
             shutil.rmtree(checkpoint)
             logger.info("removed %s (the trained model is in %s)", checkpoint, final)

@@ -10,7 +10,7 @@ from transformers import BertTokenizerFast
 from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.evaluation.evaluate import evaluate_answers, qrels_metrics, read_qrels, read_results, read_run
-from dpr_gc.pipeline import DemoConfig, demo_training
+from dpr_gc.pipeline import DemoConfig, demo_training, warmup_within_run
 from tests.helpers import summary_rows, tiny_bert, write_vocab
 
 import pytest
@@ -190,6 +190,16 @@ def test_demo_needs_a_batch_several_times_the_chunk():
     with pytest.raises(DprGcError, match="--batch-size 32 should be at least 4x --chunk-size 16"):
         DemoConfig(training=dataclasses.replace(training, data=dataclasses.replace(training.data, batch_size=32)))
     DemoConfig(training=dataclasses.replace(training, data=dataclasses.replace(training.data, batch_size=64)))
+
+
+def test_the_demos_warm_up_never_outlasts_its_run():
+    """``demo --train-queries 64`` trains one step of 64, and its 2-step warm-up drew train's warning naming a
+    ``--warmup-steps`` the demo has not; the warm-up is cut to the run, the default run's 16 steps keep 2."""
+    recipe = demo_training()
+    assert warmup_within_run(recipe, 64).optim.warmup_steps == 1
+    assert warmup_within_run(recipe, 1024).optim.warmup_steps == recipe.optim.warmup_steps == 2
+    two_epochs = dataclasses.replace(recipe, optim=dataclasses.replace(recipe.optim, epochs=2))
+    assert warmup_within_run(two_epochs, 64).optim.warmup_steps == 2
 
 
 def test_fewer_train_queries_than_one_batch_are_refused_before_anything_is_written(tmp_path):
