@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 from . import __version__
 from .base.args import ArgumentParser
 from .base.errors import NOTHING_STARTED, DprGcError, alike_on_every_rank, model_named_by, report_errors, say
-from .base.logs import dependencies_verbose, setup_logging
+from .base.logs import command_main, setup_logging
 
 # The flags a command takes its model with, as typed: dpr-gc's, train's DPR name --pretrained_model_cfg, and DPR's
 # --model_file, which the DPR-compatible scripts take (dpr-gc's commands answer it with --model: DPR_FLAGS).
@@ -109,6 +109,7 @@ def requested_command(argv: Sequence[str]) -> Optional[str]:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
+@command_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = requested_command(argv)
@@ -124,10 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         say(f"interrupted: {NOTHING_STARTED}")
         return 130
     setup_logging(args.verbose)
-    try:
-        return report_errors(lambda: run_stage(args, model_flag(argv)))
-    finally:
-        dependencies_verbose(False)  # the library quiet again after an in-process --verbose command
+    return report_errors(lambda: run_stage(args, model_flag(argv)))
 
 
 def check_own_options(parser: argparse.ArgumentParser, argv: Sequence[str], command: Optional[str]) -> None:

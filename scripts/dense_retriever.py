@@ -43,7 +43,7 @@ from dpr_gc.base.args import (ArgumentParser, ExtendGiven, device_arg, flags_as_
 from dpr_gc.base.errors import DprGcError, flags_renamed, model_named_by, report_errors
 from dpr_gc.base.guard import guarded
 from dpr_gc.base.files import require_file
-from dpr_gc.base.logs import setup_logging
+from dpr_gc.base.logs import command_main, setup_logging
 from dpr_gc.data.corpus import iter_queries
 from dpr_gc.model.hub import check_model_source
 from dpr_gc.retrieval.index import (BUILT_WITH, DenseIndex, IndexBuild, IndexParams, add_index_arguments, add_shards,
@@ -366,6 +366,7 @@ def named_unknowns(parser: Any, unknown: list[str]) -> list[str]:
     return named
 
 
+@command_main
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     flags = hydra_to_flags(list(sys.argv[1:] if argv is None else argv), parser)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.base.args import ArgumentParser, flags_as_typed, positive_int  # noqa: E402
 from dpr_gc.base.errors import flags_renamed, model_named_by, report_errors  # noqa: E402
-from dpr_gc.base.logs import setup_logging  # noqa: E402
+from dpr_gc.base.logs import command_main, setup_logging  # noqa: E402
 from dpr_gc.retrieval.encode import add_arguments, resolve_shard, run_cli  # noqa: E402
 
 HYDRA_ARG = re.compile(r"^([A-Za-z_][\w.-]*)=(.*)$")
@@ -106,6 +106,7 @@ def ignored_flags(typed: set[str]) -> str:
     return "; ".join(f"{' '.join(flags)} ({reason})" for reason, flags in groups.items())
 
 
+@command_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     flags = hydra_to_flags(sys.argv[1:] if argv is None else argv, parser)

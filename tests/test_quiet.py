@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import foreign_lines
+from tests.helpers import foreign_lines, load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "data" / "examples"
@@ -258,6 +258,14 @@ def test_an_in_process_verbose_command_leaves_the_library_quiet_after_it(tmp_pat
     from dpr_gc.cli import main
 
     assert main(["--verbose", "evaluate", "--results", str(tmp_path / "missing.json")]) == 2
+    missing = str(tmp_path / "missing")
+    scripts = {"dense_retriever": ["--model_file", missing, "--qa_dataset", missing, "--ctx_datatsets", missing,
+                                   "--encoded_ctx_files", missing, "--out_file", str(tmp_path / "out.json")],
+               "generate_dense_embeddings": ["--model_file", missing, "--ctx_file", missing, "--out_file", missing],
+               "train_dense_encoder": ["--train_file", missing, "--output_dir", str(tmp_path / "out")]}
+    for script, argv in scripts.items():  # the DPR-compatible scripts' --verbose too
+        assert load_script(script).main(["--verbose", *argv]) == 2, script
+        assert not logging.getLogger("dpr_gc").verbose_dependencies, script
     before = hf_logging.is_progress_bar_enabled()
     hf_logging.enable_progress_bar()
     try:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import sys
 import warnings
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 QUIET_LOGGERS = ("faiss", "datasets", "transformers", "sentence_transformers", "huggingface_hub", "urllib3",
                  "httpx", "filelock", "jax", "absl", "bm25s", "peft", "accelerate", "matplotlib")
@@ -90,7 +91,8 @@ def native_stderr_logged(log: logging.Logger, source: str) -> Iterator[None]:
 def setup_logging(verbose: bool) -> None:
     """Configure the root logger for a command (DEBUG with ``verbose``, else INFO) and quiet the dependencies; the
     toolkit's logger notes whether this command is verbose (``verbose_dependencies``, read by
-    :func:`transformers_quiet`), set by every command, so an in-process call leaves no level behind for the next."""
+    :func:`transformers_quiet`), set by every command and cleared as it ends (:func:`command_main`), so an in-process
+    call leaves no level behind for the next."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
     dependencies_verbose(verbose)
     if not verbose:
@@ -138,6 +140,18 @@ def dependencies_verbose(verbose: bool) -> None:
     """Note whether the command running is ``--verbose`` (read by :func:`transformers_quiet`): set as a command sets
     up its logging and reset as it ends, so an in-process ``--verbose`` call leaves the library quiet after it."""
     logging.getLogger("dpr_gc").verbose_dependencies = verbose  # type: ignore[attr-defined]
+
+
+def command_main(main: Callable[..., int]) -> Callable[..., int]:
+    """A command's ``main``: the ``--verbose`` its :func:`setup_logging` noted is cleared as it returns or raises,
+    so a library call later in the same process is quiet again."""
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> int:
+        try:
+            return main(*args, **kwargs)
+        finally:
+            dependencies_verbose(False)
+    return run
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..base.args import ArgumentParser
 from ..base.errors import DprGcError, report_errors
 from ..base.files import read_json, write_json
-from ..base.logs import counted, setup_logging
+from ..base.logs import command_main, counted, setup_logging
 from ..base.tables import format_summary, markdown_table
 from ..base.settings import add_arguments, from_args, setting
 from ..data.stdlib_data import N_HARD_NEGATIVES, build_stdlib_dataset, check_max_examples
@@ -391,6 +391,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ExampleConfig:
     return from_args(ExampleConfig, build_parser().parse_args(argv))
 
 
+@command_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command: the toolkit's log (dependencies quiet), the run, the tables; a bad flag is one ``error:`` line."""
     setup_logging(verbose=False)
