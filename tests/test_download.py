@@ -136,3 +136,12 @@ def test_verify_says_gzip_intact_only_for_a_gzip_file(tmp_path, monkeypatch, cap
     assert script.main(["--output", str(out), "--verify", "qa"]) == 0
     sha = hashlib.sha256(b"q\t['a']\n").hexdigest()
     assert capsys.readouterr().out == f"qa: {out / 'qa.csv'} verified (sha256 {sha})\n"
+
+
+def test_an_output_folder_that_is_a_file_is_refused_naming_the_flag(tmp_path, capsys):
+    """``--output_dir FILE`` was refused as "FILE is a file; give a folder", naming no flag."""
+    taken = tmp_path / "taken.json"
+    taken.write_text("{}")
+    assert load_script("download_dpr_data").main(["--output_dir", str(taken), "nq-dev", "--dry-run"]) == 2
+    assert one_error(capsys) == f"error: --output {taken} is a file; give a folder"
+    assert taken.read_text() == "{}"

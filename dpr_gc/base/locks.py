@@ -64,7 +64,7 @@ def locked_folder(folder: PathLike, lock_name: str, what: str) -> Iterator[Path]
     """
     out = Path(folder)
     if out.exists() and not out.is_dir():
-        raise DprGcError(f"{out} is a file; give a folder")
+        raise DprGcError(f"{what} is a file; give a folder")
     with folders_made(out), exclusive_lock(out / lock_name, what):
         yield out
 
