@@ -13,9 +13,9 @@ from transformers import BertTokenizerFast
 
 from dpr_gc.cli import build_parser
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
-from dpr_gc.train.config import config_from_args
+from dpr_gc.train.config import ModelConfig, config_from_args
 from dpr_gc.train.trainer import train
-from dpr_gc.train.setup import build_retriever
+from dpr_gc.train.setup import build_retriever, resolve_recipe
 from tests.helpers import tiny_bert, write_vocab
 from tests.train_data import make_records, train_config, write_dpr
 
@@ -59,6 +59,24 @@ def test_flags_override_the_folder(st_folder: Path, caplog) -> None:
     assert config.temperature == 1.0  # not normalised: dot products, no sentence-transformers scale
     assert "(given: pooling='cls', normalize=False, passage_max_length=24, query_prefix='')" in caplog.text
     assert parsed("--model", str(st_folder), "--temperature", "0.2").model.retriever.temperature == 0.2
+
+
+def test_a_recipe_given_in_code_replaces_only_the_fields_it_changes(st_folder: Path, tmp_path: Path) -> None:
+    """``ModelConfig(retriever=RetrieverConfig(temperature=0.05))`` trained a sentence-transformers folder with CLS
+    pooling, no normalisation, pair passages and 32-token queries (every field taken as given), where
+    ``--temperature 0.05`` keeps the folder's recipe: in code as on the command line, the fields changed from the
+    defaults replace the folder's."""
+    model = ModelConfig(name=str(st_folder), retriever=RetrieverConfig(temperature=0.2, passage_max_length=24))
+    config = build_retriever(model).config
+    assert (config.pooling, config.normalize, config.passage_format) == ("mean", True, "concat")
+    assert (config.query_max_length, config.passage_max_length, config.temperature) == (20, 24, 0.2)
+    assert resolve_recipe(model).retriever == config
+    data = write_dpr(tmp_path / "train.json", make_records(16, 0))
+    train(train_config(model=str(st_folder), retriever=model.retriever, train_files=[str(data)], batch_size=8,
+                       output_dir=str(tmp_path / "out"), num_workers=0, max_steps=1, query_chunk_size=4,
+                       passage_chunk_size=4, cache_dir=str(tmp_path / "cache")))
+    saved = json.loads((tmp_path / "out" / "final" / "retriever_config.json").read_text())
+    assert (saved["pooling"], saved["normalize"], saved["passage_max_length"]) == ("mean", True, 24)
 
 
 def test_a_plain_transformers_folder_keeps_the_dpr_defaults(tmp_path: Path) -> None:

@@ -52,9 +52,7 @@ def _build_retriever(model: ModelConfig, beside: Sequence[tuple[str, Any, bool]]
     name = model.path()
     if (Path(name) / CONFIG_NAME).is_file() or Path(name).is_file() or find_dpr_pair(Path(name)):
         retriever = Retriever.load(name, query_prefix=model.query_prefix, passage_prefix=model.passage_prefix)
-        flags = model.retriever_flags if model.retriever_flags is not None else (
-            ("retriever",) if model.retriever is not None else ())
-        if set(flags) - {"query_prefix", "passage_prefix"}:
+        if chosen_fields(model) - {"query_prefix", "passage_prefix"}:
             logger.info("%s is a saved retriever: its own pooling/temperature/lengths are used", name)
         fit_and_say_lengths(retriever, name)  # a stored length beyond the model's positions: cut
         return retriever.check_room("query", "passage")
@@ -142,15 +140,15 @@ def folder_recipe(name: str, towers: dict, model: ModelConfig,
                   beside: Sequence[tuple[str, Any, bool]] = ()) -> RetrieverConfig:
     """The settings a sentence-transformers folder declares (pooling, normalisation, projection, passage format,
     max lengths, its "query"/"document" prompts as prefixes) as the defaults of training it, each field the user
-    set (``model.retriever_flags``; all of ``model.retriever`` when that is None) replacing the folder's; the
-    temperature, which no folder records, defaults to sentence-transformers' 0.05 for a normalised model (cosine
-    similarity at MultipleNegativesRankingLoss's scale 20) and 1.0 otherwise. Logs what it took and what was given,
+    set (:func:`chosen_fields`: the flags given, or those of ``model.retriever`` a library caller changed from the
+    defaults, as for a plain model) replacing the folder's; the temperature, which no folder records, defaults to
+    sentence-transformers' 0.05 for a normalised model (cosine similarity at MultipleNegativesRankingLoss's scale 20)
+    and 1.0 otherwise. Logs what it took and what was given,
     with ``beside``: the training's own settings of the recipe, as ``(name, value, given)`` (the hard negatives:
     MultipleNegativesRankingLoss has none)."""
     folder = config_from_pipeline(Path(name), towers)
     given = model.retriever or RetrieverConfig()
-    flags = set(model.retriever_flags) if model.retriever_flags is not None else (
-        {f.name for f in dataclasses.fields(RetrieverConfig)} if model.retriever is not None else set())
+    flags = chosen_fields(model)
     chosen = {f.name: getattr(given if f.name in flags else folder, f.name) for f in dataclasses.fields(RetrieverConfig)}
     for prefix in ("query_prefix", "passage_prefix"):  # prefix flags live in ModelConfig
         if getattr(model, prefix) is not None:
@@ -186,8 +184,7 @@ def resolve_recipe(model: ModelConfig, warn: bool = False) -> ModelConfig:
         return plain_recipe(model)
     if recipe is None:
         return model
-    flags = model.retriever_flags if model.retriever_flags is not None or model.retriever is not None else ()
-    return dataclasses.replace(model, retriever=recipe, retriever_flags=flags)
+    return dataclasses.replace(model, retriever=recipe, retriever_flags=tuple(sorted(chosen_fields(model))))
 
 
 def plain_recipe(model: ModelConfig) -> ModelConfig:
