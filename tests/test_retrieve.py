@@ -890,9 +890,9 @@ def test_a_stored_length_beyond_the_positions_is_said_only_where_it_is_used(worl
 
 
 def test_retrieve_finds_the_model_moved_together_with_the_index(world, tmp_path, monkeypatch, caplog):
-    """docs/stages.md: the index records the model also relative to the index folder, so retrieve --index DIR finds
-    it from any directory, and after the two are moved together (the old folder renamed away, paths given relative
-    to where encode and index ran)."""
+    """docs/stages.md: the index records the model and the corpus also relative to the index folder, so retrieve
+    --index DIR finds them from any directory, and after the three are moved together (the old folder renamed away,
+    paths given relative to where encode and index ran); the corpus was found by its absolute path only."""
     import shutil
 
     from dpr_gc.cli import main
@@ -900,9 +900,10 @@ def test_retrieve_finds_the_model_moved_together_with_the_index(world, tmp_path,
 
     before, after, elsewhere = tmp_path / "before", tmp_path / "after", tmp_path / "elsewhere"
     shutil.copytree(world["model"], before / "model")
+    shutil.copy(world["corpus"], before / "corpus.jsonl")
     elsewhere.mkdir()
     monkeypatch.chdir(before)
-    assert call(main, ["encode", "--model", "model", "--corpus", world["corpus"], "--output", "emb", "--cache-dir",
+    assert call(main, ["encode", "--model", "model", "--corpus", "corpus.jsonl", "--output", "emb", "--cache-dir",
                        world["cache"], "--device", "cpu"])[0] == 0
     assert call(main, ["index", "--embeddings", "emb", "--output", "idx"])[0] == 0
     before.rename(after)
@@ -913,6 +914,7 @@ def test_retrieve_finds_the_model_moved_together_with_the_index(world, tmp_path,
                             "o.json", "--cache-dir", world["cache"], "--device", "cpu"])
     assert code == 0, err
     assert f"questions encoded by {after / 'idx' / '..' / 'model'} (recorded in the index)" in caplog.text
+    assert str(after / "idx" / ".." / "corpus.jsonl") in caplog.text
     results = json.loads((elsewhere / "o.json").read_text())
     assert [r["ctxs"][0]["id"] for r in results] == [f"p{i}" for i in range(10)]
 

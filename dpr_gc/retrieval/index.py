@@ -28,7 +28,7 @@ from ..base.args import home_expanded, output_dir, positive_int
 from ..base.cpus import cap_to_cpus
 from ..base.errors import DprGcError, is_disk_full
 from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
-from ..base.files import PathLike, check_output_dir, open_text, parse_json, read_json_object, require_folder
+from ..base.files import PathLike, check_output_dir, is_stream, open_text, parse_json, read_json_object, require_folder
 from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_folders
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary, seconds_text
@@ -48,7 +48,8 @@ INDEX_FOLDER_FILES = (INDEX_FILE, META_FILE, IDS_FILE)
 FORMAT_VERSION = 1
 INDEX_META_FIELDS = {"format_version": Field(int), "kind": text(), "factory": text(), "metric": text(),
                      "dim": positive_field(), "ntotal": count(), "params": Field(dict), "model": text(True),
-                     "model_from_index": text(True), "corpus": text(True), "corpus_rows": count(True),
+                     "model_from_index": text(True), "corpus": text(True), "corpus_from_index": text(True),
+                     "corpus_rows": count(True),
                      "corpus_fingerprint": text(True), "model_fingerprint": text(True), LEGACY_KEY: text(True),
                      "pooling": text(True), "normalize": Field(bool, True), "passage_format": text(True),
                      "query_prefix": text(True), "passage_prefix": text(True), "shards": Field(list),
@@ -849,9 +850,10 @@ def build_index(emb_dir: PathLike, out_dir: PathLike, params: Union[IndexParams,
         if not todo:
             logger.info("every shard in %s is in %s already; writing its new search settings", emb_dir, out_dir)
         dense.meta["settings"] = _settings_record(existing, params, build, searched, append, allow_partial)
-        model = dense.meta.get("model")
-        if model and Path(model).is_absolute():
-            dense.meta["model_from_index"] = os.path.relpath(model, out.resolve())
+        for key in ("model", "corpus"):  # also relative to the index, for the folders moved together
+            recorded = dense.meta.get(key)
+            if recorded and Path(recorded).is_absolute() and not is_stream(recorded):
+                dense.meta[f"{key}_from_index"] = os.path.relpath(recorded, out.resolve())
         old_ids = read_ids(out) if existing is not None else ()
         dense.write(out, ids=itertools.chain(old_ids, shard_ids(todo)))
     logger.info("wrote %s index with %s to %s", dense.meta["factory"], counted(dense.ntotal, "vector"), out_dir)

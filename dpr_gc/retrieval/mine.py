@@ -780,7 +780,7 @@ def recorded_inputs(args: argparse.Namespace, beir: Optional[Path]) -> str:
     meta = read_meta(args.index) if index_exists(args.index) else {}
     recorded = {}
     if corpus_path is None and meta:
-        corpus_path = recorded["the index's recorded --corpus"] = recorded_corpus(meta)
+        corpus_path = recorded["the index's recorded --corpus"] = recorded_corpus(meta, args.index)
     if args.source == "dense" and not args.model and meta:
         args.model = recorded["the index's recorded --model"] = recorded_model(args.index, meta)
         if args.model:

@@ -627,26 +627,32 @@ def recorded_prefixes(meta: dict, query_prefix: Optional[str],
             passage_prefix if passage_prefix is not None else meta.get("passage_prefix"))
 
 
-def recorded_corpus(meta: dict) -> Optional[str]:
-    """The corpus an index records (None when it records none); one that was a pipe or device
-    (``--corpus <(...)`` recorded as ``/dev/fd/63``) is gone, or is now another stream, so it is refused in one line
-    asking for ``--corpus``."""
+def recorded_corpus(meta: dict, index_dir: Optional[PathLike] = None) -> Optional[str]:
+    """The corpus an index records (None when it records none), found as :func:`recorded_model` finds the model; one
+    that was a pipe or device (``--corpus <(...)`` recorded as ``/dev/fd/63``) is gone, or is now another stream, so
+    it is refused in one line asking for ``--corpus``."""
     corpus = meta.get("corpus")
     if corpus and (is_stream(corpus) or Path(corpus).parts[:2] in (("/", "dev"), ("/", "proc"))):
         raise DprGcError(f"the recorded corpus {corpus} was a pipe; give --corpus (the passages encoded)")
-    return corpus
+    return recorded_path(index_dir, meta, "corpus")
 
 
 def recorded_model(index_dir: Optional[PathLike], meta: dict) -> Optional[str]:
     """The model an index records: its absolute path, else the path relative to the index folder (the two were
     moved together), else the name as recorded (a Hugging Face name, or a relative path from an older version)."""
-    model = meta.get("model")
-    if model and Path(model).is_absolute() and Path(model).exists():
-        return model
-    relative = meta.get("model_from_index")
+    return recorded_path(index_dir, meta, "model")
+
+
+def recorded_path(index_dir: Optional[PathLike], meta: dict, key: str) -> Optional[str]:
+    """``meta[key]`` where it exists, else ``meta[key + "_from_index"]`` under ``index_dir`` where that exists (the
+    index moved together with it), else ``meta[key]`` as recorded."""
+    path = meta.get(key)
+    if path and Path(path).is_absolute() and Path(path).exists():
+        return path
+    relative = meta.get(f"{key}_from_index")
     if relative and index_dir is not None and (Path(index_dir) / relative).exists():
         return str(Path(index_dir) / relative)
-    return model
+    return path
 
 
 QUERIES, QRELS = "--queries file", "--qrels file"
@@ -665,7 +671,7 @@ def run_retrieval(index: DenseIndex, job: RetrieveJob,
     if not (s.output or s.trec_run or s.cutoffs() is not None):
         raise DprGcError("nothing to do: give --output FILE.json and/or --trec-run FILE, or --evaluate")
     model = job.model or recorded_model(index_dir, index.meta)
-    corpus_path = job.corpus or recorded_corpus(index.meta)
+    corpus_path = job.corpus or recorded_corpus(index.meta, index_dir)
     if not model or not corpus_path:
         raise DprGcError("give --model and --corpus (the index does not record them)")
     require_file(job.queries, QUERIES)  # before the model loads, and named by its flag
