@@ -407,3 +407,25 @@ def test_a_bad_corpus_or_shard_is_refused_before_the_model_loads(tmp_path: Path,
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {said.format(tmp=tmp_path)}"], err
     assert not (tmp_path / "emb").exists()
+
+
+def test_the_summarys_time_is_the_whole_commands_and_encoding_has_its_own_row(tmp_path: Path, make_retriever,
+                                                                               monkeypatch, capsys) -> None:
+    """The ``time`` row was the encoding alone (the model load left out), where every other stage's is the whole
+    command's; it is the whole command's, and ``encoding`` gives the seconds that ``passages/s`` divides."""
+    import time
+
+    from dpr_gc.cli import main
+    from dpr_gc.model.retriever import Retriever
+
+    model = tmp_path / "model"
+    make_retriever().save(model)
+    corpus = tmp_path / "c.tsv"
+    corpus.write_text("id\ttext\ttitle\n" + "".join(f"{i}\tpassage {i}\tt\n" for i in range(6)))
+    load = Retriever.load.__func__
+    monkeypatch.setattr(Retriever, "load", classmethod(lambda cls, *a, **k: (time.sleep(0.5), load(cls, *a, **k))[1]))
+    assert main(["encode", "--model", str(model), "--corpus", str(corpus), "--output", str(tmp_path / "out"),
+                 "--cache-dir", str(tmp_path / "c"), "--device", "cpu"]) == 0
+    rows = summary_rows(capsys.readouterr().out)
+    whole, encoding = (float(rows[key].removesuffix(" s")) for key in ("time", "encoding"))
+    assert whole >= 0.5 + encoding, rows

@@ -34,7 +34,7 @@ from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_s
                              from_args, group, passage_prefix_setting, query_prefix_setting, setting, to_record)
 from .fingerprint import bridge_legacy, model_fingerprint, records_agree
 from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
-from ..base.tables import format_summary
+from ..base.tables import format_summary, seconds_text
 from ..base.logs import counted, infos_from_rank_zero
 
 logger = logging.getLogger(__name__)
@@ -449,10 +449,12 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
 @guarded(inputs=("model", "corpus"), outputs={"output": "self"})
 def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
     """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
-    the flags'): flags to :func:`encode_with_model`, then a summary table naming the shard. The output folder, the
+    the flags'): flags to :func:`encode_with_model`, then a summary table naming the shard (its ``time`` the whole
+    command's, model load included; ``encoding`` the seconds ``passages/s`` divides). The output folder, the
     shard pair and the corpus path are checked before the model loads (which takes seconds to minutes). Under
     torchrun ranks other than 0 log warnings only, and each rank prints its own shard's table."""
     infos_from_rank_zero()  # under torchrun the ranks' lines would come once per rank
+    started = time.perf_counter()
     job = from_args(EncodeJob, args)
     job = dataclasses.replace(job, output=output or job.output, device=device or job.device)
     with alike_on_every_rank():  # every torchrun rank checks the same flags and paths
@@ -463,6 +465,7 @@ def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Opti
     encoded = manifest["encoded"]  # a resumed or finished shard encoded fewer than its passages in this run
     rate = f"{encoded / seconds:.1f}" if encoded and seconds > 0 else "-"
     print(format_summary({"shard": f"{manifest['shard_id']} of {manifest['num_shards']}",
-                          "passages": manifest["count"], "encoded this run": encoded, "passages/s": rate,
-                          "output": Path(job.output) / manifest["embeddings"]}, seconds))
+                          "passages": manifest["count"], "encoded this run": encoded, "encoding": seconds_text(seconds),
+                          "passages/s": rate, "output": Path(job.output) / manifest["embeddings"]},
+                         time.perf_counter() - started))
     return manifest
