@@ -188,6 +188,31 @@ def test_append_counts_the_negatives_it_added_not_those_already_in_the_record(wo
     cli(*base, "--train-file", root / "train.json", "--n-negatives", 3, "--output", tmp_path / "third.json")
     assert "already in the record" not in capsys.readouterr().out  # without --append the row is left off
 
+def test_append_drops_existing_negatives_that_are_gold_answer_bearing_or_qrels_positives(world, tmp_path, capsys,
+                                                                                           caplog):
+    """mine --append kept a record's existing hard negatives as they were, its gold passage and --qrels positives
+    among them, though they are never mined: the existing ones go through the same gold (id or text), answer and
+    qrels checks as the mined ones, those failing are dropped and counted in their own row."""
+    root, by_id = world["root"], {p["id"]: p for p in build_passages()}
+    existing = ["g0", "dup0", "a0x", "r0", "d0_0"]  # gold, gold's text, answer-bearing, qrels positive, a fair one
+    record = {**questions()[0], "hard_negative_ctxs": [
+        {"passage_id": pid, "title": by_id[pid]["title"], "text": by_id[pid]["text"]} for pid in existing]}
+    (tmp_path / "one.json").write_text(json.dumps([record]))
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.mine"):
+        cli("mine", "--train-file", tmp_path / "one.json", "--corpus", root / "corpus.jsonl", "--cache-dir",
+            tmp_path / "c", "--bm25-index", root / "bm25", "--top-k", 20, "--n-negatives", 3, "--append", "--qrels",
+            root / "q.tsv", "--output", tmp_path / "out.json", "--workers", 1)
+    rows = summary_rows(capsys.readouterr().out)
+    negs = [c["passage_id"] for c in json.loads((tmp_path / "out.json").read_text())[0]["hard_negative_ctxs"]]
+    assert negs[0] == "d0_0" and not false_negatives(0) & set(negs), negs
+    assert rows["existing negatives dropped"] == "4", rows
+    assert "4 existing negatives dropped" in caplog.text
+    capsys.readouterr()
+    cli("mine", "--train-file", tmp_path / "one.json", "--corpus", root / "corpus.jsonl", "--cache-dir",
+        tmp_path / "c", "--bm25-index", root / "bm25", "--top-k", 20, "--output", tmp_path / "plain.json")
+    assert "existing negatives dropped" not in capsys.readouterr().out  # without --append the row is left off
+
+
 def test_bm25_index_is_saved_and_reused_only_for_the_same_corpus(world, tmp_path, monkeypatch):
     import bm25s
 

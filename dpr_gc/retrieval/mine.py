@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from .bm25 import BM25Source, Gold, bm25_index_exists, check_bm25_folder
+from .bm25 import BM25Source, bm25_index_exists, check_bm25_folder
 from ..data.corpus import file_stamp, rows_for_ids, source_fingerprint
 from ..data.training import beir_training_records, context_id, iter_numbered_training_file, iter_training_file
 from ..base.args import (any_float, home_expanded, nonnegative_float, nonnegative_int, output_dir, output_file,
@@ -76,7 +76,8 @@ class MineSettings:
                                       help="drop candidates scoring above (best positive score - MARGIN)")
     match: str = setting("string", "--match", choices=MATCH_MODES,
                          help="answer matching: string (NQ/TriviaQA) or regex (CuratedTREC)")
-    append: bool = setting(False, "--append", help="keep existing hard_negative_ctxs and add the new ones")
+    append: bool = setting(False, "--append", help="keep existing hard_negative_ctxs and add the new ones (existing "
+                                                   "ones that are gold, answer-bearing or --qrels positives dropped)")
     workers: int = setting(1, "--workers", type=nonnegative_int, cli_default=0,
                            help="processes that tokenise candidates for answer matching (0: all cores; default: 0 on "
                                 "the command line, 1 in code)")
@@ -180,6 +181,7 @@ class MiningSummary:
     short: int = 0
     written: int = 0
     already_there: int = 0
+    existing_dropped: int = 0
     score_sum: float = 0.0
     score_min: float = math.inf
     score_max: float = -math.inf
@@ -212,6 +214,7 @@ class MiningSummary:
                 "questions the ratio skipped (positive score <= 0)": self.ratio_unapplied,
                 "questions short of N": self.short,
                 "negatives already in the record (not added)": self.already_there,
+                "existing negatives dropped": self.existing_dropped,
                 "negatives written": self.written, "mean score": stat(self.score_sum / max(self.written, 1)),
                 "min score": stat(self.score_min), "max score": stat(self.score_max)}
         return rows if mining is None else {k: v for k, v in rows.items() if k not in rules_off(mining)}
@@ -224,7 +227,7 @@ def rules_off(mining: MineSettings) -> set[str]:
     off |= set() if mining.max_negative_ratio is not None else {"dropped by max negative ratio",
                                                                   "questions the ratio skipped (positive score <= 0)"}
     off |= set() if mining.min_margin is not None else {"dropped by min margin"}
-    off |= set() if mining.append else {"negatives already in the record (not added)"}
+    off |= set() if mining.append else {"negatives already in the record (not added)", "existing negatives dropped"}
     if not needs_positive_scores(mining.margin, mining.max_negative_ratio, mining.min_margin):
         off.add("questions without a positive score")
     return off
@@ -339,7 +342,7 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, set
             summary.unscored += int(scored and not pos)
             limits = _limits(pos, margin, max_negative_ratio, min_margin)
             summary.ratio_unapplied += int(bool(pos) and max_negative_ratio is not None and limits.ratio is None)
-            chosen = _select(q, gold, hits, has, n_negatives, skip_top, limits, qrels, summary)
+            chosen = _select(q, hits, has, n_negatives, skip_top, limits, qrels, summary)
             records.append({"id": q.get("id"), "question": q["question"], "hard_negative_ctxs": chosen})
     return records, summary
 
@@ -350,23 +353,44 @@ def needs_positive_scores(margin: Optional[float], max_negative_ratio: Optional[
     return any(v is not None for v in (margin, max_negative_ratio, min_margin))
 
 
-def _select(q: dict, gold: list[Gold], hits: list[tuple[int, float, str, str, str]], has_answer: list[bool],
-            n_negatives: int, skip_top: int, limits: Limits, qrels: Optional[dict[str, dict[str, int]]],
+@dataclasses.dataclass(frozen=True)
+class NeverNegative:
+    """One question's passages that are never its negatives: its gold ids and texts (whitespace collapsed) and its
+    ``--qrels`` positives."""
+
+    ids: frozenset[str]
+    texts: frozenset[str]
+    judged: frozenset[str]
+
+    @classmethod
+    def of(cls, q: dict, qrels: Optional[dict[str, dict[str, int]]]) -> "NeverNegative":
+        gold = q.get("positive_ctxs") or []
+        judged = (qrels or {}).get(_qid(q), {})
+        return cls(frozenset({ctx_id(c) for c in gold} - {""}),
+                   frozenset(_collapsed(c.get("text") or "") for c in gold),
+                   frozenset(d for d, rel in judged.items() if rel > 0))
+
+    def rule(self, pid: str, text: Optional[str], answer: bool) -> Optional[str]:
+        """The summary field counting the first rule that makes a passage a false negative (gold by id or by
+        ``text``, None: unknown; answer-bearing; qrels positive), or None: a fair negative."""
+        if pid in self.ids or (text is not None and _collapsed(text) in self.texts):
+            return "gold_dropped"
+        if answer:
+            return "answer_dropped"
+        return "qrels_dropped" if pid in self.judged else None
+
+
+def _select(q: dict, hits: list[tuple[int, float, str, str, str]], has_answer: list[bool], n_negatives: int,
+            skip_top: int, limits: Limits, qrels: Optional[dict[str, dict[str, int]]],
             summary: MiningSummary) -> list[dict]:
     """Drop false negatives among one question's ranked hits (``has_answer``: their answer flags), then keep the
     first ``n_negatives`` in range."""
-    gold_ids = {ctx_id(c) for c in q.get("positive_ctxs") or []} - {""}
-    gold_texts = {_collapsed(text) for _, _, text in gold}
-    judged = (qrels or {}).get(_qid(q), {})
-    qrels_pos = {d for d, rel in judged.items() if rel > 0}
+    never, judged = NeverNegative.of(q, qrels), (qrels or {}).get(_qid(q), {})
     chosen: list[dict] = []
     for (rank, score, pid, title, text), answer in zip(hits, has_answer):
-        if pid in gold_ids or _collapsed(text) in gold_texts:
-            summary.gold_dropped += 1
-        elif answer:
-            summary.answer_dropped += 1
-        elif pid in qrels_pos:
-            summary.qrels_dropped += 1
+        rule = never.rule(pid, text, answer)
+        if rule is not None:
+            setattr(summary, rule, getattr(summary, rule) + 1)
         elif rank <= skip_top:
             summary.rank_skipped += 1
         elif limits.margin is not None and score > limits.margin:
@@ -391,13 +415,32 @@ def _merge(old: list, new: list[dict]) -> list:
     return list(old) + [c for c in new if c["passage_id"] not in seen]
 
 
-def _appended(records: Sequence[dict], mined: Sequence[dict], part: MiningSummary, n_negatives: int) -> list[list]:
-    """``--append``: each record's hard negatives with the mined ones added, and ``part`` made to count what was
-    added, not what was mined: a negative already in the record is counted under ``already_there``, and
-    ``written``, the score statistics and ``short`` (fewer than ``n_negatives`` added) cover the added ones only."""
+def _existing_kept(records: Sequence[dict], matcher: Any, qrels: Optional[dict[str, dict[str, int]]],
+                   part: MiningSummary) -> list[list]:
+    """``--append``: each record's own hard negatives less the false negatives among them, by the rules mined ones
+    go through (gold id or text, an answer in the text, a ``qrels`` positive), so the record's positives never
+    stay negatives; those dropped are counted under ``part.existing_dropped``."""
+    olds = [list(r.get("hard_negative_ctxs") or []) for r in records]
+    checked = [[c for c in old if isinstance(c, dict)] for old in olds]
+    flags = matcher.flags([(r.get("answers") or [], [(ctx_id(c), c.get("text") or "") for c in ctxs])
+                           for r, ctxs in zip(records, checked)])
+    kept = []
+    for record, old, ctxs, has in zip(records, olds, checked, flags):
+        never, answer = NeverNegative.of(record, qrels), {id(c): a for c, a in zip(ctxs, has)}
+        kept.append([c for c in old if not isinstance(c, dict)
+                     or never.rule(ctx_id(c), c.get("text") or None, answer[id(c)]) is None])
+        part.existing_dropped += len(old) - len(kept[-1])
+    return kept
+
+
+def _appended(records: Sequence[dict], mined: Sequence[dict], part: MiningSummary, n_negatives: int,
+              matcher: Any, qrels: Optional[dict[str, dict[str, int]]]) -> list[list]:
+    """``--append``: each record's hard negatives (the false negatives among them dropped, :func:`_existing_kept`)
+    with the mined ones added, and ``part`` made to count what was added, not what was mined: a negative already in
+    the record is counted under ``already_there``, and ``written``, the score statistics and ``short`` (fewer than
+    ``n_negatives`` added) cover the added ones only."""
     merged, added = [], []
-    for record, m in zip(records, mined):
-        old = record.get("hard_negative_ctxs") or []
+    for old, m in zip(_existing_kept(records, matcher, qrels, part), mined):
         merged.append(_merge(old, m["hard_negative_ctxs"]))
         added.extend(merged[-1][len(old):])
         part.already_there += len(m["hard_negative_ctxs"]) - (len(merged[-1]) - len(old))
@@ -465,8 +508,9 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
                  id_to_row: Optional[dict[str, int]] = None, show_progress: bool = True,
                  resume_key: Optional[dict] = None, total: Optional[int] = None, **options: Any) -> MiningSummary:
     """Mine ``records`` chunk by chunk with ``settings`` (fields of :class:`MineSettings` may also be given as
-    keywords) and write them with ``hard_negative_ctxs`` replaced (``append``: old ones kept, new ones added unless
-    their id is already there), every other field kept. A JSON list, or JSONL when the name ends in ``.jsonl``
+    keywords) and write them with ``hard_negative_ctxs`` replaced (``append``: old ones kept but for those that are
+    gold, answer-bearing or ``qrels`` positives, new ones added unless their id is already there), every other field
+    kept. A JSON list, or JSONL when the name ends in ``.jsonl``
     (``.gz`` compresses); the file appears only when complete.
 
     Each finished chunk is kept (:class:`~dpr_gc.base.files.ChunkedOutput`): a run with the same ``resume_key`` (the
@@ -492,7 +536,7 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
             nonlocal count
             mined, part = mine_hard_negatives(buffer, source, corpus, s, qrels=qrels, id_to_row=id_to_row,
                                               matcher=matcher)
-            negatives = (_appended(buffer, mined, part, s.n_negatives) if append
+            negatives = (_appended(buffer, mined, part, s.n_negatives, matcher, qrels) if append
                          else [m["hard_negative_ctxs"] for m in mined])
             summary.merge(part)
             writer.append(_record_texts(buffer, negatives, count, jsonl),
@@ -530,6 +574,9 @@ def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_
         if max_negative_ratio is not None else []
     rules += [(f"--min-margin {min_margin:g}", summary.min_margin_dropped)] if min_margin is not None else []
     already = f" ({summary.already_there} already in the record, not added)" if summary.already_there else ""
+    if summary.existing_dropped:
+        already += (f"; {counted(summary.existing_dropped, 'existing negative')} dropped (gold, answer-bearing or "
+                    "qrels positives)")
     logger.info("mined %s: of %s, removed %s; %s written%s", counted(summary.questions, "question"),
                 counted(summary.candidates, "candidate"), ", ".join(f"{n} by {name}" for name, n in rules),
                 counted(summary.written, "negative"), already)
