@@ -1009,6 +1009,41 @@ def test_a_run_stopped_after_the_list_is_closed_resumes_to_the_same_valid_file(w
     assert len(json.loads(read(out))) == len(qs) and not list(tmp_path.glob(".*"))
 
 
+def test_a_rerun_with_other_settings_says_it_drops_what_the_interrupted_run_kept(world, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """A re-run with another --n-negatives cannot continue the interrupted run's kept questions: it starts over and
+    says so, naming the flag that changed (as retrieve does), where it dropped them without a word."""
+    import dataclasses
+
+    from dpr_gc.retrieval import mine as mine_module
+
+    root, real_from_args, real_mine = world["root"], mine_module.from_args, mine_module.mine_hard_negatives
+    monkeypatch.setattr(mine_module, "from_args", lambda cls, args: dataclasses.replace(real_from_args(cls, args),
+                        chunk_size=2) if cls is mine_module.MineSettings else real_from_args(cls, args))
+    calls = []
+
+    def stopped_at_the_second_chunk(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_mine(*args, **kwargs)
+
+    argv = ("mine", "--train-file", root / "train.json", "--corpus", root / "corpus.jsonl", "--cache-dir",
+            root / "cache", "--bm25-index", root / "bm25", "--top-k", 20, "--output", tmp_path / "out.json",
+            "--workers", 1, "--n-negatives")
+    with monkeypatch.context() as patch:
+        patch.setattr(mine_module, "mine_hard_negatives", stopped_at_the_second_chunk)
+        with pytest.raises(Interrupted, match="^2 questions mined are kept in "):
+            cli(*argv, 2)
+    with caplog.at_level(logging.INFO, logger="dpr_gc.retrieval.mine"):
+        cli(*argv, 3)
+    kept = tmp_path / ".out.json.partial"
+    assert (f"starting over: the 2 questions an interrupted run kept in {kept} were mined with other settings "
+            "(--n-negatives 2 -> 3)") in caplog.messages, caplog.messages
+    assert "resuming an interrupted run" not in caplog.text
+    assert all(len(r["hard_negative_ctxs"]) == 3 for r in json.loads((tmp_path / "out.json").read_text()))
+
+
 def test_a_stop_while_a_chunk_is_written_names_the_questions_the_progress_keeps(world, tmp_path, monkeypatch):
     """Ctrl-C while a chunk is being written (before its progress is recorded) names the questions of the chunks
     recorded before it, from which the next run goes on, not those of the chunk it stopped in."""

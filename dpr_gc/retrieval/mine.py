@@ -503,6 +503,20 @@ def _kept_message(writer: ChunkedOutput, count: int, closed: bool) -> Optional[s
             "continue after them")
 
 
+def _resumed(writer: ChunkedOutput, final: Path) -> tuple[MiningSummary, int, bool]:
+    """Where a run into ``writer`` starts: the summary and count of the questions an interrupted run with the same
+    key mined (logged), and whether it mined them all, the list closed and only the rename left; else nothing, and
+    a line naming what changed when an interrupted run with other settings kept questions (they are dropped)."""
+    note = writer.discarded_note("mined", RESUME_FLAG_NAMES, RESUME_NAMES)
+    if note:
+        logger.info("%s", note)
+    state = writer.resume()
+    summary, count = (MiningSummary(**state["summary"]), state["count"]) if state else (MiningSummary(), 0)
+    if count:
+        logger.info("resuming an interrupted run: %s already mined into %s", counted(count, "question"), final)
+    return summary, count, bool(state and state.get("closed"))
+
+
 def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus: Any,
                  settings: Optional[MineSettings] = None, *, qrels: Optional[dict[str, dict[str, int]]] = None,
                  id_to_row: Optional[dict[str, int]] = None, show_progress: bool = True,
@@ -525,11 +539,7 @@ def mine_to_file(records: Iterable[dict], output: PathLike, source: Any, corpus:
     with output_lock(output) as final, AnswerMatcher(s.match, default_workers(s.workers)) as matcher:
         writer = ChunkedOutput(final, {"settings": resume_key, "chunk_size": chunk_size, "append": append}
                                if resume_key is not None else None)
-        state = writer.resume()
-        summary, count = (MiningSummary(**state["summary"]), state["count"]) if state else (MiningSummary(), 0)
-        closed = bool(state and state.get("closed"))  # all mined, the list closed: only the rename is left
-        if count:
-            logger.info("resuming an interrupted run: %s already mined into %s", counted(count, "question"), final)
+        summary, count, closed = _resumed(writer, final)
         total = len(records) if isinstance(records, Sequence) else total
 
         def flush(buffer: list[dict]) -> None:
@@ -596,6 +606,13 @@ def _log_removals(summary: MiningSummary, margin: Optional[float], max_negative_
 # ----------------------------------------------------------------------------------------------------- command line
 RESUME_FLAGS = ("source", "split", "model", "index", "bm25_k1", "bm25_b", "n_negatives", "top_k", "skip_top", "margin",
                 "match", "append", "max_negative_ratio", "min_margin")
+# How the line saying an interrupted run's kept questions are dropped names what changed: the settings by their flags,
+# the rest of the resume key (inputs by content, the query encoder, the chunk size) in words
+RESUME_FLAG_NAMES = {name: "--beir-split" if name == "split" else "--" + name.replace("_", "-")
+                     for name in RESUME_FLAGS}
+RESUME_NAMES = {"train_file": "--train-file file", "corpus": "--corpus file", "qrels": "--qrels file",
+                "queries": "--beir-dir queries", "split_qrels": "--beir-dir qrels", "index_meta": "--index record",
+                "encoder": "query encoder (its weights or prefixes)"}
 
 
 def resume_key(args: argparse.Namespace, inputs: dict[str, Optional[PathLike]], source: Any) -> dict:

@@ -504,21 +504,6 @@ def kept_records(first: Path, key: Optional[dict] = None) -> ChunkedOutput:
     return ChunkedOutput(first.with_name(first.name + KEPT), key, output=first)
 
 
-def report_kept_discarded(kept: ChunkedOutput) -> None:
-    """Say so when the questions an interrupted run kept are about to be dropped: it ran with other settings (named
-    as flags where they are one: ``--top-k 20 -> 10``), so this run starts over."""
-    saved = kept.saved()
-    if saved is None or kept.key is None or saved["key"] == kept.key:
-        return
-    old = saved["key"] if isinstance(saved["key"], dict) else {}
-    flags = {"top_k": "--top-k", "match": "--match"}
-    changed = [f"{flags[name]} {old.get(name)} -> {value}" if name in flags else f"the {name}"
-               for name, value in kept.key.items() if old.get(name) != value]
-    count = saved["state"].get("count", 0) if isinstance(saved["state"], dict) else 0
-    logger.info("starting over: the %s an interrupted run kept in %s were retrieved with other settings (%s)",
-                counted(count, "question"), kept.partial, ", ".join(changed) or "another version")
-
-
 def retrieve_kept(first: Path, key: dict, queries: Iterable[dict], total: Optional[int],
                   records: Callable[[Iterable[dict], Optional[int]], Iterator[dict]],
                   write: Callable[[Iterator[dict]], Any]) -> Any:
@@ -528,7 +513,9 @@ def retrieve_kept(first: Path, key: dict, queries: Iterable[dict], total: Option
     message names the kept file and how to continue or drop it; finished, the run reports what interrupted runs
     into other outputs left in the folder (:func:`report_kept_elsewhere`). Returns what ``write`` returns."""
     kept = kept_records(first, key)
-    report_kept_discarded(kept)
+    note = kept.discarded_note("retrieved", {"top_k": "--top-k", "match": "--match"})
+    if note:
+        logger.info("%s", note)
     done = int((kept.resume() or {}).get("count", 0))
     if done:
         logger.info("resuming an interrupted run: %s already retrieved (kept in %s)", counted(done, "question"),
