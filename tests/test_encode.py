@@ -429,3 +429,27 @@ def test_the_summarys_time_is_the_whole_commands_and_encoding_has_its_own_row(tm
     rows = summary_rows(capsys.readouterr().out)
     whole, encoding = (float(rows[key].removesuffix(" s")) for key in ("time", "encoding"))
     assert whole >= 0.5 + encoding, rows
+
+
+@pytest.mark.parametrize("name", ["shard-00000-of-00001.ids.txt", "shard-00000-of-00001.part00000.npy",
+                                  ".shard-00000-of-00001.lock"])
+def test_a_corpus_named_as_a_shard_file_in_the_output_is_refused(tmp_path: Path, monkeypatch, capsys,
+                                                                 name: str) -> None:
+    """formats.md: every command refuses an output that is one of its inputs. A --corpus inside --output named as
+    a file encode writes there (the shard's ids, a part file, its lock) was overwritten with the shard's ids: it is
+    refused in one line naming both flags, before the model loads, and left as it was; a link to it too."""
+    from dpr_gc.cli import main
+    from dpr_gc.model.retriever import Retriever
+
+    monkeypatch.setattr(Retriever, "load", lambda *a, **k: pytest.fail("the model loaded first"))
+    out = tmp_path / "emb"
+    out.mkdir()
+    corpus = write_corpus(tmp_path, passages(4), "tsv").rename(out / name)
+    before = corpus.read_bytes()
+    (tmp_path / "link.tsv").symlink_to(corpus)
+    for given in (corpus, tmp_path / "link.tsv"):
+        assert main(["encode", "--model", "m", "--corpus", str(given), "--output", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: the input --corpus {given} is {name} in the output folder --output {out}, which the "
+                       "run writes or removes; move the input out of that folder, or give another --output"], err
+    assert corpus.read_bytes() == before and sorted(p.name for p in out.iterdir()) == [name]

@@ -1,15 +1,16 @@
 """The output guard every stage and script runs under: one lock per output, no output that is an input or another
 output of the same run, and whole-folder replacement.
 
-A stage declares which of its command-line destinations are inputs and which are outputs (:func:`guarded`); before
-the stage runs, every output is compared with every input and with the other outputs by what it resolves to
-(``realpath``) and, for paths that exist, by ``(st_dev, st_ino)`` -- so a symlink or a hard link to an input is
-refused too, and so is an input named as a file kept beside an output (``.NAME.*``: its lock, partial file,
-progress record or temporaries); no output may lie inside an input folder, and a folder replaced whole may not
-hold an input. Then each output is locked (``flock``; a second run on the same output is refused at once) unless
-the stage takes its own finer lock (``"self"``). The parsed-data cache a command is given (``--cache-dir``) is one of its outputs too
-(:data:`CACHE_OUTPUT`), and the cache folder it uses, given or the default, is probed for writing up front
-(:func:`check_cache_writable`). Files are written atomically by :mod:`dpr_gc.base.files`; folders by
+A stage declares which of its command-line destinations are inputs and which are outputs (:func:`guarded`); before the
+stage runs, every output is compared with every input and with the other outputs by what it resolves to (``realpath``)
+and, for paths that exist, by ``(st_dev, st_ino)`` -- so a symlink or a hard link to an input is refused too, and so is
+an input named as a file kept beside an output (``.NAME.*``: its lock, partial file, progress record or temporaries); no
+output may lie inside an input folder, and a folder replaced whole may not hold an input, nor may an input be (or lie
+inside) a member a stage writes into its output folder (``members``: the files and folders it names there, which the run
+overwrites or removes). Then each output is locked (``flock``; a second run on the same output is refused at once)
+unless the stage takes its own finer lock (``"self"``). The parsed-data cache a command is given (``--cache-dir``) is
+one of its outputs too (:data:`CACHE_OUTPUT`), and the cache folder it uses, given or the default, is probed for writing
+up front (:func:`check_cache_writable`). Files are written atomically by :mod:`dpr_gc.base.files`; folders by
 :func:`atomic_folder`.
 """
 
@@ -20,10 +21,11 @@ import errno
 import functools
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from .errors import DiskFullError, DprGcError, alike_on_every_rank, is_disk_full, messages_rewritten
 from .files import (BESIDE_BYTES, PathLike, beside, check_output_dir, check_path_length, missing_folders,
@@ -47,6 +49,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 # what the system says when it refuses to create a file or folder: no permission, a read-only file system, a name
 # longer than the file system takes (a lock or temporary file beside an output, on a file system of shorter names)
 REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
+# A member a stage writes into its output folder: an exact name, or a pattern its whole name matches (``fullmatch``).
+Member = Union[str, "re.Pattern[str]"]
 
 
 def _flag(dest: str) -> str:
@@ -81,12 +85,14 @@ def _inside(inner: tuple[str, Any], folder: Path) -> bool:
     return os.path.commonpath([inner[0], real]) == real and inner[0] != real
 
 
-def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: Iterable[str] = ()) -> None:
+def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: Iterable[str] = (),
+                  members: Optional[Mapping[str, Sequence[Member]]] = None) -> None:
     """Refuse any output that resolves to an input or to another output (``{flag: path or paths}``), any output
-    inside an input folder (a model's, an index's, a BEIR folder's files), and any input inside an output folder
-    named in ``whole`` (such folders are replaced as a whole). An output that is a device, pipe or socket is
-    refused too (:func:`~dpr_gc.base.files.output_target`), and so is a name too long for the lock and temporary
-    files written beside it (:data:`~dpr_gc.base.files.BESIDE_BYTES`)."""
+    inside an input folder (a model's, an index's, a BEIR folder's files), any input inside an output folder
+    named in ``whole`` (such folders are replaced as a whole), and any input that is or lies inside a member
+    (``members``: ``{flag: names or patterns}``) the stage writes into an output folder. An output that is a device,
+    pipe or socket is refused too (:func:`~dpr_gc.base.files.output_target`), and so is a name too long for the
+    lock and temporary files written beside it (:data:`~dpr_gc.base.files.BESIDE_BYTES`)."""
     ins = [(flag, p, _identity(p)) for flag, value in inputs.items() for p in _paths(value)]
     outs = [(flag, p, _identity(p)) for flag, value in outputs.items() for p in _paths(value)]
     for flag, path, _ in outs:
@@ -107,10 +113,39 @@ def check_outputs(inputs: Mapping[str, Any], outputs: Mapping[str, Any], whole: 
             if flag in whole and _inside(in_ident, path):
                 raise DprGcError(f"{flag} {path} holds the input {in_flag} {in_path} and would be replaced whole; "
                                  "write the output somewhere else")
+            member = _member(in_path, path, (members or {}).get(flag, ()))
+            if member is not None:
+                raise DprGcError(f"the input {in_flag} {in_path} is {member} in the output folder {flag} {path}, "
+                                 "which the run writes or removes; move the input out of that folder, or give "
+                                 f"another {flag}")
         for other_flag, other_path, other_ident in outs[:i]:
             if _same(ident, other_ident):
                 raise DprGcError(f"{flag} {path} and {other_flag} {other_path} are the same path (or links to "
                                  "one); give each output its own path")
+
+
+def _matches(name: str, members: Sequence[Member]) -> bool:
+    return any(name == m if isinstance(m, str) else m.fullmatch(name) is not None for m in members)
+
+
+def _member(candidate: Path, folder: Path, members: Sequence[Member]) -> Optional[str]:
+    """The member of ``folder`` (a name ``members`` matches) that ``candidate`` is or lies inside, followed through
+    links or as spelt up to its last name (a link the writer would replace or remove), or that is a hard link to
+    it; None if none."""
+    if not members:
+        return None
+    real = os.path.realpath(folder)
+    spelt = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(candidate))), candidate.name)
+    for place in (os.path.realpath(candidate), spelt):
+        if os.path.commonpath([place, real]) == real and place != real:
+            name = os.path.relpath(place, real).split(os.sep)[0]
+            if _matches(name, members):
+                return name
+    ident = _identity(candidate)
+    for name in sorted(os.listdir(real)) if os.path.isdir(real) and ident[1] is not None else ():
+        if _matches(name, members) and _same(_identity(Path(real, name)), ident):
+            return name
+    return None
 
 
 def lies_within(path: PathLike, folder: PathLike) -> bool:
@@ -180,13 +215,15 @@ def _split(entry: str) -> tuple[str, str]:
     return dest, flag or _flag(dest)
 
 
-def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = None) -> Callable:
+def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = None,
+            members: Optional[Mapping[str, Sequence[Member]]] = None) -> Callable:
     """Decorate a stage's command function ``f(args, ...)``: ``inputs`` are the ``args`` destinations it reads,
     ``outputs`` maps each destination it writes to its lock mode (see :data:`LOCK_MODES`); an entry may be written
-    ``"dest=--flag"`` to name the flag in messages. The cache folder (:data:`CACHE_OUTPUT`) is an output without
-    being declared (declare it to name another flag); a command whose ``args`` carry it has the folder it uses probed
-    (:func:`check_cache_writable`). Checks, then locks, then runs; an output the system refuses
-    to create or write is one line naming its flag (:func:`refused_output`)."""
+    ``"dest=--flag"`` to name the flag in messages. ``members`` maps an output folder's destination to the names
+    or patterns of what the stage writes or removes inside it: no input may be or lie inside one. The cache folder
+    (:data:`CACHE_OUTPUT`) is an output without being declared (declare it to name another flag); a command whose
+    ``args`` carry it has the folder it uses probed (:func:`check_cache_writable`). Checks, then locks, then runs; an
+    output the system refuses to create or write is one line naming its flag (:func:`refused_output`)."""
     outputs = dict(outputs or {})
     bad = set(outputs.values()) - set(LOCK_MODES)
     if bad:
@@ -197,6 +234,7 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
     if all(dest != cache_dest for dest, _, _ in outs):
         outs.append((cache_dest, _flag(cache_dest), cache_mode))
     cache_flag = next(flag for dest, flag, _ in outs if dest == cache_dest)
+    owned = {flag: (members or {}).get(dest, ()) for dest, flag, _ in outs}
 
     def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(run)
@@ -206,7 +244,7 @@ def guarded(inputs: Sequence[str] = (), outputs: Optional[Mapping[str, str]] = N
             with alike_on_every_rank():  # every torchrun rank checks the same flags and paths
                 check_inputs_given(given)
                 check_outputs(with_adapter_bases(given), with_default_cache(written, cache_flag),
-                              whole=[flag for _, flag, mode in outs if mode == "whole"])
+                              whole=[flag for _, flag, mode in outs if mode == "whole"], members=owned)
                 if hasattr(args, cache_dest):  # the command uses the cache
                     check_cache_writable(written[cache_flag], cache_flag)
             try:

@@ -33,7 +33,7 @@ from ..base.locks import locked_folder
 from ..base.settings import (add_arguments as add_setting_arguments, cache_dir_setting, check, device_setting,
                              from_args, group, passage_prefix_setting, query_prefix_setting, setting, to_record)
 from .fingerprint import bridge_legacy, model_fingerprint, records_agree
-from .shards import MANIFEST_RE, PROGRESS_RE, read_manifest, resolve_shard, shard_name, shard_range
+from .shards import MANIFEST_RE, PROGRESS_RE, SHARD_MEMBERS, read_manifest, resolve_shard, shard_name, shard_range
 from ..base.tables import format_summary, seconds_text
 from ..base.logs import counted, infos_from_rank_zero
 
@@ -446,7 +446,7 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
     return manifest, time.perf_counter() - began
 
 
-@guarded(inputs=("model", "corpus"), outputs={"output": "self"})
+@guarded(inputs=("model", "corpus"), outputs={"output": "self"}, members={"output": SHARD_MEMBERS})
 def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
     """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
     the flags'): flags to :func:`encode_with_model`, then a summary table naming the shard (its ``time`` the whole

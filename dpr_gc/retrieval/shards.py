@@ -21,8 +21,14 @@ from .fingerprint import LEGACY_KEY, disagreeing
 
 # How the passages were encoded, beside the model (encode's MUST_MATCH): shards indexed together agree on them.
 SHARD_SETTINGS = ("pooling", "normalize", "passage_format", "passage_prefix", "max_length", "precision", "dtype")
-MANIFEST_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
-PROGRESS_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parts\.json$")
+SHARD_RE = r"shard-(\d{5})-of-(\d{5})"  # what shard_name writes
+MANIFEST_RE = re.compile(rf"^{SHARD_RE}\.json$")
+PROGRESS_RE = re.compile(rf"^{SHARD_RE}\.parts\.json$")
+# What encode writes or removes in its output folder for a shard NAME: NAME.npy, NAME.ids.txt, the manifest
+# NAME.json, NAME.parts.json and the part files NAME.partNNNNN.npy, and beside them its lock .NAME.lock and the
+# temporaries .NAME.*.tmp; an input may be none of them.
+SHARD_MEMBERS = (re.compile(rf"{SHARD_RE}\.(npy|ids\.txt|json|parts\.json|part\d{{5}}\.npy)"),
+                 re.compile(rf"\.{SHARD_RE}\..+"))
 
 
 def shard_name(shard_id: int, num_shards: int) -> str:
