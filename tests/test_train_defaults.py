@@ -328,9 +328,9 @@ def test_a_new_run_from_the_starting_model_left_in_best_is_refused_and_removes_n
     args = argv_without_checkpoints(task, out, "--max-steps", "1")
     args[args.index("--model") + 1] = out / "best"
     code, err = call(cli.main, args)
-    assert code == 2 and err.strip() == (f"error: --model {out / 'best'} lies inside {out / 'best'}, the starting "
-                                         "model an interrupted run left, which a new run in this --output removes: "
-                                         "copy it elsewhere and start from the copy, or choose a new --output"), err
+    assert code == 2 and err.strip() == (f"error: the input --model {out / 'best'} is best in the output folder "
+                                         f"--output {out}, which the run writes or removes; move the input out of "
+                                         "that folder, or give another --output"), err
     after = saved_weights(out / "best")
     assert all(torch.equal(before[k], after[k]) for k in before)
     shutil.copytree(out / "best", tmp_path / "copy")
@@ -372,3 +372,27 @@ def test_the_dev_files_load_is_logged_once_per_run(task: dict, tmp_path: Path, c
     loads = [r for r in caplog.records if r.getMessage().startswith(f"{dev}: 8 records, 8 kept")]
     evaluations = [r for r in caplog.records if r.getMessage().startswith("dev validation over 8 questions")]
     assert (len(loads), len(evaluations)) == (1, 3), caplog.text
+
+
+@pytest.mark.parametrize("member, given", [
+    ("metrics.jsonl", "metrics.jsonl"), (SETTINGS_FILE, SETTINGS_FILE), ("final", "final/dev.jsonl"),
+    ("best", "best/dev.jsonl"), ("checkpoint-3", "checkpoint-3/dev.jsonl"), (".metrics.jsonl.x.tmp", None)])
+def test_an_input_that_a_run_writes_in_its_output_is_refused(task: dict, tmp_path: Path, monkeypatch, member: str,
+                                                              given: str) -> None:
+    """A --dev (or --train) file named as what train writes or removes in --output (metrics.jsonl, which a new
+    run deletes; train_config.json; a file inside final/, best/ or checkpoint-N/; a temporary of one) is refused in
+    one line naming both flags, before the model loads, and kept."""
+    monkeypatch.setattr(Retriever, "load", lambda *a, **k: pytest.fail("the model loaded first"))
+    out = tmp_path / "run"
+    dev = out / (given or member)
+    dev.parent.mkdir(parents=True)
+    shutil.copy(task["dpr"], dev)
+    before = dev.read_bytes()
+    for flag in ("--dev", "--train"):
+        args = argv(task, out, "--max-steps", "1", *(["--dev", dev] if flag == "--dev" else []))
+        args[args.index("--train") + 1] = dev if flag == "--train" else task["dpr"]
+        code, err = call(cli.main, args)
+        assert code == 2 and err.strip() == (f"error: the input {flag} {dev} is {member} in the output folder "
+                                             f"--output {out}, which the run writes or removes; move the input out "
+                                             "of that folder, or give another --output"), err
+        assert dev.read_bytes() == before

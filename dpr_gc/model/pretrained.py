@@ -264,6 +264,8 @@ def check_model_folder(name_or_path: str | Path) -> None:
 STATE_JSON = "train_state.json"  # a training checkpoint's state (dpr_gc.train.checkpoints writes it)
 LEGACY_STATE = "state.pt"  # the state of a checkpoint from before the JSON format
 SHARDED = "sharded"  # an FSDP checkpoint's weights and optimizer state (torch.distributed.checkpoint), no model/
+# A training output's checkpoint-STEP folder, as the trainer names it (the step in plain decimal digits)
+CHECKPOINT_RE = re.compile(r"checkpoint-(0|[1-9][0-9]*)", re.ASCII)
 
 
 def checkpoint_steps(out: Path) -> list[int]:

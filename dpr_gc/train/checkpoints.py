@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -22,12 +23,20 @@ from ..base.guard import check_outputs, lies_within, remove_stale_folders
 from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors, remove_stale_temporaries
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
-from ..model.pretrained import LEGACY_STATE, SHARDED, STATE_JSON, checkpoint_steps
+from ..model.pretrained import CHECKPOINT_RE, LEGACY_STATE, SHARDED, STATE_JSON, checkpoint_steps
 from .config import HIGHER_IS_BETTER, SETTINGS_FILE
 from ..model.retriever import Retriever
 
 logger = logging.getLogger(__name__)
 
+METRICS_FILE = "metrics.jsonl"  # one JSON record per logged step, in the training output
+FINAL, BEST = "final", "best"  # the trained model and the best one on the dev set, in the training output
+# What a run writes or removes in its --output: the files and folders above, the checkpoints, and the hidden ones
+# beside them (.checkpoint-STEP.tmp, atomic_folder's .final.*/.best.* and the files' .NAME.*.tmp); no input may be
+# one or lie inside one.
+TRAIN_MEMBERS = (SETTINGS_FILE, METRICS_FILE, FINAL, BEST, CHECKPOINT_RE,
+                 re.compile(rf"\.(?:{'|'.join(map(re.escape, (SETTINGS_FILE, METRICS_FILE, FINAL, BEST)))}|"
+                            rf"{CHECKPOINT_RE.pattern})\..+"))
 
 STATE_FIELDS = {"step": count(), "optimizer": Field(dict, True), "scheduler": Field(dict), "scaler": Field(dict),
                 "sampler": Field(dict), "record": Field(dict, True), "best": Field(list),
@@ -341,7 +350,7 @@ class Checkpointer:
         self.adopt_best(path, state["step"], saved)
         self.drop_later(path, state["step"], saved)
         if self.is_main:
-            truncate_metrics(self.out / "metrics.jsonl", state["step"])
+            truncate_metrics(self.out / METRICS_FILE, state["step"])
         return state
 
     def drop_later(self, checkpoint: Path, step: int, saved: Optional[Retriever]) -> None:
@@ -409,12 +418,12 @@ def remove_temporaries(out: Path) -> list[Path]:
     writing: ``.checkpoint-STEP.tmp/``, ``best/``'s and ``final/``'s (:func:`~dpr_gc.base.guard.atomic_folder`'s
     ``.NAME.*.new``/``.old``) and the settings and metrics files' (``.NAME.*.tmp``); the removal is logged. Call it
     where no other run writes into ``out`` (train's output lock; rank 0 only)."""
-    removed = [*remove_stale_folders(out, "best"), *remove_stale_folders(out, "final")]
+    removed = [*remove_stale_folders(out, BEST), *remove_stale_folders(out, FINAL)]
     for tmp in out.glob(".checkpoint-*.tmp") if out.is_dir() else ():
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
             removed.append(tmp)
-    removed += remove_stale_temporaries(out, [SETTINGS_FILE, "metrics.jsonl"])
+    removed += remove_stale_temporaries(out, [SETTINGS_FILE, METRICS_FILE])
     if removed:
         logger.info("removed what a killed run left half-written in %s: %s", out, ", ".join(p.name for p in removed))
     return removed

@@ -46,7 +46,7 @@ from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_p
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
-from .checkpoints import finite_or_null, remove_temporaries, resolve_checkpoint
+from .checkpoints import METRICS_FILE, TRAIN_MEMBERS, finite_or_null, remove_temporaries, resolve_checkpoint
 from .chunks import auto_chunk_reason, auto_chunk_rows, auto_chunk_size, both_chunk_sizes, chunk_sizes
 from .chunks import longest_row_tokens
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
@@ -173,7 +173,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.out, config.run.keep_checkpoints, config.run.best_metric,
                                          self.rank == 0, self.retriever if config.run.fsdp else None)
         self.checkpointer.settings = lambda folder: record_settings(config, folder)
-        self.metrics_file = self.out / "metrics.jsonl"
+        self.metrics_file = self.out / METRICS_FILE
         self.step, self.epoch, self.examples, self.last_loss = 0, 0, 0, float("nan")
         self.resumed_from: Optional[int] = None  # the step of the checkpoint resumed (None: a fresh run)
         self.last_dev: Optional[dict] = None  # this run's latest dev evaluation after a step: {"step", "dev_...": ..}
@@ -844,7 +844,8 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cli_train)
 
 
-@guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"})
+@guarded(inputs=("train_files=--train", "dev_file=--dev", "model"), outputs={"output_dir=--output": "folder"},
+         members={"output_dir": TRAIN_MEMBERS})
 def _cli_train(args: Any) -> None:
     infos_from_rank_zero()
     with alike_on_every_rank():
