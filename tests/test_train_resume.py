@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 import dpr_gc.train.validation as validation
 from dpr_gc.model.card import card_training
 from dpr_gc.cli import main
+from dpr_gc.train.checkpoints import finished_checkpoints
 from dpr_gc.train.trainer import train
 from tests.helpers import call, ctrl_c_at
 from tests.ranks import run_command
@@ -184,3 +186,28 @@ def test_resuming_an_earlier_checkpoint_drops_what_the_run_it_redoes_wrote_after
     assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint-*")) == ["checkpoint-3"]  # latest: step 3
     assert card_training(tmp_path / "b" / "final")["steps"] == 3
     assert not (tmp_path / "b" / "best").exists() or card_training(tmp_path / "b" / "best")["steps"] <= 3
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A task and a run of 4 steps keeping every checkpoint (``task["run"]``), to copy and resume."""
+    d = tmp_path_factory.mktemp("four")
+    task = {"dir": d, "model": init_model(d), "train": write_dpr(d / "t.json", make_records(16, 1))}
+    task["run"] = d / "run"
+    train(task_config(task, task["run"], max_steps=4, save_every=1, keep_checkpoints=4))
+    return task
+
+
+def test_only_checkpoint_names_the_trainer_writes_are_checkpoints(four_steps: dict, tmp_path: Path) -> None:
+    """A copy named checkpoint-04 (or with a non-ASCII digit) was taken for checkpoint 4: resuming checkpoint-2
+    removed checkpoint-3 and -4, then failed on a checkpoint-4 already gone. Such copies are left alone."""
+    out = tmp_path / "run"
+    shutil.copytree(four_steps["run"], out)
+    for name in ("checkpoint-04", "checkpoint-\u0664", "checkpoint-+4"):
+        shutil.copytree(out / "checkpoint-4", out / name)
+    assert [p.name for p in finished_checkpoints(out)] == [f"checkpoint-{s}" for s in (1, 2, 3, 4)]
+    train(task_config(four_steps, out, max_steps=4, save_every=1, keep_checkpoints=4,
+                      resume=str(out / "checkpoint-2")))
+    names = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert names == sorted(["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-04",
+                            "checkpoint-\u0664", "checkpoint-+4"]), names

@@ -269,9 +269,11 @@ CHECKPOINT_RE = re.compile(r"checkpoint-(0|[1-9][0-9]*)", re.ASCII)
 
 
 def checkpoint_steps(out: Path) -> list[int]:
-    """The steps of the ``checkpoint-STEP`` folders in a training output ``out``, ascending (finished or not)."""
+    """The steps of the ``checkpoint-STEP`` folders in a training output ``out``, ascending (finished or not); only
+    names the trainer writes (:data:`CHECKPOINT_RE`) count: ``checkpoint-04`` or a copy under another name is left
+    alone."""
     return sorted(int(p.name.split("-", 1)[1]) for p in out.glob("checkpoint-*")
-                  if p.name.split("-", 1)[1].isdigit() and p.is_dir())
+                  if CHECKPOINT_RE.fullmatch(p.name) and p.is_dir())
 
 
 def check_model_files(folder: Path) -> None:
