@@ -6,6 +6,7 @@ while it wrote a checkpoint."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -211,3 +212,36 @@ def test_only_checkpoint_names_the_trainer_writes_are_checkpoints(four_steps: di
     names = sorted(p.name for p in out.glob("checkpoint-*"))
     assert names == sorted(["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-04",
                             "checkpoint-\u0664", "checkpoint-+4"]), names
+
+
+def test_a_linked_checkpoint_or_final_is_removed_as_a_link(four_steps: dict, tmp_path: Path) -> None:
+    """checkpoint-4 and final/ of --output as links to folders kept elsewhere: resuming checkpoint-2 stopped with
+    'Cannot call rmtree on a symbolic link' after removing checkpoint-3, metrics.jsonl not cut. The links are
+    removed, their targets kept; rotation does the same to a linked old checkpoint."""
+    out, keep = tmp_path / "run", tmp_path / "keep"
+    shutil.copytree(four_steps["run"], out)
+    keep.mkdir()
+    for name in ("checkpoint-4", "final", "checkpoint-1"):
+        (out / name).rename(keep / name)
+        (out / name).symlink_to(keep / name)
+    kept = sorted(str(p.relative_to(keep)) for p in keep.rglob("*"))
+    train(task_config(four_steps, out, max_steps=4, save_every=1, keep_checkpoints=2,
+                      resume=str(out / "checkpoint-2")))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert not any(p.is_symlink() for p in out.iterdir()) and (out / "final").is_dir()
+    assert sorted(str(p.relative_to(keep)) for p in keep.rglob("*")) == kept
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_an_os_error_naming_no_file_names_no_none_and_no_free_space() -> None:
+    """An OSError naming no file (shutil's 'Cannot call rmtree on a symbolic link') was said as '...; check the path
+    and free space'; free space is advised only for a full disk or quota."""
+    from dpr_gc.base.errors import os_error_line
+
+    assert os_error_line(OSError("Cannot call rmtree on a symbolic link")) == (
+        "error: Cannot call rmtree on a symbolic link; check the paths and folders the command was given")
+    assert os_error_line(OSError(errno.ENOTDIR, "Not a directory", "x/y")) == (
+        "error: x/y: Not a directory; check the path")
+    assert os_error_line(OSError(errno.ENOSPC, "No space left on device")) == (
+        "error: No space left on device; free space or write somewhere else, then run the command again")
+    assert "None" not in os_error_line(OSError(errno.EXDEV, "Invalid cross-device link", None, "b"))

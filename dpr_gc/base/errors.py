@@ -193,6 +193,20 @@ def lost_peer_line(error: BaseException) -> str:
             + (f" ({reason})" if reason else ""))
 
 
+def os_error_line(error: OSError) -> str:
+    """The one ``error:`` line for an ``OSError``: the path(s) it names, if any, what the system said, and advice
+    that fits it (free space only when the disk or quota is full)."""
+    names = [os.fsdecode(n) if isinstance(n, (str, bytes, os.PathLike)) else str(n)
+             for n in (error.filename, error.filename2) if n not in (None, "")]
+    where = f"{' -> '.join(names)}: " if names else ""
+    reason = error.strerror or (os.strerror(error.errno) if error.errno else str(error).strip()) or type(error).__name__
+    if is_disk_full(error):
+        advice = "free space or write somewhere else, then run the command again"
+    else:
+        advice = "check the path" if names else "check the paths and folders the command was given"
+    return f"error: {where}{reason}; {advice}"
+
+
 def report_errors(action: Callable[[], Any]) -> int:
     """Run ``action`` as a command: a :class:`DprGcError` (or an ``OSError``, e.g. a full disk) becomes one
     ``error: ...`` line on stderr and exit status 2, a collective that lost another rank of the job one line too
@@ -215,8 +229,7 @@ def report_errors(action: Callable[[], Any]) -> int:
             "surrogate from a JSON escape); fix or remove it in the input file")
         return 2
     except OSError as e:  # refused by the OS: permissions, a full disk, a folder where a file belongs
-        where = f"{e.filename}: " if e.filename else ""
-        say(f"error: {where}{e.strerror or e}; check the path and free space")
+        say(os_error_line(e))
         return 2
     except KeyboardInterrupt as e:
         advice = str(e) if isinstance(e, Interrupted) and str(e) else NOTHING_KEPT

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
@@ -610,6 +611,16 @@ def read_tensors(path: PathLike) -> dict:
     if not isinstance(tensors, dict):
         raise DprGcError(f"{p}: expected a dictionary of tensors, found {type(tensors).__name__}")
     return tensors
+
+
+def remove_folder(path: PathLike) -> None:
+    """Delete the folder ``path`` with what it holds; a symbolic link is removed as a link, never its target (a
+    folder kept elsewhere that the link names). Nothing there is nothing to do."""
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def remove_stale_temporaries(folder: PathLike, names: Iterable[str]) -> list[Path]:

@@ -20,7 +20,8 @@ from torch import nn
 from ..base.args import closest
 from ..base.errors import DiskFullError, DprGcError, is_disk_full
 from ..base.guard import check_outputs, lies_within, remove_stale_folders
-from ..base.files import JSON_ERRORS, atomic_open, read_json, read_tensors, remove_stale_temporaries
+from ..base.files import (JSON_ERRORS, atomic_open, read_json, read_tensors, remove_folder,
+                          remove_stale_temporaries)
 from ..base.validate import Field, check_fields, count
 from ..model.card import card_training
 from ..model.pretrained import CHECKPOINT_RE, LEGACY_STATE, SHARDED, STATE_JSON, checkpoint_steps
@@ -305,10 +306,10 @@ class Checkpointer:
             if self.settings is not None:
                 self.settings(tmp)
             final = self.out / f"checkpoint-{step}"
-            shutil.rmtree(final, ignore_errors=True)
+            remove_folder(final)
             tmp.rename(final)
             for old in self.checkpoints()[:-self.keep]:
-                shutil.rmtree(old)
+                remove_folder(old)
 
     def resolve(self, resume: str) -> Path:
         return resolve_checkpoint(self.out, resume)
@@ -373,7 +374,7 @@ class Checkpointer:
             dist.barrier()  # every rank has read the folders before the first one removes them
         if self.is_main and later:
             for folder in later:
-                shutil.rmtree(folder)
+                remove_folder(folder)
             logger.warning("resuming %s, an earlier checkpoint of %s: removed what the run it redoes wrote after "
                            "step %d (%s)", checkpoint.name, self.out, step, ", ".join(p.name + "/" for p in later))
             if best_gone and self.best_path is not None:

@@ -33,7 +33,7 @@ from ..data.training import Collator, data_digest, load_training_data, make_data
 from ..base.devices import autocast_dtype, cpu_threads, warn_if_emulated
 from ..base.errors import DprGcError, Interrupted, alike_on_every_rank
 from ..base.logs import counted, infos_from_rank_zero, infos_hidden
-from ..base.files import copied_from
+from ..base.files import copied_from, remove_folder
 from ..base.guard import guarded
 from ..model.fsdp import clip_grad_norm, shard_retriever, unsharded_copy
 from ..engine.budget import format_bytes
@@ -46,7 +46,7 @@ from ..model.retriever import Retriever, enable_gradient_checkpointing, freeze_p
 from .config import TrainConfig, add_train_arguments, check_resume_settings, config_from_args, record_settings
 from .config import SETTINGS_FILE, recorded_settings, resolve_defaults
 from .checkpoints import Checkpointer, check_layout, check_start, finished_checkpoints, left_at_start
-from .checkpoints import METRICS_FILE, TRAIN_MEMBERS, finite_or_null, remove_temporaries, resolve_checkpoint
+from .checkpoints import BEST, METRICS_FILE, TRAIN_MEMBERS, finite_or_null, remove_temporaries, resolve_checkpoint
 from .chunks import auto_chunk_reason, auto_chunk_rows, auto_chunk_size, both_chunk_sizes, chunk_sizes
 from .chunks import longest_row_tokens
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
@@ -355,7 +355,7 @@ class Trainer:
         if self.rank == 0:
             self.metrics_file.unlink(missing_ok=True)
             if left_at_start(self.out):
-                shutil.rmtree(self.out / "best")
+                remove_folder(self.out / BEST)
 
     def resume(self, checkpoint: str) -> None:
         """Continue from a checkpoint folder (or ``latest``): weights, optimizer, schedule, scaler, the sampler's
