@@ -171,9 +171,10 @@ def _betas(text: str) -> tuple[float, float]:
     torch refuses others with a traceback once the model has loaded."""
     try:
         betas = tuple(float(b) for b in ast.literal_eval(text))
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        betas = ()
-    if len(betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in betas):
+        usable = len(betas) == 2 and all(math.isfinite(b) and 0 <= b < 1 for b in betas)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError, OverflowError):  # past a float
+        betas, usable = (), False
+    if not usable:
         raise DprGcError(f"--adam_betas must be two numbers, each in [0, 1), e.g. '(0.9, 0.999)'; got {text!r}")
     return betas  # type: ignore[return-value]
 
@@ -186,10 +187,10 @@ def _rates(text: Optional[str], files: Sequence[str]) -> Optional[list[float]]:
         return None
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        value = None
-    numbers = isinstance(value, (list, tuple)) and all(
-        isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in value)
+        numbers = isinstance(value, (list, tuple)) and all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError, OverflowError):  # past a float
+        value, numbers = None, False
     if not numbers or not value:
         raise DprGcError(f"--train_files_upsample_rates must be a list of positive numbers, one per --train_file, "
                          f"e.g. '[1,2]'; got {text!r}")

@@ -234,7 +234,7 @@ def test_gc_dpr_flags_without_a_meaning_here_stop_in_one_line(tiny, tmp_path, ex
 @pytest.mark.parametrize("rates,message", [
     ("[1,x]", "must be a list of positive numbers"), ("abc", "must be a list of positive numbers"),
     ("[0]", "must be a list of positive numbers"), ("2", "must be a list of positive numbers"),
-    ("[1,2]", "needs one rate per --train_file (1: ")])
+    ("[1" + "0" * 400 + "]", "must be a list of positive numbers"), ("[1,2]", "needs one rate per --train_file (1: ")])
 def test_bad_upsample_rates_are_refused_up_front_naming_the_scripts_flag(tiny, tmp_path, rates, message):
     """A malformed ``--train_files_upsample_rates`` was a ValueError traceback; a wrong count was refused only once
     the model and data had loaded, naming dpr-gc's --sampling-rates. Both are now one line naming the script's flag,
@@ -251,6 +251,16 @@ def test_bad_upsample_rates_are_refused_up_front_naming_the_scripts_flag(tiny, t
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
         assert "--train_files_upsample_rates" in errors[0] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("betas", ["(1" + "0" * 400 + ", 0.9)", "(0.9, -1" + "0" * 400 + ")", "(1e400, 0.9)"])
+def test_adam_betas_too_large_for_a_float_are_one_line(betas: str) -> None:
+    """An --adam_betas integer past the float range ((1000...0, 0.9), 400 zeros) was an OverflowError traceback; it
+    is refused in the flag's one line."""
+    from dpr_gc.base.errors import DprGcError
+
+    with pytest.raises(DprGcError, match=r"^--adam_betas must be two numbers, each in \[0, 1\)"):
+        load_script("train_dense_encoder.py")._betas(betas)
 
 
 def dpr_checkpoint(tiny: dict, path: Path, projection: int = 0, wrap: Any = None) -> Path:
