@@ -27,7 +27,7 @@ def test_cache_lists_and_clears(tmp_path: Path, monkeypatch, capsys) -> None:
     assert "| corpora | 1 |" in listing and str(tmp_path / "cache" / "corpora") in listing
     listed = summary_rows(listing)
     assert (listed["sources"], listed["folder"]) == ("1", str(tmp_path / "cache")) and "MiB" in listed, listed
-    busy = tmp_path / "cache" / "train" / "t-0123.arrow"
+    busy = tmp_path / "cache" / "train" / "t-0123456789abcdef.arrow"  # named as cache_file names one
     busy.parent.mkdir(parents=True)
     with open(str(busy) + ".lock", "w") as held, atomic_path(busy) as tmp:
         fcntl.flock(held, fcntl.LOCK_EX)  # a run building this cache right now, into its hidden temporary
@@ -84,6 +84,21 @@ def test_clear_deletes_only_the_caches_own_files(tmp_path: Path, monkeypatch, ca
     monkeypatch.setenv("DPR_GC_CACHE", str(mine))
     assert main(["cache"]) == 2
     assert capsys.readouterr().err.startswith(f"error: the cache folder {mine} ($DPR_GC_CACHE")
+
+
+def test_clear_passes_over_a_users_folder_or_file_named_like_a_lock(tmp_path: Path, capsys) -> None:
+    """A user's folder sub.lock in --cache-dir stopped --clear ('sub.lock: Is a directory'), nothing cleared, and a
+    user's notes.lock was opened (created if a link's target was missing); only the cache's own lock files are
+    opened, the rest are left as they are."""
+    cache = tmp_path / "cc"
+    load_corpus(EXAMPLES / "passages.tsv", cache)
+    (cache / "sub.lock").mkdir()
+    (cache / "sub.lock" / "kept.txt").write_text("mine")
+    (cache / "notes.lock").write_text("mine")
+    (cache / "dangling.lock").symlink_to(tmp_path / "nowhere")
+    assert main(["cache", "--clear", "--cache-dir", str(cache)]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in cache.iterdir()) == ["dangling.lock", "notes.lock", "sub.lock"]
+    assert (cache / "notes.lock").read_text() == "mine" and not (tmp_path / "nowhere").exists()
 
 
 def test_clear_and_the_listing_cover_every_file_a_training_parse_writes(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -156,8 +156,8 @@ def cache_usage(root: Path, flat: bool = False) -> list[tuple[str, int, int]]:
 
 def clear_cache(root: Path, flat: bool = False) -> tuple[int, int, list[Path]]:
     """Delete the cached files in each folder of :func:`cache_folders` (caches, their locks and a killed build's
-    temporaries; nothing else a user may have put there); a cache another process is building right now (its lock
-    is held) is kept. Returns ``(files removed, bytes freed, caches kept)``."""
+    temporaries; nothing else a user may have put there); a cache another process is building right now (its lock,
+    a file named as :data:`CACHE_FILE` names one, is held) is kept. Returns ``(files removed, bytes freed, caches kept)``."""
     import fcntl
 
     removed, freed, busy = 0, 0, []
@@ -165,6 +165,8 @@ def clear_cache(root: Path, flat: bool = False) -> tuple[int, int, list[Path]]:
         if not folder.is_dir():
             continue
         for lock in sorted(folder.glob("*.lock")):
+            if not (CACHE_FILE.fullmatch(lock.name) and lock.is_file() and not lock.is_symlink()):
+                continue  # not a lock of the cache's: a user's file or folder, left alone
             with open(lock, "a+") as f:
                 try:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
