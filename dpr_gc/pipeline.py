@@ -139,7 +139,7 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
     record. Settings only stages not started depend on (the learning rate, after a training that stopped before its
     first checkpoint) are recorded anew, so a rerun with corrected settings goes ahead; the demo's time restarts
     when no stage holds work."""
-    record = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k != "output_dir"}))
+    record = demo_record(config)
     path = out / SETTINGS_FILE
     if not path.is_file():
         if out.is_dir() and any(not p.name.startswith(".") for p in out.iterdir()):  # the guard's lock is hidden
@@ -151,8 +151,11 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
     started = started_stages(out)
     kept = [stage for stage in started if any(depends_on(stage, k) for k in changed)]
     if kept:
-        held = [k for k in changed if any(depends_on(stage, k) for stage in kept)]
-        shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in held[:3])
+        flags = demo_flag_names()
+        held = list(dict.fromkeys(flags.get(k, k) for k in changed if any(depends_on(stage, k) for stage in kept)))
+        first = {flags.get(k, k): k for k in reversed(changed)}  # a flag's values: those of the first key it sets
+        shown = "; ".join(f"{name} {_shown(old.get(first[name]))} there, {_shown(new.get(first[name]))} now"
+                          for name in held[:3])
         names = [stage + "/" * (out / stage).is_dir() for stage in kept]
         raise DprGcError(f"{out} holds a demo run with other settings ({shown}"
                          f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}); its "
@@ -163,6 +166,43 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
         logger.info("%s: the earlier run's settings changed only for stages it had not started; recording the new "
                     "ones", out)
         record_new_settings(out, record, started)
+
+
+def _shown(value: Any) -> str:
+    """A recorded setting as the refusal shows it: ``(not set)`` for None, else its repr."""
+    return "(not set)" if value is None else repr(value)
+
+
+def demo_flag_names() -> dict[str, str]:
+    """The demo flag that sets each key of the settings record (``training.cache.query_chunk_size``:
+    ``--chunk-size``), found by changing each :class:`DemoFlags` field in turn and seeing which keys
+    :meth:`DemoFlags.config` changes, so the names follow the flags' declarations; a key no flag sets is absent."""
+    base = flat_record(demo_record(DemoFlags().config()))
+    names: dict[str, str] = {}
+    for field in dataclasses.fields(DemoFlags):
+        flag = field.metadata["setting"].flags[0]
+        for value in _other_values(field.metadata["setting"], field.default):
+            try:
+                config = dataclasses.replace(DemoFlags(), **{field.name: value}).config()
+            except DprGcError:  # e.g. a chunk over a quarter of the batch: try the next value
+                continue
+            names.update({k: flag for k, v in flat_record(demo_record(config)).items() if base.get(k) != v})
+            break
+    return names
+
+
+def _other_values(decl: Any, default: Any) -> list[Any]:
+    """Values other than ``default`` a demo flag declared as ``decl`` takes, to try in turn."""
+    if decl.choices:
+        return [c for c in decl.choices if c != default]
+    if isinstance(default, bool) or default is None or isinstance(default, str):
+        return [not default] if isinstance(default, bool) else [decl.type("1000") if decl.type else "1000"]
+    return [default * 2] if isinstance(default, float) else [default + 1, default - 1]
+
+
+def demo_record(config: DemoConfig) -> dict:
+    """The settings record of a demo run (:data:`SETTINGS_FILE`): ``config`` as JSON, the output folder left out."""
+    return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k != "output_dir"}))
 
 
 def record_new_settings(out: Path, record: dict, started: list[str]) -> None:

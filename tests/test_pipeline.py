@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from transformers import BertTokenizerFast
 
@@ -264,13 +265,37 @@ def test_a_demo_folder_resumes_only_the_same_settings(tmp_path):
     (out / "before" / "metrics.json").write_text("{}")
     training = dataclasses.replace(config.training, optim=dataclasses.replace(config.training.optim,
                                                                              learning_rate=1e-3))
-    with pytest.raises(DprGcError, match=r"other settings \(max_examples: None there, 300 now; top_k: 100 there, 5 "
-                                         r"now\); its before/ would be reused as it is"):  # not the learning rate
+    with pytest.raises(DprGcError, match=r"other settings \(--max-examples \(not set\) there, 300 now; top_k 100 "
+                                         r"there, 5 now\); its before/ would be reused as it is"):  # not the rate
         check_demo_settings(out, dataclasses.replace(config, training=training, max_examples=300, top_k=5))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(DprGcError, match="holds files but no demo_settings.json"):
         check_demo_settings(tmp_path / "other", config)
+
+
+def test_a_changed_demo_setting_is_named_by_its_flag(tmp_path):
+    """A demo rerun with other settings names each demo flag that changed once, with its value there and now, not
+    the config keys it sets (--chunk-size sets both chunk sizes); every demo flag is covered."""
+    from dpr_gc.pipeline import DemoFlags, check_demo_settings
+
+    others = {"model": "other-model", "max_examples": 300, "train_queries": 512, "batch_size": 128, "chunk_size": 8,
+              "hard_negatives": 1, "epochs": 2, "learning_rate": 1e-4, "passage_max_length": 64,
+              "precision": "bf16", "seed": 1}
+    assert set(others) == {f.name for f in dataclasses.fields(DemoFlags)} - {"output"}
+    out = tmp_path / "demo"
+    check_demo_settings(out, DemoFlags(output=str(out)).config())
+    (out / "after").mkdir()
+    (out / "after" / "metrics.json").write_text("{}")
+    for name, value in others.items():
+        default = getattr(DemoFlags(), name)
+        flag = "--" + name.replace("_", "-")
+        shown = "(not set)" if default is None else repr(default)
+        expected = re.escape(f"other settings ({flag} {shown} there, {value!r} now); ")
+        with pytest.raises(DprGcError, match=expected):
+            check_demo_settings(out, dataclasses.replace(DemoFlags(output=str(out)), **{name: value}).config())
+    with pytest.raises(DprGcError, match=r"\(--chunk-size 16 there, 8 now; --seed 0 there, 1 now\); "):
+        check_demo_settings(out, DemoFlags(output=str(out), chunk_size=8, seed=1).config())
 
 
 def test_a_demo_record_protects_only_finished_stages(tmp_path):
@@ -286,7 +311,7 @@ def test_a_demo_record_protects_only_finished_stages(tmp_path):
     assert json.loads((out / SETTINGS_FILE).read_text())["max_examples"] == 20
     (out / "before").mkdir()
     (out / "before" / "metrics.json").write_text("{}")
-    with pytest.raises(DprGcError, match=r"other settings \(max_examples: 20 there, None now\)"):
+    with pytest.raises(DprGcError, match=r"other settings \(--max-examples 20 there, \(not set\) now\)"):
         check_demo_settings(out, config)
 
 
@@ -440,14 +465,14 @@ def test_a_demo_record_protects_the_settings_of_the_stages_that_hold_work(tmp_pa
     assert not (out / "train_subset.json").exists()
     shorter = r(faster, training=r(training, model=r(training.model, retriever=r(training.model.retriever,
                                                                                 passage_max_length=64))))
-    with pytest.raises(DprGcError, match=r"other settings \(training\.model\.retriever\.passage_max_length: 128 "
+    with pytest.raises(DprGcError, match=r"other settings \(--passage-max-length 128 "
                                          r"there, 64 now\); its base_model/ and before/ would be reused as they are"):
         check_demo_settings(out, shorter)
-    with pytest.raises(DprGcError, match=r"\(top_k: 100 there, 20 now\); its before/ would be reused"):
+    with pytest.raises(DprGcError, match=r"\(top_k 100 there, 20 now\); its before/ would be reused"):
         check_demo_settings(out, r(faster, top_k=20))
     (out / "training" / "checkpoint-4").mkdir()
     (out / "training" / "checkpoint-4" / "train_state.json").write_text("{}")
-    with pytest.raises(DprGcError, match=r"learning_rate: 0\.0001 there, 5e-05 now\); its training/ would be reused"):
+    with pytest.raises(DprGcError, match=r"--learning-rate 0\.0001 there, 5e-05 now\); its training/ would be reused"):
         check_demo_settings(out, config)
 
 
