@@ -15,26 +15,46 @@ from .base.errors import NOTHING_STARTED, DprGcError, alike_on_every_rank, model
 from .base.logs import command_main, setup_logging
 
 # The flags a command takes its model with, as typed: dpr-gc's, train's DPR name --pretrained_model_cfg, and DPR's
-# --model_file, which the DPR-compatible scripts take (dpr-gc's commands answer it with --model: DPR_FLAGS).
+# --model_file, which the DPR-compatible scripts take (dpr-gc's commands answer it with --model: FOREIGN_FLAGS).
 MODEL_FLAGS = ("--model", "--model_file", "--pretrained_model_cfg")
-# DPR's and GC-DPR's flag names that dpr-gc's commands lack -> the flag of a command taking that setting (with its
-# value where DPR's is a switch); "" where dpr-gc has none, for which a command with a DPR-compatible script
-# (Stage.dpr_script) names the script. The scripts' parsers are its source: tests/test_settings.py checks that each
-# option string of their DPR options (--n_docs and its alias --n-docs) that the command lacks is answered.
-DPR_FLAGS = {
-    "--model_file": "--model", "--ctx_file": "--corpus", "--ctx_src": "--corpus", "--ctx_datasets": "--corpus",
-    "--ctx_datatsets": "--corpus", "--qa_file": "--queries", "--qa_dataset": "--queries", "--n_docs": "--top-k",
-    "--n-docs": "--top-k", "--out_file": "--output", "--encoded_ctx_file": "--embeddings",
-    "--encoded_ctx_files": "--embeddings",
-    "--index_path": "--index", "--index_buffer": "--block-size", "--hnsw_index": "--kind hnsw",
-    "--sequence_length": "--max-length", "--projection_dim": "--projection-dim", "--no_cuda": "--device cpu",
-    "--fp16": "--precision fp16", "--train_files_upsample_rates": "--sampling-rates",
-    **dict.fromkeys(("--eval_per_epoch", "--log_batch_step", "--gradient_accumulation_steps", "--adam_eps",
-                     "--adam_betas", "--do_lower_case", "--encoder_model_type", "--pretrained_model_cfg",
-                     "--pretrained_file", "--fp16_opt_level", "--dropout", "--train_rolling_loss_step",
-                     "--global_loss_buf_sz", "--fix_ctx_encoder", "--val_av_rank_start_epoch", "--checkpoint_file_name",
-                     "--local_rank", "--local-rank", "--save_or_load_index", "--encode_q_and_save", "--re_encode_q",
-                     "--q_encoding_path", "--validation_workers"), ""),
+# Other tools' flag names that dpr-gc's commands lack -> (whose name it is, the flag of a command taking that setting,
+# with its value where the tool's is a switch; alternatives split by | for commands that name it differently); ""
+# where dpr-gc has none, for which a command with a DPR-compatible script (Stage.dpr_script) names the script
+# (DPR's and GC-DPR's names only). Only names meaning what the dpr-gc flag means are here: Hugging Face's
+# TrainingArguments and example scripts, sentence-transformers' training examples, Tevatron's retriever arguments.
+# The scripts' parsers are the source of DPR's: tests/test_settings.py checks that each option string of their DPR
+# options (--n_docs and its alias --n-docs) that the command lacks is answered.
+FOREIGN_FLAGS = {
+    **{flag: ("DPR's", target) for flag, target in {
+        "--model_file": "--model", "--ctx_file": "--corpus", "--ctx_src": "--corpus", "--ctx_datasets": "--corpus",
+        "--ctx_datatsets": "--corpus", "--qa_file": "--queries", "--qa_dataset": "--queries", "--n_docs": "--top-k",
+        "--n-docs": "--top-k", "--out_file": "--output", "--encoded_ctx_file": "--embeddings",
+        "--encoded_ctx_files": "--embeddings",
+        "--index_path": "--index", "--index_buffer": "--block-size", "--hnsw_index": "--kind hnsw",
+        "--sequence_length": "--max-length", "--projection_dim": "--projection-dim", "--no_cuda": "--device cpu",
+        "--fp16": "--precision fp16", "--train_files_upsample_rates": "--sampling-rates",
+        **dict.fromkeys(("--eval_per_epoch", "--log_batch_step", "--gradient_accumulation_steps", "--adam_eps",
+                         "--adam_betas", "--do_lower_case", "--encoder_model_type", "--pretrained_model_cfg",
+                         "--pretrained_file", "--fp16_opt_level", "--dropout", "--train_rolling_loss_step",
+                         "--global_loss_buf_sz", "--fix_ctx_encoder", "--val_av_rank_start_epoch",
+                         "--checkpoint_file_name", "--local_rank", "--local-rank", "--save_or_load_index",
+                         "--encode_q_and_save", "--re_encode_q", "--q_encoding_path", "--validation_workers"), ""),
+    }.items()},
+    **{flag: ("Hugging Face's", target) for flag, target in {
+        "--model_name_or_path": "--model", "--per_device_train_batch_size": "--batch-size",
+        "--per_gpu_train_batch_size": "--batch-size", "--per_device_eval_batch_size": "--dev-encode-batch-size",
+        "--save_steps": "--save-every", "--save_total_limit": "--keep-checkpoints", "--eval_steps": "--eval-every",
+        "--bf16": "--precision bf16", "--dataloader_num_workers": "--num-workers"}.items()},
+    **{flag: ("sentence-transformers'", target) for flag, target in {
+        "--lr": "--learning-rate", "--train_batch_size": "--batch-size", "--model_name": "--model",
+        "--max_seq_length": "--passage-max-length (and --query-max-length for queries)|--max-length"}.items()},
+    **{flag: ("Tevatron's", target) for flag, target in {
+        "--q_max_len": "--query-max-length", "--p_max_len": "--passage-max-length|--max-length",
+        "--query_max_len": "--query-max-length", "--passage_max_len": "--passage-max-length|--max-length",
+        **dict.fromkeys(("--train_n_passages", "--train_group_size"),
+                        "--hard-negatives N-1 (Tevatron's N passages per query count its positive)"),
+        "--gc_q_chunk_size": "--query-chunk-size", "--gc_p_chunk_size": "--passage-chunk-size",
+        "--untie_encoder": "--separate-encoders"}.items()},
 }
 
 
@@ -74,7 +94,7 @@ STAGES = {
 class _Commands:
     """What a stage's ``add_cli`` registers its parser with: argparse's ``add_parser``, given the command's line from
     ``STAGES`` as its help (and as its description where the stage gives none), the DPR flag names it answers
-    (:data:`DPR_FLAGS`, and the stage's script), and ``dpr-gc``'s parser, whose options it names where they go."""
+    (:data:`FOREIGN_FLAGS`, and the stage's script), and ``dpr-gc``'s parser, whose options it names where they go."""
 
     def __init__(self, parser: ArgumentParser, subparsers: Any) -> None:
         self._parser, self._subparsers = parser, subparsers
@@ -82,7 +102,7 @@ class _Commands:
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
         kwargs.setdefault("description", STAGES[name].help[0].upper() + STAGES[name].help[1:] + ".")
         parser = self._subparsers.add_parser(name, help=STAGES[name].help, **kwargs)
-        parser.dpr_names, parser.dpr_script, parser.outer = DPR_FLAGS, STAGES[name].dpr_script, self._parser
+        parser.foreign_names, parser.dpr_script, parser.outer = FOREIGN_FLAGS, STAGES[name].dpr_script, self._parser
         return parser
 
 

@@ -350,6 +350,46 @@ def test_a_pasted_dpr_command_line_has_every_dpr_flag_answered(argv: list, hints
     assert all(hint in line for hint in hints), line
 
 
+@pytest.mark.parametrize("argv, hint", [
+    ([*TRAIN_BASE, "--lr", "1e-5"], "--lr is sentence-transformers' name: dpr-gc train takes --learning-rate"),
+    ([*TRAIN_BASE, "--per_device_train_batch_size", "4"],
+     "--per_device_train_batch_size is Hugging Face's name: dpr-gc train takes --batch-size"),
+    ([*TRAIN_BASE, "--model_name_or_path", "m"],
+     "--model_name_or_path is Hugging Face's name: dpr-gc train takes --model"),
+    ([*TRAIN_BASE, "--max_seq_length", "64"],
+     "--max_seq_length is sentence-transformers' name: dpr-gc train takes --passage-max-length (and "
+     "--query-max-length"),
+    (["encode", "--model", "m", "--corpus", "c.tsv", "--output", "o", "--max_seq_length", "64"],
+     "--max_seq_length is sentence-transformers' name: dpr-gc encode takes --max-length"),
+    ([*TRAIN_BASE, "--q_max_len", "32"], "--q_max_len is Tevatron's name: dpr-gc train takes --query-max-length"),
+    ([*TRAIN_BASE, "--p_max_len", "128"], "--p_max_len is Tevatron's name: dpr-gc train takes --passage-max-length"),
+    ([*TRAIN_BASE, "--train_n_passages", "8"], "--train_n_passages is Tevatron's name: dpr-gc train takes "
+                                               "--hard-negatives N-1 (Tevatron's N passages per query count its"),
+    ([*TRAIN_BASE, "--gc_q_chunk_size", "4"], "--gc_q_chunk_size is Tevatron's name: dpr-gc train takes "
+                                              "--query-chunk-size"),
+    ([*TRAIN_BASE, "--gc_p_chunk_size", "4"], "--gc_p_chunk_size is Tevatron's name: dpr-gc train takes "
+                                              "--passage-chunk-size")])
+def test_another_tools_flag_name_is_answered_with_the_dpr_gc_flag(argv: list, hint: str) -> None:
+    """Hugging Face, sentence-transformers and Tevatron flag names got lexical guesses far off in meaning (--lr:
+    "did you mean --lora-r?", --per_device_train_batch_size: "--dev_batch_size?") or nothing: the line names the
+    dpr-gc flag that takes the same setting, and no guess."""
+    line = error_line(*call(cli.main, argv))
+    assert f"; {hint}" in line and "did you mean" not in line, line
+
+
+def test_a_guess_far_off_in_spelling_is_not_made() -> None:
+    """A flag only loosely like one of the command's (difflib's 0.6: --lr and --lora-r) gets no "did you mean"."""
+    line = error_line(*call(cli.main, [*TRAIN_BASE, "--lo-rank", "4"]))
+    assert "did you mean" not in line, line
+
+
+def test_every_unknown_flag_gets_its_own_hint() -> None:
+    """Several unknown flags got a hint for the first one only: each is answered, in the order given."""
+    line = error_line(*call(cli.main, [*TRAIN_BASE, "--warmup_ratio", "0.1", "--lr", "1e-5", "--batch-szie", "4"]))
+    assert ("; did you mean --warmup-ratio?; --lr is sentence-transformers' name: dpr-gc train takes --learning-rate; "
+            "did you mean --batch-size? (see") in line, line
+
+
 @pytest.mark.parametrize("argv, flag, command", [
     (["evaluate", "--results", "r.json", "--verbose"], "--verbose", "evaluate"),
     (["evaluate", "--results", "r.json", "-v"], "-v", "evaluate"),

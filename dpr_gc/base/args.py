@@ -17,6 +17,7 @@ from .errors import DprGcError, say, shown_by_another_rank
 from .files import BESIDE_BYTES, check_output_dir, check_output_file, check_path_length
 
 ERROR_EXIT = 2
+FLAG_CUTOFF = 0.8  # how alike a misspelt flag and an option are for "did you mean" (--lr and --lora-r: 0.67)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -77,11 +78,21 @@ def one_meaning(container: Any, options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "action": type(f"OneMeaning{base.__name__}", (OneMeaning, base), {})}
 
 
-def closest(word: str, candidates: Iterable[str]) -> Optional[str]:
-    """The candidate closest to a misspelt ``word`` (difflib's measure), or None when none is close: what a refusal
-    suggests ("did you mean ...?")."""
-    match = difflib.get_close_matches(word, list(candidates), n=1)
+def closest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> Optional[str]:
+    """The candidate closest to a misspelt ``word`` (difflib's measure, at least ``cutoff``), or None when none is
+    close: what a refusal suggests ("did you mean ...?")."""
+    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=cutoff)
     return match[0] if match else None
+
+
+def closest_spelling(flag: str, options: Iterable[str]) -> Optional[str]:
+    """The option closest to a misspelt ``flag``, '_' and '-' alike, close enough to mean the same (difflib's
+    measure at least :data:`FLAG_CUTOFF`: ``--batch-szie`` is ``--batch-size``, while ``--lr`` is no ``--lora-r``);
+    None when none is."""
+    options = list(options)
+    match = closest(flag.replace("_", "-"), {option.replace("_", "-") for option in options}, FLAG_CUTOFF)
+    spellings = [option for option in options if option.replace("_", "-") == match]
+    return closest(flag, spellings, 0.0) if spellings else None  # the spelling nearer the typed one: --n_docs
 
 
 def flags_as_typed(parser: argparse.ArgumentParser, names: Mapping[str, str], typed: Iterable[str]) -> dict[str, str]:
@@ -109,7 +120,8 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs["exit_on_error"] = False  # parse_known_args catches the errors, to explain them (see dash_value)
         super().__init__(*args, **kwargs)
-        self.dpr_names: dict[str, str] = {}  # a DPR/GC-DPR flag name -> the flag taking it here (see dpr_hint)
+        # another tool's flag name -> (whose name, the flag taking it here) (see foreign_hints)
+        self.foreign_names: dict[str, tuple[str, str]] = {}
         self.dpr_script = ""  # the DPR-compatible script taking this command's DPR command lines, if any
         self.outer: Optional[ArgumentParser] = None  # the parser this one is a sub-command of (see outer_hint)
 
@@ -141,20 +153,18 @@ class ArgumentParser(argparse.ArgumentParser):
         return self
 
     def closest_flag(self, words: Sequence[str]) -> str:
-        """What each of ``words`` that is a DPR/GC-DPR flag name means here (:meth:`dpr_hint`; a pasted DPR command
-        line has them all answered at once): ``; --model_file is DPR's name: ...; --ctx_file is ...``; where none is,
-        for the first word that is an option of the command line before the sub-command (:meth:`outer_hint`) or
-        close to one of this parser's options, ``; --verbose is dpr-gc's own option: ...`` or ``; did you mean
-        --FLAG?``; else ''."""
-        dpr = self.dpr_hints(words)
-        if dpr:
-            return "".join(f"; {hint}" for hint in dpr)
-        for word in words:
-            match = self.closest_option(word)
-            hint = self.dpr_hint(word) or self.outer_hint(word) or (f"did you mean {match}?" if match else None)
-            if hint:
-                return f"; {hint}"
-        return ""
+        """A hint for each flag among ``words`` (each unknown word, so several unknown flags are answered at once),
+        in their order: what this command calls another tool's flag name (:meth:`foreign_hints`: ``--model_file is
+        DPR's name: ...``, ``--lr is sentence-transformers' name: ...``), where an option of the command line
+        before the sub-command goes (:meth:`outer_hint`), or the option close to it (``did you mean --FLAG?``);
+        the GC-DPR/DPR flags this command has no flag for are named together with its script, last; '' for none."""
+        flags = dict.fromkeys(word.split("=", 1)[0] for word in words if word[:1] == "-")
+        foreign = self.foreign_hints(list(flags))
+        hints = []
+        for flag in flags:
+            match = None if flag in foreign else self.closest_option(flag)
+            hints.append(foreign.get(flag) or self.outer_hint(flag) or (f"did you mean {match}?" if match else None))
+        return "".join(f"; {hint}" for hint in [*hints, foreign.get("")] if hint)
 
     def outer_hint(self, word: str) -> Optional[str]:
         """Where ``word`` goes when it is an option of the parser this one is a sub-command of (``dpr-gc -v train``,
@@ -165,25 +175,24 @@ class ArgumentParser(argparse.ArgumentParser):
         command = self.prog.removeprefix(outer.prog).strip()
         return f"{flag} is {outer.prog}'s own option: put it before the command, {outer.prog} {flag} {command} ..."
 
-    def dpr_hint(self, word: str) -> Optional[str]:
-        """What this command calls the DPR/GC-DPR flag ``word`` (``dpr_names``), or, for one it has no flag for,
-        the script that takes DPR's command lines (``dpr_script``); None for any other word (spelling decides)."""
-        hints = self.dpr_hints([word])
-        return hints[0] if hints else None
+    def foreign_target(self, flag: str) -> Optional[str]:
+        """The flag of this command ``foreign_names`` answers another tool's ``flag`` with (the first of its
+        alternatives this command has, with its note), or None where it names none this command has."""
+        target = self.foreign_names[flag][1] if flag in self.foreign_names else ""
+        return next((t for t in target.split("|") if t and t.split()[0] in self._option_string_actions), None)
 
-    def dpr_hints(self, words: Sequence[str]) -> list[str]:
-        """:meth:`dpr_hint` of each DPR/GC-DPR flag among ``words``, those this command has no flag for named
-        together with the script, in one hint."""
-        flags = dict.fromkeys(word.split("=", 1)[0] for word in words if word[:1] == "-")
-        targets = {flag: self.dpr_names[flag] for flag in flags if flag in self.dpr_names}
-        hints = [f"{flag} is DPR's name: {self.prog} takes {target}" for flag, target in targets.items()
-                 if target and target.split()[0] in self._option_string_actions]
-        scripted = [flag for flag, target in targets.items() if not target
-                    or target.split()[0] not in self._option_string_actions]
+    def foreign_hints(self, flags: Sequence[str]) -> dict[str, str]:
+        """What this command calls each of ``flags`` that is another tool's name (``foreign_names``), by flag:
+        ``--lr is sentence-transformers' name: dpr-gc train takes --learning-rate``; the GC-DPR/DPR flags it has no
+        flag for are named together with the script that takes DPR's command lines (``dpr_script``), under ''."""
+        hints = {flag: f"{flag} is {self.foreign_names[flag][0]} name: {self.prog} takes {self.foreign_target(flag)}"
+                 for flag in flags if self.foreign_target(flag)}
+        scripted = [flag for flag in flags if flag not in hints and self.foreign_names.get(flag, ("",))[0] == "DPR's"]
         if scripted and self.dpr_script:
             which = f"{scripted[0]} is a GC-DPR/DPR flag" if len(scripted) == 1 else \
                 f"{', '.join(scripted)} are GC-DPR/DPR flags"
-            hints.append(f"{which} {self.prog} has no flag for; {self.dpr_script} takes DPR's whole command line "
+            hints.update(dict.fromkeys(scripted, ""))
+            hints[""] = (f"{which} {self.prog} has no flag for; {self.dpr_script} takes DPR's whole command line "
                          "(docs/dpr.md)")
         return hints
 
@@ -203,7 +212,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def closest_option(self, word: str) -> Optional[str]:
         """This parser's option closest to ``word`` (a flag, with or without ``=VALUE``), if one is close."""
-        return closest(word.split("=", 1)[0], self._option_string_actions) if word[:1] == "-" else None
+        return closest_spelling(word.split("=", 1)[0], self._option_string_actions) if word[:1] == "-" else None
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         """argparse's check of a value against ``choices`` (a sub-command's name among them), naming the closest
