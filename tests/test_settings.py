@@ -23,7 +23,7 @@ from dpr_gc.retrieval.index_params import IndexParams
 from dpr_gc.train.config import (SETTINGS_FILE, CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig,
                                  TrainConfig, compare_recorded, config_from_args, resolve_defaults)
 from dpr_gc.train.trainer import train
-from tests.helpers import call, load_script, tiny_bert, write_vocab
+from tests.helpers import call, load_script, summary_rows, tiny_bert, write_vocab
 from tests.train_data import make_records, write_dpr
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -860,9 +860,10 @@ def test_a_run_started_with_relative_paths_resumes_from_another_folder_by_place(
 
 
 def test_resuming_a_finished_run_says_so_and_trains_nothing(first_run, tmp_path, caplog, capsys) -> None:
-    """docs/training.md: ``--resume latest`` on the finished 2-step run says it finished at step 2, prints no summary
-    table (it printed "final loss | nan", "time | 0.0 s") and leaves final/ as it is; the library's summary gives
-    the loss metrics.jsonl recorded. A final/ that is missing (stopped before it was written) is written."""
+    """docs/training.md: ``--resume latest`` on the finished 2-step run says it finished at step 2, prints the
+    closing summary table of what the run holds (0 steps this run, the loss metrics.jsonl recorded, no speed, this
+    command's time) and leaves final/ as it is; the library's summary gives the same loss. A final/ that is missing
+    (stopped before it was written) is written."""
     import shutil
 
     out = tmp_path / "out"
@@ -873,15 +874,17 @@ def test_resuming_a_finished_run_says_so_and_trains_nothing(first_run, tmp_path,
         code, err = call(cli.main, argv)
     assert code == 0, err
     assert "the run already finished at step 2 (of 2 steps): nothing to train" in caplog.text
-    assert "training 2 steps" not in caplog.text and "final loss" not in capsys.readouterr().out
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    rows = summary_rows(capsys.readouterr().out)
+    assert "training 2 steps" not in caplog.text and rows["steps"] == "2 (0 this run, resumed from step 2)", rows
+    assert rows["final loss"] == f"{last['loss']:.4f}" and rows["examples/s"] == "-", rows
+    assert rows["time"] != "0.0 s" and float(rows["time"].split()[0]) > 0, rows
     assert {p: p.stat().st_mtime_ns for p in (out / "final").iterdir()} == final
     shutil.rmtree(out / "final")
     summary = train(config_from_args(cli.build_parser().parse_args(argv)))
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert summary["steps"] == last["step"] == 2 and summary["final_loss"] == last["loss"]
     assert summary["already_finished"] and (out / "final" / "model.safetensors").is_file()
     assert "| steps done | 2 |" in (out / "final" / "README.md").read_text()
-    assert "final loss" not in capsys.readouterr().out
 
 
 def test_resume_compares_with_the_checkpoint_record(first_run, tmp_path) -> None:

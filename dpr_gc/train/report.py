@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -97,12 +98,23 @@ def summary_table(summary: dict) -> str:
             ("ranks", summary.get("parallel") or "one process"),
             ("precision", describe_precision(summary.get("fsdp", False), summary["precision"])),
             *skipped_steps(summary), ("device", summary.get("device", "-")),
-            ("final loss", f"{summary['final_loss']:.4f}"), ("examples/s", f"{summary['examples_per_s']:.2f}"),
+            ("final loss", loss_cell(summary["final_loss"])), ("examples/s", examples_cell(summary)),
             ("best dev", best_dev(summary))]
     if summary.get("dev") is not None or summary.get("last_dev"):
         rows.append(("last dev", last_dev(summary)))
     rows.append(("output", summary["final_model"]))
     return format_summary(dict(rows), summary["seconds"])
+
+
+def loss_cell(loss: float) -> str:
+    """The final loss to 4 places, or '-' where none was recorded (a finished run resumed, its metrics.jsonl
+    without the last step's line)."""
+    return f"{loss:.4f}" if math.isfinite(loss) else "-"
+
+
+def examples_cell(summary: dict) -> str:
+    """This invocation's training speed, '-' where it trained no step (a finished run resumed)."""
+    return "-" if summary["steps"] == summary.get("resumed_from") else f"{summary['examples_per_s']:.2f}"
 
 
 def chunk_sizes_cell(summary: dict) -> str:
@@ -151,18 +163,32 @@ def last_dev(summary: dict) -> str:
     return "-" if value is None else f"{summary['best_metric']} {value:.4f} (step {last['step']})"
 
 
-def recorded_loss(metrics: Path, step: int) -> float:
-    """The loss ``metrics.jsonl`` recorded for ``step`` (NaN when it holds none: a run logging every N steps, or a
-    file removed), for the summary of a run resumed after its last step."""
+def recorded_lines(metrics: Path) -> list[dict]:
+    """The records ``metrics.jsonl`` holds (none when it is missing; a line that is no JSON object is passed over)."""
     try:
         lines = metrics.read_text(encoding="utf-8").splitlines()
     except OSError:
-        return float("nan")
-    for line in reversed(lines):
+        return []
+    records = []
+    for line in lines:
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except ValueError:
             continue
-        if isinstance(record, dict) and record.get("step") == step and isinstance(record.get("loss"), (int, float)):
-            return float(record["loss"])
-    return float("nan")
+    return [record for record in records if isinstance(record, dict)]
+
+
+def recorded_loss(metrics: Path, step: int) -> float:
+    """The loss ``metrics.jsonl`` recorded for ``step`` (NaN when it holds none: a run logging every N steps, or a
+    file removed), for the summary of a run resumed after its last step."""
+    losses = [record["loss"] for record in recorded_lines(metrics)
+              if record.get("step") == step and isinstance(record.get("loss"), (int, float))]
+    return float(losses[-1]) if losses else float("nan")
+
+
+def recorded_dev(metrics: Path, metric: str) -> Optional[dict]:
+    """The latest dev evaluation after a step ``metrics.jsonl`` recorded (``{"step", "dev_METRIC": ...}``, as
+    :func:`last_dev` reads it), None when it holds none: the last dev of a run resumed after its last step."""
+    devs = [record for record in recorded_lines(metrics)
+            if (record.get("step") or 0) > 0 and isinstance(record.get(f"dev_{metric}"), (int, float))]
+    return devs[-1] if devs else None

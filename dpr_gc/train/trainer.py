@@ -50,8 +50,8 @@ from .checkpoints import BEST, METRICS_FILE, TRAIN_MEMBERS, finite_or_null, remo
 from .chunks import auto_chunk_reason, auto_chunk_rows, auto_chunk_size, both_chunk_sizes, chunk_sizes
 from .chunks import longest_row_tokens
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
-from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, recorded_loss,
-                     summary_table, tensorboard_writer)
+from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, recorded_dev,
+                     recorded_loss, summary_table, tensorboard_writer)
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
 from .validation import dev_negatives, evaluate_dev, load_dev_data
@@ -128,6 +128,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> None:
         self.config, self.on_backward = config, on_backward
+        self.created = time.perf_counter()  # the time of a run with nothing to train counts from here
         self.owns_group = not dist.is_initialized()
         self.rank, self.world, self.device = setup_distributed(config.run.device)
         self.owns_group = self.owns_group and dist.is_initialized()
@@ -749,9 +750,10 @@ class Trainer:
         restore_rng(rng)
 
     def already_finished(self) -> dict:
-        """A resumed run with no step left: say so and train nothing (it printed a summary table of a run that
-        never happened: loss nan, 0.0 s). ``final/`` is written only when it does not hold this step's model (the run
-        stopped between its last checkpoint and ``final/``); the summary's loss is the one metrics.jsonl recorded."""
+        """A resumed run with no step left: say so, train nothing and print the summary table of what the run
+        holds: no step trained now, the loss and last dev value metrics.jsonl recorded, the best one from the
+        checkpoint, and this call's time. ``final/`` is written only when it does not hold this step's model (the
+        run stopped between its last checkpoint and ``final/``)."""
         if self.rank == 0:
             logger.info("the run already finished at step %d (of %s): nothing to train; to train further, resume "
                         "with a larger --max-steps or --epochs", self.step, counted(self.total_steps, "step"))
@@ -763,8 +765,11 @@ class Trainer:
             if exported is not None:
                 exported.save(final)
                 logger.info("wrote %s (the model of step %d)", final, self.step)
-        summary = {**self.summary(0.0), "final_loss": recorded_loss(self.metrics_file, self.step),
-                   "already_finished": True}
+        summary = {**self.summary(time.perf_counter() - self.created),
+                   "final_loss": recorded_loss(self.metrics_file, self.step),
+                   "last_dev": recorded_dev(self.metrics_file, self.config.run.best_metric), "already_finished": True}
+        if self.rank == 0:
+            print(summary_table(summary))
         self.close()
         return summary
 
