@@ -195,10 +195,15 @@ def test_retrieve_names_a_missing_queries_or_qrels_file_by_its_flag_before_loadi
     (["encode", "--model", "{model}", "--corpus", "{missing}", "--output", "{out}"],
      "--corpus file not found: {missing}"),
     (["retrieve", "--index", "{idx}", "--queries", "{missing}", "--evaluate"],
-     "--queries file not found: {missing}")])
+     "--queries file not found: {missing}"),
+    (["retrieve", "--index", "{missing}", "--queries", "{qa}", "--evaluate"],
+     "--index folder not found: {missing} (build one with `dpr-gc index`)"),
+    (["mine", "--source", "dense", "--index", "{missing}", "--train-file", "{train}", "--output", "{out}"],
+     "--index folder not found: {missing} (build one with `dpr-gc index`)")])
 def test_every_stage_names_a_missing_input_by_its_flag(world: dict, tmp_path: Path, argv: list, said: str) -> None:
     """retrieve, encode and train named the flag of a missing input ("--queries file not found"), evaluate, mine and
-    index did not ("results file not found", "training file not found", "embeddings folder not found"): each does."""
+    index did not ("results file not found", "training file not found", "embeddings folder not found"), nor
+    retrieve and mine a missing --index ("no complete index in X"): each does."""
     paths = {"missing": tmp_path / "missing.json", "out": tmp_path / "out", **world}
     refused([arg.format(**paths) for arg in argv], "error: " + said.format(**paths))
 

@@ -354,6 +354,7 @@ def test_dense_mining_without_an_index_says_what_it_needs_in_one_line_before_loa
         cli("mine", "--train-file", world["root"] / "train.json", "--source", "dense",
             *[word for flag in given for word in (flag, paths[flag])], "--output", tmp_path / "o.json")
     assert str(refused.value) == NEEDS_INDEX
+    (tmp_path / "none").mkdir(exist_ok=True)  # a folder holding no index (a missing one is named by its flag)
     with pytest.raises(DprGcError, match=f"^no index in {re.escape(str(tmp_path / 'none'))}; " + re.escape(NEEDS_INDEX)):
         cli("mine", "--train-file", world["root"] / "train.json", "--source", "dense", "--index", tmp_path / "none",
             "--output", tmp_path / "o.json")

@@ -39,7 +39,7 @@ from ..base.args import (any_float, home_expanded, nonnegative_float, nonnegativ
 from ..base.errors import DprGcError, Interrupted, flags_renamed
 from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
-from ..base.files import ChunkedOutput, PathLike, require_file
+from ..base.files import ChunkedOutput, PathLike, require_file, require_folder
 from ..base.locks import output_lock
 from ..base.settings import (AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, flag_values,
                              from_args, group, passage_prefix_setting, query_prefix_setting,
@@ -817,10 +817,13 @@ APPLIES = {**dict.fromkeys(("model", "index", "embeddings", "skip_model_check", 
 
 def check_dense_inputs(index: Optional[PathLike], embeddings: Optional[PathLike]) -> None:
     """Refuse a dense source given neither an existing ``--index`` nor ``--embeddings``, in one line saying what
-    serves (``--index`` alone does: it records the model and corpus), and ``--embeddings`` without the ``--index``
-    folder its flat index goes to, before anything loads."""
+    serves (``--index`` alone does: it records the model and corpus), an ``--index`` alone that is not there as a
+    missing input named by its flag, and ``--embeddings`` without the ``--index`` folder its flat index goes to,
+    before anything loads."""
     from .index import index_exists
 
+    if embeddings is None and index is not None:
+        require_folder(index, "--index folder", "build one with `dpr-gc index`")
     if embeddings is None and not index_exists(index):
         where = f"no index in {index}; " if index is not None else ""
         raise DprGcError(f"{where}--source dense needs --index DIR (from dpr-gc index; it records the model and "

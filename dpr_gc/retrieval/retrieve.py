@@ -26,7 +26,7 @@ from ..base.errors import DprGcError, Interrupted, rename_flags
 from ..base.guard import check_outputs, guarded
 from ..base.logs import counted, nested_bar_disabled
 from ..evaluation.evaluate import ALWAYS_REPORTED, RunEvaluation, always_beyond
-from ..base.files import ChunkedOutput, PathLike, is_stream, iter_jsonl, require_file
+from ..base.files import ChunkedOutput, PathLike, is_stream, iter_jsonl, require_file, require_folder
 from ..base.locks import output_lock
 from .index import DenseIndex, Unscorable, set_threads
 from .index_params import hnsw_ef, ivf_nprobe
@@ -829,6 +829,7 @@ def _retrieve_cli(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     refuse_flags_that_do_not_apply(RetrieveJob, args, APPLIES)
     set_threads(args.threads)
+    require_folder(args.index, "--index folder", "build one with `dpr-gc index`")  # named by its flag
     index = DenseIndex.read(args.index)
     if args.ef_search is not None or args.nprobe is not None:
         index.set_search_params(ef_search=args.ef_search, nprobe=args.nprobe)
