@@ -503,9 +503,11 @@ class DemoFlags:
     train_queries: Optional[int] = setting(DemoConfig.train_queries, "--train-queries", type=positive_int,
                                            help="training questions used")
     batch_size: int = setting(_RECIPE.data.batch_size, "--batch-size", type=positive_int,
-                              help="training queries per step (the Gradient Cache batch)")
+                              help="training queries per step (the Gradient Cache batch); at least 4x --chunk-size, "
+                                   "so that Gradient Cache shows at a batch larger than one chunk")
     chunk_size: int = setting(_RECIPE.cache.passage_chunk_size, "--chunk-size", type=positive_int,
-                              help="rows per Gradient Cache chunk, of queries and of passages")
+                              help="rows per Gradient Cache chunk, of queries and of passages; --batch-size must be "
+                                   "at least 4x --chunk-size")
     hard_negatives: int = setting(_RECIPE.data.hard_negatives, "--hard-negatives", type=nonnegative_int,
                                   help="hard negatives per training query")
     epochs: int = setting(_RECIPE.optim.epochs, "--epochs", type=positive_int, help="passes over the training data")

@@ -193,6 +193,17 @@ def test_demo_needs_a_batch_several_times_the_chunk():
     DemoConfig(training=dataclasses.replace(training, data=dataclasses.replace(training.data, batch_size=64)))
 
 
+def test_demo_help_states_the_batch_to_chunk_rule(capsys, monkeypatch):
+    """The demo refuses a --batch-size under 4x --chunk-size; the help of both flags says so."""
+    monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside the flags' names
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    helps = " ".join(capsys.readouterr().out.split())
+    for flag in ("--batch-size", "--chunk-size"):
+        shown = re.search(rf" {flag} [A-Z_]+ (.*?) \(default", helps)
+        assert shown and "at least 4x --chunk-size" in shown.group(1), (flag, helps)
+
+
 def test_the_demos_warm_up_never_outlasts_its_run():
     """``demo --train-queries 64`` trains one step of 64, and its 2-step warm-up drew train's warning naming a
     ``--warmup-steps`` the demo has not; the warm-up is cut to the run, the default run's 16 steps keep 2."""
