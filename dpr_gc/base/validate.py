@@ -192,6 +192,12 @@ def check_weights_folder(folder: PathLike) -> list[str]:
     return [name for p in sorted(root.glob("*.safetensors")) for name in check_safetensors(p)] if root.is_dir() else []
 
 
+def given_id(record: Mapping[str, Any], keys: Sequence[str] = ("_id", "id")) -> Any:
+    """The id ``record`` gives: the value of the first of ``keys`` (BEIR's ``_id`` before ``id``) that is neither
+    null nor an empty string, so a null ``_id`` beside a real ``id`` never hides it; None when there is none."""
+    return next((record[k] for k in keys if record.get(k) is not None and record[k] != ""), None)
+
+
 def check_id(value: Any, where: str, what: str = "id") -> str:
     """An id as text, refused (never silently normalised) when two ids could look the same but differ: control or
     invisible format characters (NUL, zero-width, right-to-left marks) or a form other than Unicode NFC; a lone

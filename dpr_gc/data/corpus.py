@@ -29,7 +29,7 @@ from .arrow_cache import cache_file, cached_dataset, write_stream
 from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, iter_jsonl_objects, json_problem,
                           open_text, require_file)
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
-from ..base.validate import check_id
+from ..base.validate import check_id, given_id
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,9 @@ def _iter_tsv_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
 
 def _iter_jsonl_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
     for line_no, obj in iter_jsonl_objects(path, "a passage with id, title and text"):
-        pid = obj.get("_id", obj.get("id"))
+        pid = given_id(obj)
+        if pid is None:  # none given, or only an empty one: refused as empty where ids are checked
+            pid = obj.get("_id", obj.get("id"))
         if pid is None:
             raise DprGcError(f"{path}:{line_no}: missing passage id (need '_id' or 'id')")
         if not isinstance(pid, (str, int)) or isinstance(pid, bool):
@@ -438,5 +440,5 @@ def _iter_jsonl_queries(path: Path) -> Iterator[tuple[int, dict]]:
             raise DprGcError(f"{where}: missing question (need 'question', or BEIR's 'text')")
         raw = obj.get("answers", obj.get("answer", []))
         answers = _answer_list(raw, where) if raw is not None else []
-        qid = obj.get("_id", obj.get("id"))
+        qid = given_id(obj)
         yield line_no, _query(where, qid if qid is not None else str(line_no), question, answers)

@@ -38,6 +38,7 @@ from ..model.retriever import Retriever, RetrieverConfig
 from .sampling import (MixedBatchSampler, TrainingExamples,  # noqa: F401 (TrainingExamples is re-exported)
                        question_groups)
 from ..base.tables import format_summary, markdown_table
+from ..base.validate import given_id
 from ..model.tokenize import token_ids
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ def _contexts(record: dict, key: str, required: bool) -> list[dict]:
 def context_id(ctx: dict) -> Any:
     """A DPR context's passage id as given: the first of :data:`ID_KEYS` it holds other than null or an empty
     string (DPR files use ``passage_id``), else ``""`` (no id)."""
-    return next((ctx[k] for k in ID_KEYS if ctx.get(k) is not None and ctx[k] != ""), "")
+    pid = given_id(ctx, ID_KEYS)
+    return "" if pid is None else pid
 
 
 def normalise_record(record: Any) -> Row:

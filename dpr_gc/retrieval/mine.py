@@ -41,6 +41,7 @@ from ..base.logs import counted
 from ..base.guard import check_outputs, guarded
 from ..base.files import ChunkedOutput, PathLike, require_file, require_folder
 from ..base.locks import output_lock
+from ..base.validate import given_id
 from ..base.settings import (AppliesWhen, add_arguments, cache_dir_setting, check, device_setting, flag_values,
                              from_args, group, passage_prefix_setting, query_prefix_setting,
                              refuse_flags_that_do_not_apply, setting)
@@ -240,7 +241,8 @@ def ctx_id(ctx: dict) -> str:
 
 
 def _qid(record: dict) -> str:
-    qid = record.get("id") if record.get("id") is not None else record.get("_id")
+    """A record's query id (``_id``, else ``id``, as every questions reader takes it), '' when it has none."""
+    qid = given_id(record)
     return "" if qid is None else str(qid)
 
 

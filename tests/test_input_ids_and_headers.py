@@ -1,0 +1,29 @@
+"""Edge cases of the input readers: which key gives a record's id, headers after blank lines or repeated, gzip
+files named without .gz, and what gzipped outputs record as their name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dpr_gc.base.errors import DprGcError
+from dpr_gc.data.corpus import iter_passages, read_queries
+from dpr_gc.data.training import context_id
+from dpr_gc.retrieval import mine as mine_mod
+
+
+def test_a_null_or_empty_underscore_id_gives_way_to_id_in_corpus_queries_and_mine(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"_id": null, "id": "p1", "text": "a"}\n{"_id": "", "id": "p2", "text": "b"}\n'
+                      '{"_id": "p3", "id": "other", "text": "c"}\n')
+    assert [pid for pid, _, _ in iter_passages(corpus)] == ["p1", "p2", "p3"]
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"_id": null, "id": "q1", "text": "a"}\n{"_id": "", "id": "q2", "text": "b"}\n'
+                       '{"_id": "q3", "id": "other", "text": "c"}\n')
+    assert [q["id"] for q in read_queries(queries)] == ["q1", "q2", "q3"]
+    assert [mine_mod._qid(r) for r in ({"_id": None, "id": 4}, {"_id": "q5", "id": "x"}, {"_id": ""})] == [
+        "4", "q5", ""]
+    assert context_id({"passage_id": "", "_id": None, "id": 7}) == 7
+
