@@ -27,3 +27,15 @@ def test_a_null_or_empty_underscore_id_gives_way_to_id_in_corpus_queries_and_min
         "4", "q5", ""]
     assert context_id({"passage_id": "", "_id": None, "id": 7}) == 7
 
+
+def test_an_empty_query_id_is_absent_so_the_line_number_stands_for_it(tmp_path: Path) -> None:
+    qa = tmp_path / "qa.tsv"
+    qa.write_text('which river\t["Seine"]\t\nwhich sea\t["North"]\t \nwhich lake\t["Geneva"]\tq3\n')
+    assert [q["id"] for q in read_queries(qa)] == ["1", "2", "q3"]
+    jsonl = tmp_path / "q.jsonl"
+    jsonl.write_text('{"_id": "", "text": "a"}\n{"id": "  ", "text": "b"}\n')
+    assert [q["id"] for q in read_queries(jsonl)] == ["1", "2"]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"_id": "", "text": "a"}\n')
+    with pytest.raises(DprGcError, match=r"c.jsonl:1: passage id '' is empty or contains whitespace"):
+        list(iter_passages(corpus))

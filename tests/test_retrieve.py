@@ -492,17 +492,16 @@ def test_a_top_k_beyond_the_index_is_named_and_the_summary_gives_the_depth_retri
 
 
 @pytest.mark.parametrize("ids, judged, message", [
-    (["q0", ""], False, "{queries}:2: query id '' is empty or contains whitespace; a TREC run (--trec-run) needs "
-                        "one-word query ids; rename it"),
-    (["q0", "q 1"], False, "{queries}:2: query id 'q 1' is empty or contains whitespace"),
+    (["q0", "q 1"], False, "{queries}:2: query id 'q 1' is empty or contains whitespace; a TREC run (--trec-run) "
+                           "needs one-word query ids; rename it"),
     (["x0", "x1"], True, "no query id in {queries} (the first: 'x0') appears in {qrels} (the first judged: 'q0'); "
                        "check that the two files use the same ids")],
-    ids=["empty-id", "spaced-id", "none-judged"])
+    ids=["spaced-id", "none-judged"])
 def test_unusable_query_ids_and_unjudged_questions_are_refused_before_retrieval(world, tmp_path, monkeypatch, capsys,
                                                                                  ids, judged, message):
-    """With --trec-run an empty or spaced query id, and with --qrels a questions file none of whose ids is judged,
-    are refused in one error line naming the file (and line) and the id or what to check: nothing embedded, nothing
-    written."""
+    """With --trec-run a spaced query id (an empty one is absent, the line number standing for it), and with --qrels
+    a questions file none of whose ids is judged, are refused in one error line naming the file (and line) and the
+    id or what to check: nothing embedded, nothing written."""
     from dpr_gc.cli import main
 
     asked: list[str] = []

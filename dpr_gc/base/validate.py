@@ -194,8 +194,14 @@ def check_weights_folder(folder: PathLike) -> list[str]:
 
 def given_id(record: Mapping[str, Any], keys: Sequence[str] = ("_id", "id")) -> Any:
     """The id ``record`` gives: the value of the first of ``keys`` (BEIR's ``_id`` before ``id``) that is neither
-    null nor an empty string, so a null ``_id`` beside a real ``id`` never hides it; None when there is none."""
-    return next((record[k] for k in keys if record.get(k) is not None and record[k] != ""), None)
+    null nor an empty or whitespace-only string, so a null ``_id`` beside a real ``id`` never hides it; None when
+    there is none."""
+    return next((record[k] for k in keys if not blank_id(record.get(k))), None)
+
+
+def blank_id(value: Any) -> bool:
+    """Whether ``value`` gives no id: null, or a string that is empty or only whitespace."""
+    return value is None or (isinstance(value, str) and not value.strip())
 
 
 def check_id(value: Any, where: str, what: str = "id") -> str:

@@ -29,7 +29,7 @@ from .arrow_cache import cache_file, cached_dataset, write_stream
 from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, iter_jsonl_objects, json_problem,
                           open_text, require_file)
 from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
-from ..base.validate import check_id, given_id
+from ..base.validate import blank_id, check_id, given_id
 
 logger = logging.getLogger(__name__)
 
@@ -388,7 +388,8 @@ def _iter_tsv_queries(path: Path, log: bool) -> Iterator[tuple[int, dict]]:
                              f"got {len(row)} field(s)")
         answers = _parse_answers(row[1], f"{path}:{line_no}")
         counts.rows += 1
-        yield line_no, _query(f"{path}:{line_no}", row[2] if len(row) == 3 else str(line_no), row[0], answers)
+        qid = row[2] if len(row) == 3 and not blank_id(row[2]) else str(line_no)
+        yield line_no, _query(f"{path}:{line_no}", qid, row[0], answers)
     if log:
         log_tsv_counts(path, counts, "questions")
 
