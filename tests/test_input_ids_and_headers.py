@@ -10,6 +10,7 @@ import pytest
 
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.data.corpus import iter_passages, read_queries
+from dpr_gc.data.qrels import read_qrels
 from dpr_gc.data.training import context_id
 from dpr_gc.retrieval import mine as mine_mod
 
@@ -39,3 +40,18 @@ def test_an_empty_query_id_is_absent_so_the_line_number_stands_for_it(tmp_path: 
     corpus.write_text('{"_id": "", "text": "a"}\n')
     with pytest.raises(DprGcError, match=r"c.jsonl:1: passage id '' is empty or contains whitespace"):
         list(iter_passages(corpus))
+
+
+def test_a_header_after_blank_lines_is_skipped_and_one_repeated_later_is_named(tmp_path: Path) -> None:
+    qrels = tmp_path / "q.tsv"
+    qrels.write_text("\nquery-id\tcorpus-id\tscore\nq1\tp1\t1\n")
+    assert read_qrels(qrels) == {"q1": {"p1": 1}}
+    qrels.write_text("query-id\tcorpus-id\tscore\nq1\tp1\t1\nquery-id\tcorpus-id\tscore\nq2\tp2\t1\n")
+    with pytest.raises(DprGcError, match=r"q.tsv:3: line 3 repeats the header \(files joined\?\); remove it"):
+        read_qrels(qrels)
+    qa = tmp_path / "qa.tsv"
+    qa.write_text('\n\nquestion\tanswers\nwhich river\t["Seine"]\n')
+    assert [q["question"] for q in read_queries(qa)] == ["which river"]
+    qa.write_text('question\tanswers\nwhich river\t["Seine"]\nquestion\tanswers\n')
+    with pytest.raises(DprGcError, match=r"qa.tsv:3: line 3 repeats the header \(files joined\?\); remove it"):
+        read_queries(qa)

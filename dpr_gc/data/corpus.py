@@ -379,8 +379,12 @@ def _refuse_repeated_ids(path: Path, hashes: "array.array[int]") -> None:
 
 def _iter_tsv_queries(path: Path, log: bool) -> Iterator[tuple[int, dict]]:
     counts = TsvCounts()
+    first = 0  # the first non-blank line's number: the header, if any
     for line_no, row in iter_tsv_lines(path, counts):
-        if line_no == 1 and [c.strip().lower() for c in row[:2]] == ["question", "answers"]:
+        first = first or line_no
+        if [c.strip().lower() for c in row[:2]] == ["question", "answers"]:
+            if line_no != first:
+                raise DprGcError(f"{path}:{line_no}: line {line_no} repeats the header (files joined?); remove it")
             counts.header = 1
             continue
         if len(row) not in (2, 3):

@@ -36,13 +36,17 @@ def _fields(line: str) -> list[str]:
 def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
     """``(line number, (query id, passage id, relevance))`` for each judgment in file order, or ``(line number,
     what is wrong)`` for a line that is not one, so a caller decides whether a bad line stops it. Blank lines and
-    a header line are skipped."""
+    a header (the first non-blank line) are skipped; the header repeated later (two files joined) is a bad line."""
+    first = 0  # the first non-blank line's number
     with open_text(path, what="qrels file") as f:
         for line_no, line in enumerate(f, start=1):
             parts = _fields(line)
             if not parts:
                 continue
-            if line_no == 1 and (parts[0].lower() in ("query-id", "query_id") or parts[-1].lower() == "score"):
+            first = first or line_no
+            if parts[0].lower() in ("query-id", "query_id") or parts[-1].lower() == "score":
+                if line_no != first:
+                    yield line_no, f"line {line_no} repeats the header (files joined?); remove it"
                 continue
             if len(parts) not in (3, 4) or not all(parts):
                 yield line_no, f"{QRELS_FORMATS}, got {clipped(line.strip())}{another_file(line)}"
