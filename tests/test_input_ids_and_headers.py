@@ -3,7 +3,7 @@ files named without .gz, and what gzipped outputs record as their name."""
 
 from __future__ import annotations
 
-import json
+import gzip
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.data.corpus import iter_passages, read_queries
 from dpr_gc.data.qrels import read_qrels
 from dpr_gc.data.training import context_id
+from dpr_gc.evaluation.evaluate import read_results, read_run
 from dpr_gc.retrieval import mine as mine_mod
 
 
@@ -55,3 +56,21 @@ def test_a_header_after_blank_lines_is_skipped_and_one_repeated_later_is_named(t
     qa.write_text('question\tanswers\nwhich river\t["Seine"]\nquestion\tanswers\n')
     with pytest.raises(DprGcError, match=r"qa.tsv:3: line 3 repeats the header \(files joined\?\); remove it"):
         read_queries(qa)
+
+
+def test_a_gzip_file_named_without_gz_is_named_as_such_by_every_reader(tmp_path: Path) -> None:
+    def gzipped(name: str, text: str) -> Path:
+        path = tmp_path / name
+        path.write_bytes(gzip.compress(text.encode()))
+        return path
+
+    readers = [(lambda p: list(iter_passages(p)), gzipped("c.jsonl", '{"_id": "p1", "text": "a"}\n')),
+               (read_queries, gzipped("q.tsv", 'which river\t["Seine"]\n')),
+               (read_qrels, gzipped("qrels.tsv", "q1\tp1\t1\n")),
+               (read_run, gzipped("r.trec", "q1 Q0 p1 1 1.0 t\n")),
+               (read_results, gzipped("r.json", '[{"question": "q", "answers": [], "ctxs": []}]'))]
+    for read, path in readers:
+        with pytest.raises(DprGcError) as e:
+            read(path)
+        assert str(e.value) == (f"{path} is gzipped, though its name does not end in .gz; rename it "
+                                f"{path.name}.gz"), read

@@ -145,8 +145,28 @@ def bad_utf8_line(path: Path) -> Optional[int]:
         return None
 
 
+def misnamed_gzip(path: Path) -> Optional[str]:
+    """What is wrong with ``path`` when it is a regular file that starts with gzip's magic bytes (1f 8b) though its
+    name lacks ``.gz`` (so it would be read as text, and fail as bad UTF-8 or bad records), with the rename to make;
+    None otherwise."""
+    if path.name.endswith(".gz"):
+        return None
+    try:
+        if not path.is_file():
+            return None
+        with open(path, "rb") as f:
+            if f.read(2) != b"\x1f\x8b":
+                return None
+    except OSError:
+        return None
+    return f"{path} is gzipped, though its name does not end in .gz; rename it {path.name}.gz"
+
+
 def read_failure(path: Path, error: BaseException) -> DprGcError:
     """Turn an exception raised while reading ``path`` into a one-line error naming the file."""
+    misnamed = misnamed_gzip(path) if isinstance(error, UnicodeDecodeError) else None
+    if misnamed:
+        return DprGcError(misnamed)
     if isinstance(error, UnicodeDecodeError):
         line = bad_utf8_line(path)
         where = f"{path}:{line}" if line is not None else str(path)

@@ -31,7 +31,7 @@ from ..base.args import nonnegative_int, positive_float, positive_int, qrels_spl
 from ..base.errors import DprGcError, clipped
 from ..base.guard import guarded
 from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, die_with_parent, iter_jsonl,
-                          json_problem, open_text, read_json_object, require_file, write_json)
+                          json_problem, misnamed_gzip, open_text, read_json_object, require_file, write_json)
 from ..base.settings import add_arguments, cache_dir_setting, check, setting
 from ..base.streams import iter_json_list, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
@@ -433,11 +433,9 @@ def refuse_other_formats(path: Path) -> None:
     """A file that holds no DPR training records at all (gzipped under a name without ``.gz``, one pretty-printed
     JSON object, sentence-transformers or FlagEmbedding pairs, a BEIR corpus) is refused in one line saying what it
     looks like, by its first record: read on, every record would be a bad one, which ``--skip-bad-records`` skips."""
-    with open(path, "rb") as f:
-        gzipped = f.read(2) == b"\x1f\x8b"
-    if gzipped and not path.name.endswith(".gz"):
-        raise DprGcError(f"{path} is gzipped, though its name does not end in .gz; rename it {path.name}.gz; "
-                         f"{TRAINING_FORMATS}")
+    misnamed = misnamed_gzip(path)
+    if misnamed:
+        raise DprGcError(f"{misnamed}; {TRAINING_FORMATS}")
     is_list = sniff_json(path) == "list"
     line, record = _first_record(path, is_list)
     looks = _looks_like(record, is_list)
