@@ -74,3 +74,15 @@ def test_a_gzip_file_named_without_gz_is_named_as_such_by_every_reader(tmp_path:
             read(path)
         assert str(e.value) == (f"{path} is gzipped, though its name does not end in .gz; rename it "
                                 f"{path.name}.gz"), read
+
+
+@pytest.mark.parametrize("name", ["r.jsonl", "r.jsonl.gz"])
+def test_a_results_jsonl_holding_a_json_list_is_told_to_be_named_json(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    text = '[{"id": "1", "question": "q", "answers": [], "ctxs": []}]'
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    json_name = name.replace(".jsonl", ".json")
+    with pytest.raises(DprGcError, match=rf"r.jsonl(.gz)? holds a JSON list, not one question a line; name it "
+                                         rf"{json_name}"):
+        read_results(path)
+

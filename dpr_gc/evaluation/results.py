@@ -109,6 +109,10 @@ def iter_results(path: PathLike) -> Iterator[dict]:
 
     p = require_file(path, "results file")
     if is_jsonl(p):
+        if sniff_json(p) == "list":
+            gz = ".gz" if p.name.endswith(".gz") else ""
+            raise DprGcError(f"{p} holds a JSON list, not one question a line; name it "
+                             f"{p.name.removesuffix(gz).removesuffix('.jsonl')}.json{gz}")
         for _, record in iter_jsonl(p):
             yield record
         return
