@@ -86,3 +86,10 @@ def test_a_results_jsonl_holding_a_json_list_is_told_to_be_named_json(tmp_path: 
                                          rf"{json_name}"):
         read_results(path)
 
+
+@pytest.mark.parametrize("text", ["", "[]", "\n"])
+def test_mine_names_the_empty_train_file(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "empty.json"
+    path.write_text(text)
+    with pytest.raises(DprGcError, match=rf"--train-file {path} holds no training questions to mine"):
+        mine_mod.scan_training_file(path)

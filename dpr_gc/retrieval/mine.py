@@ -763,8 +763,8 @@ def scan_training_file(path: PathLike, positive_ids: bool = False, match: Option
     is mined) and counted (the progress bar's total), and with ``positive_ids`` its positives' ids gathered (BM25
     scores them for the positive-aware rules). With ``match`` "regex", answer patterns that do not compile are named
     in one warning (file and lines), as ``retrieve`` names them: they never match, so the passage holding the answer
-    may be mined as a hard negative. ``qrels`` (read from ``qrels_path``) judging none of its question ids is refused
-    (:func:`refuse_unjudged`)."""
+    may be mined as a hard negative. A file holding no record, or ``qrels`` (read from ``qrels_path``) judging none
+    of its question ids (:func:`refuse_unjudged`), is refused naming it."""
     count, ids, uncompiled, qids = 0, set(), UncompiledPatterns(), []
     for line, record in iter_numbered_training_file(path):
         count += 1
@@ -774,6 +774,8 @@ def scan_training_file(path: PathLike, positive_ids: bool = False, match: Option
             uncompiled.check(record.get("answers") or (), f"line {line}")
         if qrels is not None and len(qids) < 2 and (not qids or qids[0] not in qrels):
             qids.append(_qid(record))  # the first id, then the first judged one
+    if count == 0:
+        raise DprGcError(f"--train-file {path} holds no training questions to mine; give a DPR training file")
     uncompiled.warn(str(path), UNMATCHED_EFFECT)
     if qrels is not None:
         refuse_unjudged(qids, qrels, qrels_path, f"question id of --train-file {path} (the first")
