@@ -4,15 +4,18 @@ files named without .gz, and what gzipped outputs record as their name."""
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 
 import pytest
 
 from dpr_gc.base.errors import DprGcError
+from dpr_gc.base.files import ChunkedOutput
 from dpr_gc.data.corpus import iter_passages, read_queries
 from dpr_gc.data.qrels import read_qrels
 from dpr_gc.data.training import context_id
 from dpr_gc.evaluation.evaluate import read_results, read_run
+from dpr_gc.evaluation.results import open_results
 from dpr_gc.retrieval import mine as mine_mod
 
 
@@ -93,3 +96,30 @@ def test_mine_names_the_empty_train_file(tmp_path: Path, text: str) -> None:
     path.write_text(text)
     with pytest.raises(DprGcError, match=rf"--train-file {path} holds no training questions to mine"):
         mine_mod.scan_training_file(path)
+
+
+def _gzip_names(path: Path) -> list[str]:
+    """The FNAME field of every gzip member header of ``path`` (mine's output is one member per chunk)."""
+    data, names, pos = path.read_bytes(), [], 0
+    while pos < len(data):
+        assert data[pos:pos + 2] == b"\x1f\x8b" and data[pos + 3] & 0x08, "a member without a name"
+        end = data.index(b"\0", pos + 10)
+        names.append(data[pos + 10:end].decode("latin-1"))
+        member = zlib.decompressobj(-zlib.MAX_WBITS)
+        member.decompress(data[end + 1:])
+        pos = len(data) - len(member.unused_data) + 8  # past the CRC32 and size trailer
+    return names
+
+
+def test_gzipped_outputs_record_their_own_name_not_the_temporary_one(tmp_path: Path) -> None:
+    results = tmp_path / "r5.jsonl.gz"
+    with open_results(results) as w:
+        w.write({"id": "1", "question": "q", "answers": [], "ctxs": []})
+    assert _gzip_names(results) == ["r5.jsonl"]
+    mined = tmp_path / "mg.jsonl.gz"
+    out = ChunkedOutput(mined, {"k": 1})
+    out.append('{"a": 1}\n', {"n": 1})
+    out.append('{"a": 2}\n', {"n": 2})
+    out.finish()
+    assert _gzip_names(mined) == ["mg.jsonl", "mg.jsonl"]
+    assert gzip.decompress(mined.read_bytes()) == b'{"a": 1}\n{"a": 2}\n'

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import gzip
+import io
 import json
 import logging
 import os
@@ -533,6 +534,16 @@ def replace_together(news: list[Path], finals: list[Path]) -> None:
 
 
 @contextlib.contextmanager
+def gzip_text(path: Path, final: Path, mode: str = "w") -> Iterator[IO[str]]:
+    """UTF-8 text written gzipped to ``path`` (``mode`` "w" or "a": a new gzip member), a temporary file that becomes
+    ``final``: the header records ``final``'s name without ``.gz``, as ``gzip FILE`` does, never the temporary one
+    (``gunzip -N`` and ``file`` show it)."""
+    with open(path, mode + "b") as raw, gzip.GzipFile(filename=final.name, mode=mode + "b", fileobj=raw) as packed, \
+            io.TextIOWrapper(packed, encoding="utf-8") as f:
+        yield f
+
+
+@contextlib.contextmanager
 def atomic_open(path: PathLike, mode: str = "w") -> Iterator[IO[Any]]:
     """Open a file for writing that appears under ``path`` only when closed without error."""
     with atomic_path(path) as tmp:
@@ -730,7 +741,7 @@ class ChunkedOutput:
         the partial file back to the last recorded chunk (deletes it when none is, or a re-run cannot continue) and
         is one :class:`DiskFullError` naming the output."""
         try:
-            with (gzip.open(self.partial, "at", encoding="utf-8") if self.gz else
+            with (gzip_text(self.partial, self.path, "a") if self.gz else
                   open(self.partial, "a", encoding="utf-8")) as f:
                 f.write(text)
             with open(self.partial, "rb") as f:

@@ -13,14 +13,13 @@ A TREC run (``qid Q0 docid rank score tag``) carries the same ranking.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import math
 from pathlib import Path
 from typing import IO, Any, Iterator, Optional
 
 from ..base.errors import DprGcError
-from ..base.files import PathLike, atomic_path, iter_jsonl, open_text, require_file
+from ..base.files import PathLike, atomic_path, gzip_text, iter_jsonl, open_text, require_file
 from ..base.validate import check_id, no_lone_surrogates
 
 COMPACT_KEYS = ("id", "score", "has_answer")
@@ -34,7 +33,7 @@ def is_jsonl(path: PathLike) -> bool:
 def _atomic_text(path: PathLike) -> Iterator[IO[str]]:
     """A text file (gzip when named ``.gz``) that appears under ``path`` only when closed without error."""
     with atomic_path(path) as tmp:
-        with (gzip.open(tmp, "wt", encoding="utf-8") if Path(path).suffix == ".gz"
+        with (gzip_text(tmp, Path(path)) if Path(path).suffix == ".gz"
               else open(tmp, "w", encoding="utf-8")) as f:
             yield f
 
