@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dpr_gc.base.errors import DprGcError
-from dpr_gc.base.files import ChunkedOutput
+from dpr_gc.base.files import ChunkedOutput, require_file
 from dpr_gc.data.corpus import iter_passages, read_queries
 from dpr_gc.data.qrels import read_qrels
 from dpr_gc.data.training import context_id
@@ -123,3 +123,26 @@ def test_gzipped_outputs_record_their_own_name_not_the_temporary_one(tmp_path: P
     out.finish()
     assert _gzip_names(mined) == ["mg.jsonl", "mg.jsonl"]
     assert gzip.decompress(mined.read_bytes()) == b'{"a": 1}\n{"a": 2}\n'
+
+
+def test_a_beir_folder_given_as_a_file_names_the_file_inside_to_give(tmp_path: Path, capsys) -> None:
+    from dpr_gc.cli import main
+
+    beir = tmp_path / "b1"
+    (beir / "qrels").mkdir(parents=True)
+    for name in ("corpus.jsonl", "queries.jsonl.gz", "qrels/test.tsv", "qrels/train.tsv"):
+        (beir / name).write_text("")
+    run = tmp_path / "r.trec"
+    run.write_text("q1 Q0 p1 1 1.0 t\n")
+    assert main(["evaluate", "--run", str(run), "--qrels", str(beir)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --qrels file {beir} is a BEIR folder, not a file; give the file inside it: "
+        f"--qrels {beir}/qrels/test.tsv or {beir}/qrels/train.tsv")
+    for what, inside in (("--corpus file", "--corpus " + str(beir / "corpus.jsonl")),
+                         ("--queries file", "--queries " + str(beir / "queries.jsonl.gz")),
+                         ("corpus file", str(beir / "corpus.jsonl"))):
+        with pytest.raises(DprGcError) as e:
+            require_file(beir, what)
+        assert str(e.value) == f"{what} {beir} is a BEIR folder, not a file; give the file inside it: {inside}"
+    with pytest.raises(DprGcError, match=r"is a folder, not a file \(check the path\)"):
+        require_file(beir / "qrels", "--corpus file")

@@ -41,6 +41,10 @@ def require_file(path: PathLike, what: str = "file") -> Path:
     its flag (``--queries file not found: X``), a library call what the file is."""
     p = Path(path)
     if p.is_dir():
+        inside = beir_file_inside(p, what)
+        if inside:
+            flag = what.split()[0] + " " if what.startswith("--") else ""
+            raise DprGcError(f"{what} {p} is a BEIR folder, not a file; give the file inside it: {flag}{inside}")
         raise DprGcError(f"{what} {p} is a folder, not a file (check the path)")
     if p.exists() and not p.is_file():
         raise DprGcError(f"{what} {p} is a pipe or device, which is read more than once here; save it to a file "
@@ -48,6 +52,21 @@ def require_file(path: PathLike, what: str = "file") -> Path:
     if not p.is_file():
         raise DprGcError(f"{what} not found: {p} (check the path)")
     return p
+
+
+def beir_file_inside(folder: Path, what: str) -> Optional[str]:
+    """The file(s) of the BEIR folder ``folder`` (``corpus.jsonl``, ``queries.jsonl`` or ``qrels/`` inside) that
+    ``what`` ("--qrels file", "corpus file") reads, joined by "or": a command given the folder for a file says
+    which to give; None when ``folder`` is no BEIR folder or ``what`` none of its files."""
+    kind = next((k for k in ("corpus", "queries", "qrels") if k in what), None)
+    plain = ("corpus.jsonl", "corpus.jsonl.gz", "queries.jsonl", "queries.jsonl.gz")
+    if kind is None or not ((folder / "qrels").is_dir() or any((folder / n).is_file() for n in plain)):
+        return None
+    if kind == "qrels":
+        found = sorted(f for f in (folder / "qrels").glob("*.tsv*") if f.name.endswith((".tsv", ".tsv.gz")))
+    else:
+        found = [folder / f"{kind}.jsonl", folder / f"{kind}.jsonl.gz"]
+    return " or ".join(str(f) for f in found if f.is_file() and not f.name.startswith(".")) or None
 
 
 def require_folder(path: PathLike, what: str = "folder", advice: str = "check the path") -> Path:
