@@ -27,6 +27,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -333,6 +334,7 @@ def typed_flags(argv: Sequence[str]) -> set[str]:
 
 @command_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    started = time.perf_counter()  # the summary's time is the whole command's
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     refuse_hydra(parser, argv)
@@ -347,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = config_from_args(args, given)
         data = config.data
         if data.train_files:
-            T.train(config)
+            T.train(config, started=started)
         elif data.dev_file and args.model_file:
             validate(config, args.model_file)
         else:

@@ -19,7 +19,7 @@ from dpr_gc.train.trainer import Trainer, train
 from dpr_gc.train.config import TrainConfig
 from tests.train_data import init_model, make_records, write_dpr
 from tests.train_data import model_params as params, task_config as config
-from tests.helpers import call, ctrl_c_at
+from tests.helpers import call, ctrl_c_at, summary_rows
 from tests.llm_models import save_decoder
 from tests.ranks import run_command
 
@@ -355,3 +355,27 @@ def test_only_the_newest_checkpoints_are_kept(task, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     Trainer(config(task, tmp_path / "one", max_steps=3, save_every=1, keep_checkpoints=1)).fit()
     assert [p.name for p in (tmp_path / "one").glob("checkpoint-*")] == ["checkpoint-3"]
+
+
+@pytest.mark.parametrize("way", ["command", "library"])
+def test_the_summarys_time_is_the_whole_runs_and_training_has_its_own_row(task, tmp_path, monkeypatch, capsys, way):
+    """The ``time`` row was the step loop's alone (the data and model loading and the first dev validation left
+    out), where every other stage's is the whole command's; it is the whole command's (in code, from the
+    ``Trainer``'s construction), and ``training`` gives the seconds that ``examples/s`` divides."""
+    import time
+
+    build = Trainer.build_data
+    monkeypatch.setattr(Trainer, "build_data", lambda self: (time.sleep(0.5), build(self))[1])
+    if way == "command":
+        assert main([str(a) for a in ["train", "--train", task["train"], "--model", task["model"], "--output",
+                                      tmp_path / "run", "--batch-size", 8, "--num-workers", 0, "--query-chunk-size",
+                                      4, "--passage-chunk-size", 8, "--max-steps", 2, "--cache-dir",
+                                      task["dir"] / "cache"]]) == 0
+    else:
+        summary = Trainer(config(task, tmp_path / "run", max_steps=2)).fit()
+        assert summary["total_seconds"] >= 0.5 + summary["seconds"], summary
+    rows = summary_rows(capsys.readouterr().out)
+    whole, training = (float(rows[key].removesuffix(" s")) for key in ("time", "training"))
+    assert whole >= 0.5 + training, rows
+    rate = float(rows["examples/s"])  # 2 steps of 8 over the training row's seconds, shown to 0.01 s
+    assert 2 * 8 / (training + 0.006) <= rate <= 2 * 8 / max(training - 0.006, 1e-3), rows

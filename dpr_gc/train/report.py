@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from ..base.tables import format_summary
+from ..base.tables import format_summary, seconds_text
 from ..base.logs import counted
 from .chunks import rows_and_tokens
 from .config import HIGHER_IS_BETTER, TrainConfig
@@ -90,7 +90,9 @@ def summary_table(summary: dict) -> str:
     """train's closing table: steps (a resumed run's, with those this invocation trained), batch, chunks and the
     graphs kept under the memory budget, the ranks and precision (:func:`describe_parallel`; under fp16, or where
     there were any, the steps the GradScaler skipped), device, loss, this invocation's speed, the best and (with a
-    dev set) the last dev values, the model and this invocation's time."""
+    dev set) the last dev values, the model, and this invocation's time: ``training`` the step loop's, which
+    examples/s divides, ``time`` the whole run's (loading the model and data, the dev validation before training and
+    saving ``final/`` included)."""
     rows = [("steps", steps_trained(summary)), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", chunk_sizes_cell(summary)),
@@ -98,12 +100,13 @@ def summary_table(summary: dict) -> str:
             ("ranks", summary.get("parallel") or "one process"),
             ("precision", describe_precision(summary.get("fsdp", False), summary["precision"])),
             *skipped_steps(summary), ("device", summary.get("device", "-")),
-            ("final loss", loss_cell(summary["final_loss"])), ("examples/s", examples_cell(summary)),
+            ("final loss", loss_cell(summary["final_loss"])), ("training", seconds_text(summary["seconds"])),
+            ("examples/s", examples_cell(summary)),
             ("best dev", best_dev(summary))]
     if summary.get("dev") is not None or summary.get("last_dev"):
         rows.append(("last dev", last_dev(summary)))
     rows.append(("output", summary["final_model"]))
-    return format_summary(dict(rows), summary["seconds"])
+    return format_summary(dict(rows), summary.get("total_seconds", summary["seconds"]))
 
 
 def loss_cell(loss: float) -> str:

@@ -94,6 +94,8 @@ class Trainer:
     Args:
         config: the run's settings (:class:`~dpr_gc.train.config.TrainConfig`), as ``dpr-gc train``'s flags.
         on_backward: the hook above (None: none).
+        started: the ``time.perf_counter()`` the summary's whole time counts from (None: this construction;
+            ``dpr-gc train`` gives its own start).
 
     Returns:
         :meth:`fit` returns the run's summary dict (``steps``, ``final_loss``, ``final_model``, ``best_model``,
@@ -126,9 +128,10 @@ class Trainer:
         (1, 'final')
     """
 
-    def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> None:
+    def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None,
+                 started: Optional[float] = None) -> None:
+        self.began = time.perf_counter() if started is None else started  # the summary's time counts from here
         self.config, self.on_backward = config, on_backward
-        self.created = time.perf_counter()  # the time of a run with nothing to train counts from here
         self.owns_group = not dist.is_initialized()
         self.rank, self.world, self.device = setup_distributed(config.run.device)
         self.owns_group = self.owns_group and dist.is_initialized()
@@ -752,8 +755,8 @@ class Trainer:
     def already_finished(self) -> dict:
         """A resumed run with no step left: say so, train nothing and print the summary table of what the run
         holds: no step trained now, the loss and last dev value metrics.jsonl recorded, the best one from the
-        checkpoint, and this call's time. ``final/`` is written only when it does not hold this step's model (the
-        run stopped between its last checkpoint and ``final/``)."""
+        checkpoint, no training time and this call's whole time. ``final/`` is written only when it does not hold
+        this step's model (the run stopped between its last checkpoint and ``final/``)."""
         if self.rank == 0:
             logger.info("the run already finished at step %d (of %s): nothing to train; to train further, resume "
                         "with a larger --max-steps or --epochs", self.step, counted(self.total_steps, "step"))
@@ -765,7 +768,7 @@ class Trainer:
             if exported is not None:
                 exported.save(final)
                 logger.info("wrote %s (the model of step %d)", final, self.step)
-        summary = {**self.summary(time.perf_counter() - self.created),
+        summary = {**self.summary(0.0),
                    "final_loss": recorded_loss(self.metrics_file, self.step),
                    "last_dev": recorded_dev(self.metrics_file, self.config.run.best_metric), "already_finished": True}
         if self.rank == 0:
@@ -775,24 +778,28 @@ class Trainer:
 
     def finish(self) -> dict:
         """Save ``final/``, print the summary table, and return the summary."""
-        summary = self.summary(time.perf_counter() - self.started)
+        training = time.perf_counter() - self.started
         self.check_finite_weights()
         final = self.export()
         if final is not None:
             final.save(self.out / "final")
+        summary = self.summary(training)
+        if final is not None:
             print(summary_table(summary))
         return summary
 
     def summary(self, seconds: float) -> dict:
-        """The run's summary (``seconds``: the time this call trained, ``examples_per_s`` its speed; ``steps``: the
-        run's, of which a resumed one trained those after ``resumed_from``), as :meth:`fit` returns it."""
+        """The run's summary (``seconds``: the time this call trained, ``examples_per_s`` its speed;
+        ``total_seconds``: the whole run's, from ``started`` or the construction, loading and saving included;
+        ``steps``: the run's, of which a resumed one trained those after ``resumed_from``), as :meth:`fit` returns
+        it."""
         return {"steps": self.step, "resumed_from": self.resumed_from, "effective_batch": self.effective_batch,
                 "passages_per_query": self.passages_per_query,
                 "chunk_sizes": list(self.chunks) if self.chunks else None,
                 "chunk_tokens": self.chunk_tokens() if self.chunks else None, "precision": self.config.optim.precision,
                 "parallel": describe_parallel(self.config.run.fsdp, self.world), "fsdp": self.config.run.fsdp,
                 "device": str(self.device), "graphs_kept": self.kept_graphs(), "skipped_steps": self.skipped.total,
-                "final_loss": self.last_loss, "seconds": seconds,
+                "final_loss": self.last_loss, "seconds": seconds, "total_seconds": time.perf_counter() - self.began,
                 "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
                 "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
                 "best_step": self.checkpointer.best_step, "last_dev": self.last_dev,
@@ -833,12 +840,13 @@ def check_fsdp_launch(config: TrainConfig, world: int, device: torch.device) -> 
                          "(N > 1), or train without --fsdp")
 
 
-def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None) -> dict:
-    """Run training (see :class:`Trainer`); returns a summary (steps, examples/s, best metric, output folders).
-    Raises :class:`TrainingDiverged` (an ``error:`` line on the command line) when the loss or gradient stops being
-    finite."""
+def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None,
+          started: Optional[float] = None) -> dict:
+    """Run training (see :class:`Trainer`, whose ``started`` this passes); returns a summary (steps, examples/s,
+    best metric, output folders). Raises :class:`TrainingDiverged` (an ``error:`` line on the command line) when the
+    loss or gradient stops being finite."""
     with alike_on_every_rank():  # its setup refuses from the command line and the files alone, alike on every rank
-        trainer = Trainer(config, on_backward)
+        trainer = Trainer(config, on_backward, started)
     return trainer.fit()
 
 
@@ -853,10 +861,11 @@ def add_cli(subparsers: Any) -> None:
          members={"output_dir": TRAIN_MEMBERS})
 def _cli_train(args: Any) -> None:
     infos_from_rank_zero()
+    started = time.perf_counter()  # the summary's time is the whole command's
     with alike_on_every_rank():
         config = config_from_args(args)
     try:
-        train(config)
+        train(config, started=started)
     except KeyboardInterrupt:
         raise Interrupted(resume_advice(config)) from None
 
