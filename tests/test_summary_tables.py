@@ -45,11 +45,11 @@ def test_each_stages_closing_summary_follows_the_convention() -> None:
 
     train = summary_rows(summary_table({
         "steps": 2, "effective_batch": 8, "passages_per_query": 2, "chunk_sizes": [4, 8], "precision": "fp32",
-        "final_loss": 0.5, "seconds": 3.04, "total_seconds": 4.5, "examples_per_s": 5.0, "final_model": "runs/r1/final",
-        "best_model": None, "best": None, "best_metric": "avg_rank", "device": "cpu"}))
+        "final_loss": 0.5, "seconds": 3.04, "total_seconds": 4.5, "examples_per_s": 5.0, "validation_seconds": 1.2,
+        "final_model": "runs/r1/final", "best_model": None, "best": None, "best_metric": "avg_rank", "device": "cpu"}))
     assert (train["time"], train["output"], train["device"], train["precision"]) == ("4.50 s", "runs/r1/final", "cpu",
                                                                                       "fp32")
-    assert train["training"] == "3.04 s" and train["examples/s"] == "5.00", train
+    assert (train["training"], train["examples/s"], train["dev validation"]) == ("3.04 s", "5.00", "1.20 s"), train
     built = summary_rows(index.summary_text({
         "index": "runs/idx", "factory": "IVF8,Flat", "search": "nprobe 1 of 8 lists", "faiss_threads": 2,
         "model": "m", "dim": 8, "ntotal": 800, "added": 800, "shards_added": 2, "train_vectors": 800,

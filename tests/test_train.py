@@ -6,7 +6,9 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -357,15 +359,36 @@ def test_only_the_newest_checkpoints_are_kept(task, tmp_path):
     assert [p.name for p in (tmp_path / "one").glob("checkpoint-*")] == ["checkpoint-3"]
 
 
+
+class SkewedClock:
+    """The trainer module's ``time``, whose ``perf_counter`` runs ahead by the seconds :meth:`after` adds: minutes
+    of loading or validation, deterministic and without the wait."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.skew
+
+    def after(self, seconds: float, work: Callable) -> Callable:
+        """``work``, taking ``seconds`` longer."""
+        def slow(*args, **kwargs):
+            self.skew += seconds
+            return work(*args, **kwargs)
+
+        return slow
+
+
 @pytest.mark.parametrize("way", ["command", "library"])
 def test_the_summarys_time_is_the_whole_runs_and_training_has_its_own_row(task, tmp_path, monkeypatch, capsys, way):
     """The ``time`` row was the step loop's alone (the data and model loading and the first dev validation left
     out), where every other stage's is the whole command's; it is the whole command's (in code, from the
     ``Trainer``'s construction), and ``training`` gives the seconds that ``examples/s`` divides."""
-    import time
+    import dpr_gc.train.trainer as trainer_module
 
-    build = Trainer.build_data
-    monkeypatch.setattr(Trainer, "build_data", lambda self: (time.sleep(0.5), build(self))[1])
+    clock = SkewedClock()
+    monkeypatch.setattr(trainer_module, "time", clock)
+    monkeypatch.setattr(Trainer, "build_data", clock.after(100, Trainer.build_data))  # loading takes 100 s
     if way == "command":
         assert main([str(a) for a in ["train", "--train", task["train"], "--model", task["model"], "--output",
                                       tmp_path / "run", "--batch-size", 8, "--num-workers", 0, "--query-chunk-size",
@@ -373,9 +396,29 @@ def test_the_summarys_time_is_the_whole_runs_and_training_has_its_own_row(task, 
                                       task["dir"] / "cache"]]) == 0
     else:
         summary = Trainer(config(task, tmp_path / "run", max_steps=2)).fit()
-        assert summary["total_seconds"] >= 0.5 + summary["seconds"], summary
+        assert summary["total_seconds"] >= 100 + summary["seconds"], summary
     rows = summary_rows(capsys.readouterr().out)
     whole, training = (float(rows[key].removesuffix(" s")) for key in ("time", "training"))
-    assert whole >= 0.5 + training, rows
+    assert whole >= 100 + training - 0.05 and training < 100, rows  # time is shown to 0.1 s past 10 s
     rate = float(rows["examples/s"])  # 2 steps of 8 over the training row's seconds, shown to 0.01 s
     assert 2 * 8 / (training + 0.006) <= rate <= 2 * 8 / max(training - 0.006, 1e-3), rows
+
+
+def test_examples_per_second_leaves_out_dev_validation_which_has_its_own_row(task, tmp_path, monkeypatch, capsys):
+    """examples/s divided the loop's time, dev validations inside it included (the bar said 23.2, the table 2.96);
+    it divides the steps' time alone (the ``training`` row), and ``dev validation`` gives the validations'
+    seconds (before training and at steps 1 and 2 here, 100 s each)."""
+    import dpr_gc.train.trainer as trainer_module
+
+    clock = SkewedClock()
+    monkeypatch.setattr(trainer_module, "time", clock)
+    monkeypatch.setattr(trainer_module, "evaluate_dev", clock.after(100, trainer_module.evaluate_dev))
+    summary = Trainer(config(task, tmp_path / "run", max_steps=2, eval_every=1, dev_file=str(task["dev"]))).fit()
+    rows = summary_rows(capsys.readouterr().out)
+    whole, training, validation = (float(rows[key].removesuffix(" s")) for key in ("time", "training",
+                                                                                    "dev validation"))
+    assert 300 <= validation < 400 and training < 100 and whole >= training + validation - 0.1, rows  # 0.1 s shown
+    assert summary["validation_seconds"] >= 300 and summary["examples_per_s"] == 2 * 8 / summary["seconds"]
+    assert summary["total_seconds"] >= summary["seconds"] + summary["validation_seconds"], summary
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["examples_per_s"] > 2 * 8 / 100, logged  # the bar's rate, left out the validation at step 1

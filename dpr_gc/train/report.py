@@ -90,9 +90,9 @@ def summary_table(summary: dict) -> str:
     """train's closing table: steps (a resumed run's, with those this invocation trained), batch, chunks and the
     graphs kept under the memory budget, the ranks and precision (:func:`describe_parallel`; under fp16, or where
     there were any, the steps the GradScaler skipped), device, loss, this invocation's speed, the best and (with a
-    dev set) the last dev values, the model, and this invocation's time: ``training`` the step loop's, which
-    examples/s divides, ``time`` the whole run's (loading the model and data, the dev validation before training and
-    saving ``final/`` included)."""
+    dev set) the last dev values, the model, and this invocation's time: ``training`` the steps', which examples/s
+    divides, ``dev validation`` (with a dev set) the validations', ``time`` the whole run's (loading the model and
+    data, validation and saving ``final/`` included)."""
     rows = [("steps", steps_trained(summary)), ("effective batch (queries)", summary["effective_batch"]),
             ("passages per query", summary["passages_per_query"]),
             ("chunk sizes (query/passage)", chunk_sizes_cell(summary)),
@@ -101,7 +101,7 @@ def summary_table(summary: dict) -> str:
             ("precision", describe_precision(summary.get("fsdp", False), summary["precision"])),
             *skipped_steps(summary), ("device", summary.get("device", "-")),
             ("final loss", loss_cell(summary["final_loss"])), ("training", seconds_text(summary["seconds"])),
-            ("examples/s", examples_cell(summary)),
+            ("examples/s", examples_cell(summary)), *validation_time(summary),
             ("best dev", best_dev(summary))]
     if summary.get("dev") is not None or summary.get("last_dev"):
         rows.append(("last dev", last_dev(summary)))
@@ -118,6 +118,12 @@ def loss_cell(loss: float) -> str:
 def examples_cell(summary: dict) -> str:
     """This invocation's training speed, '-' where it trained no step (a finished run resumed)."""
     return "-" if summary["steps"] == summary.get("resumed_from") else f"{summary['examples_per_s']:.2f}"
+
+
+def validation_time(summary: dict) -> list[tuple[str, str]]:
+    """The summary's row of seconds spent in dev validation (none without a dev set)."""
+    seconds = summary.get("validation_seconds")
+    return [] if seconds is None else [("dev validation", seconds_text(seconds))]
 
 
 def chunk_sizes_cell(summary: dict) -> str:

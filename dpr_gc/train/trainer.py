@@ -64,6 +64,8 @@ MAX_SKIPPED_STEPS = 25
 # what torch warns, once, when the first step the GradScaler skips (no optimizer.step()) is followed by
 # scheduler.step(): the schedule advances every step, skipped or not, as torch's own AMP recipe does
 SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+# the trainer's on_backward(step, retriever) hook, called once a step's gradients are complete
+OnBackward = Optional[Callable[[int, Retriever], None]]
 
 
 @dataclasses.dataclass
@@ -128,8 +130,7 @@ class Trainer:
         (1, 'final')
     """
 
-    def __init__(self, config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None,
-                 started: Optional[float] = None) -> None:
+    def __init__(self, config: TrainConfig, on_backward: OnBackward = None, started: Optional[float] = None) -> None:
         self.began = time.perf_counter() if started is None else started  # the summary's time counts from here
         self.config, self.on_backward = config, on_backward
         self.owns_group = not dist.is_initialized()
@@ -185,6 +186,7 @@ class Trainer:
         self.noted_limits: set[str] = set()  # sides whose chunk token limit was said to be below a row's length
         self.step_lr = float("nan")  # the learning rate the last step used (the scheduler has moved on since)
         self.started, self.board, self.bar = time.perf_counter(), None, None
+        self.validated = self.validated_before = 0.0  # seconds of dev validation: this invocation's, before the loop
         self.created_out = not self.out.exists()  # a fresh run refused before its first step removes it again
         if self.rank == 0:  # only once the model and data are checked: a refused run leaves nothing in --output
             self.out.mkdir(parents=True, exist_ok=True)
@@ -560,12 +562,13 @@ class Trainer:
         """Dev validation (DPR's in-batch loss and accuracy over the gold passages plus each question's first
         ``--hard-negatives`` and ``--other-negatives``, and average rank) as ``dev_*`` metrics. A sharded model runs
         the same forwards on every rank (each all-gathers its blocks), so each rank evaluates the whole set."""
-        config = self.config
+        config, started = self.config, time.perf_counter()
         metrics = evaluate_dev(self.retriever, self.dev_data, config.data.dev, config.data.cache_dir,
                                split_over_ranks=not config.run.fsdp, negatives=dev_negatives(config.data))
         logger.info("dev validation over %s and %s", counted(metrics.pop("questions"), "question"),
                     counted(metrics.pop("passages"), "passage"))
         self.retriever.train()
+        self.validated += time.perf_counter() - started
         return {f"dev_{k}": v for k, v in metrics.items()}
 
     # ----------------------------------------------------------------- the loop
@@ -619,7 +622,7 @@ class Trainer:
         self.board = tensorboard_writer(self.out, purge) if self.rank == 0 else None
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
                         dynamic_ncols=True)
-        self.started = time.perf_counter()
+        self.started, self.validated_before = time.perf_counter(), self.validated
         try:
             with logging_redirect_tqdm():  # a line logged mid-run goes above the bar, not onto its line
                 while self.step < self.total_steps:
@@ -717,7 +720,7 @@ class Trainer:
             dist.all_reduce(both)
             loss, masked = both[0] / self.world, both[1]
         self.last_loss = float(loss)
-        rate = self.examples / (time.perf_counter() - self.started)
+        rate = self.examples / max(self.training_seconds(), 1e-9)
         lr = self.step_lr
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.last_loss:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.1f}")
@@ -778,7 +781,7 @@ class Trainer:
 
     def finish(self) -> dict:
         """Save ``final/``, print the summary table, and return the summary."""
-        training = time.perf_counter() - self.started
+        training = self.training_seconds()
         self.check_finite_weights()
         final = self.export()
         if final is not None:
@@ -788,9 +791,15 @@ class Trainer:
             print(summary_table(summary))
         return summary
 
+    def training_seconds(self) -> float:
+        """This invocation's seconds of training: the step loop's time less the dev validations inside it, so
+        examples/s measures the steps (and their logging and checkpoints) alone."""
+        return time.perf_counter() - self.started - (self.validated - self.validated_before)
+
     def summary(self, seconds: float) -> dict:
-        """The run's summary (``seconds``: the time this call trained, ``examples_per_s`` its speed;
-        ``total_seconds``: the whole run's, from ``started`` or the construction, loading and saving included;
+        """The run's summary (``seconds``: the time this call trained, dev validation left out, ``examples_per_s``
+        its speed; ``validation_seconds``: its dev validations', None without ``--dev``; ``total_seconds``: the
+        whole run's, from ``started`` or the construction, loading, validation and saving included;
         ``steps``: the run's, of which a resumed one trained those after ``resumed_from``), as :meth:`fit` returns
         it."""
         return {"steps": self.step, "resumed_from": self.resumed_from, "effective_batch": self.effective_batch,
@@ -800,7 +809,9 @@ class Trainer:
                 "parallel": describe_parallel(self.config.run.fsdp, self.world), "fsdp": self.config.run.fsdp,
                 "device": str(self.device), "graphs_kept": self.kept_graphs(), "skipped_steps": self.skipped.total,
                 "final_loss": self.last_loss, "seconds": seconds, "total_seconds": time.perf_counter() - self.began,
-                "examples_per_s": self.examples / max(seconds, 1e-9), "final_model": str(self.out / "final"),
+                "examples_per_s": self.examples / max(seconds, 1e-9),
+                "validation_seconds": self.validated if self.config.data.dev_file else None,
+                "final_model": str(self.out / "final"),
                 "best_model": self.checkpointer.best_path, "best": self.checkpointer.best_value,
                 "best_step": self.checkpointer.best_step, "last_dev": self.last_dev,
                 "best_metric": self.config.run.best_metric, "dev": self.config.data.dev_file,
@@ -840,8 +851,7 @@ def check_fsdp_launch(config: TrainConfig, world: int, device: torch.device) -> 
                          "(N > 1), or train without --fsdp")
 
 
-def train(config: TrainConfig, on_backward: Optional[Callable[[int, Retriever], None]] = None,
-          started: Optional[float] = None) -> dict:
+def train(config: TrainConfig, on_backward: OnBackward = None, started: Optional[float] = None) -> dict:
     """Run training (see :class:`Trainer`, whose ``started`` this passes); returns a summary (steps, examples/s,
     best metric, output folders). Raises :class:`TrainingDiverged` (an ``error:`` line on the command line) when the
     loss or gradient stops being finite."""
