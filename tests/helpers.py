@@ -290,7 +290,7 @@ def split_batch(batch: Batch, size: int) -> list[Batch]:
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) (dpr_gc(\.[\w.]+)?|generate_dense_embeddings|"
                       r"dense_retriever|train_dense_encoder): ")
 OUR_BAR = re.compile(r"^(encode shard-\d+-of-\d+ \(~tokens\)|retrieving|adding to index|reading [^:]+|BM25 tokenise|"
-                     r"mining|train): .*?\] *")  # tqdm pads a redrawn line shorter than the last with spaces
+                     r"mining|train|dev validation): .*?\] *")  # tqdm pads a line shorter than the last with spaces
 
 
 def foreign_lines(stderr: str) -> list[str]:

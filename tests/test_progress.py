@@ -66,3 +66,38 @@ def test_on_the_cpu_the_encode_bar_advances_after_every_batch(tmp_path: Path, ma
     monkeypatch.setattr(RecordingBar, "update", lambda self, n: seen.append(len(forwards)) or real_update(self, n))
     encode.encode_corpus(retriever, corpus, tmp_path / "out", batch_size=8, cache_dir=tmp_path / "c")
     assert seen == [1, 2, 3, 4, 5], seen
+
+
+def test_dev_validation_in_training_says_its_size_first_and_draws_a_bar(tmp_path: Path, monkeypatch) -> None:
+    """Dev validation during train drew no bar (evaluate_dev's show_progress left False) and logged its 'dev
+    validation over N questions and M passages' line after the work; the line comes first and rank 0 draws a bar
+    (a log file hides it while train's bar is open: nested_bar_disabled)."""
+    import logging
+
+    import dpr_gc.train.trainer as trainer_module
+    from tests.train_data import make_records, task_config, write_dpr, init_model
+
+    task = {"dir": tmp_path, "model": init_model(tmp_path), "dev": write_dpr(tmp_path / "dev.json", make_records(6, 2)),
+            "train": write_dpr(tmp_path / "t.json", make_records(16, 1))}
+    events: list[str] = []
+    evaluate_dev = trainer_module.evaluate_dev
+
+    def watched(*args, **kwargs) -> dict:
+        events.append(f"validation, show_progress={kwargs.get('show_progress')}")
+        return evaluate_dev(*args, **kwargs)
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("dev validation over"):
+                events.append(record.getMessage())
+
+    monkeypatch.setattr(trainer_module, "evaluate_dev", watched)
+    handler, log = Said(), logging.getLogger("dpr_gc")
+    monkeypatch.setattr(log, "level", logging.INFO)
+    log.addHandler(handler)
+    try:
+        trainer_module.Trainer(task_config(task, tmp_path / "run", max_steps=1, dev_file=str(task["dev"]))).fit()
+    finally:
+        log.removeHandler(handler)
+    said = "dev validation over 6 questions and 18 passages"
+    assert events == [said, "validation, show_progress=True"] * 2, events  # before training and after its step

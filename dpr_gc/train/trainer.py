@@ -54,7 +54,7 @@ from .report import (describe_epoch, describe_parallel, describe_precision, desc
                      recorded_loss, summary_table, tensorboard_writer)
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
-from .validation import dev_negatives, evaluate_dev, load_dev_data
+from .validation import dev_negatives, dev_pool, evaluate_dev, load_dev_data
 
 logger = logging.getLogger(__name__)
 
@@ -563,10 +563,12 @@ class Trainer:
         ``--hard-negatives`` and ``--other-negatives``, and average rank) as ``dev_*`` metrics. A sharded model runs
         the same forwards on every rank (each all-gathers its blocks), so each rank evaluates the whole set."""
         config, started = self.config, time.perf_counter()
-        metrics = evaluate_dev(self.retriever, self.dev_data, config.data.dev, config.data.cache_dir,
-                               split_over_ranks=not config.run.fsdp, negatives=dev_negatives(config.data))
-        logger.info("dev validation over %s and %s", counted(metrics.pop("questions"), "question"),
-                    counted(metrics.pop("passages"), "passage"))
+        pool = dev_pool(self.dev_data, config.data.dev, dev_negatives(config.data))
+        logger.info("dev validation over %s and %s", counted(len(pool.gold), "question"),
+                    counted(pool.ranked, "passage"))  # before the work, which its bar (rank 0's) then shows
+        metrics = evaluate_dev(self.retriever, pool, config.data.dev, config.data.cache_dir,
+                               split_over_ranks=not config.run.fsdp, show_progress=self.rank == 0)
+        del metrics["questions"], metrics["passages"]
         self.retriever.train()
         self.validated += time.perf_counter() - started
         return {f"dev_{k}": v for k, v in metrics.items()}

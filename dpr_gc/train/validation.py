@@ -161,16 +161,20 @@ def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, c
     the bounded pool.
 
     ``dev_file``: the ``--dev`` file, or its questions as :func:`load_dev_data` returned them (the trainer loads
-    them once: each load fingerprints the file again and logs its counts).
+    them once: each load fingerprints the file again and logs its counts), or their :func:`dev_pool` (built with
+    its ``negatives``, which this then ignores: the trainer names the pool's size before the work).
 
     Under ``torch.distributed`` each rank embeds and ranks its own share and the results are gathered, so every
     rank returns the same metrics for the work of one; ``split_over_ranks=False`` has every rank do all of it (an
     FSDP model, whose forwards are collective). ``dtype``: the autocast dtype texts are embedded under (None: the
     weights' own); ``show_progress``: one bar over the questions and passages this rank embeds.
     """
-    dataset = (load_dev_data(dev_file, cache_dir, limits.beir_split) if isinstance(dev_file, (str, os.PathLike))
-               else dev_file)
-    pool = dev_pool(dataset, limits, negatives)
+    if isinstance(dev_file, DevPool):
+        pool = dev_file
+    else:
+        dataset = (load_dev_data(dev_file, cache_dir, limits.beir_split) if isinstance(dev_file, (str, os.PathLike))
+                   else dev_file)
+        pool = dev_pool(dataset, limits, negatives)
     device = next(retriever.parameters()).device
     split = dist.is_initialized() and split_over_ranks
     rank, world = (dist.get_rank(), dist.get_world_size()) if split else (0, 1)
