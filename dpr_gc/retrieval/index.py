@@ -1019,20 +1019,23 @@ def params_from_args(args: argparse.Namespace) -> IndexParams:
 
 @guarded(inputs=("embeddings",), outputs={"output": "self"})
 def _cli(args: argparse.Namespace) -> None:
-    """Handler for ``dpr-gc index``: build (or extend) the index from ``--embeddings``, then the closing summary."""
+    """Handler for ``dpr-gc index``: build (or extend) the index from ``--embeddings``, then the closing summary
+    (its time the whole command's)."""
+    started = time.perf_counter()
     require_folder(args.embeddings, "--embeddings folder", "run `dpr-gc encode` first")  # named by its flag
     set_threads(args.threads)
     given = {field.name: getattr(args, field.name) for field in dataclasses.fields(IndexParams)}  # None: not given
     summary = build_index(args.embeddings, args.output, given, from_args(IndexBuild, args),
                           append=args.append, allow_partial=args.allow_partial)
-    print(summary_text(summary))
+    print(summary_text(summary, time.perf_counter() - started))
 
 
-def summary_text(summary: dict[str, Any]) -> str:
+def summary_text(summary: dict[str, Any], seconds: Optional[float] = None) -> str:
     """``dpr-gc index``'s closing table of :func:`build_index`'s summary (whose keys stay as they are), in words:
-    the index and its search, the vectors added and from how many shards, the training sample, whether the index
-    covers the whole corpus, and the time spent training and adding."""
-    seconds = summary["train_seconds"] + summary["add_seconds"]
+    the index and its search, the vectors added and from how many shards and the training sample, each with the
+    seconds FAISS spent on it, whether the index covers the whole corpus, and the ``time`` of the whole command
+    (``seconds``: reading the shards and writing the index included; None: training and adding alone)."""
+    seconds = summary["train_seconds"] + summary["add_seconds"] if seconds is None else seconds
     trained = (f"{summary['train_vectors']} vectors in {seconds_text(summary['train_seconds'])}"
                if summary["train_vectors"] else "-")
     return format_summary({"factory": summary["factory"], "search": summary["search"],
