@@ -101,3 +101,20 @@ def test_dev_validation_in_training_says_its_size_first_and_draws_a_bar(tmp_path
         log.removeHandler(handler)
     said = "dev validation over 6 questions and 18 passages"
     assert events == [said, "validation, show_progress=True"] * 2, events  # before training and after its step
+
+
+def test_every_bar_names_its_unit_after_a_space() -> None:
+    """Train's bar, dev validation's, Retriever.embed's and the JAX example's counted anonymous "it"s (``3/12
+    [00:06, 1.78it/s]``) and the stdlib parser's unit had no space before it ("12file/s"); every tqdm bar in
+    dpr_gc/ and scripts/ names what it counts, after a space, as the others do (" q/s", " passages")."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[1]
+    bad = []
+    for path in sorted([*(repo / "dpr_gc").rglob("*.py"), *(repo / "scripts").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "tqdm":
+                unit = next((k.value for k in node.keywords if k.arg == "unit"), None)
+                if not (isinstance(unit, ast.Constant) and str(unit.value).startswith(" ")):
+                    bad.append(f"{path.relative_to(repo)}:{node.lineno}")
+    assert not bad, f"tqdm bars without a ' unit': {bad}"

@@ -198,7 +198,7 @@ def collect_definitions(root: PathLike, max_passage_words: int = 200) -> tuple[l
     """Parse every public stdlib module under ``root``; return sorted unique definitions and files skipped."""
     by_pid: dict[str, Definition] = {}
     skipped = 0
-    for module, path in tqdm(_stdlib_modules(Path(root)), desc="parse stdlib", unit="file", disable=None):
+    for module, path in tqdm(_stdlib_modules(Path(root)), desc="parse stdlib", unit=" files", disable=None):
         try:
             source = path.read_bytes()
             tree = ast.parse(source, filename=str(path))

@@ -192,12 +192,14 @@ def encode_texts(model: Encoder, params: Any, tokenizer: Any, texts: Sequence[st
     """Normalised fp32 representations, encoded in length-sorted batches by a jitted forward pass."""
     order = np.argsort([len(t) for t in texts], kind="stable")
     out = np.zeros((len(texts), model.config.hidden_size), np.float32)
-    for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=None):
-        rows = order[start:start + batch_size]
-        batch = padded_token_ids(tokenizer, [texts[i] for i in rows], max_length, rows=batch_size, kind=kind,
-                                 titles=[titles[i] for i in rows] if titles is not None else None)
-        reps = _forward(model, params, batch["input_ids"], batch["attention_mask"])
-        out[rows] = np.asarray(reps, np.float32)[:len(rows)]
+    with tqdm(total=len(texts), desc=desc, unit=" texts", disable=None) as bar:
+        for start in range(0, len(texts), batch_size):
+            rows = order[start:start + batch_size]
+            batch = padded_token_ids(tokenizer, [texts[i] for i in rows], max_length, rows=batch_size, kind=kind,
+                                     titles=[titles[i] for i in rows] if titles is not None else None)
+            reps = _forward(model, params, batch["input_ids"], batch["attention_mask"])
+            out[rows] = np.asarray(reps, np.float32)[:len(rows)]
+            bar.update(len(rows))
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
 
@@ -314,7 +316,7 @@ def train(model: Encoder, params: Any, tokenizer: Any, questions: list[str], gro
     rng, key = np.random.default_rng(config.seed), jax.random.key(config.seed)
     for epoch in range(config.epochs):
         order, masked = rng.permutation(len(questions)), 0
-        for i in tqdm(range(steps_per_epoch), desc=f"training epoch {epoch + 1}", disable=None):
+        for i in tqdm(range(steps_per_epoch), desc=f"training epoch {epoch + 1}", unit=" steps", disable=None):
             rows = order[i * config.batch_size:(i + 1) * config.batch_size]
             p_rows = (rows[:, None] * group + np.arange(group)[None]).reshape(-1)
             batches = [{k: v[rows] for k, v in q_tok.items()}, {k: v[p_rows] for k, v in p_tok.items()}]

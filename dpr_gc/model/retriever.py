@@ -382,7 +382,7 @@ class Retriever(nn.Module):
         was_training = self.training
         self.eval()
         bar = progress if progress is not None else tqdm(total=n, disable=nested_bar_disabled(show_progress),
-                                                         desc=f"embed {kind} texts")
+                                                         desc=f"embed {kind} texts", unit=" texts")
         try:
             with grad_free(self):
                 return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar,

@@ -622,7 +622,7 @@ class Trainer:
             self.checkpointer.update_best(0, self.export, initial)  # the baseline: a step must beat it
         purge = None if self.resumed_from is None else self.resumed_from + 1  # the steps it logs again
         self.board = tensorboard_writer(self.out, purge) if self.rank == 0 else None
-        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train", unit=" steps",
                         dynamic_ncols=True)
         self.started, self.validated_before = time.perf_counter(), self.validated
         try:

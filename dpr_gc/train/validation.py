@@ -180,7 +180,8 @@ def evaluate_dev(retriever: Any, dev_file: Union[str, Any], limits: DevLimits, c
     rank, world = (dist.get_rank(), dist.get_world_size()) if split else (0, 1)
     encode_batch = limits.encode_batch_size or limits.batch_size
     mine = sum(hi - lo for lo, hi in (_share(len(rows), rank, world) for rows in (pool.questions, pool.passages)))
-    with tqdm(total=mine, desc="dev validation", disable=nested_bar_disabled(show_progress and rank == 0)) as bar:
+    with tqdm(total=mine, desc="dev validation", unit=" texts",
+              disable=nested_bar_disabled(show_progress and rank == 0)) as bar:
         embed = functools.partial(_embed_shared, retriever, batch_size=encode_batch, device=device, rank=rank,
                                   world=world, dtype=dtype, bar=bar)
         q = embed("query", pool.questions, None)
