@@ -454,7 +454,13 @@ def test_mining_progress_bar_counts_to_the_number_of_questions(world, tmp_path, 
     import dpr_gc.retrieval.mine as mine
 
     root, bars, real = world["root"], [], mine.tqdm
-    monkeypatch.setattr(mine, "tqdm", lambda *a, **kw: bars.append(real(*a, **kw)) or bars[-1])
+
+    def recorded(*args, **kwargs):
+        bars.append(real(*args, **kwargs))
+        bars[-1].asked_for = not kwargs.get("disable")  # close() turns disable on
+        return bars[-1]
+
+    monkeypatch.setattr(mine, "tqdm", recorded)
     beir = beir_folder(tmp_path / "beir")
     common = ("--corpus", root / "corpus.jsonl", "--cache-dir", root / "cache", "--n-negatives", 2, "--top-k", 20)
     dense = ("--source", "dense", "--model", root / "model", "--embeddings", tmp_path / "emb", "--index",
@@ -464,8 +470,26 @@ def test_mining_progress_bar_counts_to_the_number_of_questions(world, tmp_path, 
                                          (("--source", "bm25"), ("--beir-dir", beir))]):
         bars.clear()
         cli("mine", *given, *source, *common, "--output", tmp_path / f"out{i}.jsonl")
-        (bar,) = [b for b in bars if getattr(b, "unit", None) == " q"]  # the chunks bar is off
+        # the library's bar, within each chunk, is off
+        (bar,) = [b for b in bars if getattr(b, "unit", None) == " q" and b.asked_for]
         assert (bar.total, bar.n) == (len(TOPICS), len(TOPICS)), (source[1], given[0])
+
+
+def test_the_librarys_mining_bar_counts_questions(tmp_path, monkeypatch):
+    """``mine_hard_negatives(show_progress=True)`` counted chunks of 1,024 questions (2 for 1,030: no rate or ETA
+    in questions); it counts the questions, as the command's bar does."""
+    import dpr_gc.retrieval.mine as mine
+
+    path = tmp_path / "c.tsv"
+    path.write_text("id\ttext\ttitle\np1\tThe Seine is a river in Paris.\tSeine\n")
+    corpus = load_corpus(path, tmp_path / "cache")
+    bars, real = [], mine.tqdm
+    monkeypatch.setattr(mine, "tqdm", lambda *a, **kw: bars.append(real(*a, **kw)) or bars[-1])
+    qs = [{"question": f"paris river {i}", "answers": [], "positive_ctxs": []} for i in range(1030)]
+    records, _ = mine_hard_negatives(qs, BM25Source(corpus, show_progress=False), corpus, n_negatives=1, top_k=1,
+                                     show_progress=True)
+    (bar,) = bars
+    assert len(records) == 1030 and (bar.unit, bar.total, bar.n) == (" q", 1030, 1030), (bar.unit, bar.total, bar.n)
 
 
 def test_dense_embeddings_without_an_index_folder_are_refused_before_encoding(world, tmp_path, monkeypatch):

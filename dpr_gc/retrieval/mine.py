@@ -307,7 +307,7 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, set
     refused); each removal is counted under the first rule that applies, in the order gold,
     answer, qrels, rank, margin, ratio, min margin. ``id_to_row`` maps positive ids to corpus rows for BM25 positive
     scores (looked up here when missing). ``matcher``, an ``AnswerMatcher`` for ``settings.match`` kept
-    across calls, caches tokenised candidates between chunks.
+    across calls, caches tokenised candidates between chunks. ``show_progress``: a bar counting the questions.
     """
     from ..evaluation.answers import AnswerMatcher
 
@@ -325,7 +325,8 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, set
     if scored and id_to_row is None and isinstance(source, BM25Source):
         id_to_row = rows_for_ids(corpus, (ctx_id(c) for q in questions for c in q.get("positive_ctxs") or []))
     summary, records = MiningSummary(), []
-    for start in tqdm(range(0, len(questions), CHUNK), desc="mining", unit=" chunks", disable=not show_progress):
+    bar = tqdm(total=len(questions), desc="mining", unit=" q", disable=not show_progress)
+    for start in range(0, len(questions), CHUNK):
         chunk = questions[start:start + CHUNK]
         rows_of = id_to_row or {}
         golds = [[(rows_of.get(ctx_id(c)), c.get("title") or "", c.get("text") or "")
@@ -346,6 +347,8 @@ def mine_hard_negatives(questions: Sequence[dict], source: Any, corpus: Any, set
             summary.ratio_unapplied += int(bool(pos) and max_negative_ratio is not None and limits.ratio is None)
             chosen = _select(q, hits, has, n_negatives, skip_top, limits, qrels, summary)
             records.append({"id": q.get("id"), "question": q["question"], "hard_negative_ctxs": chosen})
+        bar.update(len(chunk))
+    bar.close()
     return records, summary
 
 
