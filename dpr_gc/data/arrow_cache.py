@@ -157,7 +157,8 @@ def cache_usage(root: Path, flat: bool = False) -> list[tuple[str, int, int]]:
 def clear_cache(root: Path, flat: bool = False) -> tuple[int, int, list[Path]]:
     """Delete the cached files in each folder of :func:`cache_folders` (caches, their locks and a killed build's
     temporaries; nothing else a user may have put there); a cache another process is building right now (its lock,
-    a file named as :data:`CACHE_FILE` names one, is held) is kept. Returns ``(files removed, bytes freed, caches kept)``."""
+    a file named as :data:`CACHE_FILE` names one, is held) is kept. Returns ``(files removed, bytes freed, caches
+    kept)``."""
     import fcntl
 
     removed, freed, busy = 0, 0, []
