@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -414,3 +415,22 @@ def test_lora_target_names_the_model_lacks_are_refused_naming_its_own_layers():
     line = str(refused.value)
     assert line.startswith("--lora-target-modules foo, bar: no module of the model is named so"), line
     assert "q_proj" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_saving_over_a_lora_towers_base_model_folder_is_refused(tmp_path, shared):
+    """Retriever.save replaces its folder whole: the folder of a tower's LoRA base model (which the adapter loads),
+    or one holding it, is refused as merge-lora's --output is, and left as it was."""
+    init = init_model(tmp_path, shared=shared)
+    retriever = Retriever.load(init)
+    apply_lora(retriever, LoraSettings(r=2))
+    retriever.save(tmp_path / "lora")
+    base = Path(retriever.query_encoder.transformer.peft_config["default"].base_model_name_or_path)
+    assert (base == init) == shared
+    for target in sorted({base, init}):
+        before = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
+        with pytest.raises(DprGcError) as caught:
+            retriever.save(target)
+        assert "LoRA base model" in str(caught.value) and str(base) in str(caught.value), caught.value
+        assert "\n" not in str(caught.value) and sorted(str(p.relative_to(target)) for p in target.rglob("*")) == before
+    Retriever.load(tmp_path / "lora")

@@ -40,9 +40,9 @@ from ..engine.loss import TEMPERATURE_RANGE
 from .card import write_model_card
 from .config import PASSAGE_FORMATS, POOLINGS, RetrieverConfig
 from .dpr_hub import find_dpr_pair, load_dpr, one_tokenizer
-from .pretrained import check_saveable, load_tokenizer, load_transformer
+from .pretrained import check_saveable, is_adapted, load_tokenizer, load_transformer
 from .tokenize import lowercases, normalizers
-from ..base.guard import atomic_folder
+from ..base.guard import atomic_folder, check_outputs
 from ..base.logs import transformers_quiet
 from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number, one_of,
                              positive_int, text)
@@ -103,9 +103,11 @@ def save_retriever(retriever: Any, path: str | Path) -> None:
     """Write ``retriever`` as a format-2 folder (see the module docstring) with its model card, whole or not at all:
     it is written into a temporary sibling folder that then replaces ``path`` (see :func:`atomic_folder`). An
     existing non-empty folder is replaced only when it is a saved model and nothing else
-    (:func:`check_replaceable`)."""
+    (:func:`check_replaceable`), and never when it is or holds a tower's LoRA base model folder
+    (:func:`check_not_adapter_base`)."""
     target = Path(path)
     check_replaceable(target)
+    check_not_adapter_base(retriever, target)
     with atomic_folder(target) as out:
         _write_retriever(retriever, out)
 
@@ -123,6 +125,20 @@ def check_replaceable(target: Path, flag: str = "--output") -> None:
     if foreign is not None:
         raise DprGcError(f"{target} holds {foreign}, which is no part of a saved model; the folder would be "
                          f"replaced whole, so choose another {flag} or move {foreign.name} out of it")
+
+
+def check_not_adapter_base(retriever: Any, target: Path, flag: str = "save folder") -> None:
+    """Refuse a ``target`` that is, lies inside or holds the local base model folder a LoRA tower's adapter names
+    (``base_model_name_or_path``): the adapter saved there loads that folder, which saving would replace. The
+    line is the one ``dpr-gc`` commands give for an output over an input (:func:`check_outputs`)."""
+    shared = retriever.passage_encoder is retriever.query_encoder
+    bases = {}
+    for kind, encoder in (("query", retriever.query_encoder), ("passage", retriever.passage_encoder)):
+        if is_adapted(encoder.transformer):
+            base = encoder.transformer.peft_config["default"].base_model_name_or_path
+            if isinstance(base, str) and base.strip() and Path(base).exists():
+                bases[f"LoRA base model of the {'shared' if shared else kind} tower"] = base
+    check_outputs(bases, {flag: target}, whole=(flag,))
 
 
 def _foreign_entry(folder: Path, top: bool) -> Optional[Path]:
