@@ -275,3 +275,24 @@ def test_an_in_process_verbose_command_leaves_the_library_quiet_after_it(tmp_pat
     finally:
         if not before:
             hf_logging.disable_progress_bar()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_loading_a_retriever_shorter_than_the_tokenizer_probe_prints_nothing(make_retriever, tmp_path: Path, capfd,
+                                                                             caplog, shared: bool) -> None:
+    """A saved retriever whose max lengths are shorter than the tokenizer check's probe text loads without
+    transformers' 'Token indices sequence length is longer ...' line (logged or printed) for either tower.
+    transformers' own handler may hold a stream of an earlier capture, so its logger is watched directly."""
+    make_retriever(shared=shared, query_max_length=4, passage_max_length=5).save(tmp_path / "short")
+    capfd.readouterr()
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(caplog.handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+            warnings.simplefilter("always")
+            type(make_retriever()).load(tmp_path / "short")
+    finally:
+        hf_logger.removeHandler(caplog.handler)
+    err = capfd.readouterr().err
+    assert "sequence length" not in err and "sequence length" not in caplog.text, (err, caplog.text)
+    assert not [w for w in caught if "sequence length" in str(w.message)], [str(w.message) for w in caught]

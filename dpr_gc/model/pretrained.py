@@ -220,8 +220,8 @@ def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name_or_path: str | P
         raise DprGcError(f"{name_or_path}: the tokenizer has {len(tokenizer):,} tokens for the model's {rows:,} "
                          "embeddings, so its vocabulary file (tokenizer.json, vocab.txt, ...) is missing or "
                          "incomplete; copy the model's tokenizer files into the folder")
-    try:
-        tokenizer(PROBE_TEXT)
+    try:  # not verbose: a probe longer than the model's max length is no mistake to warn of
+        tokenizer(PROBE_TEXT, verbose=False)
     except Exception as e:  # noqa: BLE001 - the Rust tokenizers library raises plain Exceptions on a bad vocabulary
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise DprGcError(f"{name_or_path}: the tokenizer cannot encode text ({reason}); its vocabulary file is "
