@@ -108,3 +108,16 @@ def test_max_grad_norm_clips_the_gradient_the_optimizer_sees(tmp_path: Path, mak
         step(optimizer))
     _, grad_norm = trainer.train_step(next(iter(trainer.loader)))
     assert float(grad_norm) > 1e-2 and seen == [pytest.approx(1e-3, rel=1e-4)]
+
+
+def test_the_model_card_records_the_epochs_trained_not_the_epochs_flag(tmp_path: Path, make_retriever) -> None:
+    """``--max-steps 5`` over 2 steps an epoch trains 2.5 epochs whatever ``--epochs`` says: the card's epochs (its
+    metadata and its table) are those trained, as the log states them."""
+    from dpr_gc.model.card import card_training
+
+    trainer = _trainer(tmp_path, make_retriever, 8, epochs=1, max_steps=5)
+    assert trainer.steps_per_epoch == 2
+    trainer.fit()
+    record = card_training(tmp_path / "out" / "final")
+    assert record["epochs"] == 2.5 and record["steps"] == 5, record
+    assert "| epochs done | 2.5 |" in (tmp_path / "out" / "final" / "README.md").read_text(encoding="utf-8")

@@ -25,7 +25,7 @@ TRAINING_ROWS = (("base_model", "base model"), ("train_data", "training data"), 
                  ("passage_chunk_size", "passage chunk"), ("query_chunk_tokens", "query chunk token limit"),
                  ("passage_chunk_tokens", "passage chunk token limit"),
                  ("memory_budget", "memory budget (bytes of graphs kept)"), ("learning_rate", "learning rate"),
-                 ("warmup_steps", "warmup steps"), ("epochs", "epochs"), ("steps", "steps done"),
+                 ("warmup_steps", "warmup steps"), ("epochs", "epochs done"), ("steps", "steps done"),
                  ("total_steps", "steps planned"), ("precision", "precision"), ("seed", "seed"))
 
 SHOWN_BREAKS = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})  # a table cell holds one line

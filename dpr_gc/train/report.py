@@ -50,8 +50,15 @@ def describe_training(config: TrainConfig, stats: list[dict], world: int, chunks
             "grad_cache": config.cache.enabled, "query_chunk_size": chunks[0] if chunks else None,
             "passage_chunk_size": chunks[1] if chunks else None, **chunk_limits(config.cache),
             "learning_rate": optim.learning_rate,
-            "warmup_steps": optim.warmup_for(total_steps), "epochs": optim.epochs, "total_steps": total_steps,
+            "warmup_steps": optim.warmup_for(total_steps), "epochs": 0, "total_steps": total_steps,
             "precision": optim.precision, "seed": config.run.seed, "steps": 0}
+
+
+def epochs_done(steps: int, steps_per_epoch: int) -> float | int:
+    """The epochs ``steps`` make (three significant digits, as the log gives them; whole ones as an int): the card
+    records what ran, which ``--max-steps`` or a stop can make differ from ``--epochs``."""
+    epochs = float(f"{steps / max(steps_per_epoch, 1):.3g}")
+    return int(epochs) if epochs.is_integer() else epochs
 
 
 def chunk_limits(cache: Any) -> dict:

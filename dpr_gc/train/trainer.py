@@ -50,8 +50,8 @@ from .checkpoints import BEST, METRICS_FILE, TRAIN_MEMBERS, finite_or_null, remo
 from .chunks import auto_chunk_reason, auto_chunk_rows, auto_chunk_size, both_chunk_sizes, chunk_sizes
 from .chunks import longest_row_tokens
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
-from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, recorded_dev,
-                     recorded_loss, summary_table, tensorboard_writer)
+from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, epochs_done,
+                     recorded_dev, recorded_loss, summary_table, tensorboard_writer)
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
 from .validation import dev_negatives, dev_pool, evaluate_dev, load_dev_data
@@ -645,7 +645,11 @@ class Trainer:
         """Put the run's account (data, batch, chunks, steps done) into the model's ``training_info``: its card."""
         self.retriever.training_info.update(describe_training(self.config, self.data.stats, self.world,
                                                               self.chunks, self.total_steps))
-        self.retriever.training_info["steps"] = self.step
+        self.record_steps()
+
+    def record_steps(self) -> None:
+        """Put the steps done and the epochs they make into the model's ``training_info`` (its card)."""
+        self.retriever.training_info.update(steps=self.step, epochs=epochs_done(self.step, self.steps_per_epoch))
 
     def announce_length(self) -> None:
         """Say that ``--max-steps`` sets the run's length (``--epochs`` then counts for nothing), and warn of a
@@ -736,7 +740,7 @@ class Trainer:
         step is captured first, saved with the checkpoint and put back."""
         rng = capture_rng()
         last = self.step >= self.total_steps
-        self.retriever.training_info["steps"] = self.step
+        self.record_steps()
         due = (self.save_every and self.step % self.save_every == 0) or last
         evaluate = self.config.data.dev_file and ((self.eval_every and self.step % self.eval_every == 0) or last)
         if due or evaluate:
