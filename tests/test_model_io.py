@@ -384,12 +384,13 @@ def test_the_library_pages_sentence_transformers_snippet_embeds_as_dpr_gc_encode
 
 
 @pytest.mark.parametrize("kind,fields", [("bert", {}), ("bert", {"query_prefix": "query: ", "normalize": True}),
-                                         ("llama", {"query_prefix": "query: "})])
+                                         ("llama", {"query_prefix": "query: "}),
+                                         ("bert", {"shared": False, "query_prefix": "query: "})])
 def test_the_model_cards_python_snippets_run_as_written_and_embed_as_dpr_gc(make_retriever, tmp_path, kind, fields):
     """Each python block of a saved retriever's card runs as written (with the folder's path in place of
     "path/to/this/folder") and its query vectors equal dpr-gc's: the card's dpr-gc import and the transformers
     block's inputs were never run by a test. A last-token decoder whose tokenizer adds no EOS: the snippets append
-    it, as dpr-gc does."""
+    it, as dpr-gc does. Separate towers: the transformers block loads the query tower's subfolder."""
     import re
 
     from tests.llm_models import decoder_retriever
@@ -399,6 +400,7 @@ def test_the_model_cards_python_snippets_run_as_written_and_embed_as_dpr_gc(make
     card = (tmp_path / "m" / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", card, flags=re.S)
     assert len(blocks) == 3, card
+    assert ("query_0_Transformer" in blocks[1]) != fields.get("shared", True), blocks[1]
     expected = retriever.embed("query", ["Who wrote On the Origin of Species?"])
     for block, result in zip(blocks, ("queries", "embeddings", "vectors")):
         scope: dict = {}

@@ -193,21 +193,24 @@ def _separate_lora_note(retriever: Any, shared: bool) -> list[str]:
 
 
 def _transformers_usage(config: Any, shared: bool, lower: bool, eos: bool) -> list[str]:
-    """The card's transformers snippet (one shared tower) or a word on the towers' subfolders; ``eos``: the texts
-    end with the EOS token the tokenizer does not add."""
-    if not shared:
-        return ["", "### transformers", "",
-                "The towers are Hugging Face models in `query_0_Transformer/` and `document_0_Transformer/` (each "
-                "with its tokenizer): load each with `AutoModel` / `AutoTokenizer` and pool as below."]
+    """The card's transformers snippet embedding questions (separate towers: with the query tower's subfolder, after
+    a word on both); ``eos``: the texts end with the EOS token the tokenizer does not add."""
+    folder = "path/to/this/folder" if shared else "path/to/this/folder/query_0_Transformer"
+    towers = [] if shared else [
+        "The towers are Hugging Face models in `query_0_Transformer/` and `document_0_Transformer/` (each with its "
+        "tokenizer): load each with `AutoModel` / `AutoTokenizer` and pool as below (the query tower shown; "
+        f"passages go through `document_0_Transformer/` the same way, with the passage prefix and max_length="
+        f"{config.passage_max_length}).", ""]
     text = f"({config.query_prefix!r} + q).lower()" if lower else f"{config.query_prefix!r} + q"  # do_lower_case
     text += " + tokenizer.eos_token" if eos else ""
     pool = {"mean": "(hidden * mask).sum(1) / mask.sum(1)", "cls": "hidden[:, 0]",
             "pooler": "model(**batch).pooler_output",
             "last": "hidden[torch.arange(len(hidden)), (mask[..., 0] * torch.arange(1, hidden.size(1) + 1)).argmax(1)]"
             "  # each text's last real token"}[config.pooling]
-    lines = ["", "### transformers", "", "```python", "import torch", "from transformers import AutoModel, AutoTokenizer",
-             "", 'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
-             'model = AutoModel.from_pretrained("path/to/this/folder")',
+    lines = ["", "### transformers", "", *towers, "```python", "import torch",
+             "from transformers import AutoModel, AutoTokenizer", "",
+             'tokenizer = AutoTokenizer.from_pretrained("{}")'.format(folder),
+             'model = AutoModel.from_pretrained("{}")'.format(folder),
              'questions = ["Who wrote On the Origin of Species?"]',
              f"batch = tokenizer([{text} for q in questions], truncation=True, "
              f"max_length={config.query_max_length}, padding=True, return_tensors=\"pt\")",
