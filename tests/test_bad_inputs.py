@@ -2054,6 +2054,13 @@ def _damaged_model_folder(world: dict, root: Path, kind: str) -> Path:
         return root / "dense"
     model = root / "model"
     shutil.copytree(world["model"], model)
+    if kind.startswith("tokenizer_config"):
+        settings = json.loads((model / "tokenizer_config.json").read_text())
+        damaged = {"tokenizer_config a list": [settings], "tokenizer_config max length a string":
+                   {**settings, "model_max_length": "abc"},
+                   "tokenizer_config added tokens a list": {**settings, "added_tokens_decoder": ["[PAD]"]}}[kind]
+        (model / "tokenizer_config.json").write_text(json.dumps(damaged))
+        return model
     tokenizer = json.loads((model / "tokenizer.json").read_text())
     del tokenizer["added_tokens"]
     (model / "tokenizer.json").write_text(json.dumps(tokenizer))
@@ -2063,11 +2070,15 @@ def _damaged_model_folder(world: dict, root: Path, kind: str) -> Path:
 @pytest.mark.parametrize("kind, needle", [
     ("adapter pickle", "adapter weights are a pickle"), ("adapter is its own base", "not this folder"),
     ("symlink loop", "a symbolic link that loops"), ("tokenizer without added_tokens", "added_tokens"),
-    ("dense without out_features", "'out_features' is missing")])
+    ("dense without out_features", "'out_features' is missing"),
+    ("tokenizer_config a list", "tokenizer_config.json: expected a JSON object"),
+    ("tokenizer_config max length a string", "tokenizer_config.json: 'model_max_length' must be a positive integer"),
+    ("tokenizer_config added tokens a list", "tokenizer_config.json: 'added_tokens_decoder' must be an object")])
 def test_model_folders_that_cannot_load_are_one_line(world: dict, tmp_path: Path, kind: str, needle: str) -> None:
     """The issue's poor messages: a pickled LoRA adapter (never unpickled), an adapter naming its own folder as base
     (once a 32 KB recursion message), a symlink loop (once "Repo id must be in the form"), a tokenizer.json without
-    added_tokens, a Dense layer without out_features (the typed-value fuzz changes values, these drop keys)."""
+    added_tokens, a Dense layer without out_features (the typed-value fuzz changes values, these drop keys), a
+    tokenizer_config.json that is no object or holds a wrongly typed model_max_length or added_tokens_decoder."""
     model = _damaged_model_folder(world, tmp_path, kind)
     line = refused(["encode", "--model", model, "--corpus", world["corpus"], "--output", tmp_path / "e", "--device",
                     "cpu", "--cache-dir", tmp_path / "c"], needle)

@@ -319,6 +319,16 @@ def check_tokenizer_file(path: Path) -> None:
                      required=("id", "content"))
 
 
+def check_tokenizer_settings(path: Path) -> None:
+    """The fields of ``tokenizer_config.json`` transformers reads without checking, typed (a wrong type surfaces
+    as a Python error naming no file, or as a vocabulary fault). A whole float (``1e+30``) or null (no limit) is
+    a length transformers takes too."""
+    if path.is_file():
+        length = Field((int, float), True, lambda v: v >= 1 and float(v).is_integer(), "a positive integer or null")
+        check_fields(read_json(path), path, {"model_max_length": length, "added_tokens_decoder": Field(dict)},
+                     "tokenizer_config.json")
+
+
 def load_tokenizer(name_or_path: str | Path, model: nn.Module) -> Any:
     """The tokenizer of a model name or folder, checked against ``model``, the transformer it will feed (see
     :func:`check_tokenizer_fits`): every loader of a retriever goes through here, so none skips the check."""
@@ -326,6 +336,7 @@ def load_tokenizer(name_or_path: str | Path, model: nn.Module) -> Any:
 
     check_model_folder(name_or_path)
     check_tokenizer_file(Path(name_or_path) / "tokenizer.json")
+    check_tokenizer_settings(Path(name_or_path) / "tokenizer_config.json")
     check_model_source(str(name_or_path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=False)
