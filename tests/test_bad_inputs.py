@@ -2761,3 +2761,18 @@ def test_a_model_that_cannot_load_is_named_by_its_flag(tmp_path, capsys, stage, 
     why = "a file, not a model folder" if stage == DEMO and model == "qa.csv" else NOT_LOADED[model]
     assert err.startswith(f"error: cannot load {flag} {path!r}: {why}"), err
     assert "operand" not in err
+
+
+@pytest.mark.parametrize("shared, removed, needle", [
+    (False, "router_config.json", "router_config.json"), (False, "document_0_Transformer/config.json", "config.json")])
+def test_a_pipeline_folder_missing_a_file_names_that_file(make_retriever, tmp_path: Path, shared: bool, removed: str,
+                                                         needle: str) -> None:
+    """A separate-tower retriever missing its router_config.json or a tower's config.json is one line naming the
+    missing file (not the legacy router config.json)."""
+    make_retriever(shared=shared).save(tmp_path / "m")
+    (tmp_path / "m" / removed).unlink()
+    with pytest.raises(DprGcError) as caught:
+        Retriever.load(tmp_path / "m")
+    line = str(caught.value)
+    assert str(tmp_path / "m" / Path(removed).parent) in line and needle in line and "\n" not in line, line
+    assert "model_type" not in line and (removed != "router_config.json" or "/config.json" not in line), line

@@ -297,7 +297,7 @@ def read_pipeline(folder: Path) -> Optional[dict[str, Tower]]:
         return {"query": tower, "document": tower}
     tail = [(path, kind) for path, kind in modules if _kind(kind) not in ("Router", "Asym")]
     config_file = router[0] / "router_config.json"
-    if not config_file.is_file():
+    if not config_file.is_file() and (router[0] / "config.json").is_file():  # an older Asym/Router folder's
         config_file = router[0] / "config.json"
     config = check_fields(read_json_object(config_file), config_file, ROUTER_FIELDS, "a router config")
     structure, types = config.get("structure") or {}, config.get("types") or {}
