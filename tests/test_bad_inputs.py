@@ -2764,11 +2764,13 @@ def test_a_model_that_cannot_load_is_named_by_its_flag(tmp_path, capsys, stage, 
 
 
 @pytest.mark.parametrize("shared, removed, needle", [
-    (False, "router_config.json", "router_config.json"), (False, "document_0_Transformer/config.json", "config.json")])
+    (False, "router_config.json", "router_config.json"), (True, "config.json", "no config.json"),
+    (False, "document_0_Transformer/config.json", "no config.json")])
 def test_a_pipeline_folder_missing_a_file_names_that_file(make_retriever, tmp_path: Path, shared: bool, removed: str,
                                                          needle: str) -> None:
-    """A separate-tower retriever missing its router_config.json or a tower's config.json is one line naming the
-    missing file (not the legacy router config.json)."""
+    """A saved retriever missing its router_config.json (separate towers) or a Transformer module's config.json (the
+    shared tower's at the top, a separate tower's in its subfolder) is one line naming the missing file (not the
+    legacy router config.json, nor transformers' 'Should have a model_type key')."""
     make_retriever(shared=shared).save(tmp_path / "m")
     (tmp_path / "m" / removed).unlink()
     with pytest.raises(DprGcError) as caught:

@@ -42,7 +42,7 @@ from .config import PASSAGE_FORMATS, POOLINGS, RetrieverConfig
 from .dpr_hub import find_dpr_pair, load_dpr, one_tokenizer
 from .pretrained import check_saveable, is_adapted, load_tokenizer, load_transformer
 from .tokenize import lowercases, normalizers
-from ..base.guard import atomic_folder, check_outputs
+from ..base.guard import ADAPTER_CONFIG, atomic_folder, check_outputs
 from ..base.logs import transformers_quiet
 from ..base.validate import (Field, check_fields, check_list, count, inside, no_lone_surrogates, number, one_of,
                              positive_int, text)
@@ -320,6 +320,7 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
     if not modules or _kind(modules[0][1]) != "Transformer":
         raise DprGcError(f"{source}: the pipeline must start with a Transformer module to load in dpr-gc")
     tower = Tower(modules[0][0])
+    _check_transformer_folder(source, tower.transformer)
     settings_file = tower.transformer / "sentence_bert_config.json"
     if settings_file.is_file():
         settings = check_fields(read_json_object(settings_file), settings_file, TRANSFORMER_FIELDS, "sentence_bert_config.json")
@@ -343,6 +344,14 @@ def _read_tower(source: Path, modules: list[tuple[Path, str]]) -> Tower:
             raise DprGcError(f"{source}: module {kind} is not supported by dpr-gc "
                              "(Transformer, Pooling, Dense, Normalize and query/document Routers are)")
     return tower
+
+
+def _check_transformer_folder(source: Path, folder: Path) -> None:
+    """Refuse a pipeline whose Transformer module's folder lacks its ``config.json`` (or a LoRA tower's
+    ``adapter_config.json``): transformers would blame a missing ``model_type`` key in a file that is not there."""
+    if folder.is_dir() and not any((folder / name).is_file() for name in ("config.json", ADAPTER_CONFIG)):
+        raise DprGcError(f"{source}: its Transformer module {folder} has no config.json (the model's settings); "
+                         "the folder is incomplete: copy the model's config.json back or save the model again")
 
 
 def _includes_prompt(config_file: Path) -> Optional[bool]:
