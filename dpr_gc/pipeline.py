@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from .base.args import home_expanded, nonnegative_int, output_dir, positive_float, positive_int, seed_int
-from .base.errors import DiskFullError, DprGcError, Interrupted
+from .base.errors import DiskFullError, DprGcError, Interrupted, setting_text
 from .base.guard import guarded
 from .base.files import atomic_path, atomic_paths, dump_json, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
@@ -154,8 +154,8 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
         flags = demo_flag_names()
         held = list(dict.fromkeys(flags.get(k, k) for k in changed if any(depends_on(stage, k) for stage in kept)))
         first = {flags.get(k, k): k for k in reversed(changed)}  # a flag's values: those of the first key it sets
-        shown = "; ".join(f"{name} {_shown(old.get(first[name]))} there, {_shown(new.get(first[name]))} now"
-                          for name in held[:3])
+        shown = "; ".join(f"{name} {setting_text(old.get(key))} there, {setting_text(new.get(key))} now"
+                          for name, key in ((name, first[name]) for name in held[:3]))
         names = [stage + "/" * (out / stage).is_dir() for stage in kept]
         raise DprGcError(f"{out} holds a demo run with other settings ({shown}"
                          f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}); its "
@@ -166,11 +166,6 @@ def check_demo_settings(out: Path, config: DemoConfig) -> None:
         logger.info("%s: the earlier run's settings changed only for stages it had not started; recording the new "
                     "ones", out)
         record_new_settings(out, record, started)
-
-
-def _shown(value: Any) -> str:
-    """A recorded setting as the refusal shows it: ``(not set)`` for None, else its repr."""
-    return "(not set)" if value is None else repr(value)
 
 
 def demo_flag_names() -> dict[str, str]:

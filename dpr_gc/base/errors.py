@@ -4,6 +4,7 @@ into one ``error:`` line and exit status 2 for every command (``dpr-gc``, the DP
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -55,6 +56,15 @@ def clipped(text: str, limit: int = 60) -> str:
     """``text`` quoted for a message, cut to ``limit`` characters with its length said where it is longer: a bad
     line of a one-line file (a megabyte of JSON) must not make the error line as long."""
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+def setting_text(value: Any) -> str:
+    """A setting's value as a message about a changed setting shows it (``--top-k 20 -> 10``, ``--dev (not set) ->
+    'dev/'``): ``(not set)`` for None, ``(absent)`` for a value a record lacks (``dataclasses.MISSING``), else its
+    repr."""
+    if value is None:
+        return "(not set)"
+    return "(absent)" if value is dataclasses.MISSING else repr(value)
 
 
 def reworded(error: DprGcError, message: str) -> DprGcError:

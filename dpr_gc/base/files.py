@@ -27,7 +27,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
-from .errors import DiskFullError, DprGcError, is_disk_full
+from .errors import DiskFullError, DprGcError, is_disk_full, setting_text
 
 logger = logging.getLogger(__name__)
 
@@ -797,19 +797,19 @@ class ChunkedOutput:
         """The line that says an interrupted run's kept work is about to be dropped, as :meth:`resume` does when
         its key differs, or None (nothing kept, or the same key): the ``noun``s it kept were ``done`` ("retrieved",
         "mined") with other settings, those changed named as ``flags`` spell them (``--top-k 20 -> 10``), the rest
-        of the key as ``names`` (or its own) name them (:func:`changed_settings`); this run starts over."""
+        of the key as ``names`` (or its own) name them (:func:`resume_key_changes`); this run starts over."""
         saved = self.saved()
         if saved is None or self.key is None or saved["key"] == self.key:
             return None
-        changed = changed_settings(saved["key"], self.key, flags, names or {})
+        changed = resume_key_changes(saved["key"], self.key, flags, names or {})
         count = saved["state"].get("count", 0) if isinstance(saved["state"], dict) else 0
         return (f"starting over: the {count} {noun if count == 1 else noun + 's'} an interrupted run kept in "
                 f"{self.partial} were {done} with other settings ({', '.join(changed) or 'another version'})")
 
 
-def changed_settings(old: Any, new: Any, flags: Mapping[str, str], names: Mapping[str, str]) -> list[str]:
+def resume_key_changes(old: Any, new: Any, flags: Mapping[str, str], names: Mapping[str, str]) -> list[str]:
     """What differs between two resume keys, each once, in the new key's order: a setting ``flags`` spells as
-    ``FLAG old -> new`` (unset, on, off for None and booleans), a nested key's own changes, any other as "the
+    ``FLAG old -> new`` (:func:`~dpr_gc.base.errors.setting_text`), a nested key's own changes, any other as "the
     NAME" (``names``, else the key with spaces)."""
     old = old if isinstance(old, dict) else {}
     changed: list[str] = []
@@ -818,19 +818,10 @@ def changed_settings(old: Any, new: Any, flags: Mapping[str, str], names: Mappin
         if before == after:
             continue
         if isinstance(before, dict) and isinstance(after, dict) and name not in flags:
-            lines = changed_settings(before, after, flags, names)
+            lines = resume_key_changes(before, after, flags, names)
         elif name in flags:
-            lines = [f"{flags[name]} {_shown(before)} -> {_shown(after)}"]
+            lines = [f"{flags[name]} {setting_text(before)} -> {setting_text(after)}"]
         else:
             lines = [f"the {names.get(name, name.replace('_', ' '))}"]
         changed += [line for line in lines if line not in changed]
     return changed
-
-
-def _shown(value: Any) -> str:
-    """A setting's value as a message shows it: None is unset, a boolean on or off."""
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)

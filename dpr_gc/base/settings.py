@@ -22,7 +22,7 @@ import os
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from .args import ExtendGiven, home_expanded, one_meaning, output_dir
-from .errors import DprGcError
+from .errors import DprGcError, setting_text
 from .files import copied_from
 
 FIXED = "fixed"  # changes the model or the training signal: a resumed run must keep the recorded value
@@ -523,11 +523,7 @@ class Change:
     resume: str
 
     def __str__(self) -> str:
-        return f"{self.name} {_show(self.old)} -> {_show(self.new)}"
-
-
-def _show(value: Any) -> str:
-    return "(not set)" if value is None else ("(absent)" if value is dataclasses.MISSING else repr(value))
+        return f"{self.name} {setting_text(self.old)} -> {setting_text(self.new)}"
 
 
 def changed_settings(cls: type, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
