@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -96,6 +97,10 @@ SAME_RESULTS = ("training.data.num_workers",)  # settings that change no result:
 NO_STAGE = ("data", SETTINGS_FILE, "cache")  # the dataset and training's parse cache check their own settings
 REBUILT = ("train_subset.json",)  # cut from the dataset again under new settings (training, which reads it, not begun)
 MODEL_SETTINGS = ("training.model.name", "training.model.retriever.")
+DEMO_NAMES = ("data", "base_model", "before", "after", "training", "cache", SETTINGS_FILE, SECONDS_FILE, *REBUILT,
+              "metrics.json", "report.png")
+DEMO_MEMBERS = (*DEMO_NAMES, re.compile(rf"\.(?:{'|'.join(map(re.escape, DEMO_NAMES))})\..+"))
+# what the demo writes or removes in --output (its temporaries too): an input may not be or lie in one
 # the settings (a key, or a prefix ending in ".") that the work a stage holds depends on; any other entry (after/,
 # the report) depends on them all
 STAGE_SETTINGS = {"base_model": MODEL_SETTINGS,
@@ -569,7 +574,7 @@ def demo_kept(out: Path, interrupt: KeyboardInterrupt) -> Optional[str]:
     return "; ".join([*parts, "run the same command again to resume"]) if parts else None
 
 
-@guarded(inputs=("model",), outputs={"output": "folder"})
+@guarded(inputs=("model",), outputs={"output": "folder"}, members={"output": DEMO_MEMBERS})
 def _cli_demo(args: Any) -> None:
     config = from_args(DemoFlags, args).config()
     try:

@@ -534,3 +534,31 @@ def test_the_demos_time_survives_a_run_stopped_by_a_signal(tmp_path, sig):
         assert code == -signal.SIGKILL and seconds >= 1.5
     readme = " ".join((root / "README.md").read_text().split())
     assert f"a run killed outright loses at most the last {CLOCK_SAVE_SECONDS:.0f} s of its time" in readme
+
+
+
+@pytest.mark.parametrize("member", ["training/final", "base_model", "data/model"])
+def test_a_model_inside_what_the_demo_writes_in_its_folder_is_refused(tmp_path, monkeypatch, member):
+    """The demo writes data/, base_model/, training/, before/ and after/ in --output: a --model inside one of them
+    (a trained model given back as the base of a rerun in the same folder) would be overwritten or removed by the
+    run; refused before anything is written, naming the member and both flags."""
+    from dpr_gc.data import stdlib_data
+    from dpr_gc.pipeline import DemoFlags, check_demo_settings
+    from tests.helpers import call
+
+    def not_built(*args, **kwargs):
+        raise AssertionError("the demo ran")
+
+    monkeypatch.setattr(stdlib_data, "build_stdlib_dataset", not_built)
+    out = tmp_path / "demo"
+    model = out / member
+    check_demo_settings(out, DemoFlags(output=str(out), model=str(model)).config())
+    model.parent.mkdir(parents=True, exist_ok=True)
+    tiny_model_folder(tmp_path).rename(model)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    top = member.split("/")[0]
+    code, err = call(main, ["demo", "--output", out, "--model", model])
+    assert (code, err) == (2, f"error: the input --model {model} is {top} in the output folder --output {out}, which "
+                              "the run writes or removes; move the input out of that folder, or give another "
+                              "--output\n")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
