@@ -46,6 +46,7 @@ from dpr_gc.base.args import (ArgumentParser, any_int, flags_as_typed, nonnegati
 from dpr_gc.base.errors import flags_renamed, model_named_by, report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
+from dpr_gc.train.checkpoints import TRAIN_MEMBERS  # noqa: E402
 from dpr_gc.base.logs import command_main, infos_from_rank_zero, setup_logging  # noqa: E402
 from dpr_gc.base.settings import flags_that_do_not_apply, without_flags  # noqa: E402
 
@@ -344,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     given = typed_flags(argv)
 
     @guarded(inputs=("train_files=--train_file", "dev_file=--dev_file", "model_file=--model_file", "model"),
-             outputs={"output_dir=--output_dir": "folder"})
+             outputs={"output_dir=--output_dir": "folder"}, members={"output_dir": TRAIN_MEMBERS})
     def run(args: argparse.Namespace) -> None:
         config = config_from_args(args, given)
         data = config.data

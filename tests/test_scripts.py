@@ -1152,3 +1152,23 @@ def test_the_retrieve_summarys_time_is_the_whole_commands(tmp_path, tiny_tokeniz
     rows = summary_rows(capsys.readouterr().out)
     whole, retrieval = (float(rows[key].split()[0]) for key in ("time", "retrieval"))
     assert whole >= 0.5 + retrieval, rows
+
+
+@pytest.mark.parametrize("flag", ["--dev_file", "--train_file"])
+def test_an_input_the_train_script_writes_in_its_output_dir_is_refused(tiny, tmp_path, capsys, flag):
+    """As in dpr-gc train: a --dev_file or --train_file named as what a run writes or removes in --output_dir (here
+    its metrics.jsonl, which a new run deletes) is refused in one line naming both flags as typed, and kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    given = out / "metrics.jsonl"
+    given.write_bytes((tiny["dir"] / "data" / "nq-train.json").read_bytes())
+    before = given.read_bytes()
+    files = {"--train_file": str(tiny["dir"] / "data" / "nq-train.json"), "--dev_file": str(tiny["dir"] / "data" / "nq-dev.json")}
+    files[flag] = str(given)
+    argv = ["--pretrained_model_cfg", str(tiny["bert"]), *(x for f, p in files.items() for x in (f, p)),
+            "--output_dir", str(out), "--num-workers", "0", "--cache-dir", str(tmp_path / "cache"), "--batch_size", "8"]
+    assert load_script("train_dense_encoder.py").main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: the input {flag} {given} is metrics.jsonl in the output folder --output_dir {out}, which the run "
+        "writes or removes; move the input out of that folder, or give another --output_dir")
+    assert given.read_bytes() == before
