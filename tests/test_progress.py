@@ -118,3 +118,17 @@ def test_every_bar_names_its_unit_after_a_space() -> None:
                 if not (isinstance(unit, ast.Constant) and str(unit.value).startswith(" ")):
                     bad.append(f"{path.relative_to(repo)}:{node.lineno}")
     assert not bad, f"tqdm bars without a ' unit': {bad}"
+
+
+def test_embeds_own_bar_in_tokens_ends_at_its_total(make_retriever, monkeypatch) -> None:
+    """``Retriever.embed(progress_in_tokens=True)`` with no bar given opens its own: counted in estimated tokens
+    with their total (it counted texts while advancing by tokens, ending far past 100%)."""
+    import dpr_gc.model.retriever as retriever_module
+
+    bars: list[RecordingBar] = []
+    monkeypatch.setattr(retriever_module, "tqdm", lambda **kw: bars.append(RecordingBar(**kw)) or bars[-1])
+    texts = ["word " * (1 + i % 30) for i in range(20)]
+    make_retriever(passage_max_length=64).embed("passage", texts, batch_size=4, progress_in_tokens=True)
+    (bar,) = bars
+    assert bar.unit == " tokens" and sum(bar.updates) == bar.total
+    assert bar.total == estimated_tokens(np.array([len(t) for t in texts]), 64).sum()

@@ -343,7 +343,7 @@ class Retriever(nn.Module):
         are copied back, so on GPU tokenisation overlaps the forward passes. ``progress`` (a tqdm bar) advances by
         the rows done (on the CPU after every batch, on a GPU as each chunk's results are copied back), or with
         ``progress_in_tokens`` by their :func:`estimated_tokens` (the longest texts go first, so a count of rows
-        would promise a finish far too late); ``show_progress`` opens one.
+        would promise a finish far too late); ``show_progress`` opens one, counted the same way.
 
         Args:
             kind: ``"query"`` or ``"passage"`` (the tower, prefix and max length to use).
@@ -381,8 +381,8 @@ class Retriever(nn.Module):
             raise DprGcError(f"{len(titles)} titles for {n} {kind} texts: give one title (or None) per text")
         was_training = self.training
         self.eval()
-        bar = progress if progress is not None else tqdm(total=n, disable=nested_bar_disabled(show_progress),
-                                                         desc=f"embed {kind} texts", unit=" texts")
+        bar = progress if progress is not None else self._own_bar(kind, texts, titles, max_length, show_progress,
+                                                                  progress_in_tokens)
         try:
             with grad_free(self):
                 return self._embed_sorted(kind, texts, titles, batch_size, dtype, max_length, bar,
@@ -392,14 +392,23 @@ class Retriever(nn.Module):
             if progress is None:
                 bar.close()
 
+    def _own_bar(self, kind: str, texts: Sequence[str], titles: list[Optional[str]], max_length: Optional[int],
+                 show_progress: bool, progress_in_tokens: bool) -> Any:
+        """The bar :meth:`embed` opens when given none: in texts, or in estimated tokens with their total."""
+        if progress_in_tokens:
+            total = int(estimated_tokens(_text_chars(kind, texts, titles), self.max_length(kind, max_length)).sum())
+            return tqdm(total=total, disable=nested_bar_disabled(show_progress),
+                        desc=f"embed {kind} texts (~tokens)", unit=" tokens", unit_scale=True)
+        return tqdm(total=len(texts), disable=nested_bar_disabled(show_progress), desc=f"embed {kind} texts",
+                    unit=" texts")
+
     def _embed_sorted(self, kind: str, texts: Sequence[str], titles: list[Optional[str]], batch_size: int,
                       dtype: Optional[torch.dtype], max_length: Optional[int], bar: Any,
                       progress_in_tokens: bool = False) -> np.ndarray:
         device = next(self.parameters()).device
         left = getattr(self.tokenizer, "padding_side", "right") == "left"
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        chars = np.asarray([len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)],
-                           dtype=np.int64)
+        chars = _text_chars(kind, texts, titles)
         limit = self.max_length(kind, max_length)
         weights = estimated_tokens(chars, limit) if progress_in_tokens else np.ones(len(texts), dtype=np.int64)
         order = np.argsort(-chars, kind="stable")
@@ -498,6 +507,12 @@ def _drain(pending: list[tuple[np.ndarray, torch.Tensor]], out: np.ndarray, bar:
         out[rows] = rep.cpu().numpy()
         bar.update(int(weights[rows].sum()))
     pending.clear()
+
+
+def _text_chars(kind: str, texts: Sequence[str], titles: Sequence[Optional[str]]) -> np.ndarray:
+    """Each text's characters (a passage's title's too): what its embedding costs, by :func:`estimated_tokens`."""
+    return np.asarray([len(x) + (len(t or "") if kind == "passage" else 0) for t, x in zip(titles, texts)],
+                      dtype=np.int64)
 
 
 CHARS_PER_TOKEN = 4  # a typical rate of English subword tokenizers; it only weighs progress, never cuts text
