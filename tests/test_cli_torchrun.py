@@ -156,3 +156,33 @@ def test_help_under_torchrun_prints_once(tmp_path):
     run = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                        "-m", "dpr_gc.cli", "train", "--help"], limit_s=120, env=env)
     assert run.returncode == 0 and run.stdout.count("usage: dpr-gc train") == 1, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("case", ["corpus line", "model", "other shards"])
+def test_encodes_refusals_of_its_files_are_printed_by_one_rank(tmp_path, monkeypatch, capsys, make_retriever, case):
+    """docs/distributed.md: a refusal every rank reaches alike is printed by each machine's first rank, the others
+    exit with its status silently. encode's refusals of a damaged --corpus line, a --model that does not load, and
+    an --output holding shards of another number of shards came once per rank."""
+    model, out = tmp_path / "model", tmp_path / "emb"
+    make_retriever(passage_max_length=16).save(model)
+    corpus = write_corpus(tmp_path / "data", passages(6), "tsv")
+    if case == "corpus line":
+        corpus.write_text(corpus.read_text() + "bad\tline\n")
+    if case == "model":
+        model = tmp_path / "not-a-model"
+        model.mkdir()
+    if case == "other shards":
+        assert main(["encode", "--model", str(model), "--corpus", str(corpus), "--output", str(out), "--device",
+                     "cpu", "--cache-dir", str(tmp_path / "c")]) == 0
+    argv = ["encode", "--model", str(model), "--corpus", str(corpus), "--output", str(out), "--device", "cpu",
+            "--cache-dir", str(tmp_path / "c")]
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert main(argv) == 2
+    shown = capsys.readouterr().err
+    assert shown.startswith("error: ") and shown.count("\n") == 1, shown
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ""

@@ -175,18 +175,19 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     from ..model.tokenize import check_length_room
 
     settings = dataclasses.replace(settings or EncodeSettings(), **options)
-    refuse_foreign_folder(out_dir)
     device = next(retriever.parameters()).device
-    autocast = pick_precision(settings.precision, device)
-    warn_if_emulated(settings.precision, device)
-    if settings.max_length is not None:
-        check_max_length("--max-length", settings.max_length, retriever.positions("passage"))
-    flag = "--max-length" if settings.max_length is not None else None  # None: the retriever's own, named as such
-    settings = dataclasses.replace(settings, max_length=retriever.max_length("passage", settings.max_length))
-    check_length_room(retriever.tokenizer, retriever.config, "passage", settings.max_length, flag)
-    shard_id, num_shards = resolve_shard(settings.shard_id if shard_id is None else shard_id,
-                                         settings.num_shards if num_shards is None else num_shards)
-    corpus = load_corpus(corpus_path, settings.cache_dir)
+    with alike_on_every_rank():  # settings, model and corpus are every torchrun rank's alike
+        refuse_foreign_folder(out_dir)
+        autocast = pick_precision(settings.precision, device)
+        warn_if_emulated(settings.precision, device)
+        if settings.max_length is not None:
+            check_max_length("--max-length", settings.max_length, retriever.positions("passage"))
+        flag = "--max-length" if settings.max_length is not None else None  # None: the retriever's own, named so
+        settings = dataclasses.replace(settings, max_length=retriever.max_length("passage", settings.max_length))
+        check_length_room(retriever.tokenizer, retriever.config, "passage", settings.max_length, flag)
+        shard_id, num_shards = resolve_shard(settings.shard_id if shard_id is None else shard_id,
+                                             settings.num_shards if num_shards is None else num_shards)
+        corpus = load_corpus(corpus_path, settings.cache_dir)
     name = shard_name(shard_id, num_shards)
     with locked_folder(out_dir, f".{name}.lock", f"{out_dir} (shard {shard_id} of {num_shards})") as out:
         return _encode_shard(retriever, corpus, corpus_path, out, (shard_id, num_shards), settings, autocast,
@@ -331,14 +332,15 @@ def _check_folder(out: Path, manifest: dict, encoder: Any) -> None:
     """Refuse a folder whose shards or in-progress parts were made with different settings or another model (a
     record of the legacy fingerprint form is compared through the legacy fingerprint ``encoder`` adds to
     ``manifest``)."""
-    records = _folder_records(out)
-    bridge_legacy(manifest, encoder, [r for _, r in records])
-    for p, other in records:
-        for key in MUST_MATCH:
-            same = records_agree(other, manifest) if key == "model_fingerprint" else other.get(key) == manifest[key]
-            if not same:
-                raise DprGcError(f"{p} was made with {key}={other.get(key)!r} but this run has {manifest[key]!r}; "
-                                 "use a new --output folder or delete the old shards")
+    with alike_on_every_rank():  # the folder's records are every torchrun rank's alike (its own shard's is below)
+        records = _folder_records(out)
+        bridge_legacy(manifest, encoder, [r for _, r in records])
+        for p, other in records:
+            for key in MUST_MATCH:
+                same = records_agree(other, manifest) if key == "model_fingerprint" else other.get(key) == manifest[key]
+                if not same:
+                    raise DprGcError(f"{p} was made with {key}={other.get(key)!r} but this run has "
+                                     f"{manifest[key]!r}; use a new --output folder or delete the old shards")
     name = shard_name(manifest["shard_id"], manifest["num_shards"])
     progress = out / f"{name}.parts.json"
     started = read_json_object(progress, "encode progress").get("block_size") if progress.is_file() else None
@@ -437,7 +439,8 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
     from ..model.retriever import Retriever
 
     device = default_device(job.device)
-    retriever = Retriever.load(job.model, device, job.query_prefix, job.passage_prefix)
+    with alike_on_every_rank():  # every torchrun rank loads the same model
+        retriever = Retriever.load(job.model, device, job.query_prefix, job.passage_prefix)
     if job.settings.precision == "auto":
         chosen = pick_precision("auto", torch.device(device))
         logger.info("--precision auto on %s: %s (%s)", device, chosen or "fp32", describe_auto_precision(device))
