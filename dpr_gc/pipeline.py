@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import threading
@@ -23,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from .base.args import home_expanded, nonnegative_int, output_dir, positive_float, positive_int, seed_int
 from .base.errors import DiskFullError, DprGcError, Interrupted, setting_text
-from .base.guard import guarded
+from .base.guard import guarded, with_temporaries
 from .base.files import atomic_path, atomic_paths, dump_json, read_json, read_json_object, write_json
 from .model.retriever import RetrieverConfig
 from .base.settings import add_arguments, flat_record, from_args, setting
@@ -97,10 +96,9 @@ SAME_RESULTS = ("training.data.num_workers",)  # settings that change no result:
 NO_STAGE = ("data", SETTINGS_FILE, "cache")  # the dataset and training's parse cache check their own settings
 REBUILT = ("train_subset.json",)  # cut from the dataset again under new settings (training, which reads it, not begun)
 MODEL_SETTINGS = ("training.model.name", "training.model.retriever.")
-DEMO_NAMES = ("data", "base_model", "before", "after", "training", "cache", SETTINGS_FILE, SECONDS_FILE, *REBUILT,
-              "metrics.json", "report.png")
-DEMO_MEMBERS = (*DEMO_NAMES, re.compile(rf"\.(?:{'|'.join(map(re.escape, DEMO_NAMES))})\..+"))
 # what the demo writes or removes in --output (its temporaries too): an input may not be or lie in one
+DEMO_MEMBERS = with_temporaries("data", "base_model", "before", "after", "training", "cache", SETTINGS_FILE,
+                                SECONDS_FILE, *REBUILT, "metrics.json", "report.png")
 # the settings (a key, or a prefix ending in ".") that the work a stage holds depends on; any other entry (after/,
 # the report) depends on them all
 STAGE_SETTINGS = {"base_model": MODEL_SETTINGS,

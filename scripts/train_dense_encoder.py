@@ -46,9 +46,9 @@ from dpr_gc.base.args import (ArgumentParser, any_int, flags_as_typed, nonnegati
 from dpr_gc.base.errors import flags_renamed, model_named_by, report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
-from dpr_gc.train.checkpoints import TRAIN_MEMBERS  # noqa: E402
 from dpr_gc.base.logs import command_main, infos_from_rank_zero, setup_logging  # noqa: E402
 from dpr_gc.base.settings import flags_that_do_not_apply, without_flags  # noqa: E402
+from dpr_gc.train.checkpoints import TRAIN_MEMBERS  # noqa: E402
 
 logger = logging.getLogger("train_dense_encoder")
 

@@ -53,6 +53,13 @@ REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
 Member = Union[str, "re.Pattern[str]"]
 
 
+def with_temporaries(*members: Member) -> tuple[Member, ...]:
+    """``members`` of an output folder and the temporaries written beside each (``.NAME.<anything>``), as a stage
+    declares them to :func:`guarded`."""
+    names = "|".join(m.pattern if isinstance(m, re.Pattern) else re.escape(m) for m in members)
+    return (*members, re.compile(rf"\.(?:{names})\..+"))
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 

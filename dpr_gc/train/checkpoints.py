@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -19,7 +18,7 @@ from torch import nn
 
 from ..base.args import closest
 from ..base.errors import DiskFullError, DprGcError, is_disk_full
-from ..base.guard import check_outputs, lies_within, remove_stale_folders
+from ..base.guard import check_outputs, lies_within, remove_stale_folders, with_temporaries
 from ..base.files import (JSON_ERRORS, atomic_open, read_json, read_tensors, remove_folder,
                           remove_stale_temporaries)
 from ..base.validate import Field, check_fields, count
@@ -35,9 +34,7 @@ FINAL, BEST = "final", "best"  # the trained model and the best one on the dev s
 # What a run writes or removes in its --output: the files and folders above, the checkpoints, and the hidden ones
 # beside them (.checkpoint-STEP.tmp, atomic_folder's .final.*/.best.* and the files' .NAME.*.tmp); no input may be
 # one or lie inside one.
-TRAIN_MEMBERS = (SETTINGS_FILE, METRICS_FILE, FINAL, BEST, CHECKPOINT_RE,
-                 re.compile(rf"\.(?:{'|'.join(map(re.escape, (SETTINGS_FILE, METRICS_FILE, FINAL, BEST)))}|"
-                            rf"{CHECKPOINT_RE.pattern})\..+"))
+TRAIN_MEMBERS = with_temporaries(SETTINGS_FILE, METRICS_FILE, FINAL, BEST, CHECKPOINT_RE)
 
 STATE_FIELDS = {"step": count(), "optimizer": Field(dict, True), "scheduler": Field(dict), "scaler": Field(dict),
                 "sampler": Field(dict), "record": Field(dict, True), "best": Field(list),
