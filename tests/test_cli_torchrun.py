@@ -186,3 +186,23 @@ def test_encodes_refusals_of_its_files_are_printed_by_one_rank(tmp_path, monkeyp
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert main(argv) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_a_later_rank_command_run_in_process_leaves_the_info_lines_on(tmp_path, monkeypatch, caplog):
+    """A command run in-process as a torchrun rank other than 0 turns the INFO lines off for its run (a filter on
+    the root logger's handlers); as it ends they are on again, so the process's later lines (a library call, the
+    next command) are not lost. The filter stayed on every handler it met."""
+    import logging
+
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["encode", "--model", str(tmp_path / "missing"), "--corpus", str(tmp_path / "c.tsv"), "--output",
+                 str(tmp_path / "emb")]) == 2
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name)
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("dpr_gc.test").info("a later line")
+    assert "a later line" in caplog.text
+    assert not any(f.__name__ == "warnings_and_errors" for h in logging.getLogger().handlers
+                   for f in h.filters if callable(f)), logging.getLogger().handlers

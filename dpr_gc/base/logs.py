@@ -144,13 +144,16 @@ def dependencies_verbose(verbose: bool) -> None:
 
 def command_main(main: Callable[..., int]) -> Callable[..., int]:
     """A command's ``main``: the ``--verbose`` its :func:`setup_logging` noted is cleared as it returns or raises,
-    so a library call later in the same process is quiet again."""
+    so a library call later in the same process is quiet again, and the INFO lines a later torchrun rank turned off
+    (:func:`infos_from_rank_zero`) are on again."""
     @functools.wraps(main)
     def run(*args: Any, **kwargs: Any) -> int:
         try:
             return main(*args, **kwargs)
         finally:
             dependencies_verbose(False)
+            for handler in logging.getLogger().handlers:
+                handler.removeFilter(warnings_and_errors)
     return run
 
 
