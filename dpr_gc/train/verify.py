@@ -516,7 +516,7 @@ def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passa
         full_loss, full, _, terms = verifier.full_step(query, passage, ids)
     finally:
         trainer.retriever.float()
-        verifier.cache = trainer.cache
+        rewrap(verifier)
         restore_rng(rng)
     temp = verifier.temperature_name()
     error, _, worst_error = compare(cached, full, {temp: terms} if temp else None)
@@ -530,6 +530,18 @@ def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passa
         verdict = "not rounding"
     check.note = (check.note + f" {verdict}: the steps differ by {check.worst():.2e} in fp32 and by "
                   f"{check.float64_error:.2e} with the towers in float64").strip()
+
+
+def rewrap(verifier: Verifier) -> None:
+    """After the float64 re-check: under DDP wrap the towers again and build their cache anew. Changing a parameter's
+    dtype drops its gradient accumulator, on which DDP hooked its all-reduce: the old wrapper's cached step would keep
+    each rank's own gradients from the next batch on."""
+    trainer = verifier.trainer
+    if trainer.world > 1:
+        trainer.towers, trainer.model = trainer.wrap_model()
+        trainer.cache = trainer.build_cache()
+        verifier.model = trainer.towers
+    verifier.cache = trainer.cache
 
 
 def any_rank(flag: bool, world: int) -> bool:
