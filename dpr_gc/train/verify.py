@@ -98,19 +98,18 @@ class BatchCheck:
 
     @property
     def loss_error(self) -> float:
-        return abs(self.cached_loss - self.full_loss) / max(abs(self.full_loss), 1e-12)
+        return loss_gap(self.cached_loss, self.full_loss)
 
     @property
     def temperature_error(self) -> float:
-        """The temperature gradient's gap relative to the absolute sum of its terms (at least the gradient's own
-        size): the terms have both signs, and where they nearly cancel, their rounding is a large share of the sum."""
+        """The temperature gradient's gap (:func:`temperature_gap`); 0 without a learnable temperature."""
         if self.temperature_grad is None:
             return 0.0
-        cached, full = self.temperature_grad
-        return abs(cached - full) / max(abs(full), self.temperature_scale, 1e-12)
+        return temperature_gap(*self.temperature_grad, self.temperature_scale)
 
     def worst(self) -> float:
-        return max(self.grad_error, self.loss_error, self.temperature_error)
+        """The largest of the gaps the tolerance bounds: loss, overall gradient, worst tensor, temperature."""
+        return max(self.grad_error, self.worst_error, self.loss_error, self.temperature_error)
 
     def passes(self, tolerance: float) -> bool:
         """Within the tolerance, or an fp32 gap below :data:`FP32_ROUNDING_LIMIT` that float64 closes."""
@@ -118,6 +117,17 @@ class BatchCheck:
             return True
         return (self.float64_error is not None and self.float64_error < tolerance
                 and self.worst() < FP32_ROUNDING_LIMIT)
+
+
+def loss_gap(cached: float, full: float) -> float:
+    """The cached loss's gap relative to the full one's."""
+    return abs(cached - full) / max(abs(full), 1e-12)
+
+
+def temperature_gap(cached: float, full: float, scale: float) -> float:
+    """The temperature gradient's gap relative to ``scale``, the absolute sum of its terms (at least the gradient's
+    own size): the terms have both signs, and where they nearly cancel, their rounding is a large share of the sum."""
+    return abs(cached - full) / max(abs(full), scale, 1e-12)
 
 
 @dataclasses.dataclass
@@ -520,8 +530,8 @@ def recheck_in_float64(verifier: Verifier, check: BatchCheck, query: dict, passa
         restore_rng(rng)
     temp = verifier.temperature_name()
     error, _, worst_error = compare(cached, full, {temp: terms} if temp else None)
-    loss_error = abs(cached_loss - full_loss) / max(abs(full_loss), 1e-12)
-    check.float64_error = max(error, worst_error, loss_error)
+    temperature = temperature_gap(float(cached[temp]), float(full[temp]), terms) if temp else 0.0
+    check.float64_error = max(error, worst_error, loss_gap(cached_loss, full_loss), temperature)  # as BatchCheck.worst
     if check.passes(TOLERANCES["fp32"]):
         verdict = "fp32 rounding"
     elif check.float64_error < TOLERANCES["fp32"]:
