@@ -399,3 +399,38 @@ def test_a_tensor_past_the_tolerance_fails_though_the_overall_gradient_is_within
     assert not report.passed and "not rounding" in check.note, report.table()
     assert check.float64_error is not None and 2e-5 < check.float64_error < 4e-5, report.table()
     assert f"FAIL: the cached step differs from the full-batch step beyond 1e-05: worst tensor {off}" in report.table()
+
+
+def test_fp16_gradients_not_finite_at_any_loss_scale_fail_saying_so(tmp_path, capsys, monkeypatch):
+    """Hidden states scaled past fp16's range overflow in the step itself: no loss scale makes the gradients finite.
+    After SCALE_TRIES halvings verify fails in one line saying they are not finite and down to which scale (it said
+    'differs beyond 0.005' with a NaN gradient error and the scale it gave up at as 'compared at')."""
+    build = Trainer.build_model
+
+    def overflowing(self):
+        retriever = build(self)
+        retriever.query_encoder.transformer.register_forward_hook(Overflowing())
+        return retriever
+
+    monkeypatch.setattr(Trainer, "build_model", overflowing)
+    code, out = run(capsys, flags(tmp_path, init_model(tmp_path), "--precision", "fp16"))
+    verdict = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert code == 1 and verdict == [
+        "FAIL: batch 1: the gradients are not finite (inf/NaN) at loss scale 65536 nor after 24 halvings down to "
+        "0.00390625: the fp16 step overflows whatever its loss scale (training would skip every step); try "
+        "--precision bf16 or fp32"], out
+    assert "compared at" not in out and "nan" not in out.lower().replace("inf/nan", ""), out
+    monkeypatch.setattr(Overflowing, "factor", 1e38)  # past fp32's range too: no loss scale to lower there
+    code, out = run(capsys, flags(tmp_path, init_model(tmp_path), "--precision", "fp32"))
+    assert code == 1 and "FAIL: batch 1: the gradients are not finite (inf/NaN) in fp32: the step itself overflows " \
+        "(training stops at such a step as diverged)" in out, out
+
+
+class Overflowing:
+    """Test-only forward hook: hidden states times ``factor``, past fp16's 65504 in the loss's products."""
+
+    factor = 1e5
+
+    def __call__(self, module: nn.Module, inputs: tuple, output):
+        output.last_hidden_state = output.last_hidden_state * self.factor
+        return output

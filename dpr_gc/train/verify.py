@@ -17,7 +17,8 @@ agree there, the cached step is exact and the gap is fp32 rounding, which a smal
 scaled by 100 at 0.01), and the batch passes with a note saying so; a gap of :data:`FP32_ROUNDING_LIMIT` or more
 fails, its note saying that float64 closes it. Gradients are compared unscaled; under fp16, where a step's scaled
 gradients overflow, both steps run again at a lower loss scale, as training's GradScaler lowers it on skipping such
-a step (:func:`lower_scale`), the batch's note naming both scales.
+a step (:func:`lower_scale`), the batch's note naming both scales. Gradients or a loss not finite all the same (after
+:data:`SCALE_TRIES` halvings, or in fp32 / bf16) fail the batch, the verdict saying so, as nothing can be compared.
 
 Under torchrun, W ranks of B rows are compared with the global batch of W*B: each rank's rows in one graph, the
 loss over every rank's representations gathered with their gradient, parameter gradients summed over ranks (FSDP:
@@ -32,6 +33,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import tempfile
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -95,6 +97,7 @@ class BatchCheck:
     float64_error: Optional[float] = None  # the worst error with the towers in float64, where fp32 was past tolerance
     temperature_scale: float = 0.0  # the absolute sum of the temperature gradient's terms (Verifier.temperature_terms)
     label: str = ""  # which check of its batch this is ("dropout 0"), where a batch has two
+    not_finite: str = ""  # where the loss or gradients hold inf/NaN on some rank: at which scales, and what it means
 
     @property
     def loss_error(self) -> float:
@@ -112,7 +115,9 @@ class BatchCheck:
         return max(self.grad_error, self.worst_error, self.loss_error, self.temperature_error)
 
     def passes(self, tolerance: float) -> bool:
-        """Within the tolerance, or an fp32 gap below :data:`FP32_ROUNDING_LIMIT` that float64 closes."""
+        """Finite, and within the tolerance or an fp32 gap below :data:`FP32_ROUNDING_LIMIT` that float64 closes."""
+        if self.not_finite:
+            return False
         if self.worst() < tolerance:
             return True
         return (self.float64_error is not None and self.float64_error < tolerance
@@ -159,23 +164,30 @@ class VerifyReport:
         notes = []
         for i, b in zip(batch_numbers(self.batches), self.batches):
             temp = "-" if b.temperature_grad is None else f"{b.temperature_grad[0]:.6g} / {b.temperature_grad[1]:.6g}"
-            lines.append(f"| {i} | {b.queries} | {b.cached_loss:.6f} / {b.full_loss:.6f} | {b.grad_error:.2e} | "
-                         f"{b.worst_tensor} ({b.worst_error:.2e}) | {temp} | {cost(b.cached)} | {kept(b.memory)} | "
-                         f"{cost(b.full)} |")
+            errors = ("not finite", "not finite") if b.not_finite else \
+                (f"{b.grad_error:.2e}", f"{b.worst_tensor} ({b.worst_error:.2e})")
+            lines.append(f"| {i} | {b.queries} | {b.cached_loss:.6f} / {b.full_loss:.6f} | {errors[0]} | {errors[1]} | "
+                         f"{temp} | {cost(b.cached)} | {kept(b.memory)} | {cost(b.full)} |")
             if b.note:
                 notes.append(f"note (batch {i}): {b.note}")
-        lines += ["", *notes]  # below the table: a line right after its rows would read as one of them
-        if self.passed:
-            lines.append(f"PASS: the cached step equals the full-batch step within {self.tolerance:g}")
-        else:
-            failed = [b for b in self.batches if not b.passes(self.tolerance)]
-            worst = max(failed, key=BatchCheck.worst) if failed else None
-            check = f" ({worst.label})" if worst and worst.label else ""
-            where = (f"{check}: worst tensor {worst.worst_tensor} ({worst.worst_error:.2e}), "
-                     f"gradient {worst.grad_error:.2e}, loss {worst.loss_error:.2e}, "
-                     f"temperature {worst.temperature_error:.2e}") if worst else ""
-            lines.append(f"FAIL: the cached step differs from the full-batch step beyond {self.tolerance:g}{where}")
+        lines += ["", *notes, self.verdict()]  # notes below the table: after its rows a line would read as one
         return "\n".join(lines)
+
+    def verdict(self) -> str:
+        """The PASS / FAIL line: a check whose loss or gradients are not finite first (nothing was compared), else
+        the check furthest past the tolerance, its gaps given."""
+        if self.passed:
+            return f"PASS: the cached step equals the full-batch step within {self.tolerance:g}"
+        broken = [(n, b) for n, b in zip(batch_numbers(self.batches), self.batches) if b.not_finite]
+        if broken:
+            return f"FAIL: batch {broken[0][0]}: the gradients are not finite (inf/NaN) {broken[0][1].not_finite}"
+        failed = [b for b in self.batches if not b.passes(self.tolerance)]
+        worst = max(failed, key=BatchCheck.worst) if failed else None
+        check = f" ({worst.label})" if worst and worst.label else ""
+        where = (f"{check}: worst tensor {worst.worst_tensor} ({worst.worst_error:.2e}), "
+                 f"gradient {worst.grad_error:.2e}, loss {worst.loss_error:.2e}, "
+                 f"temperature {worst.temperature_error:.2e}") if worst else ""
+        return f"FAIL: the cached step differs from the full-batch step beyond {self.tolerance:g}{where}"
 
     def summary(self, seconds: float) -> str:
         """The closing summary ``dpr-gc verify`` prints below :meth:`table`, as every command ends."""
@@ -452,13 +464,33 @@ def both_steps(verifier: Verifier, query: dict, passage: dict, ids: dict) -> tup
     return cached, full, failed
 
 
+def finite_everywhere(verifier: Verifier, cached: dict, full: Optional[dict], *losses: float) -> bool:
+    """Whether both steps' gradients (and ``losses``) are finite on every rank."""
+    finite = all(bool(torch.isfinite(g).all()) for grads in (cached, full or {}) for g in grads.values())
+    finite = finite and all(math.isfinite(loss) for loss in losses)
+    return not any_rank(not finite, verifier.trainer.world)
+
+
+def overflow_note(trainer: Any, overflowed: Optional[float], finite: bool) -> tuple[str, str]:
+    """The note on fp16's loss scales (``overflowed``: the scale the gradients overflowed at first), and where the
+    steps are not finite (``finite`` False), at which scales and what that means for training."""
+    scale = trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None
+    if overflowed is None:
+        return "", "" if finite else (f"in {trainer.config.optim.precision}: the step itself overflows (training "
+                                      "stops at such a step as diverged)")
+    if finite:
+        return (f"the scaled gradients overflow at loss scale {overflowed:g}; compared at loss scale {scale:g} "
+                "(training's GradScaler skips a step that overflows and lowers its scale)."), ""
+    return "", (f"at loss scale {overflowed:g} nor after {SCALE_TRIES} halvings down to {scale:g}: the fp16 step "
+                "overflows whatever its loss scale (training would skip every step); try --precision bf16 or fp32")
+
+
 def lower_scale(verifier: Verifier, cached: dict, full: Optional[dict], first: Optional[float]) -> Optional[float]:
     """Under fp16, where either step's gradients are not finite on any rank, halve the loss scale (the scaler's
     backoff, as training's GradScaler does on skipping such a step) and return the scale they overflowed at first;
     None where they are finite, or after :data:`SCALE_TRIES` halvings."""
     scaler = verifier.trainer.scaler
-    finite = all(bool(torch.isfinite(g).all()) for grads in (cached, full or {}) for g in grads.values())
-    if not scaler.is_enabled() or not any_rank(not finite, verifier.trainer.world):
+    if not scaler.is_enabled() or finite_everywhere(verifier, cached, full):
         return None
     scale = scaler.get_scale()
     first = scale if first is None else first
@@ -492,17 +524,15 @@ def check_batch(verifier: Verifier, query: dict, passage: dict, ids: dict, toler
         note += f"verified on {query['input_ids'].size(0) * trainer.world} queries with the same chunking. "
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if overflowed is not None:
-        note += (f"the scaled gradients overflow at loss scale {overflowed:g}; compared at loss scale "
-                 f"{trainer.scaler.get_scale():g} (training's GradScaler skips a step that overflows and lowers its "
-                 "scale).")
+    scales, not_finite = overflow_note(trainer, overflowed,
+                                       finite_everywhere(verifier, cached_grads, full_grads, cached_loss, full_loss))
     temp = verifier.temperature_name()
     error, worst, worst_error = compare(cached_grads, full_grads, {temp: terms} if temp else None)
     temperature = (float(cached_grads[temp]), float(full_grads[temp])) if temp else None
     check = BatchCheck(query["input_ids"].size(0) * trainer.world, cached_loss, full_loss, error, worst, worst_error,
-                       temperature, cached_cost, full_cost, note.strip(), trainer.cache.last_step,
-                       temperature_scale=terms)
-    if any_rank(check.worst() >= tolerance, trainer.world):
+                       temperature, cached_cost, full_cost, (note + scales).strip(), trainer.cache.last_step,
+                       temperature_scale=terms, not_finite=not_finite)
+    if not not_finite and any_rank(check.worst() >= tolerance, trainer.world):
         recheck_in_float64(verifier, check, query, passage, ids)
     return check
 
