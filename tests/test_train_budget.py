@@ -168,6 +168,23 @@ def test_auto_chunk_size_on_a_gpu_is_the_largest_that_fits_up_to_the_whole_batch
     assert largest_fitting_rows(lambda rows: float("inf"), 350, 100) == 1
 
 
+def test_the_gpu_chunk_probe_leaves_the_random_state_as_it_found_it(tmp_path, monkeypatch):
+    """``--passage-chunk-size auto`` on a GPU probes training forwards (dropout on); how many depends on the precision
+    and the free memory, so the random state, and with it the dropout masks of the batches drawn after (those
+    ``dpr-gc verify`` checks too), did as well. The probe leaves the random state as it found it (run here on the
+    CPU, CUDA's memory counters stubbed)."""
+    from dpr_gc.model.retriever import Retriever
+
+    retriever = Retriever.load(init_model(tmp_path, dropout=0.1)).train()
+    for name in ("reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: 0)
+    before = torch.get_rng_state()
+    assert chunks.probe_peak_bytes(retriever, retriever, torch.device("cpu"), 4, "fp32") == 0.0
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_summary_table_says_what_the_budget_kept_and_the_device(task, tmp_path, capsys):
     """train's closing table: the chunk sizes in the log's words (rows and token limits, not a list), the graphs the
     last cached step kept under the memory budget (in bytes) and the device trained on; plain training keeps none."""

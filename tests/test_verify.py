@@ -434,3 +434,38 @@ class Overflowing:
     def __call__(self, module: nn.Module, inputs: tuple, output):
         output.last_hidden_state = output.last_hidden_state * self.factor
         return output
+
+
+def test_every_precision_checks_the_same_batches_from_the_same_random_state(tmp_path, monkeypatch):
+    """With dropout, over two batches: fp32, bf16 and fp16 (whose first scale overflows at temperature 0.05, so its
+    steps run again at lower scales) start every step of every check from one random state, on the same batches."""
+    import dpr_gc.train.verify as verify_module
+
+    model = init_model(tmp_path, dropout=0.1, temperature=0.05)
+    data = write_dpr(tmp_path / "train.json", make_records(24, 1))
+    both_steps, seen = verify_module.both_steps, {}
+
+    def recording(verifier, query, passage, ids):
+        seen[precision].append((torch.get_rng_state(), query["input_ids"].clone(), passage["input_ids"].clone()))
+        return both_steps(verifier, query, passage, ids)
+
+    monkeypatch.setattr(verify_module, "both_steps", recording)
+    for precision in ("fp32", "bf16", "fp16"):
+        seen[precision] = []
+        config = train_config(train_files=[str(data)], output_dir=str(tmp_path / "out"), model=str(model),
+                              batch_size=6, query_chunk_size=2, passage_chunk_size=4, num_workers=0, hard_negatives=1,
+                              cache_dir=str(tmp_path / "c"), precision=precision)
+        report = verify(config, batches=2)
+        assert report.passed and len(report.batches) == 4, report.table()
+    assert len(seen["fp16"]) > len(seen["fp32"]) == len(seen["bf16"]) == 4  # fp16 ran its steps again
+    state = seen["fp32"][0][0]
+    assert all(torch.equal(rng, state) for steps in seen.values() for rng, _, _ in steps)
+    batches = {p: distinct([(q, d) for _, q, d in steps]) for p, steps in seen.items()}
+    assert len(batches["fp32"]) == 2 and all(len(b) == 2 for b in batches.values()), batches
+    for (q, d), (q2, d2) in zip(batches["fp32"] * 2, batches["bf16"] + batches["fp16"]):
+        assert torch.equal(q, q2) and torch.equal(d, d2)
+
+
+def distinct(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``batches`` without a repeat of the one before (a batch's checks and fp16's runs again at lower scales)."""
+    return [b for i, b in enumerate(batches) if i == 0 or not torch.equal(b[0], batches[i - 1][0])]

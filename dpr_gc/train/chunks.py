@@ -73,7 +73,8 @@ def largest_fitting_rows(peak_bytes: Callable[[int], float], budget: float, max_
 
 def probe_peak_bytes(towers: nn.Module, collator: Any, device: torch.device, rows: int, precision: str) -> float:
     """The CUDA memory one training forward+backward of ``rows`` passages at full length takes (inf when it runs
-    out of memory)."""
+    out of memory). Its dropout draws leave the random state as it was: how many probes run depends on the precision
+    and the free memory, which would otherwise decide the masks of every batch after."""
     dtype = autocast_dtype(precision)
     text = " ".join(["passage"] * collator.config.passage_max_length)
     batch = collator.tokenize_passages([""] * rows, [text] * rows)
@@ -81,7 +82,8 @@ def probe_peak_bytes(towers: nn.Module, collator: Any, device: torch.device, row
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
     try:
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
             towers(kind="passage", **batch).float().sum().backward()
         peak = float(torch.cuda.max_memory_allocated(device) - start)
     except torch.cuda.OutOfMemoryError:
