@@ -169,13 +169,14 @@ def test_train_help_says_which_settings_resume_may_change(capsys) -> None:
 
 def test_help_says_defaults_one_way_and_only_what_applies(capsys) -> None:
     """--help wrote defaults as "(default: X)" but for verify's --batches, index's --nlist and --pq-m, LoRA's alpha
-    and dense_retriever.py ("(default 1)"); verify tagged every flag "[fixed on --resume]" though it refuses
-    --resume; cache said its files are named by a hash of their content, though the key holds the source's path,
-    size and modification time (a copy elsewhere gets a file of its own)."""
+    and dense_retriever.py ("(default 1)"), and index's --factory as "(default: None)"; verify tagged every flag
+    "[fixed on --resume]" though it refuses --resume; cache said its files are named by a hash of their content,
+    though the key holds the source's path, size and modification time (a copy elsewhere gets a file of its own)."""
     texts = {}
     for name, parser in [*sub_parsers(cli.build_parser(), "dpr-gc"), *script_parsers()]:
         texts[name] = " ".join(parser.format_help().split())
         assert not re.search(r"\(default [^:]", texts[name]), (name, re.findall(r"\(default [^)]*\)", texts[name]))
+        assert "(default: None" not in texts[name], (name, re.findall(r"\S+ [^(]*\(default: None[^)]*\)", texts[name]))
     assert "on --resume]" not in texts["dpr-gc verify"] and "[fixed on --resume]" in texts["dpr-gc train"]
     assert "hash of its content" not in texts["dpr-gc cache"]
     assert "path, size, modification time" in texts["dpr-gc cache"], texts["dpr-gc cache"]

@@ -295,8 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, resume_kinds: b
         if decl.hidden or len(decl.flags) + (len(decl.aliases) if dpr_aliases else 0) > 1:  # spelt more than one
             kwargs = one_meaning(target, kwargs)  # way: refuse two spellings with different values
         action = target.add_argument(*decl.flags, *(decl.aliases if dpr_aliases else ()), **kwargs)
-        if unset or decl.negatable:  # what applies when not given (see HelpFormatter)
-            action.shown_default = shown.format(_shown_default(field, decl)) if unset else _shown_default(field, decl)
+        if unset or decl.negatable:  # what applies when not given (see HelpFormatter, which shows None as not set)
+            value = _shown_default(field, decl)
+            action.shown_default = shown.format(value) if unset and value is not None else value
         if resume_kinds:
             action.note = RESUME_NOTE[decl.resume]  # shown after the default by dpr_gc.base.args.HelpFormatter
         for flag, options in decl.hidden:
