@@ -166,6 +166,33 @@ def test_memory_sizes_parse():
         parse_memory(-1)
 
 
+@pytest.mark.parametrize("size, nbytes", [(1e20, 10**20), (1.5e9, 1_500_000_000), ("1e3", 1000),
+                                          ("2.5e3MB", 25 * 10**8), (-0.0, 0), ("-0", 0), ("-0.0GB", 0), ("0.0", 0),
+                                          (1e9 + 0.4, 10**9)])
+def test_a_size_is_read_as_a_number_of_bytes_whatever_its_spelling(size, nbytes):
+    """``1e20`` (a float the library passes, or its text) was refused as "not a size", ``-0.0`` as negative."""
+    assert parse_memory(size) == nbytes
+
+
+@pytest.mark.parametrize("size", ["0.5", 0.5, "0.4B", "1e-12GB"])
+def test_a_size_under_one_byte_is_refused_not_read_as_zero(size):
+    """``"0.5"`` became a budget of 0 bytes (only the last chunk's graph kept): a size that is not zero but holds no
+    whole byte is refused, as a size missing its unit most likely is."""
+    with pytest.raises(DprGcError, match=r"under one byte: give a unit \(e.g. 0.5GB\)"):
+        parse_memory(size)
+
+
+@pytest.mark.parametrize("size", [float("nan"), float("inf"), "inf", "nan", True])
+def test_a_size_that_is_no_number_of_bytes_is_refused(size):
+    with pytest.raises(DprGcError, match="not a size"):
+        parse_memory(size)
+
+
+def test_a_size_beyond_any_memory_is_refused_at_once():
+    with pytest.raises(DprGcError, match="beyond any machine's memory"):
+        parse_memory("1e999999999GB")
+
+
 @pytest.mark.parametrize("negative", [-1, "-1", " -1 ", "-1GB", "-0.5MiB"])
 def test_a_negative_memory_budget_gets_one_message_as_int_or_text(negative):
     """The library's int and the command line's text are refused alike: a negative size is no 'not a size'."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import decimal
 import gc
 import itertools
 import math
@@ -26,28 +27,36 @@ MemoryBudget = Union[int, str, None]
 
 UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
          "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+MAX_SIZE_DIGITS = 30  # a size whose number passes 10**30 is a typo, and its whole bytes would be a huge integer
 NEGATIVE_HINT = "give a size such as 12GB, 0 (only the last chunk's graph) or 'auto'"
 CPU_AUTO_SHARE = 0.5  # "auto" on the CPU: half of the RAM available when the step starts
 CUDA_AUTO_MARGIN = 0.1  # "auto" on CUDA: free memory minus 10% of the device and twice the largest chunk graph
+SIZE = re.compile(r"([+-]?)\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([A-Za-z]*)", re.IGNORECASE)
 
 
-def parse_memory(text: Union[str, int]) -> MemoryBudget:
-    """``12GB``, ``512MiB``, ``1.5G``, a number of bytes, or ``auto``; refuses anything else with one line."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise DprGcError(f"memory budget must be >= 0 bytes, got {text}: {NEGATIVE_HINT}")
-        return text
+def parse_memory(text: Union[str, int, float]) -> MemoryBudget:
+    """``12GB``, ``512MiB``, ``1.5G``, a number of bytes (``1e9`` too, rounded to a whole byte), or ``auto``;
+    refuses anything else with one line: a negative size, and a size under one byte but zero (``0.5``: a unit
+    missing, most likely), which would otherwise keep no graph at all."""
     value = str(text).strip()
-    if value.lower() == "auto":
+    if isinstance(text, str) and value.lower() == "auto":
         return "auto"
-    if re.fullmatch(r"-\s*[0-9]*\.?[0-9]+\s*[A-Za-z]*", value):
-        raise DprGcError(f"memory budget must be >= 0 bytes, got {value}: {NEGATIVE_HINT}")
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", value)
-    unit = match.group(2).upper() if match else None
+    match = None if isinstance(text, bool) else SIZE.fullmatch(value)
+    unit = match.group(3).upper() if match else None
     if match is None or unit not in UNITS:
         raise DprGcError(f"memory budget {text!r} is not a size: give bytes with a unit (e.g. 12GB, 512MiB, 0) or "
                          "'auto'")
-    return int(float(match.group(1)) * UNITS[unit])
+    number = decimal.Decimal(match.group(2))
+    if number.adjusted() > MAX_SIZE_DIGITS:
+        raise DprGcError(f"memory budget {value} is beyond any machine's memory: {NEGATIVE_HINT}")
+    size = number * UNITS[unit]
+    if match.group(1) == "-" and size > 0:
+        raise DprGcError(f"memory budget must be >= 0 bytes, got {value}: {NEGATIVE_HINT}")
+    nbytes = int(size.to_integral_value(decimal.ROUND_HALF_EVEN))
+    if nbytes == 0 and size > 0:
+        raise DprGcError(f"memory budget {value} is under one byte: give a unit (e.g. 0.5GB), 0 (only the last "
+                         "chunk's graph) or 'auto'")
+    return nbytes
 
 
 def format_bytes(n: float) -> str:
