@@ -376,29 +376,31 @@ def test_fails_a_model_whose_output_depends_on_the_batch_or_its_padding(tmp_path
         assert chunks == [chunks[0]] * (2 if dropout else 1), report.table()
 
 
-def test_a_tensor_past_the_tolerance_fails_though_the_overall_gradient_is_within_it(tmp_path, monkeypatch):
-    """The bound is on the loss, the overall gradient, each tensor's gradient and the temperature's (docs/training.md):
-    a cached gradient off by 3e-5 in one small tensor, within 1e-5 over the whole gradient, fails, in fp32 as in its
-    float64 re-check (the verdict and the re-check judge the same quantities)."""
+def test_the_bound_is_on_the_whole_gradient_in_the_verdict_as_in_its_float64_re_check(tmp_path, monkeypatch):
+    """The tolerance bounds the loss, the overall gradient and the temperature's, the worst tensor being shown to
+    locate a gap (docs/training.md): a tensor whose exact gradient is near zero holds only rounding (an attention key
+    bias, 2.8e-2 in bf16 on all-MiniLM-L6-v2 at batch 32). The float64 re-check judged the worst tensor too, so an fp32
+    gap that float64 closes over the whole gradient failed as 'not rounding' on one tensor's rounding."""
     model = init_model(tmp_path)
     data = write_dpr(tmp_path / "train.json", make_records(24, 1))
     config = train_config(train_files=[str(data)], output_dir=str(tmp_path / "out"), model=str(model), batch_size=6,
                           query_chunk_size=2, passage_chunk_size=4, num_workers=0, cache_dir=str(tmp_path / "c"))
     cached_step, off = Verifier.cached_step, "query_encoder.transformer.embeddings.LayerNorm.bias"
 
-    def one_tensor_off(self, query, passage, ids):
+    def rounded(self, query, passage, ids):  # fp32: the whole gradient 2e-5 off; float64: one tensor 3e-5 off
         loss, grads, cost = cached_step(self, query, passage, ids)
-        grads[off] = grads[off] * (1 + 3e-5)
+        if grads[off].dtype == torch.float64:
+            grads[off] = grads[off] * (1 + 3e-5)
+        else:
+            grads = {name: grad * (1 + 2e-5) for name, grad in grads.items()}
         return loss, grads, cost
 
-    monkeypatch.setattr(Verifier, "cached_step", one_tensor_off)
+    monkeypatch.setattr(Verifier, "cached_step", rounded)
     report = verify(config)
-    check = report.batches[0]
-    assert check.grad_error < 1e-5 and check.loss_error < 1e-5 and check.worst_tensor == off, report.table()
-    assert 2e-5 < check.worst_error < 4e-5 and check.worst() == check.worst_error, report.table()
-    assert not report.passed and "not rounding" in check.note, report.table()
-    assert check.float64_error is not None and 2e-5 < check.float64_error < 4e-5, report.table()
-    assert f"FAIL: the cached step differs from the full-batch step beyond 1e-05: worst tensor {off}" in report.table()
+    for check in report.batches:
+        assert 1e-5 < check.grad_error < 3e-5 and check.float64_error is not None, report.table()
+        assert check.float64_error < 1e-6 and "fp32 rounding" in check.note, report.table()
+    assert report.passed, report.table()
 
 
 def test_fp16_gradients_not_finite_at_any_loss_scale_fail_saying_so(tmp_path, capsys, monkeypatch):
