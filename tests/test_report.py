@@ -105,22 +105,23 @@ def test_evaluate_default_k_fills_the_at_10_column(capsys) -> None:
 def test_a_finished_runs_summary_reads_what_metrics_jsonl_recorded(tmp_path: Path) -> None:
     """A finished run resumed trains nothing: its table takes the loss and last dev value from metrics.jsonl and
     shows no speed ('-', not 0.00) and no loss where none was recorded ('-', not nan)."""
-    from dpr_gc.train.report import recorded_dev, recorded_loss, summary_table
+    from dpr_gc.train.report import recorded_dev, recorded_lines, recorded_loss, summary_table
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 0, "dev_accuracy": 0.25}\n{"step": 1, "loss": 0.7, "dev_accuracy": 0.5}\nnot json\n'
                        '{"step": 2, "loss": 0.6}\n')
-    assert recorded_loss(metrics, 2) == 0.6 and recorded_dev(metrics, "accuracy") == {"step": 1, "loss": 0.7,
+    records = recorded_lines(metrics)
+    assert recorded_loss(records, 2) == 0.6 and recorded_dev(records, "accuracy") == {"step": 1, "loss": 0.7,
                                                                                       "dev_accuracy": 0.5}
-    assert recorded_dev(metrics, "loss") is None and recorded_dev(tmp_path / "none", "accuracy") is None
+    assert recorded_dev(records, "loss") is None and recorded_dev(recorded_lines(tmp_path / "none"), "accuracy") is None
     summary = {"steps": 2, "resumed_from": 2, "effective_batch": 8, "passages_per_query": 2, "chunk_sizes": None,
-               "precision": "fp32", "final_loss": recorded_loss(metrics, 2), "seconds": 1.5, "examples_per_s": 0.0,
+               "precision": "fp32", "final_loss": recorded_loss(records, 2), "seconds": 1.5, "examples_per_s": 0.0,
                "final_model": "o/final", "best_model": None, "best": None, "best_metric": "accuracy",
-               "dev": "dev.json", "last_dev": recorded_dev(metrics, "accuracy")}
+               "dev": "dev.json", "last_dev": recorded_dev(records, "accuracy")}
     table = summary_table(summary)
     assert all(row in table for row in ("| steps | 2 (0 this run, resumed from step 2) |", "| final loss | 0.6000 |",
                                         "| examples/s | - |", "| last dev | accuracy 0.5000 (step 1) |")), table
-    assert "| final loss | - |" in summary_table({**summary, "final_loss": recorded_loss(metrics, 3)})
+    assert "| final loss | - |" in summary_table({**summary, "final_loss": recorded_loss(records, 3)})
 
 
 def test_the_training_summary_names_the_best_dev_metric_or_says_there_was_no_dev_set() -> None:

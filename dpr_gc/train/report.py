@@ -194,17 +194,17 @@ def recorded_lines(metrics: Path) -> list[dict]:
     return [record for record in records if isinstance(record, dict)]
 
 
-def recorded_loss(metrics: Path, step: int) -> float:
-    """The loss ``metrics.jsonl`` recorded for ``step`` (NaN when it holds none: a run logging every N steps, or a
-    file removed), for the summary of a run resumed after its last step."""
-    losses = [record["loss"] for record in recorded_lines(metrics)
+def recorded_loss(records: list[dict], step: int) -> float:
+    """The loss ``metrics.jsonl``'s ``records`` (:func:`recorded_lines`) hold for ``step`` (NaN when they hold none:
+    a run logging every N steps, or a file removed), for the summary of a run resumed after its last step."""
+    losses = [record["loss"] for record in records
               if record.get("step") == step and isinstance(record.get("loss"), (int, float))]
     return float(losses[-1]) if losses else float("nan")
 
 
-def recorded_dev(metrics: Path, metric: str) -> Optional[dict]:
-    """The latest dev evaluation after a step ``metrics.jsonl`` recorded (``{"step", "dev_METRIC": ...}``, as
-    :func:`last_dev` reads it), None when it holds none: the last dev of a run resumed after its last step."""
-    devs = [record for record in recorded_lines(metrics)
+def recorded_dev(records: list[dict], metric: str) -> Optional[dict]:
+    """The latest dev evaluation after a step in ``metrics.jsonl``'s ``records`` (``{"step", "dev_METRIC": ...}``,
+    as :func:`last_dev` reads it), None when they hold none: the last dev of a run resumed after its last step."""
+    devs = [record for record in records
             if (record.get("step") or 0) > 0 and isinstance(record.get(f"dev_{metric}"), (int, float))]
     return devs[-1] if devs else None

@@ -51,7 +51,7 @@ from .chunks import auto_chunk_reason, auto_chunk_rows, auto_chunk_size, both_ch
 from .chunks import longest_row_tokens
 from .distributed import Towers, every_rank, from_rank0, refused_together, same_on_every_rank, setup_distributed
 from .report import (describe_epoch, describe_parallel, describe_precision, describe_training, epochs_done,
-                     recorded_dev, recorded_loss, summary_table, tensorboard_writer)
+                     recorded_dev, recorded_lines, recorded_loss, summary_table, tensorboard_writer)
 from .rng import capture_rng, gather_rng, restore_rng, seed_everything
 from .setup import build_retriever, check_sources, resolve_recipe, resolve_recorded_recipe, weight_decay_groups
 from .validation import dev_negatives, dev_pool, evaluate_dev, load_dev_data
@@ -777,9 +777,9 @@ class Trainer:
             if exported is not None:
                 exported.save(final)
                 logger.info("wrote %s (the model of step %d)", final, self.step)
-        summary = {**self.summary(0.0),
-                   "final_loss": recorded_loss(self.metrics_file, self.step),
-                   "last_dev": recorded_dev(self.metrics_file, self.config.run.best_metric), "already_finished": True}
+        records = recorded_lines(self.metrics_file)
+        summary = {**self.summary(0.0), "final_loss": recorded_loss(records, self.step),
+                   "last_dev": recorded_dev(records, self.config.run.best_metric), "already_finished": True}
         if self.rank == 0:
             print(summary_table(summary))
         self.close()
