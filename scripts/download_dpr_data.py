@@ -38,7 +38,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpr_gc.base.args import ArgumentParser, closest  # noqa: E402
+from dpr_gc.base.args import ArgumentParser, RawDescriptionHelpFormatter, closest  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
@@ -76,9 +76,10 @@ def dpr_resources(parser: ArgumentParser, keys: list[str]) -> list[str]:
     return [DPR_KEYS[key] for key in keys]
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> ArgumentParser:
+    """The script's command line (its ``--help`` keeps the examples above line by line)."""
     parser = ArgumentParser(prog="download_dpr_data.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                            formatter_class=RawDescriptionHelpFormatter)
     parser.add_argument("resources", nargs="*", help=f"any of: {', '.join(RESOURCES)}")
     parser.add_argument("--resource", dest="dpr_keys", action="append", default=[], metavar="KEY",
                         help=f"a resource by DPR's download_data.py key, any of: {', '.join(DPR_KEYS)}")
@@ -87,6 +88,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="print what would be downloaded, download nothing")
     parser.add_argument("--verify", action="store_true",
                         help="check files already downloaded against the recorded SHA-256 (and gzip CRCs)")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.resources += dpr_resources(parser, args.dpr_keys)
     unknown = [r for r in args.resources if r not in RESOURCES]

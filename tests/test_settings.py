@@ -52,12 +52,14 @@ def script_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     from dpr_gc.base.args import ArgumentParser
 
     out = []
-    for name in ("dense_retriever", "generate_dense_embeddings", "train_dense_encoder"):
+    for name in ("dense_retriever", "download_dpr_data", "generate_dense_embeddings", "train_dense_encoder"):
         spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         if hasattr(module, "build_parser"):
             out += sub_parsers(module.build_parser(), name)
+        elif not hasattr(module, "add_arguments"):
+            raise AssertionError(f"scripts/{name}.py builds its parser where this test cannot reach it")
         else:
             parser = ArgumentParser(prog=name)
             module.add_arguments(parser, dpr_aliases=True)
@@ -99,7 +101,8 @@ def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
 
 def test_every_visible_option_of_the_compat_scripts_has_help_and_shows_its_default() -> None:
     """GC-DPR's flags in ``scripts/`` (``--adam_eps``) printed bare; ``--eval_per_epoch`` said "not set" though
-    one evaluation per epoch applies unless ``--eval-every`` is given. The flags they accept and ignore stay hidden."""
+    one evaluation per epoch applies unless ``--eval-every`` is given; download_dpr_data.py's help formatter showed
+    no default (``--output``'s data/dpr). The flags they accept and ignore stay hidden."""
     parsers = script_parsers()
     missing, no_default, checked = help_gaps(parsers, hidden_aliases_only=False)
     assert checked > 100
@@ -109,6 +112,9 @@ def test_every_visible_option_of_the_compat_scripts_has_help_and_shows_its_defau
     text = " ".join(train.format_help().split())
     assert "per epoch (default: 1, none when --eval-every is given)" in text, text
     assert "AdamW epsilon (default: 1e-08)" in text
+    download = " ".join(dict(parsers)["download_dpr_data"].format_help().split())
+    assert "download folder (default: data/dpr)" in download and "python scripts/download_dpr_data.py --list\n" in \
+        dict(parsers)["download_dpr_data"].format_help()  # its examples keep their lines
 
 
 def test_every_command_that_takes_a_beir_split_names_it_beir_split_and_takes_split_too(capsys) -> None:
@@ -177,6 +183,7 @@ def test_help_says_defaults_one_way_and_only_what_applies(capsys) -> None:
         texts[name] = " ".join(parser.format_help().split())
         assert not re.search(r"\(default [^:]", texts[name]), (name, re.findall(r"\(default [^)]*\)", texts[name]))
         assert "(default: None" not in texts[name], (name, re.findall(r"\S+ [^(]*\(default: None[^)]*\)", texts[name]))
+        assert "(default: )" not in texts[name], (name, re.findall(r"\S+ [^(]*\(default: \)", texts[name]))
     assert "on --resume]" not in texts["dpr-gc verify"] and "[fixed on --resume]" in texts["dpr-gc train"]
     assert "hash of its content" not in texts["dpr-gc cache"]
     assert "path, size, modification time" in texts["dpr-gc cache"], texts["dpr-gc cache"]

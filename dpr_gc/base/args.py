@@ -38,7 +38,11 @@ class HelpFormatter(argparse.HelpFormatter):
         default = getattr(action, "shown_default", action.default)
         shown = "not set" if default is None else (" ".join(map(str, default)) if isinstance(default, (list, tuple))
                                                    else str(default))
-        return f"{text} (default: {shown.replace('%', '%%')})"
+        return f"{text} (default: {(shown or 'none').replace('%', '%%')})"
+
+
+class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """:class:`HelpFormatter` keeping the description's lines as written (a script's docstring with examples)."""
 
 
 class OneMeaning(argparse.Action):
