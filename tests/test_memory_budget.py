@@ -168,16 +168,19 @@ def test_memory_sizes_parse():
 
 @pytest.mark.parametrize("size, nbytes", [(1e20, 10**20), (1.5e9, 1_500_000_000), ("1e3", 1000),
                                           ("2.5e3MB", 25 * 10**8), (-0.0, 0), ("-0", 0), ("-0.0GB", 0), ("0.0", 0),
-                                          (1e9 + 0.4, 10**9)])
+                                          (1e9 + 0.4, 10**9), (str(10**29 + 1), 10**29 + 1), ("1.5", 2), ("2.5", 2),
+                                          (10**30, 10**30), ("1e17TiB", 10**17 * 2**40), ("3kib", 3072)])
 def test_a_size_is_read_as_a_number_of_bytes_whatever_its_spelling(size, nbytes):
-    """``1e20`` (a float the library passes, or its text) was refused as "not a size", ``-0.0`` as negative."""
+    """``1e20`` (a float the library passes, or its text) was refused as "not a size", ``-0.0`` as negative; a size
+    of 30 digits was rounded to 28 (``100000000000000000000000000001`` read as 10**29). Half a byte rounds to even."""
     assert parse_memory(size) == nbytes
 
 
-@pytest.mark.parametrize("size", ["0.5", 0.5, "0.4B", "1e-12GB"])
+@pytest.mark.parametrize("size", ["0.5", 0.5, "0.4B", "1e-12GB", "1e-9999999GB"])
 def test_a_size_under_one_byte_is_refused_not_read_as_zero(size):
     """``"0.5"`` became a budget of 0 bytes (only the last chunk's graph kept): a size that is not zero but holds no
-    whole byte is refused, as a size missing its unit most likely is."""
+    whole byte is refused, as a size missing its unit most likely is (``1e-9999999GB``, past decimal's smallest
+    exponent, still read as 0)."""
     with pytest.raises(DprGcError, match=r"under one byte: give a unit \(e.g. 0.5GB\)"):
         parse_memory(size)
 
@@ -188,9 +191,18 @@ def test_a_size_that_is_no_number_of_bytes_is_refused(size):
         parse_memory(size)
 
 
-def test_a_size_beyond_any_memory_is_refused_at_once():
+@pytest.mark.parametrize("size", ["1e999999999GB", "1e30TiB", 10**30 + 1, "1e31"])
+def test_a_size_beyond_any_memory_is_refused_at_once(size):
+    """Over 10**30 bytes is a typo: ``1e30TiB`` passed (the bound read the number before its unit)."""
     with pytest.raises(DprGcError, match="beyond any machine's memory"):
-        parse_memory("1e999999999GB")
+        parse_memory(size)
+
+
+@pytest.mark.parametrize("size", ["1e99999999999999999999", "1e-99999999999999999999GB"])
+def test_a_size_whose_exponent_no_number_holds_is_refused_in_one_line(size):
+    """An exponent past decimal's bounds raised decimal.InvalidOperation (a traceback) out of the flag's check."""
+    with pytest.raises(DprGcError, match="has an exponent beyond any size"):
+        parse_memory(size)
 
 
 @pytest.mark.parametrize("negative", [-1, "-1", " -1 ", "-1GB", "-0.5MiB"])

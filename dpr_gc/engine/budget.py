@@ -27,7 +27,7 @@ MemoryBudget = Union[int, str, None]
 
 UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
          "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-MAX_SIZE_DIGITS = 30  # a size whose number passes 10**30 is a typo, and its whole bytes would be a huge integer
+MAX_SIZE_DIGITS = 30  # a size past 10**30 bytes is a typo, and its whole bytes would be a huge integer
 NEGATIVE_HINT = "give a size such as 12GB, 0 (only the last chunk's graph) or 'auto'"
 CPU_AUTO_SHARE = 0.5  # "auto" on the CPU: half of the RAM available when the step starts
 CUDA_AUTO_MARGIN = 0.1  # "auto" on CUDA: free memory minus 10% of the device and twice the largest chunk graph
@@ -46,10 +46,13 @@ def parse_memory(text: Union[str, int, float]) -> MemoryBudget:
     if match is None or unit not in UNITS:
         raise DprGcError(f"memory budget {text!r} is not a size: give bytes with a unit (e.g. 12GB, 512MiB, 0) or "
                          "'auto'")
-    number = decimal.Decimal(match.group(2))
-    if number.adjusted() > MAX_SIZE_DIGITS:
+    try:
+        number = decimal.Decimal(match.group(2))
+    except decimal.InvalidOperation:  # an exponent past decimal's own bounds (about 10**18 digits)
+        raise DprGcError(f"memory budget {value} has an exponent beyond any size: {NEGATIVE_HINT}") from None
+    size = exact_bytes(number, UNITS[unit])
+    if size > 10**MAX_SIZE_DIGITS:
         raise DprGcError(f"memory budget {value} is beyond any machine's memory: {NEGATIVE_HINT}")
-    size = number * UNITS[unit]
     if match.group(1) == "-" and size > 0:
         raise DprGcError(f"memory budget must be >= 0 bytes, got {value}: {NEGATIVE_HINT}")
     nbytes = int(size.to_integral_value(decimal.ROUND_HALF_EVEN))
@@ -57,6 +60,17 @@ def parse_memory(text: Union[str, int, float]) -> MemoryBudget:
         raise DprGcError(f"memory budget {value} is under one byte: give a unit (e.g. 0.5GB), 0 (only the last "
                          "chunk's graph) or 'auto'")
     return nbytes
+
+
+def exact_bytes(number: decimal.Decimal, unit: int) -> decimal.Decimal:
+    """``number`` times ``unit`` without rounding (decimal's default context keeps 28 digits and reads an exponent
+    under -999999 as 0); one whose exponent alone puts it past ``10**MAX_SIZE_DIGITS`` bytes is returned as that
+    bound plus one, without the product's digits."""
+    if number and number.adjusted() > MAX_SIZE_DIGITS:
+        return decimal.Decimal(10**MAX_SIZE_DIGITS + 1)
+    context = decimal.Context(prec=len(number.as_tuple().digits) + len(str(unit)), Emin=decimal.MIN_EMIN,
+                              Emax=decimal.MAX_EMAX)
+    return context.multiply(number, unit)
 
 
 def format_bytes(n: float) -> str:
