@@ -3,6 +3,8 @@ gradient, the graph accounting is exact, and peak graph memory stays within the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -203,6 +205,30 @@ def test_a_size_whose_exponent_no_number_holds_is_refused_in_one_line(size):
     """An exponent past decimal's bounds raised decimal.InvalidOperation (a traceback) out of the flag's check."""
     with pytest.raises(DprGcError, match="has an exponent beyond any size"):
         parse_memory(size)
+
+
+def test_the_budget_flag_reads_the_sizes_the_docs_list(tmp_path):
+    """docs/training.md listed units B, KB/MB/GB/TB, KiB/MiB/GiB, while K, M, G, T and TiB were read too: the units it
+    lists are those read, and --memory-budget reads each size (and refuses each in one line) as the library does."""
+    import re
+
+    from dpr_gc import cli
+    from dpr_gc.engine.budget import UNITS
+    from tests.helpers import call
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "training.md").read_text(encoding="utf-8").split())
+    listed = re.search(r"--memory-budget 12GB` \(a number of bytes [^)]*? in units (.*?) of any case", text)
+    assert listed, "docs/training.md no longer says what --memory-budget reads"
+    units = {u.strip().upper() for u in re.split(r",|/| or ", listed.group(1))}
+    assert units == set(UNITS) - {""}, units
+    argv = ["train", "--train", "t.json", "--output", tmp_path / "o", "--memory-budget"]
+    for size in [*(f"1.5{unit.lower()}" for unit in units), "1e9", "12GB", "0"]:
+        assert cli.build_parser().parse_args([*map(str, argv), size]).memory_budget == parse_memory(size), size
+    for size, said in [("0.5", "under one byte"), ("1e31", "beyond any machine's memory"), ("-1", ">= 0 bytes"),
+                       ("1e99999999999999999999", "exponent beyond any size")]:
+        code, err = call(cli.main, [*argv[:-1], f"--memory-budget={size}"])
+        assert code == 2 and err.startswith("error:") and said in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("negative", [-1, "-1", " -1 ", "-1GB", "-0.5MiB"])
