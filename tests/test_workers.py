@@ -1,9 +1,12 @@
-"""DataLoader workers default to ``auto``: none on the CPU, where forked workers copy the training process's memory
-and measured no faster (benchmarks/README.md, "DataLoader workers"), two on a GPU; the start-up log says so."""
+"""DataLoader workers default to ``auto``: none on the CPU, where forked workers share the step's cores and add to its
+memory (benchmarks/README.md, "DataLoader workers"), two on a GPU; the start-up log says so."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,37 @@ def test_auto_resolves_by_device() -> None:
     assert config_from_args(args).data.num_workers == 1
 
 
+
+def workers_bullet() -> str:
+    """docs/training.md's ``**Workers**`` bullet, up to the next bullet or heading."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    return re.search(r"- \*\*Workers\*\*(.*?)(?=\n- |\n#)", text, re.S).group(1)
+
+
+def train_help(flag: str) -> str:
+    """``dpr-gc train --help``'s text for ``flag``."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    return next(a.help for a in sub._actions if flag in a.option_strings)
+
+
+def test_the_docs_workers_figures_and_help_are_those_of_the_results_file() -> None:
+    """The figures docs/training.md gives for workers on the CPU are benchmarks/results/workers.json's (it gave +39 %
+    PSS, a figure of no results file, against the file's 1.02x), with its date and command; and ``--num-workers``'s
+    help claims no speed the file contradicts (it said "measured no faster", the file's run with two was faster)."""
+    results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/workers.json").read_text())
+    bullet = " ".join(workers_bullet().split())
+    assert "benchmarks/results/workers.json" in bullet and results["machine"]["date"][:10] in bullet
+    assert "bench_workers.py" in bullet and "+39" not in bullet
+    base, two = (next(r for r in results["runs"] if r["workers"] == w) for w in (0, 2))
+    for run in (base, two):
+        assert f"{run['peak_pss_mib']:,} MiB" in bullet or f"{run['peak_pss_mib']:,} against" in bullet
+        assert f"{run['peak_rss_mib']:,}" in bullet
+    assert f"{two['pss_vs_baseline']:.2f}×" in bullet
+    assert f"{base['examples_per_s']:.2f} against {two['examples_per_s']:.2f} examples/s" in bullet
+    help_text = " ".join(train_help("--num-workers").split())
+    if two["speed_vs_baseline"] > 1:
+        assert "no faster" not in help_text and "no faster" not in bullet
+
 def test_cpu_training_starts_no_workers_and_says_so(tmp_path: Path, make_retriever, caplog) -> None:
     make_retriever().save(tmp_path / "model")
     data = write_dpr(tmp_path / "train.json", make_records(16, 0))
@@ -46,8 +80,6 @@ def test_cpu_training_starts_no_workers_and_says_so(tmp_path: Path, make_retriev
 def test_the_demo_takes_the_same_default(tmp_path: Path) -> None:
     """docs/training.md: the demo trains with ``--num-workers auto`` too (it fixed 1 worker, against the measured
     default); a demo folder recorded with 1 worker still resumes (workers give the same batches)."""
-    import json
-
     from dpr_gc.pipeline import SETTINGS_FILE, DemoConfig, check_demo_settings, demo_training
 
     data = demo_training().data

@@ -121,7 +121,8 @@ class DataConfig:
                                                          "default: every example once per epoch)")
     num_workers: Union[int, str] = setting("auto", "--num-workers", type=workers_arg, resume=FREE,
                                            help="DataLoader workers that tokenise ahead of the step (auto: 0 on the "
-                                                "CPU, where they cost memory and measured no faster; 2 on a GPU)")
+                                                "CPU, where they share the step's cores and add to its memory; 2 on "
+                                                "a GPU)")
     skip_bad_records: bool = setting(False, "--skip-bad-records", resume=FREE,
                                      help="skip (and count) malformed training records instead of stopping")
     cache_dir: Optional[str] = cache_dir_setting("where parsed training data are cached, a BEIR folder's corpus "
@@ -147,8 +148,8 @@ class DataConfig:
         return 0 if self.train_files and all(Path(s).is_dir() for s in self.train_files) else 1
 
     def resolve_workers(self, device_type: str) -> int:
-        """``num_workers``, with ``auto`` resolved for the device: 0 on the CPU, where workers measured no faster
-        and cost memory (benchmarks/README.md, "DataLoader workers"), 2 on a GPU."""
+        """``num_workers``, with ``auto`` resolved for the device: 0 on the CPU, where workers share the step's cores
+        and add to its memory (benchmarks/README.md, "DataLoader workers"), 2 on a GPU."""
         if self.num_workers != "auto":
             return int(self.num_workers)
         return 2 if device_type == "cuda" else 0
