@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
-from dpr_gc import GradCache, SimpleContrastiveLoss
+from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss
 from dpr_gc.cli import main
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.train import chunks
@@ -88,6 +89,29 @@ def test_a_token_limit_below_the_longest_row_is_said_once(task, tmp_path, caplog
         Trainer(config(task, tmp_path / "fits", max_steps=1, batch_size=8, query_chunk_tokens=1000)).fit()
     assert not [r for r in caplog.records if "is below the longest" in r.getMessage()]
 
+
+def documented_token_chunking(nq: int, np_: int) -> Chunking:
+    """The ``Chunking`` docs/training.md gives as the library's equal of ``--query/passage-chunk-tokens``."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    call = re.search(r"`--query-chunk-tokens N` / `--passage-chunk-tokens N` \(library: "
+                     r"`GradCache\(\.\.\., chunking=(Chunking\([^`]*\))\)`", text).group(1)
+    return eval(call, {"__builtins__": {}}, {"Chunking": Chunking, "Nq": nq, "Np": np_, "True": True})
+
+
+def test_the_documented_library_call_forms_the_chunks_train_forms(task, tmp_path):  # noqa: F811
+    """docs/training.md's library equal of the chunk-token flags gave ``Chunking(tokens=[Nq, Np])``, which splits
+    rows in batch order where train groups them by length first (other chunks, more padding): the documented call
+    forms, for the same batch, the chunks (the rows, as they run) that ``dpr-gc train`` forms."""
+    trainer = Trainer(config(task, tmp_path / "o", max_steps=1, batch_size=16, query_chunk_size=8,
+                             passage_chunk_size=16, query_chunk_tokens=40, passage_chunk_tokens=90))
+    library = GradCache([trainer.model, trainer.model], list(trainer.chunks), trainer.loss_fn,
+                        chunking=documented_token_chunking(40, 90))
+    batch = next(iter(trainer.loader))
+    inputs = [dict(batch["query"], kind="query"), dict(batch["passage"], kind="passage")]
+    for m, model_input in enumerate(inputs):
+        ours = [c["input_ids"].tolist() for c in trainer.cache._plan(m, model_input).chunks]
+        documented = [c["input_ids"].tolist() for c in library._plan(m, model_input).chunks]
+        assert len(ours) > 1 and documented == ours, (m, [len(c) for c in documented], [len(c) for c in ours])
 
 def test_chunk_sizes_read_as_rows_and_tokens_in_the_train_log_and_verify_header():
     """'chunks of 5 rows / 1 token', never '1 tokens' nor '21/30 tokens' (read as 21 of 30)."""
