@@ -4,6 +4,7 @@ models in llm_models.py."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import gzip
 import json
@@ -333,3 +334,11 @@ def load_script(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def command_help(command: str, flag: str) -> str:
+    """``dpr-gc COMMAND --help``'s text for ``flag``, its whitespace runs made single spaces."""
+    from dpr_gc.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return " ".join(next(a.help for a in sub._actions if flag in a.option_strings).split())

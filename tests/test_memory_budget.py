@@ -301,6 +301,26 @@ def test_chunks_by_tokens_are_exact(make_retriever, shared, budget):
     assert len(set(rows)) > 1 and len(rows) == gc.last_step.chunks[1]
 
 
+def test_a_budget_joins_chunks_past_their_row_and_token_limits(make_retriever):
+    """``--*-chunk-size`` and ``--*-chunk-tokens`` bound the chunks of a step without a budget and of the first step
+    under one; from the second step on a non-zero budget joins chunks past both (docs/training.md and the flags'
+    help say so), with the full batch's gradient."""
+    retriever = make_retriever(shared=True)
+    modules, loss_fn = models_of(retriever), SimpleContrastiveLoss(1, temperature=0.2)
+    q, p = make_batch(retriever, 8, 1, seed=11)
+    expected = reference_grads(modules, loss_fn, q, p)
+    engine = GradCache(modules, CHUNK, loss_fn, memory_budget=10**12, chunking=Chunking(sort_by_length=True,
+                                                                                          tokens=[24, 60]))
+    plans = []
+    for _ in range(2):
+        zero(modules)
+        engine(q, p)
+        assert rel_err(grads(modules), expected) < 1e-5
+        plans.append(engine._plan(1, p, engine.joined_tokens[1]).chunks)
+    first, joined = ([(rows_in(c), chunk_tokens(c)) for c in chunks] for chunks in plans)
+    assert all(rows <= CHUNK and tokens <= 60 for rows, tokens in first if rows > 1), first
+    assert len(joined) < len(first) and any(rows > CHUNK and tokens > 60 for rows, tokens in joined), joined
+
 def test_chunk_tokens_are_checked(make_retriever):
     loss_fn = SimpleContrastiveLoss()
     with pytest.raises(DprGcError, match="chunk tokens"):

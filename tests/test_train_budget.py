@@ -19,7 +19,7 @@ from dpr_gc.train import chunks
 from dpr_gc.train import trainer as trainer_module
 from dpr_gc.train.chunks import auto_chunk_rows, auto_chunk_size, chunk_sizes, largest_fitting_rows
 from dpr_gc.train.trainer import Trainer, train
-from tests.helpers import ctrl_c_at
+from tests.helpers import command_help, ctrl_c_at
 from tests.train_data import init_model, make_records, model_params, task_config as config, write_dpr
 
 
@@ -112,6 +112,18 @@ def test_the_documented_library_call_forms_the_chunks_train_forms(task, tmp_path
         ours = [c["input_ids"].tolist() for c in trainer.cache._plan(m, model_input).chunks]
         documented = [c["input_ids"].tolist() for c in library._plan(m, model_input).chunks]
         assert len(ours) > 1 and documented == ours, (m, [len(c) for c in documented], [len(c) for c in ours])
+
+def test_the_chunk_flags_help_says_a_budget_joins_chunks_past_them():
+    """Under a non-zero --memory-budget chunks are joined past --*-chunk-size and --*-chunk-tokens from the second step
+    on (``test_a_budget_joins_chunks_past_their_row_and_token_limits``); the flags' help said "at most
+    --*-chunk-size rows" with no word of it. Each flag's help, train's and verify's, and docs/training.md say it."""
+    for command in ("train", "verify"):
+        for side in ("query", "passage"):
+            for flag in (f"--{side}-chunk-size", f"--{side}-chunk-tokens"):
+                assert "a non-zero --memory-budget joins chunks past" in command_help(command, flag), (command, flag)
+    page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text().split())
+    assert ("Under a non-zero `--memory-budget` the first step keeps to these limits; from the second on, chunks may "
+            "be joined as above, up to the budget's size, past both `--*-chunk-size` and `--*-chunk-tokens`") in page
 
 def test_chunk_sizes_read_as_rows_and_tokens_in_the_train_log_and_verify_header():
     """'chunks of 5 rows / 1 token', never '1 tokens' nor '21/30 tokens' (read as 21 of 30)."""

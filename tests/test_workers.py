@@ -3,7 +3,6 @@ memory (benchmarks/README.md, "DataLoader workers"), two on a GPU; the start-up 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
@@ -16,6 +15,7 @@ from dpr_gc.base.errors import DprGcError
 from dpr_gc.cli import build_parser
 from dpr_gc.train.config import DataConfig, config_from_args
 from dpr_gc.train.trainer import Trainer
+from tests.helpers import command_help
 from tests.train_data import make_records, train_config, write_dpr
 
 
@@ -38,12 +38,6 @@ def workers_bullet() -> str:
     return re.search(r"- \*\*Workers\*\*(.*?)(?=\n- |\n#)", text, re.S).group(1)
 
 
-def train_help(flag: str) -> str:
-    """``dpr-gc train --help``'s text for ``flag``."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
-    return next(a.help for a in sub._actions if flag in a.option_strings)
-
-
 def test_the_docs_workers_figures_and_help_are_those_of_the_results_file() -> None:
     """The figures docs/training.md gives for workers on the CPU are benchmarks/results/workers.json's (it gave +39 %
     PSS, a figure of no results file, against the file's 1.02x), with its date and command; and ``--num-workers``'s
@@ -58,7 +52,7 @@ def test_the_docs_workers_figures_and_help_are_those_of_the_results_file() -> No
         assert f"{run['peak_rss_mib']:,}" in bullet
     assert f"{two['pss_vs_baseline']:.2f}×" in bullet
     assert f"{base['examples_per_s']:.2f} against {two['examples_per_s']:.2f} examples/s" in bullet
-    help_text = " ".join(train_help("--num-workers").split())
+    help_text = command_help("train", "--num-workers")
     if two["speed_vs_baseline"] > 1:
         assert "no faster" not in help_text and "no faster" not in bullet
 

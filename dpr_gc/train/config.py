@@ -219,10 +219,12 @@ class CacheConfig:
                             help="plain training without Gradient Cache (the baseline; same gradients)")
     query_chunk_size: Union[int, str] = setting("auto", "--query-chunk-size", "--q_chunk_size", type=chunk_arg,
                                                 resume=FREE,
-                                                help="queries per Gradient Cache chunk (auto: probe the device)")
+                                                help="queries per Gradient Cache chunk (auto: probe the device; "
+                                                     "a non-zero --memory-budget joins chunks past it from step 2)")
     passage_chunk_size: Union[int, str] = setting("auto", "--passage-chunk-size", "--ctx_chunk_size",
                                                   type=chunk_arg, resume=FREE,
-                                                  help="passages per Gradient Cache chunk (auto: probe the device)")
+                                                  help="passages per Gradient Cache chunk (auto: probe the device; "
+                                                       "a non-zero --memory-budget joins chunks past it from step 2)")
     loss_chunk_size: Optional[int] = setting(None, "--loss-chunk-size", type=nonnegative_int, resume=FREE,
                                              help="rows per block of the score matrix (0: the dense matrix; "
                                                   "default: automatic)")
@@ -233,11 +235,13 @@ class CacheConfig:
                                                   "all but the last chunk")
     query_chunk_tokens: Optional[int] = setting(None, "--query-chunk-tokens", type=positive_int, resume=FREE,
                                                 help="tokens per query chunk (rows x longest sequence; rows at "
-                                                     "most --query-chunk-size; a longer query runs alone)")
+                                                     "most --query-chunk-size; a longer query runs alone; a "
+                                                     "non-zero --memory-budget joins chunks past both from step 2)")
     passage_chunk_tokens: Optional[int] = setting(None, "--passage-chunk-tokens", type=positive_int,
                                                   resume=FREE, help="tokens per passage chunk (rows x longest "
                                                   "sequence; rows at most --passage-chunk-size; a longer passage "
-                                                  "runs alone)")
+                                                  "runs alone; a non-zero --memory-budget joins chunks past both "
+                                                  "from step 2)")
 
     def __post_init__(self) -> None:
         self.memory_budget = parse_memory(self.memory_budget)
