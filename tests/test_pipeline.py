@@ -372,6 +372,36 @@ def test_the_demo_table_is_a_markdown_table_of_its_own_after_trainings(tmp_path,
     assert summary_rows("\n".join(lines[header:]))["trained retriever"] == outputs["model"]
 
 
+def test_a_resumed_demos_time_row_is_this_runs_and_its_metrics_keep_the_total(tmp_path, monkeypatch, capsys):
+    """docs/stages.md: every closing summary's ``time`` row is the command's own. A demo resumed after runs that took
+    (as its ``.seconds.json`` says) a million seconds printed those in its ``time`` row (a 2.3 s rerun printed
+    575.9 s); the row is this run's, and ``metrics.json``'s ``seconds`` keeps the total of every run (README)."""
+    from dpr_gc import pipeline
+    from dpr_gc.data import stdlib_data
+
+    out, earlier = tmp_path / "demo", 10.0**6
+    measured = {"answers": {f"Accuracy@{k}": 0.5 for k in pipeline.TABLE_KS},
+                "qrels": {"nDCG@10": 0.5, "MRR@10": 0.5, "Recall@100": 0.5}}
+
+    def trained(training, out, train_file):
+        (out / "training" / "final").mkdir(parents=True)
+        (out / "training" / "final" / "retriever_config.json").write_text("{}")
+        (out / "training" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+
+    monkeypatch.setattr(stdlib_data, "build_stdlib_dataset", lambda folder, **kwargs: {
+        "counts": {"train_queries": 64}, "files": {"dpr_train": "dpr_train.json"}})
+    monkeypatch.setattr(pipeline, "check_start_model", lambda name: None)
+    monkeypatch.setattr(pipeline, "save_base_model", lambda model, folder: None)
+    monkeypatch.setattr(pipeline, "_subset_training_file", lambda source, target, limit: source)
+    monkeypatch.setattr(pipeline, "measure", lambda *args: measured)
+    monkeypatch.setattr(pipeline, "train_demo", trained)
+    out.mkdir()
+    (out / pipeline.SECONDS_FILE).write_text(json.dumps({"seconds": earlier}))  # the earlier runs' time
+    assert main(["demo", "--output", str(out), "--batch-size", "64", "--chunk-size", "16"]) == 0
+    time_row = summary_rows(capsys.readouterr().out.split("| metric (held-out test) |")[-1])["time"]
+    assert float(time_row.removesuffix(" s")) < earlier, time_row
+    assert json.loads((out / "metrics.json").read_text())["seconds"] >= earlier
+
 @pytest.mark.parametrize("model, why", [("absolute", "no such folder"), ("./missing", "no such folder"),
                                         ("../missing", "no such folder"), ("beside/missing", "no such folder"),
                                         ("empty", "not a model folder"), ("hub-org/hub-model", "HF_HUB_OFFLINE"),
