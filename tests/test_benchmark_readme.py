@@ -4,10 +4,14 @@ table of measured numbers names a results file under ``results/``, a date and a 
 
 from __future__ import annotations
 
+import importlib
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+
+from dpr_gc.base.errors import DprGcError
 
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
 RULE = re.compile(r"^\|[-:| ]+\|$", re.MULTILINE)
@@ -44,3 +48,36 @@ def test_every_table_of_figures_names_its_results_file_date_and_command(heading:
 def test_a_section_with_a_bare_table_is_caught() -> None:
     assert _has_measured_table("| a | b |\n|---|---|\n| x | 1.5 |\n")
     assert not _has_measured_table("| name | what |\n|---|---|\n| plain | the whole batch |\n")
+
+
+def _readme_commands() -> list[tuple[str, list[str]]]:
+    """(script, arguments) of every ``python benchmarks/NAME.py ...`` line in the README's bash blocks, continuation
+    lines joined and trailing comments dropped; lines with an elided ``...`` are left out."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.DOTALL):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = line.split("  #")[0].strip()
+            found = re.match(r"python benchmarks/(\w+)\.py\b(.*)", line)
+            if found and "..." not in line:
+                commands.append((found.group(1), shlex.split(found.group(2))))
+    return commands
+
+
+def test_every_readme_command_is_one_its_script_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's command for gradcache-512.json gave ``--methods gradcache,st-cmnrl``, a method since renamed
+    ``dpr-gc``: the script refused it. Each command the README gives is parsed by its script (those with a
+    ``parse_args``); a refusal only because this machine has no GPU or lacks a peer package is not the command's."""
+    monkeypatch.syspath_prepend(str(README.parent))
+    checked = 0
+    for script, args in _readme_commands():
+        module = importlib.import_module(script)
+        if not hasattr(module, "parse_args"):
+            continue
+        try:
+            module.parse_args(args)
+        except SystemExit as refused:
+            pytest.fail(f"{script}.py refused the README's command {' '.join(args)} (exit {refused.code})")
+        except DprGcError as refused:
+            assert "CUDA" in str(refused) or "package" in str(refused), (script, args, str(refused))
+        checked += 1
+    assert checked >= 30, checked
