@@ -53,7 +53,7 @@ def grid_parser(description: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every variant runs (default cpu)")
     p.add_argument("--passage-lengths", type=int, nargs="+", default=[128, 256], help="passage max lengths")
     p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
-                   help="fp32 and/or bf16 autocast (default both)")
+                   help="fp32 and/or bf16 autocast")
     p.add_argument("--batch", type=int, default=32, help="queries per step (passages: twice as many; default 32)")
     p.add_argument("--chunk", type=int, default=8, help="rows per chunk before joining (default 8)")
     p.add_argument("--query-length", type=int, default=32)

@@ -353,3 +353,15 @@ def test_a_scifact_smoke_run_writes_its_results_to_its_work_folder() -> None:
     assert scifact.results_folder(scifact.parse_args(["--quick", "--out", "w/x"])) == Path("w/x-quick")
     assert scifact.results_folder(scifact.parse_args([])) == REPO / "benchmarks" / "results"
     assert scifact.results_folder(scifact.parse_args(["--quick", "--results", "r"])) == Path("r")
+
+
+@pytest.mark.parametrize("script, default", [("join_limit", "fp32 bf16"), ("embedding_grads", "fp32 bf16"),
+                                             ("frozen_casts", "bf16")])
+def test_the_precisions_help_gives_each_scripts_own_default(capsys: pytest.CaptureFixture, script: str,
+                                                            default: str) -> None:
+    """frozen_casts.py --help said '--precisions ... (default both) (default: bf16)': the shared flag's text named
+    join_limit's default, where frozen_casts takes bf16 only."""
+    with pytest.raises(SystemExit):
+        importlib.import_module(script).main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"fp32 and/or bf16 autocast (default: {default})" in text, text
