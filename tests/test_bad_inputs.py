@@ -27,6 +27,7 @@ import torch
 import struct
 import numpy as np
 from tests.helpers import call, copy_run, load_script, train_argv
+from dpr_gc.base.files import atomic_path
 from dpr_gc.base.guard import atomic_folder, check_outputs
 from dpr_gc.base.locks import exclusive_lock
 from dpr_gc.model import folder as model_folder
@@ -493,6 +494,23 @@ def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path
                                 "--k", "1"])
     assert code == 0, err
     assert "qrels" in json.loads(out.read_text()) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_an_output_file_is_never_half_written_under_its_name(tmp_path: Path) -> None:
+    """``atomic_path``'s promise: while the block writes, and after it fails, the final name holds the old file
+    whole; the new one appears under it only when the block succeeds; no temporary is left either way."""
+    out = tmp_path / "scores.json"
+    out.write_text("old")
+    with pytest.raises(RuntimeError, match="stopped"):
+        with atomic_path(out) as tmp:
+            tmp.write_text("half")
+            assert tmp != out and out.read_text() == "old"
+            raise RuntimeError("stopped")
+    assert out.read_text() == "old" and sorted(tmp_path.iterdir()) == [out]
+    with atomic_path(out) as tmp:
+        tmp.write_text("new")
+        assert out.read_text() == "old"
+    assert out.read_text() == "new" and sorted(tmp_path.iterdir()) == [out]
 
 
 BAD_VALUES = {flag_types.positive_int: "0", flag_types.nonnegative_int: "-1", flag_types.positive_float: "-1",
