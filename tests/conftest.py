@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -55,6 +57,29 @@ def torch_threads_restored():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+class CurrentStderr:
+    """A stream that writes to whatever ``sys.stderr`` is at the moment of writing."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+@pytest.fixture(autouse=True)
+def transformers_lines_in_the_tests_stderr():
+    """transformers' handler keeps the ``sys.stderr`` of the moment transformers set up its logger (pytest's capture
+    at collection), so ``capfd``, ``capsys`` and ``helpers.call`` saw none of its lines, and a test that a command
+    or call prints nothing of its dependencies could not fail for one. For each test the handler writes to the
+    stderr of the moment instead, and gets its own stream back after."""
+    handlers = [h for h in logging.getLogger("transformers").handlers if type(h) is logging.StreamHandler]
+    streams = [h.setStream(CurrentStderr()) for h in handlers]
+    yield
+    for handler, stream in zip(handlers, streams):
+        handler.setStream(stream)
 
 
 @pytest.fixture(scope="session")

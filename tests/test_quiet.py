@@ -282,7 +282,7 @@ def test_loading_a_retriever_shorter_than_the_tokenizer_probe_prints_nothing(mak
                                                                              caplog, shared: bool) -> None:
     """A saved retriever whose max lengths are shorter than the tokenizer check's probe text loads without
     transformers' 'Token indices sequence length is longer ...' line (logged or printed) for either tower.
-    transformers' own handler may hold a stream of an earlier capture, so its logger is watched directly."""
+    Its logger is watched as well as stderr, so a record is caught whatever transformers' handler does with it."""
     make_retriever(shared=shared, query_max_length=4, passage_max_length=5).save(tmp_path / "short")
     capfd.readouterr()
     hf_logger = logging.getLogger("transformers")

@@ -47,3 +47,38 @@ def test_the_reliability_loop_names_tests_that_exist() -> None:
         assert (REPO / path).is_file(), node_id
         if name:
             assert re.search(rf"^def {re.escape(name)}\(", (REPO / path).read_text(), re.M), node_id
+
+
+@pytest.fixture
+def transformers_warns():
+    """transformers' own logger passes warnings for the test (an in-process command run earlier in the worker may
+    have set it to errors only), and returns to its level after."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    yield hf_logging.get_logger("transformers.modeling_utils")
+    hf_logging.set_verbosity(before)
+
+
+def test_a_transformers_line_logged_inside_call_is_in_the_stderr_it_returns(transformers_warns) -> None:
+    """transformers' handler writes to the stderr of the moment transformers was set up (pytest's capture then), so
+    ``helpers.call`` would hand back an empty stderr for a command whose dependency warned: the quietness checks
+    built on it could not fail for a transformers line."""
+    from tests.helpers import call
+
+    def main(argv: list[str]) -> int:
+        transformers_warns.warning("a warning of transformers")
+        return 0
+
+    assert call(main, []) == (0, "[transformers] a warning of transformers\n")
+
+
+@pytest.mark.parametrize("fixture", ["capfd", "capsys"])
+def test_a_transformers_line_reaches_the_tests_capture(transformers_warns, request: pytest.FixtureRequest,
+                                                        fixture: str) -> None:
+    """``capfd`` and ``capsys`` see what transformers logs during the test, as they see any other stderr line."""
+    capture = request.getfixturevalue(fixture)
+    capture.readouterr()
+    transformers_warns.warning("a warning of transformers")
+    assert capture.readouterr().err == "[transformers] a warning of transformers\n"
