@@ -82,3 +82,40 @@ def test_a_transformers_line_reaches_the_tests_capture(transformers_warns, reque
     capture.readouterr()
     transformers_warns.warning("a warning of transformers")
     assert capture.readouterr().err == "[transformers] a warning of transformers\n"
+
+
+NEXT_TEST = '''
+from transformers.utils import logging as hf_logging
+
+from dpr_gc.cli import main
+from tests.helpers import call
+
+
+def test_a_command_in_process(tmp_path):
+    assert call(main, ["evaluate", "--results", str(tmp_path / "missing.json")])[0] == 2
+
+
+def test_after_it(capfd):
+    hf_logging.get_logger("transformers.modeling_utils").warning("a warning of transformers")
+    assert "a warning of transformers" in capfd.readouterr().err
+'''
+
+
+def test_a_command_run_in_process_leaves_the_next_test_seeing_transformers_warnings(tmp_path: Path) -> None:
+    """A command run in-process sets transformers to errors only for the rest of the process (as it should in its own
+    process), so every later test in a worker would be blind to transformers' warnings; each test starts at
+    transformers' level of the moment the suite began. Run as a suite of its own under this conftest.py, in an
+    environment without the quiet settings an in-process command here left in ``os.environ``."""
+    import subprocess
+    import sys
+
+    from dpr_gc.base.logs import QUIET_ENVIRONMENT
+
+    (tmp_path / "conftest.py").write_text("from tests.conftest import *  # noqa: F401,F403\n")
+    (tmp_path / "test_next.py").write_text(NEXT_TEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    clean = {name: value for name, value in os.environ.items() if name not in QUIET_ENVIRONMENT}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                             "test_next.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=dict(clean, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout + result.stderr
