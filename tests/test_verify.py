@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -168,16 +169,21 @@ class Noise(nn.Module):
         return output
 
 
-def test_fails_on_noise_it_cannot_replay(tmp_path, capsys, monkeypatch):
-    model = init_model(tmp_path)
+def hook_the_query_encoder(monkeypatch: pytest.MonkeyPatch, hook: Callable) -> None:
+    """Every model verify builds runs ``hook`` after its query encoder's transformer (noise, overflow)."""
     build = Trainer.build_model
 
-    def noisy(self):
+    def hooked(self):
         retriever = build(self)
-        retriever.query_encoder.transformer.register_forward_hook(Noise())
+        retriever.query_encoder.transformer.register_forward_hook(hook)
         return retriever
 
-    monkeypatch.setattr(Trainer, "build_model", noisy)
+    monkeypatch.setattr(Trainer, "build_model", hooked)
+
+
+def test_fails_on_noise_it_cannot_replay(tmp_path, capsys, monkeypatch):
+    model = init_model(tmp_path)
+    hook_the_query_encoder(monkeypatch, Noise())
     code, out = run(capsys, flags(tmp_path, model))
     assert code == 1 and "FAIL" in out and "worst tensor query_encoder.transformer." in out, out
 
@@ -198,14 +204,7 @@ def test_an_fp32_gap_that_float64_closes_passes_as_rounding_and_one_it_keeps_fai
     monkeypatch.setattr(verify_module, "FP32_ROUNDING_LIMIT", 1e-11)  # the same gap, past what rounding explains
     code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "1"))
     assert code == 1 and "FAIL" in out and "float64 closes it, but past the 1e-11 fp32 rounding can explain" in out, out
-    build = Trainer.build_model
-
-    def noisy(self):
-        retriever = build(self)
-        retriever.query_encoder.transformer.register_forward_hook(Noise(amplitude=1e-5))
-        return retriever
-
-    monkeypatch.setattr(Trainer, "build_model", noisy)
+    hook_the_query_encoder(monkeypatch, Noise(amplitude=1e-5))
     code, out = run(capsys, flags(tmp_path, model, "--hard-negatives", "1"))
     gap = re.search(r"differ by (\S+) in fp32 and by (\S+) with the towers in float64", out)
     assert code == 1 and "FAIL" in out and gap and float(gap.group(2)) > 1e-9, out
@@ -407,14 +406,7 @@ def test_fp16_gradients_not_finite_at_any_loss_scale_fail_saying_so(tmp_path, ca
     """Hidden states scaled past fp16's range overflow in the step itself: no loss scale makes the gradients finite.
     After SCALE_TRIES halvings verify fails in one line saying they are not finite and down to which scale (it said
     'differs beyond 0.005' with a NaN gradient error and the scale it gave up at as 'compared at')."""
-    build = Trainer.build_model
-
-    def overflowing(self):
-        retriever = build(self)
-        retriever.query_encoder.transformer.register_forward_hook(Overflowing())
-        return retriever
-
-    monkeypatch.setattr(Trainer, "build_model", overflowing)
+    hook_the_query_encoder(monkeypatch, Overflowing())
     code, out = run(capsys, flags(tmp_path, init_model(tmp_path), "--precision", "fp16"))
     verdict = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert code == 1 and verdict == [
