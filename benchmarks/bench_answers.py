@@ -11,9 +11,8 @@ passages repeat across questions as in a real run.
    ``AnswerMatcher`` in one process and with ``--workers`` processes; flags must be identical. Ratios are on CPU
    time of this process (single process) and wall time (workers), measured in the same run.
 2. ``retrieve``: builds a corpus of ``--passages`` passages, encodes and indexes it with the offline MiniLM (not
-   timed), then times ``dpr-gc retrieve --top-k 100 --output res.json --evaluate`` for ``--retrieve-questions``
-   questions and ``dpr-gc evaluate`` on its output, recording wall time and peak RSS of each subprocess, for each
-   size in ``--rss-questions`` as well.
+   timed), then times ``dpr-gc retrieve --top-k 100 --output res.json --evaluate`` and ``dpr-gc evaluate`` on its
+   output, recording wall time and peak RSS of each subprocess, for each question count in ``--rss-questions``.
 
     nice -n 5 python benchmarks/bench_answers.py
 """

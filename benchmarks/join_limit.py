@@ -62,7 +62,8 @@ def grid_parser(description: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
     p.add_argument("--mmap-threshold", type=int, default=0,
                    help="MALLOC_MMAP_THRESHOLD_ for the children (default 0: glibc's dynamic threshold)")
-    p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs; "
+                   "with --shape scifact, as the llm shape's small model is --small)")
     p.add_argument("--shape", choices=("scifact", "llm"), default="scifact",
                    help="bench_frontier.py's shape: scifact (MiniLM on SciFact text) or llm (LoRA decoder, random ids)")
     p.add_argument("--small", action="store_true", help="the llm shape's 4-layer CPU size")

@@ -73,6 +73,7 @@ def one_error_line(capsys: pytest.CaptureFixture, script: str, *args: str, words
     ("bench_frontier.py", ["--device", "cuda"], ["--device cuda", "no CUDA device"]),
     ("duplicate_positives.py", ["--data", "/nonexistent"], ["--data /nonexistent", "BEIR folder"]),
     ("filled_negatives.py", ["--data", "/nonexistent"], ["--data /nonexistent", "BEIR folder"]),
+    ("frozen_casts.py", ["--tiny"], ["--tiny", "scifact shape", "give --small"]),  # its default shape is llm
 ])
 def test_a_bad_flag_is_one_error_line(capsys: pytest.CaptureFixture, script: str, args: list[str],
                                       words: list[str]) -> None:
