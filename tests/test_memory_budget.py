@@ -321,6 +321,7 @@ def test_a_budget_joins_chunks_past_their_row_and_token_limits(make_retriever):
     assert all(rows <= CHUNK and tokens <= 60 for rows, tokens in first if rows > 1), first
     assert len(joined) < len(first) and any(rows > CHUNK and tokens > 60 for rows, tokens in joined), joined
 
+
 def test_chunk_tokens_are_checked(make_retriever):
     loss_fn = SimpleContrastiveLoss()
     with pytest.raises(DprGcError, match="chunk tokens"):

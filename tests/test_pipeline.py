@@ -402,6 +402,7 @@ def test_a_resumed_demos_time_row_is_this_runs_and_its_metrics_keep_the_total(tm
     assert float(time_row.removesuffix(" s")) < earlier, time_row
     assert json.loads((out / "metrics.json").read_text())["seconds"] >= earlier
 
+
 @pytest.mark.parametrize("model, why", [("absolute", "no such folder"), ("./missing", "no such folder"),
                                         ("../missing", "no such folder"), ("beside/missing", "no such folder"),
                                         ("empty", "not a model folder"), ("hub-org/hub-model", "HF_HUB_OFFLINE"),

@@ -3,10 +3,12 @@ log states the chunking, the kept share of graphs and the measured peak."""
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -95,7 +97,16 @@ def documented_token_chunking(nq: int, np_: int) -> Chunking:
     text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
     call = re.search(r"`--query-chunk-tokens N` / `--passage-chunk-tokens N` \(library: "
                      r"`GradCache\(\.\.\., chunking=(Chunking\([^`]*\))\)`", text).group(1)
-    return eval(call, {"__builtins__": {}}, {"Chunking": Chunking, "Nq": nq, "Np": np_, "True": True})
+    node = ast.parse(call, mode="eval").body
+    names = {"Nq": nq, "Np": np_}
+    assert isinstance(node, ast.Call) and not node.args, call
+
+    def value(expr: ast.expr) -> Any:  # a literal, with the placeholders Nq and Np filled in
+        if isinstance(expr, ast.List):
+            return [value(item) for item in expr.elts]
+        return names[expr.id] if isinstance(expr, ast.Name) else ast.literal_eval(expr)
+
+    return Chunking(**{keyword.arg: value(keyword.value) for keyword in node.keywords})
 
 
 def test_the_documented_library_call_forms_the_chunks_train_forms(task, tmp_path):  # noqa: F811
@@ -113,6 +124,7 @@ def test_the_documented_library_call_forms_the_chunks_train_forms(task, tmp_path
         documented = [c["input_ids"].tolist() for c in library._plan(m, model_input).chunks]
         assert len(ours) > 1 and documented == ours, (m, [len(c) for c in documented], [len(c) for c in ours])
 
+
 def test_the_chunk_flags_help_says_a_budget_joins_chunks_past_them():
     """Under a non-zero --memory-budget chunks are joined past --*-chunk-size and --*-chunk-tokens from the second step
     on (``test_a_budget_joins_chunks_past_their_row_and_token_limits``); the flags' help said "at most
@@ -124,6 +136,7 @@ def test_the_chunk_flags_help_says_a_budget_joins_chunks_past_them():
     page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text().split())
     assert ("Under a non-zero `--memory-budget` the first step keeps to these limits; from the second on, chunks may "
             "be joined as above, up to the budget's size, past both `--*-chunk-size` and `--*-chunk-tokens`") in page
+
 
 def test_chunk_sizes_read_as_rows_and_tokens_in_the_train_log_and_verify_header():
     """'chunks of 5 rows / 1 token', never '1 tokens' nor '21/30 tokens' (read as 21 of 30)."""

@@ -31,7 +31,6 @@ def test_auto_resolves_by_device() -> None:
     assert config_from_args(args).data.num_workers == 1
 
 
-
 def workers_bullet() -> str:
     """docs/training.md's ``**Workers**`` bullet, up to the next bullet or heading."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
@@ -55,6 +54,7 @@ def test_the_docs_workers_figures_and_help_are_those_of_the_results_file() -> No
     help_text = command_help("train", "--num-workers")
     if two["speed_vs_baseline"] > 1:
         assert "no faster" not in help_text and "no faster" not in bullet
+
 
 def test_cpu_training_starts_no_workers_and_says_so(tmp_path: Path, make_retriever, caplog) -> None:
     make_retriever().save(tmp_path / "model")

@@ -36,8 +36,8 @@ SIZE = re.compile(r"([+-]?)\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*
 
 def parse_memory(text: Union[str, int, float]) -> MemoryBudget:
     """``12GB``, ``512MiB``, ``1.5G``, a number of bytes (``1e9`` too, rounded to a whole byte), or ``auto``;
-    refuses anything else with one line: a negative size, and a size under one byte but zero (``0.5``: a unit
-    missing, most likely), which would otherwise keep no graph at all."""
+    refuses anything else with one line: a negative size, one past ``10**MAX_SIZE_DIGITS`` bytes (a typo), and a
+    size under one byte but zero (``0.5``: a unit missing, most likely), which would otherwise keep no graph at all."""
     value = str(text).strip()
     if isinstance(text, str) and value.lower() == "auto":
         return "auto"
