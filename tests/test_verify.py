@@ -411,8 +411,8 @@ def test_fp16_gradients_not_finite_at_any_loss_scale_fail_saying_so(tmp_path, ca
     verdict = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert code == 1 and verdict == [
         "FAIL: batch 1: the gradients are not finite (inf/NaN) at loss scale 65536 nor after 24 halvings down to "
-        "0.00390625: the fp16 step overflows whatever its loss scale (training would skip every step); try "
-        "--precision bf16 or fp32"], out
+        "0.00390625: the fp16 step overflows whatever its loss scale (training would skip every step until it stops "
+        "the run as diverged); try --precision bf16 or fp32"], out
     assert "compared at" not in out and "nan" not in out.lower().replace("inf/nan", ""), out
     monkeypatch.setattr(Overflowing, "factor", 1e38)  # past fp32's range too: no loss scale to lower there
     code, out = run(capsys, flags(tmp_path, init_model(tmp_path), "--precision", "fp32"))

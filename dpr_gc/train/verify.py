@@ -479,13 +479,15 @@ def overflow_note(trainer: Any, overflowed: Optional[float], finite: bool) -> tu
     steps are not finite (``finite`` False), at which scales and what that means for training."""
     scale = trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None
     if overflowed is None:
-        return "", "" if finite else (f"in {trainer.config.optim.precision}: the step itself overflows (training "
-                                      "stops at such a step as diverged)")
+        broken = (f"in {trainer.config.optim.precision}: the step itself overflows (training stops at such a step as "
+                  "diverged)")
+        return "", "" if finite else broken
     if finite:
         return (f"the scaled gradients overflow at loss scale {overflowed:g}; compared at loss scale {scale:g} "
                 "(training's GradScaler skips a step that overflows and lowers its scale)."), ""
     return "", (f"at loss scale {overflowed:g} nor after {SCALE_TRIES} halvings down to {scale:g}: the fp16 step "
-                "overflows whatever its loss scale (training would skip every step); try --precision bf16 or fp32")
+                "overflows whatever its loss scale (training would skip every step until it stops the run as "
+                "diverged); try --precision bf16 or fp32")
 
 
 def lower_scale(verifier: Verifier, cached: dict, full: Optional[dict], first: Optional[float]) -> Optional[float]:
