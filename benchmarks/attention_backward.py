@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import machine_info  # noqa: E402
-from bench_common import parser, setup_logging  # noqa: E402
+from bench_common import default_output, output_help, parser, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -72,6 +72,9 @@ def time_attention(shape: tuple[int, int, int, int], dtype: torch.dtype, backend
     return {"forward_ms": 1e3 * statistics.median(forward[1:]), "backward_ms": 1e3 * statistics.median(backward[1:])}
 
 
+SIZING = ("shapes", "dtypes", "backends", "repeats")  # the flags that size a run (the committed one: defaults)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -81,15 +84,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--backends", nargs="+", choices=tuple(BACKENDS), default=["flash", "math"])
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (default 5)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
-    p.add_argument("--output", default=None, help="default benchmarks/results/attention-backward-DEVICE.json")
+    p.add_argument("--output", default=None, help=output_help("attention-backward-DEVICE"))
     args = p.parse_args(argv)
+    args.output = default_output(f"attention-backward-{args.device}", p.parse_args, args, SIZING)
     args.shapes = [parse_shape(text) for text in args.shapes]
     if args.repeats < 1 or args.threads < 1:
         raise DprGcError(f"--repeats {args.repeats} / --threads {args.threads}: give positive counts")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DprGcError("--device cuda: torch sees no CUDA device on this machine; run it where one is, or drop "
                          "the flag for the CPU")
-    args.output = args.output or str(ROOT / "benchmarks" / "results" / f"attention-backward-{args.device}.json")
     return args
 
 

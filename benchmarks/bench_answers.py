@@ -27,12 +27,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import machine_info, parser, run_script  # noqa: E402
+from bench_common import default_output, machine_info, output_help, parser, run_script  # noqa: E402
 from dpr_gc.data.answer_text import _token_pattern, nfd as normalize  # noqa: E402
 from dpr_gc.evaluation.answers import AnswerMatcher, default_workers  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, write_json  # noqa: E402
@@ -212,7 +212,12 @@ def bench_cli(passages: list[dict], sizes: list[int], work: Path, full_max: int,
     return out
 
 
-def main() -> None:
+# the flags that size a run, and the two commands of the committed answers.json (benchmarks/README.md)
+SIZING = ("questions", "passages", "rss_questions", "full_max", "repeats", "matching")
+COMMITTED = ((), ("--no-matching", "--repeats", "3"))
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--questions", type=int, default=10_000, help="questions in the matching benchmark")
     p.add_argument("--passages", type=int, default=2_067, help="passage pool size")
@@ -225,10 +230,16 @@ def main() -> None:
                    help="run the matching benchmark (--no-matching: only the whole runs, merged into --output)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each compact retrieve (peak RSS varies by run)")
     p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_answers"))
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "answers.json"))
+    p.add_argument("--output", help=output_help("answers"))
     p.add_argument("--note", default="", help="the run's conditions (e.g. 'run under nice -n 5 beside tests'), "
                    "recorded in the results")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.output = default_output("answers", p.parse_args, args, SIZING, COMMITTED)
+    return args
+
+
+def main() -> None:
+    args = parse_args(None)
     passages = build_passages(args.passages)
     _token_pattern()  # built once per process, outside the timings
     report: dict[str, Any] = {"machine": machine_info("cpu", default_workers()), "note": args.note}

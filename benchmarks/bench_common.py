@@ -1,8 +1,10 @@
-"""What the benchmark scripts share: where a results file goes by default (a smoke run never overwrites the
-committed results of a full one), their command line (comma-separated list flags, a CUDA device checked up front),
-how a script runs (a bad input is one ``error:`` line and exit status 2, as for ``dpr-gc``; the dependencies'
-INFO lines and progress bars off, as ``dpr-gc`` has them without ``--verbose``) and the ``| item | value |`` table
-it ends with."""
+"""What the benchmark scripts share: where a results file goes by default (``benchmarks/results/STEM.json`` only
+for a run sized as the one that wrote the committed file; any other run without ``--output``, a smoke run or one with
+fewer rounds, steps or rows, goes to ``STEM-quick.json``, or into the work folder of the SciFact scripts that keep
+one, so it never overwrites committed results), their command line (comma-separated list flags, a CUDA device
+checked up front), how a script runs (a bad input is one ``error:`` line and exit status 2, as for ``dpr-gc``; the
+dependencies' INFO lines and progress bars off, as ``dpr-gc`` has them without ``--verbose``) and the
+``| item | value |`` table it ends with."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -31,8 +33,34 @@ from dpr_gc.base.tables import format_summary  # noqa: E402
 
 def results_path(stem: str, smoke: bool) -> str:
     """The default results file ``benchmarks/results/STEM.json``, or ``STEM-quick.json`` for a smoke run
-    (``--quick``, ``--tiny``): the committed results of a full run are never the target of a smoke run."""
+    (``--quick``, ``--tiny``) or any other run not sized as the committed one (see :func:`default_output`)."""
     return str(RESULTS / f"{stem}{'-quick' if smoke else ''}.json")
+
+
+def committed_size(parse: Callable[[list[str]], argparse.Namespace], args: argparse.Namespace,
+                   sizing: Iterable[str], committed: Sequence[Sequence[str]] = ((),)) -> bool:
+    """Whether ``args`` has, for every destination in ``sizing`` (the flags that size a run: steps, rounds, rows,
+    lengths, the smoke flags), the value one of the ``committed`` command lines gives (the flags of the run that
+    wrote the committed results file, the parser's defaults for the rest) as ``parse`` reads it."""
+    names = list(sizing)
+    return any(all(getattr(args, name) == getattr(full, name) for name in names)
+               for full in (parse(list(argv)) for argv in committed))
+
+
+def default_output(stem: str, parse: Callable[[list[str]], argparse.Namespace], args: argparse.Namespace,
+                   sizing: Iterable[str], committed: Sequence[Sequence[str]] = ((),)) -> str:
+    """``--output`` when given; else ``benchmarks/results/STEM.json`` for a run sized as a ``committed`` command
+    (see :func:`committed_size`), ``STEM-quick.json`` for any other, so a smaller (or larger) trial run never
+    overwrites the committed results."""
+    if getattr(args, "output", None):
+        return str(args.output)
+    return results_path(stem, not committed_size(parse, args, sizing, committed))
+
+
+def output_help(stem: str) -> str:
+    """The ``--output`` flag's help for a script whose default is :func:`default_output`'s."""
+    return (f"results JSON (default: benchmarks/results/{stem}.json for a run sized as the committed one, else "
+            f"{stem}-quick.json)")
 
 
 def cpu_model() -> tuple[str, list[str]]:

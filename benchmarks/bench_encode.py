@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import machine_info, parser, run_script, setup_logging  # noqa: E402
+from bench_common import default_output, machine_info, output_help, parser, run_script, setup_logging  # noqa: E402
 from dpr_gc.data.corpus import load_corpus  # noqa: E402
 from dpr_gc.base.devices import cpu_has_native_bf16  # noqa: E402
 from dpr_gc.retrieval.encode import encode_block, encode_corpus, quantize_int8  # noqa: E402
@@ -193,14 +193,20 @@ def summarize(args: argparse.Namespace, n_rows: int, seconds: dict, outputs: dic
     return results
 
 
-def main() -> None:
+# the flags that size a run, and the command of the committed encode.json (benchmarks/README.md)
+SIZING = ("docs", "max_length", "batch_size", "rounds", "chunk", "quality", "timing", "quality_max_length",
+          "quality_precisions", "quality_dtypes")
+COMMITTED = (("--docs", "256", "--chunk", "128", "--no-quality"),)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--docs", type=int, default=1000)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--chunk", type=int, default=256, help="passages per timed call; methods rotate per chunk")
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encode.json"))
+    p.add_argument("--output", help=output_help("encode"))
     p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=SCIFACT.is_file(),
                         help="also measure SciFact nDCG@10 per precision (default: when SciFact is present)")
     p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
@@ -213,7 +219,13 @@ def main() -> None:
                         help="stored embedding dtypes of the quality phase (float32 is the reference; encode's "
                              "default is float16)")
     p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_encode"), help="cached SciFact embeddings")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.output = default_output("encode", p.parse_args, args, SIZING, COMMITTED)
+    return args
+
+
+def main() -> None:
+    args = parse_args(None)
     setup_logging("%(message)s", logging.WARNING)
 
     load_before = list(os.getloadavg())

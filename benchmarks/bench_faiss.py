@@ -20,7 +20,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -29,7 +29,7 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import machine_info, parser, run_script
+from bench_common import default_output, machine_info, output_help, parser, run_script
 from dpr_gc.base.files import write_json
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, set_threads
 
@@ -149,7 +149,12 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+# the flags that size a run (the committed faiss.json: the defaults, --threads 1)
+SIZING = ("n", "dim", "latent", "clusters", "queries", "k", "hnsw_m", "ef_construction", "ef_search", "nlist", "pq_m",
+          "nprobe", "train_sample", "repeats")
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--n", type=int, default=200_000, help="database vectors (default 200k)")
     p.add_argument("--dim", type=int, default=384)
@@ -169,8 +174,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-recall", type=float, default=0.98)
     p.add_argument("--target-speedup", type=float, default=5.0)
-    p.add_argument("--output", type=Path, default=Path(__file__).resolve().parent / "results" / "faiss.json")
-    args = p.parse_args()
+    p.add_argument("--output", help=output_help("faiss"))
+    args = p.parse_args(argv)
+    args.output = default_output("faiss", p.parse_args, args, SIZING)
+    return args
+
+
+def main() -> None:
+    args = parse_args(None)
     report = run(args)
     write_json(args.output, report)
     print()

@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import (check_choices, name_list, parser, require_cuda, results_path, run_script,  # noqa: E402
-                          setup_logging, summary_table)
+from bench_common import (check_choices, default_output, name_list, output_help, parser, require_cuda,  # noqa: E402
+                          run_script, setup_logging, summary_table)
 from bench_gradcache import (ORIGINAL, RESULT_TAG, TEMPERATURE, PeakMemory, build_inputs, child_env,  # noqa: E402
                              encoder_model, interleave, machine_info, make_step, original_version, run_child,
                              st_version)
@@ -326,8 +326,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's default, dynamic threshold)")
-    p.add_argument("--output", default=None, help="default benchmarks/results/frontier-DEVICE.json, "
-                   "frontier-DEVICE-quick.json with --quick or --tiny (and its .png)")
+    p.add_argument("--output", default=None, help=output_help("frontier-DEVICE") + " (and its .png)")
     p.add_argument("--plot", metavar="RESULTS", help="only draw the PNG of an existing results file")
     args = p.parse_args(argv)
     if args.mmap_threshold < 0:
@@ -354,9 +353,17 @@ def available_peers(names: list[str]) -> tuple[list[str], list[str]]:
     return found, notes
 
 
+# the flags that size a run, and the command of the committed frontier-cpu.json (benchmarks/README.md)
+SIZING = ("shapes", "precisions", "batch", "chunk", "query_length", "passage_length", "llm_batch", "llm_chunk",
+          "small", "tiny", "peers", "steps", "quick")
+COMMITTED = (("--device", "cpu", "--shapes", "scifact", "--batch", "32", "--chunk", "8", "--passage-length", "128",
+              "--steps", "2", "--threads", "2"),)
+
+
 def output_path(args: argparse.Namespace, device: str) -> str:
-    """--output, else frontier-DEVICE.json, or frontier-DEVICE-quick.json for a --quick or --tiny run."""
-    return args.output or results_path(f"frontier-{device}", args.quick or args.tiny)
+    """--output, else frontier-DEVICE.json for a run sized as the committed one, frontier-DEVICE-quick.json for any
+    other (a --quick or --tiny run among them)."""
+    return default_output(f"frontier-{device}", parse_args, args, SIZING, COMMITTED)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

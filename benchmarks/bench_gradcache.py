@@ -52,8 +52,8 @@ from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_common import machine_info as common_machine_info  # noqa: E402
-from bench_common import (int_list, name_list, parser, require_cuda, results_path, run_script,  # noqa: E402
-                          setup_logging)
+from bench_common import (committed_size, int_list, name_list, output_help, parser, require_cuda,  # noqa: E402
+                          results_path, run_script, setup_logging)
 from dpr_gc.base.args import positive_float, positive_int  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json_object, write_json  # noqa: E402
@@ -510,6 +510,13 @@ def verdicts(targets: dict, uneven_target: float) -> list[str]:
     return out
 
 
+# the flags that size a run, and the command of the committed gradcache.json (benchmarks/README.md)
+SIZING = ("batches", "chunk", "inputs", "methods", "plain_max_batch", "fixed_lengths", "uneven_lengths", "steps",
+          "rounds", "memory_check", "memory_lengths", "memory_batches", "skip_grid", "tiny", "quick")
+COMMITTED = (("--batches", "32,128", "--chunk", "32", "--plain-max-batch", "32", "--steps", "1", "--threads", "1",
+              "--clock", "cpu"),)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ints, names = int_list, name_list
     p = parser(__doc__)
@@ -541,12 +548,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of MiniLM (smoke runs)")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 8, chunk 4, short lengths, one step")
     p.add_argument("--timeout", type=positive_int, default=3600, help="seconds per configuration")
-    p.add_argument("--output", default=None, help="default benchmarks/results/gradcache.json (--quick or --tiny: "
-                   "gradcache-quick.json; --merge: required)")
+    p.add_argument("--output", default=None, help=output_help("gradcache")[:-1] + "; --merge: required)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="combine the results of runs made side by side (one per method) into --output (required); "
                    "runs nothing")
     args = p.parse_args(argv)
+    full = committed_size(p.parse_args, args, SIZING, COMMITTED)
     if args.inputs is None:
         args.inputs = ["uneven"] if args.quick else list(INPUTS)
     if args.threads is None:
@@ -563,7 +570,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         args.clock, args.uneven_target = args.clock or "wall", args.uneven_target or 1.15
         check_plan(args)
     require_cuda(args.device)
-    args.output = output_path(args)
+    args.output = output_path(args, full)
     return args
 
 
@@ -577,11 +584,12 @@ def check_plan(args: argparse.Namespace) -> None:
                      f"{args.plain_max_batch}; give a smaller batch, a higher --plain-max-batch or another method")
 
 
-def output_path(args: argparse.Namespace) -> str:
-    """--output, else gradcache.json (gradcache-quick.json for a --quick or --tiny run); a --merge names its own,
+def output_path(args: argparse.Namespace, full: bool) -> str:
+    """--output, else gradcache.json for a ``full`` run (sized as the committed one), gradcache-quick.json for any
+    other (a --quick or --tiny run among them); a --merge names its own,
     never one of the files it reads, so no run replaces the results it merges."""
     if not args.merge:
-        return args.output or results_path("gradcache", args.quick or args.tiny)
+        return args.output or results_path("gradcache", not full)
     if args.output is None:
         raise DprGcError("--merge needs --output: name the merged results file (e.g. --output "
                          "benchmarks/results/gradcache-merged.json)")

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_common import int_list, machine_info, parser, run_script, summary_table  # noqa: E402
+from bench_common import (default_output, int_list, machine_info, output_help, parser, run_script,  # noqa: E402
+                          summary_table)
 from dpr_gc.base.args import nonnegative_int, positive_int  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.jax import (ContrastiveLoss, Encoder, EncoderConfig, cached_value_and_grad, encoder_fn,  # noqa: E402
@@ -66,6 +67,11 @@ def plan(step, params, batch: int, query_length: int, passage_length: int, group
             "output_bytes": int(stats.output_size_in_bytes), "compile_seconds": round(time.perf_counter() - started, 1)}
 
 
+# the flags that size a run, and the command of the committed jax_memory.json (benchmarks/README.md)
+SIZING = ("batches", "chunk", "hard_negatives", "query_length", "passage_length")
+COMMITTED = (("--batches", "64,1024", "--chunk", "16"),)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--batches", type=int_list, default=[64, 256, 1024, 4096],
@@ -74,8 +80,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--hard-negatives", type=nonnegative_int, default=1, help="hard negatives per query")
     p.add_argument("--query-length", type=positive_int, default=32, help="query tokens")
     p.add_argument("--passage-length", type=positive_int, default=128, help="passage tokens")
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "jax_memory.json"))
-    return p.parse_args(argv)
+    p.add_argument("--output", help=output_help("jax_memory"))
+    args = p.parse_args(argv)
+    args.output = default_output("jax_memory", p.parse_args, args, SIZING, COMMITTED)
+    return args
 
 
 def summary_items(rows: list[dict]) -> dict[str, str]:

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import (check_choices, int_list, machine_info, name_list, parser, require_cuda,  # noqa: E402
-                          run_script, summary_table)
+from bench_common import (check_choices, default_output, int_list, machine_info, name_list, output_help,  # noqa: E402
+                          parser, require_cuda, run_script, summary_table)
 from bench_gradcache import PeakMemory  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -117,6 +117,13 @@ def one_run(args: argparse.Namespace) -> dict:
             "memory_method": memory.method, "parameters": params, "trainable_parameters": trainable}
 
 
+# the flags that size a run (llm.json holds one device's), and the two commands of the committed llm.json
+SIZING = ("device", "precision", "batches", "chunk", "query_length", "passage_length", "lora_r", "steps", "small",
+          "methods")
+COMMITTED = tuple(("--small", "--device", "cpu", "--precision", "fp32", "--batches", batches, "--chunk", "4",
+                   "--steps", "2") for batches in ("4,8,16", "32"))
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
@@ -129,12 +136,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--small", action="store_true", help="a 4-layer, 256-wide model instead of Qwen2-0.5B's shape")
     p.add_argument("--methods", type=name_list, default=list(METHODS), help=",".join(METHODS))
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "llm.json"))
+    p.add_argument("--output", help=output_help("llm"))
     p.add_argument("--append", action="store_true",
                    help="add the rows to those already in --output (each invocation's settings are kept)")
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.output = default_output("llm", p.parse_args, args, SIZING, COMMITTED)
     check_choices("--methods", args.methods, METHODS)
     require_cuda(args.device)
     return args

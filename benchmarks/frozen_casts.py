@@ -51,11 +51,14 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+COMMITTED = (("--small", "--rounds", "3", "--steps", "3"),)  # the committed frozen-casts-cpu.json's sizes
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = grid_parser(__doc__.splitlines()[0], "frozen-casts")
     p.set_defaults(shape="llm", precisions=["bf16"], passage_lengths=[128])
     p.add_argument("--budget-mb", type=float, default=128.0, help="the fixed budget between 0 and the whole batch")
-    args = check_grid_args(p.parse_args(argv))
+    args = check_grid_args(p, argv, COMMITTED)
     if args.budget_mb <= 0:
         raise DprGcError(f"--budget-mb {args.budget_mb:g}: give a positive size in MiB")
     return args

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_llm  # noqa: E402
 from bench_gradcache import ORIGINAL, machine_info, original_version  # noqa: E402
-from bench_common import parser, setup_logging  # noqa: E402
+from bench_common import default_output, output_help, parser, setup_logging  # noqa: E402
 from dpr_gc import Chunking, GradCache, SimpleContrastiveLoss  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -238,6 +238,10 @@ def counted(collections: Collections, timed_step: bool) -> Iterator[None]:
             gc.callbacks.remove(collections)
 
 
+# the flags that size a run (benchmarks/README.md's runs: the defaults, with their own --output)
+SIZING = ("layers", "rows", "query_length", "passage_length", "steps", "shape", "variants", "chunk", "precision")
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--layers", type=int, default=24, help="decoder layers (default 24, as Qwen2-0.5B)")
@@ -254,14 +258,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--variants", default="plain,whole", help=f"comma-separated, of {', '.join(VARIANTS)} (default "
                                                               "plain,whole)")
     p.add_argument("--chunk", type=int, default=1, help="rows per chunk of budget0 and the original (default 1)")
-    p.add_argument("--output", default=None, help="default benchmarks/results/host-overhead-DEVICE.json")
+    p.add_argument("--output", default=None, help=output_help("host-overhead-DEVICE"))
     args = p.parse_args(argv)
+    args.output = default_output(f"host-overhead-{args.device}", p.parse_args, args, SIZING)
     for flag in ("layers", "rows", "query_length", "passage_length", "steps", "threads", "chunk"):
         if getattr(args, flag) < 1:
             raise DprGcError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive integer")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DprGcError("--device cuda: no CUDA device is available here; leave --device out to run on the CPU")
-    args.output = args.output or str(ROOT / "benchmarks" / "results" / f"host-overhead-{args.device}.json")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants:

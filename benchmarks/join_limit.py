@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_frontier import OURS, PLAIN, launch, shape_model  # noqa: E402
-from bench_common import parser, results_path, setup_logging  # noqa: E402
+from bench_common import default_output, output_help, parser, setup_logging  # noqa: E402
 from bench_gradcache import machine_info  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -40,6 +40,9 @@ from dpr_gc.engine.grad_cache import (CHUNK_OVERHEAD_TOKENS, DEFAULT_CHUNK_OVERH
 
 logger = logging.getLogger("join_limit")
 WHOLE_BATCH = 10**15
+# the flags that size a grid run (a script's own, e.g. --also-limits, add variants beside these)
+GRID_SIZING = ("passage_lengths", "precisions", "batch", "chunk", "query_length", "steps", "rounds", "tiny", "shape",
+               "small")
 VARIANTS = {"plain": {"method": PLAIN, "budget": None},
             "limited": {"method": OURS, "budget": WHOLE_BATCH},
             "unlimited": {"method": OURS, "budget": WHOLE_BATCH, "joined_max_tokens": None}}
@@ -47,7 +50,8 @@ VARIANTS = {"plain": {"method": PLAIN, "budget": None},
 
 def grid_parser(description: str, name: str) -> argparse.ArgumentParser:
     """The flags of a grid of passage lengths x precisions, each variant in fresh processes (shared with
-    embedding_grads.py and frozen_casts.py); results go to ``benchmarks/results/NAME-DEVICE.json`` by default."""
+    embedding_grads.py and frozen_casts.py); results go to ``benchmarks/results/NAME-DEVICE.json`` by default
+    (``NAME-DEVICE-quick.json`` for a run of other sizes than the committed one, see :func:`check_grid_args`)."""
     p = parser(description)
     p.set_defaults(results_name=name)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every variant runs (default cpu)")
@@ -69,12 +73,15 @@ def grid_parser(description: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="the llm shape's 4-layer CPU size")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="results JSON (default benchmarks/results/NAME-DEVICE.json, "
-                   "NAME-DEVICE-quick.json with --tiny)")
+    p.add_argument("--output", default=None, help=output_help(f"{name}-DEVICE"))
     return p
 
 
-def check_grid_args(args: argparse.Namespace) -> argparse.Namespace:
+def check_grid_args(p: argparse.ArgumentParser, argv: Optional[list[str]],
+                    committed: tuple[tuple[str, ...], ...] = ((),)) -> argparse.Namespace:
+    """The grid's flags read from ``argv`` and checked; the results file ``NAME-DEVICE.json`` for a run sized as one
+    of the ``committed`` commands (those of the committed file; the defaults unless given), else the ``-quick`` one."""
+    args = p.parse_args(argv)
     if min(args.passage_lengths + [args.batch, args.chunk, args.query_length, args.steps, args.rounds]) < 1:
         raise DprGcError("--passage-lengths, --batch, --chunk, --query-length, --steps and --rounds must be positive")
     if args.small and args.shape != "llm":
@@ -87,7 +94,7 @@ def check_grid_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.mmap_threshold < 0:
         raise DprGcError(f"--mmap-threshold {args.mmap_threshold}: give a size in bytes, or 0 for glibc's own "
                          "threshold")
-    args.output = args.output or results_path(f"{args.results_name}-{args.device}", args.tiny)
+    args.output = default_output(f"{args.results_name}-{args.device}", p.parse_args, args, GRID_SIZING, committed)
     return args
 
 
@@ -98,7 +105,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--also-overheads", type=int, nargs="+", default=[], metavar="TOKENS",
                    help="chunk overheads to run beside the engine's (each a variant overhead-TOKENS): a chunk joins "
                         "the next while the padding it adds stays under this many tokens per chunk saved")
-    args = check_grid_args(p.parse_args(argv))
+    args = check_grid_args(p, argv)
     for flag, values in (("--also-limits", args.also_limits), ("--also-overheads", args.also_overheads)):
         if any(n < 1 for n in values):
             raise DprGcError(f"{flag} {' '.join(map(str, values))}: give positive token counts")

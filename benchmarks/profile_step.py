@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_frontier import (OURS, PLAIN, ST, available_peers, llm_step, scifact_step, shape_model,  # noqa: E402
                             timed_steps)
-from bench_common import parser, results_path, setup_logging, summary_table  # noqa: E402
+from bench_common import default_output, output_help, parser, setup_logging, summary_table  # noqa: E402
 from bench_gradcache import ORIGINAL, RESULT_TAG, child_env, machine_info, run_child  # noqa: E402
 from dpr_gc.base.errors import DprGcError, report_errors  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
@@ -149,6 +149,12 @@ def profile_one(cfg: dict) -> dict:
     return out
 
 
+# the flags that size a run, and the command of the committed profile-step-cpu.json (benchmarks/README.md)
+SIZING = ("shape", "small", "tiny", "variants", "precision", "batch", "chunk", "query_length", "passage_length",
+          "steps", "top")
+COMMITTED = (("--batch", "32", "--chunk", "8", "--passage-length", "128", "--steps", "2"),)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -168,8 +174,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="default benchmarks/results/profile-step-DEVICE.json, "
-                   "profile-step-DEVICE-quick.json with --tiny")
+    p.add_argument("--output", default=None, help=output_help("profile-step-DEVICE"))
     args = p.parse_args(argv)
     if args.one is None and min(args.batch, args.chunk, args.query_length, args.passage_length, args.steps,
                                 args.top) < 1:
@@ -179,7 +184,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.one is None and args.device == "cuda" and not torch.cuda.is_available():
         raise DprGcError("--device cuda: torch sees no CUDA device on this machine; run it where one is, or drop "
                          "the flag for the CPU")
-    args.output = args.output or results_path(f"profile-step-{args.device}", args.tiny)
+    args.output = default_output(f"profile-step-{args.device}", p.parse_args, args, SIZING, COMMITTED)
     return args
 
 

@@ -22,9 +22,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import parser, run_script, setup_logging  # noqa: E402
+from bench_common import default_output, output_help, parser, run_script, setup_logging  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("rank_tests_loop")
@@ -107,17 +108,28 @@ def commit() -> str | None:
         return None
 
 
-def main() -> None:
+# the flags that size a run, and the command of the committed rank-tests-loop.json (benchmarks/README.md)
+SIZING = ("iterations", "iteration_limit", "load", "node_ids")
+COMMITTED = (("--iterations", "20", "--no-load", "--iteration-limit", "1200"),)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--iterations", type=int, default=20, help="runs of the multi-process tests")
     p.add_argument("--iteration-limit", type=float, default=1800.0, help="seconds before a run is killed")
     p.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
                         help="load the machine with the rest of the suite meanwhile")
     p.add_argument("--keep-going", action="store_true", help="go on after a failing iteration")
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "rank-tests-loop.json"))
+    p.add_argument("--output", help=output_help("rank-tests-loop"))
     p.add_argument("node_ids", nargs="*", default=list(NODE_IDS), help="tests to repeat (default: all "
                         "multi-process tests)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.output = default_output("rank-tests-loop", p.parse_args, args, SIZING, COMMITTED)
+    return args
+
+
+def main() -> None:
+    args = parse_args(None)
     setup_logging()
     output = Path(args.output)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit(), "command": " ".join(sys.argv),

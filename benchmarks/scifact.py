@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_common import machine_info, parser, setup_logging  # noqa: E402
+from bench_common import committed_size, machine_info, parser, setup_logging  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import iter_jsonl, read_json, write_json  # noqa: E402
@@ -506,8 +506,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = parser(__doc__, paragraph=True)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"), help="BEIR SciFact folder")
     p.add_argument("--out", default=str(ROOT / "runs" / "scifact"), help="cache folder for every phase")
-    p.add_argument("--results", help="folder the JSON/markdown go to (default benchmarks/results; --quick: the "
-                                      "out folder, so a smoke run never replaces a committed results file)")
+    p.add_argument("--results", help="folder the JSON/markdown go to (default: benchmarks/results for the "
+                   "committed run's settings; --quick or others: the out folder, so a trial run never replaces a "
+                   "committed file)")
     p.add_argument("--quick", action="store_true", help="smoke test: 200-passage subset, tiny lengths and batches "
                    "(out folder gets a -quick suffix, results go to scifact-quick.* there)")
     for f in dataclasses.fields(Settings):
@@ -571,12 +572,22 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return s
 
 
+# the command of the committed scifact.{json,md} (benchmarks/README.md); every setting but where a run reads and
+# writes and what it runs on sizes it
+COMMITTED = (("--sweep-lengths", "--no-precision-check", "--timing-queries", "256", "--variant", "epochs=3",
+              "learning_rate=1e-4", "--variant", "batch_size=128", "learning_rate=2e-4", "epochs=4"),)
+SIZING = tuple(f.name for f in dataclasses.fields(Settings) if f.name not in ("data", "out", "device", "threads"))
+
+
 def results_folder(args: argparse.Namespace) -> Path:
-    """Where the JSON/markdown go: ``--results``, else the committed folder, or for ``--quick`` its out folder."""
+    """Where the JSON/markdown go: ``--results``, else the committed folder for the committed run's settings, or
+    the out folder for any other run (``--quick``: its ``-quick`` one), so a trial run never replaces them."""
     if args.results:
         return Path(args.results)
     if args.quick:
         return Path(args.out).with_name(Path(args.out).name + "-quick")
+    if not committed_size(parse_args, args, (*SIZING, "variant"), COMMITTED):
+        return Path(args.out)
     return ROOT / "benchmarks" / "results"
 
 

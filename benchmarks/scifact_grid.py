@@ -48,6 +48,7 @@ class GridSettings(LoopSettings):
 
 QUICK = dict(query_max_length=24, max_length=32, train_max_length=32, chunk_size=4, epochs=1, mine_top_k=10,
              mine_keep=3, encode_batch_size=32, precision="fp32", batches=(8,), negatives=(1,), masking=("on", "off"))
+COMMITTED = GridSettings()  # the committed scifact-grid-cpu.json's settings (benchmarks/README.md's command)
 GRID_ONLY = ("filters", "round2", "refit", "dev_fraction", "batch_size", "hard_negatives", "mine_source",
              "train_seeds")
 
@@ -124,7 +125,8 @@ def run(args: argparse.Namespace) -> Any:
             or not s.masking or not set(s.masking) <= {"on", "off"}):
         raise DprGcError("need --ratio >= 0, --batches >= 1, --negatives >= 0 and --masking on and/or off")
     began = time.perf_counter()
-    work, results, model = open_work(args, "scifact-grid", s, free=("batches", "negatives", "masking", "train_seeds"))
+    work, results, model = open_work(args, "scifact-grid", s, COMMITTED,
+                                     free=("batches", "negatives", "masking", "train_seeds"))
     data = prepare_data(Path(args.data), work, args.quick, s.dev_fraction, s.seed)
     loop = Loop(Runner(work, args.device, args.parallel), s, data)
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k not in GRID_ONLY}

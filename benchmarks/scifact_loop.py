@@ -107,6 +107,9 @@ class LoopSettings:
 QUICK = dict(query_max_length=24, max_length=32, train_max_length=32, batch_size=8, chunk_size=4, epochs=1,
              mine_top_k=10, mine_keep=3, encode_batch_size=32, precision="fp32", filters=("none",),
              round2=("round1:round1", "base:union"))
+# the settings of the committed benchmarks/results/scifact-loop.json (benchmarks/README.md's command)
+COMMITTED = LoopSettings(filters=("none",), round2=("round1:round1", "round1:union", "round1:round1:0.95",
+                                                    "round1:union:0.95"))
 
 
 # ----------------------------------------------------------------------------------------------- running commands
@@ -663,8 +666,8 @@ def common_parser(description: str, results_name: str) -> argparse.ArgumentParse
     p.add_argument("--data", default=str(default), help="BEIR SciFact folder (default: ../shared/data/scifact)")
     p.add_argument("--model", help="the base model folder (default: the offline all-MiniLM-L6-v2)")
     p.add_argument("--output", help="work folder for every command's outputs (default runs/<benchmark>[-quick])")
-    p.add_argument("--results", help=f"results JSON (default benchmarks/results/{results_name}.json; --quick: "
-                   "results.json in the --output folder)")
+    p.add_argument("--results", help=f"results JSON (default: benchmarks/results/{results_name}.json for the "
+                   "committed run's settings; --quick or other settings: results.json in the --output folder)")
     p.add_argument("--device", help="torch device for every command (default: the toolkit's choice)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 48 training / 20 test queries, 200 passages, tiny lengths and batches, fp32, "
@@ -700,15 +703,18 @@ def settings_from(args: argparse.Namespace, settings_class: type, quick: dict) -
     return settings_class(**values)
 
 
-def open_work(args: argparse.Namespace, name: str, settings: Any, free: tuple = ()) -> tuple[Path, Path, str]:
+def open_work(args: argparse.Namespace, name: str, settings: Any, committed: Any,
+              free: tuple = ()) -> tuple[Path, Path, str]:
     """The work folder (refusing one made with other settings but the ``free`` ones, which only add or drop
-    commands), the results path and the base model. A ``--quick`` run's results default to ``WORK/results.json``,
-    so a smoke run never replaces the committed results under benchmarks/results."""
+    commands), the results path and the base model. The results default to benchmarks/results/NAME.json only for
+    the ``committed`` settings (those of the committed file); a ``--quick`` run's, or one with any other settings,
+    to ``WORK/results.json``, so a trial run never replaces the committed results."""
     from dpr_gc.model.pretrained import default_model_path
 
     suffix = "-quick" if args.quick else ""
     work = Path(args.output or ROOT / "runs" / f"{name}{suffix}").resolve()
-    results = Path(args.results or (work / "results.json" if args.quick else
+    trial = args.quick or settings != committed
+    results = Path(args.results or (work / "results.json" if trial else
                                     ROOT / "benchmarks" / "results" / f"{name}.json"))
     model = args.model or default_model_path()
     fixed = {k: v for k, v in dataclasses.asdict(settings).items() if k not in free}
@@ -784,7 +790,7 @@ def run(args: argparse.Namespace) -> None:
     s = settings_from(args, LoopSettings, QUICK)
     check(s)
     began = time.perf_counter()
-    work, results, model = open_work(args, "scifact-loop", s, free=("train_seeds",))
+    work, results, model = open_work(args, "scifact-loop", s, COMMITTED, free=("train_seeds",))
     data = prepare_data(Path(args.data), work, args.quick, s.dev_fraction, s.seed)
     loop = Loop(Runner(work, args.device, args.parallel), s, data)
 

@@ -12,6 +12,7 @@ results file and the machine.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import random
@@ -24,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import machine_info, parser, run_script, summary_table  # noqa: E402
+from bench_common import (default_output, machine_info, output_help, parser, run_script,  # noqa: E402
+                          summary_table)
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.files import write_json  # noqa: E402
 
@@ -72,17 +74,22 @@ def summary_items(shapes: list[dict]) -> dict[str, str]:
     return items
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    started = time.perf_counter()
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "scifact",
                    help="BEIR SciFact folder (default ../shared/data/scifact)")
     p.add_argument("--batch", type=int, nargs="+", default=[32, 64, 256, 512], help="rows per batch")
     p.add_argument("--chunk", type=int, nargs="+", default=[8, 32], help="rows per length-grouped chunk")
     p.add_argument("--samples", type=int, default=200, help="random batches per shape (default 200)")
-    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "scifact-padding.json",
-                   help="results JSON (default benchmarks/results/scifact-padding.json)")
+    p.add_argument("--output", help=output_help("scifact-padding"))
     args = p.parse_args(argv)
+    args.output = default_output("scifact-padding", p.parse_args, args, ("batch", "chunk", "samples"))
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
     for flag, values in (("--batch", args.batch), ("--chunk", args.chunk), ("--samples", [args.samples])):
         if min(values) < 1:
             raise DprGcError(f"{flag} {min(values)}: must be at least 1")

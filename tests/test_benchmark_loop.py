@@ -436,7 +436,9 @@ def test_a_report_holds_its_head_its_body_and_every_phase(tmp_path: Path) -> Non
 @pytest.mark.parametrize("quick", [True, False])
 def test_a_smoke_run_writes_its_results_into_its_work_folder(tmp_path: Path, quick: bool) -> None:
     """--quick without --results writes WORK/results.json, never a committed file under benchmarks/results (the
-    README cites scifact-loop-quick.json); a full run defaults to benchmarks/results/NAME.json; --results wins."""
+    README cites scifact-loop-quick.json), and so does a run with other settings than the committed one (a run with
+    --epochs 1 wrote over the committed scifact-loop.json); a run with the committed settings defaults to
+    benchmarks/results/NAME.json; --results wins."""
     import dataclasses
 
     @dataclasses.dataclass
@@ -445,8 +447,28 @@ def test_a_smoke_run_writes_its_results_into_its_work_folder(tmp_path: Path, qui
 
     args = argparse.Namespace(quick=quick, output=str(tmp_path / "w"), results=None, model="MODEL",
                               data=str(tmp_path))
-    work, results, _ = loop.open_work(args, "scifact-loop", Settings())
+    work, results, _ = loop.open_work(args, "scifact-loop", Settings(), Settings())
     assert work == tmp_path / "w"
     assert results == (work / "results.json" if quick else REPO / "benchmarks" / "results" / "scifact-loop.json")
+    args.output = str(tmp_path / "w4")  # a work folder holds one run's settings
+    assert loop.open_work(args, "scifact-loop", Settings(batch=4), Settings())[1] == tmp_path / "w4" / "results.json"
     args.results = str(tmp_path / "r.json")
-    assert loop.open_work(args, "scifact-loop", Settings())[1] == tmp_path / "r.json"
+    assert loop.open_work(args, "scifact-loop", Settings(batch=4), Settings())[1] == tmp_path / "r.json"
+
+
+@pytest.mark.parametrize("script, command", [
+    ("scifact_loop", ["--filters", "none", "--round2", "round1:round1", "round1:union", "round1:round1:0.95",
+                      "round1:union:0.95"]),
+    ("scifact_grid", [])])
+def test_the_committed_settings_are_those_of_the_committed_files_command(script: str, command: list[str]) -> None:
+    """The settings a script writes benchmarks/results with are those its README command for the committed file
+    (scifact-loop.json, scifact-grid-cpu.json) gives, read as the script reads them; --epochs 1 is another run."""
+    import importlib
+
+    module = importlib.import_module(script)
+    settings_class = loop.LoopSettings if script == "scifact_loop" else module.GridSettings
+    p = loop.common_parser("x", script)
+    loop.add_settings_flags(p, settings_class, skip=getattr(module, "GRID_ONLY", ()))
+    assert loop.settings_from(p.parse_args(command), settings_class, module.QUICK) == module.COMMITTED
+    assert loop.settings_from(p.parse_args([*command, "--epochs", "1"]), settings_class, module.QUICK) != \
+        module.COMMITTED

@@ -8,6 +8,7 @@ import importlib
 import re
 import shlex
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -81,3 +82,33 @@ def test_every_readme_command_is_one_its_script_accepts(monkeypatch: pytest.Monk
             assert "CUDA" in str(refused) or "package" in str(refused), (script, args, str(refused))
         checked += 1
     assert checked >= 30, checked
+
+
+def _resolved_output(module: object, args: object) -> Optional[Path]:
+    """Where a parsed README command writes its results file by default (None where the script names none)."""
+    if hasattr(module, "output_path") and getattr(args, "device", None) in ("cpu", "cuda"):
+        return Path(module.output_path(args, args.device))
+    output = getattr(args, "output", None)
+    return Path(output) if isinstance(output, str) and output.endswith(".json") else None
+
+
+def test_every_readme_command_writing_a_committed_name_writes_that_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A README command that writes a committed file under benchmarks/results by default writes one the README names
+    (a trial run of other sizes goes to NAME-quick.json, see bench_common), and the README's commands for the
+    committed frontier-cpu.json, gradcache.json, chunk-cost-cpu.json,
+    join-limit-cpu.json, frozen-casts-cpu.json and profile-step-cpu.json resolve to them."""
+    monkeypatch.syspath_prepend(str(README.parent))
+    text, results, written = README.read_text(encoding="utf-8"), README.parent / "results", set()
+    for script, args in _readme_commands():
+        module = importlib.import_module(script)
+        try:
+            output = _resolved_output(module, module.parse_args(args)) if hasattr(module, "parse_args") else None
+        except DprGcError:  # no GPU or peer here (checked above)
+            continue
+        if output is None or not output.is_file() or output.parent.resolve() != results.resolve():
+            continue
+        assert f"results/{output.name}" in text, (script, args, output.name)
+        written.add(output.name)
+    expected = {"frontier-cpu.json", "gradcache.json", "chunk-cost-cpu.json", "join-limit-cpu.json",
+                "frozen-casts-cpu.json", "profile-step-cpu.json"}
+    assert expected <= written, expected - written

@@ -25,10 +25,15 @@ from tests.helpers import summary_rows  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 
 
+FRONTIER_CPU = ["--shapes", "scifact", "--batch", "32", "--chunk", "8", "--passage-length", "128", "--steps", "2"]
+
+
 def test_a_smoke_run_never_writes_over_committed_results() -> None:
-    """--quick and --tiny runs default to NAME-quick.json; a full run to NAME.json; --output always wins."""
-    for flags, name in (([], "frontier-cpu.json"), (["--quick"], "frontier-cpu-quick.json"),
-                        (["--tiny"], "frontier-cpu-quick.json"), (["--quick", "--tiny"], "frontier-cpu-quick.json")):
+    """--quick and --tiny runs default to NAME-quick.json; the committed run's command to NAME.json; --output always
+    wins."""
+    for flags, name in ((FRONTIER_CPU, "frontier-cpu.json"), (["--quick"], "frontier-cpu-quick.json"),
+                        (["--tiny"], "frontier-cpu-quick.json"), (["--quick", "--tiny"], "frontier-cpu-quick.json"),
+                        ([*FRONTIER_CPU, "--quick"], "frontier-cpu-quick.json")):
         assert bench_frontier.output_path(bench_frontier.parse_args(flags), "cpu") == str(RESULTS / name)
     given = bench_frontier.parse_args(["--quick", "--output", "x.json"])
     assert bench_frontier.output_path(given, "cpu") == "x.json"
@@ -44,7 +49,8 @@ def test_bench_gradcache_smoke_and_merge_runs_never_default_to_committed_results
 
     for flags in (["--tiny"], ["--quick"], ["--quick", "--tiny"]):
         assert bench_gradcache.parse_args(flags).output == str(RESULTS / "gradcache-quick.json"), flags
-    assert bench_gradcache.parse_args([]).output == str(RESULTS / "gradcache.json")
+    committed = ["--batches", "32,128", "--chunk", "32", "--plain-max-batch", "32", "--steps", "1", "--clock", "cpu"]
+    assert bench_gradcache.parse_args(committed).output == str(RESULTS / "gradcache.json")
     one_error_line(capsys, "bench_gradcache.py", "--merge", "a.json", "b.json", words=("--merge", "--output"))
 
 
@@ -140,7 +146,7 @@ def test_bench_workers_writes_its_results_beside_the_others_from_any_folder(
     with mock.patch.object(bench_workers, "run", run), \
             mock.patch.object(bench_workers, "write_json", lambda path, data: written.append(path)):
         assert bench_workers.main([str(train), "--workers", "0"]) == 0
-    assert written == [str(RESULTS / "workers.json")]
+    assert written == [str(RESULTS / "workers-quick.json")]  # not the committed run's sizes
     assert work_dirs == [str(REPO / "runs" / "bench_workers")]
 
 
@@ -346,13 +352,19 @@ def test_bench_workers_ends_with_each_values_ratios_against_the_baseline(tmp_pat
 
 def test_a_scifact_smoke_run_writes_its_results_to_its_work_folder() -> None:
     """``scifact.py --quick`` wrote benchmarks/results/scifact-quick.*, replacing a committed file with numbers of a
-    200-passage subset; a smoke run's results go to its out folder, a full run's to benchmarks/results, and
-    ``--results`` wins over both."""
+    200-passage subset, and ``scifact.py --epochs 1`` wrote over the committed scifact.{json,md}; a smoke run's
+    results go to its out folder, as do those of any run with other settings than the committed one (the README's
+    command, whose go to benchmarks/results); ``--results`` wins over all."""
     import scifact
 
+    committed = ["--sweep-lengths", "--no-precision-check", "--timing-queries", "256", "--variant", "epochs=3",
+                 "learning_rate=1e-4", "--variant", "batch_size=128", "learning_rate=2e-4", "epochs=4"]
     assert scifact.results_folder(scifact.parse_args(["--quick"])) == REPO / "runs" / "scifact-quick"
     assert scifact.results_folder(scifact.parse_args(["--quick", "--out", "w/x"])) == Path("w/x-quick")
-    assert scifact.results_folder(scifact.parse_args([])) == REPO / "benchmarks" / "results"
+    assert scifact.results_folder(scifact.parse_args(committed)) == RESULTS
+    assert scifact.results_folder(scifact.parse_args([*committed, "--threads", "2"])) == RESULTS
+    assert scifact.results_folder(scifact.parse_args([*committed, "--epochs", "1"])) == REPO / "runs" / "scifact"
+    assert scifact.results_folder(scifact.parse_args([])) == REPO / "runs" / "scifact"
     assert scifact.results_folder(scifact.parse_args(["--quick", "--results", "r"])) == Path("r")
 
 
@@ -366,3 +378,73 @@ def test_the_precisions_help_gives_each_scripts_own_default(capsys: pytest.Captu
         importlib.import_module(script).main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"fp32 and/or bf16 autocast (default: {default})" in text, text
+
+
+# (script, a command that wrote the committed file, the file, a smaller run of it): from each file's recorded settings
+# or command and benchmarks/README.md
+COMMITTED_RUNS = [
+    ("chunk_cost", ["--repeats", "3"], "chunk-cost-cpu.json", ["--repeats", "1"]),
+    ("bench_llm", ["--small", "--device", "cpu", "--precision", "fp32", "--batches", "4,8,16", "--chunk", "4",
+                   "--steps", "2"], "llm.json", ["--small", "--device", "cpu", "--precision", "fp32", "--batches", "4",
+                                      "--chunk", "4", "--steps", "2"]),
+    ("bench_llm", ["--small", "--device", "cpu", "--precision", "fp32", "--batches", "32", "--chunk", "4", "--steps",
+                   "2", "--append"], "llm.json", ["--small", "--device", "cpu", "--precision", "fp32", "--batches",
+                                                  "32", "--chunk", "4", "--steps", "1", "--append"]),
+    ("bench_jax_memory", ["--batches", "64,1024", "--chunk", "16"], "jax_memory.json", ["--batches", "64"]),
+    ("bench_answers", [], "answers.json", ["--questions", "100"]),
+    ("bench_answers", ["--no-matching", "--repeats", "3"], "answers.json", ["--no-matching", "--repeats", "1"]),
+    ("bench_encode", ["--docs", "256", "--chunk", "128", "--no-quality"], "encode.json",
+     ["--docs", "16", "--chunk", "8", "--no-quality"]),
+    ("bench_workers", ["T", "--workers", "0", "2", "--rounds", "1", "--batch-size", "16", "--chunk", "8",
+                       "--passage-max-length", "64", "--steps", "8"], "workers.json", ["T", "--rounds", "1"]),
+    ("bench_faiss", ["--threads", "1"], "faiss.json", ["--n", "5000", "--threads", "1"]),
+    ("attention_backward", ["--threads", "2"], "attention-backward-cpu.json", ["--repeats", "1"]),
+    ("frozen_casts", ["--shape", "llm", "--small", "--passage-lengths", "128", "--rounds", "3", "--steps", "3"],
+     "frozen-casts-cpu.json", ["--small", "--rounds", "1"]),
+    ("join_limit", ["--passage-lengths", "128", "256", "--precisions", "fp32", "bf16", "--rounds", "2"],
+     "join-limit-cpu.json", ["--passage-lengths", "128"]),
+    ("embedding_grads", [], "embedding-grads-cpu.json", ["--steps", "1"]),
+    ("profile_step", ["--batch", "32", "--chunk", "8", "--passage-length", "128", "--steps", "2", "--threads", "2"],
+     "profile-step-cpu.json", ["--batch", "8"]),
+    ("bench_gradcache", ["--batches", "32,128", "--chunk", "32", "--plain-max-batch", "32", "--steps", "1",
+                         "--threads", "1", "--clock", "cpu"], "gradcache.json", ["--batches", "32", "--chunk", "32"]),
+    ("duplicate_positives", ["--data", "../shared/data/scifact", "--batch-size", "256", "--hard-negatives", "1"],
+     "duplicate-positives.json", ["--epochs", "1"]),
+    ("filled_negatives", [], "filled-negatives.json", ["--epochs", "1"]),
+    ("scifact_padding", [], "scifact-padding.json", ["--samples", "5"]),
+    ("rank_tests_loop", ["--iterations", "20", "--no-load", "--iteration-limit", "1200"], "rank-tests-loop.json",
+     ["--iterations", "2", "--no-load", "--iteration-limit", "1200"]),
+]
+
+
+@pytest.mark.parametrize("script, command, name, smaller", COMMITTED_RUNS,
+                         ids=[f"{r[0]}-{i}" for i, r in enumerate(COMMITTED_RUNS)])
+def test_only_the_committed_runs_sizes_write_its_results_file(script: str, command: list[str], name: str,
+                                                              smaller: list[str]) -> None:
+    """``bench_workers.py --rounds 1``, ``chunk_cost.py``'s default 5 repeats or any smaller --steps / --batches
+    wrote over the committed results file (only --quick and --tiny went elsewhere): the committed file is the default
+    only for the sizes that produced it; any other run goes to NAME-quick.json, and --output still wins."""
+    parse = importlib.import_module(script).parse_args
+    assert (RESULTS / name).is_file(), name
+    assert parse(command).output == str(RESULTS / name)
+    assert parse(smaller).output == str(RESULTS / name.replace(".json", "-quick.json"))
+    assert parse([*smaller, "--output", "x.json"]).output == "x.json"
+
+
+def test_the_default_results_file_follows_the_sizing_flags_only() -> None:
+    """bench_common.default_output: the committed file when every sizing flag has one committed command's value
+    (the parser's defaults for the flags it leaves out), whatever the other flags; else the -quick sibling."""
+    import argparse
+
+    from bench_common import default_output
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output")
+    committed = (("--steps", "5"), ("--steps", "7"))
+    for argv, name in ((["--steps", "5"], "x.json"), (["--steps", "7", "--threads", "4"], "x.json"),
+                       ([], "x-quick.json"), (["--steps", "2"], "x-quick.json")):
+        assert default_output("x", p.parse_args, p.parse_args(argv), ("steps",), committed) == str(RESULTS / name)
+    assert default_output("x", p.parse_args, p.parse_args([]), ("steps",)) == str(RESULTS / "x.json")
+    assert default_output("x", p.parse_args, p.parse_args(["--output", "o.json"]), ("steps",), committed) == "o.json"
