@@ -82,7 +82,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="rows,heads,tokens,dim each (default: the LLM shape's and three MiniLM ones)")
     p.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=["fp32", "bf16"])
     p.add_argument("--backends", nargs="+", choices=tuple(BACKENDS), default=["flash", "math"])
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     p.add_argument("--output", default=None, help=output_help("attention-backward-DEVICE"))
     args = p.parse_args(argv)

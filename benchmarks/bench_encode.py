@@ -212,7 +212,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                         help="time the methods on --docs passages (--no-timing: only the quality phase)")
     p.add_argument("--quality-max-length", type=int, help="passage max length of the quality phase "
-                        "(default --max-length)")
+                        "(default: --max-length)")
     p.add_argument("--quality-precisions", nargs="+", default=["fp32", "bf16", "int8"],
                         choices=["fp32", "bf16", "int8"], help="precisions of the quality phase (fp32 is the reference)")
     p.add_argument("--quality-dtypes", nargs="+", default=["float32"], choices=["float32", "float16"],

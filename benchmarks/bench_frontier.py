@@ -310,14 +310,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--query-length", type=positive_int, default=32)
     p.add_argument("--passage-length", type=positive_int, default=256)
     p.add_argument("--llm-batch", type=positive_int, default=None,
-                   help="queries per step of the llm shape (default --batch)")
+                   help="queries per step of the llm shape (default: --batch)")
     p.add_argument("--llm-chunk", type=positive_int, default=None,
-                   help="rows per chunk of the llm shape (default --chunk)")
+                   help="rows per chunk of the llm shape (default: --chunk)")
     p.add_argument("--small", action="store_true", help="the 4-layer llm shape instead of Qwen2-0.5B's")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs)")
     p.add_argument("--peers", default=f"{ST},{ORIGINAL}", help=f"peers to run where installed: {ST}, {ORIGINAL}")
     p.add_argument("--steps", type=positive_int, default=None,
-                   help="timed steps per configuration (median; default 3, 2 with --quick on a GPU)")
+                   help="timed steps per configuration (median; default: 3, 2 with --quick on a GPU)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per process (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="fewer budgets (0, one chunk, half, whole); on a GPU: batch 256 / chunk 32, llm batch 32 / "

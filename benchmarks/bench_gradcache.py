@@ -523,7 +523,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--batches", type=ints, default=[32, 128, 512])
     p.add_argument("--chunk", type=positive_int, default=32, help="rows per chunk")
-    p.add_argument("--inputs", type=names, default=None, help="fixed,uneven (default both; --quick: uneven)")
+    p.add_argument("--inputs", type=names, default=None, help="fixed,uneven (default: both; --quick: uneven)")
     p.add_argument("--methods", type=names, default=list(METHODS), help=",".join(METHODS))
     p.add_argument("--plain-max-batch", type=int, default=128, help="skip plain above this batch (its memory grows)")
     p.add_argument("--fixed-lengths", type=ints, default=[32, 128], help="query,passage tokens for 'fixed'")
@@ -542,9 +542,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's default, dynamic threshold)")
     p.add_argument("--uneven-target", type=positive_float, default=None,
-                   help="dpr-gc's speed over the best peer's on uneven inputs (default 1.15; --merge: the runs')")
-    p.add_argument("--clock", choices=("wall", "cpu"), default=None, help="time the ratios use: wall (default), or "
-                   "process CPU time (steadier on a shared machine, 1 thread); --merge: the runs' clock")
+                   help="dpr-gc's speed over the best peer's on uneven inputs (default: 1.15; --merge: the runs')")
+    p.add_argument("--clock", choices=("wall", "cpu"), default=None, help="time the ratios use: wall, or process CPU "
+                   "time (steadier on a shared machine, 1 thread) (default: wall; --merge: the runs' clock)")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of MiniLM (smoke runs)")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 8, chunk 4, short lengths, one step")
     p.add_argument("--timeout", type=positive_int, default=3600, help="seconds per configuration")

@@ -138,13 +138,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--random-bert-base", action="store_true",
                    help="time a randomly initialised BERT-base (hidden 768, 12 layers: DPR's encoder shape) with "
                         "--model's tokenizer instead of --model")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--rows", type=int, default=64, help="rows split into chunks (default 64)")
-    p.add_argument("--length", type=int, default=128, help="tokens per row, no padding (default 128)")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--rows", type=int, default=64, help="rows split into chunks")
+    p.add_argument("--length", type=int, default=128, help="tokens per row, no padding")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="chunk counts (each divides --rows)")
     p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
-                   help="fp32 and/or bf16 autocast (default both)")
-    p.add_argument("--repeats", type=int, default=5, help="timings per split; the median is used (default 5)")
+                   help="fp32 and/or bf16 autocast")
+    p.add_argument("--repeats", type=int, default=5, help="timings per split; the median is used")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help=output_help("chunk-cost-DEVICE_TYPE"))

@@ -244,20 +244,19 @@ SIZING = ("layers", "rows", "query_length", "passage_length", "steps", "shape", 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
-    p.add_argument("--layers", type=int, default=24, help="decoder layers (default 24, as Qwen2-0.5B)")
-    p.add_argument("--rows", type=int, default=2, help="queries per step (passages: twice as many; default 2)")
+    p.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2-0.5B has 24)")
+    p.add_argument("--rows", type=int, default=2, help="queries per step (passages: twice as many)")
     p.add_argument("--query-length", type=int, default=4)
     p.add_argument("--passage-length", type=int, default=8)
-    p.add_argument("--steps", type=int, default=24, help="timed steps per variant (default 24)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="bf16 autocast (default) or fp32")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs (default cpu)")
+    p.add_argument("--steps", type=int, default=24, help="timed steps per variant")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="bf16 autocast or fp32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
     p.add_argument("--shape", choices=("small", "qwen2-0.5b"), default="small",
-                   help="the decoder's width: bench_llm.py's 256-wide shape or Qwen2-0.5B's (default small; --layers "
-                        "layers either way)")
-    p.add_argument("--variants", default="plain,whole", help=f"comma-separated, of {', '.join(VARIANTS)} (default "
-                                                              "plain,whole)")
-    p.add_argument("--chunk", type=int, default=1, help="rows per chunk of budget0 and the original (default 1)")
+                   help="the decoder's width: bench_llm.py's 256-wide shape or Qwen2-0.5B's (--layers layers "
+                        "either way)")
+    p.add_argument("--variants", default="plain,whole", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--chunk", type=int, default=1, help="rows per chunk of budget0 and the original")
     p.add_argument("--output", default=None, help=output_help("host-overhead-DEVICE"))
     args = p.parse_args(argv)
     args.output = default_output(f"host-overhead-{args.device}", p.parse_args, args, SIZING)

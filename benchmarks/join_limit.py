@@ -54,18 +54,18 @@ def grid_parser(description: str, name: str) -> argparse.ArgumentParser:
     (``NAME-DEVICE-quick.json`` for a run of other sizes than the committed one, see :func:`check_grid_args`)."""
     p = parser(description)
     p.set_defaults(results_name=name)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every variant runs (default cpu)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every variant runs")
     p.add_argument("--passage-lengths", type=int, nargs="+", default=[128, 256], help="passage max lengths")
     p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
                    help="fp32 and/or bf16 autocast")
-    p.add_argument("--batch", type=int, default=32, help="queries per step (passages: twice as many; default 32)")
-    p.add_argument("--chunk", type=int, default=8, help="rows per chunk before joining (default 8)")
+    p.add_argument("--batch", type=int, default=32, help="queries per step (passages: twice as many)")
+    p.add_argument("--chunk", type=int, default=8, help="rows per chunk before joining")
     p.add_argument("--query-length", type=int, default=32)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per process, after two warm-ups (default 2)")
-    p.add_argument("--rounds", type=int, default=2, help="processes per configuration (default 2)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per process, after two warm-ups")
+    p.add_argument("--rounds", type=int, default=2, help="processes per configuration")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
     p.add_argument("--mmap-threshold", type=int, default=0,
-                   help="MALLOC_MMAP_THRESHOLD_ for the children (default 0: glibc's dynamic threshold)")
+                   help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's dynamic threshold)")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT instead of all-MiniLM-L6-v2 (smoke runs; "
                    "with --shape scifact, as the llm shape's small model is --small)")
     p.add_argument("--shape", choices=("scifact", "llm"), default="scifact",

@@ -651,11 +651,12 @@ def add_settings_flags(p: argparse.ArgumentParser, settings_class: type, skip: t
             p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                            help="do not: " + text)
         elif isinstance(value, tuple):
-            p.add_argument(flag, nargs="+", type=f.metadata["kind"] or type(value[0]), default=None,
-                           help=f"{text} (default {' '.join(map(str, value)) or 'none'})")
+            action = p.add_argument(flag, nargs="+", type=f.metadata["kind"] or type(value[0]), default=None,
+                                    help=text)
+            action.shown_default = value  # --help shows the settings' value; None tells --quick the flag is not given
         else:
-            p.add_argument(flag, type=f.metadata["kind"] or type(value), default=None,
-                           help=f"{text} (default {value})")
+            action = p.add_argument(flag, type=f.metadata["kind"] or type(value), default=None, help=text)
+            action.shown_default = value
 
 
 def common_parser(description: str, results_name: str) -> argparse.ArgumentParser:
@@ -665,7 +666,7 @@ def common_parser(description: str, results_name: str) -> argparse.ArgumentParse
                    ROOT.parent / "shared" / "data" / "scifact")
     p.add_argument("--data", default=str(default), help="BEIR SciFact folder (default: ../shared/data/scifact)")
     p.add_argument("--model", help="the base model folder (default: the offline all-MiniLM-L6-v2)")
-    p.add_argument("--output", help="work folder for every command's outputs (default runs/<benchmark>[-quick])")
+    p.add_argument("--output", help="work folder for every command's outputs (default: runs/<benchmark>[-quick])")
     p.add_argument("--results", help=f"results JSON (default: benchmarks/results/{results_name}.json for the "
                    "committed run's settings; --quick or other settings: results.json in the --output folder)")
     p.add_argument("--device", help="torch device for every command (default: the toolkit's choice)")
@@ -673,7 +674,7 @@ def common_parser(description: str, results_name: str) -> argparse.ArgumentParse
                    help="smoke test: 48 training / 20 test queries, 200 passages, tiny lengths and batches, fp32, "
                         "fewer options (flags given still apply)")
     p.add_argument("--parallel", type=positive_int, default=1,
-                   help="independent commands run at once (default 1); with N > 1 each gets cores/N CPU threads "
+                   help="independent commands run at once; with N > 1 each gets cores/N CPU threads "
                         "and the recorded timings are those of N concurrent jobs")
     return p
 

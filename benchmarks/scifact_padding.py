@@ -77,10 +77,10 @@ def summary_items(shapes: list[dict]) -> dict[str, str]:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "scifact",
-                   help="BEIR SciFact folder (default ../shared/data/scifact)")
+                   help="BEIR SciFact folder (default: ../shared/data/scifact)")
     p.add_argument("--batch", type=int, nargs="+", default=[32, 64, 256, 512], help="rows per batch")
     p.add_argument("--chunk", type=int, nargs="+", default=[8, 32], help="rows per length-grouped chunk")
-    p.add_argument("--samples", type=int, default=200, help="random batches per shape (default 200)")
+    p.add_argument("--samples", type=int, default=200, help="random batches per shape")
     p.add_argument("--output", help=output_help("scifact-padding"))
     args = p.parse_args(argv)
     args.output = default_output("scifact-padding", p.parse_args, args, ("batch", "chunk", "samples"))

@@ -342,3 +342,21 @@ def command_help(command: str, flag: str) -> str:
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     return " ".join(next(a.help for a in sub._actions if flag in a.option_strings).split())
+
+
+# a help text stating its option's default: "(default: X)", "(default X)", "...; default X", "bf16 (default) or ..."
+DEFAULT_STATED = re.compile(r"\(default\b|[;,] default\b|\w \(default\)")
+
+
+def defaults_stated_twice(parser: argparse.ArgumentParser) -> list[str]:
+    """The options of ``parser`` whose ``--help`` text, with what its formatter appends, states the default more
+    than once (``(default 5) (default: 5)``), each as its flags and that text."""
+    formatter = parser._get_formatter()
+    twice = []
+    for action in parser._actions:
+        if action.help is None or action.help == argparse.SUPPRESS:
+            continue
+        text = " ".join(formatter._expand_help(action).split())
+        if len(DEFAULT_STATED.findall(text)) > 1:
+            twice.append(f"{'/'.join(action.option_strings) or action.dest}: {text}")
+    return twice

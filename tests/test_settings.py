@@ -5,6 +5,7 @@ changes the model or the training signal while allowing steps, cadence and worke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +24,7 @@ from dpr_gc.retrieval.index_params import IndexParams
 from dpr_gc.train.config import (SETTINGS_FILE, CacheConfig, DataConfig, ModelConfig, OptimConfig, RunConfig,
                                  TrainConfig, compare_recorded, config_from_args, resolve_defaults)
 from dpr_gc.train.trainer import train
-from tests.helpers import call, load_script, summary_rows, tiny_bert, write_vocab
+from tests.helpers import call, defaults_stated_twice, load_script, summary_rows, tiny_bert, write_vocab
 from tests.train_data import make_records, write_dpr
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +65,32 @@ def script_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
             parser = ArgumentParser(prog=name)
             module.add_arguments(parser, dpr_aliases=True)
             out.append((name, parser))
+    return out
+
+
+def benchmark_parsers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, argparse.ArgumentParser]]:
+    """The parser of each ``benchmarks/*.py`` script, caught as the script starts to read its command line."""
+    import importlib
+
+    from dpr_gc.base.args import ArgumentParser
+
+    class Caught(Exception):
+        pass
+
+    def catch(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        caught.append(self)
+        raise Caught
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(ArgumentParser, "parse_args", catch)
+    out = []
+    for path in sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "bench_common"):
+        module, caught = importlib.import_module(path.stem), []
+        start = getattr(module, "parse_args", None) or module.main
+        with contextlib.suppress(Caught):
+            start(["--help"])
+        assert caught, f"benchmarks/{path.name} reads its command line where this test cannot reach it"
+        out.append((f"benchmarks/{path.name}", caught[0]))
     return out
 
 
@@ -173,17 +200,21 @@ def test_train_help_says_which_settings_resume_may_change(capsys) -> None:
         assert note == f"{kind} on --resume", (flag, note)
 
 
-def test_help_says_defaults_one_way_and_only_what_applies(capsys) -> None:
+def test_help_says_defaults_one_way_and_only_what_applies(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     """--help wrote defaults as "(default: X)" but for verify's --batches, index's --nlist and --pq-m, LoRA's alpha
     and dense_retriever.py ("(default 1)"), and index's --factory as "(default: None)"; verify tagged every flag
     "[fixed on --resume]" though it refuses --resume; cache said its files are named by a hash of their content,
-    though the key holds the source's path, size and modification time (a copy elsewhere gets a file of its own)."""
+    though the key holds the source's path, size and modification time (a copy elsewhere gets a file of its own).
+    The benchmark scripts said many defaults twice ("(default 5) (default: 5)"), or an own "(default --batch)" beside
+    the appended "(default: not set)": every option states its default once, the same way."""
     texts = {}
-    for name, parser in [*sub_parsers(cli.build_parser(), "dpr-gc"), *script_parsers()]:
+    parsers = [*sub_parsers(cli.build_parser(), "dpr-gc"), *script_parsers(), *benchmark_parsers(monkeypatch)]
+    for name, parser in parsers:
         texts[name] = " ".join(parser.format_help().split())
         assert not re.search(r"\(default [^:]", texts[name]), (name, re.findall(r"\(default [^)]*\)", texts[name]))
         assert "(default: None" not in texts[name], (name, re.findall(r"\S+ [^(]*\(default: None[^)]*\)", texts[name]))
         assert "(default: )" not in texts[name], (name, re.findall(r"\S+ [^(]*\(default: \)", texts[name]))
+        assert not defaults_stated_twice(parser), (name, defaults_stated_twice(parser))
     assert "on --resume]" not in texts["dpr-gc verify"] and "[fixed on --resume]" in texts["dpr-gc train"]
     assert "hash of its content" not in texts["dpr-gc cache"]
     assert "path, size, modification time" in texts["dpr-gc cache"], texts["dpr-gc cache"]
