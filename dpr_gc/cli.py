@@ -175,11 +175,12 @@ def run_stage(args: argparse.Namespace, model_flag: str = "--model") -> Any:
         return args.func(args)
 
 
-def check_launch(command: str) -> None:
+def check_launch(command: str, program: str = "") -> None:
     """Refuse, in one line, a launch environment torchrun would not have set: a non-integer WORLD_SIZE, RANK or
     LOCAL_RANK (read by the logging and by the device choice), a stage without a distributed mode under WORLD_SIZE
     above 1, and there a RANK (LOCAL_RANK; for a stage joining a process group MASTER_ADDR, MASTER_PORT) that is
-    missing or a RANK not below WORLD_SIZE: torch would stop with a rendezvous traceback, or each rank take RANK 0."""
+    missing or a RANK not below WORLD_SIZE: torch would stop with a rendezvous traceback, or each rank take RANK 0.
+    ``program`` names what was launched where it is not ``dpr-gc COMMAND`` (a DPR-style script running the stage)."""
     env = os.environ
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         if env.get(name) and not env[name].strip().isdigit():
@@ -191,8 +192,8 @@ def check_launch(command: str) -> None:
     if not STAGES[command].distributed:
         ranked = ", ".join(name for name, stage in STAGES.items() if stage.distributed)
         with alike_on_every_rank():
-            raise DprGcError(f"run dpr-gc {command} without torchrun: it has no distributed mode (only {ranked} "
-                             "run under torchrun)")
+            raise DprGcError(f"run {program or 'dpr-gc ' + command} without torchrun: it has no distributed mode "
+                             f"(only {ranked} run under torchrun)")
     needed = ("RANK", "LOCAL_RANK") + (("MASTER_ADDR", "MASTER_PORT") if STAGES[command].joins_group else ())
     missing = [name for name in needed if not env.get(name)]
     if missing:

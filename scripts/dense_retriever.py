@@ -44,6 +44,7 @@ from dpr_gc.base.errors import DprGcError, flags_renamed, model_named_by, report
 from dpr_gc.base.guard import guarded
 from dpr_gc.base.files import require_file
 from dpr_gc.base.logs import command_main, setup_logging
+from dpr_gc.cli import check_launch
 from dpr_gc.data.corpus import iter_queries
 from dpr_gc.model.hub import check_model_source
 from dpr_gc.retrieval.index import (BUILT_WITH, DenseIndex, IndexBuild, IndexParams, add_index_arguments, add_shards,
@@ -397,6 +398,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def run_named() -> None:
         """The folders ``--encoded_ctx_file`` matches in its place, so that the guard compares the outputs with each."""
+        check_launch("retrieve", program="dense_retriever.py")  # as dpr-gc retrieve: every rank would do all of it
         with flags_renamed(names), model_named_by("--model", args.model):
             args.embeddings_given = " ".join(args.embeddings or ())
             if args.embeddings and all(args.embeddings):  # an empty one is refused by the guard

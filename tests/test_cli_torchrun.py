@@ -15,7 +15,7 @@ import pytest
 from dpr_gc import cli
 from dpr_gc.cli import main
 from dpr_gc.train.checkpoints import STATE_JSON
-from tests.helpers import gather, passages, summary_rows, write_corpus
+from tests.helpers import call, gather, load_script, passages, summary_rows, write_corpus
 from tests.ranks import run_command
 from tests.train_data import make_records, write_dpr
 
@@ -206,3 +206,16 @@ def test_a_later_rank_command_run_in_process_leaves_the_info_lines_on(tmp_path, 
     assert "a later line" in caplog.text
     assert not any(f.__name__ == "warnings_and_errors" for h in logging.getLogger().handlers
                    for f in h.filters if callable(f)), logging.getLogger().handlers
+
+
+def test_dense_retriever_refuses_torchrun_as_retrieve_does(tmp_path, monkeypatch):
+    """The DPR-style front end of retrieve refuses a torchrun launch in the same one line (each rank built the index
+    and wrote the same results file)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    code, err = call(load_script("dense_retriever").main, ["--model_file", "m", "--qa_file", "q.csv",
+                                                            "--encoded_ctx_file", "emb", "--out_file", "out.json"])
+    assert (code, err) == (2, "error: run dense_retriever.py without torchrun: it has no distributed mode (only train, "
+                              "verify, encode run under torchrun)\n")
+    assert not any(tmp_path.iterdir()), "nothing is written"
