@@ -115,6 +115,21 @@ def test_embeddings_that_overflow_float16_are_refused(tmp_path: Path, make_retri
     assert encode_corpus(retriever, path, tmp_path / "full", dtype="float32", **common)["dtype"] == "float32"
 
 
+def test_the_float16_hint_names_a_flag_only_for_a_caller_that_has_one(tmp_path: Path, make_retriever,
+                                                                      caplog) -> None:
+    """encode's log says ``--dtype float32`` keeps full precision; the library (which the demo and mine encode with,
+    neither having ``--dtype``) says it stores float16 and names no flag it does not have."""
+    retriever = make_retriever(normalize=True, passage_max_length=32)
+    path = write_corpus(tmp_path / "data", passages(3), "jsonl")
+    common = dict(precision="fp32", cache_dir=tmp_path / "c", show_progress=False, dtype="float16")
+    with caplog.at_level("INFO", logger="dpr_gc"):
+        encode_corpus(retriever, path, tmp_path / "library", **common)
+        encode_corpus(retriever, path, tmp_path / "command", dtype_flag="--dtype", **common)
+    said = [r.getMessage() for r in caplog.records if "stored as float16" in r.getMessage()]
+    assert len(said) == 2 and "--dtype" not in said[0] and "float32 keeps" not in said[0], said
+    assert "(--dtype float32 keeps full precision)" in said[1], said
+
+
 def test_int8_encoding_is_close_to_fp32_and_keeps_the_model(tmp_path: Path, make_retriever) -> None:
     import torch
 

@@ -161,7 +161,8 @@ def quantize_int8(retriever: Any) -> Any:
 
 def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shard_id: Optional[int] = None,
                   num_shards: Optional[int] = None, settings: Optional[EncodeSettings] = None, *,
-                  model_name: Optional[str] = None, show_progress: bool = True, **options: Any) -> dict:
+                  model_name: Optional[str] = None, show_progress: bool = True, dtype_flag: str = "",
+                  **options: Any) -> dict:
     """Encode shard ``shard_id`` of ``num_shards`` of a corpus into ``out_dir`` with ``settings`` (fields of
     :class:`EncodeSettings` may also be given as keywords); returns its manifest.
 
@@ -170,6 +171,8 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     Finished blocks from an interrupted run with the same settings are reused; a folder holding parts or shards
     made with another model or other settings is refused rather than mixed. The manifest returned also holds
     ``encoded``: the passages this call encoded (fewer than ``count`` when it resumed, 0 when the shard was done).
+    ``dtype_flag`` names the caller's flag for ``dtype`` in the log's hint that float32 keeps full precision (no hint
+    without one: the demo and mine have no such flag).
     """
     from ..model.retriever import check_max_length
     from ..model.tokenize import check_length_room
@@ -191,13 +194,15 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     name = shard_name(shard_id, num_shards)
     with locked_folder(out_dir, f".{name}.lock", f"{out_dir} (shard {shard_id} of {num_shards})") as out:
         return _encode_shard(retriever, corpus, corpus_path, out, (shard_id, num_shards), settings, autocast,
-                             model_name, show_progress)
+                             model_name, (show_progress, dtype_flag))
 
 
 def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path, shard: tuple[int, int],
                   settings: EncodeSettings, autocast: Optional[str], model_name: Optional[str],
-                  show_progress: bool) -> dict:
-    """The body of :func:`encode_corpus`, run while holding the shard's lock: files of a dead run are ours to clean."""
+                  shown: tuple[bool, str]) -> dict:
+    """The body of :func:`encode_corpus`, run while holding the shard's lock: files of a dead run are ours to clean.
+    ``shown``: whether to draw the progress bar, and the flag the dtype hint names."""
+    show_progress, dtype_flag = shown
     (shard_id, num_shards), block_size = shard, settings.block_size
     start, count = shard_range(len(corpus), shard_id, num_shards)
     name = shard_name(shard_id, num_shards)
@@ -216,7 +221,8 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     device = next(retriever.parameters()).device
     logger.info("%s: %s on %s in %s compute, stored as %s%s; batch %d, max length %d tokens%s", name,
                 counted(count, "passage"), device, autocast or "fp32", settings.dtype,
-                " (--dtype float32 keeps full precision)" if settings.dtype == "float16" else "", settings.batch_size,
+                f" ({dtype_flag} float32 keeps full precision)" if settings.dtype == "float16" and dtype_flag else "",
+                settings.batch_size,
                 manifest["max_length"], cpu_threads(device))
     blocks = [(s, min(s + block_size, start + count)) for s in range(start, start + count, block_size)]
     parts = [out / f"{name}.part{b:05d}.npy" for b in range(len(blocks))]
@@ -445,7 +451,8 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
         chosen = pick_precision("auto", torch.device(device))
         logger.info("--precision auto on %s: %s (%s)", device, chosen or "fp32", describe_auto_precision(device))
     began = time.perf_counter()
-    manifest = encode_corpus(retriever, job.corpus, job.output, settings=job.settings, model_name=str(job.model))
+    manifest = encode_corpus(retriever, job.corpus, job.output, settings=job.settings, model_name=str(job.model),
+                             dtype_flag="--dtype")
     return manifest, time.perf_counter() - began
 
 
