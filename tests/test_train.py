@@ -352,9 +352,11 @@ def test_biases_normalisation_weights_and_the_temperature_are_not_decayed(task, 
 
 
 def test_only_the_newest_checkpoints_are_kept(task, tmp_path):
-    """``--keep-checkpoints N``: each new checkpoint deletes all but the newest N (the default keeps 2)."""
+    """``--keep-checkpoints N``: each new checkpoint deletes all but the newest N (the default keeps 2). Without
+    ``--dev`` there is no ``best/`` (README: "``best/`` with ``--dev``")."""
     Trainer(config(task, tmp_path / "run", max_steps=4, save_every=1, keep_checkpoints=2)).fit()
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert (tmp_path / "run" / "final").is_dir() and not (tmp_path / "run" / "best").exists()
     Trainer(config(task, tmp_path / "one", max_steps=3, save_every=1, keep_checkpoints=1)).fit()
     assert [p.name for p in (tmp_path / "one").glob("checkpoint-*")] == ["checkpoint-3"]
 
