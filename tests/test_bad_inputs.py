@@ -485,6 +485,8 @@ def test_beir_flags_without_a_beir_folder_are_refused_in_one_line(world: dict, t
     parse = cli.build_parser().parse_args
     for extra in (["--train", str(beir), "--beir-positives", "sample"], ["--dev", str(beir), "--dev-beir-split", "test"]):
         refuse_flags_that_do_not_apply(TrainConfig, parse([*map(str, train), *extra]), APPLIES)
+    # given at its default value, a flag changes nothing and passes, as settings built in code (which cannot tell)
+    refuse_flags_that_do_not_apply(TrainConfig, parse([*map(str, train), "--dev-beir-split", "dev"]), APPLIES)
 
 
 def test_existing_output_file_is_replaced_atomically(world: dict, tmp_path: Path) -> None:
