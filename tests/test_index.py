@@ -836,6 +836,21 @@ def test_ivf_pq_picks_the_bits_its_training_sample_supports_and_advises_on_rough
                                     "--pq-nbits to at most 4"]
 
 
+def test_too_few_vectors_for_a_factory_string_are_refused_before_training_starts(tmp_path):
+    """An 'OPQ..,IVF..,PQ..' string with more IVF lists than vectors failed only after FAISS trained the OPQ rotation
+    (minutes on a small corpus); the count is checked first and nothing is trained."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb = write_shards(tmp_path / "emb", unit_vectors(300))
+    code, err = call(main, ["index", "--embeddings", emb, "--output", tmp_path / "a", "--factory", "OPQ8,IVF512,PQ8"])
+    assert code == 2 and err == ("error: training the OPQ8,IVF512,PQ8 index on 300 vectors cannot work (each IVF list "
+                                 "and PQ centroid needs a training vector of its own), so it was not started; the "
+                                 "embeddings hold only 300 vectors: lower IVF512 in --factory 'OPQ8,IVF512,PQ8' to at "
+                                 "most IVF300\n"), err
+    assert not (tmp_path / "a").exists()
+
+
 def test_the_summarys_time_is_the_whole_commands(tmp_path, monkeypatch, capsys):
     """The ``time`` row was FAISS's training and adding alone (0.26 s of a 1.04 s command: reading the shards and
     writing the index, 60+ GB for psgs_w100, left out); it is the whole command's, and the ``trained on`` and

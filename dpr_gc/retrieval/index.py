@@ -328,6 +328,11 @@ class DenseIndex:
         if self.is_trained:
             return
         sample = self._matrix(sample, "training vectors")
+        too_many = self._training_advice(len(sample), available, fixes_only=True)
+        if too_many:  # FAISS would fail only after training what comes first (an OPQ rotation: minutes)
+            raise DprGcError(f"training the {self.meta['factory']} index on {len(sample)} vectors cannot work "
+                             "(each IVF list and PQ centroid needs a training vector of its own), so it was not "
+                             f"started; {too_many}")
         try:
             with native_stderr_logged(logger, "FAISS"):  # e.g. its warning on too few training points
                 self.index.train(sample)
