@@ -43,6 +43,9 @@ def test_a_module_list_is_a_list_of_models():
 @pytest.mark.parametrize("kwargs,match", [
     ({"loss_fn": None}, "loss_fn must be callable"),
     ({"get_rep_fn": "pooler_output"}, r"get_rep_fn must be callable.*lambda out: out.pooler_output"),
+    # a loss named by a string is not an attribute of the model output to read: the loss's own example is shown
+    ({"loss_fn": "contrastive"}, r"loss_fn must be callable, got str 'contrastive': pass e\.g\. "
+                                 r"loss_fn=SimpleContrastiveLoss\(\)"),
     ({"split_input_fn": 4}, "split_input_fn must be callable"),
     ({"fp16": "yes", "scaler": torch.amp.GradScaler("cpu")}, "fp16 must be True or False"),
     ({"bf16": "yes"}, "bf16 must be True or False"),

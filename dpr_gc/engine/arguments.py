@@ -38,10 +38,10 @@ def as_number(name: str, value: Any, lo: float, hi: float) -> float:
 
 
 def check_callable(name: str, value: Any, example: str) -> None:
-    """Refuse a ``value`` that cannot be called, naming an ``example`` of what to pass. A string (an attribute name
-    of the model output, say) is shown as the function that reads it."""
+    """Refuse a ``value`` that cannot be called, naming an ``example`` of what to pass. Where the example reads an
+    attribute of the model output, a string (that attribute's name, say) is shown as the function that reads it."""
     if callable(value):
         return
-    if isinstance(value, str) and value.isidentifier():
+    if isinstance(value, str) and value.isidentifier() and example.startswith("lambda out: out."):
         example = f"lambda out: out.{value}"
     raise DprGcError(f"{name} must be callable, got {type(value).__name__} {value!r}: pass e.g. {name}={example}")
