@@ -366,6 +366,22 @@ def output_path(args: argparse.Namespace, device: str) -> str:
     return default_output(f"frontier-{device}", parse_args, args, SIZING, COMMITTED)
 
 
+def settle(args: argparse.Namespace) -> str:
+    """The device a run with ``args`` uses (``auto``: cuda where torch sees one), the sizes a --quick GPU run
+    takes and the default --steps set in ``args``."""
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if args.quick and device == "cuda":
+        args.batch, args.chunk, args.steps = 256, 32, args.steps or 2
+        args.llm_batch, args.llm_chunk = args.llm_batch or 32, args.llm_chunk or 8
+    args.steps = args.steps or 3
+    return device
+
+
+def results_file(args: argparse.Namespace) -> Path:
+    """The results file a run with ``args`` writes (``args`` settled as :func:`main` does, see :func:`settle`)."""
+    return Path(output_path(args, settle(args)))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
@@ -379,11 +395,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise DprGcError(f"{args.plot}: not a bench_frontier.py results file (no 'runs' list and 'machine')")
         logger.info("wrote %s", plot(report, Path(args.plot)))
         return
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if args.quick and device == "cuda":
-        args.batch, args.chunk, args.steps = 256, 32, args.steps or 2
-        args.llm_batch, args.llm_chunk = args.llm_batch or 32, args.llm_chunk or 8
-    args.steps = args.steps or 3
+    device = settle(args)
     threads = args.threads or torch.get_num_threads()
     peers, notes = available_peers([n for n in args.peers.split(",") if n])
     for note in notes:

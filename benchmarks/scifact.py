@@ -579,6 +579,12 @@ COMMITTED = (("--sweep-lengths", "--no-precision-check", "--timing-queries", "25
 SIZING = tuple(f.name for f in dataclasses.fields(Settings) if f.name not in ("data", "out", "device", "threads"))
 
 
+def results_file(args: argparse.Namespace) -> Path:
+    """The results JSON a run with ``args`` writes (its markdown beside it): scifact.json, scifact-quick.json for
+    --quick, in :func:`results_folder`."""
+    return results_folder(args) / f"scifact{'-quick' if args.quick else ''}.json"
+
+
 def results_folder(args: argparse.Namespace) -> Path:
     """Where the JSON/markdown go: ``--results``, else the committed folder for the committed run's settings, or
     the out folder for any other run (``--quick``: its ``-quick`` one), so a trial run never replaces them."""

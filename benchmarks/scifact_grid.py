@@ -29,7 +29,8 @@ from typing import Any, Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scifact_loop import (LoopSettings, Loop, ReportHead, Runner, add_settings_flags, common_parser,  # noqa: E402
-                          count_queries, open_work, opt, prepare_data, report_errors, settings_from, write_report)
+                          count_queries, default_results, open_work, opt, prepare_data, report_errors, settings_from,
+                          write_report)
 from bench_common import setup_logging  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 
@@ -111,10 +112,20 @@ def masking_effect(cells: list[dict]) -> list[dict]:
             for (b, h, m), on in at.items() if m == "on" and (b, h, "off") in at]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    """The grid's command line (its settings flags among them), read without running anything."""
     p = common_parser(__doc__.splitlines()[0], "scifact-grid")
     add_settings_flags(p, GridSettings, skip=GRID_ONLY)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def results_file(args: argparse.Namespace) -> Optional[Path]:
+    """The results file a run with ``args`` writes outside its work folder (see :func:`default_results`)."""
+    return default_results(args, "scifact-grid", settings_from(args, GridSettings, QUICK), COMMITTED)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
     setup_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
     return report_errors(lambda: run(args))
 

@@ -704,6 +704,15 @@ def settings_from(args: argparse.Namespace, settings_class: type, quick: dict) -
     return settings_class(**values)
 
 
+def default_results(args: argparse.Namespace, name: str, settings: Any, committed: Any) -> Optional[Path]:
+    """The results file a run writes outside its work folder: ``--results``, else benchmarks/results/NAME.json for
+    the ``committed`` settings; None for a trial run (``--quick`` or other settings), whose go to WORK/results.json."""
+    if args.results:
+        return Path(args.results)
+    trial = args.quick or settings != committed
+    return None if trial else ROOT / "benchmarks" / "results" / f"{name}.json"
+
+
 def open_work(args: argparse.Namespace, name: str, settings: Any, committed: Any,
               free: tuple = ()) -> tuple[Path, Path, str]:
     """The work folder (refusing one made with other settings but the ``free`` ones, which only add or drop
@@ -714,9 +723,7 @@ def open_work(args: argparse.Namespace, name: str, settings: Any, committed: Any
 
     suffix = "-quick" if args.quick else ""
     work = Path(args.output or ROOT / "runs" / f"{name}{suffix}").resolve()
-    trial = args.quick or settings != committed
-    results = Path(args.results or (work / "results.json" if trial else
-                                    ROOT / "benchmarks" / "results" / f"{name}.json"))
+    results = default_results(args, name, settings, committed) or work / "results.json"
     model = args.model or default_model_path()
     fixed = {k: v for k, v in dataclasses.asdict(settings).items() if k not in free}
     key = {"settings": fixed, "model": str(model), "data": str(Path(args.data).resolve()),
@@ -748,10 +755,20 @@ def check(s: LoopSettings) -> None:
         raise DprGcError("--train-seeds repeats the refit rounds: it cannot go with --no-refit")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    """The loop's command line (its settings flags among them), read without running anything."""
     p = common_parser(__doc__.splitlines()[0], "scifact-loop")
     add_settings_flags(p, LoopSettings)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def results_file(args: argparse.Namespace) -> Optional[Path]:
+    """The results file a run with ``args`` writes outside its work folder (see :func:`default_results`)."""
+    return default_results(args, "scifact-loop", settings_from(args, LoopSettings, QUICK), COMMITTED)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
     setup_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
     return report_errors(lambda: run(args))
 
