@@ -296,6 +296,18 @@ def test_damaged_manifests_metadata_and_configs(world: dict, tmp_path: Path) -> 
     refused(["retrieve", "--index", world["idx"], "--model", model, "--corpus", world["corpus"], "--queries",
              world["qa"], "--output", tmp_path / "o.json", "--device", "cpu"], "retriever_config.json: expected")
     assert not (tmp_path / "o.json").exists()
+    broken = '{\n  "dim": 8,\n  "oops" 1\n}'  # not JSON at all: the line is named, not a traceback
+    (emb / "shard-00000-of-00001.json").write_text(broken)
+    refused(["index", "--embeddings", emb, "--output", tmp_path / "idx"],
+            f"{emb / 'shard-00000-of-00001.json'}:3: invalid JSON (")
+    (idx / "index_meta.json").write_text(broken)
+    refused(["retrieve", "--index", idx, "--queries", world["qa"], "--output", tmp_path / "o.json"],
+            f"{idx / 'index_meta.json'}:3: invalid JSON (")
+    (model / "retriever_config.json").write_text(broken)
+    refused(["retrieve", "--index", world["idx"], "--model", model, "--corpus", world["corpus"], "--queries",
+             world["qa"], "--output", tmp_path / "o.json", "--device", "cpu"],
+            f"{model / 'retriever_config.json'}:3: invalid JSON (")
+    assert not (tmp_path / "o.json").exists() and not (tmp_path / "idx" / "index_meta.json").exists()
 
 
 BAD_CONFIG_VALUES = [("pooling", "foo", "one of cls, mean, pooler, last"), ("passage_format", "tsv", "one of pair"),

@@ -586,7 +586,12 @@ def dump_json(obj: Any, f: IO[str]) -> None:
 def read_json(path: PathLike) -> Any:
     """Read a JSON file, naming the file (and line) in the error if it is malformed."""
     with open_text(path) as f:
-        text = f.read()
+        return parse_json_file(f.read(), path)
+
+
+def parse_json_file(text: str, path: PathLike) -> Any:
+    """``json.loads`` of the whole of file ``path``'s ``text``; a failure names the file and the line it is at
+    (:func:`parse_json` is for one record whose place the caller names)."""
     try:
         return json.loads(text)
     except JSON_ERRORS as e:

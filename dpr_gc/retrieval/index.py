@@ -28,7 +28,8 @@ from ..base.args import home_expanded, output_dir, positive_int
 from ..base.cpus import cap_to_cpus
 from ..base.errors import DprGcError, is_disk_full
 from ..base.validate import Field, check_fields, count, positive_int as positive_field, text
-from ..base.files import PathLike, check_output_dir, is_stream, open_text, parse_json, read_json_object, require_folder
+from ..base.files import (PathLike, check_output_dir, is_stream, open_text, parse_json_file, read_json_object,
+                          require_folder)
 from ..base.guard import atomic_folder, check_outputs, guarded, remove_stale_folders
 from ..base.locks import exclusive_lock
 from ..base.tables import format_summary, seconds_text
@@ -588,7 +589,7 @@ def _read_pinned(folder: Path) -> tuple[Any, dict]:
     try:
         with open(os.open(META_FILE, os.O_RDONLY, dir_fd=dir_fd), "rb") as f:
             text = f.read().decode("utf-8", errors="strict")
-        meta = check_meta(parse_json(text, str(meta_path)), meta_path)
+        meta = check_meta(parse_json_file(text, meta_path), meta_path)
         with open(os.open(INDEX_FILE, os.O_RDONLY, dir_fd=dir_fd), "rb") as f:
             stamp = file_stamp(f)
             try:
