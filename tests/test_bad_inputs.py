@@ -36,7 +36,7 @@ from dpr_gc import cli
 from dpr_gc.data.corpus import load_corpus, read_queries
 from dpr_gc.data.training import load_dpr_files, load_training_data
 from dpr_gc.retrieval.encode import encode_corpus
-from dpr_gc.base.errors import DiskFullError, DprGcError, flags_renamed
+from dpr_gc.base.errors import DiskFullError, DprGcError, flags_renamed, report_errors
 from dpr_gc.evaluation.evaluate import read_qrels, read_results, read_run
 from dpr_gc.retrieval.index import DenseIndex, IndexParams, build_index
 from dpr_gc.model.retriever import Retriever, RetrieverConfig
@@ -778,6 +778,41 @@ def test_output_that_is_an_input_is_refused_in_every_stage(world: dict, tmp_path
     assert corpus.read_bytes() == world["corpus"].read_bytes()
 
 
+def guarded_stages(world: dict, dev: Path) -> list[tuple[list, dict[str, Path], list[str]]]:
+    """Each stage (a command line without its inputs), the path each of its input flags reads, and its output
+    flags with what each takes (a folder given where a file name belongs, or the reverse, is refused by the flag
+    itself, before the guard; ``--plot`` takes only an image's name)."""
+    return [(["retrieve", "--device", "cpu"], {"--index": world["idx"], "--model": world["model"], "--corpus":
+                                               world["corpus"], "--queries": world["queries"], "--qrels":
+                                               world["qrels"]}, ["--output FILE", "--trec-run FILE"]),
+            (["evaluate"], {"--run": world["run"], "--qrels": world["qrels"]}, ["--output FILE"]),
+            (["evaluate"], {"--results": world["results"]}, ["--output FILE"]),
+            (["encode", "--device", "cpu"], {"--model": world["model"], "--corpus": world["corpus"]},
+             ["--output DIR"]),
+            (["index"], {"--embeddings": world["emb"]}, ["--output DIR"]),
+            (["mine"], {"--train-file": world["train"], "--corpus": world["corpus"]}, ["--output FILE"]),
+            (["train", "--device", "cpu"], {"--train": world["train"], "--dev": dev, "--model": world["model"]},
+             ["--output DIR"]),
+            (["merge-lora"], {"--model": world["model"]}, ["--output DIR"]),
+            (["demo"], {"--model": world["model"]}, ["--output DIR"])]
+
+
+def test_every_input_flag_of_every_stage_is_refused_as_each_of_its_outputs(world: dict, tmp_path: Path) -> None:
+    """The guard knows each stage's inputs: any one of them given as any output of the run is refused in one line
+    naming both flags, and nothing is written."""
+    dev = tmp_path / "dev.json"
+    shutil.copy(world["train"], dev)
+    before = folder_bytes(world["root"], dev)
+    for command, inputs, outputs in guarded_stages(world, dev):
+        given = [a for flag, path in inputs.items() for a in (flag, path)]
+        for in_flag, path in inputs.items():
+            for out_flag, kind in (o.partition(" ")[::2] for o in outputs):
+                if path.is_dir() != (kind == "DIR"):
+                    continue
+                refused(command + given + [out_flag, path], f"{out_flag} {path} is the input {in_flag} ")
+    assert folder_bytes(world["root"], dev) == before
+
+
 def own_index(world: dict, tmp_path: Path) -> dict[str, Path]:
     """A copy of the world's model and corpus, encoded and indexed in ``tmp_path`` (the index records both)."""
     model, corpus, cache = tmp_path / "model", tmp_path / "corpus.tsv", tmp_path / "cache"
@@ -855,6 +890,11 @@ def test_an_index_folder_holding_other_files_is_not_replaced(world: dict, tmp_pa
     (own["idx"] / ".git").mkdir()
     refused(["index", "--embeddings", own["emb"], "--output", own["idx"]], "holds .git beside its index")
     assert (own["idx"] / ".git").is_dir()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    refused(["index", "--embeddings", own["emb"], "--output", notes], f"{notes} is a folder that holds no index")
+    assert [p.name for p in notes.iterdir()] == ["notes.txt"] and (notes / "notes.txt").read_text() == "mine"
 
 
 def test_an_empty_input_path_is_refused_naming_its_flag(world: dict, tmp_path: Path) -> None:
@@ -1219,6 +1259,37 @@ def test_retrieve_removes_temporaries_a_killed_run_left(world: dict, tmp_path: P
     code, err = call(cli.main, retrieve_argv(world, "--queries", world["qa"], "--output", out, "--top-k", "2"))
     assert code == 0, err
     assert out.is_file() and not stale.exists()
+
+
+def test_every_output_file_of_retrieve_is_locked_and_cleaned(world: dict, tmp_path: Path) -> None:
+    """``--trec-run`` is an output like ``--output``: the temporaries a killed run left beside it are removed, and a
+    second run writing it while another holds its lock is refused at once (docs/stages.md)."""
+    out, trec = tmp_path / "r.json", tmp_path / "r.trec"
+    stale = tmp_path / ".r.trec.abc123.tmp"
+    stale.write_text("half")
+    argv = retrieve_argv(world, "--queries", world["queries"], "--top-k", "2", "--cache-dir", tmp_path / "cache")
+    code, err = call(cli.main, argv + ["--output", out, "--trec-run", trec])
+    assert code == 0, err
+    assert trec.is_file() and not stale.exists()
+    with exclusive_lock(tmp_path / ".r.trec.lock", "first run"):  # what a running retrieve holds for its file
+        refused(argv + ["--trec-run", trec], "in use by another run")
+        refused(argv + ["--output", tmp_path / "other.json", "--trec-run", trec], "in use by another run")
+
+
+def test_an_output_the_system_refuses_is_one_line_naming_it(world: dict, tmp_path: Path, monkeypatch) -> None:
+    """An OSError the guard does not word itself (here: the output's lock name is taken by a folder) still ends as
+    one ``error:`` line naming the path, exit status 2 (README: bad input is one line), never a traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".o.json.lock").mkdir()
+    refused(["evaluate", "--run", world["run"], "--qrels", world["qrels"], "--output", "o.json"], ".o.json.lock")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.json.lock"]
+
+
+def test_text_no_output_can_hold_is_one_line(capsys) -> None:
+    """A lone surrogate that reaches a UTF-8 output (``UnicodeEncodeError``) is one ``error:`` line, exit status 2."""
+    assert report_errors(lambda: "x\ud800".encode()) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "'\\ud800'" in lines[0], lines
 
 
 # --------------------------------------------------------------------------------------------- whole folders

@@ -151,6 +151,24 @@ def test_merge_lora_replaces_only_a_folder_that_holds_a_model_and_nothing_else(t
     assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(merged)]) == 0  # a model alone
     Retriever.load(merged)
 
+
+def test_merge_lora_refuses_a_folder_of_the_users_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    """The --output check comes before the minutes of loading the model: a folder holding the user's files is
+    refused at once, and the model is never loaded."""
+    retriever = Retriever.load(init_model(tmp_path, shared=False))
+    apply_lora(retriever, LoraSettings(r=2))
+    retriever.save(tmp_path / "lora")
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "notes.txt").write_text("mine")
+    loaded = []
+    monkeypatch.setattr(Retriever, "load", classmethod(lambda cls, *a, **k: loaded.append(a) or retriever))
+    capsys.readouterr()
+    assert main(["merge-lora", "--model", str(tmp_path / "lora"), "--output", str(project)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {project} is a folder that holds no saved model"), err
+    assert loaded == [] and [p.name for p in project.iterdir()] == ["notes.txt"]
+
 def test_merge_lora_keeps_the_training_record_of_the_model_card_and_notes_the_merge(tmp_path):
     """The merged retriever's card carries the adapted one's training record (base model, steps, dev metrics) and
     names the folder whose adapters it merged, in the metadata and in the prose."""

@@ -141,6 +141,18 @@ def test_pickled_embeddings_are_refused(trained, tmp_path, capsys):
     refused(["index", "--embeddings", emb, "--output", tmp_path / "index"], marker, capsys, shard.name)
 
 
+def test_a_folder_of_dprs_pickled_embedding_files_is_named_as_never_read(tmp_path, capsys):
+    """DPR's generate_dense_embeddings.py writes ``pickle.dump`` files: an --embeddings folder holding only such a
+    file is refused naming it as DPR's pickled embeddings that dpr-gc never reads (docs/dpr.md), not unpickled."""
+    emb, marker = tmp_path / "emb", tmp_path / "PWNED"
+    emb.mkdir()
+    with open(emb / "wiki_passages_0", "wb") as f:
+        pickle.dump([("p1", Payload(marker))], f)
+    line = refused(["index", "--embeddings", emb, "--output", tmp_path / "index"], marker, capsys,
+                   "only what look like DPR's pickled embedding files (wiki_passages_0)", "never reads them")
+    assert "re-encode the passages" in line and not (tmp_path / "index").exists()
+
+
 def test_pickled_bm25_index_is_refused(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "c", passages(12), "jsonl")
     records = [{"question": "paris city", "answers": ["zzz"], "positive_ctxs": [{"passage_id": "d1", "title": "",
