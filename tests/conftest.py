@@ -74,9 +74,10 @@ def transformers_lines_in_the_tests_stderr():
     """transformers' handler keeps the ``sys.stderr`` of the moment transformers set up its logger (pytest's capture
     at collection), so ``capfd``, ``capsys`` and ``helpers.call`` saw none of its lines, and a test that a command
     or call prints nothing of its dependencies could not fail for one. For each test the handler writes to the
-    stderr of the moment instead, and gets its own stream back after. A command run in-process sets transformers
-    to errors only for the rest of the process (right in its own process), which would blind every later test in
-    the worker; transformers' level returns after each test."""
+    stderr of the moment instead, and gets its own stream back after. A benchmark script run in-process
+    (bench_common's ``quiet_dependencies``, never undone) sets transformers to errors only for the rest of the
+    process (right in its own process), which would blind every later test in the worker; transformers' level
+    returns after each test."""
     hf_logger = logging.getLogger("transformers")
     level = hf_logger.level
     handlers = [h for h in hf_logger.handlers if type(h) is logging.StreamHandler]

@@ -6,6 +6,7 @@ warnings, no bm25s debug lines, no dependency's deprecation warnings, no cursor 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import logging
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -296,3 +298,142 @@ def test_loading_a_retriever_shorter_than_the_tokenizer_probe_prints_nothing(mak
     err = capfd.readouterr().err
     assert "sequence length" not in err and "sequence length" not in caplog.text, (err, caplog.text)
     assert not [w for w in caught if "sequence length" in str(w.message)], [str(w.message) for w in caught]
+
+
+@contextlib.contextmanager
+def a_users_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A notebook's process before its first command: no root handler (pytest's own are set aside, so the command's
+    ``basicConfig`` adds one), the root at WARNING, no quiet settings in the environment or on the dependencies'
+    loggers, transformers at INFO with its bar on, datasets' bar on (where its environment allowed), and a warning filter of the user's own; pytest's
+    settings return after it."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    from dpr_gc.base.logs import QUIET_ENVIRONMENT, QUIET_LOGGERS
+
+    root, loggers = logging.getLogger(), [logging.getLogger(name) for name in QUIET_LOGGERS]
+    saved = (root.level, root.handlers[:], [(lg.level, lg.filters[:]) for lg in loggers],
+             hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), datasets.are_progress_bars_disabled())
+    for name in QUIET_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    root.handlers.clear()
+    root.setLevel(logging.WARNING)
+    for logger in loggers:
+        logger.setLevel(logging.NOTSET)
+        logger.filters.clear()
+    hf_logging.set_verbosity_info()
+    with warnings.catch_warnings():  # datasets refuses where its environment variable was set at its import
+        warnings.simplefilter("ignore")
+        hf_logging.enable_progress_bar()
+        datasets.enable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="a warning of the user's")
+            yield
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+        for logger, (level, filters) in zip(loggers, saved[2]):
+            logger.setLevel(level)
+            logger.filters[:] = filters
+        hf_logging.set_verbosity(saved[3])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (hf_logging.enable_progress_bar if saved[4] else hf_logging.disable_progress_bar)()
+            (datasets.disable_progress_bars if saved[5] else datasets.enable_progress_bars)()
+
+
+def process_settings() -> dict:
+    """What a command run in-process could leave changed: the environment, warning filters, the root logger's level,
+    handlers and their filters, the dependencies' loggers, transformers' and datasets' verbosity and bars."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    from dpr_gc.base.logs import QUIET_LOGGERS
+
+    root = logging.getLogger()
+    return {"environ": dict(os.environ), "warnings": warnings.filters[:], "root": (root.level, root.handlers[:]),
+            "handler filters": [h.filters[:] for h in root.handlers],
+            "loggers": {name: (logging.getLogger(name).level, logging.getLogger(name).filters[:])
+                        for name in (*QUIET_LOGGERS, "dpr_gc")},
+            "verbose": getattr(logging.getLogger("dpr_gc"), "verbose_dependencies", False),
+            "transformers": (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()),
+            "datasets": (datasets.logging.get_verbosity(), datasets.are_progress_bars_disabled())}
+
+
+def a_dependency_speaks(args, model_flag: str = "--model") -> int:
+    """A stage in which FAISS logs an INFO line and transformers a warning."""
+    from transformers.utils import logging as hf_logging
+
+    logging.getLogger("faiss").info("a line of faiss")
+    hf_logging.get_logger("transformers.modeling_utils").warning("a warning of transformers")
+    return 0
+
+
+def failing_stage(args, model_flag: str = "--model") -> int:
+    raise RuntimeError("a stage failed")
+
+
+@pytest.mark.parametrize("verbose", [[], ["--verbose"]])
+@pytest.mark.parametrize("ending", ["success", "error", "exception"])
+def test_a_command_run_in_process_leaves_the_process_as_it_found_it(tmp_path: Path, monkeypatch, ending: str,
+                                                                    verbose: list) -> None:
+    """``main([...])`` from a notebook sets up the command's log (a root handler and level, the dependencies quiet
+    through their loggers, warning filters, environment variables, transformers' and datasets' own settings): each
+    returns to what it was once the command ends, whether it succeeds, fails with an ``error:`` line (exit 2) or
+    raises."""
+    from dpr_gc import cli
+    from tests.helpers import call
+
+    if ending == "exception":
+        monkeypatch.setattr(cli, "run_stage", failing_stage)
+    argv = {"success": ["cache", "--cache-dir", str(tmp_path)], "error": ["evaluate", "--results",
+                                                                          str(tmp_path / "missing.json")],
+            "exception": ["evaluate", "--results", str(tmp_path / "missing.json")]}[ending]
+    with a_users_process(monkeypatch):
+        before = process_settings()
+        with pytest.raises(RuntimeError, match="a stage failed") if ending == "exception" else contextlib.nullcontext():
+            code, err = call(cli.main, [*verbose, *argv])
+            assert code == (0 if ending == "success" else 2), err
+        assert process_settings() == before
+
+
+def test_a_verbose_command_after_a_quiet_one_lets_the_dependencies_speak(tmp_path: Path, monkeypatch) -> None:
+    """In one process, ``main([...])`` then ``main(["--verbose", ...])``: the second shows FAISS's INFO line and
+    transformers' warning, which the first kept quiet (its quiet loggers, root handler and transformers' level had
+    stayed, so the verbose command showed neither)."""
+    from dpr_gc import cli
+    from tests.helpers import call
+
+    monkeypatch.setattr(cli, "run_stage", a_dependency_speaks)
+    argv = ["evaluate", "--results", str(tmp_path / "results.json")]
+    with a_users_process(monkeypatch):
+        quiet, verbose = call(cli.main, argv), call(cli.main, ["--verbose", *argv])
+    assert quiet[0] == 0 and "faiss" not in quiet[1] and "a warning of transformers" not in quiet[1], quiet
+    assert verbose[0] == 0 and re.search(r"INFO faiss: a line of faiss\n", verbose[1]), verbose
+    assert "[transformers] a warning of transformers" in verbose[1], verbose
+
+
+IMPORTED_DURING = '''
+import logging, os, sys
+from dpr_gc.cli import main
+from dpr_gc.base.logs import QUIET_ENVIRONMENT
+assert "transformers" not in sys.modules
+assert main(["merge-lora", "--model", sys.argv[1], "--output", sys.argv[2]]) == 2
+from transformers.utils import logging as hf_logging
+quiet = [name for name in QUIET_ENVIRONMENT if name in os.environ]
+print(hf_logging.get_verbosity(), logging.getLogger("transformers").filters, quiet)
+'''
+
+
+def test_transformers_first_imported_by_an_in_process_command_is_at_its_default_verbosity(tmp_path: Path) -> None:
+    """transformers, imported during a command (its import reads the quiet ``TRANSFORMERS_VERBOSITY=error``), is
+    left at the verbosity a plain import gives (warnings), with no quiet filter and none of the quiet variables."""
+    from dpr_gc.base.logs import QUIET_ENVIRONMENT
+
+    clean = {name: value for name, value in os.environ.items() if name not in QUIET_ENVIRONMENT}
+    result = subprocess.run([sys.executable, "-c", IMPORTED_DURING, str(tmp_path / "missing"), str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=dict(clean, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{logging.WARNING} [] []\n", result.stdout + result.stderr

@@ -87,12 +87,11 @@ def test_a_transformers_line_reaches_the_tests_capture(transformers_warns, reque
 NEXT_TEST = '''
 from transformers.utils import logging as hf_logging
 
-from dpr_gc.cli import main
-from tests.helpers import call
+from dpr_gc.base.logs import quiet_dependencies
 
 
-def test_a_command_in_process(tmp_path):
-    assert call(main, ["evaluate", "--results", str(tmp_path / "missing.json")])[0] == 2
+def test_a_benchmark_quiets_the_dependencies_in_process():
+    quiet_dependencies()
 
 
 def test_after_it(capfd):
@@ -101,11 +100,12 @@ def test_after_it(capfd):
 '''
 
 
-def test_a_command_run_in_process_leaves_the_next_test_seeing_transformers_warnings(tmp_path: Path) -> None:
-    """A command run in-process sets transformers to errors only for the rest of the process (as it should in its own
-    process), so every later test in a worker would be blind to transformers' warnings; each test starts at
-    transformers' level of the moment the suite began. Run as a suite of its own under this conftest.py, in an
-    environment without the quiet settings an in-process command here left in ``os.environ``."""
+def test_quieting_in_process_leaves_the_next_test_seeing_transformers_warnings(tmp_path: Path) -> None:
+    """A benchmark script run in-process sets transformers to errors only for the rest of the process (as it should
+    in its own process; a dpr-gc command undoes it as it ends), so every later test in a worker would be blind to
+    transformers' warnings; each test starts at transformers' level of the moment the suite began. Run as a suite of
+    its own under this conftest.py, in an environment without the quiet settings an in-process benchmark here left
+    in ``os.environ``."""
     import subprocess
     import sys
 

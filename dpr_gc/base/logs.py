@@ -10,6 +10,13 @@ sets at import does not undo), those bars are off, and deprecation warnings rais
 are not shown (they are addressed to the library's callers' developers, not to our user). The settings go through
 the libraries' own environment variables (``setdefault``: a user's own setting wins), so DataLoader workers and
 torchrun ranks inherit them.
+
+A command undoes its settings as it ends (:func:`command_main`), so one called in-process (``dpr_gc.cli.main([...])``
+from a notebook) leaves the process's logging, warning filters, environment, and transformers' and datasets'
+verbosity and progress bars as it found them, and a later ``--verbose`` command lets the dependencies speak. Only a
+progress-bar switch read from the environment at import stays: huggingface_hub and datasets (and transformers, which
+takes huggingface_hub's) first imported during a quiet command keep their bars off (their variable takes priority
+over their API).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import sys
@@ -35,6 +43,8 @@ QUIET_ADVICE_MODULES = r"peft(\..*)?$"
 QUIET_ENVIRONMENT = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                      "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "DATASETS_VERBOSITY": "error",
                      "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+# the libraries whose verbosity and progress bars the quiet settings change, and their logging module
+LIBRARY_LOGGING = {"transformers": "transformers.utils.logging", "datasets": "datasets.utils.logging"}
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -91,7 +101,7 @@ def native_stderr_logged(log: logging.Logger, source: str) -> Iterator[None]:
 def setup_logging(verbose: bool) -> None:
     """Configure the root logger for a command (DEBUG with ``verbose``, else INFO) and quiet the dependencies; the
     toolkit's logger notes whether this command is verbose (``verbose_dependencies``, read by
-    :func:`transformers_quiet`), set by every command and cleared as it ends (:func:`command_main`), so an in-process
+    :func:`transformers_quiet`); all of it is undone as the command ends (:func:`command_main`), so an in-process
     call leaves no level behind for the next."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
     dependencies_verbose(verbose)
@@ -138,23 +148,73 @@ def dependency_deprecations_hidden() -> Iterator[None]:
 
 def dependencies_verbose(verbose: bool) -> None:
     """Note whether the command running is ``--verbose`` (read by :func:`transformers_quiet`): set as a command sets
-    up its logging and reset as it ends, so an in-process ``--verbose`` call leaves the library quiet after it."""
+    up its logging and back to the caller's as it ends, so an in-process ``--verbose`` call leaves the library quiet
+    after it."""
     logging.getLogger("dpr_gc").verbose_dependencies = verbose  # type: ignore[attr-defined]
 
 
 def command_main(main: Callable[..., int]) -> Callable[..., int]:
-    """A command's ``main``: the ``--verbose`` its :func:`setup_logging` noted is cleared as it returns or raises,
-    so a library call later in the same process is quiet again, and the INFO lines a later torchrun rank turned off
-    (:func:`infos_from_rank_zero`) are on again."""
+    """A command's ``main``: what it sets up for its run (see :func:`process_kept`) is undone as it returns or
+    raises, so a command called in-process leaves the process as it found it: a later ``--verbose`` command lets the
+    dependencies speak, a later library call is quiet again, and the caller's own logging and warnings hold."""
     @functools.wraps(main)
     def run(*args: Any, **kwargs: Any) -> int:
-        try:
+        with process_kept():
             return main(*args, **kwargs)
-        finally:
-            dependencies_verbose(False)
-            for handler in logging.getLogger().handlers:
-                handler.removeFilter(warnings_and_errors)
     return run
+
+
+@contextlib.contextmanager
+def process_kept() -> Iterator[None]:
+    """For the block (a command), then as it was before: the environment (the quiet settings its workers and
+    torchrun ranks inherit meanwhile), warning filters, the root logger's level, handlers (``basicConfig``'s) and
+    their filters (:func:`infos_from_rank_zero`'s), the level and filters of the :data:`QUIET_LOGGERS`, the
+    ``--verbose`` noted (:func:`dependencies_verbose`), and transformers' and datasets' verbosity and progress bars."""
+    root, environ = logging.getLogger(), dict(os.environ)
+    loggers = {logger: (logger.level, logger.filters[:]) for logger in map(logging.getLogger, QUIET_LOGGERS)}
+    handlers = {handler: handler.filters[:] for handler in root.handlers}
+    level, verbose = root.level, getattr(logging.getLogger("dpr_gc"), "verbose_dependencies", False)
+    restore_libraries = library_settings()
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
+        os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
+        for logger, (logger_level, filters) in loggers.items():
+            logger.setLevel(logger_level)
+            logger.filters[:] = filters
+        for handler in [handler for handler in root.handlers if handler not in handlers]:
+            root.removeHandler(handler)
+            handler.close()
+        for handler, filters in handlers.items():
+            handler.filters[:] = filters
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
+        dependencies_verbose(verbose)
+        restore_libraries()
+
+
+def library_settings() -> Callable[[], None]:
+    """What puts transformers' and datasets' progress bars back as they are now (their verbosity is their logger's
+    level, one of the :data:`QUIET_LOGGERS`); one imported later gets the verbosity its import sets (from its
+    ``*_VERBOSITY`` variable, once restored). A progress-bar switch read from the environment at import stays:
+    huggingface_hub's and datasets', first imported under the quiet settings, then take no other."""
+    bars = {module: importlib.import_module(module).is_progress_bar_enabled()
+            for name, module in LIBRARY_LOGGING.items() if name in sys.modules}
+
+    def restore() -> None:
+        for name, module in LIBRARY_LOGGING.items():
+            lib = importlib.import_module(module) if name in sys.modules else None
+            if module in bars and lib.is_progress_bar_enabled() != bars[module]:
+                with warnings.catch_warnings():  # the refusal where the environment forbids the switch: as asked
+                    warnings.simplefilter("ignore")
+                    (lib.enable_progress_bar if bars[module] else lib.disable_progress_bar)()
+            elif lib is not None and module not in bars:
+                lib.set_verbosity(lib._get_default_logging_level())
+    return restore
 
 
 @contextlib.contextmanager
