@@ -304,8 +304,8 @@ def test_loading_a_retriever_shorter_than_the_tokenizer_probe_prints_nothing(mak
 def a_users_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A notebook's process before its first command: no root handler (pytest's own are set aside, so the command's
     ``basicConfig`` adds one), the root at WARNING, no quiet settings in the environment or on the dependencies'
-    loggers, transformers at INFO with its bar on, datasets' bar on (where its environment allowed), and a warning filter of the user's own; pytest's
-    settings return after it."""
+    loggers, transformers at INFO with its bar on, datasets' bar on (where its environment allowed), and a warning
+    filter of the user's own; pytest's settings return after it."""
     import datasets
     from transformers.utils import logging as hf_logging
 
