@@ -175,7 +175,12 @@ OTHER_FORMATS = {  # name: (content, what it looks like)
     "corpus.jsonl": ('{"_id": "d1", "title": "", "text": "x"}\n', r"a BEIR corpus or queries file \(_id, text, "
                      r"title\), not DPR"),
     "nq-open.jsonl": ('{"question": "who", "answer": ["x"]}\n', r"a questions file \(question, answer\) without "
-                      r"passages"),
+                      r"passages, not DPR training records \(its first record has none of positive_ctxs, "
+                      r"negative_ctxs, hard_negative_ctxs\)"),
+    "results.json": ('[{"question": "who", "answers": ["x"], "ctxs": [{"id": "1", "text": "t", "score": 1.0}]}]',
+                     r"retrieval results \(question, answers, ctxs: what retrieve --output and DPR's "
+                     r"dense_retriever\.py write\), not DPR training records \(no positive_ctxs\); "
+                     r"evaluate --results reads it, and mine --train-file mines hard negatives into training records"),
     "other.jsonl": ('{"sentence": "x", "label": 1}\n', r"records with the fields label, sentence"),
     "strings.json": ('["one", "two"]', r"a list of str, not of records"),
     "pretty.json": (json.dumps(records(1)[0], indent=2), r"one JSON object spread over several lines, not a JSON "

@@ -431,8 +431,9 @@ _UNREADABLE, _OPENS_OBJECT = object(), object()  # a first line that is not JSON
 
 def refuse_other_formats(path: Path) -> None:
     """A file that holds no DPR training records at all (gzipped under a name without ``.gz``, one pretty-printed
-    JSON object, sentence-transformers or FlagEmbedding pairs, a BEIR corpus) is refused in one line saying what it
-    looks like, by its first record: read on, every record would be a bad one, which ``--skip-bad-records`` skips."""
+    JSON object, sentence-transformers or FlagEmbedding pairs, a BEIR corpus, retrieval results) is refused in one
+    line saying what it looks like, by its first record: read on, every record would be a bad one, which
+    ``--skip-bad-records`` skips."""
     misnamed = misnamed_gzip(path)
     if misnamed:
         raise DprGcError(f"{misnamed}; {TRAINING_FORMATS}")
@@ -484,11 +485,15 @@ def _looks_like(record: Any, is_list: bool) -> Optional[str]:
         guess = f"FlagEmbedding ({named('query', 'pos', 'neg')}) records"
     elif {"_id", "text"} <= keys:
         guess = f"a BEIR corpus or queries file ({named('_id', 'text', 'title')})"
+    elif "ctxs" in keys:
+        return (f"it looks like retrieval results ({named('question', 'answers', 'ctxs')}: what retrieve --output and "
+                "DPR's dense_retriever.py write), not DPR training records (no positive_ctxs); evaluate --results "
+                "reads it, and mine --train-file mines hard negatives into training records")
     elif "question" in keys:
         guess = f"a questions file ({named('question', 'answer', 'answers', 'id')}) without passages"
     else:
         guess = f"records with the fields {', '.join(sorted(keys)[:8])}"
-    return f"it looks like {guess}, not DPR training records (its first record has none of {', '.join(DPR_FIELDS)})"
+    return f"it looks like {guess}, not DPR training records (its first record has none of {', '.join(DPR_FIELDS[1:])})"
 
 
 def load_beir_training(beir_dir: PathLike, split: str = "train", cache_dir: Optional[PathLike] = None,
