@@ -352,3 +352,20 @@ def test_answers_are_read_as_dpr_reads_them_a_python_literal_first(tmp_path: Pat
     path.write_text("q\t[true]\n")
     with pytest.raises(DprGcError, match="answers must be a string or a list of strings, got '\\[True\\]'"):
         read_queries(path)
+
+
+@pytest.mark.parametrize("layout", ["list", "object"])
+@pytest.mark.parametrize("reader", ["corpus", "questions"])
+def test_a_json_list_or_pretty_printed_object_is_named_as_such_not_as_invalid_json(tmp_path, layout, reader):
+    """Not "FILE:1: invalid JSON (Expecting value); fix or remove that line": the file is named for what it holds
+    (a JSON list, one JSON object over several lines) and told these readers want one JSON object a line."""
+    record = {"_id": "a", "text": "x"} if reader == "corpus" else {"question": "who", "answer": ["x"]}
+    value = record if layout == "object" else [record, record]
+    path = tmp_path / f"{reader}.json"
+    path.write_text(json.dumps(value, indent=1))
+    kind = "one JSON object spread over several lines" if layout == "object" else "a JSON list"
+    what = "passage" if reader == "corpus" else "question"
+    with pytest.raises(DprGcError, match=rf"^{path} holds {kind}, not one {what} a line: this reader takes JSONL "
+                                         rf"\(one JSON object a line\)") as e:
+        list(corpus_mod.iter_passages(path)) if reader == "corpus" else read_queries(path)
+    assert "invalid JSON" not in str(e.value) and "\n" not in str(e.value)

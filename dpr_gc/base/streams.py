@@ -114,6 +114,29 @@ def sniff_json(path: PathLike) -> str:
     return "list" if head.startswith("[") else "lines" if head else "empty"
 
 
+def opens_object(line: str) -> bool:
+    """Whether a first line that is no JSON opens one JSON object pretty-printed over several lines (``{`` alone)."""
+    return line.strip() == "{"
+
+
+def not_jsonl(path: PathLike) -> Optional[str]:
+    """What a file read as one JSON object a line holds instead, when its first non-blank line is incomplete JSON:
+    ``"a JSON list"`` (see :func:`sniff_json`), ``"one JSON object spread over several lines"``
+    (:func:`opens_object`), else None (a line that parses, or fails otherwise, is left to the reader to judge)."""
+    with open_text(path) as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        json.loads(first)
+        return None
+    except json.JSONDecodeError:
+        pass
+    except JSON_ERRORS:  # nested too deeply, an integer too long: the reader names the line
+        return None
+    if sniff_json(path) == "list":
+        return "a JSON list"
+    return "one JSON object spread over several lines" if opens_object(first) else None
+
+
 def iter_json_list(f: IO[str], path: Path, text_only: bool = False) -> Iterator[tuple[int, Any]]:
     """Yield ``(line, object)`` for each item of a top-level JSON list, reading ``CHUNK_CHARS`` at a time
     (``text_only``: an item holding a lone surrogate is refused naming its line).

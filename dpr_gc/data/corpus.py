@@ -28,7 +28,7 @@ from ..base.logs import counted
 from .arrow_cache import cache_file, cached_dataset, write_stream
 from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, iter_jsonl_objects, json_problem,
                           open_text, require_file)
-from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts
+from ..base.streams import TsvCounts, iter_tsv_lines, log_tsv_counts, not_jsonl
 from ..base.validate import blank_id, check_id, given_id
 
 logger = logging.getLogger(__name__)
@@ -170,8 +170,18 @@ def _iter_tsv_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
     log_tsv_counts(path, counts, "passages")
 
 
+def _jsonl_objects(path: Path, item: str, what: str) -> Iterator[tuple[int, dict]]:
+    """The objects of a JSONL file (``what`` each is); a JSON list or one pretty-printed object is refused as what
+    it is (:func:`~dpr_gc.base.streams.not_jsonl`), not as invalid JSON at line 1."""
+    holds = not_jsonl(path)
+    if holds:
+        raise DprGcError(f"{path} holds {holds}, not one {item} a line: this reader takes JSONL (one JSON object a "
+                         f"line); write each {item} as one JSON object on a line of its own")
+    return iter_jsonl_objects(path, what)
+
+
 def _iter_jsonl_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
-    for line_no, obj in iter_jsonl_objects(path, "a passage with id, title and text"):
+    for line_no, obj in _jsonl_objects(path, "passage", "a passage with id, title and text"):
         pid = given_id(obj)
         if pid is None:  # none given, or only an empty one: refused as empty where ids are checked
             pid = obj.get("_id", obj.get("id"))
@@ -438,7 +448,7 @@ def _answer_list(value: Any, where: str) -> list[str]:
 
 
 def _iter_jsonl_queries(path: Path) -> Iterator[tuple[int, dict]]:
-    for line_no, obj in iter_jsonl_objects(path, "a question"):
+    for line_no, obj in _jsonl_objects(path, "question", "a question"):
         where = f"{path}:{line_no}"
         question = obj.get("question", obj.get("text", obj.get("query")))
         if not isinstance(question, str):

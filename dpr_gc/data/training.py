@@ -33,7 +33,7 @@ from ..base.guard import guarded
 from ..base.files import (JSON_ERRORS, PathLike, check_unicode, copied_from, die_with_parent, iter_jsonl,
                           json_problem, misnamed_gzip, open_text, read_json_object, require_file, write_json)
 from ..base.settings import add_arguments, cache_dir_setting, check, setting
-from ..base.streams import iter_json_list, sniff_json
+from ..base.streams import iter_json_list, opens_object, sniff_json
 from ..model.retriever import Retriever, RetrieverConfig
 from .sampling import (MixedBatchSampler, TrainingExamples,  # noqa: F401 (TrainingExamples is re-exported)
                        question_groups)
@@ -455,7 +455,7 @@ def _first_record(path: Path, is_list: bool) -> tuple[int, Any]:
                     try:
                         return line_no, json.loads(text)
                     except JSON_ERRORS:
-                        return line_no, _OPENS_OBJECT if text.strip() == "{" else _UNREADABLE
+                        return line_no, _OPENS_OBJECT if opens_object(text) else _UNREADABLE
     except DprGcError:
         pass
     return 1, _UNREADABLE
