@@ -369,3 +369,19 @@ def test_a_json_list_or_pretty_printed_object_is_named_as_such_not_as_invalid_js
                                          rf"\(one JSON object a line\)") as e:
         list(corpus_mod.iter_passages(path)) if reader == "corpus" else read_queries(path)
     assert "invalid JSON" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("title", [False, 0, [], {}, 5, True, 0.0])
+def test_a_title_that_is_not_a_string_is_refused_whatever_its_truth(tmp_path, title):
+    """A false, 0, [] or {} title was read as no title while 5 or true was refused: every non-string is refused
+    alike; only null (or no title) is an empty one."""
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(json.dumps({"_id": "a", "text": "x", "title": None}) + "\n"
+                    + json.dumps({"_id": "b", "text": "y", "title": title}) + "\n")
+    with pytest.raises(DprGcError, match=rf"^{path}:2: 'title' must be a string, got {type(title).__name__}$"):
+        list(corpus_mod.iter_passages(path))
+    path.write_text(json.dumps({"_id": "a", "text": "x", "title": None}) + "\n" + json.dumps({"_id": "b", "text": "y"}))
+    assert [t for _, t, _ in corpus_mod.iter_passages(path)] == ["", ""]
+    path.write_text(json.dumps({"_id": "a", "text": title, "title": "t"}) + "\n")
+    with pytest.raises(DprGcError, match=rf"^{path}:1: missing or non-string 'text'$"):
+        list(corpus_mod.iter_passages(path))

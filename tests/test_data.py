@@ -205,6 +205,20 @@ def test_a_file_in_another_format_is_refused_once_with_a_format_hint(tmp_path, n
         list(D.iter_training_file(path))
 
 
+@pytest.mark.parametrize("title", [False, 0, [], {}, 5, True])
+def test_a_context_title_that_is_not_a_string_is_a_bad_record_whatever_its_truth(tmp_path, title):
+    """A false, 0, [] or {} title was read as no title while 5 or true made a bad record: every non-string does;
+    only null (or no title) is an empty one."""
+    recs = records(3)
+    recs[1]["positive_ctxs"][0]["title"] = title
+    recs[2]["positive_ctxs"][0]["title"] = None
+    path = write(tmp_path / "t.jsonl", recs, "lines")
+    with pytest.raises(DprGcError, match=r"t\.jsonl:2: positive_ctxs\[0\] has a title that is not a string"):
+        load(tmp_path, path)
+    data = load(tmp_path, path, skip_bad=True)
+    assert data.stats[0]["bad"] == 1 and data.dataset[1]["positives"][0]["title"] == ""
+
+
 def test_a_file_whose_first_record_is_a_bad_dpr_record_keeps_the_record_advice(tmp_path):
     recs = records(3)
     del recs[0]["positive_ctxs"]

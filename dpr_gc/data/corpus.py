@@ -192,10 +192,10 @@ def _iter_jsonl_passages(path: Path) -> Iterator[tuple[int, str, str, str]]:
         text = obj.get("text")
         if not isinstance(text, str):
             raise DprGcError(f"{path}:{line_no}: missing or non-string 'text'")
-        title = obj.get("title") or ""
-        if not isinstance(title, str):
-            raise DprGcError(f"{path}:{line_no}: 'title' must be a string")
-        yield line_no, str(pid), title, text
+        title = obj.get("title")
+        if title is not None and not isinstance(title, str):  # false, 0, [] are no empty title: refused as 5 is
+            raise DprGcError(f"{path}:{line_no}: 'title' must be a string, got {type(title).__name__}")
+        yield line_no, str(pid), title or "", text
 
 
 # --------------------------------------------------------------------------------------------- Arrow cache

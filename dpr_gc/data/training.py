@@ -125,13 +125,13 @@ def _contexts(record: dict, key: str, required: bool) -> list[dict]:
     for j, ctx in enumerate(value):
         if not isinstance(ctx, dict):
             raise ValueError(f"{key}[{j}] must be an object, got {type(ctx).__name__}")
-        text, title = ctx.get("text"), ctx.get("title") or ""
+        text, title = ctx.get("text"), ctx.get("title")  # only a null title is empty: false, 0, [] are refused
         pid = context_id(ctx)
         if not isinstance(text, str):
             raise ValueError(f"{key}[{j}].text must be a string, got {type(text).__name__}")
-        if not isinstance(title, str) or not isinstance(pid, (str, int)):
+        if not isinstance(title, (str, type(None))) or not isinstance(pid, (str, int)):
             raise ValueError(f"{key}[{j}] has a title that is not a string or an id that is not a string/int")
-        out.append({"id": str(pid), "title": title, "text": text})
+        out.append({"id": str(pid), "title": title or "", "text": text})
     return out
 
 
