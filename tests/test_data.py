@@ -731,3 +731,29 @@ def test_scifact_training_questions(tmp_path):
     qids = {line.split("\t")[0] for line in (SHARED_DATA / "scifact/qrels/train.tsv").read_text().splitlines()[1:]}
     assert len(data) == len(qids) and data.stats[0]["bad"] == 0
     assert all(row["positives"] and row["question"] for row in data.dataset.select(range(20)))
+
+
+def test_an_empty_beir_qrels_file_is_named_as_mine_names_it(tmp_path):
+    """Not "no usable training question (0 records, 0 without a positive, 0 bad)", naming neither the file nor what
+    to do: the empty qrels file is named, in the words ``mine --beir-dir`` and every qrels reader use."""
+    from dpr_gc.data.qrels import read_qrels
+
+    beir = write_beir(tmp_path / "beir", records(2))
+    qrels = beir / "qrels" / "train.tsv"
+    for text in ("", "query-id\tcorpus-id\tscore\n"):
+        qrels.write_text(text)
+        with pytest.raises(DprGcError) as mine:
+            read_qrels(qrels)
+        assert re.match(rf"{qrels}: no relevance judgments found; ", str(mine.value))
+        for _ in range(2):  # parsed, then read from the cache
+            with pytest.raises(DprGcError) as e:
+                D.load_beir_training(beir, cache_dir=tmp_path / "cache")
+            assert str(e.value) == str(mine.value) and "TAB" in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "[]", " [\n]\n"])
+def test_an_empty_training_file_is_said_to_hold_no_records(tmp_path, text):
+    path = tmp_path / "train.json"
+    path.write_text(text)
+    with pytest.raises(DprGcError, match=rf"^{path}: the file holds no training records \(it is empty"):
+        load(tmp_path, path)

@@ -100,8 +100,14 @@ def read_qrels(path: PathLike) -> dict[str, dict[str, int]]:
         qid, docid, rel = judgment
         qrels.setdefault(qid, {})[docid] = rel
     if not qrels:
-        raise DprGcError(f"{path}: no relevance judgments found")
+        raise no_judgments(path)
     return qrels
+
+
+def no_judgments(path: PathLike) -> DprGcError:
+    """The error of a qrels file without a judgment (empty, or a header alone), in the words every reader uses."""
+    return DprGcError(f"{path}: no relevance judgments found; a qrels file holds one judgment a line, "
+                      "'query-id<TAB>corpus-id<TAB>score' after BEIR's header or TREC's 'qid 0 docid relevance'")
 
 
 def qrels_line_problem(judgment: Judgment, where: str, seen: dict[tuple[str, str], int]) -> Optional[str]:

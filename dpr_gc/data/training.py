@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from .arrow_cache import cache_file, cached_dataset, write_stream
 from .corpus import file_stamp, source_fingerprint
-from .qrels import iter_qrels, qrels_line_problem, read_qrels
+from .qrels import iter_qrels, no_judgments, qrels_line_problem, read_qrels
 from ..base.args import nonnegative_int, positive_float, positive_int, qrels_split
 from ..base.errors import DprGcError, clipped
 from ..base.guard import guarded
@@ -358,6 +358,10 @@ def _build(source: Path, files: Sequence[Path], tag: str, produce: Callable[[], 
     if stats.get("dropped_negatives"):
         logger.warning("%s: dropped %d (hard) negatives that are their question's own positive (same passage id, "
                        "or same title and text)", stats["source"], stats["dropped_negatives"])
+    if stats["records"] == 0:  # a BEIR folder's qrels (files[0]) judge nothing, or a DPR file is empty
+        raise no_judgments(files[0]) if tag == "beir" else DprGcError(
+            f"{stats['source']}: the file holds no training records (it is empty or an empty JSON list); "
+            f"{TRAINING_FORMATS}")
     if stats["kept"] == 0:
         raise DprGcError(f"{stats['source']}: no usable training question ({stats['records']} records, "
                          f"{stats['no_positive']} without a positive, {stats['bad']} bad)")
