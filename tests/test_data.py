@@ -219,6 +219,20 @@ def test_a_context_title_that_is_not_a_string_is_a_bad_record_whatever_its_truth
     assert data.stats[0]["bad"] == 1 and data.dataset[1]["positives"][0]["title"] == ""
 
 
+@pytest.mark.parametrize("pid", [True, False, 1.5])
+def test_a_context_id_that_is_a_bool_or_a_float_is_a_bad_record(tmp_path, pid):
+    """A passage id of true was read as the id "True" (bool is an int to Python); the corpus refuses it, so do
+    training records (an int id stays its decimal string)."""
+    recs = records(3)
+    recs[1]["positive_ctxs"][0]["passage_id"] = pid
+    recs[2]["positive_ctxs"][0]["passage_id"] = 7
+    path = write(tmp_path / "t.jsonl", recs, "lines")
+    with pytest.raises(DprGcError, match=r"t\.jsonl:2: positive_ctxs\[0\] has .* an id that is not a string/int"):
+        load(tmp_path, path)
+    data = load(tmp_path, path, skip_bad=True)
+    assert data.stats[0]["bad"] == 1 and data.dataset[1]["positives"][0]["id"] == "7"
+
+
 def test_a_file_whose_first_record_is_a_bad_dpr_record_keeps_the_record_advice(tmp_path):
     recs = records(3)
     del recs[0]["positive_ctxs"]

@@ -129,7 +129,7 @@ def _contexts(record: dict, key: str, required: bool) -> list[dict]:
         pid = context_id(ctx)
         if not isinstance(text, str):
             raise ValueError(f"{key}[{j}].text must be a string, got {type(text).__name__}")
-        if not isinstance(title, (str, type(None))) or not isinstance(pid, (str, int)):
+        if not isinstance(title, (str, type(None))) or isinstance(pid, bool) or not isinstance(pid, (str, int)):
             raise ValueError(f"{key}[{j}] has a title that is not a string or an id that is not a string/int")
         out.append({"id": str(pid), "title": title or "", "text": text})
     return out
