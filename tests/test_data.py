@@ -302,6 +302,24 @@ def test_a_beir_query_becomes_a_record_with_every_key_of_a_dpr_training_file(tmp
     assert all(r["negative_ctxs"] == r["hard_negative_ctxs"] == [] for r in built)
 
 
+def test_a_first_line_of_other_header_words_is_named_as_a_header(tmp_path):
+    """A header other than BEIR's ('qid docid rel') was refused as "relevance 'rel' is not an integer", no advice;
+    the error says line 1 was read as a judgment and what header is taken. A later bad line gets no such advice."""
+    from dpr_gc.data.qrels import read_qrels
+
+    qrels = tmp_path / "q.tsv"
+    qrels.write_text("qid\tdocid\trel\nq1\td1\t1\n")
+    with pytest.raises(DprGcError, match=rf"^{qrels}:1: relevance 'rel' is not an integer \(line 1 is read as a "
+                                         r"judgment: a header is BEIR's 'query-id<TAB>corpus-id<TAB>score'; rename its "
+                                         r"columns so, or remove it\)$"):
+        read_qrels(qrels)
+    qrels.write_text("q1\td1\t1\nq2\td2\trel\n")
+    with pytest.raises(DprGcError, match=rf"^{qrels}:2: relevance 'rel' is not an integer$"):
+        read_qrels(qrels)
+    qrels.write_text("qid\tdocid\tscore\nq1\td1\t1\n")  # a last column named score is a header
+    assert read_qrels(qrels) == {"q1": {"d1": 1}}
+
+
 def test_bad_beir_qrels(tmp_path):
     folder = write_beir(tmp_path / "beir", records(2))
     qrels = folder / "qrels" / "train.tsv"

@@ -59,6 +59,9 @@ def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
                                 "whitespace and TREC files separate fields by it), so it could never match; fix the id")
                 continue
             rel = relevance(rel_text)
+            if isinstance(rel, str) and line_no == first:  # most likely a header of other words (qid docid rel)
+                rel += (f" (line {line_no} is read as a judgment: a header is BEIR's 'query-id<TAB>corpus-id<TAB>"
+                        "score'; rename its columns so, or remove it)")
             yield line_no, (qid, docid, rel) if isinstance(rel, int) else rel
 
 
