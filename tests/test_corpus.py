@@ -354,15 +354,16 @@ def test_answers_are_read_as_dpr_reads_them_a_python_literal_first(tmp_path: Pat
         read_queries(path)
 
 
-@pytest.mark.parametrize("layout", ["list", "object"])
+@pytest.mark.parametrize("layout", ["list", "object", "one-line list"])
 @pytest.mark.parametrize("reader", ["corpus", "questions"])
 def test_a_json_list_or_pretty_printed_object_is_named_as_such_not_as_invalid_json(tmp_path, layout, reader):
-    """Not "FILE:1: invalid JSON (Expecting value); fix or remove that line": the file is named for what it holds
-    (a JSON list, one JSON object over several lines) and told these readers want one JSON object a line."""
+    """Not "FILE:1: invalid JSON (Expecting value); fix or remove that line" (nor, for a list on one line, "expected
+    a JSON object, got list"): the file is named for what it holds (a JSON list, one JSON object over several
+    lines) and told these readers want one JSON object a line."""
     record = {"_id": "a", "text": "x"} if reader == "corpus" else {"question": "who", "answer": ["x"]}
     value = record if layout == "object" else [record, record]
     path = tmp_path / f"{reader}.json"
-    path.write_text(json.dumps(value, indent=1))
+    path.write_text(json.dumps(value, indent=None if layout == "one-line list" else 1))
     kind = "one JSON object spread over several lines" if layout == "object" else "a JSON list"
     what = "passage" if reader == "corpus" else "question"
     with pytest.raises(DprGcError, match=rf"^{path} holds {kind}, not one {what} a line: this reader takes JSONL "

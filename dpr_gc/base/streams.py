@@ -120,14 +120,14 @@ def opens_object(line: str) -> bool:
 
 
 def not_jsonl(path: PathLike) -> Optional[str]:
-    """What a file read as one JSON object a line holds instead, when its first non-blank line is incomplete JSON:
-    ``"a JSON list"`` (see :func:`sniff_json`), ``"one JSON object spread over several lines"``
-    (:func:`opens_object`), else None (a line that parses, or fails otherwise, is left to the reader to judge)."""
+    """What a file read as one JSON object a line holds instead: ``"a JSON list"`` (a first non-blank line that is
+    a whole list, or incomplete JSON opening one, see :func:`sniff_json`), ``"one JSON object spread over several
+    lines"`` (:func:`opens_object`), else None (a line that parses to another value, or fails otherwise, is left to
+    the reader to judge)."""
     with open_text(path) as f:
         first = next((line for line in f if line.strip()), "")
     try:
-        json.loads(first)
-        return None
+        return "a JSON list" if isinstance(json.loads(first), list) else None  # a whole list on one line
     except json.JSONDecodeError:
         pass
     except JSON_ERRORS:  # nested too deeply, an integer too long: the reader names the line
