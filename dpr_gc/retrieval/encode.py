@@ -194,15 +194,13 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     name = shard_name(shard_id, num_shards)
     with locked_folder(out_dir, f".{name}.lock", f"{out_dir} (shard {shard_id} of {num_shards})") as out:
         return _encode_shard(retriever, corpus, corpus_path, out, (shard_id, num_shards), settings, autocast,
-                             model_name, (show_progress, dtype_flag))
+                             model_name, show_progress=show_progress, dtype_flag=dtype_flag)
 
 
 def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path, shard: tuple[int, int],
-                  settings: EncodeSettings, autocast: Optional[str], model_name: Optional[str],
-                  shown: tuple[bool, str]) -> dict:
-    """The body of :func:`encode_corpus`, run while holding the shard's lock: files of a dead run are ours to clean.
-    ``shown``: whether to draw the progress bar, and the flag the dtype hint names."""
-    show_progress, dtype_flag = shown
+                  settings: EncodeSettings, autocast: Optional[str], model_name: Optional[str], *,
+                  show_progress: bool, dtype_flag: str) -> dict:
+    """The body of :func:`encode_corpus`, run while holding the shard's lock: files of a dead run are ours to clean."""
     (shard_id, num_shards), block_size = shard, settings.block_size
     start, count = shard_range(len(corpus), shard_id, num_shards)
     name = shard_name(shard_id, num_shards)
