@@ -259,10 +259,13 @@ def test_read_qrels_formats(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["q1 0\td1\t1\nq2 0\td2\t1\n", "q1\td1\t1\t\nq2\td2\t1\t\n",
-                                     "q1 0 d1 1\t\nq2 0 d2 1 \n", "q1\t0\td1\t1\nq2\t0\td2\t1\n"])
+                                     "q1 0 d1 1\t\nq2 0 d2 1 \n", "q1\t0\td1\t1\nq2\t0\td2\t1\n",
+                                     "q1\t0 d1 1\nq2\t0 d2 1\n", "q1 0\td1 1\nq2 0 d2\t1\n",
+                                     "q1\t0\td1 1\nq2 \t 0 \t d2  1\n", "q1\t\t0\td1\t1\nq2\t0\t\td2 \t\t1\n"])
 def test_qrels_lines_read_as_trec_eval_and_beir_read_them(tmp_path, content):
-    """A TREC line with a tab between some fields (``q1 0<TAB>d1<TAB>1``) was read as query id 'q1 0', and a line
-    ending in a tab was refused; trec_eval splits on any whitespace and BEIR's reader drops the trailing tab."""
+    """A TREC line with a tab between some fields (``q1 0<TAB>d1<TAB>1``) was read as query id 'q1 0', a line
+    ending in a tab was refused, and so was a four-field line of other mixed whitespace (``q1<TAB>0 d1 1``, two
+    tabs in a row); trec_eval splits on any whitespace and BEIR's reader drops the trailing tab."""
     path = tmp_path / "qrels.txt"
     path.write_text(content)
     assert ev.read_qrels(path) == {"q1": {"d1": 1}, "q2": {"d2": 1}}

@@ -2,8 +2,9 @@
 evaluation alike.
 
 BEIR writes ``query-id<TAB>corpus-id<TAB>score`` under a header line, TREC ``qid 0 docid rel`` separated by
-whitespace (:func:`_fields` tells them apart line by line; trailing whitespace is dropped). Ids are one word: an id
-with whitespace inside is refused naming the line. Relevance is an integer (``1`` or ``1.0``).
+whitespace, in any mix of tabs and spaces as trec_eval splits (:func:`_fields` tells them apart line by line; trailing
+whitespace is dropped). Ids are one word: an id with whitespace inside is refused naming the line. Relevance is an
+integer (``1`` or ``1.0``).
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ QRELS_FORMATS = "expected 'query-id corpus-id score' or 'qid 0 docid rel'"
 
 
 def _fields(line: str) -> list[str]:
-    """The line's fields: its tab-separated ones (BEIR TSV), or its whitespace-separated ones (TREC, as trec_eval
-    splits) when those are the same or the line is TREC's ``qid iter<TAB>docid<TAB>rel``. Trailing whitespace (a
-    trailing tab) is dropped first. A tab field with whitespace inside is kept whole, so that its id is refused."""
+    """The line's fields: its whitespace-separated ones (TREC, as trec_eval splits) when those are its tab-separated
+    ones or four words (``qid iter docid rel`` in any mix of tabs and spaces), else its tab-separated ones (BEIR TSV),
+    so that a tab field with whitespace inside is kept whole and its id refused. Three tab fields whose middle one
+    holds whitespace (``q1<TAB>d 1<TAB>1``) are BEIR's, a corpus id with a space. Trailing whitespace is dropped."""
     line = line.strip()
     words = line.split()
     tabbed = [f.strip() for f in line.split("\t")]
-    if "\t" not in line or tabbed == words:
+    spaced_corpus_id = len(tabbed) == 3 and any(c.isspace() for c in tabbed[1])
+    if "\t" not in line or tabbed == words or (len(words) == 4 and not spaced_corpus_id):
         return words
-    trec = len(tabbed) == 3 and len(words) == 4 and tabbed[0].split() == words[:2]
-    return words if trec else tabbed
+    return tabbed
 
 
 def iter_qrels(path: PathLike) -> Iterator[tuple[int, Union[Judgment, str]]]:
