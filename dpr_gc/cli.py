@@ -180,7 +180,8 @@ def check_launch(command: str, program: str = "") -> None:
     LOCAL_RANK (read by the logging and by the device choice), a stage without a distributed mode under WORLD_SIZE
     above 1, and there a RANK (LOCAL_RANK; for a stage joining a process group MASTER_ADDR, MASTER_PORT) that is
     missing or a RANK not below WORLD_SIZE: torch would stop with a rendezvous traceback, or each rank take RANK 0.
-    ``program`` names what was launched where it is not ``dpr-gc COMMAND`` (a DPR-style script running the stage)."""
+    ``program`` names what was launched where it is not ``dpr-gc COMMAND`` (a DPR-style script running the stage);
+    ``command`` '' is a script that runs no stage (download_dpr_data.py), which has no distributed mode either."""
     env = os.environ
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         if env.get(name) and not env[name].strip().isdigit():
@@ -189,12 +190,13 @@ def check_launch(command: str, program: str = "") -> None:
     world = int(env.get("WORLD_SIZE") or 1)
     if world <= 1:
         return
-    if not STAGES[command].distributed:
+    stage = STAGES.get(command)
+    if stage is None or not stage.distributed:
         ranked = ", ".join(name for name, stage in STAGES.items() if stage.distributed)
         with alike_on_every_rank():
             raise DprGcError(f"run {program or 'dpr-gc ' + command} without torchrun: it has no distributed mode "
                              f"(only {ranked} run under torchrun)")
-    needed = ("RANK", "LOCAL_RANK") + (("MASTER_ADDR", "MASTER_PORT") if STAGES[command].joins_group else ())
+    needed = ("RANK", "LOCAL_RANK") + (("MASTER_ADDR", "MASTER_PORT") if stage.joins_group else ())
     missing = [name for name in needed if not env.get(name)]
     if missing:
         unset = f"{missing[0]} is" if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]} are"

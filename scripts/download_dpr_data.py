@@ -42,6 +42,7 @@ from dpr_gc.base.args import ArgumentParser, RawDescriptionHelpFormatter, closes
 from dpr_gc.base.errors import report_errors  # noqa: E402
 from dpr_gc.base.errors import DprGcError  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
+from dpr_gc.cli import check_launch  # noqa: E402
 
 BASE = "https://dl.fbaipublicfiles.com/dpr"
 SUMS_FILE = "SHA256SUMS.json"
@@ -243,7 +244,11 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    return report_errors(lambda: run(args))
+
+    def run_once() -> int:
+        check_launch("", program="download_dpr_data.py")  # under torchrun every rank would download every file
+        return run(args)
+    return report_errors(run_once)
 
 
 if __name__ == "__main__":

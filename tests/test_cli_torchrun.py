@@ -219,3 +219,19 @@ def test_dense_retriever_refuses_torchrun_as_retrieve_does(tmp_path, monkeypatch
     assert (code, err) == (2, "error: run dense_retriever.py without torchrun: it has no distributed mode (only train, "
                               "verify, encode run under torchrun)\n")
     assert not any(tmp_path.iterdir()), "nothing is written"
+
+
+def test_download_dpr_data_refuses_torchrun_as_the_stages_do(tmp_path, monkeypatch):
+    """The download script under torchrun had every rank download every file into the same folder; it refuses the
+    launch in the same one line as the stages without a distributed mode, before it writes or fetches anything
+    (the resource's URL is a closed local port: a fetch would end in another error)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    script = load_script("download_dpr_data")
+    monkeypatch.setattr(script, "RESOURCES", {"qa": ("http://127.0.0.1:1/qa.csv", "qa.csv", "", None)})
+    for extra in ([], ["--dry-run"]):
+        code, err = call(script.main, ["--output", str(tmp_path / "dpr"), "qa", *extra])
+        assert (code, err) == (2, "error: run download_dpr_data.py without torchrun: it has no distributed mode (only "
+                                  "train, verify, encode run under torchrun)\n")
+    assert not any(tmp_path.iterdir()), "nothing is written"
