@@ -150,16 +150,19 @@ def test_folder_layout_ids_and_metadata(tmp_path, data):
     assert [s["start_row"] for s in meta["shards"]] == [0, 400]
 
 
-def test_partial_then_append_equals_full_build(tmp_path, data, queries):
+@pytest.mark.parametrize("params", [IndexParams("flat"), IndexParams(factory="SQfp16")], ids=["flat", "SQfp16"])
+def test_partial_then_append_equals_full_build(tmp_path, data, queries, params):
+    """stages.md: an index with nothing to train and no graph (flat, a --factory string such as SQfp16) built with
+    --allow-partial and completed by --append is the index built all at once: the same rows, ids and hits."""
     full = write_shards(tmp_path / "full", data, num_shards=3)
-    build_index(full, tmp_path / "full_idx", IndexParams("flat"))
+    build_index(full, tmp_path / "full_idx", params)
     part = write_shards(tmp_path / "part", data, num_shards=3, only=[0, 1])
     with pytest.raises(DprGcError, match="lacks finished shard"):
-        build_index(part, tmp_path / "idx", IndexParams("flat"))
-    summary = build_index(part, tmp_path / "idx", IndexParams("flat"), allow_partial=True)
+        build_index(part, tmp_path / "idx", params)
+    summary = build_index(part, tmp_path / "idx", params, allow_partial=True)
     assert summary["ntotal"] == 2 * len(data) // 3 and not summary["complete"]
     write_shards(tmp_path / "part", data, num_shards=3, only=[2])
-    summary = build_index(part, tmp_path / "idx", IndexParams("flat"), append=True)
+    summary = build_index(part, tmp_path / "idx", params, append=True)
     assert summary["added"] == len(data) - 2 * len(data) // 3 and summary["complete"]
     a = DenseIndex.read(tmp_path / "idx").search(queries, 5)
     b = DenseIndex.read(tmp_path / "full_idx").search(queries, 5)
@@ -247,6 +250,77 @@ def test_allow_partial_indexes_the_shards_before_one_still_being_encoded(tmp_pat
     assert code == 2 and err == (f"error: nothing to index in {late} yet: corpus rows 0..265 are not encoded, and "
                                  "the shards after them (shard-00001-of-00003, shard-00002-of-00003) wait for them, "
                                  "since FAISS rows must equal corpus rows; encode the first shard, then index\n"), err
+
+
+@pytest.mark.parametrize("given, factory, picked", [
+    (["--kind", "ivf-flat"], "IVF6,Flat", "; --nlist 6 picked for them"),
+    (["--factory", "IVF4,Flat"], "IVF4,Flat", "")])
+def test_a_partial_build_of_a_trained_index_warns_that_append_keeps_its_training(tmp_path, data, caplog, capsys,
+                                                                                 given, factory, picked):
+    """stages.md said a later --append gives the index built all at once, but an IVF index's lists are trained (and
+    their number picked) on the vectors present at the --allow-partial build and --append keeps them (c300k, 2 of 4
+    shards: IVF1095 trained on 75000 vectors, where the index built at once was IVF1549 trained on 100000; 175 of 500
+    top-10s differed). The partial build warns in one line that --append keeps its training and how to get the index
+    built all at once; the --append says in its log and its summary that the training covered fewer vectors than the
+    index holds. A flat index, which trains nothing, warns of neither."""
+    from dpr_gc.cli import main
+    from tests.helpers import call
+
+    emb, idx = write_shards(tmp_path / "emb", data, num_shards=3, only=[0]), tmp_path / "idx"
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.retrieval.index"):
+        assert call(main, ["index", "--embeddings", emb, "--output", idx, "--allow-partial", *given])[0] == 0
+    assert (f"--allow-partial: the {factory} index's IVF lists are trained on the 266 vectors present (of 800 corpus "
+            f"rows{picked}), and a later --append keeps them; once every shard is encoded, build it again without "
+            "--append for the index built all at once") in caplog.messages, caplog.messages
+    meta = json.loads((idx / META_FILE).read_text())
+    assert (meta["trained_on"], meta["trained_from"]) == (266, 266)
+    write_shards(emb, data, num_shards=3, only=[1, 2])
+    capsys.readouterr()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.retrieval.index"):
+        assert call(main, ["index", "--embeddings", emb, "--output", idx, "--append"])[0] == 0
+    assert (f"--append keeps the training of the {factory} index: its IVF lists were trained on the 266 vectors "
+            "present at its build, and it now holds 800; build it again without --append for the index built all at "
+            "once") in caplog.messages, caplog.messages
+    assert summary_rows(capsys.readouterr().out)["trained on"] == "kept: the 266 vectors present at its build, of 800"
+    flat = write_shards(tmp_path / "flat", data, num_shards=3, only=[0])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.retrieval.index"):
+        assert call(main, ["index", "--embeddings", flat, "--output", tmp_path / "f", "--allow-partial"])[0] == 0
+        write_shards(flat, data, num_shards=3, only=[1, 2])
+        capsys.readouterr()
+        assert call(main, ["index", "--embeddings", flat, "--output", tmp_path / "f", "--append"])[0] == 0
+    assert not [m for m in caplog.messages if "keep" in m], caplog.messages
+    assert summary_rows(capsys.readouterr().out)["trained on"] == "-"
+    sampled, sampled_idx = write_shards(tmp_path / "s", data, num_shards=3, only=[0]), tmp_path / "s_idx"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dpr_gc.retrieval.index"):
+        build_index(sampled, sampled_idx, IndexParams(factory="IVF2,Flat"), train_sample=100, allow_partial=True)
+        meta = json.loads((sampled_idx / META_FILE).read_text())
+        del meta["trained_from"]  # as an index of an earlier version
+        (sampled_idx / META_FILE).write_text(json.dumps(meta))
+        write_shards(sampled, data, num_shards=3, only=[1, 2])
+        summary = build_index(sampled, sampled_idx, IndexParams(factory="IVF2,Flat"), append=True)
+    assert [m.split(": ", 1)[1].split(", and")[0] for m in caplog.messages if "keep" in m] == [
+        "the IVF2,Flat index's IVF lists are trained on a sample of 100 of the 266 vectors present (of 800 corpus "
+        "rows)", "its IVF lists were trained on 100 vectors, drawn from at most the 266 it held before this append"]
+    assert summary["training_kept"] == "100 vectors, drawn from at most the 266 it held before this append"
+
+
+def test_an_hnsw_graph_completed_by_append_is_not_the_graph_built_at_once(tmp_path, data, queries):
+    """stages.md: an HNSW graph built with --allow-partial and completed by --append differs from the one built at
+    once: FAISS draws each vector's level from a generator it restarts when it reads the index, so the appended
+    vectors get other levels, and an approximate search can return other hits."""
+    params = IndexParams("hnsw", hnsw_m=8, ef_construction=40, ef_search=16)
+    build_index(write_shards(tmp_path / "full", data, num_shards=3), tmp_path / "full_idx", params)
+    part = write_shards(tmp_path / "part", data, num_shards=3, only=[0])
+    build_index(part, tmp_path / "idx", params, allow_partial=True)
+    write_shards(part, data, num_shards=3, only=[1, 2])
+    build_index(part, tmp_path / "idx", IndexParams("hnsw"), append=True)
+    once, appended = DenseIndex.read(tmp_path / "full_idx").index, DenseIndex.read(tmp_path / "idx").index
+    np.testing.assert_array_equal(once.reconstruct_n(0, len(data)), appended.reconstruct_n(0, len(data)))
+    levels = [faiss.vector_to_array(index.hnsw.levels) for index in (once, appended)]
+    assert (levels[0][:266] == levels[1][:266]).all() and (levels[0][266:] != levels[1][266:]).any()
 
 
 def test_an_append_of_shards_encoded_otherwise_is_refused(tmp_path, data, caplog):

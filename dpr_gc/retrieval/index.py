@@ -54,7 +54,8 @@ INDEX_META_FIELDS = {"format_version": Field(int), "kind": text(), "factory": te
                      "corpus_fingerprint": text(True), "model_fingerprint": text(True), LEGACY_KEY: text(True),
                      "pooling": text(True), "normalize": Field(bool, True), "passage_format": text(True),
                      "query_prefix": text(True), "passage_prefix": text(True), "shards": Field(list),
-                     "trained_on": count(True), "max_length": positive_field(True), "precision": text(True),
+                     "trained_on": count(True), "trained_from": count(True), "max_length": positive_field(True),
+                     "precision": text(True),
                      "dtype": text(True),
                      "first_id": text(True), "last_id": text(True), "index_file": Field(list)}
 PARAM_FIELDS = {"kind": text(), "factory": text(True), "pq_nbits": positive_field(True),
@@ -727,10 +728,14 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     else:
         logger.info("appending to the %s index of %s (search: %s); FAISS threads %d", dense.meta["factory"],
                     counted(dense.ntotal, "vector"), dense.search_settings(), faiss_threads())
+        stats["training_kept"] = _training_covered(dense.meta, dense.ntotal) if dense.meta.get("trained_on") else None
+    before = dense.ntotal
     dense.meta.update(fingerprint)
     started = time.perf_counter()
     _add_blocks(dense, todo, block_size, one_add)
     stats["add_seconds"] = round(time.perf_counter() - started, 3)
+    if stats.get("training_kept"):
+        _warn_kept_training(dense, before)
     return dense, todo, stats
 
 
@@ -814,8 +819,61 @@ def _new_index(first: dict, todo: list[dict], params: IndexParams, train_sample:
         logger.info("training %s on %s", dense.meta["factory"], counted(len(sample), "vector"))
         dense.train(sample, available=total)
         stats = {"train_vectors": len(sample), "train_seconds": round(time.perf_counter() - started, 3)}
+        dense.meta["trained_from"] = total
     dense.meta["trained_on"] = stats["train_vectors"]
+    if stats["train_vectors"]:
+        _warn_partial_training(dense, first.get("corpus_rows"), resolved.nlist if params.nlist is None else None)
     return dense, stats
+
+
+def _trained_parts(dense: DenseIndex) -> str:
+    """What training fixed in ``dense`` and an append keeps, in words ("IVF lists", "PQ codebooks", ...)."""
+    faiss, parts = _faiss(), []
+    for layer in _layers(dense.index):
+        if isinstance(layer, faiss.IndexPreTransform):
+            parts.append("transform")
+        if isinstance(layer, faiss.IndexIVF):
+            parts.append("IVF lists")
+        if getattr(layer, "pq", None) is not None:
+            parts.append("PQ codebooks")
+        if getattr(layer, "sq", None) is not None:
+            parts.append("scalar quantizer")
+    return " and ".join(parts) or "trained parts"
+
+
+def _training_covered(meta: Mapping[str, Any], before: Optional[int] = None, when: str = " at its build") -> str:
+    """The vectors an index's training sample was drawn from, in words: "the N vectors present at its build" (or "a
+    sample of S of the N ..."); for an index of an earlier version, which does not record them, at most ``before``
+    (the vectors it held before this append)."""
+    sample, pool = int(meta.get("trained_on") or 0), meta.get("trained_from")
+    if pool is None:
+        return f"{sample} vectors, drawn from at most the {before} it held before this append"
+    return (f"the {pool} vectors present{when}" if sample >= int(pool)
+            else f"a sample of {sample} of the {pool} vectors present{when}")
+
+
+def _warn_partial_training(dense: DenseIndex, corpus_rows: Optional[int], picked_nlist: Optional[int]) -> None:
+    """Warn, in one line, that an index trained over some corpus rows only (``--allow-partial``) keeps that training
+    when ``--append`` adds the rest, so it is not the index built all at once (``picked_nlist``: its IVF lists where
+    their number was picked from the vectors present)."""
+    if corpus_rows is None or int(dense.meta["trained_from"]) >= int(corpus_rows):
+        return
+    logger.warning("--allow-partial: the %s index's %s are trained on %s (of %d corpus rows%s), and a later --append "
+                   "keeps them; once every shard is encoded, build it again without --append for the index built all "
+                   "at once", dense.meta["factory"], _trained_parts(dense), _training_covered(dense.meta, when=""),
+                   int(corpus_rows),
+                   f"; --nlist {picked_nlist} picked for them" if picked_nlist else "")
+
+
+def _warn_kept_training(dense: DenseIndex, before: int) -> None:
+    """Warn, in one line, that ``--append`` kept the training of ``dense`` (which held ``before`` vectors), drawn from
+    fewer vectors than it now holds, so it is not the index built all at once over them."""
+    pool = dense.meta.get("trained_from")
+    if not dense.meta.get("trained_on") or (pool is not None and int(pool) >= dense.ntotal):
+        return
+    logger.warning("--append keeps the training of the %s index: its %s were trained on %s, and it now holds %d; "
+                   "build it again without --append for the index built all at once", dense.meta["factory"],
+                   _trained_parts(dense), _training_covered(dense.meta, before), dense.ntotal)
 
 
 def build_index(emb_dir: PathLike, out_dir: PathLike, params: Union[IndexParams, Mapping[str, Any]],
@@ -1044,6 +1102,8 @@ def summary_text(summary: dict[str, Any], seconds: Optional[float] = None) -> st
     seconds = summary["train_seconds"] + summary["add_seconds"] if seconds is None else seconds
     trained = (f"{summary['train_vectors']} vectors in {seconds_text(summary['train_seconds'])}"
                if summary["train_vectors"] else "-")
+    if summary.get("training_kept") and summary["added"]:
+        trained = f"kept: {summary['training_kept']}, of {summary['ntotal']}"
     return format_summary({"factory": summary["factory"], "search": summary["search"],
                            "FAISS threads": summary["faiss_threads"], "model": summary["model"],
                            "dimension": summary["dim"], "vectors": summary["ntotal"],
