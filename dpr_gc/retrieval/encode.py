@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import IO, Any, Optional, Sequence
+from typing import IO, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -170,7 +170,9 @@ def encode_corpus(retriever: Any, corpus_path: PathLike, out_dir: PathLike, shar
     of ``WORLD_SIZE`` and given ones are refused (:func:`~.shards.resolve_shard`).
     Finished blocks from an interrupted run with the same settings are reused; a folder holding parts or shards
     made with another model or other settings is refused rather than mixed. The manifest returned also holds
-    ``encoded``: the passages this call encoded (fewer than ``count`` when it resumed, 0 when the shard was done).
+    ``encoded``: the passages this call encoded (fewer than ``count`` when it resumed, 0 when the shard was done),
+    and ``encoding_seconds``: the seconds encoding them took (loading and fingerprinting the corpus and the model,
+    and assembling the shard, left out).
     ``dtype_flag`` names the caller's flag for ``dtype`` in the log's hint that float32 keeps full precision (no hint
     without one: the demo and mine have no such flag).
     """
@@ -214,7 +216,7 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     if done.is_file() and (out / manifest["embeddings"]).is_file() and (out / manifest["ids"]).is_file():
         _remove_parts(out, name)
         logger.info("%s is already finished in %s; nothing to do", name, out)
-        return {**read_manifest(done), "encoded": 0}
+        return {**read_manifest(done), "encoded": 0, "encoding_seconds": 0.0}
     write_json(progress_file, manifest)
     device = next(retriever.parameters()).device
     logger.info("%s: %s on %s in %s compute, stored as %s%s; batch %d, max length %d tokens%s", name,
@@ -232,16 +234,10 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     bar = tqdm(total=int(sum(shard_tokens(corpus, *blocks[b], manifest["max_length"]).sum() for b in todo)), unit=" tokens",
                desc=f"encode {name} (~tokens)", unit_scale=True, disable=not show_progress, smoothing=0.05)
     encoder = quantize_int8(retriever) if autocast == "int8" and todo else retriever
-    finished = len(blocks) - len(todo)
     try:
-        for b in todo:
-            _encode_part(encoder, corpus, blocks[b], parts[b], settings, autocast, bar)
-            finished += 1
-    except KeyboardInterrupt:
-        if not finished:
-            raise
-        raise Interrupted(f"{name}: {finished} of {len(blocks)} blocks of {settings.block_size} passages are kept in "
-                          f"{out}; run the same command again to encode the rest") from None
+        seconds = _encode_parts(encoder, corpus, [(blocks[b], parts[b]) for b in todo], settings, autocast, bar,
+                                lambda n: f"{name}: {n} of {len(blocks)} blocks of {block_size} passages are kept "
+                                          f"in {out}", len(blocks) - len(todo))
     finally:
         bar.close()
         retriever.train(was_training)
@@ -249,7 +245,24 @@ def _encode_shard(retriever: Any, corpus: Any, corpus_path: PathLike, out: Path,
     write_json(done, manifest)
     _remove_parts(out, name)
     logger.info("%s: %s written to %s", name, counted(count, "passage"), out / manifest["embeddings"])
-    return {**manifest, "encoded": sum(blocks[b][1] - blocks[b][0] for b in todo)}
+    return {**manifest, "encoded": sum(blocks[b][1] - blocks[b][0] for b in todo), "encoding_seconds": seconds}
+
+
+def _encode_parts(encoder: Any, corpus: Any, todo: list[tuple[tuple[int, int], Path]], settings: EncodeSettings,
+                  autocast: Optional[str], bar: Any, kept: Callable[[int], str], finished: int) -> float:
+    """Encode each (rows, part file) of ``todo``; returns the seconds it took, the passages' encoding alone (the
+    ``encoding`` row of encode's summary: reading the corpus and fingerprinting it, before, are not in it). Ctrl-C
+    after a part is finished says what is kept (``kept`` of the count of blocks finished, ``finished`` before)."""
+    started = time.perf_counter()
+    try:
+        for rows, part in todo:
+            _encode_part(encoder, corpus, rows, part, settings, autocast, bar)
+            finished += 1
+    except KeyboardInterrupt:
+        if not finished:
+            raise
+        raise Interrupted(f"{kept(finished)}; run the same command again to encode the rest") from None
+    return time.perf_counter() - started
 
 
 def _encode_part(encoder: Any, corpus: Any, rows: tuple[int, int], part: Path, settings: EncodeSettings,
@@ -439,7 +452,8 @@ def describe_auto_precision(device: str) -> str:
 def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
     """Load the retriever ``job.model`` (prefixes replaced when given) on ``job.device`` (default: see
     :func:`~dpr_gc.base.devices.default_device`) and encode one shard (:func:`encode_corpus`) with
-    ``job.settings``. Returns ``(manifest, seconds)``."""
+    ``job.settings``. Returns ``(manifest, seconds)``: the seconds encoding the passages took, its
+    ``encoding_seconds``."""
     from ..model.retriever import Retriever
 
     device = default_device(job.device)
@@ -448,19 +462,19 @@ def encode_with_model(job: EncodeJob) -> tuple[dict, float]:
     if job.settings.precision == "auto":
         chosen = pick_precision("auto", torch.device(device))
         logger.info("--precision auto on %s: %s (%s)", device, chosen or "fp32", describe_auto_precision(device))
-    began = time.perf_counter()
     manifest = encode_corpus(retriever, job.corpus, job.output, settings=job.settings, model_name=str(job.model),
                              dtype_flag="--dtype")
-    return manifest, time.perf_counter() - began
+    return manifest, manifest["encoding_seconds"]
 
 
 @guarded(inputs=("model", "corpus"), outputs={"output": "self"}, members={"output": SHARD_MEMBERS})
 def run_cli(args: argparse.Namespace, output: Optional[str] = None, device: Optional[str] = None) -> dict:
     """Handler for ``encode`` (and ``scripts/generate_dense_embeddings.py``, whose ``output`` and ``device`` replace
     the flags'): flags to :func:`encode_with_model`, then a summary table naming the shard (its ``time`` the whole
-    command's, model load included; ``encoding`` the seconds ``passages/s`` divides). The output folder, the
-    shard pair and the corpus path are checked before the model loads (which takes seconds to minutes). Under
-    torchrun ranks other than 0 log warnings only, and each rank prints its own shard's table."""
+    command's, model load included; ``encoding`` the seconds ``passages/s`` divides: encoding the passages, reading
+    and fingerprinting the corpus left out, as ``retrieve``'s ``retrieval`` row leaves out loading). The output
+    folder, the shard pair and the corpus path are checked before the model loads (which takes seconds to minutes).
+    Under torchrun ranks other than 0 log warnings only, and each rank prints its own shard's table."""
     infos_from_rank_zero()  # under torchrun the ranks' lines would come once per rank
     started = time.perf_counter()
     job = from_args(EncodeJob, args)
