@@ -95,6 +95,18 @@ def test_a_left_padding_tokenizer_embeds_a_text_as_alone_and_as_right_padded(mak
     np.testing.assert_allclose(together, right, rtol=1e-5, atol=1e-5)
 
 
+def test_embed_returns_rows_in_input_order_when_character_and_token_lengths_disagree(make_retriever):
+    """``Retriever.embed`` promises float32 [N, D] in input order: it sorts by characters, then batches by tokens;
+    texts whose two orders disagree (long vocabulary words are one token each, single letters too), in batches
+    of two, give each text its own vector, as embedding it alone does."""
+    texts = ["science protein", "a b c d e f", "london france", "x y z w v", "music paris", "1 2 3 4"]
+    retriever = make_retriever()
+    batched = retriever.embed("passage", texts, batch_size=2)
+    alone = np.concatenate([retriever.embed("passage", [t]) for t in texts])
+    assert batched.dtype == np.float32 and batched.shape == (len(texts), retriever.dim)
+    np.testing.assert_allclose(batched, alone, rtol=1e-5, atol=1e-5)
+
+
 def test_pooler_pooling_refuses_left_padded_input(make_retriever):
     """The pooler layer reads column 0, padding under a left-padding tokenizer: refused in one line, not pooled."""
     retriever = make_retriever(pooling="pooler")
