@@ -310,7 +310,10 @@ def test_dpr_checkpoint_loads_without_unpickling(tiny, tmp_path, capsys):
     state = torch.load(cp, weights_only=True)["model_dict"]
     assert torch.equal(retriever.passage_encoder.transformer.embeddings.word_embeddings.weight,
                        state["ctx_model.embeddings.word_embeddings.weight"])
-    assert torch.equal(retriever.query_encoder.projection.weight, state["question_model.encode_proj.weight"])
+    assert not torch.equal(state["question_model.encode_proj.weight"], state["ctx_model.encode_proj.weight"])
+    for encoder, prefix in ((retriever.query_encoder, "question_model."), (retriever.passage_encoder, "ctx_model.")):
+        for part in ("weight", "bias"):  # each tower's projection from its own encode_proj
+            assert torch.equal(getattr(encoder.projection, part), state[f"{prefix}encode_proj.{part}"]), (prefix, part)
     script = load_script("train_dense_encoder.py")  # DPR's validation-only run: --model_file and --dev_file
     assert script.main(["--model_file", str(cp), "--dev_file", str(tiny["dir"] / "data" / "nq-dev.json"),
                         "--val_av_rank_max_qs", "3", "--cache-dir", str(tmp_path / "cache")]) == 0
