@@ -51,6 +51,22 @@ def test_training_batches_encoding_and_queries_use_the_same_prefixes(make_retrie
     assert not np.allclose(retriever.embed("query", QUERIES), plain.embed("query", QUERIES), atol=1e-3)
 
 
+def test_pair_format_prefixes_titled_over_long_titled_and_untitled_passages(make_retriever, tiny_tokenizer):
+    """``--passage-format pair`` (the default): the passage prefix opens every passage, before the title of one whose
+    title fits, of one whose title is cut for length, and before the text of an untitled one."""
+    retriever = make_retriever(passage_prefix=PP, passage_max_length=16)
+    assert retriever.config.passage_format == "pair"
+    long_title = " ".join(["science protein cell gene"] * 6)  # 24 tokens: the text is dropped, the title cut
+    titles, texts = ["paris", long_title, ""], ["the city of france", "a war", "a war of the king"]
+    batch = retriever.tokenize_passages(titles, texts)
+    prefix = tiny_tokenizer(PP, add_special_tokens=False)["input_ids"]
+    for row, title in enumerate(titles):
+        ids = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+        assert ids[0] == tiny_tokenizer.cls_token_id and ids[1:1 + len(prefix)] == prefix, (title, ids)
+        assert tiny_tokenizer.decode(ids, skip_special_tokens=True).startswith("a book :"), title
+    assert len(batch["input_ids"][1][batch["attention_mask"][1].bool()]) == 16  # the long title was cut
+
+
 def test_train_flags_are_stored_with_the_model(tmp_path):
     model = init_model(tmp_path)
     data = write_dpr(tmp_path / "train.json", make_records(16, 1))
