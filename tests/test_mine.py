@@ -105,6 +105,17 @@ def test_rank_range_and_margin_selection(world):
         assert b["hard_negative_ctxs"] == [c for c in a["hard_negative_ctxs"] if c["score"] <= pos - margin][:3]
 
 
+def test_a_gold_passage_is_never_mined_by_its_id_when_the_training_files_text_differs(world):
+    """A gold passage is never mined: by its id even when the training file holds another revision of its text (the
+    text rule cannot see it; a question without answers, so the answer rule cannot either)."""
+    corpus, src, qs = world["corpus"], world["bm25"], questions()
+    qs[0]["answers"] = []
+    qs[0]["positive_ctxs"][0]["text"] = "an older revision of the gold passage"
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus))
+    assert "g0" not in ids_of(records)[0]
+    assert "dup0" in ids_of(records)[0]  # its corpus copy under another id is mined: BM25 ranked g0's text
+
+
 def test_dense_source_mines_clean_negatives_with_true_scores(world):
     root, corpus, retriever = world["root"], world["corpus"], world["retriever"]
     encode_corpus(retriever, root / "corpus.jsonl", root / "emb", 0, 1, dtype="float32", cache_dir=root / "cache",
