@@ -116,6 +116,22 @@ def test_a_gold_passage_is_never_mined_by_its_id_when_the_training_files_text_di
     assert "dup0" in ids_of(records)[0]  # its corpus copy under another id is mined: BM25 ranked g0's text
 
 
+def test_a_candidate_scoring_exactly_the_margin_below_the_best_positive_is_kept(world):
+    """--margin drops candidates scoring above best positive - margin: with --margin 0 a candidate scoring exactly
+    what the positive scores is kept, every one above it dropped."""
+    corpus, src, qs = world["corpus"], world["bm25"], questions()[:1]
+    full, _ = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus))
+    negs = full[0]["hard_negative_ctxs"]
+    i = next(i for i in range(len(negs) - 1) if negs[i]["score"] == negs[i + 1]["score"])  # a tie to stand on
+    positive, twin = negs[i], negs[i + 1]
+    qs[0]["positive_ctxs"] = [{"passage_id": positive["passage_id"], "title": positive["title"],
+                               "text": positive["text"]}]
+    records, summary = mine_hard_negatives(qs, src, corpus, n_negatives=100, top_k=len(corpus), margin=0.0)
+    assert ids_of(records)[0] == [c["passage_id"] for c in negs[i + 1:]]
+    assert ids_of(records)[0][0] == twin["passage_id"] and twin["score"] == positive["score"]
+    assert summary.margin_dropped == i > 0
+
+
 def test_dense_source_mines_clean_negatives_with_true_scores(world):
     root, corpus, retriever = world["root"], world["corpus"], world["retriever"]
     encode_corpus(retriever, root / "corpus.jsonl", root / "emb", 0, 1, dtype="float32", cache_dir=root / "cache",
