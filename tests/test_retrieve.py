@@ -595,6 +595,12 @@ def qrels_section(printed: str) -> str:
     return printed[start:printed.index("\n\n", start)]
 
 
+def answers_section(printed: str) -> str:
+    """The answer accuracy heading (its question count and match mode) and table a command printed."""
+    start = printed.index("answer accuracy (")
+    return printed[start:printed.index("\n\n", start)]
+
+
 def test_retrieve_evaluate_gives_the_qrels_metrics_evaluate_gives_for_what_it_wrote(world, tmp_path, capsys):
     """The qrels metrics retrieve --evaluate prints are those evaluate prints for the results file and the TREC run
     it wrote, figure for figure: graded judgments, a judged query never asked (0 in both) and imperfect rankings."""
@@ -618,6 +624,28 @@ def test_retrieve_evaluate_gives_the_qrels_metrics_evaluate_gives_for_what_it_wr
         assert qrels_section(capsys.readouterr().out) == retrieved, given
     by_results = evaluate([1, 5, 10, 20], results_path=out, qrels_path=qrels)["qrels"]["metrics"]
     assert by_results == evaluate([1, 5, 10, 20], run_path=run, qrels_path=qrels)["qrels"]["metrics"]
+
+
+def test_retrieve_evaluate_counts_questions_without_answers_as_misses_as_evaluate_does(world, tmp_path, capsys):
+    """retrieve --evaluate on questions of which some have no answers prints the answer accuracy evaluate --results
+    prints for the file it wrote: the questions without answers count as misses, in the denominator of both."""
+    from dpr_gc.cli import main
+
+    words = [p["text"].split()[0] for p in passages()[:2]]
+    qa = tmp_path / "qa.tsv"
+    qa.write_text("".join(f"who is {w}\t[\"{w}\"]\tq{i}\n" for i, w in enumerate(words))
+                  + "".join(f"{w} city\t[]\tn{i}\n" for i, w in enumerate(words)))
+    out, ks = tmp_path / "r.json", ["1", str(N_PASSAGES)]
+    assert main(["retrieve", "--index", str(world["idx"]), "--queries", str(qa), "--top-k", str(N_PASSAGES),
+                 "--evaluate", "--k", *ks, "--output", str(out), "--cache-dir", str(world["cache"]),
+                 "--device", "cpu"]) == 0
+    retrieved = answers_section(capsys.readouterr().out)
+    assert [r["answers"] for r in json.loads(out.read_text())][2:] == [[], []]
+    assert "(4 questions," in retrieved and retrieved.endswith("| 0.5000 |"), retrieved  # @48: 2 found of 4, not of 2
+    for match in ("auto", "string"):  # the flags retrieve stored, and matched again
+        assert main(["evaluate", "--results", str(out), "--k", *ks, "--match", match]) == 0
+        printed = answers_section(capsys.readouterr().out)
+        assert printed.split("\n", 1)[1] == retrieved.split("\n", 1)[1], (match, printed, retrieved)
 
 
 def test_library_retrieve_names_answer_patterns_that_do_not_compile(world, caplog):
