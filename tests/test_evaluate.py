@@ -177,6 +177,19 @@ def test_run_from_results():
         ev.run_from_results(bad)
 
 
+def test_passages_without_a_score_are_ranked_in_list_order(tmp_path):
+    """formats.md: a results file whose passages carry no ``score`` is ranked in list order, the first listed first,
+    for the qrels metrics (nDCG, MRR): as if scored in decreasing order."""
+    results, qrels = tmp_path / "r.json", tmp_path / "q.tsv"
+    results.write_text(json.dumps([{"id": "q1", "question": "q?", "answers": [],
+                                    "ctxs": [{"id": "d1"}, {"id": "d3"}, {"id": "d2"}]}]))
+    qrels.write_text("query-id\tcorpus-id\tscore\nq1\td1\t2\nq1\td2\t1\n")
+    assert ev.rank_documents(ev.run_from_results(json.loads(results.read_text()))["q1"]) == ["d1", "d3", "d2"]
+    metrics = ev.evaluate([1, 3], results_path=results, qrels_path=qrels)["qrels"]["metrics"]
+    assert metrics == ev.qrels_metrics({"q1": {"d1": 0.9, "d3": 0.5, "d2": 0.1}}, ev.read_qrels(qrels), [1, 3])
+    assert metrics["nDCG@1"] == 1.0 and metrics["MRR@10"] == 1.0 and metrics["nDCG@3"] < 1.0
+
+
 # ------------------------------------------------------------------------------------------------ qrels metrics
 def _random_case(seed: int):
     rng = random.Random(seed)
