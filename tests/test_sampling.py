@@ -10,7 +10,7 @@ import pytest
 
 from dpr_gc.data import training as D
 from dpr_gc.evaluation.evaluate import has_answer
-from dpr_gc.data.sampling import MixedBatchSampler
+from dpr_gc.data.sampling import BatchExclusion, MixedBatchSampler
 
 
 def positives_only(n: int, cross_answers: bool) -> list[dict]:
@@ -80,6 +80,17 @@ def test_fill_excludes_the_questions_own_positives_and_duplicates(tmp_path: Path
             assert not fills & own
             if row in (4, 5):
                 assert not fills & {recs[4]["positive_ctxs"][0]["text"], recs[5]["positive_ctxs"][0]["text"]}
+
+
+def test_a_copy_of_a_batch_positive_under_another_id_or_none_fills_no_slot() -> None:
+    """``BatchExclusion.allows``: a passage is a batch positive by its id or by its text, so a copy of one with the
+    same text under another id, or under none, never fills a negative slot; another text under another id may."""
+    positives = [[{"id": "p1", "title": "T", "text": "gold text"}]]
+    exclusion = BatchExclusion([0], {"question": ["q0"], "answers": [[]], "positives": positives})
+    assert exclusion.allows(5, "q5", {"id": "p9", "title": "T", "text": "other text"})
+    assert not exclusion.allows(5, "q5", {"id": "p1", "title": "T", "text": "other text"})
+    for other_id in ("p9", ""):
+        assert not exclusion.allows(5, "q5", {"id": other_id, "title": "T", "text": "gold text"}), other_id
 
 
 def test_global_batch_spans_all_ranks() -> None:
