@@ -569,8 +569,8 @@ def test_qrels_metrics_average_over_every_judged_query(tmp_path, capsys):
 
 
 def test_the_log_says_how_answers_are_judged(tmp_path, caplog):
-    """--match auto's choice is logged with its reason (the file's has_answer flags, or string matching where it
-    has none), and recomputed flags name the processes that match them (--workers 0: all cores)."""
+    """--match auto's choice is logged with its reason (the file's has_answer flags, or string matching where a
+    passage lacks one), and recomputed flags name the processes that match them (--workers 0: all cores)."""
     from dpr_gc.cli import main
 
     examples = Path(__file__).resolve().parents[1] / "data" / "examples"
@@ -589,9 +589,25 @@ def test_the_log_says_how_answers_are_judged(tmp_path, caplog):
         lines += [r.getMessage() for r in caplog.records]
     assert lines == [f"the has_answer flags stored in {examples / 'results.json'} (--match auto: the file holds them; "
                      "--match string or regex recomputes them)",
-                     "answers matched with string matching in 1 process (--match auto: the file holds no has_answer "
-                     "flags)",
+                     "answers matched with string matching in 1 process (--match auto: not every passage of the "
+                     "first question with passages has a has_answer flag)",
                      "answers matched with regex matching in 2 processes"]
+
+
+def test_auto_recomputes_by_string_when_only_some_passages_carry_has_answer(tmp_path, caplog):
+    """--match auto on a file where only some passages of the first question with passages carry has_answer matches
+    answers by string (the stored flag, here wrong, is not used), and the log says why without claiming the file
+    holds no flags."""
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps([{"question": "capital of france?", "answers": ["Paris"], "ctxs": [
+        {"id": "1", "text": "Lyon is a city.", "has_answer": True}, {"id": "2", "text": "Paris is the capital."}]}]))
+    with caplog.at_level(logging.INFO, logger="dpr_gc.evaluation.evaluate"):
+        report = ev.evaluate([1, 2], results, mode="auto")
+    assert report["answers"]["match"] == "string"
+    assert report["answers"]["metrics"] == {"Accuracy@1": 0.0, "Accuracy@2": 1.0}
+    assert [r.getMessage() for r in caplog.records] == [
+        "answers matched with string matching in 1 process (--match auto: not every passage of the first question "
+        "with passages has a has_answer flag)"]
 
 
 def test_a_folder_or_missing_file_given_as_run_or_qrels_is_named_as_such(tmp_path, capsys):

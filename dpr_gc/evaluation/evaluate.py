@@ -346,7 +346,8 @@ def announce_mode(asked: Optional[str], chosen: Optional[str], workers: int, sou
     how = (f"answers matched with {chosen} matching in {counted(workers, 'process', 'processes')}" if chosen
            else f"the has_answer flags stored in {source}")
     why = "" if asked != "auto" else (" (--match auto: the file holds them; --match string or regex recomputes them)"
-                                      if chosen is STORED else " (--match auto: the file holds no has_answer flags)")
+                                      if chosen is STORED else " (--match auto: not every passage of the first "
+                                      "question with passages has a has_answer flag)")
     logger.info("%s%s", how, why)
 
 
