@@ -185,6 +185,12 @@ def test_wrong_model_or_corpus_is_refused(world, tiny_tokenizer, tmp_path):
                            RetrieverConfig(**{**CONFIG, "pooling": "cls"}))
     with pytest.raises(DprGcError, match="pooling='cls'"):
         check_compatible(cls_pooled, index)
+    unnormalized = Retriever(tiny_bert(len(tiny_tokenizer)), None, tiny_tokenizer,
+                             RetrieverConfig(**{**CONFIG, "normalize": False}))
+    with pytest.raises(DprGcError, match=r"normalize=False but the index built from model .* encoded with True; "
+                                         "retrieve with the model that encoded the passages") as refused:
+        check_compatible(unnormalized, index, check_fingerprint=False)
+    assert "\n" not in str(refused.value)
     shorter = tmp_path / "short.jsonl"
     shorter.write_text("".join(json.dumps(p) + "\n" for p in passages()[:-1]))
     with pytest.raises(DprGcError, match="corpus of 48 passages .* has 47"):
