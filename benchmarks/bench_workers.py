@@ -103,7 +103,7 @@ def summary_items(runs: list[dict], workers: list[int]) -> dict[str, str]:
 
 # the flags that size a run, and those of the committed workers.json's command (its training file aside)
 SIZING = ("workers", "rounds", "batch_size", "chunk", "passage_max_length", "steps")
-COMMITTED = (("TRAIN", "--workers", "0", "2", "--rounds", "1", "--batch-size", "16", "--chunk", "8",
+COMMITTED = (("TRAIN", "--workers", "0", "2", "--rounds", "2", "--batch-size", "16", "--chunk", "8",
               "--passage-max-length", "64", "--steps", "8"),)
 
 

@@ -395,7 +395,7 @@ COMMITTED_RUNS = [
     ("bench_answers", ["--no-matching", "--repeats", "3"], "answers.json", ["--no-matching", "--repeats", "1"]),
     ("bench_encode", ["--docs", "256", "--chunk", "128", "--no-quality"], "encode.json",
      ["--docs", "16", "--chunk", "8", "--no-quality"]),
-    ("bench_workers", ["T", "--workers", "0", "2", "--rounds", "1", "--batch-size", "16", "--chunk", "8",
+    ("bench_workers", ["T", "--workers", "0", "2", "--rounds", "2", "--batch-size", "16", "--chunk", "8",
                        "--passage-max-length", "64", "--steps", "8"], "workers.json", ["T", "--rounds", "1"]),
     ("bench_faiss", ["--threads", "1"], "faiss.json", ["--n", "5000", "--threads", "1"]),
     ("attention_backward", ["--threads", "2"], "attention-backward-cpu.json", ["--repeats", "1"]),
