@@ -233,6 +233,30 @@ def test_a_step_that_beats_the_baseline_is_the_new_best(task: dict, tmp_path: Pa
     assert "avg_rank 1.5000 (lower is better) in " in printed and "best (step 1) |" in printed, printed
 
 
+@pytest.mark.parametrize("metric, better", [("avg_rank", -1), ("loss", -1), ("accuracy", 1)])
+def test_best_metric_picks_by_its_direction_and_a_tie_is_no_new_best(task: dict, tmp_path: Path, monkeypatch,
+                                                                      metric: str, better: int) -> None:
+    """--best-metric: accuracy is better higher, avg_rank and loss lower. The start scores 2.0, step 1 ties it (no
+    new best: best/ is written again only for a better score), step 2 is better, step 3 better than the start but
+    worse than step 2: best/ holds step 2's model, written twice in all (the start and step 2)."""
+    scores = {0: 2.0, 1: 2.0, 2: 2.0 + 0.5 * better, 3: 2.0 + 0.2 * better}
+    seen: dict = {}
+
+    def evaluate(self: Trainer) -> dict:
+        seen[self.step] = {k: v.clone() for k, v in self.retriever.state_dict().items()}
+        return {"dev_loss": 1.0, "dev_accuracy": 0.5, "dev_avg_rank": 3.0, f"dev_{metric}": scores[self.step]}
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    saves: list = []
+    real_save = Retriever.save
+    monkeypatch.setattr(Retriever, "save", lambda self, path: (saves.append(Path(path).name), real_save(self, path)))
+    summary = Trainer(dev_run(task, tmp_path / "out", max_steps=3, best_metric=metric)).fit()
+    assert (summary["best"], summary["best_step"], summary["best_metric"]) == (scores[2], 2, metric)
+    assert saves.count("best") == 2
+    best = saved_weights(tmp_path / "out" / "best")
+    assert all(torch.equal(best[k], v) for k, v in seen[2].items())
+
+
 def test_resume_keeps_the_baseline(task: dict, tmp_path: Path, monkeypatch) -> None:
     """Stopped after step 1 (worse than the start), resumed: step 2 (still worse) is no new best either."""
     seen: dict = {}
