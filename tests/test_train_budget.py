@@ -95,7 +95,7 @@ def test_a_token_limit_below_the_longest_row_is_said_once(task, tmp_path, caplog
 def documented_token_chunking(nq: int, np_: int) -> Chunking:
     """The ``Chunking`` docs/training.md gives as the library's equal of ``--query/passage-chunk-tokens``."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
-    call = re.search(r"`--query-chunk-tokens N` / `--passage-chunk-tokens N` \(library: "
+    call = re.search(r"`--query-chunk-tokens N` / `--passage-chunk-tokens N` \(library:\s+"
                      r"`GradCache\(\.\.\., chunking=(Chunking\([^`]*\))\)`", text).group(1)
     node = ast.parse(call, mode="eval").body
     names = {"Nq": nq, "Np": np_}
