@@ -15,7 +15,7 @@ import pytest
 from dpr_gc.base.errors import DprGcError
 from dpr_gc.retrieval.fingerprint import LEGACY_KEY
 from dpr_gc.retrieval.index import (IDS_FILE, INDEX_FILE, META_FILE, DenseIndex, IndexParams, add_shards, build_index,
-                          check_built_from, read_ids, sample_embeddings)
+                          check_built_from, read_ids, sample_embeddings, summary_text)
 from tests.helpers import summary_rows
 
 DIM = 16
@@ -304,7 +304,8 @@ def test_a_partial_build_of_a_trained_index_warns_that_append_keeps_its_training
     assert [m.split(": ", 1)[1].split(", and")[0] for m in caplog.messages if "keep" in m] == [
         "the IVF2,Flat index's IVF lists are trained on a sample of 100 of the 266 vectors present (of 800 corpus "
         "rows)", "its IVF lists were trained on 100 vectors, drawn from at most the 266 it held before this append"]
-    assert summary["training_kept"] == "100 vectors, drawn from at most the 266 it held before this append"
+    assert summary["training_kept"] == {"trained_on": 100, "trained_from": None, "held_before": 266}
+    assert "kept: 100 vectors, drawn from at most the 266 it held before this append, of 800" in summary_text(summary)
 
 
 def test_an_hnsw_graph_completed_by_append_is_not_the_graph_built_at_once(tmp_path, data, queries):

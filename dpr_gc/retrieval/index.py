@@ -728,7 +728,9 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
     else:
         logger.info("appending to the %s index of %s (search: %s); FAISS threads %d", dense.meta["factory"],
                     counted(dense.ntotal, "vector"), dense.search_settings(), faiss_threads())
-        stats["training_kept"] = _training_covered(dense.meta, dense.ntotal) if dense.meta.get("trained_on") else None
+        meta = dense.meta
+        stats["training_kept"] = ({"trained_on": int(meta["trained_on"]), "trained_from": meta.get("trained_from"),
+                                   "held_before": dense.ntotal} if meta.get("trained_on") else None)
     before = dense.ntotal
     dense.meta.update(fingerprint)
     started = time.perf_counter()
@@ -1103,7 +1105,8 @@ def summary_text(summary: dict[str, Any], seconds: Optional[float] = None) -> st
     trained = (f"{summary['train_vectors']} vectors in {seconds_text(summary['train_seconds'])}"
                if summary["train_vectors"] else "-")
     if summary.get("training_kept") and summary["added"]:
-        trained = f"kept: {summary['training_kept']}, of {summary['ntotal']}"
+        kept = summary["training_kept"]
+        trained = f"kept: {_training_covered(kept, kept['held_before'])}, of {summary['ntotal']}"
     return format_summary({"factory": summary["factory"], "search": summary["search"],
                            "FAISS threads": summary["faiss_threads"], "model": summary["model"],
                            "dimension": summary["dim"], "vectors": summary["ntotal"],
