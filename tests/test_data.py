@@ -154,6 +154,22 @@ def test_bad_records_error_or_are_skipped(tmp_path, change, message):
         assert len(data) == 3 and data.stats[0]["bad"] == 1
 
 
+def test_skip_bad_records_counts_every_bad_record_and_its_parse_serves_no_run_without_it(tmp_path):
+    """formats.md: a bad record is refused naming its file and line, or skipped and counted with
+    ``--skip-bad-records``: each one counted (two here, not one), and the parse that skipped them, cached, is not
+    what a later run without the flag reads (it would train on the file instead of refusing it)."""
+    recs = records(5)
+    recs[1]["question"] = ""
+    recs[3]["positive_ctxs"] = "p3"
+    path = write(tmp_path / "t.jsonl", recs, "lines")
+    for _ in range(2):  # parsed, then read from the cache
+        data = load(tmp_path, path, skip_bad=True)
+        assert len(data) == 3 and (data.stats[0]["records"], data.stats[0]["bad"]) == (5, 2)
+    assert not data.stats[0]["parsed_now"]
+    with pytest.raises(DprGcError, match=rf"^{path}:2: the question is empty; fix the record or pass --skip-bad"):
+        load(tmp_path, path)
+
+
 @pytest.mark.parametrize("name", ["passages.tsv", "pairs.csv", "train.tsv.gz"])
 def test_a_tsv_or_csv_given_as_training_data_is_refused_by_its_name(tmp_path, name):
     """Not "line 1: invalid JSON ... or pass --skip-bad-records", which would skip every line of it."""
