@@ -373,6 +373,22 @@ def test_training_refuses_the_qrels_lines_evaluate_and_mine_refuse(tmp_path):
                                                                                   ["p2", "p2b"]]
 
 
+def test_a_judgment_repeated_alike_is_one_positive_as_read_qrels_reads_it(tmp_path):
+    """A qrels line given again with the same relevance (two files joined) is no conflict, and training reads the pair
+    once, as :func:`read_qrels` (``evaluate``, ``mine``) does: the query keeps one positive per passage, so
+    ``--beir-positives pairs`` trains on that pair once an epoch, not twice."""
+    from dpr_gc.data.qrels import read_qrels
+
+    folder = write_beir(tmp_path / "beir", records(2))
+    qrels = folder / "qrels" / "train.tsv"
+    qrels.write_text(qrels.read_text() + "q0\tp0\t1\n")
+    data = D.load_beir_training(folder, cache_dir=tmp_path / "cache")
+    assert data.stats[0]["bad"] == 0
+    assert [[c["id"] for c in row] for row in data.dataset["positives"]] == [["p0", "p0b"], ["p1", "p1b"]]
+    assert sorted(read_qrels(qrels)["q0"]) == ["p0", "p0b"]
+    assert D.example_index(data, "pairs")[1] == [4]
+
+
 def test_gzipped_qrels_of_a_beir_folder_are_found(tmp_path, capsys):
     """Every text file of a BEIR folder may be gzipped: ``qrels/train.tsv.gz`` trains as ``qrels/train.tsv`` does
     (train, prepare-data); a split with neither is one line naming the folder, the split and the splits it has."""
