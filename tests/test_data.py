@@ -389,6 +389,20 @@ def test_a_judgment_repeated_alike_is_one_positive_as_read_qrels_reads_it(tmp_pa
     assert D.example_index(data, "pairs")[1] == [4]
 
 
+def test_a_judged_query_without_text_is_a_bad_record_at_its_first_judgment(tmp_path):
+    """A query the qrels judge relevant to a passage but ``queries.jsonl`` lacks is a bad record named by the qrels
+    line that first judges it (line 4 of q1's two), or skipped and counted with ``--skip-bad-records``."""
+    folder = write_beir(tmp_path / "beir", records(3))
+    queries = folder / "queries.jsonl"
+    queries.write_text("".join(line + "\n" for line in queries.read_text().splitlines() if '"q1"' not in line))
+    qrels = folder / "qrels" / "train.tsv"
+    assert [line.split("\t")[0] for line in qrels.read_text().splitlines()][3:5] == ["q1", "q1"]
+    with pytest.raises(DprGcError, match=rf"^{qrels}:4: query id 'q1' has no text in queries\.jsonl; fix the record"):
+        D.load_beir_training(folder, cache_dir=tmp_path / "cache")
+    data = D.load_beir_training(folder, cache_dir=tmp_path / "cache", skip_bad=True)
+    assert len(data) == 2 and data.stats[0]["bad"] == 1 and records(3)[1]["question"] not in data.dataset["question"]
+
+
 def test_gzipped_qrels_of_a_beir_folder_are_found(tmp_path, capsys):
     """Every text file of a BEIR folder may be gzipped: ``qrels/train.tsv.gz`` trains as ``qrels/train.tsv`` does
     (train, prepare-data); a split with neither is one line naming the folder, the split and the splits it has."""
