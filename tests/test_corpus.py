@@ -250,6 +250,18 @@ def test_same_size_edit_with_restored_mtime_is_not_served_from_cache(tmp_path: P
     assert corpus_mod.dataset_fingerprint(first) != corpus_mod.dataset_fingerprint(again)
 
 
+def test_rows_for_ids_finds_each_row_in_every_block_of_the_scan(tmp_path: Path) -> None:
+    """``rows_for_ids`` scans the id column a block (a million rows) at a time: a passage past the first block is
+    found at its own corpus row, not at its place within its block; ids not in the corpus are left out."""
+    rows = [(f"d{i}", f"title {i}", f"text {i}") for i in range(7)]
+    corpus = load_corpus(write_tsv(tmp_path / "c.tsv", rows), tmp_path / "cache")
+    wanted = ["d6", "d0", "d3", "d4", "absent"]
+    for block in (1, 2, 3, 7, 1_000_000):
+        found = corpus_mod.rows_for_ids(corpus, wanted, block_size=block)
+        assert found == {"d0": 0, "d3": 3, "d4": 4, "d6": 6}, block
+        assert [corpus[r]["id"] for r in found.values()] == list(found)
+
+
 def test_fingerprint_samples_large_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "big.tsv"
     path.write_bytes(b"x" * 5_000_000)
