@@ -657,6 +657,18 @@ def test_rates_are_per_source_and_deterministic():
         MixedBatchSampler([10, 4], 2, rates=[1.0])
 
 
+def test_the_seed_decides_each_epochs_order(tmp_path, make_retriever):
+    """``--seed`` is the seed of the sampling (``Batching.seed``): the epoch order depends on ``(seed, epoch)``, so
+    another seed draws another order, in the sampler and in the batches ``make_dataloader`` draws by it."""
+    orders = {seed: MixedBatchSampler([10, 4], 2, [0.5, 2.0], seed=seed).epoch_order(0) for seed in (0, 5)}
+    assert not np.array_equal(orders[0], orders[5])
+    data = load(tmp_path, write(tmp_path / "t.jsonl", records(8), "lines"))
+    collate = D.Collator(make_retriever())
+    drawn = {seed: [row for batch in D.make_dataloader(data, collate, batch_size=2, seed=seed).batch_sampler
+                    for row, _, _ in batch] for seed in (0, 5)}
+    assert sorted(drawn[0]) == sorted(drawn[5]) == list(range(8)) and drawn[0] != drawn[5]
+
+
 def test_rank_sharding_disjoint_equal_parts_and_per_file_batches():
     sizes, b, w = [17, 9], 2, 3
     shards = [list(MixedBatchSampler(sizes, b, world_size=w, rank=r, seed=1)) for r in range(w)]
