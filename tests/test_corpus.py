@@ -250,6 +250,24 @@ def test_same_size_edit_with_restored_mtime_is_not_served_from_cache(tmp_path: P
     assert corpus_mod.dataset_fingerprint(first) != corpus_mod.dataset_fingerprint(again)
 
 
+def test_an_edit_of_a_large_corpus_between_its_sampled_blocks_is_parsed_afresh(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The corpus cache is keyed by the file's size and modification time besides its content fingerprint, whose
+    hash of a file over 256 MiB samples blocks only (made so here: its first and last 16 bytes): an edit between
+    them, a second later, is parsed again, not served from the old cache."""
+    monkeypatch.setattr(corpus_mod, "FULL_HASH_BYTES", 0)
+    monkeypatch.setattr(corpus_mod, "SAMPLE_BLOCKS", 2)
+    monkeypatch.setattr(corpus_mod, "SAMPLE_BLOCK_BYTES", 16)
+    path = write_tsv(tmp_path / "c.tsv")
+    assert load_corpus(path, tmp_path / "cache")[2]["text"] == "Music of the city."
+    stat, fingerprint, text = path.stat(), corpus_mod.corpus_fingerprint(path), path.read_text()
+    assert 16 < text.index("Music of the city.") < len(text) - 32
+    path.write_text(text.replace("Music of the city.", "Films of the town."))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert corpus_mod.corpus_fingerprint(path) == fingerprint
+    assert load_corpus(path, tmp_path / "cache")[2]["text"] == "Films of the town."
+
+
 def test_rows_for_ids_finds_each_row_in_every_block_of_the_scan(tmp_path: Path) -> None:
     """``rows_for_ids`` scans the id column a block (a million rows) at a time: a passage past the first block is
     found at its own corpus row, not at its place within its block; ids not in the corpus are left out."""
