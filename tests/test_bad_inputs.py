@@ -1957,6 +1957,21 @@ def _without_row_count(cache: Path) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def _a_batch_lost(cache: Path) -> bytes:
+    """The cache file without its first batch of rows, its closing row count kept (a copy that lost a block)."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(cache)) as source:
+        reader = pa.ipc.open_stream(source)
+        batches = list(iter(reader.read_next_batch_with_custom_metadata, None))  # ends on StopIteration
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, reader.schema) as writer:
+            for batch, custom in batches[1:]:
+                writer.write_batch(batch, custom_metadata=custom)
+    assert batches[0][0].num_rows and batches[-1][1]
+    return sink.getvalue().to_pybytes()
+
+
 def test_damaged_corpus_cache_is_rebuilt_with_one_warning(world: dict, tmp_path: Path, caplog) -> None:
     from dpr_gc.data.corpus import corpus_cache_path
 
@@ -1968,7 +1983,7 @@ def test_damaged_corpus_cache_is_rebuilt_with_one_warning(world: dict, tmp_path:
     good = arrow.read_bytes()
     load_corpus(other, cache)
     damages = {"truncated": good[:len(good) // 2], "garbage": b"\x00" * 512, "no row count": _without_row_count(arrow),
-               "another corpus": corpus_cache_path(other, cache).read_bytes()}
+               "a batch lost": _a_batch_lost(arrow), "another corpus": corpus_cache_path(other, cache).read_bytes()}
     for what, data in damages.items():
         arrow.write_bytes(data)
         caplog.clear()
@@ -1980,14 +1995,16 @@ def test_damaged_corpus_cache_is_rebuilt_with_one_warning(world: dict, tmp_path:
 
 def test_damaged_training_cache_is_rebuilt_with_one_warning(tmp_path: Path, caplog) -> None:
     """formats.md: every Arrow cache file, a parsed training set's too, ends in an empty batch recording its row
-    count; a cache that is cut short, garbage, or lacks that batch is rebuilt with one warning."""
+    count; a cache that is cut short, garbage, lacks that batch or holds fewer rows than it records is rebuilt with one
+    warning."""
     data = tmp_path / "train.json"
     data.write_text(json.dumps(training_records()))
     cache = tmp_path / "cache"
     reference = load_dpr_files([data], cache).dataset[:]
     arrow = next(cache.glob("*.arrow"))
     good = arrow.read_bytes()
-    damages = {"truncated": good[:len(good) // 2], "garbage": b"\x00" * 512, "no row count": _without_row_count(arrow)}
+    damages = {"truncated": good[:len(good) // 2], "garbage": b"\x00" * 512, "no row count": _without_row_count(arrow),
+               "a batch lost": _a_batch_lost(arrow)}
     for what, damaged in damages.items():
         arrow.write_bytes(damaged)
         caplog.clear()
