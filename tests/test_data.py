@@ -761,6 +761,22 @@ def test_collator_matches_retriever_tokenisation(make_retriever):
     assert (concat([{"question": "q", "passages": [("paris", "city")]}])["passage"]["input_ids"][0] == sep).sum() == 1
 
 
+def test_passage_key_ids_are_the_same_in_every_process():
+    """The collator's ``passage_ids`` and ``positive_ids`` are hashes of the passage keys that agree across ranks
+    (``key_id``: the same in every process, where Python's ``hash`` is salted per process): an interpreter with
+    another hash seed than this one's gives this one's ids."""
+    import subprocess
+    import sys
+
+    keys = ["id:p1", "text:title 1\nthe positive text 1", "text:\nno title"]
+    code = f"from dpr_gc.data.training import key_id; print([key_id(k) for k in {keys!r}])"
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(Path(__file__).parents[1])})
+    ids = [D.key_id(k) for k in keys]
+    assert run.stdout == f"{ids}\n" and all(0 <= i < 2 ** 63 for i in ids) and len(set(ids)) == 3
+
+
 def test_dataloader_workers_match_and_batches_are_rectangular(tmp_path, make_retriever):
     data = load(tmp_path, write(tmp_path / "t.jsonl", records(9), "lines"))
     collate = D.Collator(make_retriever())
