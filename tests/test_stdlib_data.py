@@ -198,6 +198,31 @@ def test_collect_definitions_strips_docstrings_and_skips(tmp_path: Path) -> None
     assert by_pid["mod.bare"].summary is None and "return y" in by_pid["mod.bare"].text
 
 
+def test_a_summary_its_passage_repeats_or_two_definitions_share_is_no_query(tmp_path: Path) -> None:
+    """build_stdlib_dataset's promises: the summary never leaks into its own passage (a definition whose code or
+    remaining docstring repeats it, here in a comment, gets no query), and a summary shared by two definitions is
+    dropped as a query for both (one question with two gold passages is unanswerable); each still joins the corpus."""
+    (tmp_path / "mod.py").write_text(
+        "def leaky(x):\n"
+        '    """Return the number of widgets in the box."""\n'
+        "    # Return the number of widgets in the box.\n"
+        "    return x\n"
+        "def first(a):\n"
+        '    """Open the named archive for reading."""\n'
+        "    return a\n"
+        "def second(b):\n"
+        '    """Open the named  archive for reading."""\n'
+        "    return b\n"
+        "def kept(c):\n"
+        '    """Close the archive and flush its buffers."""\n'
+        "    return c\n")
+    defs, _ = collect_definitions(tmp_path, max_passage_words=200)
+    summaries = {d.name: d.summary for d in defs}
+    assert summaries == {"leaky": None, "first": None, "second": None,
+                         "kept": "Close the archive and flush its buffers."}
+    assert all("return" in d.text for d in defs)
+
+
 def test_a_folder_of_the_users_files_is_not_overwritten(tmp_path: Path) -> None:
     """Without this dataset's manifest (or an interrupted build's marker), a file the build would write is the
     user's: refused before anything is written."""
