@@ -271,6 +271,19 @@ def test_read_qrels_formats(tmp_path):
     assert ev.read_qrels(trec) == {"q1": {"d1": 1, "d2": 0}, "q2": {"d3": 2}}
 
 
+def test_a_relevance_at_either_end_of_trec_evals_range_is_read(tmp_path):
+    """The range refused beyond is trec_eval's, both ends included (the error says it takes -2147483648 to
+    2147483647): those two are read, one past either is refused naming the line."""
+    path = tmp_path / "qrels.tsv"
+    path.write_text("q1\td1\t2147483647\nq1\td2\t-2147483648\nq2\td3\t2147483647.0\n")
+    assert ev.read_qrels(path) == {"q1": {"d1": 2**31 - 1, "d2": -2**31}, "q2": {"d3": 2**31 - 1}}
+    for line, beyond in ((1, "2147483648"), (2, "-2147483649")):
+        path.write_text("q1\td1\t1\n" * (line - 1) + f"q2\td2\t{beyond}\n")
+        with pytest.raises(DprGcError, match=rf"^{path}:{line}: relevance '{beyond}' out of range; trec_eval takes "
+                                             r"-2147483648 to 2147483647"):
+            ev.read_qrels(path)
+
+
 @pytest.mark.parametrize("content", ["q1 0\td1\t1\nq2 0\td2\t1\n", "q1\td1\t1\t\nq2\td2\t1\t\n",
                                      "q1 0 d1 1\t\nq2 0 d2 1 \n", "q1\t0\td1\t1\nq2\t0\td2\t1\n",
                                      "q1\t0 d1 1\nq2\t0 d2 1\n", "q1 0\td1 1\nq2 0 d2\t1\n",
