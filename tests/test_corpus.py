@@ -217,6 +217,20 @@ def test_large_generated_tsv_reads_every_passage(tmp_path: Path, caplog) -> None
     assert "50000 passages from 50006 lines (1 header, 5 blank)" in caplog.text
 
 
+def test_a_line_of_only_whitespace_is_a_blank_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A TSV is read one non-blank line per row: a line of spaces or tabs alone (one an editor left) is blank, skipped
+    and counted as an empty line is, in a passages file and a QA file alike, not a row of too few fields."""
+    path = tmp_path / "c.tsv"
+    path.write_text("id\ttext\ttitle\n   \np1\thello\tt\n \t \n")
+    with caplog.at_level("INFO", logger="dpr_gc"):
+        assert load_corpus(path, tmp_path / "cache")[:] == {"id": ["p1"], "title": ["t"], "text": ["hello"]}
+    assert "1 passages from 4 lines (1 header, 2 blank)" in caplog.text
+    qa = tmp_path / "qa.tsv"
+    qa.write_text('who is it\t["A"]\n  \nwhat is it\t["B"]\n')
+    assert read_queries(qa) == [{"id": "1", "question": "who is it", "answers": ["A"]},
+                                {"id": "3", "question": "what is it", "answers": ["B"]}]
+
+
 def test_duplicate_passage_ids_are_refused_with_both_lines(tmp_path: Path) -> None:
     path = tmp_path / "dups.tsv"
     path.write_text("id\ttext\ttitle\na\tone\tt\nb\ttwo\tt\n\nc\tthree\tt\nb\tfour\tt\na\tfive\tt\n")
