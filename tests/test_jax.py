@@ -154,6 +154,23 @@ def test_bad_sizes_are_refused_naming_the_argument():
         EncoderConfig(num_layers=-1)
 
 
+def test_pad_to_multiple_repeats_the_last_row():
+    """pad_to_multiple's docstring: the rows added are copies of the last row (valid inputs, no empty attention
+    mask), the real rows are kept as they are, and the real size is returned; a size already a multiple is kept."""
+    from dpr_gc.jax import pad_to_multiple
+
+    tree = {"input_ids": jnp.arange(1, 11, dtype=jnp.int32).reshape(5, 2),
+            "attention_mask": jnp.asarray([[1, 1]] * 4 + [[1, 0]], jnp.int32)}
+    padded, size = pad_to_multiple(tree, 4)
+    assert size == 5
+    for name, rows in tree.items():
+        assert padded[name].shape == (8, 2) and padded[name].dtype == rows.dtype
+        np.testing.assert_array_equal(np.asarray(padded[name][:5]), np.asarray(rows))
+        np.testing.assert_array_equal(np.asarray(padded[name][5:]), np.repeat(np.asarray(rows[-1:]), 3, axis=0))
+    kept, size = pad_to_multiple(tree, 5)
+    assert size == 5 and all(kept[name] is rows for name, rows in tree.items())
+
+
 def test_a_chunk_larger_than_the_batch_is_the_batch():
     """A chunk of 100 on a batch of 8 runs one chunk of 8 rows (not 100, 92 of them padding), with the same numbers
     as a chunk of 8."""
