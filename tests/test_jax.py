@@ -251,6 +251,40 @@ def test_cache_train_step_updates_like_sgd_on_the_full_batch():
     assert rel_error(jax.tree_util.tree_map(lambda v: v[0], new_state.params), expected) < 1e-6
 
 
+def test_cache_train_step_averages_loss_and_gradients_over_its_axis():
+    """cache_train_step's docstring: loss and gradients are averaged over ``axis``. Two vmapped devices, each with
+    its own half of the batch in two chunks and a loss of its own half, make the SGD step of the two halves' mean."""
+    optax = pytest.importorskip("optax")
+    from flax.training.train_state import TrainState
+
+    model = Encoder(TINY)
+    params = make_params(TINY, ("shared",))["shared"]
+    rng = np.random.default_rng(3)
+    queries, passages = make_batch(rng, 8), make_batch(rng, 8)
+    loss = ContrastiveLoss(temperature=0.2)
+    state = TrainState.create(apply_fn=lambda params, **x: model.apply({"params": params}, **x), params=params,
+                              tx=optax.sgd(1.0))
+
+    def per_query(xx, yy, axis):
+        return loss({}, xx, yy)[None].repeat(xx.shape[0])
+
+    def on_devices(batch):  # [device, chunk, rows, ...]: each device's half, in two chunks
+        return tree_chunk(tree_chunk(batch, 2), 2, axis=1)
+
+    def half_loss(p, half):
+        rows = jax.tree_util.tree_map(lambda v: v[half * 4:(half + 1) * 4], (queries, passages))
+        return loss({}, state.apply_fn(p, **rows[0]), state.apply_fn(p, **rows[1]))
+
+    step = jax.vmap(lambda s, ss, tt: cache_train_step(per_query, s, ss, tt, axis="device"), in_axes=(None, 0, 0),
+                    axis_name="device")
+    values, new_state = jax.jit(step)(state, on_devices(queries), on_devices(passages))
+    want_loss, grads = jax.jit(jax.value_and_grad(lambda p: (half_loss(p, 0) + half_loss(p, 1)) / 2))(params)
+    expected = jax.tree_util.tree_map(lambda p, g: p - g, params, grads)
+    assert np.allclose(np.asarray(values), float(want_loss), rtol=1e-5)
+    for device in (0, 1):
+        assert rel_error(jax.tree_util.tree_map(lambda v: v[device], new_state.params), expected) < 1e-6
+
+
 def test_loss_is_fp32_under_bf16_and_blocks_match_dense():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(10, 8)), jnp.bfloat16)
