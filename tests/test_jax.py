@@ -308,6 +308,30 @@ def test_loss_is_fp32_under_bf16_and_blocks_match_dense():
         ContrastiveLoss(n_hard_negatives=2)({}, x, y)
 
 
+def test_cosine_loss_and_scores_are_fp32_under_bf16():
+    """docs/jax.md: scores in fp32 whatever the dtype, cosine normalised as ``F.normalize``: bf16 representations
+    give the float64 cosine loss, and ``scores`` is the matrix the loss's softmax takes (similarity / temperature,
+    fp32, a learnt temperature's too)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(10, 8)), jnp.bfloat16)
+    y = jnp.asarray(rng.normal(size=(20, 8)), jnp.bfloat16)
+    x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    dot = x64 @ y64.T
+    cos = dot / np.linalg.norm(x64, axis=1)[:, None] / np.linalg.norm(y64, axis=1)[None, :]
+    for similarity, similarities in (("dot", dot), ("cos", cos)):
+        for learn in (False, True):
+            loss = ContrastiveLoss(n_hard_negatives=1, temperature=0.05, learn_temperature=learn,
+                                   similarity=similarity)
+            want = similarities / 0.05
+            scores = loss.scores(loss.init(), x, y)
+            assert scores.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(scores), want, rtol=1e-5, atol=1e-4)
+            m = want.max(1, keepdims=True)
+            lse = (m + np.log(np.exp(want - m).sum(1, keepdims=True)))[:, 0]
+            want_loss = float(np.mean(lse - want[np.arange(10), np.arange(10) * 2]))
+            assert float(loss(loss.init(), x, y)) == pytest.approx(want_loss, rel=1e-5), (similarity, learn)
+
+
 def test_bf16_compute_from_fp32_master_weights_gives_fp32_gradients_and_loss():
     """An encoder that casts fp32 master weights to bf16 for its forward: the loss is fp32 and the gradients come
     back fp32, ready for an fp32 optimizer update (bf16 parameters given directly get bf16 gradients)."""
