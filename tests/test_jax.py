@@ -820,6 +820,28 @@ def test_passage_ids_mask_duplicate_positives_as_the_torch_loss():
                 assert float(grads[0]["log_temperature"]) == pytest.approx(float(twin.tau.log_value.grad), rel=1e-4)
 
 
+def test_unknown_passage_ids_mask_nothing_as_in_torch():
+    """``-1`` is an unknown id (docs/jax.md): rows of unknown id are no copies of each other. All unknown, the loss
+    is the unmasked one; some unknown, it is the torch loss's with the same ids."""
+    import torch
+
+    from dpr_gc import SimpleContrastiveLoss
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(4, 8)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32)
+    y[4] = y[2]                            # queries 1 and 2 share passage 7, and score near it
+    x[1:3] = y[2] + 0.3 * rng.normal(size=(2, 8)).astype(np.float32)
+    for kwargs in (dict(similarity="cos", temperature=0.1), dict(temperature=0.5, symmetric=True)):
+        loss = ContrastiveLoss(1, **kwargs)
+        unknown = jnp.full((8,), -1, jnp.int32)
+        assert float(loss({}, x, y, unknown)) == pytest.approx(float(loss({}, x, y)), rel=1e-6), kwargs
+        ids = np.asarray([-1, -1, 7, -1, 7, 3, -1, -1])
+        twin = SimpleContrastiveLoss(1, **kwargs)
+        want = twin(torch.tensor(x), torch.tensor(y), passage_ids=torch.tensor(ids)).item()
+        assert float(loss({}, x, y, jnp.asarray(ids, jnp.int32))) == pytest.approx(want, rel=1e-5), kwargs
+        assert want != pytest.approx(float(loss({}, x, y)), rel=1e-3)  # the two copies of 7 were masked
+
+
 def _ids_steps_match_full_batch(data_parallel: bool) -> None:
     """The cached and rematerialised steps (on one device, or on two with the ids split with the batch) given
     ``passage_ids`` equal ``jax.grad`` of the full-batch masked loss."""
