@@ -413,6 +413,42 @@ def test_data_parallel_on_two_devices_equals_the_global_batch():
     on_two_devices(_data_parallel_matches_one_device, "_data_parallel_matches_one_device()")
 
 
+def _data_parallel_dropout_keys_are_per_device() -> None:
+    """With dropout, each device draws from ``fold_in(key, device index)`` (data_parallel_value_and_grad's
+    docstring): the step equals the global-batch loss whose device shares are encoded with those keys, chunk by
+    chunk as one device's step draws them, so no two devices share a dropout mask."""
+    def encode(params, batch, key):
+        keep = jax.random.bernoulli(key, 0.5, (batch.shape[0], params["w"].shape[1]))
+        return jnp.where(keep, jnp.tanh(batch @ params["w"]), 0.0) * 2
+
+    rng = np.random.default_rng(8)
+    params = {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+    queries, passages = (jnp.asarray(rng.normal(size=(n, 6)), jnp.float32) for n in (4, 8))
+    key, single = jax.random.key(5), ContrastiveLoss(n_hard_negatives=1, temperature=0.5)
+
+    def global_loss(params):
+        reps = [[], []]
+        for device in (0, 1):
+            for i, (batch, k) in enumerate(zip((queries, passages), jax.random.split(jax.random.fold_in(key, device)))):
+                share = batch[device * len(batch) // 2:(device + 1) * len(batch) // 2]
+                chunks = len(share) // 2
+                reps[i] += [encode(params, share[c * 2:(c + 1) * 2], ck)
+                            for c, ck in enumerate(jax.random.split(k, chunks))]
+        return single({}, jnp.concatenate(reps[0]), jnp.concatenate(reps[1]))
+
+    want_loss, want = jax.value_and_grad(global_loss)(params)
+    spread = ContrastiveLoss(n_hard_negatives=1, temperature=0.5, axis_name="data")
+    for remat in (False, True):
+        step = data_parallel_value_and_grad([encode, encode], spread, 2, data_mesh(jax.devices()[:2]), remat=remat)
+        got_loss, (got, _) = jax.jit(step)(params, {}, [queries, passages], key)
+        assert abs(float(got_loss - want_loss)) < 1e-5 * abs(float(want_loss)), remat
+        assert rel_error(got, want) < 1e-5, remat
+
+
+def test_data_parallel_devices_draw_their_own_dropout_keys():
+    on_two_devices(_data_parallel_dropout_keys_are_per_device, "_data_parallel_dropout_keys_are_per_device()")
+
+
 def test_compiled_memory_is_flat_in_the_batch():
     """Temporary memory of the compiled Gradient Cache step at batch 1,024 is within 1.3x of batch 64 (chunk 16),
     while the plain full-batch step's grows with the batch."""
