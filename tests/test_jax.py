@@ -528,6 +528,48 @@ def test_example_training_lowers_the_loss(tiny_tokenizer):
     np.testing.assert_allclose(reps, direct / np.linalg.norm(direct, axis=1, keepdims=True), atol=1e-5)
 
 
+def test_the_example_trains_with_dropout_new_keys_shuffled_batches_and_linear_decay(tiny_tokenizer, monkeypatch):
+    """docs/jax.md's example and its --help: dropout is on in training (the first step's loss is not the
+    dropout-free one), every step draws a new dropout key, every epoch takes the questions in a new order (--seed's
+    batch order), and AdamW's learning rate decays linearly from --learning-rate to 0 over the steps."""
+    from dpr_gc.jax import example
+
+    words = ["city", "river", "king", "war", "protein", "cell", "gene", "music"]
+    questions = [f"what is the {w}" for w in words]
+    groups = [[f"the {w} is {w}", f"a film about {other}"] for w, other in zip(words, reversed(words))]
+    keys, rows, schedules = [], [], []
+    build_step, adamw = example.cached_value_and_grad, example.optax.adamw
+
+    def spied_build(encoders, loss, chunk_sizes):
+        step = build_step(encoders, loss, chunk_sizes)
+
+        def spied(params, loss_params, batches, key, ids):  # every passage is its own: id // 2 is its question
+            jax.debug.callback(lambda k, i: (keys.append(np.asarray(k)), rows.append(np.asarray(i)[::2] // 2)),
+                               jax.random.key_data(key), ids)
+            return step(params, loss_params, batches, key, ids)
+
+        return spied
+
+    monkeypatch.setattr(example, "cached_value_and_grad", spied_build)
+    monkeypatch.setattr(example.optax, "adamw", lambda rate, **kwargs: schedules.append(rate) or adamw(rate, **kwargs))
+    config = example.ExampleConfig(train_queries=8, batch_size=4, chunk_size=2, hard_negatives=1, epochs=2,
+                                   learning_rate=1e-3, temperature=0.1, dropout=0.3, query_max_length=8,
+                                   passage_max_length=8)
+    model = Encoder(EncoderConfig(**{**TINY.__dict__, "vocab_size": len(tiny_tokenizer), "dropout": 0.3}))
+    params = make_params(model.config, ("x",))["x"]
+    _, losses = example.train(model, params, tiny_tokenizer, questions, groups, config)
+    assert len(losses) == len(keys) == len({k.tobytes() for k in keys}) == 4
+    epochs = [np.concatenate(rows[:2]), np.concatenate(rows[2:])]
+    assert all(sorted(order) == list(range(8)) for order in epochs) and not np.array_equal(*epochs), epochs
+    first = [questions[i] for i in rows[0]], [t for i in rows[0] for t in groups[i]]
+    batches = [example.padded_token_ids(tiny_tokenizer, texts, 8, pad_to=8, kind=kind)
+               for texts, kind in zip(first, ("query", "passage"))]
+    reps = [model.apply({"params": params}, b["input_ids"], b["attention_mask"]) for b in batches]
+    no_dropout = float(ContrastiveLoss(n_hard_negatives=1, temperature=0.1, similarity="cos")({}, *reps))
+    assert abs(losses[0] - no_dropout) > 1e-3 * abs(no_dropout), (losses[0], no_dropout)
+    assert [float(schedules[0](i)) for i in range(5)] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0])
+
+
 def test_example_refuses_bad_flags_with_a_one_line_error(capsys):
     from dpr_gc.jax.example import main
 
