@@ -500,6 +500,23 @@ def test_flax_encoder_loads_a_bert_checkpoint_and_matches_torch(tmp_path):
         load_bert(tmp_path)
 
 
+def test_cls_pooling_is_the_first_tokens_state_as_in_torch(tmp_path):
+    """The encoder's other pooling (model.py: mean or CLS): ``load_bert(..., pooling="cls")`` gives the torch BERT's
+    first-token state."""
+    torch = pytest.importorskip("torch")
+    from tests.helpers import tiny_bert
+
+    bert = tiny_bert(VOCAB, seed=3).eval()
+    bert.save_pretrained(tmp_path)
+    config, params = load_bert(tmp_path, pooling="cls", dropout=0.0)
+    batch = make_batch(np.random.default_rng(7), 4, 12)
+    with torch.no_grad():
+        out = bert(input_ids=torch.as_tensor(np.array(batch["input_ids"])).long(),
+                   attention_mask=torch.as_tensor(np.array(batch["attention_mask"])).long()).last_hidden_state
+    got = Encoder(config).apply({"params": params}, batch["input_ids"], batch["attention_mask"])
+    np.testing.assert_allclose(np.asarray(got), out[:, 0].numpy(), atol=1e-5)
+
+
 def test_importing_dpr_gc_does_not_import_jax():
     code = "import sys, dpr_gc, dpr_gc.cli, dpr_gc.train; assert 'jax' not in sys.modules, 'jax imported'"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
