@@ -332,6 +332,21 @@ def test_cosine_loss_and_scores_are_fp32_under_bf16():
             assert float(loss(loss.init(), x, y)) == pytest.approx(want_loss, rel=1e-5), (similarity, learn)
 
 
+def test_the_automatic_loss_blocks_hold_about_a_million_scores():
+    """docs/jax.md: scores in row blocks of at most about a million (``block=None``), so the compiled loss and
+    gradient of 2,048 queries against 4,096 passages (8M scores, 32 MiB in fp32) never hold the whole matrix, as the
+    dense path (``block=0``) does. The plans are compiled, not run."""
+    x, y = jax.ShapeDtypeStruct((2048, 8), jnp.float32), jax.ShapeDtypeStruct((4096, 8), jnp.float32)
+
+    def temp_mib(block):
+        loss = ContrastiveLoss(n_hard_negatives=1, block=block)
+        step = jax.jit(jax.value_and_grad(lambda a, b: loss({}, a, b), argnums=(0, 1)))
+        return step.lower(x, y).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+    auto, dense = temp_mib(None), temp_mib(0)
+    assert auto <= 3 * 4 and dense >= 32, (auto, dense)  # a block of a million fp32 scores is 4 MiB
+
+
 def test_bf16_compute_from_fp32_master_weights_gives_fp32_gradients_and_loss():
     """An encoder that casts fp32 master weights to bf16 for its forward: the loss is fp32 and the gradients come
     back fp32, ready for an fp32 optimizer update (bf16 parameters given directly get bf16 gradients)."""
