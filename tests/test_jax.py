@@ -391,6 +391,25 @@ def test_the_examples_bf16_training_updates_fp32_master_weights(tiny_tokenizer, 
     assert 0.5 < updates["bf16"] / updates["fp32"] < 2, updates
 
 
+def test_the_examples_bf16_evaluation_encodes_with_bf16_weights(tiny_tokenizer, monkeypatch):
+    """docs/jax.md: ``--precision bf16`` runs the encoder in bf16 in evaluation too (fp32 under fp32): the passages
+    and the questions are encoded with the weights in the run's precision."""
+    from dpr_gc.jax import example
+
+    model = Encoder(EncoderConfig(**{**TINY.__dict__, "vocab_size": len(tiny_tokenizer)}))
+    params = make_params(model.config, ("x",))["x"]
+    corpus = [("p0", "", "the city is city"), ("p1", "", "the river is river")]
+    questions = [{"question": "what is the city", "answers": ["city"]}]
+    seen, encode = [], example.encode_texts
+    monkeypatch.setattr(example, "encode_texts", lambda model, weights, *args, **kwargs: seen.append(
+        {leaf.dtype for leaf in jax.tree_util.tree_leaves(weights)}) or encode(model, weights, *args, **kwargs))
+    for precision, dtype in (("fp32", jnp.float32), ("bf16", jnp.bfloat16)):
+        seen.clear()
+        config = example.ExampleConfig(precision=precision, query_max_length=8, passage_max_length=8)
+        accuracy = example.evaluate_model(model, params, tiny_tokenizer, corpus, questions, config)
+        assert seen == [{jnp.dtype(dtype)}] * 2 and accuracy, (precision, seen)
+
+
 def _data_parallel_matches_one_device() -> None:
     model = Encoder(TINY)
     params = make_params(TINY, ("query", "passage"))
