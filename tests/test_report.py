@@ -147,3 +147,31 @@ def test_the_training_summary_names_the_best_dev_metric_or_says_there_was_no_dev
     assert "| last dev | - |" in summary_table(summary)  # no evaluation after a step in this run
     summary.update(last_dev={"step": 16, "dev_loss": 0.7, "dev_accuracy": 0.5, "dev_avg_rank": 1.2})
     assert "| last dev | accuracy 0.5000 (step 16) |" in summary_table(summary)
+
+
+def test_a_resumed_run_that_trained_steps_shows_its_speed_and_a_finished_one_its_last_dev_after_a_step() -> None:
+    """examples/s is '-' only where this invocation trained no step; a run resumed at step 2 that trained to step 5
+    shows its own rate. The last dev value a finished run's table reads from metrics.jsonl is one after a step:
+    the dev evaluation before training (step 0) is not one."""
+    from dpr_gc.train.report import recorded_dev, summary_table
+
+    summary = {"steps": 5, "resumed_from": 2, "effective_batch": 8, "passages_per_query": 2, "chunk_sizes": None,
+               "precision": "fp32", "final_loss": 0.5, "seconds": 1.5, "examples_per_s": 16.0,
+               "final_model": "o/final", "best_model": None, "best": None, "best_metric": "accuracy"}
+    assert "| examples/s | 16.00 |" in summary_table(summary)
+    assert recorded_dev([{"step": 0, "dev_accuracy": 0.25}], "accuracy") is None
+
+
+@pytest.mark.parametrize("skipped, row", [(0, "| skipped steps | 0 of 4 |"),
+                                          (1, "| skipped steps | 1 of 4 (inf/NaN gradients: the weights stayed as "
+                                              "they were) |")], ids=["none", "one"])
+def test_an_fp16_runs_summary_always_counts_its_skipped_steps(skipped, row) -> None:
+    """Under fp16 the table says how many steps the GradScaler skipped, none included (a reader of an fp16 run
+    otherwise cannot tell 'none' from 'not counted'); outside fp16 the row shows only where there were any."""
+    from dpr_gc.train.report import summary_table
+
+    summary = {"steps": 4, "effective_batch": 8, "passages_per_query": 2, "chunk_sizes": None, "precision": "fp16",
+               "final_loss": 0.5, "seconds": 1.5, "examples_per_s": 16.0, "final_model": "o/final",
+               "best_model": None, "best": None, "best_metric": "accuracy", "skipped_steps": skipped}
+    assert row in summary_table(summary)
+    assert ("skipped steps" in summary_table({**summary, "precision": "bf16"})) == bool(skipped)
