@@ -175,3 +175,25 @@ def test_an_fp16_runs_summary_always_counts_its_skipped_steps(skipped, row) -> N
                "best_model": None, "best": None, "best_metric": "accuracy", "skipped_steps": skipped}
     assert row in summary_table(summary)
     assert ("skipped steps" in summary_table({**summary, "precision": "bf16"})) == bool(skipped)
+
+
+
+def test_the_epoch_line_and_the_model_card_count_every_ranks_batch() -> None:
+    """Under torchrun each step takes --batch-size queries on every rank: the epoch's log line counts the examples
+    its steps use and leave out by the global batch (8 x 2 ranks), and the model card's batch_size is that global
+    batch beside the per-rank one."""
+    from types import SimpleNamespace
+
+    from dpr_gc.data.sampling import MixedBatchSampler
+    from dpr_gc.train.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+    from dpr_gc.train.report import describe_epoch, describe_training
+
+    sampler = MixedBatchSampler([100], batch_size=8, rank=1, world_size=2)
+    data = SimpleNamespace(stats=[{"source": "train.json", "records": 100, "kept": 100}], sizes=[100],
+                           source_format=lambda i: "dpr")
+    assert describe_epoch(data, sampler, "pairs").startswith(
+        "an epoch: train.json: 100 questions; 6 steps of 16 use 96 of the 100 examples, 4 left out (")
+    config = TrainConfig(model=ModelConfig(name="m"), data=DataConfig(train_files=["train.json"], batch_size=8),
+                         run=RunConfig(output_dir="o"))
+    card = describe_training(config, data.stats, 2, (4, 4), 6)
+    assert (card["batch_size"], card["batch_size_per_rank"], card["world_size"]) == (16, 8, 2), card
