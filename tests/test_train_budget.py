@@ -92,6 +92,17 @@ def test_a_token_limit_below_the_longest_row_is_said_once(task, tmp_path, caplog
     assert not [r for r in caplog.records if "is below the longest" in r.getMessage()]
 
 
+def test_the_longest_row_a_token_limit_is_checked_against_is_its_real_tokens_where_chunks_are_trimmed() -> None:
+    """The log's "below the longest query (N tokens)" compares the limit with the tokens a chunk by tokens counts for
+    the longest row: its real tokens where the chunks are trimmed, so a limit equal to them is not below it; the
+    padded width where they are not."""
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    batch = {"input_ids": torch.ones_like(mask), "attention_mask": mask}
+    assert chunks.longest_row_tokens(torch.nn.Identity(), batch, trim=True) == 4
+    assert chunks.longest_row_tokens(torch.nn.Identity(), batch, trim=False) == 5
+    assert chunks.longest_row_tokens(torch.nn.Identity(), {"input_ids": mask[0]}) is None  # no 2-D mask
+
+
 def documented_token_chunking(nq: int, np_: int) -> Chunking:
     """The ``Chunking`` docs/training.md gives as the library's equal of ``--query/passage-chunk-tokens``."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
