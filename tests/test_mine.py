@@ -250,8 +250,9 @@ def test_bm25_index_is_saved_and_reused_only_for_the_same_corpus(world, tmp_path
     qs = [q["question"] for q in questions()]
     for a, b in zip(world["bm25"].retrieve(qs, 10)[:2], again.retrieve(qs, 10)[:2]):
         np.testing.assert_allclose(a, b)
-    with pytest.raises(DprGcError, match="k1"):
-        BM25Source(world["corpus"], k1=1.2, index_dir=root / "bm25")
+    for change, words in (({"k1": 1.2}, "k1 (k1=0.9)"), ({"b": 0.75}, "b (b=0.4)")):  # refused as made, not damaged
+        with pytest.raises(DprGcError, match=re.escape(f"was built with other {words}; give the same corpus and")):
+            BM25Source(world["corpus"], index_dir=root / "bm25", **change)
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps(p) + "\n" for p in build_passages()[:10]))
     with pytest.raises(DprGcError, match="corpus_rows"):
@@ -281,6 +282,9 @@ BM25_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "vocab": (lambda d: (d / "vocab.index.json").write_text('{"a":1}'), "vocab.index.json"),
     "indices": (lambda d: np.save(d / "indices.csc.index.npy", np.full_like(np.load(d / "indices.csc.index.npy"),
                                                                             10**6)), "indices.csc.index.npy"),
+    "indices one past": (lambda d: np.save(d / "indices.csc.index.npy", np.full_like(
+        np.load(d / "indices.csc.index.npy"), json.loads((d / "params.index.json").read_text())["num_docs"])),
+                         "indices.csc.index.npy points outside"),  # row N of N passages: one past the last
     "indptr": (lambda d: np.save(d / "indptr.csc.index.npy", _swap_rising_pair(np.load(d / "indptr.csc.index.npy"))),
                "indptr.csc.index.npy decreases"),
     "data": (lambda d: np.save(d / "data.csc.index.npy", np.load(d / "data.csc.index.npy") * np.nan),
@@ -335,6 +339,18 @@ def test_question_without_an_indexed_word_gets_no_bm25_candidate(tmp_path):
     assert records[0]["hard_negative_ctxs"] == [] and [c["passage_id"] for c in records[1]["hard_negative_ctxs"]] \
         == ["p1"]
     assert summary.no_candidates == 1 and summary.table()["questions without a candidate"] == 1
+
+
+def test_bm25_indexes_each_passages_title_with_its_text(tmp_path):
+    """BM25Source's promise: the index is over ``title + " " + text``, so a question naming a passage's title alone
+    finds it (and only it: the other passages share no word with the question)."""
+    rows = [("p1", "Zanzibar", "An island off the coast."), ("p2", "", "A city by a river."),
+            ("p3", "Thames", "It flows through London.")]
+    path = tmp_path / "c.tsv"
+    path.write_text("id\ttext\ttitle\n" + "".join(f"{i}\t{x}\t{t}\n" for i, t, x in rows))
+    scores, found, _ = BM25Source(load_corpus(path, tmp_path / "cache"), show_progress=False).retrieve(
+        ["where is zanzibar", "the thames"], 3)
+    assert found.tolist() == [[0, -1, -1], [2, -1, -1]] and (scores[:, 0] > 0).all(), (found, scores)
 
 
 def beir_folder(beir: Path) -> Path:
