@@ -527,6 +527,36 @@ def test_an_output_file_is_never_half_written_under_its_name(tmp_path: Path) -> 
     assert out.read_text() == "new" and sorted(tmp_path.iterdir()) == [out]
 
 
+def test_an_output_gets_a_new_files_permissions_and_one_of_several_files_puts_its_record_in_last(
+        tmp_path: Path, monkeypatch) -> None:
+    """An output has the permissions any new file gets (0o666 less the umask), not the temporary's private 0o600.
+    Files written as one output (``atomic_paths``) replace the old ones with the record, the last, withdrawn first
+    and put in last, so a record never sits beside files of another output; none of the old files stays behind."""
+    from dpr_gc.base import files
+
+    umask = os.umask(0o022)
+    try:
+        files.write_json(tmp_path / "a.json", {})
+        os.umask(0o002)
+        files.write_json(tmp_path / "b.json", {})
+    finally:
+        os.umask(umask)
+    assert [stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("a.json", "b.json")] == [0o644, 0o664]
+    plot, record = tmp_path / "report.png", tmp_path / "metrics.json"
+    plot.write_text("old plot")
+    record.write_text("old record")
+    moves, replace = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (moves.append((Path(a).name, Path(b).name)), replace(a, b))[1])
+    with files.atomic_paths(plot, record) as (new_plot, new_record):
+        new_plot.write_text("new plot")
+        new_record.write_text("new record")
+    hidden = [tuple("temporary" if name.startswith(".") else name for name in move) for move in moves]
+    assert hidden == [("metrics.json", "temporary"), ("report.png", "temporary"), ("temporary", "report.png"),
+                      ("temporary", "metrics.json")], moves
+    assert (plot.read_text(), record.read_text()) == ("new plot", "new record")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json", "metrics.json", "report.png"]
+
+
 BAD_VALUES = {flag_types.positive_int: "0", flag_types.nonnegative_int: "-1", flag_types.positive_float: "-1",
               flag_types.nonnegative_float: "-1", flag_types.any_float: "nan", flag_types.device_arg: "cuda:99",
               flag_types.unit_float: "1.5", flag_types.seed_int: str(2 ** 32), flag_types.layer_size: "65537"}
