@@ -43,6 +43,19 @@ def test_report_ticks_are_the_tables_k_and_it_has_a_title() -> None:
                                                    if "Accuracy@" in line]
 
 
+def test_the_demo_table_gives_every_metric_before_then_after_training() -> None:
+    """The demo's table: Accuracy@k at the k of TABLE_KS, then nDCG@10, MRR@10 and Recall@100 from the qrels, each
+    with its value before training in the first column and after training in the second."""
+    report = fake_report()
+    report["after"] = {"answers": {f"Accuracy@{k}": 0.05 * i for i, k in enumerate((1, 5, 10, 20, 100))},
+                       "qrels": {"nDCG@10": 0.25, "MRR@10": 0.2, "Recall@100": 0.75}}
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in format_report(report).splitlines()[2:]]
+    assert rows == [["Accuracy@1", "0.4000", "0.0000"], ["Accuracy@5", "0.5000", "0.0500"],
+                    ["Accuracy@20", "0.7000", "0.1500"], ["Accuracy@100", "0.8000", "0.2000"],
+                    ["nDCG@10", "0.5000", "0.2500"], ["MRR@10", "0.4500", "0.2000"],
+                    ["Recall@100", "0.9000", "0.7500"]], rows
+
+
 def test_demo_metrics_and_report_are_replaced_together(tmp_path, monkeypatch) -> None:
     """The demo's metrics.json and report.png are one output: a failure at any of the renames that replace them (a
     kill between the two writes, simulated by os.replace raising) leaves the earlier pair byte-identical and no
