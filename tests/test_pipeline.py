@@ -512,6 +512,9 @@ def test_a_demo_record_protects_the_settings_of_the_stages_that_hold_work(tmp_pa
         check_demo_settings(out, shorter)
     with pytest.raises(DprGcError, match=r"\(top_k 100 there, 20 now\); its before/ would be reused"):
         check_demo_settings(out, r(faster, top_k=20))
+    reseeded = r(faster, training=r(faster.training, run=r(faster.training.run, seed=1)))  # another dataset
+    with pytest.raises(DprGcError, match=r"\(--seed 0 there, 1 now\); its before/ would be reused as it is"):
+        check_demo_settings(out, reseeded)
     (out / "training" / "checkpoint-4").mkdir()
     (out / "training" / "checkpoint-4" / "train_state.json").write_text("{}")
     with pytest.raises(DprGcError, match=r"--learning-rate 0\.0001 there, 5e-05 now\); its training/ would be reused"):
