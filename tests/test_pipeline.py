@@ -311,16 +311,20 @@ def test_a_changed_demo_setting_is_named_by_its_flag(tmp_path):
 
 def test_a_demo_record_protects_only_finished_stages(tmp_path):
     """A folder where no stage wrote anything (only the dataset, which checks its own settings, and the record)
-    takes new settings, and records them; once a stage wrote something, the old settings are refused again."""
-    from dpr_gc.pipeline import SETTINGS_FILE, check_demo_settings
+    takes new settings, and records them, its demo time and encoding times, the old settings', restarting; once a
+    stage wrote something, the old settings are refused again."""
+    from dpr_gc.pipeline import ENCODE_SECONDS_FILE, SECONDS_FILE, SETTINGS_FILE, check_demo_settings
 
     out, config = tmp_path / "demo", DemoConfig()
     check_demo_settings(out, config)
     (out / "data").mkdir()
+    (out / "before").mkdir()
+    for clock in (out / SECONDS_FILE, out / "before" / ENCODE_SECONDS_FILE):  # the old settings' times
+        clock.write_text('{"seconds": 5.0}')
     other = dataclasses.replace(config, max_examples=20)
     check_demo_settings(out, other)
     assert json.loads((out / SETTINGS_FILE).read_text())["max_examples"] == 20
-    (out / "before").mkdir()
+    assert not (out / SECONDS_FILE).exists() and not (out / "before" / ENCODE_SECONDS_FILE).exists()  # restart
     (out / "before" / "metrics.json").write_text("{}")
     with pytest.raises(DprGcError, match=r"other settings \(--max-examples 20 there, \(not set\) now\)"):
         check_demo_settings(out, config)
