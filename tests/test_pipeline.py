@@ -37,6 +37,12 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "before training" in printed and "nDCG@10" in printed
     report = json.loads((out / "metrics.json").read_text())
+    after = {"model": out / "training" / "final", "index": out / "after" / "index", "run": out / "after" / "run.trec",
+             "results": out / "after" / "results.json", "metrics": out / "metrics.json", "plot": out / "report.png"}
+    assert report["outputs"] == {name: str(path) for name, path in after.items()}  # the trained model's, not before's
+    rows = summary_rows(printed)
+    assert [rows[name] for name in ("trained retriever", "index", "run file", "metrics", "plot")] == [
+        str(after[name]) for name in ("model", "index", "run", "metrics", "plot")], rows
     qrels = read_qrels(next((out / "data").rglob("test.tsv")))
     for name in ("before", "after"):
         assert report[name]["questions"] == report["dataset"]["test_queries"]
