@@ -84,6 +84,8 @@ def test_the_demo_takes_the_same_default(tmp_path: Path) -> None:
     record = json.loads((out / SETTINGS_FILE).read_text())
     record["training"]["data"]["num_workers"] = 1  # as an earlier version recorded it
     (out / SETTINGS_FILE).write_text(json.dumps(record))
+    (out / "training" / "checkpoint-4").mkdir(parents=True)  # training holds work: every training setting counts
+    (out / "training" / "checkpoint-4" / "train_state.json").write_text("{}")
     check_demo_settings(out, DemoConfig())
 
 
