@@ -83,6 +83,18 @@ def test_flat_from_shards_equals_numpy_top_k(tmp_path, data, queries):
     np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
 
 
+def test_shards_are_indexed_by_their_first_row_as_a_number(tmp_path, data, queries):
+    """FAISS row r is corpus row r: shards are taken by their first row as a number (0, 66, 133, ..., 733 for 12
+    shards of 800 rows, where as text 66 would come after 533)."""
+    from dpr_gc.retrieval.shards import read_manifests
+
+    emb_dir = write_shards(tmp_path / "emb", data, num_shards=12)
+    assert [m["start_row"] for m in read_manifests(emb_dir)] == [k * len(data) // 12 for k in range(12)]
+    build_index(emb_dir, tmp_path / "idx", IndexParams("flat"))
+    np.testing.assert_array_equal(DenseIndex.read(tmp_path / "idx").search(queries, 10)[1],
+                                  exact_top_k(data, queries, 10)[1])
+
+
 @pytest.mark.parametrize("kind", sorted(KIND_PARAMS))
 def test_each_kind_builds_searches_and_reloads_identically(tmp_path, data, queries, kind):
     emb_dir = write_shards(tmp_path / "emb", data, dtype="float16")
