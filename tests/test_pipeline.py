@@ -162,7 +162,8 @@ def test_demo_interrupted_in_its_first_encoding_names_what_is_kept(tmp_path, cap
 
 def test_a_measured_stage_shows_retrieval_progress_out_of_the_test_questions(tmp_path, make_retriever, monkeypatch):
     """The demo knows its test questions before retrieving them: the "retrieving" bar counts to their number
-    (it showed a bare count with no total, so no fraction done and no ETA)."""
+    (it showed a bare count with no total, so no fraction done and no ETA). A stage stopped after its index resumes
+    with that index, not another build."""
     from dpr_gc.data.stdlib_data import build_stdlib_dataset
     from dpr_gc.pipeline import measure
     from dpr_gc.retrieval import retrieve
@@ -189,6 +190,12 @@ def test_a_measured_stage_shows_retrieval_progress_out_of_the_test_questions(tmp
     assert loaded == ["cpu:0"]  # the stage encodes where training runs: on the GPU when there is one
     assert [bar["total"] for bar in bars if bar["desc"] == "retrieving"] == [metrics["questions"]]
     assert metrics["questions"] == manifest["counts"]["test_queries"] > 0
+    index = tmp_path / "before" / "index" / "index_meta.json"
+    built = index.stat().st_mtime_ns
+    (tmp_path / "before" / "metrics.json").unlink()  # as a run stopped after the index, before the results
+    again = measure(tmp_path / "model", "before", tmp_path, tmp_path / "data", manifest, top_k=5, encode_batch_size=16)
+    assert index.stat().st_mtime_ns == built, "the resumed stage built its index again"
+    assert {**again, "encode_seconds": 0} == {**metrics, "encode_seconds": 0}
 
 
 def test_demo_needs_a_batch_several_times_the_chunk():
