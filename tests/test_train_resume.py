@@ -233,6 +233,32 @@ def test_a_linked_checkpoint_or_final_is_removed_as_a_link(four_steps: dict, tmp
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
+def test_seeding_and_a_checkpoints_random_states_cover_python_numpy_and_torch() -> None:
+    """rng.py: a run is seeded, and a checkpoint saves and restores the states of, Python's, NumPy's and torch's
+    generators: after seeding alike, or restoring a state, each draws again what it drew (a user's code drawing
+    from any of them resumes the same)."""
+    import random
+
+    import numpy as np
+
+    from dpr_gc.train.rng import capture_rng, restore_rng, seed_everything
+
+    def draws() -> tuple[float, float, float]:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    before = capture_rng()  # the test process's own, put back at the end
+    try:
+        seed_everything(3)
+        state = capture_rng()
+        first = draws()
+        restore_rng(state)
+        assert draws() == first
+        seed_everything(3)
+        assert draws() == first
+    finally:
+        restore_rng(before)
+
+
 def test_an_os_error_naming_no_file_names_no_none_and_no_free_space() -> None:
     """An OSError naming no file (shutil's 'Cannot call rmtree on a symbolic link') was said as '...; check the path
     and free space'; free space is advised only for a full disk or quota."""
