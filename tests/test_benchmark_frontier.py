@@ -40,6 +40,36 @@ def test_each_budget_is_compared_with_the_fastest_peer_that_fits_its_memory() ->
     assert frontier.best_fitting_peer({"peak_mb": 50.0}, peers) is None
 
 
+def test_each_budgets_ratios_are_taken_against_plain_and_the_fastest_peer_that_fits(monkeypatch) -> None:
+    """A budget's speed against plain training is plain's step time over its own, its memory its peak over plain's,
+    its speed against the best peer that peer's step time over its own; the budgets are given in MiB and each peer
+    runs at every chunk of the ladder."""
+    ran: list[tuple] = []
+
+    def launch(cfg: dict, timeout: int) -> dict:
+        ran.append((cfg["method"], cfg.get("budget"), cfg["chunk"]))
+        if cfg["method"] == frontier.PLAIN:
+            return {**cfg, "step_s": 4.0, "peak_mb": 400.0}
+        if cfg["method"] == frontier.OURS and cfg["budget"] == 10**15:
+            return {**cfg, "step_s": 2.0, "peak_mb": 300.0, "kept_token_share": 1.0,
+                    "first_largest_chunk_graph_mb": 1.0, "first_kept_graph_mb": 4.0}
+        if cfg["method"] == frontier.OURS:
+            return {**cfg, "step_s": 5.0, "peak_mb": 100.0, "kept_token_share": 0.5}
+        step_s, peak_mb = {8: (10.0, 90.0), 16: (8.0, 104.0), 32: (1.0, 500.0)}[cfg["chunk"]]
+        return {**cfg, "step_s": step_s, "peak_mb": peak_mb}
+
+    monkeypatch.setattr(frontier, "launch", launch)
+    base = {"shape": "scifact", "precision": "fp32", "batch": 32, "chunk": 8}
+    out = frontier.frontier(base, SimpleNamespace(quick=True, timeout=1), [frontier.ST])
+    assert [r[2] for r in ran if r[0] == frontier.ST] == [8, 16, 32]
+    rows = out["comparison"]
+    assert [r["budget_mb"] for r in rows] == [0.0, 1.0, 2.5, "whole batch"]
+    assert rows[1]["speedup_vs_plain"] == pytest.approx(0.8) and rows[1]["memory_vs_plain"] == pytest.approx(0.25)
+    assert rows[1]["best_peer"] == "st-cmnrl chunk 16" and rows[1]["speedup_vs_best_peer"] == pytest.approx(1.6)
+    assert rows[-1]["speedup_vs_plain"] == pytest.approx(2.0) and rows[-1]["memory_vs_plain"] == pytest.approx(0.75)
+    assert rows[-1]["best_peer"] == "st-cmnrl chunk 16" and rows[-1]["speedup_vs_best_peer"] == pytest.approx(4.0)
+
+
 def test_the_plot_is_written_beside_the_results(tmp_path: Path) -> None:
     row = {"peak_mb": 100.0, "step_s": 2.0}
     run = {"shape": "scifact", "precision": "fp32", "plain": {"peak_mb": 300.0, "step_s": 1.0},
