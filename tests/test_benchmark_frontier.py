@@ -3,6 +3,7 @@ compared with, and the plot written beside the results."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -387,6 +388,35 @@ def test_a_frontier_child_times_its_steps_before_the_memory_meter_trims_the_heap
     out = frontier.run_one(cfg)
     assert events == ["step"] * 5 + ["meter", "step", "peak"]
     assert len(out["step_times_s"]) == 3 and out["peak_mb"] == 1.0
+
+
+def test_a_frontier_child_reports_the_median_step_and_the_first_steps_graphs(monkeypatch) -> None:
+    """step_s is the timed steps' median; the budgets' graph sizes (first_*) come from the first step, which runs the
+    configured chunks, the others from the last step."""
+    @dataclasses.dataclass
+    class Report:
+        kept_share: float
+        kept_bytes: int
+        largest_graph: int
+        peak_graph_bytes: int
+        chunks: list
+        kept: list
+        budget: int
+
+    module, engine = torch.nn.Linear(1, 1), SimpleNamespace(last_step=None)
+
+    def step() -> float:
+        n = engine.last_step.kept_bytes // 2**20 + 1 if engine.last_step else 1
+        engine.last_step = Report(1.0, n * 2**20, n * 2**20, n * 2**20, [4], [4], 0)
+        return 0.0
+
+    monkeypatch.setattr(frontier, "scifact_step", lambda cfg, device: (step, module, engine))
+    monkeypatch.setattr(frontier, "timed_steps", lambda step, module, sync, count: [1.0, 6.0, 2.0])
+    cfg = {"shape": "scifact", "device": "cpu", "threads": 1, "steps": 3, "seed": 0, "precision": "fp32"}
+    out = frontier.run_one(cfg)
+    assert out["step_s"] == 2.0 and out["step_times_s"] == [1.0, 6.0, 2.0]
+    assert out["first_kept_graph_mb"] == 1.0 and out["first_largest_chunk_graph_mb"] == 1.0
+    assert out["kept_graph_mb"] == 3.0 and out["largest_chunk_graph_mb"] == 3.0
 
 
 def test_a_frontier_child_casts_frozen_weights_per_call_when_told(monkeypatch, tmp_path: Path) -> None:
