@@ -522,6 +522,20 @@ def test_a_grid_names_its_results_after_the_device(monkeypatch) -> None:
     assert Path(frozen_casts.parse_args(committed).output).name == "frozen-casts-cpu.json"
 
 
+@pytest.mark.parametrize("change", [["--steps", "1"], ["--batch", "16"], ["--chunk", "4"], ["--passage-length", "64"],
+                                    ["--shapes", "llm"], ["--precisions", "bf16"], ["--peers", ""], ["--quick"],
+                                    ["--tiny"], ["--small"]])
+def test_a_frontier_sized_otherwise_than_the_committed_one_writes_the_quick_file(change: list[str]) -> None:
+    """The committed frontier-cpu.json's command (benchmarks/README.md) writes it, whatever its --threads; one sizing
+    flag changed (fewer steps among them) writes frontier-cpu-quick.json."""
+    committed = ["--device", "cpu", "--shapes", "scifact", "--batch", "32", "--chunk", "8", "--passage-length", "128",
+                 "--steps", "2"]
+    results = REPO / "benchmarks" / "results"
+    assert frontier.results_file(frontier.parse_args([*committed, "--threads", "1"])) == results / "frontier-cpu.json"
+    quick = frontier.results_file(frontier.parse_args([*committed, *change]))
+    assert quick == results / "frontier-cpu-quick.json"
+
+
 @pytest.mark.parametrize("flags, steps", [([], 3), (["--quick", "--device", "cuda"], 2),
                                           (["--quick", "--device", "cuda", "--steps", "6"], 6)])
 def test_a_quick_gpu_frontier_times_two_steps_unless_told_otherwise(monkeypatch, tmp_path: Path, flags, steps):
