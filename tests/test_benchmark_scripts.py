@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 from unittest import mock
 
@@ -264,6 +265,26 @@ def test_printed_ratios_say_which_clock_they_are_on() -> None:
     assert table[0].startswith("| method |") and table[1].startswith("|---|")
     assert table[-1].endswith("| 9.5x (wall) |") and table[-2].endswith("| 5.0x (CPU) |")
     assert '"vs plain (CPU, paired)"' in (REPO / "benchmarks" / "host_overhead.py").read_text()
+
+
+def test_bench_encode_gives_each_methods_median_speed_against_sentence_transformers(capsys) -> None:
+    """passages/s over the median round, and sentence-transformers' median seconds over the method's (above 1: the
+    method is faster), whole rounds and per chunk; the cosines against sentence-transformers' embeddings."""
+    import numpy as np
+
+    import bench_encode
+
+    st, ours = "sentence-transformers fp32", "dpr_gc fp32"
+    seconds = {st: [[1.0, 1.0], [3.0, 3.0], [2.0, 2.0]], ours: [[0.5, 0.5], [1.0, 1.0], [4.5, 4.5]]}
+    emb = [np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([[1.0, 1.0], [1.0, 0.0]])]
+    outputs = {st: emb, ours: [emb[0], np.array([[1.0, 1.0], [1.0, 1.0]])]}
+    args = SimpleNamespace(max_length=16, batch_size=4, rounds=3)
+    results = bench_encode.summarize(args, 8, seconds, outputs)
+    assert results[ours]["median_seconds"] == 2.0 and results[ours]["passages_per_s"] == 4.0
+    assert results[ours]["ratio_vs_st"] == 2.0 and results[ours]["median_chunk_ratio_vs_st"] == 2.0
+    assert results[st]["ratio_vs_st"] == 1.0 and results[st]["min_cosine_vs_st"] == pytest.approx(1.0)
+    assert results[ours]["min_cosine_vs_st"] == pytest.approx(2 ** -0.5)
+    assert "| dpr_gc fp32 | 4.0 | 2.00x | 2.00x |" in capsys.readouterr().out
 
 
 def test_bench_llm_ends_with_its_ratios_against_plain(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
