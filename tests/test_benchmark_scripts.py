@@ -287,6 +287,23 @@ def test_bench_encode_gives_each_methods_median_speed_against_sentence_transform
     assert "| dpr_gc fp32 | 4.0 | 2.00x | 2.00x |" in capsys.readouterr().out
 
 
+def test_bench_faiss_gives_each_settings_speed_against_flat_and_the_fastest_hnsw_that_meets_the_target(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """speedup_vs_flat is a setting's queries/s over Flat's; the target names the fastest HNSW setting at or above
+    --target-speedup (IVF-PQ, faster still, is not an HNSW one)."""
+    import bench_faiss
+
+    real, qps = bench_faiss.timed_search, iter([100.0, 600.0, 800.0, 300.0, 900.0, 400.0])
+    monkeypatch.setattr(bench_faiss, "timed_search", lambda *a: (real(*a)[0], next(qps)))
+    args = bench_faiss.parse_args(["--n", "500", "--dim", "8", "--latent", "4", "--clusters", "5", "--queries", "10",
+                                   "--k", "5", "--hnsw-m", "8", "--ef-construction", "16", "--ef-search", "16", "32",
+                                   "64", "--nlist", "4", "--pq-m", "2", "--nprobe", "1", "2", "--train-sample", "500",
+                                   "--repeats", "1", "--threads", "1", "--target-recall", "0"])
+    report = bench_faiss.run(args)
+    assert [r["speedup_vs_flat"] for r in report["results"]] == [1.0, 6.0, 8.0, 3.0, 9.0, 4.0]
+    assert report["target"]["met"] and report["target"]["setting"] == "HNSW8 (efC 16) efSearch=32"
+
+
 def test_bench_llm_ends_with_its_ratios_against_plain(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Each method's step time and peak memory against plain training at the same batch, in the closing table."""
     import bench_llm
