@@ -251,6 +251,23 @@ def test_every_results_file_records_the_machine_through_one_helper() -> None:
         assert "platform.machine()" not in text and "platform.processor()" not in text, script
 
 
+def test_the_machine_record_keeps_the_cpus_flags_and_the_load_the_system_gives(monkeypatch) -> None:
+    """The CPU's model and flags of interest come from /proc/cpuinfo's first processor, the load average is the
+    system's three figures as given, and the closing table's machine shows the 1-minute one."""
+    import io
+
+    import bench_common
+
+    cpuinfo = ("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx2 sse amx_tile\n\n"
+               "processor\t: 1\nmodel name\t: Other CPU\nflags\t\t: avx512f\n")
+    monkeypatch.setattr(bench_common, "open", lambda path, encoding=None: io.StringIO(cpuinfo), raising=False)
+    monkeypatch.setattr(bench_common.os, "getloadavg", lambda: (1.5, 2.5, 3.75))
+    info = bench_common.machine_info("cpu", 2)
+    assert (info["cpu"], info["cpu_flags"]) == ("Test CPU 9000", ["avx2", "amx_tile"])
+    assert list(info["load_average_at_start"]) == [1.5, 2.5, 3.75]
+    assert bench_common.machine_text(info) == "Test CPU 9000, cpu, load 1.5"
+
+
 def test_printed_ratios_say_which_clock_they_are_on() -> None:
     """bench_answers' worker row is compared on wall time (the parent's CPU time leaves the workers out);
     host_overhead's paired ratio, a CPU-time one, says so beside its wall-time column."""
