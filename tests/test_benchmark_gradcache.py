@@ -49,6 +49,19 @@ def run(argv: list[str], launch: Callable[[dict, int], dict], capsys: pytest.Cap
     return code, out.out, out.err
 
 
+def test_the_cpu_peak_memory_is_what_was_allocated_after_the_meter_started() -> None:
+    """On the CPU the peak is the resident set's high-water mark above the resident set at start: a 64 MiB buffer
+    filled and freed between start and stop reads as about 64 MiB, not the process's whole resident set nor its
+    virtual size."""
+    meter = gcb.PeakMemory(torch.device("cpu"))
+    meter.start()
+    buffer = torch.ones(16 * 2**20)  # 64 MiB, every page written
+    time.sleep(0.05)  # where the kernel refuses the reset, the 1 ms sampler sees the buffer
+    del buffer
+    peak = meter.stop()
+    assert 60 <= peak < 100, (peak, meter.method)
+
+
 def test_the_results_file_is_rewritten_after_every_configuration(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     """Each configuration finds every earlier one in the file (machine, settings, results, targets), so a run that
