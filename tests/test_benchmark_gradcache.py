@@ -110,7 +110,7 @@ def test_rounds_rotate_the_method_order_and_report_medians(tmp_path: Path, capsy
 
     def launch(cfg: dict, timeout: int) -> dict:
         order.append(cfg["method"])
-        return fake_result(cfg, seconds=SPEED[cfg["method"]] * (1 + order.count(cfg["method"])))
+        return fake_result(cfg, seconds=SPEED[cfg["method"]] * (1 + order.count(cfg["method"]) ** 2))
 
     out = tmp_path / "gc.json"
     argv = ["--batches", "8", "--chunk", "4", "--inputs", "fixed", "--methods", "plain,dpr-gc,st-cmnrl",
@@ -118,8 +118,8 @@ def test_rounds_rotate_the_method_order_and_report_medians(tmp_path: Path, capsy
     assert run(argv, launch, capsys)[0] == 0
     assert order == ["plain", "dpr-gc", "st-cmnrl", "dpr-gc", "st-cmnrl", "plain", "st-cmnrl", "plain", "dpr-gc"]
     results = {r["method"]: r for r in json.loads(out.read_text())["results"]}
-    assert [r["step_s"] for r in results["dpr-gc"]["rounds"]] == [4.0, 6.0, 8.0]
-    assert results["dpr-gc"]["step_s"] == 6.0 and results["dpr-gc"]["examples_per_s"] == 8 / 6.0
+    assert [r["step_s"] for r in results["dpr-gc"]["rounds"]] == [4.0, 10.0, 20.0]  # mean 11.33
+    assert results["dpr-gc"]["step_s"] == 10.0 and results["dpr-gc"]["examples_per_s"] == 8 / 10.0
 
 
 @pytest.mark.parametrize("flags", [["--rounds", "0"], ["--steps", "0"], ["--skip-grid"]])
