@@ -105,6 +105,20 @@ def test_the_run_ends_with_the_table_and_one_line_per_target(tmp_path: Path, cap
     assert lines[-1] == f"written {tmp_path / 'gc.json'}"
 
 
+def test_each_rows_speed_ratios_are_its_speed_over_the_others_and_the_target_takes_the_fastest_peer(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A row's "speed vs" columns are its examples/s over plain's, the original's and CachedMNRL's (dpr-gc at 2 s a
+    step: 0.50x plain at 1 s, 1.50x the original at 3 s, 2.00x CachedMNRL at 4 s); the target compares it with the
+    fastest peer, the original."""
+    argv = ["--batches", "8", "--chunk", "4", "--inputs", "fixed", "--methods", "plain,dpr-gc,grad_cache-original,"
+            "st-cmnrl", "--output", str(tmp_path / "gc.json")]
+    code, out, _ = run(argv, lambda cfg, timeout: fake_result(cfg), capsys)
+    assert code == 0
+    (row,) = [line for line in out.splitlines() if line.startswith("| dpr-gc | fixed ")]
+    assert [cell.strip() for cell in row.split("|")[10:13]] == ["0.50", "1.50", "2.00"], row
+    assert "- fixed, batch 8 chunk 4: dpr-gc 1.50x the speed of grad_cache-original (target >= 1.00x: met)" in out
+
+
 def test_rounds_rotate_the_method_order_and_report_medians(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     order: list[str] = []
 
