@@ -598,6 +598,25 @@ def test_the_step_profile_counts_synchronising_calls_by_line_on_cuda(monkeypatch
     assert modes == ["warn", "default"] and profile_step.sync_lines(step, torch.device("cpu")) == []
 
 
+def test_the_step_profile_reports_the_median_of_the_timed_steps_after_the_warm_ups(monkeypatch) -> None:
+    """step_s is the median of the ``--steps`` timed steps; the two warm-up steps before them are neither in it nor
+    in step_times_s."""
+    import profile_step
+
+    module = torch.nn.Linear(2, 2)
+
+    def step() -> float:
+        loss = module(torch.ones(1, 2)).sum()
+        loss.backward()
+        return loss.item()
+
+    monkeypatch.setattr(profile_step, "scifact_step", lambda cfg, device: (step, module, None))
+    monkeypatch.setattr(profile_step, "timed_steps", lambda step, module, sync, count: [9.0, 9.0, 1.0, 6.0, 2.0])
+    cfg = {"shape": "scifact", "device": "cpu", "threads": 1, "seed": 0, "precision": "fp32", "steps": 3, "top": 3}
+    out = profile_step.profile_one(cfg)
+    assert out["step_s"] == 2.0 and out["step_times_s"] == [1.0, 6.0, 2.0]
+
+
 def test_the_step_profile_profiles_the_llm_shape_without_peers(monkeypatch, tmp_path: Path) -> None:
     """``--shape llm`` runs only plain training and dpr-gc (the peers need a sentence-transformers model), each on
     the 4-layer decoder with ``--small``."""
