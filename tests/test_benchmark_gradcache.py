@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Optional
 from unittest import mock
 
@@ -60,6 +61,16 @@ def test_the_cpu_peak_memory_is_what_was_allocated_after_the_meter_started() -> 
     del buffer
     peak = meter.stop()
     assert 60 <= peak < 100, (peak, meter.method)
+
+
+def test_a_configurations_step_time_is_the_median_of_its_timed_steps(monkeypatch, tmp_path: Path) -> None:
+    """step_s (and examples/s) come from the median of the ``--steps`` timed steps: steps of 1, 6 and 2 s give 2 s."""
+    clock = iter([0.0, 1.0, 10.0, 16.0, 20.0, 22.0])
+    monkeypatch.setattr(gcb, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    cfg = {"method": "plain", "model": gcb.tiny_model(tmp_path), "input": "uneven", "batch": 4, "chunk": 2,
+           "q_len": 8, "p_len": 16, "device": "cpu", "threads": 1, "steps": 3, "seed": 0}
+    out = gcb.run_one(cfg)
+    assert out["step_times_s"] == [1.0, 6.0, 2.0] and out["step_s"] == 2.0 and out["examples_per_s"] == 2.0
 
 
 def test_the_results_file_is_rewritten_after_every_configuration(tmp_path: Path,
