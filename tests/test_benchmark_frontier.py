@@ -392,7 +392,7 @@ def test_a_frontier_child_times_its_steps_before_the_memory_meter_trims_the_heap
 
 def test_a_frontier_child_reports_the_median_step_and_the_first_steps_graphs(monkeypatch) -> None:
     """step_s is the timed steps' median; the budgets' graph sizes (first_*) come from the first step, which runs the
-    configured chunks, the others from the last step."""
+    configured chunks, the others (the peak graph memory, the chunks and those kept) from the last step."""
     @dataclasses.dataclass
     class Report:
         kept_share: float
@@ -407,7 +407,7 @@ def test_a_frontier_child_reports_the_median_step_and_the_first_steps_graphs(mon
 
     def step() -> float:
         n = engine.last_step.kept_bytes // 2**20 + 1 if engine.last_step else 1
-        engine.last_step = Report(1.0, n * 2**20, n * 2**20, n * 2**20, [4], [4], 0)
+        engine.last_step = Report(1.0, n * 2**20, n * 2**20, 2 * n * 2**20, [4, 4], [2, 1], 0)
         return 0.0
 
     monkeypatch.setattr(frontier, "scifact_step", lambda cfg, device: (step, module, engine))
@@ -416,7 +416,8 @@ def test_a_frontier_child_reports_the_median_step_and_the_first_steps_graphs(mon
     out = frontier.run_one(cfg)
     assert out["step_s"] == 2.0 and out["step_times_s"] == [1.0, 6.0, 2.0]
     assert out["first_kept_graph_mb"] == 1.0 and out["first_largest_chunk_graph_mb"] == 1.0
-    assert out["kept_graph_mb"] == 3.0 and out["largest_chunk_graph_mb"] == 3.0
+    assert out["kept_graph_mb"] == 3.0 and out["largest_chunk_graph_mb"] == 3.0 and out["peak_graph_mb"] == 6.0
+    assert out["chunks"] == 8 and out["kept_chunks"] == 3
 
 
 def test_a_frontier_child_casts_frozen_weights_per_call_when_told(monkeypatch, tmp_path: Path) -> None:
