@@ -562,6 +562,28 @@ BAD_VALUES = {flag_types.positive_int: "0", flag_types.nonnegative_int: "-1", fl
               flag_types.unit_float: "1.5", flag_types.seed_int: str(2 ** 32), flag_types.layer_size: "65537"}
 
 
+# flag type -> (the values at both ends of the range its words name, one past each end)
+RANGE_ENDS = {"unit_float": (("0", "1"), ("-0.001", "1.001")),
+              "seed_int": (("0", str(2 ** 32 - 1)), ("-1", str(2 ** 32))),
+              "proper_fraction": (("0", "0.999"), ("-0.001", "1")), "layer_size": (("1", "65536"), ("0", "65537")),
+              "positive_int": (("1",), ("0",)), "nonnegative_int": (("0",), ("-1",))}
+
+
+@pytest.mark.parametrize("name", list(RANGE_ENDS))
+def test_a_bounded_flag_type_takes_both_ends_its_words_name_and_refuses_past_them(name: str) -> None:
+    """``--bm25-b`` says "0 to 1", ``--seed`` "from 0 to 4294967295", ``--projection-dim`` "from 1 to 65536": each
+    end is taken, on the command line and in code alike, and one past either end refused with those words."""
+    import argparse
+
+    kind, (ends, past) = getattr(flag_types, name), RANGE_ENDS[name]
+    for text in ends:
+        assert kind(text) == type(kind(text))(text) and kind.accepts(kind(text)), text
+    for text in past:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"is not {kind.__name__}")):
+            kind(text)
+        assert not kind.accepts(float(text) if "." in text else int(text)), text
+
+
 def validated_flags(parser: Any, prefix: list[str]) -> list[tuple[list[str], str, str, str]]:
     """``(argv prefix + required flags, flag, bad value, needle)`` for every validated flag of a parser (typed or
     with choices; recursing into sub-commands); required flags get harmless dummy values."""
