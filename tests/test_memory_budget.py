@@ -178,6 +178,18 @@ def test_a_size_is_read_as_a_number_of_bytes_whatever_its_spelling(size, nbytes)
     assert parse_memory(size) == nbytes
 
 
+@pytest.mark.parametrize("power, units", [(1, ("K", "KB", "KiB")), (2, ("M", "MB", "MiB")), (3, ("G", "GB", "GiB")),
+                                          (4, ("T", "TB", "TiB"))])
+def test_each_unit_the_docs_list_is_its_power_of_1000_or_of_1024(power, units):
+    """docs/training.md lists K/KB ... TB beside KiB ... TiB: the first are powers of 1000, those with an ``i``
+    of 1024 (``2GiB`` is 2147483648 bytes, not 2000000000), in any case."""
+    decimal_one, decimal_two, binary = units
+    for unit in (decimal_one, decimal_two, decimal_two.lower()):
+        assert parse_memory(f"2{unit}") == 2 * 1000 ** power, unit
+    for unit in (binary, binary.lower(), binary.upper()):
+        assert parse_memory(f"2{unit}") == 2 * 1024 ** power, unit
+
+
 @pytest.mark.parametrize("size", ["0.5", 0.5, "0.4B", "1e-12GB", "1e-9999999GB"])
 def test_a_size_under_one_byte_is_refused_not_read_as_zero(size):
     """``"0.5"`` became a budget of 0 bytes (only the last chunk's graph kept): a size that is not zero but holds no
