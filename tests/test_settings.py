@@ -349,6 +349,21 @@ def test_a_dpr_flag_name_is_answered_with_the_dpr_gc_flag_or_the_script(argv: li
     assert f"; {hint}" in line and "did you mean" not in line, line
 
 
+@pytest.mark.parametrize("flag, whose, target", [
+    ("--eval_steps", "Hugging Face's", "--eval-every"), ("--save_steps", "Hugging Face's", "--save-every"),
+    ("--save_total_limit", "Hugging Face's", "--keep-checkpoints"),
+    ("--per_device_train_batch_size", "Hugging Face's", "--batch-size"),
+    ("--lr", "sentence-transformers'", "--learning-rate"), ("--untie_encoder", "Tevatron's", "--separate-encoders"),
+    ("--gc_q_chunk_size", "Tevatron's", "--query-chunk-size"),
+    ("--gc_p_chunk_size", "Tevatron's", "--passage-chunk-size")])
+def test_another_tools_train_flag_is_answered_with_the_train_flag_of_the_same_setting(flag: str, whose: str,
+                                                                                      target: str) -> None:
+    """Hugging Face's --eval_steps is evaluation's cadence, --save_steps checkpointing's: each other tool's name is
+    answered with the ``dpr-gc train`` flag taking that setting, not a neighbour's."""
+    line = error_line(*call(cli.main, [*TRAIN_BASE, flag, "2"]))
+    assert f"; {flag} is {whose} name: dpr-gc train takes {target}" in line, line
+
+
 def test_every_dpr_flag_a_script_takes_is_answered_by_its_command() -> None:
     """Each option string of a DPR-compatible script's DPR option (one with a name spelt as DPR does: --model_file,
     --n_docs, and its aliases: --n-docs, --local-rank) that its dpr-gc command lacks, typed into that command, is
