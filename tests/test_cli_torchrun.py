@@ -71,7 +71,14 @@ def test_a_world_size_that_is_not_a_number_is_one_error_line(tmp_path, monkeypat
 ])
 def test_a_launch_environment_torchrun_would_not_set_is_one_error_line(env, said, tmp_path, monkeypatch, capsys):
     """WORLD_SIZE=2 without RANK ended in init_process_group's 44-line traceback, RANK=abc in int()'s ValueError; each
-    is refused in one line naming the variable, before anything loads (no process group is joined here)."""
+    is refused in one line naming the variable, before anything loads (no process group is joined here: an attempt
+    fails the test at once, where joining would wait for ranks that never come)."""
+    import torch.distributed as dist
+
+    def joined(*args, **kwargs):
+        raise AssertionError("a process group was joined")
+
+    monkeypatch.setattr(dist, "init_process_group", joined)
     monkeypatch.chdir(tmp_path)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
