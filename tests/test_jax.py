@@ -227,14 +227,16 @@ def test_original_api_two_pass_and_single_decorator():
     assert rel_error(remat, want) < 1e-5
 
 
-def test_cache_train_step_updates_like_sgd_on_the_full_batch():
+def sgd_step_setup(rows: int) -> tuple:
+    """For cache_train_step's tests: the tiny encoder's parameters, an SGD (lr 1) train state over them, a batch of
+    ``rows`` queries and passages, the loss and its per-query form (every row the batch's loss)."""
     optax = pytest.importorskip("optax")
     from flax.training.train_state import TrainState
 
     model = Encoder(TINY)
     params = make_params(TINY, ("shared",))["shared"]
     rng = np.random.default_rng(3)
-    queries, passages = make_batch(rng, 6), make_batch(rng, 6)
+    queries, passages = make_batch(rng, rows), make_batch(rng, rows)
     loss = ContrastiveLoss(temperature=0.2)
     state = TrainState.create(apply_fn=lambda params, **x: model.apply({"params": params}, **x), params=params,
                               tx=optax.sgd(1.0))
@@ -242,6 +244,11 @@ def test_cache_train_step_updates_like_sgd_on_the_full_batch():
     def per_query(xx, yy, axis):
         return loss({}, xx, yy)[None].repeat(xx.shape[0])
 
+    return params, state, queries, passages, loss, per_query
+
+
+def test_cache_train_step_updates_like_sgd_on_the_full_batch():
+    params, state, queries, passages, loss, per_query = sgd_step_setup(6)
     step = jax.vmap(lambda s, ss, tt: cache_train_step(per_query, s, ss, tt, axis="device"), in_axes=(None, 0, 0),
                     axis_name="device")
     loss_value, new_state = jax.jit(step)(state, tree_chunk(tree_chunk(queries, 3), 1), tree_chunk(
@@ -254,19 +261,7 @@ def test_cache_train_step_updates_like_sgd_on_the_full_batch():
 def test_cache_train_step_averages_loss_and_gradients_over_its_axis():
     """cache_train_step's docstring: loss and gradients are averaged over ``axis``. Two vmapped devices, each with
     its own half of the batch in two chunks and a loss of its own half, make the SGD step of the two halves' mean."""
-    optax = pytest.importorskip("optax")
-    from flax.training.train_state import TrainState
-
-    model = Encoder(TINY)
-    params = make_params(TINY, ("shared",))["shared"]
-    rng = np.random.default_rng(3)
-    queries, passages = make_batch(rng, 8), make_batch(rng, 8)
-    loss = ContrastiveLoss(temperature=0.2)
-    state = TrainState.create(apply_fn=lambda params, **x: model.apply({"params": params}, **x), params=params,
-                              tx=optax.sgd(1.0))
-
-    def per_query(xx, yy, axis):
-        return loss({}, xx, yy)[None].repeat(xx.shape[0])
+    params, state, queries, passages, loss, per_query = sgd_step_setup(8)
 
     def on_devices(batch):  # [device, chunk, rows, ...]: each device's half, in two chunks
         return tree_chunk(tree_chunk(batch, 2), 2, axis=1)
