@@ -311,7 +311,8 @@ def test_damaged_manifests_metadata_and_configs(world: dict, tmp_path: Path) -> 
 
 
 BAD_CONFIG_VALUES = [("pooling", "foo", "one of cls, mean, pooler, last"), ("passage_format", "tsv", "one of pair"),
-                     ("temperature", 100.0, "a number from 0.01 to 10.0"), ("query_max_length", 0, "a positive")]
+                     ("temperature", 100.0, "a number from 0.01 to 10.0"), ("query_max_length", 0, "a positive"),
+                     ("passage_max_length", True, "a positive")]  # JSON true is never taken for the integer 1
 
 
 @pytest.mark.parametrize("key,value,need", BAD_CONFIG_VALUES, ids=[c[0] for c in BAD_CONFIG_VALUES])
