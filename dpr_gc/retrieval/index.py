@@ -55,8 +55,7 @@ INDEX_META_FIELDS = {"format_version": Field(int), "kind": text(), "factory": te
                      "pooling": text(True), "normalize": Field(bool, True), "passage_format": text(True),
                      "query_prefix": text(True), "passage_prefix": text(True), "shards": Field(list),
                      "trained_on": count(True), "trained_from": count(True), "max_length": positive_field(True),
-                     "precision": text(True),
-                     "dtype": text(True),
+                     "precision": text(True), "dtype": text(True),
                      "first_id": text(True), "last_id": text(True), "index_file": Field(list)}
 PARAM_FIELDS = {"kind": text(), "factory": text(True), "pq_nbits": positive_field(True),
                 **{key: positive_field(True) for key in ("ef_search", "nprobe", "hnsw_m", "ef_construction", "nlist",
@@ -731,13 +730,12 @@ def add_shards(emb_dir: PathLike, params: IndexParams, dense: Optional[DenseInde
         meta = dense.meta
         stats["training_kept"] = ({"trained_on": int(meta["trained_on"]), "trained_from": meta.get("trained_from"),
                                    "held_before": dense.ntotal} if meta.get("trained_on") else None)
-    before = dense.ntotal
     dense.meta.update(fingerprint)
     started = time.perf_counter()
     _add_blocks(dense, todo, block_size, one_add)
     stats["add_seconds"] = round(time.perf_counter() - started, 3)
     if stats.get("training_kept"):
-        _warn_kept_training(dense, before)
+        _warn_kept_training(dense, stats["training_kept"]["held_before"])
     return dense, todo, stats
 
 
@@ -871,7 +869,7 @@ def _warn_kept_training(dense: DenseIndex, before: int) -> None:
     """Warn, in one line, that ``--append`` kept the training of ``dense`` (which held ``before`` vectors), drawn from
     fewer vectors than it now holds, so it is not the index built all at once over them."""
     pool = dense.meta.get("trained_from")
-    if not dense.meta.get("trained_on") or (pool is not None and int(pool) >= dense.ntotal):
+    if pool is not None and int(pool) >= dense.ntotal:
         return
     logger.warning("--append keeps the training of the %s index: its %s were trained on %s, and it now holds %d; "
                    "build it again without --append for the index built all at once", dense.meta["factory"],
