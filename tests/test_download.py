@@ -145,3 +145,19 @@ def test_an_output_folder_that_is_a_file_is_refused_naming_the_flag(tmp_path, ca
     assert load_script("download_dpr_data").main(["--output_dir", str(taken), "nq-dev", "--dry-run"]) == 2
     assert one_error(capsys) == f"error: --output {taken} is a file; give a folder"
     assert taken.read_text() == "{}"
+
+
+def test_verify_refuses_a_damaged_gzip_file_before_recording_its_checksum(tmp_path, monkeypatch, capsys):
+    """``--verify`` promises the gzip CRCs are checked: a .gz file cut short, with no SHA-256 recorded yet, is one
+    error line naming it, and no checksum of the damaged file is recorded for later runs to match."""
+    script = load_script("download_dpr_data")
+    monkeypatch.setattr(script, "RESOURCES", {"train": ("http://127.0.0.1:9/t.json.gz", "t.json.gz", "", None)})
+    out = tmp_path / "dpr"
+    out.mkdir()
+    whole = gzip.compress(b'[{"question": "q"}]' * 1000)
+    (out / "t.json.gz").write_bytes(whole[:len(whole) // 2])
+    assert script.main(["--output", str(out), "--verify", "train"]) == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: {out / 't.json.gz'} is not an intact gzip file"), line
+    assert not (out / "SHA256SUMS.json").exists()
+
