@@ -161,3 +161,24 @@ def test_verify_refuses_a_damaged_gzip_file_before_recording_its_checksum(tmp_pa
     assert line.startswith(f"error: {out / 't.json.gz'} is not an intact gzip file"), line
     assert not (out / "SHA256SUMS.json").exists()
 
+
+# DPR's download_data.py (facebookresearch/DPR, dpr/data/download_data.py, RESOURCES_MAP): the URL of each key
+DPR_URLS = {
+    "data.retriever.nq-train": "https://dl.fbaipublicfiles.com/dpr/data/retriever/biencoder-nq-train.json.gz",
+    "data.retriever.nq-dev": "https://dl.fbaipublicfiles.com/dpr/data/retriever/biencoder-nq-dev.json.gz",
+    "data.retriever.qas.nq-test": "https://dl.fbaipublicfiles.com/dpr/data/retriever/nq-test.qa.csv",
+    "data.retriever.qas.nq-dev": "https://dl.fbaipublicfiles.com/dpr/data/retriever/nq-dev.qa.csv",
+    "data.wikipedia_split.psgs_w100": "https://dl.fbaipublicfiles.com/dpr/wikipedia_split/psgs_w100.tsv.gz",
+}
+
+
+def test_each_dpr_key_downloads_the_url_dpr_lists_under_its_own_file_name():
+    """The module docstring says the URLs are those of DPR's download_data.py and files stay gzipped where DPR
+    publishes them gzipped: each --resource key fetches DPR's URL for that key, kept under the URL's file name."""
+    script = load_script("download_dpr_data")
+    assert set(script.DPR_KEYS) == set(DPR_URLS)
+    for key, url in DPR_URLS.items():
+        resource_url, filename, _, _ = script.RESOURCES[script.DPR_KEYS[key]]
+        assert (resource_url, filename) == (url, url.rsplit("/", 1)[1]), key
+    assert sorted(script.DPR_KEYS.values()) == sorted(script.RESOURCES)
+
