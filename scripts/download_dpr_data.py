@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpr_gc.base.args import ArgumentParser, RawDescriptionHelpFormatter, closest  # noqa: E402
 from dpr_gc.base.errors import report_errors  # noqa: E402
-from dpr_gc.base.errors import DprGcError  # noqa: E402
+from dpr_gc.base.errors import DiskFullError, DprGcError, is_disk_full  # noqa: E402
 from dpr_gc.base.guard import guarded  # noqa: E402
 from dpr_gc.cli import check_launch  # noqa: E402
 
@@ -106,8 +106,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def fetch(url: str, tmp: Path) -> tuple[str, int]:
-    """Stream ``url`` into ``tmp``; returns its SHA-256 and size. Network failures and a short body raise one line."""
+def fetch(url: str, tmp: Path, target: Path) -> tuple[str, int]:
+    """Stream ``url`` into ``tmp`` (the download of ``target``); returns its SHA-256 and size. Network failures, a
+    short body and a full disk (named as ``target``, not as the network's fault) raise one line."""
     digest, size = hashlib.sha256(), 0
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response, open(tmp, "wb") as f:
@@ -119,6 +120,8 @@ def fetch(url: str, tmp: Path) -> tuple[str, int]:
     except urllib.error.HTTPError as e:
         raise DprGcError(f"cannot download {url}: HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, socket.timeout, ConnectionError, OSError) as e:
+        if is_disk_full(e):
+            raise DiskFullError(target) from None
         reason = getattr(e, "reason", None) or e
         raise DprGcError(f"cannot download {url}: {reason}; check the network connection (or fetch the file "
                          f"by hand into {tmp.parent})") from None
@@ -184,7 +187,7 @@ def download(name: str, out: Path, sums: dict) -> None:
     url, filename, _, _ = RESOURCES[name]
     target, tmp = out / filename, out / f".{filename}.part"
     try:
-        sha, size = fetch(url, tmp)
+        sha, size = fetch(url, tmp, target)
         if filename.endswith(".gz"):
             check_gzip(tmp, f"the download of {url}")
         want = expected_sha256(name, filename, sums)

@@ -182,3 +182,36 @@ def test_each_dpr_key_downloads_the_url_dpr_lists_under_its_own_file_name():
         assert (resource_url, filename) == (url, url.rsplit("/", 1)[1]), key
     assert sorted(script.DPR_KEYS.values()) == sorted(script.RESOURCES)
 
+
+def test_a_full_disk_while_downloading_says_to_free_space_not_to_check_the_network(server, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A disk that fills while a file downloads was reported as a network failure ("check the network
+    connection"); it is one error line naming the file, saying the disk is full, and no partial file is left."""
+    import errno
+
+    root, url = server
+    (root / "qa.csv").write_bytes(b"x" * 5000)
+    script = load_script("download_dpr_data")
+    monkeypatch.setattr(script, "RESOURCES", {"qa": (f"{url}/qa.csv", "qa.csv", "", None)})
+
+    class FullDisk:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def write(self, block: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(script, "open", FullDisk, raising=False)
+    out = tmp_path / "dpr"
+    out.mkdir()
+    assert script.main(["--output", str(out), "qa"]) == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: {out / 'qa.csv'}: the disk is full") and "network" not in line, line
+    assert "free space" in line, line
+    assert sorted(p.name for p in out.iterdir()) == []
