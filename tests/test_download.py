@@ -215,3 +215,20 @@ def test_a_full_disk_while_downloading_says_to_free_space_not_to_check_the_netwo
     assert line.startswith(f"error: {out / 'qa.csv'}: the disk is full") and "network" not in line, line
     assert "free space" in line, line
     assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_second_download_into_a_folder_in_use_is_refused_at_once(server, tmp_path, monkeypatch, capsys):
+    """Every stage and script holds its output folder's lock (guard.py): two downloads into one folder would write
+    the same partial file and checksum record at once; the second is one error line and fetches nothing."""
+    from dpr_gc.base.locks import exclusive_lock
+
+    root, url = server
+    (root / "qa.csv").write_bytes(b"q\t['a']\n")
+    script = load_script("download_dpr_data")
+    monkeypatch.setattr(script, "RESOURCES", {"qa": (f"{url}/qa.csv", "qa.csv", "", None)})
+    out = tmp_path / "dpr"
+    out.mkdir()
+    with exclusive_lock(out / ".dpr-gc.lock", "a first download"):  # what a running download holds
+        assert script.main(["--output", str(out), "qa"]) == 2
+        assert "in use by another run" in one_error(capsys)
+        assert sorted(p.name for p in out.iterdir()) == [".dpr-gc.lock"]
