@@ -133,3 +133,20 @@ def test_a_dpr_checkpoint_naming_an_unreachable_hub_config_fails_fast(tmp_path: 
     with pytest.raises(DprGcError, match=f"^{re.escape(expected)} folder"):
         Retriever.load(checkpoint)
     assert time.perf_counter() - began < 20
+
+
+@pytest.mark.parametrize("value,off", [("1", True), ("true", True), ("TRUE", True), ("yes", True), ("On", True),
+                                       ("0", False), ("false", False), ("no", False), ("", False)])
+def test_every_spelling_huggingface_hub_takes_for_offline_is_respected(monkeypatch, refusing_endpoint, value,
+                                                                       off) -> None:
+    """hub.py respects HF_HUB_OFFLINE as huggingface_hub reads it (1, true, yes, on, any case): a spelling it missed
+    probed the Hub instead and blamed the network, not the variable the user set."""
+    from dpr_gc.model.hub import check_model_source
+
+    monkeypatch.setenv("HF_ENDPOINT", refusing_endpoint)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    with pytest.raises(DprGcError) as e:
+        check_model_source(NAME)
+    assert ("HF_HUB_OFFLINE is set" in str(e.value)) == off, str(e.value)
+    assert ("is unreachable" in str(e.value)) != off, str(e.value)
