@@ -150,3 +150,18 @@ def test_every_spelling_huggingface_hub_takes_for_offline_is_respected(monkeypat
         check_model_source(NAME)
     assert ("HF_HUB_OFFLINE is set" in str(e.value)) == off, str(e.value)
     assert ("is unreachable" in str(e.value)) != off, str(e.value)
+
+
+@pytest.mark.parametrize("name", ["runs/nq/best", "./best", "../best", "~/no-such-dpr-gc-model", "/abs/best",
+                                  "runs\\best"])
+def test_a_missing_path_is_named_as_no_such_folder_without_asking_the_hub(tmp_path: Path, monkeypatch,
+                                                                          name: str) -> None:
+    """hub.py: a name the Hub could not hold (more than one ``/``, or starting ``/``, ``.``, ``~``, or with ``\\``) is
+    a missing folder, said at once; only an ``org/model`` name is probed (a mistyped ``runs/nq/best`` was blamed on
+    an unreachable Hub)."""
+    from dpr_gc.model import hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "probe", lambda *args, **kwargs: pytest.fail(f"the Hub was probed for {name!r}"))
+    with pytest.raises(DprGcError, match=f"^cannot load model {re.escape(repr(name))}: no such folder"):
+        hub.check_model_source(name)
