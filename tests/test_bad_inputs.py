@@ -1345,6 +1345,16 @@ def test_text_no_output_can_hold_is_one_line(capsys) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and "'\\ud800'" in lines[0], lines
 
 
+def test_a_refusal_whose_message_holds_line_breaks_is_still_one_line(capsys) -> None:
+    """errors.py: a DprGcError becomes one ``error:`` line whatever its message holds (a library's text quoted in it
+    may span lines): printed as it was, its second line would be a line without ``error:``."""
+    def refuse() -> None:
+        raise DprGcError("model 'x': cannot load\nits config.json is not valid\n")
+
+    assert report_errors(refuse) == 2
+    assert capsys.readouterr().err == "error: model 'x': cannot load its config.json is not valid\n"
+
+
 # --------------------------------------------------------------------------------------------- whole folders
 def test_model_folder_appears_whole_or_not_at_all(make_retriever, tmp_path: Path, monkeypatch) -> None:
     retriever = make_retriever()
