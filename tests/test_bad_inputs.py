@@ -1390,6 +1390,22 @@ def test_atomic_folder_refuses_to_replace_a_folder_that_holds_no_model(make_retr
     assert not (tmp_path / "x").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+def test_a_folder_replaced_whole_gets_a_new_folders_permissions_and_leaves_no_sibling(tmp_path: Path) -> None:
+    """atomic_folder: the folder it puts in place has the permissions any new folder gets (0o777 less the umask),
+    not its temporary's private 0o700, and the folder it replaces is deleted, not left beside it as ``.NAME.*.old``."""
+    umask = os.umask(0o022)
+    try:
+        for name, mask, text in (("a", 0o022, "old"), ("b", 0o002, "b"), ("a", 0o022, "new")):
+            os.umask(mask)
+            with atomic_folder(tmp_path / name) as tmp:
+                (tmp / "f.txt").write_text(text)
+    finally:
+        os.umask(umask)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+    assert (tmp_path / "a" / "f.txt").read_text() == "new"
+    assert [stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("a", "b")] == [0o755, 0o775]
+
+
 # ----------------------------------------------------------------------------------------- messages that say what is so
 @pytest.mark.parametrize("name", ["r.json", "r.jsonl"])
 def test_an_empty_results_file_is_called_empty(world: dict, tmp_path: Path, name: str) -> None:
