@@ -1482,6 +1482,23 @@ def test_every_transformers_load_passes_trust_remote_code_false(world: dict, mon
     assert seen and all(value is False for value in seen), seen
 
 
+def test_no_call_in_the_code_asks_a_loader_to_unpickle_or_to_run_a_folders_code() -> None:
+    """No call in dpr_gc/ or scripts/ passes ``weights_only=False`` or ``use_safetensors=False`` (a pickle could be
+    unpickled: from_pretrained takes weights_only, and whether it honours it depends on the transformers version
+    pyproject.toml admits, so no test that loads a file tells) nor ``trust_remote_code=True``, on one line or several.
+    Text that quotes such a call (advice to convert a file by hand) is no call."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    unsafe = {"weights_only": False, "use_safetensors": False, "trust_remote_code": True}
+    found = [f"{path.relative_to(root)}:{node.lineno} {word.arg}={word.value.value}"
+             for path in [*root.joinpath("dpr_gc").rglob("*.py"), *root.joinpath("scripts").glob("*.py")]
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(node, ast.Call)
+             for word in node.keywords
+             if word.arg in unsafe and isinstance(word.value, ast.Constant) and word.value.value is unsafe[word.arg]]
+    assert not found, found
+
+
 def test_paths_a_folder_declares_stay_inside_it(world: dict, tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(world["model"], model)
