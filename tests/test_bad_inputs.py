@@ -2447,6 +2447,21 @@ def test_a_tokenizer_with_more_ids_than_the_model_has_embeddings_is_refused(worl
     assert Retriever.load(tmp_path / "padded").tokenizer is not None
 
 
+def test_a_single_token_past_the_embeddings_is_refused(world: dict, tmp_path: Path) -> None:
+    """The bound of check_ids_have_embeddings: one added token, whose id equals the number of embedding rows, has no
+    row (ids run from 0 to rows - 1) and is refused as two are."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = len(tokenizer)
+    tokenizer.add_tokens(["zebrafoo"])
+    tokenizer.save_pretrained(model)
+    with pytest.raises(DprGcError, match=f"ids up to {rows} but the model has {rows} embeddings"):
+        Retriever.load(model)
+
+
 # ------------------------------------------------------------------ integers beyond what FAISS, OpenMP, a model take
 def _ivf_index(world: dict, folder: Path) -> Path:
     build_index(world["emb"], folder, IndexParams("ivf-flat"))
