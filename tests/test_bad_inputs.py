@@ -2735,6 +2735,23 @@ def test_weights_the_config_makes_but_the_file_lacks_are_refused(tiny_tokenizer:
         assert not (tmp_path / "emb").exists()
 
 
+@pytest.mark.parametrize("key,value", [("num_hidden_layers", 0), ("num_hidden_layers", -1),
+                                       ("num_attention_heads", -1)])
+def test_a_model_size_transformers_leaves_unchecked_must_be_positive(tmp_path: Path, key: str, value: int) -> None:
+    """check_model_config: a config.json whose num_hidden_layers is 0 loaded as a model of no layers (its saved
+    layers are of no kind it has, so none counts as extra) and encoded without a word; such a size is refused
+    naming the file and the key."""
+    from dpr_gc.model.pretrained import load_transformer
+
+    folder = tmp_path / "model"
+    tiny_bert(64).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(DprGcError, match=f"^{re.escape(str(folder / 'config.json'))}: {key} must be a positive "
+                                         f"integer, got {value}$"):
+        load_transformer(folder)
+
+
 def test_a_safetensors_header_length_that_does_not_fit_is_said_once(tmp_path: Path) -> None:
     from dpr_gc.base.validate import check_safetensors
 
