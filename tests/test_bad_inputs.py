@@ -2390,6 +2390,24 @@ def test_a_lora_adapter_folder_with_wrong_fields_or_no_weights_is_one_line(world
                     "cpu", "--cache-dir", tmp_path / "c"], *needles)
     assert str(model) in line and not (tmp_path / "e").exists()
 
+
+@pytest.mark.parametrize("base", ["itself", "another adapter"])
+def test_an_adapter_whose_base_is_an_adapter_folder_is_one_line(lora_folder: Path, tmp_path: Path, base: str) -> None:
+    """An adapter_config.json whose base_model_name_or_path names an adapter folder (its own, or another adapter's)
+    is refused in one line saying to point it at the base model: loading its base would load the adapter again."""
+    model = tmp_path / "lora"
+    shutil.copytree(lora_folder, model)
+    named = model
+    if base == "another adapter":
+        named = tmp_path / "other"
+        shutil.copytree(lora_folder, named)
+    config = json.loads((model / "adapter_config.json").read_text())
+    (model / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(named)}))
+    with pytest.raises(DprGcError, match=f"base_model_name_or_path {re.escape(repr(str(named)))} must name a plain "
+                                         "model .*point it at the base model$"):
+        Retriever.load(model)
+
+
 def _without_vocabulary(world: dict, root: Path, kind: str) -> Path:
     """A copy of the world's model without its tokenizer.json: no vocabulary file at all, an empty vocab.txt, or a
     vocab.txt without [UNK]."""
