@@ -221,6 +221,27 @@ def test_half_a_dpr_pair_is_refused(tiny_tokenizer, tmp_path):
         Retriever.load(tmp_path / "dpr")
 
 
+def test_a_dpr_pair_whose_towers_have_different_vocabularies_is_refused(tiny_tokenizer, tmp_path):
+    """dpr_hub.one_tokenizer: a retriever has one tokenizer, the question encoder's; a context encoder whose own
+    vocabulary differs (here two words swapped, same size) would be fed ids it was not trained on, so the pair is
+    refused naming both folders."""
+    from transformers import BertTokenizerFast
+
+    save_dpr_pair(tiny_tokenizer, tmp_path / "dpr", 0)
+    context = tmp_path / "dpr" / "dpr-ctx_encoder-single-nq-base"
+    words = sorted(tiny_tokenizer.get_vocab(), key=tiny_tokenizer.get_vocab().get)
+    first, second = words.index("king"), words.index("war")
+    words[first], words[second] = words[second], words[first]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        (context / name).unlink(missing_ok=True)
+    BertTokenizerFast(vocab=str(tmp_path / "vocab.txt"), do_lower_case=True).save_pretrained(context)
+    question = tmp_path / "dpr" / "dpr-question_encoder-single-nq-base"
+    with pytest.raises(DprGcError) as refusal:
+        Retriever.load(tmp_path / "dpr")
+    assert str(refusal.value).startswith(f"{question} and {context} have different vocabularies"), refusal.value
+
+
 def test_every_saved_retriever_of_a_run_loads_and_has_a_model_card(tmp_path):
     from huggingface_hub import metadata_load
 
