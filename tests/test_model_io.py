@@ -221,6 +221,16 @@ def test_half_a_dpr_pair_is_refused(tiny_tokenizer, tmp_path):
         Retriever.load(tmp_path / "dpr")
 
 
+def test_a_dpr_folder_holding_two_question_encoders_is_refused(tiny_tokenizer, tmp_path):
+    """find_dpr_pair wants exactly one encoder of each kind: with two question encoders the first by name was
+    taken without a word; the folder is refused saying how many of each it holds."""
+    save_dpr_pair(tiny_tokenizer, tmp_path / "dpr", 0)
+    shutil.copytree(tmp_path / "dpr" / "dpr-question_encoder-single-nq-base",
+                    tmp_path / "dpr" / "dpr-question_encoder-multiset-base")
+    with pytest.raises(DprGcError, match="one DPRQuestionEncoder and one DPRContextEncoder folder, found 2 and 1$"):
+        Retriever.load(tmp_path / "dpr")
+
+
 def test_a_dpr_pair_whose_towers_have_different_vocabularies_is_refused(tiny_tokenizer, tmp_path):
     """dpr_hub.one_tokenizer: a retriever has one tokenizer, the question encoder's; a context encoder whose own
     vocabulary differs (here two words swapped, same size) would be fed ids it was not trained on, so the pair is
