@@ -142,3 +142,23 @@ def test_a_projection_after_normalize_is_refused(tmp_path: Path) -> None:
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(DprGcError, match=r"modules.json: a Dense module \(3_Dense\) after Normalize is not supported"):
         Retriever.load(folder)
+
+
+@pytest.mark.parametrize("pooling, mode", [({"pooling_mode_cls_token": True}, "cls"),
+                                           ({"pooling_mode_mean_tokens": True}, "mean"),
+                                           ({"pooling_mode_lasttoken": True}, "last"), ({}, "mean"),
+                                           ({"pooling_mode": "cls"}, "cls"), ({"pooling_mode": "lasttoken"}, "last")])
+def test_each_way_a_pooling_config_names_its_mode_is_read(tmp_path: Path, pooling: dict, mode: str) -> None:
+    """A Pooling config.json names its mode by ``pooling_mode`` or, in older folders, by one true
+    ``pooling_mode_*`` flag (none: mean, as sentence-transformers defaults); each is read as that pooling, and a CLS
+    folder embeds as sentence-transformers does (a legacy CLS flag read as mean changed every embedding)."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    folder = shared_folder(tmp_path, {"max_seq_length": 32}, {"word_embedding_dimension": 32, **pooling})
+    retriever = Retriever.load(folder)
+    assert retriever.config.pooling == mode
+    if mode == "cls":
+        texts = ["the king of france", "a river in paris"]
+        np.testing.assert_allclose(retriever.embed("passage", texts), SentenceTransformer(
+            str(folder), device="cpu").encode_document(texts), rtol=0, atol=1e-5)
