@@ -162,6 +162,17 @@ def test_verify_refuses_a_damaged_gzip_file_before_recording_its_checksum(tmp_pa
     assert not (out / "SHA256SUMS.json").exists()
 
 
+def test_verify_of_a_file_not_downloaded_yet_says_to_download_it_first(tmp_path, monkeypatch, capsys):
+    """``--verify`` of a resource whose file is not in the folder says so and what to run, in one line (not the
+    system's bare "No such file or directory")."""
+    script = load_script("download_dpr_data")
+    monkeypatch.setattr(script, "RESOURCES", {"qa": ("http://127.0.0.1:9/qa.csv", "qa.csv", "", None)})
+    out = tmp_path / "dpr"
+    out.mkdir()
+    assert script.main(["--output", str(out), "--verify", "qa"]) == 2
+    assert one_error(capsys) == f"error: {out / 'qa.csv'} is not downloaded yet; run without --verify first"
+
+
 # DPR's download_data.py (facebookresearch/DPR, dpr/data/download_data.py, RESOURCES_MAP): the URL of each key
 DPR_URLS = {
     "data.retriever.nq-train": "https://dl.fbaipublicfiles.com/dpr/data/retriever/biencoder-nq-train.json.gz",
