@@ -31,7 +31,7 @@ class DiskFullError(DprGcError):
     def __init__(self, path: Any, advice: str = "free space or write somewhere else, then run the command again") -> None:
         self.path = path
         super().__init__(f"{path}: the disk is full (or a quota or file-size limit was reached) while writing it; "
-                         f"nothing half-written is left and an earlier version is kept; {advice}")
+                         f"nothing half-written is left and any earlier version is kept; {advice}")
 
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
