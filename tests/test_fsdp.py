@@ -162,7 +162,8 @@ def sharded_model_and_local_batch(rank: int) -> tuple:
 
 def reductions_worker(rank: int, tmp: str) -> None:
     """The gradient reductions (reduce-scatters, all-reduces) of one backward of plain training, then of a cached
-    step with ``no_sync_except_last`` and without it, written to ``reductions-RANK.txt``."""
+    step with ``no_sync_except_last`` and without it, and with it under a memory budget that keeps graphs, written to
+    ``reductions-RANK.txt``."""
     join(rank, tmp)
     calls = []
     for name in ("reduce_scatter_single", "all_reduce"):
@@ -173,10 +174,11 @@ def reductions_worker(rank: int, tmp: str) -> None:
         counts = []
         retriever(**q_local).float().sum().add(retriever(**p_local).float().sum()).backward()
         counts.append(calls.count("reduce_scatter_single"))
-        for last_only in (True, False):
+        for last_only, budget in ((True, 0), (False, 0), (True, 10**12)):
             calls.clear()
-            cache = GradCache([retriever, retriever], 2, DistributedContrastiveLoss(1))
+            cache = GradCache([retriever, retriever], 2, DistributedContrastiveLoss(1), memory_budget=budget)
             cache(q_local, p_local, no_sync_except_last=last_only)
+            assert budget == 0 or sum(cache.last_step.kept) > 0, "no graph was kept"
             counts.append(calls.count("reduce_scatter_single"))
         Path(tmp, f"reductions-{rank}.txt").write_text(" ".join(map(str, counts)))
         dist.barrier()
@@ -187,14 +189,17 @@ def reductions_worker(rank: int, tmp: str) -> None:
 def test_fsdp_syncs_gradients_on_the_last_chunk_only(tmp_path):
     """docs/distributed.md: under FSDP the cached step reduce-scatters gradients in each model's last chunk's
     backward only (``set_requires_gradient_sync(False)`` for the others): the tied towers listed twice make two
-    plain backwards' worth (exact, see ``cache_step``), where syncing every chunk makes one per chunk (6 here)."""
+    plain backwards' worth (exact, see ``cache_step``), where syncing every chunk makes one per chunk (6 here). Kept
+    graphs (a memory budget) are backpropagated without sync too (``cache_step``): still two plain backwards'
+    worth."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_ranks(reductions_worker, (str(tmp_path),), WORLD)
     errors = rank_errors(tmp_path)
     assert not errors, errors
     for rank in range(WORLD):
-        plain, last_only, every_chunk = map(int, (tmp_path / f"reductions-{rank}.txt").read_text().split())
-        assert plain > 0 and (last_only, every_chunk) == (2 * plain, 6 * plain), (plain, last_only, every_chunk)
+        plain, last_only, every_chunk, kept = map(int, (tmp_path / f"reductions-{rank}.txt").read_text().split())
+        assert plain > 0 and (last_only, every_chunk, kept) == (2 * plain, 6 * plain, 2 * plain), \
+            (plain, last_only, every_chunk, kept)
 
 
 def clipping_worker(rank: int, tmp: str, expected_norm: float, expected: dict) -> None:
