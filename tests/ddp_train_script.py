@@ -4,7 +4,9 @@ Under torchrun each rank also lists what it created, wrote, renamed or removed i
 written beside the gradient as ``.writes.rankN``): only rank 0 may write files. And it checks the teardown order:
 when the trainer destroys its process group, no DDP wrapper may be alive (its reducer would become the group's last
 owner and run gloo's destructor wherever it is freed, which once deadlocked a rank). It lists, too, the training files
-the rank read to fingerprint them (``.fingerprinted.rankN``): only rank 0 reads them."""
+the rank read to fingerprint them (``.fingerprinted.rankN``): only rank 0 reads them. And it counts the gradient
+all-reduces of the first step and the buckets they reduced (``.syncs.rankN``): Gradient Cache syncs on each model
+input's last chunk only."""
 
 import gc
 import json
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dpr_gc.data import corpus
+from dpr_gc.train import trainer as trainer_module
 from dpr_gc.train.trainer import train
 from tests.train_data import train_config
 
@@ -31,8 +34,25 @@ def checked_destroy(*args, **kwargs) -> None:
     destroy(*args, **kwargs)
 
 
+syncs: list = []  # the bucket index of each gradient all-reduce of the trainer's DDP wrapper, in the first step
+
+
+class CountingDDP(DistributedDataParallel):
+    """The trainer's DDP wrapper, recording each bucket it all-reduces (through torch's default all-reduce)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        super().__init__(*args, **kwargs)
+        self.register_comm_hook(None, lambda state, bucket: syncs.append(bucket.index()) or allreduce_hook(state,
+                                                                                                          bucket))
+
+
 def dump(step: int, retriever) -> None:
     if step == 0:
+        if dist.is_initialized():
+            with open(f"{grads_path}.syncs.rank{dist.get_rank()}", "w") as f:
+                json.dump({"calls": len(syncs), "buckets": len(set(syncs))}, f)
         grad = torch.cat([p.grad.flatten() for p in retriever.parameters() if p.grad is not None])
         rank = dist.get_rank() if dist.is_initialized() else None
         torch.save(grad, grads_path if rank is None else f"{grads_path}.rank{rank}")
@@ -68,6 +88,7 @@ fingerprinted: list = []  # the training files this rank read to fingerprint the
 fingerprint = corpus.corpus_fingerprint  # what every source fingerprint reads the files with, wherever it is called
 corpus.corpus_fingerprint = lambda path: fingerprinted.append(str(path)) or fingerprint(path)
 dist.destroy_process_group = checked_destroy
+trainer_module.DistributedDataParallel = CountingDDP
 train(train_config(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
                    query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3, num_workers=0),
       on_backward=dump)
