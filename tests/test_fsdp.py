@@ -160,10 +160,26 @@ def sharded_model_and_local_batch(rank: int) -> tuple:
     return retriever, q_local, p_local
 
 
+def check_blocks_are_resharded_units(retriever, batch: dict) -> None:
+    """fsdp.py: every transformer block is an FSDP unit, so one block's full weights exist at a time: after a
+    forward each block holds its shard again (its parameters are DTensors, not the gathered weights)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from dpr_gc.model.fsdp import transformer_blocks
+
+    blocks = transformer_blocks(retriever.query_encoder.transformer)
+    assert blocks and all(isinstance(b, FSDPModule) for b in blocks), "a transformer block is not an FSDP unit"
+    with torch.no_grad():
+        retriever(**batch)
+    gathered = [name for block in blocks for name, p in block.named_parameters() if not isinstance(p, DTensor)]
+    assert not gathered, f"blocks kept their full weights after the forward: {gathered[:3]}"
+
+
 def reductions_worker(rank: int, tmp: str) -> None:
     """The gradient reductions (reduce-scatters, all-reduces) of one backward of plain training, then of a cached
     step with ``no_sync_except_last`` and without it, and with it under a memory budget that keeps graphs, written to
-    ``reductions-RANK.txt``."""
+    ``reductions-RANK.txt``. First, each transformer block is a unit resharded after its forward."""
     join(rank, tmp)
     calls = []
     for name in ("reduce_scatter_single", "all_reduce"):
@@ -171,6 +187,7 @@ def reductions_worker(rank: int, tmp: str) -> None:
         setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     try:
         retriever, q_local, p_local = sharded_model_and_local_batch(rank)
+        check_blocks_are_resharded_units(retriever, q_local)
         counts = []
         retriever(**q_local).float().sum().add(retriever(**p_local).float().sum()).backward()
         counts.append(calls.count("reduce_scatter_single"))
@@ -191,7 +208,7 @@ def test_fsdp_syncs_gradients_on_the_last_chunk_only(tmp_path):
     backward only (``set_requires_gradient_sync(False)`` for the others): the tied towers listed twice make two
     plain backwards' worth (exact, see ``cache_step``), where syncing every chunk makes one per chunk (6 here). Kept
     graphs (a memory budget) are backpropagated without sync too (``cache_step``): still two plain backwards'
-    worth."""
+    worth. (fsdp.py: every transformer block is an FSDP unit, resharded after its forward.)"""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_ranks(reductions_worker, (str(tmp_path),), WORLD)
     errors = rank_errors(tmp_path)
