@@ -4,7 +4,8 @@ Under torchrun each rank also lists what it created, wrote, renamed or removed i
 written beside the gradient as ``.writes.rankN``): only rank 0 may write files. And it checks the teardown order:
 when the trainer destroys its process group, no DDP wrapper may be alive (its reducer would become the group's last
 owner and run gloo's destructor wherever it is freed, which once deadlocked a rank). It lists, too, the training files
-the rank read to fingerprint them (``.fingerprinted.rankN``): only rank 0 reads them. And it counts the gradient
+the rank read to fingerprint them (``.fingerprinted.rankN``): only rank 0 reads them. It writes the summary's
+effective batch and examples trained (``.summary.rankN``): every rank's batches count. And it counts the gradient
 all-reduces of the first step and the buckets they reduced (``.syncs.rankN``): Gradient Cache syncs on each model
 input's last chunk only."""
 
@@ -89,10 +90,13 @@ fingerprint = corpus.corpus_fingerprint  # what every source fingerprint reads t
 corpus.corpus_fingerprint = lambda path: fingerprinted.append(str(path)) or fingerprint(path)
 dist.destroy_process_group = checked_destroy
 trainer_module.DistributedDataParallel = CountingDDP
-train(train_config(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
-                   query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3, num_workers=0),
-      on_backward=dump)
+summary = train(train_config(train_files=[train_file], output_dir=out, model=model, batch_size=int(batch), max_steps=1,
+                             query_chunk_size=3, passage_chunk_size=5, cache_dir=cache, learning_rate=1e-3,
+                             num_workers=0), on_backward=dump)
 if writes is not None:
+    with open(f"{grads_path}.summary.rank{rank}", "w") as f:  # the examples the run counts: those of every rank
+        json.dump({"effective_batch": summary["effective_batch"],
+                   "examples": summary["examples_per_s"] * summary["seconds"]}, f)
     with open(f"{grads_path}.writes.rank{rank}", "w") as f:
         json.dump(writes, f)
     with open(f"{grads_path}.fingerprinted.rank{rank}", "w") as f:

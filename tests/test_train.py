@@ -240,6 +240,9 @@ def test_torchrun_two_ranks_match_the_single_process_step(task, tmp_path):
     first = [json.loads((tmp_path / out / "metrics.jsonl").read_text().splitlines()[0]) for out in ("o1", "o2")]
     for key in ("loss", "grad_norm", "masked_scores"):  # the record of the global batch, as one process's
         assert first[1][key] == pytest.approx(first[0][key], rel=1e-5), (key, first)
+    for rank in (0, 1):  # every rank's summary counts the examples of both ranks' batches
+        counted = json.loads((tmp_path / f"ddp.pt.summary.rank{rank}").read_text())
+        assert counted["effective_batch"] == 16 and counted["examples"] == pytest.approx(16), counted
     for rank in (0, 1):  # the gradient syncs on the last chunk of each tower's input only (here 3 + 4 chunks)
         syncs = json.loads((tmp_path / f"ddp.pt.syncs.rank{rank}").read_text())
         assert syncs["buckets"] > 0 and syncs["calls"] == 2 * syncs["buckets"], syncs
