@@ -139,18 +139,21 @@ def test_ddp_cached_step_matches_global_batch(tmp_path, shared, learn_t):
 
 
 def fingerprint_worker(rank: int, tmp: str) -> None:
-    """Each rank asks :func:`from_rank0` for a file's fingerprint, counting the reads it makes itself."""
+    """Each rank asks :func:`from_rank0` for a file's fingerprint, counting the reads it makes itself. It also
+    gathers what a checkpoint keeps per rank (the RNG states, Gradient Cache's states): rank 0 writes every rank's."""
     import json
 
     from dpr_gc.data.corpus import source_fingerprint
-    from dpr_gc.train.distributed import from_rank0
+    from dpr_gc.train.distributed import every_rank, from_rank0
+    from dpr_gc.train.rng import gather_rng
 
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
                                 timeout=timedelta(seconds=60))
         reads = []
         value = from_rank0(lambda: reads.append(rank) or [source_fingerprint(Path(tmp) / "train.json")])
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps({"value": value, "reads": len(reads)}))
+        kept = {"rng": gather_rng({"state of": rank}, WORLD), "cache": every_rank({"cache of": rank}, WORLD)}
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps({"value": value, "reads": len(reads), **kept}))
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -158,7 +161,8 @@ def fingerprint_worker(rank: int, tmp: str) -> None:
 
 def test_only_rank_0_reads_the_training_files_for_their_fingerprints(tmp_path):
     """Every torchrun rank fingerprinted the training files at start (a full read of up to 256 MiB each): rank 0
-    reads them and sends the fingerprints, the other ranks receive them without reading."""
+    reads them and sends the fingerprints, the other ranks receive them without reading. What a checkpoint keeps per
+    rank reaches rank 0 from every rank (a resumed rank restores its own RNG state, not rank 0's)."""
     import json
 
     from dpr_gc.data.corpus import source_fingerprint
@@ -173,7 +177,8 @@ def test_only_rank_0_reads_the_training_files_for_their_fingerprints(tmp_path):
         errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
         pytest.fail(f"a rank failed:\n{errors}")
     got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    assert got == [{"value": expected, "reads": 1}, {"value": expected, "reads": 0}]
+    kept = {"rng": [{"state of": 0}, {"state of": 1}], "cache": [{"cache of": 0}, {"cache of": 1}]}
+    assert got == [{"value": expected, "reads": 1, **kept}, {"value": expected, "reads": 0, **kept}]
 
 
 def test_distributed_loss_needs_a_process_group():
