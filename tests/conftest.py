@@ -25,15 +25,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The files run last, in this order (see pytest_collection_modifyitems).
-LAST_FILES = ("test_bad_inputs.py", "test_jax.py")
+LAST_FILES = ("test_jax.py", "test_jax_training.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The JAX tests run last: JAX's thread pools stay up for the rest of the process once started, and a later test
     that forks (DataLoader workers, answer-matching pools) would fork a multithreaded process, which JAX warns may
     deadlock. Under pytest-xdist, ``--dist loadfile --no-loadscope-reorder`` (pytest.ini) hands the files out in
-    this order, so the worker that takes test_jax.py runs nothing after it. Just before it comes one of the longest
-    files, about as long as test_jax.py (100 s on 2 cores), which the other worker runs meanwhile."""
+    this order, so a worker that takes a JAX file runs nothing after it but the other JAX file. The JAX tests are
+    two files of about equal length, so each worker can take one at the end of the run."""
     items.sort(key=lambda item: LAST_FILES.index(item.path.name) if item.path.name in LAST_FILES else -1)
 
 
@@ -86,6 +86,19 @@ def transformers_lines_in_the_tests_stderr():
     for handler, stream in zip(handlers, streams):
         handler.setStream(stream)
     hf_logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def jax_quick_compiles():
+    """For the JAX test files: compile with XLA's optimisations off. They check numbers and memory layout, not speed,
+    and compiling is most of their time (the memory figures are the same either way; benchmarks/bench_jax_memory.py
+    measures them with full optimisation)."""
+    import jax
+
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="session")

@@ -71,10 +71,10 @@ def test_run_ranks_kills_its_ranks_on_its_limit(tmp_path):
     assert all(gone(pid) for pid in pids), "a rank outlived its limit"
 
 
-def test_the_jax_tests_run_last_after_one_of_the_longest_files(request) -> None:
-    """conftest.py's order, as this process collected it: test_jax.py last (no fork after JAX's threads start),
-    test_bad_inputs.py just before it (the other worker's share of the suite's tail)."""
+def test_the_two_jax_files_run_last(request) -> None:
+    """conftest.py's order, as this process collected it: the two JAX files last (no fork after JAX's threads
+    start), one for each worker at the suite's tail."""
     files = list(dict.fromkeys(item.path.name for item in request.session.items))
-    if "test_jax.py" not in files or "test_bad_inputs.py" not in files:
+    if "test_jax.py" not in files or "test_jax_training.py" not in files:
         pytest.skip("run with the whole suite collected")
-    assert files[-2:] == ["test_bad_inputs.py", "test_jax.py"]
+    assert files[-2:] == ["test_jax.py", "test_jax_training.py"]
