@@ -35,9 +35,32 @@ def _qrels(path: Path) -> list[tuple[str, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def parsed() -> dict:
+    """collect_definitions' answers in ``built``'s build, by its arguments (filled when ``built`` runs)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, parsed: dict) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("stdlib")
-    return out, build_stdlib_dataset(out, max_examples=N, seed=3)
+    collect = stdlib_data.collect_definitions
+
+    def recording(root: Path, max_passage_words: int) -> tuple[list, int]:
+        parsed[(root, max_passage_words)] = collect(root, max_passage_words)
+        return parsed[(root, max_passage_words)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stdlib_data, "collect_definitions", recording)
+        return out, build_stdlib_dataset(out, max_examples=N, seed=3)
+
+
+def parse_once(parsed: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Builds in the calling test take ``built``'s parse of the stdlib (its Definitions are frozen) instead of
+    parsing it again: for the tests of a build's folder handling, not of the parse (test_deterministic_bytes
+    parses again)."""
+    monkeypatch.setattr(stdlib_data, "collect_definitions",
+                        lambda root, max_passage_words: (list(parsed[(root, max_passage_words)][0]),
+                                                         parsed[(root, max_passage_words)][1]))
 
 
 def test_manifest_counts_match_files(built: tuple[Path, dict]) -> None:
@@ -247,9 +270,10 @@ def interrupt_build(folder: Path, seed: int, monkeypatch) -> None:
     monkeypatch.setattr(stdlib_data, "_write_outputs", write)
 
 
-def test_an_interrupted_build_is_finished_by_the_rerun(tmp_path: Path, monkeypatch, built) -> None:
+def test_an_interrupted_build_is_finished_by_the_rerun(tmp_path: Path, monkeypatch, built, parsed) -> None:
     """A build killed after some files (before the manifest) leaves its marker, so the re-run overwrites its own
     files and finishes with the same dataset."""
+    parse_once(parsed, monkeypatch)
     interrupt_build(tmp_path, 3, monkeypatch)
     manifest = build_stdlib_dataset(tmp_path, max_examples=N, seed=3)
     out, first = built
@@ -258,10 +282,11 @@ def test_an_interrupted_build_is_finished_by_the_rerun(tmp_path: Path, monkeypat
 
 
 def test_a_rebuild_stopped_midway_is_never_reused_under_the_earlier_manifest(tmp_path: Path, monkeypatch,
-                                                                             built) -> None:
+                                                                             built, parsed) -> None:
     """A rebuild with other settings stopped after some files removes the finished build's manifest first, so
     re-running the earlier settings rebuilds rather than reusing the stopped build's files under that manifest."""
     out, first = built
+    parse_once(parsed, monkeypatch)
     shutil.copytree(out, tmp_path / "ds")
     interrupt_build(tmp_path / "ds", 4, monkeypatch)
     assert not (tmp_path / "ds" / "manifest.json").exists()
