@@ -460,7 +460,7 @@ def test_a_dpr_checkpoint_whose_config_makes_more_layers_is_refused_before_build
 
 
 @pytest.mark.slow  # 79 s in a full run under load 7-10 on 2 cores (2026-11-24)
-def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path, monkeypatch):
+def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path, monkeypatch, capsys):
     import json
 
     from dpr_gc.retrieval.index import DenseIndex
@@ -491,14 +491,15 @@ def test_dpr_readme_embedding_and_retrieval_commands(tiny, tmp_path, monkeypatch
                 "--verbose")  # the lines the quiet runs hide exist, and --verbose shows them
     assert again.returncode == 0 and "loading the index from" in again.stderr and "faiss.loader" in again.stderr
     assert json.loads(out.read_text()) == results
-    other_kind = run("dense_retriever.py", *command, "--hnsw_index")  # the saved index is flat: refused, not reused
-    assert other_kind.returncode == 2 and "but --hnsw_index asks for an hnsw index" in other_kind.stderr
+    capsys.readouterr()
+    script = load_script("dense_retriever.py")
+    assert script.main([*command, "--hnsw_index"]) == 2  # the saved index is flat: refused, not reused
+    assert "but --hnsw_index asks for an hnsw index" in capsys.readouterr().err
     added: list[int] = []  # --index_buffer: the rows added to an index built in memory per call
     real_add = DenseIndex.add
     monkeypatch.setattr(DenseIndex, "add", lambda self, rows: (added.append(len(rows)), real_add(self, rows))[1])
     in_memory = [a for a in command if a != "--save_or_load_index"]
-    assert load_script("dense_retriever.py").main(in_memory + ["--out_file", str(tmp_path / "r2.json"),
-                                                               "--index_buffer", "7"]) == 0
+    assert script.main(in_memory + ["--out_file", str(tmp_path / "r2.json"), "--index_buffer", "7"]) == 0
     assert sum(added) == 3 * 40 and max(added) == 7, added
     assert json.loads((tmp_path / "r2.json").read_text()) == results
 
