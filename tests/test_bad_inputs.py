@@ -2132,11 +2132,13 @@ def test_retrieve_resumes_after_a_real_ctrl_c(world: dict, tmp_path: Path, caplo
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     # The run pauses after keeping its first chunk, so the Ctrl-C lands mid-run however loaded the machine is; it
     # takes SIGINT as a foreground process does even when started from a background job (which ignores SIGINT).
+    # The pause is short sleeps: a signal the kernel hands to another of its threads (tqdm's monitor) does not wake
+    # the main thread from one long sleep, only the next check between sleeps raises it.
     pause_after_first_chunk = (
         "import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "from dpr_gc.base.files import ChunkedOutput; from dpr_gc.cli import main; "
         "append = ChunkedOutput.append; "
-        "ChunkedOutput.append = lambda self, *a: (append(self, *a), time.sleep(120)); "
+        "ChunkedOutput.append = lambda self, *a: (append(self, *a), [time.sleep(0.1) for _ in range(1200)]); "
         "sys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", pause_after_first_chunk, *argv], cwd=tmp_path, env=env,
                             text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)

@@ -556,7 +556,8 @@ def test_the_demos_time_survives_a_run_stopped_by_a_signal(tmp_path, sig):
     out, marker = tmp_path / "demo", tmp_path / "building"
     script = ("import sys, time\nfrom dpr_gc import pipeline\nfrom dpr_gc.data import stdlib_data\n"
               "pipeline.CLOCK_SAVE_SECONDS = 0.5\n"
-              f"def building(*args, **kwargs):\n    open({str(marker)!r}, 'w').close()\n    time.sleep(120)\n"
+              f"def building(*args, **kwargs):\n    open({str(marker)!r}, 'w').close()\n"
+              "    for _ in range(1200):\n        time.sleep(0.1)\n"  # short sleeps: see the Ctrl-C test of retrieve
               "stdlib_data.build_stdlib_dataset = building\nfrom dpr_gc.cli import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
     root = Path(__file__).resolve().parents[1]
