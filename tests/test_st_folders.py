@@ -162,3 +162,17 @@ def test_each_way_a_pooling_config_names_its_mode_is_read(tmp_path: Path, poolin
         texts = ["the king of france", "a river in paris"]
         np.testing.assert_allclose(retriever.embed("passage", texts), SentenceTransformer(
             str(folder), device="cpu").encode_document(texts), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompts, prefix", [({"query": "q: ", "passage": "p: "}, "p: "),
+                                             ({"corpus": "c: "}, "c: "),
+                                             ({"passage": "p: ", "corpus": "c: "}, "p: "),
+                                             ({"document": "d: ", "passage": "p: ", "corpus": "c: "}, "d: "),
+                                             ({"document": "", "passage": "p: "}, ""),
+                                             ({"query": "q: "}, "")])
+def test_a_passage_takes_the_first_document_prompt_in_sentence_transformers_order(tmp_path: Path, prompts: dict,
+                                                                                  prefix: str) -> None:
+    """docs/training.md: a folder's passage prefix is its "document" prompt, else its "passage" one, else its
+    "corpus" one (the order sentence-transformers' ``encode_document`` documents), present even when empty."""
+    folder = shared_folder(tmp_path, {"max_seq_length": 32}, prompts=prompts)
+    assert Retriever.load(folder).config.passage_prefix == prefix

@@ -54,6 +54,9 @@ HEADS_NAME = "heads.safetensors"
 TEMPERATURE_KEY = "temperature.log_value"
 FORMAT_VERSION = 2
 ST_PACKAGE = "sentence_transformers"
+# The prompts a passage takes from a sentence-transformers folder, the first present (the order its
+# encode_document documents).
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")
 ST_TYPES = {"Transformer": "sentence_transformers.base.modules.transformer.Transformer",
             "Pooling": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
             "Dense": "sentence_transformers.base.modules.dense.Dense",
@@ -411,7 +414,7 @@ def config_from_pipeline(folder: Path, towers: dict[str, Tower]) -> RetrieverCon
                              projection_dim=dims.pop() if dims else None, shared_encoder=query is document,
                              passage_format="concat", query_max_length=query_length,
                              passage_max_length=passage_length, query_prefix=prompts.get("query", ""),
-                             passage_prefix=prompts.get("document", prompts.get("passage", "")))
+                             passage_prefix=next((prompts[k] for k in DOCUMENT_PROMPTS if k in prompts), ""))
     check_prompts_pooled(towers, config)
     return config
 
