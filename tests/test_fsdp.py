@@ -94,6 +94,7 @@ def worker(rank: int, tmp: str, expected_1: dict, expected_2: dict) -> None:
         dist.barrier()  # neither rank tears its process group down while the other still uses it
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise  # the parent then stops the other rank at once, not at its collective's timeout
 
 
 def one_rank_reader(rank: int, tmp: str, expected_1: dict) -> None:
@@ -106,6 +107,7 @@ def one_rank_reader(rank: int, tmp: str, expected_1: dict) -> None:
         compare(rank, retriever, expected_1, "read back on 1 rank")
     except Exception:
         Path(tmp, f"error-reader-{rank}.txt").write_text(traceback.format_exc())
+        raise  # the parent then stops the other rank at once, not at its collective's timeout
 
 
 def test_fsdp_gradient_cache_step_equals_one_process_and_resumes(tmp_path):
@@ -201,6 +203,7 @@ def reductions_worker(rank: int, tmp: str) -> None:
         dist.barrier()
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise  # the parent then stops the other rank at once, not at its collective's timeout
 
 
 def test_fsdp_syncs_gradients_on_the_last_chunk_only(tmp_path):
@@ -242,6 +245,7 @@ def clipping_worker(rank: int, tmp: str, expected_norms: list[float], expected: 
         dist.barrier()
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise  # the parent then stops the other rank at once, not at its collective's timeout
 
 
 def test_fsdp_gradient_clipping_is_one_processs(tmp_path):

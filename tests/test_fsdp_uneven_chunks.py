@@ -82,6 +82,7 @@ def worker(rank: int, tmp: str) -> None:
         check_uneven_plans(rank)
     except Exception:
         Path(tmp, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise  # the parent then stops the other rank at once, not at its collective's timeout
 
 
 @pytest.mark.slow
